@@ -1,0 +1,47 @@
+"""Small gRPC helpers shared by the services: channel options and request ids."""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+
+from services.common.logging import REQUEST_ID_METADATA_KEY
+
+# Long-lived HTTP/2 channels between services: keepalive so an idle channel is
+# not silently dropped, and no per-request connection set-up.
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+]
+
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+]
+
+
+def make_channel(target: str) -> grpc.aio.Channel:
+    """Opens a long-lived insecure channel to ``host:port`` (create once, reuse)."""
+    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+
+
+def request_id_from(context: grpc.aio.ServicerContext, given: str = "") -> str:
+    """The request id: ``given`` if set, else ``x-request-id`` metadata, else a new one."""
+    if given:
+        return given
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_METADATA_KEY and value:
+            return str(value)
+    return uuid.uuid4().hex
+
+
+def request_id_metadata(request_id: str) -> tuple[tuple[str, str], ...]:
+    """Outgoing metadata that carries ``request_id`` to the next hop."""
+    return ((REQUEST_ID_METADATA_KEY, request_id),)

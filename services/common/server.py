@@ -1,0 +1,163 @@
+"""The server kit every llmesh service runs on.
+
+One :func:`run_service` call gives a service its ``grpc.aio`` server, gRPC
+health (``grpc.health.v1``, NOT_SERVING until :meth:`Service.start` returns),
+server reflection, a Prometheus ``/metrics`` port, structlog JSON logs and a
+graceful drain on SIGTERM/SIGINT: health turns NOT_SERVING, the service stops
+admitting work (:meth:`Service.drain`), in-flight calls get up to
+``drain_seconds`` to finish, then the process exits.
+
+The bound ports (``--port 0`` picks a free one) are logged as the event
+``listening`` and, with ``--port-file``, written there as JSON so a launcher
+never has to guess a free port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import grpc
+import prometheus_client
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from services.common.grpc_util import SERVER_OPTIONS
+from services.common.logging import configure_logging
+
+
+class Service(Protocol):
+    """What a service hands to :func:`run_service`."""
+
+    #: Full gRPC service names, e.g. ``("llmesh.v1.EngineService",)``.
+    service_names: tuple[str, ...]
+
+    def register(self, server: grpc.aio.Server) -> None:
+        """Adds the servicers to ``server`` (called before it starts)."""
+
+    async def start(self) -> None:
+        """Loads what the service needs (model, tokenizer, connections) and warms
+        up. Health says SERVING only after this returns."""
+
+    async def drain(self) -> None:
+        """Stops admitting new work; running work may finish (UNAVAILABLE for new calls)."""
+
+    async def close(self) -> None:
+        """Releases resources after the server stopped."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Network and lifecycle settings common to every service.
+
+    Attributes:
+      name: service name in logs (``router``, ``tokenizer``, ``cache``, ``engine``).
+      host: address to bind, e.g. ``127.0.0.1``.
+      port: gRPC port; 0 picks a free one.
+      metrics_port: Prometheus port; 0 picks a free one, -1 disables it.
+      port_file: where to write ``{"grpc_port", "metrics_port", "pid"}`` once bound.
+      drain_seconds: how long in-flight calls may run after SIGTERM (seconds).
+      log_level: structlog level name.
+    """
+
+    name: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    port_file: Path | None = None
+    drain_seconds: float = 10.0
+    log_level: str = "info"
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds ``--host --port --metrics-port --port-file --drain-seconds --log-level``."""
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one)")
+    parser.add_argument(
+        "--metrics-port", type=int, default=0, help="Prometheus port (0: a free one, -1: off)"
+    )
+    parser.add_argument("--port-file", type=Path, default=None)
+    parser.add_argument("--drain-seconds", type=float, default=10.0)
+    parser.add_argument(
+        "--log-level", default=os.environ.get("LLMESH_LOG_LEVEL", "info")
+    )
+
+
+def server_config_from_args(name: str, args: argparse.Namespace) -> ServerConfig:
+    """Builds a :class:`ServerConfig` from :func:`add_server_arguments` flags."""
+    return ServerConfig(
+        name=name,
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        port_file=args.port_file,
+        drain_seconds=args.drain_seconds,
+        log_level=args.log_level,
+    )
+
+
+async def _set_health(
+    health: health_aio.HealthServicer, names: tuple[str, ...], status: int
+) -> None:
+    for name in ("", *names):
+        await health.set(name, status)
+
+
+def _start_metrics(config: ServerConfig) -> int:
+    if config.metrics_port < 0:
+        return -1
+    server, _ = prometheus_client.start_http_server(config.metrics_port, addr=config.host)
+    return server.server_port
+
+
+async def run_service(config: ServerConfig, service: Service) -> None:
+    """Runs ``service`` until SIGTERM/SIGINT, then drains and returns."""
+    log = configure_logging(config.name, config.log_level)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    service.register(server)
+    health = health_aio.HealthServicer()
+    await _set_health(health, service.service_names, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (*service.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME),
+        server,
+    )
+    grpc_port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    metrics_port = _start_metrics(config)
+    log.info("listening", grpc_port=grpc_port, metrics_port=metrics_port, pid=os.getpid())
+    if config.port_file is not None:
+        config.port_file.write_text(
+            json.dumps({"grpc_port": grpc_port, "metrics_port": metrics_port, "pid": os.getpid()})
+        )
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+    starting = asyncio.create_task(service.start())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if starting.done():
+        starting.result()  # a failed start raises here and the process exits non-zero
+        await _set_health(health, service.service_names, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving")
+        await stopping
+    else:
+        starting.cancel()
+
+    log.info("draining", drain_seconds=config.drain_seconds)
+    await health.enter_graceful_shutdown()
+    await service.drain()
+    await server.stop(grace=config.drain_seconds)
+    await service.close()
+    log.info("stopped")
