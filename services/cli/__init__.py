@@ -1,0 +1,1 @@
+"""``llmesh`` command line, mesh launcher and Envoy bootstrap builder."""

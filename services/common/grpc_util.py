@@ -20,6 +20,8 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
 ]
 
 SERVER_OPTIONS: list[tuple[str, int]] = [
+    # Never share a port with another process silently (Linux SO_REUSEPORT).
+    ("grpc.so_reuseport", 0),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),

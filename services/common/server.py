@@ -148,7 +148,9 @@ async def run_service(config: ServerConfig, service: Service) -> None:
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if starting.done():
-        starting.result()  # a failed start raises here and the process exits non-zero
+        if starting.exception() is not None:
+            await server.stop(None)
+            starting.result()  # re-raises: the process exits non-zero with the cause
         await _set_health(health, service.service_names, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving")
         await stopping

@@ -55,6 +55,7 @@ class GenerateRequest(_message.Message):
     CHAT_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    BYPASS_CACHE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for this request, echoed in every response and in logs.
     Empty: the router makes one (or takes `x-request-id` metadata).
@@ -64,6 +65,10 @@ class GenerateRequest(_message.Message):
     prompt: _builtins.str
     priority: _common_pb2.Priority.ValueType
     """Traffic class. Unset: interactive."""
+    bypass_cache: _builtins.bool
+    """Do not answer from the response cache; the fresh answer may still be
+    stored (a refresh). Useful for benchmarks and determinism checks.
+    """
     @_builtins.property
     def chat(self) -> Global___Chat: ...
     @_builtins.property
@@ -79,10 +84,11 @@ class GenerateRequest(_message.Message):
         chat: Global___Chat | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         priority: _common_pb2.Priority.ValueType = ...,
+        bypass_cache: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "prompt", b"prompt", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "model", b"model", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bypass_cache", b"bypass_cache", "chat", b"chat", "input", b"input", "model", b"model", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "chat"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015

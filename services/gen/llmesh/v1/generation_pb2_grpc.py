@@ -59,7 +59,7 @@ class GenerationServiceServicer:
     def Generate(self, request, context):
         """Generates a completion and streams it as text deltas. Errors:
         INVALID_ARGUMENT / OUT_OF_RANGE for bad fields (the message names the
-        field), NOT_FOUND for an unknown model, RESOURCE_EXHAUSTED when admission
+        field; an unknown model is INVALID_ARGUMENT on `model`), RESOURCE_EXHAUSTED when admission
         control refuses, UNAVAILABLE when no engine can take the request,
         DEADLINE_EXCEEDED when the call's deadline passes.
         """

@@ -36,7 +36,7 @@ class GenerationServiceStub:
     Generate: _grpc.UnaryStreamMultiCallable[_generation_pb2.GenerateRequest, _generation_pb2.GenerateResponse]
     """Generates a completion and streams it as text deltas. Errors:
     INVALID_ARGUMENT / OUT_OF_RANGE for bad fields (the message names the
-    field), NOT_FOUND for an unknown model, RESOURCE_EXHAUSTED when admission
+    field; an unknown model is INVALID_ARGUMENT on `model`), RESOURCE_EXHAUSTED when admission
     control refuses, UNAVAILABLE when no engine can take the request,
     DEADLINE_EXCEEDED when the call's deadline passes.
     """
@@ -55,7 +55,7 @@ class GenerationServiceAsyncStub(GenerationServiceStub):
     Generate: _aio.UnaryStreamMultiCallable[_generation_pb2.GenerateRequest, _generation_pb2.GenerateResponse]  # type: ignore[assignment]
     """Generates a completion and streams it as text deltas. Errors:
     INVALID_ARGUMENT / OUT_OF_RANGE for bad fields (the message names the
-    field), NOT_FOUND for an unknown model, RESOURCE_EXHAUSTED when admission
+    field; an unknown model is INVALID_ARGUMENT on `model`), RESOURCE_EXHAUSTED when admission
     control refuses, UNAVAILABLE when no engine can take the request,
     DEADLINE_EXCEEDED when the call's deadline passes.
     """
@@ -77,7 +77,7 @@ class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_generation_pb2.GenerateResponse], _abc.AsyncIterator[_generation_pb2.GenerateResponse]]:
         """Generates a completion and streams it as text deltas. Errors:
         INVALID_ARGUMENT / OUT_OF_RANGE for bad fields (the message names the
-        field), NOT_FOUND for an unknown model, RESOURCE_EXHAUSTED when admission
+        field; an unknown model is INVALID_ARGUMENT on `model`), RESOURCE_EXHAUSTED when admission
         control refuses, UNAVAILABLE when no engine can take the request,
         DEADLINE_EXCEEDED when the call's deadline passes.
         """

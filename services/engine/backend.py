@@ -1,0 +1,116 @@
+"""The narrow interface every engine backend implements, and its errors.
+
+A backend turns an :class:`EngineRequest` into an async stream of
+:class:`TokenDelta` and owns everything below that line (scheduling, KV cache,
+model). The gRPC servicer (:mod:`services.engine.service`) and the contract
+tests (``tests/engine/test_backend_contract.py``) speak only this interface, so
+``torch`` and ``tensorrt_llm`` stay interchangeable.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from typing import ClassVar
+
+import grpc
+
+from services.engine.types import EngineRequest, LoadStats, ModelInfo, TokenDelta
+
+
+class EngineError(Exception):
+    """Base of the errors a backend raises for a request it will not run.
+
+    Attributes:
+      code: the gRPC status the servicer returns for it.
+    """
+
+    code: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
+
+
+class EngineUnavailableError(EngineError):
+    """The backend is not started, is shutting down, or cannot run here."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class QueueFullError(EngineError):
+    """The waiting queue is at its limit; retry later or elsewhere."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DuplicateRequestError(EngineError):
+    """A request with the same id is already in flight on this engine."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class EngineBackend(abc.ABC):
+    """One model replica: token ids in, token-id deltas out.
+
+    Lifecycle: ``start()`` once (idempotent), then any number of concurrent
+    ``generate()`` calls, then ``shutdown()``. Methods other than ``start`` and
+    ``shutdown`` are called on the event loop thread and never block it.
+    """
+
+    #: Backend name as the CLI and ``GetModelInfo`` spell it.
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Loads the model and warms it up. Mutates the backend (ready afterwards);
+        a second call returns at once.
+
+        Raises:
+          EngineUnavailableError: the backend cannot run on this machine (e.g. its
+            library is not installed).
+          FileNotFoundError / ValueError: the model path or options are wrong.
+        """
+
+    @property
+    @abc.abstractmethod
+    def model_info(self) -> ModelInfo:
+        """The served model's limits. Pure.
+
+        Raises:
+          EngineUnavailableError: before ``start()`` returned.
+        """
+
+    @abc.abstractmethod
+    def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
+        """Runs ``request`` and streams its deltas as engine steps end.
+
+        The sequence is admitted on the first ``__anext__``. The last delta has a
+        finish reason (STOP, LENGTH, CANCELLED or ERROR); the iterator ends after
+        it. Closing the iterator early (``aclose()`` or cancelling the task that
+        iterates it) cancels the sequence at once and frees its KV cache.
+
+        Raises (from the first ``__anext__``):
+          InvalidRequestError: empty prompt, a token id outside the vocabulary, or
+            prompt + max_tokens beyond the context window (OUT_OF_RANGE).
+          DuplicateRequestError: ``request.request_id`` is already in flight.
+          QueueFullError: the waiting queue is full.
+          EngineUnavailableError: not started, or shutting down.
+        """
+
+    @abc.abstractmethod
+    def cancel(self, request_id: str) -> bool:
+        """Asks the sequence ``request_id`` to finish with CANCELLED. Mutates.
+
+        A waiting sequence leaves the queue at once; a running one stops at the
+        next step boundary. Its stream then yields a last delta with
+        ``FinishReason.CANCELLED``. Never raises.
+
+        Returns:
+          True if the request was in flight, False if unknown or already finished.
+        """
+
+    @abc.abstractmethod
+    def load(self) -> LoadStats:
+        """A snapshot of running / waiting sequences and KV usage. Pure, cheap."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Finishes every in-flight sequence (ERROR: engine shut down), stops the
+        backend's workers and frees the model. Mutates; idempotent."""

@@ -1,0 +1,77 @@
+"""Prometheus metrics of the engine, named after vLLM's where the concept matches.
+
+One :class:`EngineMetrics` per process in production (default registry, served
+on ``--metrics-port`` by the server kit); tests pass their own registry.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.common.sampling import FinishReason
+from services.engine.types import LoadStats, TokenDelta
+
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
+                 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class EngineMetrics:
+    """The engine's metrics.
+
+    Metrics (all prefixed ``llmesh:``): ``num_requests_running``,
+    ``num_requests_waiting``, ``kv_cache_usage_perc`` (gauges, read from the
+    backend's ``load()`` at scrape time); ``prompt_tokens_total``,
+    ``generation_tokens_total`` (counters); ``request_success_total`` by
+    ``finished_reason`` (stop, length, cancelled, error); and
+    ``engine_step_duration_seconds`` (histogram of one model step, seconds).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        registry = registry if registry is not None else prometheus_client.REGISTRY
+        self.registry = registry
+        self.num_requests_running = Gauge(
+            "llmesh:num_requests_running", "Sequences in the running batch.", registry=registry)
+        self.num_requests_waiting = Gauge(
+            "llmesh:num_requests_waiting", "Sequences admitted but not yet running.",
+            registry=registry)
+        self.kv_cache_usage = Gauge(
+            "llmesh:kv_cache_usage_perc", "Fraction of KV cache in use, 0..1.", registry=registry)
+        self.prompt_tokens = Counter(
+            "llmesh:prompt_tokens", "Prompt tokens prefilled.", registry=registry)
+        self.generation_tokens = Counter(
+            "llmesh:generation_tokens", "Tokens generated.", registry=registry)
+        self.request_success = Counter(
+            "llmesh:request_success", "Finished requests by finish reason.",
+            ["finished_reason"], registry=registry)
+        self.step_duration = Histogram(
+            "llmesh:engine_step_duration_seconds", "Duration of one engine step.",
+            buckets=_STEP_BUCKETS, registry=registry)
+
+    def track_load(self, load: Callable[[], LoadStats]) -> None:
+        """Makes the load gauges read ``load()`` at each scrape."""
+        self.num_requests_running.set_function(lambda: load().num_running)
+        self.num_requests_waiting.set_function(lambda: load().num_waiting)
+        self.kv_cache_usage.set_function(lambda: load().kv_cache_usage)
+
+    def observe_step(self, seconds: float) -> None:
+        """Records one engine step (thread-safe; called on the engine thread)."""
+        self.step_duration.observe(seconds)
+
+    def observe_delta(self, delta: TokenDelta, first: bool) -> None:
+        """Counts a delta's tokens; ``first`` marks a request's first delta (its
+        prompt was prefilled); the last delta counts the request by finish reason."""
+        if first and delta.num_generated_tokens:
+            self.prompt_tokens.inc(delta.num_prompt_tokens)
+        self.generation_tokens.inc(len(delta.token_ids))
+        if delta.finish_reason is not FinishReason.NONE:
+            self.request_success.labels(finished_reason=delta.finish_reason.name.lower()).inc()
+
+
+@functools.cache
+def default_metrics() -> EngineMetrics:
+    """The process-wide metrics on Prometheus' default registry (created once)."""
+    return EngineMetrics()

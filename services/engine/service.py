@@ -1,0 +1,222 @@
+"""``EngineService``: the gRPC edge of one engine replica (``llmesh.v1.EngineService``).
+
+Converts protobuf to engine types (validating every field), runs the request on
+an :class:`EngineBackend` and streams its deltas back. Statuses:
+
+* INVALID_ARGUMENT: first message not ``start``, a second ``start``, an empty
+  prompt, a token id outside the vocabulary, a malformed sampling field (the
+  message names the field, e.g. ``sampling.top_p: must be in (0, 1], got 0``);
+* OUT_OF_RANGE: ``sampling.max_tokens`` above the cap, or prompt + max_tokens
+  beyond the context window (the message says the largest value that fits);
+* RESOURCE_EXHAUSTED: the waiting queue is full; ALREADY_EXISTS: the request id
+  is in flight; UNAVAILABLE: loading or draining; INTERNAL: the engine failed
+  the request (a last message with FINISH_REASON_ERROR comes first).
+
+A ``cancel`` message or the client dropping the call finishes the sequence at
+once (the backend frees it at its next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from llmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.common.grpc_util import request_id_from
+from services.common.logging import bind_request_id
+from services.common.sampling import FinishReason, InvalidRequestError, Priority, SamplingOptions
+from services.engine.backend import EngineBackend, EngineError
+from services.engine.config import EngineConfig
+from services.engine.metrics import EngineMetrics, default_metrics
+from services.engine.types import EngineRequest, ModelInfo, TokenDelta
+from services.engine.validation import validate_length, validate_prompt
+
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+log = structlog.get_logger()
+
+_Requests = AsyncIterator[engine_pb2.EngineServiceGenerateRequest]
+
+
+class EngineService(engine_pb2_grpc.EngineServiceServicer):
+    """The engine's servicer and :class:`services.common.server.Service`.
+
+    Args:
+      backend: the model replica (started by :meth:`start`).
+      config: limits for requests (default / cap of max_tokens).
+      metrics: where to count requests and tokens (default: the process-wide
+        set on Prometheus' default registry).
+    """
+
+    service_names = (SERVICE_NAME,)
+
+    def __init__(self, backend: EngineBackend, config: EngineConfig | None = None,
+                 metrics: EngineMetrics | None = None) -> None:
+        self._backend = backend
+        self._config = config or EngineConfig()
+        self._metrics = metrics if metrics is not None else default_metrics()
+        self._ready = False
+        self._draining = False
+
+    # ---- Service protocol ---------------------------------------------------------
+
+    def register(self, server: grpc.aio.Server) -> None:
+        """Adds this servicer to ``server``."""
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(self, server)
+
+    async def start(self) -> None:
+        """Starts the backend (load + warm-up); Generate is served afterwards."""
+        await self._backend.start()
+        self._metrics.track_load(self._backend.load)
+        self._ready = True
+        info = self._backend.model_info
+        log.info("engine_ready", model=info.model, backend=info.backend,
+                 max_model_len=info.max_model_len,
+                 **_timings(getattr(self._backend, "timings", None)))
+
+    async def drain(self) -> None:
+        """New Generate calls get UNAVAILABLE; running ones finish."""
+        self._draining = True
+
+    async def close(self) -> None:
+        """Shuts the backend down."""
+        await self._backend.shutdown()
+
+    # ---- RPCs ---------------------------------------------------------------------
+
+    async def Generate(self, request_iterator: _Requests, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[engine_pb2.EngineServiceGenerateResponse]:
+        """Bidi stream of one request: ``start``, then optionally ``cancel``."""
+        await self._check_admitting(context)
+        first = await anext(request_iterator, None)
+        if first is None or first.WhichOneof("action") != "start":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "start: the first message of a Generate stream must be `start`")
+        request_id = request_id_from(context, first.start.request_id)
+        bind_request_id(request_id)
+        try:
+            request = self.to_engine_request(first.start, request_id)
+        except InvalidRequestError as exc:
+            log.info("request_rejected", field=exc.field, code=exc.code.name)
+            await context.abort(exc.code, str(exc))
+        async for response in self._stream(request, request_iterator, context):
+            yield response
+
+    async def _stream(self, request: EngineRequest, request_iterator: _Requests,
+                      context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[engine_pb2.EngineServiceGenerateResponse]:
+        deltas = self._backend.generate(request)
+        watcher = asyncio.create_task(self._watch_client(request_iterator, request.request_id))
+        first = True
+        try:
+            async for delta in deltas:
+                self._metrics.observe_delta(delta, first)
+                first = False
+                yield to_response(delta)
+                if delta.finished:
+                    await self._after_last(delta, watcher, context)
+        except (InvalidRequestError, EngineError) as exc:
+            await context.abort(exc.code, str(exc))
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            log.exception("generate_failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        finally:
+            watcher.cancel()
+            await deltas.aclose()
+
+    async def _after_last(self, delta: TokenDelta, watcher: asyncio.Task[str | None],
+                          context: grpc.aio.ServicerContext) -> None:
+        log.info("request_finished", finish_reason=delta.finish_reason.name,
+                 prompt_tokens=delta.num_prompt_tokens,
+                 completion_tokens=delta.num_generated_tokens)
+        if delta.finish_reason is FinishReason.ERROR:
+            await context.abort(grpc.StatusCode.INTERNAL, delta.error or "the engine failed")
+        violation = watcher.result() if watcher.done() and not watcher.cancelled() else None
+        if violation:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, violation)
+
+    async def _watch_client(self, request_iterator: _Requests, request_id: str) -> str | None:
+        """Reads the client's later messages: ``cancel`` cancels the sequence; a
+        second ``start`` cancels it and returns the protocol violation to report."""
+        try:
+            async for message in request_iterator:
+                self._backend.cancel(request_id)
+                if message.WhichOneof("action") != "cancel":
+                    return "start: a Generate stream carries one request; send `cancel` to end it"
+                return None
+        except (grpc.RpcError, RuntimeError):  # the call ended under us
+            pass
+        return None
+
+    async def GetLoad(self, request: engine_pb2.GetLoadRequest,
+                      context: grpc.aio.ServicerContext) -> engine_pb2.GetLoadResponse:
+        """Current load (served while loading and draining too)."""
+        load = self._backend.load()
+        return engine_pb2.GetLoadResponse(num_running=load.num_running,
+                                          num_waiting=load.num_waiting,
+                                          kv_cache_usage=load.kv_cache_usage)
+
+    async def GetModelInfo(self, request: engine_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> engine_pb2.GetModelInfoResponse:
+        """The served model's limits; UNAVAILABLE while loading."""
+        if not self._ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is loading its model")
+        return to_model_info_response(self._backend.model_info)
+
+    # ---- conversions --------------------------------------------------------------
+
+    def to_engine_request(self, pb: engine_pb2.EngineRequest, request_id: str) -> EngineRequest:
+        """Validates ``pb`` against the model and converts it. An unset max_tokens
+        becomes the smallest of the server default, the cap and what fits in the
+        context window.
+
+        Raises:
+          InvalidRequestError: naming the first bad field.
+        """
+        info = self._backend.model_info
+        prompt = tuple(pb.prompt_token_ids)
+        validate_prompt(prompt, info.vocab_size, info.max_model_len)
+        cap = self._config.max_tokens_cap or info.max_model_len
+        room = info.max_model_len - len(prompt)
+        sampling = SamplingOptions.from_pb(
+            pb.sampling, default_max_tokens=min(self._config.default_max_tokens, cap, room),
+            max_tokens_cap=cap, vocab_size=info.vocab_size, field_prefix="sampling")
+        validate_length(len(prompt), sampling.max_tokens, info.max_model_len)
+        return EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+                             priority=Priority.from_pb(pb.priority))
+
+    async def _check_admitting(self, context: grpc.aio.ServicerContext) -> None:
+        if self._draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the engine is draining; send the request to another replica")
+        if not self._ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is loading its model")
+
+
+def to_response(delta: TokenDelta) -> engine_pb2.EngineServiceGenerateResponse:
+    """The protobuf message of ``delta`` (usage only on the last one)."""
+    response = engine_pb2.EngineServiceGenerateResponse(
+        request_id=delta.request_id, token_ids=delta.token_ids,
+        finish_reason=int(delta.finish_reason))
+    if delta.finished:
+        response.usage.CopyFrom(common_pb2.Usage(
+            prompt_tokens=delta.num_prompt_tokens, completion_tokens=delta.num_generated_tokens,
+            cached_prompt_tokens=delta.num_cached_tokens))
+    return response
+
+
+def to_model_info_response(info: ModelInfo) -> engine_pb2.GetModelInfoResponse:
+    """The protobuf form of ``info``."""
+    return engine_pb2.GetModelInfoResponse(
+        model=info.model, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+        eos_token_ids=list(info.eos_token_ids), backend=info.backend)
+
+
+def _timings(timings: object) -> dict[str, float]:
+    if timings is None:
+        return {}
+    return {f"{name}": round(value, 3) for name, value in vars(timings).items()}

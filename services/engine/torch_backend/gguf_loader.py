@@ -1,0 +1,219 @@
+"""Reads a Llama-architecture GGUF file into a config and a PyTorch state dict.
+
+Every hyper-parameter comes from the file's metadata (``{arch}.block_count``,
+``{arch}.rope.freq_base``, ``tokenizer.ggml.eos_token_id`` …); quantized tensors
+(Q4_1, Q8_0, K-quants …) are dequantized with ``gguf.quants.dequantize``.
+
+llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` so that its
+RoPE kernel can rotate adjacent pairs ``(x[2i], x[2i+1])``. We undo that
+permutation here, so the weights are in the Hugging Face layout and the model
+uses the "rotate half" form of RoPE (pairs ``(x[i], x[i + d/2])``). The test
+``tests/engine/test_engine_model.py`` proves the two agree with transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Hyper-parameters of a Llama decoder (Touvron et al., 2023, arXiv:2302.13971).
+
+    Attributes:
+      name: model name from ``general.name`` (or the file stem).
+      hidden_size: width of the residual stream.
+      num_layers: decoder blocks.
+      num_heads: query heads.
+      num_kv_heads: key/value heads (grouped-query attention when < num_heads).
+      head_dim: width of one head.
+      intermediate_size: SwiGLU hidden width.
+      vocab_size: number of token ids.
+      rope_theta: RoPE base frequency (Su et al., 2021, arXiv:2104.09864).
+      rms_norm_eps: epsilon of RMSNorm.
+      context_length: training context window in tokens.
+      tie_word_embeddings: the LM head reuses the token embedding matrix.
+      bos_token_id: beginning-of-sequence id, or None.
+      eos_token_ids: ids that end generation.
+    """
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    context_length: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass
+class GGUFModel:
+    """A loaded GGUF: its config and fp32 tensors keyed by Hugging Face names.
+
+    Keys: ``model.embed_tokens.weight`` ``[vocab, hidden]``, ``model.norm.weight``,
+    ``lm_head.weight`` (only when not tied), and per layer ``i``
+    ``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight``,
+    ``model.layers.{i}.mlp.{gate,up,down}_proj.weight``,
+    ``model.layers.{i}.{input,post_attention}_layernorm.weight``.
+    Linear weights are ``[out_features, in_features]``.
+    """
+
+    config: LlamaConfig
+    state_dict: dict[str, torch.Tensor]
+
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+def load_gguf(path: str | Path) -> GGUFModel:
+    """Reads ``path`` and returns its config and dequantized fp32 state dict.
+
+    Raises:
+      FileNotFoundError: no file at ``path``.
+      ValueError: not a Llama-architecture GGUF, a needed key is missing, or the
+        file uses RoPE scaling (not supported yet).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    reader = gguf.GGUFReader(str(path))
+    config = read_config(reader, default_name=path.stem)
+    state_dict = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        weights = dequantize(tensor)
+        if name.endswith("q_proj.weight"):
+            weights = unpermute_rope_rows(weights, config.num_heads)
+        elif name.endswith("k_proj.weight"):
+            weights = unpermute_rope_rows(weights, config.num_kv_heads)
+        state_dict[name] = torch.from_numpy(weights)
+    return GGUFModel(config=config, state_dict=state_dict)
+
+
+def read_config(reader: gguf.GGUFReader, default_name: str = "model") -> LlamaConfig:
+    """Builds a :class:`LlamaConfig` from the GGUF metadata.
+
+    Raises:
+      ValueError: the architecture is not ``llama`` or a required key is missing.
+    """
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"unsupported GGUF architecture {arch!r}: only 'llama' is supported")
+    scaling = _field(reader, f"{arch}.rope.scaling.type", None)
+    if scaling not in (None, "none"):
+        raise ValueError(f"RoPE scaling {scaling!r} is not supported yet")
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    head_dim = int(_field(reader, f"{arch}.rope.dimension_count", hidden // num_heads))
+    tensor_names = {t.name for t in reader.tensors}
+    embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    vocab = int(_field(reader, f"{arch}.vocab_size", int(embedding.shape[-1])))
+    return LlamaConfig(
+        name=str(_field(reader, "general.name", default_name)),
+        hidden_size=hidden,
+        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        vocab_size=vocab,
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        context_length=int(_field(reader, f"{arch}.context_length")),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=_optional_int(_field(reader, "tokenizer.ggml.bos_token_id", None)),
+        eos_token_ids=_eos_ids(reader),
+    )
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """Maps a GGUF tensor name (``blk.3.attn_q.weight``) to the HF name
+    (``model.layers.3.self_attn.q_proj.weight``).
+
+    Raises:
+      ValueError: a tensor this loader does not know.
+    """
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
+    raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
+
+
+def dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
+    """The tensor as a contiguous fp32 array, ``[rows, cols]`` for matrices
+    (GGUF lists dimensions innermost first; numpy order is the reverse)."""
+    weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    weights = np.ascontiguousarray(weights.reshape(shape), dtype=np.float32)
+    # Unquantized tensors are read-only views of the memory-mapped file.
+    return weights if weights.flags.writeable else weights.copy()
+
+
+def unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's Q/K row permutation ``[out, in]`` → HF "rotate half" layout.
+
+    llama.cpp stores, per head, rows in the order (0, d/2, 1, d/2+1, …) so that
+    rotary pairs are adjacent; HF keeps the halves apart. Inverse of
+    ``convert_hf_to_gguf.py``'s ``permute``.
+    """
+    rows = weights.shape[0]
+    half = rows // num_heads // 2
+    grouped = weights.reshape(num_heads, half, 2, *weights.shape[1:])
+    return np.ascontiguousarray(grouped.swapaxes(1, 2).reshape(weights.shape))
+
+
+_MISSING = object()
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: object = _MISSING) -> object:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _MISSING:
+            raise ValueError(f"GGUF metadata key {key!r} is missing")
+        return default
+    return field.contents()
+
+
+def _optional_int(value: object) -> int | None:
+    return None if value is None else int(value)  # type: ignore[call-overload]
+
+
+def _eos_ids(reader: gguf.GGUFReader) -> tuple[int, ...]:
+    ids: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                "tokenizer.ggml.eom_token_id"):
+        value = _field(reader, key, None)
+        if value is not None and int(value) not in ids:  # type: ignore[call-overload]
+            ids.append(int(value))  # type: ignore[call-overload]
+    if not ids:
+        raise ValueError("GGUF metadata holds no tokenizer.ggml.eos_token_id")
+    return tuple(ids)

@@ -1,0 +1,95 @@
+"""Typed values inside the engine service.
+
+Protobuf stays at the gRPC edge (:mod:`services.engine.service`); backends, the
+request loop and the tests speak in these frozen dataclasses only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.sampling import FinishReason, Priority, SamplingOptions
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One sequence to generate.
+
+    Attributes:
+      request_id: unique among the requests in flight on this engine.
+      prompt_token_ids: prompt token ids, at least one, each in ``[0, vocab_size)``.
+      sampling: validated sampling and stopping options.
+      priority: traffic class; INTERACTIVE is scheduled before BATCH.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingOptions
+    priority: Priority = Priority.INTERACTIVE
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """Token ids a sequence produced since its previous delta.
+
+    The last delta of a sequence has ``finish_reason != FinishReason.NONE``;
+    every delta carries the running token counts.
+
+    Attributes:
+      request_id: the request this delta belongs to.
+      token_ids: new token ids (may be empty on the last delta, e.g. after a cancel).
+        A final stop token (EOS or a stop token id) is included; the router
+        does not render its text.
+      finish_reason: ``FinishReason.NONE`` until the last delta.
+      num_prompt_tokens: tokens in the prompt.
+      num_generated_tokens: tokens generated so far, including a final stop token.
+      num_cached_tokens: prompt tokens whose KV cache was reused.
+      error: why the engine failed the request (only with ``FinishReason.ERROR``).
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_cached_tokens: int = 0
+    error: str = ""
+
+    @property
+    def finished(self) -> bool:
+        """True on the last delta of a sequence."""
+        return self.finish_reason is not FinishReason.NONE
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """A snapshot of the engine's load, for routing and admission.
+
+    Attributes:
+      num_running: sequences in the running batch.
+      num_waiting: sequences admitted but not yet running.
+      kv_cache_usage: fraction of KV cache memory in use, 0..1.
+    """
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The served model's identity and limits.
+
+    Attributes:
+      model: model id as clients name it (e.g. ``SmolLM2-135M-Instruct``).
+      max_model_len: context window in tokens (prompt + completion).
+      vocab_size: number of token ids; valid ids are ``[0, vocab_size)``.
+      eos_token_ids: ids that end a sequence unless ``ignore_eos`` is set.
+      backend: backend name, ``"torch"`` or ``"tensorrt_llm"``.
+    """
+
+    model: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    backend: str

@@ -1,0 +1,76 @@
+"""Checks of a request against the served model's limits.
+
+The servicer runs them before admitting a request; backends run them again in
+``generate`` so that direct callers get the same errors. Field names are those
+of ``llmesh.v1.EngineRequest`` as the client wrote them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from services.common.sampling import InvalidRequestError
+from services.engine.types import EngineRequest, ModelInfo
+
+PROMPT_FIELD = "prompt_token_ids"
+MAX_TOKENS_FIELD = "sampling.max_tokens"
+
+
+def validate_prompt(prompt_token_ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:
+    """Checks that the prompt is non-empty, in the vocabulary and leaves room to generate.
+
+    Raises:
+      InvalidRequestError: INVALID_ARGUMENT for an empty prompt or an id outside
+        ``[0, vocab_size)``; OUT_OF_RANGE when the prompt fills the context window.
+    """
+    if not prompt_token_ids:
+        raise InvalidRequestError(PROMPT_FIELD, "must hold at least one token id")
+    for index, token_id in enumerate(prompt_token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequestError(
+                PROMPT_FIELD,
+                f"token id {token_id} at index {index} is outside the vocabulary [0, {vocab_size})",
+            )
+    if len(prompt_token_ids) >= max_model_len:
+        raise InvalidRequestError(
+            PROMPT_FIELD,
+            f"prompt has {len(prompt_token_ids)} tokens but the context window is "
+            f"{max_model_len} tokens; shorten it to at most {max_model_len - 1} tokens",
+            grpc.StatusCode.OUT_OF_RANGE,
+        )
+
+
+def validate_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """Checks ``prompt + max_tokens <= max_model_len``.
+
+    Raises:
+      InvalidRequestError: OUT_OF_RANGE naming ``sampling.max_tokens`` and the
+        largest value that would fit.
+    """
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            MAX_TOKENS_FIELD,
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+            f"{num_prompt_tokens + max_tokens} exceeds the context window of {max_model_len} "
+            f"tokens; set max_tokens <= {max_model_len - num_prompt_tokens} or shorten the prompt",
+            grpc.StatusCode.OUT_OF_RANGE,
+        )
+
+
+def validate_request(request: EngineRequest, info: ModelInfo) -> None:
+    """Runs every check of this module on ``request``.
+
+    Raises:
+      InvalidRequestError: the first failing check (see the functions above), or
+        a stop token id outside the vocabulary (INVALID_ARGUMENT).
+    """
+    validate_prompt(request.prompt_token_ids, info.vocab_size, info.max_model_len)
+    validate_length(len(request.prompt_token_ids), request.sampling.max_tokens, info.max_model_len)
+    for token_id in request.sampling.stop_token_ids:
+        if not 0 <= token_id < info.vocab_size:
+            raise InvalidRequestError(
+                "sampling.stop_token_ids",
+                f"token id {token_id} is outside the vocabulary [0, {info.vocab_size})",
+            )

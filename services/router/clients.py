@@ -1,0 +1,566 @@
+"""Typed async clients for the services the router calls.
+
+Each client owns one long-lived channel (:func:`make_channel`), made when the
+client is constructed and closed by :meth:`close`; no call sets up a
+connection. Dataclasses go in and come out; protobuf stays in this module.
+
+Every call takes the request id (sent on as ``x-request-id`` metadata) and the
+absolute deadline of the client's call (``time.monotonic()`` seconds, or None
+for none): each hop gets the time the client has left, not more.
+
+Errors: a failed tokenizer or engine call raises :class:`UpstreamError` with
+the upstream's status code and the service's name and address. The cache is
+optional: :class:`CacheClient` never raises for an RPC failure; it logs a
+warning and reports a miss (``get``) or "not stored" (``put``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llmesh.v1 import (
+    cache_pb2,
+    cache_pb2_grpc,
+    common_pb2,
+    engine_pb2,
+    engine_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
+from services.common.grpc_util import make_channel, request_id_metadata
+from services.common.sampling import FinishReason, Priority, SamplingOptions
+
+log = structlog.get_logger()
+
+#: Pause between health probes of a service that is still starting (seconds).
+_HEALTH_POLL_SECONDS = 0.2
+
+
+class UpstreamError(Exception):
+    """A call to another llmesh service failed.
+
+    Attributes:
+      service: ``"tokenizer"``, ``"engine"`` or ``"cache"``.
+      target: the ``host:port`` called.
+      code: the gRPC status the upstream returned (DEADLINE_EXCEEDED also when
+        the client's deadline had already passed before the call).
+      details: the upstream's status message.
+    """
+
+    def __init__(self, service: str, target: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{service} at {target}: {code.name}: {details}")
+        self.service = service
+        self.target = target
+        self.code = code
+        self.details = details
+
+
+# --------------------------------------------------------------------------- #
+# Values exchanged with the clients.
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One chat turn: ``role`` (``system``, ``user``, ...) and its UTF-8 ``content``."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of one request (tokens, not characters)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+    def to_pb(self) -> common_pb2.Usage:
+        return common_pb2.Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_prompt_tokens=self.cached_prompt_tokens,
+        )
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What an engine replica serves (``GetModelInfo``); lengths in tokens."""
+
+    model: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    backend: str
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """Facts about the tokenizer (``GetTokenizerInfo``)."""
+
+    model: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    has_chat_template: bool
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """An engine replica's load: sequences running / waiting, KV usage in [0, 1]."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Prompt ids from the chat template and how many old messages were dropped."""
+
+    token_ids: tuple[int, ...]
+    num_dropped_messages: int
+
+
+@dataclass(frozen=True)
+class EngineDelta:
+    """One engine message: ids since the previous one; on the last, why and usage.
+
+    ``finish_reason`` is None on every message but the last.
+    """
+
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Everything that decides a deterministic request's output."""
+
+    model: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingOptions
+
+    def to_pb(self) -> cache_pb2.CacheKey:
+        return cache_pb2.CacheKey(
+            model=self.model, prompt_token_ids=list(self.prompt_token_ids),
+            sampling=self.sampling.to_pb(),
+        )
+
+
+@dataclass(frozen=True)
+class CachedResponse:
+    """A finished generation as the client saw it."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason
+    matched_stop: str = ""
+
+
+# --------------------------------------------------------------------------- #
+# Helpers.
+
+
+def timeout_until(deadline: float | None) -> float | None:
+    """Seconds left until ``deadline`` (``time.monotonic()`` based), None for none.
+
+    Raises:
+      UpstreamError: DEADLINE_EXCEEDED (service ``"router"``) when it has passed.
+    """
+    if deadline is None:
+        return None
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise UpstreamError("router", "-", grpc.StatusCode.DEADLINE_EXCEEDED,
+                            "the call's deadline passed")
+    return remaining
+
+
+def _finish_reason(value: int) -> FinishReason:
+    """``value`` as a :class:`FinishReason`; an unknown value counts as ERROR."""
+    try:
+        return FinishReason(value)
+    except ValueError:
+        return FinishReason.ERROR
+
+
+def _upstream_error(service: str, target: str, err: grpc.aio.AioRpcError) -> UpstreamError:
+    return UpstreamError(service, target, err.code(), err.details() or "")
+
+
+async def wait_until_serving(
+    channel: grpc.aio.Channel, *, service: str, target: str, timeout: float
+) -> None:
+    """Waits until ``target``'s gRPC health says SERVING (model loaded).
+
+    Args:
+      timeout: seconds to wait in all.
+
+    Raises:
+      UpstreamError: UNAVAILABLE (or the last probe's code) when it is still not
+        serving after ``timeout`` seconds.
+    """
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise UpstreamError(service, target, grpc.StatusCode.UNAVAILABLE,
+                                f"not serving after {timeout:.0f} s ({last})")
+        try:
+            reply = await stub.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=min(remaining, 5.0),
+                wait_for_ready=True,
+            )
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+            last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        except grpc.aio.AioRpcError as err:
+            last = f"{err.code().name}: {err.details()}"
+        await asyncio.sleep(min(_HEALTH_POLL_SECONDS, max(deadline - time.monotonic(), 0)))
+
+
+# --------------------------------------------------------------------------- #
+# Tokenizer.
+
+
+class DetokenizeSession:
+    """One request's incremental detokenization stream (``Detokenize``).
+
+    Feed ids as the engine produces them; each :meth:`feed` returns the text
+    those ids made final (never a partial UTF-8 character; may be ""). Call
+    :meth:`flush` once at the end for the held-back rest, and :meth:`close`
+    in a ``finally`` (it cancels the stream if it is still open).
+    """
+
+    def __init__(self, call: grpc.aio.StreamStreamCall, target: str,
+                 skip_special_tokens: bool) -> None:
+        self._call = call
+        self._target = target
+        self._skip_special_tokens = skip_special_tokens
+        self._first = True
+        self._closed = False
+
+    async def _exchange(self, request: tokenizer_pb2.DetokenizeRequest) -> str:
+        if self._first:
+            request.skip_special_tokens = self._skip_special_tokens
+            self._first = False
+        try:
+            await self._call.write(request)
+            reply = await self._call.read()
+        except grpc.aio.AioRpcError as err:
+            raise _upstream_error("tokenizer", self._target, err) from err
+        if reply is grpc.aio.EOF:
+            raise UpstreamError("tokenizer", self._target, grpc.StatusCode.INTERNAL,
+                                "Detokenize stream ended before answering")
+        return reply.text
+
+    async def feed(self, token_ids: Sequence[int]) -> str:
+        """Sends the next ids; returns the text they made final."""
+        return await self._exchange(tokenizer_pb2.DetokenizeRequest(token_ids=list(token_ids)))
+
+    async def flush(self, token_ids: Sequence[int] = ()) -> str:
+        """Ends the sequence: sends the last ``token_ids`` (if any) with ``flush``
+        in one message and returns all the text still due; closes the stream."""
+        text = await self._exchange(
+            tokenizer_pb2.DetokenizeRequest(token_ids=list(token_ids), flush=True))
+        try:
+            await self._call.done_writing()
+        except grpc.aio.AioRpcError:
+            pass  # the text is already ours; a late stream error changes nothing
+        self._closed = True
+        return text
+
+    def close(self) -> None:
+        """Cancels the stream unless it ended normally (safe to call twice)."""
+        if not self._closed:
+            self._closed = True
+            self._call.cancel()
+
+
+class TokenizerClient:
+    """Client of ``llmesh.v1.TokenizerService`` on one long-lived channel."""
+
+    service = "tokenizer"
+
+    def __init__(self, target: str) -> None:
+        """Args:
+          target: ``host:port`` of the tokenizer service.
+        """
+        self.target = target
+        self._channel = make_channel(target)
+        self._stub = tokenizer_pb2_grpc.TokenizerServiceStub(self._channel)
+
+    async def wait_until_serving(self, timeout: float) -> None:
+        """See :func:`wait_until_serving`."""
+        await wait_until_serving(self._channel, service=self.service, target=self.target,
+                                 timeout=timeout)
+
+    async def info(self, *, timeout: float | None = 10.0) -> TokenizerInfo:
+        """``GetTokenizerInfo``. Raises :class:`UpstreamError`."""
+        try:
+            reply = await self._stub.GetTokenizerInfo(
+                tokenizer_pb2.GetTokenizerInfoRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            raise _upstream_error(self.service, self.target, err) from err
+        return TokenizerInfo(
+            model=reply.model, vocab_size=reply.vocab_size,
+            eos_token_ids=tuple(reply.eos_token_ids),
+            bos_token_id=reply.bos_token_id if reply.HasField("bos_token_id") else None,
+            has_chat_template=reply.has_chat_template,
+        )
+
+    async def tokenize(self, text: str, *, add_special_tokens: bool, request_id: str,
+                       deadline: float | None) -> tuple[int, ...]:
+        """``Tokenize``: text to ids. Raises :class:`UpstreamError`."""
+        try:
+            reply = await self._stub.Tokenize(
+                tokenizer_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens),
+                timeout=timeout_until(deadline), metadata=request_id_metadata(request_id))
+        except grpc.aio.AioRpcError as err:
+            raise _upstream_error(self.service, self.target, err) from err
+        return tuple(reply.token_ids)
+
+    async def apply_chat_template(
+        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool,
+        max_prompt_tokens: int, request_id: str, deadline: float | None,
+    ) -> ChatPrompt:
+        """``ApplyChatTemplate``: messages to prompt ids within ``max_prompt_tokens``.
+
+        Raises:
+          UpstreamError: FAILED_PRECONDITION (no chat template), OUT_OF_RANGE
+            (even the last message alone does not fit), or the transport error.
+        """
+        request = tokenizer_pb2.ApplyChatTemplateRequest(
+            messages=[common_pb2.ChatMessage(role=m.role, content=m.content) for m in messages],
+            add_generation_prompt=add_generation_prompt, max_prompt_tokens=max_prompt_tokens,
+        )
+        try:
+            reply = await self._stub.ApplyChatTemplate(
+                request, timeout=timeout_until(deadline),
+                metadata=request_id_metadata(request_id))
+        except grpc.aio.AioRpcError as err:
+            raise _upstream_error(self.service, self.target, err) from err
+        return ChatPrompt(tuple(reply.token_ids), reply.num_dropped_messages)
+
+    def detokenize(self, *, request_id: str, deadline: float | None,
+                   skip_special_tokens: bool = True) -> DetokenizeSession:
+        """Opens a ``Detokenize`` stream for one request (no round trip yet)."""
+        call = self._stub.Detokenize(timeout=timeout_until(deadline),
+                                     metadata=request_id_metadata(request_id))
+        return DetokenizeSession(call, self.target, skip_special_tokens)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+# --------------------------------------------------------------------------- #
+# Engine.
+
+
+class EngineStream:
+    """One request's ``Generate`` stream on an engine replica.
+
+    Read :class:`EngineDelta` values with :meth:`read` until one carries a
+    ``finish_reason``. :meth:`cancel` asks the engine to finish the sequence at
+    once (its KV blocks are freed); :meth:`close` drops the call and must run
+    in a ``finally``.
+    """
+
+    def __init__(self, call: grpc.aio.StreamStreamCall, target: str) -> None:
+        self._call = call
+        self.target = target
+        self._finished = False
+
+    async def read(self) -> EngineDelta:
+        """The next delta.
+
+        Raises:
+          UpstreamError: the engine's status (UNAVAILABLE, RESOURCE_EXHAUSTED,
+            INVALID_ARGUMENT, ...), or INTERNAL when the stream ended without
+            a finish reason.
+        """
+        try:
+            reply = await self._call.read()
+        except grpc.aio.AioRpcError as err:
+            raise _upstream_error("engine", self.target, err) from err
+        if reply is grpc.aio.EOF:
+            raise UpstreamError("engine", self.target, grpc.StatusCode.INTERNAL,
+                                "Generate stream ended without a finish reason")
+        finish = _finish_reason(reply.finish_reason) if reply.finish_reason else None
+        usage = None
+        if finish is not None:
+            self._finished = True
+            usage = Usage(reply.usage.prompt_tokens, reply.usage.completion_tokens,
+                          reply.usage.cached_prompt_tokens)
+        return EngineDelta(tuple(reply.token_ids), finish, usage)
+
+    async def cancel(self) -> None:
+        """Tells the engine to finish the sequence now, then drops the call."""
+        if not self._call.done():
+            try:
+                await self._call.write(
+                    engine_pb2.EngineServiceGenerateRequest(cancel=engine_pb2.EngineCancel()))
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError):
+                pass  # the call is already over: nothing left to cancel
+        self.close()
+
+    def close(self) -> None:
+        """Cancels the call unless it finished normally (safe to call twice)."""
+        if not self._call.done():
+            self._call.cancel()
+
+
+class EngineClient:
+    """Client of one ``llmesh.v1.EngineService`` replica on one long-lived channel.
+
+    Attributes:
+      in_flight: streams this router has open on the replica (a cheap local
+        load signal used to pick the least loaded replica).
+    """
+
+    service = "engine"
+
+    def __init__(self, target: str) -> None:
+        """Args:
+          target: ``host:port`` of the engine replica.
+        """
+        self.target = target
+        self.in_flight = 0
+        self._channel = make_channel(target)
+        self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
+
+    async def wait_until_serving(self, timeout: float) -> None:
+        """See :func:`wait_until_serving`."""
+        await wait_until_serving(self._channel, service=self.service, target=self.target,
+                                 timeout=timeout)
+
+    async def model_info(self, *, timeout: float | None = 10.0) -> ModelInfo:
+        """``GetModelInfo``. Raises :class:`UpstreamError`."""
+        try:
+            reply = await self._stub.GetModelInfo(engine_pb2.GetModelInfoRequest(),
+                                                  timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            raise _upstream_error(self.service, self.target, err) from err
+        return ModelInfo(reply.model, reply.max_model_len, reply.vocab_size,
+                         tuple(reply.eos_token_ids), reply.backend)
+
+    async def load(self, *, timeout: float | None = 1.0) -> EngineLoad:
+        """``GetLoad``. Raises :class:`UpstreamError`."""
+        try:
+            reply = await self._stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            raise _upstream_error(self.service, self.target, err) from err
+        return EngineLoad(reply.num_running, reply.num_waiting, reply.kv_cache_usage)
+
+    async def generate(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingOptions, *,
+        priority: Priority, request_id: str, deadline: float | None,
+    ) -> EngineStream:
+        """Opens a ``Generate`` stream and sends ``start``.
+
+        Raises:
+          UpstreamError: the write failed (the engine's status); most engine
+            errors arrive on the first :meth:`EngineStream.read` instead.
+        """
+        call = self._stub.Generate(timeout=timeout_until(deadline),
+                                   metadata=request_id_metadata(request_id))
+        start = engine_pb2.EngineRequest(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+            sampling=sampling.to_pb(), priority=priority.to_pb(),
+        )
+        stream = EngineStream(call, self.target)
+        try:
+            await call.write(engine_pb2.EngineServiceGenerateRequest(start=start))
+        except grpc.aio.AioRpcError as err:
+            stream.close()
+            raise _upstream_error(self.service, self.target, err) from err
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+# --------------------------------------------------------------------------- #
+# Cache.
+
+
+class CacheClient:
+    """Client of ``llmesh.v1.CacheService``; optional, so it never fails a request.
+
+    Any RPC error (UNAVAILABLE, DEADLINE_EXCEEDED, ...) is logged as a warning
+    and reported as a miss / not stored.
+    """
+
+    service = "cache"
+
+    def __init__(self, target: str, *, timeout: float = 0.5) -> None:
+        """Args:
+          target: ``host:port`` of the cache service.
+          timeout: the most seconds one cache call may take (also bounded by
+            the client's deadline): a slow cache must not slow requests.
+        """
+        self.target = target
+        self.timeout = timeout
+        self._channel = make_channel(target)
+        self._stub = cache_pb2_grpc.CacheServiceStub(self._channel)
+
+    async def wait_until_serving(self, timeout: float) -> None:
+        """See :func:`wait_until_serving`."""
+        await wait_until_serving(self._channel, service=self.service, target=self.target,
+                                 timeout=timeout)
+
+    def _timeout(self, deadline: float | None) -> float:
+        remaining = timeout_until(deadline)
+        return self.timeout if remaining is None else min(self.timeout, remaining)
+
+    async def get(self, key: CacheKey, *, request_id: str,
+                  deadline: float | None) -> CachedResponse | None:
+        """The cached response for ``key``, or None (miss, or any cache error)."""
+        try:
+            reply = await self._stub.GetCachedResponse(
+                cache_pb2.GetCachedResponseRequest(key=key.to_pb()),
+                timeout=self._timeout(deadline), metadata=request_id_metadata(request_id))
+        except grpc.aio.AioRpcError as err:
+            log.warning("cache_get_failed", target=self.target, code=err.code().name,
+                        details=err.details())
+            return None
+        if not reply.found:
+            return None
+        r = reply.response
+        return CachedResponse(tuple(r.token_ids), r.text, _finish_reason(r.finish_reason),
+                              r.matched_stop)
+
+    async def put(self, key: CacheKey, response: CachedResponse, *, request_id: str) -> bool:
+        """Stores ``response``; True when the cache kept it (False on any error)."""
+        request = cache_pb2.PutCachedResponseRequest(
+            key=key.to_pb(),
+            response=cache_pb2.CachedResponse(
+                token_ids=list(response.token_ids), text=response.text,
+                finish_reason=int(response.finish_reason), matched_stop=response.matched_stop,
+            ),
+        )
+        try:
+            reply = await self._stub.PutCachedResponse(
+                request, timeout=self.timeout, metadata=request_id_metadata(request_id))
+        except grpc.aio.AioRpcError as err:
+            log.warning("cache_put_failed", target=self.target, code=err.code().name,
+                        details=err.details())
+            return False
+        return reply.stored
+
+    async def close(self) -> None:
+        await self._channel.close()

@@ -1,0 +1,470 @@
+"""The router's request pipeline, independent of the gRPC server API.
+
+:meth:`GenerationPipeline.generate` turns a validated request into an async
+stream of events: :class:`Delta` values (text safe to send, and the token ids
+generated since the previous one), then exactly one :class:`Finished`. The
+path, step by step (docs: /work/shared/DESIGN.md "The request path"):
+
+1. prompt ids: ``Tokenize`` for prompt text (with the model's special
+   tokens), or ``ApplyChatTemplate`` (generation prompt added, history
+   trimmed to ``max_model_len - 1`` tokens) for chat;
+2. context check: ``max_tokens`` is clamped to the room the prompt leaves
+   (see :mod:`services.router.validation`);
+3. response cache (deterministic requests only: greedy or seeded, and not
+   ``bypass_cache``): a hit is replayed at once as one delta;
+4. a miss goes to the engine replica with the fewest streams open from this
+   router; UNAVAILABLE or RESOURCE_EXHAUSTED before the first token moves
+   on to the next replica;
+5. token ids stream through the request's ``Detokenize`` session and the
+   :class:`StopStringMatcher`; a stop-string match cancels the engine
+   sequence at once and ends with FINISH_REASON_STOP + ``matched_stop``;
+6. a cacheable request that finished normally (STOP or LENGTH) is stored in
+   the cache in the background, never delaying the final event.
+
+Cancellation: when the consumer stops iterating (``aclose``) or its task is
+cancelled (client gone, deadline passed), the ``finally`` blocks drop the
+engine and detokenize streams at once; ``asyncio.CancelledError`` is never
+swallowed.
+
+Errors: bad input raises :class:`InvalidRequestError` (INVALID_ARGUMENT,
+OUT_OF_RANGE); upstream failures raise :class:`GenerationError`
+with the status for the client (UNAVAILABLE, RESOURCE_EXHAUSTED,
+DEADLINE_EXCEEDED, INTERNAL, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from services.common.sampling import FinishReason, InvalidRequestError, SamplingOptions
+from services.router.clients import (
+    CacheClient,
+    CacheKey,
+    CachedResponse,
+    EngineClient,
+    EngineDelta,
+    EngineStream,
+    TokenizerClient,
+    UpstreamError,
+    Usage,
+)
+from services.router.metrics import RouterMetrics
+from services.router.stop_strings import StopStringMatcher
+from services.router.validation import GenerationRequest, ModelLimits, fit_to_context
+
+log = structlog.get_logger()
+
+#: Engine statuses after which another replica is tried (before the first token).
+_RETRYABLE_ENGINE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Text safe to send (never part of a stop string) and the ids since the last delta."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of a generation.
+
+    Attributes:
+      reason: STOP (EOS, stop token or stop string), LENGTH (max_tokens or the
+        context window), CANCELLED (the engine cancelled it).
+      matched_stop: the stop string that ended it, or "".
+      usage: prompt and completion token counts.
+      cached: True when replayed from the response cache.
+    """
+
+    reason: FinishReason
+    matched_stop: str
+    usage: Usage
+    cached: bool = False
+
+
+Event = Delta | Finished
+
+
+class GenerationError(Exception):
+    """The request failed upstream; ``code`` is the status for the client."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Progress:
+    """Live token counts of a running generation, readable by the caller at any
+    time (e.g. for the usage of a cancelled generation)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def usage(self) -> Usage:
+        return Usage(self.prompt_tokens, self.completion_tokens)
+
+
+@dataclass
+class _Timing:
+    """Per-request timestamps (``time.monotonic()`` seconds)."""
+
+    model: str
+    received_at: float
+    dispatched_at: float | None = None
+    last_token_at: float | None = None
+    ttft: float | None = None
+
+
+def upstream_to_generation_error(err: UpstreamError) -> GenerationError:
+    """The client-facing status for an upstream failure."""
+    where = f"{err.service} at {err.target}"
+    code = err.code
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return GenerationError(code, f"deadline exceeded waiting for the {err.service}")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return GenerationError(grpc.StatusCode.UNAVAILABLE,
+                               f"{where} is unavailable: {err.details}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return GenerationError(code, f"{where} is at capacity, retry later: {err.details}")
+    if code == grpc.StatusCode.ALREADY_EXISTS:
+        return GenerationError(code, f"request_id: another request with this id is still "
+                               f"running on {where}; use a unique request_id ({err.details})")
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                grpc.StatusCode.FAILED_PRECONDITION):
+        return GenerationError(code, f"{where} refused the request: {err.details}")
+    return GenerationError(grpc.StatusCode.INTERNAL,
+                           f"{where} failed: {code.name}: {err.details}")
+
+
+class GenerationPipeline:
+    """Runs requests through tokenizer, cache and engines (see the module doc).
+
+    One instance per router; it holds the long-lived clients but does not own
+    them (the service closes them).
+    """
+
+    def __init__(
+        self, *, tokenizer: TokenizerClient, engines: Sequence[EngineClient],
+        cache: CacheClient | None, models: Mapping[str, ModelLimits],
+        metrics: RouterMetrics, log_content: bool = False,
+    ) -> None:
+        """Args:
+          tokenizer: the tokenizer client.
+          engines: the engine replicas (all serve the models in ``models``).
+          cache: the response cache client, or None when there is no cache.
+          models: served models by id.
+          metrics: where to record the router's metrics.
+          log_content: log prompt and output text (off by default: private data).
+        """
+        if not engines:
+            raise ValueError("at least one engine replica is needed")
+        self.tokenizer = tokenizer
+        self.engines = tuple(engines)
+        self.cache = cache
+        self.models = dict(models)
+        self.metrics = metrics
+        self.log_content = log_content
+        self._next_replica = 0
+        self._background: set[asyncio.Task[object]] = set()
+
+    # ------------------------------------------------------------------ API
+
+    async def generate(
+        self, request: GenerationRequest, *, received_at: float,
+        deadline: float | None = None, progress: Progress | None = None,
+    ) -> AsyncIterator[Event]:
+        """Generates ``request``: yields :class:`Delta` events, then one :class:`Finished`.
+
+        Args:
+          received_at: when the router received the request (``time.monotonic()``
+            seconds): the origin of TTFT, queue time and e2e latency.
+          deadline: absolute ``time.monotonic()`` deadline of the client's call, or None.
+          progress: updated with live token counts, if given.
+
+        Raises:
+          InvalidRequestError: the prompt does not fit the context window
+            (OUT_OF_RANGE) or the tokenizer refused the input.
+          GenerationError: an upstream failure, with the client's status.
+        """
+        progress = Progress() if progress is None else progress
+        timing = _Timing(request.model, received_at)
+        limits = self.models[request.model]
+        outcome = "cancelled"  # unless set otherwise before leaving
+        info: dict[str, object] = {}
+        try:
+            prompt_ids = await self._prompt_ids(request, limits, deadline, info)
+            progress.prompt_tokens = len(prompt_ids)
+            max_tokens = fit_to_context(len(prompt_ids), request.sampling.max_tokens,
+                                        limits.max_model_len, field=request.input_field)
+            key = (CacheKey(request.model, prompt_ids, request.sampling)
+                   if self.cache is not None and request.sampling.deterministic else None)
+            hit = (None if request.bypass_cache
+                   else await self._cache_lookup(key, request, deadline))
+            if hit is not None:
+                info.update(cached=True, output=hit.text)
+                events = self._replay(hit, progress, timing)
+            else:
+                sampling = dataclasses.replace(request.sampling, max_tokens=max_tokens)
+                events = self._from_engine(request, prompt_ids, sampling, key, deadline,
+                                           progress, timing, info)
+            # aclosing: when our consumer stops early, the engine stream closes now.
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    if isinstance(event, Finished):
+                        outcome = event.reason.name.lower()
+                        info.update(matched_stop=event.matched_stop)
+                    yield event
+        except InvalidRequestError as err:
+            outcome = err.code.name.lower()
+            raise
+        except GenerationError as err:
+            outcome = err.code.name.lower()
+            info.update(error=err.message)
+            raise
+        except UpstreamError as err:
+            mapped = upstream_to_generation_error(err)
+            outcome = mapped.code.name.lower()
+            info.update(error=mapped.message)
+            raise mapped from err
+        except Exception:
+            outcome = "internal"
+            raise
+        finally:
+            self._record(request, outcome, progress, timing, info)
+
+    async def close(self) -> None:
+        """Waits briefly for background cache writes, then cancels the rest."""
+        if self._background:
+            _, pending = await asyncio.wait(self._background, timeout=1.0)
+            for task in pending:
+                task.cancel()
+
+    # --------------------------------------------------------------- steps
+
+    async def _prompt_ids(self, request: GenerationRequest, limits: ModelLimits,
+                          deadline: float | None, info: dict[str, object]) -> tuple[int, ...]:
+        if request.messages is None:
+            assert request.prompt is not None
+            try:
+                return await self.tokenizer.tokenize(
+                    request.prompt, add_special_tokens=True, request_id=request.request_id,
+                    deadline=deadline)
+            except UpstreamError as err:
+                if err.code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise InvalidRequestError("prompt", f"the tokenizer refused it: "
+                                              f"{err.details}") from err
+                raise
+        try:
+            chat = await self.tokenizer.apply_chat_template(
+                request.messages, add_generation_prompt=True,
+                max_prompt_tokens=limits.max_model_len - 1, request_id=request.request_id,
+                deadline=deadline)
+        except UpstreamError as err:
+            if err.code == grpc.StatusCode.OUT_OF_RANGE:
+                raise InvalidRequestError(
+                    "chat.messages", f"does not fit the context window of "
+                    f"{limits.max_model_len} tokens even with only the last message: "
+                    f"{err.details}", grpc.StatusCode.OUT_OF_RANGE) from err
+            if err.code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidRequestError(
+                    "chat.messages", f"the chat template refused the conversation: "
+                    f"{err.details}") from err
+            if err.code == grpc.StatusCode.FAILED_PRECONDITION:
+                raise InvalidRequestError(
+                    "chat", f"the model has no chat template; send `prompt` text instead "
+                    f"({err.details})") from err
+            raise
+        if chat.num_dropped_messages:
+            info.update(dropped_messages=chat.num_dropped_messages)
+        return chat.token_ids
+
+    async def _cache_lookup(self, key: CacheKey | None, request: GenerationRequest,
+                            deadline: float | None) -> CachedResponse | None:
+        if key is None or self.cache is None:
+            return None
+        self.metrics.cache_queries.labels(request.model).inc()
+        hit = await self.cache.get(key, request_id=request.request_id, deadline=deadline)
+        if hit is not None:
+            self.metrics.cache_hits.labels(request.model).inc()
+        return hit
+
+    async def _replay(self, hit: CachedResponse, progress: Progress,
+                      timing: _Timing) -> AsyncIterator[Event]:
+        progress.completion_tokens = len(hit.token_ids)
+        self._token_time(timing)
+        yield Delta(hit.text, hit.token_ids)
+        yield Finished(hit.finish_reason, hit.matched_stop, progress.usage(), cached=True)
+
+    def _pick_order(self) -> list[EngineClient]:
+        """Replicas by fewest open streams; ties rotate so equal replicas share work."""
+        n = len(self.engines)
+        start = self._next_replica
+        self._next_replica = (start + 1) % n
+        rotated = [self.engines[(start + i) % n] for i in range(n)]
+        return sorted(rotated, key=lambda e: e.in_flight)  # stable: keeps the rotation
+
+    async def _open_engine(
+        self, request: GenerationRequest, prompt_ids: tuple[int, ...],
+        sampling: SamplingOptions, deadline: float | None, timing: _Timing,
+    ) -> tuple[EngineClient, EngineStream, EngineDelta]:
+        """Opens a stream on the best replica that answers; returns its first delta.
+
+        The chosen replica's ``in_flight`` is incremented; the caller decrements it.
+        """
+        failures: list[UpstreamError] = []
+        for engine in self._pick_order():
+            engine.in_flight += 1
+            stream: EngineStream | None = None
+            ok = False
+            try:
+                stream = await engine.generate(
+                    prompt_ids, sampling, priority=request.priority,
+                    request_id=request.request_id, deadline=deadline)
+                if timing.dispatched_at is None:  # once, even when a replica is retried
+                    timing.dispatched_at = time.monotonic()
+                    self.metrics.request_queue_time.labels(request.model).observe(
+                        timing.dispatched_at - timing.received_at)
+                first = await stream.read()
+                ok = True
+                return engine, stream, first
+            except UpstreamError as err:
+                if err.code not in _RETRYABLE_ENGINE_CODES:
+                    raise
+                log.warning("engine_unavailable", engine=engine.target, code=err.code.name,
+                            details=err.details)
+                failures.append(err)
+            finally:
+                if not ok:
+                    engine.in_flight -= 1
+                    if stream is not None:
+                        stream.close()
+        tried = "; ".join(f"{e.target}: {e.code.name}: {e.details}" for e in failures)
+        code = (grpc.StatusCode.RESOURCE_EXHAUSTED
+                if all(e.code == grpc.StatusCode.RESOURCE_EXHAUSTED for e in failures)
+                else grpc.StatusCode.UNAVAILABLE)
+        raise GenerationError(code, f"no engine replica could take the request ({tried})")
+
+    async def _from_engine(
+        self, request: GenerationRequest, prompt_ids: tuple[int, ...],
+        sampling: SamplingOptions, key: CacheKey | None, deadline: float | None,
+        progress: Progress, timing: _Timing, info: dict[str, object],
+    ) -> AsyncIterator[Event]:
+        engine, stream, delta = await self._open_engine(
+            request, prompt_ids, sampling, deadline, timing)
+        info.update(engine=engine.target)
+        detok = self.tokenizer.detokenize(request_id=request.request_id, deadline=deadline)
+        matcher = StopStringMatcher(sampling.stop)
+        # A stop token id (or EOS, unless ignored) ends the sequence, so it can only be
+        # the last id; it counts in usage but its text is never returned.
+        eos = () if sampling.ignore_eos else self.models[request.model].eos_token_ids
+        hidden_ids = frozenset(sampling.stop_token_ids) | frozenset(eos)
+        keep_output = key is not None or self.log_content
+        out_text: list[str] = []
+        out_ids: list[int] = []
+        try:
+            while True:
+                ids = delta.token_ids
+                progress.completion_tokens += len(ids)
+                visible = [i for i in ids if i not in hidden_ids] if hidden_ids else ids
+                last = delta.finish_reason is not None
+                if last:
+                    text = await detok.flush(visible)
+                else:
+                    text = await detok.feed(visible) if visible else ""
+                safe, stop = matcher.feed(text)
+                if stop is not None:
+                    await stream.cancel()  # the engine frees the sequence at once
+                    finished = Finished(FinishReason.STOP, stop, progress.usage())
+                elif last:
+                    safe += matcher.flush()
+                    finished = self._engine_finished(delta, progress)
+                else:
+                    finished = None
+                if keep_output:
+                    out_text.append(safe)
+                    out_ids.extend(ids)
+                if safe or ids:
+                    if ids:
+                        self._token_time(timing)
+                    yield Delta(safe, ids)
+                if finished is not None:
+                    if keep_output:
+                        info.update(output="".join(out_text))
+                    if key is not None and finished.reason in (FinishReason.STOP,
+                                                               FinishReason.LENGTH):
+                        self._store(key, CachedResponse(
+                            tuple(out_ids), "".join(out_text), finished.reason,
+                            finished.matched_stop), request.request_id)
+                    yield finished
+                    return
+                delta = await stream.read()
+        finally:
+            engine.in_flight -= 1
+            detok.close()
+            stream.close()
+
+    def _engine_finished(self, delta: EngineDelta, progress: Progress) -> Finished:
+        reason = delta.finish_reason
+        assert reason is not None
+        if reason == FinishReason.ERROR:
+            raise GenerationError(grpc.StatusCode.INTERNAL,
+                                  "the engine failed the request (FINISH_REASON_ERROR)")
+        usage = delta.usage
+        if usage is not None and usage.completion_tokens:
+            # The engine's count is authoritative (it knows what it generated).
+            progress.completion_tokens = usage.completion_tokens
+        cached_prompt = usage.cached_prompt_tokens if usage is not None else 0
+        return Finished(reason, "", Usage(progress.prompt_tokens, progress.completion_tokens,
+                                          cached_prompt))
+
+    # ------------------------------------------------------------ helpers
+
+    def _token_time(self, timing: _Timing) -> None:
+        """Notes that tokens leave now: the first sets TTFT, the others observe ITL."""
+        now = time.monotonic()
+        if timing.last_token_at is None:
+            timing.ttft = now - timing.received_at
+        else:
+            self.metrics.inter_token_latency.labels(timing.model).observe(
+                now - timing.last_token_at)
+        timing.last_token_at = now
+
+    def _store(self, key: CacheKey, response: CachedResponse, request_id: str) -> None:
+        assert self.cache is not None
+        task = asyncio.get_running_loop().create_task(
+            self.cache.put(key, response, request_id=request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _record(self, request: GenerationRequest, outcome: str, progress: Progress,
+                timing: _Timing, info: dict[str, object]) -> None:
+        e2e = time.monotonic() - timing.received_at
+        self.metrics.observe_finished(
+            model=request.model, outcome=outcome, priority=request.priority.name.lower(),
+            prompt_tokens=progress.prompt_tokens, generation_tokens=progress.completion_tokens,
+            e2e_seconds=e2e)
+        if timing.ttft is not None:
+            self.metrics.time_to_first_token.labels(request.model).observe(timing.ttft)
+        output = info.pop("output", None)
+        fields: dict[str, object] = dict(
+            outcome=outcome, prompt_tokens=progress.prompt_tokens,
+            completion_tokens=progress.completion_tokens, e2e_ms=round(e2e * 1e3, 3),
+            ttft_ms=None if timing.ttft is None else round(timing.ttft * 1e3, 3),
+            priority=request.priority.name.lower(), **info)
+        if self.log_content:
+            fields.update(prompt=request.prompt if request.prompt is not None
+                          else [dataclasses.asdict(m) for m in request.messages or ()],
+                          output=output)
+        log.info("request_finished", **fields)

@@ -1,0 +1,467 @@
+"""``llmesh.v1.GenerationService``: the router's public gRPC API.
+
+:class:`RouterService` implements the server kit's ``Service`` protocol and the
+generated ``GenerationServiceServicer``. The request pipeline itself lives in
+:mod:`services.router.generation`; this module converts protobuf at the edge,
+binds the request id to logs and maps errors to gRPC statuses:
+
+* INVALID_ARGUMENT / OUT_OF_RANGE: a bad field; the message names it.
+* INVALID_ARGUMENT also for an unknown ``model``; the message lists the served ids.
+* FAILED_PRECONDITION: ``GenerateStream`` got a second ``start`` while a
+  generation still runs on the stream (the stream ends; send ``cancel`` and
+  wait for the final message, or wait for it, before the next ``start``).
+* RESOURCE_EXHAUSTED: every engine replica refused for lack of capacity.
+* UNAVAILABLE: no engine replica (or the tokenizer) is reachable, the router is
+  still starting, or it is draining.
+* DEADLINE_EXCEEDED: the call's deadline passed (every hop gets the time left).
+* INTERNAL: a bug; the message carries the request id to find the logs.
+
+Request id: ``GenerateRequest.request_id``, else ``x-request-id`` metadata,
+else a new one; echoed in every response, in trailing metadata
+(``x-request-id``) and bound to every log line of the request. Prompt and
+output text are logged only with ``--log-content``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from llmesh.v1 import generation_pb2, generation_pb2_grpc
+from services.common.grpc_util import request_id_from
+from services.common.logging import REQUEST_ID_METADATA_KEY, bind_request_id
+from services.common.sampling import FinishReason, InvalidRequestError
+from services.router.clients import (
+    CacheClient,
+    EngineClient,
+    ModelInfo,
+    TokenizerClient,
+    TokenizerInfo,
+)
+from services.router.generation import (
+    Delta,
+    Event,
+    Finished,
+    GenerationError,
+    GenerationPipeline,
+    Progress,
+)
+from services.router.metrics import RouterMetrics
+from services.router.validation import (
+    GenerationRequest,
+    ModelLimits,
+    validate_request,
+    validate_request_id,
+)
+
+log = structlog.get_logger()
+
+#: After the tokenizer and engines are up, how long start() still waits for the
+#: (optional) cache before serving without it (seconds).
+CACHE_GRACE_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The router's own settings (the common server flags are separate).
+
+    Attributes:
+      tokenizer: ``host:port`` of the tokenizer service.
+      engines: ``host:port`` of each engine replica (at least one).
+      cache: ``host:port`` of the cache service, or None to run without one.
+      default_max_tokens: completion tokens when a request sets none.
+      max_tokens_cap: most completion tokens a request may ask for.
+      log_content: log prompt and output text (off: they may be private).
+      startup_timeout: seconds start() waits for tokenizer and engines to serve.
+      cache_timeout: the most seconds one cache call may take.
+    """
+
+    tokenizer: str
+    engines: tuple[str, ...]
+    cache: str | None = None
+    default_max_tokens: int = 256
+    max_tokens_cap: int = 4096
+    log_content: bool = False
+    startup_timeout: float = 600.0
+    cache_timeout: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not self.engines:
+            raise ValueError("at least one engine address is needed (--engine HOST:PORT)")
+        if self.max_tokens_cap < 1:
+            raise ValueError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
+        if not 1 <= self.default_max_tokens <= self.max_tokens_cap:
+            raise ValueError(
+                f"default_max_tokens must be in [1, max_tokens_cap={self.max_tokens_cap}], "
+                f"got {self.default_max_tokens}")
+
+
+class _Abort(Exception):
+    """Ends the call with ``code`` and ``message`` (raised inside handlers)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class _StreamGeneration:
+    """The generation running on a ``GenerateStream`` call."""
+
+    number: int
+    request_id: str
+    task: asyncio.Task[None]
+    progress: Progress = field(default_factory=Progress)
+
+
+#: The router ends a call this many seconds before the client's deadline, so its
+#: DEADLINE_EXCEEDED status (and the engine's cancel) lands before the deadline
+#: resets the stream at Envoy or gRPC (a reset reaches the client as INTERNAL).
+DEADLINE_MARGIN_SECONDS = 0.1
+
+
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    """The router's deadline for the call as ``time.monotonic()`` seconds, or None:
+    the client's deadline less :data:`DEADLINE_MARGIN_SECONDS`."""
+    remaining = context.time_remaining()
+    if remaining is None:
+        return None
+    return time.monotonic() + remaining - DEADLINE_MARGIN_SECONDS
+
+
+def _response(request_id: str, event: Event) -> generation_pb2.GenerateResponse:
+    if isinstance(event, Delta):
+        return generation_pb2.GenerateResponse(
+            request_id=request_id, text=event.text, token_ids=event.token_ids)
+    return generation_pb2.GenerateResponse(
+        request_id=request_id, finish_reason=int(event.reason),
+        matched_stop=event.matched_stop, usage=event.usage.to_pb(), cached=event.cached)
+
+
+def _as_abort(err: BaseException, request_id: str) -> _Abort:
+    """The status for an exception out of validation or the pipeline."""
+    if isinstance(err, _Abort):
+        return err
+    if isinstance(err, InvalidRequestError):
+        return _Abort(err.code, str(err))
+    if isinstance(err, GenerationError):
+        return _Abort(err.code, err.message)
+    log.error("internal_error", exc_info=err)
+    return _Abort(grpc.StatusCode.INTERNAL,
+                  f"internal error in the router (request_id={request_id}); see its logs")
+
+
+class RouterService(generation_pb2_grpc.GenerationServiceServicer):
+    """The router: public API, validation, routing and stop strings."""
+
+    service_names = ("llmesh.v1.GenerationService",)
+
+    def __init__(self, config: RouterConfig, *, metrics: RouterMetrics | None = None) -> None:
+        """Args:
+          config: addresses and limits.
+          metrics: the metric families (default: on the process-wide registry).
+        """
+        self.config = config
+        self.metrics = metrics if metrics is not None else RouterMetrics()
+        self.models: dict[str, ModelLimits] = {}
+        self.default_model = ""
+        self._pipeline: GenerationPipeline | None = None
+        self._tokenizer: TokenizerClient | None = None
+        self._engines: list[EngineClient] = []
+        self._cache: CacheClient | None = None
+        self._draining = False
+
+    # ------------------------------------------------------------ lifecycle
+
+    def register(self, server: grpc.aio.Server) -> None:
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(self, server)
+
+    async def start(self) -> None:
+        """Connects to tokenizer, engines and cache, waits for them to serve, reads
+        the model's limits. Health turns SERVING when this returns.
+
+        Raises:
+          UpstreamError: the tokenizer or an engine did not serve within
+            ``startup_timeout`` seconds.
+          RuntimeError: the engine replicas serve different models.
+        """
+        cfg = self.config
+        self._tokenizer = TokenizerClient(cfg.tokenizer)
+        self._engines = [EngineClient(target) for target in cfg.engines]
+        self._cache = CacheClient(cfg.cache, timeout=cfg.cache_timeout) if cfg.cache else None
+        cache_ready = (asyncio.create_task(self._cache.wait_until_serving(cfg.startup_timeout))
+                       if self._cache is not None else None)
+        try:
+            await asyncio.gather(
+                self._tokenizer.wait_until_serving(cfg.startup_timeout),
+                *(engine.wait_until_serving(cfg.startup_timeout) for engine in self._engines))
+            infos = await asyncio.gather(*(engine.model_info() for engine in self._engines))
+            tok_info = await self._tokenizer.info()
+        except BaseException:
+            if cache_ready is not None:
+                cache_ready.cancel()
+            raise
+        self._set_models(infos, tok_info)
+        if cache_ready is not None:
+            await self._await_cache(cache_ready)
+        self._pipeline = GenerationPipeline(
+            tokenizer=self._tokenizer, engines=self._engines, cache=self._cache,
+            models=self.models, metrics=self.metrics, log_content=cfg.log_content)
+        limits = self.models[self.default_model]
+        log.info("router_ready", model=limits.model, max_model_len=limits.max_model_len,
+                 engines=list(cfg.engines), tokenizer=cfg.tokenizer, cache=cfg.cache,
+                 chat=limits.has_chat_template, backends=sorted({i.backend for i in infos}))
+
+    def _set_models(self, infos: list[ModelInfo], tok: TokenizerInfo) -> None:
+        names = {info.model for info in infos}
+        if len(names) > 1:
+            raise RuntimeError(
+                f"engine replicas serve different models {sorted(names)}; one router serves "
+                "one model (it has one tokenizer)")
+        model = infos[0].model or tok.model or "default"
+        if tok.model and tok.model != model:
+            log.warning("tokenizer_model_differs", engine_model=model, tokenizer_model=tok.model)
+        max_model_len = min(info.max_model_len for info in infos)
+        if max_model_len < 2:
+            raise RuntimeError(f"engines report max_model_len={max_model_len}; need >= 2")
+        cap = min(self.config.max_tokens_cap, max_model_len - 1)
+        self.models = {model: ModelLimits(
+            model=model, max_model_len=max_model_len,
+            vocab_size=infos[0].vocab_size or tok.vocab_size or None,
+            has_chat_template=tok.has_chat_template,
+            default_max_tokens=min(self.config.default_max_tokens, cap), max_tokens_cap=cap,
+            eos_token_ids=tuple(sorted({*infos[0].eos_token_ids, *tok.eos_token_ids})))}
+        self.default_model = model
+
+    async def _await_cache(self, ready: asyncio.Task[None]) -> None:
+        assert self._cache is not None
+        done, _ = await asyncio.wait({ready}, timeout=CACHE_GRACE_SECONDS)
+        if ready in done and ready.exception() is None:
+            return
+        if ready not in done:
+            ready.cancel()
+        # The cache is optional: serve without hits until it answers.
+        log.warning("cache_not_ready", target=self._cache.target,
+                    detail=str(ready.exception()) if ready in done else "still starting")
+
+    async def drain(self) -> None:
+        """Refuses new generations (UNAVAILABLE); running ones may finish."""
+        self._draining = True
+
+    async def close(self) -> None:
+        """Closes the channels (after the server stopped)."""
+        if self._pipeline is not None:
+            await self._pipeline.close()
+        clients = [self._tokenizer, self._cache, *self._engines]
+        await asyncio.gather(*(c.close() for c in clients if c is not None),
+                             return_exceptions=True)
+
+    # -------------------------------------------------------------- helpers
+
+    def _admit(self) -> GenerationPipeline:
+        if self._draining:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE,
+                         "the router is draining (shutting down); retry on another instance")
+        if self._pipeline is None:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE,
+                         "the router is starting (waiting for tokenizer and engines)")
+        return self._pipeline
+
+    def _validate(self, pb: generation_pb2.GenerateRequest, request_id: str) -> GenerationRequest:
+        return validate_request(pb, request_id=request_id, models=self.models,
+                                default_model=self.default_model)
+
+    @staticmethod
+    async def _abort(context: grpc.aio.ServicerContext, err: _Abort, request_id: str) -> None:
+        if err.code != grpc.StatusCode.CANCELLED:
+            log.info("request_refused", code=err.code.name, message=err.message)
+        await context.abort(err.code, err.message,
+                            trailing_metadata=((REQUEST_ID_METADATA_KEY, request_id),))
+
+    # ------------------------------------------------------------------ RPCs
+
+    async def Generate(  # noqa: N802 (gRPC method name)
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """Server-streaming generation: text deltas, then one final message."""
+        received_at = time.monotonic()
+        # An invalid request.request_id is refused by validation below; until then
+        # a safe id stands in (it goes into metadata and logs).
+        request_id = _safe_request_id(request_id_from(context, request.request_id))
+        bind_request_id(request_id)
+        context.set_trailing_metadata(((REQUEST_ID_METADATA_KEY, request_id),))
+        failure: _Abort | None = None
+        try:
+            pipeline = self._admit()
+            validated = self._validate(request, request_id)
+            events = pipeline.generate(validated, received_at=received_at,
+                                       deadline=_deadline(context))
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    yield _response(request_id, event)
+        except Exception as err:  # noqa: BLE001 - every failure becomes a status
+            failure = _as_abort(err, request_id)
+        if failure is not None:
+            await self._abort(context, failure, request_id)
+
+    async def GenerateStream(  # noqa: N802 (gRPC method name)
+        self, request_iterator: AsyncIterator[generation_pb2.GenerateStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """Bidirectional generation: ``start``, deltas, optional ``cancel``, next ``start``.
+
+        One generation runs at a time. A ``cancel`` (without ``request_id``, or
+        with the running one's) ends the running generation with a final
+        FINISH_REASON_CANCELLED message; a cancel with nothing running, or naming
+        another id (e.g. one that just ended), is ignored. A second ``start``
+        while one runs ends the stream with FAILED_PRECONDITION. A failed
+        generation ends the stream with its status. When the client half-closes,
+        the running generation finishes, then the call ends OK.
+        """
+        stream_id = _safe_request_id(request_id_from(context))
+        bind_request_id(stream_id)
+        # One queue, one consumer: client messages and generation events arrive
+        # here, and only this task writes to the call.
+        inbox: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
+        reader = asyncio.create_task(self._read_client(request_iterator, inbox))
+        current: _StreamGeneration | None = None
+        count = 0
+        client_done = False
+        last_id = stream_id
+        try:
+            while not (client_done and current is None):
+                kind, payload = await inbox.get()
+                if kind == "client_error":
+                    raise payload  # type: ignore[misc]
+                if kind == "client":
+                    if payload is None:
+                        client_done = True
+                        continue
+                    message = payload
+                    assert isinstance(message, generation_pb2.GenerateStreamRequest)
+                    action = message.WhichOneof("action")
+                    if action == "start":
+                        if current is not None:
+                            raise _Abort(
+                                grpc.StatusCode.FAILED_PRECONDITION,
+                                f"start: generation {current.request_id!r} is still running on "
+                                "this stream; send cancel or wait for its final message first")
+                        count += 1
+                        current = self._start_on_stream(message.start, context, count,
+                                                        stream_id, inbox)
+                        last_id = current.request_id
+                    elif action == "cancel":
+                        if current is not None and message.cancel.request_id in (
+                                "", current.request_id):
+                            await self._cancel_on_stream(current, context)
+                            current = None
+                        else:
+                            log.info("cancel_ignored", cancel_request_id=message.cancel.request_id)
+                    else:
+                        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                     "action: set `start` or `cancel`")
+                    continue
+                # kind == "event": (generation number, Event or exception)
+                number, item = payload  # type: ignore[misc]
+                if current is None or number != current.number:
+                    continue  # left over from a cancelled generation
+                if isinstance(item, BaseException):
+                    raise item
+                assert isinstance(item, (Delta, Finished))
+                await context.write(generation_pb2.GenerateStreamResponse(
+                    response=_response(current.request_id, item)))
+                if isinstance(item, Finished):
+                    current = None
+        except Exception as err:  # noqa: BLE001 - every failure becomes a status
+            failure = _as_abort(err, last_id)
+            if current is not None:
+                current.task.cancel()
+            await self._abort(context, failure, last_id)
+        finally:
+            reader.cancel()
+            if current is not None:
+                current.task.cancel()
+
+    async def ListModels(  # noqa: N802 (gRPC method name)
+        self, request: generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext,
+    ) -> generation_pb2.ListModelsResponse:
+        """The served models with their context window and max_tokens cap."""
+        return generation_pb2.ListModelsResponse(models=[
+            generation_pb2.ModelCard(id=m.model, max_model_len=m.max_model_len,
+                                     max_tokens_cap=m.max_tokens_cap, chat=m.has_chat_template)
+            for m in self.models.values()
+        ])
+
+    # ------------------------------------------------------ stream helpers
+
+    @staticmethod
+    async def _read_client(request_iterator: AsyncIterator[generation_pb2.GenerateStreamRequest],
+                           inbox: asyncio.Queue[tuple[str, object]]) -> None:
+        try:
+            async for message in request_iterator:
+                inbox.put_nowait(("client", message))
+            inbox.put_nowait(("client", None))
+        except Exception as err:  # noqa: BLE001 - handed to the handler task
+            inbox.put_nowait(("client_error", err))
+
+    def _start_on_stream(
+        self, start: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+        number: int, stream_id: str, inbox: asyncio.Queue[tuple[str, object]],
+    ) -> _StreamGeneration:
+        received_at = time.monotonic()
+        pipeline = self._admit()
+        if start.request_id:
+            request_id = _safe_request_id(start.request_id)  # validation refuses a bad one
+        elif number == 1:
+            request_id = stream_id
+        else:
+            request_id = _safe_request_id(f"{stream_id}.{number}")
+        validated = self._validate(start, request_id)
+        progress = Progress()
+        task = asyncio.create_task(self._produce(
+            pipeline, validated, number, received_at, _deadline(context), progress, inbox))
+        return _StreamGeneration(number, validated.request_id, task, progress)
+
+    @staticmethod
+    async def _produce(pipeline: GenerationPipeline, request: GenerationRequest, number: int,
+                       received_at: float, deadline: float | None, progress: Progress,
+                       inbox: asyncio.Queue[tuple[str, object]]) -> None:
+        """Runs one generation, handing its events (or its error) to the handler."""
+        bind_request_id(request.request_id)
+        try:
+            events = pipeline.generate(request, received_at=received_at, deadline=deadline,
+                                       progress=progress)
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    inbox.put_nowait(("event", (number, event)))
+        except Exception as err:  # noqa: BLE001 - handed to the handler task
+            inbox.put_nowait(("event", (number, err)))
+
+    @staticmethod
+    async def _cancel_on_stream(current: _StreamGeneration,
+                                context: grpc.aio.ServicerContext) -> None:
+        current.task.cancel()
+        await asyncio.wait({current.task})  # its finally blocks closed the engine stream
+        final = Finished(FinishReason.CANCELLED, "", current.progress.usage())
+        await context.write(generation_pb2.GenerateStreamResponse(
+            response=_response(current.request_id, final)))
+
+
+def _safe_request_id(request_id: str) -> str:
+    """``request_id`` if it is a valid id, else a new one (for ids from metadata)."""
+    try:
+        validate_request_id(request_id)
+    except InvalidRequestError:
+        return uuid.uuid4().hex
+    return request_id or uuid.uuid4().hex
+
+
+__all__ = ["RouterConfig", "RouterService"]

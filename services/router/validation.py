@@ -1,0 +1,232 @@
+"""Validation of the public ``GenerateRequest`` into a typed request.
+
+Every bad field raises :class:`InvalidRequestError` (from
+``services.common.sampling``) whose message starts with the field's name as the
+client wrote it (``prompt``, ``chat.messages[2].role``, ``sampling.top_p``)
+and says what is allowed. Codes:
+
+* INVALID_ARGUMENT: a malformed or missing value.
+* OUT_OF_RANGE: a value beyond a limit: ``sampling.max_tokens`` above the
+  server cap, or a prompt that leaves no room in the context window.
+* INVALID_ARGUMENT also for an unknown ``model``; the message lists the
+  known model ids. (generation.proto's comment still says NOT_FOUND; the
+  mesh's tests and brief say INVALID_ARGUMENT: one constant,
+  :data:`UNKNOWN_MODEL_CODE`, decides.)
+
+Validation runs in two steps: :func:`validate_request` checks what can be
+checked on the request alone; :func:`fit_to_context` checks the prompt's token
+count once the tokenizer has produced it.
+
+Context window policy: ``max_tokens`` (explicit or the server default) is
+*clamped* to the room the prompt leaves (``max_model_len - prompt_tokens``),
+as vLLM does when no explicit limit is given; such a generation ends with
+FINISH_REASON_LENGTH when the window is full. Only a prompt that leaves no
+room for even one generated token is refused (OUT_OF_RANGE).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import grpc
+
+from llmesh.v1 import common_pb2, generation_pb2
+from services.common.sampling import InvalidRequestError, Priority, SamplingOptions
+from services.router.clients import ChatMessage
+
+#: Most characters in a caller-chosen request id (it travels as gRPC metadata).
+MAX_REQUEST_ID_LENGTH = 128
+#: Most stop strings per request.
+MAX_STOP_STRINGS = 16
+#: Most characters in one stop string (held-back text is at most this long).
+MAX_STOP_STRING_LENGTH = 256
+#: Status for an unknown model id.
+UNKNOWN_MODEL_CODE = grpc.StatusCode.INVALID_ARGUMENT
+
+_KNOWN_PRIORITIES = (
+    common_pb2.PRIORITY_UNSPECIFIED, common_pb2.PRIORITY_INTERACTIVE, common_pb2.PRIORITY_BATCH,
+)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the router serves for one model id.
+
+    Attributes:
+      model: model id as listed by ListModels.
+      max_model_len: context window in tokens (prompt + completion).
+      vocab_size: vocabulary size (token ids must be below it), or None if unknown.
+      has_chat_template: whether chat input is accepted.
+      default_max_tokens: completion tokens when the request sets none.
+      max_tokens_cap: most completion tokens a request may ask for.
+      eos_token_ids: the model's end-of-sequence ids (their text is never returned).
+    """
+
+    model: str
+    max_model_len: int
+    vocab_size: int | None
+    has_chat_template: bool
+    default_max_tokens: int
+    max_tokens_cap: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request.
+
+    Exactly one of ``prompt`` and ``messages`` is set. ``sampling.max_tokens``
+    is the requested (or default) count, before clamping to the context window.
+    ``bypass_cache``: skip the response-cache lookup (a fresh answer is still
+    stored).
+    """
+
+    request_id: str
+    model: str
+    prompt: str | None
+    messages: tuple[ChatMessage, ...] | None
+    sampling: SamplingOptions
+    priority: Priority
+    bypass_cache: bool = False
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+    @property
+    def input_field(self) -> str:
+        """Field name to blame for the prompt's length (``prompt`` or ``chat.messages``)."""
+        return "chat.messages" if self.is_chat else "prompt"
+
+
+def validate_request_id(request_id: str) -> None:
+    """A request id is 1..128 printable ASCII characters (it becomes metadata).
+
+    Raises:
+      InvalidRequestError: INVALID_ARGUMENT naming ``request_id``.
+    """
+    if len(request_id) > MAX_REQUEST_ID_LENGTH:
+        raise InvalidRequestError(
+            "request_id", f"must be at most {MAX_REQUEST_ID_LENGTH} characters, "
+            f"got {len(request_id)}")
+    if not all(" " <= ch <= "~" for ch in request_id):
+        raise InvalidRequestError(
+            "request_id", "must be printable ASCII (characters 0x20..0x7e)")
+
+
+def resolve_model(name: str, models: Mapping[str, ModelLimits], default: str) -> ModelLimits:
+    """The model a request names ("" means ``default``).
+
+    Raises:
+      InvalidRequestError: :data:`UNKNOWN_MODEL_CODE` naming ``model`` and listing
+        the known ids.
+    """
+    limits = models.get(name or default)
+    if limits is None:
+        known = ", ".join(repr(m) for m in sorted(models))
+        raise InvalidRequestError(
+            "model", f"unknown model {name!r}; this mesh serves {known} "
+            "(or leave it empty for the default)", UNKNOWN_MODEL_CODE)
+    return limits
+
+
+def _validate_messages(chat: generation_pb2.Chat, limits: ModelLimits) -> tuple[ChatMessage, ...]:
+    if not limits.has_chat_template:
+        raise InvalidRequestError(
+            "chat", f"model {limits.model!r} has no chat template; send `prompt` text instead")
+    if not chat.messages:
+        raise InvalidRequestError(
+            "chat.messages", "must hold at least one message (role and content)")
+    for i, message in enumerate(chat.messages):
+        if not message.role.strip():
+            raise InvalidRequestError(
+                f"chat.messages[{i}].role",
+                "must be non-empty, e.g. \"system\", \"user\" or \"assistant\"")
+    return tuple(ChatMessage(m.role, m.content) for m in chat.messages)
+
+
+def _validate_stops(sampling: common_pb2.SamplingParams) -> None:
+    if len(sampling.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(
+            "sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(sampling.stop)}")
+    for stop in sampling.stop:
+        if len(stop) > MAX_STOP_STRING_LENGTH:
+            raise InvalidRequestError(
+                "sampling.stop", f"each stop string must be at most {MAX_STOP_STRING_LENGTH} "
+                f"characters, got one of {len(stop)}")
+
+
+def validate_request(
+    pb: generation_pb2.GenerateRequest, *, request_id: str,
+    models: Mapping[str, ModelLimits], default_model: str,
+) -> GenerationRequest:
+    """Validates every field of ``pb`` that needs no tokenizer.
+
+    Args:
+      request_id: the id to use (from ``pb.request_id``, metadata or new); it is
+        checked only when the client set ``pb.request_id``.
+      models: the served models by id.
+      default_model: the id used when ``pb.model`` is empty.
+
+    Raises:
+      InvalidRequestError: the first bad field, with its gRPC code.
+    """
+    if pb.request_id:
+        validate_request_id(pb.request_id)
+    limits = resolve_model(pb.model, models, default_model)
+    which = pb.WhichOneof("input")
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    if which is None:
+        raise InvalidRequestError(
+            "input", "set exactly one of `prompt` (raw text) or `chat` (messages)")
+    if which == "prompt":
+        if not pb.prompt:
+            raise InvalidRequestError("prompt", "must be non-empty text")
+        prompt = pb.prompt
+    else:
+        messages = _validate_messages(pb.chat, limits)
+    _validate_stops(pb.sampling)
+    sampling = SamplingOptions.from_pb(
+        pb.sampling, default_max_tokens=limits.default_max_tokens,
+        max_tokens_cap=limits.max_tokens_cap, vocab_size=limits.vocab_size,
+    )
+    if pb.priority not in _KNOWN_PRIORITIES:
+        raise InvalidRequestError(
+            "priority", f"unknown value {pb.priority}; use PRIORITY_INTERACTIVE (1) or "
+            "PRIORITY_BATCH (2)")
+    return GenerationRequest(
+        request_id=request_id, model=limits.model, prompt=prompt, messages=messages,
+        sampling=sampling, priority=Priority.from_pb(pb.priority),
+        # Not in generation.proto yet (the mesh tests send it): False until it is.
+        bypass_cache=pb.bypass_cache,
+    )
+
+
+def fit_to_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int, *,
+                   field: str) -> int:
+    """The completion budget once the prompt is tokenized.
+
+    Args:
+      num_prompt_tokens: tokens in the prompt (template applied).
+      max_tokens: requested completion tokens.
+      max_model_len: context window in tokens.
+      field: the input field to blame (``prompt`` or ``chat.messages``).
+
+    Returns:
+      ``min(max_tokens, max_model_len - num_prompt_tokens)``: at least 1.
+
+    Raises:
+      InvalidRequestError: INVALID_ARGUMENT when the prompt has no tokens;
+        OUT_OF_RANGE when ``num_prompt_tokens + 1 > max_model_len``.
+    """
+    if num_prompt_tokens == 0:
+        raise InvalidRequestError(field, "the input produced no tokens; send some text")
+    if num_prompt_tokens + 1 > max_model_len:
+        raise InvalidRequestError(
+            field, f"the prompt is {num_prompt_tokens} tokens but the model's context window "
+            f"is {max_model_len} tokens, which must hold the prompt plus at least 1 generated "
+            f"token: shorten it to at most {max_model_len - 1} tokens",
+            grpc.StatusCode.OUT_OF_RANGE)
+    return min(max_tokens, max_model_len - num_prompt_tokens)

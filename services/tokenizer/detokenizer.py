@@ -1,0 +1,144 @@
+"""Incremental detokenization: token ids in, chunk by chunk; UTF-8-safe text deltas out.
+
+Algorithm: the prefix/read-offset window of text-generation-inference's
+``decode_token`` and vLLM's ``detokenize_incrementally`` (both Apache-2.0),
+re-derived here:
+
+* ``prefix_offset .. read_offset`` are ids whose text was already emitted;
+  they are decoded again as context, because a token's text depends on its
+  neighbours (SentencePiece's ``▁`` leading space and a leading-space strip,
+  byte-fallback ``<0xE6>`` tokens that only make a character together,
+  byte-level BPE tokens that hold half of an emoji's bytes);
+* on new ids, ``new = decode(ids[prefix_offset:])`` and
+  ``old = decode(ids[prefix_offset:read_offset])``; if ``new`` is longer and
+  does not end in U+FFFD, ``new[len(old):]`` is final: emit it and slide the
+  window (``prefix_offset = read_offset``, ``read_offset = len(ids)``);
+* if ``new`` ends in U+FFFD the last character's bytes are still incomplete:
+  emit the text up to the latest of the last 3 ids that ends a whole
+  character (a chunk of several ids that ends mid-character keeps back only
+  that character; an addition to the original algorithm, which keeps back
+  the whole chunk), or nothing, and wait for more ids.
+
+Each window starts at a character boundary (it is moved only when the text
+ends in a whole character), so the deltas concatenate to
+``decode(all_ids)`` for any split of the ids into chunks, and no U+FFFD ever
+comes from a half-received character. Only ids already emitted before the
+window are forgotten, so memory and per-step work stay constant however long
+the sequence grows.
+
+Invalid byte sequences (a model emitting garbage bytes) decode to U+FFFD in
+``decode`` too; they are held at most ``max_held_tokens`` ids and then
+emitted as they are, so garbage cannot grow the window without bound. For such
+input the deltas may differ from ``decode(all_ids)`` next to the bad bytes
+(how many U+FFFD stand for them); valid text elsewhere is unaffected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+_REPLACEMENT = "\ufffd"
+# A UTF-8 character has at most 4 bytes, so at most 3 trailing ids hold the
+# bytes of an incomplete last character.
+_MAX_PARTIAL_TOKENS = 3
+
+
+class Decoder(Protocol):
+    """Anything that turns ids into text (e.g. :class:`services.tokenizer.tokenizer.Tokenizer`)."""
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``token_ids``; incomplete or invalid UTF-8 bytes as U+FFFD."""
+        ...
+
+
+class IncrementalDetokenizer:
+    """Text deltas of one token sequence, fed in chunks of any size.
+
+    ``"".join(d.add(chunk) for chunk in chunks) + d.flush()`` equals
+    ``decoder.decode(all_ids, skip_special_tokens)`` for valid UTF-8 output,
+    whatever the chunking (see the module docstring for the algorithm and
+    its source). One instance per sequence; not thread-safe.
+    """
+
+    def __init__(
+        self,
+        decoder: Decoder,
+        skip_special_tokens: bool = False,
+        max_held_tokens: int = 16,
+    ) -> None:
+        """Args:
+          decoder: decodes ids (the model's tokenizer).
+          skip_special_tokens: leave special tokens (EOS, chat markers) out of the text.
+          max_held_tokens: most ids held back while the text ends in U+FFFD
+            before it is taken as a genuinely invalid byte sequence and
+            emitted (a UTF-8 character needs at most 4 byte tokens).
+        """
+        self._decoder = decoder
+        self._skip = skip_special_tokens
+        self._max_held = max_held_tokens
+        # ids[prefix_offset:] of the sequence; self._read = read_offset - prefix_offset.
+        self._ids: list[int] = []
+        self._read = 0
+        self._prefix_text: str | None = ""
+
+    @property
+    def skip_special_tokens(self) -> bool:
+        """Whether special tokens are left out of the text."""
+        return self._skip
+
+    @property
+    def num_held_tokens(self) -> int:
+        """Ids received whose text has not been emitted yet."""
+        return len(self._ids) - self._read
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Feeds the next ids; returns the text they made final (may be "").
+
+        Ids must be valid for the decoder (check them first: out-of-range ids
+        make the decoder raise).
+        """
+        if not token_ids:
+            return ""
+        self._ids.extend(token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Ends the sequence: returns all text still held back (incomplete
+        bytes as U+FFFD) and resets, so the next :meth:`add` starts a new sequence."""
+        text = self._advance(final=True) if self._read < len(self._ids) else ""
+        self._ids.clear()
+        self._read = 0
+        self._prefix_text = ""
+        return text
+
+    def _advance(self, final: bool) -> str:
+        decode = self._decoder.decode
+        if self._prefix_text is None:
+            self._prefix_text = decode(self._ids[: self._read], self._skip)
+        prefix_text = self._prefix_text
+        new_text = decode(self._ids, self._skip)
+        if final:
+            return self._emit(new_text[len(prefix_text):], len(self._ids))
+        if len(new_text) <= len(prefix_text):
+            return ""  # e.g. only skipped special tokens so far
+        if not new_text.endswith(_REPLACEMENT):
+            return self._emit(new_text[len(prefix_text):], len(self._ids))
+        # The last character's bytes are incomplete. Its bytes lie in the last
+        # _MAX_PARTIAL_TOKENS ids at most: emit up to the latest id that ends a
+        # whole character, so a chunk ending mid-character holds back only that.
+        last = len(self._ids)
+        for end in range(last - 1, max(self._read, last - _MAX_PARTIAL_TOKENS - 1), -1):
+            text = decode(self._ids[:end], self._skip)
+            if len(text) > len(prefix_text) and not text.endswith(_REPLACEMENT):
+                return self._emit(text[len(prefix_text):], end)
+        if self.num_held_tokens > self._max_held:
+            return self._emit(new_text[len(prefix_text):], len(self._ids))  # invalid bytes
+        return ""
+
+    def _emit(self, delta: str, read_end: int) -> str:
+        """Slides the window: ids before the read offset leave, ``read_end`` is the new read offset."""
+        del self._ids[: self._read]
+        self._read = read_end - self._read
+        self._prefix_text = None
+        return delta

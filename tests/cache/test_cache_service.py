@@ -1,0 +1,214 @@
+"""CacheService over real gRPC on loopback, with the memory and the Redis store."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+import redis
+from llmesh.v1 import cache_pb2, cache_pb2_grpc, common_pb2
+
+from services.cache.keys import response_key
+from services.cache.metrics import CacheMetrics
+from services.cache.service import CacheService
+from services.cache.store import MemoryStore, RedisStore, ResponseStore
+from tests.cache.helpers import make_key, make_response, sample, serve
+from tests.cache.redis_server import RedisProcess, start_redis_server
+
+Stub = cache_pb2_grpc.CacheServiceStub
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest, metrics: CacheMetrics) -> ResponseStore:
+    if request.param == "memory":
+        return MemoryStore()
+    request.getfixturevalue("redis_client")  # empties the database
+    server: RedisProcess = request.getfixturevalue("redis_server")
+    return RedisStore(server.url, metrics=metrics)
+
+
+@pytest.fixture
+async def stub(store: ResponseStore, metrics: CacheMetrics) -> AsyncIterator[Stub]:
+    async with serve(CacheService(store, default_ttl_seconds=600, metrics=metrics)) as s:
+        yield s
+
+
+async def get(stub: Stub, key: cache_pb2.CacheKey) -> cache_pb2.GetCachedResponseResponse:
+    return await stub.GetCachedResponse(cache_pb2.GetCachedResponseRequest(key=key))
+
+
+async def put(stub: Stub, key: cache_pb2.CacheKey, response: cache_pb2.CachedResponse,
+              ttl_seconds: int = 0) -> cache_pb2.PutCachedResponseResponse:
+    return await stub.PutCachedResponse(cache_pb2.PutCachedResponseRequest(
+        key=key, response=response, ttl_seconds=ttl_seconds))
+
+
+async def test_miss_put_hit_round_trip(stub: Stub, metrics: CacheMetrics) -> None:
+    key = make_key((10, 11, 12), max_tokens=32, stop=["\n\n"])
+    response = make_response((5, 6), "ok.", common_pb2.FINISH_REASON_STOP, matched_stop="\n\n")
+
+    miss = await get(stub, key)
+    assert miss.found is False and not miss.HasField("response")
+    assert (await put(stub, key, response)).stored is True
+    hit = await get(stub, key)
+    assert hit.found is True
+    assert hit.response == response
+    # Another prompt, model or max_tokens is another entry.
+    assert (await get(stub, make_key((10, 11, 13), max_tokens=32, stop=["\n\n"]))).found is False
+    assert (await get(stub, make_key((10, 11, 12), max_tokens=33, stop=["\n\n"]))).found is False
+    assert (await get(stub, make_key((10, 11, 12), model="other", max_tokens=32,
+                                     stop=["\n\n"]))).found is False
+
+    assert sample(metrics, "llmesh:response_cache_queries_total") == 5
+    assert sample(metrics, "llmesh:response_cache_hits_total") == 1
+    assert sample(metrics, "llmesh:response_cache_stores_total") == 1
+    assert sample(metrics, "llmesh:cache_request_duration_seconds_count",
+                  method="GetCachedResponse") == 5
+    assert sample(metrics, "llmesh:cache_request_duration_seconds_count",
+                  method="PutCachedResponse") == 1
+
+
+async def test_length_finish_is_cached_too(stub: Stub) -> None:
+    key = make_key(max_tokens=2)
+    response = make_response((1, 2), "ab", common_pb2.FINISH_REASON_LENGTH)
+    assert (await put(stub, key, response)).stored is True
+    assert (await get(stub, key)).response.finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+async def test_greedy_lookup_ignores_seed_and_explicit_defaults(stub: Stub) -> None:
+    await put(stub, make_key(seed=42), make_response(text="greedy"))
+    hit = await get(stub, make_key(temperature=0.0, top_p=1.0, top_k=0))
+    assert hit.found is True and hit.response.text == "greedy"
+
+
+async def test_seeded_sampled_request_is_cached_per_seed(stub: Stub) -> None:
+    key = make_key(temperature=0.8, seed=1)
+    assert (await put(stub, key, make_response(text="seed 1"))).stored is True
+    assert (await get(stub, key)).response.text == "seed 1"
+    assert (await get(stub, make_key(temperature=0.8, seed=2))).found is False
+
+
+async def test_put_of_a_sampled_request_without_seed_is_failed_precondition(
+        stub: Stub, metrics: CacheMetrics) -> None:
+    key = make_key(temperature=0.7)
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await put(stub, key, make_response())
+    assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "deterministic" in raised.value.details()
+    assert sample(metrics, "llmesh:response_cache_stores_total") == 0
+
+
+async def test_get_of_a_sampled_request_without_seed_is_a_miss_not_a_query(
+        stub: Stub, metrics: CacheMetrics) -> None:
+    assert (await get(stub, make_key(temperature=0.7))).found is False
+    assert sample(metrics, "llmesh:response_cache_queries_total") == 0
+
+
+@pytest.mark.parametrize("reason", [common_pb2.FINISH_REASON_CANCELLED,
+                                    common_pb2.FINISH_REASON_ERROR,
+                                    common_pb2.FINISH_REASON_UNSPECIFIED])
+async def test_unfinished_responses_are_not_stored(stub: Stub, reason: int,
+                                                   metrics: CacheMetrics) -> None:
+    key = make_key((99, reason))
+    assert (await put(stub, key, make_response(finish_reason=reason))).stored is False
+    assert (await get(stub, key)).found is False
+    assert sample(metrics, "llmesh:response_cache_stores_total") == 0
+
+
+@pytest.mark.parametrize(("request_", "details"), [
+    (cache_pb2.PutCachedResponseRequest(response=make_response()), "key: required"),
+    (cache_pb2.PutCachedResponseRequest(key=make_key(prompt=()), response=make_response()),
+     "key.prompt_token_ids"),
+    (cache_pb2.PutCachedResponseRequest(key=make_key(top_p=1.5), response=make_response()),
+     "key.sampling.top_p"),
+])
+async def test_invalid_keys_are_invalid_argument(stub: Stub, request_: object,
+                                                 details: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await stub.PutCachedResponse(request_)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert details in raised.value.details()
+    get_request = cache_pb2.GetCachedResponseRequest()
+    if request_.HasField("key"):
+        get_request.key.CopyFrom(request_.key)
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await stub.GetCachedResponse(get_request)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_ttl_of_the_request_or_the_default_reaches_redis(
+        redis_server: RedisProcess, redis_client: redis.Redis, metrics: CacheMetrics) -> None:
+    store = RedisStore(redis_server.url, metrics=metrics)
+    async with serve(CacheService(store, default_ttl_seconds=600, metrics=metrics)) as stub:
+        await put(stub, make_key((1,)), make_response(), ttl_seconds=30)
+        await put(stub, make_key((2,)), make_response())
+    assert 29_000 < redis_client.pttl(response_key(make_key((1,)))) <= 30_000
+    assert 599_000 < redis_client.pttl(response_key(make_key((2,)))) <= 600_000
+    stored = redis_client.get(response_key(make_key((2,))))
+    assert cache_pb2.CachedResponse.FromString(stored) == make_response()
+
+
+async def test_memory_entries_expire_by_request_ttl(metrics: CacheMetrics) -> None:
+    from tests.cache.helpers import FakeClock
+
+    clock = FakeClock()
+    service = CacheService(MemoryStore(clock=clock), default_ttl_seconds=600, metrics=metrics)
+    async with serve(service) as stub:
+        await put(stub, make_key((1,)), make_response(), ttl_seconds=30)
+        await put(stub, make_key((2,)), make_response())
+        clock.advance(30)
+        assert (await get(stub, make_key((1,)))).found is False
+        assert (await get(stub, make_key((2,)))).found is True
+        clock.advance(570)
+        assert (await get(stub, make_key((2,)))).found is False
+
+
+async def test_a_corrupt_entry_is_a_miss(metrics: CacheMetrics) -> None:
+    store = MemoryStore()
+    async with serve(CacheService(store, metrics=metrics)) as stub:
+        await store.put(response_key(make_key()), b"\xff\xff\xff", 60)
+        assert (await get(stub, make_key())).found is False
+        assert sample(metrics, "llmesh:response_cache_hits_total") == 0
+
+
+async def test_draining_service_answers_unavailable(metrics: CacheMetrics) -> None:
+    service = CacheService(MemoryStore(), metrics=metrics)
+    async with serve(service) as stub:
+        await service.drain()
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await get(stub, make_key())
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_redis_killed_mid_run_then_restarted(metrics: CacheMetrics) -> None:
+    server = start_redis_server()
+    try:
+        store = RedisStore(server.url, retry_interval_seconds=0.05, metrics=metrics)
+        async with serve(CacheService(store, metrics=metrics)) as stub:
+            key = make_key((4, 5, 6))
+            assert (await put(stub, key, make_response())).stored is True
+            assert (await get(stub, key)).found is True
+
+            server.kill()
+            started = time.perf_counter()
+            assert (await get(stub, key)).found is False
+            assert (await put(stub, key, make_response())).stored is False
+            assert (await get(stub, key)).found is False
+            assert time.perf_counter() - started < 0.5
+            assert sample(metrics, "llmesh:cache_backend_errors_total",
+                          backend="redis", operation="get") >= 1
+            assert sample(metrics, "llmesh:cache_backend_up", backend="redis") == 0
+
+            server.restart()  # same port, empty
+            deadline = time.monotonic() + 5.0
+            while not (await put(stub, key, make_response(text="after"))).stored:
+                assert time.monotonic() < deadline, "the service never reconnected"
+                await asyncio.sleep(0.02)
+            hit = await get(stub, key)
+            assert hit.found is True and hit.response.text == "after"
+            assert sample(metrics, "llmesh:cache_backend_up", backend="redis") == 1
+    finally:
+        server.stop()

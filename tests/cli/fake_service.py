@@ -1,0 +1,139 @@
+"""A stand-in llmesh service for the launcher and Envoy tests.
+
+Runs on the real server kit (:func:`services.common.server.run_service`), so it
+binds, writes its port file, serves health and reflection and drains on
+SIGTERM exactly like a real service. With ``--role router`` it also serves
+``llmesh.v1.GenerationService`` from the real proto:
+
+* ``Generate`` streams the input's words back, one delta per word, with
+  ``--delay`` seconds before each; the last message carries
+  ``finish_reason`` (STOP, or LENGTH when ``sampling.max_tokens`` cut it) and
+  ``usage``. ``request_id`` is the id the call arrived with (Envoy's
+  ``x-request-id`` when it came through Envoy). A prompt starting with
+  ``sleep:S`` waits S seconds between words instead. The prompt ``fail`` ends
+  the call with INVALID_ARGUMENT.
+* ``ListModels`` returns one model, ``fake-model``.
+
+Every other flag it is given (``--tokenizer``, ``--engine``, ``--model-path``,
+...) is accepted and written, with the whole argv, to ``<port-file>.argv.json``
+so a test can check what the launcher passed. ``--load-seconds`` delays
+SERVING (a model load); ``--fail-start`` makes the start fail (exit non-zero).
+
+Run as a script: ``python tests/cli/fake_service.py --role router --port 0 ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import grpc
+
+from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from services.common.grpc_util import request_id_from
+from services.common.server import add_server_arguments, run_service, server_config_from_args
+
+_SERVICE_NAMES = {
+    "router": ("llmesh.v1.GenerationService",),
+    "tokenizer": ("llmesh.v1.TokenizerService",),
+    "cache": ("llmesh.v1.CacheService",),
+    "engine": ("llmesh.v1.EngineService",),
+}
+
+
+class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
+    """The test double of the router's public API."""
+
+    def __init__(self, delay: float) -> None:
+        self._delay = delay
+
+    async def Generate(self, request, context):  # noqa: N802 (gRPC name)
+        if request.WhichOneof("input") == "chat":
+            text = " ".join(m.content for m in request.chat.messages)
+        else:
+            text = request.prompt
+        if text == "fail":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: fail was asked for")
+        delay = self._delay
+        if text.startswith("sleep:"):
+            head, _, text = text.partition(" ")
+            delay = float(head.removeprefix("sleep:"))
+        request_id = request_id_from(context, request.request_id)
+        words = text.split()
+        limit = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else None
+        emitted = words if limit is None else words[:limit]
+        for index, word in enumerate(emitted):
+            if delay:
+                await asyncio.sleep(delay)
+            yield generation_pb2.GenerateResponse(
+                request_id=request_id, text=word + " ", token_ids=[index]
+            )
+        finish = (
+            common_pb2.FINISH_REASON_LENGTH
+            if limit is not None and len(words) > limit
+            else common_pb2.FINISH_REASON_STOP
+        )
+        yield generation_pb2.GenerateResponse(
+            request_id=request_id,
+            finish_reason=finish,
+            usage=common_pb2.Usage(prompt_tokens=len(words), completion_tokens=len(emitted)),
+        )
+
+    async def ListModels(self, request, context):  # noqa: N802
+        return generation_pb2.ListModelsResponse(
+            models=[
+                generation_pb2.ModelCard(
+                    id="fake-model", max_model_len=2048, max_tokens_cap=256, chat=True
+                )
+            ]
+        )
+
+
+class FakeService:
+    """A :class:`services.common.server.Service` that only pretends to load."""
+
+    def __init__(self, role: str, load_seconds: float, fail_start: bool, delay: float) -> None:
+        self.service_names = _SERVICE_NAMES[role]
+        self._role = role
+        self._load_seconds = load_seconds
+        self._fail_start = fail_start
+        self._delay = delay
+
+    def register(self, server: grpc.aio.Server) -> None:
+        if self._role == "router":
+            generation_pb2_grpc.add_GenerationServiceServicer_to_server(
+                FakeGeneration(self._delay), server
+            )
+
+    async def start(self) -> None:
+        await asyncio.sleep(self._load_seconds)
+        if self._fail_start:
+            print("fake start failure: the model file is unreadable", file=sys.stderr)
+            raise RuntimeError("fake start failure")
+
+    async def drain(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    parser.add_argument("--role", choices=sorted(_SERVICE_NAMES), required=True)
+    parser.add_argument("--load-seconds", type=float, default=0.0)
+    parser.add_argument("--fail-start", action="store_true")
+    parser.add_argument("--delay", type=float, default=0.0)
+    args, _unknown = parser.parse_known_args()
+    if args.port_file is not None:
+        Path(f"{args.port_file}.argv.json").write_text(json.dumps(sys.argv[1:]))
+    service = FakeService(args.role, args.load_seconds, args.fail_start, args.delay)
+    asyncio.run(run_service(server_config_from_args(args.role, args), service))
+
+
+if __name__ == "__main__":
+    main()

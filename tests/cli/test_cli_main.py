@@ -1,0 +1,105 @@
+"""``llmesh generate`` / ``llmesh models`` against a real Envoy and a stand-in
+router, and the request the CLI builds from its flags."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from llmesh.v1 import common_pb2
+from services.cli import main as cli
+from services.cli.mesh import EnvoyProcess
+
+
+def _request(*argv: str):
+    args = cli.build_parser().parse_args(["generate", *argv])
+    return cli._request(args)
+
+
+def test_grpc_target_accepts_urls() -> None:
+    assert cli.grpc_target("127.0.0.1:8080") == "127.0.0.1:8080"
+    assert cli.grpc_target("http://localhost:9000/") == "localhost:9000"
+
+
+def test_generate_sends_chat_by_default() -> None:
+    request = _request("Why is the sky blue?")
+    assert request.WhichOneof("input") == "chat"
+    assert [(m.role, m.content) for m in request.chat.messages] == [
+        ("user", "Why is the sky blue?")]
+    assert request.priority == common_pb2.PRIORITY_INTERACTIVE
+    for name in ("temperature", "top_p", "top_k", "seed", "max_tokens"):
+        assert not request.sampling.HasField(name), name
+
+
+def test_generate_raw_system_and_sampling_flags() -> None:
+    request = _request("Once upon", "--raw", "--max-tokens", "7", "--temperature", "0",
+                       "--seed", "3", "--stop", "\n\n", "--stop", "END", "--batch")
+    assert request.WhichOneof("input") == "prompt" and request.prompt == "Once upon"
+    assert request.sampling.HasField("temperature") and request.sampling.temperature == 0.0
+    assert request.sampling.max_tokens == 7 and request.sampling.seed == 3
+    assert list(request.sampling.stop) == ["\n\n", "END"]
+    assert request.priority == common_pb2.PRIORITY_BATCH
+    chat = _request("Hi", "--system", "Be brief.")
+    assert [(m.role, m.content) for m in chat.chat.messages] == [("system", "Be brief."),
+                                                                ("user", "Hi")]
+
+
+def test_url_and_ports_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMESH_URL", "10.0.0.1:1234")
+    monkeypatch.setenv("LLMESH_PORT", "18080")
+    monkeypatch.setenv("LLMESH_ADMIN_PORT", "19901")
+    parser = cli.build_parser()
+    assert parser.parse_args(["generate", "x"]).url == "10.0.0.1:1234"
+    assert parser.parse_args(["models"]).url == "10.0.0.1:1234"
+    up = parser.parse_args(["up"])
+    assert (up.port, up.admin_port, up.host) == (18080, 19901, "127.0.0.1")
+
+
+def test_client_examples_name_the_address() -> None:
+    lines = cli.client_examples("127.0.0.1:8080")
+    assert lines[0] == "llmesh generate 'What is the capital of France?'"
+    other = cli.client_examples("127.0.0.1:18080")
+    assert other[0].startswith("llmesh generate --url 127.0.0.1:18080 ")
+    assert other[1].endswith("127.0.0.1:18080 llmesh.v1.GenerationService/Generate")
+    assert "http://127.0.0.1:18080/v1/generate" in other[2]
+
+
+def test_generate_streams_text_and_summarises_on_stderr(
+        envoy: EnvoyProcess, capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["generate", "--url", envoy.ingress_address, "--max-tokens", "2",
+                     "three little words"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert out == "three little \n"
+    assert err.startswith("[finish=length prompt_tokens=3 completion_tokens=2 "
+                          "cached_prompt_tokens=0 ttft_ms=")
+    assert "request_id=" in err
+
+
+def test_generate_error_exits_1_with_the_status(
+        envoy: EnvoyProcess, capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["generate", "--url", envoy.ingress_address, "--raw", "fail"])
+    _, err = capsys.readouterr()
+    assert code == 1
+    assert err == "llmesh: INVALID_ARGUMENT: prompt: fail was asked for\n"
+
+
+def test_generate_without_a_mesh_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = cli.main(["generate", "--url", f"127.0.0.1:{port}", "--timeout", "5", "hi"])
+    _, err = capsys.readouterr()
+    assert code == 1
+    assert err.startswith("llmesh: UNAVAILABLE: ")
+    assert f"(is `llmesh up` running on 127.0.0.1:{port}?)" in err
+
+
+def test_models_table_and_json(envoy: EnvoyProcess, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["models", "--url", envoy.ingress_address]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["MODEL", "CONTEXT", "MAX_TOKENS", "CHAT"]
+    assert table[1].split() == ["fake-model", "2048", "256", "yes"]
+    assert cli.main(["models", "--json", "--url", envoy.ingress_address]) == 0
+    assert '"id": "fake-model"' in capsys.readouterr().out

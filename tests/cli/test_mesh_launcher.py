@@ -1,0 +1,295 @@
+"""The mesh launcher and ``llmesh up``, with stand-ins for the four services.
+
+The stand-ins run on the real server kit (port files, health, reflection,
+SIGTERM drain) and the router stand-in serves the real public proto, so what
+is checked here is the launcher's part: start order and arguments, health
+waiting, Envoy in front, failure handling and that nothing outlives stop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from cli_helpers import FAKE_SERVICE, alive, fake_commands, wait_all_dead
+
+from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from services.cli.envoy_config import REPO_ROOT
+from services.cli.mesh import Mesh, MeshProgress, MeshStartError, PortInUseError
+
+
+def _generate(address: str, prompt: str) -> list[generation_pb2.GenerateResponse]:
+    with grpc.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        return list(stub.Generate(generation_pb2.GenerateRequest(prompt=prompt), timeout=10))
+
+
+def _argv(mesh: Mesh, name: str) -> list[str]:
+    return json.loads(Path(f"{mesh.services[name].port_file}.argv.json").read_text())
+
+
+def _flag_values(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == flag]
+
+
+def test_mesh_starts_in_order_serves_and_stops(tmp_path: Path) -> None:
+    events: list[MeshProgress] = []
+    mesh = Mesh(
+        ingress_port=0, admin_port=0, run_dir=tmp_path, num_engines=2,
+        model_path="/models/tiny.gguf", redis_url="redis://127.0.0.1:1/0",
+        engine_args=["--load-seconds", "1.5"], router_args=["--max-tokens-cap", "99"],
+        commands=fake_commands(),
+    )
+    with mesh.start(events.append):
+        assert list(mesh.services) == ["tokenizer", "cache", "engine-0", "engine-1", "router"]
+        # The router got every backend's real address.
+        router_argv = _argv(mesh, "router")
+        assert _flag_values(router_argv, "--tokenizer") == [mesh.services["tokenizer"].grpc_address]
+        assert _flag_values(router_argv, "--cache") == [mesh.services["cache"].grpc_address]
+        assert _flag_values(router_argv, "--engine") == [e.grpc_address for e in mesh.engines]
+        assert _flag_values(router_argv, "--max-tokens-cap") == ["99"]
+        assert _flag_values(_argv(mesh, "tokenizer"), "--model-path") == ["/models/tiny.gguf"]
+        assert _flag_values(_argv(mesh, "engine-1"), "--model-path") == ["/models/tiny.gguf"]
+        assert _flag_values(_argv(mesh, "cache"), "--redis-url") == ["redis://127.0.0.1:1/0"]
+        for name, service in mesh.services.items():
+            assert _flag_values(_argv(mesh, name), "--port") == ["0"]
+            assert service.grpc_port and service.metrics_port and service.metrics_port > 0
+            assert service.log_path == tmp_path / f"{name}.log"
+
+        stages = [e.stage for e in events]
+        assert stages[0] == "spawned" and stages[-1] == "ready"
+        assert stages.index("serving") < stages.index("envoy") < stages.index("ready")
+        loading = [e for e in events if e.stage == "loading"]
+        engines = {"engine-0", "engine-1"}
+        assert loading and engines <= set(loading[0].waiting)
+        assert set(loading[-1].waiting) <= engines
+        assert mesh.startup_seconds is not None and mesh.startup_seconds >= 1.5
+
+        # Traffic flows client → Envoy → router.
+        responses = _generate(mesh.ingress_address, "through the mesh")
+        assert "".join(r.text for r in responses) == "through the mesh "
+        assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+        assert mesh.envoy is not None and mesh.envoy.config_path == tmp_path / "envoy.yaml"
+        assert mesh.http_url == f"http://{mesh.ingress_address}"
+        assert mesh.admin_url.startswith("http://127.0.0.1:")
+        pids = mesh.pids()
+        assert set(pids) == {*mesh.services, "envoy"}
+        assert all(alive(pid) for pid in pids.values())
+        assert mesh.exited() == {}
+    assert wait_all_dead(pids.values(), timeout_s=1.0) == []
+    assert mesh.exited().keys() == pids.keys()
+
+
+def test_failed_start_names_the_service_quotes_its_log_and_stops_the_rest(tmp_path: Path) -> None:
+    mesh = Mesh(ingress_port=0, admin_port=0, run_dir=tmp_path,
+                commands=fake_commands(engine=["--load-seconds", "0.5", "--fail-start"]))
+    with pytest.raises(MeshStartError) as caught:
+        mesh.start()
+    message = str(caught.value)
+    assert message.startswith("engine-0 exited with code 1 while starting")
+    assert str(tmp_path / "engine-0.log") in message
+    assert "fake start failure: the model file is unreadable" in message
+    assert mesh.envoy is None
+    pids = mesh.pids()
+    assert {"tokenizer", "cache", "engine-0"} <= set(pids)
+    assert wait_all_dead(pids.values(), timeout_s=1.0) == []
+
+
+def test_taken_ingress_port_fails_fast_before_anything_starts(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        mesh = Mesh(ingress_port=port, admin_port=0, run_dir=tmp_path, commands=fake_commands())
+        started = time.monotonic()
+        with pytest.raises(PortInUseError) as caught:
+            mesh.start()
+    assert time.monotonic() - started < 1.0
+    assert caught.value.what == "ingress" and caught.value.port == port
+    assert str(caught.value) == (
+        f"ingress port 127.0.0.1:{port} is already in use by another process")
+    assert mesh.pids() == {}
+
+
+def test_taken_admin_port_fails_fast(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(PortInUseError) as caught:
+            Mesh(ingress_port=0, admin_port=port, run_dir=tmp_path,
+                 commands=fake_commands()).start()
+    assert caught.value.what == "admin"
+
+
+def test_killed_parent_takes_its_children_along(tmp_path: Path) -> None:
+    """A launcher killed with SIGKILL (no cleanup code runs) leaves nothing behind."""
+    script = textwrap.dedent(f"""
+        import json, sys, time
+        sys.path.insert(0, {str(FAKE_SERVICE.parent)!r})
+        from cli_helpers import fake_commands
+        from services.cli.mesh import Mesh
+        mesh = Mesh(ingress_port=0, admin_port=0, run_dir={str(tmp_path)!r},
+                    commands=fake_commands()).start()
+        print(json.dumps(mesh.pids()), flush=True)
+        time.sleep(600)
+    """)
+    launcher = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT,
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert launcher.stdout is not None
+        pids = json.loads(launcher.stdout.readline())
+        assert len(pids) == 5 and all(alive(pid) for pid in pids.values())
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert wait_all_dead(pids.values(), timeout_s=15.0) == []
+
+
+def _start_up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], list[str]]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--port", "0", "--admin-port", "0",
+         "--run-dir", str(tmp_path), *extra],
+        cwd=REPO_ROOT, env=_up_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    lines: list[str] = []
+    assert process.stdout is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line.rstrip("\n"))
+        if line.startswith("Ctrl-C stops everything"):
+            return process, lines
+    process.kill()
+    stderr = process.stderr.read() if process.stderr else ""
+    raise AssertionError(f"llmesh up did not come up: {lines} {stderr}")
+
+
+def _up_pids(tmp_path: Path, lines: list[str]) -> list[int]:
+    pids = [json.loads(p.read_text())["pid"] for p in tmp_path.glob("*.json")
+            if not p.name.endswith(".argv.json")]
+    envoy = next(re.search(r"pid (\d+)", line) for line in lines
+                 if line.strip().startswith("envoy"))
+    assert envoy is not None
+    return [*pids, int(envoy.group(1))]
+
+
+def test_llmesh_up_prints_working_commands_and_stops_on_sigterm(tmp_path: Path) -> None:
+    process, lines = _start_up(tmp_path)
+    try:
+        assert lines[0].startswith("llmesh is up in ")
+        found = re.search(r"on (127\.0\.0\.1:\d+)$", lines[0])
+        assert found is not None
+        address = found.group(1)
+        examples = [line.strip() for line in lines[lines.index("Try:") + 1:-1]]
+        assert [e.split()[0] for e in examples] == ["llmesh", "grpcurl", "curl", "curl"]
+        pids = _up_pids(tmp_path, lines)
+        assert len(pids) == 5 and all(alive(pid) for pid in pids)
+
+        # Every printed line works as written (the stand-in echoes the question).
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+        env = {**os.environ, "PATH": path}
+        outputs = [subprocess.run(line, shell=True, capture_output=True, text=True, timeout=30,
+                                  env=env, check=True) for line in examples]
+        assert outputs[0].stdout == "What is the capital of France? \n"
+        assert "finish=stop" in outputs[0].stderr
+        assert address in examples[1] and '"text": "capital "' in outputs[1].stdout
+        array = json.loads(outputs[2].stdout)
+        assert "".join(m.get("text", "") for m in array) == "What is the capital of France? "
+        assert json.loads(outputs[3].stdout)["models"][0]["id"] == "fake-model"
+
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.stderr is not None
+    stderr = process.stderr.read()
+    assert "llmesh: stopping..." in stderr and "llmesh: stopped" in stderr
+    assert wait_all_dead(pids, timeout_s=5.0) == []
+
+
+def test_llmesh_up_stops_on_ctrl_c(tmp_path: Path) -> None:
+    process, lines = _start_up(tmp_path)
+    pids = _up_pids(tmp_path, lines)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=30) == 0
+    assert wait_all_dead(pids, timeout_s=5.0) == []
+
+
+def test_llmesh_up_reports_taken_port_with_the_flag_to_change(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--admin-port", "0",
+             "--run-dir", str(tmp_path)],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+        )
+    assert result.returncode == 2
+    assert f"ingress port 127.0.0.1:{port} is already in use" in result.stderr
+    assert "--port / LLMESH_PORT" in result.stderr
+    assert not list(tmp_path.glob("*.log"))
+
+
+def _up_env(**extra: list[str]) -> dict[str, str]:
+    env = dict(os.environ)
+    for role, command in fake_commands(**extra).items():
+        env[f"LLMESH_{role.upper()}_COMMAND"] = shlex.join(command)
+    return env
+
+
+def test_llmesh_up_sigterm_while_models_load_stops_everything(tmp_path: Path) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--port", "0", "--admin-port", "0",
+         "--run-dir", str(tmp_path)],
+        cwd=REPO_ROOT, env=_up_env(engine=["--load-seconds", "30"]),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert process.stderr is not None
+        for line in process.stderr:
+            if "waiting for engine-0 to load" in line:
+                break
+        pids = [json.loads(p.read_text())["pid"] for p in tmp_path.glob("*.json")
+                if not p.name.endswith(".argv.json")]
+        assert len(pids) == 4 and all(alive(pid) for pid in pids)
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        assert time.monotonic() - started < 15
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "llmesh: stopping..." in process.stderr.read()
+    assert wait_all_dead(pids, timeout_s=5.0) == []
+    assert not (tmp_path / "envoy.yaml").exists()
+
+
+def test_llmesh_up_exits_when_a_service_dies(tmp_path: Path) -> None:
+    process, lines = _start_up(tmp_path)
+    try:
+        pids = _up_pids(tmp_path, lines)
+        engine_pid = json.loads((tmp_path / "engine-0.json").read_text())["pid"]
+        os.kill(engine_pid, signal.SIGKILL)
+        assert process.wait(timeout=30) == 1
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.stderr is not None
+    assert f"engine-0 exited with code -9; stopping (logs in {tmp_path})" in process.stderr.read()
+    assert wait_all_dead(pids, timeout_s=5.0) == []

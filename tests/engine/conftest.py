@@ -1,0 +1,74 @@
+"""Shared fixtures of the engine tests: one started TorchBackend for the session
+(loading the GGUF costs seconds), its metrics, and a real gRPC server on a
+loopback port 0 in front of it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+from prometheus_client import CollectorRegistry
+
+from llmesh.v1 import engine_pb2_grpc
+from services.common.model_files import default_model_path
+from services.engine.config import EngineConfig
+from services.engine.metrics import EngineMetrics
+from services.engine.service import EngineService
+from services.engine.torch_backend.backend import TorchBackend
+
+#: Context window of the shared backend: small, so length limits are cheap to hit.
+MAX_MODEL_LEN = 256
+#: Largest max_tokens the shared service accepts.
+MAX_TOKENS_CAP = 128
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def engine_metrics() -> EngineMetrics:
+    return EngineMetrics(CollectorRegistry())
+
+
+@pytest.fixture(scope="session")
+def engine_config(model_path: Path) -> EngineConfig:
+    return EngineConfig(backend="torch", model_path=model_path, max_model_len=MAX_MODEL_LEN,
+                        max_tokens_cap=MAX_TOKENS_CAP, prefill_chunk_size=64)
+
+
+@pytest_asyncio.fixture(scope="session")
+async def torch_backend(engine_config: EngineConfig,
+                        engine_metrics: EngineMetrics) -> AsyncIterator[TorchBackend]:
+    backend = TorchBackend(engine_config, step_observer=engine_metrics.observe_step)
+    await backend.start()
+    yield backend
+    await backend.shutdown()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def engine_service(torch_backend: TorchBackend, engine_config: EngineConfig,
+                         engine_metrics: EngineMetrics) -> EngineService:
+    service = EngineService(torch_backend, engine_config, engine_metrics)
+    await service.start()
+    return service
+
+
+@pytest_asyncio.fixture(scope="session")
+async def engine_address(engine_service: EngineService) -> AsyncIterator[str]:
+    server = grpc.aio.server()
+    engine_service.register(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield f"127.0.0.1:{port}"
+    await server.stop(grace=None)
+
+
+@pytest_asyncio.fixture(scope="session")
+async def engine_stub(engine_address: str) -> AsyncIterator[engine_pb2_grpc.EngineServiceStub]:
+    async with grpc.aio.insecure_channel(engine_address) as channel:
+        yield engine_pb2_grpc.EngineServiceStub(channel)

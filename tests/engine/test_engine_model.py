@@ -1,0 +1,137 @@
+"""Our GGUF loader and Llama forward against Hugging Face transformers' reading of
+the same file, and the torch backend's greedy decoding against ``generate``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from services.common.sampling import FinishReason, SamplingOptions
+from services.engine.torch_backend.backend import TorchBackend
+from services.engine.torch_backend.gguf_loader import GGUFModel, load_gguf, unpermute_rope_rows
+from services.engine.torch_backend.model import (
+    LlamaModel,
+    SequenceSlice,
+    allocate_kv_cache,
+    build_model,
+)
+from services.engine.torch_backend.model_runner import ModelRunner, StepInput
+from services.engine.types import EngineRequest
+
+from .prompts import STORY
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def gguf_model(model_path: Path) -> GGUFModel:
+    return load_gguf(model_path)
+
+
+@pytest.fixture(scope="module")
+def model(gguf_model: GGUFModel) -> LlamaModel:
+    return build_model(gguf_model.config, gguf_model.state_dict, max_positions=512)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_path: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name,
+                                              dtype=torch.float32)
+    return hf.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_logits(hf_model: torch.nn.Module) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(torch.tensor([STORY])).logits[0]
+
+
+def our_logits(model: LlamaModel, tokens: tuple[int, ...], chunks: tuple[int, ...]) -> torch.Tensor:
+    """Logits ``[len(tokens), vocab]`` at every position, computing the prompt in
+    chunks of the given sizes (later chunks attend to the cached keys)."""
+    cache = allocate_kv_cache(model.config, len(tokens), "cpu", torch.float32)
+    out, start = [], 0
+    for size in chunks:
+        ids = torch.tensor(tokens[start:start + size])
+        positions = torch.arange(start, start + size)
+        out.append(model(ids, positions, [SequenceSlice(cache, start, size)],
+                         logits_indices=torch.arange(size)))
+        start += size
+    return torch.cat(out)
+
+
+def test_config_is_read_from_gguf_metadata(gguf_model: GGUFModel) -> None:
+    config = gguf_model.config
+    assert (config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads,
+            config.head_dim, config.intermediate_size, config.vocab_size) == (
+        576, 30, 9, 3, 64, 1536, 49152)
+    assert config.rope_theta == 100000.0
+    assert config.rms_norm_eps == pytest.approx(1e-5)
+    assert config.context_length == 8192
+    assert config.tie_word_embeddings is True
+    assert (config.bos_token_id, config.eos_token_ids) == (1, (2,))
+    assert "lm_head.weight" not in gguf_model.state_dict
+
+
+def test_unpermute_inverts_llama_cpp_permute() -> None:
+    weights = np.arange(4 * 8 * 3, dtype=np.float32).reshape(4 * 8, 3)
+    n_head = 4
+    # convert_hf_to_gguf.py's permute, applied to HF-layout rows.
+    permuted = (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, 3)
+                .swapaxes(1, 2).reshape(weights.shape))
+    assert not np.array_equal(permuted, weights)
+    np.testing.assert_array_equal(unpermute_rope_rows(permuted, n_head), weights)
+
+
+def test_qk_weights_match_transformers_layout(gguf_model: GGUFModel,
+                                              hf_model: torch.nn.Module) -> None:
+    hf_state = hf_model.state_dict()
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                 "model.layers.29.self_attn.k_proj.weight", "model.layers.7.mlp.down_proj.weight"):
+        torch.testing.assert_close(gguf_model.state_dict[name], hf_state[name], rtol=0, atol=0)
+
+
+def test_logits_match_transformers(model: LlamaModel, hf_logits: torch.Tensor) -> None:
+    ours = our_logits(model, STORY, (len(STORY),))
+    assert ours.shape == hf_logits.shape == (len(STORY), 49152)
+    scale = hf_logits.abs().max().item()
+    assert (ours - hf_logits).abs().max().item() < 1e-3 * scale
+    assert torch.equal(ours.argmax(-1), hf_logits.argmax(-1))
+
+
+def test_chunked_prefill_matches_one_shot(model: LlamaModel, hf_logits: torch.Tensor) -> None:
+    # 10-token chunk, 12-token chunk (attends to cached keys), then one decode token.
+    ours = our_logits(model, STORY, (10, 12, 1))
+    scale = hf_logits.abs().max().item()
+    assert (ours - hf_logits).abs().max().item() < 1e-3 * scale
+
+
+def test_bfloat16_model_tracks_float32(gguf_model: GGUFModel, hf_logits: torch.Tensor) -> None:
+    bf16 = build_model(gguf_model.config, gguf_model.state_dict, dtype=torch.bfloat16,
+                       max_positions=64)
+    runner = ModelRunner(bf16, torch.device("cpu"), torch.bfloat16)
+    logits = runner.run([StepInput(STORY, 0, runner.allocate(len(STORY)))])
+    assert logits.dtype == torch.bfloat16 and logits.shape == (1, 49152)
+    reference = hf_logits[-1]
+    top10 = set(reference.topk(10).indices.tolist())
+    assert int(logits[0].float().argmax()) in top10
+    assert (logits[0].float() - reference).abs().max().item() < 0.1 * reference.abs().max().item()
+
+
+async def test_greedy_continuation_matches_transformers(torch_backend: TorchBackend,
+                                                        hf_model: torch.nn.Module) -> None:
+    request = EngineRequest("greedy-vs-hf", STORY,
+                            SamplingOptions(max_tokens=32, ignore_eos=True))
+    ours: list[int] = []
+    async for delta in torch_backend.generate(request):
+        ours.extend(delta.token_ids)
+    assert delta.finish_reason is FinishReason.LENGTH
+    with torch.inference_mode():
+        generated = hf_model.generate(torch.tensor([STORY]), do_sample=False, max_new_tokens=32,
+                                      min_new_tokens=32, attention_mask=torch.ones(1, len(STORY)))
+    assert ours == generated[0, len(STORY):].tolist()

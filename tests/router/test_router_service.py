@@ -1,0 +1,639 @@
+"""The router over real gRPC against in-process fake tokenizer, engine and cache."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+import structlog
+import structlog.testing
+from prometheus_client import CollectorRegistry
+
+from llmesh.v1 import (
+    cache_pb2_grpc,
+    common_pb2,
+    engine_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+    tokenizer_pb2_grpc,
+)
+from services.router.generation import Delta, Finished
+from services.router.metrics import RouterMetrics
+from services.router.service import RouterConfig, RouterService
+from services.router.validation import validate_request
+from tests.router.router_fakes import (
+    EOS,
+    FakeCache,
+    FakeEngine,
+    FakeTokenizer,
+    encode,
+    serve,
+    template,
+)
+
+REPLY = "Paris is the capital of France."
+STOP = common_pb2.FINISH_REASON_STOP
+LENGTH = common_pb2.FINISH_REASON_LENGTH
+CANCELLED = common_pb2.FINISH_REASON_CANCELLED
+
+
+@dataclass
+class Mesh:
+    tokenizer: FakeTokenizer
+    engines: list[FakeEngine]
+    cache: FakeCache | None
+    router: RouterService
+    stub: generation_pb2_grpc.GenerationServiceStub
+    registry: CollectorRegistry
+    servers: list[grpc.aio.Server] = field(default_factory=list)
+    engine_servers: list[grpc.aio.Server] = field(default_factory=list)
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+
+@contextlib.asynccontextmanager
+async def make_mesh(*, engines: int = 1, cache: bool = True, reply: str = REPLY,
+                    max_model_len: int = 256, **config):
+    servers = []
+    tokenizer = FakeTokenizer()
+    server, tok_target = await serve(tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server,
+                                     tokenizer)
+    servers.append(server)
+    fakes, targets, engine_servers = [], [], []
+    for _ in range(engines):
+        fake = FakeEngine(reply, max_model_len=max_model_len)
+        server, target = await serve(engine_pb2_grpc.add_EngineServiceServicer_to_server, fake)
+        fakes.append(fake)
+        targets.append(target)
+        engine_servers.append(server)
+    fake_cache, cache_target = None, None
+    if cache:
+        fake_cache = FakeCache()
+        server, cache_target = await serve(cache_pb2_grpc.add_CacheServiceServicer_to_server,
+                                           fake_cache)
+        servers.append(server)
+    registry = CollectorRegistry()
+    router = RouterService(
+        RouterConfig(tokenizer=tok_target, engines=tuple(targets), cache=cache_target,
+                     startup_timeout=10, **config),
+        metrics=RouterMetrics(registry))
+    await router.start()
+    router_server = grpc.aio.server()
+    router.register(router_server)
+    port = router_server.add_insecure_port("127.0.0.1:0")
+    await router_server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    mesh = Mesh(tokenizer, fakes, fake_cache, router,
+                generation_pb2_grpc.GenerationServiceStub(channel), registry,
+                servers + engine_servers, engine_servers)
+    try:
+        yield mesh
+    finally:
+        await channel.close()
+        await router_server.stop(None)
+        await router.close()
+        for server in mesh.servers:
+            await server.stop(None)
+
+
+async def collect(call) -> list[generation_pb2.GenerateResponse]:
+    return [response async for response in call]
+
+
+def text_of(responses) -> str:
+    return "".join(r.text for r in responses)
+
+
+def greedy(**kw) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=0.0, **kw)
+
+
+async def wait_for(predicate, timeout: float = 3.0) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+# --------------------------------------------------------------------------- #
+# Generate
+
+
+async def test_prompt_streams_the_reply_and_a_final_message():
+    async with make_mesh(max_model_len=1024) as mesh:
+        responses = await collect(mesh.stub.Generate(
+            generation_pb2.GenerateRequest(request_id="r-1", prompt="Capital of France?")))
+    final = responses[-1]
+    assert text_of(responses) == REPLY
+    assert [i for r in responses for i in r.token_ids] == encode(REPLY) + [EOS]
+    assert all(r.request_id == "r-1" for r in responses)
+    assert all(r.finish_reason == 0 for r in responses[:-1])
+    assert final.finish_reason == STOP
+    assert final.matched_stop == ""
+    assert final.usage.prompt_tokens == len("Capital of France?")
+    assert final.usage.completion_tokens == len(REPLY) + 1
+    assert final.usage.cached_prompt_tokens == 3
+    assert final.cached is False
+    start = mesh.engines[0].log.starts[0]
+    assert list(start.prompt_token_ids) == encode("Capital of France?")
+    assert start.request_id == "r-1"
+    assert start.sampling.max_tokens == 256  # the default
+
+
+async def test_request_id_comes_from_metadata_and_reaches_every_hop():
+    async with make_mesh() as mesh:
+        call = mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="hi"),
+                                  metadata=(("x-request-id", "meta-7"),))
+        responses = await collect(call)
+        trailing = dict(await call.trailing_metadata())
+    assert {r.request_id for r in responses} == {"meta-7"}
+    assert trailing["x-request-id"] == "meta-7"
+    assert mesh.engines[0].log.metadata[0]["x-request-id"] == "meta-7"
+
+
+async def test_a_new_request_id_is_made_when_none_is_given():
+    async with make_mesh() as mesh:
+        responses = await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="a")))
+    ids = {r.request_id for r in responses}
+    assert len(ids) == 1 and len(ids.pop()) == 32
+
+
+async def test_stop_string_never_leaks_and_cancels_the_engine():
+    async with make_mesh() as mesh:
+        mesh.engines[0].step_delay = 0.01
+        responses = await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+            prompt="q", sampling=greedy(stop=["capital", "zzz"]))))
+        await wait_for(lambda: mesh.engines[0].log.ended)
+    assert text_of(responses) == "Paris is the "
+    for r in responses:
+        assert "c" not in r.text  # no part of "capital" is ever sent
+    final = responses[-1]
+    assert final.finish_reason == STOP
+    assert final.matched_stop == "capital"
+    # the fake detokenizer holds back one character, so one more token arrived
+    assert final.usage.completion_tokens == len("Paris is the capital ")
+    assert mesh.engines[0].log.ended[0] in ("cancel_msg", "dropped")
+    assert mesh.engines[0].log.ended[0] != "finished"
+
+
+async def test_stop_string_split_over_many_tokens_per_step():
+    async with make_mesh() as mesh:
+        mesh.engines[0].tokens_per_step = 4
+        responses = await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+            prompt="q", sampling=greedy(stop=["of Fr"]))))
+    assert text_of(responses) == "Paris is the capital "
+    assert responses[-1].matched_stop == "of Fr"
+
+
+async def test_stop_token_id_text_is_not_returned():
+    async with make_mesh() as mesh:
+        responses = await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+            prompt="q", sampling=greedy(stop_token_ids=[ord(" ")]))))
+    assert text_of(responses) == "Paris"
+    assert responses[-1].finish_reason == STOP
+    assert responses[-1].usage.completion_tokens == len("Paris ")
+
+
+async def test_max_tokens_ends_with_length():
+    async with make_mesh() as mesh:
+        responses = await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+            prompt="q", sampling=greedy(max_tokens=5))))
+    assert text_of(responses) == "Paris"
+    assert responses[-1].finish_reason == LENGTH
+    assert responses[-1].usage.completion_tokens == 5
+
+
+async def test_max_tokens_is_clamped_to_the_room_the_prompt_leaves():
+    async with make_mesh(max_model_len=20) as mesh:
+        responses = await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+            prompt="x" * 15, sampling=greedy(max_tokens=19))))
+        assert mesh.engines[0].log.starts[0].sampling.max_tokens == 5
+    assert responses[-1].finish_reason == LENGTH
+    assert responses[-1].usage.completion_tokens == 5
+
+
+async def test_prompt_longer_than_the_window_is_out_of_range():
+    async with make_mesh(max_model_len=20) as mesh:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="x" * 20)))
+        assert mesh.engines[0].log.starts == []
+        assert mesh.metric("llmesh:requests_total", model_name="fake-model",
+                           outcome="out_of_range", priority="interactive") == 1
+    assert info.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert info.value.details().startswith("prompt: the prompt is 20 tokens")
+    assert "20 tokens" in info.value.details() and "window is 20" in info.value.details()
+
+
+async def test_max_tokens_above_cap_is_out_of_range():
+    async with make_mesh(max_tokens_cap=100, default_max_tokens=10) as mesh:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+                prompt="q", sampling=greedy(max_tokens=101))))
+    assert info.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert info.value.details().startswith("sampling.max_tokens:")
+
+
+@pytest.mark.parametrize("request_fields,code,field", [
+    (dict(prompt=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    (dict(), grpc.StatusCode.INVALID_ARGUMENT, "input"),
+    (dict(chat=generation_pb2.Chat()), grpc.StatusCode.INVALID_ARGUMENT, "chat.messages"),
+    (dict(model="nope", prompt="q"), grpc.StatusCode.INVALID_ARGUMENT, "model"),
+    (dict(prompt="q", sampling=common_pb2.SamplingParams(top_p=2.0)),
+     grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
+])
+async def test_bad_requests_get_a_status_naming_the_field(request_fields, code, field):
+    async with make_mesh() as mesh:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(**request_fields)))
+        # the router keeps serving afterwards
+        ok = await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="q")))
+    assert info.value.code() == code
+    assert info.value.details().startswith(f"{field}")
+    assert ok[-1].finish_reason == STOP
+
+
+async def test_chat_uses_the_template_with_a_generation_prompt():
+    messages = [common_pb2.ChatMessage(role="system", content="Be brief."),
+                common_pb2.ChatMessage(role="user", content="Capital of France?")]
+    async with make_mesh() as mesh:
+        responses = await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+            chat=generation_pb2.Chat(messages=messages))))
+    prompt = template(messages)
+    assert list(mesh.engines[0].log.starts[0].prompt_token_ids) == encode(prompt)
+    assert prompt.endswith("<assistant>")
+    assert text_of(responses) == REPLY
+    assert responses[-1].usage.prompt_tokens == len(prompt)
+
+
+async def test_chat_history_is_trimmed_to_the_window():
+    messages = [common_pb2.ChatMessage(role="user", content="x" * 40),
+                common_pb2.ChatMessage(role="assistant", content="y" * 40),
+                common_pb2.ChatMessage(role="user", content="Hi")]
+    async with make_mesh(max_model_len=40) as mesh:
+        responses = await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+            chat=generation_pb2.Chat(messages=messages), sampling=greedy(max_tokens=3))))
+        prompt = list(mesh.engines[0].log.starts[0].prompt_token_ids)
+    assert prompt == encode("<user>Hi\n<assistant>")
+    assert responses[-1].finish_reason == LENGTH
+
+
+async def test_chat_whose_last_message_alone_is_too_long_is_out_of_range():
+    messages = [common_pb2.ChatMessage(role="user", content="x" * 100)]
+    async with make_mesh(max_model_len=40) as mesh:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+                chat=generation_pb2.Chat(messages=messages))))
+    assert info.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert info.value.details().startswith("chat.messages:")
+
+
+# --------------------------------------------------------------------------- #
+# Cache
+
+
+async def test_deterministic_answer_is_cached_and_replayed():
+    request = generation_pb2.GenerateRequest(prompt="q", sampling=greedy(stop=["France"]))
+    async with make_mesh() as mesh:
+        first = await collect(mesh.stub.Generate(request))
+        await wait_for(lambda: mesh.cache.puts == 1)
+        second = await collect(mesh.stub.Generate(request))
+        assert len(mesh.engines[0].log.starts) == 1  # the second never reached the engine
+        assert mesh.metric("llmesh:response_cache_hits_total", model_name="fake-model") == 1
+    assert text_of(first) == text_of(second) == "Paris is the capital of "
+    assert second[-1].cached is True and first[-1].cached is False
+    assert second[-1].matched_stop == "France"
+    assert second[-1].finish_reason == STOP
+    assert second[-1].usage.completion_tokens == len("Paris is the capital of France.")
+    assert [i for r in second for i in r.token_ids] == [i for r in first for i in r.token_ids]
+
+
+async def test_bypass_cache_skips_the_lookup_but_stores_the_answer():
+    async with make_mesh() as mesh:
+        pipeline = mesh.router._pipeline
+        request = validate_request(
+            generation_pb2.GenerateRequest(prompt="q"), request_id="b1",
+            models=mesh.router.models, default_model=mesh.router.default_model)
+        bypass = dataclasses.replace(request, bypass_cache=True)
+        events = [e async for e in pipeline.generate(bypass, received_at=time.monotonic())]
+        await wait_for(lambda: mesh.cache.puts == 1)
+        assert mesh.cache.gets == 0
+        again = [e async for e in pipeline.generate(bypass, received_at=time.monotonic())]
+        assert mesh.cache.gets == 0 and len(mesh.engines[0].log.starts) == 2
+        cached = [e async for e in pipeline.generate(request, received_at=time.monotonic())]
+    assert isinstance(events[-1], Finished) and not events[-1].cached
+    assert isinstance(again[-1], Finished) and not again[-1].cached
+    assert isinstance(cached[-1], Finished) and cached[-1].cached
+    assert "".join(e.text for e in cached if isinstance(e, Delta)) == REPLY
+
+
+async def test_seeded_sampling_is_cached_but_unseeded_is_not():
+    seeded = generation_pb2.GenerateRequest(
+        prompt="q", sampling=common_pb2.SamplingParams(temperature=0.8, seed=1))
+    unseeded = generation_pb2.GenerateRequest(
+        prompt="q", sampling=common_pb2.SamplingParams(temperature=0.8))
+    async with make_mesh() as mesh:
+        await collect(mesh.stub.Generate(unseeded))
+        await collect(mesh.stub.Generate(unseeded))
+        assert mesh.cache.gets == 0 and mesh.cache.puts == 0
+        await collect(mesh.stub.Generate(seeded))
+        await wait_for(lambda: mesh.cache.puts == 1)
+        again = await collect(mesh.stub.Generate(seeded))
+    assert again[-1].cached is True
+
+
+async def test_a_failing_cache_never_fails_the_request():
+    async with make_mesh() as mesh:
+        mesh.cache.fail = True
+        responses = await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="q")))
+        await wait_for(lambda: mesh.cache.puts == 1)
+    assert text_of(responses) == REPLY
+    assert mesh.cache.gets == 1
+
+
+async def test_without_a_cache_everything_still_works():
+    async with make_mesh(cache=False) as mesh:
+        responses = await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="q")))
+    assert text_of(responses) == REPLY
+    assert responses[-1].cached is False
+
+
+# --------------------------------------------------------------------------- #
+# Engines: errors, routing, cancel, deadline
+
+
+async def test_engine_unavailable_is_unavailable_with_a_clear_message():
+    async with make_mesh() as mesh:
+        mesh.engines[0].fail_code = grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="q")))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no engine replica could take the request" in info.value.details()
+
+
+async def test_a_stopped_engine_is_unavailable():
+    async with make_mesh() as mesh:
+        await mesh.engine_servers[0].stop(None)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="q"),
+                                             timeout=5))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "engine" in info.value.details()
+
+
+async def test_engine_refusal_keeps_its_code():
+    async with make_mesh() as mesh:
+        mesh.engines[0].fail_code = grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="q")))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "refused" in info.value.details()
+
+
+async def test_engine_error_finish_is_internal():
+    async with make_mesh() as mesh:
+        mesh.engines[0].finish_with_error = True
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="q")))
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+
+
+async def test_a_failing_replica_is_skipped():
+    async with make_mesh(engines=2) as mesh:
+        mesh.engines[0].fail_code = grpc.StatusCode.UNAVAILABLE
+        sampled = common_pb2.SamplingParams(temperature=1.0)  # not cacheable
+        for _ in range(3):
+            responses = await collect(mesh.stub.Generate(
+                generation_pb2.GenerateRequest(prompt="q", sampling=sampled)))
+            assert text_of(responses) == REPLY
+        assert len(mesh.engines[1].log.starts) == 3
+
+
+async def test_concurrent_requests_go_to_the_least_loaded_replica():
+    async with make_mesh(engines=2) as mesh:
+        for engine in mesh.engines:
+            engine.step_delay = 0.02
+        calls = [collect(mesh.stub.Generate(generation_pb2.GenerateRequest(prompt=f"q{i}")))
+                 for i in range(4)]
+        results = await asyncio.gather(*calls)
+        assert [len(e.log.starts) for e in mesh.engines] == [2, 2]
+        assert [e.in_flight for e in mesh.router._engines] == [0, 0]
+    assert all(text_of(r) == REPLY for r in results)
+
+
+async def test_client_cancel_drops_the_engine_stream_at_once():
+    async with make_mesh() as mesh:
+        engine = mesh.engines[0]
+        engine.step_delay = 0.05
+        call = mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="q"))
+        first = await call.read()
+        assert first.text or first.token_ids
+        call.cancel()
+        await wait_for(lambda: engine.log.ended == ["dropped"], timeout=2)
+        await wait_for(lambda: mesh.metric("llmesh:requests_total", model_name="fake-model",
+                                           outcome="cancelled", priority="interactive") == 1)
+        assert engine.log.active == 0
+        assert mesh.tokenizer.detokenize_closed == mesh.tokenizer.detokenize_streams == 1
+
+
+async def test_deadline_is_passed_on_and_honoured():
+    async with make_mesh() as mesh:
+        engine = mesh.engines[0]
+        engine.step_delay = 0.1
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="q"),
+                                             timeout=0.5))
+        await wait_for(lambda: engine.log.ended == ["dropped"], timeout=2)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # the engine got the time the client had left (the wire format rounds up a little)
+    assert engine.log.deadlines[0] is not None and 0 < engine.log.deadlines[0] <= 0.52
+
+
+async def test_draining_router_refuses_new_requests():
+    async with make_mesh() as mesh:
+        await mesh.router.drain()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="q")))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "draining" in info.value.details()
+
+
+async def test_list_models():
+    async with make_mesh(max_model_len=300, max_tokens_cap=1000) as mesh:
+        reply = await mesh.stub.ListModels(generation_pb2.ListModelsRequest())
+    assert [(m.id, m.max_model_len, m.max_tokens_cap, m.chat) for m in reply.models] == [
+        ("fake-model", 300, 299, True)]
+
+
+async def test_metrics_are_observed():
+    async with make_mesh() as mesh:
+        await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+            prompt="q", priority=common_pb2.PRIORITY_BATCH)))
+        labels = dict(model_name="fake-model")
+        assert mesh.metric("llmesh:requests_total", outcome="stop", priority="batch",
+                           **labels) == 1
+        assert mesh.metric("llmesh:time_to_first_token_seconds_count", **labels) == 1
+        assert mesh.metric("llmesh:e2e_request_latency_seconds_count", **labels) == 1
+        assert mesh.metric("llmesh:request_queue_time_seconds_count", **labels) == 1
+        assert mesh.metric("llmesh:inter_token_latency_seconds_count", **labels) == len(REPLY)
+        assert mesh.metric("llmesh:prompt_tokens_total", **labels) == 1
+        assert mesh.metric("llmesh:generation_tokens_total", **labels) == len(REPLY) + 1
+
+
+# --------------------------------------------------------------------------- #
+# GenerateStream
+
+
+def start(prompt: str, **kw) -> generation_pb2.GenerateStreamRequest:
+    return generation_pb2.GenerateStreamRequest(
+        start=generation_pb2.GenerateRequest(prompt=prompt, **kw))
+
+
+def cancel(request_id: str = "") -> generation_pb2.GenerateStreamRequest:
+    return generation_pb2.GenerateStreamRequest(
+        cancel=generation_pb2.CancelGeneration(request_id=request_id))
+
+
+async def read_generation(call) -> list[generation_pb2.GenerateResponse]:
+    out = []
+    while True:
+        message = await call.read()
+        assert message is not grpc.aio.EOF
+        out.append(message.response)
+        if message.response.finish_reason:
+            return out
+
+
+async def test_stream_runs_several_generations_in_turn():
+    async with make_mesh() as mesh:
+        call = mesh.stub.GenerateStream()
+        await call.write(start("one", request_id="g1"))
+        first = await read_generation(call)
+        await call.write(start("two", request_id="g2", sampling=greedy(max_tokens=3)))
+        second = await read_generation(call)
+        await call.done_writing()
+        assert await call.read() is grpc.aio.EOF
+        assert await call.code() == grpc.StatusCode.OK
+    assert text_of(first) == REPLY and {r.request_id for r in first} == {"g1"}
+    assert text_of(second) == "Par" and {r.request_id for r in second} == {"g2"}
+    assert second[-1].finish_reason == LENGTH
+
+
+async def test_stream_cancel_ends_with_cancelled_and_frees_the_engine():
+    async with make_mesh() as mesh:
+        engine = mesh.engines[0]
+        engine.step_delay = 0.05
+        call = mesh.stub.GenerateStream()
+        await call.write(start("one", request_id="g1"))
+        got = [(await call.read()).response]
+        await call.write(cancel("g1"))
+        got += await read_generation(call)
+        await wait_for(lambda: engine.log.ended == ["dropped"], timeout=2)
+        # the stream stays usable
+        await call.write(start("two", sampling=greedy(max_tokens=2)))
+        after = await read_generation(call)
+        await call.done_writing()
+        assert await call.code() == grpc.StatusCode.OK
+    final = got[-1]
+    assert final.finish_reason == CANCELLED
+    assert final.request_id == "g1"
+    assert 1 <= final.usage.completion_tokens < len(REPLY)
+    assert final.usage.prompt_tokens == 3
+    assert REPLY.startswith(text_of(got))
+    assert text_of(after) == "Pa"
+
+
+async def test_stream_cancel_naming_another_id_is_ignored():
+    async with make_mesh() as mesh:
+        mesh.engines[0].step_delay = 0.005
+        call = mesh.stub.GenerateStream()
+        await call.write(start("one", request_id="g1"))
+        await call.write(cancel("old-one"))
+        responses = await read_generation(call)
+        await call.done_writing()
+    assert text_of(responses) == REPLY
+    assert responses[-1].finish_reason == STOP
+
+
+async def test_stream_second_start_while_running_is_failed_precondition():
+    async with make_mesh() as mesh:
+        engine = mesh.engines[0]
+        engine.step_delay = 0.05
+        call = mesh.stub.GenerateStream()
+        await call.write(start("one", request_id="g1"))
+        await call.read()
+        await call.write(start("two"))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            while True:
+                await call.read()
+        await wait_for(lambda: engine.log.ended == ["dropped"], timeout=2)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "g1" in info.value.details()
+
+
+async def test_stream_half_close_lets_the_generation_finish():
+    async with make_mesh() as mesh:
+        call = mesh.stub.GenerateStream()
+        await call.write(start("one"))
+        await call.done_writing()
+        responses = []
+        async for message in call:
+            responses.append(message.response)
+    assert text_of(responses) == REPLY
+    assert responses[-1].finish_reason == STOP
+
+
+async def test_stream_bad_start_ends_the_stream_with_its_status():
+    async with make_mesh() as mesh:
+        call = mesh.stub.GenerateStream()
+        await call.write(start("", request_id="bad"))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call.read()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("prompt:")
+
+
+async def test_stream_client_cancel_drops_the_engine_stream():
+    async with make_mesh() as mesh:
+        engine = mesh.engines[0]
+        engine.step_delay = 0.05
+        call = mesh.stub.GenerateStream()
+        await call.write(start("one"))
+        await call.read()
+        call.cancel()
+        await wait_for(lambda: engine.log.ended == ["dropped"], timeout=2)
+        assert engine.log.active == 0
+
+
+async def test_stream_generation_error_ends_the_stream_with_its_status():
+    async with make_mesh(max_model_len=20) as mesh:
+        call = mesh.stub.GenerateStream()
+        await call.write(start("x" * 30))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call.read()
+    assert info.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert info.value.details().startswith("prompt:")
+
+
+# --------------------------------------------------------------------------- #
+# Logs
+
+
+@pytest.mark.parametrize("log_content", [False, True])
+async def test_text_is_logged_only_with_log_content(log_content):
+    async with make_mesh(log_content=log_content) as mesh:
+        with structlog.testing.capture_logs() as logs:
+            await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+                prompt="secret question", request_id="log-1")))
+    finished = [e for e in logs if e["event"] == "request_finished"]
+    assert len(finished) == 1
+    assert finished[0]["outcome"] == "stop"
+    assert finished[0]["completion_tokens"] == len(REPLY) + 1
+    dumped = repr(logs)
+    assert ("secret question" in dumped) is log_content
+    assert (REPLY in dumped) is log_content

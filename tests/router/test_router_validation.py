@@ -1,0 +1,170 @@
+"""Validation of GenerateRequest: every bad field gives its status and names the field."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from llmesh.v1 import common_pb2, generation_pb2
+from services.common.sampling import InvalidRequestError, Priority
+from services.router.clients import ChatMessage
+from services.router.validation import (
+    MAX_STOP_STRING_LENGTH,
+    MAX_STOP_STRINGS,
+    ModelLimits,
+    fit_to_context,
+    validate_request,
+)
+
+LIMITS = ModelLimits(model="tiny", max_model_len=100, vocab_size=1000, has_chat_template=True,
+                     default_max_tokens=16, max_tokens_cap=64)
+MODELS = {"tiny": LIMITS}
+
+
+def validate(**fields):
+    return validate_request(generation_pb2.GenerateRequest(**fields), request_id="rid",
+                            models=MODELS, default_model="tiny")
+
+
+def refused(code: grpc.StatusCode, field: str, **fields) -> str:
+    with pytest.raises(InvalidRequestError) as info:
+        validate(**fields)
+    assert info.value.code == code
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}: ")
+    return str(info.value)
+
+
+def chat(*pairs: tuple[str, str]) -> generation_pb2.Chat:
+    return generation_pb2.Chat(messages=[common_pb2.ChatMessage(role=r, content=c)
+                                         for r, c in pairs])
+
+
+def test_a_good_prompt_request_gets_defaults():
+    req = validate(prompt="Hello")
+    assert req.prompt == "Hello"
+    assert req.messages is None
+    assert req.model == "tiny"
+    assert req.request_id == "rid"
+    assert req.priority is Priority.INTERACTIVE
+    assert req.sampling.max_tokens == 16
+    assert req.sampling.greedy
+    assert req.input_field == "prompt"
+
+
+def test_a_good_chat_request_keeps_messages_and_sampling():
+    req = validate(model="tiny", chat=chat(("system", "Be brief."), ("user", "Hi")),
+                   sampling=common_pb2.SamplingParams(temperature=0.7, seed=3, max_tokens=64,
+                                                      stop=["\n"], stop_token_ids=[2]),
+                   priority=common_pb2.PRIORITY_BATCH)
+    assert req.messages == (ChatMessage("system", "Be brief."), ChatMessage("user", "Hi"))
+    assert req.sampling.temperature == pytest.approx(0.7)
+    assert req.sampling.seed == 3
+    assert req.sampling.max_tokens == 64
+    assert req.sampling.stop == ("\n",)
+    assert req.sampling.stop_token_ids == (2,)
+    assert req.sampling.deterministic
+    assert req.priority is Priority.BATCH
+    assert req.input_field == "chat.messages"
+
+
+def test_no_input():
+    msg = refused(grpc.StatusCode.INVALID_ARGUMENT, "input")
+    assert "prompt" in msg and "chat" in msg
+
+
+def test_empty_prompt():
+    assert "non-empty" in refused(grpc.StatusCode.INVALID_ARGUMENT, "prompt", prompt="")
+
+
+def test_chat_without_messages():
+    msg = refused(grpc.StatusCode.INVALID_ARGUMENT, "chat.messages", chat=generation_pb2.Chat())
+    assert "at least one message" in msg
+
+
+@pytest.mark.parametrize("role", ["", "   "])
+def test_chat_message_with_empty_role(role):
+    msg = refused(grpc.StatusCode.INVALID_ARGUMENT, "chat.messages[1].role",
+                  chat=chat(("user", "Hi"), (role, "x")))
+    assert "chat.messages" in msg and "user" in msg
+
+
+def test_chat_on_a_model_without_template():
+    models = {"tiny": ModelLimits("tiny", 100, 1000, False, 16, 64)}
+    with pytest.raises(InvalidRequestError) as info:
+        validate_request(generation_pb2.GenerateRequest(chat=chat(("user", "Hi"))),
+                         request_id="r", models=models, default_model="tiny")
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.field == "chat"
+    assert "prompt" in str(info.value)
+
+
+def test_unknown_model_lists_the_known_ones():
+    msg = refused(grpc.StatusCode.INVALID_ARGUMENT, "model", model="gpt-17", prompt="x")
+    assert "'gpt-17'" in msg and "'tiny'" in msg
+
+
+@pytest.mark.parametrize("rid,why", [("x" * 129, "at most 128"), ("caf\u00e9", "ASCII"),
+                                     ("a\nb", "ASCII")])
+def test_bad_request_id(rid, why):
+    assert why in refused(grpc.StatusCode.INVALID_ARGUMENT, "request_id", request_id=rid,
+                          prompt="x")
+
+
+def test_unknown_priority():
+    msg = refused(grpc.StatusCode.INVALID_ARGUMENT, "priority", prompt="x", priority=9)
+    assert "PRIORITY_BATCH" in msg
+
+
+@pytest.mark.parametrize("sampling,field,code", [
+    (dict(temperature=-0.5), "sampling.temperature", grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(temperature=float("nan")), "sampling.temperature", grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(temperature=float("inf")), "sampling.temperature", grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(top_p=0.0), "sampling.top_p", grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(top_p=1.5), "sampling.top_p", grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(top_k=-1), "sampling.top_k", grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(max_tokens=0), "sampling.max_tokens", grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(max_tokens=-3), "sampling.max_tokens", grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(max_tokens=65), "sampling.max_tokens", grpc.StatusCode.OUT_OF_RANGE),
+    (dict(stop=["ok", ""]), "sampling.stop", grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(stop=["s"] * (MAX_STOP_STRINGS + 1)), "sampling.stop",
+     grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(stop=["s" * (MAX_STOP_STRING_LENGTH + 1)]), "sampling.stop",
+     grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(stop_token_ids=[1000]), "sampling.stop_token_ids", grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(stop_token_ids=[-1]), "sampling.stop_token_ids", grpc.StatusCode.INVALID_ARGUMENT),
+])
+def test_bad_sampling_field(sampling, field, code):
+    refused(code, field, prompt="x", sampling=common_pb2.SamplingParams(**sampling))
+
+
+def test_max_tokens_at_the_cap_is_fine():
+    assert validate(prompt="x",
+                    sampling=common_pb2.SamplingParams(max_tokens=64)).sampling.max_tokens == 64
+
+
+def test_fit_to_context_clamps_max_tokens_to_the_room_left():
+    assert fit_to_context(10, 16, 100, field="prompt") == 16
+    assert fit_to_context(90, 16, 100, field="prompt") == 10
+    assert fit_to_context(99, 16, 100, field="prompt") == 1
+
+
+def test_fit_to_context_refuses_a_prompt_that_fills_the_window():
+    with pytest.raises(InvalidRequestError) as info:
+        fit_to_context(100, 16, 100, field="prompt")
+    assert info.value.code == grpc.StatusCode.OUT_OF_RANGE
+    assert info.value.field == "prompt"
+    assert "100 tokens" in str(info.value) and "99" in str(info.value)
+
+
+def test_fit_to_context_names_chat_messages_for_chat():
+    with pytest.raises(InvalidRequestError) as info:
+        fit_to_context(150, 16, 100, field="chat.messages")
+    assert info.value.code == grpc.StatusCode.OUT_OF_RANGE
+    assert str(info.value).startswith("chat.messages: the prompt is 150 tokens")
+
+
+def test_fit_to_context_refuses_an_empty_token_list():
+    with pytest.raises(InvalidRequestError) as info:
+        fit_to_context(0, 16, 100, field="prompt")
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
