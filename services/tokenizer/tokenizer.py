@@ -4,8 +4,8 @@ The tokenizer is read from the model's GGUF file by ``transformers``
 (``AutoTokenizer.from_pretrained(dir, gguf_file=name)``, about 4 s for SmolLM2
 and 14 s for Gemma 3 here), so ids and chat prompts are exactly the ones the
 model was trained with. Hot paths call the Rust ``tokenizers`` backend directly
-(``backend_tokenizer.encode/decode``): the same ids and text as the
-``transformers`` wrapper, checked by the tests, at about 2/3 of the cost.
+(``encode_batch_fast``, ``decode``): the same ids and text as the
+``transformers`` wrapper, checked by the tests, at about half the cost.
 
 Thread safety: encode, decode and template rendering only read the tokenizer,
 so they may run concurrently from several threads.
@@ -128,6 +128,8 @@ class Tokenizer:
         """
         self._hf = hf_tokenizer
         self._backend = hf_tokenizer.backend_tokenizer
+        # tokenizers >= 0.21; encode_batch also releases the GIL, only slower.
+        self._encode_batch = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
         self._template: str | None = hf_tokenizer.chat_template or None
         self._vocab_size = len(hf_tokenizer)
         self._info = TokenizerInfo(
@@ -191,21 +193,19 @@ class Tokenizer:
         return self._hf
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``, holding the GIL throughout (here 0.1-0.35 µs
-        per character: 36-85 µs for 100 tokens of English, ~0.7 ms for 2,000
-        tokens of emoji-heavy text).
+        """Token ids of ``text``.
+
+        Calls the backend's ``encode_batch_fast`` on one text: the same ids as
+        ``encode``, 25-40 % faster (no character offsets), and it releases the
+        GIL while Rust works, so a worker thread encoding a long text does not
+        stall the event loop. Here that is 70-90 µs for 100 tokens of English
+        and 1.2 ms for 2,000 (a loaded 2-core machine).
 
         Args:
           add_special_tokens: add BOS/EOS as the tokenizer's post-processor
             says (Gemma: BOS; SmolLM2: nothing).
         """
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def encode_nogil(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Same ids as :meth:`encode`, but releases the GIL while Rust works
-        (``encode_batch`` does, ``encode`` does not): call it from a worker
-        thread for long texts so the event loop keeps running."""
-        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ``token_ids``, identical to ``transformers``' ``decode``
@@ -246,7 +246,6 @@ class Tokenizer:
         messages: Sequence[ChatMessage],
         add_generation_prompt: bool = True,
         max_prompt_tokens: int = 0,
-        release_gil: bool = False,
     ) -> ChatPrompt:
         """Prompt token ids of a conversation, trimmed to a token budget.
 
@@ -263,7 +262,6 @@ class Tokenizer:
           messages: the conversation, oldest first; at least one.
           add_generation_prompt: append the assistant header so the model answers.
           max_prompt_tokens: token budget; 0 means no limit.
-          release_gil: encode with :meth:`encode_nogil` (call from a worker thread).
 
         Raises:
           ValueError: ``messages`` is empty or a role is empty.
@@ -280,9 +278,7 @@ class Tokenizer:
         def render(num_dropped: int) -> list[int]:
             kept = _drop_oldest(messages, num_dropped)
             text = self.render_chat(kept, add_generation_prompt)
-            return encode(text, False)
-
-        encode = self.encode_nogil if release_gil else self.encode
+            return self.encode(text, add_special_tokens=False)
 
         ids = render(0)
         if max_prompt_tokens <= 0 or len(ids) <= max_prompt_tokens:

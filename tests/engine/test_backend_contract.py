@@ -135,6 +135,22 @@ async def test_cancel_mid_stream_frees_the_sequence(backend: EngineBackend) -> N
     assert backend.cancel("cancel-me") is False
 
 
+async def test_cancel_during_a_long_prefill_is_prompt(backend: EngineBackend) -> None:
+    # 138 prompt tokens: several prefill chunks on CPU; 110 more tokens keep a GPU busy.
+    request = make("long-prompt", prompt=STORY * 6, max_tokens=110, ignore_eos=True)
+    deltas: list[TokenDelta] = []
+
+    async def consume() -> None:
+        deltas.extend([delta async for delta in backend.generate(request)])
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.05)
+    assert backend.cancel("long-prompt") is True
+    await asyncio.wait_for(task, timeout=1.0)
+    assert deltas[-1].finish_reason is FinishReason.CANCELLED
+    await wait_idle(backend)
+
+
 async def test_closing_the_stream_cancels(backend: EngineBackend) -> None:
     stream = backend.generate(make("close-me", max_tokens=200, ignore_eos=True))
     await anext(stream)

@@ -2,8 +2,8 @@
 
 Runs ``python -m services.tokenizer`` (SmolLM2) as its own process and times
 sequential calls from one long-lived ``grpc.aio`` channel, as the router makes
-them: Tokenize of ~100 and ~2,000 tokens of English text, ApplyChatTemplate of
-a three-message conversation, and one Detokenize step (one id sent on an open
+them: GetTokenizerInfo (no work: the unary gRPC floor), Tokenize of ~100 and ~2,000 tokens of English text, ApplyChatTemplate of
+a four-message conversation, and one Detokenize step (one id sent on an open
 stream, its text received):
 
     python tests/tokenizer/bench_latency.py [--calls 500] [--runs 5]
@@ -107,7 +107,9 @@ async def bench(port: int, calls: int, runs: int) -> dict[str, tuple[float, floa
         position += 1
         await stream.read()
 
+    info = tokenizer_pb2.GetTokenizerInfoRequest()
     calls_of = {
+        "GetTokenizerInfo (gRPC floor)": lambda: stub.GetTokenizerInfo(info),
         "Tokenize 100 tokens": lambda: stub.Tokenize(short),
         "Tokenize 2000 tokens": lambda: stub.Tokenize(long),
         "ApplyChatTemplate (4 messages)": lambda: stub.ApplyChatTemplate(chat),

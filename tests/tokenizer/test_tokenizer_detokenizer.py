@@ -71,6 +71,7 @@ def test_any_text_any_chunking_concatenates_to_decode(
         name: str, text: str, data: st.DataObject, request: pytest.FixtureRequest) -> None:
     tok: Tokenizer = request.getfixturevalue(name)
     ids = tok.encode(text, add_special_tokens=True)
+    assert ids == tok.hf_tokenizer.encode(text, add_special_tokens=True)
     deltas = _stream(tok, _draw_chunks(data, ids))
     full = tok.hf_tokenizer.decode(ids)
     assert "".join(deltas) == full

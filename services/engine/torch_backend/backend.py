@@ -89,7 +89,7 @@ class TorchBackend(EngineBackend):
         return EngineLoop(runner, eos_token_ids=runner.config.eos_token_ids,
                           max_model_len=max_model_len,
                           max_num_waiting=config.max_num_waiting,
-                          prefill_chunk_size=config.prefill_chunk_size,
+                          prefill_chunk_size=config.chunk_size(),
                           step_observer=self._step_observer)
 
     @property

@@ -47,7 +47,7 @@ class EngineLoop:
     """
 
     def __init__(self, runner: ModelRunner, *, eos_token_ids: Iterable[int], max_model_len: int,
-                 max_num_waiting: int = 256, prefill_chunk_size: int = 512,
+                 max_num_waiting: int = 256, prefill_chunk_size: int = 128,
                  step_observer: StepObserver | None = None) -> None:
         self._runner = runner
         self._eos = frozenset(eos_token_ids)

@@ -1,0 +1,143 @@
+"""What the mesh adds to latency: Envoy → router → engine vs the engine in-process.
+
+Runs, in one process and alternating, a greedy chat answer of ``--max-tokens``
+tokens (EOS ignored, so every run has the same length):
+
+* **in-process**: the torch backend called directly (no gRPC, no tokenizer hop);
+* **mesh**: the same prompt through Envoy's ingress (``llmesh up`` started here,
+  or ``--url`` of a running mesh), response cache bypassed.
+
+Prints, per path, the median over ``--runs`` runs of TTFT (seconds from sending
+to the first token), TPOT ((e2e − TTFT) / (tokens − 1)), mean ITL (gap between
+streamed messages) and e2e, and the mesh's overhead. Also prints the time
+``llmesh up`` took to reach SERVING when it starts the mesh itself.
+
+Usage: ``python benchmarks/mesh_latency.py [--runs 5] [--max-tokens 64] [--url HOST:PORT]``
+Not a test: numbers depend on the machine (2 cores here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from services.cli.mesh import Mesh
+from services.common.model_files import default_model_path
+from services.common.sampling import SamplingOptions
+from services.engine.config import EngineConfig
+from services.engine.torch_backend.backend import TorchBackend
+from services.engine.types import EngineRequest
+from services.tokenizer.tokenizer import ChatMessage, Tokenizer
+
+QUESTION = "Explain in a few sentences why the sky is blue."
+
+
+@dataclass(frozen=True)
+class Run:
+    """One generation's timings (seconds) and token count."""
+
+    ttft: float
+    e2e: float
+    tokens: int
+    gaps: tuple[float, ...]
+
+    @property
+    def tpot(self) -> float:
+        return (self.e2e - self.ttft) / max(self.tokens - 1, 1)
+
+
+async def run_in_process(backend: TorchBackend, prompt_ids: tuple[int, ...], n: int, i: int) -> Run:
+    request = EngineRequest(request_id=f"bench-{i}", prompt_token_ids=prompt_ids,
+                            sampling=SamplingOptions(max_tokens=n, ignore_eos=True))
+    start = time.perf_counter()
+    stamps: list[float] = []
+    tokens = 0
+    async for delta in backend.generate(request):
+        if delta.token_ids:
+            stamps.append(time.perf_counter())
+            tokens += len(delta.token_ids)
+    return _run(start, stamps, tokens)
+
+
+def run_mesh(stub: generation_pb2_grpc.GenerationServiceStub, n: int) -> Run:
+    request = generation_pb2.GenerateRequest(
+        chat=generation_pb2.Chat(messages=[common_pb2.ChatMessage(role="user", content=QUESTION)]),
+        sampling=common_pb2.SamplingParams(max_tokens=n, ignore_eos=True), bypass_cache=True)
+    start = time.perf_counter()
+    stamps: list[float] = []
+    tokens = 0
+    for response in stub.Generate(request, timeout=300):
+        if response.token_ids:
+            stamps.append(time.perf_counter())
+            tokens += len(response.token_ids)
+    return _run(start, stamps, tokens)
+
+
+def _run(start: float, stamps: list[float], tokens: int) -> Run:
+    gaps = tuple(b - a for a, b in zip(stamps, stamps[1:]))
+    return Run(ttft=stamps[0] - start, e2e=stamps[-1] - start, tokens=tokens, gaps=gaps)
+
+
+def summarize(name: str, runs: list[Run]) -> dict[str, float]:
+    row = {
+        "ttft_ms": statistics.median(r.ttft for r in runs) * 1e3,
+        "tpot_ms": statistics.median(r.tpot for r in runs) * 1e3,
+        "itl_ms": statistics.median(statistics.fmean(r.gaps) for r in runs) * 1e3,
+        "e2e_ms": statistics.median(r.e2e for r in runs) * 1e3,
+        "tokens": statistics.median(r.tokens for r in runs),
+    }
+    print(f"{name:<12} " + "  ".join(f"{k}={v:8.2f}" for k, v in row.items()))
+    return row
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--url", default=None, help="a running mesh's ingress (default: start one)")
+    args = parser.parse_args()
+
+    mesh = None
+    url = args.url
+    if url is None:
+        mesh = Mesh(ingress_port=0, admin_port=0, run_dir=tempfile.mkdtemp(prefix="llmesh-bench-"))
+        mesh.start()
+        url = mesh.ingress_address
+        print(f"llmesh up → SERVING (all services + Envoy ready): {mesh.startup_seconds:.1f} s")
+    try:
+        tokenizer = Tokenizer.load(default_model_path())
+        prompt_ids = tuple(tokenizer.apply_chat_template(
+            [ChatMessage(role="user", content=QUESTION)], add_generation_prompt=True).token_ids)
+        backend = TorchBackend(EngineConfig())
+        await backend.start()
+        channel = grpc.insecure_channel(url)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        run_mesh(stub, 4)  # warm the channels and both paths once
+        await run_in_process(backend, prompt_ids, 4, -1)
+        local: list[Run] = []
+        remote: list[Run] = []
+        for i in range(args.runs):
+            remote.append(run_mesh(stub, args.max_tokens))
+            local.append(await run_in_process(backend, prompt_ids, args.max_tokens, i))
+        print(f"{len(prompt_ids)}-token prompt, {args.max_tokens} greedy tokens, "
+              f"median of {args.runs} runs")
+        a = summarize("in-process", local)
+        b = summarize("mesh", remote)
+        print(f"{'overhead':<12} ttft_ms={b['ttft_ms'] - a['ttft_ms']:8.2f}  "
+              f"tpot_ms={b['tpot_ms'] - a['tpot_ms']:8.2f}")
+        await backend.shutdown()
+        channel.close()
+    finally:
+        if mesh is not None:
+            mesh.stop()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
