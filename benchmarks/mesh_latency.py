@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import statistics
 import tempfile
 import time
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from llmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
 from services.cli.mesh import Mesh
 from services.common.model_files import default_model_path
 from services.common.sampling import SamplingOptions
@@ -80,6 +81,21 @@ def run_mesh(stub: generation_pb2_grpc.GenerationServiceStub, n: int) -> Run:
     return _run(start, stamps, tokens)
 
 
+def run_engine_grpc(stub: engine_pb2_grpc.EngineServiceStub, prompt_ids: tuple[int, ...],
+                    n: int, i: int) -> Run:
+    start_msg = engine_pb2.EngineServiceGenerateRequest(start=engine_pb2.EngineRequest(
+        request_id=f"bench-grpc-{i}", prompt_token_ids=prompt_ids,
+        sampling=SamplingOptions(max_tokens=n, ignore_eos=True).to_pb()))
+    start = time.perf_counter()
+    stamps: list[float] = []
+    tokens = 0
+    for response in stub.Generate(iter([start_msg]), timeout=300):
+        if response.token_ids:
+            stamps.append(time.perf_counter())
+            tokens += len(response.token_ids)
+    return _run(start, stamps, tokens)
+
+
 def _run(start: float, stamps: list[float], tokens: int) -> Run:
     gaps = tuple(b - a for a, b in zip(stamps, stamps[1:]))
     return Run(ttft=stamps[0] - start, e2e=stamps[-1] - start, tokens=tokens, gaps=gaps)
@@ -93,7 +109,7 @@ def summarize(name: str, runs: list[Run]) -> dict[str, float]:
         "e2e_ms": statistics.median(r.e2e for r in runs) * 1e3,
         "tokens": statistics.median(r.tokens for r in runs),
     }
-    print(f"{name:<12} " + "  ".join(f"{k}={v:8.2f}" for k, v in row.items()))
+    print(f"{name:<14} " + "  ".join(f"{k}={v:8.2f}" for k, v in row.items()))
     return row
 
 
@@ -102,6 +118,8 @@ async def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--url", default=None, help="a running mesh's ingress (default: start one)")
+    parser.add_argument("--router", default=None, help="the router's address, to time it without Envoy")
+    parser.add_argument("--engine", default=None, help="an engine's address, to time it over gRPC")
     args = parser.parse_args()
 
     mesh = None
@@ -110,6 +128,8 @@ async def main() -> None:
         mesh = Mesh(ingress_port=0, admin_port=0, run_dir=tempfile.mkdtemp(prefix="llmesh-bench-"))
         mesh.start()
         url = mesh.ingress_address
+        args.router = mesh.router.grpc_address
+        args.engine = mesh.engines[0].grpc_address
         print(f"llmesh up → SERVING (all services + Envoy ready): {mesh.startup_seconds:.1f} s")
     try:
         tokenizer = Tokenizer.load(default_model_path())
@@ -117,23 +137,40 @@ async def main() -> None:
             [ChatMessage(role="user", content=QUESTION)], add_generation_prompt=True).token_ids)
         backend = TorchBackend(EngineConfig())
         await backend.start()
-        channel = grpc.insecure_channel(url)
-        stub = generation_pb2_grpc.GenerationServiceStub(channel)
-        run_mesh(stub, 4)  # warm the channels and both paths once
-        await run_in_process(backend, prompt_ids, 4, -1)
-        local: list[Run] = []
-        remote: list[Run] = []
-        for i in range(args.runs):
-            remote.append(run_mesh(stub, args.max_tokens))
-            local.append(await run_in_process(backend, prompt_ids, args.max_tokens, i))
+        channels = [grpc.insecure_channel(url)]
+        paths: dict[str, object] = {
+            "mesh (Envoy)": functools.partial(
+                run_mesh, generation_pb2_grpc.GenerationServiceStub(channels[0]), args.max_tokens)}
+        if args.router:
+            channels.append(grpc.insecure_channel(args.router))
+            paths["router direct"] = functools.partial(
+                run_mesh, generation_pb2_grpc.GenerationServiceStub(channels[-1]), args.max_tokens)
+        if args.engine:
+            channels.append(grpc.insecure_channel(args.engine))
+            engine_stub = engine_pb2_grpc.EngineServiceStub(channels[-1])
+            paths["engine gRPC"] = lambda i: run_engine_grpc(
+                engine_stub, prompt_ids, args.max_tokens, i)
+        await run_in_process(backend, prompt_ids, 4, -1)  # warm every path once
+        results: dict[str, list[Run]] = {"in-process": [], **{name: [] for name in paths}}
+        for i in range(args.runs + 1):
+            for name, path in paths.items():
+                run = path(i) if name == "engine gRPC" else path()
+                if i:
+                    results[name].append(run)
+            run = await run_in_process(backend, prompt_ids, args.max_tokens, i)
+            if i:
+                results["in-process"].append(run)
         print(f"{len(prompt_ids)}-token prompt, {args.max_tokens} greedy tokens, "
-              f"median of {args.runs} runs")
-        a = summarize("in-process", local)
-        b = summarize("mesh", remote)
-        print(f"{'overhead':<12} ttft_ms={b['ttft_ms'] - a['ttft_ms']:8.2f}  "
-              f"tpot_ms={b['tpot_ms'] - a['tpot_ms']:8.2f}")
+              f"median of {args.runs} runs (after one warm-up run of each path)")
+        rows = {name: summarize(name, runs) for name, runs in results.items()}
+        base = rows["in-process"]
+        for name, row in rows.items():
+            if name != "in-process":
+                print(f"overhead of {name:<14} ttft_ms={row['ttft_ms'] - base['ttft_ms']:8.2f}  "
+                      f"tpot_ms={row['tpot_ms'] - base['tpot_ms']:8.2f}")
         await backend.shutdown()
-        channel.close()
+        for channel in channels:
+            channel.close()
     finally:
         if mesh is not None:
             mesh.stop()
