@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 #: Request latency buckets in seconds: the cache answers in well under a millisecond.
 LATENCY_BUCKETS_SECONDS = (
-    0.00005, 0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-    0.1, 0.25, 1.0,
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0025, 0.005,
+    0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
 )
 
 

@@ -81,7 +81,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
           StoreUnavailableError: the Redis URL given does not answer.
         """
         await self.store.start()
-        log.info("cache ready", backend=self.store.backend,
+        log.info("cache_ready", backend=self.store.backend,
                  default_ttl_seconds=self.default_ttl_seconds)
 
     async def drain(self) -> None:
@@ -123,9 +123,10 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             try:
                 response = cache_pb2.CachedResponse.FromString(value)
             except DecodeError:
-                log.warning("unreadable cache entry; answering miss", key=store_key)
+                log.warning("cache_entry_unreadable", key=store_key, action="answered miss")
                 return cache_pb2.GetCachedResponseResponse(found=False)
             self._metrics.hits.inc()
+            log.debug("cache_hit", tokens=len(response.token_ids))
             return cache_pb2.GetCachedResponseResponse(found=True, response=response)
         finally:
             self._get_duration.observe(time.perf_counter() - started)
@@ -148,6 +149,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                                           ttl_seconds)
             if stored:
                 self._metrics.stores.inc()
+            log.debug("cache_put", stored=stored, tokens=len(request.response.token_ids))
             return cache_pb2.PutCachedResponseResponse(stored=stored)
         finally:
             self._put_duration.observe(time.perf_counter() - started)

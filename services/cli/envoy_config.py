@@ -94,6 +94,7 @@ with warnings.catch_warnings():
     from envoy_data_plane.envoy.extensions.filters.http.grpc_json_transcoder.v3 import (
         GrpcJsonTranscoder,
         GrpcJsonTranscoderPrintOptions,
+        GrpcJsonTranscoderRequestValidationOptions,
     )
     from envoy_data_plane.envoy.extensions.filters.http.grpc_stats.v3 import (
         FilterConfig as GrpcStats,
@@ -231,6 +232,11 @@ def _transcoder(settings: EnvoySettings) -> HttpFilter:
         ),
         convert_grpc_status=True,
         ignore_unknown_query_parameters=True,
+        # A JSON request to an unknown path or with the wrong method gets 404
+        # from Envoy, instead of reaching the router and coming back as 503.
+        # gRPC requests (content-type application/grpc) always pass through.
+        request_validation_options=GrpcJsonTranscoderRequestValidationOptions(
+            reject_unknown_method=True),
     )
     return HttpFilter(name="envoy.filters.http.grpc_json_transcoder", typed_config=Any.pack(config))
 

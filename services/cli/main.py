@@ -4,6 +4,8 @@
                          prints how to call them, runs until Ctrl-C/SIGTERM.
 ``llmesh generate TEXT`` streams a completion through Envoy (chat by default).
 ``llmesh models``        lists the served models.
+``llmesh bench``         measures TTFT, TPOT, ITL, latency and throughput of llmesh
+                         or an OpenAI-compatible server (``services.bench``).
 
 Exit codes: 0 ok; 1 the call or the mesh failed (message on stderr, with the
 gRPC status name); 2 bad usage or a port already in use; 130 interrupted
@@ -19,7 +21,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -30,9 +32,24 @@ EXAMPLE_QUESTION = "What is the capital of France?"
 ROLES = ("tokenizer", "cache", "engine", "router")
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return int(value) if value else default
+def _ranged_int(low: int, high: int, what: str) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer in ``[low, high]`` (a usage error otherwise)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{what} must be in [{low}, {high}], got {value}")
+        return value
+    parse.__name__ = what
+    return parse
+
+
+_port = _ranged_int(0, 65535, "port")
+_int32_positive = _ranged_int(1, 2**31 - 1, "count")
+_int32_non_negative = _ranged_int(0, 2**31 - 1, "count")
+_uint64 = _ranged_int(0, 2**64 - 1, "seed")
 
 
 def grpc_target(url: str) -> str:
@@ -157,6 +174,7 @@ def _print_ready(mesh: object) -> None:
                      f"http://{service.metrics_address}/metrics  pid {service.pid}")
     assert mesh.envoy is not None
     lines.append(f"  {'envoy':<9} pid {mesh.envoy.pid}  config {mesh.envoy.config_path}")
+    lines.append(f"  scrape    prometheus --config.file {mesh.prometheus_config}")
     lines.append("Try:")
     lines += [f"  {line}" for line in client_examples(mesh.ingress_address)]
     lines.append("Ctrl-C stops everything.")
@@ -292,13 +310,23 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Runs ``llmesh bench`` (``services.bench``)."""
+    from services.bench.main import run
+
+    return run(args)
+
+
 # -- argument parsing --------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``llmesh`` argument parser (subcommands ``up``, ``generate``, ``models``)."""
+    """The ``llmesh`` argument parser (subcommands ``up``, ``generate``, ``models``, ``bench``)."""
+    from services.bench.main import add_arguments as add_bench_arguments
+
     parser = argparse.ArgumentParser(
-        prog="llmesh", description="llmesh: start a mesh, stream a completion, list models.")
+        prog="llmesh",
+        description="llmesh: start a mesh, stream a completion, list models, benchmark.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     up = commands.add_parser(
@@ -309,10 +337,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--host", default="127.0.0.1",
                     help="ingress bind address (default: %(default)s)")
-    up.add_argument("--port", type=int, default=_env_int("LLMESH_PORT", 8080),
+    up.add_argument("--port", type=_port, default=os.environ.get("LLMESH_PORT") or "8080",
                     help="ingress port, gRPC + JSON; 0 = a free one (env LLMESH_PORT, "
                          "default: %(default)s)")
-    up.add_argument("--admin-port", type=int, default=_env_int("LLMESH_ADMIN_PORT", 9901),
+    up.add_argument("--admin-port", type=_port,
+                    default=os.environ.get("LLMESH_ADMIN_PORT") or "9901",
                     help="Envoy admin port (env LLMESH_ADMIN_PORT, default: %(default)s)")
     up.add_argument("--model-path", default=None,
                     help="GGUF file for tokenizer and engines (default: the services' default)")
@@ -320,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Redis for the cache service (default: its embedded store)")
     up.add_argument("--run-dir", default=None,
                     help="logs, port files and envoy.yaml (default: a new /tmp/llmesh-* dir)")
-    up.add_argument("--engines", type=int, default=1, help="engine replicas (default: 1)")
+    up.add_argument("--engines", type=_int32_positive, default=1, help="engine replicas (default: 1)")
     up.add_argument("--backend", default=None, help="engine --backend (torch, tensorrt_llm)")
     up.add_argument("--device", default=None, help="engine --device (cpu, cuda, cuda:1)")
     up.add_argument("--dtype", default=None, help="engine --dtype (float32, bfloat16...)")
@@ -348,12 +377,12 @@ def build_parser() -> argparse.ArgumentParser:
                           help="send the text as a raw prompt, no chat template")
     generate.add_argument("--system", default=None, help="chat system message")
     generate.add_argument("--model", default="", help="model id (default: the mesh's default)")
-    generate.add_argument("--max-tokens", type=int, default=None)
+    generate.add_argument("--max-tokens", type=_int32_positive, default=None)
     generate.add_argument("--temperature", type=float, default=None,
                           help="0 or unset: greedy")
     generate.add_argument("--top-p", type=float, default=None)
-    generate.add_argument("--top-k", type=int, default=None)
-    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--top-k", type=_int32_non_negative, default=None)
+    generate.add_argument("--seed", type=_uint64, default=None)
     generate.add_argument("--stop", action="append", default=[], metavar="TEXT",
                           help="stop string, repeatable")
     generate.add_argument("--batch", action="store_true",
@@ -367,6 +396,15 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--timeout", type=float, default=10.0, help="deadline in seconds")
     models.add_argument("--url", default=default_url, help=url_help)
     models.set_defaults(func=cmd_models)
+
+    bench = commands.add_parser(
+        "bench", help="benchmark llmesh or an OpenAI-compatible server",
+        description="Measures TTFT, TPOT, ITL, e2e latency, throughput and goodput of llmesh "
+                    "(gRPC) or an OpenAI-compatible HTTP server under a chosen load, in the "
+                    "manner of `vllm bench serve` (docs/bench.md).",
+    )
+    add_bench_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

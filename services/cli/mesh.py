@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -48,6 +49,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cli.envoy_config import DESCRIPTOR_RELATIVE, REPO_ROOT, EnvoySettings, write_config
+from services.common.scrape_targets import write_prometheus_config
 
 #: The roles in start order (engines may be several: ``engine-0``, ``engine-1``...).
 BACKEND_ROLES = ("tokenizer", "cache", "engine")
@@ -421,6 +423,8 @@ class Mesh:
       envoy: the :class:`EnvoyProcess`.
       ingress_address, admin_url, http_url: where to reach it.
       startup_seconds: seconds :meth:`start` took.
+      prometheus_config: ``RUN_DIR/prometheus/prometheus.yml``, a Prometheus
+        config that scrapes every service and Envoy at their real ports.
     """
 
     ingress_host: str = "127.0.0.1"
@@ -448,8 +452,10 @@ class Mesh:
     services: dict[str, ServiceProcess] = field(default_factory=dict, init=False)
     envoy: EnvoyProcess | None = field(default=None, init=False)
     startup_seconds: float | None = field(default=None, init=False)
+    prometheus_config: Path | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
+        self._made_run_dir = self.run_dir is None
         if self.run_dir is None:
             self.run_dir = Path(tempfile.mkdtemp(prefix="llmesh-"))
         self.run_dir = Path(self.run_dir).resolve()
@@ -516,8 +522,13 @@ class Mesh:
         """
         report = progress or (lambda _: None)
         started = time.monotonic()
-        ensure_port_free("ingress", self.ingress_host, self.ingress_port)
-        ensure_port_free("admin", self.admin_host, self.admin_port)
+        try:
+            ensure_port_free("ingress", self.ingress_host, self.ingress_port)
+            ensure_port_free("admin", self.admin_host, self.admin_port)
+        except PortInUseError:
+            if self._made_run_dir:  # nothing was started: leave no empty /tmp/llmesh-*
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
         try:
             self._start(report, started)
         except BaseException:
@@ -552,6 +563,11 @@ class Mesh:
         )
         report(MeshProgress("envoy", elapsed(), (), "starting envoy"))
         self.envoy.start(timeout_s=max(10.0, deadline - time.monotonic()))
+        self.prometheus_config = write_prometheus_config(
+            self.run_dir / "prometheus",
+            {name: s.metrics_address for name, s in self.services.items()
+             if s.metrics_port not in (None, -1)},
+            self.envoy.admin_url)
         report(MeshProgress(
             "ready", elapsed(), (),
             f"envoy ready in {self.envoy.ready_seconds:.2f} s: {self.ingress_address}",

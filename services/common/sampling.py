@@ -15,6 +15,10 @@ import grpc
 from llmesh.v1 import common_pb2
 
 
+#: Temperatures below this are greedy (as in vLLM): logits / 1e-40 overflow to inf.
+GREEDY_TEMPERATURE_EPSILON = 1e-5
+
+
 class FinishReason(enum.IntEnum):
     """Why a sequence ended; values equal ``llmesh.v1.FinishReason``."""
 
@@ -59,7 +63,8 @@ class SamplingOptions:
     """Validated sampling and stopping parameters of one request.
 
     Attributes:
-      temperature: softmax temperature; 0 means greedy (argmax).
+      temperature: softmax temperature; 0 means greedy (argmax), and so does any
+        value below :data:`GREEDY_TEMPERATURE_EPSILON` (it is stored as 0).
       top_p: nucleus mass in (0, 1]; 1 disables it.
       top_k: keep the k most likely tokens; 0 disables it.
       seed: seed of the request's own generator, or None (random).
@@ -106,6 +111,8 @@ class SamplingOptions:
         temperature = pb.temperature if pb.HasField("temperature") else 0.0
         if not temperature >= 0.0 or temperature == float("inf"):
             raise bad("temperature", f"must be a finite number >= 0, got {temperature}")
+        if temperature < GREEDY_TEMPERATURE_EPSILON:
+            temperature = 0.0  # dividing logits by it would overflow: it means greedy
         top_p = pb.top_p if pb.HasField("top_p") else 1.0
         if not 0.0 < top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {top_p}")

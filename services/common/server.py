@@ -7,6 +7,12 @@ graceful drain on SIGTERM/SIGINT: health turns NOT_SERVING, the service stops
 admitting work (:meth:`Service.drain`), in-flight calls get up to
 ``drain_seconds`` to finish, then the process exits.
 
+``/metrics`` serves the process-wide registry: the service's own metrics, the
+process and Python collectors of ``prometheus_client``, and, where a GPU is
+visible, the GPU gauges of :mod:`services.common.gpu_telemetry` (by default
+in the engine only: ``--gpu-telemetry`` / ``--no-gpu-telemetry``). The
+``*_created`` series of counters and histograms are not exported.
+
 The bound ports (``--port 0`` picks a free one) are logged as the event
 ``listening`` and, with ``--port-file``, written there as JSON so a launcher
 never has to guess a free port.
@@ -29,6 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from services.common.gpu_telemetry import register_gpu_telemetry
 from services.common.grpc_util import SERVER_OPTIONS
 from services.common.logging import configure_logging
 
@@ -65,6 +72,8 @@ class ServerConfig:
       port_file: where to write ``{"grpc_port", "metrics_port", "pid"}`` once bound.
       drain_seconds: how long in-flight calls may run after SIGTERM (seconds).
       log_level: structlog level name.
+      gpu_telemetry: export the GPU gauges (absent anyway without a GPU);
+        None: only in the engine (one process per host reports the devices).
     """
 
     name: str
@@ -74,10 +83,19 @@ class ServerConfig:
     port_file: Path | None = None
     drain_seconds: float = 10.0
     log_level: str = "info"
+    gpu_telemetry: bool | None = None
+
+    @property
+    def exports_gpu_telemetry(self) -> bool:
+        """Whether this service registers the GPU gauges."""
+        if self.gpu_telemetry is None:
+            return self.name == "engine"
+        return self.gpu_telemetry
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds ``--host --port --metrics-port --port-file --drain-seconds --log-level``."""
+    """Adds ``--host --port --metrics-port --port-file --drain-seconds --log-level
+    --[no-]gpu-telemetry``."""
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one)")
     parser.add_argument(
@@ -88,6 +106,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default=os.environ.get("LLMESH_LOG_LEVEL", "info")
     )
+    parser.add_argument(
+        "--gpu-telemetry", action=argparse.BooleanOptionalAction, default=None,
+        help="export GPU utilisation and memory on /metrics when a GPU is visible "
+             "(default: in the engine only)")
 
 
 def server_config_from_args(name: str, args: argparse.Namespace) -> ServerConfig:
@@ -100,6 +122,7 @@ def server_config_from_args(name: str, args: argparse.Namespace) -> ServerConfig
         port_file=args.port_file,
         drain_seconds=args.drain_seconds,
         log_level=args.log_level,
+        gpu_telemetry=getattr(args, "gpu_telemetry", None),
     )
 
 
@@ -113,6 +136,10 @@ async def _set_health(
 def _start_metrics(config: ServerConfig) -> int:
     if config.metrics_port < 0:
         return -1
+    # One process per service: these settings and collectors are process-wide.
+    prometheus_client.disable_created_metrics()
+    if config.exports_gpu_telemetry:
+        register_gpu_telemetry()
     server, _ = prometheus_client.start_http_server(config.metrics_port, addr=config.host)
     return server.server_port
 

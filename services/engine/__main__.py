@@ -6,10 +6,12 @@ Example::
         --max-model-len 2048 --port 50061 --metrics-port 9461
 
 Flags: the engine's (``--backend --model-path --served-model-name --device
---dtype --max-model-len --max-num-waiting --prefill-chunk-size
---default-max-tokens --max-tokens-cap --max-batch-size --gpu-memory-fraction``)
-and the server kit's (``--host --port --metrics-port --port-file
---drain-seconds --log-level``).
+--dtype --max-model-len --max-num-waiting --max-num-seqs
+--max-num-batched-tokens --prefill-chunk-size --block-size --kv-cache-bytes
+--[no-]enable-prefix-caching --[no-]batch-invariant --default-max-tokens
+--max-tokens-cap --gpu-memory-fraction``; each also read from
+``LLMESH_ENGINE_<FLAG>``, the flag winning) and the server kit's (``--host
+--port --metrics-port --port-file --drain-seconds --log-level``).
 """
 
 from __future__ import annotations

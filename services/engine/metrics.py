@@ -13,10 +13,13 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.sampling import FinishReason
-from services.engine.types import LoadStats, TokenDelta
+from services.engine.types import LoadStats, StepStats, TokenDelta
 
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
                  0.5, 0.75, 1.0, 2.5, 5.0)
+#: vLLM's buckets for tokens per step, cut at 8192.
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class EngineMetrics:
@@ -26,8 +29,12 @@ class EngineMetrics:
     ``num_requests_waiting``, ``kv_cache_usage_perc`` (gauges, read from the
     backend's ``load()`` at scrape time); ``prompt_tokens_total``,
     ``generation_tokens_total`` (counters); ``request_success_total`` by
-    ``finished_reason`` (stop, length, cancelled, error); and
-    ``engine_step_duration_seconds`` (histogram of one model step, seconds).
+    ``finished_reason`` (stop, length, cancelled, error);
+    ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (counters,
+    prompt tokens looked up in / found in the prefix cache);
+    ``num_preemptions_total`` (counter); and histograms of each engine step:
+    ``engine_step_duration_seconds``, ``iteration_tokens_total`` (tokens
+    computed, vLLM's name) and ``batch_size`` (sequences in the step).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -50,6 +57,21 @@ class EngineMetrics:
         self.step_duration = Histogram(
             "llmesh:engine_step_duration_seconds", "Duration of one engine step.",
             buckets=_STEP_BUCKETS, registry=registry)
+        self.iteration_tokens = Histogram(
+            "llmesh:iteration_tokens_total", "Tokens computed per engine step.",
+            buckets=_TOKEN_BUCKETS, registry=registry)
+        self.batch_size = Histogram(
+            "llmesh:batch_size", "Sequences computing tokens per engine step.",
+            buckets=_BATCH_BUCKETS, registry=registry)
+        self.prefix_cache_queries = Counter(
+            "llmesh:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            registry=registry)
+        self.prefix_cache_hits = Counter(
+            "llmesh:prefix_cache_hits", "Prompt tokens found computed in the prefix cache.",
+            registry=registry)
+        self.num_preemptions = Counter(
+            "llmesh:num_preemptions", "Sequences preempted (blocks freed, recomputed later).",
+            registry=registry)
 
     def track_load(self, load: Callable[[], LoadStats]) -> None:
         """Makes the load gauges read ``load()`` at each scrape."""
@@ -57,9 +79,16 @@ class EngineMetrics:
         self.num_requests_waiting.set_function(lambda: load().num_waiting)
         self.kv_cache_usage.set_function(lambda: load().kv_cache_usage)
 
-    def observe_step(self, seconds: float) -> None:
+    def observe_step(self, stats: StepStats) -> None:
         """Records one engine step (thread-safe; called on the engine thread)."""
-        self.step_duration.observe(seconds)
+        self.step_duration.observe(stats.duration_s)
+        self.iteration_tokens.observe(stats.num_scheduled_tokens)
+        self.batch_size.observe(stats.batch_size)
+        if stats.prefix_queries:
+            self.prefix_cache_queries.inc(stats.prefix_queries)
+            self.prefix_cache_hits.inc(stats.prefix_hits)
+        if stats.num_preemptions:
+            self.num_preemptions.inc(stats.num_preemptions)
 
     def observe_delta(self, delta: TokenDelta, first: bool) -> None:
         """Counts a delta's tokens; ``first`` marks a request's first delta (its
@@ -69,6 +98,11 @@ class EngineMetrics:
         self.generation_tokens.inc(len(delta.token_ids))
         if delta.finish_reason is not FinishReason.NONE:
             self.request_success.labels(finished_reason=delta.finish_reason.name.lower()).inc()
+
+    def observe_unseen_end(self, reason: FinishReason) -> None:
+        """Counts a request whose last delta was never read (the client dropped the
+        call, so the engine cancelled it; or the stream failed) by ``reason``."""
+        self.request_success.labels(finished_reason=reason.name.lower()).inc()
 
 
 @functools.cache

@@ -6,8 +6,10 @@ an :class:`EngineBackend` and streams its deltas back. Statuses:
 * INVALID_ARGUMENT: first message not ``start``, a second ``start``, an empty
   prompt, a token id outside the vocabulary, a malformed sampling field (the
   message names the field, e.g. ``sampling.top_p: must be in (0, 1], got 0``);
-* OUT_OF_RANGE: ``sampling.max_tokens`` above the cap, or prompt + max_tokens
-  beyond the context window (the message says the largest value that fits);
+* OUT_OF_RANGE: ``sampling.max_tokens`` above the cap, prompt + max_tokens
+  beyond the context window, or a request that needs more KV slots than the
+  replica's whole KV cache (it could never run; the message says the largest
+  value that fits);
 * RESOURCE_EXHAUSTED: the waiting queue is full; ALREADY_EXISTS: the request id
   is in flight; UNAVAILABLE: loading or draining; INTERNAL: the engine failed
   the request (a last message with FINISH_REASON_ERROR comes first).
@@ -112,23 +114,33 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         deltas = self._backend.generate(request)
         watcher = asyncio.create_task(self._watch_client(request_iterator, request.request_id))
         first = True
+        # How the request ended if its last delta never reaches us: the client
+        # dropped the call (e.g. the router's cancel-then-drop), so the engine
+        # cancels the sequence; counted here since its last delta is not read.
+        unseen_end: FinishReason | None = FinishReason.CANCELLED
         try:
             async for delta in deltas:
                 self._metrics.observe_delta(delta, first)
                 first = False
+                if delta.finished:
+                    unseen_end = None
                 yield to_response(delta)
                 if delta.finished:
                     await self._after_last(delta, watcher, context)
         except (InvalidRequestError, EngineError) as exc:
+            unseen_end = None  # refused: never admitted
             await context.abort(exc.code, str(exc))
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
+            unseen_end = FinishReason.ERROR
             log.exception("generate_failed")
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         finally:
             watcher.cancel()
             await deltas.aclose()
+            if unseen_end is not None:
+                self._metrics.observe_unseen_end(unseen_end)
 
     async def _after_last(self, delta: TokenDelta, watcher: asyncio.Task[str | None],
                           context: grpc.aio.ServicerContext) -> None:

@@ -93,3 +93,24 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     backend: str
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """What one engine step did (passed to the step observer, e.g. metrics).
+
+    Attributes:
+      duration_s: wall time of the step (schedule, forward, sample, update).
+      num_scheduled_tokens: tokens computed.
+      batch_size: sequences that computed tokens.
+      num_preemptions: sequences preempted to make room.
+      prefix_queries: prompt tokens looked up in the prefix cache.
+      prefix_hits: of those, tokens found computed.
+    """
+
+    duration_s: float
+    num_scheduled_tokens: int
+    batch_size: int
+    num_preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0

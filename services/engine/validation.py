@@ -59,6 +59,37 @@ def validate_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int)
         )
 
 
+def validate_kv_capacity(num_prompt_tokens: int, max_tokens: int, capacity_tokens: int) -> None:
+    """Checks that the sequence can ever fit in the replica's KV cache: its last
+    computed token is number ``prompt + max_tokens - 1`` (the last sampled token
+    is never computed). A request beyond that would wait or be preempted
+    forever, so it is refused as OUT_OF_RANGE ("never fits"), not
+    RESOURCE_EXHAUSTED ("try later").
+
+    Raises:
+      InvalidRequestError: OUT_OF_RANGE naming ``prompt_token_ids`` when the
+        prompt alone does not fit, else ``sampling.max_tokens``, with the numbers.
+    """
+    needed = num_prompt_tokens + max_tokens - 1
+    if needed <= capacity_tokens:
+        return
+    if num_prompt_tokens > capacity_tokens:
+        raise InvalidRequestError(
+            PROMPT_FIELD,
+            f"prompt has {num_prompt_tokens} tokens but this engine's KV cache holds "
+            f"{capacity_tokens} tokens in all; shorten it to at most {capacity_tokens} tokens "
+            f"or send it to a replica with a larger KV cache",
+            grpc.StatusCode.OUT_OF_RANGE,
+        )
+    raise InvalidRequestError(
+        MAX_TOKENS_FIELD,
+        f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {needed} KV "
+        f"slots but this engine's KV cache holds {capacity_tokens} tokens in all; set "
+        f"max_tokens <= {capacity_tokens - num_prompt_tokens + 1} or shorten the prompt",
+        grpc.StatusCode.OUT_OF_RANGE,
+    )
+
+
 def validate_request(request: EngineRequest, info: ModelInfo) -> None:
     """Runs every check of this module on ``request``.
 

@@ -416,8 +416,13 @@ class EngineStream:
         self.close()
 
     def close(self) -> None:
-        """Cancels the call unless it finished normally (safe to call twice)."""
-        if not self._call.done():
+        """Cancels the call unless it finished normally (safe to call twice).
+
+        After the last delta (the one with a finish reason) the engine ends the
+        call by itself: cancelling it then would make a completed request look
+        cancelled to the engine (its logs and metrics).
+        """
+        if not self._finished and not self._call.done():
             self._call.cancel()
 
 

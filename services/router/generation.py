@@ -123,8 +123,13 @@ class _Timing:
     model: str
     received_at: float
     dispatched_at: float | None = None
+    first_token_at: float | None = None
     last_token_at: float | None = None
-    ttft: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        """Receipt to the first token leaving, or None before it."""
+        return None if self.first_token_at is None else self.first_token_at - self.received_at
 
 
 def upstream_to_generation_error(err: UpstreamError) -> GenerationError:
@@ -203,6 +208,7 @@ class GenerationPipeline:
         limits = self.models[request.model]
         outcome = "cancelled"  # unless set otherwise before leaving
         info: dict[str, object] = {}
+        self.metrics.requests_in_flight.labels(request.model).inc()
         try:
             prompt_ids = await self._prompt_ids(request, limits, deadline, info)
             progress.prompt_tokens = len(prompt_ids)
@@ -432,10 +438,12 @@ class GenerationPipeline:
     # ------------------------------------------------------------ helpers
 
     def _token_time(self, timing: _Timing) -> None:
-        """Notes that tokens leave now: the first sets TTFT, the others observe ITL."""
+        """Notes that tokens leave now: the first observes TTFT, the others ITL."""
         now = time.monotonic()
         if timing.last_token_at is None:
-            timing.ttft = now - timing.received_at
+            timing.first_token_at = now
+            self.metrics.observe_first_token(model=timing.model,
+                                             ttft_seconds=now - timing.received_at)
         else:
             self.metrics.inter_token_latency.labels(timing.model).observe(
                 now - timing.last_token_at)
@@ -451,20 +459,37 @@ class GenerationPipeline:
     def _record(self, request: GenerationRequest, outcome: str, progress: Progress,
                 timing: _Timing, info: dict[str, object]) -> None:
         e2e = time.monotonic() - timing.received_at
+        tpot = _time_per_output_token(outcome, progress, timing, cached=bool(info.get("cached")))
+        self.metrics.requests_in_flight.labels(request.model).dec()
         self.metrics.observe_finished(
             model=request.model, outcome=outcome, priority=request.priority.name.lower(),
             prompt_tokens=progress.prompt_tokens, generation_tokens=progress.completion_tokens,
-            e2e_seconds=e2e)
-        if timing.ttft is not None:
-            self.metrics.time_to_first_token.labels(request.model).observe(timing.ttft)
+            e2e_seconds=e2e, tpot_seconds=tpot)
         output = info.pop("output", None)
         fields: dict[str, object] = dict(
             outcome=outcome, prompt_tokens=progress.prompt_tokens,
-            completion_tokens=progress.completion_tokens, e2e_ms=round(e2e * 1e3, 3),
-            ttft_ms=None if timing.ttft is None else round(timing.ttft * 1e3, 3),
-            priority=request.priority.name.lower(), **info)
+            completion_tokens=progress.completion_tokens, e2e_ms=_ms(e2e),
+            ttft_ms=_ms(timing.ttft),
+            queue_ms=_ms(None if timing.dispatched_at is None
+                         else timing.dispatched_at - timing.received_at),
+            tpot_ms=_ms(tpot), priority=request.priority.name.lower(), **info)
         if self.log_content:
             fields.update(prompt=request.prompt if request.prompt is not None
                           else [dataclasses.asdict(m) for m in request.messages or ()],
                           output=output)
         log.info("request_finished", **fields)
+
+
+def _ms(seconds: float | None) -> float | None:
+    """Seconds as milliseconds for a log line (µs precision), None stays None."""
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
+def _time_per_output_token(outcome: str, progress: Progress, timing: _Timing, *,
+                           cached: bool) -> float | None:
+    """(last token - first token) / (tokens - 1) of a complete generation from an
+    engine (STOP or LENGTH, two tokens or more), else None."""
+    if (cached or outcome not in ("stop", "length") or progress.completion_tokens < 2
+            or timing.first_token_at is None or timing.last_token_at is None):
+        return None
+    return (timing.last_token_at - timing.first_token_at) / (progress.completion_tokens - 1)

@@ -1,29 +1,53 @@
 """The router's Prometheus metrics (names follow vLLM's where the concept matches).
 
-All times are in seconds, measured at the router with ``time.monotonic()``
-from the moment the router received the request:
+These are the latencies a client sees, minus only Envoy's hop: all times are
+in seconds, measured at the router with ``time.monotonic()`` from the moment
+the router received the request (``Generate`` called, or a ``start`` read on
+a ``GenerateStream``), and observed at the moment they happen:
 
-* ``llmesh:time_to_first_token_seconds``: receipt to the first generated
-  token leaving the router (for a cache hit: the replayed answer).
+* ``llmesh:time_to_first_token_seconds``: receipt to the first token-carrying
+  message leaving the router; observed then, once per request that produced
+  a token, whatever its outcome later (a response-cache hit: its replay).
 * ``llmesh:inter_token_latency_seconds``: between consecutive token-carrying
-  deltas of one request (one engine step, or more with speculation).
-* ``llmesh:e2e_request_latency_seconds``: receipt to the final message.
-* ``llmesh:request_queue_time_seconds``: receipt to the request being sent
-  to an engine replica (validation, tokenization, cache lookup, replica choice).
-* ``llmesh:requests_total{outcome, priority}``: finished requests; ``outcome``
-  is the finish reason (``stop``, ``length``, ``cancelled``) or, for a failed
-  call, the gRPC status in lower case (``invalid_argument``, ``unavailable``...).
-* ``llmesh:prompt_tokens_total`` / ``llmesh:generation_tokens_total``.
-* ``llmesh:response_cache_queries_total`` / ``llmesh:response_cache_hits_total``.
+  messages of one request (one engine step, or more with speculation);
+  observed for each message after the first, as it leaves.
+* ``llmesh:request_time_per_output_token_seconds``: (last token - first
+  token) / (completion tokens - 1), once per generation that finished with
+  STOP or LENGTH from an engine with at least two tokens.
+* ``llmesh:e2e_request_latency_seconds``: receipt to the final message;
+  observed for every request whose outcome is a finish reason (``stop``,
+  ``length``, ``cancelled``), cache hits included; failed calls (a gRPC
+  error status) are counted in ``requests_total`` only, so that refusals in
+  microseconds do not pull the percentiles down.
+* ``llmesh:request_queue_time_seconds``: receipt to the request being sent to
+  an engine replica (validation, tokenization, cache lookup, replica choice);
+  once per request sent to an engine (not for cache hits or refusals).
+* ``llmesh:requests_total{outcome, priority}``: every request, once, when it
+  ends; ``outcome`` is the finish reason (``stop``, ``length``,
+  ``cancelled``: a client's cancel or a dropped call) or, for a failed call,
+  the gRPC status in lower case (``invalid_argument``, ``out_of_range``,
+  ``unavailable``, ``deadline_exceeded``, ``internal``...); ``priority`` is the
+  traffic class (``interactive``, ``batch``).
+* ``llmesh:prompt_tokens_total`` / ``llmesh:generation_tokens_total``: prompt
+  and completion tokens of requests whose outcome is a finish reason, as
+  reported to the client in the final message's ``usage`` (cache hits
+  included; a failed call has no usage and adds nothing). The engine exports counters of the same
+  names (tokens it computed); Prometheus' ``job`` label tells them apart.
+* ``llmesh:response_cache_queries_total`` / ``llmesh:response_cache_hits_total``:
+  the router's lookups (the cache service counts its own under the same
+  names, without ``model_name``).
+* ``llmesh:router_requests_in_flight``: requests between receipt and their
+  final message.
 
-Every metric carries ``model_name``. Nothing is observed per token inside the
-decode loop beyond one histogram observation per delta.
+Every metric carries ``model_name`` (a served model id: never a value the
+client made up). Nothing is observed per token inside the decode loop beyond
+one histogram observation per message.
 """
 
 from __future__ import annotations
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Bucket bounds in seconds; the low end resolves single milliseconds.
 TTFT_BUCKETS = (
@@ -35,13 +59,16 @@ ITL_BUCKETS = (
     0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
 )
 E2E_BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-    50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0,
+    20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
 )
 QUEUE_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1,
     0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )
+
+#: Outcomes that are finish reasons (the request got to its final message).
+FINISHED_OUTCOMES = frozenset({"stop", "length", "cancelled"})
 
 
 class RouterMetrics:
@@ -62,6 +89,10 @@ class RouterMetrics:
             "llmesh:inter_token_latency_seconds",
             "Time between consecutive token deltas of a request (seconds).",
             ["model_name"], buckets=ITL_BUCKETS, registry=reg)
+        self.time_per_output_token = Histogram(
+            "llmesh:request_time_per_output_token_seconds",
+            "Mean time per output token after the first, per finished generation (seconds).",
+            ["model_name"], buckets=ITL_BUCKETS, registry=reg)
         self.e2e_request_latency = Histogram(
             "llmesh:e2e_request_latency_seconds",
             "Time from the router receiving a request to its final message (seconds).",
@@ -72,13 +103,13 @@ class RouterMetrics:
             ["model_name"], buckets=QUEUE_BUCKETS, registry=reg)
         self.requests = Counter(
             "llmesh:requests",
-            "Finished requests by outcome (finish reason or gRPC status) and priority class.",
+            "Ended requests by outcome (finish reason or gRPC status) and priority class.",
             ["model_name", "outcome", "priority"], registry=reg)
         self.prompt_tokens = Counter(
-            "llmesh:prompt_tokens", "Prompt tokens of finished requests.",
+            "llmesh:prompt_tokens", "Prompt tokens of finished requests (as in usage).",
             ["model_name"], registry=reg)
         self.generation_tokens = Counter(
-            "llmesh:generation_tokens", "Tokens generated for finished requests.",
+            "llmesh:generation_tokens", "Completion tokens of finished requests (as in usage).",
             ["model_name"], registry=reg)
         self.cache_queries = Counter(
             "llmesh:response_cache_queries", "Response cache lookups.",
@@ -86,13 +117,31 @@ class RouterMetrics:
         self.cache_hits = Counter(
             "llmesh:response_cache_hits", "Response cache lookups that found an answer.",
             ["model_name"], registry=reg)
+        self.requests_in_flight = Gauge(
+            "llmesh:router_requests_in_flight",
+            "Requests received and not yet ended.", ["model_name"], registry=reg)
+
+    def observe_first_token(self, *, model: str, ttft_seconds: float) -> None:
+        """Records the first token of a request leaving the router."""
+        self.time_to_first_token.labels(model).observe(ttft_seconds)
 
     def observe_finished(self, *, model: str, outcome: str, priority: str,
-                         prompt_tokens: int, generation_tokens: int, e2e_seconds: float) -> None:
-        """Records one finished request (any outcome)."""
+                         prompt_tokens: int, generation_tokens: int, e2e_seconds: float,
+                         tpot_seconds: float | None = None) -> None:
+        """Records one ended request (any outcome; see the module doc for what
+        each outcome contributes)."""
         self.requests.labels(model, outcome, priority).inc()
+        if outcome not in FINISHED_OUTCOMES:
+            return
         self.e2e_request_latency.labels(model).observe(e2e_seconds)
+        if tpot_seconds is not None:
+            self.time_per_output_token.labels(model).observe(tpot_seconds)
         if prompt_tokens:
             self.prompt_tokens.labels(model).inc(prompt_tokens)
         if generation_tokens:
             self.generation_tokens.labels(model).inc(generation_tokens)
+
+    def observe_refused(self, *, model: str, outcome: str, priority: str) -> None:
+        """Counts a request refused before it reached the pipeline (validation,
+        starting, draining, a protocol error on a stream)."""
+        self.requests.labels(model, outcome, priority).inc()

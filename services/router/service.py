@@ -37,7 +37,7 @@ import structlog
 from llmesh.v1 import generation_pb2, generation_pb2_grpc
 from services.common.grpc_util import request_id_from
 from services.common.logging import REQUEST_ID_METADATA_KEY, bind_request_id
-from services.common.sampling import FinishReason, InvalidRequestError
+from services.common.sampling import FinishReason, InvalidRequestError, Priority
 from services.router.clients import (
     CacheClient,
     EngineClient,
@@ -279,6 +279,12 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         return validate_request(pb, request_id=request_id, models=self.models,
                                 default_model=self.default_model)
 
+    def _count_refused(self, pb: generation_pb2.GenerateRequest, code: grpc.StatusCode) -> None:
+        """Counts a request refused before the pipeline ran it (it counts the rest)."""
+        model = pb.model if pb.model in self.models else self.default_model
+        self.metrics.observe_refused(model=model, outcome=code.name.lower(),
+                                     priority=Priority.from_pb(pb.priority).name.lower())
+
     @staticmethod
     async def _abort(context: grpc.aio.ServicerContext, err: _Abort, request_id: str) -> None:
         if err.code != grpc.StatusCode.CANCELLED:
@@ -299,6 +305,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         bind_request_id(request_id)
         context.set_trailing_metadata(((REQUEST_ID_METADATA_KEY, request_id),))
         failure: _Abort | None = None
+        validated: GenerationRequest | None = None
         try:
             pipeline = self._admit()
             validated = self._validate(request, request_id)
@@ -309,6 +316,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                     yield _response(request_id, event)
         except Exception as err:  # noqa: BLE001 - every failure becomes a status
             failure = _as_abort(err, request_id)
+            if validated is None:  # else the pipeline counted it
+                self._count_refused(request, failure.code)
         if failure is not None:
             await self._abort(context, failure, request_id)
 
@@ -350,6 +359,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                     action = message.WhichOneof("action")
                     if action == "start":
                         if current is not None:
+                            self._count_refused(message.start,
+                                                grpc.StatusCode.FAILED_PRECONDITION)
                             raise _Abort(
                                 grpc.StatusCode.FAILED_PRECONDITION,
                                 f"start: generation {current.request_id!r} is still running on "
@@ -417,14 +428,20 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         number: int, stream_id: str, inbox: asyncio.Queue[tuple[str, object]],
     ) -> _StreamGeneration:
         received_at = time.monotonic()
-        pipeline = self._admit()
         if start.request_id:
             request_id = _safe_request_id(start.request_id)  # validation refuses a bad one
         elif number == 1:
             request_id = stream_id
         else:
             request_id = _safe_request_id(f"{stream_id}.{number}")
-        validated = self._validate(start, request_id)
+        try:
+            pipeline = self._admit()
+            validated = self._validate(start, request_id)
+        except Exception as err:  # noqa: BLE001 - counted, then ends the stream
+            code = (err.code if isinstance(err, (_Abort, InvalidRequestError))
+                    else grpc.StatusCode.INTERNAL)
+            self._count_refused(start, code)
+            raise
         progress = Progress()
         task = asyncio.create_task(self._produce(
             pipeline, validated, number, received_at, _deadline(context), progress, inbox))

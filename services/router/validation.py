@@ -26,6 +26,7 @@ room for even one generated token is refused (OUT_OF_RANGE).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -43,6 +44,14 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LENGTH = 256
 #: Status for an unknown model id.
 UNKNOWN_MODEL_CODE = grpc.StatusCode.INVALID_ARGUMENT
+#: Upper bound of the UTF-8 bytes one token covers in the supported tokenizers
+#: (SmolLM2's longest token is 81 bytes): text longer than
+#: ``max_model_len * MAX_BYTES_PER_TOKEN`` bytes cannot fit and is refused untokenized.
+MAX_BYTES_PER_TOKEN = 128
+#: A chat history may hold this many context windows of text (oldest turns are dropped).
+MAX_HISTORY_WINDOWS = 4
+#: A chat role is a plain name: no spaces, no template markup such as ``<|im_end|>``.
+_ROLE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,31}")
 
 _KNOWN_PRIORITIES = (
     common_pb2.PRIORITY_UNSPECIFIED, common_pb2.PRIORITY_INTERACTIVE, common_pb2.PRIORITY_BATCH,
@@ -131,6 +140,21 @@ def resolve_model(name: str, models: Mapping[str, ModelLimits], default: str) ->
     return limits
 
 
+def _check_text_size(field: str, text: str, limits: ModelLimits) -> None:
+    """Refuses text that cannot fit the context window before anyone tokenizes it.
+
+    No token of a supported tokenizer spans more than :data:`MAX_BYTES_PER_TOKEN`
+    bytes, so longer text is more than ``max_model_len`` tokens for sure.
+    """
+    limit = limits.max_model_len * MAX_BYTES_PER_TOKEN
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise InvalidRequestError(
+            field, f"{size} bytes of text cannot fit the model's context window of "
+            f"{limits.max_model_len} tokens (at most {limit} bytes are even tokenized); "
+            "shorten it", grpc.StatusCode.OUT_OF_RANGE)
+
+
 def _validate_messages(chat: generation_pb2.Chat, limits: ModelLimits) -> tuple[ChatMessage, ...]:
     if not limits.has_chat_template:
         raise InvalidRequestError(
@@ -139,10 +163,20 @@ def _validate_messages(chat: generation_pb2.Chat, limits: ModelLimits) -> tuple[
         raise InvalidRequestError(
             "chat.messages", "must hold at least one message (role and content)")
     for i, message in enumerate(chat.messages):
-        if not message.role.strip():
+        if not _ROLE.fullmatch(message.role):
             raise InvalidRequestError(
                 f"chat.messages[{i}].role",
-                "must be non-empty, e.g. \"system\", \"user\" or \"assistant\"")
+                f"must be a plain name such as \"system\", \"user\" or \"assistant\" "
+                f"(letters, digits, '_' or '-', at most 32), got {message.role[:40]!r}")
+    # The oldest turns may be dropped to fit, but never the last one.
+    _check_text_size(f"chat.messages[{len(chat.messages) - 1}].content",
+                     chat.messages[-1].content, limits)
+    total = sum(len(m.content) for m in chat.messages)
+    if total > MAX_HISTORY_WINDOWS * limits.max_model_len * MAX_BYTES_PER_TOKEN:
+        raise InvalidRequestError(
+            "chat.messages", f"the conversation holds {total} characters, more than "
+            f"{MAX_HISTORY_WINDOWS} context windows' worth; send only recent turns",
+            grpc.StatusCode.OUT_OF_RANGE)
     return tuple(ChatMessage(m.role, m.content) for m in chat.messages)
 
 
@@ -184,6 +218,7 @@ def validate_request(
     if which == "prompt":
         if not pb.prompt:
             raise InvalidRequestError("prompt", "must be non-empty text")
+        _check_text_size("prompt", pb.prompt, limits)
         prompt = pb.prompt
     else:
         messages = _validate_messages(pb.chat, limits)
@@ -199,7 +234,6 @@ def validate_request(
     return GenerationRequest(
         request_id=request_id, model=limits.model, prompt=prompt, messages=messages,
         sampling=sampling, priority=Priority.from_pb(pb.priority),
-        # Not in generation.proto yet (the mesh tests send it): False until it is.
         bypass_cache=pb.bypass_cache,
     )
 

@@ -249,6 +249,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
             else:
                 ids = await self._offload(tok.encode, text, special)
             self._tokens["Tokenize"].inc(len(ids))
+            log.debug("tokenized", chars=len(text), tokens=len(ids))
             return tokenizer_pb2.TokenizeResponse(token_ids=ids)
 
         return await self._unary("Tokenize", context, work)
@@ -268,6 +269,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
             self._tokens["ApplyChatTemplate"].inc(len(prompt.token_ids))
             if prompt.num_dropped_messages:
                 self._metrics.dropped_messages.inc(prompt.num_dropped_messages)
+            log.debug("chat_template_applied", messages=len(messages),
+                      tokens=len(prompt.token_ids), dropped=prompt.num_dropped_messages)
             return tokenizer_pb2.ApplyChatTemplateResponse(
                 token_ids=prompt.token_ids, num_dropped_messages=prompt.num_dropped_messages
             )
@@ -300,6 +303,9 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self._metrics.detokenize_streams.inc()
         tokens = self._tokens["Detokenize"]
         detok: IncrementalDetokenizer | None = None
+        opened = started
+        num_messages = num_tokens = 0
+        outcome = "cancelled"  # unless the stream ends otherwise
         try:
             async for request in request_iterator:
                 started = time.perf_counter()
@@ -312,10 +318,17 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
                     if request.flush:
                         text += detok.flush()
                 except Exception as err:  # mapped to a status; ends this stream only
+                    outcome = _status_of(err).name.lower()
                     await self._abort("Detokenize", context, err, started)
                     return
                 tokens.inc(len(ids))
+                num_messages += 1
+                num_tokens += len(ids)
                 self._record("Detokenize", grpc.StatusCode.OK, started)
                 yield tokenizer_pb2.DetokenizeResponse(text=text)
+            outcome = "ok"
         finally:
             self._metrics.detokenize_streams.dec()
+            # One line per stream (per generation), after its last answer: never text.
+            log.info("detokenize_finished", outcome=outcome, messages=num_messages,
+                     tokens=num_tokens, stream_ms=round((time.perf_counter() - opened) * 1e3, 3))

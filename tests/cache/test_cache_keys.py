@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from llmesh.v1 import cache_pb2, common_pb2
 
 from services.cache.keys import NAMESPACE, canonical_bytes, is_cacheable, response_key
-from services.common.sampling import InvalidRequestError
+from services.common.sampling import GREEDY_TEMPERATURE_EPSILON, InvalidRequestError
 from tests.cache.helpers import make_key
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +60,9 @@ def effective(key: cache_pb2.CacheKey, name: str) -> object:
     return {
         "model": key.model,
         "prompt": list(key.prompt_token_ids),
-        "temperature": s.temperature if s.HasField("temperature") else 0.0,
+        # Below GREEDY_TEMPERATURE_EPSILON a temperature means greedy (stored as 0).
+        "temperature": (s.temperature if s.HasField("temperature")
+                        and s.temperature >= GREEDY_TEMPERATURE_EPSILON else 0.0),
         "top_p": s.top_p if s.HasField("top_p") else 1.0,
         "top_k": s.top_k if s.HasField("top_k") else 0,
         "seed": s.seed if s.HasField("seed") else None,

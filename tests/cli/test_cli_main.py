@@ -103,3 +103,37 @@ def test_models_table_and_json(envoy: EnvoyProcess, capsys: pytest.CaptureFixtur
     assert table[1].split() == ["fake-model", "2048", "256", "yes"]
     assert cli.main(["models", "--json", "--url", envoy.ingress_address]) == 0
     assert '"id": "fake-model"' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "--seed", "-1", "x"], "--seed: seed must be in [0, 18446744073709551615]"),
+        (["generate", "--seed", str(2**64), "x"], "--seed: seed must be in"),
+        (["generate", "--max-tokens", "99999999999", "x"], "--max-tokens: count must be in"),
+        (["generate", "--max-tokens", "0", "x"], "--max-tokens: count must be in [1,"),
+        (["generate", "--top-k", "-3", "x"], "--top-k: count must be in [0,"),
+        (["up", "--port", "99999"], "--port: port must be in [0, 65535], got 99999"),
+        (["up", "--admin-port", "http"], "--admin-port: port must be an integer, got 'http'"),
+    ],
+)
+def test_out_of_range_numbers_are_usage_errors_not_tracebacks(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_bad_port_in_the_environment_breaks_only_up(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("LLMESH_PORT", "abc")
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--help"])
+    assert exited.value.code == 0
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["up"])
+    assert exited.value.code == 2
+    assert "--port: port must be an integer, got 'abc'" in capsys.readouterr().err

@@ -122,6 +122,18 @@ def test_taken_ingress_port_fails_fast_before_anything_starts(tmp_path: Path) ->
     assert mesh.pids() == {}
 
 
+def test_a_refused_start_leaves_no_empty_run_dir_behind() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        mesh = Mesh(ingress_port=taken.getsockname()[1], admin_port=0, commands=fake_commands())
+        made = Path(mesh.run_dir)
+        assert made.is_dir() and made.name.startswith("llmesh-")
+        with pytest.raises(PortInUseError):
+            mesh.start()
+    assert not made.exists()
+
+
 def test_taken_admin_port_fails_fast(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

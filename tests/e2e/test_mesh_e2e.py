@@ -248,3 +248,36 @@ def test_list_models_through_envoy(ingress_channel: grpc.Channel) -> None:
     models = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=10).models
     assert [m.id for m in models] == ["SmolLM2-135M-Instruct"]
     assert models[0].max_model_len == 8192 and models[0].chat
+
+
+@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/generate"), ("POST", "/v1/nope"),
+                                              ("GET", "/")])
+def test_unknown_json_routes_get_404_not_a_retried_503(mesh: Mesh, method: str, path: str) -> None:
+    out = subprocess.run(
+        ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", method,
+         f"{mesh.http_url}{path}", "-H", "content-type: application/json", "-d", "{}"],
+        capture_output=True, text=True, timeout=30, check=True)
+    assert out.stdout == "404"
+
+
+def test_grpc_health_and_reflection_still_pass_through_envoy(mesh: Mesh) -> None:
+    out = subprocess.run(["grpcurl", "-plaintext", mesh.ingress_address,
+                          "grpc.health.v1.Health/Check"],
+                         capture_output=True, text=True, timeout=30, check=True)
+    assert json.loads(out.stdout) == {"status": "SERVING"}
+
+
+def test_a_temperature_too_small_to_sample_with_is_greedy(ingress_channel: grpc.Channel) -> None:
+    tiny = generate(ingress_channel, chat_request(max_tokens=8, temperature=1e-40))
+    greedy = generate(ingress_channel, chat_request(max_tokens=8))
+    assert tiny.last.finish_reason in (STOP, LENGTH)
+    assert tiny.token_ids == greedy.token_ids
+
+
+def test_the_run_dir_holds_a_prometheus_config_with_every_real_target(mesh: Mesh) -> None:
+    assert mesh.prometheus_config is not None and mesh.prometheus_config.is_file()
+    groups = json.loads((mesh.prometheus_config.parent / "targets.json").read_text())
+    targets = {t for group in groups for t in group["targets"]}
+    expected = {s.metrics_address for s in mesh.services.values()}
+    assert expected <= targets
+    assert mesh.admin_url.removeprefix("http://") in targets

@@ -1,5 +1,6 @@
-"""Shared fixtures of the engine tests: one started TorchBackend for the session
-(loading the GGUF costs seconds), its metrics, and a real gRPC server on a
+"""Shared fixtures of the engine tests: SmolLM2 loaded once for the session
+(loading the GGUF costs seconds) and shared by every torch backend the tests
+start, one started TorchBackend with its metrics, and a real gRPC server on a
 loopback port 0 in front of it."""
 
 from __future__ import annotations
@@ -18,16 +19,31 @@ from services.engine.config import EngineConfig
 from services.engine.metrics import EngineMetrics
 from services.engine.service import EngineService
 from services.engine.torch_backend.backend import TorchBackend
+from services.engine.torch_backend.gguf_loader import GGUFModel, load_gguf
+from services.engine.torch_backend.model import LlamaModel, build_model
 
 #: Context window of the shared backend: small, so length limits are cheap to hit.
 MAX_MODEL_LEN = 256
 #: Largest max_tokens the shared service accepts.
 MAX_TOKENS_CAP = 128
+#: Positions the shared model's RoPE tables cover (the longest context a test uses).
+MAX_POSITIONS = 2048
 
 
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def gguf_model(model_path: Path) -> GGUFModel:
+    return load_gguf(model_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2(gguf_model: GGUFModel) -> LlamaModel:
+    """SmolLM2 in fp32 on CPU, shared by every backend of the session."""
+    return build_model(gguf_model.config, gguf_model.state_dict, max_positions=MAX_POSITIONS)
 
 
 @pytest.fixture(scope="session")
@@ -38,13 +54,15 @@ def engine_metrics() -> EngineMetrics:
 @pytest.fixture(scope="session")
 def engine_config(model_path: Path) -> EngineConfig:
     return EngineConfig(backend="torch", model_path=model_path, max_model_len=MAX_MODEL_LEN,
-                        max_tokens_cap=MAX_TOKENS_CAP, prefill_chunk_size=64)
+                        max_tokens_cap=MAX_TOKENS_CAP, max_num_batched_tokens=64,
+                        kv_cache_bytes=64 << 20)
 
 
 @pytest_asyncio.fixture(scope="session")
-async def torch_backend(engine_config: EngineConfig,
-                        engine_metrics: EngineMetrics) -> AsyncIterator[TorchBackend]:
-    backend = TorchBackend(engine_config, step_observer=engine_metrics.observe_step)
+async def torch_backend(engine_config: EngineConfig, engine_metrics: EngineMetrics,
+                        smollm2: LlamaModel) -> AsyncIterator[TorchBackend]:
+    backend = TorchBackend(engine_config, step_observer=engine_metrics.observe_step,
+                           model=smollm2)
     await backend.start()
     yield backend
     await backend.shutdown()

@@ -41,7 +41,7 @@ async def backend(request: pytest.FixtureRequest,
     from services.engine.tensorrt_llm_backend.backend import TensorRTLLMBackend
 
     trt = TensorRTLLMBackend(EngineConfig(backend="tensorrt_llm", model_path=Path(model),
-                                          max_model_len=256, max_batch_size=8))
+                                          max_model_len=256, max_num_seqs=8))
     await trt.start()
     yield trt
     await trt.shutdown()

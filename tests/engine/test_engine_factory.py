@@ -1,14 +1,21 @@
-"""Backend selection, and the tensorrt_llm backend on a machine without TensorRT-LLM."""
+"""Backend selection, engine options from flags and the environment, and the
+tensorrt_llm backend on a machine without TensorRT-LLM."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 from pathlib import Path
 
 import pytest
 
 from services.engine.backend import EngineUnavailableError
-from services.engine.config import EngineConfig
+from services.engine.config import (
+    EngineConfig,
+    add_engine_arguments,
+    engine_config_from_args,
+    parse_bytes,
+)
 from services.engine.factory import create_backend
 from services.engine.tensorrt_llm_backend.backend import TensorRTLLMBackend
 from services.engine.torch_backend.backend import TorchBackend
@@ -52,3 +59,50 @@ async def test_tensorrt_llm_refuses_a_gguf() -> None:
                                               model_path=Path("/m/model.Q4_1.gguf")))
     with pytest.raises(ValueError, match="GGUF"):
         await backend.start()
+
+
+def parse_config(argv: list[str], environ: dict[str, str]) -> EngineConfig:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser, environ)
+    return engine_config_from_args(parser.parse_args(argv))
+
+
+def test_engine_config_defaults() -> None:
+    config = parse_config([], {})
+    assert config == EngineConfig()
+    assert (config.block_size, config.kv_cache_bytes, config.max_num_seqs) == (16, 1 << 30, 64)
+    assert (config.enable_prefix_caching, config.batch_invariant) == (True, True)
+    assert (config.step_token_budget(), EngineConfig(device="cuda").step_token_budget()) == (
+        256, 8192)
+
+
+def test_environment_sets_defaults_and_flags_win() -> None:
+    environ = {"LLMESH_ENGINE_BLOCK_SIZE": "32", "LLMESH_ENGINE_KV_CACHE_BYTES": "512MiB",
+               "LLMESH_ENGINE_MAX_NUM_SEQS": "8", "LLMESH_ENGINE_MAX_NUM_BATCHED_TOKENS": "128",
+               "LLMESH_ENGINE_ENABLE_PREFIX_CACHING": "off", "LLMESH_ENGINE_BATCH_INVARIANT": "0"}
+    config = parse_config([], environ)
+    assert (config.block_size, config.kv_cache_bytes, config.max_num_seqs,
+            config.max_num_batched_tokens) == (32, 512 << 20, 8, 128)
+    assert (config.enable_prefix_caching, config.batch_invariant) == (False, False)
+    config = parse_config(["--block-size", "8", "--kv-cache-bytes", "2GB", "--max-batch-size",
+                           "4", "--enable-prefix-caching", "--batch-invariant"], environ)
+    assert (config.block_size, config.kv_cache_bytes, config.max_num_seqs) == (8, 2 * 10**9, 4)
+    assert (config.enable_prefix_caching, config.batch_invariant) == (True, True)
+    config = parse_config(["--no-batch-invariant", "--prefill-chunk-size", "64"], {})
+    assert (config.batch_invariant, config.prefill_chunk_size) == (False, 64)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("1073741824", 1 << 30), ("1GiB", 1 << 30), ("1.5 GiB", 3 << 29), ("64mib", 64 << 20),
+    ("2G", 2 * 10**9), ("512KB", 512_000)])
+def test_parse_bytes(text: str, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("environ", [{"LLMESH_ENGINE_KV_CACHE_BYTES": "lots"},
+                                     {"LLMESH_ENGINE_BATCH_INVARIANT": "maybe"},
+                                     {"LLMESH_ENGINE_BACKEND": "vllm"},
+                                     {"LLMESH_ENGINE_MAX_NUM_SEQS": "0"}])
+def test_bad_environment_values_are_named(environ: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match=next(iter(environ))):
+        parse_config([], environ)

@@ -1,9 +1,12 @@
-"""The torch request loop on a tiny random-weight Llama (same code, milliseconds a
-step): scheduling order, cancels, limits, errors and the worker thread."""
+"""The torch engine loop on a tiny random-weight Llama (same code, milliseconds a
+step): the worker thread, in-flight batching, chunked prefill, priority, cancels,
+limits, errors, shutdown, and random submit/cancel traffic that must leave the
+KV cache as it found it."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 from collections.abc import AsyncIterator, Iterator
 
@@ -14,9 +17,12 @@ from services.common.sampling import FinishReason, Priority, SamplingOptions
 from services.engine.backend import DuplicateRequestError, EngineUnavailableError, QueueFullError
 from services.engine.torch_backend.engine_loop import EngineLoop
 from services.engine.torch_backend.gguf_loader import LlamaConfig
+from services.engine.torch_backend.kv_cache_manager import KVCacheManager
 from services.engine.torch_backend.model import LlamaModel
 from services.engine.torch_backend.model_runner import ModelRunner
-from services.engine.types import EngineRequest, TokenDelta
+from services.engine.torch_backend.paged_kv import kv_block_bytes
+from services.engine.torch_backend.scheduler import Scheduler, SchedulerConfig
+from services.engine.types import EngineRequest, StepStats, TokenDelta
 
 TINY = LlamaConfig(name="tiny", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=8, intermediate_size=64, vocab_size=64, rope_theta=10000.0,
@@ -27,7 +33,7 @@ LONG = 400
 
 
 @pytest.fixture(scope="module")
-def tiny_runner() -> ModelRunner:
+def tiny_model() -> LlamaModel:
     torch.manual_seed(0)
     model = LlamaModel(TINY)
     with torch.no_grad():
@@ -36,16 +42,18 @@ def tiny_runner() -> ModelRunner:
                 param.fill_(1.0)
             else:
                 param.normal_(std=0.2)
-    return ModelRunner(model.eval().requires_grad_(False), torch.device("cpu"), torch.float32)
+    return model.eval().requires_grad_(False)
 
 
 class Recorder:
     def __init__(self) -> None:
         self.threads: list[str] = []
+        self.steps: list[StepStats] = []
 
-    def __call__(self, seconds: float) -> None:
-        assert seconds >= 0
+    def __call__(self, stats: StepStats) -> None:
+        assert stats.duration_s >= 0
         self.threads.append(threading.current_thread().name)
+        self.steps.append(stats)
 
 
 @pytest.fixture
@@ -54,13 +62,23 @@ def recorder() -> Recorder:
 
 
 @pytest.fixture
-def make_loop(tiny_runner: ModelRunner, recorder: Recorder) -> Iterator:
+def make_loop(tiny_model: LlamaModel, recorder: Recorder) -> Iterator:
     loops: list[EngineLoop] = []
 
-    def make(**kwargs: object) -> EngineLoop:
-        options = dict(eos_token_ids=TINY.eos_token_ids, max_model_len=512, step_observer=recorder)
-        options.update(kwargs)
-        loop = EngineLoop(tiny_runner, **options)  # type: ignore[arg-type]
+    def make(max_model_len: int = 512, num_blocks: int = 128, block_size: int = 4,
+             max_num_batched_tokens: int = 64, max_num_seqs: int = 16,
+             max_num_waiting: int = 256, enable_caching: bool = True,
+             step_observer: object = recorder) -> EngineLoop:
+        runner = ModelRunner(tiny_model, torch.device("cpu"), torch.float32)
+        runner.allocate_kv_cache(num_blocks * kv_block_bytes(TINY, block_size, torch.float32),
+                                 block_size)
+        kv = KVCacheManager(num_blocks, block_size, enable_caching, model_id="tiny")
+        scheduler = Scheduler(SchedulerConfig(
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            eos_token_ids=frozenset(TINY.eos_token_ids)), kv)
+        loop = EngineLoop(runner, scheduler, max_num_waiting=max_num_waiting,
+                          step_observer=step_observer)  # type: ignore[arg-type]
         loop.start()
         loops.append(loop)
         return loop
@@ -71,8 +89,8 @@ def make_loop(tiny_runner: ModelRunner, recorder: Recorder) -> Iterator:
 
 
 def request(request_id: str, prompt: int = 4, max_tokens: int = 8,
-            priority: Priority = Priority.INTERACTIVE) -> EngineRequest:
-    return EngineRequest(request_id, tuple(range(2, 2 + prompt)),
+            priority: Priority = Priority.INTERACTIVE, first: int = 2) -> EngineRequest:
+    return EngineRequest(request_id, tuple(range(first, first + prompt)),
                          SamplingOptions(max_tokens=max_tokens, ignore_eos=True), priority)
 
 
@@ -88,6 +106,10 @@ async def collect(queue: asyncio.Queue[TokenDelta]) -> list[TokenDelta]:
     return [delta async for delta in deltas(queue)]
 
 
+def tokens(out: list[TokenDelta]) -> list[int]:
+    return [token for delta in out for token in delta.token_ids]
+
+
 async def test_steps_run_on_the_worker_thread(make_loop, recorder: Recorder) -> None:
     loop = make_loop()
     out = await collect(loop.submit(request("a", max_tokens=3), asyncio.get_running_loop()))
@@ -96,12 +118,29 @@ async def test_steps_run_on_the_worker_thread(make_loop, recorder: Recorder) -> 
     assert threading.current_thread().name != "engine-step"
 
 
-async def test_prefill_is_chunked(make_loop, recorder: Recorder) -> None:
-    loop = make_loop(prefill_chunk_size=8)
+async def test_prefill_is_chunked_under_the_step_budget(make_loop, recorder: Recorder) -> None:
+    loop = make_loop(max_num_batched_tokens=8)
     out = await collect(loop.submit(request("a", prompt=20, max_tokens=2),
                                     asyncio.get_running_loop()))
     assert sum(len(d.token_ids) for d in out) == 2
-    assert len(recorder.threads) == 4  # prefill 8 + 8 + 4 (samples token 1), decode token 2
+    # prefill 8 + 8 + 4 (samples token 1), then decode token 2
+    assert [s.num_scheduled_tokens for s in recorder.steps] == [8, 8, 4, 1]
+
+
+@pytest.mark.parametrize("block_size", [4, 24])  # 24 does not divide the 32-key chunks
+async def test_sequences_share_steps_and_match_their_solo_runs(make_loop, recorder: Recorder,
+                                                               block_size: int) -> None:
+    loop = make_loop(max_num_batched_tokens=16, block_size=block_size)
+    aio = asyncio.get_running_loop()
+    solo = [tokens(await collect(loop.submit(request(f"solo-{i}", prompt=3 + 5 * i, first=i),
+                                             aio))) for i in range(3)]
+    recorder.steps.clear()
+    together = await asyncio.gather(*(collect(loop.submit(
+        request(f"both-{i}", prompt=3 + 5 * i, first=i), aio)) for i in range(3)))
+    assert [tokens(out) for out in together] == solo
+    assert max(s.batch_size for s in recorder.steps) == 3
+    assert len(recorder.steps) < 3 * 8  # far fewer steps than one sequence at a time
+    assert loop.check_integrity().used == 0
 
 
 async def test_full_context_finishes_with_length(make_loop) -> None:
@@ -113,7 +152,7 @@ async def test_full_context_finishes_with_length(make_loop) -> None:
 
 
 async def test_priority_then_arrival_order(make_loop) -> None:
-    loop = make_loop()
+    loop = make_loop(max_num_seqs=1)
     aio = asyncio.get_running_loop()
     first = loop.submit(request("first", max_tokens=LONG), aio)
     await first.get()  # "first" is running; the rest queue behind it
@@ -135,7 +174,7 @@ async def test_priority_then_arrival_order(make_loop) -> None:
 
 
 async def test_cancel_waiting_leaves_the_queue_at_once(make_loop) -> None:
-    loop = make_loop()
+    loop = make_loop(max_num_seqs=1)
     aio = asyncio.get_running_loop()
     running = loop.submit(request("running", max_tokens=LONG), aio)
     await running.get()
@@ -146,15 +185,61 @@ async def test_cancel_waiting_leaves_the_queue_at_once(make_loop) -> None:
     out = await collect(waiting)
     assert [(d.token_ids, d.finish_reason) for d in out] == [((), FinishReason.CANCELLED)]
     assert loop.cancel("waiting") is False
+    assert loop.load().kv_cache_usage > 0
     assert loop.cancel("running") is True
     last = (await collect(running))[-1]
     assert last.finish_reason is FinishReason.CANCELLED
     assert loop.load().num_running == 0
     assert loop.load().kv_cache_usage == 0.0
+    assert loop.check_integrity().used == 0
+
+
+class PauseAfter:
+    """Step observer that holds the engine thread after step ``step`` until released,
+    so a test can act on a sequence in a known state."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.count = step, 0
+        self.paused, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, stats: StepStats) -> None:
+        self.count += 1
+        if self.count == self.step:
+            self.paused.set()
+            self.release.wait(timeout=10)
+
+
+@pytest.mark.parametrize("state", ["waiting", "mid-prefill", "decoding"])
+async def test_cancel_at_any_point_returns_every_block(make_loop, state: str) -> None:
+    # 40-token prompt, 8 tokens a step: prefill takes 5 steps; "other" holds the
+    # only running slot while the victim waits.
+    pause = PauseAfter(step={"waiting": 1, "mid-prefill": 2, "decoding": 6}[state])
+    loop = make_loop(max_num_batched_tokens=8, max_num_seqs=1, step_observer=pause)
+    aio = asyncio.get_running_loop()
+    if state == "waiting":
+        other = loop.submit(request("other", prompt=2, max_tokens=LONG), aio)
+    victim = loop.submit(request("victim", prompt=40, max_tokens=LONG), aio)
+    assert await asyncio.to_thread(pause.paused.wait, 10)
+    load = loop.load()
+    assert (load.num_running, load.num_waiting) == ((1, 1) if state == "waiting" else (1, 0))
+    used = {"waiting": 1, "mid-prefill": 4, "decoding": 11}[state]  # blocks of 4 tokens
+    assert loop.check_integrity().used == used
+    assert loop.cancel("victim") is True
+    pause.release.set()
+    out = await collect(victim)
+    assert out[-1].finish_reason is FinishReason.CANCELLED
+    assert len(tokens(out)) == (2 if state == "decoding" else 0)  # sampled in steps 5 and 6
+    if state == "waiting":
+        loop.cancel("other")
+        await collect(other)
+    while loop.load().num_running:
+        await asyncio.sleep(0.001)
+    counts = loop.check_integrity()
+    assert counts.used == 0 and counts.free + counts.cached == 128
 
 
 async def test_queue_limit_and_duplicate_ids(make_loop) -> None:
-    loop = make_loop(max_num_waiting=1)
+    loop = make_loop(max_num_waiting=1, max_num_seqs=1)
     aio = asyncio.get_running_loop()
     running = loop.submit(request("a", max_tokens=LONG), aio)
     await running.get()
@@ -169,7 +254,7 @@ async def test_queue_limit_and_duplicate_ids(make_loop) -> None:
     loop.cancel("b")
 
 
-async def test_failed_step_fails_only_that_request(make_loop) -> None:
+async def test_failed_step_fails_its_requests_and_the_engine_lives(make_loop) -> None:
     loop = make_loop()
     aio = asyncio.get_running_loop()
     bad = EngineRequest("bad", (TINY.vocab_size + 5,), SamplingOptions(max_tokens=2))
@@ -178,10 +263,11 @@ async def test_failed_step_fails_only_that_request(make_loop) -> None:
     assert "IndexError" in out[-1].error
     good = await collect(loop.submit(request("good", max_tokens=2), aio))
     assert good[-1].finish_reason is FinishReason.LENGTH
+    assert loop.check_integrity().used == 0
 
 
 async def test_stop_fails_leftovers_and_refuses_new_work(make_loop) -> None:
-    loop = make_loop()
+    loop = make_loop(max_num_seqs=1)
     aio = asyncio.get_running_loop()
     running = loop.submit(request("running", max_tokens=LONG), aio)
     await running.get()
@@ -193,3 +279,53 @@ async def test_stop_fails_leftovers_and_refuses_new_work(make_loop) -> None:
     with pytest.raises(EngineUnavailableError):
         loop.submit(request("late"), aio)
     assert loop.load().num_running == loop.load().num_waiting == 0
+
+
+async def test_random_traffic_with_the_model_leaves_no_block_behind(make_loop,
+                                                                    recorder: Recorder) -> None:
+    # 24 blocks of 4 tokens for up to 6 sequences of up to 40 tokens: preemptions happen.
+    loop = make_loop(num_blocks=24, max_num_seqs=6, max_num_batched_tokens=24)
+    aio = asyncio.get_running_loop()
+    rng = random.Random(7)
+    streams: dict[str, asyncio.Task[list[TokenDelta]]] = {}
+    for event in range(300):
+        if rng.random() < 0.6:
+            name = f"r{event}"
+            streams[name] = asyncio.create_task(collect(loop.submit(request(
+                name, prompt=rng.randint(1, 24), max_tokens=rng.randint(1, 16),
+                priority=rng.choice(list(Priority)), first=rng.randint(2, 10)), aio)))
+        elif streams:
+            loop.cancel(rng.choice(sorted(streams)))
+        await asyncio.sleep(rng.choice([0, 0, 0.001, 0.005]))
+    results = await asyncio.wait_for(asyncio.gather(*streams.values()), timeout=120)
+    reasons = {out[-1].finish_reason for out in results}
+    assert reasons <= {FinishReason.LENGTH, FinishReason.CANCELLED}
+    assert FinishReason.CANCELLED in reasons and FinishReason.LENGTH in reasons
+    assert all(sum(d.finished for d in out) == 1 for out in results)
+    assert loop.load().num_running == loop.load().num_waiting == 0
+    counts = loop.check_integrity()
+    assert counts.used == 0 and counts.free + counts.cached == 24
+    assert sum(s.num_preemptions for s in recorder.steps) > 0
+
+
+async def test_a_scheduler_bug_fails_the_requests_not_the_engine(make_loop,
+                                                                 monkeypatch) -> None:
+    loop = make_loop()
+    aio = asyncio.get_running_loop()
+    scheduler = loop._scheduler
+    real = scheduler.schedule
+    calls = {"n": 0}
+
+    def broken():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("scheduler bug")
+        return real()
+
+    monkeypatch.setattr(scheduler, "schedule", broken)
+    out = await collect(loop.submit(request("victim", max_tokens=LONG), aio))
+    assert (out[-1].finish_reason, out[-1].error) == (FinishReason.ERROR,
+                                                      "RuntimeError: scheduler bug")
+    good = await collect(loop.submit(request("after", max_tokens=2), aio))
+    assert good[-1].finish_reason is FinishReason.LENGTH
+    assert loop.check_integrity().used == 0

@@ -11,14 +11,10 @@ import torch
 
 from services.common.sampling import FinishReason, SamplingOptions
 from services.engine.torch_backend.backend import TorchBackend
-from services.engine.torch_backend.gguf_loader import GGUFModel, load_gguf, unpermute_rope_rows
-from services.engine.torch_backend.model import (
-    LlamaModel,
-    SequenceSlice,
-    allocate_kv_cache,
-    build_model,
-)
+from services.engine.torch_backend.gguf_loader import GGUFModel, unpermute_rope_rows
+from services.engine.torch_backend.model import LlamaModel, build_model
 from services.engine.torch_backend.model_runner import ModelRunner, StepInput
+from services.engine.torch_backend.paged_kv import AttentionBatch, PagedKVCache, SeqAttention
 from services.engine.types import EngineRequest
 
 from .prompts import STORY
@@ -27,13 +23,8 @@ pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
-def gguf_model(model_path: Path) -> GGUFModel:
-    return load_gguf(model_path)
-
-
-@pytest.fixture(scope="module")
-def model(gguf_model: GGUFModel) -> LlamaModel:
-    return build_model(gguf_model.config, gguf_model.state_dict, max_positions=512)
+def model(smollm2: LlamaModel) -> LlamaModel:
+    return smollm2
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +42,22 @@ def hf_logits(hf_model: torch.nn.Module) -> torch.Tensor:
         return hf_model(torch.tensor([STORY])).logits[0]
 
 
-def our_logits(model: LlamaModel, tokens: tuple[int, ...], chunks: tuple[int, ...]) -> torch.Tensor:
+def our_logits(model: LlamaModel, tokens: tuple[int, ...], chunks: tuple[int, ...]
+               ) -> torch.Tensor:
     """Logits ``[len(tokens), vocab]`` at every position, computing the prompt in
-    chunks of the given sizes (later chunks attend to the cached keys)."""
-    cache = allocate_kv_cache(model.config, len(tokens), "cpu", torch.float32)
+    chunks of the given sizes (later chunks attend to the cached keys) through a
+    paged KV cache of 4-token blocks used in reversed order."""
+    config = model.config
+    cache = PagedKVCache(config, num_blocks=-(-len(tokens) // 4), block_size=4)
+    blocks = list(reversed(range(cache.num_blocks)))
     out, start = [], 0
     for size in chunks:
-        ids = torch.tensor(tokens[start:start + size])
-        positions = torch.arange(start, start + size)
-        out.append(model(ids, positions, [SequenceSlice(cache, start, size)],
-                         logits_indices=torch.arange(size)))
+        positions = range(start, start + size)
+        slots = torch.tensor([blocks[p // 4] * 4 + p % 4 for p in positions])
+        attention = AttentionBatch(cache, [SeqAttention(start, size, blocks)], slots,
+                                   config.num_heads // config.num_kv_heads)
+        out.append(model(torch.tensor(tokens[start:start + size]), torch.tensor(positions),
+                         attention, torch.arange(size)))
         start += size
     return torch.cat(out)
 
@@ -115,7 +112,8 @@ def test_bfloat16_model_tracks_float32(gguf_model: GGUFModel, hf_logits: torch.T
     bf16 = build_model(gguf_model.config, gguf_model.state_dict, dtype=torch.bfloat16,
                        max_positions=64)
     runner = ModelRunner(bf16, torch.device("cpu"), torch.bfloat16)
-    logits = runner.run([StepInput(STORY, 0, runner.allocate(len(STORY)))])
+    runner.allocate_kv_cache(4 << 20, block_size=16)
+    logits = runner.run([StepInput(STORY, 0, [0, 1])])
     assert logits.dtype == torch.bfloat16 and logits.shape == (1, 49152)
     reference = hf_logits[-1]
     top10 = set(reference.topk(10).indices.tolist())

@@ -66,8 +66,10 @@ async def test_streams_tokens_as_steps_end(engine_stub: Stub) -> None:
     assert not any(r.HasField("usage") for r in responses[:-1])
     last = responses[-1]
     assert last.finish_reason == common_pb2.FINISH_REASON_STOP
-    assert (last.usage.prompt_tokens, last.usage.completion_tokens,
-            last.usage.cached_prompt_tokens) == (len(CHAT), len(CHAT_GREEDY), 0)
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(CHAT),
+                                                                         len(CHAT_GREEDY))
+    # Two full 16-token blocks hit the prefix cache if an earlier test sent CHAT.
+    assert last.usage.cached_prompt_tokens in (0, 32)
 
 
 async def test_request_id_falls_back_to_metadata(engine_stub: Stub) -> None:
@@ -97,13 +99,46 @@ async def test_cancel_message_finishes_at_once(engine_stub: Stub) -> None:
     await wait_not_running(engine_stub)
 
 
-async def test_client_dropping_the_call_frees_the_sequence(engine_stub: Stub) -> None:
+async def test_client_dropping_the_call_frees_the_sequence(engine_stub: Stub,
+                                                          engine_metrics: EngineMetrics) -> None:
+    cancelled = sample_value(engine_metrics, "llmesh:request_success_total",
+                             finished_reason="cancelled")
     call = engine_stub.Generate(messages(start("drop-me", max_tokens=MAX_TOKENS_CAP,
                                                ignore_eos=True)))
     await call.read()
     assert (await engine_stub.GetLoad(engine_pb2.GetLoadRequest())).num_running == 1
     call.cancel()
     await wait_not_running(engine_stub)
+    # Its last delta was never read; the request still counts once as cancelled.
+    deadline = time.perf_counter() + 2
+    while time.perf_counter() < deadline and sample_value(
+            engine_metrics, "llmesh:request_success_total",
+            finished_reason="cancelled") == cancelled:
+        await asyncio.sleep(0.01)
+    assert sample_value(engine_metrics, "llmesh:request_success_total",
+                        finished_reason="cancelled") == cancelled + 1
+
+
+async def test_cancel_then_drop_counts_the_request_once(engine_stub: Stub,
+                                                        engine_metrics: EngineMetrics) -> None:
+    # The router's way: send `cancel`, then drop the call at once.
+    total = sample_value(engine_metrics, "llmesh:request_success_total",
+                         finished_reason="cancelled")
+    requests: asyncio.Queue = asyncio.Queue()
+    await requests.put(start("cancel-drop", max_tokens=MAX_TOKENS_CAP, ignore_eos=True))
+
+    async def outgoing():
+        while (item := await requests.get()) is not None:
+            yield item
+
+    call = engine_stub.Generate(outgoing())
+    await call.read()
+    await requests.put(CANCEL)
+    call.cancel()
+    await wait_not_running(engine_stub)
+    await asyncio.sleep(0.2)  # a double count would land by now
+    assert sample_value(engine_metrics, "llmesh:request_success_total",
+                        finished_reason="cancelled") == total + 1
 
 
 async def test_request_id_in_flight_is_already_exists(engine_stub: Stub) -> None:
@@ -201,10 +236,29 @@ async def test_metrics_count_requests_and_tokens(engine_stub: Stub,
     after = [sample_value(engine_metrics, n) for n in names]
     assert after[0] - before[0] == len(CHAT)
     assert after[1] - before[1] == len(CHAT_GREEDY)
-    assert after[2] - before[2] == len(CHAT_GREEDY)  # one step per token (prompt fits one chunk)
+    assert after[2] - before[2] == len(CHAT_GREEDY)  # one step per token (prompt fits one step)
     assert sample_value(engine_metrics, "llmesh:request_success_total",
                         finished_reason="stop") == stops + 1
     assert sample_value(engine_metrics, "llmesh:num_requests_running") == 0
+
+
+async def test_prefix_cache_hits_show_in_usage_and_metrics(engine_stub: Stub,
+                                                          engine_metrics: EngineMetrics) -> None:
+    prompt = tuple(range(1000, 1040))  # 40 tokens: 2 full blocks of 16, never sent before
+    names = ("llmesh:prefix_cache_queries_total", "llmesh:prefix_cache_hits_total",
+             "llmesh:iteration_tokens_total_sum", "llmesh:iteration_tokens_total_count",
+             "llmesh:batch_size_sum")
+    before = [sample_value(engine_metrics, n) for n in names]
+    first = await generate(engine_stub, start("prefix-1", prompt, max_tokens=4, ignore_eos=True))
+    middle = [sample_value(engine_metrics, n) for n in names]
+    second = await generate(engine_stub, start("prefix-2", prompt, max_tokens=4, ignore_eos=True))
+    after = [sample_value(engine_metrics, n) for n in names]
+    assert (first[-1].usage.cached_prompt_tokens, second[-1].usage.cached_prompt_tokens) == (0, 32)
+    assert tokens_of(first) == tokens_of(second)
+    # queries, hits, tokens computed, steps, sequences per step (summed)
+    assert [m - b for m, b in zip(middle, before, strict=True)] == [40, 0, 40 + 3, 4, 4]
+    assert [a - m for a, m in zip(after, middle, strict=True)] == [40, 32, 8 + 3, 4, 4]
+    assert sample_value(engine_metrics, "llmesh:kv_cache_usage_perc") == 0.0
 
 
 async def test_drain_refuses_new_streams(torch_backend: TorchBackend,

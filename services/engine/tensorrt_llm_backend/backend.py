@@ -14,7 +14,7 @@ module imports on machines without it; selecting the backend there raises
 
 Reads these :class:`EngineConfig` fields: ``model_path`` (a Hugging Face
 checkpoint directory or hub id, or a built engine directory — not a GGUF),
-``served_model_name``, ``max_model_len``, ``max_batch_size``,
+``served_model_name``, ``max_model_len``, ``max_num_seqs``,
 ``gpu_memory_fraction``.
 """
 
@@ -86,7 +86,7 @@ class TensorRTLLMBackend(EngineBackend):
                 free_gpu_memory_fraction=self._config.gpu_memory_fraction)
             self._llm = await asyncio.to_thread(
                 LLM, model=str(path), skip_tokenizer_init=True, kv_cache_config=kv_cache_config,
-                max_seq_len=info.max_model_len, max_batch_size=self._config.max_batch_size)
+                max_seq_len=info.max_model_len, max_batch_size=self._config.max_num_seqs)
             self._sampling_params_cls = SamplingParams
             self._info = info
             await self._warm_up()

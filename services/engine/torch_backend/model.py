@@ -8,67 +8,26 @@ embeddings (Su et al., "RoFormer", 2021, arXiv:2104.09864) → RMSNorm → SwiGL
 embedding when the checkpoint says so).
 
 The forward pass takes the tokens of several sequences flattened into one
-``[num_tokens]`` tensor with their ``[num_tokens]`` positions, and one
-:class:`SequenceSlice` per sequence saying where its tokens sit in the flat
-batch and in its KV cache. Projections and the MLP run once over all tokens;
-only attention runs per sequence. Q/K weights are in the Hugging Face layout
-(see :func:`~services.engine.torch_backend.gguf_loader.unpermute_rope_rows`),
+``[num_tokens]`` tensor with their ``[num_tokens]`` positions, and the step's
+:class:`~services.engine.torch_backend.paged_kv.AttentionBatch` (which new
+tokens go to which KV slots, and which blocks each sequence attends to).
+Projections and the MLP run once over all tokens; attention runs in a few
+batched groups over the paged KV cache. Q/K weights are in the Hugging Face
+layout (see :func:`~services.engine.torch_backend.gguf_loader.unpermute_rope_rows`),
 so RoPE uses the "rotate half" form.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.engine.torch_backend.batch_invariant import Linear, select_linear
 from services.engine.torch_backend.gguf_loader import LlamaConfig
-
-
-@dataclass
-class KVCache:
-    """Contiguous key/value cache of one sequence.
-
-    Attributes:
-      k: keys ``[num_layers, num_kv_heads, capacity, head_dim]``.
-      v: values, same shape.
-    """
-
-    k: torch.Tensor
-    v: torch.Tensor
-
-    @property
-    def capacity(self) -> int:
-        """Most tokens this cache holds."""
-        return int(self.k.shape[2])
-
-
-@dataclass(frozen=True)
-class SequenceSlice:
-    """Where one sequence's new tokens sit.
-
-    Attributes:
-      cache: the sequence's KV cache.
-      start: tokens of this sequence already in the cache (= position of its first new token).
-      num_tokens: new tokens of this sequence in the flat batch (they follow the
-        previous slice's tokens).
-    """
-
-    cache: KVCache
-    start: int
-    num_tokens: int
-
-
-def allocate_kv_cache(config: LlamaConfig, capacity: int, device: torch.device | str,
-                      dtype: torch.dtype) -> KVCache:
-    """An uninitialized cache for ``capacity`` tokens (bytes: 2 · layers · kv_heads ·
-    capacity · head_dim · itemsize)."""
-    shape = (config.num_layers, config.num_kv_heads, capacity, config.head_dim)
-    return KVCache(k=torch.empty(shape, device=device, dtype=dtype),
-                   v=torch.empty(shape, device=device, dtype=dtype))
+from services.engine.torch_backend.paged_kv import AttentionBatch
 
 
 def rope_tables(config: LlamaConfig, max_positions: int, device: torch.device | str,
@@ -118,59 +77,28 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Parameter(
             torch.empty(2 * config.intermediate_size, config.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(config.hidden_size, config.intermediate_size))
+        self.linear: Linear = F.linear
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                slices: Sequence[SequenceSlice]) -> torch.Tensor:
+                attention: AttentionBatch) -> torch.Tensor:
         """``hidden`` ``[num_tokens, hidden]`` → ``[num_tokens, hidden]``; writes this
-        layer's new keys/values into each slice's cache."""
+        layer's new keys/values into the paged cache."""
         hidden = hidden + self._attention(rms_norm(hidden, self.input_norm, self.eps),
-                                          cos, sin, slices)
+                                          cos, sin, attention)
         return hidden + self._mlp(rms_norm(hidden, self.post_attention_norm, self.eps))
 
     def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   slices: Sequence[SequenceSlice]) -> torch.Tensor:
-        q, k, v = F.linear(x, self.qkv_proj).split(self.split, dim=-1)
+                   attention: AttentionBatch) -> torch.Tensor:
+        q, k, v = self.linear(x, self.qkv_proj).split(self.split, dim=-1)
         q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = torch.empty_like(q)
-        offset = 0
-        for piece in slices:
-            end = offset + piece.num_tokens
-            out[offset:end] = self._sequence_attention(q[offset:end], k[offset:end],
-                                                       v[offset:end], piece)
-            offset = end
-        return F.linear(out.view(x.shape[0], -1), self.o_proj)
-
-    def _sequence_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            piece: SequenceSlice) -> torch.Tensor:
-        """Causal attention of one sequence's new queries ``[n, heads, head_dim]``
-        over its cached and new keys/values."""
-        start, end = piece.start, piece.start + piece.num_tokens
-        k_cache, v_cache = piece.cache.k[self.index], piece.cache.v[self.index]
-        k_cache[:, start:end] = k.transpose(0, 1)
-        v_cache[:, start:end] = v.transpose(0, 1)
-        mask, causal = None, False
-        if piece.num_tokens > 1 and start == 0:
-            causal = True
-        elif piece.num_tokens > 1:
-            mask = _offset_causal_mask(start, piece.num_tokens, q.device)
-        attended = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k_cache[:, :end].unsqueeze(0),
-            v_cache[:, :end].unsqueeze(0), attn_mask=mask, is_causal=causal, enable_gqa=True)
-        return attended[0].transpose(0, 1)
+        out = attention.attend(self.index, q, k, v, self.head_dim ** -0.5)
+        return self.linear(out, self.o_proj)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
-
-
-def _offset_causal_mask(start: int, num_tokens: int, device: torch.device) -> torch.Tensor:
-    """``[num_tokens, start + num_tokens]`` bool mask: query ``i`` (position
-    ``start + i``) sees keys at positions ``<= start + i``."""
-    query_pos = torch.arange(start, start + num_tokens, device=device)[:, None]
-    key_pos = torch.arange(start + num_tokens, device=device)[None, :]
-    return key_pos <= query_pos
+        gate, up = self.linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return self.linear(F.silu(gate) * up, self.down_proj)
 
 
 class LlamaModel(nn.Module):
@@ -193,6 +121,14 @@ class LlamaModel(nn.Module):
         cos, sin = rope_tables(config, self.max_positions, "cpu", torch.float32)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.linear: Linear = F.linear
+
+    def select_kernels(self) -> None:
+        """Picks the projection kernel for the model's device and dtype (see
+        :func:`~services.engine.torch_backend.batch_invariant.select_linear`)."""
+        self.linear = select_linear(self.embed_tokens.device, self.embed_tokens.dtype)
+        for layer in self.layers:
+            layer.linear = self.linear
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copies HF-named weights (see ``GGUFModel``) into the fused parameters.
@@ -210,37 +146,26 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                slices: Sequence[SequenceSlice],
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+                attention: AttentionBatch, logits_indices: torch.Tensor) -> torch.Tensor:
         """One step over the flat batch.
 
         Args:
-          token_ids: ``[num_tokens]`` int64, the sequences' new tokens back to back.
-          positions: ``[num_tokens]`` int64, each token's position in its sequence.
-          slices: one per sequence, in the order of its tokens in ``token_ids``.
-          logits_indices: ``[num_tokens_to_sample]`` rows of the batch to compute
-            logits for; default the last new token of each sequence.
+          token_ids: ``[num_rows]`` int64, the sequences' new tokens back to back
+            (rows past ``attention.num_tokens`` are padding).
+          positions: ``[num_rows]`` int64, each token's position in its sequence.
+          attention: the step's attention plan over the paged KV cache.
+          logits_indices: ``[num_logits]`` rows to compute logits for.
 
         Returns:
-          logits ``[num_tokens_to_sample, vocab]`` in the model's dtype.
+          logits ``[num_logits, vocab]`` in the model's dtype.
         """
-        if logits_indices is None:
-            logits_indices = _last_token_indices(slices, token_ids.device)
         hidden = F.embedding(token_ids, self.embed_tokens)
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, slices)
+            hidden = layer(hidden, cos, sin, attention)
         hidden = rms_norm(hidden[logits_indices], self.norm, self.config.rms_norm_eps)
-        return F.linear(hidden, self.lm_head)
-
-
-def _last_token_indices(slices: Sequence[SequenceSlice], device: torch.device) -> torch.Tensor:
-    ends, total = [], 0
-    for piece in slices:
-        total += piece.num_tokens
-        ends.append(total - 1)
-    return torch.tensor(ends, dtype=torch.int64, device=device)
+        return self.linear(hidden, self.lm_head)
 
 
 def _load_layer(layer: DecoderLayer, state_dict: Mapping[str, torch.Tensor], prefix: str) -> None:
@@ -267,4 +192,5 @@ def build_model(config: LlamaConfig, state_dict: Mapping[str, torch.Tensor],
     model.load_weights(state_dict)
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
+    model.select_kernels()
     return model

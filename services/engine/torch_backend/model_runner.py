@@ -1,12 +1,22 @@
-"""Runs the model for the request loop: builds input tensors, owns device and dtype.
+"""Runs the model for the engine loop: one batched forward per step over the paged KV cache.
 
-The loop speaks in Python token lists and :class:`KVCache` objects; this module
-turns one step's work into the model's flat ``[num_tokens]`` batch and back.
-It is the seam the paged-KV model runner will replace.
+The loop hands over each scheduled sequence's new tokens, its position and its
+block ids (:class:`StepInput`); this module lays them out as the model's flat
+``[num_tokens]`` batch (sequences computing one token first: they form the
+decode group), computes the KV slot of every new token, builds the step's
+:class:`~services.engine.torch_backend.paged_kv.AttentionBatch`, and returns
+the next-token logits of the sequences that sample. In batch-invariant mode it
+pads the token rows and the logit rows to counts whose matmul results do not
+depend on the count (:func:`~services.engine.torch_backend.batch_invariant.padded_linear_rows`).
+
+It owns the device, the dtype and the KV storage.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,48 +24,92 @@ from pathlib import Path
 
 import torch
 
+from services.engine.torch_backend.batch_invariant import padded_linear_rows, probe
 from services.engine.torch_backend.gguf_loader import LlamaConfig, load_gguf
-from services.engine.torch_backend.model import (
-    KVCache,
-    LlamaModel,
-    SequenceSlice,
-    allocate_kv_cache,
-    build_model,
+from services.engine.torch_backend.model import LlamaModel, build_model
+from services.engine.torch_backend.paged_kv import (
+    AttentionBatch,
+    PagedKVCache,
+    SeqAttention,
+    num_blocks_for_budget,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# glibc mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
 
-@dataclass(frozen=True)
+
+def keep_freed_memory(trim_bytes: int = 1 << 30, mmap_bytes: int = 32 << 20) -> bool:
+    """Tells glibc's allocator to keep freed memory for reuse instead of giving
+    it back to the OS after each step.
+
+    A CPU step frees and re-allocates tens of MB of temporaries per layer
+    (gathered KV blocks, scores); with glibc's adaptive thresholds some steps
+    returned them to the OS and page-faulted them back (~90,000 minor faults and
+    2x the step time measured at 32 sequences). Fixed thresholds (trim above
+    ``trim_bytes``, mmap only above ``mmap_bytes``) keep them in the heap. The
+    setting is process-wide; the engine runs in its own process. Skipped where
+    the user set ``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_MMAP_THRESHOLD_`` or the C
+    library is not glibc.
+
+    Returns:
+      True if both thresholds were set.
+    """
+    if "MALLOC_TRIM_THRESHOLD_" in os.environ or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes)) and bool(
+        mallopt(_M_MMAP_THRESHOLD, mmap_bytes))
+
+
+@dataclass(frozen=True, slots=True)
 class StepInput:
     """One sequence's share of a step.
 
     Attributes:
       token_ids: tokens to compute now (a prefill chunk, or the last sampled token).
-      start: tokens of this sequence already in ``cache``.
-      cache: the sequence's KV cache.
+      start: tokens of this sequence already in the cache (position of the first).
+      block_ids: the sequence's KV blocks, covering ``start + len(token_ids)`` tokens.
+      samples: compute the logits of its last token.
     """
 
     token_ids: Sequence[int]
     start: int
-    cache: KVCache
+    block_ids: Sequence[int]
+    samples: bool = True
 
 
 class ModelRunner:
-    """Owns the model on its device; computes next-token logits for a step.
+    """Owns the model and its paged KV storage on one device.
 
     Not thread-safe: one thread (the engine loop's worker) calls :meth:`run`.
+
+    Args:
+      model: the decoder, ready on ``device`` in ``dtype``.
+      batch_invariant: pad shapes for batch-invariant results (see ``batch_invariant.py``).
     """
 
-    def __init__(self, model: LlamaModel, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: LlamaModel, device: torch.device, dtype: torch.dtype,
+                 batch_invariant: bool = True) -> None:
         self.model = model
         self.config: LlamaConfig = model.config
         self.device = device
         self.dtype = dtype
+        self.batch_invariant = batch_invariant
+        self.kv_cache: PagedKVCache | None = None
+        self._group_size = self.config.num_heads // self.config.num_kv_heads
 
     @classmethod
     def from_gguf(cls, path: str | Path, device: str = "cpu", dtype: str = "float32",
-                  max_positions: int | None = None) -> ModelRunner:
+                  max_positions: int | None = None, batch_invariant: bool = True) -> ModelRunner:
         """Loads and dequantizes the GGUF at ``path`` onto ``device`` in ``dtype``.
 
         Raises:
@@ -68,33 +122,92 @@ class ModelRunner:
         torch_device = torch.device(device)
         model = build_model(loaded.config, loaded.state_dict, torch_device, DTYPES[dtype],
                             max_positions)
-        return cls(model, torch_device, DTYPES[dtype])
+        return cls(model, torch_device, DTYPES[dtype], batch_invariant)
 
-    def allocate(self, capacity: int) -> KVCache:
-        """A KV cache for ``capacity`` tokens on the model's device."""
-        return allocate_kv_cache(self.config, capacity, self.device, self.dtype)
+    def allocate_kv_cache(self, budget_bytes: int, block_size: int) -> PagedKVCache:
+        """Allocates (zero-filled) as many KV blocks as fit in ``budget_bytes``.
+
+        Raises:
+          ValueError: not even one block fits.
+        """
+        num_blocks = num_blocks_for_budget(self.config, block_size, self.dtype, budget_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no block of "
+                             f"{block_size} tokens")
+        self.kv_cache = PagedKVCache(self.config, num_blocks, block_size, self.device, self.dtype)
+        return self.kv_cache
 
     def run(self, inputs: Sequence[StepInput]) -> torch.Tensor:
-        """Computes the step; returns logits ``[len(inputs), vocab]`` of each
-        sequence's last new token, and writes their keys/values into the caches."""
+        """Computes one step: writes every new token's keys/values into its slots
+        and returns logits ``[number of inputs that sample, vocab]``, in input order.
+
+        Raises:
+          RuntimeError: no KV cache was allocated.
+        """
+        cache = self.kv_cache
+        if cache is None:
+            raise RuntimeError("allocate_kv_cache() before run()")
+        size = cache.block_size
+        order = [i for i, item in enumerate(inputs) if len(item.token_ids) == 1]
+        order += [i for i, item in enumerate(inputs) if len(item.token_ids) != 1]
         token_ids: list[int] = []
         positions: list[int] = []
-        slices = []
-        for item in inputs:
+        slots: list[int] = []
+        seqs: list[SeqAttention] = []
+        last_row = [0] * len(inputs)
+        for index in order:
+            item = inputs[index]
+            start, blocks = item.start, item.block_ids
+            end = start + len(item.token_ids)
             token_ids.extend(item.token_ids)
-            positions.extend(range(item.start, item.start + len(item.token_ids)))
-            slices.append(SequenceSlice(item.cache, item.start, len(item.token_ids)))
-        tokens = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        return self.model(tokens, pos, slices)
+            positions.extend(range(start, end))
+            slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
+            seqs.append(SeqAttention(start, end - start, blocks))
+            last_row[index] = len(token_ids) - 1
+        logit_rows = [last_row[i] for i, item in enumerate(inputs) if item.samples]
+        num_logits = len(logit_rows)
+        if self.batch_invariant:
+            linear = self.model.linear
+            padding = padded_linear_rows(len(token_ids), linear) - len(token_ids)
+            token_ids.extend([0] * padding)
+            positions.extend([0] * padding)
+            logit_rows.extend([0] * (padded_linear_rows(num_logits, linear) - num_logits))
+        device = self.device
+        attention = AttentionBatch(cache, seqs, torch.tensor(slots, device=device),
+                                   self._group_size, self.batch_invariant)
+        logits = self.model(torch.tensor(token_ids, device=device),
+                            torch.tensor(positions, device=device), attention,
+                            torch.tensor(logit_rows, dtype=torch.int64, device=device))
+        return logits[:num_logits]
 
     def warm_up(self, num_tokens: int = 16) -> float:
-        """Runs a prefill of ``num_tokens`` and one decode step; returns seconds taken."""
+        """Runs a prefill of ``num_tokens`` and one decode step in the first blocks
+        (no block is registered; their contents are overwritten later); returns
+        seconds taken.
+
+        Raises:
+          RuntimeError: no KV cache was allocated.
+        """
+        cache = self.kv_cache
+        if cache is None:
+            raise RuntimeError("allocate_kv_cache() before warm_up()")
         began = time.perf_counter()
-        cache = self.allocate(num_tokens + 1)
+        blocks = list(range(min(cache.num_blocks, -(-(num_tokens + 1) // cache.block_size))))
+        num_tokens = min(num_tokens, len(blocks) * cache.block_size - 1)
         prompt = [i % self.config.vocab_size for i in range(num_tokens)]
-        self.run([StepInput(prompt, 0, cache)])
-        self.run([StepInput([0], num_tokens, cache)])
+        self.run([StepInput(prompt, 0, blocks)])
+        self.run([StepInput([0], num_tokens, blocks)])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - began
+
+    def probe_batch_invariance(self) -> list[str]:
+        """Checks the batch-invariance rules on this machine for the model's layer
+        shapes (see :func:`~services.engine.torch_backend.batch_invariant.probe`);
+        empty when they hold."""
+        config = self.config
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        shapes = [(q_size + 2 * kv_size, config.hidden_size), (config.hidden_size, q_size),
+                  (2 * config.intermediate_size, config.hidden_size),
+                  (config.hidden_size, config.intermediate_size)]
+        return probe(shapes, config.head_dim, device=self.device.type, dtype=self.dtype)

@@ -1,50 +1,71 @@
-"""The state of one request inside the torch engine loop."""
+"""The state of one request inside the torch engine."""
 
 from __future__ import annotations
 
 import asyncio
+import enum
 from dataclasses import dataclass, field
 
 from services.common.sampling import FinishReason
-from services.engine.torch_backend.model import KVCache
+from services.engine.kv_events import BlockHash
 from services.engine.torch_backend.sampler import SamplingRow
 from services.engine.types import EngineRequest, TokenDelta
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is: in the waiting queue, in the running batch, or done."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
 
 
 @dataclass(eq=False)
 class Sequence:
     """A request's tokens, progress and delivery channel.
 
-    Written by the engine worker thread, except ``cancelled`` (set by any
-    thread; read by the worker at each step boundary).
+    Owned by the engine thread (the scheduler and the KV cache manager write
+    it), except ``cancelled``, which any thread may set; the engine reads it at
+    each step boundary.
 
     Attributes:
       request: the request as admitted.
       arrival: admission counter (FIFO order within a priority).
-      queue: the asyncio queue its deltas are delivered to.
-      loop: the event loop that owns ``queue``.
       sampling: the sampler's view of its parameters (holds its generator).
+      queue: the asyncio queue its deltas are delivered to (None in unit tests).
+      loop: the event loop that owns ``queue``.
       token_ids: prompt followed by generated tokens.
-      num_computed_tokens: tokens whose keys/values are in ``cache``.
-      cache: KV cache, allocated when it first runs.
-      cancelled: set to finish it with CANCELLED at the next step.
+      num_computed_tokens: leading tokens whose keys/values are in its KV blocks
+        (prefix-cache hits included); the scheduler catches it up to ``num_tokens``.
+      num_cached_tokens: prompt tokens found in the prefix cache when it was
+        first scheduled (-1 until then).
+      block_hashes: chained hashes of its full blocks, written by the KV cache manager.
+      status: waiting, running or finished.
+      num_preemptions: times its blocks were taken back for others.
+      cancelled: set to finish it with CANCELLED at the next step boundary.
       finish_reason: NONE until it finished.
+      priority_key: (priority, arrival), the scheduling order.
     """
 
     request: EngineRequest
     arrival: int
-    queue: asyncio.Queue[TokenDelta]
-    loop: asyncio.AbstractEventLoop
-    sampling: SamplingRow
+    sampling: SamplingRow = field(default_factory=SamplingRow)
+    queue: asyncio.Queue[TokenDelta] | None = None
+    loop: asyncio.AbstractEventLoop | None = None
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    cache: KVCache | None = None
+    num_cached_tokens: int = -1
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_preemptions: int = 0
     cancelled: bool = False
     finish_reason: FinishReason = FinishReason.NONE
+    priority_key: tuple[int, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.request.prompt_token_ids)
+        self.priority_key = (int(self.request.priority), self.arrival)
 
     @property
     def request_id(self) -> str:
@@ -56,7 +77,7 @@ class Sequence:
 
     @property
     def num_generated_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self.token_ids) - len(self.request.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -66,19 +87,18 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not FinishReason.NONE
 
-    def next_chunk(self, max_tokens: int) -> list[int]:
-        """Tokens to compute next: up to ``max_tokens`` not yet in the cache."""
-        end = min(self.num_tokens, self.num_computed_tokens + max_tokens)
-        return self.token_ids[self.num_computed_tokens:end]
+    def __lt__(self, other: Sequence) -> bool:
+        """Scheduling order: priority (INTERACTIVE first), then arrival."""
+        return self.priority_key < other.priority_key
 
     def delta(self, token_ids: tuple[int, ...], error: str = "") -> TokenDelta:
         """The delta announcing ``token_ids`` (and the finish reason, if finished)."""
         return TokenDelta(
-            request_id=self.request_id,
+            request_id=self.request.request_id,
             token_ids=token_ids,
             finish_reason=self.finish_reason,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_generated_tokens=self.num_generated_tokens,
-            num_cached_tokens=0,
+            num_prompt_tokens=len(self.request.prompt_token_ids),
+            num_generated_tokens=len(self.token_ids) - len(self.request.prompt_token_ids),
+            num_cached_tokens=max(self.num_cached_tokens, 0),
             error=error,
         )

@@ -1,0 +1,218 @@
+"""Per-sequence KV block tables on top of the :class:`BlockPool`.
+
+The scheduler speaks to this manager only: "what prefix of this sequence is
+already computed" (:meth:`KVCacheManager.find_prefix`), "give it room for N more
+tokens" (:meth:`KVCacheManager.allocate_slots`), "its tokens up to here are
+computed" (:meth:`KVCacheManager.cache_computed_blocks`) and "it is done"
+(:meth:`KVCacheManager.free`). Block objects, reference counts and hashes stay
+behind this interface; the model runner reads block ids
+(:meth:`KVCacheManager.block_ids`).
+
+Block hashes are chained (vLLM's scheme): ``hash(block i) = SHA-256(hash(block
+i-1) || token ids of block i)``, with a seed derived from the model id before
+block 0. Token ids are hashed as native-endian (little-endian on every platform
+we run) int64. Only full blocks are hashed, and a block joins the prefix cache
+only once its keys and values are computed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+
+from services.engine.kv_events import BlockHash, KVEvent
+from services.engine.torch_backend.block_pool import (
+    BlockCounts,
+    BlockPool,
+    KVBlock,
+    KVIntegrityError,
+)
+from services.engine.torch_backend.sequence import Sequence
+
+
+def hash_seed(model_id: str) -> BlockHash:
+    """The parent hash of every sequence's first block for ``model_id``."""
+    return hashlib.sha256(b"llmesh-kv-block\0" + model_id.encode()).digest()
+
+
+def hash_block(parent: BlockHash, token_ids: SequenceOf[int]) -> BlockHash:
+    """The chained hash of one full block."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Leading full blocks of a sequence found computed in the prefix cache.
+
+    Attributes:
+      blocks: the blocks, in sequence order (opaque to the scheduler).
+      num_tokens: tokens they hold (``len(blocks) * block_size``).
+    """
+
+    blocks: tuple[KVBlock, ...] = ()
+    num_tokens: int = 0
+
+
+NO_HIT = PrefixHit()
+
+
+class KVCacheManager:
+    """Block tables of the sequences in the running batch.
+
+    Args:
+      num_blocks: KV blocks in the storage.
+      block_size: tokens per block.
+      enable_caching: reuse computed full blocks across sequences (prefix caching).
+      model_id: seeds the block hashes (equal hashes mean same model, same tokens).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 model_id: str = "") -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, block_size, enable_caching)
+        self._seed = hash_seed(model_id)
+        self._tables: dict[str, list[KVBlock]] = {}
+        self._num_registered: dict[str, int] = {}
+
+    # ---- queries (pure) -------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by sequences, 0..1."""
+        return self.pool.usage
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, seq: Sequence) -> list[int]:
+        """Ids of the blocks holding ``seq``'s tokens, in position order."""
+        return [block.block_id for block in self._tables.get(seq.request_id, ())]
+
+    def holds(self, seq: Sequence) -> bool:
+        """True while ``seq`` has a block table."""
+        return seq.request_id in self._tables
+
+    # ---- lifecycle (mutate) -----------------------------------------------------------
+
+    def find_prefix(self, seq: Sequence) -> PrefixHit:
+        """The longest run of ``seq``'s leading full blocks already computed (by
+        any sequence), leaving at least its last token to compute (the step that
+        computes it yields the next token's logits). Computes missing block
+        hashes into ``seq.block_hashes``; takes no reference yet.
+        """
+        if not self.enable_caching or seq.num_computed_tokens:
+            return NO_HIT
+        self._hash_full_blocks(seq)
+        limit = (seq.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in seq.block_hashes[:limit]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        if not hits:
+            return NO_HIT
+        return PrefixHit(tuple(hits), len(hits) * self.block_size)
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       prefix: PrefixHit = NO_HIT) -> bool:
+        """Makes room for ``seq``'s next ``num_new_tokens`` tokens after its
+        computed ones and, first, takes a reference on the ``prefix`` blocks
+        (from :meth:`find_prefix` in the same step). All or nothing.
+
+        Returns:
+          False (and changes nothing) when too few blocks are free.
+        """
+        table = self._tables.get(seq.request_id)
+        held = 0 if table is None else len(table)
+        computed = seq.num_computed_tokens + prefix.num_tokens
+        new_blocks = self.blocks_for(computed + num_new_tokens) - held - len(prefix.blocks)
+        reclaimed = sum(1 for block in prefix.blocks if block.ref_count == 0)
+        if max(new_blocks, 0) > self.pool.num_free_blocks - reclaimed:
+            return False
+        if table is None:
+            table = self._tables[seq.request_id] = []
+            self._num_registered[seq.request_id] = 0
+        if prefix.blocks:
+            self.pool.touch(prefix.blocks)
+            table.extend(prefix.blocks)
+            self._num_registered[seq.request_id] = len(table)
+        if new_blocks > 0:
+            table.extend(self.pool.allocate(new_blocks))
+        return True
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Registers ``seq``'s blocks that became full and computed (up to
+        ``seq.num_computed_tokens``) in the prefix cache. No-op without caching."""
+        if not self.enable_caching:
+            return
+        table = self._tables.get(seq.request_id)
+        if table is None:
+            return
+        done = self._num_registered[seq.request_id]
+        full = min(seq.num_computed_tokens // self.block_size, len(table))
+        if full <= done:
+            return
+        self._hash_full_blocks(seq)
+        size = self.block_size
+        parent = seq.block_hashes[done - 1] if done else None
+        self.pool.cache_full_blocks(table[done:full], seq.block_hashes[done:full], parent,
+                                    seq.token_ids[done * size:full * size])
+        self._num_registered[seq.request_id] = full
+
+    def free(self, seq: Sequence) -> None:
+        """Returns all of ``seq``'s blocks, its last block first into the free
+        queue (so a shared prefix outlives its tails in the cache). No-op if it
+        holds none."""
+        table = self._tables.pop(seq.request_id, None)
+        self._num_registered.pop(seq.request_id, None)
+        if table:
+            self.pool.free(reversed(table))
+
+    def reset_prefix_cache(self) -> bool:
+        """See :meth:`BlockPool.reset_prefix_cache`."""
+        return self.pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVEvent]:
+        """KV events since the last call (thread-safe)."""
+        return self.pool.take_events()
+
+    def check_integrity(self, idle: bool = False) -> BlockCounts:
+        """Checks the pool (see :meth:`BlockPool.check_integrity`) and that the
+        block tables account for every reference; with ``idle``, also that no
+        block is used.
+
+        Raises:
+          KVIntegrityError: naming the first inconsistency.
+        """
+        counts = self.pool.check_integrity()
+        references: dict[int, int] = {}
+        for table in self._tables.values():
+            for block in table:
+                references[block.block_id] = references.get(block.block_id, 0) + 1
+        for block_id in range(self.pool.num_blocks):
+            expected = references.get(block_id, 0)
+            if self.pool.block(block_id).ref_count != expected:
+                raise KVIntegrityError(f"block {block_id}: ref_count "
+                                       f"{self.pool.block(block_id).ref_count}, "
+                                       f"{expected} block tables hold it")
+        if idle and (counts.used or self._tables):
+            raise KVIntegrityError(f"idle but {counts.used} blocks are used by "
+                                   f"{sorted(self._tables)}")
+        return counts
+
+    def _hash_full_blocks(self, seq: Sequence) -> None:
+        hashes = seq.block_hashes
+        tokens = seq.token_ids
+        size = self.block_size
+        for index in range(len(hashes), len(tokens) // size):
+            parent = hashes[index - 1] if index else self._seed
+            hashes.append(hash_block(parent, tokens[index * size:(index + 1) * size]))

@@ -1,0 +1,237 @@
+"""Paged KV storage and paged attention in plain PyTorch.
+
+Storage: one key and one value tensor of shape ``[num_layers, num_kv_heads,
+num_blocks, block_size, head_dim]``, sized from a byte budget
+(:func:`num_blocks_for_budget`) and zero-filled (attention multiplies the
+probability 0 of a masked key by whatever a slot holds, so every slot must hold
+a finite number). Heads come before blocks so that gathering a sequence's
+blocks (``index_select`` on the block dim) yields the ``[heads, tokens,
+head_dim]`` layout attention wants, without a permute.
+
+A step's attention (:class:`AttentionBatch`, built once per step by the model
+runner and shared by all layers) writes the step's new keys/values into their
+slots (``block_id * block_size + offset``), then attends in groups: one
+batched call for all sequences that compute one token (decodes, padded to the
+longest context), and one call per sequence computing several (prefill
+chunks). Queries are grouped per KV head (grouped-query attention: query head
+``h`` reads KV head ``h // group``).
+
+In batch-invariant mode (the default, see
+:mod:`~services.engine.torch_backend.batch_invariant`) query rows are padded
+to an M-independent count, key lengths to a multiple of ``KEY_CHUNK``, and the
+value sum runs over fixed key chunks added in order, so a query's output does
+not depend on its group, its chunk or the other sequences.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.torch_backend.batch_invariant import KEY_CHUNK, padded_rows
+from services.engine.torch_backend.gguf_loader import LlamaConfig
+
+
+def kv_block_bytes(config: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block's keys and values across all layers."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * itemsize
+
+
+def num_blocks_for_budget(config: LlamaConfig, block_size: int, dtype: torch.dtype,
+                          budget_bytes: int) -> int:
+    """How many blocks fit in ``budget_bytes`` (at least 0)."""
+    return max(budget_bytes // kv_block_bytes(config, block_size, dtype), 0)
+
+
+class PagedKVCache:
+    """Zero-filled key and value storage for ``num_blocks`` blocks on a device.
+
+    Attributes:
+      k, v: ``[num_layers, num_kv_heads, num_blocks, block_size, head_dim]``.
+    """
+
+    def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of keys and values together."""
+        return self.k.nbytes + self.v.nbytes
+
+    @property
+    def num_tokens(self) -> int:
+        """Token slots in the storage."""
+        return self.num_blocks * self.block_size
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores new keys/values ``[tokens, kv_heads, head_dim]`` at ``slots`` ``[tokens]``."""
+        heads, _, _, dim = self.k.shape[1:]
+        self.k[layer].view(heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1))
+        self.v[layer].view(heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1))
+
+    def gather(self, layer: int, block_ids: torch.Tensor, num_seqs: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[kv_heads, num_seqs, tokens, head_dim]`` of ``block_ids``
+        ``[num_seqs * blocks_per_seq]`` (each sequence's blocks back to back)."""
+        heads, dim = self.k.shape[1], self.k.shape[-1]
+        k = self.k[layer].index_select(1, block_ids).view(heads, num_seqs, -1, dim)
+        v = self.v[layer].index_select(1, block_ids).view(heads, num_seqs, -1, dim)
+        return k, v
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionGroup:
+    """Query tokens attended in one batched call.
+
+    Attributes:
+      first_row: row of its first query token in the flat batch.
+      num_seqs: sequences in the group.
+      tokens_per_seq: query tokens of each sequence (1 for a decode group).
+      rows: query rows per sequence and KV head (``tokens_per_seq * group``),
+        padded for batch invariance.
+      block_ids: ``[num_seqs * blocks_per_seq]`` blocks to gather (padded with block 0).
+      mask: ``[num_seqs, rows or 1, keys]``, True where a query must not see a key.
+    """
+
+    first_row: int
+    num_seqs: int
+    tokens_per_seq: int
+    rows: int
+    block_ids: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SeqAttention:
+    """One sequence's share of a step, as attention sees it.
+
+    Attributes:
+      start: its tokens already in the cache (position of its first new token).
+      num_tokens: its new tokens in the step.
+      block_ids: its blocks, covering at least ``start + num_tokens`` tokens.
+    """
+
+    start: int
+    num_tokens: int
+    block_ids: Sequence[int]
+
+
+class AttentionBatch:
+    """The attention plan of one step, shared by every layer.
+
+    Args:
+      cache: the KV storage.
+      seqs: the step's sequences in flat-batch order, those with one new token
+        first (they form the decode group).
+      slots: ``[num_tokens]`` slot of each new token.
+      group_size: query heads per KV head.
+      batch_invariant: pad shapes so results do not depend on the batch.
+    """
+
+    def __init__(self, cache: PagedKVCache, seqs: Sequence[SeqAttention], slots: torch.Tensor,
+                 group_size: int, batch_invariant: bool = True) -> None:
+        self.cache = cache
+        self.slots = slots
+        self.num_tokens = int(slots.shape[0])
+        self.group_size = group_size
+        self.batch_invariant = batch_invariant
+        device = slots.device
+        size = cache.block_size
+        self._key_multiple = math.lcm(KEY_CHUNK, size) if batch_invariant else size
+        num_decode = 0
+        while num_decode < len(seqs) and seqs[num_decode].num_tokens == 1:
+            num_decode += 1
+        self.groups: list[AttentionGroup] = []
+        if num_decode:
+            self.groups.append(self._decode_group(seqs[:num_decode], device))
+        row = num_decode
+        for seq in seqs[num_decode:]:
+            self.groups.append(self._prefill_group(seq, row, device))
+            row += seq.num_tokens
+
+    def _keys(self, num_keys: int) -> int:
+        multiple = self._key_multiple
+        return -(-num_keys // multiple) * multiple
+
+    def _rows(self, rows: int) -> int:
+        return padded_rows(rows) if self.batch_invariant else rows
+
+    def _block_ids(self, seqs: Sequence[SeqAttention], num_keys: int) -> list[int]:
+        per_seq = num_keys // self.cache.block_size
+        ids: list[int] = []
+        for seq in seqs:
+            table = list(seq.block_ids[:per_seq])
+            ids.extend(table)
+            ids.extend([0] * (per_seq - len(table)))
+        return ids
+
+    def _decode_group(self, seqs: Sequence[SeqAttention], device: torch.device) -> AttentionGroup:
+        lengths = [seq.start + 1 for seq in seqs]
+        num_keys = self._keys(max(lengths))
+        block_ids = torch.tensor(self._block_ids(seqs, num_keys), dtype=torch.int64,
+                                 device=device)
+        keys = torch.arange(num_keys, device=device)
+        mask = keys[None, :] >= torch.tensor(lengths, device=device)[:, None]
+        return AttentionGroup(0, len(seqs), 1, self._rows(self.group_size), block_ids,
+                              mask.unsqueeze(1))
+
+    def _prefill_group(self, seq: SeqAttention, first_row: int,
+                       device: torch.device) -> AttentionGroup:
+        num_keys = self._keys(seq.start + seq.num_tokens)
+        block_ids = torch.tensor(self._block_ids([seq], num_keys), dtype=torch.int64,
+                                 device=device)
+        rows = seq.num_tokens * self.group_size
+        padded = self._rows(rows)
+        last_key = torch.arange(seq.start, seq.start + seq.num_tokens, device=device)
+        last_key = last_key.repeat_interleave(self.group_size)
+        if padded > rows:  # padding rows see every key (finite, discarded)
+            last_key = F.pad(last_key, (0, padded - rows), value=num_keys)
+        mask = torch.arange(num_keys, device=device)[None, :] > last_key[:, None]
+        return AttentionGroup(first_row, 1, seq.num_tokens, padded, block_ids, mask.unsqueeze(0))
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """Writes this layer's new ``k``/``v`` ``[tokens, kv_heads, head_dim]`` into
+        the cache, then returns attention outputs ``[rows of q, heads * head_dim]``
+        for ``q`` ``[rows, heads, head_dim]`` (rows past the step's tokens are
+        padding and come back zero)."""
+        tokens = self.num_tokens
+        self.cache.write(layer, self.slots, k[:tokens], v[:tokens])
+        out = q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
+        for group in self.groups:
+            first, last = group.first_row, group.first_row + group.num_seqs * group.tokens_per_seq
+            out[first:last] = self._attend_group(layer, group, q[first:last] * scale)
+        return out
+
+    def _attend_group(self, layer: int, group: AttentionGroup, q: torch.Tensor) -> torch.Tensor:
+        kv_heads, dim = self.cache.k.shape[1], q.shape[-1]
+        seqs, tokens, size = group.num_seqs, group.tokens_per_seq, self.group_size
+        # [seqs * tokens, heads, dim] -> [kv_heads, seqs, tokens * group, dim]
+        rows = q.view(seqs, tokens, kv_heads, size, dim).permute(2, 0, 1, 3, 4)
+        rows = rows.reshape(kv_heads, seqs, tokens * size, dim)
+        if group.rows > tokens * size:
+            rows = F.pad(rows, (0, 0, 0, group.rows - tokens * size))
+        keys, values = self.cache.gather(layer, group.block_ids, seqs)
+        scores = torch.matmul(rows, keys.transpose(-1, -2))
+        scores.masked_fill_(group.mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if self.batch_invariant:
+            chunks = probs.shape[-1] // KEY_CHUNK
+            probs = probs.view(kv_heads, seqs, group.rows, chunks, KEY_CHUNK).transpose(2, 3)
+            values = values.view(kv_heads, seqs, chunks, KEY_CHUNK, dim)
+            attended = torch.matmul(probs, values).cumsum(dim=2)[:, :, -1]
+        else:
+            attended = torch.matmul(probs, values)
+        # [kv_heads, seqs, rows, dim] -> [seqs * tokens, heads * dim]
+        attended = attended[:, :, :tokens * size].reshape(kv_heads, seqs, tokens, size, dim)
+        return attended.permute(1, 2, 0, 3, 4).reshape(seqs * tokens, kv_heads * size * dim)

@@ -1,0 +1,316 @@
+"""The scheduler: waiting and running queues, the per-step token budget, preemption.
+
+Two verbs, as in vLLM v1: :meth:`Scheduler.schedule` decides what the next
+model step computes, and :meth:`Scheduler.update_from_output` books what it
+produced. There are no prefill and decode phases: every sequence catches its
+``num_computed_tokens`` up to its ``num_tokens`` under the step's token budget,
+so a long prompt is computed in chunks while the other sequences keep
+decoding, and a prefix-cache hit simply starts a sequence further along.
+
+Policy:
+
+* Order is priority (INTERACTIVE before BATCH), then arrival. Running
+  sequences are served first, in that order; then waiting ones join in that
+  order while the budget, ``max_num_seqs`` and free blocks allow. The head of
+  the waiting queue is never overtaken (no starvation of long prompts).
+* When a running sequence needs a block and none is free, the lowest-priority
+  running sequence (last in order, possibly itself) is preempted: its blocks
+  are freed and it goes back to the waiting queue with its tokens, to be
+  recomputed (mostly from the prefix cache) when blocks allow. No sequence
+  joins in a step that preempted.
+* A cancelled running sequence leaves at the next step boundary; a cancelled
+  waiting one leaves the queue at once (:meth:`Scheduler.abort`).
+
+Not thread-safe: the engine loop calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+
+from services.common.sampling import FinishReason
+from services.engine.torch_backend.kv_cache_manager import KVCacheManager
+from services.engine.torch_backend.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of the scheduler.
+
+    Attributes:
+      max_model_len: context window; a sequence reaching it finishes with LENGTH.
+      max_num_seqs: most sequences in the running batch.
+      max_num_batched_tokens: most tokens computed in one step (all sequences).
+      max_chunk_tokens: most tokens one sequence computes in one step (None: the
+        whole budget).
+      eos_token_ids: ids that finish a sequence with STOP unless it ignores EOS.
+    """
+
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 256
+    max_chunk_tokens: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSequence:
+    """One sequence's share of a step.
+
+    Attributes:
+      seq: the sequence.
+      start: its computed tokens before the step (position of its first new token).
+      num_tokens: tokens it computes in the step.
+      samples: True when the step computes its last token, so the step samples
+        its next token.
+    """
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    samples: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes, and what the scheduler did to get there.
+
+    Attributes:
+      scheduled: sequences with tokens to compute, running ones first, in
+        scheduling order.
+      num_scheduled_tokens: sum of their ``num_tokens``.
+      preempted: sequences sent back to the waiting queue in this step.
+      finished: sequences that left at this boundary without computing
+        (cancelled while running); deliver their last delta.
+      prefix_queries: prompt tokens looked up in the prefix cache.
+      prefix_hits: of those, tokens found computed.
+    """
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceUpdate:
+    """What a step produced for one sequence: its new token ids and whether it finished."""
+
+    seq: Sequence
+    token_ids: tuple[int, ...]
+    finished: bool
+
+
+class Scheduler:
+    """Owns the waiting queue and the running batch.
+
+    Args:
+      config: limits.
+      kv: the KV cache manager (block tables); the scheduler allocates and frees
+        through it.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self._waiting: list[Sequence] = []  # heap by (priority, arrival)
+        self.running: list[Sequence] = []  # sorted by (priority, arrival)
+        self.num_preemptions = 0
+
+    # ---- queries (pure) -------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        """True while a sequence waits or runs."""
+        return bool(self._waiting or self.running)
+
+    def waiting(self) -> list[Sequence]:
+        """The waiting sequences in the order they would join."""
+        return sorted(self._waiting)
+
+    # ---- verbs (mutate) ---------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queues a new sequence."""
+        seq.status = SequenceStatus.WAITING
+        heapq.heappush(self._waiting, seq)
+
+    def abort(self, seq: Sequence) -> bool:
+        """Cancels ``seq``: a waiting one leaves the queue now (finished,
+        CANCELLED); a running one is flagged and leaves at the next
+        :meth:`schedule`.
+
+        Returns:
+          True if it was waiting and is finished now.
+        """
+        seq.cancelled = True
+        if seq.status is not SequenceStatus.WAITING:
+            return False
+        self._waiting.remove(seq)
+        heapq.heapify(self._waiting)
+        self.kv.free(seq)  # a waiting sequence holds no blocks; keep it leak-proof anyway
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = FinishReason.CANCELLED
+        return True
+
+    def schedule(self) -> SchedulerOutput:
+        """Plans the next step (see the module docstring for the policy); allocates
+        the blocks its tokens need."""
+        out = SchedulerOutput()
+        for seq in [s for s in self.running if s.cancelled]:
+            self._finish(seq, FinishReason.CANCELLED)
+            out.finished.append(seq)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: SequenceOf[int]) -> list[SequenceUpdate]:
+        """Books a computed step: advances each scheduled sequence, registers its
+        newly full blocks in the prefix cache, appends its sampled token, and
+        finishes (and frees) the sequences that stopped or were cancelled meanwhile.
+
+        Args:
+          out: the step's plan from :meth:`schedule`.
+          sampled: one token per scheduled sequence with ``samples``, in order.
+
+        Returns:
+          one update per sequence that produced a token or finished.
+        """
+        updates: list[SequenceUpdate] = []
+        next_sample = 0
+        for item in out.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens = item.start + item.num_tokens
+            self.kv.cache_computed_blocks(seq)
+            token = -1
+            if item.samples:
+                token = sampled[next_sample]
+                next_sample += 1
+            if seq.cancelled:
+                self._finish(seq, FinishReason.CANCELLED)
+                updates.append(SequenceUpdate(seq, (), True))
+            elif token >= 0:
+                seq.token_ids.append(token)
+                reason = self._stop_reason(seq, token)
+                if reason is not FinishReason.NONE:
+                    self._finish(seq, reason)
+                updates.append(SequenceUpdate(seq, (token,), reason is not FinishReason.NONE))
+        return updates
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Finishes ``seq`` now with ``reason`` (e.g. ERROR after a failed step),
+        waiting or running; frees its blocks without caching them."""
+        if seq.status is SequenceStatus.WAITING:
+            self._waiting.remove(seq)
+            heapq.heapify(self._waiting)
+        self._finish(seq, reason)
+
+    def finish_all(self, reason: FinishReason) -> list[Sequence]:
+        """Finishes every waiting and running sequence with ``reason`` (shutdown,
+        or a failed step); returns them."""
+        left = list(self.running) + sorted(self._waiting)
+        for seq in list(self.running):
+            self._finish(seq, reason)
+        for seq in self._waiting:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = reason
+        self._waiting.clear()
+        return left
+
+    # ---- internals ------------------------------------------------------------------
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        wanted = seq.num_tokens - seq.num_computed_tokens
+        cap = self.config.max_chunk_tokens
+        return min(wanted, budget) if cap is None else min(wanted, budget, cap)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        running = self.running
+        index = 0
+        while index < len(running) and budget > 0:
+            seq = running[index]
+            num_new = self._chunk(seq, budget)
+            while not self.kv.allocate_slots(seq, num_new):
+                victim = running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self._add_scheduled(out, seq, num_new)
+                budget -= num_new
+                index += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        waiting = self._waiting
+        while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = waiting[0]
+            hit = self.kv.find_prefix(seq)
+            num_new = min(seq.num_tokens - hit.num_tokens, budget)
+            cap = self.config.max_chunk_tokens
+            if cap is not None:
+                num_new = min(num_new, cap)
+            if not self.kv.allocate_slots(seq, num_new, hit):
+                return
+            heapq.heappop(waiting)
+            seq.num_computed_tokens = hit.num_tokens
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = min(hit.num_tokens, seq.num_prompt_tokens)
+            if self.kv.enable_caching:
+                out.prefix_queries += seq.num_tokens
+                out.prefix_hits += hit.num_tokens
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq)
+            self._add_scheduled(out, seq, num_new)
+            budget -= num_new
+
+    @staticmethod
+    def _add_scheduled(out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+        start = seq.num_computed_tokens
+        out.scheduled.append(ScheduledSequence(seq, start, num_new,
+                                               start + num_new == seq.num_tokens))
+        out.num_scheduled_tokens += num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        heapq.heappush(self._waiting, seq)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason:
+        options = seq.request.sampling
+        if token in self.config.eos_token_ids and not options.ignore_eos:
+            return FinishReason.STOP
+        if token in options.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_generated_tokens >= options.max_tokens:
+            return FinishReason.LENGTH
+        if seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return FinishReason.NONE
+

@@ -1,0 +1,241 @@
+"""Exactness of in-flight batching with the real SmolLM2 weights on CPU.
+
+A request's tokens must not depend on what shares the engine with it: run alone
+or beside 15 others, with or without prefix-cache hits, and after being
+preempted and recomputed, greedy output and seeded sampled output are
+identical token for token. That needs batch-invariant arithmetic
+(``torch_backend/batch_invariant.py``), checked here bit for bit on logits too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+
+from services.common.sampling import FinishReason, InvalidRequestError, SamplingOptions
+from services.engine.config import EngineConfig
+from services.engine.kv_events import BlockStored
+from services.engine.torch_backend.backend import TorchBackend
+from services.engine.torch_backend.kv_cache_manager import hash_block, hash_seed
+from services.engine.torch_backend.model import LlamaModel
+from services.engine.torch_backend.model_runner import ModelRunner, StepInput
+from services.engine.torch_backend.paged_kv import kv_block_bytes
+from services.engine.types import EngineRequest, StepStats
+
+pytestmark = pytest.mark.model
+
+#: Prompt lengths of the 16 concurrent requests (5 to 600 tokens).
+LENGTHS = (5, 12, 16, 17, 31, 47, 64, 90, 128, 150, 200, 256, 300, 400, 500, 600)
+#: Indices of the requests sampled with a seed (the others are greedy).
+SEEDED = (3, 10)
+#: Tight KV cache: 60 blocks of 16 tokens (960 token slots).
+TIGHT_BLOCKS = 60
+
+
+def prompt_of(length: int, seed: int) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.randrange(100, 48000) for _ in range(length))
+
+
+PROMPTS = tuple(prompt_of(length, i) for i, length in enumerate(LENGTHS))
+
+
+def options(index: int) -> SamplingOptions:
+    max_tokens = 4 + 4 * (index % 3)
+    if index in SEEDED:
+        return SamplingOptions(temperature=0.8, top_p=0.9, top_k=50, seed=100 + index,
+                               max_tokens=max_tokens, ignore_eos=True)
+    return SamplingOptions(max_tokens=max_tokens, ignore_eos=True)
+
+
+class Steps:
+    """Step observer that keeps every step's stats."""
+
+    def __init__(self) -> None:
+        self.stats: list[StepStats] = []
+        self.threads: set[str] = set()
+
+    def __call__(self, stats: StepStats) -> None:
+        self.stats.append(stats)
+        self.threads.add(threading.current_thread().name)
+
+    @property
+    def preemptions(self) -> int:
+        return sum(s.num_preemptions for s in self.stats)
+
+
+async def start_backend(model: LlamaModel, steps: Steps | None = None,
+                        **config: object) -> TorchBackend:
+    settings: dict[str, object] = dict(max_model_len=1024, kv_cache_bytes=256 << 20)
+    settings.update(config)
+    backend = TorchBackend(EngineConfig(**settings), step_observer=steps,  # type: ignore[arg-type]
+                           model=model)
+    await backend.start()
+    return backend
+
+
+@pytest_asyncio.fixture(scope="module")
+async def reference(smollm2: LlamaModel) -> AsyncIterator[TorchBackend]:
+    """Runs every request alone, no prefix caching: the expected outputs."""
+    backend = await start_backend(smollm2, enable_prefix_caching=False)
+    yield backend
+    await backend.shutdown()
+
+
+@pytest_asyncio.fixture(scope="module")
+async def solo(reference: TorchBackend) -> list[list[int]]:
+    return [await run(reference, request(f"solo-{i}", i)) for i in range(len(PROMPTS))]
+
+
+def request(request_id: str, index: int, prompt: tuple[int, ...] | None = None) -> EngineRequest:
+    return EngineRequest(request_id, PROMPTS[index] if prompt is None else prompt,
+                         options(index))
+
+
+async def run(backend: TorchBackend, req: EngineRequest) -> list[int]:
+    tokens: list[int] = []
+    async for delta in backend.generate(req):
+        tokens.extend(delta.token_ids)
+    assert delta.finish_reason is FinishReason.LENGTH
+    return tokens
+
+
+async def idle(backend: TorchBackend) -> None:
+    counts = backend.check_integrity()
+    assert counts.used == 0 and counts.free + counts.cached == counts.total
+    load = backend.load()
+    assert (load.num_running, load.num_waiting, load.kv_cache_usage) == (0, 0, 0.0)
+
+
+def test_logits_are_bit_identical_whatever_the_batch(smollm2: LlamaModel) -> None:
+    """Three sequences' logits alone (one prefill) vs batched with different
+    chunking and as a one-token decode: equal to the last bit, and not so
+    without batch invariance (the test has teeth)."""
+    seqs = [PROMPTS[1], PROMPTS[5], PROMPTS[8]]  # 12, 47, 128 tokens
+
+    def logits(batch_invariant: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        runner = ModelRunner(smollm2, torch.device("cpu"), torch.float32, batch_invariant)
+        runner.allocate_kv_cache(40 * kv_block_bytes(smollm2.config, 16, torch.float32), 16)
+        tables = [list(range(0, 1)), list(range(1, 4)), list(range(4, 12))]
+        alone = [runner.run([StepInput(s, 0, t)])[0] for s, t in zip(seqs, tables, strict=True)]
+        tables = [list(range(20, 21)), list(range(21, 24)), list(range(24, 32))]
+        # Step 1: seq 0 all but its last token, seq 1 a first chunk of 30, seq 2 all.
+        runner.run([StepInput(seqs[0][:11], 0, tables[0], False),
+                    StepInput(seqs[1][:30], 0, tables[1], False),
+                    StepInput(seqs[2], 0, tables[2])])
+        # Step 2: seq 0's last token (a decode row), seq 1's remaining 17 tokens.
+        batched = runner.run([StepInput(seqs[0][11:], 11, tables[0]),
+                              StepInput(seqs[1][30:], 30, tables[1])])
+        return alone, list(batched)
+
+    alone, batched = logits(batch_invariant=True)
+    assert torch.equal(alone[0], batched[0]) and torch.equal(alone[1], batched[1])
+    plain_alone, plain_batched = logits(batch_invariant=False)
+    assert not torch.equal(plain_alone[0], plain_batched[0])  # GEMV (1 row) vs GEMM rows
+    assert torch.allclose(plain_alone[0], plain_batched[0], atol=1e-3)
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+async def test_sixteen_concurrent_requests_equal_their_solo_runs(
+        smollm2: LlamaModel, solo: list[list[int]], enable_prefix_caching: bool) -> None:
+    steps = Steps()
+    backend = await start_backend(smollm2, steps, enable_prefix_caching=enable_prefix_caching)
+    try:
+        together = await asyncio.gather(*(run(backend, request(f"c-{i}", i))
+                                          for i in range(len(PROMPTS))))
+        assert together == solo
+        # Short requests finish before the longest prompts have joined.
+        assert max(s.batch_size for s in steps.stats) >= 8
+        assert [len(t) for t in together] == [options(i).max_tokens for i in range(16)]
+        assert steps.threads == {"engine-step"}  # the thread that built the runner
+        await idle(backend)
+    finally:
+        await backend.shutdown()
+
+
+@pytest.mark.parametrize("prefix_len", [31, 32, 33])
+async def test_shared_prefixes_reuse_blocks_and_stay_exact(smollm2: LlamaModel,
+                                                           reference: TorchBackend,
+                                                           prefix_len: int) -> None:
+    prefix = PROMPTS[13][:prefix_len]
+    prompts = [prefix + prompt_of(12 + 5 * k, 50 + k) for k in range(3)]
+    expected = [await run(reference, request(f"ref-{prefix_len}-{k}", k, p))
+                for k, p in enumerate(prompts)]
+    backend = await start_backend(smollm2)
+    try:
+        first = await collect_last(backend, request(f"first-{prefix_len}", 0, prompts[0]))
+        rest = await asyncio.gather(*(collect_last(backend, request(f"next-{k}", k, prompts[k]))
+                                      for k in (1, 2)))
+        results = [first] + list(rest)
+        assert [tokens for tokens, _ in results] == expected
+        hit = prefix_len // 16 * 16  # the full blocks of the shared prefix
+        assert [cached for _, cached in results] == [0, hit, hit]
+        await idle(backend)
+        # The first prefill announced its two full blocks, chained from the model's seed.
+        events = backend.drain_kv_events()
+        h0 = hash_block(hash_seed(backend.model_info.model), prompts[0][:16])
+        h1 = hash_block(h0, prompts[0][16:32])
+        assert events[0] == BlockStored((h0, h1), None, prompts[0][:32], 16)
+        assert all(isinstance(event, BlockStored) for event in events)
+        assert backend.drain_kv_events() == []
+    finally:
+        await backend.shutdown()
+
+
+async def collect_last(backend: TorchBackend, req: EngineRequest) -> tuple[list[int], int]:
+    tokens: list[int] = []
+    async for delta in backend.generate(req):
+        tokens.extend(delta.token_ids)
+    return tokens, delta.num_cached_tokens
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+async def test_preempted_requests_recompute_to_the_same_tokens(
+        smollm2: LlamaModel, solo: list[list[int]], enable_prefix_caching: bool) -> None:
+    steps = Steps()
+    block_bytes = kv_block_bytes(smollm2.config, 16, torch.float32)
+    backend = await start_backend(smollm2, steps, kv_cache_bytes=TIGHT_BLOCKS * block_bytes,
+                                  max_model_len=1024,
+                                  enable_prefix_caching=enable_prefix_caching)
+    chosen = (15, 13, 12, 10, 9, 3)  # 600 + 400 + 300 + 150 + 128 + 17 prompt tokens
+    try:
+        together = await asyncio.gather(*(run(backend, request(f"p-{i}", i)) for i in chosen))
+        assert together == [solo[i] for i in chosen]
+        assert steps.preemptions > 0
+        await idle(backend)
+    finally:
+        await backend.shutdown()
+
+
+async def test_requests_that_can_never_fit_are_refused(smollm2: LlamaModel) -> None:
+    block_bytes = kv_block_bytes(smollm2.config, 16, torch.float32)
+    backend = await start_backend(smollm2, kv_cache_bytes=20 * block_bytes)
+    try:
+        assert backend.kv_cache_info.num_tokens == 320
+        cases = [
+            (prompt_of(1100, 1), 4, "prompt_token_ids", "context window is 1024"),
+            (prompt_of(400, 1), 4, "prompt_token_ids", "KV cache holds 320 tokens"),
+            (prompt_of(300, 1), 100, "sampling.max_tokens", "set max_tokens <= 21"),
+        ]
+        for prompt, max_tokens, field, message in cases:
+            with pytest.raises(InvalidRequestError, match=message) as caught:
+                await run(backend, EngineRequest("never", prompt,
+                                                 SamplingOptions(max_tokens=max_tokens)))
+            assert (caught.value.code, caught.value.field) == (grpc.StatusCode.OUT_OF_RANGE,
+                                                               field)
+        assert backend.load().num_waiting == 0
+        # The largest request that fits runs to its end: its last computed token
+        # takes the cache's last slot.
+        tokens = await run(backend, EngineRequest("fits", prompt_of(300, 1), SamplingOptions(
+            max_tokens=21, ignore_eos=True)))
+        assert len(tokens) == 21
+        await idle(backend)
+    finally:
+        await backend.shutdown()

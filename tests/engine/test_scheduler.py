@@ -1,0 +1,235 @@
+"""The scheduler without a model: in-flight batching, chunked prefill under the token
+budget, priority, preemption, prefix hits, cancels, stop conditions, and a long
+random run that must leave no block behind."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.common.sampling import FinishReason, Priority
+from services.engine.torch_backend.sequence import SequenceStatus
+
+from .kv_helpers import EOS, create_scheduler, make_request, step
+
+
+def test_decode_and_chunked_prefill_share_a_step() -> None:
+    scheduler = create_scheduler(max_num_batched_tokens=8)
+    a, b = make_request("a", 3, max_tokens=4), make_request("b", 20, max_tokens=2)
+    scheduler.add(a)
+    scheduler.add(b)
+    assert step(scheduler)[0] == [("a", 0, 3, True), ("b", 0, 5, False)]
+    assert step(scheduler)[0] == [("a", 3, 1, True), ("b", 5, 7, False)]
+    assert step(scheduler)[0] == [("a", 4, 1, True), ("b", 12, 7, False)]
+    plan, updates = step(scheduler)
+    assert plan == [("a", 5, 1, True), ("b", 19, 1, True)]  # b's last prompt token samples
+    assert [(u.seq.request_id, u.token_ids, u.finished) for u in updates] == [
+        ("a", (7,), True), ("b", (7,), False)]
+    assert a.finish_reason is FinishReason.LENGTH and a.num_generated_tokens == 4
+    assert step(scheduler)[0] == [("b", 20, 1, True)]
+    assert not scheduler.has_work()
+    scheduler.kv.check_integrity(idle=True)
+
+
+def test_max_chunk_tokens_caps_one_sequence_per_step() -> None:
+    scheduler = create_scheduler(max_num_batched_tokens=16, max_chunk_tokens=6)
+    scheduler.add(make_request("a", 10, max_tokens=1))
+    scheduler.add(make_request("b", 3, max_tokens=1))
+    assert step(scheduler)[0] == [("a", 0, 6, False), ("b", 0, 3, True)]
+    assert step(scheduler)[0] == [("a", 6, 4, True)]
+
+
+def test_waiting_join_by_priority_then_arrival() -> None:
+    scheduler = create_scheduler(max_num_batched_tokens=4)
+    for name, priority in [("batch-1", Priority.BATCH), ("inter-1", Priority.INTERACTIVE),
+                           ("batch-2", Priority.BATCH), ("inter-2", Priority.INTERACTIVE)]:
+        scheduler.add(make_request(name, 2, max_tokens=1, priority=priority))
+    assert [s.request_id for s in scheduler.waiting()] == ["inter-1", "inter-2", "batch-1",
+                                                          "batch-2"]
+    assert step(scheduler)[0] == [("inter-1", 0, 2, True), ("inter-2", 0, 2, True)]
+    assert step(scheduler)[0] == [("batch-1", 0, 2, True), ("batch-2", 0, 2, True)]
+
+
+def test_max_num_seqs_bounds_the_running_batch() -> None:
+    scheduler = create_scheduler(max_num_seqs=2)
+    for name in "abc":
+        scheduler.add(make_request(name, 2, max_tokens=2))
+    assert [row[0] for row in step(scheduler)[0]] == ["a", "b"]
+    assert (scheduler.num_running, scheduler.num_waiting) == (2, 1)
+    assert [row[0] for row in step(scheduler)[0]] == ["a", "b"]  # both finish here
+    assert step(scheduler)[0] == [("c", 0, 2, True)]
+
+
+def test_out_of_blocks_preempts_the_lowest_priority_running_sequence() -> None:
+    # 4 blocks of 4 tokens. inter and batch take 2 blocks each; when inter needs a
+    # third, batch (lowest priority) is preempted and recomputed later.
+    scheduler = create_scheduler(num_blocks=4, block_size=4, enable_caching=False)
+    inter = make_request("inter", 7, max_tokens=4)
+    batch = make_request("batch", 7, max_tokens=4, priority=Priority.BATCH)
+    scheduler.add(batch)
+    scheduler.add(inter)
+    assert step(scheduler, 5)[0] == [("inter", 0, 7, True), ("batch", 0, 7, True)]
+    assert (scheduler.kv.block_ids(inter), scheduler.kv.block_ids(batch)) == ([0, 1], [2, 3])
+    assert step(scheduler, 5)[0] == [("inter", 7, 1, True), ("batch", 7, 1, True)]
+    out = scheduler.schedule()  # inter's 9th token needs a block: batch is preempted
+    assert out.preempted == [batch]
+    assert [(s.seq.request_id, s.start, s.num_tokens) for s in out.scheduled] == [
+        ("inter", 8, 1)]
+    assert scheduler.kv.block_ids(inter) == [0, 1, 3]
+    assert (batch.status, batch.num_computed_tokens, batch.num_preemptions) == (
+        SequenceStatus.WAITING, 0, 1)
+    assert batch.token_ids[7:] == [5, 5]  # keeps its generated tokens
+    scheduler.update_from_output(out, [6])
+    # inter's last token; batch (9 tokens, 3 blocks) does not fit beside it yet.
+    assert step(scheduler, 6)[0] == [("inter", 9, 1, True)]
+    assert inter.finish_reason is FinishReason.LENGTH
+    # batch recomputes its prompt and both generated tokens, then samples the third.
+    assert step(scheduler, 8)[0] == [("batch", 0, 9, True)]
+    assert step(scheduler, 8)[0] == [("batch", 9, 1, True)]
+    assert batch.finish_reason is FinishReason.LENGTH
+    assert batch.token_ids[7:] == [5, 5, 8, 8]
+    assert scheduler.num_preemptions == 1
+    scheduler.kv.check_integrity(idle=True)
+
+
+def test_the_sequence_needing_a_block_preempts_itself_when_it_is_last() -> None:
+    scheduler = create_scheduler(num_blocks=3, block_size=4)
+    inter = make_request("inter", 5, max_tokens=3)  # 2 blocks, room up to 8 tokens
+    batch = make_request("batch", [200, 201, 202, 203], max_tokens=2,
+                         priority=Priority.BATCH)  # 1 full block
+    scheduler.add(batch)
+    scheduler.add(inter)
+    assert step(scheduler)[0] == [("inter", 0, 5, True), ("batch", 0, 4, True)]
+    out = scheduler.schedule()  # batch's 5th token needs a block; it is last in order
+    assert out.preempted == [batch]
+    assert [s.seq.request_id for s in out.scheduled] == ["inter"]
+    scheduler.update_from_output(out, [7])
+    assert step(scheduler)[0] == [("inter", 6, 1, True)]  # batch still does not fit
+    assert inter.finished
+    # batch's first block was computed and cached: it recomputes token 5 only.
+    out = scheduler.schedule()
+    assert [(s.seq.request_id, s.start, s.num_tokens) for s in out.scheduled] == [
+        ("batch", 4, 1)]
+    assert (out.prefix_queries, out.prefix_hits) == (5, 4)
+    scheduler.update_from_output(out, [7])
+    assert batch.finish_reason is FinishReason.LENGTH and batch.num_cached_tokens == 0
+    scheduler.kv.check_integrity(idle=True)
+
+
+def test_a_prefix_hit_starts_the_sequence_further_along() -> None:
+    scheduler = create_scheduler(block_size=4)
+    shared = list(range(500, 508))
+    a = make_request("a", shared + [1, 2], max_tokens=1)
+    scheduler.add(a)
+    out = scheduler.schedule()
+    assert (out.prefix_queries, out.prefix_hits) == (10, 0)
+    scheduler.update_from_output(out, [3])
+    b = make_request("b", shared + [9, 9, 9], max_tokens=1)
+    scheduler.add(b)
+    out = scheduler.schedule()
+    assert [(s.seq.request_id, s.start, s.num_tokens) for s in out.scheduled] == [("b", 8, 3)]
+    assert (out.prefix_queries, out.prefix_hits) == (11, 8)
+    assert a.finished and scheduler.kv.block_ids(b) == [0, 1, 3]  # a's first two blocks
+    scheduler.update_from_output(out, [3])
+    assert b.delta(()).num_cached_tokens == 8
+
+
+def test_cancel_waiting_is_immediate_and_running_at_the_boundary() -> None:
+    scheduler = create_scheduler(max_num_seqs=1)
+    running, waiting = make_request("running", 4), make_request("waiting", 4)
+    scheduler.add(running)
+    scheduler.add(waiting)
+    step(scheduler)
+    assert scheduler.abort(waiting) is True
+    assert (waiting.status, waiting.finish_reason) == (SequenceStatus.FINISHED,
+                                                      FinishReason.CANCELLED)
+    assert scheduler.num_waiting == 0
+    assert scheduler.abort(running) is False  # flagged; leaves at the next schedule()
+    assert scheduler.kv.block_ids(running) == [0]
+    out = scheduler.schedule()
+    assert out.finished == [running] and out.scheduled == []
+    assert running.finish_reason is FinishReason.CANCELLED
+    scheduler.kv.check_integrity(idle=True)
+
+
+def test_cancel_during_the_step_finishes_without_its_token() -> None:
+    scheduler = create_scheduler()
+    seq = make_request("a", 4)
+    scheduler.add(seq)
+    out = scheduler.schedule()
+    scheduler.abort(seq)  # arrives while the step computes
+    updates = scheduler.update_from_output(out, [7])
+    assert [(u.token_ids, u.finished) for u in updates] == [((), True)]
+    assert seq.finish_reason is FinishReason.CANCELLED and seq.num_generated_tokens == 0
+    scheduler.kv.check_integrity(idle=True)
+
+
+@pytest.mark.parametrize(("kwargs", "tokens", "reason", "generated"), [
+    ({"ignore_eos": False}, [5, EOS, 5], FinishReason.STOP, 2),
+    ({"ignore_eos": True}, [5, EOS, 5], FinishReason.LENGTH, 3),
+    ({"stop_token_ids": (6,)}, [5, 6, 5], FinishReason.STOP, 2),
+    ({}, [5, 5, 5], FinishReason.LENGTH, 3),
+])
+def test_stop_conditions(kwargs: dict, tokens: list[int], reason: FinishReason,
+                         generated: int) -> None:
+    scheduler = create_scheduler()
+    seq = make_request("a", 4, max_tokens=3, **kwargs)
+    scheduler.add(seq)
+    for token in tokens:
+        if scheduler.has_work():
+            step(scheduler, token)
+    assert (seq.finish_reason, seq.num_generated_tokens) == (reason, generated)
+    assert seq.token_ids[4:] == tokens[:generated]
+
+
+def test_the_context_window_finishes_with_length() -> None:
+    scheduler = create_scheduler(max_model_len=6)
+    seq = make_request("a", 4, max_tokens=100)
+    scheduler.add(seq)
+    while scheduler.has_work():
+        step(scheduler)
+    assert (seq.finish_reason, seq.num_tokens) == (FinishReason.LENGTH, 6)
+
+
+@pytest.mark.parametrize("enable_caching", [True, False])
+def test_random_submit_cancel_finish_leaves_no_block_behind(enable_caching: bool) -> None:
+    rng = random.Random(1234 if enable_caching else 4321)
+    scheduler = create_scheduler(num_blocks=24, block_size=4, max_num_batched_tokens=24,
+                                 max_num_seqs=6, enable_caching=enable_caching)
+    prefixes = [list(range(1000 + 50 * i, 1000 + 50 * i + 12)) for i in range(3)]
+    live: dict[str, object] = {}
+    finished = cancelled = 0
+    for event in range(2000):
+        roll = rng.random()
+        if roll < 0.3:
+            prompt = rng.choice(prefixes)[:rng.randint(0, 12)] + [
+                rng.randint(3, 90) for _ in range(rng.randint(1, 14))]
+            seq = make_request(f"r{event}", prompt, max_tokens=rng.randint(1, 12),
+                               priority=rng.choice(list(Priority)),
+                               ignore_eos=rng.random() < 0.5)
+            scheduler.add(seq)
+            live[seq.request_id] = seq
+        elif roll < 0.45 and live:
+            seq = live.pop(rng.choice(sorted(live)))
+            if scheduler.abort(seq):
+                cancelled += 1
+            else:
+                live[seq.request_id] = seq  # leaves at the next step boundary
+        else:
+            out = scheduler.schedule()
+            sampled = [rng.choice([EOS, 5, 6, 7]) for s in out.scheduled if s.samples]
+            updates = scheduler.update_from_output(out, sampled)
+            for seq in out.finished + [u.seq for u in updates if u.finished]:
+                live.pop(seq.request_id, None)
+                finished += 1
+            assert out.num_scheduled_tokens <= 24 and len(scheduler.running) <= 6
+        scheduler.kv.check_integrity()
+    while scheduler.has_work():
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, [5] * sum(s.samples for s in out.scheduled))
+    assert (scheduler.num_running, scheduler.num_waiting) == (0, 0)
+    counts = scheduler.kv.check_integrity(idle=True)
+    assert counts.free + counts.cached == 24 and counts.used == 0
+    assert (counts.cached > 0) is enable_caching
+    assert scheduler.num_preemptions > 0 and finished > 100 and cancelled > 10
