@@ -51,6 +51,22 @@ def test_waiting_join_by_priority_then_arrival() -> None:
     assert step(scheduler)[0] == [("batch-1", 0, 2, True), ("batch-2", 0, 2, True)]
 
 
+def test_an_interactive_arrival_joins_ahead_of_a_running_batch_prefill() -> None:
+    # batch's 40-token prompt would take the whole 8-token budget for 5 steps; the
+    # interactive request that arrives after its first chunk joins the next step,
+    # and batch's chunk gets what budget is left.
+    scheduler = create_scheduler(max_num_batched_tokens=8)
+    scheduler.add(make_request("batch", 40, max_tokens=2, priority=Priority.BATCH))
+    assert step(scheduler)[0] == [("batch", 0, 8, False)]
+    scheduler.add(make_request("inter", 3, max_tokens=2))
+    assert step(scheduler)[0] == [("inter", 0, 3, True), ("batch", 8, 5, False)]
+    # inter decodes (1 token, never deferred) while batch keeps prefilling.
+    assert step(scheduler)[0] == [("inter", 3, 1, True), ("batch", 13, 7, False)]
+    scheduler.add(make_request("batch-2", 3, max_tokens=1, priority=Priority.BATCH))
+    # A later batch arrival does not rank before the running batch: no deferral.
+    assert step(scheduler)[0] == [("batch", 20, 8, False)]
+
+
 def test_max_num_seqs_bounds_the_running_batch() -> None:
     scheduler = create_scheduler(max_num_seqs=2)
     for name in "abc":

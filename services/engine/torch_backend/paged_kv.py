@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.engine.torch_backend.batch_invariant import KEY_CHUNK, padded_rows
+from services.engine.torch_backend.batch_invariant import KEY_CHUNK, MIN_FREE_ROWS, padded_rows
 from services.engine.torch_backend.gguf_loader import LlamaConfig
 
 
@@ -226,12 +226,47 @@ class AttentionBatch:
         scores.masked_fill_(group.mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         if self.batch_invariant:
-            chunks = probs.shape[-1] // KEY_CHUNK
-            probs = probs.view(kv_heads, seqs, group.rows, chunks, KEY_CHUNK).transpose(2, 3)
-            values = values.view(kv_heads, seqs, chunks, KEY_CHUNK, dim)
-            attended = torch.matmul(probs, values).cumsum(dim=2)[:, :, -1]
+            attended = _chunked_value_sum(probs, values)
         else:
             attended = torch.matmul(probs, values)
         # [kv_heads, seqs, rows, dim] -> [seqs * tokens, heads * dim]
         attended = attended[:, :, :tokens * size].reshape(kv_heads, seqs, tokens, size, dim)
         return attended.permute(1, 2, 0, 3, 4).reshape(seqs * tokens, kv_heads * size * dim)
+
+
+#: Rows per tile of the batch-invariant value sum.
+VALUE_SUM_TILE_ROWS = 48
+
+
+def _row_tiles(rows: int) -> list[tuple[int, int]]:
+    """``[start, end)`` row tiles of :data:`VALUE_SUM_TILE_ROWS` rows; a remainder
+    under ``MIN_FREE_ROWS`` joins the tile before it, so every tile of a split
+    has at least that many rows (from there on MKL's per-row result does not
+    depend on the row count; a call that is not split keeps its padded rows)."""
+    starts = list(range(0, rows, VALUE_SUM_TILE_ROWS))
+    if len(starts) > 1 and rows - starts[-1] < MIN_FREE_ROWS:
+        starts.pop()
+    return [(s, starts[i + 1] if i + 1 < len(starts) else rows) for i, s in enumerate(starts)]
+
+
+def _chunked_value_sum(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Batch-invariant ``probs @ values``: ``[kv_heads, seqs, rows, keys]`` x
+    ``[kv_heads, seqs, keys, dim]`` -> ``[kv_heads, seqs, rows, dim]``.
+
+    Each row's product is summed over fixed :data:`KEY_CHUNK`-key chunks in key
+    order (a sequential scan), so it does not depend on how many keys the call
+    pads to. Rows are independent, so long prefill chunks are processed in row
+    tiles: the ``[chunks, rows, dim]`` partial products of a tile stay in cache
+    instead of growing with context x rows (a 2,700-token prompt prefilled 6x
+    slower untiled).
+    """
+    kv_heads, seqs, rows, keys = probs.shape
+    dim = values.shape[-1]
+    chunks = keys // KEY_CHUNK
+    values = values.view(kv_heads, seqs, chunks, KEY_CHUNK, dim)
+    tiles = _row_tiles(rows)
+    parts = []
+    for start, end in tiles:
+        tile = probs[:, :, start:end].reshape(kv_heads, seqs, end - start, chunks, KEY_CHUNK)
+        parts.append(torch.matmul(tile.transpose(2, 3), values).cumsum(dim=2)[:, :, -1])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)

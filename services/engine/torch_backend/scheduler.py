@@ -172,9 +172,15 @@ class Scheduler:
         for seq in [s for s in self.running if s.cancelled]:
             self._finish(seq, FinishReason.CANCELLED)
             out.finished.append(seq)
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        # Prompt chunks of running sequences that rank after the first waiting one
+        # wait for it: an interactive arrival joins now instead of after a batch
+        # request's whole prefill. Decodes (one token) always run.
+        head = self._waiting[0] if self._waiting else None
+        deferred: list[Sequence] = []
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, head, deferred)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            budget = self._schedule_waiting(out, budget)
+            self._schedule_deferred(out, budget, deferred)
         return out
 
     def update_from_output(self, out: SchedulerOutput,
@@ -238,12 +244,19 @@ class Scheduler:
         cap = self.config.max_chunk_tokens
         return min(wanted, budget) if cap is None else min(wanted, budget, cap)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, head: Sequence | None,
+                          deferred: list[Sequence]) -> int:
+        """Schedules running sequences in priority order; a prompt chunk of one that
+        ranks after ``head`` goes to ``deferred`` instead. Returns the budget left."""
         running = self.running
         index = 0
         while index < len(running) and budget > 0:
             seq = running[index]
             num_new = self._chunk(seq, budget)
+            if head is not None and num_new > 1 and head < seq:
+                deferred.append(seq)
+                index += 1
+                continue
             while not self.kv.allocate_slots(seq, num_new):
                 victim = running[-1]
                 self._preempt(victim)
@@ -256,7 +269,22 @@ class Scheduler:
                 index += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_deferred(self, out: SchedulerOutput, budget: int,
+                           deferred: list[Sequence]) -> None:
+        """Gives what budget is left to the deferred prompt chunks, in priority order;
+        one whose blocks are short waits for the next step (no preemption here:
+        every lower-ranked sequence may already be scheduled)."""
+        for seq in deferred:
+            if budget <= 0:
+                return
+            if seq.status is not SequenceStatus.RUNNING:  # preempted this step
+                continue
+            num_new = self._chunk(seq, budget)
+            if self.kv.allocate_slots(seq, num_new):
+                self._add_scheduled(out, seq, num_new)
+                budget -= num_new
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         waiting = self._waiting
         while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = waiting[0]
@@ -266,7 +294,7 @@ class Scheduler:
             if cap is not None:
                 num_new = min(num_new, cap)
             if not self.kv.allocate_slots(seq, num_new, hit):
-                return
+                return budget
             heapq.heappop(waiting)
             seq.num_computed_tokens = hit.num_tokens
             if seq.num_cached_tokens < 0:
@@ -278,6 +306,7 @@ class Scheduler:
             bisect.insort(self.running, seq)
             self._add_scheduled(out, seq, num_new)
             budget -= num_new
+        return budget
 
     @staticmethod
     def _add_scheduled(out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
