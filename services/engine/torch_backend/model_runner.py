@@ -78,13 +78,17 @@ class StepInput:
       token_ids: tokens to compute now (a prefill chunk, or the last sampled token).
       start: tokens of this sequence already in the cache (position of the first).
       block_ids: the sequence's KV blocks, covering ``start + len(token_ids)`` tokens.
-      samples: compute the logits of its last token.
+      samples: compute logits for this sequence.
+      num_logits: how many of its last tokens get logits when it samples (1 for
+        a plain step; ``k + 1`` to score ``k`` speculative tokens and the token
+        after them; ``len(token_ids)`` for the log-likelihood of a whole chunk).
     """
 
     token_ids: Sequence[int]
     start: int
     block_ids: Sequence[int]
     samples: bool = True
+    num_logits: int = 1
 
 
 class ModelRunner:
@@ -139,10 +143,14 @@ class ModelRunner:
 
     def run(self, inputs: Sequence[StepInput]) -> torch.Tensor:
         """Computes one step: writes every new token's keys/values into its slots
-        and returns logits ``[number of inputs that sample, vocab]``, in input order.
+        and returns logits ``[sum of num_logits over the inputs that sample, vocab]``:
+        for each sampling input in input order, the logits of its last
+        ``num_logits`` tokens in position order (row ``j`` predicts the token
+        after position ``start + len(token_ids) - num_logits + j``).
 
         Raises:
           RuntimeError: no KV cache was allocated.
+          ValueError: an input asks for more logits than it has tokens, or none.
         """
         cache = self.kv_cache
         if cache is None:
@@ -154,7 +162,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         seqs: list[SeqAttention] = []
-        last_row = [0] * len(inputs)
+        end_row = [0] * len(inputs)
         for index in order:
             item = inputs[index]
             start, blocks = item.start, item.block_ids
@@ -163,8 +171,14 @@ class ModelRunner:
             positions.extend(range(start, end))
             slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
             seqs.append(SeqAttention(start, end - start, blocks))
-            last_row[index] = len(token_ids) - 1
-        logit_rows = [last_row[i] for i, item in enumerate(inputs) if item.samples]
+            end_row[index] = len(token_ids)
+        logit_rows: list[int] = []
+        for index, item in enumerate(inputs):
+            if item.samples:
+                if not 1 <= item.num_logits <= len(item.token_ids):
+                    raise ValueError(f"num_logits must be in [1, {len(item.token_ids)}], "
+                                     f"got {item.num_logits}")
+                logit_rows.extend(range(end_row[index] - item.num_logits, end_row[index]))
         num_logits = len(logit_rows)
         if self.batch_invariant:
             linear = self.model.linear
