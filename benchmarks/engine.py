@@ -2,6 +2,7 @@
 
     python benchmarks/engine.py [--no-batch-invariant] [--streams 1 4 16 32]
                                 [--device cpu] [--dtype float32]
+                                [--quantization none|int8|int4]
 
 Runs ``TorchBackend`` in-process (SmolLM2, the default engine options) and prints:
 
@@ -102,13 +103,16 @@ async def prefix_ttft(backend: TorchBackend, runs: int, prefix_tokens: int) -> t
 async def main(args: argparse.Namespace) -> None:
     load_before = os.getloadavg()
     log = StepLog()
-    config = EngineConfig(device=args.device, dtype=args.dtype, max_model_len=2048,
+    config = EngineConfig(model_path=args.model, device=args.device, dtype=args.dtype,
+                          max_model_len=2048,
+                          quantization=args.quantization,
                           batch_invariant=args.batch_invariant,
                           max_num_batched_tokens=args.max_num_batched_tokens)
     backend = TorchBackend(config, step_observer=log)
     await backend.start()
     kv = backend.kv_cache_info
-    print(f"torch engine: {args.device} {args.dtype}, batch_invariant={args.batch_invariant}, "
+    print(f"torch engine: {args.device} {args.dtype} quantization={args.quantization}, "
+          f"batch_invariant={args.batch_invariant}, "
           f"step budget {config.step_token_budget()} tokens, KV cache {kv.num_blocks} blocks "
           f"x {kv.block_size} tokens ({kv.num_bytes / 2**30:.2f} GiB), "
           f"{os.cpu_count()} CPUs, load average {load_before[0]:.2f}")
@@ -140,8 +144,12 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, default=None,
+                        help="GGUF file (default: the packaged SmolLM2)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantization", default=EngineConfig().quantization,
+                        choices=("none", "int8", "int4"))
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16, 32])

@@ -151,3 +151,86 @@ class SamplingOptions:
         if self.seed is not None:
             pb.seed = self.seed
         return pb
+
+
+#: Most speculative tokens a request may ask for per step.
+MAX_SPECULATIVE_TOKENS = 16
+
+
+class SpeculativeMethod(enum.Enum):
+    """Where speculative tokens come from (``llmesh.v1.SpeculativeMethod``)."""
+
+    NONE = "none"
+    NGRAM = "ngram"
+    DRAFT = "draft"
+
+    @classmethod
+    def parse(cls, name: str) -> SpeculativeMethod:
+        """``"ngram"`` → NGRAM.
+
+        Raises:
+          ValueError: an unknown name (the message lists the known ones).
+        """
+        try:
+            return cls(name.strip().lower())
+        except ValueError:
+            known = ", ".join(m.value for m in cls)
+            raise ValueError(f"unknown speculative method {name!r}; choose {known}") from None
+
+
+_METHOD_FROM_PB = {
+    common_pb2.SPECULATIVE_METHOD_NONE: SpeculativeMethod.NONE,
+    common_pb2.SPECULATIVE_METHOD_NGRAM: SpeculativeMethod.NGRAM,
+    common_pb2.SPECULATIVE_METHOD_DRAFT: SpeculativeMethod.DRAFT,
+}
+_METHOD_TO_PB = {method: number for number, method in _METHOD_FROM_PB.items()}
+
+
+@dataclass(frozen=True)
+class SpeculativeOptions:
+    """A request's speculative decoding switch; None fields take the engine's defaults.
+
+    Attributes:
+      method: the proposer, NONE to turn speculation off, None for the default.
+      num_speculative_tokens: most tokens proposed per step (1..16), None for the default.
+    """
+
+    method: SpeculativeMethod | None = None
+    num_speculative_tokens: int | None = None
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.SpeculativeParams,
+                field_prefix: str = "speculative") -> SpeculativeOptions:
+        """Validates ``pb`` and converts it.
+
+        Raises:
+          InvalidRequestError: INVALID_ARGUMENT for an unknown method or a count
+            outside ``[1, MAX_SPECULATIVE_TOKENS]``.
+        """
+        method: SpeculativeMethod | None = None
+        if pb.method != common_pb2.SPECULATIVE_METHOD_UNSPECIFIED:
+            if pb.method not in _METHOD_FROM_PB:
+                raise InvalidRequestError(
+                    f"{field_prefix}.method",
+                    f"unknown value {pb.method}; use SPECULATIVE_METHOD_NONE (1), "
+                    "SPECULATIVE_METHOD_NGRAM (2) or SPECULATIVE_METHOD_DRAFT (3), or leave it "
+                    "unset for the engine's default")
+            method = _METHOD_FROM_PB[pb.method]
+        count: int | None = None
+        if pb.HasField("num_speculative_tokens"):
+            count = pb.num_speculative_tokens
+            if not 1 <= count <= MAX_SPECULATIVE_TOKENS:
+                raise InvalidRequestError(
+                    f"{field_prefix}.num_speculative_tokens",
+                    f"must be in [1, {MAX_SPECULATIVE_TOKENS}] (or unset for the engine's "
+                    f"default; method NONE turns speculation off), got {count}")
+        return cls(method, count)
+
+    def to_pb(self) -> common_pb2.SpeculativeParams:
+        """The protobuf form (unset fields stay unset)."""
+        pb = common_pb2.SpeculativeParams()
+        if self.method is not None:
+            pb.method = _METHOD_TO_PB[self.method]
+        if self.num_speculative_tokens is not None:
+            pb.num_speculative_tokens = self.num_speculative_tokens
+        return pb

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 BACKEND_NAMES = ("torch", "tensorrt_llm")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
 ENV_PREFIX = "LLMESH_ENGINE_"
 GIB = 1 << 30
 
@@ -38,6 +39,14 @@ class EngineConfig:
         (``SmolLM2-135M-Instruct.Q4_1.gguf`` → ``SmolLM2-135M-Instruct``).
       device: torch device, ``cpu`` or ``cuda[:N]`` (torch backend).
       dtype: ``float32`` (default), ``bfloat16`` or ``float16`` (torch backend).
+        With a quantized ``quantization`` it must stay ``float32``: the
+        projections then take bf16 activations while the residual stream,
+        norms and attention stay fp32.
+      quantization: weight-only quantized projections (torch backend, CPU):
+        ``int4`` (default: the GGUF's Q4_1 blocks on PyTorch's int4 kernel,
+        the fastest mode that passes the quality guard), ``int8`` (per-row
+        int8) or ``none`` (dense weights in ``dtype``). See
+        ``torch_backend/quant.py`` and docs/engine.md.
       max_model_len: context window in tokens; None means the model's own.
       max_num_waiting: most sequences queued before RESOURCE_EXHAUSTED.
       max_num_seqs: most sequences in the running batch (both backends).
@@ -59,6 +68,16 @@ class EngineConfig:
         what fits in the context window).
       max_tokens_cap: largest max_tokens accepted; None means max_model_len.
       gpu_memory_fraction: share of free GPU memory for the KV cache (tensorrt_llm).
+      speculative_method: default proposer of speculative decoding, ``none``,
+        ``ngram`` (prompt lookup) or ``draft`` (a draft model); a request may
+        choose its own (torch backend).
+      num_speculative_tokens: default most proposals per sequence and step.
+      ngram_min, ngram_max: n-gram lengths the prompt lookup tries, longest first.
+      draft_num_layers: the default draft is the target's first this many
+        layers with its final norm and LM head (weights shared).
+      draft_model_path: a GGUF draft model with the target's vocabulary instead.
+      speculative_disable_batch_size: no speculation in a step while more
+        sequences run (None: never disabled).
     """
 
     backend: str = "torch"
@@ -66,6 +85,7 @@ class EngineConfig:
     served_model_name: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
+    quantization: str = "int4"
     max_model_len: int | None = None
     max_num_waiting: int = 256
     max_num_seqs: int = 64
@@ -78,6 +98,13 @@ class EngineConfig:
     default_max_tokens: int = 256
     max_tokens_cap: int | None = None
     gpu_memory_fraction: float = 0.85
+    speculative_method: str = "ngram"
+    num_speculative_tokens: int = 3
+    ngram_min: int = 2
+    ngram_max: int = 4
+    draft_num_layers: int = 8
+    draft_model_path: Path | None = None
+    speculative_disable_batch_size: int | None = 2
 
     def step_token_budget(self) -> int:
         """``max_num_batched_tokens``, or the device's default when unset."""
@@ -126,6 +153,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
     add("--served-model-name", str, None)
     add("--device", str, "cpu", "cpu, cuda or cuda:N")
     add("--dtype", str, "float32", choices=("float32", "bfloat16", "float16"))
+    add("--quantization", str, "int4", "weight-only quantized projections (torch, CPU): "
+        "int4 = the GGUF's Q4_1 weights on the int4 kernel, int8 = per-row int8, "
+        "none = dense weights in --dtype; int4/int8 run bf16 activations on an fp32 "
+        "residual stream and need --dtype float32", choices=("none", "int8", "int4"))
     add("--max-model-len", _positive_int, None, "context window in tokens (default: the model's)")
     add("--max-num-waiting", _positive_int, 256)
     add("--max-num-seqs", _positive_int, 64, "most sequences in the running batch",
@@ -145,6 +176,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
     add("--max-tokens-cap", _positive_int, None,
         "largest max_tokens accepted (default: max-model-len)")
     add("--gpu-memory-fraction", float, 0.85)
+    add("--speculative-method", str, "ngram",
+        "default proposer of speculative decoding (requests may choose their own)",
+        choices=SPECULATIVE_METHODS)
+    add("--num-speculative-tokens", _positive_int, 3,
+        "default most speculative tokens per sequence and step")
+    add("--ngram-min", _positive_int, 2, "shortest n-gram the prompt lookup matches")
+    add("--ngram-max", _positive_int, 4, "longest n-gram the prompt lookup matches")
+    add("--draft-num-layers", _positive_int, 8,
+        "draft model = the target's first N layers + final norm + LM head")
+    add("--draft-model-path", Path, None,
+        "GGUF draft model sharing the target's tokenizer (instead of the truncated target)")
+    add("--speculative-disable-batch-size", _positive_int, 2,
+        "no speculation while more sequences run")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -155,6 +199,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         served_model_name=args.served_model_name,
         device=args.device,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=args.max_model_len,
         max_num_waiting=args.max_num_waiting,
         max_num_seqs=args.max_num_seqs,
@@ -167,6 +212,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         default_max_tokens=args.default_max_tokens,
         max_tokens_cap=args.max_tokens_cap,
         gpu_memory_fraction=args.gpu_memory_fraction,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        draft_num_layers=args.draft_num_layers,
+        draft_model_path=args.draft_model_path,
+        speculative_disable_batch_size=args.speculative_disable_batch_size,
     )
 
 

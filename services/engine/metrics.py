@@ -35,6 +35,11 @@ class EngineMetrics:
     ``num_preemptions_total`` (counter); and histograms of each engine step:
     ``engine_step_duration_seconds``, ``iteration_tokens_total`` (tokens
     computed, vLLM's name) and ``batch_size`` (sequences in the step).
+    Speculative decoding (vLLM's names, counters): ``spec_decode_num_drafts``
+    (sequences whose proposals a step scored), ``spec_decode_num_draft_tokens``,
+    ``spec_decode_num_accepted_tokens`` and
+    ``spec_decode_num_accepted_tokens_per_pos`` by ``position`` (0-based);
+    mean acceptance length = 1 + accepted / drafts.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -72,6 +77,19 @@ class EngineMetrics:
         self.num_preemptions = Counter(
             "llmesh:num_preemptions", "Sequences preempted (blocks freed, recomputed later).",
             registry=registry)
+        self.spec_decode_num_drafts = Counter(
+            "llmesh:spec_decode_num_drafts", "Speculative drafts scored (sequences x steps).",
+            registry=registry)
+        self.spec_decode_num_draft_tokens = Counter(
+            "llmesh:spec_decode_num_draft_tokens", "Speculative tokens proposed and scored.",
+            registry=registry)
+        self.spec_decode_num_accepted_tokens = Counter(
+            "llmesh:spec_decode_num_accepted_tokens", "Speculative tokens accepted.",
+            registry=registry)
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            "llmesh:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative tokens accepted, by position in the draft (0-based).",
+            ["position"], registry=registry)
 
     def track_load(self, load: Callable[[], LoadStats]) -> None:
         """Makes the load gauges read ``load()`` at each scrape."""
@@ -89,6 +107,13 @@ class EngineMetrics:
             self.prefix_cache_hits.inc(stats.prefix_hits)
         if stats.num_preemptions:
             self.num_preemptions.inc(stats.num_preemptions)
+        if stats.spec_num_drafts:
+            self.spec_decode_num_drafts.inc(stats.spec_num_drafts)
+            self.spec_decode_num_draft_tokens.inc(stats.spec_num_draft_tokens)
+            self.spec_decode_num_accepted_tokens.inc(stats.spec_num_accepted_tokens)
+            for position, count in enumerate(stats.spec_accepted_per_pos):
+                self.spec_decode_num_accepted_tokens_per_pos.labels(position=str(position)).inc(
+                    count)
 
     def observe_delta(self, delta: TokenDelta, first: bool) -> None:
         """Counts a delta's tokens; ``first`` marks a request's first delta (its

@@ -30,7 +30,13 @@ import structlog
 from llmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.common.grpc_util import request_id_from
 from services.common.logging import bind_request_id
-from services.common.sampling import FinishReason, InvalidRequestError, Priority, SamplingOptions
+from services.common.sampling import (
+    FinishReason,
+    InvalidRequestError,
+    Priority,
+    SamplingOptions,
+    SpeculativeOptions,
+)
 from services.engine.backend import EngineBackend, EngineError
 from services.engine.config import EngineConfig
 from services.engine.metrics import EngineMetrics, default_metrics
@@ -201,8 +207,9 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             pb.sampling, default_max_tokens=min(self._config.default_max_tokens, cap, room),
             max_tokens_cap=cap, vocab_size=info.vocab_size, field_prefix="sampling")
         validate_length(len(prompt), sampling.max_tokens, info.max_model_len)
+        speculative = SpeculativeOptions.from_pb(pb.speculative)
         return EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                             priority=Priority.from_pb(pb.priority))
+                             priority=Priority.from_pb(pb.priority), speculative=speculative)
 
     async def _check_admitting(self, context: grpc.aio.ServicerContext) -> None:
         if self._draining:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.sampling import FinishReason, Priority, SamplingOptions
+from services.common.sampling import FinishReason, Priority, SamplingOptions, SpeculativeOptions
 
 
 @dataclass(frozen=True)
@@ -20,12 +20,15 @@ class EngineRequest:
       prompt_token_ids: prompt token ids, at least one, each in ``[0, vocab_size)``.
       sampling: validated sampling and stopping options.
       priority: traffic class; INTERACTIVE is scheduled before BATCH.
+      speculative: the request's speculative decoding switch (engine defaults
+        where unset).
     """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingOptions
     priority: Priority = Priority.INTERACTIVE
+    speculative: SpeculativeOptions = SpeculativeOptions()
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,10 @@ class StepStats:
       num_preemptions: sequences preempted to make room.
       prefix_queries: prompt tokens looked up in the prefix cache.
       prefix_hits: of those, tokens found computed.
+      spec_num_drafts: sequences whose speculative tokens were verified.
+      spec_num_draft_tokens: speculative tokens verified.
+      spec_num_accepted_tokens: of those, accepted.
+      spec_accepted_per_pos: accepted tokens by position in the proposal (0-based).
     """
 
     duration_s: float
@@ -114,3 +121,7 @@ class StepStats:
     num_preemptions: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()

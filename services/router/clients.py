@@ -35,7 +35,7 @@ from llmesh.v1 import (
     tokenizer_pb2_grpc,
 )
 from services.common.grpc_util import make_channel, request_id_metadata
-from services.common.sampling import FinishReason, Priority, SamplingOptions
+from services.common.sampling import FinishReason, Priority, SamplingOptions, SpeculativeOptions
 
 log = structlog.get_logger()
 
@@ -471,8 +471,10 @@ class EngineClient:
     async def generate(
         self, prompt_token_ids: Sequence[int], sampling: SamplingOptions, *,
         priority: Priority, request_id: str, deadline: float | None,
+        speculative: SpeculativeOptions | None = None,
     ) -> EngineStream:
-        """Opens a ``Generate`` stream and sends ``start``.
+        """Opens a ``Generate`` stream and sends ``start`` (``speculative``: the
+        request's speculative decoding switch, None for the engine's defaults).
 
         Raises:
           UpstreamError: the write failed (the engine's status); most engine
@@ -484,6 +486,8 @@ class EngineClient:
             request_id=request_id, prompt_token_ids=list(prompt_token_ids),
             sampling=sampling.to_pb(), priority=priority.to_pb(),
         )
+        if speculative is not None and speculative != SpeculativeOptions():
+            start.speculative.CopyFrom(speculative.to_pb())
         stream = EngineStream(call, self.target)
         try:
             await call.write(engine_pb2.EngineServiceGenerateRequest(start=start))

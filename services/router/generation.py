@@ -337,7 +337,8 @@ class GenerationPipeline:
             try:
                 stream = await engine.generate(
                     prompt_ids, sampling, priority=request.priority,
-                    request_id=request.request_id, deadline=deadline)
+                    request_id=request.request_id, deadline=deadline,
+                    speculative=request.speculative)
                 if timing.dispatched_at is None:  # once, even when a replica is retried
                     timing.dispatched_at = time.monotonic()
                     self.metrics.request_queue_time.labels(request.model).observe(

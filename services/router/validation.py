@@ -33,7 +33,12 @@ from dataclasses import dataclass
 import grpc
 
 from llmesh.v1 import common_pb2, generation_pb2
-from services.common.sampling import InvalidRequestError, Priority, SamplingOptions
+from services.common.sampling import (
+    InvalidRequestError,
+    Priority,
+    SamplingOptions,
+    SpeculativeOptions,
+)
 from services.router.clients import ChatMessage
 
 #: Most characters in a caller-chosen request id (it travels as gRPC metadata).
@@ -88,7 +93,9 @@ class GenerationRequest:
     Exactly one of ``prompt`` and ``messages`` is set. ``sampling.max_tokens``
     is the requested (or default) count, before clamping to the context window.
     ``bypass_cache``: skip the response-cache lookup (a fresh answer is still
-    stored).
+    stored). ``speculative``: the engine's speculative decoding switch, passed
+    through (it changes speed, not greedy or seeded output, so it is not part
+    of the response-cache key).
     """
 
     request_id: str
@@ -98,6 +105,7 @@ class GenerationRequest:
     sampling: SamplingOptions
     priority: Priority
     bypass_cache: bool = False
+    speculative: SpeculativeOptions = SpeculativeOptions()
 
     @property
     def is_chat(self) -> bool:
@@ -231,10 +239,11 @@ def validate_request(
         raise InvalidRequestError(
             "priority", f"unknown value {pb.priority}; use PRIORITY_INTERACTIVE (1) or "
             "PRIORITY_BATCH (2)")
+    speculative = SpeculativeOptions.from_pb(pb.speculative)
     return GenerationRequest(
         request_id=request_id, model=limits.model, prompt=prompt, messages=messages,
         sampling=sampling, priority=Priority.from_pb(pb.priority),
-        bypass_cache=pb.bypass_cache,
+        bypass_cache=pb.bypass_cache, speculative=speculative,
     )
 
 

@@ -1,6 +1,7 @@
 """Engine latency numbers on this machine (not a test; pytest does not collect it).
 
     python -m tests.engine.bench_engine [--dtype float32|bfloat16] [--device cpu]
+                                        [--quantization none|int8|int4]
 
 Prints start-up (GGUF load + model build, warm-up), prefill of a 100-token
 prompt, and decode ms/token (median inter-token time over several runs), all
@@ -30,8 +31,9 @@ async def timed_tokens(backend: TorchBackend, request: EngineRequest) -> list[fl
     return stamps
 
 
-async def main(dtype: str, device: str, runs: int, tokens: int) -> None:
-    backend = TorchBackend(EngineConfig(dtype=dtype, device=device, max_model_len=2048))
+async def main(dtype: str, device: str, runs: int, tokens: int, quantization: str) -> None:
+    backend = TorchBackend(EngineConfig(dtype=dtype, device=device, max_model_len=2048,
+                                        quantization=quantization))
     began = time.perf_counter()
     await backend.start()
     total = time.perf_counter() - began
@@ -60,7 +62,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quantization", default=None, choices=("none", "int8", "int4"),
+                        help="default: the engine's, or none with a --dtype other than float32")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=48)
     args = parser.parse_args()
-    asyncio.run(main(args.dtype, args.device, args.runs, args.tokens))
+    quantization = args.quantization or (
+        EngineConfig().quantization if args.dtype == "float32" else "none")
+    asyncio.run(main(args.dtype, args.device, args.runs, args.tokens, quantization))

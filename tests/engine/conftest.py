@@ -1,11 +1,13 @@
 """Shared fixtures of the engine tests: SmolLM2 loaded once for the session
-(loading the GGUF costs seconds) and shared by every torch backend the tests
-start, one started TorchBackend with its metrics, and a real gRPC server on a
-loopback port 0 in front of it."""
+(loading the GGUF costs seconds) in the engine's default quantization and
+shared by every torch backend the tests start (plus an fp32 copy for the
+comparisons with transformers, and an int8 one on demand), one started
+TorchBackend with its metrics, and a real gRPC server on a loopback port 0 in
+front of it."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -41,9 +43,40 @@ def gguf_model(model_path: Path) -> GGUFModel:
 
 
 @pytest.fixture(scope="session")
-def smollm2(gguf_model: GGUFModel) -> LlamaModel:
-    """SmolLM2 in fp32 on CPU, shared by every backend of the session."""
+def gguf_q4_1(model_path: Path) -> GGUFModel:
+    """The GGUF with its Q4_1 projections as raw blocks (not dequantized)."""
+    return load_gguf(model_path, keep_q4_1=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32(gguf_model: GGUFModel) -> LlamaModel:
+    """SmolLM2 with dense fp32 weights (``--quantization none``)."""
     return build_model(gguf_model.config, gguf_model.state_dict, max_positions=MAX_POSITIONS)
+
+
+@pytest.fixture(scope="session")
+def smollm2_by_mode(gguf_q4_1: GGUFModel, request: pytest.FixtureRequest
+                    ) -> Callable[[str], LlamaModel]:
+    """SmolLM2 in a given quantization, each mode built once per session."""
+    built: dict[str, LlamaModel] = {}
+
+    def get(quantization: str) -> LlamaModel:
+        if quantization == "none":
+            return request.getfixturevalue("smollm2_fp32")
+        if quantization not in built:
+            built[quantization] = build_model(
+                gguf_q4_1.config, gguf_q4_1.state_dict, max_positions=MAX_POSITIONS,
+                quantization=quantization, q4_1=gguf_q4_1.q4_1)
+        return built[quantization]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_by_mode: Callable[[str], LlamaModel]) -> LlamaModel:
+    """SmolLM2 in the engine's default quantization on CPU, shared by every
+    backend of the session."""
+    return smollm2_by_mode(EngineConfig().quantization)
 
 
 @pytest.fixture(scope="session")

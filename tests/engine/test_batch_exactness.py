@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
@@ -114,15 +114,18 @@ async def idle(backend: TorchBackend) -> None:
     assert (load.num_running, load.num_waiting, load.kv_cache_usage) == (0, 0, 0.0)
 
 
-def test_logits_are_bit_identical_whatever_the_batch(smollm2: LlamaModel) -> None:
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_logits_are_bit_identical_whatever_the_batch(
+        smollm2_by_mode: Callable[[str], LlamaModel], quantization: str) -> None:
     """Three sequences' logits alone (one prefill) vs batched with different
     chunking and as a one-token decode: equal to the last bit, and not so
-    without batch invariance (the test has teeth)."""
+    without batch invariance (the test has teeth), in every quantization mode."""
+    model = smollm2_by_mode(quantization)
     seqs = [PROMPTS[1], PROMPTS[5], PROMPTS[8]]  # 12, 47, 128 tokens
 
     def logits(batch_invariant: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        runner = ModelRunner(smollm2, torch.device("cpu"), torch.float32, batch_invariant)
-        runner.allocate_kv_cache(40 * kv_block_bytes(smollm2.config, 16, torch.float32), 16)
+        runner = ModelRunner(model, torch.device("cpu"), torch.float32, batch_invariant)
+        runner.allocate_kv_cache(40 * kv_block_bytes(model.config, 16, torch.float32), 16)
         tables = [list(range(0, 1)), list(range(1, 4)), list(range(4, 12))]
         alone = [runner.run([StepInput(s, 0, t)])[0] for s, t in zip(seqs, tables, strict=True)]
         tables = [list(range(20, 21)), list(range(21, 24)), list(range(24, 32))]
@@ -138,8 +141,15 @@ def test_logits_are_bit_identical_whatever_the_batch(smollm2: LlamaModel) -> Non
     alone, batched = logits(batch_invariant=True)
     assert torch.equal(alone[0], batched[0]) and torch.equal(alone[1], batched[1])
     plain_alone, plain_batched = logits(batch_invariant=False)
-    assert not torch.equal(plain_alone[0], plain_batched[0])  # GEMV (1 row) vs GEMM rows
-    assert torch.allclose(plain_alone[0], plain_batched[0], atol=1e-3)
+    # fp32: GEMV (1 row) vs GEMM rows; quantized: the attention matmuls (the
+    # projections are row-invariant anyway), grown through 30 layers of bf16
+    # activations into a few bf16 steps of the logits.
+    assert not torch.equal(plain_alone[0], plain_batched[0])
+    if quantization == "none":
+        assert torch.allclose(plain_alone[0], plain_batched[0], atol=1e-3)
+    else:
+        scale = plain_alone[0].abs().max()
+        assert (plain_alone[0] - plain_batched[0]).abs().max() < 0.02 * scale
 
 
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])

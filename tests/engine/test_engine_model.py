@@ -3,6 +3,7 @@ the same file, and the torch backend's greedy decoding against ``generate``."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from services.common.sampling import FinishReason, SamplingOptions
+from services.engine.config import EngineConfig
 from services.engine.torch_backend.backend import TorchBackend
 from services.engine.torch_backend.gguf_loader import GGUFModel, unpermute_rope_rows
 from services.engine.torch_backend.model import LlamaModel, build_model
@@ -23,8 +25,8 @@ pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
-def model(smollm2: LlamaModel) -> LlamaModel:
-    return smollm2
+def model(smollm2_fp32: LlamaModel) -> LlamaModel:
+    return smollm2_fp32
 
 
 @pytest.fixture(scope="module")
@@ -121,13 +123,21 @@ def test_bfloat16_model_tracks_float32(gguf_model: GGUFModel, hf_logits: torch.T
     assert (logits[0].float() - reference).abs().max().item() < 0.1 * reference.abs().max().item()
 
 
-async def test_greedy_continuation_matches_transformers(torch_backend: TorchBackend,
-                                                        hf_model: torch.nn.Module) -> None:
+async def test_greedy_continuation_matches_transformers(
+        model: LlamaModel, engine_config: EngineConfig, hf_model: torch.nn.Module) -> None:
+    """The fp32 engine (``--quantization none``) greedy-decodes like transformers
+    token for token (the quantized modes are held to the quality guard instead,
+    ``test_quality_guard.py``)."""
+    backend = TorchBackend(replace(engine_config, quantization="none"), model=model)
+    await backend.start()
     request = EngineRequest("greedy-vs-hf", STORY,
                             SamplingOptions(max_tokens=32, ignore_eos=True))
     ours: list[int] = []
-    async for delta in torch_backend.generate(request):
-        ours.extend(delta.token_ids)
+    try:
+        async for delta in backend.generate(request):
+            ours.extend(delta.token_ids)
+    finally:
+        await backend.shutdown()
     assert delta.finish_reason is FinishReason.LENGTH
     with torch.inference_mode():
         generated = hf_model.generate(torch.tensor([STORY]), do_sample=False, max_new_tokens=32,

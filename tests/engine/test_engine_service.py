@@ -232,11 +232,14 @@ async def test_metrics_count_requests_and_tokens(engine_stub: Stub,
              "llmesh:engine_step_duration_seconds_count")
     before = [sample_value(engine_metrics, n) for n in names]
     stops = sample_value(engine_metrics, "llmesh:request_success_total", finished_reason="stop")
-    await generate(engine_stub, start("metrics", max_tokens=16))
+    request = start("metrics", max_tokens=16)
+    request.start.speculative.method = common_pb2.SPECULATIVE_METHOD_NONE
+    await generate(engine_stub, request)
     after = [sample_value(engine_metrics, n) for n in names]
     assert after[0] - before[0] == len(CHAT)
     assert after[1] - before[1] == len(CHAT_GREEDY)
-    assert after[2] - before[2] == len(CHAT_GREEDY)  # one step per token (prompt fits one step)
+    # one step per token (prompt fits one step; speculation off for this request)
+    assert after[2] - before[2] == len(CHAT_GREEDY)
     assert sample_value(engine_metrics, "llmesh:request_success_total",
                         finished_reason="stop") == stops + 1
     assert sample_value(engine_metrics, "llmesh:num_requests_running") == 0
@@ -284,3 +287,26 @@ async def test_drain_refuses_new_streams(torch_backend: TorchBackend,
             assert (await stub.GetLoad(engine_pb2.GetLoadRequest())).num_running == 0
     finally:
         await server.stop(grace=None)
+
+
+async def test_speculative_params_are_validated_and_do_not_change_greedy_output(
+        engine_stub: Stub, engine_metrics: EngineMetrics) -> None:
+    for method, count, field in [(7, None, "speculative.method"),
+                                 (common_pb2.SPECULATIVE_METHOD_NGRAM, 0,
+                                  "speculative.num_speculative_tokens"),
+                                 (common_pb2.SPECULATIVE_METHOD_NGRAM, 17,
+                                  "speculative.num_speculative_tokens")]:
+        request = start(max_tokens=4)
+        request.start.speculative.method = method
+        if count is not None:
+            request.start.speculative.num_speculative_tokens = count
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await generate(engine_stub, request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith(f"{field}: ")
+    for method in (common_pb2.SPECULATIVE_METHOD_NGRAM, common_pb2.SPECULATIVE_METHOD_DRAFT):
+        request = start(max_tokens=16)
+        request.start.speculative.method = method
+        request.start.speculative.num_speculative_tokens = 3
+        responses = await generate(engine_stub, request)
+        assert [t for r in responses for t in r.token_ids] == list(CHAT_GREEDY)

@@ -185,6 +185,28 @@ async def test_stop_strings_never_leak(stub):
         assert all(stop not in r.text for r in responses)
 
 
+async def test_a_stop_string_inside_a_speculative_run_ends_the_text_as_without(stub):
+    # A rewrite prompt: n-gram proposals copy the sentence, so several tokens are
+    # accepted per step; the stop string falls inside such a run.
+    text = ("Copy this sentence exactly: The quick brown fox jumps over the lazy dog "
+            "and runs into the green forest behind the old mill.")
+    on_params = common_pb2.SpeculativeParams(method=common_pb2.SPECULATIVE_METHOD_NGRAM,
+                                             num_speculative_tokens=4)
+    off_params = common_pb2.SpeculativeParams(method=common_pb2.SPECULATIVE_METHOD_NONE)
+    results = {}
+    for name, params in (("off", off_params), ("on", on_params)):
+        request = chat_request(text, max_tokens=40, stop=["green forest"])
+        request.speculative.CopyFrom(params)
+        request.bypass_cache = True
+        responses = await collect(stub.Generate(request))
+        results[name] = (text_of(responses), responses[-1].matched_stop,
+                         responses[-1].finish_reason)
+    assert results["on"] == results["off"]
+    if results["on"][1]:  # the model did copy the sentence up to the stop
+        assert results["on"][2] == common_pb2.FINISH_REASON_STOP
+        assert "green forest" not in results["on"][0]
+
+
 async def test_stream_cancel_ends_the_generation_and_frees_the_engine(stub, engine_stub):
     call = stub.GenerateStream()
     await call.write(generation_pb2.GenerateStreamRequest(start=chat_request(

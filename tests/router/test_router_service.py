@@ -637,3 +637,16 @@ async def test_text_is_logged_only_with_log_content(log_content):
     dumped = repr(logs)
     assert ("secret question" in dumped) is log_content
     assert (REPLY in dumped) is log_content
+
+
+async def test_the_speculative_switch_reaches_the_engine():
+    speculative = common_pb2.SpeculativeParams(method=common_pb2.SPECULATIVE_METHOD_DRAFT,
+                                               num_speculative_tokens=3)
+    async with make_mesh() as mesh:
+        await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+            prompt="q", sampling=greedy(max_tokens=2), speculative=speculative)))
+        await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+            prompt="q", sampling=greedy(max_tokens=2), bypass_cache=True)))
+        first, second = mesh.engines[0].log.starts
+    assert first.speculative == speculative
+    assert not second.HasField("speculative")  # unset: the engine's defaults

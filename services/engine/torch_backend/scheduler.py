@@ -20,6 +20,16 @@ Policy:
   joins in a step that preempted.
 * A cancelled running sequence leaves at the next step boundary; a cancelled
   waiting one leaves the queue at once (:meth:`Scheduler.abort`).
+* Speculative decoding is bookkeeping (vLLM v1): a decoding sequence's
+  proposals (``seq.spec_token_ids``) are lookahead tokens computed with its
+  last token in the same step (``1 + k`` tokens of the budget, KV slots
+  reserved for all of them); :meth:`Scheduler.update_from_output` appends the
+  accepted ones and the target's next token and sets ``num_computed_tokens``
+  to the verified tokens only, so rejected tokens' slots are overwritten
+  later. Blocks reserved beyond the new length stay in the sequence's table
+  (reused by its next steps, freed with it); only blocks full of verified
+  tokens are ever hashed into the prefix cache. Proposals are dropped (never
+  another sequence preempted) when the budget or the blocks are short.
 
 Not thread-safe: the engine loop calls it under its lock.
 """
@@ -66,12 +76,20 @@ class ScheduledSequence:
       num_tokens: tokens it computes in the step.
       samples: True when the step computes its last token, so the step samples
         its next token.
+      spec_token_ids: speculative tokens computed after its last token (the
+        last ``len(spec_token_ids)`` of ``num_tokens``); the step scores them.
     """
 
     seq: Sequence
     start: int
     num_tokens: int
     samples: bool
+    spec_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_logits(self) -> int:
+        """Logit rows it needs: its last token's and one per speculative token."""
+        return 1 + len(self.spec_token_ids)
 
 
 @dataclass
@@ -99,7 +117,8 @@ class SchedulerOutput:
 
 @dataclass(frozen=True, slots=True)
 class SequenceUpdate:
-    """What a step produced for one sequence: its new token ids and whether it finished."""
+    """What a step produced for one sequence: its new token ids (up to a stop,
+    all of them verified) and whether it finished."""
 
     seq: Sequence
     token_ids: tuple[int, ...]
@@ -184,14 +203,19 @@ class Scheduler:
         return out
 
     def update_from_output(self, out: SchedulerOutput,
-                           sampled: SequenceOf[int]) -> list[SequenceUpdate]:
-        """Books a computed step: advances each scheduled sequence, registers its
-        newly full blocks in the prefix cache, appends its sampled token, and
-        finishes (and frees) the sequences that stopped or were cancelled meanwhile.
+                           sampled: SequenceOf[int | SequenceOf[int]]) -> list[SequenceUpdate]:
+        """Books a computed step: appends each sampling sequence's new tokens (up
+        to the first stop among them), moves ``num_computed_tokens`` to its
+        verified tokens (back over rejected speculative ones), registers its
+        newly full blocks in the prefix cache, and finishes (and frees) the
+        sequences that stopped or were cancelled meanwhile.
 
         Args:
           out: the step's plan from :meth:`schedule`.
-          sampled: one token per scheduled sequence with ``samples``, in order.
+          sampled: per scheduled sequence with ``samples``, in order: its next
+            token, or (speculative steps) its accepted speculative tokens
+            followed by the target's own next token (1 to ``1 + k`` ids, the
+            first ``len - 1`` equal to its leading ``spec_token_ids``).
 
         Returns:
           one update per sequence that produced a token or finished.
@@ -200,21 +224,38 @@ class Scheduler:
         next_sample = 0
         for item in out.scheduled:
             seq = item.seq
-            seq.num_computed_tokens = item.start + item.num_tokens
-            self.kv.cache_computed_blocks(seq)
-            token = -1
-            if item.samples:
-                token = sampled[next_sample]
-                next_sample += 1
+            seq.spec_token_ids.clear()  # consumed; the loop proposes anew after the step
+            if not item.samples:
+                seq.num_computed_tokens = item.start + item.num_tokens
+                self.kv.cache_computed_blocks(seq)
+                if seq.cancelled:
+                    self._finish(seq, FinishReason.CANCELLED)
+                    updates.append(SequenceUpdate(seq, (), True))
+                continue
+            entry = sampled[next_sample]
+            next_sample += 1
+            verified = item.start + item.num_tokens - len(item.spec_token_ids)
             if seq.cancelled:
+                seq.num_computed_tokens = verified
+                self.kv.cache_computed_blocks(seq)
                 self._finish(seq, FinishReason.CANCELLED)
                 updates.append(SequenceUpdate(seq, (), True))
-            elif token >= 0:
+                continue
+            tokens = (entry,) if isinstance(entry, int) else tuple(entry)
+            reason = FinishReason.NONE
+            emitted = 0
+            for token in tokens:
                 seq.token_ids.append(token)
+                emitted += 1
                 reason = self._stop_reason(seq, token)
                 if reason is not FinishReason.NONE:
-                    self._finish(seq, reason)
-                updates.append(SequenceUpdate(seq, (token,), reason is not FinishReason.NONE))
+                    break
+            # Every emitted token but the last was a speculative input of this step.
+            seq.num_computed_tokens = verified + emitted - 1
+            self.kv.cache_computed_blocks(seq)
+            if reason is not FinishReason.NONE:
+                self._finish(seq, reason)
+            updates.append(SequenceUpdate(seq, tokens[:emitted], reason is not FinishReason.NONE))
         return updates
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -241,6 +282,8 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         wanted = seq.num_tokens - seq.num_computed_tokens
+        if wanted == 1 and seq.spec_token_ids:  # a decode and its lookahead tokens
+            return min(1 + len(seq.spec_token_ids), budget)
         cap = self.config.max_chunk_tokens
         return min(wanted, budget) if cap is None else min(wanted, budget, cap)
 
@@ -253,11 +296,15 @@ class Scheduler:
         while index < len(running) and budget > 0:
             seq = running[index]
             num_new = self._chunk(seq, budget)
-            if head is not None and num_new > 1 and head < seq:
+            decoding = seq.num_tokens - seq.num_computed_tokens == 1
+            if head is not None and not decoding and head < seq:
                 deferred.append(seq)
                 index += 1
                 continue
             while not self.kv.allocate_slots(seq, num_new):
+                if decoding and num_new > 1:  # drop proposals before preempting anyone
+                    num_new = 1
+                    continue
                 victim = running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -311,14 +358,19 @@ class Scheduler:
     @staticmethod
     def _add_scheduled(out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
         start = seq.num_computed_tokens
+        spec: tuple[int, ...] = ()
+        if num_new > 1 and start + 1 == seq.num_tokens:
+            spec = tuple(seq.spec_token_ids[:num_new - 1])
         out.scheduled.append(ScheduledSequence(seq, start, num_new,
-                                               start + num_new == seq.num_tokens))
+                                               start + num_new - len(spec) == seq.num_tokens,
+                                               spec))
         out.num_scheduled_tokens += num_new
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids.clear()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -328,6 +380,7 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         self.kv.free(seq)
+        seq.spec_token_ids.clear()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 

@@ -6,7 +6,7 @@ import asyncio
 import enum
 from dataclasses import dataclass, field
 
-from services.common.sampling import FinishReason
+from services.common.sampling import FinishReason, SpeculativeMethod
 from services.engine.kv_events import BlockHash
 from services.engine.torch_backend.sampler import SamplingRow
 from services.engine.types import EngineRequest, TokenDelta
@@ -44,6 +44,12 @@ class Sequence:
       num_preemptions: times its blocks were taken back for others.
       cancelled: set to finish it with CANCELLED at the next step boundary.
       finish_reason: NONE until it finished.
+      spec_method: its speculative proposer (the request's choice or the
+        engine's default; NONE: no speculation).
+      num_spec_tokens: most tokens proposed for it per step.
+      spec_token_ids: proposals for its next step (lookahead tokens, not yet
+        verified; never part of ``token_ids``). Written after a step by the
+        engine loop, consumed by the next :meth:`Scheduler.schedule`.
       priority_key: (priority, arrival), the scheduling order.
     """
 
@@ -60,6 +66,9 @@ class Sequence:
     num_preemptions: int = 0
     cancelled: bool = False
     finish_reason: FinishReason = FinishReason.NONE
+    spec_method: SpeculativeMethod = SpeculativeMethod.NONE
+    num_spec_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
     priority_key: tuple[int, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -24,21 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16llmesh/v1/common.proto\x12\tllmesh.v1\";\n\x0b\x43hatMessage\x12\x12\n\x04role\x18\x01 \x01(\tR\x04role\x12\x18\n\x07\x63ontent\x18\x02 \x01(\tR\x07\x63ontent\"\xbd\x02\n\x0eSamplingParams\x12%\n\x0btemperature\x18\x01 \x01(\x02H\x00R\x0btemperature\x88\x01\x01\x12\x18\n\x05top_p\x18\x02 \x01(\x02H\x01R\x04topP\x88\x01\x01\x12\x18\n\x05top_k\x18\x03 \x01(\x05H\x02R\x04topK\x88\x01\x01\x12\x17\n\x04seed\x18\x04 \x01(\x04H\x03R\x04seed\x88\x01\x01\x12\"\n\nmax_tokens\x18\x05 \x01(\x05H\x04R\tmaxTokens\x88\x01\x01\x12\x12\n\x04stop\x18\x06 \x03(\tR\x04stop\x12$\n\x0estop_token_ids\x18\x07 \x03(\x05R\x0cstopTokenIds\x12\x1d\n\nignore_eos\x18\x08 \x01(\x08R\tignoreEosB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokens\"\x8b\x01\n\x05Usage\x12#\n\rprompt_tokens\x18\x01 \x01(\rR\x0cpromptTokens\x12+\n\x11\x63ompletion_tokens\x18\x02 \x01(\rR\x10\x63ompletionTokens\x12\x30\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\rR\x12\x63\x61\x63hedPromptTokens*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*R\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x01\x12\x12\n\x0ePRIORITY_BATCH\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16llmesh/v1/common.proto\x12\tllmesh.v1\";\n\x0b\x43hatMessage\x12\x12\n\x04role\x18\x01 \x01(\tR\x04role\x12\x18\n\x07\x63ontent\x18\x02 \x01(\tR\x07\x63ontent\"\xbd\x02\n\x0eSamplingParams\x12%\n\x0btemperature\x18\x01 \x01(\x02H\x00R\x0btemperature\x88\x01\x01\x12\x18\n\x05top_p\x18\x02 \x01(\x02H\x01R\x04topP\x88\x01\x01\x12\x18\n\x05top_k\x18\x03 \x01(\x05H\x02R\x04topK\x88\x01\x01\x12\x17\n\x04seed\x18\x04 \x01(\x04H\x03R\x04seed\x88\x01\x01\x12\"\n\nmax_tokens\x18\x05 \x01(\x05H\x04R\tmaxTokens\x88\x01\x01\x12\x12\n\x04stop\x18\x06 \x03(\tR\x04stop\x12$\n\x0estop_token_ids\x18\x07 \x03(\x05R\x0cstopTokenIds\x12\x1d\n\nignore_eos\x18\x08 \x01(\x08R\tignoreEosB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokens\"\x9f\x01\n\x11SpeculativeParams\x12\x34\n\x06method\x18\x01 \x01(\x0e\x32\x1c.llmesh.v1.SpeculativeMethodR\x06method\x12\x39\n\x16num_speculative_tokens\x18\x02 \x01(\x05H\x00R\x14numSpeculativeTokens\x88\x01\x01\x42\x19\n\x17_num_speculative_tokens\"\x8b\x01\n\x05Usage\x12#\n\rprompt_tokens\x18\x01 \x01(\rR\x0cpromptTokens\x12+\n\x11\x63ompletion_tokens\x18\x02 \x01(\rR\x10\x63ompletionTokens\x12\x30\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\rR\x12\x63\x61\x63hedPromptTokens*\x90\x01\n\x11SpeculativeMethod\x12\"\n\x1eSPECULATIVE_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n\x17SPECULATIVE_METHOD_NONE\x10\x01\x12\x1c\n\x18SPECULATIVE_METHOD_NGRAM\x10\x02\x12\x1c\n\x18SPECULATIVE_METHOD_DRAFT\x10\x03*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*R\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x01\x12\x12\n\x0ePRIORITY_BATCH\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmesh.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=561
-  _globals['_FINISHREASON']._serialized_end=710
-  _globals['_PRIORITY']._serialized_start=712
-  _globals['_PRIORITY']._serialized_end=794
+  _globals['_SPECULATIVEMETHOD']._serialized_start=723
+  _globals['_SPECULATIVEMETHOD']._serialized_end=867
+  _globals['_FINISHREASON']._serialized_start=870
+  _globals['_FINISHREASON']._serialized_end=1019
+  _globals['_PRIORITY']._serialized_start=1021
+  _globals['_PRIORITY']._serialized_end=1103
   _globals['_CHATMESSAGE']._serialized_start=37
   _globals['_CHATMESSAGE']._serialized_end=96
   _globals['_SAMPLINGPARAMS']._serialized_start=99
   _globals['_SAMPLINGPARAMS']._serialized_end=416
-  _globals['_USAGE']._serialized_start=419
-  _globals['_USAGE']._serialized_end=558
+  _globals['_SPECULATIVEPARAMS']._serialized_start=419
+  _globals['_SPECULATIVEPARAMS']._serialized_end=578
+  _globals['_USAGE']._serialized_start=581
+  _globals['_USAGE']._serialized_end=720
 # @@protoc_insertion_point(module_scope)

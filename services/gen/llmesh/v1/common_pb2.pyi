@@ -19,6 +19,38 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _SpeculativeMethod:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SpeculativeMethodEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SpeculativeMethod.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SPECULATIVE_METHOD_UNSPECIFIED: _SpeculativeMethod.ValueType  # 0
+    """The engine's default."""
+    SPECULATIVE_METHOD_NONE: _SpeculativeMethod.ValueType  # 1
+    """No speculation for this request."""
+    SPECULATIVE_METHOD_NGRAM: _SpeculativeMethod.ValueType  # 2
+    """N-gram prompt lookup: the tokens that followed the latest match of the
+    last few tokens in the prompt and output so far. No extra model.
+    """
+    SPECULATIVE_METHOD_DRAFT: _SpeculativeMethod.ValueType  # 3
+    """A smaller draft model sharing the target's tokenizer."""
+
+class SpeculativeMethod(_SpeculativeMethod, metaclass=_SpeculativeMethodEnumTypeWrapper):
+    """Where speculative tokens come from."""
+
+SPECULATIVE_METHOD_UNSPECIFIED: SpeculativeMethod.ValueType  # 0
+"""The engine's default."""
+SPECULATIVE_METHOD_NONE: SpeculativeMethod.ValueType  # 1
+"""No speculation for this request."""
+SPECULATIVE_METHOD_NGRAM: SpeculativeMethod.ValueType  # 2
+"""N-gram prompt lookup: the tokens that followed the latest match of the
+last few tokens in the prompt and output so far. No extra model.
+"""
+SPECULATIVE_METHOD_DRAFT: SpeculativeMethod.ValueType  # 3
+"""A smaller draft model sharing the target's tokenizer."""
+Global___SpeculativeMethod: _TypeAlias = SpeculativeMethod  # noqa: Y015
+
 class _FinishReason:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -183,6 +215,38 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
+
+@_typing.final
+class SpeculativeParams(_message.Message):
+    """Speculative decoding of one request: the engine proposes a few tokens ahead
+    and the model checks them all in one step. Greedy and seeded outputs are the
+    same as without it; only the speed changes. Unset fields take the engine's
+    defaults (--speculative-method, --num-speculative-tokens).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    METHOD_FIELD_NUMBER: _builtins.int
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
+    method: Global___SpeculativeMethod.ValueType
+    """Which proposer to use; unspecified means the engine's default."""
+    num_speculative_tokens: _builtins.int
+    """Most tokens proposed per step, 1..16. Unset means the engine's default."""
+    def __init__(
+        self,
+        *,
+        method: Global___SpeculativeMethod.ValueType = ...,
+        num_speculative_tokens: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens", "num_speculative_tokens", b"num_speculative_tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens", "method", b"method", "num_speculative_tokens", b"num_speculative_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__num_speculative_tokens: _TypeAlias = _typing.Literal["num_speculative_tokens"]  # noqa: Y015
+    _WhichOneofArgType__num_speculative_tokens: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__num_speculative_tokens) -> _WhichOneofReturnType__num_speculative_tokens | None: ...
+
+Global___SpeculativeParams: _TypeAlias = SpeculativeParams  # noqa: Y015
 
 @_typing.final
 class Usage(_message.Message):

@@ -29,6 +29,7 @@ class EngineRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     priority: _common_pb2.Priority.ValueType
     @_builtins.property
@@ -39,6 +40,10 @@ class EngineRequest(_message.Message):
     def sampling(self) -> _common_pb2.SamplingParams:
         """Only the token-level fields are used (stop strings are the router's)."""
 
+    @_builtins.property
+    def speculative(self) -> _common_pb2.SpeculativeParams:
+        """Speculative decoding for this request; unset means the engine's defaults."""
+
     def __init__(
         self,
         *,
@@ -46,10 +51,11 @@ class EngineRequest(_message.Message):
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         priority: _common_pb2.Priority.ValueType = ...,
+        speculative: _common_pb2.SpeculativeParams | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

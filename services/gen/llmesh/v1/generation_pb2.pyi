@@ -56,6 +56,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     BYPASS_CACHE_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for this request, echoed in every response and in logs.
     Empty: the router makes one (or takes `x-request-id` metadata).
@@ -75,6 +76,12 @@ class GenerateRequest(_message.Message):
     def sampling(self) -> _common_pb2.SamplingParams:
         """Sampling and stopping. Unset: greedy, server default max_tokens."""
 
+    @_builtins.property
+    def speculative(self) -> _common_pb2.SpeculativeParams:
+        """Speculative decoding (passed to the engine). Unset: the engine's
+        defaults. It changes speed only: greedy and seeded outputs stay the same.
+        """
+
     def __init__(
         self,
         *,
@@ -85,10 +92,11 @@ class GenerateRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         priority: _common_pb2.Priority.ValueType = ...,
         bypass_cache: _builtins.bool = ...,
+        speculative: _common_pb2.SpeculativeParams | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "prompt", b"prompt", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "prompt", b"prompt", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bypass_cache", b"bypass_cache", "chat", b"chat", "input", b"input", "model", b"model", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bypass_cache", b"bypass_cache", "chat", b"chat", "input", b"input", "model", b"model", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "chat"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015

@@ -1,0 +1,284 @@
+"""Weight-only quantized projections on PyTorch's own CPU kernels.
+
+Modes (``--quantization``):
+
+* ``none``: dense weights in the model's dtype (fp32: oneDNN, see
+  :mod:`~services.engine.torch_backend.batch_invariant`).
+* ``int4``: every projection through ``torch.ops.aten._weight_int4pack_mm_for_cpu``
+  (group size 32, a bf16 scale and zero per group and output row), bf16
+  activations. Q4_1 weights of the GGUF map onto it without requantizing
+  (:meth:`Int4Projection.from_q4_1`).
+* ``int8``: every projection through ``torch.ops.aten._weight_int8pack_mm``
+  (int8 weights, one bf16 scale per output row, symmetric), bf16 activations,
+  requantized from the dequantized GGUF weights.
+
+In both quantized modes the LM head (tied to the Q8_0 token embedding) is
+:class:`Int8LMHead`: int8 per output row to rank the vocabulary (the largest
+single read of a decode step, 49,152 x 576: 28 MB instead of 57 MB in bf16,
+~3x faster at one row), then each row's top 64 logits recomputed in fp32 from
+the dense table; the perplexity effect is measured in ``docs/engine.md``.
+
+The Q4_1 → int4 mapping. A Q4_1 block holds 32 values ``w = d * q + m`` with
+``q`` in ``0..15`` (``gguf_loader.Q4_1Blocks``). The int4 kernel computes a
+weight as ``(q - 8) * scale + zero`` per group of 32 along the input dim
+(``int4mm_kernel.cpp``; checked by ``tests/engine/test_quant.py``), so
+``scale = d`` and ``zero = m + 8 * d`` give the same weight with the same
+``q``. The kernel only takes scale/zero in the activation dtype, and it is
+fast only for bf16 (fp16/fp32 activations take a ~50x slower path here), so
+``d`` and ``m + 8 d`` are rounded from fp16 to bf16 (relative error <= 2^-9,
+against the 4-bit step ``d`` itself): the values ``q`` are exact, the scales
+are the nearest bf16.
+
+Batch invariance (probed by ``batch_invariant.probe`` with ``quantization``):
+both kernels, and bf16 ``F.linear``, give each row the same bits for any
+number of rows at any offset (measured for 1..40 rows), so quantized
+projections need no row padding.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from services.engine.torch_backend.batch_invariant import Linear
+from services.engine.torch_backend.gguf_loader import Q4_1_BLOCK, Q4_1Blocks
+
+#: The ``--quantization`` choices.
+QUANTIZATIONS = ("none", "int8", "int4")
+#: Activation dtype of the quantized kernels.
+ACTIVATION_DTYPE = torch.bfloat16
+#: Values per scale/zero group of the int4 kernel.
+INT4_GROUP = Q4_1_BLOCK
+#: ``inner_k_tiles`` argument of ``_convert_weight_to_int4pack_for_cpu``.
+INT4_INNER_K_TILES = 2
+# The kernels' overloads, looked up once (``torch.ops.aten.x`` resolves two
+# namespaces and an overload on every call: ~2 us each, 121 calls a step).
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+_INT8_MM = torch.ops.aten._weight_int8pack_mm.default
+
+
+class Projection(Protocol):
+    """``y = x @ W.T`` for ``x`` ``[rows, in_features]`` in :attr:`input_dtype`."""
+
+    input_dtype: torch.dtype
+    in_features: int
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read from memory by one call (weights, scales, zeros)."""
+        ...
+
+
+class DenseProjection:
+    """A dense ``[out, in]`` weight applied by ``kernel`` (``F.linear`` or oneDNN).
+
+    Holds the weight tensor itself (a model Parameter), so moving the model
+    with ``.to()`` keeps it bound.
+    """
+
+    def __init__(self, weight: torch.Tensor, kernel: Linear) -> None:
+        self.weight = weight
+        self.kernel = kernel
+        self.input_dtype = weight.dtype
+        self.out_features, self.in_features = (int(n) for n in weight.shape)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.weight)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+
+class Int4Projection:
+    """Group-wise int4 weights on ``_weight_int4pack_mm_for_cpu``; bf16 in, bf16 out.
+
+    Attributes:
+      packed: ``[out, in / 2]`` uint8, the kernel's packed layout.
+      scales_and_zeros: ``[in / 32, out, 2]`` bf16; weight ``(q - 8) * scale + zero``.
+    """
+
+    input_dtype = ACTIVATION_DTYPE
+
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
+        self.packed = packed
+        self.scales_and_zeros = scales_and_zeros
+        self.out_features = int(scales_and_zeros.shape[1])
+        self.in_features = int(scales_and_zeros.shape[0]) * INT4_GROUP
+
+    @classmethod
+    def from_values(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+                    ) -> Int4Projection:
+        """Packs ``q`` ``[out, in]`` (integers 0..15) with per-group ``scale`` and
+        ``zero`` ``[out, in / 32]`` (weight ``(q - 8) * scale + zero``)."""
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            q.to(torch.int32).contiguous(), INT4_INNER_K_TILES)
+        scales_and_zeros = torch.stack((scale.t(), zero.t()), dim=-1).to(ACTIVATION_DTYPE)
+        return cls(packed, scales_and_zeros.contiguous())
+
+    @classmethod
+    def from_q4_1(cls, blocks: Q4_1Blocks) -> Int4Projection:
+        """The GGUF's Q4_1 blocks as they are: same ``q``, ``scale = d``,
+        ``zero = m + 8 d`` (computed in fp32, then rounded to bf16)."""
+        d, m = blocks.d.float(), blocks.m.float()
+        return cls.from_values(blocks.q, d, m + 8 * d)
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor) -> Int4Projection:
+        """Round-to-nearest asymmetric int4 per group of 32 (min/max), for dense
+        weights (a GGUF whose projections are not Q4_1)."""
+        rows, cols = weight.shape
+        groups = weight.float().view(rows, cols // INT4_GROUP, INT4_GROUP)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp(min=1e-8)
+        q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15)
+        return cls.from_values(q.view(rows, cols), scale, low + 8 * scale)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _INT4_MM(x, self.packed, INT4_GROUP, self.scales_and_zeros)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_and_zeros.nbytes
+
+    def unpack_values(self) -> torch.Tensor:
+        """The stored ``q`` ``[out, in]`` (int32, 0..15), read back through the
+        kernel itself: an identity input with scale 1 and zero 8 yields
+        ``(q - 8) * 1 + 8 = q`` exactly."""
+        eye = torch.eye(self.in_features, dtype=ACTIVATION_DTYPE)
+        unit = torch.empty_like(self.scales_and_zeros)
+        unit[..., 0], unit[..., 1] = 1, 8
+        values = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, INT4_GROUP, unit)
+        return values.t().to(torch.int32)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight ``[out, in]`` in fp32 as the kernel sees it."""
+        q = self.unpack_values().float().view(self.out_features, -1, INT4_GROUP)
+        scale, zero = self.scales_and_zeros.float().permute(2, 1, 0)
+        return ((q - 8) * scale[..., None] + zero[..., None]).view(self.out_features, -1)
+
+
+class Int8Projection:
+    """Per-output-row symmetric int8 weights on ``_weight_int8pack_mm``; bf16 in/out.
+
+    Attributes:
+      weight: ``[out, in]`` int8.
+      scales: ``[out]`` bf16; weight ``q * scale``.
+    """
+
+    input_dtype = ACTIVATION_DTYPE
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
+        self.weight = weight
+        self.scales = scales
+        self.out_features, self.in_features = (int(n) for n in weight.shape)
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor) -> Int8Projection:
+        """Round-to-nearest with ``scale = max |w| / 127`` per row (rounded to bf16
+        first, so the int8 values are fitted to the scale actually used)."""
+        weight = weight.float()
+        scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-8).to(ACTIVATION_DTYPE)
+        q = (weight / scales.float()[:, None]).round().clamp(-128, 127).to(torch.int8)
+        return cls(q.contiguous(), scales)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _INT8_MM(x, self.weight, self.scales)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scales.nbytes
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight ``[out, in]`` in fp32 as the kernel sees it."""
+        return self.weight.float() * self.scales.float()[:, None]
+
+
+class Int8LMHead(Int8Projection):
+    """The LM head: int8 per row to find each row's best candidates, the dense
+    fp32 weights to compute them. fp32 in, fp32 out.
+
+    The int8 kernel returns bf16, and bf16 logits are coarse (0.125 apart
+    between 16 and 32, where SmolLM2's top logits lie); the int8 weights also
+    move logits by a few hundredths. Both flipped real choices on the quality
+    guard's chat prompts (an answer's first token at fp32 probabilities 0.080 /
+    0.077). So the kernel's logits only pick each row's :data:`REFINED_LOGITS`
+    largest, and those are recomputed in fp32 from the fp32 input and the dense
+    fp32 weights (for SmolLM2 the Q8_0 embedding table, which the model keeps
+    anyway): the top logits are the fp32 model's, the tail keeps the int8
+    kernel's values. Reading 64 rows adds 147 KB a row to the 28 MB int8 read.
+    Every step is row-wise (top-k, gather, multiply, a sum over
+    ``in_features``), so rows stay batch-invariant (``batch_invariant.probe``
+    checks it with the model's head).
+
+    Attributes:
+      dense: ``[out, in]`` fp32 weights (shared, not copied).
+    """
+
+    input_dtype = torch.float32
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, dense: torch.Tensor) -> None:
+        super().__init__(weight, scales)
+        self.dense = dense
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor) -> Int8LMHead:
+        quantized = Int8Projection.from_dense(weight)
+        return cls(quantized.weight, quantized.scales, weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        logits = _INT8_MM(x.to(ACTIVATION_DTYPE), self.weight, self.scales).float()
+        top = logits.topk(REFINED_LOGITS, dim=-1, sorted=False).indices  # [rows, k]
+        exact = (self.dense[top] * x[:, None, :]).sum(-1)  # [rows, k, in] -> [rows, k]
+        return logits.scatter_(1, top, exact)
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + REFINED_LOGITS * self.in_features * self.dense.element_size()
+
+
+#: Logits per row the int8 LM head recomputes in fp32 (:class:`Int8LMHead`).
+REFINED_LOGITS = 64
+
+
+def quantize_projection(mode: str, dense: torch.Tensor | None,
+                        blocks: Q4_1Blocks | None = None) -> Projection:
+    """The projection for ``mode`` (``int4`` or ``int8``) from Q4_1 ``blocks``
+    (used as they are for int4) or from the fp32 ``dense`` weight.
+
+    Raises:
+      ValueError: an unknown mode, or neither source given.
+    """
+    if blocks is None and dense is None:
+        raise ValueError("no weight given")
+    if mode == "int4":
+        return Int4Projection.from_q4_1(blocks) if blocks is not None else (
+            Int4Projection.from_dense(dense))  # type: ignore[arg-type]
+    if mode == "int8":
+        return Int8Projection.from_dense(blocks.dequantize() if blocks is not None else dense)
+    raise ValueError(f"quantization must be int4 or int8 here, got {mode!r}")
+
+
+def check_mode(quantization: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Rejects combinations that contradict each other.
+
+    Raises:
+      ValueError: an unknown mode; a quantized mode with a dtype other than
+        float32 (the quantized modes run their projections in bf16 and keep the
+        residual stream, norms and attention in fp32: ``--dtype`` must stay at
+        its default); or a quantized mode off the CPU (the ``*_for_cpu`` kernels).
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization == "none":
+        return
+    if dtype != torch.float32:
+        raise ValueError(f"--quantization {quantization} runs bf16 projections on an fp32 "
+                         f"residual stream; leave --dtype at float32 (got {dtype})")
+    if device.type != "cpu":
+        raise ValueError(f"--quantization {quantization} uses PyTorch's CPU kernels; "
+                         f"use --quantization none on {device}")

@@ -1,0 +1,163 @@
+"""Weight-only quantization (``torch_backend/quant.py``) on the real SmolLM2 GGUF:
+the Q4_1 blocks reach the int4 kernel without requantizing, the kernels compute
+what their dequantized weights say, and the flags parse."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import gguf
+import pytest
+import torch
+
+from services.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args
+from services.engine.torch_backend.gguf_loader import GGUFModel, Q4_1Blocks, dequantize
+from services.engine.torch_backend.model import LlamaModel
+from services.engine.torch_backend.model_runner import ModelRunner
+from services.engine.torch_backend.quant import (
+    REFINED_LOGITS,
+    Int4Projection,
+    Int8LMHead,
+    Int8Projection,
+    check_mode,
+)
+
+pytestmark = pytest.mark.model
+
+BF16_EPS = 2.0 ** -8  # bf16 keeps 8 significant bits: rounding error <= 2^-9 relative
+
+
+def test_q4_1_blocks_are_the_gguf_values(model_path: object) -> None:
+    """Splitting the raw bytes into d, m, q reproduces gguf's own dequantization
+    bit for bit, and q holds 4-bit values."""
+    reader = gguf.GGUFReader(str(model_path))
+    tensors = [t for t in reader.tensors if t.name in (
+        "blk.0.attn_q.weight", "blk.0.ffn_down.weight", "blk.29.ffn_gate.weight")]
+    assert len(tensors) == 3
+    for tensor in tensors:
+        blocks = Q4_1Blocks.from_tensor(tensor)
+        assert blocks.d.dtype == blocks.m.dtype == torch.float16
+        assert int(blocks.q.max()) <= 15 and int(blocks.q.min()) >= 0
+        assert torch.equal(blocks.dequantize(), torch.from_numpy(dequantize(tensor)))
+
+
+def test_int4_packing_keeps_q_exactly(gguf_q4_1: GGUFModel, gguf_model: GGUFModel) -> None:
+    """The fused Q/K/V of layer 0 (Q/K rows un-permuted) and layer 17's down
+    projection as the int4 kernel holds them: the same 4-bit values as the GGUF,
+    scale = d and zero = m + 8 d rounded to bf16, and (so) the dense weights
+    of the regular loader up to that scale rounding."""
+    cases = {
+        "qkv": (["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                 "model.layers.0.self_attn.v_proj.weight"]),
+        "down": ["model.layers.17.mlp.down_proj.weight"],
+    }
+    for names in cases.values():
+        blocks = Q4_1Blocks.cat([gguf_q4_1.q4_1[name] for name in names])
+        projection = Int4Projection.from_q4_1(blocks)
+        assert torch.equal(projection.unpack_values(), blocks.q.to(torch.int32))
+        scale, zero = projection.scales_and_zeros.permute(2, 1, 0)  # [out, in / 32] each
+        d, m = blocks.d.float(), blocks.m.float()
+        assert torch.equal(scale, d.to(torch.bfloat16))
+        assert torch.equal(zero, (m + 8 * d).to(torch.bfloat16))
+        dense = torch.cat([gguf_model.state_dict[name] for name in names])
+        bound = BF16_EPS * (8 * d.abs() + (m + 8 * d).abs())  # per block
+        error = (projection.dequantize() - dense).abs().view(*d.shape, 32)
+        assert bool((error <= bound[..., None]).all())
+        assert float(error.max()) > 0  # the scales are rounded: not claimed exact
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_int4_kernel_computes_its_dequantized_weights(gguf_q4_1: GGUFModel, rows: int) -> None:
+    """``_weight_int4pack_mm_for_cpu`` output equals ``x @ W.T`` computed in fp64 from
+    the kernel's dequantized weight and the same bf16 input, within the bf16
+    rounding of the output."""
+    projection = Int4Projection.from_q4_1(gguf_q4_1.q4_1["model.layers.5.mlp.gate_proj.weight"])
+    x = torch.randn(rows, projection.in_features, generator=torch.Generator().manual_seed(rows))
+    x = x.to(torch.bfloat16)
+    got = projection(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, projection.out_features)
+    reference = x.double() @ projection.dequantize().double().T
+    tolerance = BF16_EPS * reference.abs() + 1e-4 * float(reference.abs().max())
+    assert bool(((got.double() - reference).abs() <= tolerance).all())
+
+
+def test_int8_kernel_computes_its_dequantized_weights(gguf_model: GGUFModel) -> None:
+    weight = gguf_model.state_dict["model.layers.3.self_attn.o_proj.weight"]
+    projection = Int8Projection.from_dense(weight)
+    step = projection.scales.float()[:, None]
+    assert bool(((projection.dequantize() - weight).abs() <= 0.5 * step * (1 + 1e-6)).all())
+    x = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    x = x.to(torch.bfloat16)
+    reference = x.double() @ projection.dequantize().double().T
+    tolerance = BF16_EPS * reference.abs() + 1e-4 * float(reference.abs().max())
+    assert bool(((projection(x).double() - reference).abs() <= tolerance).all())
+
+
+def test_decode_weight_bytes_counts_what_a_step_reads(
+        smollm2_by_mode: Callable[[str], LlamaModel]) -> None:
+    """Projections (int4: half a byte per weight + a bf16 scale and zero per 32;
+    int8: a byte + a bf16 scale per row), the LM head (int8 per row plus the
+    fp32 rows of the refined top logits in the quantized modes, the fp32
+    embedding otherwise) and the norms."""
+    model = smollm2_by_mode("int4")
+    config = model.config
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    shapes = [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)]
+    norms = (2 * config.num_layers + 1) * hidden * 4
+    vocab = config.vocab_size
+    int8_head = vocab * hidden + 2 * vocab + REFINED_LOGITS * hidden * 4  # + fp32 top rows
+    int4 = sum(n * k // 2 + (k // 32) * n * 2 * 2 for n, k in shapes) * config.num_layers
+    int8 = sum(n * k + 2 * n for n, k in shapes) * config.num_layers
+    dense = sum(n * k * 4 for n, k in shapes) * config.num_layers
+    assert model.decode_weight_bytes() == int4 + int8_head + norms
+    assert smollm2_by_mode("int8").decode_weight_bytes() == int8 + int8_head + norms
+    assert smollm2_by_mode("none").decode_weight_bytes() == dense + vocab * hidden * 4 + norms
+
+
+def parse(argv: list[str], environ: dict[str, str] | None = None) -> EngineConfig:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_engine_arguments(parser, environ or {})
+    return engine_config_from_args(parser.parse_args(argv))
+
+
+def test_quantization_flag_and_environment() -> None:
+    assert EngineConfig().quantization == parse([]).quantization == "int4"
+    assert parse(["--quantization", "int8"]).quantization == "int8"
+    assert parse([], {"LLMESH_ENGINE_QUANTIZATION": "none"}).quantization == "none"
+    assert parse(["--quantization", "int4"],
+                 {"LLMESH_ENGINE_QUANTIZATION": "none"}).quantization == "int4"
+    with pytest.raises(ValueError, match="LLMESH_ENGINE_QUANTIZATION"):
+        parse([], {"LLMESH_ENGINE_QUANTIZATION": "int3"})
+    with pytest.raises((argparse.ArgumentError, SystemExit)):
+        parse(["--quantization", "fp8"])
+
+
+def test_contradictory_modes_are_refused(model_path: object) -> None:
+    cpu = torch.device("cpu")
+    check_mode("int4", torch.float32, cpu)
+    check_mode("none", torch.bfloat16, cpu)
+    with pytest.raises(ValueError, match="--dtype"):
+        check_mode("int4", torch.bfloat16, cpu)
+    with pytest.raises(ValueError, match="CPU"):
+        check_mode("int8", torch.float32, torch.device("cuda"))
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        check_mode("int2", torch.float32, cpu)
+    with pytest.raises(ValueError, match="--dtype"):  # refused before loading anything
+        ModelRunner.from_gguf(model_path, dtype="bfloat16", quantization="int8")  # type: ignore[arg-type]
+
+
+def test_lm_head_top_logits_are_the_dense_ones(gguf_model: GGUFModel) -> None:
+    """The int8 head's largest logits per row are recomputed from the fp32 table:
+    they match the dense fp32 head (bit-exact is not claimed: another summation
+    order); the rest are the int8 kernel's, within its error."""
+    table = gguf_model.state_dict["model.embed_tokens.weight"]
+    head = Int8LMHead.from_dense(table)
+    x = torch.randn(3, table.shape[1], generator=torch.Generator().manual_seed(1))
+    got, dense = head(x), x @ table.T
+    assert got.dtype == torch.float32
+    top = dense.topk(8, dim=-1).indices  # well inside the 64 the int8 logits pick
+    torch.testing.assert_close(got.gather(1, top), dense.gather(1, top), rtol=1e-5, atol=1e-4)
+    assert torch.equal(got.argmax(-1), dense.argmax(-1))
+    assert float((got - dense).abs().max()) < 0.05 * float(dense.abs().max())
