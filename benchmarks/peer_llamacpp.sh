@@ -156,7 +156,8 @@ CTX_SIZE=$((MAX_CONCURRENCY * (PROMPT_LEN + OUTPUT_LEN + 64)))
 LLAMA_CMD=("$LLAMA_SERVER" --model "$GGUF" --alias SmolLM2-135M-Instruct
            --host 127.0.0.1 --port "$LLAMA_PORT"
            --parallel "$MAX_CONCURRENCY" --ctx-size "$CTX_SIZE"
-           --threads "$THREADS" --threads-batch "$THREADS" --no-webui)
+           --threads "$THREADS" --threads-batch "$THREADS"
+           --threads-http $((MAX_CONCURRENCY + 4)) --no-webui)
 log "starting: ${LLAMA_CMD[*]}"
 "${LLAMA_CMD[@]}" >"$RUN_DIR/llama-server.log" 2>&1 &
 STARTED_PIDS+=($!)
