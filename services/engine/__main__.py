@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from collections.abc import Sequence
 
 from services.common.server import add_server_arguments, run_service, server_config_from_args
@@ -39,8 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Parses flags and serves until SIGTERM/SIGINT (then drains)."""
-    args = build_parser().parse_args(argv)
-    config = engine_config_from_args(args)
+    try:
+        parser = build_parser()
+    except ValueError as exc:  # a LLMESH_ENGINE_* variable that does not parse
+        sys.exit(f"python -m services.engine: error: {exc}")
+    args = parser.parse_args(argv)
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     metrics = default_metrics()
     backend = create_backend(config, step_observer=metrics.observe_step)
     service = EngineService(backend, config, metrics)

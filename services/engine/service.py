@@ -82,7 +82,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         self._ready = True
         info = self._backend.model_info
         log.info("engine_ready", model=info.model, backend=info.backend,
-                 max_model_len=info.max_model_len,
+                 max_model_len=info.max_model_len, quantization=self._config.quantization,
                  **_timings(getattr(self._backend, "timings", None)))
 
     async def drain(self) -> None:

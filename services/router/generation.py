@@ -63,6 +63,8 @@ from services.router.validation import GenerationRequest, ModelLimits, fit_to_co
 log = structlog.get_logger()
 
 #: Engine statuses after which another replica is tried (before the first token).
+#: Longest a cache lookup waits for a store of the same key still in flight.
+_PENDING_STORE_WAIT_SECONDS = 0.5
 _RETRYABLE_ENGINE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
@@ -183,6 +185,10 @@ class GenerationPipeline:
         self.log_content = log_content
         self._next_replica = 0
         self._background: set[asyncio.Task[object]] = set()
+        # Stores still in flight, by key: a lookup of the same key waits for its
+        # store, so a repeat sent right after the answer ends is a hit (the store
+        # itself runs after the final message, off the response's path).
+        self._pending_stores: dict[CacheKey, asyncio.Task[object]] = {}
 
     # ------------------------------------------------------------------ API
 
@@ -301,6 +307,9 @@ class GenerationPipeline:
         if key is None or self.cache is None:
             return None
         self.metrics.cache_queries.labels(request.model).inc()
+        pending = self._pending_stores.get(key)
+        if pending is not None:
+            await asyncio.wait([pending], timeout=_PENDING_STORE_WAIT_SECONDS)
         hit = await self.cache.get(key, request_id=request.request_id, deadline=deadline)
         if hit is not None:
             self.metrics.cache_hits.labels(request.model).inc()
@@ -456,6 +465,13 @@ class GenerationPipeline:
             self.cache.put(key, response, request_id=request_id))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        self._pending_stores[key] = task
+
+        def forget(done: asyncio.Task[object]) -> None:
+            if self._pending_stores.get(key) is done:
+                del self._pending_stores[key]
+
+        task.add_done_callback(forget)
 
     def _record(self, request: GenerationRequest, outcome: str, progress: Progress,
                 timing: _Timing, info: dict[str, object]) -> None:

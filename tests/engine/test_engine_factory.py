@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,3 +109,33 @@ def test_parse_bytes(text: str, expected: int) -> None:
 def test_bad_environment_values_are_named(environ: dict[str, str]) -> None:
     with pytest.raises(ValueError, match=next(iter(environ))):
         parse_config([], environ)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--quantization", "int4", "--dtype", "bfloat16"], "leave --dtype at float32"),
+    (["--quantization", "int8", "--device", "cuda"], "use --quantization none on cuda"),
+    (["--num-speculative-tokens", "17"], r"must be in \[1, 16\], got 17"),
+    (["--ngram-min", "5", "--ngram-max", "2"], r"--ngram-min \(5\) must not exceed"),
+])
+def test_contradictory_flags_are_refused_before_loading(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_config(argv, {})
+    assert parse_config(["--quantization", "none", "--dtype", "bfloat16"], {}).dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(("argv", "environ", "message"), [
+    (["--num-speculative-tokens", "17"], {}, "must be in [1, 16], got 17"),
+    (["--help"], {"LLMESH_ENGINE_QUANTIZATION": "bogus"},
+     "LLMESH_ENGINE_QUANTIZATION='bogus': choose one of"),
+])
+def test_engine_cli_errors_are_one_line_not_a_traceback(
+        argv: list[str], environ: dict[str, str], message: str) -> None:
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-m", "services.engine", "--port", "0", *argv], cwd=repo,
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, **environ,
+             "PYTHONPATH": f"{repo}{os.pathsep}{repo / 'services' / 'gen'}"})
+    assert done.returncode != 0
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert "listening" not in done.stderr + done.stdout
