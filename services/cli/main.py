@@ -122,9 +122,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     from services.cli.mesh import Mesh, MeshStartError, PortInUseError
 
     engine_args = list(args.engine_arg)
-    for flag in ("backend", "device", "dtype"):
+    for flag in ("backend", "device", "dtype", "quantization"):
         if getattr(args, flag):
             engine_args += [f"--{flag}", getattr(args, flag)]
+    dense_only = (args.dtype not in (None, "float32")
+                  or (args.device is not None and not args.device.startswith("cpu")))
+    if dense_only and args.quantization is None:
+        # The int4/int8 kernels are CPU ones with an fp32 residual stream.
+        engine_args += ["--quantization", "none"]
     mesh = Mesh(
         ingress_host=args.host, ingress_port=args.port, admin_port=args.admin_port,
         model_path=args.model_path, redis_url=args.redis_url, run_dir=args.run_dir,
@@ -353,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--backend", default=None, help="engine --backend (torch, tensorrt_llm)")
     up.add_argument("--device", default=None, help="engine --device (cpu, cuda, cuda:1)")
     up.add_argument("--dtype", default=None, help="engine --dtype (float32, bfloat16...)")
+    up.add_argument("--quantization", default=None, choices=("none", "int8", "int4"),
+                    help="engine --quantization (default int4 on CPU; none when --dtype "
+                         "is not float32 or --device is not the CPU)")
     up.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
                     help="extra engine argument, repeatable: --engine-arg=--flag=value")
     up.add_argument("--router-arg", action="append", default=[], metavar="ARG",
