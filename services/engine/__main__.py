@@ -45,12 +45,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as exc:  # a LLMESH_ENGINE_* variable that does not parse
         sys.exit(f"python -m services.engine: error: {exc}")
     args = parser.parse_args(argv)
-    try:
-        config = engine_config_from_args(args)
+    config = engine_config_from_args(args)
+    metrics = default_metrics()
+    try:  # each backend refuses options it cannot start with, before any port is bound
+        backend = create_backend(config, step_observer=metrics.observe_step)
     except ValueError as exc:
         parser.error(str(exc))
-    metrics = default_metrics()
-    backend = create_backend(config, step_observer=metrics.observe_step)
     service = EngineService(backend, config, metrics)
     asyncio.run(run_service(server_config_from_args("engine", args), service))
 

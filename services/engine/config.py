@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.common.sampling import MAX_SPECULATIVE_TOKENS
-
 BACKEND_NAMES = ("torch", "tensorrt_llm")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 ENV_PREFIX = "LLMESH_ENGINE_"
@@ -193,37 +191,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
         "no speculation while more sequences run")
 
 
-def check_engine_config(config: EngineConfig) -> None:
-    """Rejects flag combinations that cannot start, before any port is bound or
-    file is read (rules that need the model, such as ``--draft-num-layers``
-    against its depth, are checked when it loads).
-
-    Raises:
-      ValueError: naming the flags and the fix.
-    """
-    if config.quantization in ("int4", "int8"):
-        if config.dtype != "float32":
-            raise ValueError(f"--quantization {config.quantization} runs bf16 projections on "
-                             f"an fp32 residual stream: leave --dtype at float32 (got "
-                             f"{config.dtype}) or use --quantization none")
-        if not config.device.startswith("cpu"):
-            raise ValueError(f"--quantization {config.quantization} uses PyTorch's CPU "
-                             f"kernels: use --quantization none on {config.device}")
-    if config.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
-        raise ValueError(f"--num-speculative-tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
-                         f"got {config.num_speculative_tokens}")
-    if config.ngram_min > config.ngram_max:
-        raise ValueError(f"--ngram-min ({config.ngram_min}) must not exceed --ngram-max "
-                         f"({config.ngram_max})")
-
-
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Builds an :class:`EngineConfig` from :func:`add_engine_arguments` flags.
-
-    Raises:
-      ValueError: see :func:`check_engine_config`.
-    """
-    config = EngineConfig(
+    """Builds an :class:`EngineConfig` from :func:`add_engine_arguments` flags."""
+    return EngineConfig(
         backend=args.backend,
         model_path=args.model_path,
         served_model_name=args.served_model_name,
@@ -250,8 +220,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         draft_model_path=args.draft_model_path,
         speculative_disable_batch_size=args.speculative_disable_batch_size,
     )
-    check_engine_config(config)
-    return config
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 1 << 10, "m": 10**6, "mb": 10**6,

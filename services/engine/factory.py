@@ -16,7 +16,8 @@ def create_backend(config: EngineConfig,
       step_observer: per-step duration callback (torch backend only).
 
     Raises:
-      ValueError: an unknown backend name.
+      ValueError: an unknown backend name, or options the backend cannot start
+        with (e.g. the torch backend's ``check_config``).
     """
     if config.backend == "torch":
         from services.engine.torch_backend.backend import TorchBackend

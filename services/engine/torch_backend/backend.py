@@ -40,6 +40,7 @@ from services.engine.torch_backend.engine_loop import EngineLoop, StepObserver
 from services.engine.torch_backend.kv_cache_manager import KVCacheManager
 from services.engine.torch_backend.model import LlamaModel
 from services.engine.torch_backend.model_runner import DTYPES, ModelRunner, keep_freed_memory
+from services.engine.torch_backend.quant import check_mode
 from services.engine.torch_backend.scheduler import Scheduler, SchedulerConfig
 from services.engine.torch_backend.speculative import (
     NgramProposer,
@@ -98,6 +99,7 @@ class TorchBackend(EngineBackend):
                  step_observer: StepObserver | None = None,
                  model: LlamaModel | None = None) -> None:
         self._config = config or EngineConfig()
+        check_config(self._config)
         self._model = model
         self._step_observer = step_observer
         self._start_lock = asyncio.Lock()
@@ -261,15 +263,40 @@ class TorchBackend(EngineBackend):
             await asyncio.to_thread(loop.stop)
 
 
+def check_config(config: EngineConfig) -> None:
+    """Rejects options this backend cannot start with, before any file is read or
+    port bound (rules that need the model, such as ``draft_num_layers`` against
+    its depth, are checked when it loads).
+
+    Raises:
+      ValueError: an unknown dtype; a quantization that contradicts dtype or
+        device (:func:`~services.engine.torch_backend.quant.check_mode`); bad
+        speculative options (:class:`SpeculativeConfig`).
+    """
+    if config.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+    check_mode(config.quantization, DTYPES[config.dtype], torch.device(config.device))
+    speculative_config(config)
+
+
+def speculative_config(config: EngineConfig) -> SpeculativeConfig:
+    """The engine defaults of speculative decoding in ``config``.
+
+    Raises:
+      ValueError: see :class:`SpeculativeConfig`.
+    """
+    return SpeculativeConfig(
+        method=SpeculativeMethod.parse(config.speculative_method),
+        num_speculative_tokens=config.num_speculative_tokens, ngram_min=config.ngram_min,
+        ngram_max=config.ngram_max, disable_batch_size=config.speculative_disable_batch_size)
+
+
 def _speculator(config: EngineConfig, runner: ModelRunner, max_model_len: int) -> Speculator:
     """The speculative decoding of ``config``: n-gram lookup always; the draft
     model (the target's first ``draft_num_layers`` layers, or the GGUF at
     ``draft_model_path``) with a KV pool of a quarter of the target's blocks,
     and at least one context window's worth. Runs on the engine thread."""
-    spec = SpeculativeConfig(
-        method=SpeculativeMethod.parse(config.speculative_method),
-        num_speculative_tokens=config.num_speculative_tokens, ngram_min=config.ngram_min,
-        ngram_max=config.ngram_max, disable_batch_size=config.speculative_disable_batch_size)
+    spec = speculative_config(config)
     proposers: dict[SpeculativeMethod, Proposer] = {
         SpeculativeMethod.NGRAM: NgramProposer(config.ngram_min, config.ngram_max)}
     cache = runner.kv_cache
