@@ -47,6 +47,11 @@ class EngineConfig:
         the fastest mode that passes the quality guard), ``int8`` (per-row
         int8) or ``none`` (dense weights in ``dtype``). See
         ``torch_backend/quant.py`` and docs/engine.md.
+      attention_backend: paged attention implementation (torch backend):
+        ``native`` (the engine's C kernel, built on first use with the system C
+        compiler; fp32 on CPU), ``torch`` (PyTorch ops) or ``auto`` (native
+        where it builds and serves the device/dtype). See
+        ``torch_backend/native_attention.py``.
       max_model_len: context window in tokens; None means the model's own.
       max_num_waiting: most sequences queued before RESOURCE_EXHAUSTED.
       max_num_seqs: most sequences in the running batch (both backends).
@@ -86,6 +91,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     quantization: str = "int4"
+    attention_backend: str = "auto"
     max_model_len: int | None = None
     max_num_waiting: int = 256
     max_num_seqs: int = 64
@@ -157,6 +163,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
         "int4 = the GGUF's Q4_1 weights on the int4 kernel, int8 = per-row int8, "
         "none = dense weights in --dtype; int4/int8 run bf16 activations on an fp32 "
         "residual stream and need --dtype float32", choices=("none", "int8", "int4"))
+    add("--attention-backend", str, "auto",
+        "paged attention: native = the engine's C kernel (fp32 on CPU, built on first "
+        "use with the C compiler), torch = PyTorch ops, auto = native where it runs",
+        choices=("auto", "native", "torch"))
     add("--max-model-len", _positive_int, None, "context window in tokens (default: the model's)")
     add("--max-num-waiting", _positive_int, 256)
     add("--max-num-seqs", _positive_int, 64, "most sequences in the running batch",
@@ -200,6 +210,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         dtype=args.dtype,
         quantization=args.quantization,
+        attention_backend=args.attention_backend,
         max_model_len=args.max_model_len,
         max_num_waiting=args.max_num_waiting,
         max_num_seqs=args.max_num_seqs,

@@ -114,17 +114,23 @@ async def idle(backend: TorchBackend) -> None:
     assert (load.num_running, load.num_waiting, load.kv_cache_usage) == (0, 0, 0.0)
 
 
+@pytest.mark.parametrize("attention_backend", ["native", "torch"])
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 def test_logits_are_bit_identical_whatever_the_batch(
-        smollm2_by_mode: Callable[[str], LlamaModel], quantization: str) -> None:
+        smollm2_by_mode: Callable[[str], LlamaModel], quantization: str,
+        attention_backend: str) -> None:
     """Three sequences' logits alone (one prefill) vs batched with different
-    chunking and as a one-token decode: equal to the last bit, and not so
-    without batch invariance (the test has teeth), in every quantization mode."""
+    chunking and as a one-token decode: equal to the last bit with either
+    attention backend, in every quantization mode; and not so with the PyTorch
+    attention path without batch invariance (the test has teeth)."""
     model = smollm2_by_mode(quantization)
     seqs = [PROMPTS[1], PROMPTS[5], PROMPTS[8]]  # 12, 47, 128 tokens
 
-    def logits(batch_invariant: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        runner = ModelRunner(model, torch.device("cpu"), torch.float32, batch_invariant)
+    def logits(batch_invariant: bool, backend: str) -> tuple[list[torch.Tensor],
+                                                             list[torch.Tensor]]:
+        runner = ModelRunner(model, torch.device("cpu"), torch.float32, batch_invariant,
+                             attention_backend=backend)
+        assert runner.attention_backend == backend
         runner.allocate_kv_cache(40 * kv_block_bytes(model.config, 16, torch.float32), 16)
         tables = [list(range(0, 1)), list(range(1, 4)), list(range(4, 12))]
         alone = [runner.run([StepInput(s, 0, t)])[0] for s, t in zip(seqs, tables, strict=True)]
@@ -138,9 +144,9 @@ def test_logits_are_bit_identical_whatever_the_batch(
                               StepInput(seqs[1][30:], 30, tables[1])])
         return alone, list(batched)
 
-    alone, batched = logits(batch_invariant=True)
+    alone, batched = logits(batch_invariant=True, backend=attention_backend)
     assert torch.equal(alone[0], batched[0]) and torch.equal(alone[1], batched[1])
-    plain_alone, plain_batched = logits(batch_invariant=False)
+    plain_alone, plain_batched = logits(batch_invariant=False, backend="torch")
     # fp32: GEMV (1 row) vs GEMM rows; quantized: the attention matmuls (the
     # projections are row-invariant anyway), grown through 30 layers of bf16
     # activations into a few bf16 steps of the logits.

@@ -82,8 +82,11 @@ def test_engine_config_defaults() -> None:
 def test_environment_sets_defaults_and_flags_win() -> None:
     environ = {"LLMESH_ENGINE_BLOCK_SIZE": "32", "LLMESH_ENGINE_KV_CACHE_BYTES": "512MiB",
                "LLMESH_ENGINE_MAX_NUM_SEQS": "8", "LLMESH_ENGINE_MAX_NUM_BATCHED_TOKENS": "128",
-               "LLMESH_ENGINE_ENABLE_PREFIX_CACHING": "off", "LLMESH_ENGINE_BATCH_INVARIANT": "0"}
+               "LLMESH_ENGINE_ENABLE_PREFIX_CACHING": "off", "LLMESH_ENGINE_BATCH_INVARIANT": "0",
+               "LLMESH_ENGINE_ATTENTION_BACKEND": "torch"}
     config = parse_config([], environ)
+    assert config.attention_backend == "torch"
+    assert parse_config(["--attention-backend", "native"], environ).attention_backend == "native"
     assert (config.block_size, config.kv_cache_bytes, config.max_num_seqs,
             config.max_num_batched_tokens) == (32, 512 << 20, 8, 128)
     assert (config.enable_prefix_caching, config.batch_invariant) == (False, False)
@@ -105,6 +108,7 @@ def test_parse_bytes(text: str, expected: int) -> None:
 @pytest.mark.parametrize("environ", [{"LLMESH_ENGINE_KV_CACHE_BYTES": "lots"},
                                      {"LLMESH_ENGINE_BATCH_INVARIANT": "maybe"},
                                      {"LLMESH_ENGINE_BACKEND": "vllm"},
+                                     {"LLMESH_ENGINE_ATTENTION_BACKEND": "flash"},
                                      {"LLMESH_ENGINE_MAX_NUM_SEQS": "0"}])
 def test_bad_environment_values_are_named(environ: dict[str, str]) -> None:
     with pytest.raises(ValueError, match=next(iter(environ))):

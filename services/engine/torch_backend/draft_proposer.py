@@ -147,7 +147,8 @@ def draft_runner(model: LlamaModel, target: ModelRunner, num_blocks: int,
                  block_size: int) -> ModelRunner:
     """A runner for the draft ``model`` on the target's device, dtype and
     batch-invariance setting, with ``num_blocks`` KV blocks."""
-    runner = ModelRunner(model, target.device, target.dtype, target.batch_invariant)
+    runner = ModelRunner(model, target.device, target.dtype, target.batch_invariant,
+                         target.attention_backend)
     bytes_needed = num_blocks * kv_block_bytes(model.config, block_size, target.dtype)
     runner.allocate_kv_cache(bytes_needed, block_size)
     return runner

@@ -9,7 +9,7 @@ embedding when the checkpoint says so).
 
 The forward pass takes the tokens of several sequences flattened into one
 ``[num_tokens]`` tensor with their ``[num_tokens]`` positions, and the step's
-:class:`~services.engine.torch_backend.paged_kv.AttentionBatch` (which new
+:class:`~services.engine.torch_backend.paged_kv.StepAttention` (which new
 tokens go to which KV slots, and which blocks each sequence attends to).
 Projections and the MLP run once over all tokens; attention runs in a few
 batched groups over the paged KV cache. Q/K weights are in the Hugging Face
@@ -43,7 +43,7 @@ from services.engine.torch_backend.batch_invariant import (
     select_linear,
 )
 from services.engine.torch_backend.gguf_loader import LlamaConfig, Q4_1Blocks
-from services.engine.torch_backend.paged_kv import AttentionBatch
+from services.engine.torch_backend.paged_kv import StepAttention
 from services.engine.torch_backend.quant import (
     DenseProjection,
     Int8LMHead,
@@ -51,50 +51,7 @@ from services.engine.torch_backend.quant import (
     check_mode,
     quantize_projection,
 )
-
-
-def rope_tables(config: LlamaConfig, max_positions: int, device: torch.device | str,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cosine and sine tables ``[max_positions, head_dim]`` of RoPE (computed in fp32).
-
-    Frequency of pair ``i``: ``theta ** (-2i / head_dim)``; both halves of the
-    head share a frequency ("rotate half" layout).
-    """
-    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** exponents)
-    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-    angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates ``x`` ``[num_tokens, heads, head_dim]`` by ``cos``/``sin``
-    ``[num_tokens, 1, head_dim]`` ("rotate half": pairs ``(x[i], x[i + d/2])``)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """``sin`` ``[..., head_dim]`` with its first half negated, for :func:`apply_rope_flipped`."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-def apply_rope_flipped(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
-                       ) -> torch.Tensor:
-    """:func:`apply_rope` in 4 kernels instead of 6, bit for bit: ``cat(-x2, x1) * sin``
-    equals ``cat(x2, x1) * cat(-sin1, sin2)`` exactly (negation commutes with
-    rounding), and ``cat(x2, x1)`` is one flip of the two halves.
-
-    Args:
-      x: ``[num_tokens, heads, head_dim]``.
-      cos: ``[num_tokens, 1, head_dim]``.
-      sin_signed: ``[num_tokens, 1, head_dim]`` from :func:`signed_sin`.
-    """
-    tokens, heads, dim = x.shape
-    flipped = x.reshape(tokens, heads, 2, dim // 2).flip(2).view(tokens, heads, dim)
-    return x * cos + flipped * sin_signed
+from services.engine.torch_backend.rope import rope_tables, signed_sin
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -152,20 +109,14 @@ class DecoderLayer(nn.Module):
         """The four projections, in forward order."""
         return self.qkv, self.o, self.gate_up, self.down
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
-                attention: AttentionBatch) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, attention: StepAttention) -> torch.Tensor:
         """``hidden`` ``[num_tokens, hidden]`` (the model's dtype; updated in place and
-        returned); writes this layer's new keys/values into the paged cache.
-
-        ``sin_signed`` is the sine table from :func:`signed_sin`."""
+        returned); ``attention`` rotates this layer's queries and new keys, writes
+        the keys/values into the paged cache and attends."""
         x = rms_norm(hidden, self.input_norm, self.eps)
-        qkv = self.qkv(x.to(self.qkv.input_dtype)).to(hidden.dtype)
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        q_and_k = qkv[:, :(heads + kv_heads) * dim].view(-1, heads + kv_heads, dim)
-        q_and_k = apply_rope_flipped(q_and_k, cos, sin_signed)
-        v = qkv[:, (heads + kv_heads) * dim:].view(-1, kv_heads, dim)
-        out = attention.attend(self.index, q_and_k[:, :heads], q_and_k[:, heads:], v, self.scale)
-        hidden += self.o(out.to(self.o.input_dtype))
+        qkv = self.qkv(x.to(self.qkv.input_dtype))
+        out = attention.attend(self.index, qkv, self.scale, self.o.input_dtype)
+        hidden += self.o(out)
         x = rms_norm(hidden, self.post_attention_norm, self.eps)
         gate, up = self.gate_up(x.to(self.gate_up.input_dtype)).chunk(2, dim=-1)
         hidden += self.down(F.silu(gate) * up)
@@ -275,26 +226,31 @@ class LlamaModel(nn.Module):
             for i, layer in enumerate(self.layers):
                 _load_layer(layer, state_dict, f"model.layers.{i}.", projections)
 
+    @property
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables ``[max_positions, head_dim]``: cosine, and sine with its
+        first half negated (:func:`~services.engine.torch_backend.rope.signed_sin`);
+        the step's attention plan applies them."""
+        return self.rope_cos, self.rope_sin_signed
+
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                attention: AttentionBatch, logits_indices: torch.Tensor) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, attention: StepAttention,
+                logits_indices: torch.Tensor) -> torch.Tensor:
         """One step over the flat batch.
 
         Args:
           token_ids: ``[num_rows]`` int64, the sequences' new tokens back to back
             (rows past ``attention.num_tokens`` are padding).
-          positions: ``[num_rows]`` int64, each token's position in its sequence.
-          attention: the step's attention plan over the paged KV cache.
+          attention: the step's attention plan over the paged KV cache (it knows
+            each token's position and applies RoPE with :attr:`rope`).
           logits_indices: ``[num_logits]`` rows to compute logits for.
 
         Returns:
           logits ``[num_logits, vocab]`` in the model's dtype.
         """
         hidden = F.embedding(token_ids, self.embed_tokens)
-        cos = self.rope_cos[positions].unsqueeze(1)
-        sin_signed = self.rope_sin_signed[positions].unsqueeze(1)
         for layer in self.layers:
-            hidden = layer.forward(hidden, cos, sin_signed, attention)
+            hidden = layer.forward(hidden, attention)
         hidden = rms_norm(hidden[logits_indices], self.norm, self.config.rms_norm_eps)
         return self.head(hidden.to(self.head.input_dtype)).to(hidden.dtype)
 

@@ -27,19 +27,53 @@ import torch
 from services.engine.torch_backend.batch_invariant import probe
 from services.engine.torch_backend.gguf_loader import LlamaConfig, load_gguf
 from services.engine.torch_backend.model import LlamaModel, build_model
+from services.engine.torch_backend.native_attention import (
+    NativeAttentionBatch,
+    unavailable_reason,
+)
 from services.engine.torch_backend.paged_kv import (
     AttentionBatch,
     PagedKVCache,
     SeqAttention,
+    StepAttention,
     num_blocks_for_budget,
 )
 from services.engine.torch_backend.quant import check_mode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: ``--attention-backend`` choices: ``native`` is the C kernel
+#: (:mod:`~services.engine.torch_backend.native_attention`, fp32 on CPU),
+#: ``torch`` the PyTorch ops of :mod:`~services.engine.torch_backend.paged_kv`,
+#: ``auto`` the native kernel where it builds and serves the device/dtype.
+ATTENTION_BACKENDS = ("auto", "native", "torch")
 
 # glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+
+
+def resolve_attention_backend(choice: str, device: torch.device, dtype: torch.dtype,
+                              config: LlamaConfig | None = None) -> str:
+    """``native`` or ``torch`` for the ``--attention-backend`` ``choice`` (``auto``
+    picks ``native`` where the kernel builds and serves ``device``/``dtype`` and
+    the head shapes of ``config``).
+
+    Raises:
+      ValueError: an unknown choice, or ``native`` where the kernel cannot run
+        (the message says why: device/dtype, no compiler, a failed build).
+    """
+    if choice not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {choice!r}")
+    if choice == "torch":
+        return choice
+    shape = {} if config is None else {"head_dim": config.head_dim,
+                                       "group_size": config.num_heads // config.num_kv_heads}
+    reason = unavailable_reason(device, dtype, **shape)
+    if reason is None:
+        return "native"
+    if choice == "native":
+        raise ValueError(f"--attention-backend native: {reason}; use --attention-backend torch")
+    return "torch"
 
 
 def keep_freed_memory(trim_bytes: int = 1 << 30, mmap_bytes: int = 32 << 20) -> bool:
@@ -100,22 +134,30 @@ class ModelRunner:
     Args:
       model: the decoder, ready on ``device`` in ``dtype``.
       batch_invariant: pad shapes for batch-invariant results (see ``batch_invariant.py``).
+      attention_backend: ``auto``, ``native`` or ``torch`` (see
+        :func:`resolve_attention_backend`); :attr:`attention_backend` holds the
+        one in use. The native kernel is batch-invariant by construction.
+
+    Raises:
+      ValueError: see :func:`resolve_attention_backend`.
     """
 
     def __init__(self, model: LlamaModel, device: torch.device, dtype: torch.dtype,
-                 batch_invariant: bool = True) -> None:
+                 batch_invariant: bool = True, attention_backend: str = "auto") -> None:
         self.model = model
         self.config: LlamaConfig = model.config
         self.device = device
         self.dtype = dtype
         self.batch_invariant = batch_invariant
+        self.attention_backend = resolve_attention_backend(attention_backend, device, dtype,
+                                                           model.config)
         self.kv_cache: PagedKVCache | None = None
         self._group_size = self.config.num_heads // self.config.num_kv_heads
 
     @classmethod
     def from_gguf(cls, path: str | Path, device: str = "cpu", dtype: str = "float32",
                   max_positions: int | None = None, batch_invariant: bool = True,
-                  quantization: str = "none") -> ModelRunner:
+                  quantization: str = "none", attention_backend: str = "auto") -> ModelRunner:
         """Loads the GGUF at ``path`` onto ``device`` in ``dtype``: dequantized for
         ``quantization="none"``; for ``int4`` its Q4_1 blocks go to the int4
         kernel as they are, for ``int8`` they are requantized per row (see
@@ -124,16 +166,18 @@ class ModelRunner:
         Raises:
           FileNotFoundError, ValueError: see :func:`load_gguf`; ValueError for an
             unknown dtype or quantization name, or a contradictory combination
-            (:func:`~services.engine.torch_backend.quant.check_mode`).
+            (:func:`~services.engine.torch_backend.quant.check_mode`), or an
+            attention backend that cannot run (:func:`resolve_attention_backend`).
         """
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         torch_device = torch.device(device)
         check_mode(quantization, DTYPES[dtype], torch_device)
+        resolve_attention_backend(attention_backend, torch_device, DTYPES[dtype])
         loaded = load_gguf(path, keep_q4_1=quantization != "none")
         model = build_model(loaded.config, loaded.state_dict, torch_device, DTYPES[dtype],
                             max_positions, quantization, loaded.q4_1)
-        return cls(model, torch_device, DTYPES[dtype], batch_invariant)
+        return cls(model, torch_device, DTYPES[dtype], batch_invariant, attention_backend)
 
     @property
     def quantization(self) -> str:
@@ -206,10 +250,16 @@ class ModelRunner:
             positions.extend([0] * padding)
             logit_rows.extend([0] * (padded_rows(num_logits) - num_logits))
         device = self.device
-        attention = AttentionBatch(cache, seqs, torch.tensor(slots, device=device),
-                                   self._group_size, self.batch_invariant)
-        logits = self.model(torch.tensor(token_ids, device=device),
-                            torch.tensor(positions, device=device), attention,
+        slot_tensor = torch.tensor(slots, device=device)
+        attention: StepAttention
+        if self.attention_backend == "native":
+            attention = NativeAttentionBatch(cache, seqs, slot_tensor, self.config.num_heads,
+                                             self.model.rope)
+        else:
+            attention = AttentionBatch(cache, seqs, slot_tensor, self._group_size,
+                                       torch.tensor(positions, device=device), self.model.rope,
+                                       self.batch_invariant)
+        logits = self.model(torch.tensor(token_ids, device=device), attention,
                             torch.tensor(logit_rows, dtype=torch.int64, device=device))
         return logits[:num_logits]
 

@@ -28,12 +28,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from services.engine.torch_backend.batch_invariant import KEY_CHUNK, MIN_FREE_ROWS, padded_rows
 from services.engine.torch_backend.gguf_loader import LlamaConfig
+from services.engine.torch_backend.rope import apply_rope_flipped
 
 
 def kv_block_bytes(config: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -89,6 +91,22 @@ class PagedKVCache:
         return k, v
 
 
+class StepAttention(Protocol):
+    """One step's attention plan, shared by every layer: :class:`AttentionBatch`
+    (PyTorch ops) or ``native_attention.NativeAttentionBatch`` (the C kernel)."""
+
+    num_tokens: int
+
+    def attend(self, layer: int, qkv: torch.Tensor, scale: float,
+               out_dtype: torch.dtype) -> torch.Tensor:
+        """Layer ``layer``'s attention from its fused QKV projection output ``qkv``
+        ``[rows, (heads + 2 * kv_heads) * head_dim]``: rotates queries and new
+        keys (RoPE at each token's position), writes the new keys/values into
+        the cache, and returns the outputs ``[rows, heads * head_dim]`` in
+        ``out_dtype`` (padding rows past :attr:`num_tokens` come back zero)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionGroup:
     """Query tokens attended in one batched call.
@@ -135,12 +153,17 @@ class AttentionBatch:
         first (they form the decode group).
       slots: ``[num_tokens]`` slot of each new token.
       group_size: query heads per KV head.
+      positions: ``[rows]`` each row's position (padding rows: any valid one).
+      rope: the model's RoPE tables (cosine, signed sine; ``LlamaModel.rope``).
       batch_invariant: pad shapes so results do not depend on the batch.
     """
 
     def __init__(self, cache: PagedKVCache, seqs: Sequence[SeqAttention], slots: torch.Tensor,
-                 group_size: int, batch_invariant: bool = True) -> None:
+                 group_size: int, positions: torch.Tensor,
+                 rope: tuple[torch.Tensor, torch.Tensor], batch_invariant: bool = True) -> None:
         self.cache = cache
+        self._cos = rope[0][positions].unsqueeze(1)
+        self._sin_signed = rope[1][positions].unsqueeze(1)
         self.slots = slots
         self.num_tokens = int(slots.shape[0])
         self.group_size = group_size
@@ -200,8 +223,22 @@ class AttentionBatch:
         mask = torch.arange(num_keys, device=device)[None, :] > last_key[:, None]
         return AttentionGroup(first_row, 1, seq.num_tokens, padded, block_ids, mask.unsqueeze(0))
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float) -> torch.Tensor:
+    def attend(self, layer: int, qkv: torch.Tensor, scale: float,
+               out_dtype: torch.dtype) -> torch.Tensor:
+        """See :meth:`StepAttention.attend`. Q and K are rotated in one call in
+        the cache's dtype (RoPE's "rotate half" as a flip of the two halves
+        times a sign-folded sine table)."""
+        kv_heads, dim = self.cache.k.shape[1], self.cache.k.shape[-1]
+        heads = kv_heads * self.group_size
+        qkv = qkv.to(self.cache.k.dtype)
+        q_and_k = qkv[:, :(heads + kv_heads) * dim].view(-1, heads + kv_heads, dim)
+        q_and_k = apply_rope_flipped(q_and_k, self._cos, self._sin_signed)
+        v = qkv[:, (heads + kv_heads) * dim:].view(-1, kv_heads, dim)
+        out = self._attend(layer, q_and_k[:, :heads], q_and_k[:, heads:], v, scale)
+        return out.to(out_dtype)
+
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float) -> torch.Tensor:
         """Writes this layer's new ``k``/``v`` ``[tokens, kv_heads, head_dim]`` into
         the cache, then returns attention outputs ``[rows of q, heads * head_dim]``
         for ``q`` ``[rows, heads, head_dim]`` (rows past the step's tokens are

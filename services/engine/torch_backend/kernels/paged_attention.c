@@ -1,0 +1,345 @@
+/* Paged attention over the engine's KV cache, one call per layer and step.
+ *
+ * Input is the step's fused QKV projection output, fp32 or bf16
+ * [rows, (heads + 2 kv_heads) * head_dim]. Rotary position embeddings (Su et
+ * al., RoFormer, 2021; "rotate half" layout) are applied here to the queries
+ * and to the new keys, which are stored (fp32) with the new values in their
+ * slots. Output is fp32 or bf16 (rounded to nearest even, as PyTorch does)
+ * [rows, heads * head_dim], ready for the output projection.
+ *
+ * What it computes, for every query row (a token of a sequence, one query
+ * head): softmax(q . K^T * scale) V over the keys at positions 0..pos of its
+ * own sequence, where pos is the token's position (causal attention, Vaswani
+ * et al. 2017), with grouped-query heads (Ainslie et al. 2023: query head h
+ * reads KV head h / group). Keys and values live in blocks (Kwon et al.,
+ * "PagedAttention", SOSP 2023): token j of a sequence is slot
+ * block_table[j / block_size] * block_size + j % block_size.
+ *
+ * Why a kernel of our own: batch invariance. A row's arithmetic here depends
+ * only on its own query and its own pos + 1 keys, in a fixed order (scores in
+ * key tiles of 16, a sequential sum over the head dim; the softmax sum and the
+ * value sum key by key in ascending order), never on how many other rows,
+ * sequences or padding keys the call holds, nor on the thread that runs it.
+ * So a token gets the same bits in a decode batch of any size, in a prefill
+ * chunk of any length, after a prefix-cache hit or after a recompute -- with
+ * one call per layer instead of the ~12 padded tensor ops of the PyTorch path
+ * (paged_kv.py), and without gathering each sequence's blocks into a copy.
+ *
+ * The vector code uses GCC vector extensions (16 floats); the compiler maps
+ * them to AVX-512 where the build machine has it and to narrower registers
+ * otherwise. exp() is Cephes' single-precision polynomial (S. L. Moshier,
+ * Cephes Math Library, expf.c), vectorized; |error| <= 2 ulp for the
+ * arguments <= 0 that the softmax gives it.
+ *
+ * Threads: work items are (sequence, KV head, tile of up to 16 tokens, and
+ * for one-token sequences a single query head); OpenMP hands them out. Each
+ * row is computed whole by one thread, so results do not depend on the
+ * schedule.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16f __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t v16i __attribute__((vector_size(64), aligned(4), may_alias));
+
+#define LANES 16
+#define TOKEN_TILE 16
+#define MAX_HEAD_DIM 256
+
+/* The step's plan: fixed for every layer of one step. */
+typedef struct {
+    int64_t num_tokens;      /* rows that carry a token (the rest are padding) */
+    int64_t num_seqs;
+    const int64_t *seq_first_row; /* [num_seqs] first row of the sequence's tokens */
+    const int64_t *seq_num_tokens; /* [num_seqs] its tokens in this step */
+    const int64_t *seq_start;      /* [num_seqs] its tokens already cached (position of the first) */
+    const int64_t *seq_table;      /* [num_seqs] offset of its block table in block_tables */
+    const int64_t *block_tables;   /* block ids, each sequence's back to back */
+    const int64_t *slots;          /* [num_tokens] slot of each new token */
+    int64_t num_heads;
+    int64_t num_kv_heads;
+    int64_t head_dim;
+    int64_t block_size;
+    int64_t cache_head_stride;     /* floats between KV heads in a layer's cache */
+    const float *rope_cos;         /* [max_positions, head_dim] */
+    const float *rope_sin;         /* [max_positions, head_dim], first half negated */
+    int32_t qkv_bf16;              /* qkv is bf16 (else fp32) */
+    int32_t out_bf16;              /* write out as bf16 (else fp32) */
+    float scale;
+    int32_t num_threads;
+} step_plan;
+
+typedef struct {
+    int64_t seq, kv_head, first_token, num_tokens, first_head, num_heads;
+} work_item;
+
+static inline v16f splat(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+static inline v16f load16(const float *p) { return *(const v16f *)p; }
+
+static inline void store16(float *p, v16f v) { *(v16f *)p = v; }
+
+/* Lane-wise mask ? a : b (mask lanes are all ones or all zeros). */
+static inline v16f select16(v16i mask, v16f a, v16f b) {
+    return (v16f)(((v16i)a & mask) | ((v16i)b & ~mask));
+}
+
+static inline v16f max16(v16f a, v16f b) { return select16(a > b, a, b); }
+
+/* A fixed pairwise tree over the 16 lanes. */
+static inline float hsum16(v16f v) {
+    float a[LANES];
+    memcpy(a, &v, sizeof a);
+    for (int width = LANES / 2; width >= 1; width /= 2)
+        for (int i = 0; i < width; i++) a[i] = a[i] + a[i + width];
+    return a[0];
+}
+
+static inline float hmax16(v16f v) {
+    float a[LANES];
+    memcpy(a, &v, sizeof a);
+    float m = a[0];
+    for (int i = 1; i < LANES; i++) m = a[i] > m ? a[i] : m;
+    return m;
+}
+
+/* exp(x) for x <= 0 (Cephes expf); 0 below -87.3 and for -inf. */
+static inline v16f exp16(v16f x) {
+    const v16f lo = splat(-87.33654475f);
+    const v16i underflow = x < lo;
+    x = select16(underflow, lo, x);
+    v16f fx = x * splat(1.44269504088896341f);
+    const v16f magic = splat(12582912.0f); /* 1.5 * 2^23: round to nearest */
+    fx = (fx + magic) - magic;
+    x = x - fx * splat(0.693359375f);
+    x = x - fx * splat(-2.12194440e-4f);
+    v16f z = x * x;
+    v16f y = splat(1.9875691500E-4f);
+    y = y * x + splat(1.3981999507E-3f);
+    y = y * x + splat(8.3334519073E-3f);
+    y = y * x + splat(4.1665795894E-2f);
+    y = y * x + splat(1.6666665459E-1f);
+    y = y * x + splat(5.0000001201E-1f);
+    y = y * z + x + splat(1.0f);
+    v16i n = __builtin_convertvector(fx, v16i);
+    v16i bits = (n + 127) << 23;
+    y = y * (v16f)bits;
+    return select16(underflow, splat(0.0f), y);
+}
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as PyTorch's float -> bfloat16 (NaN stays NaN). */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* Element `column` of row `row` of the qkv input, as fp32. */
+static inline float qkv_at(const step_plan *plan, const void *qkv, int64_t row, int64_t column) {
+    const int64_t width = (plan->num_heads + 2 * plan->num_kv_heads) * plan->head_dim;
+    if (plan->qkv_bf16) return bf16_to_float(((const uint16_t *)qkv)[row * width + column]);
+    return ((const float *)qkv)[row * width + column];
+}
+
+/* Rotates the head at `column` of `row` (position `pos`) into `dst` [head_dim]:
+ * x * cos + swap_halves(x) * sin_signed, the "rotate half" form. */
+static inline void rope_head(const step_plan *plan, const void *qkv, int64_t row, int64_t column,
+                             int64_t pos, float *dst) {
+    const int64_t dim = plan->head_dim, half = dim / 2;
+    const float *cos = plan->rope_cos + pos * dim, *sin = plan->rope_sin + pos * dim;
+    float x[MAX_HEAD_DIM];
+    for (int64_t d = 0; d < dim; d++) x[d] = qkv_at(plan, qkv, row, column + d);
+    for (int64_t d = 0; d < dim; d++) dst[d] = x[d] * cos[d] + x[(d + half) % dim] * sin[d];
+}
+
+/* Stores the step's new keys (rotated) and values in their slots. */
+static void write_new_kv(const step_plan *plan, const void *qkv, float *k_cache, float *v_cache) {
+    const int64_t dim = plan->head_dim, heads = plan->num_heads, kv_heads = plan->num_kv_heads;
+    for (int64_t s = 0; s < plan->num_seqs; s++) {
+        for (int64_t t = 0; t < plan->seq_num_tokens[s]; t++) {
+            const int64_t row = plan->seq_first_row[s] + t, pos = plan->seq_start[s] + t;
+            const int64_t slot = plan->slots[row];
+            for (int64_t h = 0; h < kv_heads; h++) {
+                rope_head(plan, qkv, row, (heads + h) * dim, pos,
+                          k_cache + h * plan->cache_head_stride + slot * dim);
+                float *value = v_cache + h * plan->cache_head_stride + slot * dim;
+                for (int64_t d = 0; d < dim; d++)
+                    value[d] = qkv_at(plan, qkv, row, (heads + kv_heads + h) * dim + d);
+            }
+        }
+    }
+}
+
+static inline const float *key_row(const step_plan *plan, const float *cache_head,
+                                   const int64_t *table, int64_t j) {
+    const int64_t bs = plan->block_size;
+    return cache_head + (table[j / bs] * bs + j % bs) * plan->head_dim;
+}
+
+/* One work item: rows = its tokens x its query heads. Returns 0, or -3 when
+ * out of memory. */
+static int attend_item(const step_plan *plan, const work_item *item, const void *qkv,
+                       const float *k_cache, const float *v_cache, void *out) {
+    /* Values and accumulators are handled in 16-float vectors: a head_dim that
+     * is not a multiple of 16 is zero-padded to one. */
+    const int64_t dim = plan->head_dim, vecs = (dim + LANES - 1) / LANES, padded_dim = vecs * LANES;
+    const int64_t start = plan->seq_start[item->seq] + item->first_token;
+    const int64_t first_row = plan->seq_first_row[item->seq] + item->first_token;
+    const int64_t tokens = item->num_tokens, heads = item->num_heads;
+    const int64_t rows = tokens * heads;
+    const int64_t num_keys = start + tokens;              /* keys the last token sees */
+    const int64_t padded_keys = (num_keys + LANES - 1) / LANES * LANES;
+    const int64_t *table = plan->block_tables + plan->seq_table[item->seq];
+    const float *k_head = k_cache + item->kv_head * plan->cache_head_stride;
+    const float *v_head = v_cache + item->kv_head * plan->cache_head_stride;
+
+    float *scores = malloc(sizeof(float) * (size_t)(rows * padded_keys));
+    float *query = malloc(sizeof(float) * (size_t)(rows * dim));
+    float *acc = malloc(sizeof(float) * (size_t)(rows * padded_dim));
+    if (scores == NULL || query == NULL || acc == NULL) {
+        free(scores);
+        free(query);
+        free(acc);
+        return -3;
+    }
+    float key_tile[MAX_HEAD_DIM * LANES];
+    float row_sum[TOKEN_TILE * 32];
+    int64_t row_keys[TOKEN_TILE * 32];
+
+    /* Row r = token r / heads, head r % heads; query rotated and scaled once. */
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t token = r / heads, head = item->first_head + r % heads;
+        float *qr = query + r * dim;
+        rope_head(plan, qkv, first_row + token, head * dim, start + token, qr);
+        for (int64_t d = 0; d < dim; d++) qr[d] *= plan->scale;
+        row_keys[r] = start + token + 1;
+    }
+
+    /* Scores, 16 keys at a time: each key tile transposed once for all rows. */
+    for (int64_t k0 = 0; k0 < num_keys; k0 += LANES) {
+        const int64_t n = num_keys - k0 < LANES ? num_keys - k0 : LANES;
+        for (int64_t j = 0; j < LANES; j++) {
+            if (j < n) {
+                const float *key = key_row(plan, k_head, table, k0 + j);
+                for (int64_t d = 0; d < dim; d++) key_tile[d * LANES + j] = key[d];
+            } else {
+                for (int64_t d = 0; d < dim; d++) key_tile[d * LANES + j] = 0.0f;
+            }
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            if (k0 >= row_keys[r]) continue;
+            const float *qr = query + r * dim;
+            v16f s = splat(0.0f);
+            for (int64_t d = 0; d < dim; d++) s += splat(qr[d]) * load16(key_tile + d * LANES);
+            store16(scores + r * padded_keys + k0, s);
+        }
+    }
+
+    /* Softmax per row over its own keys; the sum runs in ascending key tiles. */
+    for (int64_t r = 0; r < rows; r++) {
+        float *sr = scores + r * padded_keys;
+        const int64_t keys = row_keys[r];
+        for (int64_t j = keys; j < (keys + LANES - 1) / LANES * LANES; j++) sr[j] = -INFINITY;
+        v16f m = load16(sr);
+        for (int64_t j = LANES; j < keys; j += LANES) {
+            m = max16(m, load16(sr + j));
+        }
+        const float max = hmax16(m);
+        v16f total = splat(0.0f);
+        for (int64_t j = 0; j < keys; j += LANES) {
+            v16f p = exp16(load16(sr + j) - splat(max));
+            store16(sr + j, p);
+            total += p;
+        }
+        row_sum[r] = hsum16(total);
+    }
+
+    /* Values: each row accumulates p_j * v_j key by key, in ascending order. */
+    memset(acc, 0, sizeof(float) * (size_t)(rows * padded_dim));
+    float value_tail[LANES] = {0};
+    for (int64_t j = 0; j < num_keys; j++) {
+        const float *value = key_row(plan, v_head, table, j);
+        v16f vv[MAX_HEAD_DIM / LANES];
+        for (int64_t c = 0; c < dim / LANES; c++) vv[c] = load16(value + c * LANES);
+        if (padded_dim != dim) {
+            memcpy(value_tail, value + dim / LANES * LANES, sizeof(float) * (size_t)(dim % LANES));
+            vv[vecs - 1] = load16(value_tail);
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            if (j >= row_keys[r]) continue;
+            const v16f p = splat(scores[r * padded_keys + j]);
+            float *ar = acc + r * padded_dim;
+            for (int64_t c = 0; c < vecs; c++) store16(ar + c * LANES, load16(ar + c * LANES) + p * vv[c]);
+        }
+    }
+
+    const int64_t out_width = plan->num_heads * dim;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t token = r / heads, head = item->first_head + r % heads;
+        const int64_t offset = (first_row + token) * out_width + head * dim;
+        float *ar = acc + r * padded_dim;
+        const v16f denominator = splat(row_sum[r]);
+        for (int64_t c = 0; c < vecs; c++)
+            store16(ar + c * LANES, load16(ar + c * LANES) / denominator);
+        if (plan->out_bf16) {
+            uint16_t *dst = (uint16_t *)out + offset;
+            for (int64_t d = 0; d < dim; d++) dst[d] = float_to_bf16(ar[d]);
+        } else {
+            memcpy((float *)out + offset, ar, sizeof(float) * (size_t)dim);
+        }
+    }
+    free(scores);
+    free(query);
+    free(acc);
+    return 0;
+}
+
+/* Returns 0, or a negative code for a shape this kernel does not take:
+ * -1 head_dim above 256; -2 more than 32 query heads per KV head; -3 out of
+ * memory. */
+int llmesh_paged_attention(const step_plan *plan, const void *qkv, float *k_cache, float *v_cache,
+                           void *out) {
+    if (plan->head_dim < 1 || plan->head_dim > MAX_HEAD_DIM) return -1;
+    const int64_t group = plan->num_heads / plan->num_kv_heads;
+    if (group > 32) return -2;
+    write_new_kv(plan, qkv, k_cache, v_cache);
+
+    int64_t count = 0;
+    for (int64_t s = 0; s < plan->num_seqs; s++) {
+        const int64_t n = plan->seq_num_tokens[s];
+        count += n == 1 ? plan->num_heads : plan->num_kv_heads * ((n + TOKEN_TILE - 1) / TOKEN_TILE);
+    }
+    work_item *items = malloc(sizeof(work_item) * (size_t)(count ? count : 1));
+    if (items == NULL) return -3;
+    int64_t i = 0;
+    for (int64_t s = 0; s < plan->num_seqs; s++) {
+        const int64_t n = plan->seq_num_tokens[s];
+        if (n == 1) { /* a decode row: one item per query head keeps both threads busy */
+            for (int64_t h = 0; h < plan->num_heads; h++)
+                items[i++] = (work_item){s, h / group, 0, 1, h, 1};
+            continue;
+        }
+        for (int64_t kvh = 0; kvh < plan->num_kv_heads; kvh++)
+            for (int64_t t = 0; t < n; t += TOKEN_TILE)
+                items[i++] = (work_item){s, kvh, t, n - t < TOKEN_TILE ? n - t : TOKEN_TILE,
+                                         kvh * group, group};
+    }
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(plan->num_threads) reduction(| : failed)
+    for (int64_t w = 0; w < count; w++)
+        failed |= attend_item(plan, &items[w], qkv, k_cache, v_cache, out) != 0;
+    free(items);
+    return failed ? -3 : 0;
+}

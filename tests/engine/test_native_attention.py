@@ -1,0 +1,231 @@
+"""The native paged attention kernel: right against a float64 reference, bit-identical
+for a token whatever else the call holds, same cache contents as the PyTorch path,
+clear errors, and the backend choice (``auto`` / ``native`` / ``torch``)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from services.engine.torch_backend import native_attention
+from services.engine.torch_backend.model_runner import resolve_attention_backend
+from services.engine.torch_backend.native_attention import (
+    NativeAttentionBatch,
+    NativeKernelUnavailable,
+    load_library,
+    unavailable_reason,
+)
+from services.engine.torch_backend.paged_kv import AttentionBatch, PagedKVCache, SeqAttention
+from services.engine.torch_backend.rope import rope_tables, signed_sin
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_layers: int = 2
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    rope_theta: float = 10000.0
+
+
+SHAPE = Shape()
+BLOCK = 16
+LAYER = 1
+SCALE = SHAPE.head_dim ** -0.5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def library() -> None:
+    load_library()  # a build failure fails the module, it does not skip it
+
+
+def rope(shape: Shape = SHAPE, positions: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = rope_tables(shape, positions, "cpu", torch.float32)  # type: ignore[arg-type]
+    return cos, signed_sin(sin)
+
+
+class Sequences:
+    """Random per-sequence QKV rows (``[tokens, (h + 2 kv) * d]``) and block tables."""
+
+    def __init__(self, lengths: list[int], seed: int = 0, shape: Shape = SHAPE) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        width = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
+        self.qkv = [torch.randn(n, width, generator=gen) for n in lengths]
+        blocks = list(range(sum(-(-n // BLOCK) for n in lengths)))
+        random.Random(seed).shuffle(blocks)
+        self.tables, at = [], 0
+        for n in lengths:
+            count = -(-n // BLOCK)
+            self.tables.append(blocks[at:at + count])
+            at += count
+        self.num_blocks = len(blocks)
+
+
+def run(cache: PagedKVCache, parts: list[tuple[int, int, int]], seqs: Sequences,
+        dtype: torch.dtype = torch.float32, out_dtype: torch.dtype = torch.float32,
+        padding: int = 0, backend: str = "native", shape: Shape = SHAPE) -> torch.Tensor:
+    """One call over ``parts`` = (sequence, first token, tokens), rows in that order."""
+    rows, slots, attn, positions = [], [], [], []
+    for seq, first, count in parts:
+        table = seqs.tables[seq]
+        rows.append(seqs.qkv[seq][first:first + count])
+        slots.extend(table[p // BLOCK] * BLOCK + p % BLOCK for p in range(first, first + count))
+        positions.extend(range(first, first + count))
+        attn.append(SeqAttention(first, count, table))
+    qkv = torch.cat(rows + [torch.zeros(padding, rows[0].shape[1])]).to(dtype)
+    tables = rope(shape)
+    if backend == "native":
+        batch = NativeAttentionBatch(cache, attn, torch.tensor(slots), shape.num_heads, tables)
+    else:
+        batch = AttentionBatch(cache, attn, torch.tensor(slots),
+                               shape.num_heads // shape.num_kv_heads,
+                               torch.tensor(positions + [0] * padding), tables)
+    return batch.attend(LAYER, qkv, SCALE, out_dtype).clone()
+
+
+def reference(seqs: Sequences, seq: int, shape: Shape = SHAPE) -> torch.Tensor:
+    """float64 causal GQA attention with RoPE over the whole sequence ``[n, h * d]``."""
+    h, kv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    x = seqs.qkv[seq].double()
+    n = x.shape[0]
+    cos, sin = (t[:n].double().unsqueeze(1) for t in rope(shape))
+
+    def rotate(t: torch.Tensor) -> torch.Tensor:
+        return t * cos + torch.cat((t[..., d // 2:], t[..., :d // 2]), dim=-1) * sin
+
+    q = rotate(x[:, :h * d].view(n, h, d)).transpose(0, 1)
+    k = rotate(x[:, h * d:(h + kv) * d].view(n, kv, d)).transpose(0, 1)
+    v = x[:, (h + kv) * d:].view(n, kv, d).transpose(0, 1)
+    k, v = k.repeat_interleave(h // kv, 0), v.repeat_interleave(h // kv, 0)
+    scores = q @ k.transpose(1, 2) * SCALE
+    scores.masked_fill_(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return (torch.softmax(scores, -1) @ v).transpose(0, 1).reshape(n, h * d)
+
+
+def new_cache(seqs: Sequences, shape: Shape = SHAPE) -> PagedKVCache:
+    return PagedKVCache(shape, seqs.num_blocks, BLOCK)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("lengths", [[1], [17, 5, 40], [300]])
+def test_matches_a_float64_reference(lengths: list[int]) -> None:
+    seqs = Sequences(lengths)
+    cache = new_cache(seqs)
+    out = run(cache, [(i, 0, n) for i, n in enumerate(lengths)], seqs)
+    row = 0
+    for i, n in enumerate(lengths):
+        expected = reference(seqs, i)
+        torch.testing.assert_close(out[row:row + n].double(), expected, rtol=1e-5, atol=2e-6)
+        row += n
+
+
+@pytest.mark.parametrize("shape", [Shape(num_heads=8, num_kv_heads=1, head_dim=128),
+                                   Shape(num_heads=4, num_kv_heads=2, head_dim=24),
+                                   Shape(num_heads=2, num_kv_heads=2, head_dim=8)])
+def test_other_head_shapes(shape: Shape) -> None:
+    seqs = Sequences([33, 2], shape=shape)
+    out = run(new_cache(seqs, shape), [(0, 0, 33), (1, 0, 2)], seqs, shape=shape)
+    torch.testing.assert_close(out[:33].double(), reference(seqs, 0, shape), rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(out[33:].double(), reference(seqs, 1, shape), rtol=1e-5, atol=2e-6)
+
+
+def test_a_token_gets_the_same_bits_in_any_call() -> None:
+    """Token 99 of sequence 0: in a one-shot prefill, in a later chunk, as a decode
+    row beside other sequences of other lengths, and beside padding rows."""
+    seqs = Sequences([100, 30, 250], seed=3)
+    cache = new_cache(seqs)
+    one_shot = run(cache, [(0, 0, 100)], seqs)
+    run(cache, [(1, 0, 29), (2, 0, 249)], seqs)
+    chunk = run(cache, [(0, 61, 39)], seqs)
+    decode = run(cache, [(2, 249, 1), (0, 99, 1), (1, 29, 1)], seqs, padding=3)
+    mixed = run(cache, [(1, 29, 1), (0, 80, 20)], seqs)
+    for got in (chunk[38], decode[1], mixed[20]):
+        assert torch.equal(got, one_shot[99])
+    assert torch.equal(chunk[:39], one_shot[61:])
+    assert decode[3:].abs().sum() == 0  # padding rows are zero
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_contents_and_outputs_agree_with_the_pytorch_path(dtype: torch.dtype) -> None:
+    seqs = Sequences([40, 7], seed=5)
+    native_cache, torch_cache = new_cache(seqs), new_cache(seqs)
+    parts = [(0, 0, 40), (1, 0, 7)]
+    native = run(native_cache, parts, seqs, dtype=dtype, out_dtype=torch.bfloat16, padding=2)
+    eager = run(torch_cache, parts, seqs, dtype=dtype, out_dtype=torch.bfloat16, padding=2,
+                backend="torch")
+    assert native.dtype == torch.bfloat16
+    torch.testing.assert_close(native_cache.k, torch_cache.k, rtol=1e-6, atol=1e-6)
+    assert torch.equal(native_cache.v, torch_cache.v)  # values are stored as they are
+    torch.testing.assert_close(native.float(), eager.float(), rtol=1e-2, atol=1e-2)
+    assert native[47:].abs().sum() == 0
+
+
+def test_unsupported_layouts_raise_a_clear_error() -> None:
+    shape = Shape(num_heads=2, num_kv_heads=1, head_dim=272)
+    seqs = Sequences([4], shape=shape)
+    with pytest.raises(RuntimeError, match=r"head_dim must be in \[1, 256\]"):
+        run(new_cache(seqs, shape), [(0, 0, 4)], seqs, shape=shape)
+    seqs = Sequences([4])
+    cache = new_cache(seqs)
+    batch = NativeAttentionBatch(cache, [SeqAttention(0, 4, seqs.tables[0])],
+                                 torch.arange(4), SHAPE.num_heads, rope())
+    with pytest.raises(RuntimeError, match="contiguous fp32/bf16"):
+        batch.attend(0, seqs.qkv[0].t().contiguous().t(), SCALE, torch.float32)
+    with pytest.raises(RuntimeError, match="contiguous fp32/bf16"):
+        batch.attend(0, seqs.qkv[0].half(), SCALE, torch.float32)
+    with pytest.raises(ValueError, match="past the RoPE tables"):
+        NativeAttentionBatch(cache, [SeqAttention(2000, 4, seqs.tables[0])], torch.arange(4),
+                             SHAPE.num_heads, rope())
+
+
+def test_backend_choice() -> None:
+    cpu = torch.device("cpu")
+    assert resolve_attention_backend("auto", cpu, torch.float32) == "native"
+    assert resolve_attention_backend("torch", cpu, torch.float32) == "torch"
+    assert resolve_attention_backend("auto", cpu, torch.bfloat16) == "torch"
+    with pytest.raises(ValueError, match="fp32 on CPU only.*--attention-backend torch"):
+        resolve_attention_backend("native", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="must be one of"):
+        resolve_attention_backend("flash", cpu, torch.float32)
+    wide = Shape(num_heads=4, num_kv_heads=4, head_dim=512)
+    assert resolve_attention_backend("auto", cpu, torch.float32, wide) == "torch"  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="head_dim <= 256"):
+        resolve_attention_backend("native", cpu, torch.float32, wide)  # type: ignore[arg-type]
+
+
+def test_a_missing_compiler_is_reported_not_hidden(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("LLMESH_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-cc")
+    load_library.cache_clear()
+    try:
+        reason = unavailable_reason(torch.device("cpu"), torch.float32)
+        assert reason is not None and "no C compiler 'no-such-cc'" in reason
+        assert resolve_attention_backend("auto", torch.device("cpu"), torch.float32) == "torch"
+        with pytest.raises(ValueError, match="no C compiler"):
+            resolve_attention_backend("native", torch.device("cpu"), torch.float32)
+        with pytest.raises(NativeKernelUnavailable):
+            load_library()
+    finally:
+        monkeypatch.undo()
+        load_library.cache_clear()
+        load_library()
+
+
+def test_the_build_is_cached_and_keyed_by_the_source(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("LLMESH_KERNEL_CACHE", str(tmp_path))
+    path = native_attention.library_path()
+    assert path.parent == tmp_path and not path.exists()
+    load_library.cache_clear()
+    try:
+        load_library()
+        assert path.exists()
+        built = path.stat().st_mtime_ns
+        load_library.cache_clear()
+        load_library()
+        assert path.stat().st_mtime_ns == built  # not rebuilt
+    finally:
+        monkeypatch.undo()
+        load_library.cache_clear()
+        load_library()
