@@ -2,7 +2,8 @@
 
     python benchmarks/engine.py [--no-batch-invariant] [--streams 1 4 16 32]
                                 [--device cpu] [--dtype float32]
-                                [--quantization none|int8|int4]
+                                [--quantization none|int8|int4] [--no-dense-prefill]
+                                [--attention-backend auto|native|torch]
 
 Runs ``TorchBackend`` in-process (SmolLM2, the default engine options) and prints:
 
@@ -106,12 +107,15 @@ async def main(args: argparse.Namespace) -> None:
     config = EngineConfig(model_path=args.model, device=args.device, dtype=args.dtype,
                           max_model_len=2048,
                           quantization=args.quantization,
+                          dense_prefill=args.dense_prefill,
+                          attention_backend=args.attention_backend,
                           batch_invariant=args.batch_invariant,
                           max_num_batched_tokens=args.max_num_batched_tokens)
     backend = TorchBackend(config, step_observer=log)
     await backend.start()
     kv = backend.kv_cache_info
     print(f"torch engine: {args.device} {args.dtype} quantization={args.quantization}, "
+          f"dense_prefill={args.dense_prefill}, attention={args.attention_backend}, "
           f"batch_invariant={args.batch_invariant}, "
           f"step budget {config.step_token_budget()} tokens, KV cache {kv.num_blocks} blocks "
           f"x {kv.block_size} tokens ({kv.num_bytes / 2**30:.2f} GiB), "
@@ -150,6 +154,9 @@ if __name__ == "__main__":
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantization", default=EngineConfig().quantization,
                         choices=("none", "int8", "int4"))
+    parser.add_argument("--dense-prefill", action=argparse.BooleanOptionalAction,
+                        default=EngineConfig().dense_prefill)
+    parser.add_argument("--attention-backend", default="auto", choices=("auto", "native", "torch"))
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16, 32])

@@ -63,12 +63,17 @@ def group_of(name: str) -> str:
     return "other"
 
 
-def load_runner(quantization: str) -> ModelRunner:
-    kwargs = {}
-    if "quantization" in inspect.signature(ModelRunner.from_gguf).parameters:
+def load_runner(quantization: str, attention_backend: str = "auto",
+                dense_prefill: bool = True) -> ModelRunner:
+    kwargs: dict[str, object] = {}
+    parameters = inspect.signature(ModelRunner.from_gguf).parameters
+    if "quantization" in parameters:
         kwargs["quantization"] = quantization
     elif quantization != "none":
         raise SystemExit("this checkout's ModelRunner has no quantization")
+    if "attention_backend" in parameters:  # older checkouts: their only attention
+        kwargs["attention_backend"] = attention_backend
+        kwargs["dense_prefill"] = dense_prefill
     runner = ModelRunner.from_gguf(default_model_path(), max_positions=4096, **kwargs)
     runner.allocate_kv_cache(256 << 20, 16)
     return runner
@@ -79,15 +84,17 @@ def main(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    runner = load_runner(args.quantization)
+    runner = load_runner(args.quantization, args.attention_backend, args.dense_prefill)
+    roles = "prompt_len" in inspect.signature(StepInput).parameters
     blocks = list(range(-(-(max(args.context, args.prefill) + args.steps + args.profile_steps + 8) // 16)))
     prompt = torch.randint(100, 48000, (args.context,)).tolist()
-    runner.run([StepInput(prompt, 0, blocks)])
+    role = {"prompt_len": args.context} if roles else {}
+    runner.run([StepInput(prompt, 0, blocks, **role)])
     position = args.context
 
     def step() -> None:
         nonlocal position
-        runner.run([StepInput([1234], position, blocks)])
+        runner.run([StepInput([1234], position, blocks, **role)])
         position += 1
 
     for _ in range(5):
@@ -110,6 +117,8 @@ def main(args: argparse.Namespace) -> None:
         calls[group] += event.count // args.profile_steps
     quant = getattr(runner, "quantization", "none")
     print(f"SmolLM2 {quant}, batch 1, context {args.context}, {torch.get_num_threads()} threads, "
+          f"attention {getattr(runner, 'attention_backend', 'torch')}, dense prefill "
+          f"{getattr(runner.model, 'has_prompt_projections', False)}, "
           f"load average {load_before:.2f}")
     print(f"decode step (ModelRunner.run): median {statistics.median(times):.2f} ms, "
           f"min {min(times):.2f} ms over {args.steps} steps")
@@ -127,7 +136,7 @@ def main(args: argparse.Namespace) -> None:
     prefill_times = []
     for _ in range(3):
         began = time.perf_counter()
-        runner.run([StepInput(pre, 0, blocks)])
+        runner.run([StepInput(pre, 0, blocks, **({"prompt_len": len(pre)} if roles else {}))])
         prefill_times.append(time.perf_counter() - began)
     print(f"\nprefill of {args.prefill} tokens in one chunk: median "
           f"{statistics.median(prefill_times) * 1000:.0f} ms (of 3)")
@@ -143,6 +152,8 @@ def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quantization", default="none", choices=("none", "int8", "int4"))
+    parser.add_argument("--attention-backend", default="auto", choices=("auto", "native", "torch"))
+    parser.add_argument("--dense-prefill", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--profile-steps", type=int, default=10)

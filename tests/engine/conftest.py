@@ -56,27 +56,33 @@ def smollm2_fp32(gguf_model: GGUFModel) -> LlamaModel:
 
 @pytest.fixture(scope="session")
 def smollm2_by_mode(gguf_q4_1: GGUFModel, request: pytest.FixtureRequest
-                    ) -> Callable[[str], LlamaModel]:
-    """SmolLM2 in a given quantization, each mode built once per session."""
-    built: dict[str, LlamaModel] = {}
+                    ) -> Callable[..., LlamaModel]:
+    """SmolLM2 in a given quantization, with or without dense prompt projections
+    (``dense_prefill``, quantized modes), each built once per session."""
+    built: dict[tuple[str, bool], LlamaModel] = {}
 
-    def get(quantization: str) -> LlamaModel:
+    def get(quantization: str, dense_prefill: bool = False) -> LlamaModel:
         if quantization == "none":
             return request.getfixturevalue("smollm2_fp32")
-        if quantization not in built:
-            built[quantization] = build_model(
+        key = (quantization, dense_prefill)
+        if key not in built:
+            model = build_model(
                 gguf_q4_1.config, gguf_q4_1.state_dict, max_positions=MAX_POSITIONS,
                 quantization=quantization, q4_1=gguf_q4_1.q4_1)
-        return built[quantization]
+            if dense_prefill:
+                model.add_prompt_projections()
+            built[key] = model
+        return built[key]
 
     return get
 
 
 @pytest.fixture(scope="session")
-def smollm2(smollm2_by_mode: Callable[[str], LlamaModel]) -> LlamaModel:
-    """SmolLM2 in the engine's default quantization on CPU, shared by every
-    backend of the session."""
-    return smollm2_by_mode(EngineConfig().quantization)
+def smollm2(smollm2_by_mode: Callable[..., LlamaModel]) -> LlamaModel:
+    """SmolLM2 as the engine loads it by default (quantization, dense prefill) on
+    CPU, shared by every backend of the session."""
+    config = EngineConfig()
+    return smollm2_by_mode(config.quantization, config.dense_prefill)
 
 
 @pytest.fixture(scope="session")

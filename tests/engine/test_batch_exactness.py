@@ -115,16 +115,22 @@ async def idle(backend: TorchBackend) -> None:
 
 
 @pytest.mark.parametrize("attention_backend", ["native", "torch"])
-@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize(("quantization", "dense_prefill"), [
+    ("none", False), ("int8", False), ("int4", False), ("int4", True)])
 def test_logits_are_bit_identical_whatever_the_batch(
-        smollm2_by_mode: Callable[[str], LlamaModel], quantization: str,
+        smollm2_by_mode: Callable[..., LlamaModel], quantization: str, dense_prefill: bool,
         attention_backend: str) -> None:
     """Three sequences' logits alone (one prefill) vs batched with different
     chunking and as a one-token decode: equal to the last bit with either
-    attention backend, in every quantization mode; and not so with the PyTorch
-    attention path without batch invariance (the test has teeth)."""
-    model = smollm2_by_mode(quantization)
+    attention backend, in every quantization mode, and with dense prompt
+    projections (where the first tokens are a prompt and the later ones
+    generated, split inside chunks); and not so with the PyTorch attention path
+    without batch invariance (the test has teeth)."""
+    model = smollm2_by_mode(quantization, dense_prefill)
     seqs = [PROMPTS[1], PROMPTS[5], PROMPTS[8]]  # 12, 47, 128 tokens
+    # With prompt projections: seq 0's last 3 tokens and seq 1's last 20 count
+    # as generated (seq 1's second chunk below mixes both roles).
+    prompt_lens = [9, 27, 128] if dense_prefill else [None] * 3
 
     def logits(batch_invariant: bool, backend: str) -> tuple[list[torch.Tensor],
                                                              list[torch.Tensor]]:
@@ -133,15 +139,16 @@ def test_logits_are_bit_identical_whatever_the_batch(
         assert runner.attention_backend == backend
         runner.allocate_kv_cache(40 * kv_block_bytes(model.config, 16, torch.float32), 16)
         tables = [list(range(0, 1)), list(range(1, 4)), list(range(4, 12))]
-        alone = [runner.run([StepInput(s, 0, t)])[0] for s, t in zip(seqs, tables, strict=True)]
+        alone = [runner.run([StepInput(s, 0, t, prompt_len=n)])[0]
+                 for s, t, n in zip(seqs, tables, prompt_lens, strict=True)]
         tables = [list(range(20, 21)), list(range(21, 24)), list(range(24, 32))]
         # Step 1: seq 0 all but its last token, seq 1 a first chunk of 30, seq 2 all.
-        runner.run([StepInput(seqs[0][:11], 0, tables[0], False),
-                    StepInput(seqs[1][:30], 0, tables[1], False),
-                    StepInput(seqs[2], 0, tables[2])])
+        runner.run([StepInput(seqs[0][:11], 0, tables[0], False, prompt_len=prompt_lens[0]),
+                    StepInput(seqs[1][:30], 0, tables[1], False, prompt_len=prompt_lens[1]),
+                    StepInput(seqs[2], 0, tables[2], prompt_len=prompt_lens[2])])
         # Step 2: seq 0's last token (a decode row), seq 1's remaining 17 tokens.
-        batched = runner.run([StepInput(seqs[0][11:], 11, tables[0]),
-                              StepInput(seqs[1][30:], 30, tables[1])])
+        batched = runner.run([StepInput(seqs[0][11:], 11, tables[0], prompt_len=prompt_lens[0]),
+                              StepInput(seqs[1][30:], 30, tables[1], prompt_len=prompt_lens[1])])
         return alone, list(batched)
 
     alone, batched = logits(batch_invariant=True, backend=attention_backend)
@@ -203,6 +210,53 @@ async def test_shared_prefixes_reuse_blocks_and_stay_exact(smollm2: LlamaModel,
         assert backend.drain_kv_events() == []
     finally:
         await backend.shutdown()
+
+
+async def test_a_next_turn_quoting_the_answer_stays_exact(smollm2: LlamaModel,
+                                                           reference: TorchBackend) -> None:
+    """A chat's next turn: the prompt repeats the first turn's prompt and answer.
+    The answer's blocks were computed as generated tokens (the quantized
+    kernels), the next turn reads them as prompt tokens (dense prompt
+    projections): role-aware block hashes keep them from being reused, so the
+    next turn equals a run without prefix caching; the first turn's all-prompt
+    blocks are still hits."""
+    assert smollm2.has_prompt_projections
+    first = PROMPTS[8][:40]  # 40 prompt tokens: 2 full blocks of prompt only
+    backend = await start_backend(smollm2)
+    try:
+        answer, _ = await collect_last(backend, EngineRequest(
+            "turn-1", first, SamplingOptions(max_tokens=30, ignore_eos=True)))
+        second = first + tuple(answer) + PROMPTS[2][:16]
+        options_2 = SamplingOptions(max_tokens=8, ignore_eos=True)
+        tokens, cached = await collect_last(backend, EngineRequest("turn-2", second, options_2))
+        expected, _ = await collect_last(reference, EngineRequest("turn-2-ref", second, options_2))
+        assert tokens == expected
+        assert cached == 32  # blocks 0-1; block 2 holds answer tokens computed as generated
+        await idle(backend)
+    finally:
+        await backend.shutdown()
+
+
+def test_prompt_rows_take_the_dense_projections(smollm2: LlamaModel) -> None:
+    """With prompt projections, the same tokens read as a prompt and as generated
+    give close but different logits (two kernels), and a chunk that mixes both
+    roles equals the rows computed one role at a time."""
+    runner = ModelRunner(smollm2, torch.device("cpu"), torch.float32)
+    runner.allocate_kv_cache(20 * kv_block_bytes(smollm2.config, 16, torch.float32), 16)
+    tokens = list(PROMPTS[5][:40])
+    as_prompt = runner.run([StepInput(tokens, 0, [0, 1, 2], num_logits=40, prompt_len=40)])
+    as_generated = runner.run([StepInput(tokens, 0, [3, 4, 5], num_logits=40)])
+    assert not torch.equal(as_prompt, as_generated)
+    scale = as_prompt.abs().max()
+    assert (as_prompt - as_generated).abs().max() < 0.05 * scale
+    assert torch.equal(as_prompt.argmax(-1), as_generated.argmax(-1)) or (
+        (as_prompt.argmax(-1) != as_generated.argmax(-1)).sum() <= 2)
+    mixed = runner.run([StepInput(tokens, 0, [6, 7, 8], num_logits=40, prompt_len=25)])
+    assert torch.equal(mixed[:25], as_prompt[:25])
+    one_role = runner.run([StepInput(tokens[:25], 0, [9, 10, 11], samples=False, prompt_len=25)])
+    assert one_role.shape[0] == 0
+    rest = runner.run([StepInput(tokens[25:], 25, [9, 10, 11], num_logits=15, prompt_len=25)])
+    assert torch.equal(mixed[25:], rest)
 
 
 async def collect_last(backend: TorchBackend, req: EngineRequest) -> tuple[list[int], int]:

@@ -7,7 +7,7 @@ import pytest
 
 from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from services.engine.torch_backend.block_pool import BlockCounts, BlockPool, KVIntegrityError
-from services.engine.torch_backend.kv_cache_manager import hash_block, hash_seed
+from services.engine.torch_backend.kv_cache_manager import KVCacheManager, hash_block, hash_seed
 
 from .kv_helpers import compute, create_manager, make_request
 
@@ -91,6 +91,29 @@ def test_prefix_hit_shares_blocks_and_counts_references() -> None:
     # b's tail (3) first, then the shared blocks once their last holder left.
     assert manager.pool.free_queue_ids() == [4, 5, 6, 7, 8, 9, 2, 3, 1, 0]
     assert manager.check_integrity(idle=True) == BlockCounts(free=7, cached=3, used=0, total=10)
+
+
+@pytest.mark.parametrize(("role_aware", "hit_tokens"), [(True, 4), (False, 12)])
+def test_role_aware_hashes_keep_generated_blocks_from_standing_in_for_prompts(
+        role_aware: bool, hit_tokens: int) -> None:
+    """a: prompt 6 tokens, then 8 generated. b's prompt is a's tokens plus more
+    (a chat's next turn): with roles, only a's all-prompt first block is a hit."""
+    manager = KVCacheManager(10, 4, True, model_id="test-model", role_aware=role_aware)
+    a = make_request("a", 6)
+    a.token_ids.extend(range(200, 208))
+    manager.allocate_slots(a, 14)
+    compute(manager, a)
+    manager.free(a)
+    b = make_request("b", a.token_ids + [9, 9, 9])
+    assert manager.find_prefix(b).num_tokens == hit_tokens
+    plain = [hash_block(SEED, a.token_ids[:4])]
+    plain.append(hash_block(plain[0], a.token_ids[4:8]))
+    assert (a.block_hashes[0], a.block_hashes[1] == plain[1]) == (plain[0], not role_aware)
+    assert b.block_hashes[:2] == plain  # all-prompt blocks hash as they always did
+    # The same sequence looked up again (a recompute after preemption) hits all of it.
+    again = make_request("a2", 6)
+    again.token_ids.extend(range(200, 208))
+    assert manager.find_prefix(again).num_tokens == 12
 
 
 @pytest.mark.parametrize(("prompt_len", "hit_tokens"), [(7, 4), (8, 4), (9, 8), (12, 8), (13, 12)])

@@ -64,7 +64,8 @@ def our_logits(model: LlamaModel, tokens: tuple[int, ...], chunks: tuple[int, ..
     paged KV cache of 4-token blocks used in reversed order, with the ``torch``
     or ``native`` attention backend."""
     config = model.config
-    cache = PagedKVCache(config, num_blocks=-(-len(tokens) // 4), block_size=4)
+    cache = PagedKVCache(config, num_blocks=-(-len(tokens) // 4), block_size=4,
+                         transposed_keys=backend == "native")
     blocks = list(reversed(range(cache.num_blocks)))
     out, start = [], 0
     for size in chunks:

@@ -50,15 +50,17 @@ def rope(shape: Shape = SHAPE, positions: int = 1024) -> tuple[torch.Tensor, tor
 class Sequences:
     """Random per-sequence QKV rows (``[tokens, (h + 2 kv) * d]``) and block tables."""
 
-    def __init__(self, lengths: list[int], seed: int = 0, shape: Shape = SHAPE) -> None:
+    def __init__(self, lengths: list[int], seed: int = 0, shape: Shape = SHAPE,
+                 block_size: int = BLOCK) -> None:
+        self.block_size = block_size
         gen = torch.Generator().manual_seed(seed)
         width = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
         self.qkv = [torch.randn(n, width, generator=gen) for n in lengths]
-        blocks = list(range(sum(-(-n // BLOCK) for n in lengths)))
+        blocks = list(range(sum(-(-n // block_size) for n in lengths)))
         random.Random(seed).shuffle(blocks)
         self.tables, at = [], 0
         for n in lengths:
-            count = -(-n // BLOCK)
+            count = -(-n // block_size)
             self.tables.append(blocks[at:at + count])
             at += count
         self.num_blocks = len(blocks)
@@ -69,10 +71,11 @@ def run(cache: PagedKVCache, parts: list[tuple[int, int, int]], seqs: Sequences,
         padding: int = 0, backend: str = "native", shape: Shape = SHAPE) -> torch.Tensor:
     """One call over ``parts`` = (sequence, first token, tokens), rows in that order."""
     rows, slots, attn, positions = [], [], [], []
+    size = seqs.block_size
     for seq, first, count in parts:
         table = seqs.tables[seq]
         rows.append(seqs.qkv[seq][first:first + count])
-        slots.extend(table[p // BLOCK] * BLOCK + p % BLOCK for p in range(first, first + count))
+        slots.extend(table[p // size] * size + p % size for p in range(first, first + count))
         positions.extend(range(first, first + count))
         attn.append(SeqAttention(first, count, table))
     qkv = torch.cat(rows + [torch.zeros(padding, rows[0].shape[1])]).to(dtype)
@@ -105,13 +108,15 @@ def reference(seqs: Sequences, seq: int, shape: Shape = SHAPE) -> torch.Tensor:
     return (torch.softmax(scores, -1) @ v).transpose(0, 1).reshape(n, h * d)
 
 
-def new_cache(seqs: Sequences, shape: Shape = SHAPE) -> PagedKVCache:
-    return PagedKVCache(shape, seqs.num_blocks, BLOCK)  # type: ignore[arg-type]
+def new_cache(seqs: Sequences, shape: Shape = SHAPE, backend: str = "native") -> PagedKVCache:
+    return PagedKVCache(shape, seqs.num_blocks, seqs.block_size,  # type: ignore[arg-type]
+                        transposed_keys=backend == "native")
 
 
+@pytest.mark.parametrize("block_size", [16, 32, 4, 5])
 @pytest.mark.parametrize("lengths", [[1], [17, 5, 40], [300]])
-def test_matches_a_float64_reference(lengths: list[int]) -> None:
-    seqs = Sequences(lengths)
+def test_matches_a_float64_reference(lengths: list[int], block_size: int) -> None:
+    seqs = Sequences(lengths, block_size=block_size)
     cache = new_cache(seqs)
     out = run(cache, [(i, 0, n) for i, n in enumerate(lengths)], seqs)
     row = 0
@@ -131,10 +136,11 @@ def test_other_head_shapes(shape: Shape) -> None:
     torch.testing.assert_close(out[33:].double(), reference(seqs, 1, shape), rtol=1e-5, atol=2e-6)
 
 
-def test_a_token_gets_the_same_bits_in_any_call() -> None:
+@pytest.mark.parametrize("block_size", [16, 48, 8])
+def test_a_token_gets_the_same_bits_in_any_call(block_size: int) -> None:
     """Token 99 of sequence 0: in a one-shot prefill, in a later chunk, as a decode
     row beside other sequences of other lengths, and beside padding rows."""
-    seqs = Sequences([100, 30, 250], seed=3)
+    seqs = Sequences([100, 30, 250], seed=3, block_size=block_size)
     cache = new_cache(seqs)
     one_shot = run(cache, [(0, 0, 100)], seqs)
     run(cache, [(1, 0, 29), (2, 0, 249)], seqs)
@@ -150,13 +156,14 @@ def test_a_token_gets_the_same_bits_in_any_call() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cache_contents_and_outputs_agree_with_the_pytorch_path(dtype: torch.dtype) -> None:
     seqs = Sequences([40, 7], seed=5)
-    native_cache, torch_cache = new_cache(seqs), new_cache(seqs)
+    native_cache, torch_cache = new_cache(seqs), new_cache(seqs, backend="torch")
     parts = [(0, 0, 40), (1, 0, 7)]
     native = run(native_cache, parts, seqs, dtype=dtype, out_dtype=torch.bfloat16, padding=2)
     eager = run(torch_cache, parts, seqs, dtype=dtype, out_dtype=torch.bfloat16, padding=2,
                 backend="torch")
     assert native.dtype == torch.bfloat16
-    torch.testing.assert_close(native_cache.k, torch_cache.k, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(native_cache.k.transpose(-1, -2), torch_cache.k, rtol=1e-6,
+                               atol=1e-6)
     assert torch.equal(native_cache.v, torch_cache.v)  # values are stored as they are
     torch.testing.assert_close(native.float(), eager.float(), rtol=1e-2, atol=1e-2)
     assert native[47:].abs().sum() == 0
@@ -169,6 +176,9 @@ def test_unsupported_layouts_raise_a_clear_error() -> None:
         run(new_cache(seqs, shape), [(0, 0, 4)], seqs, shape=shape)
     seqs = Sequences([4])
     cache = new_cache(seqs)
+    with pytest.raises(ValueError, match="transposed key layout"):
+        NativeAttentionBatch(new_cache(seqs, backend="torch"), [SeqAttention(0, 4, seqs.tables[0])],
+                             torch.arange(4), SHAPE.num_heads, rope())
     batch = NativeAttentionBatch(cache, [SeqAttention(0, 4, seqs.tables[0])],
                                  torch.arange(4), SHAPE.num_heads, rope())
     with pytest.raises(RuntimeError, match="contiguous fp32/bf16"):

@@ -73,9 +73,12 @@ def prompt_ids(tokenizer: Any) -> list[list[int]]:
             for p in prompts]
 
 
-def token_nll(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+def token_nll(model: LlamaModel, ids: list[int], prompt_len: int | None = None) -> torch.Tensor:
     """NLL (nats) of ``ids[1:]``, each given the tokens before it (without the
-    batch-invariant padding: one sequence, and 2-3x faster at long context)."""
+    batch-invariant padding: one sequence, and 2-3x faster at long context).
+    ``prompt_len=len(ids)`` reads the text as a prompt (the dense prompt
+    projections where the model has them); None as generated tokens (the
+    quantized kernels)."""
     runner = ModelRunner(model, torch.device("cpu"), torch.float32, batch_invariant=False)
     block = 16
     num_blocks = -(-len(ids) // block)
@@ -85,7 +88,8 @@ def token_nll(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     losses = []
     for start in range(0, len(ids) - 1, CHUNK):
         chunk = ids[start:start + CHUNK]
-        logits = runner.run([StepInput(chunk, start, blocks, num_logits=len(chunk))])
+        logits = runner.run([StepInput(chunk, start, blocks, num_logits=len(chunk),
+                                       prompt_len=prompt_len)])
         targets = torch.tensor(ids[start + 1:start + len(chunk) + 1])
         logits = logits[:len(targets)].float()
         losses.append(torch.nn.functional.cross_entropy(logits, targets, reduction="none"))
@@ -94,7 +98,8 @@ def token_nll(model: LlamaModel, ids: list[int]) -> torch.Tensor:
 
 @dataclass
 class ModeResult:
-    perplexity: float
+    perplexity: float  # the text read as generated tokens (the quantized kernels)
+    prompt_perplexity: float  # read as a prompt (dense bf16 prompt projections)
     answers: list[list[int]]
 
 
@@ -119,25 +124,32 @@ async def greedy_answers(model: LlamaModel, config: EngineConfig, quantization: 
 
 
 @pytest.fixture(scope="module")
-def results(smollm2_by_mode: Callable[[str], LlamaModel], engine_config: EngineConfig,
+def results(smollm2_by_mode: Callable[..., LlamaModel], engine_config: EngineConfig,
             text_ids: list[int], prompt_ids: list[list[int]], tokenizer: Any
             ) -> dict[str, ModeResult]:
+    """Each mode as the engine loads it by default (quantized modes with dense
+    prompt projections): perplexity both ways, and greedy chat answers."""
     out = {}
     for mode in ("none", "int8", "int4"):
         began = time.perf_counter()
-        model = smollm2_by_mode(mode)
+        model = smollm2_by_mode(mode, dense_prefill=mode != "none")
+        assert model.has_prompt_projections == (mode != "none")
         built = time.perf_counter()
         nll = token_nll(model, text_ids)
+        prompt_nll = token_nll(model, text_ids, prompt_len=len(text_ids))
         scored = time.perf_counter()
         answers = asyncio.run(greedy_answers(model, engine_config, mode, prompt_ids))
-        out[mode] = ModeResult(math.exp(float(nll.mean())), answers)
+        out[mode] = ModeResult(math.exp(float(nll.mean())), math.exp(float(prompt_nll.mean())),
+                               answers)
         print(f"\n{mode}: build {built - began:.1f} s, perplexity pass {scored - built:.1f} s, "
               f"answers {time.perf_counter() - scored:.1f} s")
     base = out["none"].perplexity
     print(f"\nquality guard: {len(text_ids)} tokens of tests/data/quality_guard_text.txt")
     for mode, result in out.items():
         print(f"  {mode}: perplexity {result.perplexity:.3f} "
-              f"({(result.perplexity / base - 1) * 100:+.2f} % vs fp32)")
+              f"({(result.perplexity / base - 1) * 100:+.2f} % vs fp32), as a prompt "
+              f"{result.prompt_perplexity:.3f} "
+              f"({(result.prompt_perplexity / base - 1) * 100:+.2f} %)")
     for i in range(len(prompt_ids)):
         for mode, result in out.items():
             text = tokenizer.decode(result.answers[i], skip_special_tokens=True)
@@ -150,6 +162,7 @@ def test_perplexity_within_guard(results: dict[str, ModeResult], mode: str) -> N
     base = results["none"].perplexity
     assert 1.0 < base < 100.0  # fp32 itself reads the text as English
     assert results[mode].perplexity <= MAX_PERPLEXITY_RATIO[mode] * base
+    assert results[mode].prompt_perplexity <= MAX_PERPLEXITY_RATIO[mode] * base
 
 
 def readable(text: str) -> bool:

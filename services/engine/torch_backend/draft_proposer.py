@@ -98,7 +98,8 @@ class DraftProposer:
             for i in active:
                 shadow = self._states[requests[i][0].request_id].shadow
                 inputs.append(StepInput(feeds[i], shadow.num_computed_tokens,
-                                        self.kv.block_ids(shadow)))
+                                        self.kv.block_ids(shadow),
+                                        prompt_len=shadow.num_prompt_tokens))
             tokens = self.runner.run(inputs).argmax(dim=-1).tolist()
             next_feeds: dict[int, list[int]] = {}
             for i, token in zip(active, tokens):

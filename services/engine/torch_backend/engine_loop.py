@@ -251,7 +251,7 @@ class EngineLoop:
             if s.spec_token_ids:
                 tokens = tokens + list(s.spec_token_ids)
             inputs.append(StepInput(tokens, s.start, kv.block_ids(s.seq), s.samples,
-                                    s.num_logits))
+                                    s.num_logits, s.seq.num_prompt_tokens))
         try:
             logits = self._runner.run(inputs)
             rows = [VerifyRow(s.seq.sampling, s.spec_token_ids)

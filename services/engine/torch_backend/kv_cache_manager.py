@@ -13,6 +13,14 @@ i-1) || token ids of block i)``, with a seed derived from the model id before
 block 0. Token ids are hashed as native-endian (little-endian on every platform
 we run) int64. Only full blocks are hashed, and a block joins the prefix cache
 only once its keys and values are computed.
+
+Role-aware hashes (``role_aware=True``, for a model whose prompt tokens take
+other projections than its generated tokens: ``LlamaModel.add_prompt_projections``):
+a block holding generated tokens also hashes how many of its tokens are prompt
+tokens, so its keys/values (computed the generated way) never stand in for the
+same tokens given as a prompt (computed the prompt way), e.g. a previous
+answer quoted in the next turn of a chat. Blocks of prompt tokens only hash as
+before.
 """
 
 from __future__ import annotations
@@ -37,9 +45,14 @@ def hash_seed(model_id: str) -> BlockHash:
     return hashlib.sha256(b"llmesh-kv-block\0" + model_id.encode()).digest()
 
 
-def hash_block(parent: BlockHash, token_ids: SequenceOf[int]) -> BlockHash:
-    """The chained hash of one full block."""
-    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+def hash_block(parent: BlockHash, token_ids: SequenceOf[int],
+               num_prompt_tokens: int | None = None) -> BlockHash:
+    """The chained hash of one full block; ``num_prompt_tokens``: how many of its
+    tokens are prompt tokens, hashed only when given and fewer than all."""
+    data = parent + array("q", token_ids).tobytes()
+    if num_prompt_tokens is not None and num_prompt_tokens < len(token_ids):
+        data += b"\0generated-from\0" + array("q", [num_prompt_tokens]).tobytes()
+    return hashlib.sha256(data).digest()
 
 
 @dataclass(frozen=True)
@@ -66,11 +79,14 @@ class KVCacheManager:
       block_size: tokens per block.
       enable_caching: reuse computed full blocks across sequences (prefix caching).
       model_id: seeds the block hashes (equal hashes mean same model, same tokens).
+      role_aware: blocks with generated tokens hash their prompt/generated split
+        (see the module docstring).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 model_id: str = "") -> None:
+                 model_id: str = "", role_aware: bool = False) -> None:
         self.block_size = block_size
+        self.role_aware = role_aware
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, block_size, enable_caching)
         self._seed = hash_seed(model_id)
@@ -213,6 +229,8 @@ class KVCacheManager:
         hashes = seq.block_hashes
         tokens = seq.token_ids
         size = self.block_size
+        prompt_len = seq.num_prompt_tokens if self.role_aware else None
         for index in range(len(hashes), len(tokens) // size):
             parent = hashes[index - 1] if index else self._seed
-            hashes.append(hash_block(parent, tokens[index * size:(index + 1) * size]))
+            roles = None if prompt_len is None else max(prompt_len - index * size, 0)
+            hashes.append(hash_block(parent, tokens[index * size:(index + 1) * size], roles))

@@ -45,6 +45,7 @@ from services.engine.torch_backend.batch_invariant import (
 from services.engine.torch_backend.gguf_loader import LlamaConfig, Q4_1Blocks
 from services.engine.torch_backend.paged_kv import StepAttention
 from services.engine.torch_backend.quant import (
+    ACTIVATION_DTYPE,
     DenseProjection,
     Int8LMHead,
     Projection,
@@ -95,6 +96,9 @@ class DecoderLayer(nn.Module):
         self.o: Projection
         self.gate_up: Projection
         self.down: Projection
+        #: Prompt-token projections (dense bf16 copies of quantized weights), in
+        #: forward order; None: every token takes the projections above.
+        self.prompt_projections: tuple[Projection, Projection, Projection, Projection] | None = None
         self.bind_dense(F.linear)
 
     def bind_dense(self, kernel: Linear) -> None:
@@ -109,18 +113,51 @@ class DecoderLayer(nn.Module):
         """The four projections, in forward order."""
         return self.qkv, self.o, self.gate_up, self.down
 
-    def forward(self, hidden: torch.Tensor, attention: StepAttention) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, attention: StepAttention,
+                num_generated_rows: int | None = None) -> torch.Tensor:
         """``hidden`` ``[num_tokens, hidden]`` (the model's dtype; updated in place and
         returned); ``attention`` rotates this layer's queries and new keys, writes
-        the keys/values into the paged cache and attends."""
+        the keys/values into the paged cache and attends.
+
+        With :attr:`prompt_projections`, rows from ``num_generated_rows`` on are
+        prompt tokens and take those (see :func:`project`); None: all rows
+        take the main projections."""
+        qkv_p = o_p = gate_up_p = down_p = None
+        if self.prompt_projections is not None and num_generated_rows is not None:
+            qkv_p, o_p, gate_up_p, down_p = self.prompt_projections
+        split = num_generated_rows
         x = rms_norm(hidden, self.input_norm, self.eps)
-        qkv = self.qkv(x.to(self.qkv.input_dtype))
+        qkv = project(self.qkv, qkv_p, x.to(self.qkv.input_dtype), split)
         out = attention.attend(self.index, qkv, self.scale, self.o.input_dtype)
-        hidden += self.o(out)
+        hidden += project(self.o, o_p, out, split)
         x = rms_norm(hidden, self.post_attention_norm, self.eps)
-        gate, up = self.gate_up(x.to(self.gate_up.input_dtype)).chunk(2, dim=-1)
-        hidden += self.down(F.silu(gate) * up)
+        gate, up = project(self.gate_up, gate_up_p, x.to(self.gate_up.input_dtype),
+                           split).chunk(2, dim=-1)
+        hidden += project(self.down, down_p, F.silu(gate) * up, split)
         return hidden
+
+
+def project(main: Projection, prompt: Projection | None, x: torch.Tensor,
+            num_generated_rows: int | None) -> torch.Tensor:
+    """``x`` ``[rows, in]`` through ``main`` for its first ``num_generated_rows``
+    rows (generated tokens) and through ``prompt`` for the rest (prompt tokens),
+    ``[rows, out]``; all through ``main`` when ``prompt`` is None.
+
+    Each token always takes the same kernel, whatever else is in the step, so
+    rows stay batch-invariant: the quantized kernels are row-invariant at any
+    row count, and bf16 ``F.linear`` from 2 rows on (one row takes a GEMV path
+    whose sums differ), so a single prompt row is computed as two.
+    """
+    if prompt is None or num_generated_rows is None or num_generated_rows >= x.shape[0]:
+        return main(x)
+    prompt_rows = x[num_generated_rows:]
+    if prompt_rows.shape[0] == 1:
+        prompt_out = prompt(prompt_rows.expand(2, -1))[:1]
+    else:
+        prompt_out = prompt(prompt_rows)
+    if num_generated_rows == 0:
+        return prompt_out
+    return torch.cat((main(x[:num_generated_rows]), prompt_out))
 
 
 class LlamaModel(nn.Module):
@@ -233,9 +270,39 @@ class LlamaModel(nn.Module):
         the step's attention plan applies them."""
         return self.rope_cos, self.rope_sin_signed
 
+    @property
+    def has_prompt_projections(self) -> bool:
+        """Prompt tokens take dense copies of the quantized projections
+        (:meth:`add_prompt_projections`)."""
+        return self.layers[0].prompt_projections is not None
+
+    def add_prompt_projections(self) -> None:
+        """Gives a quantized model dense bf16 copies of its projections for prompt
+        tokens (the weights as the quantized kernel sees them, rounded to bf16;
+        +2 bytes per weight). Quantized kernels read fewer bytes, which is what
+        decoding one token at a time waits for, but their cost grows with every
+        row (``_weight_int4pack_mm_for_cpu`` dequantizes per row: 2.8 ms at 256
+        rows against 1.0 ms for oneDNN's bf16 GEMM on a 3072x576 weight);
+        prefill is many rows. A token keeps its role for life: prompt tokens
+        (given by the client) always take these, generated tokens always the
+        quantized kernels, so outputs stay batch-invariant; the prefix cache
+        keeps the roles apart (``KVCacheManager(role_aware=True)``).
+
+        Raises:
+          ValueError: the model is not quantized.
+        """
+        if self.quantization == "none":
+            raise ValueError("prompt projections are for quantized models")
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.prompt_projections = tuple(  # type: ignore[assignment]
+                    DenseProjection(p.dequantize().to(ACTIVATION_DTYPE).contiguous(), F.linear)
+                    for p in layer.projections)
+
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, attention: StepAttention,
-                logits_indices: torch.Tensor) -> torch.Tensor:
+                logits_indices: torch.Tensor,
+                num_generated_rows: int | None = None) -> torch.Tensor:
         """One step over the flat batch.
 
         Args:
@@ -243,6 +310,9 @@ class LlamaModel(nn.Module):
             (rows past ``attention.num_tokens`` are padding).
           attention: the step's attention plan over the paged KV cache (it knows
             each token's position and applies RoPE with :attr:`rope`).
+          num_generated_rows: with prompt projections, the rows before this one
+            are generated tokens and the rest prompt tokens (None: all rows
+            take the main projections).
           logits_indices: ``[num_logits]`` rows to compute logits for.
 
         Returns:
@@ -250,7 +320,7 @@ class LlamaModel(nn.Module):
         """
         hidden = F.embedding(token_ids, self.embed_tokens)
         for layer in self.layers:
-            hidden = layer.forward(hidden, attention)
+            hidden = layer.forward(hidden, attention, num_generated_rows)
         hidden = rms_norm(hidden[logits_indices], self.norm, self.config.rms_norm_eps)
         return self.head(hidden.to(self.head.input_dtype)).to(hidden.dtype)
 

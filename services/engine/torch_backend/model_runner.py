@@ -2,10 +2,13 @@
 
 The loop hands over each scheduled sequence's new tokens, its position and its
 block ids (:class:`StepInput`); this module lays them out as the model's flat
-``[num_tokens]`` batch (sequences computing one token first: they form the
-decode group), computes the KV slot of every new token, builds the step's
-:class:`~services.engine.torch_backend.paged_kv.AttentionBatch`, and returns
-the next-token logits of the sequences that sample. In batch-invariant mode it
+``[num_tokens]`` batch (generated tokens first, one-token sequences leading:
+they form the PyTorch attention's decode group; then prompt tokens, which a
+quantized model with prompt projections computes with dense weights),
+computes the KV slot of every new token, builds the step's attention plan
+(the native kernel's :class:`~services.engine.torch_backend.native_attention.NativeAttentionBatch`
+or :class:`~services.engine.torch_backend.paged_kv.AttentionBatch`), and
+returns the next-token logits of the sequences that sample. In batch-invariant mode it
 pads the token rows and the logit rows to counts whose matmul results do not
 depend on the count (:func:`~services.engine.torch_backend.batch_invariant.padded_linear_rows`).
 
@@ -117,6 +120,10 @@ class StepInput:
       num_logits: how many of its last tokens get logits when it samples (1 for
         a plain step; ``k + 1`` to score ``k`` speculative tokens and the token
         after them; ``len(token_ids)`` for the log-likelihood of a whole chunk).
+      prompt_len: the sequence's prompt length: its tokens at positions below
+        it are prompt tokens, which take the model's prompt projections where
+        it has them (:meth:`LlamaModel.add_prompt_projections`); None: every
+        token is treated as generated.
     """
 
     token_ids: Sequence[int]
@@ -124,6 +131,7 @@ class StepInput:
     block_ids: Sequence[int]
     samples: bool = True
     num_logits: int = 1
+    prompt_len: int | None = None
 
 
 class ModelRunner:
@@ -157,11 +165,14 @@ class ModelRunner:
     @classmethod
     def from_gguf(cls, path: str | Path, device: str = "cpu", dtype: str = "float32",
                   max_positions: int | None = None, batch_invariant: bool = True,
-                  quantization: str = "none", attention_backend: str = "auto") -> ModelRunner:
+                  quantization: str = "none", attention_backend: str = "auto",
+                  dense_prefill: bool = False) -> ModelRunner:
         """Loads the GGUF at ``path`` onto ``device`` in ``dtype``: dequantized for
         ``quantization="none"``; for ``int4`` its Q4_1 blocks go to the int4
         kernel as they are, for ``int8`` they are requantized per row (see
-        :mod:`~services.engine.torch_backend.quant`).
+        :mod:`~services.engine.torch_backend.quant`); with ``dense_prefill`` a
+        quantized model also gets dense bf16 prompt projections
+        (:meth:`~services.engine.torch_backend.model.LlamaModel.add_prompt_projections`).
 
         Raises:
           FileNotFoundError, ValueError: see :func:`load_gguf`; ValueError for an
@@ -177,6 +188,8 @@ class ModelRunner:
         loaded = load_gguf(path, keep_q4_1=quantization != "none")
         model = build_model(loaded.config, loaded.state_dict, torch_device, DTYPES[dtype],
                             max_positions, quantization, loaded.q4_1)
+        if dense_prefill and quantization != "none":
+            model.add_prompt_projections()
         return cls(model, torch_device, DTYPES[dtype], batch_invariant, attention_backend)
 
     @property
@@ -201,7 +214,8 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(f"a KV budget of {budget_bytes} bytes holds no block of "
                              f"{block_size} tokens")
-        self.kv_cache = PagedKVCache(self.config, num_blocks, block_size, self.device, self.dtype)
+        self.kv_cache = PagedKVCache(self.config, num_blocks, block_size, self.device, self.dtype,
+                                     transposed_keys=self.attention_backend == "native")
         return self.kv_cache
 
     def run(self, inputs: Sequence[StepInput]) -> torch.Tensor:
@@ -219,29 +233,46 @@ class ModelRunner:
         if cache is None:
             raise RuntimeError("allocate_kv_cache() before run()")
         size = cache.block_size
-        order = [i for i, item in enumerate(inputs) if len(item.token_ids) == 1]
-        order += [i for i, item in enumerate(inputs) if len(item.token_ids) != 1]
+        # Parts of the flat batch: (input, first token, tokens); generated-token
+        # parts first (one-token parts leading: the PyTorch attention's decode
+        # group), then prompt-token parts when the model has prompt projections.
+        roles = self.model.has_prompt_projections
+        generated: list[tuple[int, int, int]] = []
+        prompt: list[tuple[int, int, int]] = []
+        for index, item in enumerate(inputs):
+            count = len(item.token_ids)
+            num_prompt = 0
+            if roles and item.prompt_len is not None:
+                num_prompt = min(max(item.prompt_len - item.start, 0), count)
+            if num_prompt:
+                prompt.append((index, 0, num_prompt))
+            if num_prompt < count:
+                generated.append((index, num_prompt, count - num_prompt))
+        parts = sorted(generated, key=lambda part: part[2] != 1) + prompt
+        num_generated_rows = sum(part[2] for part in generated)
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         seqs: list[SeqAttention] = []
-        end_row = [0] * len(inputs)
-        for index in order:
+        token_rows: list[list[int]] = [[0] * len(item.token_ids) for item in inputs]
+        for index, first, count in parts:
             item = inputs[index]
-            start, blocks = item.start, item.block_ids
-            end = start + len(item.token_ids)
-            token_ids.extend(item.token_ids)
+            blocks = item.block_ids
+            start = item.start + first
+            end = start + count
+            token_rows[index][first:first + count] = range(len(token_ids), len(token_ids) + count)
+            token_ids.extend(item.token_ids[first:first + count])
             positions.extend(range(start, end))
             slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
-            seqs.append(SeqAttention(start, end - start, blocks))
-            end_row[index] = len(token_ids)
+            seqs.append(SeqAttention(start, count, blocks))
         logit_rows: list[int] = []
         for index, item in enumerate(inputs):
             if item.samples:
-                if not 1 <= item.num_logits <= len(item.token_ids):
-                    raise ValueError(f"num_logits must be in [1, {len(item.token_ids)}], "
+                count = len(item.token_ids)
+                if not 1 <= item.num_logits <= count:
+                    raise ValueError(f"num_logits must be in [1, {count}], "
                                      f"got {item.num_logits}")
-                logit_rows.extend(range(end_row[index] - item.num_logits, end_row[index]))
+                logit_rows.extend(token_rows[index][count - item.num_logits:])
         num_logits = len(logit_rows)
         if self.batch_invariant:
             padded_rows = self.model.padded_rows
@@ -260,7 +291,8 @@ class ModelRunner:
                                        torch.tensor(positions, device=device), self.model.rope,
                                        self.batch_invariant)
         logits = self.model(torch.tensor(token_ids, device=device), attention,
-                            torch.tensor(logit_rows, dtype=torch.int64, device=device))
+                            torch.tensor(logit_rows, dtype=torch.int64, device=device),
+                            num_generated_rows if roles else None)
         return logits[:num_logits]
 
     def warm_up(self, num_tokens: int = 16) -> float:
@@ -301,5 +333,11 @@ class ModelRunner:
         projections = [(f"{model.quantization} {name}", p) for name, p in
                        zip(names, layer.projections, strict=True)]
         projections.append(("lm_head", model.head))
-        return probe([], config.head_dim, device=self.device.type, dtype=self.dtype,
-                     projections=projections, padded_linear_rows=model.padded_rows)
+        failures = probe([], config.head_dim, device=self.device.type, dtype=self.dtype,
+                         projections=projections, padded_linear_rows=model.padded_rows)
+        if layer.prompt_projections is not None:  # bf16 F.linear: one row is computed as two
+            prompt = [(f"prompt {name}", p) for name, p in
+                      zip(names, layer.prompt_projections, strict=True)]
+            failures += probe([], config.head_dim, device=self.device.type, dtype=self.dtype,
+                              projections=prompt, padded_linear_rows=lambda rows: max(rows, 2))
+        return failures

@@ -171,7 +171,7 @@ class NativeAttentionBatch:
     KV write and paged attention in one call per layer.
 
     Args:
-      cache: the KV storage (fp32, CPU).
+      cache: the KV storage (fp32, CPU), keys transposed (``transposed_keys``).
       seqs: the step's sequences in flat-batch order (any order).
       slots: ``[num_tokens]`` int64 slot of each new token, in row order.
       num_heads: query heads; ``cache`` gives the KV heads.
@@ -180,7 +180,8 @@ class NativeAttentionBatch:
 
     Raises:
       NativeKernelUnavailable: see :func:`load_library`.
-      ValueError: a sequence reaches past the RoPE tables.
+      ValueError: a sequence reaches past the RoPE tables, or the cache's keys
+        are not transposed.
     """
 
     def __init__(self, cache: PagedKVCache, seqs: Sequence[SeqAttention], slots: torch.Tensor,
@@ -203,7 +204,10 @@ class NativeAttentionBatch:
         self._keep = [cos, sin_signed, slots.to(torch.int64).contiguous()]
         self._keep += [torch.tensor(values or [0], dtype=torch.int64)
                        for values in (first_rows, counts, starts, tables, table_ids)]
-        kv_heads, num_blocks, block_size, head_dim = cache.k.shape[1:]
+        if not cache.transposed_keys:
+            raise ValueError("the native kernel needs the transposed key layout "
+                             "(PagedKVCache(..., transposed_keys=True))")
+        kv_heads, num_blocks, block_size, head_dim = cache.v.shape[1:]
         self.num_heads, self.head_dim = num_heads, int(head_dim)
         self._width = (num_heads + 2 * int(kv_heads)) * self.head_dim
         plan = StepPlan()

@@ -54,14 +54,22 @@ class PagedKVCache:
     """Zero-filled key and value storage for ``num_blocks`` blocks on a device.
 
     Attributes:
-      k, v: ``[num_layers, num_kv_heads, num_blocks, block_size, head_dim]``.
+      k: ``[num_layers, num_kv_heads, num_blocks, block_size, head_dim]``, or with
+        ``transposed_keys`` ``[num_layers, num_kv_heads, num_blocks, head_dim,
+        block_size]`` (the native kernel's layout: 16 keys of one dim are one
+        vector load).
+      v: ``[num_layers, num_kv_heads, num_blocks, block_size, head_dim]``.
+      transposed_keys: the key layout.
     """
 
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 transposed_keys: bool = False) -> None:
         shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        key_shape = shape[:3] + (shape[4], shape[3]) if transposed_keys else shape
+        self.k = torch.zeros(key_shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.transposed_keys = transposed_keys
         self.num_blocks = num_blocks
         self.block_size = block_size
 
@@ -161,6 +169,9 @@ class AttentionBatch:
     def __init__(self, cache: PagedKVCache, seqs: Sequence[SeqAttention], slots: torch.Tensor,
                  group_size: int, positions: torch.Tensor,
                  rope: tuple[torch.Tensor, torch.Tensor], batch_invariant: bool = True) -> None:
+        if cache.transposed_keys:
+            raise ValueError("AttentionBatch reads keys [blocks, block_size, head_dim]; "
+                             "this cache holds them transposed (the native kernel's layout)")
         self.cache = cache
         self._cos = rope[0][positions].unsqueeze(1)
         self._sin_signed = rope[1][positions].unsqueeze(1)

@@ -1,5 +1,10 @@
 /* Paged attention over the engine's KV cache, one call per layer and step.
  *
+ * Cache layout, per layer: values [kv_heads, num_blocks, block_size, head_dim];
+ * keys transposed within each block, [kv_heads, num_blocks, head_dim,
+ * block_size], so that 16 consecutive keys of one dim are one vector load
+ * (block sizes that are a multiple of 16; others gather a tile).
+ *
  * Input is the step's fused QKV projection output, fp32 or bf16
  * [rows, (heads + 2 kv_heads) * head_dim]. Rotary position embeddings (Su et
  * al., RoFormer, 2021; "rotate half" layout) are applied here to the queries
@@ -31,8 +36,8 @@
  * Cephes Math Library, expf.c), vectorized; |error| <= 2 ulp for the
  * arguments <= 0 that the softmax gives it.
  *
- * Threads: work items are (sequence, KV head, tile of up to 16 tokens, and
- * for one-token sequences a single query head); OpenMP hands them out. Each
+ * Threads: work items are (sequence, KV head, tile of up to 16 tokens; for a
+ * few one-token sequences, a single query head); OpenMP hands them out. Each
  * row is computed whole by one thread, so results do not depend on the
  * schedule.
  */
@@ -171,9 +176,12 @@ static void write_new_kv(const step_plan *plan, const void *qkv, float *k_cache,
         for (int64_t t = 0; t < plan->seq_num_tokens[s]; t++) {
             const int64_t row = plan->seq_first_row[s] + t, pos = plan->seq_start[s] + t;
             const int64_t slot = plan->slots[row];
+            const int64_t bs = plan->block_size, block = slot / bs, offset = slot % bs;
             for (int64_t h = 0; h < kv_heads; h++) {
-                rope_head(plan, qkv, row, (heads + h) * dim, pos,
-                          k_cache + h * plan->cache_head_stride + slot * dim);
+                float key[MAX_HEAD_DIM];
+                rope_head(plan, qkv, row, (heads + h) * dim, pos, key);
+                float *keys = k_cache + h * plan->cache_head_stride + block * bs * dim + offset;
+                for (int64_t d = 0; d < dim; d++) keys[d * bs] = key[d];
                 float *value = v_cache + h * plan->cache_head_stride + slot * dim;
                 for (int64_t d = 0; d < dim; d++)
                     value[d] = qkv_at(plan, qkv, row, (heads + kv_heads + h) * dim + d);
@@ -182,10 +190,34 @@ static void write_new_kv(const step_plan *plan, const void *qkv, float *k_cache,
     }
 }
 
-static inline const float *key_row(const step_plan *plan, const float *cache_head,
-                                   const int64_t *table, int64_t j) {
+static inline const float *value_row(const step_plan *plan, const float *cache_head,
+                                     const int64_t *table, int64_t j) {
     const int64_t bs = plan->block_size;
     return cache_head + (table[j / bs] * bs + j % bs) * plan->head_dim;
+}
+
+/* Keys k0 .. k0 + 15 as a [head_dim][16] tile (row stride *stride): in place
+ * when a block holds the whole tile, else gathered into `buffer`. Lanes past
+ * the sequence's keys hold whatever the slots hold (masked later). */
+static inline const float *key_tile(const step_plan *plan, const float *cache_head,
+                                    const int64_t *table, int64_t k0, int64_t num_keys,
+                                    float *buffer, int64_t *stride) {
+    const int64_t bs = plan->block_size, dim = plan->head_dim;
+    if (bs % LANES == 0) {
+        *stride = bs;
+        return cache_head + table[k0 / bs] * bs * dim + k0 % bs;
+    }
+    for (int64_t j = 0; j < LANES; j++) {
+        const int64_t key = k0 + j;
+        if (key < num_keys) {
+            const float *src = cache_head + table[key / bs] * bs * dim + key % bs;
+            for (int64_t d = 0; d < dim; d++) buffer[d * LANES + j] = src[d * bs];
+        } else {
+            for (int64_t d = 0; d < dim; d++) buffer[d * LANES + j] = 0.0f;
+        }
+    }
+    *stride = LANES;
+    return buffer;
 }
 
 /* One work item: rows = its tokens x its query heads. Returns 0, or -3 when
@@ -214,7 +246,7 @@ static int attend_item(const step_plan *plan, const work_item *item, const void 
         free(acc);
         return -3;
     }
-    float key_tile[MAX_HEAD_DIM * LANES];
+    float tile_buffer[MAX_HEAD_DIM * LANES];
     float row_sum[TOKEN_TILE * 32];
     int64_t row_keys[TOKEN_TILE * 32];
 
@@ -227,22 +259,15 @@ static int attend_item(const step_plan *plan, const work_item *item, const void 
         row_keys[r] = start + token + 1;
     }
 
-    /* Scores, 16 keys at a time: each key tile transposed once for all rows. */
+    /* Scores, 16 keys at a time: lane j sums q[d] * k_j[d] over d in order. */
     for (int64_t k0 = 0; k0 < num_keys; k0 += LANES) {
-        const int64_t n = num_keys - k0 < LANES ? num_keys - k0 : LANES;
-        for (int64_t j = 0; j < LANES; j++) {
-            if (j < n) {
-                const float *key = key_row(plan, k_head, table, k0 + j);
-                for (int64_t d = 0; d < dim; d++) key_tile[d * LANES + j] = key[d];
-            } else {
-                for (int64_t d = 0; d < dim; d++) key_tile[d * LANES + j] = 0.0f;
-            }
-        }
+        int64_t stride;
+        const float *tile = key_tile(plan, k_head, table, k0, num_keys, tile_buffer, &stride);
         for (int64_t r = 0; r < rows; r++) {
             if (k0 >= row_keys[r]) continue;
             const float *qr = query + r * dim;
             v16f s = splat(0.0f);
-            for (int64_t d = 0; d < dim; d++) s += splat(qr[d]) * load16(key_tile + d * LANES);
+            for (int64_t d = 0; d < dim; d++) s += splat(qr[d]) * load16(tile + d * stride);
             store16(scores + r * padded_keys + k0, s);
         }
     }
@@ -270,7 +295,7 @@ static int attend_item(const step_plan *plan, const work_item *item, const void 
     memset(acc, 0, sizeof(float) * (size_t)(rows * padded_dim));
     float value_tail[LANES] = {0};
     for (int64_t j = 0; j < num_keys; j++) {
-        const float *value = key_row(plan, v_head, table, j);
+        const float *value = value_row(plan, v_head, table, j);
         v16f vv[MAX_HEAD_DIM / LANES];
         for (int64_t c = 0; c < dim / LANES; c++) vv[c] = load16(value + c * LANES);
         if (padded_dim != dim) {
@@ -316,17 +341,24 @@ int llmesh_paged_attention(const step_plan *plan, const void *qkv, float *k_cach
     if (group > 32) return -2;
     write_new_kv(plan, qkv, k_cache, v_cache);
 
+    /* One-token sequences (decodes) get one item per KV head, whose query heads
+     * then share each key and value load; when that leaves fewer than 4 items
+     * per thread, one item per query head instead (e.g. a single decode). */
+    int64_t num_decodes = 0;
+    for (int64_t s = 0; s < plan->num_seqs; s++) num_decodes += plan->seq_num_tokens[s] == 1;
+    const int split_heads = num_decodes * plan->num_kv_heads < 4 * (int64_t)plan->num_threads;
+    const int64_t decode_items = split_heads ? plan->num_heads : plan->num_kv_heads;
     int64_t count = 0;
     for (int64_t s = 0; s < plan->num_seqs; s++) {
         const int64_t n = plan->seq_num_tokens[s];
-        count += n == 1 ? plan->num_heads : plan->num_kv_heads * ((n + TOKEN_TILE - 1) / TOKEN_TILE);
+        count += n == 1 ? decode_items : plan->num_kv_heads * ((n + TOKEN_TILE - 1) / TOKEN_TILE);
     }
     work_item *items = malloc(sizeof(work_item) * (size_t)(count ? count : 1));
     if (items == NULL) return -3;
     int64_t i = 0;
     for (int64_t s = 0; s < plan->num_seqs; s++) {
         const int64_t n = plan->seq_num_tokens[s];
-        if (n == 1) { /* a decode row: one item per query head keeps both threads busy */
+        if (n == 1 && split_heads) {
             for (int64_t h = 0; h < plan->num_heads; h++)
                 items[i++] = (work_item){s, h / group, 0, 1, h, 1};
             continue;
