@@ -16,7 +16,8 @@ from services.engine.torch_backend.backend import TorchBackend
 from services.engine.torch_backend.gguf_loader import GGUFModel, unpermute_rope_rows
 from services.engine.torch_backend.model import LlamaModel, build_model
 from services.engine.torch_backend.model_runner import ModelRunner, StepInput
-from services.engine.torch_backend.native_attention import NativeAttentionBatch, load_library
+from services.engine.torch_backend.native import load_library
+from services.engine.torch_backend.native_attention import NativeAttentionBatch
 from services.engine.torch_backend.paged_kv import (
     AttentionBatch,
     PagedKVCache,

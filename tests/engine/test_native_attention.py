@@ -10,14 +10,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from services.engine.torch_backend import native_attention
+from services.engine.torch_backend import native
 from services.engine.torch_backend.model_runner import resolve_attention_backend
-from services.engine.torch_backend.native_attention import (
-    NativeAttentionBatch,
+from services.engine.torch_backend.native import (
     NativeKernelUnavailable,
     load_library,
     unavailable_reason,
 )
+from services.engine.torch_backend.native_attention import NativeAttentionBatch
 from services.engine.torch_backend.paged_kv import AttentionBatch, PagedKVCache, SeqAttention
 from services.engine.torch_backend.rope import rope_tables, signed_sin
 
@@ -188,6 +188,18 @@ def test_unsupported_layouts_raise_a_clear_error() -> None:
     with pytest.raises(ValueError, match="past the RoPE tables"):
         NativeAttentionBatch(cache, [SeqAttention(2000, 4, seqs.tables[0])], torch.arange(4),
                              SHAPE.num_heads, rope())
+    with pytest.raises(ValueError, match="1 blocks cannot hold 20 tokens"):
+        NativeAttentionBatch(cache, [SeqAttention(16, 4, seqs.tables[0])], torch.arange(4),
+                             SHAPE.num_heads, rope())
+    with pytest.raises(ValueError, match="block id is outside"):
+        NativeAttentionBatch(cache, [SeqAttention(0, 4, [7])], torch.arange(4),
+                             SHAPE.num_heads, rope())
+    with pytest.raises(ValueError, match="slot is outside"):
+        NativeAttentionBatch(cache, [SeqAttention(0, 4, seqs.tables[0])], torch.arange(4) + 16,
+                             SHAPE.num_heads, rope())
+    with pytest.raises(ValueError, match="3 slots for 4 tokens"):
+        NativeAttentionBatch(cache, [SeqAttention(0, 4, seqs.tables[0])], torch.arange(3),
+                             SHAPE.num_heads, rope())
 
 
 def test_backend_choice() -> None:
@@ -223,9 +235,23 @@ def test_a_missing_compiler_is_reported_not_hidden(tmp_path, monkeypatch) -> Non
         load_library()
 
 
+def test_an_unwritable_cache_folder_is_reported(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("LLMESH_KERNEL_CACHE", str(blocker / "kernels"))
+    load_library.cache_clear()
+    try:
+        reason = unavailable_reason(torch.device("cpu"), torch.float32)
+        assert reason is not None and "LLMESH_KERNEL_CACHE" in reason
+    finally:
+        monkeypatch.undo()
+        load_library.cache_clear()
+        load_library()
+
+
 def test_the_build_is_cached_and_keyed_by_the_source(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setenv("LLMESH_KERNEL_CACHE", str(tmp_path))
-    path = native_attention.library_path()
+    path = native.library_path()
     assert path.parent == tmp_path and not path.exists()
     load_library.cache_clear()
     try:
@@ -239,3 +265,44 @@ def test_the_build_is_cached_and_keyed_by_the_source(tmp_path, monkeypatch) -> N
         monkeypatch.undo()
         load_library.cache_clear()
         load_library()
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("delta_dtype", [None, torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_pytorch(delta_dtype: torch.dtype | None,
+                                      out_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(9, 576, generator=gen) * 3
+    delta = None if delta_dtype is None else torch.randn(9, 576, generator=gen).to(delta_dtype)
+    weight = torch.rand(576, generator=gen) + 0.5
+    expected_hidden = hidden + (0 if delta is None else delta.float())
+    expected = torch.nn.functional.rms_norm(expected_hidden, (576,), weight, 1e-5)
+    ours_hidden = hidden.clone()
+    out = native.add_rms_norm(ours_hidden, delta, weight, 1e-5, out_dtype)
+    assert out.dtype == out_dtype
+    assert torch.equal(ours_hidden, expected_hidden)  # the residual add is exact fp32
+    torch.testing.assert_close(out.float(), expected.to(out_dtype).float(),
+                               rtol=1e-5 if out_dtype == torch.float32 else 1e-2, atol=1e-5)
+    # A row's bits do not depend on the other rows.
+    for row in (0, 4, 8):
+        alone = native.add_rms_norm(hidden[row:row + 1].clone(), None if delta is None
+                                    else delta[row:row + 1].contiguous(), weight, 1e-5, out_dtype)
+        assert torch.equal(alone[0], out[row])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_pytorch(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(8)
+    gate_up = (torch.randn(7, 2 * 40, generator=gen) * 6).to(dtype)  # 40: a partial vector
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    out = native.silu_mul(gate_up, torch.float32)
+    torch.testing.assert_close(out, expected, rtol=2e-6, atol=1e-6)
+    assert torch.isfinite(out).all()
+    bf16 = native.silu_mul(gate_up, torch.bfloat16)
+    assert torch.equal(bf16, out.to(torch.bfloat16))  # one rounding, to nearest even
+    with pytest.raises(ValueError, match="silu_mul"):
+        native.silu_mul(gate_up[:, :79], torch.float32)
+    with pytest.raises(ValueError, match="add_rms_norm"):
+        native.add_rms_norm(gate_up.float(), None, torch.ones(3), 1e-5, torch.float32)

@@ -42,6 +42,7 @@ from services.engine.torch_backend.batch_invariant import (
     padded_linear_rows,
     select_linear,
 )
+from services.engine.torch_backend import native
 from services.engine.torch_backend.gguf_loader import LlamaConfig, Q4_1Blocks
 from services.engine.torch_backend.paged_kv import StepAttention
 from services.engine.torch_backend.quant import (
@@ -135,6 +136,28 @@ class DecoderLayer(nn.Module):
                            split).chunk(2, dim=-1)
         hidden += project(self.down, down_p, F.silu(gate) * up, split)
         return hidden
+
+
+    def forward_fused(self, hidden: torch.Tensor, pending: torch.Tensor | None,
+                      attention: StepAttention, num_generated_rows: int | None = None
+                      ) -> torch.Tensor:
+        """:meth:`forward` with the native fused ops (fp32 ``hidden`` on CPU): the
+        residual add, RMSNorm and cast in one call (:func:`native.add_rms_norm`),
+        SiLU * up in one (:func:`native.silu_mul`). The MLP's output is not added
+        here but returned, and the next layer adds it (``pending``; None for
+        the first layer) together with its own norm; the caller adds the last."""
+        qkv_p = o_p = gate_up_p = down_p = None
+        if self.prompt_projections is not None and num_generated_rows is not None:
+            qkv_p, o_p, gate_up_p, down_p = self.prompt_projections
+        split = num_generated_rows
+        x = native.add_rms_norm(hidden, pending, self.input_norm, self.eps, self.qkv.input_dtype)
+        qkv = project(self.qkv, qkv_p, x, split)
+        out = attention.attend(self.index, qkv, self.scale, self.o.input_dtype)
+        o = project(self.o, o_p, out, split)
+        x = native.add_rms_norm(hidden, o, self.post_attention_norm, self.eps,
+                                self.gate_up.input_dtype)
+        gate_up = project(self.gate_up, gate_up_p, x, split)
+        return project(self.down, down_p, native.silu_mul(gate_up, self.down.input_dtype), split)
 
 
 def project(main: Projection, prompt: Projection | None, x: torch.Tensor,
@@ -302,7 +325,7 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, attention: StepAttention,
                 logits_indices: torch.Tensor,
-                num_generated_rows: int | None = None) -> torch.Tensor:
+                num_generated_rows: int | None = None, fused: bool = False) -> torch.Tensor:
         """One step over the flat batch.
 
         Args:
@@ -313,14 +336,23 @@ class LlamaModel(nn.Module):
           num_generated_rows: with prompt projections, the rows before this one
             are generated tokens and the rest prompt tokens (None: all rows
             take the main projections).
+          fused: use the native fused norm/activation ops
+            (:meth:`DecoderLayer.forward_fused`; fp32 on CPU, with the native
+            attention backend).
           logits_indices: ``[num_logits]`` rows to compute logits for.
 
         Returns:
           logits ``[num_logits, vocab]`` in the model's dtype.
         """
         hidden = F.embedding(token_ids, self.embed_tokens)
-        for layer in self.layers:
-            hidden = layer.forward(hidden, attention, num_generated_rows)
+        if fused:
+            pending = None
+            for layer in self.layers:
+                pending = layer.forward_fused(hidden, pending, attention, num_generated_rows)
+            hidden += pending
+        else:
+            for layer in self.layers:
+                hidden = layer.forward(hidden, attention, num_generated_rows)
         hidden = rms_norm(hidden[logits_indices], self.norm, self.config.rms_norm_eps)
         return self.head(hidden.to(self.head.input_dtype)).to(hidden.dtype)
 

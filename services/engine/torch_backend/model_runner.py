@@ -30,10 +30,8 @@ import torch
 from services.engine.torch_backend.batch_invariant import probe
 from services.engine.torch_backend.gguf_loader import LlamaConfig, load_gguf
 from services.engine.torch_backend.model import LlamaModel, build_model
-from services.engine.torch_backend.native_attention import (
-    NativeAttentionBatch,
-    unavailable_reason,
-)
+from services.engine.torch_backend.native import unavailable_reason
+from services.engine.torch_backend.native_attention import NativeAttentionBatch
 from services.engine.torch_backend.paged_kv import (
     AttentionBatch,
     PagedKVCache,
@@ -292,7 +290,8 @@ class ModelRunner:
                                        self.batch_invariant)
         logits = self.model(torch.tensor(token_ids, device=device), attention,
                             torch.tensor(logit_rows, dtype=torch.int64, device=device),
-                            num_generated_rows if roles else None)
+                            num_generated_rows if roles else None,
+                            fused=self.attention_backend == "native")
         return logits[:num_logits]
 
     def warm_up(self, num_tokens: int = 16) -> float:

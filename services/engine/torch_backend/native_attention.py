@@ -1,49 +1,30 @@
-"""The engine's paged attention kernel (``kernels/paged_attention.c``), built on first use.
+"""Paged attention through the native kernel (``kernels/paged_attention.c``).
 
-One C call per layer and step writes the step's new keys/values into their
-slots and attends every query row over its own sequence's blocks, in place of
-the PyTorch path of :mod:`~services.engine.torch_backend.paged_kv` (~12 padded
-tensor ops per layer, a gathered copy of each sequence's blocks, and a
-chunked value sum kept in key order by a ``cumsum``). Each row's arithmetic
-depends only on its own query and keys in a fixed order, so it is
-batch-invariant without padding (the C file says how); a 512-token prefill
-spends ~40x less time in attention than the PyTorch path (docs/engine.md).
-
-Build: the C compiler (``$CC``, else ``cc``) compiles the source with
-``-O3 -march=native -fopenmp`` into ``$LLMESH_KERNEL_CACHE`` (default
-``~/.cache/llmesh/kernels``), keyed by a hash of the source, the flags, the
-compiler's version and the CPU's flags, under a file lock (engines that start
-together build once) and renamed into place (never half written). The
-library links ``libgomp.so.1``: the process already has PyTorch's copy loaded,
-so the kernel's threads are PyTorch's own OpenMP pool. fp32 on CPU only.
+One C call per layer and step rotates the queries and new keys (RoPE), writes
+the new keys/values into their slots and attends every query row over its own
+sequence's blocks, in place of the PyTorch path of
+:mod:`~services.engine.torch_backend.paged_kv` (~12 padded tensor ops per
+layer, a gathered copy of each sequence's blocks, and a chunked value sum kept
+in key order by a ``cumsum``). Each row's arithmetic depends only on its own
+query and keys in a fixed order, so it is batch-invariant without padding (the
+C file says how); a 512-token prefill spends ~8x less time in attention than
+the PyTorch path (docs/engine.md). The library is built by
+:mod:`~services.engine.torch_backend.native`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
+from services.engine.torch_backend.native import load_library
 from services.engine.torch_backend.paged_kv import PagedKVCache, SeqAttention
 
-SOURCE = Path(__file__).with_name("kernels") / "paged_attention.c"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 #: Return codes of ``llmesh_paged_attention``.
 _ERRORS = {-1: "head_dim must be in [1, 256]",
            -2: "at most 32 query heads per KV head", -3: "out of memory"}
-
-
-class NativeKernelUnavailable(RuntimeError):
-    """The kernel cannot be built or loaded here (the message says why)."""
 
 
 class StepPlan(ctypes.Structure):
@@ -63,108 +44,6 @@ class StepPlan(ctypes.Structure):
     ]
 
 
-def cache_dir() -> Path:
-    """Where built kernels are kept: ``$LLMESH_KERNEL_CACHE`` or ``~/.cache/llmesh/kernels``."""
-    configured = os.environ.get("LLMESH_KERNEL_CACHE")
-    return Path(configured) if configured else Path.home() / ".cache" / "llmesh" / "kernels"
-
-
-def _compiler() -> str:
-    compiler = os.environ.get("CC", "cc")
-    if shutil.which(compiler) is None:
-        raise NativeKernelUnavailable(
-            f"no C compiler {compiler!r} on PATH (apt-get install gcc, or set CC)")
-    return compiler
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return os.uname().machine
-
-
-def library_path() -> Path:
-    """The built library's path for this source, compiler and CPU (may not exist yet).
-
-    Raises:
-      NativeKernelUnavailable: no C compiler.
-    """
-    compiler = _compiler()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             check=False).stdout
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), version.encode(),
-                 _cpu_flags().encode()):
-        digest.update(part)
-    return cache_dir() / f"paged_attention-{digest.hexdigest()[:16]}.so"
-
-
-@functools.lru_cache(maxsize=1)
-def load_library() -> ctypes.CDLL:
-    """Builds the kernel if this machine has no build of it yet, loads it (once
-    per process) and returns it.
-
-    Raises:
-      NativeKernelUnavailable: not on Linux, no compiler, the build failed
-        (with the compiler's message) or the library does not load.
-    """
-    if os.name != "posix":
-        raise NativeKernelUnavailable("the native attention kernel builds on Linux only")
-    target = library_path()
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not target.exists():
-                _build(target)
-    torch.ones(1).add_(1)  # make sure PyTorch's libgomp is loaded first
-    try:
-        library = ctypes.CDLL(str(target))
-    except OSError as exc:
-        raise NativeKernelUnavailable(f"cannot load {target}: {exc}") from exc
-    function = library.llmesh_paged_attention
-    function.restype = ctypes.c_int
-    function.argtypes = [ctypes.POINTER(StepPlan)] + [ctypes.c_void_p] * 4
-    return library
-
-
-def _build(target: Path) -> None:
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        output = Path(scratch) / target.name
-        result = subprocess.run([_compiler(), *CFLAGS, "-o", str(output), str(SOURCE)],
-                                capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            raise NativeKernelUnavailable(
-                f"building {SOURCE.name} failed: {result.stderr.strip()[-2000:]}")
-        os.replace(output, target)
-
-
-#: Largest head_dim and query heads per KV head the kernel takes.
-MAX_HEAD_DIM = 256
-MAX_GROUP = 32
-
-
-def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int = 64,
-                       group_size: int = 1) -> str | None:
-    """Why the kernel cannot serve ``device``/``dtype`` and a model of ``head_dim``
-    with ``group_size`` query heads per KV head here, or None when it can
-    (builds it on first call)."""
-    if device.type != "cpu" or dtype != torch.float32:
-        return f"the native attention kernel is fp32 on CPU only (got {dtype} on {device})"
-    if not 1 <= head_dim <= MAX_HEAD_DIM or not 1 <= group_size <= MAX_GROUP:
-        return (f"the native attention kernel takes head_dim <= {MAX_HEAD_DIM} and <= "
-                f"{MAX_GROUP} query heads per KV head (got {head_dim} and {group_size})")
-    try:
-        load_library()
-    except NativeKernelUnavailable as exc:
-        return str(exc)
-    return None
-
-
 class NativeAttentionBatch:
     """One step's attention through the kernel (see
     :class:`~services.engine.torch_backend.paged_kv.StepAttention`): RoPE, the
@@ -179,9 +58,9 @@ class NativeAttentionBatch:
         with its first half negated; ``LlamaModel.rope``), fp32.
 
     Raises:
-      NativeKernelUnavailable: see :func:`load_library`.
-      ValueError: a sequence reaches past the RoPE tables, or the cache's keys
-        are not transposed.
+      NativeKernelUnavailable: see :func:`~services.engine.torch_backend.native.load_library`.
+      ValueError: a sequence reaches past the RoPE tables or its blocks, a block
+        id or slot is outside the cache, or the cache's keys are not transposed.
     """
 
     def __init__(self, cache: PagedKVCache, seqs: Sequence[SeqAttention], slots: torch.Tensor,
@@ -199,15 +78,29 @@ class NativeAttentionBatch:
             table_ids.extend(seq.block_ids)
             row += seq.num_tokens
         cos, sin_signed = (table.contiguous() for table in rope)
-        if seqs and max(s.start + s.num_tokens for s in seqs) > cos.shape[0]:
-            raise ValueError(f"a position is past the RoPE tables ({cos.shape[0]} positions)")
+        kv_heads, num_blocks, block_size, head_dim = cache.v.shape[1:]
+        # The kernel trusts these: an out-of-range block or slot would read or
+        # write outside the cache, so check them here (a ValueError fails the
+        # step's requests; the engine lives).
+        for seq in seqs:
+            if seq.start + seq.num_tokens > cos.shape[0]:
+                raise ValueError(f"position {seq.start + seq.num_tokens - 1} is past the RoPE "
+                                 f"tables ({cos.shape[0]} positions)")
+            if len(seq.block_ids) * block_size < seq.start + seq.num_tokens:
+                raise ValueError(f"{len(seq.block_ids)} blocks cannot hold "
+                                 f"{seq.start + seq.num_tokens} tokens")
+        if table_ids and not 0 <= min(table_ids) <= max(table_ids) < num_blocks:
+            raise ValueError(f"a block id is outside [0, {num_blocks})")
+        if slots.numel() and not 0 <= int(slots.min()) <= int(slots.max()) < num_blocks * block_size:
+            raise ValueError(f"a slot is outside [0, {num_blocks * block_size})")
+        if slots.numel() != sum(counts):
+            raise ValueError(f"{slots.numel()} slots for {sum(counts)} tokens")
         self._keep = [cos, sin_signed, slots.to(torch.int64).contiguous()]
         self._keep += [torch.tensor(values or [0], dtype=torch.int64)
                        for values in (first_rows, counts, starts, tables, table_ids)]
         if not cache.transposed_keys:
             raise ValueError("the native kernel needs the transposed key layout "
                              "(PagedKVCache(..., transposed_keys=True))")
-        kv_heads, num_blocks, block_size, head_dim = cache.v.shape[1:]
         self.num_heads, self.head_dim = num_heads, int(head_dim)
         self._width = (num_heads + 2 * int(kv_heads)) * self.head_dim
         plan = StepPlan()
@@ -246,7 +139,7 @@ class NativeAttentionBatch:
         plan.out_bf16 = out_dtype == torch.bfloat16
         plan.scale = scale
         offset = layer * self._layer_bytes
-        status = self._function(ctypes.byref(plan), qkv.data_ptr(),
+        status = self._function(ctypes.addressof(plan), qkv.data_ptr(),
                                 self.cache.k.data_ptr() + offset,
                                 self.cache.v.data_ptr() + offset, out.data_ptr())
         if status != 0:

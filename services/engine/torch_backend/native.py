@@ -1,0 +1,221 @@
+"""The engine's native CPU kernels (``kernels/*.c``): built on first use, loaded once.
+
+* ``paged_attention.c``: RoPE, the KV write and batch-invariant paged attention
+  in one call per layer (used by
+  :class:`~services.engine.torch_backend.native_attention.NativeAttentionBatch`).
+* ``fused_ops.c``: the residual add with RMSNorm and the cast to the next
+  projection's input dtype (:func:`add_rms_norm`), and SiLU(gate) * up
+  (:func:`silu_mul`), one call each instead of three to five PyTorch ops.
+
+Build: the C compiler (``$CC``, else ``cc``) compiles the sources together
+with ``-O3 -march=native -fopenmp`` into ``$LLMESH_KERNEL_CACHE`` (default
+``~/.cache/llmesh/kernels``), keyed by a hash of the sources, the flags, the
+compiler's version and the CPU's flags, under a file lock (engines that start
+together build once) and renamed into place (never half written). The library
+links ``libgomp.so.1``: the process already has PyTorch's copy loaded, so the
+kernels' threads are PyTorch's own OpenMP pool. fp32 residual stream on CPU only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+KERNELS = Path(__file__).with_name("kernels")
+#: The C sources of the library, compiled together.
+SOURCES = (KERNELS / "paged_attention.c", KERNELS / "fused_ops.c")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+class NativeKernelUnavailable(RuntimeError):
+    """The kernel cannot be built or loaded here (the message says why)."""
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: ``$LLMESH_KERNEL_CACHE`` or ``~/.cache/llmesh/kernels``."""
+    configured = os.environ.get("LLMESH_KERNEL_CACHE")
+    return Path(configured) if configured else Path.home() / ".cache" / "llmesh" / "kernels"
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        raise NativeKernelUnavailable(
+            f"no C compiler {compiler!r} on PATH (apt-get install gcc, or set CC)")
+    return compiler
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def library_path() -> Path:
+    """The built library's path for this source, compiler and CPU (may not exist yet).
+
+    Raises:
+      NativeKernelUnavailable: no C compiler.
+    """
+    compiler = _compiler()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             check=False).stdout
+    digest = hashlib.sha256()
+    for part in (*(source.read_bytes() for source in SOURCES), " ".join(CFLAGS).encode(),
+                 version.encode(), _cpu_flags().encode()):
+        digest.update(part)
+    return cache_dir() / f"llmesh_kernels-{digest.hexdigest()[:16]}.so"
+
+
+@functools.lru_cache(maxsize=1)
+def load_library() -> ctypes.CDLL:
+    """Builds the kernels if this machine has no build of them yet, loads them
+    (once per process) and returns the library.
+
+    Raises:
+      NativeKernelUnavailable: not on Linux, no compiler, the cache folder is
+        not writable, the build failed (with the compiler's message) or the
+        library does not load.
+    """
+    if os.name != "posix":
+        raise NativeKernelUnavailable("the native kernels build on Linux only")
+    target = library_path()
+    if not target.exists():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(target.with_suffix(".lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not target.exists():
+                    _build(target)
+        except OSError as exc:
+            raise NativeKernelUnavailable(
+                f"cannot build into {target.parent} ({exc}); set LLMESH_KERNEL_CACHE to a "
+                f"writable folder") from exc
+    torch.ones(1).add_(1)  # make sure PyTorch's libgomp is loaded first
+    try:
+        library = ctypes.CDLL(str(target))
+    except OSError as exc:
+        raise NativeKernelUnavailable(f"cannot load {target}: {exc}") from exc
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(library, name)
+        function.restype = ctypes.c_int
+        function.argtypes = argtypes
+    return library
+
+
+def _build(target: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        output = Path(scratch) / target.name
+        result = subprocess.run([_compiler(), *CFLAGS, "-o", str(output),
+                                 *(str(source) for source in SOURCES)],
+                                capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise NativeKernelUnavailable(
+                f"building the native kernels failed: {result.stderr.strip()[-2000:]}")
+        os.replace(output, target)
+
+
+_SIGNATURES = {
+    # (plan, qkv, k_cache, v_cache, out)
+    "llmesh_paged_attention": [ctypes.c_void_p] * 5,
+    # (hidden, delta, delta_bf16, weight, rows, n, eps, out, out_bf16, threads)
+    "llmesh_add_rms_norm": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
+                            ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
+                            ctypes.c_int32, ctypes.c_int32],
+    # (gate_up, in_bf16, rows, n, out, out_bf16, threads)
+    "llmesh_silu_mul": [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64,
+                        ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32],
+}
+_NARROW = (torch.float32, torch.bfloat16)
+
+
+#: Largest head_dim and query heads per KV head the kernel takes.
+MAX_HEAD_DIM = 256
+MAX_GROUP = 32
+
+
+def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int = 64,
+                       group_size: int = 1) -> str | None:
+    """Why the kernel cannot serve ``device``/``dtype`` and a model of ``head_dim``
+    with ``group_size`` query heads per KV head here, or None when it can
+    (builds it on first call)."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return f"the native attention kernel is fp32 on CPU only (got {dtype} on {device})"
+    if not 1 <= head_dim <= MAX_HEAD_DIM or not 1 <= group_size <= MAX_GROUP:
+        return (f"the native attention kernel takes head_dim <= {MAX_HEAD_DIM} and <= "
+                f"{MAX_GROUP} query heads per KV head (got {head_dim} and {group_size})")
+    try:
+        load_library()
+    except NativeKernelUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """``hidden += delta`` in place (the residual add; skipped for None), then
+    ``RMSNorm(hidden) * weight`` in ``out_dtype``.
+
+    Args:
+      hidden: ``[rows, n]`` fp32, contiguous (updated in place).
+      delta: ``[rows, n]`` fp32 or bf16, contiguous, or None.
+      weight: ``[n]`` fp32.
+      eps: RMSNorm's epsilon.
+      out_dtype: fp32 or bf16.
+
+    Returns:
+      ``[rows, n]`` in ``out_dtype``.
+
+    Raises:
+      NativeKernelUnavailable: see :func:`load_library`.
+      ValueError: other dtypes, shapes or layouts.
+    """
+    rows, n = hidden.shape
+    if (hidden.dtype != torch.float32 or not hidden.is_contiguous() or weight.shape != (n,)
+            or weight.dtype != torch.float32 or out_dtype not in _NARROW
+            or (delta is not None and (delta.shape != hidden.shape or delta.dtype not in _NARROW
+                                       or not delta.is_contiguous()))):
+        raise ValueError("add_rms_norm: hidden fp32 [rows, n] contiguous, delta the same shape "
+                         "in fp32/bf16, weight fp32 [n], out fp32/bf16")
+    out = torch.empty(rows, n, dtype=out_dtype)
+    load_library().llmesh_add_rms_norm(
+        hidden.data_ptr(), None if delta is None else delta.data_ptr(),
+        delta is not None and delta.dtype == torch.bfloat16, weight.contiguous().data_ptr(),
+        rows, n, eps, out.data_ptr(), out_dtype == torch.bfloat16, torch.get_num_threads())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """SwiGLU's ``SiLU(gate) * up`` of the fused gate/up projection output.
+
+    Args:
+      gate_up: ``[rows, 2 n]`` fp32 or bf16, contiguous (gate, then up).
+      out_dtype: fp32 or bf16.
+
+    Returns:
+      ``[rows, n]`` in ``out_dtype``.
+
+    Raises:
+      NativeKernelUnavailable: see :func:`load_library`.
+      ValueError: other dtypes, shapes or layouts.
+    """
+    rows, width = gate_up.shape
+    if (gate_up.dtype not in _NARROW or not gate_up.is_contiguous() or width % 2
+            or out_dtype not in _NARROW):
+        raise ValueError("silu_mul: gate_up fp32/bf16 [rows, 2 n] contiguous, out fp32/bf16")
+    out = torch.empty(rows, width // 2, dtype=out_dtype)
+    load_library().llmesh_silu_mul(gate_up.data_ptr(), gate_up.dtype == torch.bfloat16, rows,
+                                   width // 2, out.data_ptr(), out_dtype == torch.bfloat16,
+                                   torch.get_num_threads())
+    return out
