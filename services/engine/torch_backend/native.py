@@ -33,6 +33,8 @@ import torch
 KERNELS = Path(__file__).with_name("kernels")
 #: The C sources of the library, compiled together.
 SOURCES = (KERNELS / "paged_attention.c", KERNELS / "fused_ops.c")
+#: Headers they include (part of the build's cache key).
+HEADERS = (KERNELS / "simd.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 class NativeKernelUnavailable(RuntimeError):
     """The kernel cannot be built or loaded here (the message says why)."""
@@ -72,7 +74,7 @@ def library_path() -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=False).stdout
     digest = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES), " ".join(CFLAGS).encode(),
+    for part in (*(path.read_bytes() for path in SOURCES + HEADERS), " ".join(CFLAGS).encode(),
                  version.encode(), _cpu_flags().encode()):
         digest.update(part)
     return cache_dir() / f"llmesh_kernels-{digest.hexdigest()[:16]}.so"
@@ -170,7 +172,7 @@ def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch
     Args:
       hidden: ``[rows, n]`` fp32, contiguous (updated in place).
       delta: ``[rows, n]`` fp32 or bf16, contiguous, or None.
-      weight: ``[n]`` fp32.
+      weight: ``[n]`` fp32, contiguous.
       eps: RMSNorm's epsilon.
       out_dtype: fp32 or bf16.
 
@@ -183,7 +185,8 @@ def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch
     """
     rows, n = hidden.shape
     if (hidden.dtype != torch.float32 or not hidden.is_contiguous() or weight.shape != (n,)
-            or weight.dtype != torch.float32 or out_dtype not in _NARROW
+            or weight.dtype != torch.float32 or not weight.is_contiguous()
+            or out_dtype not in _NARROW
             or (delta is not None and (delta.shape != hidden.shape or delta.dtype not in _NARROW
                                        or not delta.is_contiguous()))):
         raise ValueError("add_rms_norm: hidden fp32 [rows, n] contiguous, delta the same shape "
@@ -191,7 +194,7 @@ def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch
     out = torch.empty(rows, n, dtype=out_dtype)
     load_library().llmesh_add_rms_norm(
         hidden.data_ptr(), None if delta is None else delta.data_ptr(),
-        delta is not None and delta.dtype == torch.bfloat16, weight.contiguous().data_ptr(),
+        delta is not None and delta.dtype == torch.bfloat16, weight.data_ptr(),
         rows, n, eps, out.data_ptr(), out_dtype == torch.bfloat16, torch.get_num_threads())
     return out
 

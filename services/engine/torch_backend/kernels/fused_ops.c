@@ -10,68 +10,24 @@
  * fp32 arithmetic; bf16 inputs are widened exactly, bf16 outputs rounded to
  * nearest even (as PyTorch). Every row is computed by one thread in a fixed
  * order (the sum of squares in 16 lanes, then a fixed tree), so rows are
- * batch-invariant. exp() as in paged_attention.c (Cephes expf).
+ * batch-invariant. Vector helpers and exp() from simd.h.
  */
 
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-typedef float v16f __attribute__((vector_size(64), aligned(4), may_alias));
-typedef int32_t v16i __attribute__((vector_size(64), aligned(4), may_alias));
-
-#define LANES 16
-
-static inline v16f splat(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
-static inline v16f select16(v16i mask, v16f a, v16f b) {
-    return (v16f)(((v16i)a & mask) | ((v16i)b & ~mask));
-}
+#include "simd.h"
 
 static inline float widen(const void *data, int32_t is_bf16, int64_t index) {
-    if (!is_bf16) return ((const float *)data)[index];
-    const uint32_t bits = (uint32_t)((const uint16_t *)data)[index] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+    return is_bf16 ? bf16_to_float(((const uint16_t *)data)[index]) : ((const float *)data)[index];
 }
 
 static inline void narrow(void *data, int32_t to_bf16, int64_t index, float f) {
-    if (!to_bf16) {
+    if (to_bf16)
+        ((uint16_t *)data)[index] = float_to_bf16(f);
+    else
         ((float *)data)[index] = f;
-        return;
-    }
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) {
-        ((uint16_t *)data)[index] = (uint16_t)((bits >> 16) | 0x40);
-        return;
-    }
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    ((uint16_t *)data)[index] = (uint16_t)(bits >> 16);
-}
-
-/* exp(x) for x <= 0 (Cephes expf), 0 below -87.3. */
-static inline v16f exp16(v16f x) {
-    const v16f lo = splat(-87.33654475f);
-    const v16i underflow = x < lo;
-    x = select16(underflow, lo, x);
-    v16f fx = x * splat(1.44269504088896341f);
-    const v16f magic = splat(12582912.0f);
-    fx = (fx + magic) - magic;
-    x = x - fx * splat(0.693359375f);
-    x = x - fx * splat(-2.12194440e-4f);
-    v16f z = x * x;
-    v16f y = splat(1.9875691500E-4f);
-    y = y * x + splat(1.3981999507E-3f);
-    y = y * x + splat(8.3334519073E-3f);
-    y = y * x + splat(4.1665795894E-2f);
-    y = y * x + splat(1.6666665459E-1f);
-    y = y * x + splat(5.0000001201E-1f);
-    y = y * z + x + splat(1.0f);
-    v16i n = __builtin_convertvector(fx, v16i);
-    y = y * (v16f)((n + 127) << 23);
-    return select16(underflow, splat(0.0f), y);
 }
 
 int llmesh_add_rms_norm(float *hidden, const void *delta, int32_t delta_bf16, const float *weight,

@@ -47,10 +47,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v16f __attribute__((vector_size(64), aligned(4), may_alias));
-typedef int32_t v16i __attribute__((vector_size(64), aligned(4), may_alias));
+#include "simd.h"
 
-#define LANES 16
 #define TOKEN_TILE 16
 #define MAX_HEAD_DIM 256
 
@@ -80,76 +78,6 @@ typedef struct {
 typedef struct {
     int64_t seq, kv_head, first_token, num_tokens, first_head, num_heads;
 } work_item;
-
-static inline v16f splat(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
-static inline v16f load16(const float *p) { return *(const v16f *)p; }
-
-static inline void store16(float *p, v16f v) { *(v16f *)p = v; }
-
-/* Lane-wise mask ? a : b (mask lanes are all ones or all zeros). */
-static inline v16f select16(v16i mask, v16f a, v16f b) {
-    return (v16f)(((v16i)a & mask) | ((v16i)b & ~mask));
-}
-
-static inline v16f max16(v16f a, v16f b) { return select16(a > b, a, b); }
-
-/* A fixed pairwise tree over the 16 lanes. */
-static inline float hsum16(v16f v) {
-    float a[LANES];
-    memcpy(a, &v, sizeof a);
-    for (int width = LANES / 2; width >= 1; width /= 2)
-        for (int i = 0; i < width; i++) a[i] = a[i] + a[i + width];
-    return a[0];
-}
-
-static inline float hmax16(v16f v) {
-    float a[LANES];
-    memcpy(a, &v, sizeof a);
-    float m = a[0];
-    for (int i = 1; i < LANES; i++) m = a[i] > m ? a[i] : m;
-    return m;
-}
-
-/* exp(x) for x <= 0 (Cephes expf); 0 below -87.3 and for -inf. */
-static inline v16f exp16(v16f x) {
-    const v16f lo = splat(-87.33654475f);
-    const v16i underflow = x < lo;
-    x = select16(underflow, lo, x);
-    v16f fx = x * splat(1.44269504088896341f);
-    const v16f magic = splat(12582912.0f); /* 1.5 * 2^23: round to nearest */
-    fx = (fx + magic) - magic;
-    x = x - fx * splat(0.693359375f);
-    x = x - fx * splat(-2.12194440e-4f);
-    v16f z = x * x;
-    v16f y = splat(1.9875691500E-4f);
-    y = y * x + splat(1.3981999507E-3f);
-    y = y * x + splat(8.3334519073E-3f);
-    y = y * x + splat(4.1665795894E-2f);
-    y = y * x + splat(1.6666665459E-1f);
-    y = y * x + splat(5.0000001201E-1f);
-    y = y * z + x + splat(1.0f);
-    v16i n = __builtin_convertvector(fx, v16i);
-    v16i bits = (n + 127) << 23;
-    y = y * (v16f)bits;
-    return select16(underflow, splat(0.0f), y);
-}
-
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as PyTorch's float -> bfloat16 (NaN stays NaN). */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* Element `column` of row `row` of the qkv input, as fp32. */
 static inline float qkv_at(const step_plan *plan, const void *qkv, int64_t row, int64_t column) {

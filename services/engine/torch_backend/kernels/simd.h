@@ -1,0 +1,89 @@
+/* Shared helpers of the native kernels: 16-float vectors (GCC vector
+ * extensions; AVX-512 registers where the build machine has them), a lane
+ * select, fixed-order horizontal reductions, exp() for arguments <= 0 (Cephes
+ * expf, S. L. Moshier, Cephes Math Library), and bf16 <-> fp32 as PyTorch
+ * converts them (bf16 -> fp32 exact; fp32 -> bf16 rounded to nearest even).
+ */
+
+#ifndef LLMESH_KERNELS_SIMD_H
+#define LLMESH_KERNELS_SIMD_H
+
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16f __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t v16i __attribute__((vector_size(64), aligned(4), may_alias));
+
+#define LANES 16
+
+static inline v16f splat(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+static inline v16f load16(const float *p) { return *(const v16f *)p; }
+
+static inline void store16(float *p, v16f v) { *(v16f *)p = v; }
+
+/* Lane-wise mask ? a : b (mask lanes are all ones or all zeros). */
+static inline v16f select16(v16i mask, v16f a, v16f b) {
+    return (v16f)(((v16i)a & mask) | ((v16i)b & ~mask));
+}
+
+static inline v16f max16(v16f a, v16f b) { return select16(a > b, a, b); }
+
+/* A fixed pairwise tree over the 16 lanes. */
+static inline float hsum16(v16f v) {
+    float a[LANES];
+    memcpy(a, &v, sizeof a);
+    for (int width = LANES / 2; width >= 1; width /= 2)
+        for (int i = 0; i < width; i++) a[i] = a[i] + a[i + width];
+    return a[0];
+}
+
+static inline float hmax16(v16f v) {
+    float a[LANES];
+    memcpy(a, &v, sizeof a);
+    float m = a[0];
+    for (int i = 1; i < LANES; i++) m = a[i] > m ? a[i] : m;
+    return m;
+}
+
+/* exp(x) for x <= 0 (Cephes expf); 0 below -87.3 and for -inf. */
+static inline v16f exp16(v16f x) {
+    const v16f lo = splat(-87.33654475f);
+    const v16i underflow = x < lo;
+    x = select16(underflow, lo, x);
+    v16f fx = x * splat(1.44269504088896341f);
+    const v16f magic = splat(12582912.0f); /* 1.5 * 2^23: round to nearest */
+    fx = (fx + magic) - magic;
+    x = x - fx * splat(0.693359375f);
+    x = x - fx * splat(-2.12194440e-4f);
+    v16f z = x * x;
+    v16f y = splat(1.9875691500E-4f);
+    y = y * x + splat(1.3981999507E-3f);
+    y = y * x + splat(8.3334519073E-3f);
+    y = y * x + splat(4.1665795894E-2f);
+    y = y * x + splat(1.6666665459E-1f);
+    y = y * x + splat(5.0000001201E-1f);
+    y = y * z + x + splat(1.0f);
+    v16i n = __builtin_convertvector(fx, v16i);
+    v16i bits = (n + 127) << 23;
+    y = y * (v16f)bits;
+    return select16(underflow, splat(0.0f), y);
+}
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as PyTorch's float -> bfloat16 (NaN stays NaN). */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+#endif
