@@ -172,8 +172,12 @@ def test_cache_contents_and_outputs_agree_with_the_pytorch_path(dtype: torch.dty
 def test_unsupported_layouts_raise_a_clear_error() -> None:
     shape = Shape(num_heads=2, num_kv_heads=1, head_dim=272)
     seqs = Sequences([4], shape=shape)
-    with pytest.raises(RuntimeError, match=r"head_dim must be in \[1, 256\]"):
+    with pytest.raises(RuntimeError, match=r"head_dim must be even and in \[2, 256\]"):
         run(new_cache(seqs, shape), [(0, 0, 4)], seqs, shape=shape)
+    shape = Shape(num_heads=3, num_kv_heads=2, head_dim=16)  # heads do not divide evenly
+    seqs = Sequences([1], shape=shape)
+    with pytest.raises(RuntimeError, match="multiple of num_kv_heads"):
+        run(new_cache(seqs, shape), [(0, 0, 1)], seqs, shape=shape)
     seqs = Sequences([4])
     cache = new_cache(seqs)
     with pytest.raises(ValueError, match="transposed key layout"):
@@ -185,6 +189,8 @@ def test_unsupported_layouts_raise_a_clear_error() -> None:
         batch.attend(0, seqs.qkv[0].t().contiguous().t(), SCALE, torch.float32)
     with pytest.raises(RuntimeError, match="contiguous fp32/bf16"):
         batch.attend(0, seqs.qkv[0].half(), SCALE, torch.float32)
+    with pytest.raises(RuntimeError, match=r"rows >= 4"):
+        batch.attend(0, seqs.qkv[0][:2], SCALE, torch.float32)
     with pytest.raises(ValueError, match="past the RoPE tables"):
         NativeAttentionBatch(cache, [SeqAttention(2000, 4, seqs.tables[0])], torch.arange(4),
                              SHAPE.num_heads, rope())
@@ -211,9 +217,11 @@ def test_backend_choice() -> None:
         resolve_attention_backend("native", cpu, torch.bfloat16)
     with pytest.raises(ValueError, match="must be one of"):
         resolve_attention_backend("flash", cpu, torch.float32)
+    uneven = Shape(num_heads=3, num_kv_heads=2)
+    assert resolve_attention_backend("auto", cpu, torch.float32, uneven) == "torch"  # type: ignore[arg-type]
     wide = Shape(num_heads=4, num_kv_heads=4, head_dim=512)
     assert resolve_attention_backend("auto", cpu, torch.float32, wide) == "torch"  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="head_dim <= 256"):
+    with pytest.raises(ValueError, match="even head_dim <= 256"):
         resolve_attention_backend("native", cpu, torch.float32, wide)  # type: ignore[arg-type]
 
 

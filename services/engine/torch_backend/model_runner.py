@@ -68,7 +68,7 @@ def resolve_attention_backend(choice: str, device: torch.device, dtype: torch.dt
     if choice == "torch":
         return choice
     shape = {} if config is None else {"head_dim": config.head_dim,
-                                       "group_size": config.num_heads // config.num_kv_heads}
+                                       "group_size": config.num_heads / config.num_kv_heads}
     reason = unavailable_reason(device, dtype, **shape)
     if reason is None:
         return "native"

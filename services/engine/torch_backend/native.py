@@ -35,7 +35,11 @@ KERNELS = Path(__file__).with_name("kernels")
 SOURCES = (KERNELS / "paged_attention.c", KERNELS / "fused_ops.c")
 #: Headers they include (part of the build's cache key).
 HEADERS = (KERNELS / "simd.h",)
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+#: ``-ffp-contract=fast`` (GCC's default in GNU C, pinned here) fuses a * b + c
+#: into FMA: the bits of a result are those of this build on this CPU; a mesh
+#: whose nodes must agree bit for bit needs the same compiler and ISA.
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC",
+          "-std=gnu11")
 class NativeKernelUnavailable(RuntimeError):
     """The kernel cannot be built or loaded here (the message says why)."""
 
@@ -148,15 +152,16 @@ MAX_GROUP = 32
 
 
 def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int = 64,
-                       group_size: int = 1) -> str | None:
+                       group_size: float = 1) -> str | None:
     """Why the kernel cannot serve ``device``/``dtype`` and a model of ``head_dim``
-    with ``group_size`` query heads per KV head here, or None when it can
-    (builds it on first call)."""
+    with ``group_size`` query heads per KV head (a whole number: heads divide
+    evenly) here, or None when it can (builds it on first call)."""
     if device.type != "cpu" or dtype != torch.float32:
         return f"the native attention kernel is fp32 on CPU only (got {dtype} on {device})"
-    if not 1 <= head_dim <= MAX_HEAD_DIM or not 1 <= group_size <= MAX_GROUP:
-        return (f"the native attention kernel takes head_dim <= {MAX_HEAD_DIM} and <= "
-                f"{MAX_GROUP} query heads per KV head (got {head_dim} and {group_size})")
+    if (not 2 <= head_dim <= MAX_HEAD_DIM or head_dim % 2
+            or not 1 <= group_size <= MAX_GROUP or group_size != int(group_size)):
+        return (f"the native attention kernel takes an even head_dim <= {MAX_HEAD_DIM} and "
+                f"1..{MAX_GROUP} query heads per KV head (got {head_dim} and {group_size})")
     try:
         load_library()
     except NativeKernelUnavailable as exc:

@@ -23,8 +23,9 @@ from services.engine.torch_backend.native import load_library
 from services.engine.torch_backend.paged_kv import PagedKVCache, SeqAttention
 
 #: Return codes of ``llmesh_paged_attention``.
-_ERRORS = {-1: "head_dim must be in [1, 256]",
-           -2: "at most 32 query heads per KV head", -3: "out of memory"}
+_ERRORS = {-1: "head_dim must be even and in [2, 256]",
+           -2: "num_heads must be a multiple of num_kv_heads, at most 32 per KV head",
+           -3: "out of memory", -4: "block_size must be at least 1"}
 
 
 class StepPlan(ctypes.Structure):
@@ -126,12 +127,13 @@ class NativeAttentionBatch:
         """
         if (qkv.dtype not in (torch.float32, torch.bfloat16) or not qkv.is_contiguous()
                 or qkv.dim() != 2 or qkv.shape[1] != self._width
+                or qkv.shape[0] < self.num_tokens
                 or out_dtype not in (torch.float32, torch.bfloat16)):
             raise RuntimeError(f"paged attention kernel: qkv must be contiguous fp32/bf16 "
-                               f"[rows, {self._width}] and out fp32/bf16, got {qkv.dtype} "
-                               f"{tuple(qkv.shape)} -> {out_dtype}")
+                               f"[rows >= {self.num_tokens}, {self._width}] and out fp32/bf16, "
+                               f"got {qkv.dtype} {tuple(qkv.shape)} -> {out_dtype}")
         out = self._out.get(out_dtype)
-        if out is None:  # padding rows stay zero
+        if out is None or out.shape[0] != qkv.shape[0]:  # padding rows stay zero
             out = self._out[out_dtype] = qkv.new_zeros(
                 qkv.shape[0], self.num_heads * self.head_dim, dtype=out_dtype)
         plan = self._plan

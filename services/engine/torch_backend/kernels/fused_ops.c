@@ -34,7 +34,7 @@ int llmesh_add_rms_norm(float *hidden, const void *delta, int32_t delta_bf16, co
                         int64_t rows, int64_t n, float eps, void *out, int32_t out_bf16,
                         int32_t num_threads) {
     if (n < 1) return -1;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 4)
+#pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) if (rows > 4)
     for (int64_t r = 0; r < rows; r++) {
         float *h = hidden + r * n;
         if (delta != NULL)
@@ -52,7 +52,7 @@ int llmesh_add_rms_norm(float *hidden, const void *delta, int32_t delta_bf16, co
 int llmesh_silu_mul(const void *gate_up, int32_t in_bf16, int64_t rows, int64_t n, void *out,
                     int32_t out_bf16, int32_t num_threads) {
     if (n < 1) return -1;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 4)
+#pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) if (rows > 4)
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t i0 = 0; i0 < n; i0 += LANES) {
             float gate[LANES] = {0}, up[LANES] = {0}, result[LANES];

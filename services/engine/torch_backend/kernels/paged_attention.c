@@ -259,14 +259,18 @@ static int attend_item(const step_plan *plan, const work_item *item, const void 
     return 0;
 }
 
-/* Returns 0, or a negative code for a shape this kernel does not take:
- * -1 head_dim above 256; -2 more than 32 query heads per KV head; -3 out of
- * memory. */
+/* Returns 0, or a negative code for a plan this kernel does not take:
+ * -1 head_dim not even or not in [2, 256]; -2 num_heads not a multiple of
+ * num_kv_heads, or more than 32 query heads per KV head; -3 out of memory;
+ * -4 block_size below 1. */
 int llmesh_paged_attention(const step_plan *plan, const void *qkv, float *k_cache, float *v_cache,
                            void *out) {
-    if (plan->head_dim < 1 || plan->head_dim > MAX_HEAD_DIM) return -1;
+    if (plan->head_dim < 2 || plan->head_dim > MAX_HEAD_DIM || plan->head_dim % 2) return -1;
+    if (plan->num_kv_heads < 1 || plan->num_heads % plan->num_kv_heads) return -2;
     const int64_t group = plan->num_heads / plan->num_kv_heads;
-    if (group > 32) return -2;
+    if (group < 1 || group > 32) return -2;
+    if (plan->block_size < 1) return -4;
+    const int num_threads = plan->num_threads < 1 ? 1 : plan->num_threads;
     write_new_kv(plan, qkv, k_cache, v_cache);
 
     /* One-token sequences (decodes) get one item per KV head, whose query heads
@@ -274,7 +278,7 @@ int llmesh_paged_attention(const step_plan *plan, const void *qkv, float *k_cach
      * per thread, one item per query head instead (e.g. a single decode). */
     int64_t num_decodes = 0;
     for (int64_t s = 0; s < plan->num_seqs; s++) num_decodes += plan->seq_num_tokens[s] == 1;
-    const int split_heads = num_decodes * plan->num_kv_heads < 4 * (int64_t)plan->num_threads;
+    const int split_heads = num_decodes * plan->num_kv_heads < 4 * (int64_t)num_threads;
     const int64_t decode_items = split_heads ? plan->num_heads : plan->num_kv_heads;
     int64_t count = 0;
     for (int64_t s = 0; s < plan->num_seqs; s++) {
@@ -297,7 +301,7 @@ int llmesh_paged_attention(const step_plan *plan, const void *qkv, float *k_cach
                                          kvh * group, group};
     }
     int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(plan->num_threads) reduction(| : failed)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
     for (int64_t w = 0; w < count; w++)
         failed |= attend_item(plan, &items[w], qkv, k_cache, v_cache, out) != 0;
     free(items);

@@ -77,7 +77,8 @@ static inline float bf16_to_float(uint16_t x) {
     return f;
 }
 
-/* Round to nearest even, as PyTorch's float -> bfloat16 (NaN stays NaN). */
+/* Round to nearest even, as PyTorch's float -> bfloat16 (a NaN stays a quiet
+ * NaN, its payload bits may differ from PyTorch's). */
 static inline uint16_t float_to_bf16(float f) {
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);
