@@ -34,7 +34,7 @@ KERNELS = Path(__file__).with_name("kernels")
 #: The C sources of the library, compiled together.
 SOURCES = (KERNELS / "paged_attention.c", KERNELS / "fused_ops.c")
 #: Headers they include (part of the build's cache key).
-HEADERS = (KERNELS / "simd.h",)
+HEADERS = (KERNELS / "simd.h", KERNELS / "llmesh_kernels.h")
 #: ``-ffp-contract=fast`` (GCC's default in GNU C, pinned here) fuses a * b + c
 #: into FMA: the bits of a result are those of this build on this CPU; a mesh
 #: whose nodes must agree bit for bit needs the same compiler and ISA.

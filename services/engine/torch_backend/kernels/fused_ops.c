@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "llmesh_kernels.h"
 #include "simd.h"
 
 static inline float widen(const void *data, int32_t is_bf16, int64_t index) {

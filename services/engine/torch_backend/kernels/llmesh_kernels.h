@@ -1,0 +1,50 @@
+/* The C interface of the native kernels (paged_attention.c, fused_ops.c);
+ * native.py and native_attention.py mirror it with ctypes, and
+ * tests/engine/kernels/kernel_harness.c calls it directly. */
+
+#ifndef LLMESH_KERNELS_H
+#define LLMESH_KERNELS_H
+
+#include <stdint.h>
+
+/* The step's plan: fixed for every layer of one step. */
+typedef struct {
+    int64_t num_tokens;      /* rows that carry a token (the rest are padding) */
+    int64_t num_seqs;
+    const int64_t *seq_first_row; /* [num_seqs] first row of the sequence's tokens */
+    const int64_t *seq_num_tokens; /* [num_seqs] its tokens in this step */
+    const int64_t *seq_start;      /* [num_seqs] its tokens already cached (position of the first) */
+    const int64_t *seq_table;      /* [num_seqs] offset of its block table in block_tables */
+    const int64_t *block_tables;   /* block ids, each sequence's back to back */
+    const int64_t *slots;          /* [num_tokens] slot of each new token */
+    int64_t num_heads;
+    int64_t num_kv_heads;
+    int64_t head_dim;
+    int64_t block_size;
+    int64_t cache_head_stride;     /* floats between KV heads in a layer's cache */
+    const float *rope_cos;         /* [max_positions, head_dim] */
+    const float *rope_sin;         /* [max_positions, head_dim], first half negated */
+    int32_t qkv_bf16;              /* qkv is bf16 (else fp32) */
+    int32_t out_bf16;              /* write out as bf16 (else fp32) */
+    float scale;
+    int32_t num_threads;
+} step_plan;
+
+/* Returns 0, or a negative code for a plan this kernel does not take:
+ * -1 head_dim not even or not in [2, 256]; -2 num_heads not a multiple of
+ * num_kv_heads, or more than 32 query heads per KV head; -3 out of memory;
+ * -4 block_size below 1. */
+int llmesh_paged_attention(const step_plan *plan, const void *qkv, float *k_cache, float *v_cache,
+                           void *out);
+
+/* hidden += delta (skipped for NULL); out = RMSNorm(hidden) * weight. Returns
+ * 0, or -1 for n < 1. */
+int llmesh_add_rms_norm(float *hidden, const void *delta, int32_t delta_bf16, const float *weight,
+                        int64_t rows, int64_t n, float eps, void *out, int32_t out_bf16,
+                        int32_t num_threads);
+
+/* out = SiLU(gate_up[:, :n]) * gate_up[:, n:]. Returns 0, or -1 for n < 1. */
+int llmesh_silu_mul(const void *gate_up, int32_t in_bf16, int64_t rows, int64_t n, void *out,
+                    int32_t out_bf16, int32_t num_threads);
+
+#endif

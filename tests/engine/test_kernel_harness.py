@@ -1,0 +1,72 @@
+"""The native kernels under a C stress harness (``kernels/kernel_harness.c``):
+built with AddressSanitizer + UndefinedBehaviorSanitizer, and with the
+production flags, then run on random shapes, schedules and dtypes (see the
+harness's header). Needs the C compiler the engine builds its kernels with;
+CI installs it (``.ci/run``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from services.engine.torch_backend.native import CFLAGS, KERNELS, SOURCES
+
+HARNESS = Path(__file__).with_name("kernels") / "kernel_harness.c"
+COMPILER = os.environ.get("CC", "cc")
+SANITIZE = ("-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+            "-fno-omit-frame-pointer")
+
+pytestmark = pytest.mark.skipif(shutil.which(COMPILER) is None,
+                                reason=f"no C compiler {COMPILER!r} (the kernels need one)")
+
+
+def build(tmp_path: Path, name: str, flags: tuple[str, ...]) -> Path:
+    binary = tmp_path / name
+    done = subprocess.run(
+        [COMPILER, *flags, "-march=native", "-fopenmp", "-std=gnu11", f"-I{KERNELS}",
+         "-o", str(binary), str(HARNESS), *(str(source) for source in SOURCES), "-lm"],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return binary
+
+
+def run(binary: Path, *args: str) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "ASAN_OPTIONS": "detect_leaks=0",
+           "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}
+    done = subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=600,
+                          env=env)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert f"{args[0]}: OK (0 failures)" in output, output[-4000:]
+    return output
+
+
+@pytest.fixture(scope="module")
+def sanitized(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build(tmp_path_factory.mktemp("harness"), "harness_asan", SANITIZE)
+
+
+@pytest.mark.parametrize("args", [
+    ("edge", "1", "1"),
+    ("bad_group_nondiv", "1", "1"),
+    ("bad_group_zero", "1", "1"),
+    ("attn", "11", "30", "300", "40", "1e8", "3"),
+    ("attn", "12", "6", "200", "30", "1e8", "2", "32"),  # 32 query heads per KV head
+    ("fused", "14", "100"),
+])
+def test_kernels_under_sanitizers(sanitized: Path, args: tuple[str, ...]) -> None:
+    run(sanitized, *args)
+
+
+def test_kernels_with_production_flags(tmp_path: Path) -> None:
+    optimized = build(tmp_path, "harness_opt", tuple(f for f in CFLAGS
+                                                     if f not in ("-shared", "-fPIC",
+                                                                  "-march=native", "-fopenmp",
+                                                                  "-std=gnu11")))
+    output = run(optimized, "attn", "21", "60", "600", "70", "3e8", "4")
+    assert "max |err| fp32 out vs double ref" in output
+    run(optimized, "fused", "22", "300")
