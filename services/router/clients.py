@@ -260,6 +260,13 @@ class DetokenizeSession:
             reply = await self._call.read()
         except grpc.aio.AioRpcError as err:
             raise _upstream_error("tokenizer", self._target, err) from err
+        except asyncio.InvalidStateError as err:
+            # The stream already ended (e.g. the request's deadline passed between
+            # two writes): report how it ended, not an internal error.
+            code = await self._call.code()
+            details = await self._call.details()
+            raise UpstreamError("tokenizer", self._target, code,
+                                details or "Detokenize stream already ended") from err
         if reply is grpc.aio.EOF:
             raise UpstreamError("tokenizer", self._target, grpc.StatusCode.INTERNAL,
                                 "Detokenize stream ended before answering")

@@ -120,6 +120,8 @@ def test_bad_environment_values_are_named(environ: dict[str, str]) -> None:
     (["--quantization", "int8", "--device", "cuda"], "use --quantization none on cuda"),
     (["--num-speculative-tokens", "17"], r"must be in \[1, 16\], got 17"),
     (["--ngram-min", "5", "--ngram-max", "2"], "ngram_min <= ngram_max, got 5 and 2"),
+    (["--attention-backend", "native", "--quantization", "none", "--dtype", "bfloat16"],
+     "fp32 on CPU only.*use --attention-backend torch"),
 ])
 def test_contradictory_flags_are_refused_before_loading(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -133,6 +135,8 @@ def test_contradictory_flags_are_refused_before_loading(argv: list[str], message
     (["--num-speculative-tokens", "17"], {}, "must be in [1, 16], got 17"),
     (["--help"], {"LLMESH_ENGINE_QUANTIZATION": "bogus"},
      "LLMESH_ENGINE_QUANTIZATION='bogus': choose one of"),
+    (["--attention-backend", "native", "--quantization", "none", "--dtype", "bfloat16"], {},
+     "the native attention kernel is fp32 on CPU only"),
 ])
 def test_engine_cli_errors_are_one_line_not_a_traceback(
         argv: list[str], environ: dict[str, str], message: str) -> None:

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from services.engine.torch_backend import native
-from services.engine.torch_backend.model_runner import resolve_attention_backend
+from services.engine.torch_backend.gguf_loader import LlamaConfig
+from services.engine.torch_backend.model import LlamaModel
+from services.engine.torch_backend.model_runner import ModelRunner, resolve_attention_backend
 from services.engine.torch_backend.native import (
     NativeKernelUnavailable,
     load_library,
@@ -232,6 +234,14 @@ def test_a_missing_compiler_is_reported_not_hidden(tmp_path, monkeypatch) -> Non
     try:
         reason = unavailable_reason(torch.device("cpu"), torch.float32)
         assert reason is not None and "no C compiler 'no-such-cc'" in reason
+        # The runner falls back and keeps the reason (the backend logs it).
+        tiny = LlamaModel(LlamaConfig(
+            name="tiny", hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+            intermediate_size=64, vocab_size=64, rope_theta=1e4, rms_norm_eps=1e-5,
+            context_length=64, tie_word_embeddings=True, bos_token_id=None, eos_token_ids=(1,)))
+        runner = ModelRunner(tiny, torch.device("cpu"), torch.float32)
+        assert runner.attention_backend == "torch"
+        assert "no C compiler" in (runner.native_unavailable_reason or "")
         assert resolve_attention_backend("auto", torch.device("cpu"), torch.float32) == "torch"
         with pytest.raises(ValueError, match="no C compiler"):
             resolve_attention_backend("native", torch.device("cpu"), torch.float32)
@@ -251,6 +261,19 @@ def test_an_unwritable_cache_folder_is_reported(tmp_path, monkeypatch) -> None: 
     try:
         reason = unavailable_reason(torch.device("cpu"), torch.float32)
         assert reason is not None and "LLMESH_KERNEL_CACHE" in reason
+    finally:
+        monkeypatch.undo()
+        load_library.cache_clear()
+        load_library()
+
+
+def test_cc_may_carry_arguments(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("LLMESH_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "env cc")  # like "ccache gcc"
+    load_library.cache_clear()
+    try:
+        load_library()
+        assert native.library_path().exists()
     finally:
         monkeypatch.undo()
         load_library.cache_clear()

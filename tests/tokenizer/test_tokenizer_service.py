@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -12,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from llmesh.v1 import tokenizer_pb2
 
+from services.router.clients import TokenizerClient, UpstreamError
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.tokenizer import Tokenizer
 from tests.tokenizer.tokenizer_helpers import (
@@ -286,3 +288,25 @@ def test_metrics_count_calls_and_tokens(
     assert sample(metrics, "llmesh:tokenizer_tokens_total", method="Detokenize") == detok + 3
     assert sample(metrics, "llmesh:tokenizer_request_duration_seconds_bucket",
                   method="Detokenize", le="0.001") > 0  # sub-millisecond resolution
+
+
+def test_a_detokenize_stream_past_its_deadline_reports_deadline_exceeded(
+        smollm_server: tuple[ServerThread, TokenizerMetrics]) -> None:
+    """The router feeds its Detokenize stream as tokens arrive; when the request's
+    deadline passes between two feeds, the next feed reports DEADLINE_EXCEEDED
+    (it used to surface as an internal error, asyncio's "RPC already finished")."""
+    async def scenario() -> UpstreamError:
+        client = TokenizerClient(smollm_server[0].target)
+        session = client.detokenize(request_id="late", deadline=time.monotonic() + 0.3)
+        try:
+            await session.feed([504, 2365])
+            await asyncio.sleep(0.6)
+            with pytest.raises(UpstreamError) as raised:
+                await session.feed([6354])
+            return raised.value
+        finally:
+            session.close()
+            await client.close()
+
+    error = asyncio.run(scenario())
+    assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED, error

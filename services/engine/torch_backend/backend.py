@@ -45,6 +45,7 @@ from services.engine.torch_backend.model_runner import (
     DTYPES,
     ModelRunner,
     keep_freed_memory,
+    resolve_attention_backend,
 )
 from services.engine.torch_backend.quant import check_mode
 from services.engine.torch_backend.scheduler import Scheduler, SchedulerConfig
@@ -163,6 +164,9 @@ class TorchBackend(EngineBackend):
         log.info("attention_backend", backend=runner.attention_backend,
                  requested=config.attention_backend,
                  dense_prefill=runner.model.has_prompt_projections)
+        if runner.native_unavailable_reason is not None:
+            log.warning("native_kernels_unavailable", reason=runner.native_unavailable_reason,
+                        using="torch")
         context = runner.config.context_length
         max_model_len = config.max_model_len or context
         if max_model_len > min(context, runner.model.max_positions):
@@ -284,8 +288,9 @@ def check_config(config: EngineConfig) -> None:
     Raises:
       ValueError: an unknown dtype; a quantization that contradicts dtype or
         device (:func:`~services.engine.torch_backend.quant.check_mode`); an
-        unknown attention backend (whether ``native`` builds is checked when
-        the model loads); bad
+        unknown attention backend, or ``native`` where the kernels cannot
+        serve the device/dtype or cannot be built (the model's head shapes are
+        checked when it loads); bad
         speculative options (:class:`SpeculativeConfig`).
     """
     if config.dtype not in DTYPES:
@@ -294,6 +299,8 @@ def check_config(config: EngineConfig) -> None:
     if config.attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, "
                          f"got {config.attention_backend!r}")
+    if config.attention_backend == "native":  # builds the kernels now if it must
+        resolve_attention_backend("native", torch.device(config.device), DTYPES[config.dtype])
     speculative_config(config)
 
 

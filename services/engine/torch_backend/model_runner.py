@@ -157,6 +157,12 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         self.attention_backend = resolve_attention_backend(attention_backend, device, dtype,
                                                            model.config)
+        #: Why ``auto`` fell back to the PyTorch attention (None: it did not).
+        self.native_unavailable_reason: str | None = None
+        if attention_backend == "auto" and self.attention_backend == "torch":
+            self.native_unavailable_reason = unavailable_reason(
+                device, dtype, model.config.head_dim,
+                model.config.num_heads / model.config.num_kv_heads)
         self.kv_cache: PagedKVCache | None = None
         self._group_size = self.config.num_heads // self.config.num_kv_heads
 

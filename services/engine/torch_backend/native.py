@@ -23,6 +23,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -50,11 +51,12 @@ def cache_dir() -> Path:
     return Path(configured) if configured else Path.home() / ".cache" / "llmesh" / "kernels"
 
 
-def _compiler() -> str:
-    compiler = os.environ.get("CC", "cc")
-    if shutil.which(compiler) is None:
+def _compiler() -> list[str]:
+    """``$CC`` (may carry arguments, e.g. ``ccache gcc``), else ``cc``, as argv."""
+    compiler = shlex.split(os.environ.get("CC", "cc")) or ["cc"]
+    if shutil.which(compiler[0]) is None:
         raise NativeKernelUnavailable(
-            f"no C compiler {compiler!r} on PATH (apt-get install gcc, or set CC)")
+            f"no C compiler {compiler[0]!r} on PATH (apt-get install gcc, or set CC)")
     return compiler
 
 
@@ -75,7 +77,7 @@ def library_path() -> Path:
       NativeKernelUnavailable: no C compiler.
     """
     compiler = _compiler()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True,
                              check=False).stdout
     digest = hashlib.sha256()
     for part in (*(path.read_bytes() for path in SOURCES + HEADERS), " ".join(CFLAGS).encode(),
@@ -123,7 +125,7 @@ def load_library() -> ctypes.CDLL:
 def _build(target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         output = Path(scratch) / target.name
-        result = subprocess.run([_compiler(), *CFLAGS, "-o", str(output),
+        result = subprocess.run([*_compiler(), *CFLAGS, "-o", str(output),
                                  *(str(source) for source in SOURCES)],
                                 capture_output=True, text=True, check=False)
         if result.returncode != 0:
