@@ -1,6 +1,6 @@
 """Speculative decoding speed-up on input-grounded prompts (not a test).
 
-    python benchmarks/spec_decode.py [--k 4] [--ngram-min 2] [--ngram-max 4]
+    python benchmarks/spec_decode.py [--k 3] [--ngram-min 1] [--ngram-max 4] [--ngram-full-len 3]
                                      [--methods ngram draft] [--streams 1 16]
                                      [--max-tokens 128] [--quantization ...]
 
@@ -188,6 +188,7 @@ async def main() -> None:
     parser.add_argument("--k", type=int, default=EngineConfig.num_speculative_tokens)
     parser.add_argument("--ngram-min", type=int, default=EngineConfig.ngram_min)
     parser.add_argument("--ngram-max", type=int, default=EngineConfig.ngram_max)
+    parser.add_argument("--ngram-full-len", type=int, default=EngineConfig.ngram_full_len)
     parser.add_argument("--draft-num-layers", type=int, default=EngineConfig.draft_num_layers)
     parser.add_argument("--methods", nargs="+", default=["ngram"], choices=["ngram", "draft"])
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
@@ -205,6 +206,7 @@ async def main() -> None:
                for e in entries]
     config = EngineConfig(model_path=path, max_model_len=2048, num_speculative_tokens=args.k,
                           ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                          ngram_full_len=args.ngram_full_len,
                           draft_num_layers=args.draft_num_layers)
     if args.quantization is not None:
         config = dataclasses.replace(config, quantization=args.quantization)
@@ -212,7 +214,8 @@ async def main() -> None:
     backend = TorchBackend(config, step_observer=log)
     print(f"load average before: {load():.2f}; prompts: {len(prompts)} of "
           f"{statistics.mean(map(len, prompts)):.0f} tokens (mean); max_tokens "
-          f"{args.max_tokens}; k={args.k}, n-gram {args.ngram_min}..{args.ngram_max}; "
+          f"{args.max_tokens}; k={args.k}, n-gram {args.ngram_min}..{args.ngram_max} "
+          f"(k for matches >= {args.ngram_full_len}); "
           f"quantization {getattr(config, 'quantization', 'none')}")
     await backend.start()
     try:

@@ -84,6 +84,8 @@ class EngineConfig:
         choose its own (torch backend).
       num_speculative_tokens: default most proposals per sequence and step.
       ngram_min, ngram_max: n-gram lengths the prompt lookup tries, longest first.
+      ngram_full_len: a prompt-lookup match this long or longer proposes up to
+        ``num_speculative_tokens``; a shorter one proposes 1.
       draft_num_layers: the default draft is the target's first this many
         layers with its final norm and LM head (weights shared).
       draft_model_path: a GGUF draft model with the target's vocabulary instead.
@@ -113,7 +115,8 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.85
     speculative_method: str = "ngram"
     num_speculative_tokens: int = 3
-    ngram_min: int = 2
+    ngram_min: int = 1
+    ngram_full_len: int = 3
     ngram_max: int = 4
     draft_num_layers: int = 8
     draft_model_path: Path | None = None
@@ -202,7 +205,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
         choices=SPECULATIVE_METHODS)
     add("--num-speculative-tokens", _positive_int, 3,
         "default most speculative tokens per sequence and step")
-    add("--ngram-min", _positive_int, 2, "shortest n-gram the prompt lookup matches")
+    add("--ngram-min", _positive_int, 1, "shortest n-gram the prompt lookup matches")
+    add("--ngram-full-len", _positive_int, 3,
+        "a prompt-lookup match this long proposes up to k tokens, a shorter one 1")
     add("--ngram-max", _positive_int, 4, "longest n-gram the prompt lookup matches")
     add("--draft-num-layers", _positive_int, 8,
         "draft model = the target's first N layers + final norm + LM head")
@@ -238,6 +243,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,
         ngram_min=args.ngram_min,
+        ngram_full_len=args.ngram_full_len,
         ngram_max=args.ngram_max,
         draft_num_layers=args.draft_num_layers,
         draft_model_path=args.draft_model_path,

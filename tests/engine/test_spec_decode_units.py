@@ -69,6 +69,15 @@ def test_ngram_match_may_overlap_the_suffix_and_stops_at_the_end() -> None:
     assert propose_ngram([1, 2, 3, 1, 2], 4, 2, 2) == [3, 1, 2]
 
 
+def test_short_ngram_matches_propose_one_token() -> None:
+    tokens = [5, 1, 2, 3, 9, 8, 7, 6, 1, 2, 3]  # the 3-gram (1, 2, 3) recurs
+    assert propose_ngram(tokens, 3, 1, 4, full_len=3) == [9, 8, 7]
+    assert propose_ngram(tokens, 3, 1, 4, full_len=4) == [9]  # a 3-gram is short of 4
+    assert propose_ngram([4, 6, 4], 3, 1, 4, full_len=3) == [6]  # only a 1-gram matches
+    assert NgramProposer(1, 4, full_len=3).propose(
+        [(make_request("short", [4, 6, 0, 4]), 3)]) == [[6]]
+
+
 def test_ngram_proposer_searches_a_bounded_window() -> None:
     seq = make_request("w", [1, 2, 3, 9, 9, 9, 9, 9, 1, 2])
     assert NgramProposer(2, 2, window=100).propose([(seq, 2)]) == [[3, 9]]

