@@ -5,7 +5,9 @@ clear errors, and the backend choice (``auto`` / ``native`` / ``torch``)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -227,75 +229,67 @@ def test_backend_choice() -> None:
         resolve_attention_backend("native", cpu, torch.float32, wide)  # type: ignore[arg-type]
 
 
-def test_a_missing_compiler_is_reported_not_hidden(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    monkeypatch.setenv("LLMESH_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", "no-such-cc")
+@pytest.fixture
+def kernel_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """Lets a test point the build at another cache or compiler (through the
+    returned monkeypatch) with the library unloaded; restores both after."""
     load_library.cache_clear()
     try:
-        reason = unavailable_reason(torch.device("cpu"), torch.float32)
-        assert reason is not None and "no C compiler 'no-such-cc'" in reason
-        # The runner falls back and keeps the reason (the backend logs it).
-        tiny = LlamaModel(LlamaConfig(
-            name="tiny", hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
-            intermediate_size=64, vocab_size=64, rope_theta=1e4, rms_norm_eps=1e-5,
-            context_length=64, tie_word_embeddings=True, bos_token_id=None, eos_token_ids=(1,)))
-        runner = ModelRunner(tiny, torch.device("cpu"), torch.float32)
-        assert runner.attention_backend == "torch"
-        assert "no C compiler" in (runner.native_unavailable_reason or "")
-        assert resolve_attention_backend("auto", torch.device("cpu"), torch.float32) == "torch"
-        with pytest.raises(ValueError, match="no C compiler"):
-            resolve_attention_backend("native", torch.device("cpu"), torch.float32)
-        with pytest.raises(NativeKernelUnavailable):
-            load_library()
+        yield monkeypatch
     finally:
         monkeypatch.undo()
         load_library.cache_clear()
         load_library()
 
 
-def test_an_unwritable_cache_folder_is_reported(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_a_missing_compiler_is_reported_not_hidden(tmp_path: Path,
+                                                   kernel_env: pytest.MonkeyPatch) -> None:
+    kernel_env.setenv("LLMESH_KERNEL_CACHE", str(tmp_path))
+    kernel_env.setenv("CC", "no-such-cc")
+    reason = unavailable_reason(torch.device("cpu"), torch.float32)
+    assert reason is not None and "no C compiler 'no-such-cc'" in reason
+    # The runner falls back and keeps the reason (the backend logs it).
+    tiny = LlamaModel(LlamaConfig(
+        name="tiny", hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+        intermediate_size=64, vocab_size=64, rope_theta=1e4, rms_norm_eps=1e-5,
+        context_length=64, tie_word_embeddings=True, bos_token_id=None, eos_token_ids=(1,)))
+    runner = ModelRunner(tiny, torch.device("cpu"), torch.float32)
+    assert runner.attention_backend == "torch"
+    assert "no C compiler" in (runner.native_unavailable_reason or "")
+    assert resolve_attention_backend("auto", torch.device("cpu"), torch.float32) == "torch"
+    with pytest.raises(ValueError, match="no C compiler"):
+        resolve_attention_backend("native", torch.device("cpu"), torch.float32)
+    with pytest.raises(NativeKernelUnavailable):
+        load_library()
+
+
+def test_an_unwritable_cache_folder_is_reported(tmp_path: Path,
+                                                kernel_env: pytest.MonkeyPatch) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    monkeypatch.setenv("LLMESH_KERNEL_CACHE", str(blocker / "kernels"))
-    load_library.cache_clear()
-    try:
-        reason = unavailable_reason(torch.device("cpu"), torch.float32)
-        assert reason is not None and "LLMESH_KERNEL_CACHE" in reason
-    finally:
-        monkeypatch.undo()
-        load_library.cache_clear()
-        load_library()
+    kernel_env.setenv("LLMESH_KERNEL_CACHE", str(blocker / "kernels"))
+    reason = unavailable_reason(torch.device("cpu"), torch.float32)
+    assert reason is not None and "LLMESH_KERNEL_CACHE" in reason
 
 
-def test_cc_may_carry_arguments(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    monkeypatch.setenv("LLMESH_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", "env cc")  # like "ccache gcc"
-    load_library.cache_clear()
-    try:
-        load_library()
-        assert native.library_path().exists()
-    finally:
-        monkeypatch.undo()
-        load_library.cache_clear()
-        load_library()
+def test_cc_may_carry_arguments(tmp_path: Path, kernel_env: pytest.MonkeyPatch) -> None:
+    kernel_env.setenv("LLMESH_KERNEL_CACHE", str(tmp_path))
+    kernel_env.setenv("CC", "env cc")  # like "ccache gcc"
+    load_library()
+    assert native.library_path().exists()
 
 
-def test_the_build_is_cached_and_keyed_by_the_source(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    monkeypatch.setenv("LLMESH_KERNEL_CACHE", str(tmp_path))
+def test_the_build_is_cached_and_keyed_by_the_source(tmp_path: Path,
+                                                     kernel_env: pytest.MonkeyPatch) -> None:
+    kernel_env.setenv("LLMESH_KERNEL_CACHE", str(tmp_path))
     path = native.library_path()
     assert path.parent == tmp_path and not path.exists()
+    load_library()
+    assert path.exists()
+    built = path.stat().st_mtime_ns
     load_library.cache_clear()
-    try:
-        load_library()
-        assert path.exists()
-        built = path.stat().st_mtime_ns
-        load_library.cache_clear()
-        load_library()
-        assert path.stat().st_mtime_ns == built  # not rebuilt
-    finally:
-        monkeypatch.undo()
-        load_library.cache_clear()
-        load_library()
+    load_library()
+    assert path.stat().st_mtime_ns == built  # not rebuilt
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])

@@ -753,28 +753,20 @@ static void edge_cases(void) {
     printf("zero-token seqs: rc=%d\n", rc);
     if (rc) FAIL("zero-token seqs rc=%d", rc);
     plan.num_seqs = 0;
-    plan.head_dim = 0; rc = llmesh_paged_attention(&plan, dummy, dummy, dummy, dummy);
-    printf("head_dim 0: rc=%d\n", rc); if (rc != -1) FAIL("head_dim 0 rc=%d", rc);
-    plan.head_dim = 257; rc = llmesh_paged_attention(&plan, dummy, dummy, dummy, dummy);
-    printf("head_dim 257: rc=%d\n", rc); if (rc != -1) FAIL("head_dim 257 rc=%d", rc);
-    plan.head_dim = 64; plan.num_heads = 33; plan.num_kv_heads = 1;
-    rc = llmesh_paged_attention(&plan, dummy, dummy, dummy, dummy);
-    printf("group 33: rc=%d\n", rc); if (rc != -2) FAIL("group 33 rc=%d", rc);
-    plan.num_heads = 65; plan.num_kv_heads = 2;
-    rc = llmesh_paged_attention(&plan, dummy, dummy, dummy, dummy);
-    printf("heads 65 / kv 2 (not divisible): rc=%d\n", rc); if (rc != -2) FAIL("heads 65/2 rc=%d", rc);
-    plan.num_heads = 1; plan.num_kv_heads = 2;
-    rc = llmesh_paged_attention(&plan, dummy, dummy, dummy, dummy);
-    printf("heads 1 / kv 2: rc=%d\n", rc); if (rc != -2) FAIL("heads 1/2 rc=%d", rc);
-    plan.num_heads = 8; plan.num_kv_heads = 0;
-    rc = llmesh_paged_attention(&plan, dummy, dummy, dummy, dummy);
-    printf("kv heads 0: rc=%d\n", rc); if (rc != -2) FAIL("kv heads 0 rc=%d", rc);
-    plan.num_kv_heads = 2; plan.head_dim = 63;
-    rc = llmesh_paged_attention(&plan, dummy, dummy, dummy, dummy);
-    printf("head_dim 63: rc=%d\n", rc); if (rc != -1) FAIL("head_dim 63 rc=%d", rc);
-    plan.head_dim = 64; plan.block_size = 0;
-    rc = llmesh_paged_attention(&plan, dummy, dummy, dummy, dummy);
-    printf("block_size 0: rc=%d\n", rc); if (rc != -4) FAIL("block_size 0 rc=%d", rc);
+    /* Plans the kernel must refuse: (head_dim, heads, kv heads, block size) -> code. */
+    static const struct { int64_t dim, heads, kv, bs; int rc; const char *what; } refused[] = {
+        {0, 8, 2, 16, -1, "head_dim 0"},     {257, 8, 2, 16, -1, "head_dim 257"},
+        {63, 8, 2, 16, -1, "head_dim 63"},   {64, 33, 1, 16, -2, "group 33"},
+        {64, 65, 2, 16, -2, "heads 65 / kv 2"}, {64, 1, 2, 16, -2, "heads 1 / kv 2"},
+        {64, 8, 0, 16, -2, "kv heads 0"},    {64, 8, 2, 0, -4, "block_size 0"},
+    };
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        plan.head_dim = refused[i].dim; plan.num_heads = refused[i].heads;
+        plan.num_kv_heads = refused[i].kv; plan.block_size = refused[i].bs;
+        rc = llmesh_paged_attention(&plan, dummy, dummy, dummy, dummy);
+        printf("%s: rc=%d\n", refused[i].what, rc);
+        if (rc != refused[i].rc) FAIL("%s rc=%d, expected %d", refused[i].what, rc, refused[i].rc);
+    }
     free_case(&c);
 }
 
