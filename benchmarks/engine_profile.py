@@ -64,7 +64,7 @@ def group_of(name: str) -> str:
 
 
 def load_runner(quantization: str, attention_backend: str = "auto",
-                dense_prefill: bool = True) -> ModelRunner:
+                dense_prefill: bool = True, quant_kernel: str = "auto") -> ModelRunner:
     kwargs: dict[str, object] = {}
     parameters = inspect.signature(ModelRunner.from_gguf).parameters
     if "quantization" in parameters:
@@ -74,6 +74,8 @@ def load_runner(quantization: str, attention_backend: str = "auto",
     if "attention_backend" in parameters:  # older checkouts: their only attention
         kwargs["attention_backend"] = attention_backend
         kwargs["dense_prefill"] = dense_prefill
+    if "quant_kernel" in parameters:
+        kwargs["quant_kernel"] = quant_kernel
     runner = ModelRunner.from_gguf(default_model_path(), max_positions=4096, **kwargs)
     runner.allocate_kv_cache(256 << 20, 16)
     return runner
@@ -84,7 +86,8 @@ def main(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    runner = load_runner(args.quantization, args.attention_backend, args.dense_prefill)
+    runner = load_runner(args.quantization, args.attention_backend, args.dense_prefill,
+                         args.quant_kernel)
     roles = "prompt_len" in inspect.signature(StepInput).parameters
     blocks = list(range(-(-(max(args.context, args.prefill) + args.steps + args.profile_steps + 8) // 16)))
     prompt = torch.randint(100, 48000, (args.context,)).tolist()
@@ -118,7 +121,8 @@ def main(args: argparse.Namespace) -> None:
     quant = getattr(runner, "quantization", "none")
     print(f"SmolLM2 {quant}, batch 1, context {args.context}, {torch.get_num_threads()} threads, "
           f"attention {getattr(runner, 'attention_backend', 'torch')}, dense prefill "
-          f"{getattr(runner.model, 'has_prompt_projections', False)}, "
+          f"{getattr(runner.model, 'has_prompt_projections', False)}, int4 kernel "
+          f"{getattr(runner.model, 'quant_kernel', None)}, "
           f"load average {load_before:.2f}")
     print(f"decode step (ModelRunner.run): median {statistics.median(times):.2f} ms, "
           f"min {min(times):.2f} ms over {args.steps} steps")
@@ -154,6 +158,7 @@ if __name__ == "__main__":
     parser.add_argument("--quantization", default="none", choices=("none", "int8", "int4"))
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "native", "torch"))
     parser.add_argument("--dense-prefill", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--quant-kernel", default="auto", choices=("auto", "native", "torch"))
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--profile-steps", type=int, default=10)

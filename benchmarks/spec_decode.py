@@ -3,6 +3,7 @@
     python benchmarks/spec_decode.py [--k 3] [--ngram-min 1] [--ngram-max 4] [--ngram-full-len 3]
                                      [--methods ngram draft] [--streams 1 16]
                                      [--max-tokens 128] [--quantization ...]
+                                     [--quant-kernel auto|native|torch]
 
 Runs ``TorchBackend`` in-process (SmolLM2, default engine options otherwise) on
 the passages of ``benchmarks/data/spec_passages.json`` (rewrite / summarise /
@@ -197,6 +198,7 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=2,
                         help="runs per prompt and method at 1 stream (the fastest counts)")
     parser.add_argument("--quantization", default=None)
+    parser.add_argument("--quant-kernel", default=None, choices=("auto", "native", "torch"))
     args = parser.parse_args()
 
     path = default_model_path()
@@ -210,13 +212,16 @@ async def main() -> None:
                           draft_num_layers=args.draft_num_layers)
     if args.quantization is not None:
         config = dataclasses.replace(config, quantization=args.quantization)
+    if args.quant_kernel is not None:
+        config = dataclasses.replace(config, quant_kernel=args.quant_kernel)
     log = StepLog()
     backend = TorchBackend(config, step_observer=log)
     print(f"load average before: {load():.2f}; prompts: {len(prompts)} of "
           f"{statistics.mean(map(len, prompts)):.0f} tokens (mean); max_tokens "
           f"{args.max_tokens}; k={args.k}, n-gram {args.ngram_min}..{args.ngram_max} "
           f"(k for matches >= {args.ngram_full_len}); "
-          f"quantization {getattr(config, 'quantization', 'none')}")
+          f"quantization {getattr(config, 'quantization', 'none')}, int4 kernel "
+          f"{getattr(config, 'quant_kernel', 'torch')}")
     await backend.start()
     try:
         options = SamplingOptions(max_tokens=args.max_tokens)

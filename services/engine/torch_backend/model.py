@@ -52,6 +52,7 @@ from services.engine.torch_backend.quant import (
     Projection,
     check_mode,
     quantize_projection,
+    resolve_quant_kernel,
 )
 from services.engine.torch_backend.rope import rope_tables, signed_sin
 
@@ -206,6 +207,9 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_sin_signed", signed_sin(sin), persistent=False)
         self.linear: Linear = F.linear
         self.quantization = "none"
+        #: The quantized projections' and LM head's kernels (``native`` or
+        #: ``torch``; None unless quantized).
+        self.quant_kernel: str | None = None
         self.head: Projection = DenseProjection(self.lm_head, F.linear)
 
     def select_kernels(self) -> None:
@@ -230,17 +234,22 @@ class LlamaModel(nn.Module):
         return padded_linear_rows(num_rows, self.linear)
 
     def quantize(self, mode: str, state_dict: Mapping[str, torch.Tensor],
-                 q4_1: Mapping[str, Q4_1Blocks] | None = None) -> None:
+                 q4_1: Mapping[str, Q4_1Blocks] | None = None, quant_kernel: str = "auto"
+                 ) -> None:
         """Replaces every layer's projections with ``mode`` (``int4`` / ``int8``)
         ones built from Q4_1 blocks (``q4_1``, as they are for int4) or fp32
         weights (``state_dict``), and the LM head with int8 per-row weights of
-        the (tied) head; frees the dense projection weights.
+        the (tied) head; frees the dense projection weights. int4 runs on
+        ``quant_kernel`` (:func:`~services.engine.torch_backend.quant.resolve_quant_kernel`;
+        :attr:`quant_kernel` holds the one in use).
 
         Raises:
-          ValueError: unknown mode, or the model is not fp32 on CPU.
+          ValueError: unknown mode or int4 kernel, ``native`` where it cannot
+            be built, or the model is not fp32 on CPU.
           KeyError: a weight is in neither mapping.
         """
         check_mode(mode, self.embed_tokens.dtype, self.embed_tokens.device)
+        kernel = resolve_quant_kernel(quant_kernel)
         q4_1 = q4_1 or {}
         with torch.no_grad():
             for i, layer in enumerate(self.layers):
@@ -249,15 +258,16 @@ class LlamaModel(nn.Module):
                     names = [f"{prefix}{part}.weight" for part in parts]
                     if all(name in q4_1 for name in names):
                         projection = quantize_projection(
-                            mode, None, Q4_1Blocks.cat([q4_1[name] for name in names]))
+                            mode, None, Q4_1Blocks.cat([q4_1[name] for name in names]), kernel)
                     else:
                         projection = quantize_projection(mode, torch.cat(
                             [state_dict[name] if name in state_dict else q4_1[name].dequantize()
-                             for name in names]))
+                             for name in names]), quant_kernel=kernel)
                     setattr(layer, attr.removesuffix("_proj"), projection)
                     setattr(layer, attr, nn.Parameter(torch.empty(0), requires_grad=False))
-            self.head = Int8LMHead.from_dense(self.lm_head)
+            self.head = Int8LMHead.from_dense(self.lm_head, kernel)
         self.quantization = mode
+        self.quant_kernel = kernel
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one decode step at batch 1 reads: every projection
@@ -371,15 +381,18 @@ def _load_layer(layer: DecoderLayer, state_dict: Mapping[str, torch.Tensor], pre
 def build_model(config: LlamaConfig, state_dict: Mapping[str, torch.Tensor],
                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                 max_positions: int | None = None, quantization: str = "none",
-                q4_1: Mapping[str, Q4_1Blocks] | None = None) -> LlamaModel:
+                q4_1: Mapping[str, Q4_1Blocks] | None = None, quant_kernel: str = "auto"
+                ) -> LlamaModel:
     """A ready, eval-mode model on ``device`` in ``dtype`` (RoPE tables are computed
     in fp32 and then cast to ``dtype``, as transformers does), its projections
     quantized per ``quantization`` (``none``, ``int8``, ``int4``; see
-    :meth:`LlamaModel.quantize`) from ``state_dict`` or the raw ``q4_1`` blocks.
+    :meth:`LlamaModel.quantize`, int4 on ``quant_kernel``) from ``state_dict``
+    or the raw ``q4_1`` blocks.
 
     Raises:
       KeyError: a needed tensor is missing from ``state_dict`` (and ``q4_1``).
-      ValueError: a quantized mode with a dtype other than fp32 or off the CPU.
+      ValueError: a quantized mode with a dtype other than fp32 or off the CPU,
+        or an int4 kernel that cannot run.
     """
     if quantization != "none":
         check_mode(quantization, dtype, torch.device(device))
@@ -389,5 +402,5 @@ def build_model(config: LlamaConfig, state_dict: Mapping[str, torch.Tensor],
     model.requires_grad_(False)
     model.select_kernels()
     if quantization != "none":
-        model.quantize(quantization, state_dict, q4_1)
+        model.quantize(quantization, state_dict, q4_1, quant_kernel)
     return model

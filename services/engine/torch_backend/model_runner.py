@@ -39,7 +39,7 @@ from services.engine.torch_backend.paged_kv import (
     StepAttention,
     num_blocks_for_budget,
 )
-from services.engine.torch_backend.quant import check_mode
+from services.engine.torch_backend.quant import check_mode, resolve_quant_kernel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: ``--attention-backend`` choices: ``native`` is the C kernel
@@ -170,7 +170,7 @@ class ModelRunner:
     def from_gguf(cls, path: str | Path, device: str = "cpu", dtype: str = "float32",
                   max_positions: int | None = None, batch_invariant: bool = True,
                   quantization: str = "none", attention_backend: str = "auto",
-                  dense_prefill: bool = False) -> ModelRunner:
+                  dense_prefill: bool = False, quant_kernel: str = "auto") -> ModelRunner:
         """Loads the GGUF at ``path`` onto ``device`` in ``dtype``: dequantized for
         ``quantization="none"``; for ``int4`` its Q4_1 blocks go to the int4
         kernel as they are, for ``int8`` they are requantized per row (see
@@ -182,16 +182,20 @@ class ModelRunner:
           FileNotFoundError, ValueError: see :func:`load_gguf`; ValueError for an
             unknown dtype or quantization name, or a contradictory combination
             (:func:`~services.engine.torch_backend.quant.check_mode`), or an
-            attention backend that cannot run (:func:`resolve_attention_backend`).
+            attention backend or int4 kernel that cannot run
+            (:func:`resolve_attention_backend`,
+            :func:`~services.engine.torch_backend.quant.resolve_quant_kernel`).
         """
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         torch_device = torch.device(device)
         check_mode(quantization, DTYPES[dtype], torch_device)
         resolve_attention_backend(attention_backend, torch_device, DTYPES[dtype])
+        if quantization != "none":
+            resolve_quant_kernel(quant_kernel)
         loaded = load_gguf(path, keep_q4_1=quantization != "none")
         model = build_model(loaded.config, loaded.state_dict, torch_device, DTYPES[dtype],
-                            max_positions, quantization, loaded.q4_1)
+                            max_positions, quantization, loaded.q4_1, quant_kernel)
         if dense_prefill and quantization != "none":
             model.add_prompt_projections()
         return cls(model, torch_device, DTYPES[dtype], batch_invariant, attention_backend)

@@ -3,6 +3,10 @@
 * ``paged_attention.c``: RoPE, the KV write and batch-invariant paged attention
   in one call per layer (used by
   :class:`~services.engine.torch_backend.native_attention.NativeAttentionBatch`).
+* ``int_matmul.c``: Q4_1 or int8 weights x activations quantized to int8,
+  exact integer dot products on AVX512-VNNI (:func:`q4_1_matmul`,
+  :func:`q8_matmul`; the quantized projections and LM head of
+  ``--quant-kernel native``, see :mod:`~services.engine.torch_backend.quant`).
 * ``fused_ops.c``: the residual add with RMSNorm and the cast to the next
   projection's input dtype (:func:`add_rms_norm`), and SiLU(gate) * up
   (:func:`silu_mul`), one call each instead of three to five PyTorch ops.
@@ -33,7 +37,7 @@ import torch
 
 KERNELS = Path(__file__).with_name("kernels")
 #: The C sources of the library, compiled together.
-SOURCES = (KERNELS / "paged_attention.c", KERNELS / "fused_ops.c")
+SOURCES = (KERNELS / "paged_attention.c", KERNELS / "fused_ops.c", KERNELS / "int_matmul.c")
 #: Headers they include (part of the build's cache key).
 HEADERS = (KERNELS / "simd.h", KERNELS / "llmesh_kernels.h")
 #: ``-ffp-contract=fast`` (GCC's default in GNU C, pinned here) fuses a * b + c
@@ -144,6 +148,14 @@ _SIGNATURES = {
     # (gate_up, in_bf16, rows, n, out, out_bf16, threads)
     "llmesh_silu_mul": [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64,
                         ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32],
+    # (x, x_bf16, rows, in_features, packed, out_features, out, out_bf16, threads)
+    "llmesh_q4_1_matmul": [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64,
+                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32,
+                           ctypes.c_int32],
+    # (x, x_bf16, rows, in_features, packed, scales, out_features, out, out_bf16, threads)
+    "llmesh_q8_matmul": [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64,
+                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                         ctypes.c_int32, ctypes.c_int32],
 }
 _NARROW = (torch.float32, torch.bfloat16)
 
@@ -228,4 +240,96 @@ def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     load_library().llmesh_silu_mul(gate_up.data_ptr(), gate_up.dtype == torch.bfloat16, rows,
                                    width // 2, out.data_ptr(), out_dtype == torch.bfloat16,
                                    torch.get_num_threads())
+    return out
+
+
+
+#: Output features per tile and inputs per block of the packed layouts
+#: (``kernels/int_matmul.c``), and bytes per (tile, block) record: Q4_1 and int8.
+Q4_TILE = 16
+Q4_BLOCK = 32
+Q4_RECORD = 320
+Q8_RECORD = 512
+
+
+def _int_matmul_out(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                    out_dtype: torch.dtype, record: int) -> torch.Tensor:
+    """Checks the shared arguments of the integer-dot kernels; the output tensor."""
+    rows, in_features = x.shape
+    tiles = -(-out_features // Q4_TILE)
+    if (x.dtype not in _NARROW or not x.is_contiguous() or in_features % Q4_BLOCK
+            or packed.dtype != torch.uint8 or not packed.is_contiguous()
+            or packed.shape != (tiles, in_features // Q4_BLOCK, record)
+            or out_dtype not in _NARROW):
+        raise ValueError(f"integer matmul: x fp32/bf16 [rows, in] contiguous with in a multiple "
+                         f"of {Q4_BLOCK}, packed uint8 [{tiles}, in / {Q4_BLOCK}, {record}], "
+                         f"out fp32/bf16 (got x {tuple(x.shape)} {x.dtype}, packed "
+                         f"{tuple(packed.shape)} {packed.dtype})")
+    return torch.empty(rows, out_features, dtype=out_dtype)
+
+
+def _check_code(code: int, rows: int) -> None:
+    if code == -3:
+        raise MemoryError(f"integer matmul: out of memory for {rows} rows")
+    if code != 0:
+        raise ValueError(f"integer matmul: the kernel refused the shapes (code {code})")
+
+
+def q4_1_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """``x @ W.T`` for ``W`` in Q4_1 packed by :func:`~services.engine.torch_backend.quant.pack_q4_1`,
+    each row of ``x`` quantized to int8 per 32 inputs (ggml's Q8_1), integer
+    dot products (``kernels/int_matmul.c``). Each row's result depends only on
+    that row: batch-invariant at any row count.
+
+    Args:
+      x: ``[rows, in_features]`` fp32 or bf16, contiguous; ``in_features`` a
+        multiple of 32.
+      packed: ``[ceil(out_features / 16), in_features / 32, 320]`` uint8.
+      out_features: output features (the packed tiles may be zero-padded).
+      out_dtype: fp32 or bf16.
+
+    Returns:
+      ``[rows, out_features]`` in ``out_dtype``.
+
+    Raises:
+      NativeKernelUnavailable: see :func:`load_library`.
+      ValueError: other dtypes, shapes or layouts.
+    """
+    out = _int_matmul_out(x, packed, out_features, out_dtype, Q4_RECORD)
+    _check_code(load_library().llmesh_q4_1_matmul(
+        x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], packed.data_ptr(),
+        out_features, out.data_ptr(), out_dtype == torch.bfloat16, torch.get_num_threads()),
+        x.shape[0])
+    return out
+
+
+def q8_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """``x @ W.T`` for int8 ``W`` with one scale per output feature, packed by
+    :func:`~services.engine.torch_backend.quant.pack_int8`; ``x`` quantized as in
+    :func:`q4_1_matmul`, integer dot products, batch-invariant likewise.
+
+    Args:
+      x: ``[rows, in_features]`` fp32 or bf16, contiguous; ``in_features`` a
+        multiple of 32.
+      packed: ``[ceil(out_features / 16), in_features / 32, 512]`` uint8.
+      scales: ``[out_features]`` fp32.
+      out_dtype: fp32 or bf16.
+
+    Returns:
+      ``[rows, out_features]`` in ``out_dtype``.
+
+    Raises:
+      NativeKernelUnavailable: see :func:`load_library`.
+      ValueError: other dtypes, shapes or layouts.
+    """
+    if scales.dtype != torch.float32 or scales.dim() != 1 or not scales.is_contiguous():
+        raise ValueError(f"q8_matmul: scales fp32 [out_features] contiguous, got "
+                         f"{tuple(scales.shape)} {scales.dtype}")
+    out = _int_matmul_out(x, packed, scales.shape[0], out_dtype, Q8_RECORD)
+    _check_code(load_library().llmesh_q8_matmul(
+        x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], packed.data_ptr(),
+        scales.data_ptr(), scales.shape[0], out.data_ptr(), out_dtype == torch.bfloat16,
+        torch.get_num_threads()), x.shape[0])
     return out

@@ -41,6 +41,7 @@ from typing import Protocol
 
 import torch
 
+from services.engine.torch_backend import native
 from services.engine.torch_backend.batch_invariant import Linear
 from services.engine.torch_backend.gguf_loader import Q4_1_BLOCK, Q4_1Blocks
 
@@ -162,6 +163,101 @@ class Int4Projection:
         return ((q - 8) * scale[..., None] + zero[..., None]).view(self.out_features, -1)
 
 
+def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Q4_1 values in the native kernel's layout (``kernels/int_matmul.c``).
+
+    Args:
+      q: ``[out, in]`` integers 0..15 (``in`` a multiple of 32).
+      d, m: ``[out, in / 32]`` float16 scale and minimum (weight ``d * q + m``).
+
+    Returns:
+      ``[ceil(out / 16), in / 32, 320]`` uint8: per tile of 16 output features
+      and block of 32 inputs, the 16 ``d``, the 16 ``m`` and 256 bytes of
+      nibbles (chunk ``c``, feature ``j``, byte ``i``: ``q[j, 4c + i]`` low,
+      ``q[j, 16 + 4c + i]`` high). Features past ``out`` are zero.
+    """
+    rows, cols = q.shape
+    tiles, blocks = -(-rows // native.Q4_TILE), cols // INT4_GROUP
+    pad = tiles * native.Q4_TILE - rows
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat((t, t.new_zeros(pad, t.shape[1]))) if pad else t
+
+    values = padded(q.to(torch.uint8)).view(tiles, native.Q4_TILE, blocks, 2, 4, 4)
+    nibbles = values[:, :, :, 0] | (values[:, :, :, 1] << 4)  # [tiles, 16, blocks, c, i]
+    nibbles = nibbles.permute(0, 2, 3, 1, 4).reshape(tiles, blocks, -1)
+
+    def halves(t: torch.Tensor) -> torch.Tensor:
+        t = padded(t.to(torch.float16)).view(tiles, native.Q4_TILE, blocks)
+        return t.permute(0, 2, 1).contiguous().view(torch.uint8)
+
+    return torch.cat((halves(d), halves(m), nibbles), dim=-1).contiguous()
+
+
+class NativeInt4Projection:
+    """Q4_1 weights on the native integer-dot kernel (:func:`native.q4_1_matmul`):
+    each row of bf16 activations quantized to int8 per 32 inputs, exact integer
+    sums (AVX512-VNNI), fp16 ``d`` and ``m`` as the GGUF stores them. bf16 in,
+    bf16 out. Row-invariant by construction, and its cost stays nearly flat from
+    1 to ~8 rows (``_weight_int4pack_mm_for_cpu`` works in blocks of 4 rows and
+    costs 2.5x at 5), which is what a speculative verify step needs.
+
+    Attributes:
+      packed: ``[ceil(out / 16), in / 32, 320]`` uint8 (:func:`pack_q4_1`).
+    """
+
+    input_dtype = ACTIVATION_DTYPE
+
+    def __init__(self, packed: torch.Tensor, out_features: int) -> None:
+        self.packed = packed
+        self.out_features = out_features
+        self.in_features = int(packed.shape[1]) * INT4_GROUP
+
+    @classmethod
+    def from_q4_1(cls, blocks: Q4_1Blocks) -> NativeInt4Projection:
+        """The GGUF's Q4_1 blocks exactly (same ``q``, fp16 ``d`` and ``m``)."""
+        return cls(pack_q4_1(blocks.q, blocks.d, blocks.m), blocks.shape[0])
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor) -> NativeInt4Projection:
+        """Round-to-nearest asymmetric int4 per group of 32 (min/max) with fp16
+        ``d`` and ``m``, for dense weights (a GGUF whose projections are not Q4_1)."""
+        rows, cols = weight.shape
+        groups = weight.float().view(rows, cols // INT4_GROUP, INT4_GROUP)
+        low = groups.amin(-1).half()
+        d = ((groups.amax(-1) - low.float()) / 15).clamp(min=1e-7).half()
+        q = ((groups - low.float()[..., None]) / d.float()[..., None]).round().clamp(0, 15)
+        return cls(pack_q4_1(q.view(rows, cols), d, low), rows)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return native.q4_1_matmul(x, self.packed, self.out_features, ACTIVATION_DTYPE)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q`` ``[out, in]`` (uint8), ``d`` and ``m`` ``[out, in / 32]`` (fp16)."""
+        tiles, blocks, _ = self.packed.shape
+        d = self.packed[..., :32].contiguous().view(torch.float16)  # [tiles, blocks, 16]
+        m = self.packed[..., 32:64].contiguous().view(torch.float16)
+        nibbles = self.packed[..., 64:].reshape(tiles, blocks, 4, native.Q4_TILE, 4)
+        q = torch.stack((nibbles & 0x0F, nibbles >> 4), dim=2)  # [tiles, blocks, 2, c, 16, i]
+        q = q.permute(0, 4, 1, 2, 3, 5).reshape(tiles * native.Q4_TILE, -1)
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t.permute(0, 2, 1).reshape(tiles * native.Q4_TILE, blocks)
+
+        return (q[:self.out_features], rows(d)[:self.out_features],
+                rows(m)[:self.out_features])
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight ``[out, in]`` in fp32 (``d * q + m``)."""
+        q, d, m = self.unpack()
+        q = q.float().view(self.out_features, -1, INT4_GROUP)
+        return (d.float()[..., None] * q + m.float()[..., None]).view(self.out_features, -1)
+
+
 class Int8Projection:
     """Per-output-row symmetric int8 weights on ``_weight_int8pack_mm``; bf16 in/out.
 
@@ -198,57 +294,149 @@ class Int8Projection:
         return self.weight.float() * self.scales.float()[:, None]
 
 
-class Int8LMHead(Int8Projection):
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """int8 values ``[out, in]`` (``in`` a multiple of 32) in the native kernel's
+    layout (``kernels/int_matmul.c``): ``[ceil(out / 16), in / 32, 512]`` uint8,
+    per tile of 16 output features and block of 32 inputs byte ``64 c + 4 j + i``
+    = ``q[j, 4 c + i] + 128``. Features past ``out`` are zero weights."""
+    rows, cols = q.shape
+    tiles, blocks = -(-rows // native.Q4_TILE), cols // INT4_GROUP
+    shifted = (q.to(torch.int16) + 128).to(torch.uint8)
+    if tiles * native.Q4_TILE > rows:
+        shifted = torch.cat((shifted, shifted.new_full((tiles * native.Q4_TILE - rows, cols), 128)))
+    values = shifted.view(tiles, native.Q4_TILE, blocks, 8, 4)
+    return values.permute(0, 2, 3, 1, 4).reshape(tiles, blocks, -1).contiguous()
+
+
+class NativeInt8Projection:
+    """Per-output-row int8 weights (as :class:`Int8Projection`) on the native
+    integer-dot kernel (:func:`native.q8_matmul`): activations quantized to int8
+    per row and 32 inputs, exact integer sums. Row-invariant by construction.
+
+    Attributes:
+      packed: ``[ceil(out / 16), in / 32, 512]`` uint8 (:func:`pack_int8`).
+      scales: ``[out]`` fp32; weight ``q * scale``.
+      out_dtype: the output dtype (bf16 for the projections, fp32 for ranking
+        the LM head's logits).
+    """
+
+    input_dtype = ACTIVATION_DTYPE
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor,
+                 out_dtype: torch.dtype = ACTIVATION_DTYPE) -> None:
+        self.packed = packed
+        self.scales = scales
+        self.out_dtype = out_dtype
+        self.out_features = int(scales.shape[0])
+        self.in_features = int(packed.shape[1]) * INT4_GROUP
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, out_dtype: torch.dtype = ACTIVATION_DTYPE
+                   ) -> NativeInt8Projection:
+        """The same int8 values and scales as :meth:`Int8Projection.from_dense`."""
+        quantized = Int8Projection.from_dense(weight)
+        return cls(pack_int8(quantized.weight), quantized.scales.float(), out_dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return native.q8_matmul(x, self.packed, self.scales, self.out_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales.nbytes
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight ``[out, in]`` in fp32 as the kernel sees it."""
+        tiles, blocks, _ = self.packed.shape
+        values = self.packed.view(tiles, blocks, 8, native.Q4_TILE, 4).permute(0, 3, 1, 2, 4)
+        q = values.reshape(tiles * native.Q4_TILE, -1)[:self.out_features].float() - 128
+        return q * self.scales[:, None]
+
+
+class Int8LMHead:
     """The LM head: int8 per row to find each row's best candidates, the dense
     fp32 weights to compute them. fp32 in, fp32 out.
 
-    The int8 kernel returns bf16, and bf16 logits are coarse (0.125 apart
-    between 16 and 32, where SmolLM2's top logits lie); the int8 weights also
-    move logits by a few hundredths. Both flipped real choices on the quality
-    guard's chat prompts (an answer's first token at fp32 probabilities 0.080 /
-    0.077). So the kernel's logits only pick each row's :data:`REFINED_LOGITS`
-    largest, and those are recomputed in fp32 from the fp32 input and the dense
-    fp32 weights (for SmolLM2 the Q8_0 embedding table, which the model keeps
-    anyway): the top logits are the fp32 model's, the tail keeps the int8
-    kernel's values. Reading 64 rows adds 147 KB a row to the 28 MB int8 read.
-    Every step is row-wise (top-k, gather, multiply, a sum over
-    ``in_features``), so rows stay batch-invariant (``batch_invariant.probe``
-    checks it with the model's head).
+    Int8 logits are coarse (PyTorch's int8 kernel returns bf16, 0.125 apart
+    between 16 and 32, where SmolLM2's top logits lie; the native kernel also
+    quantizes the activations to int8), and the int8 weights move logits by a
+    few hundredths. Both flipped real choices on the quality guard's chat
+    prompts (an answer's first token at fp32 probabilities 0.080 / 0.077). So
+    the kernel's logits only pick each row's :data:`REFINED_LOGITS` largest, and
+    those are recomputed in fp32 from the fp32 input and the dense fp32 weights
+    (for SmolLM2 the Q8_0 embedding table, which the model keeps anyway): the
+    top logits are the fp32 model's, the tail keeps the int8 kernel's values.
+    Reading 64 rows adds 147 KB a row to the 28 MB int8 read. Every step is
+    row-wise (top-k, gather, multiply, a sum over ``in_features``), so rows stay
+    batch-invariant (``batch_invariant.probe`` checks it with the model's head).
 
     Attributes:
+      ranking: the int8 projection (:class:`Int8Projection` or
+        :class:`NativeInt8Projection`) whose logits pick the candidates.
       dense: ``[out, in]`` fp32 weights (shared, not copied).
     """
 
     input_dtype = torch.float32
 
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, dense: torch.Tensor) -> None:
-        super().__init__(weight, scales)
+    def __init__(self, ranking: Int8Projection | NativeInt8Projection,
+                 dense: torch.Tensor) -> None:
+        self.ranking = ranking
         self.dense = dense
+        self.out_features, self.in_features = ranking.out_features, ranking.in_features
 
     @classmethod
-    def from_dense(cls, weight: torch.Tensor) -> Int8LMHead:
-        quantized = Int8Projection.from_dense(weight)
-        return cls(quantized.weight, quantized.scales, weight)
+    def from_dense(cls, weight: torch.Tensor, kernel: str = "torch") -> Int8LMHead:
+        """Per-row int8 of ``weight`` on ``kernel`` (``torch`` or ``native``)."""
+        ranking = (NativeInt8Projection.from_dense(weight, torch.float32) if kernel == "native"
+                   else Int8Projection.from_dense(weight))
+        return cls(ranking, weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        logits = _INT8_MM(x.to(ACTIVATION_DTYPE), self.weight, self.scales).float()
+        logits = self.ranking(x.to(self.ranking.input_dtype)).float()
         top = logits.topk(REFINED_LOGITS, dim=-1, sorted=False).indices  # [rows, k]
         exact = (self.dense[top] * x[:, None, :]).sum(-1)  # [rows, k, in] -> [rows, k]
         return logits.scatter_(1, top, exact)
 
     @property
     def nbytes(self) -> int:
-        return super().nbytes + REFINED_LOGITS * self.in_features * self.dense.element_size()
+        return self.ranking.nbytes + REFINED_LOGITS * self.in_features * self.dense.element_size()
 
 
 #: Logits per row the int8 LM head recomputes in fp32 (:class:`Int8LMHead`).
 REFINED_LOGITS = 64
 
 
+#: ``--quant-kernel`` choices: ``native`` is :class:`NativeInt4Projection` (the
+#: engine's C kernel, built on first use), ``torch`` :class:`Int4Projection`,
+#: ``auto`` the native kernel where it builds.
+QUANT_KERNELS = ("auto", "native", "torch")
+
+
+def resolve_quant_kernel(choice: str) -> str:
+    """``native`` or ``torch`` for the ``--quant-kernel`` ``choice``.
+
+    Raises:
+      ValueError: an unknown choice, or ``native`` where the kernels cannot be
+        built or loaded (the message says why).
+    """
+    if choice not in QUANT_KERNELS:
+        raise ValueError(f"int4 kernel must be one of {QUANT_KERNELS}, got {choice!r}")
+    if choice == "torch":
+        return choice
+    try:
+        native.load_library()
+    except native.NativeKernelUnavailable as exc:
+        if choice == "native":
+            raise ValueError(f"--quant-kernel native: {exc}; use --quant-kernel torch") from exc
+        return "torch"
+    return "native"
+
+
 def quantize_projection(mode: str, dense: torch.Tensor | None,
-                        blocks: Q4_1Blocks | None = None) -> Projection:
+                        blocks: Q4_1Blocks | None = None, quant_kernel: str = "torch"
+                        ) -> Projection:
     """The projection for ``mode`` (``int4`` or ``int8``) from Q4_1 ``blocks``
-    (used as they are for int4) or from the fp32 ``dense`` weight.
+    (used as they are for int4) or from the fp32 ``dense`` weight; int4 on
+    ``quant_kernel`` (``native`` or ``torch``, see :func:`resolve_quant_kernel`).
 
     Raises:
       ValueError: an unknown mode, or neither source given.
@@ -256,10 +444,12 @@ def quantize_projection(mode: str, dense: torch.Tensor | None,
     if blocks is None and dense is None:
         raise ValueError("no weight given")
     if mode == "int4":
-        return Int4Projection.from_q4_1(blocks) if blocks is not None else (
-            Int4Projection.from_dense(dense))  # type: ignore[arg-type]
+        kind = NativeInt4Projection if quant_kernel == "native" else Int4Projection
+        return kind.from_q4_1(blocks) if blocks is not None else (
+            kind.from_dense(dense))  # type: ignore[arg-type]
     if mode == "int8":
-        return Int8Projection.from_dense(blocks.dequantize() if blocks is not None else dense)
+        kind8 = NativeInt8Projection if quant_kernel == "native" else Int8Projection
+        return kind8.from_dense(blocks.dequantize() if blocks is not None else dense)
     raise ValueError(f"quantization must be int4 or int8 here, got {mode!r}")
 
 

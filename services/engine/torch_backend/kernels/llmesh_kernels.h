@@ -1,4 +1,5 @@
-/* The C interface of the native kernels (paged_attention.c, fused_ops.c);
+/* The C interface of the native kernels (paged_attention.c, fused_ops.c,
+ * int_matmul.c);
  * native.py and native_attention.py mirror it with ctypes, and
  * tests/engine/kernels/kernel_harness.c calls it directly. */
 
@@ -46,5 +47,20 @@ int llmesh_add_rms_norm(float *hidden, const void *delta, int32_t delta_bf16, co
 /* out = SiLU(gate_up[:, :n]) * gate_up[:, n:]. Returns 0, or -1 for n < 1. */
 int llmesh_silu_mul(const void *gate_up, int32_t in_bf16, int64_t rows, int64_t n, void *out,
                     int32_t out_bf16, int32_t num_threads);
+
+/* out[rows, out_features] = x[rows, in_features] @ W.T, W in the packed Q4_1
+ * layout of int_matmul.c, x quantized per row and 32 inputs to int8. Returns
+ * 0, -1 for in_features not a positive multiple of 32 or out_features < 1,
+ * -3 out of memory. */
+int llmesh_q4_1_matmul(const void *x, int32_t x_bf16, int64_t rows, int64_t in_features,
+                       const uint8_t *packed, int64_t out_features, void *out, int32_t out_bf16,
+                       int32_t num_threads);
+
+/* out = x @ W.T, W int8 with a scale per output feature (scales [out_features]
+ * fp32; the packed u8 layout of int_matmul.c), x quantized as above. Returns as
+ * llmesh_q4_1_matmul. */
+int llmesh_q8_matmul(const void *x, int32_t x_bf16, int64_t rows, int64_t in_features,
+                     const uint8_t *packed, const float *scales, int64_t out_features, void *out,
+                     int32_t out_bf16, int32_t num_threads);
 
 #endif
