@@ -23,6 +23,7 @@ from services.engine.service import EngineService
 from services.engine.torch_backend.backend import TorchBackend
 from services.engine.torch_backend.gguf_loader import GGUFModel, load_gguf
 from services.engine.torch_backend.model import LlamaModel, build_model
+from services.engine.torch_backend.quant import resolve_quant_kernel
 
 #: Context window of the shared backend: small, so length limits are cheap to hit.
 MAX_MODEL_LEN = 256
@@ -58,17 +59,21 @@ def smollm2_fp32(gguf_model: GGUFModel) -> LlamaModel:
 def smollm2_by_mode(gguf_q4_1: GGUFModel, request: pytest.FixtureRequest
                     ) -> Callable[..., LlamaModel]:
     """SmolLM2 in a given quantization, with or without dense prompt projections
-    (``dense_prefill``, quantized modes), each built once per session."""
-    built: dict[tuple[str, bool], LlamaModel] = {}
+    (``dense_prefill``, quantized modes), on a given ``quant_kernel`` (quantized
+    modes; default the engine's, ``auto`` resolving to ``native`` where the
+    kernels build), each built once per session."""
+    built: dict[tuple[str, bool, str], LlamaModel] = {}
 
-    def get(quantization: str, dense_prefill: bool = False) -> LlamaModel:
+    def get(quantization: str, dense_prefill: bool = False,
+            quant_kernel: str | None = None) -> LlamaModel:
         if quantization == "none":
             return request.getfixturevalue("smollm2_fp32")
-        key = (quantization, dense_prefill)
+        kernel = resolve_quant_kernel(quant_kernel or EngineConfig().quant_kernel)
+        key = (quantization, dense_prefill, kernel)
         if key not in built:
             model = build_model(
                 gguf_q4_1.config, gguf_q4_1.state_dict, max_positions=MAX_POSITIONS,
-                quantization=quantization, q4_1=gguf_q4_1.q4_1)
+                quantization=quantization, q4_1=gguf_q4_1.q4_1, quant_kernel=kernel)
             if dense_prefill:
                 model.add_prompt_projections()
             built[key] = model

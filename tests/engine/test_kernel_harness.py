@@ -8,6 +8,7 @@ native-kernel tests, rather than skip."""
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -56,6 +57,7 @@ def sanitized(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ("attn", "11", "30", "300", "40", "1e8", "3"),
     ("attn", "12", "6", "200", "30", "1e8", "2", "32"),  # 32 query heads per KV head
     ("fused", "14", "100"),
+    ("intmm", "15", "150"),
 ])
 def test_kernels_under_sanitizers(sanitized: Path, args: tuple[str, ...]) -> None:
     run(sanitized, *args)
@@ -69,3 +71,19 @@ def test_kernels_with_production_flags(tmp_path: Path) -> None:
     output = run(optimized, "attn", "21", "60", "600", "70", "3e8", "4")
     assert "max |err| fp32 out vs double ref" in output
     run(optimized, "fused", "22", "300")
+    output = run(optimized, "intmm", "23", "300")
+    assert "outputs bit-identical to the scalar reference" in output
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
+                    reason="-mno-avx512vnni is an x86 flag")
+def test_int_matmul_portable_path(tmp_path: Path) -> None:
+    """int_matmul.c without AVX512-VNNI (its portable loops, what CPUs without
+    it run): the same bits as the scalar reference, hence as the VNNI path."""
+    flags = tuple(f for f in CFLAGS if f not in ("-shared", "-fPIC", "-march=native",
+                                                 "-fopenmp", "-std=gnu11")) + ("-mno-avx512vnni",)
+    portable = build(tmp_path, "harness_portable", flags)
+    macros = subprocess.run([COMPILER, *flags, "-march=native", "-dM", "-E", "-x", "c",
+                             os.devnull], capture_output=True, text=True, timeout=60).stdout
+    assert "__AVX512F__" not in macros or "__AVX512VNNI__" not in macros  # the portable loops
+    run(portable, "intmm", "24", "200")

@@ -94,26 +94,37 @@ def test_int8_kernel_computes_its_dequantized_weights(gguf_model: GGUFModel) -> 
     assert bool(((projection(x).double() - reference).abs() <= tolerance).all())
 
 
+@pytest.mark.parametrize("quant_kernel", ["native", "torch"])
 def test_decode_weight_bytes_counts_what_a_step_reads(
-        smollm2_by_mode: Callable[[str], LlamaModel]) -> None:
-    """Projections (int4: half a byte per weight + a bf16 scale and zero per 32;
-    int8: a byte + a bf16 scale per row), the LM head (int8 per row plus the
-    fp32 rows of the refined top logits in the quantized modes, the fp32
-    embedding otherwise) and the norms."""
-    model = smollm2_by_mode("int4")
+        smollm2_by_mode: Callable[..., LlamaModel], quant_kernel: str) -> None:
+    """Projections (int4: half a byte per weight + a 2-byte scale and zero per
+    32, bf16 for ``torch``, the GGUF's fp16 ``d`` and ``m`` for ``native``; int8:
+    a byte per weight + a scale per row, bf16 for ``torch``, fp32 for
+    ``native``), the LM head (int8 per row with the same scales, plus the fp32
+    rows of the refined top logits, in the quantized modes; the fp32 embedding
+    otherwise) and the norms. SmolLM2's output sizes are multiples of 16, so
+    the native layouts' tiles hold no padding."""
+    model = smollm2_by_mode("int4", quant_kernel=quant_kernel)
+    assert model.quant_kernel == quant_kernel
     config = model.config
     hidden, inter = config.hidden_size, config.intermediate_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     shapes = [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)]
-    norms = (2 * config.num_layers + 1) * hidden * 4
     vocab = config.vocab_size
-    int8_head = vocab * hidden + 2 * vocab + REFINED_LOGITS * hidden * 4  # + fp32 top rows
+    assert all(n % 16 == 0 for n, _ in shapes) and vocab % 16 == 0
+    norms = (2 * config.num_layers + 1) * hidden * 4
+    row_scale = 4 if quant_kernel == "native" else 2  # fp32 / bf16 per int8 row
+    int8_head = vocab * hidden + row_scale * vocab + REFINED_LOGITS * hidden * 4
     int4 = sum(n * k // 2 + (k // 32) * n * 2 * 2 for n, k in shapes) * config.num_layers
-    int8 = sum(n * k + 2 * n for n, k in shapes) * config.num_layers
+    int8 = sum(n * k + row_scale * n for n, k in shapes) * config.num_layers
     dense = sum(n * k * 4 for n, k in shapes) * config.num_layers
     assert model.decode_weight_bytes() == int4 + int8_head + norms
-    assert smollm2_by_mode("int8").decode_weight_bytes() == int8 + int8_head + norms
-    assert smollm2_by_mode("none").decode_weight_bytes() == dense + vocab * hidden * 4 + norms
+    int8_model = smollm2_by_mode("int8", quant_kernel=quant_kernel)
+    assert int8_model.quant_kernel == quant_kernel
+    assert int8_model.decode_weight_bytes() == int8 + int8_head + norms
+    fp32_model = smollm2_by_mode("none", quant_kernel=quant_kernel)
+    assert fp32_model.quant_kernel is None
+    assert fp32_model.decode_weight_bytes() == dense + vocab * hidden * 4 + norms
 
 
 def parse(argv: list[str], environ: dict[str, str] | None = None) -> EngineConfig:

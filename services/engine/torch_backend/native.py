@@ -252,84 +252,89 @@ Q4_RECORD = 320
 Q8_RECORD = 512
 
 
-def _int_matmul_out(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                    out_dtype: torch.dtype, record: int) -> torch.Tensor:
-    """Checks the shared arguments of the integer-dot kernels; the output tensor."""
-    rows, in_features = x.shape
-    tiles = -(-out_features // Q4_TILE)
-    if (x.dtype not in _NARROW or not x.is_contiguous() or in_features % Q4_BLOCK
-            or packed.dtype != torch.uint8 or not packed.is_contiguous()
-            or packed.shape != (tiles, in_features // Q4_BLOCK, record)
-            or out_dtype not in _NARROW):
-        raise ValueError(f"integer matmul: x fp32/bf16 [rows, in] contiguous with in a multiple "
-                         f"of {Q4_BLOCK}, packed uint8 [{tiles}, in / {Q4_BLOCK}, {record}], "
-                         f"out fp32/bf16 (got x {tuple(x.shape)} {x.dtype}, packed "
-                         f"{tuple(packed.shape)} {packed.dtype})")
-    return torch.empty(rows, out_features, dtype=out_dtype)
+class IntMatmul:
+    """``x @ W.T`` on the integer-dot kernels (``kernels/int_matmul.c``) for one
+    packed weight, checked once here so that each call checks only ``x``.
 
+    Each row of ``x`` is quantized to int8 per 32 inputs (ggml's Q8_1); the
+    dot products are exact integer sums (AVX512-VNNI), so a row's result
+    depends only on that row: batch-invariant at any row count.
 
-def _check_code(code: int, rows: int) -> None:
-    if code == -3:
-        raise MemoryError(f"integer matmul: out of memory for {rows} rows")
-    if code != 0:
-        raise ValueError(f"integer matmul: the kernel refused the shapes (code {code})")
+    Args:
+      packed: ``[ceil(out_features / 16), in_features / 32, 320]`` uint8 for
+        Q4_1 weights (:func:`~services.engine.torch_backend.quant.pack_q4_1`), or
+        ``[..., 512]`` for int8 weights (:func:`~services.engine.torch_backend.quant.pack_int8`).
+      out_features: output features (the packed tiles may be zero-padded).
+      out_dtype: fp32 or bf16.
+      scales: ``[out_features]`` fp32 scales of int8 weights (None for Q4_1).
+
+    Raises:
+      NativeKernelUnavailable: see :func:`load_library`.
+      ValueError: other dtypes, shapes or layouts.
+    """
+
+    def __init__(self, packed: torch.Tensor, out_features: int, out_dtype: torch.dtype,
+                 scales: torch.Tensor | None = None) -> None:
+        record = Q4_RECORD if scales is None else Q8_RECORD
+        if (packed.dtype != torch.uint8 or not packed.is_contiguous() or packed.dim() != 3
+                or packed.shape[0] != -(-out_features // Q4_TILE) or packed.shape[1] < 1
+                or packed.shape[2] != record or out_dtype not in _NARROW):
+            raise ValueError(f"integer matmul: packed uint8 [ceil({out_features} / {Q4_TILE}), "
+                             f"in / {Q4_BLOCK}, {record}] contiguous and out fp32/bf16 (got "
+                             f"{tuple(packed.shape)} {packed.dtype} -> {out_dtype})")
+        if scales is not None and (scales.dtype != torch.float32 or not scales.is_contiguous()
+                                   or scales.shape != (out_features,)):
+            raise ValueError(f"integer matmul: scales fp32 [{out_features}] contiguous, got "
+                             f"{tuple(scales.shape)} {scales.dtype}")
+        self.packed, self.scales = packed, scales
+        self.in_features = int(packed.shape[1]) * Q4_BLOCK
+        self.out_features, self.out_dtype = out_features, out_dtype
+        library = load_library()
+        self._function = library.llmesh_q4_1_matmul if scales is None else library.llmesh_q8_matmul
+        self._weights = ((packed.data_ptr(),) if scales is None
+                         else (packed.data_ptr(), scales.data_ptr()))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[rows, in_features]`` fp32 or bf16, contiguous → ``[rows, out_features]``.
+
+        Raises:
+          ValueError: another shape, dtype or layout.
+          MemoryError: no memory for the quantized activations.
+        """
+        if (x.dim() != 2 or x.shape[1] != self.in_features or x.dtype not in _NARROW
+                or not x.is_contiguous()):
+            raise ValueError(f"integer matmul: x fp32/bf16 [rows, {self.in_features}] "
+                             f"contiguous, got {tuple(x.shape)} {x.dtype}")
+        rows = x.shape[0]
+        out = torch.empty(rows, self.out_features, dtype=self.out_dtype)
+        code = self._function(x.data_ptr(), x.dtype == torch.bfloat16, rows, self.in_features,
+                              *self._weights, self.out_features, out.data_ptr(),
+                              self.out_dtype == torch.bfloat16, torch.get_num_threads())
+        if code == -3:
+            raise MemoryError(f"integer matmul: out of memory for {rows} rows")
+        if code != 0:
+            raise ValueError(f"integer matmul: the kernel refused the shapes (code {code})")
+        return out
 
 
 def q4_1_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                 out_dtype: torch.dtype) -> torch.Tensor:
-    """``x @ W.T`` for ``W`` in Q4_1 packed by :func:`~services.engine.torch_backend.quant.pack_q4_1`,
-    each row of ``x`` quantized to int8 per 32 inputs (ggml's Q8_1), integer
-    dot products (``kernels/int_matmul.c``). Each row's result depends only on
-    that row: batch-invariant at any row count.
-
-    Args:
-      x: ``[rows, in_features]`` fp32 or bf16, contiguous; ``in_features`` a
-        multiple of 32.
-      packed: ``[ceil(out_features / 16), in_features / 32, 320]`` uint8.
-      out_features: output features (the packed tiles may be zero-padded).
-      out_dtype: fp32 or bf16.
-
-    Returns:
-      ``[rows, out_features]`` in ``out_dtype``.
+    """``x @ W.T`` for Q4_1 ``W`` (see :class:`IntMatmul`): ``x`` ``[rows, in]``
+    fp32/bf16 contiguous, ``packed`` ``[ceil(out_features / 16), in / 32, 320]``.
 
     Raises:
-      NativeKernelUnavailable: see :func:`load_library`.
-      ValueError: other dtypes, shapes or layouts.
+      NativeKernelUnavailable, ValueError, MemoryError: see :class:`IntMatmul`.
     """
-    out = _int_matmul_out(x, packed, out_features, out_dtype, Q4_RECORD)
-    _check_code(load_library().llmesh_q4_1_matmul(
-        x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], packed.data_ptr(),
-        out_features, out.data_ptr(), out_dtype == torch.bfloat16, torch.get_num_threads()),
-        x.shape[0])
-    return out
+    return IntMatmul(packed, out_features, out_dtype)(x)
 
 
 def q8_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
               out_dtype: torch.dtype) -> torch.Tensor:
-    """``x @ W.T`` for int8 ``W`` with one scale per output feature, packed by
-    :func:`~services.engine.torch_backend.quant.pack_int8`; ``x`` quantized as in
-    :func:`q4_1_matmul`, integer dot products, batch-invariant likewise.
-
-    Args:
-      x: ``[rows, in_features]`` fp32 or bf16, contiguous; ``in_features`` a
-        multiple of 32.
-      packed: ``[ceil(out_features / 16), in_features / 32, 512]`` uint8.
-      scales: ``[out_features]`` fp32.
-      out_dtype: fp32 or bf16.
-
-    Returns:
-      ``[rows, out_features]`` in ``out_dtype``.
+    """``x @ W.T`` for int8 ``W`` with ``scales`` ``[out_features]`` fp32 (see
+    :class:`IntMatmul`): ``packed`` ``[ceil(out_features / 16), in / 32, 512]``.
 
     Raises:
-      NativeKernelUnavailable: see :func:`load_library`.
-      ValueError: other dtypes, shapes or layouts.
+      NativeKernelUnavailable, ValueError, MemoryError: see :class:`IntMatmul`.
     """
-    if scales.dtype != torch.float32 or scales.dim() != 1 or not scales.is_contiguous():
-        raise ValueError(f"q8_matmul: scales fp32 [out_features] contiguous, got "
-                         f"{tuple(scales.shape)} {scales.dtype}")
-    out = _int_matmul_out(x, packed, scales.shape[0], out_dtype, Q8_RECORD)
-    _check_code(load_library().llmesh_q8_matmul(
-        x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], packed.data_ptr(),
-        scales.data_ptr(), scales.shape[0], out.data_ptr(), out_dtype == torch.bfloat16,
-        torch.get_num_threads()), x.shape[0])
-    return out
+    return IntMatmul(packed, int(scales.shape[0]) if scales.dim() == 1 else -1, out_dtype,
+                     scales)(x)

@@ -212,6 +212,7 @@ class NativeInt4Projection:
         self.packed = packed
         self.out_features = out_features
         self.in_features = int(packed.shape[1]) * INT4_GROUP
+        self._matmul = native.IntMatmul(packed, out_features, ACTIVATION_DTYPE)
 
     @classmethod
     def from_q4_1(cls, blocks: Q4_1Blocks) -> NativeInt4Projection:
@@ -230,7 +231,7 @@ class NativeInt4Projection:
         return cls(pack_q4_1(q.view(rows, cols), d, low), rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return native.q4_1_matmul(x, self.packed, self.out_features, ACTIVATION_DTYPE)
+        return self._matmul(x)
 
     @property
     def nbytes(self) -> int:
@@ -246,7 +247,7 @@ class NativeInt4Projection:
         q = q.permute(0, 4, 1, 2, 3, 5).reshape(tiles * native.Q4_TILE, -1)
 
         def rows(t: torch.Tensor) -> torch.Tensor:
-            return t.permute(0, 2, 1).reshape(tiles * native.Q4_TILE, blocks)
+            return t.permute(0, 2, 1).reshape(tiles * native.Q4_TILE, blocks).contiguous()
 
         return (q[:self.out_features], rows(d)[:self.out_features],
                 rows(m)[:self.out_features])
@@ -329,6 +330,7 @@ class NativeInt8Projection:
         self.out_dtype = out_dtype
         self.out_features = int(scales.shape[0])
         self.in_features = int(packed.shape[1]) * INT4_GROUP
+        self._matmul = native.IntMatmul(packed, self.out_features, out_dtype, scales)
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor, out_dtype: torch.dtype = ACTIVATION_DTYPE
@@ -338,7 +340,7 @@ class NativeInt8Projection:
         return cls(pack_int8(quantized.weight), quantized.scales.float(), out_dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return native.q8_matmul(x, self.packed, self.scales, self.out_dtype)
+        return self._matmul(x)
 
     @property
     def nbytes(self) -> int:

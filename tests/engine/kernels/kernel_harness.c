@@ -1,10 +1,11 @@
 /* Stress and determinism harness for the engine's native kernels
- * (services/engine/torch_backend/kernels: paged_attention.c, fused_ops.c),
+ * (services/engine/torch_backend/kernels: paged_attention.c, fused_ops.c,
+ * int_matmul.c),
  * built and run by tests/engine/test_kernel_harness.py under ASan/UBSan and
  * with the production flags.
  *
  * Usage: kernel_harness MODE SEED NCASES [MAXCACHED] [MAXNEW] [BUDGET] [REFSAMPLES] [GROUP]
- *   MODE: attn | fused | edge | bad_group_nondiv | bad_group_zero
+ *   MODE: attn | fused | intmm | edge | bad_group_nondiv | bad_group_zero
  *   attn: random shapes (head_dim, heads per KV head, block size, sequences,
  *     cached and new tokens, fp32/bf16 in and out, 1-2 threads), each run in
  *     five schedules (one prefill then the new tokens; the other output dtype;
@@ -13,6 +14,13 @@
  *     reference, bit-identical across schedules, the same cache contents,
  *     untouched slots and padding rows never written.
  *   fused: add_rms_norm / silu_mul against a reference, a batch against rows.
+ *   intmm: llmesh_q4_1_matmul and llmesh_q8_matmul on random shapes (rows
+ *     0..20, out 1..70, in 32..320, fp32/bf16 in and out, 1-4 threads; weights
+ *     packed here from the layout in int_matmul.c's header, padding features
+ *     random): every output bit-identical to a scalar reference doing the
+ *     kernel's fp32 operations (Q8_1 activations, fmaf per block in input
+ *     order), each row alone and a random slice of rows equal to the batch,
+ *     nothing written past the output; and the shapes both refuse (-1).
  *   edge: empty plans and rejected shapes.
  * Exit status 0 = all checks passed; "FAIL" lines describe a failing case.
  */
@@ -730,6 +738,280 @@ static void fused_case(int idx) {
     (void)idx;
 }
 
+/* ------------------------------------------------------------------ integer matmuls */
+/* llmesh_q4_1_matmul / llmesh_q8_matmul (int_matmul.c) against a scalar
+ * reference that does the kernel's fp32 operations one by one (volatile
+ * temporaries and explicit fmaf, so -ffp-contract cannot fuse them
+ * differently): bit-identical results are required, not just close ones. */
+#define QB 32
+#define QTILE 16
+#define Q4REC 320
+#define Q8REC 512
+
+static float h2f(uint16_t h) { /* fp16 -> fp32, exact (independent of the kernel's) */
+    const int e = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    const float v = e ? ldexpf((float)(1024 + mant), e - 25) : ldexpf((float)mant, -24);
+    return (h & 0x8000) ? -v : v;
+}
+
+static uint16_t random_half(int lo_exp, int hi_exp) { /* finite fp16, random sign */
+    if (runif() < 0.03) return runif() < 0.5 ? 0x0000 : 0x8000;    /* +-0 */
+    if (runif() < 0.03) return (uint16_t)rint_(1, 0x3ff) | (rnd() & 1 ? 0x8000 : 0); /* subnormal */
+    return (uint16_t)((rint_(lo_exp, hi_exp) << 10) | rint_(0, 0x3ff) | (rnd() & 1 ? 0x8000 : 0));
+}
+
+/* Q8_1 quantization of one row, the kernel's way: per block amax, d = amax / 127,
+ * qa = nearbyint(x / d) (as x * (1 / d)), sa = d * sum(qa). */
+static void ref_quantize(const float *x, int64_t in, int8_t *qa, float *da, float *sa, int32_t *qsum) {
+    for (int64_t b = 0; b < in / QB; b++) {
+        float amax = 0.0f;
+        for (int i = 0; i < QB; i++) {
+            const float a = fabsf(x[b * QB + i]);
+            if (a > amax) amax = a;
+        }
+        volatile float d = amax / 127.0f;
+        volatile float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < QB; i++) {
+            volatile float scaled = x[b * QB + i] * id;
+            const int32_t q = (int32_t)nearbyintf(scaled);
+            if (q < -127 || q > 127) FAIL("intmm ref: activation %d out of range", q);
+            qa[b * QB + i] = (int8_t)q;
+            sum += q;
+        }
+        volatile float s = d * (float)sum;
+        da[b] = d;
+        sa[b] = s;
+        qsum[b] = sum;
+    }
+}
+
+typedef struct {
+    int64_t rows, in, out, tiles, blocks;
+    int x_bf16, out_bf16, threads;
+    float *x;        /* [rows][in] the values (bf16-exact when x_bf16) */
+    void *xin;       /* what the kernel reads: x or its bf16 bits */
+    uint8_t *q;      /* q4: [out][in] 0..15 */
+    uint16_t *d, *m; /* q4: [out][in / 32] fp16 bits */
+    int8_t *qw;      /* q8: [out][in] */
+    float *scales;   /* q8: [out] */
+    uint8_t *packed;
+} IntCase;
+
+static void fill_row(float *x, int64_t in) {
+    const int kind = (int)rint_(0, 9);
+    const float scale = (float)pow(10, rint_(-4, 4));
+    for (int64_t i = 0; i < in; i++) x[i] = frand(-1, 1) * scale;
+    if (kind == 0) { /* all zero (or negative zero) */
+        const float z = runif() < 0.5 ? 0.0f : -0.0f;
+        for (int64_t i = 0; i < in; i++) x[i] = z;
+    } else if (kind == 1) { /* a zero block, some negative zeros */
+        const int64_t b = rint_(0, in / QB - 1);
+        for (int i = 0; i < QB; i++) x[b * QB + i] = (i & 1) ? -0.0f : 0.0f;
+    } else if (kind == 2) { /* exact ties: amax 127 -> d = 1, values k / 2 */
+        for (int64_t i = 0; i < in; i++) x[i] = (float)rint_(-254, 254) / 2.0f;
+        for (int64_t b = 0; b < in / QB; b++) x[b * QB + rint_(0, QB - 1)] = runif() < 0.5 ? 127.0f : -127.0f;
+    } else if (kind == 3) { /* one large value per block, the rest tiny */
+        for (int64_t b = 0; b < in / QB; b++) x[b * QB + rint_(0, QB - 1)] = frand(-1e4f, 1e4f);
+    } else if (kind == 4) { /* extreme but safe magnitudes */
+        const float big = runif() < 0.5 ? 1e30f : 1e-30f;
+        for (int64_t i = 0; i < in; i++) x[i] = frand(-1, 1) * big;
+    }
+}
+
+static void make_int_case(IntCase *c, int q4) {
+    memset(c, 0, sizeof *c);
+    c->rows = rint_(0, 20);
+    c->out = runif() < 0.3 ? (int64_t[]){1, 15, 16, 17, 32, 33, 64}[rint_(0, 6)] : rint_(1, 70);
+    c->in = QB * rint_(1, 10);
+    c->tiles = (c->out + QTILE - 1) / QTILE;
+    c->blocks = c->in / QB;
+    c->x_bf16 = (int)rint_(0, 1);
+    c->out_bf16 = (int)rint_(0, 1);
+    c->threads = (int)rint_(1, 4);
+    c->x = xmalloc(sizeof(float) * c->rows * c->in);
+    for (int64_t r = 0; r < c->rows; r++) fill_row(c->x + r * c->in, c->in);
+    if (c->x_bf16) {
+        uint16_t *h = xmalloc(sizeof(uint16_t) * c->rows * c->in);
+        for (int64_t i = 0; i < c->rows * c->in; i++) { h[i] = f2bf(c->x[i]); c->x[i] = bf2f(h[i]); }
+        c->xin = h;
+    } else {
+        c->xin = c->x;
+    }
+    const size_t record = q4 ? Q4REC : Q8REC, bytes = (size_t)(c->tiles * c->blocks) * record;
+    c->packed = xmalloc(bytes);
+    /* Padding features (past out) hold random bytes: they must never reach the output. */
+    for (size_t i = 0; i < bytes; i++) c->packed[i] = (uint8_t)rnd();
+    if (q4) {
+        c->q = xmalloc((size_t)(c->out * c->in));
+        c->d = xmalloc(sizeof(uint16_t) * c->out * c->blocks);
+        c->m = xmalloc(sizeof(uint16_t) * c->out * c->blocks);
+        for (int64_t i = 0; i < c->out * c->in; i++) c->q[i] = (uint8_t)rint_(0, 15);
+        for (int64_t i = 0; i < c->out * c->blocks; i++) {
+            c->d[i] = random_half(5, 17) & 0x7fff; /* ~2^-10 .. 2^2, d >= 0 */
+            c->m[i] = random_half(5, 19);
+        }
+        /* Layout (int_matmul.c): per (tile, block) record, d[16] and m[16] as
+         * fp16, then byte 64 + 64 c + 4 j + i: q[j][4c + i] | q[j][16 + 4c + i] << 4. */
+        for (int64_t j = 0; j < c->out; j++) {
+            const int64_t t = j / QTILE, jj = j % QTILE;
+            for (int64_t b = 0; b < c->blocks; b++) {
+                uint8_t *rec = c->packed + (t * c->blocks + b) * Q4REC;
+                memcpy(rec + 2 * jj, &c->d[j * c->blocks + b], 2);
+                memcpy(rec + 32 + 2 * jj, &c->m[j * c->blocks + b], 2);
+                const uint8_t *qj = c->q + j * c->in + b * QB;
+                for (int ch = 0; ch < 4; ch++)
+                    for (int i = 0; i < 4; i++)
+                        rec[64 + 64 * ch + 4 * jj + i] = (uint8_t)(qj[4 * ch + i] | qj[16 + 4 * ch + i] << 4);
+            }
+        }
+    } else {
+        c->qw = xmalloc((size_t)(c->out * c->in));
+        c->scales = xmalloc(sizeof(float) * c->out);
+        for (int64_t i = 0; i < c->out * c->in; i++)
+            c->qw[i] = (int8_t)(runif() < 0.05 ? (rnd() & 1 ? 127 : -128) : rint_(-128, 127));
+        for (int64_t j = 0; j < c->out; j++)
+            c->scales[j] = runif() < 0.05 ? 0.0f : frand(1e-4f, 1e-1f) * (rnd() & 1 ? 1 : -1);
+        /* Layout: per (tile, block) record, byte 64 c + 4 j + i = qw[j][4c + i] + 128. */
+        for (int64_t j = 0; j < c->out; j++) {
+            const int64_t t = j / QTILE, jj = j % QTILE;
+            for (int64_t b = 0; b < c->blocks; b++) {
+                uint8_t *rec = c->packed + (t * c->blocks + b) * Q8REC;
+                for (int ch = 0; ch < 8; ch++)
+                    for (int i = 0; i < 4; i++)
+                        rec[64 * ch + 4 * jj + i] = (uint8_t)(c->qw[j * c->in + b * QB + 4 * ch + i] + 128);
+            }
+        }
+    }
+}
+
+static void free_int_case(IntCase *c) {
+    free(c->x);
+    if (c->x_bf16) free(c->xin);
+    free(c->q); free(c->d); free(c->m); free(c->qw); free(c->scales); free(c->packed);
+}
+
+/* The expected output bits of row r ([out]: fp32 bits, or bf16 bits in the low half). */
+static void ref_int_row(const IntCase *c, int q4, int64_t r, uint32_t *expect) {
+    int8_t *qa = xmalloc((size_t)c->in);
+    float *da = xmalloc(sizeof(float) * c->blocks), *sa = xmalloc(sizeof(float) * c->blocks);
+    int32_t *qsum = xmalloc(sizeof(int32_t) * c->blocks);
+    ref_quantize(c->x + r * c->in, c->in, qa, da, sa, qsum);
+    for (int64_t j = 0; j < c->out; j++) {
+        volatile float acc = 0.0f;
+        for (int64_t b = 0; b < c->blocks; b++) {
+            int32_t isum = 0;
+            for (int i = 0; i < QB; i++) {
+                const int32_t w = q4 ? c->q[j * c->in + b * QB + i] : c->qw[j * c->in + b * QB + i];
+                isum += w * qa[b * QB + i];
+            }
+            if (q4) {
+                volatile float scale = h2f(c->d[j * c->blocks + b]) * da[b];
+                acc = fmaf((float)isum, scale, acc);
+                acc = fmaf(h2f(c->m[j * c->blocks + b]), sa[b], acc);
+            } else {
+                acc = fmaf((float)isum, da[b], acc);
+            }
+        }
+        float value = acc;
+        if (!q4) {
+            volatile float scaled = value * c->scales[j];
+            value = scaled;
+        }
+        expect[j] = c->out_bf16 ? f2bf(value) : fbits(value);
+    }
+    free(qa); free(da); free(sa); free(qsum);
+}
+
+static int call_int(const IntCase *c, int q4, int64_t first, int64_t rows, void *out, int threads) {
+    const size_t xsz = c->x_bf16 ? 2 : 4;
+    const void *x = (const uint8_t *)c->xin + (size_t)(first * c->in) * xsz;
+    return q4 ? llmesh_q4_1_matmul(x, c->x_bf16, rows, c->in, c->packed, c->out, out, c->out_bf16, threads)
+              : llmesh_q8_matmul(x, c->x_bf16, rows, c->in, c->packed, c->scales, c->out, out, c->out_bf16, threads);
+}
+
+static uint32_t out_bits(const IntCase *c, const void *out, int64_t i) {
+    return c->out_bf16 ? ((const uint16_t *)out)[i] : ((const uint32_t *)out)[i];
+}
+
+#define OUT_GUARD 64
+static long g_int_outputs = 0;
+
+static void int_case(int idx, int q4) {
+    IntCase c;
+    make_int_case(&c, q4);
+    const long before = failures;
+    const char *name = q4 ? "q4_1" : "q8";
+    const size_t esz = c.out_bf16 ? 2 : 4, nout = (size_t)(c.rows * c.out) * esz;
+    unsigned char *out = xmalloc(nout + OUT_GUARD);
+    memset(out, OUTCANARY8, nout + OUT_GUARD);
+    int rc = call_int(&c, q4, 0, c.rows, out, c.threads);
+    if (rc) FAIL("%s rc=%d", name, rc);
+    for (size_t i = nout; i < nout + OUT_GUARD; i++)
+        if (out[i] != OUTCANARY8) { FAIL("%s: wrote past the output (byte %zu)", name, i - nout); break; }
+    /* (a) bit-exact against the scalar reference */
+    uint32_t *expect = xmalloc(sizeof(uint32_t) * (c.out ? c.out : 1));
+    for (int64_t r = 0; r < c.rows; r++) {
+        ref_int_row(&c, q4, r, expect);
+        for (int64_t j = 0; j < c.out; j++) {
+            const uint32_t got = out_bits(&c, out, r * c.out + j);
+            g_int_outputs++;
+            if (got != expect[j]) {
+                const float gv = c.out_bf16 ? bf2f((uint16_t)got) : bitsf(got);
+                const float ev = c.out_bf16 ? bf2f((uint16_t)expect[j]) : bitsf(expect[j]);
+                FAIL("%s: row %lld feature %lld got %.9g (0x%08x) want %.9g (0x%08x)", name,
+                     (long long)r, (long long)j, gv, got, ev, expect[j]);
+                goto reference_done;
+            }
+        }
+    }
+reference_done:
+    /* (b) row invariance: each row alone, and a random slice, equal the batch's rows */
+    {
+        unsigned char *one = xmalloc(c.out * esz + OUT_GUARD);
+        for (int64_t r = 0; r < c.rows; r++) {
+            rc = call_int(&c, q4, r, 1, one, (int)rint_(1, 4));
+            if (rc || memcmp(one, out + (size_t)(r * c.out) * esz, c.out * esz)) {
+                FAIL("%s: row %lld alone differs from the batch of %lld (rc=%d)", name, (long long)r, (long long)c.rows, rc);
+                break;
+            }
+        }
+        free(one);
+        if (c.rows > 1) {
+            const int64_t first = rint_(0, c.rows - 1), n = rint_(1, c.rows - first);
+            unsigned char *part = xmalloc((size_t)(n * c.out) * esz);
+            rc = call_int(&c, q4, first, n, part, (int)rint_(1, 4));
+            if (rc || memcmp(part, out + (size_t)(first * c.out) * esz, (size_t)(n * c.out) * esz))
+                FAIL("%s: rows %lld..%lld as their own batch differ (rc=%d)", name, (long long)first, (long long)(first + n), rc);
+            free(part);
+        }
+    }
+    if (failures != before)
+        printf("  ^ failing %s case %d: rows=%lld in=%lld out=%lld x_bf16=%d out_bf16=%d threads=%d\n", name, idx,
+               (long long)c.rows, (long long)c.in, (long long)c.out, c.x_bf16, c.out_bf16, c.threads);
+    free(expect); free(out);
+    free_int_case(&c);
+}
+
+/* Shapes both kernels must refuse with -1, before reading anything. */
+static void int_refusals(void) {
+    static const struct { int64_t rows, in, out; const char *what; } refused[] = {
+        {1, 0, 16, "in 0"}, {1, 48, 16, "in 48"}, {1, 16, 16, "in 16"}, {1, 31, 16, "in 31"},
+        {1, 64, 0, "out 0"}, {1, 64, -3, "out -3"}, {-1, 64, 16, "rows -1"},
+    };
+    uint8_t packed[Q8REC * 2] = {0};
+    float x[64] = {0}, scales[16] = {0}, out[64];
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        const int rc4 = llmesh_q4_1_matmul(x, 0, refused[i].rows, refused[i].in, packed, refused[i].out, out, 0, 1);
+        const int rc8 = llmesh_q8_matmul(x, 0, refused[i].rows, refused[i].in, packed, scales, refused[i].out, out, 0, 1);
+        if (rc4 != -1 || rc8 != -1) FAIL("intmm %s: rc q4_1=%d q8=%d, expected -1", refused[i].what, rc4, rc8);
+    }
+    /* zero rows: accepted, nothing read or written */
+    if (llmesh_q4_1_matmul(NULL, 0, 0, 64, NULL, 16, NULL, 0, 2) != 0 ||
+        llmesh_q8_matmul(NULL, 1, 0, 64, NULL, NULL, 16, NULL, 1, 2) != 0)
+        FAIL("intmm: zero rows refused");
+}
+
 /* ------------------------------------------------------------------ edge cases */
 static void edge_cases(void) {
     Case c;
@@ -807,6 +1089,13 @@ int main(int argc, char **argv) {
     } else if (!strcmp(mode, "fused")) {
         for (int i = 0; i < ncases; i++) fused_case(i);
         printf("note: %ld silu outputs NaN where PyTorch gives +-inf (up=+-inf, gate in (-88.73,-87.33))\n", silu_inf_notes);
+    } else if (!strcmp(mode, "intmm")) {
+        for (int i = 0; i < ncases; i++) {
+            int_case(i, 1);
+            int_case(i, 0);
+        }
+        int_refusals();
+        printf("intmm: %ld outputs bit-identical to the scalar reference\n", g_int_outputs);
     } else if (!strcmp(mode, "edge")) {
         edge_cases();
     } else if (!strcmp(mode, "bad_group_nondiv")) {

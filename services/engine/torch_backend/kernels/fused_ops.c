@@ -20,17 +20,6 @@
 #include "llmesh_kernels.h"
 #include "simd.h"
 
-static inline float widen(const void *data, int32_t is_bf16, int64_t index) {
-    return is_bf16 ? bf16_to_float(((const uint16_t *)data)[index]) : ((const float *)data)[index];
-}
-
-static inline void narrow(void *data, int32_t to_bf16, int64_t index, float f) {
-    if (to_bf16)
-        ((uint16_t *)data)[index] = float_to_bf16(f);
-    else
-        ((float *)data)[index] = f;
-}
-
 int llmesh_add_rms_norm(float *hidden, const void *delta, int32_t delta_bf16, const float *weight,
                         int64_t rows, int64_t n, float eps, void *out, int32_t out_bf16,
                         int32_t num_threads) {
@@ -38,14 +27,23 @@ int llmesh_add_rms_norm(float *hidden, const void *delta, int32_t delta_bf16, co
 #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) if (rows > 4)
     for (int64_t r = 0; r < rows; r++) {
         float *h = hidden + r * n;
-        if (delta != NULL)
-            for (int64_t i = 0; i < n; i++) h[i] += widen(delta, delta_bf16, r * n + i);
-        float lanes[LANES] = {0};
-        for (int64_t i = 0; i < n; i++) lanes[i % LANES] += h[i] * h[i];
-        for (int width = LANES / 2; width >= 1; width /= 2)
-            for (int i = 0; i < width; i++) lanes[i] += lanes[i + width];
-        const float inverse = 1.0f / sqrtf(lanes[0] / (float)n + eps);
-        for (int64_t i = 0; i < n; i++) narrow(out, out_bf16, r * n + i, h[i] * inverse * weight[i]);
+        v16f squares = splat(0.0f);
+        for (int64_t i0 = 0; i0 < n; i0 += LANES) {
+            const int64_t count = n - i0 < LANES ? n - i0 : LANES;
+            v16f x = load16_any(h, 0, i0, count);
+            if (delta != NULL) {
+                x += load16_any(delta, delta_bf16, r * n + i0, count);
+                store16_any(h, 0, i0, count, x);
+            }
+            squares += x * x; /* lane i sums the squares of elements i mod 16, in order */
+        }
+        const float inverse = 1.0f / sqrtf(hsum16(squares) / (float)n + eps);
+        for (int64_t i0 = 0; i0 < n; i0 += LANES) {
+            const int64_t count = n - i0 < LANES ? n - i0 : LANES;
+            const v16f y = load16_any(h, 0, i0, count) * splat(inverse) *
+                           load16_any(weight, 0, i0, count);
+            store16_any(out, out_bf16, r * n + i0, count, y);
+        }
     }
     return 0;
 }
@@ -56,22 +54,14 @@ int llmesh_silu_mul(const void *gate_up, int32_t in_bf16, int64_t rows, int64_t 
 #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) if (rows > 4)
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t i0 = 0; i0 < n; i0 += LANES) {
-            float gate[LANES] = {0}, up[LANES] = {0}, result[LANES];
             const int64_t count = n - i0 < LANES ? n - i0 : LANES;
-            for (int64_t i = 0; i < count; i++) {
-                gate[i] = widen(gate_up, in_bf16, r * 2 * n + i0 + i);
-                up[i] = widen(gate_up, in_bf16, r * 2 * n + n + i0 + i);
-            }
-            v16f g, u;
-            memcpy(&g, gate, sizeof g);
-            memcpy(&u, up, sizeof u);
+            const v16f g = load16_any(gate_up, in_bf16, r * 2 * n + i0, count);
+            const v16f u = load16_any(gate_up, in_bf16, r * 2 * n + n + i0, count);
             /* SiLU(g) = g * sigmoid(g); e = exp(-|g|) keeps exp's argument <= 0. */
             const v16i negative = g < splat(0.0f);
             const v16f e = exp16(select16(negative, g, -g));
             const v16f sigmoid = select16(negative, e, splat(1.0f)) / (splat(1.0f) + e);
-            const v16f v = g * sigmoid * u;
-            memcpy(result, &v, sizeof result);
-            for (int64_t i = 0; i < count; i++) narrow(out, out_bf16, r * n + i0 + i, result[i]);
+            store16_any(out, out_bf16, r * n + i0, count, g * sigmoid * u);
         }
     }
     return 0;

@@ -43,6 +43,7 @@
  * block in input order as above.
  */
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -61,6 +62,8 @@
 #define RECORD (2 * TILE * 2 + TILE * Q_BLOCK / 2) /* 320 bytes */
 #define RECORD8 (TILE * Q_BLOCK)                   /* 512 bytes */
 #define ROW_TILE 4
+/* Smallest block maximum quantized (1 / (amax / 127) stays finite above it). */
+#define MIN_AMAX 1e-35f
 
 /* fp16 -> fp32 (exact), for the portable path. */
 static inline float half_to_float(uint16_t h) {
@@ -91,13 +94,18 @@ static void quantize_row(const void *x, int32_t x_bf16, int64_t row, int64_t in,
                          float *da, float *sa, int32_t *isum) {
     for (int64_t b = 0; b < in / Q_BLOCK; b++) {
         float v[Q_BLOCK], amax = 0.0f;
+        int finite = 1;
         for (int i = 0; i < Q_BLOCK; i++) {
             const int64_t index = row * in + b * Q_BLOCK + i;
             v[i] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[index]) : ((const float *)x)[index];
             const float a = fabsf(v[i]);
+            finite &= a <= FLT_MAX; /* false for inf and NaN */
             amax = a > amax ? a : amax;
         }
-        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        /* A block below MIN_AMAX (where 1 / d would overflow) counts as zeros;
+         * a NaN or inf makes d NaN, so every output of the row is NaN. */
+        const float d = !finite ? NAN : amax < MIN_AMAX ? 0.0f : amax / 127.0f;
+        const float id = finite && d != 0.0f ? 1.0f / d : 0.0f;
         int32_t sum = 0;
         for (int i = 0; i < Q_BLOCK; i++) {
             const int32_t q = (int32_t)nearbyintf(v[i] * id);

@@ -22,8 +22,9 @@
  *
  * Why a kernel of our own: batch invariance. A row's arithmetic here depends
  * only on its own query and its own pos + 1 keys, in a fixed order (scores in
- * key tiles of 16, a sequential sum over the head dim; the softmax sum and the
- * value sum key by key in ascending order), never on how many other rows,
+ * key tiles of 16, four fixed partial sums over the head dim; the softmax sum
+ * in ascending key tiles; the value sum as even and odd keys, each ascending),
+ * never on how many other rows,
  * sequences or padding keys the call holds, nor on the thread that runs it.
  * So a token gets the same bits in a decode batch of any size, in a prefill
  * chunk of any length, after a prefix-cache hit or after a recompute -- with
@@ -36,8 +37,8 @@
  * Cephes Math Library, expf.c), vectorized; |error| <= 2 ulp for the
  * arguments <= 0 that the softmax gives it.
  *
- * Threads: work items are (sequence, KV head, tile of up to 16 tokens; for a
- * few one-token sequences, a single query head); OpenMP hands them out. Each
+ * Threads: work items are (sequence, KV head, tile of up to 16 tokens; when
+ * those are few, a single query head); OpenMP hands them out. Each
  * row is computed whole by one thread, so results do not depend on the
  * schedule.
  */
@@ -126,6 +127,45 @@ static inline const float *key_tile(const step_plan *plan, const float *cache_he
     return buffer;
 }
 
+/* Value `j` of a sequence as `vecs` vectors (zero-padded past head_dim). */
+static inline __attribute__((always_inline)) void load_value(
+    const step_plan *plan, const float *v_head, const int64_t *table, int64_t j,
+    const int64_t vecs, v16f *vv) {
+    const int64_t dim = plan->head_dim;
+    const float *value = value_row(plan, v_head, table, j);
+    for (int64_t c = 0; c < dim / LANES; c++) vv[c] = load16(value + c * LANES);
+    if (vecs * LANES != dim) {
+        float tail[LANES] = {0};
+        memcpy(tail, value + dim / LANES * LANES, sizeof(float) * (size_t)(dim % LANES));
+        vv[vecs - 1] = load16(tail);
+    }
+}
+
+/* One row's value sum, out[vecs * 16] = sum_j p[j] v_j over keys 0..keys-1:
+ * even and odd keys each summed in ascending order, then even + odd (`vecs` a
+ * constant after inlining for head_dim 64 and 128: the sums stay in registers). */
+static inline __attribute__((always_inline)) void value_sum_row(
+    const step_plan *plan, const float *v_head, const int64_t *table, const float *p,
+    int64_t keys, const int64_t vecs, float *out) {
+    v16f even[MAX_HEAD_DIM / LANES], odd[MAX_HEAD_DIM / LANES], vv[MAX_HEAD_DIM / LANES];
+    for (int64_t c = 0; c < vecs; c++) even[c] = odd[c] = splat(0.0f);
+    int64_t j = 0;
+    for (; j + 2 <= keys; j += 2) {
+        load_value(plan, v_head, table, j, vecs, vv);
+        const v16f pe = splat(p[j]);
+        for (int64_t c = 0; c < vecs; c++) even[c] += pe * vv[c];
+        load_value(plan, v_head, table, j + 1, vecs, vv);
+        const v16f po = splat(p[j + 1]);
+        for (int64_t c = 0; c < vecs; c++) odd[c] += po * vv[c];
+    }
+    if (j < keys) {
+        load_value(plan, v_head, table, j, vecs, vv);
+        const v16f pe = splat(p[j]);
+        for (int64_t c = 0; c < vecs; c++) even[c] += pe * vv[c];
+    }
+    for (int64_t c = 0; c < vecs; c++) store16(out + c * LANES, even[c] + odd[c]);
+}
+
 /* One work item: rows = its tokens x its query heads. Returns 0, or -3 when
  * out of memory. */
 static int attend_item(const step_plan *plan, const work_item *item, const void *qkv,
@@ -146,10 +186,12 @@ static int attend_item(const step_plan *plan, const work_item *item, const void 
     float *scores = malloc(sizeof(float) * (size_t)(rows * padded_keys));
     float *query = malloc(sizeof(float) * (size_t)(rows * dim));
     float *acc = malloc(sizeof(float) * (size_t)(rows * padded_dim));
-    if (scores == NULL || query == NULL || acc == NULL) {
+    float *odd = malloc(sizeof(float) * (size_t)(rows * padded_dim));
+    if (scores == NULL || query == NULL || acc == NULL || odd == NULL) {
         free(scores);
         free(query);
         free(acc);
+        free(odd);
         return -3;
     }
     float tile_buffer[MAX_HEAD_DIM * LANES];
@@ -165,16 +207,25 @@ static int attend_item(const step_plan *plan, const work_item *item, const void 
         row_keys[r] = start + token + 1;
     }
 
-    /* Scores, 16 keys at a time: lane j sums q[d] * k_j[d] over d in order. */
+    /* Scores, 16 keys at a time: lane j sums q[d] * k_j[d] in four partial sums
+     * (d mod 4, each in ascending d; an odd tail goes to the first), then
+     * (s0 + s1) + (s2 + s3): independent chains, the same order for every row. */
     for (int64_t k0 = 0; k0 < num_keys; k0 += LANES) {
         int64_t stride;
         const float *tile = key_tile(plan, k_head, table, k0, num_keys, tile_buffer, &stride);
         for (int64_t r = 0; r < rows; r++) {
             if (k0 >= row_keys[r]) continue;
             const float *qr = query + r * dim;
-            v16f s = splat(0.0f);
-            for (int64_t d = 0; d < dim; d++) s += splat(qr[d]) * load16(tile + d * stride);
-            store16(scores + r * padded_keys + k0, s);
+            v16f s0 = splat(0.0f), s1 = splat(0.0f), s2 = splat(0.0f), s3 = splat(0.0f);
+            int64_t d = 0;
+            for (; d + 4 <= dim; d += 4) {
+                s0 += splat(qr[d]) * load16(tile + d * stride);
+                s1 += splat(qr[d + 1]) * load16(tile + (d + 1) * stride);
+                s2 += splat(qr[d + 2]) * load16(tile + (d + 2) * stride);
+                s3 += splat(qr[d + 3]) * load16(tile + (d + 3) * stride);
+            }
+            for (; d < dim; d++) s0 += splat(qr[d]) * load16(tile + d * stride);
+            store16(scores + r * padded_keys + k0, (s0 + s1) + (s2 + s3));
         }
     }
 
@@ -197,23 +248,32 @@ static int attend_item(const step_plan *plan, const work_item *item, const void 
         row_sum[r] = hsum16(total);
     }
 
-    /* Values: each row accumulates p_j * v_j key by key, in ascending order. */
-    memset(acc, 0, sizeof(float) * (size_t)(rows * padded_dim));
-    float value_tail[LANES] = {0};
-    for (int64_t j = 0; j < num_keys; j++) {
-        const float *value = value_row(plan, v_head, table, j);
+    /* Values: each row accumulates p_j * v_j in two partial sums, even keys and
+     * odd keys, each in ascending order, then even + odd. A single row keeps
+     * them in registers (value_sum_row); more rows share each value load and
+     * keep theirs in `acc` (even) and `odd` -- the same arithmetic. */
+    if (rows == 1) {
+        switch (vecs) {
+        case 4: value_sum_row(plan, v_head, table, scores, row_keys[0], 4, acc); break;
+        case 8: value_sum_row(plan, v_head, table, scores, row_keys[0], 8, acc); break;
+        default: value_sum_row(plan, v_head, table, scores, row_keys[0], vecs, acc); break;
+        }
+    } else {
+        memset(acc, 0, sizeof(float) * (size_t)(rows * padded_dim));
+        memset(odd, 0, sizeof(float) * (size_t)(rows * padded_dim));
         v16f vv[MAX_HEAD_DIM / LANES];
-        for (int64_t c = 0; c < dim / LANES; c++) vv[c] = load16(value + c * LANES);
-        if (padded_dim != dim) {
-            memcpy(value_tail, value + dim / LANES * LANES, sizeof(float) * (size_t)(dim % LANES));
-            vv[vecs - 1] = load16(value_tail);
+        for (int64_t j = 0; j < num_keys; j++) {
+            load_value(plan, v_head, table, j, vecs, vv);
+            for (int64_t r = 0; r < rows; r++) {
+                if (j >= row_keys[r]) continue;
+                const v16f p = splat(scores[r * padded_keys + j]);
+                float *ar = ((j & 1) ? odd : acc) + r * padded_dim;
+                for (int64_t c = 0; c < vecs; c++)
+                    store16(ar + c * LANES, load16(ar + c * LANES) + p * vv[c]);
+            }
         }
-        for (int64_t r = 0; r < rows; r++) {
-            if (j >= row_keys[r]) continue;
-            const v16f p = splat(scores[r * padded_keys + j]);
-            float *ar = acc + r * padded_dim;
-            for (int64_t c = 0; c < vecs; c++) store16(ar + c * LANES, load16(ar + c * LANES) + p * vv[c]);
-        }
+        for (int64_t i = 0; i < rows * padded_dim; i += LANES)
+            store16(acc + i, load16(acc + i) + load16(odd + i));
     }
 
     const int64_t out_width = plan->num_heads * dim;
@@ -234,6 +294,7 @@ static int attend_item(const step_plan *plan, const work_item *item, const void 
     free(scores);
     free(query);
     free(acc);
+    free(odd);
     return 0;
 }
 
@@ -248,32 +309,30 @@ int llmesh_paged_attention(const step_plan *plan, const void *qkv, float *k_cach
     const int num_threads = plan->num_threads < 1 ? 1 : plan->num_threads;
     write_new_kv(plan, qkv, k_cache, v_cache);
 
-    /* One-token sequences (decodes) get one item per KV head, whose query heads
-     * then share each key and value load; when that leaves fewer than 4 items
-     * per thread, one item per query head instead (e.g. a single decode). */
-    int64_t num_decodes = 0;
-    for (int64_t s = 0; s < plan->num_seqs; s++) num_decodes += plan->seq_num_tokens[s] == 1;
-    const int split_heads = num_decodes * plan->num_kv_heads < 4 * (int64_t)num_threads;
-    const int64_t decode_items = split_heads ? plan->num_heads : plan->num_kv_heads;
-    int64_t count = 0;
-    for (int64_t s = 0; s < plan->num_seqs; s++) {
-        const int64_t n = plan->seq_num_tokens[s];
-        count += n == 1 ? decode_items : plan->num_kv_heads * ((n + TOKEN_TILE - 1) / TOKEN_TILE);
-    }
+    /* Items are (sequence, KV head, tile of up to 16 tokens): the query heads
+     * of a KV head then share each key and value load. When that leaves fewer
+     * than 4 items per thread (a single decode, a speculative verify of a few
+     * tokens), one item per query head instead, for balance. */
+    int64_t by_kv_head = 0;
+    for (int64_t s = 0; s < plan->num_seqs; s++)
+        by_kv_head += plan->num_kv_heads * ((plan->seq_num_tokens[s] + TOKEN_TILE - 1) / TOKEN_TILE);
+    const int split_heads = by_kv_head < 4 * (int64_t)num_threads;
+    const int64_t count = split_heads ? by_kv_head * group : by_kv_head;
     work_item *items = malloc(sizeof(work_item) * (size_t)(count ? count : 1));
     if (items == NULL) return -3;
     int64_t i = 0;
     for (int64_t s = 0; s < plan->num_seqs; s++) {
         const int64_t n = plan->seq_num_tokens[s];
-        if (n == 1 && split_heads) {
-            for (int64_t h = 0; h < plan->num_heads; h++)
-                items[i++] = (work_item){s, h / group, 0, 1, h, 1};
-            continue;
-        }
         for (int64_t kvh = 0; kvh < plan->num_kv_heads; kvh++)
-            for (int64_t t = 0; t < n; t += TOKEN_TILE)
-                items[i++] = (work_item){s, kvh, t, n - t < TOKEN_TILE ? n - t : TOKEN_TILE,
-                                         kvh * group, group};
+            for (int64_t t = 0; t < n; t += TOKEN_TILE) {
+                const int64_t tokens = n - t < TOKEN_TILE ? n - t : TOKEN_TILE;
+                if (split_heads) {
+                    for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
+                        items[i++] = (work_item){s, kvh, t, tokens, h, 1};
+                } else {
+                    items[i++] = (work_item){s, kvh, t, tokens, kvh * group, group};
+                }
+            }
     }
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)

@@ -87,4 +87,51 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+typedef uint16_t v16h __attribute__((vector_size(32), aligned(2), may_alias));
+typedef uint32_t v16u __attribute__((vector_size(64), aligned(4), may_alias));
+
+/* 16 values from `data` (bf16 when is_bf16, else fp32) at `index`, widened
+ * exactly; lanes from `count` on are 0. */
+static inline v16f load16_any(const void *data, int32_t is_bf16, int64_t index, int64_t count) {
+    if (count == LANES) {
+        if (!is_bf16) return load16((const float *)data + index);
+        const v16u bits = __builtin_convertvector(*(const v16h *)((const uint16_t *)data + index),
+                                                  v16u) << 16;
+        return (v16f)bits;
+    }
+    float values[LANES] = {0};
+    for (int64_t i = 0; i < count; i++)
+        values[i] = is_bf16 ? bf16_to_float(((const uint16_t *)data)[index + i])
+                            : ((const float *)data)[index + i];
+    v16f v;
+    memcpy(&v, values, sizeof v);
+    return v;
+}
+
+/* Stores the first `count` lanes of `v` at `index` of `data`: bf16 (rounded as
+ * float_to_bf16) when to_bf16, else fp32. */
+static inline void store16_any(void *data, int32_t to_bf16, int64_t index, int64_t count, v16f v) {
+    if (count == LANES && !to_bf16) {
+        store16((float *)data + index, v);
+        return;
+    }
+    if (count == LANES) {
+        const v16u bits = (v16u)v;
+        const v16u nan = (v16u)((bits & 0x7fffffffu) > 0x7f800000u);
+        const v16u rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+        const v16u quiet = (bits >> 16) | 0x40u;
+        *(v16h *)((uint16_t *)data + index) =
+            __builtin_convertvector((rounded & ~nan) | (quiet & nan), v16h);
+        return;
+    }
+    float values[LANES];
+    memcpy(values, &v, sizeof values);
+    for (int64_t i = 0; i < count; i++) {
+        if (to_bf16)
+            ((uint16_t *)data)[index + i] = float_to_bf16(values[i]);
+        else
+            ((float *)data)[index + i] = values[i];
+    }
+}
+
 #endif
