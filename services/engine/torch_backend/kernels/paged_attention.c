@@ -97,12 +97,6 @@ static void write_new_kv(const step_plan *plan, const void *qkv, float *k_cache,
     }
 }
 
-static inline const float *value_row(const step_plan *plan, const float *cache_head,
-                                     const int64_t *table, int64_t j) {
-    const int64_t bs = plan->block_size;
-    return cache_head + (table[j / bs] * bs + j % bs) * plan->head_dim;
-}
-
 /* Keys k0 .. k0 + 15 as a [head_dim][16] tile (row stride *stride): in place
  * when a block holds the whole tile, else gathered into `buffer`. Lanes past
  * the sequence's keys hold whatever the slots hold (masked later). */
@@ -127,12 +121,9 @@ static inline const float *key_tile(const step_plan *plan, const float *cache_he
     return buffer;
 }
 
-/* Value `j` of a sequence as `vecs` vectors (zero-padded past head_dim). */
-static inline __attribute__((always_inline)) void load_value(
-    const step_plan *plan, const float *v_head, const int64_t *table, int64_t j,
-    const int64_t vecs, v16f *vv) {
-    const int64_t dim = plan->head_dim;
-    const float *value = value_row(plan, v_head, table, j);
+/* The value at `value` as `vecs` vectors (zero-padded past head_dim). */
+static inline __attribute__((always_inline)) void load_value(const float *value, int64_t dim,
+                                                             const int64_t vecs, v16f *vv) {
     for (int64_t c = 0; c < dim / LANES; c++) vv[c] = load16(value + c * LANES);
     if (vecs * LANES != dim) {
         float tail[LANES] = {0};
@@ -143,27 +134,59 @@ static inline __attribute__((always_inline)) void load_value(
 
 /* One row's value sum, out[vecs * 16] = sum_j p[j] v_j over keys 0..keys-1:
  * even and odd keys each summed in ascending order, then even + odd (`vecs` a
- * constant after inlining for head_dim 64 and 128: the sums stay in registers). */
+ * constant after inlining for head_dim 64 and 128: the sums stay in
+ * registers). Walks the block table block by block (no division per key). */
 static inline __attribute__((always_inline)) void value_sum_row(
     const step_plan *plan, const float *v_head, const int64_t *table, const float *p,
     int64_t keys, const int64_t vecs, float *out) {
+    const int64_t dim = plan->head_dim, bs = plan->block_size;
     v16f even[MAX_HEAD_DIM / LANES], odd[MAX_HEAD_DIM / LANES], vv[MAX_HEAD_DIM / LANES];
     for (int64_t c = 0; c < vecs; c++) even[c] = odd[c] = splat(0.0f);
-    int64_t j = 0;
-    for (; j + 2 <= keys; j += 2) {
-        load_value(plan, v_head, table, j, vecs, vv);
-        const v16f pe = splat(p[j]);
-        for (int64_t c = 0; c < vecs; c++) even[c] += pe * vv[c];
-        load_value(plan, v_head, table, j + 1, vecs, vv);
-        const v16f po = splat(p[j + 1]);
-        for (int64_t c = 0; c < vecs; c++) odd[c] += po * vv[c];
-    }
-    if (j < keys) {
-        load_value(plan, v_head, table, j, vecs, vv);
-        const v16f pe = splat(p[j]);
-        for (int64_t c = 0; c < vecs; c++) even[c] += pe * vv[c];
+    for (int64_t j0 = 0, b = 0; j0 < keys; j0 += bs, b++) {
+        const float *block = v_head + table[b] * bs * dim;
+        const int64_t n = keys - j0 < bs ? keys - j0 : bs;
+        for (int64_t o = 0; o < n; o++) {
+            load_value(block + o * dim, dim, vecs, vv);
+            const v16f pj = splat(p[j0 + o]);
+            if ((j0 + o) & 1) {
+                for (int64_t c = 0; c < vecs; c++) odd[c] = fma16(pj, vv[c], odd[c]);
+            } else {
+                for (int64_t c = 0; c < vecs; c++) even[c] = fma16(pj, vv[c], even[c]);
+            }
+        }
     }
     for (int64_t c = 0; c < vecs; c++) store16(out + c * LANES, even[c] + odd[c]);
+}
+
+/* value_sum_row's arithmetic for `rows` rows at once, sharing each value load:
+ * acc [rows][vecs * 16] (even keys, then the result) and odd [rows][vecs * 16]
+ * in memory; row r takes keys below row_keys[r]. */
+static inline __attribute__((always_inline)) void value_sum_rows(
+    const step_plan *plan, const float *v_head, const int64_t *table, const float *scores,
+    int64_t padded_keys, const int64_t *row_keys, int64_t rows, int64_t num_keys,
+    const int64_t vecs, float *acc, float *odd) {
+    const int64_t dim = plan->head_dim, bs = plan->block_size, padded_dim = vecs * LANES;
+    memset(acc, 0, sizeof(float) * (size_t)(rows * padded_dim));
+    memset(odd, 0, sizeof(float) * (size_t)(rows * padded_dim));
+    v16f vv[MAX_HEAD_DIM / LANES];
+    for (int64_t j0 = 0, b = 0; j0 < num_keys; j0 += bs, b++) {
+        const float *block = v_head + table[b] * bs * dim;
+        const int64_t n = num_keys - j0 < bs ? num_keys - j0 : bs;
+        for (int64_t o = 0; o < n; o++) {
+            const int64_t j = j0 + o;
+            load_value(block + o * dim, dim, vecs, vv);
+            float *sums = (j & 1) ? odd : acc;
+            for (int64_t r = 0; r < rows; r++) {
+                if (j >= row_keys[r]) continue;
+                const v16f p = splat(scores[r * padded_keys + j]);
+                float *ar = sums + r * padded_dim;
+                for (int64_t c = 0; c < vecs; c++)
+                    store16(ar + c * LANES, fma16(p, vv[c], load16(ar + c * LANES)));
+            }
+        }
+    }
+    for (int64_t i = 0; i < rows * padded_dim; i += LANES)
+        store16(acc + i, load16(acc + i) + load16(odd + i));
 }
 
 /* One work item: rows = its tokens x its query heads. Returns 0, or -3 when
@@ -219,12 +242,12 @@ static int attend_item(const step_plan *plan, const work_item *item, const void 
             v16f s0 = splat(0.0f), s1 = splat(0.0f), s2 = splat(0.0f), s3 = splat(0.0f);
             int64_t d = 0;
             for (; d + 4 <= dim; d += 4) {
-                s0 += splat(qr[d]) * load16(tile + d * stride);
-                s1 += splat(qr[d + 1]) * load16(tile + (d + 1) * stride);
-                s2 += splat(qr[d + 2]) * load16(tile + (d + 2) * stride);
-                s3 += splat(qr[d + 3]) * load16(tile + (d + 3) * stride);
+                s0 = fma16(splat(qr[d]), load16(tile + d * stride), s0);
+                s1 = fma16(splat(qr[d + 1]), load16(tile + (d + 1) * stride), s1);
+                s2 = fma16(splat(qr[d + 2]), load16(tile + (d + 2) * stride), s2);
+                s3 = fma16(splat(qr[d + 3]), load16(tile + (d + 3) * stride), s3);
             }
-            for (; d < dim; d++) s0 += splat(qr[d]) * load16(tile + d * stride);
+            for (; d < dim; d++) s0 = fma16(splat(qr[d]), load16(tile + d * stride), s0);
             store16(scores + r * padded_keys + k0, (s0 + s1) + (s2 + s3));
         }
     }
@@ -259,21 +282,14 @@ static int attend_item(const step_plan *plan, const work_item *item, const void 
         default: value_sum_row(plan, v_head, table, scores, row_keys[0], vecs, acc); break;
         }
     } else {
-        memset(acc, 0, sizeof(float) * (size_t)(rows * padded_dim));
-        memset(odd, 0, sizeof(float) * (size_t)(rows * padded_dim));
-        v16f vv[MAX_HEAD_DIM / LANES];
-        for (int64_t j = 0; j < num_keys; j++) {
-            load_value(plan, v_head, table, j, vecs, vv);
-            for (int64_t r = 0; r < rows; r++) {
-                if (j >= row_keys[r]) continue;
-                const v16f p = splat(scores[r * padded_keys + j]);
-                float *ar = ((j & 1) ? odd : acc) + r * padded_dim;
-                for (int64_t c = 0; c < vecs; c++)
-                    store16(ar + c * LANES, load16(ar + c * LANES) + p * vv[c]);
-            }
+        switch (vecs) {
+        case 4: value_sum_rows(plan, v_head, table, scores, padded_keys, row_keys, rows,
+                               num_keys, 4, acc, odd); break;
+        case 8: value_sum_rows(plan, v_head, table, scores, padded_keys, row_keys, rows,
+                               num_keys, 8, acc, odd); break;
+        default: value_sum_rows(plan, v_head, table, scores, padded_keys, row_keys, rows,
+                                num_keys, vecs, acc, odd); break;
         }
-        for (int64_t i = 0; i < rows * padded_dim; i += LANES)
-            store16(acc + i, load16(acc + i) + load16(odd + i));
     }
 
     const int64_t out_width = plan->num_heads * dim;
@@ -335,9 +351,18 @@ int llmesh_paged_attention(const step_plan *plan, const void *qkv, float *k_cach
             }
     }
     int failed = 0;
+    if (split_heads) {
+        /* Contiguous runs of items per thread: the query heads of one KV head
+         * mostly run on one thread, which then reads that head's keys and
+         * values from memory once and from its cache after. */
+#pragma omp parallel for schedule(static) num_threads(num_threads) reduction(| : failed)
+        for (int64_t w = 0; w < count; w++)
+            failed |= attend_item(plan, &items[w], qkv, k_cache, v_cache, out) != 0;
+    } else {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
-    for (int64_t w = 0; w < count; w++)
-        failed |= attend_item(plan, &items[w], qkv, k_cache, v_cache, out) != 0;
+        for (int64_t w = 0; w < count; w++)
+            failed |= attend_item(plan, &items[w], qkv, k_cache, v_cache, out) != 0;
+    }
     free(items);
     return failed ? -3 : 0;
 }

@@ -8,13 +8,41 @@
 #ifndef LLMESH_KERNELS_SIMD_H
 #define LLMESH_KERNELS_SIMD_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 typedef float v16f __attribute__((vector_size(64), aligned(4), may_alias));
 typedef int32_t v16i __attribute__((vector_size(64), aligned(4), may_alias));
 
 #define LANES 16
+
+/* a * b + c rounded once, as one instruction where the CPU has one: an explicit
+ * FMA, so that the compiler's contraction choices (which differ between code
+ * paths) cannot change a result's bits. */
+static inline v16f fma16(v16f a, v16f b, v16f c) {
+#if defined(__AVX512F__)
+    return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    v16f r;
+    const __m256 *pa = (const __m256 *)&a, *pb = (const __m256 *)&b, *pc = (const __m256 *)&c;
+    __m256 *pr = (__m256 *)&r;
+    pr[0] = _mm256_fmadd_ps(pa[0], pb[0], pc[0]);
+    pr[1] = _mm256_fmadd_ps(pa[1], pb[1], pc[1]);
+    return r;
+#else
+    float x[16], y[16], z[16];
+    memcpy(x, &a, sizeof x);
+    memcpy(y, &b, sizeof y);
+    memcpy(z, &c, sizeof z);
+    for (int i = 0; i < 16; i++) z[i] = fmaf(x[i], y[i], z[i]);
+    memcpy(&c, z, sizeof z);
+    return c;
+#endif
+}
 
 static inline v16f splat(float x) { return (v16f){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
