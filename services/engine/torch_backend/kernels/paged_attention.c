@@ -23,7 +23,8 @@
  * Why a kernel of our own: batch invariance. A row's arithmetic here depends
  * only on its own query and its own pos + 1 keys, in a fixed order (scores in
  * key tiles of 16, four fixed partial sums over the head dim; the softmax sum
- * in ascending key tiles; the value sum as even and odd keys, each ascending),
+ * in ascending key tiles; the value sum key by key in ascending order; explicit
+ * FMAs, so no compiler contraction choice can differ between code paths),
  * never on how many other rows,
  * sequences or padding keys the call holds, nor on the thread that runs it.
  * So a token gets the same bits in a decode batch of any size, in a prefill
@@ -53,6 +54,8 @@
 
 #define TOKEN_TILE 16
 #define MAX_HEAD_DIM 256
+/* Rows scored together against each key tile. */
+#define SCORE_ROWS 4
 
 typedef struct {
     int64_t seq, kv_head, first_token, num_tokens, first_head, num_heads;
@@ -132,61 +135,59 @@ static inline __attribute__((always_inline)) void load_value(const float *value,
     }
 }
 
-/* One row's value sum, out[vecs * 16] = sum_j p[j] v_j over keys 0..keys-1:
- * even and odd keys each summed in ascending order, then even + odd (`vecs` a
- * constant after inlining for head_dim 64 and 128: the sums stay in
- * registers). Walks the block table block by block (no division per key). */
-static inline __attribute__((always_inline)) void value_sum_row(
-    const step_plan *plan, const float *v_head, const int64_t *table, const float *p,
-    int64_t keys, const int64_t vecs, float *out) {
-    const int64_t dim = plan->head_dim, bs = plan->block_size;
-    v16f even[MAX_HEAD_DIM / LANES], odd[MAX_HEAD_DIM / LANES], vv[MAX_HEAD_DIM / LANES];
-    for (int64_t c = 0; c < vecs; c++) even[c] = odd[c] = splat(0.0f);
+/* Scores of `nr` rows (a constant after inlining) against one key tile
+ * [head_dim][16] (row stride `stride`): lane j of row r sums q_r[d] * k_j[d] in
+ * four partial sums (d mod 4, each in ascending d; an odd tail goes to the
+ * first), then (s0 + s1) + (s2 + s3). Each key vector is loaded once for the
+ * group; a row's arithmetic does not depend on the group. */
+static inline __attribute__((always_inline)) void score_rows(
+    const float *tile, int64_t stride, const float *query, int64_t dim, const int nr,
+    float *out, int64_t out_stride) {
+    v16f s[SCORE_ROWS][4];
+    for (int r = 0; r < nr; r++)
+        for (int i = 0; i < 4; i++) s[r][i] = splat(0.0f);
+    int64_t d = 0;
+    for (; d + 4 <= dim; d += 4)
+        for (int i = 0; i < 4; i++) {
+            const v16f k = load16(tile + (d + i) * stride);
+            for (int r = 0; r < nr; r++) s[r][i] = fma16(splat(query[r * dim + d + i]), k, s[r][i]);
+        }
+    for (; d < dim; d++) {
+        const v16f k = load16(tile + d * stride);
+        for (int r = 0; r < nr; r++) s[r][0] = fma16(splat(query[r * dim + d]), k, s[r][0]);
+    }
+    for (int r = 0; r < nr; r++)
+        store16(out + r * out_stride, (s[r][0] + s[r][1]) + (s[r][2] + s[r][3]));
+}
+
+/* Value sums of rows r0 .. r0 + nr - 1 (nr and vecs constants after inlining,
+ * so the sums stay in registers): acc[r][:] = sum_j p_r[j] v_j over the row's
+ * keys in ascending order, one FMA chain per vector; the table is walked
+ * block by block and each value is loaded once for the group. */
+static inline __attribute__((always_inline)) void value_rows(
+    const step_plan *plan, const float *v_head, const int64_t *table, const float *scores,
+    int64_t padded_keys, const int64_t *row_keys, int64_t r0, const int nr, const int64_t vecs,
+    float *acc) {
+    const int64_t dim = plan->head_dim, bs = plan->block_size, padded_dim = vecs * LANES;
+    v16f sums[4][MAX_HEAD_DIM / LANES], vv[MAX_HEAD_DIM / LANES];
+    for (int r = 0; r < nr; r++)
+        for (int64_t c = 0; c < vecs; c++) sums[r][c] = splat(0.0f);
+    const int64_t keys = row_keys[r0 + nr - 1]; /* keys grow with the row */
     for (int64_t j0 = 0, b = 0; j0 < keys; j0 += bs, b++) {
         const float *block = v_head + table[b] * bs * dim;
         const int64_t n = keys - j0 < bs ? keys - j0 : bs;
         for (int64_t o = 0; o < n; o++) {
-            load_value(block + o * dim, dim, vecs, vv);
-            const v16f pj = splat(p[j0 + o]);
-            if ((j0 + o) & 1) {
-                for (int64_t c = 0; c < vecs; c++) odd[c] = fma16(pj, vv[c], odd[c]);
-            } else {
-                for (int64_t c = 0; c < vecs; c++) even[c] = fma16(pj, vv[c], even[c]);
-            }
-        }
-    }
-    for (int64_t c = 0; c < vecs; c++) store16(out + c * LANES, even[c] + odd[c]);
-}
-
-/* value_sum_row's arithmetic for `rows` rows at once, sharing each value load:
- * acc [rows][vecs * 16] (even keys, then the result) and odd [rows][vecs * 16]
- * in memory; row r takes keys below row_keys[r]. */
-static inline __attribute__((always_inline)) void value_sum_rows(
-    const step_plan *plan, const float *v_head, const int64_t *table, const float *scores,
-    int64_t padded_keys, const int64_t *row_keys, int64_t rows, int64_t num_keys,
-    const int64_t vecs, float *acc, float *odd) {
-    const int64_t dim = plan->head_dim, bs = plan->block_size, padded_dim = vecs * LANES;
-    memset(acc, 0, sizeof(float) * (size_t)(rows * padded_dim));
-    memset(odd, 0, sizeof(float) * (size_t)(rows * padded_dim));
-    v16f vv[MAX_HEAD_DIM / LANES];
-    for (int64_t j0 = 0, b = 0; j0 < num_keys; j0 += bs, b++) {
-        const float *block = v_head + table[b] * bs * dim;
-        const int64_t n = num_keys - j0 < bs ? num_keys - j0 : bs;
-        for (int64_t o = 0; o < n; o++) {
             const int64_t j = j0 + o;
             load_value(block + o * dim, dim, vecs, vv);
-            float *sums = (j & 1) ? odd : acc;
-            for (int64_t r = 0; r < rows; r++) {
-                if (j >= row_keys[r]) continue;
-                const v16f p = splat(scores[r * padded_keys + j]);
-                float *ar = sums + r * padded_dim;
-                for (int64_t c = 0; c < vecs; c++)
-                    store16(ar + c * LANES, fma16(p, vv[c], load16(ar + c * LANES)));
+            for (int r = 0; r < nr; r++) {
+                if (j >= row_keys[r0 + r]) continue;
+                const v16f p = splat(scores[(r0 + r) * padded_keys + j]);
+                for (int64_t c = 0; c < vecs; c++) sums[r][c] = fma16(p, vv[c], sums[r][c]);
             }
         }
     }
-    for (int64_t i = 0; i < rows * padded_dim; i += LANES)
-        store16(acc + i, load16(acc + i) + load16(odd + i));
+    for (int r = 0; r < nr; r++)
+        for (int64_t c = 0; c < vecs; c++) store16(acc + (r0 + r) * padded_dim + c * LANES, sums[r][c]);
 }
 
 /* One work item: rows = its tokens x its query heads. Returns 0, or -3 when
@@ -209,12 +210,10 @@ static int attend_item(const step_plan *plan, const work_item *item, const void 
     float *scores = malloc(sizeof(float) * (size_t)(rows * padded_keys));
     float *query = malloc(sizeof(float) * (size_t)(rows * dim));
     float *acc = malloc(sizeof(float) * (size_t)(rows * padded_dim));
-    float *odd = malloc(sizeof(float) * (size_t)(rows * padded_dim));
-    if (scores == NULL || query == NULL || acc == NULL || odd == NULL) {
+    if (scores == NULL || query == NULL || acc == NULL) {
         free(scores);
         free(query);
         free(acc);
-        free(odd);
         return -3;
     }
     float tile_buffer[MAX_HEAD_DIM * LANES];
@@ -230,25 +229,22 @@ static int attend_item(const step_plan *plan, const work_item *item, const void 
         row_keys[r] = start + token + 1;
     }
 
-    /* Scores, 16 keys at a time: lane j sums q[d] * k_j[d] in four partial sums
-     * (d mod 4, each in ascending d; an odd tail goes to the first), then
-     * (s0 + s1) + (s2 + s3): independent chains, the same order for every row. */
+    /* Scores, 16 keys at a time, for up to 4 rows at once sharing each key
+     * load (score_rows: the same per-row arithmetic for any group). */
     for (int64_t k0 = 0; k0 < num_keys; k0 += LANES) {
         int64_t stride;
         const float *tile = key_tile(plan, k_head, table, k0, num_keys, tile_buffer, &stride);
-        for (int64_t r = 0; r < rows; r++) {
-            if (k0 >= row_keys[r]) continue;
-            const float *qr = query + r * dim;
-            v16f s0 = splat(0.0f), s1 = splat(0.0f), s2 = splat(0.0f), s3 = splat(0.0f);
-            int64_t d = 0;
-            for (; d + 4 <= dim; d += 4) {
-                s0 = fma16(splat(qr[d]), load16(tile + d * stride), s0);
-                s1 = fma16(splat(qr[d + 1]), load16(tile + (d + 1) * stride), s1);
-                s2 = fma16(splat(qr[d + 2]), load16(tile + (d + 2) * stride), s2);
-                s3 = fma16(splat(qr[d + 3]), load16(tile + (d + 3) * stride), s3);
+        for (int64_t r0 = 0; r0 < rows; r0 += SCORE_ROWS) {
+            const int nr = rows - r0 < SCORE_ROWS ? (int)(rows - r0) : SCORE_ROWS;
+            if (k0 >= row_keys[r0 + nr - 1]) continue; /* keys grow with the row */
+            const float *q = query + r0 * dim;
+            float *out_scores = scores + r0 * padded_keys + k0;
+            switch (nr) {
+            case 4: score_rows(tile, stride, q, dim, 4, out_scores, padded_keys); break;
+            case 3: score_rows(tile, stride, q, dim, 3, out_scores, padded_keys); break;
+            case 2: score_rows(tile, stride, q, dim, 2, out_scores, padded_keys); break;
+            default: score_rows(tile, stride, q, dim, 1, out_scores, padded_keys); break;
             }
-            for (; d < dim; d++) s0 = fma16(splat(qr[d]), load16(tile + d * stride), s0);
-            store16(scores + r * padded_keys + k0, (s0 + s1) + (s2 + s3));
         }
     }
 
@@ -271,25 +267,34 @@ static int attend_item(const step_plan *plan, const work_item *item, const void 
         row_sum[r] = hsum16(total);
     }
 
-    /* Values: each row accumulates p_j * v_j in two partial sums, even keys and
-     * odd keys, each in ascending order, then even + odd. A single row keeps
-     * them in registers (value_sum_row); more rows share each value load and
-     * keep theirs in `acc` (even) and `odd` -- the same arithmetic. */
-    if (rows == 1) {
+    /* Values: each row sums p_j * v_j over its keys in ascending order, in
+     * registers, for a few rows at once sharing each value load (value_rows). */
+    for (int64_t r0 = 0; r0 < rows;) {
+        const int64_t left = rows - r0;
+        int nr;
         switch (vecs) {
-        case 4: value_sum_row(plan, v_head, table, scores, row_keys[0], 4, acc); break;
-        case 8: value_sum_row(plan, v_head, table, scores, row_keys[0], 8, acc); break;
-        default: value_sum_row(plan, v_head, table, scores, row_keys[0], vecs, acc); break;
+        case 4:
+            nr = left < 4 ? (int)left : 4;
+            switch (nr) {
+            case 4: value_rows(plan, v_head, table, scores, padded_keys, row_keys, r0, 4, 4, acc); break;
+            case 3: value_rows(plan, v_head, table, scores, padded_keys, row_keys, r0, 3, 4, acc); break;
+            case 2: value_rows(plan, v_head, table, scores, padded_keys, row_keys, r0, 2, 4, acc); break;
+            default: value_rows(plan, v_head, table, scores, padded_keys, row_keys, r0, 1, 4, acc); break;
+            }
+            break;
+        case 8:
+            nr = left < 2 ? (int)left : 2;
+            if (nr == 2)
+                value_rows(plan, v_head, table, scores, padded_keys, row_keys, r0, 2, 8, acc);
+            else
+                value_rows(plan, v_head, table, scores, padded_keys, row_keys, r0, 1, 8, acc);
+            break;
+        default:
+            nr = 1;
+            value_rows(plan, v_head, table, scores, padded_keys, row_keys, r0, 1, vecs, acc);
+            break;
         }
-    } else {
-        switch (vecs) {
-        case 4: value_sum_rows(plan, v_head, table, scores, padded_keys, row_keys, rows,
-                               num_keys, 4, acc, odd); break;
-        case 8: value_sum_rows(plan, v_head, table, scores, padded_keys, row_keys, rows,
-                               num_keys, 8, acc, odd); break;
-        default: value_sum_rows(plan, v_head, table, scores, padded_keys, row_keys, rows,
-                                num_keys, vecs, acc, odd); break;
-        }
+        r0 += nr;
     }
 
     const int64_t out_width = plan->num_heads * dim;
@@ -310,7 +315,6 @@ static int attend_item(const step_plan *plan, const work_item *item, const void 
     free(scores);
     free(query);
     free(acc);
-    free(odd);
     return 0;
 }
 
