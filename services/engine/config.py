@@ -60,7 +60,7 @@ class EngineConfig:
         ``torch_backend/native_attention.py``.
       quant_kernel: the kernel of ``int4`` projections for generated tokens
         (torch backend): ``native`` (the engine's C kernel: Q4_1 weights times
-        activations quantized to int8 per 32 values, exact integer dot products
+        activations quantized to int16 per 32 values, exact integer dot products
         with AVX512-VNNI, nearly flat cost from 1 to ~8 rows), ``torch``
         (PyTorch's ``_weight_int4pack_mm_for_cpu``, bf16 activations) or
         ``auto`` (native where the kernels build). See ``torch_backend/quant.py``.

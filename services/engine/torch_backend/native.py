@@ -3,7 +3,7 @@
 * ``paged_attention.c``: RoPE, the KV write and batch-invariant paged attention
   in one call per layer (used by
   :class:`~services.engine.torch_backend.native_attention.NativeAttentionBatch`).
-* ``int_matmul.c``: Q4_1 or int8 weights x activations quantized to int8,
+* ``int_matmul.c``: Q4_1 or int8 weights x activations quantized to int16,
   exact integer dot products on AVX512-VNNI (:func:`q4_1_matmul`,
   :func:`q8_matmul`; the quantized projections and LM head of
   ``--quant-kernel native``, see :mod:`~services.engine.torch_backend.quant`).
@@ -256,7 +256,7 @@ class IntMatmul:
     """``x @ W.T`` on the integer-dot kernels (``kernels/int_matmul.c``) for one
     packed weight, checked once here so that each call checks only ``x``.
 
-    Each row of ``x`` is quantized to int8 per 32 inputs (ggml's Q8_1); the
+    Each row of ``x`` is quantized to int16 per 32 inputs; the
     dot products are exact integer sums (AVX512-VNNI), so a row's result
     depends only on that row: batch-invariant at any row count.
 

@@ -172,9 +172,11 @@ def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor
 
     Returns:
       ``[ceil(out / 16), in / 32, 320]`` uint8: per tile of 16 output features
-      and block of 32 inputs, the 16 ``d``, the 16 ``m`` and 256 bytes of
-      nibbles (chunk ``c``, feature ``j``, byte ``i``: ``q[j, 4c + i]`` low,
-      ``q[j, 16 + 4c + i]`` high). Features past ``out`` are zero.
+      and block of 32 inputs, the 16 ``d``, the 16 ``m`` and 4 chunks of 64
+      bytes. Pair group ``g`` (inputs ``2g``, ``2g + 1``) is 32 values, value
+      ``2j + t`` = ``q[j, 2g + t]``; chunk ``c`` holds groups ``4c`` / ``4c + 2``
+      in the low / high nibbles of its first 32 bytes and ``4c + 1`` / ``4c + 3``
+      in its last 32. Features past ``out`` are zero.
     """
     rows, cols = q.shape
     tiles, blocks = -(-rows // native.Q4_TILE), cols // INT4_GROUP
@@ -183,9 +185,11 @@ def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor
     def padded(t: torch.Tensor) -> torch.Tensor:
         return torch.cat((t, t.new_zeros(pad, t.shape[1]))) if pad else t
 
-    values = padded(q.to(torch.uint8)).view(tiles, native.Q4_TILE, blocks, 2, 4, 4)
-    nibbles = values[:, :, :, 0] | (values[:, :, :, 1] << 4)  # [tiles, 16, blocks, c, i]
-    nibbles = nibbles.permute(0, 2, 3, 1, 4).reshape(tiles, blocks, -1)
+    values = padded(q.to(torch.uint8)).view(tiles, native.Q4_TILE, blocks, 16, 2)
+    groups = values.permute(0, 2, 3, 1, 4).reshape(tiles, blocks, 4, 4, 32)  # [.., c, k, 32]
+    low = torch.cat((groups[:, :, :, 0], groups[:, :, :, 1]), dim=-1)  # [tiles, blocks, 4, 64]
+    high = torch.cat((groups[:, :, :, 2], groups[:, :, :, 3]), dim=-1)
+    nibbles = (low | (high << 4)).reshape(tiles, blocks, -1)
 
     def halves(t: torch.Tensor) -> torch.Tensor:
         t = padded(t.to(torch.float16)).view(tiles, native.Q4_TILE, blocks)
@@ -196,7 +200,7 @@ def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor
 
 class NativeInt4Projection:
     """Q4_1 weights on the native integer-dot kernel (:func:`native.q4_1_matmul`):
-    each row of bf16 activations quantized to int8 per 32 inputs, exact integer
+    each row of bf16 activations quantized to int16 per 32 inputs, exact integer
     sums (AVX512-VNNI), fp16 ``d`` and ``m`` as the GGUF stores them. bf16 in,
     bf16 out. Row-invariant by construction, and its cost stays nearly flat from
     1 to ~8 rows (``_weight_int4pack_mm_for_cpu`` works in blocks of 4 rows and
@@ -242,9 +246,12 @@ class NativeInt4Projection:
         tiles, blocks, _ = self.packed.shape
         d = self.packed[..., :32].contiguous().view(torch.float16)  # [tiles, blocks, 16]
         m = self.packed[..., 32:64].contiguous().view(torch.float16)
-        nibbles = self.packed[..., 64:].reshape(tiles, blocks, 4, native.Q4_TILE, 4)
-        q = torch.stack((nibbles & 0x0F, nibbles >> 4), dim=2)  # [tiles, blocks, 2, c, 16, i]
-        q = q.permute(0, 4, 1, 2, 3, 5).reshape(tiles * native.Q4_TILE, -1)
+        nibbles = self.packed[..., 64:].reshape(tiles, blocks, 4, 64)
+        low, high = nibbles & 0x0F, nibbles >> 4
+        groups = torch.stack((low[..., :32], low[..., 32:], high[..., :32], high[..., 32:]),
+                             dim=3)  # [tiles, blocks, c, k, 32]: group 4c + k
+        q = groups.reshape(tiles, blocks, 16, native.Q4_TILE, 2).permute(0, 3, 1, 2, 4)
+        q = q.reshape(tiles * native.Q4_TILE, -1)
 
         def rows(t: torch.Tensor) -> torch.Tensor:
             return t.permute(0, 2, 1).reshape(tiles * native.Q4_TILE, blocks).contiguous()
@@ -297,21 +304,21 @@ class Int8Projection:
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
     """int8 values ``[out, in]`` (``in`` a multiple of 32) in the native kernel's
-    layout (``kernels/int_matmul.c``): ``[ceil(out / 16), in / 32, 512]`` uint8,
-    per tile of 16 output features and block of 32 inputs byte ``64 c + 4 j + i``
-    = ``q[j, 4 c + i] + 128``. Features past ``out`` are zero weights."""
+    layout (``kernels/int_matmul.c``): ``[ceil(out / 16), in / 32, 512]`` uint8
+    (the int8 bytes), per tile of 16 output features and block of 32 inputs byte
+    ``32 g + 2 j + t`` = ``q[j, 2g + t]``. Features past ``out`` are zero."""
     rows, cols = q.shape
     tiles, blocks = -(-rows // native.Q4_TILE), cols // INT4_GROUP
-    shifted = (q.to(torch.int16) + 128).to(torch.uint8)
+    values = q.to(torch.int8)
     if tiles * native.Q4_TILE > rows:
-        shifted = torch.cat((shifted, shifted.new_full((tiles * native.Q4_TILE - rows, cols), 128)))
-    values = shifted.view(tiles, native.Q4_TILE, blocks, 8, 4)
-    return values.permute(0, 2, 3, 1, 4).reshape(tiles, blocks, -1).contiguous()
+        values = torch.cat((values, values.new_zeros(tiles * native.Q4_TILE - rows, cols)))
+    values = values.view(tiles, native.Q4_TILE, blocks, 16, 2).permute(0, 2, 3, 1, 4)
+    return values.reshape(tiles, blocks, -1).contiguous().view(torch.uint8)
 
 
 class NativeInt8Projection:
     """Per-output-row int8 weights (as :class:`Int8Projection`) on the native
-    integer-dot kernel (:func:`native.q8_matmul`): activations quantized to int8
+    integer-dot kernel (:func:`native.q8_matmul`): activations quantized to int16
     per row and 32 inputs, exact integer sums. Row-invariant by construction.
 
     Attributes:
@@ -349,9 +356,9 @@ class NativeInt8Projection:
     def dequantize(self) -> torch.Tensor:
         """The weight ``[out, in]`` in fp32 as the kernel sees it."""
         tiles, blocks, _ = self.packed.shape
-        values = self.packed.view(tiles, blocks, 8, native.Q4_TILE, 4).permute(0, 3, 1, 2, 4)
-        q = values.reshape(tiles * native.Q4_TILE, -1)[:self.out_features].float() - 128
-        return q * self.scales[:, None]
+        values = self.packed.view(torch.int8).view(tiles, blocks, 16, native.Q4_TILE, 2)
+        q = values.permute(0, 3, 1, 2, 4).reshape(tiles * native.Q4_TILE, -1)
+        return q[:self.out_features].float() * self.scales[:, None]
 
 
 class Int8LMHead:
@@ -360,7 +367,7 @@ class Int8LMHead:
 
     Int8 logits are coarse (PyTorch's int8 kernel returns bf16, 0.125 apart
     between 16 and 32, where SmolLM2's top logits lie; the native kernel also
-    quantizes the activations to int8), and the int8 weights move logits by a
+    quantizes the activations to int16), and the int8 weights move logits by a
     few hundredths. Both flipped real choices on the quality guard's chat
     prompts (an answer's first token at fp32 probabilities 0.080 / 0.077). So
     the kernel's logits only pick each row's :data:`REFINED_LOGITS` largest, and

@@ -1,46 +1,49 @@
 /* Integer-dot matrix multiplies for quantized projections: int4 (Q4_1) or int8
- * weights times activations quantized to int8 per row and 32 inputs.
+ * weights times activations quantized to int16 per row and 32 inputs.
+ *
+ * Activations: each row, per block of 32 inputs, becomes a = da * qa with
+ * da = max|x| / 32767 and qa = x / da rounded to nearest even (int16), and
+ * sa = da * sum(qa). That is ~2^-15 of the block's largest value, finer than
+ * the bf16 the projections are fed (the int8 of ggml's Q8_1, which llama.cpp
+ * uses here, moved SmolLM2's logits ~2.5x further from fp32 than bf16
+ * activations do and changed greedy answers).
  *
  * llmesh_q4_1_matmul, for the int4 projections of generated tokens:
  * y[rows, out] = x[rows, in] @ W[out, in].T with W in ggml's Q4_1 format (per
- * 32 inputs of an output row: w = d * q + m, q in 0..15, fp16 d and m) and x
- * quantized per row and per 32 inputs to int8 (ggml's Q8_1: a = da * qa,
- * da = max|x| / 127, qa rounded to nearest even; sa = da * sum(qa)). The dot
- * product of one block is then
+ * 32 inputs of an output row: w = d * q + m, q in 0..15, fp16 d and m). The
+ * dot product of one block is
  *
  *     sum_i (d q_i + m) (da qa_i) = d da * sum_i q_i qa_i + m sa
  *
- * and sum_i q_i qa_i is an exact integer: AVX512-VNNI's vpdpbusd takes 4 u8 x
- * s8 products per 32-bit lane. This is the scheme llama.cpp uses for Q4_1 on
- * CPUs (ggml_vec_dot_q4_1_q8_1); the packed layout and the loops are ours.
+ * where sum_i q_i qa_i is an exact integer (|.| < 2^24, so exact in fp32 too):
+ * AVX512-VNNI's vpdpwssd sums two int16 x int16 products per 32-bit lane.
  *
- * Packed weights (llmesh_q4_1_pack's layout, built in Python by quant.py):
- * output features in tiles of 16 (zero-padded), and for each tile and block
- * of 32 inputs one 320-byte record:
+ * Packed weights (quant.py's pack_q4_1): output features in tiles of 16
+ * (zero-padded), and for each tile and block of 32 inputs one 320-byte record:
  *
  *     uint16 d[16]; uint16 m[16];  fp16 scale and minimum of the 16 features
- *     uint8  q[4][16][4];          chunk c, feature j, byte i: low nibble
- *                                  q[j][4c + i], high nibble q[j][16 + 4c + i]
+ *     uint8  q[4][64];             chunk c: bytes 0-31 hold pair group 4c in
+ *                                  their low nibbles and 4c + 2 in their high
+ *                                  nibbles, bytes 32-63 groups 4c + 1 and 4c + 3
  *
- * so one 64-byte load holds, per 32-bit lane j, four consecutive inputs of
- * feature j in its low nibbles and four more in its high nibbles: two
- * vpdpbusd against the activation's 4 bytes broadcast to every lane.
+ * where pair group g is 32 values, byte 2j + t = q[j][2g + t] (feature j,
+ * inputs 2g and 2g + 1). Zero-extended to 16 bits (vpmovzxbw), a group is one
+ * vector whose 32-bit lane j holds feature j's pair: one vpdpwssd against the
+ * activation pair (qa[2g], qa[2g + 1]) broadcast to every lane.
+ *
+ * llmesh_q8_matmul, for int8 weights with one fp32 scale per output feature
+ * (the LM head; the projections of --quantization int8): w = s * qw, a
+ * 512-byte record per tile and block of the 16 pair groups as int8 (byte
+ * 32 g + 2 j + t = qw[j][2g + t]), sign-extended to 16 bits (vpmovsxbw);
+ * y = s * sum_b da_b * isum_b.
  *
  * Batch invariance by construction: a row's activation is quantized from that
  * row alone, its integer sums are exact, and its fp32 result is accumulated
- * block by block in input order with the same instruction sequence for every
- * row, whatever the number of rows, the row tile (1 to 4 rows share the
- * weight loads) or the thread that computes the feature tile. The cost is
- * nearly flat in rows up to ~8: the weights are read once per call and the
- * integer work per row is small next to the memory traffic.
- *
- * llmesh_q8_matmul, for int8 weights with one fp32 scale per output row (the
- * LM head; the projections of --quantization int8): w = s * qw, qw in
- * -128..127, stored as qw + 128 (u8, for vpdpbusd) in the same tile/block
- * order (a 512-byte record: chunk c of 8, feature j, byte i holds
- * qw[j][4c + i] + 128), so sum_i qw_i qa_i = sum_i (qw_i + 128) qa_i -
- * 128 sum_i qa_i, exact. y = s * sum_b da_b * isum_b, accumulated block by
- * block in input order as above.
+ * block by block in input order with the same instructions for every row,
+ * whatever the number of rows, the row tile (1 to 4 rows share the weight
+ * loads) or the thread that computes the feature tile. The cost is nearly
+ * flat in rows up to ~4: the weights are read once per call and the integer
+ * work per row is small next to the memory traffic.
  */
 
 #include <float.h>
@@ -53,17 +56,19 @@
 #include "simd.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define LLMESH_Q4_VNNI 1
+#define LLMESH_INT_VNNI 1
 #include <immintrin.h>
 #endif
 
 #define Q_BLOCK 32
 #define TILE 16
+#define GROUPS (Q_BLOCK / 2)                       /* pair groups per block */
 #define RECORD (2 * TILE * 2 + TILE * Q_BLOCK / 2) /* 320 bytes */
 #define RECORD8 (TILE * Q_BLOCK)                   /* 512 bytes */
 #define ROW_TILE 4
-/* Smallest block maximum quantized (1 / (amax / 127) stays finite above it). */
-#define MIN_AMAX 1e-35f
+#define QMAX 32767.0f
+/* Smallest block maximum quantized (1 / (amax / 32767) stays finite above it). */
+#define MIN_AMAX 1e-30f
 
 /* fp16 -> fp32 (exact), for the portable path. */
 static inline float half_to_float(uint16_t h) {
@@ -88,10 +93,11 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
-/* One row's Q8_1 quantization: qa [in] int8, da and sa [in / 32], and the
- * integer sums sum_i qa_i [in / 32] (NULL: not wanted). */
-static void quantize_row(const void *x, int32_t x_bf16, int64_t row, int64_t in, int8_t *qa,
-                         float *da, float *sa, int32_t *isum) {
+/* One row's quantization: qa [in] int16, da and sa [in / 32]. A block below
+ * MIN_AMAX counts as zeros; a NaN or inf makes the block's da NaN, so every
+ * output of the row is NaN. */
+static void quantize_row(const void *x, int32_t x_bf16, int64_t row, int64_t in, int16_t *qa,
+                         float *da, float *sa) {
     for (int64_t b = 0; b < in / Q_BLOCK; b++) {
         float v[Q_BLOCK], amax = 0.0f;
         int finite = 1;
@@ -102,19 +108,17 @@ static void quantize_row(const void *x, int32_t x_bf16, int64_t row, int64_t in,
             finite &= a <= FLT_MAX; /* false for inf and NaN */
             amax = a > amax ? a : amax;
         }
-        /* A block below MIN_AMAX (where 1 / d would overflow) counts as zeros;
-         * a NaN or inf makes d NaN, so every output of the row is NaN. */
-        const float d = !finite ? NAN : amax < MIN_AMAX ? 0.0f : amax / 127.0f;
+        const float d = !finite ? NAN : amax < MIN_AMAX ? 0.0f : amax / QMAX;
         const float id = finite && d != 0.0f ? 1.0f / d : 0.0f;
         int32_t sum = 0;
         for (int i = 0; i < Q_BLOCK; i++) {
-            const int32_t q = (int32_t)nearbyintf(v[i] * id);
-            qa[b * Q_BLOCK + i] = (int8_t)q;
-            sum += q;
+            float q = nearbyintf(v[i] * id);
+            q = q > QMAX ? QMAX : q < -QMAX ? -QMAX : q;
+            qa[b * Q_BLOCK + i] = (int16_t)q;
+            sum += (int32_t)q;
         }
         da[b] = d;
         sa[b] = d * (float)sum;
-        if (isum != NULL) isum[b] = sum;
     }
 }
 
@@ -128,12 +132,25 @@ static inline void store_row(void *out, int32_t out_bf16, int64_t offset, int64_
     }
 }
 
-#ifdef LLMESH_Q4_VNNI
+#ifdef LLMESH_INT_VNNI
 
-/* The feature tile `tile` for `nr` (1..4, a constant after inlining) rows
- * starting at `row`: identical per-row instruction sequence for any nr. */
+/* sum over the 16 pair groups of w[g] (16-bit pairs per lane) x the row's
+ * activation pair g, as 4 exact partial sums added at the end. */
+static inline __attribute__((always_inline)) __m512i dot_groups(const __m512i *w,
+                                                                const int16_t *qa) {
+    const int32_t *pairs = (const int32_t *)qa;
+    __m512i s[4];
+    for (int i = 0; i < 4; i++)
+        s[i] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w[i], _mm512_set1_epi32(pairs[i]));
+    for (int g = 4; g < GROUPS; g++)
+        s[g % 4] = _mm512_dpwssd_epi32(s[g % 4], w[g], _mm512_set1_epi32(pairs[g]));
+    return _mm512_add_epi32(_mm512_add_epi32(s[0], s[1]), _mm512_add_epi32(s[2], s[3]));
+}
+
+/* The feature tile for `nr` (1..4, a constant after inlining) rows starting at
+ * `row`: identical per-row instruction sequence for any nr. */
 static inline __attribute__((always_inline)) void tile_rows(
-    const uint8_t *records, int64_t blocks, const int8_t *qa, const float *da, const float *sa,
+    const uint8_t *records, int64_t blocks, const int16_t *qa, const float *da, const float *sa,
     int64_t in, int64_t row, const int nr, float acc_out[ROW_TILE][TILE]) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 acc[ROW_TILE];
@@ -142,23 +159,18 @@ static inline __attribute__((always_inline)) void tile_rows(
         const uint8_t *record = records + b * RECORD;
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)record));
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 32)));
-        __m512i lo[4], hi[4];
+        __m512i w[GROUPS];
         for (int c = 0; c < 4; c++) {
             const __m512i p = _mm512_loadu_si512((const void *)(record + 64 + 64 * c));
-            lo[c] = _mm512_and_si512(p, low);
-            hi[c] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+            const __m512i lo = _mm512_and_si512(p, low);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+            w[4 * c] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo));
+            w[4 * c + 1] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1));
+            w[4 * c + 2] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi));
+            w[4 * c + 3] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1));
         }
         for (int r = 0; r < nr; r++) {
-            const int64_t at = (row + r) * in + b * Q_BLOCK;
-            const int32_t *words = (const int32_t *)(qa + at);
-            __m512i s[4];
-            for (int c = 0; c < 4; c++) {
-                s[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[c],
-                                           _mm512_set1_epi32(words[c]));
-                s[c] = _mm512_dpbusd_epi32(s[c], hi[c], _mm512_set1_epi32(words[c + 4]));
-            }
-            const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(s[0], s[1]),
-                                                 _mm512_add_epi32(s[2], s[3]));
+            const __m512i sum = dot_groups(w, qa + (row + r) * in + b * Q_BLOCK);
             const int64_t scale_at = (row + r) * (in / Q_BLOCK) + b;
             const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(da[scale_at]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
@@ -168,39 +180,37 @@ static inline __attribute__((always_inline)) void tile_rows(
     for (int r = 0; r < nr; r++) _mm512_storeu_ps(acc_out[r], acc[r]);
 }
 
-
 /* llmesh_q8_matmul's tile: as tile_rows, for 512-byte int8 records. */
 static inline __attribute__((always_inline)) void tile_rows8(
-    const uint8_t *records, int64_t blocks, const int8_t *qa, const float *da,
-    const int32_t *qsum, int64_t in, int64_t row, const int nr, float acc_out[ROW_TILE][TILE]) {
+    const uint8_t *records, int64_t blocks, const int16_t *qa, const float *da, int64_t in,
+    int64_t row, const int nr, float acc_out[ROW_TILE][TILE]) {
     __m512 acc[ROW_TILE];
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *record = records + b * RECORD8;
-        __m512i w[8];
-        for (int c = 0; c < 8; c++) w[c] = _mm512_loadu_si512((const void *)(record + 64 * c));
+        __m512i w[GROUPS];
+        for (int g = 0; g < GROUPS; g++)
+            w[g] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(record + 32 * g)));
         for (int r = 0; r < nr; r++) {
-            const int64_t at = (row + r) * in + b * Q_BLOCK;
-            const int32_t *words = (const int32_t *)(qa + at);
-            __m512i s[4];
-            for (int c = 0; c < 4; c++) {
-                s[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[c],
-                                           _mm512_set1_epi32(words[c]));
-                s[c] = _mm512_dpbusd_epi32(s[c], w[c + 4], _mm512_set1_epi32(words[c + 4]));
-            }
+            const __m512i sum = dot_groups(w, qa + (row + r) * in + b * Q_BLOCK);
             const int64_t scale_at = (row + r) * (in / Q_BLOCK) + b;
-            const __m512i sum = _mm512_sub_epi32(
-                _mm512_add_epi32(_mm512_add_epi32(s[0], s[1]), _mm512_add_epi32(s[2], s[3])),
-                _mm512_set1_epi32(128 * qsum[scale_at]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(da[scale_at]), acc[r]);
         }
     }
     for (int r = 0; r < nr; r++) _mm512_storeu_ps(acc_out[r], acc[r]);
 }
+
 #else
 
-/* Portable path: the same arithmetic, one feature at a time. */
-static inline void tile_rows(const uint8_t *records, int64_t blocks, const int8_t *qa,
+/* Portable path: the same arithmetic, one feature at a time. Value of pair
+ * group g, feature j, member t in a Q4_1 record. */
+static inline int32_t q4_value(const uint8_t *record, int g, int j, int t) {
+    const int c = g / 4, k = g % 4;
+    const uint8_t byte = record[64 + 64 * c + 32 * (k % 2) + 2 * j + t];
+    return k < 2 ? byte & 0x0f : byte >> 4;
+}
+
+static inline void tile_rows(const uint8_t *records, int64_t blocks, const int16_t *qa,
                              const float *da, const float *sa, int64_t in, int64_t row,
                              const int nr, float acc_out[ROW_TILE][TILE]) {
     for (int r = 0; r < nr; r++)
@@ -213,14 +223,10 @@ static inline void tile_rows(const uint8_t *records, int64_t blocks, const int8_
             memcpy(&mh, record + 32 + 2 * j, 2);
             const float d = half_to_float(dh), m = half_to_float(mh);
             for (int r = 0; r < nr; r++) {
-                const int8_t *a = qa + (row + r) * in + b * Q_BLOCK;
+                const int16_t *a = qa + (row + r) * in + b * Q_BLOCK;
                 int32_t sum = 0;
-                for (int c = 0; c < 4; c++)
-                    for (int i = 0; i < 4; i++) {
-                        const uint8_t byte = record[64 + 64 * c + 4 * j + i];
-                        sum += (int32_t)(byte & 0x0f) * a[4 * c + i];
-                        sum += (int32_t)(byte >> 4) * a[16 + 4 * c + i];
-                    }
+                for (int g = 0; g < GROUPS; g++)
+                    for (int t = 0; t < 2; t++) sum += q4_value(record, g, j, t) * a[2 * g + t];
                 const int64_t scale_at = (row + r) * (in / Q_BLOCK) + b;
                 const float scale = d * da[scale_at];
                 acc_out[r][j] = fmaf((float)sum, scale, acc_out[r][j]);
@@ -230,22 +236,21 @@ static inline void tile_rows(const uint8_t *records, int64_t blocks, const int8_
     }
 }
 
-static inline void tile_rows8(const uint8_t *records, int64_t blocks, const int8_t *qa,
-                              const float *da, const int32_t *qsum, int64_t in, int64_t row,
-                              const int nr, float acc_out[ROW_TILE][TILE]) {
+static inline void tile_rows8(const uint8_t *records, int64_t blocks, const int16_t *qa,
+                              const float *da, int64_t in, int64_t row, const int nr,
+                              float acc_out[ROW_TILE][TILE]) {
     for (int r = 0; r < nr; r++)
         for (int j = 0; j < TILE; j++) acc_out[r][j] = 0.0f;
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *record = records + b * RECORD8;
+        const int8_t *record = (const int8_t *)(records + b * RECORD8);
         for (int j = 0; j < TILE; j++)
             for (int r = 0; r < nr; r++) {
-                const int8_t *a = qa + (row + r) * in + b * Q_BLOCK;
+                const int16_t *a = qa + (row + r) * in + b * Q_BLOCK;
                 int32_t sum = 0;
-                for (int c = 0; c < 8; c++)
-                    for (int i = 0; i < 4; i++)
-                        sum += (int32_t)record[64 * c + 4 * j + i] * a[4 * c + i];
+                for (int g = 0; g < GROUPS; g++)
+                    for (int t = 0; t < 2; t++)
+                        sum += (int32_t)record[32 * g + 2 * j + t] * a[2 * g + t];
                 const int64_t scale_at = (row + r) * (in / Q_BLOCK) + b;
-                sum -= 128 * qsum[scale_at];
                 acc_out[r][j] = fmaf((float)sum, da[scale_at], acc_out[r][j]);
             }
     }
@@ -253,25 +258,35 @@ static inline void tile_rows8(const uint8_t *records, int64_t blocks, const int8
 
 #endif
 
+/* Quantizes x (rows > 16: in parallel); 0, or -3 out of memory (then nothing
+ * is left allocated). */
+static int quantize(const void *x, int32_t x_bf16, int64_t rows, int64_t in, int threads,
+                    int16_t **qa, float **da, float **sa) {
+    const int64_t blocks = in / Q_BLOCK;
+    *qa = malloc(sizeof(int16_t) * (size_t)(rows * in));
+    *da = malloc(sizeof(float) * (size_t)(2 * rows * blocks));
+    if (*qa == NULL || *da == NULL) {
+        free(*qa);
+        free(*da);
+        return -3;
+    }
+    *sa = *da + rows * blocks;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows > 16)
+    for (int64_t r = 0; r < rows; r++)
+        quantize_row(x, x_bf16, r, in, *qa + r * in, *da + r * blocks, *sa + r * blocks);
+    return 0;
+}
+
 int llmesh_q4_1_matmul(const void *x, int32_t x_bf16, int64_t rows, int64_t in_features,
                        const uint8_t *packed, int64_t out_features, void *out, int32_t out_bf16,
                        int32_t num_threads) {
     if (in_features < Q_BLOCK || in_features % Q_BLOCK || out_features < 1 || rows < 0) return -1;
     if (rows == 0) return 0;
     const int64_t blocks = in_features / Q_BLOCK, tiles = (out_features + TILE - 1) / TILE;
-    int8_t *qa = malloc((size_t)(rows * in_features));
-    float *scales = malloc(sizeof(float) * (size_t)(2 * rows * blocks));
-    if (qa == NULL || scales == NULL) {
-        free(qa);
-        free(scales);
-        return -3;
-    }
-    float *da = scales, *sa = scales + rows * blocks;
     const int threads = num_threads < 1 ? 1 : num_threads;
-#pragma omp parallel for schedule(static) num_threads(threads) if (rows > 16)
-    for (int64_t r = 0; r < rows; r++)
-        quantize_row(x, x_bf16, r, in_features, qa + r * in_features, da + r * blocks,
-                     sa + r * blocks, NULL);
+    int16_t *qa;
+    float *da, *sa;
+    if (quantize(x, x_bf16, rows, in_features, threads, &qa, &da, &sa) != 0) return -3;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < tiles; t++) {
         const uint8_t *records = packed + t * blocks * RECORD;
@@ -290,7 +305,7 @@ int llmesh_q4_1_matmul(const void *x, int32_t x_bf16, int64_t rows, int64_t in_f
         }
     }
     free(qa);
-    free(scales);
+    free(da);
     return 0;
 }
 
@@ -300,21 +315,10 @@ int llmesh_q8_matmul(const void *x, int32_t x_bf16, int64_t rows, int64_t in_fea
     if (in_features < Q_BLOCK || in_features % Q_BLOCK || out_features < 1 || rows < 0) return -1;
     if (rows == 0) return 0;
     const int64_t blocks = in_features / Q_BLOCK, tiles = (out_features + TILE - 1) / TILE;
-    int8_t *qa = malloc((size_t)(rows * in_features));
-    float *row_scales = malloc(sizeof(float) * (size_t)(2 * rows * blocks));
-    int32_t *qsum = malloc(sizeof(int32_t) * (size_t)(rows * blocks));
-    if (qa == NULL || row_scales == NULL || qsum == NULL) {
-        free(qa);
-        free(row_scales);
-        free(qsum);
-        return -3;
-    }
-    float *da = row_scales, *sa = row_scales + rows * blocks;
     const int threads = num_threads < 1 ? 1 : num_threads;
-#pragma omp parallel for schedule(static) num_threads(threads) if (rows > 16)
-    for (int64_t r = 0; r < rows; r++)
-        quantize_row(x, x_bf16, r, in_features, qa + r * in_features, da + r * blocks,
-                     sa + r * blocks, qsum + r * blocks);
+    int16_t *qa;
+    float *da, *sa;
+    if (quantize(x, x_bf16, rows, in_features, threads, &qa, &da, &sa) != 0) return -3;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < tiles; t++) {
         const uint8_t *records = packed + t * blocks * RECORD8;
@@ -323,10 +327,10 @@ int llmesh_q8_matmul(const void *x, int32_t x_bf16, int64_t rows, int64_t in_fea
         for (int64_t row = 0; row < rows; row += ROW_TILE) {
             const int nr = rows - row < ROW_TILE ? (int)(rows - row) : ROW_TILE;
             switch (nr) {
-            case 4: tile_rows8(records, blocks, qa, da, qsum, in_features, row, 4, acc); break;
-            case 3: tile_rows8(records, blocks, qa, da, qsum, in_features, row, 3, acc); break;
-            case 2: tile_rows8(records, blocks, qa, da, qsum, in_features, row, 2, acc); break;
-            default: tile_rows8(records, blocks, qa, da, qsum, in_features, row, 1, acc); break;
+            case 4: tile_rows8(records, blocks, qa, da, in_features, row, 4, acc); break;
+            case 3: tile_rows8(records, blocks, qa, da, in_features, row, 3, acc); break;
+            case 2: tile_rows8(records, blocks, qa, da, in_features, row, 2, acc); break;
+            default: tile_rows8(records, blocks, qa, da, in_features, row, 1, acc); break;
             }
             for (int r = 0; r < nr; r++) {
                 for (int64_t j = 0; j < count; j++) acc[r][j] *= scales[t * TILE + j];
@@ -335,7 +339,6 @@ int llmesh_q8_matmul(const void *x, int32_t x_bf16, int64_t rows, int64_t in_fea
         }
     }
     free(qa);
-    free(row_scales);
-    free(qsum);
+    free(da);
     return 0;
 }
