@@ -64,7 +64,7 @@ def group_of(name: str) -> str:
 
 
 def load_runner(quantization: str, attention_backend: str = "auto",
-                dense_prefill: bool = True, quant_kernel: str = "auto") -> ModelRunner:
+                dense_prefill: bool | None = None, quant_kernel: str = "auto") -> ModelRunner:
     kwargs: dict[str, object] = {}
     parameters = inspect.signature(ModelRunner.from_gguf).parameters
     if "quantization" in parameters:
@@ -157,7 +157,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quantization", default="none", choices=("none", "int8", "int4"))
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "native", "torch"))
-    parser.add_argument("--dense-prefill", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--dense-prefill", action=argparse.BooleanOptionalAction, default=None,
+                        help="default: the engine's (only with --quant-kernel torch)")
     parser.add_argument("--quant-kernel", default="auto", choices=("auto", "native", "torch"))
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=50)

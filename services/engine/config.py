@@ -43,16 +43,20 @@ class EngineConfig:
         projections then take bf16 activations while the residual stream,
         norms and attention stay fp32.
       quantization: weight-only quantized projections (torch backend, CPU):
-        ``int4`` (default: the GGUF's Q4_1 blocks on PyTorch's int4 kernel,
-        the fastest mode that passes the quality guard), ``int8`` (per-row
-        int8) or ``none`` (dense weights in ``dtype``). See
-        ``torch_backend/quant.py`` and docs/engine.md.
+        ``int4`` (default: the GGUF's Q4_1 blocks as they are, the fastest
+        mode that passes the quality guard), ``int8`` (per-row int8) or
+        ``none`` (dense weights in ``dtype``). See ``torch_backend/quant.py``
+        and docs/engine.md.
       dense_prefill: with ``quantization`` int4/int8, prompt tokens take dense
-        bf16 copies of the quantized weights (oneDNN's GEMM: prefill ~2x
-        faster than the quantized kernels, whose cost grows with every row;
-        +2 bytes of memory per weight) and generated tokens the quantized
-        kernels; each token keeps its role, so outputs stay batch-invariant
-        (torch backend; see ``LlamaModel.add_prompt_projections``).
+        bf16 copies of the quantized weights (oneDNN's GEMM; +2 bytes of memory
+        per weight) and generated tokens the quantized kernels; each token
+        keeps its role, so outputs stay batch-invariant (torch backend; see
+        ``LlamaModel.add_prompt_projections``). None (default): on only where
+        the quantized projections run on PyTorch's kernels (``quant_kernel``
+        torch, whose cost grows with every row: prefill ~2x faster with the
+        copies); off with the native kernels, whose prefill is within ~1.5x of
+        the bf16 GEMM and which then give every token the model's exact
+        weights and let the prefix cache reuse a previous answer.
       attention_backend: paged attention implementation (torch backend):
         ``native`` (the engine's C kernel, built on first use with the system C
         compiler; fp32 on CPU), ``torch`` (PyTorch ops) or ``auto`` (native
@@ -105,7 +109,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     quantization: str = "int4"
-    dense_prefill: bool = True
+    dense_prefill: bool | None = None
     attention_backend: str = "auto"
     quant_kernel: str = "auto"
     max_model_len: int | None = None
@@ -180,10 +184,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
         "int4 = the GGUF's Q4_1 weights on the int4 kernel, int8 = per-row int8, "
         "none = dense weights in --dtype; int4/int8 run bf16 activations on an fp32 "
         "residual stream and need --dtype float32", choices=("none", "int8", "int4"))
-    add("--dense-prefill", parse_bool, True,
+    add("--dense-prefill", parse_bool, None,
         "with --quantization int4/int8: prompt tokens through dense bf16 copies of the "
-        "weights (faster prefill, +2 bytes per weight), generated tokens quantized",
-        action=argparse.BooleanOptionalAction)
+        "weights (+2 bytes per weight), generated tokens quantized (default: only with "
+        "--quant-kernel torch, whose prefill is slow)", action=argparse.BooleanOptionalAction)
     add("--attention-backend", str, "auto",
         "paged attention: native = the engine's C kernel (fp32 on CPU, built on first "
         "use with the C compiler), torch = PyTorch ops, auto = native where it runs",

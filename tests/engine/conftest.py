@@ -84,10 +84,14 @@ def smollm2_by_mode(gguf_q4_1: GGUFModel, request: pytest.FixtureRequest
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_by_mode: Callable[..., LlamaModel]) -> LlamaModel:
-    """SmolLM2 as the engine loads it by default (quantization, dense prefill) on
-    CPU, shared by every backend of the session."""
+    """SmolLM2 as the engine loads it by default (quantization, quantized kernel,
+    dense prefill only with PyTorch's kernels) on CPU, shared by every backend of
+    the session."""
     config = EngineConfig()
-    return smollm2_by_mode(config.quantization, config.dense_prefill)
+    dense_prefill = config.dense_prefill
+    if dense_prefill is None:
+        dense_prefill = resolve_quant_kernel(config.quant_kernel) == "torch"
+    return smollm2_by_mode(config.quantization, dense_prefill)
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,7 @@ from services.engine.torch_backend.backend import TorchBackend
 from services.engine.torch_backend.model import LlamaModel
 from services.engine.torch_backend.model_runner import ModelRunner, StepInput
 from services.engine.torch_backend.paged_kv import kv_block_bytes
+from services.engine.torch_backend.quant import resolve_quant_kernel
 from services.engine.types import EngineRequest
 
 pytestmark = pytest.mark.model
@@ -99,7 +100,8 @@ def token_nll(model: LlamaModel, ids: list[int], prompt_len: int | None = None) 
 @dataclass
 class ModeResult:
     perplexity: float  # the text read as generated tokens (the quantized kernels)
-    prompt_perplexity: float  # read as a prompt (dense bf16 prompt projections)
+    prompt_perplexity: float  # read as a prompt, as the engine loads the mode by default
+    dense_prompt_perplexity: float  # read as a prompt through dense bf16 prompt projections
     answers: list[list[int]]
 
 
@@ -127,20 +129,24 @@ async def greedy_answers(model: LlamaModel, config: EngineConfig, quantization: 
 def results(smollm2_by_mode: Callable[..., LlamaModel], engine_config: EngineConfig,
             text_ids: list[int], prompt_ids: list[list[int]], tokenizer: Any
             ) -> dict[str, ModeResult]:
-    """Each mode as the engine loads it by default (quantized modes with dense
-    prompt projections): perplexity both ways, and greedy chat answers."""
+    """Each mode as the engine loads it by default (quantized modes: the default
+    kernel, dense prompt projections only with PyTorch's kernels): perplexity
+    read as generated tokens and as a prompt, also through dense prompt
+    projections (``--dense-prefill``), and greedy chat answers."""
     out = {}
+    default_dense = resolve_quant_kernel(EngineConfig().quant_kernel) == "torch"
     for mode in ("none", "int8", "int4"):
         began = time.perf_counter()
-        model = smollm2_by_mode(mode, dense_prefill=mode != "none")
-        assert model.has_prompt_projections == (mode != "none")
+        model = smollm2_by_mode(mode, dense_prefill=mode != "none" and default_dense)
+        dense = smollm2_by_mode(mode, dense_prefill=mode != "none")
         built = time.perf_counter()
         nll = token_nll(model, text_ids)
         prompt_nll = token_nll(model, text_ids, prompt_len=len(text_ids))
+        dense_nll = token_nll(dense, text_ids, prompt_len=len(text_ids))
         scored = time.perf_counter()
         answers = asyncio.run(greedy_answers(model, engine_config, mode, prompt_ids))
         out[mode] = ModeResult(math.exp(float(nll.mean())), math.exp(float(prompt_nll.mean())),
-                               answers)
+                               math.exp(float(dense_nll.mean())), answers)
         print(f"\n{mode}: build {built - began:.1f} s, perplexity pass {scored - built:.1f} s, "
               f"answers {time.perf_counter() - scored:.1f} s")
     base = out["none"].perplexity
@@ -149,7 +155,9 @@ def results(smollm2_by_mode: Callable[..., LlamaModel], engine_config: EngineCon
         print(f"  {mode}: perplexity {result.perplexity:.3f} "
               f"({(result.perplexity / base - 1) * 100:+.2f} % vs fp32), as a prompt "
               f"{result.prompt_perplexity:.3f} "
-              f"({(result.prompt_perplexity / base - 1) * 100:+.2f} %)")
+              f"({(result.prompt_perplexity / base - 1) * 100:+.2f} %), as a prompt through "
+              f"dense bf16 copies {result.dense_prompt_perplexity:.3f} "
+              f"({(result.dense_prompt_perplexity / base - 1) * 100:+.2f} %)")
     for i in range(len(prompt_ids)):
         for mode, result in out.items():
             text = tokenizer.decode(result.answers[i], skip_special_tokens=True)
@@ -163,6 +171,7 @@ def test_perplexity_within_guard(results: dict[str, ModeResult], mode: str) -> N
     assert 1.0 < base < 100.0  # fp32 itself reads the text as English
     assert results[mode].perplexity <= MAX_PERPLEXITY_RATIO[mode] * base
     assert results[mode].prompt_perplexity <= MAX_PERPLEXITY_RATIO[mode] * base
+    assert results[mode].dense_prompt_perplexity <= MAX_PERPLEXITY_RATIO[mode] * base
 
 
 def readable(text: str) -> bool:

@@ -170,12 +170,13 @@ class ModelRunner:
     def from_gguf(cls, path: str | Path, device: str = "cpu", dtype: str = "float32",
                   max_positions: int | None = None, batch_invariant: bool = True,
                   quantization: str = "none", attention_backend: str = "auto",
-                  dense_prefill: bool = False, quant_kernel: str = "auto") -> ModelRunner:
+                  dense_prefill: bool | None = False, quant_kernel: str = "auto") -> ModelRunner:
         """Loads the GGUF at ``path`` onto ``device`` in ``dtype``: dequantized for
         ``quantization="none"``; for ``int4`` its Q4_1 blocks go to the int4
         kernel as they are, for ``int8`` they are requantized per row (see
         :mod:`~services.engine.torch_backend.quant`); with ``dense_prefill`` a
-        quantized model also gets dense bf16 prompt projections
+        quantized model also gets dense bf16 prompt projections (None: only
+        when its quantized kernels are PyTorch's, see ``EngineConfig.dense_prefill``)
         (:meth:`~services.engine.torch_backend.model.LlamaModel.add_prompt_projections`).
 
         Raises:
@@ -196,6 +197,8 @@ class ModelRunner:
         loaded = load_gguf(path, keep_q4_1=quantization != "none")
         model = build_model(loaded.config, loaded.state_dict, torch_device, DTYPES[dtype],
                             max_positions, quantization, loaded.q4_1, quant_kernel)
+        if dense_prefill is None:  # auto: where the quantized kernels are PyTorch's
+            dense_prefill = model.quant_kernel == "torch"
         if dense_prefill and quantization != "none":
             model.add_prompt_projections()
         return cls(model, torch_device, DTYPES[dtype], batch_invariant, attention_backend)
