@@ -19,7 +19,8 @@ from services.engine.torch_backend.native import CFLAGS, KERNELS, SOURCES
 
 HARNESS = Path(__file__).with_name("kernels") / "kernel_harness.c"
 COMPILER = os.environ.get("CC", "cc")
-SANITIZE = ("-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+SANITIZE = ("-O1", "-g", "-fsanitize=address,undefined,float-cast-overflow",
+            "-fno-sanitize-recover=undefined,float-cast-overflow",
             "-fno-omit-frame-pointer")
 
 def build(tmp_path: Path, name: str, flags: tuple[str, ...]) -> Path:

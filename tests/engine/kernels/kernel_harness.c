@@ -17,13 +17,16 @@
  *   intmm: llmesh_q4_1_matmul and llmesh_q8_matmul on random shapes (rows
  *     0..20, out 1..70, in 32..320, fp32/bf16 in and out, 1-4 threads; weights
  *     packed here from the layout in int_matmul.c's header, padding features
- *     random): every output bit-identical to a scalar reference doing the
- *     kernel's fp32 operations (Q8_1 activations, fmaf per block in input
- *     order), each row alone and a random slice of rows equal to the batch,
- *     nothing written past the output; and the shapes both refuse (-1).
+ *     random; rows with exact ties, block maxima around 1e-30 and NaN/inf):
+ *     every output bit-identical to a scalar reference doing the kernel's fp32
+ *     operations (int16 activations per row and 32 inputs, fmaf per block in
+ *     input order; NaN where the reference is NaN), each row alone and a
+ *     random slice of rows equal to the batch, nothing written past the
+ *     output; and the shapes both refuse (-1).
  *   edge: empty plans and rejected shapes.
  * Exit status 0 = all checks passed; "FAIL" lines describe a failing case.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -760,29 +763,45 @@ static uint16_t random_half(int lo_exp, int hi_exp) { /* finite fp16, random sig
     return (uint16_t)((rint_(lo_exp, hi_exp) << 10) | rint_(0, 0x3ff) | (rnd() & 1 ? 0x8000 : 0));
 }
 
-/* Q8_1 quantization of one row, the kernel's way: per block amax, d = amax / 127,
- * qa = nearbyint(x / d) (as x * (1 / d)), sa = d * sum(qa). */
-static void ref_quantize(const float *x, int64_t in, int8_t *qa, float *da, float *sa, int32_t *qsum) {
+/* The activation grid: int16 values in [-QMAX, QMAX]; blocks whose max is
+ * below QMIN_AMAX (int_matmul.c's MIN_AMAX) count as zeros. */
+#define QMAX 32767.0f
+#define QMIN_AMAX 1e-30f
+static long g_int_clamped = 0;
+
+/* The int16 quantization of one row, the kernel's way: per block amax (x
+ * widened to fp32), d = NaN if a value is NaN or +-inf, else 0 if amax <
+ * 1e-30, else amax / 32767; qa = nearbyint(x * (1 / d)) clamped to +-32767
+ * (0 where d is 0 or NaN: the kernel's qa there do not matter, its da is 0 or
+ * NaN), sa = d * sum(qa). */
+static void ref_quantize(const float *x, int64_t in, int16_t *qa, float *da, float *sa) {
     for (int64_t b = 0; b < in / QB; b++) {
         float amax = 0.0f;
+        int finite = 1;
         for (int i = 0; i < QB; i++) {
             const float a = fabsf(x[b * QB + i]);
+            if (!(a <= FLT_MAX)) finite = 0;
             if (a > amax) amax = a;
         }
-        volatile float d = amax / 127.0f;
-        volatile float id = d != 0.0f ? 1.0f / d : 0.0f;
+        volatile float d = !finite ? NAN : amax < QMIN_AMAX ? 0.0f : amax / QMAX;
+        volatile float id = finite && d != 0.0f ? 1.0f / d : 0.0f;
         int32_t sum = 0;
         for (int i = 0; i < QB; i++) {
-            volatile float scaled = x[b * QB + i] * id;
-            const int32_t q = (int32_t)nearbyintf(scaled);
-            if (q < -127 || q > 127) FAIL("intmm ref: activation %d out of range", q);
-            qa[b * QB + i] = (int8_t)q;
-            sum += q;
+            float q = 0.0f;
+            if (finite) {
+                volatile float scaled = x[b * QB + i] * id;
+                q = nearbyintf(scaled);
+                if (q > QMAX || q < -QMAX) {
+                    g_int_clamped++;
+                    q = q > QMAX ? QMAX : -QMAX;
+                }
+            }
+            qa[b * QB + i] = (int16_t)q;
+            sum += (int32_t)q;
         }
         volatile float s = d * (float)sum;
         da[b] = d;
         sa[b] = s;
-        qsum[b] = sum;
     }
 }
 
@@ -799,7 +818,7 @@ typedef struct {
 } IntCase;
 
 static void fill_row(float *x, int64_t in) {
-    const int kind = (int)rint_(0, 9);
+    const int kind = (int)rint_(0, 11);
     const float scale = (float)pow(10, rint_(-4, 4));
     for (int64_t i = 0; i < in; i++) x[i] = frand(-1, 1) * scale;
     if (kind == 0) { /* all zero (or negative zero) */
@@ -808,14 +827,25 @@ static void fill_row(float *x, int64_t in) {
     } else if (kind == 1) { /* a zero block, some negative zeros */
         const int64_t b = rint_(0, in / QB - 1);
         for (int i = 0; i < QB; i++) x[b * QB + i] = (i & 1) ? -0.0f : 0.0f;
-    } else if (kind == 2) { /* exact ties: amax 127 -> d = 1, values k / 2 */
-        for (int64_t i = 0; i < in; i++) x[i] = (float)rint_(-254, 254) / 2.0f;
-        for (int64_t b = 0; b < in / QB; b++) x[b * QB + rint_(0, QB - 1)] = runif() < 0.5 ? 127.0f : -127.0f;
+    } else if (kind == 2) { /* exact ties: amax 32767 -> d = 1, values k / 2 (fp32 in) */
+        for (int64_t i = 0; i < in; i++) x[i] = (float)rint_(-65534, 65534) / 2.0f;
+        for (int64_t b = 0; b < in / QB; b++) x[b * QB + rint_(0, QB - 1)] = runif() < 0.5 ? QMAX : -QMAX;
     } else if (kind == 3) { /* one large value per block, the rest tiny */
         for (int64_t b = 0; b < in / QB; b++) x[b * QB + rint_(0, QB - 1)] = frand(-1e4f, 1e4f);
     } else if (kind == 4) { /* extreme but safe magnitudes */
         const float big = runif() < 0.5 ? 1e30f : 1e-30f;
         for (int64_t i = 0; i < in; i++) x[i] = frand(-1, 1) * big;
+    } else if (kind == 5) { /* block maxima at and around MIN_AMAX (1e-30): zeros below it */
+        const float maxima[] = {nextafterf(QMIN_AMAX, 0.0f), QMIN_AMAX, nextafterf(QMIN_AMAX, 1.0f),
+                                0x1p-100f, 0x1p-90f, 2e-30f};
+        for (int64_t b = 0; b < in / QB; b++) {
+            const float m = maxima[rint_(0, 5)];
+            for (int i = 0; i < QB; i++) x[b * QB + i] = frand(-1, 1) * m;
+            x[b * QB + rint_(0, QB - 1)] = runif() < 0.5 ? m : -m;
+        }
+    } else if (kind == 6) { /* a NaN or an infinity: the whole row NaN */
+        const float bad[] = {NAN, -NAN, INFINITY, -INFINITY};
+        x[rint_(0, in - 1)] = bad[rint_(0, 3)];
     }
 }
 
@@ -852,7 +882,11 @@ static void make_int_case(IntCase *c, int q4) {
             c->m[i] = random_half(5, 19);
         }
         /* Layout (int_matmul.c): per (tile, block) record, d[16] and m[16] as
-         * fp16, then byte 64 + 64 c + 4 j + i: q[j][4c + i] | q[j][16 + 4c + i] << 4. */
+         * fp16, then 4 chunks of 64 bytes. Pair group g = inputs 2g, 2g + 1,
+         * value 2j + t = q[j][2g + t]; chunk c's byte k < 32 holds value k of
+         * group 4c (low nibble) and 4c + 2 (high), byte 32 + k groups 4c + 1
+         * and 4c + 3: byte 64 + 64 c + 32 h + 2 j + t = q[j][2 (4c + h) + t] |
+         * q[j][2 (4c + h + 2) + t] << 4, h in {0, 1}. */
         for (int64_t j = 0; j < c->out; j++) {
             const int64_t t = j / QTILE, jj = j % QTILE;
             for (int64_t b = 0; b < c->blocks; b++) {
@@ -861,8 +895,11 @@ static void make_int_case(IntCase *c, int q4) {
                 memcpy(rec + 32 + 2 * jj, &c->m[j * c->blocks + b], 2);
                 const uint8_t *qj = c->q + j * c->in + b * QB;
                 for (int ch = 0; ch < 4; ch++)
-                    for (int i = 0; i < 4; i++)
-                        rec[64 + 64 * ch + 4 * jj + i] = (uint8_t)(qj[4 * ch + i] | qj[16 + 4 * ch + i] << 4);
+                    for (int h = 0; h < 2; h++)
+                        for (int t = 0; t < 2; t++) {
+                            const int lo = 2 * (4 * ch + h) + t, hi = 2 * (4 * ch + h + 2) + t;
+                            rec[64 + 64 * ch + 32 * h + 2 * jj + t] = (uint8_t)(qj[lo] | qj[hi] << 4);
+                        }
             }
         }
     } else {
@@ -872,14 +909,15 @@ static void make_int_case(IntCase *c, int q4) {
             c->qw[i] = (int8_t)(runif() < 0.05 ? (rnd() & 1 ? 127 : -128) : rint_(-128, 127));
         for (int64_t j = 0; j < c->out; j++)
             c->scales[j] = runif() < 0.05 ? 0.0f : frand(1e-4f, 1e-1f) * (rnd() & 1 ? 1 : -1);
-        /* Layout: per (tile, block) record, byte 64 c + 4 j + i = qw[j][4c + i] + 128. */
+        /* Layout: per (tile, block) record, byte 32 g + 2 j + t = qw[j][2g + t]
+         * (two's complement, no offset). */
         for (int64_t j = 0; j < c->out; j++) {
             const int64_t t = j / QTILE, jj = j % QTILE;
             for (int64_t b = 0; b < c->blocks; b++) {
                 uint8_t *rec = c->packed + (t * c->blocks + b) * Q8REC;
-                for (int ch = 0; ch < 8; ch++)
-                    for (int i = 0; i < 4; i++)
-                        rec[64 * ch + 4 * jj + i] = (uint8_t)(c->qw[j * c->in + b * QB + 4 * ch + i] + 128);
+                for (int g = 0; g < QB / 2; g++)
+                    for (int t = 0; t < 2; t++)
+                        rec[32 * g + 2 * jj + t] = (uint8_t)c->qw[j * c->in + b * QB + 2 * g + t];
             }
         }
     }
@@ -893,10 +931,9 @@ static void free_int_case(IntCase *c) {
 
 /* The expected output bits of row r ([out]: fp32 bits, or bf16 bits in the low half). */
 static void ref_int_row(const IntCase *c, int q4, int64_t r, uint32_t *expect) {
-    int8_t *qa = xmalloc((size_t)c->in);
+    int16_t *qa = xmalloc(sizeof(int16_t) * c->in);
     float *da = xmalloc(sizeof(float) * c->blocks), *sa = xmalloc(sizeof(float) * c->blocks);
-    int32_t *qsum = xmalloc(sizeof(int32_t) * c->blocks);
-    ref_quantize(c->x + r * c->in, c->in, qa, da, sa, qsum);
+    ref_quantize(c->x + r * c->in, c->in, qa, da, sa);
     for (int64_t j = 0; j < c->out; j++) {
         volatile float acc = 0.0f;
         for (int64_t b = 0; b < c->blocks; b++) {
@@ -905,12 +942,13 @@ static void ref_int_row(const IntCase *c, int q4, int64_t r, uint32_t *expect) {
                 const int32_t w = q4 ? c->q[j * c->in + b * QB + i] : c->qw[j * c->in + b * QB + i];
                 isum += w * qa[b * QB + i];
             }
+            volatile float fsum = (float)isum; /* exact for q4 (|isum| < 2^24), rounded for q8 */
             if (q4) {
                 volatile float scale = h2f(c->d[j * c->blocks + b]) * da[b];
-                acc = fmaf((float)isum, scale, acc);
+                acc = fmaf(fsum, scale, acc);
                 acc = fmaf(h2f(c->m[j * c->blocks + b]), sa[b], acc);
             } else {
-                acc = fmaf((float)isum, da[b], acc);
+                acc = fmaf(fsum, da[b], acc);
             }
         }
         float value = acc;
@@ -920,7 +958,7 @@ static void ref_int_row(const IntCase *c, int q4, int64_t r, uint32_t *expect) {
         }
         expect[j] = c->out_bf16 ? f2bf(value) : fbits(value);
     }
-    free(qa); free(da); free(sa); free(qsum);
+    free(qa); free(da); free(sa);
 }
 
 static int call_int(const IntCase *c, int q4, int64_t first, int64_t rows, void *out, int threads) {
@@ -933,6 +971,11 @@ static int call_int(const IntCase *c, int q4, int64_t first, int64_t rows, void 
 static uint32_t out_bits(const IntCase *c, const void *out, int64_t i) {
     return c->out_bf16 ? ((const uint16_t *)out)[i] : ((const uint32_t *)out)[i];
 }
+
+static int is_nan_bits(const IntCase *c, uint32_t bits) {
+    return c->out_bf16 ? (bits & 0x7fffu) > 0x7f80u : (bits & 0x7fffffffu) > 0x7f800000u;
+}
+static long g_int_nans = 0;
 
 #define OUT_GUARD 64
 static long g_int_outputs = 0;
@@ -956,6 +999,10 @@ static void int_case(int idx, int q4) {
         for (int64_t j = 0; j < c.out; j++) {
             const uint32_t got = out_bits(&c, out, r * c.out + j);
             g_int_outputs++;
+            if (is_nan_bits(&c, expect[j]) && is_nan_bits(&c, got)) { /* any NaN */
+                g_int_nans++;
+                continue;
+            }
             if (got != expect[j]) {
                 const float gv = c.out_bf16 ? bf2f((uint16_t)got) : bitsf(got);
                 const float ev = c.out_bf16 ? bf2f((uint16_t)expect[j]) : bitsf(expect[j]);
@@ -1095,7 +1142,9 @@ int main(int argc, char **argv) {
             int_case(i, 0);
         }
         int_refusals();
-        printf("intmm: %ld outputs bit-identical to the scalar reference\n", g_int_outputs);
+        printf("intmm: %ld outputs bit-identical to the scalar reference (%ld of them NaN as "
+               "the reference's, %ld activations clamped to +-32767)\n", g_int_outputs, g_int_nans,
+               g_int_clamped);
     } else if (!strcmp(mode, "edge")) {
         edge_cases();
     } else if (!strcmp(mode, "bad_group_nondiv")) {

@@ -112,7 +112,7 @@ static void quantize_row(const void *x, int32_t x_bf16, int64_t row, int64_t in,
         const float id = finite && d != 0.0f ? 1.0f / d : 0.0f;
         int32_t sum = 0;
         for (int i = 0; i < Q_BLOCK; i++) {
-            float q = nearbyintf(v[i] * id);
+            float q = finite ? nearbyintf(v[i] * id) : 0.0f; /* inf * 0 would be NaN */
             q = q > QMAX ? QMAX : q < -QMAX ? -QMAX : q;
             qa[b * Q_BLOCK + i] = (int16_t)q;
             sum += (int32_t)q;
