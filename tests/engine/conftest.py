@@ -7,7 +7,7 @@ front of it."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -23,6 +23,7 @@ from services.engine.service import EngineService
 from services.engine.torch_backend.backend import TorchBackend
 from services.engine.torch_backend.gguf_loader import GGUFModel, load_gguf
 from services.engine.torch_backend.model import LlamaModel, build_model
+from services.engine.torch_backend.native import load_library
 from services.engine.torch_backend.quant import resolve_quant_kernel
 
 #: Context window of the shared backend: small, so length limits are cheap to hit.
@@ -138,3 +139,16 @@ async def engine_address(engine_service: EngineService) -> AsyncIterator[str]:
 async def engine_stub(engine_address: str) -> AsyncIterator[engine_pb2_grpc.EngineServiceStub]:
     async with grpc.aio.insecure_channel(engine_address) as channel:
         yield engine_pb2_grpc.EngineServiceStub(channel)
+
+
+@pytest.fixture
+def kernel_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """Lets a test point the build at another cache or compiler (through the
+    returned monkeypatch) with the library unloaded; restores both after."""
+    load_library.cache_clear()
+    try:
+        yield monkeypatch
+    finally:
+        monkeypatch.undo()
+        load_library.cache_clear()
+        load_library()

@@ -11,7 +11,7 @@ on random shapes is in ``kernels/kernel_harness.c`` (``intmm``)."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -652,19 +652,6 @@ def test_lm_head_top_logits_are_the_dense_ones(gguf_model: GGUFModel, kernel: st
 
 
 # ------------------------------------------------------------------ choosing the kernel
-
-
-@pytest.fixture
-def kernel_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    """Lets a test point the build at another cache or compiler (through the
-    returned monkeypatch) with the library unloaded; restores both after."""
-    load_library.cache_clear()
-    try:
-        yield monkeypatch
-    finally:
-        monkeypatch.undo()
-        load_library.cache_clear()
-        load_library()
 
 
 def test_resolve_quant_kernel() -> None:

@@ -5,7 +5,6 @@ clear errors, and the backend choice (``auto`` / ``native`` / ``torch``)."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,19 +226,6 @@ def test_backend_choice() -> None:
     assert resolve_attention_backend("auto", cpu, torch.float32, wide) == "torch"  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="even head_dim <= 256"):
         resolve_attention_backend("native", cpu, torch.float32, wide)  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def kernel_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    """Lets a test point the build at another cache or compiler (through the
-    returned monkeypatch) with the library unloaded; restores both after."""
-    load_library.cache_clear()
-    try:
-        yield monkeypatch
-    finally:
-        monkeypatch.undo()
-        load_library.cache_clear()
-        load_library()
 
 
 def test_a_missing_compiler_is_reported_not_hidden(tmp_path: Path,

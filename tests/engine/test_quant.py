@@ -133,6 +133,9 @@ def parse(argv: list[str], environ: dict[str, str] | None = None) -> EngineConfi
     return engine_config_from_args(parser.parse_args(argv))
 
 
+
+
+
 def test_quantization_flag_and_environment() -> None:
     assert EngineConfig().quantization == parse([]).quantization == "int4"
     assert parse(["--quantization", "int8"]).quantization == "int8"

@@ -277,28 +277,43 @@ static int quantize(const void *x, int32_t x_bf16, int64_t rows, int64_t in, int
     return 0;
 }
 
-int llmesh_q4_1_matmul(const void *x, int32_t x_bf16, int64_t rows, int64_t in_features,
-                       const uint8_t *packed, int64_t out_features, void *out, int32_t out_bf16,
-                       int32_t num_threads) {
+/* Both kernels: Q4_1 records, or (int8) int8 records with `scales` per output
+ * feature. */
+static int int_matmul(const void *x, int32_t x_bf16, int64_t rows, int64_t in_features,
+                      const uint8_t *packed, int int8, const float *scales, int64_t out_features,
+                      void *out, int32_t out_bf16, int32_t num_threads) {
     if (in_features < Q_BLOCK || in_features % Q_BLOCK || out_features < 1 || rows < 0) return -1;
     if (rows == 0) return 0;
+    if (int8 && scales == NULL) return -1;
     const int64_t blocks = in_features / Q_BLOCK, tiles = (out_features + TILE - 1) / TILE;
+    const int64_t record = int8 ? RECORD8 : RECORD;
     const int threads = num_threads < 1 ? 1 : num_threads;
     int16_t *qa;
     float *da, *sa;
     if (quantize(x, x_bf16, rows, in_features, threads, &qa, &da, &sa) != 0) return -3;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < tiles; t++) {
-        const uint8_t *records = packed + t * blocks * RECORD;
+        const uint8_t *records = packed + t * blocks * record;
         const int64_t count = out_features - t * TILE < TILE ? out_features - t * TILE : TILE;
         float acc[ROW_TILE][TILE];
         for (int64_t row = 0; row < rows; row += ROW_TILE) {
             const int nr = rows - row < ROW_TILE ? (int)(rows - row) : ROW_TILE;
-            switch (nr) {
-            case 4: tile_rows(records, blocks, qa, da, sa, in_features, row, 4, acc); break;
-            case 3: tile_rows(records, blocks, qa, da, sa, in_features, row, 3, acc); break;
-            case 2: tile_rows(records, blocks, qa, da, sa, in_features, row, 2, acc); break;
-            default: tile_rows(records, blocks, qa, da, sa, in_features, row, 1, acc); break;
+            if (!int8) {
+                switch (nr) {
+                case 4: tile_rows(records, blocks, qa, da, sa, in_features, row, 4, acc); break;
+                case 3: tile_rows(records, blocks, qa, da, sa, in_features, row, 3, acc); break;
+                case 2: tile_rows(records, blocks, qa, da, sa, in_features, row, 2, acc); break;
+                default: tile_rows(records, blocks, qa, da, sa, in_features, row, 1, acc); break;
+                }
+            } else {
+                switch (nr) {
+                case 4: tile_rows8(records, blocks, qa, da, in_features, row, 4, acc); break;
+                case 3: tile_rows8(records, blocks, qa, da, in_features, row, 3, acc); break;
+                case 2: tile_rows8(records, blocks, qa, da, in_features, row, 2, acc); break;
+                default: tile_rows8(records, blocks, qa, da, in_features, row, 1, acc); break;
+                }
+                for (int r = 0; r < nr; r++)
+                    for (int64_t j = 0; j < count; j++) acc[r][j] *= scales[t * TILE + j];
             }
             for (int r = 0; r < nr; r++)
                 store_row(out, out_bf16, (row + r) * out_features + t * TILE, count, acc[r]);
@@ -309,36 +324,16 @@ int llmesh_q4_1_matmul(const void *x, int32_t x_bf16, int64_t rows, int64_t in_f
     return 0;
 }
 
+int llmesh_q4_1_matmul(const void *x, int32_t x_bf16, int64_t rows, int64_t in_features,
+                       const uint8_t *packed, int64_t out_features, void *out, int32_t out_bf16,
+                       int32_t num_threads) {
+    return int_matmul(x, x_bf16, rows, in_features, packed, 0, NULL, out_features, out, out_bf16,
+                      num_threads);
+}
+
 int llmesh_q8_matmul(const void *x, int32_t x_bf16, int64_t rows, int64_t in_features,
                      const uint8_t *packed, const float *scales, int64_t out_features, void *out,
                      int32_t out_bf16, int32_t num_threads) {
-    if (in_features < Q_BLOCK || in_features % Q_BLOCK || out_features < 1 || rows < 0) return -1;
-    if (rows == 0) return 0;
-    const int64_t blocks = in_features / Q_BLOCK, tiles = (out_features + TILE - 1) / TILE;
-    const int threads = num_threads < 1 ? 1 : num_threads;
-    int16_t *qa;
-    float *da, *sa;
-    if (quantize(x, x_bf16, rows, in_features, threads, &qa, &da, &sa) != 0) return -3;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < tiles; t++) {
-        const uint8_t *records = packed + t * blocks * RECORD8;
-        const int64_t count = out_features - t * TILE < TILE ? out_features - t * TILE : TILE;
-        float acc[ROW_TILE][TILE];
-        for (int64_t row = 0; row < rows; row += ROW_TILE) {
-            const int nr = rows - row < ROW_TILE ? (int)(rows - row) : ROW_TILE;
-            switch (nr) {
-            case 4: tile_rows8(records, blocks, qa, da, in_features, row, 4, acc); break;
-            case 3: tile_rows8(records, blocks, qa, da, in_features, row, 3, acc); break;
-            case 2: tile_rows8(records, blocks, qa, da, in_features, row, 2, acc); break;
-            default: tile_rows8(records, blocks, qa, da, in_features, row, 1, acc); break;
-            }
-            for (int r = 0; r < nr; r++) {
-                for (int64_t j = 0; j < count; j++) acc[r][j] *= scales[t * TILE + j];
-                store_row(out, out_bf16, (row + r) * out_features + t * TILE, count, acc[r]);
-            }
-        }
-    }
-    free(qa);
-    free(da);
-    return 0;
+    return int_matmul(x, x_bf16, rows, in_features, packed, 1, scales, out_features, out, out_bf16,
+                      num_threads);
 }

@@ -49,16 +49,16 @@ int llmesh_silu_mul(const void *gate_up, int32_t in_bf16, int64_t rows, int64_t 
                     int32_t out_bf16, int32_t num_threads);
 
 /* out[rows, out_features] = x[rows, in_features] @ W.T, W in the packed Q4_1
- * layout of int_matmul.c, x quantized per row and 32 inputs to int8. Returns
- * 0, -1 for in_features not a positive multiple of 32 or out_features < 1,
- * -3 out of memory. */
+ * layout of int_matmul.c, x quantized per row and 32 inputs to int16. Returns
+ * 0, -1 for in_features not a positive multiple of 32, out_features < 1 or
+ * rows < 0, -3 out of memory. */
 int llmesh_q4_1_matmul(const void *x, int32_t x_bf16, int64_t rows, int64_t in_features,
                        const uint8_t *packed, int64_t out_features, void *out, int32_t out_bf16,
                        int32_t num_threads);
 
 /* out = x @ W.T, W int8 with a scale per output feature (scales [out_features]
- * fp32; the packed u8 layout of int_matmul.c), x quantized as above. Returns as
- * llmesh_q4_1_matmul. */
+ * fp32; the packed int8 layout of int_matmul.c), x quantized as above. Returns
+ * as llmesh_q4_1_matmul, and -1 for NULL scales with rows > 0. */
 int llmesh_q8_matmul(const void *x, int32_t x_bf16, int64_t rows, int64_t in_features,
                      const uint8_t *packed, const float *scales, int64_t out_features, void *out,
                      int32_t out_bf16, int32_t num_threads);
