@@ -121,7 +121,7 @@ def main(args: argparse.Namespace) -> None:
     quant = getattr(runner, "quantization", "none")
     print(f"SmolLM2 {quant}, batch 1, context {args.context}, {torch.get_num_threads()} threads, "
           f"attention {getattr(runner, 'attention_backend', 'torch')}, dense prefill "
-          f"{getattr(runner.model, 'has_prompt_projections', False)}, int4 kernel "
+          f"{getattr(runner.model, 'has_prompt_projections', False)}, quant kernel "
           f"{getattr(runner.model, 'quant_kernel', None)}, "
           f"load average {load_before:.2f}")
     print(f"decode step (ModelRunner.run): median {statistics.median(times):.2f} ms, "

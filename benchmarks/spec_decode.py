@@ -220,7 +220,7 @@ async def main() -> None:
           f"{statistics.mean(map(len, prompts)):.0f} tokens (mean); max_tokens "
           f"{args.max_tokens}; k={args.k}, n-gram {args.ngram_min}..{args.ngram_max} "
           f"(k for matches >= {args.ngram_full_len}); "
-          f"quantization {getattr(config, 'quantization', 'none')}, int4 kernel "
+          f"quantization {getattr(config, 'quantization', 'none')}, quant kernel "
           f"{getattr(config, 'quant_kernel', 'torch')}")
     await backend.start()
     try:

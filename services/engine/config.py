@@ -62,12 +62,13 @@ class EngineConfig:
         compiler; fp32 on CPU), ``torch`` (PyTorch ops) or ``auto`` (native
         where it builds and serves the device/dtype). See
         ``torch_backend/native_attention.py``.
-      quant_kernel: the kernel of ``int4`` projections for generated tokens
-        (torch backend): ``native`` (the engine's C kernel: Q4_1 weights times
-        activations quantized to int16 per 32 values, exact integer dot products
-        with AVX512-VNNI, nearly flat cost from 1 to ~8 rows), ``torch``
-        (PyTorch's ``_weight_int4pack_mm_for_cpu``, bf16 activations) or
-        ``auto`` (native where the kernels build). See ``torch_backend/quant.py``.
+      quant_kernel: the kernels of the ``int4``/``int8`` projections and the
+        int8 LM head (torch backend): ``native`` (the engine's C kernels: Q4_1
+        or int8 weights times activations quantized to int16 per 32 values,
+        exact integer dot products with AVX512-VNNI, nearly flat cost from 1 to
+        ~4 rows), ``torch`` (PyTorch's ``_weight_int4pack_mm_for_cpu`` /
+        ``_weight_int8pack_mm``, bf16 activations) or ``auto`` (native where the
+        kernels build). See ``torch_backend/quant.py``.
       max_model_len: context window in tokens; None means the model's own.
       max_num_waiting: most sequences queued before RESOURCE_EXHAUSTED.
       max_num_seqs: most sequences in the running batch (both backends).
@@ -193,9 +194,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
         "use with the C compiler), torch = PyTorch ops, auto = native where it runs",
         choices=("auto", "native", "torch"))
     add("--quant-kernel", str, "auto",
-        "int4 projections of generated tokens: native = the engine's C kernel (int8 "
-        "activations, integer dot products), torch = PyTorch's int4 kernel (bf16 "
-        "activations), auto = native where it builds", choices=("auto", "native", "torch"))
+        "int4/int8 projections and the int8 LM head: native = the engine's C kernels "
+        "(int16 activations, integer dot products), torch = PyTorch's kernels (bf16 "
+        "activations), auto = native where they build", choices=("auto", "native", "torch"))
     add("--max-model-len", _positive_int, None, "context window in tokens (default: the model's)")
     add("--max-num-waiting", _positive_int, 256)
     add("--max-num-seqs", _positive_int, 64, "most sequences in the running batch",

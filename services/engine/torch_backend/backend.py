@@ -291,7 +291,7 @@ def check_config(config: EngineConfig) -> None:
     Raises:
       ValueError: an unknown dtype; a quantization that contradicts dtype or
         device (:func:`~services.engine.torch_backend.quant.check_mode`); an
-        unknown attention backend or int4 kernel, or ``native`` where the
+        unknown attention backend or quantized kernel, or ``native`` where the
         kernels cannot serve the device/dtype or cannot be built (the model's
         head shapes are checked when it loads); bad
         speculative options (:class:`SpeculativeConfig`).

@@ -239,13 +239,13 @@ class LlamaModel(nn.Module):
         """Replaces every layer's projections with ``mode`` (``int4`` / ``int8``)
         ones built from Q4_1 blocks (``q4_1``, as they are for int4) or fp32
         weights (``state_dict``), and the LM head with int8 per-row weights of
-        the (tied) head; frees the dense projection weights. int4 runs on
+        the (tied) head; frees the dense projection weights. Both run on
         ``quant_kernel`` (:func:`~services.engine.torch_backend.quant.resolve_quant_kernel`;
         :attr:`quant_kernel` holds the one in use).
 
         Raises:
-          ValueError: unknown mode or int4 kernel, ``native`` where it cannot
-            be built, or the model is not fp32 on CPU.
+          ValueError: unknown mode or kernel, ``native`` where it cannot be
+            built, or the model is not fp32 on CPU.
           KeyError: a weight is in neither mapping.
         """
         check_mode(mode, self.embed_tokens.dtype, self.embed_tokens.device)
@@ -386,13 +386,13 @@ def build_model(config: LlamaConfig, state_dict: Mapping[str, torch.Tensor],
     """A ready, eval-mode model on ``device`` in ``dtype`` (RoPE tables are computed
     in fp32 and then cast to ``dtype``, as transformers does), its projections
     quantized per ``quantization`` (``none``, ``int8``, ``int4``; see
-    :meth:`LlamaModel.quantize`, int4 on ``quant_kernel``) from ``state_dict``
-    or the raw ``q4_1`` blocks.
+    :meth:`LlamaModel.quantize`, on ``quant_kernel``) from ``state_dict`` or the
+    raw ``q4_1`` blocks.
 
     Raises:
       KeyError: a needed tensor is missing from ``state_dict`` (and ``q4_1``).
       ValueError: a quantized mode with a dtype other than fp32 or off the CPU,
-        or an int4 kernel that cannot run.
+        or a quantized kernel that cannot run.
     """
     if quantization != "none":
         check_mode(quantization, dtype, torch.device(device))

@@ -183,7 +183,7 @@ class ModelRunner:
           FileNotFoundError, ValueError: see :func:`load_gguf`; ValueError for an
             unknown dtype or quantization name, or a contradictory combination
             (:func:`~services.engine.torch_backend.quant.check_mode`), or an
-            attention backend or int4 kernel that cannot run
+            attention backend or quantized kernel that cannot run
             (:func:`resolve_attention_backend`,
             :func:`~services.engine.torch_backend.quant.resolve_quant_kernel`).
         """

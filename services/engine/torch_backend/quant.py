@@ -1,16 +1,20 @@
-"""Weight-only quantized projections on PyTorch's own CPU kernels.
+"""Weight-only quantized projections, on the engine's native integer-dot kernels
+or PyTorch's own CPU kernels (``--quant-kernel``, :func:`resolve_quant_kernel`).
 
 Modes (``--quantization``):
 
 * ``none``: dense weights in the model's dtype (fp32: oneDNN, see
   :mod:`~services.engine.torch_backend.batch_invariant`).
-* ``int4``: every projection through ``torch.ops.aten._weight_int4pack_mm_for_cpu``
-  (group size 32, a bf16 scale and zero per group and output row), bf16
-  activations. Q4_1 weights of the GGUF map onto it without requantizing
-  (:meth:`Int4Projection.from_q4_1`).
-* ``int8``: every projection through ``torch.ops.aten._weight_int8pack_mm``
-  (int8 weights, one bf16 scale per output row, symmetric), bf16 activations,
-  requantized from the dequantized GGUF weights.
+* ``int4``: every projection on the GGUF's Q4_1 blocks as they are: natively
+  :class:`NativeInt4Projection` (``kernels/int_matmul.c``: bf16 activations
+  quantized to int16 per 32 inputs, exact integer dot products, fp16 ``d`` and
+  ``m``), or :class:`Int4Projection` on ``torch.ops.aten._weight_int4pack_mm_for_cpu``
+  (group size 32, a bf16 scale and zero per group and output row, bf16
+  activations; :meth:`Int4Projection.from_q4_1`).
+* ``int8``: every projection with int8 weights, one scale per output row,
+  symmetric, requantized from the dequantized GGUF weights:
+  :class:`NativeInt8Projection` or :class:`Int8Projection` on
+  ``torch.ops.aten._weight_int8pack_mm`` (bf16 activations).
 
 In both quantized modes the LM head (tied to the Q8_0 token embedding) is
 :class:`Int8LMHead`: int8 per output row to rank the vocabulary (the largest
@@ -18,8 +22,8 @@ single read of a decode step, 49,152 x 576: 28 MB instead of 57 MB in bf16,
 ~3x faster at one row), then each row's top 64 logits recomputed in fp32 from
 the dense table; the perplexity effect is measured in ``docs/engine.md``.
 
-The Q4_1 → int4 mapping. A Q4_1 block holds 32 values ``w = d * q + m`` with
-``q`` in ``0..15`` (``gguf_loader.Q4_1Blocks``). The int4 kernel computes a
+The Q4_1 → PyTorch int4 mapping. A Q4_1 block holds 32 values ``w = d * q + m``
+with ``q`` in ``0..15`` (``gguf_loader.Q4_1Blocks``). PyTorch's int4 kernel computes a
 weight as ``(q - 8) * scale + zero`` per group of 32 along the input dim
 (``int4mm_kernel.cpp``; checked by ``tests/engine/test_quant.py``), so
 ``scale = d`` and ``zero = m + 8 * d`` give the same weight with the same
@@ -30,9 +34,9 @@ against the 4-bit step ``d`` itself): the values ``q`` are exact, the scales
 are the nearest bf16.
 
 Batch invariance (probed by ``batch_invariant.probe`` with ``quantization``):
-both kernels, and bf16 ``F.linear``, give each row the same bits for any
-number of rows at any offset (measured for 1..40 rows), so quantized
-projections need no row padding.
+every kernel here, and bf16 ``F.linear``, gives each row the same bits for any
+number of rows at any offset (the native ones by construction; PyTorch's
+measured for 1..40 rows), so quantized projections need no row padding.
 """
 
 from __future__ import annotations
@@ -428,7 +432,7 @@ def resolve_quant_kernel(choice: str) -> str:
         built or loaded (the message says why).
     """
     if choice not in QUANT_KERNELS:
-        raise ValueError(f"int4 kernel must be one of {QUANT_KERNELS}, got {choice!r}")
+        raise ValueError(f"quant kernel must be one of {QUANT_KERNELS}, got {choice!r}")
     if choice == "torch":
         return choice
     try:

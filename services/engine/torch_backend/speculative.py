@@ -12,8 +12,8 @@ ones. Proposers:
   ``n`` tokens (``n`` from ``ngram_max`` down to ``ngram_min``) in the prompt
   and output so far, propose up to ``k`` tokens that followed it; a match
   shorter than ``ngram_full_len`` proposes one token only (a weak match is
-  rarely right for long, and scoring one extra row costs almost nothing, while
-  the int4 kernel's cost grows from the third row on). No model; numpy over a
+  rarely right for long, and every extra row scored costs ~10 % of a step:
+  docs/engine.md). No model; numpy over a
   bounded window of the last tokens.
 * :class:`~services.engine.torch_backend.draft_proposer.DraftProposer`, a
   smaller model sharing the tokenizer, run ``k`` greedy steps.
