@@ -10,14 +10,13 @@ on random shapes is in ``kernels/kernel_harness.c`` (``intmm``)."""
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from services.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args
+from services.engine.config import EngineConfig
 from services.engine.torch_backend import native
 from services.engine.torch_backend.backend import check_config
 from services.engine.torch_backend.gguf_loader import GGUFModel, Q4_1Blocks
@@ -692,27 +691,6 @@ def test_the_config_check_refuses_unknown_kernels() -> None:
         with pytest.raises(ValueError, match="must be one of"):
             check_config(EngineConfig(quant_kernel="fast", quantization=quantization))
     check_config(EngineConfig(quant_kernel="torch"))
-
-
-def parse(argv: list[str], environ: dict[str, str] | None = None) -> EngineConfig:
-    parser = argparse.ArgumentParser(exit_on_error=False)
-    add_engine_arguments(parser, environ or {})
-    return engine_config_from_args(parser.parse_args(argv))
-
-
-def test_quant_kernel_flag_and_environment() -> None:
-    """``--quant-kernel`` (default ``auto``) and ``LLMESH_ENGINE_QUANT_KERNEL``;
-    the flag wins; unknown values are refused."""
-    assert EngineConfig().quant_kernel == parse([]).quant_kernel == "auto"
-    assert parse(["--quant-kernel", "torch"]).quant_kernel == "torch"
-    assert parse(["--quant-kernel", "native"]).quant_kernel == "native"
-    assert parse([], {"LLMESH_ENGINE_QUANT_KERNEL": "torch"}).quant_kernel == "torch"
-    assert parse(["--quant-kernel", "native"],
-                 {"LLMESH_ENGINE_QUANT_KERNEL": "torch"}).quant_kernel == "native"
-    with pytest.raises(ValueError, match="LLMESH_ENGINE_QUANT_KERNEL"):
-        parse([], {"LLMESH_ENGINE_QUANT_KERNEL": "cuda"})
-    with pytest.raises((argparse.ArgumentError, SystemExit)):
-        parse(["--quant-kernel", "fast"])
 
 
 @pytest.mark.model

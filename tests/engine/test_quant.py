@@ -133,7 +133,19 @@ def parse(argv: list[str], environ: dict[str, str] | None = None) -> EngineConfi
     return engine_config_from_args(parser.parse_args(argv))
 
 
-
+def test_quant_kernel_flag_and_environment() -> None:
+    """``--quant-kernel`` (default ``auto``) and ``LLMESH_ENGINE_QUANT_KERNEL``;
+    the flag wins; unknown values are refused."""
+    assert EngineConfig().quant_kernel == parse([]).quant_kernel == "auto"
+    assert parse(["--quant-kernel", "torch"]).quant_kernel == "torch"
+    assert parse(["--quant-kernel", "native"]).quant_kernel == "native"
+    assert parse([], {"LLMESH_ENGINE_QUANT_KERNEL": "torch"}).quant_kernel == "torch"
+    assert parse(["--quant-kernel", "native"],
+                 {"LLMESH_ENGINE_QUANT_KERNEL": "torch"}).quant_kernel == "native"
+    with pytest.raises(ValueError, match="LLMESH_ENGINE_QUANT_KERNEL"):
+        parse([], {"LLMESH_ENGINE_QUANT_KERNEL": "cuda"})
+    with pytest.raises((argparse.ArgumentError, SystemExit)):
+        parse(["--quant-kernel", "fast"])
 
 
 def test_quantization_flag_and_environment() -> None:
