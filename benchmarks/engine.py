@@ -2,7 +2,8 @@
 
     python benchmarks/engine.py [--no-batch-invariant] [--streams 1 4 16 32]
                                 [--device cpu] [--dtype float32]
-                                [--quantization none|int8|int4] [--no-dense-prefill]
+                                [--quantization none|int8|int4] [--[no-]dense-prefill]
+                                [--quant-kernel auto|native|torch]
                                 [--attention-backend auto|native|torch]
 
 Runs ``TorchBackend`` in-process (SmolLM2, the default engine options) and prints:
@@ -107,7 +108,7 @@ async def main(args: argparse.Namespace) -> None:
     config = EngineConfig(model_path=args.model, device=args.device, dtype=args.dtype,
                           max_model_len=2048,
                           quantization=args.quantization,
-                          dense_prefill=args.dense_prefill,
+                          dense_prefill=args.dense_prefill, quant_kernel=args.quant_kernel,
                           attention_backend=args.attention_backend,
                           batch_invariant=args.batch_invariant,
                           max_num_batched_tokens=args.max_num_batched_tokens)
@@ -115,7 +116,8 @@ async def main(args: argparse.Namespace) -> None:
     await backend.start()
     kv = backend.kv_cache_info
     print(f"torch engine: {args.device} {args.dtype} quantization={args.quantization}, "
-          f"dense_prefill={args.dense_prefill}, attention={args.attention_backend}, "
+          f"dense_prefill={'auto' if args.dense_prefill is None else args.dense_prefill}, "
+          f"quant_kernel={args.quant_kernel}, attention={args.attention_backend}, "
           f"batch_invariant={args.batch_invariant}, "
           f"step budget {config.step_token_budget()} tokens, KV cache {kv.num_blocks} blocks "
           f"x {kv.block_size} tokens ({kv.num_bytes / 2**30:.2f} GiB), "
@@ -155,7 +157,10 @@ if __name__ == "__main__":
     parser.add_argument("--quantization", default=EngineConfig().quantization,
                         choices=("none", "int8", "int4"))
     parser.add_argument("--dense-prefill", action=argparse.BooleanOptionalAction,
-                        default=EngineConfig().dense_prefill)
+                        default=EngineConfig().dense_prefill,
+                        help="default: auto (only with --quant-kernel torch)")
+    parser.add_argument("--quant-kernel", default=EngineConfig().quant_kernel,
+                        choices=("auto", "native", "torch"))
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "native", "torch"))
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)

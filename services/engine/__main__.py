@@ -49,8 +49,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     metrics = default_metrics()
     try:  # each backend refuses options it cannot start with, before any port is bound
         backend = create_backend(config, step_observer=metrics.observe_step)
-    except ValueError as exc:
-        parser.error(str(exc))
+    except ValueError as exc:  # one line, no usage: the flags parsed, the combination did not
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     service = EngineService(backend, config, metrics)
     asyncio.run(run_service(server_config_from_args("engine", args), service))
 

@@ -185,7 +185,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
         "int4 = the GGUF's Q4_1 weights on the int4 kernel, int8 = per-row int8, "
         "none = dense weights in --dtype; int4/int8 run bf16 activations on an fp32 "
         "residual stream and need --dtype float32", choices=("none", "int8", "int4"))
-    add("--dense-prefill", parse_bool, None,
+    add("--dense-prefill", parse_bool_or_auto, None,
         "with --quantization int4/int8: prompt tokens through dense bf16 copies of the "
         "weights (+2 bytes per weight), generated tokens quantized (default: only with "
         "--quant-kernel torch, whose prefill is slow)", action=argparse.BooleanOptionalAction)
@@ -286,6 +286,15 @@ def parse_bytes(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0 bytes, got {text!r}")
     return value
+
+
+def parse_bool_or_auto(text: str) -> bool | None:
+    """:func:`parse_bool`, or None for ``auto`` (the option's own default rule).
+
+    Raises:
+      argparse.ArgumentTypeError: anything else.
+    """
+    return None if text.strip().lower() == "auto" else parse_bool(text)
 
 
 def parse_bool(text: str) -> bool:

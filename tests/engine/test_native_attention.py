@@ -259,10 +259,30 @@ def test_an_unwritable_cache_folder_is_reported(tmp_path: Path,
 
 
 def test_cc_may_carry_arguments(tmp_path: Path, kernel_env: pytest.MonkeyPatch) -> None:
+    """``CC`` with arguments builds, and its arguments are part of the cache key
+    (``-mno-avx512vnni`` selects other code: it must not reuse the default build)."""
     kernel_env.setenv("LLMESH_KERNEL_CACHE", str(tmp_path))
+    plain = native.library_path()
     kernel_env.setenv("CC", "env cc")  # like "ccache gcc"
     load_library()
-    assert native.library_path().exists()
+    assert native.library_path().exists() and native.library_path() != plain
+
+
+def test_a_failed_build_is_tried_once_per_process(tmp_path: Path,
+                                                  kernel_env: pytest.MonkeyPatch) -> None:
+    """A compiler that fails is run once: later calls re-raise the remembered
+    reason (an engine start asks several times) until ``cache_clear``."""
+    calls = tmp_path / "calls"
+    compiler = tmp_path / "failing-cc"
+    compiler.write_text(f"#!/bin/sh\necho run >> {calls}\necho broken >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    kernel_env.setenv("LLMESH_KERNEL_CACHE", str(tmp_path / "cache"))
+    kernel_env.setenv("CC", str(compiler))
+    for _ in range(3):
+        with pytest.raises(NativeKernelUnavailable, match="broken"):
+            load_library()
+    builds = [line for line in calls.read_text().splitlines() if line == "run"]
+    assert len(builds) == 2  # `cc --version` for the cache key, then the one build
 
 
 def test_the_build_is_cached_and_keyed_by_the_source(tmp_path: Path,

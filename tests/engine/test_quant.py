@@ -148,6 +148,19 @@ def test_quant_kernel_flag_and_environment() -> None:
         parse(["--quant-kernel", "fast"])
 
 
+def test_dense_prefill_flag_and_environment() -> None:
+    """``--[no-]dense-prefill`` and ``LLMESH_ENGINE_DENSE_PREFILL`` (``auto``, the
+    default None, may be set explicitly)."""
+    assert EngineConfig().dense_prefill is None and parse([]).dense_prefill is None
+    assert parse(["--dense-prefill"]).dense_prefill is True
+    assert parse(["--no-dense-prefill"]).dense_prefill is False
+    assert parse([], {"LLMESH_ENGINE_DENSE_PREFILL": "1"}).dense_prefill is True
+    assert parse([], {"LLMESH_ENGINE_DENSE_PREFILL": "auto"}).dense_prefill is None
+    assert parse(["--no-dense-prefill"], {"LLMESH_ENGINE_DENSE_PREFILL": "on"}).dense_prefill is False
+    with pytest.raises(ValueError, match="LLMESH_ENGINE_DENSE_PREFILL"):
+        parse([], {"LLMESH_ENGINE_DENSE_PREFILL": "maybe"})
+
+
 def test_quantization_flag_and_environment() -> None:
     assert EngineConfig().quantization == parse([]).quantization == "int4"
     assert parse(["--quantization", "int8"]).quantization == "int8"

@@ -85,21 +85,39 @@ def library_path() -> Path:
                              check=False).stdout
     digest = hashlib.sha256()
     for part in (*(path.read_bytes() for path in SOURCES + HEADERS), " ".join(CFLAGS).encode(),
-                 version.encode(), _cpu_flags().encode()):
+                 " ".join(compiler).encode(), version.encode(), _cpu_flags().encode()):
         digest.update(part)
     return cache_dir() / f"llmesh_kernels-{digest.hexdigest()[:16]}.so"
 
 
-@functools.lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL:
     """Builds the kernels if this machine has no build of them yet, loads them
-    (once per process) and returns the library.
+    (once per process) and returns the library. A failure is remembered too
+    (one build attempt per process; ``load_library.cache_clear()`` forgets).
 
     Raises:
       NativeKernelUnavailable: not on Linux, no compiler, the cache folder is
         not writable, the build failed (with the compiler's message) or the
         library does not load.
     """
+    outcome = _load_once()
+    if isinstance(outcome, NativeKernelUnavailable):
+        raise NativeKernelUnavailable(str(outcome))
+    return outcome
+
+
+@functools.lru_cache(maxsize=1)
+def _load_once() -> ctypes.CDLL | NativeKernelUnavailable:
+    try:
+        return _load()
+    except NativeKernelUnavailable as exc:
+        return exc
+
+
+load_library.cache_clear = _load_once.cache_clear  # type: ignore[attr-defined]
+
+
+def _load() -> ctypes.CDLL:
     if os.name != "posix":
         raise NativeKernelUnavailable("the native kernels build on Linux only")
     target = library_path()
