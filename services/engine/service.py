@@ -220,15 +220,15 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
 
 
 def to_response(delta: TokenDelta) -> engine_pb2.EngineServiceGenerateResponse:
-    """The protobuf message of ``delta`` (usage only on the last one)."""
-    response = engine_pb2.EngineServiceGenerateResponse(
+    """The protobuf message of ``delta``, with the running token counts on every
+    message (the router needs ``cached_prompt_tokens`` even when it ends the
+    sequence itself, on a stop string, before the engine's last message)."""
+    return engine_pb2.EngineServiceGenerateResponse(
         request_id=delta.request_id, token_ids=delta.token_ids,
-        finish_reason=int(delta.finish_reason))
-    if delta.finished:
-        response.usage.CopyFrom(common_pb2.Usage(
+        finish_reason=int(delta.finish_reason),
+        usage=common_pb2.Usage(
             prompt_tokens=delta.num_prompt_tokens, completion_tokens=delta.num_generated_tokens,
             cached_prompt_tokens=delta.num_cached_tokens))
-    return response
 
 
 def to_model_info_response(info: ModelInfo) -> engine_pb2.GetModelInfoResponse:

@@ -131,9 +131,12 @@ class ChatPrompt:
 
 @dataclass(frozen=True)
 class EngineDelta:
-    """One engine message: ids since the previous one; on the last, why and usage.
+    """One engine message: ids since the previous one; on the last, why.
 
-    ``finish_reason`` is None on every message but the last.
+    ``finish_reason`` is None on every message but the last. ``usage`` holds
+    the engine's running counts (None from an engine that sends them only on
+    the last message); its ``cached_prompt_tokens`` is known from the first
+    message on.
     """
 
     token_ids: tuple[int, ...]
@@ -234,26 +237,43 @@ async def wait_until_serving(
 # Tokenizer.
 
 
+@dataclass(frozen=True)
+class DetokenizedText:
+    """The text a ``Detokenize`` message made final.
+
+    Attributes:
+      text: the new text (never a partial UTF-8 character; may be "").
+      token_text_ends: only when the session asked for them: for each id sent,
+        how many leading code points of ``text`` were final once that id had
+        been added (non-decreasing, the last equals ``len(text)``); else ().
+    """
+
+    text: str
+    token_text_ends: tuple[int, ...] = ()
+
+
 class DetokenizeSession:
     """One request's incremental detokenization stream (``Detokenize``).
 
     Feed ids as the engine produces them; each :meth:`feed` returns the text
-    those ids made final (never a partial UTF-8 character; may be ""). Call
-    :meth:`flush` once at the end for the held-back rest, and :meth:`close`
-    in a ``finally`` (it cancels the stream if it is still open).
+    those ids made final. Call :meth:`flush` once at the end for the
+    held-back rest, and :meth:`close` in a ``finally`` (it cancels the stream
+    if it is still open).
     """
 
     def __init__(self, call: grpc.aio.StreamStreamCall, target: str,
-                 skip_special_tokens: bool) -> None:
+                 skip_special_tokens: bool, token_text_ends: bool = False) -> None:
         self._call = call
         self._target = target
         self._skip_special_tokens = skip_special_tokens
+        self._token_text_ends = token_text_ends
         self._first = True
         self._closed = False
 
-    async def _exchange(self, request: tokenizer_pb2.DetokenizeRequest) -> str:
+    async def _exchange(self, request: tokenizer_pb2.DetokenizeRequest) -> DetokenizedText:
         if self._first:
             request.skip_special_tokens = self._skip_special_tokens
+            request.token_text_ends = self._token_text_ends
             self._first = False
         try:
             await self._call.write(request)
@@ -270,13 +290,13 @@ class DetokenizeSession:
         if reply is grpc.aio.EOF:
             raise UpstreamError("tokenizer", self._target, grpc.StatusCode.INTERNAL,
                                 "Detokenize stream ended before answering")
-        return reply.text
+        return DetokenizedText(reply.text, tuple(reply.token_text_ends))
 
-    async def feed(self, token_ids: Sequence[int]) -> str:
+    async def feed(self, token_ids: Sequence[int]) -> DetokenizedText:
         """Sends the next ids; returns the text they made final."""
         return await self._exchange(tokenizer_pb2.DetokenizeRequest(token_ids=list(token_ids)))
 
-    async def flush(self, token_ids: Sequence[int] = ()) -> str:
+    async def flush(self, token_ids: Sequence[int] = ()) -> DetokenizedText:
         """Ends the sequence: sends the last ``token_ids`` (if any) with ``flush``
         in one message and returns all the text still due; closes the stream."""
         text = await self._exchange(
@@ -361,11 +381,13 @@ class TokenizerClient:
         return ChatPrompt(tuple(reply.token_ids), reply.num_dropped_messages)
 
     def detokenize(self, *, request_id: str, deadline: float | None,
-                   skip_special_tokens: bool = True) -> DetokenizeSession:
-        """Opens a ``Detokenize`` stream for one request (no round trip yet)."""
+                   skip_special_tokens: bool = True,
+                   token_text_ends: bool = False) -> DetokenizeSession:
+        """Opens a ``Detokenize`` stream for one request (no round trip yet);
+        ``token_text_ends``: ask for per-id text ends (see :class:`DetokenizedText`)."""
         call = self._stub.Detokenize(timeout=timeout_until(deadline),
                                      metadata=request_id_metadata(request_id))
-        return DetokenizeSession(call, self.target, skip_special_tokens)
+        return DetokenizeSession(call, self.target, skip_special_tokens, token_text_ends)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -405,11 +427,11 @@ class EngineStream:
             raise UpstreamError("engine", self.target, grpc.StatusCode.INTERNAL,
                                 "Generate stream ended without a finish reason")
         finish = _finish_reason(reply.finish_reason) if reply.finish_reason else None
-        usage = None
         if finish is not None:
             self._finished = True
-            usage = Usage(reply.usage.prompt_tokens, reply.usage.completion_tokens,
-                          reply.usage.cached_prompt_tokens)
+        usage = (Usage(reply.usage.prompt_tokens, reply.usage.completion_tokens,
+                       reply.usage.cached_prompt_tokens)
+                 if reply.HasField("usage") else None)
         return EngineDelta(tuple(reply.token_ids), finish, usage)
 
     async def cancel(self) -> None:

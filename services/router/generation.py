@@ -49,6 +49,7 @@ from services.router.clients import (
     CacheClient,
     CacheKey,
     CachedResponse,
+    DetokenizedText,
     EngineClient,
     EngineDelta,
     EngineStream,
@@ -84,7 +85,10 @@ class Finished:
       reason: STOP (EOS, stop token or stop string), LENGTH (max_tokens or the
         context window), CANCELLED (the engine cancelled it).
       matched_stop: the stop string that ended it, or "".
-      usage: prompt and completion token counts.
+      usage: prompt and completion token counts; ``completion_tokens`` and the
+        ids end at the token that completed a stop string, and
+        ``cached_prompt_tokens`` is what the engine reused from its prefix
+        cache (a replay: every prompt token).
       cached: True when replayed from the response cache.
     """
 
@@ -113,9 +117,10 @@ class Progress:
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
 
     def usage(self) -> Usage:
-        return Usage(self.prompt_tokens, self.completion_tokens)
+        return Usage(self.prompt_tokens, self.completion_tokens, self.cached_prompt_tokens)
 
 
 @dataclass
@@ -134,12 +139,23 @@ class _Timing:
         return None if self.first_token_at is None else self.first_token_at - self.received_at
 
 
-def upstream_to_generation_error(err: UpstreamError) -> GenerationError:
-    """The client-facing status for an upstream failure."""
+def upstream_to_generation_error(err: UpstreamError, *,
+                                 completion_tokens: int = 0) -> GenerationError:
+    """The client-facing status for an upstream failure.
+
+    Args:
+      completion_tokens: tokens already streamed to the client; a deadline that
+        passes after some says the answer was cut, not that nothing came.
+    """
     where = f"{err.service} at {err.target}"
     code = err.code
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return GenerationError(code, f"deadline exceeded waiting for the {err.service}")
+        if completion_tokens:
+            return GenerationError(code, (
+                f"the call's deadline passed after {completion_tokens} generated tokens: the "
+                "answer is incomplete; allow a longer deadline or ask for fewer max_tokens"))
+        return GenerationError(code, f"deadline exceeded waiting for the {err.service} "
+                               "(before the first token)")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return GenerationError(grpc.StatusCode.UNAVAILABLE,
                                f"{where} is unavailable: {err.details}")
@@ -246,7 +262,8 @@ class GenerationPipeline:
             info.update(error=err.message)
             raise
         except UpstreamError as err:
-            mapped = upstream_to_generation_error(err)
+            mapped = upstream_to_generation_error(
+                err, completion_tokens=progress.completion_tokens)
             outcome = mapped.code.name.lower()
             info.update(error=mapped.message)
             raise mapped from err
@@ -318,6 +335,9 @@ class GenerationPipeline:
     async def _replay(self, hit: CachedResponse, progress: Progress,
                       timing: _Timing) -> AsyncIterator[Event]:
         progress.completion_tokens = len(hit.token_ids)
+        # Nothing was prefilled: the whole prompt counts as cached, and ``cached``
+        # tells a replay from an engine run that reused every prompt block.
+        progress.cached_prompt_tokens = progress.prompt_tokens
         self._token_time(timing)
         yield Delta(hit.text, hit.token_ids)
         yield Finished(hit.finish_reason, hit.matched_stop, progress.usage(), cached=True)
@@ -380,8 +400,12 @@ class GenerationPipeline:
         engine, stream, delta = await self._open_engine(
             request, prompt_ids, sampling, deadline, timing)
         info.update(engine=engine.target)
-        detok = self.tokenizer.detokenize(request_id=request.request_id, deadline=deadline)
         matcher = StopStringMatcher(sampling.stop)
+        # With stop strings, the tokenizer says which id made which text final, so
+        # that a stop completed inside a run of several ids (speculative decoding)
+        # cuts ids and usage at the id that completed it.
+        detok = self.tokenizer.detokenize(request_id=request.request_id, deadline=deadline,
+                                          token_text_ends=bool(matcher.stops))
         # A stop token id (or EOS, unless ignored) ends the sequence, so it can only be
         # the last id; it counts in usage but its text is never returned.
         eos = () if sampling.ignore_eos else self.models[request.model].eos_token_ids
@@ -392,21 +416,29 @@ class GenerationPipeline:
         try:
             while True:
                 ids = delta.token_ids
-                progress.completion_tokens += len(ids)
-                visible = [i for i in ids if i not in hidden_ids] if hidden_ids else ids
+                if delta.usage is not None:
+                    progress.cached_prompt_tokens = delta.usage.cached_prompt_tokens
+                shown = ([p for p, i in enumerate(ids) if i not in hidden_ids] if hidden_ids
+                         else range(len(ids)))
+                visible = [ids[p] for p in shown]
                 last = delta.finish_reason is not None
                 if last:
-                    text = await detok.flush(visible)
+                    chunk = await detok.flush(visible)
                 else:
-                    text = await detok.feed(visible) if visible else ""
-                safe, stop = matcher.feed(text)
+                    chunk = await detok.feed(visible) if visible else DetokenizedText("")
+                safe, stop = matcher.feed(chunk.text)
                 if stop is not None:
                     await stream.cancel()  # the engine frees the sequence at once
+                    ids = _ids_through_stop(ids, shown, chunk.token_text_ends,
+                                            matcher.match_end)
+                    progress.completion_tokens += len(ids)
                     finished = Finished(FinishReason.STOP, stop, progress.usage())
                 elif last:
+                    progress.completion_tokens += len(ids)
                     safe += matcher.flush()
                     finished = self._engine_finished(delta, progress)
                 else:
+                    progress.completion_tokens += len(ids)
                     finished = None
                 if keep_output:
                     out_text.append(safe)
@@ -441,9 +473,7 @@ class GenerationPipeline:
         if usage is not None and usage.completion_tokens:
             # The engine's count is authoritative (it knows what it generated).
             progress.completion_tokens = usage.completion_tokens
-        cached_prompt = usage.cached_prompt_tokens if usage is not None else 0
-        return Finished(reason, "", Usage(progress.prompt_tokens, progress.completion_tokens,
-                                          cached_prompt))
+        return Finished(reason, "", progress.usage())
 
     # ------------------------------------------------------------ helpers
 
@@ -495,6 +525,26 @@ class GenerationPipeline:
                           else [dataclasses.asdict(m) for m in request.messages or ()],
                           output=output)
         log.info("request_finished", **fields)
+
+
+def _ids_through_stop(ids: tuple[int, ...], shown: Sequence[int],
+                      text_ends: Sequence[int], match_end: int | None) -> tuple[int, ...]:
+    """The leading ``ids`` up to and including the one that completed a stop string.
+
+    Args:
+      ids: the engine message's ids.
+      shown: positions in ``ids`` of the ids that were detokenized, in order.
+      text_ends: per detokenized id, the code points of the message's text
+        final after it (:class:`DetokenizedText`); () when the tokenizer gave
+        none (then every id is kept, as before).
+      match_end: code points of the message's text through the stop's end.
+    """
+    if match_end is None:
+        return ids
+    for position, end in zip(shown, text_ends):
+        if end >= match_end:
+            return ids[:position + 1]
+    return ids
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -53,6 +53,7 @@ class StopStringMatcher:
         self._max_hold = max((len(s) for s in self._stops), default=1) - 1
         self._held = ""
         self._matched: str | None = None
+        self._match_end: int | None = None
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -68,6 +69,18 @@ class StopStringMatcher:
     def matched(self) -> str | None:
         """The stop string that ended the text, or None while none has."""
         return self._matched
+
+    @property
+    def match_end(self) -> int | None:
+        """After a match: how many leading code points of the delta that
+        completed it run through the stop string's last character (>= 1).
+
+        The router maps it to the token that completed the stop string (see
+        :class:`services.router.clients.DetokenizedText`), so that ids and
+        usage end there even when one engine message carried several tokens.
+        None while nothing matched.
+        """
+        return self._match_end
 
     def feed(self, delta: str) -> tuple[str, str | None]:
         """Adds ``delta`` to the text.
@@ -86,6 +99,9 @@ class StopStringMatcher:
         found = self._first_match(pending)
         if found is not None:
             start, stop = found
+            # The held text holds no whole stop (it would have matched), so the
+            # stop ends inside this delta.
+            self._match_end = start + len(stop) - len(self._held)
             self._held = ""
             self._matched = stop
             return pending[:start], stop

@@ -103,6 +103,36 @@ class IncrementalDetokenizer:
         self._ids.extend(token_ids)
         return self._advance(final=False)
 
+    def add_with_ends(self, token_ids: Sequence[int], *,
+                      flush: bool = False) -> tuple[str, list[int]]:
+        """Feeds the ids one at a time and says which id made which text final.
+
+        Returns:
+          ``(text, ends)``: ``text`` as :meth:`add` (then :meth:`flush`, when
+          ``flush``) would return it; ``ends[i]`` is how many leading code
+          points of ``text`` were final once ``token_ids[i]`` had been added
+          (non-decreasing; ``ends[-1] == len(text)``: text released by the
+          flush counts for the last id). The caller uses it to find the id
+          that completed a stop string inside a chunk of several ids.
+
+        Costs one decode per id instead of one per chunk, so callers ask for
+        it only when they need it (requests with stop strings).
+        """
+        parts: list[str] = []
+        ends: list[int] = []
+        length = 0
+        for token_id in token_ids:
+            piece = self.add((token_id,))
+            parts.append(piece)
+            length += len(piece)
+            ends.append(length)
+        if flush:
+            rest = self.flush()
+            parts.append(rest)
+            if ends:
+                ends[-1] += len(rest)
+        return "".join(parts), ends
+
     def flush(self) -> str:
         """Ends the sequence: returns all text still held back (incomplete
         bytes as U+FFFD) and resets, so the next :meth:`add` starts a new sequence."""

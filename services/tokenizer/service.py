@@ -14,7 +14,9 @@ Calls and their gRPC statuses:
 * ``Detokenize`` (bidi): one stream per generated sequence. One response per
   request message, carrying the text that the ids so far made final (see
   :class:`IncrementalDetokenizer`); never half a UTF-8 character.
-  ``skip_special_tokens`` is read from the first message only. A message with
+  ``skip_special_tokens`` and ``token_text_ends`` are read from the first
+  message only; with ``token_text_ends`` each response also says, per id,
+  how much of its text was final after that id. A message with
   ``flush`` also returns the held-back text and ends the sequence: a later
   message on the same stream starts a new sequence (same
   ``skip_special_tokens``). INVALID_ARGUMENT (ending the stream) for an id
@@ -303,6 +305,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self._metrics.detokenize_streams.inc()
         tokens = self._tokens["Detokenize"]
         detok: IncrementalDetokenizer | None = None
+        want_ends = False
         opened = started
         num_messages = num_tokens = 0
         outcome = "cancelled"  # unless the stream ends otherwise
@@ -313,10 +316,14 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 try:
                     if detok is None:
                         detok = IncrementalDetokenizer(tok, request.skip_special_tokens)
+                        want_ends = request.token_text_ends
                     tok.check_token_ids(ids)
-                    text = detok.add(ids)
-                    if request.flush:
-                        text += detok.flush()
+                    if want_ends:
+                        text, ends = detok.add_with_ends(ids, flush=request.flush)
+                    else:
+                        text, ends = detok.add(ids), []
+                        if request.flush:
+                            text += detok.flush()
                 except Exception as err:  # mapped to a status; ends this stream only
                     outcome = _status_of(err).name.lower()
                     await self._abort("Detokenize", context, err, started)
@@ -325,7 +332,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 num_messages += 1
                 num_tokens += len(ids)
                 self._record("Detokenize", grpc.StatusCode.OK, started)
-                yield tokenizer_pb2.DetokenizeResponse(text=text)
+                yield tokenizer_pb2.DetokenizeResponse(text=text, token_text_ends=ends)
             outcome = "ok"
         finally:
             self._metrics.detokenize_streams.dec()

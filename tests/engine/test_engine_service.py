@@ -63,7 +63,11 @@ async def test_streams_tokens_as_steps_end(engine_stub: Stub) -> None:
     assert len(responses) >= 2  # streamed, not one blob
     assert all(r.request_id == "stream-1" for r in responses)
     assert all(r.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
-    assert not any(r.HasField("usage") for r in responses[:-1])
+    # Every message carries the running counts (the router needs the cached
+    # prompt tokens even when it ends a sequence on a stop string itself).
+    running = [len(tokens_of(responses[:n + 1])) for n in range(len(responses))]
+    assert [r.usage.completion_tokens for r in responses] == running
+    assert len({r.usage.cached_prompt_tokens for r in responses}) == 1
     last = responses[-1]
     assert last.finish_reason == common_pb2.FINISH_REASON_STOP
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(CHAT),

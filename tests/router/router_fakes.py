@@ -9,7 +9,8 @@ no model.
   ``<role>content\\n`` per message plus ``<assistant>`` as generation prompt;
   the oldest non-system messages are dropped to fit ``max_prompt_tokens``. The
   detokenizer holds back the last character until the next message (or flush),
-  like a real one holding back an incomplete character.
+  like a real one holding back an incomplete character; asked for
+  ``token_text_ends``, it says after which id each character became final.
 * Engine: generates ``reply`` (one token per character, ``tokens_per_step``
   per message, ``step_delay`` seconds apart), then EOS with FINISH_REASON_STOP,
   or stops with LENGTH at ``max_tokens``; honours ``cancel`` and stop token ids.
@@ -37,6 +38,8 @@ from llmesh.v1 import (
 
 EOS = 0
 VOCAB = 0x110000
+#: Prompt tokens the fake engine says it found in its prefix cache.
+CACHED_PROMPT_TOKENS = 3
 
 
 def encode(text: str) -> list[int]:
@@ -77,18 +80,28 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self.detokenize_streams += 1
         held = ""
         skip = True
+        want_ends = False
         first = True
         try:
             async for request in request_iterator:
                 if first:
                     skip = request.skip_special_tokens
+                    want_ends = request.token_text_ends
                     first = False
+                held_before = len(held)
                 held += decode(request.token_ids, skip)
                 if request.flush:
                     text, held = held, ""
                 else:
                     text, held = held[:-1], held[-1:]
-                yield tokenizer_pb2.DetokenizeResponse(text=text)
+                ends = []
+                if want_ends:  # what was final after each id: all but the last character
+                    pending = held_before
+                    for n, token in enumerate(request.token_ids):
+                        pending += len(decode([token], skip))
+                        ends.append(len(text) if request.flush and n == len(request.token_ids) - 1
+                                    else min(max(pending - 1, 0), len(text)))
+                yield tokenizer_pb2.DetokenizeResponse(text=text, token_text_ends=ends)
         finally:
             self.detokenize_closed += 1
 
@@ -170,12 +183,13 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
                         break
                 if self.finish_with_error and reason:
                     reason = common_pb2.FINISH_REASON_ERROR
+                # Running counts on every message, as the real engine sends them.
                 response = engine_pb2.EngineServiceGenerateResponse(
-                    request_id=start.request_id, token_ids=step, finish_reason=reason)
+                    request_id=start.request_id, token_ids=step, finish_reason=reason,
+                    usage=common_pb2.Usage(prompt_tokens=len(start.prompt_token_ids),
+                                           completion_tokens=done,
+                                           cached_prompt_tokens=CACHED_PROMPT_TOKENS))
                 if reason:
-                    response.usage.CopyFrom(common_pb2.Usage(
-                        prompt_tokens=len(start.prompt_token_ids), completion_tokens=done,
-                        cached_prompt_tokens=3))
                     ended = "finished"
                     yield response
                     return

@@ -27,6 +27,7 @@ from services.router.metrics import RouterMetrics
 from services.router.service import RouterConfig, RouterService
 from services.router.validation import validate_request
 from tests.router.router_fakes import (
+    CACHED_PROMPT_TOKENS,
     EOS,
     FakeCache,
     FakeEngine,
@@ -191,6 +192,37 @@ async def test_stop_string_split_over_many_tokens_per_step():
     assert responses[-1].matched_stop == "of Fr"
 
 
+@pytest.mark.parametrize("tokens_per_step", [1, 3, 8, 16])
+async def test_a_stop_string_inside_a_multi_token_step_ends_ids_usage_and_cache_there(
+        tokens_per_step):
+    """Speculative decoding delivers several ids per message: ids, usage, the
+    router's token counter and the stored cache entry must end at the id that
+    completed the stop string, as with one id per message."""
+    async with make_mesh() as mesh:
+        mesh.engines[0].tokens_per_step = tokens_per_step
+        responses = await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+            prompt="q", sampling=greedy(stop=["the"]))))
+        await wait_for(lambda: mesh.cache.puts == 1)
+        stored = next(iter(mesh.cache.store.values()))
+        generated = mesh.metric("llmesh:generation_tokens_total", model_name="fake-model")
+    # The fake detokenizer makes the "e" of "the" final only with the next id.
+    through_stop = encode("Paris is the ")
+    ids = [i for r in responses for i in r.token_ids]
+    assert text_of(responses) == "Paris is "
+    assert ids == through_stop
+    assert responses[-1].usage.completion_tokens == len(through_stop) == generated
+    assert list(stored.token_ids) == through_stop
+    assert stored.text == "Paris is "
+
+
+async def test_cached_prompt_tokens_are_reported_when_a_stop_string_ends_it():
+    async with make_mesh(cache=False) as mesh:
+        responses = await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+            prompt="q", sampling=greedy(stop=["the"]))))
+    assert responses[-1].matched_stop == "the"
+    assert responses[-1].usage.cached_prompt_tokens == CACHED_PROMPT_TOKENS
+
+
 async def test_stop_token_id_text_is_not_returned():
     async with make_mesh() as mesh:
         responses = await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
@@ -311,6 +343,10 @@ async def test_deterministic_answer_is_cached_and_replayed():
     assert second[-1].finish_reason == STOP
     assert second[-1].usage.completion_tokens == len("Paris is the capital of France.")
     assert [i for r in second for i in r.token_ids] == [i for r in first for i in r.token_ids]
+    # A replay prefilled nothing: every prompt token counts as cached (``cached``
+    # tells it from an engine run); the engine's own run reported its reuse.
+    assert first[-1].usage.cached_prompt_tokens == CACHED_PROMPT_TOKENS
+    assert second[-1].usage.cached_prompt_tokens == second[-1].usage.prompt_tokens == 1
 
 
 async def test_bypass_cache_skips_the_lookup_but_stores_the_answer():
@@ -450,8 +486,21 @@ async def test_deadline_is_passed_on_and_honoured():
                                              timeout=0.5))
         await wait_for(lambda: engine.log.ended == ["dropped"], timeout=2)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # Tokens had streamed: the message says the answer was cut, not that none came.
+    assert "after" in info.value.details() and "generated tokens" in info.value.details()
+    assert "waiting for the engine" not in info.value.details()
     # the engine got the time the client had left (the wire format rounds up a little)
     assert engine.log.deadlines[0] is not None and 0 < engine.log.deadlines[0] <= 0.52
+
+
+async def test_a_deadline_before_the_first_token_says_so():
+    async with make_mesh() as mesh:
+        mesh.engines[0].first_delay = 1.0
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="q"),
+                                             timeout=0.4))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "before the first token" in info.value.details()
 
 
 async def test_draining_router_refuses_new_requests():

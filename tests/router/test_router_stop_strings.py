@@ -128,3 +128,16 @@ def test_empty_and_duplicate_stops_are_ignored():
     matcher = StopStringMatcher(["", "x", "x"])
     assert matcher.stops == ("x",)
     assert matcher.feed("abxc") == ("ab", "x")
+
+
+def test_match_end_counts_the_completing_delta_through_the_stop():
+    """``match_end`` is in the coordinates of the delta that completed the stop,
+    whatever part of the stop was held back from earlier deltas."""
+    matcher = StopStringMatcher(["User:"])
+    assert matcher.match_end is None
+    assert matcher.feed("Hi Us") == ("Hi ", None)
+    assert matcher.feed("er: more") == ("", "User:")
+    assert matcher.match_end == len("er:")
+    whole = StopStringMatcher(["b,"])
+    assert whole.feed("a, b, c, d") == ("a, ", "b,")
+    assert whole.match_end == len("a, b,")

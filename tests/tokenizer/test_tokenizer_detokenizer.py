@@ -163,3 +163,43 @@ def test_garbage_bytes_are_emitted_and_never_grow_the_window(
         out.append(detok.flush())
         assert sum(1 for d in out if d) > 10  # emitted along the way, not all at the end
         assert "\ufffd" in "".join(out)
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@_SETTINGS
+@given(text=HARD_TEXTS, data=st.data())
+def test_token_text_ends_say_which_id_made_which_text_final(
+        name: str, text: str, data: st.DataObject, request: pytest.FixtureRequest) -> None:
+    """``add_with_ends`` returns what ``add`` (+ ``flush``) returns, and for each
+    id the length of the text that one-id-at-a-time streaming had made final
+    by then: what the router needs to cut ids at the id completing a stop."""
+    tok: Tokenizer = request.getfixturevalue(name)
+    ids = tok.encode(text, add_special_tokens=True)
+    chunks = _draw_chunks(data, ids)
+    plain = _stream(tok, chunks)
+    one_by_one = IncrementalDetokenizer(tok)
+    final_after = []  # code points final after each id, counted from the start
+    total = 0
+    for token in ids:
+        total += len(one_by_one.add([token]))
+        final_after.append(total)
+    detok = IncrementalDetokenizer(tok)
+    texts, offset = [], 0
+    for n, chunk in enumerate(chunks):
+        chunk_text, ends = detok.add_with_ends(chunk, flush=n == len(chunks) - 1)
+        texts.append(chunk_text)
+        assert len(ends) == len(chunk)
+        assert ends == sorted(ends) and (not ends or ends[-1] == len(chunk_text))
+        start = sum(len(c) for c in chunks[:n])
+        for i, end in enumerate(ends[:-1] if n == len(chunks) - 1 else ends):
+            assert offset + end == final_after[start + i]
+        offset += len(chunk_text)
+    assert "".join(texts) == "".join(plain)
+
+
+def test_token_text_ends_hold_a_split_character_until_its_last_byte(smollm: Tokenizer) -> None:
+    ids = smollm.encode("a😀")
+    assert len(ids) >= 3  # the emoji's bytes span several ids
+    text, ends = IncrementalDetokenizer(smollm).add_with_ends(ids)
+    assert text == "a😀"
+    assert ends == [1] * (len(ids) - 1) + [2]

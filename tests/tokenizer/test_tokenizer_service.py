@@ -87,6 +87,23 @@ def test_skip_special_tokens_is_read_from_the_first_message(smollm_client: Clien
         "Hi", "<|im_end|>", ""]
 
 
+def test_token_text_ends_are_sent_only_when_the_first_message_asks(
+        smollm_client: Client) -> None:
+    ids = smollm_client.tokenize("Hi 😀 there")
+    def run(ask: bool):
+        requests = [tokenizer_pb2.DetokenizeRequest(token_ids=ids[:3], token_text_ends=ask),
+                    tokenizer_pb2.DetokenizeRequest(token_ids=ids[3:], flush=True)]
+        return [(r.text, list(r.token_text_ends))
+                for r in smollm_client.stub.Detokenize(iter(requests))]
+    asked = run(True)
+    assert [text for text, _ in asked] == [text for text, _ in run(False)]
+    assert all(not ends for _, ends in run(False))
+    assert "".join(text for text, _ in asked) == "Hi 😀 there"
+    for text, ends in asked:
+        assert ends == sorted(ends) and ends[-1] == len(text)
+    assert [len(ends) for _, ends in asked] == [3, len(ids) - 3]
+
+
 def test_flush_emits_held_text_and_starts_a_new_sequence(smollm_client: Client) -> None:
     emoji = smollm_client.tokenize("😀")  # three ids, one character
     requests = [

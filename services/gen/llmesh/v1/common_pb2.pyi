@@ -260,9 +260,15 @@ class Usage(_message.Message):
     prompt_tokens: _builtins.int
     """Tokens in the prompt after the chat template was applied."""
     completion_tokens: _builtins.int
-    """Tokens generated, including a final stop token."""
+    """Tokens generated, including a final stop token. A stop string ends the
+    count at the token that completed it, even when the engine computed
+    more in the same step (speculative decoding).
+    """
     cached_prompt_tokens: _builtins.int
-    """Prompt tokens whose KV cache was reused from an earlier request."""
+    """Prompt tokens whose KV cache was reused from an earlier request (the
+    engine's prefix cache). An answer replayed from the response cache
+    (`GenerateResponse.cached`) prefilled nothing: all its prompt tokens.
+    """
     def __init__(
         self,
         *,

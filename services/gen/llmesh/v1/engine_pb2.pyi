@@ -121,7 +121,9 @@ class EngineServiceGenerateResponse(_message.Message):
 
     @_builtins.property
     def usage(self) -> _common_pb2.Usage:
-        """On the last message: token counts."""
+        """Running token counts on every message (final on the last one);
+        `cached_prompt_tokens` is known from the first message on.
+        """
 
     def __init__(
         self,

@@ -126,10 +126,15 @@ class GenerateResponse(_message.Message):
     matched_stop: _builtins.str
     """On the last message: the stop string that ended the generation, if any."""
     cached: _builtins.bool
-    """True when the answer was replayed from the response cache."""
+    """True when the answer was replayed from the response cache (then
+    `usage.cached_prompt_tokens` equals `usage.prompt_tokens`: nothing was
+    computed).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Token ids generated since the previous message."""
+        """Token ids generated since the previous message. After a stop string,
+        none past the token that completed it.
+        """
 
     @_builtins.property
     def usage(self) -> _common_pb2.Usage:

@@ -126,12 +126,20 @@ class DetokenizeRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     FLUSH_FIELD_NUMBER: _builtins.int
+    TOKEN_TEXT_ENDS_FIELD_NUMBER: _builtins.int
     skip_special_tokens: _builtins.bool
     """Leave special tokens (EOS, chat markers) out of the text. Read from the
     first message of the stream.
     """
     flush: _builtins.bool
     """Emit whatever text is held back (end of sequence)."""
+    token_text_ends: _builtins.bool
+    """Answer with `token_text_ends` (one per id) on every response. Read from
+    the first message of the stream. The router asks for it when it matches
+    stop strings, so that it can cut ids and usage at the token that
+    completed a stop string even when one message carries several ids
+    (speculative decoding).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Next token ids of the sequence."""
@@ -142,10 +150,11 @@ class DetokenizeRequest(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         skip_special_tokens: _builtins.bool = ...,
         flush: _builtins.bool = ...,
+        token_text_ends: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["flush", b"flush", "skip_special_tokens", b"skip_special_tokens", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["flush", b"flush", "skip_special_tokens", b"skip_special_tokens", "token_ids", b"token_ids", "token_text_ends", b"token_text_ends"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -156,16 +165,27 @@ class DetokenizeResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TEXT_FIELD_NUMBER: _builtins.int
+    TOKEN_TEXT_ENDS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text made final by the ids received so far (may be empty)."""
+    @_builtins.property
+    def token_text_ends(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Only when the stream asked for `token_text_ends`: for each id of the
+        request, in order, how many leading Unicode code points of `text` were
+        final once that id had been added (non-decreasing; the last equals the
+        length of `text`, held-back text released by `flush` counting for the
+        last id). Empty for a request without ids.
+        """
+
     def __init__(
         self,
         *,
         text: _builtins.str = ...,
+        token_text_ends: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["text", b"text", "token_text_ends", b"token_text_ends"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
