@@ -69,8 +69,9 @@ class Service(Protocol):
 
 #: The optional ``Service`` method ``count_unparsable_request(method: str) -> None``:
 #: called with the full method name (``/llmesh.v1.GenerationService/Generate``)
-#: for each request the server refused because its bytes did not parse (the
-#: handler never saw it), e.g. to count it with the service's other refusals.
+#: for each request (or request-stream message) the server refused because its
+#: bytes did not parse (no handler saw them), e.g. to count it with the
+#: service's other refusals.
 UNPARSABLE_HOOK = "count_unparsable_request"
 
 
@@ -161,8 +162,8 @@ def _start_metrics(config: ServerConfig) -> int:
 def make_server(service: Service) -> grpc.aio.Server:
     """The ``grpc.aio`` server a service runs on, with ``service`` registered:
     the kit's :data:`SERVER_OPTIONS` and the :class:`RequestGuard` (reporting to
-    the service's :data:`UNPARSABLE_HOOK` method where it has one). Tests that
-    serve a service in process build their server here too."""
+    the service's :data:`UNPARSABLE_HOOK` method where it has one). A test that
+    serves a service in process and checks the kit's behaviour builds it here."""
     guard = RequestGuard(on_refused=getattr(service, UNPARSABLE_HOOK, None))
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=(guard,))
     service.register(server)
