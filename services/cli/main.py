@@ -8,8 +8,8 @@
                          or an OpenAI-compatible server (``services.bench``).
 
 Exit codes: 0 ok; 1 the call or the mesh failed (message on stderr, with the
-gRPC status name); 2 bad usage or a port already in use; 130 interrupted
-``generate``.
+gRPC status name); 2 bad usage (an invalid ``LLMESH_PORT`` included) or a port
+already in use; 130 interrupted ``generate``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -57,6 +57,32 @@ def grpc_target(url: str) -> str:
     for scheme in ("http://", "grpc://"):
         url = url.removeprefix(scheme)
     return url.rstrip("/")
+
+
+_client_port = _ranged_int(1, 65535, "port")
+
+
+def mesh_address(url: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """The address ``llmesh generate`` / ``models`` call, ``host:port``: ``--url``
+    (``url``), else ``LLMESH_URL``, else ``127.0.0.1:$LLMESH_PORT`` (the port
+    ``llmesh up`` binds its ingress to), else :data:`DEFAULT_URL`.
+
+    Raises:
+      ValueError: ``LLMESH_PORT`` is used and is not a port in [1, 65535].
+    """
+    env = os.environ if environ is None else environ
+    if url:
+        return grpc_target(url)
+    if env.get("LLMESH_URL"):
+        return grpc_target(env["LLMESH_URL"])
+    port = env.get("LLMESH_PORT")
+    if not port:
+        return DEFAULT_URL
+    try:
+        return f"127.0.0.1:{_client_port(port)}"
+    except argparse.ArgumentTypeError as error:
+        raise ValueError(f"LLMESH_PORT: {error} (or give the mesh address with --url / "
+                         "LLMESH_URL)") from None
 
 
 def client_examples(address: str, question: str = EXAMPLE_QUESTION) -> list[str]:
@@ -203,6 +229,7 @@ def _request(args: argparse.Namespace):  # -> generation_pb2.GenerateRequest
             **{k: v for k, v in sampling.items() if v is not None}, stop=args.stop
         ),
         priority=common_pb2.PRIORITY_BATCH if args.batch else common_pb2.PRIORITY_INTERACTIVE,
+        bypass_cache=args.bypass_cache,
     )
     if args.raw:
         request.prompt = text
@@ -225,7 +252,19 @@ def _rpc_error(error: object, target: str) -> int:
     return 1
 
 
+#: The line under the summary of an answer replayed from the response cache.
+REPLAY_NOTE = ("llmesh: replayed from the response cache, not generated (no speed to "
+               "report); --bypass-cache generates it anew")
+
+
 def _summary(last, elapsed_s: float, ttft_s: float | None, chunks: int) -> str:
+    """The stats line ``llmesh generate`` prints on stderr: ``[key=value ...]``.
+
+    ``ttft_ms`` and ``tokens_per_s`` (completion tokens after the first over the
+    time after the first text: 1 / vLLM's TPOT) describe a generation; an
+    answer replayed from the response cache (``cached`` on the final message)
+    says ``response_cache=replay`` instead, and :data:`REPLAY_NOTE` follows.
+    """
     from llmesh.v1 import common_pb2
 
     reason = common_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_")
@@ -239,15 +278,26 @@ def _summary(last, elapsed_s: float, ttft_s: float | None, chunks: int) -> str:
     if last.matched_stop:
         parts.append(f"matched_stop={last.matched_stop!r}")
     if last.cached:
-        parts.append("response_cache=hit")
-    if ttft_s is not None:
+        parts.append("response_cache=replay")
+    elif ttft_s is not None:
         parts.append(f"ttft_ms={ttft_s * 1000:.0f}")
         decode_s = elapsed_s - ttft_s
         if usage.completion_tokens > 1 and decode_s > 0:
             parts.append(f"tokens_per_s={(usage.completion_tokens - 1) / decode_s:.1f}")
     parts.append(f"total_ms={elapsed_s * 1000:.0f}")
     parts.append(f"request_id={last.request_id}")
-    return "[" + " ".join(parts) + "]"
+    line = "[" + " ".join(parts) + "]"
+    return f"{line}\n{REPLAY_NOTE}" if last.cached else line
+
+
+def _target(args: argparse.Namespace) -> str | None:
+    """The mesh address for ``args`` (see :func:`mesh_address`); None after
+    printing why ``LLMESH_PORT`` cannot be used."""
+    try:
+        return mesh_address(args.url)
+    except ValueError as error:
+        print(f"llmesh: {error}", file=sys.stderr)
+        return None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -256,7 +306,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from llmesh.v1 import generation_pb2_grpc
 
-    target = grpc_target(args.url)
+    target = _target(args)
+    if target is None:
+        return 2
     request = _request(args)
     with grpc.insecure_channel(target) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
@@ -298,7 +350,9 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     from llmesh.v1 import generation_pb2, generation_pb2_grpc
 
-    target = grpc_target(args.url)
+    target = _target(args)
+    if target is None:
+        return 2
     with grpc.insecure_channel(target) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         try:
@@ -373,8 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Envoy: seconds a stream may stay silent (default: %(default)s)")
     up.set_defaults(func=cmd_up)
 
-    url_help = "mesh address host:port (env LLMESH_URL, default: %(default)s)"
-    default_url = os.environ.get("LLMESH_URL", DEFAULT_URL)
+    url_help = (f"mesh address host:port or http://host:port; without it: LLMESH_URL, "
+                f"else 127.0.0.1:LLMESH_PORT (as for `llmesh up`), else {DEFAULT_URL}")
     generate = commands.add_parser(
         "generate", help="stream a completion through Envoy",
         description="Streams a completion to stdout as it is generated; the finish reason, "
@@ -395,14 +449,17 @@ def build_parser() -> argparse.ArgumentParser:
                           help="stop string, repeatable")
     generate.add_argument("--batch", action="store_true",
                           help="send as batch (not interactive) traffic")
+    generate.add_argument("--bypass-cache", action="store_true",
+                          help="do not answer from the response cache: generate anew (a "
+                               "deterministic answer is still stored for the next call)")
     generate.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    generate.add_argument("--url", default=default_url, help=url_help)
+    generate.add_argument("--url", default=None, help=url_help)
     generate.set_defaults(func=cmd_generate)
 
     models = commands.add_parser("models", help="list the served models")
     models.add_argument("--json", action="store_true", help="print the reply as JSON")
     models.add_argument("--timeout", type=float, default=10.0, help="deadline in seconds")
-    models.add_argument("--url", default=default_url, help=url_help)
+    models.add_argument("--url", default=None, help=url_help)
     models.set_defaults(func=cmd_models)
 
     bench = commands.add_parser(

@@ -13,6 +13,12 @@ visible, the GPU gauges of :mod:`services.common.gpu_telemetry` (by default
 in the engine only: ``--gpu-telemetry`` / ``--no-gpu-telemetry``). The
 ``*_created`` series of counters and histograms are not exported.
 
+Every request that does not parse (a ``string`` field with invalid UTF-8, a
+corrupt wire format) ends INVALID_ARGUMENT naming the message and the field,
+logged once per interval at most (:mod:`services.common.request_guard`); a
+service that counts its requests learns of each through its optional
+:data:`UNPARSABLE_HOOK` method.
+
 The bound ports (``--port 0`` picks a free one) are logged as the event
 ``listening`` and, with ``--port-file``, written there as JSON so a launcher
 never has to guess a free port.
@@ -38,6 +44,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common.gpu_telemetry import register_gpu_telemetry
 from services.common.grpc_util import SERVER_OPTIONS
 from services.common.logging import configure_logging
+from services.common.request_guard import RequestGuard
 
 
 class Service(Protocol):
@@ -58,6 +65,14 @@ class Service(Protocol):
 
     async def close(self) -> None:
         """Releases resources after the server stopped."""
+
+
+#: The optional ``Service`` method ``count_unparsable_request(method: str) -> None``:
+#: called with the full method name (``/llmesh.v1.GenerationService/Generate``)
+#: for each request (or request-stream message) the server refused because its
+#: bytes did not parse (no handler saw them), e.g. to count it with the
+#: service's other refusals.
+UNPARSABLE_HOOK = "count_unparsable_request"
 
 
 @dataclass(frozen=True)
@@ -144,11 +159,21 @@ def _start_metrics(config: ServerConfig) -> int:
     return server.server_port
 
 
+def make_server(service: Service) -> grpc.aio.Server:
+    """The ``grpc.aio`` server a service runs on, with ``service`` registered:
+    the kit's :data:`SERVER_OPTIONS` and the :class:`RequestGuard` (reporting to
+    the service's :data:`UNPARSABLE_HOOK` method where it has one). A test that
+    serves a service in process and checks the kit's behaviour builds it here."""
+    guard = RequestGuard(on_refused=getattr(service, UNPARSABLE_HOOK, None))
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=(guard,))
+    service.register(server)
+    return server
+
+
 async def run_service(config: ServerConfig, service: Service) -> None:
     """Runs ``service`` until SIGTERM/SIGINT, then drains and returns."""
     log = configure_logging(config.name, config.log_level)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    service.register(server)
+    server = make_server(service)
     health = health_aio.HealthServicer()
     await _set_health(health, service.service_names, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

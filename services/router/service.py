@@ -7,6 +7,8 @@ binds the request id to logs and maps errors to gRPC statuses:
 
 * INVALID_ARGUMENT / OUT_OF_RANGE: a bad field; the message names it.
 * INVALID_ARGUMENT also for an unknown ``model``; the message lists the served ids.
+* INVALID_ARGUMENT also for bytes that do not parse (a string with invalid
+  UTF-8): the server kit refuses them, the router counts them.
 * FAILED_PRECONDITION: ``GenerateStream`` got a second ``start`` while a
   generation still runs on the stream (the stream ends; send ``cancel`` and
   wait for the final message, or wait for it, before the next ``start``).
@@ -284,6 +286,15 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         model = pb.model if pb.model in self.models else self.default_model
         self.metrics.observe_refused(model=model, outcome=code.name.lower(),
                                      priority=Priority.from_pb(pb.priority).name.lower())
+
+    def count_unparsable_request(self, method: str) -> None:
+        """Counts a generation request whose bytes did not parse (the server kit
+        refused it INVALID_ARGUMENT before a handler ran: see
+        :mod:`services.common.request_guard`); ``method`` is the full gRPC name."""
+        service = self.service_names[0]
+        if method in (f"/{service}/Generate", f"/{service}/GenerateStream"):
+            self._count_refused(generation_pb2.GenerateRequest(),
+                                grpc.StatusCode.INVALID_ARGUMENT)
 
     @staticmethod
     async def _abort(context: grpc.aio.ServicerContext, err: _Abort, request_id: str) -> None:

@@ -11,7 +11,9 @@ SIGTERM exactly like a real service. With ``--role router`` it also serves
   ``usage``. ``request_id`` is the id the call arrived with (Envoy's
   ``x-request-id`` when it came through Envoy). A prompt starting with
   ``sleep:S`` waits S seconds between words instead. The prompt ``fail`` ends
-  the call with INVALID_ARGUMENT.
+  the call with INVALID_ARGUMENT. A prompt starting with ``cacheable:`` is
+  remembered: asked again without ``bypass_cache``, it is replayed at once
+  with ``cached: true`` on the final message (the router's response cache).
 * ``ListModels`` returns one model, ``fake-model``.
 
 Every other flag it is given (``--tokenizer``, ``--engine``, ``--model-path``,
@@ -49,6 +51,7 @@ class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
 
     def __init__(self, delay: float) -> None:
         self._delay = delay
+        self._answered: set[str] = set()
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC name)
         if request.WhichOneof("input") == "chat":
@@ -57,7 +60,11 @@ class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
             text = request.prompt
         if text == "fail":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: fail was asked for")
-        delay = self._delay
+        cacheable = text.startswith("cacheable:")
+        replay = cacheable and text in self._answered and not request.bypass_cache
+        if cacheable:
+            self._answered.add(text)
+        delay = 0.0 if replay else self._delay
         if text.startswith("sleep:"):
             head, _, text = text.partition(" ")
             delay = float(head.removeprefix("sleep:"))
@@ -80,6 +87,7 @@ class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
             request_id=request_id,
             finish_reason=finish,
             usage=common_pb2.Usage(prompt_tokens=len(words), completion_tokens=len(emitted)),
+            cached=replay,
         )
 
     async def ListModels(self, request, context):  # noqa: N802

@@ -50,10 +50,76 @@ def test_url_and_ports_come_from_the_environment(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("LLMESH_PORT", "18080")
     monkeypatch.setenv("LLMESH_ADMIN_PORT", "19901")
     parser = cli.build_parser()
-    assert parser.parse_args(["generate", "x"]).url == "10.0.0.1:1234"
-    assert parser.parse_args(["models"]).url == "10.0.0.1:1234"
+    assert cli.mesh_address(parser.parse_args(["generate", "x"]).url) == "10.0.0.1:1234"
+    assert cli.mesh_address(parser.parse_args(["models"]).url) == "10.0.0.1:1234"
     up = parser.parse_args(["up"])
     assert (up.port, up.admin_port, up.host) == (18080, 19901, "127.0.0.1")
+
+
+def test_the_mesh_address_is_url_then_llmesh_url_then_llmesh_port_then_8080() -> None:
+    assert cli.mesh_address(None, {}) == "127.0.0.1:8080"
+    assert cli.mesh_address(None, {"LLMESH_PORT": "18080"}) == "127.0.0.1:18080"
+    both = {"LLMESH_PORT": "18080", "LLMESH_URL": "http://10.0.0.1:1234/"}
+    assert cli.mesh_address(None, both) == "10.0.0.1:1234"
+    assert cli.mesh_address("h:1", both) == "h:1"
+    assert cli.mesh_address("h:1", {"LLMESH_PORT": "abc"}) == "h:1"  # not read
+    with pytest.raises(ValueError, match=r"^LLMESH_PORT: port must be an integer, got 'abc'"):
+        cli.mesh_address(None, {"LLMESH_PORT": "abc"})
+    with pytest.raises(ValueError, match=r"^LLMESH_PORT: port must be in \[1, 65535\], got 0"):
+        cli.mesh_address(None, {"LLMESH_PORT": "0"})
+
+
+def test_the_help_states_the_address_precedence(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("generate", "models"):
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert ("without it: LLMESH_URL, else 127.0.0.1:LLMESH_PORT (as for `llmesh up`), "
+                "else 127.0.0.1:8080") in text
+
+
+def test_generate_goes_to_llmesh_port_without_a_url(
+        envoy: EnvoyProcess, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("LLMESH_URL", raising=False)
+    monkeypatch.setenv("LLMESH_PORT", str(envoy.ingress_port))
+    assert cli.main(["generate", "--raw", "found by port"]) == 0
+    assert capsys.readouterr().out == "found by port \n"
+    assert cli.main(["models"]) == 0
+    assert "fake-model" in capsys.readouterr().out
+    monkeypatch.setenv("LLMESH_PORT", "abc")
+    assert cli.main(["generate", "x"]) == 2
+    assert capsys.readouterr().err == (
+        "llmesh: LLMESH_PORT: port must be an integer, got 'abc' (or give the mesh address "
+        "with --url / LLMESH_URL)\n")
+
+
+def test_bypass_cache_flag_sets_the_field() -> None:
+    assert not _request("Hi").bypass_cache
+    assert _request("Hi", "--bypass-cache").bypass_cache
+
+
+def test_a_cache_replay_says_so_and_reports_no_speed(
+        envoy: EnvoyProcess, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--url", envoy.ingress_address, "--raw", "cacheable: one two three"]
+    assert cli.main(argv) == 0
+    generated = capsys.readouterr().err
+    assert "ttft_ms=" in generated and "tokens_per_s=" in generated
+    assert "response_cache" not in generated and "replayed" not in generated
+
+    assert cli.main(argv) == 0
+    out, replayed = capsys.readouterr()
+    assert out == "cacheable: one two three \n"
+    summary, note = replayed.splitlines()
+    assert summary.startswith("[finish=stop prompt_tokens=4 completion_tokens=4 ")
+    assert " response_cache=replay total_ms=" in summary
+    assert "tokens_per_s" not in summary and "ttft_ms" not in summary
+    assert note == ("llmesh: replayed from the response cache, not generated (no speed to "
+                    "report); --bypass-cache generates it anew")
+
+    assert cli.main([*argv, "--bypass-cache"]) == 0
+    fresh = capsys.readouterr().err
+    assert "tokens_per_s=" in fresh and "replayed" not in fresh
 
 
 def test_client_examples_name_the_address() -> None:
