@@ -116,7 +116,7 @@ with warnings.catch_warnings():
 
 #: The public gRPC service Envoy transcodes and counts.
 PUBLIC_SERVICE = "llmesh.v1.GenerationService"
-PUBLIC_METHODS = ("Generate", "GenerateStream", "ListModels")
+PUBLIC_METHODS = ("Generate", "GenerateJson", "GenerateStream", "ListModels")
 
 #: Envoy cluster that points at the router.
 ROUTER_CLUSTER = "router"
@@ -231,12 +231,15 @@ def _transcoder(settings: EnvoySettings) -> HttpFilter:
             preserve_proto_field_names=True,
         ),
         convert_grpc_status=True,
-        ignore_unknown_query_parameters=True,
         # A JSON request to an unknown path or with the wrong method gets 404
         # from Envoy, instead of reaching the router and coming back as 503.
         # gRPC requests (content-type application/grpc) always pass through.
+        # A query parameter no field takes (`/v1/generate?max_tokens=3`) is a
+        # 400, not silently dropped. (Unknown *body* fields: Envoy has no
+        # option, so /v1/generate's body reaches the router raw and is parsed
+        # there, strictly: services/router/json_request.py.)
         request_validation_options=GrpcJsonTranscoderRequestValidationOptions(
-            reject_unknown_method=True),
+            reject_unknown_method=True, reject_unknown_query_parameters=True),
     )
     return HttpFilter(name="envoy.filters.http.grpc_json_transcoder", typed_config=Any.pack(config))
 

@@ -53,6 +53,7 @@ from services.router.generation import (
     GenerationPipeline,
     Progress,
 )
+from services.router.json_request import parse_generate_json
 from services.router.metrics import RouterMetrics
 from services.router.validation import (
     GenerationRequest,
@@ -320,6 +321,22 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                 self._count_refused(request, failure.code)
         if failure is not None:
             await self._abort(context, failure, request_id)
+
+    async def GenerateJson(  # noqa: N802 (gRPC method name)
+        self, request: generation_pb2.GenerateJsonRequest, context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """``POST /v1/generate`` (through Envoy): the JSON body parsed strictly
+        (:func:`parse_generate_json`: INVALID_ARGUMENT naming an unknown or
+        malformed field), then exactly :meth:`Generate`."""
+        try:
+            parsed = parse_generate_json(request.body.data)
+        except InvalidRequestError as err:
+            request_id = _safe_request_id(request_id_from(context))
+            self._count_refused(generation_pb2.GenerateRequest(), err.code)
+            await self._abort(context, _Abort(err.code, str(err)), request_id)
+            return
+        async for response in self.Generate(parsed, context):
+            yield response
 
     async def GenerateStream(  # noqa: N802 (gRPC method name)
         self, request_iterator: AsyncIterator[generation_pb2.GenerateStreamRequest],

@@ -154,6 +154,10 @@ def test_prometheus_stats_keep_dotted_service_names(envoy: EnvoyProcess) -> None
         "envoy_grpc_bridge_method": "Generate",
         "envoy_cluster_name": "router",
     }
+    _post_json(envoy, "/v1/generate", {"prompt": "count me too"})
+    text = _admin(envoy, "/stats/prometheus")
+    json_labels = {**labels, "envoy_grpc_bridge_method": "GenerateJson"}
+    assert (_prometheus_value(text, "envoy_cluster_grpc_success", json_labels) or 0) >= 1
     success = _prometheus_value(text, "envoy_cluster_grpc_success", labels)
     total = _prometheus_value(text, "envoy_cluster_grpc_total", labels)
     assert success is not None and success >= 1

@@ -114,6 +114,14 @@ def test_route_timeouts_are_set_for_streams() -> None:
     assert _hcm(config).get("codec_type", "AUTO") == "AUTO"
 
 
+def test_unknown_query_parameters_are_rejected() -> None:
+    transcoder = _http_filter(yaml.safe_load(CHECKED_IN.read_text()),
+                              "envoy.filters.http.grpc_json_transcoder")
+    assert transcoder["request_validation_options"] == {
+        "reject_unknown_method": True, "reject_unknown_query_parameters": True}
+    assert "ignore_unknown_query_parameters" not in transcoder
+
+
 def test_stream_idle_timeout_follows_settings() -> None:
     config = envoy_config.bootstrap_dict(EnvoySettings(stream_idle_timeout_s=600))
     assert _hcm(config)["stream_idle_timeout"] == "600s"

@@ -38,7 +38,20 @@ class GenerationServiceStub:
     INVALID_ARGUMENT / OUT_OF_RANGE for bad fields (the message names the
     field; an unknown model is INVALID_ARGUMENT on `model`), RESOURCE_EXHAUSTED when admission
     control refuses, UNAVAILABLE when no engine can take the request,
-    DEADLINE_EXCEEDED when the call's deadline passes.
+    DEADLINE_EXCEEDED when the call's deadline passes. Field numbers this
+    server does not know (a client built from a newer proto) are
+    INVALID_ARGUMENT naming them.
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+    """
+    GenerateJson: _grpc.UnaryStreamMultiCallable[_generation_pb2.GenerateJsonRequest, _generation_pb2.GenerateResponse]
+    """Generate for JSON clients: `POST /v1/generate` with a GenerateRequest in
+    proto3 JSON as the body; the answer is the same stream (one JSON array
+    through Envoy). The router parses the body itself, strictly: a field the
+    API does not have (a misspelt `max_token`, or `n`, `logprobs`,
+    `response_format`, which do not exist yet) is INVALID_ARGUMENT naming it
+    (HTTP 400), never silently dropped. Then the same errors as Generate.
+    buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     """
     GenerateStream: _grpc.StreamStreamMultiCallable[_generation_pb2.GenerateStreamRequest, _generation_pb2.GenerateStreamResponse]
     """Bidirectional variant: send `start`, read deltas, send `cancel` at any
@@ -57,7 +70,20 @@ class GenerationServiceAsyncStub(GenerationServiceStub):
     INVALID_ARGUMENT / OUT_OF_RANGE for bad fields (the message names the
     field; an unknown model is INVALID_ARGUMENT on `model`), RESOURCE_EXHAUSTED when admission
     control refuses, UNAVAILABLE when no engine can take the request,
-    DEADLINE_EXCEEDED when the call's deadline passes.
+    DEADLINE_EXCEEDED when the call's deadline passes. Field numbers this
+    server does not know (a client built from a newer proto) are
+    INVALID_ARGUMENT naming them.
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+    """
+    GenerateJson: _aio.UnaryStreamMultiCallable[_generation_pb2.GenerateJsonRequest, _generation_pb2.GenerateResponse]  # type: ignore[assignment]
+    """Generate for JSON clients: `POST /v1/generate` with a GenerateRequest in
+    proto3 JSON as the body; the answer is the same stream (one JSON array
+    through Envoy). The router parses the body itself, strictly: a field the
+    API does not have (a misspelt `max_token`, or `n`, `logprobs`,
+    `response_format`, which do not exist yet) is INVALID_ARGUMENT naming it
+    (HTTP 400), never silently dropped. Then the same errors as Generate.
+    buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     """
     GenerateStream: _aio.StreamStreamMultiCallable[_generation_pb2.GenerateStreamRequest, _generation_pb2.GenerateStreamResponse]  # type: ignore[assignment]
     """Bidirectional variant: send `start`, read deltas, send `cancel` at any
@@ -79,7 +105,26 @@ class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
         INVALID_ARGUMENT / OUT_OF_RANGE for bad fields (the message names the
         field; an unknown model is INVALID_ARGUMENT on `model`), RESOURCE_EXHAUSTED when admission
         control refuses, UNAVAILABLE when no engine can take the request,
-        DEADLINE_EXCEEDED when the call's deadline passes.
+        DEADLINE_EXCEEDED when the call's deadline passes. Field numbers this
+        server does not know (a client built from a newer proto) are
+        INVALID_ARGUMENT naming them.
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        """
+
+    @_abc_1.abstractmethod
+    def GenerateJson(
+        self,
+        request: _generation_pb2.GenerateJsonRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_generation_pb2.GenerateResponse], _abc.AsyncIterator[_generation_pb2.GenerateResponse]]:
+        """Generate for JSON clients: `POST /v1/generate` with a GenerateRequest in
+        proto3 JSON as the body; the answer is the same stream (one JSON array
+        through Envoy). The router parses the body itself, strictly: a field the
+        API does not have (a misspelt `max_token`, or `n`, `logprobs`,
+        `response_format`, which do not exist yet) is INVALID_ARGUMENT naming it
+        (HTTP 400), never silently dropped. Then the same errors as Generate.
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
 
     @_abc_1.abstractmethod
