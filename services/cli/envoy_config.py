@@ -175,6 +175,13 @@ class EnvoySettings:
         (overload manager); more are refused.
       access_log_path: where the per-request access log goes (``/dev/stdout``
         lands in the Envoy log file under ``llmesh up``); None: no access log.
+      max_request_headers_kb: most KiB of request headers (all of them, and
+        any single one over HTTP/2). More: HTTP/1 gets 431; HTTP/2 can only
+        drop the connection (GOAWAY, COMPRESSION_ERROR). Below it every header
+        reaches the router, which accepts metadata up to
+        ``services.common.grpc_util.MAX_METADATA_BYTES`` (more than this plus
+        what Envoy adds) and refuses a bad ``x-request-id`` with
+        INVALID_ARGUMENT (HTTP 400), never RESOURCE_EXHAUSTED (429, "retry").
     """
 
     ingress_host: str = "127.0.0.1"
@@ -195,6 +202,7 @@ class EnvoySettings:
     max_retries: int = 64
     max_downstream_connections: int = 10_000
     access_log_path: str | None = "/dev/stdout"
+    max_request_headers_kb: int = 96
 
 
 def _seconds(value: float) -> datetime.timedelta:
@@ -291,7 +299,13 @@ def _http_connection_manager(settings: EnvoySettings) -> HttpConnectionManager:
         stat_prefix="ingress",
         codec_type=HttpConnectionManagerCodecType.AUTO,
         stream_idle_timeout=_seconds(settings.stream_idle_timeout_s),
-        http2_protocol_options=Http2ProtocolOptions(connection_keepalive=_keepalive(settings)),
+        max_request_headers_kb=settings.max_request_headers_kb,
+        http2_protocol_options=Http2ProtocolOptions(
+            connection_keepalive=_keepalive(settings),
+            # HPACK's per-header limit (64 KiB by default) as large as the
+            # total, so one large header meets the same limit as many.
+            max_header_field_size_kb=settings.max_request_headers_kb,
+        ),
         route_config=RouteConfiguration(
             name="llmesh",
             virtual_hosts=[VirtualHost(name="llmesh", domains=["*"], routes=[_route(settings)])],

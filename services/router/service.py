@@ -18,7 +18,9 @@ binds the request id to logs and maps errors to gRPC statuses:
 
 Request id: ``GenerateRequest.request_id``, else ``x-request-id`` metadata,
 else a new one; echoed in every response, in trailing metadata
-(``x-request-id``) and bound to every log line of the request. Prompt and
+(``x-request-id``) and bound to every log line of the request. An
+``x-request-id`` that is not a valid id (more than 128 characters, not
+printable ASCII) is INVALID_ARGUMENT naming ``x-request-id``. Prompt and
 output text are logged only with ``--log-content``.
 """
 
@@ -35,7 +37,7 @@ import grpc
 import structlog
 
 from llmesh.v1 import generation_pb2, generation_pb2_grpc
-from services.common.grpc_util import request_id_from
+from services.common.grpc_util import metadata_value, request_id_from
 from services.common.logging import REQUEST_ID_METADATA_KEY, bind_request_id
 from services.common.sampling import FinishReason, InvalidRequestError, Priority
 from services.router.clients import (
@@ -276,9 +278,11 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                          "the router is starting (waiting for tokenizer and engines)")
         return self._pipeline
 
-    def _validate(self, pb: generation_pb2.GenerateRequest, request_id: str) -> GenerationRequest:
-        return validate_request(pb, request_id=request_id, models=self.models,
-                                default_model=self.default_model)
+    def _validate(self, pb: generation_pb2.GenerateRequest, request_id: str,
+                  context: grpc.aio.ServicerContext) -> GenerationRequest:
+        return validate_request(
+            pb, request_id=request_id, models=self.models, default_model=self.default_model,
+            header_request_id=metadata_value(context, REQUEST_ID_METADATA_KEY))
 
     def _count_refused(self, pb: generation_pb2.GenerateRequest, code: grpc.StatusCode) -> None:
         """Counts a request refused before the pipeline ran it (it counts the rest)."""
@@ -309,7 +313,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         validated: GenerationRequest | None = None
         try:
             pipeline = self._admit()
-            validated = self._validate(request, request_id)
+            validated = self._validate(request, request_id, context)
             events = pipeline.generate(validated, received_at=received_at,
                                        deadline=_deadline(context))
             async with contextlib.aclosing(events):
@@ -453,7 +457,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             request_id = _safe_request_id(f"{stream_id}.{number}")
         try:
             pipeline = self._admit()
-            validated = self._validate(start, request_id)
+            validated = self._validate(start, request_id, context)
         except Exception as err:  # noqa: BLE001 - counted, then ends the stream
             code = (err.code if isinstance(err, (_Abort, InvalidRequestError))
                     else grpc.StatusCode.INTERNAL)

@@ -125,19 +125,24 @@ class GenerationRequest:
         return "chat.messages" if self.is_chat else "prompt"
 
 
-def validate_request_id(request_id: str) -> None:
+def validate_request_id(request_id: str, field: str = "request_id") -> None:
     """A request id is 1..128 printable ASCII characters (it becomes metadata).
 
+    Args:
+      request_id: the id to check.
+      field: where it came from, for the message: ``request_id`` (the request
+        field) or ``x-request-id`` (the header / gRPC metadata).
+
     Raises:
-      InvalidRequestError: INVALID_ARGUMENT naming ``request_id``.
+      InvalidRequestError: INVALID_ARGUMENT naming ``field`` and the limit.
     """
     if len(request_id) > MAX_REQUEST_ID_LENGTH:
         raise InvalidRequestError(
-            "request_id", f"must be at most {MAX_REQUEST_ID_LENGTH} characters, "
+            field, f"must be at most {MAX_REQUEST_ID_LENGTH} characters, "
             f"got {len(request_id)}")
     if not all(" " <= ch <= "~" for ch in request_id):
         raise InvalidRequestError(
-            "request_id", "must be printable ASCII (characters 0x20..0x7e)")
+            field, "must be printable ASCII (characters 0x20..0x7e)")
 
 
 def reject_unknown_fields(message: Message, path: str = "") -> None:
@@ -245,6 +250,7 @@ def _validate_stops(sampling: common_pb2.SamplingParams) -> None:
 def validate_request(
     pb: generation_pb2.GenerateRequest, *, request_id: str,
     models: Mapping[str, ModelLimits], default_model: str,
+    header_request_id: str | None = None,
 ) -> GenerationRequest:
     """Validates every field of ``pb`` that needs no tokenizer.
 
@@ -253,10 +259,14 @@ def validate_request(
         checked only when the client set ``pb.request_id``.
       models: the served models by id.
       default_model: the id used when ``pb.model`` is empty.
+      header_request_id: the call's ``x-request-id`` metadata, if it has one
+        (Envoy sets it on every call); checked like ``request_id``.
 
     Raises:
       InvalidRequestError: the first bad field, with its gRPC code.
     """
+    if header_request_id is not None:
+        validate_request_id(header_request_id, field="x-request-id")
     reject_unknown_fields(pb)
     if pb.request_id:
         validate_request_id(pb.request_id)

@@ -267,6 +267,22 @@ def test_json_with_an_unknown_field_is_400_naming_it(mesh: Mesh, body: dict, mes
     assert error["code"] == 3 and error["message"].startswith(message)
 
 
+def test_oversized_x_request_id_is_a_client_error_not_a_retry(
+        mesh: Mesh, ingress_channel: grpc.Channel) -> None:
+    stub = generation_pb2_grpc.GenerationServiceStub(ingress_channel)
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stub.Generate(chat_request(max_tokens=4), timeout=30,
+                           metadata=(("x-request-id", "r" * 50_000),)))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details() == "x-request-id: must be at most 128 characters, got 50000"
+    out = subprocess.run(
+        ["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "-X", "POST",
+         f"{mesh.http_url}/v1/generate", "-H", "content-type: application/json",
+         "-H", "x-request-id: " + "r" * 50_000, "-d", '{"prompt": "Hi"}'],
+        capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout == "400"
+
+
 def test_list_models_through_envoy(ingress_channel: grpc.Channel) -> None:
     stub = generation_pb2_grpc.GenerationServiceStub(ingress_channel)
     models = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=10).models

@@ -114,6 +114,13 @@ def test_route_timeouts_are_set_for_streams() -> None:
     assert _hcm(config).get("codec_type", "AUTO") == "AUTO"
 
 
+def test_header_limits_are_set_deliberately() -> None:
+    hcm = _hcm(yaml.safe_load(CHECKED_IN.read_text()))
+    assert hcm["max_request_headers_kb"] == 96
+    # One large header meets the same limit as many (HPACK's own default is 64 KiB).
+    assert hcm["http2_protocol_options"]["max_header_field_size_kb"] == 96
+
+
 def test_unknown_query_parameters_are_rejected() -> None:
     transcoder = _http_filter(yaml.safe_load(CHECKED_IN.read_text()),
                               "envoy.filters.http.grpc_json_transcoder")

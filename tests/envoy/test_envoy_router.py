@@ -3,7 +3,7 @@
 The router (``RouterService`` on the real server options) runs in this
 process over the fake tokenizer, engine and cache of ``tests/router`` (real
 gRPC, no model), so these tests see what a client of the mesh sees through
-Envoy: how unknown JSON and protobuf fields end.
+Envoy: how unknown JSON and protobuf fields and oversized headers end.
 
 Every blocking call (urllib, Envoy's start) runs in a thread: the router
 shares the test's event loop.
@@ -143,6 +143,11 @@ async def post(proxied: Proxied, path: str, body: bytes | str,
     return await asyncio.to_thread(_post, proxied.url + path, body, headers)
 
 
+def start(prompt: str, **fields: object) -> generation_pb2.GenerateStreamRequest:
+    return generation_pb2.GenerateStreamRequest(
+        start=generation_pb2.GenerateRequest(prompt=prompt, **fields))  # type: ignore[arg-type]
+
+
 def with_unknown_field(message: generation_pb2.GenerateRequest, number: int) -> bytes:
     """``message`` serialized plus a varint field ``number`` (a newer client's field)."""
     return message.SerializeToString() + _varint(number << 3) + _varint(7)
@@ -241,3 +246,61 @@ async def test_grpc_request_with_unknown_field_numbers_is_invalid_argument(
     assert caught.value.details().startswith("sampling: unknown field number 30: "
                                              "llmesh.v1.SamplingParams")
     assert len(engine.log.starts) == starts
+
+
+# --------------------------------------------------------------------------- #
+# Oversized headers: a client error (INVALID_ARGUMENT / 400 / 431), not 429
+
+
+async def test_oversized_x_request_id_over_grpc_is_invalid_argument(proxied: Proxied):
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        [r async for r in proxied.stub.Generate(
+            generation_pb2.GenerateRequest(prompt="Hi"), timeout=10,
+            metadata=(("x-request-id", "r" * 50_000),))]
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details() == "x-request-id: must be at most 128 characters, got 50000"
+
+
+async def test_oversized_x_request_id_on_a_stream_is_invalid_argument(proxied: Proxied):
+    call = proxied.stub.GenerateStream(timeout=10, metadata=(("x-request-id", "r" * 50_000),))
+    await call.write(start("Hi"))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call.read()
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("x-request-id: must be at most 128 characters")
+
+
+async def test_oversized_x_request_id_over_json_is_400(proxied: Proxied):
+    status, content_type, body = await post(proxied, "/v1/generate", '{"prompt": "Hi"}',
+                                            headers={"x-request-id": "r" * 50_000})
+    assert (status, content_type) == (400, "application/json"), body
+    assert json.loads(body) == {
+        "code": 3, "message": "x-request-id: must be at most 128 characters, got 50000"}
+
+
+async def test_headers_over_envoys_limit_over_http1_are_431(proxied: Proxied):
+    limit = proxied.envoy.settings.max_request_headers_kb * 1024
+    status, _, _ = await post(proxied, "/v1/generate", '{"prompt": "Hi"}',
+                              headers={"x-padding": "p" * (limit + 1024)})
+    assert status == 431
+
+
+async def test_a_large_header_below_envoys_limit_is_served(proxied: Proxied):
+    # 50 kB of another header: below Envoy's limit, so the router must accept it
+    # (gRPC's own 8-16 KiB default answered RESOURCE_EXHAUSTED, i.e. HTTP 429).
+    status, _, body = await post(proxied, "/v1/generate", '{"prompt": "Hi"}',
+                                 headers={"x-padding": "p" * 50_000})
+    assert status == 200, body
+    responses = [r async for r in proxied.stub.Generate(
+        generation_pb2.GenerateRequest(prompt="Hi"), timeout=10,
+        metadata=(("x-padding", "p" * 50_000),))]
+    assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+def test_the_router_accepts_more_metadata_than_envoy_forwards() -> None:
+    options = dict(SERVER_OPTIONS)
+    envoy_bytes = EnvoySettings().max_request_headers_kb * 1024
+    # Envoy adds its own headers (x-forwarded-proto, x-envoy-*, x-request-id) on top.
+    assert options["grpc.max_metadata_size"] >= 2 * envoy_bytes
+    assert options["grpc.absolute_max_metadata_size"] == options["grpc.max_metadata_size"]
+

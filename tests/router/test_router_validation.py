@@ -219,7 +219,7 @@ def test_speculative_params_are_validated_and_kept():
 
 
 # --------------------------------------------------------------------------- #
-# Unknown field numbers (a client built from a newer proto)
+# Unknown field numbers (a client built from a newer proto) and x-request-id
 
 
 def _with_unknown(message, number: int):
@@ -243,3 +243,14 @@ def test_unknown_field_numbers_are_refused_with_their_path():
         validate_request(request, request_id="rid", models=MODELS, default_model="tiny")
     assert info.value.field == "chat.messages[1]"
     assert "unknown field number 9: llmesh.v1.ChatMessage" in str(info.value)
+
+
+def test_x_request_id_is_checked_and_named():
+    ok = validate_request(generation_pb2.GenerateRequest(prompt="Hi"), request_id="rid",
+                          models=MODELS, default_model="tiny", header_request_id="a" * 128)
+    assert ok.request_id == "rid"
+    with pytest.raises(InvalidRequestError) as info:
+        validate_request(generation_pb2.GenerateRequest(prompt="Hi"), request_id="rid",
+                         models=MODELS, default_model="tiny", header_request_id="a" * 129)
+    assert str(info.value) == "x-request-id: must be at most 128 characters, got 129"
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT

@@ -68,7 +68,8 @@ class GenerationServiceServicer:
         control refuses, UNAVAILABLE when no engine can take the request,
         DEADLINE_EXCEEDED when the call's deadline passes. Field numbers this
         server does not know (a client built from a newer proto) are
-        INVALID_ARGUMENT naming them.
+        INVALID_ARGUMENT naming them, as is an `x-request-id` header over 128
+        characters.
         buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

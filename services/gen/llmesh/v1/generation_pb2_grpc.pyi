@@ -40,7 +40,8 @@ class GenerationServiceStub:
     control refuses, UNAVAILABLE when no engine can take the request,
     DEADLINE_EXCEEDED when the call's deadline passes. Field numbers this
     server does not know (a client built from a newer proto) are
-    INVALID_ARGUMENT naming them.
+    INVALID_ARGUMENT naming them, as is an `x-request-id` header over 128
+    characters.
     buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     """
     GenerateJson: _grpc.UnaryStreamMultiCallable[_generation_pb2.GenerateJsonRequest, _generation_pb2.GenerateResponse]
@@ -72,7 +73,8 @@ class GenerationServiceAsyncStub(GenerationServiceStub):
     control refuses, UNAVAILABLE when no engine can take the request,
     DEADLINE_EXCEEDED when the call's deadline passes. Field numbers this
     server does not know (a client built from a newer proto) are
-    INVALID_ARGUMENT naming them.
+    INVALID_ARGUMENT naming them, as is an `x-request-id` header over 128
+    characters.
     buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     """
     GenerateJson: _aio.UnaryStreamMultiCallable[_generation_pb2.GenerateJsonRequest, _generation_pb2.GenerateResponse]  # type: ignore[assignment]
@@ -107,7 +109,8 @@ class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
         control refuses, UNAVAILABLE when no engine can take the request,
         DEADLINE_EXCEEDED when the call's deadline passes. Field numbers this
         server does not know (a client built from a newer proto) are
-        INVALID_ARGUMENT naming them.
+        INVALID_ARGUMENT naming them, as is an `x-request-id` header over 128
+        characters.
         buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
 
