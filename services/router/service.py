@@ -13,7 +13,9 @@ binds the request id to logs and maps errors to gRPC statuses:
 * RESOURCE_EXHAUSTED: every engine replica refused for lack of capacity.
 * UNAVAILABLE: no engine replica (or the tokenizer) is reachable, the router is
   still starting, or it is draining.
-* DEADLINE_EXCEEDED: the call's deadline passed (every hop gets the time left).
+* DEADLINE_EXCEEDED: the call's deadline passed (every hop gets the time left),
+  or a ``GenerateStream`` reached its session idle limit (nothing running and
+  no client message for ``--stream-idle-timeout`` seconds).
 * INTERNAL: a bug; the message carries the request id to find the logs.
 
 Request id: ``GenerateRequest.request_id``, else ``x-request-id`` metadata,
@@ -84,6 +86,11 @@ class RouterConfig:
       log_content: log prompt and output text (off: they may be private).
       startup_timeout: seconds start() waits for tokenizer and engines to serve.
       cache_timeout: the most seconds one cache call may take.
+      stream_idle_timeout: the session idle limit of ``GenerateStream``: seconds
+        a stream may go with no generation running and no client message
+        (before the first ``start``, or between turns); then the router ends
+        it with DEADLINE_EXCEEDED. 0 disables the limit. A running
+        generation never counts as idle, however long it waits in a queue.
     """
 
     tokenizer: str
@@ -94,8 +101,12 @@ class RouterConfig:
     log_content: bool = False
     startup_timeout: float = 600.0
     cache_timeout: float = 0.5
+    stream_idle_timeout: float = 300.0
 
     def __post_init__(self) -> None:
+        if self.stream_idle_timeout < 0:
+            raise ValueError(
+                f"stream_idle_timeout must be >= 0 (0: no limit), got {self.stream_idle_timeout}")
         if not self.engines:
             raise ValueError("at least one engine address is needed (--engine HOST:PORT)")
         if self.max_tokens_cap < 1:
@@ -354,7 +365,9 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         another id (e.g. one that just ended), is ignored. A second ``start``
         while one runs ends the stream with FAILED_PRECONDITION. A failed
         generation ends the stream with its status. When the client half-closes,
-        the running generation finishes, then the call ends OK.
+        the running generation finishes, then the call ends OK. A stream with
+        nothing running and no client message for ``stream_idle_timeout``
+        seconds ends with DEADLINE_EXCEEDED (the session idle limit).
         """
         stream_id = _safe_request_id(request_id_from(context))
         bind_request_id(stream_id)
@@ -368,7 +381,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         last_id = stream_id
         try:
             while not (client_done and current is None):
-                kind, payload = await inbox.get()
+                kind, payload = await self._next_on_stream(inbox, idle=current is None)
                 if kind == "client_error":
                     raise payload  # type: ignore[misc]
                 if kind == "client":
@@ -433,6 +446,28 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         ])
 
     # ------------------------------------------------------ stream helpers
+
+    async def _next_on_stream(self, inbox: asyncio.Queue[tuple[str, object]], *,
+                              idle: bool) -> tuple[str, object]:
+        """The next item of a ``GenerateStream``'s inbox.
+
+        Raises:
+          _Abort: DEADLINE_EXCEEDED when ``idle`` (no generation running) and
+            nothing arrives within ``stream_idle_timeout`` seconds.
+        """
+        limit = self.config.stream_idle_timeout
+        if not idle or limit <= 0:
+            return await inbox.get()
+        try:
+            async with asyncio.timeout(limit):
+                return await inbox.get()
+        except TimeoutError:
+            log.info("stream_idle_limit", idle_seconds=limit)
+            raise _Abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"session idle limit reached: no generation ran and no message came on this "
+                f"stream for {limit:g} s (the router's --stream-idle-timeout); open a new "
+                "stream for the next turn") from None
 
     @staticmethod
     async def _read_client(request_iterator: AsyncIterator[generation_pb2.GenerateStreamRequest],

@@ -3,7 +3,10 @@
 The router (``RouterService`` on the real server options) runs in this
 process over the fake tokenizer, engine and cache of ``tests/router`` (real
 gRPC, no model), so these tests see what a client of the mesh sees through
-Envoy: how unknown JSON and protobuf fields and oversized headers end.
+Envoy: how unknown JSON and protobuf fields, oversized headers and slow or
+idle streams end. Envoy's stream idle timeout is 1 s here; the router's
+``GenerateStream`` session idle limit is its default (300 s), or 2.5 s for
+the tests of that limit (``short_sessions``).
 
 Every blocking call (urllib, Envoy's start) runs in a thread: the router
 shares the test's event loop.
@@ -15,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import shutil
+import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
@@ -46,6 +50,8 @@ pytestmark = pytest.mark.skipif(shutil.which("envoy") is None,
 REPLY = "Paris is the capital of France."
 #: Envoy's stream idle timeout in these tests (seconds).
 ENVOY_IDLE_S = 1.0
+#: The router's GenerateStream session idle limit in these tests (seconds).
+SESSION_IDLE_S = 2.5
 GENERATE = "/llmesh.v1.GenerationService/Generate"
 
 
@@ -116,6 +122,14 @@ async def proxied(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Pro
         yield running
 
 
+@pytest.fixture(scope="module")
+async def short_sessions(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Proxied]:
+    """The same, the router's GenerateStream session idle limit 2.5 s."""
+    async with _proxied(tmp_path_factory.mktemp("envoy"),
+                        stream_idle_timeout=SESSION_IDLE_S) as running:
+        yield running
+
+
 @pytest.fixture
 def engine(proxied: Proxied) -> FakeEngine:
     """The fake engine, its delays and log reset after each test."""
@@ -146,6 +160,16 @@ async def post(proxied: Proxied, path: str, body: bytes | str,
 def start(prompt: str, **fields: object) -> generation_pb2.GenerateStreamRequest:
     return generation_pb2.GenerateStreamRequest(
         start=generation_pb2.GenerateRequest(prompt=prompt, **fields))  # type: ignore[arg-type]
+
+
+async def read_generation(call: grpc.aio.StreamStreamCall) -> list[generation_pb2.GenerateResponse]:
+    out = []
+    while True:
+        message = await call.read()
+        assert message is not grpc.aio.EOF, "the stream ended before the final message"
+        out.append(message.response)
+        if message.response.finish_reason:
+            return out
 
 
 def with_unknown_field(message: generation_pb2.GenerateRequest, number: int) -> bytes:
@@ -246,6 +270,72 @@ async def test_grpc_request_with_unknown_field_numbers_is_invalid_argument(
     assert caught.value.details().startswith("sampling: unknown field number 30: "
                                              "llmesh.v1.SamplingParams")
     assert len(engine.log.starts) == starts
+
+
+# --------------------------------------------------------------------------- #
+# Idle timers: Envoy never resets a live stream; the router ends idle sessions
+
+
+async def test_a_request_queued_longer_than_envoys_idle_timeout_is_not_cut(
+        proxied: Proxied, engine: FakeEngine):
+    engine.first_delay = ENVOY_IDLE_S + 1.0  # silent before the first token
+    started = time.monotonic()
+    responses = [r async for r in proxied.stub.Generate(
+        generation_pb2.GenerateRequest(prompt="Hi", bypass_cache=True), timeout=20)]
+    assert time.monotonic() - started > ENVOY_IDLE_S + 0.9
+    assert "".join(r.text for r in responses) == REPLY
+    assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+async def test_a_queued_json_request_is_not_cut_either(proxied: Proxied, engine: FakeEngine):
+    engine.first_delay = ENVOY_IDLE_S + 1.0
+    status, _, body = await post(proxied, "/v1/generate",
+                                 '{"prompt": "Hi", "bypass_cache": true}')
+    assert status == 200, body
+    assert "".join(m.get("text", "") for m in json.loads(body)) == REPLY
+
+
+async def test_a_stream_turn_after_a_pause_longer_than_envoys_idle_timeout_works(
+        proxied: Proxied, engine: FakeEngine):
+    call = proxied.stub.GenerateStream(timeout=20)
+    await call.write(start("one", request_id="t1", bypass_cache=True))
+    assert "".join(r.text for r in await read_generation(call)) == REPLY
+    await asyncio.sleep(ENVOY_IDLE_S + 0.5)  # idle, within the session limit
+    engine.first_delay = ENVOY_IDLE_S + 0.5  # and the next turn waits silently too
+    await call.write(start("two", request_id="t2", bypass_cache=True,
+                           sampling=common_pb2.SamplingParams(max_tokens=3)))
+    second = await read_generation(call)
+    assert "".join(r.text for r in second) == REPLY[:3]
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+    assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_an_idle_stream_ends_with_deadline_exceeded_naming_the_session_limit(
+        short_sessions: Proxied):
+    call = short_sessions.stub.GenerateStream(timeout=20)
+    await call.write(start("one", bypass_cache=True))
+    await read_generation(call)
+    await asyncio.sleep(ENVOY_IDLE_S + 0.5)  # within the session limit: the next turn works
+    await call.write(start("two", bypass_cache=True))
+    assert "".join(r.text for r in await read_generation(call)) == REPLY
+    idle_from = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:  # the router ends the call...
+        await call.read()
+    waited = time.monotonic() - idle_from
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # ...with a status, no reset
+    details = caught.value.details()
+    assert details.startswith("session idle limit reached")
+    assert f"for {SESSION_IDLE_S:g} s" in details and "--stream-idle-timeout" in details
+    assert SESSION_IDLE_S - 0.2 < waited < SESSION_IDLE_S + 1.5
+
+
+async def test_a_stream_that_never_starts_also_ends_at_the_session_limit(
+        short_sessions: Proxied):
+    call = short_sessions.stub.GenerateStream(timeout=20)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call.read()
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 # --------------------------------------------------------------------------- #

@@ -38,8 +38,9 @@ class GenerationServiceStub:
     INVALID_ARGUMENT / OUT_OF_RANGE for bad fields (the message names the
     field; an unknown model is INVALID_ARGUMENT on `model`), RESOURCE_EXHAUSTED when admission
     control refuses, UNAVAILABLE when no engine can take the request,
-    DEADLINE_EXCEEDED when the call's deadline passes. Field numbers this
-    server does not know (a client built from a newer proto) are
+    DEADLINE_EXCEEDED when the call's deadline passes. A request waiting in a
+    queue before its first token is not cut by any idle timer. Field numbers
+    this server does not know (a client built from a newer proto) are
     INVALID_ARGUMENT naming them, as is an `x-request-id` header over 128
     characters.
     buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
@@ -57,6 +58,13 @@ class GenerationServiceStub:
     GenerateStream: _grpc.StreamStreamMultiCallable[_generation_pb2.GenerateStreamRequest, _generation_pb2.GenerateStreamResponse]
     """Bidirectional variant: send `start`, read deltas, send `cancel` at any
     time; after a generation ends, the same stream may `start` the next one.
+    Session idle limit: a stream with no generation running and no client
+    message for the router's `--stream-idle-timeout` (default 300 s; before
+    the first `start` or between turns) ends with DEADLINE_EXCEEDED, message
+    "session idle limit reached: ... for 300 s ..."; open a new stream then.
+    A running generation is never idle, however long it waits in a queue:
+    no proxy timer cuts it (it ends by its result, the call's deadline, or
+    RESOURCE_EXHAUSTED from admission).
     """
     ListModels: _grpc.UnaryUnaryMultiCallable[_generation_pb2.ListModelsRequest, _generation_pb2.ListModelsResponse]
     """Lists the models this mesh serves."""
@@ -71,8 +79,9 @@ class GenerationServiceAsyncStub(GenerationServiceStub):
     INVALID_ARGUMENT / OUT_OF_RANGE for bad fields (the message names the
     field; an unknown model is INVALID_ARGUMENT on `model`), RESOURCE_EXHAUSTED when admission
     control refuses, UNAVAILABLE when no engine can take the request,
-    DEADLINE_EXCEEDED when the call's deadline passes. Field numbers this
-    server does not know (a client built from a newer proto) are
+    DEADLINE_EXCEEDED when the call's deadline passes. A request waiting in a
+    queue before its first token is not cut by any idle timer. Field numbers
+    this server does not know (a client built from a newer proto) are
     INVALID_ARGUMENT naming them, as is an `x-request-id` header over 128
     characters.
     buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
@@ -90,6 +99,13 @@ class GenerationServiceAsyncStub(GenerationServiceStub):
     GenerateStream: _aio.StreamStreamMultiCallable[_generation_pb2.GenerateStreamRequest, _generation_pb2.GenerateStreamResponse]  # type: ignore[assignment]
     """Bidirectional variant: send `start`, read deltas, send `cancel` at any
     time; after a generation ends, the same stream may `start` the next one.
+    Session idle limit: a stream with no generation running and no client
+    message for the router's `--stream-idle-timeout` (default 300 s; before
+    the first `start` or between turns) ends with DEADLINE_EXCEEDED, message
+    "session idle limit reached: ... for 300 s ..."; open a new stream then.
+    A running generation is never idle, however long it waits in a queue:
+    no proxy timer cuts it (it ends by its result, the call's deadline, or
+    RESOURCE_EXHAUSTED from admission).
     """
     ListModels: _aio.UnaryUnaryMultiCallable[_generation_pb2.ListModelsRequest, _generation_pb2.ListModelsResponse]  # type: ignore[assignment]
     """Lists the models this mesh serves."""
@@ -107,8 +123,9 @@ class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
         INVALID_ARGUMENT / OUT_OF_RANGE for bad fields (the message names the
         field; an unknown model is INVALID_ARGUMENT on `model`), RESOURCE_EXHAUSTED when admission
         control refuses, UNAVAILABLE when no engine can take the request,
-        DEADLINE_EXCEEDED when the call's deadline passes. Field numbers this
-        server does not know (a client built from a newer proto) are
+        DEADLINE_EXCEEDED when the call's deadline passes. A request waiting in a
+        queue before its first token is not cut by any idle timer. Field numbers
+        this server does not know (a client built from a newer proto) are
         INVALID_ARGUMENT naming them, as is an `x-request-id` header over 128
         characters.
         buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
@@ -138,6 +155,13 @@ class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_generation_pb2.GenerateStreamResponse], _abc.AsyncIterator[_generation_pb2.GenerateStreamResponse]]:
         """Bidirectional variant: send `start`, read deltas, send `cancel` at any
         time; after a generation ends, the same stream may `start` the next one.
+        Session idle limit: a stream with no generation running and no client
+        message for the router's `--stream-idle-timeout` (default 300 s; before
+        the first `start` or between turns) ends with DEADLINE_EXCEEDED, message
+        "session idle limit reached: ... for 300 s ..."; open a new stream then.
+        A running generation is never idle, however long it waits in a queue:
+        no proxy timer cuts it (it ends by its result, the call's deadline, or
+        RESOURCE_EXHAUSTED from admission).
         """
 
     @_abc_1.abstractmethod
