@@ -19,10 +19,14 @@ What the config does (see ``envoy/README.md`` for the why):
 * HTTP filters: ``grpc_json_transcoder`` (``POST /v1/generate``,
   ``GET /v1/models`` → ``llmesh.v1.GenerationService``), ``grpc_stats``
   (per-method counters for the public methods), ``router``;
-* route ``/`` → cluster ``router`` with the route timeout disabled (0 s),
-  ``grpc-timeout`` honoured, a stream idle timeout sized for generation, and
-  retries on ``unavailable``/``reset`` only (Envoy never retries once response
-  bytes went downstream);
+* routes → cluster ``router`` with the route timeout disabled (0 s),
+  ``grpc-timeout`` honoured and retries on ``unavailable``/``reset`` only
+  (Envoy never retries once response bytes went downstream): one per
+  generation method (``GENERATION_METHODS``) with Envoy's stream idle timeout
+  disabled, since a generation may wait silently in a queue and a
+  ``GenerateStream`` idles between turns (the router owns those limits, and
+  HTTP/2 keepalive PINGs find dead peers); then ``/`` for everything else,
+  under the connection manager's stream idle timeout;
 * cluster ``router``: HTTP/2 with keepalive pings, circuit breakers;
 * admin on ``admin_host:admin_port`` (``/stats/prometheus``, ``/ready``), with
   stat tags that keep dotted gRPC service names whole.
@@ -116,7 +120,12 @@ with warnings.catch_warnings():
 
 #: The public gRPC service Envoy transcodes and counts.
 PUBLIC_SERVICE = "llmesh.v1.GenerationService"
-PUBLIC_METHODS = ("Generate", "GenerateStream", "ListModels")
+PUBLIC_METHODS = ("Generate", "GenerateJson", "GenerateStream", "ListModels")
+
+#: Methods whose streams may stay silent for long: a request queued before its
+#: first token, a GenerateStream between turns. Envoy's idle timer is off for
+#: them; the router ends them cleanly (client deadline, session idle limit).
+GENERATION_METHODS = ("Generate", "GenerateJson", "GenerateStream")
 
 #: Envoy cluster that points at the router.
 ROUTER_CLUSTER = "router"
@@ -158,9 +167,12 @@ class EnvoySettings:
       router_port: the router's gRPC port.
       descriptor_path: descriptor set for the transcoder; a relative path is
         resolved by Envoy against its working directory.
-      stream_idle_timeout_s: seconds a stream may go without any byte in either
-        direction before Envoy resets it (covers queueing + prefill + the gap
-        between tokens, so it is generous); 0 disables it.
+      stream_idle_timeout_s: seconds a stream of a non-generation call
+        (ListModels, health, reflection, unknown paths) may go without any
+        byte in either direction before Envoy resets it; 0 disables it. The
+        generation methods (:data:`GENERATION_METHODS`) have no Envoy idle
+        timeout: ``llmesh up`` gives the router the same value as its
+        ``GenerateStream`` session idle limit.
       connect_timeout_s: seconds to open a TCP connection to the router.
       num_retries: retries on UNAVAILABLE or reset before any response byte.
       keepalive_interval_s: seconds between HTTP/2 PINGs on idle connections
@@ -175,6 +187,13 @@ class EnvoySettings:
         (overload manager); more are refused.
       access_log_path: where the per-request access log goes (``/dev/stdout``
         lands in the Envoy log file under ``llmesh up``); None: no access log.
+      max_request_headers_kb: most KiB of request headers (all of them, and
+        any single one over HTTP/2). More: HTTP/1 gets 431; HTTP/2 can only
+        drop the connection (GOAWAY, COMPRESSION_ERROR). Below it every header
+        reaches the router, which accepts metadata up to
+        ``services.common.grpc_util.MAX_METADATA_BYTES`` (more than this plus
+        what Envoy adds) and refuses a bad ``x-request-id`` with
+        INVALID_ARGUMENT (HTTP 400), never RESOURCE_EXHAUSTED (429, "retry").
     """
 
     ingress_host: str = "127.0.0.1"
@@ -195,6 +214,7 @@ class EnvoySettings:
     max_retries: int = 64
     max_downstream_connections: int = 10_000
     access_log_path: str | None = "/dev/stdout"
+    max_request_headers_kb: int = 96
 
 
 def _seconds(value: float) -> datetime.timedelta:
@@ -231,12 +251,15 @@ def _transcoder(settings: EnvoySettings) -> HttpFilter:
             preserve_proto_field_names=True,
         ),
         convert_grpc_status=True,
-        ignore_unknown_query_parameters=True,
         # A JSON request to an unknown path or with the wrong method gets 404
         # from Envoy, instead of reaching the router and coming back as 503.
         # gRPC requests (content-type application/grpc) always pass through.
+        # A query parameter no field takes (`/v1/generate?max_tokens=3`) is a
+        # 400, not silently dropped. (Unknown *body* fields: Envoy has no
+        # option, so /v1/generate's body reaches the router raw and is parsed
+        # there, strictly: services/router/json_request.py.)
         request_validation_options=GrpcJsonTranscoderRequestValidationOptions(
-            reject_unknown_method=True),
+            reject_unknown_method=True, reject_unknown_query_parameters=True),
     )
     return HttpFilter(name="envoy.filters.http.grpc_json_transcoder", typed_config=Any.pack(config))
 
@@ -263,11 +286,19 @@ def _access_log(settings: EnvoySettings) -> list[AccessLog]:
     return [AccessLog(name="envoy.access_loggers.file", typed_config=Any.pack(config))]
 
 
-def _route(settings: EnvoySettings) -> Route:
-    action = RouteAction(
+def _route_action(settings: EnvoySettings, *, idle_timeout_s: float | None = None) -> RouteAction:
+    """The action every route shares; ``idle_timeout_s`` 0 turns Envoy's stream
+    idle timeout off for the route (None: the connection manager's applies).
+
+    Source: ``RouteAction.idle_timeout``, "a value of 0 will completely disable
+    the route's idle timeout, even if a connection manager stream idle timeout
+    is configured" (envoyproxy.io, api-v3 config.route.v3.RouteAction).
+    """
+    return RouteAction(
         cluster=ROUTER_CLUSTER,
         # 0 disables the route timeout: Envoy's 15 s default cuts long generations.
         timeout=_seconds(0),
+        idle_timeout=None if idle_timeout_s is None else _seconds(idle_timeout_s),
         # A client's grpc-timeout header becomes the stream's deadline, uncapped.
         max_stream_duration=RouteActionMaxStreamDuration(grpc_timeout_header_max=_seconds(0)),
         retry_policy=RetryPolicy(
@@ -280,7 +311,18 @@ def _route(settings: EnvoySettings) -> Route:
             ),
         ),
     )
-    return Route(name="llmesh", match=RouteMatch(prefix="/"), route=action)
+
+
+def _routes(settings: EnvoySettings) -> list[Route]:
+    """One route per generation method (gRPC path; JSON requests match it after
+    the transcoder rewrote their path), idle timeout off; then ``/``."""
+    generation = [
+        Route(name=f"llmesh-{method}", match=RouteMatch(path=f"/{PUBLIC_SERVICE}/{method}"),
+              route=_route_action(settings, idle_timeout_s=0))
+        for method in GENERATION_METHODS
+    ]
+    return [*generation, Route(name="llmesh", match=RouteMatch(prefix="/"),
+                               route=_route_action(settings))]
 
 
 def _http_connection_manager(settings: EnvoySettings) -> HttpConnectionManager:
@@ -288,10 +330,16 @@ def _http_connection_manager(settings: EnvoySettings) -> HttpConnectionManager:
         stat_prefix="ingress",
         codec_type=HttpConnectionManagerCodecType.AUTO,
         stream_idle_timeout=_seconds(settings.stream_idle_timeout_s),
-        http2_protocol_options=Http2ProtocolOptions(connection_keepalive=_keepalive(settings)),
+        max_request_headers_kb=settings.max_request_headers_kb,
+        http2_protocol_options=Http2ProtocolOptions(
+            connection_keepalive=_keepalive(settings),
+            # HPACK's per-header limit (64 KiB by default) as large as the
+            # total, so one large header meets the same limit as many.
+            max_header_field_size_kb=settings.max_request_headers_kb,
+        ),
         route_config=RouteConfiguration(
             name="llmesh",
-            virtual_hosts=[VirtualHost(name="llmesh", domains=["*"], routes=[_route(settings)])],
+            virtual_hosts=[VirtualHost(name="llmesh", domains=["*"], routes=_routes(settings))],
         ),
         http_filters=[
             _transcoder(settings),

@@ -424,7 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--start-timeout", type=float, default=600.0,
                     help="seconds the services get to load (default: %(default)s)")
     up.add_argument("--stream-idle-timeout", type=float, default=300.0,
-                    help="Envoy: seconds a stream may stay silent (default: %(default)s)")
+                    help="seconds a GenerateStream may idle between generations before the "
+                         "router ends it (DEADLINE_EXCEEDED); Envoy's idle timeout for the "
+                         "other calls (default: %(default)s)")
     up.set_defaults(func=cmd_up)
 
     url_help = (f"mesh address host:port or http://host:port; without it: LLMESH_URL, "

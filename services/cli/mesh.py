@@ -412,7 +412,12 @@ class Mesh:
       drain_seconds: ``--drain-seconds`` for every service (seconds in-flight
         calls may run after SIGTERM).
       start_timeout_s: seconds all services get to turn SERVING (model loads).
-      stream_idle_timeout_s: Envoy's stream idle timeout (seconds).
+      stream_idle_timeout_s: seconds of silence after which a stream ends:
+        the router's ``GenerateStream`` session idle limit
+        (``--stream-idle-timeout``: nothing running, no client message; it
+        ends with DEADLINE_EXCEEDED) and Envoy's idle timeout for the other
+        calls. Envoy's idle timer is off for the generation methods, so Envoy
+        never resets a live generation or session first.
       envoy_binary, envoy_concurrency, envoy_log_level: how Envoy runs.
       commands: replaces ``[python, -m, services.<role>]`` for a role (tests
         run stand-ins this way); keys are roles (``"engine"``, not ``engine-0``).
@@ -611,7 +616,8 @@ class Mesh:
         ]
         for engine in self.engines:
             upstreams += ["--engine", engine.grpc_address]
-        return self._service("router", "router", [*upstreams, *self.router_args])
+        limits = ["--stream-idle-timeout", f"{self.stream_idle_timeout_s:g}"]
+        return self._service("router", "router", [*upstreams, *limits, *self.router_args])
 
     def _envoy_settings(self, router: ServiceProcess) -> EnvoySettings:
         assert router.grpc_port is not None

@@ -19,6 +19,15 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 ]
 
+#: Most bytes of request metadata (headers) a service accepts. gRPC's default
+#: (8 KiB soft, refused at random up to a 16 KiB hard limit) answers larger
+#: headers with RESOURCE_EXHAUSTED, which Envoy turns into HTTP 429 and clients
+#: retry. Set above everything Envoy forwards (its ``max_request_headers_kb``,
+#: ``services/cli/envoy_config.py``, plus the headers it adds) so a header
+#: Envoy let through reaches the handler, which validates the ones it reads
+#: (the router: ``x-request-id``, INVALID_ARGUMENT when too long).
+MAX_METADATA_BYTES = 256 * 1024
+
 SERVER_OPTIONS: list[tuple[str, int]] = [
     # Never share a port with another process silently (Linux SO_REUSEPORT).
     ("grpc.so_reuseport", 0),
@@ -26,6 +35,9 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    # Soft and hard limit equal: no random refusals between the two.
+    ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+    ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
 ]
 
 
@@ -42,6 +54,14 @@ def request_id_from(context: grpc.aio.ServicerContext, given: str = "") -> str:
         if key == REQUEST_ID_METADATA_KEY and value:
             return str(value)
     return uuid.uuid4().hex
+
+
+def metadata_value(context: grpc.aio.ServicerContext, key: str) -> str | None:
+    """The first value of metadata ``key`` (lower case) the call carries, or None."""
+    for name, value in context.invocation_metadata() or ():
+        if name == key:
+            return str(value)
+    return None
 
 
 def request_id_metadata(request_id: str) -> tuple[tuple[str, str], ...]:

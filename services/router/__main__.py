@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds to wait for tokenizer and engines to serve (default 600)")
     parser.add_argument("--cache-timeout", type=float, default=0.5,
                         help="most seconds one cache call may take (default 0.5)")
+    parser.add_argument("--stream-idle-timeout", type=float, default=300.0,
+                        help="GenerateStream session idle limit: seconds with no generation "
+                             "running and no client message before the router ends the stream "
+                             "with DEADLINE_EXCEEDED; 0: no limit (default 300)")
     add_server_arguments(parser)
     return parser
 
@@ -50,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             tokenizer=args.tokenizer, engines=tuple(args.engine), cache=args.cache,
             default_max_tokens=args.default_max_tokens, max_tokens_cap=args.max_tokens_cap,
             log_content=args.log_content, startup_timeout=args.startup_timeout,
-            cache_timeout=args.cache_timeout)
+            cache_timeout=args.cache_timeout, stream_idle_timeout=args.stream_idle_timeout)
     except ValueError as err:
         parser.error(str(err))
     asyncio.run(run_service(server_config_from_args("router", args), RouterService(config)))

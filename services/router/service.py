@@ -15,12 +15,16 @@ binds the request id to logs and maps errors to gRPC statuses:
 * RESOURCE_EXHAUSTED: every engine replica refused for lack of capacity.
 * UNAVAILABLE: no engine replica (or the tokenizer) is reachable, the router is
   still starting, or it is draining.
-* DEADLINE_EXCEEDED: the call's deadline passed (every hop gets the time left).
+* DEADLINE_EXCEEDED: the call's deadline passed (every hop gets the time left),
+  or a ``GenerateStream`` reached its session idle limit (nothing running and
+  no client message for ``--stream-idle-timeout`` seconds).
 * INTERNAL: a bug; the message carries the request id to find the logs.
 
 Request id: ``GenerateRequest.request_id``, else ``x-request-id`` metadata,
 else a new one; echoed in every response, in trailing metadata
-(``x-request-id``) and bound to every log line of the request. Prompt and
+(``x-request-id``) and bound to every log line of the request. An
+``x-request-id`` that is not a valid id (more than 128 characters, not
+printable ASCII) is INVALID_ARGUMENT naming ``x-request-id``. Prompt and
 output text are logged only with ``--log-content``.
 """
 
@@ -37,7 +41,7 @@ import grpc
 import structlog
 
 from llmesh.v1 import generation_pb2, generation_pb2_grpc
-from services.common.grpc_util import request_id_from
+from services.common.grpc_util import metadata_value, request_id_from
 from services.common.logging import REQUEST_ID_METADATA_KEY, bind_request_id
 from services.common.sampling import FinishReason, InvalidRequestError, Priority
 from services.router.clients import (
@@ -55,6 +59,7 @@ from services.router.generation import (
     GenerationPipeline,
     Progress,
 )
+from services.router.json_request import parse_generate_json
 from services.router.metrics import RouterMetrics
 from services.router.validation import (
     GenerationRequest,
@@ -83,6 +88,11 @@ class RouterConfig:
       log_content: log prompt and output text (off: they may be private).
       startup_timeout: seconds start() waits for tokenizer and engines to serve.
       cache_timeout: the most seconds one cache call may take.
+      stream_idle_timeout: the session idle limit of ``GenerateStream``: seconds
+        a stream may go with no generation running and no client message
+        (before the first ``start``, or between turns); then the router ends
+        it with DEADLINE_EXCEEDED. 0 disables the limit. A running
+        generation never counts as idle, however long it waits in a queue.
     """
 
     tokenizer: str
@@ -93,8 +103,12 @@ class RouterConfig:
     log_content: bool = False
     startup_timeout: float = 600.0
     cache_timeout: float = 0.5
+    stream_idle_timeout: float = 300.0
 
     def __post_init__(self) -> None:
+        if self.stream_idle_timeout < 0:
+            raise ValueError(
+                f"stream_idle_timeout must be >= 0 (0: no limit), got {self.stream_idle_timeout}")
         if not self.engines:
             raise ValueError("at least one engine address is needed (--engine HOST:PORT)")
         if self.max_tokens_cap < 1:
@@ -277,9 +291,11 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                          "the router is starting (waiting for tokenizer and engines)")
         return self._pipeline
 
-    def _validate(self, pb: generation_pb2.GenerateRequest, request_id: str) -> GenerationRequest:
-        return validate_request(pb, request_id=request_id, models=self.models,
-                                default_model=self.default_model)
+    def _validate(self, pb: generation_pb2.GenerateRequest, request_id: str,
+                  context: grpc.aio.ServicerContext) -> GenerationRequest:
+        return validate_request(
+            pb, request_id=request_id, models=self.models, default_model=self.default_model,
+            header_request_id=metadata_value(context, REQUEST_ID_METADATA_KEY))
 
     def _count_refused(self, pb: generation_pb2.GenerateRequest, code: grpc.StatusCode) -> None:
         """Counts a request refused before the pipeline ran it (it counts the rest)."""
@@ -319,7 +335,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         validated: GenerationRequest | None = None
         try:
             pipeline = self._admit()
-            validated = self._validate(request, request_id)
+            validated = self._validate(request, request_id, context)
             events = pipeline.generate(validated, received_at=received_at,
                                        deadline=_deadline(context))
             async with contextlib.aclosing(events):
@@ -331,6 +347,22 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                 self._count_refused(request, failure.code)
         if failure is not None:
             await self._abort(context, failure, request_id)
+
+    async def GenerateJson(  # noqa: N802 (gRPC method name)
+        self, request: generation_pb2.GenerateJsonRequest, context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """``POST /v1/generate`` (through Envoy): the JSON body parsed strictly
+        (:func:`parse_generate_json`: INVALID_ARGUMENT naming an unknown or
+        malformed field), then exactly :meth:`Generate`."""
+        try:
+            parsed = parse_generate_json(request.body.data)
+        except InvalidRequestError as err:
+            request_id = _safe_request_id(request_id_from(context))
+            self._count_refused(generation_pb2.GenerateRequest(), err.code)
+            await self._abort(context, _Abort(err.code, str(err)), request_id)
+            return
+        async for response in self.Generate(parsed, context):
+            yield response
 
     async def GenerateStream(  # noqa: N802 (gRPC method name)
         self, request_iterator: AsyncIterator[generation_pb2.GenerateStreamRequest],
@@ -344,7 +376,9 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         another id (e.g. one that just ended), is ignored. A second ``start``
         while one runs ends the stream with FAILED_PRECONDITION. A failed
         generation ends the stream with its status. When the client half-closes,
-        the running generation finishes, then the call ends OK.
+        the running generation finishes, then the call ends OK. A stream with
+        nothing running and no client message for ``stream_idle_timeout``
+        seconds ends with DEADLINE_EXCEEDED (the session idle limit).
         """
         stream_id = _safe_request_id(request_id_from(context))
         bind_request_id(stream_id)
@@ -358,7 +392,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         last_id = stream_id
         try:
             while not (client_done and current is None):
-                kind, payload = await inbox.get()
+                kind, payload = await self._next_on_stream(inbox, idle=current is None)
                 if kind == "client_error":
                     raise payload  # type: ignore[misc]
                 if kind == "client":
@@ -424,6 +458,28 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
 
     # ------------------------------------------------------ stream helpers
 
+    async def _next_on_stream(self, inbox: asyncio.Queue[tuple[str, object]], *,
+                              idle: bool) -> tuple[str, object]:
+        """The next item of a ``GenerateStream``'s inbox.
+
+        Raises:
+          _Abort: DEADLINE_EXCEEDED when ``idle`` (no generation running) and
+            nothing arrives within ``stream_idle_timeout`` seconds.
+        """
+        limit = self.config.stream_idle_timeout
+        if not idle or limit <= 0:
+            return await inbox.get()
+        try:
+            async with asyncio.timeout(limit):
+                return await inbox.get()
+        except TimeoutError:
+            log.info("stream_idle_limit", idle_seconds=limit)
+            raise _Abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"session idle limit reached: no generation ran and no message came on this "
+                f"stream for {limit:g} s (the router's --stream-idle-timeout); open a new "
+                "stream for the next turn") from None
+
     @staticmethod
     async def _read_client(request_iterator: AsyncIterator[generation_pb2.GenerateStreamRequest],
                            inbox: asyncio.Queue[tuple[str, object]]) -> None:
@@ -447,7 +503,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             request_id = _safe_request_id(f"{stream_id}.{number}")
         try:
             pipeline = self._admit()
-            validated = self._validate(start, request_id)
+            validated = self._validate(start, request_id, context)
         except Exception as err:  # noqa: BLE001 - counted, then ends the stream
             code = (err.code if isinstance(err, (_Abort, InvalidRequestError))
                     else grpc.StatusCode.INTERNAL)

@@ -13,6 +13,12 @@ and says what is allowed. Codes:
   mesh's tests and brief say INVALID_ARGUMENT: one constant,
   :data:`UNKNOWN_MODEL_CODE`, decides.)
 
+Unknown fields: a request carrying field numbers this router's proto does not
+have (a client built from a newer ``llmesh.v1``) is INVALID_ARGUMENT naming the
+message and the numbers, rather than served without what the client asked
+for (:func:`reject_unknown_fields`). JSON bodies are parsed as strictly by
+:mod:`services.router.json_request`.
+
 Validation runs in two steps: :func:`validate_request` checks what can be
 checked on the request alone; :func:`fit_to_context` checks the prompt's token
 count once the tokenizer has produced it.
@@ -31,6 +37,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from llmesh.v1 import common_pb2, generation_pb2
 from services.common.sampling import (
@@ -117,19 +125,59 @@ class GenerationRequest:
         return "chat.messages" if self.is_chat else "prompt"
 
 
-def validate_request_id(request_id: str) -> None:
+def validate_request_id(request_id: str, field: str = "request_id") -> None:
     """A request id is 1..128 printable ASCII characters (it becomes metadata).
 
+    Args:
+      request_id: the id to check.
+      field: where it came from, for the message: ``request_id`` (the request
+        field) or ``x-request-id`` (the header / gRPC metadata).
+
     Raises:
-      InvalidRequestError: INVALID_ARGUMENT naming ``request_id``.
+      InvalidRequestError: INVALID_ARGUMENT naming ``field`` and the limit.
     """
     if len(request_id) > MAX_REQUEST_ID_LENGTH:
         raise InvalidRequestError(
-            "request_id", f"must be at most {MAX_REQUEST_ID_LENGTH} characters, "
+            field, f"must be at most {MAX_REQUEST_ID_LENGTH} characters, "
             f"got {len(request_id)}")
     if not all(" " <= ch <= "~" for ch in request_id):
         raise InvalidRequestError(
-            "request_id", "must be printable ASCII (characters 0x20..0x7e)")
+            field, "must be printable ASCII (characters 0x20..0x7e)")
+
+
+def reject_unknown_fields(message: Message, path: str = "") -> None:
+    """Refuses a message, or any message inside it, that holds unknown field numbers.
+
+    protobuf keeps the fields of a newer schema as "unknown fields" when it
+    parses a message (https://protobuf.dev/programming-guides/proto3/#unknowns);
+    serving such a request would silently ignore what the client asked for.
+
+    Args:
+      message: the request (or a part of it).
+      path: its field path from the request (``sampling``, ``chat.messages[1]``);
+        "" for the request itself.
+
+    Raises:
+      InvalidRequestError: INVALID_ARGUMENT naming the message (``request`` for
+        the request itself) and the unknown field numbers.
+    """
+    numbers = sorted({f.field_number for f in UnknownFieldSet(message)})
+    if numbers:
+        plural = "s" if len(numbers) > 1 else ""
+        raise InvalidRequestError(
+            path or "request",
+            f"unknown field number{plural} {', '.join(map(str, numbers))}: "
+            f"{message.DESCRIPTOR.full_name} on this server has no such field{plural} "
+            "(a client built from a newer llmesh.v1 proto?); leave them unset or upgrade the mesh")
+    for field, value in message.ListFields():
+        if field.message_type is None:
+            continue
+        name = f"{path}.{field.name}" if path else field.name
+        if field.is_repeated:
+            for index, item in enumerate(value):
+                reject_unknown_fields(item, f"{name}[{index}]")
+        else:
+            reject_unknown_fields(value, name)
 
 
 def resolve_model(name: str, models: Mapping[str, ModelLimits], default: str) -> ModelLimits:
@@ -202,6 +250,7 @@ def _validate_stops(sampling: common_pb2.SamplingParams) -> None:
 def validate_request(
     pb: generation_pb2.GenerateRequest, *, request_id: str,
     models: Mapping[str, ModelLimits], default_model: str,
+    header_request_id: str | None = None,
 ) -> GenerationRequest:
     """Validates every field of ``pb`` that needs no tokenizer.
 
@@ -210,10 +259,15 @@ def validate_request(
         checked only when the client set ``pb.request_id``.
       models: the served models by id.
       default_model: the id used when ``pb.model`` is empty.
+      header_request_id: the call's ``x-request-id`` metadata, if it has one
+        (Envoy sets it on every call); checked like ``request_id``.
 
     Raises:
       InvalidRequestError: the first bad field, with its gRPC code.
     """
+    if header_request_id is not None:
+        validate_request_id(header_request_id, field="x-request-id")
+    reject_unknown_fields(pb)
     if pb.request_id:
         validate_request_id(pb.request_id)
     limits = resolve_model(pb.model, models, default_model)

@@ -14,6 +14,9 @@ SIGTERM exactly like a real service. With ``--role router`` it also serves
   the call with INVALID_ARGUMENT. A prompt starting with ``cacheable:`` is
   remembered: asked again without ``bypass_cache``, it is replayed at once
   with ``cached: true`` on the final message (the router's response cache).
+* ``GenerateJson`` (``POST /v1/generate`` through Envoy) parses the body with
+  the router's own strict parser (``services.router.json_request``), then
+  answers like ``Generate``; a refused body ends with its INVALID_ARGUMENT.
 * ``ListModels`` returns one model, ``fake-model``.
 
 Every other flag it is given (``--tokenizer``, ``--engine``, ``--model-path``,
@@ -36,7 +39,9 @@ import grpc
 
 from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.common.grpc_util import request_id_from
+from services.common.sampling import InvalidRequestError
 from services.common.server import add_server_arguments, run_service, server_config_from_args
+from services.router.json_request import parse_generate_json
 
 _SERVICE_NAMES = {
     "router": ("llmesh.v1.GenerationService",),
@@ -89,6 +94,14 @@ class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
             usage=common_pb2.Usage(prompt_tokens=len(words), completion_tokens=len(emitted)),
             cached=replay,
         )
+
+    async def GenerateJson(self, request, context):  # noqa: N802 (gRPC name)
+        try:
+            parsed = parse_generate_json(request.body.data)
+        except InvalidRequestError as err:
+            await context.abort(err.code, str(err))
+        async for response in self.Generate(parsed, context):
+            yield response
 
     async def ListModels(self, request, context):  # noqa: N802
         return generation_pb2.ListModelsResponse(

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 from cli_helpers import FAKE_SERVICE, alive, fake_commands, wait_all_dead
 
 from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -49,7 +50,7 @@ def test_mesh_starts_in_order_serves_and_stops(tmp_path: Path) -> None:
         ingress_port=0, admin_port=0, run_dir=tmp_path, num_engines=2,
         model_path="/models/tiny.gguf", redis_url="redis://127.0.0.1:1/0",
         engine_args=["--load-seconds", "1.5"], router_args=["--max-tokens-cap", "99"],
-        commands=fake_commands(),
+        stream_idle_timeout_s=42, commands=fake_commands(),
     )
     with mesh.start(events.append):
         assert list(mesh.services) == ["tokenizer", "cache", "engine-0", "engine-1", "router"]
@@ -59,6 +60,15 @@ def test_mesh_starts_in_order_serves_and_stops(tmp_path: Path) -> None:
         assert _flag_values(router_argv, "--cache") == [mesh.services["cache"].grpc_address]
         assert _flag_values(router_argv, "--engine") == [e.grpc_address for e in mesh.engines]
         assert _flag_values(router_argv, "--max-tokens-cap") == ["99"]
+        # Matching idle limits: the router's session limit is Envoy's idle timeout,
+        # and Envoy's timer is off for the generation routes.
+        assert _flag_values(router_argv, "--stream-idle-timeout") == ["42"]
+        envoy_config = yaml.safe_load((tmp_path / "envoy.yaml").read_text())
+        hcm = envoy_config["static_resources"]["listeners"][0]["filter_chains"][0][
+            "filters"][0]["typed_config"]
+        assert hcm["stream_idle_timeout"] == "42s"
+        routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+        assert [r["route"].get("idle_timeout") for r in routes] == ["0s", "0s", "0s", None]
         assert _flag_values(_argv(mesh, "tokenizer"), "--model-path") == ["/models/tiny.gguf"]
         assert _flag_values(_argv(mesh, "engine-1"), "--model-path") == ["/models/tiny.gguf"]
         assert _flag_values(_argv(mesh, "cache"), "--redis-url") == ["redis://127.0.0.1:1/0"]

@@ -248,6 +248,41 @@ def test_curl_json_post_through_envoy_returns_generated_text(mesh: Mesh) -> None
     assert messages[-1]["finish_reason"] in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
 
 
+@pytest.mark.parametrize(("body", "message"), [
+    ({"prompt": "Hi", "sampling": {"max_token": 3}},
+     'sampling.max_token: unknown field; did you mean "max_tokens"?'),
+    ({"prompt": "Hi", "n": 2}, "n: not supported: "),
+    ({"prompt": "Hi", "logprobs": True}, "logprobs: not supported: "),
+    ({"prompt": "Hi", "response_format": {"type": "json_object"}},
+     "response_format: not supported: "),
+])
+def test_json_with_an_unknown_field_is_400_naming_it(mesh: Mesh, body: dict, message: str) -> None:
+    out = subprocess.run(
+        ["curl", "-sS", "-w", "\n%{http_code}", "-X", "POST", f"{mesh.http_url}/v1/generate",
+         "-H", "content-type: application/json", "-d", json.dumps(body)],
+        capture_output=True, text=True, timeout=60, check=True)
+    reply, status = out.stdout.rsplit("\n", 1)
+    assert status == "400", reply
+    error = json.loads(reply)
+    assert error["code"] == 3 and error["message"].startswith(message)
+
+
+def test_oversized_x_request_id_is_a_client_error_not_a_retry(
+        mesh: Mesh, ingress_channel: grpc.Channel) -> None:
+    stub = generation_pb2_grpc.GenerationServiceStub(ingress_channel)
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stub.Generate(chat_request(max_tokens=4), timeout=30,
+                           metadata=(("x-request-id", "r" * 50_000),)))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details() == "x-request-id: must be at most 128 characters, got 50000"
+    out = subprocess.run(
+        ["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "-X", "POST",
+         f"{mesh.http_url}/v1/generate", "-H", "content-type: application/json",
+         "-H", "x-request-id: " + "r" * 50_000, "-d", '{"prompt": "Hi"}'],
+        capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout == "400"
+
+
 def test_list_models_through_envoy(ingress_channel: grpc.Channel) -> None:
     stub = generation_pb2_grpc.GenerationServiceStub(ingress_channel)
     models = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=10).models

@@ -29,8 +29,13 @@ def _hcm(config: dict) -> dict:
     return listener["filter_chains"][0]["filters"][0]["typed_config"]
 
 
+def _routes(config: dict) -> list[dict]:
+    return _hcm(config)["route_config"]["virtual_hosts"][0]["routes"]
+
+
 def _route(config: dict) -> dict:
-    return _hcm(config)["route_config"]["virtual_hosts"][0]["routes"][0]
+    """The catch-all route ``/`` (the last one)."""
+    return _routes(config)[-1]
 
 
 def _http_filter(config: dict, name: str) -> dict:
@@ -110,8 +115,37 @@ def test_route_timeouts_are_set_for_streams() -> None:
     assert route["route"]["max_stream_duration"] == {"grpc_timeout_header_max": "0s"}
     assert "per_try_timeout" not in route["route"]["retry_policy"]
     assert _hcm(config)["stream_idle_timeout"] == "300s"
+    assert "idle_timeout" not in route["route"]  # the connection manager's applies
     # codec_type AUTO is proto3's default (0), so the rendering omits it.
     assert _hcm(config).get("codec_type", "AUTO") == "AUTO"
+
+
+def test_generation_routes_have_no_envoy_idle_timeout() -> None:
+    # A request may wait silently in a queue and a GenerateStream idles between
+    # turns: the router owns those limits, so Envoy's idle timer is off for them.
+    routes = _routes(yaml.safe_load(CHECKED_IN.read_text()))
+    generation = {r["match"]["path"]: r["route"] for r in routes[:-1]}
+    assert set(generation) == {f"/llmesh.v1.GenerationService/{m}"
+                               for m in ("Generate", "GenerateJson", "GenerateStream")}
+    catch_all = _route(yaml.safe_load(CHECKED_IN.read_text()))["route"]
+    for action in generation.values():
+        assert action["idle_timeout"] == "0s"
+        assert {k: v for k, v in action.items() if k != "idle_timeout"} == catch_all
+
+
+def test_header_limits_are_set_deliberately() -> None:
+    hcm = _hcm(yaml.safe_load(CHECKED_IN.read_text()))
+    assert hcm["max_request_headers_kb"] == 96
+    # One large header meets the same limit as many (HPACK's own default is 64 KiB).
+    assert hcm["http2_protocol_options"]["max_header_field_size_kb"] == 96
+
+
+def test_unknown_query_parameters_are_rejected() -> None:
+    transcoder = _http_filter(yaml.safe_load(CHECKED_IN.read_text()),
+                              "envoy.filters.http.grpc_json_transcoder")
+    assert transcoder["request_validation_options"] == {
+        "reject_unknown_method": True, "reject_unknown_query_parameters": True}
+    assert "ignore_unknown_query_parameters" not in transcoder
 
 
 def test_stream_idle_timeout_follows_settings() -> None:

@@ -216,3 +216,41 @@ def test_speculative_params_are_validated_and_kept():
                           prompt="Hi", speculative=common_pb2.SpeculativeParams(
                               num_speculative_tokens=count))
         assert "[1, 16]" in message
+
+
+# --------------------------------------------------------------------------- #
+# Unknown field numbers (a client built from a newer proto) and x-request-id
+
+
+def _with_unknown(message, number: int):
+    """``message`` reparsed with a varint field ``number`` appended (unknown to it)."""
+    raw = message.SerializeToString() + bytes([number << 3, 1]) if number < 16 else \
+        message.SerializeToString() + bytes([(number << 3) & 0x7F | 0x80, number >> 4, 1])
+    return type(message).FromString(raw)
+
+
+def test_unknown_field_numbers_are_refused_with_their_path():
+    request = _with_unknown(generation_pb2.GenerateRequest(prompt="Hi"), 50)
+    with pytest.raises(InvalidRequestError) as info:
+        validate_request(request, request_id="rid", models=MODELS, default_model="tiny")
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(info.value).startswith("request: unknown field number 50: "
+                                      "llmesh.v1.GenerateRequest on this server has no such field")
+    message = _with_unknown(common_pb2.ChatMessage(role="user", content="x"), 9)
+    request = generation_pb2.GenerateRequest(chat=generation_pb2.Chat(messages=[
+        common_pb2.ChatMessage(role="system", content="y"), message]))
+    with pytest.raises(InvalidRequestError) as info:
+        validate_request(request, request_id="rid", models=MODELS, default_model="tiny")
+    assert info.value.field == "chat.messages[1]"
+    assert "unknown field number 9: llmesh.v1.ChatMessage" in str(info.value)
+
+
+def test_x_request_id_is_checked_and_named():
+    ok = validate_request(generation_pb2.GenerateRequest(prompt="Hi"), request_id="rid",
+                          models=MODELS, default_model="tiny", header_request_id="a" * 128)
+    assert ok.request_id == "rid"
+    with pytest.raises(InvalidRequestError) as info:
+        validate_request(generation_pb2.GenerateRequest(prompt="Hi"), request_id="rid",
+                         models=MODELS, default_model="tiny", header_request_id="a" * 129)
+    assert str(info.value) == "x-request-id: must be at most 128 characters, got 129"
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT

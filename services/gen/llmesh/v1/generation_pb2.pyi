@@ -4,6 +4,7 @@ isort:skip_file
 """
 
 from collections import abc as _abc
+from google.api import httpbody_pb2 as _httpbody_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
@@ -103,6 +104,33 @@ class GenerateRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class GenerateJsonRequest(_message.Message):
+    """The HTTP request behind `POST /v1/generate`, as Envoy's transcoder passes it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BODY_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def body(self) -> _httpbody_pb2.HttpBody:
+        """The raw body: a GenerateRequest in proto3 JSON (proto field names or
+        lowerCamelCase). Unknown fields are refused, with their path
+        (`sampling.max_token`).
+        """
+
+    def __init__(
+        self,
+        *,
+        body: _httpbody_pb2.HttpBody | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateJsonRequest: _TypeAlias = GenerateJsonRequest  # noqa: Y015
 
 @_typing.final
 class GenerateResponse(_message.Message):

@@ -40,6 +40,11 @@ class GenerationServiceStub:
                 request_serializer=llmesh_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=llmesh_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateJson = channel.unary_stream(
+                '/llmesh.v1.GenerationService/GenerateJson',
+                request_serializer=llmesh_dot_v1_dot_generation__pb2.GenerateJsonRequest.SerializeToString,
+                response_deserializer=llmesh_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.GenerateStream = channel.stream_stream(
                 '/llmesh.v1.GenerationService/GenerateStream',
                 request_serializer=llmesh_dot_v1_dot_generation__pb2.GenerateStreamRequest.SerializeToString,
@@ -61,7 +66,26 @@ class GenerationServiceServicer:
         INVALID_ARGUMENT / OUT_OF_RANGE for bad fields (the message names the
         field; an unknown model is INVALID_ARGUMENT on `model`), RESOURCE_EXHAUSTED when admission
         control refuses, UNAVAILABLE when no engine can take the request,
-        DEADLINE_EXCEEDED when the call's deadline passes.
+        DEADLINE_EXCEEDED when the call's deadline passes. A request waiting in a
+        queue before its first token is not cut by any idle timer. Field numbers
+        this server does not know (a client built from a newer proto) are
+        INVALID_ARGUMENT naming them, as is an `x-request-id` header over 128
+        characters.
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateJson(self, request, context):
+        """Generate for JSON clients: `POST /v1/generate` with a GenerateRequest in
+        proto3 JSON as the body; the answer is the same stream (one JSON array
+        through Envoy). The router parses the body itself, strictly: a field the
+        API does not have (a misspelt `max_token`, or `n`, `logprobs`,
+        `response_format`, which do not exist yet) is INVALID_ARGUMENT naming it
+        (HTTP 400), never silently dropped. Then the same errors as Generate.
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -70,6 +94,13 @@ class GenerationServiceServicer:
     def GenerateStream(self, request_iterator, context):
         """Bidirectional variant: send `start`, read deltas, send `cancel` at any
         time; after a generation ends, the same stream may `start` the next one.
+        Session idle limit: a stream with no generation running and no client
+        message for the router's `--stream-idle-timeout` (default 300 s; before
+        the first `start` or between turns) ends with DEADLINE_EXCEEDED, message
+        "session idle limit reached: ... for 300 s ..."; open a new stream then.
+        A running generation is never idle, however long it waits in a queue:
+        no proxy timer cuts it (it ends by its result, the call's deadline, or
+        RESOURCE_EXHAUSTED from admission).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -88,6 +119,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=llmesh_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=llmesh_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateJson': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateJson,
+                    request_deserializer=llmesh_dot_v1_dot_generation__pb2.GenerateJsonRequest.FromString,
                     response_serializer=llmesh_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
             'GenerateStream': grpc.stream_stream_rpc_method_handler(
@@ -128,6 +164,33 @@ class GenerationService:
             target,
             '/llmesh.v1.GenerationService/Generate',
             llmesh_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+            llmesh_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateJson(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/llmesh.v1.GenerationService/GenerateJson',
+            llmesh_dot_v1_dot_generation__pb2.GenerateJsonRequest.SerializeToString,
             llmesh_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,

@@ -38,11 +38,33 @@ class GenerationServiceStub:
     INVALID_ARGUMENT / OUT_OF_RANGE for bad fields (the message names the
     field; an unknown model is INVALID_ARGUMENT on `model`), RESOURCE_EXHAUSTED when admission
     control refuses, UNAVAILABLE when no engine can take the request,
-    DEADLINE_EXCEEDED when the call's deadline passes.
+    DEADLINE_EXCEEDED when the call's deadline passes. A request waiting in a
+    queue before its first token is not cut by any idle timer. Field numbers
+    this server does not know (a client built from a newer proto) are
+    INVALID_ARGUMENT naming them, as is an `x-request-id` header over 128
+    characters.
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+    """
+    GenerateJson: _grpc.UnaryStreamMultiCallable[_generation_pb2.GenerateJsonRequest, _generation_pb2.GenerateResponse]
+    """Generate for JSON clients: `POST /v1/generate` with a GenerateRequest in
+    proto3 JSON as the body; the answer is the same stream (one JSON array
+    through Envoy). The router parses the body itself, strictly: a field the
+    API does not have (a misspelt `max_token`, or `n`, `logprobs`,
+    `response_format`, which do not exist yet) is INVALID_ARGUMENT naming it
+    (HTTP 400), never silently dropped. Then the same errors as Generate.
+    buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     """
     GenerateStream: _grpc.StreamStreamMultiCallable[_generation_pb2.GenerateStreamRequest, _generation_pb2.GenerateStreamResponse]
     """Bidirectional variant: send `start`, read deltas, send `cancel` at any
     time; after a generation ends, the same stream may `start` the next one.
+    Session idle limit: a stream with no generation running and no client
+    message for the router's `--stream-idle-timeout` (default 300 s; before
+    the first `start` or between turns) ends with DEADLINE_EXCEEDED, message
+    "session idle limit reached: ... for 300 s ..."; open a new stream then.
+    A running generation is never idle, however long it waits in a queue:
+    no proxy timer cuts it (it ends by its result, the call's deadline, or
+    RESOURCE_EXHAUSTED from admission).
     """
     ListModels: _grpc.UnaryUnaryMultiCallable[_generation_pb2.ListModelsRequest, _generation_pb2.ListModelsResponse]
     """Lists the models this mesh serves."""
@@ -57,11 +79,33 @@ class GenerationServiceAsyncStub(GenerationServiceStub):
     INVALID_ARGUMENT / OUT_OF_RANGE for bad fields (the message names the
     field; an unknown model is INVALID_ARGUMENT on `model`), RESOURCE_EXHAUSTED when admission
     control refuses, UNAVAILABLE when no engine can take the request,
-    DEADLINE_EXCEEDED when the call's deadline passes.
+    DEADLINE_EXCEEDED when the call's deadline passes. A request waiting in a
+    queue before its first token is not cut by any idle timer. Field numbers
+    this server does not know (a client built from a newer proto) are
+    INVALID_ARGUMENT naming them, as is an `x-request-id` header over 128
+    characters.
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+    """
+    GenerateJson: _aio.UnaryStreamMultiCallable[_generation_pb2.GenerateJsonRequest, _generation_pb2.GenerateResponse]  # type: ignore[assignment]
+    """Generate for JSON clients: `POST /v1/generate` with a GenerateRequest in
+    proto3 JSON as the body; the answer is the same stream (one JSON array
+    through Envoy). The router parses the body itself, strictly: a field the
+    API does not have (a misspelt `max_token`, or `n`, `logprobs`,
+    `response_format`, which do not exist yet) is INVALID_ARGUMENT naming it
+    (HTTP 400), never silently dropped. Then the same errors as Generate.
+    buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     """
     GenerateStream: _aio.StreamStreamMultiCallable[_generation_pb2.GenerateStreamRequest, _generation_pb2.GenerateStreamResponse]  # type: ignore[assignment]
     """Bidirectional variant: send `start`, read deltas, send `cancel` at any
     time; after a generation ends, the same stream may `start` the next one.
+    Session idle limit: a stream with no generation running and no client
+    message for the router's `--stream-idle-timeout` (default 300 s; before
+    the first `start` or between turns) ends with DEADLINE_EXCEEDED, message
+    "session idle limit reached: ... for 300 s ..."; open a new stream then.
+    A running generation is never idle, however long it waits in a queue:
+    no proxy timer cuts it (it ends by its result, the call's deadline, or
+    RESOURCE_EXHAUSTED from admission).
     """
     ListModels: _aio.UnaryUnaryMultiCallable[_generation_pb2.ListModelsRequest, _generation_pb2.ListModelsResponse]  # type: ignore[assignment]
     """Lists the models this mesh serves."""
@@ -79,7 +123,28 @@ class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
         INVALID_ARGUMENT / OUT_OF_RANGE for bad fields (the message names the
         field; an unknown model is INVALID_ARGUMENT on `model`), RESOURCE_EXHAUSTED when admission
         control refuses, UNAVAILABLE when no engine can take the request,
-        DEADLINE_EXCEEDED when the call's deadline passes.
+        DEADLINE_EXCEEDED when the call's deadline passes. A request waiting in a
+        queue before its first token is not cut by any idle timer. Field numbers
+        this server does not know (a client built from a newer proto) are
+        INVALID_ARGUMENT naming them, as is an `x-request-id` header over 128
+        characters.
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        """
+
+    @_abc_1.abstractmethod
+    def GenerateJson(
+        self,
+        request: _generation_pb2.GenerateJsonRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_generation_pb2.GenerateResponse], _abc.AsyncIterator[_generation_pb2.GenerateResponse]]:
+        """Generate for JSON clients: `POST /v1/generate` with a GenerateRequest in
+        proto3 JSON as the body; the answer is the same stream (one JSON array
+        through Envoy). The router parses the body itself, strictly: a field the
+        API does not have (a misspelt `max_token`, or `n`, `logprobs`,
+        `response_format`, which do not exist yet) is INVALID_ARGUMENT naming it
+        (HTTP 400), never silently dropped. Then the same errors as Generate.
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
 
     @_abc_1.abstractmethod
@@ -90,6 +155,13 @@ class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_generation_pb2.GenerateStreamResponse], _abc.AsyncIterator[_generation_pb2.GenerateStreamResponse]]:
         """Bidirectional variant: send `start`, read deltas, send `cancel` at any
         time; after a generation ends, the same stream may `start` the next one.
+        Session idle limit: a stream with no generation running and no client
+        message for the router's `--stream-idle-timeout` (default 300 s; before
+        the first `start` or between turns) ends with DEADLINE_EXCEEDED, message
+        "session idle limit reached: ... for 300 s ..."; open a new stream then.
+        A running generation is never idle, however long it waits in a queue:
+        no proxy timer cuts it (it ends by its result, the call's deadline, or
+        RESOURCE_EXHAUSTED from admission).
         """
 
     @_abc_1.abstractmethod
