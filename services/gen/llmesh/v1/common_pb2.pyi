@@ -114,7 +114,10 @@ class ChatMessage(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
     role: _builtins.str
-    """"system", "user", "assistant" or "tool"; any role the model's chat template knows."""
+    """One of the roles the model's chat template accepts: "system", "user",
+    "assistant" or "tool" unless the tokenizer service is configured otherwise
+    (GetTokenizerInfoResponse.chat_roles). Another role is INVALID_ARGUMENT.
+    """
     content: _builtins.str
     """UTF-8 text of the turn."""
     def __init__(

@@ -27,6 +27,15 @@ class Chat(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MESSAGES_FIELD_NUMBER: _builtins.int
+    ALLOW_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    allow_special_tokens: _builtins.bool
+    """Parse special-token text inside message content (e.g. "<|im_end|>") into
+    the model's control tokens. Default false: content is tokenized as plain
+    text, so only the chat template's own markup makes control tokens and a
+    message cannot forge a turn (e.g. a fake system message). Set it only
+    when every message's content is trusted. (A raw `prompt` always has its
+    special-token text parsed: the caller writes the whole prompt.)
+    """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]:
         """The conversation, oldest first. Oldest non-system turns are dropped when
@@ -37,10 +46,11 @@ class Chat(_message.Message):
         self,
         *,
         messages: _abc.Iterable[_common_pb2.ChatMessage] | None = ...,
+        allow_special_tokens: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_special_tokens", b"allow_special_tokens", "messages", b"messages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from llmesh.v1 import common_pb2 as llmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19llmesh/v1/tokenizer.proto\x12\tllmesh.v1\x1a\x16llmesh/v1/common.proto\"S\n\x0fTokenizeRequest\x12\x12\n\x04text\x18\x01 \x01(\tR\x04text\x12,\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08R\x10\x61\x64\x64SpecialTokens\"/\n\x10TokenizeResponse\x12\x1b\n\ttoken_ids\x18\x01 \x03(\x05R\x08tokenIds\"\xae\x01\n\x18\x41pplyChatTemplateRequest\x12\x32\n\x08messages\x18\x01 \x03(\x0b\x32\x16.llmesh.v1.ChatMessageR\x08messages\x12\x32\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08R\x13\x61\x64\x64GenerationPrompt\x12*\n\x11max_prompt_tokens\x18\x03 \x01(\rR\x0fmaxPromptTokens\"j\n\x19\x41pplyChatTemplateResponse\x12\x1b\n\ttoken_ids\x18\x01 \x03(\x05R\x08tokenIds\x12\x30\n\x14num_dropped_messages\x18\x02 \x01(\rR\x12numDroppedMessages\"\x9e\x01\n\x11\x44\x65tokenizeRequest\x12\x1b\n\ttoken_ids\x18\x01 \x03(\x05R\x08tokenIds\x12.\n\x13skip_special_tokens\x18\x02 \x01(\x08R\x11skipSpecialTokens\x12\x14\n\x05\x66lush\x18\x03 \x01(\x08R\x05\x66lush\x12&\n\x0ftoken_text_ends\x18\x04 \x01(\x08R\rtokenTextEnds\"P\n\x12\x44\x65tokenizeResponse\x12\x12\n\x04text\x18\x01 \x01(\tR\x04text\x12&\n\x0ftoken_text_ends\x18\x02 \x03(\rR\rtokenTextEnds\"\x19\n\x17GetTokenizerInfoRequest\"\xd7\x01\n\x18GetTokenizerInfoResponse\x12\x14\n\x05model\x18\x01 \x01(\tR\x05model\x12\x1d\n\nvocab_size\x18\x02 \x01(\rR\tvocabSize\x12\"\n\reos_token_ids\x18\x03 \x03(\x05R\x0b\x65osTokenIds\x12%\n\x0c\x62os_token_id\x18\x04 \x01(\x05H\x00R\nbosTokenId\x88\x01\x01\x12*\n\x11has_chat_template\x18\x05 \x01(\x08R\x0fhasChatTemplateB\x0f\n\r_bos_token_id2\xe3\x02\n\x10TokenizerService\x12\x43\n\x08Tokenize\x12\x1a.llmesh.v1.TokenizeRequest\x1a\x1b.llmesh.v1.TokenizeResponse\x12^\n\x11\x41pplyChatTemplate\x12#.llmesh.v1.ApplyChatTemplateRequest\x1a$.llmesh.v1.ApplyChatTemplateResponse\x12M\n\nDetokenize\x12\x1c.llmesh.v1.DetokenizeRequest\x1a\x1d.llmesh.v1.DetokenizeResponse(\x01\x30\x01\x12[\n\x10GetTokenizerInfo\x12\".llmesh.v1.GetTokenizerInfoRequest\x1a#.llmesh.v1.GetTokenizerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19llmesh/v1/tokenizer.proto\x12\tllmesh.v1\x1a\x16llmesh/v1/common.proto\"S\n\x0fTokenizeRequest\x12\x12\n\x04text\x18\x01 \x01(\tR\x04text\x12,\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08R\x10\x61\x64\x64SpecialTokens\"/\n\x10TokenizeResponse\x12\x1b\n\ttoken_ids\x18\x01 \x03(\x05R\x08tokenIds\"\xe0\x01\n\x18\x41pplyChatTemplateRequest\x12\x32\n\x08messages\x18\x01 \x03(\x0b\x32\x16.llmesh.v1.ChatMessageR\x08messages\x12\x32\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08R\x13\x61\x64\x64GenerationPrompt\x12*\n\x11max_prompt_tokens\x18\x03 \x01(\rR\x0fmaxPromptTokens\x12\x30\n\x14\x61llow_special_tokens\x18\x04 \x01(\x08R\x12\x61llowSpecialTokens\"j\n\x19\x41pplyChatTemplateResponse\x12\x1b\n\ttoken_ids\x18\x01 \x03(\x05R\x08tokenIds\x12\x30\n\x14num_dropped_messages\x18\x02 \x01(\rR\x12numDroppedMessages\"\x9e\x01\n\x11\x44\x65tokenizeRequest\x12\x1b\n\ttoken_ids\x18\x01 \x03(\x05R\x08tokenIds\x12.\n\x13skip_special_tokens\x18\x02 \x01(\x08R\x11skipSpecialTokens\x12\x14\n\x05\x66lush\x18\x03 \x01(\x08R\x05\x66lush\x12&\n\x0ftoken_text_ends\x18\x04 \x01(\x08R\rtokenTextEnds\"P\n\x12\x44\x65tokenizeResponse\x12\x12\n\x04text\x18\x01 \x01(\tR\x04text\x12&\n\x0ftoken_text_ends\x18\x02 \x03(\rR\rtokenTextEnds\"\x19\n\x17GetTokenizerInfoRequest\"\xf6\x01\n\x18GetTokenizerInfoResponse\x12\x14\n\x05model\x18\x01 \x01(\tR\x05model\x12\x1d\n\nvocab_size\x18\x02 \x01(\rR\tvocabSize\x12\"\n\reos_token_ids\x18\x03 \x03(\x05R\x0b\x65osTokenIds\x12%\n\x0c\x62os_token_id\x18\x04 \x01(\x05H\x00R\nbosTokenId\x88\x01\x01\x12*\n\x11has_chat_template\x18\x05 \x01(\x08R\x0fhasChatTemplate\x12\x1d\n\nchat_roles\x18\x06 \x03(\tR\tchatRolesB\x0f\n\r_bos_token_id2\xe3\x02\n\x10TokenizerService\x12\x43\n\x08Tokenize\x12\x1a.llmesh.v1.TokenizeRequest\x1a\x1b.llmesh.v1.TokenizeResponse\x12^\n\x11\x41pplyChatTemplate\x12#.llmesh.v1.ApplyChatTemplateRequest\x1a$.llmesh.v1.ApplyChatTemplateResponse\x12M\n\nDetokenize\x12\x1c.llmesh.v1.DetokenizeRequest\x1a\x1d.llmesh.v1.DetokenizeResponse(\x01\x30\x01\x12[\n\x10GetTokenizerInfo\x12\".llmesh.v1.GetTokenizerInfoRequest\x1a#.llmesh.v1.GetTokenizerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,17 +37,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIZERESPONSE']._serialized_start=149
   _globals['_TOKENIZERESPONSE']._serialized_end=196
   _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_start=199
-  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_end=373
-  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_start=375
-  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_end=481
-  _globals['_DETOKENIZEREQUEST']._serialized_start=484
-  _globals['_DETOKENIZEREQUEST']._serialized_end=642
-  _globals['_DETOKENIZERESPONSE']._serialized_start=644
-  _globals['_DETOKENIZERESPONSE']._serialized_end=724
-  _globals['_GETTOKENIZERINFOREQUEST']._serialized_start=726
-  _globals['_GETTOKENIZERINFOREQUEST']._serialized_end=751
-  _globals['_GETTOKENIZERINFORESPONSE']._serialized_start=754
-  _globals['_GETTOKENIZERINFORESPONSE']._serialized_end=969
-  _globals['_TOKENIZERSERVICE']._serialized_start=972
-  _globals['_TOKENIZERSERVICE']._serialized_end=1327
+  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_end=423
+  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_start=425
+  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_end=531
+  _globals['_DETOKENIZEREQUEST']._serialized_start=534
+  _globals['_DETOKENIZEREQUEST']._serialized_end=692
+  _globals['_DETOKENIZERESPONSE']._serialized_start=694
+  _globals['_DETOKENIZERESPONSE']._serialized_end=774
+  _globals['_GETTOKENIZERINFOREQUEST']._serialized_start=776
+  _globals['_GETTOKENIZERINFOREQUEST']._serialized_end=801
+  _globals['_GETTOKENIZERINFORESPONSE']._serialized_start=804
+  _globals['_GETTOKENIZERINFORESPONSE']._serialized_end=1050
+  _globals['_TOKENIZERSERVICE']._serialized_start=1053
+  _globals['_TOKENIZERSERVICE']._serialized_end=1408
 # @@protoc_insertion_point(module_scope)

@@ -28,7 +28,10 @@ class TokenizeRequest(_message.Message):
     text: _builtins.str
     """UTF-8 text."""
     add_special_tokens: _builtins.bool
-    """Add the model's BOS/special tokens as its tokenizer config says."""
+    """Add the model's BOS/special tokens as its tokenizer config says.
+    Special-token text in `text` (e.g. "<|im_end|>") always becomes the
+    special token: the caller writes the whole prompt, markup included.
+    """
     def __init__(
         self,
         *,
@@ -70,11 +73,19 @@ class ApplyChatTemplateRequest(_message.Message):
     MESSAGES_FIELD_NUMBER: _builtins.int
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _builtins.int
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    ALLOW_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     add_generation_prompt: _builtins.bool
     """Append the assistant turn's header so the model answers."""
     max_prompt_tokens: _builtins.int
     """Token budget for the prompt; 0 means no limit. Oldest non-system
     messages are dropped until the prompt fits.
+    """
+    allow_special_tokens: _builtins.bool
+    """Parse special-token text inside message content into special tokens (a
+    literal "<|im_end|>" in a message then ends its turn). Default false:
+    content is tokenized as plain text, so only the template's own markup
+    produces control tokens and a message cannot forge another turn. Set it
+    only when every message's content comes from a trusted source.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]:
@@ -86,10 +97,11 @@ class ApplyChatTemplateRequest(_message.Message):
         messages: _abc.Iterable[_common_pb2.ChatMessage] | None = ...,
         add_generation_prompt: _builtins.bool = ...,
         max_prompt_tokens: _builtins.int = ...,
+        allow_special_tokens: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_generation_prompt", b"add_generation_prompt", "max_prompt_tokens", b"max_prompt_tokens", "messages", b"messages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_generation_prompt", b"add_generation_prompt", "allow_special_tokens", b"allow_special_tokens", "max_prompt_tokens", b"max_prompt_tokens", "messages", b"messages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -215,6 +227,7 @@ class GetTokenizerInfoResponse(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     BOS_TOKEN_ID_FIELD_NUMBER: _builtins.int
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    CHAT_ROLES_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Name of the tokenizer's model."""
     vocab_size: _builtins.int
@@ -222,6 +235,12 @@ class GetTokenizerInfoResponse(_message.Message):
     has_chat_template: _builtins.bool
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def chat_roles(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The message roles ApplyChatTemplate accepts (empty without a chat
+        template); by default "system", "user", "assistant" and "tool".
+        """
+
     def __init__(
         self,
         *,
@@ -230,10 +249,11 @@ class GetTokenizerInfoResponse(_message.Message):
         eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         bos_token_id: _builtins.int | None = ...,
         has_chat_template: _builtins.bool = ...,
+        chat_roles: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "bos_token_id", b"bos_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "bos_token_id", b"bos_token_id", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "model", b"model", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id", "bos_token_id", b"bos_token_id", "chat_roles", b"chat_roles", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "model", b"model", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__bos_token_id: _TypeAlias = _typing.Literal["bos_token_id"]  # noqa: Y015
     _WhichOneofArgType__bos_token_id: _TypeAlias = _typing.Literal["_bos_token_id", b"_bos_token_id"]  # noqa: Y015

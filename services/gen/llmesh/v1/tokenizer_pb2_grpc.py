@@ -70,8 +70,10 @@ class TokenizerServiceServicer:
 
     def ApplyChatTemplate(self, request, context):
         """Chat messages to prompt token ids through the model's chat template.
-        FAILED_PRECONDITION when the model has no chat template; OUT_OF_RANGE when
-        even the last message alone does not fit max_prompt_tokens.
+        INVALID_ARGUMENT for a role outside GetTokenizerInfoResponse.chat_roles or
+        a conversation the template refuses; FAILED_PRECONDITION when the model
+        has no chat template; OUT_OF_RANGE when even the last message alone does
+        not fit max_prompt_tokens.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -37,8 +37,10 @@ class TokenizerServiceStub:
     """Text to token ids."""
     ApplyChatTemplate: _grpc.UnaryUnaryMultiCallable[_tokenizer_pb2.ApplyChatTemplateRequest, _tokenizer_pb2.ApplyChatTemplateResponse]
     """Chat messages to prompt token ids through the model's chat template.
-    FAILED_PRECONDITION when the model has no chat template; OUT_OF_RANGE when
-    even the last message alone does not fit max_prompt_tokens.
+    INVALID_ARGUMENT for a role outside GetTokenizerInfoResponse.chat_roles or
+    a conversation the template refuses; FAILED_PRECONDITION when the model
+    has no chat template; OUT_OF_RANGE when even the last message alone does
+    not fit max_prompt_tokens.
     """
     Detokenize: _grpc.StreamStreamMultiCallable[_tokenizer_pb2.DetokenizeRequest, _tokenizer_pb2.DetokenizeResponse]
     """Incremental detokenization: one response per request message, carrying the
@@ -56,8 +58,10 @@ class TokenizerServiceAsyncStub(TokenizerServiceStub):
     """Text to token ids."""
     ApplyChatTemplate: _aio.UnaryUnaryMultiCallable[_tokenizer_pb2.ApplyChatTemplateRequest, _tokenizer_pb2.ApplyChatTemplateResponse]  # type: ignore[assignment]
     """Chat messages to prompt token ids through the model's chat template.
-    FAILED_PRECONDITION when the model has no chat template; OUT_OF_RANGE when
-    even the last message alone does not fit max_prompt_tokens.
+    INVALID_ARGUMENT for a role outside GetTokenizerInfoResponse.chat_roles or
+    a conversation the template refuses; FAILED_PRECONDITION when the model
+    has no chat template; OUT_OF_RANGE when even the last message alone does
+    not fit max_prompt_tokens.
     """
     Detokenize: _aio.StreamStreamMultiCallable[_tokenizer_pb2.DetokenizeRequest, _tokenizer_pb2.DetokenizeResponse]  # type: ignore[assignment]
     """Incremental detokenization: one response per request message, carrying the
@@ -84,8 +88,10 @@ class TokenizerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_tokenizer_pb2.ApplyChatTemplateResponse, _abc.Awaitable[_tokenizer_pb2.ApplyChatTemplateResponse]]:
         """Chat messages to prompt token ids through the model's chat template.
-        FAILED_PRECONDITION when the model has no chat template; OUT_OF_RANGE when
-        even the last message alone does not fit max_prompt_tokens.
+        INVALID_ARGUMENT for a role outside GetTokenizerInfoResponse.chat_roles or
+        a conversation the template refuses; FAILED_PRECONDITION when the model
+        has no chat template; OUT_OF_RANGE when even the last message alone does
+        not fit max_prompt_tokens.
         """
 
     @_abc_1.abstractmethod
