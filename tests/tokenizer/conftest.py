@@ -9,7 +9,11 @@ from collections.abc import Iterator
 import pytest
 
 from services.common.model_files import default_model_path
-from services.tokenizer.model_parts import GEMMA3_270M_PACKAGE, gemma3_270m_gguf_path
+from services.tokenizer.model_parts import (
+    GEMMA3_270M_PACKAGE,
+    GEMMA3_CHAT_TEMPLATE,
+    gemma3_270m_gguf_path,
+)
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.tokenizer import Tokenizer
 from tests.tokenizer.tokenizer_helpers import Client, ServerThread, start_server
@@ -32,6 +36,14 @@ def gemma() -> Tokenizer:
 
 
 @pytest.fixture(scope="session")
+def gemma_chat(gemma: Tokenizer) -> Tokenizer:
+    """Gemma 3 270M's tokenizer with Gemma 3's instruction-tuned chat template
+    (``GEMMA3_CHAT_TEMPLATE``; the base GGUF has none)."""
+    return Tokenizer(gemma.hf_tokenizer, "gemma-3-270m-chat",
+                     chat_template=GEMMA3_CHAT_TEMPLATE.read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="session")
 def smollm_server(smollm: Tokenizer) -> Iterator[tuple[ServerThread, TokenizerMetrics]]:
     server, metrics = start_server(smollm)
     yield server, metrics
@@ -46,6 +58,13 @@ def gemma_server(gemma: Tokenizer) -> Iterator[tuple[ServerThread, TokenizerMetr
 
 
 @pytest.fixture(scope="session")
+def gemma_chat_server(gemma_chat: Tokenizer) -> Iterator[tuple[ServerThread, TokenizerMetrics]]:
+    server, metrics = start_server(gemma_chat)
+    yield server, metrics
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def smollm_client(smollm_server: tuple[ServerThread, TokenizerMetrics]) -> Iterator[Client]:
     client = Client(smollm_server[0].target)
     yield client
@@ -55,5 +74,13 @@ def smollm_client(smollm_server: tuple[ServerThread, TokenizerMetrics]) -> Itera
 @pytest.fixture(scope="session")
 def gemma_client(gemma_server: tuple[ServerThread, TokenizerMetrics]) -> Iterator[Client]:
     client = Client(gemma_server[0].target)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def gemma_chat_client(
+        gemma_chat_server: tuple[ServerThread, TokenizerMetrics]) -> Iterator[Client]:
+    client = Client(gemma_chat_server[0].target)
     yield client
     client.close()

@@ -17,6 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 from services.tokenizer.__main__ import build_parser
+from services.tokenizer.model_parts import GEMMA3_CHAT_TEMPLATE
+from services.tokenizer.tokenizer import DEFAULT_CHAT_ROLES
 
 pytestmark = pytest.mark.model
 
@@ -31,6 +33,14 @@ def test_flags() -> None:
                                       "--encode-threads", "4", "--port", "7001"])
     assert (args.model_path, args.model_name, args.encode_threads, args.port) == (
         Path("/m.gguf"), "m", 4, 7001)
+    assert (args.chat_template, args.chat_roles) == (None, DEFAULT_CHAT_ROLES)
+    args = build_parser().parse_args(["--chat-template", str(GEMMA3_CHAT_TEMPLATE),
+                                      "--chat-roles", "system, user,assistant,developer"])
+    assert args.chat_template == GEMMA3_CHAT_TEMPLATE and GEMMA3_CHAT_TEMPLATE.is_file()
+    assert args.chat_roles == ("system", "user", "assistant", "developer")
+    for bad in (" , ", "user,a b"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--chat-roles", bad])
 
 
 def test_process_serves_and_drains_on_sigterm(tmp_path: Path) -> None:

@@ -107,10 +107,12 @@ class Client:
         return list(reply.token_ids)
 
     def chat(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True,
-             max_prompt_tokens: int = 0) -> tokenizer_pb2.ApplyChatTemplateResponse:
+             max_prompt_tokens: int = 0, allow_special_tokens: bool = False,
+             ) -> tokenizer_pb2.ApplyChatTemplateResponse:
         return self.stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(
             messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in messages],
             add_generation_prompt=add_generation_prompt, max_prompt_tokens=max_prompt_tokens,
+            allow_special_tokens=allow_special_tokens,
         ), timeout=30)
 
     def detokenize(self, chunks: Iterable[Sequence[int]], skip_special_tokens: bool = False,
