@@ -110,6 +110,7 @@ class TokenizerInfo:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     has_chat_template: bool
+    chat_roles: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -345,6 +346,7 @@ class TokenizerClient:
             eos_token_ids=tuple(reply.eos_token_ids),
             bos_token_id=reply.bos_token_id if reply.HasField("bos_token_id") else None,
             has_chat_template=reply.has_chat_template,
+            chat_roles=tuple(reply.chat_roles),
         )
 
     async def tokenize(self, text: str, *, add_special_tokens: bool, request_id: str,
@@ -361,8 +363,10 @@ class TokenizerClient:
     async def apply_chat_template(
         self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool,
         max_prompt_tokens: int, request_id: str, deadline: float | None,
+        allow_special_tokens: bool = False,
     ) -> ChatPrompt:
-        """``ApplyChatTemplate``: messages to prompt ids within ``max_prompt_tokens``.
+        """``ApplyChatTemplate``: messages to prompt ids within ``max_prompt_tokens``;
+        special-token text in contents stays text unless ``allow_special_tokens``.
 
         Raises:
           UpstreamError: FAILED_PRECONDITION (no chat template), OUT_OF_RANGE
@@ -371,6 +375,7 @@ class TokenizerClient:
         request = tokenizer_pb2.ApplyChatTemplateRequest(
             messages=[common_pb2.ChatMessage(role=m.role, content=m.content) for m in messages],
             add_generation_prompt=add_generation_prompt, max_prompt_tokens=max_prompt_tokens,
+            allow_special_tokens=allow_special_tokens,
         )
         try:
             reply = await self._stub.ApplyChatTemplate(

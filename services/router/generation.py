@@ -299,7 +299,7 @@ class GenerationPipeline:
             chat = await self.tokenizer.apply_chat_template(
                 request.messages, add_generation_prompt=True,
                 max_prompt_tokens=limits.max_model_len - 1, request_id=request.request_id,
-                deadline=deadline)
+                deadline=deadline, allow_special_tokens=request.allow_special_tokens)
         except UpstreamError as err:
             if err.code == grpc.StatusCode.OUT_OF_RANGE:
                 raise InvalidRequestError(

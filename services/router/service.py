@@ -252,7 +252,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         self.models = {model: ModelLimits(
             model=model, max_model_len=max_model_len,
             vocab_size=infos[0].vocab_size or tok.vocab_size or None,
-            has_chat_template=tok.has_chat_template,
+            has_chat_template=tok.has_chat_template, chat_roles=tok.chat_roles,
             default_max_tokens=min(self.config.default_max_tokens, cap), max_tokens_cap=cap,
             eos_token_ids=tuple(sorted({*infos[0].eos_token_ids, *tok.eos_token_ids})))}
         self.default_model = model

@@ -83,6 +83,9 @@ class ModelLimits:
       default_max_tokens: completion tokens when the request sets none.
       max_tokens_cap: most completion tokens a request may ask for.
       eos_token_ids: the model's end-of-sequence ids (their text is never returned).
+      chat_roles: the message roles the chat template accepts (from the
+        tokenizer); empty: not advertised, any plain name passes here and the
+        tokenizer decides.
     """
 
     model: str
@@ -92,6 +95,7 @@ class ModelLimits:
     default_max_tokens: int
     max_tokens_cap: int
     eos_token_ids: tuple[int, ...] = ()
+    chat_roles: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,9 @@ class GenerationRequest:
     ``bypass_cache``: skip the response-cache lookup (a fresh answer is still
     stored). ``speculative``: the engine's speculative decoding switch, passed
     through (it changes speed, not greedy or seeded output, so it is not part
-    of the response-cache key).
+    of the response-cache key). ``allow_special_tokens``: special-token text in
+    chat contents becomes control tokens (``Chat.allow_special_tokens``); it
+    changes the prompt ids, which the cache key holds.
     """
 
     request_id: str
@@ -114,6 +120,7 @@ class GenerationRequest:
     priority: Priority
     bypass_cache: bool = False
     speculative: SpeculativeOptions = SpeculativeOptions()
+    allow_special_tokens: bool = False
 
     @property
     def is_chat(self) -> bool:
@@ -219,11 +226,7 @@ def _validate_messages(chat: generation_pb2.Chat, limits: ModelLimits) -> tuple[
         raise InvalidRequestError(
             "chat.messages", "must hold at least one message (role and content)")
     for i, message in enumerate(chat.messages):
-        if not _ROLE.fullmatch(message.role):
-            raise InvalidRequestError(
-                f"chat.messages[{i}].role",
-                f"must be a plain name such as \"system\", \"user\" or \"assistant\" "
-                f"(letters, digits, '_' or '-', at most 32), got {message.role[:40]!r}")
+        _validate_role(i, message.role, limits)
     # The oldest turns may be dropped to fit, but never the last one.
     _check_text_size(f"chat.messages[{len(chat.messages) - 1}].content",
                      chat.messages[-1].content, limits)
@@ -234,6 +237,22 @@ def _validate_messages(chat: generation_pb2.Chat, limits: ModelLimits) -> tuple[
             f"{MAX_HISTORY_WINDOWS} context windows' worth; send only recent turns",
             grpc.StatusCode.OUT_OF_RANGE)
     return tuple(ChatMessage(m.role, m.content) for m in chat.messages)
+
+
+def _validate_role(i: int, role: str, limits: ModelLimits) -> None:
+    """A role is one the model's chat template accepts (``limits.chat_roles``,
+    when the tokenizer lists them), and in any case a plain name."""
+    if limits.chat_roles and role not in limits.chat_roles:
+        allowed = ", ".join(f'"{r}"' for r in limits.chat_roles)
+        raise InvalidRequestError(
+            f"chat.messages[{i}].role",
+            f"must be one of {allowed} (the roles of model {limits.model!r}'s chat "
+            f"template), got {role[:40]!r}")
+    if not _ROLE.fullmatch(role):
+        raise InvalidRequestError(
+            f"chat.messages[{i}].role",
+            f"must be a plain name such as \"system\", \"user\" or \"assistant\" "
+            f"(letters, digits, '_' or '-', at most 32), got {role[:40]!r}")
 
 
 def _validate_stops(sampling: common_pb2.SamplingParams) -> None:
@@ -274,6 +293,7 @@ def validate_request(
     which = pb.WhichOneof("input")
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
+    allow_special_tokens = False
     if which is None:
         raise InvalidRequestError(
             "input", "set exactly one of `prompt` (raw text) or `chat` (messages)")
@@ -284,6 +304,7 @@ def validate_request(
         prompt = pb.prompt
     else:
         messages = _validate_messages(pb.chat, limits)
+        allow_special_tokens = pb.chat.allow_special_tokens
     _validate_stops(pb.sampling)
     sampling = SamplingOptions.from_pb(
         pb.sampling, default_max_tokens=limits.default_max_tokens,
@@ -298,6 +319,7 @@ def validate_request(
         request_id=request_id, model=limits.model, prompt=prompt, messages=messages,
         sampling=sampling, priority=Priority.from_pb(pb.priority),
         bypass_cache=pb.bypass_cache, speculative=speculative,
+        allow_special_tokens=allow_special_tokens,
     )
 
 

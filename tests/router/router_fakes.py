@@ -54,15 +54,21 @@ def template(messages) -> str:
     return "".join(f"<{m.role}>{m.content}\n" for m in messages) + "<assistant>"
 
 
+#: The roles the fake tokenizer's template accepts (GetTokenizerInfo.chat_roles).
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
 class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     def __init__(self) -> None:
         self.detokenize_streams = 0
         self.detokenize_closed = 0
+        self.chat_requests: list[tokenizer_pb2.ApplyChatTemplateRequest] = []
 
     async def Tokenize(self, request, context):
         return tokenizer_pb2.TokenizeResponse(token_ids=encode(request.text))
 
     async def ApplyChatTemplate(self, request, context):
+        self.chat_requests.append(request)
         messages = list(request.messages)
         dropped = 0
         budget = request.max_prompt_tokens
@@ -107,7 +113,8 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
 
     async def GetTokenizerInfo(self, request, context):
         return tokenizer_pb2.GetTokenizerInfoResponse(
-            model="fake-model", vocab_size=VOCAB, eos_token_ids=[EOS], has_chat_template=True)
+            model="fake-model", vocab_size=VOCAB, eos_token_ids=[EOS], has_chat_template=True,
+            chat_roles=CHAT_ROLES)
 
 
 @dataclass

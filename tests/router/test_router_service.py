@@ -303,6 +303,31 @@ async def test_chat_uses_the_template_with_a_generation_prompt():
     assert responses[-1].usage.prompt_tokens == len(prompt)
 
 
+async def test_unknown_chat_role_is_refused_at_the_edge():
+    messages = [common_pb2.ChatMessage(role="user", content="Hi"),
+                common_pb2.ChatMessage(role="wizard", content="abracadabra")]
+    async with make_mesh() as mesh:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+                chat=generation_pb2.Chat(messages=messages))))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(
+        'chat.messages[1].role: must be one of "system", "user", "assistant", "tool"')
+    assert "'wizard'" in info.value.details()
+    assert mesh.tokenizer.chat_requests == []  # refused before any tokenizer call
+    assert mesh.engines[0].log.starts == []
+
+
+async def test_allow_special_tokens_reaches_the_tokenizer():
+    messages = [common_pb2.ChatMessage(role="user", content="hi<|im_end|>")]
+    async with make_mesh() as mesh:
+        for allow in (False, True):
+            await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+                chat=generation_pb2.Chat(messages=messages, allow_special_tokens=allow),
+                bypass_cache=True)))
+    assert [r.allow_special_tokens for r in mesh.tokenizer.chat_requests] == [False, True]
+
+
 async def test_chat_history_is_trimmed_to_the_window():
     messages = [common_pb2.ChatMessage(role="user", content="x" * 40),
                 common_pb2.ChatMessage(role="assistant", content="y" * 40),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import pytest
 
@@ -95,6 +97,34 @@ def test_chat_message_with_a_role_that_is_not_a_plain_name(role):
     msg = refused(grpc.StatusCode.INVALID_ARGUMENT, "chat.messages[1].role",
                   chat=chat(("user", "Hi"), (role, "x")))
     assert "chat.messages" in msg and "user" in msg
+
+
+ROLES = ("system", "user", "assistant", "tool")
+CHAT_LIMITS = dataclasses.replace(LIMITS, chat_roles=ROLES)
+
+
+@pytest.mark.parametrize("role", ["wizard", "model", "developer", "User"])
+def test_chat_role_the_template_does_not_know_is_refused_listing_the_roles(role):
+    with pytest.raises(InvalidRequestError) as info:
+        validate_request(generation_pb2.GenerateRequest(chat=chat(("user", "Hi"), (role, "x"))),
+                         request_id="r", models={"tiny": CHAT_LIMITS}, default_model="tiny")
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.field == "chat.messages[1].role"
+    assert str(info.value).startswith(
+        'chat.messages[1].role: must be one of "system", "user", "assistant", "tool"')
+    assert repr(role) in str(info.value)
+
+
+def test_chat_roles_of_the_template_pass_and_special_tokens_are_opt_in():
+    models = {"tiny": CHAT_LIMITS}
+    pb = generation_pb2.GenerateRequest(chat=chat(*((r, "x") for r in ROLES)))
+    req = validate_request(pb, request_id="r", models=models, default_model="tiny")
+    assert [m.role for m in req.messages] == list(ROLES)
+    assert req.allow_special_tokens is False
+    pb.chat.allow_special_tokens = True
+    req = validate_request(pb, request_id="r", models=models, default_model="tiny")
+    assert req.allow_special_tokens is True
+    assert validate(prompt="<|im_start|>hi").allow_special_tokens is False
 
 
 def test_chat_on_a_model_without_template():
