@@ -16,6 +16,11 @@ an :class:`EngineBackend` and streams its deltas back. Statuses:
 
 A ``cancel`` message or the client dropping the call finishes the sequence at
 once (the backend frees it at its next step).
+
+Logs: every admitted request writes exactly one ``request_finished`` line
+(``outcome``: stop, length, cancelled or error; its token counts; for a cancel,
+``cancelled_by``: ``cancel_message``, ``call_dropped`` or ``deadline_exceeded``),
+however it ends; a refused one writes ``request_rejected`` instead.
 """
 
 from __future__ import annotations
@@ -118,41 +123,40 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
                       context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[engine_pb2.EngineServiceGenerateResponse]:
         deltas = self._backend.generate(request)
-        watcher = asyncio.create_task(self._watch_client(request_iterator, request.request_id))
-        first = True
+        record = RequestRecord(len(request.prompt_token_ids))
+        watcher = asyncio.create_task(self._watch_client(request_iterator, request.request_id,
+                                                         record))
         # How the request ended if its last delta never reaches us: the client
-        # dropped the call (e.g. the router's cancel-then-drop), so the engine
-        # cancels the sequence; counted here since its last delta is not read.
-        unseen_end: FinishReason | None = FinishReason.CANCELLED
+        # dropped the call or its deadline passed (e.g. the router's
+        # cancel-then-drop), so the engine cancels the sequence.
+        unseen_end = FinishReason.CANCELLED
         try:
             async for delta in deltas:
-                self._metrics.observe_delta(delta, first)
-                first = False
-                if delta.finished:
-                    unseen_end = None
+                self._metrics.observe_delta(delta, record.num_deltas == 0)
+                record.seen(delta)
+                if delta.finished:  # before the yield: a drop there must not count it again
+                    record.finish(delta.finish_reason, record.cancelled_by, delta.error)
                 yield to_response(delta)
                 if delta.finished:
                     await self._after_last(delta, watcher, context)
         except (InvalidRequestError, EngineError) as exc:
-            unseen_end = None  # refused: never admitted
+            record.rejected(exc.code, str(exc))  # refused: never admitted
             await context.abort(exc.code, str(exc))
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
             unseen_end = FinishReason.ERROR
             log.exception("generate_failed")
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            record.error = f"{type(exc).__name__}: {exc}"
+            await context.abort(grpc.StatusCode.INTERNAL, record.error)
         finally:
             watcher.cancel()
             await deltas.aclose()
-            if unseen_end is not None:
+            if record.finish(unseen_end, _ended_by(context, record)):
                 self._metrics.observe_unseen_end(unseen_end)
 
     async def _after_last(self, delta: TokenDelta, watcher: asyncio.Task[str | None],
                           context: grpc.aio.ServicerContext) -> None:
-        log.info("request_finished", finish_reason=delta.finish_reason.name,
-                 prompt_tokens=delta.num_prompt_tokens,
-                 completion_tokens=delta.num_generated_tokens)
         if delta.finish_reason is FinishReason.ERROR:
             await context.abort(grpc.StatusCode.INTERNAL, delta.error or "the engine failed")
         finished = watcher.done() and not watcher.cancelled() and watcher.exception() is None
@@ -160,14 +164,19 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         if violation:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, violation)
 
-    async def _watch_client(self, request_iterator: _Requests, request_id: str) -> str | None:
+    async def _watch_client(self, request_iterator: _Requests, request_id: str,
+                            record: RequestRecord) -> str | None:
         """Reads the client's later messages: ``cancel`` cancels the sequence; a
-        second ``start`` cancels it and returns the protocol violation to report."""
+        second ``start`` cancels it and returns the protocol violation to report.
+        Notes the cause in ``record``."""
         try:
             async for message in request_iterator:
-                self._backend.cancel(request_id)
                 if message.WhichOneof("action") != "cancel":
+                    record.cancelled_by = "invalid_message"
+                    self._backend.cancel(request_id)
                     return "start: a Generate stream carries one request; send `cancel` to end it"
+                record.cancelled_by = "cancel_message"
+                self._backend.cancel(request_id)
                 return None
         except (grpc.RpcError, RuntimeError):  # the call ended under us
             pass
@@ -217,6 +226,73 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
                                 "the engine is draining; send the request to another replica")
         if not self._ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is loading its model")
+
+
+class RequestRecord:
+    """What one Generate call knows of its request, for its one log line.
+
+    Attributes:
+      num_prompt_tokens: the prompt's length.
+      num_generated_tokens, num_cached_tokens: the counts of the last delta read
+        (for a call that ended before its last delta: the tokens streamed on it).
+      num_deltas: deltas read.
+      cancelled_by: what asked the engine to cancel (``cancel_message``,
+        ``invalid_message``, ``call_dropped``, ``deadline_exceeded``; "" if nothing).
+      error: why the request failed ("" if it did not).
+      done: the line is written (or the request was refused).
+    """
+
+    __slots__ = ("num_prompt_tokens", "num_generated_tokens", "num_cached_tokens",
+                 "num_deltas", "cancelled_by", "error", "done")
+
+    def __init__(self, num_prompt_tokens: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_generated_tokens = self.num_cached_tokens = self.num_deltas = 0
+        self.cancelled_by = self.error = ""
+        self.done = False
+
+    def seen(self, delta: TokenDelta) -> None:
+        """Takes the counts of ``delta``, the latest read. Mutates."""
+        self.num_generated_tokens = delta.num_generated_tokens
+        self.num_cached_tokens = delta.num_cached_tokens
+        self.num_deltas += 1
+
+    def rejected(self, code: grpc.StatusCode, message: str) -> None:
+        """Logs ``request_rejected`` for a request the backend refused (queue
+        full, duplicate id, ...); no ``request_finished`` line follows. Mutates."""
+        self.done = True
+        log.info("request_rejected", code=code.name, error=message)
+
+    def finish(self, reason: FinishReason, cancelled_by: str = "", error: str = "") -> bool:
+        """Writes the ``request_finished`` line, unless written already.
+
+        Returns:
+          True if it wrote it now.
+        """
+        if self.done:
+            return False
+        self.done = True
+        fields: dict[str, object] = {}
+        if reason is FinishReason.CANCELLED and cancelled_by:
+            fields["cancelled_by"] = cancelled_by
+        if reason is FinishReason.ERROR:
+            fields["error"] = error or self.error or "the engine failed"
+        log.info("request_finished", outcome=reason.name.lower(), finish_reason=reason.name,
+                 prompt_tokens=self.num_prompt_tokens,
+                 completion_tokens=self.num_generated_tokens,
+                 cached_prompt_tokens=self.num_cached_tokens, **fields)
+        return True
+
+
+def _ended_by(context: grpc.aio.ServicerContext, record: RequestRecord) -> str:
+    """Why a call ended before its last delta: the cancel the client sent, its
+    deadline, or the client dropping it."""
+    if record.cancelled_by:
+        return record.cancelled_by
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        return "deadline_exceeded"
+    return "call_dropped"
 
 
 def to_response(delta: TokenDelta) -> engine_pb2.EngineServiceGenerateResponse:

@@ -1,5 +1,5 @@
 """EngineService through a real grpc.aio server on a loopback port: streaming,
-cancels, drops, every invalid input, drain, metrics."""
+cancels, drops, every invalid input, drain, metrics, the per-request log line."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
+import structlog
 
 from llmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine.metrics import EngineMetrics
@@ -314,3 +315,101 @@ async def test_speculative_params_are_validated_and_do_not_change_greedy_output(
         request.start.speculative.num_speculative_tokens = 3
         responses = await generate(engine_stub, request)
         assert [t for r in responses for t in r.token_ids] == list(CHAT_GREEDY)
+
+
+# ---- logs: one request_finished line per request, however it ends --------------
+
+
+def finished_lines(logs: list[dict], request_id: str) -> list[dict]:
+    return [e for e in logs
+            if e["event"] == "request_finished" and e.get("request_id") == request_id]
+
+
+async def settled_lines(logs: list[dict], request_id: str, within: float = 5.0) -> list[dict]:
+    """The request's ``request_finished`` lines, once one landed and a second would have."""
+    deadline = time.perf_counter() + within
+    while time.perf_counter() < deadline and not finished_lines(logs, request_id):
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.3)
+    return finished_lines(logs, request_id)
+
+
+async def end_request(stub: Stub, request_id: str, ending: str,
+                      torch_backend: TorchBackend, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Runs one request that ends the way ``ending`` says; returns the tokens read."""
+    long = start(request_id, max_tokens=MAX_TOKENS_CAP, ignore_eos=True)
+    if ending == "finished":
+        return len(tokens_of(await generate(stub, start(request_id, max_tokens=16))))
+    if ending == "cancel_message":
+        outgoing: asyncio.Queue = asyncio.Queue()
+        await outgoing.put(long)
+
+        async def requests() -> AsyncIterator[engine_pb2.EngineServiceGenerateRequest]:
+            while (item := await outgoing.get()) is not None:
+                yield item
+
+        responses = []
+        async for response in stub.Generate(requests()):
+            responses.append(response)
+            if len(responses) == 2:
+                await outgoing.put(CANCEL)
+        await outgoing.put(None)
+        return len(tokens_of(responses))
+    if ending == "call_dropped":
+        call = stub.Generate(messages(long))
+        read = len((await call.read()).token_ids) + len((await call.read()).token_ids)
+        call.cancel()
+        return read
+    if ending == "deadline_exceeded":
+        read = 0
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for response in stub.Generate(messages(long), timeout=0.5):
+                read += len(response.token_ids)
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        return read
+    assert ending == "error"
+    runner = torch_backend._loop._runner  # type: ignore[union-attr]
+    real = runner.run
+
+    def fail_once(inputs):  # the forward fails (e.g. out of memory); the engine lives
+        monkeypatch.setattr(runner, "run", real)
+        raise RuntimeError("injected forward failure")
+
+    monkeypatch.setattr(runner, "run", fail_once)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await generate(stub, long)
+    assert caught.value.code() == grpc.StatusCode.INTERNAL
+    return 0
+
+
+@pytest.mark.parametrize("ending", ["finished", "cancel_message", "call_dropped",
+                                    "deadline_exceeded", "error"])
+async def test_every_request_writes_one_request_finished_line(
+        engine_stub: Stub, torch_backend: TorchBackend, monkeypatch: pytest.MonkeyPatch,
+        ending: str) -> None:
+    # docs/observability.md: one line per request and service, whichever way it
+    # ends; a dropped call or a passed deadline never delivers its last delta.
+    request_id = f"log-{ending}"
+    with structlog.testing.capture_logs(
+            processors=[structlog.contextvars.merge_contextvars]) as logs:
+        read = await end_request(engine_stub, request_id, ending, torch_backend, monkeypatch)
+        await wait_not_running(engine_stub, within=10)
+        lines = await settled_lines(logs, request_id)
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert line["prompt_tokens"] == len(CHAT)
+    if ending == "finished":
+        assert (line["outcome"], line["finish_reason"]) == ("stop", "STOP")
+        assert line["completion_tokens"] == read == len(CHAT_GREEDY)
+        assert "cancelled_by" not in line
+    elif ending == "error":
+        assert line["outcome"] == "error"
+        assert line["error"] == "RuntimeError: injected forward failure"
+        assert line["completion_tokens"] == 0
+    else:
+        assert (line["outcome"], line["finish_reason"]) == ("cancelled", "CANCELLED")
+        assert line["cancelled_by"] == ending
+        # The tokens streamed on the call (a dropped call may have had more in flight).
+        assert read <= line["completion_tokens"] < MAX_TOKENS_CAP
+        if ending == "cancel_message":
+            assert line["completion_tokens"] == read
