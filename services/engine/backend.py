@@ -98,9 +98,10 @@ class EngineBackend(abc.ABC):
     def cancel(self, request_id: str) -> bool:
         """Asks the sequence ``request_id`` to finish with CANCELLED. Mutates.
 
-        A waiting sequence leaves the queue at once; a running one stops at the
-        next step boundary. Its stream then yields a last delta with
-        ``FinishReason.CANCELLED``. Never raises.
+        A waiting sequence leaves the queue at once; a running one stops by the
+        end of the step in progress (the torch engine: at the forward's next layer
+        when that step computes nothing else) and is never scheduled again. Its
+        stream then yields a last delta with ``FinishReason.CANCELLED``. Never raises.
 
         Returns:
           True if the request was in flight, False if unknown or already finished.

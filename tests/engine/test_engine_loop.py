@@ -68,14 +68,15 @@ def make_loop(tiny_model: LlamaModel, recorder: Recorder) -> Iterator:
     def make(max_model_len: int = 512, num_blocks: int = 128, block_size: int = 4,
              max_num_batched_tokens: int = 64, max_num_seqs: int = 16,
              max_num_waiting: int = 256, enable_caching: bool = True,
-             step_observer: object = recorder) -> EngineLoop:
+             step_observer: object = recorder,
+             max_chunk_tokens: int | None = None) -> EngineLoop:
         runner = ModelRunner(tiny_model, torch.device("cpu"), torch.float32)
         runner.allocate_kv_cache(num_blocks * kv_block_bytes(TINY, block_size, torch.float32),
                                  block_size)
         kv = KVCacheManager(num_blocks, block_size, enable_caching, model_id="tiny")
         scheduler = Scheduler(SchedulerConfig(
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_batched_tokens=max_num_batched_tokens, max_chunk_tokens=max_chunk_tokens,
             eos_token_ids=frozenset(TINY.eos_token_ids)), kv)
         loop = EngineLoop(runner, scheduler, max_num_waiting=max_num_waiting,
                           step_observer=step_observer)  # type: ignore[arg-type]
@@ -234,6 +235,127 @@ async def test_cancel_at_any_point_returns_every_block(make_loop, state: str) ->
         await collect(other)
     while loop.load().num_running:
         await asyncio.sleep(0.001)
+    counts = loop.check_integrity()
+    assert counts.used == 0 and counts.free + counts.cached == 128
+
+
+class ChunkHook:
+    """Watches the forwards of one engine loop: which of ``victim``'s prompt
+    chunks each step computes (``started``), which steps completed
+    (``completed``), and, once armed on a chunk index, holds the engine thread
+    there (``where``: ``before_forward``, or ``inside_chunk`` = inside the
+    model's first layer) until released."""
+
+    def __init__(self, loop: EngineLoop, monkeypatch: pytest.MonkeyPatch, first_token: int,
+                 chunk: int, where: str) -> None:
+        self.first_token, self.chunk, self.where = first_token, chunk, where
+        self.started: list[int | None] = []  # per forward: victim chunk index, or None
+        self.completed: list[int | None] = []
+        self.layer_calls = [0] * TINY.num_layers
+        self.paused, self.release = threading.Event(), threading.Event()
+        runner = loop._runner
+        real_run = runner.run
+        self._armed = False
+
+        def run(inputs, should_stop=None):
+            index = self._victim_chunk(inputs)
+            self.started.append(index)
+            if index == self.chunk:
+                self._armed = True
+                if where == "before_forward":
+                    self._hold()
+            logits = real_run(inputs) if should_stop is None else real_run(inputs, should_stop)
+            self.completed.append(index)
+            return logits
+
+        monkeypatch.setattr(runner, "run", run)
+        name = "forward_fused" if runner.attention_backend == "native" else "forward"
+        for number, layer in enumerate(runner.model.layers):
+            monkeypatch.setattr(layer, name, self._counting(number, getattr(layer, name)))
+
+    def _victim_chunk(self, inputs) -> int | None:
+        for item in inputs:
+            if len(item.token_ids) > 1 and item.token_ids[0] == self.first_token + item.start:
+                return item.start // len(item.token_ids)
+        return None
+
+    def _counting(self, number: int, forward):
+        def counted(*args, **kwargs):
+            if number == 0 and self._armed and self.where == "inside_chunk":
+                self._hold()
+            self.layer_calls[number] += 1
+            return forward(*args, **kwargs)
+        return counted
+
+    def _hold(self) -> None:
+        self._armed = False
+        self.paused.set()
+        self.release.wait(timeout=10)
+
+    def victim_chunks_completed(self) -> int:
+        return sum(index is not None for index in self.completed)
+
+
+@pytest.mark.parametrize("where", ["between_chunks", "before_forward", "inside_chunk"])
+async def test_cancel_during_a_long_prefill_computes_no_further_chunk(
+        make_loop, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    # Issue 12, bug 9: a 40-token prompt in chunks of 8 (5 steps); cancelled after
+    # its first chunk, between steps, just before the second chunk's forward, or
+    # inside it. No chunk after the cancel completes; a chunk in progress that
+    # has the step to itself is abandoned at the next layer; every block returns.
+    pause = PauseAfter(step=1) if where == "between_chunks" else None
+    loop = make_loop(max_num_batched_tokens=8, step_observer=pause)
+    hook = ChunkHook(loop, monkeypatch, first_token=20, chunk=1, where=where)
+    held = pause if pause is not None else hook
+    aio = asyncio.get_running_loop()
+    victim = loop.submit(request("victim", prompt=40, max_tokens=4, first=20), aio)
+    assert await asyncio.to_thread(held.paused.wait, 10)
+    assert hook.victim_chunks_completed() == 1  # chunk 0 done; chunk 1 next or in progress
+    layer_calls = list(hook.layer_calls)
+    assert loop.cancel("victim") is True
+    held.release.set()
+    out = await collect(victim)
+    assert [(d.token_ids, d.finish_reason) for d in out] == [((), FinishReason.CANCELLED)]
+    assert hook.victim_chunks_completed() == 1
+    if where == "before_forward":  # no layer of chunk 1 ran
+        assert hook.layer_calls == layer_calls
+    if where == "inside_chunk":  # chunk 1 stopped after its first layer
+        assert hook.layer_calls == [layer_calls[0] + 1, *layer_calls[1:]]
+    assert loop.load().num_running == 0
+    counts = loop.check_integrity()
+    # Only chunk 0's two full blocks stay, in the prefix cache; the half-computed
+    # chunk's blocks are free, never cached.
+    assert (counts.used, counts.cached, counts.free) == (0, 2, 126)
+    # The engine serves on, and the prompt's cached prefix is sound: the same
+    # prompt gives the tokens of a fresh engine.
+    again = tokens(await collect(loop.submit(request("again", prompt=40, max_tokens=4,
+                                                     first=20), aio)))
+    fresh = make_loop(max_num_batched_tokens=8, step_observer=None)
+    assert again == tokens(await collect(fresh.submit(request("fresh", prompt=40, max_tokens=4,
+                                                              first=20), aio)))
+    assert loop.check_integrity().used == 0
+
+
+async def test_cancel_in_a_step_shared_with_live_sequences_waits_that_step(
+        make_loop, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The victim's chunk shares its step with "other"'s decode: the step completes
+    # for "other", the victim leaves at its end (at most one chunk more than at the
+    # cancel), and "other" decodes on to its limit.
+    loop = make_loop(max_num_batched_tokens=9, max_chunk_tokens=8, step_observer=None)
+    hook = ChunkHook(loop, monkeypatch, first_token=20, chunk=1, where="inside_chunk")
+    aio = asyncio.get_running_loop()
+    other = loop.submit(request("other", prompt=2, max_tokens=30), aio)
+    await other.get()  # decoding
+    victim = loop.submit(request("victim", prompt=40, max_tokens=4, first=20), aio)
+    assert await asyncio.to_thread(hook.paused.wait, 10)
+    at_cancel = hook.victim_chunks_completed()
+    assert loop.cancel("victim") is True
+    hook.release.set()
+    out = await collect(victim)
+    assert out[-1].finish_reason is FinishReason.CANCELLED
+    assert hook.victim_chunks_completed() == at_cancel + 1  # the shared step, no more
+    last = (await collect(other))[-1]
+    assert (last.finish_reason, last.num_generated_tokens) == (FinishReason.LENGTH, 30)
     counts = loop.check_integrity()
     assert counts.used == 0 and counts.free + counts.cached == 128
 

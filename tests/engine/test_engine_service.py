@@ -371,7 +371,7 @@ async def end_request(stub: Stub, request_id: str, ending: str,
     runner = torch_backend._loop._runner  # type: ignore[union-attr]
     real = runner.run
 
-    def fail_once(inputs):  # the forward fails (e.g. out of memory); the engine lives
+    def fail_once(*args: object) -> None:  # the forward fails (e.g. out of memory)
         monkeypatch.setattr(runner, "run", real)
         raise RuntimeError("injected forward failure")
 

@@ -19,14 +19,30 @@ A step is ``schedule → run → sample → update → deliver``:
    ``loop.call_soon_threadsafe`` as soon as the step ends.
 
 The asyncio side (``submit`` / ``cancel`` / ``load``) never runs the model. A
-waiting sequence cancelled leaves the queue at once; a running one at the next
-step boundary, and its blocks return to the pool then. Only the worker thread
-changes KV block state, so the runner reads block tables without the lock.
+cancel takes the lock and flags the sequence, so it is always applied before
+the next :meth:`Scheduler.schedule` (which drops flagged sequences first: no
+chunk is ever planned for a sequence already cancelled). A waiting sequence
+cancelled leaves the queue at once; a running one leaves, and its blocks
+return to the pool, at the first of:
+
+* the next layer boundary of the forward in progress, when every sequence of
+  that step is cancelled (the forward asks before each layer and is
+  abandoned: the step's tokens are half written, so their blocks are freed
+  without entering the prefix cache, and no step is observed);
+* the end of the step in progress, when it computes live sequences too.
+
+So a cancel waits at most one layer of a step it has to itself (a long
+prompt's chunk alone), and at most one step otherwise: a step computes at
+most ``max_num_batched_tokens`` tokens and a sequence at most
+``max_chunk_tokens`` of them (``--max-num-batched-tokens``,
+``--prefill-chunk-size``). Only the worker thread changes KV block state, so
+the runner reads block tables without the lock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import threading
 import time
@@ -39,6 +55,7 @@ from services.common.sampling import FinishReason
 from services.engine.backend import DuplicateRequestError, EngineUnavailableError, QueueFullError
 from services.engine.kv_events import KVEvent
 from services.engine.torch_backend.block_pool import BlockCounts
+from services.engine.torch_backend.model import StepAbandoned
 from services.engine.torch_backend.model_runner import ModelRunner, StepInput
 from services.engine.torch_backend.rejection_sampler import VerifyRow, verify
 from services.engine.torch_backend.sampler import SamplingRow
@@ -134,8 +151,10 @@ class EngineLoop:
         return queue
 
     def cancel(self, request_id: str) -> bool:
-        """Finishes ``request_id`` with CANCELLED: at once if waiting, else at the
-        next step boundary. Thread-safe. Returns False if it is not in flight."""
+        """Finishes ``request_id`` with CANCELLED: at once if waiting, else before
+        the next step is planned, at the next layer of a step that computes only
+        cancelled sequences, or at the end of the step in progress (see the module
+        docstring). Thread-safe. Returns False if it is not in flight."""
         with self._lock:
             seq = self._by_id.get(request_id)
             if seq is None or seq.cancelled:
@@ -253,10 +272,14 @@ class EngineLoop:
             inputs.append(StepInput(tokens, s.start, kv.block_ids(s.seq), s.samples,
                                     s.num_logits, s.seq.num_prompt_tokens))
         try:
-            logits = self._runner.run(inputs)
+            logits = self._runner.run(inputs, functools.partial(
+                _all_cancelled, [s.seq for s in out.scheduled]))
             rows = [VerifyRow(s.seq.sampling, s.spec_token_ids)
                     for s in out.scheduled if s.samples]
             sampled = verify(logits, rows) if rows else []
+        except StepAbandoned:
+            self._end_step(out, FinishReason.CANCELLED)
+            return
         except Exception as exc:  # noqa: BLE001 - the requests fail, the engine lives
             self._fail_step(out, exc)
             return
@@ -279,19 +302,35 @@ class EngineLoop:
         return {seq.request_id for seq in self._scheduler.running}
 
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> None:
-        """Finishes the step's sequences with ERROR after a failed forward; their
-        blocks are freed without entering the prefix cache."""
+        """Finishes the step's sequences with ERROR after a failed forward."""
         error = f"{type(exc).__name__}: {exc}"
         log.warning("engine_step_failed", error=error, batch_size=len(out.scheduled))
-        failed = [item.seq for item in out.scheduled]
+        self._end_step(out, FinishReason.ERROR, error)
+
+    def _end_step(self, out: SchedulerOutput, reason: FinishReason, error: str = "") -> None:
+        """Finishes every sequence of a step whose forward did not complete (failed,
+        or abandoned because all of them were cancelled) with ``reason``; their
+        blocks are freed without entering the prefix cache (the step's tokens are
+        not, or only partly, computed)."""
+        ended = [item.seq for item in out.scheduled]
         with self._lock:
-            for seq in failed:
-                self._scheduler.finish(seq, FinishReason.ERROR)
+            for seq in ended:
+                self._scheduler.finish(seq, reason)
                 self._by_id.pop(seq.request_id, None)
         if self._speculator is not None:
             self._speculator.retain(self._running_ids())
-        for seq in failed:
+        for seq in ended:
             _deliver(seq, (), error)
+
+
+def _all_cancelled(seqs: list[Sequence]) -> bool:
+    """True when every sequence of ``seqs`` is cancelled; asked by the forward
+    before each layer, without the lock (``cancelled`` only ever turns True).
+    Stops at the first live sequence: O(1) in a step without cancels."""
+    for seq in seqs:
+        if not seq.cancelled:
+            return False
+    return True
 
 
 def _step_stats(duration_s: float, out: SchedulerOutput,

@@ -31,7 +31,7 @@ in place.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,12 @@ from services.engine.torch_backend.quant import (
     resolve_quant_kernel,
 )
 from services.engine.torch_backend.rope import rope_tables, signed_sin
+
+
+class StepAbandoned(Exception):
+    """The forward stopped between two layers because its ``should_stop`` said so
+    (every sequence of the step was cancelled). The step's new tokens have
+    keys/values in some layers only: their KV slots hold nothing usable."""
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -335,7 +341,8 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, attention: StepAttention,
                 logits_indices: torch.Tensor,
-                num_generated_rows: int | None = None, fused: bool = False) -> torch.Tensor:
+                num_generated_rows: int | None = None, fused: bool = False,
+                should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """One step over the flat batch.
 
         Args:
@@ -350,21 +357,34 @@ class LlamaModel(nn.Module):
             (:meth:`DecoderLayer.forward_fused`; fp32 on CPU, with the native
             attention backend).
           logits_indices: ``[num_logits]`` rows to compute logits for.
+          should_stop: asked before each layer (cheap: once per layer); True
+            abandons the forward (the engine's check that every sequence of the
+            step was cancelled, so a cancel waits one layer, not one step).
 
         Returns:
           logits ``[num_logits, vocab]`` in the model's dtype.
+
+        Raises:
+          StepAbandoned: ``should_stop`` returned True.
         """
         hidden = F.embedding(token_ids, self.embed_tokens)
         if fused:
             pending = None
             for layer in self.layers:
+                _check(should_stop)
                 pending = layer.forward_fused(hidden, pending, attention, num_generated_rows)
             hidden += pending
         else:
             for layer in self.layers:
+                _check(should_stop)
                 hidden = layer.forward(hidden, attention, num_generated_rows)
         hidden = rms_norm(hidden[logits_indices], self.norm, self.config.rms_norm_eps)
         return self.head(hidden.to(self.head.input_dtype)).to(hidden.dtype)
+
+
+def _check(should_stop: Callable[[], bool] | None) -> None:
+    if should_stop is not None and should_stop():
+        raise StepAbandoned("every sequence of the step was cancelled")
 
 
 def _load_layer(layer: DecoderLayer, state_dict: Mapping[str, torch.Tensor], prefix: str,

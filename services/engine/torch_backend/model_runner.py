@@ -21,7 +21,7 @@ import ctypes
 import ctypes.util
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -229,16 +229,20 @@ class ModelRunner:
                                      transposed_keys=self.attention_backend == "native")
         return self.kv_cache
 
-    def run(self, inputs: Sequence[StepInput]) -> torch.Tensor:
+    def run(self, inputs: Sequence[StepInput],
+            should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Computes one step: writes every new token's keys/values into its slots
         and returns logits ``[sum of num_logits over the inputs that sample, vocab]``:
         for each sampling input in input order, the logits of its last
         ``num_logits`` tokens in position order (row ``j`` predicts the token
         after position ``start + len(token_ids) - num_logits + j``).
+        ``should_stop`` is asked before each layer (see :meth:`LlamaModel.forward`).
 
         Raises:
           RuntimeError: no KV cache was allocated.
           ValueError: an input asks for more logits than it has tokens, or none.
+          StepAbandoned: ``should_stop`` returned True; the new tokens' KV slots
+            are partly written (free them, never cache them).
         """
         cache = self.kv_cache
         if cache is None:
@@ -304,7 +308,7 @@ class ModelRunner:
         logits = self.model(torch.tensor(token_ids, device=device), attention,
                             torch.tensor(logit_rows, dtype=torch.int64, device=device),
                             num_generated_rows if roles else None,
-                            fused=self.attention_backend == "native")
+                            fused=self.attention_backend == "native", should_stop=should_stop)
         return logits[:num_logits]
 
     def warm_up(self, num_tokens: int = 16) -> float:

@@ -18,8 +18,10 @@ Policy:
   are freed and it goes back to the waiting queue with its tokens, to be
   recomputed (mostly from the prefix cache) when blocks allow. No sequence
   joins in a step that preempted.
-* A cancelled running sequence leaves at the next step boundary; a cancelled
-  waiting one leaves the queue at once (:meth:`Scheduler.abort`).
+* A cancelled running sequence leaves at the next step boundary (or sooner:
+  the engine loop ends the sequences of a step it abandoned because all of
+  them were cancelled, with :meth:`Scheduler.finish`); a cancelled waiting one
+  leaves the queue at once (:meth:`Scheduler.abort`).
 * Speculative decoding is bookkeeping (vLLM v1): a decoding sequence's
   proposals (``seq.spec_token_ids``) are lookahead tokens computed with its
   last token in the same step (``1 + k`` tokens of the budget, KV slots
