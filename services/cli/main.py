@@ -32,6 +32,17 @@ EXAMPLE_QUESTION = "What is the capital of France?"
 ROLES = ("tokenizer", "cache", "engine", "router")
 
 
+def _positive_seconds(text: str) -> float:
+    """A deadline in seconds, > 0 (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
 def _ranged_int(low: int, high: int, what: str) -> Callable[[str], int]:
     """An argparse ``type`` for an integer in ``[low, high]`` (a usage error otherwise)."""
     def parse(text: str) -> int:
@@ -454,13 +465,15 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--bypass-cache", action="store_true",
                           help="do not answer from the response cache: generate anew (a "
                                "deterministic answer is still stored for the next call)")
-    generate.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    generate.add_argument("--timeout", type=_positive_seconds, default=None,
+                          help="deadline in seconds (> 0)")
     generate.add_argument("--url", default=None, help=url_help)
     generate.set_defaults(func=cmd_generate)
 
     models = commands.add_parser("models", help="list the served models")
     models.add_argument("--json", action="store_true", help="print the reply as JSON")
-    models.add_argument("--timeout", type=float, default=10.0, help="deadline in seconds")
+    models.add_argument("--timeout", type=_positive_seconds, default=10.0,
+                        help="deadline in seconds (> 0)")
     models.add_argument("--url", default=None, help=url_help)
     models.set_defaults(func=cmd_models)
 

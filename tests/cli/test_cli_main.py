@@ -203,3 +203,12 @@ def test_a_bad_port_in_the_environment_breaks_only_up(
         cli.main(["up"])
     assert exited.value.code == 2
     assert "--port: port must be an integer, got 'abc'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "soon"])
+def test_a_timeout_that_is_not_positive_is_a_usage_error(
+        timeout: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "--timeout", timeout, "hi"])
+    assert exit_info.value.code == 2
+    assert "--timeout" in capsys.readouterr().err
