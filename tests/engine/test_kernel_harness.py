@@ -77,14 +77,23 @@ def test_kernels_with_production_flags(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
-                    reason="-mno-avx512vnni is an x86 flag")
-def test_int_matmul_portable_path(tmp_path: Path) -> None:
-    """int_matmul.c without AVX512-VNNI (its portable loops, what CPUs without
-    it run): the same bits as the scalar reference, hence as the VNNI path."""
+                    reason="-mno-avx512f / -mno-avx2 are x86 flags")
+@pytest.mark.parametrize(("path", "disable", "present", "absent"), [
+    # CPUs with AVX2 but no AVX-512 (AMD Zen 1-3, Intel before Ice Lake): vpmaddwd.
+    ("avx2", ("-mno-avx512f",), "__AVX2__", "__AVX512F__"),
+    # Neither: the portable loops.
+    ("portable", ("-mno-avx2",), "__SSE2__", "__AVX2__"),
+])
+def test_int_matmul_without_vnni(tmp_path: Path, path: str, disable: tuple[str, ...],
+                                 present: str, absent: str) -> None:
+    """int_matmul.c built as for a CPU without AVX512-VNNI (its AVX2 path, or
+    its portable loops): the same bits as the scalar reference, hence as the
+    VNNI path."""
     flags = tuple(f for f in CFLAGS if f not in ("-shared", "-fPIC", "-march=native",
-                                                 "-fopenmp", "-std=gnu11")) + ("-mno-avx512vnni",)
-    portable = build(tmp_path, "harness_portable", flags)
+                                                 "-fopenmp", "-std=gnu11")) + disable
+    binary = build(tmp_path, f"harness_{path}", flags)
     macros = subprocess.run([COMPILER, *flags, "-march=native", "-dM", "-E", "-x", "c",
                              os.devnull], capture_output=True, text=True, timeout=60).stdout
-    assert "__AVX512F__" not in macros or "__AVX512VNNI__" not in macros  # the portable loops
-    run(portable, "intmm", "24", "200")
+    assert f"#define {present} " in macros and f"#define {absent} " not in macros, path
+    output = run(binary, "intmm", "24", "200")
+    assert "outputs bit-identical to the scalar reference" in output

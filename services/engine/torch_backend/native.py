@@ -4,7 +4,7 @@
   in one call per layer (used by
   :class:`~services.engine.torch_backend.native_attention.NativeAttentionBatch`).
 * ``int_matmul.c``: Q4_1 or int8 weights x activations quantized to int16,
-  exact integer dot products on AVX512-VNNI (:func:`q4_1_matmul`,
+  exact integer dot products on AVX512-VNNI or AVX2 (:func:`q4_1_matmul`,
   :func:`q8_matmul`; the quantized projections and LM head of
   ``--quant-kernel native``, see :mod:`~services.engine.torch_backend.quant`).
 * ``fused_ops.c``: the residual add with RMSNorm and the cast to the next
@@ -275,7 +275,8 @@ class IntMatmul:
     packed weight, checked once here so that each call checks only ``x``.
 
     Each row of ``x`` is quantized to int16 per 32 inputs; the
-    dot products are exact integer sums (AVX512-VNNI), so a row's result
+    dot products are exact integer sums (AVX512-VNNI, AVX2 or portable C: the
+    same bits), so a row's result
     depends only on that row: batch-invariant at any row count.
 
     Args:

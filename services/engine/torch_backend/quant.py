@@ -205,7 +205,7 @@ def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor
 class NativeInt4Projection:
     """Q4_1 weights on the native integer-dot kernel (:func:`native.q4_1_matmul`):
     each row of bf16 activations quantized to int16 per 32 inputs, exact integer
-    sums (AVX512-VNNI), fp16 ``d`` and ``m`` as the GGUF stores them. bf16 in,
+    sums (AVX512-VNNI or AVX2), fp16 ``d`` and ``m`` as the GGUF stores them. bf16 in,
     bf16 out. Row-invariant by construction, and its cost stays nearly flat from
     1 to ~8 rows (``_weight_int4pack_mm_for_cpu`` works in blocks of 4 rows and
     costs 2.5x at 5), which is what a speculative verify step needs.

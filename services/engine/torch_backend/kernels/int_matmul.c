@@ -16,7 +16,13 @@
  *     sum_i (d q_i + m) (da qa_i) = d da * sum_i q_i qa_i + m sa
  *
  * where sum_i q_i qa_i is an exact integer (|.| < 2^24, so exact in fp32 too):
- * AVX512-VNNI's vpdpwssd sums two int16 x int16 products per 32-bit lane.
+ * AVX512-VNNI's vpdpwssd sums two int16 x int16 products per 32-bit lane; on
+ * CPUs with AVX2 but not VNNI (AMD Zen 1-3, Intel before Ice Lake) vpmaddwd
+ * does the same per 8-lane half of the tile, then vpaddd (the products of
+ * int16 in +-32767 never meet vpmaddwd's one saturating case). The integer
+ * sums are exact and the fp32 steps per feature are the same FMAs in the
+ * same order on all three paths (VNNI, AVX2, portable), so every path gives
+ * the same bits.
  *
  * Packed weights (quant.py's pack_q4_1): output features in tiles of 16
  * (zero-padded), and for each tile and block of 32 inputs one 320-byte record:
@@ -57,6 +63,9 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define LLMESH_INT_VNNI 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LLMESH_INT_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -198,6 +207,92 @@ static inline __attribute__((always_inline)) void tile_rows8(
         }
     }
     for (int r = 0; r < nr; r++) _mm512_storeu_ps(acc_out[r], acc[r]);
+}
+
+#elif defined(LLMESH_INT_AVX2)
+
+/* As the VNNI dot_groups for one 8-feature half of the tile: w[g] holds the
+ * half's 16-bit pairs of group g; 4 exact partial sums added at the end. */
+static inline __attribute__((always_inline)) __m256i dot_groups8(const __m256i *w,
+                                                                 const int16_t *qa) {
+    const int32_t *pairs = (const int32_t *)qa;
+    __m256i s[4];
+    for (int i = 0; i < 4; i++) s[i] = _mm256_madd_epi16(w[i], _mm256_set1_epi32(pairs[i]));
+    for (int g = 4; g < GROUPS; g++)
+        s[g % 4] = _mm256_add_epi32(s[g % 4],
+                                    _mm256_madd_epi16(w[g], _mm256_set1_epi32(pairs[g])));
+    return _mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3]));
+}
+
+/* 32 bytes of one pair group (2 bytes per feature) -> its two 8-feature halves. */
+static inline __attribute__((always_inline)) void widen_u8(__m256i bytes, __m256i *lo,
+                                                           __m256i *hi) {
+    *lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(bytes));
+    *hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(bytes, 1));
+}
+
+static inline __attribute__((always_inline)) void tile_rows(
+    const uint8_t *records, int64_t blocks, const int16_t *qa, const float *da, const float *sa,
+    int64_t in, int64_t row, const int nr, float acc_out[ROW_TILE][TILE]) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    __m256 acc[ROW_TILE][2];
+    for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *record = records + b * RECORD;
+        __m256 d[2], m[2];
+        for (int h = 0; h < 2; h++) {
+            d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(record + 16 * h)));
+            m[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(record + 32 + 16 * h)));
+        }
+        __m256i w[2][GROUPS];
+        for (int c = 0; c < 4; c++)
+            for (int k = 0; k < 2; k++) { /* bytes 32k..32k+31: groups 4c+k, 4c+k+2 */
+                const __m256i p = _mm256_loadu_si256((const __m256i *)(record + 64 + 64 * c + 32 * k));
+                widen_u8(_mm256_and_si256(p, low), &w[0][4 * c + k], &w[1][4 * c + k]);
+                widen_u8(_mm256_and_si256(_mm256_srli_epi16(p, 4), low), &w[0][4 * c + k + 2],
+                         &w[1][4 * c + k + 2]);
+            }
+        for (int r = 0; r < nr; r++) {
+            const int64_t scale_at = (row + r) * (in / Q_BLOCK) + b;
+            for (int h = 0; h < 2; h++) {
+                const __m256i sum = dot_groups8(w[h], qa + (row + r) * in + b * Q_BLOCK);
+                const __m256 scale = _mm256_mul_ps(d[h], _mm256_set1_ps(da[scale_at]));
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(sa[scale_at]), acc[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        _mm256_storeu_ps(acc_out[r], acc[r][0]);
+        _mm256_storeu_ps(acc_out[r] + 8, acc[r][1]);
+    }
+}
+
+static inline __attribute__((always_inline)) void tile_rows8(
+    const uint8_t *records, int64_t blocks, const int16_t *qa, const float *da, int64_t in,
+    int64_t row, const int nr, float acc_out[ROW_TILE][TILE]) {
+    __m256 acc[ROW_TILE][2];
+    for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *record = records + b * RECORD8;
+        __m256i w[2][GROUPS];
+        for (int g = 0; g < GROUPS; g++)
+            for (int h = 0; h < 2; h++)
+                w[h][g] = _mm256_cvtepi8_epi16(
+                    _mm_loadu_si128((const __m128i *)(record + 32 * g + 16 * h)));
+        for (int r = 0; r < nr; r++) {
+            const int64_t scale_at = (row + r) * (in / Q_BLOCK) + b;
+            for (int h = 0; h < 2; h++) {
+                const __m256i sum = dot_groups8(w[h], qa + (row + r) * in + b * Q_BLOCK);
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
+                                            _mm256_set1_ps(da[scale_at]), acc[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        _mm256_storeu_ps(acc_out[r], acc[r][0]);
+        _mm256_storeu_ps(acc_out[r] + 8, acc[r][1]);
+    }
 }
 
 #else
