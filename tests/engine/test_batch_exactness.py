@@ -164,9 +164,11 @@ def test_logits_are_bit_identical_whatever_the_batch(
     # activations into a few bf16 steps of the logits. The native kernels'
     # int16 activations (max / 32767 per 32 values, finer than bf16) keep the
     # last-bit differences too: measured 0.28% to 0.83% of the largest logit
-    # on the native kernels, 0.53% to 0.79% on PyTorch's (1, 2 or 4 threads).
-    assert not torch.equal(plain_alone[0], plain_batched[0])
+    # on the native kernels, 0.53% to 0.79% on PyTorch's (1, 2 or 4 threads). On
+    # a Xeon with AVX512-BF16 (2026-12-02) PyTorch's bf16 attention matmuls were
+    # row-invariant for these shapes (equal logits): the fp32 case shows the teeth.
     if quantization == "none":
+        assert not torch.equal(plain_alone[0], plain_batched[0])
         assert torch.allclose(plain_alone[0], plain_batched[0], atol=1e-3)
     else:
         scale = plain_alone[0].abs().max()

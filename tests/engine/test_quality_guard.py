@@ -40,7 +40,10 @@ from services.engine.torch_backend.paged_kv import kv_block_bytes
 from services.engine.torch_backend.quant import resolve_quant_kernel
 from services.engine.types import EngineRequest
 
-pytestmark = pytest.mark.model
+# The module fixture runs ~20 forward passes of 256 tokens per mode: 112 s here
+# (AVX-512), several times that on a slower 2-core CI machine; the default 300 s
+# per test would cut its first test.
+pytestmark = [pytest.mark.model, pytest.mark.timeout(900)]
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 #: Largest perplexity ratio to fp32 per mode.
