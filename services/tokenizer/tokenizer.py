@@ -286,6 +286,13 @@ class Tokenizer:
         byte sequences come out as U+FFFD."""
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def definition(self) -> str:
+        """The Rust ``tokenizers`` definition that :meth:`decode` runs, as its JSON
+        serialization (``tokenizers.Tokenizer.from_str`` rebuilds it: the same
+        :meth:`decode` text for every id sequence). 1.5 MB for SmolLM2, ~33 MB
+        for Gemma 3; ~0.1-1 s to serialize: call it once."""
+        return self._backend.to_str()
+
     def check_token_ids(self, token_ids: Sequence[int]) -> None:
         """Raises :class:`InvalidTokenIdError` unless every id is in ``[0, vocab_size)``."""
         if token_ids and (min(token_ids) < 0 or max(token_ids) >= self._vocab_size):

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.common.detokenizer import IncrementalDetokenizer
 from services.tokenizer.tokenizer import Tokenizer
 from tests.tokenizer.tokenizer_helpers import HARD_FRAGMENTS, HARD_TEXT, split
 

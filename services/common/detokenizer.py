@@ -1,5 +1,10 @@
 """Incremental detokenization: token ids in, chunk by chunk; UTF-8-safe text deltas out.
 
+Used by the tokenizer service (its ``Detokenize`` stream) and by the router,
+which decodes in process with :class:`TokenizersDecoder`, built from the
+definition the tokenizer service hands out (``GetTokenizer``): the same Rust
+``tokenizers`` decode, so the same text, without a round trip per token.
+
 Algorithm: the prefix/read-offset window of text-generation-inference's
 ``decode_token`` and vLLM's ``detokenize_incrementally`` (both Apache-2.0),
 re-derived here:
@@ -38,6 +43,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import tokenizers
+
 _REPLACEMENT = "\ufffd"
 # A UTF-8 character has at most 4 bytes, so at most 3 trailing ids hold the
 # bytes of an incomplete last character.
@@ -50,6 +57,42 @@ class Decoder(Protocol):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ``token_ids``; incomplete or invalid UTF-8 bytes as U+FFFD."""
         ...
+
+
+class TokenizersDecoder:
+    """A :class:`Decoder` from a Hugging Face ``tokenizers`` JSON definition
+    (the tokenizer service's ``GetTokenizer``); decodes exactly as that
+    service's tokenizer does, since it is the same definition and library.
+
+    Thread safety: decode only reads; several threads may call it.
+    """
+
+    def __init__(self, definition: str, vocab_size: int) -> None:
+        """Args:
+          definition: the JSON serialization (``tokenizers.Tokenizer.to_str``).
+          vocab_size: ids ``0 <= id < vocab_size`` are valid.
+
+        Raises:
+          ValueError: the definition does not parse, or ``vocab_size`` < 1.
+        """
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        try:
+            self._tokenizer = tokenizers.Tokenizer.from_str(definition)
+        except Exception as exc:  # the Rust side raises a plain Exception
+            raise ValueError(f"not a tokenizers definition: {exc}") from exc
+        self.vocab_size = vocab_size
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``token_ids`` (valid ids only: see :meth:`check_token_ids`)."""
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def check_token_ids(self, token_ids: Sequence[int]) -> None:
+        """Raises ValueError unless every id is in ``[0, vocab_size)`` (``tokenizers``
+        would drop an unknown id silently)."""
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
+            bad = next(i for i in token_ids if not 0 <= i < self.vocab_size)
+            raise ValueError(f"token id {bad} is out of range [0, {self.vocab_size})")
 
 
 class IncrementalDetokenizer:
