@@ -33,7 +33,8 @@ the sequence grows.
 
 Invalid byte sequences (a model emitting garbage bytes) decode to U+FFFD in
 ``decode`` too; they are held at most ``max_held_tokens`` ids and then
-emitted as they are, so garbage cannot grow the window without bound. For such
+emitted as they are, all but the last 3 ids (which may still hold an
+incomplete character), so garbage cannot grow the window without bound. For such
 input the deltas may differ from ``decode(all_ids)`` next to the bad bytes
 (how many U+FFFD stand for them); valid text elsewhere is unaffected.
 """
@@ -57,6 +58,13 @@ class Decoder(Protocol):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ``token_ids``; incomplete or invalid UTF-8 bytes as U+FFFD."""
         ...
+
+
+def first_out_of_range(token_ids: Sequence[int], vocab_size: int) -> int | None:
+    """The first id not in ``[0, vocab_size)``, or None (one min/max pass when all are)."""
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+        return next(i for i in token_ids if not 0 <= i < vocab_size)
+    return None
 
 
 class TokenizersDecoder:
@@ -90,8 +98,8 @@ class TokenizersDecoder:
     def check_token_ids(self, token_ids: Sequence[int]) -> None:
         """Raises ValueError unless every id is in ``[0, vocab_size)`` (``tokenizers``
         would drop an unknown id silently)."""
-        if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
-            bad = next(i for i in token_ids if not 0 <= i < self.vocab_size)
+        bad = first_out_of_range(token_ids, self.vocab_size)
+        if bad is not None:
             raise ValueError(f"token id {bad} is out of range [0, {self.vocab_size})")
 
 
@@ -206,7 +214,14 @@ class IncrementalDetokenizer:
             if len(text) > len(prefix_text) and not text.endswith(_REPLACEMENT):
                 return self._emit(text[len(prefix_text):], end)
         if self.num_held_tokens > self._max_held:
-            return self._emit(new_text[len(prefix_text):], len(self._ids))  # invalid bytes
+            # Invalid bytes: emit them, but keep the last ids back, which may
+            # still hold an incomplete character (a long chunk whose look-back
+            # met invalid bytes must not turn a valid last character into U+FFFD).
+            keep = last - _MAX_PARTIAL_TOKENS
+            text = decode(self._ids[:keep], self._skip) if keep > self._read else ""
+            if len(text) > len(prefix_text):
+                return self._emit(text[len(prefix_text):], keep)
+            return self._emit(new_text[len(prefix_text):], last)
         return ""
 
     def _emit(self, delta: str, read_end: int) -> str:

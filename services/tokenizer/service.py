@@ -77,6 +77,8 @@ _T = TypeVar("_T")
 DEFAULT_INLINE_ENCODE_MAX_CHARS = 2048
 
 _METHODS = ("Tokenize", "ApplyChatTemplate", "Detokenize", "GetTokenizerInfo", "GetTokenizer")
+#: Calls that make a request's prompt: one ``tokenize_finished`` log line each.
+_PROMPT_METHODS = frozenset({"Tokenize", "ApplyChatTemplate"})
 #: Bytes of the tokenizer definition per GetTokenizer message (well under
 #: gRPC's default 4 MiB receive limit).
 DEFINITION_CHUNK_BYTES = 1 << 20
@@ -257,6 +259,13 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
             await self._abort(method, context, err, started)
             raise  # unreachable: abort raises
         self._record(method, grpc.StatusCode.OK, started)
+        if method in _PROMPT_METHODS:
+            # One line per prompt, written after the reply is on its way (the
+            # next loop turn), off the request's first-token path.
+            asyncio.get_running_loop().call_soon(functools.partial(
+                log.info, "tokenize_finished", method=method,
+                tokens=len(getattr(reply, "token_ids", ())),
+                handler_ms=round((time.perf_counter() - started) * 1e3, 3)))
         return reply
 
     async def _abort(

@@ -52,7 +52,7 @@ class TokenizerServiceStub:
     """The tokenizer's definition, for callers that detokenize in process (the
     router does, so that no token waits for a round trip): the Hugging Face
     `tokenizers` JSON serialization this service decodes with, in chunks of
-    at most 1 MiB (Gemma 3's is ~33 MB, beyond gRPC's default 4 MiB message).
+    at most 1 MiB (Gemma 3's is 14 MB, beyond gRPC's default 4 MiB message).
     Concatenate `definition_chunk` in order and check `sha256`.
     """
 
@@ -80,7 +80,7 @@ class TokenizerServiceAsyncStub(TokenizerServiceStub):
     """The tokenizer's definition, for callers that detokenize in process (the
     router does, so that no token waits for a round trip): the Hugging Face
     `tokenizers` JSON serialization this service decodes with, in chunks of
-    at most 1 MiB (Gemma 3's is ~33 MB, beyond gRPC's default 4 MiB message).
+    at most 1 MiB (Gemma 3's is 14 MB, beyond gRPC's default 4 MiB message).
     Concatenate `definition_chunk` in order and check `sha256`.
     """
 
@@ -135,7 +135,7 @@ class TokenizerServiceServicer(metaclass=_abc_1.ABCMeta):
         """The tokenizer's definition, for callers that detokenize in process (the
         router does, so that no token waits for a round trip): the Hugging Face
         `tokenizers` JSON serialization this service decodes with, in chunks of
-        at most 1 MiB (Gemma 3's is ~33 MB, beyond gRPC's default 4 MiB message).
+        at most 1 MiB (Gemma 3's is 14 MB, beyond gRPC's default 4 MiB message).
         Concatenate `definition_chunk` in order and check `sha256`.
         """
 
