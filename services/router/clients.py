@@ -17,6 +17,7 @@ warning and reports a miss (``get``) or "not stored" (``put``).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from llmesh.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
+from services.common.detokenizer import TokenizersDecoder
 from services.common.grpc_util import make_channel, request_id_metadata
 from services.common.sampling import FinishReason, Priority, SamplingOptions, SpeculativeOptions
 
@@ -238,84 +240,6 @@ async def wait_until_serving(
 # Tokenizer.
 
 
-@dataclass(frozen=True)
-class DetokenizedText:
-    """The text a ``Detokenize`` message made final.
-
-    Attributes:
-      text: the new text (never a partial UTF-8 character; may be "").
-      token_text_ends: only when the session asked for them: for each id sent,
-        how many leading code points of ``text`` were final once that id had
-        been added (non-decreasing, the last equals ``len(text)``); else ().
-    """
-
-    text: str
-    token_text_ends: tuple[int, ...] = ()
-
-
-class DetokenizeSession:
-    """One request's incremental detokenization stream (``Detokenize``).
-
-    Feed ids as the engine produces them; each :meth:`feed` returns the text
-    those ids made final. Call :meth:`flush` once at the end for the
-    held-back rest, and :meth:`close` in a ``finally`` (it cancels the stream
-    if it is still open).
-    """
-
-    def __init__(self, call: grpc.aio.StreamStreamCall, target: str,
-                 skip_special_tokens: bool, token_text_ends: bool = False) -> None:
-        self._call = call
-        self._target = target
-        self._skip_special_tokens = skip_special_tokens
-        self._token_text_ends = token_text_ends
-        self._first = True
-        self._closed = False
-
-    async def _exchange(self, request: tokenizer_pb2.DetokenizeRequest) -> DetokenizedText:
-        if self._first:
-            request.skip_special_tokens = self._skip_special_tokens
-            request.token_text_ends = self._token_text_ends
-            self._first = False
-        try:
-            await self._call.write(request)
-            reply = await self._call.read()
-        except grpc.aio.AioRpcError as err:
-            raise _upstream_error("tokenizer", self._target, err) from err
-        except asyncio.InvalidStateError as err:
-            # The stream already ended (e.g. the request's deadline passed between
-            # two writes): report how it ended, not an internal error.
-            code = await self._call.code()
-            details = await self._call.details()
-            raise UpstreamError("tokenizer", self._target, code,
-                                details or "Detokenize stream already ended") from err
-        if reply is grpc.aio.EOF:
-            raise UpstreamError("tokenizer", self._target, grpc.StatusCode.INTERNAL,
-                                "Detokenize stream ended before answering")
-        return DetokenizedText(reply.text, tuple(reply.token_text_ends))
-
-    async def feed(self, token_ids: Sequence[int]) -> DetokenizedText:
-        """Sends the next ids; returns the text they made final."""
-        return await self._exchange(tokenizer_pb2.DetokenizeRequest(token_ids=list(token_ids)))
-
-    async def flush(self, token_ids: Sequence[int] = ()) -> DetokenizedText:
-        """Ends the sequence: sends the last ``token_ids`` (if any) with ``flush``
-        in one message and returns all the text still due; closes the stream."""
-        text = await self._exchange(
-            tokenizer_pb2.DetokenizeRequest(token_ids=list(token_ids), flush=True))
-        try:
-            await self._call.done_writing()
-        except grpc.aio.AioRpcError:
-            pass  # the text is already ours; a late stream error changes nothing
-        self._closed = True
-        return text
-
-    def close(self) -> None:
-        """Cancels the stream unless it ended normally (safe to call twice)."""
-        if not self._closed:
-            self._closed = True
-            self._call.cancel()
-
-
 class TokenizerClient:
     """Client of ``llmesh.v1.TokenizerService`` on one long-lived channel."""
 
@@ -348,6 +272,42 @@ class TokenizerClient:
             has_chat_template=reply.has_chat_template,
             chat_roles=tuple(reply.chat_roles),
         )
+
+    async def decoder(self, *, timeout: float | None = 60.0) -> TokenizersDecoder:
+        """``GetTokenizer``: the tokenizer's definition, checked (size and SHA-256)
+        and loaded as a :class:`TokenizersDecoder`.
+
+        Raises:
+          UpstreamError: the call failed; DATA_LOSS for a definition whose size
+            or digest does not match its header, or that does not load.
+        """
+        chunks: list[bytes] = []
+        head: tokenizer_pb2.GetTokenizerResponse | None = None
+        try:
+            async for reply in self._stub.GetTokenizer(tokenizer_pb2.GetTokenizerRequest(),
+                                                       timeout=timeout):
+                head = head or reply
+                chunks.append(reply.definition_chunk)
+        except grpc.aio.AioRpcError as err:
+            raise _upstream_error(self.service, self.target, err) from err
+        data = b"".join(chunks)
+
+        def lost(why: str) -> UpstreamError:
+            return UpstreamError(self.service, self.target, grpc.StatusCode.DATA_LOSS,
+                                 f"GetTokenizer: {why}")
+
+        if head is None or head.format != "huggingface-tokenizers-json":
+            raise lost(f"unknown definition format {head.format if head else None!r}")
+        if len(data) != head.total_bytes or hashlib.sha256(data).hexdigest() != head.sha256:
+            raise lost(f"{len(data)} bytes received, {head.total_bytes} announced, or their "
+                       "SHA-256 differs")
+        try:
+            decoder = await asyncio.to_thread(TokenizersDecoder, data.decode(), head.vocab_size)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise lost(str(exc)) from exc
+        log.info("tokenizer_definition_loaded", target=self.target, bytes=len(data),
+                 sha256=head.sha256[:16], vocab_size=head.vocab_size)
+        return decoder
 
     async def tokenize(self, text: str, *, add_special_tokens: bool, request_id: str,
                        deadline: float | None) -> tuple[int, ...]:
@@ -384,15 +344,6 @@ class TokenizerClient:
         except grpc.aio.AioRpcError as err:
             raise _upstream_error(self.service, self.target, err) from err
         return ChatPrompt(tuple(reply.token_ids), reply.num_dropped_messages)
-
-    def detokenize(self, *, request_id: str, deadline: float | None,
-                   skip_special_tokens: bool = True,
-                   token_text_ends: bool = False) -> DetokenizeSession:
-        """Opens a ``Detokenize`` stream for one request (no round trip yet);
-        ``token_text_ends``: ask for per-id text ends (see :class:`DetokenizedText`)."""
-        call = self._stub.Detokenize(timeout=timeout_until(deadline),
-                                     metadata=request_id_metadata(request_id))
-        return DetokenizeSession(call, self.target, skip_special_tokens, token_text_ends)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -220,7 +220,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                 self._tokenizer.wait_until_serving(cfg.startup_timeout),
                 *(engine.wait_until_serving(cfg.startup_timeout) for engine in self._engines))
             infos = await asyncio.gather(*(engine.model_info() for engine in self._engines))
-            tok_info = await self._tokenizer.info()
+            tok_info, decoder = await asyncio.gather(self._tokenizer.info(),
+                                                     self._tokenizer.decoder())
         except BaseException:
             if cache_ready is not None:
                 cache_ready.cancel()
@@ -229,7 +230,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         if cache_ready is not None:
             await self._await_cache(cache_ready)
         self._pipeline = GenerationPipeline(
-            tokenizer=self._tokenizer, engines=self._engines, cache=self._cache,
+            tokenizer=self._tokenizer, decoder=decoder, engines=self._engines,
+            cache=self._cache,
             models=self.models, metrics=self.metrics, log_content=cfg.log_content)
         limits = self.models[self.default_model]
         log.info("router_ready", model=limits.model, max_model_len=limits.max_model_len,

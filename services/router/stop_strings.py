@@ -76,7 +76,7 @@ class StopStringMatcher:
         completed it run through the stop string's last character (>= 1).
 
         The router maps it to the token that completed the stop string (see
-        :class:`services.router.clients.DetokenizedText`), so that ids and
+        :meth:`services.common.detokenizer.IncrementalDetokenizer.add_with_ends`), so that ids and
         usage end there even when one engine message carried several tokens.
         None while nothing matched.
         """

@@ -26,6 +26,10 @@ Calls and their gRPC statuses:
   that is negative or not below the vocabulary size.
 * ``GetTokenizerInfo``: model name, vocabulary size, EOS/BOS ids, whether a
   chat template exists, and the chat roles it accepts.
+* ``GetTokenizer`` (server streaming): the ``tokenizers`` JSON definition that
+  Detokenize decodes with, in chunks of :data:`DEFINITION_CHUNK_BYTES`, with its
+  SHA-256 and size on the first message; serialized once, in :meth:`start`.
+  The router decodes in process from it (no round trip per token).
 
 Every call answers UNAVAILABLE before :meth:`TokenizerService.start` finished
 and after :meth:`TokenizerService.drain` began (open Detokenize streams keep
@@ -38,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +56,7 @@ from llmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.grpc_util import request_id_from
 from services.common.logging import bind_request_id
 from services.tokenizer.metrics import TokenizerMetrics, default_metrics
-from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.common.detokenizer import IncrementalDetokenizer
 from services.tokenizer.tokenizer import (
     DEFAULT_CHAT_ROLES,
     ChatMessage,
@@ -71,7 +76,14 @@ _T = TypeVar("_T")
 #: (a hop costs ~0.1 ms).
 DEFAULT_INLINE_ENCODE_MAX_CHARS = 2048
 
-_METHODS = ("Tokenize", "ApplyChatTemplate", "Detokenize", "GetTokenizerInfo")
+_METHODS = ("Tokenize", "ApplyChatTemplate", "Detokenize", "GetTokenizerInfo", "GetTokenizer")
+#: Calls that make a request's prompt: one ``tokenize_finished`` log line each.
+_PROMPT_METHODS = frozenset({"Tokenize", "ApplyChatTemplate"})
+#: Bytes of the tokenizer definition per GetTokenizer message (well under
+#: gRPC's default 4 MiB receive limit).
+DEFINITION_CHUNK_BYTES = 1 << 20
+#: GetTokenizerResponse.format of the definition.
+DEFINITION_FORMAT = "huggingface-tokenizers-json"
 _SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
 
 # Most specific first: all of these are ValueErrors.
@@ -142,6 +154,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self._ready = False
         self._draining = False
         self._info_reply: tokenizer_pb2.GetTokenizerInfoResponse | None = None
+        self._definition: bytes = b""
+        self._definition_sha256 = ""
         self._metrics = metrics or default_metrics()
         self._durations = {m: self._metrics.request_duration.labels(m) for m in _METHODS}
         self._ok = {m: self._metrics.requests.labels(m, "OK") for m in _METHODS}
@@ -167,6 +181,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 Tokenizer.load, self._model_path, self._model_name,
                 chat_template=self._chat_template, chat_roles=self._chat_roles))
         await asyncio.to_thread(self._warm_up)
+        self._definition = (await asyncio.to_thread(self._tok.definition)).encode()
+        self._definition_sha256 = hashlib.sha256(self._definition).hexdigest()
         await asyncio.gather(*(
             asyncio.get_running_loop().run_in_executor(self._pool, self._tok.encode, "warm")
             for _ in range(self._threads)
@@ -243,6 +259,13 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
             await self._abort(method, context, err, started)
             raise  # unreachable: abort raises
         self._record(method, grpc.StatusCode.OK, started)
+        if method in _PROMPT_METHODS:
+            # One line per prompt, written after the reply is on its way (the
+            # next loop turn), off the request's first-token path.
+            asyncio.get_running_loop().call_soon(functools.partial(
+                log.info, "tokenize_finished", method=method,
+                tokens=len(getattr(reply, "token_ids", ())),
+                handler_ms=round((time.perf_counter() - started) * 1e3, 3)))
         return reply
 
     async def _abort(
@@ -312,6 +335,27 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
             return self._info_reply
 
         return await self._unary("GetTokenizerInfo", context, work)
+
+    async def GetTokenizer(
+        self, request: tokenizer_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[tokenizer_pb2.GetTokenizerResponse]:
+        """The tokenizer's definition in chunks (UNAVAILABLE while loading or draining)."""
+        started = time.perf_counter()
+        try:
+            tok = self._admit(context)
+        except _Unavailable as err:
+            await self._abort("GetTokenizer", context, err, started)
+            return
+        data, step = self._definition, DEFINITION_CHUNK_BYTES
+        for offset in range(0, max(len(data), 1), step):
+            reply = tokenizer_pb2.GetTokenizerResponse(definition_chunk=data[offset:offset + step])
+            if offset == 0:
+                reply.format = DEFINITION_FORMAT
+                reply.total_bytes = len(data)
+                reply.sha256 = self._definition_sha256
+                reply.vocab_size = tok.info.vocab_size
+            yield reply
+        self._record("GetTokenizer", grpc.StatusCode.OK, started)
 
     async def Detokenize(
         self,

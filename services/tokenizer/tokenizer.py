@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.common.detokenizer import first_out_of_range
 from services.tokenizer.control_tokens import (
     ControlTokens,
     ForgedControlTokenError,
@@ -286,10 +287,17 @@ class Tokenizer:
         byte sequences come out as U+FFFD."""
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def definition(self) -> str:
+        """The Rust ``tokenizers`` definition that :meth:`decode` runs, as its JSON
+        serialization (``tokenizers.Tokenizer.from_str`` rebuilds it: the same
+        :meth:`decode` text for every id sequence). 1.5 MB for SmolLM2, 14 MB
+        for Gemma 3 (0.55 s to serialize here): call it once."""
+        return self._backend.to_str()
+
     def check_token_ids(self, token_ids: Sequence[int]) -> None:
         """Raises :class:`InvalidTokenIdError` unless every id is in ``[0, vocab_size)``."""
-        if token_ids and (min(token_ids) < 0 or max(token_ids) >= self._vocab_size):
-            bad = next(i for i in token_ids if not 0 <= i < self._vocab_size)
+        bad = first_out_of_range(token_ids, self._vocab_size)
+        if bad is not None:
             raise InvalidTokenIdError(
                 f"token_ids: {bad} is out of range [0, {self._vocab_size})"
             )

@@ -86,7 +86,9 @@ def test_request_id_from_the_client_reaches_every_hop(mesh: Mesh,
                 for name, records in found.items()}
     assert len(finished["router"]) == 1 and finished["router"][0]["outcome"] in ("stop", "length")
     assert finished["router"][0]["completion_tokens"] == last.usage.completion_tokens
-    assert [r["event"] for r in found["tokenizer"]] == ["detokenize_finished"]
+    # the prompt's one line (the router detokenizes in process: no Detokenize stream)
+    assert [(r["event"], r["method"]) for r in found["tokenizer"]] == [
+        ("tokenize_finished", "ApplyChatTemplate")]
     assert len(finished["engine-0"]) == 1
     for name, records in found.items():
         assert all(r["service"] == name.split("-")[0] for r in records), name

@@ -7,10 +7,10 @@ no model.
 * Tokenizer: one token per character (id = code point); id 0 is the special
   EOS token (text "", dropped with skip_special_tokens). The chat template is
   ``<role>content\\n`` per message plus ``<assistant>`` as generation prompt;
-  the oldest non-system messages are dropped to fit ``max_prompt_tokens``. The
-  detokenizer holds back the last character until the next message (or flush),
-  like a real one holding back an incomplete character; asked for
-  ``token_text_ends``, it says after which id each character became final.
+  the oldest non-system messages are dropped to fit ``max_prompt_tokens``.
+  ``GetTokenizer`` hands out a real ``tokenizers`` definition of that code
+  (a WordLevel vocabulary of the BMP and the emoji blocks, id = code point,
+  fused on decode; id 0 the special EOS), which the router decodes with.
 * Engine: generates ``reply`` (one token per character, ``tokens_per_step``
   per message, ``step_delay`` seconds apart), then EOS with FINISH_REASON_STOP,
   or stops with LENGTH at ``max_tokens``; honours ``cancel`` and stop token ids.
@@ -20,7 +20,11 @@ no model.
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 from dataclasses import dataclass, field
+
+import tokenizers
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -54,14 +58,25 @@ def template(messages) -> str:
     return "".join(f"<{m.role}>{m.content}\n" for m in messages) + "<assistant>"
 
 
+@functools.cache
+def definition() -> str:
+    """The fake code as a ``tokenizers`` JSON definition (~0.7 MB)."""
+    vocab = {chr(EOS): EOS}
+    for start, end in ((1, 0xD800), (0xE000, 0x10000), (0x1F000, 0x1FB00)):
+        vocab.update((chr(i), i) for i in range(start, end))
+    fake = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token=chr(EOS)))
+    fake.decoder = tokenizers.decoders.Fuse()
+    fake.add_special_tokens([tokenizers.AddedToken(chr(EOS), special=True)])
+    return fake.to_str()
+
+
 #: The roles the fake tokenizer's template accepts (GetTokenizerInfo.chat_roles).
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     def __init__(self) -> None:
-        self.detokenize_streams = 0
-        self.detokenize_closed = 0
+        self.definition_requests = 0
         self.chat_requests: list[tokenizer_pb2.ApplyChatTemplateRequest] = []
 
     async def Tokenize(self, request, context):
@@ -82,34 +97,14 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         return tokenizer_pb2.ApplyChatTemplateResponse(
             token_ids=encode(template(messages)), num_dropped_messages=dropped)
 
-    async def Detokenize(self, request_iterator, context):
-        self.detokenize_streams += 1
-        held = ""
-        skip = True
-        want_ends = False
-        first = True
-        try:
-            async for request in request_iterator:
-                if first:
-                    skip = request.skip_special_tokens
-                    want_ends = request.token_text_ends
-                    first = False
-                held_before = len(held)
-                held += decode(request.token_ids, skip)
-                if request.flush:
-                    text, held = held, ""
-                else:
-                    text, held = held[:-1], held[-1:]
-                ends = []
-                if want_ends:  # what was final after each id: all but the last character
-                    pending = held_before
-                    for n, token in enumerate(request.token_ids):
-                        pending += len(decode([token], skip))
-                        ends.append(len(text) if request.flush and n == len(request.token_ids) - 1
-                                    else min(max(pending - 1, 0), len(text)))
-                yield tokenizer_pb2.DetokenizeResponse(text=text, token_text_ends=ends)
-        finally:
-            self.detokenize_closed += 1
+    async def GetTokenizer(self, request, context):
+        self.definition_requests += 1
+        data = definition().encode()
+        yield tokenizer_pb2.GetTokenizerResponse(
+            format="huggingface-tokenizers-json", total_bytes=len(data),
+            sha256=hashlib.sha256(data).hexdigest(), vocab_size=VOCAB,
+            definition_chunk=data[:len(data) // 2])
+        yield tokenizer_pb2.GetTokenizerResponse(definition_chunk=data[len(data) // 2:])
 
     async def GetTokenizerInfo(self, request, context):
         return tokenizer_pb2.GetTokenizerInfoResponse(

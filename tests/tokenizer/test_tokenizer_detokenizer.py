@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.common.detokenizer import IncrementalDetokenizer
 from services.tokenizer.tokenizer import Tokenizer
 from tests.tokenizer.tokenizer_helpers import HARD_FRAGMENTS, HARD_TEXT, split
 
@@ -131,6 +131,25 @@ def test_a_chunk_ending_mid_character_holds_back_only_that_character(smollm: Tok
     assert detok.add(ids[:2]) == "ab"
     assert detok.num_held_tokens == 1
     assert detok.add(ids[2:]) == " 😀"
+
+
+def test_a_long_chunk_with_invalid_bytes_keeps_its_incomplete_last_character(
+        smollm: Tokenizer) -> None:
+    """Found by hypothesis: SmolLM2 encodes U+40000 U+0080 as three orphan
+    continuation bytes (its lead byte is lost), then C2 80. A chunk of more
+    than ``max_held_tokens`` ids ending in the C2 is taken for garbage (its
+    look-back meets only U+FFFD), and used to be emitted whole, the C2 as
+    U+FFFD; now its last 3 ids stay back and the C2 completes to U+0080, as a
+    one-shot decode has it."""
+    ids = smollm.encode("\U00040000\x80")
+    assert smollm.hf_tokenizer.convert_ids_to_tokens(ids) == ["Ģ", "Ģ", "Ģ", "Â", "Ģ"]
+    assert smollm.decode(ids) == "\ufffd" * 3 + "\x80"
+    for warm_up in ([], smollm.encode("word " * 20)):  # short, and longer than max_held
+        detok = IncrementalDetokenizer(smollm)
+        first = detok.add(warm_up + ids[:-1])
+        rest = detok.add(ids[-1:]) + detok.flush()
+        assert first + rest == smollm.decode(warm_up + ids)
+        assert first.startswith(smollm.decode(warm_up)) and rest.endswith("\x80")
 
 
 def test_skip_special_tokens(smollm: Tokenizer) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -12,8 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from llmesh.v1 import tokenizer_pb2
+from llmesh.v1.tokenizer_pb2_grpc import TokenizerServiceStub
 
-from services.router.clients import TokenizerClient, UpstreamError
+from services.common.detokenizer import IncrementalDetokenizer, TokenizersDecoder
+from services.router.clients import TokenizerClient
+from services.tokenizer.service import DEFINITION_CHUNK_BYTES
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.tokenizer import Tokenizer
 from tests.tokenizer.tokenizer_helpers import (
@@ -307,23 +311,72 @@ def test_metrics_count_calls_and_tokens(
                   method="Detokenize", le="0.001") > 0  # sub-millisecond resolution
 
 
-def test_a_detokenize_stream_past_its_deadline_reports_deadline_exceeded(
-        smollm_server: tuple[ServerThread, TokenizerMetrics]) -> None:
-    """The router feeds its Detokenize stream as tokens arrive; when the request's
-    deadline passes between two feeds, the next feed reports DEADLINE_EXCEEDED
-    (it used to surface as an internal error, asyncio's "RPC already finished")."""
-    async def scenario() -> UpstreamError:
-        client = TokenizerClient(smollm_server[0].target)
-        session = client.detokenize(request_id="late", deadline=time.monotonic() + 0.3)
+def _router_decoder(server: ServerThread) -> TokenizersDecoder:
+    """What the router loads at start: the service's definition over GetTokenizer."""
+    async def fetch() -> TokenizersDecoder:
+        client = TokenizerClient(server.target)
         try:
-            await session.feed([504, 2365])
-            await asyncio.sleep(0.6)
-            with pytest.raises(UpstreamError) as raised:
-                await session.feed([6354])
-            return raised.value
+            return await client.decoder()
         finally:
-            session.close()
             await client.close()
 
-    error = asyncio.run(scenario())
-    assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED, error
+    return asyncio.run(fetch())
+
+
+@pytest.fixture(scope="module")
+def router_decoders(smollm_server, gemma_server) -> dict[str, TokenizersDecoder]:
+    return {"smollm": _router_decoder(smollm_server[0]),
+            "gemma": _router_decoder(gemma_server[0])}
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@settings(max_examples=25, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=HARD_TEXTS, data=st.data())
+def test_the_routers_in_process_detokenizer_equals_the_service(
+        name: str, text: str, data: st.DataObject, router_decoders,
+        request: pytest.FixtureRequest) -> None:
+    """The router decodes with the definition GetTokenizer hands out: for
+    SmolLM2's byte-level BPE and Gemma's SentencePiece with byte fallback, any
+    chunking gives the service's Detokenize deltas' text, equal to a one-shot
+    decode, never a partial character."""
+    tok, client = _client(name, request)
+    decoder = router_decoders[name]
+    assert decoder.vocab_size == tok.info.vocab_size
+    ids = tok.encode(text, add_special_tokens=True)
+    cuts = data.draw(st.lists(st.integers(0, len(ids)), max_size=6), label="cuts")
+    chunks = split(ids, cuts)
+    for skip in (False, True):
+        local = IncrementalDetokenizer(decoder, skip_special_tokens=skip)
+        deltas = [local.add(chunk) for chunk in chunks] + [local.flush()]
+        assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip)
+        assert "".join(client.detokenize(chunks, skip_special_tokens=skip)) == "".join(deltas)
+        assert not any("\ufffd" in d for d in deltas if "\ufffd" not in text)
+
+
+def test_get_tokenizer_sends_the_definition_in_chunks_with_its_digest(
+        gemma: Tokenizer, gemma_server: tuple[ServerThread, TokenizerMetrics]) -> None:
+    channel = grpc.insecure_channel(gemma_server[0].target)
+    try:
+        replies = list(TokenizerServiceStub(channel).GetTokenizer(
+            tokenizer_pb2.GetTokenizerRequest(), timeout=60))
+    finally:
+        channel.close()
+    data = b"".join(r.definition_chunk for r in replies)
+    head = replies[0]
+    assert head.format == "huggingface-tokenizers-json"
+    assert head.vocab_size == gemma.info.vocab_size == 262144
+    assert head.total_bytes == len(data) and head.sha256 == hashlib.sha256(data).hexdigest()
+    assert data.decode() == gemma.definition()
+    assert len(replies) == -(-len(data) // DEFINITION_CHUNK_BYTES) > 4
+    assert all(len(r.definition_chunk) <= DEFINITION_CHUNK_BYTES for r in replies)
+    assert not any(r.sha256 or r.total_bytes for r in replies[1:])
+
+
+def test_the_router_refuses_an_id_outside_the_vocabulary(router_decoders) -> None:
+    """``tokenizers`` drops an unknown id silently; the decoder says so."""
+    decoder = router_decoders["smollm"]
+    for bad in ([49152], [-1], [5, 10**6]):
+        with pytest.raises(ValueError, match="out of range"):
+            decoder.check_token_ids(bad)
+    decoder.check_token_ids([0, 49151])

@@ -260,3 +260,60 @@ class GetTokenizerInfoResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__bos_token_id) -> _WhichOneofReturnType__bos_token_id | None: ...
 
 Global___GetTokenizerInfoResponse: _TypeAlias = GetTokenizerInfoResponse  # noqa: Y015
+
+@_typing.final
+class GetTokenizerRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTokenizerRequest: _TypeAlias = GetTokenizerRequest  # noqa: Y015
+
+@_typing.final
+class GetTokenizerResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FORMAT_FIELD_NUMBER: _builtins.int
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    DEFINITION_CHUNK_FIELD_NUMBER: _builtins.int
+    VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    format: _builtins.str
+    """Set on the first message only: how `definition_chunk` is to be read
+    ("huggingface-tokenizers-json": load with tokenizers.Tokenizer.from_str).
+    """
+    total_bytes: _builtins.int
+    """Set on the first message only: bytes of the whole definition."""
+    sha256: _builtins.str
+    """Set on the first message only: lowercase hex SHA-256 of the whole
+    definition (the router logs it; two equal digests decode equally).
+    """
+    definition_chunk: _builtins.bytes
+    """The next part of the definition (UTF-8 JSON bytes; may split a character)."""
+    vocab_size: _builtins.int
+    """Set on the first message only: the vocabulary size (ids 0..vocab_size-1
+    decode; the definition may list fewer when the model pads its vocabulary).
+    """
+    def __init__(
+        self,
+        *,
+        format: _builtins.str = ...,
+        total_bytes: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+        definition_chunk: _builtins.bytes = ...,
+        vocab_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["definition_chunk", b"definition_chunk", "format", b"format", "sha256", b"sha256", "total_bytes", b"total_bytes", "vocab_size", b"vocab_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTokenizerResponse: _TypeAlias = GetTokenizerResponse  # noqa: Y015

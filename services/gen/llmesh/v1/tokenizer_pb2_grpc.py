@@ -55,6 +55,11 @@ class TokenizerServiceStub:
                 request_serializer=llmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerInfoRequest.SerializeToString,
                 response_deserializer=llmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerInfoResponse.FromString,
                 _registered_method=True)
+        self.GetTokenizer = channel.unary_stream(
+                '/llmesh.v1.TokenizerService/GetTokenizer',
+                request_serializer=llmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerRequest.SerializeToString,
+                response_deserializer=llmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerResponse.FromString,
+                _registered_method=True)
 
 
 class TokenizerServiceServicer:
@@ -94,6 +99,17 @@ class TokenizerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTokenizer(self, request, context):
+        """The tokenizer's definition, for callers that detokenize in process (the
+        router does, so that no token waits for a round trip): the Hugging Face
+        `tokenizers` JSON serialization this service decodes with, in chunks of
+        at most 1 MiB (Gemma 3's is 14 MB, beyond gRPC's default 4 MiB message).
+        Concatenate `definition_chunk` in order and check `sha256`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TokenizerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -116,6 +132,11 @@ def add_TokenizerServiceServicer_to_server(servicer, server):
                     servicer.GetTokenizerInfo,
                     request_deserializer=llmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerInfoRequest.FromString,
                     response_serializer=llmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerInfoResponse.SerializeToString,
+            ),
+            'GetTokenizer': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetTokenizer,
+                    request_deserializer=llmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerRequest.FromString,
+                    response_serializer=llmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -227,6 +248,33 @@ class TokenizerService:
             '/llmesh.v1.TokenizerService/GetTokenizerInfo',
             llmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerInfoRequest.SerializeToString,
             llmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/llmesh.v1.TokenizerService/GetTokenizer',
+            llmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerRequest.SerializeToString,
+            llmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerResponse.FromString,
             options,
             channel_credentials,
             insecure,

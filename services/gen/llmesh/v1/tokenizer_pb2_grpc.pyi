@@ -48,6 +48,13 @@ class TokenizerServiceStub:
     """
     GetTokenizerInfo: _grpc.UnaryUnaryMultiCallable[_tokenizer_pb2.GetTokenizerInfoRequest, _tokenizer_pb2.GetTokenizerInfoResponse]
     """Facts about the tokenizer: vocabulary size, special tokens, template."""
+    GetTokenizer: _grpc.UnaryStreamMultiCallable[_tokenizer_pb2.GetTokenizerRequest, _tokenizer_pb2.GetTokenizerResponse]
+    """The tokenizer's definition, for callers that detokenize in process (the
+    router does, so that no token waits for a round trip): the Hugging Face
+    `tokenizers` JSON serialization this service decodes with, in chunks of
+    at most 1 MiB (Gemma 3's is 14 MB, beyond gRPC's default 4 MiB message).
+    Concatenate `definition_chunk` in order and check `sha256`.
+    """
 
 @_typing.type_check_only
 class TokenizerServiceAsyncStub(TokenizerServiceStub):
@@ -69,6 +76,13 @@ class TokenizerServiceAsyncStub(TokenizerServiceStub):
     """
     GetTokenizerInfo: _aio.UnaryUnaryMultiCallable[_tokenizer_pb2.GetTokenizerInfoRequest, _tokenizer_pb2.GetTokenizerInfoResponse]  # type: ignore[assignment]
     """Facts about the tokenizer: vocabulary size, special tokens, template."""
+    GetTokenizer: _aio.UnaryStreamMultiCallable[_tokenizer_pb2.GetTokenizerRequest, _tokenizer_pb2.GetTokenizerResponse]  # type: ignore[assignment]
+    """The tokenizer's definition, for callers that detokenize in process (the
+    router does, so that no token waits for a round trip): the Hugging Face
+    `tokenizers` JSON serialization this service decodes with, in chunks of
+    at most 1 MiB (Gemma 3's is 14 MB, beyond gRPC's default 4 MiB message).
+    Concatenate `definition_chunk` in order and check `sha256`.
+    """
 
 class TokenizerServiceServicer(metaclass=_abc_1.ABCMeta):
     """The model's own tokenizer and chat template, as a service."""
@@ -111,5 +125,18 @@ class TokenizerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_tokenizer_pb2.GetTokenizerInfoResponse, _abc.Awaitable[_tokenizer_pb2.GetTokenizerInfoResponse]]:
         """Facts about the tokenizer: vocabulary size, special tokens, template."""
+
+    @_abc_1.abstractmethod
+    def GetTokenizer(
+        self,
+        request: _tokenizer_pb2.GetTokenizerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_tokenizer_pb2.GetTokenizerResponse], _abc.AsyncIterator[_tokenizer_pb2.GetTokenizerResponse]]:
+        """The tokenizer's definition, for callers that detokenize in process (the
+        router does, so that no token waits for a round trip): the Hugging Face
+        `tokenizers` JSON serialization this service decodes with, in chunks of
+        at most 1 MiB (Gemma 3's is 14 MB, beyond gRPC's default 4 MiB message).
+        Concatenate `definition_chunk` in order and check `sha256`.
+        """
 
 def add_TokenizerServiceServicer_to_server(servicer: TokenizerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,5 +1,10 @@
 """Incremental detokenization: token ids in, chunk by chunk; UTF-8-safe text deltas out.
 
+Used by the tokenizer service (its ``Detokenize`` stream) and by the router,
+which decodes in process with :class:`TokenizersDecoder`, built from the
+definition the tokenizer service hands out (``GetTokenizer``): the same Rust
+``tokenizers`` decode, so the same text, without a round trip per token.
+
 Algorithm: the prefix/read-offset window of text-generation-inference's
 ``decode_token`` and vLLM's ``detokenize_incrementally`` (both Apache-2.0),
 re-derived here:
@@ -28,7 +33,8 @@ the sequence grows.
 
 Invalid byte sequences (a model emitting garbage bytes) decode to U+FFFD in
 ``decode`` too; they are held at most ``max_held_tokens`` ids and then
-emitted as they are, so garbage cannot grow the window without bound. For such
+emitted as they are, all but the last 3 ids (which may still hold an
+incomplete character), so garbage cannot grow the window without bound. For such
 input the deltas may differ from ``decode(all_ids)`` next to the bad bytes
 (how many U+FFFD stand for them); valid text elsewhere is unaffected.
 """
@@ -37,6 +43,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol
+
+import tokenizers
 
 _REPLACEMENT = "\ufffd"
 # A UTF-8 character has at most 4 bytes, so at most 3 trailing ids hold the
@@ -50,6 +58,49 @@ class Decoder(Protocol):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ``token_ids``; incomplete or invalid UTF-8 bytes as U+FFFD."""
         ...
+
+
+def first_out_of_range(token_ids: Sequence[int], vocab_size: int) -> int | None:
+    """The first id not in ``[0, vocab_size)``, or None (one min/max pass when all are)."""
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+        return next(i for i in token_ids if not 0 <= i < vocab_size)
+    return None
+
+
+class TokenizersDecoder:
+    """A :class:`Decoder` from a Hugging Face ``tokenizers`` JSON definition
+    (the tokenizer service's ``GetTokenizer``); decodes exactly as that
+    service's tokenizer does, since it is the same definition and library.
+
+    Thread safety: decode only reads; several threads may call it.
+    """
+
+    def __init__(self, definition: str, vocab_size: int) -> None:
+        """Args:
+          definition: the JSON serialization (``tokenizers.Tokenizer.to_str``).
+          vocab_size: ids ``0 <= id < vocab_size`` are valid.
+
+        Raises:
+          ValueError: the definition does not parse, or ``vocab_size`` < 1.
+        """
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        try:
+            self._tokenizer = tokenizers.Tokenizer.from_str(definition)
+        except Exception as exc:  # the Rust side raises a plain Exception
+            raise ValueError(f"not a tokenizers definition: {exc}") from exc
+        self.vocab_size = vocab_size
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``token_ids`` (valid ids only: see :meth:`check_token_ids`)."""
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def check_token_ids(self, token_ids: Sequence[int]) -> None:
+        """Raises ValueError unless every id is in ``[0, vocab_size)`` (``tokenizers``
+        would drop an unknown id silently)."""
+        bad = first_out_of_range(token_ids, self.vocab_size)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is out of range [0, {self.vocab_size})")
 
 
 class IncrementalDetokenizer:
@@ -163,7 +214,14 @@ class IncrementalDetokenizer:
             if len(text) > len(prefix_text) and not text.endswith(_REPLACEMENT):
                 return self._emit(text[len(prefix_text):], end)
         if self.num_held_tokens > self._max_held:
-            return self._emit(new_text[len(prefix_text):], len(self._ids))  # invalid bytes
+            # Invalid bytes: emit them, but keep the last ids back, which may
+            # still hold an incomplete character (a long chunk whose look-back
+            # met invalid bytes must not turn a valid last character into U+FFFD).
+            keep = last - _MAX_PARTIAL_TOKENS
+            text = decode(self._ids[:keep], self._skip) if keep > self._read else ""
+            if len(text) > len(prefix_text):
+                return self._emit(text[len(prefix_text):], keep)
+            return self._emit(new_text[len(prefix_text):], last)
         return ""
 
     def _emit(self, delta: str, read_end: int) -> str:
