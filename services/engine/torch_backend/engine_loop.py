@@ -15,8 +15,9 @@ A step is ``schedule → run → sample → update → deliver``:
 5. the :class:`~services.engine.torch_backend.speculative.Speculator` (if
    any) proposes the next step's lookahead tokens of the sequences that just
    produced tokens;
-6. each sequence's tokens go to its request's asyncio queue with
-   ``loop.call_soon_threadsafe`` as soon as the step ends.
+6. the step's deltas go to their requests' asyncio queues as soon as the
+   step ends, in one ``loop.call_soon_threadsafe`` per event loop (one
+   wake-up of the loop per step, not one per sequence).
 
 The asyncio side (``submit`` / ``cancel`` / ``load``) never runs the model. A
 cancel takes the lock and flags the sequence, so it is always applied before
@@ -68,6 +69,8 @@ log = structlog.get_logger()
 
 
 StepObserver = Callable[[StepStats], None]
+#: A delta and the asyncio queue it goes to.
+_Put = tuple[asyncio.Queue[TokenDelta], TokenDelta]
 
 
 class EngineLoop:
@@ -213,8 +216,7 @@ class EngineLoop:
         with self._lock:
             left = self._scheduler.finish_all(FinishReason.ERROR)
             self._by_id.clear()
-        for seq in left:
-            _deliver(seq, (), "the engine shut down")
+        _deliver_all([(seq, (), "the engine shut down") for seq in left])
 
     # ---- worker thread ------------------------------------------------------------
 
@@ -228,8 +230,7 @@ class EngineLoop:
                     began, out = planned
                     if self._speculator is not None and (out.finished or out.preempted):
                         self._speculator.retain(self._running_ids())
-                    for seq in out.finished:
-                        _deliver(seq, ())
+                    _deliver_all([(seq, (), "") for seq in out.finished])
                     if out.scheduled:
                         self._step(began, out)
                 except Exception as exc:  # noqa: BLE001 - a bug must not hang every request
@@ -245,8 +246,7 @@ class EngineLoop:
             self._by_id.clear()
         if self._speculator is not None:
             self._speculator.retain(())
-        for seq in left:
-            _deliver(seq, (), error)
+        _deliver_all([(seq, (), error) for seq in left])
 
     def _schedule(self) -> tuple[float, SchedulerOutput] | None:
         """The next step's plan (blocks while idle); None once stopping."""
@@ -295,8 +295,7 @@ class EngineLoop:
                 self._speculator.retain(self._running_ids())
         if self._step_observer is not None:
             self._step_observer(_step_stats(time.perf_counter() - began, out, sampled))
-        for update in updates:
-            _deliver(update.seq, update.token_ids)
+        _deliver_all([(update.seq, update.token_ids, "") for update in updates])
 
     def _running_ids(self) -> set[str]:
         return {seq.request_id for seq in self._scheduler.running}
@@ -319,8 +318,7 @@ class EngineLoop:
                 self._by_id.pop(seq.request_id, None)
         if self._speculator is not None:
             self._speculator.retain(self._running_ids())
-        for seq in ended:
-            _deliver(seq, (), error)
+        _deliver_all([(seq, (), error) for seq in ended])
 
 
 def _all_cancelled(seqs: list[Sequence]) -> bool:
@@ -361,11 +359,26 @@ def _step_stats(duration_s: float, out: SchedulerOutput,
 
 
 def _deliver(seq: Sequence, token_ids: tuple[int, ...], error: str = "") -> None:
-    """Hands a delta to ``seq``'s event loop (thread-safe); dropped if that loop closed."""
-    if seq.loop is None or seq.queue is None:
-        return
-    try:
-        seq.loop.call_soon_threadsafe(seq.queue.put_nowait, seq.delta(token_ids, error))
-    except RuntimeError:
-        pass
+    """Hands one delta to ``seq``'s event loop (see :func:`_deliver_all`)."""
+    _deliver_all([(seq, token_ids, error)])
 
+
+def _deliver_all(items: list[tuple[Sequence, tuple[int, ...], str]]) -> None:
+    """Hands each ``(sequence, token ids, error)`` delta to its sequence's event
+    loop, thread-safe: the deltas are built here (on the worker thread, in
+    order) and put on their queues by one callback per loop, so a step of 16
+    sequences wakes the loop once. A loop that closed drops its deltas."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[_Put]] = {}
+    for seq, token_ids, error in items:
+        if seq.loop is not None and seq.queue is not None:
+            by_loop.setdefault(seq.loop, []).append((seq.queue, seq.delta(token_ids, error)))
+    for loop, deltas in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, deltas)
+        except RuntimeError:
+            pass
+
+
+def _put_all(deltas: list[_Put]) -> None:
+    for queue, delta in deltas:
+        queue.put_nowait(delta)
