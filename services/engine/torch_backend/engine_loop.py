@@ -95,7 +95,6 @@ class EngineLoop:
         self._step_observer = step_observer
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
-        self._by_id: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -139,7 +138,7 @@ class EngineLoop:
         with self._lock:
             if self._thread is None or self._stopping:
                 raise EngineUnavailableError("the torch engine is not running")
-            if request.request_id in self._by_id:
+            if self._scheduler.get(request.request_id) is not None:
                 raise DuplicateRequestError(f"request {request.request_id!r} is already running")
             if self._scheduler.num_waiting >= self._max_num_waiting:
                 raise QueueFullError(f"{self._scheduler.num_waiting} requests are waiting "
@@ -148,7 +147,6 @@ class EngineLoop:
             if self._speculator is not None:
                 seq.spec_method, seq.num_spec_tokens = self._speculator.resolve(
                     request.speculative)
-            self._by_id[request.request_id] = seq
             self._scheduler.add(seq)
             self._wakeup.notify()
         return queue
@@ -159,12 +157,11 @@ class EngineLoop:
         cancelled sequences, or at the end of the step in progress (see the module
         docstring). Thread-safe. Returns False if it is not in flight."""
         with self._lock:
-            seq = self._by_id.get(request_id)
+            seq = self._scheduler.get(request_id)
             if seq is None or seq.cancelled:
                 return seq is not None
             if not self._scheduler.abort(seq):
                 return True
-            del self._by_id[request_id]
         _deliver(seq, ())
         return True
 
@@ -215,7 +212,6 @@ class EngineLoop:
             self._thread.join()
         with self._lock:
             left = self._scheduler.finish_all(FinishReason.ERROR)
-            self._by_id.clear()
         _deliver_all([(seq, (), "the engine shut down") for seq in left])
 
     # ---- worker thread ------------------------------------------------------------
@@ -243,7 +239,6 @@ class EngineLoop:
         log.exception("engine_loop_failed", error=error)
         with self._lock:
             left = self._scheduler.finish_all(FinishReason.ERROR)
-            self._by_id.clear()
         if self._speculator is not None:
             self._speculator.retain(())
         _deliver_all([(seq, (), error) for seq in left])
@@ -256,10 +251,7 @@ class EngineLoop:
             if self._stopping:
                 return None
             began = time.perf_counter()
-            out = self._scheduler.schedule()
-            for seq in out.finished:
-                del self._by_id[seq.request_id]
-            return began, out
+            return began, self._scheduler.schedule()
 
     def _step(self, began: float, out: SchedulerOutput) -> None:
         kv = self._kv
@@ -285,9 +277,6 @@ class EngineLoop:
             return
         with self._lock:
             updates = self._scheduler.update_from_output(out, sampled)
-            for update in updates:
-                if update.finished:
-                    del self._by_id[update.seq.request_id]
         if self._speculator is not None:
             self._speculator.propose([u.seq for u in updates if not u.finished],
                                      self._scheduler.num_running)
@@ -315,7 +304,6 @@ class EngineLoop:
         with self._lock:
             for seq in ended:
                 self._scheduler.finish(seq, reason)
-                self._by_id.pop(seq.request_id, None)
         if self._speculator is not None:
             self._speculator.retain(self._running_ids())
         _deliver_all([(seq, (), error) for seq in ended])
