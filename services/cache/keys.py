@@ -26,6 +26,7 @@ means bumping :data:`NAMESPACE`.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 import struct
 from collections.abc import Sequence
 
@@ -45,12 +46,30 @@ _I64 = struct.Struct("<q")
 _U64 = struct.Struct("<Q")
 
 
-def is_cacheable(sampling: common_pb2.SamplingParams) -> bool:
-    """True when the output is a function of the request: temperature 0 (or unset),
-    or an explicit seed. (Inside the services, ``SamplingOptions.deterministic``
-    says the same of the converted form.)"""
-    greedy = not sampling.HasField("temperature") or sampling.temperature == 0.0
-    return greedy or sampling.HasField("seed")
+@dataclass(frozen=True, slots=True)
+class EntryKey:
+    """A valid ``CacheKey`` as the service uses it.
+
+    Attributes:
+      store_key: :data:`NAMESPACE` + hex SHA-256 of :func:`canonical_bytes`.
+      deterministic: the output is a function of the request (greedy, with
+        every temperature below ``GREEDY_TEMPERATURE_EPSILON`` folded to 0 as
+        the engine folds it, or seeded): only such requests are cached.
+    """
+
+    store_key: str
+    deterministic: bool
+
+
+def entry_key(key: cache_pb2.CacheKey) -> EntryKey:
+    """Validates ``key`` once and returns its :class:`EntryKey`.
+
+    Raises:
+      InvalidRequestError: as :func:`validate_key`.
+    """
+    options = validate_key(key)
+    digest = hashlib.sha256(_canonical(key, options)).hexdigest()
+    return EntryKey(NAMESPACE + digest, options.deterministic)
 
 
 def validate_key(key: cache_pb2.CacheKey, *, field_prefix: str = "key") -> SamplingOptions:
@@ -88,7 +107,10 @@ def canonical_bytes(key: cache_pb2.CacheKey) -> bytes:
     Raises:
       InvalidRequestError: as :func:`validate_key`.
     """
-    options = validate_key(key)
+    return _canonical(key, validate_key(key))
+
+
+def _canonical(key: cache_pb2.CacheKey, options: SamplingOptions) -> bytes:
     sampling = key.sampling
     greedy = options.greedy
     parts = [
@@ -113,4 +135,4 @@ def response_key(key: cache_pb2.CacheKey) -> str:
     Raises:
       InvalidRequestError: as :func:`validate_key`.
     """
-    return NAMESPACE + hashlib.sha256(canonical_bytes(key)).hexdigest()
+    return entry_key(key).store_key

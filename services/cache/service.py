@@ -29,7 +29,7 @@ import structlog
 from google.protobuf.message import DecodeError
 from llmesh.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 
-from services.cache.keys import is_cacheable, response_key
+from services.cache.keys import EntryKey, entry_key
 from services.cache.metrics import CacheMetrics, default_metrics
 from services.cache.store import ResponseStore
 from services.common.grpc_util import request_id_from
@@ -95,15 +95,15 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     # RPCs -----------------------------------------------------------------------
 
     async def _admit(self, key: cache_pb2.CacheKey, has_key: bool,
-                     context: grpc.aio.ServicerContext) -> str:
-        """The store key of a valid request; aborts UNAVAILABLE / INVALID_ARGUMENT."""
+                     context: grpc.aio.ServicerContext) -> EntryKey:
+        """The entry key of a valid request; aborts UNAVAILABLE / INVALID_ARGUMENT."""
         bind_request_id(request_id_from(context))
         if self._draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "cache service is draining")
         if not has_key:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "key: required")
         try:
-            return response_key(key)
+            return entry_key(key)
         except InvalidRequestError as exc:
             await context.abort(exc.code, str(exc))
             raise  # unreachable: abort raises
@@ -113,17 +113,17 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     ) -> cache_pb2.GetCachedResponseResponse:
         started = time.perf_counter()
         try:
-            store_key = await self._admit(request.key, request.HasField("key"), context)
-            if not is_cacheable(request.key.sampling):
+            entry = await self._admit(request.key, request.HasField("key"), context)
+            if not entry.deterministic:
                 return cache_pb2.GetCachedResponseResponse(found=False)
             self._metrics.queries.inc()
-            value = await self.store.get(store_key)
+            value = await self.store.get(entry.store_key)
             if value is None:
                 return cache_pb2.GetCachedResponseResponse(found=False)
             try:
                 response = cache_pb2.CachedResponse.FromString(value)
             except DecodeError:
-                log.warning("cache_entry_unreadable", key=store_key, action="answered miss")
+                log.warning("cache_entry_unreadable", key=entry.store_key, action="answered miss")
                 return cache_pb2.GetCachedResponseResponse(found=False)
             self._metrics.hits.inc()
             log.debug("cache_hit", tokens=len(response.token_ids))
@@ -136,8 +136,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     ) -> cache_pb2.PutCachedResponseResponse:
         started = time.perf_counter()
         try:
-            store_key = await self._admit(request.key, request.HasField("key"), context)
-            if not is_cacheable(request.key.sampling):
+            entry = await self._admit(request.key, request.HasField("key"), context)
+            if not entry.deterministic:
                 await context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     "key.sampling: only deterministic requests are cached "
@@ -145,7 +145,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             if request.response.finish_reason not in CACHEABLE_FINISH_REASONS:
                 return cache_pb2.PutCachedResponseResponse(stored=False)
             ttl_seconds = request.ttl_seconds or self.default_ttl_seconds
-            stored = await self.store.put(store_key, request.response.SerializeToString(),
+            stored = await self.store.put(entry.store_key, request.response.SerializeToString(),
                                           ttl_seconds)
             if stored:
                 self._metrics.stores.inc()

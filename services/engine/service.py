@@ -46,7 +46,6 @@ from services.engine.backend import EngineBackend, EngineError
 from services.engine.config import EngineConfig
 from services.engine.metrics import EngineMetrics, default_metrics
 from services.engine.types import EngineRequest, ModelInfo, TokenDelta
-from services.engine.validation import validate_length, validate_prompt
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 log = structlog.get_logger()
@@ -200,22 +199,23 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     # ---- conversions --------------------------------------------------------------
 
     def to_engine_request(self, pb: engine_pb2.EngineRequest, request_id: str) -> EngineRequest:
-        """Validates ``pb`` against the model and converts it. An unset max_tokens
-        becomes the smallest of the server default, the cap and what fits in the
-        context window.
+        """Converts ``pb``, checking each field's own form; the checks against the
+        model (vocabulary, context window, KV capacity) run once, in the
+        backend's ``generate`` (:mod:`services.engine.validation`). An unset
+        max_tokens becomes the smallest of the server default, the cap and what
+        fits in the context window (at least 1: a prompt that leaves no room is
+        the backend's OUT_OF_RANGE on the prompt).
 
         Raises:
-          InvalidRequestError: naming the first bad field.
+          InvalidRequestError: naming the first malformed field.
         """
         info = self._backend.model_info
         prompt = tuple(pb.prompt_token_ids)
-        validate_prompt(prompt, info.vocab_size, info.max_model_len)
         cap = self._config.max_tokens_cap or info.max_model_len
-        room = info.max_model_len - len(prompt)
+        room = max(info.max_model_len - len(prompt), 1)
         sampling = SamplingOptions.from_pb(
             pb.sampling, default_max_tokens=min(self._config.default_max_tokens, cap, room),
-            max_tokens_cap=cap, vocab_size=info.vocab_size, field_prefix="sampling")
-        validate_length(len(prompt), sampling.max_tokens, info.max_model_len)
+            max_tokens_cap=cap, field_prefix="sampling")
         speculative = SpeculativeOptions.from_pb(pb.speculative)
         return EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                              priority=Priority.from_pb(pb.priority), speculative=speculative)

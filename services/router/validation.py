@@ -246,8 +246,8 @@ def _validate_role(i: int, role: str, limits: ModelLimits) -> None:
         allowed = ", ".join(f'"{r}"' for r in limits.chat_roles)
         raise InvalidRequestError(
             f"chat.messages[{i}].role",
-            f"must be one of {allowed} (the roles of model {limits.model!r}'s chat "
-            f"template), got {role[:40]!r}")
+            f"must be one of {allowed} (the roles the chat template of model "
+            f"{limits.model!r} accepts), got {role[:40]!r}")
     if not _ROLE.fullmatch(role):
         raise InvalidRequestError(
             f"chat.messages[{i}].role",

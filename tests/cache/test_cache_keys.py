@@ -13,7 +13,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from llmesh.v1 import cache_pb2, common_pb2
 
-from services.cache.keys import NAMESPACE, canonical_bytes, is_cacheable, response_key
+from services.cache.keys import NAMESPACE, canonical_bytes, entry_key, response_key
 from services.common.sampling import GREEDY_TEMPERATURE_EPSILON, InvalidRequestError
 from tests.cache.helpers import make_key
 
@@ -187,6 +187,20 @@ def test_invalid_keys_name_the_field(key: cache_pb2.CacheKey, field: str) -> Non
     ({"temperature": 0.9, "seed": 0}, True),
     ({"temperature": 0.9}, False),
     ({"temperature": 0.9, "top_k": 1}, False),
+    # Below GREEDY_TEMPERATURE_EPSILON the engine samples greedily: deterministic,
+    # and the same entry as temperature 0.
+    ({"temperature": 1e-7}, True),
 ])
-def test_is_cacheable_only_for_deterministic_requests(sampling: dict, cacheable: bool) -> None:
-    assert is_cacheable(common_pb2.SamplingParams(**sampling)) is cacheable
+def test_only_deterministic_requests_are_cacheable(sampling: dict, cacheable: bool) -> None:
+    key = cache_pb2.CacheKey(model="m", prompt_token_ids=[1, 2],
+                             sampling=common_pb2.SamplingParams(**sampling))
+    assert entry_key(key).deterministic is cacheable
+    assert entry_key(key).store_key == response_key(key)
+
+
+def test_a_tiny_temperature_shares_the_greedy_entry() -> None:
+    def key(**sampling) -> cache_pb2.CacheKey:
+        return cache_pb2.CacheKey(model="m", prompt_token_ids=[1, 2],
+                                  sampling=common_pb2.SamplingParams(**sampling))
+
+    assert response_key(key(temperature=1e-7)) == response_key(key())

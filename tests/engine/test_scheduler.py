@@ -169,6 +169,31 @@ def test_cancel_waiting_is_immediate_and_running_at_the_boundary() -> None:
     scheduler.kv.check_integrity(idle=True)
 
 
+def test_the_scheduler_owns_the_request_table_until_each_sequence_finishes() -> None:
+    """``get`` finds a sequence from ``add`` until it leaves, however it leaves:
+    a finished run, a waiting cancel, a running cancel, a failed step, shutdown."""
+    scheduler = create_scheduler(max_num_seqs=2)
+    done, running, waiting, failed = (make_request(name, 4, max_tokens=1)
+                                      for name in ("done", "running", "waiting", "failed"))
+    for seq in (done, running, waiting):
+        scheduler.add(seq)
+    assert [scheduler.get(s.request_id) for s in (done, running, waiting)] == [
+        done, running, waiting]
+    step(scheduler)  # "done" and "running" prefill and sample their one token: both finish
+    assert scheduler.get("done") is None and scheduler.get("running") is None
+    assert scheduler.get("waiting") is waiting
+    assert scheduler.abort(waiting) is True and scheduler.get("waiting") is None
+    scheduler.add(failed)
+    scheduler.finish(failed, FinishReason.ERROR)
+    assert scheduler.get("failed") is None
+    again = make_request("done", 4)  # a finished id may come back
+    scheduler.add(again)
+    assert scheduler.get("done") is again
+    scheduler.finish_all(FinishReason.ERROR)
+    assert scheduler.get("done") is None and not scheduler.has_work()
+    scheduler.kv.check_integrity(idle=True)
+
+
 def test_cancel_during_the_step_finishes_without_its_token() -> None:
     scheduler = create_scheduler()
     seq = make_request("a", 4)

@@ -140,6 +140,16 @@ def test_header_limits_are_set_deliberately() -> None:
     assert hcm["http2_protocol_options"]["max_header_field_size_kb"] == 96
 
 
+def test_access_log_cuts_what_the_client_controls() -> None:
+    """A 90 kB ``x-request-id`` (under the header limit, refused by the router
+    only after Envoy logged it) must not make a 90 kB access-log line."""
+    access_log = _hcm(yaml.safe_load(CHECKED_IN.read_text()))["access_log"][0]
+    line = access_log["typed_config"]["log_format"]["text_format_source"]["inline_string"]
+    assert "%REQ(X-REQUEST-ID):128%" in line
+    assert "%REQ(X-ENVOY-ORIGINAL-PATH?:PATH):256%" in line
+    assert "%REQ(X-REQUEST-ID)%" not in line
+
+
 def test_unknown_query_parameters_are_rejected() -> None:
     transcoder = _http_filter(yaml.safe_load(CHECKED_IN.read_text()),
                               "envoy.filters.http.grpc_json_transcoder")

@@ -53,6 +53,7 @@ class Mesh:
     registry: CollectorRegistry
     servers: list[grpc.aio.Server] = field(default_factory=list)
     engine_servers: list[grpc.aio.Server] = field(default_factory=list)
+    channel: grpc.aio.Channel | None = None  # the client channel to the router
 
     def metric(self, name: str, **labels: str) -> float:
         return self.registry.get_sample_value(name, labels) or 0.0
@@ -92,7 +93,7 @@ async def make_mesh(*, engines: int = 1, cache: bool = True, reply: str = REPLY,
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     mesh = Mesh(tokenizer, fakes, fake_cache, router,
                 generation_pb2_grpc.GenerationServiceStub(channel), registry,
-                servers + engine_servers, engine_servers)
+                servers + engine_servers, engine_servers, channel)
     try:
         yield mesh
     finally:
@@ -541,6 +542,17 @@ async def test_list_models():
         reply = await mesh.stub.ListModels(generation_pb2.ListModelsRequest())
     assert [(m.id, m.max_model_len, m.max_tokens_cap, m.chat) for m in reply.models] == [
         ("fake-model", 300, 299, True)]
+
+
+async def test_list_models_refuses_unknown_field_numbers():
+    async with make_mesh() as mesh:
+        call = mesh.channel.unary_unary(
+            "/llmesh.v1.GenerationService/ListModels",
+            response_deserializer=generation_pb2.ListModelsResponse.FromString)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call(b"\xa8\x03\x01", timeout=5)  # field 53, varint 1
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("request: unknown field number 53: ")
 
 
 async def test_metrics_are_observed():

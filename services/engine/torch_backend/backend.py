@@ -18,11 +18,12 @@ speculative decoding fields (``speculative_method``, ``num_speculative_tokens``,
 from __future__ import annotations
 
 import asyncio
-import time
 import threading
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import structlog
 import torch
@@ -151,9 +152,35 @@ class TorchBackend(EngineBackend):
         loop.run_here(on_ready=lambda: built.set_result(loop))
 
     def _build(self) -> EngineLoop:
+        """Load, size, warm up, then the engine loop (on the engine thread)."""
         config = self._config
         path = config.model_path or default_model_path()
         began = time.perf_counter()
+        runner = self._load(path)
+        max_model_len = self._size(runner)
+        loaded = time.perf_counter()
+        self.timings = StartupTimings(load_s=loaded - began, warmup_s=self._warm_up(runner))
+        model = config.model_name(path)
+        self._info = ModelInfo(
+            model=model, max_model_len=max_model_len,
+            vocab_size=runner.config.vocab_size, eos_token_ids=runner.config.eos_token_ids,
+            backend=self.name)
+        assert runner.kv_cache is not None
+        cache = runner.kv_cache
+        kv = KVCacheManager(cache.num_blocks, cache.block_size, config.enable_prefix_caching,
+                            model_id=model, role_aware=runner.model.has_prompt_projections)
+        scheduler = Scheduler(SchedulerConfig(
+            max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.step_token_budget(),
+            max_chunk_tokens=config.prefill_chunk_size,
+            eos_token_ids=frozenset(runner.config.eos_token_ids)), kv)
+        return EngineLoop(runner, scheduler, max_num_waiting=config.max_num_waiting,
+                          step_observer=self._step_observer,
+                          speculator=_speculator(config, runner, max_model_len))
+
+    def _load(self, path: Path) -> ModelRunner:
+        """The model runner: the GGUF read (or the model given), kernels chosen."""
+        config = self._config
         if self._model is None:
             runner = ModelRunner.from_gguf(path, config.device, config.dtype,
                                            config.max_model_len, config.batch_invariant,
@@ -170,6 +197,15 @@ class TorchBackend(EngineBackend):
         if runner.native_unavailable_reason is not None:
             log.warning("native_kernels_unavailable", reason=runner.native_unavailable_reason,
                         using="torch")
+        return runner
+
+    def _size(self, runner: ModelRunner) -> int:
+        """Checks the context window and allocates the KV cache; returns max_model_len.
+
+        Raises:
+          ValueError: ``max_model_len`` beyond the model's context window.
+        """
+        config = self._config
         context = runner.config.context_length
         max_model_len = config.max_model_len or context
         if max_model_len > min(context, runner.model.max_positions):
@@ -186,28 +222,15 @@ class TorchBackend(EngineBackend):
         if cache.num_tokens < max_model_len:
             log.warning("kv_cache_smaller_than_context", tokens=cache.num_tokens,
                         max_model_len=max_model_len)
-        loaded = time.perf_counter()
-        if config.batch_invariant:
+        return max_model_len
+
+    def _warm_up(self, runner: ModelRunner) -> float:
+        """The batch-invariance probe (when on) and one warm-up step; seconds of the latter."""
+        if self._config.batch_invariant:
             self.batch_invariance_failures = runner.probe_batch_invariance()
             log.info("batch_invariance_probe", ok=not self.batch_invariance_failures,
                      failures=self.batch_invariance_failures[:5])
-        warmup_s = runner.warm_up()
-        self.timings = StartupTimings(load_s=loaded - began, warmup_s=warmup_s)
-        model = config.model_name(path)
-        self._info = ModelInfo(
-            model=model, max_model_len=max_model_len,
-            vocab_size=runner.config.vocab_size, eos_token_ids=runner.config.eos_token_ids,
-            backend=self.name)
-        kv = KVCacheManager(cache.num_blocks, cache.block_size, config.enable_prefix_caching,
-                            model_id=model, role_aware=runner.model.has_prompt_projections)
-        scheduler = Scheduler(SchedulerConfig(
-            max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.step_token_budget(),
-            max_chunk_tokens=config.prefill_chunk_size,
-            eos_token_ids=frozenset(runner.config.eos_token_ids)), kv)
-        return EngineLoop(runner, scheduler, max_num_waiting=config.max_num_waiting,
-                          step_observer=self._step_observer,
-                          speculator=_speculator(config, runner, max_model_len))
+        return runner.warm_up()
 
     @property
     def model_info(self) -> ModelInfo:

@@ -15,8 +15,9 @@ A step is ``schedule → run → sample → update → deliver``:
 5. the :class:`~services.engine.torch_backend.speculative.Speculator` (if
    any) proposes the next step's lookahead tokens of the sequences that just
    produced tokens;
-6. each sequence's tokens go to its request's asyncio queue with
-   ``loop.call_soon_threadsafe`` as soon as the step ends.
+6. the step's deltas go to their requests' asyncio queues as soon as the
+   step ends, in one ``loop.call_soon_threadsafe`` per event loop (one
+   wake-up of the loop per step, not one per sequence).
 
 The asyncio side (``submit`` / ``cancel`` / ``load``) never runs the model. A
 cancel takes the lock and flags the sequence, so it is always applied before
@@ -68,6 +69,8 @@ log = structlog.get_logger()
 
 
 StepObserver = Callable[[StepStats], None]
+#: A delta and the asyncio queue it goes to.
+_Put = tuple[asyncio.Queue[TokenDelta], TokenDelta]
 
 
 class EngineLoop:
@@ -92,7 +95,6 @@ class EngineLoop:
         self._step_observer = step_observer
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
-        self._by_id: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -136,7 +138,7 @@ class EngineLoop:
         with self._lock:
             if self._thread is None or self._stopping:
                 raise EngineUnavailableError("the torch engine is not running")
-            if request.request_id in self._by_id:
+            if self._scheduler.get(request.request_id) is not None:
                 raise DuplicateRequestError(f"request {request.request_id!r} is already running")
             if self._scheduler.num_waiting >= self._max_num_waiting:
                 raise QueueFullError(f"{self._scheduler.num_waiting} requests are waiting "
@@ -145,7 +147,6 @@ class EngineLoop:
             if self._speculator is not None:
                 seq.spec_method, seq.num_spec_tokens = self._speculator.resolve(
                     request.speculative)
-            self._by_id[request.request_id] = seq
             self._scheduler.add(seq)
             self._wakeup.notify()
         return queue
@@ -156,12 +157,11 @@ class EngineLoop:
         cancelled sequences, or at the end of the step in progress (see the module
         docstring). Thread-safe. Returns False if it is not in flight."""
         with self._lock:
-            seq = self._by_id.get(request_id)
+            seq = self._scheduler.get(request_id)
             if seq is None or seq.cancelled:
                 return seq is not None
             if not self._scheduler.abort(seq):
                 return True
-            del self._by_id[request_id]
         _deliver(seq, ())
         return True
 
@@ -212,9 +212,7 @@ class EngineLoop:
             self._thread.join()
         with self._lock:
             left = self._scheduler.finish_all(FinishReason.ERROR)
-            self._by_id.clear()
-        for seq in left:
-            _deliver(seq, (), "the engine shut down")
+        _deliver_all([(seq, (), "the engine shut down") for seq in left])
 
     # ---- worker thread ------------------------------------------------------------
 
@@ -228,8 +226,7 @@ class EngineLoop:
                     began, out = planned
                     if self._speculator is not None and (out.finished or out.preempted):
                         self._speculator.retain(self._running_ids())
-                    for seq in out.finished:
-                        _deliver(seq, ())
+                    _deliver_all([(seq, (), "") for seq in out.finished])
                     if out.scheduled:
                         self._step(began, out)
                 except Exception as exc:  # noqa: BLE001 - a bug must not hang every request
@@ -242,11 +239,9 @@ class EngineLoop:
         log.exception("engine_loop_failed", error=error)
         with self._lock:
             left = self._scheduler.finish_all(FinishReason.ERROR)
-            self._by_id.clear()
         if self._speculator is not None:
             self._speculator.retain(())
-        for seq in left:
-            _deliver(seq, (), error)
+        _deliver_all([(seq, (), error) for seq in left])
 
     def _schedule(self) -> tuple[float, SchedulerOutput] | None:
         """The next step's plan (blocks while idle); None once stopping."""
@@ -256,10 +251,7 @@ class EngineLoop:
             if self._stopping:
                 return None
             began = time.perf_counter()
-            out = self._scheduler.schedule()
-            for seq in out.finished:
-                del self._by_id[seq.request_id]
-            return began, out
+            return began, self._scheduler.schedule()
 
     def _step(self, began: float, out: SchedulerOutput) -> None:
         kv = self._kv
@@ -285,9 +277,6 @@ class EngineLoop:
             return
         with self._lock:
             updates = self._scheduler.update_from_output(out, sampled)
-            for update in updates:
-                if update.finished:
-                    del self._by_id[update.seq.request_id]
         if self._speculator is not None:
             self._speculator.propose([u.seq for u in updates if not u.finished],
                                      self._scheduler.num_running)
@@ -295,8 +284,7 @@ class EngineLoop:
                 self._speculator.retain(self._running_ids())
         if self._step_observer is not None:
             self._step_observer(_step_stats(time.perf_counter() - began, out, sampled))
-        for update in updates:
-            _deliver(update.seq, update.token_ids)
+        _deliver_all([(update.seq, update.token_ids, "") for update in updates])
 
     def _running_ids(self) -> set[str]:
         return {seq.request_id for seq in self._scheduler.running}
@@ -316,11 +304,9 @@ class EngineLoop:
         with self._lock:
             for seq in ended:
                 self._scheduler.finish(seq, reason)
-                self._by_id.pop(seq.request_id, None)
         if self._speculator is not None:
             self._speculator.retain(self._running_ids())
-        for seq in ended:
-            _deliver(seq, (), error)
+        _deliver_all([(seq, (), error) for seq in ended])
 
 
 def _all_cancelled(seqs: list[Sequence]) -> bool:
@@ -361,11 +347,26 @@ def _step_stats(duration_s: float, out: SchedulerOutput,
 
 
 def _deliver(seq: Sequence, token_ids: tuple[int, ...], error: str = "") -> None:
-    """Hands a delta to ``seq``'s event loop (thread-safe); dropped if that loop closed."""
-    if seq.loop is None or seq.queue is None:
-        return
-    try:
-        seq.loop.call_soon_threadsafe(seq.queue.put_nowait, seq.delta(token_ids, error))
-    except RuntimeError:
-        pass
+    """Hands one delta to ``seq``'s event loop (see :func:`_deliver_all`)."""
+    _deliver_all([(seq, token_ids, error)])
 
+
+def _deliver_all(items: list[tuple[Sequence, tuple[int, ...], str]]) -> None:
+    """Hands each ``(sequence, token ids, error)`` delta to its sequence's event
+    loop, thread-safe: the deltas are built here (on the worker thread, in
+    order) and put on their queues by one callback per loop, so a step of 16
+    sequences wakes the loop once. A loop that closed drops its deltas."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[_Put]] = {}
+    for seq, token_ids, error in items:
+        if seq.loop is not None and seq.queue is not None:
+            by_loop.setdefault(seq.loop, []).append((seq.queue, seq.delta(token_ids, error)))
+    for loop, deltas in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, deltas)
+        except RuntimeError:
+            pass
+
+
+def _put_all(deltas: list[_Put]) -> None:
+    for queue, delta in deltas:
+        queue.put_nowait(delta)

@@ -22,7 +22,7 @@ import ctypes.util
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -132,6 +132,29 @@ class StepInput:
     prompt_len: int | None = None
 
 
+@dataclass
+class StepBatch:
+    """One step's flat batch, as :meth:`ModelRunner.prepare` lays it out.
+
+    Attributes:
+      token_ids, positions: per row (padding rows: token 0 at position 0).
+      slots: the KV slot of each real row (block id * block size + offset).
+      seqs: one :class:`SeqAttention` per part (a sequence's tokens of one role).
+      logit_rows: the rows whose logits are returned, padded like the rows.
+      num_logits: the real ones among ``logit_rows``.
+      num_generated_rows: leading rows of generated tokens (the rest are prompt
+        rows), None when the model has no separate prompt projections.
+    """
+
+    num_generated_rows: int | None
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    seqs: list[SeqAttention] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)
+    num_logits: int = 0
+
+
 class ModelRunner:
     """Owns the model and its paged KV storage on one device.
 
@@ -237,6 +260,7 @@ class ModelRunner:
         ``num_logits`` tokens in position order (row ``j`` predicts the token
         after position ``start + len(token_ids) - num_logits + j``).
         ``should_stop`` is asked before each layer (see :meth:`LlamaModel.forward`).
+        :meth:`prepare` (the layout) then :meth:`run_model` (the forward).
 
         Raises:
           RuntimeError: no KV cache was allocated.
@@ -244,14 +268,24 @@ class ModelRunner:
           StepAbandoned: ``should_stop`` returned True; the new tokens' KV slots
             are partly written (free them, never cache them).
         """
+        return self.run_model(self.prepare(inputs), should_stop)
+
+    def prepare(self, inputs: Sequence[StepInput]) -> StepBatch:
+        """The flat batch of ``inputs``: generated-token parts first (one-token
+        parts leading: the PyTorch attention's decode group), then prompt-token
+        parts when the model has prompt projections; padded to the model's row
+        buckets when batch invariant. Pure (reads the block tables only).
+
+        Raises:
+          RuntimeError: no KV cache was allocated.
+          ValueError: an input asks for more logits than it has tokens, or none.
+        """
         cache = self.kv_cache
         if cache is None:
             raise RuntimeError("allocate_kv_cache() before run()")
         size = cache.block_size
-        # Parts of the flat batch: (input, first token, tokens); generated-token
-        # parts first (one-token parts leading: the PyTorch attention's decode
-        # group), then prompt-token parts when the model has prompt projections.
         roles = self.model.has_prompt_projections
+        # Parts of the flat batch: (input, first token, tokens).
         generated: list[tuple[int, int, int]] = []
         prompt: list[tuple[int, int, int]] = []
         for index, item in enumerate(inputs):
@@ -264,52 +298,57 @@ class ModelRunner:
             if num_prompt < count:
                 generated.append((index, num_prompt, count - num_prompt))
         parts = sorted(generated, key=lambda part: part[2] != 1) + prompt
-        num_generated_rows = sum(part[2] for part in generated)
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seqs: list[SeqAttention] = []
+        batch = StepBatch(num_generated_rows=(sum(part[2] for part in generated)
+                                              if roles else None))
         token_rows: list[list[int]] = [[0] * len(item.token_ids) for item in inputs]
         for index, first, count in parts:
             item = inputs[index]
             blocks = item.block_ids
             start = item.start + first
             end = start + count
-            token_rows[index][first:first + count] = range(len(token_ids), len(token_ids) + count)
-            token_ids.extend(item.token_ids[first:first + count])
-            positions.extend(range(start, end))
-            slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
-            seqs.append(SeqAttention(start, count, blocks))
-        logit_rows: list[int] = []
+            rows = len(batch.token_ids)
+            token_rows[index][first:first + count] = range(rows, rows + count)
+            batch.token_ids.extend(item.token_ids[first:first + count])
+            batch.positions.extend(range(start, end))
+            batch.slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
+            batch.seqs.append(SeqAttention(start, count, blocks))
         for index, item in enumerate(inputs):
             if item.samples:
                 count = len(item.token_ids)
                 if not 1 <= item.num_logits <= count:
                     raise ValueError(f"num_logits must be in [1, {count}], "
                                      f"got {item.num_logits}")
-                logit_rows.extend(token_rows[index][count - item.num_logits:])
-        num_logits = len(logit_rows)
+                batch.logit_rows.extend(token_rows[index][count - item.num_logits:])
+        batch.num_logits = len(batch.logit_rows)
         if self.batch_invariant:
             padded_rows = self.model.padded_rows
-            padding = padded_rows(len(token_ids)) - len(token_ids)
-            token_ids.extend([0] * padding)
-            positions.extend([0] * padding)
-            logit_rows.extend([0] * (padded_rows(num_logits) - num_logits))
+            padding = padded_rows(len(batch.token_ids)) - len(batch.token_ids)
+            batch.token_ids.extend([0] * padding)
+            batch.positions.extend([0] * padding)
+            batch.logit_rows.extend([0] * (padded_rows(batch.num_logits) - batch.num_logits))
+        return batch
+
+    def run_model(self, batch: StepBatch,
+                  should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
+        """The forward of a :meth:`prepare`\ d batch on the chosen attention
+        backend; logits ``[batch.num_logits, vocab]`` (see :meth:`run`)."""
+        cache = self.kv_cache
+        assert cache is not None  # prepare() checked
         device = self.device
-        slot_tensor = torch.tensor(slots, device=device)
+        slot_tensor = torch.tensor(batch.slots, device=device)
         attention: StepAttention
         if self.attention_backend == "native":
-            attention = NativeAttentionBatch(cache, seqs, slot_tensor, self.config.num_heads,
-                                             self.model.rope)
+            attention = NativeAttentionBatch(cache, batch.seqs, slot_tensor,
+                                             self.config.num_heads, self.model.rope)
         else:
-            attention = AttentionBatch(cache, seqs, slot_tensor, self._group_size,
-                                       torch.tensor(positions, device=device), self.model.rope,
-                                       self.batch_invariant)
-        logits = self.model(torch.tensor(token_ids, device=device), attention,
-                            torch.tensor(logit_rows, dtype=torch.int64, device=device),
-                            num_generated_rows if roles else None,
+            attention = AttentionBatch(cache, batch.seqs, slot_tensor, self._group_size,
+                                       torch.tensor(batch.positions, device=device),
+                                       self.model.rope, self.batch_invariant)
+        logits = self.model(torch.tensor(batch.token_ids, device=device), attention,
+                            torch.tensor(batch.logit_rows, dtype=torch.int64, device=device),
+                            batch.num_generated_rows,
                             fused=self.attention_backend == "native", should_stop=should_stop)
-        return logits[:num_logits]
+        return logits[:batch.num_logits]
 
     def warm_up(self, num_tokens: int = 16) -> float:
         """Runs a prefill of ``num_tokens`` and one decode step in the first blocks

@@ -128,7 +128,8 @@ class SequenceUpdate:
 
 
 class Scheduler:
-    """Owns the waiting queue and the running batch.
+    """Owns the request table: the waiting queue, the running batch and the
+    in-flight sequences by request id (from :meth:`add` until they finish).
 
     Args:
       config: limits.
@@ -141,6 +142,7 @@ class Scheduler:
         self.kv = kv
         self._waiting: list[Sequence] = []  # heap by (priority, arrival)
         self.running: list[Sequence] = []  # sorted by (priority, arrival)
+        self._by_id: dict[str, Sequence] = {}  # every waiting or running sequence
         self.num_preemptions = 0
 
     # ---- queries (pure) -------------------------------------------------------------
@@ -161,12 +163,18 @@ class Scheduler:
         """The waiting sequences in the order they would join."""
         return sorted(self._waiting)
 
+    def get(self, request_id: str) -> Sequence | None:
+        """The waiting or running sequence of ``request_id``, None once it finished."""
+        return self._by_id.get(request_id)
+
     # ---- verbs (mutate) ---------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        """Queues a new sequence."""
+        """Queues a new sequence (its request id must not be in flight: see :meth:`get`)."""
+        assert seq.request_id not in self._by_id, seq.request_id
         seq.status = SequenceStatus.WAITING
         heapq.heappush(self._waiting, seq)
+        self._by_id[seq.request_id] = seq
 
     def abort(self, seq: Sequence) -> bool:
         """Cancels ``seq``: a waiting one leaves the queue now (finished,
@@ -184,6 +192,7 @@ class Scheduler:
         self.kv.free(seq)  # a waiting sequence holds no blocks; keep it leak-proof anyway
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = FinishReason.CANCELLED
+        del self._by_id[seq.request_id]
         return True
 
     def schedule(self) -> SchedulerOutput:
@@ -278,6 +287,7 @@ class Scheduler:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason
         self._waiting.clear()
+        self._by_id.clear()
         return left
 
     # ---- internals ------------------------------------------------------------------
@@ -381,6 +391,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+        self._by_id.pop(seq.request_id, None)
         self.kv.free(seq)
         seq.spec_token_ids.clear()
         seq.status = SequenceStatus.FINISHED
