@@ -7,7 +7,9 @@ tokens (EOS ignored, so every run has the same length):
 * **mesh**: the same prompt through Envoy's ingress (``llmesh up`` started here,
   or ``--url`` of a running mesh), response cache bypassed.
 
-Prints, per path, the median over ``--runs`` runs of TTFT (seconds from sending
+The paths take turns in a rotating order, each after ``--settle`` seconds of
+pause (an idle mesh, as a lone user meets it: every process wakes for the
+request). Prints, per path, the median over ``--runs`` runs of TTFT (seconds from sending
 to the first token), TPOT ((e2e − TTFT) / (tokens − 1)), mean ITL (gap between
 streamed messages) and e2e, and the mesh's overhead. Also prints the time
 ``llmesh up`` took to reach SERVING when it starts the mesh itself.
@@ -38,6 +40,9 @@ from services.engine.types import EngineRequest
 from services.tokenizer.tokenizer import ChatMessage, Tokenizer
 
 QUESTION = "Explain in a few sentences why the sky is blue."
+#: Default pause before each run (seconds), so that no path starts on cores
+#: still busy with the previous one (``--settle``).
+SETTLE_SECONDS = 0.3
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,9 @@ async def main() -> None:
     parser.add_argument("--url", default=None, help="a running mesh's ingress (default: start one)")
     parser.add_argument("--router", default=None, help="the router's address, to time it without Envoy")
     parser.add_argument("--engine", default=None, help="an engine's address, to time it over gRPC")
+    parser.add_argument("--settle", type=float, default=SETTLE_SECONDS,
+                        help="seconds of pause before each run (default: %(default)s); with 0, "
+                             "a path may start while the previous one's threads still spin")
     args = parser.parse_args()
 
     mesh = None
@@ -152,14 +160,19 @@ async def main() -> None:
                 engine_stub, prompt_ids, args.max_tokens, i)
         await run_in_process(backend, prompt_ids, 4, -1)  # warm every path once
         results: dict[str, list[Run]] = {"in-process": [], **{name: [] for name in paths}}
+        order = ["in-process", *paths]
         for i in range(args.runs + 1):
-            for name, path in paths.items():
-                run = path(i) if name == "engine gRPC" else path()
+            # The paths take turns in a rotating order, each after a pause: the
+            # previous one's threads (OpenMP spins after a step) must not take
+            # the cores from the next one's first token.
+            for name in order[i % len(order):] + order[:i % len(order)]:
+                time.sleep(args.settle)
+                if name == "in-process":
+                    run = await run_in_process(backend, prompt_ids, args.max_tokens, i)
+                else:
+                    run = paths[name](i) if name == "engine gRPC" else paths[name]()
                 if i:
                     results[name].append(run)
-            run = await run_in_process(backend, prompt_ids, args.max_tokens, i)
-            if i:
-                results["in-process"].append(run)
         print(f"{len(prompt_ids)}-token prompt, {args.max_tokens} greedy tokens, "
               f"median of {args.runs} runs (after one warm-up run of each path)")
         rows = {name: summarize(name, runs) for name, runs in results.items()}
