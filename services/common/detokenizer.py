@@ -47,6 +47,8 @@ from typing import Protocol
 import tokenizers
 
 _REPLACEMENT = "\ufffd"
+#: ``GetTokenizerResponse.format`` of a definition :class:`TokenizersDecoder` reads.
+DEFINITION_FORMAT = "huggingface-tokenizers-json"
 # A UTF-8 character has at most 4 bytes, so at most 3 trailing ids hold the
 # bytes of an incomplete last character.
 _MAX_PARTIAL_TOKENS = 3

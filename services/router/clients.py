@@ -35,7 +35,7 @@ from llmesh.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
-from services.common.detokenizer import TokenizersDecoder
+from services.common.detokenizer import DEFINITION_FORMAT, TokenizersDecoder
 from services.common.grpc_util import make_channel, request_id_metadata
 from services.common.sampling import FinishReason, Priority, SamplingOptions, SpeculativeOptions
 
@@ -296,7 +296,7 @@ class TokenizerClient:
             return UpstreamError(self.service, self.target, grpc.StatusCode.DATA_LOSS,
                                  f"GetTokenizer: {why}")
 
-        if head is None or head.format != "huggingface-tokenizers-json":
+        if head is None or head.format != DEFINITION_FORMAT:
             raise lost(f"unknown definition format {head.format if head else None!r}")
         if len(data) != head.total_bytes or hashlib.sha256(data).hexdigest() != head.sha256:
             raise lost(f"{len(data)} bytes received, {head.total_bytes} announced, or their "

@@ -53,10 +53,10 @@ import grpc
 import structlog
 
 from llmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.common.detokenizer import DEFINITION_FORMAT, IncrementalDetokenizer
 from services.common.grpc_util import request_id_from
 from services.common.logging import bind_request_id
 from services.tokenizer.metrics import TokenizerMetrics, default_metrics
-from services.common.detokenizer import IncrementalDetokenizer
 from services.tokenizer.tokenizer import (
     DEFAULT_CHAT_ROLES,
     ChatMessage,
@@ -82,8 +82,6 @@ _PROMPT_METHODS = frozenset({"Tokenize", "ApplyChatTemplate"})
 #: Bytes of the tokenizer definition per GetTokenizer message (well under
 #: gRPC's default 4 MiB receive limit).
 DEFINITION_CHUNK_BYTES = 1 << 20
-#: GetTokenizerResponse.format of the definition.
-DEFINITION_FORMAT = "huggingface-tokenizers-json"
 _SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
 
 # Most specific first: all of these are ValueErrors.
