@@ -128,8 +128,11 @@ class SamplingOptions:
         if any(s == "" for s in pb.stop):
             raise bad("stop", "stop strings must be non-empty")
         for token_id in pb.stop_token_ids:
-            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
-                raise bad("stop_token_ids", f"token id {token_id} is outside [0, {vocab_size})")
+            if token_id < 0:
+                raise bad("stop_token_ids", f"token id {token_id} is negative (ids are >= 0)")
+            if vocab_size is not None and token_id >= vocab_size:
+                raise bad("stop_token_ids", f"token id {token_id} is outside the vocabulary "
+                          f"[0, {vocab_size})")
         return cls(
             temperature=float(temperature),
             top_p=float(top_p),

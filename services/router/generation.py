@@ -156,8 +156,11 @@ def upstream_to_generation_error(err: UpstreamError, *,
             return GenerationError(code, (
                 f"the call's deadline passed after {completion_tokens} generated tokens: the "
                 "answer is incomplete; allow a longer deadline or ask for fewer max_tokens"))
+        if err.service == "router":  # the router's own clock ran out between hops
+            return GenerationError(code, "the call's deadline passed before the first token; "
+                                   "allow a longer deadline")
         return GenerationError(code, f"deadline exceeded waiting for the {err.service} "
-                               "(before the first token)")
+                               "(before the first token); allow a longer deadline")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return GenerationError(grpc.StatusCode.UNAVAILABLE,
                                f"{where} is unavailable: {err.details}")

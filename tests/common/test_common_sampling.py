@@ -56,6 +56,20 @@ def test_each_bad_field_is_named_with_its_status(fields: dict[str, object], fiel
     assert str(info.value).startswith(field + ":")
 
 
+def test_stop_token_id_messages_say_what_is_wrong_with_or_without_a_vocabulary() -> None:
+    """A negative id is refused as negative whether or not the caller knows the
+    vocabulary (the engine service does not: its backend checks the range)."""
+    for vocab_size in (None, 1000):
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingOptions.from_pb(common_pb2.SamplingParams(stop_token_ids=[5, -3]),
+                                    default_max_tokens=1, max_tokens_cap=100,
+                                    vocab_size=vocab_size)
+        assert str(info.value) == ("sampling.stop_token_ids: token id -3 is negative "
+                                   "(ids are >= 0)")
+    with pytest.raises(InvalidRequestError, match=r"outside the vocabulary \[0, 1000\)"):
+        convert(stop_token_ids=[1000])
+
+
 def test_round_trip_through_protobuf_is_exact() -> None:
     options = convert(temperature=0.5, top_p=0.9, top_k=40, seed=3, max_tokens=50,
                       stop=["\n\n"], stop_token_ids=[2], ignore_eos=True)
