@@ -410,6 +410,13 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                     message = payload
                     assert isinstance(message, generation_pb2.GenerateStreamRequest)
                     action = message.WhichOneof("action")
+                    try:  # named by their path from the message: `start.sampling`, ...
+                        reject_unknown_fields(message)
+                    except InvalidRequestError:
+                        if action == "start":
+                            self._count_refused(message.start,
+                                                grpc.StatusCode.INVALID_ARGUMENT)
+                        raise
                     if action == "start":
                         if current is not None:
                             self._count_refused(message.start,

@@ -566,6 +566,29 @@ async def test_list_models_refuses_unknown_field_numbers():
     assert info.value.details().startswith("request: unknown field number 53: ")
 
 
+async def test_generate_stream_names_unknown_field_numbers_by_their_path():
+    """Unknown field numbers on a GenerateStream message are refused naming where
+    they are (the top-level message, or inside ``start``), not "set start or cancel"."""
+    start = generation_pb2.GenerateRequest(prompt="q").SerializeToString() + b"\xa8\x03\x01"
+    cases = [(b"\xa8\x03\x01", "request: unknown field number 53: "
+              "llmesh.v1.GenerateStreamRequest"),
+             (b"\x0a" + bytes([len(start)]) + start, "start: unknown field number 53: "
+              "llmesh.v1.GenerateRequest")]
+    async with make_mesh() as mesh:
+        stream = mesh.channel.stream_stream(
+            "/llmesh.v1.GenerationService/GenerateStream",
+            response_deserializer=generation_pb2.GenerateStreamResponse.FromString)
+        for raw, message in cases:
+            call = stream(iter([raw]), timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                [r async for r in call]
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details().startswith(message), info.value.details()
+        assert mesh.engines[0].log.starts == []
+        assert mesh.metric("llmesh:requests_total", model_name="fake-model",
+                           outcome="invalid_argument", priority="interactive") == 1
+
+
 async def test_metrics_are_observed():
     async with make_mesh() as mesh:
         await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
