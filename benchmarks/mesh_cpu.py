@@ -22,6 +22,8 @@ from pathlib import Path
 from services.cli.mesh import Mesh
 
 _TICKS = os.sysconf("SC_CLK_TCK")
+#: The processes whose CPU is the mesh's own cost per token (issue 13's sum).
+MESH_OVERHEAD = ("router", "tokenizer", "envoy")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -44,21 +46,23 @@ def main() -> None:
                  "--port", port, "--dataset-name", "random",
                  "--random-input-len", str(args.input_len),
                  "--random-output-len", str(args.output_len), "--ignore-eos",
-                 "--max-concurrency", str(args.concurrency), "--num-warmups", "2"]
+                 "--max-concurrency", str(args.concurrency), "--num-warmups", "0"]
         pids = mesh.pids()
+        # Warm every path first; the measured run then holds exactly its requests.
         subprocess.run([*bench, "--num-prompts", "4"], check=True, capture_output=True)
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         done = subprocess.run([*bench, "--num-prompts", str(args.num_prompts)], check=True,
                               capture_output=True, text=True)
         after = {name: cpu_seconds(pid) for name, pid in pids.items()}
     tokens = args.num_prompts * args.output_len
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     print(f"c{args.concurrency}: {args.num_prompts} requests x {args.output_len} output tokens "
-          f"= {tokens} tokens; load {' '.join(open('/proc/loadavg').read().split()[:3])}")
+          f"= {tokens} tokens; load {load}")
     overhead = 0.0
     for name in sorted(pids):
         per_1k = (after[name] - before[name]) / tokens * 1e3
-        if not name.startswith("engine"):
-            overhead += per_1k if name in ("router", "tokenizer", "envoy") else 0.0
+        if name in MESH_OVERHEAD:
+            overhead += per_1k
         print(f"  {name:<10} {per_1k:6.3f} CPU-s per 1,000 output tokens")
     print(f"  router + tokenizer + envoy: {overhead:.3f}")
     summary = [line for line in done.stdout.splitlines() if "throughput" in line.lower()]

@@ -26,9 +26,9 @@ means bumping :data:`NAMESPACE`.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 

@@ -286,7 +286,8 @@ class TokenizerClient:
         try:
             async for reply in self._stub.GetTokenizer(tokenizer_pb2.GetTokenizerRequest(),
                                                        timeout=timeout):
-                head = head or reply
+                if head is None:
+                    head = reply  # the header fields ride on the first message
                 chunks.append(reply.definition_chunk)
         except grpc.aio.AioRpcError as err:
             raise _upstream_error(self.service, self.target, err) from err

@@ -247,7 +247,8 @@ static inline __attribute__((always_inline)) void tile_rows(
         __m256i w[2][GROUPS];
         for (int c = 0; c < 4; c++)
             for (int k = 0; k < 2; k++) { /* bytes 32k..32k+31: groups 4c+k, 4c+k+2 */
-                const __m256i p = _mm256_loadu_si256((const __m256i *)(record + 64 + 64 * c + 32 * k));
+                const uint8_t *bytes = record + 64 + 64 * c + 32 * k;
+                const __m256i p = _mm256_loadu_si256((const __m256i *)bytes);
                 widen_u8(_mm256_and_si256(p, low), &w[0][4 * c + k], &w[1][4 * c + k]);
                 widen_u8(_mm256_and_si256(_mm256_srli_epi16(p, 4), low), &w[0][4 * c + k + 2],
                          &w[1][4 * c + k + 2]);
