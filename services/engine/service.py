@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import structlog
@@ -45,6 +45,8 @@ from services.common.sampling import (
 from services.engine.backend import EngineBackend, EngineError
 from services.engine.config import EngineConfig
 from services.engine.metrics import EngineMetrics, default_metrics
+from services.engine.multiplex import MultiplexCall
+from services.engine.request_record import RequestFailed, RequestRecord
 from services.engine.types import EngineRequest, ModelInfo, TokenDelta
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
@@ -121,13 +123,36 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     async def _stream(self, request: EngineRequest, request_iterator: _Requests,
                       context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[engine_pb2.EngineServiceGenerateResponse]:
-        deltas = self._backend.generate(request)
         record = RequestRecord(len(request.prompt_token_ids))
         watcher = asyncio.create_task(self._watch_client(request_iterator, request.request_id,
                                                          record))
-        # How the request ended if its last delta never reaches us: the client
-        # dropped the call or its deadline passed (e.g. the router's
-        # cancel-then-drop), so the engine cancels the sequence.
+        deltas = self.run_request(request, record, lambda: _ended_by(context, record))
+        try:
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    yield to_response(delta)
+                    if delta.finished:
+                        await self._after_last(delta, watcher, context)
+        except RequestFailed as exc:
+            await context.abort(exc.code, exc.message)
+        finally:
+            watcher.cancel()
+
+    async def run_request(self, request: EngineRequest, record: RequestRecord,
+                          ended_by: Callable[[], str]) -> AsyncIterator[TokenDelta]:
+        """Runs ``request`` on the backend and yields its deltas, counting them
+        in the metrics and writing its one log line (``request_finished`` or
+        ``request_rejected``) however it ends. Closing the iterator early
+        cancels the sequence; ``ended_by()`` then says why (for the log line).
+
+        Raises:
+          RequestFailed: the backend refused the request (its status:
+            INVALID_ARGUMENT, OUT_OF_RANGE, RESOURCE_EXHAUSTED, ALREADY_EXISTS,
+            UNAVAILABLE) or failed unexpectedly (INTERNAL).
+        """
+        deltas = self._backend.generate(request)
+        # How the request ended if its last delta never reaches us: the caller
+        # dropped it or its deadline passed, so the engine cancels the sequence.
         unseen_end = FinishReason.CANCELLED
         try:
             async for delta in deltas:
@@ -135,23 +160,18 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
                 record.seen(delta)
                 if delta.finished:  # before the yield: a drop there must not count it again
                     record.finish(delta.finish_reason, record.cancelled_by, delta.error)
-                yield to_response(delta)
-                if delta.finished:
-                    await self._after_last(delta, watcher, context)
+                yield delta
         except (InvalidRequestError, EngineError) as exc:
             record.rejected(exc.code, str(exc))  # refused: never admitted
-            await context.abort(exc.code, str(exc))
-        except grpc.aio.AbortError:
-            raise
+            raise RequestFailed(exc.code, str(exc)) from exc
         except Exception as exc:
             unseen_end = FinishReason.ERROR
             log.exception("generate_failed")
             record.error = f"{type(exc).__name__}: {exc}"
-            await context.abort(grpc.StatusCode.INTERNAL, record.error)
+            raise RequestFailed(grpc.StatusCode.INTERNAL, record.error) from exc
         finally:
-            watcher.cancel()
             await deltas.aclose()
-            if record.finish(unseen_end, _ended_by(context, record)):
+            if record.finish(unseen_end, ended_by()):
                 self._metrics.observe_unseen_end(unseen_end)
 
     async def _after_last(self, delta: TokenDelta, watcher: asyncio.Task[str | None],
@@ -180,6 +200,27 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         except (grpc.RpcError, RuntimeError):  # the call ended under us
             pass
         return None
+
+    async def Multiplex(self, request_iterator: AsyncIterator[engine_pb2.MultiplexRequest],
+                        context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[engine_pb2.MultiplexResponse]:
+        """Many requests on one call (see :mod:`services.engine.multiplex`): one
+        message per engine step with the updates of every request that advanced.
+        Per-request statuses ride in the updates; when the caller half-closes,
+        the call ends once its open requests have; when it drops the call, they
+        are cancelled. A start that reuses an open stream_id ends the call with
+        INVALID_ARGUMENT (and cancels its requests)."""
+        call = MultiplexCall(to_request=self._request_from_start, run_request=self.run_request,
+                             cancel_request=self._backend.cancel, refusal=self._refusal)
+        reader = asyncio.create_task(_read_multiplex(request_iterator, call))
+        try:
+            while (response := await call.outbox.take()) is not None:
+                yield response
+            if call.violation:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, call.violation)
+        finally:
+            reader.cancel()
+            call.cancel_all()
 
     async def GetLoad(self, request: engine_pb2.GetLoadRequest,
                       context: grpc.aio.ServicerContext) -> engine_pb2.GetLoadResponse:
@@ -220,68 +261,40 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         return EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                              priority=Priority.from_pb(pb.priority), speculative=speculative)
 
-    async def _check_admitting(self, context: grpc.aio.ServicerContext) -> None:
+    def _request_from_start(self, pb: engine_pb2.EngineRequest) -> EngineRequest:
+        """A Multiplex start's request (its id is in the message: one call
+        carries many requests, so the call's metadata names none)."""
+        if not pb.request_id:
+            raise InvalidRequestError("request.request_id", "must be set on a Multiplex start")
+        return self.to_engine_request(pb, pb.request_id)
+
+    def _refusal(self) -> str | None:
+        """Why no request is admitted now (draining, loading), or None."""
         if self._draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "the engine is draining; send the request to another replica")
+            return "the engine is draining; send the request to another replica"
         if not self._ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is loading its model")
+            return "the engine is loading its model"
+        return None
+
+    async def _check_admitting(self, context: grpc.aio.ServicerContext) -> None:
+        refused = self._refusal()
+        if refused is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, refused)
 
 
-class RequestRecord:
-    """What one Generate call knows of its request, for its one log line.
-
-    Attributes:
-      num_prompt_tokens: the prompt's length.
-      num_generated_tokens, num_cached_tokens: the counts of the last delta read
-        (for a call that ended before its last delta: the tokens streamed on it).
-      num_deltas: deltas read.
-      cancelled_by: what asked the engine to cancel (``cancel_message``,
-        ``invalid_message``, ``call_dropped``, ``deadline_exceeded``; "" if nothing).
-      error: why the request failed ("" if it did not).
-      done: the line is written (or the request was refused).
-    """
-
-    __slots__ = ("num_prompt_tokens", "num_generated_tokens", "num_cached_tokens",
-                 "num_deltas", "cancelled_by", "error", "done")
-
-    def __init__(self, num_prompt_tokens: int) -> None:
-        self.num_prompt_tokens = num_prompt_tokens
-        self.num_generated_tokens = self.num_cached_tokens = self.num_deltas = 0
-        self.cancelled_by = self.error = ""
-        self.done = False
-
-    def seen(self, delta: TokenDelta) -> None:
-        """Takes the counts of ``delta``, the latest read. Mutates."""
-        self.num_generated_tokens = delta.num_generated_tokens
-        self.num_cached_tokens = delta.num_cached_tokens
-        self.num_deltas += 1
-
-    def rejected(self, code: grpc.StatusCode, message: str) -> None:
-        """Logs ``request_rejected`` for a request the backend refused (queue
-        full, duplicate id, ...); no ``request_finished`` line follows. Mutates."""
-        self.done = True
-        log.info("request_rejected", code=code.name, error=message)
-
-    def finish(self, reason: FinishReason, cancelled_by: str = "", error: str = "") -> bool:
-        """Writes the ``request_finished`` line, unless written already.
-
-        Returns:
-          True if it wrote it now.
-        """
-        if self.done:
-            return False
-        self.done = True
-        fields: dict[str, object] = {}
-        if reason is FinishReason.CANCELLED and cancelled_by:
-            fields["cancelled_by"] = cancelled_by
-        if reason is FinishReason.ERROR:
-            fields["error"] = error or self.error or "the engine failed"
-        log.info("request_finished", outcome=reason.name.lower(), finish_reason=reason.name,
-                 prompt_tokens=self.num_prompt_tokens,
-                 completion_tokens=self.num_generated_tokens,
-                 cached_prompt_tokens=self.num_cached_tokens, **fields)
-        return True
+async def _read_multiplex(request_iterator: AsyncIterator[engine_pb2.MultiplexRequest],
+                          call: MultiplexCall) -> None:
+    """Feeds the caller's messages to ``call``; once the caller half-closes,
+    waits for the open requests. Closes the outbox at the end either way."""
+    try:
+        async for message in request_iterator:
+            if not call.handle(message):
+                return
+        await call.wait_all()
+    except (grpc.RpcError, RuntimeError):  # the call ended under us
+        pass
+    finally:
+        call.outbox.close()
 
 
 def _ended_by(context: grpc.aio.ServicerContext, record: RequestRecord) -> str:

@@ -1,5 +1,8 @@
 """Typed async clients for the services the router calls.
 
+The engine's client is :mod:`services.router.engine_client`; the values it
+exchanges live here with the others.
+
 Each client owns one long-lived channel (:func:`make_channel`), made when the
 client is constructed and closed by :meth:`close`; no call sets up a
 connection. Dataclasses go in and come out; protobuf stays in this module.
@@ -30,14 +33,12 @@ from llmesh.v1 import (
     cache_pb2,
     cache_pb2_grpc,
     common_pb2,
-    engine_pb2,
-    engine_pb2_grpc,
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
 from services.common.detokenizer import DEFINITION_FORMAT, TokenizersDecoder
 from services.common.grpc_util import make_channel, request_id_metadata
-from services.common.sampling import FinishReason, Priority, SamplingOptions, SpeculativeOptions
+from services.common.sampling import FinishReason, SamplingOptions
 
 log = structlog.get_logger()
 
@@ -191,7 +192,7 @@ def timeout_until(deadline: float | None) -> float | None:
     return remaining
 
 
-def _finish_reason(value: int) -> FinishReason:
+def finish_reason_of(value: int) -> FinishReason:
     """``value`` as a :class:`FinishReason`; an unknown value counts as ERROR."""
     try:
         return FinishReason(value)
@@ -199,7 +200,7 @@ def _finish_reason(value: int) -> FinishReason:
         return FinishReason.ERROR
 
 
-def _upstream_error(service: str, target: str, err: grpc.aio.AioRpcError) -> UpstreamError:
+def upstream_error(service: str, target: str, err: grpc.aio.AioRpcError) -> UpstreamError:
     return UpstreamError(service, target, err.code(), err.details() or "")
 
 
@@ -264,7 +265,7 @@ class TokenizerClient:
             reply = await self._stub.GetTokenizerInfo(
                 tokenizer_pb2.GetTokenizerInfoRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as err:
-            raise _upstream_error(self.service, self.target, err) from err
+            raise upstream_error(self.service, self.target, err) from err
         return TokenizerInfo(
             model=reply.model, vocab_size=reply.vocab_size,
             eos_token_ids=tuple(reply.eos_token_ids),
@@ -290,7 +291,7 @@ class TokenizerClient:
                     head = reply  # the header fields ride on the first message
                 chunks.append(reply.definition_chunk)
         except grpc.aio.AioRpcError as err:
-            raise _upstream_error(self.service, self.target, err) from err
+            raise upstream_error(self.service, self.target, err) from err
         data = b"".join(chunks)
 
         def lost(why: str) -> UpstreamError:
@@ -318,7 +319,7 @@ class TokenizerClient:
                 tokenizer_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens),
                 timeout=timeout_until(deadline), metadata=request_id_metadata(request_id))
         except grpc.aio.AioRpcError as err:
-            raise _upstream_error(self.service, self.target, err) from err
+            raise upstream_error(self.service, self.target, err) from err
         return tuple(reply.token_ids)
 
     async def apply_chat_template(
@@ -343,147 +344,8 @@ class TokenizerClient:
                 request, timeout=timeout_until(deadline),
                 metadata=request_id_metadata(request_id))
         except grpc.aio.AioRpcError as err:
-            raise _upstream_error(self.service, self.target, err) from err
+            raise upstream_error(self.service, self.target, err) from err
         return ChatPrompt(tuple(reply.token_ids), reply.num_dropped_messages)
-
-    async def close(self) -> None:
-        await self._channel.close()
-
-
-# --------------------------------------------------------------------------- #
-# Engine.
-
-
-class EngineStream:
-    """One request's ``Generate`` stream on an engine replica.
-
-    Read :class:`EngineDelta` values with :meth:`read` until one carries a
-    ``finish_reason``. :meth:`cancel` asks the engine to finish the sequence at
-    once (its KV blocks are freed); :meth:`close` drops the call and must run
-    in a ``finally``.
-    """
-
-    def __init__(self, call: grpc.aio.StreamStreamCall, target: str) -> None:
-        self._call = call
-        self.target = target
-        self._finished = False
-
-    async def read(self) -> EngineDelta:
-        """The next delta.
-
-        Raises:
-          UpstreamError: the engine's status (UNAVAILABLE, RESOURCE_EXHAUSTED,
-            INVALID_ARGUMENT, ...), or INTERNAL when the stream ended without
-            a finish reason.
-        """
-        try:
-            reply = await self._call.read()
-        except grpc.aio.AioRpcError as err:
-            raise _upstream_error("engine", self.target, err) from err
-        if reply is grpc.aio.EOF:
-            raise UpstreamError("engine", self.target, grpc.StatusCode.INTERNAL,
-                                "Generate stream ended without a finish reason")
-        finish = _finish_reason(reply.finish_reason) if reply.finish_reason else None
-        if finish is not None:
-            self._finished = True
-        usage = (Usage(reply.usage.prompt_tokens, reply.usage.completion_tokens,
-                       reply.usage.cached_prompt_tokens)
-                 if reply.HasField("usage") else None)
-        return EngineDelta(tuple(reply.token_ids), finish, usage)
-
-    async def cancel(self) -> None:
-        """Tells the engine to finish the sequence now, then drops the call."""
-        if not self._call.done():
-            try:
-                await self._call.write(
-                    engine_pb2.EngineServiceGenerateRequest(cancel=engine_pb2.EngineCancel()))
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError):
-                pass  # the call is already over: nothing left to cancel
-        self.close()
-
-    def close(self) -> None:
-        """Cancels the call unless it finished normally (safe to call twice).
-
-        After the last delta (the one with a finish reason) the engine ends the
-        call by itself: cancelling it then would make a completed request look
-        cancelled to the engine (its logs and metrics).
-        """
-        if not self._finished and not self._call.done():
-            self._call.cancel()
-
-
-class EngineClient:
-    """Client of one ``llmesh.v1.EngineService`` replica on one long-lived channel.
-
-    Attributes:
-      in_flight: streams this router has open on the replica (a cheap local
-        load signal used to pick the least loaded replica).
-    """
-
-    service = "engine"
-
-    def __init__(self, target: str) -> None:
-        """Args:
-          target: ``host:port`` of the engine replica.
-        """
-        self.target = target
-        self.in_flight = 0
-        self._channel = make_channel(target)
-        self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
-
-    async def wait_until_serving(self, timeout: float) -> None:
-        """See :func:`wait_until_serving`."""
-        await wait_until_serving(self._channel, service=self.service, target=self.target,
-                                 timeout=timeout)
-
-    async def model_info(self, *, timeout: float | None = 10.0) -> ModelInfo:
-        """``GetModelInfo``. Raises :class:`UpstreamError`."""
-        try:
-            reply = await self._stub.GetModelInfo(engine_pb2.GetModelInfoRequest(),
-                                                  timeout=timeout)
-        except grpc.aio.AioRpcError as err:
-            raise _upstream_error(self.service, self.target, err) from err
-        return ModelInfo(reply.model, reply.max_model_len, reply.vocab_size,
-                         tuple(reply.eos_token_ids), reply.backend)
-
-    async def load(self, *, timeout: float | None = 1.0) -> EngineLoad:
-        """``GetLoad``. Raises :class:`UpstreamError`."""
-        try:
-            reply = await self._stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=timeout)
-        except grpc.aio.AioRpcError as err:
-            raise _upstream_error(self.service, self.target, err) from err
-        return EngineLoad(reply.num_running, reply.num_waiting, reply.kv_cache_usage)
-
-    async def generate(
-        self, prompt_token_ids: Sequence[int], sampling: SamplingOptions, *,
-        priority: Priority, request_id: str, deadline: float | None,
-        speculative: SpeculativeOptions | None = None,
-    ) -> EngineStream:
-        """Opens a ``Generate`` stream and sends ``start`` (``speculative``: the
-        request's speculative decoding switch, None for the engine's defaults).
-
-        Raises:
-          UpstreamError: the write failed (the engine's status); most engine
-            errors arrive on the first :meth:`EngineStream.read` instead.
-        """
-        call = self._stub.Generate(timeout=timeout_until(deadline),
-                                   metadata=request_id_metadata(request_id))
-        start = engine_pb2.EngineRequest(
-            request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-            sampling=sampling.to_pb(), priority=priority.to_pb(),
-        )
-        if speculative is not None and speculative != SpeculativeOptions():
-            start.speculative.CopyFrom(speculative.to_pb())
-        stream = EngineStream(call, self.target)
-        try:
-            await call.write(engine_pb2.EngineServiceGenerateRequest(start=start))
-        except grpc.aio.AioRpcError as err:
-            stream.close()
-            raise _upstream_error(self.service, self.target, err) from err
-        except BaseException:
-            stream.close()
-            raise
-        return stream
 
     async def close(self) -> None:
         await self._channel.close()
@@ -536,7 +398,7 @@ class CacheClient:
         if not reply.found:
             return None
         r = reply.response
-        return CachedResponse(tuple(r.token_ids), r.text, _finish_reason(r.finish_reason),
+        return CachedResponse(tuple(r.token_ids), r.text, finish_reason_of(r.finish_reason),
                               r.matched_stop)
 
     async def put(self, key: CacheKey, response: CachedResponse, *, request_id: str) -> bool:

@@ -52,13 +52,12 @@ from services.router.clients import (
     CacheClient,
     CacheKey,
     CachedResponse,
-    EngineClient,
     EngineDelta,
-    EngineStream,
     TokenizerClient,
     UpstreamError,
     Usage,
 )
+from services.router.engine_client import EngineClient, EngineStream
 from services.router.metrics import RouterMetrics
 from services.router.stop_strings import StopStringMatcher
 from services.router.validation import GenerationRequest, ModelLimits, fit_to_context
@@ -372,7 +371,7 @@ class GenerationPipeline:
             stream: EngineStream | None = None
             ok = False
             try:
-                stream = await engine.generate(
+                stream = engine.generate(
                     prompt_ids, sampling, priority=request.priority,
                     request_id=request.request_id, deadline=deadline,
                     speculative=request.speculative)

@@ -44,13 +44,8 @@ from llmesh.v1 import generation_pb2, generation_pb2_grpc
 from services.common.grpc_util import metadata_value, request_id_from
 from services.common.logging import REQUEST_ID_METADATA_KEY, bind_request_id
 from services.common.sampling import FinishReason, InvalidRequestError, Priority
-from services.router.clients import (
-    CacheClient,
-    EngineClient,
-    ModelInfo,
-    TokenizerClient,
-    TokenizerInfo,
-)
+from services.router.clients import CacheClient, ModelInfo, TokenizerClient, TokenizerInfo
+from services.router.engine_client import EngineClient
 from services.router.generation import (
     Delta,
     Event,

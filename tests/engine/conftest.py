@@ -7,6 +7,7 @@ front of it."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -139,6 +140,24 @@ async def engine_address(engine_service: EngineService) -> AsyncIterator[str]:
 async def engine_stub(engine_address: str) -> AsyncIterator[engine_pb2_grpc.EngineServiceStub]:
     async with grpc.aio.insecure_channel(engine_address) as channel:
         yield engine_pb2_grpc.EngineServiceStub(channel)
+
+
+@contextlib.asynccontextmanager
+async def unstarted_service(
+        backend: TorchBackend, metrics: EngineMetrics,
+) -> AsyncIterator[tuple[EngineService, engine_pb2_grpc.EngineServiceStub]]:
+    """An EngineService over ``backend`` whose ``start`` has not run (it is
+    loading), served on a loopback port; yields it and a stub to it."""
+    service = EngineService(backend, metrics=metrics)
+    server = grpc.aio.server()
+    service.register(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield service, engine_pb2_grpc.EngineServiceStub(channel)
+    finally:
+        await server.stop(grace=None)
 
 
 @pytest.fixture

@@ -13,10 +13,9 @@ import structlog
 
 from llmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine.metrics import EngineMetrics
-from services.engine.service import EngineService
 from services.engine.torch_backend.backend import TorchBackend
 
-from .conftest import MAX_MODEL_LEN, MAX_TOKENS_CAP
+from .conftest import MAX_MODEL_LEN, MAX_TOKENS_CAP, unstarted_service
 from .prompts import CHAT, CHAT_GREEDY, STORY
 
 pytestmark = pytest.mark.model
@@ -271,27 +270,18 @@ async def test_prefix_cache_hits_show_in_usage_and_metrics(engine_stub: Stub,
 
 async def test_drain_refuses_new_streams(torch_backend: TorchBackend,
                                          engine_metrics: EngineMetrics) -> None:
-    service = EngineService(torch_backend, metrics=engine_metrics)
-    server = grpc.aio.server()
-    service.register(server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = Stub(channel)
-            with pytest.raises(grpc.aio.AioRpcError) as loading:
-                await generate(stub, start(max_tokens=1))
-            assert loading.value.code() == grpc.StatusCode.UNAVAILABLE
-            await service.start()  # backend already started: returns at once
-            assert (await generate(stub, start(max_tokens=1)))[-1].usage.completion_tokens == 1
-            await service.drain()
-            with pytest.raises(grpc.aio.AioRpcError) as draining:
-                await generate(stub, start(max_tokens=1))
-            assert draining.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "draining" in draining.value.details()
-            assert (await stub.GetLoad(engine_pb2.GetLoadRequest())).num_running == 0
-    finally:
-        await server.stop(grace=None)
+    async with unstarted_service(torch_backend, engine_metrics) as (service, stub):
+        with pytest.raises(grpc.aio.AioRpcError) as loading:
+            await generate(stub, start(max_tokens=1))
+        assert loading.value.code() == grpc.StatusCode.UNAVAILABLE
+        await service.start()  # backend already started: returns at once
+        assert (await generate(stub, start(max_tokens=1)))[-1].usage.completion_tokens == 1
+        await service.drain()
+        with pytest.raises(grpc.aio.AioRpcError) as draining:
+            await generate(stub, start(max_tokens=1))
+        assert draining.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "draining" in draining.value.details()
+        assert (await stub.GetLoad(engine_pb2.GetLoadRequest())).num_running == 0
 
 
 async def test_speculative_params_are_validated_and_do_not_change_greedy_output(

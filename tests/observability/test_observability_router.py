@@ -36,29 +36,10 @@ REPLY = "Paris."  # the fake engine sends one character per step, then EOS
 MODEL = {"model_name": "fake-model"}
 
 
-class EndTrackingEngine(FakeEngine):
-    """A fake engine that, after its last message, waits a moment and notes
-    whether its call was cancelled meanwhile."""
-
-    def __init__(self) -> None:
-        super().__init__(REPLY)
-        self.endings: list[str] = []
-
-    async def Generate(self, request_iterator, context):  # noqa: N802
-        async for response in super().Generate(request_iterator, context):
-            yield response
-        try:
-            await asyncio.sleep(0.05)
-        except asyncio.CancelledError:
-            self.endings.append("cancelled")
-            raise
-        self.endings.append("completed")
-
-
 @dataclass
 class Router:
     stub: generation_pb2_grpc.GenerationServiceStub
-    engine: EndTrackingEngine
+    engine: FakeEngine
     registry: CollectorRegistry
 
     def metric(self, name: str, **labels: str) -> float:
@@ -69,7 +50,7 @@ class Router:
 async def router() -> AsyncIterator[Router]:
     tok_server, tok_target = await serve(
         tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server, FakeTokenizer())
-    engine = EndTrackingEngine()
+    engine = FakeEngine(REPLY)
     engine_server, engine_target = await serve(
         engine_pb2_grpc.add_EngineServiceServicer_to_server, engine)
     registry = CollectorRegistry()
@@ -174,8 +155,10 @@ async def test_a_finished_engine_stream_ends_by_itself_not_cancelled() -> None:
         for _ in range(3):
             responses = [x async for x in r.stub.Generate(_request())]
             assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP
-        await _wait(lambda: len(r.engine.endings) == 3)
-        assert r.engine.endings == ["completed"] * 3
+        await _wait(lambda: len(r.engine.log.ended) == 3)
+        await asyncio.sleep(0.05)  # a cancel sent after the last message would be in by now
+        assert r.engine.log.ended == ["finished"] * 3
+        assert r.engine.log.late_cancels == 0
 
 
 async def test_a_cancelled_request_cancels_the_engine_stream() -> None:
@@ -184,7 +167,7 @@ async def test_a_cancelled_request_cancels_the_engine_stream() -> None:
         call = r.stub.Generate(_request(max_tokens=50, ignore_eos=True))
         assert (await call.read()).token_ids
         call.cancel()
-        await _wait(lambda: r.engine.log.ended == ["dropped"])
+        await _wait(lambda: r.engine.log.ended == ["cancel_msg"])
         await _wait(lambda: r.metric("llmesh:requests_total", outcome="cancelled",
                                      priority="interactive", **MODEL) == 1)
         assert r.metric("llmesh:e2e_request_latency_seconds_count", **MODEL) == 1

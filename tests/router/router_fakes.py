@@ -117,14 +117,18 @@ class EngineLog:
     """What a fake engine saw."""
 
     starts: list[engine_pb2.EngineRequest] = field(default_factory=list)
-    metadata: list[dict[str, str]] = field(default_factory=list)
-    deadlines: list[float | None] = field(default_factory=list)
+    metadata: list[dict[str, str]] = field(default_factory=list)  # per call
+    deadlines: list[float | None] = field(default_factory=list)  # per request
     cancel_messages: int = 0
+    late_cancels: int = 0  # Multiplex cancels of requests already finished
     ended: list[str] = field(default_factory=list)  # "finished" | "cancel_msg" | "dropped"
     active: int = 0
 
 
 class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
+    """Serves ``Multiplex`` (what the router uses) and ``Generate`` with the same
+    per-request behaviour (:meth:`respond`)."""
+
     def __init__(self, reply: str = "Paris is the capital of France.", *,
                  max_model_len: int = 256, model: str = "fake-model") -> None:
         self.reply = reply
@@ -136,6 +140,71 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         self.fail_code: grpc.StatusCode | None = None
         self.log = EngineLog()
         self.finish_with_error = False
+        self._call_ends: list[asyncio.Event] = []
+
+    async def drop_calls(self) -> None:
+        """Ends every open Multiplex call with UNAVAILABLE (an engine that restarts)."""
+        for event in self._call_ends:
+            event.set()
+        await asyncio.sleep(0)
+
+    async def Multiplex(self, request_iterator, context):
+        self.log.metadata.append(dict(context.invocation_metadata() or ()))
+        end_call = asyncio.Event()
+        self._call_ends.append(end_call)
+        out: asyncio.Queue[engine_pb2.MultiplexResponse] = asyncio.Queue()
+        cancels: dict[int, asyncio.Event] = {}
+        tasks: dict[int, asyncio.Task[None]] = {}
+        finished: set[int] = set()
+
+        async def run(stream_id: int, start: engine_pb2.EngineRequest) -> None:
+            try:
+                async for r in self.respond(start, cancels[stream_id]):
+                    out.put_nowait(engine_pb2.MultiplexResponse(updates=[
+                        engine_pb2.SequenceUpdate(
+                            stream_id=stream_id, token_ids=r.token_ids,
+                            finish_reason=r.finish_reason, usage=r.usage,
+                            status_code=(grpc.StatusCode.INTERNAL.value[0]
+                                         if r.finish_reason == common_pb2.FINISH_REASON_ERROR
+                                         else 0))]))
+            finally:
+                finished.add(stream_id)
+                tasks.pop(stream_id, None)
+
+        async def read() -> None:
+            async for message in request_iterator:
+                for item in message.starts:
+                    self.log.deadlines.append(item.timeout_ms / 1e3 if item.timeout_ms else None)
+                    if self.fail_code is not None:
+                        out.put_nowait(engine_pb2.MultiplexResponse(updates=[
+                            engine_pb2.SequenceUpdate(
+                                stream_id=item.stream_id, status_code=self.fail_code.value[0],
+                                status_message="fake engine refuses")]))
+                        continue
+                    cancels[item.stream_id] = asyncio.Event()
+                    tasks[item.stream_id] = asyncio.create_task(run(item.stream_id, item.request))
+                for stream_id in message.cancels:
+                    if stream_id in finished:
+                        self.log.late_cancels += 1
+                    elif stream_id in cancels:
+                        cancels[stream_id].set()
+
+        reader = asyncio.create_task(read())
+        ending = asyncio.create_task(end_call.wait())
+        try:
+            while True:
+                message = asyncio.create_task(out.get())
+                await asyncio.wait([message, ending], return_when=asyncio.FIRST_COMPLETED)
+                if not message.done():
+                    message.cancel()
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "fake engine restarts")
+                yield message.result()
+        finally:
+            ending.cancel()
+            self._call_ends.remove(end_call)
+            reader.cancel()
+            for task in list(tasks.values()):
+                task.cancel()
 
     async def Generate(self, request_iterator, context):
         self.log.metadata.append(dict(context.invocation_metadata() or ()))
@@ -143,18 +212,24 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         if self.fail_code is not None:
             await context.abort(self.fail_code, "fake engine refuses")
         first = await request_iterator.__anext__()
-        start = first.start
-        self.log.starts.append(start)
-        self.log.active += 1
         cancelled = asyncio.Event()
 
         async def watch() -> None:
             async for message in request_iterator:
                 if message.WhichOneof("action") == "cancel":
-                    self.log.cancel_messages += 1
                     cancelled.set()
 
         watcher = asyncio.create_task(watch())
+        try:
+            async for response in self.respond(first.start, cancelled):
+                yield response
+        finally:
+            watcher.cancel()
+
+    async def respond(self, start: engine_pb2.EngineRequest, cancelled: asyncio.Event):
+        """The messages of one request; ``cancelled`` set ends it with CANCELLED."""
+        self.log.starts.append(start)
+        self.log.active += 1
         ended = "dropped"
         try:
             ids = encode(self.reply) + [EOS]
@@ -165,6 +240,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             while True:
                 if cancelled.is_set():
                     ended = "cancel_msg"
+                    self.log.cancel_messages += 1
                     yield engine_pb2.EngineServiceGenerateResponse(
                         request_id=start.request_id,
                         finish_reason=common_pb2.FINISH_REASON_CANCELLED,
@@ -198,7 +274,6 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
                 yield response
                 await asyncio.sleep(self.step_delay)
         finally:
-            watcher.cancel()
             self.log.active -= 1
             self.log.ended.append(ended)
 

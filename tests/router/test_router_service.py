@@ -156,7 +156,7 @@ async def test_request_id_comes_from_metadata_and_reaches_every_hop():
         trailing = dict(await call.trailing_metadata())
     assert {r.request_id for r in responses} == {"meta-7"}
     assert trailing["x-request-id"] == "meta-7"
-    assert mesh.engines[0].log.metadata[0]["x-request-id"] == "meta-7"
+    assert mesh.engines[0].log.starts[0].request_id == "meta-7"
 
 
 async def test_a_new_request_id_is_made_when_none_is_given():
@@ -180,8 +180,7 @@ async def test_stop_string_never_leaks_and_cancels_the_engine():
     assert final.matched_stop == "capital"
     # usage ends at the token that completed the stop string
     assert final.usage.completion_tokens == len("Paris is the capital")
-    assert mesh.engines[0].log.ended[0] in ("cancel_msg", "dropped")
-    assert mesh.engines[0].log.ended[0] != "finished"
+    assert mesh.engines[0].log.ended[0] == "cancel_msg"
 
 
 async def test_stop_string_split_over_many_tokens_per_step():
@@ -496,10 +495,66 @@ async def test_client_cancel_drops_the_engine_stream_at_once():
         first = await call.read()
         assert first.text or first.token_ids
         call.cancel()
-        await wait_for(lambda: engine.log.ended == ["dropped"], timeout=2)
+        await wait_for(lambda: engine.log.ended == ["cancel_msg"], timeout=2)
         await wait_for(lambda: mesh.metric("llmesh:requests_total", model_name="fake-model",
                                            outcome="cancelled", priority="interactive") == 1)
         assert engine.log.active == 0
+
+
+async def test_requests_to_a_replica_share_one_multiplex_call():
+    async with make_mesh() as mesh:
+        engine = mesh.engines[0]
+        engine.step_delay = 0.01
+        sampled = common_pb2.SamplingParams(temperature=1.0)  # not cacheable
+        results = await asyncio.gather(*[collect(mesh.stub.Generate(
+            generation_pb2.GenerateRequest(prompt=f"q{i}", sampling=sampled)))
+            for i in range(6)])
+        assert all(text_of(r) == REPLY for r in results)
+        assert len(engine.log.starts) == 6
+        assert len(engine.log.metadata) == 1  # one call, not one per request
+        assert engine.log.late_cancels == 0  # finished requests are not cancelled
+
+
+async def test_a_replica_that_drops_its_call_fails_only_its_open_requests_and_is_called_again():
+    async with make_mesh() as mesh:
+        engine = mesh.engines[0]
+        engine.step_delay = 0.05
+        call = mesh.stub.Generate(generation_pb2.GenerateRequest(
+            prompt="q", sampling=greedy(max_tokens=50, ignore_eos=True)))
+        assert (await call.read()).token_ids
+        await engine.drop_calls()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            while await call.read() is not grpc.aio.EOF:
+                pass
+        # Tokens had streamed, so no other replica may take over: UNAVAILABLE.
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "Multiplex call failed" in info.value.details()
+        engine.step_delay = 0.0
+        again = await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+            prompt="q2", sampling=greedy())))
+        assert text_of(again) == REPLY
+        assert len(engine.log.metadata) == 2  # a new call
+
+
+async def test_a_slow_reader_gets_the_tokens_that_piled_up_in_one_delta():
+    # Coalescing toward slow clients: updates that arrive while the consumer is
+    # busy merge into one delta (never a queue of messages), text unchanged.
+    async with make_mesh() as mesh:
+        engine = mesh.engines[0]
+        engine.step_delay = 0.005
+        request = validate_request(
+            generation_pb2.GenerateRequest(prompt="q", bypass_cache=True), request_id="slow",
+            models=mesh.router.models, default_model=mesh.router.default_model)
+        deltas = []
+        async for event in mesh.router._pipeline.generate(request, received_at=time.monotonic()):
+            if isinstance(event, Delta):
+                deltas.append(event)
+                if len(deltas) == 1:
+                    await asyncio.sleep(0.3)  # the engine streams on meanwhile
+        assert "".join(d.text for d in deltas) == REPLY
+        assert len(deltas[0].token_ids) == 1
+        assert len(deltas[1].token_ids) >= 10  # what came during the pause, at once
+        assert len(deltas) < len(REPLY) // 2
 
 
 async def test_deadline_is_passed_on_and_honoured():
@@ -509,7 +564,7 @@ async def test_deadline_is_passed_on_and_honoured():
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="q"),
                                              timeout=0.5))
-        await wait_for(lambda: engine.log.ended == ["dropped"], timeout=2)
+        await wait_for(lambda: engine.log.ended == ["cancel_msg"], timeout=2)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     # Tokens had streamed: the message says the answer was cut, not that none came.
     assert "after" in info.value.details() and "generated tokens" in info.value.details()
@@ -652,7 +707,7 @@ async def test_stream_cancel_ends_with_cancelled_and_frees_the_engine():
         got = [(await call.read()).response]
         await call.write(cancel("g1"))
         got += await read_generation(call)
-        await wait_for(lambda: engine.log.ended == ["dropped"], timeout=2)
+        await wait_for(lambda: engine.log.ended == ["cancel_msg"], timeout=2)
         # the stream stays usable
         await call.write(start("two", sampling=greedy(max_tokens=2)))
         after = await read_generation(call)
@@ -690,7 +745,7 @@ async def test_stream_second_start_while_running_is_failed_precondition():
         with pytest.raises(grpc.aio.AioRpcError) as info:
             while True:
                 await call.read()
-        await wait_for(lambda: engine.log.ended == ["dropped"], timeout=2)
+        await wait_for(lambda: engine.log.ended == ["cancel_msg"], timeout=2)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "g1" in info.value.details()
 
@@ -725,7 +780,7 @@ async def test_stream_client_cancel_drops_the_engine_stream():
         await call.write(start("one"))
         await call.read()
         call.cancel()
-        await wait_for(lambda: engine.log.ended == ["dropped"], timeout=2)
+        await wait_for(lambda: engine.log.ended == ["cancel_msg"], timeout=2)
         assert engine.log.active == 0
 
 

@@ -330,7 +330,7 @@ class ModelRunner:
 
     def run_model(self, batch: StepBatch,
                   should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
-        """The forward of a :meth:`prepare`\ d batch on the chosen attention
+        """The forward of a batch from :meth:`prepare` on the chosen attention
         backend; logits ``[batch.num_logits, vocab]`` (see :meth:`run`)."""
         cache = self.kv_cache
         assert cache is not None  # prepare() checked

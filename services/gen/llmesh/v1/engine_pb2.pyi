@@ -142,6 +142,140 @@ class EngineServiceGenerateResponse(_message.Message):
 Global___EngineServiceGenerateResponse: _TypeAlias = EngineServiceGenerateResponse  # noqa: Y015
 
 @_typing.final
+class MultiplexStart(_message.Message):
+    """A request to start on a Multiplex call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    stream_id: _builtins.int
+    """Chosen by the caller, unique among the call's open requests; every update
+    of the request carries it. A start that reuses an open one fails with
+    ALREADY_EXISTS.
+    """
+    timeout_ms: _builtins.int
+    """Milliseconds the request may take from its arrival at the engine; 0 means
+    no deadline. When it passes, the sequence is cancelled and its last update
+    has DEADLINE_EXCEEDED.
+    """
+    @_builtins.property
+    def request(self) -> Global___EngineRequest: ...
+    def __init__(
+        self,
+        *,
+        stream_id: _builtins.int = ...,
+        request: Global___EngineRequest | None = ...,
+        timeout_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request", "stream_id", b"stream_id", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MultiplexStart: _TypeAlias = MultiplexStart  # noqa: Y015
+
+@_typing.final
+class MultiplexRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STARTS_FIELD_NUMBER: _builtins.int
+    CANCELS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def starts(self) -> _containers.RepeatedCompositeFieldContainer[Global___MultiplexStart]: ...
+    @_builtins.property
+    def cancels(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Requests to finish at once (their KV blocks are freed); ids that are
+        unknown or already finished are ignored.
+        """
+
+    def __init__(
+        self,
+        *,
+        starts: _abc.Iterable[Global___MultiplexStart] | None = ...,
+        cancels: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancels", b"cancels", "starts", b"starts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MultiplexRequest: _TypeAlias = MultiplexRequest  # noqa: Y015
+
+@_typing.final
+class SequenceUpdate(_message.Message):
+    """What one request did since its previous update."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    STATUS_CODE_FIELD_NUMBER: _builtins.int
+    STATUS_MESSAGE_FIELD_NUMBER: _builtins.int
+    stream_id: _builtins.int
+    finish_reason: _common_pb2.FinishReason.ValueType
+    """Set on the last update of a request that ended normally (STOP, LENGTH,
+    CANCELLED) or failed in the engine (ERROR, with `status_code` INTERNAL).
+    """
+    status_code: _builtins.int
+    """0 (OK) unless the request ended with an error: then the status code
+    (google.rpc.Code) and message that a Generate call would have ended with:
+    INVALID_ARGUMENT, OUT_OF_RANGE, RESOURCE_EXHAUSTED, ALREADY_EXISTS,
+    UNAVAILABLE, DEADLINE_EXCEEDED or INTERNAL. It is the request's last update.
+    """
+    status_message: _builtins.str
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids produced since the previous update."""
+
+    @_builtins.property
+    def usage(self) -> _common_pb2.Usage:
+        """Running token counts, as on Generate."""
+
+    def __init__(
+        self,
+        *,
+        stream_id: _builtins.int = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        finish_reason: _common_pb2.FinishReason.ValueType = ...,
+        usage: _common_pb2.Usage | None = ...,
+        status_code: _builtins.int = ...,
+        status_message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "status_code", b"status_code", "status_message", b"status_message", "stream_id", b"stream_id", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SequenceUpdate: _TypeAlias = SequenceUpdate  # noqa: Y015
+
+@_typing.final
+class MultiplexResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    UPDATES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def updates(self) -> _containers.RepeatedCompositeFieldContainer[Global___SequenceUpdate]: ...
+    def __init__(
+        self,
+        *,
+        updates: _abc.Iterable[Global___SequenceUpdate] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["updates", b"updates"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MultiplexResponse: _TypeAlias = MultiplexResponse  # noqa: Y015
+
+@_typing.final
 class GetLoadRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

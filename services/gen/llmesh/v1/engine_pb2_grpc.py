@@ -40,6 +40,11 @@ class EngineServiceStub:
                 request_serializer=llmesh_dot_v1_dot_engine__pb2.EngineServiceGenerateRequest.SerializeToString,
                 response_deserializer=llmesh_dot_v1_dot_engine__pb2.EngineServiceGenerateResponse.FromString,
                 _registered_method=True)
+        self.Multiplex = channel.stream_stream(
+                '/llmesh.v1.EngineService/Multiplex',
+                request_serializer=llmesh_dot_v1_dot_engine__pb2.MultiplexRequest.SerializeToString,
+                response_deserializer=llmesh_dot_v1_dot_engine__pb2.MultiplexResponse.FromString,
+                _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/llmesh.v1.EngineService/GetLoad',
                 request_serializer=llmesh_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
@@ -66,6 +71,20 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Multiplex(self, request_iterator, context):
+        """Many requests on one long-lived call (the router keeps one per replica):
+        the caller sends starts and cancels, batched as it likes; the engine
+        answers with one message per engine step carrying the updates of every
+        request of this call that advanced in it (pending updates merge while the
+        caller reads slowly). A request that cannot run or fails ends with its
+        own status in its last update; everything else on the call keeps
+        running. When the call ends (the caller drops it, or the engine stops),
+        every request still open on it is cancelled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetLoad(self, request, context):
         """Current load, for routing and admission control.
         """
@@ -87,6 +106,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=llmesh_dot_v1_dot_engine__pb2.EngineServiceGenerateRequest.FromString,
                     response_serializer=llmesh_dot_v1_dot_engine__pb2.EngineServiceGenerateResponse.SerializeToString,
+            ),
+            'Multiplex': grpc.stream_stream_rpc_method_handler(
+                    servicer.Multiplex,
+                    request_deserializer=llmesh_dot_v1_dot_engine__pb2.MultiplexRequest.FromString,
+                    response_serializer=llmesh_dot_v1_dot_engine__pb2.MultiplexResponse.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
@@ -127,6 +151,33 @@ class EngineService:
             '/llmesh.v1.EngineService/Generate',
             llmesh_dot_v1_dot_engine__pb2.EngineServiceGenerateRequest.SerializeToString,
             llmesh_dot_v1_dot_engine__pb2.EngineServiceGenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Multiplex(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/llmesh.v1.EngineService/Multiplex',
+            llmesh_dot_v1_dot_engine__pb2.MultiplexRequest.SerializeToString,
+            llmesh_dot_v1_dot_engine__pb2.MultiplexResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,6 +39,16 @@ class EngineServiceStub:
     INVALID_ARGUMENT / OUT_OF_RANGE for bad ids or parameters,
     RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE while draining.
     """
+    Multiplex: _grpc.StreamStreamMultiCallable[_engine_pb2.MultiplexRequest, _engine_pb2.MultiplexResponse]
+    """Many requests on one long-lived call (the router keeps one per replica):
+    the caller sends starts and cancels, batched as it likes; the engine
+    answers with one message per engine step carrying the updates of every
+    request of this call that advanced in it (pending updates merge while the
+    caller reads slowly). A request that cannot run or fails ends with its
+    own status in its last update; everything else on the call keeps
+    running. When the call ends (the caller drops it, or the engine stops),
+    every request still open on it is cancelled.
+    """
     GetLoad: _grpc.UnaryUnaryMultiCallable[_engine_pb2.GetLoadRequest, _engine_pb2.GetLoadResponse]
     """Current load, for routing and admission control."""
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_engine_pb2.GetModelInfoRequest, _engine_pb2.GetModelInfoResponse]
@@ -54,6 +64,16 @@ class EngineServiceAsyncStub(EngineServiceStub):
     engine step ends; send `cancel` (or drop the call) to finish it at once.
     INVALID_ARGUMENT / OUT_OF_RANGE for bad ids or parameters,
     RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE while draining.
+    """
+    Multiplex: _aio.StreamStreamMultiCallable[_engine_pb2.MultiplexRequest, _engine_pb2.MultiplexResponse]  # type: ignore[assignment]
+    """Many requests on one long-lived call (the router keeps one per replica):
+    the caller sends starts and cancels, batched as it likes; the engine
+    answers with one message per engine step carrying the updates of every
+    request of this call that advanced in it (pending updates merge while the
+    caller reads slowly). A request that cannot run or fails ends with its
+    own status in its last update; everything else on the call keeps
+    running. When the call ends (the caller drops it, or the engine stops),
+    every request still open on it is cancelled.
     """
     GetLoad: _aio.UnaryUnaryMultiCallable[_engine_pb2.GetLoadRequest, _engine_pb2.GetLoadResponse]  # type: ignore[assignment]
     """Current load, for routing and admission control."""
@@ -73,6 +93,22 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         engine step ends; send `cancel` (or drop the call) to finish it at once.
         INVALID_ARGUMENT / OUT_OF_RANGE for bad ids or parameters,
         RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE while draining.
+        """
+
+    @_abc_1.abstractmethod
+    def Multiplex(
+        self,
+        request_iterator: _MaybeAsyncIterator[_engine_pb2.MultiplexRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_engine_pb2.MultiplexResponse], _abc.AsyncIterator[_engine_pb2.MultiplexResponse]]:
+        """Many requests on one long-lived call (the router keeps one per replica):
+        the caller sends starts and cancels, batched as it likes; the engine
+        answers with one message per engine step carrying the updates of every
+        request of this call that advanced in it (pending updates merge while the
+        caller reads slowly). A request that cannot run or fails ends with its
+        own status in its last update; everything else on the call keeps
+        running. When the call ends (the caller drops it, or the engine stops),
+        every request still open on it is cancelled.
         """
 
     @_abc_1.abstractmethod

@@ -1,0 +1,265 @@
+"""One ``Multiplex`` call: many requests on one long-lived engine stream.
+
+The router keeps one such call per engine replica instead of opening a
+``Generate`` stream per request, so a request's start costs no new HTTP/2
+stream and an engine step costs one message per router, not one per sequence
+(the shape of Triton's ``ModelStreamInfer``).
+
+:class:`MultiplexCall` owns the call's open requests (by the caller's
+``stream_id``) and its :class:`Outbox`: each request runs in its own task
+(:meth:`EngineService.run_request`, so logs and metrics are the same as on
+``Generate``) and puts its deltas into the outbox; the call's writer sends
+whatever the outbox holds as one ``MultiplexResponse``. The engine loop hands a
+step's deltas to the event loop in one callback, so every sequence of a step
+has put its delta before the writer runs: one message per step. While the
+caller reads slowly (HTTP/2 flow control holds the writer), a request's pending
+updates merge into one, so the outbox holds at most one update per open
+request.
+
+Statuses ride per request (``SequenceUpdate.status_code``): a request that
+cannot run (bad input, queue full, draining) or fails ends alone; the call
+fails only with the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from llmesh.v1 import common_pb2, engine_pb2
+from services.common.logging import bind_request_id
+from services.common.sampling import FinishReason, InvalidRequestError
+from services.engine.request_record import RequestFailed, RequestRecord
+from services.engine.types import EngineRequest, TokenDelta
+
+log = structlog.get_logger()
+
+#: Runs one request (``EngineService.run_request``): its deltas, or RequestFailed.
+RunRequest = Callable[[EngineRequest, RequestRecord, Callable[[], str]],
+                      AsyncIterator[TokenDelta]]
+
+
+@dataclass
+class PendingUpdate:
+    """A request's update not yet sent: ids since its last message, its latest
+    running counts, and how it ended (if it did)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    usage: tuple[int, int, int] | None = None  # prompt, completion, cached
+    finish_reason: FinishReason = FinishReason.NONE
+    status: grpc.StatusCode = grpc.StatusCode.OK
+    message: str = ""
+
+    def to_pb(self, stream_id: int) -> engine_pb2.SequenceUpdate:
+        update = engine_pb2.SequenceUpdate(
+            stream_id=stream_id, token_ids=self.token_ids,
+            finish_reason=int(self.finish_reason), status_code=self.status.value[0],
+            status_message=self.message)
+        if self.usage is not None:
+            prompt, completion, cached = self.usage
+            update.usage.CopyFrom(common_pb2.Usage(
+                prompt_tokens=prompt, completion_tokens=completion,
+                cached_prompt_tokens=cached))
+        return update
+
+
+class Outbox:
+    """Updates waiting to be sent on one call, merged per request (insertion
+    order: a request's first pending update fixes its place)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, PendingUpdate] = {}
+        self._ready = asyncio.Event()
+        self._closed = False
+
+    def add_delta(self, stream_id: int, delta: TokenDelta) -> None:
+        """Merges ``delta`` into the request's pending update. Mutates."""
+        pending = self._pending.setdefault(stream_id, PendingUpdate())
+        pending.token_ids.extend(delta.token_ids)
+        pending.usage = (delta.num_prompt_tokens, delta.num_generated_tokens,
+                         delta.num_cached_tokens)
+        if delta.finished:
+            pending.finish_reason = delta.finish_reason
+            if delta.finish_reason is FinishReason.ERROR:
+                pending.status = grpc.StatusCode.INTERNAL
+                pending.message = delta.error or "the engine failed the request"
+        self._ready.set()
+
+    def add_status(self, stream_id: int, code: grpc.StatusCode, message: str) -> None:
+        """Ends the request with ``code`` (its last update). Mutates."""
+        pending = self._pending.setdefault(stream_id, PendingUpdate())
+        pending.status, pending.message = code, message
+        self._ready.set()
+
+    def close(self) -> None:
+        """No more updates will come: :meth:`take` returns None once empty."""
+        self._closed = True
+        self._ready.set()
+
+    async def take(self) -> engine_pb2.MultiplexResponse | None:
+        """Waits for at least one update, then takes every pending one; None
+        once closed and empty."""
+        while not self._pending:
+            if self._closed:
+                return None
+            self._ready.clear()
+            await self._ready.wait()
+        pending, self._pending = self._pending, {}
+        return engine_pb2.MultiplexResponse(
+            updates=[update.to_pb(stream_id) for stream_id, update in pending.items()])
+
+
+class MultiplexCall:
+    """The open requests of one ``Multiplex`` call and the tasks running them.
+
+    Args:
+      to_request: converts a start's ``EngineRequest`` (raises
+        InvalidRequestError naming the field).
+      run_request: ``EngineService.run_request``.
+      cancel_request: the backend's ``cancel(request_id)``; False when the
+        request is not (or no longer) in flight there.
+      refusal: None while the engine admits requests, else why not (a start
+        then ends with UNAVAILABLE and this message).
+    """
+
+    def __init__(self, *, to_request: Callable[[engine_pb2.EngineRequest], EngineRequest],
+                 run_request: RunRequest, cancel_request: Callable[[str], bool],
+                 refusal: Callable[[], str | None]) -> None:
+        self.outbox = Outbox()
+        self._to_request = to_request
+        self._run_request = run_request
+        self._cancel_request = cancel_request
+        self._refusal = refusal
+        self._open: dict[int, _Open] = {}
+        #: Why the caller broke the protocol (the call then ends with
+        #: INVALID_ARGUMENT), or "".
+        self.violation = ""
+
+    @property
+    def num_open(self) -> int:
+        """Requests of this call still running."""
+        return len(self._open)
+
+    def handle(self, message: engine_pb2.MultiplexRequest) -> bool:
+        """Starts and cancels what ``message`` asks, starts first. Mutates.
+
+        Returns:
+          False when the message breaks the protocol (a start reuses a stream_id
+          still open: its updates could not be told apart); :attr:`violation`
+          says how, and the call must end.
+        """
+        for start in message.starts:
+            if start.stream_id in self._open:
+                self.violation = (f"starts: stream_id {start.stream_id} is still open on this "
+                                  "call; use a new id for each request")
+                return False
+            self._start(start)
+        for stream_id in message.cancels:
+            self.cancel(stream_id, "cancel_message")
+        return True
+
+    def _start(self, start: engine_pb2.MultiplexStart) -> None:
+        stream_id = start.stream_id
+        refused = self._refusal()
+        if refused is not None:
+            self.outbox.add_status(stream_id, grpc.StatusCode.UNAVAILABLE, refused)
+            return
+        try:
+            request = self._to_request(start.request)
+        except InvalidRequestError as exc:
+            log.info("request_rejected", request_id=start.request.request_id, field=exc.field,
+                     code=exc.code.name)
+            self.outbox.add_status(stream_id, exc.code, str(exc))
+            return
+        loop = asyncio.get_running_loop()
+        entry = _Open(request, RequestRecord(len(request.prompt_token_ids)))
+        entry.task = loop.create_task(self._run(stream_id, entry))
+        entry.task.add_done_callback(functools.partial(self._ended, stream_id, entry))
+        if start.timeout_ms:
+            entry.timer = loop.call_later(start.timeout_ms / 1e3, self.cancel, stream_id,
+                                          "deadline_exceeded")
+        entry.timeout_ms = start.timeout_ms
+        self._open[stream_id] = entry
+
+    def cancel(self, stream_id: int, cause: str) -> None:
+        """Finishes the request at once (``cause`` goes to its log line:
+        ``cancel_message``, ``deadline_exceeded``, ``call_dropped``); its last
+        update follows (DEADLINE_EXCEEDED for a deadline). Unknown or finished
+        ids are ignored."""
+        entry = self._open.get(stream_id)
+        if entry is None or entry.record.cancelled_by:
+            return
+        entry.record.cancelled_by = cause
+        # In flight in the backend: its last delta (CANCELLED, with the counts)
+        # comes through the task. Not yet admitted (the task has not run): stop it.
+        if cause == "call_dropped" or not self._cancel_request(entry.request.request_id):
+            assert entry.task is not None
+            entry.task.cancel()
+
+    async def _run(self, stream_id: int, entry: _Open) -> None:
+        bind_request_id(entry.request.request_id)
+        record = entry.record
+        deltas = self._run_request(entry.request, record,
+                                   lambda: record.cancelled_by or "call_dropped")
+        try:
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    self.outbox.add_delta(stream_id, delta)
+                    if delta.finished:
+                        self._after_last(stream_id, entry, delta)
+        except RequestFailed as exc:
+            self.outbox.add_status(stream_id, exc.code, exc.message)
+
+    def _after_last(self, stream_id: int, entry: _Open, delta: TokenDelta) -> None:
+        if (delta.finish_reason is FinishReason.CANCELLED
+                and entry.record.cancelled_by == "deadline_exceeded"):
+            self.outbox.add_status(
+                stream_id, grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"timeout_ms ({entry.timeout_ms} ms) passed after "
+                f"{delta.num_generated_tokens} generated tokens")
+
+    def _ended(self, stream_id: int, entry: _Open, task: asyncio.Task[None]) -> None:
+        if entry.timer is not None:
+            entry.timer.cancel()
+        if self._open.get(stream_id) is entry:
+            del self._open[stream_id]
+        if not task.cancelled():
+            return
+        record = entry.record
+        # Stopped before the backend admitted it: no delta will say how it ended.
+        record.finish(FinishReason.CANCELLED, record.cancelled_by)
+        if record.cancelled_by == "deadline_exceeded":
+            self.outbox.add_status(stream_id, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"timeout_ms ({entry.timeout_ms} ms) passed before it ran")
+        elif record.cancelled_by == "cancel_message":
+            self.outbox.add_delta(stream_id, TokenDelta(
+                entry.request.request_id, (), FinishReason.CANCELLED,
+                len(entry.request.prompt_token_ids), record.num_generated_tokens,
+                record.num_cached_tokens))
+
+    def cancel_all(self) -> None:
+        """Cancels every open request (the call ended). Mutates."""
+        for stream_id in list(self._open):
+            self.cancel(stream_id, "call_dropped")
+
+    async def wait_all(self) -> None:
+        """Waits until every open request's task has ended."""
+        while self._open:
+            await asyncio.wait([e.task for e in self._open.values() if e.task is not None])
+
+
+@dataclass(eq=False)
+class _Open:
+    """One open request of the call."""
+
+    request: EngineRequest
+    record: RequestRecord
+    task: asyncio.Task[None] | None = None
+    timer: asyncio.TimerHandle | None = None
+    timeout_ms: int = 0

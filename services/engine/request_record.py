@@ -1,0 +1,88 @@
+"""What the engine knows of one request for its log line, and how a request
+that cannot finish normally ends (:class:`RequestFailed`).
+
+Used by both request paths of :mod:`services.engine.service` (``Generate``)
+and :mod:`services.engine.multiplex` (``Multiplex``), so each admitted request
+writes exactly one ``request_finished`` line (a refused one
+``request_rejected``) whichever RPC carried it.
+"""
+
+from __future__ import annotations
+
+import grpc
+import structlog
+
+from services.common.sampling import FinishReason
+from services.engine.types import TokenDelta
+
+log = structlog.get_logger()
+
+
+class RequestFailed(Exception):
+    """A request ended with an error status instead of a finish reason.
+
+    Attributes:
+      code: the gRPC status for the caller.
+      message: what went wrong, for the caller.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class RequestRecord:
+    """What one Generate call knows of its request, for its one log line.
+
+    Attributes:
+      num_prompt_tokens: the prompt's length.
+      num_generated_tokens, num_cached_tokens: the counts of the last delta read
+        (for a call that ended before its last delta: the tokens streamed on it).
+      num_deltas: deltas read.
+      cancelled_by: what asked the engine to cancel (``cancel_message``,
+        ``invalid_message``, ``call_dropped``, ``deadline_exceeded``; "" if nothing).
+      error: why the request failed ("" if it did not).
+      done: the line is written (or the request was refused).
+    """
+
+    __slots__ = ("num_prompt_tokens", "num_generated_tokens", "num_cached_tokens",
+                 "num_deltas", "cancelled_by", "error", "done")
+
+    def __init__(self, num_prompt_tokens: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_generated_tokens = self.num_cached_tokens = self.num_deltas = 0
+        self.cancelled_by = self.error = ""
+        self.done = False
+
+    def seen(self, delta: TokenDelta) -> None:
+        """Takes the counts of ``delta``, the latest read. Mutates."""
+        self.num_generated_tokens = delta.num_generated_tokens
+        self.num_cached_tokens = delta.num_cached_tokens
+        self.num_deltas += 1
+
+    def rejected(self, code: grpc.StatusCode, message: str) -> None:
+        """Logs ``request_rejected`` for a request the backend refused (queue
+        full, duplicate id, ...); no ``request_finished`` line follows. Mutates."""
+        self.done = True
+        log.info("request_rejected", code=code.name, error=message)
+
+    def finish(self, reason: FinishReason, cancelled_by: str = "", error: str = "") -> bool:
+        """Writes the ``request_finished`` line, unless written already.
+
+        Returns:
+          True if it wrote it now.
+        """
+        if self.done:
+            return False
+        self.done = True
+        fields: dict[str, object] = {}
+        if reason is FinishReason.CANCELLED and cancelled_by:
+            fields["cancelled_by"] = cancelled_by
+        if reason is FinishReason.ERROR:
+            fields["error"] = error or self.error or "the engine failed"
+        log.info("request_finished", outcome=reason.name.lower(), finish_reason=reason.name,
+                 prompt_tokens=self.num_prompt_tokens,
+                 completion_tokens=self.num_generated_tokens,
+                 cached_prompt_tokens=self.num_cached_tokens, **fields)
+        return True
