@@ -36,7 +36,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]),
 from services.common.sampling import SamplingOptions  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.torch_backend.backend import TorchBackend  # noqa: E402
-from services.engine.types import EngineRequest, StepStats  # noqa: E402
+from services.engine.types import SequenceRequest, StepStats  # noqa: E402
 
 
 class StepLog:
@@ -54,7 +54,7 @@ def prompt(length: int, seed: int) -> tuple[int, ...]:
     return tuple(rng.randrange(100, 48000) for _ in range(length))
 
 
-async def stream(backend: TorchBackend, request: EngineRequest) -> tuple[float, int]:
+async def stream(backend: TorchBackend, request: SequenceRequest) -> tuple[float, int]:
     """Seconds to the first token and tokens generated."""
     began = time.perf_counter()
     first, count = 0.0, 0
@@ -73,7 +73,7 @@ def percentile(values: list[float], q: float) -> float:
 async def throughput(backend: TorchBackend, log: StepLog, streams: int, prompt_tokens: int,
                      output_tokens: int, seed: int) -> dict[str, float]:
     options = SamplingOptions(max_tokens=output_tokens, ignore_eos=True)
-    requests = [EngineRequest(f"tp-{streams}-{seed}-{i}", prompt(prompt_tokens, seed * 1000 + i),
+    requests = [SequenceRequest(f"tp-{streams}-{seed}-{i}", prompt(prompt_tokens, seed * 1000 + i),
                               options) for i in range(streams)]
     log.steps.clear()
     began = time.perf_counter()
@@ -95,8 +95,8 @@ async def prefix_ttft(backend: TorchBackend, runs: int, prefix_tokens: int) -> t
     options = SamplingOptions(max_tokens=1)
     for run in range(runs):
         prefix = prompt(prefix_tokens, 900_000 + run)
-        first = EngineRequest(f"cold-{run}", prefix + prompt(16, 1), options)
-        second = EngineRequest(f"warm-{run}", prefix + prompt(16, 2), options)
+        first = SequenceRequest(f"cold-{run}", prefix + prompt(16, 1), options)
+        second = SequenceRequest(f"warm-{run}", prefix + prompt(16, 2), options)
         cold.append((await stream(backend, first))[0])
         warm.append((await stream(backend, second))[0])
     return statistics.median(cold), statistics.median(warm)

@@ -14,7 +14,15 @@ to the first token), TPOT ((e2e − TTFT) / (tokens − 1)), mean ITL (gap betwe
 streamed messages) and e2e, and the mesh's overhead. Also prints the time
 ``llmesh up`` took to reach SERVING when it starts the mesh itself.
 
-Usage: ``python benchmarks/mesh_latency.py [--runs 5] [--max-tokens 64] [--url HOST:PORT]``
+With ``--concurrency N`` (N > 1) it measures throughput instead: the same
+``--num-requests`` distinct chat prompts (``--max-tokens`` each, EOS ignored),
+N at a time, once in process and once through Envoy (gRPC streams from this
+process), alternating for ``--rounds`` rounds; it prints each path's aggregate
+output tokens per second (all tokens / wall time from the first send to the
+last token), the mesh's ratio to in-process, and the median TTFT / TPOT.
+
+Usage: ``python benchmarks/mesh_latency.py [--runs 5] [--max-tokens 64] [--url HOST:PORT]
+[--concurrency 16 --num-requests 64 --rounds 2]``
 Not a test: numbers depend on the machine (2 cores here).
 """
 
@@ -36,7 +44,7 @@ from services.common.model_files import default_model_path
 from services.common.sampling import SamplingOptions
 from services.engine.config import EngineConfig
 from services.engine.torch_backend.backend import TorchBackend
-from services.engine.types import EngineRequest
+from services.engine.types import SequenceRequest
 from services.tokenizer.tokenizer import ChatMessage, Tokenizer
 
 QUESTION = "Explain in a few sentences why the sky is blue."
@@ -60,7 +68,7 @@ class Run:
 
 
 async def run_in_process(backend: TorchBackend, prompt_ids: tuple[int, ...], n: int, i: int) -> Run:
-    request = EngineRequest(request_id=f"bench-{i}", prompt_token_ids=prompt_ids,
+    request = SequenceRequest(request_id=f"bench-{i}", prompt_token_ids=prompt_ids,
                             sampling=SamplingOptions(max_tokens=n, ignore_eos=True))
     start = time.perf_counter()
     stamps: list[float] = []
@@ -101,6 +109,75 @@ def run_engine_grpc(stub: engine_pb2_grpc.EngineServiceStub, prompt_ids: tuple[i
     return _run(start, stamps, tokens)
 
 
+def _chat_request(question: str, n: int) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        chat=generation_pb2.Chat(messages=[common_pb2.ChatMessage(role="user", content=question)]),
+        sampling=common_pb2.SamplingParams(max_tokens=n, ignore_eos=True), bypass_cache=True)
+
+
+async def _mesh_stream(stub: generation_pb2_grpc.GenerationServiceStub,
+                       request: generation_pb2.GenerateRequest) -> Run:
+    start = time.perf_counter()
+    stamps: list[float] = []
+    tokens = 0
+    async for response in stub.Generate(request, timeout=600):
+        if response.token_ids:
+            stamps.append(time.perf_counter())
+            tokens += len(response.token_ids)
+    return _run(start, stamps, tokens)
+
+
+async def _bounded(concurrency: int, jobs: list) -> tuple[float, list[Run]]:
+    """Runs the coroutine factories ``jobs``, ``concurrency`` at a time; returns
+    (wall seconds, runs)."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(job) -> Run:
+        async with gate:
+            return await job()
+
+    began = time.perf_counter()
+    runs = await asyncio.gather(*(one(job) for job in jobs))
+    return time.perf_counter() - began, list(runs)
+
+
+async def throughput(backend: TorchBackend, tokenizer: Tokenizer, url: str, *,
+                     concurrency: int, num_requests: int, max_tokens: int, rounds: int) -> None:
+    """Prints in-process vs mesh aggregate output throughput at ``concurrency``."""
+    questions = [f"Question {i}: {QUESTION}" for i in range(num_requests)]
+    prompts = [tuple(tokenizer.apply_chat_template(
+        [ChatMessage(role="user", content=q)], add_generation_prompt=True).token_ids)
+        for q in questions]
+    requests = [_chat_request(q, max_tokens) for q in questions]
+    async with grpc.aio.insecure_channel(url) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        await _mesh_stream(stub, _chat_request(QUESTION, 4))  # warm both paths
+        await run_in_process(backend, prompts[0], 4, -1)
+        results: dict[str, list[tuple[float, list[Run]]]] = {"in-process": [], "mesh": []}
+        for r in range(rounds):
+            for name in (("in-process", "mesh") if r % 2 == 0 else ("mesh", "in-process")):
+                time.sleep(SETTLE_SECONDS)
+                if name == "in-process":
+                    jobs = [functools.partial(run_in_process, backend, p, max_tokens, r * 1000 + i)
+                            for i, p in enumerate(prompts)]
+                else:
+                    jobs = [functools.partial(_mesh_stream, stub, q) for q in requests]
+                results[name].append(await _bounded(concurrency, jobs))
+    load = " ".join(open("/proc/loadavg").read().split()[:3])
+    print(f"c{concurrency}: {num_requests} requests x {max_tokens} tokens, {rounds} rounds "
+          f"alternating; load {load}")
+    rates: dict[str, list[float]] = {}
+    for name, outcomes in results.items():
+        rates[name] = [sum(run.tokens for run in runs) / wall for wall, runs in outcomes]
+        every = [run for _, runs in outcomes for run in runs]
+        print(f"{name:<11} output_tok_s=" + ", ".join(f"{x:.1f}" for x in rates[name])
+              + f"  ttft_p50_ms={statistics.median(x.ttft for x in every) * 1e3:.1f}"
+              f"  tpot_p50_ms={statistics.median(x.tpot for x in every) * 1e3:.2f}")
+    ratios = [m / i for m, i in zip(rates["mesh"], rates["in-process"])]
+    print("mesh / in-process throughput: " + ", ".join(f"{x:.3f}" for x in ratios)
+          + f" (median {statistics.median(ratios):.3f}; target >= 0.95)")
+
+
 def _run(start: float, stamps: list[float], tokens: int) -> Run:
     gaps = tuple(b - a for a, b in zip(stamps, stamps[1:]))
     return Run(ttft=stamps[0] - start, e2e=stamps[-1] - start, tokens=tokens, gaps=gaps)
@@ -125,6 +202,10 @@ async def main() -> None:
     parser.add_argument("--url", default=None, help="a running mesh's ingress (default: start one)")
     parser.add_argument("--router", default=None, help="the router's address, to time it without Envoy")
     parser.add_argument("--engine", default=None, help="an engine's address, to time it over gRPC")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="streams at once; above 1, measure throughput (see above)")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--settle", type=float, default=SETTLE_SECONDS,
                         help="seconds of pause before each run (default: %(default)s); with 0, "
                              "a path may start while the previous one's threads still spin")
@@ -145,6 +226,12 @@ async def main() -> None:
             [ChatMessage(role="user", content=QUESTION)], add_generation_prompt=True).token_ids)
         backend = TorchBackend(EngineConfig())
         await backend.start()
+        if args.concurrency > 1:
+            await throughput(backend, tokenizer, url, concurrency=args.concurrency,
+                             num_requests=args.num_requests, max_tokens=args.max_tokens,
+                             rounds=args.rounds)
+            await backend.shutdown()
+            return
         channels = [grpc.insecure_channel(url)]
         paths: dict[str, object] = {
             "mesh (Envoy)": functools.partial(

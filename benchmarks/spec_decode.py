@@ -46,7 +46,7 @@ from services.common.sampling import (  # noqa: E402
 )
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.torch_backend.backend import TorchBackend  # noqa: E402
-from services.engine.types import EngineRequest, StepStats  # noqa: E402
+from services.engine.types import SequenceRequest, StepStats  # noqa: E402
 from services.tokenizer.tokenizer import ChatMessage, Tokenizer  # noqa: E402
 
 PASSAGES = ROOT / "benchmarks" / "data" / "spec_passages.json"
@@ -72,7 +72,7 @@ class StepLog:
 async def run_one(backend: TorchBackend, prompt: tuple[int, ...], options: SamplingOptions,
                   speculative: SpeculativeOptions) -> tuple[list[int], float, float]:
     """Tokens, seconds to the first token, seconds from the first to the last."""
-    request = EngineRequest(f"bench-{next(_ids)}", prompt, options, speculative=speculative)
+    request = SequenceRequest(f"bench-{next(_ids)}", prompt, options, speculative=speculative)
     began = time.perf_counter()
     first = 0.0
     tokens: list[int] = []

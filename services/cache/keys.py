@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llmesh.v1 import cache_pb2, common_pb2
+from llmesh.v1 import cache_pb2
 
 from services.common.sampling import InvalidRequestError, SamplingOptions
 

@@ -1,6 +1,6 @@
 """The narrow interface every engine backend implements, and its errors.
 
-A backend turns an :class:`EngineRequest` into an async stream of
+A backend turns an :class:`SequenceRequest` into an async stream of
 :class:`TokenDelta` and owns everything below that line (scheduling, KV cache,
 model). The gRPC servicer (:mod:`services.engine.service`) and the contract
 tests (``tests/engine/test_backend_contract.py``) speak only this interface, so
@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import grpc
 
-from services.engine.types import EngineRequest, LoadStats, ModelInfo, TokenDelta
+from services.engine.types import SequenceRequest, LoadStats, ModelInfo, TokenDelta
 
 
 class EngineError(Exception):
@@ -78,7 +78,7 @@ class EngineBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
+    def generate(self, request: SequenceRequest) -> AsyncIterator[TokenDelta]:
         """Runs ``request`` and streams its deltas as engine steps end.
 
         The sequence is admitted on the first ``__anext__``. The last delta has a

@@ -36,12 +36,12 @@ from llmesh.v1 import common_pb2, engine_pb2
 from services.common.logging import bind_request_id
 from services.common.sampling import FinishReason, InvalidRequestError
 from services.engine.request_record import RequestFailed, RequestRecord
-from services.engine.types import EngineRequest, TokenDelta
+from services.engine.types import SequenceRequest, TokenDelta
 
 log = structlog.get_logger()
 
 #: Runs one request (``EngineService.run_request``): its deltas, or RequestFailed.
-RunRequest = Callable[[EngineRequest, RequestRecord, Callable[[], str]],
+RunRequest = Callable[[SequenceRequest, RequestRecord, Callable[[], str]],
                       AsyncIterator[TokenDelta]]
 
 
@@ -119,8 +119,8 @@ class MultiplexCall:
     """The open requests of one ``Multiplex`` call and the tasks running them.
 
     Args:
-      to_request: converts a start's ``EngineRequest`` (raises
-        InvalidRequestError naming the field).
+      to_request: converts a start's protobuf ``EngineRequest`` to a
+        :class:`SequenceRequest` (raises InvalidRequestError naming the field).
       run_request: ``EngineService.run_request``.
       cancel_request: the backend's ``cancel(request_id)``; False when the
         request is not (or no longer) in flight there.
@@ -128,7 +128,7 @@ class MultiplexCall:
         then ends with UNAVAILABLE and this message).
     """
 
-    def __init__(self, *, to_request: Callable[[engine_pb2.EngineRequest], EngineRequest],
+    def __init__(self, *, to_request: Callable[[engine_pb2.EngineRequest], SequenceRequest],
                  run_request: RunRequest, cancel_request: Callable[[str], bool],
                  refusal: Callable[[], str | None]) -> None:
         self.outbox = Outbox()
@@ -258,7 +258,7 @@ class MultiplexCall:
 class _Open:
     """One open request of the call."""
 
-    request: EngineRequest
+    request: SequenceRequest
     record: RequestRecord
     task: asyncio.Task[None] | None = None
     timer: asyncio.TimerHandle | None = None

@@ -47,7 +47,7 @@ from services.engine.config import EngineConfig
 from services.engine.metrics import EngineMetrics, default_metrics
 from services.engine.multiplex import MultiplexCall
 from services.engine.request_record import RequestFailed, RequestRecord
-from services.engine.types import EngineRequest, ModelInfo, TokenDelta
+from services.engine.types import SequenceRequest, ModelInfo, TokenDelta
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 log = structlog.get_logger()
@@ -120,7 +120,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             async for response in stream:
                 yield response
 
-    async def _stream(self, request: EngineRequest, request_iterator: _Requests,
+    async def _stream(self, request: SequenceRequest, request_iterator: _Requests,
                       context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[engine_pb2.EngineServiceGenerateResponse]:
         record = RequestRecord(len(request.prompt_token_ids))
@@ -138,7 +138,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         finally:
             watcher.cancel()
 
-    async def run_request(self, request: EngineRequest, record: RequestRecord,
+    async def run_request(self, request: SequenceRequest, record: RequestRecord,
                           ended_by: Callable[[], str]) -> AsyncIterator[TokenDelta]:
         """Runs ``request`` on the backend and yields its deltas, counting them
         in the metrics and writing its one log line (``request_finished`` or
@@ -239,7 +239,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
 
     # ---- conversions --------------------------------------------------------------
 
-    def to_engine_request(self, pb: engine_pb2.EngineRequest, request_id: str) -> EngineRequest:
+    def to_engine_request(self, pb: engine_pb2.EngineRequest, request_id: str) -> SequenceRequest:
         """Converts ``pb``, checking each field's own form; the checks against the
         model (vocabulary, context window, KV capacity) run once, in the
         backend's ``generate`` (:mod:`services.engine.validation`). An unset
@@ -258,10 +258,10 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             pb.sampling, default_max_tokens=min(self._config.default_max_tokens, cap, room),
             max_tokens_cap=cap, field_prefix="sampling")
         speculative = SpeculativeOptions.from_pb(pb.speculative)
-        return EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+        return SequenceRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                              priority=Priority.from_pb(pb.priority), speculative=speculative)
 
-    def _request_from_start(self, pb: engine_pb2.EngineRequest) -> EngineRequest:
+    def _request_from_start(self, pb: engine_pb2.EngineRequest) -> SequenceRequest:
         """A Multiplex start's request (its id is in the message: one call
         carries many requests, so the call's metadata names none)."""
         if not pb.request_id:

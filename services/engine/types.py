@@ -12,8 +12,9 @@ from services.common.sampling import FinishReason, Priority, SamplingOptions, Sp
 
 
 @dataclass(frozen=True)
-class EngineRequest:
-    """One sequence to generate.
+class SequenceRequest:
+    """One sequence to generate (the protobuf ``llmesh.v1.EngineRequest``,
+    converted and checked by the service edge).
 
     Attributes:
       request_id: unique among the requests in flight on this engine.

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import grpc
 
 from services.common.sampling import InvalidRequestError
-from services.engine.types import EngineRequest, ModelInfo
+from services.engine.types import SequenceRequest, ModelInfo
 
 PROMPT_FIELD = "prompt_token_ids"
 MAX_TOKENS_FIELD = "sampling.max_tokens"
@@ -94,7 +94,7 @@ def validate_kv_capacity(num_prompt_tokens: int, max_tokens: int, capacity_token
     )
 
 
-def validate_request(request: EngineRequest, info: ModelInfo) -> None:
+def validate_request(request: SequenceRequest, info: ModelInfo) -> None:
     """Runs every check of this module on ``request``.
 
     Raises:

@@ -94,7 +94,7 @@ class Usage:
 
 
 @dataclass(frozen=True)
-class ModelInfo:
+class ReplicaInfo:
     """What an engine replica serves (``GetModelInfo``); lengths in tokens."""
 
     model: str

@@ -35,7 +35,7 @@ from services.common.sampling import FinishReason, Priority, SamplingOptions, Sp
 from services.router.clients import (
     EngineDelta,
     EngineLoad,
-    ModelInfo,
+    ReplicaInfo,
     UpstreamError,
     Usage,
     finish_reason_of,
@@ -255,14 +255,14 @@ class EngineClient:
         await wait_until_serving(self._channel, service=self.service, target=self.target,
                                  timeout=timeout)
 
-    async def model_info(self, *, timeout: float | None = 10.0) -> ModelInfo:
+    async def model_info(self, *, timeout: float | None = 10.0) -> ReplicaInfo:
         """``GetModelInfo``. Raises :class:`UpstreamError`."""
         try:
             reply = await self._stub.GetModelInfo(engine_pb2.GetModelInfoRequest(),
                                                   timeout=timeout)
         except grpc.aio.AioRpcError as err:
             raise upstream_error(self.service, self.target, err) from err
-        return ModelInfo(reply.model, reply.max_model_len, reply.vocab_size,
+        return ReplicaInfo(reply.model, reply.max_model_len, reply.vocab_size,
                          tuple(reply.eos_token_ids), reply.backend)
 
     async def load(self, *, timeout: float | None = 1.0) -> EngineLoad:
@@ -273,7 +273,7 @@ class EngineClient:
             raise upstream_error(self.service, self.target, err) from err
         return EngineLoad(reply.num_running, reply.num_waiting, reply.kv_cache_usage)
 
-    def generate(
+    def start(
         self, prompt_token_ids: Sequence[int], sampling: SamplingOptions, *,
         priority: Priority, request_id: str, deadline: float | None,
         speculative: SpeculativeOptions | None = None,

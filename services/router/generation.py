@@ -1,6 +1,6 @@
 """The router's request pipeline, independent of the gRPC server API.
 
-:meth:`GenerationPipeline.generate` turns a validated request into an async
+:meth:`GenerationPipeline.run` turns a validated request into an async
 stream of events: :class:`Delta` values (text safe to send, and the token ids
 generated since the previous one), then exactly one :class:`Finished`. The
 path, step by step (docs: /work/shared/DESIGN.md "The request path"):
@@ -215,7 +215,7 @@ class GenerationPipeline:
 
     # ------------------------------------------------------------------ API
 
-    async def generate(
+    async def run(
         self, request: GenerationRequest, *, received_at: float,
         deadline: float | None = None, progress: Progress | None = None,
     ) -> AsyncIterator[Event]:
@@ -371,7 +371,7 @@ class GenerationPipeline:
             stream: EngineStream | None = None
             ok = False
             try:
-                stream = engine.generate(
+                stream = engine.start(
                     prompt_ids, sampling, priority=request.priority,
                     request_id=request.request_id, deadline=deadline,
                     speculative=request.speculative)

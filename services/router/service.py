@@ -44,7 +44,7 @@ from llmesh.v1 import generation_pb2, generation_pb2_grpc
 from services.common.grpc_util import metadata_value, request_id_from
 from services.common.logging import REQUEST_ID_METADATA_KEY, bind_request_id
 from services.common.sampling import FinishReason, InvalidRequestError, Priority
-from services.router.clients import CacheClient, ModelInfo, TokenizerClient, TokenizerInfo
+from services.router.clients import CacheClient, ReplicaInfo, TokenizerClient, TokenizerInfo
 from services.router.engine_client import EngineClient
 from services.router.generation import (
     Delta,
@@ -239,7 +239,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                  engines=list(cfg.engines), tokenizer=cfg.tokenizer, cache=cfg.cache,
                  chat=limits.has_chat_template, backends=sorted({i.backend for i in infos}))
 
-    def _set_models(self, infos: list[ModelInfo], tok: TokenizerInfo) -> None:
+    def _set_models(self, infos: list[ReplicaInfo], tok: TokenizerInfo) -> None:
         names = {info.model for info in infos}
         if len(names) > 1:
             raise RuntimeError(
@@ -339,7 +339,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         try:
             pipeline = self._admit()
             validated = self._validate(request, request_id, context)
-            events = pipeline.generate(validated, received_at=received_at,
+            events = pipeline.run(validated, received_at=received_at,
                                        deadline=_deadline(context))
             async with contextlib.aclosing(events):
                 async for event in events:
@@ -536,7 +536,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         """Runs one generation, handing its events (or its error) to the handler."""
         bind_request_id(request.request_id)
         try:
-            events = pipeline.generate(request, received_at=received_at, deadline=deadline,
+            events = pipeline.run(request, received_at=received_at, deadline=deadline,
                                        progress=progress)
             async with contextlib.aclosing(events):
                 async for event in events:

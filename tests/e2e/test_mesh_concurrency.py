@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from llmesh.v1 import engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
+from llmesh.v1 import engine_pb2, engine_pb2_grpc, generation_pb2_grpc
 from services.cli.mesh import Mesh
 from tests.e2e.mesh_client import chat_request
 

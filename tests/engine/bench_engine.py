@@ -18,12 +18,12 @@ import time
 from services.common.sampling import SamplingOptions
 from services.engine.config import EngineConfig
 from services.engine.torch_backend.backend import TorchBackend
-from services.engine.types import EngineRequest
+from services.engine.types import SequenceRequest
 
 PROMPT_100 = tuple(100 + (i * 977) % 48000 for i in range(100))
 
 
-async def timed_tokens(backend: TorchBackend, request: EngineRequest) -> list[float]:
+async def timed_tokens(backend: TorchBackend, request: SequenceRequest) -> list[float]:
     """Arrival times (perf_counter seconds) of each token, first entry the start time."""
     stamps = [time.perf_counter()]
     async for delta in backend.generate(request):
@@ -42,14 +42,14 @@ async def main(dtype: str, device: str, runs: int, tokens: int, quantization: st
           f"warm-up {backend.timings.warmup_s * 1000:.0f} ms)")
     prefill = []
     for i in range(runs):
-        stamps = await timed_tokens(backend, EngineRequest(
+        stamps = await timed_tokens(backend, SequenceRequest(
             f"prefill-{i}", PROMPT_100, SamplingOptions(max_tokens=1)))
         prefill.append(stamps[1] - stamps[0])
     print(f"prefill 100 tokens (+1 sampled): median {statistics.median(prefill) * 1000:.1f} ms "
           f"over {runs} runs")
     gaps = []
     for i in range(runs):
-        stamps = await timed_tokens(backend, EngineRequest(
+        stamps = await timed_tokens(backend, SequenceRequest(
             f"decode-{i}", PROMPT_100[:20], SamplingOptions(max_tokens=tokens, ignore_eos=True)))
         gaps.extend(b - a for a, b in zip(stamps[2:], stamps[3:], strict=False))
     print(f"decode: median {statistics.median(gaps) * 1000:.1f} ms/token, "

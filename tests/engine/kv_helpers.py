@@ -10,7 +10,7 @@ from services.common.sampling import Priority, SamplingOptions
 from services.engine.torch_backend.kv_cache_manager import KVCacheManager
 from services.engine.torch_backend.scheduler import Scheduler, SchedulerConfig
 from services.engine.torch_backend.sequence import Sequence
-from services.engine.types import EngineRequest
+from services.engine.types import SequenceRequest
 
 _arrivals = itertools.count()
 EOS = 2
@@ -23,7 +23,7 @@ def make_request(request_id: str, prompt: SequenceOf[int] | int, max_tokens: int
     tokens = tuple(range(100, 100 + prompt)) if isinstance(prompt, int) else tuple(prompt)
     options = SamplingOptions(max_tokens=max_tokens, ignore_eos=ignore_eos,
                               stop_token_ids=stop_token_ids)
-    return Sequence(EngineRequest(request_id, tokens, options, priority), next(_arrivals))
+    return Sequence(SequenceRequest(request_id, tokens, options, priority), next(_arrivals))
 
 
 def create_manager(num_blocks: int = 10, block_size: int = 4,

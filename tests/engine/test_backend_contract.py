@@ -20,7 +20,7 @@ import pytest_asyncio
 from services.common.sampling import FinishReason, InvalidRequestError, SamplingOptions
 from services.engine.backend import DuplicateRequestError, EngineBackend
 from services.engine.config import EngineConfig
-from services.engine.types import EngineRequest, TokenDelta
+from services.engine.types import SequenceRequest, TokenDelta
 
 from .prompts import CHAT, CHAT_GREEDY, EOS, STORY
 
@@ -47,11 +47,11 @@ async def backend(request: pytest.FixtureRequest,
     await trt.shutdown()
 
 
-def make(request_id: str, prompt: tuple[int, ...] = CHAT, **options: object) -> EngineRequest:
-    return EngineRequest(request_id, prompt, SamplingOptions(**options))  # type: ignore[arg-type]
+def make(request_id: str, prompt: tuple[int, ...] = CHAT, **options: object) -> SequenceRequest:
+    return SequenceRequest(request_id, prompt, SamplingOptions(**options))  # type: ignore[arg-type]
 
 
-async def run(backend: EngineBackend, request: EngineRequest) -> tuple[list[int], TokenDelta]:
+async def run(backend: EngineBackend, request: SequenceRequest) -> tuple[list[int], TokenDelta]:
     """All generated tokens and the last delta."""
     tokens: list[int] = []
     async for delta in backend.generate(request):

@@ -27,7 +27,7 @@ from services.engine.torch_backend.kv_cache_manager import hash_block, hash_seed
 from services.engine.torch_backend.model import LlamaModel
 from services.engine.torch_backend.model_runner import ModelRunner, StepInput
 from services.engine.torch_backend.paged_kv import kv_block_bytes
-from services.engine.types import EngineRequest, StepStats
+from services.engine.types import SequenceRequest, StepStats
 
 pytestmark = pytest.mark.model
 
@@ -94,12 +94,12 @@ async def solo(reference: TorchBackend) -> list[list[int]]:
     return [await run(reference, request(f"solo-{i}", i)) for i in range(len(PROMPTS))]
 
 
-def request(request_id: str, index: int, prompt: tuple[int, ...] | None = None) -> EngineRequest:
-    return EngineRequest(request_id, PROMPTS[index] if prompt is None else prompt,
+def request(request_id: str, index: int, prompt: tuple[int, ...] | None = None) -> SequenceRequest:
+    return SequenceRequest(request_id, PROMPTS[index] if prompt is None else prompt,
                          options(index))
 
 
-async def run(backend: TorchBackend, req: EngineRequest) -> list[int]:
+async def run(backend: TorchBackend, req: SequenceRequest) -> list[int]:
     tokens: list[int] = []
     async for delta in backend.generate(req):
         tokens.extend(delta.token_ids)
@@ -238,12 +238,12 @@ async def test_a_next_turn_quoting_the_answer_stays_exact(
     backend = await start_backend(model)
     reference = await start_backend(model, enable_prefix_caching=False)
     try:
-        answer, _ = await collect_last(backend, EngineRequest(
+        answer, _ = await collect_last(backend, SequenceRequest(
             "turn-1", first, SamplingOptions(max_tokens=30, ignore_eos=True)))
         second = first + tuple(answer) + PROMPTS[2][:16]
         options_2 = SamplingOptions(max_tokens=8, ignore_eos=True)
-        tokens, cached = await collect_last(backend, EngineRequest("turn-2", second, options_2))
-        expected, _ = await collect_last(reference, EngineRequest("turn-2-ref", second, options_2))
+        tokens, cached = await collect_last(backend, SequenceRequest("turn-2", second, options_2))
+        expected, _ = await collect_last(reference, SequenceRequest("turn-2-ref", second, options_2))
         assert tokens == expected
         assert cached == 32  # blocks 0-1; block 2 holds answer tokens computed as generated
         await idle(backend)
@@ -282,7 +282,7 @@ def test_prompt_rows_take_the_dense_projections(smollm2_by_mode: Callable[..., L
     assert torch.equal(mixed[25:], rest)
 
 
-async def collect_last(backend: TorchBackend, req: EngineRequest) -> tuple[list[int], int]:
+async def collect_last(backend: TorchBackend, req: SequenceRequest) -> tuple[list[int], int]:
     tokens: list[int] = []
     async for delta in backend.generate(req):
         tokens.extend(delta.token_ids)
@@ -319,14 +319,14 @@ async def test_requests_that_can_never_fit_are_refused(smollm2: LlamaModel) -> N
         ]
         for prompt, max_tokens, field, message in cases:
             with pytest.raises(InvalidRequestError, match=message) as caught:
-                await run(backend, EngineRequest("never", prompt,
+                await run(backend, SequenceRequest("never", prompt,
                                                  SamplingOptions(max_tokens=max_tokens)))
             assert (caught.value.code, caught.value.field) == (grpc.StatusCode.OUT_OF_RANGE,
                                                                field)
         assert backend.load().num_waiting == 0
         # The largest request that fits runs to its end: its last computed token
         # takes the cache's last slot.
-        tokens = await run(backend, EngineRequest("fits", prompt_of(300, 1), SamplingOptions(
+        tokens = await run(backend, SequenceRequest("fits", prompt_of(300, 1), SamplingOptions(
             max_tokens=21, ignore_eos=True)))
         assert len(tokens) == 21
         await idle(backend)

@@ -22,7 +22,7 @@ from services.engine.torch_backend.model import LlamaModel
 from services.engine.torch_backend.model_runner import ModelRunner
 from services.engine.torch_backend.paged_kv import kv_block_bytes
 from services.engine.torch_backend.scheduler import Scheduler, SchedulerConfig
-from services.engine.types import EngineRequest, StepStats, TokenDelta
+from services.engine.types import SequenceRequest, StepStats, TokenDelta
 
 TINY = LlamaConfig(name="tiny", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=8, intermediate_size=64, vocab_size=64, rope_theta=10000.0,
@@ -90,8 +90,8 @@ def make_loop(tiny_model: LlamaModel, recorder: Recorder) -> Iterator:
 
 
 def request(request_id: str, prompt: int = 4, max_tokens: int = 8,
-            priority: Priority = Priority.INTERACTIVE, first: int = 2) -> EngineRequest:
-    return EngineRequest(request_id, tuple(range(first, first + prompt)),
+            priority: Priority = Priority.INTERACTIVE, first: int = 2) -> SequenceRequest:
+    return SequenceRequest(request_id, tuple(range(first, first + prompt)),
                          SamplingOptions(max_tokens=max_tokens, ignore_eos=True), priority)
 
 
@@ -379,7 +379,7 @@ async def test_queue_limit_and_duplicate_ids(make_loop) -> None:
 async def test_failed_step_fails_its_requests_and_the_engine_lives(make_loop) -> None:
     loop = make_loop()
     aio = asyncio.get_running_loop()
-    bad = EngineRequest("bad", (TINY.vocab_size + 5,), SamplingOptions(max_tokens=2))
+    bad = SequenceRequest("bad", (TINY.vocab_size + 5,), SamplingOptions(max_tokens=2))
     out = await collect(loop.submit(bad, aio))
     assert out[-1].finish_reason is FinishReason.ERROR
     assert "IndexError" in out[-1].error

@@ -24,7 +24,7 @@ from services.engine.torch_backend.paged_kv import (
     SeqAttention,
     StepAttention,
 )
-from services.engine.types import EngineRequest
+from services.engine.types import SequenceRequest
 
 from .prompts import STORY
 
@@ -153,7 +153,7 @@ async def test_greedy_continuation_matches_transformers(
     ``test_quality_guard.py``)."""
     backend = TorchBackend(replace(engine_config, quantization="none"), model=model)
     await backend.start()
-    request = EngineRequest("greedy-vs-hf", STORY,
+    request = SequenceRequest("greedy-vs-hf", STORY,
                             SamplingOptions(max_tokens=32, ignore_eos=True))
     ours: list[int] = []
     try:

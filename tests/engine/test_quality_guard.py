@@ -38,7 +38,7 @@ from services.engine.torch_backend.model import LlamaModel
 from services.engine.torch_backend.model_runner import ModelRunner, StepInput
 from services.engine.torch_backend.paged_kv import kv_block_bytes
 from services.engine.torch_backend.quant import resolve_quant_kernel
-from services.engine.types import EngineRequest
+from services.engine.types import SequenceRequest
 
 # The module fixture runs ~20 forward passes of 256 tokens per mode: 112 s here
 # (AVX-512), several times that on a slower 2-core CI machine; the default 300 s
@@ -116,7 +116,7 @@ async def greedy_answers(model: LlamaModel, config: EngineConfig, quantization: 
 
     async def answer(index: int, prompt: list[int]) -> list[int]:
         tokens: list[int] = []
-        request = EngineRequest(f"guard-{quantization}-{index}", tuple(prompt),
+        request = SequenceRequest(f"guard-{quantization}-{index}", tuple(prompt),
                                 SamplingOptions(max_tokens=ANSWER_TOKENS))
         async for delta in backend.generate(request):
             tokens.extend(delta.token_ids)

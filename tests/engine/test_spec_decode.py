@@ -38,7 +38,7 @@ from services.engine.torch_backend.draft_proposer import (
 from services.engine.torch_backend.model import LlamaModel
 from services.engine.torch_backend.model_runner import ModelRunner, StepInput
 from services.engine.torch_backend.sequence import Sequence as EngineSequence
-from services.engine.types import EngineRequest, TokenDelta
+from services.engine.types import SequenceRequest, TokenDelta
 from services.tokenizer.tokenizer import ChatMessage, Tokenizer
 
 from .prompts import CHAT, CHAT_GREEDY, EOS, STORY
@@ -86,7 +86,7 @@ async def spec_backend(model_path: Path, smollm2: LlamaModel,
 async def generate(backend: TorchBackend, prompt: Sequence[int], options: SamplingOptions,
                    speculative: SpeculativeOptions = SpeculativeOptions()
                    ) -> tuple[list[int], TokenDelta]:
-    request = EngineRequest(f"spec-{next(_ids)}", tuple(prompt), options,
+    request = SequenceRequest(f"spec-{next(_ids)}", tuple(prompt), options,
                             speculative=speculative)
     tokens: list[int] = []
     last = None
@@ -230,7 +230,7 @@ async def test_cancel_mid_speculation_frees_every_reserved_block(
         spec_backend: TorchBackend, spec_prompts) -> None:
     prompt = next(ids for kind, ids in spec_prompts if kind == "rewrite")
     for method in (NGRAM, DRAFT):
-        request = EngineRequest(f"cancel-{next(_ids)}", prompt,
+        request = SequenceRequest(f"cancel-{next(_ids)}", prompt,
                                 SamplingOptions(max_tokens=200, ignore_eos=True),
                                 speculative=method)
         stream = spec_backend.generate(request)
@@ -278,7 +278,7 @@ def test_a_full_depth_draft_proposes_the_target_continuation(smollm2: LlamaModel
     target.allocate_kv_cache(1 << 20, 16)
     draft = DraftProposer(draft_runner(truncated_model(smollm2, smollm2.config.num_layers),
                                        target, 16, 16))
-    seq = EngineSequence(EngineRequest("d", STORY, SamplingOptions(max_tokens=64)), 0)
+    seq = EngineSequence(SequenceRequest("d", STORY, SamplingOptions(max_tokens=64)), 0)
     for accepted in (4, 1, 0, 2):
         (proposal,) = draft.propose([(seq, 4)])
         assert proposal == greedy_continuation(smollm2, seq.token_ids, 4)

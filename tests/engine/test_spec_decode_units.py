@@ -12,12 +12,7 @@ import torch
 
 from services.common.sampling import FinishReason, SpeculativeMethod, SpeculativeOptions
 from services.engine.torch_backend.kv_cache_manager import hash_block, hash_seed
-from services.engine.torch_backend.rejection_sampler import (
-    VerifyRow,
-    verify,
-    verify_greedy,
-    verify_sampled,
-)
+from services.engine.torch_backend.rejection_sampler import verify_greedy, verify_sampled
 from services.engine.torch_backend.sampler import SamplingRow
 from services.engine.torch_backend.speculative import (
     NgramProposer,
@@ -25,6 +20,7 @@ from services.engine.torch_backend.speculative import (
     Speculator,
     propose_ngram,
 )
+from services.engine.torch_backend.step_sampler import StepRow, sample_step
 
 from .kv_helpers import create_scheduler, make_request
 
@@ -99,11 +95,11 @@ def test_verify_mixes_plain_greedy_and_speculative_rows() -> None:
     for row, token in enumerate([1, 2, 3, 9, 4, 5, 0]):
         logits[row, token] = 5.0
     greedy = SamplingRow()
-    rows = [VerifyRow(greedy), VerifyRow(greedy, (2, 3)), VerifyRow(greedy, (4, 6))]
+    rows = [StepRow(greedy), StepRow(greedy, (2, 3)), StepRow(greedy, (4, 6))]
     # rows: [1] | [2, 3, 9] | [4, 5, 0]: plain 1; all accepted + 9; 4 accepted, 6 -> 5
-    assert verify(logits, rows) == [[1], [2, 3, 9], [4, 5]]
+    assert sample_step(logits, rows) == [[1], [2, 3, 9], [4, 5]]
     with pytest.raises(ValueError):
-        verify(logits[:6], rows)
+        sample_step(logits[:6], rows)
 
 
 # ---- rejection sampling keeps the target distribution -------------------------------

@@ -381,12 +381,12 @@ async def test_bypass_cache_skips_the_lookup_but_stores_the_answer():
             generation_pb2.GenerateRequest(prompt="q"), request_id="b1",
             models=mesh.router.models, default_model=mesh.router.default_model)
         bypass = dataclasses.replace(request, bypass_cache=True)
-        events = [e async for e in pipeline.generate(bypass, received_at=time.monotonic())]
+        events = [e async for e in pipeline.run(bypass, received_at=time.monotonic())]
         await wait_for(lambda: mesh.cache.puts == 1)
         assert mesh.cache.gets == 0
-        again = [e async for e in pipeline.generate(bypass, received_at=time.monotonic())]
+        again = [e async for e in pipeline.run(bypass, received_at=time.monotonic())]
         assert mesh.cache.gets == 0 and len(mesh.engines[0].log.starts) == 2
-        cached = [e async for e in pipeline.generate(request, received_at=time.monotonic())]
+        cached = [e async for e in pipeline.run(request, received_at=time.monotonic())]
     assert isinstance(events[-1], Finished) and not events[-1].cached
     assert isinstance(again[-1], Finished) and not again[-1].cached
     assert isinstance(cached[-1], Finished) and cached[-1].cached
@@ -546,7 +546,7 @@ async def test_a_slow_reader_gets_the_tokens_that_piled_up_in_one_delta():
             generation_pb2.GenerateRequest(prompt="q", bypass_cache=True), request_id="slow",
             models=mesh.router.models, default_model=mesh.router.default_model)
         deltas = []
-        async for event in mesh.router._pipeline.generate(request, received_at=time.monotonic()):
+        async for event in mesh.router._pipeline.run(request, received_at=time.monotonic()):
             if isinstance(event, Delta):
                 deltas.append(event)
                 if len(deltas) == 1:

@@ -29,7 +29,7 @@ from typing import Any
 from services.common.sampling import FinishReason, SamplingOptions
 from services.engine.backend import DuplicateRequestError, EngineBackend, EngineUnavailableError
 from services.engine.config import EngineConfig
-from services.engine.types import EngineRequest, LoadStats, ModelInfo, TokenDelta
+from services.engine.types import SequenceRequest, LoadStats, ModelInfo, TokenDelta
 from services.engine.validation import validate_request
 
 INSTALL_HINT = ("the tensorrt_llm backend needs TensorRT-LLM on a CUDA host: "
@@ -102,7 +102,7 @@ class TensorRTLLMBackend(EngineBackend):
         return path
 
     async def _warm_up(self) -> None:
-        request = EngineRequest("warm-up", (self.model_info.eos_token_ids[0],) * 4,
+        request = SequenceRequest("warm-up", (self.model_info.eos_token_ids[0],) * 4,
                                 SamplingOptions(max_tokens=2, ignore_eos=True))
         async for _ in self.generate(request):
             pass
@@ -113,7 +113,7 @@ class TensorRTLLMBackend(EngineBackend):
             raise EngineUnavailableError("the tensorrt_llm engine is not started")
         return self._info
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
+    async def generate(self, request: SequenceRequest) -> AsyncIterator[TokenDelta]:
         """See :meth:`EngineBackend.generate`; one ``generate_async`` stream per request."""
         validate_request(request, self.model_info)
         if self._llm is None:
@@ -141,7 +141,7 @@ class TensorRTLLMBackend(EngineBackend):
             if not finished:
                 result.abort()
 
-    def _sampling_params(self, request: EngineRequest) -> Any:
+    def _sampling_params(self, request: SequenceRequest) -> Any:
         options = request.sampling
         eos = self.model_info.eos_token_ids
         common = dict(
@@ -156,14 +156,14 @@ class TensorRTLLMBackend(EngineBackend):
             temperature=options.temperature, top_k=options.top_k or None,
             top_p=options.top_p if options.top_p < 1.0 else None, seed=seed, **common)
 
-    def _delta(self, request: EngineRequest, completion: Any) -> TokenDelta:
+    def _delta(self, request: SequenceRequest, completion: Any) -> TokenDelta:
         reason = _FINISH_REASONS.get(completion.finish_reason, FinishReason.NONE)
         return TokenDelta(
             request_id=request.request_id, token_ids=tuple(completion.token_ids_diff),
             finish_reason=reason, num_prompt_tokens=len(request.prompt_token_ids),
             num_generated_tokens=len(completion.token_ids))
 
-    def _final(self, request: EngineRequest, result: Any, reason: FinishReason) -> TokenDelta:
+    def _final(self, request: SequenceRequest, result: Any, reason: FinishReason) -> TokenDelta:
         generated = len(result.outputs[0].token_ids) if result.outputs else 0
         return TokenDelta(request_id=request.request_id, token_ids=(), finish_reason=reason,
                           num_prompt_tokens=len(request.prompt_token_ids),

@@ -57,7 +57,7 @@ from services.engine.torch_backend.speculative import (
     SpeculativeConfig,
     Speculator,
 )
-from services.engine.types import EngineRequest, LoadStats, ModelInfo, TokenDelta
+from services.engine.types import SequenceRequest, LoadStats, ModelInfo, TokenDelta
 from services.engine.validation import validate_kv_capacity, validate_request
 
 log = structlog.get_logger()
@@ -114,7 +114,7 @@ class TorchBackend(EngineBackend):
         self._model = model
         self._step_observer = step_observer
         self._start_lock = asyncio.Lock()
-        self._loop: EngineLoop | None = None
+        self._engine_loop: EngineLoop | None = None
         self._info: ModelInfo | None = None
         self._stopped = False
         self.timings: StartupTimings | None = None
@@ -137,11 +137,11 @@ class TorchBackend(EngineBackend):
         async with self._start_lock:
             if self._stopped:
                 raise EngineUnavailableError("the torch engine was shut down")
-            if self._loop is None:
+            if self._engine_loop is None:
                 built: Future[EngineLoop] = Future()
                 threading.Thread(target=self._engine_thread, args=(built,), name="engine-step",
                                  daemon=True).start()
-                self._loop = await asyncio.wrap_future(built)
+                self._engine_loop = await asyncio.wrap_future(built)
 
     def _engine_thread(self, built: Future[EngineLoop]) -> None:
         try:
@@ -238,14 +238,14 @@ class TorchBackend(EngineBackend):
             raise EngineUnavailableError("the torch engine is still loading its model")
         return self._info
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
+    async def generate(self, request: SequenceRequest) -> AsyncIterator[TokenDelta]:
         """See :meth:`EngineBackend.generate`. Deltas that pile up while the
         consumer is busy are merged into one."""
         validate_request(request, self.model_info)
         if self.kv_cache_info is not None:
             validate_kv_capacity(len(request.prompt_token_ids), request.sampling.max_tokens,
                                  self.kv_cache_info.num_tokens)
-        engine = self._loop
+        engine = self._engine_loop
         if engine is None:
             raise EngineUnavailableError("the torch engine is not running")
         queue = engine.submit(request, asyncio.get_running_loop())
@@ -262,23 +262,23 @@ class TorchBackend(EngineBackend):
                 engine.cancel(request.request_id)
 
     def cancel(self, request_id: str) -> bool:
-        return self._loop is not None and self._loop.cancel(request_id)
+        return self._engine_loop is not None and self._engine_loop.cancel(request_id)
 
     @property
     def speculator(self) -> Speculator | None:
         """The engine's speculative decoding (its proposers by method), None
         until started. Change its proposers only while no request runs."""
-        return None if self._loop is None else self._loop.speculator
+        return None if self._engine_loop is None else self._engine_loop.speculator
 
     def load(self) -> LoadStats:
-        if self._loop is None:
+        if self._engine_loop is None:
             return LoadStats(num_running=0, num_waiting=0, kv_cache_usage=0.0)
-        return self._loop.load()
+        return self._engine_loop.load()
 
     def drain_kv_events(self) -> list[KVEvent]:
         """KV cache events (blocks stored / removed / all cleared) since the last
         call, oldest first, for the cache service's prefix index. Thread-safe."""
-        return [] if self._loop is None else self._loop.drain_kv_events()
+        return [] if self._engine_loop is None else self._engine_loop.drain_kv_events()
 
     def check_integrity(self) -> BlockCounts:
         """Checks the KV block bookkeeping (free + cached + used == total, reference
@@ -288,20 +288,20 @@ class TorchBackend(EngineBackend):
           KVIntegrityError: naming the inconsistency.
           EngineUnavailableError: not running.
         """
-        if self._loop is None:
+        if self._engine_loop is None:
             raise EngineUnavailableError("the torch engine is not running")
-        return self._loop.check_integrity()
+        return self._engine_loop.check_integrity()
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix block, if none is in use (True then)."""
-        return self._loop is not None and self._loop.reset_prefix_cache()
+        return self._engine_loop is not None and self._engine_loop.reset_prefix_cache()
 
     async def shutdown(self) -> None:
         """Stops the engine thread after its current step; sequences left finish
         with ERROR. Idempotent."""
         async with self._start_lock:
             self._stopped = True
-            loop, self._loop = self._loop, None
+            loop, self._engine_loop = self._engine_loop, None
         if loop is not None:
             await asyncio.to_thread(loop.stop)
 

@@ -7,8 +7,8 @@ A step is ``schedule → run → sample → update → deliver``:
    chunked prefill, prefix hits, preemption);
 2. :meth:`ModelRunner.run` computes all scheduled tokens in one batched forward
    over the paged KV cache (outside the lock);
-3. :func:`~services.engine.torch_backend.rejection_sampler.verify` picks one
-   token per sequence that caught up with its length, or verifies its
+3. :func:`~services.engine.torch_backend.step_sampler.sample_step` samples
+   one token per sequence that caught up with its length, or verifies its
    speculative tokens (accepted ones plus the target's own token);
 4. :meth:`Scheduler.update_from_output` (under the lock) books the step and
    finishes sequences that stopped;
@@ -58,12 +58,12 @@ from services.engine.kv_events import KVEvent
 from services.engine.torch_backend.block_pool import BlockCounts
 from services.engine.torch_backend.model import StepAbandoned
 from services.engine.torch_backend.model_runner import ModelRunner, StepInput
-from services.engine.torch_backend.rejection_sampler import VerifyRow, verify
 from services.engine.torch_backend.sampler import SamplingRow
 from services.engine.torch_backend.scheduler import Scheduler, SchedulerOutput
 from services.engine.torch_backend.sequence import Sequence
 from services.engine.torch_backend.speculative import Speculator
-from services.engine.types import EngineRequest, LoadStats, StepStats, TokenDelta
+from services.engine.torch_backend.step_sampler import StepRow, sample_step
+from services.engine.types import SequenceRequest, LoadStats, StepStats, TokenDelta
 
 log = structlog.get_logger()
 
@@ -124,7 +124,7 @@ class EngineLoop:
             on_ready()
         self._run()
 
-    def submit(self, request: EngineRequest,
+    def submit(self, request: SequenceRequest,
                loop: asyncio.AbstractEventLoop) -> asyncio.Queue[TokenDelta]:
         """Queues ``request``; returns the queue its deltas arrive on (owned by ``loop``).
 
@@ -266,9 +266,9 @@ class EngineLoop:
         try:
             logits = self._runner.run(inputs, functools.partial(
                 _all_cancelled, [s.seq for s in out.scheduled]))
-            rows = [VerifyRow(s.seq.sampling, s.spec_token_ids)
+            rows = [StepRow(s.seq.sampling, s.spec_token_ids)
                     for s in out.scheduled if s.samples]
-            sampled = verify(logits, rows) if rows else []
+            sampled = sample_step(logits, rows) if rows else []
         except StepAbandoned:
             self._end_step(out, FinishReason.CANCELLED)
             return

@@ -36,11 +36,9 @@ Probabilities are the sampler's (temperature, top-k, top-p applied:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from services.engine.torch_backend.sampler import SamplingRow, probabilities, sample
 
 
 def verify_greedy(target_argmax: Sequence[int], draft: Sequence[int]) -> list[int]:
@@ -92,60 +90,4 @@ def verify_sampled(target_probs: torch.Tensor, draft: Sequence[int],
         return out
     row = target_probs[len(draft)]
     out.append(int(torch.multinomial(row, 1, generator=generator)[0]))
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class VerifyRow:
-    """One sampling sequence of a step: its sampling parameters and proposals
-    (its logits are ``1 + len(spec_token_ids)`` consecutive rows)."""
-
-    sampling: SamplingRow
-    spec_token_ids: tuple[int, ...] = ()
-
-
-def verify(logits: torch.Tensor, rows: Sequence[VerifyRow]) -> list[list[int]]:
-    """New tokens of every sampling sequence of a step.
-
-    Sequences without proposals are sampled together by
-    :func:`~services.engine.torch_backend.sampler.sample` (one token each, as
-    without speculation); the others are verified one by one.
-
-    Args:
-      logits: ``[sum of (1 + k_i), vocab]`` rows in ``rows`` order.
-      rows: the sampling sequences.
-
-    Returns:
-      per sequence: accepted proposals then the target's token (1..k_i + 1 ids).
-
-    Raises:
-      ValueError: the logits do not have one row per position to score.
-    """
-    expected = sum(1 + len(row.spec_token_ids) for row in rows)
-    if logits.shape[0] != expected:
-        raise ValueError(f"{logits.shape[0]} rows of logits for {expected} positions")
-    if not any(row.spec_token_ids for row in rows):
-        return [[token] for token in sample(logits, [r.sampling for r in rows]).tolist()]
-    out: list[list[int]] = [[] for _ in rows]
-    plain: list[int] = []
-    plain_rows: list[int] = []
-    argmax: list[int] | None = None
-    offset = 0
-    for index, row in enumerate(rows):
-        k = len(row.spec_token_ids)
-        if k == 0:
-            plain.append(index)
-            plain_rows.append(offset)
-        elif row.sampling.greedy:
-            if argmax is None:
-                argmax = logits.argmax(dim=-1).tolist()
-            out[index] = verify_greedy(argmax[offset:offset + k + 1], row.spec_token_ids)
-        else:
-            probs = probabilities(logits[offset:offset + k + 1], [row.sampling] * (k + 1))
-            out[index] = verify_sampled(probs, row.spec_token_ids, row.sampling.generator)
-        offset += k + 1
-    if plain:
-        tokens = sample(logits[plain_rows], [rows[i].sampling for i in plain]).tolist()
-        for index, token in zip(plain, tokens):
-            out[index] = [token]
     return out

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from services.common.sampling import FinishReason, SpeculativeMethod
 from services.engine.kv_events import BlockHash
 from services.engine.torch_backend.sampler import SamplingRow
-from services.engine.types import EngineRequest, TokenDelta
+from services.engine.types import SequenceRequest, TokenDelta
 
 
 class SequenceStatus(enum.Enum):
@@ -53,7 +53,7 @@ class Sequence:
       priority_key: (priority, arrival), the scheduling order.
     """
 
-    request: EngineRequest
+    request: SequenceRequest
     arrival: int
     sampling: SamplingRow = field(default_factory=SamplingRow)
     queue: asyncio.Queue[TokenDelta] | None = None

@@ -1,0 +1,74 @@
+"""The tokens one engine step makes: ordinary sampling for sequences without
+speculative proposals, verification for those with them.
+
+:func:`sample_step` is what the engine loop calls once per step. Rows without
+proposals are sampled together in one batched call of
+:func:`~services.engine.torch_backend.sampler.sample` (one token each);
+rows with ``k`` proposals are verified against their ``k + 1`` target rows by
+:mod:`~services.engine.torch_backend.rejection_sampler` (greedy: longest
+matching prefix; sampled: speculative sampling, Leviathan et al. 2023,
+arXiv:2211.17192), which returns 1..k + 1 tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.torch_backend.rejection_sampler import verify_greedy, verify_sampled
+from services.engine.torch_backend.sampler import SamplingRow, probabilities, sample
+
+
+@dataclass(frozen=True, slots=True)
+class StepRow:
+    """One sampling sequence of a step: its sampling parameters and proposals
+    (its logits are ``1 + len(spec_token_ids)`` consecutive rows)."""
+
+    sampling: SamplingRow
+    spec_token_ids: tuple[int, ...] = ()
+
+
+def sample_step(logits: torch.Tensor, rows: Sequence[StepRow]) -> list[list[int]]:
+    """New tokens of every sampling sequence of a step.
+
+    Args:
+      logits: ``[sum of (1 + k_i), vocab]`` rows in ``rows`` order.
+      rows: the sampling sequences.
+
+    Returns:
+      per sequence: one sampled token (no proposals), or the accepted
+      proposals then the target's token (1..k_i + 1 ids).
+
+    Raises:
+      ValueError: the logits do not have one row per position to score.
+    """
+    expected = sum(1 + len(row.spec_token_ids) for row in rows)
+    if logits.shape[0] != expected:
+        raise ValueError(f"{logits.shape[0]} rows of logits for {expected} positions")
+    if not any(row.spec_token_ids for row in rows):
+        return [[token] for token in sample(logits, [r.sampling for r in rows]).tolist()]
+    out: list[list[int]] = [[] for _ in rows]
+    plain: list[int] = []
+    plain_rows: list[int] = []
+    argmax: list[int] | None = None
+    offset = 0
+    for index, row in enumerate(rows):
+        k = len(row.spec_token_ids)
+        if k == 0:
+            plain.append(index)
+            plain_rows.append(offset)
+        elif row.sampling.greedy:
+            if argmax is None:
+                argmax = logits.argmax(dim=-1).tolist()
+            out[index] = verify_greedy(argmax[offset:offset + k + 1], row.spec_token_ids)
+        else:
+            probs = probabilities(logits[offset:offset + k + 1], [row.sampling] * (k + 1))
+            out[index] = verify_sampled(probs, row.spec_token_ids, row.sampling.generator)
+        offset += k + 1
+    if plain:
+        tokens = sample(logits[plain_rows], [rows[i].sampling for i in plain]).tolist()
+        for index, token in zip(plain, tokens):
+            out[index] = [token]
+    return out
