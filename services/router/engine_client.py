@@ -47,6 +47,8 @@ from services.router.clients import (
 log = structlog.get_logger()
 
 _SERVICE = "engine"
+#: About the most bytes of starts the router puts in one Multiplex message.
+_MESSAGE_BYTES = 1 << 20
 
 
 class EngineStream:
@@ -183,11 +185,25 @@ class _Multiplex:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
-                message = engine_pb2.MultiplexRequest(starts=self._starts, cancels=self._cancels)
-                self._starts, self._cancels = [], []
-                await self._call.write(message)
+                while self._starts or self._cancels:
+                    await self._call.write(self._next_message())
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as err:
             self._fail_all(f"writing to it failed: {err}")
+
+    def _next_message(self) -> engine_pb2.MultiplexRequest:
+        """The pending cancels and as many pending starts as fit in about
+        :data:`_MESSAGE_BYTES` (at least one), so that a burst of long prompts
+        never becomes one huge message that holds up the call."""
+        size, count = 0, 0
+        for start in self._starts:
+            size += 64 + 5 * len(start.request.prompt_token_ids)
+            if count and size > _MESSAGE_BYTES:
+                break
+            count += 1
+        message = engine_pb2.MultiplexRequest(starts=self._starts[:count],
+                                              cancels=self._cancels)
+        self._starts, self._cancels = self._starts[count:], []
+        return message
 
     async def _read(self) -> None:
         why = "the engine ended the Multiplex call"
