@@ -70,7 +70,8 @@ class EngineConfig:
         ``_weight_int8pack_mm``, bf16 activations) or ``auto`` (native where the
         kernels build). See ``torch_backend/quant.py``.
       max_model_len: context window in tokens; None means the model's own.
-      max_num_waiting: most sequences queued before RESOURCE_EXHAUSTED.
+      max_num_waiting: most sequences queued beyond the free sequence slots before
+        RESOURCE_EXHAUSTED.
       max_num_seqs: most sequences in the running batch (both backends).
       max_num_batched_tokens: most tokens computed in one engine step, prefill
         chunks and decodes together (torch backend). It bounds how long a step

@@ -376,6 +376,20 @@ async def test_queue_limit_and_duplicate_ids(make_loop) -> None:
     loop.cancel("b")
 
 
+async def test_a_burst_into_an_idle_engine_fills_the_free_slots_and_the_queue(make_loop) -> None:
+    # Requests about to take free slots are not waiting: slots + queue are
+    # admitted at once, the next one is refused (issue 14).
+    loop = make_loop(max_num_waiting=2, max_num_seqs=4)
+    aio = asyncio.get_running_loop()
+    streams = [loop.submit(request(f"burst-{i}", max_tokens=3), aio) for i in range(6)]
+    with pytest.raises(QueueFullError, match="limit 2 beyond the free slots"):
+        loop.submit(request("burst-6"), aio)
+    ends = [(await collect(stream))[-1] for stream in streams]
+    assert [(d.finish_reason, d.num_generated_tokens) for d in ends] == [
+        (FinishReason.LENGTH, 3)] * 6
+    assert loop.check_integrity().used == 0
+
+
 async def test_failed_step_fails_its_requests_and_the_engine_lives(make_loop) -> None:
     loop = make_loop()
     aio = asyncio.get_running_loop()

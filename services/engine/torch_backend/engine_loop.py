@@ -131,7 +131,9 @@ class EngineLoop:
         Raises:
           EngineUnavailableError: not started or stopping.
           DuplicateRequestError: the id is in flight.
-          QueueFullError: ``max_num_waiting`` sequences are waiting.
+          QueueFullError: ``max_num_waiting`` sequences would still wait after
+            the free sequence slots (``max_num_seqs`` minus the running ones)
+            are taken.
         """
         row = SamplingRow.from_options(request.sampling, self._runner.device)
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
@@ -140,9 +142,14 @@ class EngineLoop:
                 raise EngineUnavailableError("the torch engine is not running")
             if self._scheduler.get(request.request_id) is not None:
                 raise DuplicateRequestError(f"request {request.request_id!r} is already running")
-            if self._scheduler.num_waiting >= self._max_num_waiting:
-                raise QueueFullError(f"{self._scheduler.num_waiting} requests are waiting "
-                                     f"(limit {self._max_num_waiting})")
+            waiting = self._scheduler.num_waiting
+            free_slots = max(self._scheduler.config.max_num_seqs - self._scheduler.num_running, 0)
+            # A request that takes a free slot at the next step never counts as
+            # waiting: a burst into an idle engine may fill the slots and the queue.
+            if waiting + 1 - free_slots > self._max_num_waiting:
+                raise QueueFullError(f"{waiting} requests are waiting for {free_slots} free "
+                                     f"sequence slots (limit {self._max_num_waiting} beyond "
+                                     "the free slots)")
             seq = Sequence(request, next(self._arrivals), row, queue, loop)
             if self._speculator is not None:
                 seq.spec_method, seq.num_spec_tokens = self._speculator.resolve(
