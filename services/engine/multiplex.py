@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -179,8 +180,13 @@ class MultiplexCall:
             return
         loop = asyncio.get_running_loop()
         entry = _Open(request, RequestRecord(len(request.prompt_token_ids)))
-        entry.task = loop.create_task(self._run(stream_id, entry))
-        entry.task.add_done_callback(functools.partial(self._ended, stream_id, entry))
+        # The request's id is bound in the task's own context, so its log line
+        # has it even when the task is cancelled before it first runs.
+        context = contextvars.copy_context()
+        context.run(bind_request_id, request.request_id)
+        entry.task = loop.create_task(self._run(stream_id, entry), context=context)
+        entry.task.add_done_callback(functools.partial(self._ended, stream_id, entry),
+                                     context=context)
         if start.timeout_ms:
             entry.timer = loop.call_later(start.timeout_ms / 1e3, self.cancel, stream_id,
                                           "deadline_exceeded")
@@ -190,20 +196,21 @@ class MultiplexCall:
     def cancel(self, stream_id: int, cause: str) -> None:
         """Finishes the request at once (``cause`` goes to its log line:
         ``cancel_message``, ``deadline_exceeded``, ``call_dropped``); its last
-        update follows (DEADLINE_EXCEEDED for a deadline). Unknown or finished
-        ids are ignored."""
+        update follows (CANCELLED, or DEADLINE_EXCEEDED for a deadline; none
+        for a dropped call). Unknown or finished ids are ignored.
+
+        It cancels the request's task, never the backend's request id: a start
+        refused as a duplicate id must not cancel the request that owns the id.
+        Closing the task's backend stream cancels the sequence if the backend
+        admitted it."""
         entry = self._open.get(stream_id)
         if entry is None or entry.record.cancelled_by:
             return
         entry.record.cancelled_by = cause
-        # In flight in the backend: its last delta (CANCELLED, with the counts)
-        # comes through the task. Not yet admitted (the task has not run): stop it.
-        if cause == "call_dropped" or not self._cancel_request(entry.request.request_id):
-            assert entry.task is not None
-            entry.task.cancel()
+        assert entry.task is not None
+        entry.task.cancel()
 
     async def _run(self, stream_id: int, entry: _Open) -> None:
-        bind_request_id(entry.request.request_id)
         record = entry.record
         deltas = self._run_request(entry.request, record,
                                    lambda: record.cancelled_by or "call_dropped")
@@ -211,18 +218,8 @@ class MultiplexCall:
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
                     self.outbox.add_delta(stream_id, delta)
-                    if delta.finished:
-                        self._after_last(stream_id, entry, delta)
         except RequestFailed as exc:
             self.outbox.add_status(stream_id, exc.code, exc.message)
-
-    def _after_last(self, stream_id: int, entry: _Open, delta: TokenDelta) -> None:
-        if (delta.finish_reason is FinishReason.CANCELLED
-                and entry.record.cancelled_by == "deadline_exceeded"):
-            self.outbox.add_status(
-                stream_id, grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"timeout_ms ({entry.timeout_ms} ms) passed after "
-                f"{delta.num_generated_tokens} generated tokens")
 
     def _ended(self, stream_id: int, entry: _Open, task: asyncio.Task[None]) -> None:
         if entry.timer is not None:
@@ -232,11 +229,13 @@ class MultiplexCall:
         if not task.cancelled():
             return
         record = entry.record
-        # Stopped before the backend admitted it: no delta will say how it ended.
+        # No last delta came through the task: say how it ended (its log line
+        # is written already unless the task never ran).
         record.finish(FinishReason.CANCELLED, record.cancelled_by)
         if record.cancelled_by == "deadline_exceeded":
             self.outbox.add_status(stream_id, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"timeout_ms ({entry.timeout_ms} ms) passed before it ran")
+                                   f"timeout_ms ({entry.timeout_ms} ms) passed after "
+                                   f"{record.num_generated_tokens} generated tokens")
         elif record.cancelled_by == "cancel_message":
             self.outbox.add_delta(stream_id, TokenDelta(
                 entry.request.request_id, (), FinishReason.CANCELLED,

@@ -187,8 +187,10 @@ class _Multiplex:
                 self._wake.clear()
                 while self._starts or self._cancels:
                     await self._call.write(self._next_message())
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as err:
-            self._fail_all(f"writing to it failed: {err}")
+        except grpc.aio.AioRpcError as err:
+            self._fail_all(f"writing to it failed: {err.code().name}: {err.details()}")
+        except (grpc.aio.UsageError, asyncio.InvalidStateError) as err:
+            self._fail_all(f"writing to it failed: {type(err).__name__}: {err}")
 
     def _next_message(self) -> engine_pb2.MultiplexRequest:
         """The pending cancels and as many pending starts as fit in about

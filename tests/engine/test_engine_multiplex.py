@@ -149,6 +149,36 @@ async def test_a_bad_request_fails_alone_with_its_status(engine_stub: Stub) -> N
     await wait_not_running(engine_stub)
 
 
+async def test_cancelling_a_refused_duplicate_never_cancels_the_request_owning_the_id(
+        engine_stub: Stub) -> None:
+    call = Call(engine_stub)
+    call.send(mux_start(1, "dup-owner", max_tokens=24, ignore_eos=True))
+    await call.read_one()
+    call.send(mux_start(2, "dup-owner", max_tokens=24, ignore_eos=True), cancels=(2,))
+    await call.until(1, 2)
+    assert call.last(2).status_code in (grpc.StatusCode.ALREADY_EXISTS.value[0], OK)
+    last = call.last(1)
+    assert (last.finish_reason, last.status_code) == (common_pb2.FINISH_REASON_LENGTH, OK)
+    assert len(call.ids(1)) == 24
+    call.drop()
+    await wait_not_running(engine_stub)
+
+
+async def test_a_start_cancelled_in_its_own_message_logs_its_request_id(
+        engine_stub: Stub) -> None:
+    with structlog.testing.capture_logs(
+            processors=[structlog.contextvars.merge_contextvars]) as logs:
+        call = Call(engine_stub)
+        call.send(mux_start(1, "born-cancelled", max_tokens=8), cancels=(1,))
+        await call.until(1)
+        await asyncio.sleep(0.05)
+    assert call.last(1).finish_reason == common_pb2.FINISH_REASON_CANCELLED
+    lines = [line for line in logs if line["event"] == "request_finished"
+             and line.get("request_id") == "born-cancelled"]
+    assert len(lines) == 1 and lines[0]["cancelled_by"] == "cancel_message"
+    call.drop()
+
+
 async def test_a_stream_id_reused_while_open_ends_the_call(engine_stub: Stub) -> None:
     call = Call(engine_stub)
     call.send(mux_start(1, "first", max_tokens=MAX_TOKENS_CAP, ignore_eos=True))

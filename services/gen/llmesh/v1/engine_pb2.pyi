@@ -152,8 +152,9 @@ class MultiplexStart(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     stream_id: _builtins.int
     """Chosen by the caller, unique among the call's open requests; every update
-    of the request carries it. A start that reuses an open one fails with
-    ALREADY_EXISTS.
+    of the request carries it. An id may be used again once its request's last
+    update has been received; a start that reuses an open one ends the whole
+    call with INVALID_ARGUMENT (its updates could not be told apart).
     """
     timeout_ms: _builtins.int
     """Milliseconds the request may take from its arrival at the engine; 0 means
