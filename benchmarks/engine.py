@@ -74,7 +74,7 @@ async def throughput(backend: TorchBackend, log: StepLog, streams: int, prompt_t
                      output_tokens: int, seed: int) -> dict[str, float]:
     options = SamplingOptions(max_tokens=output_tokens, ignore_eos=True)
     requests = [SequenceRequest(f"tp-{streams}-{seed}-{i}", prompt(prompt_tokens, seed * 1000 + i),
-                              options) for i in range(streams)]
+                                options) for i in range(streams)]
     log.steps.clear()
     began = time.perf_counter()
     results = await asyncio.gather(*(stream(backend, r) for r in requests))

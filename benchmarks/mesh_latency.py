@@ -69,7 +69,7 @@ class Run:
 
 async def run_in_process(backend: TorchBackend, prompt_ids: tuple[int, ...], n: int, i: int) -> Run:
     request = SequenceRequest(request_id=f"bench-{i}", prompt_token_ids=prompt_ids,
-                            sampling=SamplingOptions(max_tokens=n, ignore_eos=True))
+                              sampling=SamplingOptions(max_tokens=n, ignore_eos=True))
     start = time.perf_counter()
     stamps: list[float] = []
     tokens = 0

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import grpc
 
-from services.engine.types import SequenceRequest, LoadStats, ModelInfo, TokenDelta
+from services.engine.types import LoadStats, ModelInfo, SequenceRequest, TokenDelta
 
 
 class EngineError(Exception):

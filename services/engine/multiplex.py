@@ -123,19 +123,15 @@ class MultiplexCall:
       to_request: converts a start's protobuf ``EngineRequest`` to a
         :class:`SequenceRequest` (raises InvalidRequestError naming the field).
       run_request: ``EngineService.run_request``.
-      cancel_request: the backend's ``cancel(request_id)``; False when the
-        request is not (or no longer) in flight there.
       refusal: None while the engine admits requests, else why not (a start
         then ends with UNAVAILABLE and this message).
     """
 
     def __init__(self, *, to_request: Callable[[engine_pb2.EngineRequest], SequenceRequest],
-                 run_request: RunRequest, cancel_request: Callable[[str], bool],
-                 refusal: Callable[[], str | None]) -> None:
+                 run_request: RunRequest, refusal: Callable[[], str | None]) -> None:
         self.outbox = Outbox()
         self._to_request = to_request
         self._run_request = run_request
-        self._cancel_request = cancel_request
         self._refusal = refusal
         self._open: dict[int, _Open] = {}
         #: Why the caller broke the protocol (the call then ends with

@@ -47,7 +47,7 @@ from services.engine.config import EngineConfig
 from services.engine.metrics import EngineMetrics, default_metrics
 from services.engine.multiplex import MultiplexCall
 from services.engine.request_record import RequestFailed, RequestRecord
-from services.engine.types import SequenceRequest, ModelInfo, TokenDelta
+from services.engine.types import ModelInfo, SequenceRequest, TokenDelta
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 log = structlog.get_logger()
@@ -211,7 +211,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         are cancelled. A start that reuses an open stream_id ends the call with
         INVALID_ARGUMENT (and cancels its requests)."""
         call = MultiplexCall(to_request=self._request_from_start, run_request=self.run_request,
-                             cancel_request=self._backend.cancel, refusal=self._refusal)
+                             refusal=self._refusal)
         reader = asyncio.create_task(_read_multiplex(request_iterator, call))
         try:
             while (response := await call.outbox.take()) is not None:
@@ -259,7 +259,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             max_tokens_cap=cap, field_prefix="sampling")
         speculative = SpeculativeOptions.from_pb(pb.speculative)
         return SequenceRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                             priority=Priority.from_pb(pb.priority), speculative=speculative)
+                               priority=Priority.from_pb(pb.priority), speculative=speculative)
 
     def _request_from_start(self, pb: engine_pb2.EngineRequest) -> SequenceRequest:
         """A Multiplex start's request (its id is in the message: one call

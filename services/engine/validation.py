@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import grpc
 
 from services.common.sampling import InvalidRequestError
-from services.engine.types import SequenceRequest, ModelInfo
+from services.engine.types import ModelInfo, SequenceRequest
 
 PROMPT_FIELD = "prompt_token_ids"
 MAX_TOKENS_FIELD = "sampling.max_tokens"

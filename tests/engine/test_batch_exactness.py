@@ -96,7 +96,7 @@ async def solo(reference: TorchBackend) -> list[list[int]]:
 
 def request(request_id: str, index: int, prompt: tuple[int, ...] | None = None) -> SequenceRequest:
     return SequenceRequest(request_id, PROMPTS[index] if prompt is None else prompt,
-                         options(index))
+                           options(index))
 
 
 async def run(backend: TorchBackend, req: SequenceRequest) -> list[int]:
@@ -243,7 +243,8 @@ async def test_a_next_turn_quoting_the_answer_stays_exact(
         second = first + tuple(answer) + PROMPTS[2][:16]
         options_2 = SamplingOptions(max_tokens=8, ignore_eos=True)
         tokens, cached = await collect_last(backend, SequenceRequest("turn-2", second, options_2))
-        expected, _ = await collect_last(reference, SequenceRequest("turn-2-ref", second, options_2))
+        expected, _ = await collect_last(reference,
+                                         SequenceRequest("turn-2-ref", second, options_2))
         assert tokens == expected
         assert cached == 32  # blocks 0-1; block 2 holds answer tokens computed as generated
         await idle(backend)
@@ -320,7 +321,7 @@ async def test_requests_that_can_never_fit_are_refused(smollm2: LlamaModel) -> N
         for prompt, max_tokens, field, message in cases:
             with pytest.raises(InvalidRequestError, match=message) as caught:
                 await run(backend, SequenceRequest("never", prompt,
-                                                 SamplingOptions(max_tokens=max_tokens)))
+                                                   SamplingOptions(max_tokens=max_tokens)))
             assert (caught.value.code, caught.value.field) == (grpc.StatusCode.OUT_OF_RANGE,
                                                                field)
         assert backend.load().num_waiting == 0

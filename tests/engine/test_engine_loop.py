@@ -92,7 +92,7 @@ def make_loop(tiny_model: LlamaModel, recorder: Recorder) -> Iterator:
 def request(request_id: str, prompt: int = 4, max_tokens: int = 8,
             priority: Priority = Priority.INTERACTIVE, first: int = 2) -> SequenceRequest:
     return SequenceRequest(request_id, tuple(range(first, first + prompt)),
-                         SamplingOptions(max_tokens=max_tokens, ignore_eos=True), priority)
+                           SamplingOptions(max_tokens=max_tokens, ignore_eos=True), priority)
 
 
 async def deltas(queue: asyncio.Queue[TokenDelta]) -> AsyncIterator[TokenDelta]:

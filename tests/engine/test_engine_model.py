@@ -154,7 +154,7 @@ async def test_greedy_continuation_matches_transformers(
     backend = TorchBackend(replace(engine_config, quantization="none"), model=model)
     await backend.start()
     request = SequenceRequest("greedy-vs-hf", STORY,
-                            SamplingOptions(max_tokens=32, ignore_eos=True))
+                              SamplingOptions(max_tokens=32, ignore_eos=True))
     ours: list[int] = []
     try:
         async for delta in backend.generate(request):

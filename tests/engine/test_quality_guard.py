@@ -117,7 +117,7 @@ async def greedy_answers(model: LlamaModel, config: EngineConfig, quantization: 
     async def answer(index: int, prompt: list[int]) -> list[int]:
         tokens: list[int] = []
         request = SequenceRequest(f"guard-{quantization}-{index}", tuple(prompt),
-                                SamplingOptions(max_tokens=ANSWER_TOKENS))
+                                  SamplingOptions(max_tokens=ANSWER_TOKENS))
         async for delta in backend.generate(request):
             tokens.extend(delta.token_ids)
         return tokens

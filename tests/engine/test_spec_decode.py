@@ -87,7 +87,7 @@ async def generate(backend: TorchBackend, prompt: Sequence[int], options: Sampli
                    speculative: SpeculativeOptions = SpeculativeOptions()
                    ) -> tuple[list[int], TokenDelta]:
     request = SequenceRequest(f"spec-{next(_ids)}", tuple(prompt), options,
-                            speculative=speculative)
+                              speculative=speculative)
     tokens: list[int] = []
     last = None
     async for delta in backend.generate(request):
@@ -231,8 +231,8 @@ async def test_cancel_mid_speculation_frees_every_reserved_block(
     prompt = next(ids for kind, ids in spec_prompts if kind == "rewrite")
     for method in (NGRAM, DRAFT):
         request = SequenceRequest(f"cancel-{next(_ids)}", prompt,
-                                SamplingOptions(max_tokens=200, ignore_eos=True),
-                                speculative=method)
+                                  SamplingOptions(max_tokens=200, ignore_eos=True),
+                                  speculative=method)
         stream = spec_backend.generate(request)
         received = 0
         async for delta in stream:

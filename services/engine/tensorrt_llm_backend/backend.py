@@ -29,7 +29,7 @@ from typing import Any
 from services.common.sampling import FinishReason, SamplingOptions
 from services.engine.backend import DuplicateRequestError, EngineBackend, EngineUnavailableError
 from services.engine.config import EngineConfig
-from services.engine.types import SequenceRequest, LoadStats, ModelInfo, TokenDelta
+from services.engine.types import LoadStats, ModelInfo, SequenceRequest, TokenDelta
 from services.engine.validation import validate_request
 
 INSTALL_HINT = ("the tensorrt_llm backend needs TensorRT-LLM on a CUDA host: "
@@ -103,7 +103,7 @@ class TensorRTLLMBackend(EngineBackend):
 
     async def _warm_up(self) -> None:
         request = SequenceRequest("warm-up", (self.model_info.eos_token_ids[0],) * 4,
-                                SamplingOptions(max_tokens=2, ignore_eos=True))
+                                  SamplingOptions(max_tokens=2, ignore_eos=True))
         async for _ in self.generate(request):
             pass
 

@@ -57,7 +57,7 @@ from services.engine.torch_backend.speculative import (
     SpeculativeConfig,
     Speculator,
 )
-from services.engine.types import SequenceRequest, LoadStats, ModelInfo, TokenDelta
+from services.engine.types import LoadStats, ModelInfo, SequenceRequest, TokenDelta
 from services.engine.validation import validate_kv_capacity, validate_request
 
 log = structlog.get_logger()

@@ -63,7 +63,7 @@ from services.engine.torch_backend.scheduler import Scheduler, SchedulerOutput
 from services.engine.torch_backend.sequence import Sequence
 from services.engine.torch_backend.speculative import Speculator
 from services.engine.torch_backend.step_sampler import StepRow, sample_step
-from services.engine.types import SequenceRequest, LoadStats, StepStats, TokenDelta
+from services.engine.types import LoadStats, SequenceRequest, StepStats, TokenDelta
 
 log = structlog.get_logger()
 
