@@ -17,7 +17,8 @@ streamed messages) and e2e, and the mesh's overhead. Also prints the time
 With ``--concurrency N`` (N > 1) it measures throughput instead: the same
 ``--num-requests`` distinct chat prompts (``--max-tokens`` each, EOS ignored),
 N at a time, once in process and once through Envoy (gRPC streams from this
-process), alternating for ``--rounds`` rounds; it prints each path's aggregate
+process), alternating for ``--rounds`` rounds after an uncounted warm-up of
+each path at full batch; it prints each path's aggregate
 output tokens per second (all tokens / wall time from the first send to the
 last token), the mesh's ratio to in-process, and the median TTFT / TPOT.
 
@@ -151,8 +152,14 @@ async def throughput(backend: TorchBackend, tokenizer: Tokenizer, url: str, *,
     requests = [_chat_request(q, max_tokens) for q in questions]
     async with grpc.aio.insecure_channel(url) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
-        await _mesh_stream(stub, _chat_request(QUESTION, 4))  # warm both paths
-        await run_in_process(backend, prompts[0], 4, -1)
+        # Warm both paths at full batch first (allocations and kernel plans for a
+        # batch of ``concurrency``), uncounted.
+        await _bounded(concurrency, [functools.partial(
+            _mesh_stream, stub, _chat_request(f"Warm-up {i}: {QUESTION}", 8))
+            for i in range(concurrency)])
+        await _bounded(concurrency, [functools.partial(
+            run_in_process, backend, prompts[i % len(prompts)], 8, -1 - i)
+            for i in range(concurrency)])
         results: dict[str, list[tuple[float, list[Run]]]] = {"in-process": [], "mesh": []}
         for r in range(rounds):
             for name in (("in-process", "mesh") if r % 2 == 0 else ("mesh", "in-process")):
