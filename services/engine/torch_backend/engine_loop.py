@@ -2,7 +2,6 @@
 
 A step is ``schedule → run → sample → update → deliver``:
 
-0. the inbox's commands (submit, cancel) are taken in;
 1. :meth:`Scheduler.schedule` (under the loop's lock) picks every running
    sequence's next tokens and lets waiting ones join (in-flight batching,
    chunked prefill, prefix hits, preemption);
@@ -20,17 +19,12 @@ A step is ``schedule → run → sample → update → deliver``:
    step ends, in one ``loop.call_soon_threadsafe`` per event loop (one
    wake-up of the loop per step, not one per sequence).
 
-One owner: the worker thread is the only one that changes the scheduler, the
-request table and the KV cache. The asyncio side (``submit`` / ``cancel`` /
-``load``) never runs the model and never waits for a step: ``submit`` and
-``cancel`` are commands in an inbox (a deque), which the worker takes in, in
-arrival order, before it plans each step and before each layer of the forward
-in progress (``submit`` refuses a duplicate id or a full queue at once, from a
-lock-free read of the counts; ``load`` is a lock-free snapshot). So a cancel is
-applied before the next :meth:`Scheduler.schedule` (which drops cancelled
-sequences first: no chunk is ever planned for one). A waiting sequence
-cancelled leaves the queue when the cancel is taken in (within a layer); a
-running one leaves, and its blocks return to the pool, at the first of:
+The asyncio side (``submit`` / ``cancel`` / ``load``) never runs the model. A
+cancel takes the lock and flags the sequence, so it is always applied before
+the next :meth:`Scheduler.schedule` (which drops flagged sequences first: no
+chunk is ever planned for a sequence already cancelled). A waiting sequence
+cancelled leaves the queue at once; a running one leaves, and its blocks
+return to the pool, at the first of:
 
 * the next layer boundary of the forward in progress, when every sequence of
   that step is cancelled (the forward asks before each layer and is
@@ -43,21 +37,17 @@ prompt's chunk alone), and at most one step otherwise: a step computes at
 most ``max_num_batched_tokens`` tokens and a sequence at most
 ``max_chunk_tokens`` of them (``--max-num-batched-tokens``,
 ``--prefill-chunk-size``). Only the worker thread changes KV block state, so
-the runner reads block tables without the lock. The lock remains only between
-the worker and the admin calls (``check_integrity``, ``reset_prefix_cache``,
-``stop``).
+the runner reads block tables without the lock.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import structlog
 import torch
@@ -103,18 +93,8 @@ class EngineLoop:
         self._kv = scheduler.kv
         self._max_num_waiting = max_num_waiting
         self._step_observer = step_observer
-        # Guards the scheduler between the worker and the admin calls
-        # (check_integrity, reset_prefix_cache, stop); submit and cancel never
-        # take it: they are commands in the inbox, applied by the worker.
         self._lock = threading.Lock()
-        self._inbox: collections.deque[_Submit | _Cancel] = collections.deque()
-        #: Ids submitted and not yet taken in by the worker (added here, removed there).
-        self._pending: set[str] = set()
-        self._wakeup = threading.Event()
-        # Held only to append a submit and by stop()'s last look at the inbox,
-        # so that no submit lands after it: never during a step.
-        self._inbox_lock = threading.Lock()
-        self._closed = False
+        self._wakeup = threading.Condition(self._lock)
         self._arrivals = itertools.count()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -146,9 +126,7 @@ class EngineLoop:
 
     def submit(self, request: SequenceRequest,
                loop: asyncio.AbstractEventLoop) -> asyncio.Queue[TokenDelta]:
-        """Queues ``request`` (a command for the worker, which adds it to the
-        scheduler); returns the queue its deltas arrive on (owned by ``loop``).
-        Never blocks on the step.
+        """Queues ``request``; returns the queue its deltas arrive on (owned by ``loop``).
 
         Raises:
           EngineUnavailableError: not started or stopping.
@@ -157,47 +135,41 @@ class EngineLoop:
             the free sequence slots (``max_num_seqs`` minus the running ones)
             are taken.
         """
-        if self._thread is None or self._stopping:
-            raise EngineUnavailableError("the torch engine is not running")
-        request_id = request.request_id
-        if request_id in self._pending or self._scheduler.get(request_id) is not None:
-            raise DuplicateRequestError(f"request {request_id!r} is already running")
-        # Counts read without the lock: the worker only ever lowers ``waiting``
-        # (admitting), so the check is never looser than at this instant.
-        waiting = self._scheduler.num_waiting + len(self._pending)
-        free_slots = max(self._scheduler.config.max_num_seqs - self._scheduler.num_running, 0)
-        # A request that takes a free slot at the next step never counts as
-        # waiting: a burst into an idle engine may fill the slots and the queue.
-        if waiting + 1 - free_slots > self._max_num_waiting:
-            raise QueueFullError(f"{waiting} requests are waiting for {free_slots} free "
-                                 f"sequence slots (limit {self._max_num_waiting} beyond "
-                                 "the free slots)")
         row = SamplingRow.from_options(request.sampling, self._runner.device)
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
-        seq = Sequence(request, next(self._arrivals), row, queue, loop)
-        if self._speculator is not None:
-            seq.spec_method, seq.num_spec_tokens = self._speculator.resolve(request.speculative)
-        with self._inbox_lock:
-            if self._closed:
+        with self._lock:
+            if self._thread is None or self._stopping:
                 raise EngineUnavailableError("the torch engine is not running")
-            self._pending.add(request_id)
-            self._inbox.append(_Submit(seq))
-        self._wakeup.set()
+            if self._scheduler.get(request.request_id) is not None:
+                raise DuplicateRequestError(f"request {request.request_id!r} is already running")
+            waiting = self._scheduler.num_waiting
+            free_slots = max(self._scheduler.config.max_num_seqs - self._scheduler.num_running, 0)
+            # A request that takes a free slot at the next step never counts as
+            # waiting: a burst into an idle engine may fill the slots and the queue.
+            if waiting + 1 - free_slots > self._max_num_waiting:
+                raise QueueFullError(f"{waiting} requests are waiting for {free_slots} free "
+                                     f"sequence slots (limit {self._max_num_waiting} beyond "
+                                     "the free slots)")
+            seq = Sequence(request, next(self._arrivals), row, queue, loop)
+            if self._speculator is not None:
+                seq.spec_method, seq.num_spec_tokens = self._speculator.resolve(
+                    request.speculative)
+            self._scheduler.add(seq)
+            self._wakeup.notify()
         return queue
 
     def cancel(self, request_id: str) -> bool:
-        """Finishes ``request_id`` with CANCELLED: a command for the worker, which
-        applies it before the next step is planned or at the next layer of the
-        forward in progress; a waiting sequence then leaves at once, a running one
-        at that layer if the step computes only cancelled sequences, else at the
-        end of the step (see the module docstring). Never blocks on the step.
-        Returns False if it is not in flight."""
-        if request_id not in self._pending:
+        """Finishes ``request_id`` with CANCELLED: at once if waiting, else before
+        the next step is planned, at the next layer of a step that computes only
+        cancelled sequences, or at the end of the step in progress (see the module
+        docstring). Thread-safe. Returns False if it is not in flight."""
+        with self._lock:
             seq = self._scheduler.get(request_id)
             if seq is None or seq.cancelled:
                 return seq is not None
-        self._inbox.append(_Cancel(request_id))
-        self._wakeup.set()
+            if not self._scheduler.abort(seq):
+                return True
+        _deliver(seq, ())
         return True
 
     @property
@@ -206,10 +178,10 @@ class EngineLoop:
         return self._speculator
 
     def load(self) -> LoadStats:
-        """Running / waiting sequences (submitted ones not yet taken in count as
-        waiting) and the fraction of KV blocks in use. Lock-free snapshot."""
+        """Running / waiting sequences and the fraction of KV blocks in use.
+        Lock-free snapshot."""
         return LoadStats(num_running=self._scheduler.num_running,
-                         num_waiting=self._scheduler.num_waiting + len(self._pending),
+                         num_waiting=self._scheduler.num_waiting,
                          kv_cache_usage=self._kv.usage)
 
     def check_integrity(self) -> BlockCounts:
@@ -240,14 +212,12 @@ class EngineLoop:
     def stop(self) -> None:
         """Stops the worker after its current step (blocking: call it off the event
         loop), then finishes every sequence left with ERROR. Idempotent."""
-        self._stopping = True
-        self._wakeup.set()
+        with self._lock:
+            self._stopping = True
+            self._wakeup.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
-        with self._inbox_lock:
-            self._closed = True
         with self._lock:
-            self._take_commands()  # submitted but never taken in: they fail too
             left = self._scheduler.finish_all(FinishReason.ERROR)
         _deliver_all([(seq, (), "the engine shut down") for seq in left])
 
@@ -281,44 +251,14 @@ class EngineLoop:
         _deliver_all([(seq, (), error) for seq in left])
 
     def _schedule(self) -> tuple[float, SchedulerOutput] | None:
-        """The next step's plan, after the commands that came in (blocks while
-        idle); None once stopping."""
-        while True:
-            self._wakeup.clear()  # before looking: a command after this sets it again
-            with self._lock:
-                self._take_commands()
-                if self._stopping:
-                    return None
-                if self._scheduler.has_work():
-                    began = time.perf_counter()
-                    return began, self._scheduler.schedule()
-            self._wakeup.wait()
-
-    def _take_commands(self) -> None:
-        """Applies the inbox's commands in arrival order (worker thread, under the
-        lock): a submit joins the scheduler's waiting queue, a cancel aborts its
-        sequence (a waiting one finishes now and its last delta goes out)."""
-        ended: list[Sequence] = []
-        while self._inbox:
-            command = self._inbox.popleft()
-            if isinstance(command, _Submit):
-                self._scheduler.add(command.seq)
-                self._pending.discard(command.seq.request_id)
-                continue
-            seq = self._scheduler.get(command.request_id)
-            if seq is not None and not seq.cancelled and self._scheduler.abort(seq):
-                ended.append(seq)
-        if ended:
-            _deliver_all([(seq, (), "") for seq in ended])
-
-    def _should_stop(self, seqs: list[Sequence]) -> bool:
-        """Asked by the forward before each layer: takes in the commands that
-        came meanwhile (a cancel flags its sequence), then says whether every
-        sequence of the step is cancelled."""
-        if self._inbox:
-            with self._lock:
-                self._take_commands()
-        return _all_cancelled(seqs)
+        """The next step's plan (blocks while idle); None once stopping."""
+        with self._lock:
+            while not self._stopping and not self._scheduler.has_work():
+                self._wakeup.wait()
+            if self._stopping:
+                return None
+            began = time.perf_counter()
+            return began, self._scheduler.schedule()
 
     def _step(self, began: float, out: SchedulerOutput) -> None:
         kv = self._kv
@@ -332,7 +272,7 @@ class EngineLoop:
                                     s.num_logits, s.seq.num_prompt_tokens))
         try:
             logits = self._runner.run(inputs, functools.partial(
-                self._should_stop, [s.seq for s in out.scheduled]))
+                _all_cancelled, [s.seq for s in out.scheduled]))
             rows = [StepRow(s.seq.sampling, s.spec_token_ids)
                     for s in out.scheduled if s.samples]
             sampled = sample_step(logits, rows) if rows else []
@@ -413,18 +353,9 @@ def _step_stats(duration_s: float, out: SchedulerOutput,
                      drafts, draft_tokens, accepted, tuple(per_pos))
 
 
-@dataclass(frozen=True, slots=True)
-class _Submit:
-    """Inbox command: add ``seq`` to the scheduler."""
-
-    seq: Sequence
-
-
-@dataclass(frozen=True, slots=True)
-class _Cancel:
-    """Inbox command: cancel the sequence of ``request_id``."""
-
-    request_id: str
+def _deliver(seq: Sequence, token_ids: tuple[int, ...], error: str = "") -> None:
+    """Hands one delta to ``seq``'s event loop (see :func:`_deliver_all`)."""
+    _deliver_all([(seq, token_ids, error)])
 
 
 def _deliver_all(items: list[tuple[Sequence, tuple[int, ...], str]]) -> None:
