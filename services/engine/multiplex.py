@@ -138,11 +138,6 @@ class MultiplexCall:
         #: INVALID_ARGUMENT), or "".
         self.violation = ""
 
-    @property
-    def num_open(self) -> int:
-        """Requests of this call still running."""
-        return len(self._open)
-
     def handle(self, message: engine_pb2.MultiplexRequest) -> bool:
         """Starts and cancels what ``message`` asks, starts first. Mutates.
 

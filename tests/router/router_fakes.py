@@ -126,8 +126,7 @@ class EngineLog:
 
 
 class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
-    """Serves ``Multiplex`` (what the router uses) and ``Generate`` with the same
-    per-request behaviour (:meth:`respond`)."""
+    """Serves ``Multiplex``, what the router uses (each request: :meth:`respond`)."""
 
     def __init__(self, reply: str = "Paris is the capital of France.", *,
                  max_model_len: int = 256, model: str = "fake-model") -> None:
@@ -205,26 +204,6 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             reader.cancel()
             for task in list(tasks.values()):
                 task.cancel()
-
-    async def Generate(self, request_iterator, context):
-        self.log.metadata.append(dict(context.invocation_metadata() or ()))
-        self.log.deadlines.append(context.time_remaining())
-        if self.fail_code is not None:
-            await context.abort(self.fail_code, "fake engine refuses")
-        first = await request_iterator.__anext__()
-        cancelled = asyncio.Event()
-
-        async def watch() -> None:
-            async for message in request_iterator:
-                if message.WhichOneof("action") == "cancel":
-                    cancelled.set()
-
-        watcher = asyncio.create_task(watch())
-        try:
-            async for response in self.respond(first.start, cancelled):
-                yield response
-        finally:
-            watcher.cancel()
 
     async def respond(self, start: engine_pb2.EngineRequest, cancelled: asyncio.Event):
         """The messages of one request; ``cancelled`` set ends it with CANCELLED."""
