@@ -187,6 +187,24 @@ def ensure_port_free(what: str, host: str, port: int) -> None:
             raise PortInUseError(what, host, port) from error
 
 
+def engine_thread_env(env: Mapping[str, str], num_engines: int) -> dict[str, str]:
+    """``env`` for the engine children: with several engines on one machine,
+    each gets ``OMP_NUM_THREADS`` = its share of the CPUs this process may use
+    (at least 1), unless ``env`` sets it already.
+
+    Without it every engine's OpenMP kernels and torch start one thread per
+    CPU; two engines on two cores then spin against each other, and a decode
+    step measured 1.2 s instead of 12 ms (SmolLM2, 2 engines x 2 sequences on
+    a 2-vCPU VM: 96 tokens in 65 s vs 1.4 s).
+    """
+    out = dict(env)
+    if num_engines > 1 and "OMP_NUM_THREADS" not in out:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+        out["OMP_NUM_THREADS"] = str(max(1, cpus // num_engines))
+    return out
+
+
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment for service children: this one, plus the repo and the
     generated stubs on PYTHONPATH, unbuffered output, and ``extra``."""
@@ -551,8 +569,9 @@ class Mesh:
             return time.monotonic() - started
 
         backends = self._backend_processes()
+        engine_env = engine_thread_env(env, self.num_engines)
         for service in backends:
-            service.spawn(env, REPO_ROOT)
+            service.spawn(engine_env if service.name.startswith("engine-") else env, REPO_ROOT)
         names = tuple(s.name for s in backends)
         report(MeshProgress("spawned", elapsed(), names,
                             f"started {', '.join(names)}; logs in {self.run_dir}"))

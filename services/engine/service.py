@@ -324,7 +324,8 @@ def to_model_info_response(info: ModelInfo) -> engine_pb2.GetModelInfoResponse:
     """The protobuf form of ``info``."""
     return engine_pb2.GetModelInfoResponse(
         model=info.model, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-        eos_token_ids=list(info.eos_token_ids), backend=info.backend)
+        eos_token_ids=list(info.eos_token_ids), backend=info.backend,
+        max_num_seqs=info.max_num_seqs, kv_capacity_tokens=info.kv_capacity_tokens)
 
 
 def _timings(timings: object) -> dict[str, float]:

@@ -90,6 +90,10 @@ class ModelInfo:
       vocab_size: number of token ids; valid ids are ``[0, vocab_size)``.
       eos_token_ids: ids that end a sequence unless ``ignore_eos`` is set.
       backend: backend name, ``"torch"`` or ``"tensorrt_llm"``.
+      max_num_seqs: most sequences in the running batch; 0 when not known.
+      kv_capacity_tokens: tokens the KV cache holds (blocks x block size); 0
+        when not known. The router sizes its per-replica concurrency cap from
+        these two.
     """
 
     model: str
@@ -97,6 +101,8 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     backend: str
+    max_num_seqs: int = 0
+    kv_capacity_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

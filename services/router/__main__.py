@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import Sequence
 
 from services.common.server import add_server_arguments, run_service, server_config_from_args
+from services.router.admission import AdmissionConfig
 from services.router.service import RouterConfig, RouterService
 
 
@@ -42,6 +43,29 @@ def build_parser() -> argparse.ArgumentParser:
                         help="GenerateStream session idle limit: seconds with no generation "
                              "running and no client message before the router ends the stream "
                              "with DEADLINE_EXCEEDED; 0: no limit (default 300)")
+    adm = parser.add_argument_group(
+        "admission control", "the router's queue per model and traffic class (interactive, "
+        "batch), the concurrency cap per replica, and fair dispatch between tenants "
+        "(x-tenant-id); see services/router/admission.py")
+    adm.add_argument("--no-admission", dest="admission", action="store_false",
+                     help="no router queue and no refusals: every request goes to an engine "
+                          "at once (its own waiting limit applies)")
+    adm.add_argument("--max-queued-requests", type=int, default=256, metavar="N",
+                     help="most requests queued per model and class (default 256)")
+    adm.add_argument("--max-queued-prompt-tokens", type=int, default=1_048_576, metavar="N",
+                     help="most prompt tokens queued per model and class (default 1048576)")
+    adm.add_argument("--max-running-per-replica", type=int, default=0, metavar="N",
+                     help="requests kept running on one replica; 0: the replica's "
+                          "max_num_seqs (default 0)")
+    adm.add_argument("--kv-overcommit", type=float, default=1.0, metavar="X",
+                     help="running requests may reserve X times the replicas' KV capacity "
+                          "(prompt + max_tokens each); 0: no KV check (default 1.0)")
+    adm.add_argument("--batch-window-ms", type=float, default=10.0, metavar="MS",
+                     help="a batch-class request waits up to this long to be dispatched with "
+                          "others (default 10)")
+    adm.add_argument("--max-queue-wait", type=float, default=30.0, metavar="SECONDS",
+                     help="aging bound: a request queued this long goes next, ahead of class "
+                          "and tenant order (default 30)")
     add_server_arguments(parser)
     return parser
 
@@ -54,7 +78,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             tokenizer=args.tokenizer, engines=tuple(args.engine), cache=args.cache,
             default_max_tokens=args.default_max_tokens, max_tokens_cap=args.max_tokens_cap,
             log_content=args.log_content, startup_timeout=args.startup_timeout,
-            cache_timeout=args.cache_timeout, stream_idle_timeout=args.stream_idle_timeout)
+            cache_timeout=args.cache_timeout, stream_idle_timeout=args.stream_idle_timeout,
+            admission=AdmissionConfig(
+                enabled=args.admission, max_queued_requests=args.max_queued_requests,
+                max_queued_prompt_tokens=args.max_queued_prompt_tokens,
+                max_running_per_replica=args.max_running_per_replica,
+                kv_overcommit=args.kv_overcommit, batch_window_s=args.batch_window_ms / 1e3,
+                max_queue_wait_s=args.max_queue_wait))
     except ValueError as err:
         parser.error(str(err))
     asyncio.run(run_service(server_config_from_args("router", args), RouterService(config)))

@@ -95,13 +95,16 @@ class Usage:
 
 @dataclass(frozen=True)
 class ReplicaInfo:
-    """What an engine replica serves (``GetModelInfo``); lengths in tokens."""
+    """What an engine replica serves (``GetModelInfo``); lengths in tokens;
+    ``max_num_seqs`` and ``kv_capacity_tokens`` are 0 when the engine does not say."""
 
     model: str
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     backend: str
+    max_num_seqs: int = 0
+    kv_capacity_tokens: int = 0
 
 
 @dataclass(frozen=True)

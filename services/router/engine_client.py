@@ -281,7 +281,8 @@ class EngineClient:
         except grpc.aio.AioRpcError as err:
             raise upstream_error(self.service, self.target, err) from err
         return ReplicaInfo(reply.model, reply.max_model_len, reply.vocab_size,
-                         tuple(reply.eos_token_ids), reply.backend)
+                           tuple(reply.eos_token_ids), reply.backend,
+                           reply.max_num_seqs, reply.kv_capacity_tokens)
 
     async def load(self, *, timeout: float | None = 1.0) -> EngineLoad:
         """``GetLoad``. Raises :class:`UpstreamError`."""

@@ -12,15 +12,18 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
    (see :mod:`services.router.validation`);
 3. response cache (deterministic requests only: greedy or seeded, and not
    ``bypass_cache``): a hit is replayed at once as one delta;
-4. a miss goes to the engine replica with the fewest streams open from this
-   router; UNAVAILABLE or RESOURCE_EXHAUSTED before the first token moves
-   on to the next replica;
-5. token ids are detokenized in process (:class:`IncrementalDetokenizer` on
+4. admission (:mod:`services.router.admission`): a running slot at once, a
+   wait in the model's queue (class, tenant-fair order), or RESOURCE_EXHAUSTED
+   at once with ``retry-after-ms``;
+5. the admitted request goes to the engine replica with the fewest streams
+   open from this router; UNAVAILABLE or RESOURCE_EXHAUSTED before the first
+   token moves on to the next replica;
+6. token ids are detokenized in process (:class:`IncrementalDetokenizer` on
    the tokenizer service's own definition, fetched once at start with
    ``GetTokenizer``: no round trip per token) and pass the
    :class:`StopStringMatcher`; a stop-string match cancels the engine
    sequence at once and ends with FINISH_REASON_STOP + ``matched_stop``;
-6. a cacheable request that finished normally (STOP or LENGTH) is stored in
+7. a cacheable request that finished normally (STOP or LENGTH) is stored in
    the cache in the background, never delaying the final event.
 
 Cancellation: when the consumer stops iterating (``aclose``) or its task is
@@ -48,6 +51,7 @@ import structlog
 
 from services.common.detokenizer import IncrementalDetokenizer, TokenizersDecoder
 from services.common.sampling import FinishReason, InvalidRequestError, SamplingOptions
+from services.router.admission import AdmissionController, AdmissionRefused, Job, Ticket
 from services.router.clients import (
     CacheClient,
     CacheKey,
@@ -102,13 +106,31 @@ class Finished:
 Event = Delta | Finished
 
 
-class GenerationError(Exception):
-    """The request failed upstream; ``code`` is the status for the client."""
+#: Trailing metadata of an admission refusal: the hint in milliseconds, and
+#: in whole seconds (rounded up) for HTTP clients: Envoy's JSON edge passes it
+#: on as the ``Retry-After`` header of the 429.
+RETRY_AFTER_MS_METADATA_KEY = "retry-after-ms"
+RETRY_AFTER_METADATA_KEY = "retry-after"
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+
+class GenerationError(Exception):
+    """The request failed upstream; ``code`` is the status for the client,
+    ``trailing_metadata`` extra pairs for the call's trailers (the retry hint)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str,
+                 trailing_metadata: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.trailing_metadata = trailing_metadata
+
+    @classmethod
+    def refused(cls, err: AdmissionRefused) -> GenerationError:
+        """The status of an admission refusal, with the retry hint."""
+        ms = err.retry_after_ms
+        return cls(err.code, err.message, (
+            (RETRY_AFTER_MS_METADATA_KEY, str(ms)),
+            (RETRY_AFTER_METADATA_KEY, str(max(1, -(-ms // 1000))))))
 
 
 @dataclass
@@ -186,6 +208,7 @@ class GenerationPipeline:
         self, *, tokenizer: TokenizerClient, decoder: TokenizersDecoder,
         engines: Sequence[EngineClient], cache: CacheClient | None,
         models: Mapping[str, ModelLimits], metrics: RouterMetrics, log_content: bool = False,
+        admission: Mapping[str, AdmissionController] | None = None,
     ) -> None:
         """Args:
           tokenizer: the tokenizer client (prompt ids).
@@ -196,6 +219,8 @@ class GenerationPipeline:
           models: served models by id.
           metrics: where to record the router's metrics.
           log_content: log prompt and output text (off by default: private data).
+          admission: the admission controller of each model (None or a model
+            missing: requests go to an engine at once).
         """
         if not engines:
             raise ValueError("at least one engine replica is needed")
@@ -206,6 +231,7 @@ class GenerationPipeline:
         self.models = dict(models)
         self.metrics = metrics
         self.log_content = log_content
+        self.admission = dict(admission or {})
         self._next_replica = 0
         self._background: set[asyncio.Task[object]] = set()
         # Stores still in flight, by key: a lookup of the same key waits for its
@@ -387,6 +413,7 @@ class GenerationPipeline:
                     raise
                 log.warning("engine_unavailable", engine=engine.target, code=err.code.name,
                             details=err.details)
+                self.metrics.engine_retries.labels(request.model, err.code.name.lower()).inc()
                 failures.append(err)
             finally:
                 if not ok:
@@ -404,8 +431,14 @@ class GenerationPipeline:
         sampling: SamplingOptions, key: CacheKey | None, deadline: float | None,
         progress: Progress, timing: _Timing, info: dict[str, object],
     ) -> AsyncIterator[Event]:
-        engine, stream, delta = await self._open_engine(
-            request, prompt_ids, sampling, deadline, timing)
+        ticket = await self._admit(request, len(prompt_ids), sampling.max_tokens, deadline)
+        try:
+            engine, stream, delta = await self._open_engine(
+                request, prompt_ids, sampling, deadline, timing)
+        except BaseException:
+            if ticket is not None:
+                ticket.release()
+            raise
         info.update(engine=engine.target)
         matcher = StopStringMatcher(sampling.stop)
         detok = IncrementalDetokenizer(self.decoder, skip_special_tokens=True)
@@ -445,7 +478,9 @@ class GenerationPipeline:
                     out_ids.extend(ids)
                 if safe or ids:
                     if ids:
-                        self._token_time(timing)
+                        now = self._token_time(timing)
+                        if ticket is not None:
+                            ticket.on_tokens(len(ids), now)
                     yield Delta(safe, ids)
                 if finished is not None:
                     if keep_output:
@@ -461,6 +496,33 @@ class GenerationPipeline:
         finally:
             engine.in_flight -= 1
             stream.close()
+            if ticket is not None:
+                ticket.release()
+
+    async def _admit(self, request: GenerationRequest, prompt_tokens: int, max_tokens: int,
+                     deadline: float | None) -> Ticket | None:
+        """A running slot from the model's admission controller (None: it has none).
+
+        Raises:
+          GenerationError: RESOURCE_EXHAUSTED (refused at once, with the retry
+            hint in its trailing metadata) or DEADLINE_EXCEEDED (the deadline
+            passed in the queue).
+        """
+        controller = self.admission.get(request.model)
+        if controller is None:
+            return None
+        job = Job(request.request_id, request.priority, request.tenant, prompt_tokens,
+                  max_tokens)
+        waited_from = time.monotonic()
+        try:
+            return await controller.admit(job, deadline=deadline)
+        except AdmissionRefused as err:
+            raise GenerationError.refused(err) from None
+        except TimeoutError:
+            raise GenerationError(grpc.StatusCode.DEADLINE_EXCEEDED, (
+                f"the call's deadline passed after {time.monotonic() - waited_from:.3f} s in "
+                f"the router's {request.priority.name.lower()} queue (before the first "
+                "token); allow a longer deadline or retry when the mesh is less busy")) from None
 
     def _detokenize(self, detok: IncrementalDetokenizer, ids: Sequence[int],
                     engine: EngineClient, *, last: bool,
@@ -497,8 +559,9 @@ class GenerationPipeline:
 
     # ------------------------------------------------------------ helpers
 
-    def _token_time(self, timing: _Timing) -> None:
-        """Notes that tokens leave now: the first observes TTFT, the others ITL."""
+    def _token_time(self, timing: _Timing) -> float:
+        """Notes that tokens leave now: the first observes TTFT, the others ITL;
+        returns now (``time.monotonic()``)."""
         now = time.monotonic()
         if timing.last_token_at is None:
             timing.first_token_at = now
@@ -508,6 +571,7 @@ class GenerationPipeline:
             self.metrics.inter_token_latency.labels(timing.model).observe(
                 now - timing.last_token_at)
         timing.last_token_at = now
+        return now
 
     def _store(self, key: CacheKey, response: CachedResponse, request_id: str) -> None:
         assert self.cache is not None

@@ -39,6 +39,20 @@ a ``GenerateStream``), and observed at the moment they happen:
 * ``llmesh:router_requests_in_flight``: requests between receipt and their
   final message.
 
+* admission (:mod:`services.router.admission`), per ``priority`` (traffic class):
+  ``llmesh:router_queue_depth`` and ``llmesh:router_queued_prompt_tokens``
+  (gauges: requests and prompt tokens in the router's queue),
+  ``llmesh:router_running_requests`` (admitted and not yet ended),
+  ``llmesh:router_admission_wait_seconds{priority, tenant}`` (time in the
+  router's queue, per dispatched request; ``tenant`` is the ``x-tenant-id``,
+  ``""`` without one, and ``other`` past the first 64 tenants so that callers
+  cannot grow the series without bound),
+  ``llmesh:router_admission_rejected_total{priority, reason}`` (``queue_full``,
+  ``queued_tokens``, ``deadline``), ``llmesh:router_retry_after_seconds`` (the
+  hints given), ``llmesh:router_admission_limit{limit}`` (the configured
+  limits), ``llmesh:router_engine_retries_total{code}`` (a request moved to
+  another replica before its first token, by the status that moved it).
+
 Every metric carries ``model_name`` (a served model id: never a value the
 client made up). Nothing is observed per token inside the decode loop beyond
 one histogram observation per message.
@@ -48,6 +62,9 @@ from __future__ import annotations
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.common.sampling import Priority
+from services.router.admission import AdmissionObserver
 
 # Bucket bounds in seconds; the low end resolves single milliseconds.
 TTFT_BUCKETS = (
@@ -121,6 +138,41 @@ class RouterMetrics:
             "llmesh:router_requests_in_flight",
             "Requests received and not yet ended.", ["model_name"], registry=reg)
 
+        self.queue_depth = Gauge(
+            "llmesh:router_queue_depth", "Requests waiting in the router's admission queue.",
+            ["model_name", "priority"], registry=reg)
+        self.queued_prompt_tokens = Gauge(
+            "llmesh:router_queued_prompt_tokens",
+            "Prompt tokens of the requests waiting in the router's admission queue.",
+            ["model_name", "priority"], registry=reg)
+        self.running_requests = Gauge(
+            "llmesh:router_running_requests",
+            "Requests admitted by the router and not yet ended.", ["model_name"], registry=reg)
+        self.admission_wait = Histogram(
+            "llmesh:router_admission_wait_seconds",
+            "Time a dispatched request waited in the router's admission queue (seconds).",
+            ["model_name", "priority", "tenant"], buckets=QUEUE_BUCKETS, registry=reg)
+        self.admission_rejected = Counter(
+            "llmesh:router_admission_rejected",
+            "Requests refused by the router's admission control, by reason.",
+            ["model_name", "priority", "reason"], registry=reg)
+        self.retry_after = Histogram(
+            "llmesh:router_retry_after_seconds",
+            "The retry-after hints given with admission refusals (seconds).",
+            ["model_name", "priority"], buckets=QUEUE_BUCKETS, registry=reg)
+        self.admission_limit = Gauge(
+            "llmesh:router_admission_limit",
+            "The router's admission limits (requests, tokens or seconds, by `limit`).",
+            ["model_name", "limit"], registry=reg)
+        self.engine_retries = Counter(
+            "llmesh:router_engine_retries",
+            "Requests moved to another engine replica before their first token.",
+            ["model_name", "code"], registry=reg)
+
+    def admission_observer(self, model: str) -> AdmissionMetrics:
+        """The admission controller's observer for ``model``."""
+        return AdmissionMetrics(self, model)
+
     def observe_first_token(self, *, model: str, ttft_seconds: float) -> None:
         """Records the first token of a request leaving the router."""
         self.time_to_first_token.labels(model).observe(ttft_seconds)
@@ -145,3 +197,43 @@ class RouterMetrics:
         """Counts a request refused before it reached the pipeline (validation,
         starting, draining, a protocol error on a stream)."""
         self.requests.labels(model, outcome, priority).inc()
+
+
+#: Distinct tenant label values per model before the rest report as ``other``.
+MAX_TENANT_LABELS = 64
+
+
+class AdmissionMetrics(AdmissionObserver):
+    """The admission controller's metrics for one model (see the module doc)."""
+
+    def __init__(self, metrics: RouterMetrics, model: str) -> None:
+        self._m = metrics
+        self._model = model
+        self._tenants: set[str] = set()
+
+    def queue_changed(self, priority: Priority, depth: int, tokens: int) -> None:
+        name = priority.name.lower()
+        self._m.queue_depth.labels(self._model, name).set(depth)
+        self._m.queued_prompt_tokens.labels(self._model, name).set(tokens)
+
+    def running_changed(self, running: int) -> None:
+        self._m.running_requests.labels(self._model).set(running)
+
+    def refused(self, priority: Priority, reason: str, retry_after_s: float) -> None:
+        name = priority.name.lower()
+        self._m.admission_rejected.labels(self._model, name, reason).inc()
+        self._m.retry_after.labels(self._model, name).observe(retry_after_s)
+
+    def dispatched(self, priority: Priority, tenant: str, waited_s: float) -> None:
+        if tenant not in self._tenants:
+            if len(self._tenants) < MAX_TENANT_LABELS:
+                self._tenants.add(tenant)
+            else:
+                tenant = "other"
+        self._m.admission_wait.labels(self._model, priority.name.lower(), tenant).observe(
+            waited_s)
+
+    def limits(self, limits: dict[str, float]) -> None:
+        """Publishes the configured limits (``limit`` label: their names)."""
+        for name, value in limits.items():
+            self._m.admission_limit.labels(self._model, name).set(value)

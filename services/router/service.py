@@ -12,7 +12,11 @@ binds the request id to logs and maps errors to gRPC statuses:
 * FAILED_PRECONDITION: ``GenerateStream`` got a second ``start`` while a
   generation still runs on the stream (the stream ends; send ``cancel`` and
   wait for the final message, or wait for it, before the next ``start``).
-* RESOURCE_EXHAUSTED: every engine replica refused for lack of capacity.
+* RESOURCE_EXHAUSTED: admission control refused at once (the class's queue
+  is full, or the deadline cannot be met given the predicted wait; see
+  :mod:`services.router.admission`), with trailing metadata
+  ``retry-after-ms`` (and ``retry-after`` in seconds, for HTTP); or every
+  engine replica refused for lack of capacity.
 * UNAVAILABLE: no engine replica (or the tokenizer) is reachable, the router is
   still starting, or it is draining.
 * DEADLINE_EXCEEDED: the call's deadline passed (every hop gets the time left),
@@ -44,6 +48,11 @@ from llmesh.v1 import generation_pb2, generation_pb2_grpc
 from services.common.grpc_util import metadata_value, request_id_from
 from services.common.logging import REQUEST_ID_METADATA_KEY, bind_request_id
 from services.common.sampling import FinishReason, InvalidRequestError, Priority
+from services.router.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    ReplicaCapacity,
+)
 from services.router.clients import CacheClient, ReplicaInfo, TokenizerClient, TokenizerInfo
 from services.router.engine_client import EngineClient
 from services.router.generation import (
@@ -61,6 +70,7 @@ from services.router.validation import (
     ModelLimits,
     reject_unknown_fields,
     validate_request,
+    TENANT_METADATA_KEY,
     validate_request_id,
 )
 
@@ -89,6 +99,7 @@ class RouterConfig:
         (before the first ``start``, or between turns); then the router ends
         it with DEADLINE_EXCEEDED. 0 disables the limit. A running
         generation never counts as idle, however long it waits in a queue.
+      admission: the admission limits (:mod:`services.router.admission`).
     """
 
     tokenizer: str
@@ -100,6 +111,7 @@ class RouterConfig:
     startup_timeout: float = 600.0
     cache_timeout: float = 0.5
     stream_idle_timeout: float = 300.0
+    admission: AdmissionConfig = AdmissionConfig()
 
     def __post_init__(self) -> None:
         if self.stream_idle_timeout < 0:
@@ -116,12 +128,15 @@ class RouterConfig:
 
 
 class _Abort(Exception):
-    """Ends the call with ``code`` and ``message`` (raised inside handlers)."""
+    """Ends the call with ``code``, ``message`` and extra trailing metadata
+    (raised inside handlers)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str,
+                 trailing_metadata: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.trailing_metadata = trailing_metadata
 
 
 @dataclass
@@ -170,7 +185,7 @@ def _as_abort(err: BaseException, request_id: str) -> _Abort:
     if isinstance(err, InvalidRequestError):
         return _Abort(err.code, str(err))
     if isinstance(err, GenerationError):
-        return _Abort(err.code, err.message)
+        return _Abort(err.code, err.message, err.trailing_metadata)
     log.error("internal_error", exc_info=err)
     return _Abort(grpc.StatusCode.INTERNAL,
                   f"internal error in the router (request_id={request_id}); see its logs")
@@ -195,6 +210,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         self._engines: list[EngineClient] = []
         self._cache: CacheClient | None = None
         self._draining = False
+        self.admission: dict[str, AdmissionController] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -228,12 +244,13 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                 cache_ready.cancel()
             raise
         self._set_models(infos, tok_info)
+        self._set_admission(infos)
         if cache_ready is not None:
             await self._await_cache(cache_ready)
         self._pipeline = GenerationPipeline(
             tokenizer=self._tokenizer, decoder=decoder, engines=self._engines,
-            cache=self._cache,
-            models=self.models, metrics=self.metrics, log_content=cfg.log_content)
+            cache=self._cache, models=self.models, metrics=self.metrics,
+            log_content=cfg.log_content, admission=self.admission)
         limits = self.models[self.default_model]
         log.info("router_ready", model=limits.model, max_model_len=limits.max_model_len,
                  engines=list(cfg.engines), tokenizer=cfg.tokenizer, cache=cfg.cache,
@@ -259,6 +276,28 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             default_max_tokens=min(self.config.default_max_tokens, cap), max_tokens_cap=cap,
             eos_token_ids=tuple(sorted({*infos[0].eos_token_ids, *tok.eos_token_ids})))}
         self.default_model = model
+
+    def _set_admission(self, infos: list[ReplicaInfo]) -> None:
+        """One admission controller per model, sized from the replicas' capacity."""
+        cfg = self.config.admission
+        replicas = [ReplicaCapacity(i.max_num_seqs, i.kv_capacity_tokens) for i in infos]
+        for model in self.models:
+            observer = self.metrics.admission_observer(model)
+            controller = AdmissionController(cfg, model, replicas, observer=observer)
+            self.admission[model] = controller
+            observer.limits({
+                "enabled": float(cfg.enabled),
+                "max_queued_requests": cfg.max_queued_requests,
+                "max_queued_prompt_tokens": cfg.max_queued_prompt_tokens,
+                "max_running_requests": controller.max_running,
+                "kv_limit_tokens": controller.kv_limit,
+                "batch_window_seconds": cfg.batch_window_s,
+                "max_queue_wait_seconds": cfg.max_queue_wait_s,
+            })
+            log.info("admission_limits", model=model, enabled=cfg.enabled,
+                     max_running=controller.max_running, kv_limit_tokens=controller.kv_limit,
+                     max_queued_requests=cfg.max_queued_requests,
+                     max_queued_prompt_tokens=cfg.max_queued_prompt_tokens)
 
     async def _await_cache(self, ready: asyncio.Task[None]) -> None:
         assert self._cache is not None
@@ -298,7 +337,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                   context: grpc.aio.ServicerContext) -> GenerationRequest:
         return validate_request(
             pb, request_id=request_id, models=self.models, default_model=self.default_model,
-            header_request_id=metadata_value(context, REQUEST_ID_METADATA_KEY))
+            header_request_id=metadata_value(context, REQUEST_ID_METADATA_KEY),
+            header_tenant=metadata_value(context, TENANT_METADATA_KEY))
 
     def _count_refused(self, pb: generation_pb2.GenerateRequest, code: grpc.StatusCode) -> None:
         """Counts a request refused before the pipeline ran it (it counts the rest)."""
@@ -319,8 +359,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
     async def _abort(context: grpc.aio.ServicerContext, err: _Abort, request_id: str) -> None:
         if err.code != grpc.StatusCode.CANCELLED:
             log.info("request_refused", code=err.code.name, message=err.message)
-        await context.abort(err.code, err.message,
-                            trailing_metadata=((REQUEST_ID_METADATA_KEY, request_id),))
+        await context.abort(err.code, err.message, trailing_metadata=(
+            (REQUEST_ID_METADATA_KEY, request_id), *err.trailing_metadata))
 
     # ------------------------------------------------------------------ RPCs
 
@@ -467,9 +507,22 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             await context.abort(err.code, str(err))
         return generation_pb2.ListModelsResponse(models=[
             generation_pb2.ModelCard(id=m.model, max_model_len=m.max_model_len,
-                                     max_tokens_cap=m.max_tokens_cap, chat=m.has_chat_template)
+                                     max_tokens_cap=m.max_tokens_cap, chat=m.has_chat_template,
+                                     admission=self._admission_limits(m.model))
             for m in self.models.values()
         ])
+
+    def _admission_limits(self, model: str) -> generation_pb2.AdmissionLimits | None:
+        controller = self.admission.get(model)
+        if controller is None:
+            return None
+        cfg = controller.config
+        return generation_pb2.AdmissionLimits(
+            enabled=cfg.enabled, max_queued_requests=cfg.max_queued_requests,
+            max_queued_prompt_tokens=cfg.max_queued_prompt_tokens,
+            max_running_requests=controller.max_running,
+            batch_window_ms=round(cfg.batch_window_s * 1e3),
+            max_queue_wait_ms=round(cfg.max_queue_wait_s * 1e3))
 
     # ------------------------------------------------------ stream helpers
 

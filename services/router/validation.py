@@ -109,7 +109,8 @@ class GenerationRequest:
     through (it changes speed, not greedy or seeded output, so it is not part
     of the response-cache key). ``allow_special_tokens``: special-token text in
     chat contents becomes control tokens (``Chat.allow_special_tokens``); it
-    changes the prompt ids, which the cache key holds.
+    changes the prompt ids, which the cache key holds. ``tenant``: the
+    ``x-tenant-id`` metadata ("" without one), for admission fairness.
     """
 
     request_id: str
@@ -121,6 +122,7 @@ class GenerationRequest:
     bypass_cache: bool = False
     speculative: SpeculativeOptions = SpeculativeOptions()
     allow_special_tokens: bool = False
+    tenant: str = ""
 
     @property
     def is_chat(self) -> bool:
@@ -130,6 +132,10 @@ class GenerationRequest:
     def input_field(self) -> str:
         """Field name to blame for the prompt's length (``prompt`` or ``chat.messages``)."""
         return "chat.messages" if self.is_chat else "prompt"
+
+
+#: Metadata naming the tenant whose fair share a request draws on (admission).
+TENANT_METADATA_KEY = "x-tenant-id"
 
 
 def validate_request_id(request_id: str, field: str = "request_id") -> None:
@@ -269,7 +275,7 @@ def _validate_stops(sampling: common_pb2.SamplingParams) -> None:
 def validate_request(
     pb: generation_pb2.GenerateRequest, *, request_id: str,
     models: Mapping[str, ModelLimits], default_model: str,
-    header_request_id: str | None = None,
+    header_request_id: str | None = None, header_tenant: str | None = None,
 ) -> GenerationRequest:
     """Validates every field of ``pb`` that needs no tokenizer.
 
@@ -280,12 +286,16 @@ def validate_request(
       default_model: the id used when ``pb.model`` is empty.
       header_request_id: the call's ``x-request-id`` metadata, if it has one
         (Envoy sets it on every call); checked like ``request_id``.
+      header_tenant: the call's ``x-tenant-id`` metadata, if any: the tenant
+        whose fair share the request draws on; 1..128 printable ASCII.
 
     Raises:
       InvalidRequestError: the first bad field, with its gRPC code.
     """
     if header_request_id is not None:
         validate_request_id(header_request_id, field="x-request-id")
+    if header_tenant is not None:
+        validate_request_id(header_tenant, field=TENANT_METADATA_KEY)
     reject_unknown_fields(pb)
     if pb.request_id:
         validate_request_id(pb.request_id)
@@ -319,7 +329,7 @@ def validate_request(
         request_id=request_id, model=limits.model, prompt=prompt, messages=messages,
         sampling=sampling, priority=Priority.from_pb(pb.priority),
         bypass_cache=pb.bypass_cache, speculative=speculative,
-        allow_special_tokens=allow_special_tokens,
+        allow_special_tokens=allow_special_tokens, tenant=header_tenant or "",
     )
 
 

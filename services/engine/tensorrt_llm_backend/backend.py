@@ -209,4 +209,4 @@ def _read_model_info(path: Path, config: EngineConfig) -> ModelInfo:
         raise ValueError(f"{path} names no max_position_embeddings: pass --max-model-len")
     return ModelInfo(model=config.model_name(path), max_model_len=max_model_len,
                      vocab_size=int(hf_config.vocab_size), eos_token_ids=eos_ids,
-                     backend=TensorRTLLMBackend.name)
+                     backend=TensorRTLLMBackend.name, max_num_seqs=config.max_num_seqs)

@@ -161,12 +161,13 @@ class TorchBackend(EngineBackend):
         loaded = time.perf_counter()
         self.timings = StartupTimings(load_s=loaded - began, warmup_s=self._warm_up(runner))
         model = config.model_name(path)
+        assert runner.kv_cache is not None
+        cache = runner.kv_cache
         self._info = ModelInfo(
             model=model, max_model_len=max_model_len,
             vocab_size=runner.config.vocab_size, eos_token_ids=runner.config.eos_token_ids,
-            backend=self.name)
-        assert runner.kv_cache is not None
-        cache = runner.kv_cache
+            backend=self.name, max_num_seqs=config.max_num_seqs,
+            kv_capacity_tokens=cache.num_blocks * cache.block_size)
         kv = KVCacheManager(cache.num_blocks, cache.block_size, config.enable_prefix_caching,
                             model_id=model, role_aware=runner.model.has_prompt_projections)
         scheduler = Scheduler(SchedulerConfig(

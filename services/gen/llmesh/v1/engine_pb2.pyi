@@ -343,12 +343,18 @@ class GetModelInfoResponse(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
+    MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
+    KV_CAPACITY_TOKENS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     max_model_len: _builtins.int
     """Context window in tokens (prompt + completion)."""
     vocab_size: _builtins.int
     backend: _builtins.str
     """Backend name: "torch" or "tensorrt_llm"."""
+    max_num_seqs: _builtins.int
+    """Most sequences in the running batch (`--max-num-seqs`); 0: not known."""
+    kv_capacity_tokens: _builtins.int
+    """Tokens the KV cache holds (blocks x block size); 0: not known."""
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -359,10 +365,12 @@ class GetModelInfoResponse(_message.Message):
         vocab_size: _builtins.int = ...,
         eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         backend: _builtins.str = ...,
+        max_num_seqs: _builtins.int = ...,
+        kv_capacity_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "eos_token_ids", b"eos_token_ids", "max_model_len", b"max_model_len", "model", b"model", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "eos_token_ids", b"eos_token_ids", "kv_capacity_tokens", b"kv_capacity_tokens", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model", b"model", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

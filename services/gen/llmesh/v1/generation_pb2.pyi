@@ -296,6 +296,7 @@ class ModelCard(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_CAP_FIELD_NUMBER: _builtins.int
     CHAT_FIELD_NUMBER: _builtins.int
+    ADMISSION_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Id to pass as GenerateRequest.model."""
     max_model_len: _builtins.int
@@ -304,6 +305,10 @@ class ModelCard(_message.Message):
     """Most completion tokens one request may ask for."""
     chat: _builtins.bool
     """Whether chat input is supported (the model has a chat template)."""
+    @_builtins.property
+    def admission(self) -> Global___AdmissionLimits:
+        """The router's admission limits for this model."""
+
     def __init__(
         self,
         *,
@@ -311,14 +316,67 @@ class ModelCard(_message.Message):
         max_model_len: _builtins.int = ...,
         max_tokens_cap: _builtins.int = ...,
         chat: _builtins.bool = ...,
+        admission: Global___AdmissionLimits | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["admission", b"admission"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "id", b"id", "max_model_len", b"max_model_len", "max_tokens_cap", b"max_tokens_cap"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission", b"admission", "chat", b"chat", "id", b"id", "max_model_len", b"max_model_len", "max_tokens_cap", b"max_tokens_cap"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelCard: _TypeAlias = ModelCard  # noqa: Y015
+
+@_typing.final
+class AdmissionLimits(_message.Message):
+    """The router's admission control for one model (flags of the router). Each
+    traffic class (interactive, batch) has its own queue with these limits.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENABLED_FIELD_NUMBER: _builtins.int
+    MAX_QUEUED_REQUESTS_FIELD_NUMBER: _builtins.int
+    MAX_QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_RUNNING_REQUESTS_FIELD_NUMBER: _builtins.int
+    BATCH_WINDOW_MS_FIELD_NUMBER: _builtins.int
+    MAX_QUEUE_WAIT_MS_FIELD_NUMBER: _builtins.int
+    enabled: _builtins.bool
+    """Whether the router queues and refuses at all (false: every request goes
+    straight to an engine, whose own waiting limit applies).
+    """
+    max_queued_requests: _builtins.int
+    """Most requests waiting in the router's queue, per traffic class."""
+    max_queued_prompt_tokens: _builtins.int
+    """Most prompt tokens waiting in the router's queue, per traffic class."""
+    max_running_requests: _builtins.int
+    """Sequences the router keeps running at once on all healthy replicas
+    together (the sum of each replica's cap).
+    """
+    batch_window_ms: _builtins.int
+    """How long a batch-class request may wait to be dispatched together with
+    others, in milliseconds.
+    """
+    max_queue_wait_ms: _builtins.int
+    """The aging bound: a request queued this long (milliseconds) is
+    dispatched next, ahead of class and tenant order.
+    """
+    def __init__(
+        self,
+        *,
+        enabled: _builtins.bool = ...,
+        max_queued_requests: _builtins.int = ...,
+        max_queued_prompt_tokens: _builtins.int = ...,
+        max_running_requests: _builtins.int = ...,
+        batch_window_ms: _builtins.int = ...,
+        max_queue_wait_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_window_ms", b"batch_window_ms", "enabled", b"enabled", "max_queue_wait_ms", b"max_queue_wait_ms", "max_queued_prompt_tokens", b"max_queued_prompt_tokens", "max_queued_requests", b"max_queued_requests", "max_running_requests", b"max_running_requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdmissionLimits: _TypeAlias = AdmissionLimits  # noqa: Y015
 
 @_typing.final
 class ListModelsResponse(_message.Message):

@@ -37,7 +37,11 @@ class GenerationServiceStub:
     """Generates a completion and streams it as text deltas. Errors:
     INVALID_ARGUMENT / OUT_OF_RANGE for bad fields (the message names the
     field; an unknown model is INVALID_ARGUMENT on `model`), RESOURCE_EXHAUSTED when admission
-    control refuses, UNAVAILABLE when no engine can take the request,
+    control refuses (at once: the router's queue for the request's class is
+    full, or its deadline cannot be met given the predicted queue wait; the
+    message says why and trailing metadata `retry-after-ms` says when a
+    retry is expected to be admitted; over HTTP/JSON a 429 with
+    `Retry-After` in seconds), UNAVAILABLE when no engine can take the request,
     DEADLINE_EXCEEDED when the call's deadline passes. A request waiting in a
     queue before its first token is not cut by any idle timer. Field numbers
     this server does not know (a client built from a newer proto) are
@@ -78,7 +82,11 @@ class GenerationServiceAsyncStub(GenerationServiceStub):
     """Generates a completion and streams it as text deltas. Errors:
     INVALID_ARGUMENT / OUT_OF_RANGE for bad fields (the message names the
     field; an unknown model is INVALID_ARGUMENT on `model`), RESOURCE_EXHAUSTED when admission
-    control refuses, UNAVAILABLE when no engine can take the request,
+    control refuses (at once: the router's queue for the request's class is
+    full, or its deadline cannot be met given the predicted queue wait; the
+    message says why and trailing metadata `retry-after-ms` says when a
+    retry is expected to be admitted; over HTTP/JSON a 429 with
+    `Retry-After` in seconds), UNAVAILABLE when no engine can take the request,
     DEADLINE_EXCEEDED when the call's deadline passes. A request waiting in a
     queue before its first token is not cut by any idle timer. Field numbers
     this server does not know (a client built from a newer proto) are
@@ -122,7 +130,11 @@ class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
         """Generates a completion and streams it as text deltas. Errors:
         INVALID_ARGUMENT / OUT_OF_RANGE for bad fields (the message names the
         field; an unknown model is INVALID_ARGUMENT on `model`), RESOURCE_EXHAUSTED when admission
-        control refuses, UNAVAILABLE when no engine can take the request,
+        control refuses (at once: the router's queue for the request's class is
+        full, or its deadline cannot be met given the predicted queue wait; the
+        message says why and trailing metadata `retry-after-ms` says when a
+        retry is expected to be admitted; over HTTP/JSON a 429 with
+        `Retry-After` in seconds), UNAVAILABLE when no engine can take the request,
         DEADLINE_EXCEEDED when the call's deadline passes. A request waiting in a
         queue before its first token is not cut by any idle timer. Field numbers
         this server does not know (a client built from a newer proto) are

@@ -1,0 +1,591 @@
+"""Admission control at the router: bounded queues per traffic class, a
+concurrency cap per replica, fair dispatch between tenants, and an honest
+retry hint.
+
+One :class:`AdmissionController` per served model owns every piece of
+admission state (the queues, the running set, the tenants' counters); it runs
+on the router's event loop and is never touched from another thread.
+
+**Admitting.** :meth:`AdmissionController.admit` either grants a running slot
+at once (nothing of its class or a higher one is queued and a replica has
+room), queues the request, or refuses it at once with
+:class:`AdmissionRefused` (RESOURCE_EXHAUSTED, no engine call):
+
+* ``queue_full``: the class's queue holds ``max_queued_requests`` requests;
+* ``queued_tokens``: the class's queued prompt tokens would pass
+  ``max_queued_prompt_tokens``;
+* ``deadline``: the call's deadline is before the predicted queue wait plus
+  the request's predicted prefill time. RESOURCE_EXHAUSTED, not
+  DEADLINE_EXCEEDED: the cause is the mesh's load, not the client's clock, a
+  retry after the hint can succeed, and standard retry policies (gRPC's,
+  Envoy's ``retry_on: resource-exhausted``) treat it so.
+
+**Capacity.** The router keeps at most ``max_running`` requests running over
+all replicas (the sum of each replica's cap: ``--max-running-per-replica``,
+else the replica's ``max_num_seqs``) and reserves each running request's
+prompt + ``max_tokens`` against the replicas' KV capacity times
+``kv_overcommit`` (TensorRT-LLM's ``GUARANTEED_NO_EVICT`` is 1.0; more lets
+the engine preempt and recompute when blocks run short). A request alone
+always fits. The router, not the engine, then holds the queue, so the order
+below decides who runs next; the engine's own waiting limit stays a backstop.
+
+**Dispatch order** when a slot frees (or the batch window closes):
+
+1. the aging bound: a request queued ``max_queue_wait`` or longer goes first
+   (oldest first), whatever its class or tenant;
+2. interactive before batch;
+3. within a class, tenants by *virtual token counter* (VTC: Sheng et al.,
+   "Fairness in Serving Large Language Models", OSDI 2024): each tenant's
+   counter grows by ``w_prompt`` per prompt token at dispatch and ``w_output``
+   per completion token at the end (1 and 2, the weights of the paper's
+   evaluation); the tenant with the smallest counter goes next, and a tenant
+   that becomes active is lifted to the smallest counter of the tenants
+   already queued, so idle time banks no credit. Ties go to the earliest
+   arrival. Requests without ``x-tenant-id`` share the tenant ``""``: one
+   tenant is plain FIFO;
+4. within a tenant, FIFO.
+
+Batch-class requests wait up to ``batch_window`` after the oldest queued
+batch request arrived, so that a burst enters the engine together (one
+prefill step) instead of one by one.
+
+**The retry hint** (``retry-after-ms``) is the predicted time until the
+refused request's class has a free queue position: the k-th running request
+to finish, where k is the number of requests that must be dispatched before
+one of this class is. Each running request's finish is predicted from its own
+measured decode rate (time per output token since its first token; the
+model's running mean before it has one) and its expected remaining length
+(``max_tokens`` times the measured share of ``max_tokens`` that finished
+requests used), plus its prefill time while it has no token yet (prompt
+tokens times the measured prefill time per token). When k exceeds the
+running requests, each further round adds the mean measured service time.
+Nothing here is a fixed constant: a mesh that drains faster gives a shorter
+hint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.common.sampling import Priority
+
+#: VTC weights (Sheng et al. 2024, section 5): a completion token costs twice a prompt token.
+W_PROMPT = 1.0
+W_OUTPUT = 2.0
+#: Smoothing of the running means the hint uses (weight of the newest sample).
+EWMA_ALPHA = 0.2
+#: Before any request finished: time per output token and prefill time per
+#: token assumed (seconds); replaced by measurements after the first one.
+INITIAL_TPOT_S = 0.05
+INITIAL_PREFILL_S_PER_TOKEN = 0.0005
+#: The hint is never below this (ms): a retry sooner would only be refused again.
+MIN_RETRY_AFTER_MS = 1
+#: ... nor above this (ms).
+MAX_RETRY_AFTER_MS = 600_000
+#: Refusal reasons (the ``reason`` label of the rejected-requests metric).
+REASONS = ("queue_full", "queued_tokens", "deadline")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """The router's admission flags (one set for every model it serves).
+
+    Attributes:
+      enabled: False: no router queue and no refusals (every request goes to an
+        engine at once, as before admission control existed).
+      max_queued_requests: most requests queued per model and traffic class.
+      max_queued_prompt_tokens: most prompt tokens queued per model and class.
+      max_running_per_replica: sequences the router keeps running on one
+        replica; 0: the replica's ``max_num_seqs`` (or 256 if it does not say).
+      kv_overcommit: running requests may reserve this many times the
+        replicas' KV capacity (prompt + max_tokens each); 0: no KV check.
+      batch_window_s: a batch-class request waits up to this long after the
+        oldest queued batch request arrived, to be dispatched with others.
+      max_queue_wait_s: the aging bound: a request queued this long is
+        dispatched next, ahead of class and tenant order.
+    """
+
+    enabled: bool = True
+    max_queued_requests: int = 256
+    max_queued_prompt_tokens: int = 1_048_576
+    max_running_per_replica: int = 0
+    kv_overcommit: float = 1.0
+    batch_window_s: float = 0.010
+    max_queue_wait_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_queued_requests < 0 or self.max_queued_prompt_tokens < 0:
+            raise ValueError("the admission queue limits must be >= 0")
+        if self.max_running_per_replica < 0:
+            raise ValueError(
+                f"max_running_per_replica must be >= 0 (0: the replica's max_num_seqs), "
+                f"got {self.max_running_per_replica}")
+        if self.kv_overcommit < 0:
+            raise ValueError(f"kv_overcommit must be >= 0, got {self.kv_overcommit}")
+        if self.batch_window_s < 0 or self.max_queue_wait_s <= 0:
+            raise ValueError("batch_window_s must be >= 0 and max_queue_wait_s > 0")
+
+
+@dataclass(frozen=True)
+class ReplicaCapacity:
+    """What one replica may run: ``max_num_seqs`` sequences (0: not known) and
+    ``kv_capacity_tokens`` of KV cache (0: not known)."""
+
+    max_num_seqs: int = 0
+    kv_capacity_tokens: int = 0
+
+
+#: Cap of a replica that reports no ``max_num_seqs`` (and no flag sets one).
+DEFAULT_REPLICA_CAP = 256
+
+
+@dataclass(frozen=True)
+class Job:
+    """What admission needs to know of a request (token counts after tokenization).
+
+    ``max_tokens`` is the clamped completion budget; ``tenant`` the
+    ``x-tenant-id`` ("" when none).
+    """
+
+    request_id: str
+    priority: Priority
+    tenant: str
+    prompt_tokens: int
+    max_tokens: int
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.prompt_tokens + self.max_tokens
+
+
+class AdmissionRefused(Exception):
+    """The request is refused at once (RESOURCE_EXHAUSTED).
+
+    Attributes:
+      reason: one of :data:`REASONS`.
+      retry_after_s: when a retry is predicted to be admitted (seconds).
+    """
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, reason: str, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+    @property
+    def retry_after_ms(self) -> int:
+        return retry_after_ms(self.retry_after_s)
+
+
+def retry_after_ms(seconds: float) -> int:
+    """``seconds`` as the ``retry-after-ms`` value: whole ms, rounded up, clamped."""
+    return max(MIN_RETRY_AFTER_MS, min(MAX_RETRY_AFTER_MS, math.ceil(seconds * 1e3)))
+
+
+class AdmissionObserver:
+    """Where the controller reports (the router's metrics implement it; the
+    default does nothing)."""
+
+    def queue_changed(self, priority: Priority, depth: int, tokens: int) -> None: ...
+    def running_changed(self, running: int) -> None: ...
+    def refused(self, priority: Priority, reason: str, retry_after_s: float) -> None: ...
+    def dispatched(self, priority: Priority, tenant: str, waited_s: float) -> None: ...
+
+
+@dataclass(eq=False)
+class _Entry:
+    job: Job
+    arrived_at: float
+    seq: int
+    granted: asyncio.Future[Ticket]
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A granted running slot; :meth:`release` when the request ends (idempotent).
+
+    The pipeline calls :meth:`on_tokens` as tokens leave, so the controller
+    can predict when this slot frees.
+    """
+
+    job: Job
+    dispatched_at: float
+    _controller: AdmissionController | None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    completion_tokens: int = 0
+    _released: bool = field(default=False, repr=False)
+
+    def on_tokens(self, count: int, now: float) -> None:
+        """``count`` more completion tokens left at ``now`` (``time.monotonic()``)."""
+        if count <= 0:
+            return
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.last_token_at = now
+        self.completion_tokens += count
+
+    def release(self) -> None:
+        """Frees the slot (and dispatches what it makes room for)."""
+        if self._released:
+            return
+        self._released = True
+        if self._controller is not None:
+            self._controller._release(self)
+
+    def remaining_s(self, now: float, model_tpot_s: float, prefill_s_per_token: float,
+                    length_share: float) -> float:
+        """Predicted seconds until this request ends (see the module doc)."""
+        expected = max(1, round(self.job.max_tokens * length_share))
+        left = max(expected - self.completion_tokens, 1)
+        if self.first_token_at is None:
+            prefill = self.job.prompt_tokens * prefill_s_per_token
+            return max(self.dispatched_at + prefill - now, 0.0) + left * model_tpot_s
+        tpot = model_tpot_s
+        if self.completion_tokens >= 2 and self.last_token_at is not None:
+            tpot = (self.last_token_at - self.first_token_at) / (self.completion_tokens - 1)
+        return left * tpot
+
+
+class _Ewma:
+    def __init__(self, initial: float) -> None:
+        self.value = initial
+        self.samples = 0
+
+    def add(self, sample: float) -> None:
+        self.value = sample if self.samples == 0 else (
+            EWMA_ALPHA * sample + (1 - EWMA_ALPHA) * self.value)
+        self.samples += 1
+
+
+class _ClassQueue:
+    """One traffic class's queue: FIFO per tenant, tenants by virtual counter."""
+
+    def __init__(self) -> None:
+        self.by_tenant: dict[str, collections.deque[_Entry]] = {}
+        self.counters: dict[str, float] = {}
+        self.depth = 0
+        self.tokens = 0
+
+    def push(self, entry: _Entry) -> None:
+        tenant = entry.job.tenant
+        queue = self.by_tenant.get(tenant)
+        if queue is None:
+            # VTC's lift: a tenant that turns active starts at the least counter
+            # of the active ones, never below its own (no credit for idle time).
+            active = [self.counters[t] for t in self.by_tenant]
+            floor = min(active) if active else 0.0
+            self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+            queue = self.by_tenant[tenant] = collections.deque()
+        queue.append(entry)
+        self.depth += 1
+        self.tokens += entry.job.prompt_tokens
+
+    def remove(self, entry: _Entry) -> None:
+        queue = self.by_tenant[entry.job.tenant]
+        queue.remove(entry)
+        self._forget(entry)
+
+    def pop_next(self) -> _Entry:
+        """The next entry by (counter, arrival); the queue must not be empty."""
+        tenant = min(self.by_tenant,
+                     key=lambda t: (self.counters[t], self.by_tenant[t][0].seq))
+        entry = self.by_tenant[tenant].popleft()
+        self._forget(entry)
+        return entry
+
+    def peek_next(self) -> _Entry:
+        tenant = min(self.by_tenant,
+                     key=lambda t: (self.counters[t], self.by_tenant[t][0].seq))
+        return self.by_tenant[tenant][0]
+
+    def oldest(self) -> _Entry | None:
+        heads = [q[0] for q in self.by_tenant.values()]
+        return min(heads, key=lambda e: e.seq) if heads else None
+
+    def charge(self, tenant: str, cost: float) -> None:
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + cost
+        if len(self.counters) > 4096 and tenant not in self.by_tenant:
+            # Bound the memory of tenants gone idle: forget all idle counters
+            # (they would be lifted to the active floor on return anyway).
+            for idle in [t for t in self.counters if t not in self.by_tenant]:
+                del self.counters[idle]
+
+    def _forget(self, entry: _Entry) -> None:
+        tenant = entry.job.tenant
+        if not self.by_tenant[tenant]:
+            del self.by_tenant[tenant]
+        self.depth -= 1
+        self.tokens -= entry.job.prompt_tokens
+
+
+class AdmissionController:
+    """Admission for one model (see the module doc). Single event loop only."""
+
+    def __init__(self, config: AdmissionConfig, model: str,
+                 replicas: Iterable[ReplicaCapacity], *,
+                 observer: AdmissionObserver | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """Args:
+          config: the limits.
+          model: the model id (for messages).
+          replicas: each replica's capacity (one per engine replica).
+          observer: metrics sink.
+          clock: ``time.monotonic`` (tests may pass another).
+        """
+        self.config = config
+        self.model = model
+        self._observer = observer if observer is not None else AdmissionObserver()
+        self._clock = clock
+        self._queues = {p: _ClassQueue() for p in Priority}
+        self._running: set[Ticket] = set()
+        self._reserved_kv = 0
+        self._seq = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
+        self._tpot = _Ewma(INITIAL_TPOT_S)
+        self._prefill = _Ewma(INITIAL_PREFILL_S_PER_TOKEN)
+        self._length_share = _Ewma(1.0)
+        self._service = _Ewma(0.0)
+        self.set_replicas(replicas)
+
+    # ------------------------------------------------------------- limits
+
+    def set_replicas(self, replicas: Iterable[ReplicaCapacity]) -> None:
+        """Sets the capacity (e.g. when a replica leaves or rejoins); dispatches
+        what the new capacity makes room for."""
+        caps = list(replicas)
+        per = self.config.max_running_per_replica
+        self.max_running = sum(per or r.max_num_seqs or DEFAULT_REPLICA_CAP for r in caps)
+        kv = sum(r.kv_capacity_tokens for r in caps)
+        self.kv_limit = (int(kv * self.config.kv_overcommit)
+                         if kv and all(r.kv_capacity_tokens for r in caps)
+                         and self.config.kv_overcommit > 0 else 0)
+        self._pump()
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def queue_depth(self, priority: Priority) -> int:
+        return self._queues[priority].depth
+
+    def queued_tokens(self, priority: Priority) -> int:
+        return self._queues[priority].tokens
+
+    # --------------------------------------------------------------- admit
+
+    async def admit(self, job: Job, *, deadline: float | None = None) -> Ticket:
+        """A running slot for ``job``: at once, or after queueing.
+
+        Args:
+          deadline: the call's ``time.monotonic()`` deadline, or None.
+
+        Raises:
+          AdmissionRefused: refused at once (queue full, queued tokens, deadline
+            not meetable), with the retry hint.
+          TimeoutError: the deadline passed while queued (the entry is gone).
+          asyncio.CancelledError: cancelled while queued (the entry is gone).
+        """
+        now = self._clock()
+        if not self.config.enabled:
+            return self._grant(job, now)
+        cfg = self.config
+        queue = self._queues[job.priority]
+        ahead_classes = [p for p in Priority if p <= job.priority]
+        nothing_ahead = all(self._queues[p].depth == 0 for p in ahead_classes)
+        window = cfg.batch_window_s if job.priority is Priority.BATCH else 0.0
+        if nothing_ahead and window == 0 and self._fits(job):
+            return self._grant(job, now)
+        if queue.depth >= cfg.max_queued_requests:
+            self._refuse(job, "queue_full", (
+                f"the router's {job.priority.name.lower()} queue for model {self.model!r} "
+                f"is full ({queue.depth} requests waiting, limit {cfg.max_queued_requests})"))
+        if queue.tokens + job.prompt_tokens > cfg.max_queued_prompt_tokens and queue.depth:
+            self._refuse(job, "queued_tokens", (
+                f"the router's {job.priority.name.lower()} queue for model {self.model!r} "
+                f"holds {queue.tokens} prompt tokens; {job.prompt_tokens} more would pass "
+                f"the limit of {cfg.max_queued_prompt_tokens}"))
+        if deadline is not None:
+            wait = self.predicted_wait_s(job.priority, extra_ahead=self._ahead_of_new(job))
+            prefill = job.prompt_tokens * self._prefill.value
+            if now + wait + prefill > deadline:
+                self._refuse(job, "deadline", (
+                    f"the call's deadline ({max(deadline - now, 0) * 1e3:.0f} ms left) cannot "
+                    f"be met: predicted queue wait {wait * 1e3:.0f} ms + prefill "
+                    f"{prefill * 1e3:.0f} ms on model {self.model!r}"), wait)
+        entry = _Entry(job, now, next(self._seq), asyncio.get_running_loop().create_future())
+        queue.push(entry)
+        self._queue_changed(job.priority)
+        self._pump()
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                if deadline is not None:
+                    await stack.enter_async_context(asyncio.timeout_at(
+                        _loop_time(deadline, self._clock)))
+                return await asyncio.shield(entry.granted)
+        except BaseException:
+            if entry.granted.done() and not entry.granted.cancelled():
+                entry.granted.result().release()  # granted as we were cancelled
+            else:
+                entry.granted.cancel()
+                queue.remove(entry)
+                self._queue_changed(job.priority)
+                self._pump()
+            raise
+
+    # ---------------------------------------------------------- the hint
+
+    def predicted_wait_s(self, priority: Priority, *, extra_ahead: int = 0) -> float:
+        """Predicted seconds until a request of ``priority`` would be dispatched
+        after ``extra_ahead`` others (the module doc's prediction)."""
+        now = self._clock()
+        floor = self._window_left(now) if priority is Priority.BATCH else 0.0
+        needed = 1 + extra_ahead  # our dispatch is the needed-th from now
+        free = 0 if self._blocked_by_kv() else max(self.max_running - len(self._running), 0)
+        if needed <= free:
+            return floor
+        ends = sorted(t.remaining_s(now, self._tpot.value, self._prefill.value,
+                                    self._length_share.value) for t in self._running)
+        if not ends:
+            return floor
+        rounds, index = divmod(needed - free - 1, len(ends))
+        service = self._service.value or ends[-1]
+        return max(ends[index] + rounds * service, floor)
+
+    def retry_after_s(self, priority: Priority) -> float:
+        """The hint for a request of ``priority`` refused now: until its class's
+        queue has a free position (one of its class dispatched)."""
+        ahead = sum(self._queues[p].depth for p in Priority if p < priority)
+        return self.predicted_wait_s(priority, extra_ahead=ahead)
+
+    # ------------------------------------------------------------ internals
+
+    def _ahead_of_new(self, job: Job) -> int:
+        """Requests dispatched before a new ``job`` (FIFO estimate of its place)."""
+        return sum(self._queues[p].depth for p in Priority if p <= job.priority)
+
+    def _refuse(self, job: Job, reason: str, message: str,
+                wait_s: float | None = None) -> None:
+        retry = self.retry_after_s(job.priority) if wait_s is None else wait_s
+        self._observer.refused(job.priority, reason, retry)
+        raise AdmissionRefused(reason, f"{message}; retry after {retry_after_ms(retry)} ms",
+                               retry)
+
+    def _fits(self, job: Job) -> bool:
+        if len(self._running) >= self.max_running:
+            return False
+        if not self.kv_limit or not self._running:
+            return True
+        return self._reserved_kv + job.kv_tokens <= self.kv_limit
+
+    def _blocked_by_kv(self) -> bool:
+        return bool(self.kv_limit) and self._reserved_kv >= self.kv_limit
+
+    def _window_left(self, now: float) -> float:
+        oldest = self._queues[Priority.BATCH].oldest()
+        if oldest is None:
+            return self.config.batch_window_s
+        return max(oldest.arrived_at + self.config.batch_window_s - now, 0.0)
+
+    def _grant(self, job: Job, now: float) -> Ticket:
+        ticket = Ticket(job, now, self)
+        self._running.add(ticket)
+        self._reserved_kv += job.kv_tokens
+        self._queues[job.priority].charge(job.tenant, W_PROMPT * job.prompt_tokens)
+        self._observer.running_changed(len(self._running))
+        return ticket
+
+    def _release(self, ticket: Ticket) -> None:
+        if ticket not in self._running:
+            return
+        self._running.discard(ticket)
+        self._reserved_kv -= ticket.job.kv_tokens
+        now = self._clock()
+        self._queues[ticket.job.priority].charge(
+            ticket.job.tenant, W_OUTPUT * ticket.completion_tokens)
+        self._learn(ticket, now)
+        self._observer.running_changed(len(self._running))
+        self._pump()
+
+    def _learn(self, ticket: Ticket, now: float) -> None:
+        """Updates the running means from a request that ended."""
+        if ticket.first_token_at is None:
+            return  # cancelled or failed before a token: it says nothing of the rates
+        self._service.add(now - ticket.dispatched_at)
+        if ticket.job.prompt_tokens:
+            self._prefill.add((ticket.first_token_at - ticket.dispatched_at)
+                              / ticket.job.prompt_tokens)
+        if ticket.completion_tokens >= 2 and ticket.last_token_at is not None:
+            self._tpot.add((ticket.last_token_at - ticket.first_token_at)
+                           / (ticket.completion_tokens - 1))
+        if ticket.job.max_tokens:
+            self._length_share.add(min(ticket.completion_tokens / ticket.job.max_tokens, 1.0))
+
+    def _next_entry(self, now: float) -> _Entry | None:
+        """The entry to dispatch next (module doc order), or None (none eligible)."""
+        aged = [e for e in (q.oldest() for q in self._queues.values())
+                if e is not None and now - e.arrived_at >= self.config.max_queue_wait_s]
+        if aged:
+            return min(aged, key=lambda e: e.seq)
+        interactive = self._queues[Priority.INTERACTIVE]
+        if interactive.depth:
+            return interactive.peek_next()
+        batch = self._queues[Priority.BATCH]
+        if batch.depth and self._window_left(now) <= 0:
+            return batch.peek_next()
+        return None
+
+    def _pump(self) -> None:
+        """Dispatches queued entries while they fit; arms the batch-window timer."""
+        now = self._clock()
+        while True:
+            entry = self._next_entry(now)
+            if entry is None or not self._fits(entry.job):
+                break
+            queue = self._queues[entry.job.priority]
+            queue.remove(entry)
+            self._queue_changed(entry.job.priority)
+            if entry.granted.cancelled():
+                continue
+            ticket = self._grant(entry.job, now)
+            entry.granted.set_result(ticket)
+            self._observer.dispatched(entry.job.priority, entry.job.tenant,
+                                      now - entry.arrived_at)
+        self._arm_timer(now)
+
+    def _arm_timer(self, now: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch = self._queues[Priority.BATCH]
+        left = self._window_left(now)
+        if batch.depth and left > 0 and not self._queues[Priority.INTERACTIVE].depth:
+            with contextlib.suppress(RuntimeError):  # no running loop: nothing queued
+                self._timer = asyncio.get_running_loop().call_later(left, self._pump)
+
+    def _queue_changed(self, priority: Priority) -> None:
+        queue = self._queues[priority]
+        self._observer.queue_changed(priority, queue.depth, queue.tokens)
+
+
+def _loop_time(deadline: float, clock: Callable[[], float]) -> float:
+    """``deadline`` (on ``clock``) on the running loop's clock."""
+    loop = asyncio.get_running_loop()
+    return loop.time() + (deadline - clock())
+
+
+__all__ = [
+    "AdmissionConfig", "AdmissionController", "AdmissionObserver", "AdmissionRefused",
+    "Job", "ReplicaCapacity", "Ticket", "retry_after_ms",
+]

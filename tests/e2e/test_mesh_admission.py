@@ -1,0 +1,211 @@
+"""Admission control on the real mesh (Envoy, router, tokenizer, two torch
+engines with 2 sequence slots each, SmolLM2): exact refusals, each at once
+with an honest retry hint, the router's queue bounded, HTTP 429 with
+Retry-After, and the limits on ListModels."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from services.cli.mesh import Mesh
+
+pytestmark = pytest.mark.mesh
+
+SLOTS_PER_ENGINE = 2
+ENGINES = 2
+SLOTS = SLOTS_PER_ENGINE * ENGINES
+QUEUE = 4
+
+
+@pytest.fixture(scope="module")
+def small_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """Two engines of 2 slots, a router queue of 4 per class, no response cache."""
+    run_dir: Path = tmp_path_factory.mktemp("admission-mesh")
+    with Mesh(ingress_port=0, admin_port=0, run_dir=run_dir, num_engines=ENGINES,
+              engine_args=["--max-num-seqs", str(SLOTS_PER_ENGINE)],
+              router_args=["--max-queued-requests", str(QUEUE)]) as running:
+        yield running
+
+
+def long_request(max_tokens: int, tag: str) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        prompt=f"Request {tag}. List the numbers from one to one thousand in words:",
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                           ignore_eos=True),
+        bypass_cache=True)
+
+
+@dataclass
+class Outcome:
+    sent_at: float
+    ended_at: float = 0.0
+    code: grpc.StatusCode = grpc.StatusCode.OK
+    tokens: int = 0
+    first_token_at: float | None = None
+    retry_after_ms: int | None = None
+    details: str = ""
+
+    @property
+    def latency(self) -> float:
+        return self.ended_at - self.sent_at
+
+
+async def run_one(stub: generation_pb2_grpc.GenerationServiceStub,
+                  request: generation_pb2.GenerateRequest, *,
+                  first_token: asyncio.Event | None = None) -> Outcome:
+    out = Outcome(time.monotonic())
+    call = stub.Generate(request, timeout=120)
+    try:
+        async for response in call:
+            out.tokens += len(response.token_ids)
+            if response.token_ids and out.first_token_at is None:
+                out.first_token_at = time.monotonic()
+            if first_token is not None and out.tokens >= 8:
+                first_token.set()
+    except grpc.aio.AioRpcError as err:
+        out.code = err.code()
+        out.details = err.details() or ""
+        trailers = dict(err.trailing_metadata() or ())
+        if "retry-after-ms" in trailers:
+            out.retry_after_ms = int(trailers["retry-after-ms"])
+    out.ended_at = time.monotonic()
+    return out
+
+
+async def probe_admitted(stub: generation_pb2_grpc.GenerationServiceStub) -> float:
+    """Retries a one-token request every 20 ms until one is not refused; returns
+    when that one was sent (a refusal comes back in milliseconds; an admitted
+    request stays open in the queue)."""
+    while True:
+        sent = time.monotonic()
+        call = stub.Generate(long_request(1, "probe"), timeout=120)
+        try:
+            await asyncio.wait_for(call.read(), 0.3)
+            return sent
+        except TimeoutError:
+            return sent  # queued: admitted
+        except grpc.aio.AioRpcError as err:
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+        finally:
+            pass
+        await asyncio.sleep(0.02)
+
+
+def router_gauge(mesh: Mesh, name: str) -> float:
+    body = urllib.request.urlopen(f"http://{mesh.router.metrics_address}/metrics",
+                                  timeout=5).read().decode()
+    total = 0.0
+    for match in re.finditer(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", body, re.M):
+        total = max(total, float(match.group(1)))
+    return total
+
+
+async def sample_queue_depth(mesh: Mesh, stop: asyncio.Event, seen: list[float]) -> None:
+    while not stop.is_set():
+        seen.append(await asyncio.to_thread(router_gauge, mesh, "llmesh:router_queue_depth"))
+        await asyncio.sleep(0.05)
+
+
+def test_a_burst_into_an_idle_mesh_refuses_exactly_the_excess_at_once(small_mesh: Mesh) -> None:
+    async def scenario() -> list[Outcome]:
+        async with grpc.aio.insecure_channel(small_mesh.ingress_address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            return await asyncio.gather(*(run_one(stub, long_request(24, f"b{i}"))
+                                          for i in range(SLOTS + QUEUE + 4)))
+
+    outcomes = asyncio.run(scenario())
+    refused = [o for o in outcomes if o.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    done = [o for o in outcomes if o.code == grpc.StatusCode.OK]
+    assert len(refused) == 4 and len(done) == SLOTS + QUEUE, [(o.code, o.details) for o in outcomes]
+    assert all(o.tokens == 24 for o in done)
+    for o in refused:
+        assert o.retry_after_ms is not None and o.retry_after_ms > 0
+        assert "queue" in o.details and "full" in o.details
+
+
+def test_a_saturated_mesh_refuses_with_a_hint_within_2x_of_the_real_wait(
+        small_mesh: Mesh) -> None:
+    async def scenario() -> tuple[list[Outcome], list[Outcome], float, list[float]]:
+        async with grpc.aio.insecure_channel(small_mesh.ingress_address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            stop, depths = asyncio.Event(), []
+            sampler = asyncio.create_task(sample_queue_depth(small_mesh, stop, depths))
+            started = [asyncio.Event() for _ in range(SLOTS)]
+            running = [asyncio.create_task(run_one(stub, long_request(96, f"s{i}"),
+                                                   first_token=started[i]))
+                       for i in range(SLOTS)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            burst = await asyncio.gather(*(run_one(stub, long_request(8, f"x{i}"))
+                                           for i in range(12)))
+            refused_at = min(o.ended_at for o in burst
+                             if o.code == grpc.StatusCode.RESOURCE_EXHAUSTED)
+            admitted_at = await probe_admitted(stub)
+            saturating = await asyncio.gather(*running)
+            stop.set()
+            await sampler
+            return saturating, burst, admitted_at - refused_at, depths
+
+    saturating, burst, real_wait, depths = asyncio.run(scenario())
+    queued = [o for o in burst if o.code == grpc.StatusCode.OK]
+    refused = [o for o in burst if o.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert len(queued) == QUEUE and len(refused) == 12 - QUEUE, [o.details for o in burst]
+    assert all(o.tokens == 8 for o in queued) and all(o.tokens == 96 for o in saturating)
+    assert max(o.latency for o in refused) < 0.05, [round(o.latency, 4) for o in refused]
+    hints = [o.retry_after_ms / 1e3 for o in refused if o.retry_after_ms]
+    print(f"retry hints {hints} s; a retry was admitted after {real_wait:.3f} s; refusals in "
+          f"{sorted(round(o.latency * 1e3, 1) for o in refused)} ms")
+    assert len(hints) == len(refused)
+    for hint in hints:
+        assert real_wait / 2 <= hint <= real_wait * 2, (hints, real_wait)
+    assert depths and max(depths) <= QUEUE
+
+
+def test_an_http_refusal_is_a_429_with_retry_after(small_mesh: Mesh) -> None:
+    body = json.dumps({"prompt": "Count to a thousand:", "bypass_cache": True,
+                       "sampling": {"max_tokens": 64, "ignore_eos": True}}).encode()
+
+    async def scenario() -> tuple[int, dict[str, str]]:
+        async with grpc.aio.insecure_channel(small_mesh.ingress_address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            fill = [asyncio.create_task(run_one(stub, long_request(64, f"h{i}")))
+                    for i in range(SLOTS + QUEUE)]
+            await asyncio.sleep(0.5)
+            status, headers = await asyncio.to_thread(post, body)
+            await asyncio.gather(*fill)
+            return status, headers
+
+    def post(data: bytes) -> tuple[int, dict[str, str]]:
+        request = urllib.request.Request(f"{small_mesh.http_url}/v1/generate", data=data,
+                                         headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, dict(response.headers)
+        except urllib.error.HTTPError as err:
+            return err.code, {k.lower(): v for k, v in err.headers.items()}
+
+    status, headers = asyncio.run(scenario())
+    assert status == 429, headers
+    assert int(headers["retry-after"]) >= 1
+    assert int(headers["retry-after-ms"]) >= 1
+
+
+def test_list_models_reports_the_admission_limits(small_mesh: Mesh) -> None:
+    with grpc.insecure_channel(small_mesh.ingress_address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        card = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=10).models[0]
+    assert card.admission.enabled
+    assert card.admission.max_queued_requests == QUEUE
+    assert card.admission.max_running_requests == SLOTS
+    assert card.admission.batch_window_ms == 10

@@ -1,0 +1,240 @@
+"""The router's admission controller on its own: queue limits, the retry hint,
+dispatch order (aging, class, tenant VTC, FIFO), the batch window, deadlines,
+cancellation and the KV reservation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from services.common.sampling import Priority
+from services.router.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    AdmissionRefused,
+    Job,
+    ReplicaCapacity,
+    Ticket,
+)
+
+INTERACTIVE, BATCH = Priority.INTERACTIVE, Priority.BATCH
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def job(name: str, priority: Priority = INTERACTIVE, tenant: str = "", prompt: int = 10,
+        max_tokens: int = 100) -> Job:
+    return Job(name, priority, tenant, prompt, max_tokens)
+
+
+def controller(slots: int = 2, *, clock: Clock | None = None, kv: int = 0,
+               **config: object) -> AdmissionController:
+    config.setdefault("batch_window_s", 0.0)
+    return AdmissionController(
+        AdmissionConfig(**config), "m", [ReplicaCapacity(slots, kv)],  # type: ignore[arg-type]
+        **({"clock": clock} if clock else {}))
+
+
+async def queued(ctl: AdmissionController, j: Job, **kw: object) -> asyncio.Task[Ticket]:
+    """Starts admit(j) and lets it reach the queue."""
+    task = asyncio.create_task(ctl.admit(j, **kw))  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    return task
+
+
+def order_of(tasks: dict[str, asyncio.Task[Ticket]]) -> list[str]:
+    return [name for name, t in tasks.items() if t.done()]
+
+
+async def release_one_at_a_time(running: list[Ticket], tasks: dict[str, asyncio.Task[Ticket]]
+                                ) -> list[str]:
+    """Releases running tickets one by one; returns the dispatch order of ``tasks``."""
+    order: list[str] = []
+    pending = dict(tasks)
+    while pending:
+        running.pop(0).release()
+        await asyncio.wait(pending.values(), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+        for name, task in list(pending.items()):
+            if task.done():
+                order.append(name)
+                running.append(task.result())
+                del pending[name]
+    return order
+
+
+async def test_room_grants_at_once_and_a_release_dispatches_the_queue_in_fifo_order() -> None:
+    ctl = controller(slots=2, max_queued_requests=4)
+    a, b = await ctl.admit(job("a")), await ctl.admit(job("b"))
+    tasks = {n: await queued(ctl, job(n)) for n in "cde"}
+    assert ctl.queue_depth(INTERACTIVE) == 3 and not any(t.done() for t in tasks.values())
+    assert await release_one_at_a_time([a, b], tasks) == ["c", "d", "e"]
+    assert ctl.queue_depth(INTERACTIVE) == 0 and ctl.num_running == 2
+
+
+async def test_a_full_queue_refuses_at_once_with_a_hint_from_the_running_decode_rates() -> None:
+    clock = Clock()
+    ctl = controller(slots=2, clock=clock, max_queued_requests=2)
+    fast, slow = await ctl.admit(job("fast", max_tokens=100)), await ctl.admit(
+        job("slow", max_tokens=100))
+    # fast: 50 tokens at 10 ms each (0.5 s left); slow: 10 tokens at 100 ms (9 s left).
+    fast.on_tokens(1, clock.now)
+    slow.on_tokens(1, clock.now)
+    for step in range(1, 50):
+        fast.on_tokens(1, clock.now + step * 0.010)
+    for step in range(1, 10):
+        slow.on_tokens(1, clock.now + step * 0.100)
+    clock.now += 0.9
+    for n in "cd":
+        await queued(ctl, job(n))
+    with pytest.raises(AdmissionRefused) as refused:
+        await ctl.admit(job("e"))
+    assert refused.value.reason == "queue_full"
+    # fast's 50 remaining tokens at its 10 ms/token, from its last token at +0.49 s.
+    assert refused.value.retry_after_s == pytest.approx(0.5, rel=0.05)
+    assert "queue" in refused.value.message and "retry after" in refused.value.message
+    # A refused batch request also waits for the two interactive ones queued
+    # ahead of it: the third slot to free is fast's successor's or slow's.
+    for n in "fg":
+        await queued(ctl, job(n, BATCH))
+    with pytest.raises(AdmissionRefused) as refused_batch:
+        await ctl.admit(job("h", BATCH))
+    assert refused_batch.value.retry_after_s > 5 * refused.value.retry_after_s
+
+
+async def test_the_queued_prompt_token_limit_refuses_but_never_an_empty_queue() -> None:
+    ctl = controller(slots=1, max_queued_prompt_tokens=100)
+    await ctl.admit(job("run"))
+    big = await queued(ctl, job("big", prompt=500))  # alone in the queue: accepted
+    with pytest.raises(AdmissionRefused) as refused:
+        await ctl.admit(job("more", prompt=1))
+    assert refused.value.reason == "queued_tokens"
+    assert ctl.queued_tokens(INTERACTIVE) == 500
+    big.cancel()
+
+
+async def test_interactive_goes_before_batch_that_arrived_earlier() -> None:
+    ctl = controller(slots=1)
+    first = await ctl.admit(job("first"))
+    tasks = {"b1": await queued(ctl, job("b1", BATCH)), "b2": await queued(ctl, job("b2", BATCH)),
+             "i1": await queued(ctl, job("i1")), "i2": await queued(ctl, job("i2"))}
+    assert await release_one_at_a_time([first], tasks) == ["i1", "i2", "b1", "b2"]
+
+
+async def test_a_request_past_the_aging_bound_goes_first_whatever_its_class() -> None:
+    clock = Clock()
+    ctl = controller(slots=1, clock=clock, max_queue_wait_s=5.0)
+    first = await ctl.admit(job("first"))
+    tasks = {"old_batch": await queued(ctl, job("old_batch", BATCH))}
+    clock.now += 6.0
+    tasks["new_interactive"] = await queued(ctl, job("new_interactive"))
+    assert await release_one_at_a_time([first], tasks) == ["old_batch", "new_interactive"]
+
+
+async def test_vtc_a_flooding_tenant_cannot_starve_a_late_one() -> None:
+    ctl = controller(slots=2)
+    running = [await ctl.admit(job(f"a{i}", tenant="A", prompt=400)) for i in range(2)]
+    tasks = {f"a{i}": await queued(ctl, job(f"a{i}", tenant="A", prompt=400))
+             for i in range(2, 20)}
+    tasks.update({f"b{i}": await queued(ctl, job(f"b{i}", tenant="B", prompt=20))
+                  for i in range(2)})
+    order = await release_one_at_a_time(running, tasks)
+    # B is lifted to A's counter; ties go to the earlier arrival (A's head),
+    # then A's counter is past B's: both of B's go before A's third queued one.
+    assert order.index("b1") < order.index("a4"), order
+
+
+async def test_without_tenants_the_order_is_fifo() -> None:
+    ctl = controller(slots=1)
+    first = await ctl.admit(job("first"))
+    names = [f"r{i}" for i in range(8)]
+    tasks = {n: await queued(ctl, job(n, prompt=10 * (8 - i))) for i, n in enumerate(names)}
+    assert await release_one_at_a_time([first], tasks) == names
+
+
+async def test_batch_requests_wait_the_window_then_go_together() -> None:
+    ctl = controller(slots=8, batch_window_s=0.05)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    tasks = [await queued(ctl, job(f"b{i}", BATCH)) for i in range(3)]
+    await asyncio.sleep(0.01)
+    assert not any(t.done() for t in tasks)  # inside the window
+    tickets = await asyncio.gather(*tasks)
+    assert loop.time() - began >= 0.045
+    assert len({t.dispatched_at for t in tickets}) == 1  # one dispatch
+    interactive = await asyncio.wait_for(ctl.admit(job("i")), 0.01)  # no window for it
+    assert interactive.job.priority is INTERACTIVE
+
+
+async def test_a_deadline_that_the_predicted_wait_passes_is_refused_at_once() -> None:
+    clock = Clock()
+    ctl = controller(slots=1, clock=clock)
+    running = await ctl.admit(job("run", max_tokens=100))
+    running.on_tokens(1, clock.now)
+    running.on_tokens(1, clock.now + 0.1)  # 100 ms/token, 98 left: ~9.8 s
+    with pytest.raises(AdmissionRefused) as refused:
+        await ctl.admit(job("hurry"), deadline=clock.now + 2.0)
+    assert refused.value.reason == "deadline"
+    assert refused.value.retry_after_s == pytest.approx(9.8, rel=0.05)
+    assert ctl.queue_depth(INTERACTIVE) == 0
+    patient = await queued(ctl, job("patient"), deadline=clock.now + 60.0)
+    assert ctl.queue_depth(INTERACTIVE) == 1
+    patient.cancel()
+
+
+async def test_a_deadline_passing_in_the_queue_and_a_cancel_both_leave_no_entry() -> None:
+    ctl = controller(slots=1)
+    running = await ctl.admit(job("run", max_tokens=3))
+    now = time.monotonic()
+    running.on_tokens(1, now)
+    running.on_tokens(1, now + 0.001)  # predicted to end in ~1 ms: the deadline is met...
+    with pytest.raises(TimeoutError):  # ...but it never ends, so the wait runs out
+        await ctl.admit(job("late"), deadline=time.monotonic() + 0.05)
+    assert ctl.queue_depth(INTERACTIVE) == 0
+    cancelled = await queued(ctl, job("gone"))
+    cancelled.cancel()
+    await asyncio.sleep(0)
+    assert ctl.queue_depth(INTERACTIVE) == 0
+    waiting = await queued(ctl, job("next"))
+    running.release()
+    ticket = await asyncio.wait_for(waiting, 1.0)
+    assert ticket.job.request_id == "next" and ctl.num_running == 1
+
+
+async def test_a_grant_racing_a_cancel_releases_the_slot() -> None:
+    ctl = controller(slots=1)
+    running = await ctl.admit(job("run"))
+    waiting = await queued(ctl, job("raced"))
+    waiting.cancel()      # the cancel is delivered at the task's next resume...
+    running.release()     # ...after this grants it the slot
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert ctl.num_running == 0
+
+
+async def test_kv_reservations_hold_a_request_that_does_not_fit_until_room_frees() -> None:
+    ctl = controller(slots=8, kv=1000)
+    big = await ctl.admit(job("big", prompt=500, max_tokens=300))
+    second = await queued(ctl, job("second", prompt=200, max_tokens=100))
+    assert not second.done()  # 800 + 300 > 1000
+    big.release()
+    assert (await asyncio.wait_for(second, 1.0)).job.request_id == "second"
+    alone = controller(slots=8, kv=1000)
+    assert (await alone.admit(job("huge", prompt=5000))).job.request_id == "huge"
+
+
+async def test_disabled_admission_never_queues_or_refuses() -> None:
+    ctl = controller(slots=1, enabled=False, max_queued_requests=0)
+    tickets = [await ctl.admit(job(f"r{i}")) for i in range(5)]
+    assert ctl.num_running == 5
+    for t in tickets:
+        t.release()
+        t.release()  # idempotent
+    assert ctl.num_running == 0
