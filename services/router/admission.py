@@ -297,15 +297,8 @@ class _ClassQueue:
         queue.remove(entry)
         self._forget(entry)
 
-    def pop_next(self) -> _Entry:
-        """The next entry by (counter, arrival); the queue must not be empty."""
-        tenant = min(self.by_tenant,
-                     key=lambda t: (self.counters[t], self.by_tenant[t][0].seq))
-        entry = self.by_tenant[tenant].popleft()
-        self._forget(entry)
-        return entry
-
     def peek_next(self) -> _Entry:
+        """The next entry by (tenant counter, arrival); the queue must not be empty."""
         tenant = min(self.by_tenant,
                      key=lambda t: (self.counters[t], self.by_tenant[t][0].seq))
         return self.by_tenant[tenant][0]
