@@ -50,8 +50,9 @@ a ``GenerateStream``), and observed at the moment they happen:
   ``llmesh:router_admission_rejected_total{priority, reason}`` (``queue_full``,
   ``queued_tokens``, ``deadline``), ``llmesh:router_retry_after_seconds`` (the
   hints given), ``llmesh:router_admission_limit{limit}`` (the configured
-  limits), ``llmesh:router_engine_retries_total{code}`` (a request moved to
-  another replica before its first token, by the status that moved it).
+  limits), ``llmesh:router_engine_retries_total{code}`` (a replica refused or
+  failed a request before its first token, by status; the request moves on
+  to the next replica if there is one).
 
 Every metric carries ``model_name`` (a served model id: never a value the
 client made up). Nothing is observed per token inside the decode loop beyond
@@ -166,7 +167,7 @@ class RouterMetrics:
             ["model_name", "limit"], registry=reg)
         self.engine_retries = Counter(
             "llmesh:router_engine_retries",
-            "Requests moved to another engine replica before their first token.",
+            "Engine replicas that refused or failed a request before its first token.",
             ["model_name", "code"], registry=reg)
 
     def admission_observer(self, model: str) -> AdmissionMetrics:

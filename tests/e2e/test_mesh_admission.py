@@ -98,8 +98,6 @@ async def probe_admitted(stub: generation_pb2_grpc.GenerationServiceStub) -> flo
             return sent  # queued: admitted
         except grpc.aio.AioRpcError as err:
             assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
-        finally:
-            pass
         await asyncio.sleep(0.02)
 
 
