@@ -1,4 +1,4 @@
-"""Admission control on the real mesh (Envoy, router, tokenizer, two torch
+"""Admission control (and the deadline) on the real mesh (Envoy, router, tokenizer, two torch
 engines with 2 sequence slots each, SmolLM2): exact refusals, each at once
 with an honest retry hint, the router's queue bounded, HTTP 429 with
 Retry-After, and the limits on ListModels."""
@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from llmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
 from services.cli.mesh import Mesh
 
 pytestmark = pytest.mark.mesh
@@ -207,3 +207,28 @@ def test_list_models_reports_the_admission_limits(small_mesh: Mesh) -> None:
     assert card.admission.max_queued_requests == QUEUE
     assert card.admission.max_running_requests == SLOTS
     assert card.admission.batch_window_ms == 10
+
+
+def test_a_2_second_deadline_ends_a_long_generation_and_frees_the_engine(
+        small_mesh: Mesh) -> None:
+    def running() -> int:
+        total = 0
+        for engine in small_mesh.engines:
+            with grpc.insecure_channel(engine.grpc_address) as channel:
+                load = engine_pb2_grpc.EngineServiceStub(channel).GetLoad(
+                    engine_pb2.GetLoadRequest(), timeout=5)
+                total += load.num_running + load.num_waiting
+        return total
+
+    with grpc.insecure_channel(small_mesh.ingress_address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        began = time.monotonic()
+        with pytest.raises(grpc.RpcError) as failed:
+            for _ in stub.Generate(long_request(2000, "deadline"), timeout=2.0):
+                pass
+        ended = time.monotonic()
+    assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert ended - began < 2.3, ended - began
+    while running() and time.monotonic() - ended < 1.0:
+        time.sleep(0.05)
+    assert running() == 0, "the engine still runs the sequence 1 s after the deadline"
