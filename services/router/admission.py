@@ -73,6 +73,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import grpc
 
@@ -92,7 +93,7 @@ MIN_RETRY_AFTER_MS = 1
 #: ... nor above this (ms).
 MAX_RETRY_AFTER_MS = 600_000
 #: Refusal reasons (the ``reason`` label of the rejected-requests metric).
-REASONS = ("queue_full", "queued_tokens", "deadline")
+RefusalReason = Literal["queue_full", "queued_tokens", "deadline"]
 
 
 @dataclass(frozen=True)
@@ -171,13 +172,13 @@ class AdmissionRefused(Exception):
     """The request is refused at once (RESOURCE_EXHAUSTED).
 
     Attributes:
-      reason: one of :data:`REASONS`.
+      reason: a :data:`RefusalReason`.
       retry_after_s: when a retry is predicted to be admitted (seconds).
     """
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
-    def __init__(self, reason: str, message: str, retry_after_s: float) -> None:
+    def __init__(self, reason: RefusalReason, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
@@ -395,10 +396,8 @@ class AdmissionController:
             return self._grant(job, now)
         cfg = self.config
         queue = self._queues[job.priority]
-        ahead_classes = [p for p in Priority if p <= job.priority]
-        nothing_ahead = all(self._queues[p].depth == 0 for p in ahead_classes)
         window = cfg.batch_window_s if job.priority is Priority.BATCH else 0.0
-        if nothing_ahead and window == 0 and self._fits(job):
+        if self._ahead_of_new(job) == 0 and window == 0 and self._fits(job):
             return self._grant(job, now)
         if queue.depth >= cfg.max_queued_requests:
             self._refuse(job, "queue_full", (
@@ -422,10 +421,8 @@ class AdmissionController:
         self._queue_changed(job.priority)
         self._pump()
         try:
-            async with contextlib.AsyncExitStack() as stack:
-                if deadline is not None:
-                    await stack.enter_async_context(asyncio.timeout_at(
-                        _loop_time(deadline, self._clock)))
+            async with asyncio.timeout_at(
+                    None if deadline is None else _loop_time(deadline, self._clock)):
                 return await asyncio.shield(entry.granted)
         except BaseException:
             if entry.granted.done() and not entry.granted.cancelled():
@@ -468,7 +465,7 @@ class AdmissionController:
         """Requests dispatched before a new ``job`` (FIFO estimate of its place)."""
         return sum(self._queues[p].depth for p in Priority if p <= job.priority)
 
-    def _refuse(self, job: Job, reason: str, message: str,
+    def _refuse(self, job: Job, reason: RefusalReason, message: str,
                 wait_s: float | None = None) -> None:
         retry = self.retry_after_s(job.priority) if wait_s is None else wait_s
         self._observer.refused(job.priority, reason, retry)

@@ -263,6 +263,7 @@ class GenerationPipeline:
         limits = self.models[request.model]
         outcome = "cancelled"  # unless set otherwise before leaving
         info: dict[str, object] = {}
+        ticket: Ticket | None = None
         self.metrics.requests_in_flight.labels(request.model).inc()
         try:
             prompt_ids = await self._prompt_ids(request, limits, deadline, info)
@@ -278,8 +279,9 @@ class GenerationPipeline:
                 events = self._replay(hit, progress, timing)
             else:
                 sampling = dataclasses.replace(request.sampling, max_tokens=max_tokens)
+                ticket = await self._admit(request, len(prompt_ids), max_tokens, deadline)
                 events = self._from_engine(request, prompt_ids, sampling, key, deadline,
-                                           progress, timing, info)
+                                           progress, timing, info, ticket)
             # aclosing: when our consumer stops early, the engine stream closes now.
             async with contextlib.aclosing(events):
                 async for event in events:
@@ -304,6 +306,8 @@ class GenerationPipeline:
             outcome = "internal"
             raise
         finally:
+            if ticket is not None:
+                ticket.release()
             self._record(request, outcome, progress, timing, info)
 
     async def close(self) -> None:
@@ -429,16 +433,12 @@ class GenerationPipeline:
     async def _from_engine(
         self, request: GenerationRequest, prompt_ids: tuple[int, ...],
         sampling: SamplingOptions, key: CacheKey | None, deadline: float | None,
-        progress: Progress, timing: _Timing, info: dict[str, object],
+        progress: Progress, timing: _Timing, info: dict[str, object], ticket: Ticket | None,
     ) -> AsyncIterator[Event]:
-        ticket = await self._admit(request, len(prompt_ids), sampling.max_tokens, deadline)
-        try:
-            engine, stream, delta = await self._open_engine(
-                request, prompt_ids, sampling, deadline, timing)
-        except BaseException:
-            if ticket is not None:
-                ticket.release()
-            raise
+        """The engine's answer as events; ``ticket`` (the admission slot, released
+        by the caller) hears of every token that leaves."""
+        engine, stream, delta = await self._open_engine(
+            request, prompt_ids, sampling, deadline, timing)
         info.update(engine=engine.target)
         matcher = StopStringMatcher(sampling.stop)
         detok = IncrementalDetokenizer(self.decoder, skip_special_tokens=True)
@@ -496,8 +496,6 @@ class GenerationPipeline:
         finally:
             engine.in_flight -= 1
             stream.close()
-            if ticket is not None:
-                ticket.release()
 
     async def _admit(self, request: GenerationRequest, prompt_tokens: int, max_tokens: int,
                      deadline: float | None) -> Ticket | None:

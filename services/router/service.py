@@ -48,11 +48,7 @@ from llmesh.v1 import generation_pb2, generation_pb2_grpc
 from services.common.grpc_util import metadata_value, request_id_from
 from services.common.logging import REQUEST_ID_METADATA_KEY, bind_request_id
 from services.common.sampling import FinishReason, InvalidRequestError, Priority
-from services.router.admission import (
-    AdmissionConfig,
-    AdmissionController,
-    ReplicaCapacity,
-)
+from services.router.admission import AdmissionConfig, AdmissionController, ReplicaCapacity
 from services.router.clients import CacheClient, ReplicaInfo, TokenizerClient, TokenizerInfo
 from services.router.engine_client import EngineClient
 from services.router.generation import (
@@ -66,11 +62,11 @@ from services.router.generation import (
 from services.router.json_request import parse_generate_json
 from services.router.metrics import RouterMetrics
 from services.router.validation import (
+    TENANT_METADATA_KEY,
     GenerationRequest,
     ModelLimits,
     reject_unknown_fields,
     validate_request,
-    TENANT_METADATA_KEY,
     validate_request_id,
 )
 
