@@ -10,6 +10,7 @@ identical token for token. That needs batch-invariant arithmetic
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -19,7 +20,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from services.common.sampling import FinishReason, InvalidRequestError, SamplingOptions
+from services.common.sampling import FinishReason, InvalidRequestError, Priority, SamplingOptions
 from services.engine.config import EngineConfig
 from services.engine.kv_events import BlockStored
 from services.engine.torch_backend.backend import TorchBackend
@@ -303,6 +304,40 @@ async def test_preempted_requests_recompute_to_the_same_tokens(
         together = await asyncio.gather(*(run(backend, request(f"p-{i}", i)) for i in chosen))
         assert together == [solo[i] for i in chosen]
         assert steps.preemptions > 0
+        await idle(backend)
+    finally:
+        await backend.shutdown()
+
+
+async def test_batch_sequences_preempted_for_an_interactive_arrival_keep_their_tokens(
+        smollm2: LlamaModel, reference: TorchBackend) -> None:
+    """Both sequence slots held by batch requests (one greedy, one seeded): an
+    interactive arrival preempts the later one at once, finishes before either
+    batch request, and both batch outputs equal their solo runs."""
+    def batch_request(request_id: str, index: int) -> SequenceRequest:
+        sampling = dataclasses.replace(options(index), max_tokens=24)
+        return SequenceRequest(request_id, PROMPTS[index], sampling, Priority.BATCH)
+
+    chosen = (9, 3)  # 128 tokens greedy, 17 tokens seeded
+    expected = [await run(reference, batch_request(f"solo-batch-{i}", i)) for i in chosen]
+    steps = Steps()
+    backend = await start_backend(smollm2, steps, max_num_seqs=2)
+    ended: list[str] = []
+
+    async def tracked(req: SequenceRequest) -> list[int]:
+        tokens = await run(backend, req)
+        ended.append(req.request_id)
+        return tokens
+
+    try:
+        batch = [asyncio.create_task(tracked(batch_request(f"b-{i}", i))) for i in chosen]
+        while backend.load().num_running < 2 or not steps.stats:
+            await asyncio.sleep(0.01)
+        interactive = await tracked(SequenceRequest("inter", PROMPTS[1], options(1)))
+        assert len(interactive) == options(1).max_tokens
+        assert ended[0] == "inter"  # before either batch request ended
+        assert await asyncio.gather(*batch) == expected
+        assert steps.preemptions >= 1
         await idle(backend)
     finally:
         await backend.shutdown()

@@ -63,8 +63,75 @@ def test_an_interactive_arrival_joins_ahead_of_a_running_batch_prefill() -> None
     # inter decodes (1 token, never deferred) while batch keeps prefilling.
     assert step(scheduler)[0] == [("inter", 3, 1, True), ("batch", 13, 7, False)]
     scheduler.add(make_request("batch-2", 3, max_tokens=1, priority=Priority.BATCH))
-    # A later batch arrival does not rank before the running batch: no deferral.
-    assert step(scheduler)[0] == [("batch", 20, 8, False)]
+    # inter has finished. A later batch arrival is of batch's class: it joins first
+    # too, and batch's prompt chunk takes the rest of the budget.
+    assert step(scheduler)[0] == [("batch-2", 0, 3, True), ("batch", 20, 5, False)]
+
+
+def test_a_short_arrival_joins_during_a_long_prompt_of_its_class() -> None:
+    # A 2,000-token prompt in chunks of the whole 64-token budget: a 5-token request
+    # arriving after its first chunk joins at the next step, not 31 steps later.
+    scheduler = create_scheduler(num_blocks=600, max_num_batched_tokens=64)
+    scheduler.add(make_request("long", 2000, max_tokens=1))
+    assert step(scheduler)[0] == [("long", 0, 64, False)]
+    scheduler.add(make_request("short", [900, 901, 902, 903, 904], max_tokens=3))
+    assert step(scheduler)[0] == [("short", 0, 5, True), ("long", 64, 59, False)]
+    # Once it runs, short decodes beside the long prompt's chunks.
+    assert step(scheduler)[0] == [("short", 5, 1, True), ("long", 123, 63, False)]
+    # A batch arrival does not defer an interactive prompt: it joins with what is left.
+    scheduler.add(make_request("batch", [800, 801], max_tokens=1, priority=Priority.BATCH))
+    assert step(scheduler)[0] == [("short", 6, 1, True), ("long", 186, 63, False)]
+    scheduler.kv.check_integrity()
+
+
+def test_an_interactive_arrival_preempts_the_latest_batch_sequence_when_slots_are_full() -> None:
+    scheduler = create_scheduler(max_num_seqs=2, block_size=4)
+    batch_1 = make_request("batch-1", 6, max_tokens=8, priority=Priority.BATCH)
+    batch_2 = make_request("batch-2", 6, max_tokens=8, priority=Priority.BATCH)
+    scheduler.add(batch_1)
+    scheduler.add(batch_2)
+    assert step(scheduler, 5)[0] == [("batch-1", 0, 6, True), ("batch-2", 0, 6, True)]
+    assert step(scheduler, 5)[0] == [("batch-1", 6, 1, True), ("batch-2", 6, 1, True)]
+    scheduler.add(make_request("inter", 3, max_tokens=2))
+    out = scheduler.schedule()
+    # The latest-arrived batch sequence gives its slot; inter joins in the same step
+    # (after the decodes, which are planned first).
+    assert out.preempted == [batch_2]
+    assert [(s.seq.request_id, s.start, s.num_tokens) for s in out.scheduled] == [
+        ("batch-1", 7, 1), ("inter", 0, 3)]
+    assert (batch_2.status, batch_2.num_computed_tokens, batch_2.token_ids[6:]) == (
+        SequenceStatus.WAITING, 0, [5, 5])
+    assert (scheduler.num_preemptions, scheduler.num_priority_preemptions) == (1, 1)
+    scheduler.update_from_output(out, [6, 6])
+    # A waiting batch sequence never preempts a running one of its class.
+    assert step(scheduler, 6)[0] == [("inter", 3, 1, True), ("batch-1", 8, 1, True)]
+    assert scheduler.get("inter") is None
+    # batch-2 resumes in the freed slot: its first full block (4 of its 8 tokens)
+    # is still in the prefix cache, so it recomputes only the other 4.
+    out = scheduler.schedule()
+    assert [(s.seq.request_id, s.start, s.num_tokens) for s in out.scheduled] == [
+        ("batch-1", 9, 1), ("batch-2", 4, 4)]
+    assert out.prefix_hits == 4
+    scheduler.update_from_output(out, [7, 7])
+    assert batch_2.token_ids[6:] == [5, 5, 7]
+    while scheduler.has_work():
+        step(scheduler)
+    assert scheduler.num_preemptions == 1
+    scheduler.kv.check_integrity(idle=True)
+
+
+def test_priority_preemption_frees_one_slot_per_outranking_arrival() -> None:
+    scheduler = create_scheduler(max_num_seqs=3)
+    for name in ("b1", "b2", "b3"):
+        scheduler.add(make_request(name, 4, max_tokens=8, priority=Priority.BATCH))
+    step(scheduler)
+    for name in ("i1", "i2"):
+        scheduler.add(make_request(name, 4, max_tokens=8))
+    out = scheduler.schedule()
+    assert [s.request_id for s in out.preempted] == ["b3", "b2"]
+    assert [s.seq.request_id for s in out.scheduled] == ["b1", "i1", "i2"]
+    # The preempted batch sequences wait in their arrival order behind no one else.
+    assert [s.request_id for s in scheduler.waiting()] == ["b2", "b3"]
 
 
 def test_max_num_seqs_bounds_the_running_batch() -> None:

@@ -9,15 +9,31 @@ decoding, and a prefix-cache hit simply starts a sequence further along.
 
 Policy:
 
-* Order is priority (INTERACTIVE before BATCH), then arrival. Running
-  sequences are served first, in that order; then waiting ones join in that
-  order while the budget, ``max_num_seqs`` and free blocks allow. The head of
-  the waiting queue is never overtaken (no starvation of long prompts).
-* When a running sequence needs a block and none is free, the lowest-priority
-  running sequence (last in order, possibly itself) is preempted: its blocks
-  are freed and it goes back to the waiting queue with its tokens, to be
-  recomputed (mostly from the prefix cache) when blocks allow. No sequence
-  joins in a step that preempted.
+* Order is priority (INTERACTIVE before BATCH), then arrival. A step plans,
+  in this order: the running sequences' decodes (one token each, plus
+  proposals); the prompt chunks of running sequences that outrank the first
+  waiting sequence by priority; waiting sequences joining in order while the
+  budget, ``max_num_seqs`` and free blocks allow; the other running prompt
+  chunks with what budget is left. The head of the waiting queue is never
+  overtaken (no starvation of long prompts). So a long prompt's chunked
+  prefill never holds up a decode, nor an arrival of its class or a higher
+  one: a short request arriving during an 8,000-token prefill joins at the
+  next step and decodes beside the remaining chunks.
+* Preemption for priority: when every sequence slot is taken and a waiting
+  sequence outranks the last running one by priority (an INTERACTIVE arrival
+  while BATCH sequences fill ``max_num_seqs``), that running sequence (lowest
+  priority, latest arrival) is preempted before the step is planned, and the
+  waiting one joins in the same step. Nothing is preempted for a sequence of
+  equal priority (arrival order alone never preempts).
+* Preemption for blocks: when a running sequence needs a block and none is
+  free, the last running sequence in order not yet planned in this step
+  (possibly itself) is preempted. No sequence joins in a step that preempted for blocks.
+* A preempted sequence's blocks are freed, its full ones staying in the
+  prefix cache (evicted only when blocks run short), and it goes back to the
+  waiting queue with its tokens, to be recomputed (mostly from the prefix
+  cache) when it is next in order. Its output is the one of an uninterrupted
+  run: the kernels are batch-invariant and its sampler draws once per token
+  from its own generator.
 * A cancelled running sequence leaves at the next step boundary (or sooner:
   the engine loop ends the sequences of a step it abandoned because all of
   them were cancelled, with :meth:`Scheduler.finish`); a cancelled waiting one
@@ -143,7 +159,8 @@ class Scheduler:
         self._waiting: list[Sequence] = []  # heap by (priority, arrival)
         self.running: list[Sequence] = []  # sorted by (priority, arrival)
         self._by_id: dict[str, Sequence] = {}  # every waiting or running sequence
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # for blocks and for priority
+        self.num_priority_preemptions = 0
 
     # ---- queries (pure) -------------------------------------------------------------
 
@@ -202,15 +219,16 @@ class Scheduler:
         for seq in [s for s in self.running if s.cancelled]:
             self._finish(seq, FinishReason.CANCELLED)
             out.finished.append(seq)
-        # Prompt chunks of running sequences that rank after the first waiting one
-        # wait for it: an interactive arrival joins now instead of after a batch
-        # request's whole prefill. Decodes (one token) always run.
-        head = self._waiting[0] if self._waiting else None
-        deferred: list[Sequence] = []
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens, head, deferred)
-        if not out.preempted:
-            budget = self._schedule_waiting(out, budget)
-            self._schedule_deferred(out, budget, deferred)
+        self._preempt_for_priority(out)
+        num_preempted_for_priority = len(out.preempted)
+        decodes, early_chunks, late_chunks = self._split_running()
+        planned: set[Sequence] = set()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget, decodes, planned)
+        budget = self._schedule_running(out, budget, early_chunks, planned)
+        if len(out.preempted) == num_preempted_for_priority:  # none for blocks
+            budget = self._schedule_waiting(out, budget, planned)
+        self._schedule_running(out, budget, late_chunks, planned)
         return out
 
     def update_from_output(self, out: SchedulerOutput,
@@ -299,51 +317,72 @@ class Scheduler:
         cap = self.config.max_chunk_tokens
         return min(wanted, budget) if cap is None else min(wanted, budget, cap)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, head: Sequence | None,
-                          deferred: list[Sequence]) -> int:
-        """Schedules running sequences in priority order; a prompt chunk of one that
-        ranks after ``head`` goes to ``deferred`` instead. Returns the budget left."""
-        running = self.running
-        index = 0
-        while index < len(running) and budget > 0:
-            seq = running[index]
+    def _split_running(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
+        """The running sequences in the order their tokens are planned: decodes;
+        prompt chunks that outrank the first waiting sequence by priority; the
+        other prompt chunks (after the waiting ones join). Each list in
+        scheduling order."""
+        head = self._waiting[0] if self._waiting else None
+        decodes: list[Sequence] = []
+        early: list[Sequence] = []
+        late: list[Sequence] = []
+        for seq in self.running:
+            if seq.num_tokens - seq.num_computed_tokens == 1:
+                decodes.append(seq)
+            elif head is None or seq.priority < head.priority:
+                early.append(seq)
+            else:
+                late.append(seq)
+        return decodes, early, late
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, seqs: list[Sequence],
+                          planned: set[Sequence]) -> int:
+        """Plans ``seqs`` (running, in order) while budget is left. One that needs a
+        block when none is free preempts the last running sequence not planned in
+        this step (possibly itself). Returns the budget left."""
+        for seq in seqs:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted in this step
+                continue
             num_new = self._chunk(seq, budget)
             decoding = seq.num_tokens - seq.num_computed_tokens == 1
-            if head is not None and not decoding and head < seq:
-                deferred.append(seq)
-                index += 1
-                continue
             while not self.kv.allocate_slots(seq, num_new):
                 if decoding and num_new > 1:  # drop proposals before preempting anyone
                     num_new = 1
                     continue
-                victim = running[-1]
+                victim = next(s for s in reversed(self.running) if s not in planned)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
                 self._add_scheduled(out, seq, num_new)
+                planned.add(seq)
                 budget -= num_new
-                index += 1
         return budget
 
-    def _schedule_deferred(self, out: SchedulerOutput, budget: int,
-                           deferred: list[Sequence]) -> None:
-        """Gives what budget is left to the deferred prompt chunks, in priority order;
-        one whose blocks are short waits for the next step (no preemption here:
-        every lower-ranked sequence may already be scheduled)."""
-        for seq in deferred:
-            if budget <= 0:
-                return
-            if seq.status is not SequenceStatus.RUNNING:  # preempted this step
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """Preempts the last running sequences while every slot is taken and a
+        waiting sequence outranks them by priority; one slot per such waiting
+        sequence, in order (see the module docstring)."""
+        running, waiting = self.running, self._waiting
+        free_slots = self.config.max_num_seqs - len(running)
+        if not waiting or not running or waiting[0].priority >= running[-1].priority:
+            return  # the common case: nothing outranks the running batch
+        for seq in sorted(waiting):
+            if free_slots > 0:
+                free_slots -= 1
                 continue
-            num_new = self._chunk(seq, budget)
-            if self.kv.allocate_slots(seq, num_new):
-                self._add_scheduled(out, seq, num_new)
-                budget -= num_new
+            victim = running[-1] if running else None
+            if victim is None or seq.priority >= victim.priority:
+                return
+            self._preempt(victim)
+            out.preempted.append(victim)
+            self.num_priority_preemptions += 1
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int,
+                          planned: set[Sequence]) -> int:
         waiting = self._waiting
         while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = waiting[0]
@@ -364,6 +403,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq)
             self._add_scheduled(out, seq, num_new)
+            planned.add(seq)
             budget -= num_new
         return budget
 

@@ -81,6 +81,11 @@ class Sequence:
         return self.request.request_id
 
     @property
+    def priority(self) -> int:
+        """Its traffic class (:class:`~services.common.sampling.Priority`; lower first)."""
+        return self.priority_key[0]
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.request.prompt_token_ids)
 
