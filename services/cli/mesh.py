@@ -268,6 +268,21 @@ class ServiceProcess:
         self.port_file.unlink(missing_ok=True)
         self.process = spawn(self.argv, self.log_path, env=env, cwd=cwd)
 
+    def pin_ports(self) -> None:
+        """Makes the next :meth:`spawn` bind the ports it bound the first time
+        (``--port 0`` and ``--metrics-port 0`` replaced), so that a restarted
+        service is found where its callers and Prometheus look for it.
+
+        Raises:
+          RuntimeError: it has not bound its ports yet.
+        """
+        if self.grpc_port is None or self.metrics_port is None:
+            raise RuntimeError(f"{self.name} has not bound its ports yet")
+        pinned = {"--port": self.grpc_port, "--metrics-port": self.metrics_port}
+        for index, arg in enumerate(self.argv[:-1]):
+            if arg in pinned and self.argv[index + 1] == "0":
+                self.argv[index + 1] = str(pinned[arg])
+
     def read_port_file(self) -> bool:
         """True once the port file holds the bound ports (then sets them)."""
         try:
@@ -700,6 +715,38 @@ class Mesh:
         finally:
             for channel in channels.values():
                 channel.close()
+
+    def restart(self, name: str, timeout_s: float | None = None) -> ServiceProcess:
+        """Starts service ``name`` again on the ports it had (the way a process
+        supervisor would after a crash; stopping it first with SIGTERM, then
+        SIGKILL, if it still runs); returns when it is SERVING again. The router
+        finds a restarted engine by its health probes.
+
+        Raises:
+          KeyError: no such service.
+          MeshStartError: it exited or did not turn SERVING within ``timeout_s``
+            (default: the start timeout).
+        """
+        service = self.services[name]
+        if service.process is not None:
+            stop_processes([service.process], self.drain_seconds)
+        service.pin_ports()
+        env = child_env(self.env)
+        if name.startswith("engine-"):
+            env = engine_thread_env(env, self.num_engines)
+        started = time.monotonic()
+        deadline = started + (self.start_timeout_s if timeout_s is None else timeout_s)
+        service.spawn(env, REPO_ROOT)
+
+        def elapsed() -> float:
+            return time.monotonic() - started
+
+        def report(_: MeshProgress) -> None:
+            return None
+
+        self._wait_bound([service], deadline, report, elapsed)
+        self._wait_serving([service], deadline, report, elapsed)
+        return service
 
     # -- run and stop -----------------------------------------------------
 

@@ -28,6 +28,11 @@ prompt + ``max_tokens`` against the replicas' KV capacity times
 the engine preempt and recompute when blocks run short). A request alone
 always fits. The router, not the engine, then holds the queue, so the order
 below decides who runs next; the engine's own waiting limit stays a backstop.
+An interactive request counts only the interactive requests against the cap
+and the KV limit: when batch requests fill them, it is dispatched at once
+and the engine preempts a batch sequence for it (the engine's preemption for
+priority; the preempted sequence resumes from its cached blocks when a slot
+frees), so interactive traffic never waits for a batch request to end.
 
 **Dispatch order** when a slot frees (or the batch window closes):
 
@@ -345,6 +350,9 @@ class AdmissionController:
         self._queues = {p: _ClassQueue() for p in Priority}
         self._running: set[Ticket] = set()
         self._reserved_kv = 0
+        # Of those, the interactive ones (the batch ones are preemptible).
+        self._interactive_running = 0
+        self._interactive_kv = 0
         self._seq = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
         self._tpot = _Ewma(INITIAL_TPOT_S)
@@ -473,11 +481,18 @@ class AdmissionController:
                                retry)
 
     def _fits(self, job: Job) -> bool:
-        if len(self._running) >= self.max_running:
+        """Whether ``job`` may run now. An interactive job counts only the
+        interactive requests running: the engines preempt batch sequences for
+        it (see the module doc)."""
+        if job.priority is Priority.INTERACTIVE:
+            running, reserved = self._interactive_running, self._interactive_kv
+        else:
+            running, reserved = len(self._running), self._reserved_kv
+        if running >= self.max_running:
             return False
-        if not self.kv_limit or not self._running:
+        if not self.kv_limit or not running:
             return True
-        return self._reserved_kv + job.kv_tokens <= self.kv_limit
+        return reserved + job.kv_tokens <= self.kv_limit
 
     def _blocked_by_kv(self) -> bool:
         return bool(self.kv_limit) and self._reserved_kv >= self.kv_limit
@@ -492,6 +507,9 @@ class AdmissionController:
         ticket = Ticket(job, now, self)
         self._running.add(ticket)
         self._reserved_kv += job.kv_tokens
+        if job.priority is Priority.INTERACTIVE:
+            self._interactive_running += 1
+            self._interactive_kv += job.kv_tokens
         self._queues[job.priority].charge(job.tenant, W_PROMPT * job.prompt_tokens)
         self._observer.running_changed(len(self._running))
         return ticket
@@ -501,6 +519,9 @@ class AdmissionController:
             return
         self._running.discard(ticket)
         self._reserved_kv -= ticket.job.kv_tokens
+        if ticket.job.priority is Priority.INTERACTIVE:
+            self._interactive_running -= 1
+            self._interactive_kv -= ticket.job.kv_tokens
         now = self._clock()
         self._queues[ticket.job.priority].charge(
             ticket.job.tenant, W_OUTPUT * ticket.completion_tokens)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 import structlog
@@ -150,8 +150,10 @@ class EngineStream:
 class _Multiplex:
     """One ``Multiplex`` call and the streams open on it (owned by :class:`EngineClient`)."""
 
-    def __init__(self, stub: engine_pb2_grpc.EngineServiceStub, target: str) -> None:
+    def __init__(self, stub: engine_pb2_grpc.EngineServiceStub, target: str,
+                 on_failed: Callable[[str], None] | None = None) -> None:
         self._target = target
+        self._on_failed = on_failed
         self._call = stub.Multiplex()
         self._streams: dict[int, EngineStream] = {}
         self._starts: list[engine_pb2.MultiplexStart] = []
@@ -230,6 +232,8 @@ class _Multiplex:
             if not self._closing:
                 log.warning("engine_call_failed", engine=self._target, why=why,
                             open_requests=len(self._streams))
+                if self._on_failed is not None:
+                    self._on_failed(why)
         for stream in self._streams.values():
             stream._fail(self.failed)
         self._streams.clear()
@@ -238,6 +242,12 @@ class _Multiplex:
         for task in (self._reader, self._writer):
             if task is not current:
                 task.cancel()
+
+    def fail(self, why: str) -> None:
+        """Ends the call and every stream on it with UNAVAILABLE (the replica went
+        silent)."""
+        if self.failed is None:
+            self._fail_all(why)
 
     async def close(self) -> None:
         self._closing = True
@@ -253,6 +263,11 @@ class EngineClient:
     Attributes:
       in_flight: requests this router has open on the replica (a cheap local
         load signal used to pick the least loaded replica).
+      in_flight_interactive: of those, the interactive ones (an interactive
+        request goes where the fewest are: batch ones are preempted for it).
+      on_call_failed: called with the reason when a ``Multiplex`` call fails
+        (not when the router closes it): the replica set takes the replica
+        out of routing (:mod:`services.router.replicas`).
     """
 
     service = _SERVICE
@@ -263,10 +278,33 @@ class EngineClient:
         """
         self.target = target
         self.in_flight = 0
+        self.in_flight_interactive = 0
         self._channel = make_channel(target)
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         self._mux: _Multiplex | None = None
         self._stream_ids = itertools.count(1)
+        self.on_call_failed: Callable[[str], None] | None = None
+
+    def opened(self, priority: Priority) -> None:
+        """Counts a request this router opens on the replica (see ``in_flight``)."""
+        self.in_flight += 1
+        self.in_flight_interactive += priority is Priority.INTERACTIVE
+
+    def closed(self, priority: Priority) -> None:
+        """Uncounts a request counted by :meth:`opened`."""
+        self.in_flight -= 1
+        self.in_flight_interactive -= priority is Priority.INTERACTIVE
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The replica's channel (its health is probed on it)."""
+        return self._channel
+
+    def fail_calls(self, why: str) -> None:
+        """Ends the open ``Multiplex`` call, if any: each request on it gets
+        UNAVAILABLE with ``why``; the next start opens a new call."""
+        if self._mux is not None:
+            self._mux.fail(why)
 
     async def wait_until_serving(self, timeout: float) -> None:
         """See :func:`services.router.clients.wait_until_serving`."""
@@ -317,8 +355,12 @@ class EngineClient:
             stream_id=stream_id, request=request,
             timeout_ms=0 if remaining is None else max(1, int(remaining * 1e3)))
         if self._mux is None or self._mux.failed is not None:
-            self._mux = _Multiplex(self._stub, self.target)
+            self._mux = _Multiplex(self._stub, self.target, self._call_failed)
         return self._mux.open(stream_id, start, deadline)
+
+    def _call_failed(self, why: str) -> None:
+        if self.on_call_failed is not None:
+            self.on_call_failed(why)
 
     async def close(self) -> None:
         if self._mux is not None:

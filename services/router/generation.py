@@ -15,9 +15,13 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
 4. admission (:mod:`services.router.admission`): a running slot at once, a
    wait in the model's queue (class, tenant-fair order), or RESOURCE_EXHAUSTED
    at once with ``retry-after-ms``;
-5. the admitted request goes to the engine replica with the fewest streams
-   open from this router; UNAVAILABLE or RESOURCE_EXHAUSTED before the first
-   token moves on to the next replica;
+5. the admitted request goes to the engine replica in routing
+   (:mod:`services.router.replicas`: serving, answering its health probes)
+   with the fewest streams open from this router; UNAVAILABLE or
+   RESOURCE_EXHAUSTED before the first token moves on to the next replica in
+   routing (each is tried once), so a replica that dies before a request's
+   first token costs it only time; after the first token, a failure ends the
+   request UNAVAILABLE (its tokens were sent: a retry would repeat them);
 6. token ids are detokenized in process (:class:`IncrementalDetokenizer` on
    the tokenizer service's own definition, fetched once at start with
    ``GetTokenizer``: no round trip per token) and pass the
@@ -50,7 +54,7 @@ import grpc
 import structlog
 
 from services.common.detokenizer import IncrementalDetokenizer, TokenizersDecoder
-from services.common.sampling import FinishReason, InvalidRequestError, SamplingOptions
+from services.common.sampling import FinishReason, InvalidRequestError, Priority, SamplingOptions
 from services.router.admission import AdmissionController, AdmissionRefused, Job, Ticket
 from services.router.clients import (
     CacheClient,
@@ -63,6 +67,7 @@ from services.router.clients import (
 )
 from services.router.engine_client import EngineClient, EngineStream
 from services.router.metrics import RouterMetrics
+from services.router.replicas import ReplicaSet
 from services.router.stop_strings import StopStringMatcher
 from services.router.validation import GenerationRequest, ModelLimits, fit_to_context
 
@@ -206,7 +211,7 @@ class GenerationPipeline:
 
     def __init__(
         self, *, tokenizer: TokenizerClient, decoder: TokenizersDecoder,
-        engines: Sequence[EngineClient], cache: CacheClient | None,
+        replicas: ReplicaSet, cache: CacheClient | None,
         models: Mapping[str, ModelLimits], metrics: RouterMetrics, log_content: bool = False,
         admission: Mapping[str, AdmissionController] | None = None,
     ) -> None:
@@ -214,7 +219,8 @@ class GenerationPipeline:
           tokenizer: the tokenizer client (prompt ids).
           decoder: the tokenizer's definition (:meth:`TokenizerClient.decoder`),
             which detokenizes generated ids in process.
-          engines: the engine replicas (all serve the models in ``models``).
+          replicas: the engine replicas (all serve the models in ``models``) and
+            which of them take new requests.
           cache: the response cache client, or None when there is no cache.
           models: served models by id.
           metrics: where to record the router's metrics.
@@ -222,11 +228,11 @@ class GenerationPipeline:
           admission: the admission controller of each model (None or a model
             missing: requests go to an engine at once).
         """
-        if not engines:
+        if not replicas.engines:
             raise ValueError("at least one engine replica is needed")
         self.tokenizer = tokenizer
         self.decoder = decoder
-        self.engines = tuple(engines)
+        self.replicas = replicas
         self.cache = cache
         self.models = dict(models)
         self.metrics = metrics
@@ -379,13 +385,32 @@ class GenerationPipeline:
         yield Delta(hit.text, hit.token_ids)
         yield Finished(hit.finish_reason, hit.matched_stop, progress.usage(), cached=True)
 
-    def _pick_order(self) -> list[EngineClient]:
-        """Replicas by fewest open streams; ties rotate so equal replicas share work."""
-        n = len(self.engines)
-        start = self._next_replica
+    def _pick_order(self, priority: Priority) -> list[EngineClient]:
+        """The replicas in routing, by fewest open streams (for an interactive
+        request: fewest interactive ones first, since a replica preempts batch
+        sequences for it); ties rotate so equal replicas share work.
+
+        Raises:
+          GenerationError: UNAVAILABLE when no replica is in routing.
+        """
+        serving = self._serving_replicas()
+        n = len(serving)
+        start = self._next_replica % n
         self._next_replica = (start + 1) % n
-        rotated = [self.engines[(start + i) % n] for i in range(n)]
+        rotated = [serving[(start + i) % n] for i in range(n)]
+        if priority is Priority.INTERACTIVE:
+            return sorted(rotated, key=lambda e: (e.in_flight_interactive, e.in_flight))
         return sorted(rotated, key=lambda e: e.in_flight)  # stable: keeps the rotation
+
+    def _serving_replicas(self) -> list[EngineClient]:
+        """The replicas in routing. Raises GenerationError (UNAVAILABLE) for none."""
+        serving = self.replicas.serving()
+        if not serving:
+            raise GenerationError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no engine replica is serving (all {len(self.replicas.engines)} failed, went "
+                "silent or are draining); retry in a few seconds")
+        return serving
 
     async def _open_engine(
         self, request: GenerationRequest, prompt_ids: tuple[int, ...],
@@ -393,11 +418,14 @@ class GenerationPipeline:
     ) -> tuple[EngineClient, EngineStream, EngineDelta]:
         """Opens a stream on the best replica that answers; returns its first delta.
 
-        The chosen replica's ``in_flight`` is incremented; the caller decrements it.
+        The chosen replica counts the request (:meth:`EngineClient.opened`); the
+        caller uncounts it.
         """
         failures: list[UpstreamError] = []
-        for engine in self._pick_order():
-            engine.in_flight += 1
+        for engine in self._pick_order(request.priority):
+            if failures and not self.replicas.is_serving(engine):
+                continue  # left routing while an earlier replica was tried
+            engine.opened(request.priority)
             stream: EngineStream | None = None
             ok = False
             try:
@@ -421,7 +449,7 @@ class GenerationPipeline:
                 failures.append(err)
             finally:
                 if not ok:
-                    engine.in_flight -= 1
+                    engine.closed(request.priority)
                     if stream is not None:
                         stream.close()
         tried = "; ".join(f"{e.target}: {e.code.name}: {e.details}" for e in failures)
@@ -494,7 +522,7 @@ class GenerationPipeline:
                     return
                 delta = await stream.read()
         finally:
-            engine.in_flight -= 1
+            engine.closed(request.priority)
             stream.close()
 
     async def _admit(self, request: GenerationRequest, prompt_tokens: int, max_tokens: int,
@@ -502,10 +530,13 @@ class GenerationPipeline:
         """A running slot from the model's admission controller (None: it has none).
 
         Raises:
-          GenerationError: RESOURCE_EXHAUSTED (refused at once, with the retry
-            hint in its trailing metadata) or DEADLINE_EXCEEDED (the deadline
-            passed in the queue).
+          GenerationError: UNAVAILABLE at once when no engine replica is in
+            routing (a request already queued waits: a replica may rejoin
+            within its deadline), RESOURCE_EXHAUSTED (refused at once, with the
+            retry hint in its trailing metadata) or DEADLINE_EXCEEDED (the
+            deadline passed in the queue).
         """
+        self._serving_replicas()
         controller = self.admission.get(request.model)
         if controller is None:
             return None

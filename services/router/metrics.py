@@ -53,6 +53,10 @@ a ``GenerateStream``), and observed at the moment they happen:
   limits), ``llmesh:router_engine_retries_total{code}`` (a replica refused or
   failed a request before its first token, by status; the request moves on
   to the next replica if there is one).
+* failover (:mod:`services.router.replicas`), per ``engine`` (its address,
+  from the router's configuration): ``llmesh:router_replica_serving`` (1
+  while the replica takes new requests), ``llmesh:router_replica_failovers_total{reason}``
+  (the replica left routing: ``call_failed``, ``not_serving``, ``silent``).
 
 Every metric carries ``model_name`` (a served model id: never a value the
 client made up). Nothing is observed per token inside the decode loop beyond
@@ -169,6 +173,14 @@ class RouterMetrics:
             "llmesh:router_engine_retries",
             "Engine replicas that refused or failed a request before its first token.",
             ["model_name", "code"], registry=reg)
+        self.replica_serving = Gauge(
+            "llmesh:router_replica_serving",
+            "1 while the engine replica takes new requests from this router, else 0.",
+            ["engine"], registry=reg)
+        self.replica_failovers = Counter(
+            "llmesh:router_replica_failovers",
+            "Engine replicas taken out of routing, by reason (call_failed, not_serving, "
+            "silent).", ["engine", "reason"], registry=reg)
 
     def admission_observer(self, model: str) -> AdmissionMetrics:
         """The admission controller's observer for ``model``."""

@@ -61,6 +61,7 @@ from services.router.generation import (
 )
 from services.router.json_request import parse_generate_json
 from services.router.metrics import RouterMetrics
+from services.router.replicas import ReplicaSet
 from services.router.validation import (
     TENANT_METADATA_KEY,
     GenerationRequest,
@@ -204,6 +205,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         self._pipeline: GenerationPipeline | None = None
         self._tokenizer: TokenizerClient | None = None
         self._engines: list[EngineClient] = []
+        self._replicas: ReplicaSet | None = None
         self._cache: CacheClient | None = None
         self._draining = False
         self.admission: dict[str, AdmissionController] = {}
@@ -240,11 +242,15 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                 cache_ready.cancel()
             raise
         self._set_models(infos, tok_info)
-        self._set_admission(infos)
+        capacities = [ReplicaCapacity(i.max_num_seqs, i.kv_capacity_tokens) for i in infos]
+        self._set_admission(capacities)
+        self._replicas = ReplicaSet(self._engines, capacities,
+                                    on_change=self._replicas_changed, metrics=self.metrics)
+        self._replicas.start()
         if cache_ready is not None:
             await self._await_cache(cache_ready)
         self._pipeline = GenerationPipeline(
-            tokenizer=self._tokenizer, decoder=decoder, engines=self._engines,
+            tokenizer=self._tokenizer, decoder=decoder, replicas=self._replicas,
             cache=self._cache, models=self.models, metrics=self.metrics,
             log_content=cfg.log_content, admission=self.admission)
         limits = self.models[self.default_model]
@@ -273,10 +279,9 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             eos_token_ids=tuple(sorted({*infos[0].eos_token_ids, *tok.eos_token_ids})))}
         self.default_model = model
 
-    def _set_admission(self, infos: list[ReplicaInfo]) -> None:
+    def _set_admission(self, replicas: list[ReplicaCapacity]) -> None:
         """One admission controller per model, sized from the replicas' capacity."""
         cfg = self.config.admission
-        replicas = [ReplicaCapacity(i.max_num_seqs, i.kv_capacity_tokens) for i in infos]
         for model in self.models:
             observer = self.metrics.admission_observer(model)
             controller = AdmissionController(cfg, model, replicas, observer=observer)
@@ -295,6 +300,11 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                      max_queued_requests=cfg.max_queued_requests,
                      max_queued_prompt_tokens=cfg.max_queued_prompt_tokens)
 
+    def _replicas_changed(self, capacities: list[ReplicaCapacity]) -> None:
+        """Admission's concurrency cap follows the replicas in routing."""
+        for controller in self.admission.values():
+            controller.set_replicas(capacities)
+
     async def _await_cache(self, ready: asyncio.Task[None]) -> None:
         assert self._cache is not None
         done, _ = await asyncio.wait({ready}, timeout=CACHE_GRACE_SECONDS)
@@ -312,6 +322,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
 
     async def close(self) -> None:
         """Closes the channels (after the server stopped)."""
+        if self._replicas is not None:
+            await self._replicas.close()
         if self._pipeline is not None:
             await self._pipeline.close()
         clients = [self._tokenizer, self._cache, *self._engines]

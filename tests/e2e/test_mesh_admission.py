@@ -12,14 +12,14 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 
-from llmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
+from llmesh.v1 import engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
 from services.cli.mesh import Mesh
+from tests.e2e.overload_client import Outcome, long_request, run_one
 
 pytestmark = pytest.mark.mesh
 
@@ -37,51 +37,6 @@ def small_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
               engine_args=["--max-num-seqs", str(SLOTS_PER_ENGINE)],
               router_args=["--max-queued-requests", str(QUEUE)]) as running:
         yield running
-
-
-def long_request(max_tokens: int, tag: str) -> generation_pb2.GenerateRequest:
-    return generation_pb2.GenerateRequest(
-        prompt=f"Request {tag}. List the numbers from one to one thousand in words:",
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                           ignore_eos=True),
-        bypass_cache=True)
-
-
-@dataclass
-class Outcome:
-    sent_at: float
-    ended_at: float = 0.0
-    code: grpc.StatusCode = grpc.StatusCode.OK
-    tokens: int = 0
-    first_token_at: float | None = None
-    retry_after_ms: int | None = None
-    details: str = ""
-
-    @property
-    def latency(self) -> float:
-        return self.ended_at - self.sent_at
-
-
-async def run_one(stub: generation_pb2_grpc.GenerationServiceStub,
-                  request: generation_pb2.GenerateRequest, *,
-                  first_token: asyncio.Event | None = None) -> Outcome:
-    out = Outcome(time.monotonic())
-    call = stub.Generate(request, timeout=120)
-    try:
-        async for response in call:
-            out.tokens += len(response.token_ids)
-            if response.token_ids and out.first_token_at is None:
-                out.first_token_at = time.monotonic()
-            if first_token is not None and out.tokens >= 8:
-                first_token.set()
-    except grpc.aio.AioRpcError as err:
-        out.code = err.code()
-        out.details = err.details() or ""
-        trailers = dict(err.trailing_metadata() or ())
-        if "retry-after-ms" in trailers:
-            out.retry_after_ms = int(trailers["retry-after-ms"])
-    out.ended_at = time.monotonic()
-    return out
 
 
 async def probe_admitted(stub: generation_pb2_grpc.GenerationServiceStub) -> float:

@@ -32,7 +32,7 @@ MAX_MODEL_LEN = 256
 #: Largest max_tokens the shared service accepts.
 MAX_TOKENS_CAP = 128
 #: Positions the shared model's RoPE tables cover (the longest context a test uses).
-MAX_POSITIONS = 2048
+MAX_POSITIONS = 8192
 
 
 @pytest.fixture(scope="session")

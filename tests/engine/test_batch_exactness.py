@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import random
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -338,6 +339,48 @@ async def test_batch_sequences_preempted_for_an_interactive_arrival_keep_their_t
         assert ended[0] == "inter"  # before either batch request ended
         assert await asyncio.gather(*batch) == expected
         assert steps.preemptions >= 1
+        await idle(backend)
+    finally:
+        await backend.shutdown()
+
+
+BUDGET = 64
+
+
+async def test_a_short_request_arriving_during_an_8000_token_prefill_starts_within_2_steps(
+        smollm2: LlamaModel) -> None:
+    """An 8,000-token prompt is computed in chunks of the whole step budget (64
+    tokens here, so that a step is short on CI: 125 steps); a short request
+    arriving during it shares the next step's budget, so its first token comes
+    within 2 steps (the one in progress and the next), not after the whole
+    prefill."""
+    steps = Steps()
+    backend = await start_backend(smollm2, steps, max_model_len=8192, kv_cache_bytes=512 << 20,
+                                  max_num_batched_tokens=BUDGET)
+    try:
+        long = asyncio.create_task(collect_last(backend, SequenceRequest(
+            "long", prompt_of(8000, 99), SamplingOptions(max_tokens=1, ignore_eos=True))))
+        while len(steps.stats) < 2:
+            await asyncio.sleep(0.002)
+        before = len(steps.stats)
+        sent = time.monotonic()
+        short = backend.generate(SequenceRequest("short", PROMPTS[0], SamplingOptions(
+            max_tokens=1, ignore_eos=True)))
+        first = await anext(short)
+        ttft = time.monotonic() - sent
+        after = len(steps.stats)
+        budget_step_s = max(s.duration_s for s in steps.stats[:after]
+                            if s.num_scheduled_tokens == BUDGET)
+        print(f"short TTFT {ttft * 1e3:.0f} ms over {after - before} steps; a {BUDGET}-token "
+              f"step takes up to {budget_step_s * 1e3:.0f} ms")
+        assert first.token_ids
+        assert after - before <= 2
+        assert ttft <= 2 * budget_step_s + 0.05
+        async for _ in short:
+            pass
+        assert not long.done()  # still prefilling: the short request did not wait for it
+        backend.cancel("long")
+        await long
         await idle(backend)
     finally:
         await backend.shutdown()

@@ -64,7 +64,7 @@ def tokenizer(model_path: Path) -> Any:
 @pytest.fixture(scope="module")
 def text_ids(tokenizer: Any) -> list[int]:
     ids = tokenizer((DATA / "quality_guard_text.txt").read_text(encoding="utf-8"))["input_ids"]
-    assert 1500 <= len(ids) < 2048  # the fixture's RoPE tables cover 2,048 positions
+    assert 1500 <= len(ids) < 2048
     return list(ids)
 
 

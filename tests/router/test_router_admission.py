@@ -128,6 +128,28 @@ async def test_interactive_goes_before_batch_that_arrived_earlier() -> None:
     assert await release_one_at_a_time([first], tasks) == ["i1", "i2", "b1", "b2"]
 
 
+async def test_interactive_requests_run_at_once_when_batch_requests_hold_every_slot() -> None:
+    # The engines preempt batch sequences for interactive ones, so batch requests
+    # never hold interactive ones back; interactive ones still count against
+    # each other, and a batch request waits for a slot free of both.
+    ctl = controller(slots=2, kv=1000)
+    batch = [await ctl.admit(job(f"b{i}", BATCH, prompt=200, max_tokens=200)) for i in range(2)]
+    i1 = await ctl.admit(job("i1", prompt=200, max_tokens=200))
+    i2 = await ctl.admit(job("i2", prompt=200, max_tokens=200))
+    assert ctl.num_running == 4
+    i3 = await queued(ctl, job("i3"))
+    b3 = await queued(ctl, job("b3", BATCH))
+    assert not i3.done() and not b3.done()
+    i1.release()
+    await asyncio.wait([i3, b3], timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+    assert i3.done() and not b3.done()
+    for ticket in (*batch, i2):
+        ticket.release()
+    await asyncio.wait([b3], timeout=1.0)
+    assert b3.done()  # i3 and b3 now fill the 2 slots
+    assert ctl.num_running == 2
+
+
 async def test_a_request_past_the_aging_bound_goes_first_whatever_its_class() -> None:
     clock = Clock()
     ctl = controller(slots=1, clock=clock, max_queue_wait_s=5.0)

@@ -532,6 +532,10 @@ async def test_a_replica_that_drops_its_call_fails_only_its_open_requests_and_is
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "Multiplex call failed" in info.value.details()
         engine.step_delay = 0.0
+        # The failed call took the replica out of routing until a health probe
+        # (sent at once) found it SERVING: back within a few milliseconds.
+        replicas = mesh.router._replicas
+        await wait_for(lambda: replicas.serving() == list(replicas.engines), timeout=1)
         again = await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
             prompt="q2", sampling=greedy())))
         assert text_of(again) == REPLY

@@ -1,0 +1,197 @@
+"""Which engine replicas take new requests: failover by health and liveness.
+
+:class:`ReplicaSet` owns the routing state of the router's engine replicas:
+one probe task per replica calls ``grpc.health.v1.Health/Check`` every
+``probe_interval_s`` with a ``probe_timeout_s`` deadline. A replica takes new
+requests while it is *in*:
+
+* it goes **out** at once when its ``Multiplex`` call fails (the engine died:
+  the connection reset), when a probe fails or answers anything but SERVING
+  (it drains), or when a probe gets no answer in time (it went silent: a
+  hung or stopped process keeps its connection open and answers nothing).
+  A replica silent for ``fail_silent_after_s`` has its ``Multiplex`` call
+  failed by the router, so that its in-flight streams end UNAVAILABLE
+  instead of hanging until TCP keepalive notices (later than going out, so
+  that one slow answer from a busy engine never ends healthy streams);
+* it comes back **in** when a probe says SERVING again (a restarted engine on
+  the same address), after its ``GetModelInfo`` is read again (its capacity
+  may have changed).
+
+Every change calls ``on_change`` with the capacities of the replicas now in,
+which the router passes to admission control (its concurrency cap follows
+the replicas that serve). Metrics: ``llmesh:router_replica_serving{engine}``
+(1 in, 0 out) and ``llmesh:router_replica_failovers_total{engine, reason}``
+(a replica leaving the routing set: ``call_failed``, ``not_serving``,
+``silent``).
+
+Failover of requests themselves is the pipeline's
+(:mod:`services.router.generation`): a request whose replica fails before
+its first token is retried once on each other replica in; one that already
+streamed tokens ends UNAVAILABLE.
+
+Threading: everything runs on the router's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Sequence
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.router.admission import ReplicaCapacity
+from services.router.clients import UpstreamError
+from services.router.engine_client import EngineClient
+from services.router.metrics import RouterMetrics
+
+log = structlog.get_logger()
+
+#: Seconds between health probes of each replica.
+DEFAULT_PROBE_INTERVAL_S = 0.25
+#: Seconds a probe waits for its answer before the replica counts as silent.
+DEFAULT_PROBE_TIMEOUT_S = 0.75
+#: Seconds of silence after which a replica's in-flight requests are failed.
+DEFAULT_FAIL_SILENT_AFTER_S = 3.0
+
+CapacityListener = Callable[[list[ReplicaCapacity]], None]
+
+
+class ReplicaSet:
+    """The engine replicas and which of them take new requests.
+
+    Args:
+      engines: every configured replica (in: all of them at start, which the
+        router has just seen SERVING).
+      capacities: each replica's capacity from ``GetModelInfo``, same order.
+      on_change: called with the capacities of the replicas in after each change.
+      metrics: the router's metrics.
+      probe_interval_s, probe_timeout_s, fail_silent_after_s: see the module
+        docstring (seconds).
+    """
+
+    def __init__(self, engines: Sequence[EngineClient], capacities: Sequence[ReplicaCapacity],
+                 *, on_change: CapacityListener | None = None,
+                 metrics: RouterMetrics | None = None,
+                 probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S,
+                 probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
+                 fail_silent_after_s: float = DEFAULT_FAIL_SILENT_AFTER_S) -> None:
+        self.engines = tuple(engines)
+        self._capacity = dict(zip(self.engines, capacities, strict=True))
+        self._in = set(self.engines)
+        self._on_change = on_change
+        self._metrics = metrics
+        self._interval = probe_interval_s
+        self._timeout = probe_timeout_s
+        self._fail_silent_after = fail_silent_after_s
+        self._tasks: list[asyncio.Task[None]] = []
+        self._wake = {engine: asyncio.Event() for engine in self.engines}
+        for engine in self.engines:
+            self._gauge(engine, 1)
+            engine.on_call_failed = functools.partial(self._call_failed, engine)
+
+    # ---- queries -----------------------------------------------------------
+
+    def serving(self) -> list[EngineClient]:
+        """The replicas that take new requests, in configuration order."""
+        return [engine for engine in self.engines if engine in self._in]
+
+    def is_serving(self, engine: EngineClient) -> bool:
+        return engine in self._in
+
+    def capacities(self) -> list[ReplicaCapacity]:
+        """The capacities of the replicas in."""
+        return [self._capacity[engine] for engine in self.serving()]
+
+    # ---- verbs -------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts one probe task per replica (idempotent)."""
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._probe(engine), context=contextvars.Context(),
+                                               name=f"probe {engine.target}")
+                           for engine in self.engines]
+
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    # ---- internals -----------------------------------------------------------
+
+    def _call_failed(self, engine: EngineClient, why: str) -> None:
+        self._take_out(engine, "call_failed", why)
+        self._wake[engine].set()  # probe now: a replica that only dropped its call is back at once
+
+    async def _probe(self, engine: EngineClient) -> None:
+        stub = health_pb2_grpc.HealthStub(engine.channel)
+        request = health_pb2.HealthCheckRequest(service="")
+        loop = asyncio.get_running_loop()
+        silent_since: float | None = None
+        while True:
+            try:
+                reply = await stub.Check(request, timeout=self._timeout)
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    silent_since = None
+                    self._take_out(engine, "call_failed", f"{err.code().name}: {err.details()}")
+                else:
+                    now = loop.time()
+                    silent_since = now - self._timeout if silent_since is None else silent_since
+                    self._take_out(engine, "silent",
+                                   f"no health answer within {self._timeout:g} s")
+                    if now - silent_since >= self._fail_silent_after:
+                        engine.fail_calls(f"the replica answered no health probe for "
+                                          f"{now - silent_since:.1f} s")
+            else:
+                silent_since = None
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    await self._bring_in(engine)
+                else:
+                    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+                    self._take_out(engine, "not_serving", f"health is {status}")
+            wake = self._wake[engine]
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), self._interval)
+            wake.clear()
+
+    async def _bring_in(self, engine: EngineClient) -> None:
+        if engine in self._in:
+            return
+        try:
+            info = await engine.model_info(timeout=self._timeout * 4)
+        except UpstreamError as err:
+            log.warning("engine_rejoin_failed", engine=engine.target, code=err.code.name,
+                        details=err.details)
+            return
+        self._capacity[engine] = ReplicaCapacity(info.max_num_seqs, info.kv_capacity_tokens)
+        self._in.add(engine)
+        self._gauge(engine, 1)
+        log.info("engine_rejoined", engine=engine.target, serving=len(self._in),
+                 max_num_seqs=info.max_num_seqs)
+        self._changed()
+
+    def _take_out(self, engine: EngineClient, reason: str, why: str) -> None:
+        if engine not in self._in:
+            return
+        self._in.discard(engine)
+        self._gauge(engine, 0)
+        if self._metrics is not None:
+            self._metrics.replica_failovers.labels(engine.target, reason).inc()
+        log.warning("engine_out_of_routing", engine=engine.target, reason=reason, why=why,
+                    serving=len(self._in))
+        self._changed()
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change(self.capacities())
+
+    def _gauge(self, engine: EngineClient, value: int) -> None:
+        if self._metrics is not None:
+            self._metrics.replica_serving.labels(engine.target).set(value)

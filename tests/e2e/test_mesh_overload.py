@@ -1,0 +1,245 @@
+"""Latency under overload on the real mesh (Envoy, router, tokenizer, two torch
+engines with 2 sequence slots each, SmolLM2): interactive requests preempt
+batch ones and keep their output exact, interactive goes before batch in the
+router's queue, tenants share the queue fairly, and the mesh survives an
+engine or the tokenizer being killed (and takes the restarted one back).
+
+The failover tests kill and restart services, so they run last."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from services.cli.mesh import Mesh
+from tests.e2e.overload_client import Outcome, long_request, run_one
+
+pytestmark = pytest.mark.mesh
+
+SLOTS_PER_ENGINE = 2
+ENGINES = 2
+SLOTS = SLOTS_PER_ENGINE * ENGINES
+MAX_QUEUE_WAIT_S = 10.0
+BATCH = common_pb2.PRIORITY_BATCH
+INTERACTIVE = common_pb2.PRIORITY_INTERACTIVE
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    run_dir: Path = tmp_path_factory.mktemp("overload-mesh")
+    with Mesh(ingress_port=0, admin_port=0, run_dir=run_dir, num_engines=ENGINES,
+              engine_args=["--max-num-seqs", str(SLOTS_PER_ENGINE)],
+              router_args=["--max-queued-requests", "32",
+                           "--max-queue-wait", f"{MAX_QUEUE_WAIT_S:g}"]) as running:
+        yield running
+
+
+def metric(address: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` at ``http://address/metrics`` matching ``labels``."""
+    body = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    total = 0.0
+    for match in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", body, re.M):
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(match.group(2))
+    return total
+
+
+def preemptions(mesh: Mesh) -> float:
+    return sum(metric(e.metrics_address, "llmesh:num_preemptions_total") for e in mesh.engines)
+
+
+async def with_stub(mesh: Mesh, scenario):
+    async with grpc.aio.insecure_channel(mesh.ingress_address) as channel:
+        return await scenario(generation_pb2_grpc.GenerationServiceStub(channel))
+
+
+def test_an_interactive_request_preempts_batch_streams_whose_output_stays_exact(
+        mesh: Mesh) -> None:
+    """Every slot of both engines held by batch streams: an interactive request
+    gets its first token within 1 s and ends before any batch stream, and each
+    batch stream's tokens equal those of a run that nothing interrupted."""
+    batch = [long_request(64, f"batch-{i}", priority=BATCH) for i in range(SLOTS)]
+
+    async def reference(stub) -> list[Outcome]:
+        return await asyncio.gather(*(run_one(stub, r) for r in batch))
+
+    async def preempted(stub) -> tuple[list[Outcome], Outcome]:
+        started = [asyncio.Event() for _ in batch]
+        streams = [asyncio.create_task(run_one(stub, r, first_token=e))
+                   for r, e in zip(batch, started, strict=True)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        interactive = await run_one(stub, long_request(8, "interactive", priority=INTERACTIVE))
+        return await asyncio.gather(*streams), interactive
+
+    solo = asyncio.run(with_stub(mesh, reference))
+    assert all(o.code == grpc.StatusCode.OK and o.tokens == 64 for o in solo)
+    before = preemptions(mesh)
+    streams, interactive = asyncio.run(with_stub(mesh, preempted))
+    assert interactive.code == grpc.StatusCode.OK and interactive.tokens == 8
+    ttft = interactive.first_token_at - interactive.sent_at
+    print(f"interactive TTFT {ttft * 1e3:.0f} ms with {SLOTS} batch streams in every slot")
+    assert ttft < 1.0
+    assert interactive.ended_at < min(o.ended_at for o in streams)
+    assert [o.token_ids for o in streams] == [o.token_ids for o in solo]
+    assert preemptions(mesh) > before
+
+
+def test_queued_interactive_requests_start_before_batch_requests_that_came_after(
+        mesh: Mesh) -> None:
+    """The router's slots full of interactive streams; batch and interactive
+    requests then queue alternately. Each interactive one starts (first token)
+    before every batch one that arrived after it, and no batch request waits
+    longer than the aging bound."""
+    async def scenario(stub) -> tuple[list[tuple[str, Outcome]], list[Outcome]]:
+        started = [asyncio.Event() for _ in range(SLOTS)]
+        holders = [asyncio.create_task(run_one(stub, long_request(24, f"hold-{i}"),
+                                               first_token=e, first_token_count=1))
+                   for i, e in enumerate(started)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        queued: list[tuple[str, asyncio.Task[Outcome]]] = []
+        for i in range(3):
+            for name, priority in ((f"b{i}", BATCH), (f"i{i}", INTERACTIVE)):
+                queued.append((name, asyncio.create_task(
+                    run_one(stub, long_request(4, name, priority=priority)))))
+                await asyncio.sleep(0.02)  # a definite arrival order
+        outcomes = [(name, await task) for name, task in queued]
+        return outcomes, await asyncio.gather(*holders)
+
+    outcomes, holders = asyncio.run(with_stub(mesh, scenario))
+    assert all(o.code == grpc.StatusCode.OK for _, o in outcomes + [("", h) for h in holders])
+    order = [name for name, o in sorted(outcomes, key=lambda item: item[1].first_token_at)]
+    print("first tokens in order:", order)
+    for index, (name, outcome) in enumerate(outcomes):
+        if name.startswith("i"):
+            later_batch = [o for n, o in outcomes[index + 1:] if n.startswith("b")]
+            assert all(outcome.first_token_at < o.first_token_at for o in later_batch), order
+        else:
+            assert outcome.first_token_at - outcome.sent_at < MAX_QUEUE_WAIT_S
+
+
+def tenant_scenario(mesh: Mesh, *, with_tenants: bool) -> tuple[list[Outcome], list[Outcome]]:
+    """Tenant A sends 20 long requests at once; when they are queued, tenant B
+    sends 2 short ones. Returns (A's outcomes in sending order, B's)."""
+    a_meta = (("x-tenant-id", "tenant-a"),) if with_tenants else ()
+    b_meta = (("x-tenant-id", "tenant-b"),) if with_tenants else ()
+
+    async def scenario(stub) -> tuple[list[Outcome], list[Outcome]]:
+        flood = []
+        for i in range(20):
+            flood.append(asyncio.create_task(run_one(stub, long_request(12, f"a{i}"),
+                                                     metadata=a_meta)))
+            await asyncio.sleep(0.005)  # a definite queue order
+        await asyncio.sleep(0.3)
+        short = [asyncio.create_task(run_one(stub, long_request(2, f"b{i}"), metadata=b_meta))
+                 for i in range(2)]
+        return await asyncio.gather(*flood), await asyncio.gather(*short)
+
+    return asyncio.run(with_stub(mesh, scenario))
+
+
+def test_a_tenant_flooding_the_queue_cannot_make_another_wait_behind_it(mesh: Mesh) -> None:
+    a, b = tenant_scenario(mesh, with_tenants=True)
+    assert all(o.code == grpc.StatusCode.OK for o in a + b), [o.details for o in a + b]
+    # A's first SLOTS requests run at once; its 5th queued one is the (SLOTS+5)-th sent.
+    fifth_queued = a[SLOTS + 4]
+    print(f"B's first tokens {[round(o.first_token_at - o.sent_at, 2) for o in b]} s after "
+          f"sending; A's 5th queued request started "
+          f"{fifth_queued.first_token_at - b[0].sent_at:.2f} s after B sent")
+    assert max(o.first_token_at for o in b) < fifth_queued.first_token_at
+
+
+def test_without_tenant_ids_the_queue_is_fifo(mesh: Mesh) -> None:
+    a, b = tenant_scenario(mesh, with_tenants=False)
+    assert all(o.code == grpc.StatusCode.OK for o in a + b)
+    a_starts = sorted(o.first_token_at for o in a)
+    # B's requests were queued behind all 16 of A's queued ones: they start after
+    # A's last rounds (checked with a margin of two: after A's 15th first token).
+    assert min(o.first_token_at for o in b) > a_starts[14], (
+        [round(t - a_starts[0], 2) for t in a_starts],
+        [round(o.first_token_at - a_starts[0], 2) for o in b])
+
+
+def test_sigkill_of_an_engine_mid_stream_fails_only_its_streams_and_it_rejoins(
+        mesh: Mesh) -> None:
+    """SIGKILL engine-0 while both engines stream: its streams end UNAVAILABLE
+    within 1 s, engine-1's finish normally, requests queued in the router then
+    run on engine-1 and succeed, new ones too; after a restart on the same
+    port the router sends engine-0 traffic again."""
+    victim = mesh.engines[0]
+
+    async def scenario(stub) -> tuple[list[Outcome], list[Outcome], list[Outcome], float]:
+        started = [asyncio.Event() for _ in range(SLOTS)]
+        streams = [asyncio.create_task(run_one(stub, long_request(96, f"k{i}"),
+                                               first_token=e, first_token_count=4))
+                   for i, e in enumerate(started)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        queued = [asyncio.create_task(run_one(stub, long_request(8, f"q{i}")))
+                  for i in range(4)]
+        await asyncio.sleep(0.2)
+        os.kill(victim.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        after = [await run_one(stub, long_request(4, f"n{i}")) for i in range(2)]
+        return await asyncio.gather(*streams), await asyncio.gather(*queued), after, killed_at
+
+    streams, queued, after, killed_at = asyncio.run(with_stub(mesh, scenario))
+    failed = [o for o in streams if o.code != grpc.StatusCode.OK]
+    finished = [o for o in streams if o.code == grpc.StatusCode.OK]
+    print(f"killed engine-0: its streams ended "
+          f"{[round((o.ended_at - killed_at) * 1e3) for o in failed]} ms after SIGKILL")
+    assert len(failed) == SLOTS_PER_ENGINE and len(finished) == SLOTS - SLOTS_PER_ENGINE
+    for o in failed:
+        assert o.code == grpc.StatusCode.UNAVAILABLE, o.details
+        assert o.ended_at - killed_at < 1.0
+    assert all(o.tokens == 96 for o in finished)
+    assert all(o.code == grpc.StatusCode.OK and o.tokens == 8 for o in queued), [
+        (o.code, o.details) for o in queued]
+    assert all(o.code == grpc.StatusCode.OK and o.tokens == 4 for o in after)
+    router = mesh.router.metrics_address
+    assert metric(router, "llmesh:router_replica_serving", engine=victim.grpc_address) == 0
+    assert metric(router, "llmesh:router_replica_failovers_total",
+                  engine=victim.grpc_address) >= 1
+
+    mesh.restart(victim.name, timeout_s=120)
+    deadline = time.monotonic() + 5
+    while metric(router, "llmesh:router_replica_serving", engine=victim.grpc_address) != 1:
+        assert time.monotonic() < deadline, "the restarted engine did not rejoin within 5 s"
+        time.sleep(0.05)
+
+    async def spread(stub) -> list[Outcome]:
+        return await asyncio.gather(*(run_one(stub, long_request(4, f"r{i}"))
+                                      for i in range(SLOTS)))
+
+    again = asyncio.run(with_stub(mesh, spread))
+    assert all(o.code == grpc.StatusCode.OK for o in again)
+    assert metric(victim.metrics_address, "llmesh:request_success_total") >= 1
+
+
+def test_a_killed_tokenizer_fails_requests_fast_and_the_router_recovers(mesh: Mesh) -> None:
+    tokenizer = mesh.services["tokenizer"]
+    os.kill(tokenizer.pid, signal.SIGKILL)
+    tokenizer.process.wait()
+
+    async def one(stub) -> Outcome:
+        return await run_one(stub, long_request(4, "t"))
+
+    down = asyncio.run(with_stub(mesh, one))
+    assert down.code == grpc.StatusCode.UNAVAILABLE, down.details
+    assert down.latency < 1.0
+    assert "tokenizer" in down.details
+    mesh.restart("tokenizer", timeout_s=120)
+    deadline = time.monotonic() + 5
+    while (up := asyncio.run(with_stub(mesh, one))).code != grpc.StatusCode.OK:
+        assert time.monotonic() < deadline, up.details
+        time.sleep(0.1)
+    assert up.tokens == 4
