@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from llmesh.v1 import common_pb2, generation_pb2_grpc
 from services.cli.mesh import Mesh
 from tests.e2e.overload_client import Outcome, long_request, run_one
 
