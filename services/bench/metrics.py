@@ -45,6 +45,10 @@ def tpot_of(output: RequestOutput) -> float | None:
     return (output.latency - output.ttft) / (output.output_tokens - 1)
 
 
+#: Failures that are an overloaded server's refusal (admission control).
+REFUSAL_ERRORS = frozenset({"RESOURCE_EXHAUSTED", "HTTP 429", "HTTP 503"})
+
+
 def summarize(values_s: Sequence[float], name: str,
               percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict[str, float | None]:
     """``mean_/median_/std_/pNN_<name>_ms`` of values given in seconds."""
@@ -120,7 +124,9 @@ def calculate_metrics(outputs: Sequence[RequestOutput], duration_s: float, *,
         ``start_offsets``; default: the earliest send.
 
     Returns:
-      the aggregate figures (vLLM's keys), ``errors_by_status``, and the
+      the aggregate figures (vLLM's keys), ``refused`` (failures that are
+      admission refusals, :data:`REFUSAL_ERRORS`) with the ``*_refusal_ms``
+      figures of their latency, ``errors_by_status``, and the
       per-request lists ``input_lens``, ``output_lens``, ``ttfts``, ``tpots``,
       ``itls``, ``e2els`` (seconds; ``None`` for failed requests),
       ``start_offsets``, ``errors``, ``server_prompt_tokens``,
@@ -158,6 +164,11 @@ def calculate_metrics(outputs: Sequence[RequestOutput], duration_s: float, *,
     result["goodput"] = result["request_goodput"]
     for name in metrics:
         result.update(summarize(series[name], name, percentiles))
+    # Admission refusals (RESOURCE_EXHAUSTED / HTTP 429, 503): how fast the
+    # overloaded server said no.
+    refusals = [o.latency for o in outputs if not o.success and o.error in REFUSAL_ERRORS]
+    result["refused"] = len(refusals)
+    result.update(summarize(refusals, "refusal", percentiles))
     result["errors_by_status"] = dict(sorted(Counter(o.error for o in outputs
                                                      if not o.success).items()))
     origin = start_time if start_time is not None else min(

@@ -71,6 +71,13 @@ def format_result(result: Mapping[str, Any], percentiles: Sequence[float],
         lines.append(f"{_NAMES[name]:<6}" + "".join(
             f"{_fmt(result.get(k)):>{max(9, len(c) + 1)}}"
             for k, c in zip(keys, columns, strict=True)))
+    if result.get("refused"):
+        lines.append(row("Refused requests (admission)", result["refused"]))
+        lines.append(f"{'Refusal':<6}" + "".join(
+            f"{_fmt(result.get(k)):>{max(9, len(c) + 1)}}"
+            for k, c in zip(["mean_refusal_ms", *(f"p{percentile_key(p)}_refusal_ms"
+                                                   for p in percentiles)],
+                            columns, strict=True)))
     if result.get("errors_by_status"):
         lines.append(" Errors ".center(_WIDTH, "-"))
         lines += [row(status or "unknown", count)

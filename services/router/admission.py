@@ -408,11 +408,9 @@ class AdmissionController:
         if self._ahead_of_new(job) == 0 and window == 0 and self._fits(job):
             return self._grant(job, now)
         if queue.depth >= cfg.max_queued_requests:
-            self._refuse(job, "queue_full", (
-                f"the router's {job.priority.name.lower()} queue for model {self.model!r} "
-                f"is full ({queue.depth} requests waiting, limit {cfg.max_queued_requests})"))
+            self._refuse_full(job.priority)
         if queue.tokens + job.prompt_tokens > cfg.max_queued_prompt_tokens and queue.depth:
-            self._refuse(job, "queued_tokens", (
+            self._refuse(job.priority, "queued_tokens", (
                 f"the router's {job.priority.name.lower()} queue for model {self.model!r} "
                 f"holds {queue.tokens} prompt tokens; {job.prompt_tokens} more would pass "
                 f"the limit of {cfg.max_queued_prompt_tokens}"))
@@ -420,7 +418,7 @@ class AdmissionController:
             wait = self.predicted_wait_s(job.priority, extra_ahead=self._ahead_of_new(job))
             prefill = job.prompt_tokens * self._prefill.value
             if now + wait + prefill > deadline:
-                self._refuse(job, "deadline", (
+                self._refuse(job.priority, "deadline", (
                     f"the call's deadline ({max(deadline - now, 0) * 1e3:.0f} ms left) cannot "
                     f"be met: predicted queue wait {wait * 1e3:.0f} ms + prefill "
                     f"{prefill * 1e3:.0f} ms on model {self.model!r}"), wait)
@@ -473,10 +471,30 @@ class AdmissionController:
         """Requests dispatched before a new ``job`` (FIFO estimate of its place)."""
         return sum(self._queues[p].depth for p in Priority if p <= job.priority)
 
-    def _refuse(self, job: Job, reason: RefusalReason, message: str,
+    def refuse_if_full(self, priority: Priority) -> None:
+        """Refuses a new request of ``priority`` before it is tokenized when
+        :meth:`admit` would refuse it whatever its size: its class's queue is
+        full (and not empty: someone is ahead of it). The router calls it
+        first, so an overloaded mesh says no without a tokenizer or cache
+        round trip.
+
+        Raises:
+          AdmissionRefused: ``queue_full``, with the retry hint.
+        """
+        depth = self._queues[priority].depth
+        if self.config.enabled and depth and depth >= self.config.max_queued_requests:
+            self._refuse_full(priority)
+
+    def _refuse_full(self, priority: Priority) -> None:
+        depth, limit = self._queues[priority].depth, self.config.max_queued_requests
+        self._refuse(priority, "queue_full", (
+            f"the router's {priority.name.lower()} queue for model {self.model!r} "
+            f"is full ({depth} requests waiting, limit {limit})"))
+
+    def _refuse(self, priority: Priority, reason: RefusalReason, message: str,
                 wait_s: float | None = None) -> None:
-        retry = self.retry_after_s(job.priority) if wait_s is None else wait_s
-        self._observer.refused(job.priority, reason, retry)
+        retry = self.retry_after_s(priority) if wait_s is None else wait_s
+        self._observer.refused(priority, reason, retry)
         raise AdmissionRefused(reason, f"{message}; retry after {retry_after_ms(retry)} ms",
                                retry)
 

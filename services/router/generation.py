@@ -272,6 +272,7 @@ class GenerationPipeline:
         ticket: Ticket | None = None
         self.metrics.requests_in_flight.labels(request.model).inc()
         try:
+            self._refuse_if_full(request)
             prompt_ids = await self._prompt_ids(request, limits, deadline, info)
             progress.prompt_tokens = len(prompt_ids)
             max_tokens = fit_to_context(len(prompt_ids), request.sampling.max_tokens,
@@ -524,6 +525,22 @@ class GenerationPipeline:
         finally:
             engine.closed(request.priority)
             stream.close()
+
+    def _refuse_if_full(self, request: GenerationRequest) -> None:
+        """Refuses at once, before tokenization and the cache lookup, a request
+        whose class's queue is full (:meth:`AdmissionController.refuse_if_full`):
+        under overload the refusal costs no round trip (a would-be cache hit is
+        refused too; it is served whenever the queue has room).
+
+        Raises:
+          GenerationError: RESOURCE_EXHAUSTED with the retry hint.
+        """
+        controller = self.admission.get(request.model)
+        if controller is not None:
+            try:
+                controller.refuse_if_full(request.priority)
+            except AdmissionRefused as err:
+                raise GenerationError.refused(err) from None
 
     async def _admit(self, request: GenerationRequest, prompt_tokens: int, max_tokens: int,
                      deadline: float | None) -> Ticket | None:

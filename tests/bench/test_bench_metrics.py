@@ -132,3 +132,14 @@ def test_parse_goodput() -> None:
     for bad in (["ttft"], ["itl:5"], ["ttft:fast"], ["ttft:-1"]):
         with pytest.raises(ValueError):
             parse_goodput(bad)
+
+
+def test_admission_refusals_are_counted_with_their_latency() -> None:
+    refused = [record(ok=False, error="RESOURCE_EXHAUSTED", e2e=0.002, start=101.0),
+               record(ok=False, error="HTTP 429", e2e=0.004, start=101.1)]
+    result = calculate_metrics([*RECORDS, *refused], 2.0, percentiles=(50, 99))
+    assert result["refused"] == 2  # C's UNAVAILABLE is a failure, not a refusal
+    assert result["failed"] == 3
+    assert result["mean_refusal_ms"] == pytest.approx(3.0)
+    assert result["p99_refusal_ms"] == pytest.approx(3.98)
+    assert calculate_metrics(RECORDS, 2.0)["refused"] == 0

@@ -260,3 +260,21 @@ async def test_disabled_admission_never_queues_or_refuses() -> None:
         t.release()
         t.release()  # idempotent
     assert ctl.num_running == 0
+
+
+async def test_refuse_if_full_says_no_before_tokenization_only_when_admit_would() -> None:
+    ctl = controller(slots=1, max_queued_requests=2)
+    ctl.refuse_if_full(INTERACTIVE)  # nothing queued: no refusal, whatever the limit
+    running = await ctl.admit(job("r"))
+    tasks = [await queued(ctl, job(f"q{i}")) for i in range(2)]
+    ctl.refuse_if_full(BATCH)  # another class's queue is not full
+    with pytest.raises(AdmissionRefused) as refused:
+        ctl.refuse_if_full(INTERACTIVE)
+    assert refused.value.reason == "queue_full" and refused.value.retry_after_ms >= 1
+    with pytest.raises(AdmissionRefused):
+        await ctl.admit(job("late"))  # the same answer after tokenization
+    running.release()
+    await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+    ctl.refuse_if_full(INTERACTIVE)  # one dispatched: room again
+    for task in tasks:
+        task.cancel()
