@@ -14,7 +14,8 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
    ``bypass_cache``): a hit is replayed at once as one delta;
 4. admission (:mod:`services.router.admission`): a running slot at once, a
    wait in the model's queue (class, tenant-fair order), or RESOURCE_EXHAUSTED
-   at once with ``retry-after-ms``;
+   at once with ``retry-after-ms`` (a request whose class queue is full is
+   refused before step 1, with no tokenizer or cache round trip);
 5. the admitted request goes to the engine replica in routing
    (:mod:`services.router.replicas`: serving, answering its health probes)
    with the fewest streams open from this router; UNAVAILABLE or
