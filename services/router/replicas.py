@@ -8,8 +8,10 @@ requests while it is *in*:
 * it goes **out** at once when its ``Multiplex`` call fails (the engine died:
   the connection reset), when a probe fails or answers anything but SERVING
   (it drains), or when a probe gets no answer in time (it went silent: a
-  hung or stopped process keeps its connection open and answers nothing).
-  A replica silent for ``fail_silent_after_s`` has its ``Multiplex`` call
+  hung or stopped process keeps its connection open and answers nothing;
+  a silent replica still takes requests when no other is in, and keeps its
+  capacity, since it may only be slow). A replica silent for
+  ``fail_silent_after_s`` has its ``Multiplex`` call
   failed by the router, so that its in-flight streams end UNAVAILABLE
   instead of hanging until TCP keepalive notices (later than going out, so
   that one slow answer from a busy engine never ends healthy streams);
@@ -83,6 +85,7 @@ class ReplicaSet:
         self.engines = tuple(engines)
         self._capacity = dict(zip(self.engines, capacities, strict=True))
         self._in = set(self.engines)
+        self._silent: set[EngineClient] = set()  # out of routing while another is in
         self._on_change = on_change
         self._metrics = metrics
         self._interval = probe_interval_s
@@ -97,15 +100,20 @@ class ReplicaSet:
     # ---- queries -----------------------------------------------------------
 
     def serving(self) -> list[EngineClient]:
-        """The replicas that take new requests, in configuration order."""
-        return [engine for engine in self.engines if engine in self._in]
+        """The replicas that take new requests, in configuration order: those in,
+        or, when none is, the silent ones (a replica that is only slow to answer
+        its probes is better than none; one whose call failed or that drains
+        never is)."""
+        chosen = self._in or self._silent
+        return [engine for engine in self.engines if engine in chosen]
 
     def is_serving(self, engine: EngineClient) -> bool:
-        return engine in self._in
+        return engine in (self._in or self._silent)
 
     def capacities(self) -> list[ReplicaCapacity]:
-        """The capacities of the replicas in."""
-        return [self._capacity[engine] for engine in self.serving()]
+        """The capacities of the replicas in or silent (a silent replica may be
+        only slow: its running requests still count)."""
+        return [self._capacity[e] for e in self.engines if e in self._in or e in self._silent]
 
     # ---- verbs -------------------------------------------------------------
 
@@ -115,7 +123,6 @@ class ReplicaSet:
             self._tasks = [asyncio.create_task(self._probe(engine), context=contextvars.Context(),
                                                name=f"probe {engine.target}")
                            for engine in self.engines]
-
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -144,8 +151,7 @@ class ReplicaSet:
                 else:
                     now = loop.time()
                     silent_since = now - self._timeout if silent_since is None else silent_since
-                    self._take_out(engine, "silent",
-                                   f"no health answer within {self._timeout:g} s")
+                    self._go_silent(engine)
                     if now - silent_since >= self._fail_silent_after:
                         engine.fail_calls(f"the replica answered no health probe for "
                                           f"{now - silent_since:.1f} s")
@@ -164,6 +170,13 @@ class ReplicaSet:
     async def _bring_in(self, engine: EngineClient) -> None:
         if engine in self._in:
             return
+        if engine in self._silent:  # it answers again: it only was slow or stopped
+            self._silent.discard(engine)
+            self._in.add(engine)
+            self._gauge(engine, 1)
+            log.info("engine_answers_again", engine=engine.target, serving=len(self._in))
+            self._changed()
+            return
         try:
             info = await engine.model_info(timeout=self._timeout * 4)
         except UpstreamError as err:
@@ -177,12 +190,26 @@ class ReplicaSet:
                  max_num_seqs=info.max_num_seqs)
         self._changed()
 
-    def _take_out(self, engine: EngineClient, reason: str, why: str) -> None:
+    def _go_silent(self, engine: EngineClient) -> None:
         if engine not in self._in:
             return
         self._in.discard(engine)
+        self._silent.add(engine)
         self._gauge(engine, 0)
         if self._metrics is not None:
+            self._metrics.replica_failovers.labels(engine.target, "silent").inc()
+        log.warning("engine_out_of_routing", engine=engine.target, reason="silent",
+                    why=f"no health answer within {self._timeout:g} s", serving=len(self._in))
+        self._changed()
+
+    def _take_out(self, engine: EngineClient, reason: str, why: str) -> None:
+        if engine not in self._in and engine not in self._silent:
+            return
+        was_in = engine in self._in
+        self._in.discard(engine)
+        self._silent.discard(engine)
+        self._gauge(engine, 0)
+        if self._metrics is not None and was_in:
             self._metrics.replica_failovers.labels(engine.target, reason).inc()
         log.warning("engine_out_of_routing", engine=engine.target, reason=reason, why=why,
                     serving=len(self._in))

@@ -125,8 +125,9 @@ async def test_a_draining_replica_leaves_routing_and_comes_back_when_serving(
 async def test_a_silent_replica_leaves_routing_and_its_streams_end_unavailable(
         metrics: RouterMetrics) -> None:
     """A replica that answers nothing (a hung process keeps its connection) goes
-    out after one probe timeout; its open streams end UNAVAILABLE once it has
-    been silent for ``fail_silent_after_s``, not when TCP keepalive notices."""
+    out after one probe timeout (as the only replica it still takes requests);
+    its open streams end UNAVAILABLE once it has been silent for
+    ``fail_silent_after_s``, not when TCP keepalive notices."""
     fake, health = FakeEngine(), StallingHealth()
     fake.step_delay = 10.0  # the stream would stay open for minutes
     server, target = await serve_engine(fake, health=health)
@@ -141,8 +142,13 @@ async def test_a_silent_replica_leaves_routing_and_its_streams_end_unavailable(
         await stream.read()  # the first token
         health.stalled = True
         stalled_at = time.monotonic()
-        await until(lambda: not replicas.serving())
+        gauge = {"engine": target}
+        await until(lambda: metrics.registry.get_sample_value(
+            "llmesh:router_replica_serving", gauge) == 0)
         assert time.monotonic() - stalled_at < 2 * TIMEOUT + INTERVAL + 0.1
+        # The only replica: still used for new requests (it may only be slow), and
+        # its capacity still counts.
+        assert replicas.serving() == [engine] and replicas.capacities() == [ReplicaCapacity()]
         with pytest.raises(UpstreamError) as failed:
             while True:
                 await asyncio.wait_for(stream.read(), 3.0)
@@ -154,8 +160,32 @@ async def test_a_silent_replica_leaves_routing_and_its_streams_end_unavailable(
             "llmesh:router_replica_failovers_total", {"engine": target, "reason": "silent"}) == 1
         stream.close()
         health.stalled = False
-        await until(lambda: replicas.serving() == [engine])
+        await until(lambda: metrics.registry.get_sample_value(
+            "llmesh:router_replica_serving", gauge) == 1)
     finally:
         await replicas.close()
         await engine.close()
         await server.stop(None)
+
+
+async def test_new_requests_avoid_a_silent_replica_while_another_serves(
+        metrics: RouterMetrics) -> None:
+    health = StallingHealth()
+    servers = [await serve_engine(FakeEngine(), health=health), await serve_engine(FakeEngine())]
+    engines = [EngineClient(target) for _, target in servers]
+    replicas = ReplicaSet(engines, [ReplicaCapacity(2, 0)] * 2, metrics=metrics,
+                          probe_interval_s=INTERVAL, probe_timeout_s=TIMEOUT)
+    replicas.start()
+    try:
+        health.stalled = True
+        await until(lambda: replicas.serving() == [engines[1]])
+        assert not replicas.is_serving(engines[0])
+        assert replicas.capacities() == [ReplicaCapacity(2, 0)] * 2  # still counted
+        health.stalled = False
+        await until(lambda: replicas.serving() == engines)
+    finally:
+        await replicas.close()
+        for engine in engines:
+            await engine.close()
+        for server, _ in servers:
+            await server.stop(None)
