@@ -155,7 +155,8 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    """Runs the mesh until Ctrl-C/SIGTERM or until a child dies."""
+    """Runs the mesh until Ctrl-C/SIGTERM (a service that dies is started again,
+    see :func:`_supervise`)."""
     from services.cli.mesh import Mesh, MeshStartError, PortInUseError
 
     engine_args = list(args.engine_arg)
@@ -188,10 +189,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"llmesh: start failed: {error}", file=sys.stderr)
             return 1
         _print_ready(mesh)
-        dead = mesh.wait()
-        print(f"llmesh: {', '.join(f'{n} exited with code {c}' for n, c in dead.items())}; "
-              f"stopping (logs in {mesh.run_dir})", file=sys.stderr, flush=True)
-        return 1
+        return _supervise(mesh, restart=args.restart)
     except KeyboardInterrupt:
         print("\nllmesh: stopping...", file=sys.stderr, flush=True)
         return 0
@@ -199,6 +197,49 @@ def cmd_up(args: argparse.Namespace) -> int:
         mesh.stop()
         if mesh.envoy is not None:
             print("llmesh: stopped", file=sys.stderr, flush=True)
+
+
+#: A service that dies this many times within RESTART_WINDOW_S seconds stops the mesh.
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 60.0
+
+
+def _supervise(mesh: object, *, restart: bool) -> int:
+    """Waits on the mesh's children. A service (not Envoy) that exits is started
+    again on its ports (``Mesh.restart``): the router takes a restarted engine
+    back once it serves, and in-flight requests of a dead engine have already
+    ended UNAVAILABLE. Envoy's exit, ``restart=False``, a service failing to
+    start again, or dying ``MAX_RESTARTS`` times within ``RESTART_WINDOW_S``
+    stops the mesh. Returns the exit code (1)."""
+    from services.cli.mesh import Mesh, MeshStartError
+
+    assert isinstance(mesh, Mesh)
+    deaths: dict[str, list[float]] = {}
+    while True:
+        dead = mesh.wait()
+        what = ", ".join(f"{name} exited with code {code}" for name, code in dead.items())
+        now = time.monotonic()
+        for name in dead:
+            deaths[name] = [t for t in deaths.get(name, []) if now - t < RESTART_WINDOW_S]
+            deaths[name].append(now)
+        looping = [n for n, times in deaths.items() if len(times) >= MAX_RESTARTS]
+        if not restart or "envoy" in dead or looping:
+            why = (f"; {looping[0]} died {MAX_RESTARTS} times in {RESTART_WINDOW_S:.0f} s"
+                   if looping and restart and "envoy" not in dead else "")
+            print(f"llmesh: {what}{why}; stopping (logs in {mesh.run_dir})",
+                  file=sys.stderr, flush=True)
+            return 1
+        for name in dead:
+            print(f"llmesh: {what}; restarting {name} (logs in {mesh.run_dir})",
+                  file=sys.stderr, flush=True)
+            try:
+                service = mesh.restart(name)
+            except MeshStartError as error:
+                print(f"llmesh: {name} did not start again: {error}; stopping",
+                      file=sys.stderr, flush=True)
+                return 1
+            print(f"llmesh: {name} is SERVING again (pid {service.pid}, "
+                  f"{service.grpc_address})", file=sys.stderr, flush=True)
 
 
 def _print_ready(mesh: object) -> None:
@@ -430,6 +471,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="extra engine argument, repeatable: --engine-arg=--flag=value")
     up.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                     help="extra router argument, repeatable: --router-arg=--max-tokens-cap=512")
+    up.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True,
+                    help="start a service that dies again on its ports, as a supervisor "
+                         f"would (default); {MAX_RESTARTS} deaths within "
+                         f"{RESTART_WINDOW_S:.0f} s, or Envoy's, stop the mesh")
     up.add_argument("--drain-seconds", type=float, default=5.0,
                     help="seconds in-flight requests get on stop (default: %(default)s)")
     up.add_argument("--start-timeout", type=float, default=600.0,

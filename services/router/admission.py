@@ -194,6 +194,12 @@ class AdmissionRefused(Exception):
         return retry_after_ms(self.retry_after_s)
 
 
+class NoReplicaServing(Exception):
+    """A queued request ended because no replica is left to serve it (UNAVAILABLE)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 def retry_after_ms(seconds: float) -> int:
     """``seconds`` as the ``retry-after-ms`` value: whole ms, rounded up, clamped."""
     return max(MIN_RETRY_AFTER_MS, min(MAX_RETRY_AFTER_MS, math.ceil(seconds * 1e3)))
@@ -432,13 +438,30 @@ class AdmissionController:
                 return await asyncio.shield(entry.granted)
         except BaseException:
             if entry.granted.done() and not entry.granted.cancelled():
-                entry.granted.result().release()  # granted as we were cancelled
+                if entry.granted.exception() is None:
+                    entry.granted.result().release()  # granted as we were cancelled
+                # else: ended by fail_queued, which removed the entry
             else:
                 entry.granted.cancel()
                 queue.remove(entry)
                 self._queue_changed(job.priority)
                 self._pump()
             raise
+
+    def fail_queued(self, error: Exception) -> int:
+        """Ends every queued request's :meth:`admit` with ``error`` (the router
+        does so when no replica is left to serve them, so that nothing waits
+        without a bound); returns how many."""
+        failed = 0
+        for priority, queue in self._queues.items():
+            for entry in [e for q in queue.by_tenant.values() for e in q]:
+                queue.remove(entry)
+                if not entry.granted.done():
+                    entry.granted.set_exception(error)
+                    failed += 1
+            self._queue_changed(priority)
+        self._arm_timer(self._clock())
+        return failed
 
     # ---------------------------------------------------------- the hint
 

@@ -225,10 +225,12 @@ class _Multiplex:
             raise
         self._fail_all(why, code)
 
-    def _fail_all(self, why: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+    def _fail_all(self, why: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE, *,
+                  by_router: bool = False) -> None:
         if self.failed is None:
-            self.failed = UpstreamError(_SERVICE, self._target, code,
-                                        f"the Multiplex call failed: {why}")
+            what = "the router ended the Multiplex call" if by_router else \
+                "the Multiplex call failed"
+            self.failed = UpstreamError(_SERVICE, self._target, code, f"{what}: {why}")
             if not self._closing:
                 log.warning("engine_call_failed", engine=self._target, why=why,
                             open_requests=len(self._streams))
@@ -247,7 +249,7 @@ class _Multiplex:
         """Ends the call and every stream on it with UNAVAILABLE (the replica went
         silent)."""
         if self.failed is None:
-            self._fail_all(why)
+            self._fail_all(why, by_router=True)
 
     async def close(self) -> None:
         self._closing = True

@@ -56,7 +56,13 @@ import structlog
 
 from services.common.detokenizer import IncrementalDetokenizer, TokenizersDecoder
 from services.common.sampling import FinishReason, InvalidRequestError, Priority, SamplingOptions
-from services.router.admission import AdmissionController, AdmissionRefused, Job, Ticket
+from services.router.admission import (
+    AdmissionController,
+    AdmissionRefused,
+    Job,
+    NoReplicaServing,
+    Ticket,
+)
 from services.router.clients import (
     CacheClient,
     CacheKey,
@@ -549,8 +555,8 @@ class GenerationPipeline:
 
         Raises:
           GenerationError: UNAVAILABLE at once when no engine replica is in
-            routing (a request already queued waits: a replica may rejoin
-            within its deadline), RESOURCE_EXHAUSTED (refused at once, with the
+            routing, or when the last one leaves while it is queued,
+            RESOURCE_EXHAUSTED (refused at once, with the
             retry hint in its trailing metadata) or DEADLINE_EXCEEDED (the
             deadline passed in the queue).
         """
@@ -565,6 +571,8 @@ class GenerationPipeline:
             return await controller.admit(job, deadline=deadline)
         except AdmissionRefused as err:
             raise GenerationError.refused(err) from None
+        except NoReplicaServing as err:
+            raise GenerationError(err.code, str(err)) from None
         except TimeoutError:
             raise GenerationError(grpc.StatusCode.DEADLINE_EXCEEDED, (
                 f"the call's deadline passed after {time.monotonic() - waited_from:.3f} s in "

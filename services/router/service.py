@@ -48,7 +48,12 @@ from llmesh.v1 import generation_pb2, generation_pb2_grpc
 from services.common.grpc_util import metadata_value, request_id_from
 from services.common.logging import REQUEST_ID_METADATA_KEY, bind_request_id
 from services.common.sampling import FinishReason, InvalidRequestError, Priority
-from services.router.admission import AdmissionConfig, AdmissionController, ReplicaCapacity
+from services.router.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    NoReplicaServing,
+    ReplicaCapacity,
+)
 from services.router.clients import CacheClient, ReplicaInfo, TokenizerClient, TokenizerInfo
 from services.router.engine_client import EngineClient
 from services.router.generation import (
@@ -301,9 +306,18 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                      max_queued_prompt_tokens=cfg.max_queued_prompt_tokens)
 
     def _replicas_changed(self, capacities: list[ReplicaCapacity]) -> None:
-        """Admission's concurrency cap follows the replicas in routing."""
+        """Admission's concurrency cap follows the replicas in routing; when none
+        is left, the queued requests end UNAVAILABLE (nothing would serve them)."""
         for controller in self.admission.values():
             controller.set_replicas(capacities)
+            if not capacities:
+                failed = controller.fail_queued(NoReplicaServing(
+                    f"no engine replica is serving (all {len(self._engines)} failed or are "
+                    "draining) while the request waited in the router's queue; retry in a "
+                    "few seconds"))
+                if failed:
+                    log.warning("queued_requests_failed", model=controller.model,
+                                requests=failed, why="no engine replica is serving")
 
     async def _await_cache(self, ready: asyncio.Task[None]) -> None:
         assert self._cache is not None

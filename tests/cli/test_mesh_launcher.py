@@ -302,8 +302,33 @@ def test_llmesh_up_sigterm_while_models_load_stops_everything(tmp_path: Path) ->
     assert not (tmp_path / "envoy.yaml").exists()
 
 
-def test_llmesh_up_exits_when_a_service_dies(tmp_path: Path) -> None:
+def test_llmesh_up_restarts_a_service_that_dies_and_stops_on_a_crash_loop(
+        tmp_path: Path) -> None:
     process, lines = _start_up(tmp_path)
+    try:
+        assert process.stderr is not None
+        port_file = tmp_path / "engine-0.json"
+        first = json.loads(port_file.read_text())
+        pids = [first["pid"]]
+        for _ in range(2):
+            os.kill(pids[-1], signal.SIGKILL)
+            for line in process.stderr:
+                if "engine-0 is SERVING again" in line:
+                    break
+            again = json.loads(port_file.read_text())
+            assert again["grpc_port"] == first["grpc_port"]  # where the router looks
+            assert again["pid"] != pids[-1] and alive(again["pid"])
+            pids.append(again["pid"])
+        os.kill(pids[-1], signal.SIGKILL)  # the third death within a minute
+        assert process.wait(timeout=30) == 1
+        assert "engine-0 died 3 times in 60 s; stopping" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_llmesh_up_exits_when_a_service_dies(tmp_path: Path) -> None:
+    process, lines = _start_up(tmp_path, "--no-restart")
     try:
         pids = _up_pids(tmp_path, lines)
         engine_pid = json.loads((tmp_path / "engine-0.json").read_text())["pid"]

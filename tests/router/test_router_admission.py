@@ -15,6 +15,7 @@ from services.router.admission import (
     AdmissionController,
     AdmissionRefused,
     Job,
+    NoReplicaServing,
     ReplicaCapacity,
     Ticket,
 )
@@ -278,3 +279,17 @@ async def test_refuse_if_full_says_no_before_tokenization_only_when_admit_would(
     ctl.refuse_if_full(INTERACTIVE)  # one dispatched: room again
     for task in tasks:
         task.cancel()
+
+
+async def test_fail_queued_ends_every_queued_admit_and_keeps_the_running_ones() -> None:
+    ctl = controller(slots=1)
+    running = await ctl.admit(job("r"))
+    tasks = [await queued(ctl, job("i")), await queued(ctl, job("b", BATCH))]
+    assert ctl.fail_queued(NoReplicaServing("no replica")) == 2
+    for task in tasks:
+        with pytest.raises(NoReplicaServing):
+            await task
+    assert (ctl.queue_depth(INTERACTIVE), ctl.queue_depth(BATCH), ctl.num_running) == (0, 0, 1)
+    running.release()
+    assert ctl.num_running == 0
+    assert (await ctl.admit(job("next"))) is not None  # the controller works on

@@ -154,6 +154,7 @@ async def test_a_silent_replica_leaves_routing_and_its_streams_end_unavailable(
                 await asyncio.wait_for(stream.read(), 3.0)
         ended = time.monotonic() - stalled_at
         assert failed.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "the router ended the Multiplex call" in failed.value.details
         assert "no health probe" in failed.value.details
         assert 0.5 <= ended < 0.5 + TIMEOUT + INTERVAL + 0.3, ended
         assert metrics.registry.get_sample_value(

@@ -23,6 +23,8 @@ from llmesh.v1 import (
     generation_pb2_grpc,
     tokenizer_pb2_grpc,
 )
+from services.common.sampling import Priority
+from services.router.admission import AdmissionConfig
 from services.router.engine_client import _Multiplex
 from services.router.generation import Delta, Finished
 from services.router.metrics import RouterMetrics
@@ -540,6 +542,32 @@ async def test_a_replica_that_drops_its_call_fails_only_its_open_requests_and_is
             prompt="q2", sampling=greedy())))
         assert text_of(again) == REPLY
         assert len(engine.log.metadata) == 2  # a new call
+
+
+async def test_queued_requests_end_unavailable_when_the_last_replica_dies():
+    """With its only replica gone, a request queued in the router ends at once
+    with UNAVAILABLE, not at its deadline or never."""
+    async with make_mesh(admission=AdmissionConfig(max_running_per_replica=1)) as mesh:
+        mesh.engines[0].step_delay = 0.05
+        long = greedy(max_tokens=200, ignore_eos=True)
+        running = mesh.stub.Generate(generation_pb2.GenerateRequest(
+            prompt="q", sampling=long, bypass_cache=True))
+        assert (await running.read()).token_ids
+        queued = asyncio.ensure_future(collect(mesh.stub.Generate(
+            generation_pb2.GenerateRequest(prompt="q2", sampling=long, bypass_cache=True))))
+        await wait_for(lambda: mesh.router.admission["fake-model"].queue_depth(
+            Priority.INTERACTIVE) == 1)
+        stopped = time.monotonic()
+        await mesh.engine_servers[0].stop(None)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await queued
+        assert time.monotonic() - stopped < 1.0
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no engine replica is serving" in info.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as cut:
+            while await running.read() is not grpc.aio.EOF:
+                pass
+        assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 async def test_a_slow_reader_gets_the_tokens_that_piled_up_in_one_delta():
