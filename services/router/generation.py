@@ -416,8 +416,8 @@ class GenerationPipeline:
         if not serving:
             raise GenerationError(
                 grpc.StatusCode.UNAVAILABLE,
-                f"no engine replica is serving (all {len(self.replicas.engines)} failed, went "
-                "silent or are draining); retry in a few seconds")
+                f"no engine replica is serving (of {len(self.replicas.engines)} configured, "
+                "each failed, went silent or is draining); retry in a few seconds")
         return serving
 
     async def _open_engine(

@@ -312,9 +312,9 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             controller.set_replicas(capacities)
             if not capacities:
                 failed = controller.fail_queued(NoReplicaServing(
-                    f"no engine replica is serving (all {len(self._engines)} failed or are "
-                    "draining) while the request waited in the router's queue; retry in a "
-                    "few seconds"))
+                    f"no engine replica is serving (of {len(self._engines)} configured, each "
+                    "failed or is draining) while the request waited in the router's queue; "
+                    "retry in a few seconds"))
                 if failed:
                     log.warning("queued_requests_failed", model=controller.model,
                                 requests=failed, why="no engine replica is serving")
