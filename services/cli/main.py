@@ -224,9 +224,9 @@ def _supervise(mesh: object, *, restart: bool) -> int:
             deaths[name].append(now)
         looping = [n for n, times in deaths.items() if len(times) >= MAX_RESTARTS]
         if not restart or "envoy" in dead or looping:
-            why = (f"; {looping[0]} died {MAX_RESTARTS} times in {RESTART_WINDOW_S:.0f} s"
-                   if looping and restart and "envoy" not in dead else "")
-            print(f"llmesh: {what}{why}; stopping (logs in {mesh.run_dir})",
+            if restart and looping and "envoy" not in dead:
+                what += f"; {looping[0]} died {MAX_RESTARTS} times in {RESTART_WINDOW_S:.0f} s"
+            print(f"llmesh: {what}; stopping (logs in {mesh.run_dir})",
                   file=sys.stderr, flush=True)
             return 1
         for name in dead:

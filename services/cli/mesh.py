@@ -741,11 +741,11 @@ class Mesh:
         def elapsed() -> float:
             return time.monotonic() - started
 
-        def report(_: MeshProgress) -> None:
+        def quiet(_: MeshProgress) -> None:  # the caller reports the restart
             return None
 
-        self._wait_bound([service], deadline, report, elapsed)
-        self._wait_serving([service], deadline, report, elapsed)
+        self._wait_bound([service], deadline, quiet, elapsed)
+        self._wait_serving([service], deadline, quiet, elapsed)
         return service
 
     # -- run and stop -----------------------------------------------------
