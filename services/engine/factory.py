@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.engine.backend import EngineBackend
 from services.engine.config import BACKEND_NAMES, EngineConfig
-from services.engine.torch_backend.engine_loop import StepObserver
+from services.engine.torch_backend.engine_core import StepObserver
 
 
 def create_backend(config: EngineConfig,

@@ -9,7 +9,7 @@ stream and an engine step costs one message per router, not one per sequence
 ``stream_id``) and its :class:`Outbox`: each request runs in its own task
 (:meth:`EngineService.run_request`, so logs and metrics are the same as on
 ``Generate``) and puts its deltas into the outbox; the call's writer sends
-whatever the outbox holds as one ``MultiplexResponse``. The engine loop hands a
+whatever the outbox holds as one ``MultiplexResponse``. The engine core hands a
 step's deltas to the event loop in one callback, so every sequence of a step
 has put its delta before the writer runs: one message per step. While the
 caller reads slowly (HTTP/2 flow control holds the writer), a request's pending
@@ -139,13 +139,19 @@ class MultiplexCall:
         self.violation = ""
 
     def handle(self, message: engine_pb2.MultiplexRequest) -> bool:
-        """Starts and cancels what ``message`` asks, starts first. Mutates.
+        """Starts and cancels what ``message`` asks. Mutates.
 
         Returns:
           False when the message breaks the protocol (a start reuses a stream_id
           still open: its updates could not be told apart); :attr:`violation`
           says how, and the call must end.
         """
+        # Cancels of open requests go first: a start of this message may reuse
+        # their request ids (the engine frees an id with its cancel). Then once
+        # more after the starts, for a start cancelled in its own message
+        # (cancel is idempotent).
+        for stream_id in message.cancels:
+            self.cancel(stream_id, "cancel_message")
         for start in message.starts:
             if start.stream_id in self._open:
                 self.violation = (f"starts: stream_id {start.stream_id} is still open on this "

@@ -164,6 +164,29 @@ async def test_cancelling_a_refused_duplicate_never_cancels_the_request_owning_t
     await wait_not_running(engine_stub)
 
 
+@pytest.mark.parametrize("same_message", [True, False])
+async def test_a_cancelled_request_id_may_start_again_at_once(engine_stub: Stub,
+                                                               same_message: bool) -> None:
+    # Issue 13 QA (Q2): a client that reuses its request id right after a
+    # cancel (the router does so after a stop string) got ALREADY_EXISTS
+    # while the engine had not yet freed the old sequence.
+    call = Call(engine_stub)
+    call.send(mux_start(1, "reused", max_tokens=MAX_TOKENS_CAP, ignore_eos=True))
+    await call.read_one()
+    if same_message:
+        call.send(mux_start(2, "reused", max_tokens=16), cancels=(1,))
+    else:
+        call.send(cancels=(1,))
+        call.send(mux_start(2, "reused", max_tokens=16))
+    await call.until(1, 2)
+    assert call.last(1).finish_reason == common_pb2.FINISH_REASON_CANCELLED
+    last = call.last(2)
+    assert (last.finish_reason, last.status_code) == (common_pb2.FINISH_REASON_STOP, OK)
+    assert call.ids(2) == list(CHAT_GREEDY)
+    call.drop()
+    await wait_not_running(engine_stub)
+
+
 async def test_a_start_cancelled_in_its_own_message_logs_its_request_id(
         engine_stub: Stub) -> None:
     with structlog.testing.capture_logs(

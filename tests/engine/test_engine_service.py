@@ -358,7 +358,7 @@ async def end_request(stub: Stub, request_id: str, ending: str,
         assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         return read
     assert ending == "error"
-    runner = torch_backend._engine_loop._runner  # type: ignore[union-attr]
+    runner = torch_backend._core._runner  # type: ignore[union-attr]
     real = runner.run
 
     def fail_once(*args: object) -> None:  # the forward fails (e.g. out of memory)

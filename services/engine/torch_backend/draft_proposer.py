@@ -79,7 +79,7 @@ class DraftProposer:
             raise ValueError("allocate the draft runner's KV cache first")
         self.runner = runner
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, enable_caching=False)
-        self._states: dict[str, _DraftState] = {}
+        self._states: dict[int, _DraftState] = {}  # by Sequence.arrival
 
     def propose(self, requests: SequenceOf[tuple[Sequence, int]]) -> list[list[int]]:
         """Up to ``k`` greedy draft tokens per ``(sequence, k)``; fewer for a
@@ -91,12 +91,12 @@ class DraftProposer:
             feeds[index] = seq.token_ids[state.shadow.num_computed_tokens:]
         while feeds:
             active = [i for i in feeds if self.kv.allocate_slots(
-                self._states[requests[i][0].request_id].shadow, len(feeds[i]))]
+                self._states[requests[i][0].arrival].shadow, len(feeds[i]))]
             if not active:
                 break
             inputs = []
             for i in active:
-                shadow = self._states[requests[i][0].request_id].shadow
+                shadow = self._states[requests[i][0].arrival].shadow
                 inputs.append(StepInput(feeds[i], shadow.num_computed_tokens,
                                         self.kv.block_ids(shadow),
                                         prompt_len=shadow.num_prompt_tokens))
@@ -104,7 +104,7 @@ class DraftProposer:
             next_feeds: dict[int, list[int]] = {}
             for i, token in zip(active, tokens):
                 seq, k = requests[i]
-                state = self._states[seq.request_id]
+                state = self._states[seq.arrival]
                 state.shadow.num_computed_tokens += len(feeds[i])
                 proposals[i].append(token)
                 if len(proposals[i]) < k:
@@ -115,10 +115,10 @@ class DraftProposer:
             feeds = next_feeds
         return proposals
 
-    def retain(self, request_ids: Collection[str]) -> None:
-        """Frees the draft blocks of sequences not in ``request_ids``."""
-        for request_id in [r for r in self._states if r not in request_ids]:
-            self.kv.free(self._states.pop(request_id).shadow)
+    def retain(self, keys: Collection[int]) -> None:
+        """Frees the draft blocks of sequences whose ``arrival`` is not in ``keys``."""
+        for key in [k for k in self._states if k not in keys]:
+            self.kv.free(self._states.pop(key).shadow)
 
     def check_integrity(self, idle: bool = False) -> None:
         """See :meth:`KVCacheManager.check_integrity` (the draft's blocks)."""
@@ -127,9 +127,9 @@ class DraftProposer:
     def _sync(self, seq: Sequence) -> _DraftState:
         """The sequence's state with its computed count moved back to the fed
         tokens that were verified (its last round's proposals that were accepted)."""
-        state = self._states.get(seq.request_id)
+        state = self._states.get(seq.arrival)
         if state is None:
-            state = self._states[seq.request_id] = _DraftState(Sequence(seq.request, seq.arrival))
+            state = self._states[seq.arrival] = _DraftState(Sequence(seq.request, seq.arrival))
             return state
         if state.fed:
             tokens = seq.token_ids

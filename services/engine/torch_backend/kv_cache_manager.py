@@ -90,8 +90,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, block_size, enable_caching)
         self._seed = hash_seed(model_id)
-        self._tables: dict[str, list[KVBlock]] = {}
-        self._num_registered: dict[str, int] = {}
+        self._tables: dict[int, list[KVBlock]] = {}  # by Sequence.arrival
+        self._num_registered: dict[int, int] = {}
 
     # ---- queries (pure) -------------------------------------------------------------
 
@@ -110,11 +110,11 @@ class KVCacheManager:
 
     def block_ids(self, seq: Sequence) -> list[int]:
         """Ids of the blocks holding ``seq``'s tokens, in position order."""
-        return [block.block_id for block in self._tables.get(seq.request_id, ())]
+        return [block.block_id for block in self._tables.get(seq.arrival, ())]
 
     def holds(self, seq: Sequence) -> bool:
         """True while ``seq`` has a block table."""
-        return seq.request_id in self._tables
+        return seq.arrival in self._tables
 
     # ---- lifecycle (mutate) -----------------------------------------------------------
 
@@ -147,7 +147,7 @@ class KVCacheManager:
         Returns:
           False (and changes nothing) when too few blocks are free.
         """
-        table = self._tables.get(seq.request_id)
+        table = self._tables.get(seq.arrival)
         held = 0 if table is None else len(table)
         computed = seq.num_computed_tokens + prefix.num_tokens
         new_blocks = self.blocks_for(computed + num_new_tokens) - held - len(prefix.blocks)
@@ -155,12 +155,12 @@ class KVCacheManager:
         if max(new_blocks, 0) > self.pool.num_free_blocks - reclaimed:
             return False
         if table is None:
-            table = self._tables[seq.request_id] = []
-            self._num_registered[seq.request_id] = 0
+            table = self._tables[seq.arrival] = []
+            self._num_registered[seq.arrival] = 0
         if prefix.blocks:
             self.pool.touch(prefix.blocks)
             table.extend(prefix.blocks)
-            self._num_registered[seq.request_id] = len(table)
+            self._num_registered[seq.arrival] = len(table)
         if new_blocks > 0:
             table.extend(self.pool.allocate(new_blocks))
         return True
@@ -170,10 +170,10 @@ class KVCacheManager:
         ``seq.num_computed_tokens``) in the prefix cache. No-op without caching."""
         if not self.enable_caching:
             return
-        table = self._tables.get(seq.request_id)
+        table = self._tables.get(seq.arrival)
         if table is None:
             return
-        done = self._num_registered[seq.request_id]
+        done = self._num_registered[seq.arrival]
         full = min(seq.num_computed_tokens // self.block_size, len(table))
         if full <= done:
             return
@@ -182,14 +182,14 @@ class KVCacheManager:
         parent = seq.block_hashes[done - 1] if done else None
         self.pool.cache_full_blocks(table[done:full], seq.block_hashes[done:full], parent,
                                     seq.token_ids[done * size:full * size])
-        self._num_registered[seq.request_id] = full
+        self._num_registered[seq.arrival] = full
 
     def free(self, seq: Sequence) -> None:
         """Returns all of ``seq``'s blocks, its last block first into the free
         queue (so a shared prefix outlives its tails in the cache). No-op if it
         holds none."""
-        table = self._tables.pop(seq.request_id, None)
-        self._num_registered.pop(seq.request_id, None)
+        table = self._tables.pop(seq.arrival, None)
+        self._num_registered.pop(seq.arrival, None)
         if table:
             self.pool.free(reversed(table))
 
@@ -222,7 +222,7 @@ class KVCacheManager:
                                        f"{expected} block tables hold it")
         if idle and (counts.used or self._tables):
             raise KVIntegrityError(f"idle but {counts.used} blocks are used by "
-                                   f"{sorted(self._tables)}")
+                                   f"the sequences of arrivals {sorted(self._tables)}")
         return counts
 
     def _hash_full_blocks(self, seq: Sequence) -> None:

@@ -1,4 +1,4 @@
-"""Runs the model for the engine loop: one batched forward per step over the paged KV cache.
+"""Runs the model for the engine core: one batched forward per step over the paged KV cache.
 
 The loop hands over each scheduled sequence's new tokens, its position and its
 block ids (:class:`StepInput`); this module lays them out as the model's flat
@@ -158,7 +158,7 @@ class StepBatch:
 class ModelRunner:
     """Owns the model and its paged KV storage on one device.
 
-    Not thread-safe: one thread (the engine loop's worker) calls :meth:`run`.
+    Not thread-safe: one thread (the engine core's worker) calls :meth:`run`.
 
     Args:
       model: the decoder, ready on ``device`` in ``dtype``.

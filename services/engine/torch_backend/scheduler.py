@@ -35,7 +35,7 @@ Policy:
   run: the kernels are batch-invariant and its sampler draws once per token
   from its own generator.
 * A cancelled running sequence leaves at the next step boundary (or sooner:
-  the engine loop ends the sequences of a step it abandoned because all of
+  the engine core ends the sequences of a step it abandoned because all of
   them were cancelled, with :meth:`Scheduler.finish`); a cancelled waiting one
   leaves the queue at once (:meth:`Scheduler.abort`).
 * Speculative decoding is bookkeeping (vLLM v1): a decoding sequence's
@@ -49,7 +49,7 @@ Policy:
   tokens are ever hashed into the prefix cache. Proposals are dropped (never
   another sequence preempted) when the budget or the blocks are short.
 
-Not thread-safe: the engine loop calls it under its lock.
+Not thread-safe: only the engine core's worker thread calls it (under its state lock).
 """
 
 from __future__ import annotations
@@ -144,8 +144,10 @@ class SequenceUpdate:
 
 
 class Scheduler:
-    """Owns the request table: the waiting queue, the running batch and the
-    in-flight sequences by request id (from :meth:`add` until they finish).
+    """Owns the waiting queue and the running batch of the sequences the engine
+    core hands it (from :meth:`add` until they finish). Sequences are told
+    apart by identity, never by request id: a cancelled request's id may come
+    back (a new sequence) while the old sequence still runs to its next step.
 
     Args:
       config: limits.
@@ -158,7 +160,6 @@ class Scheduler:
         self.kv = kv
         self._waiting: list[Sequence] = []  # heap by (priority, arrival)
         self.running: list[Sequence] = []  # sorted by (priority, arrival)
-        self._by_id: dict[str, Sequence] = {}  # every waiting or running sequence
         self.num_preemptions = 0  # for blocks and for priority
         self.num_priority_preemptions = 0
 
@@ -180,18 +181,12 @@ class Scheduler:
         """The waiting sequences in the order they would join."""
         return sorted(self._waiting)
 
-    def get(self, request_id: str) -> Sequence | None:
-        """The waiting or running sequence of ``request_id``, None once it finished."""
-        return self._by_id.get(request_id)
-
     # ---- verbs (mutate) ---------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        """Queues a new sequence (its request id must not be in flight: see :meth:`get`)."""
-        assert seq.request_id not in self._by_id, seq.request_id
+        """Queues a new sequence."""
         seq.status = SequenceStatus.WAITING
         heapq.heappush(self._waiting, seq)
-        self._by_id[seq.request_id] = seq
 
     def abort(self, seq: Sequence) -> bool:
         """Cancels ``seq``: a waiting one leaves the queue now (finished,
@@ -209,7 +204,6 @@ class Scheduler:
         self.kv.free(seq)  # a waiting sequence holds no blocks; keep it leak-proof anyway
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = FinishReason.CANCELLED
-        del self._by_id[seq.request_id]
         return True
 
     def schedule(self) -> SchedulerOutput:
@@ -305,7 +299,6 @@ class Scheduler:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason
         self._waiting.clear()
-        self._by_id.clear()
         return left
 
     # ---- internals ------------------------------------------------------------------
@@ -431,7 +424,6 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        self._by_id.pop(seq.request_id, None)
         self.kv.free(seq)
         seq.spec_token_ids.clear()
         seq.status = SequenceStatus.FINISHED

@@ -24,13 +24,16 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """A request's tokens, progress and delivery channel.
 
-    Owned by the engine thread (the scheduler and the KV cache manager write
-    it), except ``cancelled``, which any thread may set; the engine reads it at
-    each step boundary.
+    Owned by the engine thread once the engine core took it in (the
+    scheduler and the KV cache manager write it); before that by the
+    :class:`~services.engine.torch_backend.inbox.Inbox`, which finishes it
+    CANCELLED itself when it is cancelled while still pending.
 
     Attributes:
       request: the request as admitted.
-      arrival: admission counter (FIFO order within a priority).
+      arrival: admission counter, unique per engine: FIFO order within a
+        priority, and the key of its KV block table and proposer state (its
+        request id may come back, as a new sequence, once it is cancelled).
       sampling: the sampler's view of its parameters (holds its generator).
       queue: the asyncio queue its deltas are delivered to (None in unit tests).
       loop: the event loop that owns ``queue``.
@@ -42,14 +45,15 @@ class Sequence:
       block_hashes: chained hashes of its full blocks, written by the KV cache manager.
       status: waiting, running or finished.
       num_preemptions: times its blocks were taken back for others.
-      cancelled: set to finish it with CANCELLED at the next step boundary.
+      cancelled: set at the engine's intake of its cancel; it finishes with
+        CANCELLED at the next step boundary (or layer, see ``engine_core``).
       finish_reason: NONE until it finished.
       spec_method: its speculative proposer (the request's choice or the
         engine's default; NONE: no speculation).
       num_spec_tokens: most tokens proposed for it per step.
       spec_token_ids: proposals for its next step (lookahead tokens, not yet
         verified; never part of ``token_ids``). Written after a step by the
-        engine loop, consumed by the next :meth:`Scheduler.schedule`.
+        engine core, consumed by the next :meth:`Scheduler.schedule`.
       priority_key: (priority, arrival), the scheduling order.
     """
 

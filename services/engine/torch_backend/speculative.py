@@ -1,6 +1,6 @@
 """Speculative decoding: proposers behind one interface, and when to propose.
 
-After each step the engine loop asks :class:`Speculator` for the next step's
+After each step the engine core asks :class:`Speculator` for the next step's
 proposals of every sequence that just produced a token (vLLM v1 proposes from
 the just-updated sequences). The scheduler counts them as lookahead tokens,
 the model scores them with the sequence's last token in one forward, and
@@ -80,8 +80,10 @@ class Proposer(Protocol):
         (all verified). Mutates only the proposer's own state."""
         ...
 
-    def retain(self, request_ids: Collection[str]) -> None:
-        """Forgets (frees) the state of every sequence not in ``request_ids``."""
+    def retain(self, keys: Collection[int]) -> None:
+        """Forgets (frees) the state of every sequence whose ``arrival`` (its
+        key: a request id may come back while its old sequence runs) is not
+        in ``keys``."""
         ...
 
 
@@ -130,7 +132,7 @@ class NgramProposer:
         return [propose_ngram(seq.token_ids[-self.window:], k, self.ngram_min, self.ngram_max,
                               self.full_len) for seq, k in requests]
 
-    def retain(self, request_ids: Collection[str]) -> None:
+    def retain(self, keys: Collection[int]) -> None:
         """Stateless: nothing to free."""
 
 
@@ -182,10 +184,11 @@ class Speculator:
             for (seq, _), proposal in zip(requests, self.proposers[method].propose(requests)):
                 seq.spec_token_ids[:] = proposal
 
-    def retain(self, request_ids: Collection[str]) -> None:
-        """Lets every proposer free the state of sequences no longer running."""
+    def retain(self, keys: Collection[int]) -> None:
+        """Lets every proposer free the state of sequences no longer running
+        (``keys``: the ``arrival`` of each running one)."""
         for proposer in self.proposers.values():
-            proposer.retain(request_ids)
+            proposer.retain(keys)
 
     def check_integrity(self, idle: bool = False) -> None:
         """Checks the block bookkeeping of proposers that hold KV blocks (with

@@ -1,7 +1,7 @@
 """The tokens one engine step makes: ordinary sampling for sequences without
 speculative proposals, verification for those with them.
 
-:func:`sample_step` is what the engine loop calls once per step. Rows without
+:func:`sample_step` is what the engine core calls once per step. Rows without
 proposals are sampled together in one batched call of
 :func:`~services.engine.torch_backend.sampler.sample` (one token each);
 rows with ``k`` proposals are verified against their ``k + 1`` target rows by

@@ -1,17 +1,29 @@
-"""The torch engine's loop: one worker thread steps the scheduler and the model.
+"""The torch engine's core: one worker thread owns the requests, the scheduler and the step.
 
-A step is ``schedule → run → sample → update → deliver``:
+:class:`EngineCore` is the one owner of every in-flight request inside the
+engine. Callers on other threads (an event loop's handlers) never touch the
+scheduler or the KV cache: they put commands in its
+:class:`~services.engine.torch_backend.inbox.Inbox` (``submit``, ``cancel``)
+and read a published :class:`~services.engine.types.LoadStats` snapshot
+(``load``). The worker thread takes the commands in at each intake point:
 
-1. :meth:`Scheduler.schedule` (under the loop's lock) picks every running
-   sequence's next tokens and lets waiting ones join (in-flight batching,
-   chunked prefill, prefix hits, preemption);
-2. :meth:`ModelRunner.run` computes all scheduled tokens in one batched forward
-   over the paged KV cache (outside the lock);
+* before each step is planned;
+* before each layer of the forward in progress (submits join the waiting
+  queue, cancels are applied: a cancelled waiting sequence leaves and gets
+  its last delta at once, a running one is flagged).
+
+A step is ``intake → schedule → run → sample → update → deliver``:
+
+1. :meth:`Scheduler.schedule` picks every running sequence's next tokens and
+   lets waiting ones join (in-flight batching, chunked prefill, prefix hits,
+   preemption);
+2. :meth:`ModelRunner.run` computes all scheduled tokens in one batched
+   forward over the paged KV cache;
 3. :func:`~services.engine.torch_backend.step_sampler.sample_step` samples
    one token per sequence that caught up with its length, or verifies its
    speculative tokens (accepted ones plus the target's own token);
-4. :meth:`Scheduler.update_from_output` (under the lock) books the step and
-   finishes sequences that stopped;
+4. :meth:`Scheduler.update_from_output` books the step and finishes
+   sequences that stopped;
 5. the :class:`~services.engine.torch_backend.speculative.Speculator` (if
    any) proposes the next step's lookahead tokens of the sequences that just
    produced tokens;
@@ -19,25 +31,30 @@ A step is ``schedule → run → sample → update → deliver``:
    step ends, in one ``loop.call_soon_threadsafe`` per event loop (one
    wake-up of the loop per step, not one per sequence).
 
-The asyncio side (``submit`` / ``cancel`` / ``load``) never runs the model. A
-cancel takes the lock and flags the sequence, so it is always applied before
-the next :meth:`Scheduler.schedule` (which drops flagged sequences first: no
-chunk is ever planned for a sequence already cancelled). A waiting sequence
-cancelled leaves the queue at once; a running one leaves, and its blocks
-return to the pool, at the first of:
+A cancelled running sequence leaves, and its blocks return to the pool, at
+the first of:
 
 * the next layer boundary of the forward in progress, when every sequence of
-  that step is cancelled (the forward asks before each layer and is
-  abandoned: the step's tokens are half written, so their blocks are freed
-  without entering the prefix cache, and no step is observed);
-* the end of the step in progress, when it computes live sequences too.
+  that step is cancelled (the forward is abandoned: the step's tokens are half
+  written, so their blocks are freed without entering the prefix cache, and no
+  step is observed);
+* the end of the step in progress, when it computes live sequences too;
+* the next :meth:`Scheduler.schedule` otherwise (flagged sequences are dropped
+  first: no chunk is ever planned for a sequence already cancelled).
 
 So a cancel waits at most one layer of a step it has to itself (a long
 prompt's chunk alone), and at most one step otherwise: a step computes at
 most ``max_num_batched_tokens`` tokens and a sequence at most
 ``max_chunk_tokens`` of them (``--max-num-batched-tokens``,
-``--prefill-chunk-size``). Only the worker thread changes KV block state, so
-the runner reads block tables without the lock.
+``--prefill-chunk-size``).
+
+Threading: the worker thread is the only writer of the scheduler, the KV
+cache manager and every sequence it has taken in. It holds ``_state_lock``
+while it mutates them (intake, schedule, update, finish), never during the
+forward; :meth:`check_integrity` and :meth:`reset_prefix_cache` take it to
+see (or, for the latter, change only when no block is in use) consistent
+state from another thread. Callers never wait for a step: ``submit`` and
+``cancel`` take only the inbox's lock, held for a few list operations.
 """
 
 from __future__ import annotations
@@ -48,14 +65,15 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
 import torch
 
 from services.common.sampling import FinishReason
-from services.engine.backend import DuplicateRequestError, EngineUnavailableError, QueueFullError
 from services.engine.kv_events import KVEvent
 from services.engine.torch_backend.block_pool import BlockCounts
+from services.engine.torch_backend.inbox import Inbox
 from services.engine.torch_backend.model import StepAbandoned
 from services.engine.torch_backend.model_runner import ModelRunner, StepInput
 from services.engine.torch_backend.sampler import SamplingRow
@@ -73,13 +91,15 @@ StepObserver = Callable[[StepStats], None]
 _Put = tuple[asyncio.Queue[TokenDelta], TokenDelta]
 
 
-class EngineLoop:
-    """Request intake + one worker thread stepping the scheduler and the model.
+class EngineCore:
+    """The engine's one owner of requests: a command inbox + one worker thread
+    stepping the scheduler and the model.
 
     Args:
       runner: the model runner (used only on the worker thread), its KV cache allocated.
-      scheduler: the scheduler over that KV cache.
-      max_num_waiting: most sequences waiting; ``submit`` raises QueueFullError beyond.
+      scheduler: the scheduler over that KV cache (touched only by the worker thread).
+      max_num_waiting: most sequences waiting beyond the free sequence slots;
+        ``submit`` raises QueueFullError beyond.
       step_observer: called on the worker thread after each step.
       speculator: proposes speculative tokens (None: no speculation).
     """
@@ -91,21 +111,21 @@ class EngineLoop:
         self._scheduler = scheduler
         self._speculator = speculator
         self._kv = scheduler.kv
-        self._max_num_waiting = max_num_waiting
         self._step_observer = step_observer
-        self._lock = threading.Lock()
-        self._wakeup = threading.Condition(self._lock)
+        self._inbox = Inbox(scheduler.config.max_num_seqs, max_num_waiting)
+        self._state_lock = threading.Lock()
         self._arrivals = itertools.count()
-        self._stopping = False
+        self._snapshot = _Snapshot(0, 0.0)
         self._thread: threading.Thread | None = None
 
-    # ---- asyncio side -------------------------------------------------------------
+    # ---- any thread -----------------------------------------------------------------
 
     def start(self) -> None:
         """Starts the worker on a new daemon thread named ``engine-step``. Mutates; a
         second call does nothing."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
+            self._inbox.open()
             self._thread.start()
 
     def run_here(self, on_ready: Callable[[], None] | None = None) -> None:
@@ -116,85 +136,70 @@ class EngineLoop:
         Raises:
           RuntimeError: the worker already runs.
         """
-        with self._lock:
-            if self._thread is not None:
-                raise RuntimeError("the engine loop already runs")
-            self._thread = threading.current_thread()
+        if self._thread is not None:
+            raise RuntimeError("the engine core already runs")
+        self._thread = threading.current_thread()
+        self._inbox.open()
         if on_ready is not None:
             on_ready()
         self._run()
 
-    def submit(self, request: SequenceRequest,
-               loop: asyncio.AbstractEventLoop) -> asyncio.Queue[TokenDelta]:
-        """Queues ``request``; returns the queue its deltas arrive on (owned by ``loop``).
+    def submit(self, request: SequenceRequest, loop: asyncio.AbstractEventLoop) -> Submitted:
+        """Queues ``request``; its deltas arrive on the returned queue (owned by ``loop``).
 
         Raises:
           EngineUnavailableError: not started or stopping.
           DuplicateRequestError: the id is in flight.
-          QueueFullError: ``max_num_waiting`` sequences would still wait after
-            the free sequence slots (``max_num_seqs`` minus the running ones)
-            are taken.
+          QueueFullError: ``max_num_seqs`` + ``max_num_waiting`` requests are in
+            flight (a request that takes a free sequence slot at the next step
+            never counts as waiting).
         """
         row = SamplingRow.from_options(request.sampling, self._runner.device)
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
-        with self._lock:
-            if self._thread is None or self._stopping:
-                raise EngineUnavailableError("the torch engine is not running")
-            if self._scheduler.get(request.request_id) is not None:
-                raise DuplicateRequestError(f"request {request.request_id!r} is already running")
-            waiting = self._scheduler.num_waiting
-            free_slots = max(self._scheduler.config.max_num_seqs - self._scheduler.num_running, 0)
-            # A request that takes a free slot at the next step never counts as
-            # waiting: a burst into an idle engine may fill the slots and the queue.
-            if waiting + 1 - free_slots > self._max_num_waiting:
-                raise QueueFullError(f"{waiting} requests are waiting for {free_slots} free "
-                                     f"sequence slots (limit {self._max_num_waiting} beyond "
-                                     "the free slots)")
-            seq = Sequence(request, next(self._arrivals), row, queue, loop)
-            if self._speculator is not None:
-                seq.spec_method, seq.num_spec_tokens = self._speculator.resolve(
-                    request.speculative)
-            self._scheduler.add(seq)
-            self._wakeup.notify()
-        return queue
+        seq = Sequence(request, next(self._arrivals), row, queue, loop)
+        if self._speculator is not None:
+            seq.spec_method, seq.num_spec_tokens = self._speculator.resolve(request.speculative)
+        self._inbox.submit(seq)
+        return Submitted(queue, seq)
 
-    def cancel(self, request_id: str) -> bool:
-        """Finishes ``request_id`` with CANCELLED: at once if waiting, else before
-        the next step is planned, at the next layer of a step that computes only
-        cancelled sequences, or at the end of the step in progress (see the module
-        docstring). Thread-safe. Returns False if it is not in flight."""
-        with self._lock:
-            seq = self._scheduler.get(request_id)
-            if seq is None or seq.cancelled:
-                return seq is not None
-            if not self._scheduler.abort(seq):
-                return True
-        _deliver(seq, ())
-        return True
+    def cancel(self, request_id: str, submitted: Submitted | None = None) -> bool:
+        """Finishes ``request_id`` (only if it is ``submitted``'s, when given) with
+        CANCELLED: its id may be used again at once. The sequence leaves at once
+        if the worker has not taken it in yet or it waits; else as the module
+        docstring says. Thread-safe; never waits for a step. Returns False if it
+        is not in flight."""
+        found, resolved = self._inbox.cancel(
+            request_id, None if submitted is None else submitted.seq)
+        if resolved is not None:
+            _deliver(resolved, ())
+        return found
 
     @property
     def speculator(self) -> Speculator | None:
-        """The speculative decoding of this loop (None: off)."""
+        """The speculative decoding of this core (None: off)."""
         return self._speculator
 
     def load(self) -> LoadStats:
-        """Running / waiting sequences and the fraction of KV blocks in use.
-        Lock-free snapshot."""
-        return LoadStats(num_running=self._scheduler.num_running,
-                         num_waiting=self._scheduler.num_waiting,
-                         kv_cache_usage=self._kv.usage)
+        """Running / waiting requests and the fraction of KV blocks in use. Lock-free:
+        running and KV usage as of the worker's last intake or step, waiting =
+        the requests in flight beyond those running (a submit or cancel counts
+        at once)."""
+        snapshot = self._snapshot
+        return LoadStats(num_running=snapshot.num_running,
+                         num_waiting=max(len(self._inbox) - snapshot.num_running, 0),
+                         kv_cache_usage=snapshot.kv_cache_usage)
 
     def check_integrity(self) -> BlockCounts:
-        """Checks the KV block bookkeeping between steps (when nothing runs or
-        waits, also that no block is used, the draft model's included: its
-        blocks change outside the lock, so they are checked only then).
-        Thread-safe.
+        """Checks the KV block bookkeeping between two mutations by the worker
+        (when nothing runs or waits, also that no block is used, the draft
+        model's included: its blocks change outside the lock, so they are
+        checked only then). Thread-safe.
 
         Raises:
           KVIntegrityError: naming the inconsistency.
         """
-        with self._lock:
-            idle = not self._scheduler.has_work()
+        with self._state_lock:
+            idle = not self._scheduler.has_work() and not self._inbox.has_commands()
             counts = self._kv.check_integrity(idle=idle)
             if idle and self._speculator is not None:
                 self._speculator.check_integrity(idle=True)
@@ -206,22 +211,24 @@ class EngineLoop:
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block hash if no block is in use. Thread-safe."""
-        with self._lock:
+        with self._state_lock:
             return self._kv.reset_prefix_cache()
 
     def stop(self) -> None:
         """Stops the worker after its current step (blocking: call it off the event
         loop), then finishes every sequence left with ERROR. Idempotent."""
-        with self._lock:
-            self._stopping = True
-            self._wakeup.notify_all()
+        self._inbox.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
-        with self._lock:
+        with self._state_lock:
             left = self._scheduler.finish_all(FinishReason.ERROR)
+            for seq in self._inbox.clear():
+                seq.finish_reason = FinishReason.ERROR
+                left.append(seq)
+            self._publish()
         _deliver_all([(seq, (), "the engine shut down") for seq in left])
 
-    # ---- worker thread ------------------------------------------------------------
+    # ---- worker thread --------------------------------------------------------------
 
     def _run(self) -> None:
         with torch.inference_mode():
@@ -232,33 +239,78 @@ class EngineLoop:
                         return
                     began, out = planned
                     if self._speculator is not None and (out.finished or out.preempted):
-                        self._speculator.retain(self._running_ids())
-                    _deliver_all([(seq, (), "") for seq in out.finished])
+                        self._speculator.retain(self._running_keys())
+                    self._deliver_finished([(seq, (), "") for seq in out.finished])
                     if out.scheduled:
                         self._step(began, out)
                 except Exception as exc:  # noqa: BLE001 - a bug must not hang every request
                     self._fail_all(exc)
 
+    def _take_in(self) -> None:
+        """Applies what the inbox holds (under the state lock): submits join the
+        waiting queue, cancels flag their sequence (a waiting one leaves now and
+        gets its last delta). Each command applies on its own: one that fails
+        finishes its sequence with ERROR and leaves the others untouched."""
+        if not self._inbox.has_commands():
+            return
+        intake = self._inbox.take()
+        ended: list[tuple[Sequence, tuple[int, ...], str]] = []
+        with self._state_lock:
+            for seq in intake.submits:
+                try:
+                    self._scheduler.add(seq)
+                except Exception as exc:  # noqa: BLE001 - its request fails, no other
+                    seq.finish_reason = FinishReason.ERROR
+                    ended.append((seq, (), f"{type(exc).__name__}: {exc}"))
+            for seq in intake.cancels:
+                try:
+                    if self._scheduler.abort(seq):
+                        ended.append((seq, (), ""))
+                except Exception as exc:  # noqa: BLE001 - its request fails, no other
+                    self._scheduler.finish(seq, FinishReason.ERROR)
+                    ended.append((seq, (), f"{type(exc).__name__}: {exc}"))
+            self._publish()
+        self._deliver_finished(ended)
+
+    def _publish(self) -> None:
+        """Publishes the load snapshot (under the state lock)."""
+        self._snapshot = _Snapshot(self._scheduler.num_running, self._kv.usage)
+
     def _fail_all(self, exc: Exception) -> None:
         """Finishes every sequence with ERROR after an unexpected failure outside the
         forward (a bug); the engine keeps serving new requests."""
         error = f"{type(exc).__name__}: {exc}"
-        log.exception("engine_loop_failed", error=error)
-        with self._lock:
+        log.exception("engine_core_failed", error=error)
+        with self._state_lock:
             left = self._scheduler.finish_all(FinishReason.ERROR)
+            self._publish()
         if self._speculator is not None:
             self._speculator.retain(())
-        _deliver_all([(seq, (), error) for seq in left])
+        self._deliver_finished([(seq, (), error) for seq in left])
 
     def _schedule(self) -> tuple[float, SchedulerOutput] | None:
-        """The next step's plan (blocks while idle); None once stopping."""
-        with self._lock:
-            while not self._stopping and not self._scheduler.has_work():
-                self._wakeup.wait()
-            if self._stopping:
+        """Takes in commands, then plans the next step (blocks while idle); None
+        once stopping."""
+        while True:
+            self._take_in()
+            if self._scheduler.has_work():
+                break
+            if not self._inbox.wait():
                 return None
+        if self._inbox.stopping:
+            return None
+        with self._state_lock:
             began = time.perf_counter()
-            return began, self._scheduler.schedule()
+            out = self._scheduler.schedule()
+            self._publish()
+            return began, out
+
+    def _between_layers(self, seqs: list[Sequence]) -> bool:
+        """Asked by the forward before each layer: takes in commands, then says
+        whether every sequence of the step is cancelled (the forward is then
+        abandoned). O(1) in a step without commands or cancels."""
+        self._take_in()
+        return _all_cancelled(seqs)
 
     def _step(self, began: float, out: SchedulerOutput) -> None:
         kv = self._kv
@@ -272,7 +324,7 @@ class EngineLoop:
                                     s.num_logits, s.seq.num_prompt_tokens))
         try:
             logits = self._runner.run(inputs, functools.partial(
-                _all_cancelled, [s.seq for s in out.scheduled]))
+                self._between_layers, [s.seq for s in out.scheduled]))
             rows = [StepRow(s.seq.sampling, s.spec_token_ids)
                     for s in out.scheduled if s.samples]
             sampled = sample_step(logits, rows) if rows else []
@@ -282,19 +334,20 @@ class EngineLoop:
         except Exception as exc:  # noqa: BLE001 - the requests fail, the engine lives
             self._fail_step(out, exc)
             return
-        with self._lock:
+        with self._state_lock:
             updates = self._scheduler.update_from_output(out, sampled)
+            self._publish()
         if self._speculator is not None:
             self._speculator.propose([u.seq for u in updates if not u.finished],
                                      self._scheduler.num_running)
             if any(u.finished for u in updates) or out.preempted:
-                self._speculator.retain(self._running_ids())
+                self._speculator.retain(self._running_keys())
         if self._step_observer is not None:
             self._step_observer(_step_stats(time.perf_counter() - began, out, sampled))
-        _deliver_all([(update.seq, update.token_ids, "") for update in updates])
+        self._deliver_finished([(update.seq, update.token_ids, "") for update in updates])
 
-    def _running_ids(self) -> set[str]:
-        return {seq.request_id for seq in self._scheduler.running}
+    def _running_keys(self) -> set[int]:
+        return {seq.arrival for seq in self._scheduler.running}
 
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> None:
         """Finishes the step's sequences with ERROR after a failed forward."""
@@ -308,12 +361,40 @@ class EngineLoop:
         blocks are freed without entering the prefix cache (the step's tokens are
         not, or only partly, computed)."""
         ended = [item.seq for item in out.scheduled]
-        with self._lock:
+        with self._state_lock:
             for seq in ended:
                 self._scheduler.finish(seq, reason)
+            self._publish()
         if self._speculator is not None:
-            self._speculator.retain(self._running_ids())
-        _deliver_all([(seq, (), error) for seq in ended])
+            self._speculator.retain(self._running_keys())
+        self._deliver_finished([(seq, (), error) for seq in ended])
+
+    def _deliver_finished(self, items: list[tuple[Sequence, tuple[int, ...], str]]) -> None:
+        """Delivers ``items`` (see :func:`_deliver_all`) after taking the
+        finished sequences' ids out of the request table."""
+        if not items:
+            return
+        done = [seq for seq, _, _ in items if seq.finished]
+        if done:
+            self._inbox.finished_all(done)
+        _deliver_all(items)
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A submitted request: the queue its deltas arrive on, and its sequence
+    (a handle for :meth:`EngineCore.cancel`; owned by the worker thread)."""
+
+    queue: asyncio.Queue[TokenDelta]
+    seq: Sequence
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """What the worker published after its last mutation."""
+
+    num_running: int
+    kv_cache_usage: float
 
 
 def _all_cancelled(seqs: list[Sequence]) -> bool:
