@@ -116,6 +116,12 @@ async def idle(backend: TorchBackend) -> None:
     assert (load.num_running, load.num_waiting, load.kv_cache_usage) == (0, 0, 0.0)
 
 
+#: The teeth check's logits (PyTorch attention, no batch invariance) per model:
+#: computed once, whichever attention backend the test parameter names.
+_PLAIN_LOGITS: dict[tuple[str, bool, str | None],
+                    tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+
 @pytest.mark.parametrize("attention_backend", ["native", "torch"])
 @pytest.mark.parametrize(("quantization", "dense_prefill", "quant_kernel"), [
     ("none", False, None), ("int8", False, "native"), ("int4", False, "native"),
@@ -160,7 +166,10 @@ def test_logits_are_bit_identical_whatever_the_batch(
 
     alone, batched = logits(batch_invariant=True, backend=attention_backend)
     assert torch.equal(alone[0], batched[0]) and torch.equal(alone[1], batched[1])
-    plain_alone, plain_batched = logits(batch_invariant=False, backend="torch")
+    key = (quantization, dense_prefill, quant_kernel)
+    if key not in _PLAIN_LOGITS:  # the same for either attention backend parameter
+        _PLAIN_LOGITS[key] = logits(batch_invariant=False, backend="torch")
+    plain_alone, plain_batched = _PLAIN_LOGITS[key]
     # fp32: GEMV (1 row) vs GEMM rows; quantized: the attention matmuls (the
     # projections are row-invariant anyway), grown through 30 layers of bf16
     # activations into a few bf16 steps of the logits. The native kernels'
