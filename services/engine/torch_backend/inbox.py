@@ -56,10 +56,9 @@ class Inbox:
     """Commands for the engine thread plus the request table. Thread-safe.
 
     Args:
-      max_in_flight: most requests in flight (waiting, running, or submitted
-        and not yet taken in); ``submit`` raises QueueFullError beyond.
-      max_num_seqs, max_num_waiting: the two parts of ``max_in_flight``, named
-        in the refusal's message.
+      max_num_seqs, max_num_waiting: their sum is the most requests in flight
+        (waiting, running, or submitted and not yet taken in); ``submit``
+        raises QueueFullError beyond.
     """
 
     def __init__(self, max_num_seqs: int, max_num_waiting: int) -> None:
@@ -159,15 +158,10 @@ class Inbox:
                 self._ready.wait()
             return not self._stopping
 
-    def finished(self, seq: Sequence) -> None:
-        """Takes the finished ``seq`` out of the table (unless its id already
-        left it, with a cancel, and may belong to a newer request). Mutates."""
-        with self._lock:
-            if self._table.get(seq.request_id) is seq:
-                del self._table[seq.request_id]
-
     def finished_all(self, seqs: list[Sequence]) -> None:
-        """:meth:`finished` for each of ``seqs``, under one lock. Mutates."""
+        """Takes each finished sequence of ``seqs`` out of the table (unless its
+        id already left it, with a cancel, and may belong to a newer request).
+        Mutates."""
         with self._lock:
             for seq in seqs:
                 if self._table.get(seq.request_id) is seq:
