@@ -72,3 +72,12 @@ def metadata_value(context: grpc.aio.ServicerContext, key: str) -> str | None:
 def request_id_metadata(request_id: str) -> tuple[tuple[str, str], ...]:
     """Outgoing metadata that carries ``request_id`` to the next hop."""
     return ((REQUEST_ID_METADATA_KEY, request_id),)
+
+
+def status_code_of(value: int) -> grpc.StatusCode:
+    """The :class:`grpc.StatusCode` of a numeric code carried in a message
+    (UNKNOWN if none matches)."""
+    for code in grpc.StatusCode:
+        if code.value[0] == value:
+            return code
+    return grpc.StatusCode.UNKNOWN

@@ -20,7 +20,9 @@ warning and reports a miss (``get``) or "not stored" (``put``).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,11 +39,12 @@ from llmesh.v1 import (
     tokenizer_pb2_grpc,
 )
 from services.common.detokenizer import DEFINITION_FORMAT, TokenizersDecoder
-from services.common.grpc_util import make_channel, request_id_metadata
+from services.common.grpc_util import make_channel, request_id_metadata, status_code_of
 from services.common.sampling import FinishReason, SamplingOptions
 
 log = structlog.get_logger()
 
+_TOKENIZER = "tokenizer"
 #: Pause between health probes of a service that is still starting (seconds).
 _HEALTH_POLL_SECONDS = 0.2
 
@@ -245,9 +248,10 @@ async def wait_until_serving(
 
 
 class TokenizerClient:
-    """Client of ``llmesh.v1.TokenizerService`` on one long-lived channel."""
+    """Client of ``llmesh.v1.TokenizerService`` on one long-lived channel; prompts
+    go over one long-lived ``Multiplex`` call on it."""
 
-    service = "tokenizer"
+    service = _TOKENIZER
 
     def __init__(self, target: str) -> None:
         """Args:
@@ -256,6 +260,7 @@ class TokenizerClient:
         self.target = target
         self._channel = make_channel(target)
         self._stub = tokenizer_pb2_grpc.TokenizerServiceStub(self._channel)
+        self._multiplex: _TokenizerMultiplex | None = None
 
     async def wait_until_serving(self, timeout: float) -> None:
         """See :func:`wait_until_serving`."""
@@ -317,13 +322,10 @@ class TokenizerClient:
     async def tokenize(self, text: str, *, add_special_tokens: bool, request_id: str,
                        deadline: float | None) -> tuple[int, ...]:
         """``Tokenize``: text to ids. Raises :class:`UpstreamError`."""
-        try:
-            reply = await self._stub.Tokenize(
-                tokenizer_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens),
-                timeout=timeout_until(deadline), metadata=request_id_metadata(request_id))
-        except grpc.aio.AioRpcError as err:
-            raise upstream_error(self.service, self.target, err) from err
-        return tuple(reply.token_ids)
+        answer = await self._ask(tokenizer_pb2.TokenizerServiceMultiplexRequest(
+            request_id=request_id, tokenize=tokenizer_pb2.TokenizeRequest(
+                text=text, add_special_tokens=add_special_tokens)), deadline)
+        return tuple(answer.tokenize.token_ids)
 
     async def apply_chat_template(
         self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool,
@@ -342,16 +344,120 @@ class TokenizerClient:
             add_generation_prompt=add_generation_prompt, max_prompt_tokens=max_prompt_tokens,
             allow_special_tokens=allow_special_tokens,
         )
-        try:
-            reply = await self._stub.ApplyChatTemplate(
-                request, timeout=timeout_until(deadline),
-                metadata=request_id_metadata(request_id))
-        except grpc.aio.AioRpcError as err:
-            raise upstream_error(self.service, self.target, err) from err
+        answer = await self._ask(tokenizer_pb2.TokenizerServiceMultiplexRequest(
+            request_id=request_id, apply_chat_template=request), deadline)
+        reply = answer.apply_chat_template
         return ChatPrompt(tuple(reply.token_ids), reply.num_dropped_messages)
 
+    async def _ask(self, message: tokenizer_pb2.TokenizerServiceMultiplexRequest,
+                   deadline: float | None) -> tokenizer_pb2.TokenizerServiceMultiplexResponse:
+        """``message``'s answer on the long-lived ``Multiplex`` call (opened on
+        first use, and again after one fails).
+
+        Raises:
+          UpstreamError: the request's status when not OK (the unary call's),
+            UNAVAILABLE when the call fails (the tokenizer died or is
+            unreachable), DEADLINE_EXCEEDED when ``deadline`` passes first.
+        """
+        timeout = timeout_until(deadline)
+        if self._multiplex is None or self._multiplex.failed is not None:
+            self._multiplex = _TokenizerMultiplex(self._stub, self.target)
+        answer = await self._multiplex.ask(message, timeout)
+        if answer.status_code:
+            raise UpstreamError(self.service, self.target, status_code_of(answer.status_code),
+                                answer.status_message)
+        return answer
+
     async def close(self) -> None:
+        if self._multiplex is not None:
+            await self._multiplex.close()
         await self._channel.close()
+
+
+class _TokenizerMultiplex:
+    """One ``TokenizerService.Multiplex`` call and the requests waiting on it
+    (owned by :class:`TokenizerClient`): a request is one message each way on
+    an open HTTP/2 stream, which costs the router and the tokenizer about half
+    of what a new unary call does (no stream set-up, headers or call object).
+    A reader task hands each answer to its waiting request by ``call_id``."""
+
+    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerServiceStub, target: str) -> None:
+        self._target = target
+        self._call = stub.Multiplex()
+        self._waiting: dict[int, asyncio.Future[
+            tokenizer_pb2.TokenizerServiceMultiplexResponse]] = {}
+        self._call_ids = itertools.count(1)
+        self._write_lock = asyncio.Lock()
+        #: Set once the call failed: every later :meth:`ask` raises it.
+        self.failed: UpstreamError | None = None
+        # A context of its own: it serves every request, so its log lines must
+        # not carry the id of the request that happened to open the call.
+        self._reader = asyncio.create_task(self._read(), context=contextvars.Context())
+
+    async def ask(self, message: tokenizer_pb2.TokenizerServiceMultiplexRequest,
+                  timeout: float | None) -> tokenizer_pb2.TokenizerServiceMultiplexResponse:
+        """Sends ``message`` (its ``call_id`` set here) and waits up to
+        ``timeout`` seconds (None: no limit) for its answer.
+
+        Raises:
+          UpstreamError: UNAVAILABLE (the call failed), DEADLINE_EXCEEDED.
+        """
+        if self.failed is not None:
+            raise self.failed
+        call_id = next(self._call_ids)
+        message.call_id = call_id
+        answer = asyncio.get_running_loop().create_future()
+        self._waiting[call_id] = answer
+        try:
+            try:
+                async with self._write_lock:
+                    await self._call.write(message)
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError,
+                    asyncio.InvalidStateError) as err:
+                self._fail(f"writing to it failed: {type(err).__name__}: {err}")
+                assert self.failed is not None
+                raise self.failed from err
+            return await asyncio.wait_for(answer, timeout)
+        except TimeoutError:
+            raise UpstreamError(_TOKENIZER, self._target, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                "no answer before the call's deadline") from None
+        finally:
+            self._waiting.pop(call_id, None)
+
+    async def _read(self) -> None:
+        why = "the tokenizer ended the Multiplex call"
+        try:
+            while (answer := await self._call.read()) is not grpc.aio.EOF:
+                waiting = self._waiting.pop(answer.call_id, None)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(answer)
+        except grpc.aio.AioRpcError as err:
+            why = f"{err.code().name}: {err.details()}"
+        except asyncio.CancelledError:
+            self._fail("the router closed the call")
+            raise
+        self._fail(why)
+
+    def _fail(self, why: str) -> None:
+        """Fails the call and every request waiting on it with UNAVAILABLE."""
+        if self.failed is None:
+            self.failed = UpstreamError(_TOKENIZER, self._target, grpc.StatusCode.UNAVAILABLE,
+                                        f"the Multiplex call failed: {why}")
+            if self._waiting:
+                log.warning("tokenizer_call_failed", tokenizer=self._target, why=why,
+                            waiting_requests=len(self._waiting))
+        for waiting in self._waiting.values():
+            if not waiting.done():
+                waiting.set_exception(self.failed)
+        self._waiting.clear()
+        self._call.cancel()
+        if self._reader is not asyncio.current_task():
+            self._reader.cancel()
+
+    async def close(self) -> None:
+        self._reader.cancel()
+        self._call.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
 
 
 # --------------------------------------------------------------------------- #

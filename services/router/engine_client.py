@@ -30,7 +30,7 @@ import grpc
 import structlog
 
 from llmesh.v1 import engine_pb2, engine_pb2_grpc
-from services.common.grpc_util import make_channel
+from services.common.grpc_util import make_channel, status_code_of
 from services.common.sampling import FinishReason, Priority, SamplingOptions, SpeculativeOptions
 from services.router.clients import (
     EngineDelta,
@@ -92,7 +92,7 @@ class EngineStream:
             self._usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
         if update.status_code:
             self._error = UpstreamError(_SERVICE, self.target,
-                                        _status_code(update.status_code),
+                                        status_code_of(update.status_code),
                                         update.status_message)
         elif update.finish_reason:
             self._finish = finish_reason_of(update.finish_reason)
@@ -368,11 +368,3 @@ class EngineClient:
         if self._mux is not None:
             await self._mux.close()
         await self._channel.close()
-
-
-def _status_code(value: int) -> grpc.StatusCode:
-    """The :class:`grpc.StatusCode` of a numeric code (UNKNOWN if none matches)."""
-    for code in grpc.StatusCode:
-        if code.value[0] == value:
-            return code
-    return grpc.StatusCode.UNKNOWN

@@ -14,6 +14,14 @@ Calls and their gRPC statuses:
   lists the roles), or the template rejected the conversation.
   FAILED_PRECONDITION: the model has no chat template.
   OUT_OF_RANGE: even the system message(s) plus the last message do not fit.
+* ``Multiplex`` (bidi): ``Tokenize`` and ``ApplyChatTemplate`` requests of
+  many callers' requests on one long-lived call (the router keeps one), each
+  message carrying a ``call_id`` that its one answer echoes with the status the
+  unary call would have returned (the call goes on past a failed request). A
+  short input is answered before the next message is read; a long one (over
+  ``inline_encode_max_chars``) runs in its own task, so it holds up no later
+  request. INVALID_ARGUMENT ends the call when a ``call_id`` is reused while
+  its request is open. Counted and logged as the unary calls are.
 * ``Detokenize`` (bidi): one stream per generated sequence. One response per
   request message, carrying the text that the ids so far made final (see
   :class:`IncrementalDetokenizer`); never half a UTF-8 character.
@@ -44,6 +52,7 @@ import contextlib
 import functools
 import hashlib
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -233,8 +242,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         else:
             self._metrics.requests.labels(method, code.name).inc()
 
-    def _admit(self, context: grpc.aio.ServicerContext) -> Tokenizer:
-        bind_request_id(request_id_from(context))
+    def _admit(self) -> Tokenizer:
         if self._draining:
             raise _Unavailable("the tokenizer is draining")
         if not self._ready or self._tok is None:
@@ -247,15 +255,31 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         context: grpc.aio.ServicerContext,
         work: Callable[[Tokenizer], Awaitable[_T]],
     ) -> _T:
+        bind_request_id(request_id_from(context))
+        reply, code, message = await self._serve(method, work)
+        if reply is None:
+            await context.abort(code, message)
+        return reply
+
+    async def _serve(
+        self, method: str, work: Callable[[Tokenizer], Awaitable[_T]],
+    ) -> tuple[_T | None, grpc.StatusCode, str]:
+        """Runs ``work`` on the tokenizer, counts it under ``method`` and, for a
+        prompt, writes its ``tokenize_finished`` line (request id as bound).
+
+        Returns:
+          (reply, OK, "") or (None, the status, its message): UNAVAILABLE while
+          loading or draining, the status of the tokenizer's error
+          (:data:`_ERROR_STATUS`), INTERNAL (logged) for anything else.
+        """
         started = time.perf_counter()
         try:
-            reply = await work(self._admit(context))
+            reply = await work(self._admit())
         except asyncio.CancelledError:
             self._record(method, grpc.StatusCode.CANCELLED, started)
             raise
         except Exception as err:  # mapped to a status; the service keeps serving
-            await self._abort(method, context, err, started)
-            raise  # unreachable: abort raises
+            return None, *self._failed(method, err, started)
         self._record(method, grpc.StatusCode.OK, started)
         if method in _PROMPT_METHODS:
             # One line per prompt, written after the reply is on its way (the
@@ -264,21 +288,92 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 log.info, "tokenize_finished", method=method,
                 tokens=len(getattr(reply, "token_ids", ())),
                 handler_ms=round((time.perf_counter() - started) * 1e3, 3)))
-        return reply
+        return reply, grpc.StatusCode.OK, ""
 
-    async def _abort(
-        self, method: str, context: grpc.aio.ServicerContext, err: Exception, started: float
-    ) -> None:
+    def _failed(self, method: str, err: Exception,
+                started: float) -> tuple[grpc.StatusCode, str]:
+        """Counts and logs a failed call; returns its status and message
+        (INTERNAL for an unexpected exception, logged with its traceback)."""
         code = _status_of(err)
         self._record(method, code, started)
         if code is grpc.StatusCode.INTERNAL:
             log.exception("tokenizer_internal_error", method=method)
-            await context.abort(code, f"internal error: {type(err).__name__}: {err}")
+            return code, f"internal error: {type(err).__name__}: {err}"
         log.info("tokenizer_request_rejected", method=method, code=code.name, error=str(err))
-        await context.abort(code, str(err))
+        return code, str(err)
 
     async def _offload(self, fn: Callable[..., _T], *args: object) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _is_long(self, request: tokenizer_pb2.TokenizeRequest
+                 | tokenizer_pb2.ApplyChatTemplateRequest) -> bool:
+        """True when ``request``'s text is encoded on a worker thread."""
+        if isinstance(request, tokenizer_pb2.TokenizeRequest):
+            return len(request.text) > self._inline_max
+        return sum(len(m.content) for m in request.messages) > self._inline_max
+
+    async def _admit_call(self, method: str, context: grpc.aio.ServicerContext,
+                          started: float) -> Tokenizer:
+        """The tokenizer for a streaming call (its request id bound); while loading
+        or draining the call ends UNAVAILABLE (counted)."""
+        bind_request_id(request_id_from(context))
+        try:
+            return self._admit()
+        except _Unavailable as err:
+            self._record(method, grpc.StatusCode.UNAVAILABLE, started)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+            raise  # unreachable: abort raises
+
+    async def _tokenize(self, tok: Tokenizer, request: tokenizer_pb2.TokenizeRequest,
+                        ) -> tokenizer_pb2.TokenizeResponse:
+        text, special = request.text, request.add_special_tokens
+        if self._is_long(request):
+            ids = await self._offload(tok.encode, text, special)
+        else:
+            ids = tok.encode(text, special)
+        self._tokens["Tokenize"].inc(len(ids))
+        log.debug("tokenized", chars=len(text), tokens=len(ids))
+        return tokenizer_pb2.TokenizeResponse(token_ids=ids)
+
+    async def _apply_chat_template(self, tok: Tokenizer,
+                                   request: tokenizer_pb2.ApplyChatTemplateRequest,
+                                   ) -> tokenizer_pb2.ApplyChatTemplateResponse:
+        messages = [ChatMessage(m.role, m.content) for m in request.messages]
+        args = (messages, request.add_generation_prompt, request.max_prompt_tokens,
+                request.allow_special_tokens)
+        if self._is_long(request):
+            prompt = await self._offload(tok.apply_chat_template, *args)
+        else:
+            prompt = tok.apply_chat_template(*args)
+        self._tokens["ApplyChatTemplate"].inc(len(prompt.token_ids))
+        if prompt.num_dropped_messages:
+            self._metrics.dropped_messages.inc(prompt.num_dropped_messages)
+        log.debug("chat_template_applied", messages=len(messages),
+                  tokens=len(prompt.token_ids), dropped=prompt.num_dropped_messages)
+        return tokenizer_pb2.ApplyChatTemplateResponse(
+            token_ids=prompt.token_ids, num_dropped_messages=prompt.num_dropped_messages)
+
+    async def _answer(self, message: tokenizer_pb2.TokenizerServiceMultiplexRequest,
+                      ) -> tokenizer_pb2.TokenizerServiceMultiplexResponse:
+        """One Multiplex request's answer: the unary call's reply or status."""
+        answer = tokenizer_pb2.TokenizerServiceMultiplexResponse(call_id=message.call_id)
+        kind = message.WhichOneof("request")
+        if kind == "tokenize":
+            reply, code, text = await self._serve(
+                "Tokenize", functools.partial(self._tokenize, request=message.tokenize))
+            if reply is not None:
+                answer.tokenize.CopyFrom(reply)
+        elif kind == "apply_chat_template":
+            reply, code, text = await self._serve(
+                "ApplyChatTemplate", functools.partial(
+                    self._apply_chat_template, request=message.apply_chat_template))
+            if reply is not None:
+                answer.apply_chat_template.CopyFrom(reply)
+        else:
+            code, text = grpc.StatusCode.INVALID_ARGUMENT, (
+                "request: set `tokenize` or `apply_chat_template`")
+        answer.status_code, answer.status_message = code.value[0], text
+        return answer
 
     # -- RPCs -----------------------------------------------------------------
 
@@ -286,42 +381,65 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.TokenizeResponse:
         """Text to ids (UNAVAILABLE while loading or draining)."""
-
-        async def work(tok: Tokenizer) -> tokenizer_pb2.TokenizeResponse:
-            text, special = request.text, request.add_special_tokens
-            if len(text) <= self._inline_max:
-                ids = tok.encode(text, special)
-            else:
-                ids = await self._offload(tok.encode, text, special)
-            self._tokens["Tokenize"].inc(len(ids))
-            log.debug("tokenized", chars=len(text), tokens=len(ids))
-            return tokenizer_pb2.TokenizeResponse(token_ids=ids)
-
-        return await self._unary("Tokenize", context, work)
+        return await self._unary("Tokenize", context,
+                                 functools.partial(self._tokenize, request=request))
 
     async def ApplyChatTemplate(
         self, request: tokenizer_pb2.ApplyChatTemplateRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.ApplyChatTemplateResponse:
         """Chat messages to prompt ids; see the module docstring for statuses."""
+        return await self._unary("ApplyChatTemplate", context,
+                                 functools.partial(self._apply_chat_template, request=request))
 
-        async def work(tok: Tokenizer) -> tokenizer_pb2.ApplyChatTemplateResponse:
-            messages = [ChatMessage(m.role, m.content) for m in request.messages]
-            args = (messages, request.add_generation_prompt, request.max_prompt_tokens,
-                    request.allow_special_tokens)
-            if sum(len(m.content) for m in messages) <= self._inline_max:
-                prompt = tok.apply_chat_template(*args)
-            else:
-                prompt = await self._offload(tok.apply_chat_template, *args)
-            self._tokens["ApplyChatTemplate"].inc(len(prompt.token_ids))
-            if prompt.num_dropped_messages:
-                self._metrics.dropped_messages.inc(prompt.num_dropped_messages)
-            log.debug("chat_template_applied", messages=len(messages),
-                      tokens=len(prompt.token_ids), dropped=prompt.num_dropped_messages)
-            return tokenizer_pb2.ApplyChatTemplateResponse(
-                token_ids=prompt.token_ids, num_dropped_messages=prompt.num_dropped_messages
-            )
+    async def Multiplex(
+        self, request_iterator: AsyncIterator[tokenizer_pb2.TokenizerServiceMultiplexRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[tokenizer_pb2.TokenizerServiceMultiplexResponse]:
+        """Tokenize / ApplyChatTemplate requests on one call, one answer each
+        (see the module docstring). A short input is answered before the next
+        message is read; a long one runs in its own task, so it holds up no other.
+        Ends INVALID_ARGUMENT when a ``call_id`` is reused while still open."""
+        answers: asyncio.Queue[tokenizer_pb2.TokenizerServiceMultiplexResponse | None] = (
+            asyncio.Queue())
+        long_running: dict[int, asyncio.Task[None]] = {}
+        violation = ""
 
-        return await self._unary("ApplyChatTemplate", context, work)
+        async def answer_later(message: tokenizer_pb2.TokenizerServiceMultiplexRequest) -> None:
+            try:
+                answers.put_nowait(await self._answer(message))
+            finally:
+                long_running.pop(message.call_id, None)
+
+        async def read() -> None:
+            nonlocal violation
+            try:
+                async for message in request_iterator:
+                    if message.call_id in long_running:
+                        violation = (f"call_id {message.call_id} is still open on this call; "
+                                     "use a new id for each request")
+                        return
+                    bind_request_id(message.request_id or uuid.uuid4().hex)
+                    request = getattr(message, message.WhichOneof("request") or "tokenize")
+                    if self._is_long(request):
+                        long_running[message.call_id] = asyncio.create_task(
+                            answer_later(message))
+                    else:
+                        answers.put_nowait(await self._answer(message))
+                while long_running:  # the caller half-closed: finish what it asked
+                    await asyncio.wait(list(long_running.values()))
+            finally:
+                answers.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (answer := await answers.get()) is not None:
+                yield answer
+            if violation:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, violation)
+        finally:
+            reader.cancel()
+            for task in list(long_running.values()):
+                task.cancel()
 
     async def GetTokenizerInfo(
         self, request: tokenizer_pb2.GetTokenizerInfoRequest, context: grpc.aio.ServicerContext
@@ -339,11 +457,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
     ) -> AsyncIterator[tokenizer_pb2.GetTokenizerResponse]:
         """The tokenizer's definition in chunks (UNAVAILABLE while loading or draining)."""
         started = time.perf_counter()
-        try:
-            tok = self._admit(context)
-        except _Unavailable as err:
-            await self._abort("GetTokenizer", context, err, started)
-            return
+        tok = await self._admit_call("GetTokenizer", context, started)
         data, step = self._definition, DEFINITION_CHUNK_BYTES
         for offset in range(0, max(len(data), 1), step):
             reply = tokenizer_pb2.GetTokenizerResponse(definition_chunk=data[offset:offset + step])
@@ -362,11 +476,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
     ) -> AsyncIterator[tokenizer_pb2.DetokenizeResponse]:
         """Ids in, text deltas out: one response per request message."""
         started = time.perf_counter()
-        try:
-            tok = self._admit(context)
-        except _Unavailable as err:
-            await self._abort("Detokenize", context, err, started)
-            return
+        tok = await self._admit_call("Detokenize", context, started)
         self._metrics.detokenize_streams.inc()
         tokens = self._tokens["Detokenize"]
         detok: IncrementalDetokenizer | None = None
@@ -390,9 +500,9 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
                         if request.flush:
                             text += detok.flush()
                 except Exception as err:  # mapped to a status; ends this stream only
-                    outcome = _status_of(err).name.lower()
-                    await self._abort("Detokenize", context, err, started)
-                    return
+                    code, message = self._failed("Detokenize", err, started)
+                    outcome = code.name.lower()
+                    await context.abort(code, message)
                 tokens.inc(len(ids))
                 num_messages += 1
                 num_tokens += len(ids)

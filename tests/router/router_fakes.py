@@ -74,6 +74,18 @@ def definition() -> str:
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
+class _Status(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        self.code, self.message = code, message
+
+
+class _AnswerContext:
+    """What a unary handler of the fake needs of its context, for a Multiplex answer."""
+
+    async def abort(self, code: grpc.StatusCode, message: str) -> None:
+        raise _Status(code, message)
+
+
 class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     def __init__(self) -> None:
         self.definition_requests = 0
@@ -96,6 +108,19 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             dropped += 1
         return tokenizer_pb2.ApplyChatTemplateResponse(
             token_ids=encode(template(messages)), num_dropped_messages=dropped)
+
+    async def Multiplex(self, request_iterator, context):
+        """The router's path: each message answered by the unary handler above."""
+        async for message in request_iterator:
+            answer = tokenizer_pb2.TokenizerServiceMultiplexResponse(call_id=message.call_id)
+            kind = message.WhichOneof("request")
+            handler = self.Tokenize if kind == "tokenize" else self.ApplyChatTemplate
+            try:
+                getattr(answer, kind).CopyFrom(
+                    await handler(getattr(message, kind), _AnswerContext()))
+            except _Status as status:
+                answer.status_code, answer.status_message = status.code.value[0], status.message
+            yield answer
 
     async def GetTokenizer(self, request, context):
         self.definition_requests += 1

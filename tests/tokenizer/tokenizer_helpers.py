@@ -41,14 +41,15 @@ class ServerThread:
     event loop in a background thread, so that synchronous tests (hypothesis)
     and asyncio tests can both call it."""
 
-    def __init__(self, service: TokenizerService, start_service: bool = True) -> None:
+    def __init__(self, service: TokenizerService, start_service: bool = True,
+                 port: int = 0) -> None:
         self.service = service
         self._start_service = start_service
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
         self._error: BaseException | None = None
-        self.port = 0
+        self.port = port
         self._thread = threading.Thread(target=self._run, name="tokenizer-server", daemon=True)
 
     @property
@@ -71,7 +72,7 @@ class ServerThread:
         self._stop = asyncio.Event()
         server = grpc.aio.server(options=SERVER_OPTIONS)
         self.service.register(server)
-        self.port = server.add_insecure_port("127.0.0.1:0")
+        self.port = server.add_insecure_port(f"127.0.0.1:{self.port}")
         try:
             await server.start()
             if self._start_service:
@@ -131,12 +132,13 @@ class Client:
         self.channel.close()
 
 
-def start_server(tokenizer: Tokenizer, start_service: bool = True,
+def start_server(tokenizer: Tokenizer, start_service: bool = True, port: int = 0,
                  **kwargs: Any) -> tuple[ServerThread, TokenizerMetrics]:
-    """A started ServerThread around ``tokenizer`` with metrics in a fresh registry."""
+    """A started ServerThread around ``tokenizer`` with metrics in a fresh
+    registry, on ``port`` (0: one the OS picks)."""
     metrics = TokenizerMetrics.create(CollectorRegistry())
     service = TokenizerService(tokenizer=tokenizer, metrics=metrics, **kwargs)
-    return ServerThread(service, start_service).start(), metrics
+    return ServerThread(service, start_service, port).start(), metrics
 
 
 def sample(metrics: TokenizerMetrics, name: str, **labels: str) -> float:

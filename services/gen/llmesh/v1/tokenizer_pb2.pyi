@@ -317,3 +317,81 @@ class GetTokenizerResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetTokenizerResponse: _TypeAlias = GetTokenizerResponse  # noqa: Y015
+
+@_typing.final
+class TokenizerServiceMultiplexRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TOKENIZE_FIELD_NUMBER: _builtins.int
+    APPLY_CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.int
+    """The caller's id for this request, echoed on its answer; unique among the
+    call's open requests.
+    """
+    request_id: _builtins.str
+    """The request id for the tokenizer's log line (as `x-request-id` on a
+    unary call).
+    """
+    @_builtins.property
+    def tokenize(self) -> Global___TokenizeRequest: ...
+    @_builtins.property
+    def apply_chat_template(self) -> Global___ApplyChatTemplateRequest: ...
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.int = ...,
+        request_id: _builtins.str = ...,
+        tokenize: Global___TokenizeRequest | None = ...,
+        apply_chat_template: Global___ApplyChatTemplateRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["apply_chat_template", b"apply_chat_template", "request", b"request", "tokenize", b"tokenize"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_chat_template", b"apply_chat_template", "call_id", b"call_id", "request", b"request", "request_id", b"request_id", "tokenize", b"tokenize"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_request: _TypeAlias = _typing.Literal["tokenize", "apply_chat_template"]  # noqa: Y015
+    _WhichOneofArgType_request: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_request) -> _WhichOneofReturnType_request | None: ...
+
+Global___TokenizerServiceMultiplexRequest: _TypeAlias = TokenizerServiceMultiplexRequest  # noqa: Y015
+
+@_typing.final
+class TokenizerServiceMultiplexResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    STATUS_CODE_FIELD_NUMBER: _builtins.int
+    STATUS_MESSAGE_FIELD_NUMBER: _builtins.int
+    TOKENIZE_FIELD_NUMBER: _builtins.int
+    APPLY_CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.int
+    """The `call_id` of the request this answers."""
+    status_code: _builtins.int
+    """The request's gRPC status code (0 = OK; else what the unary call would
+    have returned: INVALID_ARGUMENT, OUT_OF_RANGE, FAILED_PRECONDITION,
+    UNAVAILABLE while loading or draining, INTERNAL), and its message.
+    """
+    status_message: _builtins.str
+    @_builtins.property
+    def tokenize(self) -> Global___TokenizeResponse: ...
+    @_builtins.property
+    def apply_chat_template(self) -> Global___ApplyChatTemplateResponse: ...
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.int = ...,
+        status_code: _builtins.int = ...,
+        status_message: _builtins.str = ...,
+        tokenize: Global___TokenizeResponse | None = ...,
+        apply_chat_template: Global___ApplyChatTemplateResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["apply_chat_template", b"apply_chat_template", "response", b"response", "tokenize", b"tokenize"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_chat_template", b"apply_chat_template", "call_id", b"call_id", "response", b"response", "status_code", b"status_code", "status_message", b"status_message", "tokenize", b"tokenize"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_response: _TypeAlias = _typing.Literal["tokenize", "apply_chat_template"]  # noqa: Y015
+    _WhichOneofArgType_response: _TypeAlias = _typing.Literal["response", b"response"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_response) -> _WhichOneofReturnType_response | None: ...
+
+Global___TokenizerServiceMultiplexResponse: _TypeAlias = TokenizerServiceMultiplexResponse  # noqa: Y015

@@ -60,6 +60,11 @@ class TokenizerServiceStub:
                 request_serializer=llmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerRequest.SerializeToString,
                 response_deserializer=llmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerResponse.FromString,
                 _registered_method=True)
+        self.Multiplex = channel.stream_stream(
+                '/llmesh.v1.TokenizerService/Multiplex',
+                request_serializer=llmesh_dot_v1_dot_tokenizer__pb2.TokenizerServiceMultiplexRequest.SerializeToString,
+                response_deserializer=llmesh_dot_v1_dot_tokenizer__pb2.TokenizerServiceMultiplexResponse.FromString,
+                _registered_method=True)
 
 
 class TokenizerServiceServicer:
@@ -110,6 +115,21 @@ class TokenizerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Multiplex(self, request_iterator, context):
+        """Tokenize and ApplyChatTemplate for many requests on one long-lived call
+        (the router keeps one per tokenizer), so that a request's prompt costs no
+        new HTTP/2 stream: one message each way. Each request message carries a
+        caller-chosen `call_id`; its one answer echoes it, with the status the
+        unary call would have ended with (per request: one bad request never
+        ends the call). Short inputs are answered in order; a long one (encoded on
+        a worker thread) may be answered after later ones. The call itself ends
+        INVALID_ARGUMENT only when a `call_id` is reused while its request is
+        still open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TokenizerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +157,11 @@ def add_TokenizerServiceServicer_to_server(servicer, server):
                     servicer.GetTokenizer,
                     request_deserializer=llmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerRequest.FromString,
                     response_serializer=llmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerResponse.SerializeToString,
+            ),
+            'Multiplex': grpc.stream_stream_rpc_method_handler(
+                    servicer.Multiplex,
+                    request_deserializer=llmesh_dot_v1_dot_tokenizer__pb2.TokenizerServiceMultiplexRequest.FromString,
+                    response_serializer=llmesh_dot_v1_dot_tokenizer__pb2.TokenizerServiceMultiplexResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -275,6 +300,33 @@ class TokenizerService:
             '/llmesh.v1.TokenizerService/GetTokenizer',
             llmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerRequest.SerializeToString,
             llmesh_dot_v1_dot_tokenizer__pb2.GetTokenizerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Multiplex(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/llmesh.v1.TokenizerService/Multiplex',
+            llmesh_dot_v1_dot_tokenizer__pb2.TokenizerServiceMultiplexRequest.SerializeToString,
+            llmesh_dot_v1_dot_tokenizer__pb2.TokenizerServiceMultiplexResponse.FromString,
             options,
             channel_credentials,
             insecure,

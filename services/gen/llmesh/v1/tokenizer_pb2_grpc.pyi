@@ -55,6 +55,17 @@ class TokenizerServiceStub:
     at most 1 MiB (Gemma 3's is 14 MB, beyond gRPC's default 4 MiB message).
     Concatenate `definition_chunk` in order and check `sha256`.
     """
+    Multiplex: _grpc.StreamStreamMultiCallable[_tokenizer_pb2.TokenizerServiceMultiplexRequest, _tokenizer_pb2.TokenizerServiceMultiplexResponse]
+    """Tokenize and ApplyChatTemplate for many requests on one long-lived call
+    (the router keeps one per tokenizer), so that a request's prompt costs no
+    new HTTP/2 stream: one message each way. Each request message carries a
+    caller-chosen `call_id`; its one answer echoes it, with the status the
+    unary call would have ended with (per request: one bad request never
+    ends the call). Short inputs are answered in order; a long one (encoded on
+    a worker thread) may be answered after later ones. The call itself ends
+    INVALID_ARGUMENT only when a `call_id` is reused while its request is
+    still open.
+    """
 
 @_typing.type_check_only
 class TokenizerServiceAsyncStub(TokenizerServiceStub):
@@ -82,6 +93,17 @@ class TokenizerServiceAsyncStub(TokenizerServiceStub):
     `tokenizers` JSON serialization this service decodes with, in chunks of
     at most 1 MiB (Gemma 3's is 14 MB, beyond gRPC's default 4 MiB message).
     Concatenate `definition_chunk` in order and check `sha256`.
+    """
+    Multiplex: _aio.StreamStreamMultiCallable[_tokenizer_pb2.TokenizerServiceMultiplexRequest, _tokenizer_pb2.TokenizerServiceMultiplexResponse]  # type: ignore[assignment]
+    """Tokenize and ApplyChatTemplate for many requests on one long-lived call
+    (the router keeps one per tokenizer), so that a request's prompt costs no
+    new HTTP/2 stream: one message each way. Each request message carries a
+    caller-chosen `call_id`; its one answer echoes it, with the status the
+    unary call would have ended with (per request: one bad request never
+    ends the call). Short inputs are answered in order; a long one (encoded on
+    a worker thread) may be answered after later ones. The call itself ends
+    INVALID_ARGUMENT only when a `call_id` is reused while its request is
+    still open.
     """
 
 class TokenizerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -137,6 +159,23 @@ class TokenizerServiceServicer(metaclass=_abc_1.ABCMeta):
         `tokenizers` JSON serialization this service decodes with, in chunks of
         at most 1 MiB (Gemma 3's is 14 MB, beyond gRPC's default 4 MiB message).
         Concatenate `definition_chunk` in order and check `sha256`.
+        """
+
+    @_abc_1.abstractmethod
+    def Multiplex(
+        self,
+        request_iterator: _MaybeAsyncIterator[_tokenizer_pb2.TokenizerServiceMultiplexRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_tokenizer_pb2.TokenizerServiceMultiplexResponse], _abc.AsyncIterator[_tokenizer_pb2.TokenizerServiceMultiplexResponse]]:
+        """Tokenize and ApplyChatTemplate for many requests on one long-lived call
+        (the router keeps one per tokenizer), so that a request's prompt costs no
+        new HTTP/2 stream: one message each way. Each request message carries a
+        caller-chosen `call_id`; its one answer echoes it, with the status the
+        unary call would have ended with (per request: one bad request never
+        ends the call). Short inputs are answered in order; a long one (encoded on
+        a worker thread) may be answered after later ones. The call itself ends
+        INVALID_ARGUMENT only when a `call_id` is reused while its request is
+        still open.
         """
 
 def add_TokenizerServiceServicer_to_server(servicer: TokenizerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
