@@ -91,6 +91,9 @@ _PROMPT_METHODS = frozenset({"Tokenize", "ApplyChatTemplate"})
 #: Bytes of the tokenizer definition per GetTokenizer message (well under
 #: gRPC's default 4 MiB receive limit).
 DEFINITION_CHUNK_BYTES = 1 << 20
+#: Characters of a Multiplex message's request_id kept for the log (the router's
+#: ids are at most 128).
+_MAX_LOGGED_REQUEST_ID = 128
 _SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
 
 # Most specific first: all of these are ValueErrors.
@@ -418,7 +421,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
                         violation = (f"call_id {message.call_id} is still open on this call; "
                                      "use a new id for each request")
                         return
-                    bind_request_id(message.request_id or uuid.uuid4().hex)
+                    # For the log line only; a caller's overlong id is cut, not trusted.
+                    bind_request_id(message.request_id[:_MAX_LOGGED_REQUEST_ID] or uuid.uuid4().hex)
                     request = getattr(message, message.WhichOneof("request") or "tokenize")
                     if self._is_long(request):
                         long_running[message.call_id] = asyncio.create_task(
