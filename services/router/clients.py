@@ -414,7 +414,10 @@ class _TokenizerMultiplex:
                     await self._call.write(message)
             except (grpc.aio.AioRpcError, grpc.aio.UsageError,
                     asyncio.InvalidStateError) as err:
-                self._fail(f"writing to it failed: {type(err).__name__}: {err}")
+                del self._waiting[call_id]  # this request raises below, not through its future
+                self._fail("writing to it failed: " + (
+                    f"{err.code().name}: {err.details()}" if isinstance(err, grpc.aio.AioRpcError)
+                    else f"{type(err).__name__}: {err}"))
                 assert self.failed is not None
                 raise self.failed from err
             return await asyncio.wait_for(answer, timeout)

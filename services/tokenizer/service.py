@@ -375,6 +375,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         else:
             code, text = grpc.StatusCode.INVALID_ARGUMENT, (
                 "request: set `tokenize` or `apply_chat_template`")
+            self._metrics.requests.labels("Multiplex", code.name).inc()
+            log.info("tokenizer_request_rejected", method="Multiplex", code=code.name, error=text)
         answer.status_code, answer.status_message = code.value[0], text
         return answer
 
@@ -440,6 +442,11 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 yield answer
             if violation:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, violation)
+            failure = reader.exception() if reader.done() and not reader.cancelled() else None
+            if failure is not None:  # a bug: the call must not end OK with requests unread
+                log.error("tokenizer_multiplex_failed", error=repr(failure))
+                await context.abort(grpc.StatusCode.INTERNAL,
+                                    f"internal error: {type(failure).__name__}: {failure}")
         finally:
             reader.cancel()
             for task in list(long_running.values()):
