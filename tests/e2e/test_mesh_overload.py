@@ -151,12 +151,18 @@ def tenant_scenario(mesh: Mesh, *, with_tenants: bool) -> tuple[list[Outcome], l
 def test_a_tenant_flooding_the_queue_cannot_make_another_wait_behind_it(mesh: Mesh) -> None:
     a, b = tenant_scenario(mesh, with_tenants=True)
     assert all(o.code == grpc.StatusCode.OK for o in a + b), [o.details for o in a + b]
-    # A's first SLOTS requests run at once; its 5th queued one is the (SLOTS+5)-th sent.
-    fifth_queued = a[SLOTS + 4]
+    # A's first SLOTS requests run at once, then its 16 queued ones about a round
+    # of SLOTS at a time. With tenant ids B's two join the first round after they
+    # arrive; A's queued requests of that round start in the same engine steps
+    # (which first token lands first is then a matter of microseconds), and
+    # requests already running may free slots just before. So B must start before
+    # A's 9th queued request, a whole round later; without tenant ids B waits
+    # behind all 16 (test_without_tenant_ids_the_queue_is_fifo).
+    ninth_queued = a[SLOTS + 8]
     print(f"B's first tokens {[round(o.first_token_at - o.sent_at, 2) for o in b]} s after "
-          f"sending; A's 5th queued request started "
-          f"{fifth_queued.first_token_at - b[0].sent_at:.2f} s after B sent")
-    assert max(o.first_token_at for o in b) < fifth_queued.first_token_at
+          f"sending; A's 9th queued request started "
+          f"{ninth_queued.first_token_at - b[0].sent_at:.2f} s after B sent")
+    assert max(o.first_token_at for o in b) < ninth_queued.first_token_at
 
 
 def test_without_tenant_ids_the_queue_is_fifo(mesh: Mesh) -> None:
