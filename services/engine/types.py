@@ -94,6 +94,10 @@ class ModelInfo:
       kv_capacity_tokens: tokens the KV cache holds (blocks x block size); 0
         when not known. The router sizes its per-replica concurrency cap from
         these two.
+      kv_block_size: tokens per KV block; 0 when the engine has no prefix cache
+        whose blocks the router can name.
+      kv_hash_seed: the block hash seed (:func:`services.common.block_hash.block_hash_seed`)
+        of the engine's prefix cache; b"" with no prefix cache.
     """
 
     model: str
@@ -103,6 +107,8 @@ class ModelInfo:
     backend: str
     max_num_seqs: int = 0
     kv_capacity_tokens: int = 0
+    kv_block_size: int = 0
+    kv_hash_seed: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

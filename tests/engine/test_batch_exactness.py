@@ -23,9 +23,9 @@ import torch
 
 from services.common.sampling import FinishReason, InvalidRequestError, Priority, SamplingOptions
 from services.engine.config import EngineConfig
-from services.engine.kv_events import BlockStored
+from services.common.kv_events import BlockStored
 from services.engine.torch_backend.backend import TorchBackend
-from services.engine.torch_backend.kv_cache_manager import hash_block, hash_seed
+from services.common.block_hash import hash_block
 from services.engine.torch_backend.model import LlamaModel
 from services.engine.torch_backend.model_runner import ModelRunner, StepInput
 from services.engine.torch_backend.paged_kv import kv_block_bytes
@@ -224,7 +224,7 @@ async def test_shared_prefixes_reuse_blocks_and_stay_exact(smollm2: LlamaModel,
         await idle(backend)
         # The first prefill announced its two full blocks, chained from the model's seed.
         events = backend.drain_kv_events()
-        h0 = hash_block(hash_seed(backend.model_info.model), prompts[0][:16])
+        h0 = hash_block(backend.model_info.kv_hash_seed, prompts[0][:16])
         h1 = hash_block(h0, prompts[0][16:32])
         assert events[0] == BlockStored((h0, h1), None, prompts[0][:32], 16)
         assert all(isinstance(event, BlockStored) for event in events)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from services.engine.torch_backend.block_pool import BlockCounts, BlockPool, KVIntegrityError
-from services.engine.torch_backend.kv_cache_manager import KVCacheManager, hash_block, hash_seed
+from services.common.block_hash import block_hash_seed, hash_block
+from services.engine.torch_backend.kv_cache_manager import KVCacheManager
 
 from .kv_helpers import compute, create_manager, make_request
 
-SEED = hash_seed("test-model")
+SEED = block_hash_seed("test-model")
 
 
 def refs(manager, ids) -> list[int]:

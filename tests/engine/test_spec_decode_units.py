@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from services.common.sampling import FinishReason, SpeculativeMethod, SpeculativeOptions
-from services.engine.torch_backend.kv_cache_manager import hash_block, hash_seed
+from services.common.block_hash import block_hash_seed, hash_block
 from services.engine.torch_backend.rejection_sampler import verify_greedy, verify_sampled
 from services.engine.torch_backend.sampler import SamplingRow
 from services.engine.torch_backend.speculative import (
@@ -235,7 +235,7 @@ def test_lookahead_slots_then_rollback_of_rejected_tokens() -> None:
     pool = kv.pool
     assert [pool.block(b).block_hash is not None for b in (0, 1, 2)] == [True, True, False]
     assert pool.block(1).block_hash == hash_block(
-        hash_block(hash_seed("test-model"), [10, 11, 12, 13]), [14, 15, 7, 50])
+        hash_block(block_hash_seed("test-model"), [10, 11, 12, 13]), [14, 15, 7, 50])
 
     # all rejected: a fourth block was reserved for positions 12..15 and stays held
     seq.spec_token_ids[:] = [60, 61, 62]

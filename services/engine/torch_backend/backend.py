@@ -28,11 +28,11 @@ from pathlib import Path
 import structlog
 import torch
 
+from services.common.kv_events import KVEvent
 from services.common.model_files import default_model_path
 from services.common.sampling import MAX_SPECULATIVE_TOKENS, SpeculativeMethod
 from services.engine.backend import EngineBackend, EngineUnavailableError
 from services.engine.config import EngineConfig
-from services.engine.kv_events import KVEvent
 from services.engine.torch_backend.block_pool import BlockCounts
 from services.engine.torch_backend.draft_proposer import (
     DraftProposer,
@@ -163,13 +163,17 @@ class TorchBackend(EngineBackend):
         model = config.model_name(path)
         assert runner.kv_cache is not None
         cache = runner.kv_cache
+        kv = KVCacheManager(cache.num_blocks, cache.block_size, config.enable_prefix_caching,
+                            model_id=model, role_aware=runner.model.has_prompt_projections,
+                            kv_layout=_kv_layout(config, runner))
+        caching = config.enable_prefix_caching
         self._info = ModelInfo(
             model=model, max_model_len=max_model_len,
             vocab_size=runner.config.vocab_size, eos_token_ids=runner.config.eos_token_ids,
             backend=self.name, max_num_seqs=config.max_num_seqs,
-            kv_capacity_tokens=cache.num_blocks * cache.block_size)
-        kv = KVCacheManager(cache.num_blocks, cache.block_size, config.enable_prefix_caching,
-                            model_id=model, role_aware=runner.model.has_prompt_projections)
+            kv_capacity_tokens=cache.num_blocks * cache.block_size,
+            kv_block_size=cache.block_size if caching else 0,
+            kv_hash_seed=kv.hash_seed if caching else b"")
         scheduler = Scheduler(SchedulerConfig(
             max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.step_token_budget(),
@@ -381,6 +385,14 @@ def _speculator(config: EngineConfig, runner: ModelRunner, max_model_len: int) -
              disable_batch_size=spec.disable_batch_size,
              draft_layers=draft_model.config.num_layers, draft_blocks=num_blocks)
     return Speculator(spec, max_model_len, proposers)
+
+
+def _kv_layout(config: EngineConfig, runner: ModelRunner) -> str:
+    """What besides the model id decides this engine's KV values (the block hash
+    seed's ``kv_layout``): weight quantization, dtype, and whether prompt tokens
+    take their own projections."""
+    prompt = "prompt-proj" if runner.model.has_prompt_projections else "shared-proj"
+    return f"{config.quantization}/{config.dtype}/{prompt}"
 
 
 def _runner_for(model: LlamaModel, config: EngineConfig) -> ModelRunner:

@@ -15,7 +15,7 @@ freed), and a cached block taken that way loses its hash (evicted, LRU);
 (:meth:`BlockPool.touch`) removes it from the queue wherever it sits.
 
 The pool owns the hash → block map and the KV event queue
-(:mod:`services.engine.kv_events`). It knows nothing of sequences: the
+(:mod:`services.common.kv_events`). It knows nothing of sequences: the
 :class:`~services.engine.torch_backend.kv_cache_manager.KVCacheManager` decides
 which blocks a sequence holds and in which order they are freed. Not
 thread-safe; the engine thread owns it (``take_events`` may be called from any
@@ -28,7 +28,7 @@ import collections
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from services.engine.kv_events import (
+from services.common.kv_events import (
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,

@@ -71,7 +71,7 @@ import structlog
 import torch
 
 from services.common.sampling import FinishReason
-from services.engine.kv_events import KVEvent
+from services.common.kv_events import KVEvent
 from services.engine.torch_backend.block_pool import BlockCounts
 from services.engine.torch_backend.inbox import Inbox
 from services.engine.torch_backend.model import StepAbandoned

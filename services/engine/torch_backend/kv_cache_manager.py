@@ -8,11 +8,10 @@ computed" (:meth:`KVCacheManager.cache_computed_blocks`) and "it is done"
 behind this interface; the model runner reads block ids
 (:meth:`KVCacheManager.block_ids`).
 
-Block hashes are chained (vLLM's scheme): ``hash(block i) = SHA-256(hash(block
-i-1) || token ids of block i)``, with a seed derived from the model id before
-block 0. Token ids are hashed as native-endian (little-endian on every platform
-we run) int64. Only full blocks are hashed, and a block joins the prefix cache
-only once its keys and values are computed.
+Block hashes are chained, as :mod:`services.common.block_hash` defines them
+for engine, router and cache alike, from a seed (model id and KV layout)
+before block 0. Only full blocks are hashed, and a block joins the prefix
+cache only once its keys and values are computed.
 
 Role-aware hashes (``role_aware=True``, for a model whose prompt tokens take
 other projections than its generated tokens: ``LlamaModel.add_prompt_projections``):
@@ -25,12 +24,10 @@ before.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
-from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
-from services.engine.kv_events import BlockHash, KVEvent
+from services.common.block_hash import block_hash_seed, hash_block
+from services.common.kv_events import KVEvent
 from services.engine.torch_backend.block_pool import (
     BlockCounts,
     BlockPool,
@@ -38,21 +35,6 @@ from services.engine.torch_backend.block_pool import (
     KVIntegrityError,
 )
 from services.engine.torch_backend.sequence import Sequence
-
-
-def hash_seed(model_id: str) -> BlockHash:
-    """The parent hash of every sequence's first block for ``model_id``."""
-    return hashlib.sha256(b"llmesh-kv-block\0" + model_id.encode()).digest()
-
-
-def hash_block(parent: BlockHash, token_ids: SequenceOf[int],
-               num_prompt_tokens: int | None = None) -> BlockHash:
-    """The chained hash of one full block; ``num_prompt_tokens``: how many of its
-    tokens are prompt tokens, hashed only when given and fewer than all."""
-    data = parent + array("q", token_ids).tobytes()
-    if num_prompt_tokens is not None and num_prompt_tokens < len(token_ids):
-        data += b"\0generated-from\0" + array("q", [num_prompt_tokens]).tobytes()
-    return hashlib.sha256(data).digest()
 
 
 @dataclass(frozen=True)
@@ -79,17 +61,19 @@ class KVCacheManager:
       block_size: tokens per block.
       enable_caching: reuse computed full blocks across sequences (prefix caching).
       model_id: seeds the block hashes (equal hashes mean same model, same tokens).
+      kv_layout: the rest of the seed: what else decides the KV values
+        (:func:`~services.common.block_hash.block_hash_seed`).
       role_aware: blocks with generated tokens hash their prompt/generated split
         (see the module docstring).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 model_id: str = "", role_aware: bool = False) -> None:
+                 model_id: str = "", role_aware: bool = False, kv_layout: str = "") -> None:
         self.block_size = block_size
         self.role_aware = role_aware
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, block_size, enable_caching)
-        self._seed = hash_seed(model_id)
+        self.hash_seed = block_hash_seed(model_id, kv_layout)
         self._tables: dict[int, list[KVBlock]] = {}  # by Sequence.arrival
         self._num_registered: dict[int, int] = {}
 
@@ -231,6 +215,6 @@ class KVCacheManager:
         size = self.block_size
         prompt_len = seq.num_prompt_tokens if self.role_aware else None
         for index in range(len(hashes), len(tokens) // size):
-            parent = hashes[index - 1] if index else self._seed
+            parent = hashes[index - 1] if index else self.hash_seed
             roles = None if prompt_len is None else max(prompt_len - index * size, 0)
             hashes.append(hash_block(parent, tokens[index * size:(index + 1) * size], roles))

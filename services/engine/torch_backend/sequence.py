@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass, field
 
 from services.common.sampling import FinishReason, SpeculativeMethod
-from services.engine.kv_events import BlockHash
+from services.common.kv_events import BlockHash
 from services.engine.torch_backend.sampler import SamplingRow
 from services.engine.types import SequenceRequest, TokenDelta
 

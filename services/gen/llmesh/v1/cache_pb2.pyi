@@ -169,3 +169,296 @@ class PutCachedResponseResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PutCachedResponseResponse: _TypeAlias = PutCachedResponseResponse  # noqa: Y015
+
+@_typing.final
+class KvEventsHello(_message.Message):
+    """Who publishes: sent once, first."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    CAPACITY_BLOCKS_FIELD_NUMBER: _builtins.int
+    replica_id: _builtins.str
+    """The replica's id (as in GetModelInfoResponse.replica_id)."""
+    epoch: _builtins.int
+    """Changes every time the engine starts: the index drops whatever an older
+    epoch of this replica published.
+    """
+    model: _builtins.str
+    block_size: _builtins.int
+    """Tokens per block."""
+    capacity_blocks: _builtins.int
+    """Blocks in the replica's KV cache: the index holds at most this many
+    entries for it.
+    """
+    def __init__(
+        self,
+        *,
+        replica_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        model: _builtins.str = ...,
+        block_size: _builtins.int = ...,
+        capacity_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "capacity_blocks", b"capacity_blocks", "epoch", b"epoch", "model", b"model", "replica_id", b"replica_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvEventsHello: _TypeAlias = KvEventsHello  # noqa: Y015
+
+@_typing.final
+class KvBlocksStored(_message.Message):
+    """Consecutive full blocks of one sequence became reusable."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    PARENT_HASH_FIELD_NUMBER: _builtins.int
+    parent_hash: _builtins.bytes
+    """Hash of the block before the first one; empty at position 0."""
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Chained block hashes (32 bytes each), in sequence order."""
+
+    def __init__(
+        self,
+        *,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        parent_hash: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "parent_hash", b"parent_hash"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvBlocksStored: _TypeAlias = KvBlocksStored  # noqa: Y015
+
+@_typing.final
+class KvBlocksRemoved(_message.Message):
+    """Blocks were evicted: their hashes no longer hit on this replica."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvBlocksRemoved: _TypeAlias = KvBlocksRemoved  # noqa: Y015
+
+@_typing.final
+class KvAllBlocksCleared(_message.Message):
+    """The replica dropped its whole prefix cache."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvAllBlocksCleared: _TypeAlias = KvAllBlocksCleared  # noqa: Y015
+
+@_typing.final
+class KvEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORED_FIELD_NUMBER: _builtins.int
+    REMOVED_FIELD_NUMBER: _builtins.int
+    CLEARED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def stored(self) -> Global___KvBlocksStored: ...
+    @_builtins.property
+    def removed(self) -> Global___KvBlocksRemoved: ...
+    @_builtins.property
+    def cleared(self) -> Global___KvAllBlocksCleared: ...
+    def __init__(
+        self,
+        *,
+        stored: Global___KvBlocksStored | None = ...,
+        removed: Global___KvBlocksRemoved | None = ...,
+        cleared: Global___KvAllBlocksCleared | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "event", b"event", "removed", b"removed", "stored", b"stored"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "event", b"event", "removed", b"removed", "stored", b"stored"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["stored", "removed", "cleared"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___KvEvent: _TypeAlias = KvEvent  # noqa: Y015
+
+@_typing.final
+class KvSnapshot(_message.Message):
+    """Every block hash the replica holds at the moment it is taken (the events
+    that follow apply on top of it).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvSnapshot: _TypeAlias = KvSnapshot  # noqa: Y015
+
+@_typing.final
+class PublishKvEventsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HELLO_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    DROPPED_EVENTS_FIELD_NUMBER: _builtins.int
+    dropped_events: _builtins.int
+    """Events the engine dropped since its previous message because its bounded
+    buffer was full; a snapshot comes with the same message.
+    """
+    @_builtins.property
+    def hello(self) -> Global___KvEventsHello:
+        """First message only."""
+
+    @_builtins.property
+    def snapshot(self) -> Global___KvSnapshot:
+        """Replaces the replica's entries in the index."""
+
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvEvent]:
+        """In order, after the snapshot (if any) of the same message."""
+
+    def __init__(
+        self,
+        *,
+        hello: Global___KvEventsHello | None = ...,
+        snapshot: Global___KvSnapshot | None = ...,
+        events: _abc.Iterable[Global___KvEvent] | None = ...,
+        dropped_events: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["hello", b"hello", "snapshot", b"snapshot"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_events", b"dropped_events", "events", b"events", "hello", b"hello", "snapshot", b"snapshot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishKvEventsRequest: _TypeAlias = PublishKvEventsRequest  # noqa: Y015
+
+@_typing.final
+class PublishKvEventsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESYNC_FIELD_NUMBER: _builtins.int
+    resync: _builtins.bool
+    """The index lost this replica's entries: send a snapshot."""
+    def __init__(
+        self,
+        *,
+        resync: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["resync", b"resync"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishKvEventsResponse: _TypeAlias = PublishKvEventsResponse  # noqa: Y015
+
+@_typing.final
+class ScorePrefixRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """The prompt's chained block hashes (32 bytes each), in order, computed
+        with the replicas' kv_hash_seed and kv_block_size.
+        """
+
+    def __init__(
+        self,
+        *,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScorePrefixRequest: _TypeAlias = ScorePrefixRequest  # noqa: Y015
+
+@_typing.final
+class PrefixScore(_message.Message):
+    """One replica's match."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    MATCHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    replica_id: _builtins.str
+    matched_blocks: _builtins.int
+    """Leading blocks of the prompt the replica holds."""
+    def __init__(
+        self,
+        *,
+        replica_id: _builtins.str = ...,
+        matched_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["matched_blocks", b"matched_blocks", "replica_id", b"replica_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefixScore: _TypeAlias = PrefixScore  # noqa: Y015
+
+@_typing.final
+class ScorePrefixResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCORES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def scores(self) -> _containers.RepeatedCompositeFieldContainer[Global___PrefixScore]:
+        """Live replicas that hold at least the first block; best first."""
+
+    def __init__(
+        self,
+        *,
+        scores: _abc.Iterable[Global___PrefixScore] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["scores", b"scores"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScorePrefixResponse: _TypeAlias = ScorePrefixResponse  # noqa: Y015

@@ -28,6 +28,8 @@ if _version_not_supported:
 class CacheServiceStub:
     """Response cache for deterministic requests (temperature 0 or an explicit
     seed). The cache computes the key from every field that changes the output.
+    Also the prefix index: which engine replica holds which KV blocks, fed by
+    the engines' KV events, for KV-aware routing.
     """
 
     def __init__(self, channel):
@@ -46,11 +48,23 @@ class CacheServiceStub:
                 request_serializer=llmesh_dot_v1_dot_cache__pb2.PutCachedResponseRequest.SerializeToString,
                 response_deserializer=llmesh_dot_v1_dot_cache__pb2.PutCachedResponseResponse.FromString,
                 _registered_method=True)
+        self.PublishKvEvents = channel.stream_stream(
+                '/llmesh.v1.CacheService/PublishKvEvents',
+                request_serializer=llmesh_dot_v1_dot_cache__pb2.PublishKvEventsRequest.SerializeToString,
+                response_deserializer=llmesh_dot_v1_dot_cache__pb2.PublishKvEventsResponse.FromString,
+                _registered_method=True)
+        self.ScorePrefix = channel.unary_unary(
+                '/llmesh.v1.CacheService/ScorePrefix',
+                request_serializer=llmesh_dot_v1_dot_cache__pb2.ScorePrefixRequest.SerializeToString,
+                response_deserializer=llmesh_dot_v1_dot_cache__pb2.ScorePrefixResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
     """Response cache for deterministic requests (temperature 0 or an explicit
     seed). The cache computes the key from every field that changes the output.
+    Also the prefix index: which engine replica holds which KV blocks, fed by
+    the engines' KV events, for KV-aware routing.
     """
 
     def GetCachedResponse(self, request, context):
@@ -63,6 +77,28 @@ class CacheServiceServicer:
     def PutCachedResponse(self, request, context):
         """Stores a finished response. FAILED_PRECONDITION for a non-deterministic
         request (temperature > 0 without a seed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PublishKvEvents(self, request_iterator, context):
+        """One engine replica's KV events, for as long as it runs. The first message
+        carries `hello` and a `snapshot`; then events in the order the engine
+        made them, and an empty message at least every 500 ms as a heartbeat. The
+        index answers `resync: true` when it lost the replica's entries (its
+        store failed, or the engine reported dropped events): the engine then
+        sends a snapshot. When the call ends, or no message comes for 1.5 s, the
+        replica's entries are dropped. INVALID_ARGUMENT: no hello first, or a
+        hash that is not 32 bytes; UNAVAILABLE while draining.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ScorePrefix(self, request, context):
+        """How many leading blocks of a prompt each live replica holds.
+        INVALID_ARGUMENT for a hash that is not 32 bytes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -81,6 +117,16 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     request_deserializer=llmesh_dot_v1_dot_cache__pb2.PutCachedResponseRequest.FromString,
                     response_serializer=llmesh_dot_v1_dot_cache__pb2.PutCachedResponseResponse.SerializeToString,
             ),
+            'PublishKvEvents': grpc.stream_stream_rpc_method_handler(
+                    servicer.PublishKvEvents,
+                    request_deserializer=llmesh_dot_v1_dot_cache__pb2.PublishKvEventsRequest.FromString,
+                    response_serializer=llmesh_dot_v1_dot_cache__pb2.PublishKvEventsResponse.SerializeToString,
+            ),
+            'ScorePrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScorePrefix,
+                    request_deserializer=llmesh_dot_v1_dot_cache__pb2.ScorePrefixRequest.FromString,
+                    response_serializer=llmesh_dot_v1_dot_cache__pb2.ScorePrefixResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'llmesh.v1.CacheService', rpc_method_handlers)
@@ -92,6 +138,8 @@ def add_CacheServiceServicer_to_server(servicer, server):
 class CacheService:
     """Response cache for deterministic requests (temperature 0 or an explicit
     seed). The cache computes the key from every field that changes the output.
+    Also the prefix index: which engine replica holds which KV blocks, fed by
+    the engines' KV events, for KV-aware routing.
     """
 
     @staticmethod
@@ -138,6 +186,60 @@ class CacheService:
             '/llmesh.v1.CacheService/PutCachedResponse',
             llmesh_dot_v1_dot_cache__pb2.PutCachedResponseRequest.SerializeToString,
             llmesh_dot_v1_dot_cache__pb2.PutCachedResponseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishKvEvents(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/llmesh.v1.CacheService/PublishKvEvents',
+            llmesh_dot_v1_dot_cache__pb2.PublishKvEventsRequest.SerializeToString,
+            llmesh_dot_v1_dot_cache__pb2.PublishKvEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScorePrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmesh.v1.CacheService/ScorePrefix',
+            llmesh_dot_v1_dot_cache__pb2.ScorePrefixRequest.SerializeToString,
+            llmesh_dot_v1_dot_cache__pb2.ScorePrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

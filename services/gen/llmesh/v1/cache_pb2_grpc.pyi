@@ -29,6 +29,8 @@ GRPC_VERSION: str
 class CacheServiceStub:
     """Response cache for deterministic requests (temperature 0 or an explicit
     seed). The cache computes the key from every field that changes the output.
+    Also the prefix index: which engine replica holds which KV blocks, fed by
+    the engines' KV events, for KV-aware routing.
     """
 
     @_typing.overload
@@ -41,11 +43,27 @@ class CacheServiceStub:
     """Stores a finished response. FAILED_PRECONDITION for a non-deterministic
     request (temperature > 0 without a seed).
     """
+    PublishKvEvents: _grpc.StreamStreamMultiCallable[_cache_pb2.PublishKvEventsRequest, _cache_pb2.PublishKvEventsResponse]
+    """One engine replica's KV events, for as long as it runs. The first message
+    carries `hello` and a `snapshot`; then events in the order the engine
+    made them, and an empty message at least every 500 ms as a heartbeat. The
+    index answers `resync: true` when it lost the replica's entries (its
+    store failed, or the engine reported dropped events): the engine then
+    sends a snapshot. When the call ends, or no message comes for 1.5 s, the
+    replica's entries are dropped. INVALID_ARGUMENT: no hello first, or a
+    hash that is not 32 bytes; UNAVAILABLE while draining.
+    """
+    ScorePrefix: _grpc.UnaryUnaryMultiCallable[_cache_pb2.ScorePrefixRequest, _cache_pb2.ScorePrefixResponse]
+    """How many leading blocks of a prompt each live replica holds.
+    INVALID_ARGUMENT for a hash that is not 32 bytes.
+    """
 
 @_typing.type_check_only
 class CacheServiceAsyncStub(CacheServiceStub):
     """Response cache for deterministic requests (temperature 0 or an explicit
     seed). The cache computes the key from every field that changes the output.
+    Also the prefix index: which engine replica holds which KV blocks, fed by
+    the engines' KV events, for KV-aware routing.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -55,10 +73,26 @@ class CacheServiceAsyncStub(CacheServiceStub):
     """Stores a finished response. FAILED_PRECONDITION for a non-deterministic
     request (temperature > 0 without a seed).
     """
+    PublishKvEvents: _aio.StreamStreamMultiCallable[_cache_pb2.PublishKvEventsRequest, _cache_pb2.PublishKvEventsResponse]  # type: ignore[assignment]
+    """One engine replica's KV events, for as long as it runs. The first message
+    carries `hello` and a `snapshot`; then events in the order the engine
+    made them, and an empty message at least every 500 ms as a heartbeat. The
+    index answers `resync: true` when it lost the replica's entries (its
+    store failed, or the engine reported dropped events): the engine then
+    sends a snapshot. When the call ends, or no message comes for 1.5 s, the
+    replica's entries are dropped. INVALID_ARGUMENT: no hello first, or a
+    hash that is not 32 bytes; UNAVAILABLE while draining.
+    """
+    ScorePrefix: _aio.UnaryUnaryMultiCallable[_cache_pb2.ScorePrefixRequest, _cache_pb2.ScorePrefixResponse]  # type: ignore[assignment]
+    """How many leading blocks of a prompt each live replica holds.
+    INVALID_ARGUMENT for a hash that is not 32 bytes.
+    """
 
 class CacheServiceServicer(metaclass=_abc_1.ABCMeta):
     """Response cache for deterministic requests (temperature 0 or an explicit
     seed). The cache computes the key from every field that changes the output.
+    Also the prefix index: which engine replica holds which KV blocks, fed by
+    the engines' KV events, for KV-aware routing.
     """
 
     @_abc_1.abstractmethod
@@ -77,6 +111,32 @@ class CacheServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_cache_pb2.PutCachedResponseResponse, _abc.Awaitable[_cache_pb2.PutCachedResponseResponse]]:
         """Stores a finished response. FAILED_PRECONDITION for a non-deterministic
         request (temperature > 0 without a seed).
+        """
+
+    @_abc_1.abstractmethod
+    def PublishKvEvents(
+        self,
+        request_iterator: _MaybeAsyncIterator[_cache_pb2.PublishKvEventsRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_cache_pb2.PublishKvEventsResponse], _abc.AsyncIterator[_cache_pb2.PublishKvEventsResponse]]:
+        """One engine replica's KV events, for as long as it runs. The first message
+        carries `hello` and a `snapshot`; then events in the order the engine
+        made them, and an empty message at least every 500 ms as a heartbeat. The
+        index answers `resync: true` when it lost the replica's entries (its
+        store failed, or the engine reported dropped events): the engine then
+        sends a snapshot. When the call ends, or no message comes for 1.5 s, the
+        replica's entries are dropped. INVALID_ARGUMENT: no hello first, or a
+        hash that is not 32 bytes; UNAVAILABLE while draining.
+        """
+
+    @_abc_1.abstractmethod
+    def ScorePrefix(
+        self,
+        request: _cache_pb2.ScorePrefixRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cache_pb2.ScorePrefixResponse, _abc.Awaitable[_cache_pb2.ScorePrefixResponse]]:
+        """How many leading blocks of a prompt each live replica holds.
+        INVALID_ARGUMENT for a hash that is not 32 bytes.
         """
 
 def add_CacheServiceServicer_to_server(servicer: CacheServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -298,26 +298,77 @@ class GetLoadResponse(_message.Message):
     NUM_RUNNING_FIELD_NUMBER: _builtins.int
     NUM_WAITING_FIELD_NUMBER: _builtins.int
     KV_CACHE_USAGE_FIELD_NUMBER: _builtins.int
+    NUM_PENDING_PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     """Sequences in the running batch."""
     num_waiting: _builtins.int
     """Sequences admitted but not yet running."""
     kv_cache_usage: _builtins.float
     """Fraction of KV cache memory in use, 0..1."""
+    num_pending_prefill_tokens: _builtins.int
+    """Prompt tokens admitted but not yet computed (waiting sequences and
+    running ones still in prefill): the prefill work queued ahead of a new
+    request.
+    """
     def __init__(
         self,
         *,
         num_running: _builtins.int = ...,
         num_waiting: _builtins.int = ...,
         kv_cache_usage: _builtins.float = ...,
+        num_pending_prefill_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_cache_usage", b"kv_cache_usage", "num_running", b"num_running", "num_waiting", b"num_waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_cache_usage", b"kv_cache_usage", "num_pending_prefill_tokens", b"num_pending_prefill_tokens", "num_running", b"num_running", "num_waiting", b"num_waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetLoadResponse: _TypeAlias = GetLoadResponse  # noqa: Y015
+
+@_typing.final
+class StreamLoadRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MIN_INTERVAL_MS_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_MS_FIELD_NUMBER: _builtins.int
+    min_interval_ms: _builtins.int
+    """Fewest milliseconds between two messages; 0 means the engine's default (20)."""
+    heartbeat_ms: _builtins.int
+    """Most milliseconds without a message; 0 means the engine's default (500)."""
+    def __init__(
+        self,
+        *,
+        min_interval_ms: _builtins.int = ...,
+        heartbeat_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_ms", b"heartbeat_ms", "min_interval_ms", b"min_interval_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamLoadRequest: _TypeAlias = StreamLoadRequest  # noqa: Y015
+
+@_typing.final
+class StreamLoadResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOAD_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def load(self) -> Global___GetLoadResponse: ...
+    def __init__(
+        self,
+        *,
+        load: Global___GetLoadResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["load", b"load"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamLoadResponse: _TypeAlias = StreamLoadResponse  # noqa: Y015
 
 @_typing.final
 class GetModelInfoRequest(_message.Message):
@@ -345,6 +396,10 @@ class GetModelInfoResponse(_message.Message):
     BACKEND_FIELD_NUMBER: _builtins.int
     MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _builtins.int
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    KV_BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    KV_HASH_SEED_FIELD_NUMBER: _builtins.int
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     max_model_len: _builtins.int
     """Context window in tokens (prompt + completion)."""
@@ -355,6 +410,17 @@ class GetModelInfoResponse(_message.Message):
     """Most sequences in the running batch (`--max-num-seqs`); 0: not known."""
     kv_capacity_tokens: _builtins.int
     """Tokens the KV cache holds (blocks x block size); 0: not known."""
+    replica_id: _builtins.str
+    """This replica's id in KV events and the prefix index (`--replica-id`)."""
+    kv_block_size: _builtins.int
+    """Tokens per KV block; 0 when the engine has no prefix cache."""
+    kv_hash_seed: _builtins.bytes
+    """Seed of the chained block hashes (services/common/block_hash.py): with
+    kv_block_size, a client hashes a prompt's blocks as this engine does.
+    Empty when the engine has no prefix cache.
+    """
+    max_num_batched_tokens: _builtins.int
+    """Most tokens computed in one engine step; 0: not known."""
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -367,10 +433,14 @@ class GetModelInfoResponse(_message.Message):
         backend: _builtins.str = ...,
         max_num_seqs: _builtins.int = ...,
         kv_capacity_tokens: _builtins.int = ...,
+        replica_id: _builtins.str = ...,
+        kv_block_size: _builtins.int = ...,
+        kv_hash_seed: _builtins.bytes = ...,
+        max_num_batched_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "eos_token_ids", b"eos_token_ids", "kv_capacity_tokens", b"kv_capacity_tokens", "max_model_len", b"max_model_len", "max_num_seqs", b"max_num_seqs", "model", b"model", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "eos_token_ids", b"eos_token_ids", "kv_block_size", b"kv_block_size", "kv_capacity_tokens", b"kv_capacity_tokens", "kv_hash_seed", b"kv_hash_seed", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model", b"model", "replica_id", b"replica_id", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -50,6 +50,11 @@ class EngineServiceStub:
                 request_serializer=llmesh_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=llmesh_dot_v1_dot_engine__pb2.GetLoadResponse.FromString,
                 _registered_method=True)
+        self.StreamLoad = channel.unary_stream(
+                '/llmesh.v1.EngineService/StreamLoad',
+                request_serializer=llmesh_dot_v1_dot_engine__pb2.StreamLoadRequest.SerializeToString,
+                response_deserializer=llmesh_dot_v1_dot_engine__pb2.StreamLoadResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/llmesh.v1.EngineService/GetModelInfo',
                 request_serializer=llmesh_dot_v1_dot_engine__pb2.GetModelInfoRequest.SerializeToString,
@@ -92,6 +97,15 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamLoad(self, request, context):
+        """The load as it changes: one message at once, then one whenever it changes
+        (at most one per `min_interval_ms`) and at least one per `heartbeat_ms`,
+        so a reader knows how fresh its view is. Ends when the engine drains.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """The served model's limits and special tokens.
         """
@@ -116,6 +130,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=llmesh_dot_v1_dot_engine__pb2.GetLoadRequest.FromString,
                     response_serializer=llmesh_dot_v1_dot_engine__pb2.GetLoadResponse.SerializeToString,
+            ),
+            'StreamLoad': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamLoad,
+                    request_deserializer=llmesh_dot_v1_dot_engine__pb2.StreamLoadRequest.FromString,
+                    response_serializer=llmesh_dot_v1_dot_engine__pb2.StreamLoadResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -205,6 +224,33 @@ class EngineService:
             '/llmesh.v1.EngineService/GetLoad',
             llmesh_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
             llmesh_dot_v1_dot_engine__pb2.GetLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/llmesh.v1.EngineService/StreamLoad',
+            llmesh_dot_v1_dot_engine__pb2.StreamLoadRequest.SerializeToString,
+            llmesh_dot_v1_dot_engine__pb2.StreamLoadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,6 +51,11 @@ class EngineServiceStub:
     """
     GetLoad: _grpc.UnaryUnaryMultiCallable[_engine_pb2.GetLoadRequest, _engine_pb2.GetLoadResponse]
     """Current load, for routing and admission control."""
+    StreamLoad: _grpc.UnaryStreamMultiCallable[_engine_pb2.StreamLoadRequest, _engine_pb2.StreamLoadResponse]
+    """The load as it changes: one message at once, then one whenever it changes
+    (at most one per `min_interval_ms`) and at least one per `heartbeat_ms`,
+    so a reader knows how fresh its view is. Ends when the engine drains.
+    """
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_engine_pb2.GetModelInfoRequest, _engine_pb2.GetModelInfoResponse]
     """The served model's limits and special tokens."""
 
@@ -77,6 +82,11 @@ class EngineServiceAsyncStub(EngineServiceStub):
     """
     GetLoad: _aio.UnaryUnaryMultiCallable[_engine_pb2.GetLoadRequest, _engine_pb2.GetLoadResponse]  # type: ignore[assignment]
     """Current load, for routing and admission control."""
+    StreamLoad: _aio.UnaryStreamMultiCallable[_engine_pb2.StreamLoadRequest, _engine_pb2.StreamLoadResponse]  # type: ignore[assignment]
+    """The load as it changes: one message at once, then one whenever it changes
+    (at most one per `min_interval_ms`) and at least one per `heartbeat_ms`,
+    so a reader knows how fresh its view is. Ends when the engine drains.
+    """
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_engine_pb2.GetModelInfoRequest, _engine_pb2.GetModelInfoResponse]  # type: ignore[assignment]
     """The served model's limits and special tokens."""
 
@@ -118,6 +128,17 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.GetLoadResponse, _abc.Awaitable[_engine_pb2.GetLoadResponse]]:
         """Current load, for routing and admission control."""
+
+    @_abc_1.abstractmethod
+    def StreamLoad(
+        self,
+        request: _engine_pb2.StreamLoadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_engine_pb2.StreamLoadResponse], _abc.AsyncIterator[_engine_pb2.StreamLoadResponse]]:
+        """The load as it changes: one message at once, then one whenever it changes
+        (at most one per `min_interval_ms`) and at least one per `heartbeat_ms`,
+        so a reader knows how fresh its view is. Ends when the engine drains.
+        """
 
     @_abc_1.abstractmethod
     def GetModelInfo(

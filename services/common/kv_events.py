@@ -5,19 +5,21 @@ reusable (:class:`BlockStored`), when it evicts them (:class:`BlockRemoved`) and
 when it drops its whole prefix cache (:class:`AllBlocksCleared`). The cache
 service indexes them by hash to tell the router which replica holds the longest
 prefix of a prompt (the indexing comes later; backends already emit them,
-drained with ``drain_kv_events()``).
+drained with ``drain_kv_events()``); each engine publishes them to the cache
+service (``CacheService.PublishKvEvents``), whose prefix index tells the router
+which replica holds the longest prefix of a prompt.
 
-Hashes are chained: a block's hash covers its parent's hash and its own token
-ids, and the first block's parent is a seed derived from the model id, so equal
-hashes mean the same model and the same tokens from position 0 on.
+Hashes are chained (:mod:`services.common.block_hash`): a block's hash covers
+its parent's hash and its own token ids, and the first block's parent is a
+seed derived from the model id and KV layout, so equal hashes mean the same
+model and the same tokens from position 0 on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: A chained block hash (SHA-256 digest, 32 bytes).
-BlockHash = bytes
+from services.common.block_hash import BlockHash
 
 
 @dataclass(frozen=True)
