@@ -45,6 +45,11 @@ class CacheMetrics:
     request_duration: Histogram
     backend_errors: Counter
     backend_up: Gauge
+    kv_index_blocks: Gauge
+    kv_index_lookup: Histogram
+    kv_events_received: Counter
+    kv_events_dropped: Counter
+    kv_index_resyncs: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> CacheMetrics:
@@ -69,6 +74,22 @@ class CacheMetrics:
             backend_up=Gauge("llmesh:cache_backend_up",
                              "1 while the backend store answers, 0 after a failure.",
                              ["backend"], registry=registry),
+            kv_index_blocks=Gauge("llmesh:kv_index_blocks",
+                                  "Block hashes the prefix index holds per replica.",
+                                  ["replica"], registry=registry),
+            kv_index_lookup=Histogram("llmesh:kv_index_lookup_seconds",
+                                      "ScorePrefix lookups in the prefix index.",
+                                      buckets=LATENCY_BUCKETS_SECONDS, registry=registry),
+            kv_events_received=Counter("llmesh:kv_events_received",
+                                       "KV events received from engines.", ["replica"],
+                                       registry=registry),
+            kv_events_dropped=Counter("llmesh:kv_events_dropped",
+                                      "KV events engines reported dropped.", ["replica"],
+                                      registry=registry),
+            kv_index_resyncs=Counter("llmesh:kv_index_resyncs",
+                                     "Times the index lost a replica's entries and asked "
+                                     "for a snapshot.", ["replica", "reason"],
+                                     registry=registry),
         )
 
 

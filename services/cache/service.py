@@ -1,6 +1,7 @@
-"""``llmesh.v1.CacheService``: the response cache for deterministic requests.
+"""``llmesh.v1.CacheService``: the response cache for deterministic requests, and
+the prefix index of the engines' KV blocks for KV-aware routing.
 
-RPCs (all unary, answered in well under a millisecond on loopback):
+RPCs (the unary ones answered in well under a millisecond on loopback):
 
 ``GetCachedResponse(key)``
   ``found: true`` with the stored ``CachedResponse``, or ``found: false`` for a
@@ -16,6 +17,16 @@ RPCs (all unary, answered in well under a millisecond on loopback):
   FAILED_PRECONDITION for a non-deterministic request (temperature > 0 without
   a seed). UNAVAILABLE while draining.
 
+``PublishKvEvents(stream)`` (bidirectional, one call per engine replica)
+  The replica's KV events into the prefix index (:mod:`services.cache.kv_feed`
+  says how it stays exact and what ends the call). UNAVAILABLE while draining.
+
+``ScorePrefix(block_hashes)``
+  For each live replica, how many leading blocks of the prompt it holds
+  (replicas with none left out), best first. INVALID_ARGUMENT for a hash that
+  is not 32 bytes or more than 65,536 hashes. A store outage answers no
+  scores (the router then routes by load), never an error.
+
 Keys are built by :mod:`services.cache.keys`; values are the ``CachedResponse``
 protobuf bytes, as the router receives them back.
 """
@@ -23,6 +34,7 @@ protobuf bytes, as the router receives them back.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 import structlog
@@ -30,7 +42,9 @@ from google.protobuf.message import DecodeError
 from llmesh.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 
 from services.cache.keys import EntryKey, entry_key
+from services.cache.kv_feed import FeedError, KvEventFeed, check_hashes
 from services.cache.metrics import CacheMetrics, default_metrics
+from services.cache.prefix_index import MemoryPrefixIndex, PrefixIndex
 from services.cache.store import ResponseStore
 from services.common.grpc_util import request_id_from
 from services.common.logging import bind_request_id
@@ -42,6 +56,8 @@ SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
 
 #: Finish reasons of a response worth replaying; anything else is not stored.
 CACHEABLE_FINISH_REASONS = frozenset({common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH})
+#: Most hashes one ScorePrefix may carry (a 1M-token prompt at block size 16).
+MAX_SCORED_BLOCKS = 65_536
 
 
 class CacheService(cache_pb2_grpc.CacheServiceServicer):
@@ -58,14 +74,16 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     service_names = (SERVICE_NAME,)
 
     def __init__(self, store: ResponseStore, *, default_ttl_seconds: int = 3600,
-                 metrics: CacheMetrics | None = None) -> None:
+                 metrics: CacheMetrics | None = None, index: PrefixIndex | None = None) -> None:
         if default_ttl_seconds <= 0:
             raise ValueError(f"default_ttl_seconds must be > 0, got {default_ttl_seconds}")
         self.store = store
+        self.index = index if index is not None else MemoryPrefixIndex()
         self.default_ttl_seconds = default_ttl_seconds
         self._metrics = metrics or default_metrics()
         self._get_duration = self._metrics.request_duration.labels("GetCachedResponse")
         self._put_duration = self._metrics.request_duration.labels("PutCachedResponse")
+        self._feed = KvEventFeed(self.index, self._metrics)
         self._draining = False
 
     # Service protocol ---------------------------------------------------------
@@ -81,7 +99,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
           StoreUnavailableError: the Redis URL given does not answer.
         """
         await self.store.start()
-        log.info("cache_ready", backend=self.store.backend,
+        await self.index.start()
+        log.info("cache_ready", backend=self.store.backend, index_backend=self.index.backend,
                  default_ttl_seconds=self.default_ttl_seconds)
 
     async def drain(self) -> None:
@@ -89,8 +108,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self._draining = True
 
     async def close(self) -> None:
-        """Closes the store."""
+        """Closes the store and the index."""
         await self.store.close()
+        await self.index.close()
 
     # RPCs -----------------------------------------------------------------------
 
@@ -153,3 +173,33 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             return cache_pb2.PutCachedResponseResponse(stored=stored)
         finally:
             self._put_duration.observe(time.perf_counter() - started)
+
+    async def PublishKvEvents(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[cache_pb2.PublishKvEventsRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[cache_pb2.PublishKvEventsResponse]:
+        if self._draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "cache service is draining")
+        try:
+            async for response in self._feed.run(request_iterator):
+                yield response
+        except FeedError as err:
+            await context.abort(err.code, str(err))
+
+    async def ScorePrefix(  # noqa: N802 - gRPC method name
+        self, request: cache_pb2.ScorePrefixRequest, context: grpc.aio.ServicerContext,
+    ) -> cache_pb2.ScorePrefixResponse:
+        hashes = request.block_hashes
+        if len(hashes) > MAX_SCORED_BLOCKS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"block_hashes: at most {MAX_SCORED_BLOCKS}, got {len(hashes)}")
+        try:
+            check_hashes(hashes, "block_hashes")
+        except FeedError as err:
+            await context.abort(err.code, str(err))
+        started = time.perf_counter()
+        scores = await self.index.score(hashes) if hashes else {}
+        self._metrics.kv_index_lookup.observe(time.perf_counter() - started)
+        return cache_pb2.ScorePrefixResponse(scores=[
+            cache_pb2.PrefixScore(replica_id=replica, matched_blocks=blocks)
+            for replica, blocks in sorted(scores.items(), key=lambda item: -item[1])])

@@ -199,10 +199,15 @@ def engine_thread_env(env: Mapping[str, str], num_engines: int) -> dict[str, str
     """
     out = dict(env)
     if num_engines > 1 and "OMP_NUM_THREADS" not in out:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-            os.cpu_count() or 1)
-        out["OMP_NUM_THREADS"] = str(max(1, cpus // num_engines))
+        out["OMP_NUM_THREADS"] = str(engine_cpu_share(num_engines))
     return out
+
+
+def engine_cpu_share(num_engines: int) -> int:
+    """Each of ``num_engines`` engines' share of the CPUs this process may use (>= 1)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    return max(1, cpus // num_engines)
 
 
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -583,10 +588,17 @@ class Mesh:
         def elapsed() -> float:
             return time.monotonic() - started
 
-        backends = self._backend_processes()
+        # The cache binds first (no model: ~1 s), so that each engine is told
+        # where to publish its KV events (--kv-events-target) while it loads.
+        support = self._support_processes()
+        for service in support:
+            service.spawn(env, REPO_ROOT)
+        self._wait_bound([self.services["cache"]], deadline, report, elapsed)
+        engines = self._engine_processes()
         engine_env = engine_thread_env(env, self.num_engines)
-        for service in backends:
-            service.spawn(engine_env if service.name.startswith("engine-") else env, REPO_ROOT)
+        for service in engines:
+            service.spawn(engine_env, REPO_ROOT)
+        backends = [*support, *engines]
         names = tuple(s.name for s in backends)
         report(MeshProgress("spawned", elapsed(), names,
                             f"started {', '.join(names)}; logs in {self.run_dir}"))
@@ -629,20 +641,54 @@ class Mesh:
         self.services[name] = service
         return service
 
-    def _backend_processes(self) -> list[ServiceProcess]:
-        model = ["--model-path", str(self.model_path)] if self.model_path else []
+    def _model_args(self) -> list[str]:
+        return ["--model-path", str(self.model_path)] if self.model_path else []
+
+    def _support_processes(self) -> list[ServiceProcess]:
         redis = ["--redis-url", self.redis_url] if self.redis_url else []
-        backends = [
-            self._service("tokenizer", "tokenizer", [*model, *self.tokenizer_args]),
+        return [
+            self._service("tokenizer", "tokenizer", [*self._model_args(), *self.tokenizer_args]),
             self._service("cache", "cache", [*redis, *self.cache_args]),
         ]
-        for index in range(self.num_engines):
-            backends.append(
-                self._service(f"engine-{index}", "engine", [*model, *self.engine_args])
-            )
-        return backends
 
-    def _router_process(self, backends: Sequence[ServiceProcess]) -> ServiceProcess:
+    def _engine_processes(self) -> list[ServiceProcess]:
+        """The engines, each publishing KV events to the cache as ``engine-N``
+        and, with several, taking its share of the CPUs (``--num-threads``)."""
+        cache = self.services["cache"].grpc_address
+        given = any(arg.split("=")[0] == "--num-threads" for arg in self.engine_args)
+        threads = ([] if self.num_engines == 1 or given
+                   else ["--num-threads", str(engine_cpu_share(self.num_engines))])
+        return [self._service(f"engine-{index}", "engine", [
+            *self._model_args(), "--replica-id", f"engine-{index}",
+            "--kv-events-target", cache, *threads, *self.engine_args])
+            for index in range(self.num_engines)]
+
+    def add_router(self, name: str, args: Sequence[str] = (),
+                   timeout_s: float = 120.0) -> ServiceProcess:
+        """Starts one more router on the same tokenizer, cache and engines (it
+        shares the prefix index; not behind Envoy: call it at its
+        ``grpc_address``), with ``args`` after the mesh's router flags; returns
+        when it is SERVING. Stopped with the mesh.
+
+        Raises:
+          MeshStartError: it exited or did not serve within ``timeout_s``.
+        """
+        started = time.monotonic()
+        router = self._router_process(list(self.services.values()), name, args)
+        router.spawn(child_env(self.env), REPO_ROOT)
+
+        def elapsed() -> float:
+            return time.monotonic() - started
+
+        def quiet(_: MeshProgress) -> None:
+            return None
+
+        self._wait_bound([router], started + timeout_s, quiet, elapsed)
+        self._wait_serving([router], started + timeout_s, quiet, elapsed)
+        return router
+
+    def _router_process(self, backends: Sequence[ServiceProcess], name: str = "router",
+                        extra: Sequence[str] = ()) -> ServiceProcess:
         by_name = {s.name: s for s in backends}
         upstreams = [
             "--tokenizer", by_name["tokenizer"].grpc_address,
@@ -651,7 +697,7 @@ class Mesh:
         for engine in self.engines:
             upstreams += ["--engine", engine.grpc_address]
         limits = ["--stream-idle-timeout", f"{self.stream_idle_timeout_s:g}"]
-        return self._service("router", "router", [*upstreams, *limits, *self.router_args])
+        return self._service(name, "router", [*upstreams, *limits, *self.router_args, *extra])
 
     def _envoy_settings(self, router: ServiceProcess) -> EnvoySettings:
         assert router.grpc_port is not None

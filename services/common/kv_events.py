@@ -57,3 +57,18 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """Every block hash a replica's prefix cache holds at one moment.
+
+    Attributes:
+      block_hashes: the hashes (used and cached blocks), in no order.
+      events_dropped: the engine's running count of events its bounded buffer
+        dropped, as of the snapshot (a publisher that sees it grow sends a new
+        snapshot).
+    """
+
+    block_hashes: tuple[BlockHash, ...]
+    events_dropped: int = 0

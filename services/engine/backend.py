@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import grpc
 
+from services.common.kv_events import KVEvent, KVSnapshot
 from services.engine.types import LoadStats, ModelInfo, SequenceRequest, TokenDelta
 
 
@@ -110,6 +111,23 @@ class EngineBackend(abc.ABC):
     @abc.abstractmethod
     def load(self) -> LoadStats:
         """A snapshot of running / waiting sequences and KV usage. Pure, cheap."""
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        """KV cache events (blocks stored / removed / all cleared) since the last
+        call, oldest first, for the prefix index. Thread-safe. A backend without
+        a prefix cache it can describe returns none (the default)."""
+        return []
+
+    def kv_events_dropped(self) -> int:
+        """Running count of KV events dropped undrained (the bounded buffer was
+        full); 0 by default. Thread-safe."""
+        return 0
+
+    def kv_snapshot(self) -> KVSnapshot | None:
+        """Every block hash of the prefix cache now, taken atomically with
+        dropping the undrained events (see :class:`KVSnapshot`); None when the
+        backend publishes no KV events (the default). Thread-safe."""
+        return None
 
     @abc.abstractmethod
     async def shutdown(self) -> None:

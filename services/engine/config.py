@@ -103,6 +103,15 @@ class EngineConfig:
       draft_model_path: a GGUF draft model with the target's vocabulary instead.
       speculative_disable_batch_size: no speculation in a step while more
         sequences run (None: never disabled).
+      num_threads: compute threads of the engine's step (torch's intra-op pool
+        and the native kernels' OpenMP team); None: torch's default (one per
+        CPU, or ``OMP_NUM_THREADS``). ``llmesh up --engines N`` gives each of N
+        engines its share of the machine's CPUs.
+      replica_id: this replica's id in KV events and the prefix index; None:
+        ``<hostname>-<pid>`` (unique per machine and process; a pod name on
+        Kubernetes).
+      kv_events_target: ``host:port`` of the cache service to publish KV events
+        to (``CacheService.PublishKvEvents``); None: no publishing.
     """
 
     backend: str = "torch"
@@ -134,6 +143,9 @@ class EngineConfig:
     draft_num_layers: int = 8
     draft_model_path: Path | None = None
     speculative_disable_batch_size: int | None = 2
+    num_threads: int | None = None
+    replica_id: str | None = None
+    kv_events_target: str | None = None
 
     def step_token_budget(self) -> int:
         """``max_num_batched_tokens``, or the device's default when unset."""
@@ -232,6 +244,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
         "GGUF draft model sharing the target's tokenizer (instead of the truncated target)")
     add("--speculative-disable-batch-size", _positive_int, 2,
         "no speculation while more sequences run")
+    add("--num-threads", _positive_int, None,
+        "compute threads of the engine step (default: torch's, one per CPU)")
+    add("--replica-id", str, None,
+        "this replica's id in KV events and the prefix index (default: <hostname>-<pid>)")
+    add("--kv-events-target", str, None,
+        "host:port of the cache service to publish KV cache events to, for "
+        "KV-aware routing (default: none)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -266,6 +285,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         draft_num_layers=args.draft_num_layers,
         draft_model_path=args.draft_model_path,
         speculative_disable_batch_size=args.speculative_disable_batch_size,
+        num_threads=args.num_threads,
+        replica_id=args.replica_id,
+        kv_events_target=args.kv_events_target,
     )
 
 

@@ -90,6 +90,16 @@ class EngineMetrics:
             "llmesh:spec_decode_num_accepted_tokens_per_pos",
             "Speculative tokens accepted, by position in the draft (0-based).",
             ["position"], registry=registry)
+        self.kv_events_published = Counter(
+            "llmesh:kv_events_published", "KV cache events sent to the prefix index.",
+            registry=registry)
+        self.kv_events_dropped = Counter(
+            "llmesh:kv_event_buffer_dropped",
+            "KV cache events dropped undrained (bounded buffer full); a snapshot follows.",
+            registry=registry)
+        self.kv_event_snapshots = Counter(
+            "llmesh:kv_event_snapshots", "Snapshots of the prefix cache sent to the index, "
+            "by reason (connect, reconnect, resync, dropped).", ["reason"], registry=registry)
 
     def track_load(self, load: Callable[[], LoadStats]) -> None:
         """Makes the load gauges read ``load()`` at each scrape."""

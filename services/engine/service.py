@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
+import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -47,12 +50,16 @@ from services.engine.config import EngineConfig
 from services.engine.metrics import EngineMetrics, default_metrics
 from services.engine.multiplex import MultiplexCall
 from services.engine.request_record import RequestFailed, RequestRecord
-from services.engine.types import ModelInfo, SequenceRequest, TokenDelta
+from services.engine.kv_publisher import KvEventPublisher, PublisherIdentity
+from services.engine.types import LoadStats, ModelInfo, SequenceRequest, TokenDelta
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 log = structlog.get_logger()
 
 _Requests = AsyncIterator[engine_pb2.EngineServiceGenerateRequest]
+#: StreamLoad's defaults: fewest / most milliseconds between two messages.
+_LOAD_INTERVAL_MS = 20
+_LOAD_HEARTBEAT_MS = 500
 
 
 class EngineService(engine_pb2_grpc.EngineServiceServicer):
@@ -74,6 +81,10 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         self._metrics = metrics if metrics is not None else default_metrics()
         self._ready = False
         self._draining = False
+        self.replica_id = self._config.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.epoch = time.time_ns()
+        self._publisher: KvEventPublisher | None = None
+        self._stopping = asyncio.Event()  # ends StreamLoad calls on drain
 
     # ---- Service protocol ---------------------------------------------------------
 
@@ -89,14 +100,25 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         info = self._backend.model_info
         log.info("engine_ready", model=info.model, backend=info.backend,
                  max_model_len=info.max_model_len, quantization=self._config.quantization,
-                 **_timings(getattr(self._backend, "timings", None)))
+                 replica_id=self.replica_id, **_timings(getattr(self._backend, "timings", None)))
+        target = self._config.kv_events_target
+        if target and info.kv_block_size:
+            self._publisher = KvEventPublisher(self._backend, target, PublisherIdentity(
+                self.replica_id, self.epoch, info.model, info.kv_block_size,
+                info.kv_capacity_tokens // info.kv_block_size), self._metrics)
+            self._publisher.start()
 
     async def drain(self) -> None:
-        """New Generate calls get UNAVAILABLE; running ones finish."""
+        """New Generate calls get UNAVAILABLE; running ones finish; StreamLoad
+        calls end."""
         self._draining = True
+        self._stopping.set()
 
     async def close(self) -> None:
-        """Shuts the backend down."""
+        """Stops publishing KV events (the index drops this replica), then shuts
+        the backend down."""
+        if self._publisher is not None:
+            await self._publisher.close()
         await self._backend.shutdown()
 
     # ---- RPCs ---------------------------------------------------------------------
@@ -225,17 +247,36 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     async def GetLoad(self, request: engine_pb2.GetLoadRequest,
                       context: grpc.aio.ServicerContext) -> engine_pb2.GetLoadResponse:
         """Current load (served while loading and draining too)."""
-        load = self._backend.load()
-        return engine_pb2.GetLoadResponse(num_running=load.num_running,
-                                          num_waiting=load.num_waiting,
-                                          kv_cache_usage=load.kv_cache_usage)
+        return to_load_response(self._backend.load())
+
+    async def StreamLoad(self, request: engine_pb2.StreamLoadRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext
+                         ) -> AsyncIterator[engine_pb2.StreamLoadResponse]:
+        """The load at once, then on change (at most one message per
+        ``min_interval_ms``, default 20) and at least every ``heartbeat_ms``
+        (default 500); ends when the engine drains. Each message costs the
+        engine one ``load()`` read (lock-free) per interval."""
+        interval = (request.min_interval_ms or _LOAD_INTERVAL_MS) / 1000
+        heartbeat = (request.heartbeat_ms or _LOAD_HEARTBEAT_MS) / 1000
+        loop = asyncio.get_running_loop()
+        last: LoadStats | None = None
+        sent_at = 0.0
+        while not self._stopping.is_set():
+            load = self._backend.load()
+            now = loop.time()
+            if load != last or now - sent_at >= heartbeat:
+                last, sent_at = load, now
+                yield engine_pb2.StreamLoadResponse(load=to_load_response(load))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), interval)
 
     async def GetModelInfo(self, request: engine_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> engine_pb2.GetModelInfoResponse:
         """The served model's limits; UNAVAILABLE while loading."""
         if not self._ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is loading its model")
-        return to_model_info_response(self._backend.model_info)
+        return to_model_info_response(self._backend.model_info, self.replica_id,
+                                      self._config.step_token_budget())
 
     # ---- conversions --------------------------------------------------------------
 
@@ -320,12 +361,23 @@ def to_response(delta: TokenDelta) -> engine_pb2.EngineServiceGenerateResponse:
             cached_prompt_tokens=delta.num_cached_tokens))
 
 
-def to_model_info_response(info: ModelInfo) -> engine_pb2.GetModelInfoResponse:
-    """The protobuf form of ``info``."""
+def to_model_info_response(info: ModelInfo, replica_id: str = "",
+                           max_num_batched_tokens: int = 0) -> engine_pb2.GetModelInfoResponse:
+    """The protobuf form of ``info``, with the replica's id and step budget."""
     return engine_pb2.GetModelInfoResponse(
         model=info.model, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
         eos_token_ids=list(info.eos_token_ids), backend=info.backend,
-        max_num_seqs=info.max_num_seqs, kv_capacity_tokens=info.kv_capacity_tokens)
+        max_num_seqs=info.max_num_seqs, kv_capacity_tokens=info.kv_capacity_tokens,
+        replica_id=replica_id, kv_block_size=info.kv_block_size,
+        kv_hash_seed=info.kv_hash_seed, max_num_batched_tokens=max_num_batched_tokens)
+
+
+def to_load_response(load: LoadStats) -> engine_pb2.GetLoadResponse:
+    """The protobuf form of ``load``."""
+    return engine_pb2.GetLoadResponse(
+        num_running=load.num_running, num_waiting=load.num_waiting,
+        kv_cache_usage=load.kv_cache_usage,
+        num_pending_prefill_tokens=load.num_pending_prefill_tokens)
 
 
 def _timings(timings: object) -> dict[str, float]:

@@ -73,11 +73,14 @@ class LoadStats:
       num_running: sequences in the running batch.
       num_waiting: sequences admitted but not yet running.
       kv_cache_usage: fraction of KV cache memory in use, 0..1.
+      num_pending_prefill_tokens: prompt tokens admitted but not yet computed
+        (waiting sequences, and running ones still in prefill).
     """
 
     num_running: int
     num_waiting: int
     kv_cache_usage: float
+    num_pending_prefill_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from services.common.server import add_server_arguments, run_service, server_config_from_args
 from services.router.admission import AdmissionConfig
+from services.router.routing import CostWeights, RoutingPolicy
 from services.router.service import RouterConfig, RouterService
 
 
@@ -66,6 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
     adm.add_argument("--max-queue-wait", type=float, default=30.0, metavar="SECONDS",
                      help="aging bound: a request queued this long goes next, ahead of class "
                           "and tenant order (default 30)")
+    route = parser.add_argument_group(
+        "routing", "which engine replica takes a request; see services/router/routing.py")
+    route.add_argument("--routing-policy", default=None,
+                       choices=[policy.value for policy in RoutingPolicy],
+                       help="kv_aware: cheapest by cached prefix (the cache service's index) "
+                            "and load; least_load: fewest open requests; round_robin: in turn "
+                            "(default: kv_aware with several --engine, else least_load)")
+    route.add_argument("--kv-aware-decode-weight", type=float,
+                       default=CostWeights.decode_weight, metavar="TOKENS",
+                       help="kv_aware: prefill tokens one running sequence weighs "
+                            f"(default {CostWeights.decode_weight:g})")
+    route.add_argument("--kv-aware-affinity-slack", type=float,
+                       default=CostWeights.affinity_slack_tokens, metavar="TOKENS",
+                       help="kv_aware: a GenerateStream conversation leaves its replica when "
+                            "that costs this many prefill tokens more than the cheapest "
+                            f"(default {CostWeights.affinity_slack_tokens:g})")
     add_server_arguments(parser)
     return parser
 
@@ -84,7 +101,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                 max_queued_prompt_tokens=args.max_queued_prompt_tokens,
                 max_running_per_replica=args.max_running_per_replica,
                 kv_overcommit=args.kv_overcommit, batch_window_s=args.batch_window_ms / 1e3,
-                max_queue_wait_s=args.max_queue_wait))
+                max_queue_wait_s=args.max_queue_wait),
+            routing_policy=(None if args.routing_policy is None
+                            else RoutingPolicy(args.routing_policy)),
+            routing_weights=CostWeights(
+                decode_weight=args.kv_aware_decode_weight,
+                affinity_slack_tokens=args.kv_aware_affinity_slack))
     except ValueError as err:
         parser.error(str(err))
     asyncio.run(run_service(server_config_from_args("router", args), RouterService(config)))

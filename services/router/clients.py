@@ -99,7 +99,11 @@ class Usage:
 @dataclass(frozen=True)
 class ReplicaInfo:
     """What an engine replica serves (``GetModelInfo``); lengths in tokens;
-    ``max_num_seqs`` and ``kv_capacity_tokens`` are 0 when the engine does not say."""
+    ``max_num_seqs``, ``kv_capacity_tokens``, ``kv_block_size`` and
+    ``max_num_batched_tokens`` are 0 when the engine does not say.
+    ``replica_id`` names it in the prefix index; ``kv_hash_seed`` and
+    ``kv_block_size`` let the router hash a prompt's blocks as it does
+    (:mod:`services.common.block_hash`; empty / 0: no prefix cache)."""
 
     model: str
     max_model_len: int
@@ -108,6 +112,10 @@ class ReplicaInfo:
     backend: str
     max_num_seqs: int = 0
     kv_capacity_tokens: int = 0
+    replica_id: str = ""
+    kv_block_size: int = 0
+    kv_hash_seed: bytes = b""
+    max_num_batched_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -124,11 +132,13 @@ class TokenizerInfo:
 
 @dataclass(frozen=True)
 class EngineLoad:
-    """An engine replica's load: sequences running / waiting, KV usage in [0, 1]."""
+    """An engine replica's load: sequences running / waiting, KV usage in [0, 1],
+    prompt tokens admitted and not yet computed."""
 
     num_running: int
     num_waiting: int
     kv_cache_usage: float
+    num_pending_prefill_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -530,6 +540,21 @@ class CacheClient:
                         details=err.details())
             return False
         return reply.stored
+
+    async def score_prefix(self, block_hashes: Sequence[bytes], *,
+                           deadline: float | None) -> dict[str, int] | None:
+        """``ScorePrefix``: leading blocks of ``block_hashes`` each live replica
+        holds (replica id → blocks, only those with >= 1); None on any error
+        (logged: the router then routes by load)."""
+        try:
+            reply = await self._stub.ScorePrefix(
+                cache_pb2.ScorePrefixRequest(block_hashes=block_hashes),
+                timeout=self._timeout(deadline))
+        except grpc.aio.AioRpcError as err:
+            log.warning("prefix_score_failed", target=self.target, code=err.code().name,
+                        details=err.details())
+            return None
+        return {score.replica_id: score.matched_blocks for score in reply.scores}
 
     async def close(self) -> None:
         await self._channel.close()

@@ -43,6 +43,7 @@ from services.router.clients import (
     upstream_error,
     wait_until_serving,
 )
+from services.router.load_watch import LoadWatch, load_from_pb
 
 log = structlog.get_logger()
 
@@ -270,6 +271,9 @@ class EngineClient:
       on_call_failed: called with the reason when a ``Multiplex`` call fails
         (not when the router closes it): the replica set takes the replica
         out of routing (:mod:`services.router.replicas`).
+      info: the replica's last ``GetModelInfo`` answer (None before the first).
+      load_watch: its live load (:mod:`services.router.load_watch`), followed
+        once :meth:`LoadWatch.start` is called.
     """
 
     service = _SERVICE
@@ -286,6 +290,8 @@ class EngineClient:
         self._mux: _Multiplex | None = None
         self._stream_ids = itertools.count(1)
         self.on_call_failed: Callable[[str], None] | None = None
+        self.info: ReplicaInfo | None = None
+        self.load_watch = LoadWatch(self._channel, target)
 
     def opened(self, priority: Priority) -> None:
         """Counts a request this router opens on the replica (see ``in_flight``)."""
@@ -314,15 +320,17 @@ class EngineClient:
                                  timeout=timeout)
 
     async def model_info(self, *, timeout: float | None = 10.0) -> ReplicaInfo:
-        """``GetModelInfo``. Raises :class:`UpstreamError`."""
+        """``GetModelInfo``, remembered as :attr:`info`. Raises :class:`UpstreamError`."""
         try:
             reply = await self._stub.GetModelInfo(engine_pb2.GetModelInfoRequest(),
                                                   timeout=timeout)
         except grpc.aio.AioRpcError as err:
             raise upstream_error(self.service, self.target, err) from err
-        return ReplicaInfo(reply.model, reply.max_model_len, reply.vocab_size,
-                           tuple(reply.eos_token_ids), reply.backend,
-                           reply.max_num_seqs, reply.kv_capacity_tokens)
+        self.info = ReplicaInfo(
+            reply.model, reply.max_model_len, reply.vocab_size, tuple(reply.eos_token_ids),
+            reply.backend, reply.max_num_seqs, reply.kv_capacity_tokens, reply.replica_id,
+            reply.kv_block_size, reply.kv_hash_seed, reply.max_num_batched_tokens)
+        return self.info
 
     async def load(self, *, timeout: float | None = 1.0) -> EngineLoad:
         """``GetLoad``. Raises :class:`UpstreamError`."""
@@ -330,7 +338,7 @@ class EngineClient:
             reply = await self._stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as err:
             raise upstream_error(self.service, self.target, err) from err
-        return EngineLoad(reply.num_running, reply.num_waiting, reply.kv_cache_usage)
+        return load_from_pb(reply)
 
     def start(
         self, prompt_token_ids: Sequence[int], sampling: SamplingOptions, *,
@@ -365,6 +373,7 @@ class EngineClient:
             self.on_call_failed(why)
 
     async def close(self) -> None:
+        await self.load_watch.close()
         if self._mux is not None:
             await self._mux.close()
         await self._channel.close()

@@ -18,7 +18,10 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
    refused before step 1, with no tokenizer or cache round trip);
 5. the admitted request goes to the engine replica in routing
    (:mod:`services.router.replicas`: serving, answering its health probes)
-   with the fewest streams open from this router; UNAVAILABLE or
+   that the routing policy puts first (:mod:`services.router.routing`:
+   ``kv_aware`` by cached prefix and load, whose prefix-index lookup runs
+   beside the cache lookup and admission; ``least_load``; ``round_robin``;
+   a ``GenerateStream`` conversation stays on its replica); UNAVAILABLE or
    RESOURCE_EXHAUSTED before the first token moves on to the next replica in
    routing (each is tried once), so a replica that dies before a request's
    first token costs it only time; after the first token, a failure ends the
@@ -55,7 +58,7 @@ import grpc
 import structlog
 
 from services.common.detokenizer import IncrementalDetokenizer, TokenizersDecoder
-from services.common.sampling import FinishReason, InvalidRequestError, Priority, SamplingOptions
+from services.common.sampling import FinishReason, InvalidRequestError, SamplingOptions
 from services.router.admission import (
     AdmissionController,
     AdmissionRefused,
@@ -75,6 +78,7 @@ from services.router.clients import (
 from services.router.engine_client import EngineClient, EngineStream
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
+from services.router.routing import ReplicaPicker, RouteHint, RoutingPolicy, RoutingSession
 from services.router.stop_strings import StopStringMatcher
 from services.router.validation import GenerationRequest, ModelLimits, fit_to_context
 
@@ -221,6 +225,7 @@ class GenerationPipeline:
         replicas: ReplicaSet, cache: CacheClient | None,
         models: Mapping[str, ModelLimits], metrics: RouterMetrics, log_content: bool = False,
         admission: Mapping[str, AdmissionController] | None = None,
+        picker: ReplicaPicker | None = None,
     ) -> None:
         """Args:
           tokenizer: the tokenizer client (prompt ids).
@@ -234,6 +239,7 @@ class GenerationPipeline:
           log_content: log prompt and output text (off by default: private data).
           admission: the admission controller of each model (None or a model
             missing: requests go to an engine at once).
+          picker: the routing policy (default: ``least_load``).
         """
         if not replicas.engines:
             raise ValueError("at least one engine replica is needed")
@@ -245,7 +251,7 @@ class GenerationPipeline:
         self.metrics = metrics
         self.log_content = log_content
         self.admission = dict(admission or {})
-        self._next_replica = 0
+        self.picker = picker or ReplicaPicker(RoutingPolicy.LEAST_LOAD, cache, metrics)
         self._background: set[asyncio.Task[object]] = set()
         # Stores still in flight, by key: a lookup of the same key waits for its
         # store, so a repeat sent right after the answer ends is a hit (the store
@@ -257,6 +263,7 @@ class GenerationPipeline:
     async def run(
         self, request: GenerationRequest, *, received_at: float,
         deadline: float | None = None, progress: Progress | None = None,
+        session: RoutingSession | None = None,
     ) -> AsyncIterator[Event]:
         """Generates ``request``: yields :class:`Delta` events, then one :class:`Finished`.
 
@@ -265,6 +272,7 @@ class GenerationPipeline:
             seconds): the origin of TTFT, queue time and e2e latency.
           deadline: absolute ``time.monotonic()`` deadline of the client's call, or None.
           progress: updated with live token counts, if given.
+          session: the conversation's routing memory (``GenerateStream``), if any.
 
         Raises:
           InvalidRequestError: the prompt does not fit the context window
@@ -277,6 +285,7 @@ class GenerationPipeline:
         outcome = "cancelled"  # unless set otherwise before leaving
         info: dict[str, object] = {}
         ticket: Ticket | None = None
+        matches: asyncio.Task[dict[EngineClient, int]] | None = None
         self.metrics.requests_in_flight.labels(request.model).inc()
         try:
             self._refuse_if_full(request)
@@ -284,6 +293,7 @@ class GenerationPipeline:
             progress.prompt_tokens = len(prompt_ids)
             max_tokens = fit_to_context(len(prompt_ids), request.sampling.max_tokens,
                                         limits.max_model_len, field=request.input_field)
+            matches = self._start_prefix_matches(prompt_ids)
             key = (CacheKey(request.model, prompt_ids, request.sampling)
                    if self.cache is not None and request.sampling.deterministic else None)
             hit = (None if request.bypass_cache
@@ -294,8 +304,9 @@ class GenerationPipeline:
             else:
                 sampling = dataclasses.replace(request.sampling, max_tokens=max_tokens)
                 ticket = await self._admit(request, len(prompt_ids), max_tokens, deadline)
+                hint = RouteHint(len(prompt_ids), matches, session)
                 events = self._from_engine(request, prompt_ids, sampling, key, deadline,
-                                           progress, timing, info, ticket)
+                                           progress, timing, info, ticket, hint)
             # aclosing: when our consumer stops early, the engine stream closes now.
             async with contextlib.aclosing(events):
                 async for event in events:
@@ -320,6 +331,8 @@ class GenerationPipeline:
             outcome = "internal"
             raise
         finally:
+            if matches is not None:
+                matches.cancel()
             if ticket is not None:
                 ticket.release()
             self._record(request, outcome, progress, timing, info)
@@ -393,22 +406,14 @@ class GenerationPipeline:
         yield Delta(hit.text, hit.token_ids)
         yield Finished(hit.finish_reason, hit.matched_stop, progress.usage(), cached=True)
 
-    def _pick_order(self, priority: Priority) -> list[EngineClient]:
-        """The replicas in routing, by fewest open streams (for an interactive
-        request: fewest interactive ones first, since a replica preempts batch
-        sequences for it); ties rotate so equal replicas share work.
-
-        Raises:
-          GenerationError: UNAVAILABLE when no replica is in routing.
-        """
-        serving = self._serving_replicas()
-        n = len(serving)
-        start = self._next_replica % n
-        self._next_replica = (start + 1) % n
-        rotated = [serving[(start + i) % n] for i in range(n)]
-        if priority is Priority.INTERACTIVE:
-            return sorted(rotated, key=lambda e: (e.in_flight_interactive, e.in_flight))
-        return sorted(rotated, key=lambda e: e.in_flight)  # stable: keeps the rotation
+    def _start_prefix_matches(self, prompt_ids: tuple[int, ...]
+                              ) -> asyncio.Task[dict[EngineClient, int]] | None:
+        """Starts the prefix-index lookup of ``prompt_ids`` (it runs beside the
+        cache lookup and admission), when the policy uses one."""
+        serving = self.replicas.serving()
+        if not self.picker.wants_matches(serving):
+            return None
+        return asyncio.create_task(self.picker.prefix_matches(prompt_ids, serving))
 
     def _serving_replicas(self) -> list[EngineClient]:
         """The replicas in routing. Raises GenerationError (UNAVAILABLE) for none."""
@@ -422,15 +427,17 @@ class GenerationPipeline:
 
     async def _open_engine(
         self, request: GenerationRequest, prompt_ids: tuple[int, ...],
-        sampling: SamplingOptions, deadline: float | None, timing: _Timing,
+        sampling: SamplingOptions, deadline: float | None, timing: _Timing, hint: RouteHint,
     ) -> tuple[EngineClient, EngineStream, EngineDelta]:
-        """Opens a stream on the best replica that answers; returns its first delta.
+        """Opens a stream on the best replica that answers (the routing policy's
+        order); returns its first delta.
 
         The chosen replica counts the request (:meth:`EngineClient.opened`); the
         caller uncounts it.
         """
         failures: list[UpstreamError] = []
-        for engine in self._pick_order(request.priority):
+        choice = await self.picker.choose(self._serving_replicas(), request.priority, hint)
+        for engine in choice.order:
             if failures and not self.replicas.is_serving(engine):
                 continue  # left routing while an earlier replica was tried
             engine.opened(request.priority)
@@ -445,8 +452,11 @@ class GenerationPipeline:
                     timing.dispatched_at = time.monotonic()
                     self.metrics.request_queue_time.labels(request.model).observe(
                         timing.dispatched_at - timing.received_at)
+                self.picker.routed(engine, choice, hint.prompt_tokens)
                 first = await stream.read()
                 ok = True
+                if hint.session is not None:
+                    hint.session.replica = engine
                 return engine, stream, first
             except UpstreamError as err:
                 if err.code not in _RETRYABLE_ENGINE_CODES:
@@ -470,12 +480,16 @@ class GenerationPipeline:
         self, request: GenerationRequest, prompt_ids: tuple[int, ...],
         sampling: SamplingOptions, key: CacheKey | None, deadline: float | None,
         progress: Progress, timing: _Timing, info: dict[str, object], ticket: Ticket | None,
+        hint: RouteHint,
     ) -> AsyncIterator[Event]:
         """The engine's answer as events; ``ticket`` (the admission slot, released
         by the caller) hears of every token that leaves."""
         engine, stream, delta = await self._open_engine(
-            request, prompt_ids, sampling, deadline, timing)
+            request, prompt_ids, sampling, deadline, timing, hint)
         info.update(engine=engine.target)
+        if delta.usage is not None:
+            self.metrics.prefix_hit_tokens.labels(request.model).observe(
+                delta.usage.cached_prompt_tokens)
         matcher = StopStringMatcher(sampling.stop)
         detok = IncrementalDetokenizer(self.decoder, skip_special_tokens=True)
         # A stop token id (or EOS, unless ignored) ends the sequence, so it can only be

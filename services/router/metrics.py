@@ -57,6 +57,12 @@ a ``GenerateStream``), and observed at the moment they happen:
   from the router's configuration): ``llmesh:router_replica_serving`` (1
   while the replica takes new requests), ``llmesh:router_replica_failovers_total{reason}``
   (the replica left routing: ``call_failed``, ``not_serving``, ``silent``).
+* routing (:mod:`services.router.routing`): ``llmesh:router_routed_requests_total{engine,
+  policy}`` (requests sent to each replica, by policy),
+  ``llmesh:router_prefix_hit_tokens{model_name}`` (histogram, per request an
+  engine answered: prompt tokens it found in its prefix cache, as the
+  engine reports them) and ``llmesh:router_prefix_score_seconds``
+  (``ScorePrefix`` round trips).
 
 Every metric carries ``model_name`` (a served model id: never a value the
 client made up). Nothing is observed per token inside the decode loop beyond
@@ -71,6 +77,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from services.common.sampling import Priority
 from services.router.admission import AdmissionObserver
 
+#: Prefix-hit buckets in tokens (0: a miss).
+PREFIX_HIT_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+#: ScorePrefix round-trip buckets in seconds.
+SCORE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05)
 # Bucket bounds in seconds; the low end resolves single milliseconds.
 TTFT_BUCKETS = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
@@ -181,6 +191,18 @@ class RouterMetrics:
             "llmesh:router_replica_failovers",
             "Engine replicas taken out of routing, by reason (call_failed, not_serving, "
             "silent).", ["engine", "reason"], registry=reg)
+        self.routed_requests = Counter(
+            "llmesh:router_routed_requests",
+            "Requests sent to each engine replica, by routing policy.",
+            ["engine", "policy"], registry=reg)
+        self.prefix_hit_tokens = Histogram(
+            "llmesh:router_prefix_hit_tokens",
+            "Prompt tokens the engine found in its prefix cache, per routed request.",
+            ["model_name"], buckets=PREFIX_HIT_BUCKETS, registry=reg)
+        self.prefix_score_duration = Histogram(
+            "llmesh:router_prefix_score_seconds",
+            "ScorePrefix round trips to the cache service's prefix index.",
+            buckets=SCORE_BUCKETS, registry=reg)
 
     def admission_observer(self, model: str) -> AdmissionMetrics:
         """The admission controller's observer for ``model``."""

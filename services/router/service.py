@@ -67,6 +67,7 @@ from services.router.generation import (
 from services.router.json_request import parse_generate_json
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
+from services.router.routing import CostWeights, ReplicaPicker, RoutingPolicy, RoutingSession
 from services.router.validation import (
     TENANT_METADATA_KEY,
     GenerationRequest,
@@ -102,6 +103,9 @@ class RouterConfig:
         it with DEADLINE_EXCEEDED. 0 disables the limit. A running
         generation never counts as idle, however long it waits in a queue.
       admission: the admission limits (:mod:`services.router.admission`).
+      routing_policy: how a replica is picked (:mod:`services.router.routing`);
+        None: ``kv_aware`` with more than one engine, else ``least_load``.
+      routing_weights: the ``kv_aware`` cost's constants.
     """
 
     tokenizer: str
@@ -114,6 +118,14 @@ class RouterConfig:
     cache_timeout: float = 0.5
     stream_idle_timeout: float = 300.0
     admission: AdmissionConfig = AdmissionConfig()
+    routing_policy: RoutingPolicy | None = None
+    routing_weights: CostWeights = CostWeights()
+
+    def resolved_routing_policy(self) -> RoutingPolicy:
+        """The policy in force (see ``routing_policy``)."""
+        if self.routing_policy is not None:
+            return self.routing_policy
+        return RoutingPolicy.KV_AWARE if len(self.engines) > 1 else RoutingPolicy.LEAST_LOAD
 
     def __post_init__(self) -> None:
         if self.stream_idle_timeout < 0:
@@ -254,14 +266,21 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         self._replicas.start()
         if cache_ready is not None:
             await self._await_cache(cache_ready)
+        policy = cfg.resolved_routing_policy()
+        if policy is not RoutingPolicy.ROUND_ROBIN:
+            for engine in self._engines:
+                engine.load_watch.start()
+        picker = ReplicaPicker(policy, self._cache, self.metrics, cfg.routing_weights)
         self._pipeline = GenerationPipeline(
             tokenizer=self._tokenizer, decoder=decoder, replicas=self._replicas,
             cache=self._cache, models=self.models, metrics=self.metrics,
-            log_content=cfg.log_content, admission=self.admission)
+            log_content=cfg.log_content, admission=self.admission, picker=picker)
         limits = self.models[self.default_model]
         log.info("router_ready", model=limits.model, max_model_len=limits.max_model_len,
                  engines=list(cfg.engines), tokenizer=cfg.tokenizer, cache=cfg.cache,
-                 chat=limits.has_chat_template, backends=sorted({i.backend for i in infos}))
+                 chat=limits.has_chat_template, backends=sorted({i.backend for i in infos}),
+                 routing_policy=policy.value,
+                 replica_ids=[i.replica_id for i in infos])
 
     def _set_models(self, infos: list[ReplicaInfo], tok: TokenizerInfo) -> None:
         names = {info.model for info in infos}
@@ -452,6 +471,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         inbox: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         reader = asyncio.create_task(self._read_client(request_iterator, inbox))
         current: _StreamGeneration | None = None
+        session = RoutingSession()  # later turns go where the earlier ones' KV is
         count = 0
         client_done = False
         last_id = stream_id
@@ -484,7 +504,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                                 "this stream; send cancel or wait for its final message first")
                         count += 1
                         current = self._start_on_stream(message.start, context, count,
-                                                        stream_id, inbox)
+                                                        stream_id, inbox, session)
                         last_id = current.request_id
                     elif action == "cancel":
                         if current is not None and message.cancel.request_id in (
@@ -583,6 +603,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
     def _start_on_stream(
         self, start: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
         number: int, stream_id: str, inbox: asyncio.Queue[tuple[str, object]],
+        session: RoutingSession,
     ) -> _StreamGeneration:
         received_at = time.monotonic()
         if start.request_id:
@@ -601,18 +622,20 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             raise
         progress = Progress()
         task = asyncio.create_task(self._produce(
-            pipeline, validated, number, received_at, _deadline(context), progress, inbox))
+            pipeline, validated, number, received_at, _deadline(context), progress, inbox,
+            session))
         return _StreamGeneration(number, validated.request_id, task, progress)
 
     @staticmethod
     async def _produce(pipeline: GenerationPipeline, request: GenerationRequest, number: int,
                        received_at: float, deadline: float | None, progress: Progress,
-                       inbox: asyncio.Queue[tuple[str, object]]) -> None:
+                       inbox: asyncio.Queue[tuple[str, object]],
+                       session: RoutingSession) -> None:
         """Runs one generation, handing its events (or its error) to the handler."""
         bind_request_id(request.request_id)
         try:
             events = pipeline.run(request, received_at=received_at, deadline=deadline,
-                                       progress=progress)
+                                  progress=progress, session=session)
             async with contextlib.aclosing(events):
                 async for event in events:
                     inbox.put_nowait(("event", (number, event)))

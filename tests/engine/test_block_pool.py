@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from services.common.block_hash import block_hash_seed, hash_block, prompt_block_hashes
 from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from services.engine.torch_backend import block_pool
 from services.engine.torch_backend.block_pool import BlockCounts, BlockPool, KVIntegrityError
-from services.common.block_hash import block_hash_seed, hash_block
 from services.engine.torch_backend.kv_cache_manager import KVCacheManager
 
 from .kv_helpers import compute, create_manager, make_request
@@ -235,3 +236,35 @@ def test_integrity_check_catches_double_frees_and_leaks() -> None:
     manager.pool.block(0).ref_count = 2  # a reference no block table accounts for
     with pytest.raises(KVIntegrityError, match="block 0: ref_count 2, 1 block tables"):
         manager.check_integrity()
+
+
+def test_cached_hashes_are_what_a_client_computes_from_the_prompt() -> None:
+    manager = create_manager(num_blocks=10, block_size=4)
+    seq = make_request("a", 10)
+    manager.allocate_slots(seq, 10, manager.find_prefix(seq))
+    compute(manager, seq)
+    expected = prompt_block_hashes(manager.hash_seed, seq.token_ids, 4)
+    assert len(expected) == 2
+    assert sorted(manager.cached_hashes()) == sorted(expected)
+
+
+def test_a_full_event_buffer_drops_the_oldest_and_counts_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(block_pool, "MAX_PENDING_EVENTS", 2)
+    manager = create_manager(num_blocks=10, block_size=4)
+    for name in "abc":  # three sequences, one BlockStored event each
+        seq = make_request(name, [ord(name)] * 4 + [1])
+        manager.allocate_slots(seq, 5, manager.find_prefix(seq))
+        compute(manager, seq)
+    assert manager.pool.events_dropped == 1
+    events = manager.take_events()
+    assert [e.token_ids[0] for e in events] == [ord("b"), ord("c")]  # type: ignore[union-attr]
+
+
+def test_kv_seed_separates_models_layouts_and_salts() -> None:
+    seeds = {block_hash_seed("m"), block_hash_seed("m", "int4/float32"),
+             block_hash_seed("m", "int8/float32"), block_hash_seed("m2"),
+             block_hash_seed("m", "", "tenant-a")}
+    assert len(seeds) == 5 and all(len(seed) == 32 for seed in seeds)
+    assert KVCacheManager(4, 4, model_id="m", kv_layout="int4/float32").hash_seed == \
+        block_hash_seed("m", "int4/float32")

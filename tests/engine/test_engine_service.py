@@ -12,7 +12,9 @@ import pytest
 import structlog
 
 from llmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.common.block_hash import prompt_block_hashes
 from services.engine.metrics import EngineMetrics
+from services.engine.service import EngineService
 from services.engine.torch_backend.backend import TorchBackend
 
 from .conftest import MAX_MODEL_LEN, MAX_TOKENS_CAP, unstarted_service
@@ -403,3 +405,42 @@ async def test_every_request_writes_one_request_finished_line(
         assert read <= line["completion_tokens"] < MAX_TOKENS_CAP
         if ending == "cancel_message":
             assert line["completion_tokens"] == read
+
+
+async def test_model_info_names_the_replica_and_its_block_hashes(
+        engine_stub: Stub, engine_service: EngineService, torch_backend: TorchBackend) -> None:
+    info = await engine_stub.GetModelInfo(engine_pb2.GetModelInfoRequest())
+    assert info.replica_id == engine_service.replica_id != ""
+    assert info.kv_block_size == 16 and info.max_num_batched_tokens > 0
+    assert info.kv_hash_seed == torch_backend.model_info.kv_hash_seed
+    # The seed covers the model id and the KV layout, so the router hashes a
+    # prompt's blocks exactly as the engine's prefix cache names them.
+    prompt = tuple(range(2000, 2040))
+    await generate(engine_stub, start("seed-check", prompt, max_tokens=1, ignore_eos=True))
+    snapshot = torch_backend.kv_snapshot()
+    assert snapshot is not None
+    hashes = prompt_block_hashes(info.kv_hash_seed, prompt, info.kv_block_size)
+    assert len(hashes) == 2 and set(hashes) <= set(snapshot.block_hashes)
+
+
+async def test_stream_load_sends_at_once_then_on_change(engine_stub: Stub) -> None:
+    call = engine_stub.StreamLoad(engine_pb2.StreamLoadRequest(min_interval_ms=5,
+                                                               heartbeat_ms=200))
+    first = await asyncio.wait_for(call.read(), 2)
+    assert (first.load.num_running, first.load.num_waiting) == (0, 0)
+    long_prompt = tuple(range(3000, 3200))
+    task = asyncio.create_task(generate(engine_stub, start("load-watch", long_prompt,
+                                                           max_tokens=32, ignore_eos=True)))
+    seen_running = False
+    while not task.done() or not seen_running:
+        message = await asyncio.wait_for(call.read(), 2)
+        seen_running |= message.load.num_running + message.load.num_waiting > 0
+        if task.done() and message.load.num_running == 0:
+            break
+    await task
+    assert seen_running
+    # An idle engine still sends a heartbeat within heartbeat_ms.
+    began = time.perf_counter()
+    await asyncio.wait_for(call.read(), 2)
+    assert time.perf_counter() - began < 1.0
+    call.cancel()

@@ -342,3 +342,15 @@ def test_random_submit_cancel_finish_leaves_no_block_behind(enable_caching: bool
     assert counts.free + counts.cached == 24 and counts.used == 0
     assert (counts.cached > 0) is enable_caching
     assert scheduler.num_preemptions > 0 and finished > 100 and cancelled > 10
+
+
+def test_pending_prefill_tokens_count_waiting_and_prefilling_sequences() -> None:
+    scheduler = create_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=16)
+    for name, length in (("a", 20), ("b", 8)):
+        scheduler.add(make_request(name, length))
+    assert scheduler.pending_prefill_tokens() == 28
+    step(scheduler)  # 16 tokens of a: 4 left to prefill; b waits
+    assert scheduler.pending_prefill_tokens() == 4 + 8
+    step(scheduler)
+    step(scheduler)  # both decode now
+    assert scheduler.pending_prefill_tokens() == 0

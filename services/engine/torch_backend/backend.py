@@ -28,7 +28,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from services.common.kv_events import KVEvent
+from services.common.kv_events import KVEvent, KVSnapshot
 from services.common.model_files import default_model_path
 from services.common.sampling import MAX_SPECULATIVE_TOKENS, SpeculativeMethod
 from services.engine.backend import EngineBackend, EngineUnavailableError
@@ -144,6 +144,8 @@ class TorchBackend(EngineBackend):
                 self._core = await asyncio.wrap_future(built)
 
     def _engine_thread(self, built: Future[EngineCore]) -> None:
+        if self._config.num_threads is not None:  # on the step's thread: torch's pool
+            torch.set_num_threads(self._config.num_threads)  # and the native kernels follow it
         try:
             core = self._build()
         except BaseException as exc:  # noqa: BLE001 - handed to start()
@@ -285,6 +287,16 @@ class TorchBackend(EngineBackend):
         """KV cache events (blocks stored / removed / all cleared) since the last
         call, oldest first, for the cache service's prefix index. Thread-safe."""
         return [] if self._core is None else self._core.drain_kv_events()
+
+    def kv_events_dropped(self) -> int:
+        """See :meth:`EngineBackend.kv_events_dropped`."""
+        return 0 if self._core is None else self._core.kv_events_dropped()
+
+    def kv_snapshot(self) -> KVSnapshot | None:
+        """See :meth:`EngineBackend.kv_snapshot`; None with prefix caching off."""
+        if self._core is None or not self._config.enable_prefix_caching:
+            return None
+        return self._core.kv_snapshot()
 
     def check_integrity(self) -> BlockCounts:
         """Checks the KV block bookkeeping (free + cached + used == total, reference

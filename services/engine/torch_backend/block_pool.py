@@ -25,6 +25,7 @@ thread).
 from __future__ import annotations
 
 import collections
+import contextlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -93,7 +94,9 @@ class BlockPool:
         self._free: collections.OrderedDict[int, KVBlock] = collections.OrderedDict(
             (block.block_id, block) for block in self._blocks)
         self._by_hash: dict[BlockHash, KVBlock] = {}
-        self._events: collections.deque[KVEvent] = collections.deque(maxlen=MAX_PENDING_EVENTS)
+        self._events: collections.deque[KVEvent] = collections.deque()
+        #: Events dropped (oldest first) because nobody drained them in time.
+        self.events_dropped = 0
 
     # ---- queries (pure) -------------------------------------------------------------
 
@@ -119,6 +122,10 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         """The computed block with this hash (used or cached), or None."""
         return self._by_hash.get(block_hash)
+
+    def cached_hashes(self) -> tuple[BlockHash, ...]:
+        """Every hash of a computed block (used or cached), in no order."""
+        return tuple(self._by_hash)
 
     def free_queue_ids(self) -> list[int]:
         """Ids in the free queue, next to be allocated (evicted) first."""
@@ -147,7 +154,7 @@ class BlockPool:
             block.ref_count = 1
             taken.append(block)
         if evicted:
-            self._events.append(BlockRemoved(tuple(evicted)))
+            self._emit(BlockRemoved(tuple(evicted)))
         return taken
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -221,7 +228,7 @@ class BlockPool:
             block.block_hash = None
         self._by_hash.clear()
         if self.enable_caching:
-            self._events.append(AllBlocksCleared())
+            self._emit(AllBlocksCleared())
         return True
 
     def take_events(self) -> list[KVEvent]:
@@ -262,6 +269,15 @@ class BlockPool:
             raise KVIntegrityError(f"{cached} cached blocks with prefix caching off")
         return counts
 
+    def _emit(self, event: KVEvent) -> None:
+        """Queues ``event``; beyond :data:`MAX_PENDING_EVENTS` the oldest is dropped
+        and counted in ``events_dropped`` (a reader then needs a snapshot)."""
+        if len(self._events) >= MAX_PENDING_EVENTS:
+            with contextlib.suppress(IndexError):  # a reader emptied it meanwhile
+                self._events.popleft()
+                self.events_dropped += 1
+        self._events.append(event)
+
     def _emit_stored(self, hashes: list[BlockHash], parent: BlockHash | None,
                      tokens: list[int]) -> None:
-        self._events.append(BlockStored(tuple(hashes), parent, tuple(tokens), self.block_size))
+        self._emit(BlockStored(tuple(hashes), parent, tuple(tokens), self.block_size))

@@ -71,7 +71,7 @@ import structlog
 import torch
 
 from services.common.sampling import FinishReason
-from services.common.kv_events import KVEvent
+from services.common.kv_events import KVEvent, KVSnapshot
 from services.engine.torch_backend.block_pool import BlockCounts
 from services.engine.torch_backend.inbox import Inbox
 from services.engine.torch_backend.model import StepAbandoned
@@ -115,7 +115,7 @@ class EngineCore:
         self._inbox = Inbox(scheduler.config.max_num_seqs, max_num_waiting)
         self._state_lock = threading.Lock()
         self._arrivals = itertools.count()
-        self._snapshot = _Snapshot(0, 0.0)
+        self._snapshot = _Snapshot(0, 0.0, 0)
         self._thread: threading.Thread | None = None
 
     # ---- any thread -----------------------------------------------------------------
@@ -187,7 +187,8 @@ class EngineCore:
         snapshot = self._snapshot
         return LoadStats(num_running=snapshot.num_running,
                          num_waiting=max(len(self._inbox) - snapshot.num_running, 0),
-                         kv_cache_usage=snapshot.kv_cache_usage)
+                         kv_cache_usage=snapshot.kv_cache_usage,
+                         num_pending_prefill_tokens=snapshot.num_pending_prefill_tokens)
 
     def check_integrity(self) -> BlockCounts:
         """Checks the KV block bookkeeping between two mutations by the worker
@@ -208,6 +209,19 @@ class EngineCore:
     def drain_kv_events(self) -> list[KVEvent]:
         """KV events (blocks stored / removed) since the last call. Thread-safe."""
         return self._kv.take_events()
+
+    def kv_events_dropped(self) -> int:
+        """KV events dropped undrained so far (running count). Thread-safe."""
+        return self._kv.pool.events_dropped
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """Every block hash in the prefix cache now, taken together with dropping
+        the events not yet drained (they are in the snapshot), so that the events
+        drained afterwards apply on top of it. Thread-safe (takes the state lock
+        for a copy of the hash map: ~1 ms per 10,000 blocks)."""
+        with self._state_lock:
+            self._kv.take_events()
+            return KVSnapshot(self._kv.cached_hashes(), self._kv.pool.events_dropped)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block hash if no block is in use. Thread-safe."""
@@ -274,7 +288,8 @@ class EngineCore:
 
     def _publish(self) -> None:
         """Publishes the load snapshot (under the state lock)."""
-        self._snapshot = _Snapshot(self._scheduler.num_running, self._kv.usage)
+        self._snapshot = _Snapshot(self._scheduler.num_running, self._kv.usage,
+                                   self._scheduler.pending_prefill_tokens())
 
     def _fail_all(self, exc: Exception) -> None:
         """Finishes every sequence with ERROR after an unexpected failure outside the
@@ -395,6 +410,7 @@ class _Snapshot:
 
     num_running: int
     kv_cache_usage: float
+    num_pending_prefill_tokens: int
 
 
 def _all_cancelled(seqs: list[Sequence]) -> bool:

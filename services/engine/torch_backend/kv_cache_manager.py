@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.block_hash import block_hash_seed, hash_block
+from services.common.block_hash import BlockHash, block_hash_seed, hash_block
 from services.common.kv_events import KVEvent
 from services.engine.torch_backend.block_pool import (
     BlockCounts,
@@ -180,6 +180,10 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """See :meth:`BlockPool.reset_prefix_cache`."""
         return self.pool.reset_prefix_cache()
+
+    def cached_hashes(self) -> tuple[BlockHash, ...]:
+        """Every hash in the prefix cache (used and cached blocks)."""
+        return self.pool.cached_hashes()
 
     def take_events(self) -> list[KVEvent]:
         """KV events since the last call (thread-safe)."""

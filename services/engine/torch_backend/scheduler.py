@@ -181,6 +181,17 @@ class Scheduler:
         """The waiting sequences in the order they would join."""
         return sorted(self._waiting)
 
+    def pending_prefill_tokens(self) -> int:
+        """Tokens still to compute before the waiting sequences and the running
+        ones in prefill produce their next token (prefix hits of waiting ones
+        not yet known: counted as work). O(waiting + running)."""
+        pending = sum(seq.num_tokens - seq.num_computed_tokens for seq in self._waiting)
+        for seq in self.running:
+            left = seq.num_tokens - seq.num_computed_tokens
+            if left > 1:
+                pending += left
+        return pending
+
     # ---- verbs (mutate) ---------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:

@@ -1,0 +1,129 @@
+"""The router's live view of one engine replica's load, from ``EngineService.StreamLoad``.
+
+The engine sends its load at once, then whenever it changes (at most every
+20 ms: about one decode step) and at least every 500 ms. :class:`LoadWatch`
+keeps the latest report and when it arrived; :meth:`LoadWatch.current`
+gives it with its age, so a router policy can treat a replica whose load is
+older than :data:`STALE_AFTER_S` (two heartbeats missed) as saturated.
+
+Between two reports the router adds what it dispatched itself
+(:meth:`LoadWatch.dispatched`): the prompt tokens of requests it sent to the
+replica after the last report, which the engine had not counted yet. Without
+it, requests that arrive together all see the same report and pile onto the
+one replica that looked cheapest.
+
+The call is opened again after it fails (0.1 s, doubling to 2 s).
+
+Threading: everything on the router's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from llmesh.v1 import engine_pb2, engine_pb2_grpc
+from services.router.clients import EngineLoad
+
+log = structlog.get_logger()
+
+#: Seconds after which a load report counts as stale (the engine sends one at
+#: least every 0.5 s).
+STALE_AFTER_S = 1.0
+_RETRY_S = (0.1, 2.0)
+
+
+@dataclass(frozen=True)
+class LoadView:
+    """A replica's load as the router sees it now.
+
+    Attributes:
+      load: the engine's last report (None before the first).
+      age_s: seconds since it arrived (inf before the first).
+      unreported_prefill_tokens: prompt tokens the router sent the replica
+        after that report.
+    """
+
+    load: EngineLoad | None
+    age_s: float
+    unreported_prefill_tokens: int
+
+    @property
+    def stale(self) -> bool:
+        """True when the report is missing or older than :data:`STALE_AFTER_S`."""
+        return self.load is None or self.age_s > STALE_AFTER_S
+
+
+def load_from_pb(pb: engine_pb2.GetLoadResponse) -> EngineLoad:
+    """The typed form of an engine's load message."""
+    return EngineLoad(pb.num_running, pb.num_waiting, pb.kv_cache_usage,
+                      pb.num_pending_prefill_tokens)
+
+
+class LoadWatch:
+    """Follows one replica's ``StreamLoad`` (see the module docstring).
+
+    Args:
+      channel: the replica's channel (shared with its other calls).
+      target: ``host:port``, for logs.
+    """
+
+    def __init__(self, channel: grpc.aio.Channel, target: str) -> None:
+        self._stub = engine_pb2_grpc.EngineServiceStub(channel)
+        self.target = target
+        self._load: EngineLoad | None = None
+        self._received_at = 0.0
+        self._unreported = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Starts following the stream (idempotent)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), context=contextvars.Context(),
+                                             name=f"load {self.target}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def dispatched(self, prompt_tokens: int) -> None:
+        """Counts a request sent to the replica until its next report."""
+        self._unreported += prompt_tokens
+
+    def current(self) -> LoadView:
+        """The latest report, its age and what was sent since. Pure."""
+        if self._load is None:
+            return LoadView(None, float("inf"), self._unreported)
+        age = asyncio.get_running_loop().time() - self._received_at
+        return LoadView(self._load, age, self._unreported)
+
+    async def _run(self) -> None:
+        retry = _RETRY_S[0]
+        loop = asyncio.get_running_loop()
+        while True:
+            call = self._stub.StreamLoad(engine_pb2.StreamLoadRequest())
+            try:
+                async for message in call:
+                    self._load = load_from_pb(message.load)
+                    self._received_at = loop.time()
+                    self._unreported = 0
+                    retry = _RETRY_S[0]
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # an engine without it
+                    log.warning("engine_load_stream_unimplemented", engine=self.target)
+                    return
+                if err.code() != grpc.StatusCode.UNAVAILABLE:
+                    log.warning("engine_load_stream_failed", engine=self.target,
+                                code=err.code().name, details=err.details())
+            finally:
+                call.cancel()
+            await asyncio.sleep(retry)
+            retry = min(retry * 2, _RETRY_S[1])

@@ -1,0 +1,246 @@
+"""Which engine replica a request goes to: the routing policies.
+
+``--routing-policy`` picks one of:
+
+``round_robin``
+  Replicas in turn, whatever their load or cache.
+
+``least_load``
+  Fewest requests this router has open on the replica (for an interactive
+  request, fewest interactive ones first: a replica preempts batch sequences
+  for it); ties in turn.
+
+``kv_aware`` (the default when more than one replica serves)
+  The replica whose estimated cost for this request is lowest, the cost
+  being the prefill work, in tokens, that stands between the request and its
+  first token on that replica (Dynamo's KV router and llm-d's scorers weigh
+  the same two things: cache overlap and load)::
+
+      cost = (prompt_tokens - matched_tokens)        # the request's own prefill
+           + pending_prefill_tokens                  # prefill queued ahead of it
+           + unreported_prefill_tokens               # sent by this router since the report
+           + decode_weight * num_running             # decodes that share each step
+
+  ``matched_tokens`` comes from the cache service's prefix index
+  (``ScorePrefix`` of the prompt's block hashes); the load from the
+  replica's ``StreamLoad`` (:mod:`services.router.load_watch`). A replica
+  whose load report is stale (over 1 s old), or whose KV cache is at least
+  ``kv_full_usage`` used (a new sequence there preempts another), costs
+  infinity: it is chosen only when every replica does. Ties go to the
+  least loaded (open requests), then in turn. Without a cache service, or
+  when the index does not answer in time, matched tokens are 0 and the
+  policy routes by load alone.
+
+Session affinity (``GenerateStream``): the replica that served a
+conversation's previous turn takes the next one unless it is gone, its
+cost is infinite, or it costs more than ``affinity_slack_tokens`` above the
+cheapest (then the conversation moves, paying its prefill once).
+
+The weights' defaults and the measurements behind them are in
+docs/architecture.md ("Routing across replicas").
+
+Threading: everything on the router's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from services.common.block_hash import prompt_block_hashes
+from services.common.sampling import Priority
+from services.router.clients import CacheClient
+from services.router.engine_client import EngineClient
+from services.router.load_watch import LoadView
+from services.router.metrics import RouterMetrics
+
+log = structlog.get_logger()
+
+
+class RoutingPolicy(enum.Enum):
+    """The ``--routing-policy`` values."""
+
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOAD = "least_load"
+    KV_AWARE = "kv_aware"
+
+
+@dataclass(frozen=True)
+class CostWeights:
+    """The constants of the ``kv_aware`` cost (see the module docstring).
+
+    Attributes:
+      decode_weight: prefill-token equivalents of one running sequence.
+      kv_full_usage: KV usage (0..1) from which a replica counts as saturated.
+      affinity_slack_tokens: how much more a session's replica may cost than
+        the cheapest before the session moves.
+    """
+
+    decode_weight: float = 8.0
+    kv_full_usage: float = 0.95
+    affinity_slack_tokens: float = 2048.0
+
+
+@dataclass
+class RoutingSession:
+    """A conversation's routing memory (one per ``GenerateStream`` call).
+
+    Attributes:
+      replica: the replica that served its last turn (None before the first).
+    """
+
+    replica: EngineClient | None = None
+
+
+@dataclass(frozen=True)
+class RouteHint:
+    """What the policy knows of a request when it dispatches it.
+
+    Attributes:
+      prompt_tokens: the prompt's length in tokens.
+      matches: a task resolving to replica → leading prompt tokens cached there
+        (started early, beside the response-cache lookup), or None.
+      session: the conversation's routing memory, or None.
+    """
+
+    prompt_tokens: int
+    matches: asyncio.Task[dict[EngineClient, int]] | None = None
+    session: RoutingSession | None = None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A routing decision: replicas to try in order, each one's predicted prefix
+    hit (tokens) and ``kv_aware`` cost."""
+
+    order: list[EngineClient]
+    matches: dict[EngineClient, int] = field(default_factory=dict)
+    costs: dict[EngineClient, float] = field(default_factory=dict)
+
+
+def replica_cost(prompt_tokens: int, matched_tokens: int, view: LoadView,
+                 weights: CostWeights) -> float:
+    """The ``kv_aware`` cost of one replica, in prefill tokens (inf: saturated)."""
+    if view.stale or view.load is None or view.load.kv_cache_usage >= weights.kv_full_usage:
+        return math.inf
+    load = view.load
+    return (max(prompt_tokens - matched_tokens, 0) + load.num_pending_prefill_tokens
+            + view.unreported_prefill_tokens + weights.decode_weight * load.num_running)
+
+
+class ReplicaPicker:
+    """Orders the serving replicas for a request under one policy.
+
+    Args:
+      policy: the routing policy.
+      cache: the cache service client (the prefix index), or None.
+      metrics: the router's metrics.
+      weights: the ``kv_aware`` constants.
+      score_timeout_s: most seconds a ``ScorePrefix`` may take.
+    """
+
+    def __init__(self, policy: RoutingPolicy, cache: CacheClient | None,
+                 metrics: RouterMetrics, weights: CostWeights = CostWeights(),
+                 score_timeout_s: float = 0.05) -> None:
+        self.policy = policy
+        self.cache = cache
+        self.metrics = metrics
+        self.weights = weights
+        self._score_timeout = score_timeout_s
+        self._next = 0
+
+    def wants_matches(self, serving: Sequence[EngineClient]) -> bool:
+        """True when this request's prefix matches are worth a ``ScorePrefix``."""
+        return (self.policy is RoutingPolicy.KV_AWARE and self.cache is not None
+                and len(serving) > 1)
+
+    async def prefix_matches(self, prompt_ids: Sequence[int],
+                             serving: Sequence[EngineClient]) -> dict[EngineClient, int]:
+        """Leading prompt tokens each replica holds in its prefix cache, from the
+        index (one ``ScorePrefix`` per distinct hash seed and block size among
+        ``serving``, usually one). Never raises: an error counts as no match."""
+        assert self.cache is not None
+        groups: dict[tuple[bytes, int], list[EngineClient]] = {}
+        for engine in serving:
+            info = engine.info
+            if info is not None and info.kv_block_size and info.kv_hash_seed:
+                groups.setdefault((info.kv_hash_seed, info.kv_block_size), []).append(engine)
+        matches: dict[EngineClient, int] = {}
+        for (seed, block_size), engines in groups.items():
+            hashes = prompt_block_hashes(seed, prompt_ids, block_size)
+            if not hashes:
+                continue
+            started = time.perf_counter()
+            scores = await self.cache.score_prefix(
+                hashes, deadline=time.monotonic() + self._score_timeout)
+            self.metrics.prefix_score_duration.observe(time.perf_counter() - started)
+            for engine in engines:
+                blocks = (scores or {}).get(engine.info.replica_id if engine.info else "", 0)
+                if blocks:
+                    matches[engine] = blocks * block_size
+        return matches
+
+    async def choose(self, serving: list[EngineClient], priority: Priority,
+                     hint: RouteHint) -> Choice:
+        """The order in which to try ``serving`` for this request (mutates the
+        rotation)."""
+        rotated = self._rotate(serving)
+        if self.policy is RoutingPolicy.ROUND_ROBIN:
+            return Choice(rotated)
+        if self.policy is RoutingPolicy.LEAST_LOAD or len(serving) == 1:
+            return Choice(_least_load(rotated, priority))
+        matches = await _resolved(hint.matches)
+        costs = {engine: replica_cost(hint.prompt_tokens, matches.get(engine, 0),
+                                      engine.load_watch.current(), self.weights)
+                 for engine in rotated}
+        order = sorted(rotated, key=lambda e: (costs[e], e.in_flight))  # stable: rotation
+        sticky = self._sticky(hint.session, order, costs)
+        if sticky is not None:
+            order.remove(sticky)
+            order.insert(0, sticky)
+        return Choice(order, matches, costs)
+
+    def routed(self, engine: EngineClient, choice: Choice, prompt_tokens: int) -> None:
+        """Books that ``engine`` took the request (metrics; its unreported load)."""
+        engine.load_watch.dispatched(max(prompt_tokens - choice.matches.get(engine, 0), 0))
+        self.metrics.routed_requests.labels(engine.target, self.policy.value).inc()
+
+    def _sticky(self, session: RoutingSession | None, order: list[EngineClient],
+                costs: dict[EngineClient, float]) -> EngineClient | None:
+        """The session's replica if it should keep the conversation, else None."""
+        if session is None or session.replica is None or session.replica not in costs:
+            return None
+        cost = costs[session.replica]
+        best = costs[order[0]]
+        if math.isinf(cost) or cost > best + self.weights.affinity_slack_tokens:
+            return None
+        return session.replica
+
+    def _rotate(self, serving: list[EngineClient]) -> list[EngineClient]:
+        n = len(serving)
+        start = self._next % n
+        self._next = (start + 1) % n
+        return [serving[(start + i) % n] for i in range(n)]
+
+
+def _least_load(rotated: list[EngineClient], priority: Priority) -> list[EngineClient]:
+    if priority is Priority.INTERACTIVE:
+        return sorted(rotated, key=lambda e: (e.in_flight_interactive, e.in_flight))
+    return sorted(rotated, key=lambda e: e.in_flight)  # stable: keeps the rotation
+
+
+async def _resolved(task: asyncio.Task[dict[EngineClient, int]] | None
+                    ) -> dict[EngineClient, int]:
+    if task is None:
+        return {}
+    try:
+        return await task
+    except Exception as exc:  # noqa: BLE001 - routing by load alone is always possible
+        log.warning("prefix_match_failed", error=f"{type(exc).__name__}: {exc}")
+        return {}
