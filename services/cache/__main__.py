@@ -1,8 +1,10 @@
 """``python -m services.cache``: runs the cache service.
 
 Without ``--redis-url`` responses live in an embedded in-memory LRU
-(``--max-entries``, ``--max-bytes``); with it, in Redis, which must answer at
-start-up (the process exits with status 2 and says so otherwise).
+(``--max-entries``, ``--max-bytes``) and the prefix index in this process;
+with it, both live in Redis (several cache services and routers then share
+the index), which must answer at start-up (the process exits with status 2
+and says so otherwise).
 """
 
 from __future__ import annotations
@@ -12,7 +14,14 @@ import asyncio
 import sys
 
 from services.cache.service import CacheService
-from services.cache.store import MemoryStore, RedisStore, ResponseStore, StoreUnavailableError
+from services.cache.prefix_index import MemoryPrefixIndex, PrefixIndex, RedisPrefixIndex
+from services.cache.store import (
+    MemoryStore,
+    RedisOptions,
+    RedisStore,
+    ResponseStore,
+    StoreUnavailableError,
+)
 from services.common.server import add_server_arguments, run_service, server_config_from_args
 
 
@@ -34,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Redis: pause after a failure before calling Redis again (seconds)")
     parser.add_argument("--redis-max-connections", type=int, default=64,
                         help="Redis: connection pool size")
+    parser.add_argument("--kv-index-prefix", default="llmesh:kv:",
+                        help="Redis: key prefix of the prefix index (default llmesh:kv:)")
     add_server_arguments(parser)
     return parser
 
@@ -47,6 +58,17 @@ def build_store(args: argparse.Namespace) -> ResponseStore:
     return MemoryStore(max_entries=args.max_entries, max_bytes=args.max_bytes)
 
 
+def build_index(args: argparse.Namespace) -> PrefixIndex:
+    """The prefix index the flags ask for (Redis with ``--redis-url``)."""
+    if args.redis_url:
+        return RedisPrefixIndex(args.redis_url, key_prefix=args.kv_index_prefix,
+                                options=RedisOptions(
+                                    timeout_seconds=args.redis_timeout_seconds,
+                                    retry_interval_seconds=args.redis_retry_seconds,
+                                    max_connections=args.redis_max_connections))
+    return MemoryPrefixIndex()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the service until SIGTERM/SIGINT; returns the exit status."""
     parser = build_parser()
@@ -54,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.ttl_seconds <= 0:
         parser.error("--ttl-seconds must be > 0")
     try:
-        store = build_store(args)
+        store, index = build_store(args), build_index(args)
     except ValueError as exc:
         parser.error(str(exc))
-    service = CacheService(store, default_ttl_seconds=args.ttl_seconds)
+    service = CacheService(store, default_ttl_seconds=args.ttl_seconds, index=index)
     try:
         asyncio.run(run_service(server_config_from_args("cache", args), service))
     except StoreUnavailableError as exc:

@@ -23,8 +23,9 @@ which keeps the index exact for that replica or says it is not:
 Every hash must be 32 bytes (INVALID_ARGUMENT). Metrics:
 ``llmesh:kv_events_received_total{replica}``,
 ``llmesh:kv_events_dropped_total{replica}`` (what the engine reports dropped),
-``llmesh:kv_index_resyncs_total{replica, reason}`` and
-``llmesh:kv_index_blocks{replica}`` (refreshed on heartbeats).
+``llmesh:kv_index_resyncs_total{replica, reason}`` (the index counts its own
+refusals; the feed adds ``engine_dropped``) and ``llmesh:kv_index_blocks{replica}``
+(set by the index).
 """
 
 from __future__ import annotations
@@ -156,7 +157,6 @@ class KvEventFeed:
                 message = await anext(requests, None)
         finally:
             await self._index.drop(who.replica_id, who.epoch)
-            self._metrics.kv_index_blocks.remove(who.replica_id)
             log.info("kv_publisher_gone", replica=who.replica_id, epoch=who.epoch)
 
     async def _register(self, who: Publisher) -> _State:
@@ -184,6 +184,7 @@ class KvEventFeed:
                 return await self._lost(who, "snapshot_refused")
             state = _State.EXACT
         elif message.dropped_events:
+            self._metrics.kv_index_resyncs.labels(replica, "engine_dropped").inc()
             return await self._lost(who, "engine_dropped_events")
         if state is _State.WAITING_SNAPSHOT:
             return state, False
@@ -193,13 +194,11 @@ class KvEventFeed:
         elif not message.HasField("snapshot"):
             if not await self._index.heartbeat(replica, who.epoch):
                 return await self._lost(who, "heartbeat_refused")
-            await self._refresh_size(replica)
         return _State.EXACT, False
 
     async def _lost(self, who: Publisher, reason: str) -> tuple[_State, bool]:
         """The index no longer holds the replica exactly: register it again and
         ask for a snapshot (or retry on the next message if the store is down)."""
-        self._metrics.kv_index_resyncs.labels(who.replica_id, reason).inc()
         log.warning("kv_index_resync", replica=who.replica_id, reason=reason)
         if await self._index.register(who.replica_id, who.epoch, who.capacity_blocks):
             return _State.WAITING_SNAPSHOT, True
@@ -221,8 +220,3 @@ class KvEventFeed:
             self._metrics.kv_events_received.labels(replica).inc(received)
         if dropped:
             self._metrics.kv_events_dropped.labels(replica).inc(dropped)
-
-    async def _refresh_size(self, replica: str) -> None:
-        sizes = await self._index.sizes()
-        if replica in sizes:
-            self._metrics.kv_index_blocks.labels(replica).set(sizes[replica])

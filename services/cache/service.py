@@ -78,9 +78,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         if default_ttl_seconds <= 0:
             raise ValueError(f"default_ttl_seconds must be > 0, got {default_ttl_seconds}")
         self.store = store
-        self.index = index if index is not None else MemoryPrefixIndex()
         self.default_ttl_seconds = default_ttl_seconds
         self._metrics = metrics or default_metrics()
+        self.index = index if index is not None else MemoryPrefixIndex(metrics=self._metrics)
         self._get_duration = self._metrics.request_duration.labels("GetCachedResponse")
         self._put_duration = self._metrics.request_duration.labels("PutCachedResponse")
         self._feed = KvEventFeed(self.index, self._metrics)
@@ -197,9 +197,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             check_hashes(hashes, "block_hashes")
         except FeedError as err:
             await context.abort(err.code, str(err))
-        started = time.perf_counter()
-        scores = await self.index.score(hashes) if hashes else {}
-        self._metrics.kv_index_lookup.observe(time.perf_counter() - started)
+        scores = await self.index.score(hashes) if hashes else {}  # observes the latency
         return cache_pb2.ScorePrefixResponse(scores=[
             cache_pb2.PrefixScore(replica_id=replica, matched_blocks=blocks)
             for replica, blocks in sorted(scores.items(), key=lambda item: -item[1])])

@@ -1,15 +1,18 @@
 """Byte stores behind the response cache: embedded in-memory LRU, or Redis.
 
 A :class:`ResponseStore` maps a string key to bytes with a lifetime in seconds.
-It knows nothing about protobuf or cache keys, so the prefix index (fed by the
-engines' KV events) can sit beside it later with its own store.
+It knows nothing about protobuf or cache keys; the prefix index (fed by the
+engines' KV events) sits beside it with its own stores
+(:mod:`services.cache.prefix_index`).
 
 The cache is optional to the router, so a store never fails a request for a
 backend reason: :class:`RedisStore` turns an outage into a miss (``get`` returns
 None) or not-stored (``put`` returns False), logs a warning (rate-limited), counts
 the error and stops calling Redis for ``retry_interval_seconds`` before trying again.
 Only :meth:`ResponseStore.start` fails loudly, so a misconfigured URL is caught
-at start-up rather than running as a cache that never hits.
+at start-up rather than running as a cache that never hits. That policy lives
+in :class:`RedisGuard`, which every Redis-backed store of the cache service
+(this one and :class:`~services.cache.prefix_index.RedisPrefixIndex`) calls through.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ import abc
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
@@ -34,6 +37,8 @@ from services.cache.metrics import CacheMetrics, default_metrics
 log = structlog.get_logger()
 
 Clock = Callable[[], float]
+T = TypeVar("T")
+F = TypeVar("F")
 
 
 class StoreUnavailableError(RuntimeError):
@@ -176,14 +181,151 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
+@dataclass(frozen=True)
+class RedisOptions:
+    """How the Redis-backed stores talk to Redis (shared by :class:`RedisGuard`'s users).
+
+    Attributes:
+      timeout_seconds: most time one call may spend on Redis in all (pool wait,
+        connect, one retry on a dropped connection, reply).
+      retry_interval_seconds: pause after a failure before calling Redis again.
+      max_connections: pool size; callers beyond it wait (within the timeout).
+      warn_interval_seconds: at most one outage warning per this many seconds.
+      clock: seconds, monotonic, for the pause and the warnings (injectable for tests).
+    """
+
+    timeout_seconds: float = 0.5
+    retry_interval_seconds: float = 1.0
+    max_connections: int = 64
+    warn_interval_seconds: float = 10.0
+    clock: Clock = time.monotonic
+
+
+#: What a failed Redis call raises: a refused or dropped connection, a Redis
+#: error reply (a script error included), or the guard's timeout.
+REDIS_FAILURES = (RedisError, OSError, TimeoutError)
+
+
+class RedisGuard:
+    """One bounded connection pool to Redis, and the outage policy of every call on it.
+
+    A call that fails or takes longer than ``timeout_seconds`` answers the
+    caller's fallback instead of raising, counts
+    ``llmesh:cache_backend_errors_total{backend="redis",operation}``, sets
+    ``llmesh:cache_backend_up{backend="redis"}`` to 0, logs a warning (at most one
+    per ``warn_interval_seconds``, with the count of failures since the last
+    one) and leaves Redis alone for ``retry_interval_seconds``: calls in that
+    pause answer the fallback at once, without touching the network. The first
+    call that succeeds after it sets the gauge back to 1 and logs the recovery.
+
+    Args:
+      url: ``redis://[[user]:password@]host:port/db``, ``rediss://`` or ``unix://``.
+      component: who is guarded, for the log lines (``"redis store"``).
+      degraded: what callers get during an outage, for the warning.
+      options: timeouts, pause, pool size, clock.
+      metrics: where errors and up/down are counted.
+    """
+
+    def __init__(self, url: str, *, component: str, degraded: str, options: RedisOptions,
+                 metrics: CacheMetrics) -> None:
+        self.url = redact_url(url)
+        self.options = options
+        self._component = component
+        self._degraded = degraded
+        self._metrics = metrics
+        self._clock = options.clock
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=options.max_connections, timeout=options.timeout_seconds,
+            socket_timeout=options.timeout_seconds,
+            socket_connect_timeout=options.timeout_seconds,
+            # redis-py's default is 10 retries with backoff: seconds of stall per
+            # call while Redis is down. One immediate retry covers a pooled
+            # connection that Redis dropped (restart, idle timeout).
+            retry=Retry(NoBackoff(), 1), client_name="llmesh-cache",
+        )
+        #: The client on the pool; call it only through :meth:`call`.
+        self.client = aioredis.Redis.from_pool(pool)
+        self._up = metrics.backend_up.labels("redis")
+        self._retry_at = 0.0  # clock() before which Redis is not called; 0 while healthy
+        self._down_since = 0.0
+        self._warned_at = float("-inf")
+        self._unlogged_failures = 0
+
+    async def start(self) -> None:
+        """Pings Redis once (within ``timeout_seconds``).
+
+        Raises:
+          StoreUnavailableError: Redis did not answer.
+        """
+        try:
+            async with asyncio.timeout(self.options.timeout_seconds):
+                await self.client.ping()
+        except REDIS_FAILURES as exc:
+            self._up.set(0)
+            raise StoreUnavailableError(
+                f"cannot reach Redis at {self.url} (--redis-url): "
+                f"{type(exc).__name__}: {exc}") from exc
+        self._up.set(1)
+        log.info(f"{self._component} connected", url=self.url)
+
+    async def call(self, operation: str, make: Callable[[], Awaitable[T]],
+                   fallback: F) -> T | F:
+        """``await make()`` within the timeout; ``fallback`` if Redis failed or is paused.
+
+        Args:
+          operation: the ``operation`` label of the error counter (``"get"``).
+          make: starts the Redis call (called at most once, not during a pause).
+          fallback: what to answer instead of raising.
+        """
+        if self._retry_at != 0.0 and self._clock() < self._retry_at:
+            return fallback
+        try:
+            async with asyncio.timeout(self.options.timeout_seconds):
+                value = await make()
+        except REDIS_FAILURES as exc:
+            self._failed(operation, exc)
+            return fallback
+        if self._retry_at != 0.0:
+            self._recovered()
+        return value
+
+    def _failed(self, operation: str, exc: BaseException) -> None:
+        now = self._clock()
+        self._metrics.backend_errors.labels("redis", operation).inc()
+        self._up.set(0)
+        if self._retry_at == 0.0:
+            self._down_since = now
+        self._retry_at = now + self.options.retry_interval_seconds
+        self._unlogged_failures += 1
+        if now - self._warned_at >= self.options.warn_interval_seconds:
+            log.warning(f"{self._component} unavailable; {self._degraded}",
+                        url=self.url, operation=operation, error=f"{type(exc).__name__}: {exc}",
+                        failures=self._unlogged_failures,
+                        retry_in_seconds=self.options.retry_interval_seconds)
+            self._warned_at = now
+            self._unlogged_failures = 0
+
+    def _recovered(self) -> None:
+        self._retry_at = 0.0
+        self._up.set(1)
+        self._warned_at = float("-inf")
+        self._unlogged_failures = 0
+        log.info(f"{self._component} recovered", url=self.url,
+                 down_seconds=round(self._clock() - self._down_since, 3))
+
+    async def close(self) -> None:
+        """Closes the pool's connections."""
+        await self.client.aclose()
+
+
 class RedisStore(ResponseStore):
     """Redis (or Valkey) through ``redis.asyncio``: ``SET key value PX ttl`` and ``GET``.
 
-    One bounded connection pool is created here and reused by every call. Each
-    call is bounded by ``timeout_seconds`` in all (pool wait, connect, one retry
-    on a dropped connection, reply). A failure degrades to a miss / not-stored,
-    then Redis is left alone for ``retry_interval_seconds`` (calls answer at once
-    without touching the network) before the next call tries it again.
+    Every call goes through a :class:`RedisGuard`: one bounded pool reused by
+    every call, each call bounded by ``timeout_seconds`` in all, and a failure
+    degrades to a miss / not-stored, then Redis is left alone for
+    ``retry_interval_seconds`` (calls answer at once without touching the
+    network) before the next call tries it again.
 
     Args:
       url: ``redis://[[user]:password@]host:port/db``, ``rediss://`` or ``unix://``.
@@ -201,93 +343,26 @@ class RedisStore(ResponseStore):
                  retry_interval_seconds: float = 1.0, max_connections: int = 64,
                  warn_interval_seconds: float = 10.0, metrics: CacheMetrics | None = None,
                  clock: Clock = time.monotonic) -> None:
-        self.url = redact_url(url)
-        self._timeout = timeout_seconds
-        self._retry_interval = retry_interval_seconds
-        self._warn_interval = warn_interval_seconds
-        self._metrics = metrics or default_metrics()
-        self._clock = clock
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=timeout_seconds,
-            socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds,
-            # redis-py's default is 10 retries with backoff: seconds of stall per
-            # call while Redis is down. One immediate retry covers a pooled
-            # connection that Redis dropped (restart, idle timeout).
-            retry=Retry(NoBackoff(), 1), client_name="llmesh-cache",
-        )
-        self._client = aioredis.Redis.from_pool(pool)
-        self._up = self._metrics.backend_up.labels(self.backend)
-        self._errors_get = self._metrics.backend_errors.labels(self.backend, "get")
-        self._errors_put = self._metrics.backend_errors.labels(self.backend, "put")
-        self._retry_at = 0.0  # clock() before which Redis is not called; 0 while healthy
-        self._down_since = 0.0
-        self._warned_at = float("-inf")
-        self._unlogged_failures = 0
+        options = RedisOptions(timeout_seconds, retry_interval_seconds, max_connections,
+                               warn_interval_seconds, clock)
+        self._guard = RedisGuard(url, component="redis store",
+                                 degraded="answering miss / not stored", options=options,
+                                 metrics=metrics or default_metrics())
+        self.url = self._guard.url
+        self._client = self._guard.client
 
     async def start(self) -> None:
-        try:
-            async with asyncio.timeout(self._timeout):
-                await self._client.ping()
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._up.set(0)
-            raise StoreUnavailableError(
-                f"cannot reach Redis at {self.url} (--redis-url): "
-                f"{type(exc).__name__}: {exc}") from exc
-        self._up.set(1)
-        log.info("redis store connected", url=self.url)
-
-    def _available(self) -> bool:
-        return self._retry_at == 0.0 or self._clock() >= self._retry_at
-
-    def _failed(self, operation: str, exc: BaseException) -> None:
-        now = self._clock()
-        (self._errors_get if operation == "get" else self._errors_put).inc()
-        self._up.set(0)
-        if self._retry_at == 0.0:
-            self._down_since = now
-        self._retry_at = now + self._retry_interval
-        self._unlogged_failures += 1
-        if now - self._warned_at >= self._warn_interval:
-            log.warning("redis store unavailable; answering miss / not stored",
-                        url=self.url, operation=operation, error=f"{type(exc).__name__}: {exc}",
-                        failures=self._unlogged_failures,
-                        retry_in_seconds=self._retry_interval)
-            self._warned_at = now
-            self._unlogged_failures = 0
-
-    def _succeeded(self) -> None:
-        if self._retry_at != 0.0:
-            self._retry_at = 0.0
-            self._up.set(1)
-            self._warned_at = float("-inf")
-            self._unlogged_failures = 0
-            log.info("redis store recovered", url=self.url,
-                     down_seconds=round(self._clock() - self._down_since, 3))
+        await self._guard.start()
 
     async def get(self, key: str) -> bytes | None:
-        if not self._available():
-            return None
-        try:
-            async with asyncio.timeout(self._timeout):
-                value = await self._client.get(key)
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._failed("get", exc)
-            return None
-        self._succeeded()
-        return value
+        return await self._guard.call("get", lambda: self._client.get(key), None)
 
     async def put(self, key: str, value: bytes, ttl_seconds: float) -> bool:
         _check_ttl(ttl_seconds)
-        if not self._available():
-            return False
-        try:
-            async with asyncio.timeout(self._timeout):
-                stored = await self._client.set(key, value, px=max(1, round(ttl_seconds * 1000)))
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._failed("put", exc)
-            return False
-        self._succeeded()
+        ttl_ms = max(1, round(ttl_seconds * 1000))
+        stored = await self._guard.call(
+            "put", lambda: self._client.set(key, value, px=ttl_ms), False)
         return bool(stored)
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await self._guard.close()

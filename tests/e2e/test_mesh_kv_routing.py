@@ -13,6 +13,7 @@ prefix index (in a real Redis started here) the routers use.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -176,6 +177,39 @@ def test_kv_aware_gets_3x_the_prefix_hits_of_round_robin(kv_mesh: Mesh) -> None:
     assert [text for text, _ in kv_answers] == [text for text, _ in rr_answers]
     routed = metric_sum(kv.metrics_address, "llmesh:router_routed_requests_total")
     assert routed == 40
+
+
+def engine_requests(mesh: Mesh) -> dict[str, float]:
+    return {e.name: metric_sum(e.metrics_address, "llmesh:request_success_total")
+            for e in mesh.engines}
+
+
+def test_a_conversation_stays_on_its_replica(kv_mesh: Mesh) -> None:
+    """Turns of one GenerateStream go to one replica even when they share no
+    prefix (separate calls alternate between two idle replicas)."""
+    turns = [f"Session turn {i}: name a colour." for i in range(4)]
+    before = engine_requests(kv_mesh)
+    for turn in turns:  # separate calls: ties rotate
+        ask(kv_mesh.ingress_address, turn, 2)
+    middle = engine_requests(kv_mesh)
+    assert sorted(middle[n] - before[n] for n in middle) == [2, 2]
+
+    def starts():  # noqa: ANN202
+        for turn in turns:
+            yield generation_pb2.GenerateStreamRequest(start=generation_pb2.GenerateRequest(
+                prompt=turn, bypass_cache=True,
+                sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=2,
+                                                   ignore_eos=True)))
+            finished.acquire()
+
+    finished = threading.Semaphore(0)
+    with grpc.insecure_channel(kv_mesh.ingress_address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        for message in stub.GenerateStream(starts(), timeout=120):
+            if message.response.finish_reason:
+                finished.release()
+    after = engine_requests(kv_mesh)
+    assert sorted(after[n] - middle[n] for n in after) == [0, 4]
 
 
 def test_redis_outage_costs_no_request_and_hits_resume(kv_mesh: Mesh,
