@@ -10,33 +10,31 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
    trimmed to ``max_model_len - 1`` tokens) for chat;
 2. context check: ``max_tokens`` is clamped to the room the prompt leaves
    (see :mod:`services.router.validation`);
-3. coalescing (:mod:`services.router.single_flight`; deterministic requests:
-   greedy or seeded, and not ``bypass_cache``): a request identical to one in
-   flight joins its generation (no cache lookup, no admission, no engine
-   work: it replays the shared generation's events from the start, then
-   follows live); otherwise it starts one, and steps 4-8 run in the shared
-   generation's own task for all its subscribers (a request that is not
-   coalesced runs steps 5-8 in its consumer: it has nothing to look up);
-4. response cache: a hit is replayed at once as one delta;
-5. admission (:mod:`services.router.admission`): a running slot at once, a
+3. coalescing and the response cache (deterministic requests only: greedy
+   or seeded, and not ``bypass_cache``): a request identical to one in
+   flight joins its generation (:mod:`services.router.single_flight`: no
+   lookup, no admission, no engine work; it replays the shared events from
+   the start, then follows live); otherwise it starts one, whose own task
+   runs the cache lookup (a hit is replayed at once as one delta) and steps
+   4-7 for all its subscribers;
+4. admission (:mod:`services.router.admission`): a running slot at once, a
    wait in the model's queue (class, tenant-fair order), or RESOURCE_EXHAUSTED
    at once with ``retry-after-ms`` (a request whose class queue is full is
    refused before step 1, with no tokenizer or cache round trip);
-6. the admitted request goes to the engine replica in routing
+5. the admitted request goes to the engine replica in routing
    (:mod:`services.router.replicas`: serving, answering its health probes)
    with the fewest streams open from this router; UNAVAILABLE or
    RESOURCE_EXHAUSTED before the first token moves on to the next replica in
    routing (each is tried once), so a replica that dies before a request's
    first token costs it only time; after the first token, a failure ends the
    request UNAVAILABLE (its tokens were sent: a retry would repeat them);
-7. token ids are detokenized in process (:class:`IncrementalDetokenizer` on
+6. token ids are detokenized in process (:class:`IncrementalDetokenizer` on
    the tokenizer service's own definition, fetched once at start with
    ``GetTokenizer``: no round trip per token) and pass the
    :class:`StopStringMatcher`; a stop-string match cancels the engine
    sequence at once and ends with FINISH_REASON_STOP + ``matched_stop``;
-8. a cacheable request that finished normally (STOP or LENGTH) is stored in
-   the cache in the background, never delaying the final event (registered
-   before it, so a lookup of the same key waits for the store).
+7. a cacheable request that finished normally (STOP or LENGTH) is stored in
+   the cache in the background, never delaying the final event.
 
 Cancellation: when the consumer stops iterating (``aclose``) or its task is
 cancelled (client gone, deadline passed), the ``finally`` blocks drop the
@@ -488,7 +486,7 @@ class GenerationPipeline:
         self, flight: Flight[Event, _Shared], request: GenerationRequest,
         prompt_ids: tuple[int, ...], sampling: SamplingOptions,
     ) -> AsyncIterator[Event]:
-        """A shared generation (steps 4-8 of the module doc for the leader's
+        """A shared generation (steps 3-7 of the module doc for the leader's
         ``request``), run by its flight's task: every failure leaves as a
         :class:`GenerationError`, the status each subscriber gets."""
         shared = flight.state
