@@ -10,8 +10,13 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
    trimmed to ``max_model_len - 1`` tokens) for chat;
 2. context check: ``max_tokens`` is clamped to the room the prompt leaves
    (see :mod:`services.router.validation`);
-3. response cache (deterministic requests only: greedy or seeded, and not
-   ``bypass_cache``): a hit is replayed at once as one delta;
+3. coalescing and the response cache (deterministic requests only: greedy
+   or seeded, and not ``bypass_cache``): a request identical to one in
+   flight joins its generation (:mod:`services.router.single_flight`: no
+   lookup, no admission, no engine work; it replays the shared events from
+   the start, then follows live); otherwise it starts one, whose own task
+   runs the cache lookup (a hit is replayed at once as one delta) and steps
+   4-7 for all its subscribers;
 4. admission (:mod:`services.router.admission`): a running slot at once, a
    wait in the model's queue (class, tenant-fair order), or RESOURCE_EXHAUSTED
    at once with ``retry-after-ms`` (a request whose class queue is full is
@@ -36,8 +41,14 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
 
 Cancellation: when the consumer stops iterating (``aclose``) or its task is
 cancelled (client gone, deadline passed), the ``finally`` blocks drop the
-engine stream at once; ``asyncio.CancelledError`` is never
-swallowed.
+engine stream at once (a shared generation: when its last subscriber leaves);
+``asyncio.CancelledError`` is never swallowed.
+
+Deadlines: a request that is not shared passes its deadline to admission and
+the engine. A shared generation passes the latest deadline of its
+subscribers to admission, and opens the engine stream without one: each
+subscriber ends at its own deadline on the router's clock (same statuses),
+and the engine sequence is cancelled when the last one has left.
 
 Errors: bad input raises :class:`InvalidRequestError` (INVALID_ARGUMENT,
 OUT_OF_RANGE); upstream failures raise :class:`GenerationError`
@@ -79,6 +90,13 @@ from services.router.engine_client import EngineClient, EngineStream
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
 from services.router.routing import ReplicaPicker, RouteHint, RoutingPolicy, RoutingSession
+from services.router.single_flight import (
+    CoalescingKey,
+    DeadlinePassed,
+    Flight,
+    SingleFlight,
+    Subscription,
+)
 from services.router.stop_strings import StopStringMatcher
 from services.router.validation import GenerationRequest, ModelLimits, fit_to_context
 
@@ -171,11 +189,39 @@ class _Timing:
     dispatched_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    #: False for a shared generation's own timing: its subscribers observe TTFT
+    #: and ITL, each as its events leave to its client.
+    observe_tokens: bool = True
 
     @property
     def ttft(self) -> float | None:
         """Receipt to the first token leaving, or None before it."""
         return None if self.first_token_at is None else self.first_token_at - self.received_at
+
+
+@dataclass
+class _Shared:
+    """A shared generation's own values (:attr:`Flight.state`): whose request
+    it runs (the leader's id goes to the engine), and its progress, timing and
+    log fields."""
+
+    request_id: str
+    progress: Progress
+    timing: _Timing
+    info: dict[str, object] = dataclasses.field(default_factory=dict)
+
+
+def _clone_error(err: Exception) -> Exception:
+    """The status a subscriber of a failed shared generation raises: an
+    equivalent :class:`GenerationError`, a fresh one per subscriber."""
+    if isinstance(err, GenerationError):  # _shared_work maps every failure to one
+        return GenerationError(err.code, err.message, err.trailing_metadata)
+    return GenerationError(grpc.StatusCode.INTERNAL, f"internal error in the router: {err!r}")
+
+
+def _stopped_error() -> Exception:
+    return GenerationError(grpc.StatusCode.UNAVAILABLE,
+                           "the router is stopping; retry on another router")
 
 
 def upstream_to_generation_error(err: UpstreamError, *,
@@ -257,6 +303,8 @@ class GenerationPipeline:
         # store, so a repeat sent right after the answer ends is a hit (the store
         # itself runs after the final message, off the response's path).
         self._pending_stores: dict[CacheKey, asyncio.Task[object]] = {}
+        self._flights: SingleFlight[Event, _Shared] = SingleFlight(
+            clone=_clone_error, stopped=_stopped_error)
 
     # ------------------------------------------------------------------ API
 
@@ -293,20 +341,17 @@ class GenerationPipeline:
             progress.prompt_tokens = len(prompt_ids)
             max_tokens = fit_to_context(len(prompt_ids), request.sampling.max_tokens,
                                         limits.max_model_len, field=request.input_field)
-            matches = self._start_prefix_matches(prompt_ids)
-            key = (CacheKey(request.model, prompt_ids, request.sampling)
-                   if self.cache is not None and request.sampling.deterministic else None)
-            hit = (None if request.bypass_cache
-                   else await self._cache_lookup(key, request, deadline))
-            if hit is not None:
-                info.update(cached=True, output=hit.text)
-                events = self._replay(hit, progress, timing)
-            else:
-                sampling = dataclasses.replace(request.sampling, max_tokens=max_tokens)
+            sampling = dataclasses.replace(request.sampling, max_tokens=max_tokens)
+            if request.sampling.deterministic and not request.bypass_cache:
+                events = self._shared(request, prompt_ids, sampling, deadline, progress,
+                                      timing, info, session)
+            else:  # computed fresh, alone: nothing to look up or share
+                matches = self._start_prefix_matches(prompt_ids)  # beside admission
                 ticket = await self._admit(request, len(prompt_ids), max_tokens, deadline)
-                hint = RouteHint(len(prompt_ids), matches, session)
-                events = self._from_engine(request, prompt_ids, sampling, key, deadline,
-                                           progress, timing, info, ticket, hint)
+                events = self._from_engine(request, prompt_ids, sampling,
+                                           self._cache_key(request, prompt_ids), deadline,
+                                           progress, timing, info, ticket,
+                                           RouteHint(len(prompt_ids), matches, session))
             # aclosing: when our consumer stops early, the engine stream closes now.
             async with contextlib.aclosing(events):
                 async for event in events:
@@ -338,7 +383,9 @@ class GenerationPipeline:
             self._record(request, outcome, progress, timing, info)
 
     async def close(self) -> None:
-        """Waits briefly for background cache writes, then cancels the rest."""
+        """Cancels the shared generations still running, waits briefly for
+        background cache writes, then cancels the rest."""
+        await self._flights.close()
         if self._background:
             _, pending = await asyncio.wait(self._background, timeout=1.0)
             for task in pending:
@@ -382,6 +429,120 @@ class GenerationPipeline:
         if chat.num_dropped_messages:
             info.update(dropped_messages=chat.num_dropped_messages)
         return chat.token_ids
+
+    def _cache_key(self, request: GenerationRequest,
+                   prompt_ids: tuple[int, ...]) -> CacheKey | None:
+        """The response-cache key of a deterministic request when there is a cache."""
+        if self.cache is None or not request.sampling.deterministic:
+            return None
+        return CacheKey(request.model, prompt_ids, request.sampling)
+
+    async def _shared(
+        self, request: GenerationRequest, prompt_ids: tuple[int, ...],
+        sampling: SamplingOptions, deadline: float | None, progress: Progress,
+        timing: _Timing, info: dict[str, object], session: RoutingSession | None,
+    ) -> AsyncIterator[Event]:
+        """Joins the identical generation in flight, or starts it
+        (:mod:`services.router.single_flight`), and passes its events on; this
+        request's progress, TTFT and ITL follow the events it is sent.
+
+        Raises:
+          GenerationError: the shared generation's failure (the same status for
+            every subscriber).
+          UpstreamError: DEADLINE_EXCEEDED (service ``router``) at ``deadline``.
+        """
+        key = CoalescingKey(request.model, prompt_ids, sampling, request.speculative,
+                            request.priority)
+        # Join or start with nothing awaited since the table was read: requests
+        # that arrive together find the same flight.
+        subscription: Subscription[Event, _Shared] | None = self._flights.join(key, deadline)
+        leader = subscription is None
+        if subscription is None:
+            state = _Shared(request.request_id, Progress(prompt_tokens=len(prompt_ids)),
+                            _Timing(request.model, timing.received_at, observe_tokens=False))
+            subscription = self._flights.start(
+                key, deadline, state,
+                lambda flight: self._shared_work(flight, request, prompt_ids, sampling,
+                                                 session))
+        shared = subscription.flight.state
+        texts: list[str] = []
+        try:
+            async with contextlib.aclosing(subscription):
+                if not leader:
+                    self.metrics.coalesced_requests.labels(request.model).inc()
+                    info.update(coalesced_with=shared.request_id)
+                async for event in subscription:
+                    progress.cached_prompt_tokens = shared.progress.cached_prompt_tokens
+                    if isinstance(event, Delta):
+                        if event.token_ids:
+                            progress.completion_tokens += len(event.token_ids)
+                            self._token_time(timing)
+                        if self.log_content:
+                            texts.append(event.text)
+                    else:
+                        progress.completion_tokens = event.usage.completion_tokens
+                        progress.cached_prompt_tokens = event.usage.cached_prompt_tokens
+                        if event.cached:
+                            info.update(cached=True)
+                        if self.log_content:
+                            info.update(output="".join(texts))
+                    yield event
+        except DeadlinePassed:
+            raise UpstreamError("router", "-", grpc.StatusCode.DEADLINE_EXCEEDED,
+                                "the call's deadline passed") from None
+        finally:
+            if "engine" in shared.info:
+                info.setdefault("engine", shared.info["engine"])
+            if leader:
+                timing.dispatched_at = shared.timing.dispatched_at
+
+    async def _shared_work(
+        self, flight: Flight[Event, _Shared], request: GenerationRequest,
+        prompt_ids: tuple[int, ...], sampling: SamplingOptions,
+        session: RoutingSession | None,
+    ) -> AsyncIterator[Event]:
+        """A shared generation (steps 3-7 of the module doc for the leader's
+        ``request``), run by its flight's task: every failure leaves as a
+        :class:`GenerationError`, the status each subscriber gets. The
+        prefix-index lookup runs beside the cache lookup and admission."""
+        shared = flight.state
+        progress, timing, info = shared.progress, shared.timing, shared.info
+        key = self._cache_key(request, prompt_ids)
+        ticket: Ticket | None = None
+        matches = self._start_prefix_matches(prompt_ids)
+        try:
+            hit = await self._cache_lookup(key, request, flight.latest_deadline())
+            if hit is not None:
+                info.update(cached=True, output=hit.text)
+                events = self._replay(hit, progress, timing)
+            else:
+                deadline = flight.latest_deadline()
+                with flight.bound_by(deadline):
+                    ticket = await self._admit(request, len(prompt_ids), sampling.max_tokens,
+                                               deadline)
+                # No engine deadline: each subscriber ends at its own, and the last
+                # one leaving cancels the stream.
+                events = self._from_engine(request, prompt_ids, sampling, key, None,
+                                           progress, timing, info, ticket,
+                                           RouteHint(len(prompt_ids), matches, session))
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    yield event
+        except GenerationError:
+            raise
+        except UpstreamError as err:
+            raise upstream_to_generation_error(
+                err, completion_tokens=progress.completion_tokens) from err
+        except Exception as err:
+            log.error("internal_error", exc_info=err)
+            raise GenerationError(grpc.StatusCode.INTERNAL, (
+                f"internal error in the router (request_id={request.request_id}); "
+                "see its logs")) from err
+        finally:
+            if matches is not None:
+                matches.cancel()
+            if ticket is not None:
+                ticket.release()
 
     async def _cache_lookup(self, key: CacheKey | None, request: GenerationRequest,
                             deadline: float | None) -> CachedResponse | None:
@@ -629,14 +790,15 @@ class GenerationPipeline:
     # ------------------------------------------------------------ helpers
 
     def _token_time(self, timing: _Timing) -> float:
-        """Notes that tokens leave now: the first observes TTFT, the others ITL;
-        returns now (``time.monotonic()``)."""
+        """Notes that tokens leave now: the first observes TTFT, the others ITL
+        (unless ``timing.observe_tokens`` is off); returns now (``time.monotonic()``)."""
         now = time.monotonic()
         if timing.last_token_at is None:
             timing.first_token_at = now
-            self.metrics.observe_first_token(model=timing.model,
-                                             ttft_seconds=now - timing.received_at)
-        else:
+            if timing.observe_tokens:
+                self.metrics.observe_first_token(model=timing.model,
+                                                 ttft_seconds=now - timing.received_at)
+        elif timing.observe_tokens:
             self.metrics.inter_token_latency.labels(timing.model).observe(
                 now - timing.last_token_at)
         timing.last_token_at = now

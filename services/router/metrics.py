@@ -38,6 +38,14 @@ a ``GenerateStream``), and observed at the moment they happen:
   names, without ``model_name``).
 * ``llmesh:router_requests_in_flight``: requests between receipt and their
   final message.
+* ``llmesh:router_coalesced_requests_total``: requests that joined an
+  identical deterministic generation already in flight instead of starting
+  one (:mod:`services.router.single_flight`; the first request of a shared
+  generation is not counted). A joined request is still a request above:
+  counted by its own outcome, with its own TTFT, ITL (messages replayed
+  from the buffer leave back to back, as its client sees them), e2e and
+  usage; it has no queue time (it was not sent to an engine) and makes no
+  response-cache lookup.
 
 * admission (:mod:`services.router.admission`), per ``priority`` (traffic class):
   ``llmesh:router_queue_depth`` and ``llmesh:router_queued_prompt_tokens``
@@ -152,6 +160,10 @@ class RouterMetrics:
         self.requests_in_flight = Gauge(
             "llmesh:router_requests_in_flight",
             "Requests received and not yet ended.", ["model_name"], registry=reg)
+        self.coalesced_requests = Counter(
+            "llmesh:router_coalesced_requests",
+            "Requests that joined an identical generation in flight (single flight).",
+            ["model_name"], registry=reg)
 
         self.queue_depth = Gauge(
             "llmesh:router_queue_depth", "Requests waiting in the router's admission queue.",

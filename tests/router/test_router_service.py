@@ -591,20 +591,28 @@ async def test_a_slow_reader_gets_the_tokens_that_piled_up_in_one_delta():
         assert len(deltas) < len(REPLY) // 2
 
 
-async def test_deadline_is_passed_on_and_honoured():
+@pytest.mark.parametrize("shared", [False, True], ids=["alone", "shared"])
+async def test_deadline_is_passed_on_and_honoured(shared: bool):
+    """``shared``: a greedy request runs as a shared generation (single flight)."""
     async with make_mesh() as mesh:
         engine = mesh.engines[0]
         engine.step_delay = 0.1
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="q"),
-                                             timeout=0.5))
+            await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+                prompt="q", bypass_cache=not shared), timeout=0.5))
         await wait_for(lambda: engine.log.ended == ["cancel_msg"], timeout=2)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     # Tokens had streamed: the message says the answer was cut, not that none came.
     assert "after" in info.value.details() and "generated tokens" in info.value.details()
     assert "waiting for the engine" not in info.value.details()
-    # the engine got the time the client had left (the wire format rounds up a little)
-    assert engine.log.deadlines[0] is not None and 0 < engine.log.deadlines[0] <= 0.52
+    if shared:
+        # A shared generation's engine stream has no deadline: each subscriber
+        # ends at its own on the router's clock, and the last one leaving
+        # cancels the sequence (above: "cancel_msg").
+        assert engine.log.deadlines == [None]
+    else:
+        # the engine got the time the client had left (the wire format rounds up a little)
+        assert engine.log.deadlines[0] is not None and 0 < engine.log.deadlines[0] <= 0.52
 
 
 async def test_a_deadline_before_the_first_token_says_so():
