@@ -593,16 +593,16 @@ class Mesh:
         support = self._support_processes()
         for service in support:
             service.spawn(env, REPO_ROOT)
+        self._report_spawned(support, report, elapsed())
         self._wait_bound([self.services["cache"]], deadline, report, elapsed)
         engines = self._engine_processes()
         engine_env = engine_thread_env(env, self.num_engines)
         for service in engines:
             service.spawn(engine_env, REPO_ROOT)
+        self._report_spawned(engines, report, elapsed())
         backends = [*support, *engines]
-        names = tuple(s.name for s in backends)
-        report(MeshProgress("spawned", elapsed(), names,
-                            f"started {', '.join(names)}; logs in {self.run_dir}"))
-        self._wait_bound(backends, deadline, report, elapsed)
+        self._wait_bound([s for s in backends if s.grpc_port is None], deadline, report,
+                         elapsed)
         router = self._router_process(backends)
         router.spawn(env, REPO_ROOT)
         self._wait_bound([router], deadline, report, elapsed)
@@ -623,6 +623,12 @@ class Mesh:
             "ready", elapsed(), (),
             f"envoy ready in {self.envoy.ready_seconds:.2f} s: {self.ingress_address}",
         ))
+
+    def _report_spawned(self, services: Sequence[ServiceProcess], report: ProgressCallback,
+                        elapsed: float) -> None:
+        names = tuple(s.name for s in services)
+        report(MeshProgress("spawned", elapsed, names,
+                            f"started {', '.join(names)}; logs in {self.run_dir}"))
 
     def _command(self, role: str) -> list[str]:
         return list(self.commands.get(role, (sys.executable, "-m", f"services.{role}")))

@@ -47,11 +47,13 @@ class LoadView:
       age_s: seconds since it arrived (inf before the first).
       unreported_prefill_tokens: prompt tokens the router sent the replica
         after that report.
+      unreported_requests: requests the router sent the replica after that report.
     """
 
     load: EngineLoad | None
     age_s: float
     unreported_prefill_tokens: int
+    unreported_requests: int = 0
 
     @property
     def stale(self) -> bool:
@@ -79,6 +81,7 @@ class LoadWatch:
         self._load: EngineLoad | None = None
         self._received_at = 0.0
         self._unreported = 0
+        self._unreported_requests = 0
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -95,15 +98,17 @@ class LoadWatch:
             self._task = None
 
     def dispatched(self, prompt_tokens: int) -> None:
-        """Counts a request sent to the replica until its next report."""
+        """Counts a request (and its prefill tokens) sent to the replica until
+        its next report."""
         self._unreported += prompt_tokens
+        self._unreported_requests += 1
 
     def current(self) -> LoadView:
         """The latest report, its age and what was sent since. Pure."""
         if self._load is None:
-            return LoadView(None, float("inf"), self._unreported)
+            return LoadView(None, float("inf"), self._unreported, self._unreported_requests)
         age = asyncio.get_running_loop().time() - self._received_at
-        return LoadView(self._load, age, self._unreported)
+        return LoadView(self._load, age, self._unreported, self._unreported_requests)
 
     async def _run(self) -> None:
         retry = _RETRY_S[0]
@@ -114,7 +119,7 @@ class LoadWatch:
                 async for message in call:
                     self._load = load_from_pb(message.load)
                     self._received_at = loop.time()
-                    self._unreported = 0
+                    self._unreported = self._unreported_requests = 0
                     retry = _RETRY_S[0]
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # an engine without it

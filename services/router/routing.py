@@ -20,6 +20,13 @@
            + pending_prefill_tokens                  # prefill queued ahead of it
            + unreported_prefill_tokens               # sent by this router since the report
            + decode_weight * num_running             # decodes that share each step
+           + slot_wait_tokens * queued_for_a_slot    # requests ahead with no free slot
+
+  ``queued_for_a_slot`` = sequences on the replica (running + waiting +
+  sent since the report) + 1 - ``max_num_seqs``, when positive: the request
+  would wait for a sequence to finish, which costs far more than a prefill
+  (for an interactive request only this router's interactive ones count,
+  since the engine preempts batch sequences for it).
 
   ``matched_tokens`` comes from the cache service's prefix index
   (``ScorePrefix`` of the prompt's block hashes); the load from the
@@ -77,12 +84,15 @@ class CostWeights:
 
     Attributes:
       decode_weight: prefill-token equivalents of one running sequence.
+      slot_wait_tokens: prefill-token equivalents of waiting for a sequence slot
+        (a running sequence to finish).
       kv_full_usage: KV usage (0..1) from which a replica counts as saturated.
       affinity_slack_tokens: how much more a session's replica may cost than
         the cheapest before the session moves.
     """
 
     decode_weight: float = 8.0
+    slot_wait_tokens: float = 2048.0
     kv_full_usage: float = 0.95
     affinity_slack_tokens: float = 2048.0
 
@@ -125,13 +135,38 @@ class Choice:
 
 
 def replica_cost(prompt_tokens: int, matched_tokens: int, view: LoadView,
-                 weights: CostWeights) -> float:
+                 weights: CostWeights, slots: SlotUse | None = None) -> float:
     """The ``kv_aware`` cost of one replica, in prefill tokens (inf: saturated)."""
     if view.stale or view.load is None or view.load.kv_cache_usage >= weights.kv_full_usage:
         return math.inf
     load = view.load
+    queued = 0 if slots is None else max(slots.busy + 1 - slots.max_num_seqs, 0)
     return (max(prompt_tokens - matched_tokens, 0) + load.num_pending_prefill_tokens
-            + view.unreported_prefill_tokens + weights.decode_weight * load.num_running)
+            + view.unreported_prefill_tokens + weights.decode_weight * load.num_running
+            + weights.slot_wait_tokens * queued)
+
+
+@dataclass(frozen=True)
+class SlotUse:
+    """A replica's sequence slots as a request of some priority sees them.
+
+    Attributes:
+      busy: sequences ahead of it for a slot.
+      max_num_seqs: the replica's slots.
+    """
+
+    busy: int
+    max_num_seqs: int
+
+
+def slot_use(engine: EngineClient, view: LoadView, priority: Priority) -> SlotUse | None:
+    """``engine``'s slots for a request of ``priority`` (None: slots unknown)."""
+    if engine.info is None or not engine.info.max_num_seqs or view.load is None:
+        return None
+    if priority is Priority.INTERACTIVE:  # the engine preempts batch sequences for it
+        return SlotUse(engine.in_flight_interactive, engine.info.max_num_seqs)
+    busy = view.load.num_running + view.load.num_waiting + view.unreported_requests
+    return SlotUse(busy, engine.info.max_num_seqs)
 
 
 class ReplicaPicker:
@@ -196,8 +231,7 @@ class ReplicaPicker:
         if self.policy is RoutingPolicy.LEAST_LOAD or len(serving) == 1:
             return Choice(_least_load(rotated, priority))
         matches = await _resolved(hint.matches)
-        costs = {engine: replica_cost(hint.prompt_tokens, matches.get(engine, 0),
-                                      engine.load_watch.current(), self.weights)
+        costs = {engine: self._cost(engine, hint.prompt_tokens, matches.get(engine, 0), priority)
                  for engine in rotated}
         order = sorted(rotated, key=lambda e: (costs[e], e.in_flight))  # stable: rotation
         sticky = self._sticky(hint.session, order, costs)
@@ -205,6 +239,12 @@ class ReplicaPicker:
             order.remove(sticky)
             order.insert(0, sticky)
         return Choice(order, matches, costs)
+
+    def _cost(self, engine: EngineClient, prompt_tokens: int, matched: int,
+              priority: Priority) -> float:
+        view = engine.load_watch.current()
+        return replica_cost(prompt_tokens, matched, view, self.weights,
+                            slot_use(engine, view, priority))
 
     def routed(self, engine: EngineClient, choice: Choice, prompt_tokens: int) -> None:
         """Books that ``engine`` took the request (metrics; its unreported load)."""

@@ -267,7 +267,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         if cache_ready is not None:
             await self._await_cache(cache_ready)
         policy = cfg.resolved_routing_policy()
-        if policy is not RoutingPolicy.ROUND_ROBIN:
+        if policy is RoutingPolicy.KV_AWARE:  # the only policy that reads engine load
             for engine in self._engines:
                 engine.load_watch.start()
         picker = ReplicaPicker(policy, self._cache, self.metrics, cfg.routing_weights)

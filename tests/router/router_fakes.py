@@ -284,6 +284,13 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     async def GetLoad(self, request, context):
         return engine_pb2.GetLoadResponse(num_running=self.log.active)
 
+    async def StreamLoad(self, request, context):
+        """The load every 20 ms (the real engine sends it on change)."""
+        while True:
+            yield engine_pb2.StreamLoadResponse(
+                load=engine_pb2.GetLoadResponse(num_running=self.log.active))
+            await asyncio.sleep(0.02)
+
     async def GetModelInfo(self, request, context):
         return engine_pb2.GetModelInfoResponse(
             model=self.model, max_model_len=self.max_model_len, vocab_size=VOCAB,

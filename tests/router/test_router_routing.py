@@ -13,7 +13,7 @@ import pytest_asyncio
 from prometheus_client import CollectorRegistry
 
 from services.common.sampling import Priority
-from services.router.clients import EngineLoad
+from services.router.clients import EngineLoad, ReplicaInfo
 from services.router.engine_client import EngineClient
 from services.router.load_watch import LoadView
 from services.router.metrics import RouterMetrics
@@ -133,6 +133,21 @@ async def test_round_robin_rotates_and_least_load_counts_open_requests(
     a.in_flight, b.in_flight, c.in_flight = 2, 0, 1
     ll = picker(RoutingPolicy.LEAST_LOAD)
     assert (await ll.choose(engines, Priority.BATCH, RouteHint(10))).order == [b, c, a]
+
+
+async def test_a_replica_with_no_free_slot_costs_a_wait(engines: list[EngineClient]) -> None:
+    a, b, _ = engines
+    for engine in (a, b):
+        engine.info = ReplicaInfo("m", 1024, 100, (2,), "torch", max_num_seqs=2)
+    b.load_watch.view = view(running=2)  # type: ignore[attr-defined]
+    kv = picker(RoutingPolicy.KV_AWARE)
+    batch = await kv.choose(engines[:2], Priority.BATCH, RouteHint(100, matches({b: 96})))
+    assert batch.order == [a, b]  # 100 < 4 + 16 + 2048
+    # The engine preempts batch sequences for an interactive request: only this
+    # router's interactive ones hold slots against it.
+    interactive = await kv.choose(engines[:2], Priority.INTERACTIVE,
+                                  RouteHint(100, matches({b: 96})))
+    assert interactive.order == [b, a]
 
 
 async def test_routed_books_the_unreported_prefill(engines: list[EngineClient]) -> None:
