@@ -33,7 +33,6 @@ engine's state lock, ~1 ms per 10,000 blocks).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ import structlog
 from llmesh.v1 import cache_pb2, cache_pb2_grpc
 from services.common.grpc_util import make_channel
 from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from services.common.tasks import cancel_and_wait
 from services.engine.backend import EngineBackend
 from services.engine.metrics import EngineMetrics
 
@@ -128,11 +128,8 @@ class KvEventPublisher:
 
     async def close(self) -> None:
         """Stops publishing; the index drops this replica when the call ends."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._channel is not None:
             await self._channel.close(grace=None)
             self._channel = None

@@ -20,7 +20,6 @@ Threading: everything on the router's event loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ import grpc
 import structlog
 
 from llmesh.v1 import engine_pb2, engine_pb2_grpc
+from services.common.tasks import cancel_and_wait
 from services.router.clients import EngineLoad
 
 log = structlog.get_logger()
@@ -91,11 +91,8 @@ class LoadWatch:
                                              name=f"load {self.target}")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     def dispatched(self, prompt_tokens: int) -> None:
         """Counts a request (and its prefill tokens) sent to the replica until

@@ -113,6 +113,17 @@ def wait_for(condition, timeout: float, poll: float = 0.05):  # noqa: ANN001, AN
         time.sleep(poll)
 
 
+def served(mesh: Mesh, prompt: str) -> tuple[list[bytes], str, int]:
+    """Sends ``prompt``; returns its block hashes and the one replica the index
+    names for it with its block count (within 2 s)."""
+    hashes = prompt_hashes(mesh, prompt)
+    ask(mesh.ingress_address, prompt)
+    scores, _ = wait_for(lambda: score(mesh, hashes), timeout=2.0)
+    assert len(scores) == 1, scores
+    (replica, blocks), = scores.items()
+    return hashes, replica, blocks
+
+
 def metric_sum(address: str, name: str) -> float:
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -127,12 +138,8 @@ def run_workload(address: str, prompts: list[str]) -> list[tuple[str, int]]:
 
 def test_the_index_names_the_replica_that_served_a_prompt(kv_mesh: Mesh) -> None:
     prompt = system_prompt(101) + "Question: which word comes first?\nAnswer:"
-    hashes = prompt_hashes(kv_mesh, prompt)
-    assert not score(kv_mesh, hashes)
-    ask(kv_mesh.ingress_address, prompt)
-    scores, _ = wait_for(lambda: score(kv_mesh, hashes), timeout=2.0)
-    assert len(scores) == 1, scores
-    (replica, blocks), = scores.items()
+    assert not score(kv_mesh, prompt_hashes(kv_mesh, prompt))
+    hashes, replica, blocks = served(kv_mesh, prompt)
     assert replica in ("engine-0", "engine-1")
     assert blocks == len(hashes)
     # The same prompt again goes to that replica and hits its whole prefix.
@@ -141,11 +148,8 @@ def test_the_index_names_the_replica_that_served_a_prompt(kv_mesh: Mesh) -> None
 
 
 def test_eviction_lowers_the_count(kv_mesh: Mesh) -> None:
-    prompt = system_prompt(202) + "Question: name a metal.\nAnswer:"
-    hashes = prompt_hashes(kv_mesh, prompt)
-    ask(kv_mesh.ingress_address, prompt)
-    scores, _ = wait_for(lambda: score(kv_mesh, hashes), timeout=2.0)
-    (replica, before), = scores.items()
+    hashes, replica, before = served(
+        kv_mesh, system_prompt(202) + "Question: name a metal.\nAnswer:")
     # Other long prompts fill both replicas' small caches (LRU evicts ours).
     run_workload(kv_mesh.ingress_address, [system_prompt(300 + i) for i in range(8)])
     after, _ = wait_for(lambda: score(kv_mesh, hashes).get(replica, 0) < before, timeout=2.0)
@@ -214,10 +218,7 @@ def test_a_conversation_stays_on_its_replica(kv_mesh: Mesh) -> None:
 
 def test_redis_outage_costs_no_request_and_hits_resume(kv_mesh: Mesh,
                                                        kv_redis: RedisProcess) -> None:
-    prompt = system_prompt(404) + "Question: what is a harbor?\nAnswer:"
-    hashes = prompt_hashes(kv_mesh, prompt)
-    ask(kv_mesh.ingress_address, prompt)
-    assert wait_for(lambda: score(kv_mesh, hashes), timeout=2.0)[0]
+    hashes, _, _ = served(kv_mesh, system_prompt(404) + "Question: what is a harbor?\nAnswer:")
     kv_redis.kill()
     try:
         prompts = [f"Say a number: {i}" for i in range(50)]
@@ -234,11 +235,8 @@ def test_redis_outage_costs_no_request_and_hits_resume(kv_mesh: Mesh,
 
 
 def test_a_killed_replica_leaves_the_index_within_2_s(kv_mesh: Mesh) -> None:
-    prompt = system_prompt(505) + "Question: what is a lantern?\nAnswer:"
-    hashes = prompt_hashes(kv_mesh, prompt)
-    ask(kv_mesh.ingress_address, prompt)
-    scores, _ = wait_for(lambda: score(kv_mesh, hashes), timeout=2.0)
-    (replica, _blocks), = scores.items()
+    hashes, replica, _ = served(
+        kv_mesh, system_prompt(505) + "Question: what is a lantern?\nAnswer:")
     process = kv_mesh.services[replica].process
     assert process is not None
     process.kill()
