@@ -3,10 +3,13 @@
 ``CacheService.PublishKvEvents`` hands each call to :meth:`KvEventFeed.run`,
 which keeps the index exact for that replica or says it is not:
 
-1. the first message must carry a ``hello`` (INVALID_ARGUMENT otherwise) and
-   registers the replica at its epoch: a newer epoch drops what an older
-   process of the same replica published; an older epoch than the index
-   holds ends the call FAILED_PRECONDITION (a stale publisher never wins);
+1. the first message must carry a ``hello`` (INVALID_ARGUMENT otherwise, and
+   for a ``hello`` on a later message) and registers the replica at its
+   epoch: a newer epoch drops what an older process of the same replica
+   published; an older epoch than the index holds ends the call
+   FAILED_PRECONDITION, at once or as soon as a newer one takes over (a
+   stale publisher never wins, and two engines sharing one ``--replica-id``
+   are told);
 2. a ``snapshot`` replaces the replica's entries; ``events`` apply in order
    on top; an empty message refreshes the replica's liveness;
 3. when the index loses the replica's entries (a store call failed: Redis
@@ -30,6 +33,7 @@ refusals; the feed adds ``engine_dropped``) and ``llmesh:kv_index_blocks{replica
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -155,8 +159,14 @@ class KvEventFeed:
                 if resync:
                     yield cache_pb2.PublishKvEventsResponse(resync=True)
                 message = await anext(requests, None)
+                if message is not None and message.HasField("hello"):
+                    raise FeedError(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "hello: only on the first message of a call")
         finally:
             await self._index.drop(who.replica_id, who.epoch)
+            for counter in (self._metrics.kv_events_received, self._metrics.kv_events_dropped):
+                with contextlib.suppress(KeyError):  # no series left per vanished replica
+                    counter.remove(who.replica_id)
             log.info("kv_publisher_gone", replica=who.replica_id, epoch=who.epoch)
 
     async def _register(self, who: Publisher) -> _State:
@@ -166,7 +176,8 @@ class KvEventFeed:
         if held is not None and held > who.epoch:
             raise FeedError(grpc.StatusCode.FAILED_PRECONDITION,
                             f"replica {who.replica_id!r} publishes with a newer epoch "
-                            f"({held} > {who.epoch}); this engine process is stale")
+                            f"({held} > {who.epoch}): this engine process is stale, or two "
+                            "engines share one --replica-id")
         return _State.LOST
 
     async def _handle(self, who: Publisher, state: _State,
@@ -198,9 +209,14 @@ class KvEventFeed:
 
     async def _lost(self, who: Publisher, reason: str) -> tuple[_State, bool]:
         """The index no longer holds the replica exactly: register it again and
-        ask for a snapshot (or retry on the next message if the store is down)."""
+        ask for a snapshot (or retry on the next message if the store is down).
+
+        Raises:
+          FeedError: FAILED_PRECONDITION when a newer epoch of the replica took
+            over (two engines with one ``--replica-id``: this one is superseded).
+        """
         log.warning("kv_index_resync", replica=who.replica_id, reason=reason)
-        if await self._index.register(who.replica_id, who.epoch, who.capacity_blocks):
+        if await self._register(who) is _State.EXACT:
             return _State.WAITING_SNAPSHOT, True
         return _State.LOST, False
 
@@ -208,7 +224,7 @@ class KvEventFeed:
                        message: cache_pb2.PublishKvEventsRequest) -> tuple[_State, bool]:
         """A message while the store was down: register again; a snapshot in the
         same message makes the index exact at once, else ask for one."""
-        if not await self._index.register(who.replica_id, who.epoch, who.capacity_blocks):
+        if await self._register(who) is _State.LOST:
             return _State.LOST, False
         if message.HasField("snapshot") and await self._index.replace(
                 who.replica_id, who.epoch, message.snapshot.block_hashes):

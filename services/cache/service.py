@@ -24,8 +24,9 @@ RPCs (the unary ones answered in well under a millisecond on loopback):
 ``ScorePrefix(block_hashes)``
   For each live replica, how many leading blocks of the prompt it holds
   (replicas with none left out), best first. INVALID_ARGUMENT for a hash that
-  is not 32 bytes or more than 65,536 hashes. A store outage answers no
-  scores (the router then routes by load), never an error.
+  is not 32 bytes or more than 65,536 hashes; UNAVAILABLE while draining. A
+  store outage answers no scores (the router then routes by load), never an
+  error.
 
 Keys are built by :mod:`services.cache.keys`; values are the ``CachedResponse``
 protobuf bytes, as the router receives them back.
@@ -189,6 +190,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     async def ScorePrefix(  # noqa: N802 - gRPC method name
         self, request: cache_pb2.ScorePrefixRequest, context: grpc.aio.ServicerContext,
     ) -> cache_pb2.ScorePrefixResponse:
+        if self._draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "cache service is draining")
         hashes = request.block_hashes
         if len(hashes) > MAX_SCORED_BLOCKS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,

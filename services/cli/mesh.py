@@ -498,6 +498,7 @@ class Mesh:
     prometheus_config: Path | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
+        self._id_prefix = f"{socket.gethostname()}-{os.getpid()}"
         self._made_run_dir = self.run_dir is None
         if self.run_dir is None:
             self.run_dir = Path(tempfile.mkdtemp(prefix="llmesh-"))
@@ -658,14 +659,16 @@ class Mesh:
         ]
 
     def _engine_processes(self) -> list[ServiceProcess]:
-        """The engines, each publishing KV events to the cache as ``engine-N``
-        and, with several, taking its share of the CPUs (``--num-threads``)."""
+        """The engines, each publishing KV events to the cache under a replica id
+        unique to this mesh (``<host>-<launcher pid>-engine-N``: two meshes on
+        one Redis never collide, and a restarted engine keeps its id) and,
+        with several, taking its share of the CPUs (``--num-threads``)."""
         cache = self.services["cache"].grpc_address
         given = any(arg.split("=")[0] == "--num-threads" for arg in self.engine_args)
         threads = ([] if self.num_engines == 1 or given
                    else ["--num-threads", str(engine_cpu_share(self.num_engines))])
         return [self._service(f"engine-{index}", "engine", [
-            *self._model_args(), "--replica-id", f"engine-{index}",
+            *self._model_args(), "--replica-id", f"{self._id_prefix}-engine-{index}",
             "--kv-events-target", cache, *threads, *self.engine_args])
             for index in range(self.num_engines)]
 

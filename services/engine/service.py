@@ -60,6 +60,7 @@ _Requests = AsyncIterator[engine_pb2.EngineServiceGenerateRequest]
 #: StreamLoad's defaults: fewest / most milliseconds between two messages.
 _LOAD_INTERVAL_MS = 20
 _LOAD_HEARTBEAT_MS = 500
+_LOAD_MIN_MS, _LOAD_MAX_MS = 5, 60_000
 
 
 class EngineService(engine_pb2_grpc.EngineServiceServicer):
@@ -255,9 +256,16 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         """The load at once, then on change (at most one message per
         ``min_interval_ms``, default 20) and at least every ``heartbeat_ms``
         (default 500); ends when the engine drains. Each message costs the
-        engine one ``load()`` read (lock-free) per interval."""
-        interval = (request.min_interval_ms or _LOAD_INTERVAL_MS) / 1000
-        heartbeat = (request.heartbeat_ms or _LOAD_HEARTBEAT_MS) / 1000
+        engine one ``load()`` read (lock-free) per interval. INVALID_ARGUMENT
+        unless 5 <= min_interval_ms <= heartbeat_ms <= 60000 (after defaults)."""
+        interval_ms = request.min_interval_ms or _LOAD_INTERVAL_MS
+        heartbeat_ms = request.heartbeat_ms or _LOAD_HEARTBEAT_MS
+        if not _LOAD_MIN_MS <= interval_ms <= heartbeat_ms <= _LOAD_MAX_MS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
+                f"min_interval_ms and heartbeat_ms: need {_LOAD_MIN_MS} <= min_interval_ms "
+                f"<= heartbeat_ms <= {_LOAD_MAX_MS} (0: the defaults, {_LOAD_INTERVAL_MS} "
+                f"and {_LOAD_HEARTBEAT_MS}), got {interval_ms} and {heartbeat_ms}"))
+        interval, heartbeat = interval_ms / 1000, heartbeat_ms / 1000
         loop = asyncio.get_running_loop()
         last: LoadStats | None = None
         sent_at = 0.0

@@ -96,6 +96,14 @@ class CostWeights:
     kv_full_usage: float = 0.95
     affinity_slack_tokens: float = 2048.0
 
+    def __post_init__(self) -> None:
+        for name in ("decode_weight", "slot_wait_tokens", "affinity_slack_tokens"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if not 0 < self.kv_full_usage <= 1:
+            raise ValueError(f"kv_full_usage must be in (0, 1], got {self.kv_full_usage}")
+
 
 @dataclass
 class RoutingSession:
@@ -202,9 +210,11 @@ class ReplicaPicker:
         ``serving``, usually one). Never raises: an error counts as no match."""
         assert self.cache is not None
         groups: dict[tuple[bytes, int], list[EngineClient]] = {}
+        ambiguous = duplicate_replica_ids(serving)
         for engine in serving:
             info = engine.info
-            if info is not None and info.kv_block_size and info.kv_hash_seed:
+            if (info is not None and info.kv_block_size and info.kv_hash_seed
+                    and info.replica_id not in ambiguous):
                 groups.setdefault((info.kv_hash_seed, info.kv_block_size), []).append(engine)
         matches: dict[EngineClient, int] = {}
         for (seed, block_size), engines in groups.items():
@@ -267,6 +277,17 @@ class ReplicaPicker:
         start = self._next % n
         self._next = (start + 1) % n
         return [serving[(start + i) % n] for i in range(n)]
+
+
+def duplicate_replica_ids(engines: Sequence[EngineClient]) -> set[str]:
+    """Replica ids that more than one of ``engines`` report (a misconfiguration:
+    the index cannot tell them apart, so their matches are not used)."""
+    seen: set[str] = set()
+    duplicates: set[str] = set()
+    for engine in engines:
+        replica = engine.info.replica_id if engine.info is not None else ""
+        (duplicates if replica in seen else seen).add(replica)
+    return duplicates - {""}
 
 
 def _least_load(rotated: list[EngineClient], priority: Priority) -> list[EngineClient]:

@@ -67,7 +67,13 @@ from services.router.generation import (
 from services.router.json_request import parse_generate_json
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
-from services.router.routing import CostWeights, ReplicaPicker, RoutingPolicy, RoutingSession
+from services.router.routing import (
+    CostWeights,
+    ReplicaPicker,
+    RoutingPolicy,
+    RoutingSession,
+    duplicate_replica_ids,
+)
 from services.router.validation import (
     TENANT_METADATA_KEY,
     GenerationRequest,
@@ -271,6 +277,10 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             for engine in self._engines:
                 engine.load_watch.start()
         picker = ReplicaPicker(policy, self._cache, self.metrics, cfg.routing_weights)
+        if shared := duplicate_replica_ids(self._engines):
+            log.warning("engine_replica_ids_not_unique", replica_ids=sorted(shared),
+                        effect="their prefix-index matches are ignored; give each engine "
+                               "its own --replica-id")
         self._pipeline = GenerationPipeline(
             tokenizer=self._tokenizer, decoder=decoder, replicas=self._replicas,
             cache=self._cache, models=self.models, metrics=self.metrics,

@@ -176,3 +176,32 @@ async def test_a_redis_restart_asks_for_a_snapshot(metrics: CacheMetrics) -> Non
             publisher.send(None)
     finally:
         server.stop()
+
+
+async def test_a_superseded_publisher_is_told(stub: Stub) -> None:
+    """Two engines with one replica id: the one with the older epoch gets
+    FAILED_PRECONDITION as soon as the newer one takes over."""
+    old = Publisher(stub)
+    old.send(hello("dup", epoch=5))
+    await until(stub, (0,), {"dup": 1})
+    new = Publisher(stub)
+    new.send(hello("dup", epoch=6))
+    new.send(stored(7))
+    await until(stub, (0, 1, 7), {"dup": 3})
+    old.send(stored(9))  # refused: a newer epoch holds the id
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await asyncio.wait_for(old.call.read(), 5)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "share one --replica-id" in err.value.details()
+    assert await scores(stub, 0, 1, 7) == {"dup": 3}
+    new.send(None)
+
+
+async def test_a_second_hello_is_invalid_argument(stub: Stub) -> None:
+    publisher = Publisher(stub)
+    publisher.send(hello())
+    publisher.send(hello())
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await asyncio.wait_for(publisher.call.read(), 5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "only on the first message" in err.value.details()

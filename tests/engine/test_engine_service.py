@@ -444,3 +444,14 @@ async def test_stream_load_sends_at_once_then_on_change(engine_stub: Stub) -> No
     await asyncio.wait_for(call.read(), 2)
     assert time.perf_counter() - began < 1.0
     call.cancel()
+
+
+@pytest.mark.parametrize("interval, heartbeat", [(1, 1), (100, 50), (20, 4_294_967_295)])
+async def test_stream_load_refuses_intervals_out_of_bounds(engine_stub: Stub, interval: int,
+                                                          heartbeat: int) -> None:
+    call = engine_stub.StreamLoad(engine_pb2.StreamLoadRequest(min_interval_ms=interval,
+                                                               heartbeat_ms=heartbeat))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call.read()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "min_interval_ms" in err.value.details()

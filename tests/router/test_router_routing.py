@@ -166,3 +166,22 @@ async def test_a_failed_prefix_lookup_routes_by_load(engines: list[EngineClient]
     choice = await picker(RoutingPolicy.KV_AWARE).choose(
         engines[:2], Priority.INTERACTIVE, RouteHint(100, asyncio.ensure_future(broken())))
     assert choice.order == [a, b]
+
+
+@pytest.mark.parametrize("field, value", [("decode_weight", -5.0),
+                                          ("affinity_slack_tokens", math.nan),
+                                          ("slot_wait_tokens", math.inf),
+                                          ("kv_full_usage", 0.0)])
+def test_weights_must_be_finite_and_non_negative(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        CostWeights(**{field: value})
+
+
+async def test_replicas_sharing_an_id_get_no_prefix_matches(
+        engines: list[EngineClient]) -> None:
+    from services.router.routing import duplicate_replica_ids
+    a, b, c = engines
+    for engine, replica in ((a, "dup"), (b, "dup"), (c, "c")):
+        engine.info = ReplicaInfo("m", 1024, 100, (2,), "torch", replica_id=replica,
+                                  kv_block_size=16, kv_hash_seed=b"s" * 32)
+    assert duplicate_replica_ids(engines) == {"dup"}

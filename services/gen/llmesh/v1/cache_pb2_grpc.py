@@ -89,8 +89,11 @@ class CacheServiceServicer:
         index answers `resync: true` when it lost the replica's entries (its
         store failed, or the engine reported dropped events): the engine then
         sends a snapshot. When the call ends, or no message comes for 1.5 s, the
-        replica's entries are dropped. INVALID_ARGUMENT: no hello first, or a
-        hash that is not 32 bytes; UNAVAILABLE while draining.
+        replica's entries are dropped. INVALID_ARGUMENT: no hello first, a hello
+        later, a hello field unset, or a hash that is not 32 bytes;
+        FAILED_PRECONDITION: the index holds a newer epoch of this replica id (a
+        stale process, or two engines sharing one id), at once or when a newer
+        one takes over; UNAVAILABLE while draining.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -98,7 +101,8 @@ class CacheServiceServicer:
 
     def ScorePrefix(self, request, context):
         """How many leading blocks of a prompt each live replica holds.
-        INVALID_ARGUMENT for a hash that is not 32 bytes.
+        INVALID_ARGUMENT for a hash that is not 32 bytes or more than 65,536
+        hashes; UNAVAILABLE while draining.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

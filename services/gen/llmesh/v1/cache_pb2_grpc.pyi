@@ -50,12 +50,16 @@ class CacheServiceStub:
     index answers `resync: true` when it lost the replica's entries (its
     store failed, or the engine reported dropped events): the engine then
     sends a snapshot. When the call ends, or no message comes for 1.5 s, the
-    replica's entries are dropped. INVALID_ARGUMENT: no hello first, or a
-    hash that is not 32 bytes; UNAVAILABLE while draining.
+    replica's entries are dropped. INVALID_ARGUMENT: no hello first, a hello
+    later, a hello field unset, or a hash that is not 32 bytes;
+    FAILED_PRECONDITION: the index holds a newer epoch of this replica id (a
+    stale process, or two engines sharing one id), at once or when a newer
+    one takes over; UNAVAILABLE while draining.
     """
     ScorePrefix: _grpc.UnaryUnaryMultiCallable[_cache_pb2.ScorePrefixRequest, _cache_pb2.ScorePrefixResponse]
     """How many leading blocks of a prompt each live replica holds.
-    INVALID_ARGUMENT for a hash that is not 32 bytes.
+    INVALID_ARGUMENT for a hash that is not 32 bytes or more than 65,536
+    hashes; UNAVAILABLE while draining.
     """
 
 @_typing.type_check_only
@@ -80,12 +84,16 @@ class CacheServiceAsyncStub(CacheServiceStub):
     index answers `resync: true` when it lost the replica's entries (its
     store failed, or the engine reported dropped events): the engine then
     sends a snapshot. When the call ends, or no message comes for 1.5 s, the
-    replica's entries are dropped. INVALID_ARGUMENT: no hello first, or a
-    hash that is not 32 bytes; UNAVAILABLE while draining.
+    replica's entries are dropped. INVALID_ARGUMENT: no hello first, a hello
+    later, a hello field unset, or a hash that is not 32 bytes;
+    FAILED_PRECONDITION: the index holds a newer epoch of this replica id (a
+    stale process, or two engines sharing one id), at once or when a newer
+    one takes over; UNAVAILABLE while draining.
     """
     ScorePrefix: _aio.UnaryUnaryMultiCallable[_cache_pb2.ScorePrefixRequest, _cache_pb2.ScorePrefixResponse]  # type: ignore[assignment]
     """How many leading blocks of a prompt each live replica holds.
-    INVALID_ARGUMENT for a hash that is not 32 bytes.
+    INVALID_ARGUMENT for a hash that is not 32 bytes or more than 65,536
+    hashes; UNAVAILABLE while draining.
     """
 
 class CacheServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -125,8 +133,11 @@ class CacheServiceServicer(metaclass=_abc_1.ABCMeta):
         index answers `resync: true` when it lost the replica's entries (its
         store failed, or the engine reported dropped events): the engine then
         sends a snapshot. When the call ends, or no message comes for 1.5 s, the
-        replica's entries are dropped. INVALID_ARGUMENT: no hello first, or a
-        hash that is not 32 bytes; UNAVAILABLE while draining.
+        replica's entries are dropped. INVALID_ARGUMENT: no hello first, a hello
+        later, a hello field unset, or a hash that is not 32 bytes;
+        FAILED_PRECONDITION: the index holds a newer epoch of this replica id (a
+        stale process, or two engines sharing one id), at once or when a newer
+        one takes over; UNAVAILABLE while draining.
         """
 
     @_abc_1.abstractmethod
@@ -136,7 +147,8 @@ class CacheServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_cache_pb2.ScorePrefixResponse, _abc.Awaitable[_cache_pb2.ScorePrefixResponse]]:
         """How many leading blocks of a prompt each live replica holds.
-        INVALID_ARGUMENT for a hash that is not 32 bytes.
+        INVALID_ARGUMENT for a hash that is not 32 bytes or more than 65,536
+        hashes; UNAVAILABLE while draining.
         """
 
 def add_CacheServiceServicer_to_server(servicer: CacheServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -101,6 +101,8 @@ class EngineServiceServicer:
         """The load as it changes: one message at once, then one whenever it changes
         (at most one per `min_interval_ms`) and at least one per `heartbeat_ms`,
         so a reader knows how fresh its view is. Ends when the engine drains.
+        INVALID_ARGUMENT unless 5 <= min_interval_ms <= heartbeat_ms <= 60000
+        (after the defaults replace zeros).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

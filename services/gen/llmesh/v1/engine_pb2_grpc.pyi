@@ -55,6 +55,8 @@ class EngineServiceStub:
     """The load as it changes: one message at once, then one whenever it changes
     (at most one per `min_interval_ms`) and at least one per `heartbeat_ms`,
     so a reader knows how fresh its view is. Ends when the engine drains.
+    INVALID_ARGUMENT unless 5 <= min_interval_ms <= heartbeat_ms <= 60000
+    (after the defaults replace zeros).
     """
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_engine_pb2.GetModelInfoRequest, _engine_pb2.GetModelInfoResponse]
     """The served model's limits and special tokens."""
@@ -86,6 +88,8 @@ class EngineServiceAsyncStub(EngineServiceStub):
     """The load as it changes: one message at once, then one whenever it changes
     (at most one per `min_interval_ms`) and at least one per `heartbeat_ms`,
     so a reader knows how fresh its view is. Ends when the engine drains.
+    INVALID_ARGUMENT unless 5 <= min_interval_ms <= heartbeat_ms <= 60000
+    (after the defaults replace zeros).
     """
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_engine_pb2.GetModelInfoRequest, _engine_pb2.GetModelInfoResponse]  # type: ignore[assignment]
     """The served model's limits and special tokens."""
@@ -138,6 +142,8 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         """The load as it changes: one message at once, then one whenever it changes
         (at most one per `min_interval_ms`) and at least one per `heartbeat_ms`,
         so a reader knows how fresh its view is. Ends when the engine drains.
+        INVALID_ARGUMENT unless 5 <= min_interval_ms <= heartbeat_ms <= 60000
+        (after the defaults replace zeros).
         """
 
     @_abc_1.abstractmethod
