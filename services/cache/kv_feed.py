@@ -43,13 +43,11 @@ import structlog
 
 from llmesh.v1 import cache_pb2
 from services.cache.metrics import CacheMetrics
-from services.cache.prefix_index import PrefixIndex
+from services.cache.prefix_index import HASH_BYTES, PrefixIndex
 from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 log = structlog.get_logger()
 
-#: Bytes of one block hash (SHA-256).
-HASH_BYTES = 32
 #: Longest replica id accepted, in characters.
 MAX_REPLICA_ID_CHARS = 256
 

@@ -99,8 +99,8 @@ class Usage:
 @dataclass(frozen=True)
 class ReplicaInfo:
     """What an engine replica serves (``GetModelInfo``); lengths in tokens;
-    ``max_num_seqs``, ``kv_capacity_tokens``, ``kv_block_size`` and
-    ``max_num_batched_tokens`` are 0 when the engine does not say.
+    ``max_num_seqs``, ``kv_capacity_tokens`` and ``kv_block_size`` are 0 when
+    the engine does not say.
     ``replica_id`` names it in the prefix index; ``kv_hash_seed`` and
     ``kv_block_size`` let the router hash a prompt's blocks as it does
     (:mod:`services.common.block_hash`; empty / 0: no prefix cache)."""
@@ -115,7 +115,6 @@ class ReplicaInfo:
     replica_id: str = ""
     kv_block_size: int = 0
     kv_hash_seed: bytes = b""
-    max_num_batched_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -329,7 +329,7 @@ class EngineClient:
         self.info = ReplicaInfo(
             reply.model, reply.max_model_len, reply.vocab_size, tuple(reply.eos_token_ids),
             reply.backend, reply.max_num_seqs, reply.kv_capacity_tokens, reply.replica_id,
-            reply.kv_block_size, reply.kv_hash_seed, reply.max_num_batched_tokens)
+            reply.kv_block_size, reply.kv_hash_seed)
         return self.info
 
     async def load(self, *, timeout: float | None = 1.0) -> EngineLoad:
