@@ -423,7 +423,12 @@ class _TokenizerMultiplex:
                     await self._call.write(message)
             except (grpc.aio.AioRpcError, grpc.aio.UsageError,
                     asyncio.InvalidStateError) as err:
-                del self._waiting[call_id]  # this request raises below, not through its future
+                # This request raises below, not through its future (which the
+                # reader may already have failed, and emptied the table, when
+                # the call broke while this write waited).
+                self._waiting.pop(call_id, None)
+                if answer.done():
+                    answer.exception()  # retrieved: asyncio must not log it
                 self._fail("writing to it failed: " + (
                     f"{err.code().name}: {err.details()}" if isinstance(err, grpc.aio.AioRpcError)
                     else f"{type(err).__name__}: {err}"))
