@@ -8,6 +8,7 @@ the frozen dataclass from then on.
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
 
 import grpc
@@ -17,6 +18,18 @@ from llmesh.v1 import common_pb2
 
 #: Temperatures below this are greedy (as in vLLM): logits / 1e-40 overflow to inf.
 GREEDY_TEMPERATURE_EPSILON = 1e-5
+#: Most alternatives per position ``logprobs`` / ``prompt_logprobs`` may ask for
+#: (OpenAI's ``top_logprobs`` limit).
+MAX_LOGPROBS = 20
+#: Most independent samples (``n``) one request may ask for.
+MAX_N = 16
+#: Most ``logit_bias`` entries, and the bound on each bias (OpenAI's limits).
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_LOGIT_BIAS = 100.0
+#: Bounds of ``presence_penalty`` / ``frequency_penalty`` (OpenAI's) and of
+#: ``repetition_penalty`` (vLLM accepts any > 0; above 10 only bans tokens).
+MAX_ADDITIVE_PENALTY = 2.0
+MAX_REPETITION_PENALTY = 10.0
 
 
 class FinishReason(enum.IntEnum):
@@ -58,6 +71,82 @@ class InvalidRequestError(ValueError):
         self.code = code
 
 
+class ConstraintKind(enum.Enum):
+    """What a :class:`StructuredOutput` constrains the output to
+    (``llmesh.v1.StructuredOutput``'s oneof)."""
+
+    JSON_SCHEMA = "json_schema"
+    JSON_OBJECT = "json_object"
+    REGEX = "regex"
+    GRAMMAR = "grammar"
+    CHOICE = "choice"
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """An output constraint as the engine compiles it.
+
+    Attributes:
+      kind: which constraint.
+      spec: the JSON schema text (JSON_SCHEMA), the regex (REGEX), the grammar
+        (GRAMMAR: Lark, or GBNF when it contains ``::=``); empty for
+        JSON_OBJECT and CHOICE.
+      choices: the allowed strings (CHOICE only).
+    """
+
+    kind: ConstraintKind
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.StructuredOutput,
+                field: str = "sampling.structured_output") -> StructuredOutput | None:
+        """None when no constraint is set.
+
+        Raises:
+          InvalidRequestError: an empty schema, regex or grammar, a schema that
+            is not a JSON object, ``json_object: false``, or a choice list that
+            is empty or has an empty string. (Whether it compiles is the
+            engine's to say.)
+        """
+        which = pb.WhichOneof("constraint")
+        if which is None:
+            return None
+        kind = ConstraintKind(which)
+        where = f"{field}.{which}"
+        if kind is ConstraintKind.JSON_OBJECT:
+            if not pb.json_object:
+                raise InvalidRequestError(where, "set it to true, or set no constraint")
+            return cls(kind)
+        if kind is ConstraintKind.CHOICE:
+            choices = tuple(pb.choice.choices)
+            if not choices:
+                raise InvalidRequestError(f"{where}.choices", "give at least one string")
+            if any(c == "" for c in choices):
+                raise InvalidRequestError(f"{where}.choices", "choices must be non-empty")
+            return cls(kind, choices=choices)
+        spec = getattr(pb, which)
+        if not spec.strip():
+            raise InvalidRequestError(where, "must not be empty")
+        if kind is ConstraintKind.JSON_SCHEMA:
+            try:
+                schema = json.loads(spec)
+            except ValueError as err:
+                raise InvalidRequestError(where, f"is not valid JSON: {err}") from None
+            if not isinstance(schema, dict | bool):
+                raise InvalidRequestError(
+                    where, f"a JSON schema is an object or a boolean, got {type(schema).__name__}")
+        return cls(kind, spec)
+
+    def to_pb(self) -> common_pb2.StructuredOutput:
+        if self.kind is ConstraintKind.JSON_OBJECT:
+            return common_pb2.StructuredOutput(json_object=True)
+        if self.kind is ConstraintKind.CHOICE:
+            return common_pb2.StructuredOutput(
+                choice=common_pb2.ChoiceConstraint(choices=list(self.choices)))
+        return common_pb2.StructuredOutput(**{self.kind.value: self.spec})
+
+
 @dataclass(frozen=True)
 class SamplingOptions:
     """Validated sampling and stopping parameters of one request.
@@ -72,6 +161,19 @@ class SamplingOptions:
       stop: stop strings (matched on text by the router).
       stop_token_ids: token ids that end the sequence (matched by the engine).
       ignore_eos: do not stop at the model's EOS token.
+      logprobs: alternatives per generated token to return (0..20; 0 the
+        chosen token's own only), None for no log-probabilities.
+      prompt_logprobs: the same for the prompt tokens, None for none.
+      n: independent samples of the prompt (1..16); choice i is seeded with
+        ``seed + i`` when ``seed`` is set.
+      presence_penalty: subtracted once from each generated token's logit, [-2, 2].
+      frequency_penalty: subtracted per occurrence of each generated token, [-2, 2].
+      repetition_penalty: > 0, 1 off; divides positive / multiplies negative
+        logits of tokens in the prompt or output.
+      min_tokens: EOS and stop token ids are masked before this many tokens.
+      logit_bias: ``(token id, bias)`` pairs, sorted by id, added to the logits.
+      include_stop_str_in_output: keep a matched stop string in the text.
+      structured_output: the output constraint, or None.
     """
 
     temperature: float = 0.0
@@ -82,6 +184,35 @@ class SamplingOptions:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    include_stop_str_in_output: bool = False
+    structured_output: StructuredOutput | None = None
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a penalty, ``min_tokens`` or ``logit_bias`` changes the logits."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.min_tokens or self.logit_bias)
+
+    @property
+    def plain(self) -> bool:
+        """True when only the original fields (temperature .. ignore_eos) are
+        used: the response cache stores only such requests (its key covers
+        nothing else)."""
+        return (self.logprobs is None and self.prompt_logprobs is None and self.n == 1
+                and not self.has_penalties and not self.include_stop_str_in_output
+                and self.structured_output is None)
+
+    def choice_seed(self, index: int) -> int | None:
+        """The seed of choice ``index`` (``seed + index`` modulo 2**64), None when unseeded."""
+        return None if self.seed is None else (self.seed + index) % 2**64
 
     @property
     def greedy(self) -> bool:
@@ -133,6 +264,30 @@ class SamplingOptions:
             if vocab_size is not None and token_id >= vocab_size:
                 raise bad("stop_token_ids", f"token id {token_id} is outside the vocabulary "
                           f"[0, {vocab_size})")
+        logprobs = _optional_count(pb, "logprobs", 0, MAX_LOGPROBS, bad)
+        prompt_logprobs = _optional_count(pb, "prompt_logprobs", 0, MAX_LOGPROBS, bad)
+        n = _optional_count(pb, "n", 1, MAX_N, bad)
+        presence = _penalty(pb, "presence_penalty", 0.0, bad)
+        frequency = _penalty(pb, "frequency_penalty", 0.0, bad)
+        repetition = pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0
+        if not 0.0 < repetition <= MAX_REPETITION_PENALTY:
+            raise bad("repetition_penalty",
+                      f"must be in (0, {MAX_REPETITION_PENALTY:g}] (1 is off), got {repetition}")
+        min_tokens = pb.min_tokens if pb.HasField("min_tokens") else 0
+        if not 0 <= min_tokens <= max_tokens:
+            raise bad("min_tokens", f"must be in [0, max_tokens = {max_tokens}], got {min_tokens}")
+        if len(pb.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
+                      f"got {len(pb.logit_bias)}")
+        for token_id, bias in pb.logit_bias.items():
+            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+                raise bad("logit_bias", f"token id {token_id} is outside the vocabulary "
+                          f"[0, {vocab_size if vocab_size is not None else 'vocab_size'})")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise bad("logit_bias", f"the bias of token {token_id} must be in "
+                          f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
+        structured = StructuredOutput.from_pb(pb.structured_output,
+                                              f"{field_prefix}.structured_output")
         return cls(
             temperature=float(temperature),
             top_p=float(top_p),
@@ -142,6 +297,16 @@ class SamplingOptions:
             stop=tuple(pb.stop),
             stop_token_ids=tuple(pb.stop_token_ids),
             ignore_eos=pb.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            n=1 if n is None else n,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=float(repetition),
+            min_tokens=int(min_tokens),
+            logit_bias=tuple(sorted((int(t), float(b)) for t, b in pb.logit_bias.items())),
+            include_stop_str_in_output=pb.include_stop_str_in_output,
+            structured_output=structured,
         )
 
     def to_pb(self) -> common_pb2.SamplingParams:
@@ -153,7 +318,45 @@ class SamplingOptions:
         )
         if self.seed is not None:
             pb.seed = self.seed
+        if self.logprobs is not None:
+            pb.logprobs = self.logprobs
+        if self.prompt_logprobs is not None:
+            pb.prompt_logprobs = self.prompt_logprobs
+        if self.n != 1:
+            pb.n = self.n
+        if self.presence_penalty:
+            pb.presence_penalty = self.presence_penalty
+        if self.frequency_penalty:
+            pb.frequency_penalty = self.frequency_penalty
+        if self.repetition_penalty != 1.0:
+            pb.repetition_penalty = self.repetition_penalty
+        if self.min_tokens:
+            pb.min_tokens = self.min_tokens
+        pb.logit_bias.update(dict(self.logit_bias))
+        pb.include_stop_str_in_output = self.include_stop_str_in_output
+        if self.structured_output is not None:
+            pb.structured_output.CopyFrom(self.structured_output.to_pb())
         return pb
+
+
+def _optional_count(pb: common_pb2.SamplingParams, field: str, low: int, high: int,
+                    bad) -> int | None:
+    """``pb.<field>`` checked to lie in ``[low, high]``, None when unset."""
+    if not pb.HasField(field):
+        return None
+    value = getattr(pb, field)
+    if not low <= value <= high:
+        raise bad(field, f"must be in [{low}, {high}], got {value}")
+    return int(value)
+
+
+def _penalty(pb: common_pb2.SamplingParams, field: str, default: float, bad) -> float:
+    """An additive penalty checked to lie in [-2, 2] (0 when unset)."""
+    value = getattr(pb, field) if pb.HasField(field) else default
+    if not -MAX_ADDITIVE_PENALTY <= value <= MAX_ADDITIVE_PENALTY:
+        raise bad(field, f"must be in [-{MAX_ADDITIVE_PENALTY:g}, {MAX_ADDITIVE_PENALTY:g}], "
+                  f"got {value}")
+    return float(value)
 
 
 #: Most speculative tokens a request may ask for per step.

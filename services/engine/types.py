@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason, Priority, SamplingOptions, SpeculativeOptions
 
 
@@ -49,6 +50,12 @@ class TokenDelta:
       num_generated_tokens: tokens generated so far, including a final stop token.
       num_cached_tokens: prompt tokens whose KV cache was reused.
       error: why the engine failed the request (only with ``FinishReason.ERROR``).
+      logprobs: with ``sampling.logprobs``: one entry per id in ``token_ids``.
+      prompt_logprobs: with ``sampling.prompt_logprobs``: one entry per prompt
+        token after the first, on the first delta of choice 0 only.
+      index: the choice (0..n-1) of a request with ``sampling.n`` > 1; each
+        choice ends with its own last delta, and the token counts are its own
+        (``num_generated_tokens`` of that choice).
     """
 
     request_id: str
@@ -58,6 +65,9 @@ class TokenDelta:
     num_generated_tokens: int
     num_cached_tokens: int = 0
     error: str = ""
+    logprobs: tuple[PositionLogprobs, ...] = ()
+    prompt_logprobs: tuple[PositionLogprobs, ...] = ()
+    index: int = 0
 
     @property
     def finished(self) -> bool:

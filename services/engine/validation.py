@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from services.common.sampling import InvalidRequestError
+from services.common.sampling import InvalidRequestError, SamplingOptions
 from services.engine.types import ModelInfo, SequenceRequest
 
 PROMPT_FIELD = "prompt_token_ids"
@@ -109,3 +109,47 @@ def validate_request(request: SequenceRequest, info: ModelInfo) -> None:
                 "sampling.stop_token_ids",
                 f"token id {token_id} is outside the vocabulary [0, {info.vocab_size})",
             )
+    for token_id, _ in request.sampling.logit_bias:
+        if not 0 <= token_id < info.vocab_size:
+            raise InvalidRequestError(
+                "sampling.logit_bias",
+                f"token id {token_id} is outside the vocabulary [0, {info.vocab_size})",
+            )
+
+
+#: The sampling fields a backend may or may not implement, as named in
+#: ``llmesh.v1.SamplingParams``.
+OPTIONAL_FEATURES = ("logprobs", "prompt_logprobs", "n", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",
+                     "structured_output")
+
+
+def used_features(sampling: SamplingOptions) -> list[str]:
+    """The :data:`OPTIONAL_FEATURES` that ``sampling`` uses."""
+    used = {
+        "logprobs": sampling.logprobs is not None,
+        "prompt_logprobs": sampling.prompt_logprobs is not None,
+        "n": sampling.n != 1,
+        "presence_penalty": sampling.presence_penalty != 0.0,
+        "frequency_penalty": sampling.frequency_penalty != 0.0,
+        "repetition_penalty": sampling.repetition_penalty != 1.0,
+        "min_tokens": sampling.min_tokens != 0,
+        "logit_bias": bool(sampling.logit_bias),
+        "structured_output": sampling.structured_output is not None,
+    }
+    return [name for name in OPTIONAL_FEATURES if used[name]]
+
+
+def refuse_unimplemented(sampling: SamplingOptions, implemented: frozenset[str],
+                         backend: str) -> None:
+    """Refuses a request that uses a sampling feature ``backend`` does not
+    implement (never silently ignores it).
+
+    Raises:
+      InvalidRequestError: UNIMPLEMENTED naming the first such field.
+    """
+    for name in used_features(sampling):
+        if name not in implemented:
+            raise InvalidRequestError(
+                f"sampling.{name}", f"is not implemented by the {backend} engine backend",
+                grpc.StatusCode.UNIMPLEMENTED)

@@ -69,6 +69,7 @@ import grpc
 import structlog
 
 from services.common.detokenizer import IncrementalDetokenizer, TokenizersDecoder
+from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason, InvalidRequestError, SamplingOptions
 from services.router.admission import (
     AdmissionController,
@@ -110,10 +111,21 @@ _RETRYABLE_ENGINE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE
 
 @dataclass(frozen=True)
 class Delta:
-    """Text safe to send (never part of a stop string) and the ids since the last delta."""
+    """Text safe to send (never part of a stop string) and the ids since the last delta.
+
+    Attributes:
+      text: the new text.
+      token_ids: the new ids.
+      logprobs: with ``sampling.logprobs``: one entry per id, token text filled in.
+      prompt_logprobs: with ``sampling.prompt_logprobs``: on choice 0's first delta.
+      index: the choice (0..n-1) this delta belongs to.
+    """
 
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[PositionLogprobs, ...] = ()
+    prompt_logprobs: tuple[PositionLogprobs, ...] = ()
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,12 +141,16 @@ class Finished:
         ``cached_prompt_tokens`` is what the engine reused from its prefix
         cache (a replay: every prompt token).
       cached: True when replayed from the response cache.
+      index: the choice (0..n-1) that ended; with ``sampling.n`` > 1 each
+        choice has its own Finished and ``usage.completion_tokens`` is that
+        choice's.
     """
 
     reason: FinishReason
     matched_stop: str
     usage: Usage
     cached: bool = False
+    index: int = 0
 
 
 Event = Delta | Finished
@@ -341,8 +357,10 @@ class GenerationPipeline:
             progress.prompt_tokens = len(prompt_ids)
             max_tokens = fit_to_context(len(prompt_ids), request.sampling.max_tokens,
                                         limits.max_model_len, field=request.input_field)
-            sampling = dataclasses.replace(request.sampling, max_tokens=max_tokens)
-            if request.sampling.deterministic and not request.bypass_cache:
+            sampling = dataclasses.replace(request.sampling, max_tokens=max_tokens,
+                                           min_tokens=min(request.sampling.min_tokens,
+                                                          max_tokens))
+            if _shareable(request.sampling) and not request.bypass_cache:
                 events = self._shared(request, prompt_ids, sampling, deadline, progress,
                                       timing, info, session)
             else:  # computed fresh, alone: nothing to look up or share
@@ -433,7 +451,7 @@ class GenerationPipeline:
     def _cache_key(self, request: GenerationRequest,
                    prompt_ids: tuple[int, ...]) -> CacheKey | None:
         """The response-cache key of a deterministic request when there is a cache."""
-        if self.cache is None or not request.sampling.deterministic:
+        if self.cache is None or not _shareable(request.sampling):
             return None
         return CacheKey(request.model, prompt_ids, request.sampling)
 
@@ -875,3 +893,10 @@ def _time_per_output_token(outcome: str, progress: Progress, timing: _Timing, *,
             or timing.first_token_at is None or timing.last_token_at is None):
         return None
     return (timing.last_token_at - timing.first_token_at) / (progress.completion_tokens - 1)
+
+
+def _shareable(sampling: SamplingOptions) -> bool:
+    """True when a request may be coalesced with an identical one or answered
+    from the response cache: its output is a function of the request
+    (deterministic) and it uses no field the cache key leaves out (plain)."""
+    return sampling.deterministic and sampling.plain

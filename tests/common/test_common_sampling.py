@@ -75,3 +75,72 @@ def test_round_trip_through_protobuf_is_exact() -> None:
                       stop=["\n\n"], stop_token_ids=[2], ignore_eos=True)
     assert SamplingOptions.from_pb(options.to_pb(), default_max_tokens=1,
                                    max_tokens_cap=100) == options
+
+
+SO = common_pb2.StructuredOutput
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "message"),
+    [
+        ({"logprobs": 21}, "sampling.logprobs", "[0, 20]"),
+        ({"logprobs": -1}, "sampling.logprobs", "[0, 20]"),
+        ({"prompt_logprobs": 21}, "sampling.prompt_logprobs", "[0, 20]"),
+        ({"n": 0}, "sampling.n", "[1, 16]"),
+        ({"n": 17}, "sampling.n", "[1, 16]"),
+        ({"presence_penalty": 2.5}, "sampling.presence_penalty", "[-2, 2]"),
+        ({"frequency_penalty": float("nan")}, "sampling.frequency_penalty", "[-2, 2]"),
+        ({"repetition_penalty": 0.0}, "sampling.repetition_penalty", "(0, 10]"),
+        ({"repetition_penalty": 11.0}, "sampling.repetition_penalty", "(0, 10]"),
+        ({"min_tokens": 17}, "sampling.min_tokens", "max_tokens = 16"),
+        ({"logit_bias": {1000: 1.0}}, "sampling.logit_bias", "outside the vocabulary"),
+        ({"logit_bias": {-1: 1.0}}, "sampling.logit_bias", "outside the vocabulary"),
+        ({"logit_bias": {3: 101.0}}, "sampling.logit_bias", "[-100, 100]"),
+        ({"logit_bias": {i: 1.0 for i in range(301)}}, "sampling.logit_bias", "at most 300"),
+        ({"structured_output": SO(json_schema="")},
+         "sampling.structured_output.json_schema", "must not be empty"),
+        ({"structured_output": SO(json_schema="{")},
+         "sampling.structured_output.json_schema", "not valid JSON"),
+        ({"structured_output": SO(json_schema="[1]")},
+         "sampling.structured_output.json_schema", "object or a boolean"),
+        ({"structured_output": SO(regex=" ")}, "sampling.structured_output.regex",
+         "must not be empty"),
+        ({"structured_output": SO(json_object=False)},
+         "sampling.structured_output.json_object", "set it to true"),
+        ({"structured_output": SO(choice=common_pb2.ChoiceConstraint())},
+         "sampling.structured_output.choice.choices", "at least one"),
+        ({"structured_output": SO(choice=common_pb2.ChoiceConstraint(choices=["a", ""]))},
+         "sampling.structured_output.choice.choices", "non-empty"),
+    ],
+)
+def test_each_bad_new_field_is_named(fields: dict[str, object], field: str,
+                                     message: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        convert(**fields)
+    assert info.value.field == field and message in str(info.value)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_the_new_fields_round_trip_and_make_a_request_not_plain() -> None:
+    fields = [{"logprobs": 0}, {"prompt_logprobs": 3}, {"n": 4}, {"presence_penalty": 0.5},
+              {"frequency_penalty": -0.5}, {"repetition_penalty": 1.2}, {"min_tokens": 2},
+              {"logit_bias": {7: -100.0, 3: 2.5}}, {"include_stop_str_in_output": True},
+              {"structured_output": SO(regex="[ab]+")},
+              {"structured_output": SO(json_object=True)},
+              {"structured_output": SO(choice=common_pb2.ChoiceConstraint(choices=["x"]))},
+              {"structured_output": SO(grammar='start: "a"')},
+              {"structured_output": SO(json_schema='{"type": "object"}')}]
+    for one in fields:
+        options = convert(**one)
+        assert not options.plain, one
+        again = SamplingOptions.from_pb(options.to_pb(), default_max_tokens=1,
+                                        max_tokens_cap=100, vocab_size=1000)
+        assert again == options, one
+    assert convert().plain and convert(temperature=1.0, stop=["x"]).plain
+    assert convert(logit_bias={7: -100.0, 3: 2.5}).logit_bias == ((3, 2.5), (7, -100.0))
+
+
+def test_each_choice_has_its_own_seed() -> None:
+    assert [convert(n=3, seed=2**64 - 2).choice_seed(i) for i in range(3)] == [2**64 - 2,
+                                                                                2**64 - 1, 0]
+    assert convert(n=3).choice_seed(1) is None

@@ -30,7 +30,7 @@ from services.common.sampling import FinishReason, SamplingOptions
 from services.engine.backend import DuplicateRequestError, EngineBackend, EngineUnavailableError
 from services.engine.config import EngineConfig
 from services.engine.types import LoadStats, ModelInfo, SequenceRequest, TokenDelta
-from services.engine.validation import validate_request
+from services.engine.validation import refuse_unimplemented, validate_request
 
 INSTALL_HINT = ("the tensorrt_llm backend needs TensorRT-LLM on a CUDA host: "
                 "pip install 'llmesh[tensorrt-llm]' --extra-index-url https://pypi.nvidia.com")
@@ -41,6 +41,11 @@ _FINISH_REASONS = {
     "cancelled": FinishReason.CANCELLED,
     "timeout": FinishReason.CANCELLED,
 }
+
+
+#: The optional sampling features (:data:`~services.engine.validation.OPTIONAL_FEATURES`)
+#: this backend implements; a request using another is UNIMPLEMENTED.
+IMPLEMENTED_FEATURES: frozenset[str] = frozenset()
 
 
 class TensorRTLLMBackend(EngineBackend):
@@ -116,6 +121,7 @@ class TensorRTLLMBackend(EngineBackend):
     async def generate(self, request: SequenceRequest) -> AsyncIterator[TokenDelta]:
         """See :meth:`EngineBackend.generate`; one ``generate_async`` stream per request."""
         validate_request(request, self.model_info)
+        refuse_unimplemented(request.sampling, IMPLEMENTED_FEATURES, "tensorrt_llm")
         if self._llm is None:
             raise EngineUnavailableError("the tensorrt_llm engine is not running")
         if request.request_id in self._results:

@@ -58,7 +58,11 @@ from services.engine.torch_backend.speculative import (
     Speculator,
 )
 from services.engine.types import LoadStats, ModelInfo, SequenceRequest, TokenDelta
-from services.engine.validation import validate_kv_capacity, validate_request
+from services.engine.validation import (
+    refuse_unimplemented,
+    validate_kv_capacity,
+    validate_request,
+)
 
 log = structlog.get_logger()
 
@@ -88,6 +92,11 @@ class KVCacheInfo:
     block_size: int
     num_bytes: int
     num_tokens: int
+
+
+#: The optional sampling features (:data:`~services.engine.validation.OPTIONAL_FEATURES`)
+#: this backend implements; a request using another is UNIMPLEMENTED.
+IMPLEMENTED_FEATURES: frozenset[str] = frozenset()
 
 
 class TorchBackend(EngineBackend):
@@ -249,6 +258,7 @@ class TorchBackend(EngineBackend):
         """See :meth:`EngineBackend.generate`. Deltas that pile up while the
         consumer is busy are merged into one."""
         validate_request(request, self.model_info)
+        refuse_unimplemented(request.sampling, IMPLEMENTED_FEATURES, "torch")
         if self.kv_cache_info is not None:
             validate_kv_capacity(len(request.prompt_token_ids), request.sampling.max_tokens,
                                  self.kv_cache_info.num_tokens)

@@ -142,6 +142,26 @@ class SamplingParams(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LogitBiasEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     TOP_P_FIELD_NUMBER: _builtins.int
     TOP_K_FIELD_NUMBER: _builtins.int
@@ -150,6 +170,16 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    MIN_TOKENS_FIELD_NUMBER: _builtins.int
+    LOGIT_BIAS_FIELD_NUMBER: _builtins.int
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _builtins.int
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """Softmax temperature, >= 0. 0 (or unset) means greedy decoding."""
     top_p: _builtins.float
@@ -168,6 +198,39 @@ class SamplingParams(_message.Message):
     """
     ignore_eos: _builtins.bool
     """Keep generating past the model's end-of-sequence token."""
+    logprobs: _builtins.int
+    """Log-probabilities of the generated tokens: each token's own and those of
+    the `logprobs` most likely tokens at its position, 0..20 (0: the chosen
+    token's only). Unset: none. Values are the model's log-softmax before any
+    sampling transform (temperature, penalties, top-k/top-p, masks), as vLLM
+    returns them by default.
+    """
+    prompt_logprobs: _builtins.int
+    """The same for each prompt token after the first, 0..20. Unset: none."""
+    n: _builtins.int
+    """Independent samples of the prompt, 1..16; unset means 1. The prompt is
+    prefilled once; choice i draws from its own generator, seeded with
+    `seed + i` when `seed` is set.
+    """
+    presence_penalty: _builtins.float
+    """Subtracted once from the logit of every token generated so far, in
+    [-2, 2] (OpenAI's definition). Unset or 0: off.
+    """
+    frequency_penalty: _builtins.float
+    """Subtracted from a token's logit once per time it was generated so far, in
+    [-2, 2] (OpenAI's definition). Unset or 0: off.
+    """
+    repetition_penalty: _builtins.float
+    """Divides the positive logits and multiplies the negative ones of every
+    token in the prompt or the output so far, > 0 and <= 10 (Keskar et al.
+    2019, arXiv:1909.05858, as in HF transformers and vLLM). Unset or 1: off.
+    """
+    min_tokens: _builtins.int
+    """EOS and the stop token ids cannot be generated before this many tokens,
+    0..max_tokens (stop strings still apply). Unset or 0: off.
+    """
+    include_stop_str_in_output: _builtins.bool
+    """Keep the matched stop string at the end of the output text."""
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Stop strings, matched on the detokenized text by the router. The matched
@@ -180,6 +243,16 @@ class SamplingParams(_message.Message):
         in usage but its text is not returned).
         """
 
+    @_builtins.property
+    def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
+        """Added to the logit of each token id before sampling, each in [-100, 100];
+        at most 300 entries (OpenAI's limits). -100 bans a token in practice.
+        """
+
+    @_builtins.property
+    def structured_output(self) -> Global___StructuredOutput:
+        """Constrains the output to a JSON schema, a regex, a grammar or a choice."""
+
     def __init__(
         self,
         *,
@@ -191,13 +264,37 @@ class SamplingParams(_message.Message):
         stop: _abc.Iterable[_builtins.str] | None = ...,
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         ignore_eos: _builtins.bool = ...,
+        logprobs: _builtins.int | None = ...,
+        prompt_logprobs: _builtins.int | None = ...,
+        n: _builtins.int | None = ...,
+        presence_penalty: _builtins.float | None = ...,
+        frequency_penalty: _builtins.float | None = ...,
+        repetition_penalty: _builtins.float | None = ...,
+        min_tokens: _builtins.int | None = ...,
+        logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
+        include_stop_str_in_output: _builtins.bool = ...,
+        structured_output: Global___StructuredOutput | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "max_tokens", b"max_tokens", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "structured_output", b"structured_output", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_tokens", b"_min_tokens", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "structured_output", b"structured_output", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
+    _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
+    _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__min_tokens: _TypeAlias = _typing.Literal["min_tokens"]  # noqa: Y015
+    _WhichOneofArgType__min_tokens: _TypeAlias = _typing.Literal["_min_tokens", b"_min_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__n: _TypeAlias = _typing.Literal["n"]  # noqa: Y015
+    _WhichOneofArgType__n: _TypeAlias = _typing.Literal["_n", b"_n"]  # noqa: Y015
+    _WhichOneofReturnType__presence_penalty: _TypeAlias = _typing.Literal["presence_penalty"]  # noqa: Y015
+    _WhichOneofArgType__presence_penalty: _TypeAlias = _typing.Literal["_presence_penalty", b"_presence_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
+    _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
@@ -207,7 +304,21 @@ class SamplingParams(_message.Message):
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__frequency_penalty) -> _WhichOneofReturnType__frequency_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_tokens) -> _WhichOneofReturnType__min_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__n) -> _WhichOneofReturnType__n | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__presence_penalty) -> _WhichOneofReturnType__presence_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
     @_typing.overload
@@ -218,6 +329,146 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
+
+@_typing.final
+class StructuredOutput(_message.Message):
+    """An output constraint, enforced by a token mask in the engine's sampler
+    (llguidance). A constraint that does not compile is INVALID_ARGUMENT naming
+    the problem; one that takes longer than the engine's compile limit to
+    compile is INVALID_ARGUMENT naming the limit.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
+    json_schema: _builtins.str
+    """A JSON Schema, as JSON text: the output is one JSON value it accepts."""
+    json_object: _builtins.bool
+    """Any JSON object (OpenAI's `response_format: {"type": "json_object"}`)."""
+    regex: _builtins.str
+    """A regular expression the whole output matches."""
+    grammar: _builtins.str
+    """A context-free grammar in Lark syntax (llguidance's dialect), or GBNF
+    (llama.cpp's EBNF) when it contains `::=`.
+    """
+    @_builtins.property
+    def choice(self) -> Global___ChoiceConstraint:
+        """The output is exactly one of these strings."""
+
+    def __init__(
+        self,
+        *,
+        json_schema: _builtins.str = ...,
+        json_object: _builtins.bool = ...,
+        regex: _builtins.str = ...,
+        grammar: _builtins.str = ...,
+        choice: Global___ChoiceConstraint | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "constraint", b"constraint", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "regex", b"regex"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "constraint", b"constraint", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "regex", b"regex"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_constraint: _TypeAlias = _typing.Literal["json_schema", "json_object", "regex", "grammar", "choice"]  # noqa: Y015
+    _WhichOneofArgType_constraint: _TypeAlias = _typing.Literal["constraint", b"constraint"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_constraint) -> _WhichOneofReturnType_constraint | None: ...
+
+Global___StructuredOutput: _TypeAlias = StructuredOutput  # noqa: Y015
+
+@_typing.final
+class ChoiceConstraint(_message.Message):
+    """The strings a `choice` constraint allows (at least one, each non-empty)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHOICES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        choices: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChoiceConstraint: _TypeAlias = ChoiceConstraint  # noqa: Y015
+
+@_typing.final
+class TokenLogprob(_message.Message):
+    """One token and its log-probability."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    logprob: _builtins.float
+    """Natural log of the token's probability under the model (log-softmax of
+    the raw logits), <= 0.
+    """
+    rank: _builtins.int
+    """1-based rank of the token among the vocabulary at this position."""
+    token: _builtins.str
+    """The token's text where the service knows it (the router fills it in;
+    bytes that are not whole UTF-8 characters are escaped as in OpenAI's
+    `bytes:\\xNN` form).
+    """
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        logprob: _builtins.float = ...,
+        rank: _builtins.int = ...,
+        token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "rank", b"rank", "token", b"token", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
+
+@_typing.final
+class PositionLogprobs(_message.Message):
+    """Log-probabilities at one position."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHOSEN_FIELD_NUMBER: _builtins.int
+    TOP_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def chosen(self) -> Global___TokenLogprob:
+        """The token at this position (generated or prompt)."""
+
+    @_builtins.property
+    def top(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
+        """The most likely tokens at this position, most likely first (as many as
+        the request asked for).
+        """
+
+    def __init__(
+        self,
+        *,
+        chosen: Global___TokenLogprob | None = ...,
+        top: _abc.Iterable[Global___TokenLogprob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chosen", b"chosen"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chosen", b"chosen", "top", b"top"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PositionLogprobs: _TypeAlias = PositionLogprobs  # noqa: Y015
 
 @_typing.final
 class SpeculativeParams(_message.Message):

@@ -112,9 +112,13 @@ class EngineServiceGenerateResponse(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     finish_reason: _common_pb2.FinishReason.ValueType
     """Set on the last message only."""
+    index: _builtins.int
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids produced since the previous message."""
@@ -125,6 +129,12 @@ class EngineServiceGenerateResponse(_message.Message):
         `cached_prompt_tokens` is known from the first message on.
         """
 
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PositionLogprobs]:
+        """As on SequenceUpdate."""
+
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PositionLogprobs]: ...
     def __init__(
         self,
         *,
@@ -132,10 +142,13 @@ class EngineServiceGenerateResponse(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         usage: _common_pb2.Usage | None = ...,
+        logprobs: _abc.Iterable[_common_pb2.PositionLogprobs] | None = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.PositionLogprobs] | None = ...,
+        index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "request_id", b"request_id", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -218,6 +231,9 @@ class SequenceUpdate(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     STATUS_CODE_FIELD_NUMBER: _builtins.int
     STATUS_MESSAGE_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
     stream_id: _builtins.int
     finish_reason: _common_pb2.FinishReason.ValueType
     """Set on the last update of a request that ended normally (STOP, LENGTH,
@@ -230,6 +246,10 @@ class SequenceUpdate(_message.Message):
     UNAVAILABLE, DEADLINE_EXCEEDED or INTERNAL. It is the request's last update.
     """
     status_message: _builtins.str
+    index: _builtins.int
+    """The choice (0..n-1) this update belongs to; each choice ends with its own
+    last update (finish_reason set).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids produced since the previous update."""
@@ -237,6 +257,14 @@ class SequenceUpdate(_message.Message):
     @_builtins.property
     def usage(self) -> _common_pb2.Usage:
         """Running token counts, as on Generate."""
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PositionLogprobs]:
+        """With `sampling.logprobs`: one entry per id in `token_ids` (ids only, no text)."""
+
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PositionLogprobs]:
+        """With `sampling.prompt_logprobs`: on the first update of choice 0 only."""
 
     def __init__(
         self,
@@ -247,10 +275,13 @@ class SequenceUpdate(_message.Message):
         usage: _common_pb2.Usage | None = ...,
         status_code: _builtins.int = ...,
         status_message: _builtins.str = ...,
+        logprobs: _abc.Iterable[_common_pb2.PositionLogprobs] | None = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.PositionLogprobs] | None = ...,
+        index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "status_code", b"status_code", "status_message", b"status_message", "stream_id", b"stream_id", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "status_code", b"status_code", "status_message", b"status_message", "stream_id", b"stream_id", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

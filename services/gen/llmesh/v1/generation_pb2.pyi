@@ -153,6 +153,9 @@ class GenerateResponse(_message.Message):
     MATCHED_STOP_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     CACHED_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's id."""
     text: _builtins.str
@@ -168,6 +171,11 @@ class GenerateResponse(_message.Message):
     `usage.cached_prompt_tokens` equals `usage.prompt_tokens`: nothing was
     computed).
     """
+    index: _builtins.int
+    """Which of the request's `sampling.n` choices this message belongs to
+    (0-based; always 0 when n is 1). Messages of different choices interleave;
+    each choice has its own last message (finish_reason and usage set).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids generated since the previous message. After a stop string,
@@ -177,6 +185,16 @@ class GenerateResponse(_message.Message):
     @_builtins.property
     def usage(self) -> _common_pb2.Usage:
         """On the last message: token counts."""
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PositionLogprobs]:
+        """With `sampling.logprobs`: one entry per id in `token_ids`, in order."""
+
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PositionLogprobs]:
+        """With `sampling.prompt_logprobs`: on the first message of choice 0, one
+        entry per prompt token after the first.
+        """
 
     def __init__(
         self,
@@ -188,10 +206,13 @@ class GenerateResponse(_message.Message):
         matched_stop: _builtins.str = ...,
         usage: _common_pb2.Usage | None = ...,
         cached: _builtins.bool = ...,
+        logprobs: _abc.Iterable[_common_pb2.PositionLogprobs] | None = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.PositionLogprobs] | None = ...,
+        index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached", b"cached", "finish_reason", b"finish_reason", "matched_stop", b"matched_stop", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached", b"cached", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
