@@ -42,7 +42,9 @@ def test_null_means_unset():
 @pytest.mark.parametrize(("body", "message"), [
     ('{"prompt": "Hi", "sampling": {"max_token": 3}}',
      'sampling.max_token: unknown field; did you mean "max_tokens"? (SamplingParams has '
-     "temperature, top_p, top_k, seed, max_tokens, stop, stop_token_ids, ignore_eos)"),
+     "temperature, top_p, top_k, seed, max_tokens, stop, stop_token_ids, ignore_eos, "
+     "logprobs, prompt_logprobs, n, presence_penalty, frequency_penalty, repetition_penalty, "
+     "min_tokens, logit_bias, include_stop_str_in_output, structured_output)"),
     ('{"prompt": "Hi", "temprature": 0}',
      'temprature: unknown field; did you mean "sampling.temperature"?'),
     ('{"prompt": "Hi", "max_tokens": 3}',
