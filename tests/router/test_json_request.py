@@ -58,7 +58,7 @@ def test_unknown_fields_are_named_with_their_path(body, message):
     assert refused(body).startswith(message)
 
 
-@pytest.mark.parametrize("name", ["n", "logprobs", "response_format", "best_of", "stream"])
+@pytest.mark.parametrize("name", ["top_logprobs", "response_format", "best_of", "stream"])
 def test_fields_the_api_does_not_have_yet_are_refused_anywhere(name):
     assert refused(f'{{"prompt": "Hi", "{name}": 1}}') == \
         f"{name}: not supported: {NOT_SUPPORTED_YET[name]}"
@@ -97,3 +97,9 @@ def test_fields_the_api_does_not_have_yet_are_refused_anywhere(name):
 ])
 def test_malformed_bodies_and_values_are_named(body, message):
     assert refused(body).startswith(message)
+
+
+@pytest.mark.parametrize("name", ["n", "logprobs", "presence_penalty", "min_tokens"])
+def test_sampling_fields_at_the_top_level_are_pointed_into_sampling(name):
+    assert refused(f'{{"prompt": "Hi", "{name}": 1}}').startswith(
+        f'{name}: unknown field; sampling fields go inside "sampling"')
