@@ -36,6 +36,9 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
    ``GetTokenizer``: no round trip per token) and pass the
    :class:`StopStringMatcher`; a stop-string match cancels the engine
    sequence at once and ends with FINISH_REASON_STOP + ``matched_stop``;
+   log-probabilities (``sampling.logprobs`` / ``prompt_logprobs``) ride with
+   their ids, token text filled in (:class:`TokenTexts`), cut with them at a
+   stop string; such requests are never coalesced nor cached (``_shareable``);
 7. a cacheable request that finished normally (STOP or LENGTH) is stored in
    the cache in the background, never delaying the final event.
 
@@ -98,6 +101,7 @@ from services.router.single_flight import (
     SingleFlight,
     Subscription,
 )
+from services.router.logprob_text import TokenTexts
 from services.router.stop_strings import StopStringMatcher
 from services.router.validation import GenerationRequest, ModelLimits, fit_to_context
 
@@ -307,6 +311,7 @@ class GenerationPipeline:
             raise ValueError("at least one engine replica is needed")
         self.tokenizer = tokenizer
         self.decoder = decoder
+        self.token_texts = TokenTexts(decoder)
         self.replicas = replicas
         self.cache = cache
         self.models = dict(models)
@@ -710,7 +715,7 @@ class GenerationPipeline:
                         now = self._token_time(timing)
                         if ticket is not None:
                             ticket.on_tokens(len(ids), now)
-                    yield Delta(safe, ids)
+                    yield self._delta(safe, ids, delta)
                 if finished is not None:
                     if keep_output:
                         info.update(output="".join(out_text))
@@ -725,6 +730,15 @@ class GenerationPipeline:
         finally:
             engine.closed(request.priority)
             stream.close()
+
+    def _delta(self, text: str, ids: tuple[int, ...], delta: EngineDelta) -> Delta:
+        """The event for ``ids`` (the leading ids of ``delta``: all, or those
+        through a stop string) with their log-probabilities, token text filled
+        in (the entries past a stop string are dropped, like their ids)."""
+        if not (delta.logprobs or delta.prompt_logprobs):
+            return Delta(text, ids)
+        return Delta(text, ids, logprobs=self.token_texts.fill(delta.logprobs[:len(ids)]),
+                     prompt_logprobs=self.token_texts.fill(delta.prompt_logprobs))
 
     def _refuse_if_full(self, request: GenerationRequest) -> None:
         """Refuses at once, before tokenization and the cache lookup, a request

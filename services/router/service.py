@@ -47,6 +47,7 @@ import structlog
 from llmesh.v1 import generation_pb2, generation_pb2_grpc
 from services.common.grpc_util import metadata_value, request_id_from
 from services.common.logging import REQUEST_ID_METADATA_KEY, bind_request_id
+from services.common.logprobs import logprobs_to_pb
 from services.common.sampling import FinishReason, InvalidRequestError, Priority
 from services.router.admission import (
     AdmissionConfig,
@@ -192,7 +193,9 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
 def _response(request_id: str, event: Event) -> generation_pb2.GenerateResponse:
     if isinstance(event, Delta):
         return generation_pb2.GenerateResponse(
-            request_id=request_id, text=event.text, token_ids=event.token_ids)
+            request_id=request_id, text=event.text, token_ids=event.token_ids,
+            logprobs=logprobs_to_pb(event.logprobs),
+            prompt_logprobs=logprobs_to_pb(event.prompt_logprobs))
     return generation_pb2.GenerateResponse(
         request_id=request_id, finish_reason=int(event.reason),
         matched_stop=event.matched_stop, usage=event.usage.to_pb(), cached=event.cached)
