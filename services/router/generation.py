@@ -447,7 +447,7 @@ class GenerationPipeline:
             if err.code == grpc.StatusCode.FAILED_PRECONDITION:
                 raise InvalidRequestError(
                     "chat", f"the model has no chat template; send `prompt` text instead "
-                    f"({err.details})") from err
+                    f"({err.details})", grpc.StatusCode.FAILED_PRECONDITION) from err
             raise
         if chat.num_dropped_messages:
             info.update(dropped_messages=chat.num_dropped_messages)
