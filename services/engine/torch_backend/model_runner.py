@@ -212,7 +212,8 @@ class ModelRunner:
 
         Raises:
           FileNotFoundError, ValueError: see :func:`load_gguf`; ValueError for an
-            unknown dtype or quantization name, or a contradictory combination
+            unknown dtype or quantization name, a quantized mode for a non-Llama
+            file (Gemma 3 is served dense), or a contradictory combination
             (:func:`~services.engine.torch_backend.quant.check_mode`), or an
             attention backend or quantized kernel that cannot run
             (:func:`resolve_attention_backend`,
@@ -226,6 +227,11 @@ class ModelRunner:
         if quantization != "none":
             resolve_quant_kernel(quant_kernel)
         loaded = load_gguf(path, keep_q4_1=quantization != "none")
+        if loaded.config.architecture != "llama" and quantization != "none":
+            raise ValueError(
+                f"--quantization {quantization} is for Llama GGUFs (their Q4_1 blocks); this "
+                f"{loaded.config.architecture} file's K-quant weights would be requantized, "
+                "which is not quality-checked: use --quantization none (dense weights in --dtype)")
         model = build_model(loaded.config, loaded.state_dict, torch_device, DTYPES[dtype],
                             max_positions, quantization, loaded.q4_1, quant_kernel)
         if dense_prefill is None:  # auto: where the quantized kernels are PyTorch's
