@@ -160,14 +160,6 @@ class Gemma3Model(LlamaModel):
         return tuple(local if config.is_sliding(i) else global_
                      for i in range(len(self.layers)))
 
-    def decode_weight_bytes(self) -> int:
-        """See :meth:`LlamaModel.decode_weight_bytes` (with all six norms per layer)."""
-        total = self.head.nbytes + self.norm.nbytes
-        for layer in self.layers:
-            total += sum(p.nbytes for p in layer.projections)
-            total += sum(n.nbytes for n in layer.norms)
-        return total
-
     def load_weights(self, state_dict: Mapping[str, torch.Tensor],
                      projections: bool = True) -> None:
         """See :meth:`LlamaModel.load_weights`; also the Gemma norms."""

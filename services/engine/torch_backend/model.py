@@ -117,6 +117,11 @@ class DecoderLayer(nn.Module):
         self.down = DenseProjection(self.down_proj, kernel)
 
     @property
+    def norms(self) -> tuple[torch.Tensor, ...]:
+        """Every norm weight of the layer."""
+        return self.input_norm, self.post_attention_norm
+
+    @property
     def projections(self) -> tuple[Projection, ...]:
         """The four projections, in forward order."""
         return self.qkv, self.o, self.gate_up, self.down
@@ -286,7 +291,7 @@ class LlamaModel(nn.Module):
         total = self.head.nbytes + self.norm.nbytes
         for layer in self.layers:
             total += sum(p.nbytes for p in layer.projections)
-            total += layer.input_norm.nbytes + layer.post_attention_norm.nbytes
+            total += sum(norm.nbytes for norm in layer.norms)
         return total
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor],
