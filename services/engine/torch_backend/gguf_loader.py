@@ -1,4 +1,4 @@
-"""Reads a Llama-architecture GGUF file into a config and a PyTorch state dict.
+"""Reads a Llama- or Gemma-3-architecture GGUF file into a config and a PyTorch state dict.
 
 Every hyper-parameter comes from the file's metadata (``{arch}.block_count``,
 ``{arch}.rope.freq_base``, ``tokenizer.ggml.eos_token_id`` …); quantized tensors
@@ -12,10 +12,20 @@ RoPE kernel can rotate adjacent pairs ``(x[2i], x[2i+1])``. We undo that
 permutation here, so the weights are in the Hugging Face layout and the model
 uses the "rotate half" form of RoPE (pairs ``(x[i], x[i + d/2])``). The test
 ``tests/engine/test_engine_model.py`` proves the two agree with transformers.
+
+Gemma 3 files (``general.architecture = gemma3``) read into a
+:class:`Gemma3Config`; their Q/K rows are not permuted (llama.cpp rotates
+Gemma with the "NeoX" pairs ``(x[i], x[i + d/2])``, the HF layout already),
+and their RMSNorm weights are kept as stored: llama.cpp's converter
+(``convert_hf_to_gguf.py``, ``Gemma3Model.modify_tensors``) already added the
+1 of Gemma's ``x * (1 + w)`` norm, so the stored weight is the multiplier
+(transformers' GGUF reader subtracts it again, ``Gemma2TensorProcessor``).
+``tests/engine/test_gemma3.py`` checks the model against transformers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +70,66 @@ class LlamaConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
+    @property
+    def architecture(self) -> str:
+        """``general.architecture`` of the file: ``llama``."""
+        return "llama"
+
+    @property
+    def uniform_attention(self) -> bool:
+        """Every layer attends to its whole context with one RoPE table (True for
+        Llama); the native attention kernel serves only such models."""
+        return True
+
+
+@dataclass(frozen=True)
+class Gemma3Config(LlamaConfig):
+    """Hyper-parameters of a Gemma 3 text decoder (Gemma Team, "Gemma 3 Technical
+    Report", 2025, arXiv:2503.19786, section 2; HF ``Gemma3TextConfig``).
+
+    ``rope_theta`` is the global layers' RoPE base (``gemma3.rope.freq_base``)
+    and ``head_dim`` is ``gemma3.attention.key_length`` (256 for 270M, not
+    hidden / heads).
+
+    Attributes:
+      sliding_window: keys a local layer's query sees, itself included: query
+        ``i`` attends to keys ``j`` with ``i - window < j <= i``
+        (``gemma3.attention.sliding_window``; transformers' ``sliding_window_overlay``).
+      sliding_window_pattern: every this-many-th layer (``(i + 1) % pattern == 0``)
+        is global; the others are local (5:1 in the report).
+      rope_local_theta: RoPE base of the local layers (10,000 in the report;
+        not stored in the GGUF, llama.cpp hard-codes it too).
+      query_pre_attn_scalar: attention scores are scaled by its ``-1/2`` power
+        (HF ``query_pre_attn_scalar``; 256 = head_dim for 270M; llama.cpp uses
+        ``1/sqrt(head_dim)`` for every size but 27B, which is all this reader
+        can know from the file).
+    """
+
+    sliding_window: int
+    sliding_window_pattern: int
+    rope_local_theta: float
+    query_pre_attn_scalar: float
+
+    @property
+    def architecture(self) -> str:
+        """``gemma3``."""
+        return "gemma3"
+
+    @property
+    def uniform_attention(self) -> bool:
+        """False: local layers have a sliding window and their own RoPE base."""
+        return False
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether ``layer`` (0-based) is a local sliding-window layer."""
+        return (layer + 1) % self.sliding_window_pattern != 0
+
+
+#: Gemma 3's layer pattern and local RoPE base (arXiv:2503.19786, section 2.2;
+#: HF ``Gemma3TextConfig`` defaults), which the GGUF does not store.
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_ROPE_LOCAL_THETA = 10_000.0
+
 
 @dataclass
 class GGUFModel:
@@ -70,10 +140,13 @@ class GGUFModel:
     ``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight``,
     ``model.layers.{i}.mlp.{gate,up,down}_proj.weight``,
     ``model.layers.{i}.{input,post_attention}_layernorm.weight``.
-    Linear weights are ``[out_features, in_features]``.
+    Linear weights are ``[out_features, in_features]``. Gemma 3 adds per layer
+    ``self_attn.{q,k}_norm.weight`` ``[head_dim]`` and
+    ``{pre,post}_feedforward_layernorm.weight``; its ``post_attention_layernorm``
+    normalizes the attention output (Llama's normalizes the MLP input).
     """
 
-    config: LlamaConfig
+    config: LlamaConfig | Gemma3Config
     state_dict: dict[str, torch.Tensor]
     q4_1: dict[str, Q4_1Blocks] = field(default_factory=dict)
 
@@ -157,6 +230,15 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+#: Gemma 3's per-layer tensors (llama.cpp ``LLM_ARCH_GEMMA3``) → HF names.
+_GEMMA3_LAYER_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if k != "ffn_norm"},
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -172,7 +254,7 @@ def load_gguf(path: str | Path, keep_q4_1: bool = False) -> GGUFModel:
 
     Raises:
       FileNotFoundError: no file at ``path``.
-      ValueError: not a Llama-architecture GGUF, a needed key is missing, or the
+      ValueError: not a Llama or Gemma 3 GGUF, a needed key is missing, or the
         file uses RoPE scaling (not supported yet).
     """
     path = Path(path)
@@ -182,34 +264,39 @@ def load_gguf(path: str | Path, keep_q4_1: bool = False) -> GGUFModel:
     config = read_config(reader, default_name=path.stem)
     state_dict = {}
     q4_1: dict[str, Q4_1Blocks] = {}
+    permuted = config.architecture == "llama"  # Gemma's Q/K rows are in HF order
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, config.architecture)
         if keep_q4_1 and tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1:
             blocks = Q4_1Blocks.from_tensor(tensor)
-            if name.endswith("q_proj.weight"):
+            if permuted and name.endswith("q_proj.weight"):
                 blocks = blocks.permute_rows(config.num_heads)
-            elif name.endswith("k_proj.weight"):
+            elif permuted and name.endswith("k_proj.weight"):
                 blocks = blocks.permute_rows(config.num_kv_heads)
             q4_1[name] = blocks
             continue
         weights = dequantize(tensor)
-        if name.endswith("q_proj.weight"):
+        if permuted and name.endswith("q_proj.weight"):
             weights = unpermute_rope_rows(weights, config.num_heads)
-        elif name.endswith("k_proj.weight"):
+        elif permuted and name.endswith("k_proj.weight"):
             weights = unpermute_rope_rows(weights, config.num_kv_heads)
         state_dict[name] = torch.from_numpy(weights)
     return GGUFModel(config=config, state_dict=state_dict, q4_1=q4_1)
 
 
-def read_config(reader: gguf.GGUFReader, default_name: str = "model") -> LlamaConfig:
-    """Builds a :class:`LlamaConfig` from the GGUF metadata.
+def read_config(reader: gguf.GGUFReader, default_name: str = "model"
+                ) -> LlamaConfig | Gemma3Config:
+    """Builds a :class:`LlamaConfig` (or :class:`Gemma3Config`) from the GGUF metadata.
 
     Raises:
-      ValueError: the architecture is not ``llama`` or a required key is missing.
+      ValueError: the architecture is neither ``llama`` nor ``gemma3``, a
+        required key is missing, or the file asks for RoPE scaling or logit
+        soft-capping (not supported).
     """
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r}: only 'llama' is supported")
+    if arch not in ("llama", "gemma3"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r}: only 'llama' and 'gemma3' "
+                         "are supported")
     scaling = _field(reader, f"{arch}.rope.scaling.type", None)
     if scaling not in (None, "none"):
         raise ValueError(f"RoPE scaling {scaling!r} is not supported yet")
@@ -219,7 +306,7 @@ def read_config(reader: gguf.GGUFReader, default_name: str = "model") -> LlamaCo
     tensor_names = {t.name for t in reader.tensors}
     embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
     vocab = int(_field(reader, f"{arch}.vocab_size", int(embedding.shape[-1])))
-    return LlamaConfig(
+    base = LlamaConfig(
         name=str(_field(reader, "general.name", default_name)),
         hidden_size=hidden,
         num_layers=int(_field(reader, f"{arch}.block_count")),
@@ -235,18 +322,44 @@ def read_config(reader: gguf.GGUFReader, default_name: str = "model") -> LlamaCo
         bos_token_id=_optional_int(_field(reader, "tokenizer.ggml.bos_token_id", None)),
         eos_token_ids=_eos_ids(reader),
     )
+    return base if arch == "llama" else _gemma3_config(reader, base)
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def _gemma3_config(reader: gguf.GGUFReader, base: LlamaConfig) -> Gemma3Config:
+    """``base`` (read with the ``gemma3.`` keys) plus Gemma 3's attention layout.
+
+    Raises:
+      ValueError: soft-capping keys (Gemma 2's, not Gemma 3's) or no sliding window.
+    """
+    for key in ("gemma3.attn_logit_softcapping", "gemma3.final_logit_softcapping"):
+        if _field(reader, key, None) is not None:
+            raise ValueError(f"{key} is not supported (Gemma 3 uses QK-norm instead)")
+    head_dim = int(_field(reader, "gemma3.attention.key_length", base.head_dim))
+    if int(_field(reader, "gemma3.attention.value_length", head_dim)) != head_dim:
+        raise ValueError("gemma3: key_length != value_length is not supported")
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    fields["head_dim"] = head_dim
+    return Gemma3Config(
+        **fields,
+        sliding_window=int(_field(reader, "gemma3.attention.sliding_window")),
+        sliding_window_pattern=GEMMA3_SLIDING_WINDOW_PATTERN,
+        rope_local_theta=GEMMA3_ROPE_LOCAL_THETA,
+        query_pre_attn_scalar=float(head_dim),
+    )
+
+
+def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str:
     """Maps a GGUF tensor name (``blk.3.attn_q.weight``) to the HF name
-    (``model.layers.3.self_attn.q_proj.weight``).
+    (``model.layers.3.self_attn.q_proj.weight``) for ``architecture``
+    (``llama`` or ``gemma3``).
 
     Raises:
       ValueError: a tensor this loader does not know.
     """
+    layer_names = _GEMMA3_LAYER_NAMES if architecture == "gemma3" else _LAYER_NAMES
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
     raise ValueError(f"unknown GGUF tensor {gguf_name!r}")

@@ -44,7 +44,7 @@ from services.engine.torch_backend.batch_invariant import (
 )
 from services.engine.torch_backend import native
 from services.engine.torch_backend.gguf_loader import LlamaConfig, Q4_1Blocks
-from services.engine.torch_backend.paged_kv import StepAttention
+from services.engine.torch_backend.paged_kv import LayerAttentionSpec, StepAttention
 from services.engine.torch_backend.quant import (
     ACTIVATION_DTYPE,
     DenseProjection,
@@ -115,6 +115,11 @@ class DecoderLayer(nn.Module):
         self.o = DenseProjection(self.o_proj, kernel)
         self.gate_up = DenseProjection(self.gate_up_proj, kernel)
         self.down = DenseProjection(self.down_proj, kernel)
+
+    @property
+    def norms(self) -> tuple[torch.Tensor, ...]:
+        """Every norm weight of the layer."""
+        return self.input_norm, self.post_attention_norm
 
     @property
     def projections(self) -> tuple[Projection, ...]:
@@ -198,12 +203,16 @@ class LlamaModel(nn.Module):
       max_positions: largest position + 1 the RoPE tables cover (the context window).
     """
 
+    #: The decoder block (a subclass such as Gemma 3's swaps its own in).
+    layer_class: type[DecoderLayer] = DecoderLayer
+
     def __init__(self, config: LlamaConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = config
         self.max_positions = max_positions or config.context_length
         self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i)
+                                    for i in range(config.num_layers))
         self.norm = nn.Parameter(torch.empty(config.hidden_size))
         self.lm_head = (self.embed_tokens if config.tie_word_embeddings
                         else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size)))
@@ -282,7 +291,7 @@ class LlamaModel(nn.Module):
         total = self.head.nbytes + self.norm.nbytes
         for layer in self.layers:
             total += sum(p.nbytes for p in layer.projections)
-            total += layer.input_norm.nbytes + layer.post_attention_norm.nbytes
+            total += sum(norm.nbytes for norm in layer.norms)
         return total
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor],
@@ -301,6 +310,13 @@ class LlamaModel(nn.Module):
                 self.lm_head.copy_(state_dict["lm_head.weight"])
             for i, layer in enumerate(self.layers):
                 _load_layer(layer, state_dict, f"model.layers.{i}.", projections)
+
+    @property
+    def layer_attention(self) -> tuple[LayerAttentionSpec, ...] | None:
+        """Per-layer attention specs where layers attend differently (RoPE base,
+        sliding window); None: every layer attends alike with :attr:`rope` (a
+        Llama model), which the native attention kernel serves."""
+        return None
 
     @property
     def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -371,18 +387,19 @@ class LlamaModel(nn.Module):
         if fused:
             pending = None
             for layer in self.layers:
-                _check(should_stop)
+                check_stop(should_stop)
                 pending = layer.forward_fused(hidden, pending, attention, num_generated_rows)
             hidden += pending
         else:
             for layer in self.layers:
-                _check(should_stop)
+                check_stop(should_stop)
                 hidden = layer.forward(hidden, attention, num_generated_rows)
         hidden = rms_norm(hidden[logits_indices], self.norm, self.config.rms_norm_eps)
         return self.head(hidden.to(self.head.input_dtype)).to(hidden.dtype)
 
 
-def _check(should_stop: Callable[[], bool] | None) -> None:
+def check_stop(should_stop: Callable[[], bool] | None) -> None:
+    """Raises :class:`StepAbandoned` when ``should_stop`` (asked before each layer) says so."""
     if should_stop is not None and should_stop():
         raise StepAbandoned("every sequence of the step was cancelled")
 
@@ -403,7 +420,7 @@ def build_model(config: LlamaConfig, state_dict: Mapping[str, torch.Tensor],
                 max_positions: int | None = None, quantization: str = "none",
                 q4_1: Mapping[str, Q4_1Blocks] | None = None, quant_kernel: str = "auto"
                 ) -> LlamaModel:
-    """A ready, eval-mode model on ``device`` in ``dtype`` (RoPE tables are computed
+    """A ready, eval-mode model (:func:`model_class` of ``config``) on ``device`` in ``dtype`` (RoPE tables are computed
     in fp32 and then cast to ``dtype``, as transformers does), its projections
     quantized per ``quantization`` (``none``, ``int8``, ``int4``; see
     :meth:`LlamaModel.quantize`, on ``quant_kernel``) from ``state_dict`` or the
@@ -416,7 +433,7 @@ def build_model(config: LlamaConfig, state_dict: Mapping[str, torch.Tensor],
     """
     if quantization != "none":
         check_mode(quantization, dtype, torch.device(device))
-    model = LlamaModel(config, max_positions)
+    model = model_class(config)(config, max_positions)
     model.load_weights(state_dict, projections=quantization == "none")
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
@@ -424,3 +441,13 @@ def build_model(config: LlamaConfig, state_dict: Mapping[str, torch.Tensor],
     if quantization != "none":
         model.quantize(quantization, state_dict, q4_1, quant_kernel)
     return model
+
+
+def model_class(config: LlamaConfig) -> type[LlamaModel]:
+    """The model class of ``config.architecture``: :class:`LlamaModel`, or
+    :class:`~services.engine.torch_backend.gemma3.Gemma3Model` for ``gemma3``."""
+    if config.architecture == "gemma3":
+        # Imported here: gemma3.py builds on this module.
+        from services.engine.torch_backend.gemma3 import Gemma3Model
+        return Gemma3Model
+    return LlamaModel

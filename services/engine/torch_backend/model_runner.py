@@ -34,6 +34,7 @@ from services.engine.torch_backend.native import unavailable_reason
 from services.engine.torch_backend.native_attention import NativeAttentionBatch
 from services.engine.torch_backend.paged_kv import (
     AttentionBatch,
+    LayerwiseAttention,
     PagedKVCache,
     SeqAttention,
     StepAttention,
@@ -67,6 +68,12 @@ def resolve_attention_backend(choice: str, device: torch.device, dtype: torch.dt
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {choice!r}")
     if choice == "torch":
         return choice
+    if config is not None and not config.uniform_attention:
+        reason = (f"the {config.architecture} model's layers attend differently (sliding "
+                  "window, per-layer RoPE base), which only the PyTorch attention serves")
+        if choice == "native":
+            raise ValueError(f"--attention-backend native: {reason}; use --attention-backend torch")
+        return "torch"
     shape = {} if config is None else {"head_dim": config.head_dim,
                                        "group_size": config.num_heads / config.num_kv_heads}
     reason = unavailable_reason(device, dtype, **shape)
@@ -183,9 +190,10 @@ class ModelRunner:
         #: Why ``auto`` fell back to the PyTorch attention (None: it did not).
         self.native_unavailable_reason: str | None = None
         if attention_backend == "auto" and self.attention_backend == "torch":
-            self.native_unavailable_reason = unavailable_reason(
+            self.native_unavailable_reason = (unavailable_reason(
                 device, dtype, model.config.head_dim,
                 model.config.num_heads / model.config.num_kv_heads)
+                if model.config.uniform_attention else "per-layer attention (sliding window)")
         self.kv_cache: PagedKVCache | None = None
         self._group_size = self.config.num_heads // self.config.num_kv_heads
 
@@ -204,7 +212,8 @@ class ModelRunner:
 
         Raises:
           FileNotFoundError, ValueError: see :func:`load_gguf`; ValueError for an
-            unknown dtype or quantization name, or a contradictory combination
+            unknown dtype or quantization name, a quantized mode for a non-Llama
+            file (Gemma 3 is served dense), or a contradictory combination
             (:func:`~services.engine.torch_backend.quant.check_mode`), or an
             attention backend or quantized kernel that cannot run
             (:func:`resolve_attention_backend`,
@@ -218,6 +227,11 @@ class ModelRunner:
         if quantization != "none":
             resolve_quant_kernel(quant_kernel)
         loaded = load_gguf(path, keep_q4_1=quantization != "none")
+        if loaded.config.architecture != "llama" and quantization != "none":
+            raise ValueError(
+                f"--quantization {quantization} is for Llama GGUFs (their Q4_1 blocks); this "
+                f"{loaded.config.architecture} file's K-quant weights would be requantized, "
+                "which is not quality-checked: use --quantization none (dense weights in --dtype)")
         model = build_model(loaded.config, loaded.state_dict, torch_device, DTYPES[dtype],
                             max_positions, quantization, loaded.q4_1, quant_kernel)
         if dense_prefill is None:  # auto: where the quantized kernels are PyTorch's
@@ -340,6 +354,10 @@ class ModelRunner:
         if self.attention_backend == "native":
             attention = NativeAttentionBatch(cache, batch.seqs, slot_tensor,
                                              self.config.num_heads, self.model.rope)
+        elif (specs := self.model.layer_attention) is not None:
+            attention = LayerwiseAttention(cache, batch.seqs, slot_tensor, self._group_size,
+                                           torch.tensor(batch.positions, device=device),
+                                           specs, self.batch_invariant)
         else:
             attention = AttentionBatch(cache, batch.seqs, slot_tensor, self._group_size,
                                        torch.tensor(batch.positions, device=device),

@@ -164,11 +164,20 @@ class AttentionBatch:
       positions: ``[rows]`` each row's position (padding rows: any valid one).
       rope: the model's RoPE tables (cosine, signed sine; ``LlamaModel.rope``).
       batch_invariant: pad shapes so results do not depend on the batch.
+      sliding_window: None (every query sees its whole causal context), or the
+        keys a query sees, itself included: query at position ``i`` sees keys
+        ``j`` with ``i - sliding_window < j <= i`` (Gemma 3's local layers;
+        transformers' ``sliding_window_overlay``). Masked keys are still
+        gathered: the window changes the mask, not the work.
     """
 
     def __init__(self, cache: PagedKVCache, seqs: Sequence[SeqAttention], slots: torch.Tensor,
                  group_size: int, positions: torch.Tensor,
-                 rope: tuple[torch.Tensor, torch.Tensor], batch_invariant: bool = True) -> None:
+                 rope: tuple[torch.Tensor, torch.Tensor], batch_invariant: bool = True,
+                 sliding_window: int | None = None) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+        self.sliding_window = sliding_window
         if cache.transposed_keys:
             raise ValueError("AttentionBatch reads keys [blocks, block_size, head_dim]; "
                              "this cache holds them transposed (the native kernel's layout)")
@@ -216,7 +225,10 @@ class AttentionBatch:
         block_ids = torch.tensor(self._block_ids(seqs, num_keys), dtype=torch.int64,
                                  device=device)
         keys = torch.arange(num_keys, device=device)
-        mask = keys[None, :] >= torch.tensor(lengths, device=device)[:, None]
+        ends = torch.tensor(lengths, device=device)[:, None]
+        mask = keys[None, :] >= ends
+        if self.sliding_window is not None:  # query position = length - 1
+            mask |= keys[None, :] <= ends - 1 - self.sliding_window
         return AttentionGroup(0, len(seqs), 1, self._rows(self.group_size), block_ids,
                               mask.unsqueeze(1))
 
@@ -231,7 +243,10 @@ class AttentionBatch:
         last_key = last_key.repeat_interleave(self.group_size)
         if padded > rows:  # padding rows see every key (finite, discarded)
             last_key = F.pad(last_key, (0, padded - rows), value=num_keys)
-        mask = torch.arange(num_keys, device=device)[None, :] > last_key[:, None]
+        keys = torch.arange(num_keys, device=device)[None, :]
+        mask = keys > last_key[:, None]
+        if self.sliding_window is not None:  # padding rows keep their last keys
+            mask |= keys <= last_key[:, None] - self.sliding_window
         return AttentionGroup(first_row, 1, seq.num_tokens, padded, block_ids, mask.unsqueeze(0))
 
     def attend(self, layer: int, qkv: torch.Tensor, scale: float,
@@ -337,3 +352,42 @@ def _chunked_value_sum(probs: torch.Tensor, values: torch.Tensor) -> torch.Tenso
         tile = probs[:, :, start:end].reshape(kv_heads, seqs, end - start, chunks, KEY_CHUNK)
         parts.append(torch.matmul(tile.transpose(2, 3), values).cumsum(dim=2)[:, :, -1])
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+@dataclass(frozen=True)
+class LayerAttentionSpec:
+    """How one layer attends, where layers differ (Gemma 3's local and global layers).
+
+    Attributes:
+      rope: the layer's RoPE tables (cosine, signed sine) ``[max_positions, head_dim]``.
+      sliding_window: see :class:`AttentionBatch`; None for full causal attention.
+    """
+
+    rope: tuple[torch.Tensor, torch.Tensor]
+    sliding_window: int | None = None
+
+
+class LayerwiseAttention:
+    """A step's attention plan for models whose layers attend differently: one
+    :class:`AttentionBatch` per distinct :class:`LayerAttentionSpec` (built once
+    per step, sharing the cache), and each layer's :meth:`attend` goes to its
+    own. Same arguments as :class:`AttentionBatch`, plus ``specs`` (one per layer).
+    """
+
+    def __init__(self, cache: PagedKVCache, seqs: Sequence[SeqAttention], slots: torch.Tensor,
+                 group_size: int, positions: torch.Tensor, specs: Sequence[LayerAttentionSpec],
+                 batch_invariant: bool = True) -> None:
+        self.num_tokens = int(slots.shape[0])
+        plans: dict[tuple[int, int | None], AttentionBatch] = {}
+        self._by_layer: list[AttentionBatch] = []
+        for spec in specs:
+            key = (id(spec.rope[0]), spec.sliding_window)
+            if key not in plans:
+                plans[key] = AttentionBatch(cache, seqs, slots, group_size, positions, spec.rope,
+                                            batch_invariant, spec.sliding_window)
+            self._by_layer.append(plans[key])
+
+    def attend(self, layer: int, qkv: torch.Tensor, scale: float,
+               out_dtype: torch.dtype) -> torch.Tensor:
+        """See :meth:`StepAttention.attend`, with layer ``layer``'s spec."""
+        return self._by_layer[layer].attend(layer, qkv, scale, out_dtype)

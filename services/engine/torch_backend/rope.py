@@ -14,14 +14,16 @@ from services.engine.torch_backend.gguf_loader import LlamaConfig
 
 
 def rope_tables(config: LlamaConfig, max_positions: int, device: torch.device | str,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                dtype: torch.dtype, theta: float | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosine and sine tables ``[max_positions, head_dim]`` of RoPE (computed in fp32).
 
-    Frequency of pair ``i``: ``theta ** (-2i / head_dim)``; both halves of the
-    head share a frequency ("rotate half" layout).
+    Frequency of pair ``i``: ``theta ** (-2i / head_dim)`` (``theta`` defaults to
+    ``config.rope_theta``; Gemma 3's local layers pass their own base); both
+    halves of the head share a frequency ("rotate half" layout).
     """
     exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    inv_freq = 1.0 / ((config.rope_theta if theta is None else theta) ** exponents)
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
