@@ -484,9 +484,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--backend", default=None, help="engine --backend (torch, tensorrt_llm)")
     up.add_argument("--device", default=None, help="engine --device (cpu, cuda, cuda:1)")
     up.add_argument("--dtype", default=None, help="engine --dtype (float32, bfloat16...)")
-    up.add_argument("--quantization", default=None, choices=("none", "int8", "int4"),
-                    help="engine --quantization (default int4 on CPU; none when --dtype "
-                         "is not float32 or --device is not the CPU)")
+    up.add_argument("--quantization", default=None, choices=("auto", "none", "int8", "int4"),
+                    help="engine --quantization (default auto: int4 for a Llama GGUF on the "
+                         "CPU; none for other models, or when --dtype is not float32 or "
+                         "--device is not the CPU)")
     up.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
                     help="extra engine argument, repeatable: --engine-arg=--flag=value")
     up.add_argument("--router-arg", action="append", default=[], metavar="ARG",

@@ -43,10 +43,13 @@ class EngineConfig:
         projections then take bf16 activations while the residual stream,
         norms and attention stay fp32.
       quantization: weight-only quantized projections (torch backend, CPU):
-        ``int4`` (default: the GGUF's Q4_1 blocks as they are, the fastest
-        mode that passes the quality guard), ``int8`` (per-row int8) or
-        ``none`` (dense weights in ``dtype``). See ``torch_backend/quant.py``
-        and docs/engine.md.
+        ``int4`` (the GGUF's Q4_1 blocks as they are, the fastest mode that
+        passes the quality guard), ``int8`` (per-row int8), ``none`` (dense
+        weights in ``dtype``), or ``auto`` (default): ``int4`` for a Llama
+        GGUF in float32 on the CPU, else ``none`` (Gemma 3's K-quants would
+        be requantized: not quality-checked). The torch backend resolves
+        ``auto`` when it is built (:func:`resolve_quantization`). See
+        ``torch_backend/quant.py`` and docs/engine.md.
       dense_prefill: with ``quantization`` int4/int8, prompt tokens take dense
         bf16 copies of the quantized weights (oneDNN's GEMM; +2 bytes of memory
         per weight) and generated tokens the quantized kernels; each token
@@ -119,7 +122,7 @@ class EngineConfig:
     served_model_name: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
-    quantization: str = "int4"
+    quantization: str = "auto"
     dense_prefill: bool | None = None
     attention_backend: str = "auto"
     quant_kernel: str = "auto"
@@ -194,10 +197,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
     add("--served-model-name", str, None)
     add("--device", str, "cpu", "cpu, cuda or cuda:N")
     add("--dtype", str, "float32", choices=("float32", "bfloat16", "float16"))
-    add("--quantization", str, "int4", "weight-only quantized projections (torch, CPU): "
+    add("--quantization", str, "auto", "weight-only quantized projections (torch, CPU): "
         "int4 = the GGUF's Q4_1 weights on the int4 kernel, int8 = per-row int8, "
         "none = dense weights in --dtype; int4/int8 run bf16 activations on an fp32 "
-        "residual stream and need --dtype float32", choices=("none", "int8", "int4"))
+        "residual stream and need --dtype float32; auto (default) = int4 for a Llama GGUF "
+        "in float32 on the CPU, else none", choices=("auto", "none", "int8", "int4"))
     add("--dense-prefill", parse_bool_or_auto, None,
         "with --quantization int4/int8: prompt tokens through dense bf16 copies of the "
         "weights (+2 bytes per weight), generated tokens quantized (default: only with "

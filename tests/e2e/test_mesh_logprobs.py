@@ -12,6 +12,7 @@ import torch
 from services.cli.mesh import Mesh
 from services.common.model_files import default_model_path
 from services.engine.config import EngineConfig
+from services.engine.torch_backend.backend import resolve_quantization
 from services.engine.torch_backend.model_runner import ModelRunner, StepInput
 from services.tokenizer.tokenizer import ChatMessage, Tokenizer
 from tests.e2e.mesh_client import CAPITAL_QUESTION, chat_request
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.mesh
 @pytest.fixture(scope="module")
 def runner(mesh: Mesh) -> ModelRunner:
     """SmolLM2 in process, loaded as the mesh's engine loads it (its defaults)."""
-    config = EngineConfig()
+    config = resolve_quantization(EngineConfig())
     loaded = ModelRunner.from_gguf(default_model_path(), quantization=config.quantization,
                                    dense_prefill=config.dense_prefill,
                                    quant_kernel=config.quant_kernel, max_positions=512)

@@ -17,7 +17,7 @@ import time
 
 from services.common.sampling import SamplingOptions
 from services.engine.config import EngineConfig
-from services.engine.torch_backend.backend import TorchBackend
+from services.engine.torch_backend.backend import TorchBackend, resolve_quantization
 from services.engine.types import SequenceRequest
 
 PROMPT_100 = tuple(100 + (i * 977) % 48000 for i in range(100))
@@ -68,5 +68,6 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=48)
     args = parser.parse_args()
     quantization = args.quantization or (
-        EngineConfig().quantization if args.dtype == "float32" else "none")
+        resolve_quantization(EngineConfig()).quantization if args.dtype == "float32"
+        else "none")
     asyncio.run(main(args.dtype, args.device, args.runs, args.tokens, quantization))

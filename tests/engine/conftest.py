@@ -21,7 +21,7 @@ from services.common.model_files import default_model_path
 from services.engine.config import EngineConfig
 from services.engine.metrics import EngineMetrics
 from services.engine.service import EngineService
-from services.engine.torch_backend.backend import TorchBackend
+from services.engine.torch_backend.backend import TorchBackend, resolve_quantization
 from services.engine.torch_backend.gguf_loader import GGUFModel, load_gguf
 from services.engine.torch_backend.model import LlamaModel, build_model
 from services.engine.torch_backend.native import load_library
@@ -89,7 +89,7 @@ def smollm2(smollm2_by_mode: Callable[..., LlamaModel]) -> LlamaModel:
     """SmolLM2 as the engine loads it by default (quantization, quantized kernel,
     dense prefill only with PyTorch's kernels) on CPU, shared by every backend of
     the session."""
-    config = EngineConfig()
+    config = resolve_quantization(EngineConfig())
     dense_prefill = config.dense_prefill
     if dense_prefill is None:
         dense_prefill = resolve_quant_kernel(config.quant_kernel) == "torch"

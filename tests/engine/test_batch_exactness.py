@@ -24,7 +24,7 @@ import torch
 from services.common.sampling import FinishReason, InvalidRequestError, Priority, SamplingOptions
 from services.engine.config import EngineConfig
 from services.common.kv_events import BlockStored
-from services.engine.torch_backend.backend import TorchBackend
+from services.engine.torch_backend.backend import TorchBackend, resolve_quantization
 from services.common.block_hash import hash_block
 from services.engine.torch_backend.model import LlamaModel
 from services.engine.torch_backend.model_runner import ModelRunner, StepInput
@@ -243,7 +243,7 @@ async def test_a_next_turn_quoting_the_answer_stays_exact(
     projections): role-aware block hashes keep them from being reused, so the
     next turn equals a run without prefix caching on the same model; the
     first turn's all-prompt blocks are still hits."""
-    model = smollm2_by_mode(EngineConfig().quantization, True)
+    model = smollm2_by_mode(resolve_quantization(EngineConfig()).quantization, True)
     assert model.has_prompt_projections
     first = PROMPTS[8][:40]  # 40 prompt tokens: 2 full blocks of prompt only
     backend = await start_backend(model)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from services.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args
+from services.engine.torch_backend.backend import resolve_quantization
 from services.engine.torch_backend.gguf_loader import GGUFModel, Q4_1Blocks, dequantize
 from services.engine.torch_backend.model import LlamaModel
 from services.engine.torch_backend.model_runner import ModelRunner
@@ -161,7 +162,10 @@ def test_dense_prefill_flag_and_environment() -> None:
 
 
 def test_quantization_flag_and_environment() -> None:
-    assert EngineConfig().quantization == parse([]).quantization == "int4"
+    assert EngineConfig().quantization == parse([]).quantization == "auto"
+    assert resolve_quantization(EngineConfig()).quantization == "int4"  # SmolLM2: Llama
+    assert resolve_quantization(EngineConfig(dtype="bfloat16")).quantization == "none"
+    assert resolve_quantization(EngineConfig(quantization="int8")).quantization == "int8"
     assert parse(["--quantization", "int8"]).quantization == "int8"
     assert parse([], {"LLMESH_ENGINE_QUANTIZATION": "none"}).quantization == "none"
     assert parse(["--quantization", "int4"],

@@ -34,6 +34,7 @@ from services.common.sampling import MAX_SPECULATIVE_TOKENS, SpeculativeMethod
 from services.engine.backend import EngineBackend, EngineUnavailableError
 from services.engine.config import EngineConfig
 from services.engine.torch_backend.block_pool import BlockCounts
+from services.engine.torch_backend.gguf_loader import gguf_architecture
 from services.engine.torch_backend.draft_proposer import (
     DraftProposer,
     draft_runner,
@@ -49,7 +50,12 @@ from services.engine.torch_backend.model_runner import (
     keep_freed_memory,
     resolve_attention_backend,
 )
-from services.engine.torch_backend.quant import QUANT_KERNELS, check_mode, resolve_quant_kernel
+from services.engine.torch_backend.quant import (
+    QUANT_KERNELS,
+    auto_quantization,
+    check_mode,
+    resolve_quant_kernel,
+)
 from services.engine.torch_backend.scheduler import Scheduler, SchedulerConfig
 from services.engine.torch_backend.speculative import (
     NgramProposer,
@@ -118,7 +124,7 @@ class TorchBackend(EngineBackend):
     def __init__(self, config: EngineConfig | None = None,
                  step_observer: StepObserver | None = None,
                  model: LlamaModel | None = None) -> None:
-        self._config = config or EngineConfig()
+        self._config = resolve_quantization(config or EngineConfig(), model)
         check_config(self._config)
         self._model = model
         self._step_observer = step_observer
@@ -332,6 +338,25 @@ class TorchBackend(EngineBackend):
             core, self._core = self._core, None
         if core is not None:
             await asyncio.to_thread(core.stop)
+
+
+def resolve_quantization(config: EngineConfig, model: LlamaModel | None = None) -> EngineConfig:
+    """``config`` with ``quantization: auto`` made concrete: the given model's
+    mode, else :func:`~services.engine.torch_backend.quant.auto_quantization`
+    of the GGUF's architecture (read from its header). A missing or unreadable
+    file resolves as a Llama one and fails when it loads.
+    """
+    if config.quantization != "auto":
+        return config
+    if model is not None:
+        return replace(config, quantization=model.quantization)
+    try:
+        architecture = gguf_architecture(config.model_path or default_model_path())
+    except (FileNotFoundError, ValueError):
+        architecture = "llama"
+    dtype = DTYPES.get(config.dtype, torch.float32)
+    return replace(config, quantization=auto_quantization(architecture, dtype,
+                                                          torch.device(config.device)))
 
 
 def check_config(config: EngineConfig) -> None:

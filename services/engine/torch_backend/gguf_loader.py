@@ -246,6 +246,20 @@ _GLOBAL_NAMES = {
 }
 
 
+def gguf_architecture(path: str | Path) -> str:
+    """``general.architecture`` of the GGUF at ``path`` (``llama``, ``gemma3``...),
+    read from its header (the file is memory-mapped, not loaded).
+
+    Raises:
+      FileNotFoundError: no file at ``path``.
+      ValueError: the key is missing.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    return str(_field(gguf.GGUFReader(str(path)), "general.architecture"))
+
+
 def load_gguf(path: str | Path, keep_q4_1: bool = False) -> GGUFModel:
     """Reads ``path`` and returns its config and dequantized fp32 state dict.
 

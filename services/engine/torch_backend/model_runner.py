@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from services.engine.torch_backend.batch_invariant import probe
-from services.engine.torch_backend.gguf_loader import LlamaConfig, load_gguf
+from services.engine.torch_backend.gguf_loader import LlamaConfig, gguf_architecture, load_gguf
 from services.engine.torch_backend.model import LlamaModel, build_model
 from services.engine.torch_backend.native import unavailable_reason
 from services.engine.torch_backend.native_attention import NativeAttentionBatch
@@ -40,7 +40,11 @@ from services.engine.torch_backend.paged_kv import (
     StepAttention,
     num_blocks_for_budget,
 )
-from services.engine.torch_backend.quant import check_mode, resolve_quant_kernel
+from services.engine.torch_backend.quant import (
+    auto_quantization,
+    check_mode,
+    resolve_quant_kernel,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: ``--attention-backend`` choices: ``native`` is the C kernel
@@ -205,7 +209,8 @@ class ModelRunner:
         """Loads the GGUF at ``path`` onto ``device`` in ``dtype``: dequantized for
         ``quantization="none"``; for ``int4`` its Q4_1 blocks go to the int4
         kernel as they are, for ``int8`` they are requantized per row (see
-        :mod:`~services.engine.torch_backend.quant`); with ``dense_prefill`` a
+        :mod:`~services.engine.torch_backend.quant`); ``auto`` picks per
+        :func:`~services.engine.torch_backend.quant.auto_quantization`; with ``dense_prefill`` a
         quantized model also gets dense bf16 prompt projections (None: only
         when its quantized kernels are PyTorch's, see ``EngineConfig.dense_prefill``)
         (:meth:`~services.engine.torch_backend.model.LlamaModel.add_prompt_projections`).
@@ -222,6 +227,8 @@ class ModelRunner:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         torch_device = torch.device(device)
+        if quantization == "auto":
+            quantization = auto_quantization(gguf_architecture(path), DTYPES[dtype], torch_device)
         check_mode(quantization, DTYPES[dtype], torch_device)
         resolve_attention_backend(attention_backend, torch_device, DTYPES[dtype])
         if quantization != "none":

@@ -466,6 +466,17 @@ def quantize_projection(mode: str, dense: torch.Tensor | None,
     raise ValueError(f"quantization must be int4 or int8 here, got {mode!r}")
 
 
+def auto_quantization(architecture: str, dtype: torch.dtype, device: torch.device) -> str:
+    """What ``--quantization auto`` means for a model: ``int4`` for a Llama GGUF
+    in float32 on the CPU (its Q4_1 blocks as they are: the fastest mode that
+    passes the quality guard), ``none`` otherwise (the quantized kernels are
+    CPU fp32 ones; other architectures' K-quants would be requantized, which
+    is not quality-checked)."""
+    if architecture == "llama" and dtype == torch.float32 and device.type == "cpu":
+        return "int4"
+    return "none"
+
+
 def check_mode(quantization: str, dtype: torch.dtype, device: torch.device) -> None:
     """Rejects combinations that contradict each other.
 
