@@ -1,6 +1,6 @@
 """Cost of the logits processors per decode step (not a test).
 
-    python -m benchmarks.logits_processors [--batch 8] [--vocab 49152] [--history 1000]
+    python benchmarks/logits_processors.py [--batch 8] [--vocab 49152] [--history 1000]
 
 Times :func:`sample_step` (greedy rows) on random ``[batch, vocab]`` logits:
 
@@ -11,29 +11,36 @@ Times :func:`sample_step` (greedy rows) on random ``[batch, vocab]`` logits:
   incremental state avoids);
 * a speculative step: every row with 4 proposals (5 target rows each).
 
-Prints the median microseconds per step of each, and the load average.
+Prints the median (and minimum) microseconds per step of each, and the load average.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from services.common.sampling import SamplingOptions
-from services.engine.torch_backend.logits_processors import LogitsProcessorState
-from services.engine.torch_backend.sampler import SamplingRow
-from services.engine.torch_backend.step_sampler import StepRow, sample_step
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "services" / "gen")]
+
+from services.common.sampling import SamplingOptions  # noqa: E402
+from services.engine.torch_backend.logits_processors import LogitsProcessorState  # noqa: E402
+from services.engine.torch_backend.sampler import SamplingRow  # noqa: E402
+from services.engine.torch_backend.step_sampler import StepRow, sample_step  # noqa: E402
 
 OPTIONS = SamplingOptions(max_tokens=4096, repetition_penalty=1.2, frequency_penalty=0.5,
                           presence_penalty=0.3, min_tokens=2048,
                           logit_bias=tuple((i, 1.0) for i in range(0, 3000, 10)))
 
 
-def median_us(step: Callable[[], object], repeats: int = 200) -> float:
+def median_us(step: Callable[[], object], repeats: int = 200) -> str:
+    """``"median (min)"`` microseconds of ``step`` (the minimum is the steadier
+    figure on a loaded machine)."""
     for _ in range(10):
         step()
     times = []
@@ -41,7 +48,7 @@ def median_us(step: Callable[[], object], repeats: int = 200) -> float:
         began = time.perf_counter()
         step()
         times.append(time.perf_counter() - began)
-    return statistics.median(times) * 1e6
+    return f"{statistics.median(times) * 1e6:9.1f} ({min(times) * 1e6:9.1f})"
 
 
 def penalised_state(history: list[int], prompt: tuple[int, ...]) -> LogitsProcessorState:
@@ -83,13 +90,13 @@ def main() -> None:
     spec_plain = [StepRow(SamplingRow(), (5, 6, 7, 8)) for _ in range(args.batch)]
 
     print(f"batch {args.batch}, vocab {args.vocab}, history {args.history}, 1 thread")
-    print(f"plain rows (fast path)          {median_us(lambda: sample_step(logits, plain)):9.1f} us")
-    print(f"all processors, incremental     {median_us(incremental):9.1f} us")
-    print(f"all processors, from scratch    {median_us(from_scratch, 50):9.1f} us")
+    print(f"plain rows (fast path)          {median_us(lambda: sample_step(logits, plain))} us")
+    print(f"all processors, incremental     {median_us(incremental)} us")
+    print(f"all processors, from scratch    {median_us(from_scratch, 50)} us")
     print(f"spec k=4 plain rows             "
-          f"{median_us(lambda: sample_step(spec_logits, spec_plain)):9.1f} us")
+          f"{median_us(lambda: sample_step(spec_logits, spec_plain))} us")
     print(f"spec k=4 all processors         "
-          f"{median_us(lambda: sample_step(spec_logits, spec)):9.1f} us")
+          f"{median_us(lambda: sample_step(spec_logits, spec))} us")
     with open("/proc/loadavg") as f:
         print("loadavg", f.read().strip())
 

@@ -17,10 +17,12 @@ mask and the sampler's temperature / top-k / top-p (vLLM v1's order):
    tokens only: ``logit -= count * f + (count > 0) * p`` (OpenAI's definition,
    https://platform.openai.com/docs/advanced-usage#frequency-and-presence-penalties).
 
-Each sequence keeps a :class:`LogitsProcessorState` whose output-token counts
-are a dense ``[vocab]`` fp32 vector updated incrementally: tokens appended
-after a step are added in one ``index_add_`` at the next step, so a step costs
-``O(vocab)`` per processed row whatever the history length. A row's processed
+Each sequence keeps a :class:`LogitsProcessorState`: its distinct output
+tokens with their counts, and its distinct prompt and output tokens, both
+updated incrementally (tokens appended after a step are counted in one
+``index_add_`` at the next step). The penalties gather and scatter only those
+ids, so a step costs ``O(distinct tokens)`` per processed row, never a pass
+over the history or over the whole vocabulary. A row's processed
 logits depend only on its own logits and state (elementwise arithmetic, no
 reduction over the batch): the processors are batch-invariant.
 
@@ -85,7 +87,9 @@ class LogitsProcessorParams:
 
 
 class LogitsProcessorState:
-    """One sequence's processors and the output-token history they need.
+    """One sequence's processors and the history they need, kept sparse: the
+    distinct tokens of its output (with their counts) and of its prompt and
+    output, so a step costs ``O(distinct tokens)`` per row, not ``O(vocab)``.
 
     Args:
       params: the request's processors.
@@ -94,11 +98,18 @@ class LogitsProcessorState:
 
     def __init__(self, params: LogitsProcessorParams, prompt_token_ids: Sequence[int]) -> None:
         self.params = params
-        self._prompt = tuple(prompt_token_ids)
         self.num_output_tokens = 0
-        self._pending: list[int] = []
-        self._counts: torch.Tensor | None = None  # [vocab] fp32, built at first use
-        self._prompt_mask: torch.Tensor | None = None  # [vocab] bool
+        self._counting = params.counts_output
+        # Output tokens: position of each distinct id, and its count (aligned tensor).
+        self._out_pos: dict[int, int] = {}
+        self._out_ids = _IdBuffer()
+        self._out_counts = torch.zeros(0)
+        self._pending: list[int] = []  # appended, not yet in _out_counts
+        # Prompt and output tokens (the repetition penalty's set).
+        prompt = (list(dict.fromkeys(prompt_token_ids))
+                  if params.repetition_penalty != 1.0 else [])
+        self._seen: set[int] = set(prompt)
+        self._seen_ids = _IdBuffer(prompt)
         self._bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, values)
         self._stop: torch.Tensor | None = None
 
@@ -112,8 +123,15 @@ class LogitsProcessorState:
     def append(self, token_id: int) -> None:
         """Records a generated token (counted at the next :meth:`process`). O(1)."""
         self.num_output_tokens += 1
-        if self.params.counts_output:
-            self._pending.append(token_id)
+        if not self._counting:
+            return
+        self._pending.append(token_id)
+        if token_id not in self._out_pos:
+            self._out_pos[token_id] = len(self._out_pos)
+            self._out_ids.append(token_id)
+        if self.params.repetition_penalty != 1.0 and token_id not in self._seen:
+            self._seen.add(token_id)
+            self._seen_ids.append(token_id)
 
     def process(self, logits: torch.Tensor, lookahead: Sequence[int] = ()) -> torch.Tensor:
         """Applies the processors to this sequence's rows, in place.
@@ -127,54 +145,93 @@ class LogitsProcessorState:
           ``logits``, processed.
         """
         p = self.params
-        rows, vocab = logits.shape
+        rows = logits.shape[0]
         if p.logit_bias:
             if self._bias is None:
                 self._bias = (torch.tensor([t for t, _ in p.logit_bias], device=logits.device),
                               torch.tensor([b for _, b in p.logit_bias], device=logits.device))
             ids, bias = self._bias
-            logits[:, ids] += bias
+            logits.index_add_(1, ids, bias.expand(rows, -1))
         masked_rows = min(rows, p.min_tokens - self.num_output_tokens)
         if masked_rows > 0 and p.min_stop_ids:
             if self._stop is None:
                 self._stop = torch.tensor(p.min_stop_ids, device=logits.device)
             logits[:masked_rows, self._stop] = float("-inf")
-        if not p.counts_output:
+        if not self._counting:
             return logits
-        counts = self._output_counts(vocab, logits.device).expand(rows, vocab)
-        if lookahead:
-            counts = counts.clone()
-            for j, token in enumerate(lookahead[:rows - 1]):
-                counts[j + 1:, token] += 1.0
-        present = counts > 0
+        lookahead = tuple(lookahead[:rows - 1])
         if p.repetition_penalty != 1.0:
-            seen = present | self._prompt_seen(vocab, logits.device)
-            r = p.repetition_penalty
-            logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
-        if p.frequency_penalty:
-            logits -= counts * p.frequency_penalty
-        if p.presence_penalty:
-            logits -= present.to(logits.dtype) * p.presence_penalty
+            self._penalise_repetition(logits, lookahead)
+        if p.frequency_penalty or p.presence_penalty:
+            self._penalise_frequency_presence(logits, lookahead)
         return logits
 
-    def _output_counts(self, vocab: int, device: torch.device) -> torch.Tensor:
-        """``[vocab]`` fp32 occurrences of each token in the output, caught up
-        with the tokens appended since the last call."""
-        if self._counts is None:
-            self._counts = torch.zeros(vocab, dtype=torch.float32, device=device)
-        if self._pending:
-            ids = torch.tensor(self._pending, device=device)
-            self._counts.index_add_(0, ids, torch.ones(len(self._pending), device=device))
-            self._pending.clear()
-        return self._counts
+    def _penalise_repetition(self, logits: torch.Tensor, lookahead: tuple[int, ...]) -> None:
+        """CTRL's penalty on the prompt and output tokens (and, from the row
+        after each, the proposals not among them)."""
+        r = self.params.repetition_penalty
+        extra = [t for t in dict.fromkeys(lookahead) if t not in self._seen]
+        ids = self._seen_ids.tensor(logits.device, extra)
+        if ids.numel() == 0:
+            return
+        values = logits.index_select(1, ids)
+        penalised = torch.where(values > 0, values / r, values * r)
+        if extra:  # a proposal's token counts from the row after it on
+            seen = torch.ones_like(values, dtype=torch.bool)
+            base = ids.numel() - len(extra)
+            for i, token in enumerate(extra):
+                seen[:lookahead.index(token) + 1, base + i] = False
+            penalised = torch.where(seen, penalised, values)
+        logits.index_copy_(1, ids, penalised)
 
-    def _prompt_seen(self, vocab: int, device: torch.device) -> torch.Tensor:
-        """``[vocab]`` bool: the token occurs in the prompt."""
-        if self._prompt_mask is None:
-            self._prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
-            if self._prompt:
-                self._prompt_mask[torch.tensor(self._prompt, device=device)] = True
-        return self._prompt_mask
+    def _penalise_frequency_presence(self, logits: torch.Tensor,
+                                     lookahead: tuple[int, ...]) -> None:
+        """OpenAI's penalties on the output tokens (and the proposals before each row)."""
+        p = self.params
+        if self._pending:  # incremental: only the tokens appended since the last step
+            grown = len(self._out_pos) - self._out_counts.numel()
+            if grown:
+                self._out_counts = torch.cat([self._out_counts, torch.zeros(grown)])
+            positions = torch.tensor([self._out_pos[t] for t in self._pending])
+            self._out_counts.index_add_(0, positions, torch.ones(len(self._pending)))
+            self._pending.clear()
+        extra = [t for t in dict.fromkeys(lookahead) if t not in self._out_pos]
+        ids = self._out_ids.tensor(logits.device, extra)
+        if ids.numel() == 0:
+            return
+        counts = self._out_counts.to(logits.device)
+        if extra:
+            counts = torch.cat([counts, torch.zeros(len(extra), device=logits.device)])
+        counts = counts.expand(logits.shape[0], -1)
+        if lookahead:
+            counts = counts.clone()
+            where = {t: i for i, t in enumerate(extra, start=len(self._out_pos))}
+            for j, token in enumerate(lookahead):
+                counts[j + 1:, self._out_pos.get(token, where.get(token))] += 1.0
+        logits.index_add_(1, ids, counts * -p.frequency_penalty
+                          + (counts > 0) * -p.presence_penalty)
+
+
+class _IdBuffer:
+    """A growing list of token ids and its int64 tensor, extended in place
+    (amortised ``O(1)`` per id, no rebuild of the whole tensor per step)."""
+
+    def __init__(self, ids: Sequence[int] = ()) -> None:
+        self._ids: list[int] = list(ids)
+        self._tensor = torch.tensor(self._ids, dtype=torch.int64)
+
+    def append(self, token_id: int) -> None:
+        self._ids.append(token_id)
+
+    def tensor(self, device: torch.device, extra: Sequence[int] = ()) -> torch.Tensor:
+        """The ids (then ``extra``) as a ``[n + len(extra)]`` int64 tensor on ``device``."""
+        if self._tensor.numel() < len(self._ids):
+            new = torch.tensor(self._ids[self._tensor.numel():], dtype=torch.int64)
+            self._tensor = torch.cat([self._tensor, new])
+        ids = self._tensor.to(device)
+        if extra:
+            ids = torch.cat([ids, torch.tensor(extra, dtype=torch.int64, device=device)])
+        return ids
 
 
 class ProcessedRow(Protocol):
