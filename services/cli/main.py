@@ -57,6 +57,16 @@ def _ranged_int(low: int, high: int, what: str) -> Callable[[str], int]:
     return parse
 
 
+def _model_spec(text: str):  # -> services.cli.mesh.ModelSpec
+    """``NAME=PATH`` (argparse type of ``llmesh up --model``)."""
+    from services.cli.mesh import ModelSpec
+
+    try:
+        return ModelSpec.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 _port = _ranged_int(0, 65535, "port")
 _int32_positive = _ranged_int(1, 2**31 - 1, "count")
 _int32_non_negative = _ranged_int(0, 2**31 - 1, "count")
@@ -168,9 +178,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     if dense_only and args.quantization is None:
         # The int4/int8 kernels are CPU ones with an fp32 residual stream.
         engine_args += ["--quantization", "none"]
+    if args.models and args.model_path:
+        print("llmesh: give --model NAME=PATH (repeatable) or --model-path, not both",
+              file=sys.stderr)
+        return 2
     mesh = Mesh(
         ingress_host=args.host, ingress_port=args.port, admin_port=args.admin_port,
-        model_path=args.model_path, redis_url=args.redis_url, run_dir=args.run_dir,
+        model_path=args.model_path, models=args.models, redis_url=args.redis_url,
+        run_dir=args.run_dir,
         num_engines=args.engines, engine_args=engine_args, router_args=list(args.router_arg),
         drain_seconds=args.drain_seconds, start_timeout_s=args.start_timeout,
         stream_idle_timeout_s=args.stream_idle_timeout, commands=_role_commands(),
@@ -456,6 +471,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Envoy admin port (env LLMESH_ADMIN_PORT, default: %(default)s)")
     up.add_argument("--model-path", default=None,
                     help="GGUF file for tokenizer and engines (default: the services' default)")
+    up.add_argument("--model", action="append", default=[], metavar="NAME=PATH",
+                    dest="models", type=_model_spec,
+                    help="serve several models: repeat it; each gets its own tokenizer and "
+                         "--engines engines, and requests choose by `model` (the first is "
+                         "the default); not with --model-path")
     up.add_argument("--redis-url", default=None,
                     help="Redis for the cache service (default: its embedded store)")
     up.add_argument("--run-dir", default=None,

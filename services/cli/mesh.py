@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -429,6 +430,40 @@ class EnvoyProcess:
             stop_processes([self.process], timeout_s)
 
 
+#: Served model names: they become service and log file names.
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model of a several-model mesh (``llmesh up --model NAME=PATH``).
+
+    Attributes:
+      name: the served model id (clients send it as ``model``): the engines'
+        ``--served-model-name`` and the tokenizer's ``--model-name``.
+      path: its GGUF file.
+    """
+
+    name: str
+    path: str
+
+    @classmethod
+    def parse(cls, text: str) -> ModelSpec:
+        """``NAME=PATH``.
+
+        Raises:
+          ValueError: no ``=``, an empty path, or a name that is not 1-64 of
+            ``[A-Za-z0-9._-]`` starting with a letter or digit.
+        """
+        name, sep, path = text.partition("=")
+        if not sep or not path:
+            raise ValueError(f"--model {text!r}: expected NAME=PATH (a GGUF file)")
+        if not _MODEL_NAME.fullmatch(name):
+            raise ValueError(f"--model {text!r}: the name must be 1-64 letters, digits, '.', "
+                             "'_' or '-', starting with a letter or digit")
+        return cls(name, path)
+
+
 @dataclass
 class Mesh:
     """The whole mesh as child processes of this one.
@@ -439,6 +474,11 @@ class Mesh:
       admin_port: Envoy admin port (``/stats/prometheus``); 0 picks a free one.
       model_path: GGUF file passed as ``--model-path`` to tokenizer and
         engines; None lets them use their default model.
+      models: several models instead (``model_path`` unset): each gets its
+        own tokenizer and ``num_engines`` engines, named after it
+        (``tokenizer``/``engine-N`` for the first, the default;
+        ``tokenizer-NAME``/``engine-NAME-N`` for the others); the router
+        serves them all and routes by the request's ``model``.
       redis_url: passed to the cache as ``--redis-url``; None: its embedded store.
       run_dir: where logs, port files and ``envoy.yaml`` go; None makes a
         fresh ``/tmp/llmesh-*`` directory (kept after stop, for the logs).
@@ -474,6 +514,7 @@ class Mesh:
     ingress_port: int = 8080
     admin_port: int = 9901
     model_path: str | Path | None = None
+    models: Sequence[ModelSpec] = ()
     redis_url: str | None = None
     run_dir: str | Path | None = None
     num_engines: int = 1
@@ -498,6 +539,11 @@ class Mesh:
     prometheus_config: Path | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
+        if self.models and self.model_path is not None:
+            raise ValueError("give either model_path or models, not both")
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"each model needs its own name, got {names}")
         self._id_prefix = f"{socket.gethostname()}-{os.getpid()}"
         self._made_run_dir = self.run_dir is None
         if self.run_dir is None:
@@ -597,7 +643,7 @@ class Mesh:
         self._report_spawned(support, report, elapsed())
         self._wait_bound([self.services["cache"]], deadline, report, elapsed)
         engines = self._engine_processes()
-        engine_env = engine_thread_env(env, self.num_engines)
+        engine_env = engine_thread_env(env, self._total_engines)
         for service in engines:
             service.spawn(engine_env, REPO_ROOT)
         self._report_spawned(engines, report, elapsed())
@@ -648,15 +694,29 @@ class Mesh:
         self.services[name] = service
         return service
 
-    def _model_args(self) -> list[str]:
-        return ["--model-path", str(self.model_path)] if self.model_path else []
+    def _pools(self) -> list[tuple[str, ModelSpec | None]]:
+        """Each model's service-name suffix and spec (None: ``model_path`` or the
+        services' default model), the default model first."""
+        if not self.models:
+            return [("", None)]
+        return [("" if i == 0 else f"-{m.name}", m) for i, m in enumerate(self.models)]
+
+    @property
+    def _total_engines(self) -> int:
+        return self.num_engines * len(self._pools())
+
+    def _model_args(self, spec: ModelSpec | None, name_flag: str) -> list[str]:
+        if spec is None:
+            return ["--model-path", str(self.model_path)] if self.model_path else []
+        return ["--model-path", spec.path, name_flag, spec.name]
 
     def _support_processes(self) -> list[ServiceProcess]:
         redis = ["--redis-url", self.redis_url] if self.redis_url else []
-        return [
-            self._service("tokenizer", "tokenizer", [*self._model_args(), *self.tokenizer_args]),
-            self._service("cache", "cache", [*redis, *self.cache_args]),
-        ]
+        tokenizers = [
+            self._service(f"tokenizer{suffix}", "tokenizer",
+                          [*self._model_args(spec, "--model-name"), *self.tokenizer_args])
+            for suffix, spec in self._pools()]
+        return [*tokenizers, self._service("cache", "cache", [*redis, *self.cache_args])]
 
     def _engine_processes(self) -> list[ServiceProcess]:
         """The engines, each publishing KV events to the cache under a replica id
@@ -665,12 +725,14 @@ class Mesh:
         with several, taking its share of the CPUs (``--num-threads``)."""
         cache = self.services["cache"].grpc_address
         given = any(arg.split("=")[0] == "--num-threads" for arg in self.engine_args)
-        threads = ([] if self.num_engines == 1 or given
-                   else ["--num-threads", str(engine_cpu_share(self.num_engines))])
-        return [self._service(f"engine-{index}", "engine", [
-            *self._model_args(), "--replica-id", f"{self._id_prefix}-engine-{index}",
+        total = self._total_engines
+        threads = ([] if total == 1 or given
+                   else ["--num-threads", str(engine_cpu_share(total))])
+        return [self._service(f"engine{suffix}-{index}", "engine", [
+            *self._model_args(spec, "--served-model-name"),
+            "--replica-id", f"{self._id_prefix}-engine{suffix}-{index}",
             "--kv-events-target", cache, *threads, *self.engine_args])
-            for index in range(self.num_engines)]
+            for suffix, spec in self._pools() for index in range(self.num_engines)]
 
     def add_router(self, name: str, args: Sequence[str] = (),
                    timeout_s: float = 120.0) -> ServiceProcess:
@@ -703,8 +765,15 @@ class Mesh:
             "--tokenizer", by_name["tokenizer"].grpc_address,
             "--cache", by_name["cache"].grpc_address,
         ]
-        for engine in self.engines:
-            upstreams += ["--engine", engine.grpc_address]
+        for suffix, _ in self._pools():
+            engines = [by_name[f"engine{suffix}-{i}"].grpc_address
+                       for i in range(self.num_engines)]
+            if not suffix:
+                for engine in engines:
+                    upstreams += ["--engine", engine]
+            else:
+                upstreams += ["--model-pool", f"{by_name['tokenizer' + suffix].grpc_address}="
+                              + ",".join(engines)]
         limits = ["--stream-idle-timeout", f"{self.stream_idle_timeout_s:g}"]
         return self._service(name, "router", [*upstreams, *limits, *self.router_args, *extra])
 
@@ -788,7 +857,7 @@ class Mesh:
         service.pin_ports()
         env = child_env(self.env)
         if name.startswith("engine-"):
-            env = engine_thread_env(env, self.num_engines)
+            env = engine_thread_env(env, self._total_engines)
         started = time.monotonic()
         deadline = started + (self.start_timeout_s if timeout_s is None else timeout_s)
         service.spawn(env, REPO_ROOT)

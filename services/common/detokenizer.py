@@ -41,10 +41,13 @@ input the deltas may differ from ``decode(all_ids)`` next to the bad bytes
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Sequence
 from typing import Protocol
 
 import tokenizers
+import tokenizers.decoders
 
 _REPLACEMENT = "\ufffd"
 #: ``GetTokenizerResponse.format`` of a definition :class:`TokenizersDecoder` reads.
@@ -97,12 +100,43 @@ class TokenizersDecoder:
         """Text of ``token_ids`` (valid ids only: see :meth:`check_token_ids`)."""
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for on its own (valid ids only), which
+        need not be whole UTF-8 characters: for a byte-level BPE vocabulary
+        (GPT-2's, Radford et al. 2019: each byte written as one printable
+        character) its piece mapped back to bytes; for a SentencePiece
+        byte-fallback piece ``<0xNN>`` that byte; otherwise its decoded text in
+        UTF-8 (special tokens included)."""
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is not None:
+            if isinstance(self._tokenizer.decoder, tokenizers.decoders.ByteLevel):
+                table = _byte_level_table()
+                if all(char in table for char in piece):
+                    return bytes(table[char] for char in piece)
+            elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                with contextlib.suppress(ValueError):
+                    return bytes([int(piece[3:5], 16)])
+        return self._tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
     def check_token_ids(self, token_ids: Sequence[int]) -> None:
         """Raises ValueError unless every id is in ``[0, vocab_size)`` (``tokenizers``
         would drop an unknown id silently)."""
         bad = first_out_of_range(token_ids, self.vocab_size)
         if bad is not None:
             raise ValueError(f"token id {bad} is out of range [0, {self.vocab_size})")
+
+
+@functools.cache
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's alphabet: the character standing for each byte (GPT-2's
+    ``bytes_to_unicode``, re-derived: printable Latin-1 bytes stand for
+    themselves, the other 68 take the code points from U+0100 on, in byte
+    order), as character -> byte."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    table = {chr(byte): byte for byte in printable}
+    shifted = (byte for byte in range(256) if byte not in printable)
+    table.update({chr(0x100 + n): byte for n, byte in enumerate(shifted)})
+    return table
 
 
 class IncrementalDetokenizer:

@@ -35,6 +35,7 @@ import structlog
 
 from llmesh.v1 import common_pb2, engine_pb2
 from services.common.logging import bind_request_id
+from services.common.logprobs import PositionLogprobs, logprobs_to_pb
 from services.common.sampling import FinishReason, InvalidRequestError
 from services.engine.request_record import RequestFailed, RequestRecord
 from services.engine.types import SequenceRequest, TokenDelta
@@ -52,6 +53,8 @@ class PendingUpdate:
     running counts, and how it ended (if it did)."""
 
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    prompt_logprobs: tuple[PositionLogprobs, ...] = ()
     usage: tuple[int, int, int] | None = None  # prompt, completion, cached
     finish_reason: FinishReason = FinishReason.NONE
     status: grpc.StatusCode = grpc.StatusCode.OK
@@ -60,6 +63,8 @@ class PendingUpdate:
     def to_pb(self, stream_id: int) -> engine_pb2.SequenceUpdate:
         update = engine_pb2.SequenceUpdate(
             stream_id=stream_id, token_ids=self.token_ids,
+            logprobs=logprobs_to_pb(self.logprobs),
+            prompt_logprobs=logprobs_to_pb(self.prompt_logprobs),
             finish_reason=int(self.finish_reason), status_code=self.status.value[0],
             status_message=self.message)
         if self.usage is not None:
@@ -83,6 +88,8 @@ class Outbox:
         """Merges ``delta`` into the request's pending update. Mutates."""
         pending = self._pending.setdefault(stream_id, PendingUpdate())
         pending.token_ids.extend(delta.token_ids)
+        pending.logprobs.extend(delta.logprobs)
+        pending.prompt_logprobs = pending.prompt_logprobs or delta.prompt_logprobs
         pending.usage = (delta.num_prompt_tokens, delta.num_generated_tokens,
                          delta.num_cached_tokens)
         if delta.finished:

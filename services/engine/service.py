@@ -38,6 +38,7 @@ import structlog
 from llmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.common.grpc_util import request_id_from
 from services.common.logging import bind_request_id
+from services.common.logprobs import logprobs_to_pb
 from services.common.sampling import (
     FinishReason,
     InvalidRequestError,
@@ -363,7 +364,8 @@ def to_response(delta: TokenDelta) -> engine_pb2.EngineServiceGenerateResponse:
     sequence itself, on a stop string, before the engine's last message)."""
     return engine_pb2.EngineServiceGenerateResponse(
         request_id=delta.request_id, token_ids=delta.token_ids,
-        finish_reason=int(delta.finish_reason),
+        finish_reason=int(delta.finish_reason), logprobs=logprobs_to_pb(delta.logprobs),
+        prompt_logprobs=logprobs_to_pb(delta.prompt_logprobs),
         usage=common_pb2.Usage(
             prompt_tokens=delta.num_prompt_tokens, completion_tokens=delta.num_generated_tokens,
             cached_prompt_tokens=delta.num_cached_tokens))

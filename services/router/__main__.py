@@ -4,6 +4,10 @@ Example::
 
     python -m services.router --tokenizer 127.0.0.1:50051 --cache 127.0.0.1:50052 \\
         --engine 127.0.0.1:50053 --engine 127.0.0.1:50054 --port 50050
+
+Several models: ``--tokenizer``/``--engine`` serve the first (the default);
+each ``--model-pool TOKENIZER=ENGINE[,ENGINE...]`` adds one more, with its own
+tokenizer and replicas. Requests choose by their ``model`` field.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Sequence
 
 from services.common.server import add_server_arguments, run_service, server_config_from_args
 from services.router.admission import AdmissionConfig
+from services.router.model_pool import PoolConfig
 from services.router.routing import CostWeights, RoutingPolicy
 from services.router.service import RouterConfig, RouterService
 
@@ -30,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "is cached)")
     parser.add_argument("--engine", action="append", required=True, metavar="HOST:PORT",
                         help="address of an engine replica; repeat for several")
+    parser.add_argument("--model-pool", action="append", default=[], type=PoolConfig.parse,
+                        metavar="TOKENIZER=ENGINE[,ENGINE...]",
+                        help="one more served model: its tokenizer's and engines' "
+                             "host:port; repeat for several models (the --tokenizer/--engine "
+                             "model is the default)")
     parser.add_argument("--default-max-tokens", type=int, default=256,
                         help="completion tokens when a request sets none (default 256)")
     parser.add_argument("--max-tokens-cap", type=int, default=4096,
@@ -106,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                             else RoutingPolicy(args.routing_policy)),
             routing_weights=CostWeights(
                 decode_weight=args.kv_aware_decode_weight,
-                affinity_slack_tokens=args.kv_aware_affinity_slack))
+                affinity_slack_tokens=args.kv_aware_affinity_slack),
+            pools=tuple(args.model_pool))
     except ValueError as err:
         parser.error(str(err))
     asyncio.run(run_service(server_config_from_args("router", args), RouterService(config)))

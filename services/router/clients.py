@@ -40,6 +40,7 @@ from llmesh.v1 import (
 )
 from services.common.detokenizer import DEFINITION_FORMAT, TokenizersDecoder
 from services.common.grpc_util import make_channel, request_id_metadata, status_code_of
+from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason, SamplingOptions
 
 log = structlog.get_logger()
@@ -155,12 +156,16 @@ class EngineDelta:
     ``finish_reason`` is None on every message but the last. ``usage`` holds
     the engine's running counts (None from an engine that sends them only on
     the last message); its ``cached_prompt_tokens`` is known from the first
-    message on.
+    message on. ``logprobs`` has one entry per id (with ``sampling.logprobs``),
+    ``prompt_logprobs`` the prompt's (with ``sampling.prompt_logprobs``, on the
+    first message), token text not filled in.
     """
 
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    logprobs: tuple[PositionLogprobs, ...] = ()
+    prompt_logprobs: tuple[PositionLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,9 @@ from collections.abc import Callable, Sequence
 import grpc
 import structlog
 
-from llmesh.v1 import engine_pb2, engine_pb2_grpc
+from llmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.common.grpc_util import make_channel, status_code_of
+from services.common.logprobs import logprobs_from_pb
 from services.common.sampling import FinishReason, Priority, SamplingOptions, SpeculativeOptions
 from services.router.clients import (
     EngineDelta,
@@ -67,6 +68,8 @@ class EngineStream:
         self.stream_id = stream_id
         self.target = target
         self._ids: list[int] = []
+        self._logprobs: list[common_pb2.PositionLogprobs] = []
+        self._prompt_logprobs: list[common_pb2.PositionLogprobs] = []
         self._usage: Usage | None = None
         self._finish: FinishReason | None = None
         self._error: UpstreamError | None = None
@@ -88,6 +91,8 @@ class EngineStream:
     def _update(self, update: engine_pb2.SequenceUpdate) -> bool:
         """Merges ``update``; returns True when it is the request's last."""
         self._ids.extend(update.token_ids)
+        self._logprobs.extend(update.logprobs)
+        self._prompt_logprobs.extend(update.prompt_logprobs)
         if update.HasField("usage"):
             u = update.usage
             self._usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
@@ -129,8 +134,10 @@ class EngineStream:
         if self._error is not None and not self._ids:
             raise self._error
         ids, self._ids = tuple(self._ids), []
+        logprobs, self._logprobs = logprobs_from_pb(self._logprobs), []
+        prompt_logprobs, self._prompt_logprobs = logprobs_from_pb(self._prompt_logprobs), []
         finish = None if self._error is not None else self._finish
-        return EngineDelta(ids, finish, self._usage)
+        return EngineDelta(ids, finish, self._usage, logprobs, prompt_logprobs)
 
     async def cancel(self) -> None:
         """Tells the engine to finish the sequence now."""

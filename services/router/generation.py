@@ -38,6 +38,9 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
    sequence at once and ends with FINISH_REASON_STOP + ``matched_stop`` (the
    text ends before the stop string, or after it with
    ``include_stop_str_in_output``);
+   log-probabilities (``sampling.logprobs`` / ``prompt_logprobs``) ride with
+   their ids, token text filled in (:class:`TokenTexts`), cut with them at a
+   stop string; such requests are never coalesced nor cached (``_shareable``);
 7. a cacheable request that finished normally (STOP or LENGTH) is stored in
    the cache in the background, never delaying the final event.
 
@@ -100,6 +103,7 @@ from services.router.single_flight import (
     SingleFlight,
     Subscription,
 )
+from services.router.logprob_text import TokenTexts
 from services.router.stop_strings import StopStringMatcher
 from services.router.validation import GenerationRequest, ModelLimits, fit_to_context
 
@@ -309,6 +313,7 @@ class GenerationPipeline:
             raise ValueError("at least one engine replica is needed")
         self.tokenizer = tokenizer
         self.decoder = decoder
+        self.token_texts = TokenTexts(decoder)
         self.replicas = replicas
         self.cache = cache
         self.models = dict(models)
@@ -444,7 +449,7 @@ class GenerationPipeline:
             if err.code == grpc.StatusCode.FAILED_PRECONDITION:
                 raise InvalidRequestError(
                     "chat", f"the model has no chat template; send `prompt` text instead "
-                    f"({err.details})") from err
+                    f"({err.details})", grpc.StatusCode.FAILED_PRECONDITION) from err
             raise
         if chat.num_dropped_messages:
             info.update(dropped_messages=chat.num_dropped_messages)
@@ -712,7 +717,7 @@ class GenerationPipeline:
                         now = self._token_time(timing)
                         if ticket is not None:
                             ticket.on_tokens(len(ids), now)
-                    yield Delta(safe, ids)
+                    yield self._delta(safe, ids, delta)
                 if finished is not None:
                     if keep_output:
                         info.update(output="".join(out_text))
@@ -727,6 +732,15 @@ class GenerationPipeline:
         finally:
             engine.closed(request.priority)
             stream.close()
+
+    def _delta(self, text: str, ids: tuple[int, ...], delta: EngineDelta) -> Delta:
+        """The event for ``ids`` (the leading ids of ``delta``: all, or those
+        through a stop string) with their log-probabilities, token text filled
+        in (the entries past a stop string are dropped, like their ids)."""
+        if not (delta.logprobs or delta.prompt_logprobs):
+            return Delta(text, ids)
+        return Delta(text, ids, logprobs=self.token_texts.fill(delta.logprobs[:len(ids)]),
+                     prompt_logprobs=self.token_texts.fill(delta.prompt_logprobs))
 
     def _refuse_if_full(self, request: GenerationRequest) -> None:
         """Refuses at once, before tokenization and the cache lookup, a request

@@ -13,8 +13,9 @@ offending field in the message:
 
 * an unknown field (``sampling.max_token: unknown field; did you mean
   "max_tokens"? ...``), including sampling fields written at the top level
-  (OpenAI's layout) and the fields the API does not have yet (``n``,
-  ``logprobs``, ``response_format``...: :data:`NOT_SUPPORTED_YET` says why and
+  (OpenAI's layout: the message says to put them in ``sampling``) and the
+  fields the API does not have, or has under another name (``best_of``,
+  ``response_format``, ``tools``...: :data:`NOT_SUPPORTED_YET` says why and
   what to do instead);
 * a value of the wrong JSON type, a field given twice (``max_tokens`` and
   ``maxTokens``, or a repeated key), both members of a oneof (``prompt`` and
@@ -42,17 +43,16 @@ from services.common.sampling import InvalidRequestError
 #: Names clients send (OpenAI / vLLM request fields) that llmesh does not
 #: implement yet, and what to do instead. Refused wherever they appear.
 NOT_SUPPORTED_YET: dict[str, str] = {
-    "n": "one completion per request; send several requests (with different "
-         "`sampling.seed`s) for several completions",
-    "best_of": "one completion per request; send several requests and pick one",
-    "logprobs": "log-probabilities are not returned yet",
-    "top_logprobs": "log-probabilities are not returned yet",
-    "prompt_logprobs": "log-probabilities are not returned yet",
-    "response_format": "structured output (JSON mode, JSON schemas) is not supported yet",
-    "guided_json": "structured output (JSON mode, JSON schemas) is not supported yet",
-    "guided_regex": "guided decoding is not supported yet",
-    "guided_choice": "guided decoding is not supported yet",
-    "guided_grammar": "guided decoding is not supported yet",
+    "best_of": "one completion per request is returned; set `sampling.n` for several "
+               "and pick one",
+    "top_logprobs": "set `sampling.logprobs` to the number of alternatives per token",
+    "response_format": "set `sampling.structured_output` (json_schema, json_object, regex, "
+                       "grammar or choice); OpenAI's `response_format` is taken by "
+                       "/v1/chat/completions",
+    "guided_json": "set `sampling.structured_output.json_schema`",
+    "guided_regex": "set `sampling.structured_output.regex`",
+    "guided_choice": "set `sampling.structured_output.choice`",
+    "guided_grammar": "set `sampling.structured_output.grammar`",
     "tools": "tool calling is not supported yet",
     "tool_choice": "tool calling is not supported yet",
     "stream": "the answer always streams: Generate sends deltas (through Envoy's "

@@ -9,7 +9,8 @@ binds the request id to logs and maps errors to gRPC statuses:
 * INVALID_ARGUMENT also for an unknown ``model``; the message lists the served ids.
 * INVALID_ARGUMENT also for bytes that do not parse (a string with invalid
   UTF-8): the server kit refuses them, the router counts them.
-* FAILED_PRECONDITION: ``GenerateStream`` got a second ``start`` while a
+* FAILED_PRECONDITION: ``chat`` input to a model without a chat template; or
+  ``GenerateStream`` got a second ``start`` while a
   generation still runs on the stream (the stream ends; send ``cancel`` and
   wait for the final message, or wait for it, before the next ``start``).
 * RESOURCE_EXHAUSTED: admission control refused at once (the class's queue
@@ -47,14 +48,10 @@ import structlog
 from llmesh.v1 import generation_pb2, generation_pb2_grpc
 from services.common.grpc_util import metadata_value, request_id_from
 from services.common.logging import REQUEST_ID_METADATA_KEY, bind_request_id
+from services.common.logprobs import logprobs_to_pb
 from services.common.sampling import FinishReason, InvalidRequestError, Priority
-from services.router.admission import (
-    AdmissionConfig,
-    AdmissionController,
-    NoReplicaServing,
-    ReplicaCapacity,
-)
-from services.router.clients import CacheClient, ReplicaInfo, TokenizerClient, TokenizerInfo
+from services.router.admission import AdmissionConfig, AdmissionController
+from services.router.clients import CacheClient
 from services.router.engine_client import EngineClient
 from services.router.generation import (
     Delta,
@@ -67,13 +64,8 @@ from services.router.generation import (
 from services.router.json_request import parse_generate_json
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
-from services.router.routing import (
-    CostWeights,
-    ReplicaPicker,
-    RoutingPolicy,
-    RoutingSession,
-    duplicate_replica_ids,
-)
+from services.router.model_pool import ModelPool, PoolConfig, PoolSettings, open_pool
+from services.router.routing import CostWeights, RoutingPolicy, RoutingSession
 from services.router.validation import (
     TENANT_METADATA_KEY,
     GenerationRequest,
@@ -95,8 +87,10 @@ class RouterConfig:
     """The router's own settings (the common server flags are separate).
 
     Attributes:
-      tokenizer: ``host:port`` of the tokenizer service.
-      engines: ``host:port`` of each engine replica (at least one).
+      tokenizer: ``host:port`` of the (first, default) model's tokenizer service.
+      engines: ``host:port`` of each of its engine replicas (at least one).
+      pools: each further model's tokenizer and engines
+        (:mod:`services.router.model_pool`); requests choose by ``model``.
       cache: ``host:port`` of the cache service, or None to run without one.
       default_max_tokens: completion tokens when a request sets none.
       max_tokens_cap: most completion tokens a request may ask for.
@@ -126,12 +120,11 @@ class RouterConfig:
     admission: AdmissionConfig = AdmissionConfig()
     routing_policy: RoutingPolicy | None = None
     routing_weights: CostWeights = CostWeights()
+    pools: tuple[PoolConfig, ...] = ()
 
-    def resolved_routing_policy(self) -> RoutingPolicy:
-        """The policy in force (see ``routing_policy``)."""
-        if self.routing_policy is not None:
-            return self.routing_policy
-        return RoutingPolicy.KV_AWARE if len(self.engines) > 1 else RoutingPolicy.LEAST_LOAD
+    def all_pools(self) -> list[PoolConfig]:
+        """Every model's pool, the default (``tokenizer``, ``engines``) first."""
+        return [PoolConfig(self.tokenizer, tuple(self.engines)), *self.pools]
 
     def __post_init__(self) -> None:
         if self.stream_idle_timeout < 0:
@@ -192,7 +185,9 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
 def _response(request_id: str, event: Event) -> generation_pb2.GenerateResponse:
     if isinstance(event, Delta):
         return generation_pb2.GenerateResponse(
-            request_id=request_id, text=event.text, token_ids=event.token_ids)
+            request_id=request_id, text=event.text, token_ids=event.token_ids,
+            logprobs=logprobs_to_pb(event.logprobs),
+            prompt_logprobs=logprobs_to_pb(event.prompt_logprobs))
     return generation_pb2.GenerateResponse(
         request_id=request_id, finish_reason=int(event.reason),
         matched_stop=event.matched_stop, usage=event.usage.to_pb(), cached=event.cached)
@@ -223,130 +218,102 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         """
         self.config = config
         self.metrics = metrics if metrics is not None else RouterMetrics()
-        self.models: dict[str, ModelLimits] = {}
         self.default_model = ""
-        self._pipeline: GenerationPipeline | None = None
-        self._tokenizer: TokenizerClient | None = None
-        self._engines: list[EngineClient] = []
-        self._replicas: ReplicaSet | None = None
+        #: Served models by id, in the order configured (the first is the default).
+        self.pools: dict[str, ModelPool] = {}
         self._cache: CacheClient | None = None
         self._draining = False
-        self.admission: dict[str, AdmissionController] = {}
 
     # ------------------------------------------------------------ lifecycle
+
+    @property
+    def models(self) -> dict[str, ModelLimits]:
+        """Each served model's limits, by id."""
+        return {model: pool.limits for model, pool in self.pools.items()}
+
+    @property
+    def admission(self) -> dict[str, AdmissionController]:
+        """Each served model's admission controller, by id."""
+        return {model: pool.admission for model, pool in self.pools.items()}
+
+    @property
+    def _default_pool(self) -> ModelPool | None:
+        return self.pools.get(self.default_model)
+
+    @property
+    def _pipeline(self) -> GenerationPipeline | None:
+        """The default model's pipeline (None before :meth:`start`)."""
+        pool = self._default_pool
+        return pool.pipeline if pool is not None else None
+
+    @property
+    def _engines(self) -> list[EngineClient]:
+        """The default model's engine clients."""
+        pool = self._default_pool
+        return pool.engines if pool is not None else []
+
+    @property
+    def _replicas(self) -> ReplicaSet | None:
+        """The default model's replica set."""
+        pool = self._default_pool
+        return pool.replicas if pool is not None else None
 
     def register(self, server: grpc.aio.Server) -> None:
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(self, server)
 
     async def start(self) -> None:
-        """Connects to tokenizer, engines and cache, waits for them to serve, reads
-        the model's limits. Health turns SERVING when this returns.
+        """Connects to every model's tokenizer and engines and to the cache, waits
+        for them to serve, reads each model's limits. Health turns SERVING when
+        this returns.
 
         Raises:
-          UpstreamError: the tokenizer or an engine did not serve within
+          UpstreamError: a tokenizer or an engine did not serve within
             ``startup_timeout`` seconds.
-          RuntimeError: the engine replicas serve different models.
+          RuntimeError: the engine replicas of one pool serve different models,
+            or two pools serve the same model id.
         """
         cfg = self.config
-        self._tokenizer = TokenizerClient(cfg.tokenizer)
-        self._engines = [EngineClient(target) for target in cfg.engines]
         self._cache = CacheClient(cfg.cache, timeout=cfg.cache_timeout) if cfg.cache else None
         cache_ready = (asyncio.create_task(self._cache.wait_until_serving(cfg.startup_timeout))
                        if self._cache is not None else None)
-        try:
-            await asyncio.gather(
-                self._tokenizer.wait_until_serving(cfg.startup_timeout),
-                *(engine.wait_until_serving(cfg.startup_timeout) for engine in self._engines))
-            infos = await asyncio.gather(*(engine.model_info() for engine in self._engines))
-            tok_info, decoder = await asyncio.gather(self._tokenizer.info(),
-                                                     self._tokenizer.decoder())
-        except BaseException:
+        settings = PoolSettings(
+            default_max_tokens=cfg.default_max_tokens, max_tokens_cap=cfg.max_tokens_cap,
+            startup_timeout=cfg.startup_timeout, admission=cfg.admission,
+            routing_policy=cfg.routing_policy, routing_weights=cfg.routing_weights,
+            log_content=cfg.log_content)
+        opened = await asyncio.gather(
+            *(open_pool(pool, settings, self._cache, self.metrics) for pool in cfg.all_pools()),
+            return_exceptions=True)
+        pools = [p for p in opened if isinstance(p, ModelPool)]
+        failure = next((p for p in opened if isinstance(p, BaseException)), None)
+        if failure is None:
+            seen: dict[str, ModelPool] = {}
+            for pool in pools:
+                if pool.model in seen:
+                    failure = RuntimeError(
+                        f"two pools serve model {pool.model!r} (engines "
+                        f"{[e.target for e in seen[pool.model].engines]} and "
+                        f"{[e.target for e in pool.engines]}); give each model its own id "
+                        "(the engine's --served-model-name) or put the engines in one pool")
+                    break
+                seen[pool.model] = pool
+        if failure is not None:
             if cache_ready is not None:
                 cache_ready.cancel()
-            raise
-        self._set_models(infos, tok_info)
-        capacities = [ReplicaCapacity(i.max_num_seqs, i.kv_capacity_tokens) for i in infos]
-        self._set_admission(capacities)
-        self._replicas = ReplicaSet(self._engines, capacities,
-                                    on_change=self._replicas_changed, metrics=self.metrics)
-        self._replicas.start()
+            await asyncio.gather(*(p.close() for p in pools), return_exceptions=True)
+            raise failure
+        self.pools = {pool.model: pool for pool in pools}
+        self.default_model = pools[0].model
         if cache_ready is not None:
             await self._await_cache(cache_ready)
-        policy = cfg.resolved_routing_policy()
-        if policy is RoutingPolicy.KV_AWARE:  # the only policy that reads engine load
-            for engine in self._engines:
-                engine.load_watch.start()
-        picker = ReplicaPicker(policy, self._cache, self.metrics, cfg.routing_weights)
-        if shared := duplicate_replica_ids(self._engines):
-            log.warning("engine_replica_ids_not_unique", replica_ids=sorted(shared),
-                        effect="their prefix-index matches are ignored; give each engine "
-                               "its own --replica-id")
-        self._pipeline = GenerationPipeline(
-            tokenizer=self._tokenizer, decoder=decoder, replicas=self._replicas,
-            cache=self._cache, models=self.models, metrics=self.metrics,
-            log_content=cfg.log_content, admission=self.admission, picker=picker)
-        limits = self.models[self.default_model]
-        log.info("router_ready", model=limits.model, max_model_len=limits.max_model_len,
-                 engines=list(cfg.engines), tokenizer=cfg.tokenizer, cache=cfg.cache,
-                 chat=limits.has_chat_template, backends=sorted({i.backend for i in infos}),
-                 routing_policy=policy.value,
-                 replica_ids=[i.replica_id for i in infos])
-
-    def _set_models(self, infos: list[ReplicaInfo], tok: TokenizerInfo) -> None:
-        names = {info.model for info in infos}
-        if len(names) > 1:
-            raise RuntimeError(
-                f"engine replicas serve different models {sorted(names)}; one router serves "
-                "one model (it has one tokenizer)")
-        model = infos[0].model or tok.model or "default"
-        if tok.model and tok.model != model:
-            log.warning("tokenizer_model_differs", engine_model=model, tokenizer_model=tok.model)
-        max_model_len = min(info.max_model_len for info in infos)
-        if max_model_len < 2:
-            raise RuntimeError(f"engines report max_model_len={max_model_len}; need >= 2")
-        cap = min(self.config.max_tokens_cap, max_model_len - 1)
-        self.models = {model: ModelLimits(
-            model=model, max_model_len=max_model_len,
-            vocab_size=infos[0].vocab_size or tok.vocab_size or None,
-            has_chat_template=tok.has_chat_template, chat_roles=tok.chat_roles,
-            default_max_tokens=min(self.config.default_max_tokens, cap), max_tokens_cap=cap,
-            eos_token_ids=tuple(sorted({*infos[0].eos_token_ids, *tok.eos_token_ids})))}
-        self.default_model = model
-
-    def _set_admission(self, replicas: list[ReplicaCapacity]) -> None:
-        """One admission controller per model, sized from the replicas' capacity."""
-        cfg = self.config.admission
-        for model in self.models:
-            observer = self.metrics.admission_observer(model)
-            controller = AdmissionController(cfg, model, replicas, observer=observer)
-            self.admission[model] = controller
-            observer.limits({
-                "enabled": float(cfg.enabled),
-                "max_queued_requests": cfg.max_queued_requests,
-                "max_queued_prompt_tokens": cfg.max_queued_prompt_tokens,
-                "max_running_requests": controller.max_running,
-                "kv_limit_tokens": controller.kv_limit,
-                "batch_window_seconds": cfg.batch_window_s,
-                "max_queue_wait_seconds": cfg.max_queue_wait_s,
-            })
-            log.info("admission_limits", model=model, enabled=cfg.enabled,
-                     max_running=controller.max_running, kv_limit_tokens=controller.kv_limit,
-                     max_queued_requests=cfg.max_queued_requests,
-                     max_queued_prompt_tokens=cfg.max_queued_prompt_tokens)
-
-    def _replicas_changed(self, capacities: list[ReplicaCapacity]) -> None:
-        """Admission's concurrency cap follows the replicas in routing; when none
-        is left, the queued requests end UNAVAILABLE (nothing would serve them)."""
-        for controller in self.admission.values():
-            controller.set_replicas(capacities)
-            if not capacities:
-                failed = controller.fail_queued(NoReplicaServing(
-                    f"no engine replica is serving (of {len(self._engines)} configured, each "
-                    "failed or is draining) while the request waited in the router's queue; "
-                    "retry in a few seconds"))
-                if failed:
-                    log.warning("queued_requests_failed", model=controller.model,
-                                requests=failed, why="no engine replica is serving")
+        for pool in pools:
+            log.info("router_ready", model=pool.model, max_model_len=pool.limits.max_model_len,
+                     engines=[e.target for e in pool.engines], tokenizer=pool.tokenizer.target,
+                     cache=cfg.cache, chat=pool.limits.has_chat_template,
+                     backends=sorted({i.backend for i in pool.infos}),
+                     routing_policy=pool.policy.value,
+                     replica_ids=[i.replica_id for i in pool.infos],
+                     default=pool.model == self.default_model)
 
     async def _await_cache(self, ready: asyncio.Task[None]) -> None:
         assert self._cache is not None
@@ -365,24 +332,25 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
 
     async def close(self) -> None:
         """Closes the channels (after the server stopped)."""
-        if self._replicas is not None:
-            await self._replicas.close()
-        if self._pipeline is not None:
-            await self._pipeline.close()
-        clients = [self._tokenizer, self._cache, *self._engines]
-        await asyncio.gather(*(c.close() for c in clients if c is not None),
+        await asyncio.gather(*(pool.close() for pool in self.pools.values()),
                              return_exceptions=True)
+        if self._cache is not None:
+            await self._cache.close()
 
     # -------------------------------------------------------------- helpers
 
-    def _admit(self) -> GenerationPipeline:
+    def _admit(self) -> None:
+        """Refuses every generation while the router drains or starts."""
         if self._draining:
             raise _Abort(grpc.StatusCode.UNAVAILABLE,
                          "the router is draining (shutting down); retry on another instance")
-        if self._pipeline is None:
+        if not self.pools:
             raise _Abort(grpc.StatusCode.UNAVAILABLE,
                          "the router is starting (waiting for tokenizer and engines)")
-        return self._pipeline
+
+    def pipeline_for(self, request: GenerationRequest) -> GenerationPipeline:
+        """The pipeline of the (validated, hence served) model ``request`` names."""
+        return self.pools[request.model].pipeline
 
     def _validate(self, pb: generation_pb2.GenerateRequest, request_id: str,
                   context: grpc.aio.ServicerContext) -> GenerationRequest:
@@ -428,10 +396,10 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         failure: _Abort | None = None
         validated: GenerationRequest | None = None
         try:
-            pipeline = self._admit()
+            self._admit()
             validated = self._validate(request, request_id, context)
-            events = pipeline.run(validated, received_at=received_at,
-                                       deadline=_deadline(context))
+            events = self.pipeline_for(validated).run(validated, received_at=received_at,
+                                                      deadline=_deadline(context))
             async with contextlib.aclosing(events):
                 async for event in events:
                     yield _response(request_id, event)
@@ -565,9 +533,10 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         ])
 
     def _admission_limits(self, model: str) -> generation_pb2.AdmissionLimits | None:
-        controller = self.admission.get(model)
-        if controller is None:
+        pool = self.pools.get(model)
+        if pool is None:
             return None
+        controller = pool.admission
         cfg = controller.config
         return generation_pb2.AdmissionLimits(
             enabled=cfg.enabled, max_queued_requests=cfg.max_queued_requests,
@@ -623,8 +592,9 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         else:
             request_id = _safe_request_id(f"{stream_id}.{number}")
         try:
-            pipeline = self._admit()
+            self._admit()
             validated = self._validate(start, request_id, context)
+            pipeline = self.pipeline_for(validated)
         except Exception as err:  # noqa: BLE001 - counted, then ends the stream
             code = (err.code if isinstance(err, (_Abort, InvalidRequestError))
                     else grpc.StatusCode.INTERNAL)

@@ -12,6 +12,8 @@ and says what is allowed. Codes:
   known model ids. (generation.proto's comment still says NOT_FOUND; the
   mesh's tests and brief say INVALID_ARGUMENT: one constant,
   :data:`UNKNOWN_MODEL_CODE`, decides.)
+* FAILED_PRECONDITION: ``chat`` input to a model without a chat template (a
+  base model): the request is well formed, the model cannot take it.
 
 Unknown fields: a request carrying field numbers this router's proto does not
 have (a client built from a newer ``llmesh.v1``) is INVALID_ARGUMENT naming the
@@ -231,7 +233,8 @@ def _check_text_size(field: str, text: str, limits: ModelLimits) -> None:
 def _validate_messages(chat: generation_pb2.Chat, limits: ModelLimits) -> tuple[ChatMessage, ...]:
     if not limits.has_chat_template:
         raise InvalidRequestError(
-            "chat", f"model {limits.model!r} has no chat template; send `prompt` text instead")
+            "chat", f"model {limits.model!r} has no chat template; send `prompt` text instead",
+            grpc.StatusCode.FAILED_PRECONDITION)
     if not chat.messages:
         raise InvalidRequestError(
             "chat.messages", "must hold at least one message (role and content)")

@@ -27,7 +27,14 @@ from cli_helpers import FAKE_SERVICE, alive, fake_commands, wait_all_dead
 
 from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.cli.envoy_config import REPO_ROOT
-from services.cli.mesh import Mesh, MeshProgress, MeshStartError, PortInUseError
+from services.cli.mesh import (
+    Mesh,
+    MeshProgress,
+    MeshStartError,
+    ModelSpec,
+    PortInUseError,
+    engine_cpu_share,
+)
 
 
 def _generate(address: str, prompt: str) -> list[generation_pb2.GenerateResponse]:
@@ -99,6 +106,47 @@ def test_mesh_starts_in_order_serves_and_stops(tmp_path: Path) -> None:
         assert mesh.exited() == {}
     assert wait_all_dead(pids.values(), timeout_s=1.0) == []
     assert mesh.exited().keys() == pids.keys()
+
+
+def test_several_models_each_get_a_tokenizer_and_engines_and_one_router_pool(
+        tmp_path: Path) -> None:
+    mesh = Mesh(ingress_port=0, admin_port=0, run_dir=tmp_path, num_engines=2,
+                models=[ModelSpec("chat", "/models/chat.gguf"),
+                        ModelSpec("base", "/models/base.gguf")],
+                commands=fake_commands())
+    with mesh.start():
+        assert list(mesh.services) == ["tokenizer", "tokenizer-base", "cache", "engine-0",
+                                       "engine-1", "engine-base-0", "engine-base-1", "router"]
+        for name, model, path in [("tokenizer", "chat", "/models/chat.gguf"),
+                                  ("tokenizer-base", "base", "/models/base.gguf")]:
+            argv = _argv(mesh, name)
+            assert _flag_values(argv, "--model-path") == [path]
+            assert _flag_values(argv, "--model-name") == [model]
+        for name, model in [("engine-1", "chat"), ("engine-base-0", "base")]:
+            argv = _argv(mesh, name)
+            assert _flag_values(argv, "--served-model-name") == [model]
+            assert _flag_values(argv, "--model-path") == [f"/models/{model}.gguf"]
+            assert _flag_values(argv, "--replica-id")[0].endswith(name)
+            assert _flag_values(argv, "--num-threads") == [
+                str(engine_cpu_share(4))]  # four engines share the CPUs
+        router_argv = _argv(mesh, "router")
+        address = {name: s.grpc_address for name, s in mesh.services.items()}
+        assert _flag_values(router_argv, "--tokenizer") == [address["tokenizer"]]
+        assert _flag_values(router_argv, "--engine") == [address["engine-0"],
+                                                         address["engine-1"]]
+        assert _flag_values(router_argv, "--model-pool") == [
+            f"{address['tokenizer-base']}={address['engine-base-0']},{address['engine-base-1']}"]
+
+
+def test_model_specs_are_checked() -> None:
+    assert ModelSpec.parse("gemma-3.270m=/m/g.gguf") == ModelSpec("gemma-3.270m", "/m/g.gguf")
+    for bad in ["nopath", "=x.gguf", "a b=x.gguf", "x=", "-x=y"]:
+        with pytest.raises(ValueError):
+            ModelSpec.parse(bad)
+    with pytest.raises(ValueError, match="not both"):
+        Mesh(model_path="/m", models=[ModelSpec("a", "/m")])
+    with pytest.raises(ValueError, match="its own name"):
+        Mesh(models=[ModelSpec("a", "/m"), ModelSpec("a", "/n")])
 
 
 def test_failed_start_names_the_service_quotes_its_log_and_stops_the_rest(tmp_path: Path) -> None:

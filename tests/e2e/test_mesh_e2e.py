@@ -251,8 +251,8 @@ def test_curl_json_post_through_envoy_returns_generated_text(mesh: Mesh) -> None
 @pytest.mark.parametrize(("body", "message"), [
     ({"prompt": "Hi", "sampling": {"max_token": 3}},
      'sampling.max_token: unknown field; did you mean "max_tokens"?'),
-    ({"prompt": "Hi", "n": 2}, "n: not supported: "),
-    ({"prompt": "Hi", "logprobs": True}, "logprobs: not supported: "),
+    ({"prompt": "Hi", "n": 2}, 'n: unknown field; sampling fields go inside "sampling"'),
+    ({"prompt": "Hi", "best_of": 2}, "best_of: not supported: "),
     ({"prompt": "Hi", "response_format": {"type": "json_object"}},
      "response_format: not supported: "),
 ])

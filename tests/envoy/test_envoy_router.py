@@ -205,7 +205,7 @@ async def test_json_with_a_misspelt_field_is_400_naming_it(proxied: Proxied, eng
     assert len(engine.log.starts) == starts  # nothing was generated
 
 
-@pytest.mark.parametrize("field", ['"n": 2', '"logprobs": true', '"top_logprobs": 5',
+@pytest.mark.parametrize("field", ['"best_of": 2', '"tools": []', '"top_logprobs": 5',
                                    '"response_format": {"type": "json_object"}'])
 async def test_json_fields_the_api_does_not_have_yet_are_refused(proxied: Proxied, field: str):
     status, _, body = await post(proxied, "/v1/generate", f'{{"prompt": "Hi", {field}}}')

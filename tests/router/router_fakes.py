@@ -87,7 +87,9 @@ class _AnswerContext:
 
 
 class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
-    def __init__(self) -> None:
+    def __init__(self, *, model: str = "fake-model", has_chat_template: bool = True) -> None:
+        self.model = model
+        self.has_chat_template = has_chat_template
         self.definition_requests = 0
         self.chat_requests: list[tokenizer_pb2.ApplyChatTemplateRequest] = []
 
@@ -133,8 +135,8 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
 
     async def GetTokenizerInfo(self, request, context):
         return tokenizer_pb2.GetTokenizerInfoResponse(
-            model="fake-model", vocab_size=VOCAB, eos_token_ids=[EOS], has_chat_template=True,
-            chat_roles=CHAT_ROLES)
+            model=self.model, vocab_size=VOCAB, eos_token_ids=[EOS],
+            has_chat_template=self.has_chat_template, chat_roles=CHAT_ROLES)
 
 
 @dataclass

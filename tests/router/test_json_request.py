@@ -42,7 +42,9 @@ def test_null_means_unset():
 @pytest.mark.parametrize(("body", "message"), [
     ('{"prompt": "Hi", "sampling": {"max_token": 3}}',
      'sampling.max_token: unknown field; did you mean "max_tokens"? (SamplingParams has '
-     "temperature, top_p, top_k, seed, max_tokens, stop, stop_token_ids, ignore_eos)"),
+     "temperature, top_p, top_k, seed, max_tokens, stop, stop_token_ids, ignore_eos, "
+     "logprobs, prompt_logprobs, n, presence_penalty, frequency_penalty, repetition_penalty, "
+     "min_tokens, logit_bias, include_stop_str_in_output, structured_output)"),
     ('{"prompt": "Hi", "temprature": 0}',
      'temprature: unknown field; did you mean "sampling.temperature"?'),
     ('{"prompt": "Hi", "max_tokens": 3}',
@@ -56,7 +58,7 @@ def test_unknown_fields_are_named_with_their_path(body, message):
     assert refused(body).startswith(message)
 
 
-@pytest.mark.parametrize("name", ["n", "logprobs", "response_format", "best_of", "stream"])
+@pytest.mark.parametrize("name", ["top_logprobs", "response_format", "best_of", "stream"])
 def test_fields_the_api_does_not_have_yet_are_refused_anywhere(name):
     assert refused(f'{{"prompt": "Hi", "{name}": 1}}') == \
         f"{name}: not supported: {NOT_SUPPORTED_YET[name]}"
@@ -95,6 +97,12 @@ def test_fields_the_api_does_not_have_yet_are_refused_anywhere(name):
 ])
 def test_malformed_bodies_and_values_are_named(body, message):
     assert refused(body).startswith(message)
+
+
+@pytest.mark.parametrize("name", ["n", "logprobs", "presence_penalty", "min_tokens"])
+def test_sampling_fields_at_the_top_level_are_pointed_into_sampling(name):
+    assert refused(f'{{"prompt": "Hi", "{name}": 1}}').startswith(
+        f'{name}: unknown field; sampling fields go inside "sampling"')
 
 
 def test_penalties_min_tokens_logit_bias_and_include_stop_parse_inside_sampling():

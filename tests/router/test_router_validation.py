@@ -132,7 +132,7 @@ def test_chat_on_a_model_without_template():
     with pytest.raises(InvalidRequestError) as info:
         validate_request(generation_pb2.GenerateRequest(chat=chat(("user", "Hi"))),
                          request_id="r", models=models, default_model="tiny")
-    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert info.value.field == "chat"
     assert "prompt" in str(info.value)
 

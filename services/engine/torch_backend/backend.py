@@ -97,6 +97,7 @@ class KVCacheInfo:
 #: The optional sampling features (:data:`~services.engine.validation.OPTIONAL_FEATURES`)
 #: this backend implements; a request using another is UNIMPLEMENTED.
 IMPLEMENTED_FEATURES: frozenset[str] = frozenset({
+    "logprobs", "prompt_logprobs",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",
 })
 
@@ -432,6 +433,9 @@ def _runner_for(model: LlamaModel, config: EngineConfig) -> ModelRunner:
 
 
 def merge_deltas(first: TokenDelta, second: TokenDelta) -> TokenDelta:
-    """One delta carrying ``first``'s then ``second``'s tokens, with ``second``'s
-    counts and finish reason."""
-    return replace(second, token_ids=first.token_ids + second.token_ids)
+    """One delta carrying ``first``'s then ``second``'s tokens (and their
+    log-probabilities, and the prompt's from whichever carries them), with
+    ``second``'s counts and finish reason."""
+    return replace(second, token_ids=first.token_ids + second.token_ids,
+                   logprobs=first.logprobs + second.logprobs,
+                   prompt_logprobs=first.prompt_logprobs or second.prompt_logprobs)

@@ -21,7 +21,10 @@ A step is ``intake → schedule → run → sample → update → deliver``:
    forward over the paged KV cache;
 3. :func:`~services.engine.torch_backend.step_sampler.sample_step` samples
    one token per sequence that caught up with its length, or verifies its
-   speculative tokens (accepted ones plus the target's own token);
+   speculative tokens (accepted ones plus the target's own token); the
+   sequences that ask get the log-probabilities of their prompt chunk and of
+   their new tokens from the same raw logits
+   (:mod:`~services.engine.torch_backend.logprobs`);
 4. :meth:`Scheduler.update_from_output` books the step and finishes
    sequences that stopped;
 5. the :class:`~services.engine.torch_backend.speculative.Speculator` (if
@@ -70,11 +73,17 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from services.common.sampling import FinishReason
 from services.common.kv_events import KVEvent, KVSnapshot
+from services.common.logprobs import PositionLogprobs
+from services.common.sampling import FinishReason
 from services.engine.torch_backend.block_pool import BlockCounts
 from services.engine.torch_backend.inbox import Inbox
 from services.engine.torch_backend.logits_processors import LogitsProcessorState
+from services.engine.torch_backend.logprobs import (
+    add_prompt_logprobs,
+    position_logprobs,
+    prompt_rows,
+)
 from services.engine.torch_backend.model import StepAbandoned
 from services.engine.torch_backend.model_runner import ModelRunner, StepInput
 from services.engine.torch_backend.sampler import SamplingRow
@@ -334,19 +343,25 @@ class EngineCore:
     def _step(self, began: float, out: SchedulerOutput) -> None:
         kv = self._kv
         inputs = []
-        for s in out.scheduled:
+        # Leading logit rows of each sequence that score prompt tokens (prompt_logprobs).
+        extra = [prompt_rows(s.seq, s.start, s.num_tokens) for s in out.scheduled]
+        for s, num_prompt_rows in zip(out.scheduled, extra):
             verified = s.num_tokens - len(s.spec_token_ids)
             tokens = s.seq.token_ids[s.start:s.start + verified]
             if s.spec_token_ids:
                 tokens = tokens + list(s.spec_token_ids)
-            inputs.append(StepInput(tokens, s.start, kv.block_ids(s.seq), s.samples,
-                                    s.num_logits, s.seq.num_prompt_tokens))
+            num_logits = (s.num_logits if s.samples else 0) + num_prompt_rows
+            inputs.append(StepInput(tokens, s.start, kv.block_ids(s.seq), num_logits > 0,
+                                    max(num_logits, 1), s.seq.num_prompt_tokens))
         try:
             logits = self._runner.run(inputs, functools.partial(
                 self._between_layers, [s.seq for s in out.scheduled]))
+            if any(extra):
+                logits = self._take_prompt_rows(out, extra, logits)
             rows = [StepRow(s.seq.sampling, s.spec_token_ids, s.seq.processors)
                     for s in out.scheduled if s.samples]
             sampled = sample_step(logits, rows) if rows else []
+            logprobs = self._generated_logprobs(out, logits, sampled)
         except StepAbandoned:
             self._end_step(out, FinishReason.CANCELLED)
             return
@@ -356,6 +371,10 @@ class EngineCore:
         with self._state_lock:
             updates = self._scheduler.update_from_output(out, sampled)
             self._publish()
+        for update in updates:
+            entries = logprobs.get(update.seq)
+            if entries is not None:
+                update.seq.pending_logprobs.extend(entries[:len(update.token_ids)])
         if self._speculator is not None:
             self._speculator.propose([u.seq for u in updates if not u.finished],
                                      self._scheduler.num_running)
@@ -364,6 +383,43 @@ class EngineCore:
         if self._step_observer is not None:
             self._step_observer(_step_stats(time.perf_counter() - began, out, sampled))
         self._deliver_finished([(update.seq, update.token_ids, "") for update in updates])
+
+    @staticmethod
+    def _take_prompt_rows(out: SchedulerOutput, extra: list[int],
+                          logits: torch.Tensor) -> torch.Tensor:
+        """Books the prompt log-probabilities of the step's prompt-scoring rows
+        (``extra[i]`` leading rows of scheduled sequence ``i``) and returns the
+        sampling rows only, in order."""
+        keep: list[int] = []
+        offset = 0
+        for s, num_prompt_rows in zip(out.scheduled, extra):
+            if num_prompt_rows:
+                add_prompt_logprobs(s.seq, s.start, logits[offset:offset + num_prompt_rows])
+                offset += num_prompt_rows
+            if s.samples:
+                keep.extend(range(offset, offset + s.num_logits))
+                offset += s.num_logits
+        return logits[keep]
+
+    @staticmethod
+    def _generated_logprobs(out: SchedulerOutput, logits: torch.Tensor,
+                            sampled: list[list[int]]) -> dict[Sequence, list[PositionLogprobs]]:
+        """Log-probabilities of each emitted token of the sequences that ask
+        (``sampling.logprobs``): token ``j`` of a sequence from its own logit
+        row ``j`` (a speculative run's accepted tokens from their target rows,
+        the bonus token from the last)."""
+        found: dict[Sequence, list[PositionLogprobs]] = {}
+        offset = index = 0
+        for s in out.scheduled:
+            if not s.samples:
+                continue
+            k = s.seq.request.sampling.logprobs
+            tokens = sampled[index]
+            if k is not None:
+                found[s.seq] = position_logprobs(logits[offset:offset + len(tokens)], tokens, k)
+            offset += s.num_logits
+            index += 1
+        return found
 
     def _running_keys(self) -> set[int]:
         return {seq.arrival for seq in self._scheduler.running}

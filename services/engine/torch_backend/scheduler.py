@@ -38,6 +38,10 @@ Policy:
   the engine core ends the sequences of a step it abandoned because all of
   them were cancelled, with :meth:`Scheduler.finish`); a cancelled waiting one
   leaves the queue at once (:meth:`Scheduler.abort`).
+* A sequence that still collects its prompt log-probabilities
+  (``sampling.prompt_logprobs``) takes no prefix-cache hit: its prompt is
+  computed in full, for the logits of every position (it still stores its
+  blocks for others).
 * Speculative decoding is bookkeeping (vLLM v1): a decoding sequence's
   proposals (``seq.spec_token_ids``) are lookahead tokens computed with its
   last token in the same step (``1 + k`` tokens of the budget, KV slots
@@ -60,7 +64,8 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
 from services.common.sampling import FinishReason
-from services.engine.torch_backend.kv_cache_manager import KVCacheManager
+from services.engine.torch_backend.kv_cache_manager import NO_HIT, KVCacheManager
+from services.engine.torch_backend.logprobs import collects_prompt_logprobs
 from services.engine.torch_backend.sequence import Sequence, SequenceStatus
 
 
@@ -390,7 +395,10 @@ class Scheduler:
         waiting = self._waiting
         while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = waiting[0]
-            hit = self.kv.find_prefix(seq)
+            # Cached positions have no logits: a sequence still collecting its
+            # prompt log-probabilities computes its prompt in full (vLLM v1 too).
+            looks_up = self.kv.enable_caching and not collects_prompt_logprobs(seq)
+            hit = self.kv.find_prefix(seq) if looks_up else NO_HIT
             num_new = min(seq.num_tokens - hit.num_tokens, budget)
             cap = self.config.max_chunk_tokens
             if cap is not None:
@@ -401,7 +409,7 @@ class Scheduler:
             seq.num_computed_tokens = hit.num_tokens
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = min(hit.num_tokens, seq.num_prompt_tokens)
-            if self.kv.enable_caching:
+            if looks_up:
                 out.prefix_queries += seq.num_tokens
                 out.prefix_hits += hit.num_tokens
             seq.status = SequenceStatus.RUNNING

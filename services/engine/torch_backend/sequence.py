@@ -6,8 +6,9 @@ import asyncio
 import enum
 from dataclasses import dataclass, field
 
-from services.common.sampling import FinishReason, SpeculativeMethod
 from services.common.kv_events import BlockHash
+from services.common.logprobs import PositionLogprobs
+from services.common.sampling import FinishReason, SpeculativeMethod
 from services.engine.torch_backend.logits_processors import LogitsProcessorState
 from services.engine.torch_backend.sampler import SamplingRow
 from services.engine.types import SequenceRequest, TokenDelta
@@ -59,6 +60,14 @@ class Sequence:
         when it uses no penalty, logit bias or min_tokens); fed by
         :meth:`append_token`.
       priority_key: (priority, arrival), the scheduling order.
+      pending_logprobs: with ``sampling.logprobs``: the entries of the
+        generated tokens not yet delivered (one per token, in order); the
+        next :meth:`delta` takes them.
+      prompt_logprobs: with ``sampling.prompt_logprobs``: entry ``i`` for the
+        prompt token at position ``i + 1`` (see
+        :mod:`~services.engine.torch_backend.logprobs`); delivered once, on
+        the first delta after they are complete.
+      prompt_logprobs_sent: they were delivered.
     """
 
     request: SequenceRequest
@@ -79,6 +88,9 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     processors: LogitsProcessorState | None = None
     priority_key: tuple[int, int] = field(init=False, repr=False)
+    pending_logprobs: list[PositionLogprobs] = field(default_factory=list, repr=False)
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list, repr=False)
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -121,7 +133,16 @@ class Sequence:
         return self.priority_key < other.priority_key
 
     def delta(self, token_ids: tuple[int, ...], error: str = "") -> TokenDelta:
-        """The delta announcing ``token_ids`` (and the finish reason, if finished)."""
+        """The delta announcing ``token_ids`` (and the finish reason, if finished),
+        with the pending log-probabilities and, once complete and not yet sent,
+        the prompt's. Mutates (takes those); only the thread that owns the
+        sequence builds its deltas."""
+        logprobs, self.pending_logprobs = tuple(self.pending_logprobs), []
+        prompt_logprobs: tuple[PositionLogprobs, ...] = ()
+        if (self.request.sampling.prompt_logprobs is not None and not self.prompt_logprobs_sent
+                and len(self.prompt_logprobs) >= self.num_prompt_tokens - 1):
+            prompt_logprobs, self.prompt_logprobs_sent = tuple(self.prompt_logprobs), True
+            self.prompt_logprobs = []
         return TokenDelta(
             request_id=self.request.request_id,
             token_ids=token_ids,
@@ -130,4 +151,6 @@ class Sequence:
             num_generated_tokens=len(self.token_ids) - len(self.request.prompt_token_ids),
             num_cached_tokens=max(self.num_cached_tokens, 0),
             error=error,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -1,0 +1,114 @@
+"""Several models behind one router (services.router.model_pool): each with its
+own tokenizer and engines, requests routed by ``model``, listed by ListModels;
+an unknown model is INVALID_ARGUMENT listing the served ids, chat input to a
+model without a chat template FAILED_PRECONDITION. Real gRPC on loopback with
+the fake tokenizer and engines of router_fakes (no model)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from llmesh.v1 import (
+    cache_pb2_grpc,
+    common_pb2,
+    engine_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+    tokenizer_pb2_grpc,
+)
+from services.router.metrics import RouterMetrics
+from services.router.model_pool import PoolConfig
+from services.router.service import RouterConfig, RouterService
+from tests.router.router_fakes import FakeCache, FakeEngine, FakeTokenizer, serve
+
+CHAT_REPLY = "Paris is the capital of France."
+BASE_REPLY = "Bonjour tout le monde."
+
+
+@contextlib.asynccontextmanager
+async def two_models(*, second_model: str = "base-model"):
+    """A router serving ``fake-model`` (chat; the default) and ``second_model``
+    (no chat template), each with its own tokenizer and one engine."""
+    servers: list[grpc.aio.Server] = []
+
+    async def start(add, servicer) -> str:
+        server, target = await serve(add, servicer)
+        servers.append(server)
+        return target
+
+    chat_engine = FakeEngine(CHAT_REPLY)
+    base_engine = FakeEngine(BASE_REPLY, model=second_model, max_model_len=128)
+    config = RouterConfig(
+        tokenizer=await start(tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server,
+                              FakeTokenizer()),
+        engines=(await start(engine_pb2_grpc.add_EngineServiceServicer_to_server,
+                             chat_engine),),
+        cache=await start(cache_pb2_grpc.add_CacheServiceServicer_to_server, FakeCache()),
+        startup_timeout=10,
+        pools=(PoolConfig(
+            await start(tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server,
+                        FakeTokenizer(model=second_model, has_chat_template=False)),
+            (await start(engine_pb2_grpc.add_EngineServiceServicer_to_server,
+                         base_engine),)),))
+    router = RouterService(config, metrics=RouterMetrics(CollectorRegistry()))
+    try:
+        await router.start()
+        router_server = grpc.aio.server()
+        router.register(router_server)
+        port = router_server.add_insecure_port("127.0.0.1:0")
+        await router_server.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield generation_pb2_grpc.GenerationServiceStub(channel), chat_engine, base_engine
+        await router_server.stop(None)
+    finally:
+        await router.close()
+        for server in servers:
+            await server.stop(None)
+
+
+async def text(stub, **request) -> str:
+    responses = [r async for r in stub.Generate(generation_pb2.GenerateRequest(
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=64), **request),
+        timeout=10)]
+    assert responses[-1].finish_reason
+    return "".join(r.text for r in responses)
+
+
+async def test_requests_go_to_the_pool_of_the_model_they_name():
+    async with two_models() as (stub, chat_engine, base_engine):
+        assert await text(stub, prompt="q1") == CHAT_REPLY  # "" is the default model
+        assert await text(stub, model="fake-model", prompt="q2") == CHAT_REPLY
+        assert await text(stub, model="base-model", prompt="q1") == BASE_REPLY
+        chat = generation_pb2.Chat(messages=[common_pb2.ChatMessage(role="user", content="q")])
+        assert await text(stub, model="fake-model", chat=chat) == CHAT_REPLY
+        listed = await stub.ListModels(generation_pb2.ListModelsRequest())
+    assert len(chat_engine.log.starts) == 3 and len(base_engine.log.starts) == 1
+    assert [(m.id, m.chat, m.max_model_len) for m in listed.models] == [
+        ("fake-model", True, 256), ("base-model", False, 128)]
+    assert all(m.admission.enabled for m in listed.models)
+
+
+async def test_an_unknown_model_lists_the_served_ids_and_chat_needs_a_template():
+    async with two_models() as (stub, chat_engine, base_engine):
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await text(stub, model="gpt-4", prompt="q")
+        with pytest.raises(grpc.aio.AioRpcError) as no_template:
+            await text(stub, model="base-model", chat=generation_pb2.Chat(
+                messages=[common_pb2.ChatMessage(role="user", content="q")]))
+        assert await text(stub, model="base-model", prompt="q") == BASE_REPLY  # still serving
+    assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown model 'gpt-4'" in unknown.value.details()
+    assert "'base-model', 'fake-model'" in unknown.value.details()
+    assert no_template.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "'base-model' has no chat template" in no_template.value.details()
+    assert not chat_engine.log.starts and len(base_engine.log.starts) == 1
+
+
+async def test_two_pools_of_one_model_id_do_not_start():
+    with pytest.raises(RuntimeError, match="two pools serve model 'fake-model'"):
+        async with two_models(second_model="fake-model"):
+            pass
