@@ -165,7 +165,9 @@ def test_a_rows_processed_logits_do_not_depend_on_its_batch_mates() -> None:
     other = state(output=(1,), presence_penalty=2.0)
     rows = [StepRow(SamplingRow(), (4,), other), StepRow(SamplingRow(), (), mine),
             StepRow(SamplingRow(), (3,))]
+    raw = logits.clone()
     batched = apply_logits_processors(logits, rows)
+    assert torch.equal(logits, raw)  # the raw logits (logprobs are taken from them) stay
     assert torch.equal(batched[2:3], alone)
     assert torch.equal(batched[3:], logits[3:])  # a row without processors is a copy
     assert batched.data_ptr() != logits.data_ptr()
