@@ -171,3 +171,15 @@ def test_a_rows_processed_logits_do_not_depend_on_its_batch_mates() -> None:
     assert torch.equal(batched[2:3], alone)
     assert torch.equal(batched[3:], logits[3:])  # a row without processors is a copy
     assert batched.data_ptr() != logits.data_ptr()
+
+
+def test_only_the_penalties_asked_for_keep_history() -> None:
+    st = state(prompt=(1,), repetition_penalty=1.5)
+    for token in (2, 2, 3):
+        st.append(token)
+    out = processed(st)
+    expected = LOGITS.clone()
+    expected[0, [2, 3]] /= 1.5
+    expected[0, 1] *= 1.5
+    assert torch.equal(out, expected)
+    assert st.num_output_tokens == 3 and not st._pending  # no counts kept that nothing reads

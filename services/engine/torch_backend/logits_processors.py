@@ -79,12 +79,6 @@ class LogitsProcessorParams:
                    options.repetition_penalty, options.frequency_penalty,
                    options.presence_penalty)
 
-    @property
-    def counts_output(self) -> bool:
-        """True when a penalty needs the output-token counts."""
-        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
-                or self.presence_penalty != 0.0)
-
 
 class LogitsProcessorState:
     """One sequence's processors and the history they need, kept sparse: the
@@ -99,15 +93,15 @@ class LogitsProcessorState:
     def __init__(self, params: LogitsProcessorParams, prompt_token_ids: Sequence[int]) -> None:
         self.params = params
         self.num_output_tokens = 0
-        self._counting = params.counts_output
+        self._repeating = params.repetition_penalty != 1.0
+        self._frequencing = bool(params.frequency_penalty or params.presence_penalty)
         # Output tokens: position of each distinct id, and its count (aligned tensor).
         self._out_pos: dict[int, int] = {}
         self._out_ids = _IdBuffer()
-        self._out_counts = torch.zeros(0)
+        self._out_counts: torch.Tensor | None = None  # on the logits' device
         self._pending: list[int] = []  # appended, not yet in _out_counts
         # Prompt and output tokens (the repetition penalty's set).
-        prompt = (list(dict.fromkeys(prompt_token_ids))
-                  if params.repetition_penalty != 1.0 else [])
+        prompt = list(dict.fromkeys(prompt_token_ids)) if self._repeating else []
         self._seen: set[int] = set(prompt)
         self._seen_ids = _IdBuffer(prompt)
         self._bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, values)
@@ -123,13 +117,12 @@ class LogitsProcessorState:
     def append(self, token_id: int) -> None:
         """Records a generated token (counted at the next :meth:`process`). O(1)."""
         self.num_output_tokens += 1
-        if not self._counting:
-            return
-        self._pending.append(token_id)
-        if token_id not in self._out_pos:
-            self._out_pos[token_id] = len(self._out_pos)
-            self._out_ids.append(token_id)
-        if self.params.repetition_penalty != 1.0 and token_id not in self._seen:
+        if self._frequencing:
+            self._pending.append(token_id)
+            if token_id not in self._out_pos:
+                self._out_pos[token_id] = len(self._out_pos)
+                self._out_ids.append(token_id)
+        if self._repeating and token_id not in self._seen:
             self._seen.add(token_id)
             self._seen_ids.append(token_id)
 
@@ -157,12 +150,12 @@ class LogitsProcessorState:
             if self._stop is None:
                 self._stop = torch.tensor(p.min_stop_ids, device=logits.device)
             logits[:masked_rows, self._stop] = float("-inf")
-        if not self._counting:
+        if not (self._repeating or self._frequencing):
             return logits
         lookahead = tuple(lookahead[:rows - 1])
-        if p.repetition_penalty != 1.0:
+        if self._repeating:
             self._penalise_repetition(logits, lookahead)
-        if p.frequency_penalty or p.presence_penalty:
+        if self._frequencing:
             self._penalise_frequency_presence(logits, lookahead)
         return logits
 
@@ -188,20 +181,25 @@ class LogitsProcessorState:
                                      lookahead: tuple[int, ...]) -> None:
         """OpenAI's penalties on the output tokens (and the proposals before each row)."""
         p = self.params
+        device = logits.device
+        if self._out_counts is None:
+            self._out_counts = torch.zeros(0, device=device)
         if self._pending:  # incremental: only the tokens appended since the last step
             grown = len(self._out_pos) - self._out_counts.numel()
             if grown:
-                self._out_counts = torch.cat([self._out_counts, torch.zeros(grown)])
-            positions = torch.tensor([self._out_pos[t] for t in self._pending])
-            self._out_counts.index_add_(0, positions, torch.ones(len(self._pending)))
+                self._out_counts = torch.cat([self._out_counts,
+                                              torch.zeros(grown, device=device)])
+            positions = torch.tensor([self._out_pos[t] for t in self._pending], device=device)
+            self._out_counts.index_add_(0, positions,
+                                        torch.ones(len(self._pending), device=device))
             self._pending.clear()
         extra = [t for t in dict.fromkeys(lookahead) if t not in self._out_pos]
-        ids = self._out_ids.tensor(logits.device, extra)
+        ids = self._out_ids.tensor(device, extra)
         if ids.numel() == 0:
             return
-        counts = self._out_counts.to(logits.device)
+        counts = self._out_counts
         if extra:
-            counts = torch.cat([counts, torch.zeros(len(extra), device=logits.device)])
+            counts = torch.cat([counts, torch.zeros(len(extra), device=device)])
         counts = counts.expand(logits.shape[0], -1)
         if lookahead:
             counts = counts.clone()
@@ -225,10 +223,13 @@ class _IdBuffer:
 
     def tensor(self, device: torch.device, extra: Sequence[int] = ()) -> torch.Tensor:
         """The ids (then ``extra``) as a ``[n + len(extra)]`` int64 tensor on ``device``."""
+        if self._tensor.device != device:
+            self._tensor = self._tensor.to(device)
         if self._tensor.numel() < len(self._ids):
-            new = torch.tensor(self._ids[self._tensor.numel():], dtype=torch.int64)
+            new = torch.tensor(self._ids[self._tensor.numel():], dtype=torch.int64,
+                               device=device)
             self._tensor = torch.cat([self._tensor, new])
-        ids = self._tensor.to(device)
+        ids = self._tensor
         if extra:
             ids = torch.cat([ids, torch.tensor(extra, dtype=torch.int64, device=device)])
         return ids
