@@ -211,8 +211,8 @@ class LogitsProcessorState:
 
 
 class _IdBuffer:
-    """A growing list of token ids and its int64 tensor, extended in place
-    (amortised ``O(1)`` per id, no rebuild of the whole tensor per step)."""
+    """A growing list of token ids and its int64 tensor, rebuilt from the list
+    only in a step that added ids (one copy then, none otherwise)."""
 
     def __init__(self, ids: Sequence[int] = ()) -> None:
         self._ids: list[int] = list(ids)
