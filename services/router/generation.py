@@ -35,7 +35,9 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
    the tokenizer service's own definition, fetched once at start with
    ``GetTokenizer``: no round trip per token) and pass the
    :class:`StopStringMatcher`; a stop-string match cancels the engine
-   sequence at once and ends with FINISH_REASON_STOP + ``matched_stop``;
+   sequence at once and ends with FINISH_REASON_STOP + ``matched_stop`` (the
+   text ends before the stop string, or after it with
+   ``include_stop_str_in_output``);
    log-probabilities (``sampling.logprobs`` / ``prompt_logprobs``) ride with
    their ids, token text filled in (:class:`TokenTexts`), cut with them at a
    stop string; such requests are never coalesced nor cached (``_shareable``);
@@ -674,7 +676,7 @@ class GenerationPipeline:
         if delta.usage is not None:
             self.metrics.prefix_hit_tokens.labels(request.model).observe(
                 delta.usage.cached_prompt_tokens)
-        matcher = StopStringMatcher(sampling.stop)
+        matcher = StopStringMatcher(sampling.stop, sampling.include_stop_str_in_output)
         detok = IncrementalDetokenizer(self.decoder, skip_special_tokens=True)
         # A stop token id (or EOS, unless ignored) ends the sequence, so it can only be
         # the last id; it counts in usage but its text is never returned.

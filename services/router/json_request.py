@@ -208,13 +208,26 @@ def _check_oneofs(obj: dict[str, Any], seen: dict[FieldDescriptor, str],
 
 
 def _check_value(value: object, field: FieldDescriptor, where: str) -> None:
-    if field.is_repeated:
+    if field.message_type is not None and field.message_type.GetOptions().map_entry:
+        _check_map(value, field, where)
+    elif field.is_repeated:
         if not isinstance(value, list):
             raise InvalidRequestError(where, f"must be a JSON array, got {_kind(value)}")
         for index, item in enumerate(value):
             _check_single(item, field, f"{where}[{index}]")
     else:
         _check_single(value, field, where)
+
+
+def _check_map(value: object, field: FieldDescriptor, where: str) -> None:
+    """A proto3 JSON map: an object whose keys and values are checked as the
+    entry's ``key`` and ``value`` (``{"17": -100}`` for ``map<int32, float>``)."""
+    if not isinstance(value, dict):
+        raise InvalidRequestError(where, f"must be a JSON object, got {_kind(value)}")
+    entry = field.message_type.fields_by_name
+    for key, item in value.items():
+        _check_scalar(key, entry["key"], f"{where}[{key!r}]")
+        _check_single(item, entry["value"], f"{where}[{key!r}]")
 
 
 def _check_single(value: object, field: FieldDescriptor, where: str) -> None:

@@ -40,10 +40,13 @@ class StopStringMatcher:
     Lengths are in Unicode code points (Python ``str``), never bytes.
     """
 
-    def __init__(self, stops: Iterable[str]) -> None:
+    def __init__(self, stops: Iterable[str], include_stop: bool = False) -> None:
         """Args:
           stops: stop strings; empty strings are ignored, duplicates merged.
+          include_stop: on a match, the released text ends with the stop string
+            itself (vLLM's ``include_stop_str_in_output``) instead of right before it.
         """
+        self._include_stop = include_stop
         self._stops: tuple[str, ...] = tuple(sorted({s for s in stops if s}, key=len))
         # Every proper prefix of every stop: a pending suffix in this set may
         # still grow into a stop string.
@@ -88,8 +91,9 @@ class StopStringMatcher:
         Returns:
           ``(safe, stop)``: ``safe`` is text that may be sent now (possibly
           empty); ``stop`` is the matched stop string, or None. On a match,
-          ``safe`` ends right before the stop string, and everything after it
-          (and any later feed) is dropped: further calls return ``("", stop)``.
+          ``safe`` ends right before the stop string (right after it with
+          ``include_stop``), and everything after it (and any later feed) is
+          dropped: further calls return ``("", stop)``.
         """
         if self._matched is not None:
             return "", self._matched
@@ -104,7 +108,7 @@ class StopStringMatcher:
             self._match_end = start + len(stop) - len(self._held)
             self._held = ""
             self._matched = stop
-            return pending[:start], stop
+            return pending[:start + len(stop) if self._include_stop else start], stop
         hold = self._hold_length(pending)
         cut = len(pending) - hold
         self._held = pending[cut:]

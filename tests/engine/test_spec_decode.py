@@ -318,3 +318,30 @@ async def test_metrics_count_drafts_and_accepted_tokens_exactly(
     tokens, _ = await generate(spec_backend, prompt, options, NGRAM)
     assert tokens == reference
     assert [a - b for a, b in zip(snapshot(), before)] == [3, 11, 6, 3, 3, 0, 0]
+
+
+async def test_penalised_outputs_are_the_same_with_speculation(
+        spec_backend: TorchBackend, spec_prompts, spec_metrics: EngineMetrics, oracle) -> None:
+    # Target row j of a speculative step is processed with proposals 1..j counted
+    # (penalties, min_tokens), so penalised greedy and seeded outputs do not change
+    # with speculation: n-gram, draft, and an oracle whose proposals are all accepted
+    # (every row j > 0 is then used) or wrong after 2 (rejections inside a run).
+    prompts = [ids for kind, ids in spec_prompts if kind in ("rewrite", "code_edit")][:3]
+    penalties = dict(max_tokens=16, repetition_penalty=1.1, frequency_penalty=0.4,
+                     presence_penalty=0.2, min_tokens=12, logit_bias=((28, 1.5),))
+    greedy = SamplingOptions(**penalties)
+    plain = await run_all(spec_backend, prompts, SamplingOptions(max_tokens=16), OFF, 3)
+    reference = await run_all(spec_backend, prompts, greedy, OFF, concurrency=3)
+    assert reference != plain  # the penalties do change the answers
+    for method in (NGRAM, DRAFT):
+        assert await run_all(spec_backend, prompts, greedy, method, concurrency=3) == reference
+    accepted = counter(spec_metrics, "spec_decode_num_accepted_tokens")
+    for wrong_after in (None, 2):
+        oracle({tuple(p): r for p, r in zip(prompts, reference)}, wrong_after)
+        assert await run_all(spec_backend, prompts, greedy, NGRAM, concurrency=3) == reference
+    assert counter(spec_metrics, "spec_decode_num_accepted_tokens") - accepted > 30
+    seeded = SamplingOptions(temperature=0.8, seed=7, **penalties)
+    off = await run_all(spec_backend, prompts, seeded, OFF, concurrency=3)
+    oracle({tuple(p): r for p, r in zip(prompts, off)})
+    assert await run_all(spec_backend, prompts, seeded, NGRAM, concurrency=3) == off
+    spec_backend.check_integrity()

@@ -103,3 +103,25 @@ def test_malformed_bodies_and_values_are_named(body, message):
 def test_sampling_fields_at_the_top_level_are_pointed_into_sampling(name):
     assert refused(f'{{"prompt": "Hi", "{name}": 1}}').startswith(
         f'{name}: unknown field; sampling fields go inside "sampling"')
+
+
+def test_penalties_min_tokens_logit_bias_and_include_stop_parse_inside_sampling():
+    request = parse_generate_json(
+        b'{"prompt": "Hi", "sampling": {"presence_penalty": 0.5, "frequency_penalty": -1,'
+        b' "repetition_penalty": 1.2, "min_tokens": 3, "logit_bias": {"17": -100},'
+        b' "include_stop_str_in_output": true}}')
+    sampling = request.sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -1.0)
+    assert sampling.repetition_penalty == pytest.approx(1.2) and sampling.min_tokens == 3
+    assert dict(sampling.logit_bias) == {17: -100.0} and sampling.include_stop_str_in_output
+    assert refused('{"prompt": "Hi", "min_tokens": 3}').startswith(
+        'min_tokens: unknown field; sampling fields go inside "sampling"')
+
+
+@pytest.mark.parametrize(("bias", "message"), [
+    ('[1]', "sampling.logit_bias: must be a JSON object, got an array"),
+    ('{"x": 1}', "sampling.logit_bias['x']: must be a 32-bit integer, got the string 'x'"),
+    ('{"3": "y"}', "sampling.logit_bias['3']: must be a number, got the string 'y'"),
+])
+def test_a_bad_logit_bias_map_is_named(bias, message):
+    assert refused(f'{{"prompt": "Hi", "sampling": {{"logit_bias": {bias}}}}}') == message

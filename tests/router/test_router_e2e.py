@@ -285,3 +285,57 @@ async def test_list_models(stub):
     assert len(reply.models) == 1
     assert reply.models[0].max_model_len == MAX_MODEL_LEN
     assert reply.models[0].chat is True
+
+
+async def test_include_stop_str_in_output_ends_the_text_with_the_stop(stub):
+    full = text_of(await collect(stub.Generate(chat_request(QUESTION, max_tokens=40))))
+    assert "Paris" in full
+    cut = {}
+    for include in (False, True):
+        request = chat_request(QUESTION, max_tokens=40, stop=["Paris"],
+                               include_stop_str_in_output=include)
+        cut[include] = await collect(stub.Generate(request))
+    kept, dropped = cut[True], cut[False]
+    assert text_of(kept) == full[:full.index("Paris") + len("Paris")]
+    assert text_of(dropped) == full[:full.index("Paris")]
+    assert kept[-1].matched_stop == dropped[-1].matched_stop == "Paris"
+    assert kept[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    # token ids and usage are the same either way: they end at the stop's token
+    assert [r.token_ids for r in kept] == [r.token_ids for r in dropped]
+    assert kept[-1].usage.completion_tokens == dropped[-1].usage.completion_tokens
+
+
+def ids_of(responses) -> list[int]:
+    return [t for r in responses for t in r.token_ids]
+
+
+async def test_logit_bias_and_min_tokens_change_the_greedy_answer_as_defined(stub):
+    greedy = await collect(stub.Generate(chat_request(QUESTION, max_tokens=40)))
+    ids = ids_of(greedy)
+    assert greedy[-1].finish_reason == common_pb2.FINISH_REASON_STOP and len(ids) < 30
+    # logit_bias -100 on the first greedy token: it never comes out
+    banned = await collect(stub.Generate(chat_request(
+        QUESTION, max_tokens=12, logit_bias={ids[0]: -100.0})))
+    assert ids[0] not in ids_of(banned)
+    # min_tokens past the answer's EOS: the same answer, then more tokens
+    longer = await collect(stub.Generate(chat_request(
+        QUESTION, max_tokens=40, min_tokens=len(ids) + 5)))
+    assert ids_of(longer)[:len(ids) - 1] == ids[:-1]
+    assert longer[-1].usage.completion_tokens >= len(ids) + 5
+
+
+async def test_penalties_lower_the_count_of_the_most_repeated_token(stub):
+    def most_repeated(tokens: list[int]) -> tuple[int, int]:
+        return max((tokens.count(t), t) for t in set(tokens))
+
+    prompt = "Count from 1 to 30, separated by commas."
+    plain = ids_of(await collect(stub.Generate(chat_request(
+        prompt, max_tokens=30, ignore_eos=True))))
+    count, token = most_repeated(plain)
+    assert count >= 5
+    for penalty in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
+                    {"repetition_penalty": 2.0}):
+        out = ids_of(await collect(stub.Generate(chat_request(
+            prompt, max_tokens=30, ignore_eos=True, **penalty))))
+        assert len(out) == len(plain)
+        assert out.count(token) < count, (penalty, count, out.count(token))

@@ -29,8 +29,9 @@ def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
     return best
 
 
-def run(stops: list[str], chunks: list[str]) -> tuple[list[str], str | None, str]:
-    matcher = StopStringMatcher(stops)
+def run(stops: list[str], chunks: list[str],
+        include_stop: bool = False) -> tuple[list[str], str | None, str]:
+    matcher = StopStringMatcher(stops, include_stop)
     emitted: list[str] = []
     for chunk in chunks:
         safe, stop = matcher.feed(chunk)
@@ -90,6 +91,29 @@ def test_holds_only_a_real_prefix_and_releases_it_when_it_breaks():
     assert matcher.feed("/") == ("", None)
     assert matcher.feed("b>") == ("</b>", None)
     assert matcher.held == ""
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=texts, stops=stop_lists, cuts=st.lists(st.integers(0, 40), max_size=12))
+def test_include_stop_emits_the_text_through_the_first_stop(text, stops, cuts):
+    emitted, matched, flushed = run(stops, chunked(text, cuts), include_stop=True)
+    expected = first_stop(text, stops)
+    if expected is None:
+        assert matched is None and "".join(emitted) + flushed == text
+    else:
+        start, stop = expected
+        assert (matched, flushed) == (stop, "")
+        assert "".join(emitted) == text[:start + len(stop)]
+
+
+def test_include_stop_keeps_a_stop_split_across_chunks_and_drops_what_follows():
+    matcher = StopStringMatcher(["\n\nUser:"], include_stop=True)
+    assert matcher.feed("Paris.\n") == ("Paris.", None)
+    assert matcher.feed("\nUs") == ("", None)
+    assert matcher.feed("er: and more") == ("\n\nUser:", "\n\nUser:")
+    assert matcher.match_end == 3  # as without include_stop: ids end at the same token
+    assert matcher.feed("later") == ("", "\n\nUser:")
+    assert matcher.flush() == ""
 
 
 def test_match_across_chunks_drops_the_stop_and_everything_after():

@@ -284,3 +284,11 @@ def test_x_request_id_is_checked_and_named():
                          models=MODELS, default_model="tiny", header_request_id="a" * 129)
     assert str(info.value) == "x-request-id: must be at most 128 characters, got 129"
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_logit_bias_map_passes_the_unknown_field_check():
+    request = validate(prompt="Hi", sampling=common_pb2.SamplingParams(
+        logit_bias={5: -100.0, 7: 2.5}, min_tokens=2, presence_penalty=0.5,
+        include_stop_str_in_output=True))
+    assert request.sampling.logit_bias == ((5, -100.0), (7, 2.5))
+    assert request.sampling.include_stop_str_in_output

@@ -102,7 +102,10 @@ class KVCacheInfo:
 
 #: The optional sampling features (:data:`~services.engine.validation.OPTIONAL_FEATURES`)
 #: this backend implements; a request using another is UNIMPLEMENTED.
-IMPLEMENTED_FEATURES: frozenset[str] = frozenset({"logprobs", "prompt_logprobs"})
+IMPLEMENTED_FEATURES: frozenset[str] = frozenset({
+    "logprobs", "prompt_logprobs",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",
+})
 
 
 class TorchBackend(EngineBackend):

@@ -78,6 +78,7 @@ from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason
 from services.engine.torch_backend.block_pool import BlockCounts
 from services.engine.torch_backend.inbox import Inbox
+from services.engine.torch_backend.logits_processors import LogitsProcessorState
 from services.engine.torch_backend.logprobs import (
     add_prompt_logprobs,
     position_logprobs,
@@ -165,7 +166,10 @@ class EngineCore:
         """
         row = SamplingRow.from_options(request.sampling, self._runner.device)
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
-        seq = Sequence(request, next(self._arrivals), row, queue, loop)
+        seq = Sequence(request, next(self._arrivals), row, queue, loop,
+                       processors=LogitsProcessorState.for_request(
+                           request.sampling, request.prompt_token_ids,
+                           self._scheduler.config.eos_token_ids))
         if self._speculator is not None:
             seq.spec_method, seq.num_spec_tokens = self._speculator.resolve(request.speculative)
         self._inbox.submit(seq)
@@ -354,7 +358,7 @@ class EngineCore:
                 self._between_layers, [s.seq for s in out.scheduled]))
             if any(extra):
                 logits = self._take_prompt_rows(out, extra, logits)
-            rows = [StepRow(s.seq.sampling, s.spec_token_ids)
+            rows = [StepRow(s.seq.sampling, s.spec_token_ids, s.seq.processors)
                     for s in out.scheduled if s.samples]
             sampled = sample_step(logits, rows) if rows else []
             logprobs = self._generated_logprobs(out, logits, sampled)

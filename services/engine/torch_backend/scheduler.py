@@ -284,7 +284,7 @@ class Scheduler:
             reason = FinishReason.NONE
             emitted = 0
             for token in tokens:
-                seq.token_ids.append(token)
+                seq.append_token(token)
                 emitted += 1
                 reason = self._stop_reason(seq, token)
                 if reason is not FinishReason.NONE:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from services.common.kv_events import BlockHash
 from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason, SpeculativeMethod
+from services.engine.torch_backend.logits_processors import LogitsProcessorState
 from services.engine.torch_backend.sampler import SamplingRow
 from services.engine.types import SequenceRequest, TokenDelta
 
@@ -55,6 +56,9 @@ class Sequence:
       spec_token_ids: proposals for its next step (lookahead tokens, not yet
         verified; never part of ``token_ids``). Written after a step by the
         engine core, consumed by the next :meth:`Scheduler.schedule`.
+      processors: its logits processors and their output-token counts (None
+        when it uses no penalty, logit bias or min_tokens); fed by
+        :meth:`append_token`.
       priority_key: (priority, arrival), the scheduling order.
       pending_logprobs: with ``sampling.logprobs``: the entries of the
         generated tokens not yet delivered (one per token, in order); the
@@ -82,6 +86,7 @@ class Sequence:
     spec_method: SpeculativeMethod = SpeculativeMethod.NONE
     num_spec_tokens: int = 0
     spec_token_ids: list[int] = field(default_factory=list)
+    processors: LogitsProcessorState | None = None
     priority_key: tuple[int, int] = field(init=False, repr=False)
     pending_logprobs: list[PositionLogprobs] = field(default_factory=list, repr=False)
     prompt_logprobs: list[PositionLogprobs] = field(default_factory=list, repr=False)
@@ -116,6 +121,12 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not FinishReason.NONE
+
+    def append_token(self, token_id: int) -> None:
+        """Appends a generated (verified) token; its processors count it."""
+        self.token_ids.append(token_id)
+        if self.processors is not None:
+            self.processors.append(token_id)
 
     def __lt__(self, other: Sequence) -> bool:
         """Scheduling order: priority (INTERACTIVE first), then arrival."""

@@ -17,24 +17,34 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine.torch_backend.logits_processors import (
+    LogitsProcessorState,
+    apply_logits_processors,
+)
 from services.engine.torch_backend.rejection_sampler import verify_greedy, verify_sampled
 from services.engine.torch_backend.sampler import SamplingRow, probabilities, sample
 
 
 @dataclass(frozen=True, slots=True)
 class StepRow:
-    """One sampling sequence of a step: its sampling parameters and proposals
-    (its logits are ``1 + len(spec_token_ids)`` consecutive rows)."""
+    """One sampling sequence of a step: its sampling parameters, proposals
+    (its logits are ``1 + len(spec_token_ids)`` consecutive rows) and logits
+    processors (None: it uses none)."""
 
     sampling: SamplingRow
     spec_token_ids: tuple[int, ...] = ()
+    processors: LogitsProcessorState | None = None
 
 
 def sample_step(logits: torch.Tensor, rows: Sequence[StepRow]) -> list[list[int]]:
     """New tokens of every sampling sequence of a step.
 
+    The logits processors (penalties, logit bias, min_tokens:
+    :func:`~services.engine.torch_backend.logits_processors.apply_logits_processors`)
+    run first, then sampling or verification on the processed logits.
+
     Args:
-      logits: ``[sum of (1 + k_i), vocab]`` rows in ``rows`` order.
+      logits: ``[sum of (1 + k_i), vocab]`` raw rows in ``rows`` order (not modified).
       rows: the sampling sequences.
 
     Returns:
@@ -47,6 +57,7 @@ def sample_step(logits: torch.Tensor, rows: Sequence[StepRow]) -> list[list[int]
     expected = sum(1 + len(row.spec_token_ids) for row in rows)
     if logits.shape[0] != expected:
         raise ValueError(f"{logits.shape[0]} rows of logits for {expected} positions")
+    logits = apply_logits_processors(logits, rows)
     if not any(row.spec_token_ids for row in rows):
         return [[token] for token in sample(logits, [r.sampling for r in rows]).tolist()]
     out: list[list[int]] = [[] for _ in rows]
