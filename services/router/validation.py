@@ -188,7 +188,11 @@ def reject_unknown_fields(message: Message, path: str = "") -> None:
         if field.message_type is None:
             continue
         name = f"{path}.{field.name}" if path else field.name
-        if field.is_repeated:
+        if field.message_type.GetOptions().map_entry:  # a map: its values, if messages
+            if field.message_type.fields_by_name["value"].message_type is not None:
+                for key, item in value.items():
+                    reject_unknown_fields(item, f"{name}[{key!r}]")
+        elif field.is_repeated:
             for index, item in enumerate(value):
                 reject_unknown_fields(item, f"{name}[{index}]")
         else:
