@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import structlog
 from aiohttp import web
-
 from llmesh.v1 import generation_pb2
+
 from services.common.logging import REQUEST_ID_METADATA_KEY, bind_request_id
 from services.common.sampling import InvalidRequestError
 from services.router.generation import (
@@ -55,7 +55,12 @@ from services.router.generation import (
     GenerationError,
 )
 from services.router.openai_format import OpenAIError, ResponseBuilder, error_for_status
-from services.router.openai_protocol import Endpoint, OpenAIRequest, openai_param, parse_request
+from services.router.openai_protocol import (
+    Endpoint,
+    OpenAIRequest,
+    openai_param,
+    parse_request,
+)
 from services.router.validation import TENANT_METADATA_KEY, UNKNOWN_MODEL_CODE
 
 if TYPE_CHECKING:
@@ -109,7 +114,7 @@ class OpenAIServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        server = site._server  # noqa: SLF001 - aiohttp exposes the bound port only here
+        server = site._server  # aiohttp exposes the bound port (of port 0) only here
         assert server is not None and server.sockets
         self.port = server.sockets[0].getsockname()[1]
         return self.port
@@ -292,4 +297,4 @@ async def _until_all_finished(events: AsyncIterator[Event], choices: int
         await events.aclose()  # type: ignore[attr-defined]
 
 
-__all__ = ["OpenAIServer", "TIMEOUT_HEADER"]
+__all__ = ["TIMEOUT_HEADER", "OpenAIServer"]

@@ -37,11 +37,13 @@ Field mapping (OpenAI / vLLM name → ``GenerateRequest``):
   ``regex`` | ``choice`` | ``grammar`` | ``json_object``) and the older
   ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``;
   at most one constraint in all.
+* ``stream`` and ``stream_options.include_usage`` (its other keys are
+  refused; it needs ``stream: true``, as OpenAI and vLLM require).
 * Accepted and ignored: ``user`` (an end-user id for abuse tracking; the mesh's
-  tenant comes from ``x-tenant-id`` / the API key), ``stream_options`` other
-  than ``include_usage`` is refused; ``echo: false``, ``suffix: null``,
-  ``best_of`` equal to ``n`` (or 1), ``tools: []``, ``tool_choice: "none"``,
-  ``parallel_tool_calls`` (no tools), null values of any known field.
+  tenant comes from ``x-tenant-id`` / the API key), ``echo: false``,
+  ``suffix: null``, ``best_of`` equal to ``n``, ``tools: []``,
+  ``tool_choice: "none"`` / ``"auto"`` without tools, ``parallel_tool_calls``,
+  and ``null`` for any known field (unset).
 * Anything else is refused naming it: the mesh never serves a request without
   what the client asked for.
 """
@@ -57,6 +59,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmesh.v1 import common_pb2, generation_pb2
+
 from services.common.sampling import InvalidRequestError
 
 

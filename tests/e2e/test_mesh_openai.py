@@ -12,8 +12,8 @@ import urllib.request
 import grpc
 import openai
 import pytest
-
 from llmesh.v1 import engine_pb2_grpc
+
 from services.cli.mesh import Mesh
 from tests.e2e.mesh_client import CAPITAL_QUESTION, chat_request, generate
 from tests.e2e.test_mesh_e2e import wait_engine_idle
@@ -62,7 +62,8 @@ def test_chat_answer_equals_the_grpc_answer(client: openai.OpenAI, model: str,
 
 
 def test_completion_non_streaming_and_streaming_agree(client: openai.OpenAI, model: str) -> None:
-    kwargs = dict(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
+    kwargs = {"model": model, "prompt": "The capital of France is", "max_tokens": 8,
+              "temperature": 0}
     whole = client.completions.create(**kwargs)
     assert whole.object == "text_completion" and whole.choices[0].finish_reason == "length"
     assert whole.usage.completion_tokens == 8

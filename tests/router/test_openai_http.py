@@ -34,7 +34,7 @@ async def served(**config):
 
 
 async def test_chat_and_completion_answers_have_openai_shape():
-    async with served() as (mesh, client, _):
+    async with served() as (_, client, _base):
         chat = await client.chat.completions.create(model="fake-model", messages=USER,
                                                     max_tokens=64)
         assert chat.choices[0].message.content == REPLY
@@ -119,10 +119,10 @@ async def test_disconnect_mid_stream_cancels_the_engine_sequence():
 
 async def test_unknown_route_and_model_are_404_in_openai_shape():
     async with served() as (_, client, base):
-        async with aiohttp.ClientSession() as session:
-            async with session.get(f"{base}/v1/nothing") as reply:
-                assert reply.status == 404
-                assert (await reply.json())["error"]["code"] == "unknown_url"
+        async with aiohttp.ClientSession() as session, \
+                session.get(f"{base}/v1/nothing") as reply:
+            assert reply.status == 404
+            assert (await reply.json())["error"]["code"] == "unknown_url"
         with pytest.raises(openai.NotFoundError) as info:
             await client.chat.completions.create(model="gpt-4", messages=USER)
         assert "fake-model" in info.value.message and info.value.body["param"] == "model"
@@ -131,10 +131,10 @@ async def test_unknown_route_and_model_are_404_in_openai_shape():
 async def test_an_error_after_streaming_began_is_an_sse_error_event():
     async with served() as (mesh, _, base):
         mesh.engines[0].finish_with_error = True
-        async with aiohttp.ClientSession() as session:
-            async with session.post(f"{base}/v1/completions",
-                                    json={"prompt": "x", "stream": True}) as reply:
-                assert reply.status == 200
-                body = (await reply.read()).decode()
+        async with aiohttp.ClientSession() as session, \
+                session.post(f"{base}/v1/completions",
+                             json={"prompt": "x", "stream": True}) as reply:
+            assert reply.status == 200
+            body = (await reply.read()).decode()
         events = [line for line in body.split("\n\n") if line]
         assert '"error"' in events[-1] and "[DONE]" not in body

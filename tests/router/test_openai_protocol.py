@@ -6,8 +6,8 @@ import json
 
 import grpc
 import pytest
-
 from llmesh.v1 import common_pb2
+
 from services.common.sampling import InvalidRequestError
 from services.router.openai_protocol import Endpoint, openai_param, parse_request
 from services.router.validation import ModelLimits, validate_request
