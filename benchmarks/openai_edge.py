@@ -6,10 +6,10 @@ OpenAI port routed by Envoy) unless ``--url`` names a running mesh, then runs
 through Envoy), ``--backend openai`` (SSE ``/v1/completions`` through Envoy:
 the same raw prompt, so the same engine work as ``llmesh``) and ``--backend
 openai-chat`` (SSE ``/v1/chat/completions``: the prompt wrapped in one user
-message, ~10 template tokens more) for ``--rounds`` rounds: identical random
-prompts per round (a new seed per round, so no round finds the last one's
-prompts in the prefix cache), greedy, ``ignore_eos``, one stream, the order
-rotated each round. Prints, per backend, the median over rounds of each run's
+message, ~10 template tokens more) for ``--rounds`` rounds: random prompts of
+the same length, a seed per backend and round (the OpenAI API cannot bypass
+the response cache, so no run may meet another's prompts), greedy,
+``ignore_eos``, one stream, the order rotated each round. Prints, per backend, the median over rounds of each run's
 median TTFT and TPOT, the ratios to ``llmesh``, and the load average.
 
 Usage: ``python benchmarks/openai_edge.py [--rounds 3] [--num-prompts 6]
@@ -61,7 +61,10 @@ def measure(url: str, args: argparse.Namespace, out: Path) -> dict[str, dict[str
     for round_ in range(args.rounds):
         order = BACKENDS[round_ % 3:] + BACKENDS[:round_ % 3]
         for backend in order:
-            result = bench(url, backend, args, seed=1000 + round_, out=out)
+            # Its own prompts (same lengths): a greedy answer the previous backend
+            # stored would come from the response cache (only gRPC can bypass it).
+            seed = 1000 + 10 * round_ + BACKENDS.index(backend)
+            result = bench(url, backend, args, seed=seed, out=out)
             figures[backend]["ttft"].append(result["median_ttft_ms"])
             figures[backend]["tpot"].append(result["median_tpot_ms"])
             print(f"round {round_} {backend:12s} TTFT p50 {result['median_ttft_ms']:8.2f} ms  "
