@@ -133,3 +133,18 @@ def test_client_disconnect_frees_the_engine_sequence(mesh: Mesh, client: openai.
     stream.close()  # the client leaves mid-generation
     # 1,000 tokens take many seconds; the sequence must leave the engine at once.
     assert wait_engine_idle(engine, within_s=3.0) < 3.0
+
+
+def test_chat_logprobs_of_greedy_tokens_are_their_top_alternative(client: openai.OpenAI,
+                                                                  model: str) -> None:
+    chat = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert "".join(item.token for item in content).startswith(
+        chat.choices[0].message.content)
+    for item in content:
+        assert len(item.top_logprobs) == 3 and item.logprob <= 0
+        assert item.logprob == max(t.logprob for t in item.top_logprobs)  # greedy: the argmax
+        assert item.token == item.top_logprobs[0].token and item.bytes == list(
+            item.token.encode())
