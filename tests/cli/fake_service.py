@@ -172,7 +172,8 @@ class FakeService:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, self._openai_port)
         await site.start()
-        return {"openai_port": site._server.sockets[0].getsockname()[1]}  # aiohttp: the bound port only here
+        server = site._server  # aiohttp exposes the bound port only here
+        return {"openai_port": server.sockets[0].getsockname()[1]}
 
     async def start(self) -> None:
         await asyncio.sleep(self._load_seconds)
