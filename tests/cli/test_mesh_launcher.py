@@ -56,7 +56,9 @@ def test_mesh_starts_in_order_serves_and_stops(tmp_path: Path) -> None:
     mesh = Mesh(
         ingress_port=0, admin_port=0, run_dir=tmp_path, num_engines=2,
         model_path="/models/tiny.gguf", redis_url="redis://127.0.0.1:1/0",
-        engine_args=["--load-seconds", "1.5"], router_args=["--max-tokens-cap", "99"],
+        # 2.5 s: the engines must still be loading once the router (which also binds
+        # its OpenAI HTTP port, importing aiohttp) has bound, even on a busy machine.
+        engine_args=["--load-seconds", "2.5"], router_args=["--max-tokens-cap", "99"],
         stream_idle_timeout_s=42, commands=fake_commands(),
     )
     with mesh.start(events.append):
@@ -94,7 +96,7 @@ def test_mesh_starts_in_order_serves_and_stops(tmp_path: Path) -> None:
         engines = {"engine-0", "engine-1"}
         assert loading and engines <= set(loading[0].waiting)
         assert set(loading[-1].waiting) <= engines
-        assert mesh.startup_seconds is not None and mesh.startup_seconds >= 1.5
+        assert mesh.startup_seconds is not None and mesh.startup_seconds >= 2.5
 
         # Traffic flows client → Envoy → router.
         responses = _generate(mesh.ingress_address, "through the mesh")
