@@ -17,8 +17,15 @@ What the config does (see ``envoy/README.md`` for the why):
 * one ingress listener, HTTP connection manager with codec AUTO (HTTP/2 gRPC
   and HTTP/1.1 JSON on the same port);
 * HTTP filters: ``grpc_json_transcoder`` (``POST /v1/generate``,
-  ``GET /v1/models`` → ``llmesh.v1.GenerationService``), ``grpc_stats``
+  ``GET /v1/llmesh/models`` → ``llmesh.v1.GenerationService``), ``grpc_stats``
   (per-method counters for the public methods), ``router``;
+* the OpenAI-compatible paths (``OPENAI_PATHS``: ``/v1/chat/completions``,
+  ``/v1/completions``, ``/v1/models`` and ``/v1/models/{id}``) → cluster
+  ``router_openai``, the router's HTTP/1.1 port (``--openai-port``), with the
+  transcoder disabled on those routes (it would answer 404 for a path it does
+  not know) and no idle timeout (a request may wait silently in the router's
+  queue); Server-Sent Events stream through: Envoy forwards each chunk of a
+  chunked HTTP/1.1 body as it arrives (no buffering filter on the route);
 * routes → cluster ``router`` with the route timeout disabled (0 s),
   ``grpc-timeout`` honoured and retries on ``unavailable``/``reset`` only
   (Envoy never retries once response bytes went downstream): one per
@@ -68,6 +75,7 @@ with warnings.catch_warnings():
         DataSource,
         GrpcMethodList,
         GrpcMethodListService,
+        Http1ProtocolOptions,
         Http2ProtocolOptions,
         HttpProtocolOptions as CoreHttpProtocolOptions,
         KeepaliveSettings,
@@ -85,6 +93,7 @@ with warnings.catch_warnings():
     from envoy_data_plane.envoy.config.metrics.v3 import StatsConfig, TagSpecifier
     from envoy_data_plane.envoy.config.overload.v3 import OverloadManager, ResourceMonitor
     from envoy_data_plane.envoy.config.route.v3 import (
+        FilterConfig,
         RetryPolicy,
         RetryPolicyRetryBackOff,
         Route,
@@ -129,6 +138,12 @@ GENERATION_METHODS = ("Generate", "GenerateJson", "GenerateStream")
 
 #: Envoy cluster that points at the router.
 ROUTER_CLUSTER = "router"
+#: Envoy cluster that points at the router's OpenAI-compatible HTTP port.
+OPENAI_CLUSTER = "router_openai"
+#: Paths routed to it (exact), and the prefix of ``GET /v1/models/{id}``.
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+OPENAI_PREFIX = "/v1/models/"
+_TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
 
 #: Repository root (``services/cli/envoy_config.py`` → three levels up).
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -142,6 +157,9 @@ DEFAULT_ADMIN_PORT = 9901
 #: Fixed router port the checked-in ``envoy/envoy.yaml`` points at (start the
 #: router with ``--port 50051`` to use that file by hand).
 DEFAULT_ROUTER_PORT = 50051
+#: Fixed OpenAI HTTP port of the router in ``envoy/envoy.yaml`` (``--openai-port
+#: 8000``, vLLM's default port).
+DEFAULT_OPENAI_PORT = 8000
 
 #: Client-controlled values are cut (``:N``): the router refuses an
 #: ``x-request-id`` over 128 characters, but Envoy logs the request before that,
@@ -168,6 +186,8 @@ class EnvoySettings:
       router_host: the router's host: an IP literal gives a STATIC cluster, a
         name a STRICT_DNS one.
       router_port: the router's gRPC port.
+      openai_port: the router's OpenAI-compatible HTTP port; None: no OpenAI
+        routes (those paths then reach the transcoder, which answers 404).
       descriptor_path: descriptor set for the transcoder; a relative path is
         resolved by Envoy against its working directory.
       stream_idle_timeout_s: seconds a stream of a non-generation call
@@ -205,6 +225,7 @@ class EnvoySettings:
     admin_port: int = DEFAULT_ADMIN_PORT
     router_host: str = "127.0.0.1"
     router_port: int = DEFAULT_ROUTER_PORT
+    openai_port: int | None = DEFAULT_OPENAI_PORT
     descriptor_path: str = DESCRIPTOR_RELATIVE
     stream_idle_timeout_s: float = 300.0
     connect_timeout_s: float = 1.0
@@ -289,7 +310,8 @@ def _access_log(settings: EnvoySettings) -> list[AccessLog]:
     return [AccessLog(name="envoy.access_loggers.file", typed_config=Any.pack(config))]
 
 
-def _route_action(settings: EnvoySettings, *, idle_timeout_s: float | None = None) -> RouteAction:
+def _route_action(settings: EnvoySettings, *, idle_timeout_s: float | None = None,
+                  cluster: str = ROUTER_CLUSTER) -> RouteAction:
     """The action every route shares; ``idle_timeout_s`` 0 turns Envoy's stream
     idle timeout off for the route (None: the connection manager's applies).
 
@@ -298,7 +320,7 @@ def _route_action(settings: EnvoySettings, *, idle_timeout_s: float | None = Non
     is configured" (envoyproxy.io, api-v3 config.route.v3.RouteAction).
     """
     return RouteAction(
-        cluster=ROUTER_CLUSTER,
+        cluster=cluster,
         # 0 disables the route timeout: Envoy's 15 s default cuts long generations.
         timeout=_seconds(0),
         idle_timeout=None if idle_timeout_s is None else _seconds(idle_timeout_s),
@@ -324,8 +346,22 @@ def _routes(settings: EnvoySettings) -> list[Route]:
               route=_route_action(settings, idle_timeout_s=0))
         for method in GENERATION_METHODS
     ]
-    return [*generation, Route(name="llmesh", match=RouteMatch(prefix="/"),
-                               route=_route_action(settings))]
+    return [*generation, *_openai_routes(settings),
+            Route(name="llmesh", match=RouteMatch(prefix="/"), route=_route_action(settings))]
+
+
+def _openai_routes(settings: EnvoySettings) -> list[Route]:
+    """The OpenAI paths → the router's HTTP port, transcoder off, idle timeout off
+    (the router ends a request at its deadline; Envoy never cuts a live stream)."""
+    if settings.openai_port is None:
+        return []
+    off = {_TRANSCODER: Any.pack(FilterConfig(disabled=True))}
+    matches = [RouteMatch(path=path) for path in OPENAI_PATHS]
+    matches.append(RouteMatch(prefix=OPENAI_PREFIX))
+    names = [f"openai{path}".replace("/", "-") for path in OPENAI_PATHS] + ["openai-v1-model"]
+    return [Route(name=name, match=match, typed_per_filter_config=off,
+                  route=_route_action(settings, idle_timeout_s=0, cluster=OPENAI_CLUSTER))
+            for name, match in zip(names, matches)]
 
 
 def _http_connection_manager(settings: EnvoySettings) -> HttpConnectionManager:
@@ -374,15 +410,21 @@ def _listener(settings: EnvoySettings) -> Listener:
     )
 
 
-def _router_cluster(settings: EnvoySettings) -> Cluster:
+def _router_cluster(settings: EnvoySettings, *, name: str = ROUTER_CLUSTER,
+                    port: int | None = None) -> Cluster:
+    """A cluster of the router: gRPC over HTTP/2 (``router``), or its OpenAI
+    port over HTTP/1.1 (``router_openai``: aiohttp speaks no cleartext HTTP/2)."""
+    grpc_cluster = name == ROUTER_CLUSTER
     protocol = HttpProtocolOptions(
         explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
             http2_protocol_options=Http2ProtocolOptions(connection_keepalive=_keepalive(settings))
-        ),
+        ) if grpc_cluster else HttpProtocolOptionsExplicitHttpConfig(
+            http_protocol_options=Http1ProtocolOptions()),
         common_http_protocol_options=CoreHttpProtocolOptions(idle_timeout=_seconds(3600)),
     )
+    port = settings.router_port if port is None else port
     return Cluster(
-        name=ROUTER_CLUSTER,
+        name=name,
         type=(
             ClusterDiscoveryType.STATIC
             if _is_ip(settings.router_host)
@@ -406,13 +448,13 @@ def _router_cluster(settings: EnvoySettings) -> Cluster:
             ]
         ),
         load_assignment=ClusterLoadAssignment(
-            cluster_name=ROUTER_CLUSTER,
+            cluster_name=name,
             endpoints=[
                 LocalityLbEndpoints(
                     lb_endpoints=[
                         LbEndpoint(
                             endpoint=Endpoint(
-                                address=_address(settings.router_host, settings.router_port)
+                                address=_address(settings.router_host, port)
                             )
                         )
                     ]
@@ -470,7 +512,9 @@ def build_bootstrap(settings: EnvoySettings | None = None) -> Bootstrap:
         overload_manager=_overload_manager(settings),
         static_resources=BootstrapStaticResources(
             listeners=[_listener(settings)],
-            clusters=[_router_cluster(settings)],
+            clusters=[_router_cluster(settings), *(
+                [] if settings.openai_port is None else
+                [_router_cluster(settings, name=OPENAI_CLUSTER, port=settings.openai_port)])],
         ),
     )
 
@@ -483,8 +527,8 @@ def bootstrap_dict(settings: EnvoySettings | None = None) -> dict[str, AnyType]:
 _HEADER = """\
 # Envoy front proxy for llmesh. GENERATED, do not edit by hand:
 #   python -m services.cli.envoy_config --write envoy/envoy.yaml
-# Defaults: ingress {ingress_host}:{ingress_port} (gRPC + JSON), admin {admin_host}:{admin_port},
-# router at {router_host}:{router_port}. Run from the repository root (the
+# Defaults: ingress {ingress_host}:{ingress_port} (gRPC + JSON + OpenAI), admin
+# {admin_host}:{admin_port}, router at {router_host}:{router_port} (OpenAI HTTP: {openai_port}). Run from the repository root (the
 # descriptor path is relative):  envoy -c envoy/envoy.yaml
 # Why each setting: envoy/README.md.
 """
@@ -535,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--admin-port", type=int, default=defaults.admin_port)
     parser.add_argument("--router-host", default=defaults.router_host)
     parser.add_argument("--router-port", type=int, default=defaults.router_port)
+    parser.add_argument("--openai-port", type=int, default=defaults.openai_port,
+                        help="the router's OpenAI HTTP port; -1: no OpenAI routes")
     parser.add_argument("--descriptor-path", default=defaults.descriptor_path)
     parser.add_argument(
         "--stream-idle-timeout", type=float, default=defaults.stream_idle_timeout_s,
@@ -548,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         admin_port=args.admin_port,
         router_host=args.router_host,
         router_port=args.router_port,
+        openai_port=None if args.openai_port < 0 else args.openai_port,
         descriptor_path=args.descriptor_path,
         stream_idle_timeout_s=args.stream_idle_timeout,
     )

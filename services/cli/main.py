@@ -108,8 +108,12 @@ def mesh_address(url: str | None, environ: Mapping[str, str] | None = None) -> s
 
 def client_examples(address: str, question: str = EXAMPLE_QUESTION) -> list[str]:
     """Shell lines that call a mesh at ``address`` (``host:port``), as printed
-    by ``llmesh up``: the llmesh CLI, grpcurl (gRPC, via reflection) and curl
-    (JSON through Envoy's transcoder; the reply is one JSON array)."""
+    by ``llmesh up``: the llmesh CLI, grpcurl (gRPC, via reflection), curl
+    (JSON through Envoy's transcoder; the reply is one JSON array) and curl to
+    the OpenAI-compatible API (``/v1/models``, ``/v1/chat/completions``)."""
+    openai_body = json.dumps(
+        {"messages": [{"role": "user", "content": question}], "max_tokens": 64,
+         "stream": True}, separators=(",", ":"))
     body = json.dumps(
         {"chat": {"messages": [{"role": "user", "content": question}]},
          "sampling": {"max_tokens": 64}},
@@ -123,6 +127,8 @@ def client_examples(address: str, question: str = EXAMPLE_QUESTION) -> list[str]
         f"curl -sN -X POST http://{address}/v1/generate "
         f"-H 'content-type: application/json' -d {shlex.quote(body)}",
         f"curl -s http://{address}/v1/models",
+        f"curl -sN http://{address}/v1/chat/completions -H 'content-type: application/json' "
+        f"-d {shlex.quote(openai_body)}",
     ]
 
 

@@ -237,6 +237,8 @@ class ServiceProcess:
       process: the running child (None before :meth:`spawn`).
       grpc_port, metrics_port: read from the port file (None until bound;
         metrics -1 when disabled).
+      extra_ports: the port file's other ports by name (the router's
+        ``openai_port``).
     """
 
     name: str
@@ -247,6 +249,7 @@ class ServiceProcess:
     process: subprocess.Popen[bytes] | None = None
     grpc_port: int | None = None
     metrics_port: int | None = None
+    extra_ports: dict[str, int] = field(default_factory=dict)
 
     @property
     def pid(self) -> int:
@@ -284,7 +287,9 @@ class ServiceProcess:
         """
         if self.grpc_port is None or self.metrics_port is None:
             raise RuntimeError(f"{self.name} has not bound its ports yet")
-        pinned = {"--port": self.grpc_port, "--metrics-port": self.metrics_port}
+        pinned = {"--port": self.grpc_port, "--metrics-port": self.metrics_port,
+                  **{f"--{name.replace('_', '-')}": port
+                     for name, port in self.extra_ports.items()}}
         for index, arg in enumerate(self.argv[:-1]):
             if arg in pinned and self.argv[index + 1] == "0":
                 self.argv[index + 1] = str(pinned[arg])
@@ -297,6 +302,8 @@ class ServiceProcess:
             return False
         self.grpc_port = int(data["grpc_port"])
         self.metrics_port = int(data["metrics_port"])
+        self.extra_ports = {key: int(value) for key, value in data.items()
+                            if key.endswith("_port") and key not in ("grpc_port", "metrics_port")}
         return True
 
     def exit_code(self) -> int | None:
@@ -496,6 +503,9 @@ class Mesh:
         ends with DEADLINE_EXCEEDED) and Envoy's idle timeout for the other
         calls. Envoy's idle timer is off for the generation methods, so Envoy
         never resets a live generation or session first.
+      openai: the router serves the OpenAI-compatible HTTP API
+        (``--openai-port``, a free port) and Envoy routes ``/v1/chat/completions``,
+        ``/v1/completions`` and ``/v1/models`` on the ingress listener to it.
       envoy_binary, envoy_concurrency, envoy_log_level: how Envoy runs.
       commands: replaces ``[python, -m, services.<role>]`` for a role (tests
         run stand-ins this way); keys are roles (``"engine"``, not ``engine-0``).
@@ -527,6 +537,7 @@ class Mesh:
     drain_seconds: float = 5.0
     start_timeout_s: float = 600.0
     stream_idle_timeout_s: float = 300.0
+    openai: bool = True
     envoy_binary: str = "envoy"
     envoy_concurrency: int = 1
     envoy_log_level: str = "info"
@@ -775,7 +786,9 @@ class Mesh:
                 upstreams += ["--model-pool", f"{by_name['tokenizer' + suffix].grpc_address}="
                               + ",".join(engines)]
         limits = ["--stream-idle-timeout", f"{self.stream_idle_timeout_s:g}"]
-        return self._service(name, "router", [*upstreams, *limits, *self.router_args, *extra])
+        openai = ["--openai-port", "0"] if self.openai else []
+        return self._service(name, "router", [*upstreams, *limits, *openai, *self.router_args,
+                                              *extra])
 
     def _envoy_settings(self, router: ServiceProcess) -> EnvoySettings:
         assert router.grpc_port is not None
@@ -786,6 +799,7 @@ class Mesh:
             admin_port=self.admin_port,
             router_host=router.host if router.host not in ("0.0.0.0", "::") else "127.0.0.1",
             router_port=router.grpc_port,
+            openai_port=router.extra_ports.get("openai_port"),
             descriptor_path=str(REPO_ROOT / DESCRIPTOR_RELATIVE),
             stream_idle_timeout_s=self.stream_idle_timeout_s,
         )

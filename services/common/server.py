@@ -21,7 +21,9 @@ service that counts its requests learns of each through its optional
 
 The bound ports (``--port 0`` picks a free one) are logged as the event
 ``listening`` and, with ``--port-file``, written there as JSON so a launcher
-never has to guess a free port.
+never has to guess a free port. A service with other listeners (the
+router's OpenAI HTTP port) binds them in its optional :data:`EXTRA_PORTS_HOOK`
+method, whose ports join the file's keys.
 """
 
 from __future__ import annotations
@@ -73,6 +75,12 @@ class Service(Protocol):
 #: bytes did not parse (no handler saw them), e.g. to count it with the
 #: service's other refusals.
 UNPARSABLE_HOOK = "count_unparsable_request"
+#: The optional ``Service`` method ``async listen_extra(host: str) -> dict[str, int]``:
+#: binds the service's other listeners (before ``start``, after the gRPC port)
+#: and returns their ports by name (``{"openai_port": 8000}``), logged and
+#: written to the port file beside ``grpc_port``; the service closes them in
+#: ``close``.
+EXTRA_PORTS_HOOK = "listen_extra"
 
 
 @dataclass(frozen=True)
@@ -185,11 +193,13 @@ async def run_service(config: ServerConfig, service: Service) -> None:
     grpc_port = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
     metrics_port = _start_metrics(config)
-    log.info("listening", grpc_port=grpc_port, metrics_port=metrics_port, pid=os.getpid())
+    listen_extra = getattr(service, EXTRA_PORTS_HOOK, None)
+    extra = await listen_extra(config.host) if listen_extra is not None else {}
+    log.info("listening", grpc_port=grpc_port, metrics_port=metrics_port, pid=os.getpid(),
+             **extra)
     if config.port_file is not None:
-        config.port_file.write_text(
-            json.dumps({"grpc_port": grpc_port, "metrics_port": metrics_port, "pid": os.getpid()})
-        )
+        config.port_file.write_text(json.dumps(
+            {"grpc_port": grpc_port, "metrics_port": metrics_port, "pid": os.getpid(), **extra}))
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

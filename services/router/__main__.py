@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="GenerateStream session idle limit: seconds with no generation "
                              "running and no client message before the router ends the stream "
                              "with DEADLINE_EXCEEDED; 0: no limit (default 300)")
+    parser.add_argument("--openai-port", type=int, default=None, metavar="PORT",
+                        help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
+                             "/v1/completions, /v1/models) on this port of --host; 0 picks a "
+                             "free one (written to the port file as openai_port); default off")
     adm = parser.add_argument_group(
         "admission control", "the router's queue per model and traffic class (interactive, "
         "batch), the concurrency cap per replica, and fair dispatch between tenants "
@@ -117,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             routing_weights=CostWeights(
                 decode_weight=args.kv_aware_decode_weight,
                 affinity_slack_tokens=args.kv_aware_affinity_slack),
-            pools=tuple(args.model_pool))
+            pools=tuple(args.model_pool), openai_port=args.openai_port)
     except ValueError as err:
         parser.error(str(err))
     asyncio.run(run_service(server_config_from_args("router", args), RouterService(config)))

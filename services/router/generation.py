@@ -275,7 +275,9 @@ def upstream_to_generation_error(err: UpstreamError, *,
         return GenerationError(code, f"request_id: another request with this id is still "
                                f"running on {where}; use a unique request_id ({err.details})")
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
-                grpc.StatusCode.FAILED_PRECONDITION):
+                grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
+        # UNIMPLEMENTED: a field this engine backend does not do yet (logprobs,
+        # n, penalties, structured output): the client's to drop, not a fault.
         return GenerationError(code, f"{where} refused the request: {err.details}")
     return GenerationError(grpc.StatusCode.INTERNAL,
                            f"{where} failed: {code.name}: {err.details}")

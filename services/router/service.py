@@ -63,6 +63,7 @@ from services.router.generation import (
 )
 from services.router.json_request import parse_generate_json
 from services.router.metrics import RouterMetrics
+from services.router.openai_http import OpenAIServer
 from services.router.replicas import ReplicaSet
 from services.router.model_pool import ModelPool, PoolConfig, PoolSettings, open_pool
 from services.router.routing import CostWeights, RoutingPolicy, RoutingSession
@@ -106,6 +107,9 @@ class RouterConfig:
       routing_policy: how a replica is picked (:mod:`services.router.routing`);
         None: ``kv_aware`` with more than one engine, else ``least_load``.
       routing_weights: the ``kv_aware`` cost's constants.
+      openai_port: port of the OpenAI-compatible HTTP server
+        (:mod:`services.router.openai_http`) on the service host; 0 picks a
+        free one; None: no HTTP server.
     """
 
     tokenizer: str
@@ -121,6 +125,7 @@ class RouterConfig:
     routing_policy: RoutingPolicy | None = None
     routing_weights: CostWeights = CostWeights()
     pools: tuple[PoolConfig, ...] = ()
+    openai_port: int | None = None
 
     def all_pools(self) -> list[PoolConfig]:
         """Every model's pool, the default (``tokenizer``, ``engines``) first."""
@@ -223,6 +228,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         self.pools: dict[str, ModelPool] = {}
         self._cache: CacheClient | None = None
         self._draining = False
+        self._openai: OpenAIServer | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -260,6 +266,14 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
 
     def register(self, server: grpc.aio.Server) -> None:
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(self, server)
+
+    async def listen_extra(self, host: str) -> dict[str, int]:
+        """Starts the OpenAI-compatible HTTP server when configured (it answers
+        503 until :meth:`start` returns); returns ``{"openai_port": port}``."""
+        if self.config.openai_port is None:
+            return {}
+        self._openai = OpenAIServer(self, host, self.config.openai_port)
+        return {"openai_port": await self._openai.start()}
 
     async def start(self) -> None:
         """Connects to every model's tokenizer and engines and to the cache, waits
@@ -331,7 +345,9 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         self._draining = True
 
     async def close(self) -> None:
-        """Closes the channels (after the server stopped)."""
+        """Closes the HTTP server and the channels (after the gRPC server stopped)."""
+        if self._openai is not None:
+            await self._openai.close()
         await asyncio.gather(*(pool.close() for pool in self.pools.values()),
                              return_exceptions=True)
         if self._cache is not None:
@@ -339,27 +355,44 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
 
     # -------------------------------------------------------------- helpers
 
-    def _admit(self) -> None:
-        """Refuses every generation while the router drains or starts."""
+    def check_accepting(self) -> None:
+        """Refuses every generation while the router drains or starts (gRPC and
+        the OpenAI edge).
+
+        Raises:
+          GenerationError: UNAVAILABLE, saying which.
+        """
         if self._draining:
-            raise _Abort(grpc.StatusCode.UNAVAILABLE,
-                         "the router is draining (shutting down); retry on another instance")
+            raise GenerationError(grpc.StatusCode.UNAVAILABLE,
+                                  "the router is draining (shutting down); retry on another "
+                                  "instance")
         if not self.pools:
-            raise _Abort(grpc.StatusCode.UNAVAILABLE,
-                         "the router is starting (waiting for tokenizer and engines)")
+            raise GenerationError(grpc.StatusCode.UNAVAILABLE,
+                                  "the router is starting (waiting for tokenizer and engines)")
 
     def pipeline_for(self, request: GenerationRequest) -> GenerationPipeline:
         """The pipeline of the (validated, hence served) model ``request`` names."""
         return self.pools[request.model].pipeline
 
-    def _validate(self, pb: generation_pb2.GenerateRequest, request_id: str,
-                  context: grpc.aio.ServicerContext) -> GenerationRequest:
+    def validate(self, pb: generation_pb2.GenerateRequest, request_id: str, *,
+                 header_request_id: str | None,
+                 header_tenant: str | None) -> GenerationRequest:
+        """:func:`validate_request` against the served models (both edges).
+
+        Raises:
+          InvalidRequestError: the first bad field.
+        """
         return validate_request(
             pb, request_id=request_id, models=self.models, default_model=self.default_model,
-            header_request_id=metadata_value(context, REQUEST_ID_METADATA_KEY),
+            header_request_id=header_request_id, header_tenant=header_tenant)
+
+    def _validate(self, pb: generation_pb2.GenerateRequest, request_id: str,
+                  context: grpc.aio.ServicerContext) -> GenerationRequest:
+        return self.validate(
+            pb, request_id, header_request_id=metadata_value(context, REQUEST_ID_METADATA_KEY),
             header_tenant=metadata_value(context, TENANT_METADATA_KEY))
 
-    def _count_refused(self, pb: generation_pb2.GenerateRequest, code: grpc.StatusCode) -> None:
+    def count_refused(self, pb: generation_pb2.GenerateRequest, code: grpc.StatusCode) -> None:
         """Counts a request refused before the pipeline ran it (it counts the rest)."""
         model = pb.model if pb.model in self.models else self.default_model
         self.metrics.observe_refused(model=model, outcome=code.name.lower(),
@@ -371,7 +404,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         :mod:`services.common.request_guard`); ``method`` is the full gRPC name."""
         service = self.service_names[0]
         if method in (f"/{service}/Generate", f"/{service}/GenerateStream"):
-            self._count_refused(generation_pb2.GenerateRequest(),
+            self.count_refused(generation_pb2.GenerateRequest(),
                                 grpc.StatusCode.INVALID_ARGUMENT)
 
     @staticmethod
@@ -396,7 +429,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         failure: _Abort | None = None
         validated: GenerationRequest | None = None
         try:
-            self._admit()
+            self.check_accepting()
             validated = self._validate(request, request_id, context)
             events = self.pipeline_for(validated).run(validated, received_at=received_at,
                                                       deadline=_deadline(context))
@@ -406,7 +439,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         except Exception as err:  # noqa: BLE001 - every failure becomes a status
             failure = _as_abort(err, request_id)
             if validated is None:  # else the pipeline counted it
-                self._count_refused(request, failure.code)
+                self.count_refused(request, failure.code)
         if failure is not None:
             await self._abort(context, failure, request_id)
 
@@ -420,7 +453,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             parsed = parse_generate_json(request.body.data)
         except InvalidRequestError as err:
             request_id = _safe_request_id(request_id_from(context))
-            self._count_refused(generation_pb2.GenerateRequest(), err.code)
+            self.count_refused(generation_pb2.GenerateRequest(), err.code)
             await self._abort(context, _Abort(err.code, str(err)), request_id)
             return
         async for response in self.Generate(parsed, context):
@@ -469,12 +502,12 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                         reject_unknown_fields(message)
                     except InvalidRequestError:
                         if action == "start":
-                            self._count_refused(message.start,
+                            self.count_refused(message.start,
                                                 grpc.StatusCode.INVALID_ARGUMENT)
                         raise
                     if action == "start":
                         if current is not None:
-                            self._count_refused(message.start,
+                            self.count_refused(message.start,
                                                 grpc.StatusCode.FAILED_PRECONDITION)
                             raise _Abort(
                                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -592,13 +625,13 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         else:
             request_id = _safe_request_id(f"{stream_id}.{number}")
         try:
-            self._admit()
+            self.check_accepting()
             validated = self._validate(start, request_id, context)
             pipeline = self.pipeline_for(validated)
         except Exception as err:  # noqa: BLE001 - counted, then ends the stream
-            code = (err.code if isinstance(err, (_Abort, InvalidRequestError))
+            code = (err.code if isinstance(err, (_Abort, InvalidRequestError, GenerationError))
                     else grpc.StatusCode.INTERNAL)
-            self._count_refused(start, code)
+            self.count_refused(start, code)
             raise
         progress = Progress()
         task = asyncio.create_task(self._produce(

@@ -18,6 +18,11 @@ SIGTERM exactly like a real service. With ``--role router`` it also serves
   the router's own strict parser (``services.router.json_request``), then
   answers like ``Generate``; a refused body ends with its INVALID_ARGUMENT.
 * ``ListModels`` returns one model, ``fake-model``.
+* With ``--openai-port`` (the launcher passes ``0``), a stand-in of the
+  router's OpenAI HTTP server on that port (aiohttp, port file key
+  ``openai_port``): ``GET /v1/models`` lists ``fake-model``;
+  ``POST /v1/chat/completions`` streams the last message's words back as
+  Server-Sent Events chat chunks, then ``data: [DONE]``.
 
 Every other flag it is given (``--tokenizer``, ``--engine``, ``--model-path``,
 ...) is accepted and written, with the whole argv, to ``<port-file>.argv.json``
@@ -113,11 +118,37 @@ class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
         )
 
 
+async def _models(request):  # aiohttp imported lazily: only the router stand-in serves HTTP
+    from aiohttp import web
+
+    return web.json_response({"object": "list", "data": [
+        {"id": "fake-model", "object": "model", "created": 0, "owned_by": "llmesh"}]})
+
+
+async def _chat(request):
+    from aiohttp import web
+
+    body = await request.json()
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for word in body["messages"][-1]["content"].split():
+        chunk = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0,
+                 "model": "fake-model",
+                 "choices": [{"index": 0, "delta": {"content": word + " "},
+                              "finish_reason": None}]}
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    return response
+
+
 class FakeService:
     """A :class:`services.common.server.Service` that only pretends to load."""
 
-    def __init__(self, role: str, load_seconds: float, fail_start: bool, delay: float) -> None:
+    def __init__(self, role: str, load_seconds: float, fail_start: bool, delay: float,
+                 openai_port: int | None = None) -> None:
         self.service_names = _SERVICE_NAMES[role]
+        self._openai_port = openai_port if role == "router" else None
+        self._runner = None
         self._role = role
         self._load_seconds = load_seconds
         self._fail_start = fail_start
@@ -129,6 +160,21 @@ class FakeService:
                 FakeGeneration(self._delay), server
             )
 
+    async def listen_extra(self, host: str) -> dict[str, int]:
+        if self._openai_port is None:
+            return {}
+        from aiohttp import web
+
+        app = web.Application()
+        app.router.add_get("/v1/models", _models)
+        app.router.add_post("/v1/chat/completions", _chat)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, self._openai_port)
+        await site.start()
+        server = site._server  # aiohttp exposes the bound port only here
+        return {"openai_port": server.sockets[0].getsockname()[1]}
+
     async def start(self) -> None:
         await asyncio.sleep(self._load_seconds)
         if self._fail_start:
@@ -139,7 +185,8 @@ class FakeService:
         return None
 
     async def close(self) -> None:
-        return None
+        if self._runner is not None:
+            await self._runner.cleanup()
 
 
 def main() -> None:
@@ -149,10 +196,12 @@ def main() -> None:
     parser.add_argument("--load-seconds", type=float, default=0.0)
     parser.add_argument("--fail-start", action="store_true")
     parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--openai-port", type=int, default=None)
     args, _unknown = parser.parse_known_args()
     if args.port_file is not None:
         Path(f"{args.port_file}.argv.json").write_text(json.dumps(sys.argv[1:]))
-    service = FakeService(args.role, args.load_seconds, args.fail_start, args.delay)
+    service = FakeService(args.role, args.load_seconds, args.fail_start, args.delay,
+                          args.openai_port)
     asyncio.run(run_service(server_config_from_args(args.role, args), service))
 
 

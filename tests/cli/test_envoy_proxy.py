@@ -101,7 +101,7 @@ def test_json_error_becomes_http_status_and_json_body(envoy: EnvoyProcess) -> No
 
 
 def test_json_list_models(envoy: EnvoyProcess) -> None:
-    with urllib.request.urlopen(f"http://{envoy.ingress_address}/v1/models", timeout=10) as reply:
+    with urllib.request.urlopen(f"http://{envoy.ingress_address}/v1/llmesh/models", timeout=10) as reply:
         assert reply.status == 200
         body = json.loads(reply.read())
     assert body == {"models": [{"id": "fake-model", "max_model_len": 2048,

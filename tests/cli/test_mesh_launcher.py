@@ -56,7 +56,9 @@ def test_mesh_starts_in_order_serves_and_stops(tmp_path: Path) -> None:
     mesh = Mesh(
         ingress_port=0, admin_port=0, run_dir=tmp_path, num_engines=2,
         model_path="/models/tiny.gguf", redis_url="redis://127.0.0.1:1/0",
-        engine_args=["--load-seconds", "1.5"], router_args=["--max-tokens-cap", "99"],
+        # 2.5 s: the engines must still be loading once the router (which also binds
+        # its OpenAI HTTP port, importing aiohttp) has bound, even on a busy machine.
+        engine_args=["--load-seconds", "2.5"], router_args=["--max-tokens-cap", "99"],
         stream_idle_timeout_s=42, commands=fake_commands(),
     )
     with mesh.start(events.append):
@@ -75,7 +77,10 @@ def test_mesh_starts_in_order_serves_and_stops(tmp_path: Path) -> None:
             "filters"][0]["typed_config"]
         assert hcm["stream_idle_timeout"] == "42s"
         routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
-        assert [r["route"].get("idle_timeout") for r in routes] == ["0s", "0s", "0s", None]
+        # gRPC generation methods, then the OpenAI paths (the router's HTTP port), then "/".
+        assert [r["route"].get("idle_timeout") for r in routes] == ["0s"] * 7 + [None]
+        assert _flag_values(router_argv, "--openai-port") == ["0"]
+        assert mesh.router.extra_ports["openai_port"] > 0
         assert _flag_values(_argv(mesh, "tokenizer"), "--model-path") == ["/models/tiny.gguf"]
         assert _flag_values(_argv(mesh, "engine-1"), "--model-path") == ["/models/tiny.gguf"]
         assert _flag_values(_argv(mesh, "cache"), "--redis-url") == ["redis://127.0.0.1:1/0"]
@@ -91,7 +96,7 @@ def test_mesh_starts_in_order_serves_and_stops(tmp_path: Path) -> None:
         engines = {"engine-0", "engine-1"}
         assert loading and engines <= set(loading[0].waiting)
         assert set(loading[-1].waiting) <= engines
-        assert mesh.startup_seconds is not None and mesh.startup_seconds >= 1.5
+        assert mesh.startup_seconds is not None and mesh.startup_seconds >= 2.5
 
         # Traffic flows client → Envoy → router.
         responses = _generate(mesh.ingress_address, "through the mesh")
@@ -265,7 +270,7 @@ def test_llmesh_up_prints_working_commands_and_stops_on_sigterm(tmp_path: Path) 
         assert found is not None
         address = found.group(1)
         examples = [line.strip() for line in lines[lines.index("Try:") + 1:-1]]
-        assert [e.split()[0] for e in examples] == ["llmesh", "grpcurl", "curl", "curl"]
+        assert [e.split()[0] for e in examples] == ["llmesh", "grpcurl", "curl", "curl", "curl"]
         pids = _up_pids(tmp_path, lines)
         assert len(pids) == 5 and all(alive(pid) for pid in pids)
 
@@ -279,7 +284,8 @@ def test_llmesh_up_prints_working_commands_and_stops_on_sigterm(tmp_path: Path) 
         assert address in examples[1] and '"text": "capital "' in outputs[1].stdout
         array = json.loads(outputs[2].stdout)
         assert "".join(m.get("text", "") for m in array) == "What is the capital of France? "
-        assert json.loads(outputs[3].stdout)["models"][0]["id"] == "fake-model"
+        assert json.loads(outputs[3].stdout)["data"][0]["id"] == "fake-model"
+        assert "data: [DONE]" in outputs[4].stdout and '"capital "' in outputs[4].stdout
 
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0

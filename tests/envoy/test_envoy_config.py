@@ -124,13 +124,36 @@ def test_generation_routes_have_no_envoy_idle_timeout() -> None:
     # A request may wait silently in a queue and a GenerateStream idles between
     # turns: the router owns those limits, so Envoy's idle timer is off for them.
     routes = _routes(yaml.safe_load(CHECKED_IN.read_text()))
-    generation = {r["match"]["path"]: r["route"] for r in routes[:-1]}
+    generation = {r["match"]["path"]: r["route"] for r in routes[:-1]
+                  if r["route"]["cluster"] == "router"}
     assert set(generation) == {f"/llmesh.v1.GenerationService/{m}"
                                for m in ("Generate", "GenerateJson", "GenerateStream")}
     catch_all = _route(yaml.safe_load(CHECKED_IN.read_text()))["route"]
     for action in generation.values():
         assert action["idle_timeout"] == "0s"
         assert {k: v for k, v in action.items() if k != "idle_timeout"} == catch_all
+
+
+def test_openai_paths_go_to_the_router_http_port_with_the_transcoder_off() -> None:
+    # The OpenAI shape wins /v1/models (the transcoder's ListModels is at
+    # /v1/llmesh/models); SSE streams may idle in the router's queue like gRPC ones.
+    config = yaml.safe_load(CHECKED_IN.read_text())
+    routes = [r for r in _routes(config) if r["route"]["cluster"] == "router_openai"]
+    assert [r["match"] for r in routes] == [
+        {"path": "/v1/chat/completions"}, {"path": "/v1/completions"}, {"path": "/v1/models"},
+        {"prefix": "/v1/models/"}]
+    names = [r["name"] for r in _routes(config)]
+    assert names.index("openai-v1-models") < names.index("llmesh")  # before the catch-all
+    for route in routes:
+        assert route["route"]["idle_timeout"] == "0s" and route["route"]["timeout"] == "0s"
+        per_filter = route["typed_per_filter_config"]["envoy.filters.http.grpc_json_transcoder"]
+        assert per_filter["disabled"] is True
+    cluster = config["static_resources"]["clusters"][1]
+    assert cluster["name"] == "router_openai"
+    endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert endpoint["address"]["socket_address"]["port_value"] == 8000
+    options = cluster["typed_extension_protocol_options"]
+    assert "http_protocol_options" in next(iter(options.values()))["explicit_http_config"]
 
 
 def test_header_limits_are_set_deliberately() -> None:

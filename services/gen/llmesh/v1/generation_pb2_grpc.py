@@ -111,7 +111,8 @@ class GenerationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListModels(self, request, context):
-        """Lists the models this mesh serves.
+        """Lists the models this mesh serves. Over HTTP/JSON (Envoy's transcoder) at
+        GET /v1/llmesh/models: GET /v1/models is the OpenAI-compatible list.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -71,7 +71,9 @@ class GenerationServiceStub:
     RESOURCE_EXHAUSTED from admission).
     """
     ListModels: _grpc.UnaryUnaryMultiCallable[_generation_pb2.ListModelsRequest, _generation_pb2.ListModelsResponse]
-    """Lists the models this mesh serves."""
+    """Lists the models this mesh serves. Over HTTP/JSON (Envoy's transcoder) at
+    GET /v1/llmesh/models: GET /v1/models is the OpenAI-compatible list.
+    """
 
 @_typing.type_check_only
 class GenerationServiceAsyncStub(GenerationServiceStub):
@@ -116,7 +118,9 @@ class GenerationServiceAsyncStub(GenerationServiceStub):
     RESOURCE_EXHAUSTED from admission).
     """
     ListModels: _aio.UnaryUnaryMultiCallable[_generation_pb2.ListModelsRequest, _generation_pb2.ListModelsResponse]  # type: ignore[assignment]
-    """Lists the models this mesh serves."""
+    """Lists the models this mesh serves. Over HTTP/JSON (Envoy's transcoder) at
+    GET /v1/llmesh/models: GET /v1/models is the OpenAI-compatible list.
+    """
 
 class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
     """The public API: text in, streamed text out."""
@@ -182,6 +186,8 @@ class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _generation_pb2.ListModelsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_generation_pb2.ListModelsResponse, _abc.Awaitable[_generation_pb2.ListModelsResponse]]:
-        """Lists the models this mesh serves."""
+        """Lists the models this mesh serves. Over HTTP/JSON (Envoy's transcoder) at
+        GET /v1/llmesh/models: GET /v1/models is the OpenAI-compatible list.
+        """
 
 def add_GenerationServiceServicer_to_server(servicer: GenerationServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,336 @@
+"""Router events as OpenAI response bodies, stream chunks and error bodies.
+
+Shapes follow the OpenAI API reference ("The chat completion object", "The
+chat completion chunk object", "The completion object") and, for what OpenAI
+does not have, vLLM's OpenAI-compatible server (``prompt_logprobs``,
+``finish_reason: "abort"``):
+
+* a :class:`Delta` of choice ``i`` is one chunk with one choice (``index: i``);
+  a chat choice's first chunk carries ``role: "assistant"``;
+* a :class:`Finished` is a chunk with an empty delta and the choice's
+  ``finish_reason`` (STOP → ``stop``, LENGTH → ``length``, CANCELLED →
+  ``abort``); with ``n`` > 1 every choice ends on its own;
+* usage (``prompt_tokens``, ``completion_tokens`` summed over the choices,
+  ``total_tokens``, ``prompt_tokens_details.cached_tokens``) goes in the
+  response, or in a last chunk with ``choices: []`` when the client asked for
+  ``stream_options.include_usage`` (then every other chunk has ``usage: null``);
+* logprobs: chat ``{"content": [{token, logprob, bytes, top_logprobs}]}``;
+  completions ``{tokens, token_logprobs, top_logprobs: [{token: logprob}],
+  text_offset}``; prompt logprobs as vLLM returns them: one entry per prompt
+  token, ``null`` for the first, else ``{token_id: {logprob, rank,
+  decoded_token}}`` (top-level ``prompt_logprobs`` in a chat response, per
+  choice in a completion; on the chunk that carries them when streaming).
+
+Errors: :func:`error_for_status` maps a gRPC status of the shared pipeline to
+the HTTP status and ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from services.common.logprobs import PositionLogprobs, TokenLogprob
+from services.common.sampling import FinishReason
+from services.router.clients import Usage
+from services.router.generation import Delta, Finished
+from services.router.openai_protocol import Endpoint
+
+_FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
+                   FinishReason.CANCELLED: "abort"}
+
+
+def token_bytes(token: str) -> list[int]:
+    """The UTF-8 bytes of a token's text; ``bytes:\\xNN`` escapes (a token that
+    is not whole characters, see ``llmesh.v1.TokenLogprob.token``) are decoded."""
+    if not token.startswith("bytes:"):
+        return list(token.encode("utf-8"))
+    out: list[int] = []
+    rest = token[len("bytes:"):]
+    while rest:
+        if rest.startswith("\\x") and len(rest) >= 4:
+            try:
+                out.append(int(rest[2:4], 16))
+                rest = rest[4:]
+                continue
+            except ValueError:
+                pass
+        out.extend(rest[0].encode("utf-8"))
+        rest = rest[1:]
+    return out
+
+
+def _chat_token(entry: TokenLogprob) -> dict[str, Any]:
+    return {"token": entry.token, "logprob": entry.logprob, "bytes": token_bytes(entry.token)}
+
+
+def chat_logprobs(entries: Sequence[PositionLogprobs]) -> dict[str, Any]:
+    """OpenAI chat ``logprobs``: one item per generated token."""
+    return {"content": [{**_chat_token(e.chosen),
+                         "top_logprobs": [_chat_token(t) for t in e.top]} for e in entries]}
+
+
+def completion_logprobs(entries: Sequence[PositionLogprobs], text_offset: int
+                        ) -> dict[str, Any]:
+    """OpenAI completions ``logprobs``; ``text_offset`` is where the first
+    token's text starts in the choice's text (characters)."""
+    offsets = []
+    for entry in entries:
+        offsets.append(text_offset)
+        text_offset += len(entry.chosen.token)
+    return {"tokens": [e.chosen.token for e in entries],
+            "token_logprobs": [e.chosen.logprob for e in entries],
+            "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def prompt_logprobs(entries: Sequence[PositionLogprobs]) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token (nothing
+    predicts it), then ``{token_id: {logprob, rank, decoded_token}}`` with the
+    prompt's token and the top alternatives."""
+    out: list[dict[str, Any] | None] = [None]
+    for entry in entries:
+        position = {str(t.token_id): {"logprob": t.logprob, "rank": t.rank,
+                                      "decoded_token": t.token}
+                    for t in (entry.chosen, *entry.top)}
+        out.append(position)
+    return out
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int
+               ) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+@dataclass
+class _Choice:
+    """What one choice has produced so far."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    text_length: int = 0
+    started: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class ResponseBuilder:
+    """Turns one request's events into OpenAI bodies (see the module doc).
+
+    Attributes:
+      endpoint: chat or completions.
+      request_id: the mesh's request id (``chatcmpl-<id>`` / ``cmpl-<id>``).
+      model: the served model id.
+      logprobs: the client asked for logprobs (``null`` otherwise).
+      created: Unix seconds.
+    """
+
+    endpoint: Endpoint
+    request_id: str
+    model: str
+    logprobs: bool = False
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    _choices: dict[int, _Choice] = field(default_factory=dict)
+    _usage: list[Usage] = field(default_factory=list)
+    _prompt_logprobs: list[dict[str, Any] | None] | None = None
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint is Endpoint.CHAT
+
+    @property
+    def id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.request_id
+
+    def finished_choices(self) -> int:
+        return sum(1 for c in self._choices.values() if c.finish_reason is not None)
+
+    # ------------------------------------------------------------- streaming
+
+    def chunk(self, event: Delta | Finished) -> dict[str, Any]:
+        """The stream chunk for one event (and records it for :meth:`usage`)."""
+        choice = self._choices.setdefault(event.index, _Choice())
+        extra: dict[str, Any] = {}
+        if isinstance(event, Finished):
+            self._finish(choice, event)
+            body = self._choice_chunk(event.index, choice, "", (), choice.finish_reason)
+        else:
+            offset = choice.text_length
+            self._add(choice, event)
+            body = self._choice_chunk(event.index, choice, event.text, event.logprobs, None,
+                                      offset)
+            if event.prompt_logprobs:
+                extra["prompt_logprobs"] = prompt_logprobs(event.prompt_logprobs)
+        chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion",
+                               [body])
+        if self.include_usage:
+            chunk["usage"] = None
+        chunk.update(extra)
+        return chunk
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The last chunk of a stream with ``include_usage``: no choices, the usage."""
+        chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        chunk["usage"] = self.usage()
+        return chunk
+
+    def _choice_chunk(self, index: int, choice: _Choice, text: str,
+                      logprobs: Sequence[PositionLogprobs], finish_reason: str | None,
+                      offset: int = 0) -> dict[str, Any]:
+        body: dict[str, Any] = {"index": index}
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if not choice.started:
+                delta["role"] = "assistant"
+            if text or (finish_reason is None and not choice.started):
+                delta["content"] = text
+            body["delta"] = delta
+            body["logprobs"] = chat_logprobs(logprobs) if self.logprobs and logprobs else None
+        else:
+            body["text"] = text
+            body["logprobs"] = (completion_logprobs(logprobs, offset)
+                                if self.logprobs and logprobs else None)
+        body["finish_reason"] = finish_reason
+        choice.started = True
+        return body
+
+    # --------------------------------------------------------- non-streaming
+
+    def add(self, event: Delta | Finished) -> None:
+        """Records one event for :meth:`response`."""
+        choice = self._choices.setdefault(event.index, _Choice())
+        if isinstance(event, Finished):
+            self._finish(choice, event)
+        else:
+            self._add(choice, event)
+
+    def response(self) -> dict[str, Any]:
+        """The whole ``chat.completion`` / ``text_completion`` object."""
+        choices = []
+        for index in sorted(self._choices):
+            choice = self._choices[index]
+            text = "".join(choice.text)
+            body: dict[str, Any] = {"index": index}
+            if self.chat:
+                body["message"] = {"role": "assistant", "content": text}
+                body["logprobs"] = chat_logprobs(choice.logprobs) if self.logprobs else None
+            else:
+                body["text"] = text
+                body["logprobs"] = (completion_logprobs(choice.logprobs, 0)
+                                    if self.logprobs else None)
+                if self._prompt_logprobs is not None and index == 0:
+                    body["prompt_logprobs"] = self._prompt_logprobs
+            body["finish_reason"] = choice.finish_reason
+            choices.append(body)
+        out = self._envelope("chat.completion" if self.chat else "text_completion", choices)
+        if self.chat and self._prompt_logprobs is not None:
+            out["prompt_logprobs"] = self._prompt_logprobs
+        out["usage"] = self.usage()
+        return out
+
+    def usage(self) -> dict[str, Any]:
+        """Usage over every choice that finished: the prompt once, completion
+        tokens summed."""
+        if not self._usage:
+            return usage_body(0, 0, 0)
+        prompt = max(u.prompt_tokens for u in self._usage)
+        cached = max(u.cached_prompt_tokens for u in self._usage)
+        return usage_body(prompt, sum(u.completion_tokens for u in self._usage), cached)
+
+    # -------------------------------------------------------------- helpers
+
+    def _add(self, choice: _Choice, delta: Delta) -> None:
+        choice.text.append(delta.text)
+        choice.text_length += sum(len(e.chosen.token) for e in delta.logprobs)
+        choice.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs:
+            self._prompt_logprobs = prompt_logprobs(delta.prompt_logprobs)
+
+    def _finish(self, choice: _Choice, finished: Finished) -> None:
+        choice.finish_reason = _FINISH_REASONS.get(finished.reason, "stop")
+        self._usage.append(finished.usage)
+
+    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": choices}
+
+
+# ------------------------------------------------------------------ errors
+
+
+@dataclass(frozen=True)
+class OpenAIError:
+    """An error answer: HTTP status, OpenAI's error body and extra headers.
+
+    Attributes:
+      status: HTTP status.
+      message: what went wrong and what to do.
+      type: OpenAI's error type (``invalid_request_error``...).
+      param: the request parameter at fault, or None.
+      code: a short machine-readable code, or None.
+      retry_after_s: seconds for the ``Retry-After`` header (429), or None.
+    """
+
+    status: int
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+    retry_after_s: int | None = None
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+
+
+#: gRPC status of the shared pipeline → (HTTP status, OpenAI error type, code).
+#: UNIMPLEMENTED is 501: the request is valid OpenAI, this mesh's engine does
+#: not do it yet (changing the request's values will not help; dropping the
+#: field will).
+_STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", None),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", None),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "conflict"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "timeout"),
+    grpc.StatusCode.UNIMPLEMENTED: (501, "not_implemented_error", "not_implemented"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled", "cancelled"),
+}
+
+
+def error_for_status(code: grpc.StatusCode, message: str, *, param: str | None = None,
+                     unknown_model: bool = False,
+                     retry_after_s: int | None = None) -> OpenAIError:
+    """The OpenAI error for a pipeline status.
+
+    Args:
+      code: the gRPC status the gRPC edge would return.
+      message: its message (already actionable: it names the field and limit).
+      param: the OpenAI parameter at fault (INVALID_ARGUMENT, OUT_OF_RANGE).
+      unknown_model: the request named a model this mesh does not serve: 404
+        ``model_not_found``, as OpenAI answers.
+      retry_after_s: the admission refusal's hint (429 ``Retry-After``).
+    """
+    if unknown_model:
+        return OpenAIError(404, message, "invalid_request_error", "model", "model_not_found")
+    status, kind, short = _STATUS.get(code, (500, "internal_error", "internal_error"))
+    if status == 400:
+        short = code.name.lower()
+    return OpenAIError(status, message, kind, param, short,
+                       retry_after_s if status == 429 else None)
+
+
+__all__ = ["OpenAIError", "ResponseBuilder", "chat_logprobs", "completion_logprobs",
+           "error_for_status", "prompt_logprobs", "token_bytes", "usage_body"]

@@ -1,0 +1,150 @@
+"""The OpenAI-compatible API of the whole mesh, through Envoy, with the official
+``openai`` client and the real SmolLM2 model. (429 / 503 / 501 need a crafted
+mesh state: tests/router/test_openai_http.py, same server, fake engines.)"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+import pytest
+from llmesh.v1 import engine_pb2_grpc
+
+from services.cli.mesh import Mesh
+from tests.e2e.mesh_client import CAPITAL_QUESTION, chat_request, generate
+from tests.e2e.test_mesh_e2e import wait_engine_idle
+
+pytestmark = pytest.mark.mesh
+
+QUESTION = [{"role": "user", "content": CAPITAL_QUESTION}]
+#: Generated tokens each streaming test asks for (ignore_eos: exactly this many).
+STREAM_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def client(mesh: Mesh) -> openai.OpenAI:
+    with openai.OpenAI(base_url=f"{mesh.http_url}/v1", api_key="unused",
+                       max_retries=0, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def test_models_list_has_openai_shape_and_llmesh_cards_moved(mesh: Mesh, model: str) -> None:
+    with urllib.request.urlopen(f"{mesh.http_url}/v1/models", timeout=10) as reply:
+        body = json.loads(reply.read())
+    assert body["object"] == "list"
+    card = body["data"][0]
+    assert card["id"] == model and card["object"] == "model" and card["owned_by"] == "llmesh"
+    assert card["max_model_len"] > 0 and isinstance(card["created"], int)
+    with urllib.request.urlopen(f"{mesh.http_url}/v1/llmesh/models", timeout=10) as reply:
+        assert json.loads(reply.read())["models"][0]["id"] == model  # the transcoder's
+
+
+def test_chat_answer_equals_the_grpc_answer(client: openai.OpenAI, model: str,
+                                            ingress_channel: grpc.Channel) -> None:
+    chat = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=16,
+                                          temperature=0)
+    answer = chat.choices[0].message.content
+    assert "Paris" in answer and chat.object == "chat.completion"
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    grpc_answer = generate(ingress_channel, chat_request(max_tokens=16))
+    assert answer == grpc_answer.text  # one pipeline: same prompt ids, same greedy tokens
+    assert chat.usage.prompt_tokens == grpc_answer.last.usage.prompt_tokens
+    assert chat.usage.completion_tokens == grpc_answer.last.usage.completion_tokens
+
+
+def test_completion_non_streaming_and_streaming_agree(client: openai.OpenAI, model: str) -> None:
+    kwargs = {"model": model, "prompt": "The capital of France is", "max_tokens": 8,
+              "temperature": 0}
+    whole = client.completions.create(**kwargs)
+    assert whole.object == "text_completion" and whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 8
+    pieces = [c.choices[0].text for c in client.completions.create(stream=True, **kwargs)
+              if c.choices]
+    assert len(pieces) > 1 and "".join(pieces) == whole.choices[0].text
+
+
+def test_chat_stream_arrives_as_tokens_are_generated_and_ends_with_usage(
+        client: openai.OpenAI, model: str) -> None:
+    started = time.monotonic()
+    arrivals, texts, chunks = [], [], []
+    stream = client.chat.completions.create(
+        model=model, messages=QUESTION, max_completion_tokens=STREAM_TOKENS, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    for chunk in stream:
+        arrivals.append(time.monotonic() - started)
+        chunks.append(chunk)
+        if chunk.choices:
+            texts.append(chunk.choices[0].delta.content or "")
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == STREAM_TOKENS
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len([t for t in texts if t]) > STREAM_TOKENS // 4  # many chunks, not one
+    # The first token left long before the last was generated (~20 decode steps later).
+    assert arrivals[0] < 0.5 * arrivals[-1]
+
+
+def test_bad_parameter_is_400_naming_it(client: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=QUESTION, top_p=1.5)
+    assert info.value.status_code == 400 and info.value.body["param"] == "top_p"
+    assert "top_p" in info.value.message and "(0, 1]" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt=["a", "b"])
+    assert info.value.body["param"] == "prompt"
+
+
+def test_unknown_model_is_404_listing_the_served_ids(client: openai.OpenAI,
+                                                      model: str) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4o", messages=QUESTION)
+    assert info.value.body["code"] == "model_not_found" and model in info.value.message
+
+
+def test_unknown_field_is_400_naming_it(mesh: Mesh) -> None:
+    request = urllib.request.Request(
+        f"{mesh.http_url}/v1/chat/completions", method="POST",
+        data=json.dumps({"messages": QUESTION, "temprature": 0.5}).encode(),
+        headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=10)
+    error = json.loads(info.value.read())["error"]
+    assert info.value.code == 400 and error["param"] == "temprature"
+
+
+def test_client_disconnect_frees_the_engine_sequence(mesh: Mesh, client: openai.OpenAI,
+                                                     model: str) -> None:
+    engine = engine_pb2_grpc.EngineServiceStub(
+        grpc.insecure_channel(mesh.engines[0].grpc_address))
+    stream = client.completions.create(model=model, prompt="Count: 1, 2, 3,", max_tokens=1000,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for index, _ in enumerate(stream):
+        if index == 2:
+            break
+    stream.close()  # the client leaves mid-generation
+    # 1,000 tokens take many seconds; the sequence must leave the engine at once.
+    assert wait_engine_idle(engine, within_s=3.0) < 3.0
+
+
+def test_chat_logprobs_of_greedy_tokens_are_their_top_alternative(client: openai.OpenAI,
+                                                                  model: str) -> None:
+    chat = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert "".join(item.token for item in content).startswith(
+        chat.choices[0].message.content)
+    for item in content:
+        assert len(item.top_logprobs) == 3 and item.logprob <= 0
+        assert item.logprob == max(t.logprob for t in item.top_logprobs)  # greedy: the argmax
+        assert item.token == item.top_logprobs[0].token and item.bytes == list(
+            item.token.encode())

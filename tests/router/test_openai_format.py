@@ -1,0 +1,131 @@
+"""Router events formatted as OpenAI bodies: n choices, logprobs, usage, errors.
+
+Built from constructed router events (``Delta`` / ``Finished`` with logprobs and
+choice indexes), so the format is right the moment the engine sends them.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from services.common.logprobs import PositionLogprobs, TokenLogprob
+from services.common.sampling import FinishReason
+from services.router.clients import Usage
+from services.router.generation import Delta, Finished
+from services.router.openai_format import (
+    ResponseBuilder,
+    error_for_status,
+    token_bytes,
+)
+from services.router.openai_protocol import Endpoint
+
+
+def position(token_id: int, token: str, logprob: float, *alts: tuple[int, str, float]
+             ) -> PositionLogprobs:
+    top = tuple(TokenLogprob(i, lp, rank + 1, t) for rank, (i, t, lp) in enumerate(alts))
+    return PositionLogprobs(TokenLogprob(token_id, logprob, 1, token), top)
+
+
+HELLO = position(5, "Hel", -0.1, (5, "Hel", -0.1), (6, "Hi", -2.5))
+LO = position(7, "lo", -0.2, (7, "lo", -0.2), (8, "la", -1.7))
+
+
+def n_events() -> list[Delta | Finished]:
+    """Two choices interleaved, each ending on its own."""
+    return [
+        Delta("Hel", (5,), (HELLO,), (position(2, "A", -3.0, (9, "The", -1.0)),), index=0),
+        Delta("Yes", (11,), (), index=1),
+        Delta("lo", (7,), (LO,), index=0),
+        Finished(FinishReason.LENGTH, "", Usage(4, 2, 3), index=0),
+        Finished(FinishReason.STOP, "", Usage(4, 1, 3), index=1),
+    ]
+
+
+def test_chat_response_has_each_choice_with_its_finish_reason_and_summed_usage():
+    builder = ResponseBuilder(Endpoint.CHAT, "r1", "m", logprobs=True)
+    for event in n_events():
+        builder.add(event)
+    body = builder.response()
+    assert body["id"] == "chatcmpl-r1" and body["object"] == "chat.completion"
+    first, second = body["choices"]
+    assert first["message"] == {"role": "assistant", "content": "Hello"}
+    assert (first["index"], first["finish_reason"]) == (0, "length")
+    assert (second["index"], second["finish_reason"]) == (1, "stop")
+    assert second["message"]["content"] == "Yes"
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 3}}
+    content = first["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["Hel", "lo"]
+    assert content[0]["logprob"] == -0.1 and content[0]["bytes"] == list(b"Hel")
+    assert content[0]["top_logprobs"][1] == {"token": "Hi", "logprob": -2.5,
+                                             "bytes": list(b"Hi")}
+    assert body["prompt_logprobs"] == [None, {"2": {"logprob": -3.0, "rank": 1,
+                                                    "decoded_token": "A"},
+                                              "9": {"logprob": -1.0, "rank": 1,
+                                                    "decoded_token": "The"}}]
+
+
+def test_completion_logprobs_have_openai_legacy_shape():
+    builder = ResponseBuilder(Endpoint.COMPLETIONS, "r2", "m", logprobs=True)
+    for event in n_events()[:4]:
+        builder.add(event)
+    choice = builder.response()["choices"][0]
+    assert choice["text"] == "Hello"
+    assert choice["logprobs"] == {
+        "tokens": ["Hel", "lo"], "token_logprobs": [-0.1, -0.2],
+        "top_logprobs": [{"Hel": -0.1, "Hi": -2.5}, {"lo": -0.2, "la": -1.7}],
+        "text_offset": [0, 3]}
+    assert choice["prompt_logprobs"][0] is None
+
+
+def test_without_logprobs_asked_they_are_null():
+    builder = ResponseBuilder(Endpoint.CHAT, "r", "m")
+    builder.add(Delta("x", (1,)))
+    builder.add(Finished(FinishReason.STOP, "", Usage(1, 1)))
+    assert builder.response()["choices"][0]["logprobs"] is None
+
+
+def test_stream_chunks_carry_the_choice_index_role_once_and_a_usage_chunk():
+    builder = ResponseBuilder(Endpoint.CHAT, "r3", "m", logprobs=True, include_usage=True)
+    chunks = [builder.chunk(e) for e in n_events()]
+    assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in chunks)
+    assert [c["choices"][0]["index"] for c in chunks] == [0, 1, 0, 0, 1]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Hel"}
+    assert chunks[1]["choices"][0]["delta"] == {"role": "assistant", "content": "Yes"}
+    assert chunks[2]["choices"][0]["delta"] == {"content": "lo"}
+    assert chunks[2]["choices"][0]["logprobs"]["content"][0]["token"] == "lo"
+    assert "prompt_logprobs" in chunks[0] and "prompt_logprobs" not in chunks[2]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None,
+                                                                  "length", "stop"]
+    assert chunks[3]["choices"][0]["delta"] == {}
+    last = builder.usage_chunk()
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
+    assert builder.finished_choices() == 2
+
+
+def test_completion_stream_chunks_have_text_and_offsets():
+    builder = ResponseBuilder(Endpoint.COMPLETIONS, "r4", "m", logprobs=True)
+    first, second = (builder.chunk(e) for e in (n_events()[0], n_events()[2]))
+    assert first["object"] == "text_completion" and "usage" not in first
+    assert first["choices"][0]["text"] == "Hel"
+    assert second["choices"][0]["logprobs"]["text_offset"] == [3]
+
+
+def test_token_bytes_decodes_byte_escapes():
+    assert token_bytes("é") == [0xC3, 0xA9]
+    assert token_bytes("bytes:\\xe2\\x80") == [0xE2, 0x80]
+
+
+def test_errors_map_status_param_and_retry_after():
+    bad = error_for_status(grpc.StatusCode.OUT_OF_RANGE, "max_tokens: too many",
+                           param="max_tokens")
+    assert (bad.status, bad.body()["error"]["param"]) == (400, "max_tokens")
+    assert bad.body()["error"]["type"] == "invalid_request_error"
+    busy = error_for_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "full", retry_after_s=3)
+    assert busy.status == 429 and busy.headers() == {"Retry-After": "3"}
+    model = error_for_status(grpc.StatusCode.INVALID_ARGUMENT, "no", unknown_model=True)
+    assert (model.status, model.body()["error"]["code"]) == (404, "model_not_found")
+    assert error_for_status(grpc.StatusCode.UNAVAILABLE, "x").status == 503
+    assert error_for_status(grpc.StatusCode.DEADLINE_EXCEEDED, "x").status == 504
+    assert error_for_status(grpc.StatusCode.UNIMPLEMENTED, "x").status == 501
+    assert error_for_status(grpc.StatusCode.INTERNAL, "x").status == 500

@@ -1,0 +1,140 @@
+"""The router's OpenAI HTTP server with the official ``openai`` client, against
+in-process fake tokenizer / engine / cache over real gRPC (no model): statuses
+that need a crafted mesh state (429, 503, 501), disconnect, streaming order.
+The real mesh through Envoy is tests/e2e/test_mesh_openai.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import aiohttp
+import grpc
+import openai
+import pytest
+
+from services.router.admission import AdmissionConfig
+from tests.router.test_router_service import REPLY, make_mesh, wait_for
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+@contextlib.asynccontextmanager
+async def served(**config):
+    """The fake mesh with the router's HTTP server; yields (mesh, client, base url)."""
+    async with make_mesh(openai_port=0, **config) as mesh:
+        ports = await mesh.router.listen_extra("127.0.0.1")
+        base = f"http://127.0.0.1:{ports['openai_port']}"
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        try:
+            yield mesh, client, base
+        finally:
+            await client.close()
+
+
+async def test_chat_and_completion_answers_have_openai_shape():
+    async with served() as (_, client, _base):
+        chat = await client.chat.completions.create(model="fake-model", messages=USER,
+                                                    max_tokens=64)
+        assert chat.choices[0].message.content == REPLY
+        assert chat.choices[0].finish_reason == "stop" and chat.object == "chat.completion"
+        assert chat.usage.completion_tokens == len(REPLY) + 1  # EOS counts
+        text = await client.completions.create(model="fake-model", prompt="x", max_tokens=5)
+        assert text.choices[0].text == REPLY[:5] and text.choices[0].finish_reason == "length"
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["fake-model"]
+
+
+async def test_stream_chunks_leave_as_tokens_are_generated():
+    async with served() as (mesh, client, _):
+        mesh.engines[0].step_delay = 0.02
+        arrivals = []
+        stream = await client.chat.completions.create(
+            model="fake-model", messages=USER, stream=True,
+            stream_options={"include_usage": True})
+        pieces = []
+        async for chunk in stream:
+            arrivals.append(time.monotonic())
+            if chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+            last = chunk
+        assert "".join(pieces) == REPLY
+        assert last.choices == [] and last.usage.completion_tokens == len(REPLY) + 1
+        # ~32 steps 20 ms apart: the first chunk came long before the last.
+        assert arrivals[-1] - arrivals[0] > 0.3
+
+
+async def test_admission_refusal_is_429_with_retry_after():
+    admission = AdmissionConfig(max_running_per_replica=1, max_queued_requests=0)
+    async with served(admission=admission) as (mesh, client, base):
+        mesh.engines[0].step_delay = 0.05
+        running = asyncio.create_task(client.chat.completions.create(
+            model="fake-model", messages=USER))
+        await wait_for(lambda: mesh.engines[0].log.active == 1)
+        async with aiohttp.ClientSession() as session:
+            other = [{"role": "user", "content": "another"}]  # not coalesced with the first
+            async with session.post(f"{base}/v1/chat/completions",
+                                    json={"messages": other}) as reply:
+                assert reply.status == 429
+                assert int(reply.headers["Retry-After"]) >= 1
+                error = (await reply.json())["error"]
+        assert error["type"] == "rate_limit_error" and error["message"]
+        with pytest.raises(openai.RateLimitError):
+            await client.chat.completions.create(model="fake-model", messages=other)
+        running.cancel()
+
+
+async def test_a_draining_router_answers_503():
+    async with served() as (mesh, client, _):
+        await mesh.router.drain()
+        with pytest.raises(openai.InternalServerError) as info:
+            await client.chat.completions.create(model="fake-model", messages=USER)
+        assert info.value.status_code == 503 and "draining" in info.value.message
+
+
+async def test_an_engine_that_does_not_implement_a_field_is_501():
+    async with served() as (mesh, client, _):
+        mesh.engines[0].fail_code = grpc.StatusCode.UNIMPLEMENTED
+        with pytest.raises(openai.APIStatusError) as info:
+            await client.chat.completions.create(model="fake-model", messages=USER,
+                                                 logprobs=True)
+        assert info.value.status_code == 501
+        assert info.value.body["code"] == "not_implemented"
+
+
+async def test_disconnect_mid_stream_cancels_the_engine_sequence():
+    async with served() as (mesh, _, base):
+        engine = mesh.engines[0]
+        engine.step_delay = 0.05
+        async with aiohttp.ClientSession() as session:
+            reply = await session.post(f"{base}/v1/completions",
+                                       json={"prompt": "x", "stream": True})
+            assert reply.status == 200
+            assert (await reply.content.readline()).startswith(b"data: ")
+            reply.close()  # the client goes away mid-stream
+        await wait_for(lambda: engine.log.active == 0)
+        assert engine.log.ended == ["cancel_msg"]
+
+
+async def test_unknown_route_and_model_are_404_in_openai_shape():
+    async with served() as (_, client, base):
+        async with aiohttp.ClientSession() as session, \
+                session.get(f"{base}/v1/nothing") as reply:
+            assert reply.status == 404
+            assert (await reply.json())["error"]["code"] == "unknown_url"
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.chat.completions.create(model="gpt-4", messages=USER)
+        assert "fake-model" in info.value.message and info.value.body["param"] == "model"
+
+
+async def test_an_error_after_streaming_began_is_an_sse_error_event():
+    async with served() as (mesh, _, base):
+        mesh.engines[0].finish_with_error = True
+        async with aiohttp.ClientSession() as session, \
+                session.post(f"{base}/v1/completions",
+                             json={"prompt": "x", "stream": True}) as reply:
+            assert reply.status == 200
+            body = (await reply.read()).decode()
+        events = [line for line in body.split("\n\n") if line]
+        assert '"error"' in events[-1] and "[DONE]" not in body

@@ -1,0 +1,153 @@
+"""OpenAI bodies into the shared ``GenerateRequest``, and refusals naming the parameter."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+from llmesh.v1 import common_pb2
+
+from services.common.sampling import InvalidRequestError
+from services.router.openai_protocol import Endpoint, openai_param, parse_request
+from services.router.validation import ModelLimits, validate_request
+
+CHAT, COMPLETIONS = Endpoint.CHAT, Endpoint.COMPLETIONS
+MODELS = {"m": ModelLimits(model="m", max_model_len=2048, vocab_size=1000,
+                           has_chat_template=True, default_max_tokens=16, max_tokens_cap=512)}
+USER = [{"role": "user", "content": "hi"}]
+
+
+def parse(endpoint: Endpoint, **body):
+    return parse_request(endpoint, json.dumps(body).encode())
+
+
+def refused(endpoint: Endpoint, body: object) -> InvalidRequestError:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with pytest.raises(InvalidRequestError) as info:
+        parse_request(endpoint, raw)
+    return info.value
+
+
+def test_chat_body_maps_every_sampling_field():
+    parsed = parse(CHAT, model="m", messages=[
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ], max_completion_tokens=7, temperature=0.5, top_p=0.9, n=3, seed=42, stop="END",
+        presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={"17": -100, "5": 2.5},
+        logprobs=True, top_logprobs=4, user="u1", stream=True,
+        stream_options={"include_usage": True}, top_k=-1, min_tokens=2,
+        repetition_penalty=1.2, include_stop_str_in_output=True, ignore_eos=True,
+        stop_token_ids=[3, 4], prompt_logprobs=1)
+    pb = parsed.generate
+    assert pb.model == "m" and parsed.stream and parsed.include_usage
+    assert [(m.role, m.content) for m in pb.chat.messages] == [("system", "be brief"),
+                                                               ("user", "ab")]
+    s = pb.sampling
+    assert (s.max_tokens, s.n, s.seed, list(s.stop), s.logprobs) == (7, 3, 42, ["END"], 4)
+    assert s.temperature == pytest.approx(0.5) and s.top_p == pytest.approx(0.9)
+    assert dict(s.logit_bias) == {17: -100.0, 5: 2.5}
+    assert s.HasField("top_k") and s.top_k == 0  # vLLM's -1 is "off"
+    assert (s.min_tokens, s.include_stop_str_in_output, s.ignore_eos) == (2, True, True)
+    assert list(s.stop_token_ids) == [3, 4] and s.prompt_logprobs == 1
+    assert s.repetition_penalty == pytest.approx(1.2)
+    assert parsed.max_tokens_param == "max_completion_tokens"
+
+
+def test_completions_logprobs_is_a_count_and_a_one_prompt_list_is_accepted():
+    pb = parse(COMPLETIONS, prompt=["Once"], logprobs=2, max_tokens=3, echo=False,
+               best_of=1).generate
+    assert pb.prompt == "Once" and pb.sampling.logprobs == 2 and pb.sampling.max_tokens == 3
+
+
+def test_chat_logprobs_without_top_logprobs_asks_for_the_chosen_token_only():
+    s = parse(CHAT, messages=USER, logprobs=True).generate.sampling
+    assert s.HasField("logprobs") and s.logprobs == 0
+    assert not parse(CHAT, messages=USER).generate.sampling.HasField("logprobs")
+
+
+@pytest.mark.parametrize("body, kind, spec", [
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+     "json_schema", '{"type": "object"}'),
+    ({"response_format": {"type": "json_object"}}, "json_object", True),
+    ({"guided_regex": "[0-9]+"}, "regex", "[0-9]+"),
+    ({"guided_grammar": "start: 'a'"}, "grammar", "start: 'a'"),
+    ({"structured_outputs": {"json": {"type": "string"}}}, "json_schema", '{"type": "string"}'),
+])
+def test_output_constraints_map_to_structured_output(body, kind, spec):
+    out = parse(CHAT, messages=USER, **body).generate.sampling.structured_output
+    assert out.WhichOneof("constraint") == kind and getattr(out, kind) == spec
+
+
+def test_choice_constraint_and_text_format():
+    out = parse(CHAT, messages=USER, guided_choice=["yes", "no"]).generate.sampling
+    assert list(out.structured_output.choice.choices) == ["yes", "no"]
+    plain = parse(CHAT, messages=USER, response_format={"type": "text"}).generate.sampling
+    assert not plain.HasField("structured_output")
+
+
+@pytest.mark.parametrize("endpoint, body, param, words", [
+    (CHAT, {"messages": USER, "frobnicate": 1}, "frobnicate", "unrecognized"),
+    (CHAT, {"messages": USER, "prompt": "x"}, "prompt", "/v1/completions"),
+    (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt", "one prompt string"),
+    (COMPLETIONS, {"prompt": [1, 2]}, "prompt", "token ids"),
+    (COMPLETIONS, {"prompt": "a", "max_completion_tokens": 3}, "max_completion_tokens",
+     "/v1/chat/completions"),
+    (CHAT, {"messages": USER, "temperature": "hot"}, "temperature", "number"),
+    (CHAT, {"messages": USER, "stop": [1]}, "stop", "string"),
+    (CHAT, {"messages": USER, "logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+    (CHAT, {"messages": USER, "top_logprobs": 3}, "top_logprobs", "logprobs: true"),
+    (CHAT, {"messages": USER, "stream_options": {"include_usage": True}}, "stream_options",
+     "stream: true"),
+    (CHAT, {"messages": USER, "seed": -1}, "seed", ">= 0"),
+    (CHAT, {"messages": USER, "max_tokens": 2**40}, "max_tokens", "out of range"),
+    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools", "not supported"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0]", "text parts"),
+    (CHAT, {"messages": USER, "guided_regex": "a", "response_format": {"type": "json_object"}},
+     "guided_regex", "only one"),
+    (CHAT, {"messages": USER, "max_tokens": 3, "max_completion_tokens": 4},
+     "max_completion_tokens", "differs"),
+    (COMPLETIONS, {"prompt": "a", "best_of": 3}, "best_of", "not supported"),
+])
+def test_refusals_name_the_parameter(endpoint, body, param, words):
+    err = refused(endpoint, body)
+    assert err.field == param and err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in str(err)
+
+
+@pytest.mark.parametrize("raw", [b"", b"[1]", b"{not json", b"\xff"])
+def test_bodies_that_are_not_a_json_object_blame_the_body(raw):
+    assert refused(CHAT, raw).field == "body"
+
+
+def test_ranges_are_checked_by_the_shared_validation_and_renamed():
+    parsed = parse(CHAT, messages=USER, model="m", top_logprobs=21, logprobs=True)
+    with pytest.raises(InvalidRequestError) as info:
+        validate_request(parsed.generate, request_id="r", models=MODELS, default_model="m")
+    assert info.value.field == "sampling.logprobs"
+    assert openai_param(info.value.field, parsed) == "top_logprobs"
+    parsed = parse(CHAT, messages=[{"role": "bad role", "content": "x"}], model="m")
+    with pytest.raises(InvalidRequestError) as info:
+        validate_request(parsed.generate, request_id="r", models=MODELS, default_model="m")
+    assert openai_param(info.value.field, parsed) == "messages[0].role"
+    parsed = parse(CHAT, messages=USER, max_completion_tokens=10_000)
+    with pytest.raises(InvalidRequestError) as info:
+        validate_request(parsed.generate, request_id="r", models=MODELS, default_model="m")
+    assert info.value.code == grpc.StatusCode.OUT_OF_RANGE
+    assert openai_param(info.value.field, parsed) == "max_completion_tokens"
+
+
+def test_a_parsed_request_passes_the_shared_validation():
+    parsed = parse(CHAT, messages=USER, model="m", n=2, seed=1, temperature=1.0,
+                   logit_bias={"7": 1})
+    request = validate_request(parsed.generate, request_id="r", models=MODELS,
+                               default_model="m")
+    assert request.sampling.n == 2 and request.sampling.logit_bias == ((7, 1.0),)
+    assert request.messages is not None and request.sampling.seed == 1
+
+
+def test_null_values_mean_unset():
+    s = parse(CHAT, messages=USER, temperature=None, stop=None, seed=None).generate.sampling
+    assert s == common_pb2.SamplingParams()
