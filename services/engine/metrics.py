@@ -32,6 +32,9 @@ class EngineMetrics:
     ``finished_reason`` (stop, length, cancelled, error);
     ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (counters,
     prompt tokens looked up in / found in the prefix cache);
+    ``prompt_tokens_computed_total`` (counter: prompt tokens the forwards
+    computed, once per request whatever its ``sampling.n``, prefix-cache hits
+    left out, recomputations after a preemption counted);
     ``num_preemptions_total`` (counter); and histograms of each engine step:
     ``engine_step_duration_seconds``, ``iteration_tokens_total`` (tokens
     computed, vLLM's name) and ``batch_size`` (sequences in the step).
@@ -54,6 +57,9 @@ class EngineMetrics:
             "llmesh:kv_cache_usage_perc", "Fraction of KV cache in use, 0..1.", registry=registry)
         self.prompt_tokens = Counter(
             "llmesh:prompt_tokens", "Prompt tokens prefilled.", registry=registry)
+        self.prompt_tokens_computed = Counter(
+            "llmesh:prompt_tokens_computed",
+            "Prompt tokens whose keys/values the engine computed.", registry=registry)
         self.generation_tokens = Counter(
             "llmesh:generation_tokens", "Tokens generated.", registry=registry)
         self.request_success = Counter(
@@ -112,6 +118,8 @@ class EngineMetrics:
         self.step_duration.observe(stats.duration_s)
         self.iteration_tokens.observe(stats.num_scheduled_tokens)
         self.batch_size.observe(stats.batch_size)
+        if stats.num_prompt_tokens_computed:
+            self.prompt_tokens_computed.inc(stats.num_prompt_tokens_computed)
         if stats.prefix_queries:
             self.prefix_cache_queries.inc(stats.prefix_queries)
             self.prefix_cache_hits.inc(stats.prefix_hits)
