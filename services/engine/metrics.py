@@ -133,13 +133,15 @@ class EngineMetrics:
                 self.spec_decode_num_accepted_tokens_per_pos.labels(position=str(position)).inc(
                     count)
 
-    def observe_delta(self, delta: TokenDelta, first: bool) -> None:
+    def observe_delta(self, delta: TokenDelta, first: bool, last: bool | None = None) -> None:
         """Counts a delta's tokens; ``first`` marks a request's first delta (its
-        prompt was prefilled); the last delta counts the request by finish reason."""
+        prompt was prefilled); ``last`` its last (default: the delta finishes;
+        with ``sampling.n`` > 1 only the last choice's last), which counts the
+        request by finish reason."""
         if first and delta.num_generated_tokens:
             self.prompt_tokens.inc(delta.num_prompt_tokens)
         self.generation_tokens.inc(len(delta.token_ids))
-        if delta.finish_reason is not FinishReason.NONE:
+        if delta.finished if last is None else last:
             self.request_success.labels(finished_reason=delta.finish_reason.name.lower()).inc()
 
     def observe_unseen_end(self, reason: FinishReason) -> None:
