@@ -10,15 +10,18 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+import grpc
+import pytest
 import torch
 
-from services.common.sampling import FinishReason, SamplingOptions
+from services.common.sampling import FinishReason, InvalidRequestError, SamplingOptions
 from services.engine.torch_backend.engine_core import EngineCore, Submitted
 from services.engine.torch_backend.kv_cache_manager import BlockCopy
 from services.engine.torch_backend.paged_kv import PagedKVCache
 from services.engine.torch_backend.sampler import SamplingRow
 from services.engine.torch_backend.sequence import ChoiceGroup, Sequence, SequenceStatus
 from services.engine.types import SequenceRequest, TokenDelta
+from services.engine.validation import kv_tokens_needed, validate_kv_capacity
 
 from .kv_helpers import create_scheduler
 from .test_engine_core import TINY, Recorder, make_core, recorder, tiny_model  # noqa: F401
@@ -217,3 +220,14 @@ def test_copy_blocks_copies_every_layer() -> None:
     assert torch.equal(cache.k[:, :, 3], cache.k[:, :, 1])
     assert torch.equal(cache.v[:, :, 3], cache.v[:, :, 1])
     assert not torch.equal(cache.k[:, :, 2], cache.k[:, :, 1])
+
+
+def test_kv_capacity_counts_n_choices_sharing_the_full_prompt_blocks() -> None:
+    # 10-token prompt, blocks of 4: 8 shared slots, each choice 2 + 5 - 1 = 6 -> 8 slots
+    assert kv_tokens_needed(10, 5) == 14
+    assert kv_tokens_needed(10, 5, n=3, block_size=4) == 8 + 3 * 8
+    validate_kv_capacity(10, 5, 32, n=3, block_size=4)
+    with pytest.raises(InvalidRequestError) as info:
+        validate_kv_capacity(10, 5, 31, n=3, block_size=4)
+    assert info.value.code == grpc.StatusCode.OUT_OF_RANGE
+    assert info.value.field == "sampling.n" and "need 32 KV slots" in str(info.value)
