@@ -231,3 +231,35 @@ def test_kv_capacity_counts_n_choices_sharing_the_full_prompt_blocks() -> None:
         validate_kv_capacity(10, 5, 31, n=3, block_size=4)
     assert info.value.code == grpc.StatusCode.OUT_OF_RANGE
     assert info.value.field == "sampling.n" and "need 32 KV slots" in str(info.value)
+
+
+async def test_each_choice_carries_its_own_logprobs_and_choice_0_the_prompt_logprobs(
+        make_core) -> None:
+    core = make_core(block_size=4)
+    loop = asyncio.get_running_loop()
+    prompt = tuple(range(2, 12))
+    options = replace(SAMPLED, n=3, max_tokens=6, logprobs=2, prompt_logprobs=1)
+
+    async def logprobs_of(submitted: Submitted, n: int) -> tuple[dict, dict]:
+        entries: dict[int, list] = {i: [] for i in range(n)}
+        prompt_entries: dict[int, list] = {i: [] for i in range(n)}
+        finished: set[int] = set()
+        while len(finished) < n:
+            delta = await asyncio.wait_for(submitted.queue.get(), timeout=20)
+            assert len(delta.logprobs) == len(delta.token_ids)
+            entries[delta.index].extend(delta.logprobs)
+            prompt_entries[delta.index].extend(delta.prompt_logprobs)
+            if delta.finished:
+                finished.add(delta.index)
+        return entries, prompt_entries
+
+    entries, prompt_entries = await logprobs_of(
+        core.submit(SequenceRequest("lp", prompt, options), loop), 3)
+    assert len(prompt_entries[0]) == 9 and prompt_entries[1] == prompt_entries[2] == []
+    for i in range(3):
+        single = replace(options, n=1, seed=options.choice_seed(i))
+        alone, alone_prompt = await logprobs_of(
+            core.submit(SequenceRequest(f"lp-{i}", prompt, single), loop), 1)
+        assert entries[i] == alone[0], i
+        assert alone_prompt[0] == prompt_entries[0]
+    await idle(core)
