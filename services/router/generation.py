@@ -35,7 +35,11 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
    the tokenizer service's own definition, fetched once at start with
    ``GetTokenizer``: no round trip per token) and pass the
    :class:`StopStringMatcher`; a stop-string match cancels the engine
-   sequence at once and ends with FINISH_REASON_STOP + ``matched_stop``;
+   sequence at once and ends with FINISH_REASON_STOP + ``matched_stop``.
+   With ``sampling.n`` > 1 each choice has its own detokenizer, matcher,
+   usage and :class:`Finished` (events carry ``index``); a stop string ends
+   its choice alone (the engine frees that choice's blocks at once) and the
+   generation ends after the last choice's Finished;
    log-probabilities (``sampling.logprobs`` / ``prompt_logprobs``) ride with
    their ids, token text filled in (:class:`TokenTexts`), cut with them at a
    stop string; such requests are never coalesced nor cached (``_shareable``);
