@@ -108,6 +108,17 @@ class EngineBackend(abc.ABC):
           True if the request was in flight, False if unknown or already finished.
         """
 
+    def cancel_choice(self, request_id: str, index: int) -> bool:
+        """Asks choice ``index`` of the request ``request_id`` (``sampling.n`` > 1)
+        to finish with CANCELLED, alone; its other choices go on, and its KV
+        blocks are freed as with :meth:`cancel`. Mutates; never raises.
+
+        Returns:
+          True if that choice was in flight. The default (a backend that
+          refuses ``n`` > 1) knows no choices: False.
+        """
+        return False
+
     @abc.abstractmethod
     def load(self) -> LoadStats:
         """A snapshot of running / waiting sequences and KV usage. Pure, cheap."""

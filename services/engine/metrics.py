@@ -32,6 +32,9 @@ class EngineMetrics:
     ``finished_reason`` (stop, length, cancelled, error);
     ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (counters,
     prompt tokens looked up in / found in the prefix cache);
+    ``prompt_tokens_computed_total`` (counter: prompt tokens the forwards
+    computed, once per request whatever its ``sampling.n``, prefix-cache hits
+    left out, recomputations after a preemption counted);
     ``num_preemptions_total`` (counter); and histograms of each engine step:
     ``engine_step_duration_seconds``, ``iteration_tokens_total`` (tokens
     computed, vLLM's name) and ``batch_size`` (sequences in the step).
@@ -54,6 +57,9 @@ class EngineMetrics:
             "llmesh:kv_cache_usage_perc", "Fraction of KV cache in use, 0..1.", registry=registry)
         self.prompt_tokens = Counter(
             "llmesh:prompt_tokens", "Prompt tokens prefilled.", registry=registry)
+        self.prompt_tokens_computed = Counter(
+            "llmesh:prompt_tokens_computed",
+            "Prompt tokens whose keys/values the engine computed.", registry=registry)
         self.generation_tokens = Counter(
             "llmesh:generation_tokens", "Tokens generated.", registry=registry)
         self.request_success = Counter(
@@ -112,6 +118,8 @@ class EngineMetrics:
         self.step_duration.observe(stats.duration_s)
         self.iteration_tokens.observe(stats.num_scheduled_tokens)
         self.batch_size.observe(stats.batch_size)
+        if stats.num_prompt_tokens_computed:
+            self.prompt_tokens_computed.inc(stats.num_prompt_tokens_computed)
         if stats.prefix_queries:
             self.prefix_cache_queries.inc(stats.prefix_queries)
             self.prefix_cache_hits.inc(stats.prefix_hits)
@@ -125,13 +133,15 @@ class EngineMetrics:
                 self.spec_decode_num_accepted_tokens_per_pos.labels(position=str(position)).inc(
                     count)
 
-    def observe_delta(self, delta: TokenDelta, first: bool) -> None:
+    def observe_delta(self, delta: TokenDelta, first: bool, last: bool | None = None) -> None:
         """Counts a delta's tokens; ``first`` marks a request's first delta (its
-        prompt was prefilled); the last delta counts the request by finish reason."""
+        prompt was prefilled); ``last`` its last (default: the delta finishes;
+        with ``sampling.n`` > 1 only the last choice's last), which counts the
+        request by finish reason."""
         if first and delta.num_generated_tokens:
             self.prompt_tokens.inc(delta.num_prompt_tokens)
         self.generation_tokens.inc(len(delta.token_ids))
-        if delta.finish_reason is not FinishReason.NONE:
+        if delta.finished if last is None else last:
             self.request_success.labels(finished_reason=delta.finish_reason.name.lower()).inc()
 
     def observe_unseen_end(self, reason: FinishReason) -> None:

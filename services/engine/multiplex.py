@@ -60,9 +60,9 @@ class PendingUpdate:
     status: grpc.StatusCode = grpc.StatusCode.OK
     message: str = ""
 
-    def to_pb(self, stream_id: int) -> engine_pb2.SequenceUpdate:
+    def to_pb(self, stream_id: int, index: int = 0) -> engine_pb2.SequenceUpdate:
         update = engine_pb2.SequenceUpdate(
-            stream_id=stream_id, token_ids=self.token_ids,
+            stream_id=stream_id, index=index, token_ids=self.token_ids,
             logprobs=logprobs_to_pb(self.logprobs),
             prompt_logprobs=logprobs_to_pb(self.prompt_logprobs),
             finish_reason=int(self.finish_reason), status_code=self.status.value[0],
@@ -76,17 +76,17 @@ class PendingUpdate:
 
 
 class Outbox:
-    """Updates waiting to be sent on one call, merged per request (insertion
-    order: a request's first pending update fixes its place)."""
+    """Updates waiting to be sent on one call, merged per request and choice
+    (insertion order: a choice's first pending update fixes its place)."""
 
     def __init__(self) -> None:
-        self._pending: dict[int, PendingUpdate] = {}
+        self._pending: dict[tuple[int, int], PendingUpdate] = {}  # by (stream_id, index)
         self._ready = asyncio.Event()
         self._closed = False
 
     def add_delta(self, stream_id: int, delta: TokenDelta) -> None:
-        """Merges ``delta`` into the request's pending update. Mutates."""
-        pending = self._pending.setdefault(stream_id, PendingUpdate())
+        """Merges ``delta`` into its choice's pending update. Mutates."""
+        pending = self._pending.setdefault((stream_id, delta.index), PendingUpdate())
         pending.token_ids.extend(delta.token_ids)
         pending.logprobs.extend(delta.logprobs)
         pending.prompt_logprobs = pending.prompt_logprobs or delta.prompt_logprobs
@@ -100,8 +100,8 @@ class Outbox:
         self._ready.set()
 
     def add_status(self, stream_id: int, code: grpc.StatusCode, message: str) -> None:
-        """Ends the request with ``code`` (its last update). Mutates."""
-        pending = self._pending.setdefault(stream_id, PendingUpdate())
+        """Ends the request (every choice) with ``code`` (its last update). Mutates."""
+        pending = self._pending.setdefault((stream_id, 0), PendingUpdate())
         pending.status, pending.message = code, message
         self._ready.set()
 
@@ -120,7 +120,8 @@ class Outbox:
             await self._ready.wait()
         pending, self._pending = self._pending, {}
         return engine_pb2.MultiplexResponse(
-            updates=[update.to_pb(stream_id) for stream_id, update in pending.items()])
+            updates=[update.to_pb(stream_id, index)
+                     for (stream_id, index), update in pending.items()])
 
 
 class MultiplexCall:
@@ -132,11 +133,15 @@ class MultiplexCall:
       run_request: ``EngineService.run_request``.
       refusal: None while the engine admits requests, else why not (a start
         then ends with UNAVAILABLE and this message).
+      cancel_choice: ``EngineBackend.cancel_choice`` (request id, choice index).
     """
 
     def __init__(self, *, to_request: Callable[[engine_pb2.EngineRequest], SequenceRequest],
-                 run_request: RunRequest, refusal: Callable[[], str | None]) -> None:
+                 run_request: RunRequest, refusal: Callable[[], str | None],
+                 cancel_choice: Callable[[str, int], bool] = lambda _id, _index: False
+                 ) -> None:
         self.outbox = Outbox()
+        self._cancel_choice = cancel_choice
         self._to_request = to_request
         self._run_request = run_request
         self._refusal = refusal
@@ -167,6 +172,10 @@ class MultiplexCall:
             self._start(start)
         for stream_id in message.cancels:
             self.cancel(stream_id, "cancel_message")
+        for choice in message.cancel_choices:
+            entry = self._open.get(choice.stream_id)
+            if entry is not None:
+                self._cancel_choice(entry.request.request_id, choice.index)
         return True
 
     def _start(self, start: engine_pb2.MultiplexStart) -> None:
@@ -183,7 +192,7 @@ class MultiplexCall:
             self.outbox.add_status(stream_id, exc.code, str(exc))
             return
         loop = asyncio.get_running_loop()
-        entry = _Open(request, RequestRecord(len(request.prompt_token_ids)))
+        entry = _Open(request, RequestRecord(len(request.prompt_token_ids), request.sampling.n))
         # The request's id is bound in the task's own context, so its log line
         # has it even when the task is cancelled before it first runs.
         context = contextvars.copy_context()

@@ -38,7 +38,9 @@ class RequestRecord:
     Attributes:
       num_prompt_tokens: the prompt's length.
       num_generated_tokens, num_cached_tokens: the counts of the last delta read
-        (for a call that ended before its last delta: the tokens streamed on it).
+        (for a call that ended before its last delta: the tokens streamed on it);
+        with ``sampling.n`` > 1, generated tokens of all choices together.
+      choices_left: choices (``sampling.n``) whose last delta was not read yet.
       num_deltas: deltas read.
       cancelled_by: what asked the engine to cancel (``cancel_message``,
         ``invalid_message``, ``call_dropped``, ``deadline_exceeded``; "" if nothing).
@@ -47,19 +49,28 @@ class RequestRecord:
     """
 
     __slots__ = ("num_prompt_tokens", "num_generated_tokens", "num_cached_tokens",
-                 "num_deltas", "cancelled_by", "error", "done")
+                 "num_deltas", "cancelled_by", "error", "done", "choices_left", "_generated")
 
-    def __init__(self, num_prompt_tokens: int) -> None:
+    def __init__(self, num_prompt_tokens: int, n: int = 1) -> None:
         self.num_prompt_tokens = num_prompt_tokens
+        self.choices_left = n
+        self._generated: dict[int, int] = {}
         self.num_generated_tokens = self.num_cached_tokens = self.num_deltas = 0
         self.cancelled_by = self.error = ""
         self.done = False
 
-    def seen(self, delta: TokenDelta) -> None:
-        """Takes the counts of ``delta``, the latest read. Mutates."""
-        self.num_generated_tokens = delta.num_generated_tokens
+    def seen(self, delta: TokenDelta) -> bool:
+        """Takes the counts of ``delta``, the latest read. Mutates.
+
+        Returns:
+          True when it is the request's last delta (its last choice's last).
+        """
+        self._generated[delta.index] = delta.num_generated_tokens
+        self.num_generated_tokens = sum(self._generated.values())
         self.num_cached_tokens = delta.num_cached_tokens
         self.num_deltas += 1
+        self.choices_left -= delta.finished
+        return delta.finished and not self.choices_left
 
     def rejected(self, code: grpc.StatusCode, message: str) -> None:
         """Logs ``request_rejected`` for a request the backend refused (queue

@@ -147,7 +147,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     async def _stream(self, request: SequenceRequest, request_iterator: _Requests,
                       context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[engine_pb2.EngineServiceGenerateResponse]:
-        record = RequestRecord(len(request.prompt_token_ids))
+        record = RequestRecord(len(request.prompt_token_ids), request.sampling.n)
         watcher = asyncio.create_task(self._watch_client(request_iterator, request.request_id,
                                                          record))
         deltas = self.run_request(request, record, lambda: _ended_by(context, record))
@@ -155,7 +155,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
                     yield to_response(delta)
-                    if delta.finished:
+                    if record.done:  # the request's last delta (its last choice's)
                         await self._after_last(delta, watcher, context)
         except RequestFailed as exc:
             await context.abort(exc.code, exc.message)
@@ -180,9 +180,10 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         unseen_end = FinishReason.CANCELLED
         try:
             async for delta in deltas:
-                self._metrics.observe_delta(delta, record.num_deltas == 0)
-                record.seen(delta)
-                if delta.finished:  # before the yield: a drop there must not count it again
+                first = record.num_deltas == 0
+                last = record.seen(delta)
+                self._metrics.observe_delta(delta, first, last)
+                if last:  # before the yield: a drop there must not count it again
                     record.finish(delta.finish_reason, record.cancelled_by, delta.error)
                 yield delta
         except (InvalidRequestError, EngineError) as exc:
@@ -209,8 +210,9 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
 
     async def _watch_client(self, request_iterator: _Requests, request_id: str,
                             record: RequestRecord) -> str | None:
-        """Reads the client's later messages: ``cancel`` cancels the sequence; a
-        second ``start`` cancels it and returns the protocol violation to report.
+        """Reads the client's later messages: ``cancel`` cancels the sequence
+        (with ``index``: that choice alone, and it reads on); a second
+        ``start`` cancels it and returns the protocol violation to report.
         Notes the cause in ``record``."""
         try:
             async for message in request_iterator:
@@ -218,6 +220,9 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
                     record.cancelled_by = "invalid_message"
                     self._backend.cancel(request_id)
                     return "start: a Generate stream carries one request; send `cancel` to end it"
+                if message.cancel.HasField("index"):
+                    self._backend.cancel_choice(request_id, message.cancel.index)
+                    continue
                 record.cancelled_by = "cancel_message"
                 self._backend.cancel(request_id)
                 return None
@@ -235,7 +240,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         are cancelled. A start that reuses an open stream_id ends the call with
         INVALID_ARGUMENT (and cancels its requests)."""
         call = MultiplexCall(to_request=self._request_from_start, run_request=self.run_request,
-                             refusal=self._refusal)
+                             refusal=self._refusal, cancel_choice=self._backend.cancel_choice)
         reader = asyncio.create_task(_read_multiplex(request_iterator, call))
         try:
             while (response := await call.outbox.take()) is not None:
@@ -366,6 +371,7 @@ def to_response(delta: TokenDelta) -> engine_pb2.EngineServiceGenerateResponse:
         request_id=delta.request_id, token_ids=delta.token_ids,
         finish_reason=int(delta.finish_reason), logprobs=logprobs_to_pb(delta.logprobs),
         prompt_logprobs=logprobs_to_pb(delta.prompt_logprobs),
+        index=delta.index,
         usage=common_pb2.Usage(
             prompt_tokens=delta.num_prompt_tokens, completion_tokens=delta.num_generated_tokens,
             cached_prompt_tokens=delta.num_cached_tokens))

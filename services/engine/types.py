@@ -139,6 +139,9 @@ class StepStats:
       spec_num_draft_tokens: speculative tokens verified.
       spec_num_accepted_tokens: of those, accepted.
       spec_accepted_per_pos: accepted tokens by position in the proposal (0-based).
+      num_prompt_tokens_computed: prompt tokens whose keys/values the step
+        computed (prefix-cache hits and prompts shared by ``sampling.n``
+        choices not counted; recomputed ones after a preemption counted).
     """
 
     duration_s: float
@@ -151,3 +154,4 @@ class StepStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    num_prompt_tokens_computed: int = 0

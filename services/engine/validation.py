@@ -63,20 +63,43 @@ def validate_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int)
         )
 
 
-def validate_kv_capacity(num_prompt_tokens: int, max_tokens: int, capacity_tokens: int) -> None:
-    """Checks that the sequence can ever fit in the replica's KV cache: its last
-    computed token is number ``prompt + max_tokens - 1`` (the last sampled token
-    is never computed). A request beyond that would wait or be preempted
-    forever, so it is refused as OUT_OF_RANGE ("never fits"), not
-    RESOURCE_EXHAUSTED ("try later").
+def kv_tokens_needed(num_prompt_tokens: int, max_tokens: int, n: int = 1,
+                     block_size: int = 1) -> int:
+    """KV slots a request holds at most: one sequence's last computed token is
+    number ``prompt + max_tokens - 1`` (the last sampled token is never
+    computed); ``n`` choices share the prompt's full blocks and each hold their
+    own copy of its partial last block plus their own tokens, in whole blocks
+    of ``block_size``."""
+    if n == 1:
+        return num_prompt_tokens + max_tokens - 1
+    shared = num_prompt_tokens // block_size * block_size
+    own = -(-(num_prompt_tokens - shared + max_tokens - 1) // block_size) * block_size
+    return shared + n * own
+
+
+def validate_kv_capacity(num_prompt_tokens: int, max_tokens: int, capacity_tokens: int,
+                         n: int = 1, block_size: int = 1) -> None:
+    """Checks that the request's ``n`` sequences can ever fit in the replica's
+    KV cache together (:func:`kv_tokens_needed`). A request beyond that would
+    wait or be preempted forever, so it is refused as OUT_OF_RANGE ("never
+    fits"), not RESOURCE_EXHAUSTED ("try later").
 
     Raises:
       InvalidRequestError: OUT_OF_RANGE naming ``prompt_token_ids`` when the
-        prompt alone does not fit, else ``sampling.max_tokens``, with the numbers.
+        prompt alone does not fit, ``sampling.n`` when one choice would fit but
+        not ``n``, else ``sampling.max_tokens``, with the numbers.
     """
-    needed = num_prompt_tokens + max_tokens - 1
+    needed = kv_tokens_needed(num_prompt_tokens, max_tokens, n, block_size)
     if needed <= capacity_tokens:
         return
+    if n > 1 and kv_tokens_needed(num_prompt_tokens, max_tokens) <= capacity_tokens:
+        raise InvalidRequestError(
+            "sampling.n",
+            f"{n} choices of prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) "
+            f"need {needed} KV slots but this engine's KV cache holds {capacity_tokens} "
+            f"tokens in all; lower n or max_tokens",
+            grpc.StatusCode.OUT_OF_RANGE,
+        )
     if num_prompt_tokens > capacity_tokens:
         raise InvalidRequestError(
             PROMPT_FIELD,

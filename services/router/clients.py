@@ -159,6 +159,9 @@ class EngineDelta:
     message on. ``logprobs`` has one entry per id (with ``sampling.logprobs``),
     ``prompt_logprobs`` the prompt's (with ``sampling.prompt_logprobs``, on the
     first message), token text not filled in.
+    ``index`` is the choice (``sampling.n`` > 1) the message belongs to: each
+    choice has its own last message, and ``usage`` counts that choice's
+    completion tokens.
     """
 
     token_ids: tuple[int, ...]
@@ -166,6 +169,7 @@ class EngineDelta:
     usage: Usage | None = None
     logprobs: tuple[PositionLogprobs, ...] = ()
     prompt_logprobs: tuple[PositionLogprobs, ...] = ()
+    index: int = 0
 
 
 @dataclass(frozen=True)

@@ -53,25 +53,38 @@ _SERVICE = "engine"
 _MESSAGE_BYTES = 1 << 20
 
 
+class _ChoiceUpdates:
+    """What arrived for one choice of a stream and was not read yet."""
+
+    __slots__ = ("ids", "logprobs", "prompt_logprobs", "finish")
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.logprobs: list[common_pb2.PositionLogprobs] = []
+        self.prompt_logprobs: list[common_pb2.PositionLogprobs] = []
+        self.finish: FinishReason | None = None
+
+
 class EngineStream:
     """One request on a replica's ``Multiplex`` call.
 
-    Read :class:`EngineDelta` values with :meth:`read` until one carries a
-    ``finish_reason``. :meth:`cancel` asks the engine to finish the sequence at
-    once (its KV blocks are freed); :meth:`close` must run in a ``finally``
-    (it cancels a request that has not finished).
+    Read :class:`EngineDelta` values with :meth:`read` until each of the
+    request's ``n`` choices (``sampling.n``; one unless set) had one carrying a
+    ``finish_reason``; a read returns one choice's updates merged (choices in
+    the order their updates arrived). :meth:`cancel` asks the engine to finish
+    the sequence at once (its KV blocks are freed), :meth:`cancel_choice` one
+    choice alone; :meth:`close` must run in a ``finally`` (it cancels a
+    request that has not finished).
     """
 
     def __init__(self, mux: _Multiplex, stream_id: int, target: str,
-                 deadline: float | None) -> None:
+                 deadline: float | None, n: int = 1) -> None:
         self._mux = mux
         self.stream_id = stream_id
         self.target = target
-        self._ids: list[int] = []
-        self._logprobs: list[common_pb2.PositionLogprobs] = []
-        self._prompt_logprobs: list[common_pb2.PositionLogprobs] = []
-        self._usage: Usage | None = None
-        self._finish: FinishReason | None = None
+        self._unread: dict[int, _ChoiceUpdates] = {}  # by choice, in arrival order
+        self._usage: dict[int, Usage] = {}
+        self._choices_left = n
         self._error: UpstreamError | None = None
         self._arrived = asyncio.Event()
         self._done = False  # the engine will send nothing more
@@ -89,20 +102,25 @@ class EngineStream:
     # ---- fed by the call's reader ----------------------------------------------------
 
     def _update(self, update: engine_pb2.SequenceUpdate) -> bool:
-        """Merges ``update``; returns True when it is the request's last."""
-        self._ids.extend(update.token_ids)
-        self._logprobs.extend(update.logprobs)
-        self._prompt_logprobs.extend(update.prompt_logprobs)
+        """Merges ``update``; returns True when it is the request's last (an
+        error, or its last choice's finish)."""
         if update.HasField("usage"):
             u = update.usage
-            self._usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+            self._usage[update.index] = Usage(u.prompt_tokens, u.completion_tokens,
+                                              u.cached_prompt_tokens)
+        if update.token_ids or update.finish_reason:
+            unread = self._unread.setdefault(update.index, _ChoiceUpdates())
+            unread.ids.extend(update.token_ids)
+            unread.logprobs.extend(update.logprobs)
+            unread.prompt_logprobs.extend(update.prompt_logprobs)
+            if update.finish_reason and not update.status_code:
+                unread.finish = finish_reason_of(update.finish_reason)
+                self._choices_left -= 1
         if update.status_code:
             self._error = UpstreamError(_SERVICE, self.target,
                                         status_code_of(update.status_code),
                                         update.status_message)
-        elif update.finish_reason:
-            self._finish = finish_reason_of(update.finish_reason)
-        if update.status_code or update.finish_reason:
+        if update.status_code or self._choices_left <= 0:
             self._done = True
             if self._timer is not None:
                 self._timer.cancel()
@@ -128,20 +146,28 @@ class EngineStream:
             RESOURCE_EXHAUSTED, INVALID_ARGUMENT, DEADLINE_EXCEEDED, INTERNAL
             ...), or UNAVAILABLE when the call failed.
         """
-        while not (self._ids or self._finish is not None or self._error is not None):
+        while not (self._unread or self._error is not None):
             self._arrived.clear()
             await self._arrived.wait()
-        if self._error is not None and not self._ids:
+        if self._error is not None and not any(u.ids for u in self._unread.values()):
             raise self._error
-        ids, self._ids = tuple(self._ids), []
-        logprobs, self._logprobs = logprobs_from_pb(self._logprobs), []
-        prompt_logprobs, self._prompt_logprobs = logprobs_from_pb(self._prompt_logprobs), []
-        finish = None if self._error is not None else self._finish
-        return EngineDelta(ids, finish, self._usage, logprobs, prompt_logprobs)
+        index = next(iter(self._unread))
+        unread = self._unread.pop(index)
+        finish = None if self._error is not None else unread.finish
+        return EngineDelta(tuple(unread.ids), finish, self._usage.get(index),
+                           logprobs_from_pb(unread.logprobs),
+                           logprobs_from_pb(unread.prompt_logprobs), index=index)
 
     async def cancel(self) -> None:
         """Tells the engine to finish the sequence now."""
         self.close()
+
+    def cancel_choice(self, index: int) -> None:
+        """Tells the engine to finish choice ``index`` alone now (its blocks are
+        freed, the other choices go on); its last update still arrives (CANCELLED,
+        unless it finished first)."""
+        if not self._done:
+            self._mux.cancel_choice(self.stream_id, index)
 
     def close(self) -> None:
         """Cancels the request unless it has finished (safe to call twice): after
@@ -166,6 +192,7 @@ class _Multiplex:
         self._streams: dict[int, EngineStream] = {}
         self._starts: list[engine_pb2.MultiplexStart] = []
         self._cancels: list[int] = []
+        self._choice_cancels: list[engine_pb2.ChoiceCancel] = []
         self._wake = asyncio.Event()
         self.failed: UpstreamError | None = None
         self._closing = False
@@ -176,7 +203,8 @@ class _Multiplex:
 
     def open(self, stream_id: int, start: engine_pb2.MultiplexStart,
              deadline: float | None) -> EngineStream:
-        stream = EngineStream(self, stream_id, self._target, deadline)
+        n = start.request.sampling.n if start.request.sampling.HasField("n") else 1
+        stream = EngineStream(self, stream_id, self._target, deadline, n)
         self._streams[stream_id] = stream
         self._starts.append(start)
         self._wake.set()
@@ -187,6 +215,12 @@ class _Multiplex:
             self._cancels.append(stream_id)
             self._wake.set()
 
+    def cancel_choice(self, stream_id: int, index: int) -> None:
+        if self.failed is None:
+            self._choice_cancels.append(engine_pb2.ChoiceCancel(stream_id=stream_id,
+                                                                index=index))
+            self._wake.set()
+
     def forget(self, stream_id: int) -> None:
         self._streams.pop(stream_id, None)
 
@@ -195,7 +229,7 @@ class _Multiplex:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
-                while self._starts or self._cancels:
+                while self._starts or self._cancels or self._choice_cancels:
                     await self._call.write(self._next_message())
         except grpc.aio.AioRpcError as err:
             self._fail_all(f"writing to it failed: {err.code().name}: {err.details()}")
@@ -213,8 +247,9 @@ class _Multiplex:
                 break
             count += 1
         message = engine_pb2.MultiplexRequest(starts=self._starts[:count],
-                                              cancels=self._cancels)
-        self._starts, self._cancels = self._starts[count:], []
+                                              cancels=self._cancels,
+                                              cancel_choices=self._choice_cancels)
+        self._starts, self._cancels, self._choice_cancels = self._starts[count:], [], []
         return message
 
     async def _read(self) -> None:

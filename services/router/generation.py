@@ -37,7 +37,11 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
    :class:`StopStringMatcher`; a stop-string match cancels the engine
    sequence at once and ends with FINISH_REASON_STOP + ``matched_stop`` (the
    text ends before the stop string, or after it with
-   ``include_stop_str_in_output``);
+   ``include_stop_str_in_output``).
+   With ``sampling.n`` > 1 each choice has its own detokenizer, matcher,
+   usage and :class:`Finished` (events carry ``index``); a stop string ends
+   its choice alone (the engine frees that choice's blocks at once) and the
+   generation ends after the last choice's Finished;
    log-probabilities (``sampling.logprobs`` / ``prompt_logprobs``) ride with
    their ids, token text filled in (:class:`TokenTexts`), cut with them at a
    stop string; such requests are never coalesced nor cached (``_shareable``);
@@ -374,7 +378,9 @@ class GenerationPipeline:
                                       timing, info, session)
             else:  # computed fresh, alone: nothing to look up or share
                 matches = self._start_prefix_matches(prompt_ids)  # beside admission
-                ticket = await self._admit(request, len(prompt_ids), max_tokens, deadline)
+                # n choices hold the engine for n x max_tokens (the prompt once)
+                ticket = await self._admit(request, len(prompt_ids),
+                                           max_tokens * sampling.n, deadline)
                 events = self._from_engine(request, prompt_ids, sampling,
                                            self._cache_key(request, prompt_ids), deadline,
                                            progress, timing, info, ticket,
@@ -678,17 +684,23 @@ class GenerationPipeline:
         if delta.usage is not None:
             self.metrics.prefix_hit_tokens.labels(request.model).observe(
                 delta.usage.cached_prompt_tokens)
-        matcher = StopStringMatcher(sampling.stop, sampling.include_stop_str_in_output)
-        detok = IncrementalDetokenizer(self.decoder, skip_special_tokens=True)
+        # One detokenizer and stop-string matcher per choice (``sampling.n``).
+        choices = [_ChoiceOutput(StopStringMatcher(sampling.stop,
+                                                   sampling.include_stop_str_in_output),
+                                 IncrementalDetokenizer(self.decoder, skip_special_tokens=True))
+                   for _ in range(sampling.n)]
         # A stop token id (or EOS, unless ignored) ends the sequence, so it can only be
         # the last id; it counts in usage but its text is never returned.
         eos = () if sampling.ignore_eos else self.models[request.model].eos_token_ids
         hidden_ids = frozenset(sampling.stop_token_ids) | frozenset(eos)
         keep_output = key is not None or self.log_content
-        out_text: list[str] = []
-        out_ids: list[int] = []
+        choices_left = sampling.n
         try:
             while True:
+                choice = _choice_of(choices, delta, engine)
+                if choice.finished:  # ended on a stop string; the engine's last words
+                    delta = await stream.read()
+                    continue
                 ids = delta.token_ids
                 if delta.usage is not None:
                     progress.cached_prompt_tokens = delta.usage.cached_prompt_tokens
@@ -696,24 +708,31 @@ class GenerationPipeline:
                          else range(len(ids)))
                 visible = [ids[p] for p in shown]
                 last = delta.finish_reason is not None
-                text, text_ends = self._detokenize(detok, visible, engine, last=last,
+                matcher = choice.matcher
+                text, text_ends = self._detokenize(choice.detok, visible, engine, last=last,
                                                    with_ends=bool(matcher.stops))
                 safe, stop = matcher.feed(text)
                 if stop is not None:
-                    await stream.cancel()  # the engine frees the sequence at once
+                    # the engine frees the sequence (or this choice's) at once
+                    if sampling.n == 1:
+                        await stream.cancel()
+                    else:
+                        stream.cancel_choice(delta.index)
                     ids = _ids_through_stop(ids, shown, text_ends, matcher.match_end)
-                    progress.completion_tokens += len(ids)
-                    finished = Finished(FinishReason.STOP, stop, progress.usage())
+                    choice.completion_tokens += len(ids)
+                    finished = Finished(FinishReason.STOP, stop,
+                                        choice.usage(progress), index=delta.index)
                 elif last:
-                    progress.completion_tokens += len(ids)
+                    choice.completion_tokens += len(ids)
                     safe += matcher.flush()
-                    finished = self._engine_finished(delta, progress)
+                    finished = self._engine_finished(delta, progress, choice)
                 else:
-                    progress.completion_tokens += len(ids)
+                    choice.completion_tokens += len(ids)
                     finished = None
+                progress.completion_tokens = sum(c.completion_tokens for c in choices)
                 if keep_output:
-                    out_text.append(safe)
-                    out_ids.extend(ids)
+                    choice.text.append(safe)
+                    choice.ids.extend(ids)
                 if safe or ids:
                     if ids:
                         now = self._token_time(timing)
@@ -721,15 +740,19 @@ class GenerationPipeline:
                             ticket.on_tokens(len(ids), now)
                     yield self._delta(safe, ids, delta)
                 if finished is not None:
-                    if keep_output:
-                        info.update(output="".join(out_text))
+                    choice.finished = True
+                    choices_left -= 1
+                    if keep_output and not choices_left:
+                        texts = ["".join(c.text) for c in choices]
+                        info.update(output=texts[0] if len(texts) == 1 else texts)
                     if key is not None and finished.reason in (FinishReason.STOP,
                                                                FinishReason.LENGTH):
                         self._store(key, CachedResponse(
-                            tuple(out_ids), "".join(out_text), finished.reason,
+                            tuple(choice.ids), "".join(choice.text), finished.reason,
                             finished.matched_stop), request.request_id)
                     yield finished
-                    return
+                    if not choices_left:
+                        return
                 delta = await stream.read()
         finally:
             engine.closed(request.priority)
@@ -740,9 +763,10 @@ class GenerationPipeline:
         through a stop string) with their log-probabilities, token text filled
         in (the entries past a stop string are dropped, like their ids)."""
         if not (delta.logprobs or delta.prompt_logprobs):
-            return Delta(text, ids)
+            return Delta(text, ids, index=delta.index)
         return Delta(text, ids, logprobs=self.token_texts.fill(delta.logprobs[:len(ids)]),
-                     prompt_logprobs=self.token_texts.fill(delta.prompt_logprobs))
+                     prompt_logprobs=self.token_texts.fill(delta.prompt_logprobs),
+                     index=delta.index)
 
     def _refuse_if_full(self, request: GenerationRequest) -> None:
         """Refuses at once, before tokenization and the cache lookup, a request
@@ -811,7 +835,8 @@ class GenerationPipeline:
         text = detok.add(ids)
         return (text + detok.flush() if last else text), ()
 
-    def _engine_finished(self, delta: EngineDelta, progress: Progress) -> Finished:
+    def _engine_finished(self, delta: EngineDelta, progress: Progress,
+                         choice: _ChoiceOutput) -> Finished:
         reason = delta.finish_reason
         assert reason is not None
         if reason == FinishReason.ERROR:
@@ -820,8 +845,8 @@ class GenerationPipeline:
         usage = delta.usage
         if usage is not None and usage.completion_tokens:
             # The engine's count is authoritative (it knows what it generated).
-            progress.completion_tokens = usage.completion_tokens
-        return Finished(reason, "", progress.usage())
+            choice.completion_tokens = usage.completion_tokens
+        return Finished(reason, "", choice.usage(progress), index=delta.index)
 
     # ------------------------------------------------------------ helpers
 
@@ -876,6 +901,40 @@ class GenerationPipeline:
                           else [dataclasses.asdict(m) for m in request.messages or ()],
                           output=output)
         log.info("request_finished", **fields)
+
+
+@dataclass
+class _ChoiceOutput:
+    """One choice's output state in :meth:`GenerationPipeline._from_engine`:
+    its own detokenizer and stop-string matcher (``sampling.n`` choices are
+    independent texts), its completion tokens, and its text and ids when they
+    are kept (cache, content logs)."""
+
+    matcher: StopStringMatcher
+    detok: IncrementalDetokenizer
+    completion_tokens: int = 0
+    finished: bool = False
+    text: list[str] = dataclasses.field(default_factory=list)
+    ids: list[int] = dataclasses.field(default_factory=list)
+
+    def usage(self, progress: Progress) -> Usage:
+        """The request's prompt counts with this choice's completion tokens."""
+        return Usage(progress.prompt_tokens, self.completion_tokens,
+                     progress.cached_prompt_tokens)
+
+
+def _choice_of(choices: Sequence[_ChoiceOutput], delta: EngineDelta,
+               engine: EngineClient) -> _ChoiceOutput:
+    """The output state of ``delta``'s choice.
+
+    Raises:
+      GenerationError: INTERNAL for an index beyond ``sampling.n`` (an engine fault).
+    """
+    if not 0 <= delta.index < len(choices):
+        raise GenerationError(grpc.StatusCode.INTERNAL,
+                              f"engine at {engine.target} sent choice {delta.index} of a "
+                              f"request with n = {len(choices)}")
+    return choices[delta.index]
 
 
 def _ids_through_stop(ids: tuple[int, ...], shown: Sequence[int],

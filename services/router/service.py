@@ -165,6 +165,8 @@ class _StreamGeneration:
     request_id: str
     task: asyncio.Task[None]
     progress: Progress = field(default_factory=Progress)
+    #: choices (``sampling.n``) without their Finished yet; it ends with the last
+    unfinished: set[int] = field(default_factory=lambda: {0})
 
 
 #: The router ends a call this many seconds before the client's deadline, so its
@@ -192,10 +194,12 @@ def _response(request_id: str, event: Event) -> generation_pb2.GenerateResponse:
         return generation_pb2.GenerateResponse(
             request_id=request_id, text=event.text, token_ids=event.token_ids,
             logprobs=logprobs_to_pb(event.logprobs),
-            prompt_logprobs=logprobs_to_pb(event.prompt_logprobs))
+            prompt_logprobs=logprobs_to_pb(event.prompt_logprobs),
+            index=event.index)
     return generation_pb2.GenerateResponse(
         request_id=request_id, finish_reason=int(event.reason),
-        matched_stop=event.matched_stop, usage=event.usage.to_pb(), cached=event.cached)
+        matched_stop=event.matched_stop, usage=event.usage.to_pb(), cached=event.cached,
+        index=event.index)
 
 
 def _as_abort(err: BaseException, request_id: str) -> _Abort:
@@ -538,7 +542,9 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                 await context.write(generation_pb2.GenerateStreamResponse(
                     response=_response(current.request_id, item)))
                 if isinstance(item, Finished):
-                    current = None
+                    current.unfinished.discard(item.index)
+                    if not current.unfinished:
+                        current = None
         except Exception as err:  # noqa: BLE001 - every failure becomes a status
             failure = _as_abort(err, last_id)
             if current is not None:
@@ -637,7 +643,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         task = asyncio.create_task(self._produce(
             pipeline, validated, number, received_at, _deadline(context), progress, inbox,
             session))
-        return _StreamGeneration(number, validated.request_id, task, progress)
+        return _StreamGeneration(number, validated.request_id, task, progress,
+                                 set(range(validated.sampling.n)))
 
     @staticmethod
     async def _produce(pipeline: GenerationPipeline, request: GenerationRequest, number: int,
@@ -660,9 +667,10 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                                 context: grpc.aio.ServicerContext) -> None:
         current.task.cancel()
         await asyncio.wait({current.task})  # its finally blocks closed the engine stream
-        final = Finished(FinishReason.CANCELLED, "", current.progress.usage())
-        await context.write(generation_pb2.GenerateStreamResponse(
-            response=_response(current.request_id, final)))
+        for index in sorted(current.unfinished):  # each open choice ends CANCELLED
+            final = Finished(FinishReason.CANCELLED, "", current.progress.usage(), index=index)
+            await context.write(generation_pb2.GenerateStreamResponse(
+                response=_response(current.request_id, final)))
 
 
 def _safe_request_id(request_id: str) -> str:

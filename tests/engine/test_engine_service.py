@@ -105,6 +105,37 @@ async def test_cancel_message_finishes_at_once(engine_stub: Stub) -> None:
     await wait_not_running(engine_stub)
 
 
+async def test_a_choice_cancel_ends_that_choice_and_the_call_ends_after_the_last(
+        engine_stub: Stub, engine_metrics: EngineMetrics) -> None:
+    # n = 2: the message cancelling choice 1 ends it alone; choice 0 runs to its
+    # length, and the call ends after that, counted as one request.
+    finished = sample_value(engine_metrics, "llmesh:request_success_total",
+                            finished_reason="length")
+    cancel_now = asyncio.Event()
+
+    async def requests() -> AsyncIterator[engine_pb2.EngineServiceGenerateRequest]:
+        yield start("choice-cancel", max_tokens=24, ignore_eos=True, n=2, temperature=1.0)
+        await cancel_now.wait()
+        yield engine_pb2.EngineServiceGenerateRequest(cancel=engine_pb2.EngineCancel(index=1))
+
+    last: dict[int, engine_pb2.EngineServiceGenerateResponse] = {}
+    tokens: dict[int, int] = {0: 0, 1: 0}
+    async for response in engine_stub.Generate(requests()):
+        assert response.index not in last
+        tokens[response.index] += len(response.token_ids)
+        if response.index == 1:
+            cancel_now.set()
+        if response.finish_reason:
+            last[response.index] = response
+    assert last[1].finish_reason == common_pb2.FINISH_REASON_CANCELLED
+    assert last[0].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert last[0].usage.completion_tokens == tokens[0] == 24
+    assert last[1].usage.completion_tokens == tokens[1] < 24
+    assert sample_value(engine_metrics, "llmesh:request_success_total",
+                        finished_reason="length") == finished + 1
+    await wait_not_running(engine_stub)
+
+
 async def test_client_dropping_the_call_frees_the_sequence(engine_stub: Stub,
                                                           engine_metrics: EngineMetrics) -> None:
     cancelled = sample_value(engine_metrics, "llmesh:request_success_total",

@@ -11,6 +11,7 @@ Speculation on and off are compared on one engine in the same quantization mode
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 from collections.abc import AsyncIterator, Sequence
@@ -182,6 +183,26 @@ async def test_seeded_sampling_is_the_same_with_speculation(
     on = await run_all(spec_backend, prompts, options, NGRAM, concurrency=4)
     again = await run_all(spec_backend, prompts, options, NGRAM, concurrency=1)
     assert on == off and again == off
+
+
+async def test_each_of_n_seeded_choices_is_the_same_with_speculation(
+        spec_backend: TorchBackend, spec_prompts, spec_metrics: EngineMetrics) -> None:
+    # n choices fork from one prefill; choice i with speculation equals a single
+    # request seeded seed + i without it.
+    prompt = next(ids for kind, ids in spec_prompts if kind == "rewrite")
+    options = SamplingOptions(temperature=0.7, top_p=0.95, seed=5, max_tokens=16,
+                              ignore_eos=True, n=3)
+    drafts = counter(spec_metrics, "spec_decode_num_drafts")
+    request = SequenceRequest(f"spec-{next(_ids)}", prompt, options, speculative=NGRAM)
+    choices: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    async for delta in spec_backend.generate(request):
+        choices[delta.index].extend(delta.token_ids)
+    assert counter(spec_metrics, "spec_decode_num_drafts") > drafts
+    for index in range(3):
+        single = dataclasses.replace(options, n=1, seed=5 + index)
+        tokens, _ = await generate(spec_backend, prompt, single, OFF)
+        assert choices[index] == tokens, index
+    spec_backend.check_integrity()
 
 
 async def test_max_tokens_1_to_12_gives_exactly_that_many_tokens(

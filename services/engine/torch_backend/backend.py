@@ -103,7 +103,7 @@ class KVCacheInfo:
 #: The optional sampling features (:data:`~services.engine.validation.OPTIONAL_FEATURES`)
 #: this backend implements; a request using another is UNIMPLEMENTED.
 IMPLEMENTED_FEATURES: frozenset[str] = frozenset({
-    "logprobs", "prompt_logprobs",
+    "logprobs", "prompt_logprobs", "n",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",
 })
 
@@ -270,26 +270,30 @@ class TorchBackend(EngineBackend):
         refuse_unimplemented(request.sampling, IMPLEMENTED_FEATURES, "torch")
         if self.kv_cache_info is not None:
             validate_kv_capacity(len(request.prompt_token_ids), request.sampling.max_tokens,
-                                 self.kv_cache_info.num_tokens)
+                                 self.kv_cache_info.num_tokens, request.sampling.n,
+                                 self.kv_cache_info.block_size)
         core = self._core
         if core is None:
             raise EngineUnavailableError("the torch engine is not running")
         submitted = core.submit(request, asyncio.get_running_loop())
         queue = submitted.queue
-        finished = False
+        left = request.sampling.n  # choices not finished; each ends with its own delta
         try:
-            while not finished:
-                delta = await queue.get()
-                while not delta.finished and not queue.empty():
-                    delta = merge_deltas(delta, queue.get_nowait())
-                finished = delta.finished
-                yield delta
+            while left:
+                for delta in _merged_per_choice(await queue.get(), queue):
+                    left -= delta.finished
+                    yield delta
         finally:
-            if not finished:  # this request's sequence, never a newer one with its id
+            if left:  # this request's sequences, never a newer one with its id
                 core.cancel(request.request_id, submitted)
 
     def cancel(self, request_id: str) -> bool:
         return self._core is not None and self._core.cancel(request_id)
+
+    def cancel_choice(self, request_id: str, index: int) -> bool:
+        """See :meth:`EngineBackend.cancel_choice`: the choice's blocks are freed
+        at the engine's next intake point."""
+        return self._core is not None and self._core.cancel_choice(request_id, index)
 
     @property
     def speculator(self) -> Speculator | None:
@@ -455,6 +459,19 @@ def _runner_for(model: LlamaModel, config: EngineConfig) -> ModelRunner:
                          f"{config.dtype} on {config.device} with {config.quantization}")
     return ModelRunner(model, parameter.device, parameter.dtype, config.batch_invariant,
                        config.attention_backend)
+
+
+def _merged_per_choice(first: TokenDelta, queue: asyncio.Queue[TokenDelta]
+                       ) -> list[TokenDelta]:
+    """``first`` and the deltas already queued behind it, merged per choice
+    (each choice's deltas into one, up to its last), in order of each
+    choice's first delta. Takes from ``queue`` without waiting."""
+    merged: dict[int, TokenDelta] = {first.index: first}
+    while not queue.empty():
+        delta = queue.get_nowait()
+        before = merged.get(delta.index)
+        merged[delta.index] = delta if before is None else merge_deltas(before, delta)
+    return list(merged.values())
 
 
 def merge_deltas(first: TokenDelta, second: TokenDelta) -> TokenDelta:

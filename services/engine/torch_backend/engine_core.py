@@ -63,6 +63,7 @@ state from another thread. Callers never wait for a step: ``submit`` and
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import threading
@@ -88,7 +89,7 @@ from services.engine.torch_backend.model import StepAbandoned
 from services.engine.torch_backend.model_runner import ModelRunner, StepInput
 from services.engine.torch_backend.sampler import SamplingRow
 from services.engine.torch_backend.scheduler import Scheduler, SchedulerOutput
-from services.engine.torch_backend.sequence import Sequence
+from services.engine.torch_backend.sequence import ChoiceGroup, Sequence, SequenceStatus
 from services.engine.torch_backend.speculative import Speculator
 from services.engine.torch_backend.step_sampler import StepRow, sample_step
 from services.engine.types import LoadStats, SequenceRequest, StepStats, TokenDelta
@@ -164,16 +165,33 @@ class EngineCore:
             flight (a request that takes a free sequence slot at the next step
             never counts as waiting).
         """
-        row = SamplingRow.from_options(request.sampling, self._runner.device)
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
-        seq = Sequence(request, next(self._arrivals), row, queue, loop,
-                       processors=LogitsProcessorState.for_request(
+        choices = [self._choice(request, index, queue, loop)
+                   for index in range(request.sampling.n)]
+        seq = choices[0]
+        if len(choices) > 1:
+            seq.group = ChoiceGroup(choices, choices[1:])
+            for choice in choices[1:]:
+                choice.group = seq.group
+        self._inbox.submit(seq)
+        return Submitted(queue, seq)
+
+    def _choice(self, request: SequenceRequest, index: int, queue: asyncio.Queue[TokenDelta],
+                loop: asyncio.AbstractEventLoop) -> Sequence:
+        """The sequence of choice ``index``: its own generator, seeded with
+        ``SamplingOptions.choice_seed(index)`` (from the OS when unseeded)."""
+        options = request.sampling
+        if index:
+            options = dataclasses.replace(options, seed=options.choice_seed(index))
+        row = SamplingRow.from_options(options, self._runner.device)
+        seq = Sequence(request, next(self._arrivals), row, queue, loop, index=index,
+                       prompt_logprobs_sent=index > 0,  # prompt_logprobs: choice 0's only
+                       processors=LogitsProcessorState.for_request(  # each choice its own
                            request.sampling, request.prompt_token_ids,
                            self._scheduler.config.eos_token_ids))
         if self._speculator is not None:
             seq.spec_method, seq.num_spec_tokens = self._speculator.resolve(request.speculative)
-        self._inbox.submit(seq)
-        return Submitted(queue, seq)
+        return seq
 
     def cancel(self, request_id: str, submitted: Submitted | None = None) -> bool:
         """Finishes ``request_id`` (only if it is ``submitted``'s, when given) with
@@ -186,6 +204,15 @@ class EngineCore:
         if resolved is not None:
             _deliver(resolved, ())
         return found
+
+    def cancel_choice(self, request_id: str, index: int,
+                      submitted: Submitted | None = None) -> bool:
+        """Finishes choice ``index`` of ``request_id`` (``sampling.n`` > 1) with
+        CANCELLED, alone: its blocks are freed at the next intake (or at the fork,
+        before it); the other choices go on. Thread-safe; never waits for a
+        step. Returns False if there is no such unfinished choice in flight."""
+        return self._inbox.cancel_choice(
+            request_id, index, None if submitted is None else submitted.seq)
 
     @property
     def speculator(self) -> Speculator | None:
@@ -291,11 +318,12 @@ class EngineCore:
                     ended.append((seq, (), f"{type(exc).__name__}: {exc}"))
             for seq in intake.cancels:
                 try:
-                    if self._scheduler.abort(seq):
-                        ended.append((seq, (), ""))
+                    ended.extend((s, (), "") for s in self._scheduler.abort_request(seq))
                 except Exception as exc:  # noqa: BLE001 - its request fails, no other
                     self._scheduler.finish(seq, FinishReason.ERROR)
                     ended.append((seq, (), f"{type(exc).__name__}: {exc}"))
+            for seq, index in intake.choice_cancels:
+                ended.extend((s, (), "") for s in self._scheduler.abort_choice(seq, index))
             self._publish()
         self._deliver_finished(ended)
 
@@ -358,9 +386,8 @@ class EngineCore:
                 self._between_layers, [s.seq for s in out.scheduled]))
             if any(extra):
                 logits = self._take_prompt_rows(out, extra, logits)
-            rows = [StepRow(s.seq.sampling, s.spec_token_ids, s.seq.processors)
-                    for s in out.scheduled if s.samples]
-            sampled = sample_step(logits, rows) if rows else []
+            forked, rows, own = _with_forks(logits, out)
+            sampled = sample_step(forked, rows) if rows else []
             logprobs = self._generated_logprobs(out, logits, sampled)
         except StepAbandoned:
             self._end_step(out, FinishReason.CANCELLED)
@@ -375,13 +402,19 @@ class EngineCore:
             entries = logprobs.get(update.seq)
             if entries is not None:
                 update.seq.pending_logprobs.extend(entries[:len(update.token_ids)])
+        if out.block_copies:  # forked choices' partial blocks, before their next forward
+            cache = self._runner.kv_cache
+            assert cache is not None
+            cache.copy_blocks([c.src for c in out.block_copies],
+                              [c.dst for c in out.block_copies])
         if self._speculator is not None:
             self._speculator.propose([u.seq for u in updates if not u.finished],
                                      self._scheduler.num_running)
             if any(u.finished for u in updates) or out.preempted:
                 self._speculator.retain(self._running_keys())
         if self._step_observer is not None:
-            self._step_observer(_step_stats(time.perf_counter() - began, out, sampled))
+            self._step_observer(_step_stats(time.perf_counter() - began, out,
+                                            [sampled[i] for i in own]))
         self._deliver_finished([(update.seq, update.token_ids, "") for update in updates])
 
     @staticmethod
@@ -407,18 +440,22 @@ class EngineCore:
         """Log-probabilities of each emitted token of the sequences that ask
         (``sampling.logprobs``): token ``j`` of a sequence from its own logit
         row ``j`` (a speculative run's accepted tokens from their target rows,
-        the bonus token from the last)."""
+        the bonus token from the last); the first token of each choice forked
+        after the step from its leader's row (``sampled`` holds those after
+        the leader's, see :func:`_with_forks`)."""
         found: dict[Sequence, list[PositionLogprobs]] = {}
         offset = index = 0
         for s in out.scheduled:
             if not s.samples:
                 continue
             k = s.seq.request.sampling.logprobs
-            tokens = sampled[index]
-            if k is not None:
-                found[s.seq] = position_logprobs(logits[offset:offset + len(tokens)], tokens, k)
+            for seq in (s.seq, *s.forks):
+                tokens = sampled[index]
+                if k is not None:
+                    found[seq] = position_logprobs(logits[offset:offset + len(tokens)],
+                                                   tokens, k)
+                index += 1
             offset += s.num_logits
-            index += 1
         return found
 
     def _running_keys(self) -> set[int]:
@@ -449,6 +486,7 @@ class EngineCore:
         finished sequences' ids out of the request table."""
         if not items:
             return
+        items = _with_unforked(items)
         done = [seq for seq, _, _ in items if seq.finished]
         if done:
             self._inbox.finished_all(done)
@@ -505,9 +543,59 @@ def _step_stats(duration_s: float, out: SchedulerOutput,
             for position in range(num_accepted):
                 per_pos[position] += 1
         index += 1
+    prompt_computed = sum(max(min(item.start + item.num_tokens, item.seq.num_prompt_tokens)
+                              - item.start, 0) for item in out.scheduled)
     return StepStats(duration_s, out.num_scheduled_tokens, len(out.scheduled),
                      len(out.preempted), out.prefix_queries, out.prefix_hits,
-                     drafts, draft_tokens, accepted, tuple(per_pos))
+                     drafts, draft_tokens, accepted, tuple(per_pos), prompt_computed)
+
+
+def _with_forks(logits: torch.Tensor, out: SchedulerOutput
+                ) -> tuple[torch.Tensor, list[StepRow], list[int]]:
+    """The step's sampling rows, with one more row per choice forked after
+    the step (:attr:`ScheduledSequence.forks`): a copy of its leader's last
+    logits row, sampled with the choice's own generator. Returns the logits
+    (rows repeated where needed), the rows in the order
+    :meth:`Scheduler.update_from_output` reads them, and the positions of the
+    scheduled sequences' own rows among them."""
+    rows: list[StepRow] = []
+    own: list[int] = []
+    index: list[int] = []
+    offset = 0
+    for item in out.scheduled:
+        if not item.samples:
+            continue
+        own.append(len(rows))
+        rows.append(StepRow(item.seq.sampling, item.spec_token_ids, item.seq.processors))
+        index.extend(range(offset, offset + item.num_logits))
+        for child in item.forks:  # its processors' output is empty, like its leader's now
+            rows.append(StepRow(child.sampling, (), child.processors))
+            index.append(offset)
+        offset += item.num_logits
+    if len(index) == offset:
+        return logits, rows, own
+    return logits[torch.tensor(index, device=logits.device)], rows, own
+
+
+def _with_unforked(items: list[tuple[Sequence, tuple[int, ...], str]]
+                   ) -> list[tuple[Sequence, tuple[int, ...], str]]:
+    """``items`` plus, after a finished choice 0 whose request's other choices
+    were never forked (cancelled, failed or stopped before its first token),
+    those choices, finished with its reason. Marks them finished. Idempotent."""
+    if not any(seq.group is not None and seq.group.pending for seq, _, _ in items):
+        return items
+    expanded: list[tuple[Sequence, tuple[int, ...], str]] = []
+    for seq, token_ids, error in items:
+        expanded.append((seq, token_ids, error))
+        group = seq.group
+        if group is None or not group.pending or not seq.finished:
+            continue
+        for child in group.pending:
+            child.status = SequenceStatus.FINISHED
+            child.finish_reason = seq.finish_reason
+            expanded.append((child, (), error))
+        group.pending = []
+    return expanded
 
 
 def _deliver(seq: Sequence, token_ids: tuple[int, ...], error: str = "") -> None:
@@ -521,7 +609,7 @@ def _deliver_all(items: list[tuple[Sequence, tuple[int, ...], str]]) -> None:
     order) and put on their queues by one callback per loop, so a step of 16
     sequences wakes the loop once. A loop that closed drops its deltas."""
     by_loop: dict[asyncio.AbstractEventLoop, list[_Put]] = {}
-    for seq, token_ids, error in items:
+    for seq, token_ids, error in _with_unforked(items):
         if seq.loop is not None and seq.queue is not None:
             by_loop.setdefault(seq.loop, []).append((seq.queue, seq.delta(token_ids, error)))
     for loop, deltas in by_loop.items():

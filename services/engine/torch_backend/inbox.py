@@ -45,11 +45,15 @@ class Intake:
 
     Attributes:
       submits: new sequences, in submission order.
-      cancels: sequences taken in earlier and cancelled since.
+      cancels: sequences taken in earlier and cancelled since (the whole
+        request: every choice).
+      choice_cancels: (choice 0, index) of one choice of a request with
+        ``sampling.n`` > 1 cancelled alone since (the others go on).
     """
 
     submits: list[Sequence] = field(default_factory=list)
     cancels: list[Sequence] = field(default_factory=list)
+    choice_cancels: list[tuple[Sequence, int]] = field(default_factory=list)
 
 
 class Inbox:
@@ -70,6 +74,7 @@ class Inbox:
         self._table: dict[str, Sequence] = {}
         self._pending: list[Sequence] = []  # submitted, not yet taken in
         self._cancels: list[Sequence] = []  # taken in, cancelled since
+        self._choice_cancels: list[tuple[Sequence, int]] = []
         self._accepting = False
         self._stopping = False
 
@@ -124,6 +129,26 @@ class Inbox:
             self._ready.notify()
             return True, None
 
+    def cancel_choice(self, request_id: str, index: int, seq: Sequence | None = None) -> bool:
+        """Cancels choice ``index`` alone of the in-flight request ``request_id``
+        (only if it is ``seq``, when given); its other choices go on, and its id
+        stays in the table until they finished. The engine thread applies it at
+        its next intake (before the fork, at the fork).
+
+        Returns:
+          False when the request is not in flight or has no such unfinished choice.
+        """
+        with self._lock:
+            live = self._table.get(request_id)
+            if live is None or (seq is not None and live is not seq):
+                return False
+            choices = live.choices
+            if not 0 <= index < len(choices) or choices[index].finished:
+                return False
+            self._choice_cancels.append((live, index))
+            self._ready.notify()
+            return True
+
     @property
     def stopping(self) -> bool:
         """True once :meth:`close` was called."""
@@ -142,29 +167,31 @@ class Inbox:
 
     def has_commands(self) -> bool:
         """True when an intake would take something in. Lock-free (a length read)."""
-        return bool(self._pending) or bool(self._cancels)
+        return bool(self._pending) or bool(self._cancels) or bool(self._choice_cancels)
 
     def take(self) -> Intake:
         """Everything submitted or cancelled since the last call. Mutates."""
         with self._lock:
-            intake = Intake(self._pending, self._cancels)
-            self._pending, self._cancels = [], []
+            intake = Intake(self._pending, self._cancels, self._choice_cancels)
+            self._pending, self._cancels, self._choice_cancels = [], [], []
             return intake
 
     def wait(self) -> bool:
         """Blocks until a command arrives or :meth:`close`; False once stopping."""
         with self._lock:
-            while not self._stopping and not self._pending and not self._cancels:
+            while (not self._stopping and not self._pending and not self._cancels
+                   and not self._choice_cancels):
                 self._ready.wait()
             return not self._stopping
 
     def finished_all(self, seqs: list[Sequence]) -> None:
-        """Takes each finished sequence of ``seqs`` out of the table (unless its
-        id already left it, with a cancel, and may belong to a newer request).
-        Mutates."""
+        """Takes the request of each finished sequence of ``seqs`` out of the
+        table once all its choices finished (unless its id already left it, with
+        a cancel, and may belong to a newer request). Mutates."""
         with self._lock:
             for seq in seqs:
-                if self._table.get(seq.request_id) is seq:
+                head = seq.choices[0]
+                if self._table.get(seq.request_id) is head and head.all_choices_finished:
                     del self._table[seq.request_id]
 
     # ---- stop ---------------------------------------------------------------------
@@ -180,5 +207,6 @@ class Inbox:
         returns the submitted sequences it never took in."""
         with self._lock:
             left, self._pending, self._cancels = self._pending, [], []
+            self._choice_cancels = []
             self._table.clear()
             return left

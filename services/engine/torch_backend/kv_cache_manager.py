@@ -53,6 +53,19 @@ class PrefixHit:
 NO_HIT = PrefixHit()
 
 
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """One KV block to copy in every layer's storage before the next forward.
+
+    Attributes:
+      src: block id copied from.
+      dst: block id copied to.
+    """
+
+    src: int
+    dst: int
+
+
 class KVCacheManager:
     """Block tables of the sequences in the running batch.
 
@@ -148,6 +161,41 @@ class KVCacheManager:
         if new_blocks > 0:
             table.extend(self.pool.allocate(new_blocks))
         return True
+
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> BlockCopy | None:
+        """Gives ``child`` (holding no blocks) a block table for ``parent``'s first
+        ``num_tokens`` computed tokens (parallel sampling: a prompt prefilled
+        once, see :class:`~services.engine.torch_backend.sequence.ChoiceGroup`).
+        Full blocks are shared (one more reference each, as vLLM's block
+        manager forks a sequence group); the partially filled last block, which
+        each choice writes its own next token into, is copied into a new block
+        of ``child`` (copy-on-write at the first divergent block, done at once
+        because the child writes into it at its next step). ``child``'s hashes
+        of the shared full blocks are ``parent``'s.
+
+        Returns:
+          the copy the KV storage must make before ``child``'s next forward,
+          None when ``num_tokens`` fills whole blocks.
+
+        Raises:
+          OutOfBlocksError: no block free for the copy (nothing changed).
+        """
+        table = self._tables[parent.arrival]
+        size = self.block_size
+        full = num_tokens // size
+        partial = num_tokens % size != 0
+        copy: BlockCopy | None = None
+        own: list[KVBlock] = []
+        if partial:
+            own = self.pool.allocate(1)  # raises before anything changed
+            copy = BlockCopy(table[full].block_id, own[0].block_id)
+        shared = table[:full]
+        self.pool.touch(shared)
+        self._tables[child.arrival] = list(shared) + own
+        self._num_registered[child.arrival] = min(self._num_registered[parent.arrival], full)
+        self._hash_full_blocks(parent)
+        child.block_hashes = list(parent.block_hashes[:full])
+        return copy
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Registers ``seq``'s blocks that became full and computed (up to

@@ -89,6 +89,15 @@ class PagedKVCache:
         self.k[layer].view(heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1))
         self.v[layer].view(heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1))
 
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copies the keys and values of blocks ``src[i]`` to blocks ``dst[i]`` in
+        every layer (a forked sequence's own copy of a shared partial block)."""
+        device = self.k.device
+        source = torch.tensor(list(src), dtype=torch.long, device=device)
+        target = torch.tensor(list(dst), dtype=torch.long, device=device)
+        for storage in (self.k, self.v):
+            storage.index_copy_(2, target, storage.index_select(2, source))
+
     def gather(self, layer: int, block_ids: torch.Tensor, num_seqs: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[kv_heads, num_seqs, tokens, head_dim]`` of ``block_ids``

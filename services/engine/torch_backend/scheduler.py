@@ -53,6 +53,21 @@ Policy:
   tokens are ever hashed into the prefix cache. Proposals are dropped (never
   another sequence preempted) when the budget or the blocks are short.
 
+* Parallel sampling (``sampling.n`` > 1, vLLM's ``n``): only choice 0 of a
+  request is queued and scheduled; it prefills the prompt once. The step that
+  computes its last prompt token yields one sampled token per choice (the
+  engine core samples that row of logits once per choice, each with the
+  choice's own generator), and :meth:`Scheduler.update_from_output` forks
+  the other choices (:class:`~services.engine.torch_backend.sequence.ChoiceGroup`):
+  each joins the running batch with the prompt computed, sharing its full
+  KV blocks and with its own copy of the partial last one
+  (:meth:`KVCacheManager.fork`; the copy is in ``SchedulerOutput.block_copies``,
+  made before the next forward). A choice that finds no sequence slot or no
+  free block for its copy joins the waiting queue instead, to be computed
+  like a preempted sequence (its full prompt blocks hit the prefix cache).
+  From then on each choice is an ordinary sequence: it finishes, is
+  preempted and recomputed on its own.
+
 Not thread-safe: only the engine core's worker thread calls it (under its state lock).
 """
 
@@ -64,7 +79,8 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
 from services.common.sampling import FinishReason
-from services.engine.torch_backend.kv_cache_manager import NO_HIT, KVCacheManager
+from services.engine.torch_backend.block_pool import OutOfBlocksError
+from services.engine.torch_backend.kv_cache_manager import NO_HIT, BlockCopy, KVCacheManager
 from services.engine.torch_backend.logprobs import collects_prompt_logprobs
 from services.engine.torch_backend.sequence import Sequence, SequenceStatus
 
@@ -114,6 +130,16 @@ class ScheduledSequence:
         """Logit rows it needs: its last token's and one per speculative token."""
         return 1 + len(self.spec_token_ids)
 
+    @property
+    def forks(self) -> tuple[Sequence, ...]:
+        """The choices forked from it after this step (its request's unforked
+        choices when the step samples its first token); each needs a sampled
+        token of its own from this sequence's last logits row."""
+        group = self.seq.group
+        if not self.samples or group is None or not group.pending:
+            return ()
+        return tuple(group.pending)
+
 
 @dataclass
 class SchedulerOutput:
@@ -128,6 +154,8 @@ class SchedulerOutput:
         (cancelled while running); deliver their last delta.
       prefix_queries: prompt tokens looked up in the prefix cache.
       prefix_hits: of those, tokens found computed.
+      block_copies: KV blocks to copy before the next forward (forked choices'
+        partial blocks), written by :meth:`Scheduler.update_from_output`.
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
@@ -136,6 +164,7 @@ class SchedulerOutput:
     finished: list[Sequence] = field(default_factory=list)
     prefix_queries: int = 0
     prefix_hits: int = 0
+    block_copies: list[BlockCopy] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +251,28 @@ class Scheduler:
         seq.finish_reason = FinishReason.CANCELLED
         return True
 
+    def abort_request(self, seq: Sequence) -> list[Sequence]:
+        """Cancels every unfinished choice of ``seq``'s request (see :meth:`abort`;
+        unforked choices finish with choice 0). Returns those finished now."""
+        pending = () if seq.group is None else seq.group.pending
+        return [choice for choice in seq.choices
+                if not choice.finished and choice not in pending and self.abort(choice)]
+
+    def abort_choice(self, seq: Sequence, index: int) -> list[Sequence]:
+        """Cancels choice ``index`` of ``seq``'s request alone (the others go
+        on); before the fork it is noted and applied at the fork. Returns the
+        sequences finished now."""
+        group = seq.group
+        if group is None:
+            return [seq] if index == 0 and self.abort(seq) else []
+        if not 0 <= index < len(group.choices) or group.choices[index].finished:
+            return []
+        if group.pending:  # not forked yet: choice 0 still prefills for the others
+            group.cancelled_choices.add(index)
+            return []
+        choice = group.choices[index]
+        return [choice] if self.abort(choice) else []
+
     def schedule(self) -> SchedulerOutput:
         """Plans the next step (see the module docstring for the policy); allocates
         the blocks its tokens need."""
@@ -273,6 +324,9 @@ class Scheduler:
                 continue
             entry = sampled[next_sample]
             next_sample += 1
+            forks = item.forks
+            fork_entries = sampled[next_sample:next_sample + len(forks)]
+            next_sample += len(forks)
             verified = item.start + item.num_tokens - len(item.spec_token_ids)
             if seq.cancelled:
                 seq.num_computed_tokens = verified
@@ -281,6 +335,15 @@ class Scheduler:
                 updates.append(SequenceUpdate(seq, (), True))
                 continue
             tokens = (entry,) if isinstance(entry, int) else tuple(entry)
+            if forks:
+                forked = self._fork(seq, verified, fork_entries, out)
+                if seq.group is not None and 0 in seq.group.cancelled_choices:
+                    self._finish(seq, FinishReason.CANCELLED)
+                    updates.append(SequenceUpdate(seq, (), True))
+                    updates.extend(forked)
+                    continue
+            else:
+                forked = []
             reason = FinishReason.NONE
             emitted = 0
             for token in tokens:
@@ -295,6 +358,7 @@ class Scheduler:
             if reason is not FinishReason.NONE:
                 self._finish(seq, reason)
             updates.append(SequenceUpdate(seq, tokens[:emitted], reason is not FinishReason.NONE))
+            updates.extend(forked)
         return updates
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -429,6 +493,55 @@ class Scheduler:
                                                start + num_new - len(spec) == seq.num_tokens,
                                                spec))
         out.num_scheduled_tokens += num_new
+
+    def _fork(self, leader: Sequence, num_tokens: int,
+              entries: SequenceOf[int | SequenceOf[int]],
+              out: SchedulerOutput) -> list[SequenceUpdate]:
+        """Forks the leader's unforked choices after the step that computed its
+        ``num_tokens`` prompt tokens, each with its first token (``entries``, in
+        their order); see the module docstring. Returns their updates."""
+        assert leader.group is not None
+        group = leader.group
+        leader.num_computed_tokens = num_tokens
+        self.kv.cache_computed_blocks(leader)  # its prompt blocks, before they are shared
+        children, group.pending = group.pending, []
+        updates: list[SequenceUpdate] = []
+        for child, entry in zip(children, entries, strict=True):
+            if child.index in group.cancelled_choices:
+                child.status = SequenceStatus.FINISHED
+                child.finish_reason = FinishReason.CANCELLED
+                updates.append(SequenceUpdate(child, (), True))
+                continue
+            token = entry if isinstance(entry, int) else entry[0]
+            child.token_ids.append(token)
+            child.num_cached_tokens = max(leader.num_cached_tokens, 0)
+            reason = self._stop_reason(child, token)
+            if reason is not FinishReason.NONE:
+                child.status = SequenceStatus.FINISHED
+                child.finish_reason = reason
+            else:
+                self._join_forked(leader, child, num_tokens, out)
+            updates.append(SequenceUpdate(child, (token,), reason is not FinishReason.NONE))
+        return updates
+
+    def _join_forked(self, leader: Sequence, child: Sequence, num_tokens: int,
+                     out: SchedulerOutput) -> None:
+        """Puts a forked choice in the running batch on the leader's prompt KV,
+        or, without a sequence slot or a block for its copy, in the waiting
+        queue to be computed from scratch (mostly prefix-cache hits)."""
+        if len(self.running) < self.config.max_num_seqs:
+            try:
+                copy = self.kv.fork(leader, child, num_tokens)
+            except OutOfBlocksError:
+                pass
+            else:
+                if copy is not None:
+                    out.block_copies.append(copy)
+                child.num_computed_tokens = num_tokens
+                child.status = SequenceStatus.RUNNING
+                bisect.insort(self.running, child)
+                return
+        self.add(child)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -14,6 +14,31 @@ from services.engine.torch_backend.sampler import SamplingRow
 from services.engine.types import SequenceRequest, TokenDelta
 
 
+@dataclass(eq=False)
+class ChoiceGroup:
+    """The ``sampling.n`` choices of one request (n > 1), as vLLM's parallel sampling.
+
+    Choice 0 (the leader) is scheduled alone and prefills the prompt; the step
+    that computes its last prompt token samples every choice's first token
+    from that one row of logits, each with the choice's own generator, and
+    :meth:`Scheduler.update_from_output` then *forks* the others: they join the
+    running batch sharing the leader's prompt KV blocks (see
+    :meth:`KVCacheManager.fork`). From then on every choice is an ordinary
+    sequence that finishes on its own.
+
+    Attributes:
+      choices: all n sequences, by index (``choices[0]`` is the leader).
+      pending: choices not forked yet (owned by the leader, in no queue); they
+        finish with the leader if it finishes before forking (cancel, error).
+      cancelled_choices: indexes of choices cancelled on their own before the
+        fork (applied at the fork).
+    """
+
+    choices: list[Sequence] = field(default_factory=list)
+    pending: list[Sequence] = field(default_factory=list)
+    cancelled_choices: set[int] = field(default_factory=set)
+
+
 class SequenceStatus(enum.Enum):
     """Where a sequence is: in the waiting queue, in the running batch, or done."""
 
@@ -68,6 +93,9 @@ class Sequence:
         :mod:`~services.engine.torch_backend.logprobs`); delivered once, on
         the first delta after they are complete.
       prompt_logprobs_sent: they were delivered.
+      index: its choice among the request's ``sampling.n`` (0..n-1).
+      group: the request's choices when ``sampling.n`` > 1 (shared by all of
+        them), None otherwise.
     """
 
     request: SequenceRequest
@@ -91,6 +119,8 @@ class Sequence:
     pending_logprobs: list[PositionLogprobs] = field(default_factory=list, repr=False)
     prompt_logprobs: list[PositionLogprobs] = field(default_factory=list, repr=False)
     prompt_logprobs_sent: bool = False
+    index: int = 0
+    group: ChoiceGroup | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -128,6 +158,16 @@ class Sequence:
         if self.processors is not None:
             self.processors.append(token_id)
 
+    @property
+    def choices(self) -> list[Sequence]:
+        """Every choice of its request (itself alone when n is 1)."""
+        return [self] if self.group is None else self.group.choices
+
+    @property
+    def all_choices_finished(self) -> bool:
+        """True when every choice of its request finished."""
+        return all(choice.finished for choice in self.choices)
+
     def __lt__(self, other: Sequence) -> bool:
         """Scheduling order: priority (INTERACTIVE first), then arrival."""
         return self.priority_key < other.priority_key
@@ -153,4 +193,5 @@ class Sequence:
             error=error,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            index=self.index,
         )

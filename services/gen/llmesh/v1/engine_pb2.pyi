@@ -67,14 +67,23 @@ class EngineCancel(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    INDEX_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """Only this choice of a request with `sampling.n` > 1 (its blocks are
+    freed, the other choices go on); unset: every choice.
+    """
     def __init__(
         self,
+        *,
+        index: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_index", b"_index", "index", b"index"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_index", b"_index", "index", b"index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__index: _TypeAlias = _typing.Literal["index"]  # noqa: Y015
+    _WhichOneofArgType__index: _TypeAlias = _typing.Literal["_index", b"_index"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__index) -> _WhichOneofReturnType__index | None: ...
 
 Global___EngineCancel: _TypeAlias = EngineCancel  # noqa: Y015
 
@@ -197,6 +206,7 @@ class MultiplexRequest(_message.Message):
 
     STARTS_FIELD_NUMBER: _builtins.int
     CANCELS_FIELD_NUMBER: _builtins.int
+    CANCEL_CHOICES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def starts(self) -> _containers.RepeatedCompositeFieldContainer[Global___MultiplexStart]: ...
     @_builtins.property
@@ -205,19 +215,52 @@ class MultiplexRequest(_message.Message):
         unknown or already finished are ignored.
         """
 
+    @_builtins.property
+    def cancel_choices(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChoiceCancel]:
+        """Single choices to finish at once (requests with `sampling.n` > 1, e.g.
+        one that matched a stop string): their KV blocks are freed and the
+        request's other choices go on. Unknown or finished ones are ignored.
+        """
+
     def __init__(
         self,
         *,
         starts: _abc.Iterable[Global___MultiplexStart] | None = ...,
         cancels: _abc.Iterable[_builtins.int] | None = ...,
+        cancel_choices: _abc.Iterable[Global___ChoiceCancel] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancels", b"cancels", "starts", b"starts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_choices", b"cancel_choices", "cancels", b"cancels", "starts", b"starts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___MultiplexRequest: _TypeAlias = MultiplexRequest  # noqa: Y015
+
+@_typing.final
+class ChoiceCancel(_message.Message):
+    """One choice of an open Multiplex request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_ID_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    stream_id: _builtins.int
+    index: _builtins.int
+    """The choice, 0..n-1."""
+    def __init__(
+        self,
+        *,
+        stream_id: _builtins.int = ...,
+        index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "stream_id", b"stream_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChoiceCancel: _TypeAlias = ChoiceCancel  # noqa: Y015
 
 @_typing.final
 class SequenceUpdate(_message.Message):
