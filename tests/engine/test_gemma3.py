@@ -32,7 +32,7 @@ import torch
 
 from services.common.sampling import SamplingOptions, SpeculativeMethod, SpeculativeOptions
 from services.engine.config import EngineConfig
-from services.engine.torch_backend.backend import TorchBackend
+from services.engine.torch_backend.backend import TorchBackend, resolve_quantization
 from services.engine.torch_backend.gemma3 import Gemma3Model
 from services.engine.torch_backend.gguf_loader import Gemma3Config, GGUFModel, load_gguf
 from services.engine.torch_backend.model import build_model
@@ -122,7 +122,9 @@ def close(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return (ours - reference).abs().max().item() / reference.abs().max().item()
 
 
-def test_config_is_read_from_gguf(gemma_gguf: GGUFModel) -> None:
+def test_config_is_read_from_gguf(gemma_gguf: GGUFModel, gemma_path: Path) -> None:
+    # --quantization auto (the default) serves it dense: its K-quants are not requantized.
+    assert resolve_quantization(EngineConfig(model_path=gemma_path)).quantization == "none"
     config = gemma_gguf.config
     assert isinstance(config, Gemma3Config)
     assert (config.vocab_size, config.hidden_size, config.num_layers, config.head_dim) == (

@@ -26,6 +26,7 @@ and their RMSNorm weights are kept as stored: llama.cpp's converter
 from __future__ import annotations
 
 import dataclasses
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -246,18 +247,65 @@ _GLOBAL_NAMES = {
 }
 
 
+#: Sizes of GGUF's fixed-size metadata value types (the GGUF spec's
+#: ``gguf_metadata_value_type``: uint8 .. float64; 8 is string, 9 array).
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
 def gguf_architecture(path: str | Path) -> str:
     """``general.architecture`` of the GGUF at ``path`` (``llama``, ``gemma3``...),
-    read from its header (the file is memory-mapped, not loaded).
+    read from the metadata at the head of the file. ``gguf.GGUFReader`` would
+    also index every tensor (2.8 s for SmolLM2, 12 s for Gemma 3 270M on this
+    machine); this reads key-value pairs until it finds the key (the first
+    one in files written by llama.cpp's converter). Layout: the GGUF spec,
+    https://github.com/ggml-org/ggml/blob/master/docs/gguf.md.
 
     Raises:
       FileNotFoundError: no file at ``path``.
-      ValueError: the key is missing.
+      ValueError: not a GGUF file, or no ``general.architecture`` string.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
-    return str(_field(gguf.GGUFReader(str(path)), "general.architecture"))
+    with path.open("rb") as file:
+        def read(size: int) -> bytes:
+            data = file.read(size)
+            if len(data) != size:
+                raise ValueError(f"{path}: truncated GGUF metadata")
+            return data
+
+        def number(fmt: str) -> int:
+            return struct.unpack(fmt, read(struct.calcsize(fmt)))[0]
+
+        def string() -> bytes:
+            return read(number("<Q"))
+
+        def skip(kind: int) -> None:
+            if kind in _GGUF_SCALAR_BYTES:
+                file.seek(_GGUF_SCALAR_BYTES[kind], 1)
+            elif kind == _GGUF_STRING:
+                file.seek(number("<Q"), 1)
+            elif kind == _GGUF_ARRAY:
+                item, count = number("<I"), number("<Q")
+                if item in _GGUF_SCALAR_BYTES:
+                    file.seek(_GGUF_SCALAR_BYTES[item] * count, 1)
+                else:
+                    for _ in range(count):
+                        skip(item)
+            else:
+                raise ValueError(f"{path}: unknown GGUF metadata type {kind}")
+
+        if read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        number("<I")  # version
+        number("<Q")  # tensor count
+        for _ in range(number("<Q")):
+            key, kind = string(), number("<I")
+            if key == b"general.architecture" and kind == _GGUF_STRING:
+                return string().decode("utf-8")
+            skip(kind)
+    raise ValueError(f"{path} has no general.architecture")
 
 
 def load_gguf(path: str | Path, keep_q4_1: bool = False) -> GGUFModel:
