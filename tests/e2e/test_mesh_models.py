@@ -48,11 +48,13 @@ def test_each_model_answers_with_its_own_tokenizer(stub) -> None:
     gemma_ids = [t for r in gemma for t in r.token_ids]
     assert smol_ids and gemma_ids
     assert max(smol_ids) < SMOLLM2_VOCAB
-    # Gemma's 262,144-token vocabulary: " Paris"-like words sit far above SmolLM2's ids.
-    assert max(gemma_ids) >= SMOLLM2_VOCAB
-    assert "".join(r.text for r in gemma).strip()
-    # Gemma's tokenizer adds its BOS; SmolLM2's raw prompts have none.
-    assert gemma[-1].usage.prompt_tokens != smol[-1].usage.prompt_tokens
+    # Each pool's ids go through its own model's tokenizer: Gemma's greedy
+    # continuation (the one tests/engine/test_gemma3.py checks against
+    # transformers) reads as text only in Gemma's vocabulary.
+    assert "".join(r.text for r in gemma).startswith(" the capital of")
+    assert gemma_ids != smol_ids
+    # Gemma's tokenizer adds its BOS (id 2); SmolLM2's raw prompts have none.
+    assert gemma[-1].usage.prompt_tokens == smol[-1].usage.prompt_tokens + 1
     chat = generation_pb2.Chat(messages=[common_pb2.ChatMessage(role="user", content="Hi")])
     assert generate(stub, model="smollm2", chat=chat)[-1].finish_reason
     models = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=10).models

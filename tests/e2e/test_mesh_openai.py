@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 import urllib.error
 import urllib.request
 
@@ -74,10 +75,13 @@ def test_completion_non_streaming_and_streaming_agree(client: openai.OpenAI, mod
 
 def test_chat_stream_arrives_as_tokens_are_generated_and_ends_with_usage(
         client: openai.OpenAI, model: str) -> None:
+    # A question of its own: an identical greedy request sent before would be
+    # replayed from the response cache in one chunk (the OpenAI API has no bypass).
+    fresh = [{"role": "user", "content": f"Tell me a story about {uuid.uuid4().hex[:8]}."}]
     started = time.monotonic()
     arrivals, texts, chunks = [], [], []
     stream = client.chat.completions.create(
-        model=model, messages=QUESTION, max_completion_tokens=STREAM_TOKENS, stream=True,
+        model=model, messages=fresh, max_completion_tokens=STREAM_TOKENS, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     for chunk in stream:
         arrivals.append(time.monotonic() - started)

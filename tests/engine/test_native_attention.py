@@ -32,6 +32,7 @@ class Shape:
     num_kv_heads: int = 3
     head_dim: int = 64
     rope_theta: float = 10000.0
+    uniform_attention: bool = True  # every layer attends alike (no sliding window)
 
 
 SHAPE = Shape()

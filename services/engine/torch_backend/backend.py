@@ -381,6 +381,7 @@ def check_config(config: EngineConfig) -> None:
     """
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+    config = resolve_quantization(config)  # auto: what the model's file makes it
     check_mode(config.quantization, DTYPES[config.dtype], torch.device(config.device))
     if config.attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, "
