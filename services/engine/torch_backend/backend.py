@@ -320,6 +320,11 @@ class TorchBackend(EngineBackend):
         until started. Change its proposers only while no request runs."""
         return None if self._core is None else self._core.speculator
 
+    @property
+    def grammar_compiler(self) -> GrammarCompiler | None:
+        """The structured-output compiler (its cache and bound), None until started."""
+        return self._grammars
+
     def load(self) -> LoadStats:
         if self._core is None:
             return LoadStats(num_running=0, num_waiting=0, kv_cache_usage=0.0)
