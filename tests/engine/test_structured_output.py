@@ -101,8 +101,10 @@ async def test_mask_keeps_only_grammar_tokens_on_constrained_rows_and_follows_pr
     # row 3 follows proposal 17, which the grammar refuses: never read, never empty
     assert torch.equal(torch.isfinite(out[3]), torch.isfinite(out[2]))
     assert torch.equal(out[1][sorted(first)], logits[1][sorted(first)])
-    # the matcher is back at its committed state: same masks again
+    # the matcher is back at its committed state: same masks again (and the
+    # torch path for other devices and dtypes agrees with the numpy one)
     assert torch.equal(apply_token_mask(logits, rows), out)
+    assert torch.equal(apply_token_mask(logits.double(), rows), out.double())
     for token in yes + please:
         assert grammar.accept(token)
     assert grammar.finished
