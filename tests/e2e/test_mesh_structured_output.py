@@ -66,7 +66,7 @@ def test_regex_and_choice_constraints_shape_the_answer(ingress_channel: grpc.Cha
         "What is the capital of France?",
         common_pb2.StructuredOutput(choice=common_pb2.ChoiceConstraint(choices=choices)),
         max_tokens=8))
-    assert city.text == "Paris"
+    assert city.text in choices  # free text here is a sentence ("The capital of …")
     assert city.last is not None and city.last.finish_reason == common_pb2.FINISH_REASON_STOP
 
 
