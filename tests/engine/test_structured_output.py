@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import json
 import time
+from dataclasses import replace
 
 import grpc
 import jsonschema
@@ -143,6 +144,15 @@ async def test_greedy_json_is_identical_with_and_without_speculation_and_in_a_ba
             len(reference) // 2)
     finally:
         speculator.proposers[SpeculativeMethod.NGRAM] = saved
+
+    # log-probabilities are the model's raw ones: where the grammar overrode the
+    # model's favourite, the chosen token ranks below it
+    request = SequenceRequest(f"so-{next(_ids)}", prompt, replace(options, logprobs=1),
+                              speculative=OFF)
+    entries = [entry async for delta in torch_backend.generate(request)
+               for entry in delta.logprobs]
+    assert [e.chosen.token_id for e in entries] == reference
+    assert entries[0].chosen.rank > 1 and entries[0].chosen.logprob < entries[0].top[0].logprob
 
     # batch-mates (plain and sampled) do not change a constrained request's tokens
     batch = await asyncio.gather(
