@@ -83,8 +83,13 @@ async def matcher(backend: TorchBackend, constraint: StructuredOutput) -> Gramma
 
 async def test_mask_keeps_only_grammar_tokens_on_constrained_rows_and_follows_proposals(
         torch_backend: TorchBackend, lltok) -> None:
-    grammar = await matcher(torch_backend, StructuredOutput(
-        ConstraintKind.CHOICE, choices=("yes please", "no")))
+    constraint = StructuredOutput(ConstraintKind.CHOICE, choices=("yes please", "no"))
+    grammar = await matcher(torch_backend, constraint)
+    compiler = torch_backend.grammar_compiler
+    assert compiler is not None
+    compiles = compiler.num_compiles
+    assert await matcher(torch_backend, constraint) is not grammar  # own state each
+    assert compiler.num_compiles == compiles, "the same constraint compiled twice"
     logits = torch.randn(4, VOCAB)
     plain = [StepRow(SamplingRow())] * 4
     assert apply_token_mask(logits, plain) is logits  # unconstrained rows: no work

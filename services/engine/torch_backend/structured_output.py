@@ -161,6 +161,7 @@ class GrammarCompiler:
         self._cache: collections.OrderedDict[str, Future[llguidance.LLMatcher]] = (
             collections.OrderedDict())
         self._tokenizer: Future[llguidance.LLTokenizer] | None = None
+        #: compiles started (cache misses) so far
         self.num_compiles = 0
 
     async def compile(self, constraint: StructuredOutput) -> GrammarMatcher:
