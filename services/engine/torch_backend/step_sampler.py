@@ -1,9 +1,10 @@
 """The tokens one engine step makes: ordinary sampling for sequences without
 speculative proposals, verification for those with them.
 
-:func:`sample_step` is what the engine core calls once per step. Constrained rows are
-masked first (:func:`~services.engine.torch_backend.grammar_mask.apply_token_mask`:
-``-inf`` outside their grammar, proposals included). Rows without
+:func:`sample_step` is what the engine core calls once per step. After the
+logits processors, constrained rows are masked
+(:func:`~services.engine.torch_backend.grammar_mask.apply_token_mask`: ``-inf``
+outside their grammar, proposals included). Rows without
 proposals are sampled together in one batched call of
 :func:`~services.engine.torch_backend.sampler.sample` (one token each);
 rows with ``k`` proposals are verified against their ``k + 1`` target rows by
