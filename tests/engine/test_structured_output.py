@@ -95,7 +95,7 @@ async def test_mask_keeps_only_grammar_tokens_on_constrained_rows_and_follows_pr
     assert apply_token_mask(logits, plain) is logits  # unconstrained rows: no work
 
     yes, please = lltok.tokenize_str("yes"), lltok.tokenize_str(" please")
-    rows = [StepRow(SamplingRow()), StepRow(SamplingRow(), (yes[0], 17), grammar)]
+    rows = [StepRow(SamplingRow()), StepRow(SamplingRow(), (yes[0], 17), grammar=grammar)]
     before = logits.clone()
     out = apply_token_mask(logits, rows)
     assert torch.equal(logits, before), "the input logits were modified"
