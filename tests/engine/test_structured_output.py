@@ -209,3 +209,15 @@ async def test_a_grammar_slower_than_the_bound_is_refused_while_others_are_serve
     choice = SamplingOptions(max_tokens=8, structured_output=StructuredOutput(
         ConstraintKind.CHOICE, choices=("alpha", "beta")))
     assert len(await run(torch_backend, STORY, choice)) >= 1
+
+
+async def test_each_of_n_choices_follows_the_grammar_with_its_own_matcher(
+        torch_backend: TorchBackend, lltok) -> None:
+    colours = ("red", "green", "blue", "purple")
+    options = SamplingOptions(max_tokens=8, temperature=1.0, seed=5, n=4, structured_output=(
+        StructuredOutput(ConstraintKind.CHOICE, choices=colours)))
+    tokens: dict[int, list[int]] = {i: [] for i in range(4)}
+    async for delta in torch_backend.generate(SequenceRequest(f"so-{next(_ids)}", STORY,
+                                                              options)):
+        tokens[delta.index].extend(delta.token_ids)
+    assert all(lltok.decode_str(ids) in colours for ids in tokens.values()), tokens
