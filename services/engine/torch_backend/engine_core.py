@@ -78,6 +78,7 @@ from services.common.kv_events import KVEvent, KVSnapshot
 from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason
 from services.engine.torch_backend.block_pool import BlockCounts
+from services.engine.torch_backend.grammar_mask import GrammarMatcher
 from services.engine.torch_backend.inbox import Inbox
 from services.engine.torch_backend.logits_processors import LogitsProcessorState
 from services.engine.torch_backend.logprobs import (
@@ -155,8 +156,11 @@ class EngineCore:
             on_ready()
         self._run()
 
-    def submit(self, request: SequenceRequest, loop: asyncio.AbstractEventLoop) -> Submitted:
+    def submit(self, request: SequenceRequest, loop: asyncio.AbstractEventLoop,
+               grammar: GrammarMatcher | None = None) -> Submitted:
         """Queues ``request``; its deltas arrive on the returned queue (owned by ``loop``).
+        ``grammar``: its structured-output matcher (the worker thread's from now on;
+        choices 1..n-1 get copies of it).
 
         Raises:
           EngineUnavailableError: not started or stopping.
@@ -166,8 +170,10 @@ class EngineCore:
             never counts as waiting).
         """
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
-        choices = [self._choice(request, index, queue, loop)
+        choices = [self._choice(request, index, queue, loop,
+                                None if grammar is None or index == 0 else grammar.fork())
                    for index in range(request.sampling.n)]
+        choices[0].grammar = grammar
         seq = choices[0]
         if len(choices) > 1:
             seq.group = ChoiceGroup(choices, choices[1:])
@@ -177,9 +183,10 @@ class EngineCore:
         return Submitted(queue, seq)
 
     def _choice(self, request: SequenceRequest, index: int, queue: asyncio.Queue[TokenDelta],
-                loop: asyncio.AbstractEventLoop) -> Sequence:
+                loop: asyncio.AbstractEventLoop, grammar: GrammarMatcher | None) -> Sequence:
         """The sequence of choice ``index``: its own generator, seeded with
-        ``SamplingOptions.choice_seed(index)`` (from the OS when unseeded)."""
+        ``SamplingOptions.choice_seed(index)`` (from the OS when unseeded), and
+        its own grammar matcher."""
         options = request.sampling
         if index:
             options = dataclasses.replace(options, seed=options.choice_seed(index))
@@ -188,7 +195,8 @@ class EngineCore:
                        prompt_logprobs_sent=index > 0,  # prompt_logprobs: choice 0's only
                        processors=LogitsProcessorState.for_request(  # each choice its own
                            request.sampling, request.prompt_token_ids,
-                           self._scheduler.config.eos_token_ids))
+                           self._scheduler.config.eos_token_ids),
+                       grammar=grammar)
         if self._speculator is not None:
             seq.spec_method, seq.num_spec_tokens = self._speculator.resolve(request.speculative)
         return seq
@@ -566,10 +574,11 @@ def _with_forks(logits: torch.Tensor, out: SchedulerOutput
         if not item.samples:
             continue
         own.append(len(rows))
-        rows.append(StepRow(item.seq.sampling, item.spec_token_ids, item.seq.processors))
+        rows.append(StepRow(item.seq.sampling, item.spec_token_ids, item.seq.processors,
+                            item.seq.grammar))
         index.extend(range(offset, offset + item.num_logits))
         for child in item.forks:  # its processors' output is empty, like its leader's now
-            rows.append(StepRow(child.sampling, (), child.processors))
+            rows.append(StepRow(child.sampling, (), child.processors, child.grammar))
             index.append(offset)
         offset += item.num_logits
     if len(index) == offset:

@@ -562,7 +562,16 @@ class Scheduler:
         seq.finish_reason = reason
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason:
+        """Why ``seq`` ends after appending ``token`` (NONE: it goes on). A
+        constrained sequence's grammar advances here, once per committed token,
+        and ends it with STOP once it takes no further token (ERROR if it
+        refused the token, which the mask rules out)."""
         options = seq.request.sampling
+        if seq.grammar is not None:
+            if not seq.grammar.accept(token):
+                return FinishReason.ERROR
+            if seq.grammar.finished:
+                return FinishReason.STOP
         if token in self.config.eos_token_ids and not options.ignore_eos:
             return FinishReason.STOP
         if token in options.stop_token_ids:

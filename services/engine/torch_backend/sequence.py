@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from services.common.kv_events import BlockHash
 from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason, SpeculativeMethod
+from services.engine.torch_backend.grammar_mask import GrammarMatcher
 from services.engine.torch_backend.logits_processors import LogitsProcessorState
 from services.engine.torch_backend.sampler import SamplingRow
 from services.engine.types import SequenceRequest, TokenDelta
@@ -81,6 +82,8 @@ class Sequence:
       spec_token_ids: proposals for its next step (lookahead tokens, not yet
         verified; never part of ``token_ids``). Written after a step by the
         engine core, consumed by the next :meth:`Scheduler.schedule`.
+      grammar: its structured-output matcher (None: unconstrained); advanced
+        by the scheduler with each committed token.
       processors: its logits processors and their output-token counts (None
         when it uses no penalty, logit bias or min_tokens); fed by
         :meth:`append_token`.
@@ -114,6 +117,7 @@ class Sequence:
     spec_method: SpeculativeMethod = SpeculativeMethod.NONE
     num_spec_tokens: int = 0
     spec_token_ids: list[int] = field(default_factory=list)
+    grammar: GrammarMatcher | None = None
     processors: LogitsProcessorState | None = None
     priority_key: tuple[int, int] = field(init=False, repr=False)
     pending_logprobs: list[PositionLogprobs] = field(default_factory=list, repr=False)

@@ -1,7 +1,10 @@
 """The tokens one engine step makes: ordinary sampling for sequences without
 speculative proposals, verification for those with them.
 
-:func:`sample_step` is what the engine core calls once per step. Rows without
+:func:`sample_step` is what the engine core calls once per step. After the
+logits processors, constrained rows are masked
+(:func:`~services.engine.torch_backend.grammar_mask.apply_token_mask`: ``-inf``
+outside their grammar, proposals included). Rows without
 proposals are sampled together in one batched call of
 :func:`~services.engine.torch_backend.sampler.sample` (one token each);
 rows with ``k`` proposals are verified against their ``k + 1`` target rows by
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine.torch_backend.grammar_mask import GrammarMatcher, apply_token_mask
 from services.engine.torch_backend.logits_processors import (
     LogitsProcessorState,
     apply_logits_processors,
@@ -28,12 +32,14 @@ from services.engine.torch_backend.sampler import SamplingRow, probabilities, sa
 @dataclass(frozen=True, slots=True)
 class StepRow:
     """One sampling sequence of a step: its sampling parameters, proposals
-    (its logits are ``1 + len(spec_token_ids)`` consecutive rows) and logits
-    processors (None: it uses none)."""
+    (its logits are ``1 + len(spec_token_ids)`` consecutive rows), logits
+    processors (None: it uses none) and structured-output matcher (None:
+    unconstrained)."""
 
     sampling: SamplingRow
     spec_token_ids: tuple[int, ...] = ()
     processors: LogitsProcessorState | None = None
+    grammar: GrammarMatcher | None = None
 
 
 def sample_step(logits: torch.Tensor, rows: Sequence[StepRow]) -> list[list[int]]:
@@ -41,7 +47,9 @@ def sample_step(logits: torch.Tensor, rows: Sequence[StepRow]) -> list[list[int]
 
     The logits processors (penalties, logit bias, min_tokens:
     :func:`~services.engine.torch_backend.logits_processors.apply_logits_processors`)
-    run first, then sampling or verification on the processed logits.
+    run first, then the structured-output mask
+    (:func:`~services.engine.torch_backend.grammar_mask.apply_token_mask`), then
+    sampling or verification on the processed logits.
 
     Args:
       logits: ``[sum of (1 + k_i), vocab]`` raw rows in ``rows`` order (not modified).
@@ -58,6 +66,7 @@ def sample_step(logits: torch.Tensor, rows: Sequence[StepRow]) -> list[list[int]
     if logits.shape[0] != expected:
         raise ValueError(f"{logits.shape[0]} rows of logits for {expected} positions")
     logits = apply_logits_processors(logits, rows)
+    logits = apply_token_mask(logits, rows)  # after the processors, before temperature
     if not any(row.spec_token_ids for row in rows):
         return [[token] for token in sample(logits, [r.sampling for r in rows]).tolist()]
     out: list[list[int]] = [[] for _ in rows]
