@@ -13,7 +13,7 @@ the response cache, so no run may meet another's prompts), greedy,
 median TTFT and TPOT, the ratios to ``llmesh``, and the load average.
 
 Usage: ``python benchmarks/openai_edge.py [--rounds 3] [--num-prompts 6]
-[--input-len 128] [--output-len 32] [--url HOST:PORT]``
+[--input-len 128] [--output-len 32] [--workload random|chat] [--url HOST:PORT]``
 Not a test: numbers depend on the machine (2 cores here, shared).
 """
 
@@ -39,10 +39,16 @@ def bench(url: str, backend: str, args: argparse.Namespace, seed: int,
     """One ``llmesh bench`` run; its result JSON."""
     result = out / f"{backend}-{seed}.json"
     base = url if backend == "llmesh" else f"http://{url}"
+    if args.workload == "chat":  # the same chat messages on every backend
+        dataset = ["--dataset-name", "shared-prefix",
+                   "--shared-prefix-num-prefixes", str(args.num_prompts),
+                   "--shared-prefix-prefix-len", str(args.input_len),
+                   "--shared-prefix-output-len", str(args.output_len)]
+    else:
+        dataset = ["--dataset-name", "random", "--random-input-len", str(args.input_len),
+                   "--random-output-len", str(args.output_len)]
     command = [sys.executable, "-m", "services.bench", "--backend", backend,
-               "--base-url", base, "--dataset-name", "random",
-               "--random-input-len", str(args.input_len),
-               "--random-output-len", str(args.output_len),
+               "--base-url", base, *dataset,
                "--num-prompts", str(args.num_prompts), "--max-concurrency", "1",
                "--num-warmups", "1", "--seed", str(seed), "--temperature", "0",
                "--ignore-eos", "--result-file", str(result), "--disable-tqdm"]
@@ -79,6 +85,11 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=6)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--workload", choices=("random", "chat"), default="random",
+                        help="random: raw random prompts (openai-chat wraps each in a user "
+                             "message: ~10 template tokens and another answer); chat: the "
+                             "shared-prefix dataset's chat messages, the same engine work "
+                             "on all three backends (the fair comparison for openai-chat)")
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp(prefix="openai-edge-"))
     print(f"load before: {loadavg()}; logs in {out}", flush=True)
