@@ -188,6 +188,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("llmesh: give --model NAME=PATH (repeatable) or --model-path, not both",
               file=sys.stderr)
         return 2
+    if len({m.name for m in args.models}) != len(args.models):
+        names = [m.name for m in args.models]
+        print(f"llmesh: each --model needs its own NAME, got {names}", file=sys.stderr)
+        return 2
+    missing = [m.path for m in args.models if not os.path.isfile(m.path)]
+    if missing:
+        print(f"llmesh: --model: no GGUF file at {missing[0]}", file=sys.stderr)
+        return 2
     mesh = Mesh(
         ingress_host=args.host, ingress_port=args.port, admin_port=args.admin_port,
         model_path=args.model_path, models=args.models, redis_url=args.redis_url,

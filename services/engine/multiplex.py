@@ -95,7 +95,7 @@ class Outbox:
         if delta.finished:
             pending.finish_reason = delta.finish_reason
             if delta.finish_reason is FinishReason.ERROR:
-                pending.status = grpc.StatusCode.INTERNAL
+                pending.status = delta.error_code
                 pending.message = delta.error or "the engine failed the request"
         self._ready.set()
 

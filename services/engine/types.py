@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import grpc
+
 from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason, Priority, SamplingOptions, SpeculativeOptions
 
@@ -53,6 +55,10 @@ class TokenDelta:
       logprobs: with ``sampling.logprobs``: one entry per id in ``token_ids``.
       prompt_logprobs: with ``sampling.prompt_logprobs``: one entry per prompt
         token after the first, on the first delta of choice 0 only.
+      error_status: with ``FinishReason.ERROR``: the gRPC status name the
+        request ends with when the failure is the request's own (e.g.
+        ``INVALID_ARGUMENT``: its output constraint failed mid-generation);
+        "" means INTERNAL (the engine failed).
       index: the choice (0..n-1) of a request with ``sampling.n`` > 1; each
         choice ends with its own last delta, and the token counts are its own
         (``num_generated_tokens`` of that choice).
@@ -65,6 +71,7 @@ class TokenDelta:
     num_generated_tokens: int
     num_cached_tokens: int = 0
     error: str = ""
+    error_status: str = ""
     logprobs: tuple[PositionLogprobs, ...] = ()
     prompt_logprobs: tuple[PositionLogprobs, ...] = ()
     index: int = 0
@@ -73,6 +80,13 @@ class TokenDelta:
     def finished(self) -> bool:
         """True on the last delta of a sequence."""
         return self.finish_reason is not FinishReason.NONE
+
+    @property
+    def error_code(self) -> grpc.StatusCode:
+        """The status a failed (``FinishReason.ERROR``) request ends with:
+        ``error_status``'s, INTERNAL when that is empty."""
+        return grpc.StatusCode[self.error_status] if self.error_status else \
+            grpc.StatusCode.INTERNAL
 
 
 @dataclass(frozen=True)

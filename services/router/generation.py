@@ -70,6 +70,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import re
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -173,16 +174,24 @@ RETRY_AFTER_MS_METADATA_KEY = "retry-after-ms"
 RETRY_AFTER_METADATA_KEY = "retry-after"
 
 
+#: A message that starts with the request field it is about (``a.b[0].c: ...``).
+_FIELD_FIRST = re.compile(r"([A-Za-z_][A-Za-z0-9_.\[\]]*): ")
+
+
 class GenerationError(Exception):
     """The request failed upstream; ``code`` is the status for the client,
-    ``trailing_metadata`` extra pairs for the call's trailers (the retry hint)."""
+    ``trailing_metadata`` extra pairs for the call's trailers (the retry hint),
+    ``field`` the request field at fault when an upstream refused one (its
+    message then starts with it, as :class:`InvalidRequestError`'s do)."""
 
     def __init__(self, code: grpc.StatusCode, message: str,
-                 trailing_metadata: tuple[tuple[str, str], ...] = ()) -> None:
+                 trailing_metadata: tuple[tuple[str, str], ...] = (),
+                 field: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.trailing_metadata = trailing_metadata
+        self.field = field
 
     @classmethod
     def refused(cls, err: AdmissionRefused) -> GenerationError:
@@ -280,8 +289,14 @@ def upstream_to_generation_error(err: UpstreamError, *,
                                f"running on {where}; use a unique request_id ({err.details})")
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
                 grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
-        # UNIMPLEMENTED: a field this engine backend does not do yet (logprobs,
-        # n, penalties, structured output): the client's to drop, not a fault.
+        # UNIMPLEMENTED: a field this engine backend does not do yet: the
+        # client's to drop, not a fault. An engine names the field first
+        # (``sampling.structured_output.regex: ...``): that message is the
+        # client's, without the replica's address (logged, not returned).
+        named = _FIELD_FIRST.match(err.details) if err.service == "engine" else None
+        if named is not None:
+            log.info("upstream_refused", upstream=where, code=code.name, field=named[1])
+            return GenerationError(code, err.details, field=named[1])
         return GenerationError(code, f"{where} refused the request: {err.details}")
     return GenerationError(grpc.StatusCode.INTERNAL,
                            f"{where} failed: {code.name}: {err.details}")

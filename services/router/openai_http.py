@@ -240,6 +240,11 @@ class OpenAIServer:
             return error_for_status(err.code, _message(err, parsed),
                                     param=openai_param(err.field, parsed))
         if isinstance(err, GenerationError):
+            if err.field is not None:  # an upstream refused a field: name the parameter
+                return error_for_status(
+                    err.code, _message(InvalidRequestError(err.field, err.message[
+                        len(err.field) + 2:], err.code), parsed),
+                    param=openai_param(err.field, parsed))
             retry = dict(err.trailing_metadata).get(RETRY_AFTER_METADATA_KEY)
             return error_for_status(err.code, err.message,
                                     retry_after_s=int(retry) if retry else None)

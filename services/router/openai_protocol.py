@@ -83,6 +83,8 @@ class OpenAIRequest:
       include_usage: with ``stream``: a last chunk with ``choices: []`` and usage.
       max_tokens_param: the parameter that set ``sampling.max_tokens``
         (``max_tokens`` or ``max_completion_tokens``), for error messages.
+      constraint_param: the parameter that set the output constraint
+        (``response_format``, ``guided_json``, ``structured_outputs.regex``...).
     """
 
     endpoint: Endpoint
@@ -91,12 +93,15 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool
     max_tokens_param: str = "max_tokens"
+    constraint_param: str = "response_format"
 
 
 _COMMON = frozenset({
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop",
     "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "user",
     "response_format",
+    # OpenAI platform bookkeeping (stored completions): accepted and ignored
+    "store", "metadata",
     # vLLM's extra parameters
     "top_k", "min_tokens", "repetition_penalty", "include_stop_str_in_output", "ignore_eos",
     "stop_token_ids", "prompt_logprobs", "structured_outputs", "guided_json", "guided_regex",
@@ -143,7 +148,9 @@ def parse_request(endpoint: Endpoint, body: bytes) -> OpenAIRequest:
     stream = _bool(data, "stream")
     include_usage = _stream_options(data, stream)
     max_param = _sampling(endpoint, data, pb.sampling)
-    return OpenAIRequest(endpoint, pb, pb.model, stream, include_usage, max_param)
+    constraint_param = _structured(data, pb.sampling.structured_output)
+    return OpenAIRequest(endpoint, pb, pb.model, stream, include_usage, max_param,
+                         constraint_param)
 
 
 #: Shared-validation field → OpenAI parameter, longest prefix first.
@@ -166,10 +173,14 @@ def openai_param(field: str, request: OpenAIRequest | None = None) -> str:
     if field == "sampling.logprobs" and request is not None \
             and request.endpoint is Endpoint.CHAT:
         return "top_logprobs"
+    if field.startswith("sampling.structured_output") and request is not None:
+        return request.constraint_param  # the parameter the client set it with
     for prefix, replacement in _PARAM_PREFIXES:
         if field.startswith(prefix):
-            return replacement + field[len(prefix):].lstrip(".") if replacement else \
-                field[len(prefix):]
+            rest = field[len(prefix):].lstrip(".")
+            if not replacement:
+                return rest
+            return replacement + ("" if not rest or rest.startswith("[") else ".") + rest
     return field
 
 
@@ -299,6 +310,8 @@ def _chat_input(data: Mapping[str, Any], pb: generation_pb2.GenerateRequest) -> 
             raise InvalidRequestError(f"{where}.name", "participant names are not supported "
                                                        "by the chat template; leave it unset")
         role = _string(message, "role", default="") if "role" in message else ""
+        if role == "developer":  # OpenAI's newer name for the system turn
+            role = "system"
         content = _text_content(message.get("content", ""), f"{where}.content")
         pb.chat.messages.add(role=role, content=content)
 
@@ -373,7 +386,6 @@ def _sampling(endpoint: Endpoint, data: Mapping[str, Any],
     _stop(data, sampling)
     _logit_bias(data, sampling)
     _logprobs(endpoint, data, sampling)
-    _structured(data, sampling.structured_output)
     return max_param
 
 
@@ -452,9 +464,10 @@ def _logprobs(endpoint: Endpoint, data: Mapping[str, Any],
         sampling.logprobs = 0
 
 
-def _structured(data: Mapping[str, Any], out: common_pb2.StructuredOutput) -> None:
+def _structured(data: Mapping[str, Any], out: common_pb2.StructuredOutput) -> str:
     """At most one constraint from ``response_format``, ``structured_outputs``
-    and the ``guided_*`` parameters."""
+    and the ``guided_*`` parameters; returns the parameter that set it
+    (``response_format`` when none did)."""
     setters: list[tuple[str, Callable[[], None]]] = []
     fmt = data.get("response_format")
     if fmt is not None:
@@ -483,6 +496,7 @@ def _structured(data: Mapping[str, Any], out: common_pb2.StructuredOutput) -> No
         raise InvalidRequestError(setters[1][0], f"set only one output constraint, got {names}")
     for _, apply in setters:
         apply()
+    return setters[0][0] if setters else "response_format"
 
 
 def _response_format(fmt: object, out: common_pb2.StructuredOutput

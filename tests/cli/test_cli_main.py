@@ -212,3 +212,15 @@ def test_a_timeout_that_is_not_positive_is_a_usage_error(
         cli.main(["generate", "--timeout", timeout, "hi"])
     assert exit_info.value.code == 2
     assert "--timeout" in capsys.readouterr().err
+
+
+def test_up_refuses_a_repeated_model_name_or_a_missing_file_before_starting(
+        tmp_path, capsys) -> None:
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert cli.main(["up", "--model", f"a={gguf}", "--model", f"a={gguf}"]) == 2
+    assert "each --model needs its own NAME" in capsys.readouterr().err
+    assert cli.main(["up", "--model", f"a={gguf}", "--model", f"b={tmp_path}/no.gguf"]) == 2
+    assert "no GGUF file at" in capsys.readouterr().err
+    assert cli.main(["up", "--model", f"a={gguf}", "--model-path", str(gguf)]) == 2
+    assert "not both" in capsys.readouterr().err

@@ -152,3 +152,19 @@ def test_chat_logprobs_of_greedy_tokens_are_their_top_alternative(client: openai
         assert item.logprob == max(t.logprob for t in item.top_logprobs)  # greedy: the argmax
         assert item.token == item.top_logprobs[0].token and item.bytes == list(
             item.token.encode())
+
+
+def test_a_constraint_that_fails_while_generating_is_400_naming_it(
+        client: openai.OpenAI, model: str) -> None:
+    """llguidance's lexer limit, reached only while generating: a 400 naming the
+    parameter with llguidance's reason (not a 500 the client retries), without
+    the engine's address; the engine serves on."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.with_options(max_retries=0).completions.create(
+            model=model, prompt="Write:", max_tokens=8,
+            extra_body={"guided_regex": "(a{1000}){1000}"})
+    assert info.value.body["param"] == "guided_regex"
+    message = info.value.body["message"]
+    assert message.startswith("guided_regex: the constraint failed after")
+    assert "too many" in message and "127.0.0.1" not in message
+    assert client.completions.create(model=model, prompt="Hi", max_tokens=2).choices

@@ -17,6 +17,7 @@ import torch
 from services.common.model_files import default_model_path
 from services.common.sampling import (
     ConstraintKind,
+    FinishReason,
     InvalidRequestError,
     SamplingOptions,
     SpeculativeMethod,
@@ -221,3 +222,21 @@ async def test_each_of_n_choices_follows_the_grammar_with_its_own_matcher(
                                                               options)):
         tokens[delta.index].extend(delta.token_ids)
     assert all(lltok.decode_str(ids) in colours for ids in tokens.values()), tokens
+
+
+async def test_a_constraint_that_fails_mid_generation_ends_invalid_argument_with_its_reason(
+        torch_backend: TorchBackend) -> None:
+    """llguidance's lexer limit is reached only while generating (this regex
+    compiles, and its first mask is fine): the request ends with ERROR and an
+    INVALID_ARGUMENT status naming the constraint and llguidance's reason, not
+    an engine failure (INTERNAL); the engine goes on serving."""
+    options = SamplingOptions(max_tokens=8, structured_output=StructuredOutput(
+        ConstraintKind.REGEX, "(a{1000}){1000}"))
+    request = SequenceRequest(f"so-{next(_ids)}", STORY, options)
+    deltas = [delta async for delta in torch_backend.generate(request)]
+    last = deltas[-1]
+    assert last.finish_reason is FinishReason.ERROR
+    assert last.error_code is grpc.StatusCode.INVALID_ARGUMENT
+    assert last.error.startswith("sampling.structured_output: the constraint failed after ")
+    assert "simplify it" in last.error and len(last.error) > 120  # llguidance's reason
+    assert await run(torch_backend, STORY, SamplingOptions(max_tokens=2))

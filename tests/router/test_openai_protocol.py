@@ -151,3 +151,25 @@ def test_a_parsed_request_passes_the_shared_validation():
 def test_null_values_mean_unset():
     s = parse(CHAT, messages=USER, temperature=None, stop=None, seed=None).generate.sampling
     assert s == common_pb2.SamplingParams()
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"guided_choice": []}, "guided_choice"),
+    ({"structured_outputs": {"regex": " "}}, "structured_outputs.regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": "not json {"}}},
+     "response_format"),
+])
+def test_a_refused_constraint_names_the_parameter_that_set_it(body, param):
+    parsed = parse(COMPLETIONS, prompt="x", model="m", **body)
+    with pytest.raises(InvalidRequestError) as info:
+        validate_request(parsed.generate, request_id="r", models=MODELS, default_model="m")
+    assert openai_param(info.value.field, parsed) == param
+    assert openai_param("sampling.structured_output.choice.choices") == \
+        "response_format.choice.choices"  # no request: the dot is kept
+
+
+def test_developer_role_store_and_metadata_are_what_openai_clients_send():
+    parsed = parse(CHAT, model="m", store=False, metadata={"k": "v"},
+                   messages=[{"role": "developer", "content": "Be brief."}, *USER])
+    assert [(m.role, m.content) for m in parsed.generate.chat.messages] == [
+        ("system", "Be brief."), ("user", "hi")]

@@ -78,7 +78,7 @@ import heapq
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
-from services.common.sampling import FinishReason
+from services.common.sampling import FinishReason, InvalidRequestError
 from services.engine.torch_backend.block_pool import OutOfBlocksError
 from services.engine.torch_backend.kv_cache_manager import NO_HIT, BlockCopy, KVCacheManager
 from services.engine.torch_backend.logprobs import collects_prompt_logprobs
@@ -564,11 +564,19 @@ class Scheduler:
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason:
         """Why ``seq`` ends after appending ``token`` (NONE: it goes on). A
         constrained sequence's grammar advances here, once per committed token,
-        and ends it with STOP once it takes no further token (ERROR if it
-        refused the token, which the mask rules out)."""
+        and ends it with STOP once it takes no further token. A matcher that
+        fails (llguidance's limits, e.g. more than 2,000 alternatives in a row
+        of the parse or a regex too large for its lexer, can be hit only while
+        generating) ends it with ERROR and an INVALID_ARGUMENT refusal naming
+        the constraint and llguidance's reason: the request's own fault."""
         options = seq.request.sampling
         if seq.grammar is not None:
             if not seq.grammar.accept(token):
+                why = _shorten(seq.grammar.error) or "it refused a token"
+                seq.refusal = InvalidRequestError(
+                    "sampling.structured_output",
+                    f"the constraint failed after {seq.num_generated_tokens} generated tokens: "
+                    f"{why}; simplify it (fewer alternatives, a smaller regex or schema)")
                 return FinishReason.ERROR
             if seq.grammar.finished:
                 return FinishReason.STOP
@@ -582,3 +590,7 @@ class Scheduler:
             return FinishReason.LENGTH
         return FinishReason.NONE
 
+
+def _shorten(text: str, limit: int = 400) -> str:
+    """``text`` cut to ``limit`` characters (llguidance's errors quote the whole grammar)."""
+    return text if len(text) <= limit else text[:limit] + " [...]"

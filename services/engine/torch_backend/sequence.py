@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from services.common.kv_events import BlockHash
 from services.common.logprobs import PositionLogprobs
-from services.common.sampling import FinishReason, SpeculativeMethod
+from services.common.sampling import FinishReason, InvalidRequestError, SpeculativeMethod
 from services.engine.torch_backend.grammar_mask import GrammarMatcher
 from services.engine.torch_backend.logits_processors import LogitsProcessorState
 from services.engine.torch_backend.sampler import SamplingRow
@@ -99,6 +99,10 @@ class Sequence:
       index: its choice among the request's ``sampling.n`` (0..n-1).
       group: the request's choices when ``sampling.n`` > 1 (shared by all of
         them), None otherwise.
+      refusal: why the request failed for a reason of its own, not the
+        engine's (its constraint failed mid-generation), as the field-named
+        error its last delta carries (``TokenDelta.error_status``); None
+        otherwise.
     """
 
     request: SequenceRequest
@@ -125,6 +129,7 @@ class Sequence:
     prompt_logprobs_sent: bool = False
     index: int = 0
     group: ChoiceGroup | None = field(default=None, repr=False)
+    refusal: InvalidRequestError | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -194,7 +199,9 @@ class Sequence:
             num_prompt_tokens=len(self.request.prompt_token_ids),
             num_generated_tokens=len(self.token_ids) - len(self.request.prompt_token_ids),
             num_cached_tokens=max(self.num_cached_tokens, 0),
-            error=error,
+            error=str(self.refusal) if self.refusal is not None and self.finished else error,
+            error_status=(self.refusal.code.name
+                          if self.refusal is not None and self.finished else ""),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             index=self.index,
