@@ -263,3 +263,21 @@ async def test_each_choice_carries_its_own_logprobs_and_choice_0_the_prompt_logp
         assert entries[i] == alone[0], i
         assert alone_prompt[0] == prompt_entries[0]
     await idle(core)
+
+
+async def test_penalised_choices_equal_penalised_single_requests(make_core) -> None:
+    """Each choice keeps its own logits-processor state from the fork on (its
+    output counts start empty, like its leader's at the fork): a penalised
+    n=3 request equals three penalised single requests seeded seed+i."""
+    core = make_core(block_size=4)
+    prompt = tuple(range(2, 12))
+    options = replace(SAMPLED, n=3, max_tokens=12, frequency_penalty=1.5,
+                      presence_penalty=0.5, repetition_penalty=1.3, logit_bias=((5, 3.0),))
+    loop = asyncio.get_running_loop()
+    tokens, _ = await by_choice(core.submit(SequenceRequest("pen", prompt, options), loop), 3)
+    await idle(core)
+    assert tokens == await singles(core, prompt, options, 3)
+    plain, _ = await by_choice(core.submit(SequenceRequest(
+        "plain", prompt, replace(SAMPLED, n=3, max_tokens=12)), loop), 3)
+    assert plain != tokens  # the penalties changed something
+    await idle(core)
