@@ -152,7 +152,13 @@ def test_an_http_refusal_is_a_429_with_retry_after(small_mesh: Mesh) -> None:
             stub = generation_pb2_grpc.GenerationServiceStub(channel)
             fill = [asyncio.create_task(run_one(stub, long_request(64, f"h{i}")))
                     for i in range(SLOTS + QUEUE)]
-            await asyncio.sleep(0.5)
+            # Until the queue is full (the slots filled first), not a fixed sleep:
+            # on a busy machine the fill may take longer than any guess.
+            for _ in range(200):
+                if await asyncio.to_thread(router_gauge, small_mesh,
+                                           "llmesh:router_queue_depth") >= QUEUE:
+                    break
+                await asyncio.sleep(0.05)
             status, headers = await asyncio.to_thread(post, body)
             await asyncio.gather(*fill)
             return status, headers
