@@ -172,7 +172,7 @@ def test_kv_aware_gets_3x_the_prefix_hits_of_round_robin(kv_mesh: Mesh) -> None:
     # order instead, LRU keeps half of round robin's hits: ~1.7x, see
     # docs/architecture.md "Routing across replicas".)
     systems = [system_prompt(10 + i) for i in range(4)]
-    pattern = [0, 1, 2, 3, 1, 0, 3, 2] * 3
+    pattern = [0, 1, 2, 3, 1, 0, 3, 2] * 5  # 40 questions, as issue 15 asks
     prompts = [systems[p] + f"Question {i}: which word repeats?\nAnswer:"
                for i, p in enumerate(pattern)]
     rr = kv_mesh.add_router("router-rr", ["--routing-policy", "round_robin"])
