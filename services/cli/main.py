@@ -179,11 +179,6 @@ def cmd_up(args: argparse.Namespace) -> int:
     for flag in ("backend", "device", "dtype", "quantization"):
         if getattr(args, flag):
             engine_args += [f"--{flag}", getattr(args, flag)]
-    dense_only = (args.dtype not in (None, "float32")
-                  or (args.device is not None and not args.device.startswith("cpu")))
-    if dense_only and args.quantization is None:
-        # The int4/int8 kernels are CPU ones with an fp32 residual stream.
-        engine_args += ["--quantization", "none"]
     if args.models and args.model_path:
         print("llmesh: give --model NAME=PATH (repeatable) or --model-path, not both",
               file=sys.stderr)

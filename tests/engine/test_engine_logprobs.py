@@ -7,7 +7,7 @@ prefix-cache hit while still storing its blocks."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 import pytest
 import torch
 
