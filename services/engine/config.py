@@ -117,6 +117,11 @@ class EngineConfig:
         to (``CacheService.PublishKvEvents``); None: no publishing.
       structured_output_compile_timeout_s: most seconds a request waits for its
         output constraint to compile; slower ones are INVALID_ARGUMENT (torch backend).
+      enforce_eager: no CUDA graphs: every decode step runs eagerly (CUDA devices;
+        vLLM's ``--enforce-eager``).
+      cuda_graph_sizes: decode batch sizes captured as CUDA graphs (a batch runs
+        in the smallest captured size that holds it, larger ones eagerly); None:
+        :meth:`graph_batch_sizes`' default.
     """
 
     backend: str = "torch"
@@ -152,6 +157,21 @@ class EngineConfig:
     replica_id: str | None = None
     kv_events_target: str | None = None
     structured_output_compile_timeout_s: float = 5.0
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
+
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        """Decode batch sizes to capture as CUDA graphs, ascending; () with
+        ``enforce_eager``. Default: 1, 2, 4, then every multiple of 8 up to
+        ``max_num_seqs`` (and ``max_num_seqs`` itself), as vLLM's default capture list."""
+        if self.enforce_eager:
+            return ()
+        if self.cuda_graph_sizes is not None:
+            return tuple(sorted(set(self.cuda_graph_sizes)))
+        sizes = {s for s in (1, 2, 4) if s <= self.max_num_seqs}
+        sizes.update(range(8, self.max_num_seqs + 1, 8))
+        sizes.add(self.max_num_seqs)
+        return tuple(sorted(sizes))
 
     def step_token_budget(self) -> int:
         """``max_num_batched_tokens``, or the device's default when unset."""
@@ -261,6 +281,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
     add("--structured-output-compile-timeout-s", _positive_float, 5.0,
         "most seconds a request waits for its structured-output grammar to compile "
         "(slower: INVALID_ARGUMENT naming this limit)")
+    add("--enforce-eager", parse_bool, False,
+        "no CUDA graphs: every decode step runs eagerly (CUDA devices)",
+        action=argparse.BooleanOptionalAction)
+    add("--cuda-graph-sizes", _positive_int_list, None,
+        "comma-separated decode batch sizes captured as CUDA graphs "
+        "(default: 1,2,4 and multiples of 8 up to --max-num-seqs)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -299,6 +325,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         replica_id=args.replica_id,
         kv_events_target=args.kv_events_target,
         structured_output_compile_timeout_s=args.structured_output_compile_timeout_s,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_sizes=args.cuda_graph_sizes,
     )
 
 
@@ -357,3 +385,18 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _positive_int_list(text: str) -> tuple[int, ...]:
+    """``"1,2,4,8"`` → (1, 2, 4, 8).
+
+    Raises:
+      argparse.ArgumentTypeError: empty, or an item that is not an integer >= 1.
+    """
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,2,4,8, got {text!r}")
+    try:
+        return tuple(_positive_int(item) for item in items)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,2,4,8, got {text!r}") from exc
