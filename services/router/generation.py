@@ -630,7 +630,7 @@ class GenerationPipeline:
         if not serving:
             raise GenerationError(
                 grpc.StatusCode.UNAVAILABLE,
-                f"no engine replica is serving (of {len(self.replicas.engines)} configured, "
+                f"no engine replica is serving (of {len(self.replicas.engines)} known, "
                 "each failed, went silent or is draining); retry in a few seconds")
         return serving
 
@@ -647,8 +647,9 @@ class GenerationPipeline:
         failures: list[UpstreamError] = []
         choice = await self.picker.choose(self._serving_replicas(), request.priority, hint)
         for engine in choice.order:
-            if failures and not self.replicas.is_serving(engine):
-                continue  # left routing while an earlier replica was tried
+            if ((failures and not self.replicas.is_serving(engine))
+                    or not self.replicas.is_member(engine)):
+                continue  # left routing while an earlier one was tried, or left DNS
             engine.opened(request.priority)
             stream: EngineStream | None = None
             ok = False
