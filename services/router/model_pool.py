@@ -91,7 +91,10 @@ class PoolConfig:
             raise ValueError(f"--model-pool {text!r}: expected TOKENIZER_HOST:PORT="
                              "ENGINE[,ENGINE...], each ENGINE HOST:PORT or dns:///NAME:PORT")
         for address in addresses:
-            EngineTarget.parse(address)
+            try:
+                EngineTarget.parse(address)
+            except ValueError as err:
+                raise ValueError(f"--model-pool {text!r}: {err}") from None
         return cls(tokenizer.strip(), addresses)
 
 

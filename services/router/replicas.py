@@ -144,6 +144,10 @@ class ReplicaSet:
         """False once ``engine`` was removed (its client is retiring)."""
         return engine in self._wake
 
+    def retiring(self) -> list[str]:
+        """The ``host:port`` of removed replicas whose clients are not closed yet."""
+        return [engine.target for engine in self._retiring]
+
     def targets(self) -> set[str]:
         """The ``host:port`` of every member replica, in routing or not."""
         return {engine.target for engine in self.engines}
