@@ -1,0 +1,261 @@
+"""Replica discovery and graceful engine drain (issue 17), on real processes:
+a tokenizer, two SmolLM2 engines on the same port of two loopback addresses
+(127.0.0.1 and 127.0.0.2), a router that follows ``dns:///engines.llmesh.test``
+through a DNS server the test controls (``tests/router/dns_stub.py``).
+
+* the router starts routing to an address added to the name and stops
+  routing to one removed from it, whose in-flight streams finish; the router
+  never restarts (same PID);
+* SIGTERM to an engine running 5 streams: its health answers NOT_SERVING at
+  once, new requests go to the other engine, the 5 streams finish whole, the
+  engine exits 0 within its ``--drain-seconds``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import socket
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from services.cli.mesh import REPO_ROOT, ServiceProcess, child_env, log_tail, stop_processes
+from tests.router.dns_stub import DnsStub
+
+pytestmark = pytest.mark.mesh
+
+NAME = "engines.llmesh.test"
+ENGINE_DRAIN_S = 30.0
+MAX_TOKENS = 96
+#: Tokens of the streams that must outlive a change of records.
+LONG = 200
+
+
+@dataclass
+class Cluster:
+    dns: DnsStub
+    port: int  # both engines' gRPC port
+    services: dict[str, ServiceProcess]
+
+    @property
+    def router(self) -> ServiceProcess:
+        return self.services["router"]
+
+    def engine(self, ip: str) -> ServiceProcess:
+        return self.services[f"engine-{ip}"]
+
+
+def free_port_on_both() -> int:
+    for _ in range(20):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.2", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no port free on both 127.0.0.1 and 127.0.0.2")
+
+
+def service(run_dir: Path, name: str, role: str, host: str, args: list[str],
+            port: int = 0, drain_s: float = 10.0) -> ServiceProcess:
+    port_file = run_dir / f"{name}.json"
+    argv = [sys.executable, "-m", f"services.{role}", "--host", host, "--port", str(port),
+            "--metrics-port", "0", "--port-file", str(port_file),
+            "--drain-seconds", f"{drain_s:g}", *args]
+    return ServiceProcess(name, argv, host, run_dir / f"{name}.log", port_file)
+
+
+def is_serving(address: str, timeout: float = 1.0) -> int | None:
+    """The health status of ``address`` (None: no answer)."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout).status
+        except grpc.RpcError:
+            return None
+
+
+def wait_for(condition, timeout: float, what: str):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"{what} not within {timeout:g} s"
+        time.sleep(0.05)
+    return value
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    run_dir = tmp_path_factory.mktemp("discovery")
+    dns = DnsStub()
+    dns.records[NAME] = ["127.0.0.1"]
+    port = free_port_on_both()
+    engine_args = ["--max-model-len", "512", "--num-threads", "1", "--max-num-seqs", "8"]
+    tokenizer = service(run_dir, "tokenizer", "tokenizer", "127.0.0.1", [])
+    engines = [service(run_dir, f"engine-{ip}", "engine", ip,
+                       [*engine_args, "--replica-id", f"discovery-{ip}"], port=port,
+                       drain_s=ENGINE_DRAIN_S) for ip in ("127.0.0.1", "127.0.0.2")]
+    started: list[ServiceProcess] = []
+    try:
+        for child in (tokenizer, *engines):
+            child.spawn(child_env(), REPO_ROOT)
+            started.append(child)
+        wait_for(tokenizer.read_port_file, 120, "the tokenizer's port file")
+        router = service(run_dir, "router", "router", "127.0.0.1", [
+            "--tokenizer", tokenizer.grpc_address, "--engine", f"dns:///{NAME}:{port}",
+            "--dns-nameserver", dns.address, "--engine-resolve-interval", "0.5"])
+        router.spawn(child_env(), REPO_ROOT)
+        started.append(router)
+        for child in started:
+            wait_for(child.read_port_file, 300, f"{child.name}'s port file")
+            wait_for(lambda c=child: c.exit_code() is not None or is_serving(c.grpc_address)
+                     == health_pb2.HealthCheckResponse.SERVING, 300, f"{child.name} serving")
+            assert child.exit_code() is None, log_tail(child.log_path)
+        yield Cluster(dns, port, {c.name: c for c in started})
+    finally:
+        stop_processes([c.process for c in started if c.process is not None], 10)
+        dns.stop()
+
+
+def routed(cluster: Cluster) -> dict[str, float]:
+    """``llmesh:router_routed_requests_total`` by engine address, from the router."""
+    url = f"http://{cluster.router.metrics_address}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("llmesh:router_routed_requests_total{"):
+            engine = line.split('engine="', 1)[1].split('"', 1)[0]
+            counts[engine] = counts.get(engine, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def router_gauge(cluster: Cluster, engine: str) -> float | None:
+    url = f"http://{cluster.router.metrics_address}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    prefix = f'llmesh:router_replica_serving{{engine="{engine}"}} '
+    return next((float(line[len(prefix):]) for line in text.splitlines()
+                 if line.startswith(prefix)), None)
+
+
+class Streams:
+    """Generate streams run in threads; ``tokens[i]`` counts what stream i got."""
+
+    def __init__(self, address: str, count: int, max_tokens: int = MAX_TOKENS) -> None:
+        self.tokens = [0] * count
+        self.finish: list[int | None] = [None] * count
+        self.errors: list[grpc.RpcError] = []
+        self._pool = concurrent.futures.ThreadPoolExecutor(count)
+        self._channel = grpc.insecure_channel(address)
+        self._futures = [self._pool.submit(self._run, i, max_tokens) for i in range(count)]
+
+    def _run(self, index: int, max_tokens: int) -> None:
+        stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
+        request = generation_pb2.GenerateRequest(
+            prompt=f"Stream {index}: tell a long story about the sea.", bypass_cache=True,
+            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                               ignore_eos=True))
+        try:
+            for response in stub.Generate(request, timeout=300):
+                self.tokens[index] += len(response.token_ids)
+                if response.finish_reason:
+                    self.finish[index] = response.finish_reason
+        except grpc.RpcError as err:
+            self.errors.append(err)
+
+    def join(self, timeout: float = 300) -> None:
+        for future in self._futures:
+            future.result(timeout=timeout)
+        self._pool.shutdown()
+        self._channel.close()
+
+
+def ask(cluster: Cluster, max_tokens: int = 4) -> None:
+    streams = Streams(cluster.router.grpc_address, 1, max_tokens)
+    streams.join()
+    assert not streams.errors and streams.tokens == [max_tokens], streams.errors
+
+
+def test_replicas_join_and_leave_with_the_records(cluster: Cluster) -> None:
+    a, b = (f"{ip}:{cluster.port}" for ip in ("127.0.0.1", "127.0.0.2"))
+    pid = cluster.router.pid
+    before = routed(cluster)
+    for _ in range(2):
+        ask(cluster)
+    running = Streams(cluster.router.grpc_address, 2, max_tokens=LONG)  # on A: alone
+    wait_for(lambda: all(running.tokens), 60, "both long streams' first tokens")
+    after = routed(cluster)
+    assert after.get(a, 0) - before.get(a, 0) == 4 and after.get(b, 0) == 0
+    assert router_gauge(cluster, b) is None  # not a replica yet
+
+    cluster.dns.records[NAME] = ["127.0.0.1", "127.0.0.2"]
+    wait_for(lambda: router_gauge(cluster, b) == 1.0, 30, "the added replica in routing")
+    before = routed(cluster)
+    for _ in range(2):
+        ask(cluster)
+    assert routed(cluster)[b] - before.get(b, 0) >= 1  # B takes requests (A is busy)
+
+    # A leaves the name while its two streams run: they finish, A gets nothing new.
+    cluster.dns.records[NAME] = ["127.0.0.2"]
+    wait_for(lambda: router_gauge(cluster, a) is None, 30, "the removed replica out")
+    assert not all(t == LONG for t in running.tokens), "streams ended before the removal"
+    before = routed(cluster)
+    for _ in range(3):
+        ask(cluster)
+    running.join()
+    assert not running.errors and running.tokens == [LONG] * 2
+    after = routed(cluster)
+    assert after[a] == before[a] and after[b] - before[b] == 3
+    assert cluster.router.pid == pid and cluster.router.exit_code() is None
+    wait_for(lambda: '"engine_retired"' in cluster.router.log_path.read_text(), 10,
+             "A's client closed")
+    log = cluster.router.log_path.read_text()
+    assert '"engine_added"' in log and '"engine_removed"' in log
+
+
+def test_sigterm_to_an_engine_drains_it_while_the_router_moves_on(cluster: Cluster) -> None:
+    """E (127.0.0.2) runs 5 streams, the other engine (127.0.0.1) joins, then E
+    gets SIGTERM."""
+    a, e = (f"{ip}:{cluster.port}" for ip in ("127.0.0.1", "127.0.0.2"))
+    cluster.dns.records[NAME] = ["127.0.0.2"]
+    wait_for(lambda: router_gauge(cluster, a) is None and router_gauge(cluster, e) == 1.0, 30,
+             "E alone in routing")
+    before = routed(cluster)
+    streams = Streams(cluster.router.grpc_address, 5)
+    wait_for(lambda: all(streams.tokens), 60, "the 5 streams' first tokens")
+    assert routed(cluster)[e] - before[e] == 5
+    cluster.dns.records[NAME] = ["127.0.0.1", "127.0.0.2"]
+    wait_for(lambda: router_gauge(cluster, a) == 1.0, 30, "the other engine in routing")
+
+    engine = cluster.engine("127.0.0.2")
+    engine.process.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    at_signal = list(streams.tokens)
+    assert wait_for(lambda: is_serving(e) == health_pb2.HealthCheckResponse.NOT_SERVING, 2,
+                    "NOT_SERVING")
+    assert all(0 < t < MAX_TOKENS for t in at_signal), at_signal
+    before = routed(cluster)
+    wait_for(lambda: router_gauge(cluster, e) == 0.0, 5, "the router taking E out")
+    for _ in range(2):
+        ask(cluster)
+    after = routed(cluster)
+    assert after.get(e, 0) == before.get(e, 0) and after[a] - before[a] == 2
+    streams.join()
+    assert not streams.errors, streams.errors
+    assert streams.tokens == [MAX_TOKENS] * 5
+    assert streams.finish == [common_pb2.FINISH_REASON_LENGTH] * 5
+    code = engine.process.wait(timeout=ENGINE_DRAIN_S + 10)
+    took = time.monotonic() - signalled
+    assert code == 0, log_tail(engine.log_path)
+    assert took < ENGINE_DRAIN_S, f"E exited {took:.1f} s after SIGTERM"
+    ask(cluster)  # the router still serves, from the other engine
