@@ -52,8 +52,8 @@ from services.common.logprobs import logprobs_to_pb
 from services.common.sampling import FinishReason, InvalidRequestError, Priority
 from services.router.admission import AdmissionConfig, AdmissionController
 from services.router.clients import CacheClient
-from services.router.engine_client import EngineClient
 from services.router.discovery import DEFAULT_RESOLVE_INTERVAL_S, EngineTarget, make_resolver
+from services.router.engine_client import EngineClient
 from services.router.generation import (
     Delta,
     Event,

@@ -38,7 +38,7 @@ NAME = "engines.llmesh.test"
 ENGINE_DRAIN_S = 30.0
 MAX_TOKENS = 96
 #: Tokens of the streams that must outlive a change of records.
-LONG = 200
+LONG = 400
 
 
 @dataclass
@@ -140,12 +140,18 @@ def routed(cluster: Cluster) -> dict[str, float]:
     return counts
 
 
-def router_gauge(cluster: Cluster, engine: str) -> float | None:
+def router_metric(cluster: Cluster, series: str) -> float | None:
+    """The value of one series (``name{labels}``) on the router's /metrics."""
     url = f"http://{cluster.router.metrics_address}/metrics"
     text = urllib.request.urlopen(url, timeout=5).read().decode()
-    prefix = f'llmesh:router_replica_serving{{engine="{engine}"}} '
+    prefix = f"{series} "
     return next((float(line[len(prefix):]) for line in text.splitlines()
                  if line.startswith(prefix)), None)
+
+
+def router_gauge(cluster: Cluster, engine: str) -> float | None:
+    """``llmesh:router_replica_serving`` of ``engine`` (None: not a replica)."""
+    return router_metric(cluster, f'llmesh:router_replica_serving{{engine="{engine}"}}')
 
 
 class Streams:
@@ -241,11 +247,16 @@ def test_sigterm_to_an_engine_drains_it_while_the_router_moves_on(cluster: Clust
     engine.process.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
     at_signal = list(streams.tokens)
-    assert wait_for(lambda: is_serving(e) == health_pb2.HealthCheckResponse.NOT_SERVING, 2,
+    assert wait_for(lambda: is_serving(e) == health_pb2.HealthCheckResponse.NOT_SERVING, 1,
                     "NOT_SERVING")
     assert all(0 < t < MAX_TOKENS for t in at_signal), at_signal
     before = routed(cluster)
     wait_for(lambda: router_gauge(cluster, e) == 0.0, 5, "the router taking E out")
+    # The router's probe read NOT_SERVING (not a refused connection): E kept
+    # answering health checks while it drained.
+    assert router_metric(cluster, 'llmesh:router_replica_failovers_total{engine="'
+                                  f'{e}",reason="not_serving"}}') == 1.0
+    assert is_serving(e) == health_pb2.HealthCheckResponse.NOT_SERVING
     for _ in range(2):
         ask(cluster)
     after = routed(cluster)
