@@ -37,6 +37,7 @@ Threading: everything runs on the router's event loop.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import contextvars
@@ -126,8 +127,16 @@ def join_host_port(host: str, port: int) -> str:
 
 
 def engine_target(text: str) -> str:
-    """argparse ``type`` of ``--engine``: checks the value, keeps the text."""
-    EngineTarget.parse(text)
+    """argparse ``type`` of ``--engine``: checks the value, keeps the text.
+
+    Raises:
+      argparse.ArgumentTypeError: what :meth:`EngineTarget.parse` refuses (its
+        message, which argparse prints; it hides a ValueError's).
+    """
+    try:
+        EngineTarget.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
     return text.strip()
 
 
@@ -339,7 +348,10 @@ class Discovery:
                 await asyncio.wait_for(self._soon.wait(), self.interval_s)
             self._soon.clear()
             await self.resolve_all()
-            self.apply()
+            try:
+                self.apply()
+            except Exception:  # never let one bad change stop discovery
+                log.exception("engine_discovery_apply_failed")
             await asyncio.sleep(min(MIN_RESOLVE_GAP_S, self.interval_s))
 
 

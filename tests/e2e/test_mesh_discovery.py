@@ -8,16 +8,19 @@ through a DNS server the test controls (``tests/router/dns_stub.py``).
   never restarts (same PID);
 * SIGTERM to an engine running 5 streams: its health answers NOT_SERVING at
   once, new requests go to the other engine, the 5 streams finish whole, the
-  engine exits 0 within its ``--drain-seconds``.
+  engine exits 0 within its ``--drain-seconds``;
+* the same for a router behind Envoy (two routers in Envoy's cluster, checked
+  with gRPC health checks): Envoy stops sending to the draining one.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
+import json
 import signal
 import socket
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -29,13 +32,27 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from services.cli.mesh import REPO_ROOT, ServiceProcess, child_env, log_tail, stop_processes
+from services.cli.envoy_config import DESCRIPTOR_RELATIVE, EnvoySettings
+from services.cli.mesh import (
+    REPO_ROOT,
+    EnvoyProcess,
+    ServiceProcess,
+    child_env,
+    log_tail,
+    stop_processes,
+)
 from tests.router.dns_stub import DnsStub
 
 pytestmark = pytest.mark.mesh
 
 NAME = "engines.llmesh.test"
-ENGINE_DRAIN_S = 30.0
+#: Grace periods: generous, so that a loaded machine still drains in time
+#: (measured on 2 CPUs: ~2 s for the engine, ~10 s for the router).
+ENGINE_DRAIN_S = 60.0
+ROUTER_DRAIN_S = 120.0
+#: Seconds Envoy may take to act on a health flag its admin already shows
+#: (measured: one request ~0.2 s after the flag still went to the old host).
+ENVOY_SETTLE_S = 1.0
 MAX_TOKENS = 96
 #: Tokens of the streams that must outlive a change of records.
 LONG = 400
@@ -46,6 +63,7 @@ class Cluster:
     dns: DnsStub
     port: int  # both engines' gRPC port
     services: dict[str, ServiceProcess]
+    run_dir: Path
 
     @property
     def router(self) -> ServiceProcess:
@@ -53,6 +71,12 @@ class Cluster:
 
     def engine(self, ip: str) -> ServiceProcess:
         return self.services[f"engine-{ip}"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def free_port_on_both() -> int:
@@ -122,7 +146,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             wait_for(lambda c=child: c.exit_code() is not None or is_serving(c.grpc_address)
                      == health_pb2.HealthCheckResponse.SERVING, 300, f"{child.name} serving")
             assert child.exit_code() is None, log_tail(child.log_path)
-        yield Cluster(dns, port, {c.name: c for c in started})
+        yield Cluster(dns, port, {c.name: c for c in started}, run_dir)
     finally:
         stop_processes([c.process for c in started if c.process is not None], 10)
         dns.stop()
@@ -186,10 +210,14 @@ class Streams:
         self._channel.close()
 
 
-def ask(cluster: Cluster, max_tokens: int = 4) -> None:
-    streams = Streams(cluster.router.grpc_address, 1, max_tokens)
+def ask_at(address: str, max_tokens: int = 4) -> None:
+    streams = Streams(address, 1, max_tokens)
     streams.join()
     assert not streams.errors and streams.tokens == [max_tokens], streams.errors
+
+
+def ask(cluster: Cluster, max_tokens: int = 4) -> None:
+    ask_at(cluster.router.grpc_address, max_tokens)
 
 
 def test_replicas_join_and_leave_with_the_records(cluster: Cluster) -> None:
@@ -247,7 +275,7 @@ def test_sigterm_to_an_engine_drains_it_while_the_router_moves_on(cluster: Clust
     engine.process.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
     at_signal = list(streams.tokens)
-    assert wait_for(lambda: is_serving(e) == health_pb2.HealthCheckResponse.NOT_SERVING, 1,
+    assert wait_for(lambda: is_serving(e) == health_pb2.HealthCheckResponse.NOT_SERVING, 2,
                     "NOT_SERVING")
     assert all(0 < t < MAX_TOKENS for t in at_signal), at_signal
     before = routed(cluster)
@@ -270,3 +298,92 @@ def test_sigterm_to_an_engine_drains_it_while_the_router_moves_on(cluster: Clust
     assert code == 0, log_tail(engine.log_path)
     assert took < ENGINE_DRAIN_S, f"E exited {took:.1f} s after SIGTERM"
     ask(cluster)  # the router still serves, from the other engine
+
+
+def envoy_health(envoy: EnvoyProcess, port: int) -> str:
+    """Envoy's health flags of the router endpoint at ``port`` (admin /clusters)."""
+    text = urllib.request.urlopen(f"{envoy.admin_url}/clusters", timeout=5).read().decode()
+    prefix = f"router::127.0.0.1:{port}::health_flags::"
+    return next((line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)),
+                "")
+
+
+def router_process(cluster: Cluster, name: str, port: int) -> ServiceProcess:
+    router = service(cluster.run_dir, name, "router", "127.0.0.1", [
+        "--tokenizer", cluster.services["tokenizer"].grpc_address,
+        "--engine", f"127.0.0.1:{cluster.port}"], port=port, drain_s=ROUTER_DRAIN_S)
+    router.spawn(child_env(), REPO_ROOT)
+    return router
+
+
+def logged_at(line: str) -> datetime.datetime:
+    """The time of one JSON log line."""
+    return datetime.datetime.fromisoformat(json.loads(line)["timestamp"])
+
+
+def routed_total(router: ServiceProcess) -> float:
+    url = f"http://{router.metrics_address}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("llmesh:router_routed_requests_total{"))
+
+
+def test_sigterm_to_a_router_behind_envoy_drains_it(cluster: Cluster) -> None:
+    """R1 runs 5 streams through Envoy while R2 is down; R2 comes up and Envoy
+    finds it healthy; then R1 gets SIGTERM."""
+    ports = free_port(), free_port()
+    envoy = EnvoyProcess(cluster.run_dir / "envoy", EnvoySettings(
+        ingress_port=0, admin_port=0, router_port=ports[0],
+        more_routers=(f"127.0.0.1:{ports[1]}",), openai_port=None,
+        descriptor_path=str(REPO_ROOT / DESCRIPTOR_RELATIVE)))
+    r1 = router_process(cluster, "router-1", ports[0])
+    routers = [r1]
+    try:
+        wait_for(lambda: r1.exit_code() is not None or is_serving(f"127.0.0.1:{ports[0]}")
+                 == health_pb2.HealthCheckResponse.SERVING, 120, "R1 serving")
+        wait_for(r1.read_port_file, 10, "R1's port file")
+        envoy.start()
+        wait_for(lambda: envoy_health(envoy, ports[0]) == "healthy", 10, "R1 healthy in Envoy")
+        assert "failed_active_hc" in envoy_health(envoy, ports[1])  # R2 is not up
+        streams = Streams(envoy.ingress_address, 5, max_tokens=LONG)
+        wait_for(lambda: all(streams.tokens), 60, "the 5 streams' first tokens")
+        assert routed_total(r1) == 5
+
+        r2 = router_process(cluster, "router-2", ports[1])
+        routers.append(r2)
+        wait_for(lambda: envoy_health(envoy, ports[1]) == "healthy", 120, "R2 healthy in Envoy")
+        wait_for(r2.read_port_file, 10, "R2's port file")
+
+        r1.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        at_signal = list(streams.tokens)
+        assert wait_for(lambda: is_serving(f"127.0.0.1:{ports[0]}")
+                        == health_pb2.HealthCheckResponse.NOT_SERVING, 2, "R1 NOT_SERVING")
+        assert all(0 < t < LONG for t in at_signal), at_signal
+        r2_before = routed_total(r2)
+        # Before Envoy knows, a request may reach R1: R1 refuses it UNAVAILABLE and
+        # Envoy retries it on R2 (the client sees no error).
+        ask_at(envoy.ingress_address)
+        wait_for(lambda: "failed_active_hc" in envoy_health(envoy, ports[0]), 5,
+                 "Envoy's health check taking R1 out")
+        time.sleep(ENVOY_SETTLE_S)
+        settled = datetime.datetime.now(datetime.UTC)
+        for _ in range(3):  # Envoy sends them to R2 only
+            ask_at(envoy.ingress_address)
+        assert routed_total(r2) - r2_before == 4
+        assert routed_total(r1) == 5
+        late = [line for line in r1.log_path.read_text().splitlines()
+                if '"request_refused"' in line and logged_at(line) > settled]
+        assert not late, late
+        streams.join()
+        assert not streams.errors, streams.errors
+        assert streams.tokens == [LONG] * 5
+        assert streams.finish == [common_pb2.FINISH_REASON_LENGTH] * 5
+        code = r1.process.wait(timeout=ROUTER_DRAIN_S + 10)
+        took = time.monotonic() - signalled
+        assert code == 0, log_tail(r1.log_path)
+        assert took < ROUTER_DRAIN_S, f"R1 exited {took:.1f} s after SIGTERM"
+        ask_at(envoy.ingress_address)
+    finally:
+        envoy.stop()
+        stop_processes([r.process for r in routers if r.process is not None], 10)
