@@ -210,6 +210,21 @@ class Streams:
         self._channel.close()
 
 
+def assert_drained(streams: Streams, tokens: int, drained: ServiceProcess, signalled: float,
+                   grace_s: float) -> None:
+    """Every stream ended normally with all ``tokens``, and ``drained`` (sent
+    SIGTERM at monotonic ``signalled``) exited 0 within ``grace_s``."""
+    streams.join()
+    assert not streams.errors, streams.errors
+    assert streams.tokens == [tokens] * len(streams.tokens)
+    assert streams.finish == [common_pb2.FINISH_REASON_LENGTH] * len(streams.tokens)
+    assert drained.process is not None
+    code = drained.process.wait(timeout=grace_s + 10)
+    took = time.monotonic() - signalled
+    assert code == 0, log_tail(drained.log_path)
+    assert took < grace_s, f"{drained.name} exited {took:.1f} s after SIGTERM"
+
+
 def ask_at(address: str, max_tokens: int = 4) -> None:
     streams = Streams(address, 1, max_tokens)
     streams.join()
@@ -289,14 +304,7 @@ def test_sigterm_to_an_engine_drains_it_while_the_router_moves_on(cluster: Clust
         ask(cluster)
     after = routed(cluster)
     assert after.get(e, 0) == before.get(e, 0) and after[a] - before[a] == 2
-    streams.join()
-    assert not streams.errors, streams.errors
-    assert streams.tokens == [MAX_TOKENS] * 5
-    assert streams.finish == [common_pb2.FINISH_REASON_LENGTH] * 5
-    code = engine.process.wait(timeout=ENGINE_DRAIN_S + 10)
-    took = time.monotonic() - signalled
-    assert code == 0, log_tail(engine.log_path)
-    assert took < ENGINE_DRAIN_S, f"E exited {took:.1f} s after SIGTERM"
+    assert_drained(streams, MAX_TOKENS, engine, signalled, ENGINE_DRAIN_S)
     ask(cluster)  # the router still serves, from the other engine
 
 
@@ -375,14 +383,7 @@ def test_sigterm_to_a_router_behind_envoy_drains_it(cluster: Cluster) -> None:
         late = [line for line in r1.log_path.read_text().splitlines()
                 if '"request_refused"' in line and logged_at(line) > settled]
         assert not late, late
-        streams.join()
-        assert not streams.errors, streams.errors
-        assert streams.tokens == [LONG] * 5
-        assert streams.finish == [common_pb2.FINISH_REASON_LENGTH] * 5
-        code = r1.process.wait(timeout=ROUTER_DRAIN_S + 10)
-        took = time.monotonic() - signalled
-        assert code == 0, log_tail(r1.log_path)
-        assert took < ROUTER_DRAIN_S, f"R1 exited {took:.1f} s after SIGTERM"
+        assert_drained(streams, LONG, r1, signalled, ROUTER_DRAIN_S)
         ask_at(envoy.ingress_address)
     finally:
         envoy.stop()

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from llmesh.v1 import engine_pb2_grpc, tokenizer_pb2_grpc
 from services.common.sampling import Priority, SamplingOptions
 from services.router.admission import AdmissionConfig
-from services.router.discovery import DnsResolver, EngineTarget, ResolveError
+from services.router.discovery import DnsResolver, EngineTarget, ResolveError, SystemResolver
 from services.router.metrics import RouterMetrics
 from services.router.model_pool import PoolConfig, PoolSettings, open_pool
 from services.router.routing import CostWeights, RoutingPolicy
@@ -60,6 +60,10 @@ async def test_the_resolver_reads_a_and_aaaa_and_tells_nxdomain_from_no_records(
         stub.stop()
     with pytest.raises(ValueError, match="IP address"):
         DnsResolver("dns.example:53")
+
+
+async def test_the_system_resolver_reads_the_hosts_file() -> None:
+    assert "127.0.0.1" in await SystemResolver().resolve("localhost")
 
 
 async def serve_at(host: str, port: int, fake: FakeEngine) -> grpc.aio.Server:
