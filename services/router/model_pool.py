@@ -188,10 +188,10 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
         ready = asyncio.create_task(tokenizer.wait_until_serving(settings.startup_timeout))
         try:
             engines = await _first_engines(discovery, make_client, settings)
-        finally:
-            if not ready.done():
-                await asyncio.wait({ready})
-        ready.result()
+        except BaseException:
+            ready.cancel()
+            raise
+        await ready
         infos = list(await asyncio.gather(*(engine.model_info() for engine in engines)))
         tok_info, decoder = await asyncio.gather(tokenizer.info(), tokenizer.decoder())
         limits = model_limits(infos, tok_info, settings)
