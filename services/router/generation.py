@@ -628,10 +628,12 @@ class GenerationPipeline:
         """The replicas in routing. Raises GenerationError (UNAVAILABLE) for none."""
         serving = self.replicas.serving()
         if not serving:
+            known = len(self.replicas.engines)
+            why = (f"of {known} known, each failed, went silent or is draining" if known else
+                   "none is known: the engines' DNS name resolves to no address")
             raise GenerationError(
                 grpc.StatusCode.UNAVAILABLE,
-                f"no engine replica is serving (of {len(self.replicas.engines)} known, "
-                "each failed, went silent or is draining); retry in a few seconds")
+                f"no engine replica is serving ({why}); retry in a few seconds")
         return serving
 
     async def _open_engine(

@@ -271,6 +271,18 @@ def test_replicas_join_and_leave_with_the_records(cluster: Cluster) -> None:
     log = cluster.router.log_path.read_text()
     assert '"engine_added"' in log and '"engine_removed"' in log
 
+    # No record at all: no replica, and requests say why.
+    cluster.dns.records[NAME] = []
+    wait_for(lambda: router_gauge(cluster, b) is None, 30, "the last replica out")
+    empty = Streams(cluster.router.grpc_address, 1, 4)
+    empty.join()
+    assert [e.code() for e in empty.errors] == [grpc.StatusCode.UNAVAILABLE]
+    assert "resolves to no address" in empty.errors[0].details()
+    cluster.dns.records[NAME] = ["127.0.0.2"]
+    wait_for(lambda: router_gauge(cluster, b) == 1.0, 30, "B back")
+    ask(cluster)
+    assert cluster.router.pid == pid and cluster.router.exit_code() is None
+
 
 def test_sigterm_to_an_engine_drains_it_while_the_router_moves_on(cluster: Cluster) -> None:
     """E (127.0.0.2) runs 5 streams, the other engine (127.0.0.1) joins, then E
