@@ -56,6 +56,22 @@ async def test_tensorrt_llm_absent_gives_a_clear_error() -> None:
         await backend.start()
 
 
+@pytest.mark.skipif(HAS_TRTLLM, reason="TensorRT-LLM is installed here")
+def test_tensorrt_llm_chosen_but_absent_is_one_line_and_exit_code_2() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-m", "services.engine", "--backend", "tensorrt_llm", "--model-path",
+         "/models/absent", "--port", "0", "--metrics-port", "0"], cwd=repo,
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{repo / 'services' / 'gen'}"})
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "python -m services.engine: error: the tensorrt_llm backend needs TensorRT-LLM on a "
+        "CUDA host (module 'tensorrt_llm' not found): pip install 'llmesh[tensorrt-llm]' "
+        "--extra-index-url https://pypi.nvidia.com"]
+    assert done.stdout == ""  # refused before any port was bound ("listening" is logged)
+
+
 @pytest.mark.skipif(not HAS_TRTLLM, reason="needs TensorRT-LLM to get past the import")
 async def test_tensorrt_llm_refuses_a_gguf() -> None:
     backend = TensorRTLLMBackend(EngineConfig(backend="tensorrt_llm",
