@@ -169,7 +169,8 @@ def test_prompt_logprobs_is_the_one_unimplemented_feature_and_invalid_argument()
 
 
 def spec_of(**fields: object) -> SpeculativeSpec | None:
-    return speculative_spec(EngineConfig(backend="tensorrt_llm", **fields))  # type: ignore[arg-type]
+    config = EngineConfig(backend="tensorrt_llm", **fields)  # type: ignore[arg-type]
+    return speculative_spec(config)
 
 
 def test_speculative_config_per_method() -> None:

@@ -62,6 +62,10 @@ __all__ = ["IMPLEMENTED_FEATURES", "INSTALL_HINT", "TensorRTLLMBackend"]
 
 #: Seconds each ``get_*_async`` read waits for entries before it is made again.
 POLL_TIMEOUT_S = 0.5
+#: Seconds between two reads (in case a read returns at once when empty).
+READ_PAUSE_S = 0.01
+#: Most seconds ``start`` waits for the first iteration stats (the KV capacity).
+FIRST_STATS_TIMEOUT_S = 5.0
 
 
 class TensorRTLLMBackend(EngineBackend):
@@ -96,6 +100,7 @@ class TensorRTLLMBackend(EngineBackend):
         self._events: collections.deque[KVEvent] = collections.deque()
         self._events_dropped = 0
         self._converter: KvEventConverter | None = None
+        self._first_stats = asyncio.Event()
 
     def check_available(self) -> None:
         """Raises EngineUnavailableError (the install command) when
@@ -105,8 +110,9 @@ class TensorRTLLMBackend(EngineBackend):
 
     async def start(self) -> None:
         """Imports tensorrt_llm, builds/loads the engine (blocking work runs in a
-        thread), warms it up with one short request and starts reading stats
-        and KV events. Idempotent.
+        thread), starts reading stats and KV events, warms it up with one short
+        request and waits (up to :data:`FIRST_STATS_TIMEOUT_S`) for the first
+        iteration stats, which give ``model_info`` its KV capacity. Idempotent.
 
         Raises:
           EngineUnavailableError: tensorrt_llm is not installed (or does not import).
@@ -140,6 +146,8 @@ class TensorRTLLMBackend(EngineBackend):
                                                        name="trtllm-kv-events"))
             self._tasks.append(asyncio.create_task(self._read_stats(), name="trtllm-stats"))
             await self._warm_up()
+            with contextlib.suppress(TimeoutError):  # model_info's KV capacity comes with it
+                await asyncio.wait_for(self._first_stats.wait(), FIRST_STATS_TIMEOUT_S)
 
     def _model_path(self) -> Path:
         path = self._config.model_path
@@ -287,36 +295,52 @@ class TensorRTLLMBackend(EngineBackend):
 
     async def _read_stats(self) -> None:
         """Feeds ``load()``, the KV capacity in ``model_info`` and the step observer."""
-        while self._llm is not None:
-            async for entry in self._llm.get_stats_async(timeout=POLL_TIMEOUT_S):
-                snapshot = parse_iteration_stats(entry)
-                self._load = snapshot.load
-                if self._info is not None and snapshot.kv_capacity_blocks and \
-                        not self._info.kv_capacity_tokens:
-                    self._info = replace(self._info, kv_capacity_tokens=snapshot.kv_capacity_blocks
-                                                * (snapshot.tokens_per_block
-                                                   or self._config.block_size))
-                if self._step_observer is not None:
-                    self._step_observer(snapshot.step)
-            await asyncio.sleep(0)
+        try:
+            while self._llm is not None:
+                async for entry in self._llm.get_stats_async(timeout=POLL_TIMEOUT_S):
+                    self._apply_stats(entry)
+                await asyncio.sleep(READ_PAUSE_S)
+        except Exception as exc:  # a reader must not die silently: load() would freeze
+            log.error("trtllm_stats_reader_failed", error=repr(exc))
+            raise
+
+    def _apply_stats(self, entry: Any) -> None:
+        snapshot = parse_iteration_stats(entry)
+        self._load = snapshot.load
+        info = self._info
+        if info is not None and snapshot.kv_capacity_blocks and not info.kv_capacity_tokens:
+            per_block = snapshot.tokens_per_block or self._config.block_size
+            self._info = replace(info, kv_capacity_tokens=snapshot.kv_capacity_blocks * per_block)
+        self._first_stats.set()
+        if self._step_observer is not None:
+            self._step_observer(snapshot.step)
 
     async def _read_kv_events(self) -> None:
         """Converts KV events into the bounded buffer ``drain_kv_events`` empties."""
-        assert self._converter is not None
-        while self._llm is not None:
-            async for event in self._llm.get_kv_cache_events_async(timeout=POLL_TIMEOUT_S):
-                try:
-                    converted = self._converter.convert(event)
-                except (KeyError, TypeError, ValueError) as exc:
-                    log.warning("trtllm_kv_event_unreadable", error=str(exc))
-                    continue
-                with self._events_lock:
-                    for item in converted:
-                        if len(self._events) >= KV_EVENT_BUFFER:
-                            self._events_dropped += 1
-                        else:
-                            self._events.append(item)
-            await asyncio.sleep(0)
+        converter = self._converter
+        assert converter is not None
+        try:
+            while self._llm is not None:
+                async for event in self._llm.get_kv_cache_events_async(timeout=POLL_TIMEOUT_S):
+                    with self._events_lock:
+                        self._buffer(converter, event)
+                await asyncio.sleep(READ_PAUSE_S)
+        except Exception as exc:
+            log.error("trtllm_kv_event_reader_failed", error=repr(exc))
+            raise
+
+    def _buffer(self, converter: KvEventConverter, event: Any) -> None:
+        """Converts one event into the buffer (the caller holds the events lock)."""
+        try:
+            converted = converter.convert(event)
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("trtllm_kv_event_unreadable", error=repr(exc))
+            return
+        for item in converted:
+            if len(self._events) >= KV_EVENT_BUFFER:
+                self._events_dropped += 1
+            else:
+                self._events.append(item)
 
 
 def _read_model_info(path: Path, config: EngineConfig) -> ModelInfo:

@@ -3,7 +3,7 @@
 ``LLM.get_kv_cache_events_async()`` yields one dict per event, as
 ``tensorrt_llm/_utils.py``'s ``KVCacheEventSerializer`` writes them (API
 ``LLM.get_kv_cache_events``: https://nvidia.github.io/TensorRT-LLM/llm-api/reference.html#tensorrt_llm.llmapi.LLM.get_kv_cache_events;
-example https://nvidia.github.io/TensorRT-LLM/examples/llm_kv_cache_events.html)::
+example https://nvidia.github.io/TensorRT-LLM/examples/llm_inference_kv_events.html)::
 
     {"event_id": 7, "window_size": 4096, "data": {"type": "stored", "parent_hash": 12 | None,
       "blocks": [{"type": "stored_block", "block_hash": 34, "cache_level": 0, "priority": 35,

@@ -1,9 +1,10 @@
 """``EngineConfig`` → the keyword arguments of ``tensorrt_llm.LLM(...)``.
 
 Written against the LLM API's arguments (``TorchLlmArgs`` of the PyTorch
-backend; reference https://nvidia.github.io/TensorRT-LLM/llm-api/reference.html#tensorrt_llm.llmapi.LLM,
+backend; reference https://nvidia.github.io/TensorRT-LLM/llm-api/reference.html,
+``KvCacheConfig`` https://nvidia.github.io/TensorRT-LLM/llm-api/reference/KvCacheConfig.html,
 source ``tensorrt_llm/llmapi/llm_args.py``) and its KV cache events example
-(https://nvidia.github.io/TensorRT-LLM/examples/llm_kv_cache_events.html):
+(https://nvidia.github.io/TensorRT-LLM/examples/llm_inference_kv_events.html):
 
 | LLM argument | from |
 | --- | --- |

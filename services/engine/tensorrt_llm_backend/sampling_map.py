@@ -4,8 +4,10 @@ Every llmesh sampling field is mapped here explicitly, or refused with
 INVALID_ARGUMENT naming the field and why. Written against the documented
 ``tensorrt_llm.SamplingParams`` and ``tensorrt_llm.sampling_params.GuidedDecodingParams``
 (https://nvidia.github.io/TensorRT-LLM/llm-api/reference.html#tensorrt_llm.llmapi.SamplingParams,
-source ``tensorrt_llm/sampling_params.py``) and the guided-decoding example
-(https://nvidia.github.io/TensorRT-LLM/examples/llm_guided_decoding.html).
+source ``tensorrt_llm/sampling_params.py``), the sampling guide
+(https://nvidia.github.io/TensorRT-LLM/1.0.0/features/sampling.html), ``GuidedDecodingParams``
+(https://nvidia.github.io/TensorRT-LLM/llm-api/reference/GuidedDecodingParams.html) and the
+guided-decoding example (https://nvidia.github.io/TensorRT-LLM/examples/llm_guided_decoding.html).
 
 Pure: no ``tensorrt_llm`` import. :func:`sampling_spec` returns plain kwargs;
 the backend calls ``SamplingParams(**spec.params,
@@ -71,7 +73,8 @@ IMPLEMENTED_FEATURES: frozenset[str] = frozenset(OPTIONAL_FEATURES) - {"prompt_l
 #: Why each unimplemented feature is refused (the message after the field name).
 REFUSAL_REASONS: dict[str, str] = {
     "prompt_logprobs": "the tensorrt_llm backend streams the generated tokens' "
-                       "log-probabilities only; leave prompt_logprobs unset or use the torch backend",
+                       "log-probabilities only; leave prompt_logprobs unset or use the "
+                       "torch backend",
 }
 
 _REGEX_SPECIAL = frozenset("\\.^$|?*+()[]{}")
@@ -126,7 +129,8 @@ def _refuse_unsupported(options: SamplingOptions, eos_token_ids: tuple[int, ...]
 
     if options.n > 1 and options.greedy:
         raise refuse("n", "TensorRT-LLM's LLM API refuses n > 1 with greedy decoding "
-                     "(temperature 0: every choice would be the same); set temperature > 0 or n = 1")
+                     "(temperature 0: every choice would be the same); set temperature > 0 "
+                     "or n = 1")
     if options.n > 1 and options.seed is not None:
         raise refuse("n", "with a seed, llmesh seeds choice i with seed + i, but TensorRT-LLM "
                      "seeds a request once; send n requests with seeds seed..seed+n-1, or "

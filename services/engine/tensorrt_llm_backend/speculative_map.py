@@ -1,10 +1,10 @@
 """Engine flags → TensorRT-LLM's ``speculative_config``, and the per-request check.
 
 TensorRT-LLM picks its speculative decoding when the ``LLM`` is built, from one
-of the decoding configs of ``tensorrt_llm.llmapi`` (speculative decoding guide
-https://nvidia.github.io/TensorRT-LLM/advanced/speculative-decoding.html,
-example https://nvidia.github.io/TensorRT-LLM/examples/llm_speculative_decoding.html,
-fields in ``tensorrt_llm/llmapi/llm_args.py``):
+of the decoding configs of ``tensorrt_llm.llmapi`` (example
+https://nvidia.github.io/TensorRT-LLM/1.0.0/examples/llm_speculative_decoding.html,
+fields in ``tensorrt_llm/llmapi/llm_args.py``, reference
+https://nvidia.github.io/TensorRT-LLM/llm-api/reference.html):
 
 | ``--speculative-method`` | config | kwargs from the flags |
 | --- | --- | --- |
@@ -79,7 +79,8 @@ def _draft_dir(config: EngineConfig) -> str:
     what = "an EAGLE3 draft head" if config.speculative_method == "eagle3" else "a draft model"
     if path is None:
         raise ValueError(f"--speculative-method {config.speculative_method} needs "
-                         f"--draft-model-path: {what} (a Hugging Face checkpoint directory or hub id)")
+                         f"--draft-model-path: {what} (a Hugging Face checkpoint directory "
+                         "or hub id)")
     if path.suffix == ".gguf":
         raise ValueError(f"--draft-model-path {path} is a GGUF file; the tensorrt_llm backend "
                          f"reads Hugging Face checkpoints: pass {what}'s directory")
