@@ -153,6 +153,9 @@ def test_contradictory_flags_are_refused_before_loading(argv: list[str], message
      "LLMESH_ENGINE_QUANTIZATION='bogus': choose one of"),
     (["--attention-backend", "native", "--quantization", "none", "--dtype", "bfloat16"], {},
      "the native attention kernel is fp32 on CPU only"),
+    (["--backend", "tensorrt_llm", "--speculative-method", "eagle3"], {},
+     "--speculative-method eagle3 needs --draft-model-path"),
+    (["--speculative-method", "mtp"], {}, "mtp is implemented by the tensorrt_llm backend only"),
 ])
 def test_engine_cli_errors_are_one_line_not_a_traceback(
         argv: list[str], environ: dict[str, str], message: str) -> None:

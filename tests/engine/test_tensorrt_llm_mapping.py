@@ -215,6 +215,11 @@ def test_a_request_cannot_choose_other_speculation_than_the_engines() -> None:
             field, grpc.StatusCode.INVALID_ARGUMENT)
 
 
+def test_the_backend_refuses_bad_speculative_flags_when_built() -> None:
+    with pytest.raises(ValueError, match="eagle3 needs --draft-model-path"):
+        create_backend(EngineConfig(backend="tensorrt_llm", speculative_method="eagle3"))
+
+
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])
 def test_the_torch_backend_refuses_eagle3_and_mtp(method: str) -> None:
     with pytest.raises(ValueError, match=f"{method} is implemented by the tensorrt_llm backend"):

@@ -51,7 +51,10 @@ from services.engine.tensorrt_llm_backend.sampling_map import (
     SamplingSpec,
     sampling_spec,
 )
-from services.engine.tensorrt_llm_backend.speculative_map import check_request_speculation
+from services.engine.tensorrt_llm_backend.speculative_map import (
+    check_request_speculation,
+    speculative_spec,
+)
 from services.engine.tensorrt_llm_backend.stats import parse_iteration_stats
 from services.engine.types import LoadStats, ModelInfo, SequenceRequest, StepStats, TokenDelta
 from services.engine.validation import refuse_unimplemented, validate_request
@@ -80,12 +83,17 @@ class TensorRTLLMBackend(EngineBackend):
     Args:
       config: engine options.
       step_observer: called on the event loop with each iteration's stats.
+
+    Raises:
+      ValueError: speculative options TensorRT-LLM cannot start with
+        (:func:`.speculative_map.speculative_spec`), before anything loads.
     """
 
     name = "tensorrt_llm"
 
     def __init__(self, config: EngineConfig,
                  step_observer: Callable[[StepStats], None] | None = None) -> None:
+        speculative_spec(config)
         self._config = config
         self._step_observer = step_observer
         self._start_lock = asyncio.Lock()
