@@ -15,7 +15,7 @@ from services.common.logprobs import PositionLogprobs, TokenLogprob
 from services.common.sampling import FinishReason
 from services.engine.tensorrt_llm_backend.kv_events import KvEventConverter
 from services.engine.tensorrt_llm_backend.outputs import finish_reason, position_logprobs
-from services.engine.tensorrt_llm_backend.stats import parse_iteration_stats
+from services.engine.tensorrt_llm_backend.stats import capped_load, parse_iteration_stats
 from services.engine.types import LoadStats
 
 from .kv_helpers import compute, create_manager, make_request
@@ -140,6 +140,15 @@ def test_missing_sections_count_as_zero_and_non_objects_are_refused() -> None:
     assert (snapshot.step.duration_s, snapshot.kv_capacity_blocks) == (0.0, 0)
     with pytest.raises(ValueError, match="JSON object"):
         parse_iteration_stats("[1, 2]")
+
+
+def test_load_is_capped_by_the_requests_in_flight() -> None:
+    last = LoadStats(num_running=3, num_waiting=2, kv_cache_usage=0.4)
+    assert capped_load(last, in_flight=10, with_output=3) == last
+    # The engine idled after its last iteration: nothing is in flight any more.
+    assert capped_load(last, in_flight=0, with_output=0) == LoadStats(0, 0, 0.4)
+    assert capped_load(last, in_flight=4, with_output=4) == LoadStats(3, 1, 0.4)
+    assert capped_load(None, in_flight=3, with_output=1) == LoadStats(1, 2, 0.0)
 
 
 # ---- streamed outputs ----------------------------------------------------------------------

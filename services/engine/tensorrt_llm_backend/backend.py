@@ -55,7 +55,7 @@ from services.engine.tensorrt_llm_backend.speculative_map import (
     check_request_speculation,
     speculative_spec,
 )
-from services.engine.tensorrt_llm_backend.stats import parse_iteration_stats
+from services.engine.tensorrt_llm_backend.stats import capped_load, parse_iteration_stats
 from services.engine.types import LoadStats, ModelInfo, SequenceRequest, StepStats, TokenDelta
 from services.engine.validation import refuse_unimplemented, validate_request
 
@@ -75,9 +75,8 @@ class TensorRTLLMBackend(EngineBackend):
     """TensorRT-LLM's in-flight batching engine behind :class:`EngineBackend`.
 
     In-flight batching, the paged KV cache with block reuse, speculative
-    decoding and scheduling are TensorRT-LLM's. ``load()`` is the latest
-    iteration's stats (before the first one: this backend's own count of
-    requests without / with output). ``cancel_choice`` is not supported
+    decoding and scheduling are TensorRT-LLM's. ``load()`` comes from the
+    iteration stats (see :meth:`load`). ``cancel_choice`` is not supported
     (TensorRT-LLM aborts whole requests): False.
 
     Args:
@@ -261,12 +260,9 @@ class TensorRTLLMBackend(EngineBackend):
         return True
 
     def load(self) -> LoadStats:
-        """The latest iteration's load; before any, this backend's own count."""
-        if self._load is not None:
-            return self._load
-        running = len(self._started)
-        return LoadStats(num_running=running, num_waiting=len(self._results) - running,
-                         kv_cache_usage=0.0)
+        """See :func:`.stats.capped_load`: the iteration stats, capped by the
+        requests in flight here."""
+        return capped_load(self._load, len(self._results), len(self._started))
 
     def drain_kv_events(self) -> list[KVEvent]:
         with self._events_lock:

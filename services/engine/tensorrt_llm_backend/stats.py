@@ -16,7 +16,7 @@ The keys read here::
 
 Mapping:
 
-* :class:`LoadStats`: running = ``numActiveRequests``; waiting =
+* :class:`LoadStats` (then :func:`capped_load`): running = ``numActiveRequests``; waiting =
   ``numQueuedRequests`` + ``numPausedRequests`` (paused = preempted, waiting
   to resume); KV usage = ``usedNumBlocks / maxNumBlocks``; pending prefill
   tokens are not reported by TensorRT-LLM (0).
@@ -83,3 +83,22 @@ def parse_iteration_stats(entry: Mapping[str, Any] | str) -> IterationSnapshot:
         spec_num_draft_tokens=draft_tokens,
         spec_num_accepted_tokens=int(spec.get("numAcceptedTokens", 0)))
     return IterationSnapshot(load, step, max_blocks, int(kv.get("tokensPerBlock", 0)))
+
+
+def capped_load(stats: LoadStats | None, in_flight: int, with_output: int) -> LoadStats:
+    """The backend's ``load()``: the latest iteration's running / waiting
+    counts capped by the requests in flight on this backend (its only
+    client), and its KV usage. TensorRT-LLM reports no iteration once it
+    idles, so its last stats may still count requests that have finished.
+    Before the first stats (``stats`` None): the backend's own count, a
+    request waiting until its first output.
+
+    Args:
+      stats: the latest iteration's load, or None.
+      in_flight: requests this backend is streaming.
+      with_output: of those, the ones that have had output.
+    """
+    if stats is None:
+        return LoadStats(with_output, in_flight - with_output, 0.0)
+    running = min(stats.num_running, in_flight)
+    return LoadStats(running, min(stats.num_waiting, in_flight - running), stats.kv_cache_usage)
