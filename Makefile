@@ -4,7 +4,7 @@ DESCRIPTOR := envoy/llmesh_descriptor.binpb
 
 STAMP := .cache/install.stamp
 
-.PHONY: install generate envoy-config lint breaking check-generated test up
+.PHONY: install generate envoy-config k8s-envoy-config lint breaking check-generated test up
 
 ## Installs everything on a fresh machine (once; again when pyproject.toml changes).
 install: $(STAMP)
@@ -25,6 +25,10 @@ generate:
 ## Renders envoy/envoy.yaml (default ports) from services/cli/envoy_config.py.
 envoy-config:
 	$(PYTHON) -m services.cli.envoy_config --write envoy/envoy.yaml
+
+## Renders deploy/k8s/base/envoy/envoy.yaml (the Kubernetes flavour: router by DNS, admin on loopback).
+k8s-envoy-config:
+	$(PYTHON) -m services.cli.envoy_config --k8s --write deploy/k8s/base/envoy/envoy.yaml
 
 lint:
 	buf lint
