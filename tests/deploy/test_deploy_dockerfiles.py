@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -78,7 +79,16 @@ def test_trtllm_image_is_pinned_and_keeps_the_base_torch() -> None:
     assert re.fullmatch(r"ARG TRTLLM_IMAGE=nvcr\.io/nvidia/tensorrt-llm/release:\d+\.\d+\.\d+\S*",
                         base)
     install = next(line for line in stage if "pip install -r" in line)
-    assert "not d.startswith('torch')" in install and "-c /tmp/constraints.txt" in install
+    assert "-c /tmp/constraints.txt" in install
+    assert "pip list --format=freeze" in install  # name==version lines only
+    # The requirements it writes: every dependency of llmesh but torch.
+    script = re.search(r'python3 -c "([^"]+)"', install).group(1)
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    wanted = [d for d in tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"][
+        "dependencies"] if not d.startswith("torch")]
+    assert result.stdout.split() == [d.replace(" ", "") for d in wanted] and len(wanted) > 10
     users = [line.split()[1] for line in stage if line.startswith("USER ")]
     assert users and users[-1].split(":")[0] not in ("0", "root")
 
