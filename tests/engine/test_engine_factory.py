@@ -67,8 +67,8 @@ def test_tensorrt_llm_chosen_but_absent_is_one_line_and_exit_code_2() -> None:
     assert done.returncode == 2
     assert done.stderr.splitlines() == [
         "python -m services.engine: error: the tensorrt_llm backend needs TensorRT-LLM on a "
-        "CUDA host (module 'tensorrt_llm' not found): pip install 'llmesh[tensorrt-llm]' "
-        "--extra-index-url https://pypi.nvidia.com"]
+        "CUDA host (module 'tensorrt_llm' not found): pip install -e '.[tensorrt-llm]' "
+        "--extra-index-url https://pypi.nvidia.com (from the llmesh checkout)"]
     assert done.stdout == ""  # refused before any port was bound ("listening" is logged)
 
 
