@@ -81,6 +81,8 @@ with warnings.catch_warnings():
         Address,
         DataSource,
         GrpcMethodList,
+        HealthCheck,
+        HealthCheckGrpcHealthCheck,
         GrpcMethodListService,
         Http1ProtocolOptions,
         Http2ProtocolOptions,
@@ -105,6 +107,7 @@ with warnings.catch_warnings():
         HeaderMatcher,
         RetryPolicy,
         RetryPolicyRetryBackOff,
+        RetryPolicyRetryHostPredicate,
         Route,
         RouteAction,
         RouteActionMaxStreamDuration,
@@ -129,6 +132,9 @@ with warnings.catch_warnings():
     )
     from envoy_data_plane.envoy.extensions.resource_monitors.downstream_connections.v3 import (
         DownstreamConnectionsConfig,
+    )
+    from envoy_data_plane.envoy.extensions.retry.host.previous_hosts.v3 import (
+        PreviousHostsPredicate,
     )
     from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
         HttpProtocolOptions,
@@ -209,6 +215,15 @@ class EnvoySettings:
       router_host: the router's host: an IP literal gives a STATIC cluster, a
         name a STRICT_DNS one.
       router_port: the router's gRPC port.
+      more_routers: further router endpoints (``host:port``, IP literals or,
+        with a name as ``router_host``, names) in the same cluster: Envoy
+        balances over them and health-checks each.
+      health_check_interval_s: seconds between Envoy's gRPC health checks
+        (``grpc.health.v1.Health/Check``) of each router endpoint; a router
+        that answers NOT_SERVING (it drains after SIGTERM) or not at all is
+        out of balancing after ``health_check_unhealthy_threshold`` checks,
+        back after one SERVING answer.
+      health_check_unhealthy_threshold: failed checks that take a router out.
       openai_port: the router's OpenAI-compatible HTTP port; None: no OpenAI
         routes (those paths then reach the transcoder, which answers 404).
       descriptor_path: descriptor set for the transcoder; a relative path is
@@ -251,6 +266,9 @@ class EnvoySettings:
     admin_port: int = DEFAULT_ADMIN_PORT
     router_host: str = "127.0.0.1"
     router_port: int = DEFAULT_ROUTER_PORT
+    more_routers: tuple[str, ...] = ()
+    health_check_interval_s: float = 1.0
+    health_check_unhealthy_threshold: int = 1
     openai_port: int | None = DEFAULT_OPENAI_PORT
     descriptor_path: str = DESCRIPTOR_RELATIVE
     stream_idle_timeout_s: float = 300.0
@@ -361,6 +379,12 @@ def _route_action(settings: EnvoySettings, *, idle_timeout_s: float | None = Non
             retry_back_off=RetryPolicyRetryBackOff(
                 base_interval=_seconds(0.025), max_interval=_seconds(0.25)
             ),
+            # A retry goes to another router when there is one (a draining
+            # router answers UNAVAILABLE until its health check fails).
+            retry_host_predicate=[RetryPolicyRetryHostPredicate(
+                name="envoy.retry_host_predicates.previous_hosts",
+                typed_config=Any.pack(PreviousHostsPredicate()))],
+            host_selection_retry_max_attempts=3,
         ),
     )
 
@@ -479,15 +503,41 @@ def _router_cluster(settings: EnvoySettings, *, name: str = ROUTER_CLUSTER,
             endpoints=[
                 LocalityLbEndpoints(
                     lb_endpoints=[
-                        LbEndpoint(
-                            endpoint=Endpoint(
-                                address=_address(settings.router_host, port)
-                            )
-                        )
+                        LbEndpoint(endpoint=Endpoint(address=_address(host, endpoint_port)))
+                        for host, endpoint_port in _router_endpoints(
+                            settings, port, grpc_cluster=grpc_cluster)
                     ]
                 )
             ],
         ),
+        health_checks=[_grpc_health_check(settings)] if grpc_cluster else [],
+    )
+
+
+def _router_endpoints(settings: EnvoySettings, port: int, *, grpc_cluster: bool
+                      ) -> list[tuple[str, int]]:
+    """``router_host`` at ``port``, then (gRPC cluster only: each router's
+    OpenAI port is its own) every ``more_routers`` endpoint."""
+    endpoints = [(settings.router_host, port)]
+    if grpc_cluster:
+        for extra in settings.more_routers:
+            host, _, extra_port = extra.rpartition(":")
+            endpoints.append((host.strip("[]"), int(extra_port)))
+    return endpoints
+
+
+def _grpc_health_check(settings: EnvoySettings) -> HealthCheck:
+    """Active gRPC health checks of each router endpoint: a draining router
+    (NOT_SERVING) leaves balancing within one interval. ``no_traffic_interval``
+    too, or an idle cluster is checked only every 60 s (Envoy's default)."""
+    interval = _seconds(settings.health_check_interval_s)
+    return HealthCheck(
+        timeout=_seconds(max(0.5, settings.health_check_interval_s)),
+        interval=interval,
+        no_traffic_interval=interval,
+        unhealthy_threshold=settings.health_check_unhealthy_threshold,
+        healthy_threshold=1,
+        grpc_health_check=HealthCheckGrpcHealthCheck(),
     )
 
 
