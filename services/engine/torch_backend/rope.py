@@ -22,9 +22,13 @@ def rope_tables(config: LlamaConfig, max_positions: int, device: torch.device | 
     ``config.rope_theta``; Gemma 3's local layers pass their own base); both
     halves of the head share a frequency ("rotate half" layout).
     """
-    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+    # Computed on the CPU whatever the current default device (build_model makes
+    # the model under ``torch.device(target)``), then moved: the same table everywhere.
+    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64,
+                             device="cpu").float() / config.head_dim
     inv_freq = 1.0 / ((config.rope_theta if theta is None else theta) ** exponents)
-    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"),
+                         inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
 
