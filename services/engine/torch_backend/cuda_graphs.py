@@ -286,12 +286,12 @@ class CudaGraphRunner:
                      warmup_runs: int) -> DecodeGraph:
         device = self.cache.k.device
         rows = self.model.padded_rows(size) if self.batch_invariant else size
-        buffers = DecodeBuffers.allocate(rows, keys // self.cache.block_size, device)
-        host = torch.empty_like(buffers.table, device="cpu").pin_memory()
         assert self.cache.scratch_block is not None  # capture_refusal checked
-        pack_decode_inputs([], host.numpy(), self.cache.block_size, self.cache.scratch_block)
-        logit_rows = torch.arange(rows, device=device)
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream):  # every tensor made and filled on the capture stream
+            buffers = DecodeBuffers.allocate(rows, keys // self.cache.block_size, device)
+            host = torch.empty_like(buffers.table, device="cpu").pin_memory()
+            pack_decode_inputs([], host.numpy(), self.cache.block_size, self.cache.scratch_block)
+            logit_rows = torch.arange(rows, device=device)
             buffers.load(host)
             for _ in range(warmup_runs):
                 self._forward(buffers, logit_rows)
