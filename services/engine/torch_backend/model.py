@@ -31,7 +31,8 @@ in place.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -421,7 +422,11 @@ def build_model(config: LlamaConfig, state_dict: Mapping[str, torch.Tensor],
                 q4_1: Mapping[str, Q4_1Blocks] | None = None, quant_kernel: str = "auto"
                 ) -> LlamaModel:
     """A ready, eval-mode model (:func:`model_class` of ``config``) on ``device`` in ``dtype`` (RoPE tables are computed
-    in fp32 and then cast to ``dtype``, as transformers does), its projections
+    in fp32 and then cast to ``dtype``, as transformers does; a dense model's
+    parameters are created on ``device`` in ``dtype`` and filled from
+    ``state_dict`` one tensor at a time, so a lazy mapping such as
+    :class:`~services.engine.torch_backend.hf_loader.SafetensorsWeights` never
+    holds the whole model on the host), its projections
     quantized per ``quantization`` (``none``, ``int8``, ``int4``; see
     :meth:`LlamaModel.quantize`, on ``quant_kernel``) from ``state_dict`` or the
     raw ``q4_1`` blocks.
@@ -433,7 +438,10 @@ def build_model(config: LlamaConfig, state_dict: Mapping[str, torch.Tensor],
     """
     if quantization != "none":
         check_mode(quantization, dtype, torch.device(device))
-    model = model_class(config)(config, max_positions)
+        model = model_class(config)(config, max_positions)
+    else:  # parameters made on the device in the dtype: no fp32 host copy of the model
+        with torch.device(device), default_dtype(dtype):
+            model = model_class(config)(config, max_positions)
     model.load_weights(state_dict, projections=quantization == "none")
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
@@ -441,6 +449,19 @@ def build_model(config: LlamaConfig, state_dict: Mapping[str, torch.Tensor],
     if quantization != "none":
         model.quantize(quantization, state_dict, q4_1, quant_kernel)
     return model
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """``torch.get_default_dtype()`` is ``dtype`` inside the block (process-wide:
+    the model is built on the engine thread before any request runs). The RoPE
+    tables name fp32 explicitly, so they are still computed in fp32."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def model_class(config: LlamaConfig) -> type[LlamaModel]:

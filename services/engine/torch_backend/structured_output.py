@@ -56,6 +56,7 @@ from pathlib import Path
 import grpc
 import llguidance
 
+from services.common.checkpoint import load_hf_tokenizer
 from services.common.sampling import ConstraintKind, InvalidRequestError, StructuredOutput
 from services.engine.torch_backend.grammar_mask import GrammarMatcher
 
@@ -81,7 +82,8 @@ def load_tokenizer(gguf_path: Path, vocab_size: int,
     time, then cached per process).
 
     Args:
-      gguf_path: the model's GGUF file (its tokenizer is read by ``transformers``).
+      gguf_path: the model's GGUF file or checkpoint directory (its tokenizer
+        is read by ``transformers``, :func:`~services.common.checkpoint.load_hf_tokenizer`).
       vocab_size: rows of the model's logits; the mask has one bit per id below it.
       eos_token_ids: ids the grammar allows once it accepts (the model's EOS set).
 
@@ -92,9 +94,8 @@ def load_tokenizer(gguf_path: Path, vocab_size: int,
     with _tokenizers_lock:
         if key not in _tokenizers:
             from llguidance.hf import from_tokenizer  # imports transformers
-            from transformers import AutoTokenizer
 
-            hf = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+            hf = load_hf_tokenizer(gguf_path)
             _tokenizers[key] = from_tokenizer(hf, n_vocab=vocab_size,
                                               eos_token=list(key[2]) or None)
         return _tokenizers[key]

@@ -1,0 +1,263 @@
+"""Reads a Hugging Face checkpoint directory (``config.json`` + safetensors) into
+the config and weights the GGUF loader gives (:mod:`~services.engine.torch_backend.gguf_loader`).
+
+A directory as ``save_pretrained(dir, safe_serialization=True)`` writes it:
+``config.json`` with ``architectures: ["LlamaForCausalLM"]``, the weights in
+``model.safetensors`` or in shards ``model-0000K-of-0000N.safetensors`` listed
+by ``model.safetensors.index.json`` (``weight_map``: tensor name → file), and
+optionally ``generation_config.json`` (more EOS ids). The tensor names are
+already the Hugging Face ones the model loads (``model.layers.{i}.self_attn.q_proj.weight``
+…), and Q/K rows are already in the "rotate half" layout the model's RoPE
+expects, so nothing is permuted (only GGUF files need
+:func:`~services.engine.torch_backend.gguf_loader.unpermute_rope_rows`).
+
+Weights are read lazily: :class:`SafetensorsWeights` opens each file with
+``safetensors.safe_open`` (memory-mapped) and reads one tensor when the model
+copies it, cast to the requested dtype, so at most one tensor (plus a fused
+projection's parts) is held outside the model at a time, whatever the
+checkpoint's size.
+
+Supported: ``LlamaForCausalLM`` (grouped-query attention, tied or untied LM
+head, ``rope_theta`` at the top level or in transformers 5's
+``rope_parameters``, Llama 3.1's ``llama3`` RoPE scaling, ``rms_norm_eps``,
+``head_dim``). Refused with a ValueError naming the field: other
+architectures, other RoPE scalings (``linear``, ``dynamic``, ``yarn``…),
+attention or MLP biases, an activation other than SiLU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from services.common.checkpoint import (
+    CONFIG_FILE,
+    GENERATION_CONFIG_FILE,
+    checkpoint_eos_ids,
+    read_json_object,
+)
+from services.engine.torch_backend.gguf_loader import Llama3RopeScaling, LlamaConfig
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+#: ``architectures`` entries this loader reads.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+def checkpoint_architecture(path: str | Path) -> str:
+    """The loader's architecture name (``llama``) of the checkpoint at ``path``,
+    as :func:`~services.engine.torch_backend.gguf_loader.gguf_architecture` gives it
+    for a GGUF.
+
+    Raises:
+      FileNotFoundError: no directory or no ``config.json``.
+      ValueError: see :func:`read_hf_config`.
+    """
+    return read_hf_config(path).architecture
+
+
+class SafetensorsWeights(Mapping[str, torch.Tensor]):
+    """The checkpoint's tensors by name, read on access from memory-mapped
+    safetensors files, cast to ``dtype``.
+
+    Args:
+      files: tensor name → safetensors file holding it.
+      dtype: dtype of the returned tensors (the model's; fp32 for quantizing).
+    """
+
+    def __init__(self, files: Mapping[str, Path], dtype: torch.dtype) -> None:
+        self._files = dict(files)
+        self._dtype = dtype
+        self._handles: dict[Path, Any] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` on the CPU in the mapping's dtype.
+
+        Raises:
+          KeyError: the checkpoint has no such tensor.
+        """
+        file = self._files[name]
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        return handle.get_tensor(name).to(self._dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
+@dataclass
+class HFCheckpoint:
+    """A checkpoint read by :func:`load_hf_checkpoint`: its config and its lazily
+    read weights (keys as in :class:`~services.engine.torch_backend.gguf_loader.GGUFModel`)."""
+
+    config: LlamaConfig
+    state_dict: SafetensorsWeights
+
+
+def load_hf_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> HFCheckpoint:
+    """The config and weights (read lazily, cast to ``dtype``) of the checkpoint
+    directory ``path``.
+
+    Raises:
+      FileNotFoundError: no directory, no ``config.json``, no safetensors file
+        (``model.safetensors`` or ``model.safetensors.index.json``), or a shard
+        the index names is missing.
+      ValueError: see :func:`read_hf_config`; a malformed index; a tensor the
+        model needs is in no file (named).
+    """
+    path = Path(path)
+    config = read_hf_config(path)
+    files = tensor_files(path)
+    missing = [name for name in required_tensors(config) if name not in files]
+    if missing:
+        raise ValueError(f"{path}: the checkpoint lacks {len(missing)} tensor(s) a "
+                         f"{SUPPORTED_ARCHITECTURES[0]} needs, e.g. {missing[:3]}")
+    return HFCheckpoint(config, SafetensorsWeights(files, dtype))
+
+
+def read_hf_config(path: str | Path) -> LlamaConfig:
+    """A :class:`LlamaConfig` from ``config.json`` (and the EOS ids of
+    ``generation_config.json``) in the directory ``path``; ``name`` is the
+    directory's name.
+
+    Raises:
+      FileNotFoundError: ``path`` is not a directory or has no ``config.json``.
+      ValueError: invalid JSON; an architecture other than ``LlamaForCausalLM``;
+        RoPE scaling, biases or an activation other than SiLU; a missing
+        required field; no EOS id.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint directory at {path}")
+    raw = read_json_object(path / CONFIG_FILE)
+    architectures = raw.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+        raise ValueError(f"{path / CONFIG_FILE}: architectures {architectures} are not "
+                         f"supported; this loader reads {list(SUPPORTED_ARCHITECTURES)} "
+                         "(Gemma 3 is served from its GGUF)")
+    _refuse_unsupported(raw, path / CONFIG_FILE)
+    hidden = int(_required(raw, "hidden_size", path))
+    num_heads = int(_required(raw, "num_attention_heads", path))
+    return LlamaConfig(
+        name=path.name,
+        hidden_size=hidden,
+        num_layers=int(_required(raw, "num_hidden_layers", path)),
+        num_heads=num_heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(raw.get("head_dim") or hidden // num_heads),
+        intermediate_size=int(_required(raw, "intermediate_size", path)),
+        vocab_size=int(_required(raw, "vocab_size", path)),
+        rope_theta=float(_rope_parameters(raw).get("rope_theta", 10000.0)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        context_length=int(_required(raw, "max_position_embeddings", path)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),
+        eos_token_ids=_eos_ids(path),
+        rope_scaling=_rope_scaling(raw, path / CONFIG_FILE),
+    )
+
+
+def tensor_files(path: Path) -> dict[str, Path]:
+    """Tensor name → safetensors file of the checkpoint in ``path``: every tensor
+    of ``model.safetensors``, or the index's ``weight_map`` (sharded).
+
+    Raises:
+      FileNotFoundError: neither file, or a shard named by the index is missing.
+      ValueError: an index without a ``weight_map`` object.
+    """
+    single, index = path / SINGLE_FILE, path / INDEX_FILE
+    if index.is_file():
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no 'weight_map' object")
+        files = {name: path / str(file) for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not file.is_file():
+                raise FileNotFoundError(f"{index} names the shard {file.name}, which is missing")
+        return files
+    if single.is_file():
+        with safe_open(str(single), framework="pt", device="cpu") as handle:
+            return {name: single for name in handle.keys()}
+    raise FileNotFoundError(f"{path}: no {SINGLE_FILE} and no {INDEX_FILE} (only safetensors "
+                            "checkpoints are read; re-save with safe_serialization=True)")
+
+
+def required_tensors(config: LlamaConfig) -> list[str]:
+    """The HF tensor names a model of ``config`` loads (``lm_head.weight`` only
+    when the head is not tied)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    per_layer = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
+                 "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj")
+    for i in range(config.num_layers):
+        names.extend(f"model.layers.{i}.{part}.weight" for part in per_layer)
+    return names
+
+
+def _required(raw: Mapping[str, Any], key: str, path: Path) -> Any:
+    if raw.get(key) is None:
+        raise ValueError(f"{path / CONFIG_FILE}: required field {key!r} is missing")
+    return raw[key]
+
+
+def _rope_parameters(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """RoPE settings: transformers 5's ``rope_parameters`` object, or the older
+    top-level ``rope_theta`` / ``rope_scaling``."""
+    params = dict(raw.get("rope_parameters") or {})
+    if "rope_theta" not in params and raw.get("rope_theta") is not None:
+        params["rope_theta"] = raw["rope_theta"]
+    if raw.get("rope_scaling"):  # transformers 4: the scaling in its own object
+        scaling = dict(raw["rope_scaling"])
+        scaling.setdefault("rope_type", scaling.get("type"))
+        params = {**scaling, **params}
+    return params
+
+
+def _rope_scaling(raw: Mapping[str, Any], file: Path) -> Llama3RopeScaling | None:
+    """Llama 3.1's scaling from ``rope_parameters`` / ``rope_scaling``, or None.
+
+    Raises:
+      ValueError: a ``llama3`` entry without one of its four fields.
+    """
+    params = _rope_parameters(raw)
+    if params.get("rope_type", "default") in (None, "default"):
+        return None
+    try:
+        return Llama3RopeScaling(
+            factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+    except KeyError as err:
+        raise ValueError(f"{file}: rope_type 'llama3' needs {err.args[0]!r}") from None
+
+
+def _refuse_unsupported(raw: Mapping[str, Any], file: Path) -> None:
+    rope_type = _rope_parameters(raw).get("rope_type", "default")
+    if rope_type not in (None, "default", "llama3"):
+        raise ValueError(f"{file}: RoPE scaling {rope_type!r} is not supported (only "
+                         "Llama 3.1's 'llama3')")
+    for key in ("attention_bias", "mlp_bias"):
+        if raw.get(key):
+            raise ValueError(f"{file}: {key}=true is not supported (the model has no biases)")
+    activation = raw.get("hidden_act", "silu")
+    if activation != "silu":
+        raise ValueError(f"{file}: hidden_act {activation!r} is not supported (SwiGLU with "
+                         "SiLU only)")
+
+
+def _eos_ids(path: Path) -> tuple[int, ...]:
+    ids = checkpoint_eos_ids(path)
+    if not ids:
+        raise ValueError(f"{path}: no eos_token_id in {CONFIG_FILE} or {GENERATION_CONFIG_FILE}")
+    return ids
