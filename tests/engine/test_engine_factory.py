@@ -89,10 +89,28 @@ def parse_config(argv: list[str], environ: dict[str, str]) -> EngineConfig:
 def test_engine_config_defaults() -> None:
     config = parse_config([], {})
     assert config == EngineConfig()
-    assert (config.block_size, config.kv_cache_bytes, config.max_num_seqs) == (16, 1 << 30, 64)
+    assert (config.block_size, config.kv_cache_bytes, config.max_num_seqs) == (16, None, 64)
     assert (config.enable_prefix_caching, config.batch_invariant) == (True, True)
     assert (config.step_token_budget(), EngineConfig(device="cuda").step_token_budget()) == (
         256, 8192)
+
+
+def test_kv_budget_is_1_gib_on_the_cpu_and_a_fraction_of_free_gpu_memory_on_cuda() -> None:
+    assert EngineConfig().kv_budget_bytes() == 1 << 30
+    assert EngineConfig(gpu_memory_fraction=0.5).kv_budget_bytes(free_device_bytes=80 << 30) == (
+        40 << 30)
+    given = EngineConfig(kv_cache_bytes=3 << 20)
+    assert (given.kv_budget_bytes(), given.kv_budget_bytes(free_device_bytes=80 << 30)) == (
+        3 << 20, 3 << 20)
+
+
+def test_dtype_auto_is_float32_on_the_cpu_bfloat16_on_cuda_and_the_given_models() -> None:
+    from services.engine.torch_backend.backend import resolve_dtype
+
+    assert parse_config([], {}).dtype == "auto"
+    assert resolve_dtype(EngineConfig()).dtype == "float32"
+    assert resolve_dtype(EngineConfig(device="cuda")).dtype == "bfloat16"
+    assert resolve_dtype(EngineConfig(device="cuda", dtype="float16")).dtype == "float16"
 
 
 def test_environment_sets_defaults_and_flags_win() -> None:

@@ -13,7 +13,7 @@ source ``tensorrt_llm/llmapi/llm_args.py``) and its KV cache events example
 | ``max_seq_len`` | the context window (``--max-model-len`` or the model's) |
 | ``max_batch_size`` | ``--max-num-seqs`` |
 | ``max_num_tokens`` | ``--max-num-batched-tokens`` (default 8192, the CUDA step budget) |
-| ``dtype`` | ``--dtype`` |
+| ``dtype`` | ``--dtype`` (``auto``, the default: the checkpoint's own dtype) |
 | ``enable_chunked_prefill`` | ``--[no-]enable-chunked-prefill`` |
 | ``kv_cache_config=KvCacheConfig(...)`` | ``enable_block_reuse`` = ``--enable-prefix-caching``; ``event_buffer_max_size`` = :data:`KV_EVENT_BUFFER` with block reuse (0: no events); ``free_gpu_memory_fraction`` = ``--gpu-memory-fraction``; ``tokens_per_block`` = ``--block-size`` |
 | ``cuda_graph_config=CudaGraphConfig(...)`` | ``batch_sizes`` = ``EngineConfig.graph_batch_sizes()`` (``--cuda-graph-sizes``), ``enable_padding=True``; None with ``--enforce-eager`` (no CUDA graphs) |

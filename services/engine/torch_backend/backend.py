@@ -133,7 +133,7 @@ class TorchBackend(EngineBackend):
     def __init__(self, config: EngineConfig | None = None,
                  step_observer: StepObserver | None = None,
                  model: LlamaModel | None = None) -> None:
-        self._config = resolve_quantization(config or EngineConfig(), model)
+        self._config = resolve_quantization(resolve_dtype(config or EngineConfig(), model), model)
         check_config(self._config)
         self._model = model
         self._step_observer = step_observer
@@ -249,14 +249,16 @@ class TorchBackend(EngineBackend):
                              f"window of {min(context, runner.model.max_positions)} tokens")
         if runner.device.type == "cpu":
             keep_freed_memory()
+            budget = config.kv_budget_bytes()
         else:
-            check_kv_budget(config.kv_cache_bytes, torch.cuda.mem_get_info(runner.device)[0],
-                            config.gpu_memory_fraction)
-        cache = runner.allocate_kv_cache(config.kv_cache_bytes, config.block_size)
+            free = torch.cuda.mem_get_info(runner.device)[0]
+            budget = config.kv_budget_bytes(free)
+            check_kv_budget(budget, free, config.gpu_memory_fraction)
+        cache = runner.allocate_kv_cache(budget, config.block_size)
         self.kv_cache_info = KVCacheInfo(cache.num_blocks, cache.block_size, cache.nbytes,
                                          cache.num_tokens)
         log.info("kv_cache_allocated", blocks=cache.num_blocks, block_size=cache.block_size,
-                 bytes=cache.nbytes, tokens=cache.num_tokens, budget_bytes=config.kv_cache_bytes,
+                 bytes=cache.nbytes, tokens=cache.num_tokens, budget_bytes=budget,
                  max_model_len=max_model_len)
         if cache.num_tokens < max_model_len:
             log.warning("kv_cache_smaller_than_context", tokens=cache.num_tokens,
@@ -395,6 +397,19 @@ class TorchBackend(EngineBackend):
             self._grammars.shutdown()
 
 
+def resolve_dtype(config: EngineConfig, model: LlamaModel | None = None) -> EngineConfig:
+    """``--dtype auto`` made concrete: the given model's dtype; else float32 on
+    the CPU (what the quantized kernels' fp32 residual stream needs) and
+    bfloat16 on any other device. Other values pass through."""
+    if config.dtype != "auto":
+        return config
+    if model is not None:
+        dtype = model.embed_tokens.dtype
+        return replace(config, dtype=next(n for n, d in DTYPES.items() if d == dtype))
+    return replace(config, dtype="float32" if torch.device(config.device).type == "cpu"
+                   else "bfloat16")
+
+
 def resolve_quantization(config: EngineConfig, model: LlamaModel | None = None) -> EngineConfig:
     """``config`` with ``quantization: auto`` made concrete: the given model's
     mode; ``none`` for a Hugging Face checkpoint directory (dense weights in
@@ -435,8 +450,9 @@ def check_config(config: EngineConfig) -> None:
         speculative options (:class:`SpeculativeConfig`); a structured-output
         compile timeout <= 0.
     """
+    config = resolve_dtype(config)
     if config.dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or auto, got {config.dtype!r}")
     config = resolve_quantization(config)  # auto: what the model's file makes it
     check_mode(config.quantization, DTYPES[config.dtype], torch.device(config.device))
     if config.attention_backend not in ATTENTION_BACKENDS:

@@ -483,16 +483,16 @@ def check_mode(quantization: str, dtype: torch.dtype, device: torch.device) -> N
     Raises:
       ValueError: an unknown mode; a quantized mode with a dtype other than
         float32 (the quantized modes run their projections in bf16 and keep the
-        residual stream, norms and attention in fp32: ``--dtype`` must stay at
-        its default); or a quantized mode off the CPU (the ``*_for_cpu`` kernels).
+        residual stream, norms and attention in fp32: ``--dtype`` float32, the
+        CPU's ``auto``); or a quantized mode off the CPU (checked first) (the ``*_for_cpu`` kernels).
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if quantization == "none":
         return
-    if dtype != torch.float32:
-        raise ValueError(f"--quantization {quantization} runs bf16 projections on an fp32 "
-                         f"residual stream; leave --dtype at float32 (got {dtype})")
     if device.type != "cpu":
         raise ValueError(f"--quantization {quantization} uses PyTorch's CPU kernels; "
                          f"use --quantization none on {device}")
+    if dtype != torch.float32:
+        raise ValueError(f"--quantization {quantization} runs bf16 projections on an fp32 "
+                         f"residual stream; leave --dtype at float32 (got {dtype})")
