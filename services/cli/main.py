@@ -174,6 +174,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     """Runs the mesh until Ctrl-C/SIGTERM (a service that dies is started again,
     see :func:`_supervise`)."""
     from services.cli.mesh import Mesh, MeshStartError, PortInUseError
+    from services.common.checkpoint import is_checkpoint_dir
 
     engine_args = list(args.engine_arg)
     for flag in ("backend", "device", "dtype", "quantization"):
@@ -187,9 +188,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         names = [m.name for m in args.models]
         print(f"llmesh: each --model needs its own NAME, got {names}", file=sys.stderr)
         return 2
-    missing = [m.path for m in args.models if not os.path.isfile(m.path)]
+    missing = [m.path for m in args.models
+               if not (os.path.isfile(m.path) or is_checkpoint_dir(m.path))]
     if missing:
-        print(f"llmesh: --model: no GGUF file at {missing[0]}", file=sys.stderr)
+        print(f"llmesh: --model: no GGUF file or checkpoint directory (with config.json) "
+              f"at {missing[0]}", file=sys.stderr)
         return 2
     mesh = Mesh(
         ingress_host=args.host, ingress_port=args.port, admin_port=args.admin_port,
@@ -479,7 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
                     default=os.environ.get("LLMESH_ADMIN_PORT") or "9901",
                     help="Envoy admin port (env LLMESH_ADMIN_PORT, default: %(default)s)")
     up.add_argument("--model-path", default=None,
-                    help="GGUF file for tokenizer and engines (default: the services' default)")
+                    help="GGUF file or Hugging Face checkpoint directory for tokenizer and "
+                         "engines (default: the services' default)")
     up.add_argument("--model", action="append", default=[], metavar="NAME=PATH",
                     dest="models", type=_model_spec,
                     help="serve several models: repeat it; each gets its own tokenizer and "

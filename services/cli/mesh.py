@@ -448,7 +448,8 @@ class ModelSpec:
     Attributes:
       name: the served model id (clients send it as ``model``): the engines'
         ``--served-model-name`` and the tokenizer's ``--model-name``.
-      path: its GGUF file.
+      path: its GGUF file or Hugging Face checkpoint directory (passed as
+        ``--model-path`` to its tokenizer and engines).
     """
 
     name: str
@@ -464,7 +465,8 @@ class ModelSpec:
         """
         name, sep, path = text.partition("=")
         if not sep or not path:
-            raise ValueError(f"--model {text!r}: expected NAME=PATH (a GGUF file)")
+            raise ValueError(f"--model {text!r}: expected NAME=PATH (a GGUF file or "
+                             "checkpoint directory)")
         if not _MODEL_NAME.fullmatch(name):
             raise ValueError(f"--model {text!r}: the name must be 1-64 letters, digits, '.', "
                              "'_' or '-', starting with a letter or digit")
@@ -479,7 +481,7 @@ class Mesh:
       ingress_host: address Envoy's client listener binds.
       ingress_port: client port (gRPC and HTTP/JSON); 0 picks a free one.
       admin_port: Envoy admin port (``/stats/prometheus``); 0 picks a free one.
-      model_path: GGUF file passed as ``--model-path`` to tokenizer and
+      model_path: GGUF file or checkpoint directory passed as ``--model-path`` to tokenizer and
         engines; None lets them use their default model.
       models: several models instead (``model_path`` unset): each gets its
         own tokenizer and ``num_engines`` engines, named after it

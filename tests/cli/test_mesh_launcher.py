@@ -133,20 +133,21 @@ def test_several_models_each_get_a_tokenizer_and_engines_and_one_router_pool(
         tmp_path: Path) -> None:
     mesh = Mesh(ingress_port=0, admin_port=0, run_dir=tmp_path, num_engines=2,
                 models=[ModelSpec("chat", "/models/chat.gguf"),
-                        ModelSpec("base", "/models/base.gguf")],
+                        ModelSpec("base", "/models/base")],  # a checkpoint directory
                 commands=fake_commands())
     with mesh.start():
         assert list(mesh.services) == ["tokenizer", "tokenizer-base", "cache", "engine-0",
                                        "engine-1", "engine-base-0", "engine-base-1", "router"]
         for name, model, path in [("tokenizer", "chat", "/models/chat.gguf"),
-                                  ("tokenizer-base", "base", "/models/base.gguf")]:
+                                  ("tokenizer-base", "base", "/models/base")]:
             argv = _argv(mesh, name)
             assert _flag_values(argv, "--model-path") == [path]
             assert _flag_values(argv, "--model-name") == [model]
-        for name, model in [("engine-1", "chat"), ("engine-base-0", "base")]:
+        for name, model, path in [("engine-1", "chat", "/models/chat.gguf"),
+                                  ("engine-base-0", "base", "/models/base")]:
             argv = _argv(mesh, name)
             assert _flag_values(argv, "--served-model-name") == [model]
-            assert _flag_values(argv, "--model-path") == [f"/models/{model}.gguf"]
+            assert _flag_values(argv, "--model-path") == [path]
             assert _flag_values(argv, "--replica-id")[0].endswith(name)
             assert _flag_values(argv, "--num-threads") == [
                 str(engine_cpu_share(4))]  # four engines share the CPUs
