@@ -72,6 +72,20 @@ NOT_NEEDED: dict[str, str] = {
 }
 
 
+#: Distributions imported here only by a guarded ``try: import`` of another
+#: package (the import fails harmlessly where they are absent), with the importer.
+OPTIONAL_IMPORTS: dict[str, str] = {
+    "grpcio-tools": "grpc._runtime_protos tries grpc_tools",
+    "cryptography": "redis.utils tries it (OCSP)",
+    "hiredis": "redis tries its faster parser",
+    "opentelemetry-api": "redis.observability tries it",
+    "opentelemetry-sdk": "redis.observability tries it",
+    "rich": "structlog's console renderer tries it",
+    "pygments": "rich's syntax highlighting",
+    "colorama": "structlog's console renderer tries it",
+}
+
+
 def normalize(name: str) -> str:
     """A distribution name as PEP 503 compares them (``Foo_Bar`` -> ``foo-bar``)."""
     return re.sub(r"[-_.]+", "-", name).lower()
