@@ -6,7 +6,8 @@ first); on a lent H200, in the repository root::
     bash benchmarks/gpu_check.sh            # the real check, under 8 minutes
     bash benchmarks/gpu_check.sh --dry-run  # the same code paths on CPU, tiny model
 
-Stages, each timed, inside one hard budget (``--budget-s``, default 480 s): a
+Stages, each timed, inside one hard budget (``--budget-s``, default 480 s,
+counted from when ``gpu_check.sh`` began, its wheel install included): a
 stage that would not fit in what is left is not started and is recorded as
 ``aborted``, and a stage that runs past the budget is stopped and recorded so.
 
@@ -127,12 +128,14 @@ def num_prompts(concurrency: int, duration_s: float) -> int:
 
 
 class Budget:
-    """A hard time budget from construction: ``total_s`` seconds."""
+    """A hard time budget of ``total_s`` seconds, of which ``spent_s`` were spent
+    before construction (the wrapper's wheel install)."""
 
-    def __init__(self, total_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, total_s: float, clock: Callable[[], float] = time.monotonic,
+                 spent_s: float = 0.0) -> None:
         self.total_s = total_s
         self._clock = clock
-        self.started = clock()
+        self.started = clock() - spent_s
 
     def elapsed(self) -> float:
         return self._clock() - self.started
@@ -514,14 +517,26 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Plan]
     return args, make_plan(args.dry_run, concurrencies, args.bench_duration)
 
 
+def setup_seconds(environ: dict[str, str] | os._Environ[str], now: float) -> float:
+    """Seconds since ``$GPU_CHECK_STARTED`` (epoch seconds, set by gpu_check.sh
+    before it installs the wheels); 0 when unset or not a sane past time."""
+    try:
+        spent = now - float(environ.get("GPU_CHECK_STARTED", ""))
+    except ValueError:
+        return 0.0
+    return spent if 0.0 <= spent < 3600.0 else 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
     args, plan = parse_args(argv)
     out_dir = args.out or Path(os.environ.get("OUT") or "gpu_check_out")
-    budget = Budget(args.budget_s)
+    setup_s = setup_seconds(os.environ, time.time())
+    budget = Budget(args.budget_s, spent_s=setup_s)
     log = Log(out_dir / "gpu_check.log", budget)
     work = Path(tempfile.mkdtemp(prefix="llmesh-gpu-check-"))
     check = Check(plan, budget, log, work)
     report = check.report
+    report["setup_s"] = round(setup_s, 3)
     envoy = None if args.no_envoy else shutil.which("envoy")
     report["envoy"] = {"used": envoy is not None, "binary": envoy,
                        "why_not": None if envoy else (

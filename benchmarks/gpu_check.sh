@@ -18,6 +18,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
+export GPU_CHECK_STARTED=${GPU_CHECK_STARTED:-$(date +%s.%N)}   # the driver's budget counts from here
 PYTHON=${PYTHON:-python3}
 SITE=${GPU_CHECK_SITE:-/tmp/site}
 if ! compgen -G ".whl/*.whl" >/dev/null; then

@@ -132,6 +132,8 @@ def write_random_checkpoint(directory: Path, shape: str, tokenizer_dir: Path,
                                generator=generator)
             out.write(_raw_bytes(tensor.cpu()))
             del tensor
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the engine, another process, needs the memory
     config.save_pretrained(directory)
     GenerationConfig.from_model_config(config).save_pretrained(directory)
     return Checkpoint(directory, sum(math.prod(d) for d in shapes.values()),

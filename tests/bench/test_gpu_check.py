@@ -130,6 +130,17 @@ def test_stage_results_failures_and_timeouts_are_recorded(tmp_path: Path) -> Non
     assert "ZeroDivisionError" in (tmp_path / "log").read_text()
 
 
+def test_the_budget_counts_the_wrappers_wheel_install() -> None:
+    assert gpu_check.setup_seconds({"GPU_CHECK_STARTED": "1000.0"}, now=1012.5) == 12.5
+    assert gpu_check.setup_seconds({}, now=1012.5) == 0.0
+    assert gpu_check.setup_seconds({"GPU_CHECK_STARTED": "soon"}, now=1012.5) == 0.0
+    assert gpu_check.setup_seconds({"GPU_CHECK_STARTED": "2000"}, now=1012.5) == 0.0
+    clock = FakeClock()
+    budget = gpu_check.Budget(480.0, clock, spent_s=12.5)
+    assert budget.elapsed() == 12.5
+    assert budget.remaining() == 480.0 - 12.5 - gpu_check.RESERVE_S
+
+
 def test_a_child_past_its_time_is_stopped(tmp_path: Path) -> None:
     check = make_check(tmp_path)
     with pytest.raises(gpu_check.StageTimeout):
