@@ -77,6 +77,21 @@ def test_bad_flags_exit_2(argv: list[str]) -> None:
     assert caught.value.code == 2
 
 
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_each_plans_engine_flags_are_the_engines_own(dry_run: bool) -> None:
+    import argparse
+
+    from services.engine.config import add_engine_arguments, engine_config_from_args
+
+    plan = gpu_check.make_plan(dry_run)
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    config = engine_config_from_args(parser.parse_args(list(plan.engine_args)))
+    assert (config.device, config.dtype, config.quantization) == (plan.device, plan.dtype,
+                                                                  "none")
+    assert config.max_num_seqs >= max(plan.concurrencies)
+
+
 def test_enough_prompts_that_the_duration_ends_each_run() -> None:
     assert gpu_check.num_prompts(64, 60.0) == 3840
     assert gpu_check.num_prompts(1, 5.0) == 8
