@@ -21,7 +21,8 @@ PYTHON=${PYTHON:-python3}
 DEST=.whl
 mkdir -p "$DEST"
 
-mapfile -t specs < <("$PYTHON" benchmarks/gpu_check_deps.py)
+specs_text=$("$PYTHON" benchmarks/gpu_check_deps.py) || exit 1
+mapfile -t specs <<<"$specs_text"
 platforms=()
 for tag in manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1 \
            manylinux_2_24 manylinux_2_31 manylinux_2_34 manylinux_2_35; do
@@ -33,7 +34,7 @@ rm -f "$DEST"/*.whl
   --implementation cp "${platforms[@]}" -d "$DEST" "${specs[@]}"
 
 "$PYTHON" - "$DEST/smollm2-tokenizer" <<'EOF'
-import json, sys
+import sys
 from pathlib import Path
 sys.path[:0] = [".", "services/gen"]
 from benchmarks.gpu_check_models import export_tokenizer
