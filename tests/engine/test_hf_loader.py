@@ -193,8 +193,10 @@ def test_missing_files_are_named(checkpoint: Path, tmp_path: Path) -> None:
 def test_unsupported_configs_are_refused(checkpoint: Path, tmp_path: Path) -> None:
     cases = [
         ({"architectures": ["MistralForCausalLM"]}, r"architectures \['MistralForCausalLM'\]"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}},
+         "RoPE scaling 'yarn' is not supported"),
         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
-         "RoPE scaling 'llama3' is not supported"),
+         "rope_type 'llama3' needs 'low_freq_factor'"),
         ({"attention_bias": True}, "attention_bias=true is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
         ({"hidden_size": None}, "required field 'hidden_size' is missing"),
@@ -216,3 +218,30 @@ def test_generation_config_adds_eos_ids(checkpoint: Path, tmp_path: Path) -> Non
     path = copy_without(checkpoint, tmp_path / "eos")
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     assert read_hf_config(path).eos_token_ids == (2, 7)
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path: Path) -> None:
+    """Llama 3.1's ``rope_type: llama3`` (here with a short original context, so
+    that all three frequency bands occur within the tiny model's positions)."""
+    from transformers import LlamaForCausalLM
+
+    scaling = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    path = save_tiny_llama(tmp_path / "llama31", rope_parameters=scaling)
+    loaded = load_hf_checkpoint(path)
+    assert loaded.config.rope_scaling is not None
+    assert loaded.config.rope_scaling.original_max_position_embeddings == 64
+    runner = ModelRunner(build_model(loaded.config, loaded.state_dict), torch.device("cpu"),
+                         torch.float32, attention_backend="torch")
+    hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = tuple(range(1000, 1300, 3))  # 100 positions: past 64 / high_freq_factor * 4
+    with torch.inference_mode():
+        expected = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(logits_of(runner, prompt), expected, rtol=1e-4, atol=1e-4)
+    unscaled = load_hf_checkpoint(edit_config(copy_without(path, tmp_path / "plain"),
+                                              rope_parameters={"rope_theta": 500000.0,
+                                                               "rope_type": "default"}))
+    plain = ModelRunner(build_model(unscaled.config, unscaled.state_dict), torch.device("cpu"),
+                        torch.float32, attention_backend="torch")
+    assert not torch.allclose(logits_of(plain, prompt), expected, rtol=1e-4, atol=1e-4)

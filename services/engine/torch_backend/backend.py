@@ -35,6 +35,8 @@ from services.common.sampling import MAX_SPECULATIVE_TOKENS, SpeculativeMethod
 from services.engine.backend import EngineBackend, EngineUnavailableError
 from services.engine.config import EngineConfig
 from services.engine.torch_backend.block_pool import BlockCounts
+from services.engine.torch_backend.cuda_graphs import capture_refusal
+from services.engine.torch_backend.device import check_device, check_kv_budget
 from services.engine.torch_backend.gguf_loader import gguf_architecture
 from services.engine.torch_backend.draft_proposer import (
     DraftProposer,
@@ -184,7 +186,8 @@ class TorchBackend(EngineBackend):
         runner = self._load(path)
         max_model_len = self._size(runner)
         loaded = time.perf_counter()
-        self.timings = StartupTimings(load_s=loaded - began, warmup_s=self._warm_up(runner))
+        self.timings = StartupTimings(load_s=loaded - began,
+                                      warmup_s=self._warm_up(runner, max_model_len))
         model = config.model_name(path)
         assert runner.kv_cache is not None
         cache = runner.kv_cache
@@ -246,6 +249,9 @@ class TorchBackend(EngineBackend):
                              f"window of {min(context, runner.model.max_positions)} tokens")
         if runner.device.type == "cpu":
             keep_freed_memory()
+        else:
+            check_kv_budget(config.kv_cache_bytes, torch.cuda.mem_get_info(runner.device)[0],
+                            config.gpu_memory_fraction)
         cache = runner.allocate_kv_cache(config.kv_cache_bytes, config.block_size)
         self.kv_cache_info = KVCacheInfo(cache.num_blocks, cache.block_size, cache.nbytes,
                                          cache.num_tokens)
@@ -257,13 +263,28 @@ class TorchBackend(EngineBackend):
                         max_model_len=max_model_len)
         return max_model_len
 
-    def _warm_up(self, runner: ModelRunner) -> float:
-        """The batch-invariance probe (when on) and one warm-up step; seconds of the latter."""
+    def _warm_up(self, runner: ModelRunner, max_model_len: int) -> float:
+        """The batch-invariance probe (when on), one warm-up step, then on CUDA
+        the decode graphs (``graph_batch_sizes()``; none with ``--enforce-eager``
+        or for a model they cannot serve, which then runs eagerly); seconds of
+        the warm-up and capture."""
         if self._config.batch_invariant:
             self.batch_invariance_failures = runner.probe_batch_invariance()
             log.info("batch_invariance_probe", ok=not self.batch_invariance_failures,
                      failures=self.batch_invariance_failures[:5])
-        return runner.warm_up()
+        seconds = runner.warm_up()
+        sizes = self._config.graph_batch_sizes()
+        if runner.device.type != "cuda" or not sizes:
+            return seconds
+        reason = capture_refusal(runner.model, runner.kv_cache) if runner.kv_cache else None
+        if reason is not None:
+            log.warning("cuda_graphs_skipped", reason=reason)
+            return seconds
+        stats = runner.capture_cuda_graphs(sizes, max_model_len)
+        log.info("cuda_graphs_captured", graphs=stats.num_graphs, batch_sizes=list(sizes),
+                 key_lengths=list(runner.graphs.key_lengths) if runner.graphs else [],
+                 seconds=round(stats.seconds, 3), pool_bytes=stats.pool_bytes)
+        return seconds + stats.seconds
 
     @property
     def model_info(self) -> ModelInfo:
@@ -405,7 +426,8 @@ def check_config(config: EngineConfig) -> None:
     its depth, are checked when it loads).
 
     Raises:
-      ValueError: an unknown dtype; a quantization that contradicts dtype or
+      ValueError: an unknown dtype; a device PyTorch cannot use here
+        (:func:`~services.engine.torch_backend.device.check_device`); a quantization that contradicts dtype or
         device (:func:`~services.engine.torch_backend.quant.check_mode`); an
         unknown attention backend or quantized kernel, or ``native`` where the
         kernels cannot serve the device/dtype or cannot be built (the model's
@@ -415,6 +437,7 @@ def check_config(config: EngineConfig) -> None:
     """
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+    check_device(config.device)
     config = resolve_quantization(config)  # auto: what the model's file makes it
     check_mode(config.quantization, DTYPES[config.dtype], torch.device(config.device))
     if config.attention_backend not in ATTENTION_BACKENDS:

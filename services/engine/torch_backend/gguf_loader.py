@@ -36,6 +36,21 @@ import torch
 
 
 @dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (HF ``rope_type: llama3``; Meta's
+    reference ``apply_scaling``; Llama Team, "The Llama 3 Herd of Models", 2024,
+    arXiv:2407.21783): wavelengths longer than
+    ``original_max_position_embeddings / low_freq_factor`` are stretched by
+    ``factor``, those shorter than ``... / high_freq_factor`` kept, and the ones
+    between interpolated (see :func:`~services.engine.torch_backend.rope.llama3_inv_freq`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
 class LlamaConfig:
     """Hyper-parameters of a Llama decoder (Touvron et al., 2023, arXiv:2302.13971).
 
@@ -54,6 +69,8 @@ class LlamaConfig:
       tie_word_embeddings: the LM head reuses the token embedding matrix.
       bos_token_id: beginning-of-sequence id, or None.
       eos_token_ids: ids that end generation.
+      rope_scaling: Llama 3.1's RoPE scaling, or None (unscaled; every GGUF
+        read here: GGUFs with scaling are refused).
     """
 
     name: str
@@ -70,6 +87,7 @@ class LlamaConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    rope_scaling: Llama3RopeScaling | None = field(default=None, kw_only=True)
 
     @property
     def architecture(self) -> str:

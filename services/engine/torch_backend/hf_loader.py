@@ -19,9 +19,9 @@ checkpoint's size.
 
 Supported: ``LlamaForCausalLM`` (grouped-query attention, tied or untied LM
 head, ``rope_theta`` at the top level or in transformers 5's
-``rope_parameters``, ``rms_norm_eps``, ``head_dim``). Refused with a
-ValueError naming the field: other architectures, RoPE scaling (``llama3``,
-``linear``, ``yarn``… : the model's RoPE tables have no scaling yet),
+``rope_parameters``, Llama 3.1's ``llama3`` RoPE scaling, ``rms_norm_eps``,
+``head_dim``). Refused with a ValueError naming the field: other
+architectures, other RoPE scalings (``linear``, ``dynamic``, ``yarn``…),
 attention or MLP biases, an activation other than SiLU.
 """
 
@@ -41,7 +41,7 @@ from services.common.checkpoint import (
     checkpoint_eos_ids,
     read_json_object,
 )
-from services.engine.torch_backend.gguf_loader import LlamaConfig
+from services.engine.torch_backend.gguf_loader import Llama3RopeScaling, LlamaConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -162,6 +162,7 @@ def read_hf_config(path: str | Path) -> LlamaConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),
         eos_token_ids=_eos_ids(path),
+        rope_scaling=_rope_scaling(raw, path / CONFIG_FILE),
     )
 
 
@@ -216,17 +217,36 @@ def _rope_parameters(raw: Mapping[str, Any]) -> dict[str, Any]:
     params = dict(raw.get("rope_parameters") or {})
     if "rope_theta" not in params and raw.get("rope_theta") is not None:
         params["rope_theta"] = raw["rope_theta"]
-    if "rope_type" not in params and raw.get("rope_scaling"):
-        scaling = raw["rope_scaling"]
-        params["rope_type"] = scaling.get("rope_type", scaling.get("type"))
+    if raw.get("rope_scaling"):  # transformers 4: the scaling in its own object
+        scaling = dict(raw["rope_scaling"])
+        scaling.setdefault("rope_type", scaling.get("type"))
+        params = {**scaling, **params}
     return params
+
+
+def _rope_scaling(raw: Mapping[str, Any], file: Path) -> Llama3RopeScaling | None:
+    """Llama 3.1's scaling from ``rope_parameters`` / ``rope_scaling``, or None.
+
+    Raises:
+      ValueError: a ``llama3`` entry without one of its four fields.
+    """
+    params = _rope_parameters(raw)
+    if params.get("rope_type", "default") in (None, "default"):
+        return None
+    try:
+        return Llama3RopeScaling(
+            factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+    except KeyError as err:
+        raise ValueError(f"{file}: rope_type 'llama3' needs {err.args[0]!r}") from None
 
 
 def _refuse_unsupported(raw: Mapping[str, Any], file: Path) -> None:
     rope_type = _rope_parameters(raw).get("rope_type", "default")
-    if rope_type not in (None, "default"):
-        raise ValueError(f"{file}: RoPE scaling {rope_type!r} is not supported yet (the "
-                         "model's RoPE tables are unscaled)")
+    if rope_type not in (None, "default", "llama3"):
+        raise ValueError(f"{file}: RoPE scaling {rope_type!r} is not supported (only "
+                         "Llama 3.1's 'llama3')")
     for key in ("attention_bias", "mlp_bias"):
         if raw.get(key):
             raise ValueError(f"{file}: {key}=true is not supported (the model has no biases)")

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 
 from services.engine.torch_backend.batch_invariant import probe
+from services.engine.torch_backend.cuda_graphs import CaptureStats, CudaGraphRunner
+from services.engine.torch_backend.device import to_device
 from services.engine.torch_backend.gguf_loader import LlamaConfig, gguf_architecture, load_gguf
 from services.engine.torch_backend.hf_loader import load_hf_checkpoint
 from services.engine.torch_backend.model import LlamaModel, build_model
@@ -201,6 +203,8 @@ class ModelRunner:
                 if model.config.uniform_attention else "per-layer attention (sliding window)")
         self.kv_cache: PagedKVCache | None = None
         self._group_size = self.config.num_heads // self.config.num_kv_heads
+        #: Captured decode graphs (CUDA, :meth:`capture_cuda_graphs`); None: every step eager.
+        self.graphs: CudaGraphRunner | None = None
 
     @classmethod
     def from_gguf(cls, path: str | Path, device: str = "cpu", dtype: str = "float32",
@@ -309,18 +313,40 @@ class ModelRunner:
         return self.model.decode_weight_bytes()
 
     def allocate_kv_cache(self, budget_bytes: int, block_size: int) -> PagedKVCache:
-        """Allocates (zero-filled) as many KV blocks as fit in ``budget_bytes``.
+        """Allocates (zero-filled) as many KV blocks as fit in ``budget_bytes``; on
+        CUDA one block more, the scratch block of the decode graphs' padding rows
+        (``PagedKVCache.scratch_block``, owned by no sequence).
 
         Raises:
           ValueError: not even one block fits.
         """
         num_blocks = num_blocks_for_budget(self.config, block_size, self.dtype, budget_bytes)
+        scratch = 1 if self.device.type == "cuda" else 0
         if num_blocks < 1:
             raise ValueError(f"a KV budget of {budget_bytes} bytes holds no block of "
                              f"{block_size} tokens")
-        self.kv_cache = PagedKVCache(self.config, num_blocks, block_size, self.device, self.dtype,
-                                     transposed_keys=self.attention_backend == "native")
+        self.kv_cache = PagedKVCache(self.config, num_blocks, block_size, self.device,
+                                     self.dtype, transposed_keys=self.attention_backend == "native",
+                                     scratch_blocks=scratch)
         return self.kv_cache
+
+    def capture_cuda_graphs(self, batch_sizes: Sequence[int], max_model_len: int
+                            ) -> CaptureStats:
+        """Captures decode steps of ``batch_sizes`` sequences as CUDA graphs (see
+        :mod:`~services.engine.torch_backend.cuda_graphs`); later decode-only
+        steps that fit one replay it. Call after :meth:`warm_up`.
+
+        Raises:
+          RuntimeError: no KV cache was allocated.
+          ValueError: the model or device cannot be captured (the reason).
+        """
+        if self.kv_cache is None:
+            raise RuntimeError("allocate_kv_cache() before capture_cuda_graphs()")
+        graphs = CudaGraphRunner(self.model, self.kv_cache, batch_sizes, max_model_len,
+                                 self.batch_invariant)
+        stats = graphs.capture()
+        self.graphs = graphs
+        return stats
 
     def run(self, inputs: Sequence[StepInput],
             should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
@@ -330,7 +356,9 @@ class ModelRunner:
         ``num_logits`` tokens in position order (row ``j`` predicts the token
         after position ``start + len(token_ids) - num_logits + j``).
         ``should_stop`` is asked before each layer (see :meth:`LlamaModel.forward`).
-        :meth:`prepare` (the layout) then :meth:`run_model` (the forward).
+        A decode-only step that fits a captured CUDA graph replays it
+        (:attr:`graphs`; ``should_stop`` is not asked then); any other step is
+        :meth:`prepare` (the layout) then :meth:`run_model` (the eager forward).
 
         Raises:
           RuntimeError: no KV cache was allocated.
@@ -338,6 +366,9 @@ class ModelRunner:
           StepAbandoned: ``should_stop`` returned True; the new tokens' KV slots
             are partly written (free them, never cache them).
         """
+        graphs = self.graphs
+        if graphs is not None and (graph := graphs.select(inputs)) is not None:
+            return graphs.run(graph, inputs)
         return self.run_model(self.prepare(inputs), should_stop)
 
     def prepare(self, inputs: Sequence[StepInput]) -> StepBatch:
@@ -405,21 +436,21 @@ class ModelRunner:
         cache = self.kv_cache
         assert cache is not None  # prepare() checked
         device = self.device
-        slot_tensor = torch.tensor(batch.slots, device=device)
+        slot_tensor = to_device(batch.slots, device)
         attention: StepAttention
         if self.attention_backend == "native":
             attention = NativeAttentionBatch(cache, batch.seqs, slot_tensor,
                                              self.config.num_heads, self.model.rope)
         elif (specs := self.model.layer_attention) is not None:
             attention = LayerwiseAttention(cache, batch.seqs, slot_tensor, self._group_size,
-                                           torch.tensor(batch.positions, device=device),
+                                           to_device(batch.positions, device),
                                            specs, self.batch_invariant)
         else:
             attention = AttentionBatch(cache, batch.seqs, slot_tensor, self._group_size,
-                                       torch.tensor(batch.positions, device=device),
+                                       to_device(batch.positions, device),
                                        self.model.rope, self.batch_invariant)
-        logits = self.model(torch.tensor(batch.token_ids, device=device), attention,
-                            torch.tensor(batch.logit_rows, dtype=torch.int64, device=device),
+        logits = self.model(to_device(batch.token_ids, device), attention,
+                            to_device(batch.logit_rows, device),
                             batch.num_generated_rows,
                             fused=self.attention_backend == "native", should_stop=should_stop)
         return logits[:batch.num_logits]

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.torch_backend.batch_invariant import KEY_CHUNK, MIN_FREE_ROWS, padded_rows
+from services.engine.torch_backend.device import to_device
 from services.engine.torch_backend.gguf_loader import LlamaConfig
 from services.engine.torch_backend.rope import apply_rope_flipped
 
@@ -53,6 +54,11 @@ def num_blocks_for_budget(config: LlamaConfig, block_size: int, dtype: torch.dty
 class PagedKVCache:
     """Zero-filled key and value storage for ``num_blocks`` blocks on a device.
 
+    Args:
+      scratch_blocks: blocks allocated past ``num_blocks`` that no sequence
+        owns (ids ``num_blocks ..``): padding rows of a captured CUDA graph
+        write their keys/values there (:mod:`~services.engine.torch_backend.cuda_graphs`).
+
     Attributes:
       k: ``[num_layers, num_kv_heads, num_blocks, block_size, head_dim]``, or with
         ``transposed_keys`` ``[num_layers, num_kv_heads, num_blocks, head_dim,
@@ -64,23 +70,26 @@ class PagedKVCache:
 
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 transposed_keys: bool = False) -> None:
-        shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
+                 transposed_keys: bool = False, scratch_blocks: int = 0) -> None:
+        shape = (config.num_layers, config.num_kv_heads, num_blocks + scratch_blocks, block_size,
+                 config.head_dim)
         key_shape = shape[:3] + (shape[4], shape[3]) if transposed_keys else shape
         self.k = torch.zeros(key_shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.transposed_keys = transposed_keys
         self.num_blocks = num_blocks
         self.block_size = block_size
+        #: The first scratch block (None without): owned by no sequence.
+        self.scratch_block = num_blocks if scratch_blocks else None
 
     @property
     def nbytes(self) -> int:
-        """Bytes of keys and values together."""
+        """Bytes of keys and values together (scratch blocks included)."""
         return self.k.nbytes + self.v.nbytes
 
     @property
     def num_tokens(self) -> int:
-        """Token slots in the storage."""
+        """Token slots sequences can own (scratch blocks excluded)."""
         return self.num_blocks * self.block_size
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -93,8 +102,8 @@ class PagedKVCache:
         """Copies the keys and values of blocks ``src[i]`` to blocks ``dst[i]`` in
         every layer (a forked sequence's own copy of a shared partial block)."""
         device = self.k.device
-        source = torch.tensor(list(src), dtype=torch.long, device=device)
-        target = torch.tensor(list(dst), dtype=torch.long, device=device)
+        source = to_device(list(src), device)
+        target = to_device(list(dst), device)
         for storage in (self.k, self.v):
             storage.index_copy_(2, target, storage.index_select(2, source))
 
@@ -184,6 +193,22 @@ class AttentionBatch:
                  group_size: int, positions: torch.Tensor,
                  rope: tuple[torch.Tensor, torch.Tensor], batch_invariant: bool = True,
                  sliding_window: int | None = None) -> None:
+        self._setup(cache, slots, group_size, positions, rope, batch_invariant, sliding_window)
+        device = slots.device
+        num_decode = 0
+        while num_decode < len(seqs) and seqs[num_decode].num_tokens == 1:
+            num_decode += 1
+        if num_decode:
+            self.groups.append(self._decode_group(seqs[:num_decode], device))
+        row = num_decode
+        for seq in seqs[num_decode:]:
+            self.groups.append(self._prefill_group(seq, row, device))
+            row += seq.num_tokens
+
+    def _setup(self, cache: PagedKVCache, slots: torch.Tensor, group_size: int,
+               positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               batch_invariant: bool, sliding_window: int | None) -> None:
+        """The state every plan has; the groups are the constructor's job."""
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
         self.sliding_window = sliding_window
@@ -197,20 +222,45 @@ class AttentionBatch:
         self.num_tokens = int(slots.shape[0])
         self.group_size = group_size
         self.batch_invariant = batch_invariant
-        device = slots.device
-        size = cache.block_size
-        self._key_multiple = math.lcm(KEY_CHUNK, size) if batch_invariant else size
-        num_decode = 0
-        while num_decode < len(seqs) and seqs[num_decode].num_tokens == 1:
-            num_decode += 1
+        self._key_multiple = math.lcm(KEY_CHUNK, cache.block_size) if batch_invariant \
+            else cache.block_size
         self.groups: list[AttentionGroup] = []
-        self._row_buffers: dict[int, torch.Tensor] = {}  # first row -> padded query rows
-        if num_decode:
-            self.groups.append(self._decode_group(seqs[:num_decode], device))
-        row = num_decode
-        for seq in seqs[num_decode:]:
-            self.groups.append(self._prefill_group(seq, row, device))
-            row += seq.num_tokens
+        self._row_buffers: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def decode_only(cls, cache: PagedKVCache, slots: torch.Tensor, group_size: int,
+                    positions: torch.Tensor, seq_lens: torch.Tensor, block_ids: torch.Tensor,
+                    rope: tuple[torch.Tensor, torch.Tensor], batch_invariant: bool = True
+                    ) -> AttentionBatch:
+        """The plan of a step in which each of ``B`` sequences computes one token,
+        built from device tensors with tensor ops only (no host data, no
+        host-device copy): what a CUDA graph captures once and replays with
+        new values in the same tensors.
+
+        Args:
+          slots, positions, seq_lens: ``[B]`` int64: each token's KV slot, its
+            position, and its sequence's length with it (keys ``< seq_len`` are seen).
+          block_ids: ``[B * blocks_per_seq]`` int64, each sequence's block table
+            padded to ``blocks_per_seq`` (padding: any valid block, masked);
+            ``blocks_per_seq * block_size`` keys must be a multiple of
+            ``lcm(KEY_CHUNK, block_size)`` when ``batch_invariant``.
+          Others: as the constructor.
+
+        Raises:
+          ValueError: a key count the batch-invariant value sum cannot chunk.
+        """
+        plan = cls.__new__(cls)
+        plan._setup(cache, slots, group_size, positions, rope, batch_invariant, None)
+        num_seqs = int(slots.shape[0])
+        num_keys = int(block_ids.shape[0]) // num_seqs * cache.block_size
+        if num_keys % plan._key_multiple:
+            raise ValueError(f"{num_keys} keys per sequence is not a multiple of "
+                             f"{plan._key_multiple}")
+        keys = torch.arange(num_keys, device=slots.device)
+        mask = keys[None, :] >= seq_lens[:, None]
+        plan.groups.append(AttentionGroup(0, num_seqs, 1, plan._rows(group_size), block_ids,
+                                          mask.unsqueeze(1)))
+        return plan
 
     def _keys(self, num_keys: int) -> int:
         multiple = self._key_multiple
@@ -231,10 +281,9 @@ class AttentionBatch:
     def _decode_group(self, seqs: Sequence[SeqAttention], device: torch.device) -> AttentionGroup:
         lengths = [seq.start + 1 for seq in seqs]
         num_keys = self._keys(max(lengths))
-        block_ids = torch.tensor(self._block_ids(seqs, num_keys), dtype=torch.int64,
-                                 device=device)
+        block_ids = to_device(self._block_ids(seqs, num_keys), device)
         keys = torch.arange(num_keys, device=device)
-        ends = torch.tensor(lengths, device=device)[:, None]
+        ends = to_device(lengths, device)[:, None]
         mask = keys[None, :] >= ends
         if self.sliding_window is not None:  # query position = length - 1
             mask |= keys[None, :] <= ends - 1 - self.sliding_window
@@ -244,8 +293,7 @@ class AttentionBatch:
     def _prefill_group(self, seq: SeqAttention, first_row: int,
                        device: torch.device) -> AttentionGroup:
         num_keys = self._keys(seq.start + seq.num_tokens)
-        block_ids = torch.tensor(self._block_ids([seq], num_keys), dtype=torch.int64,
-                                 device=device)
+        block_ids = to_device(self._block_ids([seq], num_keys), device)
         rows = seq.num_tokens * self.group_size
         padded = self._rows(rows)
         last_key = torch.arange(seq.start, seq.start + seq.num_tokens, device=device)

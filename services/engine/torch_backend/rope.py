@@ -8,9 +8,11 @@ token's queries and new keys at its position.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from services.engine.torch_backend.gguf_loader import LlamaConfig
+from services.engine.torch_backend.gguf_loader import Llama3RopeScaling, LlamaConfig
 
 
 def rope_tables(config: LlamaConfig, max_positions: int, device: torch.device | str,
@@ -22,11 +24,35 @@ def rope_tables(config: LlamaConfig, max_positions: int, device: torch.device | 
     ``config.rope_theta``; Gemma 3's local layers pass their own base); both
     halves of the head share a frequency ("rotate half" layout).
     """
-    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+    # Computed on the CPU whatever the current default device (build_model makes
+    # the model under ``torch.device(target)``), then moved: the same table everywhere.
+    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64,
+                             device="cpu").float() / config.head_dim
     inv_freq = 1.0 / ((config.rope_theta if theta is None else theta) ** exponents)
-    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    scaling = getattr(config, "rope_scaling", None)  # shape-only stand-ins have none
+    if scaling is not None and theta is None:
+        inv_freq = llama3_inv_freq(inv_freq, scaling)
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"),
+                         inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:
+    """``inv_freq`` ``[head_dim / 2]`` (fp32) with Llama 3.1's scaling: with
+    ``L = original_max_position_embeddings`` and a pair's wavelength
+    ``w = 2 pi / f``, a pair with ``w > L / low_freq_factor`` rotates ``factor``
+    times slower, one with ``w < L / high_freq_factor`` is unchanged, and one in
+    between blends the two, ``(1 - s) f / factor + s f`` with
+    ``s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor)``."""
+    length = scaling.original_max_position_embeddings
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    wavelength = 2 * math.pi / inv_freq
+    stretched = torch.where(wavelength > length / low, inv_freq / scaling.factor, inv_freq)
+    blend = (length / wavelength - low) / (high - low)
+    blended = (1 - blend) * stretched / scaling.factor + blend * stretched
+    between = (wavelength >= length / high) & (wavelength <= length / low)
+    return torch.where(between, blended, stretched)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

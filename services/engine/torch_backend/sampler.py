@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.sampling import SamplingOptions
+from services.engine.torch_backend.device import to_device
 
 
 @dataclass(frozen=True)
@@ -83,11 +84,11 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
 def probabilities(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Sampling distribution ``[batch, vocab]`` (fp32) after temperature, top-k, top-p."""
     device = logits.device
-    temperature = torch.tensor([r.temperature for r in rows], device=device)
+    temperature = to_device([r.temperature for r in rows], device, torch.float32)
     scaled = logits.float() / temperature.unsqueeze(1)
     if any(r.top_k > 0 or r.top_p < 1.0 for r in rows):
-        top_k = torch.tensor([r.top_k for r in rows], device=device)
-        top_p = torch.tensor([r.top_p for r in rows], device=device)
+        top_k = to_device([r.top_k for r in rows], device)
+        top_p = to_device([r.top_p for r in rows], device, torch.float32)
         scaled = apply_top_k_top_p(scaled, top_k, top_p)
     return scaled.softmax(dim=-1)
 
