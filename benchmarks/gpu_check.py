@@ -32,6 +32,8 @@ model, the copy bandwidth) are bounded by their size.
    TPOT, ITL, e2e percentiles and throughputs.
 7. ``roofline``: bs=1 roofline TPOT = decode weight bytes / copy bandwidth, and
    the measured one-stream median TPOT over it (target <= 1.5).
+8. ``engine_cuda_check`` (GPU only, last, with what time is left):
+   ``python -m benchmarks.cuda_check`` on a tiny model; its JSON is kept whole.
 
 Writes ``$OUT/gpu_check.json`` (schema :data:`SCHEMA`: every number, stage
 times and each target's pass/fail) and ``$OUT/gpu_check.log`` (this log plus
@@ -69,6 +71,10 @@ BUDGET_S = 480.0
 RESERVE_S = 10.0
 STAGES = ("environment", "contract_model", "bench_model", "bandwidth", "contract",
           "mesh_bench", "roofline")
+#: Stages after :data:`STAGES`, on the GPU only and only with time left:
+#: ``benchmarks/cuda_check.py`` (the engine's CUDA graphs vs eager, no host
+#: syncs, greedy ids vs transformers on the GPU, on a tiny model).
+EXTRA_STAGES = ("engine_cuda_check",)
 CONTRACT_TEST = "tests/engine/test_backend_contract.py"
 
 
@@ -119,7 +125,8 @@ def make_plan(dry_run: bool, concurrencies: tuple[int, ...] | None = None,
         bandwidth_bytes=4 << 30,
         engine_args=("--device", "cuda", "--dtype", "bfloat16", "--quantization", "none",
                      "--kv-cache-bytes", "16GiB", "--max-num-seqs", "64"),
-        stage_needs_s={"contract": 30, "mesh_bench": 120, "bench_model": 30})
+        stage_needs_s={"contract": 30, "mesh_bench": 120, "bench_model": 30,
+                       "engine_cuda_check": 45})
 
 
 def num_prompts(concurrency: int, duration_s: float) -> int:
@@ -460,10 +467,10 @@ def targets(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
                        "applies": True,
                        "pass": report.get("elapsed_s") is not None
                        and report["elapsed_s"] <= report["budget_s"]},
-        "every_stage_ran": {"value": {n: s["status"] for n, s in stages.items()},
+        "every_stage_ran": {"value": {n: stages.get(n, {}).get("status") for n in STAGES},
                             "applies": True,
-                            "pass": all(s["status"] == "ok" for s in stages.values())
-                            and set(stages) == set(STAGES)},
+                            "pass": all(stages.get(n, {}).get("status") == "ok"
+                                        for n in STAGES)},
         "contract_suite": {"value": contract, "applies": True,
                            "pass": contract.get("exit_code") == 0
                            and contract.get("passed", 0) > 0},
@@ -473,6 +480,10 @@ def targets(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
         "tpot_vs_roofline": {"value": roof.get("ratio"), "limit": roof.get("target_ratio"),
                              "applies": gpu, "pass": (roof.get("pass") is True) if gpu
                              else None},
+        "engine_cuda_check": {"value": (stages.get("engine_cuda_check") or {}).get("status"),
+                              "applies": gpu,
+                              "pass": (report.get("engine_cuda_check") or {}).get("ok") is True
+                              if gpu else None},
     }
 
 
@@ -552,7 +563,7 @@ def run_stages(check: Check, tokenizer_given: Path, envoy: str | None) -> None:
     report, plan = check.report, check.plan
     report["environment"] = check.stage("environment", lambda _: environment(check, envoy))
     if report["stages"]["environment"]["status"] != "ok":
-        for name in STAGES[1:]:
+        for name in (*STAGES[1:], *EXTRA_STAGES):
             report["stages"][name] = {"status": "aborted", "seconds": 0.0,
                                       "error": "not started: the environment stage failed"}
         return
@@ -573,6 +584,29 @@ def run_stages(check: Check, tokenizer_given: Path, envoy: str | None) -> None:
     report["bench"] = check.stage("mesh_bench", lambda left: run_mesh_bench(
         check, Path(_need(models["bench"], "the bench model")["path"]), envoy, left))
     report["roofline"] = check.stage("roofline", lambda _: roofline_stage(check))
+    if plan.device == "cuda":
+        report["engine_cuda_check"] = check.stage(
+            "engine_cuda_check", lambda left: run_cuda_check(check, left))
+    else:
+        report["stages"]["engine_cuda_check"] = {"status": "skipped", "seconds": 0.0,
+                                                 "error": "needs a CUDA device"}
+
+
+def run_cuda_check(check: Check, timeout_s: float) -> dict[str, Any]:
+    """``python -m benchmarks.cuda_check`` (tiny model): its JSON report.
+
+    Raises:
+      RuntimeError: it printed no JSON; its ``ok`` is false.
+    """
+    done = check.run_child([sys.executable, "-m", "benchmarks.cuda_check"], timeout_s)
+    lines = done.stdout.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("{")]
+    if not starts:
+        raise RuntimeError(f"cuda_check printed no JSON (exit {done.returncode})")
+    result: dict[str, Any] = json.loads("\n".join(lines[starts[-1]:]))
+    if not result.get("ok"):
+        raise RuntimeError(f"cuda_check failed (exit {done.returncode})")
+    return result
 
 
 def roofline_stage(check: Check) -> dict[str, Any]:

@@ -230,7 +230,8 @@ def report_with(mode: str, **overrides: Any) -> dict[str, Any]:
         "stages": {name: {"status": "ok", "seconds": 1.0} for name in gpu_check.STAGES},
         "contract": {"exit_code": 0, "passed": 16},
         "bench": {"runs": runs},
-        "roofline": {"ratio": 1.2, "target_ratio": 1.5, "pass": True}}
+        "roofline": {"ratio": 1.2, "target_ratio": 1.5, "pass": True},
+        "engine_cuda_check": {"ok": True}}
     report.update(overrides)
     return report
 
@@ -238,7 +239,8 @@ def report_with(mode: str, **overrides: Any) -> dict[str, Any]:
 def test_targets_of_a_good_run_pass() -> None:
     targets = gpu_check.targets(report_with("gpu"))
     assert set(targets) == {"total_time", "every_stage_ran", "contract_suite",
-                            "bench_every_concurrency", "tpot_vs_roofline"}
+                            "bench_every_concurrency", "tpot_vs_roofline",
+                            "engine_cuda_check"}
     assert all(t["pass"] and t["applies"] for t in targets.values())
 
 
@@ -255,6 +257,27 @@ def test_targets_fail_on_a_failed_run_the_roofline_or_the_budget() -> None:
     stages["contract"] = {"status": "aborted"}
     assert gpu_check.targets(report_with("gpu", stages=stages))["every_stage_ran"][
         "pass"] is False
+
+
+def test_a_failed_engine_cuda_check_fails_the_gpu_check_only() -> None:
+    report = report_with("gpu", engine_cuda_check={"ok": False})
+    assert gpu_check.targets(report)["engine_cuda_check"]["pass"] is False
+    dry = gpu_check.targets(report_with("dry-run", engine_cuda_check=None))
+    assert dry["engine_cuda_check"]["applies"] is False
+    assert dry["every_stage_ran"]["pass"] is True
+
+
+def test_cuda_check_json_is_read_from_its_output(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    check = make_check(tmp_path)
+    printed = 'capturing...\n{\n  "ok": true,\n  "graphs_match_eager": {}\n}\n'
+    monkeypatch.setattr(check, "run_child", lambda argv, timeout_s: subprocess.CompletedProcess(
+        argv, 0, printed, ""))
+    assert gpu_check.run_cuda_check(check, 60.0) == {"ok": True, "graphs_match_eager": {}}
+    monkeypatch.setattr(check, "run_child", lambda argv, timeout_s: subprocess.CompletedProcess(
+        argv, 1, '{"error": "no CUDA device"}\n', ""))
+    with pytest.raises(RuntimeError, match="cuda_check failed"):
+        gpu_check.run_cuda_check(check, 60.0)
 
 
 def test_the_roofline_target_does_not_apply_to_the_dry_run() -> None:
@@ -326,7 +349,7 @@ CHECK_MODULES = (
     "services.bench.metrics", "services.cli.mesh",
     "services.engine.torch_backend.structured_output", "pytest_asyncio", "pytest_timeout",
     "tests.engine.contract_model", "benchmarks.gpu_check", "benchmarks.gpu_check_models",
-    "benchmarks.gpu_check_roofline", "benchmarks.random_checkpoint",
+    "benchmarks.gpu_check_roofline", "benchmarks.random_checkpoint", "benchmarks.cuda_check",
 )
 
 
