@@ -24,6 +24,7 @@ from services.engine.torch_backend.cuda_graphs import (
     graph_shape,
     key_lengths,
     pack_decode_inputs,
+    reachable_shapes,
     smallest_at_least,
 )
 from services.engine.torch_backend.device import check_device, check_kv_budget, to_device
@@ -73,6 +74,14 @@ def test_key_buckets_double_and_cover_the_context() -> None:
     assert key_lengths(300, 48, batch_invariant=True) == (288, 384)  # lcm(32, 48) = 96
     with pytest.raises(ValueError, match="must be >= 1"):
         key_lengths(0, 16, True)
+
+
+def test_only_shapes_a_step_can_reach_are_captured() -> None:
+    # 20 blocks of 16: a bucket-512 sequence has 257+ keys (17 blocks), so only
+    # one fits; sizes 2 and 4 start at 2 and 3 sequences.
+    shapes = reachable_shapes((1, 2, 4), (256, 512), num_blocks=20, block_size=16)
+    assert shapes == [(4, 256), (2, 256), (1, 512), (1, 256)]
+    assert reachable_shapes((1, 2, 4), (256, 512), 1000, 16)[0] == (4, 512)
 
 
 def test_inputs_are_packed_into_the_static_layout() -> None:

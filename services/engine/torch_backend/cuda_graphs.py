@@ -27,7 +27,8 @@ A graph replays fixed shapes at fixed addresses, so:
   sequence owns, and attend to it only.
 - **Memory**: all graphs share one memory pool (``torch.cuda.graph_pool_handle()``),
   captured largest first, on one side stream used for warm-up and capture
-  alike; one graph replays at a time.
+  alike; one graph replays at a time. Shapes no step can reach with the KV
+  cache's blocks are not captured (:func:`reachable_shapes`).
 - **What runs eagerly**: prefill and mixed steps, steps scoring speculative
   tokens (``num_logits > 1``), steps with more decodes than the largest size
   or a context beyond the largest bucket, models whose layers attend
@@ -128,6 +129,24 @@ def graph_shape(inputs: Sequence[StepInput], batch_sizes: Sequence[int],
     if size is None or keys is None:
         return None
     return size, keys
+
+
+def reachable_shapes(batch_sizes: Sequence[int], key_buckets: Sequence[int], num_blocks: int,
+                     block_size: int) -> list[tuple[int, int]]:
+    """The ``(batch size, key bucket)`` pairs some step can map to: the fewest
+    sequences that take size ``s`` (one more than the next smaller size) each
+    with the fewest keys that take bucket ``k`` (one more than the next
+    smaller bucket) must fit the ``num_blocks`` KV blocks. Capturing the others
+    would only cost memory (64 sequences of a 128k-token bucket gather more
+    keys than any cache holds). Largest first (the capture order)."""
+    shapes = []
+    for i, size in enumerate(batch_sizes):
+        fewest = (batch_sizes[i - 1] if i else 0) + 1
+        for j, keys in enumerate(key_buckets):
+            shortest = (key_buckets[j - 1] if j else 0) + 1
+            if fewest * -(-shortest // block_size) <= num_blocks:
+                shapes.append((size, keys))
+    return sorted(shapes, reverse=True)
 
 
 @dataclass
@@ -263,8 +282,8 @@ class CudaGraphRunner:
         self.replays = 0
 
     def capture(self, warmup_runs: int = 2) -> CaptureStats:
-        """Captures every (batch size, key bucket), largest first, into one shared
-        pool, each after ``warmup_runs`` eager runs on the capture stream (cuBLAS
+        """Captures every reachable (batch size, key bucket)
+        (:func:`reachable_shapes`), largest first, into one shared pool, each after ``warmup_runs`` eager runs on the capture stream (cuBLAS
         handles and workspaces are made outside the capture). Every run writes
         only the scratch block. Blocking (seconds)."""
         device = self.cache.k.device
@@ -273,10 +292,9 @@ class CudaGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        for keys in reversed(self.key_lengths):
-            for size in reversed(self.batch_sizes):
-                self._graphs[(size, keys)] = self._capture_one(size, keys, pool, stream,
-                                                               warmup_runs)
+        for size, keys in reachable_shapes(self.batch_sizes, self.key_lengths,
+                                           self.cache.num_blocks, self.cache.block_size):
+            self._graphs[(size, keys)] = self._capture_one(size, keys, pool, stream, warmup_runs)
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
         return CaptureStats(len(self._graphs), time.perf_counter() - began,
