@@ -115,8 +115,12 @@ def make_plan(dry_run: bool, concurrencies: tuple[int, ...] | None = None,
             concurrencies=concurrencies or (1, 2, 4), bench_duration_s=bench_duration_s or 5.0,
             input_len=64, output_len=16,
             bandwidth_bytes=256 << 20,
+            # One engine thread: with torch's default (one per core) the engine's
+            # threads spin against the mesh's other processes on a small machine
+            # (2 cores: 38 ms a decode step of the tiny model instead of 4 ms).
             engine_args=("--device", "cpu", "--dtype", "float32", "--quantization", "none",
-                         "--draft-num-layers", "1", "--kv-cache-bytes", "256MiB"),
+                         "--draft-num-layers", "1", "--kv-cache-bytes", "256MiB",
+                         "--num-threads", "1"),
             stage_needs_s={"contract": 20, "mesh_bench": 40, "bench_model": 5})
     return Plan(
         mode="gpu", device="cuda", dtype="bfloat16", bench_shape="8b",
