@@ -88,6 +88,8 @@ class Plan:
       bench_shape: ``random_checkpoint.SHAPES`` name of the served model.
       concurrencies, bench_duration_s: the bench sweep (one run per value).
       input_len, output_len: tokens of each random prompt, tokens generated.
+      requests_per_stream_s: the most requests one stream can finish a second
+        (prompts are built for that many, so the duration ends each run).
       bandwidth_bytes: buffer size of the copy-bandwidth measurement.
       engine_args: flags for the mesh's engine.
       stage_needs_s: the least time each stage must have left to start.
@@ -101,6 +103,7 @@ class Plan:
     bench_duration_s: float
     input_len: int
     output_len: int
+    requests_per_stream_s: float
     bandwidth_bytes: int
     engine_args: tuple[str, ...]
     stage_needs_s: dict[str, float] = field(default_factory=dict)
@@ -113,7 +116,7 @@ def make_plan(dry_run: bool, concurrencies: tuple[int, ...] | None = None,
         return Plan(
             mode="dry-run", device="cpu", dtype="float32", bench_shape="tiny",
             concurrencies=concurrencies or (1, 2, 4), bench_duration_s=bench_duration_s or 5.0,
-            input_len=64, output_len=16,
+            input_len=64, output_len=16, requests_per_stream_s=20.0,  # ~4 ms a token
             bandwidth_bytes=256 << 20,
             # One engine thread: with torch's default (one per core) the engine's
             # threads spin against the mesh's other processes on a small machine
@@ -125,7 +128,8 @@ def make_plan(dry_run: bool, concurrencies: tuple[int, ...] | None = None,
     return Plan(
         mode="gpu", device="cuda", dtype="bfloat16", bench_shape="8b",
         concurrencies=concurrencies or (1, 16, 64), bench_duration_s=bench_duration_s or 60.0,
-        input_len=256, output_len=128,
+        # 128 tokens at the roofline's 3.3 ms take 0.43 s: at most ~2.3 a second.
+        input_len=256, output_len=128, requests_per_stream_s=3.0,
         bandwidth_bytes=4 << 30,
         engine_args=("--device", "cuda", "--dtype", "bfloat16", "--quantization", "none",
                      "--kv-cache-bytes", "16GiB", "--max-num-seqs", "64"),
@@ -133,13 +137,13 @@ def make_plan(dry_run: bool, concurrencies: tuple[int, ...] | None = None,
                        "engine_cuda_check": 45})
 
 
-def num_prompts(concurrency: int, duration_s: float) -> int:
+def num_prompts(concurrency: int, duration_s: float, requests_per_stream_s: float) -> int:
     """Prompts to build for a run of ``duration_s`` at ``concurrency`` streams:
     enough that the duration, not the prompt supply, ends the run when a stream
-    finishes at most 2 requests a second (a 128-token answer at 4 ms a token
-    takes 0.5 s), and at least 8 per stream. A run that does use them all up
-    ends early: its ``duration`` in the report says so."""
-    return max(8 * concurrency, int(2 * concurrency * duration_s))
+    finishes at most ``requests_per_stream_s`` requests a second, and at least
+    8 per stream. A run that does use them all up ends early: its
+    ``duration`` in the report says so."""
+    return max(8 * concurrency, int(requests_per_stream_s * concurrency * duration_s))
 
 
 class Budget:
@@ -437,7 +441,8 @@ def bench_once(check: Check, address: str, model: Path, concurrency: int,
             "--random-input-len", str(check.plan.input_len),
             "--random-output-len", str(check.plan.output_len),
             "--ignore-eos", "--max-concurrency", str(concurrency),
-            "--num-prompts", str(num_prompts(concurrency, duration)),
+            "--num-prompts", str(num_prompts(concurrency, duration,
+                                             check.plan.requests_per_stream_s)),
             "--num-warmups", str(concurrency), "--duration", f"{duration:g}",
             "--result-file", str(out), "--plot-file", str(out.with_suffix(".png")),
             "--disable-tqdm"]

@@ -93,9 +93,10 @@ def test_each_plans_engine_flags_are_the_engines_own(dry_run: bool) -> None:
 
 
 def test_enough_prompts_that_the_duration_ends_each_run() -> None:
-    assert gpu_check.num_prompts(64, 60.0) == 7680
-    assert gpu_check.num_prompts(1, 60.0) == 120
-    assert gpu_check.num_prompts(1, 2.0) == 8
+    assert gpu_check.num_prompts(64, 60.0, 3.0) == 11520
+    assert gpu_check.num_prompts(1, 60.0, 3.0) == 180
+    assert gpu_check.num_prompts(1, 2.0, 3.0) == 8
+    assert gpu_check.num_prompts(4, 5.0, 20.0) == 400
 
 
 # -- the stage runner and its budget ----------------------------------------
