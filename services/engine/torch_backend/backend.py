@@ -437,7 +437,6 @@ def check_config(config: EngineConfig) -> None:
     """
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
-    check_device(config.device)
     config = resolve_quantization(config)  # auto: what the model's file makes it
     check_mode(config.quantization, DTYPES[config.dtype], torch.device(config.device))
     if config.attention_backend not in ATTENTION_BACKENDS:
@@ -454,6 +453,7 @@ def check_config(config: EngineConfig) -> None:
     if not config.structured_output_compile_timeout_s > 0:
         raise ValueError("structured_output_compile_timeout_s must be > 0, got "
                          f"{config.structured_output_compile_timeout_s}")
+    check_device(config.device)  # last: a contradiction in the flags is named first
 
 
 def speculative_config(config: EngineConfig) -> SpeculativeConfig:
