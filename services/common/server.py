@@ -5,7 +5,10 @@ health (``grpc.health.v1``, NOT_SERVING until :meth:`Service.start` returns),
 server reflection, a Prometheus ``/metrics`` port, structlog JSON logs and a
 graceful drain on SIGTERM/SIGINT: health turns NOT_SERVING, the service stops
 admitting work (:meth:`Service.drain`), in-flight calls get up to
-``drain_seconds`` to finish, then the process exits.
+``drain_seconds`` to finish while the server still answers (health checks say
+NOT_SERVING, new work gets the service's UNAVAILABLE), then the server stops
+and the process exits: as soon as the last call ends, or at the deadline
+(:mod:`services.common.active_calls`).
 
 ``/metrics`` serves the process-wide registry: the service's own metrics, the
 process and Python collectors of ``prometheus_client``, and, where a GPU is
@@ -43,6 +46,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from services.common.active_calls import ActiveCalls
 from services.common.gpu_telemetry import register_gpu_telemetry
 from services.common.grpc_util import SERVER_OPTIONS
 from services.common.logging import configure_logging
@@ -167,12 +171,13 @@ def _start_metrics(config: ServerConfig) -> int:
     return server.server_port
 
 
-def make_server(service: Service) -> grpc.aio.Server:
+def make_server(service: Service, calls: ActiveCalls | None = None) -> grpc.aio.Server:
     """The ``grpc.aio`` server a service runs on, with ``service`` registered:
     the kit's :data:`SERVER_OPTIONS` and the :class:`RequestGuard` (reporting to
     the service's :data:`UNPARSABLE_HOOK` method where it has one). A test that
-    serves a service in process and checks the kit's behaviour builds it here."""
-    guard = RequestGuard(on_refused=getattr(service, UNPARSABLE_HOOK, None))
+    serves a service in process and checks the kit's behaviour builds it here.
+    ``calls`` counts the calls in progress (for the drain)."""
+    guard = RequestGuard(on_refused=getattr(service, UNPARSABLE_HOOK, None), calls=calls)
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=(guard,))
     service.register(server)
     return server
@@ -181,7 +186,8 @@ def make_server(service: Service) -> grpc.aio.Server:
 async def run_service(config: ServerConfig, service: Service) -> None:
     """Runs ``service`` until SIGTERM/SIGINT, then drains and returns."""
     log = configure_logging(config.name, config.log_level)
-    server = make_server(service)
+    calls = ActiveCalls()
+    server = make_server(service, calls)
     health = health_aio.HealthServicer()
     await _set_health(health, service.service_names, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -219,9 +225,16 @@ async def run_service(config: ServerConfig, service: Service) -> None:
     else:
         starting.cancel()
 
-    log.info("draining", drain_seconds=config.drain_seconds)
+    log.info("draining", drain_seconds=config.drain_seconds, calls=calls.working())
+    began = loop.time()
     await health.enter_graceful_shutdown()
     await service.drain()
-    await server.stop(grace=config.drain_seconds)
+    # Still serving (health answers NOT_SERVING) until the work is done; stop()
+    # would refuse health checks at once.
+    idle = await calls.wait_idle(config.drain_seconds)
+    left = max(0.0, config.drain_seconds - (loop.time() - began))
+    log.info("drained" if idle else "drain_deadline", seconds=round(loop.time() - began, 3),
+             calls=calls.working())
+    await server.stop(grace=left)
     await service.close()
     log.info("stopped")

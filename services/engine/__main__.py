@@ -22,6 +22,7 @@ import sys
 from collections.abc import Sequence
 
 from services.common.server import add_server_arguments, run_service, server_config_from_args
+from services.engine.backend import EngineUnavailableError
 from services.engine.config import add_engine_arguments, engine_config_from_args
 from services.engine.factory import create_backend
 from services.engine.metrics import default_metrics
@@ -49,7 +50,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     metrics = default_metrics()
     try:  # each backend refuses options it cannot start with, before any port is bound
         backend = create_backend(config, step_observer=metrics.observe_step)
-    except ValueError as exc:  # one line, no usage: the flags parsed, the combination did not
+        backend.check_available()  # e.g. tensorrt_llm chosen but not installed
+    except (ValueError, EngineUnavailableError) as exc:  # one line, no usage, no traceback
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     service = EngineService(backend, config, metrics)
     asyncio.run(run_service(server_config_from_args("engine", args), service))

@@ -69,6 +69,15 @@ class EngineBackend(abc.ABC):
           FileNotFoundError / ValueError: the model path or options are wrong.
         """
 
+    def check_available(self) -> None:
+        """Checks, cheaply and without loading anything, that this backend can
+        run on this machine (its library is installed), so the CLI can refuse
+        it before binding a port. Pure. The default: nothing to check.
+
+        Raises:
+          EngineUnavailableError: it cannot (the message says what to install).
+        """
+
     @property
     @abc.abstractmethod
     def model_info(self) -> ModelInfo:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 BACKEND_NAMES = ("torch", "tensorrt_llm")
-SPECULATIVE_METHODS = ("none", "ngram", "draft")
+SPECULATIVE_METHODS = ("none", "ngram", "draft", "eagle3", "mtp")
 ENV_PREFIX = "LLMESH_ENGINE_"
 GIB = 1 << 30
 
@@ -97,14 +97,18 @@ class EngineConfig:
       gpu_memory_fraction: share of free GPU memory for the KV cache (tensorrt_llm).
       speculative_method: default proposer of speculative decoding, ``none``,
         ``ngram`` (prompt lookup) or ``draft`` (a draft model); a request may
-        choose its own (torch backend).
+        choose its own (torch backend). ``eagle3`` (an EAGLE3 head at
+        ``draft_model_path``) and ``mtp`` (the model's multi-token-prediction
+        modules) are the tensorrt_llm backend's only; there every request runs
+        the engine's method.
       num_speculative_tokens: default most proposals per sequence and step.
       ngram_min, ngram_max: n-gram lengths the prompt lookup tries, longest first.
       ngram_full_len: a prompt-lookup match this long or longer proposes up to
         ``num_speculative_tokens``; a shorter one proposes 1.
       draft_num_layers: the default draft is the target's first this many
         layers with its final norm and LM head (weights shared).
-      draft_model_path: a GGUF draft model with the target's vocabulary instead.
+      draft_model_path: a GGUF draft model with the target's vocabulary instead
+        (torch); the draft model or EAGLE3 head's checkpoint directory (tensorrt_llm).
       speculative_disable_batch_size: no speculation in a step while more
         sequences run (None: never disabled).
       num_threads: compute threads of the engine's step (torch's intra-op pool
@@ -123,6 +127,8 @@ class EngineConfig:
       cuda_graph_sizes: decode batch sizes captured as CUDA graphs (a batch runs
         in the smallest captured size that holds it, larger ones eagerly); None:
         :meth:`graph_batch_sizes`' default.
+      enable_chunked_prefill: split long prompts over several steps
+        (tensorrt_llm; the torch engine always chunks, see ``prefill_chunk_size``).
     """
 
     backend: str = "torch"
@@ -160,6 +166,7 @@ class EngineConfig:
     structured_output_compile_timeout_s: float = 5.0
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
+    enable_chunked_prefill: bool = True
 
     def graph_batch_sizes(self) -> tuple[int, ...]:
         """Decode batch sizes to capture as CUDA graphs, ascending; () with
@@ -258,7 +265,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
         "largest max_tokens accepted (default: max-model-len)")
     add("--gpu-memory-fraction", float, 0.85)
     add("--speculative-method", str, "ngram",
-        "default proposer of speculative decoding (requests may choose their own)",
+        "default proposer of speculative decoding (requests may choose their own); "
+        "eagle3 and mtp: tensorrt_llm only",
         choices=SPECULATIVE_METHODS)
     add("--num-speculative-tokens", _positive_int, 3,
         "default most speculative tokens per sequence and step")
@@ -288,6 +296,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
     add("--cuda-graph-sizes", _positive_int_list, None,
         "comma-separated decode batch sizes captured as CUDA graphs "
         "(default: 1,2,4 and multiples of 8 up to --max-num-seqs)")
+    add("--enable-chunked-prefill", parse_bool, True,
+        "split long prompts over several steps (tensorrt_llm; torch always chunks)",
+        action=argparse.BooleanOptionalAction)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -328,6 +339,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         structured_output_compile_timeout_s=args.structured_output_compile_timeout_s,
         enforce_eager=args.enforce_eager,
         cuda_graph_sizes=args.cuda_graph_sizes,
+        enable_chunked_prefill=args.enable_chunked_prefill,
     )
 
 

@@ -13,7 +13,8 @@ def create_backend(config: EngineConfig,
 
     Args:
       config: engine options.
-      step_observer: per-step duration callback (torch backend only).
+      step_observer: per-step stats callback (the torch engine's steps,
+        TensorRT-LLM's iterations).
 
     Raises:
       ValueError: an unknown backend name, or options the backend cannot start
@@ -26,5 +27,5 @@ def create_backend(config: EngineConfig,
     if config.backend == "tensorrt_llm":
         from services.engine.tensorrt_llm_backend.backend import TensorRTLLMBackend
 
-        return TensorRTLLMBackend(config)
+        return TensorRTLLMBackend(config, step_observer=step_observer)
     raise ValueError(f"unknown backend {config.backend!r}; choose one of {BACKEND_NAMES}")

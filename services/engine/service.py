@@ -236,12 +236,15 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         """Many requests on one call (see :mod:`services.engine.multiplex`): one
         message per engine step with the updates of every request that advanced.
         Per-request statuses ride in the updates; when the caller half-closes,
-        the call ends once its open requests have; when it drops the call, they
-        are cancelled. A start that reuses an open stream_id ends the call with
-        INVALID_ARGUMENT (and cancels its requests)."""
+        or the engine drains (SIGTERM), the call ends OK once its open requests
+        have (so the drain ends with the work, not at its grace deadline; the
+        router takes the replica out and opens no new call); when the caller
+        drops the call, they are cancelled. A start that reuses an open
+        stream_id ends the call with INVALID_ARGUMENT (and cancels its requests)."""
         call = MultiplexCall(to_request=self._request_from_start, run_request=self.run_request,
                              refusal=self._refusal, cancel_choice=self._backend.cancel_choice)
         reader = asyncio.create_task(_read_multiplex(request_iterator, call))
+        drained = asyncio.create_task(_end_when_drained(call, self._stopping))
         try:
             while (response := await call.outbox.take()) is not None:
                 yield response
@@ -249,6 +252,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, call.violation)
         finally:
             reader.cancel()
+            drained.cancel()
             call.cancel_all()
 
     async def GetLoad(self, request: engine_pb2.GetLoadRequest,
@@ -350,6 +354,14 @@ async def _read_multiplex(request_iterator: AsyncIterator[engine_pb2.MultiplexRe
         pass
     finally:
         call.outbox.close()
+
+
+async def _end_when_drained(call: MultiplexCall, stopping: asyncio.Event) -> None:
+    """Closes the call's outbox once the engine drains and the call's open
+    requests have ended (starts after the drain began are refused at once)."""
+    await stopping.wait()
+    await call.wait_all()
+    call.outbox.close()
 
 
 def _ended_by(context: grpc.aio.ServicerContext, record: RequestRecord) -> str:

@@ -9,7 +9,7 @@ Field names are those of ``llmesh.v1.EngineRequest`` as the client wrote them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import grpc
 
@@ -164,15 +164,22 @@ def used_features(sampling: SamplingOptions) -> list[str]:
 
 
 def refuse_unimplemented(sampling: SamplingOptions, implemented: frozenset[str],
-                         backend: str) -> None:
+                         backend: str, code: grpc.StatusCode = grpc.StatusCode.UNIMPLEMENTED,
+                         reasons: Mapping[str, str] | None = None) -> None:
     """Refuses a request that uses a sampling feature ``backend`` does not
     implement (never silently ignores it).
 
+    Args:
+      code: the status of a refusal: UNIMPLEMENTED (the torch backend: not
+        built yet) or INVALID_ARGUMENT (a backend whose library cannot honour it).
+      reasons: per feature, the message after the field name (default: "is not
+        implemented by the <backend> engine backend").
+
     Raises:
-      InvalidRequestError: UNIMPLEMENTED naming the first such field.
+      InvalidRequestError: ``code`` naming the first such field.
     """
     for name in used_features(sampling):
         if name not in implemented:
-            raise InvalidRequestError(
-                f"sampling.{name}", f"is not implemented by the {backend} engine backend",
-                grpc.StatusCode.UNIMPLEMENTED)
+            message = (reasons or {}).get(
+                name, f"is not implemented by the {backend} engine backend")
+            raise InvalidRequestError(f"sampling.{name}", message, code)

@@ -8,6 +8,15 @@ Example::
 Several models: ``--tokenizer``/``--engine`` serve the first (the default);
 each ``--model-pool TOKENIZER=ENGINE[,ENGINE...]`` adds one more, with its own
 tokenizer and replicas. Requests choose by their ``model`` field.
+
+Replicas from DNS (a Kubernetes headless Service: one A record per ready pod)::
+
+    python -m services.router --tokenizer tokenizer:50052 \
+        --engine dns:///engine-headless.llmesh.svc.cluster.local:50061
+
+Every address the name resolves to is a replica; the name is resolved again
+every ``--engine-resolve-interval`` seconds, and replicas join and leave
+without a restart (:mod:`services.router.discovery`).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from collections.abc import Sequence
 
 from services.common.server import add_server_arguments, run_service, server_config_from_args
 from services.router.admission import AdmissionConfig
+from services.router.discovery import DEFAULT_RESOLVE_INTERVAL_S, engine_target, make_resolver
 from services.router.model_pool import PoolConfig
 from services.router.routing import CostWeights, RoutingPolicy
 from services.router.service import RouterConfig, RouterService
@@ -33,13 +43,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cache", default=None, metavar="HOST:PORT",
                         help="address of the cache service (optional; without it nothing "
                              "is cached)")
-    parser.add_argument("--engine", action="append", required=True, metavar="HOST:PORT",
-                        help="address of an engine replica; repeat for several")
+    parser.add_argument("--engine", action="append", required=True, type=engine_target,
+                        metavar="HOST:PORT|dns:///NAME:PORT",
+                        help="an engine replica's address, or dns:///NAME:PORT: every A/AAAA "
+                             "record of NAME is a replica at PORT (a Kubernetes headless "
+                             "Service), re-resolved every --engine-resolve-interval; repeat "
+                             "for several, both forms may be mixed")
     parser.add_argument("--model-pool", action="append", default=[], type=PoolConfig.parse,
                         metavar="TOKENIZER=ENGINE[,ENGINE...]",
-                        help="one more served model: its tokenizer's and engines' "
-                             "host:port; repeat for several models (the --tokenizer/--engine "
+                        help="one more served model: its tokenizer's host:port and its "
+                             "engines (host:port or dns:///NAME:PORT each); repeat for several models (the --tokenizer/--engine "
                              "model is the default)")
+    parser.add_argument("--engine-resolve-interval", type=float,
+                        default=DEFAULT_RESOLVE_INTERVAL_S, metavar="SECONDS",
+                        help="seconds between resolutions of dns:/// engines (also resolved "
+                             "soon after a replica fails; default "
+                             f"{DEFAULT_RESOLVE_INTERVAL_S:g})")
+    parser.add_argument("--dns-nameserver", default=None, metavar="IP:PORT",
+                        help="resolve dns:/// engines by asking this DNS server (A and AAAA, "
+                             "no search domains); default: the system resolver (/etc/hosts, "
+                             "resolv.conf)")
     parser.add_argument("--default-max-tokens", type=int, default=256,
                         help="completion tokens when a request sets none (default 256)")
     parser.add_argument("--max-tokens-cap", type=int, default=4096,
@@ -121,7 +144,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             routing_weights=CostWeights(
                 decode_weight=args.kv_aware_decode_weight,
                 affinity_slack_tokens=args.kv_aware_affinity_slack),
-            pools=tuple(args.model_pool), openai_port=args.openai_port)
+            pools=tuple(args.model_pool), openai_port=args.openai_port,
+            resolve_interval_s=args.engine_resolve_interval,
+            dns_nameserver=args.dns_nameserver)
+        if args.dns_nameserver is not None:
+            make_resolver(args.dns_nameserver)  # checks the address
     except ValueError as err:
         parser.error(str(err))
     asyncio.run(run_service(server_config_from_args("router", args), RouterService(config)))

@@ -628,10 +628,12 @@ class GenerationPipeline:
         """The replicas in routing. Raises GenerationError (UNAVAILABLE) for none."""
         serving = self.replicas.serving()
         if not serving:
+            known = len(self.replicas.engines)
+            why = (f"of {known} known, each failed, went silent or is draining" if known else
+                   "none is known: the engines' DNS name resolves to no address")
             raise GenerationError(
                 grpc.StatusCode.UNAVAILABLE,
-                f"no engine replica is serving (of {len(self.replicas.engines)} configured, "
-                "each failed, went silent or is draining); retry in a few seconds")
+                f"no engine replica is serving ({why}); retry in a few seconds")
         return serving
 
     async def _open_engine(
@@ -647,8 +649,9 @@ class GenerationPipeline:
         failures: list[UpstreamError] = []
         choice = await self.picker.choose(self._serving_replicas(), request.priority, hint)
         for engine in choice.order:
-            if failures and not self.replicas.is_serving(engine):
-                continue  # left routing while an earlier replica was tried
+            if ((failures and not self.replicas.is_serving(engine))
+                    or not self.replicas.is_member(engine)):
+                continue  # left routing while an earlier one was tried, or left DNS
             engine.opened(request.priority)
             stream: EngineStream | None = None
             ok = False

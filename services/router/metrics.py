@@ -64,7 +64,12 @@ a ``GenerateStream``), and observed at the moment they happen:
 * failover (:mod:`services.router.replicas`), per ``engine`` (its address,
   from the router's configuration): ``llmesh:router_replica_serving`` (1
   while the replica takes new requests), ``llmesh:router_replica_failovers_total{reason}``
-  (the replica left routing: ``call_failed``, ``not_serving``, ``silent``).
+  (the replica left routing: ``call_failed``, ``not_serving``, ``silent``,
+  ``removed``: its address left DNS).
+* discovery (:mod:`services.router.discovery`):
+  ``llmesh:router_discovery_resolutions_total{name, outcome}`` (``ok``,
+  ``no_records``, ``nxdomain``, ``timeout``, ``error``) and
+  ``llmesh:router_discovery_replicas{name}`` (addresses at the last answer).
 * routing (:mod:`services.router.routing`): ``llmesh:router_routed_requests_total{engine,
   policy}`` (requests sent to each replica, by policy),
   ``llmesh:router_prefix_hit_tokens{model_name}`` (histogram, per request an
@@ -203,6 +208,14 @@ class RouterMetrics:
             "llmesh:router_replica_failovers",
             "Engine replicas taken out of routing, by reason (call_failed, not_serving, "
             "silent).", ["engine", "reason"], registry=reg)
+        self.discovery_resolutions = Counter(
+            "llmesh:router_discovery_resolutions",
+            "Resolutions of dns:/// engine names, by outcome (ok, no_records, nxdomain, "
+            "timeout, error).", ["name", "outcome"], registry=reg)
+        self.discovery_replicas = Gauge(
+            "llmesh:router_discovery_replicas",
+            "Addresses a dns:/// engine name resolved to at its last answer.",
+            ["name"], registry=reg)
         self.routed_requests = Counter(
             "llmesh:router_routed_requests",
             "Requests sent to each engine replica, by routing policy.",

@@ -9,13 +9,24 @@ cache and the prefix index are shared: their keys cover the model (the block
 hash is seeded with the model id, :mod:`services.common.block_hash`), so two
 models never meet there. Requests are sent to the pool their ``model`` field
 names; :func:`services.router.validation.resolve_model` refuses an unknown one.
+
+A pool's engines may come from DNS (``dns:///NAME:PORT``,
+:mod:`services.router.discovery`): at start the pool waits for every static
+engine and, when it has none, for the first address of its names to serve
+(re-resolving until ``startup_timeout``); its limits come from those. Every
+further address joins later through the replica set, once SERVING and only
+when its ``GetModelInfo`` fits the limits (the same model, a context window no
+smaller); one that does not stays out, with a warning (``engine_not_admitted``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import grpc
 import structlog
 
 from services.router.admission import (
@@ -24,7 +35,20 @@ from services.router.admission import (
     NoReplicaServing,
     ReplicaCapacity,
 )
-from services.router.clients import CacheClient, ReplicaInfo, TokenizerClient, TokenizerInfo
+from services.router.clients import (
+    CacheClient,
+    ReplicaInfo,
+    TokenizerClient,
+    TokenizerInfo,
+    UpstreamError,
+)
+from services.router.discovery import (
+    DEFAULT_RESOLVE_INTERVAL_S,
+    Discovery,
+    EngineTarget,
+    Resolver,
+    SystemResolver,
+)
 from services.router.engine_client import EngineClient
 from services.router.generation import GenerationPipeline
 from services.router.metrics import RouterMetrics
@@ -46,7 +70,8 @@ class PoolConfig:
 
     Attributes:
       tokenizer: ``host:port`` of the model's tokenizer service.
-      engines: ``host:port`` of each of its engine replicas (at least one).
+      engines: its engine replicas: ``host:port`` or ``dns:///NAME:PORT``
+        each (at least one).
     """
 
     tokenizer: str
@@ -57,13 +82,19 @@ class PoolConfig:
         """``TOKENIZER=ENGINE[,ENGINE...]`` (the ``--model-pool`` flag's form).
 
         Raises:
-          ValueError: no ``=``, an empty tokenizer or no engine address.
+          ValueError: no ``=``, an empty tokenizer, no engine address or a bad
+            one (see :meth:`EngineTarget.parse`).
         """
         tokenizer, sep, engines = text.partition("=")
         addresses = tuple(e.strip() for e in engines.split(",") if e.strip())
         if not sep or not tokenizer.strip() or not addresses:
             raise ValueError(f"--model-pool {text!r}: expected TOKENIZER_HOST:PORT="
-                             "ENGINE_HOST:PORT[,ENGINE_HOST:PORT...]")
+                             "ENGINE[,ENGINE...], each ENGINE HOST:PORT or dns:///NAME:PORT")
+        for address in addresses:
+            try:
+                EngineTarget.parse(address)
+            except ValueError as err:
+                raise ValueError(f"--model-pool {text!r}: {err}") from None
         return cls(tokenizer.strip(), addresses)
 
 
@@ -78,6 +109,7 @@ class PoolSettings:
     routing_policy: RoutingPolicy | None
     routing_weights: CostWeights
     log_content: bool
+    resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S
 
 
 class ModelPool:
@@ -92,24 +124,30 @@ class ModelPool:
     """
 
     def __init__(self, limits: ModelLimits, tokenizer: TokenizerClient,
-                 engines: list[EngineClient], infos: list[ReplicaInfo],
-                 admission: AdmissionController, replicas: ReplicaSet,
-                 pipeline: GenerationPipeline, policy: RoutingPolicy) -> None:
+                 infos: list[ReplicaInfo], admission: AdmissionController,
+                 replicas: ReplicaSet, pipeline: GenerationPipeline, policy: RoutingPolicy,
+                 discovery: Discovery) -> None:
         self.limits = limits
         self.tokenizer = tokenizer
-        self.engines = engines
         self.infos = infos
         self.admission = admission
         self.replicas = replicas
         self.pipeline = pipeline
         self.policy = policy
+        self.discovery = discovery
 
     @property
     def model(self) -> str:
         return self.limits.model
 
+    @property
+    def engines(self) -> list[EngineClient]:
+        """The pool's replicas now (discovery adds and removes them)."""
+        return self.replicas.engines
+
     async def close(self) -> None:
-        """Stops the replica set and the pipeline, then closes the channels."""
+        """Stops discovery, the replica set and the pipeline, then closes the channels."""
+        await self.discovery.close()
         await self.replicas.close()
         await self.pipeline.close()
         await asyncio.gather(self.tokenizer.close(), *(e.close() for e in self.engines),
@@ -117,22 +155,43 @@ class ModelPool:
 
 
 async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClient | None,
-                    metrics: RouterMetrics) -> ModelPool:
+                    metrics: RouterMetrics, resolver: Resolver | None = None) -> ModelPool:
     """Connects to the pool's tokenizer and engines, waits for them to serve and
     builds its parts. On failure the clients opened here are closed.
 
+    Args:
+      resolver: resolves the pool's ``dns:///`` engines (default: the system's).
+
     Raises:
-      UpstreamError: the tokenizer or an engine did not serve within
+      UpstreamError: the tokenizer, a static engine, or (without a static one)
+        any address of the DNS names did not serve within
         ``settings.startup_timeout`` seconds.
       RuntimeError: the replicas serve different models, or report a context
         window below 2 tokens.
     """
+    targets = [EngineTarget.parse(t) for t in config.engines]
+    policy = settings.routing_policy or (
+        RoutingPolicy.KV_AWARE if len(targets) > 1 or any(t.dns for t in targets)
+        else RoutingPolicy.LEAST_LOAD)
+
+    def make_client(target: str) -> EngineClient:
+        engine = EngineClient(target)
+        if policy is RoutingPolicy.KV_AWARE:  # the only policy that reads engine load
+            engine.load_watch.start()
+        return engine
+
     tokenizer = TokenizerClient(config.tokenizer)
-    engines = [EngineClient(target) for target in config.engines]
+    engines: list[EngineClient] = []
+    discovery = Discovery(targets, resolver or SystemResolver(), metrics,
+                          interval_s=settings.resolve_interval_s)
     try:
-        await asyncio.gather(
-            tokenizer.wait_until_serving(settings.startup_timeout),
-            *(engine.wait_until_serving(settings.startup_timeout) for engine in engines))
+        ready = asyncio.create_task(tokenizer.wait_until_serving(settings.startup_timeout))
+        try:
+            engines = await _first_engines(discovery, make_client, settings)
+        except BaseException:
+            ready.cancel()
+            raise
+        await ready
         infos = list(await asyncio.gather(*(engine.model_info() for engine in engines)))
         tok_info, decoder = await asyncio.gather(tokenizer.info(), tokenizer.decoder())
         limits = model_limits(infos, tok_info, settings)
@@ -149,20 +208,20 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
         admission.set_replicas(capacities)
         if not capacities:
             failed = admission.fail_queued(NoReplicaServing(
-                f"no engine replica is serving model {limits.model!r} (of {len(engines)} "
-                "configured, each failed or is draining) while the request waited in the "
-                "router's queue; retry in a few seconds"))
+                f"no engine replica is serving model {limits.model!r} (of "
+                f"{len(replicas.engines)} known, each failed or is draining) while the "
+                "request waited in the router's queue; retry in a few seconds"))
             if failed:
                 log.warning("queued_requests_failed", model=limits.model, requests=failed,
                             why="no engine replica is serving")
 
-    replicas = ReplicaSet(engines, capacities, on_change=replicas_changed, metrics=metrics)
+    replicas = ReplicaSet(engines, capacities, on_change=replicas_changed, metrics=metrics,
+                          make_client=make_client, admit=functools.partial(admit_replica, limits),
+                          on_lost=discovery.resolve_soon)
     replicas.start()
-    policy = settings.routing_policy or (
-        RoutingPolicy.KV_AWARE if len(engines) > 1 else RoutingPolicy.LEAST_LOAD)
-    if policy is RoutingPolicy.KV_AWARE:  # the only policy that reads engine load
-        for engine in engines:
-            engine.load_watch.start()
+    discovery.attach(replicas)
+    discovery.apply()  # the names' other addresses join once they serve
+    discovery.start()
     if shared := duplicate_replica_ids(engines):
         log.warning("engine_replica_ids_not_unique", model=limits.model,
                     replica_ids=sorted(shared),
@@ -173,7 +232,65 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
         models={limits.model: limits}, metrics=metrics, log_content=settings.log_content,
         admission={limits.model: admission},
         picker=ReplicaPicker(policy, cache, metrics, settings.routing_weights))
-    return ModelPool(limits, tokenizer, engines, infos, admission, replicas, pipeline, policy)
+    return ModelPool(limits, tokenizer, infos, admission, replicas, pipeline, policy, discovery)
+
+
+async def _first_engines(discovery: Discovery, make_client: Callable[[str], EngineClient],
+                         settings: PoolSettings) -> list[EngineClient]:
+    """The replicas the pool starts with: every static one (waited for), else
+    those addresses of the names that serve first (resolved again every
+    resolve interval until ``startup_timeout``).
+
+    Raises:
+      UpstreamError: UNAVAILABLE/DEADLINE_EXCEEDED, nothing served in time.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + settings.startup_timeout
+    static = [make_client(target) for target in discovery.static]
+    try:
+        await asyncio.gather(*(e.wait_until_serving(settings.startup_timeout) for e in static))
+        await discovery.resolve_all()
+    except BaseException:
+        await asyncio.gather(*(e.close() for e in static), return_exceptions=True)
+        raise
+    if static:
+        return static
+    names = ", ".join(str(name) for name in discovery.names)
+    while True:
+        addresses = discovery.wanted()
+        wait = max(0.1, min(settings.resolve_interval_s, deadline - loop.time()))
+        candidates = [make_client(address) for address in addresses]
+        results = await asyncio.gather(*(e.wait_until_serving(wait) for e in candidates),
+                                       return_exceptions=True)
+        serving = [e for e, r in zip(candidates, results, strict=True) if r is None]
+        await asyncio.gather(*(e.close() for e in candidates if e not in serving),
+                             return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, UpstreamError):
+                await asyncio.gather(*(e.close() for e in serving), return_exceptions=True)
+                raise result
+        if serving:
+            return serving
+        if loop.time() >= deadline:
+            raise UpstreamError(
+                "engine", names, grpc.StatusCode.UNAVAILABLE,
+                f"no address of {names} served within {settings.startup_timeout:g} s "
+                f"(last addresses: {addresses or 'none'})")
+        if not addresses:
+            await asyncio.sleep(wait)
+        await discovery.resolve_all()
+
+
+def admit_replica(limits: ModelLimits, info: ReplicaInfo) -> str | None:
+    """Why a replica that joins later may not serve the pool (None: it may)."""
+    if (info.model or limits.model) != limits.model:
+        return (f"it serves model {info.model!r}, the pool serves {limits.model!r}; "
+                "give it its own pool (--model-pool) or fix its DNS name")
+    if info.max_model_len < limits.max_model_len:
+        return (f"its max_model_len {info.max_model_len} is below the pool's "
+                f"{limits.max_model_len}; start it with --max-model-len "
+                f"{limits.max_model_len} or more")
+    return None
 
 
 def model_limits(infos: list[ReplicaInfo], tok: TokenizerInfo,

@@ -52,6 +52,7 @@ from services.common.logprobs import logprobs_to_pb
 from services.common.sampling import FinishReason, InvalidRequestError, Priority
 from services.router.admission import AdmissionConfig, AdmissionController
 from services.router.clients import CacheClient
+from services.router.discovery import DEFAULT_RESOLVE_INTERVAL_S, EngineTarget, make_resolver
 from services.router.engine_client import EngineClient
 from services.router.generation import (
     Delta,
@@ -89,7 +90,9 @@ class RouterConfig:
 
     Attributes:
       tokenizer: ``host:port`` of the (first, default) model's tokenizer service.
-      engines: ``host:port`` of each of its engine replicas (at least one).
+      engines: its engine replicas (at least one value): ``host:port`` each,
+        or ``dns:///NAME:PORT`` for every address NAME resolves to
+        (:mod:`services.router.discovery`).
       pools: each further model's tokenizer and engines
         (:mod:`services.router.model_pool`); requests choose by ``model``.
       cache: ``host:port`` of the cache service, or None to run without one.
@@ -110,6 +113,9 @@ class RouterConfig:
       openai_port: port of the OpenAI-compatible HTTP server
         (:mod:`services.router.openai_http`) on the service host; 0 picks a
         free one; None: no HTTP server.
+      resolve_interval_s: seconds between resolutions of ``dns:///`` engines.
+      dns_nameserver: ``IP:PORT`` of the DNS server that resolves them; None:
+        the system's resolver (``/etc/hosts``, ``resolv.conf``).
     """
 
     tokenizer: str
@@ -126,6 +132,8 @@ class RouterConfig:
     routing_weights: CostWeights = CostWeights()
     pools: tuple[PoolConfig, ...] = ()
     openai_port: int | None = None
+    resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S
+    dns_nameserver: str | None = None
 
     def all_pools(self) -> list[PoolConfig]:
         """Every model's pool, the default (``tokenizer``, ``engines``) first."""
@@ -137,6 +145,11 @@ class RouterConfig:
                 f"stream_idle_timeout must be >= 0 (0: no limit), got {self.stream_idle_timeout}")
         if not self.engines:
             raise ValueError("at least one engine address is needed (--engine HOST:PORT)")
+        for target in (*self.engines, *(e for pool in self.pools for e in pool.engines)):
+            EngineTarget.parse(target)
+        if self.resolve_interval_s <= 0:
+            raise ValueError(f"the engine resolve interval must be > 0 seconds, got "
+                             f"{self.resolve_interval_s:g}")
         if self.max_tokens_cap < 1:
             raise ValueError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
         if not 1 <= self.default_max_tokens <= self.max_tokens_cap:
@@ -298,9 +311,11 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             default_max_tokens=cfg.default_max_tokens, max_tokens_cap=cfg.max_tokens_cap,
             startup_timeout=cfg.startup_timeout, admission=cfg.admission,
             routing_policy=cfg.routing_policy, routing_weights=cfg.routing_weights,
-            log_content=cfg.log_content)
+            log_content=cfg.log_content, resolve_interval_s=cfg.resolve_interval_s)
+        resolver = make_resolver(cfg.dns_nameserver)
         opened = await asyncio.gather(
-            *(open_pool(pool, settings, self._cache, self.metrics) for pool in cfg.all_pools()),
+            *(open_pool(pool, settings, self._cache, self.metrics, resolver)
+              for pool in cfg.all_pools()),
             return_exceptions=True)
         pools = [p for p in opened if isinstance(p, ModelPool)]
         failure = next((p for p in opened if isinstance(p, BaseException)), None)

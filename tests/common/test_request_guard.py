@@ -37,6 +37,7 @@ from llmesh.v1 import (
     tokenizer_pb2_grpc,
 )
 from services.common.request_guard import LogThrottle, UnparsableRequest, diagnose
+from services.common.active_calls import ActiveCalls
 from services.common.server import make_server
 from services.router.metrics import RouterMetrics
 from services.router.service import RouterConfig, RouterService
@@ -122,9 +123,11 @@ def test_the_throttle_lets_one_line_through_per_interval_and_counts_the_rest() -
 
 
 @contextlib.asynccontextmanager
-async def router_on_the_kit(
-) -> AsyncIterator[tuple[grpc.aio.Channel, FakeEngine, CollectorRegistry]]:
-    """A router on :func:`make_server` over fakes; yields (channel, engine, registry)."""
+async def router_on_the_kit(calls: ActiveCalls | None = None,
+                            ) -> AsyncIterator[tuple[grpc.aio.Channel, FakeEngine,
+                                                     CollectorRegistry]]:
+    """A router on :func:`make_server` over fakes (its calls counted in
+    ``calls``); yields (channel, engine, registry)."""
     servers = []
     tok_server, tok_target = await serve(
         tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server, FakeTokenizer())
@@ -141,7 +144,7 @@ async def router_on_the_kit(
                                         cache=cache_target, startup_timeout=10),
                            metrics=RouterMetrics(registry))
     await router.start()
-    server = make_server(router)
+    server = make_server(router, calls)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")

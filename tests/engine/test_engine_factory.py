@@ -56,6 +56,22 @@ async def test_tensorrt_llm_absent_gives_a_clear_error() -> None:
         await backend.start()
 
 
+@pytest.mark.skipif(HAS_TRTLLM, reason="TensorRT-LLM is installed here")
+def test_tensorrt_llm_chosen_but_absent_is_one_line_and_exit_code_2() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-m", "services.engine", "--backend", "tensorrt_llm", "--model-path",
+         "/models/absent", "--port", "0", "--metrics-port", "0"], cwd=repo,
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{repo / 'services' / 'gen'}"})
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "python -m services.engine: error: the tensorrt_llm backend needs TensorRT-LLM on a "
+        "CUDA host (module 'tensorrt_llm' not found): pip install -e '.[tensorrt-llm]' "
+        "--extra-index-url https://pypi.nvidia.com (from the llmesh checkout)"]
+    assert done.stdout == ""  # refused before any port was bound ("listening" is logged)
+
+
 @pytest.mark.skipif(not HAS_TRTLLM, reason="needs TensorRT-LLM to get past the import")
 async def test_tensorrt_llm_refuses_a_gguf() -> None:
     backend = TensorRTLLMBackend(EngineConfig(backend="tensorrt_llm",
@@ -137,6 +153,9 @@ def test_contradictory_flags_are_refused_before_loading(argv: list[str], message
      "LLMESH_ENGINE_QUANTIZATION='bogus': choose one of"),
     (["--attention-backend", "native", "--quantization", "none", "--dtype", "bfloat16"], {},
      "the native attention kernel is fp32 on CPU only"),
+    (["--backend", "tensorrt_llm", "--speculative-method", "eagle3"], {},
+     "--speculative-method eagle3 needs --draft-model-path"),
+    (["--speculative-method", "mtp"], {}, "mtp is implemented by the tensorrt_llm backend only"),
 ])
 def test_engine_cli_errors_are_one_line_not_a_traceback(
         argv: list[str], environ: dict[str, str], message: str) -> None:

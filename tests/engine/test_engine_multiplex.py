@@ -265,12 +265,22 @@ async def test_loading_and_draining_refuse_each_start(torch_backend: TorchBacken
         call.send(mux_start(2, "ready", max_tokens=1))
         await call.until(2)
         assert call.last(2).finish_reason == common_pb2.FINISH_REASON_LENGTH
+        call.send(mux_start(3, "running", max_tokens=MAX_TOKENS_CAP, ignore_eos=True))
+        while not call.ids(3):
+            await call.read_one()
         await service.drain()
-        call.send(mux_start(3, "while-draining", max_tokens=1))
-        await call.until(3)
-        assert call.last(3).status_code == grpc.StatusCode.UNAVAILABLE.value[0]
-        assert "draining" in call.last(3).status_message
-        call.drop()
+        call.send(mux_start(4, "while-draining", max_tokens=1))
+        await call.until(3, 4)
+        assert call.last(4).status_code == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert "draining" in call.last(4).status_message
+        # The request that ran when the drain began finished whole, then the
+        # engine ended the call (OK) by itself: the drain waits for no caller.
+        assert call.last(3).finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert len(call.ids(3)) == MAX_TOKENS_CAP
+        async with asyncio.timeout(5):
+            assert await call.call.read() is grpc.aio.EOF
+            assert await call.call.code() == grpc.StatusCode.OK
+        call.half_close()
 
 
 async def test_every_request_on_a_call_writes_one_log_line(engine_stub: Stub) -> None:

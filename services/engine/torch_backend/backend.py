@@ -460,8 +460,13 @@ def speculative_config(config: EngineConfig) -> SpeculativeConfig:
     """The engine defaults of speculative decoding in ``config``.
 
     Raises:
-      ValueError: see :class:`SpeculativeConfig`.
+      ValueError: ``eagle3`` or ``mtp`` (the tensorrt_llm backend's only); see
+        :class:`SpeculativeConfig`.
     """
+    if config.speculative_method in ("eagle3", "mtp"):
+        raise ValueError(f"--speculative-method {config.speculative_method} is implemented by "
+                         "the tensorrt_llm backend only; the torch backend offers none, ngram "
+                         "and draft")
     return SpeculativeConfig(
         method=SpeculativeMethod.parse(config.speculative_method),
         num_speculative_tokens=config.num_speculative_tokens, ngram_min=config.ngram_min,
