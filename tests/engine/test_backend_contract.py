@@ -1,6 +1,8 @@
 """The contract every engine backend keeps, run against each backend that can start here.
 
-``torch`` always runs (the session's shared backend, SmolLM2 on CPU).
+``torch`` always runs: the session's shared backend (SmolLM2 on CPU), or with
+``LLMESH_CONTRACT_MODEL`` set, a torch backend on another checkpoint and device
+(:mod:`tests.engine.contract_model`; the GPU check runs the suite so on CUDA).
 ``tensorrt_llm`` runs where TensorRT-LLM is installed and ``LLMESH_TRTLLM_MODEL``
 names a Hugging Face checkpoint directory of the same model family.
 """
@@ -22,17 +24,61 @@ from services.engine.backend import DuplicateRequestError, EngineBackend
 from services.engine.config import EngineConfig
 from services.engine.types import SequenceRequest, TokenDelta
 
-from .prompts import CHAT, CHAT_GREEDY, EOS, STORY
+from .contract_model import (
+    SMOLLM2,
+    ContractReference,
+    contract_device,
+    contract_dtype,
+    contract_model,
+    hf_reference,
+)
+from .prompts import CHAT, STORY
 
 pytestmark = pytest.mark.model
 TRTLLM_MODEL_ENV = "LLMESH_TRTLLM_MODEL"
 
 
+@pytest.fixture(scope="session")
+def reference() -> ContractReference:
+    """What the tests expect: SmolLM2's recorded answers, or the contract model's."""
+    path = contract_model()
+    return SMOLLM2 if path is None else hf_reference(path)
+
+
+@pytest_asyncio.fixture(scope="session")
+async def hf_torch_backend() -> AsyncIterator[EngineBackend]:
+    """A torch backend on ``$LLMESH_CONTRACT_MODEL`` with the shared one's
+    limits (256-token context, 128-token cap)."""
+    from services.engine.torch_backend.backend import TorchBackend
+
+    from .conftest import MAX_MODEL_LEN, MAX_TOKENS_CAP
+
+    path = contract_model()
+    assert path is not None
+    torch_backend = TorchBackend(EngineConfig(
+        backend="torch", model_path=path, device=contract_device(), dtype=contract_dtype(),
+        quantization="none", max_model_len=MAX_MODEL_LEN, max_tokens_cap=MAX_TOKENS_CAP,
+        max_num_batched_tokens=64, kv_cache_bytes=64 << 20,
+        draft_num_layers=1))  # the default (8) needs 8 layers; the tiny model has 2
+    await torch_backend.start()
+    yield torch_backend
+    await torch_backend.shutdown()
+
+
+@pytest.fixture(scope="session")
+def contract_torch_backend(request: pytest.FixtureRequest) -> EngineBackend:
+    """The session's shared torch backend, or :func:`hf_torch_backend` when
+    ``$LLMESH_CONTRACT_MODEL`` is set (the shared one is then never loaded)."""
+    name = "torch_backend" if contract_model() is None else "hf_torch_backend"
+    backend: EngineBackend = request.getfixturevalue(name)
+    return backend
+
+
 @pytest_asyncio.fixture(scope="session", params=["torch", "tensorrt_llm"])
 async def backend(request: pytest.FixtureRequest,
-                  torch_backend: EngineBackend) -> AsyncIterator[EngineBackend]:
+                  contract_torch_backend: EngineBackend) -> AsyncIterator[EngineBackend]:
     if request.param == "torch":
-        yield torch_backend
+        yield contract_torch_backend
         return
     pytest.importorskip("tensorrt_llm", reason="TensorRT-LLM is installed on CUDA hosts only")
     model = os.environ.get(TRTLLM_MODEL_ENV)
@@ -71,20 +117,26 @@ async def wait_idle(backend: EngineBackend, within: float = 1.0) -> float:
     pytest.fail(f"still busy after {within} s: {backend.load()}")
 
 
-async def test_model_info(backend: EngineBackend) -> None:
+async def test_model_info(backend: EngineBackend, reference: ContractReference) -> None:
     info = backend.model_info
     assert info.backend == backend.name
-    assert info.vocab_size == 49152
-    assert EOS in info.eos_token_ids
+    assert info.vocab_size == reference.vocab_size
+    assert reference.eos in info.eos_token_ids
     assert info.max_model_len == 256
 
 
-async def test_greedy_is_deterministic(backend: EngineBackend) -> None:
+def greedy_finish(reference: ContractReference) -> FinishReason:
+    return FinishReason.STOP if reference.stops_by_itself else FinishReason.LENGTH
+
+
+async def test_greedy_is_deterministic(backend: EngineBackend,
+                                       reference: ContractReference) -> None:
+    greedy = list(reference.chat_greedy)
     first, last = await run(backend, make("greedy-1", max_tokens=16))
     again, _ = await run(backend, make("greedy-2", max_tokens=16))
-    assert first == again == list(CHAT_GREEDY)
-    assert last.finish_reason is FinishReason.STOP
-    assert (last.num_prompt_tokens, last.num_generated_tokens) == (len(CHAT), len(CHAT_GREEDY))
+    assert first == again == greedy
+    assert last.finish_reason is greedy_finish(reference)
+    assert (last.num_prompt_tokens, last.num_generated_tokens) == (len(CHAT), len(greedy))
 
 
 async def test_seeded_sampling_is_deterministic(backend: EngineBackend) -> None:
@@ -104,17 +156,21 @@ async def test_max_tokens_is_exact(backend: EngineBackend) -> None:
     assert last.finish_reason is FinishReason.LENGTH
 
 
-async def test_stop_token_ids_end_the_sequence(backend: EngineBackend) -> None:
-    stop = CHAT_GREEDY[3]  # "France"; first occurrence at index 3
+async def test_stop_token_ids_end_the_sequence(backend: EngineBackend,
+                                               reference: ContractReference) -> None:
+    at = reference.stop_index  # SmolLM2: 3, "France", first occurrence at index 3
+    stop = reference.chat_greedy[at]
     tokens, last = await run(backend, make("stop-id", max_tokens=16, stop_token_ids=(stop,)))
-    assert tokens == list(CHAT_GREEDY[:4])
+    assert tokens == list(reference.chat_greedy[:at + 1])
     assert last.finish_reason is FinishReason.STOP
-    assert last.num_generated_tokens == 4
+    assert last.num_generated_tokens == at + 1
 
 
-async def test_ignore_eos_generates_past_eos(backend: EngineBackend) -> None:
+async def test_ignore_eos_generates_past_eos(backend: EngineBackend,
+                                             reference: ContractReference) -> None:
     tokens, last = await run(backend, make("ignore-eos", max_tokens=12, ignore_eos=True))
-    assert tokens[:len(CHAT_GREEDY)] == list(CHAT_GREEDY)  # EOS (id 2) at index 7, kept going
+    greedy = list(reference.chat_greedy[:12])
+    assert tokens[:len(greedy)] == greedy  # SmolLM2: EOS (id 2) at index 7, kept going
     assert len(tokens) == 12
     assert last.finish_reason is FinishReason.LENGTH
 
@@ -173,11 +229,13 @@ async def test_cancelling_the_consumer_task_cancels(backend: EngineBackend) -> N
     await wait_idle(backend)
 
 
-async def test_concurrent_requests_both_complete(backend: EngineBackend) -> None:
+async def test_concurrent_requests_both_complete(backend: EngineBackend,
+                                                reference: ContractReference) -> None:
     (a, last_a), (b, last_b) = await asyncio.gather(
         run(backend, make("both-a", max_tokens=16)),
         run(backend, make("both-b", prompt=STORY, max_tokens=6, ignore_eos=True)))
-    assert a == list(CHAT_GREEDY) and last_a.finish_reason is FinishReason.STOP
+    assert a == list(reference.chat_greedy)
+    assert last_a.finish_reason is greedy_finish(reference)
     assert len(b) == 6 and last_b.finish_reason is FinishReason.LENGTH
     await wait_idle(backend)
 
