@@ -121,7 +121,7 @@ async def greedy_vs_transformers(path: Path, device: str, new_tokens: int = 16) 
     expected_ids = expected[0, len(prompt):].tolist()
     backend = TorchBackend(EngineConfig(model_path=path, device=device, dtype="float32",
                                         kv_cache_bytes=64 << 20, speculative_method="none",
-                                        draft_num_layers=1, max_num_seqs=8))
+                                        max_num_seqs=8))
     await backend.start()
     tokens: list[int] = []
     try:

@@ -122,7 +122,7 @@ def make_plan(dry_run: bool, concurrencies: tuple[int, ...] | None = None,
             # threads spin against the mesh's other processes on a small machine
             # (2 cores: 38 ms a decode step of the tiny model instead of 4 ms).
             engine_args=("--device", "cpu", "--dtype", "float32", "--quantization", "none",
-                         "--draft-num-layers", "1", "--kv-cache-bytes", "256MiB",
+                         "--kv-cache-bytes", "256MiB",
                          "--num-threads", "1"),
             stage_needs_s={"contract": 20, "mesh_bench": 40, "bench_model": 5})
     return Plan(

@@ -190,7 +190,7 @@ async def main() -> None:
     parser.add_argument("--ngram-min", type=int, default=EngineConfig.ngram_min)
     parser.add_argument("--ngram-max", type=int, default=EngineConfig.ngram_max)
     parser.add_argument("--ngram-full-len", type=int, default=EngineConfig.ngram_full_len)
-    parser.add_argument("--draft-num-layers", type=int, default=EngineConfig.draft_num_layers)
+    parser.add_argument("--draft-num-layers", type=int, default=8)
     parser.add_argument("--methods", nargs="+", default=["ngram"], choices=["ngram", "draft"])
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -109,7 +109,9 @@ class EngineConfig:
       ngram_full_len: a prompt-lookup match this long or longer proposes up to
         ``num_speculative_tokens``; a shorter one proposes 1.
       draft_num_layers: the default draft is the target's first this many
-        layers with its final norm and LM head (weights shared).
+        layers with its final norm and LM head (weights shared); None: 8, or
+        half the target's layers when it has fewer than 16
+        (:meth:`default_draft_layers`).
       draft_model_path: a GGUF draft model with the target's vocabulary instead
         (torch); the draft model or EAGLE3 head's checkpoint directory (tensorrt_llm).
       speculative_disable_batch_size: no speculation in a step while more
@@ -160,7 +162,7 @@ class EngineConfig:
     ngram_min: int = 1
     ngram_full_len: int = 3
     ngram_max: int = 4
-    draft_num_layers: int = 8
+    draft_num_layers: int | None = None
     draft_model_path: Path | None = None
     speculative_disable_batch_size: int | None = 2
     num_threads: int | None = None
@@ -195,6 +197,14 @@ class EngineConfig:
         if free_device_bytes is None:
             return GIB
         return int(free_device_bytes * self.gpu_memory_fraction)
+
+    def default_draft_layers(self, target_layers: int) -> int:
+        """Layers of the truncated-target draft: ``draft_num_layers`` when given
+        (checked against the target when the draft is built), else 8, or half
+        of a target shallower than 16 layers (at least 1)."""
+        if self.draft_num_layers is not None:
+            return self.draft_num_layers
+        return min(8, max(1, target_layers // 2))
 
     def step_token_budget(self) -> int:
         """``max_num_batched_tokens``, or the device's default when unset."""
@@ -291,8 +301,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
     add("--ngram-full-len", _positive_int, 3,
         "a prompt-lookup match this long proposes up to k tokens, a shorter one 1")
     add("--ngram-max", _positive_int, 4, "longest n-gram the prompt lookup matches")
-    add("--draft-num-layers", _positive_int, 8,
-        "draft model = the target's first N layers + final norm + LM head")
+    add("--draft-num-layers", _positive_int, None,
+        "draft model = the target's first N layers + final norm + LM head "
+        "(default: 8, or half the target's layers when it has fewer than 16)")
     add("--draft-model-path", Path, None,
         "GGUF draft model sharing the target's tokenizer (instead of the truncated target)")
     add("--speculative-disable-batch-size", _positive_int, 2,

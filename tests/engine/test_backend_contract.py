@@ -58,8 +58,7 @@ async def hf_torch_backend() -> AsyncIterator[EngineBackend]:
     torch_backend = TorchBackend(EngineConfig(
         backend="torch", model_path=path, device=contract_device(), dtype=contract_dtype(),
         quantization="none", max_model_len=MAX_MODEL_LEN, max_tokens_cap=MAX_TOKENS_CAP,
-        max_num_batched_tokens=64, kv_cache_bytes=64 << 20,
-        draft_num_layers=1))  # the default (8) needs 8 layers; the tiny model has 2
+        max_num_batched_tokens=64, kv_cache_bytes=64 << 20))
     await torch_backend.start()
     yield torch_backend
     await torch_backend.shutdown()

@@ -104,6 +104,11 @@ def test_kv_budget_is_1_gib_on_the_cpu_and_a_fraction_of_free_gpu_memory_on_cuda
         3 << 20, 3 << 20)
 
 
+def test_the_default_draft_is_8_layers_or_half_of_a_shallow_target() -> None:
+    assert [EngineConfig().default_draft_layers(n) for n in (30, 16, 10, 2, 1)] == [8, 8, 5, 1, 1]
+    assert EngineConfig(draft_num_layers=3).default_draft_layers(2) == 3  # refused when built
+
+
 def test_dtype_auto_is_float32_on_the_cpu_bfloat16_on_cuda_and_the_given_models() -> None:
     from services.engine.torch_backend.backend import resolve_dtype
 

@@ -92,8 +92,7 @@ async def test_greedy_tokens_match_transformers_generate(
         expected[prompt] = out[0, len(prompt):].tolist()
     for attention_backend in ("torch", "native"):
         config = EngineConfig(model_path=checkpoint, attention_backend=attention_backend,
-                              kv_cache_bytes=4 << 20, speculative_method="none",
-                              draft_num_layers=1)
+                              kv_cache_bytes=4 << 20, speculative_method="none")
         backend = TorchBackend(config)
         await backend.start()
         try:

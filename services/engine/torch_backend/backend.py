@@ -511,7 +511,8 @@ def _speculator(config: EngineConfig, runner: ModelRunner, max_model_len: int) -
             raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size}) "
                              f"differs from the target's ({runner.config.vocab_size})")
     else:
-        draft_model = truncated_model(runner.model, config.draft_num_layers)
+        draft_model = truncated_model(runner.model, config.default_draft_layers(
+            runner.config.num_layers))
     window = -(-(max_model_len + MAX_SPECULATIVE_TOKENS) // cache.block_size)
     num_blocks = max(cache.num_blocks // 4, window)
     draft = draft_runner(draft_model, runner, num_blocks, cache.block_size)
