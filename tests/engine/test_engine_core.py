@@ -97,8 +97,14 @@ def request(request_id: str, prompt: int = 4, max_tokens: int = 8,
 
 
 async def deltas(submitted: Submitted) -> AsyncIterator[TokenDelta]:
+    # asyncio.timeout, not wait_for: wait_for wraps each get in a new task, a
+    # trip through the event loop per delta even when the queue holds it, so
+    # under load a reader with a backlog finished after one the engine
+    # finished later (test_priority_then_arrival_order read "inter-1" before
+    # "first" once in a full run).
     while True:
-        delta = await asyncio.wait_for(submitted.queue.get(), timeout=10)
+        async with asyncio.timeout(10):
+            delta = await submitted.queue.get()
         yield delta
         if delta.finished:
             return
