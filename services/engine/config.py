@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 BACKEND_NAMES = ("torch", "tensorrt_llm")
-SPECULATIVE_METHODS = ("none", "ngram", "draft", "eagle3", "mtp")
+SPECULATIVE_METHODS = ("auto", "none", "ngram", "draft", "eagle3", "mtp")
 ENV_PREFIX = "LLMESH_ENGINE_"
 GIB = 1 << 30
 
@@ -98,7 +98,8 @@ class EngineConfig:
         what fits in the context window).
       max_tokens_cap: largest max_tokens accepted; None means max_model_len.
       gpu_memory_fraction: share of free GPU memory for the KV cache (tensorrt_llm).
-      speculative_method: default proposer of speculative decoding, ``none``,
+      speculative_method: default proposer of speculative decoding, ``auto``
+        (:meth:`resolved_speculative_method`), ``none``,
         ``ngram`` (prompt lookup) or ``draft`` (a draft model); a request may
         choose its own (torch backend). ``eagle3`` (an EAGLE3 head at
         ``draft_model_path``) and ``mtp`` (the model's multi-token-prediction
@@ -157,7 +158,7 @@ class EngineConfig:
     default_max_tokens: int = 256
     max_tokens_cap: int | None = None
     gpu_memory_fraction: float = 0.85
-    speculative_method: str = "ngram"
+    speculative_method: str = "auto"
     num_speculative_tokens: int = 3
     ngram_min: int = 1
     ngram_full_len: int = 3
@@ -205,6 +206,16 @@ class EngineConfig:
         if self.draft_num_layers is not None:
             return self.draft_num_layers
         return min(8, max(1, target_layers // 2))
+
+    def resolved_speculative_method(self) -> str:
+        """``speculative_method`` with ``auto`` made concrete: ``ngram`` on the
+        torch backend (prompt lookup costs little, requests may turn it off and
+        the engine skips it above ``speculative_disable_batch_size``), ``none``
+        on tensorrt_llm (whose speculation is fixed at start for every request
+        and batch size, so it is chosen deliberately)."""
+        if self.speculative_method != "auto":
+            return self.speculative_method
+        return "none" if self.backend == "tensorrt_llm" else "ngram"
 
     def step_token_budget(self) -> int:
         """``max_num_batched_tokens``, or the device's default when unset."""
@@ -280,8 +291,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
     add("--prefill-chunk-size", _positive_int, None,
         "most prompt tokens one sequence computes per step (default: the step budget)")
     add("--block-size", _positive_int, 16, "tokens per KV block")
-    add("--kv-cache-bytes", parse_bytes, None, "KV cache memory, e.g. 1GiB or 512MiB (default: "
-        "1GiB on the CPU; on CUDA --gpu-memory-fraction of the memory free after the weights)")
+    add("--kv-cache-bytes", parse_bytes, None, "KV cache memory of the torch backend, e.g. 1GiB "
+        "or 512MiB (default: 1GiB on the CPU; on CUDA --gpu-memory-fraction of the memory free "
+        "after the weights; tensorrt_llm sizes its cache by --gpu-memory-fraction only)")
     add("--enable-prefix-caching", parse_bool, True, "reuse KV blocks of equal prefixes",
         action=argparse.BooleanOptionalAction)
     add("--batch-invariant", parse_bool, True,
@@ -290,10 +302,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
     add("--default-max-tokens", _positive_int, 256)
     add("--max-tokens-cap", _positive_int, None,
         "largest max_tokens accepted (default: max-model-len)")
-    add("--gpu-memory-fraction", float, 0.85)
-    add("--speculative-method", str, "ngram",
-        "default proposer of speculative decoding (requests may choose their own); "
-        "eagle3 and mtp: tensorrt_llm only",
+    add("--gpu-memory-fraction", _fraction, 0.85,
+        "share of the GPU memory (free after the weights) for the KV cache: torch on "
+        "CUDA without --kv-cache-bytes, and tensorrt_llm; in (0, 1]")
+    add("--speculative-method", str, "auto",
+        "default proposer of speculative decoding (torch: requests may choose their own); "
+        "eagle3 and mtp: tensorrt_llm only; auto (default) = ngram on torch, none on "
+        "tensorrt_llm",
         choices=SPECULATIVE_METHODS)
     add("--num-speculative-tokens", _positive_int, 3,
         "default most speculative tokens per sequence and step")
@@ -418,6 +433,13 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
 
 

@@ -148,7 +148,9 @@ def test_parse_bytes(text: str, expected: int) -> None:
                                      {"LLMESH_ENGINE_BATCH_INVARIANT": "maybe"},
                                      {"LLMESH_ENGINE_BACKEND": "vllm"},
                                      {"LLMESH_ENGINE_ATTENTION_BACKEND": "flash"},
-                                     {"LLMESH_ENGINE_MAX_NUM_SEQS": "0"}])
+                                     {"LLMESH_ENGINE_MAX_NUM_SEQS": "0"},
+                                     {"LLMESH_ENGINE_GPU_MEMORY_FRACTION": "2"},
+                                     {"LLMESH_ENGINE_GPU_MEMORY_FRACTION": "0"}])
 def test_bad_environment_values_are_named(environ: dict[str, str]) -> None:
     with pytest.raises(ValueError, match=next(iter(environ))):
         parse_config([], environ)

@@ -175,6 +175,8 @@ def spec_of(**fields: object) -> SpeculativeSpec | None:
 
 def test_speculative_config_per_method() -> None:
     assert spec_of(speculative_method="none") is None
+    assert spec_of() is None  # auto: TensorRT-LLM speculates only when chosen
+    assert EngineConfig().resolved_speculative_method() == "ngram"  # the torch backend's auto
     assert spec_of(speculative_method="ngram", num_speculative_tokens=4, ngram_max=3) == \
         SpeculativeSpec("NGramDecodingConfig", dict(max_draft_len=4, max_matching_ngram_size=3,
                                                     is_public_pool=False))

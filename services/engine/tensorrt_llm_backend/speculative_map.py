@@ -55,7 +55,7 @@ def speculative_spec(config: EngineConfig) -> SpeculativeSpec | None:
         ``--draft-model-path``, or with a GGUF file (TensorRT-LLM reads Hugging
         Face checkpoint directories).
     """
-    method = config.speculative_method
+    method = config.resolved_speculative_method()
     if method == "none":
         return None
     if method not in _CLASSES:
@@ -76,9 +76,10 @@ def speculative_spec(config: EngineConfig) -> SpeculativeSpec | None:
 
 def _draft_dir(config: EngineConfig) -> str:
     path = config.draft_model_path
-    what = "an EAGLE3 draft head" if config.speculative_method == "eagle3" else "a draft model"
+    method = config.resolved_speculative_method()
+    what = "an EAGLE3 draft head" if method == "eagle3" else "a draft model"
     if path is None:
-        raise ValueError(f"--speculative-method {config.speculative_method} needs "
+        raise ValueError(f"--speculative-method {method} needs "
                          f"--draft-model-path: {what} (a Hugging Face checkpoint directory "
                          "or hub id)")
     if path.suffix == ".gguf":
@@ -95,11 +96,12 @@ def check_request_speculation(options: SpeculativeOptions, config: EngineConfig)
       InvalidRequestError: INVALID_ARGUMENT naming ``speculative.method`` or
         ``speculative.num_speculative_tokens``.
     """
-    if options.method is not None and options.method.value != config.speculative_method:
+    method = config.resolved_speculative_method()
+    if options.method is not None and options.method.value != method:
         raise InvalidRequestError(
             "speculative.method",
             f"the tensorrt_llm backend runs the engine's speculative method "
-            f"({config.speculative_method}) for every request; leave it unset",
+            f"({method}) for every request; leave it unset",
             grpc.StatusCode.INVALID_ARGUMENT)
     if (options.num_speculative_tokens is not None
             and options.num_speculative_tokens != config.num_speculative_tokens):

@@ -479,12 +479,13 @@ def speculative_config(config: EngineConfig) -> SpeculativeConfig:
       ValueError: ``eagle3`` or ``mtp`` (the tensorrt_llm backend's only); see
         :class:`SpeculativeConfig`.
     """
-    if config.speculative_method in ("eagle3", "mtp"):
-        raise ValueError(f"--speculative-method {config.speculative_method} is implemented by "
+    method = config.resolved_speculative_method()
+    if method in ("eagle3", "mtp"):
+        raise ValueError(f"--speculative-method {method} is implemented by "
                          "the tensorrt_llm backend only; the torch backend offers none, ngram "
                          "and draft")
     return SpeculativeConfig(
-        method=SpeculativeMethod.parse(config.speculative_method),
+        method=SpeculativeMethod.parse(method),
         num_speculative_tokens=config.num_speculative_tokens, ngram_min=config.ngram_min,
         ngram_full_len=config.ngram_full_len,
         ngram_max=config.ngram_max, disable_batch_size=config.speculative_disable_batch_size)
