@@ -12,11 +12,19 @@ directory serves the tokenizer, the torch engine and TensorRT-LLM.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+#: One of these holds a checkpoint directory's tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+#: The weights: one file, or shards listed by the index's ``weight_map``.
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+GGUF_MAGIC = b"GGUF"
 
 
 def is_checkpoint_dir(path: str | Path) -> bool:
@@ -63,6 +71,106 @@ def checkpoint_eos_ids(path: str | Path) -> tuple[int, ...]:
             if item is not None and int(item) not in ids:
                 ids.append(int(item))
     return tuple(ids)
+
+
+def check_model_path(path: str | Path) -> None:
+    """Checks cheaply (no weights read) that ``path`` is a GGUF file (its magic)
+    or a checkpoint directory (:func:`check_checkpoint_dir`), so a service can
+    refuse it in one line before binding a port.
+
+    Raises:
+      FileNotFoundError: nothing at ``path``; see :func:`check_checkpoint_dir`.
+      ValueError: a file that is not a GGUF; see :func:`check_checkpoint_dir`.
+    """
+    path = Path(path)
+    if path.is_dir():
+        check_checkpoint_dir(path)
+    elif not path.is_file():
+        raise FileNotFoundError(f"no GGUF file or checkpoint directory at {path}")
+    else:
+        with path.open("rb") as file:
+            if file.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
+                raise ValueError(f"{path}: not a GGUF file (a Hugging Face checkpoint is "
+                                 "passed as its directory)")
+
+
+def check_checkpoint_dir(path: str | Path, weights: bool = True) -> dict[str, Any]:
+    """The ``config.json`` object of the checkpoint directory ``path``, after
+    cheap checks: it parses; with ``weights``, the safetensors files are there
+    (:func:`check_weight_files`). The architecture is the loader's to check
+    (:func:`check_architecture`).
+
+    Raises:
+      FileNotFoundError: no directory, no ``config.json``, no weights, a missing shard.
+      ValueError: invalid JSON, a malformed index.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint directory at {path}")
+    if not (path / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"no {CONFIG_FILE} in {path} (a Hugging Face checkpoint "
+                                "directory has one; a GGUF is passed as its file)")
+    config = read_json_object(path / CONFIG_FILE)
+    if weights:
+        check_weight_files(path)
+    return config
+
+
+def check_architecture(config: Mapping[str, Any], file: Path, supported: Sequence[str],
+                       hint: str = "") -> None:
+    """Raises ValueError naming ``file`` when the config's ``architectures`` name
+    none of ``supported`` (``hint`` is appended in parentheses)."""
+    architectures = config.get("architectures") or []
+    if not any(a in supported for a in architectures):
+        raise ValueError(f"{file}: architectures {architectures} are not supported; this "
+                         f"loader reads {list(supported)}" + (f" ({hint})" if hint else ""))
+
+
+def check_weight_files(path: Path) -> dict[str, Path] | None:
+    """Tensor name → shard of the checkpoint directory ``path`` when it has a
+    ``model.safetensors.index.json`` (every shard it names checked present);
+    None when the weights are one ``model.safetensors``. Reads no weights.
+
+    Raises:
+      FileNotFoundError: neither file, or a shard named by the index is missing.
+      ValueError: an index that is not JSON or has no ``weight_map`` object.
+    """
+    single, index = path / WEIGHTS_FILE, path / WEIGHTS_INDEX_FILE
+    if index.is_file():
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no 'weight_map' object")
+        files = {name: path / str(file) for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not file.is_file():
+                raise FileNotFoundError(f"{index} names the shard {file.name}, which is missing")
+        return files
+    if single.is_file():
+        return None
+    raise FileNotFoundError(f"{path}: no {WEIGHTS_FILE} and no {WEIGHTS_INDEX_FILE} (only "
+                            "safetensors checkpoints are read; re-save with "
+                            "safe_serialization=True)")
+
+
+def check_tokenizer_path(path: str | Path) -> None:
+    """Checks cheaply that ``path`` is a GGUF file or a directory holding a
+    tokenizer (``tokenizer.json`` or ``tokenizer.model``) whose JSON config
+    files, where present, parse.
+
+    Raises:
+      FileNotFoundError: nothing at ``path``; a directory without tokenizer files.
+      ValueError: not a GGUF file; a config file that is not a JSON object.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        check_model_path(path)
+        return
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{path}: no {' or '.join(TOKENIZER_FILES)} (the tokenizer of "
+                                "a Hugging Face checkpoint directory)")
+    for name in (CONFIG_FILE, GENERATION_CONFIG_FILE, TOKENIZER_CONFIG_FILE):
+        if (path / name).is_file():
+            read_json_object(path / name)
 
 
 def load_hf_tokenizer(path: str | Path) -> Any:

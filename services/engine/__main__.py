@@ -26,7 +26,7 @@ from services.engine.backend import EngineUnavailableError
 from services.engine.config import add_engine_arguments, engine_config_from_args
 from services.engine.factory import create_backend
 from services.engine.metrics import default_metrics
-from services.engine.service import EngineService
+from services.engine.service import EngineLoadError, EngineService
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,10 +51,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:  # each backend refuses options it cannot start with, before any port is bound
         backend = create_backend(config, step_observer=metrics.observe_step)
         backend.check_available()  # e.g. tensorrt_llm chosen but not installed
-    except (ValueError, EngineUnavailableError) as exc:  # one line, no usage, no traceback
-        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+        backend.check_model_files()  # e.g. a checkpoint directory without config.json
+    except (ValueError, FileNotFoundError, EngineUnavailableError) as exc:  # one line,
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")  # no usage, no traceback
     service = EngineService(backend, config, metrics)
-    asyncio.run(run_service(server_config_from_args("engine", args), service))
+    try:
+        asyncio.run(run_service(server_config_from_args("engine", args), service))
+    except EngineLoadError:  # logged as engine_load_failed, with its message
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import grpc
 
@@ -77,6 +77,23 @@ class EngineBackend(abc.ABC):
         Raises:
           EngineUnavailableError: it cannot (the message says what to install).
         """
+
+    def check_model_files(self) -> None:
+        """Checks, cheaply and without reading weights, that the model path names
+        files this backend can load (a GGUF, a checkpoint directory's config and
+        weight files), so the CLI can refuse a broken one in one line before
+        binding a port. The default: nothing to check.
+
+        Raises:
+          FileNotFoundError / ValueError: the path or a file is missing or
+            unusable (the message names it).
+        """
+
+    def startup_fields(self) -> dict[str, Any]:
+        """Settings resolved by ``start()`` for the ``engine_ready`` log line
+        (e.g. the concrete dtype of ``--dtype auto``, the KV cache's bytes).
+        Pure. The default: none."""
+        return {}
 
     @property
     @abc.abstractmethod

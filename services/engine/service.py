@@ -46,7 +46,7 @@ from services.common.sampling import (
     SamplingOptions,
     SpeculativeOptions,
 )
-from services.engine.backend import EngineBackend, EngineError
+from services.engine.backend import EngineBackend, EngineError, EngineUnavailableError
 from services.engine.config import EngineConfig
 from services.engine.metrics import EngineMetrics, default_metrics
 from services.engine.multiplex import MultiplexCall
@@ -62,6 +62,12 @@ _Requests = AsyncIterator[engine_pb2.EngineServiceGenerateRequest]
 _LOAD_INTERVAL_MS = 20
 _LOAD_HEARTBEAT_MS = 500
 _LOAD_MIN_MS, _LOAD_MAX_MS = 5, 60_000
+
+
+class EngineLoadError(Exception):
+    """The backend could not load the model for a reason its message names (a
+    missing or malformed file, options the model refutes, an unavailable
+    backend); already logged as ``engine_load_failed``."""
 
 
 class EngineService(engine_pb2_grpc.EngineServiceServicer):
@@ -95,14 +101,26 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self, server)
 
     async def start(self) -> None:
-        """Starts the backend (load + warm-up); Generate is served afterwards."""
-        await self._backend.start()
+        """Starts the backend (load + warm-up); Generate is served afterwards.
+
+        Raises:
+          EngineLoadError: a ValueError, OSError or EngineUnavailableError from
+            the load, logged first as one ``engine_load_failed`` line with its
+            message (other exceptions propagate as they are).
+        """
+        try:
+            await self._backend.start()
+        except (ValueError, OSError, EngineUnavailableError) as exc:
+            log.error("engine_load_failed", error=str(exc), error_type=type(exc).__name__)
+            raise EngineLoadError(str(exc)) from exc
         self._metrics.track_load(self._backend.load)
         self._ready = True
         info = self._backend.model_info
+        fields = {"dtype": self._config.dtype, "quantization": self._config.quantization,
+                  **self._backend.startup_fields()}  # the backend's: resolved at start
         log.info("engine_ready", model=info.model, backend=info.backend,
-                 max_model_len=info.max_model_len, quantization=self._config.quantization,
-                 replica_id=self.replica_id, **_timings(getattr(self._backend, "timings", None)))
+                 max_model_len=info.max_model_len, replica_id=self.replica_id, **fields,
+                 **_timings(getattr(self._backend, "timings", None)))
         target = self._config.kv_events_target
         if target and info.kv_block_size:
             self._publisher = KvEventPublisher(self._backend, target, PublisherIdentity(

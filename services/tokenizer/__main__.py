@@ -13,6 +13,7 @@ import argparse
 import asyncio
 from pathlib import Path
 
+from services.common.checkpoint import check_tokenizer_path
 from services.common.model_files import default_model_path
 from services.common.server import add_server_arguments, run_service, server_config_from_args
 from services.tokenizer.service import DEFAULT_INLINE_ENCODE_MAX_CHARS, TokenizerService
@@ -73,8 +74,13 @@ def main(argv: list[str] | None = None) -> None:
             chat_template = args.chat_template.read_text(encoding="utf-8")
         except OSError as err:
             parser.error(f"--chat-template: {err}")
+    try:  # a missing or broken model is one line, before any port is bound
+        model_path = args.model_path or default_model_path()
+        check_tokenizer_path(model_path)
+    except (OSError, ValueError) as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
     service = TokenizerService(
-        args.model_path or default_model_path(),
+        model_path,
         model_name=args.model_name,
         chat_template=chat_template,
         chat_roles=args.chat_roles,

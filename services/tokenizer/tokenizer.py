@@ -27,7 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.common.checkpoint import checkpoint_eos_ids, is_checkpoint_dir, load_hf_tokenizer
+from services.common.checkpoint import (
+    check_tokenizer_path,
+    checkpoint_eos_ids,
+    is_checkpoint_dir,
+    load_hf_tokenizer,
+)
 from services.common.detokenizer import first_out_of_range
 from services.tokenizer.control_tokens import (
     ControlTokens,
@@ -230,13 +235,14 @@ class Tokenizer:
           chat_template, chat_roles: as for the constructor.
 
         Raises:
-          FileNotFoundError: no such file or directory.
-          ValueError / OSError: ``transformers`` cannot read a fast tokenizer from
-            it (e.g. a directory without ``tokenizer.json``); a bad chat role.
+          FileNotFoundError: no such file or directory; a directory without
+            ``tokenizer.json`` or ``tokenizer.model``
+            (:func:`~services.common.checkpoint.check_tokenizer_path`).
+          ValueError / OSError: not a GGUF file; a config file that is not JSON;
+            ``transformers`` cannot read a fast tokenizer from it; a bad chat role.
         """
         model_path = Path(model_path)
-        if not (model_path.is_file() or model_path.is_dir()):
-            raise FileNotFoundError(f"no GGUF file or checkpoint directory at {model_path}")
+        check_tokenizer_path(model_path)
         hf = load_hf_tokenizer(model_path)
         if getattr(hf, "backend_tokenizer", None) is None:
             raise ValueError(f"{model_path}: transformers gave no fast tokenizer")

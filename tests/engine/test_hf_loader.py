@@ -99,6 +99,10 @@ async def test_greedy_tokens_match_transformers_generate(
             info = backend.model_info
             assert (info.model, info.vocab_size, info.max_model_len, info.eos_token_ids) == (
                 checkpoint.name, 49152, 512, (2,))
+            fields = backend.startup_fields()  # engine_ready's: --dtype auto resolved
+            assert (fields["dtype"], fields["quantization"], fields["kv_budget_bytes"]) == (
+                "float32", "none", 4 << 20)
+            assert 0 < fields["kv_cache_bytes"] <= 4 << 20
             for prompt in PROMPTS:
                 tokens: list[int] = []
                 request = SequenceRequest(f"hf-{attention_backend}-{prompt[0]}", prompt,
@@ -211,6 +215,27 @@ def test_unsupported_configs_are_refused(checkpoint: Path, tmp_path: Path) -> No
     (broken / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="config.json: invalid JSON"):
         load_hf_checkpoint(broken)
+
+
+def test_truncated_or_misshapen_weights_are_named(checkpoint: Path, tmp_path: Path) -> None:
+    """Faults only the weights show: the file (and tensor) named, not a bare
+    SafetensorError or a size mismatch deep in the model build."""
+    single = copy_without(checkpoint, tmp_path / "single")
+    with (single / "model.safetensors").open("r+b") as file:
+        file.truncate(file.seek(0, 2) // 2)
+    with pytest.raises(ValueError, match=r"single/model\.safetensors: not a valid safetensors"):
+        load_hf_checkpoint(single)
+    sharded = save_tiny_llama(tmp_path / "sharded", max_shard_size="2MB")
+    shard = sorted(sharded.glob("model-*.safetensors"))[-1]
+    with shard.open("r+b") as file:
+        file.truncate(file.seek(0, 2) - 8)
+    with pytest.raises(ValueError, match=f"{shard.name}: not a valid safetensors file"):
+        load_hf_checkpoint(sharded)
+    wider = edit_config(copy_without(checkpoint, tmp_path / "wider"), intermediate_size=256)
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor model\.layers\.0\.mlp\."
+                                         r"gate_proj\.weight has shape \[128, 64\], but "
+                                         r".*config\.json gives it \[256, 64\]"):
+        load_hf_checkpoint(wider)
 
 
 def test_generation_config_adds_eos_ids(checkpoint: Path, tmp_path: Path) -> None:

@@ -43,6 +43,48 @@ def test_flags() -> None:
             build_parser().parse_args(["--chat-roles", bad])
 
 
+def _directory(path: Path, *names: str, config: str = "{}") -> Path:
+    path.mkdir()
+    for name in names:  # the check reads no tokenizer: placeholders do
+        (path / name).write_text(config if name.endswith("config.json") else "{}")
+    return path
+
+
+def _text_file(path: Path) -> Path:
+    path.write_text("not a GGUF")
+    return path
+
+
+#: A broken --model-path → the start of its one error line ({p}: the path).
+BROKEN_MODEL_PATHS = {
+    "empty directory": (lambda p: _directory(p), "{p}: no tokenizer.json or tokenizer.model"),
+    "no tokenizer files": (lambda p: _directory(p, "config.json", "model.safetensors"),
+                           "{p}: no tokenizer.json or tokenizer.model"),
+    "bad config.json": (lambda p: _directory(p, "tokenizer.json", "config.json", config="{x"),
+                        "{p}/config.json: invalid JSON"),
+    "bad tokenizer_config.json": (
+        lambda p: _directory(p, "tokenizer.json", "tokenizer_config.json", config="[]"),
+        "{p}/tokenizer_config.json: expected a JSON object"),
+    "no such path": (lambda p: p, "no GGUF file or checkpoint directory at {p}"),
+    "not a GGUF file": (lambda p: _text_file(p.with_suffix(".gguf")), "{p}: not a GGUF file"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN_MODEL_PATHS))
+def test_a_broken_model_path_is_one_line_and_exit_code_2(case: str, tmp_path: Path) -> None:
+    make, message = BROKEN_MODEL_PATHS[case]
+    path = make(tmp_path / "model")
+    done = subprocess.run(
+        [sys.executable, "-m", "services.tokenizer", "--model-path", str(path), "--port", "0",
+         "--metrics-port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'services' / 'gen'}"})
+    assert done.returncode == 2
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr[-2000:]
+    assert lines[0].startswith(f"python -m services.tokenizer: error: {message.format(p=path)}")
+    assert done.stdout == ""  # refused before any port was bound ("listening" is logged)
+
+
 def test_process_serves_and_drains_on_sigterm(tmp_path: Path) -> None:
     port_file = tmp_path / "ports.json"
     env = dict(os.environ,

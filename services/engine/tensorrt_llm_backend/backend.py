@@ -36,6 +36,7 @@ import grpc
 import structlog
 
 from services.common.block_hash import block_hash_seed
+from services.common.checkpoint import check_checkpoint_dir
 from services.common.kv_events import KVEvent, KVSnapshot
 from services.common.sampling import FinishReason, SamplingOptions
 from services.common.tasks import cancel_and_wait
@@ -115,6 +116,12 @@ class TensorRTLLMBackend(EngineBackend):
         if not tensorrt_llm_installed():
             raise EngineUnavailableError(INSTALL_HINT)
 
+    def check_model_files(self) -> None:
+        """Refuses, before anything loads, a missing ``--model-path``, a GGUF
+        file, or a path that is not a directory with a ``config.json`` that
+        parses (a Hugging Face checkpoint or TensorRT-LLM engine directory)."""
+        self._model_path()
+
     async def start(self) -> None:
         """Imports tensorrt_llm, builds/loads the engine (blocking work runs in a
         thread), starts reading stats and KV events, warms it up with one short
@@ -164,6 +171,7 @@ class TensorRTLLMBackend(EngineBackend):
         if path.suffix == ".gguf":
             raise ValueError(f"{path} is a GGUF file; TensorRT-LLM reads Hugging Face "
                              "checkpoints: pass their directory as --model-path")
+        check_checkpoint_dir(path, weights=False)  # or an engine directory: no safetensors
         return path
 
     async def _warm_up(self) -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from services.common.checkpoint import check_model_path
 from services.common.kv_events import KVEvent, KVSnapshot
 from services.common.model_files import default_model_path
 from services.common.sampling import MAX_SPECULATIVE_TOKENS, SpeculativeMethod
@@ -38,6 +39,7 @@ from services.engine.torch_backend.block_pool import BlockCounts
 from services.engine.torch_backend.cuda_graphs import capture_refusal
 from services.engine.torch_backend.device import check_device, check_kv_budget
 from services.engine.torch_backend.gguf_loader import gguf_architecture
+from services.engine.torch_backend.hf_loader import read_hf_config
 from services.engine.torch_backend.draft_proposer import (
     DraftProposer,
     draft_runner,
@@ -97,12 +99,15 @@ class KVCacheInfo:
       num_bytes: bytes of keys and values.
       num_tokens: token slots (``num_blocks * block_size``); the most tokens one
         sequence (prompt + max_tokens - 1) can ever hold.
+      budget_bytes: the KV budget it was sized from (``--kv-cache-bytes`` or
+        the ``--gpu-memory-fraction`` of free memory).
     """
 
     num_blocks: int
     block_size: int
     num_bytes: int
     num_tokens: int
+    budget_bytes: int = 0
 
 
 #: The optional sampling features (:data:`~services.engine.validation.OPTIONAL_FEATURES`)
@@ -145,6 +150,37 @@ class TorchBackend(EngineBackend):
         self.timings: StartupTimings | None = None
         self.kv_cache_info: KVCacheInfo | None = None
         self.batch_invariance_failures: list[str] = []
+
+    def check_model_files(self) -> None:
+        """Checks the model (and draft model) path without reading weights: a
+        GGUF file, or a checkpoint directory whose ``config.json`` the loader
+        accepts (:func:`~services.engine.torch_backend.hf_loader.read_hf_config`)
+        and whose safetensors files are there. Nothing with a model given.
+
+        Raises:
+          FileNotFoundError, ValueError: see
+            :func:`~services.common.checkpoint.check_model_path`; the default
+            model's package is not installed.
+        """
+        if self._model is not None:
+            return
+        config = self._config
+        for path in (config.model_path or default_model_path(), config.draft_model_path):
+            if path is None:
+                continue
+            check_model_path(path)  # there; a GGUF, or config.json + safetensors files
+            if path.is_dir():  # the architecture and fields the loader reads: JSON only
+                read_hf_config(path)
+
+    def startup_fields(self) -> dict[str, object]:
+        """The resolved dtype and quantization; after ``start()``, the KV cache's
+        bytes and the budget it was sized from."""
+        fields: dict[str, object] = {"dtype": self._config.dtype,
+                                     "quantization": self._config.quantization}
+        if self.kv_cache_info is not None:
+            fields.update(kv_cache_bytes=self.kv_cache_info.num_bytes,
+                          kv_budget_bytes=self.kv_cache_info.budget_bytes)
+        return fields
 
     async def start(self) -> None:
         """Loads the GGUF, builds the model on the device, warms up, and starts the
@@ -256,7 +292,7 @@ class TorchBackend(EngineBackend):
             check_kv_budget(budget, free, config.gpu_memory_fraction)
         cache = runner.allocate_kv_cache(budget, config.block_size)
         self.kv_cache_info = KVCacheInfo(cache.num_blocks, cache.block_size, cache.nbytes,
-                                         cache.num_tokens)
+                                         cache.num_tokens, budget)
         log.info("kv_cache_allocated", blocks=cache.num_blocks, block_size=cache.block_size,
                  bytes=cache.nbytes, tokens=cache.num_tokens, budget_bytes=budget,
                  max_model_len=max_model_len)

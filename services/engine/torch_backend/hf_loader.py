@@ -33,20 +33,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from services.common.checkpoint import (
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,
+    WEIGHTS_FILE,
+    check_architecture,
+    check_weight_files,
     checkpoint_eos_ids,
     read_json_object,
 )
 from services.engine.torch_backend.gguf_loader import Llama3RopeScaling, LlamaConfig
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 #: ``architectures`` entries this loader reads.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+#: Said with a refused architecture.
+ARCHITECTURE_HINT = "Gemma 3 is served from its GGUF"
 
 
 def checkpoint_architecture(path: str | Path) -> str:
@@ -80,12 +83,32 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
 
         Raises:
           KeyError: the checkpoint has no such tensor.
+          ValueError: its file is not valid safetensors (named).
         """
         file = self._files[name]
+        try:
+            return self._handle(file).get_tensor(name).to(self._dtype)
+        except SafetensorError as err:
+            raise ValueError(f"{file}: cannot read tensor {name} ({err})") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of the tensor ``name`` (its file's header only).
+
+        Raises:
+          KeyError: the checkpoint has no such tensor.
+          ValueError: its file is not valid safetensors, e.g. truncated (named).
+        """
+        file = self._files[name]
+        try:
+            return tuple(self._handle(file).get_slice(name).get_shape())
+        except SafetensorError as err:
+            raise ValueError(f"{file}: cannot read tensor {name} ({err})") from None
+
+    def _handle(self, file: Path) -> Any:
         handle = self._handles.get(file)
         if handle is None:
-            handle = self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
-        return handle.get_tensor(name).to(self._dtype)
+            handle = self._handles[file] = _safe_open(file)
+        return handle
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)
@@ -112,16 +135,26 @@ def load_hf_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> 
         (``model.safetensors`` or ``model.safetensors.index.json``), or a shard
         the index names is missing.
       ValueError: see :func:`read_hf_config`; a malformed index; a tensor the
-        model needs is in no file (named).
+        model needs is in no file (named); a file that is not valid
+        safetensors, e.g. truncated (named); a tensor whose stored shape is not
+        the one ``config.json`` gives it (named, with both shapes). Only the
+        files' headers are read for these checks.
     """
     path = Path(path)
     config = read_hf_config(path)
     files = tensor_files(path)
-    missing = [name for name in required_tensors(config) if name not in files]
+    expected = expected_shapes(config)
+    missing = [name for name in expected if name not in files]
     if missing:
         raise ValueError(f"{path}: the checkpoint lacks {len(missing)} tensor(s) a "
                          f"{SUPPORTED_ARCHITECTURES[0]} needs, e.g. {missing[:3]}")
-    return HFCheckpoint(config, SafetensorsWeights(files, dtype))
+    weights = SafetensorsWeights(files, dtype)
+    for name, shape in expected.items():
+        found = weights.shape(name)
+        if found != shape:
+            raise ValueError(f"{files[name]}: tensor {name} has shape {list(found)}, but "
+                             f"{path / CONFIG_FILE} gives it {list(shape)}")
+    return HFCheckpoint(config, weights)
 
 
 def read_hf_config(path: str | Path) -> LlamaConfig:
@@ -139,11 +172,8 @@ def read_hf_config(path: str | Path) -> LlamaConfig:
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint directory at {path}")
     raw = read_json_object(path / CONFIG_FILE)
-    architectures = raw.get("architectures") or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
-        raise ValueError(f"{path / CONFIG_FILE}: architectures {architectures} are not "
-                         f"supported; this loader reads {list(SUPPORTED_ARCHITECTURES)} "
-                         "(Gemma 3 is served from its GGUF)")
+    check_architecture(raw, path / CONFIG_FILE, SUPPORTED_ARCHITECTURES,
+                       hint=ARCHITECTURE_HINT)
     _refuse_unsupported(raw, path / CONFIG_FILE)
     hidden = int(_required(raw, "hidden_size", path))
     num_heads = int(_required(raw, "num_attention_heads", path))
@@ -172,37 +202,54 @@ def tensor_files(path: Path) -> dict[str, Path]:
 
     Raises:
       FileNotFoundError: neither file, or a shard named by the index is missing.
-      ValueError: an index without a ``weight_map`` object.
+      ValueError: an index without a ``weight_map`` object; a
+        ``model.safetensors`` that is not valid safetensors (named).
     """
-    single, index = path / SINGLE_FILE, path / INDEX_FILE
-    if index.is_file():
-        weight_map = read_json_object(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: no 'weight_map' object")
-        files = {name: path / str(file) for name, file in weight_map.items()}
-        for file in sorted(set(files.values())):
-            if not file.is_file():
-                raise FileNotFoundError(f"{index} names the shard {file.name}, which is missing")
+    files = check_weight_files(path)
+    if files is not None:
         return files
-    if single.is_file():
-        with safe_open(str(single), framework="pt", device="cpu") as handle:
-            return {name: single for name in handle.keys()}
-    raise FileNotFoundError(f"{path}: no {SINGLE_FILE} and no {INDEX_FILE} (only safetensors "
-                            "checkpoints are read; re-save with safe_serialization=True)")
+    single = path / WEIGHTS_FILE
+    with _safe_open(single) as handle:
+        return {name: single for name in handle.keys()}
 
 
 def required_tensors(config: LlamaConfig) -> list[str]:
     """The HF tensor names a model of ``config`` loads (``lm_head.weight`` only
     when the head is not tied)."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    return list(expected_shapes(config))
+
+
+def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The HF tensors a model of ``config`` loads, with the shape each must have."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, hidden),
+        "model.norm.weight": (hidden,)}
     if not config.tie_word_embeddings:
-        names.append("lm_head.weight")
-    per_layer = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
-                 "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                 "mlp.up_proj", "mlp.down_proj")
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    per_layer = {"input_layernorm": (hidden,), "post_attention_layernorm": (hidden,),
+                 "self_attn.q_proj": (q_rows, hidden), "self_attn.k_proj": (kv_rows, hidden),
+                 "self_attn.v_proj": (kv_rows, hidden), "self_attn.o_proj": (hidden, q_rows),
+                 "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+                 "mlp.down_proj": (hidden, inter)}
     for i in range(config.num_layers):
-        names.extend(f"model.layers.{i}.{part}.weight" for part in per_layer)
-    return names
+        shapes.update({f"model.layers.{i}.{part}.weight": shape
+                       for part, shape in per_layer.items()})
+    return shapes
+
+
+def _safe_open(file: Path) -> Any:
+    """``safe_open(file)`` (memory-mapped, header read).
+
+    Raises:
+      ValueError: not valid safetensors, e.g. a truncated file (named).
+    """
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except SafetensorError as err:
+        raise ValueError(f"{file}: not a valid safetensors file ({err}); re-copy or "
+                         "re-save the checkpoint") from None
 
 
 def _required(raw: Mapping[str, Any], key: str, path: Path) -> Any:
