@@ -60,6 +60,17 @@ from services.common.request_guard import RequestGuard
 T = TypeVar("T")
 
 
+class StartFailed(SystemExit):
+    """:meth:`Service.start` failed (already logged as ``start_failed``): the
+    process exits with status 1 and no traceback. ``error`` (also the
+    ``__cause__``) is what start raised, for a caller that maps it to another
+    status."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(1)
+        self.error = error
+
+
 class Service(Protocol):
     """What a service hands to :func:`run_service`."""
 
@@ -240,7 +251,7 @@ async def run_service(config: ServerConfig, service: Service) -> None:
             # One line says why (no traceback wall): the cause is in the message.
             log.error("start_failed", error=f"{type(error).__name__}: {error}")
             log.debug("start_failed_traceback", exc_info=error)
-            raise SystemExit(1)
+            raise StartFailed(error) from error
         await _set_health(health, service.service_names, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving")
         await stopping
