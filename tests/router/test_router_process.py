@@ -18,6 +18,7 @@ Timing margins are generous (2 shared CPUs): a router starts in ~2-5 s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import queue
 import signal
@@ -231,38 +232,14 @@ def test_drain_ends_idle_sessions_at_once_and_busy_ones_after_their_generation(
         router.close()
 
 
-def test_a_new_session_or_turn_during_the_drain_is_refused(
-        tmp_path: Path, upstreams: Upstreams) -> None:
-    upstreams.engine.step_delay = 0.2  # the reply takes ~9 s: the drain lasts that long
+@contextlib.contextmanager
+def draining_router(tmp_path: Path, upstreams: Upstreams, step_delay: float,
+                    drain_s: float) -> Iterator[tuple[Router, Session]]:
+    """A router draining (SIGTERM sent, ``draining`` logged) while a session's
+    generation runs on it (the fake engine's ``step_delay`` per character)."""
+    upstreams.engine.step_delay = step_delay
     router = Router(tmp_path, "--tokenizer", upstreams.tokenizer_target,
-                    "--engine", upstreams.engine_target, "--drain-seconds", "60")
-    busy = late = None
-    try:
-        router.wait_serving()
-        busy = Session(router.address)
-        busy.send(start_request("tell me"))
-        wait_for(lambda: busy.responses, 30, "the first delta")
-        router.process.send_signal(signal.SIGTERM)
-        wait_for(lambda: "draining" in router.log_events(), 10, "the drain")
-        late = Session(router.address)
-        late.send(start_request("and me"))
-        late.wait_ended(10)
-        assert late.code == grpc.StatusCode.UNAVAILABLE and not late.responses
-        busy.wait_ended(30)
-        assert busy.text() == REPLY
-        assert router.process.wait(30) == 0
-    finally:
-        for session in (busy, late):
-            if session is not None:
-                session.close()
-        router.close()
-
-
-def test_a_second_sigterm_stops_the_drain_at_once(tmp_path: Path,
-                                                   upstreams: Upstreams) -> None:
-    upstreams.engine.step_delay = 2.0  # ~90 s of output: outlives the test
-    router = Router(tmp_path, "--tokenizer", upstreams.tokenizer_target,
-                    "--engine", upstreams.engine_target, "--drain-seconds", "120")
+                    "--engine", upstreams.engine_target, "--drain-seconds", f"{drain_s:g}")
     busy = None
     try:
         router.wait_serving()
@@ -271,6 +248,33 @@ def test_a_second_sigterm_stops_the_drain_at_once(tmp_path: Path,
         wait_for(lambda: busy.responses, 30, "the first delta")
         router.process.send_signal(signal.SIGTERM)
         wait_for(lambda: "draining" in router.log_events(), 10, "the drain")
+        yield router, busy
+    finally:
+        if busy is not None:
+            busy.close()
+        router.close()
+
+
+def test_a_new_session_during_the_drain_is_refused(tmp_path: Path,
+                                                   upstreams: Upstreams) -> None:
+    # The reply takes ~9 s: the drain lasts that long.
+    with draining_router(tmp_path, upstreams, 0.2, 60) as (router, busy):
+        late = Session(router.address)
+        try:
+            late.send(start_request("and me"))
+            late.wait_ended(10)
+            assert late.code == grpc.StatusCode.UNAVAILABLE and not late.responses
+        finally:
+            late.close()
+        busy.wait_ended(30)
+        assert busy.text() == REPLY
+        assert router.process.wait(30) == 0
+
+
+def test_a_second_sigterm_stops_the_drain_at_once(tmp_path: Path,
+                                                   upstreams: Upstreams) -> None:
+    # ~90 s of output: it outlives the test.
+    with draining_router(tmp_path, upstreams, 2.0, 120) as (router, busy):
         time.sleep(1.0)
         assert router.process.poll() is None  # the generation holds the drain
         forced = time.monotonic()
@@ -280,10 +284,6 @@ def test_a_second_sigterm_stops_the_drain_at_once(tmp_path: Path,
         busy.wait_ended(10)
         assert busy.code != grpc.StatusCode.OK
         assert "drain_forced" in router.log_events()
-    finally:
-        if busy is not None:
-            busy.close()
-        router.close()
 
 
 def test_dns_engines_that_are_not_up_yet_do_not_fail_the_start(
