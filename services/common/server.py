@@ -11,7 +11,8 @@ and the process exits: as soon as the last call ends, or at the deadline
 (:mod:`services.common.active_calls`). A second SIGTERM/SIGINT during the
 drain stops at once (logged ``drain_forced``): in-flight calls are cancelled.
 A failed :meth:`Service.start` is one ``start_failed`` error line (the cause's
-type and message) and exit status 1, not a traceback.
+type and message) and exit status 1 (:class:`StartFailed`), not a traceback;
+unless the service logged it already (:data:`LOGGED_ATTRIBUTE`).
 
 ``/metrics`` serves the process-wide registry: the service's own metrics, the
 process and Python collectors of ``prometheus_client``, and, where a GPU is
@@ -58,6 +59,13 @@ from services.common.logging import configure_logging
 from services.common.request_guard import RequestGuard
 
 T = TypeVar("T")
+
+
+#: An exception out of :meth:`Service.start` with this attribute true was
+#: logged by the service already: :func:`run_service` re-raises it as it is
+#: (the service's ``__main__`` maps it to an exit status) instead of logging
+#: ``start_failed`` and raising :class:`StartFailed`.
+LOGGED_ATTRIBUTE = "logged"
 
 
 class StartFailed(SystemExit):
@@ -248,6 +256,8 @@ async def run_service(config: ServerConfig, service: Service) -> None:
     if starting.done():
         if (error := starting.exception()) is not None:
             await server.stop(None)
+            if getattr(error, LOGGED_ATTRIBUTE, False):
+                raise error  # the service logged it; its __main__ maps it to a status
             # One line says why (no traceback wall): the cause is in the message.
             log.error("start_failed", error=f"{type(error).__name__}: {error}")
             log.debug("start_failed_traceback", exc_info=error)
