@@ -22,7 +22,12 @@ from services.cache.store import (
     ResponseStore,
     StoreUnavailableError,
 )
-from services.common.server import add_server_arguments, run_service, server_config_from_args
+from services.common.server import (
+    StartFailed,
+    add_server_arguments,
+    run_service,
+    server_config_from_args,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,8 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     service = CacheService(store, default_ttl_seconds=args.ttl_seconds, index=index)
     try:
         asyncio.run(run_service(server_config_from_args("cache", args), service))
-    except StoreUnavailableError as exc:
-        print(f"cache: {exc}", file=sys.stderr)
+    except StartFailed as failed:
+        if not isinstance(failed.error, StoreUnavailableError):
+            raise
+        print(f"cache: {failed.error}", file=sys.stderr)
         return 2
     return 0
 

@@ -202,7 +202,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         drain_seconds=args.drain_seconds, start_timeout_s=args.start_timeout,
         stream_idle_timeout_s=args.stream_idle_timeout, commands=_role_commands(),
     )
+    # Both explicitly: a launcher started in the background of a non-interactive
+    # shell (``llmesh up &``) inherits SIGINT ignored, which Python keeps.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         try:
             mesh.start(_ProgressPrinter())

@@ -8,7 +8,11 @@ admitting work (:meth:`Service.drain`), in-flight calls get up to
 ``drain_seconds`` to finish while the server still answers (health checks say
 NOT_SERVING, new work gets the service's UNAVAILABLE), then the server stops
 and the process exits: as soon as the last call ends, or at the deadline
-(:mod:`services.common.active_calls`).
+(:mod:`services.common.active_calls`). A second SIGTERM/SIGINT during the
+drain stops at once (logged ``drain_forced``): in-flight calls are cancelled.
+A failed :meth:`Service.start` is one ``start_failed`` error line (the cause's
+type and message) and exit status 1 (:class:`StartFailed`), not a traceback;
+unless the service logged it already (:data:`LOGGED_ATTRIBUTE`).
 
 ``/metrics`` serves the process-wide registry: the service's own metrics, the
 process and Python collectors of ``prometheus_client``, and, where a GPU is
@@ -33,12 +37,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import grpc
 import prometheus_client
@@ -51,6 +57,26 @@ from services.common.gpu_telemetry import register_gpu_telemetry
 from services.common.grpc_util import SERVER_OPTIONS
 from services.common.logging import configure_logging
 from services.common.request_guard import RequestGuard
+
+T = TypeVar("T")
+
+
+#: An exception out of :meth:`Service.start` with this attribute true was
+#: logged by the service already: :func:`run_service` re-raises it as it is
+#: (the service's ``__main__`` maps it to an exit status) instead of logging
+#: ``start_failed`` and raising :class:`StartFailed`.
+LOGGED_ATTRIBUTE = "logged"
+
+
+class StartFailed(SystemExit):
+    """:meth:`Service.start` failed (already logged as ``start_failed``): the
+    process exits with status 1 and no traceback. ``error`` (also the
+    ``__cause__``) is what start raised, for a caller that maps it to another
+    status."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(1)
+        self.error = error
 
 
 class Service(Protocol):
@@ -208,17 +234,34 @@ async def run_service(config: ServerConfig, service: Service) -> None:
             {"grpc_port": grpc_port, "metrics_port": metrics_port, "pid": os.getpid(), **extra}))
 
     stop = asyncio.Event()
+    forced = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        # The first signal drains; a second one stops at once (in-flight calls
+        # are cancelled), as an impatient operator or a supervisor expects.
+        if not stop.is_set():
+            stop.set()
+        elif not forced.is_set():
+            log.warning("drain_forced", signal=signal.Signals(signum).name,
+                        calls=calls.working())
+            forced.set()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, on_signal, signum)
 
     starting = asyncio.create_task(service.start())
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if starting.done():
-        if starting.exception() is not None:
+        if (error := starting.exception()) is not None:
             await server.stop(None)
-            starting.result()  # re-raises: the process exits non-zero with the cause
+            if getattr(error, LOGGED_ATTRIBUTE, False):
+                raise error  # the service logged it; its __main__ maps it to a status
+            # One line says why (no traceback wall): the cause is in the message.
+            log.error("start_failed", error=f"{type(error).__name__}: {error}")
+            log.debug("start_failed_traceback", exc_info=error)
+            raise StartFailed(error) from error
         await _set_health(health, service.service_names, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving")
         await stopping
@@ -228,13 +271,31 @@ async def run_service(config: ServerConfig, service: Service) -> None:
     log.info("draining", drain_seconds=config.drain_seconds, calls=calls.working())
     began = loop.time()
     await health.enter_graceful_shutdown()
-    await service.drain()
-    # Still serving (health answers NOT_SERVING) until the work is done; stop()
-    # would refuse health checks at once.
-    idle = await calls.wait_idle(config.drain_seconds)
-    left = max(0.0, config.drain_seconds - (loop.time() - began))
-    log.info("drained" if idle else "drain_deadline", seconds=round(loop.time() - began, 3),
-             calls=calls.working())
+    idle = False
+    if await _unless_forced(service.drain(), forced):
+        # Still serving (health answers NOT_SERVING) until the work is done;
+        # stop() would refuse health checks at once.
+        finished = await _unless_forced(calls.wait_idle(config.drain_seconds), forced)
+        idle = bool(finished and finished[0])
+    left = 0.0 if forced.is_set() else max(0.0, config.drain_seconds - (loop.time() - began))
+    log.info("drained" if idle else "drain_aborted" if forced.is_set() else "drain_deadline",
+             seconds=round(loop.time() - began, 3), calls=calls.working())
     await server.stop(grace=left)
     await service.close()
     log.info("stopped")
+
+
+async def _unless_forced(work: Coroutine[object, object, T], forced: asyncio.Event
+                         ) -> tuple[T] | None:
+    """Runs ``work`` until it ends (``(result,)``) or ``forced`` is set (None:
+    ``work`` is cancelled)."""
+    task = asyncio.ensure_future(work)
+    waiter = asyncio.ensure_future(forced.wait())
+    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if task.done():
+        return (task.result(),)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None

@@ -69,6 +69,10 @@ class EngineLoadError(Exception):
     missing or malformed file, options the model refutes, an unavailable
     backend); already logged as ``engine_load_failed``."""
 
+    #: The server kit adds no ``start_failed`` line and re-raises it
+    #: (``services.common.server.LOGGED_ATTRIBUTE``).
+    logged = True
+
 
 class EngineService(engine_pb2_grpc.EngineServiceServicer):
     """The engine's servicer and :class:`services.common.server.Service`.

@@ -59,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds between resolutions of dns:/// engines (also resolved "
                              "soon after a replica fails; default "
                              f"{DEFAULT_RESOLVE_INTERVAL_S:g})")
-    parser.add_argument("--dns-nameserver", default=None, metavar="IP:PORT",
-                        help="resolve dns:/// engines by asking this DNS server (A and AAAA, "
+    parser.add_argument("--dns-nameserver", default=None, metavar="IP[:PORT]",
+                        help="resolve dns:/// engines by asking this DNS server (port 53 "
+                             "when none is given; A and AAAA, "
                              "no search domains); default: the system resolver (/etc/hosts, "
                              "resolv.conf)")
     parser.add_argument("--default-max-tokens", type=int, default=256,

@@ -25,7 +25,7 @@ gone) it resolves each name and hands the difference to the pool's
 Resolvers: :class:`SystemResolver` (the default) asks the C library
 (``getaddrinfo``: ``/etc/hosts``, ``resolv.conf`` with its search domains and
 ``ndots``, as every other program on a Kubernetes pod); :class:`DnsResolver`
-asks one nameserver directly with dnspython (``--dns-nameserver HOST:PORT``:
+asks one nameserver directly with dnspython (``--dns-nameserver IP[:PORT]``:
 tests, or a cluster DNS the pod's ``resolv.conf`` does not name).
 
 Metrics: ``llmesh:router_discovery_resolutions_total{name, outcome}``
@@ -96,7 +96,7 @@ class EngineTarget:
                     raise ValueError(
                         f"engine {text!r}: a DNS server in the target (dns://SERVER/...) is "
                         "not supported; write dns:///NAME:PORT and give the server with "
-                        "--dns-nameserver HOST:PORT")
+                        "--dns-nameserver IP[:PORT]")
         host, port = split_host_port(value, what=f"engine {text!r}")
         return cls(host, port, dns)
 
@@ -193,22 +193,17 @@ class DnsResolver:
     with dnspython; no search domains: give a fully qualified name.
 
     Args:
-      nameserver: ``HOST:PORT`` of the DNS server (an IP literal).
+      nameserver: ``IP[:PORT]`` of the DNS server (port 53 when none is given).
       timeout_s: most seconds one resolution may take.
 
     Raises:
-      ValueError: ``nameserver`` is not ``IP:PORT``.
+      ValueError: ``nameserver`` is not ``IP[:PORT]`` (see :func:`parse_nameserver`).
     """
 
     def __init__(self, nameserver: str, timeout_s: float = DEFAULT_RESOLVE_TIMEOUT_S) -> None:
         import dns.asyncresolver  # only routers pointed at a nameserver need it
 
-        host, port = split_host_port(nameserver, what=f"--dns-nameserver {nameserver!r}")
-        try:
-            ipaddress.ip_address(host)
-        except ValueError as err:
-            raise ValueError(f"--dns-nameserver {nameserver!r}: the server must be an IP "
-                             "address, e.g. 10.96.0.10:53") from err
+        host, port = parse_nameserver(nameserver)
         self.nameserver = nameserver
         self._resolver = dns.asyncresolver.Resolver(configure=False)
         self._resolver.nameservers = [host]
@@ -355,8 +350,33 @@ class Discovery:
             await asyncio.sleep(min(MIN_RESOLVE_GAP_S, self.interval_s))
 
 
+def parse_nameserver(text: str) -> tuple[str, int]:
+    """``--dns-nameserver``: ``IP``, ``IP:PORT`` or ``[IPV6]:PORT`` → (ip, port);
+    without a port, 53.
+
+    Raises:
+      ValueError: empty, not an IP literal, or a port outside 1..65535.
+    """
+    value = text.strip()
+    usage = (f"--dns-nameserver {text!r}: expected IP[:PORT] of a DNS server, e.g. "
+             "10.96.0.10:53 (an IP address; port 53 when none is given)")
+    with contextlib.suppress(ValueError):
+        return str(ipaddress.ip_address(value)), 53  # 10.96.0.10, fd00::a (no port)
+    host, sep, port = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(usage)
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(usage) from None
+    return host, int(port)
+
+
 def make_resolver(nameserver: str | None, timeout_s: float = DEFAULT_RESOLVE_TIMEOUT_S
                   ) -> Resolver:
-    """:class:`DnsResolver` for ``nameserver`` (``HOST:PORT``), else the system's."""
-    return DnsResolver(nameserver, timeout_s) if nameserver else SystemResolver(timeout_s)
-
+    """:class:`DnsResolver` for ``nameserver`` (``IP[:PORT]``; an empty one is
+    refused), else (None) the system's."""
+    return (DnsResolver(nameserver, timeout_s) if nameserver is not None
+            else SystemResolver(timeout_s))

@@ -178,6 +178,15 @@ RETRY_AFTER_METADATA_KEY = "retry-after"
 _FIELD_FIRST = re.compile(r"([A-Za-z_][A-Za-z0-9_.\[\]]*): ")
 
 
+#: Why no replica serves when the pool knows none (its DNS name has no address).
+NONE_KNOWN = "none is known: the engines' DNS name resolves to no address"
+
+
+def no_replica_message(why: str) -> str:
+    """The UNAVAILABLE message of a request no engine replica can take."""
+    return f"no engine replica is serving ({why}); retry in a few seconds"
+
+
 class GenerationError(Exception):
     """The request failed upstream; ``code`` is the status for the client,
     ``trailing_metadata`` extra pairs for the call's trailers (the retry hint),
@@ -630,10 +639,8 @@ class GenerationPipeline:
         if not serving:
             known = len(self.replicas.engines)
             why = (f"of {known} known, each failed, went silent or is draining" if known else
-                   "none is known: the engines' DNS name resolves to no address")
-            raise GenerationError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"no engine replica is serving ({why}); retry in a few seconds")
+                   NONE_KNOWN)
+            raise GenerationError(grpc.StatusCode.UNAVAILABLE, no_replica_message(why))
         return serving
 
     async def _open_engine(

@@ -13,7 +13,12 @@ names; :func:`services.router.validation.resolve_model` refuses an unknown one.
 A pool's engines may come from DNS (``dns:///NAME:PORT``,
 :mod:`services.router.discovery`): at start the pool waits for every static
 engine and, when it has none, for the first address of its names to serve
-(re-resolving until ``startup_timeout``); its limits come from those. Every
+(re-resolving until ``startup_timeout``); its limits come from those. A pool
+with only DNS names whose names resolve to no address (no engine is up yet,
+e.g. while a model is fetched), or none of whose addresses served in time,
+does not fail the router's start: :func:`open_pool` raises
+:class:`NoEngineYet` once the tokenizer serves, and the router opens the pool
+later (:func:`open_pool` with ``wait_for_engines``, no time limit). Every
 further address joins later through the replica set, once SERVING and only
 when its ``GetModelInfo`` fits the limits (the same model, a context window no
 smaller); one that does not stays out, with a warning (``engine_not_admitted``).
@@ -112,6 +117,17 @@ class PoolSettings:
     resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S
 
 
+class NoEngineYet(Exception):
+    """A pool with only ``dns:///`` engines found no serving address at start;
+    its tokenizer serves. The router serves without it and opens it later."""
+
+    def __init__(self, names: str, known: list[str]) -> None:
+        super().__init__(f"no engine of {names} is serving yet (addresses: "
+                         f"{', '.join(known) or 'none'})")
+        self.names = names
+        self.known = known
+
+
 class ModelPool:
     """The clients, replica set, admission and pipeline of one model (owner of
     all of them: :meth:`close` closes them).
@@ -155,14 +171,20 @@ class ModelPool:
 
 
 async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClient | None,
-                    metrics: RouterMetrics, resolver: Resolver | None = None) -> ModelPool:
+                    metrics: RouterMetrics, resolver: Resolver | None = None, *,
+                    wait_for_engines: bool = True) -> ModelPool:
     """Connects to the pool's tokenizer and engines, waits for them to serve and
     builds its parts. On failure the clients opened here are closed.
 
     Args:
       resolver: resolves the pool's ``dns:///`` engines (default: the system's).
+      wait_for_engines: False: a pool with only ``dns:///`` engines raises
+        :class:`NoEngineYet` (once its tokenizer serves) instead of waiting
+        while its names resolve to no address, or failing when no address
+        served within ``startup_timeout``.
 
     Raises:
+      NoEngineYet: see ``wait_for_engines``.
       UpstreamError: the tokenizer, a static engine, or (without a static one)
         any address of the DNS names did not serve within
         ``settings.startup_timeout`` seconds.
@@ -187,7 +209,11 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
     try:
         ready = asyncio.create_task(tokenizer.wait_until_serving(settings.startup_timeout))
         try:
-            engines = await _first_engines(discovery, make_client, settings)
+            engines = await _first_engines(discovery, make_client, settings,
+                                           wait_unknown=wait_for_engines)
+        except NoEngineYet:
+            await ready  # the router serves once the tokenizer does
+            raise
         except BaseException:
             ready.cancel()
             raise
@@ -236,13 +262,16 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
 
 
 async def _first_engines(discovery: Discovery, make_client: Callable[[str], EngineClient],
-                         settings: PoolSettings) -> list[EngineClient]:
+                         settings: PoolSettings, *, wait_unknown: bool = True
+                         ) -> list[EngineClient]:
     """The replicas the pool starts with: every static one (waited for), else
     those addresses of the names that serve first (resolved again every
     resolve interval until ``startup_timeout``).
 
     Raises:
       UpstreamError: UNAVAILABLE/DEADLINE_EXCEEDED, nothing served in time.
+      NoEngineYet: not ``wait_unknown``, no static engine, and the names
+        resolve to no address, or none served in time.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + settings.startup_timeout
@@ -258,6 +287,8 @@ async def _first_engines(discovery: Discovery, make_client: Callable[[str], Engi
     names = ", ".join(str(name) for name in discovery.names)
     while True:
         addresses = discovery.wanted()
+        if not addresses and not wait_unknown:
+            raise NoEngineYet(names, [])
         wait = max(0.1, min(settings.resolve_interval_s, deadline - loop.time()))
         candidates = [make_client(address) for address in addresses]
         results = await asyncio.gather(*(e.wait_until_serving(wait) for e in candidates),
@@ -272,6 +303,8 @@ async def _first_engines(discovery: Discovery, make_client: Callable[[str], Engi
         if serving:
             return serving
         if loop.time() >= deadline:
+            if not wait_unknown:
+                raise NoEngineYet(names, addresses)
             raise UpstreamError(
                 "engine", names, grpc.StatusCode.UNAVAILABLE,
                 f"no address of {names} served within {settings.startup_timeout:g} s "

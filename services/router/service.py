@@ -19,7 +19,10 @@ binds the request id to logs and maps errors to gRPC statuses:
   ``retry-after-ms`` (and ``retry-after`` in seconds, for HTTP); or every
   engine replica refused for lack of capacity.
 * UNAVAILABLE: no engine replica (or the tokenizer) is reachable, the router is
-  still starting, or it is draining.
+  still starting, or it is draining. A draining router also ends every
+  ``GenerateStream`` session UNAVAILABLE (reconnect: Envoy or the client
+  takes another router): at once when no generation runs on it, else right
+  after the running generation's final message.
 * DEADLINE_EXCEEDED: the call's deadline passed (every hop gets the time left),
   or a ``GenerateStream`` reached its session idle limit (nothing running and
   no client message for ``--stream-idle-timeout`` seconds).
@@ -37,6 +40,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -52,21 +57,34 @@ from services.common.logprobs import logprobs_to_pb
 from services.common.sampling import FinishReason, InvalidRequestError, Priority
 from services.router.admission import AdmissionConfig, AdmissionController
 from services.router.clients import CacheClient
-from services.router.discovery import DEFAULT_RESOLVE_INTERVAL_S, EngineTarget, make_resolver
+from services.router.discovery import (
+    DEFAULT_RESOLVE_INTERVAL_S,
+    EngineTarget,
+    Resolver,
+    make_resolver,
+)
 from services.router.engine_client import EngineClient
 from services.router.generation import (
+    NONE_KNOWN,
     Delta,
     Event,
     Finished,
     GenerationError,
     GenerationPipeline,
     Progress,
+    no_replica_message,
 )
 from services.router.json_request import parse_generate_json
 from services.router.metrics import RouterMetrics
 from services.router.openai_http import OpenAIServer
 from services.router.replicas import ReplicaSet
-from services.router.model_pool import ModelPool, PoolConfig, PoolSettings, open_pool
+from services.router.model_pool import (
+    ModelPool,
+    NoEngineYet,
+    PoolConfig,
+    PoolSettings,
+    open_pool,
+)
 from services.router.routing import CostWeights, RoutingPolicy, RoutingSession
 from services.router.validation import (
     TENANT_METADATA_KEY,
@@ -114,7 +132,7 @@ class RouterConfig:
         (:mod:`services.router.openai_http`) on the service host; 0 picks a
         free one; None: no HTTP server.
       resolve_interval_s: seconds between resolutions of ``dns:///`` engines.
-      dns_nameserver: ``IP:PORT`` of the DNS server that resolves them; None:
+      dns_nameserver: ``IP[:PORT]`` of the DNS server that resolves them; None:
         the system's resolver (``/etc/hosts``, ``resolv.conf``).
     """
 
@@ -182,6 +200,10 @@ class _StreamGeneration:
     unfinished: set[int] = field(default_factory=lambda: {0})
 
 
+#: How a draining router ends a ``GenerateStream`` session (UNAVAILABLE).
+STREAM_DRAIN_MESSAGE = ("the router is draining (shutting down); reconnect to continue the "
+                        "conversation on another instance")
+
 #: The router ends a call this many seconds before the client's deadline, so its
 #: DEADLINE_EXCEEDED status (and the engine's cancel) lands before the deadline
 #: resets the stream at Envoy or gRPC (a reset reaches the client as INTERNAL).
@@ -246,6 +268,15 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         self._cache: CacheClient | None = None
         self._draining = False
         self._openai: OpenAIServer | None = None
+        #: Pools opened, by their index in ``config.all_pools()``.
+        self._opened: dict[int, ModelPool] = {}
+        #: Pools with no engine yet (only DNS names), being opened in the background.
+        self._pending: dict[int, asyncio.Task[None]] = {}
+        self._started = False
+        self._settings: PoolSettings | None = None
+        self._resolver: Resolver | None = None
+        #: The inbox of each open ``GenerateStream`` call (drain() tells them).
+        self._stream_inboxes: set[asyncio.Queue[tuple[str, object]]] = set()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -297,8 +328,14 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         for them to serve, reads each model's limits. Health turns SERVING when
         this returns.
 
+        A pool with only ``dns:///`` engines none of which serves yet (its
+        names resolve to no address, or no address served within
+        ``startup_timeout``) does not fail the start: once its tokenizer
+        serves, the router serves without it (warning ``no_engine_known``;
+        its requests end UNAVAILABLE) and adds it when an engine serves.
+
         Raises:
-          UpstreamError: a tokenizer or an engine did not serve within
+          UpstreamError: a tokenizer or a static engine did not serve within
             ``startup_timeout`` seconds.
           RuntimeError: the engine replicas of one pool serve different models,
             or two pools serve the same model id.
@@ -307,46 +344,86 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         self._cache = CacheClient(cfg.cache, timeout=cfg.cache_timeout) if cfg.cache else None
         cache_ready = (asyncio.create_task(self._cache.wait_until_serving(cfg.startup_timeout))
                        if self._cache is not None else None)
-        settings = PoolSettings(
+        self._settings = PoolSettings(
             default_max_tokens=cfg.default_max_tokens, max_tokens_cap=cfg.max_tokens_cap,
             startup_timeout=cfg.startup_timeout, admission=cfg.admission,
             routing_policy=cfg.routing_policy, routing_weights=cfg.routing_weights,
             log_content=cfg.log_content, resolve_interval_s=cfg.resolve_interval_s)
-        resolver = make_resolver(cfg.dns_nameserver)
+        self._resolver = make_resolver(cfg.dns_nameserver)
+        configs = cfg.all_pools()
         opened = await asyncio.gather(
-            *(open_pool(pool, settings, self._cache, self.metrics, resolver)
-              for pool in cfg.all_pools()),
+            *(open_pool(pool, self._settings, self._cache, self.metrics, self._resolver,
+                        wait_for_engines=False)
+              for pool in configs),
             return_exceptions=True)
-        pools = [p for p in opened if isinstance(p, ModelPool)]
-        failure = next((p for p in opened if isinstance(p, BaseException)), None)
+        pools = {i: p for i, p in enumerate(opened) if isinstance(p, ModelPool)}
+        failure = next((p for p in opened if isinstance(p, BaseException)
+                        and not isinstance(p, NoEngineYet)), None)
         if failure is None:
             seen: dict[str, ModelPool] = {}
-            for pool in pools:
+            for pool in pools.values():
                 if pool.model in seen:
-                    failure = RuntimeError(
-                        f"two pools serve model {pool.model!r} (engines "
-                        f"{[e.target for e in seen[pool.model].engines]} and "
-                        f"{[e.target for e in pool.engines]}); give each model its own id "
-                        "(the engine's --served-model-name) or put the engines in one pool")
+                    failure = _duplicate_model(seen[pool.model], pool)
                     break
                 seen[pool.model] = pool
         if failure is not None:
             if cache_ready is not None:
                 cache_ready.cancel()
-            await asyncio.gather(*(p.close() for p in pools), return_exceptions=True)
+            await asyncio.gather(*(p.close() for p in pools.values()), return_exceptions=True)
             raise failure
-        self.pools = {pool.model: pool for pool in pools}
-        self.default_model = pools[0].model
+        self._opened = pools
+        self._install()
+        self._started = True
+        for index, result in enumerate(opened):
+            if isinstance(result, NoEngineYet):
+                log.warning("no_engine_known", engines=list(configs[index].engines),
+                            tokenizer=configs[index].tokenizer, why=str(result),
+                            effect="its requests end UNAVAILABLE until an engine of the "
+                                   "DNS name serves (resolved again every "
+                                   f"{cfg.resolve_interval_s:g} s)")
+                self._pending[index] = asyncio.create_task(
+                    self._open_later(index, configs[index]), name=f"open pool {index}")
         if cache_ready is not None:
             await self._await_cache(cache_ready)
-        for pool in pools:
-            log.info("router_ready", model=pool.model, max_model_len=pool.limits.max_model_len,
-                     engines=[e.target for e in pool.engines], tokenizer=pool.tokenizer.target,
-                     cache=cfg.cache, chat=pool.limits.has_chat_template,
-                     backends=sorted({i.backend for i in pool.infos}),
-                     routing_policy=pool.policy.value,
-                     replica_ids=[i.replica_id for i in pool.infos],
-                     default=pool.model == self.default_model)
+        for pool in pools.values():
+            self._log_ready(pool)
+
+    def _install(self) -> None:
+        """Serves the pools opened so far, in the order configured."""
+        self.pools = {pool.model: pool for _, pool in sorted(self._opened.items())}
+        self.default_model = self._opened[0].model if 0 in self._opened else ""
+
+    def _log_ready(self, pool: ModelPool) -> None:
+        log.info("router_ready", model=pool.model, max_model_len=pool.limits.max_model_len,
+                 engines=[e.target for e in pool.engines], tokenizer=pool.tokenizer.target,
+                 cache=self.config.cache, chat=pool.limits.has_chat_template,
+                 backends=sorted({i.backend for i in pool.infos}),
+                 routing_policy=pool.policy.value,
+                 replica_ids=[i.replica_id for i in pool.infos],
+                 default=pool.model == self.default_model)
+
+    async def _open_later(self, index: int, config: PoolConfig) -> None:
+        """Opens a pool that had no engine at start, once one serves (retrying
+        every resolve interval after a failure), and serves it."""
+        settings = dataclasses.replace(self._settings, startup_timeout=math.inf)
+        while True:
+            try:
+                pool = await open_pool(config, settings, self._cache, self.metrics,
+                                       self._resolver)
+            except Exception as err:  # noqa: BLE001 - logged, tried again
+                log.warning("pool_open_failed", engines=list(config.engines),
+                            error=f"{type(err).__name__}: {err}")
+                await asyncio.sleep(self.config.resolve_interval_s)
+                continue
+            if (other := self.pools.get(pool.model)) is not None:
+                log.error("pool_not_served", error=str(_duplicate_model(other, pool)))
+                await pool.close()
+                return
+            self._opened[index] = pool
+            self._install()
+            self._pending.pop(index, None)
+            self._log_ready(pool)
+            return
 
     async def _await_cache(self, ready: asyncio.Task[None]) -> None:
         assert self._cache is not None
@@ -360,11 +437,19 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                     detail=str(ready.exception()) if ready in done else "still starting")
 
     async def drain(self) -> None:
-        """Refuses new generations (UNAVAILABLE); running ones may finish."""
+        """Refuses new generations (UNAVAILABLE); running ones may finish. Each
+        ``GenerateStream`` session ends UNAVAILABLE (:data:`STREAM_DRAIN_MESSAGE`):
+        at once when no generation runs on it, else once its generation ends; an
+        idle session would otherwise hold the drain to its deadline."""
         self._draining = True
+        for inbox in self._stream_inboxes:
+            inbox.put_nowait(("drain", None))
 
     async def close(self) -> None:
         """Closes the HTTP server and the channels (after the gRPC server stopped)."""
+        for task in self._pending.values():
+            task.cancel()
+        await asyncio.gather(*self._pending.values(), return_exceptions=True)
         if self._openai is not None:
             await self._openai.close()
         await asyncio.gather(*(pool.close() for pool in self.pools.values()),
@@ -385,7 +470,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             raise GenerationError(grpc.StatusCode.UNAVAILABLE,
                                   "the router is draining (shutting down); retry on another "
                                   "instance")
-        if not self.pools:
+        if not self._started:
             raise GenerationError(grpc.StatusCode.UNAVAILABLE,
                                   "the router is starting (waiting for tokenizer and engines)")
 
@@ -400,7 +485,12 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
 
         Raises:
           InvalidRequestError: the first bad field.
+          GenerationError: UNAVAILABLE, the model may be a pool's whose
+            engines are not serving yet (only when such a pool exists).
         """
+        if self._pending and (pb.model or self.default_model) not in self.pools:
+            # Perhaps the model of a pool whose engines are not up yet.
+            raise GenerationError(grpc.StatusCode.UNAVAILABLE, no_replica_message(NONE_KNOWN))
         return validate_request(
             pb, request_id=request_id, models=self.models, default_model=self.default_model,
             header_request_id=header_request_id, header_tenant=header_tenant)
@@ -492,13 +582,17 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         generation ends the stream with its status. When the client half-closes,
         the running generation finishes, then the call ends OK. A stream with
         nothing running and no client message for ``stream_idle_timeout``
-        seconds ends with DEADLINE_EXCEEDED (the session idle limit).
+        seconds ends with DEADLINE_EXCEEDED (the session idle limit). When the
+        router drains, the stream ends UNAVAILABLE once nothing runs on it (at
+        once if nothing does; a ``start`` during the drain is refused
+        UNAVAILABLE too).
         """
         stream_id = _safe_request_id(request_id_from(context))
         bind_request_id(stream_id)
         # One queue, one consumer: client messages and generation events arrive
         # here, and only this task writes to the call.
         inbox: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
+        self._stream_inboxes.add(inbox)
         reader = asyncio.create_task(self._read_client(request_iterator, inbox))
         current: _StreamGeneration | None = None
         session = RoutingSession()  # later turns go where the earlier ones' KV is
@@ -507,7 +601,12 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         last_id = stream_id
         try:
             while not (client_done and current is None):
+                if self._draining and current is None:
+                    log.info("stream_ended_by_drain", generations=count)
+                    raise _Abort(grpc.StatusCode.UNAVAILABLE, STREAM_DRAIN_MESSAGE)
                 kind, payload = await self._next_on_stream(inbox, idle=current is None)
+                if kind == "drain":
+                    continue  # checked at the top of the loop
                 if kind == "client_error":
                     raise payload  # type: ignore[misc]
                 if kind == "client":
@@ -566,6 +665,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                 current.task.cancel()
             await self._abort(context, failure, last_id)
         finally:
+            self._stream_inboxes.discard(inbox)
             reader.cancel()
             if current is not None:
                 current.task.cancel()
@@ -686,6 +786,13 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             final = Finished(FinishReason.CANCELLED, "", current.progress.usage(), index=index)
             await context.write(generation_pb2.GenerateStreamResponse(
                 response=_response(current.request_id, final)))
+
+
+def _duplicate_model(first: ModelPool, second: ModelPool) -> RuntimeError:
+    return RuntimeError(
+        f"two pools serve model {first.model!r} (engines {[e.target for e in first.engines]} "
+        f"and {[e.target for e in second.engines]}); give each model its own id "
+        "(the engine's --served-model-name) or put the engines in one pool")
 
 
 def _safe_request_id(request_id: str) -> str:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -249,11 +250,14 @@ def test_killed_parent_takes_its_children_along(tmp_path: Path) -> None:
     assert wait_all_dead(pids.values(), timeout_s=15.0) == []
 
 
-def _start_up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], list[str]]:
+def _start_up(tmp_path: Path, *extra: str,
+              preexec_fn: Callable[[], object] | None = None,
+              ) -> tuple[subprocess.Popen[str], list[str]]:
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--port", "0", "--admin-port", "0",
          "--run-dir", str(tmp_path), *extra],
         cwd=REPO_ROOT, env=_up_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=preexec_fn,
     )
     lines: list[str] = []
     assert process.stdout is not None
@@ -320,6 +324,20 @@ def test_llmesh_up_stops_on_ctrl_c(tmp_path: Path) -> None:
     pids = _up_pids(tmp_path, lines)
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=30) == 0
+    assert wait_all_dead(pids, timeout_s=5.0) == []
+
+
+def test_llmesh_up_stops_on_sigint_when_started_with_sigint_ignored(tmp_path: Path) -> None:
+    """``llmesh up &`` in a non-interactive shell script inherits SIGINT ignored."""
+    process, lines = _start_up(
+        tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        pids = _up_pids(tmp_path, lines)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
     assert wait_all_dead(pids, timeout_s=5.0) == []
 
 

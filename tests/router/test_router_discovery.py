@@ -18,7 +18,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 from llmesh.v1 import engine_pb2_grpc, tokenizer_pb2_grpc
 from services.common.sampling import Priority, SamplingOptions
 from services.router.admission import AdmissionConfig
-from services.router.discovery import DnsResolver, EngineTarget, ResolveError, SystemResolver
+from services.router.discovery import (
+    DnsResolver,
+    EngineTarget,
+    ResolveError,
+    SystemResolver,
+    make_resolver,
+    parse_nameserver,
+)
 from services.router.metrics import RouterMetrics
 from services.router.model_pool import PoolConfig, PoolSettings, open_pool
 from services.router.routing import CostWeights, RoutingPolicy
@@ -43,6 +50,33 @@ def test_targets_parse_static_and_dns_forms() -> None:
     with pytest.raises(ValueError, match="--model-pool.*dns:///NAME:PORT"):
         PoolConfig.parse("t:1=engines")
     assert PoolConfig.parse("t:1=dns:///e:2,h:3").engines == ("dns:///e:2", "h:3")
+
+
+def test_the_nameserver_is_an_ip_with_an_optional_port() -> None:
+    assert parse_nameserver("10.96.0.10") == ("10.96.0.10", 53)
+    assert parse_nameserver("10.96.0.10:5353") == ("10.96.0.10", 5353)
+    assert parse_nameserver("fd00::a") == ("fd00::a", 53)
+    assert parse_nameserver("[fd00::a]:54") == ("fd00::a", 54)
+    for bad in ("", "  ", "dns.local:53", "10.96.0.10:0", "10.96.0.10:x"):
+        with pytest.raises(ValueError, match=r"expected IP\[:PORT\] of a DNS server, "
+                                             r"e\.g\. 10\.96\.0\.10:53"):
+            parse_nameserver(bad)
+    with pytest.raises(ValueError, match="DNS server"):
+        make_resolver("")  # refused, not the system resolver
+    assert isinstance(make_resolver(None), SystemResolver)
+    resolver = make_resolver("127.0.0.1")
+    assert isinstance(resolver, DnsResolver) and resolver._resolver.port == 53
+
+
+def test_the_router_cli_refuses_a_bad_nameserver_with_its_own_message(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from services.router.__main__ import main
+    for bad in ("", "dns.local"):
+        with pytest.raises(SystemExit) as exited:
+            main(["--tokenizer", "t:1", "--engine", "e:2", "--dns-nameserver", bad])
+        assert exited.value.code == 2
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "expected IP[:PORT] of a DNS server" in error and "dns:///" not in error
 
 
 async def test_the_resolver_reads_a_and_aaaa_and_tells_nxdomain_from_no_records() -> None:
