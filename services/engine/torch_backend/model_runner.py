@@ -229,15 +229,10 @@ class ModelRunner:
             (:func:`resolve_attention_backend`,
             :func:`~services.engine.torch_backend.quant.resolve_quant_kernel`).
         """
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        torch_device = torch.device(device)
+        torch_device = _checked_device(dtype, device)
         if quantization == "auto":
             quantization = auto_quantization(gguf_architecture(path), DTYPES[dtype], torch_device)
-        check_mode(quantization, DTYPES[dtype], torch_device)
-        resolve_attention_backend(attention_backend, torch_device, DTYPES[dtype])
-        if quantization != "none":
-            resolve_quant_kernel(quant_kernel)
+        _check_options(quantization, dtype, torch_device, attention_backend, quant_kernel)
         loaded = load_gguf(path, keep_q4_1=quantization != "none")
         if loaded.config.architecture != "llama" and quantization != "none":
             raise ValueError(
@@ -246,10 +241,7 @@ class ModelRunner:
                 "which is not quality-checked: use --quantization none (dense weights in --dtype)")
         model = build_model(loaded.config, loaded.state_dict, torch_device, DTYPES[dtype],
                             max_positions, quantization, loaded.q4_1, quant_kernel)
-        if dense_prefill is None:  # auto: where the quantized kernels are PyTorch's
-            dense_prefill = model.quant_kernel == "torch"
-        if dense_prefill and quantization != "none":
-            model.add_prompt_projections()
+        _add_dense_prefill(model, dense_prefill)
         return cls(model, torch_device, DTYPES[dtype], batch_invariant, attention_backend)
 
     @classmethod
@@ -280,24 +272,16 @@ class ModelRunner:
             ValueError as :meth:`from_gguf` for dtype, quantization, attention
             backend and quantized kernel.
         """
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        torch_device = torch.device(device)
+        torch_device = _checked_device(dtype, device)
         if quantization == "auto":
             quantization = "none"
-        check_mode(quantization, DTYPES[dtype], torch_device)
-        resolve_attention_backend(attention_backend, torch_device, DTYPES[dtype])
-        if quantization != "none":
-            resolve_quant_kernel(quant_kernel)
+        _check_options(quantization, dtype, torch_device, attention_backend, quant_kernel)
         # Quantizing starts from fp32 weights; a dense model reads them in its dtype.
         loaded = load_hf_checkpoint(path, torch.float32 if quantization != "none"
                                     else DTYPES[dtype])
         model = build_model(loaded.config, loaded.state_dict, torch_device, DTYPES[dtype],
                             max_positions, quantization, quant_kernel=quant_kernel)
-        if dense_prefill is None:
-            dense_prefill = model.quant_kernel == "torch"
-        if dense_prefill and quantization != "none":
-            model.add_prompt_projections()
+        _add_dense_prefill(model, dense_prefill)
         return cls(model, torch_device, DTYPES[dtype], batch_invariant, attention_backend)
 
     @property
@@ -501,3 +485,32 @@ class ModelRunner:
             failures += probe([], config.head_dim, device=self.device.type, dtype=self.dtype,
                               projections=prompt, padded_linear_rows=lambda rows: max(rows, 2))
         return failures
+
+
+def _checked_device(dtype: str, device: str) -> torch.device:
+    """``device`` parsed, after refusing an unknown ``dtype`` name (ValueError)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return torch.device(device)
+
+
+def _check_options(quantization: str, dtype: str, device: torch.device,
+                   attention_backend: str, quant_kernel: str) -> None:
+    """The loaders' shared refusals (ValueError): a quantization that contradicts
+    dtype or device, an attention backend or quantized kernel that cannot run."""
+    check_mode(quantization, DTYPES[dtype], device)
+    resolve_attention_backend(attention_backend, device, DTYPES[dtype])
+    if quantization != "none":
+        resolve_quant_kernel(quant_kernel)
+
+
+def _add_dense_prefill(model: LlamaModel, dense_prefill: bool | None) -> None:
+    """Gives a quantized ``model`` dense bf16 prompt projections when
+    ``dense_prefill`` says so (None, auto: where its quantized kernels are
+    PyTorch's)."""
+    if model.quantization == "none":
+        return
+    if dense_prefill is None:
+        dense_prefill = model.quant_kernel == "torch"
+    if dense_prefill:
+        model.add_prompt_projections()
