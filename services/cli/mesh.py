@@ -28,7 +28,6 @@ quotes the tail of the failing child's log.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import re
@@ -55,11 +54,11 @@ from services.common.scrape_targets import write_prometheus_config
 #: The roles in start order (engines may be several: ``engine-0``, ``engine-1``...).
 BACKEND_ROLES = ("tokenizer", "cache", "engine")
 
-_PR_SET_PDEATHSIG = 1
-try:
-    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux
-    _PRCTL = None
+#: util-linux's setpriv(1) sets the parent-death signal and then execs the
+#: program, so no Python code runs between fork and exec: a ``preexec_fn``
+#: would force a plain fork() of a process whose gRPC threads may hold locks
+#: (an abseil mutex check aborted such a child in CI). None where absent.
+_SETPRIV = shutil.which("setpriv") if sys.platform == "linux" else None
 
 
 class MeshStartError(RuntimeError):
@@ -104,32 +103,34 @@ class MeshProgress:
 ProgressCallback = Callable[[MeshProgress], None]
 
 
-def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def spawn(argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None,
           cwd: Path | None = None) -> subprocess.Popen[bytes]:
     """Starts ``argv`` in its own process group, stdout+stderr appended to ``log_path``.
 
-    The child gets SIGTERM if this process dies (Linux, main thread only: the
-    kernel ties the signal to the thread that forked).
+    The child gets SIGTERM if this process dies (Linux with util-linux's
+    ``setpriv``, main thread only: the kernel ties the signal to the thread
+    that forked). No Python code runs in the child before exec (Python then
+    uses vfork), so a parent with running gRPC threads spawns safely.
 
     Raises:
       FileNotFoundError: the program does not exist.
     """
+    program = argv[0]
+    found = (os.access(Path(cwd or ".") / program, os.X_OK) if os.sep in program
+             else shutil.which(program, path=(env or os.environ).get("PATH")) is not None)
+    if not found:
+        raise FileNotFoundError(f"no such program: {program}")
     on_main_thread = threading.current_thread() is threading.main_thread()
+    prefix = [_SETPRIV, "--pdeathsig", "TERM", "--"] if on_main_thread and _SETPRIV else []
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            list(argv),
+            [*prefix, *argv],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=dict(env) if env is not None else None,
             cwd=cwd,
             start_new_session=True,
-            preexec_fn=_set_parent_death_signal if on_main_thread and _PRCTL else None,
         )
 
 

@@ -371,7 +371,9 @@ def test_sigterm_to_a_router_behind_envoy_drains_it(cluster: Cluster) -> None:
 
         r2 = router_process(cluster, "router-2", ports[1])
         routers.append(r2)
-        wait_for(lambda: envoy_health(envoy, ports[1]) == "healthy", 120, "R2 healthy in Envoy")
+        wait_for(lambda: r2.exit_code() is not None
+                 or envoy_health(envoy, ports[1]) == "healthy", 120, "R2 healthy in Envoy")
+        assert r2.exit_code() is None, log_tail(r2.log_path)
         wait_for(r2.read_port_file, 10, "R2's port file")
 
         r1.process.send_signal(signal.SIGTERM)
