@@ -129,7 +129,8 @@ class Tenancy:
     # ----------------------------------------------------------------- auth
 
     def authenticate(self, authorization: str | None, api_key: str | None) -> Tenant | None:
-        """The calling tenant (None: auth is off).
+        """The calling tenant (None: auth is off), bound to the call's log lines
+        as ``tenant``.
 
         Raises:
           AuthError: UNAUTHENTICATED, no key or an unknown one.
@@ -145,6 +146,7 @@ class Tenancy:
         if tenant is None:
             self._auth_failed("invalid_key")
             raise AuthError(grpc.StatusCode.UNAUTHENTICATED, "invalid_key", INVALID_KEY_MESSAGE)
+        structlog.contextvars.bind_contextvars(tenant=tenant.id)  # the call's log lines
         return tenant
 
     def check_model(self, tenant: Tenant | None, model: str) -> None:
