@@ -76,8 +76,19 @@ a ``GenerateStream``), and observed at the moment they happen:
   engine answered: prompt tokens it found in its prefix cache, as the
   engine reports them) and ``llmesh:router_prefix_score_seconds``
   (``ScorePrefix`` round trips).
+* tenants (:mod:`services.router.tenancy`, with ``--api-keys``; ``tenant`` is
+  the key file's tenant id, never a key, ``other`` past 64 ids):
+  ``llmesh:tenant_requests_total{tenant, outcome}`` (ended requests, outcome
+  as in ``requests_total``), ``llmesh:tenant_tokens_total{tenant, kind}``
+  (``prompt``, ``completion``: what each request was billed against its
+  tokens per minute), ``llmesh:tenant_limited_total{tenant, limit}``
+  (``requests_per_minute``, ``tokens_per_minute``, ``max_concurrent``),
+  ``llmesh:auth_failures_total{reason}`` (``missing_key``, ``invalid_key``,
+  ``model_not_allowed``), ``llmesh:api_key_reloads_total{outcome}`` (``ok``,
+  ``error``: SIGHUP reloads) and ``llmesh:api_keys{what}`` (``keys``,
+  ``tenants`` loaded now).
 
-Every metric carries ``model_name`` (a served model id: never a value the
+Every metric but the tenant ones carries ``model_name`` (a served model id: never a value the
 client made up). Nothing is observed per token inside the decode loop beyond
 one histogram observation per message.
 """

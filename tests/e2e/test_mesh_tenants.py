@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmesh.v1 import generation_pb2, generation_pb2_grpc
 from services.cli.mesh import Mesh
@@ -113,6 +114,10 @@ def test_a_missing_or_wrong_key_is_unauthenticated_on_every_edge(mesh: Mesh) -> 
         models = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=10,
                                  metadata=(("x-api-key", KEYS["beta"]),)).models
         assert [m.id for m in models] == ["SmolLM2-135M-Instruct"]
+    with grpc.insecure_channel(mesh.router.grpc_address) as channel:  # health stays open
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="llmesh.v1.GenerationService"), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
     chat = {"model": "SmolLM2-135M-Instruct", "max_tokens": 2,
             "messages": [{"role": "user", "content": SECRET_PROMPT}]}
     status, _, body = http(f"{mesh.http_url}/v1/chat/completions", chat, {})
