@@ -161,7 +161,9 @@ def test_a_tenant_over_its_tokens_per_minute_is_refused_while_another_is_served(
             first = stub.Generate(request(120, "a1"), timeout=120, metadata=auth("alpha"))
             await first.read()
             over = run_one(stub, request(120, "a2"), metadata=auth("alpha"))
-            other = run_one(stub, request(12, "b1"), metadata=auth("beta"),
+            # beta's key with alpha's x-tenant-id: the key decides, beta is served.
+            other = run_one(stub, request(12, "b1"),
+                            metadata=(*auth("beta"), ("x-tenant-id", "alpha")),
                             first_token=started, first_token_count=1)
             refused, served = await asyncio.gather(over, other)
             assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.details

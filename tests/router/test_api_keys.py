@@ -4,12 +4,15 @@ that never echo a key; the key headers; ``llmesh keys``."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import timeit
+from types import SimpleNamespace
 
 import pytest
 
+from services.cli.main import _forward_to_router
 from services.cli.main import main as llmesh
 from services.router.api_keys import (
     KeyFileError,
@@ -110,3 +113,12 @@ def test_llmesh_keys_new_prints_the_key_once_and_its_hash_entry(capsys) -> None:
     hashed = subprocess.run([sys.executable, "-m", "services.cli", "keys", "hash"],
                             input=key + "\n", capture_output=True, text=True, check=True)
     assert hashed.stdout.strip() == hash_key(key)
+
+
+def test_llmesh_up_checks_the_key_file_and_forwards_sighup_to_the_router(tmp_path) -> None:
+    assert llmesh(["up", "--api-keys", str(tmp_path / "none.yaml")]) == 2
+    router = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    mesh = SimpleNamespace(services={"router": SimpleNamespace(process=router, pid=router.pid)})
+    _forward_to_router(mesh, signal.SIGHUP)
+    assert router.wait(timeout=10) == -signal.SIGHUP
+    _forward_to_router(SimpleNamespace(services={}), signal.SIGHUP)  # not started yet: nothing

@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 from services.common.sampling import InvalidRequestError
 from services.router.admission import AdmissionRefused
 from services.router.api_keys import TenantLimits
-from services.router.tenant_limits import WINDOW_S, LimitObserver, TenantLimited, TenantLimiter
+from services.router.tenant_limits import (
+    WINDOW_S,
+    Lease,
+    LimitObserver,
+    TenantLimited,
+    TenantLimiter,
+)
 
 
 class Clock:
@@ -109,7 +115,8 @@ def test_a_reservation_larger_than_the_limit_is_out_of_range(clock: Clock) -> No
     lease = limiter.begin("a", TenantLimits(tokens_per_minute=10))
     with pytest.raises(InvalidRequestError) as info:
         lease.reserve(4, 7)
-    assert info.value.code == grpc.StatusCode.OUT_OF_RANGE and info.value.field == "sampling.max_tokens"
+    assert info.value.code == grpc.StatusCode.OUT_OF_RANGE
+    assert info.value.field == "sampling.max_tokens"
 
 
 def test_a_failed_request_is_billed_only_its_completion_tokens(clock: Clock) -> None:
@@ -134,7 +141,7 @@ def test_counters_return_to_zero_when_every_request_ended(plan, rnd) -> None:
     clock = Clock()
     limiter = TenantLimiter(clock=clock)
     limits = TenantLimits(requests_per_minute=20, tokens_per_minute=300, max_concurrent=4)
-    open_leases: list[tuple[object, int, int, float, str]] = []
+    open_leases: list[tuple[Lease, int, int, float, str]] = []
     billed: dict[str, int] = {"a": 0, "b": 0, "c": 0}
     for tenant, prompt, max_tokens, share, ending, advance in plan:
         clock.now += advance * 0.01  # well inside the window: nothing expires
@@ -152,17 +159,17 @@ def test_counters_return_to_zero_when_every_request_ended(plan, rnd) -> None:
         if rnd.random() < 0.5:  # end some in between, in random order
             lease, prompt, max_tokens, share, ending = open_leases.pop(
                 rnd.randrange(len(open_leases)))
-            billed[lease.tenant] += end(lease, prompt, max_tokens, share, ending)  # type: ignore[attr-defined]
+            billed[lease.tenant] += end(lease, prompt, max_tokens, share, ending)
     rnd.shuffle(open_leases)
     for lease, prompt, max_tokens, share, ending in open_leases:
-        billed[lease.tenant] += end(lease, prompt, max_tokens, share, ending)  # type: ignore[attr-defined]
+        billed[lease.tenant] += end(lease, prompt, max_tokens, share, ending)
     for tenant, total in billed.items():
         usage = limiter.usage(tenant)
         assert usage.in_flight == 0 and usage.reserved_tokens == 0
         assert usage.tokens_in_window == total
 
 
-def end(lease, prompt: int, max_tokens: int, share: float, ending: str) -> int:
+def end(lease: Lease, prompt: int, max_tokens: int, share: float, ending: str) -> int:
     completion = int(max_tokens * share)
     failed = ending == "error"
     lease.end(prompt_tokens=prompt, completion_tokens=completion, failed=failed)
