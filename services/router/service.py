@@ -539,8 +539,12 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
     def run(self, tenant: Tenant | None, request: GenerationRequest, *, received_at: float,
             deadline: float | None, progress: Progress | None = None,
             session: RoutingSession | None = None) -> AsyncIterator[Event]:
-        """The model's pipeline under the tenant's limits (both edges;
-        :meth:`Tenancy.run`)."""
+        """The model's pipeline, under the tenant's limits when auth is on
+        (both edges; :meth:`Tenancy.run`)."""
+        if tenant is None:
+            return self.pipeline_for(request).run(request, received_at=received_at,
+                                                  deadline=deadline, progress=progress,
+                                                  session=session)
         return self.tenancy.run(tenant, request, self.pipeline_for(request),
                                 received_at=received_at, deadline=deadline,
                                 progress=progress, session=session)

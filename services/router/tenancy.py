@@ -170,12 +170,12 @@ class Tenancy:
 
     # --------------------------------------------------------------- limits
 
-    async def run(self, tenant: Tenant | None, request: GenerationRequest,
+    async def run(self, tenant: Tenant, request: GenerationRequest,
                   pipeline: GenerationPipeline, *, received_at: float,
                   deadline: float | None, progress: Progress | None = None,
                   session: RoutingSession | None = None) -> AsyncIterator[Event]:
-        """``pipeline.run(request, ...)`` under ``tenant``'s limits (no limits
-        when ``tenant`` is None: auth off).
+        """``pipeline.run(request, ...)`` under ``tenant``'s limits (with auth
+        off the router calls the pipeline directly: no layer per event).
 
         Raises:
           GenerationError: RESOURCE_EXHAUSTED (``retry-after-ms``) when the
@@ -183,13 +183,6 @@ class Tenancy:
           InvalidRequestError: OUT_OF_RANGE, the reservation alone passes
             ``tokens_per_minute``.
         """
-        if tenant is None:
-            events = pipeline.run(request, received_at=received_at, deadline=deadline,
-                                  progress=progress, session=session)
-            async with contextlib.aclosing(events):
-                async for event in events:
-                    yield event
-            return
         try:
             lease = self.limiter.begin(tenant.id, tenant.limits)
         except TenantLimited as err:
