@@ -6,6 +6,13 @@
 ``llmesh models``        lists the served models.
 ``llmesh bench``         measures TTFT, TPOT, ITL, latency and throughput of llmesh
                          or an OpenAI-compatible server (``services.bench``).
+``llmesh keys new``      mints an API key for a tenant: the key once on stdout, the
+                         entry for the key file (its SHA-256 only) after it;
+                         ``llmesh keys hash`` hashes a key read from stdin.
+
+``generate`` and ``models`` send ``LLMESH_API_KEY`` (when set) as
+``authorization: Bearer``; ``up --api-keys FILE`` turns keys on at the router,
+and a SIGHUP to ``llmesh up`` reloads the file (it is passed to the router).
 
 Exit codes: 0 ok; 1 the call or the mesh failed (message on stderr, with the
 gRPC status name); 2 bad usage (an invalid ``LLMESH_PORT`` included) or a port
@@ -170,6 +177,13 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _forward_to_router(mesh: object, signum: int) -> None:
+    """Passes a signal (SIGHUP: reload the API key file) to the router process."""
+    router = getattr(mesh, "services", {}).get("router")
+    if router is not None and router.process is not None and router.process.poll() is None:
+        os.kill(router.pid, signum)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     """Runs the mesh until Ctrl-C/SIGTERM (a service that dies is started again,
     see :func:`_supervise`)."""
@@ -194,11 +208,17 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"llmesh: --model: no GGUF file or checkpoint directory (with config.json) "
               f"at {missing[0]}", file=sys.stderr)
         return 2
+    router_args = list(args.router_arg)
+    if args.api_keys is not None:
+        if not os.path.isfile(args.api_keys):
+            print(f"llmesh: --api-keys: no file at {args.api_keys}", file=sys.stderr)
+            return 2
+        router_args += ["--api-keys", os.path.abspath(args.api_keys)]
     mesh = Mesh(
         ingress_host=args.host, ingress_port=args.port, admin_port=args.admin_port,
         model_path=args.model_path, models=args.models, redis_url=args.redis_url,
         run_dir=args.run_dir,
-        num_engines=args.engines, engine_args=engine_args, router_args=list(args.router_arg),
+        num_engines=args.engines, engine_args=engine_args, router_args=router_args,
         drain_seconds=args.drain_seconds, start_timeout_s=args.start_timeout,
         stream_idle_timeout_s=args.stream_idle_timeout, commands=_role_commands(),
     )
@@ -206,6 +226,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     # shell (``llmesh up &``) inherits SIGINT ignored, which Python keeps.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGHUP, lambda signum, frame: _forward_to_router(mesh, signum))
     try:
         try:
             mesh.start(_ProgressPrinter())
@@ -395,7 +416,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with grpc.insecure_channel(target) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         started = time.monotonic()
-        call = stub.Generate(request, timeout=args.timeout)
+        call = stub.Generate(request, timeout=args.timeout, metadata=_api_key_metadata())
         ttft_s, last, chunks, ends_newline = None, None, 0, True
         try:
             for response in call:
@@ -438,7 +459,8 @@ def cmd_models(args: argparse.Namespace) -> int:
     with grpc.insecure_channel(target) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         try:
-            reply = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=args.timeout)
+            reply = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=args.timeout,
+                                    metadata=_api_key_metadata())
         except grpc.RpcError as error:
             return _rpc_error(error, target)
     if args.json:
@@ -449,6 +471,42 @@ def cmd_models(args: argparse.Namespace) -> int:
         print(f"{card.id:<32} {card.max_model_len:>8} {card.max_tokens_cap:>10} "
               f"{'yes' if card.chat else 'no'}")
     return 0
+
+
+def cmd_keys_new(args: argparse.Namespace) -> int:
+    """Mints a key: the key alone on stdout's first line (shown once: only its
+    hash is kept), then the key-file entry to add."""
+    from services.router.api_keys import hash_key, key_entry, mint_key, parse_key_table
+
+    try:  # the same rule as the file's
+        parse_key_table(json.dumps({"tenants": [{"id": args.tenant}]}))
+    except ValueError as error:
+        print(f"llmesh: --tenant: {str(error).split(': ', 2)[-1]}", file=sys.stderr)
+        return 2
+    key = mint_key()
+    print(key)
+    print(f"# The key above is shown once; the file keeps only its hash. Add to the "
+          f"--api-keys file under `tenants:` (or add the hash to {args.tenant!r}'s keys), "
+          f"then send SIGHUP to the router:\n{key_entry(args.tenant, hash_key(key))}", end="")
+    return 0
+
+
+def cmd_keys_hash(args: argparse.Namespace) -> int:
+    """Prints ``sha256:<hex>`` of the key on stdin (one line)."""
+    from services.router.api_keys import hash_key
+
+    key = sys.stdin.readline().strip()
+    if not key:
+        print("llmesh: give the key on stdin", file=sys.stderr)
+        return 2
+    print(hash_key(key))
+    return 0
+
+
+def _api_key_metadata() -> tuple[tuple[str, str], ...] | None:
+    """``authorization: Bearer $LLMESH_API_KEY`` when the variable is set."""
+    key = os.environ.get("LLMESH_API_KEY")
+    return (("authorization", f"Bearer {key}"),) if key else None
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -520,7 +578,23 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds a GenerateStream may idle between generations before the "
                          "router ends it (DEADLINE_EXCEEDED); Envoy's idle timeout for the "
                          "other calls (default: %(default)s)")
+    up.add_argument("--api-keys", default=None, metavar="FILE",
+                    help="API key file for the router (tenants, SHA-256 of their keys, "
+                         "models, limits; docs/api-keys.md): calls then need a key; "
+                         "SIGHUP to llmesh reloads it")
     up.set_defaults(func=cmd_up)
+
+    keys = commands.add_parser(
+        "keys", help="mint or hash API keys for --api-keys",
+        description="API keys for the router's key file (docs/api-keys.md).")
+    key_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    new_key = key_commands.add_parser(
+        "new", help="mint a key: prints it once, then the file entry (its hash)")
+    new_key.add_argument("--tenant", required=True, help="the tenant id the key maps to")
+    new_key.set_defaults(func=cmd_keys_new)
+    hash_key = key_commands.add_parser(
+        "hash", help="print the file entry (sha256:...) of a key read from stdin")
+    hash_key.set_defaults(func=cmd_keys_hash)
 
     url_help = (f"mesh address host:port or http://host:port; without it: LLMESH_URL, "
                 f"else 127.0.0.1:LLMESH_PORT (as for `llmesh up`), else {DEFAULT_URL}")

@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from services.common.server import add_server_arguments, run_service, server_config_from_args
 from services.router.admission import AdmissionConfig
+from services.router.api_keys import KeyFileError
 from services.router.discovery import DEFAULT_RESOLVE_INTERVAL_S, engine_target, make_resolver
 from services.router.model_pool import PoolConfig
 from services.router.routing import CostWeights, RoutingPolicy
@@ -78,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="GenerateStream session idle limit: seconds with no generation "
                              "running and no client message before the router ends the stream "
                              "with DEADLINE_EXCEEDED; 0: no limit (default 300)")
+    parser.add_argument("--api-keys", default=None, metavar="FILE",
+                        help="API key file (YAML or JSON: tenants with the SHA-256 of their "
+                             "keys, allowed models and limits; docs/api-keys.md). Calls then "
+                             "need 'authorization: Bearer KEY' or 'x-api-key: KEY', and "
+                             "x-tenant-id is ignored; SIGHUP reloads the file. Default: no "
+                             "auth")
     parser.add_argument("--openai-port", type=int, default=None, metavar="PORT",
                         help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
                              "/v1/completions, /v1/models) on this port of --host; 0 picks a "
@@ -147,12 +156,18 @@ def main(argv: Sequence[str] | None = None) -> None:
                 affinity_slack_tokens=args.kv_aware_affinity_slack),
             pools=tuple(args.model_pool), openai_port=args.openai_port,
             resolve_interval_s=args.engine_resolve_interval,
-            dns_nameserver=args.dns_nameserver)
+            dns_nameserver=args.dns_nameserver,
+            api_keys=None if args.api_keys is None else str(Path(args.api_keys).resolve()))
         if args.dns_nameserver is not None:
             make_resolver(args.dns_nameserver)  # checks the address
     except ValueError as err:
         parser.error(str(err))
-    asyncio.run(run_service(server_config_from_args("router", args), RouterService(config)))
+    try:
+        service = RouterService(config)
+    except KeyFileError as err:  # one line, exit 2 (the message holds no key)
+        print(f"router: --api-keys: {err}", file=sys.stderr)
+        sys.exit(2)
+    asyncio.run(run_service(server_config_from_args("router", args), service))
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ import contextlib
 import dataclasses
 import re
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -365,6 +365,7 @@ class GenerationPipeline:
         self, request: GenerationRequest, *, received_at: float,
         deadline: float | None = None, progress: Progress | None = None,
         session: RoutingSession | None = None,
+        reserve_tokens: Callable[[int, int], None] | None = None,
     ) -> AsyncIterator[Event]:
         """Generates ``request``: yields :class:`Delta` events, then one :class:`Finished`.
 
@@ -374,6 +375,10 @@ class GenerationPipeline:
           deadline: absolute ``time.monotonic()`` deadline of the client's call, or None.
           progress: updated with live token counts, if given.
           session: the conversation's routing memory (``GenerateStream``), if any.
+          reserve_tokens: called with (prompt tokens, clamped max_tokens x n)
+            once the prompt is tokenized, before the cache and admission: the
+            tenant's token reservation (:mod:`services.router.tenancy`); it
+            may raise GenerationError or InvalidRequestError to refuse.
 
         Raises:
           InvalidRequestError: the prompt does not fit the context window
@@ -397,6 +402,8 @@ class GenerationPipeline:
             sampling = dataclasses.replace(request.sampling, max_tokens=max_tokens,
                                            min_tokens=min(request.sampling.min_tokens,
                                                           max_tokens))
+            if reserve_tokens is not None:
+                reserve_tokens(len(prompt_ids), max_tokens * sampling.n)
             if _shareable(request.sampling) and not request.bypass_cache:
                 events = self._shared(request, prompt_ids, sampling, deadline, progress,
                                       timing, info, session)

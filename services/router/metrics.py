@@ -76,8 +76,19 @@ a ``GenerateStream``), and observed at the moment they happen:
   engine answered: prompt tokens it found in its prefix cache, as the
   engine reports them) and ``llmesh:router_prefix_score_seconds``
   (``ScorePrefix`` round trips).
+* tenants (:mod:`services.router.tenancy`, with ``--api-keys``; ``tenant`` is
+  the key file's tenant id, never a key, ``other`` past 64 ids):
+  ``llmesh:tenant_requests_total{tenant, outcome}`` (ended requests, outcome
+  as in ``requests_total``), ``llmesh:tenant_tokens_total{tenant, kind}``
+  (``prompt``, ``completion``: what each request was billed against its
+  tokens per minute), ``llmesh:tenant_limited_total{tenant, limit}``
+  (``requests_per_minute``, ``tokens_per_minute``, ``max_concurrent``),
+  ``llmesh:auth_failures_total{reason}`` (``missing_key``, ``invalid_key``,
+  ``model_not_allowed``), ``llmesh:api_key_reloads_total{outcome}`` (``ok``,
+  ``error``: SIGHUP reloads) and ``llmesh:api_keys{what}`` (``keys``,
+  ``tenants`` loaded now).
 
-Every metric carries ``model_name`` (a served model id: never a value the
+Every metric but the tenant ones carries ``model_name`` (a served model id: never a value the
 client made up). Nothing is observed per token inside the decode loop beyond
 one histogram observation per message.
 """
@@ -89,6 +100,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.sampling import Priority
 from services.router.admission import AdmissionObserver
+from services.router.tenant_limits import LimitObserver
 
 #: Prefix-hit buckets in tokens (0: a miss).
 PREFIX_HIT_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -224,10 +236,37 @@ class RouterMetrics:
             "llmesh:router_prefix_hit_tokens",
             "Prompt tokens the engine found in its prefix cache, per routed request.",
             ["model_name"], buckets=PREFIX_HIT_BUCKETS, registry=reg)
+        self.tenant_requests = Counter(
+            "llmesh:tenant_requests",
+            "Ended requests per tenant (the API key's tenant, never the key), by outcome.",
+            ["tenant", "outcome"], registry=reg)
+        self.tenant_tokens = Counter(
+            "llmesh:tenant_tokens",
+            "Tokens billed to each tenant's tokens_per_minute, by kind (prompt, completion).",
+            ["tenant", "kind"], registry=reg)
+        self.tenant_limited = Counter(
+            "llmesh:tenant_limited",
+            "Requests refused because their tenant was over a limit, by limit.",
+            ["tenant", "limit"], registry=reg)
+        self.auth_failures = Counter(
+            "llmesh:auth_failures",
+            "Calls refused by API key checks, by reason (missing_key, invalid_key, "
+            "model_not_allowed).", ["reason"], registry=reg)
+        self.api_key_reloads = Counter(
+            "llmesh:api_key_reloads",
+            "Reloads of the API key file (SIGHUP), by outcome (ok, error).",
+            ["outcome"], registry=reg)
+        self.api_keys = Gauge(
+            "llmesh:api_keys", "Keys in the API key file now loaded, by `what` (keys, "
+            "tenants).", ["what"], registry=reg)
         self.prefix_score_duration = Histogram(
             "llmesh:router_prefix_score_seconds",
             "ScorePrefix round trips to the cache service's prefix index.",
             buckets=SCORE_BUCKETS, registry=reg)
+
+    def tenant_observer(self) -> TenantMetrics:
+        """The tenant limiter's observer."""
+        return TenantMetrics(self)
 
     def admission_observer(self, model: str) -> AdmissionMetrics:
         """The admission controller's observer for ``model``."""
@@ -297,3 +336,32 @@ class AdmissionMetrics(AdmissionObserver):
         """Publishes the configured limits (``limit`` label: their names)."""
         for name, value in limits.items():
             self._m.admission_limit.labels(self._model, name).set(value)
+
+
+class TenantMetrics(LimitObserver):
+    """Per-tenant counters (``tenant``: the key file's tenant id; past
+    :data:`MAX_TENANT_LABELS` distinct ids, ``other``)."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self._m = metrics
+        self._tenants: set[str] = set()
+
+    def label(self, tenant: str) -> str:
+        if tenant not in self._tenants:
+            if len(self._tenants) >= MAX_TENANT_LABELS:
+                return "other"
+            self._tenants.add(tenant)
+        return tenant
+
+    def limited(self, tenant: str, limit: str) -> None:
+        self._m.tenant_limited.labels(self.label(tenant), limit).inc()
+
+    def settled(self, tenant: str, prompt_tokens: int, completion_tokens: int) -> None:
+        label = self.label(tenant)
+        if prompt_tokens:
+            self._m.tenant_tokens.labels(label, "prompt").inc(prompt_tokens)
+        if completion_tokens:
+            self._m.tenant_tokens.labels(label, "completion").inc(completion_tokens)
+
+    def ended(self, tenant: str, outcome: str) -> None:
+        self._m.tenant_requests.labels(self.label(tenant), outcome).inc()

@@ -20,6 +20,14 @@ there, so refusals before it (400, 404, 429, 503...) keep their HTTP status;
 an error after it is one ``data: {"error": ...}`` event, then the stream ends
 (no ``[DONE]``).
 
+Auth (:mod:`services.router.tenancy`, the router runs with ``--api-keys``):
+the key comes in ``Authorization: Bearer KEY`` or ``X-API-Key: KEY``, as on
+gRPC. No key or an unknown one: 401 (``code`` ``missing_api_key`` /
+``invalid_api_key``, type ``invalid_request_error``, as OpenAI answers a
+bad key); a model the key's tenant may not use: 403 (``model_not_allowed``).
+``GET /v1/models`` lists only the tenant's models. A tenant over one of its
+limits: 429 with ``Retry-After``, like an admission refusal.
+
 Statuses (:func:`error_for_status`): 400 invalid (``param`` = the OpenAI
 parameter), 404 unknown model (the message lists the served ids) or route,
 429 admission refusal with ``Retry-After`` (seconds, from the router's drain
@@ -61,6 +69,8 @@ from services.router.openai_protocol import (
     openai_param,
     parse_request,
 )
+from services.router.api_keys import API_KEY_HEADER, AUTHORIZATION_HEADER, Tenant
+from services.router.tenancy import AuthError
 from services.router.validation import TENANT_METADATA_KEY, UNKNOWN_MODEL_CODE
 
 if TYPE_CHECKING:
@@ -140,13 +150,26 @@ class OpenAIServer:
                 405, f"{request.path} takes {', '.join(sorted(err.allowed_methods))}",
                 "invalid_request_error", None, "method_not_allowed"))
 
+    def _tenant(self, request: web.Request) -> Tenant | None:
+        """The caller's tenant (None: auth off). Raises AuthError (401)."""
+        return self.router.authenticate(request.headers.get(AUTHORIZATION_HEADER),
+                                        request.headers.get(API_KEY_HEADER))
+
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list",
-                                  "data": [self._card(m) for m in self.router.models]})
+        try:
+            tenant = self._tenant(request)
+        except AuthError as err:
+            return _json_error(_auth_error(err))
+        visible = self.router.tenancy.visible_models(tenant, self.router.models)
+        return web.json_response({"object": "list", "data": [self._card(m) for m in visible]})
 
     async def _model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        if name not in self.router.models:
+        try:
+            tenant = self._tenant(request)
+        except AuthError as err:
+            return _json_error(_auth_error(err))
+        if name not in self.router.tenancy.visible_models(tenant, self.router.models):
             return _json_error(self._unknown_model(name))
         return web.json_response(self._card(name))
 
@@ -175,16 +198,17 @@ class OpenAIServer:
         bind_request_id(request_id)
         parsed: OpenAIRequest | None = None
         try:
+            tenant = self._tenant(request)
             parsed = parse_request(endpoint, await request.read())
             if header_id:
                 request_id = header_id  # checked by validation (x-request-id)
             validated = self.router.validate(
                 parsed.generate, request_id, header_request_id=header_id,
-                header_tenant=request.headers.get(TENANT_METADATA_KEY))
+                header_tenant=request.headers.get(TENANT_METADATA_KEY), tenant=tenant)
             bind_request_id(request_id)
             self.router.check_accepting()
-            events = self.router.pipeline_for(validated).run(
-                validated, received_at=received_at, deadline=_deadline(request, received_at))
+            events = self.router.run(tenant, validated, received_at=received_at,
+                                     deadline=_deadline(request, received_at))
         except Exception as err:  # noqa: BLE001 - every refusal becomes an OpenAI error
             self.router.count_refused(parsed.generate if parsed else
                                       generation_pb2.GenerateRequest(), _code(err))
@@ -234,6 +258,8 @@ class OpenAIServer:
 
     def _error(self, err: BaseException, parsed: OpenAIRequest | None,
                request_id: str) -> OpenAIError:
+        if isinstance(err, AuthError):
+            return _auth_error(err)
         if isinstance(err, InvalidRequestError):
             if err.field == "model" and err.code == UNKNOWN_MODEL_CODE and parsed is not None:
                 return self._unknown_model(parsed.model)
@@ -261,8 +287,16 @@ def _message(err: InvalidRequestError, parsed: OpenAIRequest | None) -> str:
     return f"{param}:{text[len(prefix):]}" if text.startswith(prefix) else text
 
 
+def _auth_error(err: AuthError) -> OpenAIError:
+    """401 (no key, unknown key) or 403 (model not allowed) in OpenAI's shape."""
+    if err.code == grpc.StatusCode.PERMISSION_DENIED:
+        return OpenAIError(403, err.message, "invalid_request_error", "model", err.reason)
+    code = "missing_api_key" if err.reason == "missing_key" else "invalid_api_key"
+    return OpenAIError(401, err.message, "invalid_request_error", None, code)
+
+
 def _code(err: BaseException) -> grpc.StatusCode:
-    if isinstance(err, (InvalidRequestError, GenerationError)):
+    if isinstance(err, (InvalidRequestError, GenerationError, AuthError)):
         return err.code
     return grpc.StatusCode.INTERNAL
 

@@ -9,6 +9,11 @@ binds the request id to logs and maps errors to gRPC statuses:
 * INVALID_ARGUMENT also for an unknown ``model``; the message lists the served ids.
 * INVALID_ARGUMENT also for bytes that do not parse (a string with invalid
   UTF-8): the server kit refuses them, the router counts them.
+* UNAUTHENTICATED: the router runs with ``--api-keys`` and the call has no
+  key (``authorization: Bearer <key>`` or ``x-api-key``) or an unknown one;
+  PERMISSION_DENIED: the key's tenant may not use the model (the message
+  names it). See :mod:`services.router.tenancy`; health and reflection stay
+  open.
 * FAILED_PRECONDITION: ``chat`` input to a model without a chat template; or
   ``GenerateStream`` got a second ``start`` while a
   generation still runs on the stream (the stream ends; send ``cancel`` and
@@ -17,7 +22,9 @@ binds the request id to logs and maps errors to gRPC statuses:
   is full, or the deadline cannot be met given the predicted wait; see
   :mod:`services.router.admission`), with trailing metadata
   ``retry-after-ms`` (and ``retry-after`` in seconds, for HTTP); or every
-  engine replica refused for lack of capacity.
+  engine replica refused for lack of capacity; or the key's tenant is over
+  one of its limits (:mod:`services.router.tenant_limits`: the message names
+  the limit and the tenant), with the same ``retry-after-ms``.
 * UNAVAILABLE: no engine replica (or the tokenizer) is reachable, the router is
   still starting, or it is draining. A draining router also ends every
   ``GenerateStream`` session UNAVAILABLE (reconnect: Envoy or the client
@@ -42,6 +49,7 @@ import asyncio
 import contextlib
 import dataclasses
 import math
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -56,6 +64,7 @@ from services.common.logging import REQUEST_ID_METADATA_KEY, bind_request_id
 from services.common.logprobs import logprobs_to_pb
 from services.common.sampling import FinishReason, InvalidRequestError, Priority
 from services.router.admission import AdmissionConfig, AdmissionController
+from services.router.api_keys import API_KEY_HEADER, AUTHORIZATION_HEADER, Tenant
 from services.router.clients import CacheClient
 from services.router.discovery import (
     DEFAULT_RESOLVE_INTERVAL_S,
@@ -86,6 +95,7 @@ from services.router.model_pool import (
     open_pool,
 )
 from services.router.routing import CostWeights, RoutingPolicy, RoutingSession
+from services.router.tenancy import AuthError, Tenancy
 from services.router.validation import (
     TENANT_METADATA_KEY,
     GenerationRequest,
@@ -134,6 +144,8 @@ class RouterConfig:
       resolve_interval_s: seconds between resolutions of ``dns:///`` engines.
       dns_nameserver: ``IP[:PORT]`` of the DNS server that resolves them; None:
         the system's resolver (``/etc/hosts``, ``resolv.conf``).
+      api_keys: the API key file (:mod:`services.router.api_keys`); None:
+        auth off (``x-tenant-id`` names the tenant, no per-tenant limits).
     """
 
     tokenizer: str
@@ -152,6 +164,7 @@ class RouterConfig:
     openai_port: int | None = None
     resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S
     dns_nameserver: str | None = None
+    api_keys: str | None = None
 
     def all_pools(self) -> list[PoolConfig]:
         """Every model's pool, the default (``tokenizer``, ``engines``) first."""
@@ -241,6 +254,8 @@ def _as_abort(err: BaseException, request_id: str) -> _Abort:
     """The status for an exception out of validation or the pipeline."""
     if isinstance(err, _Abort):
         return err
+    if isinstance(err, AuthError):
+        return _Abort(err.code, err.message)
     if isinstance(err, InvalidRequestError):
         return _Abort(err.code, str(err))
     if isinstance(err, GenerationError):
@@ -259,9 +274,14 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         """Args:
           config: addresses and limits.
           metrics: the metric families (default: on the process-wide registry).
+
+        Raises:
+          KeyFileError: ``config.api_keys`` cannot be used (one line, no secrets).
         """
         self.config = config
         self.metrics = metrics if metrics is not None else RouterMetrics()
+        #: API keys, tenants and their limits (auth off without ``api_keys``).
+        self.tenancy = Tenancy(config.api_keys, self.metrics)
         self.default_model = ""
         #: Served models by id, in the order configured (the first is the default).
         self.pools: dict[str, ModelPool] = {}
@@ -317,7 +337,10 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
 
     async def listen_extra(self, host: str) -> dict[str, int]:
         """Starts the OpenAI-compatible HTTP server when configured (it answers
-        503 until :meth:`start` returns); returns ``{"openai_port": port}``."""
+        503 until :meth:`start` returns); returns ``{"openai_port": port}``.
+        Also makes SIGHUP reload the API key file (:meth:`Tenancy.reload`)."""
+        if self.tenancy.keys_path is not None:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.tenancy.reload)
         if self.config.openai_port is None:
             return {}
         self._openai = OpenAIServer(self, host, self.config.openai_port)
@@ -447,6 +470,9 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
 
     async def close(self) -> None:
         """Closes the HTTP server and the channels (after the gRPC server stopped)."""
+        if self.tenancy.keys_path is not None:
+            with contextlib.suppress(RuntimeError, ValueError):
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
         for task in self._pending.values():
             task.cancel()
         await asyncio.gather(*self._pending.values(), return_exceptions=True)
@@ -478,28 +504,60 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         """The pipeline of the (validated, hence served) model ``request`` names."""
         return self.pools[request.model].pipeline
 
+    def authenticate(self, authorization: str | None, api_key: str | None) -> Tenant | None:
+        """The calling tenant from the call's key headers (both edges); None:
+        auth is off.
+
+        Raises:
+          AuthError: UNAUTHENTICATED.
+        """
+        return self.tenancy.authenticate(authorization, api_key)
+
     def validate(self, pb: generation_pb2.GenerateRequest, request_id: str, *,
-                 header_request_id: str | None,
-                 header_tenant: str | None) -> GenerationRequest:
-        """:func:`validate_request` against the served models (both edges).
+                 header_request_id: str | None, header_tenant: str | None,
+                 tenant: Tenant | None = None) -> GenerationRequest:
+        """:func:`validate_request` against the served models (both edges),
+        then whether ``tenant`` (the key's; None: auth off, ``header_tenant``
+        names the tenant) may use the model.
 
         Raises:
           InvalidRequestError: the first bad field.
+          AuthError: PERMISSION_DENIED, the tenant may not use the model.
           GenerationError: UNAVAILABLE, the model may be a pool's whose
             engines are not serving yet (only when such a pool exists).
         """
         if self._pending and (pb.model or self.default_model) not in self.pools:
             # Perhaps the model of a pool whose engines are not up yet.
             raise GenerationError(grpc.StatusCode.UNAVAILABLE, no_replica_message(NONE_KNOWN))
-        return validate_request(
+        validated = validate_request(
             pb, request_id=request_id, models=self.models, default_model=self.default_model,
-            header_request_id=header_request_id, header_tenant=header_tenant)
+            header_request_id=header_request_id,
+            header_tenant=header_tenant if tenant is None else tenant.id)
+        self.tenancy.check_model(tenant, validated.model)
+        return validated
+
+    def run(self, tenant: Tenant | None, request: GenerationRequest, *, received_at: float,
+            deadline: float | None, progress: Progress | None = None,
+            session: RoutingSession | None = None) -> AsyncIterator[Event]:
+        """The model's pipeline, under the tenant's limits when auth is on
+        (both edges; :meth:`Tenancy.run`)."""
+        if tenant is None:
+            return self.pipeline_for(request).run(request, received_at=received_at,
+                                                  deadline=deadline, progress=progress,
+                                                  session=session)
+        return self.tenancy.run(tenant, request, self.pipeline_for(request),
+                                received_at=received_at, deadline=deadline,
+                                progress=progress, session=session)
+
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> Tenant | None:
+        return self.authenticate(metadata_value(context, AUTHORIZATION_HEADER),
+                                 metadata_value(context, API_KEY_HEADER))
 
     def _validate(self, pb: generation_pb2.GenerateRequest, request_id: str,
-                  context: grpc.aio.ServicerContext) -> GenerationRequest:
+                  context: grpc.aio.ServicerContext, tenant: Tenant | None) -> GenerationRequest:
         return self.validate(
             pb, request_id, header_request_id=metadata_value(context, REQUEST_ID_METADATA_KEY),
-            header_tenant=metadata_value(context, TENANT_METADATA_KEY))
+            header_tenant=metadata_value(context, TENANT_METADATA_KEY), tenant=tenant)
 
     def count_refused(self, pb: generation_pb2.GenerateRequest, code: grpc.StatusCode) -> None:
         """Counts a request refused before the pipeline ran it (it counts the rest)."""
@@ -538,10 +596,11 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         failure: _Abort | None = None
         validated: GenerationRequest | None = None
         try:
+            tenant = self._authenticate(context)
             self.check_accepting()
-            validated = self._validate(request, request_id, context)
-            events = self.pipeline_for(validated).run(validated, received_at=received_at,
-                                                      deadline=_deadline(context))
+            validated = self._validate(request, request_id, context, tenant)
+            events = self.run(tenant, validated, received_at=received_at,
+                              deadline=_deadline(context))
             async with contextlib.aclosing(events):
                 async for event in events:
                     yield _response(request_id, event)
@@ -589,6 +648,11 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         """
         stream_id = _safe_request_id(request_id_from(context))
         bind_request_id(stream_id)
+        try:  # once per call: every turn of the stream is this tenant's
+            tenant = self._authenticate(context)
+        except AuthError as err:
+            await self._abort(context, _as_abort(err, stream_id), stream_id)
+            return
         # One queue, one consumer: client messages and generation events arrive
         # here, and only this task writes to the call.
         inbox: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
@@ -633,7 +697,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                                 "this stream; send cancel or wait for its final message first")
                         count += 1
                         current = self._start_on_stream(message.start, context, count,
-                                                        stream_id, inbox, session)
+                                                        stream_id, inbox, session, tenant)
                         last_id = current.request_id
                     elif action == "cancel":
                         if current is not None and message.cancel.request_id in (
@@ -674,16 +738,21 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         self, request: generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext,
     ) -> generation_pb2.ListModelsResponse:
         """The served models with their context window and max_tokens cap;
-        INVALID_ARGUMENT for a request with field numbers this proto lacks."""
+        INVALID_ARGUMENT for a request with field numbers this proto lacks.
+        With API keys on it needs a key (UNAUTHENTICATED) and lists only the
+        models the key's tenant may use, as OpenAI's ``GET /v1/models`` lists
+        a key's models: a tenant learns nothing of the others' models."""
         try:
             reject_unknown_fields(request)
-        except InvalidRequestError as err:
+            tenant = self._authenticate(context)
+        except (InvalidRequestError, AuthError) as err:
             await context.abort(err.code, str(err))
+        visible = set(self.tenancy.visible_models(tenant, self.models))
         return generation_pb2.ListModelsResponse(models=[
             generation_pb2.ModelCard(id=m.model, max_model_len=m.max_model_len,
                                      max_tokens_cap=m.max_tokens_cap, chat=m.has_chat_template,
                                      admission=self._admission_limits(m.model))
-            for m in self.models.values()
+            for m in self.models.values() if m.model in visible
         ])
 
     def _admission_limits(self, model: str) -> generation_pb2.AdmissionLimits | None:
@@ -736,7 +805,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
     def _start_on_stream(
         self, start: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
         number: int, stream_id: str, inbox: asyncio.Queue[tuple[str, object]],
-        session: RoutingSession,
+        session: RoutingSession, tenant: Tenant | None,
     ) -> _StreamGeneration:
         received_at = time.monotonic()
         if start.request_id:
@@ -747,30 +816,31 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             request_id = _safe_request_id(f"{stream_id}.{number}")
         try:
             self.check_accepting()
-            validated = self._validate(start, request_id, context)
-            pipeline = self.pipeline_for(validated)
+            validated = self._validate(start, request_id, context, tenant)
         except Exception as err:  # noqa: BLE001 - counted, then ends the stream
-            code = (err.code if isinstance(err, (_Abort, InvalidRequestError, GenerationError))
+            code = (err.code if isinstance(err, (_Abort, InvalidRequestError, GenerationError,
+                                                 AuthError))
                     else grpc.StatusCode.INTERNAL)
             self.count_refused(start, code)
             raise
         progress = Progress()
         task = asyncio.create_task(self._produce(
-            pipeline, validated, number, received_at, _deadline(context), progress, inbox,
+            self, tenant, validated, number, received_at, _deadline(context), progress, inbox,
             session))
         return _StreamGeneration(number, validated.request_id, task, progress,
                                  set(range(validated.sampling.n)))
 
     @staticmethod
-    async def _produce(pipeline: GenerationPipeline, request: GenerationRequest, number: int,
+    async def _produce(router: RouterService, tenant: Tenant | None,
+                       request: GenerationRequest, number: int,
                        received_at: float, deadline: float | None, progress: Progress,
                        inbox: asyncio.Queue[tuple[str, object]],
                        session: RoutingSession) -> None:
         """Runs one generation, handing its events (or its error) to the handler."""
         bind_request_id(request.request_id)
         try:
-            events = pipeline.run(request, received_at=received_at, deadline=deadline,
-                                  progress=progress, session=session)
+            events = router.run(tenant, request, received_at=received_at, deadline=deadline,
+                                progress=progress, session=session)
             async with contextlib.aclosing(events):
                 async for event in events:
                     inbox.put_nowait(("event", (number, event)))

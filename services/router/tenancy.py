@@ -1,0 +1,222 @@
+"""Who is calling: API key → tenant, the tenant's models and limits, for
+both router edges (gRPC and the OpenAI HTTP API).
+
+:class:`Tenancy` is the one place the edges ask:
+
+* :meth:`Tenancy.authenticate` once per call (a ``GenerateStream`` call: once,
+  when it opens; its turns keep that tenant): the key from
+  ``authorization: Bearer KEY`` or ``x-api-key: KEY`` (gRPC metadata or HTTP
+  headers) → its :class:`Tenant`. With auth on (``--api-keys FILE``) a call
+  without a key is UNAUTHENTICATED ("missing API key: send 'authorization:
+  Bearer <key>'"), an unknown key UNAUTHENTICATED ("invalid API key"), and
+  ``x-tenant-id`` is ignored: the tenant is the key's. With auth off it
+  returns None and the caller's ``x-tenant-id`` names the tenant, as before.
+  Health and reflection never ask: they stay open.
+* :meth:`Tenancy.check_model` after validation: a model outside the tenant's
+  ``models`` is PERMISSION_DENIED naming it (HTTP 403).
+* :meth:`Tenancy.run` wraps the model's pipeline with the tenant's limits
+  (:mod:`services.router.tenant_limits`): a lease at the start, the token
+  reservation after tokenization (the pipeline calls back), settlement in
+  ``finally``; refusals are RESOURCE_EXHAUSTED with ``retry-after-ms``
+  through :meth:`GenerationError.refused`, the admission queue's own path,
+  so gRPC and HTTP (429 ``Retry-After``) map them alike.
+* :meth:`Tenancy.reload` on SIGHUP: a good file replaces the table for new
+  calls (calls in flight keep the tenant they authenticated as); a bad one
+  keeps the old table, logs ``api_keys_reload_failed`` with the file's
+  error (which never holds a key) and counts
+  ``llmesh:api_key_reloads_total{outcome="error"}``.
+
+Logs carry the tenant id, never a key (nor its hash).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
+
+import grpc
+import structlog
+
+from services.common.sampling import InvalidRequestError
+from services.router.api_keys import (
+    KeyFileError,
+    KeyTable,
+    Tenant,
+    key_from_headers,
+    load_key_table,
+)
+from services.router.generation import (
+    Event,
+    Finished,
+    GenerationError,
+    GenerationPipeline,
+    Progress,
+)
+from services.router.metrics import RouterMetrics
+from services.router.routing import RoutingSession
+from services.router.tenant_limits import TenantLimited, TenantLimiter
+from services.router.validation import GenerationRequest
+
+log = structlog.get_logger()
+
+MISSING_KEY_MESSAGE = "missing API key: send 'authorization: Bearer <key>' (or 'x-api-key: <key>')"
+INVALID_KEY_MESSAGE = "invalid API key"
+
+
+class AuthError(Exception):
+    """The call is refused by the key checks.
+
+    Attributes:
+      code: UNAUTHENTICATED or PERMISSION_DENIED.
+      reason: ``missing_key``, ``invalid_key`` or ``model_not_allowed`` (the
+        metric's label).
+    """
+
+    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.message = message
+
+
+class Tenancy:
+    """API keys and per-tenant limits of one router (single event loop).
+
+    Args:
+      keys_path: the key file; None: auth off.
+      metrics: the router's metric families.
+
+    Raises:
+      KeyFileError: the file is bad at start (the router exits 2 with its line).
+    """
+
+    def __init__(self, keys_path: str | Path | None, metrics: RouterMetrics) -> None:
+        self.keys_path = None if keys_path is None else Path(keys_path)
+        self._metrics = metrics
+        self._observer = metrics.tenant_observer()
+        self.limiter = TenantLimiter(observer=self._observer)
+        self.table: KeyTable | None = None
+        if self.keys_path is not None:
+            self._install(load_key_table(self.keys_path))
+
+    @property
+    def enabled(self) -> bool:
+        return self.table is not None
+
+    def _install(self, table: KeyTable) -> None:
+        self.table = table
+        self._metrics.api_keys.labels("keys").set(table.num_keys)
+        self._metrics.api_keys.labels("tenants").set(len(table.tenants))
+
+    def reload(self) -> bool:
+        """Reads the key file again (SIGHUP); True when the new table is in use."""
+        if self.keys_path is None:
+            log.warning("api_keys_reload_ignored", why="the router runs without --api-keys")
+            return False
+        try:
+            table = load_key_table(self.keys_path)
+        except KeyFileError as err:
+            self._metrics.api_key_reloads.labels("error").inc()
+            log.error("api_keys_reload_failed", error=str(err),
+                      effect="the previous keys stay in use")
+            return False
+        self._install(table)
+        self._metrics.api_key_reloads.labels("ok").inc()
+        log.info("api_keys_reloaded", tenants=len(table.tenants), keys=table.num_keys)
+        return True
+
+    # ----------------------------------------------------------------- auth
+
+    def authenticate(self, authorization: str | None, api_key: str | None) -> Tenant | None:
+        """The calling tenant (None: auth is off), bound to the call's log lines
+        as ``tenant``.
+
+        Raises:
+          AuthError: UNAUTHENTICATED, no key or an unknown one.
+        """
+        table = self.table
+        if table is None:
+            return None
+        key = key_from_headers(authorization, api_key)
+        if key is None:
+            self._auth_failed("missing_key")
+            raise AuthError(grpc.StatusCode.UNAUTHENTICATED, "missing_key", MISSING_KEY_MESSAGE)
+        tenant = table.authenticate(key)
+        if tenant is None:
+            self._auth_failed("invalid_key")
+            raise AuthError(grpc.StatusCode.UNAUTHENTICATED, "invalid_key", INVALID_KEY_MESSAGE)
+        structlog.contextvars.bind_contextvars(tenant=tenant.id)  # the call's log lines
+        return tenant
+
+    def check_model(self, tenant: Tenant | None, model: str) -> None:
+        """Raises AuthError (PERMISSION_DENIED) when ``tenant`` may not use ``model``."""
+        if tenant is None or tenant.may_use(model):
+            return
+        self._auth_failed("model_not_allowed")
+        allowed = ", ".join(repr(m) for m in sorted(tenant.models))
+        raise AuthError(grpc.StatusCode.PERMISSION_DENIED, "model_not_allowed",
+                        f"tenant {tenant.id!r} may not use model {model!r}; its keys "
+                        f"allow {allowed}")
+
+    @staticmethod
+    def visible_models(tenant: Tenant | None, models: Iterable[str]) -> list[str]:
+        """The served models ``tenant`` may use (all with auth off): what
+        ListModels and ``GET /v1/models`` list, as OpenAI lists a key's models."""
+        return [m for m in models if tenant is None or tenant.may_use(m)]
+
+    def _auth_failed(self, reason: str) -> None:
+        self._metrics.auth_failures.labels(reason).inc()
+
+    # --------------------------------------------------------------- limits
+
+    async def run(self, tenant: Tenant, request: GenerationRequest,
+                  pipeline: GenerationPipeline, *, received_at: float,
+                  deadline: float | None, progress: Progress | None = None,
+                  session: RoutingSession | None = None) -> AsyncIterator[Event]:
+        """``pipeline.run(request, ...)`` under ``tenant``'s limits (with auth
+        off the router calls the pipeline directly: no layer per event).
+
+        Raises:
+          GenerationError: RESOURCE_EXHAUSTED (``retry-after-ms``) when the
+            tenant is over a limit; and whatever the pipeline raises.
+          InvalidRequestError: OUT_OF_RANGE, the reservation alone passes
+            ``tokens_per_minute``.
+        """
+        try:
+            lease = self.limiter.begin(tenant.id, tenant.limits)
+        except TenantLimited as err:
+            self._observer.ended(tenant.id, "resource_exhausted")
+            self._metrics.observe_refused(model=request.model, outcome="resource_exhausted",
+                                          priority=request.priority.name.lower())
+            raise GenerationError.refused(err) from None
+        progress = Progress() if progress is None else progress
+
+        def reserve(prompt_tokens: int, max_tokens: int) -> None:
+            try:
+                lease.reserve(prompt_tokens, max_tokens)
+            except TenantLimited as err:
+                raise GenerationError.refused(err) from None
+
+        outcome, failed = "cancelled", False
+        try:
+            events = pipeline.run(request, received_at=received_at, deadline=deadline,
+                                  progress=progress, session=session, reserve_tokens=reserve)
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    if isinstance(event, Finished):
+                        outcome = event.reason.name.lower()
+                    yield event
+        except (GenerationError, InvalidRequestError) as err:
+            outcome, failed = err.code.name.lower(), True
+            raise
+        except Exception:
+            outcome, failed = "internal", True
+            raise
+        finally:
+            lease.end(prompt_tokens=progress.prompt_tokens,
+                      completion_tokens=progress.completion_tokens, failed=failed)
+            self._observer.ended(tenant.id, outcome)
+
+
+__all__ = ["AuthError", "INVALID_KEY_MESSAGE", "MISSING_KEY_MESSAGE", "Tenancy"]

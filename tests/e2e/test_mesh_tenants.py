@@ -1,0 +1,246 @@
+"""API keys and per-tenant limits on the real mesh (Envoy, router with
+``--api-keys``, tokenizer, one torch engine, SmolLM2): UNAUTHENTICATED / 401
+for a missing or wrong key on gRPC, the OpenAI endpoint and the JSON
+transcoder; PERMISSION_DENIED / 403 for a model the tenant may not use; a
+tenant over its tokens per minute refused with a hint while another is
+served; a SIGHUP reload taking effect without ending a stream in flight;
+and no key or prompt text in any log or metrics page of the run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llmesh.v1 import generation_pb2, generation_pb2_grpc
+from services.cli.mesh import Mesh
+from services.router.api_keys import hash_key
+from tests.e2e.overload_client import long_request, run_one
+
+pytestmark = pytest.mark.mesh
+
+KEYS = {"alpha": "lmk_alpha-0a1b2c3d4e5f", "beta": "lmk_beta-6a7b8c9d0e1f",
+        "narrow": "lmk_narrow-1f2e3d4c5b", "old": "lmk_old-9z8y7x6w5v", "new": "lmk_new-5v6w7x8y9z"}
+#: alpha's tokens per minute: one request of 120 max_tokens fits, two do not.
+ALPHA_TPM = 250
+#: Text that must never reach a log line or a metric (prompts are private).
+SECRET_PROMPT = "Quokka-7731 says"
+
+
+def write_keys(path: Path, *, gamma_key: str) -> None:
+    path.write_text(json.dumps({"tenants": [
+        {"id": "alpha", "keys": [hash_key(KEYS["alpha"])],
+         "limits": {"tokens_per_minute": ALPHA_TPM}},
+        {"id": "beta", "keys": [hash_key(KEYS["beta"])]},
+        {"id": "narrow", "keys": [hash_key(KEYS["narrow"])], "models": ["another-model"]},
+        {"id": "gamma", "keys": [hash_key(gamma_key)]},
+    ]}))
+
+
+@pytest.fixture(scope="module")
+def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("keys") / "keys.json"
+    write_keys(path, gamma_key=KEYS["old"])
+    return path
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory, keys_file: Path) -> Iterator[Mesh]:
+    run_dir = tmp_path_factory.mktemp("tenants-mesh")
+    with Mesh(ingress_port=0, admin_port=0, run_dir=run_dir, drain_seconds=1.0,
+              engine_args=["--max-model-len", "512", "--num-threads", "1"],
+              router_args=["--api-keys", str(keys_file)]) as running:
+        yield running
+
+
+def auth(tenant: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {KEYS[tenant]}"),)
+
+
+def request(max_tokens: int, tag: str) -> generation_pb2.GenerateRequest:
+    req = long_request(max_tokens, tag)
+    req.prompt = f"{SECRET_PROMPT} {tag}:"
+    return req
+
+
+def http(url: str, body: dict | None, headers: dict[str, str]) -> tuple[int, dict, dict]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data,
+                                 headers={"content-type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, {k.lower(): v for k, v in err.headers.items()}, json.loads(err.read())
+
+
+def metrics_text(address: str) -> str:
+    return urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+
+
+def counter(mesh: Mesh, name: str, **labels: str) -> float:
+    want = "".join(f'(?=[^}}]*{k}="{re.escape(v)}")' for k, v in labels.items())
+    body = metrics_text(mesh.router.metrics_address)
+    match = re.search(rf"^{re.escape(name)}\{{{want}[^}}]*\}} (\S+)$", body, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_a_missing_or_wrong_key_is_unauthenticated_on_every_edge(mesh: Mesh) -> None:
+    with grpc.insecure_channel(mesh.ingress_address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        for metadata, message in [
+                ((), "missing API key: send 'authorization: Bearer <key>'"),
+                ((("authorization", "Bearer lmk_not-a-key"),), "invalid API key"),
+                ((("x-api-key", "lmk_not-a-key"), ("x-tenant-id", "alpha")), "invalid API key")]:
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(request(2, "u"), timeout=30, metadata=metadata or None))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert info.value.details().startswith(message)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ListModels(generation_pb2.ListModelsRequest(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # x-api-key works as well as the bearer header.
+        models = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=10,
+                                 metadata=(("x-api-key", KEYS["beta"]),)).models
+        assert [m.id for m in models] == ["SmolLM2-135M-Instruct"]
+    with grpc.insecure_channel(mesh.router.grpc_address) as channel:  # health stays open
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="llmesh.v1.GenerationService"), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    chat = {"model": "SmolLM2-135M-Instruct", "max_tokens": 2,
+            "messages": [{"role": "user", "content": SECRET_PROMPT}]}
+    status, _, body = http(f"{mesh.http_url}/v1/chat/completions", chat, {})
+    assert status == 401 and body["error"]["code"] == "missing_api_key"
+    assert body["error"]["type"] == "invalid_request_error"
+    status, _, body = http(f"{mesh.http_url}/v1/chat/completions", chat,
+                           {"authorization": "Bearer lmk_not-a-key"})
+    assert (status, body["error"]["message"]) == (401, "invalid API key")
+    # Envoy's JSON transcoder maps UNAUTHENTICATED to 401 too.
+    status, _, body = http(f"{mesh.http_url}/v1/generate", {"prompt": SECRET_PROMPT}, {})
+    assert status == 401 and body["code"] == grpc.StatusCode.UNAUTHENTICATED.value[0]
+    status, _, _ = http(f"{mesh.http_url}/v1/generate",
+                        {"prompt": SECRET_PROMPT, "sampling": {"max_tokens": 2}},
+                        {"authorization": f"Bearer {KEYS['beta']}"})
+    assert status == 200
+
+
+def test_a_model_the_tenant_may_not_use_is_permission_denied(mesh: Mesh) -> None:
+    with grpc.insecure_channel(mesh.ingress_address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(request(2, "n"), timeout=30, metadata=auth("narrow")))
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert info.value.details() == ("tenant 'narrow' may not use model "
+                                        "'SmolLM2-135M-Instruct'; its keys allow 'another-model'")
+        assert not stub.ListModels(generation_pb2.ListModelsRequest(), timeout=10,
+                                   metadata=auth("narrow")).models
+    status, _, body = http(f"{mesh.http_url}/v1/completions",
+                           {"model": "SmolLM2-135M-Instruct", "prompt": "x", "max_tokens": 2},
+                           {"x-api-key": KEYS["narrow"]})
+    assert status == 403 and body["error"]["code"] == "model_not_allowed"
+
+
+def test_a_tenant_over_its_tokens_per_minute_is_refused_while_another_is_served(
+        mesh: Mesh) -> None:
+    async def scenario() -> None:
+        async with grpc.aio.insecure_channel(mesh.ingress_address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            started = asyncio.Event()
+            # alpha's first request reserves prompt + 120 of its 250 tokens per minute.
+            first = stub.Generate(request(120, "a1"), timeout=120, metadata=auth("alpha"))
+            await first.read()
+            over = run_one(stub, request(120, "a2"), metadata=auth("alpha"))
+            # beta's key with alpha's x-tenant-id: the key decides, beta is served.
+            other = run_one(stub, request(12, "b1"),
+                            metadata=(*auth("beta"), ("x-tenant-id", "alpha")),
+                            first_token=started, first_token_count=1)
+            refused, served = await asyncio.gather(over, other)
+            assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.details
+            assert "tenant 'alpha'" in refused.details and "tokens_per_minute" in refused.details
+            assert refused.retry_after_ms is not None and 1 <= refused.retry_after_ms <= 60_000
+            assert served.code == grpc.StatusCode.OK and served.tokens == 12
+            # HTTP: the same refusal is a 429 with Retry-After (seconds).
+            status, headers, body = await asyncio.to_thread(
+                http, f"{mesh.http_url}/v1/completions",
+                {"model": "SmolLM2-135M-Instruct", "prompt": SECRET_PROMPT, "max_tokens": 120},
+                {"authorization": f"Bearer {KEYS['alpha']}"})
+            assert status == 429 and 1 <= int(headers["retry-after"]) <= 60, body
+            # Cancelling the first returns its unused reservation at once (once
+            # the router has seen the cancel: a few ms after the client sent it).
+            first.cancel()
+            for _ in range(40):
+                retried = await run_one(stub, request(120, "a3"), metadata=auth("alpha"),
+                                        timeout=1.5)
+                if retried.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    break
+                await asyncio.sleep(0.05)
+            assert retried.code in (grpc.StatusCode.OK, grpc.StatusCode.DEADLINE_EXCEEDED)
+            assert retried.tokens >= 1, retried.details
+
+    asyncio.run(scenario())
+    assert counter(mesh, "llmesh:tenant_limited_total", tenant="alpha",
+                   limit="tokens_per_minute") >= 2
+    assert counter(mesh, "llmesh:tenant_requests_total", tenant="beta", outcome="length") >= 1
+
+
+def test_sighup_reloads_the_keys_while_a_stream_started_before_runs_to_its_end(
+        mesh: Mesh, keys_file: Path) -> None:
+    async def scenario() -> None:
+        async with grpc.aio.insecure_channel(mesh.ingress_address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            started = asyncio.Event()
+            long = asyncio.create_task(run_one(stub, request(96, "g1"), metadata=auth("old"),
+                                               first_token=started, first_token_count=1))
+            await asyncio.wait_for(started.wait(), 60)
+            write_keys(keys_file, gamma_key=KEYS["new"])
+            os.kill(mesh.router.pid, signal.SIGHUP)
+            deadline = time.monotonic() + 20
+            while counter(mesh, "llmesh:api_key_reloads_total", outcome="ok") < 1:
+                assert time.monotonic() < deadline, "the router did not reload"
+                await asyncio.sleep(0.05)
+            fresh = await run_one(stub, request(2, "g2"), metadata=auth("new"))
+            stale = await run_one(stub, request(2, "g3"), metadata=auth("old"))
+            assert fresh.code == grpc.StatusCode.OK and fresh.tokens == 2, fresh.details
+            assert stale.code == grpc.StatusCode.UNAUTHENTICATED
+            assert not long.done()
+            outcome = await long
+            assert outcome.code == grpc.StatusCode.OK and outcome.tokens == 96
+            # A bad file: the old table stays, the failure is counted.
+            keys_file.write_text('{"tenants": [{"id": "gamma", "keys": ["' + KEYS["new"] + '"]}]}')
+            os.kill(mesh.router.pid, signal.SIGHUP)
+            while counter(mesh, "llmesh:api_key_reloads_total", outcome="error") < 1:
+                assert time.monotonic() < deadline + 20, "no reload failure counted"
+                await asyncio.sleep(0.05)
+            again = await run_one(stub, request(2, "g4"), metadata=auth("new"))
+            assert again.code == grpc.StatusCode.OK
+
+    asyncio.run(scenario())
+    write_keys(keys_file, gamma_key=KEYS["new"])
+
+
+def test_no_key_and_no_prompt_text_in_any_log_or_metrics_page(mesh: Mesh) -> None:
+    pages = {name: metrics_text(service.metrics_address)
+             for name, service in mesh.services.items()}
+    pages["envoy"] = urllib.request.urlopen(f"{mesh.admin_url}/stats/prometheus",
+                                            timeout=5).read().decode()
+    files = {str(p): p.read_bytes().decode(errors="replace")
+             for p in Path(mesh.run_dir).rglob("*") if p.is_file()}
+    assert any("router" in name for name in files)
+    assert 'tenant="alpha"' in pages["router"]
+    secrets = [*KEYS.values(), SECRET_PROMPT]
+    for where, text in {**pages, **files}.items():
+        for secret in secrets:
+            assert secret not in text, f"{secret[:8]}... appears in {where}"
+    router_log = "\n".join(text for name, text in files.items() if "router" in Path(name).name)
+    assert re.search(r'"tenant":\s*"alpha"', router_log), "log lines carry the tenant id"

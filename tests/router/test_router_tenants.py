@@ -1,0 +1,170 @@
+"""API keys and tenant limits in the router over real gRPC and its HTTP server,
+against the in-process fake tokenizer / engine / cache (no model): statuses
+on both edges, reservations settled however a request ends, a stream's
+tenant, and a reload. The real mesh through Envoy:
+tests/e2e/test_mesh_tenants.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import aiohttp
+import grpc
+import openai
+import pytest
+
+from llmesh.v1 import generation_pb2
+from services.router.api_keys import hash_key
+from tests.router.test_router_service import (
+    REPLY,
+    collect,
+    greedy,
+    make_mesh,
+    read_generation,
+    start,
+    wait_for,
+)
+
+KEYS = {"alpha": "lmk_alpha-key", "beta": "lmk_beta-key", "narrow": "lmk_narrow-key"}
+
+
+def write_keys(path: Path, alpha_limits: dict[str, int]) -> None:
+    path.write_text(json.dumps({"tenants": [
+        {"id": "alpha", "keys": [hash_key(KEYS["alpha"])], "limits": alpha_limits},
+        {"id": "beta", "keys": [hash_key(KEYS["beta"])]},
+        {"id": "narrow", "keys": [hash_key(KEYS["narrow"])], "models": ["other"]},
+    ]}))
+
+
+@contextlib.asynccontextmanager
+async def served(tmp_path: Path, **alpha_limits: int):
+    """The fake mesh with keys on and the HTTP server; yields (mesh, base url)."""
+    keys = tmp_path / "keys.json"
+    write_keys(keys, alpha_limits)
+    async with make_mesh(openai_port=0, api_keys=str(keys)) as mesh:
+        ports = await mesh.router.listen_extra("127.0.0.1")
+        yield mesh, f"http://127.0.0.1:{ports['openai_port']}"
+
+
+def auth(tenant: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {KEYS[tenant]}"),)
+
+
+async def test_the_openai_client_gets_401_403_and_only_its_models(tmp_path: Path) -> None:
+    async with served(tmp_path) as (_, base):
+        for key, error in [("lmk_wrong", openai.AuthenticationError),
+                           (KEYS["narrow"], openai.PermissionDeniedError)]:
+            async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key,
+                                          max_retries=0) as client:
+                with pytest.raises(error) as info:
+                    await client.chat.completions.create(
+                        model="fake-model", messages=[{"role": "user", "content": "hi"}])
+            assert info.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=KEYS["narrow"],
+                                      max_retries=0) as client:
+            assert (await client.models.list()).data == []
+        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=KEYS["alpha"],
+                                      max_retries=0) as client:
+            assert [m.id for m in (await client.models.list()).data] == ["fake-model"]
+            chat = await client.chat.completions.create(
+                model="fake-model", messages=[{"role": "user", "content": "hi"}])
+            assert chat.choices[0].message.content == REPLY
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{base}/v1/models") as reply:
+                body = await reply.json()
+                assert reply.status == 401 and body["error"]["code"] == "missing_api_key"
+
+
+async def test_max_concurrent_refuses_on_both_edges_while_another_tenant_runs(
+        tmp_path: Path) -> None:
+    async with served(tmp_path, max_concurrent=1) as (mesh, base):
+        mesh.engines[0].step_delay = 0.03
+        running = mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="a"),
+                                     metadata=auth("alpha"))
+        assert (await running.read()).token_ids
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="b"),
+                                             metadata=auth("alpha")))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert info.value.details().startswith(
+            "tenant 'alpha' has 1 requests in flight, its max_concurrent limit is 1")
+        assert int(dict(info.value.trailing_metadata())["retry-after-ms"]) >= 1
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{base}/v1/completions", json={"prompt": "c"},
+                                    headers={"x-api-key": KEYS["alpha"]}) as reply:
+                assert reply.status == 429 and int(reply.headers["Retry-After"]) >= 1
+        other = await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="d"),
+                                                 metadata=auth("beta")))
+        assert other[-1].finish_reason
+        while await running.read() is not grpc.aio.EOF:
+            pass
+        assert mesh.metric("llmesh:tenant_limited_total", tenant="alpha",
+                           limit="max_concurrent") == 2
+
+
+async def test_reservations_settle_however_the_request_ends(tmp_path: Path) -> None:
+    async with served(tmp_path, tokens_per_minute=10_000) as (mesh, _):
+        limiter = mesh.router.tenancy.limiter
+        mesh.engines[0].step_delay = 0.02
+        done = await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+            prompt="q", sampling=greedy(max_tokens=100)), metadata=auth("alpha")))
+        usage = done[-1].usage
+        assert limiter.usage("alpha").tokens_in_window == (usage.prompt_tokens
+                                                           + usage.completion_tokens)
+        billed = limiter.usage("alpha").tokens_in_window
+        cancelled = mesh.stub.Generate(generation_pb2.GenerateRequest(
+            prompt="r", sampling=greedy(max_tokens=200, ignore_eos=True)), metadata=auth("alpha"))
+        await cancelled.read()
+        assert limiter.usage("alpha").reserved_tokens > 200
+        cancelled.cancel()
+        await wait_for(lambda: limiter.usage("alpha").in_flight == 0)
+        assert limiter.usage("alpha").reserved_tokens == 0
+        assert billed < limiter.usage("alpha").tokens_in_window < billed + 100
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+                prompt="s", sampling=greedy(max_tokens=200, ignore_eos=True)),
+                metadata=auth("alpha"), timeout=0.3))
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await wait_for(lambda: limiter.usage("alpha").in_flight == 0)
+        assert limiter.usage("alpha").reserved_tokens == 0
+        assert mesh.metric("llmesh:tenant_tokens_total", tenant="alpha", kind="prompt") > 0
+
+
+async def test_a_stream_authenticates_once_and_its_turns_are_its_tenants(
+        tmp_path: Path) -> None:
+    async with served(tmp_path) as (mesh, _):
+        call = mesh.stub.GenerateStream()
+        await call.write(start("one"))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call.read()
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        call = mesh.stub.GenerateStream(metadata=(*auth("beta"), ("x-tenant-id", "alpha")))
+        for prompt in ("one", "two"):
+            await call.write(start(prompt, sampling=greedy(max_tokens=2)))
+            await read_generation(call)
+        await call.done_writing()
+        assert await call.code() == grpc.StatusCode.OK
+        assert mesh.metric("llmesh:tenant_requests_total", tenant="beta", outcome="length") == 2
+        assert mesh.metric("llmesh:auth_failures_total", reason="missing_key") == 1
+
+
+async def test_a_bad_reload_keeps_the_old_keys(tmp_path: Path) -> None:
+    async with served(tmp_path) as (mesh, _):
+        (tmp_path / "keys.json").write_text('{"tenants": [{"id": "x", "keys": ["lmk_raw"]}]}')
+        assert not mesh.router.tenancy.reload()
+        assert mesh.metric("llmesh:api_key_reloads_total", outcome="error") == 1
+        assert (await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="q"),
+                                                 metadata=auth("alpha"))))[-1].finish_reason
+        write_keys(tmp_path / "keys.json", {})
+        (tmp_path / "keys.json").write_text((tmp_path / "keys.json").read_text().replace(
+            hash_key(KEYS["alpha"]), hash_key("lmk_rotated")))
+        assert mesh.router.tenancy.reload()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="q"),
+                                             metadata=auth("alpha")))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert (await collect(mesh.stub.Generate(
+            generation_pb2.GenerateRequest(prompt="q"),
+            metadata=(("x-api-key", "lmk_rotated"),))))[-1].finish_reason
