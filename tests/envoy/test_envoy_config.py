@@ -209,8 +209,8 @@ def test_router_cluster_speaks_http2_with_keepalive_and_breakers() -> None:
 def test_transcoder_and_grpc_stats_settings() -> None:
     config = yaml.safe_load(CHECKED_IN.read_text())
     names = [f["name"] for f in _hcm(config)["http_filters"]]
-    assert names == ["envoy.filters.http.grpc_json_transcoder", "envoy.filters.http.grpc_stats",
-                     "envoy.filters.http.router"]
+    assert names == ["envoy.filters.http.buffer", "envoy.filters.http.grpc_json_transcoder",
+                     "envoy.filters.http.grpc_stats", "envoy.filters.http.router"]
     transcoder = _http_filter(config, "envoy.filters.http.grpc_json_transcoder")
     assert transcoder["services"] == ["llmesh.v1.GenerationService"]
     assert transcoder["convert_grpc_status"] is True
