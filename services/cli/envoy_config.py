@@ -37,7 +37,18 @@ What the config does (see ``envoy/README.md`` for the why):
 * cluster ``router``: HTTP/2 with keepalive pings, circuit breakers;
 * admin on ``admin_host:admin_port`` (``/stats/prometheus``, ``/ready``), with
   stat tags that keep dotted gRPC service names whole;
-* with ``ops_port`` set (the Kubernetes rendering, :func:`kubernetes_settings`),
+* with ``tls`` set, TLS termination on the ingress (TLS 1.2+, ALPN
+  ``h2,http/1.1``) and no cleartext listener unless ``plaintext_port`` asks
+  for one (``ingress-plaintext``); with ``router_tls``, mutual TLS to the
+  router (docs/security.md);
+* backstops: a request body over ``max_request_bytes`` gets 413 (gRPC:
+  RESOURCE_EXHAUSTED) on the one-message routes, at most
+  ``max_concurrent_streams`` HTTP/2 streams per client connection,
+  ``max_downstream_connections`` connections, and the overload manager's
+  ``fixed_heap`` monitor (shrink the heap, then refuse new requests);
+* admin only on loopback (:func:`build_bootstrap` refuses anything else);
+* with ``ops_port`` set (``llmesh up --ops-port``, default 9902, and the
+  Kubernetes rendering, :func:`kubernetes_settings`),
   a second listener ``ops`` that forwards only ``GET /ready`` and
   ``GET /stats/prometheus`` to the admin interface (kept on 127.0.0.1: its
   other endpoints, such as ``/quitquitquit``, are never reachable from outside
@@ -64,7 +75,13 @@ with warnings.catch_warnings():
     # envoy-data-plane 2.2's generated classes trip a pydantic 2.12 DeprecationWarning
     # at import (about 100 of them); it is theirs, not ours.
     warnings.simplefilter("ignore", DeprecationWarning)
-    from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog
+    from envoy_data_plane.envoy.config.accesslog.v3 import (
+        AccessLog,
+        AccessLogFilter,
+        ComparisonFilter,
+        ComparisonFilterOp,
+        StatusCodeFilter,
+    )
     from envoy_data_plane.envoy.config.bootstrap.v3 import (
         Admin,
         Bootstrap,
@@ -83,6 +100,10 @@ with warnings.catch_warnings():
         GrpcMethodList,
         HealthCheck,
         HealthCheckGrpcHealthCheck,
+        HeaderValue,
+        HeaderValueOption,
+        HeaderValueOptionHeaderAppendAction,
+        RuntimeUInt32,
         GrpcMethodListService,
         Http1ProtocolOptions,
         Http2ProtocolOptions,
@@ -137,6 +158,8 @@ with warnings.catch_warnings():
         HttpConnectionManager,
         HttpConnectionManagerCodecType,
         HttpFilter,
+        LocalReplyConfig,
+        ResponseMapper,
     )
     from envoy_data_plane.envoy.extensions.resource_monitors.downstream_connections.v3 import (
         DownstreamConnectionsConfig,
@@ -315,9 +338,11 @@ class EnvoySettings:
         router's (the router's SAN must name ``router_host``); None: cleartext.
       max_request_bytes: most bytes of a request body Envoy buffers and
         forwards (buffer filter); a larger body gets 413 (HTTP) or a gRPC
-        error before it reaches the router. Off on ``GenerateStream``, a
-        bidirectional stream whose body never ends (there the router's 64 MiB
-        gRPC message limit applies). 4 MiB holds a 128k-token prompt as JSON.
+        error before it reaches the router. Only on the one-message routes
+        (``Generate``, ``GenerateJson``, OpenAI); off on ``GenerateStream``
+        and ``/`` (bidirectional streams whose body ends late or never: the
+        router's 64 MiB gRPC message limit applies there). 4 MiB holds a
+        128k-token prompt as JSON.
       max_concurrent_streams: most HTTP/2 streams one client connection may
         have open (SETTINGS_MAX_CONCURRENT_STREAMS); the router's admission
         control refuses earlier, this only bounds Envoy's own memory per
@@ -419,7 +444,10 @@ _BUFFER = "envoy.filters.http.buffer"
 def _buffer(settings: EnvoySettings) -> HttpFilter:
     """Envoy's buffer filter as the request-size backstop: a body over
     ``max_request_bytes`` gets 413 Payload Too Large (a gRPC caller sees the
-    error Envoy maps 413 to) and never reaches the router."""
+    error Envoy maps 413 to) and never reaches the router. On the routes whose
+    request is one message (``Generate``, ``GenerateJson``, the OpenAI paths);
+    off on streams that send as they go (``GenerateStream``, reflection, the
+    catch-all ``/``), where the router's 64 MiB message limit is the bound."""
     return HttpFilter(name=_BUFFER, typed_config=Any.pack(
         Buffer(max_request_bytes=settings.max_request_bytes)))
 
@@ -484,8 +512,9 @@ def _routes(settings: EnvoySettings) -> list[Route]:
     """One route per generation method (gRPC path; JSON requests match it after
     the transcoder rewrote their path), idle timeout off; then ``/``."""
     # GenerateStream is bidirectional: its request body ends only with the
-    # session, so the buffer filter (which waits for the end) is off there.
-    unbuffered = {_BUFFER: Any.pack(BufferPerRoute(disabled=True))}
+    # session, so the buffer filter (which waits for the end) is off there and
+    # on ``/`` (reflection is a bidirectional stream too).
+    unbuffered = _unbuffered()
     generation = [
         Route(name=f"llmesh-{method}", match=RouteMatch(path=f"/{PUBLIC_SERVICE}/{method}"),
               route=_route_action(settings, idle_timeout_s=0),
@@ -493,7 +522,13 @@ def _routes(settings: EnvoySettings) -> list[Route]:
         for method in GENERATION_METHODS
     ]
     return [*generation, *_openai_routes(settings),
-            Route(name="llmesh", match=RouteMatch(prefix="/"), route=_route_action(settings))]
+            Route(name="llmesh", match=RouteMatch(prefix="/"), route=_route_action(settings),
+                  typed_per_filter_config=unbuffered)]
+
+
+def _unbuffered() -> dict[str, Any]:
+    """Per-route config that turns the buffer filter off."""
+    return {_BUFFER: Any.pack(BufferPerRoute(disabled=True))}
 
 
 def _openai_routes(settings: EnvoySettings) -> list[Route]:
@@ -534,7 +569,23 @@ def _http_connection_manager(settings: EnvoySettings) -> HttpConnectionManager:
             HttpFilter(name="envoy.filters.http.router", typed_config=Any.pack(Router())),
         ],
         access_log=_access_log(settings),
+        local_reply_config=_local_replies(),
     )
+
+
+def _local_replies() -> LocalReplyConfig:
+    """Envoy's own 413 (a body over ``max_request_bytes``) carries
+    ``grpc-status: 8`` (RESOURCE_EXHAUSTED), so a gRPC caller sees a size
+    refusal, not UNKNOWN (Envoy maps HTTP 413 to UNKNOWN); HTTP callers keep
+    the 413. Source: Envoy docs, "Local reply modification" (http_conn_man)."""
+    too_large = AccessLogFilter(status_code_filter=StatusCodeFilter(comparison=ComparisonFilter(
+        op=ComparisonFilterOp.EQ,
+        value=RuntimeUInt32(default_value=413, runtime_key="llmesh.local_reply.too_large"))))
+    resource_exhausted = HeaderValueOption(
+        header=HeaderValue(key="grpc-status", value="8"),
+        append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD)
+    return LocalReplyConfig(mappers=[ResponseMapper(filter=too_large,
+                                                    headers_to_add=[resource_exhausted])])
 
 
 def _data(path: str) -> DataSource:
