@@ -37,7 +37,18 @@ What the config does (see ``envoy/README.md`` for the why):
 * cluster ``router``: HTTP/2 with keepalive pings, circuit breakers;
 * admin on ``admin_host:admin_port`` (``/stats/prometheus``, ``/ready``), with
   stat tags that keep dotted gRPC service names whole;
-* with ``ops_port`` set (the Kubernetes rendering, :func:`kubernetes_settings`),
+* with ``tls`` set, TLS termination on the ingress (TLS 1.2+, ALPN
+  ``h2,http/1.1``) and no cleartext listener unless ``plaintext_port`` asks
+  for one (``ingress-plaintext``); with ``router_tls``, mutual TLS to the
+  router (docs/security.md);
+* backstops: a request body over ``max_request_bytes`` gets 413 (gRPC:
+  RESOURCE_EXHAUSTED) on the one-message routes, at most
+  ``max_concurrent_streams`` HTTP/2 streams per client connection,
+  ``max_downstream_connections`` connections, and the overload manager's
+  ``fixed_heap`` monitor (shrink the heap, then refuse new requests);
+* admin only on loopback (:func:`build_bootstrap` refuses anything else);
+* with ``ops_port`` set (``llmesh up --ops-port``, default 9902, and the
+  Kubernetes rendering, :func:`kubernetes_settings`),
   a second listener ``ops`` that forwards only ``GET /ready`` and
   ``GET /stats/prometheus`` to the admin interface (kept on 127.0.0.1: its
   other endpoints, such as ``/quitquitquit``, are never reachable from outside
@@ -64,7 +75,13 @@ with warnings.catch_warnings():
     # envoy-data-plane 2.2's generated classes trip a pydantic 2.12 DeprecationWarning
     # at import (about 100 of them); it is theirs, not ours.
     warnings.simplefilter("ignore", DeprecationWarning)
-    from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog
+    from envoy_data_plane.envoy.config.accesslog.v3 import (
+        AccessLog,
+        AccessLogFilter,
+        ComparisonFilter,
+        ComparisonFilterOp,
+        StatusCodeFilter,
+    )
     from envoy_data_plane.envoy.config.bootstrap.v3 import (
         Admin,
         Bootstrap,
@@ -83,6 +100,10 @@ with warnings.catch_warnings():
         GrpcMethodList,
         HealthCheck,
         HealthCheckGrpcHealthCheck,
+        HeaderValue,
+        HeaderValueOption,
+        HeaderValueOptionHeaderAppendAction,
+        RuntimeUInt32,
         GrpcMethodListService,
         Http1ProtocolOptions,
         Http2ProtocolOptions,
@@ -100,7 +121,14 @@ with warnings.catch_warnings():
     )
     from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
     from envoy_data_plane.envoy.config.metrics.v3 import StatsConfig, TagSpecifier
-    from envoy_data_plane.envoy.config.overload.v3 import OverloadManager, ResourceMonitor
+    from envoy_data_plane.envoy.config.core.v3 import TransportSocket
+    from envoy_data_plane.envoy.config.overload.v3 import (
+        OverloadAction,
+        OverloadManager,
+        ResourceMonitor,
+        ThresholdTrigger,
+        Trigger,
+    )
     from envoy_data_plane.envoy.config.route.v3 import (
         DirectResponseAction,
         FilterConfig,
@@ -116,6 +144,7 @@ with warnings.catch_warnings():
         VirtualHost,
     )
     from envoy_data_plane.envoy.extensions.access_loggers.file.v3 import FileAccessLog
+    from envoy_data_plane.envoy.extensions.filters.http.buffer.v3 import Buffer, BufferPerRoute
     from envoy_data_plane.envoy.extensions.filters.http.grpc_json_transcoder.v3 import (
         GrpcJsonTranscoder,
         GrpcJsonTranscoderPrintOptions,
@@ -129,9 +158,25 @@ with warnings.catch_warnings():
         HttpConnectionManager,
         HttpConnectionManagerCodecType,
         HttpFilter,
+        LocalReplyConfig,
+        ResponseMapper,
     )
     from envoy_data_plane.envoy.extensions.resource_monitors.downstream_connections.v3 import (
         DownstreamConnectionsConfig,
+    )
+    from envoy_data_plane.envoy.extensions.resource_monitors.fixed_heap.v3 import (
+        FixedHeapConfig,
+    )
+    from envoy_data_plane.envoy.extensions.transport_sockets.tls.v3 import (
+        CertificateValidationContext,
+        CommonTlsContext,
+        DownstreamTlsContext,
+        SubjectAltNameMatcher,
+        SubjectAltNameMatcherSanType,
+        TlsCertificate,
+        TlsParameters,
+        TlsParametersTlsProtocol,
+        UpstreamTlsContext,
     )
     from envoy_data_plane.envoy.extensions.retry.host.previous_hosts.v3 import (
         PreviousHostsPredicate,
@@ -201,6 +246,30 @@ _ACCESS_LOG_FORMAT = (
 )
 
 
+#: Where Envoy's admin interface may bind: loopback only (it serves
+#: ``/quitquitquit``, ``/config_dump`` and runtime changes to anyone who reaches it).
+LOOPBACK_ADMIN_HOSTS = ("127.0.0.1", "::1", "localhost")
+
+#: ALPN the TLS ingress offers: gRPC needs ``h2``; curl and urllib may speak HTTP/1.1.
+INGRESS_ALPN = ("h2", "http/1.1")
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of one side of a TLS connection (paths as Envoy reads them).
+
+    Attributes:
+      cert: certificate chain (leaf first).
+      key: its private key.
+      ca: CA bundle that verifies the peer; None: the peer is not verified
+        (the ingress without client certificates).
+    """
+
+    cert: str
+    key: str
+    ca: str | None = None
+
+
 @dataclass(frozen=True)
 class EnvoySettings:
     """Everything that varies between renderings of the bootstrap.
@@ -258,6 +327,34 @@ class EnvoySettings:
       ops_port: port of the ``ops`` listener on ``ingress_host`` (``GET /ready``
         and ``GET /stats/prometheus`` of the admin interface, for probes and
         scraping where admin stays on loopback); None: no such listener.
+      tls: terminate TLS on the ingress listener with this certificate (TLS
+        1.2 or later, ALPN ``h2,http/1.1``: gRPC and HTTP on one port); None:
+        cleartext ingress.
+      plaintext_port: with ``tls`` set, a second cleartext listener
+        (``ingress-plaintext``) on this port of ``ingress_host`` with the same
+        routes; None: none (with TLS on, nothing listens in clear).
+      router_tls: Envoy → router gRPC over mutual TLS: ``cert``/``key`` is
+        Envoy's client certificate, ``ca`` the mesh CA that signed the
+        router's (the router's SAN must name ``router_host``); None: cleartext.
+      max_request_bytes: most bytes of a request body Envoy buffers and
+        forwards (buffer filter); a larger body gets 413 (HTTP) or a gRPC
+        error before it reaches the router. Only on the one-message routes
+        (``Generate``, ``GenerateJson``, OpenAI); off on ``GenerateStream``
+        and ``/`` (bidirectional streams whose body ends late or never: the
+        router's 64 MiB gRPC message limit applies there). 4 MiB holds a
+        128k-token prompt as JSON.
+      max_concurrent_streams: most HTTP/2 streams one client connection may
+        have open (SETTINGS_MAX_CONCURRENT_STREAMS); the router's admission
+        control refuses earlier, this only bounds Envoy's own memory per
+        connection. 1024: above a 16-stream CPU mesh and a GPU engine's
+        batch (a few hundred) multiplexed over one connection.
+      max_heap_bytes: the heap size the overload manager measures against
+        (``fixed_heap`` resource monitor).
+      shrink_heap_threshold: fraction of ``max_heap_bytes`` at which Envoy
+        returns free memory to the system (``shrink_heap``).
+      stop_accepting_requests_threshold: fraction at which Envoy answers new
+        requests with 503 at once (``stop_accepting_requests``), keeping the
+        running ones.
     """
 
     ingress_host: str = "127.0.0.1"
@@ -284,6 +381,14 @@ class EnvoySettings:
     access_log_path: str | None = "/dev/stdout"
     max_request_headers_kb: int = 96
     ops_port: int | None = None
+    tls: TlsFiles | None = None
+    plaintext_port: int | None = None
+    router_tls: TlsFiles | None = None
+    max_request_bytes: int = 4 * 1024 * 1024
+    max_concurrent_streams: int = 1024
+    max_heap_bytes: int = 1024 * 1024 * 1024
+    shrink_heap_threshold: float = 0.95
+    stop_accepting_requests_threshold: float = 0.98
 
 
 def _seconds(value: float) -> datetime.timedelta:
@@ -331,6 +436,20 @@ def _transcoder(settings: EnvoySettings) -> HttpFilter:
             reject_unknown_method=True, reject_unknown_query_parameters=True),
     )
     return HttpFilter(name="envoy.filters.http.grpc_json_transcoder", typed_config=Any.pack(config))
+
+
+_BUFFER = "envoy.filters.http.buffer"
+
+
+def _buffer(settings: EnvoySettings) -> HttpFilter:
+    """Envoy's buffer filter as the request-size backstop: a body over
+    ``max_request_bytes`` gets 413 Payload Too Large (a gRPC caller sees the
+    error Envoy maps 413 to) and never reaches the router. On the routes whose
+    request is one message (``Generate``, ``GenerateJson``, the OpenAI paths);
+    off on streams that send as they go (``GenerateStream``, reflection, the
+    catch-all ``/``), where the router's 64 MiB message limit is the bound."""
+    return HttpFilter(name=_BUFFER, typed_config=Any.pack(
+        Buffer(max_request_bytes=settings.max_request_bytes)))
 
 
 def _grpc_stats() -> HttpFilter:
@@ -392,13 +511,24 @@ def _route_action(settings: EnvoySettings, *, idle_timeout_s: float | None = Non
 def _routes(settings: EnvoySettings) -> list[Route]:
     """One route per generation method (gRPC path; JSON requests match it after
     the transcoder rewrote their path), idle timeout off; then ``/``."""
+    # GenerateStream is bidirectional: its request body ends only with the
+    # session, so the buffer filter (which waits for the end) is off there and
+    # on ``/`` (reflection is a bidirectional stream too).
+    unbuffered = _unbuffered()
     generation = [
         Route(name=f"llmesh-{method}", match=RouteMatch(path=f"/{PUBLIC_SERVICE}/{method}"),
-              route=_route_action(settings, idle_timeout_s=0))
+              route=_route_action(settings, idle_timeout_s=0),
+              typed_per_filter_config=unbuffered if method == "GenerateStream" else {})
         for method in GENERATION_METHODS
     ]
     return [*generation, *_openai_routes(settings),
-            Route(name="llmesh", match=RouteMatch(prefix="/"), route=_route_action(settings))]
+            Route(name="llmesh", match=RouteMatch(prefix="/"), route=_route_action(settings),
+                  typed_per_filter_config=unbuffered)]
+
+
+def _unbuffered() -> dict[str, Any]:
+    """Per-route config that turns the buffer filter off."""
+    return {_BUFFER: Any.pack(BufferPerRoute(disabled=True))}
 
 
 def _openai_routes(settings: EnvoySettings) -> list[Route]:
@@ -423,6 +553,7 @@ def _http_connection_manager(settings: EnvoySettings) -> HttpConnectionManager:
         max_request_headers_kb=settings.max_request_headers_kb,
         http2_protocol_options=Http2ProtocolOptions(
             connection_keepalive=_keepalive(settings),
+            max_concurrent_streams=settings.max_concurrent_streams,
             # HPACK's per-header limit (64 KiB by default) as large as the
             # total, so one large header meets the same limit as many.
             max_header_field_size_kb=settings.max_request_headers_kb,
@@ -432,19 +563,91 @@ def _http_connection_manager(settings: EnvoySettings) -> HttpConnectionManager:
             virtual_hosts=[VirtualHost(name="llmesh", domains=["*"], routes=_routes(settings))],
         ),
         http_filters=[
+            _buffer(settings),
             _transcoder(settings),
             _grpc_stats(),
             HttpFilter(name="envoy.filters.http.router", typed_config=Any.pack(Router())),
         ],
         access_log=_access_log(settings),
+        local_reply_config=_local_replies(),
     )
 
 
-def _listener(settings: EnvoySettings) -> Listener:
+def _local_replies() -> LocalReplyConfig:
+    """Envoy's own 413 (a body over ``max_request_bytes``) carries
+    ``grpc-status: 8`` (RESOURCE_EXHAUSTED), so a gRPC caller sees a size
+    refusal, not UNKNOWN (Envoy maps HTTP 413 to UNKNOWN); HTTP callers keep
+    the 413. Source: Envoy docs, "Local reply modification" (http_conn_man)."""
+    too_large = AccessLogFilter(status_code_filter=StatusCodeFilter(comparison=ComparisonFilter(
+        op=ComparisonFilterOp.EQ,
+        value=RuntimeUInt32(default_value=413, runtime_key="llmesh.local_reply.too_large"))))
+    resource_exhausted = HeaderValueOption(
+        header=HeaderValue(key="grpc-status", value="8"),
+        append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD)
+    return LocalReplyConfig(mappers=[ResponseMapper(filter=too_large,
+                                                    headers_to_add=[resource_exhausted])])
+
+
+def _data(path: str) -> DataSource:
+    return DataSource(filename=path)
+
+
+def _tls_params() -> TlsParameters:
+    return TlsParameters(tls_minimum_protocol_version=TlsParametersTlsProtocol.TLSv1_2)
+
+
+def _downstream_tls(tls: TlsFiles) -> TransportSocket:
+    """TLS termination for the ingress (Envoy ``DownstreamTlsContext``): TLS
+    1.2+, ALPN :data:`INGRESS_ALPN` (the AUTO codec then picks HTTP/2 or
+    HTTP/1.1 from it); with ``tls.ca``, client certificates signed by it are
+    required."""
+    context = DownstreamTlsContext(
+        common_tls_context=CommonTlsContext(
+            tls_params=_tls_params(),
+            tls_certificates=[TlsCertificate(certificate_chain=_data(tls.cert),
+                                             private_key=_data(tls.key))],
+            alpn_protocols=list(INGRESS_ALPN),
+            validation_context=(None if tls.ca is None else
+                                CertificateValidationContext(trusted_ca=_data(tls.ca))),
+        ),
+        require_client_certificate=tls.ca is not None,
+    )
+    return TransportSocket(name="envoy.transport_sockets.tls", typed_config=Any.pack(context))
+
+
+def _upstream_tls(tls: TlsFiles, host: str) -> TransportSocket:
+    """Envoy → router over mutual TLS (``UpstreamTlsContext``): Envoy presents
+    ``tls.cert``, verifies the router's chain against ``tls.ca`` and its SAN
+    against ``host`` (IP or DNS), ALPN ``h2`` (gRPC)."""
+    san_type = (SubjectAltNameMatcherSanType.IP_ADDRESS if _is_ip(host)
+                else SubjectAltNameMatcherSanType.DNS)
+    validation = CertificateValidationContext(
+        trusted_ca=_data(tls.ca) if tls.ca else None,
+        match_typed_subject_alt_names=[SubjectAltNameMatcher(
+            san_type=san_type, matcher=StringMatcher(exact=host))],
+    )
+    context = UpstreamTlsContext(
+        common_tls_context=CommonTlsContext(
+            tls_params=_tls_params(),
+            tls_certificates=[TlsCertificate(certificate_chain=_data(tls.cert),
+                                             private_key=_data(tls.key))],
+            validation_context=validation,
+            alpn_protocols=["h2"],
+        ),
+        sni="" if _is_ip(host) else host,
+    )
+    return TransportSocket(name="envoy.transport_sockets.tls", typed_config=Any.pack(context))
+
+
+def _listener(settings: EnvoySettings, *, name: str = "ingress", port: int | None = None,
+              tls: TlsFiles | None = None) -> Listener:
+    """The client listener ``name`` on ``port`` (default ``ingress_port``),
+    terminating TLS when ``tls`` is given."""
     hcm = _http_connection_manager(settings)
     return Listener(
-        name="ingress",
-        address=_address(settings.ingress_host, settings.ingress_port),
+        name=name,
+        address=_address(settings.ingress_host,
+                         settings.ingress_port if port is None else port),
         # Off so a second Envoy on the same port fails to bind instead of
         # silently sharing its traffic (SO_REUSEPORT is on by default on Linux).
         enable_reuse_port=False,
@@ -455,10 +658,21 @@ def _listener(settings: EnvoySettings) -> Listener:
                         name="envoy.filters.network.http_connection_manager",
                         typed_config=Any.pack(hcm),
                     )
-                ]
+                ],
+                transport_socket=None if tls is None else _downstream_tls(tls),
             )
         ],
     )
+
+
+def _ingress_listeners(settings: EnvoySettings) -> list[Listener]:
+    """``ingress`` (TLS when ``settings.tls``), and ``ingress-plaintext`` when
+    TLS is on and ``plaintext_port`` asks for a cleartext one too."""
+    listeners = [_listener(settings, tls=settings.tls)]
+    if settings.tls is not None and settings.plaintext_port is not None:
+        listeners.append(_listener(settings, name="ingress-plaintext",
+                                   port=settings.plaintext_port))
+    return listeners
 
 
 def _router_cluster(settings: EnvoySettings, *, name: str = ROUTER_CLUSTER,
@@ -511,6 +725,8 @@ def _router_cluster(settings: EnvoySettings, *, name: str = ROUTER_CLUSTER,
             ],
         ),
         health_checks=[_grpc_health_check(settings)] if grpc_cluster else [],
+        transport_socket=(_upstream_tls(settings.router_tls, settings.router_host)
+                          if grpc_cluster and settings.router_tls is not None else None),
     )
 
 
@@ -566,17 +782,34 @@ def _stats_config() -> StatsConfig:
     )
 
 
+_HEAP_MONITOR = "envoy.resource_monitors.fixed_heap"
+
+
 def _overload_manager(settings: EnvoySettings) -> OverloadManager:
+    """The connection limit, and the heap watch: past ``shrink_heap_threshold``
+    of ``max_heap_bytes`` Envoy frees memory, past
+    ``stop_accepting_requests_threshold`` it refuses new requests (503).
+    Source: Envoy docs, "Overload manager" (configuration/operations)."""
     monitor = DownstreamConnectionsConfig(
         max_active_downstream_connections=settings.max_downstream_connections
     )
+
+    def action(name: str, threshold: float) -> OverloadAction:
+        return OverloadAction(name=f"envoy.overload_actions.{name}", triggers=[
+            Trigger(name=_HEAP_MONITOR, threshold=ThresholdTrigger(value=threshold))])
+
     return OverloadManager(
+        refresh_interval=_seconds(0.25),
         resource_monitors=[
             ResourceMonitor(
                 name="envoy.resource_monitors.global_downstream_max_connections",
                 typed_config=Any.pack(monitor),
-            )
-        ]
+            ),
+            ResourceMonitor(name=_HEAP_MONITOR, typed_config=Any.pack(
+                FixedHeapConfig(max_heap_size_bytes=settings.max_heap_bytes))),
+        ],
+        actions=[action("shrink_heap", settings.shrink_heap_threshold),
+                 action("stop_accepting_requests", settings.stop_accepting_requests_threshold)],
     )
 
 
@@ -620,14 +853,22 @@ def _admin_cluster(settings: EnvoySettings) -> Cluster:
 
 
 def build_bootstrap(settings: EnvoySettings | None = None) -> Bootstrap:
-    """Builds Envoy's static bootstrap for ``settings`` (defaults: the checked-in ports)."""
+    """Builds Envoy's static bootstrap for ``settings`` (defaults: the checked-in ports).
+
+    Raises:
+      ValueError: ``admin_host`` is not a loopback address (:data:`LOOPBACK_ADMIN_HOSTS`).
+    """
     settings = settings or EnvoySettings()
+    if settings.admin_host not in LOOPBACK_ADMIN_HOSTS:
+        raise ValueError(f"Envoy's admin must bind loopback ({', '.join(LOOPBACK_ADMIN_HOSTS)}), "
+                         f"not {settings.admin_host!r}: expose the ops listener (ops_port) "
+                         "for probes and scraping instead")
     return Bootstrap(
         admin=Admin(address=_address(settings.admin_host, settings.admin_port)),
         stats_config=_stats_config(),
         overload_manager=_overload_manager(settings),
         static_resources=BootstrapStaticResources(
-            listeners=[_listener(settings), *(
+            listeners=[*_ingress_listeners(settings), *(
                 [] if settings.ops_port is None else [_ops_listener(settings, settings.ops_port)])],
             clusters=[_router_cluster(settings), *(
                 [] if settings.openai_port is None else

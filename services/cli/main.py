@@ -81,10 +81,39 @@ _uint64 = _ranged_int(0, 2**64 - 1, "seed")
 
 
 def grpc_target(url: str) -> str:
-    """``host:port`` from ``host:port`` or ``http://host:port/``."""
-    for scheme in ("http://", "grpc://"):
+    """``host:port`` from ``host:port``, ``http://host:port/`` or ``https://host:port/``."""
+    for scheme in ("http://", "https://", "grpc://"):
         url = url.removeprefix(scheme)
     return url.rstrip("/")
+
+
+def client_credentials(url: str | None, cacert: str | None,
+                       environ: Mapping[str, str] | None = None):  # -> ChannelCredentials | None
+    """TLS credentials for ``llmesh generate`` / ``models``, or None (cleartext).
+
+    TLS when the address (``--url``, else ``LLMESH_URL``) starts with
+    ``https://`` or a CA is given (``--cacert``, else ``LLMESH_CACERT``, e.g.
+    ``RUN_DIR/tls/ca.crt`` that ``llmesh up --tls-self-signed`` prints); the
+    server is verified against that CA, else the system roots.
+
+    Raises:
+      ValueError: the CA file cannot be read (one line naming it).
+    """
+    import grpc
+
+    env = os.environ if environ is None else environ
+    address = url or env.get("LLMESH_URL") or ""
+    cacert = cacert or env.get("LLMESH_CACERT") or None
+    if not (address.startswith("https://") or cacert):
+        return None
+    roots = None
+    if cacert:
+        try:
+            with open(cacert, "rb") as file:
+                roots = file.read()
+        except OSError as error:
+            raise ValueError(f"--cacert {cacert}: cannot read it ({error.strerror})") from None
+    return grpc.ssl_channel_credentials(root_certificates=roots)
 
 
 _client_port = _ranged_int(1, 65535, "port")
@@ -113,11 +142,14 @@ def mesh_address(url: str | None, environ: Mapping[str, str] | None = None) -> s
                          "LLMESH_URL)") from None
 
 
-def client_examples(address: str, question: str = EXAMPLE_QUESTION) -> list[str]:
+def client_examples(address: str, question: str = EXAMPLE_QUESTION, *, tls: bool = False,
+                    cacert: str | None = None) -> list[str]:
     """Shell lines that call a mesh at ``address`` (``host:port``), as printed
     by ``llmesh up``: the llmesh CLI, grpcurl (gRPC, via reflection), curl
     (JSON through Envoy's transcoder; the reply is one JSON array) and curl to
-    the OpenAI-compatible API (``/v1/models``, ``/v1/chat/completions``)."""
+    the OpenAI-compatible API (``/v1/models``, ``/v1/chat/completions``).
+    ``tls``: the ingress speaks TLS (``https://``; ``cacert`` is the CA file
+    the clients are told to trust, None: the system roots)."""
     openai_body = json.dumps(
         {"messages": [{"role": "user", "content": question}], "max_tokens": 64,
          "stream": True}, separators=(",", ":"))
@@ -126,16 +158,23 @@ def client_examples(address: str, question: str = EXAMPLE_QUESTION) -> list[str]
          "sampling": {"max_tokens": 64}},
         separators=(",", ":"),
     )
-    url_flag = "" if address == DEFAULT_URL else f" --url {address}"
+    scheme = "https" if tls else "http"
+    ca = f" --cacert {shlex.quote(cacert)}" if tls and cacert else ""
+    if tls:
+        url_flag = f" --url https://{address}{ca}"
+        grpcurl = f"grpcurl -cacert {shlex.quote(cacert)}" if cacert else "grpcurl"
+    else:
+        url_flag = "" if address == DEFAULT_URL else f" --url {address}"
+        grpcurl = "grpcurl -plaintext"
     return [
         f"llmesh generate{url_flag} {shlex.quote(question)}",
-        f"grpcurl -plaintext -d {shlex.quote(body)} {address} "
+        f"{grpcurl} -d {shlex.quote(body)} {address} "
         "llmesh.v1.GenerationService/Generate",
-        f"curl -sN -X POST http://{address}/v1/generate "
+        f"curl{ca} -sN -X POST {scheme}://{address}/v1/generate "
         f"-H 'content-type: application/json' -d {shlex.quote(body)}",
-        f"curl -s http://{address}/v1/models",
-        f"curl -sN http://{address}/v1/chat/completions -H 'content-type: application/json' "
-        f"-d {shlex.quote(openai_body)}",
+        f"curl{ca} -s {scheme}://{address}/v1/models",
+        f"curl{ca} -sN {scheme}://{address}/v1/chat/completions "
+        f"-H 'content-type: application/json' -d {shlex.quote(openai_body)}",
     ]
 
 
@@ -208,6 +247,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"llmesh: --model: no GGUF file or checkpoint directory (with config.json) "
               f"at {missing[0]}", file=sys.stderr)
         return 2
+    problem = tls_flag_problem(args)
+    if problem:
+        print(f"llmesh: {problem}", file=sys.stderr)
+        return 2
     router_args = list(args.router_arg)
     if args.api_keys is not None:
         if not os.path.isfile(args.api_keys):
@@ -221,6 +264,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         num_engines=args.engines, engine_args=engine_args, router_args=router_args,
         drain_seconds=args.drain_seconds, start_timeout_s=args.start_timeout,
         stream_idle_timeout_s=args.stream_idle_timeout, commands=_role_commands(),
+        ops_port=args.ops_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        tls_self_signed=args.tls_self_signed, plaintext_port=args.plaintext_port,
+        internal_mtls=args.internal_mtls,
     )
     # Both explicitly: a launcher started in the background of a non-interactive
     # shell (``llmesh up &``) inherits SIGINT ignored, which Python keeps.
@@ -231,8 +277,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         try:
             mesh.start(_ProgressPrinter())
         except PortInUseError as error:
-            flag = "--port / LLMESH_PORT" if error.what == "ingress" else \
-                "--admin-port / LLMESH_ADMIN_PORT"
+            flag = {"ingress": "--port / LLMESH_PORT", "ops": "--ops-port",
+                    "plaintext": "--plaintext-port"}.get(error.what,
+                                                          "--admin-port / LLMESH_ADMIN_PORT")
             print(f"llmesh: {error}; choose another with {flag} (0 picks a free one)",
                   file=sys.stderr)
             return 2
@@ -248,6 +295,31 @@ def cmd_up(args: argparse.Namespace) -> int:
         mesh.stop()
         if mesh.envoy is not None:
             print("llmesh: stopped", file=sys.stderr, flush=True)
+
+
+def tls_flag_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``llmesh up``'s TLS flags, in one line (None: nothing),
+    checked before anything starts: ``--tls-cert`` without ``--tls-key`` (or the
+    reverse), with ``--tls-self-signed``, ``--plaintext-port`` without TLS, a
+    file that cannot be read or holds no PEM, a key that is not the
+    certificate's (:func:`services.common.tls_certs.check_key_pair`)."""
+    from services.common.tls_certs import TlsFileError, check_key_pair
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        given, other = (("--tls-cert", "--tls-key") if args.tls_key is None
+                        else ("--tls-key", "--tls-cert"))
+        return f"{given} needs {other} too (or use --tls-self-signed)"
+    if args.tls_self_signed and args.tls_cert is not None:
+        return "give --tls-cert/--tls-key or --tls-self-signed, not both"
+    if args.plaintext_port is not None and not (args.tls_self_signed or args.tls_cert):
+        return "--plaintext-port is a cleartext port beside a TLS ingress: add --tls-cert/" \
+               "--tls-key or --tls-self-signed (without TLS the ingress is cleartext already)"
+    if args.tls_cert is not None:
+        try:
+            check_key_pair(args.tls_cert, args.tls_key)
+        except TlsFileError as error:
+            return str(error)
+    return None
 
 
 #: A service that dies this many times within RESTART_WINDOW_S seconds stops the mesh.
@@ -299,8 +371,18 @@ def _print_ready(mesh: object) -> None:
     assert isinstance(mesh, Mesh)
     lines = [
         f"llmesh is up in {mesh.startup_seconds:.1f} s: gRPC and HTTP/JSON on "
-        f"{mesh.ingress_address}",
-        f"  admin   {mesh.admin_url}  (/stats/prometheus, /ready)",
+        f"{mesh.ingress_address}" + (" (TLS)" if mesh.tls else ""),
+    ]
+    if mesh.ca_path is not None:
+        lines.append(f"  ca      {mesh.ca_path}  (clients: grpcurl -cacert / curl --cacert / "
+                     f"export LLMESH_CACERT={mesh.ca_path})")
+    if mesh.plaintext_address is not None:
+        lines.append(f"  clear   {mesh.plaintext_address}  (cleartext listener, --plaintext-port)")
+    if mesh.mesh_ca_path is not None:
+        lines.append(f"  mtls    every internal gRPC hop; mesh CA {mesh.mesh_ca_path}")
+    lines += [
+        f"  ops     {mesh.ops_url}  (/stats/prometheus, /ready)",
+        f"  admin   {mesh.admin_url}  (loopback only)",
         f"  logs    {mesh.run_dir}",
     ]
     for name, service in mesh.services.items():
@@ -310,7 +392,9 @@ def _print_ready(mesh: object) -> None:
     lines.append(f"  {'envoy':<9} pid {mesh.envoy.pid}  config {mesh.envoy.config_path}")
     lines.append(f"  scrape    prometheus --config.file {mesh.prometheus_config}")
     lines.append("Try:")
-    lines += [f"  {line}" for line in client_examples(mesh.ingress_address)]
+    lines += [f"  {line}" for line in client_examples(
+        mesh.ingress_address, tls=mesh.tls,
+        cacert=None if mesh.ca_path is None else str(mesh.ca_path))]
     lines.append("Ctrl-C stops everything.")
     print("\n".join(lines), flush=True)
 
@@ -403,6 +487,21 @@ def _target(args: argparse.Namespace) -> str | None:
         return None
 
 
+def _client_channel(args: argparse.Namespace, target: str):  # -> grpc.Channel | None
+    """A channel to ``target``: TLS per :func:`client_credentials`; None after
+    printing why the CA file cannot be used."""
+    import grpc
+
+    try:
+        credentials = client_credentials(args.url, args.cacert)
+    except ValueError as error:
+        print(f"llmesh: {error}", file=sys.stderr)
+        return None
+    if credentials is None:
+        return grpc.insecure_channel(target)
+    return grpc.secure_channel(target, credentials)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Streams one completion to stdout; summary on stderr."""
     import grpc
@@ -412,8 +511,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     target = _target(args)
     if target is None:
         return 2
+    channel = _client_channel(args, target)
+    if channel is None:
+        return 2
     request = _request(args)
-    with grpc.insecure_channel(target) as channel:
+    with channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         started = time.monotonic()
         call = stub.Generate(request, timeout=args.timeout, metadata=_api_key_metadata())
@@ -456,7 +558,10 @@ def cmd_models(args: argparse.Namespace) -> int:
     target = _target(args)
     if target is None:
         return 2
-    with grpc.insecure_channel(target) as channel:
+    channel = _client_channel(args, target)
+    if channel is None:
+        return 2
+    with channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         try:
             reply = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=args.timeout,
@@ -541,7 +646,27 @@ def build_parser() -> argparse.ArgumentParser:
                          "default: %(default)s)")
     up.add_argument("--admin-port", type=_port,
                     default=os.environ.get("LLMESH_ADMIN_PORT") or "9901",
-                    help="Envoy admin port (env LLMESH_ADMIN_PORT, default: %(default)s)")
+                    help="Envoy admin port, always on 127.0.0.1 (env LLMESH_ADMIN_PORT, "
+                         "default: %(default)s)")
+    up.add_argument("--ops-port", type=_port, default=9902,
+                    help="Envoy's read-only ops listener on --host: GET /stats/prometheus and "
+                         "/ready only, for probes and Prometheus; 0 = a free one "
+                         "(default: %(default)s)")
+    up.add_argument("--tls-cert", default=None, metavar="FILE",
+                    help="serve the ingress over TLS with this PEM certificate (chain); "
+                         "needs --tls-key")
+    up.add_argument("--tls-key", default=None, metavar="FILE",
+                    help="the certificate's PEM private key (unencrypted)")
+    up.add_argument("--tls-self-signed", action="store_true",
+                    help="serve the ingress over TLS with a new CA and certificate for "
+                         "localhost, 127.0.0.1, ::1 and --host, written to RUN_DIR/tls "
+                         "(clients trust RUN_DIR/tls/ca.crt)")
+    up.add_argument("--plaintext-port", type=_port, default=None,
+                    help="with TLS, also a cleartext listener on this port (default: none)")
+    up.add_argument("--internal-mtls", action="store_true",
+                    help="mutual TLS on every gRPC hop inside the mesh (a mesh CA and one "
+                         "certificate per service in RUN_DIR/mtls; default: cleartext on "
+                         "loopback)")
     up.add_argument("--model-path", default=None,
                     help="GGUF file or Hugging Face checkpoint directory for tokenizer and "
                          "engines (default: the services' default)")
@@ -596,8 +721,12 @@ def build_parser() -> argparse.ArgumentParser:
         "hash", help="print the file entry (sha256:...) of a key read from stdin")
     hash_key.set_defaults(func=cmd_keys_hash)
 
-    url_help = (f"mesh address host:port or http://host:port; without it: LLMESH_URL, "
-                f"else 127.0.0.1:LLMESH_PORT (as for `llmesh up`), else {DEFAULT_URL}")
+    url_help = (f"mesh address host:port, http://host:port or https://host:port (TLS); "
+                f"without it: LLMESH_URL, else 127.0.0.1:LLMESH_PORT (as for `llmesh up`), "
+                f"else {DEFAULT_URL}")
+    cacert_help = ("CA file (PEM) that verifies a TLS mesh, e.g. RUN_DIR/tls/ca.crt of "
+                   "`llmesh up --tls-self-signed`; implies TLS (env LLMESH_CACERT; "
+                   "https:// without it: the system roots)")
     generate = commands.add_parser(
         "generate", help="stream a completion through Envoy",
         description="Streams a completion to stdout as it is generated; the finish reason, "
@@ -624,6 +753,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--timeout", type=_positive_seconds, default=None,
                           help="deadline in seconds (> 0)")
     generate.add_argument("--url", default=None, help=url_help)
+    generate.add_argument("--cacert", default=None, metavar="FILE", help=cacert_help)
     generate.set_defaults(func=cmd_generate)
 
     models = commands.add_parser("models", help="list the served models")
@@ -631,6 +761,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--timeout", type=_positive_seconds, default=10.0,
                         help="deadline in seconds (> 0)")
     models.add_argument("--url", default=None, help=url_help)
+    models.add_argument("--cacert", default=None, metavar="FILE", help=cacert_help)
     models.set_defaults(func=cmd_models)
 
     bench = commands.add_parser(

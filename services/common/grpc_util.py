@@ -1,8 +1,19 @@
-"""Small gRPC helpers shared by the services: channel options and request ids."""
+"""Small gRPC helpers shared by the services: channel options, request ids,
+and the mesh's optional mutual TLS (:class:`MeshTls`).
+
+Channels between services come from :func:`make_channel`: cleartext, unless
+the server kit turned mutual TLS on for the process (:func:`use_mesh_tls`,
+from ``--tls-cert --tls-key --tls-ca``) before the service started; then every
+channel presents the service's certificate and verifies the peer against the
+mesh CA (``grpc.ssl_channel_credentials``; the peer's SAN must name the host
+dialled).
+"""
 
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -46,8 +57,65 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 ]
 
 
+@dataclass(frozen=True)
+class MeshTls:
+    """One service's mutual-TLS material inside the mesh (PEM files).
+
+    Attributes:
+      cert: its certificate, presented as server and as client.
+      key: the certificate's private key.
+      ca: the mesh CA: peers must present a certificate it signed.
+
+    Source: gRPC Python authentication guide (``grpc.ssl_server_credentials``
+    with ``require_client_auth``; ``grpc.ssl_channel_credentials`` with a
+    client key and chain).
+    """
+
+    cert: Path
+    key: Path
+    ca: Path
+
+    def _read(self) -> tuple[bytes, bytes, bytes]:
+        return Path(self.cert).read_bytes(), Path(self.key).read_bytes(), Path(self.ca).read_bytes()
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Server side: requires a client certificate signed by ``ca``.
+
+        Raises:
+          OSError: a file cannot be read.
+        """
+        cert, key, ca = self._read()
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                           require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """Client side: verifies the server against ``ca``, presents ``cert``.
+
+        Raises:
+          OSError: a file cannot be read.
+        """
+        cert, key, ca = self._read()
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                            certificate_chain=cert)
+
+
+#: The process's mutual TLS for outgoing channels (None: cleartext); set once
+#: at start by the server kit (:func:`use_mesh_tls`), never at import.
+_mesh_tls: MeshTls | None = None
+
+
+def use_mesh_tls(tls: MeshTls | None) -> None:
+    """Makes :func:`make_channel` open mutual-TLS channels with ``tls`` (None: cleartext)."""
+    global _mesh_tls
+    _mesh_tls = tls
+
+
 def make_channel(target: str) -> grpc.aio.Channel:
-    """Opens a long-lived insecure channel to ``host:port`` (create once, reuse)."""
+    """Opens a long-lived channel to ``host:port`` (create once, reuse):
+    mutual TLS when :func:`use_mesh_tls` set it, else cleartext."""
+    if _mesh_tls is not None:
+        return grpc.aio.secure_channel(target, _mesh_tls.channel_credentials(),
+                                       options=CHANNEL_OPTIONS)
     return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
 
 

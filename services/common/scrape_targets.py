@@ -3,7 +3,8 @@
 :func:`write_prometheus_config` writes, into one folder, a ready-to-use
 ``prometheus.yml`` (a copy of ``deploy/prometheus/prometheus-local.yml``)
 and the ``targets.json`` it reads through ``file_sd_configs``: every
-service's ``/metrics`` and Envoy's ``/stats/prometheus``, each with the
+service's ``/metrics`` and Envoy's ``/stats/prometheus`` (through its
+read-only ``ops`` listener: the admin interface stays on loopback), each with the
 ``job`` the Grafana dashboard selects on (:data:`JOBS`) and a ``service``
 label (``engine-0``...). Then::
 
@@ -65,22 +66,23 @@ def job_of(service: str) -> str:
 
 
 def file_sd_groups(metrics_addresses: Mapping[str, str],
-                   envoy_admin: str | None = None) -> list[dict[str, Any]]:
+                   envoy_stats: str | None = None) -> list[dict[str, Any]]:
     """Prometheus ``file_sd`` target groups.
 
     Args:
       metrics_addresses: service name (``router``, ``engine-0``...) → ``host:port``
         of its ``/metrics``; a service without one (metrics port -1) is left out
         by passing no entry.
-      envoy_admin: ``host:port`` (or ``http://host:port``) of Envoy's admin.
+      envoy_stats: ``host:port`` (or ``http://host:port``) that serves Envoy's
+        ``/stats/prometheus``: its ``ops`` listener (``llmesh up --ops-port``).
     """
     groups: list[dict[str, Any]] = [
         {"targets": [address], "labels": {"job": job_of(name), "service": name}}
         for name, address in metrics_addresses.items()
     ]
-    if envoy_admin:
+    if envoy_stats:
         groups.append({
-            "targets": [envoy_admin.removeprefix("http://").rstrip("/")],
+            "targets": [envoy_stats.removeprefix("http://").rstrip("/")],
             "labels": {"job": JOBS["envoy"], "service": "envoy",
                        "__metrics_path__": ENVOY_METRICS_PATH},
         })
@@ -88,7 +90,7 @@ def file_sd_groups(metrics_addresses: Mapping[str, str],
 
 
 def write_prometheus_config(folder: Path, metrics_addresses: Mapping[str, str],
-                            envoy_admin: str | None = None) -> Path:
+                            envoy_stats: str | None = None) -> Path:
     """Writes ``folder/prometheus.yml`` and ``folder/targets.json``; returns the
     config's path. ``targets.json`` is replaced atomically (Prometheus may be
     reading it)."""
@@ -97,7 +99,7 @@ def write_prometheus_config(folder: Path, metrics_addresses: Mapping[str, str],
     config.write_text(LOCAL_CONFIG)
     targets = folder / "targets.json"
     partial = folder / "targets.json.tmp"
-    partial.write_text(json.dumps(file_sd_groups(metrics_addresses, envoy_admin), indent=2)
+    partial.write_text(json.dumps(file_sd_groups(metrics_addresses, envoy_stats), indent=2)
                        + "\n")
     os.replace(partial, targets)
     return config

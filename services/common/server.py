@@ -41,6 +41,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.active_calls import ActiveCalls
 from services.common.gpu_telemetry import register_gpu_telemetry
-from services.common.grpc_util import SERVER_OPTIONS
+from services.common.grpc_util import SERVER_OPTIONS, MeshTls, use_mesh_tls
 from services.common.logging import configure_logging
 from services.common.request_guard import RequestGuard
 
@@ -127,6 +128,11 @@ class ServerConfig:
       log_level: structlog level name.
       gpu_telemetry: export the GPU gauges (absent anyway without a GPU);
         None: only in the engine (one process per host reports the devices).
+      tls: mutual TLS inside the mesh (``--tls-cert --tls-key --tls-ca``): the
+        gRPC port requires client certificates signed by the mesh CA, and the
+        service's own channels (:func:`~services.common.grpc_util.make_channel`)
+        present its certificate; None: cleartext (the default; bind loopback).
+        The ``/metrics`` port and the router's OpenAI HTTP port stay cleartext.
     """
 
     name: str
@@ -137,6 +143,7 @@ class ServerConfig:
     drain_seconds: float = 10.0
     log_level: str = "info"
     gpu_telemetry: bool | None = None
+    tls: MeshTls | None = None
 
     @property
     def exports_gpu_telemetry(self) -> bool:
@@ -163,12 +170,18 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpu-telemetry", action=argparse.BooleanOptionalAction, default=None,
         help="export GPU utilisation and memory on /metrics when a GPU is visible "
              "(default: in the engine only)")
+    for flag, what in (("cert", "this service's certificate (PEM)"),
+                       ("key", "its private key (PEM)"),
+                       ("ca", "the mesh CA that signs every service's certificate")):
+        parser.add_argument(f"--tls-{flag}", type=Path, default=None,
+                            help=f"mutual TLS inside the mesh: {what}; the three go together")
 
 
 def server_config_from_args(name: str, args: argparse.Namespace) -> ServerConfig:
     """Builds a :class:`ServerConfig` from :func:`add_server_arguments` flags."""
     return ServerConfig(
         name=name,
+        tls=_mesh_tls_from_args(args),
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,
@@ -177,6 +190,27 @@ def server_config_from_args(name: str, args: argparse.Namespace) -> ServerConfig
         log_level=args.log_level,
         gpu_telemetry=getattr(args, "gpu_telemetry", None),
     )
+
+
+def _mesh_tls_from_args(args: argparse.Namespace) -> MeshTls | None:
+    """``--tls-cert --tls-key --tls-ca`` as a :class:`MeshTls` (None if none given).
+
+    Raises:
+      SystemExit(2): some but not all of the three were given, or a file is
+        not readable (one line on stderr, as argparse does).
+    """
+    given = {flag: getattr(args, f"tls_{flag}", None) for flag in ("cert", "key", "ca")}
+    if not any(given.values()):
+        return None
+    missing = [f"--tls-{flag}" for flag, path in given.items() if path is None]
+    unreadable = [str(path) for path in given.values() if path is not None
+                  and not os.access(path, os.R_OK)]
+    if missing or unreadable:
+        why = (f"missing {', '.join(missing)}" if missing
+               else f"cannot read {', '.join(unreadable)}")
+        print(f"error: --tls-cert, --tls-key and --tls-ca go together: {why}", file=sys.stderr)
+        raise SystemExit(2)
+    return MeshTls(given["cert"], given["key"], given["ca"])
 
 
 async def _set_health(
@@ -222,7 +256,10 @@ async def run_service(config: ServerConfig, service: Service) -> None:
          reflection.SERVICE_NAME),
         server,
     )
-    grpc_port = server.add_insecure_port(f"{config.host}:{config.port}")
+    address = f"{config.host}:{config.port}"
+    use_mesh_tls(config.tls)  # before start(): the service opens its channels there
+    grpc_port = (server.add_insecure_port(address) if config.tls is None
+                 else server.add_secure_port(address, config.tls.server_credentials()))
     await server.start()
     metrics_port = _start_metrics(config)
     listen_extra = getattr(service, EXTRA_PORTS_HOOK, None)

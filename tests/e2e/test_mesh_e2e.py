@@ -320,4 +320,4 @@ def test_the_run_dir_holds_a_prometheus_config_with_every_real_target(mesh: Mesh
     targets = {t for group in groups for t in group["targets"]}
     expected = {s.metrics_address for s in mesh.services.values()}
     assert expected <= targets
-    assert mesh.admin_url.removeprefix("http://") in targets
+    assert mesh.ops_url.removeprefix("http://") in targets  # Envoy through its ops listener

@@ -209,11 +209,51 @@ def test_router_cluster_speaks_http2_with_keepalive_and_breakers() -> None:
 def test_transcoder_and_grpc_stats_settings() -> None:
     config = yaml.safe_load(CHECKED_IN.read_text())
     names = [f["name"] for f in _hcm(config)["http_filters"]]
-    assert names == ["envoy.filters.http.grpc_json_transcoder", "envoy.filters.http.grpc_stats",
-                     "envoy.filters.http.router"]
+    assert names == ["envoy.filters.http.buffer", "envoy.filters.http.grpc_json_transcoder",
+                     "envoy.filters.http.grpc_stats", "envoy.filters.http.router"]
     transcoder = _http_filter(config, "envoy.filters.http.grpc_json_transcoder")
     assert transcoder["services"] == ["llmesh.v1.GenerationService"]
     assert transcoder["convert_grpc_status"] is True
     assert transcoder["print_options"] == {"preserve_proto_field_names": True}
     tags = {t["tag_name"]: t["regex"] for t in config["stats_config"]["stats_tags"]}
     assert set(tags) == {"envoy.grpc_bridge_service", "envoy.grpc_bridge_method"}
+
+
+def test_tls_bootstrap_validates_and_sets_the_decided_tls_and_backstops(tmp_path: Path) -> None:
+    from services.common import tls_certs
+
+    ingress = tls_certs.write_self_signed(tmp_path / "tls")
+    pki = tls_certs.write_mesh_pki(tmp_path / "mtls", ["envoy"])
+    envoy = pki.pairs["envoy"]
+    settings = EnvoySettings(
+        ingress_port=18443, admin_port=19901, ops_port=19902, plaintext_port=18080,
+        descriptor_path=str(REPO_ROOT / envoy_config.DESCRIPTOR_RELATIVE),
+        tls=envoy_config.TlsFiles(str(ingress.server.cert), str(ingress.server.key)),
+        router_tls=envoy_config.TlsFiles(str(envoy.cert), str(envoy.key), str(pki.ca)))
+    path = envoy_config.write_config(tmp_path / "envoy.yaml", settings)
+    result = _validate(path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    config = yaml.safe_load(path.read_text())
+    listeners = {entry["name"]: entry for entry in config["static_resources"]["listeners"]}
+    assert set(listeners) == {"ingress", "ingress-plaintext", "ops"}
+    assert "transport_socket" not in listeners["ingress-plaintext"]["filter_chains"][0]
+    ingress_tls = listeners["ingress"]["filter_chains"][0]["transport_socket"]["typed_config"]
+    common = ingress_tls["common_tls_context"]
+    assert common["tls_params"] == {"tls_minimum_protocol_version": "TLSv1_2"}
+    assert common["alpn_protocols"] == ["h2", "http/1.1"]
+    router = config["static_resources"]["clusters"][0]
+    upstream = router["transport_socket"]["typed_config"]["common_tls_context"]
+    assert upstream["validation_context"]["trusted_ca"] == {"filename": str(pki.ca)}
+    assert upstream["tls_certificates"][0]["certificate_chain"] == {"filename": str(envoy.cert)}
+    hcm = _hcm(config)
+    assert hcm["http2_protocol_options"]["max_concurrent_streams"] == 1024
+    assert _http_filter(config, "envoy.filters.http.buffer")["max_request_bytes"] == 4 << 20
+    unbuffered = {r["name"] for r in _routes(config)
+                  if "envoy.filters.http.buffer" in r.get("typed_per_filter_config", {})}
+    assert unbuffered == {"llmesh-GenerateStream", "llmesh"}  # the streams that send as they go
+    actions = {a["name"]: a["triggers"][0]["threshold"]["value"]
+               for a in config["overload_manager"]["actions"]}
+    assert actions == {"envoy.overload_actions.shrink_heap": 0.95,
+                       "envoy.overload_actions.stop_accepting_requests": 0.98}
+    with pytest.raises(ValueError, match="loopback"):
+        envoy_config.build_bootstrap(EnvoySettings(admin_host="0.0.0.0"))
