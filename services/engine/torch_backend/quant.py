@@ -189,17 +189,21 @@ def pack_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor
     def padded(t: torch.Tensor) -> torch.Tensor:
         return torch.cat((t, t.new_zeros(pad, t.shape[1]))) if pad else t
 
-    values = padded(q.to(torch.uint8)).view(tiles, native.Q4_TILE, blocks, 16, 2)
-    groups = values.permute(0, 2, 3, 1, 4).reshape(tiles, blocks, 4, 4, 32)  # [.., c, k, 32]
-    low = torch.cat((groups[:, :, :, 0], groups[:, :, :, 1]), dim=-1)  # [tiles, blocks, 4, 64]
-    high = torch.cat((groups[:, :, :, 2], groups[:, :, :, 3]), dim=-1)
-    nibbles = (low | (high << 4)).reshape(tiles, blocks, -1)
+    # A pair (inputs 2g, 2g + 1 of one feature) moves as one int16: half the
+    # elements to transpose, and no byte of one nibble shifts into the next
+    # (values are 0..15, so each byte of ``x << 4`` stays within its byte).
+    pairs = padded(q.to(torch.uint8)).contiguous().view(torch.int16)
+    groups = pairs.view(tiles, native.Q4_TILE, blocks, 16).permute(0, 2, 3, 1)
+    groups = groups.reshape(tiles, blocks, 4, 4, native.Q4_TILE)  # [.., c, k, 16 pairs]
+    # chunk c: groups 4c, 4c + 1 in the low nibbles, 4c + 2, 4c + 3 in the high ones
+    nibbles = (groups[:, :, :, 0:2] | (groups[:, :, :, 2:4] << 4))
+    nibbles = nibbles.reshape(tiles, blocks, -1).view(torch.uint8)
 
     def halves(t: torch.Tensor) -> torch.Tensor:
         t = padded(t.to(torch.float16)).view(tiles, native.Q4_TILE, blocks)
         return t.permute(0, 2, 1).contiguous().view(torch.uint8)
 
-    return torch.cat((halves(d), halves(m), nibbles), dim=-1).contiguous()
+    return torch.cat((halves(d), halves(m), nibbles), dim=-1)
 
 
 class NativeInt4Projection:
