@@ -175,7 +175,8 @@ def check_tokenizer_path(path: str | Path) -> None:
 
 def load_hf_tokenizer(path: str | Path) -> Any:
     """The ``transformers`` tokenizer of a GGUF file
-    (``AutoTokenizer.from_pretrained(dir, gguf_file=name)``) or of a checkpoint
+    (``AutoTokenizer.from_pretrained(dir, gguf_file=name)``, converted once and
+    then read from :mod:`services.common.tokenizer_cache`) or of a checkpoint
     directory (``AutoTokenizer.from_pretrained(dir)``). Seconds: blocking.
 
     Raises:
@@ -189,5 +190,9 @@ def load_hf_tokenizer(path: str | Path) -> Any:
     if path.is_dir():
         return AutoTokenizer.from_pretrained(str(path))
     if path.is_file():
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        from services.common.tokenizer_cache import load_cached
+
+        return load_cached(
+            path, lambda: AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name),
+            lambda folder: AutoTokenizer.from_pretrained(str(folder)))
     raise FileNotFoundError(f"no GGUF file or checkpoint directory at {path}")

@@ -2,7 +2,8 @@
 
 The tokenizer is read from the model's GGUF file by ``transformers``
 (``AutoTokenizer.from_pretrained(dir, gguf_file=name)``, about 4 s for SmolLM2
-and 14 s for Gemma 3 here), or from a Hugging Face checkpoint directory
+and 14 s for Gemma 3 here, once: the result is cached on disk by
+:mod:`services.common.tokenizer_cache`, under a second afterwards), or from a Hugging Face checkpoint directory
 (``AutoTokenizer.from_pretrained(dir)``: one model copy serves the tokenizer,
 the torch engine and TensorRT-LLM), so ids and chat prompts are exactly the ones the
 model was trained with. Hot paths call the Rust ``tokenizers`` backend directly
