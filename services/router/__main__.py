@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -135,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    # A SIGHUP (``llmesh up`` forwards its own: reload the API keys) that comes
+    # before the service installs its handler must not end the process.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
