@@ -529,7 +529,10 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
     async def _abort(context: grpc.aio.ServicerContext, err: _Abort, request_id: str) -> None:
         if err.code != grpc.StatusCode.CANCELLED:
             log.info("request_refused", code=err.code.name, message=err.message)
-        await context.abort(err.code, err.message, trailing_metadata=(
+        # A message quoting client text may hold a lone surrogate (a JSON key
+        # "\ud800"): gRPC cannot encode it, and the call would never end.
+        message = err.message.encode("utf-8", "backslashreplace").decode("utf-8")
+        await context.abort(err.code, message, trailing_metadata=(
             (REQUEST_ID_METADATA_KEY, request_id), *err.trailing_metadata))
 
     # ------------------------------------------------------------------ RPCs
