@@ -49,8 +49,8 @@ from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.e2e.hostile_checks import rss_growth, rss_mb, wait_kv_idle
 
 KINDS = ("complete", "cancel", "stop", "deadline", "stream_cancel", "killed")
-#: Share of each kind in the mix (killed clients are subprocesses: ~1 %).
-WEIGHTS = (40, 15, 20, 10, 14, 1)
+#: Share of each kind in the mix (killed clients are subprocesses: ~2 %).
+WEIGHTS = (40, 15, 20, 10, 13, 2)
 RSS_LIMIT_MB = 50.0
 KV_IDLE_WITHIN_S = 10.0
 #: A request that has not ended after this long is lost.

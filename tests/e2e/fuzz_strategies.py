@@ -52,7 +52,9 @@ _special = st.sampled_from([
     "🙂" * 3, "é" * 5, "\n\n", "a" * 300, "日本語", "\t\r\n", "\U0010ffff"])
 #: Text as protobuf can carry it (no lone surrogates: a str field must be valid UTF-8).
 texts = st.one_of(st.text(max_size=40), _special)
-big_texts = st.one_of(texts, st.builds(lambda s, n: s * n, texts, st.integers(1, 4000)))
+#: Up to 200,000 characters (a prompt or one stop string past every limit).
+big_texts = st.one_of(texts, st.builds(lambda s, n: (s * n)[:200_000], texts,
+                                       st.integers(1, 4000)))
 odd_floats = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True, width=32),
     st.sampled_from([0.0, -0.0, 1.0, 0.5, -1.0, 2.0, 1e-30, 3.4e38, math.nan, math.inf]))
@@ -92,7 +94,9 @@ def sampling_params(draw: st.DrawFn) -> common_pb2.SamplingParams:
                                           st.integers(0, 4), st.integers(INT32[0], -1),
                                           st.integers(1 << 20, INT32[1])))
     params = common_pb2.SamplingParams(**fields)
-    params.stop.extend(draw(_huge_or_small(big_texts, 5000)))
+    # huge lists repeat short texts (a few MB at most: the gRPC message limit)
+    params.stop.extend(draw(st.one_of(st.lists(big_texts, max_size=3),
+                                      _huge_or_small(texts, 5000))))
     params.stop_token_ids.extend(draw(_huge_or_small(any_int32, 20000)))
     params.ignore_eos = draw(st.booleans())
     params.include_stop_str_in_output = draw(st.booleans())
@@ -128,9 +132,12 @@ def generate_requests(draw: st.DrawFn) -> generation_pb2.GenerateRequest:
     if kind <= 1:
         request.prompt = draw(big_texts)
     elif kind <= 3:
-        messages = draw(_huge_or_small(st.tuples(
-            st.one_of(st.sampled_from(["user", "assistant", "system"]), texts), big_texts),
-            3000))
+        messages = draw(st.one_of(
+            st.lists(st.tuples(st.sampled_from(["user", "assistant", "system"]), big_texts),
+                     max_size=2),
+            _huge_or_small(st.tuples(
+                st.one_of(st.sampled_from(["user", "assistant", "system"]), texts), texts),
+                3000)))
         request.chat.messages.extend(common_pb2.ChatMessage(role=r, content=c)
                                      for r, c in messages)
         request.chat.allow_special_tokens = draw(st.booleans())
@@ -141,13 +148,45 @@ def generate_requests(draw: st.DrawFn) -> generation_pb2.GenerateRequest:
     return request
 
 
+@st.composite
+def plausible_requests(draw: st.DrawFn) -> generation_pb2.GenerateRequest:
+    """A ``GenerateRequest`` inside every documented range (so it generates):
+    random unicode input, stop strings, logit bias, seeds, a few tokens."""
+    sampling = common_pb2.SamplingParams(
+        max_tokens=draw(st.integers(1, 3)),
+        temperature=draw(st.floats(0.0, 2.0)),
+        top_p=draw(st.floats(0.01, 1.0)), top_k=draw(st.integers(0, 50)),
+        seed=draw(st.integers(0, 2**64 - 1)), n=draw(st.integers(1, 2)),
+        logprobs=draw(st.integers(0, 5)), ignore_eos=draw(st.booleans()),
+        include_stop_str_in_output=draw(st.booleans()))
+    sampling.stop.extend(draw(st.lists(st.text(min_size=1, max_size=8), max_size=3)))
+    for token, bias in draw(st.dictionaries(st.integers(0, 40000),
+                                            st.floats(-100.0, 100.0),
+                                            max_size=3)).items():
+        sampling.logit_bias[token] = bias
+    request = generation_pb2.GenerateRequest(sampling=sampling,
+                                             bypass_cache=draw(st.booleans()))
+    if draw(st.booleans()):
+        request.prompt = draw(st.text(min_size=1, max_size=60))
+    else:
+        request.chat.messages.extend(
+            common_pb2.ChatMessage(role=role, content=content) for role, content in draw(
+                st.lists(st.tuples(st.sampled_from(["user", "assistant", "system"]),
+                                   st.text(max_size=60)), min_size=1, max_size=3)))
+    return request
+
+
+#: ``sampling { max_tokens: 1 }`` (field 5 holding field 5 = 1): appended to
+#: every raw body, so one that parses never runs the default hundreds of tokens.
+_ONE_TOKEN = b"\x2a\x02\x28\x01"
+
 #: Raw request bodies: mutated valid messages or random bytes.
-raw_bodies = st.one_of(
+raw_bodies = st.builds(lambda body: body + _ONE_TOKEN, st.one_of(
     st.binary(max_size=200),
     st.builds(lambda r, cut: r.SerializeToString()[:cut], generate_requests(),
               st.integers(0, 400)),
     # a string field (prompt, 3) whose bytes are not UTF-8
-    st.builds(lambda b: b"\x1a" + bytes([len(b)]) + b, st.binary(min_size=1, max_size=100)))
+    st.builds(lambda b: b"\x1a" + bytes([len(b)]) + b, st.binary(min_size=1, max_size=100))))
 
 #: JSON values of every shape, lone surrogates included.
 _json_strings = st.one_of(st.text(max_size=30), st.sampled_from(
@@ -245,6 +284,7 @@ def stream_scripts(draw: st.DrawFn) -> list[tuple[str, Any]]:
 
 
 cases = st.one_of(
+    st.tuples(st.just("grpc"), plausible_requests()),
     st.tuples(st.just("grpc"), generate_requests()),
     st.tuples(st.just("grpc"), generate_requests()),
     st.tuples(st.just("raw"), raw_bodies),

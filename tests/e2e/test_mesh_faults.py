@@ -8,8 +8,11 @@ supervisor does (``Mesh.restart``).
   the restart traffic resumes with no router restart;
 * cache dead: 0 client errors (the cache is optional on the request path);
   after the restart traffic resumes with no router restart;
-* router dead: the calls in flight through Envoy end UNAVAILABLE within 1 s,
-  never hang; after the restart traffic through Envoy resumes.
+* router dead: the calls in flight through Envoy end within 1 s, never hang
+  (UNAVAILABLE, or INTERNAL "RST_STREAM": Envoy resets a stream whose
+  upstream died after its response headers, it cannot send a status), new
+  calls end UNAVAILABLE within 1 s; after the restart traffic through Envoy
+  resumes.
 
 The kill of one of two engines mid-stream (its streams UNAVAILABLE within
 1 s, the other's finish, the restarted one rejoins) is
@@ -148,15 +151,24 @@ def test_tokenizer_then_cache_then_router_killed_during_traffic(mesh: Mesh) -> N
                        for i, e in enumerate(started)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
             killed_at = kill(mesh, "router")
-            return await asyncio.gather(*streams), killed_at
+            ended = await asyncio.gather(*streams)
+            return ended, await run_one(stub, long_request(4, "r-new")), killed_at
 
-    streams, killed_at = asyncio.run(router_down())
+    streams, new_call, killed_at = asyncio.run(router_down())
     print("router killed: in-flight calls ended "
           f"{[(o.code.name, round((o.ended_at - killed_at) * 1e3)) for o in streams]} "
-          "(status, ms after SIGKILL)")
+          f"(status, ms after SIGKILL); a new call {new_call.code.name} in "
+          f"{new_call.latency * 1e3:.0f} ms")
     for o in streams:
-        assert o.code == grpc.StatusCode.UNAVAILABLE, (o.code, o.details)
+        # Envoy cannot send trailers for a stream whose upstream died after its
+        # response headers: it resets it (RST_STREAM INTERNAL_ERROR), which gRPC
+        # clients report as INTERNAL "Stream removed". Measured, not a router bug.
+        assert o.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL), (
+            o.code, o.details)
+        assert o.code == grpc.StatusCode.UNAVAILABLE or "RST_STREAM" in o.details
         assert o.ended_at - killed_at < FAIL_FAST_S
+    assert new_call.code == grpc.StatusCode.UNAVAILABLE, new_call.details
+    assert new_call.latency < FAIL_FAST_S
     mesh.restart("router", timeout_s=60)
     assert resumed(address, "after-router").code == grpc.StatusCode.OK
     assert not not_serving(mesh)

@@ -8,7 +8,7 @@ stays SERVING. The strategies are in tests/e2e/fuzz_strategies.py (also
 used by benchmarks/fuzz_soak.py for 100,000 cases).
 
 Cost: FUZZ_CASES cases, derandomized (the same cases every run), in about
-FUZZ_CASES x 20 ms on a 2-core machine (see the report in the test's output).
+FUZZ_CASES x 35 ms on a 2-core machine (see the report in the test's output).
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ from tests.e2e.hostile_checks import not_serving, pids
 
 pytestmark = pytest.mark.mesh
 
-#: Cases per CI run (the 60 s budget on 2 CPUs; benchmarks/fuzz_soak.py runs more).
-FUZZ_CASES = 2000
+#: Cases per CI run: 2,000 did not fit the 60 s budget on 2 CPUs once 1 case in 7
+#: really generates (~30 ms a refused case, ~60 ms a generating one, measured
+#: at low load); benchmarks/fuzz_soak.py runs more.
+FUZZ_CASES = 1500
 #: Health of every service is checked every this many cases.
 HEALTH_EVERY = 250
 
