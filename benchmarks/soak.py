@@ -3,7 +3,7 @@ be exactly as it was.
 
 The mix (seeded, so a run repeats): complete generations, client cancels
 mid-stream (``Generate`` dropped after its first delta; ``GenerateStream``
-``cancel``), stop strings, short deadlines (50-300 ms), and about one in a
+``cancel``), stop strings, short deadlines (50-300 ms), and about two in a
 hundred clients killed: a subprocess client SIGKILLed after its first delta.
 Traffic goes through Envoy's ingress.
 
@@ -37,7 +37,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
