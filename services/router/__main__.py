@@ -35,6 +35,7 @@ from services.router.discovery import DEFAULT_RESOLVE_INTERVAL_S, engine_target,
 from services.router.model_pool import PoolConfig
 from services.router.routing import CostWeights, RoutingPolicy
 from services.router.service import RouterConfig, RouterService
+from services.router.slow_reader import DEFAULT_CLIENT_WRITE_TIMEOUT_S
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "need 'authorization: Bearer KEY' or 'x-api-key: KEY', and "
                              "x-tenant-id is ignored; SIGHUP reloads the file. Default: no "
                              "auth")
+    parser.add_argument("--client-write-timeout-s", type=float,
+                        default=DEFAULT_CLIENT_WRITE_TIMEOUT_S, metavar="SECONDS",
+                        help="slow-reader budget: a write to a client blocked this long (it "
+                             "does not read its stream) while its generation runs cancels "
+                             "the generation (engine KV blocks freed) and ends the call "
+                             "RESOURCE_EXHAUSTED; deltas are merged while a write is blocked; "
+                             f"0: no budget (default {DEFAULT_CLIENT_WRITE_TIMEOUT_S:g})")
     parser.add_argument("--openai-port", type=int, default=None, metavar="PORT",
                         help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
                              "/v1/completions, /v1/models) on this port of --host; 0 picks a "
@@ -147,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             default_max_tokens=args.default_max_tokens, max_tokens_cap=args.max_tokens_cap,
             log_content=args.log_content, startup_timeout=args.startup_timeout,
             cache_timeout=args.cache_timeout, stream_idle_timeout=args.stream_idle_timeout,
+            client_write_timeout_s=args.client_write_timeout_s,
             admission=AdmissionConfig(
                 enabled=args.admission, max_queued_requests=args.max_queued_requests,
                 max_queued_prompt_tokens=args.max_queued_prompt_tokens,

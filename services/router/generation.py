@@ -53,6 +53,19 @@ cancelled (client gone, deadline passed), the ``finally`` blocks drop the
 engine stream at once (a shared generation: when its last subscriber leaves);
 ``asyncio.CancelledError`` is never swallowed.
 
+Slow readers (:mod:`services.router.slow_reader`): with a budget
+(``client_write_timeout_s`` > 0, the router's ``--client-write-timeout-s``,
+default 30 s) the events run one step ahead of the client's writes; while a
+write is blocked (the client reads slowly, or not at all) the deltas that
+arrive are merged into one pending message per choice, and a write blocked
+longer than the budget while the generation still runs cancels it at once
+(the engine frees its KV blocks; a shared generation loses only this
+subscriber) and ends the call RESOURCE_EXHAUSTED once that write returns:
+the router's per-call buffer budget is what ran out, not the client's own
+deadline (DEADLINE_EXCEEDED would tell it to allow more time, which does not
+help a client that does not read). Counted in
+``llmesh:router_slow_client_cancels_total``.
+
 Deadlines: a request that is not shared passes its deadline to admission and
 the engine. A shared generation passes the latest deadline of its
 subscribers to admission, and opens the engine stream without one: each
@@ -101,6 +114,7 @@ from services.router.engine_client import EngineClient, EngineStream
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
 from services.router.routing import ReplicaPicker, RouteHint, RoutingPolicy, RoutingSession
+from services.router.slow_reader import WriteStalled, paced
 from services.router.single_flight import (
     CoalescingKey,
     DeadlinePassed,
@@ -323,7 +337,7 @@ class GenerationPipeline:
         replicas: ReplicaSet, cache: CacheClient | None,
         models: Mapping[str, ModelLimits], metrics: RouterMetrics, log_content: bool = False,
         admission: Mapping[str, AdmissionController] | None = None,
-        picker: ReplicaPicker | None = None,
+        picker: ReplicaPicker | None = None, client_write_timeout_s: float = 0.0,
     ) -> None:
         """Args:
           tokenizer: the tokenizer client (prompt ids).
@@ -338,7 +352,13 @@ class GenerationPipeline:
           admission: the admission controller of each model (None or a model
             missing: requests go to an engine at once).
           picker: the routing policy (default: ``least_load``).
+          client_write_timeout_s: the slow-reader budget (seconds a write to
+            the client may stay blocked while its generation runs; see the
+            module doc); 0: none (events go to the client as they come).
         """
+        if client_write_timeout_s < 0:
+            raise ValueError(f"client_write_timeout_s must be >= 0 (0: no budget), "
+                             f"got {client_write_timeout_s}")
         if not replicas.engines:
             raise ValueError("at least one engine replica is needed")
         self.tokenizer = tokenizer
@@ -349,6 +369,7 @@ class GenerationPipeline:
         self.models = dict(models)
         self.metrics = metrics
         self.log_content = log_content
+        self.client_write_timeout_s = client_write_timeout_s
         self.admission = dict(admission or {})
         self.picker = picker or ReplicaPicker(RoutingPolicy.LEAST_LOAD, cache, metrics)
         self._background: set[asyncio.Task[object]] = set()
@@ -416,6 +437,8 @@ class GenerationPipeline:
                                            self._cache_key(request, prompt_ids), deadline,
                                            progress, timing, info, ticket,
                                            RouteHint(len(prompt_ids), matches, session))
+            if self.client_write_timeout_s > 0:
+                events = self._paced(events, request.model)
             # aclosing: when our consumer stops early, the engine stream closes now.
             async with contextlib.aclosing(events):
                 async for event in events:
@@ -436,6 +459,11 @@ class GenerationPipeline:
             outcome = mapped.code.name.lower()
             info.update(error=mapped.message)
             raise mapped from err
+        except WriteStalled as err:
+            stalled = slow_client_error(err, progress.completion_tokens)
+            outcome = stalled.code.name.lower()
+            info.update(error=stalled.message)
+            raise stalled from None
         except Exception:
             outcome = "internal"
             raise
@@ -456,6 +484,15 @@ class GenerationPipeline:
                 task.cancel()
 
     # --------------------------------------------------------------- steps
+
+    def _paced(self, events: AsyncIterator[Event], model: str) -> AsyncIterator[Event]:
+        """``events`` under the slow-reader budget (module doc)."""
+        def count() -> None:
+            self.metrics.slow_client_cancels.labels(model).inc()
+            log.info("slow_client_cancelled", budget_s=self.client_write_timeout_s)
+
+        return paced(events, write_timeout_s=self.client_write_timeout_s,
+                     merge=merge_deltas, on_stall=count)
 
     async def _prompt_ids(self, request: GenerationRequest, limits: ModelLimits,
                           deadline: float | None, info: dict[str, object]) -> tuple[int, ...]:
@@ -987,6 +1024,26 @@ def _ids_through_stop(ids: tuple[int, ...], shown: Sequence[int],
         if end >= match_end:
             return ids[:position + 1]
     return ids
+
+
+def merge_deltas(earlier: Event, later: Event) -> Event | None:
+    """One :class:`Delta` for two consecutive deltas of one choice that both
+    wait for a blocked client (text, ids and log-probabilities joined), or
+    None (a :class:`Finished`, or another choice: they stay apart)."""
+    if not (isinstance(earlier, Delta) and isinstance(later, Delta)
+            and earlier.index == later.index and not later.prompt_logprobs):
+        return None
+    return Delta(earlier.text + later.text, earlier.token_ids + later.token_ids,
+                 earlier.logprobs + later.logprobs, earlier.prompt_logprobs, earlier.index)
+
+
+def slow_client_error(err: WriteStalled, completion_tokens: int) -> GenerationError:
+    """RESOURCE_EXHAUSTED for a client over the slow-reader budget (module doc)."""
+    return GenerationError(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+        f"the client read too slowly: a write to it stayed blocked for more than "
+        f"{err.budget_s:g} s (the router's --client-write-timeout-s) after "
+        f"{completion_tokens} generated tokens, so the generation was cancelled; read the "
+        "stream as it arrives, or ask for fewer max_tokens"))
 
 
 def _ms(seconds: float | None) -> float | None:

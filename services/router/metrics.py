@@ -47,6 +47,11 @@ a ``GenerateStream``), and observed at the moment they happen:
   usage; it has no queue time (it was not sent to an engine) and makes no
   response-cache lookup.
 
+* ``llmesh:router_slow_client_cancels_total``: generations cancelled by the
+  slow-reader budget (a write to the client blocked longer than
+  ``--client-write-timeout-s``; the call ends RESOURCE_EXHAUSTED, and is
+  counted in ``requests_total`` with that outcome too).
+
 * admission (:mod:`services.router.admission`), per ``priority`` (traffic class):
   ``llmesh:router_queue_depth`` and ``llmesh:router_queued_prompt_tokens``
   (gauges: requests and prompt tokens in the router's queue),
@@ -180,6 +185,11 @@ class RouterMetrics:
         self.coalesced_requests = Counter(
             "llmesh:router_coalesced_requests",
             "Requests that joined an identical generation in flight (single flight).",
+            ["model_name"], registry=reg)
+        self.slow_client_cancels = Counter(
+            "llmesh:router_slow_client_cancels",
+            "Generations cancelled because a write to their client stayed blocked longer "
+            "than --client-write-timeout-s (the client read too slowly).",
             ["model_name"], registry=reg)
 
         self.queue_depth = Gauge(

@@ -115,6 +115,8 @@ class PoolSettings:
     routing_weights: CostWeights
     log_content: bool
     resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S
+    #: the slow-reader budget (:mod:`services.router.slow_reader`); 0: none
+    client_write_timeout_s: float = 0.0
 
 
 class NoEngineYet(Exception):
@@ -257,6 +259,7 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
         tokenizer=tokenizer, decoder=decoder, replicas=replicas, cache=cache,
         models={limits.model: limits}, metrics=metrics, log_content=settings.log_content,
         admission={limits.model: admission},
+        client_write_timeout_s=settings.client_write_timeout_s,
         picker=ReplicaPicker(policy, cache, metrics, settings.routing_weights))
     return ModelPool(limits, tokenizer, infos, admission, replicas, pipeline, policy, discovery)
 

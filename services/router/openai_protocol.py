@@ -201,6 +201,13 @@ def _load(body: bytes) -> dict[str, Any]:
         ) from err
     if not isinstance(data, dict):
         raise InvalidRequestError("body", "must be a JSON object")
+    try:  # a lone surrogate escape ("\\ud800") parses, but no string field can hold it
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidRequestError(
+            "body", "holds an unpaired surrogate escape (\\ud800-\\udfff) in a string; "
+            "strings must be valid Unicode (escape a character outside the BMP as a "
+            "surrogate pair)") from err
     return data
 
 

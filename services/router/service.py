@@ -96,6 +96,7 @@ from services.router.model_pool import (
 )
 from services.router.routing import CostWeights, RoutingPolicy, RoutingSession
 from services.router.tenancy import AuthError, Tenancy
+from services.router.slow_reader import DEFAULT_CLIENT_WRITE_TIMEOUT_S
 from services.router.validation import (
     TENANT_METADATA_KEY,
     GenerationRequest,
@@ -134,6 +135,9 @@ class RouterConfig:
         (before the first ``start``, or between turns); then the router ends
         it with DEADLINE_EXCEEDED. 0 disables the limit. A running
         generation never counts as idle, however long it waits in a queue.
+      client_write_timeout_s: the slow-reader budget
+        (:mod:`services.router.slow_reader`): seconds a write to a client may
+        stay blocked while its generation runs; 0: none.
       admission: the admission limits (:mod:`services.router.admission`).
       routing_policy: how a replica is picked (:mod:`services.router.routing`);
         None: ``kv_aware`` with more than one engine, else ``least_load``.
@@ -157,6 +161,7 @@ class RouterConfig:
     startup_timeout: float = 600.0
     cache_timeout: float = 0.5
     stream_idle_timeout: float = 300.0
+    client_write_timeout_s: float = DEFAULT_CLIENT_WRITE_TIMEOUT_S
     admission: AdmissionConfig = AdmissionConfig()
     routing_policy: RoutingPolicy | None = None
     routing_weights: CostWeights = CostWeights()
@@ -171,6 +176,9 @@ class RouterConfig:
         return [PoolConfig(self.tokenizer, tuple(self.engines)), *self.pools]
 
     def __post_init__(self) -> None:
+        if self.client_write_timeout_s < 0:
+            raise ValueError(f"client_write_timeout_s must be >= 0 (0: no budget), "
+                             f"got {self.client_write_timeout_s}")
         if self.stream_idle_timeout < 0:
             raise ValueError(
                 f"stream_idle_timeout must be >= 0 (0: no limit), got {self.stream_idle_timeout}")
@@ -371,7 +379,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             default_max_tokens=cfg.default_max_tokens, max_tokens_cap=cfg.max_tokens_cap,
             startup_timeout=cfg.startup_timeout, admission=cfg.admission,
             routing_policy=cfg.routing_policy, routing_weights=cfg.routing_weights,
-            log_content=cfg.log_content, resolve_interval_s=cfg.resolve_interval_s)
+            log_content=cfg.log_content, resolve_interval_s=cfg.resolve_interval_s,
+            client_write_timeout_s=cfg.client_write_timeout_s)
         self._resolver = make_resolver(cfg.dns_nameserver)
         configs = cfg.all_pools()
         opened = await asyncio.gather(
@@ -578,7 +587,10 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
     async def _abort(context: grpc.aio.ServicerContext, err: _Abort, request_id: str) -> None:
         if err.code != grpc.StatusCode.CANCELLED:
             log.info("request_refused", code=err.code.name, message=err.message)
-        await context.abort(err.code, err.message, trailing_metadata=(
+        # A message quoting client text may hold a lone surrogate (a JSON key
+        # "\ud800"): gRPC cannot encode it, and the call would never end.
+        message = err.message.encode("utf-8", "backslashreplace").decode("utf-8")
+        await context.abort(err.code, message, trailing_metadata=(
             (REQUEST_ID_METADATA_KEY, request_id), *err.trailing_metadata))
 
     # ------------------------------------------------------------------ RPCs

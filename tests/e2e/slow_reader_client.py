@@ -1,0 +1,62 @@
+"""A client that stops reading (the slow-reader budget's test and benchmark).
+
+Envoy's default HTTP/2 window (256 MiB per stream) absorbs a whole
+generation, so a router behind it never sees a blocked write: the budget
+matters for clients on the router's own port (or behind a proxy with small
+windows). :func:`stalled_generate` therefore calls a router directly, with
+big messages (20 log-probabilities per token: ~0.4 KB each) and a small
+receive window (no BDP probing, 1 KB look-ahead), so that the router's
+writes block after a few messages (measured: the budget cancelled a
+1,500-token request after 180 tokens, the engine idle ~1.5 s after the
+client stopped reading).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+
+def heavy_request(max_tokens: int = 400) -> generation_pb2.GenerateRequest:
+    """A greedy request whose messages are large (20 log-probabilities each)."""
+    return generation_pb2.GenerateRequest(
+        prompt="Count from one to one thousand, in words:", bypass_cache=True,
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                           temperature=0.0, logprobs=20))
+
+
+@dataclass
+class StalledCall:
+    """A Generate call whose client read one message, then stopped."""
+
+    call: grpc.Call
+    channel: grpc.Channel
+    stopped_at: float
+
+    def resume(self) -> tuple[int, grpc.StatusCode, str]:
+        """Reads the rest; returns (messages read, final status, its message)."""
+        count = 0
+        try:
+            for _ in self.call:
+                count += 1
+        except grpc.RpcError as err:
+            return count, err.code(), err.details() or ""
+        finally:
+            self.channel.close()
+        return count, grpc.StatusCode.OK, ""
+
+
+def stalled_generate(router_address: str, request: generation_pb2.GenerateRequest,
+                     timeout_s: float = 60.0) -> StalledCall:
+    """Starts ``request`` on the router at ``router_address``, reads its first
+    message, then stops reading (the call stays open)."""
+    channel = grpc.insecure_channel(router_address, options=[
+        ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)])
+    call = generation_pb2_grpc.GenerationServiceStub(channel).Generate(request,
+                                                                       timeout=timeout_s)
+    next(call)
+    return StalledCall(call, channel, time.monotonic())
