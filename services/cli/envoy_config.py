@@ -355,6 +355,15 @@ class EnvoySettings:
       stop_accepting_requests_threshold: fraction at which Envoy answers new
         requests with 503 at once (``stop_accepting_requests``), keeping the
         running ones.
+      upstream_stream_window_bytes: Envoy's HTTP/2 receive window per stream
+        from the router (``initial_stream_window_size`` of the router
+        cluster; Envoy's default is 256 MiB). A client that stops reading
+        fills Envoy's per-connection buffer (1 MiB, Envoy's default watermark)
+        and then this window, after which the router's writes block and its
+        slow-reader budget (``--client-write-timeout-s``) applies: Envoy holds
+        at most about 1 MiB + this per slow stream instead of up to 256 MiB.
+        65,536 (Envoy's minimum is 65,535) is hundreds of token deltas, ample
+        for a stream of tokens on loopback.
     """
 
     ingress_host: str = "127.0.0.1"
@@ -389,6 +398,7 @@ class EnvoySettings:
     max_heap_bytes: int = 1024 * 1024 * 1024
     shrink_heap_threshold: float = 0.95
     stop_accepting_requests_threshold: float = 0.98
+    upstream_stream_window_bytes: int = 65_536
 
 
 def _seconds(value: float) -> datetime.timedelta:
@@ -682,7 +692,9 @@ def _router_cluster(settings: EnvoySettings, *, name: str = ROUTER_CLUSTER,
     grpc_cluster = name == ROUTER_CLUSTER
     protocol = HttpProtocolOptions(
         explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
-            http2_protocol_options=Http2ProtocolOptions(connection_keepalive=_keepalive(settings))
+            http2_protocol_options=Http2ProtocolOptions(
+                connection_keepalive=_keepalive(settings),
+                initial_stream_window_size=settings.upstream_stream_window_bytes)
         ) if grpc_cluster else HttpProtocolOptionsExplicitHttpConfig(
             http_protocol_options=Http1ProtocolOptions()),
         common_http_protocol_options=CoreHttpProtocolOptions(idle_timeout=_seconds(3600)),

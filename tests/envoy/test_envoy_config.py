@@ -245,6 +245,11 @@ def test_tls_bootstrap_validates_and_sets_the_decided_tls_and_backstops(tmp_path
     upstream = router["transport_socket"]["typed_config"]["common_tls_context"]
     assert upstream["validation_context"]["trusted_ca"] == {"filename": str(pki.ca)}
     assert upstream["tls_certificates"][0]["certificate_chain"] == {"filename": str(envoy.cert)}
+    # A client that stops reading holds ~1 MiB + 64 KiB in Envoy, not 256 MiB.
+    h2 = router["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["explicit_http_config"][
+        "http2_protocol_options"]
+    assert h2["initial_stream_window_size"] == 65536
     hcm = _hcm(config)
     assert hcm["http2_protocol_options"]["max_concurrent_streams"] == 1024
     assert _http_filter(config, "envoy.filters.http.buffer")["max_request_bytes"] == 4 << 20
