@@ -81,7 +81,9 @@ NOT_NEEDED: dict[str, str] = {
 #: package (the import fails harmlessly where they are absent), with the importer.
 OPTIONAL_IMPORTS: dict[str, str] = {
     "grpcio-tools": "grpc._runtime_protos tries grpc_tools",
-    "cryptography": "redis.utils tries it (OCSP)",
+    "cryptography": "redis.utils tries it (OCSP); the launcher imports it only to issue "
+                    "TLS certificates (--tls-self-signed, --internal-mtls), which the check "
+                    "does not ask for",
     "hiredis": "redis tries its faster parser",
     "opentelemetry-api": "redis.observability tries it",
     "opentelemetry-sdk": "redis.observability tries it",

@@ -1,6 +1,6 @@
 """Slow-reader measurement (not CI): does one slow client hurt the others?
 
-Starts a mesh (one engine, ``--max-model-len 512``, router
+Starts a mesh (one engine, ``--max-model-len 2048``, router
 ``--client-write-timeout-s`` = ``--budget``), then:
 
 1. baseline: 4 normal clients stream back to back for ``--seconds``; their
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from services.cli.mesh import Mesh
     with Mesh(ingress_port=0, admin_port=0,
-              engine_args=["--max-model-len", "512"],
+              engine_args=["--max-model-len", "2048"],
               router_args=["--client-write-timeout-s", f"{args.budget:g}"]) as mesh:
         engines = [e.grpc_address for e in mesh.engines]
         asyncio.run(normal_clients(mesh.ingress_address, 3))  # warm-up
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         reader = threading.Thread(target=slow_client,
                                   args=(mesh.router.grpc_address, args.seconds, slow))
         reader.start()
-        stalled = stalled_generate(mesh.router.grpc_address, heavy_request(400),
+        stalled = stalled_generate(mesh.router.grpc_address, heavy_request(),
                                    timeout_s=args.seconds + 60)
         with_slow = asyncio.run(normal_clients(mesh.ingress_address, args.seconds))
         reader.join()

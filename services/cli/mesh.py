@@ -45,6 +45,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -56,9 +57,11 @@ from services.cli.envoy_config import (
     TlsFiles,
     write_config,
 )
-from services.common import tls_certs
 from services.common.grpc_util import MeshTls
 from services.common.scrape_targets import write_prometheus_config
+
+if TYPE_CHECKING:  # cryptography is imported only where TLS is asked for
+    from services.common.tls_certs import Issued
 
 #: The ``ops`` listener's port under ``llmesh up`` (the Kubernetes one too).
 DEFAULT_OPS_PORT = 9902
@@ -643,7 +646,7 @@ class Mesh:
             raise ValueError("plaintext_port is only for a TLS ingress")
         if self.ops_port is None:
             self.ops_port = 0 if self.admin_port == 0 else DEFAULT_OPS_PORT
-        self._mesh_ca: tls_certs.Issued | None = None
+        self._mesh_ca: Issued | None = None
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"each model needs its own name, got {names}")
@@ -827,6 +830,8 @@ class Mesh:
         """The self-signed ingress CA and certificate (``RUN_DIR/tls``), and the
         internal mesh CA (``RUN_DIR/mtls``) with Envoy's and the launcher's
         certificates; each service's is issued with its command line."""
+        from services.common import tls_certs  # cryptography: only where TLS is asked for
+
         assert isinstance(self.run_dir, Path)
         if self.tls_self_signed:
             issued = tls_certs.write_self_signed(self.run_dir / "tls", [self.ingress_host])
@@ -842,6 +847,8 @@ class Mesh:
     def _issue_service_cert(self, name: str) -> MeshTls:
         """A server+client certificate of the mesh CA for ``name`` (SANs:
         loopback and ``service_host``)."""
+        from services.common import tls_certs
+
         assert self._mesh_ca is not None
         leaf = tls_certs.issue_leaf(self._mesh_ca, name,
                                     [*tls_certs.LOOPBACK_NAMES, self.service_host], client=True)
@@ -940,6 +947,21 @@ class Mesh:
         self._wait_bound([router], started + timeout_s, quiet, elapsed)
         self._wait_serving([router], started + timeout_s, quiet, elapsed)
         return router
+
+    def remove_router(self, name: str) -> None:
+        """Stops a router that :meth:`add_router` started (SIGTERM, its drain,
+        then SIGKILL) and forgets it: the mesh's scrape targets and
+        :meth:`exited` no longer name it.
+
+        Raises:
+          ValueError: ``name`` is the mesh's own router (Envoy's upstream).
+          KeyError: no such service.
+        """
+        if name == "router":
+            raise ValueError("the mesh's own router is stopped with the mesh")
+        service = self.services.pop(name)
+        if service.process is not None:
+            stop_processes([service.process], self.drain_seconds + 2.0)
 
     def _router_process(self, backends: Sequence[ServiceProcess], name: str = "router",
                         extra: Sequence[str] = ()) -> ServiceProcess:

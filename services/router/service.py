@@ -722,15 +722,20 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                                      "action: set `start` or `cancel`")
                     continue
-                # kind == "event": (generation number, Event or exception)
-                number, item = payload  # type: ignore[misc]
-                if current is None or number != current.number:
-                    continue  # left over from a cancelled generation
-                if isinstance(item, BaseException):
-                    raise item
-                assert isinstance(item, (Delta, Finished))
-                await context.write(generation_pb2.GenerateStreamResponse(
-                    response=_response(current.request_id, item)))
+                # kind == "event": (generation number, Event or exception, its
+                # write acknowledgement: the producer waits for it)
+                number, item, written = payload  # type: ignore[misc]
+                try:
+                    if current is None or number != current.number:
+                        continue  # left over from a cancelled generation
+                    if isinstance(item, BaseException):
+                        raise item
+                    assert isinstance(item, (Delta, Finished))
+                    await context.write(generation_pb2.GenerateStreamResponse(
+                        response=_response(current.request_id, item)))
+                finally:
+                    if written is not None and not written.done():
+                        written.set_result(None)
                 if isinstance(item, Finished):
                     current.unfinished.discard(item.index)
                     if not current.unfinished:
@@ -848,16 +853,26 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                        received_at: float, deadline: float | None, progress: Progress,
                        inbox: asyncio.Queue[tuple[str, object]],
                        session: RoutingSession) -> None:
-        """Runs one generation, handing its events (or its error) to the handler."""
+        """Runs one generation, handing its events (or its error) to the handler.
+
+        Each event waits until the handler has written it to the client: a
+        client that reads slowly then slows this loop, not a queue that grows,
+        and the pipeline's slow-reader budget (:mod:`services.router.slow_reader`:
+        deltas merged while a write is blocked, the generation cancelled when
+        one stays blocked past ``--client-write-timeout-s``) applies to
+        ``GenerateStream`` exactly as to ``Generate``."""
         bind_request_id(request.request_id)
+        loop = asyncio.get_running_loop()
         try:
             events = router.run(tenant, request, received_at=received_at, deadline=deadline,
                                 progress=progress, session=session)
             async with contextlib.aclosing(events):
                 async for event in events:
-                    inbox.put_nowait(("event", (number, event)))
+                    written = loop.create_future()
+                    inbox.put_nowait(("event", (number, event, written)))
+                    await written
         except Exception as err:  # noqa: BLE001 - handed to the handler task
-            inbox.put_nowait(("event", (number, err)))
+            inbox.put_nowait(("event", (number, err, None)))
 
     @staticmethod
     async def _cancel_on_stream(current: _StreamGeneration,

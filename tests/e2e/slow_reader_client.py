@@ -1,9 +1,9 @@
 """A client that stops reading (the slow-reader budget's test and benchmark).
 
-Envoy's default HTTP/2 window (256 MiB per stream) absorbs a whole
-generation, so a router behind it never sees a blocked write: the budget
-matters for clients on the router's own port (or behind a proxy with small
-windows). :func:`stalled_generate` therefore calls a router directly, with
+Envoy buffers about 1 MiB per stream (its per-connection buffer limit, plus
+the 64 KiB window it grants the router): a shorter answer fits there, and
+the router behind Envoy sees a blocked write only for longer ones. The
+tests therefore call a router directly, with
 big messages (20 log-probabilities per token: ~0.4 KB each) and a small
 receive window (no BDP probing, 1 KB look-ahead), so that the router's
 writes block after a few messages (measured: the budget cancelled a
@@ -13,6 +13,7 @@ client stopped reading).
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -21,7 +22,14 @@ import grpc
 from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 
-def heavy_request(max_tokens: int = 400) -> generation_pb2.GenerateRequest:
+#: Tokens of :func:`heavy_request`'s answer: long enough that the generation
+#: still runs seconds after the writes block (~130 tokens in), even where
+#: n-gram speculation accepts most of this counting answer (400 tokens were
+#: done within the 1 s budget on a quiet machine).
+HEAVY_TOKENS = 2000
+
+
+def heavy_request(max_tokens: int = HEAVY_TOKENS) -> generation_pb2.GenerateRequest:
     """A greedy request whose messages are large (20 log-probabilities each)."""
     return generation_pb2.GenerateRequest(
         prompt="Count from one to one thousand, in words:", bypass_cache=True,
@@ -60,3 +68,32 @@ def stalled_generate(router_address: str, request: generation_pb2.GenerateReques
                                                                        timeout=timeout_s)
     next(call)
     return StalledCall(call, channel, time.monotonic())
+
+
+@dataclass
+class StalledStream(StalledCall):
+    """A GenerateStream call whose client read one message, then stopped (its
+    request side stays open until :meth:`resume` ends)."""
+
+    release: threading.Event
+
+    def resume(self) -> tuple[int, grpc.StatusCode, str]:
+        self.release.set()
+        return super().resume()
+
+
+def stalled_stream(router_address: str, request: generation_pb2.GenerateRequest,
+                   timeout_s: float = 60.0) -> StalledStream:
+    """As :func:`stalled_generate` on ``GenerateStream`` (``request`` as its start)."""
+    channel = grpc.insecure_channel(router_address, options=[
+        ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)])
+    release = threading.Event()
+
+    def requests():  # noqa: ANN202
+        yield generation_pb2.GenerateStreamRequest(start=request)
+        release.wait(timeout_s)
+
+    call = generation_pb2_grpc.GenerationServiceStub(channel).GenerateStream(
+        requests(), timeout=timeout_s)
+    next(call)
+    return StalledStream(call, channel, time.monotonic(), release)

@@ -32,6 +32,9 @@ SLOTS = SLOTS_PER_ENGINE * ENGINES
 MAX_QUEUE_WAIT_S = 10.0
 BATCH = common_pb2.PRIORITY_BATCH
 INTERACTIVE = common_pb2.PRIORITY_INTERACTIVE
+#: Tokens of each of tenant A's requests: a round of SLOTS of them lasts this
+#: many engine steps, time enough for B's requests to reach the router's queue.
+TENANT_A_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
@@ -129,18 +132,24 @@ def test_queued_interactive_requests_start_before_batch_requests_that_came_after
 
 
 def tenant_scenario(mesh: Mesh, *, with_tenants: bool) -> tuple[list[Outcome], list[Outcome]]:
-    """Tenant A sends 20 long requests at once; when they are queued, tenant B
-    sends 2 short ones. Returns (A's outcomes in sending order, B's)."""
+    """Tenant A sends 20 long requests at once; once its first SLOTS run (their
+    first tokens came: the other 16 are queued in the router), tenant B sends 2
+    short ones. Returns (A's outcomes in sending order, B's).
+
+    B waits for A's first tokens, not for a fixed time: on a quiet machine a
+    fixed 0.3 s let A's queue drain to its last round before B arrived."""
     a_meta = (("x-tenant-id", "tenant-a"),) if with_tenants else ()
     b_meta = (("x-tenant-id", "tenant-b"),) if with_tenants else ()
 
     async def scenario(stub) -> tuple[list[Outcome], list[Outcome]]:
+        running = [asyncio.Event() for _ in range(SLOTS)]
         flood = []
         for i in range(20):
-            flood.append(asyncio.create_task(run_one(stub, long_request(12, f"a{i}"),
-                                                     metadata=a_meta)))
+            flood.append(asyncio.create_task(run_one(
+                stub, long_request(TENANT_A_TOKENS, f"a{i}"), metadata=a_meta,
+                first_token=running[i] if i < SLOTS else None, first_token_count=1)))
             await asyncio.sleep(0.005)  # a definite queue order
-        await asyncio.sleep(0.3)
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in running)), 60)
         short = [asyncio.create_task(run_one(stub, long_request(2, f"b{i}"), metadata=b_meta))
                  for i in range(2)]
         return await asyncio.gather(*flood), await asyncio.gather(*short)
