@@ -45,6 +45,7 @@ def fuzz(ingress: str, services: dict[str, tuple[int, str]], *, count: int,
         why = check(result)
         if why is not None:
             failures.append(f"{why}\n  case: {repr(case)[:600]}")
+            print(f"failure {len(failures)}: {failures[-1]}", flush=True)
         done = sum(outcomes.values())
         if done % 1000 == 0:
             print(f"{done} cases, {time.monotonic() - started:.0f} s, "

@@ -307,8 +307,9 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             if load != last or now - sent_at >= heartbeat:
                 last, sent_at = load, now
                 yield engine_pb2.StreamLoadResponse(load=to_load_response(load))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), interval)
+            with contextlib.suppress(TimeoutError):  # asyncio.timeout: never swallows a cancel
+                async with asyncio.timeout(interval):
+                    await self._stopping.wait()
 
     async def GetModelInfo(self, request: engine_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> engine_pb2.GetModelInfoResponse:

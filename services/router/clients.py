@@ -443,7 +443,11 @@ class _TokenizerMultiplex:
                     else f"{type(err).__name__}: {err}"))
                 assert self.failed is not None
                 raise self.failed from err
-            return await asyncio.wait_for(answer, timeout)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the
+            # answer when it lands as the caller is cancelled, swallowing the
+            # cancel (a cancelled GenerateStream turn then ran on: issue 18's fuzz)
+            async with asyncio.timeout(timeout):
+                return await answer
         except TimeoutError:
             raise UpstreamError(_TOKENIZER, self._target, grpc.StatusCode.DEADLINE_EXCEEDED,
                                 "no answer before the call's deadline") from None

@@ -174,8 +174,8 @@ class SystemResolver:
     async def resolve(self, name: str) -> frozenset[str]:
         loop = asyncio.get_running_loop()
         try:
-            infos = await asyncio.wait_for(
-                loop.getaddrinfo(name, None, type=socket.SOCK_STREAM), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # never swallows a cancel
+                infos = await loop.getaddrinfo(name, None, type=socket.SOCK_STREAM)
         except TimeoutError as err:
             raise ResolveError("timeout", f"no answer within {self.timeout_s:g} s") from err
         except socket.gaierror as err:
@@ -340,7 +340,8 @@ class Discovery:
     async def _run(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._soon.wait(), self.interval_s)
+                async with asyncio.timeout(self.interval_s):
+                    await self._soon.wait()
             self._soon.clear()
             await self.resolve_all()
             try:

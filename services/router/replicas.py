@@ -273,7 +273,8 @@ class ReplicaSet:
             if wake is None:  # removed
                 return
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), self._interval)
+                async with asyncio.timeout(self._interval):
+                    await wake.wait()
             wake.clear()
 
     async def _bring_in(self, engine: EngineClient) -> None:

@@ -877,8 +877,12 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
     @staticmethod
     async def _cancel_on_stream(current: _StreamGeneration,
                                 context: grpc.aio.ServicerContext) -> None:
-        current.task.cancel()
-        await asyncio.wait({current.task})  # its finally blocks closed the engine stream
+        # Its finally blocks close the engine stream. Cancelled again until it
+        # ends: a cancel swallowed on the way (Python 3.11's wait_for did) must
+        # not leave the producer waiting for a write this handler never makes.
+        while not current.task.done():
+            current.task.cancel()
+            await asyncio.wait({current.task}, timeout=0.5)
         for index in sorted(current.unfinished):  # each open choice ends CANCELLED
             final = Finished(FinishReason.CANCELLED, "", current.progress.usage(), index=index)
             await context.write(generation_pb2.GenerateStreamResponse(

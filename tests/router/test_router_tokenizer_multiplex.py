@@ -63,3 +63,45 @@ def test_a_write_that_fails_after_the_reader_failed_the_call_raises_unavailable(
     assert err.code == grpc.StatusCode.UNAVAILABLE
     assert "the tokenizer ended the Multiplex call" in err.details
     assert not unhandled, unhandled
+
+
+class _IdleCall:
+    """A Multiplex call that takes writes and never answers by itself."""
+
+    async def write(self, message) -> None:
+        return None
+
+    async def read(self):
+        await asyncio.Event().wait()
+
+    def cancel(self) -> bool:
+        return True
+
+
+class _IdleStub:
+    def Multiplex(self) -> _IdleCall:  # noqa: N802 (the gRPC method's name)
+        return _IdleCall()
+
+
+def test_a_cancel_that_lands_with_the_answer_is_not_swallowed() -> None:
+    """The answer arrives in the same loop turn as the caller's cancel: the
+    caller still ends cancelled. (Python 3.11's ``asyncio.wait_for`` returned
+    the answer instead; a ``GenerateStream`` turn cancelled right after its
+    start then ran on, and the stream hung: found by the fuzz soak.)"""
+
+    async def scenario() -> asyncio.Task:
+        multiplex = _TokenizerMultiplex(_IdleStub(), "127.0.0.1:1")
+        try:
+            task = asyncio.create_task(multiplex.ask(
+                tokenizer_pb2.TokenizerServiceMultiplexRequest(request_id="r"), timeout=5))
+            while not multiplex._waiting:  # the write went out; the answer is awaited
+                await asyncio.sleep(0)
+            (answer,) = multiplex._waiting.values()
+            answer.set_result(tokenizer_pb2.TokenizerServiceMultiplexResponse())
+            task.cancel()  # same turn: nothing ran in between
+            await asyncio.wait({task})
+            return task
+        finally:
+            await multiplex.close()
+
+    assert asyncio.run(scenario()).cancelled()

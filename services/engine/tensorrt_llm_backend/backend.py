@@ -161,7 +161,8 @@ class TensorRTLLMBackend(EngineBackend):
             self._tasks.append(asyncio.create_task(self._read_stats(), name="trtllm-stats"))
             await self._warm_up()
             with contextlib.suppress(TimeoutError):  # model_info's KV capacity comes with it
-                await asyncio.wait_for(self._first_stats.wait(), FIRST_STATS_TIMEOUT_S)
+                async with asyncio.timeout(FIRST_STATS_TIMEOUT_S):
+                    await self._first_stats.wait()
 
     def _model_path(self) -> Path:
         path = self._config.model_path

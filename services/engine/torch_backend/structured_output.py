@@ -175,8 +175,10 @@ class GrammarCompiler:
         compiled = self._compiled(constraint, tokenizer)
         field = f"{FIELD}.{constraint.kind.value}"
         try:
-            template = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compiled)),
-                                              self.timeout_s)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a
+            # cancel that lands as the compile ends (the request would go on)
+            async with asyncio.timeout(self.timeout_s):
+                template = await asyncio.shield(asyncio.wrap_future(compiled))
         except TimeoutError:
             raise InvalidRequestError(
                 field, f"did not compile within the engine's limit of {self.timeout_s:g} s "
