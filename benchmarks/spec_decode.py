@@ -1,22 +1,34 @@
-"""Speculative decoding speed-up on input-grounded prompts (not a test).
+"""Speculative decoding speed-up, off / n-gram / suffix (/ draft), on two workloads (not a test).
 
-    python benchmarks/spec_decode.py [--k 3] [--ngram-min 1] [--ngram-max 4] [--ngram-full-len 3]
-                                     [--methods ngram draft] [--streams 1 16]
-                                     [--max-tokens 128] [--quantization ...]
-                                     [--quant-kernel auto|native|torch]
+    python benchmarks/spec_decode.py [--workloads grounded repeated] [--methods ngram suffix]
+                                     [--streams 1 16] [--max-tokens 128] [--rounds 2]
+                                     [--json OUT.json] [--tree-replay]
 
-Runs ``TorchBackend`` in-process (SmolLM2, default engine options otherwise) on
-the passages of ``benchmarks/data/spec_passages.json`` (rewrite / summarise /
-edit a given passage of ~300 tokens), chat template applied, greedy. For each
-method it prints, against speculation off on the same engine:
+Runs ``TorchBackend`` in-process (SmolLM2, default engine options otherwise),
+chat template applied, greedy:
 
-* at 1 stream: decode tokens/s (tokens after the first / time after the first,
-  so the prompt's prefill does not count), the speed-up, whether every output
-  is identical, and the mean acceptance length (tokens per speculative step:
-  ``1 + accepted / drafts``);
-* at N streams (all passages at once, repeated to N): aggregate output tokens/s
-  with speculation forced on at any batch size, and with the engine's default
-  ``--speculative-disable-batch-size``.
+* ``grounded``: the 8 input-grounded passages of
+  ``benchmarks/data/spec_passages.json`` (rewrite / summarise / edit a given
+  passage of ~300 tokens);
+* ``repeated``: the 64 requests of ``benchmarks/data/repeated_traffic.json``
+  (eight shared documents and code files, eight tasks each, shuffled; made by
+  ``benchmarks/make_repeated_traffic.py``, which says how), in their order.
+
+Every method starts from the same cold state: the suffix cache is emptied
+before each method's pass over a workload, so suffix decoding learns only from
+the earlier requests of that pass (never from the same request in an earlier
+round). At 1 stream each request runs alone, in order; per request the fastest
+of ``--rounds`` passes counts. It prints decode tokens/s (tokens after the first
+over the time after the first: the prefill does not count), the speed-up over
+off, whether every output is identical to off, and the mean acceptance length
+(``1 + accepted / drafts``). At N streams the workload runs N at a time (a pool
+of N clients taking requests in order): aggregate output tokens/s.
+
+``--tree-replay`` answers "would tree verification pay?" offline: for the
+suffix proposer's matches along the off outputs (the true greedy tokens), it
+counts the tokens a best path of ``r`` rows would have accepted against the
+best frequency-scored tree of the same ``r`` nodes, and prints tokens per step
+and the predicted decode speed of each at this engine's measured step cost.
 
 Prints the 1-minute load average before and after: other work on the machine
 moves every number here.
@@ -27,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import heapq
 import itertools
 import json
 import os
@@ -34,6 +47,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "services" / "gen")]
@@ -46,10 +61,17 @@ from services.common.sampling import (  # noqa: E402
 )
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.torch_backend.backend import TorchBackend  # noqa: E402
+from services.engine.torch_backend.suffix_cache import (  # noqa: E402
+    SENTINEL,
+    SuffixCache,
+    longest_match,
+)
+from services.engine.torch_backend.suffix_proposer import SuffixProposer  # noqa: E402
 from services.engine.types import SequenceRequest, StepStats  # noqa: E402
 from services.tokenizer.tokenizer import ChatMessage, Tokenizer  # noqa: E402
 
 PASSAGES = ROOT / "benchmarks" / "data" / "spec_passages.json"
+REPEATED = ROOT / "benchmarks" / "data" / "repeated_traffic.json"
 _ids = itertools.count()
 
 
@@ -69,6 +91,20 @@ class StepLog:
         return (1 + accepted / drafts if drafts else 1.0), drafts
 
 
+def load() -> float:
+    return os.getloadavg()[0]
+
+
+def workload(name: str, tokenizer: Tokenizer) -> list[tuple[int, ...]]:
+    """The prompts (token ids, chat template applied) of workload ``name``."""
+    if name == "grounded":
+        chats = [[ChatMessage("user", e["prompt"])] for e in json.loads(PASSAGES.read_text())]
+    else:
+        chats = [[ChatMessage(m["role"], m["content"]) for m in r["messages"]]
+                 for r in json.loads(REPEATED.read_text())["requests"]]
+    return [tuple(tokenizer.apply_chat_template(chat).token_ids) for chat in chats]
+
+
 async def run_one(backend: TorchBackend, prompt: tuple[int, ...], options: SamplingOptions,
                   speculative: SpeculativeOptions) -> tuple[list[int], float, float]:
     """Tokens, seconds to the first token, seconds from the first to the last."""
@@ -83,160 +119,270 @@ async def run_one(backend: TorchBackend, prompt: tuple[int, ...], options: Sampl
     return tokens, first - began, time.perf_counter() - first
 
 
-def load() -> float:
-    return os.getloadavg()[0]
+def suffix_proposer(backend: TorchBackend) -> SuffixProposer:
+    speculator = backend.speculator
+    assert speculator is not None
+    proposer = speculator.proposers[SpeculativeMethod.SUFFIX]
+    assert isinstance(proposer, SuffixProposer)
+    return proposer
+
+
+@dataclasses.dataclass
+class Pass:
+    """One method's pass over a workload at 1 stream."""
+
+    outputs: list[list[int]]
+    decode_s: list[float]
+    drafts: int
+    accepted: int
+
+
+async def one_pass(backend: TorchBackend, log: StepLog, prompts: list[tuple[int, ...]],
+                   options: SamplingOptions, spec: SpeculativeOptions) -> Pass:
+    suffix_proposer(backend).clear()
+    outputs, seconds = [], []
+    drafts = accepted = 0
+    for prompt in prompts:
+        log.steps.clear()
+        out, _, decode_s = await run_one(backend, prompt, options, spec)
+        outputs.append(out)
+        seconds.append(decode_s)
+        drafts += sum(s.spec_num_drafts for s in log.steps)
+        accepted += sum(s.spec_num_accepted_tokens for s in log.steps)
+    return Pass(outputs, seconds, drafts, accepted)
 
 
 async def single_stream(backend: TorchBackend, log: StepLog, prompts: list[tuple[int, ...]],
                         options: SamplingOptions, methods: list[SpeculativeOptions],
-                        rounds: int) -> None:
-    """Each prompt ``rounds`` times per method, interleaved; per prompt and method
-    the fastest decode counts (robust to other work on a shared machine)."""
+                        rounds: int) -> dict[str, dict[str, float | bool]]:
     names = [spec.method.value for spec in methods]
-    seconds = {name: [0.0] * len(prompts) for name in names}
-    tokens = {name: [0] * len(prompts) for name in names}
-    identical = {name: True for name in names}
-    drafts = dict.fromkeys(names, 0)
-    accepted = dict.fromkeys(names, 0)
-    # decode steps (each request's first, the prompt, left out) by tokens computed
-    steps: dict[str, dict[int, list[float]]] = {name: {} for name in names}
-    last_steps: dict[str, dict[int, int]] = {name: {} for name in names}
-    for index, prompt in enumerate(prompts):
-        reference: list[int] | None = None
-        for _ in range(rounds):
-            for spec, name in zip(methods, names):  # interleaved: load hits all alike
-                log.steps.clear()
-                out, _, decode_s = await run_one(backend, prompt, options, spec)
-                reference = out if reference is None else reference
-                identical[name] &= out == reference
-                best = seconds[name][index]
-                seconds[name][index] = decode_s if best == 0.0 else min(best, decode_s)
-                tokens[name][index] = len(out) - 1
-                drafts[name] += sum(s.spec_num_drafts for s in log.steps)
-                accepted[name] += sum(s.spec_num_accepted_tokens for s in log.steps)
-                counts: dict[int, int] = {}
-                for step in log.steps[1:]:
-                    steps[name].setdefault(step.num_scheduled_tokens, []).append(step.duration_s)
-                    counts[step.num_scheduled_tokens] = counts.get(step.num_scheduled_tokens, 0) + 1
-                for size, count in counts.items():  # one run's mix per prompt
-                    last_steps[name][size] = last_steps[name].get(size, 0) + count
-    base = sum(tokens["none"]) / sum(seconds["none"])
-
-    def estimate(name: str) -> float:
-        """Decode tok/s from median step times per step size times the run's step
-        mix: robust to other work stalling a few steps."""
-        total = sum(statistics.median(steps[name][size]) * count / rounds
-                    for size, count in last_steps[name].items())
-        return sum(tokens[name]) / total
-
-    print(f"\n1 stream, decode tokens/s (wall: fastest of {rounds} runs per prompt; "
-          "step-median estimate), greedy")
-    print("| method | tok/s wall | speed-up wall | tok/s est. | speed-up est. | identical to off"
-          " | mean acceptance length | per-prompt speed-up (wall) |")
-    print("|---|---:|---:|---:|---:|---|---:|---|")
-    base_est = estimate("none")
+    best: dict[str, list[float]] = {}
+    passes: dict[str, Pass] = {}
+    for _ in range(rounds):
+        for spec, name in zip(methods, names):  # interleaved: load hits all alike
+            done = await one_pass(backend, log, prompts, options, spec)
+            passes.setdefault(name, done)
+            best[name] = (done.decode_s if name not in best
+                          else [min(a, b) for a, b in zip(best[name], done.decode_s)])
+    reference = passes["none"].outputs
+    tokens = [len(out) - 1 for out in reference]
+    base = sum(tokens) / sum(best["none"])
+    results: dict[str, dict[str, float | bool]] = {}
+    print(f"\n1 stream, {len(prompts)} requests in order, decode tokens/s (per request the "
+          f"fastest of {rounds} passes), greedy")
+    print("| method | decode tok/s | speed-up | identical to off | mean acceptance length |")
+    print("|---|---:|---:|---|---:|")
     for name in names:
-        rate = sum(tokens[name]) / sum(seconds[name])
-        length = 1 + accepted[name] / drafts[name] if drafts[name] else 1.0
-        per_prompt = " ".join(f"{seconds['none'][i] / seconds[name][i]:.2f}"
-                              for i in range(len(prompts)))
-        print(f"| {name} | {rate:.1f} | {rate / base:.2f}x | {estimate(name):.1f} |"
-              f" {estimate(name) / base_est:.2f}x | {identical[name]} | {length:.2f} |"
-              f" {per_prompt} |")
-    for name in names:
-        sizes = ", ".join(f"{size}: {statistics.median(v) * 1e3:.1f} ms x{len(v)}"
-                          for size, v in sorted(steps[name].items()))
-        print(f"{name} decode steps by tokens computed (median, count): {sizes}")
+        done = passes[name]
+        rate = sum(len(o) - 1 for o in done.outputs) / sum(best[name])
+        length = 1 + done.accepted / done.drafts if done.drafts else 1.0
+        same = done.outputs == reference
+        results[name] = {"decode_tok_s": rate, "speedup": rate / base, "identical": same,
+                         "acceptance_length": length}
+        print(f"| {name} | {rate:.1f} | {rate / base:.2f}x | {same} | {length:.2f} |")
+    return results
 
 
 async def many_streams(backend: TorchBackend, log: StepLog, prompts: list[tuple[int, ...]],
                        options: SamplingOptions, methods: list[SpeculativeOptions],
-                       streams: int, default_limit: int | None) -> None:
-    speculator = backend.speculator
-    assert speculator is not None
-    batch = [prompts[i % len(prompts)] for i in range(streams)]
+                       streams: int) -> dict[str, dict[str, float | bool]]:
+    batch = prompts if len(prompts) >= streams else [
+        prompts[i % len(prompts)] for i in range(streams)]
     rows = []
     reference: list[list[int]] | None = None
     for spec in methods:
-        limits = [None] if spec.method is SpeculativeMethod.NONE else [None, default_limit]
-        for limit in limits:
-            speculator.config = dataclasses.replace(speculator.config, disable_batch_size=limit)
-            log.steps.clear()
-            began = time.perf_counter()
-            results = await asyncio.gather(*(run_one(backend, p, options, spec) for p in batch))
-            elapsed = time.perf_counter() - began
-            outs = [tokens for tokens, _, _ in results]
-            reference = outs if reference is None else reference
-            generated = sum(map(len, outs))
-            length, drafts = log.acceptance()
-            step_ms = statistics.median(s.duration_s for s in log.steps) * 1e3
-            label = spec.method.value + ("" if spec.method is SpeculativeMethod.NONE else
-                                         f" (disable above {limit})" if limit else " (forced)")
-            rows.append((label, generated / elapsed, outs == reference, length, drafts, step_ms))
-    speculator.config = dataclasses.replace(speculator.config, disable_batch_size=default_limit)
+        suffix_proposer(backend).clear()
+        log.steps.clear()
+        queue = list(enumerate(batch))[::-1]
+        outs: list[list[int]] = [[] for _ in batch]
+
+        async def client() -> None:
+            while queue:
+                index, prompt = queue.pop()
+                outs[index] = (await run_one(backend, prompt, options, spec))[0]
+
+        began = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(streams)))
+        elapsed = time.perf_counter() - began
+        reference = outs if reference is None else reference
+        length, drafts = log.acceptance()
+        step_ms = statistics.median(s.duration_s for s in log.steps) * 1e3
+        rows.append((spec.method.value, sum(map(len, outs)) / elapsed, outs == reference,
+                     length, drafts, step_ms))
     base = rows[0][1]
-    print(f"\n{streams} streams, aggregate output tokens/s (prompt prefill included), greedy")
-    print("| method | tok/s | vs off | identical | mean acceptance length | drafts |"
-          " step p50 ms |")
+    print(f"\n{streams} streams, aggregate output tokens/s (prefill included), greedy")
+    print("| method | tok/s | vs off | identical | mean acceptance length | drafts | step p50 ms |")
     print("|---|---:|---:|---|---:|---:|---:|")
-    for label, rate, same, length, drafts, step_ms in rows:
-        print(f"| {label} | {rate:.1f} | {rate / base:.2f}x | {same} | {length:.2f} | {drafts} |"
+    results: dict[str, dict[str, float | bool]] = {}
+    for name, rate, same, length, drafts, step_ms in rows:
+        results[name] = {"tok_s": rate, "vs_off": rate / base, "identical": same,
+                         "acceptance_length": length, "drafts": drafts}
+        print(f"| {name} | {rate:.1f} | {rate / base:.2f}x | {same} | {length:.2f} | {drafts} |"
               f" {step_ms:.1f} |")
+    return results
+
+
+# -- tree replay ------------------------------------------------------------------
+
+
+def _children(buffer: np.ndarray, ends: np.ndarray, depth: int, high: int,
+              size: int | None) -> dict[int, np.ndarray]:
+    """The occurrences in ``ends`` grouped by their token ``depth`` steps on."""
+    positions = ends + depth
+    known = positions < high
+    slots = positions if size is None else positions % size
+    votes = np.where(known, buffer[np.where(known, slots, 0)], SENTINEL)
+    return {int(t): ends[votes == t] for t in np.unique(votes) if t != SENTINEL}
+
+
+def best_tree(buffer: np.ndarray, ends: np.ndarray, nodes: int, high: int,
+              size: int | None = None) -> dict[tuple[int, ...], float]:
+    """The ``nodes`` most probable continuation prefixes (a tree: every prefix
+    of a node is a node), probability = share of occurrences, expanded best
+    first (SuffixDecoding's greedy speculation tree)."""
+    tree: dict[tuple[int, ...], float] = {}
+    heap: list[tuple[float, tuple[int, ...], np.ndarray]] = []
+    total = ends.shape[0]
+    for token, members in _children(buffer, ends, 1, high, size).items():
+        heapq.heappush(heap, (-members.shape[0] / total, (token,), members))
+    while heap and len(tree) < nodes:
+        negative, path, members = heapq.heappop(heap)
+        tree[path] = -negative
+        for token, below in _children(buffer, members, len(path) + 1, high, size).items():
+            heapq.heappush(heap, (-below.shape[0] / total, path + (token,), below))
+    return tree
+
+
+def tree_replay(prompts: list[tuple[int, ...]], outputs: list[list[int]], rows: int,
+                step_s: float, row_s: float, cache_tokens: int = 262_144,
+                max_match: int = 32) -> None:
+    """Offline: steps a best path vs a best tree of ``rows`` nodes would take to
+    emit the greedy ``outputs`` (module doc). Both use the longest match in the
+    request so far or, when longer, in the earlier outputs."""
+    cache = SuffixCache(cache_tokens)
+    steps = {"path": 0, "tree": 0}
+    emitted = 0
+    for prompt, out in zip(prompts, outputs):
+        full = np.asarray(prompt + tuple(out), dtype=np.int64)
+        for kind in steps:
+            t = 0
+            while t < len(out):
+                context = full[:len(prompt) + t]
+                candidates: list[tuple] = []
+                ends = np.flatnonzero(context[:-1] == context[-1])
+                match, own = longest_match(context, ends, context, matched=1,
+                                           max_match=max_match, low=0)
+                candidates.append((match, context, own, context.shape[0], None))
+                key = cache._keys(0, context[-2:])[0] if context.shape[0] >= 2 else None
+                found = cache._index.get(int(key)) if key is not None else None
+                if found is not None:
+                    view = np.frombuffer(found, dtype=np.int64).copy()
+                    low = cache._low()
+                    g_match, g_ends = longest_match(cache._ring, view[view >= low], context,
+                                                    matched=2, max_match=max_match, low=low,
+                                                    size=cache.max_tokens)
+                    candidates.append((g_match, cache._ring, g_ends, cache._written,
+                                       cache.max_tokens))
+                match, buffer, ends, high, size = max(candidates, key=lambda c: c[0])
+                truth = tuple(out[t:t + rows])
+                accepted = 0
+                if match and ends.size:
+                    if kind == "tree":
+                        tree = best_tree(buffer, ends, rows, high, size)
+                    else:
+                        tree = {}
+                        path: tuple[int, ...] = ()
+                        members = ends
+                        while len(path) < rows:
+                            groups = _children(buffer, members, len(path) + 1, high, size)
+                            if not groups:
+                                break
+                            token, members = max(groups.items(), key=lambda g: g[1].shape[0])
+                            path += (token,)
+                            tree[path] = 1.0
+                    while accepted < len(truth) and truth[:accepted + 1] in tree:
+                        accepted += 1
+                t += accepted + 1
+                steps[kind] += 1
+        emitted += len(out)
+        cache.insert(out)
+    print(f"\ntree replay: {len(outputs)} requests, {emitted} tokens, {rows} proposal rows")
+    print("| verification | steps | tokens/step | predicted decode tok/s |")
+    print("|---|---:|---:|---:|")
+    for kind, count in steps.items():
+        per_step = emitted / count
+        print(f"| best {kind} | {count} | {per_step:.2f} | "
+              f"{per_step / (step_s + row_s * rows):.1f} |")
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--k", type=int, default=EngineConfig.num_speculative_tokens)
-    parser.add_argument("--ngram-min", type=int, default=EngineConfig.ngram_min)
-    parser.add_argument("--ngram-max", type=int, default=EngineConfig.ngram_max)
-    parser.add_argument("--ngram-full-len", type=int, default=EngineConfig.ngram_full_len)
-    parser.add_argument("--draft-num-layers", type=int, default=8)
-    parser.add_argument("--methods", nargs="+", default=["ngram"], choices=["ngram", "draft"])
+    parser.add_argument("--workloads", nargs="+", default=["grounded", "repeated"],
+                        choices=["grounded", "repeated"])
+    parser.add_argument("--methods", nargs="+", default=["ngram", "suffix"],
+                        choices=["ngram", "draft", "suffix"])
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--prompts", type=int, default=8, help="passages used (at most 8)")
     parser.add_argument("--rounds", type=int, default=2,
-                        help="runs per prompt and method at 1 stream (the fastest counts)")
-    parser.add_argument("--quantization", default=None)
-    parser.add_argument("--quant-kernel", default=None, choices=("auto", "native", "torch"))
+                        help="passes per method at 1 stream (per request the fastest counts)")
+    parser.add_argument("--limit", type=int, default=None, help="first N requests only")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--tree-replay", action="store_true")
+    parser.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
+                        help="an EngineConfig field (e.g. suffix_spec_factor=2.0), repeatable")
     args = parser.parse_args()
 
     path = default_model_path()
     tokenizer = Tokenizer.load(path)
-    entries = json.loads(PASSAGES.read_text())[:args.prompts]
-    prompts = [tuple(tokenizer.apply_chat_template([ChatMessage("user", e["prompt"])]).token_ids)
-               for e in entries]
-    config = EngineConfig(model_path=path, max_model_len=2048, num_speculative_tokens=args.k,
-                          ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                          ngram_full_len=args.ngram_full_len,
-                          draft_num_layers=args.draft_num_layers)
-    if args.quantization is not None:
-        config = dataclasses.replace(config, quantization=args.quantization)
-    if args.quant_kernel is not None:
-        config = dataclasses.replace(config, quant_kernel=args.quant_kernel)
+    config = EngineConfig(model_path=path, max_model_len=2048)
+    for item in args.engine_arg:
+        field, value = item.split("=", 1)
+        current = getattr(config, field)
+        kind = type(current) if current is not None else int
+        config = dataclasses.replace(config, **{field: (
+            value.lower() in ("1", "true", "yes") if kind is bool else kind(value))})
     log = StepLog()
     backend = TorchBackend(config, step_observer=log)
-    print(f"load average before: {load():.2f}; prompts: {len(prompts)} of "
-          f"{statistics.mean(map(len, prompts)):.0f} tokens (mean); max_tokens "
-          f"{args.max_tokens}; k={args.k}, n-gram {args.ngram_min}..{args.ngram_max} "
-          f"(k for matches >= {args.ngram_full_len}); "
-          f"quantization {getattr(config, 'quantization', 'none')}, quant kernel "
-          f"{getattr(config, 'quant_kernel', 'torch')}")
+    print(f"load average before: {load():.2f}; max_tokens {args.max_tokens}; "
+          f"engine: speculative cost model {config.speculative_cost_model}, "
+          f"disable batch size {config.speculative_disable_batch_size}, "
+          f"n-gram k={config.num_speculative_tokens}, suffix k="
+          f"{config.suffix_num_speculative_tokens} factor {config.suffix_spec_factor} "
+          f"min prob {config.suffix_min_token_prob}")
+    report: dict[str, object] = {"config": {k: str(v) for k, v in
+                                            dataclasses.asdict(config).items()}}
     await backend.start()
     try:
         options = SamplingOptions(max_tokens=args.max_tokens)
         methods = [SpeculativeOptions(SpeculativeMethod.NONE)] + [
             SpeculativeOptions(SpeculativeMethod(m)) for m in args.methods]
-        await run_one(backend, prompts[0], SamplingOptions(max_tokens=4), methods[0])  # warm
-        for streams in args.streams:
-            if streams == 1:
-                await single_stream(backend, log, prompts, options, methods, args.rounds)
-            else:
-                await many_streams(backend, log, prompts, options, methods, streams,
-                                   config.speculative_disable_batch_size)
+        await run_one(backend, (1, 2, 3), SamplingOptions(max_tokens=4), methods[0])  # warm
+        for name in args.workloads:
+            prompts = workload(name, tokenizer)[:args.limit]
+            print(f"\n== workload {name}: {len(prompts)} requests, prompts of "
+                  f"{statistics.mean(map(len, prompts)):.0f} tokens (mean); load {load():.2f}")
+            results: dict[str, object] = {}
+            for streams in args.streams:
+                if streams == 1:
+                    results["1"] = await single_stream(backend, log, prompts, options, methods,
+                                                       args.rounds)
+                else:
+                    results[str(streams)] = await many_streams(backend, log, prompts, options,
+                                                               methods, streams)
+            if args.tree_replay:
+                log.steps.clear()
+                reference = (await one_pass(backend, log, prompts, options, methods[0])).outputs
+                speculator = backend.speculator
+                assert speculator is not None
+                for rows in (4, 8, 16):
+                    tree_replay(prompts, reference, rows, speculator.cost.per_step,
+                                speculator.cost.per_row)
+            report[name] = results
     finally:
         await backend.shutdown()
     print(f"\nload average after: {load():.2f}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

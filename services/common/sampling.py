@@ -369,6 +369,7 @@ class SpeculativeMethod(enum.Enum):
     NONE = "none"
     NGRAM = "ngram"
     DRAFT = "draft"
+    SUFFIX = "suffix"
 
     @classmethod
     def parse(cls, name: str) -> SpeculativeMethod:
@@ -388,6 +389,7 @@ _METHOD_FROM_PB = {
     common_pb2.SPECULATIVE_METHOD_NONE: SpeculativeMethod.NONE,
     common_pb2.SPECULATIVE_METHOD_NGRAM: SpeculativeMethod.NGRAM,
     common_pb2.SPECULATIVE_METHOD_DRAFT: SpeculativeMethod.DRAFT,
+    common_pb2.SPECULATIVE_METHOD_SUFFIX: SpeculativeMethod.SUFFIX,
 }
 _METHOD_TO_PB = {method: number for number, method in _METHOD_FROM_PB.items()}
 
@@ -419,8 +421,8 @@ class SpeculativeOptions:
                 raise InvalidRequestError(
                     f"{field_prefix}.method",
                     f"unknown value {pb.method}; use SPECULATIVE_METHOD_NONE (1), "
-                    "SPECULATIVE_METHOD_NGRAM (2) or SPECULATIVE_METHOD_DRAFT (3), or leave it "
-                    "unset for the engine's default")
+                    "SPECULATIVE_METHOD_NGRAM (2), SPECULATIVE_METHOD_DRAFT (3) or "
+                    "SPECULATIVE_METHOD_SUFFIX (4), or leave it unset for the engine's default")
             method = _METHOD_FROM_PB[pb.method]
         count: int | None = None
         if pb.HasField("num_speculative_tokens"):

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 BACKEND_NAMES = ("torch", "tensorrt_llm")
-SPECULATIVE_METHODS = ("auto", "none", "ngram", "draft", "eagle3", "mtp")
+SPECULATIVE_METHODS = ("auto", "none", "ngram", "draft", "suffix", "eagle3", "mtp")
 ENV_PREFIX = "LLMESH_ENGINE_"
 GIB = 1 << 30
 
@@ -100,7 +100,8 @@ class EngineConfig:
       gpu_memory_fraction: share of free GPU memory for the KV cache (tensorrt_llm).
       speculative_method: default proposer of speculative decoding, ``auto``
         (:meth:`resolved_speculative_method`), ``none``,
-        ``ngram`` (prompt lookup) or ``draft`` (a draft model); a request may
+        ``ngram`` (prompt lookup), ``draft`` (a draft model) or ``suffix``
+        (suffix decoding over the request and earlier outputs); a request may
         choose its own (torch backend). ``eagle3`` (an EAGLE3 head at
         ``draft_model_path``) and ``mtp`` (the model's multi-token-prediction
         modules) are the tensorrt_llm backend's only; there every request runs
@@ -116,7 +117,20 @@ class EngineConfig:
       draft_model_path: a GGUF draft model with the target's vocabulary instead
         (torch); the draft model or EAGLE3 head's checkpoint directory (tensorrt_llm).
       speculative_disable_batch_size: no speculation in a step while more
-        sequences run (None: never disabled).
+        sequences run (None: never disabled; the cost rule decides).
+      speculative_cost_model: cut proposals to the tokens likely enough to
+        pay for their rows, from measured step times and acceptance
+        (``torch_backend/spec_policy.py``); False: keep every proposal (torch).
+      suffix_num_speculative_tokens: default most proposals per step of a
+        suffix decoding request.
+      suffix_max_match, suffix_spec_factor, suffix_min_token_prob: suffix
+        decoding's longest matched suffix, its ``alpha`` (a match of ``p``
+        tokens proposes at most ``ceil(alpha * p)``) and the probability below
+        which a proposal stops (``torch_backend/suffix_proposer.py``).
+      suffix_cache_tokens: size of the cross-request output cache in tokens
+        (0: none).
+      suffix_cache_scope: ``global`` or ``tenant`` (a tenant's outputs only
+        propose for its own requests).
       num_threads: compute threads of the engine's step (torch's intra-op pool
         and the native kernels' OpenMP team); None: torch's default (one per
         CPU, or ``OMP_NUM_THREADS``). ``llmesh up --engines N`` gives each of N
@@ -165,7 +179,14 @@ class EngineConfig:
     ngram_max: int = 4
     draft_num_layers: int | None = None
     draft_model_path: Path | None = None
-    speculative_disable_batch_size: int | None = 2
+    speculative_disable_batch_size: int | None = None
+    speculative_cost_model: bool = True
+    suffix_num_speculative_tokens: int = 16
+    suffix_max_match: int = 32
+    suffix_spec_factor: float = 1.0
+    suffix_min_token_prob: float = 0.1
+    suffix_cache_tokens: int = 262_144
+    suffix_cache_scope: str = "global"
     num_threads: int | None = None
     replica_id: str | None = None
     kv_events_target: str | None = None
@@ -208,14 +229,16 @@ class EngineConfig:
         return min(8, max(1, target_layers // 2))
 
     def resolved_speculative_method(self) -> str:
-        """``speculative_method`` with ``auto`` made concrete: ``ngram`` on the
-        torch backend (prompt lookup costs little, requests may turn it off and
-        the engine skips it above ``speculative_disable_batch_size``), ``none``
-        on tensorrt_llm (whose speculation is fixed at start for every request
-        and batch size, so it is chosen deliberately)."""
+        """``speculative_method`` with ``auto`` made concrete: ``suffix`` on the
+        torch backend (no model, verified like every proposal, cut by the cost
+        rule to what pays; measured at least as fast as ``ngram`` on both of
+        ``benchmarks/spec_decode.py``'s workloads, faster on repeated traffic;
+        requests may choose another or none), ``none`` on tensorrt_llm (whose
+        speculation is fixed at start for every request and batch size, so it
+        is chosen deliberately)."""
         if self.speculative_method != "auto":
             return self.speculative_method
-        return "none" if self.backend == "tensorrt_llm" else "ngram"
+        return "none" if self.backend == "tensorrt_llm" else "suffix"
 
     def step_token_budget(self) -> int:
         """``max_num_batched_tokens``, or the device's default when unset."""
@@ -307,7 +330,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
         "CUDA without --kv-cache-bytes, and tensorrt_llm; in (0, 1]")
     add("--speculative-method", str, "auto",
         "default proposer of speculative decoding (torch: requests may choose their own); "
-        "eagle3 and mtp: tensorrt_llm only; auto (default) = ngram on torch, none on "
+        "eagle3 and mtp: tensorrt_llm only; auto (default) = suffix on torch, none on "
         "tensorrt_llm",
         choices=SPECULATIVE_METHODS)
     add("--num-speculative-tokens", _positive_int, 3,
@@ -321,8 +344,25 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
         "(default: 8, or half the target's layers when it has fewer than 16)")
     add("--draft-model-path", Path, None,
         "GGUF draft model sharing the target's tokenizer (instead of the truncated target)")
-    add("--speculative-disable-batch-size", _positive_int, 2,
-        "no speculation while more sequences run")
+    add("--speculative-disable-batch-size", _positive_int, None,
+        "no speculation while more sequences run (default: none; the cost rule decides)")
+    add("--speculative-cost-model", parse_bool, True,
+        "score only the proposed tokens likely enough to pay for their rows, from the "
+        "measured step times and acceptance (--no-speculative-cost-model: all)",
+        action=argparse.BooleanOptionalAction)
+    add("--suffix-num-speculative-tokens", _positive_int, 16,
+        "default most speculative tokens per step of a suffix decoding request (1..16)")
+    add("--suffix-max-match", _positive_int, 32,
+        "suffix decoding: longest suffix of the context matched")
+    add("--suffix-spec-factor", _positive_float, 1.0,
+        "suffix decoding: a match of p tokens proposes at most ceil(factor * p)")
+    add("--suffix-min-token-prob", _probability, 0.1,
+        "suffix decoding: a proposal stops before its empirical probability falls below this")
+    add("--suffix-cache-tokens", _non_negative_int, 262_144,
+        "suffix decoding: tokens of earlier outputs kept for matching (0: none)")
+    add("--suffix-cache-scope", str, "global",
+        "suffix decoding: global, or tenant (a tenant's outputs only propose for its own "
+        "requests)", choices=("global", "tenant"))
     add("--num-threads", _positive_int, None,
         "compute threads of the engine step (default: torch's, one per CPU)")
     add("--replica-id", str, None,
@@ -376,6 +416,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         draft_num_layers=args.draft_num_layers,
         draft_model_path=args.draft_model_path,
         speculative_disable_batch_size=args.speculative_disable_batch_size,
+        speculative_cost_model=args.speculative_cost_model,
+        suffix_num_speculative_tokens=args.suffix_num_speculative_tokens,
+        suffix_max_match=args.suffix_max_match,
+        suffix_spec_factor=args.suffix_spec_factor,
+        suffix_min_token_prob=args.suffix_min_token_prob,
+        suffix_cache_tokens=args.suffix_cache_tokens,
+        suffix_cache_scope=args.suffix_cache_scope,
         num_threads=args.num_threads,
         replica_id=args.replica_id,
         kv_events_target=args.kv_events_target,
@@ -433,6 +480,20 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 

@@ -42,7 +42,9 @@ class EngineMetrics:
     (sequences whose proposals a step scored), ``spec_decode_num_draft_tokens``,
     ``spec_decode_num_accepted_tokens`` and
     ``spec_decode_num_accepted_tokens_per_pos`` by ``position`` (0-based);
-    mean acceptance length = 1 + accepted / drafts.
+    mean acceptance length = 1 + accepted / drafts. Suffix decoding's cache
+    of earlier outputs (gauges): ``spec_decode_suffix_cache_tokens`` and
+    ``spec_decode_suffix_cache_bytes`` (estimated memory).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -96,6 +98,13 @@ class EngineMetrics:
             "llmesh:spec_decode_num_accepted_tokens_per_pos",
             "Speculative tokens accepted, by position in the draft (0-based).",
             ["position"], registry=registry)
+        self.spec_decode_suffix_cache_tokens = Gauge(
+            "llmesh:spec_decode_suffix_cache_tokens",
+            "Tokens of earlier outputs held by the suffix decoding cache.", registry=registry)
+        self.spec_decode_suffix_cache_bytes = Gauge(
+            "llmesh:spec_decode_suffix_cache_bytes",
+            "Estimated bytes held by the suffix decoding cache (ring and index).",
+            registry=registry)
         self.kv_events_published = Counter(
             "llmesh:kv_events_published", "KV cache events sent to the prefix index.",
             registry=registry)
@@ -125,6 +134,8 @@ class EngineMetrics:
             self.prefix_cache_hits.inc(stats.prefix_hits)
         if stats.num_preemptions:
             self.num_preemptions.inc(stats.num_preemptions)
+        self.spec_decode_suffix_cache_tokens.set(stats.suffix_cache_tokens)
+        self.spec_decode_suffix_cache_bytes.set(stats.suffix_cache_bytes)
         if stats.spec_num_drafts:
             self.spec_decode_num_drafts.inc(stats.spec_num_drafts)
             self.spec_decode_num_draft_tokens.inc(stats.spec_num_draft_tokens)

@@ -60,6 +60,8 @@ log = structlog.get_logger()
 _Requests = AsyncIterator[engine_pb2.EngineServiceGenerateRequest]
 #: StreamLoad's defaults: fewest / most milliseconds between two messages.
 _LOAD_INTERVAL_MS = 20
+#: Longest ``EngineRequest.tenant`` accepted (an id, not a payload).
+MAX_TENANT_BYTES = 256
 _LOAD_HEARTBEAT_MS = 500
 _LOAD_MIN_MS, _LOAD_MAX_MS = 5, 60_000
 
@@ -340,8 +342,12 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             pb.sampling, default_max_tokens=min(self._config.default_max_tokens, cap, room),
             max_tokens_cap=cap, field_prefix="sampling")
         speculative = SpeculativeOptions.from_pb(pb.speculative)
+        if len(pb.tenant.encode()) > MAX_TENANT_BYTES:
+            raise InvalidRequestError("tenant", f"at most {MAX_TENANT_BYTES} bytes, got "
+                                      f"{len(pb.tenant.encode())}")
         return SequenceRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                               priority=Priority.from_pb(pb.priority), speculative=speculative)
+                               priority=Priority.from_pb(pb.priority), speculative=speculative,
+                               tenant=pb.tenant)
 
     def _request_from_start(self, pb: engine_pb2.EngineRequest) -> SequenceRequest:
         """A Multiplex start's request (its id is in the message: one call

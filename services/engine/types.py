@@ -26,6 +26,8 @@ class SequenceRequest:
       priority: traffic class; INTERACTIVE is scheduled before BATCH.
       speculative: the request's speculative decoding switch (engine defaults
         where unset).
+      tenant: whose request it is ("" for none): what the engine learns from
+        outputs across requests stays within a tenant where so configured.
     """
 
     request_id: str
@@ -33,6 +35,7 @@ class SequenceRequest:
     sampling: SamplingOptions
     priority: Priority = Priority.INTERACTIVE
     speculative: SpeculativeOptions = SpeculativeOptions()
+    tenant: str = ""
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,8 @@ class StepStats:
       num_prompt_tokens_computed: prompt tokens whose keys/values the step
         computed (prefix-cache hits and prompts shared by ``sampling.n``
         choices not counted; recomputed ones after a preemption counted).
+      suffix_cache_tokens, suffix_cache_bytes: after the step, the suffix
+        decoding cache's tokens and estimated bytes (0 without one).
     """
 
     duration_s: float
@@ -169,3 +174,5 @@ class StepStats:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
     num_prompt_tokens_computed: int = 0
+    suffix_cache_tokens: int = 0
+    suffix_cache_bytes: int = 0

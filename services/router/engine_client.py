@@ -385,11 +385,13 @@ class EngineClient:
     def start(
         self, prompt_token_ids: Sequence[int], sampling: SamplingOptions, *,
         priority: Priority, request_id: str, deadline: float | None,
-        speculative: SpeculativeOptions | None = None,
+        speculative: SpeculativeOptions | None = None, tenant: str = "",
     ) -> EngineStream:
         """Starts the request on the replica's ``Multiplex`` call (opened now if
         there is none, or the last one failed); ``speculative``: the request's
-        speculative decoding switch, None for the engine's defaults. The start
+        speculative decoding switch, None for the engine's defaults;
+        ``tenant``: whose request it is ("" for none; the engine keeps what it
+        learns from one tenant's outputs to that tenant's requests). The start
         is written by the call's writer task; the engine's refusals arrive on
         the first :meth:`EngineStream.read`.
 
@@ -399,7 +401,7 @@ class EngineClient:
         remaining = timeout_until(deadline)
         request = engine_pb2.EngineRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids,
-            sampling=sampling.to_pb(), priority=priority.to_pb())
+            sampling=sampling.to_pb(), priority=priority.to_pb(), tenant=tenant)
         if speculative is not None and speculative != SpeculativeOptions():
             request.speculative.CopyFrom(speculative.to_pb())
         stream_id = next(self._stream_ids)

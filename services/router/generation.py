@@ -710,7 +710,7 @@ class GenerationPipeline:
                 stream = engine.start(
                     prompt_ids, sampling, priority=request.priority,
                     request_id=request.request_id, deadline=deadline,
-                    speculative=request.speculative)
+                    speculative=request.speculative, tenant=request.tenant)
                 if timing.dispatched_at is None:  # once, even when a replica is retried
                     timing.dispatched_at = time.monotonic()
                     self.metrics.request_queue_time.labels(request.model).observe(

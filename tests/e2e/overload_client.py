@@ -15,11 +15,15 @@ from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 def long_request(max_tokens: int, tag: str, *,
                  priority: int = common_pb2.PRIORITY_UNSPECIFIED) -> generation_pb2.GenerateRequest:
-    """A greedy request that never stops before ``max_tokens`` (no cache)."""
+    """A greedy request that never stops before ``max_tokens`` (no cache) and
+    takes one engine step per token (no speculation: the suffix cache would
+    let these near-identical answers end in a few steps, and the tests time
+    scheduling, not speculation)."""
     return generation_pb2.GenerateRequest(
         prompt=f"Request {tag}. List the numbers from one to one thousand in words:",
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                            ignore_eos=True),
+        speculative=common_pb2.SpeculativeParams(method=common_pb2.SPECULATIVE_METHOD_NONE),
         bypass_cache=True, priority=priority)
 
 

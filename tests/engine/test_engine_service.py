@@ -24,10 +24,16 @@ pytestmark = pytest.mark.model
 Stub = engine_pb2_grpc.EngineServiceStub
 
 
+#: No speculation: a test that counts steps, or needs a request to run for a
+#: while, must not have it end early on the suffix cache's earlier answers.
+NO_SPECULATION = common_pb2.SpeculativeParams(method=common_pb2.SPECULATIVE_METHOD_NONE)
+
+
 def start(request_id: str = "", prompt: tuple[int, ...] = CHAT,
+          speculative: common_pb2.SpeculativeParams | None = None,
           **sampling: object) -> engine_pb2.EngineServiceGenerateRequest:
     return engine_pb2.EngineServiceGenerateRequest(start=engine_pb2.EngineRequest(
-        request_id=request_id, prompt_token_ids=prompt,
+        request_id=request_id, prompt_token_ids=prompt, speculative=speculative,
         sampling=common_pb2.SamplingParams(**sampling)))  # type: ignore[arg-type]
 
 
@@ -289,9 +295,11 @@ async def test_prefix_cache_hits_show_in_usage_and_metrics(engine_stub: Stub,
              "llmesh:iteration_tokens_total_sum", "llmesh:iteration_tokens_total_count",
              "llmesh:batch_size_sum")
     before = [sample_value(engine_metrics, n) for n in names]
-    first = await generate(engine_stub, start("prefix-1", prompt, max_tokens=4, ignore_eos=True))
+    first = await generate(engine_stub, start("prefix-1", prompt, NO_SPECULATION, max_tokens=4,
+                                              ignore_eos=True))
     middle = [sample_value(engine_metrics, n) for n in names]
-    second = await generate(engine_stub, start("prefix-2", prompt, max_tokens=4, ignore_eos=True))
+    second = await generate(engine_stub, start("prefix-2", prompt, NO_SPECULATION, max_tokens=4,
+                                               ignore_eos=True))
     after = [sample_value(engine_metrics, n) for n in names]
     assert (first[-1].usage.cached_prompt_tokens, second[-1].usage.cached_prompt_tokens) == (0, 32)
     assert tokens_of(first) == tokens_of(second)
@@ -360,7 +368,8 @@ async def settled_lines(logs: list[dict], request_id: str, within: float = 5.0) 
 async def end_request(stub: Stub, request_id: str, ending: str,
                       torch_backend: TorchBackend, monkeypatch: pytest.MonkeyPatch) -> int:
     """Runs one request that ends the way ``ending`` says; returns the tokens read."""
-    long = start(request_id, max_tokens=MAX_TOKENS_CAP, ignore_eos=True)
+    long = start(request_id, max_tokens=MAX_TOKENS_CAP, ignore_eos=True,
+                 speculative=NO_SPECULATION)
     if ending == "finished":
         return len(tokens_of(await generate(stub, start(request_id, max_tokens=16))))
     if ending == "cancel_message":

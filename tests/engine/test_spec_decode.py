@@ -39,6 +39,7 @@ from services.engine.torch_backend.draft_proposer import (
 from services.engine.torch_backend.model import LlamaModel
 from services.engine.torch_backend.model_runner import ModelRunner, StepInput
 from services.engine.torch_backend.sequence import Sequence as EngineSequence
+from services.engine.torch_backend.suffix_proposer import SuffixProposer
 from services.engine.types import SequenceRequest, TokenDelta
 from services.tokenizer.tokenizer import ChatMessage, Tokenizer
 
@@ -52,6 +53,7 @@ MAX_TOKENS = 20
 OFF = SpeculativeOptions(SpeculativeMethod.NONE)
 NGRAM = SpeculativeOptions(SpeculativeMethod.NGRAM)
 DRAFT = SpeculativeOptions(SpeculativeMethod.DRAFT)
+SUFFIX = SpeculativeOptions(SpeculativeMethod.SUFFIX)
 _ids = itertools.count()
 
 
@@ -73,11 +75,13 @@ def spec_metrics() -> EngineMetrics:
 @pytest_asyncio.fixture(scope="module")
 async def spec_backend(model_path: Path, smollm2: LlamaModel,
                        spec_metrics: EngineMetrics) -> AsyncIterator[TorchBackend]:
-    """n-gram by default, speculation at any batch size, draft = the first 8 layers."""
+    """n-gram by default, speculation at any batch size, every proposal scored
+    (no cost rule: these tests count rows and tokens exactly), draft = the
+    first 8 layers. Suffix decoding tests turn the cost rule on (:func:`costed`)."""
     config = EngineConfig(model_path=model_path, max_model_len=1024, kv_cache_bytes=320 << 20,
                           max_tokens_cap=256, speculative_method="ngram",
                           num_speculative_tokens=4, speculative_disable_batch_size=64,
-                          draft_num_layers=8)
+                          speculative_cost_model=False, draft_num_layers=8)
     backend = TorchBackend(config, step_observer=spec_metrics.observe_step, model=smollm2)
     await backend.start()
     yield backend
@@ -172,6 +176,60 @@ async def test_greedy_output_is_the_same_with_speculation_alone_and_16_at_a_time
     spec_backend.check_integrity()
 
 
+@pytest.fixture
+def costed(spec_backend: TorchBackend):
+    """The engine's default cost rule during one test, and a cold suffix cache."""
+    speculator = spec_backend.speculator
+    assert speculator is not None
+    saved = speculator.config
+    speculator.config = dataclasses.replace(saved, cost_model=True)
+    proposer = speculator.proposers[SpeculativeMethod.SUFFIX]
+    assert isinstance(proposer, SuffixProposer)
+    proposer.clear()
+    yield proposer
+    speculator.config = saved
+
+
+async def test_greedy_output_is_the_same_with_suffix_decoding_cold_and_warm(
+        spec_backend: TorchBackend, spec_prompts, spec_metrics: EngineMetrics,
+        costed: SuffixProposer) -> None:
+    # Cold: only the request's own tokens propose at first, then the answers of the
+    # prompts before it. Warm: every answer is in the cache (the reference run put it
+    # there), so the proposals are long and right. Alone and 16 at a time.
+    prompts = [ids for _, ids in spec_prompts]
+    options = SamplingOptions(max_tokens=MAX_TOKENS)
+    kinds = [kind for kind, _ in spec_prompts]
+    cold = await run_all(spec_backend, prompts, options, SUFFIX, concurrency=1)
+    costed.clear()
+    reference = await run_all(spec_backend, prompts, options, OFF, concurrency=16)
+    assert [i for i in range(30) if cold[i] != reference[i]] == [], kinds
+    assert costed.cache is not None and costed.cache.num_inserted == 30
+    drafts = counter(spec_metrics, "spec_decode_num_drafts")
+    accepted = counter(spec_metrics, "spec_decode_num_accepted_tokens")
+    alone = await run_all(spec_backend, prompts, options, SUFFIX, concurrency=1)
+    batched = await run_all(spec_backend, prompts, options, SUFFIX, concurrency=16)
+    assert [i for i in range(30) if alone[i] != reference[i]] == [], kinds
+    assert [i for i in range(30) if batched[i] != reference[i]] == [], kinds
+    drafts = counter(spec_metrics, "spec_decode_num_drafts") - drafts
+    accepted = counter(spec_metrics, "spec_decode_num_accepted_tokens") - accepted
+    # each warm answer (20 tokens) takes a handful of steps (a match of p output
+    # tokens proposes up to p: 2, then ~5, then the rest): 2,400 tokens in two runs
+    assert accepted > 0.3 * 2 * sum(map(len, reference)), (accepted, drafts)
+    assert accepted / drafts > 2
+    spec_backend.check_integrity()
+
+
+async def test_seeded_sampling_is_the_same_with_suffix_decoding(
+        spec_backend: TorchBackend, spec_prompts, costed: SuffixProposer) -> None:
+    prompts = [ids for kind, ids in spec_prompts if kind in ("rewrite", "code_edit")][:4]
+    options = SamplingOptions(temperature=0.7, top_p=0.95, seed=11, max_tokens=24,
+                              ignore_eos=True)
+    off = await run_all(spec_backend, prompts, options, OFF, concurrency=4)  # warms the cache
+    on = await run_all(spec_backend, prompts, options, SUFFIX, concurrency=4)
+    again = await run_all(spec_backend, prompts, options, SUFFIX, concurrency=1)
+    assert on == off and again == off
+
+
 async def test_seeded_sampling_is_the_same_with_speculation(
         spec_backend: TorchBackend, spec_prompts) -> None:
     # Point-mass proposals are verified by drawing from the target with the request's
@@ -250,7 +308,7 @@ async def test_stop_id_and_eos_inside_an_accepted_run_end_the_output_there(
 async def test_cancel_mid_speculation_frees_every_reserved_block(
         spec_backend: TorchBackend, spec_prompts) -> None:
     prompt = next(ids for kind, ids in spec_prompts if kind == "rewrite")
-    for method in (NGRAM, DRAFT):
+    for method in (NGRAM, DRAFT, SUFFIX):
         request = SequenceRequest(f"cancel-{next(_ids)}", prompt,
                                   SamplingOptions(max_tokens=200, ignore_eos=True),
                                   speculative=method)

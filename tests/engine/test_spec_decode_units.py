@@ -21,6 +21,7 @@ from services.engine.torch_backend.speculative import (
     propose_ngram,
 )
 from services.engine.torch_backend.step_sampler import StepRow, sample_step
+from services.engine.torch_backend.suffix_proposer import SuffixOptions, SuffixProposer
 
 from .kv_helpers import create_scheduler, make_request
 
@@ -108,15 +109,32 @@ TARGET = torch.tensor([[0.35, 0.25, 0.2, 0.1, 0.07, 0.03], [0.05, 0.05, 0.5, 0.2
 DRAFT = torch.tensor([[0.1, 0.5, 0.1, 0.1, 0.1, 0.1], [0.3, 0.1, 0.2, 0.2, 0.1, 0.1]])
 
 
-def test_point_mass_proposals_keep_the_target_distribution() -> None:
+def suffix_proposal() -> list[int]:
+    """The suffix proposer's first proposal after "4 2 3", an earlier output
+    having gone "4 2 3 1 5": token 1."""
+    proposer = SuffixProposer(SuffixOptions(min_token_prob=0.0))
+    done = make_request("earlier", (0,), max_tokens=8)
+    done.token_ids.extend([4, 2, 3, 1, 5])
+    done.finish_reason = FinishReason.STOP
+    proposer.finished([done])
+    now = make_request("now", (0, 4, 2, 3), max_tokens=8)
+    (proposal,) = proposer.propose([(now, 1)])
+    return list(proposal)
+
+
+@pytest.mark.parametrize("proposer", ["fixed", "suffix"])
+def test_point_mass_proposals_keep_the_target_distribution(proposer: str) -> None:
     # Proposing token 1 (p = 0.25) deterministically: P(accept) = 0.25, and the first
     # token follows the target exactly (coupling: one draw from p per emitted token).
+    # The suffix proposer's proposals are such point masses too.
+    proposal = [1] if proposer == "fixed" else suffix_proposal()
+    assert proposal == [1]
     generator = torch.Generator().manual_seed(1234)
     trials = 20_000
     first = torch.zeros(6)
     accepted = 0
     for _ in range(trials):
-        out = verify_sampled(TARGET, [1], generator)
+        out = verify_sampled(TARGET, proposal, generator)
         first[out[0]] += 1
         accepted += len(out) == 2
     assert chi_square(first, TARGET[0]) < CHI2_CRITICAL_P01[5]
@@ -179,7 +197,8 @@ class FixedProposer:
 
 def test_speculator_caps_k_by_max_tokens_and_context_and_batch_size() -> None:
     proposer = FixedProposer([1, 2, 3, 4, 5, 6])
-    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, disable_batch_size=2),
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, disable_batch_size=2,
+                                        cost_model=False),
                       max_model_len=20, proposers={SpeculativeMethod.NGRAM: proposer})
     assert spec.resolve(SpeculativeOptions()) == (SpeculativeMethod.NGRAM, 4)
     assert spec.resolve(SpeculativeOptions(SpeculativeMethod.NONE, 3)) == (

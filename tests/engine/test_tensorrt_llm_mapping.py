@@ -176,7 +176,9 @@ def spec_of(**fields: object) -> SpeculativeSpec | None:
 def test_speculative_config_per_method() -> None:
     assert spec_of(speculative_method="none") is None
     assert spec_of() is None  # auto: TensorRT-LLM speculates only when chosen
-    assert EngineConfig().resolved_speculative_method() == "ngram"  # the torch backend's auto
+    assert EngineConfig().resolved_speculative_method() == "suffix"  # the torch backend's auto
+    with pytest.raises(ValueError, match="suffix"):  # the torch backend's alone
+        spec_of(speculative_method="suffix")
     assert spec_of(speculative_method="ngram", num_speculative_tokens=4, ngram_max=3) == \
         SpeculativeSpec("NGramDecodingConfig", dict(max_draft_len=4, max_matching_ngram_size=3,
                                                     is_public_pool=False))
@@ -255,7 +257,8 @@ def test_llm_kwargs_follow_eager_graph_sizes_chunking_caching_and_budget() -> No
     assert (spec.kwargs["enable_chunked_prefill"], spec.kwargs["max_num_tokens"]) == (False, 2048)
     assert (spec.kv_cache_config["enable_block_reuse"],
             spec.kv_cache_config["event_buffer_max_size"]) == (False, 0)
-    sized = llm_spec(EngineConfig(cuda_graph_sizes=(16, 1, 4)), Path("/m"), 1024)
+    sized = llm_spec(EngineConfig(cuda_graph_sizes=(16, 1, 4), speculative_method="ngram"),
+                     Path("/m"), 1024)
     assert sized.cuda_graph_config == dict(batch_sizes=[1, 4, 16], enable_padding=True)
     assert sized.speculative == SpeculativeSpec(
         "NGramDecodingConfig", dict(max_draft_len=3, max_matching_ngram_size=4,

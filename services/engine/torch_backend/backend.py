@@ -13,7 +13,8 @@ file or a Hugging Face safetensors checkpoint directory, see
 ``kv_cache_bytes``, ``enable_prefix_caching``, ``batch_invariant``, and the
 speculative decoding fields (``speculative_method``, ``num_speculative_tokens``,
 ``ngram_min``, ``ngram_max``, ``ngram_full_len``, ``draft_num_layers``, ``draft_model_path``,
-``speculative_disable_batch_size``), ``structured_output_compile_timeout_s``.
+``speculative_disable_batch_size``, ``speculative_cost_model``, ``suffix_*``),
+``structured_output_compile_timeout_s``.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from services.engine.torch_backend.speculative import (
     Speculator,
 )
 from services.engine.torch_backend.structured_output import GrammarCompiler
+from services.engine.torch_backend.suffix_proposer import SuffixOptions, SuffixProposer
 from services.engine.types import LoadStats, ModelInfo, SequenceRequest, TokenDelta
 from services.engine.validation import (
     refuse_unimplemented,
@@ -502,6 +504,7 @@ def check_config(config: EngineConfig) -> None:
         raise ValueError(f"quant kernel must be one of {QUANT_KERNELS}, "
                          f"got {config.quant_kernel!r}")
     speculative_config(config)
+    suffix_options(config)
     if not config.structured_output_compile_timeout_s > 0:
         raise ValueError("structured_output_compile_timeout_s must be > 0, got "
                          f"{config.structured_output_compile_timeout_s}")
@@ -524,18 +527,34 @@ def speculative_config(config: EngineConfig) -> SpeculativeConfig:
         method=SpeculativeMethod.parse(method),
         num_speculative_tokens=config.num_speculative_tokens, ngram_min=config.ngram_min,
         ngram_full_len=config.ngram_full_len,
-        ngram_max=config.ngram_max, disable_batch_size=config.speculative_disable_batch_size)
+        ngram_max=config.ngram_max, disable_batch_size=config.speculative_disable_batch_size,
+        suffix_num_speculative_tokens=config.suffix_num_speculative_tokens,
+        cost_model=config.speculative_cost_model)
+
+
+def suffix_options(config: EngineConfig) -> SuffixOptions:
+    """The suffix decoding settings in ``config``.
+
+    Raises:
+      ValueError: see :class:`SuffixOptions`.
+    """
+    return SuffixOptions(max_match=config.suffix_max_match,
+                         spec_factor=config.suffix_spec_factor,
+                         min_token_prob=config.suffix_min_token_prob,
+                         cache_tokens=config.suffix_cache_tokens,
+                         scope=config.suffix_cache_scope)
 
 
 def _speculator(config: EngineConfig, runner: ModelRunner, max_model_len: int) -> Speculator:
-    """The speculative decoding of ``config``: n-gram lookup always; the draft
+    """The speculative decoding of ``config``: n-gram lookup and suffix decoding always; the draft
     model (the target's first ``draft_num_layers`` layers, or the GGUF at
     ``draft_model_path``) with a KV pool of a quarter of the target's blocks,
     and at least one context window's worth. Runs on the engine thread."""
     spec = speculative_config(config)
     proposers: dict[SpeculativeMethod, Proposer] = {
         SpeculativeMethod.NGRAM: NgramProposer(config.ngram_min, config.ngram_max,
-                                               full_len=config.ngram_full_len)}
+                                               full_len=config.ngram_full_len),
+        SpeculativeMethod.SUFFIX: SuffixProposer(suffix_options(config))}
     cache = runner.kv_cache
     assert cache is not None
     if config.draft_model_path is not None:
@@ -556,7 +575,9 @@ def _speculator(config: EngineConfig, runner: ModelRunner, max_model_len: int) -
     proposers[SpeculativeMethod.DRAFT] = DraftProposer(draft)
     log.info("speculative_decoding", method=spec.method.value, k=spec.num_speculative_tokens,
              ngram=(spec.ngram_min, spec.ngram_max), ngram_full_len=spec.ngram_full_len,
-             disable_batch_size=spec.disable_batch_size,
+             disable_batch_size=spec.disable_batch_size, cost_model=spec.cost_model,
+             suffix_cache_tokens=config.suffix_cache_tokens,
+             suffix_cache_scope=config.suffix_cache_scope,
              draft_layers=draft_model.config.num_layers, draft_blocks=num_blocks)
     return Speculator(spec, max_model_len, proposers)
 

@@ -416,13 +416,20 @@ class EngineCore:
             cache.copy_blocks([c.src for c in out.block_copies],
                               [c.dst for c in out.block_copies])
         if self._speculator is not None:
+            self._speculator.observe_step(_verified(out, [sampled[i] for i in own]),
+                                          time.perf_counter() - began,
+                                          out.num_scheduled_tokens, _decode_only(out))
             self._speculator.propose([u.seq for u in updates if not u.finished],
                                      self._scheduler.num_running)
             if any(u.finished for u in updates) or out.preempted:
                 self._speculator.retain(self._running_keys())
         if self._step_observer is not None:
-            self._step_observer(_step_stats(time.perf_counter() - began, out,
-                                            [sampled[i] for i in own]))
+            stats = _step_stats(time.perf_counter() - began, out, [sampled[i] for i in own])
+            if self._speculator is not None:
+                tokens, nbytes = self._speculator.cache_size()
+                stats = dataclasses.replace(stats, suffix_cache_tokens=tokens,
+                                            suffix_cache_bytes=nbytes)
+            self._step_observer(stats)
         self._deliver_finished([(update.seq, update.token_ids, "") for update in updates])
 
     @staticmethod
@@ -498,6 +505,8 @@ class EngineCore:
         done = [seq for seq, _, _ in items if seq.finished]
         if done:
             self._inbox.finished_all(done)
+            if self._speculator is not None:  # the suffix cache learns their outputs
+                self._speculator.finished(done)
         _deliver_all(items)
 
 
@@ -556,6 +565,25 @@ def _step_stats(duration_s: float, out: SchedulerOutput,
     return StepStats(duration_s, out.num_scheduled_tokens, len(out.scheduled),
                      len(out.preempted), out.prefix_queries, out.prefix_hits,
                      drafts, draft_tokens, accepted, tuple(per_pos), prompt_computed)
+
+
+def _verified(out: SchedulerOutput, sampled: list[list[int]]
+              ) -> list[tuple[Sequence, int, int]]:
+    """``(sequence, proposals scored, proposals accepted)`` of each scheduled
+    sequence that sampled (``sampled``: their emitted tokens, in order)."""
+    found: list[tuple[Sequence, int, int]] = []
+    index = 0
+    for item in out.scheduled:
+        if not item.samples:
+            continue
+        found.append((item.seq, len(item.spec_token_ids), len(sampled[index]) - 1))
+        index += 1
+    return found
+
+
+def _decode_only(out: SchedulerOutput) -> bool:
+    """True when no scheduled sequence computed prompt tokens this step."""
+    return all(item.start >= item.seq.num_prompt_tokens for item in out.scheduled)
 
 
 def _with_forks(logits: torch.Tensor, out: SchedulerOutput

@@ -18,10 +18,18 @@ ones. Proposers:
 * :class:`~services.engine.torch_backend.draft_proposer.DraftProposer`, a
   smaller model sharing the tokenizer, run ``k`` greedy steps.
 
-Speculation is skipped for a step when more than ``disable_batch_size``
-sequences run (vLLM's ``disable_by_batch_size``): in a large batch the step is
-compute-bound and scoring ``k`` extra tokens per sequence costs more than the
-accepted tokens save.
+* :class:`~services.engine.torch_backend.suffix_proposer.SuffixProposer`,
+  suffix decoding (Oliaro et al. 2024): the most frequent continuation of the
+  longest match in the sequence's own tokens or in the engine's cache of
+  earlier outputs, with the empirical probability of each token.
+
+How much of a proposal is kept (``cost_model``, the default): the cost rule of
+:mod:`~services.engine.torch_backend.spec_policy`, from the step times the
+engine measures and each sequence's calibrated acceptance: a proposed token is
+scored only while it is likely enough to raise the step's tokens per second.
+In a large batch the step is compute-bound and only near-certain proposals
+pass; ``disable_batch_size`` (vLLM's ``disable_by_batch_size``) remains as a
+hard cut-off: no proposals while more sequences run.
 """
 
 from __future__ import annotations
@@ -32,8 +40,18 @@ from typing import Protocol
 
 import numpy as np
 
-from services.common.sampling import MAX_SPECULATIVE_TOKENS, SpeculativeMethod, SpeculativeOptions
+from services.common.sampling import (
+    MAX_SPECULATIVE_TOKENS,
+    FinishReason,
+    SpeculativeMethod,
+    SpeculativeOptions,
+)
 from services.engine.torch_backend.sequence import Sequence
+from services.engine.torch_backend.spec_policy import (
+    AcceptanceModel,
+    StepCostModel,
+    choose_lengths,
+)
 
 
 @dataclass(frozen=True)
@@ -51,6 +69,11 @@ class SpeculativeConfig:
       ngram_window: the n-gram search looks at this many last tokens.
       disable_batch_size: no proposals in a step while more sequences run
         (None: never disabled).
+      suffix_num_speculative_tokens: most proposals per step of a suffix
+        decoding request that does not set its own (its proposals are cut by
+        match length and probability, so it may reach further).
+      cost_model: cut proposals by the cost rule (module doc); False: keep
+        every proposal the proposer makes.
     """
 
     method: SpeculativeMethod = SpeculativeMethod.NGRAM
@@ -59,7 +82,9 @@ class SpeculativeConfig:
     ngram_max: int = 4
     ngram_full_len: int = 3
     ngram_window: int = 4096
-    disable_batch_size: int | None = 2
+    disable_batch_size: int | None = None
+    suffix_num_speculative_tokens: int = 16
+    cost_model: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
@@ -70,6 +95,22 @@ class SpeculativeConfig:
                              f"{self.ngram_max}")
         if self.ngram_full_len < 1:
             raise ValueError(f"ngram_full_len must be at least 1, got {self.ngram_full_len}")
+        if not 1 <= self.suffix_num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"suffix_num_speculative_tokens must be in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}], got "
+                             f"{self.suffix_num_speculative_tokens}")
+
+
+class Proposal(list[int]):
+    """A proposer's tokens for one sequence (a list of ids) and, where the
+    proposer estimates them, ``probs[j]``: the probability that tokens
+    ``0..j`` are all accepted (None: the speculator uses the method's
+    measured acceptance by position)."""
+
+    def __init__(self, tokens: SequenceOf[int] = (),
+                 probs: SequenceOf[float] | None = None) -> None:
+        super().__init__(tokens)
+        self.probs = None if probs is None else tuple(probs)
 
 
 class Proposer(Protocol):
@@ -77,7 +118,8 @@ class Proposer(Protocol):
 
     def propose(self, requests: SequenceOf[tuple[Sequence, int]]) -> list[list[int]]:
         """Up to ``k`` proposals per ``(sequence, k)``, given its ``token_ids``
-        (all verified). Mutates only the proposer's own state."""
+        (all verified); a :class:`Proposal` where it knows their probabilities.
+        Mutates only the proposer's own state."""
         ...
 
     def retain(self, keys: Collection[int]) -> None:
@@ -137,7 +179,8 @@ class NgramProposer:
 
 
 class Speculator:
-    """Decides which sequences get proposals and asks their proposer.
+    """Decides which sequences get proposals, asks their proposer, and cuts the
+    proposals by the cost rule (module doc).
 
     Args:
       config: engine defaults.
@@ -151,13 +194,23 @@ class Speculator:
         self.config = config
         self.max_model_len = max_model_len
         self.proposers = dict(proposers)
+        #: Decode step times, fitted as they come (:meth:`observe_step`).
+        self.cost = StepCostModel()
+        #: Acceptance by method and position, and per-sequence calibration.
+        self.acceptance = AcceptanceModel()
+        # arrival -> (method, the proposer's probabilities of its scored proposals
+        # (None: it gives none), their per-position calibration)
+        self._predicted: dict[int, tuple[SpeculativeMethod, tuple[float, ...] | None,
+                                         tuple[float, ...]]] = {}
 
     def resolve(self, options: SpeculativeOptions) -> tuple[SpeculativeMethod, int]:
         """A request's effective method and proposal count (its own or the defaults)."""
         method = options.method if options.method is not None else self.config.method
         if method not in self.proposers:
             method = SpeculativeMethod.NONE
-        count = options.num_speculative_tokens or self.config.num_speculative_tokens
+        default = (self.config.suffix_num_speculative_tokens
+                   if method is SpeculativeMethod.SUFFIX else self.config.num_speculative_tokens)
+        count = options.num_speculative_tokens or default
         return method, count if method is not SpeculativeMethod.NONE else 0
 
     def budget(self, seq: Sequence) -> int:
@@ -167,28 +220,106 @@ class Speculator:
         return max(min(seq.num_spec_tokens, left - 1,
                        self.max_model_len - seq.num_tokens - 1), 0)
 
+    def bar(self, num_running: int) -> float:
+        """About the probability a first proposed token must beat to pay for
+        its row with ``num_running`` sequences decoding: the average cost of
+        the next four rows against the tokens per second without them."""
+        n = max(num_running, 1)
+        extra = (self.cost.seconds(n + 4) - self.cost.seconds(n)) / 4
+        return max(extra, 0.0) * n / self.cost.seconds(n)
+
     def propose(self, seqs: SequenceOf[Sequence], num_running: int) -> None:
         """Sets ``spec_token_ids`` of each of ``seqs`` (decoding sequences that just
-        produced a token): empty while more than ``disable_batch_size`` run."""
+        produced a token): empty while more than ``disable_batch_size`` run;
+        with the cost model, each proposal cut to the tokens likely enough to
+        pay for their rows (a sequence whose calibrated acceptance cannot
+        reach the bar is not even looked up)."""
         limit = self.config.disable_batch_size
         if limit is not None and num_running > limit:
             return
+        bar = self.bar(num_running) if self.config.cost_model else 0.0
         by_method: dict[SpeculativeMethod, list[tuple[Sequence, int]]] = {}
         for seq in seqs:
             if seq.spec_method is SpeculativeMethod.NONE:
                 continue
             k = self.budget(seq)
-            if k > 0:
+            if k > 0 and self.acceptance.ceiling(seq.arrival, seq.spec_method) > bar:
                 by_method.setdefault(seq.spec_method, []).append((seq, k))
+            else:
+                self.acceptance.idle(seq.arrival)
+        # (sequence, proposal, the proposer's probabilities, per-position calibrated
+        # ones, those scaled by the sequence's own record)
+        chosen: list[tuple[Sequence, list[int], tuple[float, ...] | None, tuple[float, ...],
+                           tuple[float, ...]]] = []
         for method, requests in by_method.items():
             for (seq, _), proposal in zip(requests, self.proposers[method].propose(requests)):
-                seq.spec_token_ids[:] = proposal
+                if not proposal:
+                    self.acceptance.idle(seq.arrival)
+                    continue
+                raw = getattr(proposal, "probs", None)
+                calibrated = self.acceptance.by_position(method, raw, len(proposal))
+                factor = self.acceptance.factor(seq.arrival)
+                chosen.append((seq, proposal, raw, calibrated,
+                               tuple(min(1.0, factor * q) for q in calibrated)))
+        if not chosen:
+            return
+        keep = (choose_lengths([q for *_, q in chosen], max(num_running, 1), self.cost)
+                if self.config.cost_model else [len(item[1]) for item in chosen])
+        for (seq, proposal, raw, calibrated, _), length in zip(chosen, keep):
+            if length:
+                seq.spec_token_ids[:] = proposal[:length]
+                self._predicted[seq.arrival] = (
+                    seq.spec_method, None if raw is None else raw[:length], calibrated[:length])
+            else:
+                self.acceptance.idle(seq.arrival)
+
+    def observe_step(self, scheduled: SequenceOf[tuple[Sequence, int, int]],
+                     seconds: float, num_rows: int, decode_only: bool) -> None:
+        """What a step's verification found: ``(sequence, proposals scored,
+        accepted)`` for each sequence whose proposals it scored; the step took
+        ``seconds`` for ``num_rows`` rows (the cost model learns from steps
+        with no prompt tokens, ``decode_only``)."""
+        if decode_only:
+            self.cost.observe(num_rows, seconds)
+        for seq, scored, accepted in scheduled:
+            found = self._predicted.pop(seq.arrival, None)
+            if found is not None and scored:
+                method, raw, calibrated = found
+                self.acceptance.observe(seq.arrival, method,
+                                        None if raw is None else raw[:scored],
+                                        calibrated[:scored], accepted)
+
+    def finished(self, seqs: SequenceOf[Sequence]) -> None:
+        """Hands the outputs of finished sequences (not failed ones) to the
+        proposers that learn from traffic (the suffix cache)."""
+        done = [seq for seq in seqs if seq.finish_reason is not FinishReason.ERROR]
+        if not done:
+            return
+        for proposer in self.proposers.values():
+            learn = getattr(proposer, "finished", None)
+            if learn is not None:
+                learn(done)
+
+    def cache_size(self) -> tuple[int, int]:
+        """Tokens and estimated bytes held by the proposers' caches of earlier
+        outputs (the suffix cache)."""
+        tokens = nbytes = 0
+        for proposer in self.proposers.values():
+            cache = getattr(proposer, "cache", None)
+            if cache is not None:
+                tokens += cache.num_tokens
+                nbytes += cache.nbytes()
+        return tokens, nbytes
 
     def retain(self, keys: Collection[int]) -> None:
         """Lets every proposer free the state of sequences no longer running
         (``keys``: the ``arrival`` of each running one)."""
+        keys = set(keys)
         for proposer in self.proposers.values():
             proposer.retain(keys)
+        self.acceptance.retain(keys)
+        for key in [key for key in self._predicted if key not in keys]:
+            del self._predicted[key]
 
     def check_integrity(self, idle: bool = False) -> None:
         """Checks the block bookkeeping of proposers that hold KV blocks (with

@@ -35,6 +35,12 @@ class _SpeculativeMethodEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Spe
     """
     SPECULATIVE_METHOD_DRAFT: _SpeculativeMethod.ValueType  # 3
     """A smaller draft model sharing the target's tokenizer."""
+    SPECULATIVE_METHOD_SUFFIX: _SpeculativeMethod.ValueType  # 4
+    """Suffix decoding (SuffixDecoding, arXiv:2411.04975): continuations of the
+    longest match of the last tokens in this request's prompt and output and
+    in the engine's cache of earlier outputs, scored by how often each
+    continuation followed. No extra model.
+    """
 
 class SpeculativeMethod(_SpeculativeMethod, metaclass=_SpeculativeMethodEnumTypeWrapper):
     """Where speculative tokens come from."""
@@ -49,6 +55,12 @@ last few tokens in the prompt and output so far. No extra model.
 """
 SPECULATIVE_METHOD_DRAFT: SpeculativeMethod.ValueType  # 3
 """A smaller draft model sharing the target's tokenizer."""
+SPECULATIVE_METHOD_SUFFIX: SpeculativeMethod.ValueType  # 4
+"""Suffix decoding (SuffixDecoding, arXiv:2411.04975): continuations of the
+longest match of the last tokens in this request's prompt and output and
+in the engine's cache of earlier outputs, scored by how often each
+continuation followed. No extra model.
+"""
 Global___SpeculativeMethod: _TypeAlias = SpeculativeMethod  # noqa: Y015
 
 class _FinishReason:

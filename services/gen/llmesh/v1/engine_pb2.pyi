@@ -30,8 +30,15 @@ class EngineRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     SPECULATIVE_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     priority: _common_pb2.Priority.ValueType
+    tenant: _builtins.str
+    """The tenant the router resolved for the request (an opaque id; empty when
+    there is none). State an engine learns across requests (the suffix
+    decoding cache under --suffix-cache-scope tenant) never carries one
+    tenant's outputs into another's requests.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt token ids, at least one; prompt + max_tokens <= max_model_len."""
@@ -52,10 +59,11 @@ class EngineRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         priority: _common_pb2.Priority.ValueType = ...,
         speculative: _common_pb2.SpeculativeParams | None = ...,
+        tenant: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "speculative", b"speculative", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
