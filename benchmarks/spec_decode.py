@@ -26,9 +26,10 @@ of N clients taking requests in order): aggregate output tokens/s.
 
 ``--tree-replay`` answers "would tree verification pay?" offline: for the
 suffix proposer's matches along the off outputs (the true greedy tokens), it
-counts the tokens a best path of ``r`` rows would have accepted against the
-best frequency-scored tree of the same ``r`` nodes, and prints tokens per step
-and the predicted decode speed of each at this engine's measured step cost.
+counts the tokens a best path of ``r`` proposals would have accepted against
+the best frequency-scored tree of the same ``r`` nodes, and prints tokens per
+step and the decode speed each would reach at the engine's measured step time
+for ``r + 1`` rows.
 
 Prints the 1-minute load average before and after: other work on the machine
 moves every number here.
@@ -66,6 +67,7 @@ from services.engine.torch_backend.suffix_cache import (  # noqa: E402
     SuffixCache,
     longest_match,
 )
+from services.engine.torch_backend.spec_policy import StepCostModel  # noqa: E402
 from services.engine.torch_backend.suffix_proposer import SuffixProposer  # noqa: E402
 from services.engine.types import SequenceRequest, StepStats  # noqa: E402
 from services.tokenizer.tokenizer import ChatMessage, Tokenizer  # noqa: E402
@@ -254,8 +256,7 @@ def best_tree(buffer: np.ndarray, ends: np.ndarray, nodes: int, high: int,
 
 
 def tree_replay(prompts: list[tuple[int, ...]], outputs: list[list[int]], rows: int,
-                step_s: float, row_s: float, cache_tokens: int = 262_144,
-                max_match: int = 32) -> None:
+                cost: StepCostModel, cache_tokens: int = 262_144, max_match: int = 32) -> None:
     """Offline: steps a best path vs a best tree of ``rows`` nodes would take to
     emit the greedy ``outputs`` (module doc). Both use the longest match in the
     request so far or, when longer, in the earlier outputs."""
@@ -273,16 +274,8 @@ def tree_replay(prompts: list[tuple[int, ...]], outputs: list[list[int]], rows: 
                 match, own = longest_match(context, ends, context, matched=1,
                                            max_match=max_match, low=0)
                 candidates.append((match, context, own, context.shape[0], None))
-                key = cache._keys(0, context[-2:])[0] if context.shape[0] >= 2 else None
-                found = cache._index.get(int(key)) if key is not None else None
-                if found is not None:
-                    view = np.frombuffer(found, dtype=np.int64).copy()
-                    low = cache._low()
-                    g_match, g_ends = longest_match(cache._ring, view[view >= low], context,
-                                                    matched=2, max_match=max_match, low=low,
-                                                    size=cache.max_tokens)
-                    candidates.append((g_match, cache._ring, g_ends, cache._written,
-                                       cache.max_tokens))
+                g_match, g_ends = cache.match(context, max_match=max_match)
+                candidates.append((g_match, cache.ring, g_ends, cache.written, cache.max_tokens))
                 match, buffer, ends, high, size = max(candidates, key=lambda c: c[0])
                 truth = tuple(out[t:t + rows])
                 accepted = 0
@@ -306,13 +299,14 @@ def tree_replay(prompts: list[tuple[int, ...]], outputs: list[list[int]], rows: 
                 steps[kind] += 1
         emitted += len(out)
         cache.insert(out)
-    print(f"\ntree replay: {len(outputs)} requests, {emitted} tokens, {rows} proposal rows")
+    print(f"\ntree replay: {len(outputs)} requests, {emitted} tokens, {rows} proposed tokens "
+          f"({rows + 1} rows a step)")
     print("| verification | steps | tokens/step | predicted decode tok/s |")
     print("|---|---:|---:|---:|")
     for kind, count in steps.items():
         per_step = emitted / count
         print(f"| best {kind} | {count} | {per_step:.2f} | "
-              f"{per_step / (step_s + row_s * rows):.1f} |")
+              f"{per_step / cost.seconds(1 + rows):.1f} |")
 
 
 async def main() -> None:
@@ -374,9 +368,8 @@ async def main() -> None:
                 reference = (await one_pass(backend, log, prompts, options, methods[0])).outputs
                 speculator = backend.speculator
                 assert speculator is not None
-                for rows in (4, 8, 16):
-                    tree_replay(prompts, reference, rows, speculator.cost.per_step,
-                                speculator.cost.per_row)
+                for rows in (3, 7, 15):  # + the sequence's own row: 4, 8, 16 rows
+                    tree_replay(prompts, reference, rows, speculator.cost)
             report[name] = results
     finally:
         await backend.shutdown()

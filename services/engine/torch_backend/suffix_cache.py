@@ -252,27 +252,45 @@ class SuffixCache:
         self._index = kept
         self._positions = total
 
-    def continuation(self, context: np.ndarray, scope: str = "", *, depth: int,
-                     max_match: int, min_prob: float) -> Continuation:
-        """The best continuation of ``context`` (int64 token ids, the sequence
-        so far) among this scope's outputs: matched on its last bigram and
-        then as many earlier tokens as agree (up to ``max_match``),
-        :func:`best_path` of at most ``depth`` tokens."""
+    @property
+    def ring(self) -> np.ndarray:
+        """The ring of token ids (read only; slot ``position % max_tokens``)."""
+        return self._ring
+
+    @property
+    def written(self) -> int:
+        """Absolute positions written so far (positions below it hold data)."""
+        return self._written
+
+    def match(self, context: np.ndarray, scope: str = "", *,
+              max_match: int) -> tuple[int, np.ndarray]:
+        """The deepest match of ``context`` (int64 token ids, the sequence so
+        far) among this scope's outputs: (its length, the absolute ring
+        positions where it ends); (0, empty) without one. Matched on the last
+        bigram (its ``max_candidates`` most recent occurrences), then on as
+        many earlier tokens as agree, up to ``max_match``."""
+        none = (0, np.empty(0, dtype=np.int64))
         scope_id = self._scopes.get(scope)
-        if scope_id is None or context.shape[0] < 2 or depth <= 0:
-            return NO_CONTINUATION
-        key = int(self._keys(scope_id, context[-2:])[0])
-        positions = self._index.get(key)
+        if scope_id is None or context.shape[0] < 2:
+            return none
+        positions = self._index.get(int(self._keys(scope_id, context[-2:])[0]))
         if positions is None:
-            return NO_CONTINUATION
+            return none
         view = np.frombuffer(positions, dtype=np.int64)
         # a copy: a live view of the array would stop later appends to it
         ends = view[max(int(np.searchsorted(view, self._low())),
                         view.shape[0] - self.max_candidates):].copy()
         del view
-        length, ends = longest_match(self._ring, ends, context, matched=2,
-                                     max_match=max_match, low=self._low(),
-                                     size=self.max_tokens)
+        return longest_match(self._ring, ends, context, matched=2, max_match=max_match,
+                             low=self._low(), size=self.max_tokens)
+
+    def continuation(self, context: np.ndarray, scope: str = "", *, depth: int,
+                     max_match: int, min_prob: float) -> Continuation:
+        """The best continuation of ``context`` among this scope's outputs:
+        :meth:`match`, then :func:`best_path` of at most ``depth`` tokens."""
+        if depth <= 0:
+            return NO_CONTINUATION
+        length, ends = self.match(context, scope, max_match=max_match)
         if length == 0:
             return NO_CONTINUATION
         tokens, probs = best_path(self._ring, ends, high=self._written, depth=depth,
