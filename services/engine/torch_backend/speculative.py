@@ -17,7 +17,6 @@ ones. Proposers:
   bounded window of the last tokens.
 * :class:`~services.engine.torch_backend.draft_proposer.DraftProposer`, a
   smaller model sharing the tokenizer, run ``k`` greedy steps.
-
 * :class:`~services.engine.torch_backend.suffix_proposer.SuffixProposer`,
   suffix decoding (Oliaro et al. 2024): the most frequent continuation of the
   longest match in the sequence's own tokens or in the engine's cache of
