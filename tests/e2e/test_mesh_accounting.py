@@ -78,13 +78,29 @@ def _stop_inside_a_run(responses: list[generation_pb2.GenerateResponse]) -> str:
                          f"{[len(r.token_ids) for r in responses]}")
 
 
+def _free_run_with_a_multi_token_step(channel: grpc.Channel, prompt: str,
+                                      ) -> tuple[list[generation_pb2.GenerateResponse], str]:
+    """A free n-gram run of ``prompt`` with a step of 3+ ids, and the stop string
+    placed inside it. How far the engine speculates follows its measured step
+    times and acceptance (the cost rule), so after other traffic (a benchmark
+    timed under load) the first runs may score one proposal a step: it
+    re-times its steps and learns the acceptance within a few runs."""
+    error = AssertionError("no run")
+    for _ in range(6):
+        responses = _run(channel, _request(prompt, NGRAM))
+        try:
+            return responses, _stop_inside_a_run(responses)
+        except AssertionError as exc:
+            error = exc
+    raise error
+
+
 @pytest.mark.parametrize("prompt", [CODE_PROMPT, REPEAT_PROMPT], ids=["code", "repeat"])
 def test_a_stop_string_inside_an_accepted_run_bills_only_the_tokens_through_it(
         mesh: Mesh, ingress_channel: grpc.Channel, prompt: str) -> None:
     """Ids, usage and the cached entry are the same with speculation off,
     n-gram and draft: they end at the token that completed the stop string."""
-    free_run = _run(ingress_channel, _request(prompt, NGRAM))
-    stop = _stop_inside_a_run(free_run)
+    free_run, stop = _free_run_with_a_multi_token_step(ingress_channel, prompt)
     results = {}
     for method in (NONE, NGRAM, DRAFT):
         responses = _run(ingress_channel, _request(prompt, method, stop=(stop,)))

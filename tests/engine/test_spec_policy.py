@@ -30,14 +30,54 @@ def fitted(a: float, b: float, rows: range = range(1, 20)) -> StepCostModel:
 
 
 def test_the_cost_model_learns_the_step_time_and_ignores_one_stall() -> None:
+    fresh = StepCostModel()
+    # before any step: the prior's shape, 4.6 ms + 0.8 ms a row
+    assert fresh.seconds(1) == pytest.approx(0.0054)
+    assert fresh.seconds(4) == pytest.approx(0.0078)
     model = fitted(0.010, 0.002)
-    assert model.per_step == pytest.approx(0.010, rel=0.02)
-    assert model.per_row == pytest.approx(0.002, rel=0.02)
-    model.observe(4, 5.0)  # a 5 s stall (GC, another process) counts as 3x the prediction
-    assert model.per_row == pytest.approx(0.002, rel=0.3)
-    assert model.seconds(4) < 0.1
-    # with no variation in rows yet, the prior's slope stands
-    assert StepCostModel().per_row > 0
+    for rows in (1, 4, 19):
+        assert model.seconds(rows) == pytest.approx(0.010 + 0.002 * rows, rel=1e-6)
+    model.observe(4, 5.0)  # a 5 s stall (GC, another process) counts as 3x the estimate
+    assert model.seconds(4) == pytest.approx(0.018 * (1 + 0.1 * 2), rel=1e-6)
+    # unseen counts: linear between trusted neighbours, the prior's shape beyond
+    sparse = StepCostModel()
+    for _ in range(3):
+        for rows, seconds in ((2, 0.006), (6, 0.010)):
+            sparse.observe(rows, seconds)
+    assert sparse.seconds(4) == pytest.approx(0.008)
+    assert sparse.seconds(8) == pytest.approx(0.010 * (4.6 + 0.8 * 8) / (4.6 + 0.8 * 6))
+    assert sparse.seconds(1) == pytest.approx(0.006 * (4.6 + 0.8) / (4.6 + 0.8 * 2))
+    with pytest.raises(ValueError, match="table_weight"):
+        StepCostModel(table_weight=0)
+
+
+def test_rows_timed_under_contention_are_tried_again_once_stale() -> None:
+    """Steps of 2-3 rows timed while another process shared the cores (3x a
+    1-row step) must not keep speculation off once the machine is quiet: the
+    1-row steps that keep running are timed anew, the others go stale and are
+    estimated from them until a new step times them."""
+    quiet = {1: 0.0050, 2: 0.0057, 3: 0.0063}
+    model = StepCostModel()
+    for _ in range(10):
+        for rows, seconds in quiet.items():
+            model.observe(rows, seconds)
+    for _ in range(30):  # contention: 2-3 row steps 3x slower, 1-row ones 1.2x
+        for rows, seconds in quiet.items():
+            model.observe(rows, seconds * (3.0 if rows > 1 else 1.2))
+    assert model.seconds(2) / model.seconds(1) > 2
+    # one sequence, a sure proposal: it does not pay while the table says 3x
+    assert choose_lengths([(0.95, 0.9)], 1, model) == [0]
+    for _ in range(model.stale_after - 1):  # quiet again: no speculation, 1 row only
+        model.observe(1, quiet[1])
+    assert choose_lengths([(0.95, 0.9)], 1, model) == [0]
+    model.observe(1, quiet[1])  # the 2- and 3-row averages are now stale
+    assert model.seconds(2) == pytest.approx(quiet[1] * (4.6 + 1.6) / (4.6 + 0.8), rel=0.01)
+    assert choose_lengths([(0.95, 0.9)], 1, model) == [2]
+    model.observe(3, quiet[3])  # the try: its new time replaces the stale average
+    assert model.seconds(3) == pytest.approx(quiet[3], rel=0.02)
+    # a count tried lately keeps its average, even a high one
+    model.observe(3, 3 * quiet[3])
+    assert model.seconds(3) > 1.1 * quiet[3]
 
 
 def test_the_marginal_rule_speculates_at_one_sequence_and_only_sure_tokens_in_a_batch() -> None:

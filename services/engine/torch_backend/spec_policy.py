@@ -2,10 +2,10 @@
 
 The engine measures its decode steps (no prompt tokens in them) by their row
 count ``R``: :class:`StepCostModel` keeps the recent step time of each ``R``
-it has seen, and a linear fit ``a + b * R`` for the others. The time is not
-linear here: the native integer kernels work on rows in groups of four, so on
-2 Zen 4 cores a step of 1 to 4 rows costs ~4.8 to 7.2 ms, one of 5 rows ~9 ms
-(``docs/engine.md``, speculative decoding numbers).
+it has timed lately, and estimates the others from their neighbours. The time
+is not linear here: the native integer kernels work on rows in groups of
+four, so on 2 Zen 4 cores a step of 1 to 4 rows costs ~4.8 to 7.2 ms, one of
+5 rows ~9 ms (``docs/engine.md``, speculative decoding numbers).
 
 A step with ``n`` decoding sequences emits at least ``n`` tokens; a proposed
 token adds a row and, with probability ``q`` (that it and every proposal
@@ -32,94 +32,128 @@ alone. Threading: the engine thread only.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
 from services.common.sampling import SpeculativeMethod
 
 #: Prior decode step: ``a`` seconds for the step, ``b`` per row (measured:
-#: SmolLM2 int4 on 2 Zen 4 cores, ~4.6 ms + ~0.8 ms a row up to four rows; the
-#: engine's own measurements replace it within tens of steps).
+#: SmolLM2 int4 on 2 Zen 4 cores, ~4.6 ms + ~0.8 ms a row up to four rows). Only
+#: its shape matters once the engine has timed a step: a count the engine has
+#: not timed is scaled from the nearest one it has.
 PRIOR_STEP_S = 4.6e-3
 PRIOR_ROW_S = 0.8e-3
-#: Steps of a row count measured before its own time replaces the linear fit.
+#: Steps of a row count timed before its own average replaces the estimate
+#: from its neighbours.
 MIN_SAMPLES = 3
+
+
+def _prior(rows: int) -> float:
+    return PRIOR_STEP_S + PRIOR_ROW_S * rows
 
 
 @dataclass
 class StepCostModel:
-    """Decode step time by row count: measured per count, else linear.
+    """Decode step time by row count, from the engine's own recent steps.
+
+    Each row count keeps the moving average of its step times. Its average is
+    trusted while it is *fresh*: timed at least ``MIN_SAMPLES`` times, the
+    last within the last ``stale_after`` decode steps. Any other count is
+    estimated from the nearest trusted ones: linearly between two, and beyond
+    them by the prior's shape ``a + b * R`` scaled to the nearest (the prior
+    alone before any count is trusted). A stale count takes the lower of that
+    estimate and its own old average; when it is timed again, the new step
+    replaces the old average.
+
+    Why the staleness: the cost rule stops proposing the rows whose measured
+    cost was high, so a count is timed again only if it is tried again. Steps
+    timed in a spell of contention (a benchmark client or another process on
+    the same two cores: 2-row steps took 2-3.5x a 1-row step there, against
+    1.15x on a quiet machine) kept speculation off for good after the
+    contention ended, since the 1-row steps that kept running were timed anew
+    and the multi-row ones never were. The optimistic estimate makes the rule
+    try such a count again within ``stale_after`` steps, and what it measures
+    then stands; on a machine whose costs have not changed, that try costs
+    one step's extra rows per count and ``stale_after`` steps. The cut-off
+    decisions (:func:`choose_lengths`, ``Speculator.bar``) use ratios of step
+    times only.
 
     Attributes:
-      decay: weight kept by the past at each observation of the linear fit
-        (0.99: ~100 steps).
-      table_weight: weight of each new step in its row count's average.
-      prior_weight: pseudo-steps of the prior (at 1 and 2 rows) in the fit.
+      table_weight: least weight of a new step in its row count's average
+        (the first ``1 / table_weight`` steps are averaged plainly).
+      stale_after: decode steps (of any count) after which a count's average
+        is stale (64: ~0.3 s of one stream here).
+      stall: a step slower than this many times its estimate counts as that
+        (one GC pause or preemption cannot turn speculation off).
     """
 
-    decay: float = 0.99
     table_weight: float = 0.1
-    prior_weight: float = 4.0
-    _sums: list[float] = field(default_factory=list, repr=False)
-    # rows -> [average seconds, steps seen]
+    stale_after: int = 64
+    stall: float = 3.0
+    # rows -> [average seconds, steps timed, index of the last one]
     _table: dict[int, list[float]] = field(default_factory=dict, repr=False)
+    _steps: int = field(default=0, repr=False)
+    # trusted counts, ascending, and their averages (rebuilt at each step)
+    _trusted: list[int] = field(default_factory=list, repr=False)
+    _estimates: dict[int, float] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if not 0 < self.decay < 1:
-            raise ValueError(f"decay must be in (0, 1), got {self.decay}")
-        w = self.prior_weight / 2
-        # Sums of w, w*x, w*x*x, w*y, w*x*y over the prior's two points.
-        self._sums = [0.0] * 5
-        for rows in (1.0, 2.0):
-            self._add(w, rows, PRIOR_STEP_S + PRIOR_ROW_S * rows)
+        if not 0 < self.table_weight <= 1:
+            raise ValueError(f"table_weight must be in (0, 1], got {self.table_weight}")
+        if self.stale_after < 1 or not self.stall > 1:
+            raise ValueError(f"need stale_after >= 1 and stall > 1, got {self.stale_after} "
+                             f"and {self.stall}")
 
-    def _add(self, weight: float, x: float, y: float) -> None:
-        s = self._sums
-        s[0] += weight
-        s[1] += weight * x
-        s[2] += weight * x * x
-        s[3] += weight * y
-        s[4] += weight * x * y
+    def _fresh(self, entry: list[float]) -> bool:
+        return self._steps - entry[2] <= self.stale_after
 
     def observe(self, rows: int, seconds: float) -> None:
-        """One decode step of ``rows`` rows that took ``seconds``. A step much
-        slower than predicted (a stall: GC, another process) counts as 3x the
-        prediction, so one pause cannot turn speculation off."""
+        """One decode step of ``rows`` rows that took ``seconds``."""
         if rows <= 0 or seconds <= 0:
             return
-        seconds = min(seconds, 3 * self.seconds(rows))
-        self._sums = [value * self.decay for value in self._sums]
-        self._add(1.0, float(rows), seconds)
+        seconds = min(seconds, self.stall * self.seconds(rows))
         found = self._table.get(rows)
-        if found is None:
-            self._table[rows] = [seconds, 1.0]
+        if found is None or not self._fresh(found):  # a stale average starts afresh
+            self._table[rows] = [seconds, 1.0 if found is None else found[1] + 1, self._steps]
         else:
             weight = max(self.table_weight, 1.0 / (found[1] + 1))
             found[0] += weight * (seconds - found[0])
             found[1] += 1
-
-    @property
-    def per_row(self) -> float:
-        """``b`` of the linear fit: seconds one more row costs (> 0)."""
-        s0, s1, s2, sy, sxy = self._sums
-        var = s0 * s2 - s1 * s1
-        if var <= 1e-12 * max(s0 * s2, 1e-30):
-            return PRIOR_ROW_S
-        return max((s0 * sxy - s1 * sy) / var, 1e-6)
-
-    @property
-    def per_step(self) -> float:
-        """``a`` of the linear fit: seconds of a step besides its rows (>= 0)."""
-        s0, s1, _, sy, _ = self._sums
-        return max((sy - self.per_row * s1) / s0, 0.0)
+            found[2] = self._steps
+        self._steps += 1
+        self._trusted = sorted(count for count, entry in self._table.items()
+                               if entry[1] >= MIN_SAMPLES and self._fresh(entry))
+        self._estimates = {}
 
     def seconds(self, rows: int) -> float:
-        """Predicted seconds of a decode step of ``rows`` rows: the measured
-        average of that count once seen ``MIN_SAMPLES`` times, else the fit."""
+        """Estimated seconds of a decode step of ``rows`` rows (class doc)."""
+        cached = self._estimates.get(rows)
+        if cached is not None:
+            return cached
         found = self._table.get(rows)
-        if found is not None and found[1] >= MIN_SAMPLES:
-            return found[0]
-        return self.per_step + self.per_row * rows
+        if found is not None and found[1] >= MIN_SAMPLES and self._fresh(found):
+            estimate = found[0]
+        else:
+            estimate = self._from_neighbours(rows)
+            if found is not None and not self._fresh(found):
+                estimate = min(estimate, found[0])
+        self._estimates[rows] = estimate
+        return estimate
+
+    def _from_neighbours(self, rows: int) -> float:
+        trusted = self._trusted
+        if not trusted:
+            return _prior(rows)
+        at = bisect.bisect_left(trusted, rows)
+        below = trusted[at - 1] if at > 0 else None
+        above = trusted[at] if at < len(trusted) else None
+        if below is not None and above is not None:
+            low, high = self._table[below][0], self._table[above][0]
+            return low + (high - low) * (rows - below) / (above - below)
+        nearest = below if below is not None else above
+        assert nearest is not None
+        return self._table[nearest][0] * _prior(rows) / _prior(nearest)
 
 
 @dataclass
