@@ -328,6 +328,36 @@ def test_h100_engines_get_a_gpu_the_model_volume_and_time_to_load() -> None:
     assert "nvidia.com/gpu" not in cpu_engine["resources"]["limits"]
 
 
+#: The one line docs/kubernetes.md tells H200 users to add under ``patches:`` in
+#: the h100 overlay's kustomization.yaml.
+H200_PATCH = ('  - {target: {kind: Deployment, name: engine}, patch: \'[{"op": "replace", '
+              '"path": "/spec/template/spec/nodeSelector/nvidia.com~1gpu.product", '
+              '"value": "NVIDIA-H200"}]\'}')
+
+
+def test_the_documented_h200_patch_moves_only_the_engines_node_selector(
+        tmp_path: Path) -> None:
+    assert H200_PATCH in (REPO_ROOT / "docs" / "kubernetes.md").read_text()
+    copied = tmp_path / "k8s"
+    shutil.copytree(K8S, copied)
+    kustomization = copied / "overlays" / "h100" / "kustomization.yaml"
+    text = kustomization.read_text()
+    assert text.rstrip().endswith("- path: autoscaler.yaml")  # patches: is the last list
+    kustomization.write_text(text.rstrip() + "\n" + H200_PATCH + "\n")
+    result = subprocess.run([_tool("kubectl"), "kustomize", str(copied / "overlays" / "h100")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    patched = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    original = copy.deepcopy(list(_build("overlays/h100")))
+    engine = next(o for o in original if o["kind"] == "Deployment"
+                  and o["metadata"]["name"] == "engine")
+    assert engine["spec"]["template"]["spec"]["nodeSelector"] == {
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}  # the default stays H100
+    engine["spec"]["template"]["spec"]["nodeSelector"] = {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert patched == original
+    kubernetes_validate.validate(engine, K8S_VERSIONS[0], strict=True)
+
+
 def _metric_defined(name: str) -> bool:
     base = re.sub(r"_(bucket|sum|count)$", "", name)
     sources = [REPO_ROOT / "services" / "engine" / "metrics.py",
