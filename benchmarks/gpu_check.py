@@ -24,15 +24,19 @@ model, the copy bandwidth) are bounded by their size.
 5. ``contract``: ``tests/engine/test_backend_contract.py`` on the tiny model on
    the device (``LLMESH_CONTRACT_MODEL/DEVICE``; float32, so greedy ids can be
    compared with transformers'), as a pytest subprocess.
-6. ``mesh_bench``: the mesh (tokenizer, cache, engine on the device, router,
+6. ``batch_invariance``: the tiny model's greedy ids and logits for one prompt
+   alone vs. inside batches of 3 and 8 (``gpu_check_batch_invariance.py``: the
+   engine's model runner, CUDA graphs on the GPU, in the plan's dtype; the
+   batch-invariant and the plain mode), in process, a few seconds.
+7. ``mesh_bench``: the mesh (tokenizer, cache, engine on the device, router,
    Envoy when its binary is there: else the router directly, said in the JSON)
    on the bench model, then ``python -m services.bench`` (random 256-token
    prompts, 128 output tokens, EOS ignored; 64 and 16 in the dry run) for
    ``--bench-duration`` seconds at each of ``--concurrency`` streams: TTFT,
    TPOT, ITL, e2e percentiles and throughputs.
-7. ``roofline``: bs=1 roofline TPOT = decode weight bytes / copy bandwidth, and
+8. ``roofline``: bs=1 roofline TPOT = decode weight bytes / copy bandwidth, and
    the measured one-stream median TPOT over it (target <= 1.5).
-8. ``engine_cuda_check`` (GPU only, last, with what time is left):
+9. ``engine_cuda_check`` (GPU only, last, with what time is left):
    ``python -m benchmarks.cuda_check`` on a tiny model; its JSON is kept whole.
 
 Writes ``$OUT/gpu_check.json`` (schema :data:`SCHEMA`: every number, stage
@@ -70,7 +74,7 @@ BUDGET_S = 480.0
 #: Seconds kept back from every stage for stopping children and writing the JSON.
 RESERVE_S = 10.0
 STAGES = ("environment", "contract_model", "bench_model", "bandwidth", "contract",
-          "mesh_bench", "roofline")
+          "batch_invariance", "mesh_bench", "roofline")
 #: Stages after :data:`STAGES`, on the GPU only and only with time left:
 #: ``benchmarks/cuda_check.py`` (the engine's CUDA graphs vs eager, no host
 #: syncs, greedy ids vs transformers on the GPU, on a tiny model).
@@ -124,7 +128,8 @@ def make_plan(dry_run: bool, concurrencies: tuple[int, ...] | None = None,
             engine_args=("--device", "cpu", "--dtype", "float32", "--quantization", "none",
                          "--kv-cache-bytes", "256MiB",
                          "--num-threads", "1"),
-            stage_needs_s={"contract": 20, "mesh_bench": 40, "bench_model": 5})
+            stage_needs_s={"contract": 20, "batch_invariance": 15, "mesh_bench": 40,
+                           "bench_model": 5})
     return Plan(
         mode="gpu", device="cuda", dtype="bfloat16", bench_shape="8b",
         concurrencies=concurrencies or (1, 16, 64), bench_duration_s=bench_duration_s or 60.0,
@@ -133,8 +138,8 @@ def make_plan(dry_run: bool, concurrencies: tuple[int, ...] | None = None,
         bandwidth_bytes=4 << 30,
         engine_args=("--device", "cuda", "--dtype", "bfloat16", "--quantization", "none",
                      "--kv-cache-bytes", "16GiB", "--max-num-seqs", "64"),
-        stage_needs_s={"contract": 30, "mesh_bench": 120, "bench_model": 30,
-                       "engine_cuda_check": 45})
+        stage_needs_s={"contract": 30, "batch_invariance": 15, "mesh_bench": 120,
+                       "bench_model": 30, "engine_cuda_check": 45})
 
 
 def num_prompts(concurrency: int, duration_s: float, requests_per_stream_s: float) -> int:
@@ -369,6 +374,27 @@ def run_contract(check: Check, model: Path, timeout_s: float) -> dict[str, Any]:
     return result
 
 
+def run_batch_invariance(check: Check, model: Path) -> dict[str, Any]:
+    """The ``batch_invariance`` stage on ``model`` on the plan's device and dtype
+    (:func:`benchmarks.gpu_check_batch_invariance.measure_batch_invariance`), in
+    process; on CUDA the memory it held is handed back before the mesh starts."""
+    from benchmarks.gpu_check_batch_invariance import measure_batch_invariance
+
+    try:
+        result = measure_batch_invariance(model, check.plan.device, check.plan.dtype)
+    finally:
+        if check.plan.device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+    check.log(json.dumps({"identical": result["identical"],
+                          "max_abs_logit_diff": result["max_abs_logit_diff"],
+                          "plain_mode": {k: result["modes"]["plain"][k] for k in
+                                         ("identical", "max_abs_logit_diff")},
+                          "seconds": result["seconds"]}))
+    return result
+
+
 def junit_counts(path: Path) -> dict[str, int]:
     """``tests``, ``passed``, ``failed`` (failures + errors) and ``skipped`` of a
     pytest JUnit XML report."""
@@ -461,12 +487,14 @@ def bench_once(check: Check, address: str, model: Path, concurrency: int,
 def targets(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each target's value, limit, whether it applies in this mode, and pass
     (None where it does not apply: the roofline in the dry run, whose CPU
-    numbers say nothing about the GPU's)."""
+    numbers say nothing about the GPU's; batch invariance on the GPU, where it
+    is measured and reported but not claimed)."""
     stages = report["stages"]
     gpu = report["mode"] == "gpu"
     contract = report.get("contract") or {}
     runs = (report.get("bench") or {}).get("runs", {})
     roof = report.get("roofline") or {}
+    invariance = report.get("batch_invariance") or {}
     concurrencies = [str(c) for c in report["plan"]["concurrencies"]]
     bench_ok = bool(runs) and all(
         runs.get(c, {}).get("status") == "ok" and runs[c].get("completed", 0) > 0
@@ -486,6 +514,10 @@ def targets(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
         "bench_every_concurrency": {"value": {c: runs.get(c, {}).get("status")
                                               for c in concurrencies},
                                     "applies": True, "pass": bench_ok},
+        "batch_invariance": {"value": {k: invariance.get(k) for k in
+                                       ("identical", "max_abs_logit_diff")},
+                             "applies": not gpu,
+                             "pass": invariance.get("identical") is True if not gpu else None},
         "tpot_vs_roofline": {"value": roof.get("ratio"), "limit": roof.get("target_ratio"),
                              "applies": gpu, "pass": (roof.get("pass") is True) if gpu
                              else None},
@@ -590,6 +622,8 @@ def run_stages(check: Check, tokenizer_given: Path, envoy: str | None) -> None:
         "bandwidth", lambda _: measure_copy_bandwidth(plan.device, plan.bandwidth_bytes))
     report["contract"] = check.stage("contract", lambda left: run_contract(
         check, Path(_need(models["contract"], "the contract model")["path"]), left))
+    report["batch_invariance"] = check.stage("batch_invariance", lambda _: run_batch_invariance(
+        check, Path(_need(models["contract"], "the contract model")["path"])))
     report["bench"] = check.stage("mesh_bench", lambda left: run_mesh_bench(
         check, Path(_need(models["bench"], "the bench model")["path"]), envoy, left))
     report["roofline"] = check.stage("roofline", lambda _: roofline_stage(check))

@@ -5,7 +5,9 @@ the whole mesh and three bench runs (one to seven minutes on a 2-core machine,
 depending on its load), too long for CI. What is checked: the flags and the
 plans they make, the stage runner's budget, the roofline arithmetic, the
 report's targets and JSON, the streamed checkpoint writer and the decode
-weight bytes, and that the carried wheel list covers what the mesh imports.
+weight bytes, the batch-invariance stage (its comparison on made-up traces,
+and one run on a small random model on the CPU), and that the carried wheel
+list covers what the mesh imports.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import pytest
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
-from benchmarks import gpu_check
+from benchmarks import gpu_check, gpu_check_batch_invariance
 from benchmarks.gpu_check_deps import (
     CARRIED,
     DEVICE_PREINSTALLED,
@@ -232,6 +234,7 @@ def report_with(mode: str, **overrides: Any) -> dict[str, Any]:
         "contract": {"exit_code": 0, "passed": 16},
         "bench": {"runs": runs},
         "roofline": {"ratio": 1.2, "target_ratio": 1.5, "pass": True},
+        "batch_invariance": {"identical": True, "max_abs_logit_diff": 0.0},
         "engine_cuda_check": {"ok": True}}
     report.update(overrides)
     return report
@@ -240,8 +243,12 @@ def report_with(mode: str, **overrides: Any) -> dict[str, Any]:
 def test_targets_of_a_good_run_pass() -> None:
     targets = gpu_check.targets(report_with("gpu"))
     assert set(targets) == {"total_time", "every_stage_ran", "contract_suite",
-                            "bench_every_concurrency", "tpot_vs_roofline",
+                            "bench_every_concurrency", "batch_invariance", "tpot_vs_roofline",
                             "engine_cuda_check"}
+    # Batch invariance is measured on the GPU, not claimed there.
+    assert targets.pop("batch_invariance") == {
+        "value": {"identical": True, "max_abs_logit_diff": 0.0}, "applies": False,
+        "pass": None}
     assert all(t["pass"] and t["applies"] for t in targets.values())
 
 
@@ -285,6 +292,19 @@ def test_the_roofline_target_does_not_apply_to_the_dry_run() -> None:
     target = gpu_check.targets(report_with("dry-run", roofline={
         "ratio": 300.0, "target_ratio": 1.5, "pass": False}))["tpot_vs_roofline"]
     assert target == {"value": 300.0, "limit": 1.5, "applies": False, "pass": None}
+
+
+def test_batch_invariance_is_a_target_of_the_dry_run_only() -> None:
+    assert "batch_invariance" in gpu_check.STAGES
+    good = gpu_check.targets(report_with("dry-run"))["batch_invariance"]
+    assert (good["applies"], good["pass"]) == (True, True)
+    differs = {"identical": False, "max_abs_logit_diff": 0.25}
+    bad = gpu_check.targets(report_with("dry-run", batch_invariance=differs))
+    assert bad["batch_invariance"] == {"value": differs, "applies": True, "pass": False}
+    missing = gpu_check.targets(report_with("dry-run", batch_invariance=None))
+    assert missing["batch_invariance"]["pass"] is False
+    on_gpu = gpu_check.targets(report_with("gpu", batch_invariance=differs))
+    assert on_gpu["batch_invariance"]["pass"] is None
 
 
 def test_report_json_round_trips(tmp_path: Path) -> None:
@@ -350,6 +370,7 @@ CHECK_MODULES = (
     "services.bench.metrics", "services.cli.mesh",
     "services.engine.torch_backend.structured_output", "pytest_asyncio", "pytest_timeout",
     "tests.engine.contract_model", "benchmarks.gpu_check", "benchmarks.gpu_check_models",
+    "benchmarks.gpu_check_batch_invariance",
     "benchmarks.gpu_check_roofline", "benchmarks.random_checkpoint", "benchmarks.cuda_check",
 )
 
@@ -391,3 +412,94 @@ def test_without_a_gpu_the_check_stops_after_the_environment_and_says_so(
     assert report["envoy"] == {"used": False, "binary": None, "why_not": "--no-envoy"}
     assert report["targets"]["every_stage_ran"]["pass"] is False
     assert "no CUDA device" in (tmp_path / "out" / "gpu_check.log").read_text()
+
+
+# -- the batch-invariance stage ----------------------------------------------
+
+
+def trace(ids: list[int], rows: list[list[float]]) -> gpu_check_batch_invariance.Trace:
+    torch = pytest.importorskip("torch")
+    return gpu_check_batch_invariance.Trace(ids, torch.tensor(rows))
+
+
+def test_compare_finds_the_first_divergence_and_diffs_logits_up_to_it() -> None:
+    alone = trace([5, 6, 7], [[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
+    same = gpu_check_batch_invariance.compare(alone, trace([5, 6, 7], [[0.0, 1.0], [1.0, 0.0],
+                                                                      [0.0, 1.0]]))
+    assert (same["identical"], same["first_divergence"], same["max_abs_logit_diff"],
+            same["bit_identical_logits"]) == (True, None, 0.0, True)
+    # Step 1 differs (ids 6 vs 9): steps 0 and 1 are compared; step 2 (-5.0 off)
+    # follows another token and is not.
+    off = gpu_check_batch_invariance.compare(alone, trace([5, 9, 7], [[0.0, 1.5], [1.0, 0.25],
+                                                                     [-5.0, 1.0]]))
+    assert (off["identical"], off["first_divergence"], off["max_abs_logit_diff"],
+            off["bit_identical_logits"]) == (False, 1, 0.5, False)
+    assert off["ids"] == [5, 9, 7]
+
+
+def test_other_prompts_have_other_lengths_than_the_target() -> None:
+    others = gpu_check_batch_invariance.other_prompts(7, vocab_size=100)
+    assert [len(p) for p in others] == [5, 18, 31, 44, 57, 70, 83]
+    assert gpu_check_batch_invariance.TARGET_LEN not in [len(p) for p in others]
+    assert all(1 <= t < 100 for p in others for t in p)
+    assert others == gpu_check_batch_invariance.other_prompts(7, vocab_size=100)
+
+
+class BatchSensitiveRunner:
+    """A fake model runner whose logits for token 3 grow with the batch: the
+    harness must see it."""
+
+    class Cache:
+        num_blocks = 64
+
+    kv_cache = Cache()
+
+    def run(self, inputs: list[Any]) -> Any:
+        torch = pytest.importorskip("torch")
+        logits = torch.zeros(len(inputs), 8)
+        logits[:, 2] = 1.0
+        logits[:, 3] = 0.4 * len(inputs)  # above token 2 from 3 rows up
+        return logits
+
+
+def test_greedy_in_batch_sees_a_batch_dependent_runner() -> None:
+    runner, target = BatchSensitiveRunner(), [1, 2, 3]
+    alone = gpu_check_batch_invariance.greedy_in_batch(runner, target, [], 4)
+    assert alone.ids == [2, 2, 2, 2] and tuple(alone.logits.shape) == (4, 8)
+    batched = gpu_check_batch_invariance.greedy_in_batch(runner, target, [[4], [5]], 4)
+    result = gpu_check_batch_invariance.compare(alone, batched)
+    assert (result["identical"], result["first_divergence"]) == (False, 0)
+    assert result["max_abs_logit_diff"] == pytest.approx(0.8)
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("torch")
+    from benchmarks.random_checkpoint import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("small") / "model", dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
+
+
+def test_the_stage_on_the_cpu_finds_the_engine_batch_invariant(
+        small_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.engine.torch_backend.model_runner import ModelRunner
+
+    # The start-up probe takes seconds on a busy 2-core machine; the engine's
+    # own tests cover it.
+    monkeypatch.setattr(ModelRunner, "probe_batch_invariance", lambda self: [])
+    result = gpu_check_batch_invariance.measure_batch_invariance(small_model, "cpu", "float32",
+                                                                 new_tokens=6)
+    assert (result["identical"], result["max_abs_logit_diff"]) == (True, 0.0)
+    default, plain = result["modes"]["batch_invariant"], result["modes"]["plain"]
+    assert set(default["batch_sizes"]) == {"3", "8"}
+    assert all(r["bit_identical_logits"] and r["ids"] == default["alone_ids"]
+               for r in default["batch_sizes"].values())
+    assert len(default["alone_ids"]) == 6 and default["probe_failures"] == []
+    assert default["cuda_graphs"] == {"captured": [],
+                                      "why_not": "CUDA graphs are for CUDA devices"}
+    assert plain["batch_invariant_mode"] is False and plain["probe_failures"] is None
+    assert plain["alone_ids"] == default["alone_ids"]
+    with pytest.raises(ValueError, match="1 \\(the target alone\\)"):
+        gpu_check_batch_invariance.measure_mode(small_model, "cpu", "float32", True, (3,), 2)

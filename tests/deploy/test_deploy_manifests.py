@@ -2,7 +2,8 @@
 overlay builds with ``kubectl kustomize``; every object validates against the
 Kubernetes OpenAPI schemas (``kubernetes-validate``, strict: unknown fields
 fail) and KEDA's ScaledObject against KEDA's schema (``@kubernetes-models/keda``
-under node, installed by ``make install``); the Envoy config in the ConfigMap
+under node, installed by ``make install``; strict too, see
+``tests/deploy/keda/validate-scaledobjects.mjs``); the Envoy config in the ConfigMap
 passes ``envoy --mode validate``; and the decisions the manifests encode
 (probes, drain timing, rollouts, budgets, network policies, autoscaling on
 metrics the services really export) hold in every overlay.
@@ -105,16 +106,90 @@ def test_scaled_objects_match_kedas_schema(overlay: str) -> None:
     assert result.stdout.split() == ["valid", "engine"]
 
 
-def test_validators_reject_broken_objects() -> None:
-    deployment = copy.deepcopy(_objects("base", "Deployment")["engine"])
-    _container(deployment)["readinessProbe"]["grcp"] = {"port": 50061}
-    with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(deployment, K8S_VERSIONS[0], strict=True)
-    scaled = copy.deepcopy(_objects("base", "ScaledObject")["engine"])
-    scaled["spec"]["minReplicaCount"] = "one"
+def _rename(obj: dict, path: tuple[str | int, ...], new_key: str) -> dict:
+    """A deep copy of ``obj`` with the key at ``path`` renamed to ``new_key``
+    (its value kept): a misspelt field. An empty ``path`` is not allowed."""
+    broken = copy.deepcopy(obj)
+    parent = broken
+    for step in path[:-1]:
+        parent = parent[step]
+    parent[new_key] = parent.pop(path[-1])
+    return broken
+
+
+def _add(obj: dict, path: tuple[str | int, ...], key: str, value: object) -> dict:
+    """A deep copy of ``obj`` with ``key: value`` added to the object at ``path``."""
+    broken = copy.deepcopy(obj)
+    parent = broken
+    for step in path:
+        parent = parent[step]
+    parent[key] = value
+    return broken
+
+
+#: (case, how to break the engine Deployment, the field the error must name).
+BROKEN_DEPLOYMENTS = (
+    ("misspelt-spec-field", lambda d: _rename(d, ("spec", "strategy"), "stratgey"), "stratgey"),
+    ("extra-top-level-field", lambda d: _add(d, (), "bogus", True), "bogus"),
+    ("misspelt-probe-field", lambda d: _rename(
+        d, ("spec", "template", "spec", "containers", 0, "readinessProbe", "grpc"), "grcp"),
+     "grcp"),
+)
+
+
+@pytest.mark.parametrize(("case", "breaker", "field"), BROKEN_DEPLOYMENTS,
+                         ids=[c[0] for c in BROKEN_DEPLOYMENTS])
+def test_kubernetes_validation_refuses_unknown_fields(case: str, breaker, field: str) -> None:
+    deployment = breaker(_objects("base", "Deployment")["engine"])
+    for version in K8S_VERSIONS:
+        with pytest.raises(kubernetes_validate.ValidationError,
+                           match=f"'{field}' was unexpected"):
+            kubernetes_validate.validate(deployment, version, strict=True)
+
+
+#: (case, how to break the engine ScaledObject, the line the validator prints).
+BROKEN_SCALED_OBJECTS = (
+    ("misspelt-spec-field", lambda s: _rename(s, ("spec", "minReplicaCount"), "minReplicaCont"),
+     "invalid engine: data/spec has unknown field minReplicaCont"),
+    ("extra-top-level-field", lambda s: _add(s, (), "bogus", True),
+     "invalid engine: data has unknown field bogus"),
+    ("misspelt-trigger-field", lambda s: _rename(s, ("spec", "triggers", 1, "metricType"),
+                                                 "metrictype"),
+     "invalid engine: data/spec/triggers/1 has unknown field metrictype"),
+    ("misspelt-metadata-field", lambda s: _add(s, ("metadata",), "lables", {"a": "b"}),
+     "invalid engine: data/metadata has unknown field lables"),
+    ("field-in-hpa-behavior", lambda s: _add(
+        s, ("spec", "advanced", "horizontalPodAutoscalerConfig", "behavior", "scaleDown"),
+        "stabilizationWindowSecond", 60),
+     "invalid engine: data/spec/advanced/horizontalPodAutoscalerConfig/behavior/scaleDown "
+     "has unknown field stabilizationWindowSecond"),
+    ("wrong-type", lambda s: _add(s, ("spec",), "minReplicaCount", "one"),
+     "invalid engine: data/spec/minReplicaCount must be integer"),
+    ("wrong-type-and-extra-field", lambda s: _add(_add(s, ("spec",), "minReplicaCount", "one"),
+                                                  ("spec",), "bogus", 1),
+     "invalid engine: data/spec/minReplicaCount must be integer, "
+     "data/spec has unknown field bogus"),
+)
+
+
+@pytest.mark.parametrize(("case", "breaker", "line"), BROKEN_SCALED_OBJECTS,
+                         ids=[c[0] for c in BROKEN_SCALED_OBJECTS])
+def test_keda_validation_refuses_unknown_fields_and_wrong_types(case: str, breaker,
+                                                                line: str) -> None:
+    scaled = breaker(_objects("overlays/h100", "ScaledObject")["engine"])
     result = _keda_validate([scaled])
-    assert result.returncode == 1
-    assert "minReplicaCount must be integer" in result.stdout
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout.splitlines() == [line]
+
+
+def test_keda_validation_leaves_maps_free() -> None:
+    """Keys of a map (labels, a trigger's metadata) are data, not fields."""
+    scaled = _add(_objects("overlays/h100", "ScaledObject")["engine"], ("metadata",),
+                  "labels", {"any-label": "x"})
+    scaled["spec"]["triggers"][0]["metadata"]["activationThreshold"] = "0.1"
+    result = _keda_validate([scaled])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.split() == ["valid", "engine"]
 
 
 @pytest.mark.parametrize("overlay", (f"overlays/{o}" for o in OVERLAYS))
@@ -251,6 +326,36 @@ def test_h100_engines_get_a_gpu_the_model_volume_and_time_to_load() -> None:
     assert claims == {"models"} and "models" in _objects("overlays/h100", "PersistentVolumeClaim")
     cpu_engine = _container(_objects("overlays/local-cpu", "Deployment")["engine"])
     assert "nvidia.com/gpu" not in cpu_engine["resources"]["limits"]
+
+
+#: The one line docs/kubernetes.md tells H200 users to add under ``patches:`` in
+#: the h100 overlay's kustomization.yaml.
+H200_PATCH = ('  - {target: {kind: Deployment, name: engine}, patch: \'[{"op": "replace", '
+              '"path": "/spec/template/spec/nodeSelector/nvidia.com~1gpu.product", '
+              '"value": "NVIDIA-H200"}]\'}')
+
+
+def test_the_documented_h200_patch_moves_only_the_engines_node_selector(
+        tmp_path: Path) -> None:
+    assert H200_PATCH in (REPO_ROOT / "docs" / "kubernetes.md").read_text()
+    copied = tmp_path / "k8s"
+    shutil.copytree(K8S, copied)
+    kustomization = copied / "overlays" / "h100" / "kustomization.yaml"
+    text = kustomization.read_text()
+    assert text.rstrip().endswith("- path: autoscaler.yaml")  # patches: is the last list
+    kustomization.write_text(text.rstrip() + "\n" + H200_PATCH + "\n")
+    result = subprocess.run([_tool("kubectl"), "kustomize", str(copied / "overlays" / "h100")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    patched = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    original = copy.deepcopy(list(_build("overlays/h100")))
+    engine = next(o for o in original if o["kind"] == "Deployment"
+                  and o["metadata"]["name"] == "engine")
+    assert engine["spec"]["template"]["spec"]["nodeSelector"] == {
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}  # the default stays H100
+    engine["spec"]["template"]["spec"]["nodeSelector"] = {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert patched == original
+    kubernetes_validate.validate(engine, K8S_VERSIONS[0], strict=True)
 
 
 def _metric_defined(name: str) -> bool:

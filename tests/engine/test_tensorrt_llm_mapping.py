@@ -1,10 +1,13 @@
 """The TensorRT-LLM backend's pure mappings, without TensorRT-LLM: sampling
-options → ``SamplingParams`` kwargs (and every refusal), engine flags →
-``speculative_config`` and ``LLM(...)`` kwargs."""
+options → ``SamplingParams`` kwargs (and every refusal), every request field
+classified (mapped, elsewhere, refused, ignored) with each claim checked on
+``generate_args``, engine flags → ``speculative_config`` and ``LLM(...)`` kwargs."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -14,6 +17,7 @@ import torch
 from services.common.sampling import (
     ConstraintKind,
     InvalidRequestError,
+    Priority,
     SamplingOptions,
     SpeculativeMethod,
     SpeculativeOptions,
@@ -22,9 +26,13 @@ from services.common.sampling import (
 from services.engine.config import EngineConfig
 from services.engine.factory import create_backend
 from services.engine.tensorrt_llm_backend.llm_args import KV_EVENT_BUFFER, llm_spec
+from services.engine.tensorrt_llm_backend.request_map import REQUEST_FIELDS, generate_args
 from services.engine.tensorrt_llm_backend.sampling_map import (
     IMPLEMENTED_FEATURES,
     REFUSAL_REASONS,
+    SAMPLING_FIELDS,
+    FieldRule,
+    Handling,
     choice_regex,
     sampling_spec,
 )
@@ -33,6 +41,7 @@ from services.engine.tensorrt_llm_backend.speculative_map import (
     check_request_speculation,
     speculative_spec,
 )
+from services.engine.types import ModelInfo, SequenceRequest
 from services.engine.validation import OPTIONAL_FEATURES, refuse_unimplemented
 
 EOS = (2,)
@@ -263,3 +272,88 @@ def test_llm_kwargs_follow_eager_graph_sizes_chunking_caching_and_budget() -> No
     assert sized.speculative == SpeculativeSpec(
         "NGramDecodingConfig", dict(max_draft_len=3, max_matching_ngram_size=4,
                                     is_public_pool=False))
+
+
+# ---- every request field is classified, and each classification holds ------------------
+
+INFO = ModelInfo(model="m", max_model_len=64, vocab_size=VOCAB, eos_token_ids=EOS,
+                 backend="tensorrt_llm")
+#: A sampled request: greedy would make top_p, top_k and seed moot.
+BASE_SAMPLING = SamplingOptions(temperature=0.8, max_tokens=16)
+BASE_REQUEST = SequenceRequest("r1", (5, 6, 7), BASE_SAMPLING)
+#: Per SamplingOptions field, a value other than BASE_SAMPLING's that is valid on its own.
+SAMPLING_SAMPLES: dict[str, object] = {
+    "temperature": 0.3, "top_p": 0.9, "top_k": 40, "seed": 11, "max_tokens": 7,
+    "stop": ("x",), "stop_token_ids": (9,), "ignore_eos": True, "logprobs": 2,
+    "prompt_logprobs": 1, "n": 2, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+    "repetition_penalty": 1.2, "min_tokens": 2, "logit_bias": ((3, 1.5),),
+    "include_stop_str_in_output": True,
+    "structured_output": StructuredOutput(ConstraintKind.JSON_OBJECT),
+}
+#: Per SequenceRequest field, a value other than BASE_REQUEST's.
+REQUEST_SAMPLES: dict[str, object] = {
+    "request_id": "r2", "prompt_token_ids": (5, 6, 8),
+    "sampling": replace(BASE_SAMPLING, max_tokens=9), "priority": Priority.BATCH,
+    "speculative": SpeculativeOptions(SpeculativeMethod.NGRAM), "tenant": "acme",
+}
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _mapped(request: SequenceRequest) -> tuple:
+    """``generate_args`` of ``request`` as comparable plain values (a fixed seed draw)."""
+    args = generate_args(request, INFO, EngineConfig(backend="tensorrt_llm"),
+                         random.Random(0))
+    params = {k: v.tolist() if isinstance(v, torch.Tensor) else v
+              for k, v in args.sampling.params.items()}
+    return (args.prompt_token_ids, params, args.sampling.guided_decoding,
+            args.sampling.keep_logprobs)
+
+
+def test_every_sampling_and_request_field_is_classified() -> None:
+    # A field added to either dataclass fails here until it has a rule (and a sample below).
+    assert set(SAMPLING_FIELDS) == _field_names(SamplingOptions)
+    assert set(REQUEST_FIELDS) == _field_names(SequenceRequest)
+    assert set(SAMPLING_SAMPLES) == _field_names(SamplingOptions)
+    assert set(REQUEST_SAMPLES) == _field_names(SequenceRequest)
+    assert all(rule.note for rule in [*SAMPLING_FIELDS.values(), *REQUEST_FIELDS.values()])
+    assert REQUEST_FIELDS["priority"].handling is Handling.IGNORED
+    assert "advisory" in REQUEST_FIELDS["priority"].note
+    assert IMPLEMENTED_FEATURES == frozenset(OPTIONAL_FEATURES) - {"prompt_logprobs"}
+    assert REFUSAL_REASONS == {"prompt_logprobs": SAMPLING_FIELDS["prompt_logprobs"].note}
+
+
+def _check_claim(rule: FieldRule, base: SequenceRequest, changed: SequenceRequest,
+                 prefix: str) -> None:
+    if rule.handling is Handling.REFUSED:
+        with pytest.raises(InvalidRequestError) as caught:
+            generate_args(changed, INFO, EngineConfig(backend="tensorrt_llm"))
+        assert caught.value.field.startswith(prefix)
+        assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    elif rule.handling is Handling.MAPPED:
+        assert _mapped(changed) != _mapped(base)
+    else:  # ELSEWHERE, IGNORED: TensorRT-LLM gets exactly what it gets without the field
+        assert _mapped(changed) == _mapped(base)
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLING_SAMPLES))
+def test_each_sampling_field_does_what_its_rule_says(name: str) -> None:
+    changed = replace(BASE_REQUEST, sampling=replace(BASE_SAMPLING,
+                                                     **{name: SAMPLING_SAMPLES[name]}))
+    _check_claim(SAMPLING_FIELDS[name], BASE_REQUEST, changed, f"sampling.{name}")
+
+
+@pytest.mark.parametrize("name", sorted(REQUEST_SAMPLES))
+def test_each_request_field_does_what_its_rule_says(name: str) -> None:
+    changed = replace(BASE_REQUEST, **{name: REQUEST_SAMPLES[name]})
+    _check_claim(REQUEST_FIELDS[name], BASE_REQUEST, changed, name)
+
+
+def test_a_field_claimed_mapped_but_dropped_would_fail() -> None:
+    # The check itself can fail: stop strings never reach TensorRT-LLM, so a rule
+    # calling them MAPPED is caught.
+    changed = replace(BASE_REQUEST, sampling=replace(BASE_SAMPLING, stop=("x",)))
+    with pytest.raises(AssertionError):
+        _check_claim(FieldRule(Handling.MAPPED, "wrong"), BASE_REQUEST, changed, "sampling.stop")

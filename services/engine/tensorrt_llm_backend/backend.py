@@ -32,7 +32,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import grpc
 import structlog
 
 from services.common.block_hash import block_hash_seed
@@ -46,19 +45,11 @@ from services.engine.tensorrt_llm_backend.availability import INSTALL_HINT, tens
 from services.engine.tensorrt_llm_backend.kv_events import KvEventConverter
 from services.engine.tensorrt_llm_backend.llm_args import KV_EVENT_BUFFER, llm_spec
 from services.engine.tensorrt_llm_backend.outputs import finish_reason, position_logprobs
-from services.engine.tensorrt_llm_backend.sampling_map import (
-    IMPLEMENTED_FEATURES,
-    REFUSAL_REASONS,
-    SamplingSpec,
-    sampling_spec,
-)
-from services.engine.tensorrt_llm_backend.speculative_map import (
-    check_request_speculation,
-    speculative_spec,
-)
+from services.engine.tensorrt_llm_backend.request_map import generate_args
+from services.engine.tensorrt_llm_backend.sampling_map import IMPLEMENTED_FEATURES, SamplingSpec
+from services.engine.tensorrt_llm_backend.speculative_map import speculative_spec
 from services.engine.tensorrt_llm_backend.stats import capped_load, parse_iteration_stats
 from services.engine.types import LoadStats, ModelInfo, SequenceRequest, StepStats, TokenDelta
-from services.engine.validation import refuse_unimplemented, validate_request
 
 log = structlog.get_logger()
 
@@ -192,22 +183,17 @@ class TensorRTLLMBackend(EngineBackend):
         request, one delta per choice and chunk.
 
         Raises (besides the interface's): InvalidRequestError INVALID_ARGUMENT
-        for what TensorRT-LLM cannot honour (:mod:`.sampling_map`,
-        :func:`.speculative_map.check_request_speculation`).
+        for what TensorRT-LLM cannot honour (:func:`.request_map.generate_args`:
+        every request field is classified there and in :mod:`.sampling_map`).
         """
-        info = self.model_info
-        validate_request(request, info)
-        refuse_unimplemented(request.sampling, IMPLEMENTED_FEATURES, self.name,
-                             code=grpc.StatusCode.INVALID_ARGUMENT, reasons=REFUSAL_REASONS)
-        check_request_speculation(request.speculative, self._config)
-        spec = sampling_spec(request.sampling, info.eos_token_ids, info.vocab_size)
+        args = generate_args(request, self.model_info, self._config)
+        spec = args.sampling
         if self._llm is None:
             raise EngineUnavailableError("the tensorrt_llm engine is not running")
         if request.request_id in self._results:
             raise DuplicateRequestError(f"request {request.request_id!r} is already running")
         result = self._llm.generate_async(
-            list(request.prompt_token_ids), sampling_params=self._sampling_params(spec),
-            streaming=True)
+            args.prompt_token_ids, sampling_params=self._sampling_params(spec), streaming=True)
         self._results[request.request_id] = result
         open_choices = set(range(request.sampling.n))
         try:

@@ -1,7 +1,8 @@
 """``SamplingOptions`` → the keyword arguments of TensorRT-LLM's ``SamplingParams``.
 
-Every llmesh sampling field is mapped here explicitly, or refused with
-INVALID_ARGUMENT naming the field and why. Written against the documented
+Every llmesh sampling field is classified here explicitly (:data:`SAMPLING_FIELDS`):
+mapped, honoured by the router, or refused with INVALID_ARGUMENT naming the
+field and why. Written against the documented
 ``tensorrt_llm.SamplingParams`` and ``tensorrt_llm.sampling_params.GuidedDecodingParams``
 (https://nvidia.github.io/TensorRT-LLM/llm-api/reference.html#tensorrt_llm.llmapi.SamplingParams,
 source ``tensorrt_llm/sampling_params.py``), the sampling guide
@@ -13,27 +14,13 @@ Pure: no ``tensorrt_llm`` import. :func:`sampling_spec` returns plain kwargs;
 the backend calls ``SamplingParams(**spec.params,
 guided_decoding=GuidedDecodingParams(**spec.guided_decoding))``.
 
-| llmesh field | TensorRT-LLM | note |
-| --- | --- | --- |
-| temperature 0 (greedy) | ``top_k=1`` | TRT-LLM's greedy rule: top_k 1, top_p unset |
-| temperature > 0 | ``temperature`` | |
-| top_p < 1 / top_k > 0 | ``top_p`` / ``top_k`` | unset otherwise (the runtime's "off") |
-| seed | ``seed`` | unset → a random 63-bit seed: TRT-LLM's default seed is 0 (same tokens every time) |
-| max_tokens | ``max_tokens`` | |
-| model EOS ids | ``end_id`` (first), ``stop_token_ids`` (the others) | the others only without ignore_eos |
-| stop_token_ids | ``stop_token_ids`` | kept in the output (``include_stop_str_in_output=True``), as our contract says |
-| ignore_eos | ``ignore_eos`` | |
-| stop (strings) | — | matched on text by the router; the engine sees ids only (``detokenize=False``) |
-| include_stop_str_in_output | — | a router (text) option; TRT-LLM always keeps the stop token ids here |
-| n | ``n`` | refused with temperature 0 (the LLM API rejects greedy n > 1) or with a seed (see below) |
-| logprobs k | ``logprobs=max(k, 1)`` | k = 0 asks 1 and keeps only the chosen token's |
-| prompt_logprobs | refused | not returned by this backend |
-| presence / frequency / repetition penalty | same names | unset at their neutral values |
-| min_tokens | ``min_tokens`` | refused beside extra stop ids (see below) |
-| logit_bias | ``embedding_bias`` | a float32 ``[vocab_size]`` tensor ("embedding bias, aka logit bias") |
-| structured_output json_schema / json_object / regex | ``GuidedDecodingParams(json=, json_object=, regex=)`` | needs ``guided_decoding_backend="xgrammar"`` (set by ``llm_args``) |
-| structured_output grammar | ``GuidedDecodingParams(grammar=)`` | EBNF (``a ::= b`` rules) only; Lark refused |
-| structured_output choice | ``GuidedDecodingParams(regex=)`` | the choices as an escaped alternation |
+The table of every ``SamplingOptions`` field is :data:`SAMPLING_FIELDS` below
+(that of the other ``SequenceRequest`` fields is
+:data:`.request_map.REQUEST_FIELDS`): each is MAPPED to TensorRT-LLM, honoured
+ELSEWHERE (the router), REFUSED with INVALID_ARGUMENT naming it, or IGNORED
+with the reason that is safe. ``tests/engine/test_tensorrt_llm_mapping.py``
+fails for a field without an entry, and checks each entry's claim on
+:func:`.request_map.generate_args`.
 
 Refusals and why (each INVALID_ARGUMENT naming the field):
 
@@ -52,6 +39,7 @@ Refusals and why (each INVALID_ARGUMENT naming the field):
 
 from __future__ import annotations
 
+import enum
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -67,15 +55,85 @@ from services.common.sampling import (
 )
 from services.engine.validation import OPTIONAL_FEATURES
 
+
+class Handling(enum.Enum):
+    """What the tensorrt_llm backend does with one request field."""
+
+    #: Becomes an argument of ``generate_async`` / ``SamplingParams``; some
+    #: combinations may be refused (the rule's note says which).
+    MAPPED = "mapped"
+    #: Honoured outside TensorRT-LLM (the router, or the backend's own bookkeeping).
+    ELSEWHERE = "elsewhere"
+    #: INVALID_ARGUMENT naming the field whenever it asks for what TensorRT-LLM
+    #: cannot do; the note is the message after the field name.
+    REFUSED = "refused"
+    #: Accepted and without effect here; the note says why that breaks no promise.
+    IGNORED = "ignored"
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """How one request field reaches TensorRT-LLM.
+
+    Attributes:
+      handling: see :class:`Handling`.
+      note: what it becomes, who honours it, why it is refused (the refusal's
+        message) or why ignoring it is safe.
+    """
+
+    handling: Handling
+    note: str
+
+
+_MAPPED, _ELSEWHERE, _REFUSED = Handling.MAPPED, Handling.ELSEWHERE, Handling.REFUSED
+
+#: Every ``SamplingOptions`` field, by name.
+SAMPLING_FIELDS: dict[str, FieldRule] = {
+    "temperature": FieldRule(_MAPPED, "``temperature``; 0 (greedy) → ``top_k=1`` with "
+                             "temperature, top_p and seed unset: TensorRT-LLM's greedy rule"),
+    "top_p": FieldRule(_MAPPED, "``top_p`` when < 1, else unset (the runtime's off); unused "
+                       "when greedy"),
+    "top_k": FieldRule(_MAPPED, "``top_k`` when > 0, else unset; ``1`` when greedy"),
+    "seed": FieldRule(_MAPPED, "``seed``; unset → a random 63-bit seed (TensorRT-LLM's "
+                      "default seed 0 would repeat the same tokens); unused when greedy"),
+    "max_tokens": FieldRule(_MAPPED, "``max_tokens``"),
+    "stop": FieldRule(_ELSEWHERE, "matched on text by the router; the engine sees ids only "
+                      "(``detokenize=False``)"),
+    "stop_token_ids": FieldRule(_MAPPED, "``stop_token_ids`` (then the model's other EOS ids "
+                                "unless ignore_eos; the first EOS id is ``end_id``), kept in "
+                                "the output (``include_stop_str_in_output=True``) as our "
+                                "contract says"),
+    "ignore_eos": FieldRule(_MAPPED, "``ignore_eos``"),
+    "logprobs": FieldRule(_MAPPED, "``logprobs=max(k, 1)``; k = 0 keeps only the chosen "
+                          "token's"),
+    "prompt_logprobs": FieldRule(_REFUSED, "the tensorrt_llm backend streams the generated "
+                                 "tokens' log-probabilities only; leave prompt_logprobs unset "
+                                 "or use the torch backend"),
+    "n": FieldRule(_MAPPED, "``n``; refused with temperature 0 or with a seed (below)"),
+    "presence_penalty": FieldRule(_MAPPED, "``presence_penalty``, unset at 0"),
+    "frequency_penalty": FieldRule(_MAPPED, "``frequency_penalty``, unset at 0"),
+    "repetition_penalty": FieldRule(_MAPPED, "``repetition_penalty``, unset at 1"),
+    "min_tokens": FieldRule(_MAPPED, "``min_tokens``, unset at 0; refused beside stop token "
+                            "ids or a second EOS id (below)"),
+    "logit_bias": FieldRule(_MAPPED, "``embedding_bias``: a float32 ``[vocab_size]`` tensor "
+                            "(\"embedding bias, aka logit bias\")"),
+    "include_stop_str_in_output": FieldRule(_ELSEWHERE, "a router (text) option; TensorRT-LLM "
+                                            "always keeps the stop token ids here"),
+    "structured_output": FieldRule(_MAPPED, "``GuidedDecodingParams``: json_schema → ``json``, "
+                                   "json_object → ``json_object``, regex → ``regex``, grammar "
+                                   "→ ``grammar`` (EBNF only; Lark refused), choice → "
+                                   "``regex`` (an escaped alternation); xgrammar, set by "
+                                   "``llm_args``"),
+}
+
 #: Optional features (:data:`~services.engine.validation.OPTIONAL_FEATURES`)
 #: this backend maps; the others are refused with INVALID_ARGUMENT.
-IMPLEMENTED_FEATURES: frozenset[str] = frozenset(OPTIONAL_FEATURES) - {"prompt_logprobs"}
+IMPLEMENTED_FEATURES: frozenset[str] = frozenset(
+    name for name in OPTIONAL_FEATURES if SAMPLING_FIELDS[name].handling is _MAPPED)
 #: Why each unimplemented feature is refused (the message after the field name).
 REFUSAL_REASONS: dict[str, str] = {
-    "prompt_logprobs": "the tensorrt_llm backend streams the generated tokens' "
-                       "log-probabilities only; leave prompt_logprobs unset or use the "
-                       "torch backend",
-}
+    name: SAMPLING_FIELDS[name].note for name in OPTIONAL_FEATURES
+    if SAMPLING_FIELDS[name].handling is _REFUSED}
 
 _REGEX_SPECIAL = frozenset("\\.^$|?*+()[]{}")
 
@@ -98,7 +156,7 @@ class SamplingSpec:
 
 def sampling_spec(options: SamplingOptions, eos_token_ids: tuple[int, ...],
                   vocab_size: int, rng: random.Random | None = None) -> SamplingSpec:
-    """The TensorRT-LLM form of ``options`` (see the module's table).
+    """The TensorRT-LLM form of ``options`` (see :data:`SAMPLING_FIELDS`).
 
     Args:
       options: validated options (ids already checked against the vocabulary).
