@@ -4,7 +4,7 @@ random ``Generate`` requests and raw bodies, ``/v1/generate`` and
 fields), ``GenerateStream`` scripts with random cancel timings. No call may
 end INTERNAL / UNKNOWN or with an HTTP 5xx from a reset, every call ends
 within its deadline, no service restarts (PIDs unchanged) and every one
-stays SERVING. The strategies are in tests/e2e/fuzz_strategies.py (also
+stays SERVING (Envoy ready), checked every HEALTH_EVERY cases. The strategies are in tests/e2e/fuzz_strategies.py (also
 used by benchmarks/fuzz_soak.py for 100,000 cases).
 
 Cost: FUZZ_CASES cases, derandomized (the same cases every run): ~16 ms a
@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 
 from services.cli.mesh import Mesh
 from tests.e2e.fuzz_strategies import CaseResult, Target, cases, check, run_case
-from tests.e2e.hostile_checks import not_serving, pids
+from tests.e2e.hostile_checks import pids, problems, watched
 
 pytestmark = pytest.mark.mesh
 
@@ -41,6 +41,7 @@ HEALTH_EVERY = 250
 def test_no_fuzzed_request_crashes_hangs_or_restarts_a_service(mesh: Mesh) -> None:
     target = Target(mesh.ingress_address)
     before = pids(mesh)
+    processes = watched(mesh)
     results: list[CaseResult] = []
     failures: list[str] = []
     unhealthy: list[str] = []
@@ -55,7 +56,7 @@ def test_no_fuzzed_request_crashes_hangs_or_restarts_a_service(mesh: Mesh) -> No
         if why is not None and len(failures) < 20:
             failures.append(f"{why}\n  case: {repr(case)[:400]}")
         if len(results) % HEALTH_EVERY == 0:
-            unhealthy.extend(not_serving(mesh))
+            unhealthy.extend(f"after {len(results)} cases: {p}" for p in problems(processes))
 
     started = time.monotonic()
     try:
@@ -69,7 +70,7 @@ def test_no_fuzzed_request_crashes_hangs_or_restarts_a_service(mesh: Mesh) -> No
     print(dict(sorted(outcomes.items())))
     assert not failures, "\n".join(failures)
     assert not unhealthy, unhealthy
-    assert not not_serving(mesh)
+    assert not problems(processes)
     assert pids(mesh) == before, "a service restarted"
     assert any(r.outcome == "OK" for r in results)  # some cases did generate
     after_tokens = sum(r.cancelled_after_tokens for r in results)
