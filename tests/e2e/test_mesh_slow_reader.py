@@ -27,6 +27,7 @@ from services.cli.mesh import EnvoyProcess, Mesh, ServiceProcess
 from tests.e2e.hostile_checks import wait_kv_idle
 from tests.e2e.slow_reader_client import (
     HEAVY_TOKENS,
+    StalledCall,
     heavy_request,
     stalled_generate,
     stalled_stream,
@@ -74,29 +75,48 @@ def envoy_counter(envoy: EnvoyProcess, name: str) -> int:
     return int(match.group(1)) if match else 0
 
 
-@pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
-def test_a_client_that_stops_reading_is_cancelled_after_the_budget_and_its_blocks_freed(
-        mesh: Mesh, strict_router: ServiceProcess, method: str) -> None:
+def stall_until_cancelled(mesh: Mesh, router: ServiceProcess, address: str,
+                          method: str) -> tuple[StalledCall, float]:
+    """Starts :func:`heavy_request` with ``method`` at ``address`` (the
+    router, or an Envoy in front of it), stops reading after one message and
+    waits (30 s at most) until the engine is idle; asserts that ``router``
+    counted one slow-client cancel. Returns the stalled call and the seconds
+    from the stall to the idle engine."""
     engines = [e.grpc_address for e in mesh.engines]
     wait_kv_idle(engines, 10)
-    cancels = metric(strict_router.metrics_address, "llmesh:router_slow_client_cancels_total")
-    exhausted = metric(strict_router.metrics_address, "llmesh:requests_total",
-                       outcome="resource_exhausted")
+    cancels = metric(router.metrics_address, "llmesh:router_slow_client_cancels_total")
     stall = stalled_generate if method == "Generate" else stalled_stream
-    stalled = stall(strict_router.grpc_address, heavy_request())
-    # The answer (~800 KB) outgrows the stream window after ~130 tokens; the
-    # write then blocks, and the budget cancels the sequence 1 s later.
+    stalled = stall(address, heavy_request())
     idle_after = time.monotonic()
     wait_kv_idle(engines, 30)
     idle_after = time.monotonic() - idle_after
-    assert metric(strict_router.metrics_address,
+    assert metric(router.metrics_address,
                   "llmesh:router_slow_client_cancels_total") == cancels + 1
+    return stalled, idle_after
+
+
+def resume_to_the_budget_status(stalled: StalledCall) -> tuple[int, str]:
+    """Reads the rest of ``stalled``; asserts it ends RESOURCE_EXHAUSTED naming
+    the budget, short of the whole answer. Returns (messages read, status message)."""
     read, code, details = stalled.resume()
-    print(f"engine idle {idle_after:.1f} s after the client stopped reading; it then read "
-          f"{read} buffered messages and got {code.name}: {details}")
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
     assert "--client-write-timeout-s" in details
     assert 0 < read < HEAVY_TOKENS - 1  # cut short: not the whole answer
+    return read, details
+
+
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
+def test_a_client_that_stops_reading_is_cancelled_after_the_budget_and_its_blocks_freed(
+        mesh: Mesh, strict_router: ServiceProcess, method: str) -> None:
+    exhausted = metric(strict_router.metrics_address, "llmesh:requests_total",
+                       outcome="resource_exhausted")
+    # The answer (~800 KB) outgrows the client's stream window after ~130
+    # tokens; the write then blocks, and the budget cancels the sequence 1 s later.
+    stalled, idle_after = stall_until_cancelled(mesh, strict_router,
+                                                strict_router.grpc_address, method)
+    read, details = resume_to_the_budget_status(stalled)
+    print(f"engine idle {idle_after:.1f} s after the client stopped reading; it then read "
+          f"{read} buffered messages and got RESOURCE_EXHAUSTED: {details}")
     assert metric(strict_router.metrics_address, "llmesh:requests_total",
                   outcome="resource_exhausted") == exhausted + 1
 
@@ -105,31 +125,20 @@ def test_a_client_that_stops_reading_is_cancelled_after_the_budget_and_its_block
 def test_a_client_that_stops_reading_through_envoy_is_cancelled_and_sees_the_budget_status(
         mesh: Mesh, strict_router: ServiceProcess, strict_ingress: EnvoyProcess,
         method: str) -> None:
-    engines = [e.grpc_address for e in mesh.engines]
-    wait_kv_idle(engines, 10)
-    cancels = metric(strict_router.metrics_address, "llmesh:router_slow_client_cancels_total")
     received = envoy_counter(strict_ingress, "cluster.router.upstream_cx_rx_bytes_total")
     paused = envoy_counter(strict_ingress,
                            "cluster.router.upstream_flow_control_paused_reading_total")
-    stall = stalled_generate if method == "Generate" else stalled_stream
-    stalled = stall(strict_ingress.ingress_address, heavy_request())
-    # Envoy takes ~128 KiB of the ~800 KB answer (its two windows), stops
+    # Envoy takes ~128 KiB of the ~800 KB answer (its two windows) and stops
     # reading from the router; the router's write blocks, the budget cancels.
-    idle_after = time.monotonic()
-    wait_kv_idle(engines, 30)
-    idle_after = time.monotonic() - idle_after
-    assert metric(strict_router.metrics_address,
-                  "llmesh:router_slow_client_cancels_total") == cancels + 1
+    stalled, idle_after = stall_until_cancelled(mesh, strict_router,
+                                                strict_ingress.ingress_address, method)
     held = envoy_counter(strict_ingress, "cluster.router.upstream_cx_rx_bytes_total") - received
     assert envoy_counter(strict_ingress,
                          "cluster.router.upstream_flow_control_paused_reading_total") > paused
-    read, code, details = stalled.resume()
-    print(f"through Envoy: engine idle {idle_after:.1f} s after the client stopped reading; "
-          f"Envoy had read {held} bytes from the router; the client then read {read} "
-          f"messages and got {code.name}: {details}")
     assert held <= ENVOY_WINDOW_BYTES + EnvoySettings().upstream_stream_window_bytes \
         + ENVOY_SLACK_BYTES
     # Envoy passes the router's trailers on: the client sees the budget's status.
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
-    assert "--client-write-timeout-s" in details
-    assert 0 < read < HEAVY_TOKENS - 1
+    read, details = resume_to_the_budget_status(stalled)
+    print(f"through Envoy: engine idle {idle_after:.1f} s after the client stopped reading; "
+          f"Envoy had read {held} bytes from the router; the client then read {read} "
+          f"messages and got RESOURCE_EXHAUSTED: {details}")
