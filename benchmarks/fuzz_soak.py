@@ -1,15 +1,18 @@
 """Fuzz soak (not CI): many more cases of tests/e2e/fuzz_strategies.py (the
 same strategies as tests/e2e/test_mesh_fuzz.py) against a mesh it starts, or
 a running one (``--url`` with ``--run-dir``), with the same checks: no
-INTERNAL / UNKNOWN / bad 5xx, every call ends within its deadline, no
-service restarts (PIDs unchanged), every service SERVING at the end.
+INTERNAL / UNKNOWN / bad 5xx, every call ends within its deadline; and every
+``--check-every`` cases (default 1,000) and at the end, that every process
+of the mesh, Envoy included, still runs under the PID it had at the start
+(nothing died or restarted), each service answers SERVING and Envoy's
+``/ready`` 200. A problem is printed when it is seen, with the case count.
 
 Usage::
 
-    python -m benchmarks.fuzz_soak --cases 100000 [--seed N]
+    python -m benchmarks.fuzz_soak --cases 100000 [--seed N] [--check-every 1000]
 
 Prints outcome counts and the first failures (with their cases); exit status
-1 when any case failed.
+1 when any case or check failed.
 """
 
 from __future__ import annotations
@@ -23,18 +26,27 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as seeded
 
-from benchmarks.soak import services_from_run_dir
 from tests.e2e.fuzz_strategies import Target, cases, check, run_case
-from tests.e2e.hostile_checks import serving
+from tests.e2e.hostile_checks import Watched, problems, watched, watched_from_run_dir
+
+#: Cases between two checks of the mesh's processes (PIDs, health).
+CHECK_EVERY = 1000
 
 
-def fuzz(ingress: str, services: dict[str, tuple[int, str]], *, count: int,
-         seed: int) -> int:
-    """Runs ``count`` cases; returns the number of failures (printed)."""
+def fuzz(ingress: str, processes: list[Watched], *, count: int, seed: int,
+         check_every: int = CHECK_EVERY) -> int:
+    """Runs ``count`` cases, checking ``processes`` (:func:`problems`) every
+    ``check_every`` cases and at the end; returns the number of failures
+    (each printed when seen)."""
     target = Target(ingress)
     outcomes: collections.Counter[str] = collections.Counter()
     failures: list[str] = []
     started = time.monotonic()
+
+    def check_processes(done: int) -> None:
+        for problem in problems(processes):
+            failures.append(f"after {done} cases: {problem}")
+            print(f"failure {len(failures)}: {failures[-1]}", flush=True)
 
     @settings(max_examples=count, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
@@ -47,17 +59,14 @@ def fuzz(ingress: str, services: dict[str, tuple[int, str]], *, count: int,
             failures.append(f"{why}\n  case: {repr(case)[:600]}")
             print(f"failure {len(failures)}: {failures[-1]}", flush=True)
         done = sum(outcomes.values())
-        if done % 1000 == 0:
+        if done % check_every == 0:
+            check_processes(done)
             print(f"{done} cases, {time.monotonic() - started:.0f} s, "
                   f"{len(failures)} failures", flush=True)
 
     seeded(seed)(one)()
     target.close()
-    for name, (pid, address) in services.items():
-        if not Path(f"/proc/{pid}").exists():
-            failures.append(f"{name} (pid {pid}) is gone: it restarted or died")
-        elif not serving(address):
-            failures.append(f"{name} is not SERVING")
+    check_processes(sum(outcomes.values()))
     print(dict(sorted(outcomes.items())))
     print(f"{sum(outcomes.values())} cases in {time.monotonic() - started:.0f} s; "
           f"{len(failures)} failures")
@@ -72,19 +81,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--url", help="ingress host:port of a running mesh (with --run-dir)")
     parser.add_argument("--run-dir", type=Path, help="the running mesh's run directory")
+    parser.add_argument("--check-every", type=int, default=CHECK_EVERY,
+                        help="cases between two checks of PIDs and health (default %(default)s)")
     args = parser.parse_args(argv)
+    if args.check_every < 1:
+        parser.error("--check-every must be >= 1")
     if args.url:
         if args.run_dir is None:
-            parser.error("--url needs --run-dir (for the services' PIDs and ports)")
-        found, _ = services_from_run_dir(args.run_dir)
-        services = {s.name: (s.pid, s.address) for s in found}
-        return 1 if fuzz(args.url, services, count=args.cases, seed=args.seed) else 0
+            parser.error("--url needs --run-dir (for the processes' PIDs and ports)")
+        processes, _ = watched_from_run_dir(args.run_dir)
+        if not any(p.name == "envoy" for p in processes):
+            parser.error(f"no Envoy runs {args.run_dir / 'envoy.yaml'}")
+        return 1 if fuzz(args.url, processes, count=args.cases, seed=args.seed,
+                         check_every=args.check_every) else 0
     from services.cli.mesh import Mesh
     with Mesh(ingress_port=0, admin_port=0,
               engine_args=["--max-model-len", "512"]) as mesh:
-        services = {n: (s.pid, s.grpc_address) for n, s in mesh.services.items()}
-        return 1 if fuzz(mesh.ingress_address, services, count=args.cases,
-                         seed=args.seed) else 0
+        return 1 if fuzz(mesh.ingress_address, watched(mesh), count=args.cases,
+                         seed=args.seed, check_every=args.check_every) else 0
 
 
 if __name__ == "__main__":

@@ -7,12 +7,23 @@ mid-stream (``Generate`` dropped after its first delta; ``GenerateStream``
 hundred clients killed: a subprocess client SIGKILLed after its first delta.
 Traffic goes through Envoy's ingress.
 
+Resident memory (``VmRSS``) of every process of the mesh, Envoy included, is
+read three times: at the start (the mesh SERVING, no request yet), after a
+warm-up pass of 32 requests of the same mix (the first requests allocate
+what every later one reuses: allocator arenas, gRPC and HTTP/2 buffers,
+tokenizer and detokenizer caches, the model's first-forward workspaces), and
+at the end. The limit is measured from the warm-up value, so that it sees
+growth under traffic, not those one-time allocations; the table and the JSON
+report all three, so what the warm-up took stays visible.
+
 At the end (exit status 1 when one fails):
 
 * KV pool idle on every engine: no running or waiting sequence, KV usage 0
   (free + cached blocks == total; ``GetLoad``), within 10 s;
-* resident memory (``VmRSS``) of each service within +50 MB of its value
-  after a short warm-up (the first requests fill allocator pools and caches);
+* the RSS of each process (services and Envoy) within +50 MB of its value
+  after the warm-up;
+* every process still runs under the PID it had at the start (nothing died
+  or restarted), the services SERVING and Envoy ready;
 * 0 lost requests: every request ended with a final message, a status, or
   the client's own cancel or death;
 * no INTERNAL / UNKNOWN / UNAVAILABLE status (nothing failed here).
@@ -20,12 +31,13 @@ At the end (exit status 1 when one fails):
 Usage::
 
     python -m benchmarks.soak                      # starts a mesh, 10,000 requests
-    python -m benchmarks.soak --requests 500
+    python -m benchmarks.soak --requests 500 --json soak.json
     python -m benchmarks.soak --url 127.0.0.1:8080 --run-dir /tmp/llmesh-XXXX
 
 With ``--url`` the mesh is one ``llmesh up`` started (its ``--run-dir`` holds
-the port files with each service's PID and ports). tests/e2e/test_mesh_soak.py
-runs :func:`soak` with 500 requests and the same checks.
+the port files with each service's PID and ports; Envoy is found by its
+config path there). tests/e2e/test_mesh_soak.py runs :func:`soak` with 500
+requests and the same checks.
 """
 
 from __future__ import annotations
@@ -45,7 +57,15 @@ from pathlib import Path
 import grpc
 
 from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tests.e2e.hostile_checks import rss_growth, rss_mb, wait_kv_idle
+from tests.e2e.hostile_checks import (
+    Watched,
+    problems,
+    rss_growth,
+    rss_mb,
+    wait_kv_idle,
+    watched,
+    watched_from_run_dir,
+)
 
 KINDS = ("complete", "cancel", "stop", "deadline", "stream_cancel", "killed")
 #: Share of each kind in the mix (killed clients are subprocesses: ~2 %).
@@ -61,23 +81,28 @@ _PROMPTS = ["Tell me about the sea.", "List three colours:", "Count: one, two,",
             "Write a haiku about mountains.", "What is 2 + 2?", "Name a famous painter."]
 
 
-@dataclass(frozen=True)
-class Service:
-    """A service of the mesh under test: its PID and gRPC address."""
-
-    name: str
-    pid: int
-    address: str
-
-
 @dataclass
 class SoakReport:
-    """What a soak measured, and its verdict."""
+    """What a soak measured, and its verdict.
+
+    Attributes:
+      requests: requests in the measured mix (the warm-up not counted).
+      seconds: wall time of the measured mix.
+      outcomes: ``kind:outcome`` → count.
+      lost: requests that did not end within LOST_AFTER_S.
+      rss_start: process name → resident MB with the mesh SERVING, before any request.
+      rss_before: process name → resident MB after the warm-up (the limit's base).
+      rss_after: process name → resident MB at the end.
+      kv_idle: every engine's KV pool was idle at the end.
+      kv_detail: the engines' loads when they were not.
+      failures: one line per failed check (empty: PASS).
+    """
 
     requests: int = 0
     seconds: float = 0.0
     outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
     lost: int = 0
+    rss_start: dict[str, float] = field(default_factory=dict)
     rss_before: dict[str, float] = field(default_factory=dict)
     rss_after: dict[str, float] = field(default_factory=dict)
     kv_idle: bool = False
@@ -89,19 +114,36 @@ class SoakReport:
         return not self.failures
 
     def table(self) -> str:
-        """A plain-text table of the run."""
+        """A plain-text table of the run (RSS in MB)."""
         lines = [f"{self.requests} requests in {self.seconds:.1f} s "
                  f"({self.requests / max(self.seconds, 1e-9):.1f} req/s)", "",
                  f"{'outcome':<34}{'count':>8}"]
         lines += [f"{k:<34}{v:>8}" for k, v in sorted(self.outcomes.items())]
-        lines += ["", f"{'service':<16}{'RSS start MB':>14}{'RSS end MB':>12}{'growth':>9}"]
+        lines += ["", f"{'process':<16}{'RSS start':>11}{'warmed up':>11}{'end':>9}"
+                      f"{'growth':>9}  (MB; growth = end - warmed up, limit +{RSS_LIMIT_MB:g})"]
         for name, grown in rss_growth(self.rss_before, self.rss_after).items():
-            lines.append(f"{name:<16}{self.rss_before[name]:>14.1f}"
-                         f"{self.rss_after[name]:>12.1f}{grown:>+9.1f}")
+            start = self.rss_start.get(name, float("nan"))
+            lines.append(f"{name:<16}{start:>11.1f}{self.rss_before[name]:>11.1f}"
+                         f"{self.rss_after[name]:>9.1f}{grown:>+9.1f}")
         lines += ["", f"lost requests: {self.lost}",
                   f"KV pool idle: {self.kv_idle} {self.kv_detail}",
                   "verdict: " + ("PASS" if self.ok else "FAIL: " + "; ".join(self.failures))]
         return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, object]:
+        """The report as JSON-ready values (RSS in MB per process)."""
+        return {
+            "requests": self.requests, "seconds": round(self.seconds, 3),
+            "outcomes": dict(sorted(self.outcomes.items())), "lost": self.lost,
+            "rss_mb": {name: {"start": self.rss_start.get(name),
+                              "after_warmup": self.rss_before[name],
+                              "end": self.rss_after.get(name),
+                              "growth": grown}
+                       for name, grown in rss_growth(self.rss_before, self.rss_after).items()},
+            "rss_limit_mb": RSS_LIMIT_MB,
+            "kv_idle": self.kv_idle, "kv_detail": self.kv_detail,
+            "ok": self.ok, "failures": list(self.failures),
+        }
 
 
 def _request(rng: random.Random, max_tokens: int, **sampling: object
@@ -229,14 +271,33 @@ async def run_mix(ingress: str, requests: int, concurrency: int, seed: int
     return outcomes
 
 
-def soak(ingress: str, services: list[Service], engines: list[str], *, requests: int,
+def _rss(processes: list[Watched]) -> dict[str, float]:
+    """Process name → resident MB, for those that still run."""
+    found = {}
+    for process in processes:
+        try:
+            found[process.name] = rss_mb(process.pid)
+        except (OSError, RuntimeError):  # gone: problems() reports it
+            pass
+    return found
+
+
+def soak(ingress: str, processes: list[Watched], engines: list[str], *, requests: int,
          concurrency: int = 16, seed: int = 1) -> SoakReport:
-    """Warms up, records RSS, runs the mix, then checks KV, RSS, lost requests
-    and error statuses (see the module doc)."""
+    """Records RSS, warms up, records RSS again, runs the mix, then checks KV,
+    RSS, the processes, lost requests and error statuses (see the module doc).
+
+    Args:
+      ingress: Envoy's ingress ``host:port``.
+      processes: every process of the mesh, Envoy included (:func:`watched`).
+      engines: the engines' gRPC addresses (their KV pools are checked).
+      requests: requests in the measured mix; concurrency: at once; seed: the mix's.
+    """
     report = SoakReport(requests=requests)
+    report.rss_start = _rss(processes)
     asyncio.run(run_mix(ingress, WARMUP_REQUESTS, concurrency, seed + 10_000))
     wait_kv_idle(engines, KV_IDLE_WITHIN_S)
-    report.rss_before = {s.name: rss_mb(s.pid) for s in services}
+    report.rss_before = _rss(processes)
     started = time.monotonic()
     report.outcomes = asyncio.run(run_mix(ingress, requests, concurrency, seed))
     report.seconds = time.monotonic() - started
@@ -247,10 +308,11 @@ def soak(ingress: str, services: list[Service], engines: list[str], *, requests:
     except AssertionError as err:
         report.kv_detail = str(err)
         report.failures.append(f"KV pool not idle: {err}")
-    report.rss_after = {s.name: rss_mb(s.pid) for s in services}
+    report.rss_after = _rss(processes)
     for name, grown in rss_growth(report.rss_before, report.rss_after).items():
         if grown > RSS_LIMIT_MB:
             report.failures.append(f"{name} RSS grew {grown:.1f} MB (> {RSS_LIMIT_MB:g})")
+    report.failures.extend(problems(processes))
     report.lost = sum(v for k, v in report.outcomes.items() if k.endswith(":LOST"))
     if report.lost:
         report.failures.append(f"{report.lost} lost requests")
@@ -260,20 +322,6 @@ def soak(ingress: str, services: list[Service], engines: list[str], *, requests:
     return report
 
 
-def services_from_run_dir(run_dir: Path) -> tuple[list[Service], list[str]]:
-    """Services (PID, address) and engine addresses from a mesh's port files."""
-    services, engines = [], []
-    for port_file in sorted(run_dir.glob("*.json")):
-        data = json.loads(port_file.read_text())
-        if "pid" not in data or "grpc_port" not in data:
-            continue
-        address = f"127.0.0.1:{data['grpc_port']}"
-        services.append(Service(port_file.stem, int(data["pid"]), address))
-        if port_file.stem.startswith("engine"):
-            engines.append(address)
-    return services, engines
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=10_000)
@@ -281,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--url", help="ingress host:port of a running mesh (with --run-dir)")
     parser.add_argument("--run-dir", type=Path, help="the running mesh's run directory")
+    parser.add_argument("--json", type=Path, help="also write the report here as JSON")
     parser.add_argument("--client", help=argparse.SUPPRESS)  # the killed-client subprocess
     args = parser.parse_args(argv)
     if args.client:
@@ -288,19 +337,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.url:
         if args.run_dir is None:
-            parser.error("--url needs --run-dir (for the services' PIDs and engine ports)")
-        services, engines = services_from_run_dir(args.run_dir)
-        report = soak(args.url, services, engines, requests=args.requests,
+            parser.error("--url needs --run-dir (for the processes' PIDs and engine ports)")
+        processes, engines = watched_from_run_dir(args.run_dir)
+        if not any(p.name == "envoy" for p in processes):
+            parser.error(f"no Envoy runs {args.run_dir / 'envoy.yaml'}")
+        report = soak(args.url, processes, engines, requests=args.requests,
                       concurrency=args.concurrency, seed=args.seed)
     else:
         from services.cli.mesh import Mesh
         with Mesh(ingress_port=0, admin_port=0,
                   engine_args=["--max-model-len", "512"]) as mesh:
-            services = [Service(n, s.pid, s.grpc_address) for n, s in mesh.services.items()]
-            report = soak(mesh.ingress_address, services,
+            report = soak(mesh.ingress_address, watched(mesh),
                           [e.grpc_address for e in mesh.engines], requests=args.requests,
                           concurrency=args.concurrency, seed=args.seed)
     print(report.table())
+    if args.json is not None:
+        args.json.write_text(json.dumps(report.as_dict(), indent=2) + "\n")
     return 0 if report.ok else 1
 
 

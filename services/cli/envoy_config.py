@@ -43,7 +43,8 @@ What the config does (see ``envoy/README.md`` for the why):
   router (docs/security.md);
 * backstops: a request body over ``max_request_bytes`` gets 413 (gRPC:
   RESOURCE_EXHAUSTED) on the one-message routes, at most
-  ``max_concurrent_streams`` HTTP/2 streams per client connection,
+  ``max_concurrent_streams`` HTTP/2 streams per client connection, a
+  ``downstream_stream_window_bytes`` window (and buffer) per client stream,
   ``max_downstream_connections`` connections, and the overload manager's
   ``fixed_heap`` monitor (shrink the heap, then refuse new requests);
 * admin only on loopback (:func:`build_bootstrap` refuses anything else);
@@ -357,13 +358,24 @@ class EnvoySettings:
         running ones.
       upstream_stream_window_bytes: Envoy's HTTP/2 receive window per stream
         from the router (``initial_stream_window_size`` of the router
-        cluster; Envoy's default is 256 MiB). A client that stops reading
-        fills Envoy's per-connection buffer (1 MiB, Envoy's default watermark)
-        and then this window, after which the router's writes block and its
-        slow-reader budget (``--client-write-timeout-s``) applies: Envoy holds
-        at most about 1 MiB + this per slow stream instead of up to 256 MiB.
-        65,536 (Envoy's minimum is 65,535) is hundreds of token deltas, ample
-        for a stream of tokens on loopback.
+        cluster; Envoy's default is 256 MiB): what the router may send on a
+        stream beyond what Envoy has passed on toward the client. 65,536
+        (Envoy's minimum is 65,535) is hundreds of token deltas, ample for a
+        stream of tokens on loopback.
+      downstream_stream_window_bytes: the ingress's HTTP/2 window per client
+        stream (``initial_stream_window_size`` of the connection manager;
+        Envoy's default is 256 MiB). Envoy uses it both as the window it
+        grants a client's request body and as the limit of what it buffers
+        per stream toward the client ("http2 stream limits", Envoy's flow
+        control FAQ): a client that stops reading holds at most about this
+        plus ``upstream_stream_window_bytes`` in Envoy (measured: 1,117,680
+        bytes read from the router at 1 MiB + 64 KiB), after which Envoy stops
+        reading from the router, the router's writes block and its
+        slow-reader budget (``--client-write-timeout-s``) applies. With
+        Envoy's default a stalled client could hold a whole answer (up to
+        256 MiB) in Envoy and the budget never started. 1 MiB keeps a 4 MiB
+        request body to a few round trips; tests/e2e/test_mesh_slow_reader.py
+        uses 64 KiB to keep its answer short.
     """
 
     ingress_host: str = "127.0.0.1"
@@ -399,6 +411,7 @@ class EnvoySettings:
     shrink_heap_threshold: float = 0.95
     stop_accepting_requests_threshold: float = 0.98
     upstream_stream_window_bytes: int = 65_536
+    downstream_stream_window_bytes: int = 1_048_576
 
 
 def _seconds(value: float) -> datetime.timedelta:
@@ -564,6 +577,7 @@ def _http_connection_manager(settings: EnvoySettings) -> HttpConnectionManager:
         http2_protocol_options=Http2ProtocolOptions(
             connection_keepalive=_keepalive(settings),
             max_concurrent_streams=settings.max_concurrent_streams,
+            initial_stream_window_size=settings.downstream_stream_window_bytes,
             # HPACK's per-header limit (64 KiB by default) as large as the
             # total, so one large header meets the same limit as many.
             max_header_field_size_kb=settings.max_request_headers_kb,

@@ -1,6 +1,6 @@
 """Hypothesis strategies and case runners for fuzzing the mesh's public edges.
 
-One copy, shared by the CI test (tests/e2e/test_mesh_fuzz.py, ~2,000 cases)
+One copy, shared by the CI test (tests/e2e/test_mesh_fuzz.py, 2,000 cases)
 and the soak script (benchmarks/fuzz_soak.py, --cases 100000). A case is one
 of:
 
@@ -13,14 +13,17 @@ of:
   with lone surrogates (``\\ud800``), wrong types, junk;
 * ``("openai", bytes)``: ``POST /v1/chat/completions`` bodies likewise;
 * ``("stream", [actions])``: a ``GenerateStream`` script of starts, cancels
-  (right or wrong id) and pauses, then a half-close or an abrupt client cancel.
+  (right or wrong id, 0-200 ms after a start) and pauses, then a half-close
+  or an abrupt client cancel.
 
 :func:`run_case` sends a case and returns a :class:`CaseResult`; the caller
 asserts :func:`check` (no INTERNAL / UNKNOWN / HTTP 5xx from a reset or a
 bug, every call ended within its deadline).
 
-Valid-looking requests ask for at most a few tokens, so a case costs
-milliseconds on CPU.
+Valid-looking requests ask for at most 16 tokens, so a case costs
+milliseconds on CPU (a refused one ~2 ms, one that generates ~45 ms, plus
+~6 ms of Hypothesis' own per case, measured on a quiet 2-core machine) and a
+stream script at most its pauses (0.2 s) more.
 """
 
 from __future__ import annotations
@@ -262,12 +265,32 @@ def openai_bodies(draw: st.DrawFn) -> bytes:
     return raw
 
 
+#: Pauses (seconds) between a script's steps: a cancel racing its start.
+_SHORT_PAUSES = [0.0, 0.001, 0.005, 0.02]
+#: The longest pause before a cancel (seconds): past the first token (TTFT
+#: through Envoy is ~20-50 ms on the CPU mesh), inside a 4-16 token answer.
+CANCEL_PAUSE_MAX_S = 0.2
+
+
 @st.composite
 def stream_scripts(draw: st.DrawFn) -> list[tuple[str, Any]]:
     """A ``GenerateStream`` script: ("start", request) / ("cancel", id) /
-    ("sleep", seconds) steps, then ("close", None) or ("abort", None)."""
+    ("sleep", seconds) steps, then ("close", None) or ("abort", None).
+
+    One script in four opens with a start that generates (4-16 tokens, EOS
+    ignored), a pause of 0-200 ms (:data:`CANCEL_PAUSE_MAX_S`) and a cancel
+    of the running generation: a cancel before, at and after the first
+    tokens. Other pauses are 0-20 ms, so a case stays well under a second.
+    """
     steps: list[tuple[str, Any]] = []
-    for _ in range(draw(st.integers(1, 4))):
+    if draw(st.integers(0, 3)) == 0:
+        steps += [("start", generation_pb2.GenerateRequest(
+                      prompt=draw(texts), bypass_cache=True,
+                      sampling=common_pb2.SamplingParams(
+                          max_tokens=draw(st.integers(4, 16)), ignore_eos=True))),
+                  ("sleep", draw(st.floats(0.0, CANCEL_PAUSE_MAX_S))),
+                  ("cancel", "")]
+    for _ in range(draw(st.integers(0 if steps else 1, 4 - len(steps) // 2))):
         step = draw(st.integers(0, 3))
         if step == 0:
             steps.append(("start", draw(generate_requests())))
@@ -278,7 +301,7 @@ def stream_scripts(draw: st.DrawFn) -> list[tuple[str, Any]]:
         elif step == 2:
             steps.append(("cancel", draw(st.one_of(st.just(""), texts))))
         else:
-            steps.append(("sleep", draw(st.sampled_from([0.0, 0.001, 0.005, 0.02]))))
+            steps.append(("sleep", draw(st.sampled_from(_SHORT_PAUSES))))
     steps.append((draw(st.sampled_from(["close", "close", "abort"])), None))
     return steps
 
@@ -305,12 +328,15 @@ class CaseResult:
       outcome: the gRPC status name, ``OK``, or ``HTTP <status>``.
       seconds: wall time of the case.
       detail: the status message or response body start.
+      cancelled_after_tokens: a stream script sent its first cancel after
+        token-carrying messages had arrived (a cancel of a running generation).
     """
 
     kind: str
     outcome: str
     seconds: float
     detail: str = ""
+    cancelled_after_tokens: bool = False
 
 
 def check(result: CaseResult) -> str | None:
@@ -343,10 +369,15 @@ class Target:
         self.channel.close()
 
 
-def _drain(call: Any) -> tuple[str, str]:
+def _drain(call: Any, tokens: list[int] | None = None) -> tuple[str, str]:
+    """Reads ``call`` to its end; returns (status name, message). Appends the
+    number of token ids of each message that carries some to ``tokens``."""
     try:
-        for _ in call:
-            pass
+        for message in call:
+            if tokens is not None:
+                response = getattr(message, "response", message)
+                if response.token_ids:
+                    tokens.append(len(response.token_ids))
     except grpc.RpcError as err:
         return err.code().name, err.details() or ""
     return "OK", ""
@@ -363,19 +394,25 @@ def _post(url: str, body: bytes) -> tuple[str, str]:
         return f"HTTP {err.code}", err.read()[:300].decode(errors="replace")
 
 
-def _run_stream(target: Target, steps: list[tuple[str, Any]]) -> tuple[str, str]:
+def _run_stream(target: Target, steps: list[tuple[str, Any]]) -> tuple[str, str, bool]:
+    """Plays ``steps``; returns (status name, message, whether the first
+    cancel went out after token-carrying messages had arrived)."""
     import queue
     import threading
 
     outbox: queue.Queue[generation_pb2.GenerateStreamRequest | None] = queue.Queue()
     call = target.stub.GenerateStream(iter(outbox.get, None), timeout=CALL_DEADLINE_S)
     result: list[tuple[str, str]] = []
-    reader = threading.Thread(target=lambda: result.append(_drain(call)), daemon=True)
+    tokens: list[int] = []
+    reader = threading.Thread(target=lambda: result.append(_drain(call, tokens)), daemon=True)
     reader.start()
+    after_tokens: bool | None = None
     for action, value in steps:
         if action == "start":
             outbox.put(generation_pb2.GenerateStreamRequest(start=value))
         elif action == "cancel":
+            if after_tokens is None:
+                after_tokens = bool(tokens)
             outbox.put(generation_pb2.GenerateStreamRequest(
                 cancel=generation_pb2.CancelGeneration(request_id=value)))
         elif action == "sleep":
@@ -387,9 +424,11 @@ def _run_stream(target: Target, steps: list[tuple[str, Any]]) -> tuple[str, str]
             outbox.put(None)
     reader.join(CALL_DEADLINE_S + 5)
     if not result:
-        return "HUNG", "the stream did not end"
+        return "HUNG", "the stream did not end", bool(after_tokens)
     code, detail = result[0]
-    return ("OK", "") if code == "CANCELLED" and steps[-1][0] == "abort" else (code, detail)
+    if code == "CANCELLED" and steps[-1][0] == "abort":
+        code, detail = "OK", ""
+    return code, detail, bool(after_tokens)
 
 
 def run_case(target: Target, case: tuple[str, Any]) -> CaseResult:
@@ -405,5 +444,6 @@ def run_case(target: Target, case: tuple[str, Any]) -> CaseResult:
     elif kind == "openai":
         outcome, detail = _post(f"http://{target.address}/v1/chat/completions", value)
     else:
-        outcome, detail = _run_stream(target, value)
+        outcome, detail, after_tokens = _run_stream(target, value)
+        return CaseResult(kind, outcome, time.monotonic() - started, detail, after_tokens)
     return CaseResult(kind, outcome, time.monotonic() - started, detail)

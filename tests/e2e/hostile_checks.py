@@ -1,20 +1,128 @@
 """Checks shared by the hostile tests and scripts (fuzz, soak, faults, slow
-reader): service PIDs, gRPC health, resident memory, the engines' KV pool.
+reader): service PIDs, gRPC health, Envoy's readiness, resident memory, the
+engines' KV pool.
 
 Everything here reads a running mesh from outside: PIDs and ``/proc``,
-``grpc.health.v1``, the engine's ``GetLoad`` RPC.
+``grpc.health.v1``, Envoy's admin ``/ready``, the engine's ``GetLoad`` RPC.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Mapping
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.cli.mesh import Mesh
+
+
+#: The name Envoy goes by among the watched processes.
+ENVOY = "envoy"
+
+
+@dataclass(frozen=True)
+class Watched:
+    """One process of a mesh under test.
+
+    Attributes:
+      name: the service's name (``router``, ``engine-0``, ...) or :data:`ENVOY`.
+      pid: its PID when the run began (a restart gives it another).
+      address: a service's gRPC ``host:port``; Envoy's admin URL (``http://host:port``).
+    """
+
+    name: str
+    pid: int
+    address: str
+
+
+def watched(mesh: Mesh) -> list[Watched]:
+    """The services of ``mesh`` that run (a router :meth:`Mesh.remove_router`
+    stopped is not one) and its Envoy."""
+    found = [Watched(name, service.pid, service.grpc_address)
+             for name, service in mesh.services.items()
+             if service.process is not None and service.process.poll() is None]
+    if mesh.envoy is not None:
+        found.append(Watched(ENVOY, mesh.envoy.pid, mesh.envoy.admin_url))
+    return found
+
+
+def envoy_pid(run_dir: Path) -> int | None:
+    """The PID of the Envoy that runs ``RUN_DIR/envoy.yaml`` (``llmesh up``
+    starts it as ``envoy -c RUN_DIR/envoy.yaml ...``), found in ``/proc``; None
+    when none runs."""
+    config = str(Path(run_dir).resolve() / "envoy.yaml")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for index, arg in enumerate(argv[:-1]):
+            if arg == b"-c" and argv[index + 1].decode(errors="replace") == config:
+                return int(entry.name)
+    return None
+
+
+def watched_from_run_dir(run_dir: Path) -> tuple[list[Watched], list[str]]:
+    """The processes of the mesh ``llmesh up --run-dir RUN_DIR`` runs (each
+    service's port file holds its PID and ports; Envoy is found by its config
+    path and its admin address file), and the engines' gRPC addresses."""
+    processes, engines = [], []
+    for port_file in sorted(Path(run_dir).glob("*.json")):
+        data = json.loads(port_file.read_text())
+        if "pid" not in data or "grpc_port" not in data:
+            continue
+        address = f"127.0.0.1:{data['grpc_port']}"
+        processes.append(Watched(port_file.stem, int(data["pid"]), address))
+        if port_file.stem.startswith("engine"):
+            engines.append(address)
+    pid = envoy_pid(run_dir)
+    admin = Path(run_dir) / "envoy-admin-address"
+    if pid is not None and admin.exists():
+        processes.append(Watched(ENVOY, pid, f"http://{admin.read_text().strip()}"))
+    return processes, engines
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def envoy_ready(admin_url: str, timeout_s: float = 2.0) -> bool:
+    """True when Envoy's admin ``/ready`` answers 200 (it is LIVE)."""
+    try:
+        with urllib.request.urlopen(f"{admin_url}/ready", timeout=timeout_s) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def problems(processes: Sequence[Watched]) -> list[str]:
+    """What is no longer as it was, one line each: a process that does not
+    run under its PID any more (it died, or was restarted), a service whose
+    gRPC health is not SERVING, an Envoy whose ``/ready`` is not 200."""
+    found = []
+    for process in processes:
+        if not alive(process.pid):
+            found.append(f"{process.name} (pid {process.pid}) is gone: it died or restarted")
+        elif process.name == ENVOY:
+            if not envoy_ready(process.address):
+                found.append(f"{process.name} is not ready (admin /ready)")
+        elif not serving(process.address):
+            found.append(f"{process.name} is not SERVING")
+    return found
 
 
 def pids(mesh: Mesh) -> dict[str, int]:

@@ -1,9 +1,10 @@
 """A client that stops reading (the slow-reader budget's test and benchmark).
 
-Envoy buffers about 1 MiB per stream (its per-connection buffer limit, plus
-the 64 KiB window it grants the router): a shorter answer fits there, and
-the router behind Envoy sees a blocked write only for longer ones. The
-tests therefore call a router directly, with
+Envoy buffers about 1 MiB + 64 KiB per stream (its ingress's HTTP/2 stream
+window, ``EnvoySettings.downstream_stream_window_bytes``, plus the window it
+grants the router): a shorter answer fits there, and the router behind Envoy
+sees a blocked write only for longer ones. The tests therefore call a router
+directly, or an Envoy with a 64 KiB ingress window, with
 big messages (20 log-probabilities per token: ~0.4 KB each) and a small
 receive window (no BDP probing, 1 KB look-ahead), so that the router's
 writes block after a few messages (measured: the budget cancelled a

@@ -4,7 +4,7 @@ for a missing or wrong key on gRPC, the OpenAI endpoint and the JSON
 transcoder; PERMISSION_DENIED / 403 for a model the tenant may not use; a
 tenant over its tokens per minute refused with a hint while another is
 served; a SIGHUP reload taking effect without ending a stream in flight;
-and no key or prompt text in any log or metrics page of the run."""
+and no key, key hash or prompt text in any log or metrics page of the run."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ pytestmark = pytest.mark.mesh
 
 KEYS = {"alpha": "lmk_alpha-0a1b2c3d4e5f", "beta": "lmk_beta-6a7b8c9d0e1f",
         "narrow": "lmk_narrow-1f2e3d4c5b", "old": "lmk_old-9z8y7x6w5v", "new": "lmk_new-5v6w7x8y9z"}
+#: A key no tenant holds (the unauthenticated cases send it).
+WRONG_KEY = "lmk_not-a-key"
 #: alpha's tokens per minute: one request of 120 max_tokens fits, two do not.
 ALPHA_TPM = 250
 #: Text that must never reach a log line or a metric (prompts are private).
@@ -101,8 +103,8 @@ def test_a_missing_or_wrong_key_is_unauthenticated_on_every_edge(mesh: Mesh) -> 
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         for metadata, message in [
                 ((), "missing API key: send 'authorization: Bearer <key>'"),
-                ((("authorization", "Bearer lmk_not-a-key"),), "invalid API key"),
-                ((("x-api-key", "lmk_not-a-key"), ("x-tenant-id", "alpha")), "invalid API key")]:
+                ((("authorization", f"Bearer {WRONG_KEY}"),), "invalid API key"),
+                ((("x-api-key", WRONG_KEY), ("x-tenant-id", "alpha")), "invalid API key")]:
             with pytest.raises(grpc.RpcError) as info:
                 list(stub.Generate(request(2, "u"), timeout=30, metadata=metadata or None))
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -124,7 +126,7 @@ def test_a_missing_or_wrong_key_is_unauthenticated_on_every_edge(mesh: Mesh) -> 
     assert status == 401 and body["error"]["code"] == "missing_api_key"
     assert body["error"]["type"] == "invalid_request_error"
     status, _, body = http(f"{mesh.http_url}/v1/chat/completions", chat,
-                           {"authorization": "Bearer lmk_not-a-key"})
+                           {"authorization": f"Bearer {WRONG_KEY}"})
     assert (status, body["error"]["message"]) == (401, "invalid API key")
     # Envoy's JSON transcoder maps UNAUTHENTICATED to 401 too.
     status, _, body = http(f"{mesh.http_url}/v1/generate", {"prompt": SECRET_PROMPT}, {})
@@ -229,7 +231,7 @@ def test_sighup_reloads_the_keys_while_a_stream_started_before_runs_to_its_end(
     write_keys(keys_file, gamma_key=KEYS["new"])
 
 
-def test_no_key_and_no_prompt_text_in_any_log_or_metrics_page(mesh: Mesh) -> None:
+def test_no_key_no_key_hash_and_no_prompt_text_in_any_log_or_metrics_page(mesh: Mesh) -> None:
     pages = {name: metrics_text(service.metrics_address)
              for name, service in mesh.services.items()}
     pages["envoy"] = urllib.request.urlopen(f"{mesh.admin_url}/stats/prometheus",
@@ -238,7 +240,11 @@ def test_no_key_and_no_prompt_text_in_any_log_or_metrics_page(mesh: Mesh) -> Non
              for p in Path(mesh.run_dir).rglob("*") if p.is_file()}
     assert any("router" in name for name in files)
     assert 'tenant="alpha"' in pages["router"]
-    secrets = [*KEYS.values(), SECRET_PROMPT]
+    # A key's SHA-256 names the key as well as the key does (docs/api-keys.md):
+    # its hex digest (with or without the file's "sha256:" prefix) is a secret
+    # too, for the keys in the file and for the wrong one the router looked up.
+    keys = [*KEYS.values(), WRONG_KEY]
+    secrets = [*keys, *(hash_key(k).removeprefix("sha256:") for k in keys), SECRET_PROMPT]
     for where, text in {**pages, **files}.items():
         for secret in secrets:
             assert secret not in text, f"{secret[:8]}... appears in {where}"

@@ -245,13 +245,17 @@ def test_tls_bootstrap_validates_and_sets_the_decided_tls_and_backstops(tmp_path
     upstream = router["transport_socket"]["typed_config"]["common_tls_context"]
     assert upstream["validation_context"]["trusted_ca"] == {"filename": str(pki.ca)}
     assert upstream["tls_certificates"][0]["certificate_chain"] == {"filename": str(envoy.cert)}
-    # A client that stops reading holds ~1 MiB + 64 KiB in Envoy, not 256 MiB.
+    # A client that stops reading holds ~1 MiB (its stream's window at the
+    # ingress) + 64 KiB (the router's stream window) in Envoy, not 256 MiB + 256 MiB.
     h2 = router["typed_extension_protocol_options"][
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["explicit_http_config"][
         "http2_protocol_options"]
     assert h2["initial_stream_window_size"] == 65536
     hcm = _hcm(config)
     assert hcm["http2_protocol_options"]["max_concurrent_streams"] == 1024
+    for listener in ("ingress", "ingress-plaintext"):
+        ingress_hcm = listeners[listener]["filter_chains"][0]["filters"][0]["typed_config"]
+        assert ingress_hcm["http2_protocol_options"]["initial_stream_window_size"] == 1 << 20
     assert _http_filter(config, "envoy.filters.http.buffer")["max_request_bytes"] == 4 << 20
     unbuffered = {r["name"] for r in _routes(config)
                   if "envoy.filters.http.buffer" in r.get("typed_per_filter_config", {})}
