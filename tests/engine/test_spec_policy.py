@@ -169,6 +169,39 @@ def test_the_speculator_cuts_proposals_to_what_pays_and_learns_from_verification
     assert fresh.spec_token_ids == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_method_whose_first_drafts_failed_is_tried_again_in_a_batch() -> None:
+    """A cold start: the method's first drafts all fail, then four sequences
+    whose proposals the proposer is sure of run together. Only drafts update
+    the method's per-position record, so without relaxing it while the method
+    scores nothing, its ceiling stayed under the 4-sequence bar for good."""
+    proposer = ScoredProposer([1, 2, 3, 4, 5, 6], (1.0,) * 6)
+    spec = Speculator(SpeculativeConfig(), max_model_len=512, proposers={SUFFIX: proposer})
+    spec.cost = fitted(0.0046, 0.00055)
+    for _ in range(6):  # warm-up requests whose drafts all fail
+        (cold,) = seqs(1, SUFFIX)
+        spec.propose([cold], num_running=1)
+        scored = len(cold.spec_token_ids)
+        if scored:
+            spec.observe_step([(cold, scored, 0)], 0.005, 1 + scored, True)
+    batch = seqs(4, SUFFIX)
+    spec.propose(batch, num_running=4)
+    assert not any(seq.spec_token_ids for seq in batch)  # under the bar now
+    for step in range(1, 401):
+        spec.propose(batch, num_running=4)
+        if any(seq.spec_token_ids for seq in batch):
+            break
+    assert 50 < step < 400, step  # not at once (the failures count), but not never
+    # and once its drafts are accepted, the method speculates every step
+    for _ in range(20):
+        drafted = [(seq, len(seq.spec_token_ids), len(seq.spec_token_ids))
+                   for seq in batch if seq.spec_token_ids]
+        spec.observe_step(drafted, 0.008, 4 + sum(n for _, n, _ in drafted), True)
+        for seq in batch:
+            seq.spec_token_ids.clear()
+        spec.propose(batch, num_running=4)
+    assert all(len(seq.spec_token_ids) >= 3 for seq in batch)
+
+
 def test_suffix_requests_get_their_own_default_length() -> None:
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=3,
                                         suffix_num_speculative_tokens=12),

@@ -199,6 +199,9 @@ class AcceptanceModel:
       relax: weight kept by a sequence's record at each step it does not
         speculate, the rest going back to ratio 1 (so a sequence that stopped
         speculating tries again some tens of steps later).
+      method_relax: the same for a method's per-position records at each
+        step it scores nothing (:meth:`idle_method`; slower: they speak for
+        every sequence of the method).
       min_factor: the least a sequence's record scales its estimates by
         (0.5; measured: at 0.02 a few failed guesses silenced n-gram lookup
         through the copy stretches that followed, 1.29x became 1.14x on the
@@ -209,6 +212,7 @@ class AcceptanceModel:
     method_decay: float = 0.98
     prior_steps: float = 2.0
     relax: float = 0.98
+    method_relax: float = 0.995
     min_factor: float = 0.5
     _positions: dict[tuple[SpeculativeMethod, int], _Ratio] = field(
         default_factory=dict, repr=False)
@@ -270,6 +274,19 @@ class AcceptanceModel:
         if found is not None:
             weight = (1 - self.relax) * self.prior_steps
             found.add(self.relax, weight, weight)
+
+    def idle_method(self, method: SpeculativeMethod) -> None:
+        """``method`` had sequences to speculate for this step but scored no
+        proposal: its per-position records move back toward ratio 1
+        (``relax``), as a sequence's do in :meth:`idle`. Without it a method
+        whose first drafts failed (a cold start on text it could not predict)
+        stayed below every later bar for good, since only drafts update its
+        records (measured: four failed warm-up drafts kept suffix decoding off
+        through 2,500 steps of four clients repeating one answer its cache held)."""
+        weight = (1 - self.method_relax) * self.prior_steps
+        for (owner, _), found in self._positions.items():
+            if owner is method:
+                found.add(self.method_relax, weight, weight)
 
     def retain(self, keys: set[int]) -> None:
         """Forgets the sequences not in ``keys``."""

@@ -232,15 +232,18 @@ class Speculator:
         produced a token): empty while more than ``disable_batch_size`` run;
         with the cost model, each proposal cut to the tokens likely enough to
         pay for their rows (a sequence whose calibrated acceptance cannot
-        reach the bar is not even looked up)."""
+        reach the bar is not even looked up). A method asked for that scores
+        nothing in a step relaxes its calibration (``AcceptanceModel.idle_method``)."""
         limit = self.config.disable_batch_size
         if limit is not None and num_running > limit:
             return
         bar = self.bar(num_running) if self.config.cost_model else 0.0
         by_method: dict[SpeculativeMethod, list[tuple[Sequence, int]]] = {}
+        asked: set[SpeculativeMethod] = set()
         for seq in seqs:
             if seq.spec_method is SpeculativeMethod.NONE:
                 continue
+            asked.add(seq.spec_method)
             k = self.budget(seq)
             if k > 0 and self.acceptance.ceiling(seq.arrival, seq.spec_method) > bar:
                 by_method.setdefault(seq.spec_method, []).append((seq, k))
@@ -260,17 +263,19 @@ class Speculator:
                 factor = self.acceptance.factor(seq.arrival)
                 chosen.append((seq, proposal, raw, calibrated,
                                tuple(min(1.0, factor * q) for q in calibrated)))
-        if not chosen:
-            return
         keep = (choose_lengths([q for *_, q in chosen], max(num_running, 1), self.cost)
                 if self.config.cost_model else [len(item[1]) for item in chosen])
+        drafted: set[SpeculativeMethod] = set()
         for (seq, proposal, raw, calibrated, _), length in zip(chosen, keep):
             if length:
                 seq.spec_token_ids[:] = proposal[:length]
                 self._predicted[seq.arrival] = (
                     seq.spec_method, None if raw is None else raw[:length], calibrated[:length])
+                drafted.add(seq.spec_method)
             else:
                 self.acceptance.idle(seq.arrival)
+        for method in asked - drafted:
+            self.acceptance.idle_method(method)
 
     def observe_step(self, scheduled: SequenceOf[tuple[Sequence, int, int]],
                      seconds: float, num_rows: int, decode_only: bool) -> None:
