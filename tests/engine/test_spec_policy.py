@@ -39,14 +39,20 @@ def test_the_cost_model_learns_the_step_time_and_ignores_one_stall() -> None:
         assert model.seconds(rows) == pytest.approx(0.010 + 0.002 * rows, rel=1e-6)
     model.observe(4, 5.0)  # a 5 s stall (GC, another process) counts as 3x the estimate
     assert model.seconds(4) == pytest.approx(0.018 * (1 + 0.1 * 2), rel=1e-6)
-    # unseen counts: linear between trusted neighbours, the prior's shape beyond
+    # unseen counts: linear between trusted neighbours; above them the steeper
+    # of their line (1 ms a row here) and the prior's shape; below, that shape
     sparse = StepCostModel()
     for _ in range(3):
         for rows, seconds in ((2, 0.006), (6, 0.010)):
             sparse.observe(rows, seconds)
     assert sparse.seconds(4) == pytest.approx(0.008)
-    assert sparse.seconds(8) == pytest.approx(0.010 * (4.6 + 0.8 * 8) / (4.6 + 0.8 * 6))
+    assert sparse.seconds(8) == pytest.approx(0.012)
     assert sparse.seconds(1) == pytest.approx(0.006 * (4.6 + 0.8) / (4.6 + 0.8 * 2))
+    flat = StepCostModel()  # a flatter line than the prior's: the prior's slope
+    for _ in range(3):
+        for rows, seconds in ((2, 0.0060), (6, 0.0061)):
+            flat.observe(rows, seconds)
+    assert flat.seconds(8) == pytest.approx(0.0061 * (1 + 2 * 0.8 / (4.6 + 0.8 * 6)))
     with pytest.raises(ValueError, match="table_weight"):
         StepCostModel(table_weight=0)
 

@@ -60,9 +60,10 @@ class StepCostModel:
     Each row count keeps the moving average of its step times. Its average is
     trusted while it is *fresh*: timed at least ``MIN_SAMPLES`` times, the
     last within the last ``stale_after`` decode steps. Any other count is
-    estimated from the nearest trusted ones: linearly between two, and beyond
-    them by the prior's shape ``a + b * R`` scaled to the nearest (the prior
-    alone before any count is trusted). A stale count takes the lower of that
+    estimated from the nearest trusted ones: linearly between two; above
+    them along the steeper of the last two trusted counts' line and the
+    prior's shape ``a + b * R`` scaled to the largest; below them by that
+    shape (the prior alone before any count is trusted). A stale count takes the lower of that
     estimate and its own old average; when it is timed again, the new step
     replaces the old average.
 
@@ -151,9 +152,15 @@ class StepCostModel:
         if below is not None and above is not None:
             low, high = self._table[below][0], self._table[above][0]
             return low + (high - low) * (rows - below) / (above - below)
-        nearest = below if below is not None else above
-        assert nearest is not None
-        return self._table[nearest][0] * _prior(rows) / _prior(nearest)
+        if above is not None:
+            return self._table[above][0] * _prior(rows) / _prior(above)
+        assert below is not None
+        top = self._table[below][0]
+        slope = top * PRIOR_ROW_S / _prior(below)
+        if at >= 2:  # the steeper of the prior's shape and the last two trusted counts
+            second = trusted[at - 2]
+            slope = max(slope, (top - self._table[second][0]) / (below - second))
+        return top + slope * (rows - below)
 
 
 @dataclass
