@@ -63,9 +63,9 @@ class StepCostModel:
     estimated from the nearest trusted ones: linearly between two; above
     them along the steeper of the last two trusted counts' line and the
     prior's shape ``a + b * R`` scaled to the largest; below them by that
-    shape (the prior alone before any count is trusted). A stale count takes the lower of that
-    estimate and its own old average; when it is timed again, the new step
-    replaces the old average.
+    shape (the prior alone before any count is trusted). A stale count takes
+    the lower of that estimate and its own old average; when it is timed
+    again, the new step replaces the old average.
 
     Why the staleness: the cost rule stops proposing the rows whose measured
     cost was high, so a count is timed again only if it is tried again. Steps
@@ -95,7 +95,8 @@ class StepCostModel:
     # rows -> [average seconds, steps timed, index of the last one]
     _table: dict[int, list[float]] = field(default_factory=dict, repr=False)
     _steps: int = field(default=0, repr=False)
-    # trusted counts, ascending, and their averages (rebuilt at each step)
+    # trusted counts, ascending, and the estimates asked for since the last
+    # step (both rebuilt at each step)
     _trusted: list[int] = field(default_factory=list, repr=False)
     _estimates: dict[int, float] = field(default_factory=dict, repr=False)
 
@@ -285,7 +286,7 @@ class AcceptanceModel:
     def idle_method(self, method: SpeculativeMethod) -> None:
         """``method`` had sequences to speculate for this step but scored no
         proposal: its per-position records move back toward ratio 1
-        (``relax``), as a sequence's do in :meth:`idle`. Without it a method
+        (``method_relax``), as a sequence's do in :meth:`idle`. Without it a method
         whose first drafts failed (a cold start on text it could not predict)
         stayed below every later bar for good, since only drafts update its
         records (measured: four failed warm-up drafts kept suffix decoding off
