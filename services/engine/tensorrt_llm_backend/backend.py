@@ -196,13 +196,17 @@ class TensorRTLLMBackend(EngineBackend):
             args.prompt_token_ids, sampling_params=self._sampling_params(spec), streaming=True)
         self._results[request.request_id] = result
         open_choices = set(range(request.sampling.n))
+        sent = [0] * request.sampling.n  # tokens yielded per choice
         try:
             async for output in result:
                 self._started.add(request.request_id)
                 for completion in output.outputs:
-                    delta = self._delta(request, completion, spec)
-                    if delta is None or delta.index not in open_choices:
+                    if completion.index not in open_choices:
                         continue
+                    delta = self._delta(request, completion, spec, sent[completion.index])
+                    if delta is None:
+                        continue
+                    sent[delta.index] = delta.num_generated_tokens
                     if delta.finished:
                         open_choices.discard(delta.index)
                     yield delta
@@ -210,7 +214,7 @@ class TensorRTLLMBackend(EngineBackend):
                     return
             for index in sorted(open_choices):  # the stream ended without a reason
                 open_choices.discard(index)
-                yield self._final(request, result, index, FinishReason.STOP)
+                yield self._final(request, result, index)
         finally:
             self._results.pop(request.request_id, None)
             self._started.discard(request.request_id)
@@ -224,28 +228,39 @@ class TensorRTLLMBackend(EngineBackend):
                 **spec.guided_decoding)
         return self._classes["SamplingParams"](**params)
 
-    def _delta(self, request: SequenceRequest, completion: Any,
-               spec: SamplingSpec) -> TokenDelta | None:
-        """The delta of one choice's chunk; None when it brought nothing."""
-        token_ids = tuple(completion.token_ids_diff)
+    def _delta(self, request: SequenceRequest, completion: Any, spec: SamplingSpec,
+               sent: int) -> TokenDelta | None:
+        """The delta of one choice after its first ``sent`` tokens; None when
+        there is nothing new. Not ``token_ids_diff``: a response updates one
+        choice, and the others keep their previous diff."""
+        token_ids = tuple(completion.token_ids[sent:])
         reason = finish_reason(completion.finish_reason)
         if not token_ids and reason is FinishReason.NONE:
             return None
         logprobs = () if spec.keep_logprobs is None else position_logprobs(
-            token_ids, completion.logprobs_diff, spec.keep_logprobs)
+            token_ids, completion.logprobs[sent:sent + len(token_ids)], spec.keep_logprobs)
         return TokenDelta(
             request_id=request.request_id, token_ids=token_ids, finish_reason=reason,
             num_prompt_tokens=len(request.prompt_token_ids),
             num_generated_tokens=len(completion.token_ids), logprobs=logprobs,
             index=completion.index)
 
-    def _final(self, request: SequenceRequest, result: Any, index: int,
-               reason: FinishReason) -> TokenDelta:
+    def _final(self, request: SequenceRequest, result: Any, index: int) -> TokenDelta:
+        """The last delta of a choice the stream ended without a reason for
+        (TensorRT-LLM names one only once the whole request is final, so with
+        n > 1 a choice that ended earlier has none): the torch engine's rule on
+        its tokens, a stop id first, then ``max_tokens``."""
         outputs = result.outputs or []
-        generated = len(outputs[index].token_ids) if index < len(outputs) else 0
+        token_ids = list(outputs[index].token_ids) if index < len(outputs) else []
+        options = request.sampling
+        stops = {*options.stop_token_ids, *(() if options.ignore_eos
+                                            else self.model_info.eos_token_ids)}
+        ended_on_stop = bool(token_ids) and token_ids[-1] in stops
+        reason = (FinishReason.LENGTH if len(token_ids) >= options.max_tokens and not ended_on_stop
+                  else FinishReason.STOP)
         return TokenDelta(request_id=request.request_id, token_ids=(), finish_reason=reason,
                           num_prompt_tokens=len(request.prompt_token_ids),
-                          num_generated_tokens=generated, index=index)
+                          num_generated_tokens=len(token_ids), index=index)
 
     def cancel(self, request_id: str) -> bool:
         result = self._results.get(request_id)
