@@ -79,8 +79,10 @@ with warnings.catch_warnings():
     from envoy_data_plane.envoy.config.accesslog.v3 import (
         AccessLog,
         AccessLogFilter,
+        AndFilter,
         ComparisonFilter,
         ComparisonFilterOp,
+        HeaderFilter,
         StatusCodeFilter,
     )
     from envoy_data_plane.envoy.config.bootstrap.v3 import (
@@ -187,7 +189,7 @@ with warnings.catch_warnings():
         HttpProtocolOptionsExplicitHttpConfig,
     )
     from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
-    from envoy_data_plane.google.protobuf import Any
+    from envoy_data_plane.google.protobuf import Any, Struct
 
 #: The public gRPC service Envoy transcodes and counts.
 PUBLIC_SERVICE = "llmesh.v1.GenerationService"
@@ -597,19 +599,41 @@ def _http_connection_manager(settings: EnvoySettings) -> HttpConnectionManager:
     )
 
 
-def _local_replies() -> LocalReplyConfig:
-    """Envoy's own 413 (a body over ``max_request_bytes``) carries
-    ``grpc-status: 8`` (RESOURCE_EXHAUSTED), so a gRPC caller sees a size
-    refusal, not UNKNOWN (Envoy maps HTTP 413 to UNKNOWN); HTTP callers keep
-    the 413. Source: Envoy docs, "Local reply modification" (http_conn_man)."""
-    too_large = AccessLogFilter(status_code_filter=StatusCodeFilter(comparison=ComparisonFilter(
+def _status_is(code: int, name: str) -> AccessLogFilter:
+    return AccessLogFilter(status_code_filter=StatusCodeFilter(comparison=ComparisonFilter(
         op=ComparisonFilterOp.EQ,
-        value=RuntimeUInt32(default_value=413, runtime_key="llmesh.local_reply.too_large"))))
+        value=RuntimeUInt32(default_value=code, runtime_key=f"llmesh.local_reply.{name}"))))
+
+
+def _local_replies() -> LocalReplyConfig:
+    """Envoy's own replies, reshaped for their callers. Source: Envoy docs,
+    "Local reply modification" (http_conn_man).
+
+    * 413 (a body over ``max_request_bytes``) carries ``grpc-status: 8``
+      (RESOURCE_EXHAUSTED), so a gRPC caller sees a size refusal, not UNKNOWN
+      (Envoy maps HTTP 413 to UNKNOWN); HTTP callers keep the 413.
+    * 404 under ``/v1/`` (no route, or a path the transcoder cannot resolve)
+      is an OpenAI-shaped error body, ``{"error": {"message", "type",
+      "param", "code": "not_found"}}``, as the router's own 404s are: an
+      OpenAI client parses it like any other error.
+    """
     resource_exhausted = HeaderValueOption(
         header=HeaderValue(key="grpc-status", value="8"),
         append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD)
-    return LocalReplyConfig(mappers=[ResponseMapper(filter=too_large,
-                                                    headers_to_add=[resource_exhausted])])
+    under_v1 = AccessLogFilter(header_filter=HeaderFilter(header=HeaderMatcher(
+        name=":path", string_match=StringMatcher(prefix="/v1/"))))
+    not_found_body = Struct.from_dict({"error": {
+        "message": "no route %REQ(:METHOD)% %REQ(:PATH)% on this server (OpenAI API: "
+                   "POST /v1/chat/completions, POST /v1/completions, GET /v1/models)",
+        "type": "invalid_request_error", "param": None, "code": "not_found"}})
+    return LocalReplyConfig(mappers=[
+        ResponseMapper(filter=_status_is(413, "too_large"), headers_to_add=[resource_exhausted]),
+        ResponseMapper(
+            filter=AccessLogFilter(and_filter=AndFilter(
+                filters=[_status_is(404, "not_found"), under_v1])),
+            body_format_override=SubstitutionFormatString(
+                json_format=not_found_body, content_type="application/json")),
+    ])
 
 
 def _data(path: str) -> DataSource:
@@ -858,6 +882,10 @@ def _ops_listener(settings: EnvoySettings, port: int) -> Listener:
         name="ops",
         address=_address(settings.ingress_host, port),
         enable_reuse_port=False,
+        # Probes and scrapes pass when clients hold every connection the
+        # overload manager allows (else a connection flood fails readiness
+        # and gets Envoy restarted, dropping every stream it carries).
+        ignore_global_conn_limit=True,
         filter_chains=[FilterChain(filters=[Filter(
             name="envoy.filters.network.http_connection_manager", typed_config=Any.pack(hcm))])],
     )

@@ -143,13 +143,15 @@ def mesh_address(url: str | None, environ: Mapping[str, str] | None = None) -> s
 
 
 def client_examples(address: str, question: str = EXAMPLE_QUESTION, *, tls: bool = False,
-                    cacert: str | None = None) -> list[str]:
+                    cacert: str | None = None, api_keys: bool = False) -> list[str]:
     """Shell lines that call a mesh at ``address`` (``host:port``), as printed
     by ``llmesh up``: the llmesh CLI, grpcurl (gRPC, via reflection), curl
     (JSON through Envoy's transcoder; the reply is one JSON array) and curl to
     the OpenAI-compatible API (``/v1/models``, ``/v1/chat/completions``).
     ``tls``: the ingress speaks TLS (``https://``; ``cacert`` is the CA file
-    the clients are told to trust, None: the system roots)."""
+    the clients are told to trust, None: the system roots). ``api_keys``: the
+    mesh wants a key; the lines send ``$LLMESH_API_KEY`` (the llmesh CLI reads
+    that variable itself) after a line that says to set it."""
     openai_body = json.dumps(
         {"messages": [{"role": "user", "content": question}], "max_tokens": 64,
          "stream": True}, separators=(",", ":"))
@@ -166,14 +168,17 @@ def client_examples(address: str, question: str = EXAMPLE_QUESTION, *, tls: bool
     else:
         url_flag = "" if address == DEFAULT_URL else f" --url {address}"
         grpcurl = "grpcurl -plaintext"
+    key = ' -H "authorization: Bearer $LLMESH_API_KEY"' if api_keys else ""
     return [
+        *(["export LLMESH_API_KEY=<a key of the --api-keys file>  (llmesh keys new)"]
+          if api_keys else []),
         f"llmesh generate{url_flag} {shlex.quote(question)}",
-        f"{grpcurl} -d {shlex.quote(body)} {address} "
+        f"{grpcurl}{key} -d {shlex.quote(body)} {address} "
         "llmesh.v1.GenerationService/Generate",
-        f"curl{ca} -sN -X POST {scheme}://{address}/v1/generate "
+        f"curl{ca}{key} -sN -X POST {scheme}://{address}/v1/generate "
         f"-H 'content-type: application/json' -d {shlex.quote(body)}",
-        f"curl{ca} -s {scheme}://{address}/v1/models",
-        f"curl{ca} -sN {scheme}://{address}/v1/chat/completions "
+        f"curl{ca}{key} -s {scheme}://{address}/v1/models",
+        f"curl{ca}{key} -sN {scheme}://{address}/v1/chat/completions "
         f"-H 'content-type: application/json' -d {shlex.quote(openai_body)}",
     ]
 
@@ -233,6 +238,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     for flag in ("backend", "device", "dtype", "quantization"):
         if getattr(args, flag):
             engine_args += [f"--{flag}", getattr(args, flag)]
+    backend = _engine_backend(engine_args) or os.environ.get("LLMESH_ENGINE_BACKEND")
+    if backend == "tensorrt_llm":
+        from services.engine.tensorrt_llm_backend.availability import (
+            INSTALL_HINT,
+            tensorrt_llm_installed,
+        )
+        if not tensorrt_llm_installed():  # before any service starts
+            print(f"llmesh: {INSTALL_HINT}", file=sys.stderr)
+            return 2
     if args.models and args.model_path:
         print("llmesh: give --model NAME=PATH (repeatable) or --model-path, not both",
               file=sys.stderr)
@@ -286,7 +300,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         except MeshStartError as error:
             print(f"llmesh: start failed: {error}", file=sys.stderr)
             return 1
-        _print_ready(mesh)
+        _print_ready(mesh, api_keys=args.api_keys is not None)
         return _supervise(mesh, restart=args.restart)
     except KeyboardInterrupt:
         print("\nllmesh: stopping...", file=sys.stderr, flush=True)
@@ -295,6 +309,18 @@ def cmd_up(args: argparse.Namespace) -> int:
         mesh.stop()
         if mesh.envoy is not None:
             print("llmesh: stopped", file=sys.stderr, flush=True)
+
+
+def _engine_backend(engine_args: list[str]) -> str | None:
+    """The ``--backend`` the engines will get (the last one given, as argparse
+    takes it; ``--backend X`` or ``--backend=X``), or None (the engine's default)."""
+    backend = None
+    for index, arg in enumerate(engine_args):
+        if arg == "--backend" and index + 1 < len(engine_args):
+            backend = engine_args[index + 1]
+        elif arg.startswith("--backend="):
+            backend = arg.partition("=")[2]
+    return backend
 
 
 def tls_flag_problem(args: argparse.Namespace) -> str | None:
@@ -365,7 +391,7 @@ def _supervise(mesh: object, *, restart: bool) -> int:
                   f"{service.grpc_address})", file=sys.stderr, flush=True)
 
 
-def _print_ready(mesh: object) -> None:
+def _print_ready(mesh: object, *, api_keys: bool = False) -> None:
     from services.cli.mesh import Mesh
 
     assert isinstance(mesh, Mesh)
@@ -394,7 +420,7 @@ def _print_ready(mesh: object) -> None:
     lines.append("Try:")
     lines += [f"  {line}" for line in client_examples(
         mesh.ingress_address, tls=mesh.tls,
-        cacert=None if mesh.ca_path is None else str(mesh.ca_path))]
+        cacert=None if mesh.ca_path is None else str(mesh.ca_path), api_keys=api_keys)]
     lines.append("Ctrl-C stops everything.")
     print("\n".join(lines), flush=True)
 
@@ -433,7 +459,11 @@ def _rpc_error(error: object, target: str) -> int:
     assert isinstance(error, grpc.RpcError)
     code, details = error.code(), error.details()  # type: ignore[attr-defined]
     message = f"llmesh: {code.name}: {details}"
-    if code == grpc.StatusCode.UNAVAILABLE and "connect" in (details or "").lower():
+    lowered = (details or "").lower()
+    if code == grpc.StatusCode.UNAVAILABLE and "certificate_verify_failed" in lowered:
+        message += ("\n(the mesh's TLS certificate is not trusted: give its CA with --cacert "
+                    "or LLMESH_CACERT, e.g. RUN_DIR/tls/ca.crt of `llmesh up --tls-self-signed`)")
+    elif code == grpc.StatusCode.UNAVAILABLE and "connect" in lowered:
         message += f"\n(is `llmesh up` running on {target}?)"
     print(message, file=sys.stderr)
     return 1
@@ -591,8 +621,8 @@ def cmd_keys_new(args: argparse.Namespace) -> int:
     key = mint_key()
     print(key)
     print(f"# The key above is shown once; the file keeps only its hash. Add to the "
-          f"--api-keys file under `tenants:` (or add the hash to {args.tenant!r}'s keys), "
-          f"then send SIGHUP to the router:\n{key_entry(args.tenant, hash_key(key))}", end="")
+          f"--api-keys file under `tenants:` (or add the hash to the keys of tenant "
+          f"{args.tenant!r}), then send SIGHUP to the router:\n{key_entry(args.tenant, hash_key(key))}", end="")
     return 0
 
 
@@ -778,6 +808,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``llmesh`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
+    if args.func in (cmd_generate, cmd_models):
+        # Before grpc loads: its C core would print its own INFO lines (a TLS
+        # handshake failure) above the one-line error the command gives.
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     return int(args.func(args))
 
 

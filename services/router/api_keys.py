@@ -113,6 +113,10 @@ class KeyTable:
     def num_keys(self) -> int:
         return len(self._by_digest)
 
+    def tenant_ids_with_keys(self) -> set[str]:
+        """The ids of the tenants at least one key of the file authenticates as."""
+        return {tenant.id for tenant in self._by_digest.values()}
+
 
 def hash_key(key: str) -> str:
     """The file's entry for ``key``: ``sha256:<hex>``."""
@@ -184,8 +188,8 @@ def parse_key_table(text: str, *, source: str = "<keys>") -> KeyTable:
         for j, digest in enumerate(digests):
             if digest in by_digest:
                 raise KeyFileError(
-                    f"{source}: tenants[{i}].keys[{j}]: the same key hash is already "
-                    f"tenant {by_digest[digest].id!r}'s; a key maps to one tenant")
+                    f"{source}: tenants[{i}].keys[{j}]: the same key hash is already a key of "
+                    f"tenant {by_digest[digest].id!r}; a key maps to one tenant")
             by_digest[digest] = tenant
     return KeyTable(tenants, by_digest)
 

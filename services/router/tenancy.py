@@ -62,6 +62,8 @@ log = structlog.get_logger()
 
 MISSING_KEY_MESSAGE = "missing API key: send 'authorization: Bearer <key>' (or 'x-api-key: <key>')"
 INVALID_KEY_MESSAGE = "invalid API key"
+NOT_BEARER_MESSAGE = ("missing API key: the authorization header is not 'Bearer <key>'; "
+                      "send 'authorization: Bearer <key>' (or 'x-api-key: <key>')")
 
 
 class AuthError(Exception):
@@ -108,6 +110,13 @@ class Tenancy:
         self.table = table
         self._metrics.api_keys.labels("keys").set(table.num_keys)
         self._metrics.api_keys.labels("tenants").set(len(table.tenants))
+        keyless = sorted(set(table.tenants) - table.tenant_ids_with_keys())
+        if table.num_keys == 0:
+            log.warning("api_keys_none", file=str(self.keys_path),
+                        effect="every generation call is refused UNAUTHENTICATED")
+        elif keyless:
+            log.warning("api_keys_tenants_without_keys", tenants=keyless,
+                        effect="no call can act as these tenants")
 
     def reload(self) -> bool:
         """Reads the key file again (SIGHUP); True when the new table is in use."""
@@ -141,7 +150,11 @@ class Tenancy:
         key = key_from_headers(authorization, api_key)
         if key is None:
             self._auth_failed("missing_key")
-            raise AuthError(grpc.StatusCode.UNAUTHENTICATED, "missing_key", MISSING_KEY_MESSAGE)
+            # Another scheme (Basic, or a bare key): say so, never echoing the
+            # header, which may be the key itself.
+            message = (NOT_BEARER_MESSAGE if authorization and authorization.strip()
+                       else MISSING_KEY_MESSAGE)
+            raise AuthError(grpc.StatusCode.UNAUTHENTICATED, "missing_key", message)
         tenant = table.authenticate(key)
         if tenant is None:
             self._auth_failed("invalid_key")
@@ -219,4 +232,5 @@ class Tenancy:
             self._observer.ended(tenant.id, outcome)
 
 
-__all__ = ["AuthError", "INVALID_KEY_MESSAGE", "MISSING_KEY_MESSAGE", "Tenancy"]
+__all__ = ["AuthError", "INVALID_KEY_MESSAGE", "MISSING_KEY_MESSAGE", "NOT_BEARER_MESSAGE",
+           "Tenancy"]

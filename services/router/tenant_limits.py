@@ -196,8 +196,8 @@ class TenantLimiter:
         _expire(state.tokens, now)
         if limit and tokens > limit:
             raise InvalidRequestError("sampling.max_tokens", (
-                f"the request needs {tokens} tokens (prompt + max_tokens), more than tenant "
-                f"{lease.tenant!r}'s tokens_per_minute limit of {limit}; lower max_tokens"),
+                f"the request needs {tokens} tokens (prompt + max_tokens), more than the "
+                f"tokens_per_minute limit of tenant {lease.tenant!r} ({limit}); lower max_tokens"),
                 grpc.StatusCode.OUT_OF_RANGE)
         used = sum(c.amount for c in state.tokens)
         if limit and used + tokens > limit:

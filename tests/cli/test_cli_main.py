@@ -3,6 +3,7 @@ router, and the request the CLI builds from its flags."""
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 
 import pytest
@@ -131,6 +132,15 @@ def test_client_examples_name_the_address() -> None:
     assert "http://127.0.0.1:18080/v1/generate" in other[2]
 
 
+def test_client_examples_send_the_api_key_when_the_mesh_wants_one() -> None:
+    lines = cli.client_examples("127.0.0.1:8080", api_keys=True)
+    assert lines[0].startswith("export LLMESH_API_KEY=")
+    assert lines[1].startswith("llmesh generate ")  # reads LLMESH_API_KEY itself
+    for line in lines[2:]:
+        assert '-H "authorization: Bearer $LLMESH_API_KEY"' in line, line
+    assert not any("LLMESH_API_KEY" in line for line in cli.client_examples("127.0.0.1:8080"))
+
+
 def test_generate_streams_text_and_summarises_on_stderr(
         envoy: EnvoyProcess, capsys: pytest.CaptureFixture[str]) -> None:
     code = cli.main(["generate", "--url", envoy.ingress_address, "--max-tokens", "2",
@@ -212,6 +222,21 @@ def test_a_timeout_that_is_not_positive_is_a_usage_error(
         cli.main(["generate", "--timeout", timeout, "hi"])
     assert exit_info.value.code == 2
     assert "--timeout" in capsys.readouterr().err
+
+
+def test_up_refuses_an_absent_tensorrt_llm_in_one_line_before_starting(
+        tmp_path, capsys, monkeypatch) -> None:
+    if importlib.util.find_spec("tensorrt_llm") is not None:
+        pytest.skip("TensorRT-LLM is installed here")
+    run_dir = tmp_path / "run"
+    for argv in (["--backend", "tensorrt_llm"], ["--engine-arg=--backend=tensorrt_llm"]):
+        assert cli.main(["up", "--run-dir", str(run_dir), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "needs TensorRT-LLM" in err and "pip install" in err
+    monkeypatch.setenv("LLMESH_ENGINE_BACKEND", "tensorrt_llm")
+    assert cli.main(["up", "--run-dir", str(run_dir)]) == 2
+    assert "needs TensorRT-LLM" in capsys.readouterr().err
+    assert not run_dir.exists()  # nothing started
 
 
 def test_up_refuses_a_repeated_model_name_or_a_missing_file_before_starting(

@@ -145,7 +145,9 @@ def test_python_grpc_and_the_llmesh_cli_generate_over_tls(
     assert "fake-model" in capsys.readouterr().out
     # Without the CA the server is not trusted (system roots): one clear error.
     assert llmesh(["models", "--url", url, "--timeout", "5"]) == 1
-    assert "UNAVAILABLE" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "UNAVAILABLE" in err and "give its CA with --cacert or LLMESH_CACERT" in err
+    assert "is `llmesh up` running" not in err
 
 
 def test_openai_http_over_tls(tls_mesh: TlsMesh) -> None:
@@ -154,6 +156,20 @@ def test_openai_http_over_tls(tls_mesh: TlsMesh) -> None:
     chat = json.dumps({"messages": [{"role": "user", "content": "hi there"}], "stream": True})
     status, body = _https(tls_mesh, "/v1/chat/completions", chat.encode())
     assert status == 200 and b"data: [DONE]" in body
+
+
+def test_an_unknown_v1_route_is_an_openai_shaped_404(tls_mesh: TlsMesh) -> None:
+    for path, body in [("/v1/nothing", b"{}"), ("/v1/chat/complete", b"{}"),
+                       ('/v1/x"y', None)]:
+        status, reply = _https(tls_mesh, path.replace('"', "%22"), body)
+        assert status == 404, path
+        error = json.loads(reply)["error"]
+        assert error["code"] == "not_found" and error["type"] == "invalid_request_error"
+        assert error["message"].startswith("no route ") and "/v1/chat/completions" in error[
+            "message"]
+    # Elsewhere Envoy's own reply stays as it was.
+    status, reply = _https(tls_mesh, "/nothing", b"{}")
+    assert status == 404 and not reply.startswith(b"{")
 
 
 def test_plaintext_is_refused_and_no_plaintext_listener_is_bound(tls_mesh: TlsMesh) -> None:

@@ -13,6 +13,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -24,6 +26,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmesh.v1 import generation_pb2, generation_pb2_grpc
+from services.cli.main import client_examples
 from services.cli.mesh import Mesh
 from services.router.api_keys import hash_key
 from tests.e2e.overload_client import long_request, run_one
@@ -135,6 +138,26 @@ def test_a_missing_or_wrong_key_is_unauthenticated_on_every_edge(mesh: Mesh) -> 
                         {"prompt": SECRET_PROMPT, "sampling": {"max_tokens": 2}},
                         {"authorization": f"Bearer {KEYS['beta']}"})
     assert status == 200
+
+
+def test_the_examples_llmesh_up_prints_with_api_keys_work_with_a_key(mesh: Mesh) -> None:
+    lines = client_examples(mesh.ingress_address, "Name a colour.", api_keys=True)
+    assert lines[0].startswith("export LLMESH_API_KEY=")
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    env = {**os.environ, "PATH": path, "LLMESH_API_KEY": KEYS["beta"]}
+    env.pop("LLMESH_URL", None)
+    for line in lines[1:]:
+        done = subprocess.run(line, shell=True, capture_output=True, text=True, timeout=60,
+                              env=env)
+        assert done.returncode == 0, (line, done.stderr)
+        assert "nauthenticated" not in done.stdout + done.stderr, line
+    models = subprocess.run(lines[4], shell=True, capture_output=True, text=True, timeout=30,
+                            env=env, check=True)
+    assert json.loads(models.stdout)["data"][0]["id"] == "SmolLM2-135M-Instruct"
+    # Without the key the same lines are refused.
+    denied = subprocess.run(lines[4], shell=True, capture_output=True, text=True, timeout=30,
+                            env={**env, "LLMESH_API_KEY": ""})
+    assert json.loads(denied.stdout)["error"]["code"] == "missing_api_key"
 
 
 def test_a_model_the_tenant_may_not_use_is_permission_denied(mesh: Mesh) -> None:

@@ -237,6 +237,10 @@ def test_tls_bootstrap_validates_and_sets_the_decided_tls_and_backstops(tmp_path
     listeners = {entry["name"]: entry for entry in config["static_resources"]["listeners"]}
     assert set(listeners) == {"ingress", "ingress-plaintext", "ops"}
     assert "transport_socket" not in listeners["ingress-plaintext"]["filter_chains"][0]
+    # Probes and scrapes pass while clients hold every allowed connection
+    # (tests/cli/test_envoy_backstops.py shows it); the client listeners count.
+    assert listeners["ops"]["ignore_global_conn_limit"] is True
+    assert not listeners["ingress"].get("ignore_global_conn_limit")
     ingress_tls = listeners["ingress"]["filter_chains"][0]["transport_socket"]["typed_config"]
     common = ingress_tls["common_tls_context"]
     assert common["tls_params"] == {"tls_minimum_protocol_version": "TLSv1_2"}

@@ -14,6 +14,7 @@ import aiohttp
 import grpc
 import openai
 import pytest
+import structlog.testing
 
 from llmesh.v1 import generation_pb2
 from services.router.api_keys import hash_key
@@ -168,3 +169,34 @@ async def test_a_bad_reload_keeps_the_old_keys(tmp_path: Path) -> None:
         assert (await collect(mesh.stub.Generate(
             generation_pb2.GenerateRequest(prompt="q"),
             metadata=(("x-api-key", "lmk_rotated"),))))[-1].finish_reason
+
+
+async def test_another_authorization_scheme_is_named_without_echoing_the_header(
+        tmp_path: Path) -> None:
+    async with served(tmp_path) as (mesh, _):
+        for value in ("Basic Zm9vOmJhcg==", KEYS["alpha"]):  # a bare key is not Bearer either
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="q"),
+                                                 metadata=(("authorization", value),)))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "is not 'Bearer <key>'" in info.value.details()
+            assert value not in info.value.details() and "Zm9v" not in info.value.details()
+        assert mesh.metric("llmesh:auth_failures_total", reason="missing_key") == 2
+
+
+async def test_a_key_file_that_lets_no_one_in_is_loaded_with_a_warning(tmp_path: Path) -> None:
+    async with served(tmp_path) as (mesh, _):
+        (tmp_path / "keys.json").write_text(json.dumps({"tenants": [
+            {"id": "acme", "keys": []},
+            {"id": "beta", "keys": [hash_key(KEYS["beta"])]}]}))
+        with structlog.testing.capture_logs() as logs:
+            assert mesh.router.tenancy.reload()
+        assert {"event": "api_keys_tenants_without_keys", "tenants": ["acme"],
+                "effect": "no call can act as these tenants",
+                "log_level": "warning"} in logs
+        (tmp_path / "keys.json").write_text(json.dumps({"tenants": [{"id": "acme", "keys": []}]}))
+        with structlog.testing.capture_logs() as logs:
+            assert mesh.router.tenancy.reload()
+        events = {entry["event"]: entry for entry in logs}
+        assert events["api_keys_none"]["log_level"] == "warning"
+        assert "UNAUTHENTICATED" in events["api_keys_none"]["effect"]

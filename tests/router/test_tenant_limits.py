@@ -117,6 +117,7 @@ def test_a_reservation_larger_than_the_limit_is_out_of_range(clock: Clock) -> No
         lease.reserve(4, 7)
     assert info.value.code == grpc.StatusCode.OUT_OF_RANGE
     assert info.value.field == "sampling.max_tokens"
+    assert "tokens_per_minute limit of tenant 'a' (10)" in str(info.value)
 
 
 def test_a_failed_request_is_billed_only_its_completion_tokens(clock: Clock) -> None:

@@ -521,8 +521,8 @@ def speculative_config(config: EngineConfig) -> SpeculativeConfig:
     method = config.resolved_speculative_method()
     if method in ("eagle3", "mtp"):
         raise ValueError(f"--speculative-method {method} is implemented by "
-                         "the tensorrt_llm backend only; the torch backend offers none, ngram "
-                         "and draft")
+                         "the tensorrt_llm backend only; the torch backend offers suffix (its "
+                         "default, auto), ngram, draft and none")
     return SpeculativeConfig(
         method=SpeculativeMethod.parse(method),
         num_speculative_tokens=config.num_speculative_tokens, ngram_min=config.ngram_min,
