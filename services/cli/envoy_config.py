@@ -613,19 +613,19 @@ def _local_replies() -> LocalReplyConfig:
       (RESOURCE_EXHAUSTED), so a gRPC caller sees a size refusal, not UNKNOWN
       (Envoy maps HTTP 413 to UNKNOWN); HTTP callers keep the 413.
     * 404 under ``/v1/`` (no route, or a path the transcoder cannot resolve)
-      is an OpenAI-shaped error body, ``{"error": {"message", "type",
-      "param", "code": "not_found"}}``, as the router's own 404s are: an
-      OpenAI client parses it like any other error.
+      is the router's own 404 (``services/router/openai_http.py``): an
+      OpenAI error body, ``{"error": {"message", "type", "param", "code":
+      "unknown_url"}}``, as OpenAI answers an unknown URL.
     """
     resource_exhausted = HeaderValueOption(
         header=HeaderValue(key="grpc-status", value="8"),
         append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD)
     under_v1 = AccessLogFilter(header_filter=HeaderFilter(header=HeaderMatcher(
         name=":path", string_match=StringMatcher(prefix="/v1/"))))
-    not_found_body = Struct.from_dict({"error": {
-        "message": "no route %REQ(:METHOD)% %REQ(:PATH)% on this server (OpenAI API: "
-                   "POST /v1/chat/completions, POST /v1/completions, GET /v1/models)",
-        "type": "invalid_request_error", "param": None, "code": "not_found"}})
+    not_found_body = Struct.from_dict({"error": {  # the router's own (openai_http.py)
+        "message": "unknown route %REQ(:METHOD)% %REQ(:PATH)%; this server has POST "
+                   "/v1/chat/completions, POST /v1/completions and GET /v1/models",
+        "type": "invalid_request_error", "param": None, "code": "unknown_url"}})
     return LocalReplyConfig(mappers=[
         ResponseMapper(filter=_status_is(413, "too_large"), headers_to_add=[resource_exhausted]),
         ResponseMapper(

@@ -170,7 +170,7 @@ def client_examples(address: str, question: str = EXAMPLE_QUESTION, *, tls: bool
         grpcurl = "grpcurl -plaintext"
     key = ' -H "authorization: Bearer $LLMESH_API_KEY"' if api_keys else ""
     return [
-        *(["export LLMESH_API_KEY=<a key of the --api-keys file>  (llmesh keys new)"]
+        *(["export LLMESH_API_KEY='<your key>'  # one of the --api-keys file's (llmesh keys new)"]
           if api_keys else []),
         f"llmesh generate{url_flag} {shlex.quote(question)}",
         f"{grpcurl}{key} -d {shlex.quote(body)} {address} "
@@ -453,20 +453,40 @@ def _request(args: argparse.Namespace):  # -> generation_pb2.GenerateRequest
     return request
 
 
-def _rpc_error(error: object, target: str) -> int:
+def _rpc_error(error: object, target: str, args: argparse.Namespace) -> int:
+    """Prints a failed call's status in one line, plus what to do about the
+    usual causes; returns the exit code (1)."""
     import grpc
 
     assert isinstance(error, grpc.RpcError)
     code, details = error.code(), error.details()  # type: ignore[attr-defined]
     message = f"llmesh: {code.name}: {details}"
-    lowered = (details or "").lower()
-    if code == grpc.StatusCode.UNAVAILABLE and "certificate_verify_failed" in lowered:
-        message += ("\n(the mesh's TLS certificate is not trusted: give its CA with --cacert "
-                    "or LLMESH_CACERT, e.g. RUN_DIR/tls/ca.crt of `llmesh up --tls-self-signed`)")
-    elif code == grpc.StatusCode.UNAVAILABLE and "connect" in lowered:
-        message += f"\n(is `llmesh up` running on {target}?)"
-    print(message, file=sys.stderr)
+    hint = _rpc_error_hint(code.name, (details or "").lower(), target, args)
+    print(message + (f"\n({hint})" if hint else ""), file=sys.stderr)
     return 1
+
+
+def _rpc_error_hint(code: str, details: str, target: str, args: argparse.Namespace) -> str:
+    """What to do about a failed call (``details`` in lower case); "" if nothing."""
+    tls = (args.url or os.environ.get("LLMESH_URL") or "").startswith("https://")
+    cacert = args.cacert or os.environ.get("LLMESH_CACERT")
+    if code == "UNAUTHENTICATED":
+        return ("the mesh wants an API key: export LLMESH_API_KEY=<key> (one of its "
+                "--api-keys file's; llmesh keys new makes one)")
+    if code != "UNAVAILABLE":
+        return ""
+    if "certificate_verify_failed" in details:
+        if cacert:
+            return (f"the CA in {cacert} did not sign the mesh's certificate: give the CA "
+                    "`llmesh up` printed (RUN_DIR/tls/ca.crt with --tls-self-signed)")
+        return ("the mesh's TLS certificate is not trusted: give its CA with --cacert or "
+                "LLMESH_CACERT, e.g. RUN_DIR/tls/ca.crt of `llmesh up --tls-self-signed`")
+    if not tls and "socket closed" in details:
+        return (f"if the mesh on {target} serves TLS (`llmesh up --tls-*`), call it with "
+                f"--url https://{target}")
+    if "connect" in details:
+        return f"is `llmesh up` running on {target}?"
+    return ""
 
 
 #: The line under the summary of an answer replayed from the response cache.
@@ -564,7 +584,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         except grpc.RpcError as error:
             if not ends_newline:
                 sys.stdout.write("\n")
-            return _rpc_error(error, target)
+            return _rpc_error(error, target, args)
         except KeyboardInterrupt:
             call.cancel()
             sys.stdout.write("\n")
@@ -597,7 +617,7 @@ def cmd_models(args: argparse.Namespace) -> int:
             reply = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=args.timeout,
                                     metadata=_api_key_metadata())
         except grpc.RpcError as error:
-            return _rpc_error(error, target)
+            return _rpc_error(error, target, args)
     if args.json:
         print(json_format.MessageToJson(reply, preserving_proto_field_name=True))
         return 0

@@ -372,6 +372,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             or two pools serve the same model id.
         """
         cfg = self.config
+        self.tenancy.warn_if_locked_out()  # logging is set up by now (not in __init__)
         self._cache = CacheClient(cfg.cache, timeout=cfg.cache_timeout) if cfg.cache else None
         cache_ready = (asyncio.create_task(self._cache.wait_until_serving(cfg.startup_timeout))
                        if self._cache is not None else None)

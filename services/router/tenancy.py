@@ -62,6 +62,8 @@ log = structlog.get_logger()
 
 MISSING_KEY_MESSAGE = "missing API key: send 'authorization: Bearer <key>' (or 'x-api-key: <key>')"
 INVALID_KEY_MESSAGE = "invalid API key"
+EMPTY_BEARER_MESSAGE = ("missing API key: the authorization header's Bearer token is empty; "
+                        "send 'authorization: Bearer <key>' (or 'x-api-key: <key>')")
 NOT_BEARER_MESSAGE = ("missing API key: the authorization header is not 'Bearer <key>'; "
                       "send 'authorization: Bearer <key>' (or 'x-api-key: <key>')")
 
@@ -110,6 +112,15 @@ class Tenancy:
         self.table = table
         self._metrics.api_keys.labels("keys").set(table.num_keys)
         self._metrics.api_keys.labels("tenants").set(len(table.tenants))
+
+    def warn_if_locked_out(self) -> None:
+        """Logs a warning when the key table lets no one in (no keys at all:
+        ``api_keys_none``) or has tenants no key reaches
+        (``api_keys_tenants_without_keys``). The router calls it once logging
+        is set up, and :meth:`reload` after each reload."""
+        table = self.table
+        if table is None:
+            return
         keyless = sorted(set(table.tenants) - table.tenant_ids_with_keys())
         if table.num_keys == 0:
             log.warning("api_keys_none", file=str(self.keys_path),
@@ -133,6 +144,7 @@ class Tenancy:
         self._install(table)
         self._metrics.api_key_reloads.labels("ok").inc()
         log.info("api_keys_reloaded", tenants=len(table.tenants), keys=table.num_keys)
+        self.warn_if_locked_out()
         return True
 
     # ----------------------------------------------------------------- auth
@@ -150,10 +162,15 @@ class Tenancy:
         key = key_from_headers(authorization, api_key)
         if key is None:
             self._auth_failed("missing_key")
-            # Another scheme (Basic, or a bare key): say so, never echoing the
-            # header, which may be the key itself.
-            message = (NOT_BEARER_MESSAGE if authorization and authorization.strip()
-                       else MISSING_KEY_MESSAGE)
+            # Say what is wrong with an authorization header that gave no key,
+            # never echoing it (it may be the key itself).
+            header = (authorization or "").strip()
+            if not header:
+                message = MISSING_KEY_MESSAGE
+            elif header.partition(" ")[0].lower() == "bearer":
+                message = EMPTY_BEARER_MESSAGE
+            else:
+                message = NOT_BEARER_MESSAGE
             raise AuthError(grpc.StatusCode.UNAUTHENTICATED, "missing_key", message)
         tenant = table.authenticate(key)
         if tenant is None:
@@ -232,5 +249,5 @@ class Tenancy:
             self._observer.ended(tenant.id, outcome)
 
 
-__all__ = ["AuthError", "INVALID_KEY_MESSAGE", "MISSING_KEY_MESSAGE", "NOT_BEARER_MESSAGE",
-           "Tenancy"]
+__all__ = ["AuthError", "EMPTY_BEARER_MESSAGE", "INVALID_KEY_MESSAGE", "MISSING_KEY_MESSAGE",
+           "NOT_BEARER_MESSAGE", "Tenancy"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import socket
+import subprocess
 
 import pytest
 
@@ -135,6 +136,8 @@ def test_client_examples_name_the_address() -> None:
 def test_client_examples_send_the_api_key_when_the_mesh_wants_one() -> None:
     lines = cli.client_examples("127.0.0.1:8080", api_keys=True)
     assert lines[0].startswith("export LLMESH_API_KEY=")
+    for line in lines:  # each pastes into a shell as it is
+        assert subprocess.run(["bash", "-n", "-c", line]).returncode == 0, line
     assert lines[1].startswith("llmesh generate ")  # reads LLMESH_API_KEY itself
     for line in lines[2:]:
         assert '-H "authorization: Bearer $LLMESH_API_KEY"' in line, line

@@ -148,6 +148,12 @@ def test_python_grpc_and_the_llmesh_cli_generate_over_tls(
     err = capsys.readouterr().err
     assert "UNAVAILABLE" in err and "give its CA with --cacert or LLMESH_CACERT" in err
     assert "is `llmesh up` running" not in err
+    # A CA that did not sign it, and cleartext to the TLS port: each its own hint.
+    other_ca = tls_certs.write_self_signed(tls_mesh.ca.parent.parent / "other").ca
+    assert llmesh(["models", "--url", url, "--cacert", str(other_ca), "--timeout", "5"]) == 1
+    assert f"the CA in {other_ca} did not sign the mesh's certificate" in capsys.readouterr().err
+    assert llmesh(["models", "--url", tls_mesh.address, "--timeout", "5"]) == 1
+    assert f"call it with --url https://{tls_mesh.address}" in capsys.readouterr().err
 
 
 def test_openai_http_over_tls(tls_mesh: TlsMesh) -> None:
@@ -164,9 +170,12 @@ def test_an_unknown_v1_route_is_an_openai_shaped_404(tls_mesh: TlsMesh) -> None:
         status, reply = _https(tls_mesh, path.replace('"', "%22"), body)
         assert status == 404, path
         error = json.loads(reply)["error"]
-        assert error["code"] == "not_found" and error["type"] == "invalid_request_error"
-        assert error["message"].startswith("no route ") and "/v1/chat/completions" in error[
-            "message"]
+        # The router's own unknown-route reply (openai_http.py), word for word.
+        assert error == {"code": "unknown_url", "type": "invalid_request_error", "param": None,
+                         "message": f"unknown route {'POST' if body else 'GET'} "
+                                    f"{path.replace(chr(34), '%22')}; this server has POST "
+                                    "/v1/chat/completions, POST /v1/completions and GET "
+                                    "/v1/models"}
     # Elsewhere Envoy's own reply stays as it was.
     status, reply = _https(tls_mesh, "/nothing", b"{}")
     assert status == 404 and not reply.startswith(b"{")

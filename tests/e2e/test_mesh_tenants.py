@@ -154,10 +154,14 @@ def test_the_examples_llmesh_up_prints_with_api_keys_work_with_a_key(mesh: Mesh)
     models = subprocess.run(lines[4], shell=True, capture_output=True, text=True, timeout=30,
                             env=env, check=True)
     assert json.loads(models.stdout)["data"][0]["id"] == "SmolLM2-135M-Instruct"
-    # Without the key the same lines are refused.
+    # Without the key the same lines are refused; the CLI says what to set.
     denied = subprocess.run(lines[4], shell=True, capture_output=True, text=True, timeout=30,
                             env={**env, "LLMESH_API_KEY": ""})
     assert json.loads(denied.stdout)["error"]["code"] == "missing_api_key"
+    denied = subprocess.run(lines[1], shell=True, capture_output=True, text=True, timeout=30,
+                            env={**env, "LLMESH_API_KEY": ""})
+    assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr
+    assert "export LLMESH_API_KEY=<key>" in denied.stderr
 
 
 def test_a_model_the_tenant_may_not_use_is_permission_denied(mesh: Mesh) -> None:

@@ -15,9 +15,12 @@ import grpc
 import openai
 import pytest
 import structlog.testing
+from prometheus_client import CollectorRegistry
 
 from llmesh.v1 import generation_pb2
 from services.router.api_keys import hash_key
+from services.router.metrics import RouterMetrics
+from services.router.tenancy import Tenancy
 from tests.router.test_router_service import (
     REPLY,
     collect,
@@ -174,14 +177,17 @@ async def test_a_bad_reload_keeps_the_old_keys(tmp_path: Path) -> None:
 async def test_another_authorization_scheme_is_named_without_echoing_the_header(
         tmp_path: Path) -> None:
     async with served(tmp_path) as (mesh, _):
-        for value in ("Basic Zm9vOmJhcg==", KEYS["alpha"]):  # a bare key is not Bearer either
+        for value, says in [("Basic Zm9vOmJhcg==", "is not 'Bearer <key>'"),
+                            (KEYS["alpha"], "is not 'Bearer <key>'"),  # a bare key
+                            ("Bearer ", "Bearer token is empty"),
+                            ("bearer", "Bearer token is empty")]:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="q"),
                                                  metadata=(("authorization", value),)))
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert "is not 'Bearer <key>'" in info.value.details()
-            assert value not in info.value.details() and "Zm9v" not in info.value.details()
-        assert mesh.metric("llmesh:auth_failures_total", reason="missing_key") == 2
+            assert says in info.value.details()
+            assert KEYS["alpha"] not in info.value.details() and "Zm9v" not in info.value.details()
+        assert mesh.metric("llmesh:auth_failures_total", reason="missing_key") == 4
 
 
 async def test_a_key_file_that_lets_no_one_in_is_loaded_with_a_warning(tmp_path: Path) -> None:
@@ -200,3 +206,20 @@ async def test_a_key_file_that_lets_no_one_in_is_loaded_with_a_warning(tmp_path:
         events = {entry["event"]: entry for entry in logs}
         assert events["api_keys_none"]["log_level"] == "warning"
         assert "UNAUTHENTICATED" in events["api_keys_none"]["effect"]
+
+
+async def test_the_start_warns_of_tenants_no_key_reaches_once_logging_is_set_up(
+        tmp_path: Path) -> None:
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"tenants": [{"id": "ghost", "keys": []},
+                                            {"id": "beta", "keys": [hash_key(KEYS["beta"])]}]}))
+    with structlog.testing.capture_logs() as logs:
+        Tenancy(keys, RouterMetrics(CollectorRegistry()))
+    assert logs == []
+    with structlog.testing.capture_logs() as logs:
+        async with make_mesh(api_keys=str(keys)) as mesh:
+            # Not from the constructor (before the service kit configures
+            # JSON logging): from start(), exactly once.
+            warned = [e for e in logs if e["event"] == "api_keys_tenants_without_keys"]
+            assert [e["tenants"] for e in warned] == [["ghost"]]
+            assert mesh.router.tenancy.enabled
