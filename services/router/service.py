@@ -420,6 +420,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             await self._await_cache(cache_ready)
         for pool in pools.values():
             self._log_ready(pool)
+        if not self._pending:
+            self.tenancy.set_served_models(self.pools)
 
     def _install(self) -> None:
         """Serves the pools opened so far, in the order configured."""
@@ -456,6 +458,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             self._install()
             self._pending.pop(index, None)
             self._log_ready(pool)
+            if not self._pending:
+                self.tenancy.set_served_models(self.pools)
             return
 
     async def _await_cache(self, ready: asyncio.Task[None]) -> None:

@@ -40,6 +40,7 @@ import structlog
 
 from services.common.sampling import InvalidRequestError
 from services.router.api_keys import (
+    ALL_MODELS,
     KeyFileError,
     KeyTable,
     Tenant,
@@ -101,6 +102,8 @@ class Tenancy:
         self._observer = metrics.tenant_observer()
         self.limiter = TenantLimiter(observer=self._observer)
         self.table: KeyTable | None = None
+        #: The model ids the router serves, once every pool is open (None before).
+        self._served: frozenset[str] | None = None
         if self.keys_path is not None:
             self._install(load_key_table(self.keys_path))
 
@@ -129,6 +132,24 @@ class Tenancy:
             log.warning("api_keys_tenants_without_keys", tenants=keyless,
                         effect="no call can act as these tenants")
 
+    def set_served_models(self, models: Iterable[str]) -> None:
+        """Tells the model ids the router serves (every pool open); warns of
+        tenants that list others (``api_keys_unknown_models``), now and after
+        each reload."""
+        self._served = frozenset(models)
+        self._warn_unknown_models()
+
+    def _warn_unknown_models(self) -> None:
+        if self.table is None or self._served is None:
+            return
+        unknown = {tenant.id: sorted(tenant.models - self._served - {ALL_MODELS})
+                   for tenant in self.table.tenants.values()}
+        unknown = {tenant: models for tenant, models in unknown.items() if models}
+        if unknown:
+            log.warning("api_keys_unknown_models", tenants=unknown, served=sorted(self._served),
+                        effect="the mesh serves no such model: a call naming it is refused "
+                               "as an unknown model")
+
     def reload(self) -> bool:
         """Reads the key file again (SIGHUP); True when the new table is in use."""
         if self.keys_path is None:
@@ -145,6 +166,7 @@ class Tenancy:
         self._metrics.api_key_reloads.labels("ok").inc()
         log.info("api_keys_reloaded", tenants=len(table.tenants), keys=table.num_keys)
         self.warn_if_locked_out()
+        self._warn_unknown_models()
         return True
 
     # ----------------------------------------------------------------- auth

@@ -223,3 +223,13 @@ async def test_the_start_warns_of_tenants_no_key_reaches_once_logging_is_set_up(
             warned = [e for e in logs if e["event"] == "api_keys_tenants_without_keys"]
             assert [e["tenants"] for e in warned] == [["ghost"]]
             assert mesh.router.tenancy.enabled
+            assert not [e for e in logs if e["event"] == "api_keys_unknown_models"]
+            # A tenant listing a model the mesh does not serve: said at reload.
+            keys.write_text(json.dumps({"tenants": [
+                {"id": "beta", "keys": [hash_key(KEYS["beta"])],
+                 "models": ["fake-model", "gpt-9", "*"]},
+                {"id": "narrow", "keys": [hash_key(KEYS["narrow"])], "models": ["other"]}]}))
+            assert mesh.router.tenancy.reload()
+            unknown = [e for e in logs if e["event"] == "api_keys_unknown_models"]
+            assert [(e["tenants"], e["served"]) for e in unknown] == [
+                ({"beta": ["gpt-9"], "narrow": ["other"]}, ["fake-model"])]
