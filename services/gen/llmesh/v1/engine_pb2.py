@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from llmesh.v1 import common_pb2 as llmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16llmesh/v1/engine.proto\x12\tllmesh.v1\x1a\x16llmesh/v1/common.proto\"\x98\x02\n\rEngineRequest\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12(\n\x10prompt_token_ids\x18\x02 \x03(\x05R\x0epromptTokenIds\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.llmesh.v1.SamplingParamsR\x08sampling\x12/\n\x08priority\x18\x04 \x01(\x0e\x32\x13.llmesh.v1.PriorityR\x08priority\x12>\n\x0bspeculative\x18\x05 \x01(\x0b\x32\x1c.llmesh.v1.SpeculativeParamsR\x0bspeculative\x12\x16\n\x06tenant\x18\x06 \x01(\tR\x06tenant\"3\n\x0c\x45ngineCancel\x12\x19\n\x05index\x18\x01 \x01(\rH\x00R\x05index\x88\x01\x01\x42\x08\n\x06_index\"\x8d\x01\n\x1c\x45ngineServiceGenerateRequest\x12\x30\n\x05start\x18\x01 \x01(\x0b\x32\x18.llmesh.v1.EngineRequestH\x00R\x05start\x12\x31\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x17.llmesh.v1.EngineCancelH\x00R\x06\x63\x61ncelB\x08\n\x06\x61\x63tion\"\xd6\x02\n\x1d\x45ngineServiceGenerateResponse\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12\x1b\n\ttoken_ids\x18\x02 \x03(\x05R\x08tokenIds\x12<\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.llmesh.v1.FinishReasonR\x0c\x66inishReason\x12&\n\x05usage\x18\x04 \x01(\x0b\x32\x10.llmesh.v1.UsageR\x05usage\x12\x37\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.llmesh.v1.PositionLogprobsR\x08logprobs\x12\x44\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1b.llmesh.v1.PositionLogprobsR\x0epromptLogprobs\x12\x14\n\x05index\x18\x07 \x01(\rR\x05index\"\x80\x01\n\x0eMultiplexStart\x12\x1b\n\tstream_id\x18\x01 \x01(\x04R\x08streamId\x12\x32\n\x07request\x18\x02 \x01(\x0b\x32\x18.llmesh.v1.EngineRequestR\x07request\x12\x1d\n\ntimeout_ms\x18\x03 \x01(\rR\ttimeoutMs\"\x9f\x01\n\x10MultiplexRequest\x12\x31\n\x06starts\x18\x01 \x03(\x0b\x32\x19.llmesh.v1.MultiplexStartR\x06starts\x12\x18\n\x07\x63\x61ncels\x18\x02 \x03(\x04R\x07\x63\x61ncels\x12>\n\x0e\x63\x61ncel_choices\x18\x03 \x03(\x0b\x32\x17.llmesh.v1.ChoiceCancelR\rcancelChoices\"A\n\x0c\x43hoiceCancel\x12\x1b\n\tstream_id\x18\x01 \x01(\x04R\x08streamId\x12\x14\n\x05index\x18\x02 \x01(\rR\x05index\"\x8d\x03\n\x0eSequenceUpdate\x12\x1b\n\tstream_id\x18\x01 \x01(\x04R\x08streamId\x12\x1b\n\ttoken_ids\x18\x02 \x03(\x05R\x08tokenIds\x12<\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.llmesh.v1.FinishReasonR\x0c\x66inishReason\x12&\n\x05usage\x18\x04 \x01(\x0b\x32\x10.llmesh.v1.UsageR\x05usage\x12\x1f\n\x0bstatus_code\x18\x05 \x01(\x05R\nstatusCode\x12%\n\x0estatus_message\x18\x06 \x01(\tR\rstatusMessage\x12\x37\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1b.llmesh.v1.PositionLogprobsR\x08logprobs\x12\x44\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1b.llmesh.v1.PositionLogprobsR\x0epromptLogprobs\x12\x14\n\x05index\x18\t \x01(\rR\x05index\"H\n\x11MultiplexResponse\x12\x33\n\x07updates\x18\x01 \x03(\x0b\x32\x19.llmesh.v1.SequenceUpdateR\x07updates\"\x10\n\x0eGetLoadRequest\"\xb6\x01\n\x0fGetLoadResponse\x12\x1f\n\x0bnum_running\x18\x01 \x01(\rR\nnumRunning\x12\x1f\n\x0bnum_waiting\x18\x02 \x01(\rR\nnumWaiting\x12$\n\x0ekv_cache_usage\x18\x03 \x01(\x02R\x0ckvCacheUsage\x12;\n\x1anum_pending_prefill_tokens\x18\x04 \x01(\x04R\x17numPendingPrefillTokens\"^\n\x11StreamLoadRequest\x12&\n\x0fmin_interval_ms\x18\x01 \x01(\rR\rminIntervalMs\x12!\n\x0cheartbeat_ms\x18\x02 \x01(\rR\x0bheartbeatMs\"D\n\x12StreamLoadResponse\x12.\n\x04load\x18\x01 \x01(\x0b\x32\x1a.llmesh.v1.GetLoadResponseR\x04load\"\x15\n\x13GetModelInfoRequest\"\x97\x03\n\x14GetModelInfoResponse\x12\x14\n\x05model\x18\x01 \x01(\tR\x05model\x12\"\n\rmax_model_len\x18\x02 \x01(\rR\x0bmaxModelLen\x12\x1d\n\nvocab_size\x18\x03 \x01(\rR\tvocabSize\x12\"\n\reos_token_ids\x18\x04 \x03(\x05R\x0b\x65osTokenIds\x12\x18\n\x07\x62\x61\x63kend\x18\x05 \x01(\tR\x07\x62\x61\x63kend\x12 \n\x0cmax_num_seqs\x18\x06 \x01(\rR\nmaxNumSeqs\x12,\n\x12kv_capacity_tokens\x18\x07 \x01(\x04R\x10kvCapacityTokens\x12\x1d\n\nreplica_id\x18\x08 \x01(\tR\treplicaId\x12\"\n\rkv_block_size\x18\t \x01(\rR\x0bkvBlockSize\x12 \n\x0ckv_hash_seed\x18\n \x01(\x0cR\nkvHashSeed\x12\x33\n\x16max_num_batched_tokens\x18\x0b \x01(\rR\x13maxNumBatchedTokens2\x9e\x03\n\rEngineService\x12\x61\n\x08Generate\x12\'.llmesh.v1.EngineServiceGenerateRequest\x1a(.llmesh.v1.EngineServiceGenerateResponse(\x01\x30\x01\x12J\n\tMultiplex\x12\x1b.llmesh.v1.MultiplexRequest\x1a\x1c.llmesh.v1.MultiplexResponse(\x01\x30\x01\x12@\n\x07GetLoad\x12\x19.llmesh.v1.GetLoadRequest\x1a\x1a.llmesh.v1.GetLoadResponse\x12K\n\nStreamLoad\x12\x1c.llmesh.v1.StreamLoadRequest\x1a\x1d.llmesh.v1.StreamLoadResponse0\x01\x12O\n\x0cGetModelInfo\x12\x1e.llmesh.v1.GetModelInfoRequest\x1a\x1f.llmesh.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16llmesh/v1/engine.proto\x12\tllmesh.v1\x1a\x16llmesh/v1/common.proto\"\xb9\x02\n\rEngineRequest\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12(\n\x10prompt_token_ids\x18\x02 \x03(\x05R\x0epromptTokenIds\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.llmesh.v1.SamplingParamsR\x08sampling\x12/\n\x08priority\x18\x04 \x01(\x0e\x32\x13.llmesh.v1.PriorityR\x08priority\x12>\n\x0bspeculative\x18\x05 \x01(\x0b\x32\x1c.llmesh.v1.SpeculativeParamsR\x0bspeculative\x12\x16\n\x06tenant\x18\x06 \x01(\tR\x06tenant\x12\x1f\n\x0b\x63\x61\x63he_scope\x18\x07 \x01(\tR\ncacheScope\"3\n\x0c\x45ngineCancel\x12\x19\n\x05index\x18\x01 \x01(\rH\x00R\x05index\x88\x01\x01\x42\x08\n\x06_index\"\x8d\x01\n\x1c\x45ngineServiceGenerateRequest\x12\x30\n\x05start\x18\x01 \x01(\x0b\x32\x18.llmesh.v1.EngineRequestH\x00R\x05start\x12\x31\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x17.llmesh.v1.EngineCancelH\x00R\x06\x63\x61ncelB\x08\n\x06\x61\x63tion\"\xd6\x02\n\x1d\x45ngineServiceGenerateResponse\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12\x1b\n\ttoken_ids\x18\x02 \x03(\x05R\x08tokenIds\x12<\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.llmesh.v1.FinishReasonR\x0c\x66inishReason\x12&\n\x05usage\x18\x04 \x01(\x0b\x32\x10.llmesh.v1.UsageR\x05usage\x12\x37\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.llmesh.v1.PositionLogprobsR\x08logprobs\x12\x44\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1b.llmesh.v1.PositionLogprobsR\x0epromptLogprobs\x12\x14\n\x05index\x18\x07 \x01(\rR\x05index\"\x80\x01\n\x0eMultiplexStart\x12\x1b\n\tstream_id\x18\x01 \x01(\x04R\x08streamId\x12\x32\n\x07request\x18\x02 \x01(\x0b\x32\x18.llmesh.v1.EngineRequestR\x07request\x12\x1d\n\ntimeout_ms\x18\x03 \x01(\rR\ttimeoutMs\"\x9f\x01\n\x10MultiplexRequest\x12\x31\n\x06starts\x18\x01 \x03(\x0b\x32\x19.llmesh.v1.MultiplexStartR\x06starts\x12\x18\n\x07\x63\x61ncels\x18\x02 \x03(\x04R\x07\x63\x61ncels\x12>\n\x0e\x63\x61ncel_choices\x18\x03 \x03(\x0b\x32\x17.llmesh.v1.ChoiceCancelR\rcancelChoices\"A\n\x0c\x43hoiceCancel\x12\x1b\n\tstream_id\x18\x01 \x01(\x04R\x08streamId\x12\x14\n\x05index\x18\x02 \x01(\rR\x05index\"\x8d\x03\n\x0eSequenceUpdate\x12\x1b\n\tstream_id\x18\x01 \x01(\x04R\x08streamId\x12\x1b\n\ttoken_ids\x18\x02 \x03(\x05R\x08tokenIds\x12<\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.llmesh.v1.FinishReasonR\x0c\x66inishReason\x12&\n\x05usage\x18\x04 \x01(\x0b\x32\x10.llmesh.v1.UsageR\x05usage\x12\x1f\n\x0bstatus_code\x18\x05 \x01(\x05R\nstatusCode\x12%\n\x0estatus_message\x18\x06 \x01(\tR\rstatusMessage\x12\x37\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1b.llmesh.v1.PositionLogprobsR\x08logprobs\x12\x44\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1b.llmesh.v1.PositionLogprobsR\x0epromptLogprobs\x12\x14\n\x05index\x18\t \x01(\rR\x05index\"H\n\x11MultiplexResponse\x12\x33\n\x07updates\x18\x01 \x03(\x0b\x32\x19.llmesh.v1.SequenceUpdateR\x07updates\"\x10\n\x0eGetLoadRequest\"\xb6\x01\n\x0fGetLoadResponse\x12\x1f\n\x0bnum_running\x18\x01 \x01(\rR\nnumRunning\x12\x1f\n\x0bnum_waiting\x18\x02 \x01(\rR\nnumWaiting\x12$\n\x0ekv_cache_usage\x18\x03 \x01(\x02R\x0ckvCacheUsage\x12;\n\x1anum_pending_prefill_tokens\x18\x04 \x01(\x04R\x17numPendingPrefillTokens\"^\n\x11StreamLoadRequest\x12&\n\x0fmin_interval_ms\x18\x01 \x01(\rR\rminIntervalMs\x12!\n\x0cheartbeat_ms\x18\x02 \x01(\rR\x0bheartbeatMs\"D\n\x12StreamLoadResponse\x12.\n\x04load\x18\x01 \x01(\x0b\x32\x1a.llmesh.v1.GetLoadResponseR\x04load\"\x15\n\x13GetModelInfoRequest\"\x97\x03\n\x14GetModelInfoResponse\x12\x14\n\x05model\x18\x01 \x01(\tR\x05model\x12\"\n\rmax_model_len\x18\x02 \x01(\rR\x0bmaxModelLen\x12\x1d\n\nvocab_size\x18\x03 \x01(\rR\tvocabSize\x12\"\n\reos_token_ids\x18\x04 \x03(\x05R\x0b\x65osTokenIds\x12\x18\n\x07\x62\x61\x63kend\x18\x05 \x01(\tR\x07\x62\x61\x63kend\x12 \n\x0cmax_num_seqs\x18\x06 \x01(\rR\nmaxNumSeqs\x12,\n\x12kv_capacity_tokens\x18\x07 \x01(\x04R\x10kvCapacityTokens\x12\x1d\n\nreplica_id\x18\x08 \x01(\tR\treplicaId\x12\"\n\rkv_block_size\x18\t \x01(\rR\x0bkvBlockSize\x12 \n\x0ckv_hash_seed\x18\n \x01(\x0cR\nkvHashSeed\x12\x33\n\x16max_num_batched_tokens\x18\x0b \x01(\rR\x13maxNumBatchedTokens2\x9e\x03\n\rEngineService\x12\x61\n\x08Generate\x12\'.llmesh.v1.EngineServiceGenerateRequest\x1a(.llmesh.v1.EngineServiceGenerateResponse(\x01\x30\x01\x12J\n\tMultiplex\x12\x1b.llmesh.v1.MultiplexRequest\x1a\x1c.llmesh.v1.MultiplexResponse(\x01\x30\x01\x12@\n\x07GetLoad\x12\x19.llmesh.v1.GetLoadRequest\x1a\x1a.llmesh.v1.GetLoadResponse\x12K\n\nStreamLoad\x12\x1c.llmesh.v1.StreamLoadRequest\x1a\x1d.llmesh.v1.StreamLoadResponse0\x01\x12O\n\x0cGetModelInfo\x12\x1e.llmesh.v1.GetModelInfoRequest\x1a\x1f.llmesh.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,35 +33,35 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmesh.v1.engine_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENGINEREQUEST']._serialized_start=62
-  _globals['_ENGINEREQUEST']._serialized_end=342
-  _globals['_ENGINECANCEL']._serialized_start=344
-  _globals['_ENGINECANCEL']._serialized_end=395
-  _globals['_ENGINESERVICEGENERATEREQUEST']._serialized_start=398
-  _globals['_ENGINESERVICEGENERATEREQUEST']._serialized_end=539
-  _globals['_ENGINESERVICEGENERATERESPONSE']._serialized_start=542
-  _globals['_ENGINESERVICEGENERATERESPONSE']._serialized_end=884
-  _globals['_MULTIPLEXSTART']._serialized_start=887
-  _globals['_MULTIPLEXSTART']._serialized_end=1015
-  _globals['_MULTIPLEXREQUEST']._serialized_start=1018
-  _globals['_MULTIPLEXREQUEST']._serialized_end=1177
-  _globals['_CHOICECANCEL']._serialized_start=1179
-  _globals['_CHOICECANCEL']._serialized_end=1244
-  _globals['_SEQUENCEUPDATE']._serialized_start=1247
-  _globals['_SEQUENCEUPDATE']._serialized_end=1644
-  _globals['_MULTIPLEXRESPONSE']._serialized_start=1646
-  _globals['_MULTIPLEXRESPONSE']._serialized_end=1718
-  _globals['_GETLOADREQUEST']._serialized_start=1720
-  _globals['_GETLOADREQUEST']._serialized_end=1736
-  _globals['_GETLOADRESPONSE']._serialized_start=1739
-  _globals['_GETLOADRESPONSE']._serialized_end=1921
-  _globals['_STREAMLOADREQUEST']._serialized_start=1923
-  _globals['_STREAMLOADREQUEST']._serialized_end=2017
-  _globals['_STREAMLOADRESPONSE']._serialized_start=2019
-  _globals['_STREAMLOADRESPONSE']._serialized_end=2087
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2089
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2110
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2113
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2520
-  _globals['_ENGINESERVICE']._serialized_start=2523
-  _globals['_ENGINESERVICE']._serialized_end=2937
+  _globals['_ENGINEREQUEST']._serialized_end=375
+  _globals['_ENGINECANCEL']._serialized_start=377
+  _globals['_ENGINECANCEL']._serialized_end=428
+  _globals['_ENGINESERVICEGENERATEREQUEST']._serialized_start=431
+  _globals['_ENGINESERVICEGENERATEREQUEST']._serialized_end=572
+  _globals['_ENGINESERVICEGENERATERESPONSE']._serialized_start=575
+  _globals['_ENGINESERVICEGENERATERESPONSE']._serialized_end=917
+  _globals['_MULTIPLEXSTART']._serialized_start=920
+  _globals['_MULTIPLEXSTART']._serialized_end=1048
+  _globals['_MULTIPLEXREQUEST']._serialized_start=1051
+  _globals['_MULTIPLEXREQUEST']._serialized_end=1210
+  _globals['_CHOICECANCEL']._serialized_start=1212
+  _globals['_CHOICECANCEL']._serialized_end=1277
+  _globals['_SEQUENCEUPDATE']._serialized_start=1280
+  _globals['_SEQUENCEUPDATE']._serialized_end=1677
+  _globals['_MULTIPLEXRESPONSE']._serialized_start=1679
+  _globals['_MULTIPLEXRESPONSE']._serialized_end=1751
+  _globals['_GETLOADREQUEST']._serialized_start=1753
+  _globals['_GETLOADREQUEST']._serialized_end=1769
+  _globals['_GETLOADRESPONSE']._serialized_start=1772
+  _globals['_GETLOADRESPONSE']._serialized_end=1954
+  _globals['_STREAMLOADREQUEST']._serialized_start=1956
+  _globals['_STREAMLOADREQUEST']._serialized_end=2050
+  _globals['_STREAMLOADRESPONSE']._serialized_start=2052
+  _globals['_STREAMLOADRESPONSE']._serialized_end=2120
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2122
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2143
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2146
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2553
+  _globals['_ENGINESERVICE']._serialized_start=2556
+  _globals['_ENGINESERVICE']._serialized_end=2970
 # @@protoc_insertion_point(module_scope)

@@ -31,6 +31,7 @@ class EngineRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     SPECULATIVE_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
+    CACHE_SCOPE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     priority: _common_pb2.Priority.ValueType
     tenant: _builtins.str
@@ -38,6 +39,14 @@ class EngineRequest(_message.Message):
     there is none). State an engine learns across requests (the suffix
     decoding cache under --suffix-cache-scope tenant) never carries one
     tenant's outputs into another's requests.
+    """
+    cache_scope: _builtins.str
+    """The request's cache scope as the router resolved it (tenant or cache
+    group, and the caller's `cache_salt`; opaque, at most 128 bytes; empty:
+    the shared scope). It seeds the first prefix-cache block hash (only
+    requests of one scope reuse each other's KV blocks, and the KV events
+    name the blocks so) and scopes the suffix decoding cache under
+    --suffix-cache-scope tenant.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -60,10 +69,11 @@ class EngineRequest(_message.Message):
         priority: _common_pb2.Priority.ValueType = ...,
         speculative: _common_pb2.SpeculativeParams | None = ...,
         tenant: _builtins.str = ...,
+        cache_scope: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "speculative", b"speculative", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_scope", b"cache_scope", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "speculative", b"speculative", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -68,6 +68,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     BYPASS_CACHE_FIELD_NUMBER: _builtins.int
     SPECULATIVE_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for this request, echoed in every response and in logs.
     Empty: the router makes one (or takes `x-request-id` metadata).
@@ -80,6 +81,15 @@ class GenerateRequest(_message.Message):
     bypass_cache: _builtins.bool
     """Do not answer from the response cache; the fresh answer may still be
     stored (a refresh). Useful for benchmarks and determinism checks.
+    """
+    cache_salt: _builtins.str
+    """Further scopes every cache for this request (response cache, coalescing,
+    prefix-cache blocks, speculative suffix cache), like vLLM's `cache_salt`:
+    only requests with the same salt, in the same tenant scope, share cached
+    work. It never widens the tenant's scope. Unset: the tenant's scope. At
+    most 256 bytes; set but empty is INVALID_ARGUMENT. Use a random secret
+    (e.g. 256 bits, base64) to keep a prefix private from other users of
+    one tenant.
     """
     @_builtins.property
     def chat(self) -> Global___Chat: ...
@@ -104,13 +114,19 @@ class GenerateRequest(_message.Message):
         priority: _common_pb2.Priority.ValueType = ...,
         bypass_cache: _builtins.bool = ...,
         speculative: _common_pb2.SpeculativeParams | None = ...,
+        cache_salt: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "prompt", b"prompt", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "cache_salt", b"cache_salt", "chat", b"chat", "input", b"input", "prompt", b"prompt", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bypass_cache", b"bypass_cache", "chat", b"chat", "input", b"input", "model", b"model", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "bypass_cache", b"bypass_cache", "cache_salt", b"cache_salt", "chat", b"chat", "input", b"input", "model", b"model", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__cache_salt: _TypeAlias = _typing.Literal["cache_salt"]  # noqa: Y015
+    _WhichOneofArgType__cache_salt: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt"]  # noqa: Y015
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "chat"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cache_salt) -> _WhichOneofReturnType__cache_salt | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
