@@ -11,12 +11,21 @@ the names in their KV events, the cache service indexes them
 way to ask which replica holds its longest prefix.
 
 The seed covers everything besides the token ids that decides a block's
-keys and values: the model id, the engine's KV layout (quantization mode,
-dtype, whether prompt tokens take other projections) and an optional cache
-salt (a tenant-private namespace, like vLLM's ``cache_salt``). Two engines
-agree on a hash only if they agree on all of these; the engine computes the
-seed and hands it to the router in ``GetModelInfo`` (``kv_hash_seed``), so the
-router never has to know the recipe.
+keys and values: the model id and the engine's KV layout (quantization mode,
+dtype, whether prompt tokens take other projections). Two engines agree on a
+hash only if they agree on all of these; the engine computes the seed and
+hands it to the router in ``GetModelInfo`` (``kv_hash_seed``), so the router
+never has to know the recipe.
+
+Cache scopes. A request's cache scope (the router resolves it from the tenant,
+its cache group and the request's ``cache_salt``: an opaque string, "" for
+the shared scope) salts the seed: :func:`scoped_seed` ``(seed, scope)`` is the
+parent of that request's block 0, like vLLM's ``cache_salt`` in its first
+block's hash. Equal token ids in two scopes thus hash apart in every block, so
+the engine's prefix cache reuses blocks only within a scope, the KV events name
+the blocks so, and the prefix index (and KV-aware routing, which hashes a
+prompt with the same :func:`scoped_seed`) follows without knowing of scopes.
+The shared scope is the seed itself: hashes are as before scopes existed.
 
 Collisions: a hash names the whole prefix up to the end of its block, since
 each block's input contains its parent's digest. Two different prefixes with
@@ -37,23 +46,39 @@ from collections.abc import Sequence
 BlockHash = bytes
 
 _SEED_TAG = b"llmesh-kv-block\0"
+_SCOPE_TAG = b"\0scope\0"
 
 
 def block_hash_seed(model_id: str, kv_layout: str = "", cache_salt: str = "") -> BlockHash:
-    """The parent hash of every sequence's first block.
+    """The parent hash of a sequence's first block in the shared scope (or,
+    with ``cache_salt``, in that scope: :func:`scoped_seed`).
 
     Args:
       model_id: the served model id.
       kv_layout: everything else of the engine that changes the KV values
         (e.g. ``"int4/float32"``); "" for none.
-      cache_salt: a private namespace ("" for the shared one).
+      cache_salt: a cache scope ("" for the shared one).
     """
     data = _SEED_TAG + model_id.encode()
     if kv_layout:
         data += b"\0layout\0" + kv_layout.encode()
-    if cache_salt:
-        data += b"\0salt\0" + cache_salt.encode()
-    return hashlib.sha256(data).digest()
+    return scoped_seed(hashlib.sha256(data).digest(), cache_salt)
+
+
+def scoped_seed(seed: BlockHash, cache_scope: str) -> BlockHash:
+    """The parent hash of block 0 of a request in ``cache_scope``.
+
+    Args:
+      seed: the engine's :func:`block_hash_seed` (``kv_hash_seed``).
+      cache_scope: the request's cache scope; "" (the shared scope) gives
+        ``seed`` itself.
+
+    Returns:
+      ``seed`` for "", else ``SHA-256(seed || "\\0scope\\0" || scope)``: 32 bytes.
+    """
+    if not cache_scope:
+        return seed
+    return hashlib.sha256(seed + _SCOPE_TAG + cache_scope.encode()).digest()
 
 
 def _ids_bytes(token_ids: Sequence[int]) -> bytes:

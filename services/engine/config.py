@@ -129,8 +129,10 @@ class EngineConfig:
         which a proposal stops (``torch_backend/suffix_proposer.py``).
       suffix_cache_tokens: size of the cross-request output cache in tokens
         (0: none).
-      suffix_cache_scope: ``global`` or ``tenant`` (a tenant's outputs only
-        propose for its own requests).
+      suffix_cache_scope: ``tenant`` (default: outputs propose only for
+        requests of their own cache scope, ``SequenceRequest.cache_scope``:
+        tenant or cache group, and ``cache_salt``) or ``global`` (shared by
+        every request: an explicit opt-in to cross-tenant sharing).
       num_threads: compute threads of the engine's step (torch's intra-op pool
         and the native kernels' OpenMP team); None: torch's default (one per
         CPU, or ``OMP_NUM_THREADS``). ``llmesh up --engines N`` gives each of N
@@ -186,7 +188,7 @@ class EngineConfig:
     suffix_spec_factor: float = 1.0
     suffix_min_token_prob: float = 0.1
     suffix_cache_tokens: int = 262_144
-    suffix_cache_scope: str = "global"
+    suffix_cache_scope: str = "tenant"
     num_threads: int | None = None
     replica_id: str | None = None
     kv_events_target: str | None = None
@@ -360,9 +362,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
         "suffix decoding: a proposal stops before its empirical probability falls below this")
     add("--suffix-cache-tokens", _non_negative_int, 262_144,
         "suffix decoding: tokens of earlier outputs kept for matching (0: none)")
-    add("--suffix-cache-scope", str, "global",
-        "suffix decoding: global, or tenant (a tenant's outputs only propose for its own "
-        "requests)", choices=("global", "tenant"))
+    add("--suffix-cache-scope", str, "tenant",
+        "suffix decoding: tenant (the default: outputs propose only for requests of "
+        "their own cache scope, i.e. tenant or cache group and cache_salt), or global "
+        "(every request's outputs propose for every other's)", choices=("global", "tenant"))
     add("--num-threads", _positive_int, None,
         "compute threads of the engine step (default: torch's, one per CPU)")
     add("--replica-id", str, None,

@@ -36,6 +36,7 @@ import grpc
 import structlog
 
 from llmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.common.cache_scope import check_scope
 from services.common.grpc_util import request_id_from
 from services.common.logging import bind_request_id
 from services.common.logprobs import logprobs_to_pb
@@ -332,7 +333,8 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         the backend's OUT_OF_RANGE on the prompt).
 
         Raises:
-          InvalidRequestError: naming the first malformed field.
+          InvalidRequestError: naming the first malformed field (``cache_scope``
+            over :data:`~services.common.cache_scope.MAX_CACHE_SCOPE_BYTES`).
         """
         info = self._backend.model_info
         prompt = tuple(pb.prompt_token_ids)
@@ -347,7 +349,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
                                       f"{len(pb.tenant.encode())}")
         return SequenceRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                                priority=Priority.from_pb(pb.priority), speculative=speculative,
-                               tenant=pb.tenant)
+                               tenant=pb.tenant, cache_scope=check_scope(pb.cache_scope))
 
     def _request_from_start(self, pb: engine_pb2.EngineRequest) -> SequenceRequest:
         """A Multiplex start's request (its id is in the message: one call

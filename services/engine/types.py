@@ -26,8 +26,11 @@ class SequenceRequest:
       priority: traffic class; INTERACTIVE is scheduled before BATCH.
       speculative: the request's speculative decoding switch (engine defaults
         where unset).
-      tenant: whose request it is ("" for none): what the engine learns from
-        outputs across requests stays within a tenant where so configured.
+      tenant: whose request it is ("" for none).
+      cache_scope: the request's cache scope (:mod:`services.common.cache_scope`;
+        "" the shared one): its prefix-cache blocks are hashed in it (only
+        requests of one scope reuse each other's KV), and what the engine
+        learns from outputs (the suffix cache) stays in it where so configured.
     """
 
     request_id: str
@@ -36,6 +39,7 @@ class SequenceRequest:
     priority: Priority = Priority.INTERACTIVE
     speculative: SpeculativeOptions = SpeculativeOptions()
     tenant: str = ""
+    cache_scope: str = ""
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,13 @@ EOS = 2
 
 def make_request(request_id: str, prompt: SequenceOf[int] | int, max_tokens: int = 16,
                  priority: Priority = Priority.INTERACTIVE, ignore_eos: bool = True,
-                 stop_token_ids: tuple[int, ...] = ()) -> Sequence:
+                 stop_token_ids: tuple[int, ...] = (), cache_scope: str = "") -> Sequence:
     """A sequence; an int ``prompt`` means that many distinct tokens (100, 101, ...)."""
     tokens = tuple(range(100, 100 + prompt)) if isinstance(prompt, int) else tuple(prompt)
     options = SamplingOptions(max_tokens=max_tokens, ignore_eos=ignore_eos,
                               stop_token_ids=stop_token_ids)
-    return Sequence(SequenceRequest(request_id, tokens, options, priority), next(_arrivals))
+    return Sequence(SequenceRequest(request_id, tokens, options, priority,
+                                    cache_scope=cache_scope), next(_arrivals))
 
 
 def create_manager(num_blocks: int = 10, block_size: int = 4,

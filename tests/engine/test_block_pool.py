@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.block_hash import block_hash_seed, hash_block, prompt_block_hashes
+from services.common.block_hash import (
+    block_hash_seed,
+    hash_block,
+    prompt_block_hashes,
+    scoped_seed,
+)
 from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from services.engine.torch_backend import block_pool
 from services.engine.torch_backend.block_pool import BlockCounts, BlockPool, KVIntegrityError
@@ -246,6 +251,30 @@ def test_cached_hashes_are_what_a_client_computes_from_the_prompt() -> None:
     expected = prompt_block_hashes(manager.hash_seed, seq.token_ids, 4)
     assert len(expected) == 2
     assert sorted(manager.cached_hashes()) == sorted(expected)
+
+
+def test_prefix_blocks_are_reused_only_within_a_cache_scope() -> None:
+    # Tenant a's prompt is cached; tenant b sending the same ids finds nothing,
+    # a's next request (and the shared scope's, separately) finds its own.
+    manager = create_manager(num_blocks=16, block_size=4)
+    first = make_request("a1", 9, cache_scope="scope-a")
+    assert manager.find_prefix(first).num_tokens == 0
+    manager.allocate_slots(first, 9)
+    compute(manager, first)
+    other = make_request("b1", 9, cache_scope="scope-b")
+    assert manager.find_prefix(other).num_tokens == 0
+    shared = make_request("s1", 9)
+    assert manager.find_prefix(shared).num_tokens == 0
+    again = make_request("a2", 9, cache_scope="scope-a")
+    assert manager.find_prefix(again).num_tokens == 8
+    # the hashes the engine publishes are what the router computes for the scope
+    # (KV-aware routing looks a prompt up with the same scoped seed)
+    expected = prompt_block_hashes(scoped_seed(manager.hash_seed, "scope-a"),
+                                   first.token_ids, 4)
+    assert sorted(manager.cached_hashes()) == sorted(expected)
+    assert scoped_seed(manager.hash_seed, "") == manager.hash_seed  # shared: unchanged
+    assert block_hash_seed("test-model", "", "scope-a") == scoped_seed(manager.hash_seed,
+                                                                        "scope-a")
 
 
 def test_a_full_event_buffer_drops_the_oldest_and_counts_them(

@@ -158,8 +158,8 @@ def finished(seq: Sequence, output: list[int]) -> Sequence:
     return seq
 
 
-def with_tenant(seq: Sequence, tenant: str) -> Sequence:
-    seq.request = dataclasses.replace(seq.request, tenant=tenant)
+def with_scope(seq: Sequence, scope: str) -> Sequence:
+    seq.request = dataclasses.replace(seq.request, cache_scope=scope)
     return seq
 
 
@@ -183,11 +183,14 @@ def test_the_proposer_prefers_the_better_scored_source_and_cuts_by_match_length(
     assert proposal[:2] == [8, 9]
 
 
-def test_the_proposer_keeps_tenants_apart_when_scoped_and_frees_finished_state() -> None:
-    scoped = SuffixProposer(SuffixOptions(scope="tenant", min_token_prob=0.0))
-    scoped.finished([finished(with_tenant(make_request("a", (1, 2)), "a"), [3, 4, 5, 6])])
-    probe_b = with_tenant(make_request("b", (9, 3, 4)), "b")
-    probe_a = with_tenant(make_request("a2", (9, 3, 4)), "a")
+def test_the_proposer_keeps_cache_scopes_apart_by_default_and_frees_finished_state() -> None:
+    scoped = SuffixProposer(SuffixOptions(min_token_prob=0.0))  # the default scope: tenant
+    assert scoped.options.scope == "tenant"
+    scoped.finished([finished(with_scope(make_request("a", (1, 2)), "a"), [3, 4, 5, 6])])
+    # the same tenant under another name, but another cache scope: nothing to propose
+    probe_b = with_scope(make_request("b", (9, 3, 4)), "b")
+    probe_b.request = dataclasses.replace(probe_b.request, tenant="a")
+    probe_a = with_scope(make_request("a2", (9, 3, 4)), "a")
     assert scoped.propose([(probe_b, 4), (probe_a, 4)]) == [[], [5, 6]]
     assert set(scoped._mirrors) == {probe_b.arrival, probe_a.arrival}
     scoped.retain({probe_a.arrival})

@@ -19,7 +19,7 @@ import json
 import sys
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -157,11 +157,14 @@ class LLM:
         self.stats: asyncio.Queue[dict] = asyncio.Queue()
         self.kv_events: asyncio.Queue[dict] = asyncio.Queue()
         self.shutdown_calls = 0
+        self.cache_salts: list[str | None] = []
         created.append(self)
 
     def generate_async(self, inputs: list[int], sampling_params: Any,
-                       streaming: bool = False) -> RequestOutput:
+                       streaming: bool = False, **kwargs: Any) -> RequestOutput:
+        assert set(kwargs) <= {"cache_salt"}  # documented in 1.x
         self.calls.append((inputs, sampling_params, streaming))
+        self.cache_salts.append(kwargs.get("cache_salt"))
         params = sampling_params.kwargs
         script = self.scripts.popleft() if self.scripts else [
             Response(0, (EOS,) * params["max_tokens"], "length")]
@@ -342,6 +345,13 @@ async def test_a_greedy_request_streams_the_scripted_tokens(engine: Engine) -> N
     assert (p["top_k"], p["temperature"], p["max_tokens"], p["end_id"], p["n"], p["logprobs"],
             p["detokenize"]) == (1, None, 8, EOS, 1, 1, False)
     assert engine.llm.results[-1].abort_calls == 0  # it finished: nothing to abort
+    assert engine.llm.cache_salts[-1] is None  # the shared scope: no cache_salt argument
+
+
+async def test_the_cache_scope_goes_in_as_cache_salt(engine: Engine) -> None:
+    scoped = replace(request(), cache_scope="ab" * 32)
+    _ = [d async for d in engine.backend.generate(scoped)]
+    assert engine.llm.cache_salts[-1] == "ab" * 32
 
 
 async def test_n_choices_stream_their_own_deltas(engine: Engine) -> None:

@@ -295,6 +295,7 @@ REQUEST_SAMPLES: dict[str, object] = {
     "request_id": "r2", "prompt_token_ids": (5, 6, 8),
     "sampling": replace(BASE_SAMPLING, max_tokens=9), "priority": Priority.BATCH,
     "speculative": SpeculativeOptions(SpeculativeMethod.NGRAM), "tenant": "acme",
+    "cache_scope": "f" * 64,
 }
 
 
@@ -309,7 +310,7 @@ def _mapped(request: SequenceRequest) -> tuple:
     params = {k: v.tolist() if isinstance(v, torch.Tensor) else v
               for k, v in args.sampling.params.items()}
     return (args.prompt_token_ids, params, args.sampling.guided_decoding,
-            args.sampling.keep_logprobs)
+            args.sampling.keep_logprobs, args.cache_salt)
 
 
 def test_every_sampling_and_request_field_is_classified() -> None:

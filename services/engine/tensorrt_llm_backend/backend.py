@@ -192,8 +192,10 @@ class TensorRTLLMBackend(EngineBackend):
             raise EngineUnavailableError("the tensorrt_llm engine is not running")
         if request.request_id in self._results:
             raise DuplicateRequestError(f"request {request.request_id!r} is already running")
+        scoped = {} if args.cache_salt is None else {"cache_salt": args.cache_salt}
         result = self._llm.generate_async(
-            args.prompt_token_ids, sampling_params=self._sampling_params(spec), streaming=True)
+            args.prompt_token_ids, sampling_params=self._sampling_params(spec), streaming=True,
+            **scoped)
         self._results[request.request_id] = result
         open_choices = set(range(request.sampling.n))
         sent = [0] * request.sampling.n  # tokens yielded per choice

@@ -7,8 +7,12 @@ sampling fields. ``generate_async`` takes (documented LLM API, 1.x) the prompt,
 ``sampling_params``, ``lora_request``, ``prompt_adapter_request``,
 ``streaming``, ``kv_cache_retention_config``, ``disaggregated_params`` and, in
 later releases, ``scheduling_params`` (attention-DP placement) and
-``cache_salt`` (limits KV reuse to requests with the same salt): no request
-priority, which is why ``priority`` is IGNORED below.
+``cache_salt`` ("If specified, KV cache will be salted with the provided
+string to limit the kv cache reuse to the requests with the same string"):
+no request priority, which is why ``priority`` is IGNORED below. The
+request's cache scope goes in as ``cache_salt`` (only when it is not the
+shared scope, so releases without the argument still serve unscoped
+requests). Unverified: this backend has never run.
 
 Status codes: what :func:`generate_args` raises, all InvalidRequestError:
 :func:`services.engine.validation.validate_request`'s (INVALID_ARGUMENT /
@@ -54,8 +58,11 @@ REQUEST_FIELDS: dict[str, FieldRule] = {
                              "count: TensorRT-LLM fixes speculation when the LLM is built"),
     "tenant": FieldRule(Handling.IGNORED, "it scopes what an engine learns across requests; "
                         "this backend learns nothing across requests (NGram runs with "
-                        "``is_public_pool=False``, no suffix decoding), and its prefix cache "
-                        "is shared as the torch backend's is"),
+                        "``is_public_pool=False``, no suffix decoding); its prefix cache "
+                        "is scoped by ``cache_scope``"),
+    "cache_scope": FieldRule(Handling.MAPPED, "``generate_async``'s ``cache_salt`` (the "
+                             "prefix cache reuses KV only between requests of one scope); "
+                             "not passed for the shared scope"),
 }
 
 
@@ -66,10 +73,13 @@ class GenerateArgs:
     Attributes:
       prompt_token_ids: the prompt (``inputs``), as the list the LLM API takes.
       sampling: the ``SamplingParams`` (and ``GuidedDecodingParams``) kwargs.
+      cache_salt: ``generate_async``'s ``cache_salt``: the request's cache
+        scope, None for the shared scope (the argument is then left out).
     """
 
     prompt_token_ids: list[int]
     sampling: SamplingSpec
+    cache_salt: str | None = None
 
 
 def generate_args(request: SequenceRequest, info: ModelInfo, config: EngineConfig,
@@ -91,4 +101,5 @@ def generate_args(request: SequenceRequest, info: ModelInfo, config: EngineConfi
     check_request_speculation(request.speculative, config)
     return GenerateArgs(list(request.prompt_token_ids),
                         sampling_spec(request.sampling, info.eos_token_ids, info.vocab_size,
-                                      rng))
+                                      rng),
+                        request.cache_scope or None)

@@ -9,8 +9,9 @@ behind this interface; the model runner reads block ids
 (:meth:`KVCacheManager.block_ids`).
 
 Block hashes are chained, as :mod:`services.common.block_hash` defines them
-for engine, router and cache alike, from a seed (model id and KV layout)
-before block 0. Only full blocks are hashed, and a block joins the prefix
+for engine, router and cache alike, from a seed (model id and KV layout,
+salted by the request's cache scope: ``SequenceRequest.cache_scope``) before
+block 0: a sequence finds only blocks computed in its own scope. Only full blocks are hashed, and a block joins the prefix
 cache only once its keys and values are computed.
 
 Role-aware hashes (``role_aware=True``, for a model whose prompt tokens take
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.block_hash import BlockHash, block_hash_seed, hash_block
+from services.common.block_hash import BlockHash, block_hash_seed, hash_block, scoped_seed
 from services.common.kv_events import KVEvent
 from services.engine.torch_backend.block_pool import (
     BlockCounts,
@@ -100,6 +101,11 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of blocks held by sequences, 0..1."""
         return self.pool.usage
+
+    def seed_of(self, seq: Sequence) -> BlockHash:
+        """The parent hash of ``seq``'s block 0: the seed in its request's cache
+        scope (:func:`~services.common.block_hash.scoped_seed`)."""
+        return scoped_seed(self.hash_seed, seq.request.cache_scope)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens."""
@@ -267,6 +273,6 @@ class KVCacheManager:
         size = self.block_size
         prompt_len = seq.num_prompt_tokens if self.role_aware else None
         for index in range(len(hashes), len(tokens) // size):
-            parent = hashes[index - 1] if index else self.hash_seed
+            parent = hashes[index - 1] if index else self.seed_of(seq)
             roles = None if prompt_len is None else max(prompt_len - index * size, 0)
             hashes.append(hash_block(parent, tokens[index * size:(index + 1) * size], roles))

@@ -9,8 +9,10 @@ of accepted tokens under its empirical probabilities):
   the per-request suffix tree's query;
 * the engine's :class:`~services.engine.torch_backend.suffix_cache.SuffixCache`
   of recent outputs (every finished sequence's output goes in, whatever method
-  it ran with), within the sequence's scope: the whole engine, or with
-  ``scope="tenant"`` its tenant only (``SequenceRequest.tenant``).
+  it ran with), within the sequence's scope: with ``scope="tenant"`` (the
+  default) its request's cache scope only (``SequenceRequest.cache_scope``:
+  tenant or cache group, and ``cache_salt``; :mod:`services.common.cache_scope`),
+  with ``scope="global"`` the whole engine.
 
 Adaptive length (the paper's ``MAX_SPEC = alpha * p``): a match of ``p``
 tokens proposes at most ``ceil(spec_factor * p)``; the path stops where its
@@ -56,8 +58,8 @@ class SuffixOptions:
       window: the per-request lookup searches this many last tokens.
       cache_tokens: size of the cross-request cache in tokens (0: no cache,
         the sequence's own tokens only).
-      scope: ``global`` (every request matches every output) or ``tenant``
-        (a tenant's outputs only for its own requests).
+      scope: ``tenant`` (outputs only for requests of their own cache scope)
+        or ``global`` (every request matches every output).
     """
 
     max_match: int = 32
@@ -65,7 +67,7 @@ class SuffixOptions:
     min_token_prob: float = 0.1
     window: int = 4096
     cache_tokens: int = 262_144
-    scope: str = "global"
+    scope: str = "tenant"
 
     def __post_init__(self) -> None:
         if self.max_match < 2:
@@ -122,7 +124,7 @@ class SuffixProposer:
             self.cache = SuffixCache(self.options.cache_tokens)
 
     def _scope(self, seq: Sequence) -> str:
-        return seq.request.tenant if self.options.scope == "tenant" else ""
+        return seq.request.cache_scope if self.options.scope == "tenant" else ""
 
     def continuation(self, seq: Sequence, k: int) -> Continuation:
         """The better of the two sources' continuations of ``seq``, at most
