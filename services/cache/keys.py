@@ -1,7 +1,10 @@
 """Response-cache keys: a stable SHA-256 over a canonical encoding of a ``CacheKey``.
 
-The key covers the model name, the prompt token ids and every sampling field
-that changes the output. Fields are first normalised the way the server reads
+The key covers the request's cache scope (``cache_scope``: tenant or cache
+group, and the caller's ``cache_salt``, resolved by the router,
+:mod:`services.common.cache_scope`: an entry answers only requests of its own
+scope), the model name, the prompt token ids and every sampling field that
+changes the output. Fields are first normalised the way the server reads
 them (:meth:`SamplingOptions.from_pb`): unset temperature is 0, unset top_p is
 1, unset top_k is 0. On top of that:
 
@@ -34,11 +37,12 @@ import numpy as np
 
 from llmesh.v1 import cache_pb2
 
+from services.common.cache_scope import check_scope
 from services.common.sampling import InvalidRequestError, SamplingOptions
 
 #: Prefix of every response-cache key in the store (versioned: bump on any encoding change).
-NAMESPACE = "llmesh:v1:resp:"
-_DOMAIN = b"llmesh.response-cache.v1\x00"
+NAMESPACE = "llmesh:v2:resp:"
+_DOMAIN = b"llmesh.response-cache.v2\x00"
 _INT32_MAX = 2**31 - 1
 _U32 = struct.Struct("<I")
 _F64 = struct.Struct("<d")
@@ -76,12 +80,14 @@ def validate_key(key: cache_pb2.CacheKey, *, field_prefix: str = "key") -> Sampl
     """Checks ``key`` and returns its sampling fields as the server reads them.
 
     Raises:
-      InvalidRequestError: (INVALID_ARGUMENT) empty ``prompt_token_ids``, or a
-        sampling field the server would reject (e.g. negative temperature,
+      InvalidRequestError: (INVALID_ARGUMENT) empty ``prompt_token_ids``, a
+        ``cache_scope`` over :data:`~services.common.cache_scope.MAX_CACHE_SCOPE_BYTES`,
+        or a sampling field the server would reject (e.g. negative temperature,
         top_p outside (0, 1], negative top_k, max_tokens < 1, an empty stop string).
     """
     if not key.prompt_token_ids:
         raise InvalidRequestError(f"{field_prefix}.prompt_token_ids", "must not be empty")
+    check_scope(key.cache_scope, f"{field_prefix}.cache_scope")
     # max_tokens is checked for range only here; unset stays unset in the key.
     return SamplingOptions.from_pb(
         key.sampling, default_max_tokens=1, max_tokens_cap=_INT32_MAX,
@@ -115,6 +121,7 @@ def _canonical(key: cache_pb2.CacheKey, options: SamplingOptions) -> bytes:
     greedy = options.greedy
     parts = [
         _DOMAIN,
+        _length_prefixed(key.cache_scope),
         _length_prefixed(key.model),
         _int32s(key.prompt_token_ids),
         _F64.pack(options.temperature + 0.0),  # + 0.0 folds -0.0 into 0.0

@@ -22,14 +22,15 @@ ROOT = Path(__file__).resolve().parents[2]
 # Pinned: a change here changes every key in every deployed cache, so it must
 # come with a new NAMESPACE version.
 GOLDEN_KEY = make_key((1, 2, 3), model="m")
-GOLDEN_VALUE = "llmesh:v1:resp:a1edf29c1f32b714df5a472c81d5c8f45765d8fdd0589d30286eb3587596b2f9"
+GOLDEN_VALUE = "llmesh:v2:resp:715726826bb7c56c5eb0ea1ec9f22614e2cabf7a4230085c7182795f9c514553"
 
-FIELDS = ("model", "prompt", "temperature", "top_p", "top_k", "seed", "max_tokens", "stop",
+FIELDS = ("cache_scope", "model", "prompt", "temperature", "top_p", "top_k", "seed", "max_tokens", "stop",
           "stop_token_ids", "ignore_eos")
 # Fields that cannot change a greedy (temperature 0) output.
 IGNORED_WHEN_GREEDY = {"top_p", "top_k", "seed"}
 
 STRATEGIES = {
+    "cache_scope": st.sampled_from(["", "a" * 64, "b" * 64, "scope"]),
     "model": st.sampled_from(["smollm2", "smollm2-360m", "", "qwen"]),
     "prompt": st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=8),
     "temperature": st.none() | st.just(0.0) | st.floats(0.0, 2.0, width=32),
@@ -51,13 +52,14 @@ def build(fields: dict[str, object]) -> cache_pb2.CacheKey:
         if fields[name] is not None:
             setattr(sampling, name, fields[name])
     return cache_pb2.CacheKey(model=fields["model"], prompt_token_ids=fields["prompt"],
-                              sampling=sampling)
+                              sampling=sampling, cache_scope=fields["cache_scope"])
 
 
 def effective(key: cache_pb2.CacheKey, name: str) -> object:
     """What the server makes of field ``name`` (unset read as its default)."""
     s = key.sampling
     return {
+        "cache_scope": key.cache_scope,
         "model": key.model,
         "prompt": list(key.prompt_token_ids),
         # Below GREEDY_TEMPERATURE_EPSILON a temperature means greedy (stored as 0).
@@ -137,16 +139,31 @@ def test_length_prefixes_keep_field_boundaries_apart() -> None:
             != response_key(make_key(model="m", prompt=(2,))))
 
 
+def test_the_cache_scope_keeps_entries_apart() -> None:
+    shared = make_key()
+    scoped = cache_pb2.CacheKey()
+    scoped.CopyFrom(shared)
+    scoped.cache_scope = "a" * 64
+    other = cache_pb2.CacheKey()
+    other.CopyFrom(scoped)
+    other.cache_scope = "b" * 64
+    assert len({response_key(shared), response_key(scoped), response_key(other)}) == 3
+    # a scope's bytes never run into the model's: length-prefixed
+    assert (response_key(cache_pb2.CacheKey(cache_scope="ab", model="c", prompt_token_ids=[1]))
+            != response_key(cache_pb2.CacheKey(cache_scope="a", model="bc",
+                                               prompt_token_ids=[1])))
+
+
 def test_key_has_the_versioned_namespace_and_a_sha256() -> None:
     key = response_key(make_key())
-    assert key.startswith(NAMESPACE) and NAMESPACE == "llmesh:v1:resp:"
+    assert key.startswith(NAMESPACE) and NAMESPACE == "llmesh:v2:resp:"
     digest = key[len(NAMESPACE):]
     assert len(digest) == 64 and int(digest, 16) >= 0
 
 
 def test_golden_key_is_pinned() -> None:
     assert response_key(GOLDEN_KEY) == GOLDEN_VALUE
-    assert canonical_bytes(GOLDEN_KEY).startswith(b"llmesh.response-cache.v1\x00")
+    assert canonical_bytes(GOLDEN_KEY).startswith(b"llmesh.response-cache.v2\x00")
 
 
 @pytest.mark.parametrize("hash_seed", ["0", "12345"])
@@ -172,6 +189,7 @@ def test_same_key_in_another_process(hash_seed: str) -> None:
     (make_key(top_k=-1), "key.sampling.top_k"),
     (make_key(max_tokens=0), "key.sampling.max_tokens"),
     (make_key(stop=[""]), "key.sampling.stop"),
+    (cache_pb2.CacheKey(prompt_token_ids=[1], cache_scope="s" * 129), "key.cache_scope"),
 ])
 def test_invalid_keys_name_the_field(key: cache_pb2.CacheKey, field: str) -> None:
     with pytest.raises(InvalidRequestError) as raised:
