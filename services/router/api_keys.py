@@ -7,10 +7,16 @@ the SHA-256 of its keys, the models it may use and its limits::
       - id: acme
         keys: ["sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"]
         models: ["*"]                  # every served model (the default)
+        cache_group: acme-org          # optional: share caches with the group
         limits:                        # absent or 0: no limit
           requests_per_minute: 600
           tokens_per_minute: 200000    # prompt + completion
           max_concurrent: 16           # requests in flight
+
+Caches are scoped by tenant (:mod:`services.common.cache_scope`): a tenant
+never reuses another's cached work. Tenants whose entries name the same
+``cache_group`` share one scope (an explicit opt-in, e.g. the tenants of one
+organisation); a group's name is its own namespace, never a tenant id.
 
 The file holds hashes only, never a key: an entry that is not
 ``sha256:<64 hex digits>`` is refused (without echoing it: it may be a key
@@ -88,11 +94,13 @@ class TenantLimits:
 @dataclass(frozen=True)
 class Tenant:
     """One tenant: its id (in logs and metric labels), the models it may use
-    (``"*"``: all) and its limits."""
+    (``"*"``: all), its limits and the cache group it shares caches with (""
+    none: its caches are its own)."""
 
     id: str
     models: frozenset[str] = frozenset({ALL_MODELS})
     limits: TenantLimits = TenantLimits()
+    cache_group: str = ""
 
     def may_use(self, model: str) -> bool:
         return ALL_MODELS in self.models or model in self.models
@@ -196,11 +204,12 @@ def parse_key_table(text: str, *, source: str = "<keys>") -> KeyTable:
 
 def _tenant(raw: Any, where: str) -> tuple[Tenant, list[str]]:
     if not isinstance(raw, dict):
-        raise KeyFileError(f"{where}: must be a mapping with id, keys, models, limits")
-    unknown = set(raw) - {"id", "keys", "models", "limits"}
+        raise KeyFileError(f"{where}: must be a mapping with id, keys, models, limits, "
+                           "cache_group")
+    unknown = set(raw) - {"id", "keys", "models", "limits", "cache_group"}
     if unknown:
         raise KeyFileError(f"{where}: unknown field(s) {sorted(map(str, unknown))}; "
-                           "allowed: id, keys, models, limits")
+                           "allowed: id, keys, models, limits, cache_group")
     tenant_id = raw.get("id")
     if not isinstance(tenant_id, str) or not _TENANT_ID_RE.fullmatch(tenant_id):
         raise KeyFileError(f"{where}.id: must be 1..128 printable ASCII characters "
@@ -222,7 +231,13 @@ def _tenant(raw: Any, where: str) -> tuple[Tenant, list[str]]:
             or not all(isinstance(m, str) and m for m in models)):
         raise KeyFileError(f"{where}.models: must be a non-empty list of model ids "
                            "(\"*\": every served model)")
-    tenant = Tenant(tenant_id, frozenset(models), _limits(raw.get("limits", {}), where))
+    cache_group = raw.get("cache_group", "")
+    if not isinstance(cache_group, str) or (
+            cache_group and not _TENANT_ID_RE.fullmatch(cache_group)):
+        raise KeyFileError(f"{where}.cache_group: must be 1..128 printable ASCII characters "
+                           "without spaces (tenants naming the same group share caches)")
+    tenant = Tenant(tenant_id, frozenset(models), _limits(raw.get("limits", {}), where),
+                    cache_group)
     return tenant, digests
 
 

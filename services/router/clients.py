@@ -174,16 +174,18 @@ class EngineDelta:
 
 @dataclass(frozen=True)
 class CacheKey:
-    """Everything that decides a deterministic request's output."""
+    """Everything that decides a deterministic request's output, and the cache
+    scope it may be shared in (:mod:`services.common.cache_scope`; "" shared)."""
 
     model: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingOptions
+    cache_scope: str = ""
 
     def to_pb(self) -> cache_pb2.CacheKey:
         return cache_pb2.CacheKey(
             model=self.model, prompt_token_ids=list(self.prompt_token_ids),
-            sampling=self.sampling.to_pb(),
+            sampling=self.sampling.to_pb(), cache_scope=self.cache_scope,
         )
 
 

@@ -386,12 +386,14 @@ class EngineClient:
         self, prompt_token_ids: Sequence[int], sampling: SamplingOptions, *,
         priority: Priority, request_id: str, deadline: float | None,
         speculative: SpeculativeOptions | None = None, tenant: str = "",
+        cache_scope: str = "",
     ) -> EngineStream:
         """Starts the request on the replica's ``Multiplex`` call (opened now if
         there is none, or the last one failed); ``speculative``: the request's
         speculative decoding switch, None for the engine's defaults;
-        ``tenant``: whose request it is ("" for none; the engine keeps what it
-        learns from one tenant's outputs to that tenant's requests). The start
+        ``tenant``: whose request it is ("" for none); ``cache_scope``: its
+        cache scope (:mod:`services.common.cache_scope`; the engine reuses KV
+        blocks and suffix-cache outputs only within it). The start
         is written by the call's writer task; the engine's refusals arrive on
         the first :meth:`EngineStream.read`.
 
@@ -401,7 +403,8 @@ class EngineClient:
         remaining = timeout_until(deadline)
         request = engine_pb2.EngineRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids,
-            sampling=sampling.to_pb(), priority=priority.to_pb(), tenant=tenant)
+            sampling=sampling.to_pb(), priority=priority.to_pb(), tenant=tenant,
+            cache_scope=cache_scope)
         if speculative is not None and speculative != SpeculativeOptions():
             request.speculative.CopyFrom(speculative.to_pb())
         stream_id = next(self._stream_ids)

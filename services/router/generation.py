@@ -429,7 +429,7 @@ class GenerationPipeline:
                 events = self._shared(request, prompt_ids, sampling, deadline, progress,
                                       timing, info, session)
             else:  # computed fresh, alone: nothing to look up or share
-                matches = self._start_prefix_matches(prompt_ids)  # beside admission
+                matches = self._start_prefix_matches(request, prompt_ids)  # beside admission
                 # n choices hold the engine for n x max_tokens (the prompt once)
                 ticket = await self._admit(request, len(prompt_ids),
                                            max_tokens * sampling.n, deadline)
@@ -536,7 +536,7 @@ class GenerationPipeline:
         """The response-cache key of a deterministic request when there is a cache."""
         if self.cache is None or not _shareable(request.sampling):
             return None
-        return CacheKey(request.model, prompt_ids, request.sampling)
+        return CacheKey(request.model, prompt_ids, request.sampling, request.cache_scope)
 
     async def _shared(
         self, request: GenerationRequest, prompt_ids: tuple[int, ...],
@@ -553,7 +553,7 @@ class GenerationPipeline:
           UpstreamError: DEADLINE_EXCEEDED (service ``router``) at ``deadline``.
         """
         key = CoalescingKey(request.model, prompt_ids, sampling, request.speculative,
-                            request.priority)
+                            request.priority, request.cache_scope)
         # Join or start with nothing awaited since the table was read: requests
         # that arrive together find the same flight.
         subscription: Subscription[Event, _Shared] | None = self._flights.join(key, deadline)
@@ -610,7 +610,7 @@ class GenerationPipeline:
         progress, timing, info = shared.progress, shared.timing, shared.info
         key = self._cache_key(request, prompt_ids)
         ticket: Ticket | None = None
-        matches = self._start_prefix_matches(prompt_ids)
+        matches = self._start_prefix_matches(request, prompt_ids)
         try:
             hit = await self._cache_lookup(key, request, flight.latest_deadline())
             if hit is not None:
@@ -668,14 +668,16 @@ class GenerationPipeline:
         yield Delta(hit.text, hit.token_ids)
         yield Finished(hit.finish_reason, hit.matched_stop, progress.usage(), cached=True)
 
-    def _start_prefix_matches(self, prompt_ids: tuple[int, ...]
+    def _start_prefix_matches(self, request: GenerationRequest, prompt_ids: tuple[int, ...]
                               ) -> asyncio.Task[dict[EngineClient, int]] | None:
-        """Starts the prefix-index lookup of ``prompt_ids`` (it runs beside the
-        cache lookup and admission), when the policy uses one."""
+        """Starts the prefix-index lookup of ``prompt_ids`` in the request's
+        cache scope (it runs beside the cache lookup and admission), when the
+        policy uses one."""
         serving = self.replicas.serving()
         if not self.picker.wants_matches(serving):
             return None
-        return asyncio.create_task(self.picker.prefix_matches(prompt_ids, serving))
+        return asyncio.create_task(
+            self.picker.prefix_matches(prompt_ids, serving, request.cache_scope))
 
     def _serving_replicas(self) -> list[EngineClient]:
         """The replicas in routing. Raises GenerationError (UNAVAILABLE) for none."""
@@ -710,7 +712,8 @@ class GenerationPipeline:
                 stream = engine.start(
                     prompt_ids, sampling, priority=request.priority,
                     request_id=request.request_id, deadline=deadline,
-                    speculative=request.speculative, tenant=request.tenant)
+                    speculative=request.speculative, tenant=request.tenant,
+                    cache_scope=request.cache_scope)
                 if timing.dispatched_at is None:  # once, even when a replica is retried
                     timing.dispatched_at = time.monotonic()
                     self.metrics.request_queue_time.labels(request.model).observe(

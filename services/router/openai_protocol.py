@@ -37,6 +37,9 @@ Field mapping (OpenAI / vLLM name → ``GenerateRequest``):
   ``regex`` | ``choice`` | ``grammar`` | ``json_object``) and the older
   ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``;
   at most one constraint in all.
+* vLLM's ``cache_salt`` (a string) → ``cache_salt``: scopes every cache of
+  the request further within its tenant's scope
+  (:mod:`services.common.cache_scope`).
 * ``stream`` and ``stream_options.include_usage`` (its other keys are
   refused; it needs ``stream: true``, as OpenAI and vLLM require).
 * Accepted and ignored: ``user`` (an end-user id for abuse tracking; the mesh's
@@ -105,7 +108,7 @@ _COMMON = frozenset({
     # vLLM's extra parameters
     "top_k", "min_tokens", "repetition_penalty", "include_stop_str_in_output", "ignore_eos",
     "stop_token_ids", "prompt_logprobs", "structured_outputs", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar",
+    "guided_choice", "guided_grammar", "cache_salt",
 })
 _CHAT_ONLY = frozenset({"messages", "max_completion_tokens", "top_logprobs", "tools",
                         "tool_choice", "parallel_tool_calls"})
@@ -145,6 +148,8 @@ def parse_request(endpoint: Endpoint, body: bytes) -> OpenAIRequest:
         _chat_input(data, pb)
     else:
         _completion_input(data, pb)
+    if "cache_salt" in data:  # range checked once, by the shared validation
+        pb.cache_salt = _string(data, "cache_salt")
     stream = _bool(data, "stream")
     include_usage = _stream_options(data, stream)
     max_param = _sampling(endpoint, data, pb.sampling)

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from services.common.block_hash import prompt_block_hashes
+from services.common.block_hash import prompt_block_hashes, scoped_seed
 from services.common.sampling import Priority
 from services.router.clients import CacheClient
 from services.router.engine_client import EngineClient
@@ -203,11 +203,14 @@ class ReplicaPicker:
         return (self.policy is RoutingPolicy.KV_AWARE and self.cache is not None
                 and len(serving) > 1)
 
-    async def prefix_matches(self, prompt_ids: Sequence[int],
-                             serving: Sequence[EngineClient]) -> dict[EngineClient, int]:
-        """Leading prompt tokens each replica holds in its prefix cache, from the
-        index (one ``ScorePrefix`` per distinct hash seed and block size among
-        ``serving``, usually one). Never raises: an error counts as no match."""
+    async def prefix_matches(self, prompt_ids: Sequence[int], serving: Sequence[EngineClient],
+                             cache_scope: str = "") -> dict[EngineClient, int]:
+        """Leading prompt tokens each replica holds in its prefix cache for a
+        request of ``cache_scope`` (its blocks hash from the scoped seed, as
+        the engine hashes them: :func:`~services.common.block_hash.scoped_seed`),
+        from the index (one ``ScorePrefix`` per distinct hash seed and block
+        size among ``serving``, usually one). Never raises: an error counts
+        as no match."""
         assert self.cache is not None
         groups: dict[tuple[bytes, int], list[EngineClient]] = {}
         ambiguous = duplicate_replica_ids(serving)
@@ -218,7 +221,7 @@ class ReplicaPicker:
                 groups.setdefault((info.kv_hash_seed, info.kv_block_size), []).append(engine)
         matches: dict[EngineClient, int] = {}
         for (seed, block_size), engines in groups.items():
-            hashes = prompt_block_hashes(seed, prompt_ids, block_size)
+            hashes = prompt_block_hashes(scoped_seed(seed, cache_scope), prompt_ids, block_size)
             if not hashes:
                 continue
             started = time.perf_counter()

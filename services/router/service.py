@@ -546,7 +546,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         validated = validate_request(
             pb, request_id=request_id, models=self.models, default_model=self.default_model,
             header_request_id=header_request_id,
-            header_tenant=header_tenant if tenant is None else tenant.id)
+            header_tenant=header_tenant if tenant is None else tenant.id,
+            cache_group="" if tenant is None else tenant.cache_group)
         self.tenancy.check_model(tenant, validated.model)
         return validated
 

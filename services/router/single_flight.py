@@ -20,11 +20,16 @@ configured. Two such requests are identical when their
   different switches are not merged;
 * ``priority``: the shared generation is admitted and scheduled in one traffic
   class; an interactive request never waits in the batch class behind a
-  batch leader.
+  batch leader;
+* ``cache_scope``: the request's cache scope (:mod:`services.common.cache_scope`:
+  the tenant, or the cache group its key opts into, and the request's
+  ``cache_salt``): a request never shares another scope's generation, so
+  whether it was coalesced (its timing, ``cached_prompt_tokens``) tells
+  nothing of what another tenant sent.
 
-Not in the key: the request id and the tenant (the engine and admission see
-the leader's: a follower costs the engine nothing, so it draws on no fair
-share), and ``bypass_cache``.
+Not in the key: the request id and the tenant itself (within a scope the
+engine and admission see the leader's: a follower costs the engine nothing,
+so it draws on no fair share), and ``bypass_cache``.
 
 Lifecycle. :meth:`SingleFlight.join` finds the identical generation in flight
 and subscribes to it (the follower); otherwise the request calls
@@ -101,6 +106,7 @@ class CoalescingKey:
     sampling: SamplingOptions
     speculative: SpeculativeOptions
     priority: Priority
+    cache_scope: str = ""
 
 
 class DeadlinePassed(Exception):

@@ -43,6 +43,7 @@ from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from llmesh.v1 import common_pb2, generation_pb2
+from services.common.cache_scope import check_salt, owner, resolve
 from services.common.sampling import (
     InvalidRequestError,
     Priority,
@@ -112,7 +113,10 @@ class GenerationRequest:
     of the response-cache key). ``allow_special_tokens``: special-token text in
     chat contents becomes control tokens (``Chat.allow_special_tokens``); it
     changes the prompt ids, which the cache key holds. ``tenant``: the
-    ``x-tenant-id`` metadata ("" without one), for admission fairness.
+    key's tenant, or without keys the ``x-tenant-id`` metadata ("" without
+    one), for admission fairness. ``cache_scope``: the scope of every cache
+    the request reads or fills (:mod:`services.common.cache_scope`: tenant or
+    cache group, and the request's ``cache_salt``; "" the shared scope).
     """
 
     request_id: str
@@ -125,6 +129,7 @@ class GenerationRequest:
     speculative: SpeculativeOptions = SpeculativeOptions()
     allow_special_tokens: bool = False
     tenant: str = ""
+    cache_scope: str = ""
 
     @property
     def is_chat(self) -> bool:
@@ -283,6 +288,7 @@ def validate_request(
     pb: generation_pb2.GenerateRequest, *, request_id: str,
     models: Mapping[str, ModelLimits], default_model: str,
     header_request_id: str | None = None, header_tenant: str | None = None,
+    cache_group: str = "",
 ) -> GenerationRequest:
     """Validates every field of ``pb`` that needs no tokenizer.
 
@@ -295,6 +301,8 @@ def validate_request(
         (Envoy sets it on every call); checked like ``request_id``.
       header_tenant: the call's ``x-tenant-id`` metadata, if any: the tenant
         whose fair share the request draws on; 1..128 printable ASCII.
+      cache_group: the cache group the tenant's key-file entry opts into (""
+        none): it owns the request's cache scope instead of the tenant.
 
     Raises:
       InvalidRequestError: the first bad field, with its gRPC code.
@@ -332,11 +340,13 @@ def validate_request(
             "priority", f"unknown value {pb.priority}; use PRIORITY_INTERACTIVE (1) or "
             "PRIORITY_BATCH (2)")
     speculative = SpeculativeOptions.from_pb(pb.speculative)
+    salt = check_salt(pb.cache_salt) if pb.HasField("cache_salt") else ""
     return GenerationRequest(
         request_id=request_id, model=limits.model, prompt=prompt, messages=messages,
         sampling=sampling, priority=Priority.from_pb(pb.priority),
         bypass_cache=pb.bypass_cache, speculative=speculative,
         allow_special_tokens=allow_special_tokens, tenant=header_tenant or "",
+        cache_scope=resolve(owner(header_tenant or "", cache_group), salt),
     )
 
 
