@@ -4,7 +4,11 @@ for a missing or wrong key on gRPC, the OpenAI endpoint and the JSON
 transcoder; PERMISSION_DENIED / 403 for a model the tenant may not use; a
 tenant over its tokens per minute refused with a hint while another is
 served; a SIGHUP reload taking effect without ending a stream in flight;
-and no key, key hash or prompt text in any log or metrics page of the run."""
+caches scoped by tenant (response cache, coalescing, prefix cache: over gRPC
+and the OpenAI endpoint, a tenant never reuses another's work, nor learns of
+it from ``cached`` or the cached prompt tokens; a ``cache_group`` shares; a
+``cache_salt`` scopes further); and no key, key hash or prompt text in any
+log or metrics page of the run."""
 
 from __future__ import annotations
 
@@ -18,23 +22,27 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmesh.v1 import generation_pb2, generation_pb2_grpc
+from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.cli.main import client_examples
 from services.cli.mesh import Mesh
 from services.router.api_keys import hash_key
-from tests.e2e.overload_client import long_request, run_one
+from tests.e2e.overload_client import Outcome, long_request, run_one
 
 pytestmark = pytest.mark.mesh
 
 KEYS = {"alpha": "lmk_alpha-0a1b2c3d4e5f", "beta": "lmk_beta-6a7b8c9d0e1f",
-        "narrow": "lmk_narrow-1f2e3d4c5b", "old": "lmk_old-9z8y7x6w5v", "new": "lmk_new-5v6w7x8y9z"}
+        "narrow": "lmk_narrow-1f2e3d4c5b", "old": "lmk_old-9z8y7x6w5v", "new": "lmk_new-5v6w7x8y9z",
+        "zeta": "lmk_zeta-3c4d5e6f7a8b", "acme1": "lmk_acme1-8b7a6f5e4d",
+        "acme2": "lmk_acme2-4d5e6f7a8b"}
 #: A key no tenant holds (the unauthenticated cases send it).
 WRONG_KEY = "lmk_not-a-key"
 #: alpha's tokens per minute: one request of 120 max_tokens fits, two do not.
@@ -50,6 +58,10 @@ def write_keys(path: Path, *, gamma_key: str) -> None:
         {"id": "beta", "keys": [hash_key(KEYS["beta"])]},
         {"id": "narrow", "keys": [hash_key(KEYS["narrow"])], "models": ["another-model"]},
         {"id": "gamma", "keys": [hash_key(gamma_key)]},
+        # zeta's caches are its own (as beta's); acme-1 and acme-2 share theirs
+        {"id": "zeta", "keys": [hash_key(KEYS["zeta"])]},
+        {"id": "acme-1", "keys": [hash_key(KEYS["acme1"])], "cache_group": "acme"},
+        {"id": "acme-2", "keys": [hash_key(KEYS["acme2"])], "cache_group": "acme"},
     ]}))
 
 
@@ -256,6 +268,138 @@ def test_sighup_reloads_the_keys_while_a_stream_started_before_runs_to_its_end(
 
     asyncio.run(scenario())
     write_keys(keys_file, gamma_key=KEYS["new"])
+
+
+#: A private memo (~150 tokens): its blocks fill the prefix cache of whoever sends it.
+MEMO = ("Board memo, strictly confidential. The merger with Northwind closes on the third "
+        "of March at a price of forty-one dollars a share; the press release stays embargoed "
+        "until the regulator signs. Layoffs in the Lisbon office are planned for April and "
+        "the staff will be told on the first Monday of that month. The new chief financial "
+        "officer is Dana Whitlock, hired from Contoso, and her contract includes a signing "
+        "bonus of two hundred thousand dollars. Do not forward this memo to anyone outside "
+        "the board.")
+
+
+def memo_prompt(tag: str, question: str) -> str:
+    """A raw prompt (no chat template) that starts with ``tag``: no earlier
+    request of any scope shares its first block."""
+    return f"[{tag}] {MEMO} Question: {question} Answer:"
+
+
+def greedy_prompt(text: str, *, max_tokens: int = 2, cache_salt: str | None = None,
+                  speculative: bool = True) -> generation_pb2.GenerateRequest:
+    """A greedy, cacheable raw-prompt request."""
+    req = generation_pb2.GenerateRequest(
+        prompt=text, bypass_cache=False,
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                           ignore_eos=True))
+    if cache_salt is not None:
+        req.cache_salt = cache_salt
+    if not speculative:
+        req.speculative.method = common_pb2.SPECULATIVE_METHOD_NONE
+    return req
+
+
+def last_message(stub: generation_pb2_grpc.GenerationServiceStub, tenant: str,
+                 req: generation_pb2.GenerateRequest) -> generation_pb2.GenerateResponse:
+    """The last message of ``req`` sent with ``tenant``'s key."""
+    *_, last = stub.Generate(req, timeout=120, metadata=auth(tenant))
+    return last
+
+
+def test_the_response_and_prefix_caches_are_scoped_by_tenant_over_grpc(mesh: Mesh) -> None:
+    tag = uuid.uuid4().hex[:8]
+    asked = memo_prompt(tag, "When does the merger close?")
+    with grpc.insecure_channel(mesh.ingress_address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        first = last_message(stub, "beta", greedy_prompt(asked))
+        assert not first.cached and first.usage.cached_prompt_tokens == 0
+        # zeta sends beta's exact request: no stored answer, no cached block
+        other = last_message(stub, "zeta", greedy_prompt(asked))
+        assert not other.cached
+        assert other.usage.cached_prompt_tokens == 0
+        assert other.usage.prompt_tokens == first.usage.prompt_tokens > 100
+        # beta repeating gets its own answer back, and its own prefix
+        again = last_message(stub, "beta", greedy_prompt(asked))
+        assert again.cached and again.usage.cached_prompt_tokens == again.usage.prompt_tokens
+        follow_up = last_message(stub, "beta", greedy_prompt(
+            memo_prompt(tag, "Who is the new chief financial officer?")))
+        assert not follow_up.cached
+        assert 100 <= follow_up.usage.cached_prompt_tokens < follow_up.usage.prompt_tokens
+        # a cache_salt scopes further within the tenant (beta's entries stay beta's own)
+        salted = last_message(stub, "beta", greedy_prompt(asked, cache_salt=f"salt-{tag}"))
+        assert not salted.cached and salted.usage.cached_prompt_tokens == 0
+        salted = last_message(stub, "beta", greedy_prompt(asked, cache_salt=f"salt-{tag}"))
+        assert salted.cached
+        # tenants of one cache group share: both caches answer acme-2 from acme-1's work
+        shared = memo_prompt(f"{tag}-acme", "Where are the layoffs?")
+        assert not last_message(stub, "acme1", greedy_prompt(shared)).cached
+        hit = last_message(stub, "acme2", greedy_prompt(shared))
+        assert hit.cached and hit.usage.cached_prompt_tokens == hit.usage.prompt_tokens
+        prefix = last_message(stub, "acme2", greedy_prompt(
+            memo_prompt(f"{tag}-acme", "How large is the signing bonus?")))
+        assert not prefix.cached and prefix.usage.cached_prompt_tokens >= 100
+        # the salt is checked at the edge, naming the field
+        with pytest.raises(grpc.RpcError) as info:
+            last_message(stub, "beta", greedy_prompt(asked, cache_salt=""))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("cache_salt")
+
+
+def test_the_openai_endpoint_reports_no_cached_tokens_of_another_tenant(mesh: Mesh) -> None:
+    tag = uuid.uuid4().hex[:8]
+    asked = memo_prompt(tag, "How much is a share?")
+
+    def complete(tenant: str, prompt: str, **extra: object) -> openai.types.Completion:
+        with openai.OpenAI(base_url=f"{mesh.http_url}/v1", api_key=KEYS[tenant],
+                           max_retries=0) as client:
+            return client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
+                                             max_tokens=2, temperature=0.0,
+                                             extra_body=extra or None)
+
+    def cached_tokens(completion: openai.types.Completion) -> int:
+        assert completion.usage is not None and completion.usage.prompt_tokens_details
+        return completion.usage.prompt_tokens_details.cached_tokens or 0
+
+    assert cached_tokens(complete("beta", asked)) == 0
+    assert cached_tokens(complete("zeta", asked)) == 0  # beta's answer and blocks stay beta's
+    repeated = complete("beta", asked)
+    assert repeated.usage is not None
+    assert cached_tokens(repeated) == repeated.usage.prompt_tokens  # its own stored answer
+    assert 100 <= cached_tokens(complete("beta", memo_prompt(tag, "Who is hired?")))
+    assert cached_tokens(complete("beta", asked, cache_salt=f"s-{tag}")) == 0
+    shared = memo_prompt(f"{tag}-acme", "When are the staff told?")
+    complete("acme1", shared)
+    grouped = complete("acme2", shared)
+    assert grouped.usage is not None and cached_tokens(grouped) == grouped.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        complete("beta", asked, cache_salt="x" * 257)
+    assert info.value.body["param"] == "cache_salt"  # type: ignore[index]
+
+
+def test_identical_requests_of_two_tenants_are_not_coalesced(mesh: Mesh) -> None:
+    async def pair(first: str, second: str, text: str) -> list[Outcome]:
+        async with grpc.aio.insecure_channel(mesh.ingress_address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            req = greedy_prompt(text, max_tokens=24, speculative=False)
+            return list(await asyncio.gather(run_one(stub, req, metadata=auth(first)),
+                                             run_one(stub, req, metadata=auth(second))))
+
+    def coalesced() -> float:
+        return counter(mesh, "llmesh:router_coalesced_requests_total")
+
+    tag = uuid.uuid4().hex[:8]
+    before = coalesced()
+    outcomes = asyncio.run(pair("beta", "zeta", f"[{tag}] Count slowly from one to fifty:"))
+    assert [o.code for o in outcomes] == [grpc.StatusCode.OK] * 2
+    assert outcomes[0].token_ids == outcomes[1].token_ids  # the same answer, computed twice
+    assert coalesced() == before, "zeta's request joined beta's generation"
+    # the same tenant twice, and two tenants of one cache group, do share one generation
+    for first, second, suffix in [("beta", "beta", "b"), ("acme1", "acme2", "g")]:
+        before = coalesced()
+        outcomes = asyncio.run(pair(first, second, f"[{tag}{suffix}] Count from one to fifty:"))
+        assert [o.code for o in outcomes] == [grpc.StatusCode.OK] * 2
+        assert coalesced() == before + 1, (first, second)
 
 
 def test_no_key_no_key_hash_and_no_prompt_text_in_any_log_or_metrics_page(mesh: Mesh) -> None:
