@@ -37,6 +37,12 @@ def start(request_id: str = "", prompt: tuple[int, ...] = CHAT,
         sampling=common_pb2.SamplingParams(**sampling)))  # type: ignore[arg-type]
 
 
+def scoped(message: engine_pb2.EngineServiceGenerateRequest,
+           cache_scope: str) -> engine_pb2.EngineServiceGenerateRequest:
+    message.start.cache_scope = cache_scope
+    return message
+
+
 CANCEL = engine_pb2.EngineServiceGenerateRequest(cancel=engine_pb2.EngineCancel())
 
 
@@ -220,6 +226,8 @@ INVALID: list[tuple[str, Callable[[], list], grpc.StatusCode, str]] = [
      grpc.StatusCode.OUT_OF_RANGE, "sampling.max_tokens"),
     ("prompt fills the context", lambda: [start(prompt=(5,) * MAX_MODEL_LEN)],
      grpc.StatusCode.OUT_OF_RANGE, "prompt_token_ids"),
+    ("cache_scope too long", lambda: [scoped(start(), "s" * 129)],
+     grpc.StatusCode.INVALID_ARGUMENT, "cache_scope"),
     ("first message cancel", lambda: [CANCEL], grpc.StatusCode.INVALID_ARGUMENT, "start"),
     ("no message", lambda: [], grpc.StatusCode.INVALID_ARGUMENT, "start"),
     ("second start", lambda: [start(max_tokens=MAX_TOKENS_CAP, ignore_eos=True), start()],

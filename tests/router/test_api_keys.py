@@ -48,6 +48,12 @@ def test_keys_map_to_their_tenant_with_models_and_limits() -> None:
     assert table.num_keys == 2 and sorted(table.tenants) == ["acme", "beta"]
 
 
+def test_a_tenant_opts_into_a_cache_group_explicitly() -> None:
+    table = parse_key_table(table_text(cache_group="acme-org"))
+    assert table.authenticate(KEY_A).cache_group == "acme-org"  # type: ignore[union-attr]
+    assert table.authenticate(KEY_B).cache_group == ""  # type: ignore[union-attr]
+
+
 def test_yaml_is_accepted_like_json(tmp_path) -> None:
     path = tmp_path / "keys.yaml"
     path.write_text(f"tenants:\n  - id: acme\n    keys: ['{hash_key(KEY_A)}']\n")
@@ -65,6 +71,8 @@ def test_yaml_is_accepted_like_json(tmp_path) -> None:
     ({"secret": 1}, "unknown field(s) ['secret']"),
     ({"keys": [hash_key(KEY_B)]}, "tenants[1].keys[0]: the same key hash is already"),
     ({"id": "beta"}, "tenant 'beta' appears twice"),
+    ({"cache_group": "has space"}, "tenants[0].cache_group"),
+    ({"cache_group": 7}, "tenants[0].cache_group"),
 ])
 def test_a_bad_file_names_the_place_and_never_echoes_a_key(overrides, where) -> None:
     with pytest.raises(KeyFileError) as info:

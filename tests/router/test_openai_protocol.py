@@ -110,6 +110,7 @@ def test_choice_constraint_and_text_format():
     (CHAT, {"messages": USER, "max_tokens": 3, "max_completion_tokens": 4},
      "max_completion_tokens", "differs"),
     (COMPLETIONS, {"prompt": "a", "best_of": 3}, "best_of", "not supported"),
+    (CHAT, {"messages": USER, "cache_salt": 7}, "cache_salt", "string"),
 ])
 def test_refusals_name_the_parameter(endpoint, body, param, words):
     err = refused(endpoint, body)
@@ -137,6 +138,16 @@ def test_ranges_are_checked_by_the_shared_validation_and_renamed():
         validate_request(parsed.generate, request_id="r", models=MODELS, default_model="m")
     assert info.value.code == grpc.StatusCode.OUT_OF_RANGE
     assert openai_param(info.value.field, parsed) == "max_completion_tokens"
+
+
+def test_cache_salt_is_vllms_and_checked_by_the_shared_validation():
+    for endpoint, body in ((CHAT, {"messages": USER}), (COMPLETIONS, {"prompt": "a"})):
+        assert parse(endpoint, **body, cache_salt="s3cret").generate.cache_salt == "s3cret"
+        assert not parse(endpoint, **body).generate.HasField("cache_salt")
+    parsed = parse(CHAT, messages=USER, model="m", cache_salt="")
+    with pytest.raises(InvalidRequestError) as info:
+        validate_request(parsed.generate, request_id="r", models=MODELS, default_model="m")
+    assert openai_param(info.value.field, parsed) == "cache_salt"
 
 
 def test_a_parsed_request_passes_the_shared_validation():

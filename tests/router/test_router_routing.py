@@ -185,3 +185,33 @@ async def test_replicas_sharing_an_id_get_no_prefix_matches(
         engine.info = ReplicaInfo("m", 1024, 100, (2,), "torch", replica_id=replica,
                                   kv_block_size=16, kv_hash_seed=b"s" * 32)
     assert duplicate_replica_ids(engines) == {"dup"}
+
+
+async def test_prefix_lookups_hash_the_prompt_in_the_requests_cache_scope(
+        engines: list[EngineClient]) -> None:
+    # The engine seeds a scoped request's block 0 with scoped_seed (its KV events
+    # name the blocks so); the router must ask the index for the same hashes, or a
+    # tenant's prompt would match another's blocks (and route by them).
+    from services.common.block_hash import prompt_block_hashes, scoped_seed
+
+    class RecordingIndex:
+        def __init__(self) -> None:
+            self.asked: list[list[bytes]] = []
+
+        async def score_prefix(self, hashes: list[bytes], *, deadline: float) -> dict[str, int]:
+            self.asked.append(list(hashes))
+            return {"a": len(hashes)}
+
+    a, b, _ = engines
+    seed = b"s" * 32
+    for engine, replica in ((a, "a"), (b, "b")):
+        engine.info = ReplicaInfo("m", 1024, 100, (2,), "torch", replica_id=replica,
+                                  kv_block_size=16, kv_hash_seed=seed)
+    index = RecordingIndex()
+    kv = ReplicaPicker(RoutingPolicy.KV_AWARE, index, RouterMetrics(CollectorRegistry()), W)  # type: ignore[arg-type]
+    prompt = list(range(40))
+    assert await kv.prefix_matches(prompt, [a, b], "scope-a") == {a: 32}
+    assert await kv.prefix_matches(prompt, [a, b]) == {a: 32}
+    assert index.asked == [prompt_block_hashes(scoped_seed(seed, "scope-a"), prompt, 16),
+                           prompt_block_hashes(seed, prompt, 16)]
+    assert index.asked[0] != index.asked[1]

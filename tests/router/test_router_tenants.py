@@ -17,7 +17,7 @@ import pytest
 import structlog.testing
 from prometheus_client import CollectorRegistry
 
-from llmesh.v1 import generation_pb2
+from llmesh.v1 import cache_pb2, generation_pb2
 from services.router.api_keys import hash_key
 from services.router.metrics import RouterMetrics
 from services.router.tenancy import Tenancy
@@ -31,7 +31,8 @@ from tests.router.test_router_service import (
     wait_for,
 )
 
-KEYS = {"alpha": "lmk_alpha-key", "beta": "lmk_beta-key", "narrow": "lmk_narrow-key"}
+KEYS = {"alpha": "lmk_alpha-key", "beta": "lmk_beta-key", "narrow": "lmk_narrow-key",
+        "org1": "lmk_org1-key", "org2": "lmk_org2-key"}
 
 
 def write_keys(path: Path, alpha_limits: dict[str, int]) -> None:
@@ -39,6 +40,8 @@ def write_keys(path: Path, alpha_limits: dict[str, int]) -> None:
         {"id": "alpha", "keys": [hash_key(KEYS["alpha"])], "limits": alpha_limits},
         {"id": "beta", "keys": [hash_key(KEYS["beta"])]},
         {"id": "narrow", "keys": [hash_key(KEYS["narrow"])], "models": ["other"]},
+        {"id": "org1", "keys": [hash_key(KEYS["org1"])], "cache_group": "org"},
+        {"id": "org2", "keys": [hash_key(KEYS["org2"])], "cache_group": "org"},
     ]}))
 
 
@@ -106,6 +109,51 @@ async def test_max_concurrent_refuses_on_both_edges_while_another_tenant_runs(
             pass
         assert mesh.metric("llmesh:tenant_limited_total", tenant="alpha",
                            limit="max_concurrent") == 2
+
+
+async def test_each_tenant_has_its_own_cache_scope_and_a_cache_group_shares_one(
+        tmp_path: Path) -> None:
+    async with served(tmp_path) as (mesh, _):
+        starts = mesh.engines[0].log.starts
+
+        async def ask(tenant: str, salt: str | None = None,
+                      metadata: tuple[tuple[str, str], ...] = ()) -> bool:
+            """Whether the answer came from the response cache."""
+            req = generation_pb2.GenerateRequest(prompt="private memo", sampling=greedy())
+            if salt is not None:
+                req.cache_salt = salt
+            done = await collect(mesh.stub.Generate(req, metadata=(*auth(tenant), *metadata)))
+            return done[-1].cached
+
+        assert not await ask("alpha")
+        alpha_scope = starts[-1].cache_scope
+        assert len(alpha_scope) == 64
+        # beta (even claiming to be alpha: the key decides) misses alpha's entry
+        assert not await ask("beta", metadata=(("x-tenant-id", "alpha"),))
+        assert len(starts) == 2 and starts[-1].cache_scope not in ("", alpha_scope)
+        assert await ask("alpha") and len(starts) == 2
+        # a cache_salt scopes further: a miss, then its own hit
+        assert not await ask("alpha", salt="s1")
+        assert starts[-1].cache_scope not in ("", alpha_scope)
+        assert await ask("alpha", salt="s1")
+        # one group, one scope
+        assert not await ask("org1")
+        assert await ask("org2")
+        keys = [cache_pb2.CacheKey.FromString(key) for key in mesh.cache.store]
+        assert len({key.cache_scope for key in keys}) == len(keys) == 4
+
+
+async def test_without_keys_x_tenant_id_scopes_the_caches(tmp_path: Path) -> None:
+    async with make_mesh() as mesh:
+        starts = mesh.engines[0].log.starts
+        for tenant in ("t1", "t2", None, "t1"):
+            metadata = () if tenant is None else (("x-tenant-id", tenant),)
+            await collect(mesh.stub.Generate(
+                generation_pb2.GenerateRequest(prompt="memo", sampling=greedy()),
+                metadata=metadata or None))
+        # t1, t2 and no tenant (the shared scope, "") each computed; t1's repeat hit
+        assert len(starts) == 3
+        assert starts[2].cache_scope == "" and starts[0].cache_scope != starts[1].cache_scope
 
 
 async def test_reservations_settle_however_the_request_ends(tmp_path: Path) -> None:

@@ -149,6 +149,30 @@ def test_bad_request_id(rid, why):
                           prompt="x")
 
 
+def test_the_cache_scope_is_the_tenant_or_its_group_and_the_salt():
+    def scope(tenant: str | None = None, group: str = "", salt: str | None = None) -> str:
+        pb = generation_pb2.GenerateRequest(prompt="x")
+        if salt is not None:
+            pb.cache_salt = salt
+        return validate_request(pb, request_id="rid", models=MODELS, default_model="tiny",
+                                header_tenant=tenant, cache_group=group).cache_scope
+
+    assert scope() == ""  # no tenant, no salt: the shared scope, as before
+    scopes = [scope("a"), scope("b"), scope("a", salt="s"), scope("b", salt="s"),
+              scope(salt="s"), scope("a", group="g"), scope("g")]
+    assert len(set(scopes)) == len(scopes) and all(len(s) == 64 for s in scopes)
+    assert scope("b", group="g") == scope("a", group="g")  # one group, one scope
+    assert scope("a") == scope("a")
+
+
+def test_the_cache_salt_is_checked_at_the_edge():
+    assert "non-empty" in refused(grpc.StatusCode.INVALID_ARGUMENT, "cache_salt", prompt="x",
+                                  cache_salt="")
+    assert "at most 256 bytes" in refused(grpc.StatusCode.INVALID_ARGUMENT, "cache_salt",
+                                          prompt="x", cache_salt="é" * 129)
+    assert validate(prompt="x", cache_salt="s" * 256).cache_scope
+
+
 def test_unknown_priority():
     msg = refused(grpc.StatusCode.INVALID_ARGUMENT, "priority", prompt="x", priority=9)
     assert "PRIORITY_BATCH" in msg
