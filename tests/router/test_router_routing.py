@@ -208,7 +208,8 @@ async def test_prefix_lookups_hash_the_prompt_in_the_requests_cache_scope(
         engine.info = ReplicaInfo("m", 1024, 100, (2,), "torch", replica_id=replica,
                                   kv_block_size=16, kv_hash_seed=seed)
     index = RecordingIndex()
-    kv = ReplicaPicker(RoutingPolicy.KV_AWARE, index, RouterMetrics(CollectorRegistry()), W)  # type: ignore[arg-type]
+    kv = ReplicaPicker(RoutingPolicy.KV_AWARE, index,  # type: ignore[arg-type]
+                       RouterMetrics(CollectorRegistry()), W)
     prompt = list(range(40))
     assert await kv.prefix_matches(prompt, [a, b], "scope-a") == {a: 32}
     assert await kv.prefix_matches(prompt, [a, b]) == {a: 32}

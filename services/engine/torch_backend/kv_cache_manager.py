@@ -11,8 +11,9 @@ behind this interface; the model runner reads block ids
 Block hashes are chained, as :mod:`services.common.block_hash` defines them
 for engine, router and cache alike, from a seed (model id and KV layout,
 salted by the request's cache scope: ``SequenceRequest.cache_scope``) before
-block 0: a sequence finds only blocks computed in its own scope. Only full blocks are hashed, and a block joins the prefix
-cache only once its keys and values are computed.
+block 0: a sequence finds only blocks computed in its own scope. Only full
+blocks are hashed, and a block joins the prefix cache only once its keys and
+values are computed.
 
 Role-aware hashes (``role_aware=True``, for a model whose prompt tokens take
 other projections than its generated tokens: ``LlamaModel.add_prompt_projections``):
