@@ -49,20 +49,19 @@ _SEED_TAG = b"llmesh-kv-block\0"
 _SCOPE_TAG = b"\0scope\0"
 
 
-def block_hash_seed(model_id: str, kv_layout: str = "", cache_salt: str = "") -> BlockHash:
-    """The parent hash of a sequence's first block in the shared scope (or,
-    with ``cache_salt``, in that scope: :func:`scoped_seed`).
+def block_hash_seed(model_id: str, kv_layout: str = "") -> BlockHash:
+    """The engine's seed: the parent hash of a sequence's first block in the
+    shared scope (in another scope: :func:`scoped_seed` of it).
 
     Args:
       model_id: the served model id.
       kv_layout: everything else of the engine that changes the KV values
         (e.g. ``"int4/float32"``); "" for none.
-      cache_salt: a cache scope ("" for the shared one).
     """
     data = _SEED_TAG + model_id.encode()
     if kv_layout:
         data += b"\0layout\0" + kv_layout.encode()
-    return scoped_seed(hashlib.sha256(data).digest(), cache_salt)
+    return hashlib.sha256(data).digest()
 
 
 def scoped_seed(seed: BlockHash, cache_scope: str) -> BlockHash:
