@@ -6,6 +6,7 @@ tests/e2e/test_mesh_tenants.py."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from pathlib import Path
@@ -141,6 +142,19 @@ async def test_each_tenant_has_its_own_cache_scope_and_a_cache_group_shares_one(
         assert await ask("org2")
         keys = [cache_pb2.CacheKey.FromString(key) for key in mesh.cache.store]
         assert len({key.cache_scope for key in keys}) == len(keys) == 4
+
+
+async def test_identical_requests_coalesce_only_within_a_cache_scope(tmp_path: Path) -> None:
+    async with served(tmp_path) as (mesh, _):
+        mesh.engines[0].step_delay = 0.02  # both requests arrive while the first runs
+        starts = mesh.engines[0].log.starts
+        for number, (first, second, computed) in enumerate(
+                [("alpha", "beta", 2), ("org1", "org2", 1), ("beta", "beta", 1)]):
+            before = len(starts)
+            req = generation_pb2.GenerateRequest(prompt=f"memo {number}", sampling=greedy())
+            await asyncio.gather(*(collect(mesh.stub.Generate(req, metadata=auth(tenant)))
+                                   for tenant in (first, second)))
+            assert len(starts) - before == computed, (first, second)
 
 
 async def test_without_keys_x_tenant_id_scopes_the_caches(tmp_path: Path) -> None:
