@@ -294,9 +294,10 @@ class OpenAIError:
 
 
 #: gRPC status of the shared pipeline → (HTTP status, OpenAI error type, code).
-#: UNIMPLEMENTED is 501: the request is valid OpenAI, this mesh's engine does
-#: not do it yet (changing the request's values will not help; dropping the
-#: field will).
+#: A field the engine cannot honour reaches here as INVALID_ARGUMENT naming it
+#: (400, as vLLM answers): never a 5xx, which the official client retries.
+#: Any other status (UNIMPLEMENTED included: a method a service lacks, a
+#: deployment fault) is 500.
 _STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", None),
@@ -305,7 +306,6 @@ _STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "timeout"),
-    grpc.StatusCode.UNIMPLEMENTED: (501, "not_implemented_error", "not_implemented"),
     grpc.StatusCode.CANCELLED: (499, "cancelled", "cancelled"),
 }
 

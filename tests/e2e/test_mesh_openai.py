@@ -1,6 +1,7 @@
 """The OpenAI-compatible API of the whole mesh, through Envoy, with the official
-``openai`` client and the real SmolLM2 model. (429 / 503 / 501 need a crafted
-mesh state: tests/router/test_openai_http.py, same server, fake engines.)"""
+``openai`` client and the real SmolLM2 model. (429 / 503 / an engine refusing
+a field need a crafted mesh state: tests/router/test_openai_http.py, same
+server, fake engines.)"""
 
 from __future__ import annotations
 

@@ -127,5 +127,5 @@ def test_errors_map_status_param_and_retry_after():
     assert (model.status, model.body()["error"]["code"]) == (404, "model_not_found")
     assert error_for_status(grpc.StatusCode.UNAVAILABLE, "x").status == 503
     assert error_for_status(grpc.StatusCode.DEADLINE_EXCEEDED, "x").status == 504
-    assert error_for_status(grpc.StatusCode.UNIMPLEMENTED, "x").status == 501
+    assert error_for_status(grpc.StatusCode.UNIMPLEMENTED, "x").status == 500  # never 501
     assert error_for_status(grpc.StatusCode.INTERNAL, "x").status == 500
