@@ -178,3 +178,34 @@ def test_a_constraint_that_fails_while_generating_is_400_naming_it(
     assert message.startswith("guided_regex: the constraint failed after")
     assert "too many" in message and "127.0.0.1" not in message
     assert client.completions.create(model=model, prompt="Hi", max_tokens=2).choices
+
+
+#: A completion that writes words and emoji, whose bytes SmolLM2's byte-level
+#: BPE spells in fragments (``bytes:\xf0\x9f`` ...).
+EMOJI_PROMPT = "I love pizza 🍕 and sushi 🍣 and tacos 🌮 and"
+
+
+def test_completion_text_offsets_index_the_text_through_multibyte_characters(
+        client: openai.OpenAI, model: str) -> None:
+    """Issue 30, bug 3: a token that is part of a character (``bytes:\\xNN``)
+    advanced ``text_offset`` by its 14-character spelling. Every offset now
+    indexes the text: monotone, within it, each whole-character token's text
+    found there, and a fragment's offset at the character its first byte
+    belongs to; the stream's offsets are the same."""
+    kwargs = {"model": model, "prompt": EMOJI_PROMPT, "max_tokens": 16, "temperature": 0,
+              "logprobs": 1}
+    whole = client.completions.create(**kwargs).choices[0]
+    text, tokens, offsets = whole.text, whole.logprobs.tokens, whole.logprobs.text_offset
+    fragments = [t for t in tokens if t.startswith("bytes:")]
+    assert fragments and len(fragments) < len(tokens), tokens  # both kinds are exercised
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] <= len(text)
+    for token, offset in zip(tokens, offsets, strict=True):
+        if token.startswith("bytes:"):
+            first = int(token[len("bytes:\\x"):][:2], 16)
+            assert ord(text[offset]) == first if first < 0x80 else ord(text[offset]) >= 0x80
+        else:
+            assert text[offset:].startswith(token), (token, offset, text)
+    streamed = [c.choices[0] for c in client.completions.create(stream=True, **kwargs)
+                if c.choices and c.choices[0].logprobs]
+    assert "".join(c.text for c in streamed) == text
+    assert [o for c in streamed for o in c.logprobs.text_offset] == offsets
