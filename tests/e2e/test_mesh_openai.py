@@ -209,3 +209,32 @@ def test_completion_text_offsets_index_the_text_through_multibyte_characters(
                 if c.choices and c.choices[0].logprobs]
     assert "".join(c.text for c in streamed) == text
     assert [o for c in streamed for o in c.logprobs.text_offset] == offsets
+
+
+def test_min_tokens_extends_a_grammar_or_is_400_naming_it(
+        client: openai.OpenAI, model: str, ingress_channel: grpc.Channel) -> None:
+    """Issue 30, bug 4: ``min_tokens`` was ignored by constrained requests.
+    A grammar that admits more is extended until ``min_tokens`` (the model
+    alone answers "yes" and stops); one that admits nothing more by then is
+    refused naming ``min_tokens``, over OpenAI (400) and gRPC (INVALID_ARGUMENT)."""
+    question = [{"role": "user", "content": "Is Paris in France? Answer yes or no."}]
+    regex = "(yes|no)(, really)*"
+    alone = client.chat.completions.create(model=model, messages=question, max_tokens=12,
+                                           extra_body={"guided_regex": regex})
+    assert alone.choices[0].message.content == "yes"
+    held = client.chat.completions.create(model=model, messages=question, max_tokens=12,
+                                          extra_body={"guided_regex": regex, "min_tokens": 10})
+    assert held.usage.completion_tokens >= 10
+    assert held.choices[0].message.content.startswith("yes, really, really")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="A digit:", max_tokens=8,
+                                  extra_body={"guided_regex": "[0-9]", "min_tokens": 5})
+    assert info.value.body["param"] == "min_tokens"
+    assert info.value.body["message"].startswith(
+        "min_tokens: the output constraint (sampling.structured_output) admits no token after")
+    request = chat_request("A digit, please.", max_tokens=8, min_tokens=5)
+    request.sampling.structured_output.regex = "[0-9]"
+    with pytest.raises(grpc.RpcError) as refused:
+        generate(ingress_channel, request)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith("sampling.min_tokens: the output constraint")

@@ -15,8 +15,9 @@ import grpc
 import openai
 import pytest
 
+from llmesh.v1 import common_pb2, generation_pb2
 from services.router.admission import AdmissionConfig
-from tests.router.test_router_service import REPLY, make_mesh, wait_for
+from tests.router.test_router_service import REPLY, collect, make_mesh, wait_for
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -115,6 +116,31 @@ async def test_a_field_the_engine_cannot_honour_is_400_and_sent_once(code):
         assert (error["type"], error["param"]) == ("invalid_request_error", "min_tokens")
         assert error["message"].startswith("min_tokens: is not implemented")
         assert len(engine.log.deadlines) == 1  # one request reached the engine
+
+
+async def test_min_tokens_beside_a_choice_is_400_naming_both_and_never_reaches_an_engine():
+    """Issue 30, bug 4: ``choice`` + ``min_tokens`` was answered with one
+    token. A choice cannot be lengthened, so the pair is refused at the edge,
+    over OpenAI (400) and gRPC (INVALID_ARGUMENT) alike."""
+    async with served() as (mesh, client, _):
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(model="fake-model", prompt="Yes or no?",
+                                            extra_body={"guided_choice": ["yes", "no"],
+                                                        "min_tokens": 10})
+        error = info.value.body
+        assert (error["type"], error["param"]) == ("invalid_request_error", "min_tokens")
+        assert error["message"].startswith("min_tokens: cannot be honoured beside a choice "
+                                           "constraint")
+        request = generation_pb2.GenerateRequest(prompt="Yes or no?", sampling=(
+            common_pb2.SamplingParams(min_tokens=10, structured_output=common_pb2.StructuredOutput(
+                choice=common_pb2.ChoiceConstraint(choices=["yes", "no"])))))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await collect(mesh.stub.Generate(request))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith("sampling.min_tokens: cannot be honoured "
+                                                  "beside a choice constraint "
+                                                  "(sampling.structured_output.choice)")
+        assert not mesh.engines[0].log.deadlines
 
 
 async def test_disconnect_mid_stream_cancels_the_engine_sequence():
