@@ -315,9 +315,9 @@ def upstream_to_generation_error(err: UpstreamError, *,
         # An engine names the field first (``sampling.structured_output.regex:
         # ...``): that message is the client's, without the replica's address
         # (logged, not returned). A field the engine backend cannot honour is
-        # INVALID_ARGUMENT (engines before issue 30 said UNIMPLEMENTED, which
-        # the OpenAI endpoint would answer with a 5xx that clients retry): the
-        # client's to drop, not a fault.
+        # INVALID_ARGUMENT (older engines said UNIMPLEMENTED, which the OpenAI
+        # endpoint would answer with a 5xx that clients retry): the client's
+        # to drop, not a fault.
         named = _FIELD_FIRST.match(err.details) if err.service == "engine" else None
         if named is not None:
             log.info("upstream_refused", upstream=where, code=code.name, field=named[1])

@@ -93,8 +93,10 @@ class TextOffsets:
     an emoji) gets the offset of the character its first byte belongs to, so
     every token of one emoji has that emoji's offset; vLLM instead adds one
     per fragment (each decodes alone to U+FFFD), which drifts past the text.
-    Invalid bytes count as the U+FFFD the text holds for them.
-    Not thread-safe: one per choice.
+    Invalid bytes count as the U+FFFD the text holds for them. A special
+    token counts by its text, which the choice's text leaves out: only EOS
+    and stop token ids are expected, and they end the choice, so no offset
+    comes after them. Not thread-safe: one per choice.
     """
 
     def __init__(self) -> None:
