@@ -367,4 +367,5 @@ def error_for_status(code: grpc.StatusCode, message: str, *, param: str | None =
 
 
 __all__ = ["OpenAIError", "ResponseBuilder", "TextOffsets", "chat_logprobs",
-           "completion_logprobs", "error_for_status", "prompt_logprobs", "token_bytes", "usage_body"]
+           "completion_logprobs", "error_for_status", "prompt_logprobs", "token_bytes",
+           "usage_body"]
