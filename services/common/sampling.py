@@ -171,6 +171,10 @@ class SamplingOptions:
       repetition_penalty: > 0, 1 off; divides positive / multiplies negative
         logits of tokens in the prompt or output.
       min_tokens: EOS and stop token ids are masked before this many tokens.
+        With a constraint the output is extended inside the grammar; a choice
+        constraint cannot be, so ``min_tokens`` > 1 beside one is refused, and a
+        grammar that admits nothing more before ``min_tokens`` ends the request
+        with an error naming both (the engine's scheduler).
       logit_bias: ``(token id, bias)`` pairs, sorted by id, added to the logits.
       include_stop_str_in_output: keep a matched stop string in the text.
       structured_output: the output constraint, or None.
@@ -288,6 +292,13 @@ class SamplingOptions:
                           f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
         structured = StructuredOutput.from_pb(pb.structured_output,
                                               f"{field_prefix}.structured_output")
+        if structured is not None and structured.kind is ConstraintKind.CHOICE \
+                and min_tokens > 1:
+            raise bad("min_tokens", f"cannot be honoured beside a choice constraint "
+                      f"({field_prefix}.structured_output.choice): the output is one of the "
+                      f"given strings, which min_tokens cannot lengthen; leave min_tokens at "
+                      f"0 or 1, or constrain with a regex, JSON schema or grammar, which it "
+                      f"can extend")
         return cls(
             temperature=float(temperature),
             top_p=float(top_p),

@@ -164,22 +164,25 @@ def used_features(sampling: SamplingOptions) -> list[str]:
 
 
 def refuse_unimplemented(sampling: SamplingOptions, implemented: frozenset[str],
-                         backend: str, code: grpc.StatusCode = grpc.StatusCode.UNIMPLEMENTED,
-                         reasons: Mapping[str, str] | None = None) -> None:
+                         backend: str, reasons: Mapping[str, str] | None = None) -> None:
     """Refuses a request that uses a sampling feature ``backend`` does not
     implement (never silently ignores it).
 
+    The refusal is INVALID_ARGUMENT naming the field, as vLLM answers 400 for
+    what it cannot do: the request is the client's to change (dropping the
+    field helps, retrying does not). Not UNIMPLEMENTED, which gRPC means for a
+    method the server lacks, and which the router's OpenAI endpoint would
+    have to answer with a 5xx that clients retry.
+
     Args:
-      code: the status of a refusal: UNIMPLEMENTED (the torch backend: not
-        built yet) or INVALID_ARGUMENT (a backend whose library cannot honour it).
       reasons: per feature, the message after the field name (default: "is not
         implemented by the <backend> engine backend").
 
     Raises:
-      InvalidRequestError: ``code`` naming the first such field.
+      InvalidRequestError: INVALID_ARGUMENT naming the first such field.
     """
     for name in used_features(sampling):
         if name not in implemented:
             message = (reasons or {}).get(
                 name, f"is not implemented by the {backend} engine backend")
-            raise InvalidRequestError(f"sampling.{name}", message, code)
+            raise InvalidRequestError(f"sampling.{name}", message)

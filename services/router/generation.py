@@ -312,13 +312,17 @@ def upstream_to_generation_error(err: UpstreamError, *,
                                f"running on {where}; use a unique request_id ({err.details})")
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
                 grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
-        # UNIMPLEMENTED: a field this engine backend does not do yet: the
-        # client's to drop, not a fault. An engine names the field first
-        # (``sampling.structured_output.regex: ...``): that message is the
-        # client's, without the replica's address (logged, not returned).
+        # An engine names the field first (``sampling.structured_output.regex:
+        # ...``): that message is the client's, without the replica's address
+        # (logged, not returned). A field the engine backend cannot honour is
+        # INVALID_ARGUMENT (older engines said UNIMPLEMENTED, which the OpenAI
+        # endpoint would answer with a 5xx that clients retry): the client's
+        # to drop, not a fault.
         named = _FIELD_FIRST.match(err.details) if err.service == "engine" else None
         if named is not None:
             log.info("upstream_refused", upstream=where, code=code.name, field=named[1])
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                code = grpc.StatusCode.INVALID_ARGUMENT
             return GenerationError(code, err.details, field=named[1])
         return GenerationError(code, f"{where} refused the request: {err.details}")
     return GenerationError(grpc.StatusCode.INTERNAL,

@@ -16,7 +16,11 @@ does not have, vLLM's OpenAI-compatible server (``prompt_logprobs``,
   ``stream_options.include_usage`` (then every other chunk has ``usage: null``);
 * logprobs: chat ``{"content": [{token, logprob, bytes, top_logprobs}]}``;
   completions ``{tokens, token_logprobs, top_logprobs: [{token: logprob}],
-  text_offset}``; prompt logprobs as vLLM returns them: one entry per prompt
+  text_offset}`` (``text_offset``: characters of the choice's text before
+  the token, :class:`TextOffsets`; a token of a stop string cut from the
+  text starts at the text's end, though a stream has already sent the
+  offsets of the stop string's earlier tokens, which may lie past it);
+  prompt logprobs as vLLM returns them: one entry per prompt
   token, ``null`` for the first, else ``{token_id: {logprob, rank,
   decoded_token}}`` (top-level ``prompt_logprobs`` in a chat response, per
   choice in a completion; on the chunk that carries them when streaming).
@@ -27,6 +31,7 @@ the HTTP status and ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
+import codecs
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -74,18 +79,47 @@ def chat_logprobs(entries: Sequence[PositionLogprobs]) -> dict[str, Any]:
                          "top_logprobs": [_chat_token(t) for t in e.top]} for e in entries]}
 
 
-def completion_logprobs(entries: Sequence[PositionLogprobs], text_offset: int
+class TextOffsets:
+    """Where each token's text starts in a choice's text (OpenAI's completions
+    ``text_offset``), fed the choice's tokens in order.
+
+    An offset counts characters (code points, as Python's ``len`` and
+    OpenAI's offsets do) of the text the earlier tokens produced: their bytes
+    (:func:`token_bytes`, so a ``bytes:\\xNN`` token counts as the bytes it
+    stands for, never as its 14-character spelling) decoded as UTF-8, a
+    character counted once its last byte has arrived. For tokens of whole
+    characters that is vLLM's rule (the previous offset plus the previous
+    token's length). A token that is part of a multi-byte character (half of
+    an emoji) gets the offset of the character its first byte belongs to, so
+    every token of one emoji has that emoji's offset; vLLM instead adds one
+    per fragment (each decodes alone to U+FFFD), which drifts past the text.
+    Invalid bytes count as the U+FFFD the text holds for them. A special
+    token counts by its text, which the choice's text leaves out: only EOS
+    and stop token ids are expected, and they end the choice, so no offset
+    comes after them. Not thread-safe: one per choice.
+    """
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._chars = 0
+
+    def feed(self, entries: Sequence[PositionLogprobs]) -> list[int]:
+        """The offsets of ``entries``' chosen tokens, the next tokens of the choice."""
+        offsets = []
+        for entry in entries:
+            offsets.append(self._chars)
+            self._chars += len(self._decoder.decode(bytes(token_bytes(entry.chosen.token))))
+        return offsets
+
+
+def completion_logprobs(entries: Sequence[PositionLogprobs], text_offsets: Sequence[int]
                         ) -> dict[str, Any]:
-    """OpenAI completions ``logprobs``; ``text_offset`` is where the first
-    token's text starts in the choice's text (characters)."""
-    offsets = []
-    for entry in entries:
-        offsets.append(text_offset)
-        text_offset += len(entry.chosen.token)
+    """OpenAI completions ``logprobs``; ``text_offsets[i]`` is where entry
+    ``i``'s token starts in the choice's text (characters, :class:`TextOffsets`)."""
     return {"tokens": [e.chosen.token for e in entries],
             "token_logprobs": [e.chosen.logprob for e in entries],
             "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
-            "text_offset": offsets}
+            "text_offset": list(text_offsets)}
 
 
 def prompt_logprobs(entries: Sequence[PositionLogprobs]) -> list[dict[str, Any] | None]:
@@ -114,7 +148,7 @@ class _Choice:
 
     text: list[str] = field(default_factory=list)
     logprobs: list[PositionLogprobs] = field(default_factory=list)
-    text_length: int = 0
+    offsets: TextOffsets = field(default_factory=TextOffsets)
     started: bool = False
     finish_reason: str | None = None
 
@@ -162,10 +196,9 @@ class ResponseBuilder:
             self._finish(choice, event)
             body = self._choice_chunk(event.index, choice, "", (), choice.finish_reason)
         else:
-            offset = choice.text_length
             self._add(choice, event)
             body = self._choice_chunk(event.index, choice, event.text, event.logprobs, None,
-                                      offset)
+                                      choice.offsets.feed(event.logprobs))
             if event.prompt_logprobs:
                 extra["prompt_logprobs"] = prompt_logprobs(event.prompt_logprobs)
         chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion",
@@ -183,7 +216,7 @@ class ResponseBuilder:
 
     def _choice_chunk(self, index: int, choice: _Choice, text: str,
                       logprobs: Sequence[PositionLogprobs], finish_reason: str | None,
-                      offset: int = 0) -> dict[str, Any]:
+                      offsets: Sequence[int] = ()) -> dict[str, Any]:
         body: dict[str, Any] = {"index": index}
         if self.chat:
             delta: dict[str, Any] = {}
@@ -195,7 +228,7 @@ class ResponseBuilder:
             body["logprobs"] = chat_logprobs(logprobs) if self.logprobs and logprobs else None
         else:
             body["text"] = text
-            body["logprobs"] = (completion_logprobs(logprobs, offset)
+            body["logprobs"] = (completion_logprobs(logprobs, offsets)
                                 if self.logprobs and logprobs else None)
         body["finish_reason"] = finish_reason
         choice.started = True
@@ -223,7 +256,9 @@ class ResponseBuilder:
                 body["logprobs"] = chat_logprobs(choice.logprobs) if self.logprobs else None
             else:
                 body["text"] = text
-                body["logprobs"] = (completion_logprobs(choice.logprobs, 0)
+                # Tokens of a stop string cut from the text start at its end.
+                offsets = [min(o, len(text)) for o in TextOffsets().feed(choice.logprobs)]
+                body["logprobs"] = (completion_logprobs(choice.logprobs, offsets)
                                     if self.logprobs else None)
                 if self._prompt_logprobs is not None and index == 0:
                     body["prompt_logprobs"] = self._prompt_logprobs
@@ -248,7 +283,6 @@ class ResponseBuilder:
 
     def _add(self, choice: _Choice, delta: Delta) -> None:
         choice.text.append(delta.text)
-        choice.text_length += sum(len(e.chosen.token) for e in delta.logprobs)
         choice.logprobs.extend(delta.logprobs)
         if delta.prompt_logprobs:
             self._prompt_logprobs = prompt_logprobs(delta.prompt_logprobs)
@@ -294,9 +328,10 @@ class OpenAIError:
 
 
 #: gRPC status of the shared pipeline → (HTTP status, OpenAI error type, code).
-#: UNIMPLEMENTED is 501: the request is valid OpenAI, this mesh's engine does
-#: not do it yet (changing the request's values will not help; dropping the
-#: field will).
+#: A field the engine cannot honour reaches here as INVALID_ARGUMENT naming it
+#: (400, as vLLM answers): never a 5xx, which the official client retries.
+#: Any other status (UNIMPLEMENTED included: a method a service lacks, a
+#: deployment fault) is 500.
 _STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", None),
@@ -305,7 +340,6 @@ _STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "timeout"),
-    grpc.StatusCode.UNIMPLEMENTED: (501, "not_implemented_error", "not_implemented"),
     grpc.StatusCode.CANCELLED: (499, "cancelled", "cancelled"),
 }
 
@@ -332,5 +366,6 @@ def error_for_status(code: grpc.StatusCode, message: str, *, param: str | None =
                        retry_after_s if status == 429 else None)
 
 
-__all__ = ["OpenAIError", "ResponseBuilder", "chat_logprobs", "completion_logprobs",
-           "error_for_status", "prompt_logprobs", "token_bytes", "usage_body"]
+__all__ = ["OpenAIError", "ResponseBuilder", "TextOffsets", "chat_logprobs",
+           "completion_logprobs", "error_for_status", "prompt_logprobs", "token_bytes",
+           "usage_body"]

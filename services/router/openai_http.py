@@ -31,9 +31,10 @@ limits: 429 with ``Retry-After``, like an admission refusal.
 Statuses (:func:`error_for_status`): 400 invalid (``param`` = the OpenAI
 parameter), 404 unknown model (the message lists the served ids) or route,
 429 admission refusal with ``Retry-After`` (seconds, from the router's drain
-rate), 501 a field the engine does not implement yet (UNIMPLEMENTED), 503
-starting / draining / no engine, 504 deadline (``x-request-timeout`` header,
-seconds), 500 a bug (the message has the request id).
+rate), 503 starting / draining / no engine, 504 deadline
+(``x-request-timeout`` header, seconds), 500 a bug (the message has the
+request id). A field the engine cannot honour is a 400 naming it, never a
+5xx (which the official client retries).
 
 Disconnect: the server runs with ``handler_cancellation``, so a client that
 goes away cancels its handler task wherever it waits; the pipeline's

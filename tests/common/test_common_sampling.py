@@ -93,6 +93,10 @@ SO = common_pb2.StructuredOutput
         ({"repetition_penalty": 0.0}, "sampling.repetition_penalty", "(0, 10]"),
         ({"repetition_penalty": 11.0}, "sampling.repetition_penalty", "(0, 10]"),
         ({"min_tokens": 17}, "sampling.min_tokens", "max_tokens = 16"),
+        # issue 30, bug 4: a choice cannot be lengthened; min_tokens was ignored
+        ({"min_tokens": 2, "structured_output": SO(choice=common_pb2.ChoiceConstraint(
+            choices=["yes", "no"]))}, "sampling.min_tokens",
+         "cannot be honoured beside a choice constraint (sampling.structured_output.choice)"),
         ({"logit_bias": {1000: 1.0}}, "sampling.logit_bias", "outside the vocabulary"),
         ({"logit_bias": {-1: 1.0}}, "sampling.logit_bias", "outside the vocabulary"),
         ({"logit_bias": {3: 101.0}}, "sampling.logit_bias", "[-100, 100]"),

@@ -1,6 +1,7 @@
 """The OpenAI-compatible API of the whole mesh, through Envoy, with the official
-``openai`` client and the real SmolLM2 model. (429 / 503 / 501 need a crafted
-mesh state: tests/router/test_openai_http.py, same server, fake engines.)"""
+``openai`` client and the real SmolLM2 model. (429 / 503 / an engine refusing
+a field need a crafted mesh state: tests/router/test_openai_http.py, same
+server, fake engines.)"""
 
 from __future__ import annotations
 
@@ -177,3 +178,63 @@ def test_a_constraint_that_fails_while_generating_is_400_naming_it(
     assert message.startswith("guided_regex: the constraint failed after")
     assert "too many" in message and "127.0.0.1" not in message
     assert client.completions.create(model=model, prompt="Hi", max_tokens=2).choices
+
+
+#: A completion that writes words and emoji, whose bytes SmolLM2's byte-level
+#: BPE spells in fragments (``bytes:\xf0\x9f`` ...).
+EMOJI_PROMPT = "I love pizza 🍕 and sushi 🍣 and tacos 🌮 and"
+
+
+def test_completion_text_offsets_index_the_text_through_multibyte_characters(
+        client: openai.OpenAI, model: str) -> None:
+    """Issue 30, bug 3: a token that is part of a character (``bytes:\\xNN``)
+    advanced ``text_offset`` by its 14-character spelling. Every offset now
+    indexes the text: monotone, within it, each whole-character token's text
+    found there, and a fragment's offset at the character its first byte
+    belongs to; the stream's offsets are the same."""
+    kwargs = {"model": model, "prompt": EMOJI_PROMPT, "max_tokens": 16, "temperature": 0,
+              "logprobs": 1}
+    whole = client.completions.create(**kwargs).choices[0]
+    text, tokens, offsets = whole.text, whole.logprobs.tokens, whole.logprobs.text_offset
+    fragments = [t for t in tokens if t.startswith("bytes:")]
+    assert fragments and len(fragments) < len(tokens), tokens  # both kinds are exercised
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] <= len(text)
+    for token, offset in zip(tokens, offsets, strict=True):
+        if token.startswith("bytes:"):
+            first = int(token[len("bytes:\\x"):][:2], 16)
+            assert ord(text[offset]) == first if first < 0x80 else ord(text[offset]) >= 0x80
+        else:
+            assert text[offset:].startswith(token), (token, offset, text)
+    streamed = [c.choices[0] for c in client.completions.create(stream=True, **kwargs)
+                if c.choices and c.choices[0].logprobs]
+    assert "".join(c.text for c in streamed) == text
+    assert [o for c in streamed for o in c.logprobs.text_offset] == offsets
+
+
+def test_min_tokens_extends_a_grammar_or_is_400_naming_it(
+        client: openai.OpenAI, model: str, ingress_channel: grpc.Channel) -> None:
+    """Issue 30, bug 4: ``min_tokens`` was ignored by constrained requests.
+    A grammar that admits more is extended until ``min_tokens`` (the model
+    alone answers "yes" and stops); one that admits nothing more by then is
+    refused naming ``min_tokens``, over OpenAI (400) and gRPC (INVALID_ARGUMENT)."""
+    question = [{"role": "user", "content": "Is Paris in France? Answer yes or no."}]
+    regex = "(yes|no)(, really)*"
+    alone = client.chat.completions.create(model=model, messages=question, max_tokens=12,
+                                           extra_body={"guided_regex": regex})
+    assert alone.choices[0].message.content == "yes"
+    held = client.chat.completions.create(model=model, messages=question, max_tokens=12,
+                                          extra_body={"guided_regex": regex, "min_tokens": 10})
+    assert held.usage.completion_tokens >= 10
+    assert held.choices[0].message.content.startswith("yes, really, really")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="A digit:", max_tokens=8,
+                                  extra_body={"guided_regex": "[0-9]", "min_tokens": 5})
+    assert info.value.body["param"] == "min_tokens"
+    assert info.value.body["message"].startswith(
+        "min_tokens: the output constraint (sampling.structured_output) admits no token after")
+    request = chat_request("A digit, please.", max_tokens=8, min_tokens=5)
+    request.sampling.structured_output.regex = "[0-9]"
+    with pytest.raises(grpc.RpcError) as refused:
+        generate(ingress_channel, request)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith("sampling.min_tokens: the output constraint")

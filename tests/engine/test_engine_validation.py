@@ -35,9 +35,11 @@ def test_every_optional_feature_is_detected_on_its_own() -> None:
 
 
 @pytest.mark.parametrize("name", OPTIONAL_FEATURES)
-def test_an_unimplemented_feature_is_unimplemented_naming_the_field(name: str) -> None:
+def test_an_unimplemented_feature_is_invalid_argument_naming_the_field(name: str) -> None:
+    """INVALID_ARGUMENT, as vLLM's 400: UNIMPLEMENTED became a 501 that the
+    official OpenAI client retried twice (issue 30, bug 5)."""
     with pytest.raises(Exception) as info:
         refuse_unimplemented(USES[name], frozenset(), "demo")
-    assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.field == f"sampling.{name}" and "demo engine backend" in str(info.value)
     refuse_unimplemented(USES[name], frozenset({name}), "demo")  # implemented: accepted

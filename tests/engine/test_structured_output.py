@@ -240,3 +240,29 @@ async def test_a_constraint_that_fails_mid_generation_ends_invalid_argument_with
     assert last.error.startswith("sampling.structured_output: the constraint failed after ")
     assert "simplify it" in last.error and len(last.error) > 120  # llguidance's reason
     assert await run(torch_backend, STORY, SamplingOptions(max_tokens=2))
+
+
+async def test_min_tokens_extends_a_grammar_and_a_grammar_that_cannot_be_extended_is_refused(
+        torch_backend: TorchBackend, lltok) -> None:
+    """Issue 30, bug 4: ``min_tokens`` was ignored by constrained requests.
+    EOS stays masked until ``min_tokens``, so a grammar that admits more is
+    extended (greedy SmolLM2 answers "yes" and EOS without it); one that
+    admits nothing more before then ends with INVALID_ARGUMENT naming
+    ``min_tokens``, never with a short answer as if it were honoured."""
+    prompt = chat(lltok, "Is Paris in France? Answer yes or no.")
+    answer = StructuredOutput(ConstraintKind.REGEX, "(yes|no)(, really)*")
+    free = await run(torch_backend, prompt, SamplingOptions(max_tokens=12,
+                                                            structured_output=answer))
+    assert lltok.decode_str(free) == "yes<|im_end|>"  # the model's own choice: EOS at once
+    held = await run(torch_backend, prompt, SamplingOptions(max_tokens=12, min_tokens=10,
+                                                            structured_output=answer))
+    assert len(held) >= 10 and lltok.decode_str(held).startswith("yes, really, really")
+    one = SamplingOptions(max_tokens=40, min_tokens=5,
+                          structured_output=StructuredOutput(ConstraintKind.REGEX, "[0-9]"))
+    deltas = [d async for d in torch_backend.generate(SequenceRequest(f"so-{next(_ids)}",
+                                                                      STORY, one))]
+    last = deltas[-1]
+    assert last.finish_reason is FinishReason.ERROR
+    assert last.error_code is grpc.StatusCode.INVALID_ARGUMENT
+    assert last.error.startswith("sampling.min_tokens: the output constraint "
+                                 "(sampling.structured_output) admits no token after 1 ")

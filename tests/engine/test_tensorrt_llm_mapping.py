@@ -164,14 +164,12 @@ def test_prompt_logprobs_is_the_one_unimplemented_feature_and_invalid_argument()
     assert set(OPTIONAL_FEATURES) - IMPLEMENTED_FEATURES == {"prompt_logprobs"}
     with pytest.raises(InvalidRequestError, match="streams the generated tokens") as caught:
         refuse_unimplemented(SamplingOptions(prompt_logprobs=1), IMPLEMENTED_FEATURES,
-                             "tensorrt_llm", code=grpc.StatusCode.INVALID_ARGUMENT,
-                             reasons=REFUSAL_REASONS)
+                             "tensorrt_llm", reasons=REFUSAL_REASONS)
     assert (caught.value.field, caught.value.code) == (
         "sampling.prompt_logprobs", grpc.StatusCode.INVALID_ARGUMENT)
     refuse_unimplemented(SamplingOptions(logprobs=2, n=2, temperature=1.0, min_tokens=1,
                                          logit_bias=((1, 1.0),)),
-                         IMPLEMENTED_FEATURES, "tensorrt_llm",
-                         code=grpc.StatusCode.INVALID_ARGUMENT, reasons=REFUSAL_REASONS)
+                         IMPLEMENTED_FEATURES, "tensorrt_llm", reasons=REFUSAL_REASONS)
 
 
 # ---- speculative_config ------------------------------------------------------------------

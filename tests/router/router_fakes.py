@@ -164,6 +164,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         self.step_delay = 0.0
         self.first_delay = 0.0
         self.fail_code: grpc.StatusCode | None = None
+        self.fail_message = "fake engine refuses"
         self.log = EngineLog()
         self.finish_with_error = False
         self._call_ends: list[asyncio.Event] = []
@@ -205,7 +206,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
                         out.put_nowait(engine_pb2.MultiplexResponse(updates=[
                             engine_pb2.SequenceUpdate(
                                 stream_id=item.stream_id, status_code=self.fail_code.value[0],
-                                status_message="fake engine refuses")]))
+                                status_message=self.fail_message)]))
                         continue
                     cancels[item.stream_id] = asyncio.Event()
                     tasks[item.stream_id] = asyncio.create_task(run(item.stream_id, item.request))

@@ -111,6 +111,40 @@ def test_completion_stream_chunks_have_text_and_offsets():
     assert second["choices"][0]["logprobs"]["text_offset"] == [3]
 
 
+#: "a🙂日本ok": the emoji (F0 9F 99 82) in two byte-fragment tokens, CJK whole.
+SPLIT_EMOJI = [Delta("a", (1,), (position(1, "a", -0.1),)),
+               Delta("", (2,), (position(2, "bytes:\\xf0\\x9f", -0.2),)),
+               Delta("\U0001F642\u65e5\u672cok", (3, 4, 5),
+                     (position(3, "bytes:\\x99\\x82", -0.3), position(4, "\u65e5\u672c", -0.4),
+                      position(5, "ok", -0.5))),
+               Finished(FinishReason.LENGTH, "", Usage(2, 5))]
+
+
+def test_text_offsets_count_characters_not_the_bytes_spelling():
+    """Bug 3 of issue 30: a ``bytes:\\xNN`` token advanced the offset by its
+    14-character spelling. Each fragment of the emoji starts where the emoji
+    does; the tokens after it index the text exactly."""
+    builder = ResponseBuilder(Endpoint.COMPLETIONS, "r5", "m", logprobs=True)
+    for event in SPLIT_EMOJI:
+        builder.add(event)
+    choice = builder.response()["choices"][0]
+    text, offsets = choice["text"], choice["logprobs"]["text_offset"]
+    assert text == "a\U0001F642\u65e5\u672cok" and offsets == [0, 1, 1, 2, 4]
+    for token, offset in zip(choice["logprobs"]["tokens"], offsets):
+        assert token.startswith("bytes:") or text[offset:].startswith(token)
+    streamed = ResponseBuilder(Endpoint.COMPLETIONS, "r5", "m", logprobs=True)
+    chunks = [streamed.chunk(e) for e in SPLIT_EMOJI[:3]]
+    assert [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]] == offsets
+
+
+def test_tokens_of_a_stop_string_cut_from_the_text_start_at_its_end():
+    builder = ResponseBuilder(Endpoint.COMPLETIONS, "r6", "m", logprobs=True)
+    builder.add(Delta("ab", (1, 2), (position(1, "ab", -0.1), position(2, "X", -0.2))))
+    builder.add(Delta("", (3,), (position(3, "YZ", -0.3),)))
+    builder.add(Finished(FinishReason.STOP, "XYZ", Usage(2, 3)))
+    assert builder.response()["choices"][0]["logprobs"]["text_offset"] == [0, 2, 2]
+
+
 def test_token_bytes_decodes_byte_escapes():
     assert token_bytes("é") == [0xC3, 0xA9]
     assert token_bytes("bytes:\\xe2\\x80") == [0xE2, 0x80]
@@ -127,5 +161,5 @@ def test_errors_map_status_param_and_retry_after():
     assert (model.status, model.body()["error"]["code"]) == (404, "model_not_found")
     assert error_for_status(grpc.StatusCode.UNAVAILABLE, "x").status == 503
     assert error_for_status(grpc.StatusCode.DEADLINE_EXCEEDED, "x").status == 504
-    assert error_for_status(grpc.StatusCode.UNIMPLEMENTED, "x").status == 501
+    assert error_for_status(grpc.StatusCode.UNIMPLEMENTED, "x").status == 500  # never 501
     assert error_for_status(grpc.StatusCode.INTERNAL, "x").status == 500

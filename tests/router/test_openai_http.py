@@ -1,6 +1,7 @@
 """The router's OpenAI HTTP server with the official ``openai`` client, against
 in-process fake tokenizer / engine / cache over real gRPC (no model): statuses
-that need a crafted mesh state (429, 503, 501), disconnect, streaming order.
+that need a crafted mesh state (429, 503, an engine refusing a field),
+disconnect, streaming order.
 The real mesh through Envoy is tests/e2e/test_mesh_openai.py."""
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import grpc
 import openai
 import pytest
 
+from llmesh.v1 import common_pb2, generation_pb2
 from services.router.admission import AdmissionConfig
-from tests.router.test_router_service import REPLY, make_mesh, wait_for
+from tests.router.test_router_service import REPLY, collect, make_mesh, wait_for
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -93,14 +95,52 @@ async def test_a_draining_router_answers_503():
         assert info.value.status_code == 503 and "draining" in info.value.message
 
 
-async def test_an_engine_that_does_not_implement_a_field_is_501():
+@pytest.mark.parametrize("code", [grpc.StatusCode.INVALID_ARGUMENT,
+                                  grpc.StatusCode.UNIMPLEMENTED])  # an engine before issue 30
+async def test_a_field_the_engine_cannot_honour_is_400_and_sent_once(code):
+    """Issue 30, bug 5: a 501 made the official client (2 retries of every
+    5xx by default) send the request three times. Now 400
+    ``invalid_request_error`` naming the parameter, as vLLM answers, and the
+    engine sees it once."""
+    async with served() as (mesh, _, base):
+        engine = mesh.engines[0]
+        engine.fail_code = code
+        engine.fail_message = "sampling.min_tokens: is not implemented by the demo engine backend"
+        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused") as client:
+            assert client.max_retries == 2  # the client's default
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.chat.completions.create(model="fake-model", messages=USER,
+                                                     extra_body={"min_tokens": 2})
+        assert info.value.status_code == 400
+        error = info.value.body
+        assert (error["type"], error["param"]) == ("invalid_request_error", "min_tokens")
+        assert error["message"].startswith("min_tokens: is not implemented")
+        assert len(engine.log.deadlines) == 1  # one request reached the engine
+
+
+async def test_min_tokens_beside_a_choice_is_400_naming_both_and_never_reaches_an_engine():
+    """Issue 30, bug 4: ``choice`` + ``min_tokens`` was answered with one
+    token. A choice cannot be lengthened, so the pair is refused at the edge,
+    over OpenAI (400) and gRPC (INVALID_ARGUMENT) alike."""
     async with served() as (mesh, client, _):
-        mesh.engines[0].fail_code = grpc.StatusCode.UNIMPLEMENTED
-        with pytest.raises(openai.APIStatusError) as info:
-            await client.chat.completions.create(model="fake-model", messages=USER,
-                                                 logprobs=True)
-        assert info.value.status_code == 501
-        assert info.value.body["code"] == "not_implemented"
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(model="fake-model", prompt="Yes or no?",
+                                            extra_body={"guided_choice": ["yes", "no"],
+                                                        "min_tokens": 10})
+        error = info.value.body
+        assert (error["type"], error["param"]) == ("invalid_request_error", "min_tokens")
+        assert error["message"].startswith("min_tokens: cannot be honoured beside a choice "
+                                           "constraint")
+        request = generation_pb2.GenerateRequest(prompt="Yes or no?", sampling=(
+            common_pb2.SamplingParams(min_tokens=10, structured_output=common_pb2.StructuredOutput(
+                choice=common_pb2.ChoiceConstraint(choices=["yes", "no"])))))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await collect(mesh.stub.Generate(request))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith("sampling.min_tokens: cannot be honoured "
+                                                  "beside a choice constraint "
+                                                  "(sampling.structured_output.choice)")
+        assert not mesh.engines[0].log.deadlines
 
 
 async def test_disconnect_mid_stream_cancels_the_engine_sequence():

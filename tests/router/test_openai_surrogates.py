@@ -23,4 +23,4 @@ def test_a_lone_surrogate_escape_is_refused_naming_the_body(body: bytes) -> None
 def test_a_surrogate_pair_is_a_character() -> None:
     parsed = parse_request(Endpoint.CHAT, b'{"messages": [{"role": "user", '
                            b'"content": "\\ud83d\\ude42"}], "max_tokens": 1}')
-    assert parsed is not None
+    assert [m.content for m in parsed.generate.chat.messages] == ["\U0001F642"]

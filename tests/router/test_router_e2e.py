@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import subprocess
@@ -96,7 +97,10 @@ def services(tmp_path_factory) -> Iterator[Services]:
     try:
         procs["tokenizer"] = _spawn("tokenizer", [], run_dir)
         procs["cache"] = _spawn("cache", [], run_dir)
-        procs["engine"] = _spawn("engine", ["--max-model-len", str(MAX_MODEL_LEN)], run_dir)
+        # every proposal scored (no cost rule, which times steps): the same
+        # speculative runs each time (test_a_stop_string_inside_a_speculative_run...)
+        procs["engine"] = _spawn("engine", ["--max-model-len", str(MAX_MODEL_LEN),
+                                            "--no-speculative-cost-model"], run_dir)
         deadline = time.monotonic() + START_TIMEOUT
         ports = {name: _port(name, proc, run_dir, deadline) for name, proc in procs.items()}
         procs["router"] = _spawn("router", [
@@ -185,26 +189,49 @@ async def test_stop_strings_never_leak(stub):
         assert all(stop not in r.text for r in responses)
 
 
+#: A rewrite prompt: n-gram proposals copy the sentence, so several tokens are
+#: accepted per step. COPY_ANSWER is its reference greedy answer (speculation
+#: off; SmolLM2 drops "the" before "lazy"), pinned so that the stop-string
+#: assertions below always run.
+COPY_PROMPT = ("Copy this sentence exactly: The quick brown fox jumps over the lazy dog "
+               "and runs into the green forest behind the old mill.")
+COPY_ANSWER = ("The quick brown fox jumps over lazy dog and runs into the green forest "
+               "behind the old mill.")
+COPY_STOP = "into the green"
+
+
 async def test_a_stop_string_inside_a_speculative_run_ends_the_text_as_without(stub):
-    # A rewrite prompt: n-gram proposals copy the sentence, so several tokens are
-    # accepted per step; the stop string falls inside such a run.
-    text = ("Copy this sentence exactly: The quick brown fox jumps over the lazy dog "
-            "and runs into the green forest behind the old mill.")
-    on_params = common_pb2.SpeculativeParams(method=common_pb2.SPECULATIVE_METHOD_NGRAM,
-                                             num_speculative_tokens=4)
-    off_params = common_pb2.SpeculativeParams(method=common_pb2.SPECULATIVE_METHOD_NONE)
-    results = {}
-    for name, params in (("off", off_params), ("on", on_params)):
-        request = chat_request(text, max_tokens=40, stop=["green forest"])
+    """The stop string's last token comes in the middle of an engine step's
+    accepted run (the engine scores every proposal, ``--no-speculative-cost-model``,
+    so the runs are the same each time): the text, finish and usage are those
+    of the run without speculation, the tokens after the stop dropped."""
+    off = common_pb2.SpeculativeParams(method=common_pb2.SPECULATIVE_METHOD_NONE)
+    ngram = common_pb2.SpeculativeParams(method=common_pb2.SPECULATIVE_METHOD_NGRAM,
+                                         num_speculative_tokens=4)
+
+    async def run(params: common_pb2.SpeculativeParams, *stop: str):
+        request = chat_request(COPY_PROMPT, max_tokens=40, stop=list(stop))
         request.speculative.CopyFrom(params)
         request.bypass_cache = True
-        responses = await collect(stub.Generate(request))
-        results[name] = (text_of(responses), responses[-1].matched_stop,
-                         responses[-1].finish_reason)
-    assert results["on"] == results["off"]
-    if results["on"][1]:  # the model did copy the sentence up to the stop
-        assert results["on"][2] == common_pb2.FINISH_REASON_STOP
-        assert "green forest" not in results["on"][0]
+        return await collect(stub.Generate(request))
+
+    assert text_of(await run(off)) == COPY_ANSWER
+    free_run = await run(ngram)  # one response per engine step
+    assert text_of(free_run) == COPY_ANSWER
+    stopped = {"off": await run(off, COPY_STOP, "never-seen"),
+               "on": await run(ngram, COPY_STOP, "never-seen")}
+    for responses in stopped.values():
+        final = responses[-1]
+        assert text_of(responses) == COPY_ANSWER[:COPY_ANSWER.index(COPY_STOP)]
+        assert (final.finish_reason, final.matched_stop) == (common_pb2.FINISH_REASON_STOP,
+                                                             COPY_STOP)
+    through = stopped["off"][-1].usage.completion_tokens  # through the stop's last token
+    assert stopped["on"][-1].usage.completion_tokens == through
+    # the engine step that made the stop's last token made more after it
+    sizes = [len(r.token_ids) for r in free_run]
+    ends = list(itertools.accumulate(sizes))
+    step = next(i for i, end in enumerate(ends) if end >= through)
+    assert sizes[step] >= 2 and through < ends[step], (through, sizes)
 
 
 async def test_stream_cancel_ends_the_generation_and_frees_the_engine(stub, engine_stub):

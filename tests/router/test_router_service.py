@@ -461,6 +461,18 @@ async def test_engine_refusal_keeps_its_code():
     assert "refused" in info.value.details()
 
 
+async def test_engine_refusing_a_field_as_unimplemented_is_invalid_argument_naming_it():
+    """An engine from before issue 30 answered UNIMPLEMENTED for a field its
+    backend cannot honour: the client's to drop, so INVALID_ARGUMENT."""
+    async with make_mesh() as mesh:
+        mesh.engines[0].fail_code = grpc.StatusCode.UNIMPLEMENTED
+        mesh.engines[0].fail_message = "sampling.min_tokens: is not implemented by demo"
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="q")))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == "sampling.min_tokens: is not implemented by demo"
+
+
 async def test_engine_error_finish_is_internal():
     async with make_mesh() as mesh:
         mesh.engines[0].finish_with_error = True

@@ -25,8 +25,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-import grpc
-
 from services.engine.config import EngineConfig
 from services.engine.tensorrt_llm_backend.sampling_map import (
     IMPLEMENTED_FEATURES,
@@ -97,7 +95,7 @@ def generate_args(request: SequenceRequest, info: ModelInfo, config: EngineConfi
     """
     validate_request(request, info)
     refuse_unimplemented(request.sampling, IMPLEMENTED_FEATURES, "tensorrt_llm",
-                         code=grpc.StatusCode.INVALID_ARGUMENT, reasons=REFUSAL_REASONS)
+                         reasons=REFUSAL_REASONS)
     check_request_speculation(request.speculative, config)
     return GenerateArgs(list(request.prompt_token_ids),
                         sampling_spec(request.sampling, info.eos_token_ids, info.vocab_size,

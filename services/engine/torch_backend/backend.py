@@ -113,7 +113,7 @@ class KVCacheInfo:
 
 
 #: The optional sampling features (:data:`~services.engine.validation.OPTIONAL_FEATURES`)
-#: this backend implements; a request using another is UNIMPLEMENTED.
+#: this backend implements; a request using another is INVALID_ARGUMENT naming it.
 IMPLEMENTED_FEATURES: frozenset[str] = frozenset({
     "logprobs", "prompt_logprobs", "n",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",

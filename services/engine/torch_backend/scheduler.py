@@ -564,7 +564,10 @@ class Scheduler:
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason:
         """Why ``seq`` ends after appending ``token`` (NONE: it goes on). A
         constrained sequence's grammar advances here, once per committed token,
-        and ends it with STOP once it takes no further token. A matcher that
+        and ends it with STOP once it takes no further token (with ERROR and an
+        INVALID_ARGUMENT refusal naming ``min_tokens`` when that comes before
+        ``min_tokens``: EOS is masked until then, so the grammar is extended
+        wherever it admits more, and this is where it cannot be). A matcher that
         fails (llguidance's limits, e.g. more than 2,000 alternatives in a row
         of the parse or a regex too large for its lexer, can be hit only while
         generating) ends it with ERROR and an INVALID_ARGUMENT refusal naming
@@ -579,6 +582,14 @@ class Scheduler:
                     f"{why}; simplify it (fewer alternatives, a smaller regex or schema)")
                 return FinishReason.ERROR
             if seq.grammar.finished:
+                if seq.num_generated_tokens < options.min_tokens:
+                    seq.refusal = InvalidRequestError(
+                        "sampling.min_tokens",
+                        f"the output constraint (sampling.structured_output) admits no token "
+                        f"after {seq.num_generated_tokens} generated tokens, fewer than "
+                        f"min_tokens = {options.min_tokens}; lower min_tokens or loosen the "
+                        f"constraint")
+                    return FinishReason.ERROR
                 return FinishReason.STOP
         if token in self.config.eos_token_ids and not options.ignore_eos:
             return FinishReason.STOP
