@@ -18,12 +18,14 @@ the suffix cache is emptied before every pass. At
 (tokens after the first over the time after the first); at N streams, N
 clients take the requests in order and it counts aggregate output tokens/s
 (prefill included). Each round is one process, so rounds can run in separate
-lock holds; it records the 1-minute load average before and after.
+lock holds; it records the load averages before and after.
 
 ``--summarize`` reads the rounds' JSON files and prints, per workload and
 stream count, each method's median and range (min-max) over the rounds, the
-median of the per-round ratios suffix / n-gram with its range, and whether
-the two methods' outputs were identical in every round.
+median of the per-round ratios suffix / n-gram with its range, each method's
+accepted tokens per pass (``drafts x (acceptance length - 1)``: the steps the
+method saved, which depends on the load only through the cost rule's step
+times) and whether the two methods' outputs were identical in every round.
 """
 
 from __future__ import annotations
@@ -131,8 +133,9 @@ def summarize(files: list[Path]) -> None:
           + "; ".join(f"{r['load_before'][0]}-{r['load_after'][0]}" for r in rounds))
     keys = sorted({k.rsplit("/", 1)[0] for r in rounds for k in r if k.count("/") == 2})
     print("| workload | streams | n-gram tok/s median (min-max) | suffix tok/s median (min-max)"
-          " | suffix / n-gram per round: median (min-max) | identical outputs |")
-    print("|---|---:|---:|---:|---:|---|")
+          " | suffix / n-gram per round: median (min-max) | accepted tokens n-gram / suffix:"
+          " median (min-max) | identical outputs |")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for key in keys:
         name, streams = key.split("/")
         rates = {m: [r[f"{key}/{m}"]["tok_s"] for r in rounds] for m in METHODS}
@@ -140,8 +143,12 @@ def summarize(files: list[Path]) -> None:
         same = all(r[f"{key}/identical"] for r in rounds)
         cells = [f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})"
                  for v in rates.values()]
+        accepted = [[round(r[f"{key}/{m}"]["drafts"] * (r[f"{key}/{m}"]["acceptance_length"] - 1))
+                     for r in rounds] for m in METHODS]
+        saved = " / ".join(f"{statistics.median(v):.0f} ({min(v)}-{max(v)})" for v in accepted)
         print(f"| {name} | {streams} | {cells[0]} | {cells[1]} | "
-              f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) | {same} |")
+              f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) | {saved} |"
+              f" {same} |")
 
 
 def main() -> None:
