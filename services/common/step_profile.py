@@ -52,6 +52,11 @@ class StepProfile:
         if not all(math.isfinite(v) and v >= 0 for v in values):
             raise ValueError(f"step costs must be finite and >= 0, got {values}")
 
+    @property
+    def measured(self) -> bool:
+        """True when the engine measured either cost."""
+        return self.prefill_token_s > 0 or bool(self.decode_step_s)
+
     def _scale(self) -> float:
         """Measured over prior, from whichever of the two is measured (1: neither)."""
         if self.decode_step_s and self.decode_step_s[0] > 0:

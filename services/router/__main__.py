@@ -138,8 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     route.add_argument("--kv-aware-affinity-slack", type=float,
                        default=CostWeights.affinity_slack_tokens, metavar="TOKENS",
                        help="kv_aware: a GenerateStream conversation leaves its replica when "
-                            "that costs more than the prefill of this many tokens above the cheapest "
-                            f"(default {CostWeights.affinity_slack_tokens:g})")
+                            "that costs more than the prefill of this many tokens above the "
+                            f"cheapest (default {CostWeights.affinity_slack_tokens:g})")
     add_server_arguments(parser)
     return parser
 

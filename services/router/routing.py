@@ -31,8 +31,11 @@
   sequence there slows the batch by less than a prefill elsewhere costs, and
   spreads beyond that; a long uncached prompt avoids a busy replica, since its
   prefill stalls every sequence there. ``t`` and ``prefill`` come from the
-  replica's load report (``StepProfile``: measured by the engine,
-  :mod:`services.common.step_profile` priors before that).
+  replica's load report (``StepProfile``: measured by the engine; for a
+  replica that has measured nothing yet, a measured peer's (replicas of a
+  pool run one model, and priors from another machine would make the fresh
+  replica look faster or slower than it is); else the priors of
+  :mod:`services.common.step_profile`).
 
   ``queued_for_a_slot`` = sequences on the replica (running + waiting +
   sent since the report) + 1 - ``max_num_seqs``, when positive: the request
@@ -75,7 +78,8 @@ import structlog
 
 from services.common.block_hash import prompt_block_hashes
 from services.common.sampling import Priority
-from services.router.clients import CacheClient
+from services.common.step_profile import StepProfile
+from services.router.clients import CacheClient, EngineLoad
 from services.router.engine_client import EngineClient
 from services.router.load_watch import LoadView
 from services.router.metrics import RouterMetrics
@@ -163,13 +167,15 @@ class Choice:
 
 
 def replica_cost(hint: RouteHint, matched_tokens: int, view: LoadView,
-                 weights: CostWeights, slots: SlotUse | None = None) -> float:
+                 weights: CostWeights, slots: SlotUse | None = None,
+                 peer: StepProfile | None = None) -> float:
     """The ``kv_aware`` cost of one replica for ``hint``'s request, in seconds
-    (module docstring; inf: saturated)."""
+    (module docstring; inf: saturated); ``peer``: the profile to use if the
+    replica has measured nothing."""
     if view.stale or view.load is None or view.load.kv_cache_usage >= weights.kv_full_usage:
         return math.inf
     load = view.load
-    profile = load.step_profile
+    profile = pricing_profile(load, peer)
     batch = load.num_running + load.num_waiting + view.unreported_requests
     choices = max(hint.num_choices, 1)
     steps = max(min(hint.max_tokens, weights.decode_horizon_tokens), 1)
@@ -181,6 +187,14 @@ def replica_cost(hint: RouteHint, matched_tokens: int, view: LoadView,
     imposed = batch * (profile.prefill_s(own_prefill) + (steps - 1) * slowdown)
     queued = 0 if slots is None else max(slots.busy + 1 - slots.max_num_seqs, 0)
     return own + imposed + profile.prefill_s(round(weights.slot_wait_tokens)) * queued
+
+
+def pricing_profile(load: EngineLoad, peer: StepProfile | None) -> StepProfile:
+    """The step costs a replica is priced by: its own once it measured any,
+    else ``peer``'s (a measured replica of the same pool), else the priors."""
+    if load.step_profile.measured or peer is None:
+        return load.step_profile
+    return peer
 
 
 @dataclass(frozen=True)
@@ -270,19 +284,18 @@ class ReplicaPicker:
         if self.policy is RoutingPolicy.LEAST_LOAD or len(serving) == 1:
             return Choice(_least_load(rotated, priority))
         matches = await _resolved(hint.matches)
-        costs = {engine: self._cost(engine, hint, matches.get(engine, 0), priority)
+        views = {engine: engine.load_watch.current() for engine in serving}
+        peer = next((view.load.step_profile for view in views.values()
+                     if view.load is not None and view.load.step_profile.measured), None)
+        costs = {engine: replica_cost(hint, matches.get(engine, 0), views[engine], self.weights,
+                                      slot_use(engine, views[engine], priority), peer)
                  for engine in rotated}
         order = sorted(rotated, key=lambda e: (costs[e], e.in_flight))  # stable: rotation
-        sticky = self._sticky(hint.session, order, costs)
+        sticky = self._sticky(hint.session, order, costs, views, peer)
         if sticky is not None:
             order.remove(sticky)
             order.insert(0, sticky)
         return Choice(order, matches, costs)
-
-    def _cost(self, engine: EngineClient, hint: RouteHint, matched: int,
-              priority: Priority) -> float:
-        view = engine.load_watch.current()
-        return replica_cost(hint, matched, view, self.weights, slot_use(engine, view, priority))
 
     def routed(self, engine: EngineClient, choice: Choice, prompt_tokens: int) -> None:
         """Books that ``engine`` took the request (metrics; its unreported load)."""
@@ -290,18 +303,17 @@ class ReplicaPicker:
         self.metrics.routed_requests.labels(engine.target, self.policy.value).inc()
 
     def _sticky(self, session: RoutingSession | None, order: list[EngineClient],
-                costs: dict[EngineClient, float]) -> EngineClient | None:
+                costs: dict[EngineClient, float], views: dict[EngineClient, LoadView],
+                peer: StepProfile | None) -> EngineClient | None:
         """The session's replica if it should keep the conversation, else None."""
         if session is None or session.replica is None or session.replica not in costs:
             return None
         cost = costs[session.replica]
-        best = costs[order[0]]
-        if math.isinf(cost):
+        load = views[session.replica].load
+        if math.isinf(cost) or load is None:
             return None
-        load = session.replica.load_watch.current().load
-        assert load is not None  # a finite cost has a report
-        slack = load.step_profile.prefill_s(round(self.weights.affinity_slack_tokens))
-        return None if cost > best + slack else session.replica
+        slack = pricing_profile(load, peer).prefill_s(round(self.weights.affinity_slack_tokens))
+        return None if cost > costs[order[0]] + slack else session.replica
 
     def _rotate(self, serving: list[EngineClient]) -> list[EngineClient]:
         n = len(serving)

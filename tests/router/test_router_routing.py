@@ -150,6 +150,19 @@ async def test_each_replica_is_priced_by_its_own_profile(
                             RouteHint(400, max_tokens=16))).order[0] is slow
 
 
+async def test_a_replica_that_measured_nothing_is_priced_as_its_measured_peer(
+        engines: list[EngineClient]) -> None:
+    """A fresh replica (no profile yet) beside one that measured a machine
+    slower than the priors' is priced by its peer's profile, not by the
+    priors (which would make it look twice as fast)."""
+    measured, fresh, _ = engines
+    measured.load_watch.view = view(1, profile=ONE_CORE)  # type: ignore[attr-defined]
+    fresh.load_watch.view = view()  # type: ignore[attr-defined]
+    choice = await picker(RoutingPolicy.KV_AWARE).choose(
+        engines[:2], Priority.INTERACTIVE, RouteHint(400, max_tokens=16))
+    assert choice.costs[fresh] == pytest.approx(400 * 1.1e-3 + 16 * ONE_CORE.decode_step(1))
+
+
 @pytest.mark.parametrize("stale", [view(age=1.5), LoadView(None, math.inf, 0), view(usage=0.97)])
 def test_a_stale_or_full_replica_counts_as_saturated(stale: LoadView) -> None:
     assert math.isinf(replica_cost(RouteHint(10), 0, stale, W))
