@@ -48,8 +48,9 @@
   replica's ``StreamLoad`` (:mod:`services.router.load_watch`). A replica
   whose load report is stale (over 1 s old), or whose KV cache is at least
   ``kv_full_usage`` used (a new sequence there preempts another), costs
-  infinity: it is chosen only when every replica does. Ties go to the
-  least loaded (open requests), then in turn. Without a cache service, or
+  infinity: it is chosen only when every replica does. Costs within
+  :data:`TIE_TOLERANCE` (10 %) of the cheapest tie; ties go to the least
+  loaded (open requests), then in turn. Without a cache service, or
   when the index does not answer in time, matched tokens are 0 and the
   policy routes by load alone.
 
@@ -85,6 +86,12 @@ from services.router.load_watch import LoadView
 from services.router.metrics import RouterMetrics
 
 log = structlog.get_logger()
+
+#: ``kv_aware`` costs within this fraction of the cheapest count as a tie:
+#: two alike replicas measure step times that differ by noise of about this
+#: order under contention, and without it the one that happened to measure
+#: faster took every request while both were idle.
+TIE_TOLERANCE = 0.1
 
 
 class RoutingPolicy(enum.Enum):
@@ -290,7 +297,9 @@ class ReplicaPicker:
         costs = {engine: replica_cost(hint, matches.get(engine, 0), views[engine], self.weights,
                                       slot_use(engine, views[engine], priority), peer)
                  for engine in rotated}
-        order = sorted(rotated, key=lambda e: (costs[e], e.in_flight))  # stable: rotation
+        near = min(costs.values()) * (1 + TIE_TOLERANCE)  # inf when all are saturated
+        order = sorted(rotated, key=lambda e: (0.0 if costs[e] <= near else costs[e],
+                                               e.in_flight))  # stable: rotation
         sticky = self._sticky(hint.session, order, costs, views, peer)
         if sticky is not None:
             order.remove(sticky)
