@@ -436,7 +436,9 @@ def to_load_response(load: LoadStats) -> engine_pb2.GetLoadResponse:
     return engine_pb2.GetLoadResponse(
         num_running=load.num_running, num_waiting=load.num_waiting,
         kv_cache_usage=load.kv_cache_usage,
-        num_pending_prefill_tokens=load.num_pending_prefill_tokens)
+        num_pending_prefill_tokens=load.num_pending_prefill_tokens,
+        prefill_seconds_per_token=load.step_profile.prefill_token_s,
+        decode_step_seconds=load.step_profile.decode_step_s)
 
 
 def _timings(timings: object) -> dict[str, float]:

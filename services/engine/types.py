@@ -12,6 +12,7 @@ import grpc
 
 from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason, Priority, SamplingOptions, SpeculativeOptions
+from services.common.step_profile import StepProfile
 
 
 @dataclass(frozen=True)
@@ -106,12 +107,14 @@ class LoadStats:
       kv_cache_usage: fraction of KV cache memory in use, 0..1.
       num_pending_prefill_tokens: prompt tokens admitted but not yet computed
         (waiting sequences, and running ones still in prefill).
+      step_profile: the engine's measured step costs (empty: none measured).
     """
 
     num_running: int
     num_waiting: int
     kv_cache_usage: float
     num_pending_prefill_tokens: int = 0
+    step_profile: StepProfile = StepProfile()
 
 
 @dataclass(frozen=True)

@@ -130,15 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="kv_aware: cheapest by cached prefix (the cache service's index) "
                             "and load; least_load: fewest open requests; round_robin: in turn "
                             "(default: kv_aware with several --engine, else least_load)")
-    route.add_argument("--kv-aware-decode-weight", type=float,
-                       default=CostWeights.decode_weight, metavar="TOKENS",
-                       help="kv_aware: prefill tokens one running sequence weighs "
-                            f"(default {CostWeights.decode_weight:g})")
+    route.add_argument("--kv-aware-decode-horizon", type=float,
+                       default=CostWeights.decode_horizon_tokens, metavar="TOKENS",
+                       help="kv_aware: most decode steps of a request the cost looks ahead "
+                            "(a larger max_tokens counts as this many; default "
+                            f"{CostWeights.decode_horizon_tokens:g})")
     route.add_argument("--kv-aware-affinity-slack", type=float,
                        default=CostWeights.affinity_slack_tokens, metavar="TOKENS",
                        help="kv_aware: a GenerateStream conversation leaves its replica when "
-                            "that costs this many prefill tokens more than the cheapest "
-                            f"(default {CostWeights.affinity_slack_tokens:g})")
+                            "that costs more than the prefill of this many tokens above the "
+                            f"cheapest (default {CostWeights.affinity_slack_tokens:g})")
     add_server_arguments(parser)
     return parser
 
@@ -165,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             routing_policy=(None if args.routing_policy is None
                             else RoutingPolicy(args.routing_policy)),
             routing_weights=CostWeights(
-                decode_weight=args.kv_aware_decode_weight,
+                decode_horizon_tokens=args.kv_aware_decode_horizon,
                 affinity_slack_tokens=args.kv_aware_affinity_slack),
             pools=tuple(args.model_pool), openai_port=args.openai_port,
             resolve_interval_s=args.engine_resolve_interval,

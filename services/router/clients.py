@@ -42,6 +42,7 @@ from services.common.detokenizer import DEFINITION_FORMAT, TokenizersDecoder
 from services.common.grpc_util import make_channel, request_id_metadata, status_code_of
 from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason, SamplingOptions
+from services.common.step_profile import StepProfile
 
 log = structlog.get_logger()
 
@@ -133,12 +134,14 @@ class TokenizerInfo:
 @dataclass(frozen=True)
 class EngineLoad:
     """An engine replica's load: sequences running / waiting, KV usage in [0, 1],
-    prompt tokens admitted and not yet computed."""
+    prompt tokens admitted and not yet computed, and its measured step costs
+    (empty: none reported; the routing cost uses priors)."""
 
     num_running: int
     num_waiting: int
     kv_cache_usage: float
     num_pending_prefill_tokens: int = 0
+    step_profile: StepProfile = StepProfile()
 
 
 @dataclass(frozen=True)

@@ -440,7 +440,8 @@ class GenerationPipeline:
                 events = self._from_engine(request, prompt_ids, sampling,
                                            self._cache_key(request, prompt_ids), deadline,
                                            progress, timing, info, ticket,
-                                           RouteHint(len(prompt_ids), matches, session))
+                                           RouteHint(len(prompt_ids), matches, session,
+                                                     sampling.max_tokens, sampling.n))
             if self.client_write_timeout_s > 0:
                 events = self._paced(events, request.model)
             # aclosing: when our consumer stops early, the engine stream closes now.
@@ -629,7 +630,8 @@ class GenerationPipeline:
                 # one leaving cancels the stream.
                 events = self._from_engine(request, prompt_ids, sampling, key, None,
                                            progress, timing, info, ticket,
-                                           RouteHint(len(prompt_ids), matches, session))
+                                           RouteHint(len(prompt_ids), matches, session,
+                                                     sampling.max_tokens, sampling.n))
             async with contextlib.aclosing(events):
                 async for event in events:
                     yield event

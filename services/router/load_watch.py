@@ -27,6 +27,7 @@ import grpc
 import structlog
 
 from llmesh.v1 import engine_pb2, engine_pb2_grpc
+from services.common.step_profile import StepProfile
 from services.common.tasks import cancel_and_wait
 from services.router.clients import EngineLoad
 
@@ -62,9 +63,14 @@ class LoadView:
 
 
 def load_from_pb(pb: engine_pb2.GetLoadResponse) -> EngineLoad:
-    """The typed form of an engine's load message."""
+    """The typed form of an engine's load message (a step profile with a
+    negative or non-finite entry counts as none: the cost falls back to priors)."""
+    try:
+        profile = StepProfile(pb.prefill_seconds_per_token, tuple(pb.decode_step_seconds))
+    except ValueError:
+        profile = StepProfile()
     return EngineLoad(pb.num_running, pb.num_waiting, pb.kv_cache_usage,
-                      pb.num_pending_prefill_tokens)
+                      pb.num_pending_prefill_tokens, profile)
 
 
 class LoadWatch:

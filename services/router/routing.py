@@ -11,16 +11,31 @@
   for it); ties in turn.
 
 ``kv_aware`` (the default when more than one replica serves)
-  The replica whose estimated cost for this request is lowest, the cost
-  being the prefill work, in tokens, that stands between the request and its
-  first token on that replica (Dynamo's KV router and llm-d's scorers weigh
-  the same two things: cache overlap and load)::
+  The replica where the request adds the least time, in seconds, to the
+  completion times of everyone concerned: its own (first token, then its
+  decode steps in the batch it joins) and the sequences' already there (its
+  prefill stalls their steps; its rows slow each of their steps). Dynamo's KV
+  router and llm-d's scorers weigh the same two things, cache overlap and
+  load; here both are priced in the replica's own measured step times::
 
-      cost = (prompt_tokens - matched_tokens)        # the request's own prefill
-           + pending_prefill_tokens                  # prefill queued ahead of it
-           + unreported_prefill_tokens               # sent by this router since the report
-           + decode_weight * num_running             # decodes that share each step
-           + slot_wait_tokens * queued_for_a_slot    # requests ahead with no free slot
+      p     = prompt_tokens - matched_tokens     # its prefill after the prefix hit
+      Q     = pending_prefill_tokens + unreported_prefill_tokens
+      B     = running + waiting + unreported_requests   # the batch it joins
+      k     = choices (n), L = min(max_tokens, decode_horizon_tokens)
+      t(r)  = the replica's decode step of r rows, prefill(x) its time for x tokens
+      cost  = k * (prefill(Q + p) + L * t(B + k))     # its own completion
+            + B * (prefill(p) + (L - 1) * (t(B + k) - t(B)))   # what the batch loses
+            + prefill(slot_wait_tokens) * queued_for_a_slot
+
+  So a hot prefix stays with the replicas that hold it while one more
+  sequence there slows the batch by less than a prefill elsewhere costs, and
+  spreads beyond that; a long uncached prompt avoids a busy replica, since its
+  prefill stalls every sequence there. ``t`` and ``prefill`` come from the
+  replica's load report (``StepProfile``: measured by the engine; for a
+  replica that has measured nothing yet, a measured peer's (replicas of a
+  pool run one model, and priors from another machine would make the fresh
+  replica look faster or slower than it is); else the priors of
+  :mod:`services.common.step_profile`).
 
   ``queued_for_a_slot`` = sequences on the replica (running + waiting +
   sent since the report) + 1 - ``max_num_seqs``, when positive: the request
@@ -33,15 +48,17 @@
   replica's ``StreamLoad`` (:mod:`services.router.load_watch`). A replica
   whose load report is stale (over 1 s old), or whose KV cache is at least
   ``kv_full_usage`` used (a new sequence there preempts another), costs
-  infinity: it is chosen only when every replica does. Ties go to the
-  least loaded (open requests), then in turn. Without a cache service, or
+  infinity: it is chosen only when every replica does. Costs within
+  :data:`TIE_TOLERANCE` (10 %) of the cheapest tie; ties go to the least
+  loaded (open requests), then in turn. Without a cache service, or
   when the index does not answer in time, matched tokens are 0 and the
   policy routes by load alone.
 
 Session affinity (``GenerateStream``): the replica that served a
 conversation's previous turn takes the next one unless it is gone, its
-cost is infinite, or it costs more than ``affinity_slack_tokens`` above the
-cheapest (then the conversation moves, paying its prefill once).
+cost is infinite, or it costs more than the prefill of
+``affinity_slack_tokens`` (on that replica) above the cheapest (then the
+conversation moves, paying its prefill once).
 
 The weights' defaults and the measurements behind them are in
 docs/architecture.md ("Routing across replicas").
@@ -62,12 +79,19 @@ import structlog
 
 from services.common.block_hash import prompt_block_hashes, scoped_seed
 from services.common.sampling import Priority
-from services.router.clients import CacheClient
+from services.common.step_profile import StepProfile
+from services.router.clients import CacheClient, EngineLoad
 from services.router.engine_client import EngineClient
 from services.router.load_watch import LoadView
 from services.router.metrics import RouterMetrics
 
 log = structlog.get_logger()
+
+#: ``kv_aware`` costs within this fraction of the cheapest count as a tie:
+#: two alike replicas measure step times that differ by noise of about this
+#: order under contention, and without it the one that happened to measure
+#: faster took every request while both were idle.
+TIE_TOLERANCE = 0.1
 
 
 class RoutingPolicy(enum.Enum):
@@ -83,21 +107,23 @@ class CostWeights:
     """The constants of the ``kv_aware`` cost (see the module docstring).
 
     Attributes:
-      decode_weight: prefill-token equivalents of one running sequence.
+      decode_horizon_tokens: most decode steps the cost looks ahead (a
+        request's ``max_tokens`` beyond it counts as this many: most requests
+        end before a large limit).
       slot_wait_tokens: prefill-token equivalents of waiting for a sequence slot
         (a running sequence to finish).
       kv_full_usage: KV usage (0..1) from which a replica counts as saturated.
       affinity_slack_tokens: how much more a session's replica may cost than
-        the cheapest before the session moves.
+        the cheapest, in prefill tokens, before the session moves.
     """
 
-    decode_weight: float = 8.0
+    decode_horizon_tokens: float = 256.0
     slot_wait_tokens: float = 2048.0
     kv_full_usage: float = 0.95
     affinity_slack_tokens: float = 2048.0
 
     def __post_init__(self) -> None:
-        for name in ("decode_weight", "slot_wait_tokens", "affinity_slack_tokens"):
+        for name in ("decode_horizon_tokens", "slot_wait_tokens", "affinity_slack_tokens"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
@@ -125,11 +151,16 @@ class RouteHint:
       matches: a task resolving to replica → leading prompt tokens cached there
         (started early, beside the response-cache lookup), or None.
       session: the conversation's routing memory, or None.
+      max_tokens: most tokens each choice may generate (0: unknown, one
+        decode step counts).
+      num_choices: sequences the request runs (``n``).
     """
 
     prompt_tokens: int
     matches: asyncio.Task[dict[EngineClient, int]] | None = None
     session: RoutingSession | None = None
+    max_tokens: int = 0
+    num_choices: int = 1
 
 
 @dataclass(frozen=True)
@@ -142,16 +173,35 @@ class Choice:
     costs: dict[EngineClient, float] = field(default_factory=dict)
 
 
-def replica_cost(prompt_tokens: int, matched_tokens: int, view: LoadView,
-                 weights: CostWeights, slots: SlotUse | None = None) -> float:
-    """The ``kv_aware`` cost of one replica, in prefill tokens (inf: saturated)."""
+def replica_cost(hint: RouteHint, matched_tokens: int, view: LoadView,
+                 weights: CostWeights, slots: SlotUse | None = None,
+                 peer: StepProfile | None = None) -> float:
+    """The ``kv_aware`` cost of one replica for ``hint``'s request, in seconds
+    (module docstring; inf: saturated); ``peer``: the profile to use if the
+    replica has measured nothing."""
     if view.stale or view.load is None or view.load.kv_cache_usage >= weights.kv_full_usage:
         return math.inf
     load = view.load
+    profile = pricing_profile(load, peer)
+    batch = load.num_running + load.num_waiting + view.unreported_requests
+    choices = max(hint.num_choices, 1)
+    steps = max(min(hint.max_tokens, weights.decode_horizon_tokens), 1)
+    own_prefill = max(hint.prompt_tokens - matched_tokens, 0)
+    queued_prefill = load.num_pending_prefill_tokens + view.unreported_prefill_tokens
+    joined = profile.decode_step(batch + choices)
+    slowdown = joined - profile.decode_step(batch)
+    own = choices * (profile.prefill_s(queued_prefill + own_prefill) + steps * joined)
+    imposed = batch * (profile.prefill_s(own_prefill) + (steps - 1) * slowdown)
     queued = 0 if slots is None else max(slots.busy + 1 - slots.max_num_seqs, 0)
-    return (max(prompt_tokens - matched_tokens, 0) + load.num_pending_prefill_tokens
-            + view.unreported_prefill_tokens + weights.decode_weight * load.num_running
-            + weights.slot_wait_tokens * queued)
+    return own + imposed + profile.prefill_s(round(weights.slot_wait_tokens)) * queued
+
+
+def pricing_profile(load: EngineLoad, peer: StepProfile | None) -> StepProfile:
+    """The step costs a replica is priced by: its own once it measured any,
+    else ``peer``'s (a measured replica of the same pool), else the priors."""
+    if load.step_profile.measured or peer is None:
+        return load.step_profile
+    return peer
 
 
 @dataclass(frozen=True)
@@ -244,20 +294,20 @@ class ReplicaPicker:
         if self.policy is RoutingPolicy.LEAST_LOAD or len(serving) == 1:
             return Choice(_least_load(rotated, priority))
         matches = await _resolved(hint.matches)
-        costs = {engine: self._cost(engine, hint.prompt_tokens, matches.get(engine, 0), priority)
+        views = {engine: engine.load_watch.current() for engine in serving}
+        peer = next((view.load.step_profile for view in views.values()
+                     if view.load is not None and view.load.step_profile.measured), None)
+        costs = {engine: replica_cost(hint, matches.get(engine, 0), views[engine], self.weights,
+                                      slot_use(engine, views[engine], priority), peer)
                  for engine in rotated}
-        order = sorted(rotated, key=lambda e: (costs[e], e.in_flight))  # stable: rotation
-        sticky = self._sticky(hint.session, order, costs)
+        near = min(costs.values()) * (1 + TIE_TOLERANCE)  # inf when all are saturated
+        order = sorted(rotated, key=lambda e: (0.0 if costs[e] <= near else costs[e],
+                                               e.in_flight))  # stable: rotation
+        sticky = self._sticky(hint.session, order, costs, views, peer)
         if sticky is not None:
             order.remove(sticky)
             order.insert(0, sticky)
         return Choice(order, matches, costs)
-
-    def _cost(self, engine: EngineClient, prompt_tokens: int, matched: int,
-              priority: Priority) -> float:
-        view = engine.load_watch.current()
-        return replica_cost(prompt_tokens, matched, view, self.weights,
-                            slot_use(engine, view, priority))
 
     def routed(self, engine: EngineClient, choice: Choice, prompt_tokens: int) -> None:
         """Books that ``engine`` took the request (metrics; its unreported load)."""
@@ -265,15 +315,17 @@ class ReplicaPicker:
         self.metrics.routed_requests.labels(engine.target, self.policy.value).inc()
 
     def _sticky(self, session: RoutingSession | None, order: list[EngineClient],
-                costs: dict[EngineClient, float]) -> EngineClient | None:
+                costs: dict[EngineClient, float], views: dict[EngineClient, LoadView],
+                peer: StepProfile | None) -> EngineClient | None:
         """The session's replica if it should keep the conversation, else None."""
         if session is None or session.replica is None or session.replica not in costs:
             return None
         cost = costs[session.replica]
-        best = costs[order[0]]
-        if math.isinf(cost) or cost > best + self.weights.affinity_slack_tokens:
+        load = views[session.replica].load
+        if math.isinf(cost) or load is None:
             return None
-        return session.replica
+        slack = pricing_profile(load, peer).prefill_s(round(self.weights.affinity_slack_tokens))
+        return None if cost > costs[order[0]] + slack else session.replica
 
     def _rotate(self, serving: list[EngineClient]) -> list[EngineClient]:
         n = len(serving)

@@ -13,6 +13,7 @@ import structlog
 
 from llmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.common.block_hash import prompt_block_hashes
+from services.engine.config import EngineConfig
 from services.engine.metrics import EngineMetrics
 from services.engine.service import EngineService
 from services.engine.torch_backend.backend import TorchBackend
@@ -492,6 +493,21 @@ async def test_stream_load_sends_at_once_then_on_change(engine_stub: Stub) -> No
     await asyncio.wait_for(call.read(), 2)
     assert time.perf_counter() - began < 1.0
     call.cancel()
+
+
+async def test_the_load_reports_the_measured_step_costs(engine_stub: Stub,
+                                                       engine_config: EngineConfig) -> None:
+    """Issue 30, bug 2: the router prices replicas in seconds from these (a
+    200-token prompt: prompt steps of 64 tokens; then 24 one-row decode steps)."""
+    await generate(engine_stub, start("profile", tuple(range(3000, 3200)), NO_SPECULATION,
+                                      max_tokens=24, ignore_eos=True))
+    await wait_not_running(engine_stub)
+    load = await engine_stub.GetLoad(engine_pb2.GetLoadRequest())
+    assert 1e-6 < load.prefill_seconds_per_token < 0.05
+    steps = list(load.decode_step_seconds)
+    assert len(steps) == engine_config.max_num_seqs
+    assert all(1e-4 < seconds < 1.0 for seconds in steps)
+    assert steps[-1] >= steps[0]
 
 
 @pytest.mark.parametrize("interval, heartbeat", [(1, 1), (100, 50), (20, 4_294_967_295)])

@@ -13,6 +13,7 @@ import pytest_asyncio
 from prometheus_client import CollectorRegistry
 
 from services.common.sampling import Priority
+from services.common.step_profile import StepProfile
 from services.router.clients import EngineLoad, ReplicaInfo
 from services.router.engine_client import EngineClient
 from services.router.load_watch import LoadView
@@ -26,12 +27,17 @@ from services.router.routing import (
     replica_cost,
 )
 
-W = CostWeights(decode_weight=16.0, kv_full_usage=0.95, affinity_slack_tokens=2048.0)
+W = CostWeights(decode_horizon_tokens=256.0, kv_full_usage=0.95, affinity_slack_tokens=2048.0)
+#: A measured profile of the shape one engine core gives (SmolLM2 int4):
+#: 1.1 ms a prompt token, a decode step of r rows 9.2 ms + 1.6 ms a row.
+ONE_CORE = StepProfile(1.1e-3, tuple(9.2e-3 + 1.6e-3 * rows for rows in range(1, 65)))
 
 
 def view(running: int = 0, pending: int = 0, usage: float = 0.1, age: float = 0.1,
-         unreported: int = 0) -> LoadView:
-    return LoadView(EngineLoad(running, 0, usage, pending), age, unreported)
+         unreported: int = 0, profile: StepProfile = StepProfile(),
+         unreported_requests: int = 0) -> LoadView:
+    return LoadView(EngineLoad(running, 0, usage, pending, profile), age, unreported,
+                    unreported_requests)
 
 
 class FixedLoad:
@@ -71,16 +77,113 @@ def matches(result: dict[EngineClient, int]) -> asyncio.Task[dict[EngineClient, 
     return asyncio.ensure_future(resolved())
 
 
-def test_cost_is_the_prefill_work_ahead_of_the_first_token() -> None:
-    assert replica_cost(800, 0, view(), W) == 800
-    assert replica_cost(800, 768, view(), W) == 32
-    assert replica_cost(800, 768, view(running=4, pending=100, unreported=50), W) == \
-        32 + 100 + 50 + 16 * 4
+def test_cost_prices_the_request_and_what_the_batch_loses_in_step_times() -> None:
+    c, t = ONE_CORE.prefill_token_s, ONE_CORE.decode_step
+    alone = view(profile=ONE_CORE)
+    assert replica_cost(RouteHint(800, max_tokens=16), 0, alone, W) == \
+        pytest.approx(800 * c + 16 * t(1))
+    assert replica_cost(RouteHint(800, max_tokens=16), 768, alone, W) == \
+        pytest.approx(32 * c + 16 * t(1))
+    # 4 running + 2 sent since the report: the request waits for 150 queued
+    # prompt tokens, then decodes in a batch of 7; the 6 lose its 32-token
+    # prefill and 15 slower steps each.
+    busy = view(running=4, pending=100, unreported=50, unreported_requests=2, profile=ONE_CORE)
+    assert replica_cost(RouteHint(800, max_tokens=16), 768, busy, W) == pytest.approx(
+        (150 + 32) * c + 16 * t(7) + 6 * (32 * c + 15 * (t(7) - t(6))))
+    # n choices add n rows; max_tokens beyond the horizon counts as the horizon
+    assert replica_cost(RouteHint(800, max_tokens=10_000, num_choices=2), 768, alone, W) == \
+        pytest.approx(2 * (32 * c + 256 * t(2)))
+
+
+@pytest.mark.parametrize("output_tokens, spread_at", [(64, 2), (16, 5)])
+async def test_a_hot_prefix_spreads_once_the_batch_costs_more_than_a_prefill(
+        engines: list[EngineClient], output_tokens: int, spread_at: int) -> None:
+    """Issue 30, bug 2: the holder of a hot 400-token prefix with N streams
+    decoding against an idle replica. By the measured profile, one more
+    stream on the holder costs 30 prompt tokens (33 ms) plus L steps in a
+    batch of N + 1 and makes each of the N lose 33 ms and L - 1 steps' growth
+    (1.6 ms each); the idle replica costs the 430-token prefill (473 ms) and L
+    steps of one row. L = 64: 724.2 + 236.2 N ms against 1164.2 ms, so the
+    second stream stays and the third spreads; L = 16: 205.8 + 82.6 N against
+    645.8 ms, within 10 % (a tie, to the less loaded) from N = 5, so the sixth
+    spreads. (The old cost, 8 prefill tokens a running sequence, kept every
+    stream on the holder up to N = 50.)"""
+    holder, idle, _ = engines
+    kv = picker(RoutingPolicy.KV_AWARE)
+    hint = RouteHint(430, matches({holder: 400}), max_tokens=output_tokens)
+    idle.load_watch.view = view(profile=ONE_CORE)  # type: ignore[attr-defined]
+    for running in range(spread_at + 1):
+        holder.load_watch.view = view(running, profile=ONE_CORE)  # type: ignore[attr-defined]
+        holder.in_flight = running
+        chosen = (await kv.choose(engines[:2], Priority.INTERACTIVE, hint)).order[0]
+        assert chosen is (holder if running < spread_at else idle), running
+
+
+async def test_near_costs_tie_and_go_to_the_less_loaded_then_in_turn(
+        engines: list[EngineClient]) -> None:
+    """Two idle replicas whose measured profiles differ by noise (5 %) share
+    sequential requests in turn; a 20 % difference does not tie."""
+    a, b, _ = engines
+    a.load_watch.view = view(profile=ONE_CORE)  # type: ignore[attr-defined]
+    for factor, firsts in ((1.05, [a, b, a, b]), (1.2, [a, a, a, a])):
+        b.load_watch.view = view(profile=StepProfile(  # type: ignore[attr-defined]
+            factor * ONE_CORE.prefill_token_s, tuple(factor * s for s in ONE_CORE.decode_step_s)))
+        kv = picker(RoutingPolicy.KV_AWARE)
+        assert [(await kv.choose(engines[:2], Priority.BATCH, RouteHint(40, max_tokens=2))
+                 ).order[0] for _ in range(4)] == firsts
+    b.in_flight = 1
+    b.load_watch.view = view(profile=ONE_CORE)  # type: ignore[attr-defined]
+    assert (await kv.choose(engines[:2], Priority.BATCH, RouteHint(40))).order[0] is a
+
+
+async def test_a_capacity_bound_shared_prefix_keeps_going_to_its_holder(
+        engines: list[EngineClient]) -> None:
+    """The issue's shared-prefix workload: 768-token prefixes, 16 tokens out,
+    four streams: the holder with all four running beats a prefill of 800
+    tokens on an idle replica (547 ms against 1,053 ms)."""
+    holder, idle, _ = engines
+    holder.load_watch.view = view(4, profile=ONE_CORE)  # type: ignore[attr-defined]
+    idle.load_watch.view = view(profile=ONE_CORE)  # type: ignore[attr-defined]
+    choice = await picker(RoutingPolicy.KV_AWARE).choose(
+        engines[:2], Priority.INTERACTIVE, RouteHint(800, matches({holder: 768}), max_tokens=16))
+    assert choice.order == [holder, idle]
+    assert choice.costs[holder] == pytest.approx(0.5472)
+    assert choice.costs[idle] == pytest.approx(1.0528)
+
+
+async def test_each_replica_is_priced_by_its_own_profile(
+        engines: list[EngineClient]) -> None:
+    """A replica twice as slow (both measured) loses an uncached request it
+    would win on equal hardware; one with no report uses the priors."""
+    fast, slow, _ = engines
+    doubled = StepProfile(2 * ONE_CORE.prefill_token_s,
+                          tuple(2 * s for s in ONE_CORE.decode_step_s))
+    fast.load_watch.view = view(1, profile=ONE_CORE)  # type: ignore[attr-defined]
+    slow.load_watch.view = view(profile=doubled)  # type: ignore[attr-defined]
+    kv = picker(RoutingPolicy.KV_AWARE)
+    assert (await kv.choose(engines[:2], Priority.INTERACTIVE,
+                            RouteHint(400, max_tokens=16))).order[0] is fast
+    slow.load_watch.view = view(profile=ONE_CORE)  # type: ignore[attr-defined]
+    assert (await kv.choose(engines[:2], Priority.INTERACTIVE,
+                            RouteHint(400, max_tokens=16))).order[0] is slow
+
+
+async def test_a_replica_that_measured_nothing_is_priced_as_its_measured_peer(
+        engines: list[EngineClient]) -> None:
+    """A fresh replica (no profile yet) beside one that measured a machine
+    slower than the priors' is priced by its peer's profile, not by the
+    priors (which would make it look twice as fast)."""
+    measured, fresh, _ = engines
+    measured.load_watch.view = view(1, profile=ONE_CORE)  # type: ignore[attr-defined]
+    fresh.load_watch.view = view()  # type: ignore[attr-defined]
+    choice = await picker(RoutingPolicy.KV_AWARE).choose(
+        engines[:2], Priority.INTERACTIVE, RouteHint(400, max_tokens=16))
+    assert choice.costs[fresh] == pytest.approx(400 * 1.1e-3 + 16 * ONE_CORE.decode_step(1))
 
 
 @pytest.mark.parametrize("stale", [view(age=1.5), LoadView(None, math.inf, 0), view(usage=0.97)])
 def test_a_stale_or_full_replica_counts_as_saturated(stale: LoadView) -> None:
-    assert math.isinf(replica_cost(10, 0, stale, W))
+    assert math.isinf(replica_cost(RouteHint(10), 0, stale, W))
 
 
 async def test_kv_aware_prefers_the_replica_holding_the_prefix(
@@ -88,7 +191,11 @@ async def test_kv_aware_prefers_the_replica_holding_the_prefix(
     a, b, c = engines
     choice = await picker(RoutingPolicy.KV_AWARE).choose(
         engines, Priority.INTERACTIVE, RouteHint(800, matches({b: 768})))
-    assert choice.order[0] is b and choice.costs[b] == 32 and choice.costs[a] == 800
+    assert choice.order[0] is b
+    assert choice.costs[b] == pytest.approx(StepProfile().prefill_s(32)
+                                            + StepProfile().decode_step(1))
+    assert choice.costs[a] == pytest.approx(StepProfile().prefill_s(800)
+                                            + StepProfile().decode_step(1))
 
 
 async def test_kv_aware_weighs_the_prefix_against_load(engines: list[EngineClient]) -> None:
@@ -96,7 +203,7 @@ async def test_kv_aware_weighs_the_prefix_against_load(engines: list[EngineClien
     b.load_watch.view = view(pending=2000)  # type: ignore[attr-defined]
     choice = await picker(RoutingPolicy.KV_AWARE).choose(
         engines[:2], Priority.INTERACTIVE, RouteHint(800, matches({b: 768})))
-    assert choice.order == [a, b]  # 800 < 32 + 2000
+    assert choice.order == [a, b]  # a prefill of 800 tokens < of 32 + 2000
 
 
 async def test_saturated_replicas_go_last_and_ties_go_to_the_least_loaded(
@@ -142,7 +249,7 @@ async def test_a_replica_with_no_free_slot_costs_a_wait(engines: list[EngineClie
     b.load_watch.view = view(running=2)  # type: ignore[attr-defined]
     kv = picker(RoutingPolicy.KV_AWARE)
     batch = await kv.choose(engines[:2], Priority.BATCH, RouteHint(100, matches({b: 96})))
-    assert batch.order == [a, b]  # 100 < 4 + 16 + 2048
+    assert batch.order == [a, b]  # 100 prompt tokens < 4 + a slot wait of 2048
     # The engine preempts batch sequences for an interactive request: only this
     # router's interactive ones hold slots against it.
     interactive = await kv.choose(engines[:2], Priority.INTERACTIVE,
@@ -168,7 +275,7 @@ async def test_a_failed_prefix_lookup_routes_by_load(engines: list[EngineClient]
     assert choice.order == [a, b]
 
 
-@pytest.mark.parametrize("field, value", [("decode_weight", -5.0),
+@pytest.mark.parametrize("field, value", [("decode_horizon_tokens", -5.0),
                                           ("affinity_slack_tokens", math.nan),
                                           ("slot_wait_tokens", math.inf),
                                           ("kv_full_usage", 0.0)])

@@ -77,6 +77,7 @@ import torch
 from services.common.kv_events import KVEvent, KVSnapshot
 from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason
+from services.common.step_profile import StepProfile
 from services.engine.torch_backend.block_pool import BlockCounts
 from services.engine.torch_backend.grammar_mask import GrammarMatcher
 from services.engine.torch_backend.inbox import Inbox
@@ -92,6 +93,7 @@ from services.engine.torch_backend.sampler import SamplingRow
 from services.engine.torch_backend.scheduler import Scheduler, SchedulerOutput
 from services.engine.torch_backend.sequence import ChoiceGroup, Sequence, SequenceStatus
 from services.engine.torch_backend.speculative import Speculator
+from services.engine.torch_backend.step_timer import StepTimer
 from services.engine.torch_backend.step_sampler import StepRow, sample_step
 from services.engine.types import LoadStats, SequenceRequest, StepStats, TokenDelta
 
@@ -99,6 +101,8 @@ log = structlog.get_logger()
 
 
 StepObserver = Callable[[StepStats], None]
+#: Seconds between two refreshes of the step profile in the load report.
+PROFILE_REFRESH_S = 0.25
 #: A delta and the asyncio queue it goes to.
 _Put = tuple[asyncio.Queue[TokenDelta], TokenDelta]
 
@@ -127,7 +131,11 @@ class EngineCore:
         self._inbox = Inbox(scheduler.config.max_num_seqs, max_num_waiting)
         self._state_lock = threading.Lock()
         self._arrivals = itertools.count()
-        self._snapshot = _Snapshot(0, 0.0, 0)
+        self._timer = StepTimer(None if speculator is None else speculator.cost,
+                                scheduler.config.max_num_seqs)
+        self._profile = StepProfile()
+        self._profiled_at = 0.0
+        self._snapshot = _Snapshot(0, 0.0, 0, self._profile)
         self._thread: threading.Thread | None = None
 
     # ---- any thread -----------------------------------------------------------------
@@ -236,7 +244,8 @@ class EngineCore:
         return LoadStats(num_running=snapshot.num_running,
                          num_waiting=max(len(self._inbox) - snapshot.num_running, 0),
                          kv_cache_usage=snapshot.kv_cache_usage,
-                         num_pending_prefill_tokens=snapshot.num_pending_prefill_tokens)
+                         num_pending_prefill_tokens=snapshot.num_pending_prefill_tokens,
+                         step_profile=snapshot.step_profile)
 
     def check_integrity(self) -> BlockCounts:
         """Checks the KV block bookkeeping between two mutations by the worker
@@ -338,7 +347,16 @@ class EngineCore:
     def _publish(self) -> None:
         """Publishes the load snapshot (under the state lock)."""
         self._snapshot = _Snapshot(self._scheduler.num_running, self._kv.usage,
-                                   self._scheduler.pending_prefill_tokens())
+                                   self._scheduler.pending_prefill_tokens(), self._profile)
+
+    def _time_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """Times the step (:class:`StepTimer`); refreshes the reported profile at
+        most every :data:`PROFILE_REFRESH_S`, and when the engine goes idle (so
+        an idle engine reports all it measured)."""
+        self._timer.observe(out, seconds)
+        now = time.monotonic()
+        if now - self._profiled_at >= PROFILE_REFRESH_S or not self._scheduler.has_work():
+            self._profile, self._profiled_at = self._timer.profile(), now
 
     def _fail_all(self, exc: Exception) -> None:
         """Finishes every sequence with ERROR after an unexpected failure outside the
@@ -405,6 +423,7 @@ class EngineCore:
             return
         with self._state_lock:
             updates = self._scheduler.update_from_output(out, sampled)
+            self._time_step(out, time.perf_counter() - began)
             self._publish()
         for update in updates:
             entries = logprobs.get(update.seq)
@@ -526,6 +545,7 @@ class _Snapshot:
     num_running: int
     kv_cache_usage: float
     num_pending_prefill_tokens: int
+    step_profile: StepProfile
 
 
 def _all_cancelled(seqs: list[Sequence]) -> bool:

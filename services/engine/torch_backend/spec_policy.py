@@ -37,20 +37,15 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
 from services.common.sampling import SpeculativeMethod
+from services.common.step_profile import PRIOR_ROW_S, prior_decode_step_s
 
-#: Prior decode step: ``a`` seconds for the step, ``b`` per row (measured:
-#: SmolLM2 int4 on 2 Zen 4 cores, ~4.6 ms + ~0.8 ms a row up to four rows). Only
-#: its shape matters once the engine has timed a step: a count the engine has
-#: not timed is scaled from the nearest one it has.
-PRIOR_STEP_S = 4.6e-3
-PRIOR_ROW_S = 0.8e-3
+# The prior decode step (services/common/step_profile.py: ~4.6 ms + ~0.8 ms a
+# row, SmolLM2 int4 on 2 Zen 4 cores). Only its shape matters once the engine
+# has timed a step: a count the engine has not timed is scaled from the
+# nearest one it has.
 #: Steps of a row count timed before its own average replaces the estimate
 #: from its neighbours.
 MIN_SAMPLES = 3
-
-
-def _prior(rows: int) -> float:
-    return PRIOR_STEP_S + PRIOR_ROW_S * rows
 
 
 @dataclass
@@ -128,6 +123,12 @@ class StepCostModel:
                                if entry[1] >= MIN_SAMPLES and self._fresh(entry))
         self._estimates = {}
 
+    @property
+    def measured(self) -> bool:
+        """True once some row count's own average is trusted (before, every
+        estimate is the prior's)."""
+        return bool(self._trusted)
+
     def seconds(self, rows: int) -> float:
         """Estimated seconds of a decode step of ``rows`` rows (class doc)."""
         cached = self._estimates.get(rows)
@@ -146,7 +147,7 @@ class StepCostModel:
     def _from_neighbours(self, rows: int) -> float:
         trusted = self._trusted
         if not trusted:
-            return _prior(rows)
+            return prior_decode_step_s(rows)
         at = bisect.bisect_left(trusted, rows)
         below = trusted[at - 1] if at > 0 else None
         above = trusted[at] if at < len(trusted) else None
@@ -154,10 +155,11 @@ class StepCostModel:
             low, high = self._table[below][0], self._table[above][0]
             return low + (high - low) * (rows - below) / (above - below)
         if above is not None:
-            return self._table[above][0] * _prior(rows) / _prior(above)
+            return (self._table[above][0] * prior_decode_step_s(rows)
+                    / prior_decode_step_s(above))
         assert below is not None
         top = self._table[below][0]
-        slope = top * PRIOR_ROW_S / _prior(below)
+        slope = top * PRIOR_ROW_S / prior_decode_step_s(below)
         if at >= 2:  # the steeper of the prior's shape and the last two trusted counts
             second = trusted[at - 2]
             slope = max(slope, (top - self._table[second][0]) / (below - second))

@@ -391,6 +391,8 @@ class GetLoadResponse(_message.Message):
     NUM_WAITING_FIELD_NUMBER: _builtins.int
     KV_CACHE_USAGE_FIELD_NUMBER: _builtins.int
     NUM_PENDING_PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
+    PREFILL_SECONDS_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    DECODE_STEP_SECONDS_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     """Sequences in the running batch."""
     num_waiting: _builtins.int
@@ -402,6 +404,19 @@ class GetLoadResponse(_message.Message):
     running ones still in prefill): the prefill work queued ahead of a new
     request.
     """
+    prefill_seconds_per_token: _builtins.float
+    """Measured seconds per prompt token computed (from the engine's own steps
+    that compute prompt tokens); 0: not measured yet.
+    """
+    @_builtins.property
+    def decode_step_seconds(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Measured seconds of a decode step (no prompt tokens) by its rows: element
+        i is a step of i + 1 rows, for 1..max_num_seqs rows (counts the engine has
+        not timed are estimated from those it has); empty: not measured yet. With
+        prefill_seconds_per_token, a router weighs a replica in seconds: a
+        newcomer's time to first token and the slowdown it brings to the batch.
+        """
+
     def __init__(
         self,
         *,
@@ -409,10 +424,12 @@ class GetLoadResponse(_message.Message):
         num_waiting: _builtins.int = ...,
         kv_cache_usage: _builtins.float = ...,
         num_pending_prefill_tokens: _builtins.int = ...,
+        prefill_seconds_per_token: _builtins.float = ...,
+        decode_step_seconds: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_cache_usage", b"kv_cache_usage", "num_pending_prefill_tokens", b"num_pending_prefill_tokens", "num_running", b"num_running", "num_waiting", b"num_waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_step_seconds", b"decode_step_seconds", "kv_cache_usage", b"kv_cache_usage", "num_pending_prefill_tokens", b"num_pending_prefill_tokens", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefill_seconds_per_token", b"prefill_seconds_per_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
