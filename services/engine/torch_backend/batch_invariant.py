@@ -94,7 +94,7 @@ def widened_onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     """``x @ weight.T`` for bf16 ``x`` ``[rows, in]`` and an fp32 ``weight``
     ``[out, in]`` (holding bf16 values, so every product is exact) through the
     fp32 oneDNN kernel, rounded to bf16 ``[rows, out]``; rows must be >= 2 to
-    be row-invariant (:func:`padded_linear_rows`)."""
+    be row-invariant (:func:`prompt_rows`)."""
     return onednn_linear(x.float(), weight).to(torch.bfloat16)
 
 
@@ -138,13 +138,22 @@ def select_prompt_kernel(weights: Sequence[torch.Tensor]) -> PromptKernel:
     covered by these rules, the engine's probe reports)."""
     if not torch.backends.mkldnn.is_available():
         return BF16_PROMPT
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if not _onednn_takes_bf16():
         return FP32_PROMPT  # PyTorch's reference bf16 GEMM: invariant, but slow
     for weight in weights:
         if probe_rows("bf16 prompt", lambda x, w=weight: F.linear(x, w),
                       weight.shape[1], torch.bfloat16, prompt_rows, stop_at_first=True):
             return FP32_PROMPT
     return BF16_PROMPT
+
+
+def _onednn_takes_bf16() -> bool:
+    """Whether PyTorch hands bf16 matmuls to oneDNN here (False with AVX2 only,
+    or as ``ONEDNN_MAX_CPU_ISA`` caps it); True where PyTorch cannot say."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True
 
 
 def padded_linear_rows(num_rows: int, linear: Linear = onednn_linear) -> int:
