@@ -280,8 +280,8 @@ def test_prompt_rows_take_the_dense_projections(smollm2_by_mode: Callable[..., L
     kernel), one argmax of 40 flipped on either."""
     model = smollm2_by_mode("int4", True, quant_kernel)
     assert model.quant_kernel == quant_kernel and model.has_prompt_projections
-    expected_kernel = os.environ.get(EXPECTED_PROMPT_KERNEL)
-    assert expected_kernel in (None, model.prompt_kernel), model.prompt_kernel
+    if EXPECTED_PROMPT_KERNEL in os.environ:  # a forced older CPU's kernel
+        assert model.prompt_kernel == os.environ[EXPECTED_PROMPT_KERNEL]
     runner = ModelRunner(model, torch.device("cpu"), torch.float32)
     runner.allocate_kv_cache(20 * kv_block_bytes(model.config, 16, torch.float32), 16)
     tokens = list(PROMPTS[5][:40])
