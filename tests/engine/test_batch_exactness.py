@@ -323,9 +323,9 @@ def test_dense_prompt_rows_stay_exact_on_older_isas(isa: str) -> None:
     avx512_bf16 (where oneDNN's bf16 GEMM made prompt rows depend on their
     batch: the 6 dense-prefill cases above failed there) and an AVX2-only
     CPU, forced here in a child pytest that runs
-    :func:`test_prompt_rows_take_the_dense_projections` (a prompt chunk of 40
-    rows against one of 25 and one of 15) on the native kernels. Skipped
-    where the CPU lacks the forced path itself (the plain run covers it)."""
+    :func:`test_prompt_rows_take_the_dense_projections` (40 prompt rows in one
+    chunk against the same rows in chunks of 25 and 15) on the native kernels.
+    Skipped on a CPU without the forced ISA (it cannot run that path)."""
     environment, flag, expected_kernel = OLDER_ISAS[isa]
     cpu_flags = next((line.split() for line in Path("/proc/cpuinfo").read_text().splitlines()
                       if line.startswith("flags")), [])
