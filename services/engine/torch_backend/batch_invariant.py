@@ -32,8 +32,8 @@ Measured on this project's CPU builds (PyTorch 2.13, fp32, AVX-512):
   oneDNN picks its bf16 kernel by ISA (PyTorch 2.13, oneDNN 3.12, forced with
   ``ONEDNN_MAX_CPU_ISA`` on a Zen 4): with avx512_bf16 (``AVX512_CORE_BF16``) it
   takes ``brg_matmul``, row-invariant from 2 rows; on AVX-512 without bf16
-  (``AVX512_CORE``, ``AVX512_CORE_VNNI``: Intel Skylake to Cascade Lake and
-  Ice Lake, AMD before Zen 4) ``gemm:jit:bf16``, whose rows depend on ``M``
+  (``AVX512_CORE``, ``AVX512_CORE_VNNI``: Intel Skylake-SP, Cascade Lake,
+  Ice Lake) ``gemm:jit:bf16``, whose rows depend on ``M``
   and their offset (a 3072x576 weight: 50 of 78 cases of 1-39 rows at
   offsets 0 and 1); with AVX2 only, oneDNN has no bf16 and PyTorch's own
   reference GEMM runs (row-invariant, but 3-10x slower than fp32 oneDNN).
