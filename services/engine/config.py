@@ -55,7 +55,10 @@ class EngineConfig:
         ``torch_backend/quant.py`` and docs/engine.md.
       dense_prefill: with ``quantization`` int4/int8, prompt tokens take dense
         bf16 copies of the quantized weights (oneDNN's GEMM; +2 bytes of memory
-        per weight) and generated tokens the quantized kernels; each token
+        per weight, +4 on CPUs whose bf16 GEMM is not batch-invariant, where the
+        copies are held and computed in fp32, see
+        ``batch_invariant.select_prompt_kernel``) and generated tokens the
+        quantized kernels; each token
         keeps its role, so outputs stay batch-invariant (torch backend; see
         ``LlamaModel.add_prompt_projections``). None (default): on only where
         the quantized projections run on PyTorch's kernels (``quant_kernel``
@@ -297,7 +300,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
         "in float32 on the CPU, else none", choices=("auto", "none", "int8", "int4"))
     add("--dense-prefill", parse_bool_or_auto, None,
         "with --quantization int4/int8: prompt tokens through dense bf16 copies of the "
-        "weights (+2 bytes per weight), generated tokens quantized (default: only with "
+        "weights (+2 bytes per weight; fp32, +4, where the CPU's bf16 GEMM is not "
+        "batch-invariant), generated tokens quantized (default: only with "
         "--quant-kernel torch, whose prefill is slow)", action=argparse.BooleanOptionalAction)
     add("--attention-backend", str, "auto",
         "paged attention: native = the engine's C kernel (fp32 on CPU, built on first "

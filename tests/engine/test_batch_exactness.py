@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import grpc
 import pytest
@@ -276,6 +280,8 @@ def test_prompt_rows_take_the_dense_projections(smollm2_by_mode: Callable[..., L
     kernel), one argmax of 40 flipped on either."""
     model = smollm2_by_mode("int4", True, quant_kernel)
     assert model.quant_kernel == quant_kernel and model.has_prompt_projections
+    if EXPECTED_PROMPT_KERNEL in os.environ:  # a forced older CPU's kernel
+        assert model.prompt_kernel == os.environ[EXPECTED_PROMPT_KERNEL]
     runner = ModelRunner(model, torch.device("cpu"), torch.float32)
     runner.allocate_kv_cache(20 * kv_block_bytes(model.config, 16, torch.float32), 16)
     tokens = list(PROMPTS[5][:40])
@@ -292,6 +298,50 @@ def test_prompt_rows_take_the_dense_projections(smollm2_by_mode: Callable[..., L
     assert one_role.shape[0] == 0
     rest = runner.run([StepInput(tokens[25:], 25, [9, 10, 11], num_logits=15, prompt_len=25)])
     assert torch.equal(mixed[25:], rest)
+
+
+#: Set by :func:`test_dense_prompt_rows_stay_exact_on_older_isas` for its child:
+#: the prompt kernel the child's model must have chosen.
+EXPECTED_PROMPT_KERNEL = "LLMESH_TEST_PROMPT_KERNEL"
+#: Older CPUs' kernel paths, forced on this one: oneDNN's ISA cap (read once,
+#: when oneDNN initializes: hence a child process), PyTorch's and MKL's own
+#: dispatch, and the native kernels' build flags (``$CC`` is part of their
+#: cache key: a build of its own). Per case: the environment, the CPU flag the
+#: path needs, and the prompt kernel expected (None: whichever the probe finds
+#: invariant; with AVX2 oneDNN has no bf16, so fp32 by rule).
+OLDER_ISAS: dict[str, tuple[dict[str, str], str, str | None]] = {
+    "avx512_core_vnni": ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI", "CC_FLAG": "-mno-avx512bf16"},
+                         "avx512_vnni", None),
+    "avx2": ({"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+              "MKL_ENABLE_INSTRUCTIONS": "AVX2", "CC_FLAG": "-mno-avx512f"}, "avx2", "fp32"),
+}
+
+
+@pytest.mark.parametrize("isa", OLDER_ISAS)
+def test_dense_prompt_rows_stay_exact_on_older_isas(isa: str) -> None:
+    """Batch invariance on CPUs older than this one: an AVX-512 Xeon without
+    avx512_bf16 (where oneDNN's bf16 GEMM made prompt rows depend on their
+    batch: the 6 dense-prefill cases above failed there) and an AVX2-only
+    CPU, forced here in a child pytest that runs
+    :func:`test_prompt_rows_take_the_dense_projections` (40 prompt rows in one
+    chunk against the same rows in chunks of 25 and 15) on the native kernels.
+    Skipped on a CPU without the forced ISA (it cannot run that path)."""
+    environment, flag, expected_kernel = OLDER_ISAS[isa]
+    cpu_flags = next((line.split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+    if flag not in cpu_flags:
+        pytest.skip(f"this CPU has no {flag}")
+    env = {**os.environ, **environment}
+    env["CC"] = f"{os.environ.get('CC', 'cc')} {env.pop('CC_FLAG')}"
+    env.pop(EXPECTED_PROMPT_KERNEL, None)
+    if expected_kernel is not None:
+        env[EXPECTED_PROMPT_KERNEL] = expected_kernel
+    test = f"{Path(__file__).name}::test_prompt_rows_take_the_dense_projections[native]"
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         f"tests/engine/{test}"], cwd=Path(__file__).parents[2], env=env,
+        capture_output=True, text=True, timeout=280, check=False)
+    assert child.returncode == 0 and "1 passed" in child.stdout, child.stdout[-4000:]
 
 
 async def collect_last(backend: TorchBackend, req: SequenceRequest) -> tuple[list[int], int]:

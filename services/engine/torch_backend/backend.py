@@ -267,6 +267,7 @@ class TorchBackend(EngineBackend):
         log.info("attention_backend", backend=runner.attention_backend,
                  requested=config.attention_backend,
                  dense_prefill=runner.model.has_prompt_projections,
+                 prompt_kernel=runner.model.prompt_kernel,
                  quant_kernel=runner.model.quant_kernel)
         if runner.native_unavailable_reason is not None:
             log.warning("native_kernels_unavailable", reason=runner.native_unavailable_reason,
@@ -585,8 +586,9 @@ def _speculator(config: EngineConfig, runner: ModelRunner, max_model_len: int) -
 def _kv_layout(config: EngineConfig, runner: ModelRunner) -> str:
     """What besides the model id decides this engine's KV values (the block hash
     seed's ``kv_layout``): weight quantization, dtype, and whether prompt tokens
-    take their own projections."""
-    prompt = "prompt-proj" if runner.model.has_prompt_projections else "shared-proj"
+    take their own projections (and on which kernel: bf16 or fp32)."""
+    kernel = runner.model.prompt_kernel
+    prompt = f"prompt-proj-{kernel}" if kernel is not None else "shared-proj"
     return f"{config.quantization}/{config.dtype}/{prompt}"
 
 

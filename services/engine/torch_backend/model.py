@@ -40,8 +40,10 @@ from torch import nn
 
 from services.engine.torch_backend.batch_invariant import (
     Linear,
+    PromptKernel,
     padded_linear_rows,
     select_linear,
+    select_prompt_kernel,
 )
 from services.engine.torch_backend import native
 from services.engine.torch_backend.gguf_loader import LlamaConfig, Q4_1Blocks
@@ -181,8 +183,9 @@ def project(main: Projection, prompt: Projection | None, x: torch.Tensor,
 
     Each token always takes the same kernel, whatever else is in the step, so
     rows stay batch-invariant: the quantized kernels are row-invariant at any
-    row count, and bf16 ``F.linear`` from 2 rows on (one row takes a GEMV path
-    whose sums differ), so a single prompt row is computed as two.
+    row count, and the prompt kernel chosen for this CPU from 2 rows on (one
+    row takes a GEMV path whose sums differ), so a single prompt row is
+    computed as two (:func:`~services.engine.torch_backend.batch_invariant.prompt_rows`).
     """
     if prompt is None or num_generated_rows is None or num_generated_rows >= x.shape[0]:
         return main(x)
@@ -226,6 +229,9 @@ class LlamaModel(nn.Module):
         #: The quantized projections' and LM head's kernels (``native`` or
         #: ``torch``; None unless quantized).
         self.quant_kernel: str | None = None
+        #: The dense prompt projections' kernel (``bf16`` or ``fp32``, see
+        #: :meth:`add_prompt_projections`); None without them.
+        self.prompt_kernel: str | None = None
         self.head: Projection = DenseProjection(self.lm_head, F.linear)
 
     def select_kernels(self) -> None:
@@ -332,7 +338,7 @@ class LlamaModel(nn.Module):
         (:meth:`add_prompt_projections`)."""
         return self.layers[0].prompt_projections is not None
 
-    def add_prompt_projections(self) -> None:
+    def add_prompt_projections(self, kernel: PromptKernel | None = None) -> None:
         """Gives a quantized model dense bf16 copies of its projections for prompt
         tokens (the weights as the quantized kernel sees them, rounded to bf16;
         +2 bytes per weight). Quantized kernels read fewer bytes, which is what
@@ -342,18 +348,32 @@ class LlamaModel(nn.Module):
         prefill is many rows. A token keeps its role for life: prompt tokens
         (given by the client) always take these, generated tokens always the
         quantized kernels, so outputs stay batch-invariant; the prefix cache
-        keeps the roles apart (``KVCacheManager(role_aware=True)``).
+        keeps the roles apart (``KVCacheManager(role_aware=True)``). The
+        copies' kernel is chosen for this CPU
+        (:func:`~services.engine.torch_backend.batch_invariant.select_prompt_kernel`,
+        probed on layer 0's copies; :attr:`prompt_kernel` names it): bf16
+        ``F.linear`` where it is row-invariant, else the same values in fp32
+        (+4 bytes per weight) through oneDNN's fp32 kernel; ``kernel`` forces
+        one (benchmarks; a kernel that is not invariant here breaks the
+        engine's promise, and its start-up probe says so).
 
         Raises:
           ValueError: the model is not quantized.
         """
         if self.quantization == "none":
             raise ValueError("prompt projections are for quantized models")
+
+        def copies(layer: DecoderLayer) -> list[torch.Tensor]:
+            return [p.dequantize().to(ACTIVATION_DTYPE).contiguous() for p in layer.projections]
+
         with torch.no_grad():
+            kernel = kernel or select_prompt_kernel(copies(self.layers[0]))
             for layer in self.layers:
                 layer.prompt_projections = tuple(  # type: ignore[assignment]
-                    DenseProjection(p.dequantize().to(ACTIVATION_DTYPE).contiguous(), F.linear)
-                    for p in layer.projections)
+                    DenseProjection(weight.to(kernel.weight_dtype), kernel.linear,
+                                    ACTIVATION_DTYPE)
+                    for weight in copies(layer))
+        self.prompt_kernel = kernel.name
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, attention: StepAttention,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from services.engine.torch_backend.batch_invariant import probe
+from services.engine.torch_backend.batch_invariant import probe, prompt_rows
 from services.engine.torch_backend.cuda_graphs import CaptureStats, CudaGraphRunner
 from services.engine.torch_backend.device import to_device
 from services.engine.torch_backend.gguf_loader import LlamaConfig, gguf_architecture, load_gguf
@@ -479,11 +479,11 @@ class ModelRunner:
         projections.append(("lm_head", model.head))
         failures = probe([], config.head_dim, device=self.device.type, dtype=self.dtype,
                          projections=projections, padded_linear_rows=model.padded_rows)
-        if layer.prompt_projections is not None:  # bf16 F.linear: one row is computed as two
-            prompt = [(f"prompt {name}", p) for name, p in
+        if layer.prompt_projections is not None:  # one row is computed as two
+            prompt = [(f"prompt {name} ({model.prompt_kernel})", p) for name, p in
                       zip(names, layer.prompt_projections, strict=True)]
             failures += probe([], config.head_dim, device=self.device.type, dtype=self.dtype,
-                              projections=prompt, padded_linear_rows=lambda rows: max(rows, 2))
+                              projections=prompt, padded_linear_rows=prompt_rows)
         return failures
 
 

@@ -34,9 +34,11 @@ against the 4-bit step ``d`` itself): the values ``q`` are exact, the scales
 are the nearest bf16.
 
 Batch invariance (probed by ``batch_invariant.probe`` with ``quantization``):
-every kernel here, and bf16 ``F.linear``, gives each row the same bits for any
-number of rows at any offset (the native ones by construction; PyTorch's
-measured for 1..40 rows), so quantized projections need no row padding.
+every kernel here gives each row the same bits for any number of rows at any
+offset (the native ones by construction; PyTorch's measured for 1..40 rows
+with ``ONEDNN_MAX_CPU_ISA`` at AVX512_CORE_BF16, AVX512_CORE_VNNI and AVX2),
+so quantized projections need no row padding. Dense prompt projections take
+the kernel ``batch_invariant.select_prompt_kernel`` finds invariant here.
 """
 
 from __future__ import annotations
@@ -79,16 +81,19 @@ class Projection(Protocol):
 
 
 class DenseProjection:
-    """A dense ``[out, in]`` weight applied by ``kernel`` (``F.linear`` or oneDNN).
+    """A dense ``[out, in]`` weight applied by ``kernel`` (``F.linear`` or oneDNN)
+    to inputs in ``input_dtype`` (default the weight's; a prompt projection's
+    fp32 weight takes bf16 inputs, see ``batch_invariant.PromptKernel``).
 
     Holds the weight tensor itself (a model Parameter), so moving the model
     with ``.to()`` keeps it bound.
     """
 
-    def __init__(self, weight: torch.Tensor, kernel: Linear) -> None:
+    def __init__(self, weight: torch.Tensor, kernel: Linear,
+                 input_dtype: torch.dtype | None = None) -> None:
         self.weight = weight
         self.kernel = kernel
-        self.input_dtype = weight.dtype
+        self.input_dtype = input_dtype or weight.dtype
         self.out_features, self.in_features = (int(n) for n in weight.shape)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
