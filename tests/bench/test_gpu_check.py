@@ -503,3 +503,19 @@ def test_the_stage_on_the_cpu_finds_the_engine_batch_invariant(
     assert plain["alone_ids"] == default["alone_ids"]
     with pytest.raises(ValueError, match="1 \\(the target alone\\)"):
         gpu_check_batch_invariance.measure_mode(small_model, "cpu", "float32", True, (3,), 2)
+
+
+def test_a_cuda_check_that_did_not_run_is_not_run_never_ok() -> None:
+    from benchmarks import cuda_check
+
+    graphs = {"graphs_match_eager": {1: {"ok": True}, 8: {"ok": True}},
+              "no_host_sync": {1: {"graph": "ok", "eager": "ok"}}}
+    # --model-path: the greedy comparison with transformers is skipped.
+    assert cuda_check.check_verdicts(graphs) == {
+        "graphs_match_eager": "ok", "no_host_sync": "ok",
+        "greedy_matches_transformers": "not run"}
+    assert cuda_check.check_verdicts({**graphs, "greedy_matches_transformers": {"ok": False}})[
+        "greedy_matches_transformers"] == "failed"
+    synced = {**graphs, "no_host_sync": {1: {"graph": "ok", "eager": "synchronized: x"}}}
+    assert cuda_check.check_verdicts(synced)["no_host_sync"] == "failed"
+    assert cuda_check.check_verdicts({})["graphs_match_eager"] == "not run"
