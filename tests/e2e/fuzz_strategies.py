@@ -23,7 +23,13 @@ bug, every call ended within its deadline).
 Valid-looking requests ask for at most 16 tokens, so a case costs
 milliseconds on CPU (a refused one ~2 ms, one that generates ~45 ms, plus
 ~6 ms of Hypothesis' own per case, measured on a quiet 2-core machine) and a
-stream script at most its pauses (0.2 s) more.
+stream script at most its pauses (0.2 s) more. Inputs stay huge (past every
+limit), so what bounds a case's prefill is the mesh it runs on: a chat past
+the context window is trimmed to fit it, so on a model's own 8,192 tokens one
+case could prefill ~8k tokens (28-32 s on 2 cores, past
+:data:`CALL_DEADLINE_S`). The fuzzed mesh therefore runs with
+:data:`MESH_ENGINE_ARGS` (a :data:`MAX_MODEL_LEN`-token window): every case's
+prefill is at most that many tokens, whatever Hypothesis draws.
 """
 
 from __future__ import annotations
@@ -43,6 +49,12 @@ from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 #: Every call must end (final message or status) within this many seconds.
 CALL_DEADLINE_S = 20.0
+#: The fuzzed mesh's context window in tokens: no case prefills more (a chat
+#: past it is trimmed to fit, a longer prompt refused). A full window took
+#: ~1 s on 2 cores at load ~3 (tests/e2e/test_mesh_fuzz.py measures it each run).
+MAX_MODEL_LEN = 512
+#: The engine flags of a mesh that is fuzzed (the CI test's and the soak's).
+MESH_ENGINE_ARGS = ("--max-model-len", str(MAX_MODEL_LEN))
 #: The statuses that mean a crash or a bug, never a refusal.
 BAD_CODES = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
