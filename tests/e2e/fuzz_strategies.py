@@ -50,8 +50,8 @@ from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 #: Every call must end (final message or status) within this many seconds.
 CALL_DEADLINE_S = 20.0
 #: The fuzzed mesh's context window in tokens: no case prefills more (a chat
-#: past it is trimmed to fit, a longer prompt refused). A full window took
-#: ~1 s on 2 cores at load ~3 (tests/e2e/test_mesh_fuzz.py measures it each run).
+#: past it is trimmed to fit, a longer prompt refused; tests/e2e/test_mesh_fuzz.py
+#: times the costliest case each run).
 MAX_MODEL_LEN = 512
 #: The engine flags of a mesh that is fuzzed (the CI test's and the soak's).
 MESH_ENGINE_ARGS = ("--max-model-len", str(MAX_MODEL_LEN))
