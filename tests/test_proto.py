@@ -6,9 +6,11 @@ import filecmp
 import importlib.metadata as metadata
 import re
 import subprocess
+import tomllib
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,6 +56,12 @@ def pinned() -> dict[str, str]:
     return pins
 
 
+def min_version(specifier: SpecifierSet) -> str:
+    """The version in ``specifier``'s ``>=`` clause."""
+    (lower,) = (spec.version for spec in specifier if spec.operator == ">=")
+    return lower
+
+
 def test_the_code_generators_are_pinned_installed_and_stamped_in_the_stubs() -> None:
     """The drift test above compares with what the installed generators write:
     they must be the pinned ones, and the committed stubs theirs (a new
@@ -66,6 +74,14 @@ def test_the_code_generators_are_pinned_installed_and_stamped_in_the_stubs() -> 
     stamped = {re.search(r"GRPC_GENERATED_VERSION = '([^']+)'", path.read_text()).group(1)
                for path in (ROOT / "services" / "gen").rglob("*_pb2_grpc.py")}
     assert stamped == {pins["grpcio-tools"]}, "run make generate with the pinned grpcio-tools"
+    # ... and the runtime that pyproject.toml allows is one the stubs accept.
+    (grpc_version,) = stamped
+    (gencode,) = {re.search(r"Protobuf Python Version: (\S+)", path.read_text()).group(1)
+                  for path in (ROOT / "services" / "gen").rglob("*_pb2.py")}
+    runtime = {Requirement(r).name: Requirement(r).specifier for r in tomllib.loads(
+        (ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
+    assert min_version(runtime["grpcio"]) == grpc_version
+    assert min_version(runtime["protobuf"]) == gencode
     makefile = (ROOT / "Makefile").read_text()
     assert "CONSTRAINTS := constraints.txt" in makefile
     installs = re.findall(r"^\t.*pip install.*$|^PIP_INSTALL := .*$", makefile, re.M)
