@@ -292,28 +292,22 @@ def test_tls_bootstrap_sets_the_decided_tls_and_backstops(tmp_path: Path) -> Non
 
 def test_drift_checks_run_without_the_envoy_binary() -> None:
     """Without ``envoy`` on PATH only the ``envoy --mode validate`` tests skip."""
+    import inspect
     import os
     import sys
 
+    this = "test_drift_checks_run_without_the_envoy_binary"
+    tests = [f for name, f in inspect.getmembers(sys.modules[__name__], inspect.isfunction)
+             if name.startswith("test_") and name != this]
+    validating = [f for f in tests if needs_envoy.mark in getattr(f, "pytestmark", [])]
     bin_dirs = [d for d in os.environ["PATH"].split(os.pathsep)
                 if d and not (Path(d) / "envoy").exists()]
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-         "-k", "not without_the_envoy_binary", str(Path(__file__))],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", f"not {this}",
+         str(Path(__file__))],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
         env={**os.environ, "PATH": os.pathsep.join(bin_dirs)})
     assert result.returncode == 0, result.stdout[-3000:]
-    validating = 4  # the tests marked needs_envoy
-    assert f"{len(_pure_tests())} passed, {validating} skipped" in result.stdout, \
+    assert len(validating) == 4
+    assert f"{len(tests) - len(validating)} passed, {len(validating)} skipped" in result.stdout, \
         result.stdout[-3000:]
-
-
-def _pure_tests() -> list[str]:
-    """This module's tests that need no envoy binary (this one left out)."""
-    import inspect
-    import sys
-
-    module = sys.modules[__name__]
-    return [name for name, f in inspect.getmembers(module, inspect.isfunction)
-            if name.startswith("test_") and name != "test_drift_checks_run_without_the_envoy_binary"
-            and not any(m.name == "skipif" for m in getattr(f, "pytestmark", []))]
