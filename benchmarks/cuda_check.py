@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     report["checks"] = check_verdicts(report)
     report["ok"] = "failed" not in report["checks"].values()
     print(json.dumps(report, indent=2, default=str))
-    return 0 if ok else 1
+    return 0 if report["ok"] else 1
 
 
 if __name__ == "__main__":
