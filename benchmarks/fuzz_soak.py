@@ -26,7 +26,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as seeded
 
-from tests.e2e.fuzz_strategies import Target, cases, check, run_case
+from tests.e2e.fuzz_strategies import MESH_ENGINE_ARGS, Target, cases, check, run_case
 from tests.e2e.hostile_checks import Watched, problems, watched, watched_from_run_dir
 
 #: Cases between two checks of the mesh's processes (PIDs, health).
@@ -95,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if fuzz(args.url, processes, count=args.cases, seed=args.seed,
                          check_every=args.check_every) else 0
     from services.cli.mesh import Mesh
-    with Mesh(ingress_port=0, admin_port=0,
-              engine_args=["--max-model-len", "512"]) as mesh:
+    with Mesh(ingress_port=0, admin_port=0, engine_args=MESH_ENGINE_ARGS) as mesh:
         return 1 if fuzz(mesh.ingress_address, watched(mesh), count=args.cases,
                          seed=args.seed, check_every=args.check_every) else 0
 

@@ -39,7 +39,7 @@ DEVICE_PREINSTALLED = frozenset({
 #: Wheels that travel, with the reason each one must.
 CARRIED: dict[str, str] = {
     "structlog": "not in the image; every service logs with it",
-    "grpcio": "the image's version is not known; our stubs need grpcio >= 1.85.1",
+    "grpcio": "the image's version is not known; our stubs need grpcio >= 1.85.4",
     "grpcio-health-checking": "not in the image; every service serves grpc.health.v1",
     "grpcio-reflection": "not in the image; every service serves reflection",
     "protobuf": "the image's version is not known; our stubs need protobuf >= 7.35",

