@@ -38,6 +38,28 @@ from services.router.service import RouterConfig, RouterService
 from services.router.slow_reader import DEFAULT_CLIENT_WRITE_TIMEOUT_S
 
 
+def _token_count(text: str) -> int:
+    """An argparse type: a whole number of tokens >= 1 (argparse names the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 token, got {value}")
+    return value
+
+
+def _token_amount(text: str) -> float:
+    """An argparse type: a finite number of tokens >= 0 (argparse names the flag)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens, got {text!r}") from None
+    if not (value >= 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m services.router",
@@ -130,12 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="kv_aware: cheapest by cached prefix (the cache service's index) "
                             "and load; least_load: fewest open requests; round_robin: in turn "
                             "(default: kv_aware with several --engine, else least_load)")
-    route.add_argument("--kv-aware-decode-horizon", type=float,
-                       default=CostWeights.decode_horizon_tokens, metavar="TOKENS",
+    route.add_argument("--kv-aware-decode-horizon", type=_token_count,
+                       default=round(CostWeights.decode_horizon_tokens), metavar="TOKENS",
                        help="kv_aware: most decode steps of a request the cost looks ahead "
                             "(a larger max_tokens counts as this many; default "
                             f"{CostWeights.decode_horizon_tokens:g})")
-    route.add_argument("--kv-aware-affinity-slack", type=float,
+    route.add_argument("--kv-aware-affinity-slack", type=_token_amount,
                        default=CostWeights.affinity_slack_tokens, metavar="TOKENS",
                        help="kv_aware: a GenerateStream conversation leaves its replica when "
                             "that costs more than the prefill of this many tokens above the "

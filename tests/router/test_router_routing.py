@@ -323,3 +323,30 @@ async def test_prefix_lookups_hash_the_prompt_in_the_requests_cache_scope(
     assert index.asked == [prompt_block_hashes(scoped_seed(seed, "scope-a"), prompt, 16),
                            prompt_block_hashes(seed, prompt, 16)]
     assert index.asked[0] != index.asked[1]
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--kv-aware-decode-horizon", "-1", "must be >= 1 token"),
+    ("--kv-aware-decode-horizon", "0", "must be >= 1 token"),
+    ("--kv-aware-decode-horizon", "1.5", "expected a whole number of tokens"),
+    ("--kv-aware-decode-horizon", "nan", "expected a whole number of tokens"),
+    ("--kv-aware-affinity-slack", "-1", "must be a finite number >= 0"),
+    ("--kv-aware-affinity-slack", "inf", "must be a finite number >= 0"),
+])
+def test_a_bad_routing_flag_is_refused_naming_the_flag(
+        flag: str, value: str, words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from services.router.__main__ import build_parser
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--tokenizer", "t:1", "--engine", "e:1", f"{flag}={value}"])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: {words}" in capsys.readouterr().err
+
+
+def test_the_routing_flags_parse_to_the_cost_weights_units() -> None:
+    from services.router.__main__ import build_parser
+    args = build_parser().parse_args(["--tokenizer", "t:1", "--engine", "e:1",
+                                      "--kv-aware-decode-horizon", "64",
+                                      "--kv-aware-affinity-slack", "512.5"])
+    assert (args.kv_aware_decode_horizon, args.kv_aware_affinity_slack) == (64, 512.5)
+    assert build_parser().parse_args(["--tokenizer", "t:1", "--engine", "e:1"]
+                                     ).kv_aware_decode_horizon == 256
