@@ -232,8 +232,8 @@ def _tenant(raw: Any, where: str) -> tuple[Tenant, list[str]]:
         raise KeyFileError(f"{where}.models: must be a non-empty list of model ids "
                            "(\"*\": every served model)")
     cache_group = raw.get("cache_group", "")
-    if not isinstance(cache_group, str) or (
-            cache_group and not _TENANT_ID_RE.fullmatch(cache_group)):
+    if "cache_group" in raw and not (isinstance(cache_group, str)
+                                     and _TENANT_ID_RE.fullmatch(cache_group)):
         raise KeyFileError(f"{where}.cache_group: must be 1..128 printable ASCII characters "
                            "without spaces (tenants naming the same group share caches)")
     tenant = Tenant(tenant_id, frozenset(models), _limits(raw.get("limits", {}), where),

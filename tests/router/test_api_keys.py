@@ -73,6 +73,8 @@ def test_yaml_is_accepted_like_json(tmp_path) -> None:
     ({"id": "beta"}, "tenant 'beta' appears twice"),
     ({"cache_group": "has space"}, "tenants[0].cache_group"),
     ({"cache_group": 7}, "tenants[0].cache_group"),
+    ({"cache_group": ""}, "tenants[0].cache_group: must be 1..128"),
+    ({"cache_group": None}, "tenants[0].cache_group"),
 ])
 def test_a_bad_file_names_the_place_and_never_echoes_a_key(overrides, where) -> None:
     with pytest.raises(KeyFileError) as info:
