@@ -44,6 +44,7 @@ goes away cancels its handler task wherever it waits; the pipeline's
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -280,12 +281,20 @@ class OpenAIServer:
                                 f"(request_id={request_id}); see its logs")
 
 
+#: A field of the gRPC API named inside a message (``sampling.top_p``,
+#: ``sampling.structured_output.choice``).
+_GRPC_FIELD = re.compile(r"\bsampling(?:\.[a-z_]+)+")
+
+
 def _message(err: InvalidRequestError, parsed: OpenAIRequest | None) -> str:
-    """The shared validation's message with the field renamed as the client wrote it."""
+    """The shared validation's message with every field it names (the one it is
+    about, and any other it cites, such as the constraint beside
+    ``min_tokens``) renamed as the client wrote it."""
     text = str(err)
-    param = openai_param(err.field, parsed)
     prefix = f"{err.field}:"
-    return f"{param}:{text[len(prefix):]}" if text.startswith(prefix) else text
+    if text.startswith(prefix):
+        text = f"{openai_param(err.field, parsed)}:{text[len(prefix):]}"
+    return _GRPC_FIELD.sub(lambda match: openai_param(match.group(0), parsed), text)
 
 
 def _auth_error(err: AuthError) -> OpenAIError:

@@ -130,7 +130,14 @@ async def test_min_tokens_beside_a_choice_is_400_naming_both_and_never_reaches_a
         error = info.value.body
         assert (error["type"], error["param"]) == ("invalid_request_error", "min_tokens")
         assert error["message"].startswith("min_tokens: cannot be honoured beside a choice "
-                                           "constraint")
+                                           "constraint (guided_choice)")  # as the client named it
+        assert "sampling." not in error["message"]
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(model="fake-model", prompt="Yes or no?",
+                                            extra_body={"structured_outputs": {"choice": ["y"]},
+                                                        "min_tokens": 10})
+        assert "beside a choice constraint (structured_outputs.choice)" in \
+            info.value.body["message"]
         request = generation_pb2.GenerateRequest(prompt="Yes or no?", sampling=(
             common_pb2.SamplingParams(min_tokens=10, structured_output=common_pb2.StructuredOutput(
                 choice=common_pb2.ChoiceConstraint(choices=["yes", "no"])))))
