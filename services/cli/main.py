@@ -780,7 +780,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser(
         "generate", help="stream a completion through Envoy",
         description="Streams a completion to stdout as it is generated; the finish reason, "
-                    "token usage and latency go to stderr.",
+                    "token usage and latency go to stderr. A mesh started with --api-keys "
+                    "wants a key: export LLMESH_API_KEY=<key> (sent as "
+                    "authorization: Bearer).",
     )
     generate.add_argument("prompt", help="the question (a chat user message), or '-' for stdin")
     generate.add_argument("--raw", action="store_true",
@@ -806,7 +808,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--cacert", default=None, metavar="FILE", help=cacert_help)
     generate.set_defaults(func=cmd_generate)
 
-    models = commands.add_parser("models", help="list the served models")
+    models = commands.add_parser(
+        "models", help="list the served models",
+        description="Lists the served models. A mesh started with --api-keys wants a key: "
+                    "export LLMESH_API_KEY=<key> (sent as authorization: Bearer).")
     models.add_argument("--json", action="store_true", help="print the reply as JSON")
     models.add_argument("--timeout", type=_positive_seconds, default=10.0,
                         help="deadline in seconds (> 0)")

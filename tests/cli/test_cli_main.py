@@ -78,6 +78,7 @@ def test_the_help_states_the_address_precedence(capsys: pytest.CaptureFixture[st
         text = " ".join(capsys.readouterr().out.split())
         assert ("without it: LLMESH_URL, else 127.0.0.1:LLMESH_PORT (as for `llmesh up`), "
                 "else 127.0.0.1:8080") in text
+        assert "export LLMESH_API_KEY=<key>" in text  # a keyed mesh's users find it here
 
 
 def test_generate_goes_to_llmesh_port_without_a_url(
