@@ -231,7 +231,7 @@ def test_min_tokens_extends_a_grammar_or_is_400_naming_it(
                                   extra_body={"guided_regex": "[0-9]", "min_tokens": 5})
     assert info.value.body["param"] == "min_tokens"
     assert info.value.body["message"].startswith(
-        "min_tokens: the output constraint (sampling.structured_output) admits no token after")
+        "min_tokens: the output constraint (guided_regex) admits no token after")
     request = chat_request("A digit, please.", max_tokens=8, min_tokens=5)
     request.sampling.structured_output.regex = "[0-9]"
     with pytest.raises(grpc.RpcError) as refused:
