@@ -8,6 +8,8 @@ retries and the Prometheus stats.
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import json
 import re
 import shutil
@@ -16,6 +18,8 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -182,15 +186,39 @@ def test_silent_generation_outlives_the_stream_idle_timeout(envoy: EnvoyProcess)
     assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP
 
 
-def test_long_stream_outlives_envoy_default_route_timeout(envoy: EnvoyProcess) -> None:
+LONG_STREAM_TEST = "test_long_stream_outlives_envoy_default_route_timeout"
+
+
+@dataclasses.dataclass
+class LongStream:
+    """A stream started in the background; ``future`` gives its responses and
+    the time it ended."""
+
+    started: float
+    call: Any
+    future: concurrent.futures.Future
+
+
+@pytest.fixture(scope="module", autouse=True)
+def long_stream(request: pytest.FixtureRequest) -> Iterator[LongStream | None]:
+    """The 17 s stream of :func:`test_long_stream_outlives_envoy_default_route_timeout`,
+    started before the module's first test so that its wait overlaps theirs
+    (the stand-in router sleeps; nothing here is CPU-bound). Started only when
+    that test is selected; cancelled at teardown if it never collected it."""
+    if not any(item.name == LONG_STREAM_TEST and item.module is request.module
+               for item in request.session.items):
+        yield None
+        return
+    envoy = request.getfixturevalue("envoy")
     # 17 deltas 1 s apart: Envoy's default 15 s route timeout would cut it.
     words = " ".join(f"w{i}" for i in range(17))
     started = time.monotonic()
-    responses = list(_stub(envoy).Generate(
-        generation_pb2.GenerateRequest(prompt=f"sleep:1 {words}"), timeout=60))
-    assert time.monotonic() - started > 16
-    assert "".join(r.text for r in responses) == "".join(f"w{i} " for i in range(17))
-    assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    call = _stub(envoy).Generate(
+        generation_pb2.GenerateRequest(prompt=f"sleep:1 {words}"), timeout=60)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(lambda: (list(call), time.monotonic()))
+        yield LongStream(started, call, future)
+        call.cancel()
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
@@ -256,3 +284,12 @@ def test_envoy_start_failure_quotes_its_log(tmp_path) -> None:
     assert str(broken.log_path) in message
     assert "ddress already in use" in message
     assert broken.process is not None and broken.process.poll() is not None
+
+
+# Last in the module: its stream has run in the background since the first test.
+def test_long_stream_outlives_envoy_default_route_timeout(long_stream: LongStream | None) -> None:
+    assert long_stream is not None
+    responses, ended = long_stream.future.result(timeout=60)
+    assert ended - long_stream.started > 16
+    assert "".join(r.text for r in responses) == "".join(f"w{i} " for i in range(17))
+    assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP

@@ -158,11 +158,22 @@ def oracle(spec_backend: TorchBackend):
     speculator.proposers[SpeculativeMethod.NGRAM] = saved
 
 
+@pytest.fixture(scope="module")
+async def greedy_reference(spec_backend: TorchBackend, spec_prompts) -> list[list[int]]:
+    """The 30 prompts' greedy answers (MAX_TOKENS) without speculation, 16 at a
+    time: the reference of the equality tests, computed once (greedy output
+    does not depend on the batch, test_batch_exactness.py)."""
+    prompts = [ids for _, ids in spec_prompts]
+    return await run_all(spec_backend, prompts, SamplingOptions(max_tokens=MAX_TOKENS), OFF,
+                         concurrency=16)
+
+
 async def test_greedy_output_is_the_same_with_speculation_alone_and_16_at_a_time(
-        spec_backend: TorchBackend, spec_prompts, spec_metrics: EngineMetrics) -> None:
+        spec_backend: TorchBackend, spec_prompts, spec_metrics: EngineMetrics,
+        greedy_reference: list[list[int]]) -> None:
     prompts = [ids for _, ids in spec_prompts]
     options = SamplingOptions(max_tokens=MAX_TOKENS)
-    reference = await run_all(spec_backend, prompts, options, OFF, concurrency=16)
+    reference = greedy_reference
     drafts = counter(spec_metrics, "spec_decode_num_drafts")
     accepted = counter(spec_metrics, "spec_decode_num_accepted_tokens")
     alone = await run_all(spec_backend, prompts, options, NGRAM, concurrency=1)
@@ -192,16 +203,17 @@ def costed(spec_backend: TorchBackend):
 
 async def test_greedy_output_is_the_same_with_suffix_decoding_cold_and_warm(
         spec_backend: TorchBackend, spec_prompts, spec_metrics: EngineMetrics,
-        costed: SuffixProposer) -> None:
+        costed: SuffixProposer, greedy_reference: list[list[int]]) -> None:
     # Cold: only the request's own tokens propose at first, then the answers of the
-    # prompts before it. Warm: every answer is in the cache (the reference run put it
-    # there), so the proposals are long and right. Alone and 16 at a time.
+    # prompts before it. Warm: every answer is in the cache (the cold run put it
+    # there, and equals the reference), so the proposals are long and right.
+    # Alone and 16 at a time. (greedy_reference, module-scoped, is computed before
+    # ``costed`` empties the cache.)
     prompts = [ids for _, ids in spec_prompts]
     options = SamplingOptions(max_tokens=MAX_TOKENS)
     kinds = [kind for kind, _ in spec_prompts]
+    reference = greedy_reference
     cold = await run_all(spec_backend, prompts, options, SUFFIX, concurrency=1)
-    costed.clear()
-    reference = await run_all(spec_backend, prompts, options, OFF, concurrency=16)
     assert [i for i in range(30) if cold[i] != reference[i]] == [], kinds
     assert costed.cache is not None and costed.cache.num_inserted == 30
     drafts = counter(spec_metrics, "spec_decode_num_drafts")
