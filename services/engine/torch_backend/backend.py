@@ -242,7 +242,8 @@ class TorchBackend(EngineBackend):
             backend=self.name, max_num_seqs=config.max_num_seqs,
             kv_capacity_tokens=cache.num_blocks * cache.block_size,
             kv_block_size=cache.block_size if caching else 0,
-            kv_hash_seed=kv.hash_seed if caching else b"")
+            kv_hash_seed=kv.hash_seed if caching else b"",
+            kv_offload_blocks=0 if kv.offload is None else kv.offload.capacity_blocks)
         self._grammars = GrammarCompiler(path, runner.config.vocab_size,
                                          runner.config.eos_token_ids,
                                          config.structured_output_compile_timeout_s)
