@@ -87,7 +87,10 @@ from services.common.kv_events import (
     BlockStored,
     KVEvent,
     Medium,
+    PrefixMatch,
 )
+
+__all__ = ["MemoryPrefixIndex", "PrefixIndex", "PrefixMatch", "RedisPrefixIndex"]
 
 #: Bytes of a block hash (SHA-256).
 HASH_BYTES = 32
@@ -102,20 +105,6 @@ STALE_EPOCH = "stale_epoch"
 NOT_REGISTERED = "not_registered"
 CAPACITY = "capacity"
 BACKEND = "backend"
-
-
-@dataclass(frozen=True)
-class PrefixMatch:
-    """A replica's hold on a prompt's leading blocks.
-
-    Attributes:
-      blocks: leading blocks in its KV pool.
-      offloaded: blocks right after those held in its offload tier (or pool),
-        up to the first block held in neither.
-    """
-
-    blocks: int
-    offloaded: int = 0
 
 
 def _entry(block_hash: BlockHash, medium: Medium) -> bytes:

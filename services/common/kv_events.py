@@ -87,6 +87,21 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass(frozen=True)
+class PrefixMatch:
+    """A replica's hold on a prompt's leading KV blocks, as the prefix index
+    answers it (``ScorePrefix``).
+
+    Attributes:
+      blocks: leading blocks in its KV pool.
+      offloaded: blocks right after those held in its offload tier (or pool),
+        up to the first block held in neither.
+    """
+
+    blocks: int
+    offloaded: int = 0
+
+
+@dataclass(frozen=True)
 class KVSnapshot:
     """Every block hash a replica's prefix cache holds at one moment.
 

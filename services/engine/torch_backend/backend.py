@@ -234,7 +234,8 @@ class TorchBackend(EngineBackend):
         cache = runner.kv_cache
         kv = KVCacheManager(cache.num_blocks, cache.block_size, config.enable_prefix_caching,
                             model_id=model, role_aware=runner.model.has_prompt_projections,
-                            kv_layout=_kv_layout(config, runner), offload=_offload_tier(config, cache))
+                            kv_layout=_kv_layout(config, runner),
+                            offload=_offload_tier(config, cache))
         caching = config.enable_prefix_caching
         self._info = ModelInfo(
             model=model, max_model_len=max_model_len,
