@@ -109,11 +109,6 @@ class KVOffloadTier:
         return self.capacity_blocks * self.block_bytes
 
     @property
-    def num_blocks(self) -> int:
-        """Blocks held."""
-        return len(self._slots)
-
-    @property
     def restore_block_s(self) -> float:
         """Mean seconds to restore one block, measured since start (0: none yet)."""
         return self._restore_total_s / self._restored_total if self._restored_total else 0.0
@@ -154,11 +149,8 @@ class KVOffloadTier:
         return True, dropped
 
     def pin(self, hashes: Iterable[BlockHash]) -> None:
-        """Keeps ``hashes`` from the LRU until :meth:`restore` (or :meth:`unpin`)."""
+        """Keeps ``hashes`` from the LRU until :meth:`restore` copies them out."""
         self._pinned.update(hashes)
-
-    def unpin(self, hashes: Iterable[BlockHash]) -> None:
-        self._pinned.difference_update(hashes)
 
     def restore(self, hashes: Iterable[BlockHash], block_ids: Iterable[int]) -> None:
         """Copies the blocks of ``hashes`` (held, e.g. pinned) into pool blocks
