@@ -612,6 +612,7 @@ local blob, tag = ARGV[2], ARGV[3]
 local hashes = {}
 for i = 1, #blob, 32 do hashes[#hashes + 1] = string.sub(blob, i, i + 31) end
 local function probe(key, first, last, suffix)
+  if suffix == '' then return redis.call('SMISMEMBER', key, unpack(hashes, first, last)) end
   local members = {}
   for i = first, last do members[#members + 1] = hashes[i] .. suffix end
   return redis.call('SMISMEMBER', key, unpack(members))
