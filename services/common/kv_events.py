@@ -17,9 +17,22 @@ model and the same tokens from position 0 on.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from services.common.block_hash import BlockHash
+
+
+class Medium(enum.Enum):
+    """Where a replica holds a block (vLLM's KV events carry a ``medium`` too).
+
+    POOL: the engine's working KV pool (a hit costs nothing).
+    OFFLOAD: its second tier (``--kv-offload-bytes``): a hit costs a copy back
+    into the pool, less than recomputing the block.
+    """
+
+    POOL = "pool"
+    OFFLOAD = "offload"
 
 
 @dataclass(frozen=True)
@@ -30,30 +43,36 @@ class BlockStored:
       block_hashes: the blocks' hashes in sequence order (each chained to the previous).
       parent_hash: hash of the block before the first one; None when the first
         block starts at position 0.
-      token_ids: the blocks' token ids back to back (``block_size`` per block).
+      token_ids: the blocks' token ids back to back (``block_size`` per block;
+        empty for OFFLOAD: the tier keeps no tokens).
       block_size: tokens per block.
+      medium: where they are now held.
     """
 
     block_hashes: tuple[BlockHash, ...]
     parent_hash: BlockHash | None
     token_ids: tuple[int, ...]
     block_size: int
+    medium: Medium = Medium.POOL
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    """Blocks were evicted: their hashes no longer hit on this replica.
+    """Blocks were evicted from ``medium``: their hashes no longer hit there
+    (a block evicted from the pool may still be held by the OFFLOAD tier).
 
     Attributes:
       block_hashes: hashes of the evicted blocks.
+      medium: where they were held.
     """
 
     block_hashes: tuple[BlockHash, ...]
+    medium: Medium = Medium.POOL
 
 
 @dataclass(frozen=True)
 class AllBlocksCleared:
-    """The replica dropped its whole prefix cache (no hash hits any more)."""
+    """The replica dropped its whole prefix cache, every medium (no hash hits any more)."""
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
@@ -64,7 +83,9 @@ class KVSnapshot:
     """Every block hash a replica's prefix cache holds at one moment.
 
     Attributes:
-      block_hashes: the hashes (used and cached blocks), in no order.
+      block_hashes: the hashes in the pool (used and cached blocks), in no order.
+      offloaded_hashes: the hashes in the OFFLOAD tier (the tier is inclusive:
+        a hash may be in both).
       events_dropped: the engine's running count of events its bounded buffer
         dropped, as of the snapshot (a publisher that sees it grow sends a new
         snapshot).
@@ -72,3 +93,4 @@ class KVSnapshot:
 
     block_hashes: tuple[BlockHash, ...]
     events_dropped: int = 0
+    offloaded_hashes: tuple[BlockHash, ...] = ()

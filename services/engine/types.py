@@ -148,6 +148,32 @@ class ModelInfo:
     kv_hash_seed: bytes = b""
 
 
+@dataclass(frozen=True)
+class OffloadStats:
+    """What the KV offload tier did since its stats were last taken (counts in
+    blocks; see :mod:`~services.engine.torch_backend.kv_offload`).
+
+    Attributes:
+      queries: prompt blocks looked up there (full blocks the pool missed).
+      hits: of those, blocks found there (each then restored).
+      stored: blocks copied in from the pool (evictions).
+      restored: blocks copied back into the pool.
+      evicted: blocks dropped by the tier's LRU.
+      restore_seconds: seconds of each restore (one sequence's blocks at once).
+      num_bytes: bytes held when taken (not a delta).
+      capacity_bytes: the tier's capacity in bytes.
+    """
+
+    queries: int = 0
+    hits: int = 0
+    stored: int = 0
+    restored: int = 0
+    evicted: int = 0
+    restore_seconds: tuple[float, ...] = ()
+    num_bytes: int = 0
+    capacity_bytes: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class StepStats:
     """What one engine step did (passed to the step observer, e.g. metrics).
@@ -168,6 +194,7 @@ class StepStats:
         choices not counted; recomputed ones after a preemption counted).
       suffix_cache_tokens, suffix_cache_bytes: after the step, the suffix
         decoding cache's tokens and estimated bytes (0 without one).
+      offload: the KV offload tier's stats since the previous step (None without one).
     """
 
     duration_s: float
@@ -183,3 +210,4 @@ class StepStats:
     num_prompt_tokens_computed: int = 0
     suffix_cache_tokens: int = 0
     suffix_cache_bytes: int = 0
+    offload: OffloadStats | None = None

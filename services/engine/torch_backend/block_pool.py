@@ -15,7 +15,10 @@ freed), and a cached block taken that way loses its hash (evicted, LRU);
 (:meth:`BlockPool.touch`) removes it from the queue wherever it sits.
 
 The pool owns the hash → block map and the KV event queue
-(:mod:`services.common.kv_events`). It knows nothing of sequences: the
+(:mod:`services.common.kv_events`; the KV cache manager adds the offload
+tier's events through :meth:`BlockPool.emit`, so one queue keeps their order).
+An ``on_evict`` callback sees each evicted block while its keys and values are
+still in the storage (the manager copies them to the offload tier there). It knows nothing of sequences: the
 :class:`~services.engine.torch_backend.kv_cache_manager.KVCacheManager` decides
 which blocks a sequence holds and in which order they are freed. Not
 thread-safe; the engine thread owns it (``take_events`` may be called from any
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from services.common.kv_events import (
@@ -39,6 +42,10 @@ from services.common.kv_events import (
 
 #: Events kept before the oldest are dropped when nobody drains them.
 MAX_PENDING_EVENTS = 100_000
+
+#: Called with ``(block_id, block_hash)`` of the cached blocks one allocation
+#: evicts, before anything overwrites them.
+EvictCallback = Callable[[list[tuple[int, BlockHash]]], None]
 
 
 class KVIntegrityError(RuntimeError):
@@ -82,9 +89,11 @@ class BlockPool:
       block_size: tokens per block (reported in :class:`BlockStored` events).
       enable_caching: keep hashes of full blocks for prefix reuse; when False no
         block is ever cached and no events are emitted.
+      on_evict: see :data:`EvictCallback` (None: evicted blocks are dropped).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 on_evict: EvictCallback | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -95,6 +104,7 @@ class BlockPool:
             (block.block_id, block) for block in self._blocks)
         self._by_hash: dict[BlockHash, KVBlock] = {}
         self._events: collections.deque[KVEvent] = collections.deque()
+        self._on_evict = on_evict
         #: Events dropped (oldest first) because nobody drained them in time.
         self.events_dropped = 0
 
@@ -144,17 +154,19 @@ class BlockPool:
         if num_blocks > len(self._free):
             raise OutOfBlocksError(f"asked for {num_blocks} blocks, {len(self._free)} free")
         taken: list[KVBlock] = []
-        evicted: list[BlockHash] = []
+        evicted: list[tuple[int, BlockHash]] = []
         for _ in range(num_blocks):
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
-                evicted.append(block.block_hash)
+                evicted.append((block.block_id, block.block_hash))
                 del self._by_hash[block.block_hash]
                 block.block_hash = None
             block.ref_count = 1
             taken.append(block)
         if evicted:
-            self._emit(BlockRemoved(tuple(evicted)))
+            self.emit(BlockRemoved(tuple(h for _, h in evicted)))
+            if self._on_evict is not None:
+                self._on_evict(evicted)
         return taken
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -228,7 +240,7 @@ class BlockPool:
             block.block_hash = None
         self._by_hash.clear()
         if self.enable_caching:
-            self._emit(AllBlocksCleared())
+            self.emit(AllBlocksCleared())
         return True
 
     def take_events(self) -> list[KVEvent]:
@@ -269,7 +281,7 @@ class BlockPool:
             raise KVIntegrityError(f"{cached} cached blocks with prefix caching off")
         return counts
 
-    def _emit(self, event: KVEvent) -> None:
+    def emit(self, event: KVEvent) -> None:
         """Queues ``event``; beyond :data:`MAX_PENDING_EVENTS` the oldest is dropped
         and counted in ``events_dropped`` (a reader then needs a snapshot)."""
         if len(self._events) >= MAX_PENDING_EVENTS:
@@ -280,4 +292,4 @@ class BlockPool:
 
     def _emit_stored(self, hashes: list[BlockHash], parent: BlockHash | None,
                      tokens: list[int]) -> None:
-        self._emit(BlockStored(tuple(hashes), parent, tuple(tokens), self.block_size))
+        self.emit(BlockStored(tuple(hashes), parent, tuple(tokens), self.block_size))

@@ -22,6 +22,14 @@ tokens, so its keys/values (computed the generated way) never stand in for the
 same tokens given as a prompt (computed the prompt way), e.g. a previous
 answer quoted in the next turn of a chat. Blocks of prompt tokens only hash as
 before.
+
+Offload tier (``offload``, :mod:`~services.engine.torch_backend.kv_offload`):
+a cached block the pool evicts is copied there first (``BlockStored`` with
+medium OFFLOAD; the tier's own LRU drops send ``BlockRemoved`` OFFLOAD), and
+:meth:`find_prefix` goes on past the pool's leading hits into the tier: the
+blocks found there are copied into fresh pool blocks by
+:meth:`allocate_slots`, registered in the prefix cache at once (they are
+computed) and counted as computed tokens, so the prefill starts after them.
 """
 
 from __future__ import annotations
@@ -29,13 +37,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.block_hash import BlockHash, block_hash_seed, hash_block, scoped_seed
-from services.common.kv_events import KVEvent
+from services.common.kv_events import BlockRemoved, BlockStored, KVEvent, Medium
 from services.engine.torch_backend.block_pool import (
     BlockCounts,
     BlockPool,
     KVBlock,
     KVIntegrityError,
 )
+from services.engine.torch_backend.kv_offload import KVOffloadTier
 from services.engine.torch_backend.sequence import Sequence
 
 
@@ -44,12 +53,24 @@ class PrefixHit:
     """Leading full blocks of a sequence found computed in the prefix cache.
 
     Attributes:
-      blocks: the blocks, in sequence order (opaque to the scheduler).
-      num_tokens: tokens they hold (``len(blocks) * block_size``).
+      blocks: the pool's blocks, in sequence order (opaque to the scheduler).
+      num_tokens: tokens computed from the start: the pool's blocks and then
+        the restored ones (``(len(blocks) + len(restore)) * block_size``).
+      restore: hashes of the blocks after ``blocks`` found in the offload tier,
+        in order (copied into new pool blocks by ``allocate_slots``).
+      offload_queries: blocks looked up in the offload tier (0 without one).
     """
 
     blocks: tuple[KVBlock, ...] = ()
     num_tokens: int = 0
+    restore: tuple[BlockHash, ...] = ()
+    offload_queries: int = 0
+
+    @property
+    def num_pool_tokens(self) -> int:
+        """Tokens of the pool's blocks alone (the prefix cache's hit)."""
+        total = len(self.blocks) + len(self.restore)
+        return self.num_tokens * len(self.blocks) // total if total else 0
 
 
 NO_HIT = PrefixHit()
@@ -80,14 +101,18 @@ class KVCacheManager:
         (:func:`~services.common.block_hash.block_hash_seed`).
       role_aware: blocks with generated tokens hash their prompt/generated split
         (see the module docstring).
+      offload: the second KV tier (None: evicted blocks are dropped); needs caching.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 model_id: str = "", role_aware: bool = False, kv_layout: str = "") -> None:
+                 model_id: str = "", role_aware: bool = False, kv_layout: str = "",
+                 offload: KVOffloadTier | None = None) -> None:
         self.block_size = block_size
         self.role_aware = role_aware
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, block_size, enable_caching)
+        self.offload = offload if enable_caching else None
+        self.pool = BlockPool(num_blocks, block_size, enable_caching,
+                              on_evict=None if self.offload is None else self._offload)
         self.hash_seed = block_hash_seed(model_id, kv_layout)
         self._tables: dict[int, list[KVBlock]] = {}  # by Sequence.arrival
         self._num_registered: dict[int, int] = {}
@@ -138,15 +163,24 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        if not hits:
-            return NO_HIT
-        return PrefixHit(tuple(hits), len(hits) * self.block_size)
+        restore: list[BlockHash] = []
+        if self.offload is not None:
+            for block_hash in seq.block_hashes[len(hits):limit]:
+                if block_hash not in self.offload or self.pool.get_cached_block(block_hash):
+                    break
+                restore.append(block_hash)
+        if not hits and not restore:
+            return NO_HIT if self.offload is None else PrefixHit(offload_queries=limit)
+        return PrefixHit(tuple(hits), (len(hits) + len(restore)) * self.block_size,
+                         tuple(restore), 0 if self.offload is None else limit - len(hits))
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
                        prefix: PrefixHit = NO_HIT) -> bool:
         """Makes room for ``seq``'s next ``num_new_tokens`` tokens after its
         computed ones and, first, takes a reference on the ``prefix`` blocks
-        (from :meth:`find_prefix` in the same step). All or nothing.
+        (from :meth:`find_prefix` in the same step) and copies its offloaded
+        blocks back into the first new blocks (registered in the prefix cache
+        at once). All or nothing.
 
         Returns:
           False (and changes nothing) when too few blocks are free.
@@ -165,9 +199,45 @@ class KVCacheManager:
             self.pool.touch(prefix.blocks)
             table.extend(prefix.blocks)
             self._num_registered[seq.arrival] = len(table)
+        if self.offload is not None and prefix.offload_queries:
+            self.offload.count_lookup(prefix.offload_queries, len(prefix.restore))
+        if prefix.restore:
+            self.offload.pin(prefix.restore)  # the allocation's evictions must not drop them
         if new_blocks > 0:
             table.extend(self.pool.allocate(new_blocks))
+        if prefix.restore:
+            self._restore(seq, table, prefix.restore)
         return True
+
+    def _restore(self, seq: Sequence, table: list[KVBlock],
+                 restore: tuple[BlockHash, ...]) -> None:
+        """Copies the offloaded blocks ``restore`` into ``seq``'s blocks after its
+        registered ones and registers them in the prefix cache."""
+        assert self.offload is not None
+        done = self._num_registered[seq.arrival]
+        blocks = table[done:done + len(restore)]
+        self.offload.restore(restore, [block.block_id for block in blocks])
+        size = self.block_size
+        parent = seq.block_hashes[done - 1] if done else None
+        self.pool.cache_full_blocks(blocks, restore, parent,
+                                    seq.token_ids[done * size:(done + len(restore)) * size])
+        self._num_registered[seq.arrival] = done + len(restore)
+
+    def _offload(self, evicted: list[tuple[int, BlockHash]]) -> None:
+        """Copies the blocks the pool evicts into the offload tier (the pool's
+        ``on_evict``) and emits the tier's events."""
+        assert self.offload is not None
+        stored: list[BlockHash] = []
+        dropped: list[BlockHash] = []
+        for block_id, block_hash in evicted:
+            new, lost = self.offload.store(block_id, block_hash)
+            dropped.extend(lost)
+            if new:
+                stored.append(block_hash)
+        if dropped:
+            self.pool.emit(BlockRemoved(tuple(dropped), Medium.OFFLOAD))
+        if stored:
+            self.pool.emit(BlockStored(tuple(stored), None, (), self.block_size, Medium.OFFLOAD))
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> BlockCopy | None:
         """Gives ``child`` (holding no blocks) a block table for ``parent``'s first
@@ -233,12 +303,20 @@ class KVCacheManager:
             self.pool.free(reversed(table))
 
     def reset_prefix_cache(self) -> bool:
-        """See :meth:`BlockPool.reset_prefix_cache`."""
-        return self.pool.reset_prefix_cache()
+        """See :meth:`BlockPool.reset_prefix_cache`; the offload tier is emptied too."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.offload is not None:
+            self.offload.clear()
+        return True
 
     def cached_hashes(self) -> tuple[BlockHash, ...]:
         """Every hash in the prefix cache (used and cached blocks)."""
         return self.pool.cached_hashes()
+
+    def offloaded_hashes(self) -> tuple[BlockHash, ...]:
+        """Every hash in the offload tier (empty without one)."""
+        return () if self.offload is None else self.offload.hashes()
 
     def take_events(self) -> list[KVEvent]:
         """KV events since the last call (thread-safe)."""
@@ -253,6 +331,8 @@ class KVCacheManager:
           KVIntegrityError: naming the first inconsistency.
         """
         counts = self.pool.check_integrity()
+        if self.offload is not None:
+            self.offload.check_integrity()
         references: dict[int, int] = {}
         for table in self._tables.values():
             for block in table:

@@ -153,7 +153,8 @@ class SchedulerOutput:
       finished: sequences that left at this boundary without computing
         (cancelled while running); deliver their last delta.
       prefix_queries: prompt tokens looked up in the prefix cache.
-      prefix_hits: of those, tokens found computed.
+      prefix_hits: of those, tokens found computed in the pool (blocks restored
+        from the offload tier are counted by the tier).
       block_copies: KV blocks to copy before the next forward (forked choices'
         partial blocks), written by :meth:`Scheduler.update_from_output`.
     """
@@ -473,9 +474,9 @@ class Scheduler:
             seq.num_computed_tokens = hit.num_tokens
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = min(hit.num_tokens, seq.num_prompt_tokens)
-            if looks_up:
+            if looks_up:  # the pool's hits (blocks restored from the offload tier apart)
                 out.prefix_queries += seq.num_tokens
-                out.prefix_hits += hit.num_tokens
+                out.prefix_hits += hit.num_pool_tokens
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq)
             self._add_scheduled(out, seq, num_new)
