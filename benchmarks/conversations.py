@@ -28,7 +28,7 @@ Usage (from the repository root, so the mesh runs this checkout; alone on the
 machine, it measures CPU time)::
 
     python -m benchmarks.conversations            # the issue's shape (long here)
-    python -m benchmarks.conversations --quick    # a fast check (4 x 3, short)
+    python -m benchmarks.conversations --quick    # a fast check (6 x 3, short)
 
 Not a test: numbers depend on the machine.
 """
@@ -87,15 +87,16 @@ class Shape:
 #: (SmolLM2-135M fp32: 46,080 bytes a token) against ~175,000 tokens of
 #: history, and a tier that holds it all.
 FULL = Shape(64, 8, 1000, 300, 32, 8, "512MiB", "8GiB")
-#: ``--quick``: the same mechanism in about a minute a mode.
-QUICK = Shape(4, 3, 256, 128, 16, 2, "24MiB", "256MiB")
+#: ``--quick``: the same mechanism in about a minute a mode: ~3,100 tokens of
+#: history against a pool of ~1,600 (the longest prompt is ~720).
+QUICK = Shape(6, 3, 256, 128, 16, 2, "72MiB", "256MiB")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="4 conversations x 3 turns, short texts (a fast check)")
-    parser.add_argument("--conversations", type=int, help="default: 64 (quick: 4)")
+                        help="6 conversations x 3 turns, short texts (a fast check)")
+    parser.add_argument("--conversations", type=int, help="default: 64 (quick: 6)")
     parser.add_argument("--turns", type=int, help="user turns each (default: 8; quick: 3)")
     parser.add_argument("--system-len", type=int, help="system prompt tokens (default: 1000)")
     parser.add_argument("--turn-len", type=int, help="tokens a user turn adds (default: 300)")
@@ -105,6 +106,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-offload-bytes", help="the tier with it on (default: 8GiB)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per mode, interleaved off/on (default: 1)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="tier modes to run (default: off on)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     base = QUICK if args.quick else FULL
@@ -211,11 +214,12 @@ def outputs_by_turn(run: dict) -> dict[str, str]:
 
 def print_report(shape: Shape, runs: list[dict]) -> None:
     by_mode = {mode: [r for r in runs if r["mode"] == mode] for mode in MODES}
+    repeats = max(len(r) for r in by_mode.values())
     turns = sorted({t for r in runs for t in r["turns"] if t is not None})
     print(f"\n{shape.conversations} conversations x {shape.turns} turns, system prompt "
           f"{shape.system_len} tokens, {shape.turn_len} tokens a user turn, "
           f"{shape.output_len} out, {shape.users} users; KV pool {shape.kv_cache_bytes}, "
-          f"tier {shape.kv_offload_bytes} when on; {len(by_mode['off'])} run(s) a mode "
+          f"tier {shape.kv_offload_bytes} when on; {repeats} run(s) a mode "
           "(medians over runs)")
     row = "{:>10} {:>8} {:>10} {:>10} {:>10} {:>10} {:>8}"
     print(row.format("turn", "prompt", "off p50", "off p99", "on p50", "on p99", "on/off"))
@@ -261,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"{os.cpu_count()} CPUs; results in {run_dir}", flush=True)
     runs = []
     for index in range(args.repeats):
-        order = MODES if index % 2 == 0 else MODES[::-1]
+        order = args.modes if index % 2 == 0 else args.modes[::-1]
         for mode in order:
             runs.append(run_mode(shape, mode, args.seed, run_dir, index))
             print(f"run {index} tier {mode}: {runs[-1]['duration']:.0f} s, "
