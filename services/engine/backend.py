@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import grpc
 
 from services.common.kv_events import KVEvent, KVSnapshot
-from services.engine.types import LoadStats, ModelInfo, SequenceRequest, TokenDelta
+from services.engine.types import BlockCounts, LoadStats, ModelInfo, SequenceRequest, TokenDelta
 
 
 class EngineError(Exception):
@@ -164,6 +164,11 @@ class EngineBackend(abc.ABC):
         """Every block hash of the prefix cache now, taken atomically with
         dropping the undrained events (see :class:`KVSnapshot`); None when the
         backend publishes no KV events (the default). Thread-safe."""
+        return None
+
+    def kv_block_counts(self) -> BlockCounts | None:
+        """KV blocks by state, from a check of the block bookkeeping; None when
+        not known (the default) or when the check fails. Thread-safe."""
         return None
 
     @abc.abstractmethod

@@ -94,6 +94,12 @@ class EngineConfig:
         start. None (default): 1 GiB on the CPU; on CUDA ``gpu_memory_fraction``
         of the GPU memory free once the weights are loaded.
       enable_prefix_caching: reuse computed KV blocks of equal prefixes (torch backend).
+      kv_offload_bytes: memory of the second KV tier (torch backend, needs prefix
+        caching): full prefix-cache blocks the pool evicts are copied there and
+        restored on a later prefix hit instead of recomputed
+        (``torch_backend/kv_offload.py``). None (default): no tier.
+      kv_offload_dir: back that tier by a memory-mapped file in this directory
+        (unlinked once mapped) instead of anonymous host memory.
       batch_invariant: pad matmul shapes so a token's arithmetic does not depend
         on its batch (bit-identical outputs whatever runs beside a request; see
         ``torch_backend/batch_invariant.py``) (torch backend).
@@ -173,6 +179,8 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
+    kv_offload_bytes: int | None = None
+    kv_offload_dir: Path | None = None
     batch_invariant: bool = True
     default_max_tokens: int = 256
     max_tokens_cap: int | None = None
@@ -325,6 +333,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
         "after the weights; tensorrt_llm sizes its cache by --gpu-memory-fraction only)")
     add("--enable-prefix-caching", parse_bool, True, "reuse KV blocks of equal prefixes",
         action=argparse.BooleanOptionalAction)
+    add("--kv-offload-bytes", parse_bytes, None,
+        "a second KV tier of this size, e.g. 4GiB (torch backend): prefix-cache blocks evicted "
+        "from the KV cache are kept there and restored instead of recomputed (default: off)")
+    add("--kv-offload-dir", Path, None,
+        "with --kv-offload-bytes: a memory-mapped file in this directory backs the tier "
+        "(default: anonymous host memory)")
     add("--batch-invariant", parse_bool, True,
         "batch-invariant arithmetic: same tokens whatever shares the batch",
         action=argparse.BooleanOptionalAction)
@@ -411,6 +425,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_bytes,
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_offload_bytes=args.kv_offload_bytes,
+        kv_offload_dir=args.kv_offload_dir,
         batch_invariant=args.batch_invariant,
         default_max_tokens=args.default_max_tokens,
         max_tokens_cap=args.max_tokens_cap,

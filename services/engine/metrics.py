@@ -13,13 +13,15 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.sampling import FinishReason
-from services.engine.types import LoadStats, StepStats, TokenDelta
+from services.engine.types import BlockCounts, LoadStats, OffloadStats, StepStats, TokenDelta
 
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
                  0.5, 0.75, 1.0, 2.5, 5.0)
 #: vLLM's buckets for tokens per step, cut at 8192.
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_RESTORE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                    0.25, 0.5, 1.0)
 
 
 class EngineMetrics:
@@ -45,6 +47,18 @@ class EngineMetrics:
     mean acceptance length = 1 + accepted / drafts. Suffix decoding's cache
     of earlier outputs (gauges): ``spec_decode_suffix_cache_tokens`` and
     ``spec_decode_suffix_cache_bytes`` (estimated memory).
+    The KV offload tier (``--kv-offload-bytes``; counters in blocks):
+    ``kv_offload_queries_total`` (prompt blocks the pool missed, looked up in
+    the tier), ``kv_offload_hits_total`` (found there; hit rate = hits /
+    queries), ``kv_offload_stored_blocks_total`` (copied in from the pool),
+    ``kv_offload_restored_blocks_total`` (copied back), and
+    ``kv_offload_evicted_blocks_total`` (dropped by its LRU); gauges
+    ``kv_offload_bytes`` (held) and ``kv_offload_capacity_bytes``; histogram
+    ``kv_offload_restore_seconds`` (one sequence's restore). Block
+    bookkeeping (gauges read at scrape time from the backend's integrity
+    check, -1 when it fails): ``kv_cache_blocks{state}`` (free, cached,
+    used) and ``kv_cache_num_blocks``; after a run, idle, used == 0 and
+    free + cached == num_blocks (no leaked block).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -116,6 +130,47 @@ class EngineMetrics:
             "llmesh:kv_event_snapshots", "Snapshots of the prefix cache sent to the index, "
             "by reason (connect, reconnect, resync, dropped).", ["reason"], registry=registry)
 
+        self.kv_offload_queries = Counter(
+            "llmesh:kv_offload_queries",
+            "Prompt KV blocks the pool missed, looked up in the offload tier.",
+            registry=registry)
+        self.kv_offload_hits = Counter(
+            "llmesh:kv_offload_hits", "KV blocks found in the offload tier (then restored).",
+            registry=registry)
+        self.kv_offload_stored_blocks = Counter(
+            "llmesh:kv_offload_stored_blocks",
+            "KV blocks copied into the offload tier (evicted from the pool).", registry=registry)
+        self.kv_offload_restored_blocks = Counter(
+            "llmesh:kv_offload_restored_blocks",
+            "KV blocks copied from the offload tier back into the pool.", registry=registry)
+        self.kv_offload_evicted_blocks = Counter(
+            "llmesh:kv_offload_evicted_blocks", "KV blocks dropped by the offload tier's LRU.",
+            registry=registry)
+        self.kv_offload_bytes = Gauge(
+            "llmesh:kv_offload_bytes", "Bytes of KV blocks held by the offload tier.",
+            registry=registry)
+        self.kv_offload_capacity_bytes = Gauge(
+            "llmesh:kv_offload_capacity_bytes", "Capacity of the KV offload tier in bytes.",
+            registry=registry)
+        self.kv_offload_restore_seconds = Histogram(
+            "llmesh:kv_offload_restore_seconds",
+            "Seconds to copy one sequence's blocks from the offload tier into the pool.",
+            buckets=_RESTORE_BUCKETS, registry=registry)
+        self.kv_cache_blocks = Gauge(
+            "llmesh:kv_cache_blocks", "KV blocks by state: free, cached (prefix cache, "
+            "unused), used (held by sequences); -1 when the bookkeeping is inconsistent.",
+            ["state"], registry=registry)
+        self.kv_cache_num_blocks = Gauge(
+            "llmesh:kv_cache_num_blocks", "KV blocks in the pool (-1: bookkeeping inconsistent).",
+            registry=registry)
+
+    def track_blocks(self, counts: Callable[[], BlockCounts | None]) -> None:
+        """Makes the block gauges read ``counts()`` at each scrape (None: -1 each)."""
+        for state in ("free", "cached", "used", "total"):
+            gauge = (self.kv_cache_num_blocks if state == "total"
+                     else self.kv_cache_blocks.labels(state=state))
+            gauge.set_function(functools.partial(_count, counts, state))
+
     def track_load(self, load: Callable[[], LoadStats]) -> None:
         """Makes the load gauges read ``load()`` at each scrape."""
         self.num_requests_running.set_function(lambda: load().num_running)
@@ -134,6 +189,8 @@ class EngineMetrics:
             self.prefix_cache_hits.inc(stats.prefix_hits)
         if stats.num_preemptions:
             self.num_preemptions.inc(stats.num_preemptions)
+        if stats.offload is not None:
+            self._observe_offload(stats.offload)
         self.spec_decode_suffix_cache_tokens.set(stats.suffix_cache_tokens)
         self.spec_decode_suffix_cache_bytes.set(stats.suffix_cache_bytes)
         if stats.spec_num_drafts:
@@ -143,6 +200,17 @@ class EngineMetrics:
             for position, count in enumerate(stats.spec_accepted_per_pos):
                 self.spec_decode_num_accepted_tokens_per_pos.labels(position=str(position)).inc(
                     count)
+
+    def _observe_offload(self, stats: OffloadStats) -> None:
+        self.kv_offload_queries.inc(stats.queries)
+        self.kv_offload_hits.inc(stats.hits)
+        self.kv_offload_stored_blocks.inc(stats.stored)
+        self.kv_offload_restored_blocks.inc(stats.restored)
+        self.kv_offload_evicted_blocks.inc(stats.evicted)
+        self.kv_offload_bytes.set(stats.num_bytes)
+        self.kv_offload_capacity_bytes.set(stats.capacity_bytes)
+        for seconds in stats.restore_seconds:
+            self.kv_offload_restore_seconds.observe(seconds)
 
     def observe_delta(self, delta: TokenDelta, first: bool, last: bool | None = None) -> None:
         """Counts a delta's tokens; ``first`` marks a request's first delta (its
@@ -159,6 +227,11 @@ class EngineMetrics:
         """Counts a request whose last delta was never read (the client dropped the
         call, so the engine cancelled it; or the stream failed) by ``reason``."""
         self.request_success.labels(finished_reason=reason.name.lower()).inc()
+
+
+def _count(counts: Callable[[], BlockCounts | None], state: str) -> float:
+    found = counts()
+    return -1.0 if found is None else float(getattr(found, state))
 
 
 @functools.cache

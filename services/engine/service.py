@@ -121,6 +121,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             log.error("engine_load_failed", error=str(exc), error_type=type(exc).__name__)
             raise EngineLoadError(str(exc)) from exc
         self._metrics.track_load(self._backend.load)
+        self._metrics.track_blocks(self._backend.kv_block_counts)
         self._ready = True
         info = self._backend.model_info
         fields = {"dtype": self._config.dtype, "quantization": self._config.quantization,

@@ -149,6 +149,17 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class BlockCounts:
+    """How many KV blocks are in each state (``free + cached + used == total``;
+    a leak shows as ``used > 0`` when the engine is idle)."""
+
+    free: int
+    cached: int
+    used: int
+    total: int
+
+
+@dataclass(frozen=True)
 class OffloadStats:
     """What the KV offload tier did since its stats were last taken (counts in
     blocks; see :mod:`~services.engine.torch_backend.kv_offload`).

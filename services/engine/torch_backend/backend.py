@@ -10,7 +10,8 @@ file or a Hugging Face safetensors checkpoint directory, see
 ``max_model_len``,
 ``max_num_waiting``, ``max_num_seqs``,
 ``max_num_batched_tokens``, ``prefill_chunk_size``, ``block_size``,
-``kv_cache_bytes``, ``enable_prefix_caching``, ``batch_invariant``, and the
+``kv_cache_bytes``, ``enable_prefix_caching``, ``kv_offload_bytes``, ``kv_offload_dir``,
+``batch_invariant``, and the
 speculative decoding fields (``speculative_method``, ``num_speculative_tokens``,
 ``ngram_min``, ``ngram_max``, ``ngram_full_len``, ``draft_num_layers``, ``draft_model_path``,
 ``speculative_disable_batch_size``, ``speculative_cost_model``, ``suffix_*``),
@@ -36,7 +37,7 @@ from services.common.model_files import default_model_path
 from services.common.sampling import MAX_SPECULATIVE_TOKENS, SpeculativeMethod
 from services.engine.backend import EngineBackend, EngineUnavailableError
 from services.engine.config import EngineConfig
-from services.engine.torch_backend.block_pool import BlockCounts
+from services.engine.torch_backend.block_pool import BlockCounts, KVIntegrityError
 from services.engine.torch_backend.cuda_graphs import capture_refusal
 from services.engine.torch_backend.device import check_device, check_kv_budget
 from services.engine.torch_backend.gguf_loader import gguf_architecture
@@ -49,7 +50,9 @@ from services.engine.torch_backend.draft_proposer import (
 from services.engine.torch_backend.engine_core import EngineCore, StepObserver
 from services.engine.torch_backend.grammar_mask import GrammarMatcher
 from services.engine.torch_backend.kv_cache_manager import KVCacheManager
+from services.engine.torch_backend.kv_offload import KVOffloadTier
 from services.engine.torch_backend.model import LlamaModel
+from services.engine.torch_backend.paged_kv import PagedKVCache
 from services.engine.torch_backend.model_runner import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -231,7 +234,7 @@ class TorchBackend(EngineBackend):
         cache = runner.kv_cache
         kv = KVCacheManager(cache.num_blocks, cache.block_size, config.enable_prefix_caching,
                             model_id=model, role_aware=runner.model.has_prompt_projections,
-                            kv_layout=_kv_layout(config, runner))
+                            kv_layout=_kv_layout(config, runner), offload=_offload_tier(config, cache))
         caching = config.enable_prefix_caching
         self._info = ModelInfo(
             model=model, max_model_len=max_model_len,
@@ -420,6 +423,17 @@ class TorchBackend(EngineBackend):
             raise EngineUnavailableError("the torch engine is not running")
         return self._core.check_integrity()
 
+    def kv_block_counts(self) -> BlockCounts | None:
+        """See :meth:`EngineBackend.kv_block_counts` (:meth:`check_integrity`;
+        a failed check is logged)."""
+        try:
+            return self.check_integrity()
+        except EngineUnavailableError:
+            return None
+        except KVIntegrityError as exc:
+            log.error("kv_integrity_failed", error=str(exc))
+            return None
+
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix block, if none is in use (True then)."""
         return self._core is not None and self._core.reset_prefix_cache()
@@ -434,6 +448,22 @@ class TorchBackend(EngineBackend):
             await asyncio.to_thread(core.stop)
         if self._grammars is not None:
             self._grammars.shutdown()
+
+
+def _offload_tier(config: EngineConfig, cache: PagedKVCache) -> KVOffloadTier | None:
+    """The second KV tier (``--kv-offload-bytes``), None without one.
+
+    Raises:
+      ValueError: it is asked for with prefix caching off, or holds no block.
+    """
+    if config.kv_offload_bytes is None:
+        return None
+    if not config.enable_prefix_caching:
+        raise ValueError("--kv-offload-bytes needs prefix caching (--enable-prefix-caching)")
+    tier = KVOffloadTier(cache, config.kv_offload_bytes, config.kv_offload_dir)
+    log.info("kv_offload_allocated", blocks=tier.capacity_blocks, bytes=tier.capacity_bytes,
+             directory=None if config.kv_offload_dir is None else str(config.kv_offload_dir))
+    return tier
 
 
 def resolve_dtype(config: EngineConfig, model: LlamaModel | None = None) -> EngineConfig:

@@ -39,6 +39,9 @@ from services.common.kv_events import (
     BlockStored,
     KVEvent,
 )
+from services.engine.types import BlockCounts
+
+__all__ = ["BlockCounts", "BlockPool", "KVBlock", "KVIntegrityError", "OutOfBlocksError"]
 
 #: Events kept before the oldest are dropped when nobody drains them.
 MAX_PENDING_EVENTS = 100_000
@@ -69,16 +72,6 @@ class KVBlock:
     block_id: int
     ref_count: int = 0
     block_hash: BlockHash | None = None
-
-
-@dataclass(frozen=True)
-class BlockCounts:
-    """How many blocks are in each state (``free + cached + used == total``)."""
-
-    free: int
-    cached: int
-    used: int
-    total: int
 
 
 class BlockPool:

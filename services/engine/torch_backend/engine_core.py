@@ -278,7 +278,8 @@ class EngineCore:
         for a copy of the hash map: ~1 ms per 10,000 blocks)."""
         with self._state_lock:
             self._kv.take_events()
-            return KVSnapshot(self._kv.cached_hashes(), self._kv.pool.events_dropped)
+            return KVSnapshot(self._kv.cached_hashes(), self._kv.pool.events_dropped,
+                              self._kv.offloaded_hashes())
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block hash if no block is in use. Thread-safe."""
@@ -444,6 +445,8 @@ class EngineCore:
                 self._speculator.retain(self._running_keys())
         if self._step_observer is not None:
             stats = _step_stats(time.perf_counter() - began, out, [sampled[i] for i in own])
+            if self._kv.offload is not None:  # its counts change on this thread only
+                stats = dataclasses.replace(stats, offload=self._kv.offload.take_stats())
             if self._speculator is not None:
                 tokens, nbytes = self._speculator.cache_size()
                 stats = dataclasses.replace(stats, suffix_cache_tokens=tokens,
