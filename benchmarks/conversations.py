@@ -268,6 +268,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         order = args.modes if index % 2 == 0 else args.modes[::-1]
         for mode in order:
             runs.append(run_mode(shape, mode, args.seed, run_dir, index))
+            # With the engine's figures, so that a cut-short benchmark keeps them.
+            (run_dir / f"run-{index}-{mode}.json").write_text(json.dumps(runs[-1]))
             print(f"run {index} tier {mode}: {runs[-1]['duration']:.0f} s, "
                   f"load {os.getloadavg()}", flush=True)
     print_report(shape, runs)
