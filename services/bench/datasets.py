@@ -20,6 +20,12 @@ Nothing here is copied from a public data set.
   Requests go out round by round (every conversation's first turn, then every
   second turn ...), and the whole set repeats until ``num_prompts``. The
   requested output length is the reference reply's token count.
+- ``conversations`` with ``--conversations-num``: synthetic chats
+  (:func:`synthetic_chats`), one shared system prompt of ``system_len``
+  tokens and ``turns`` user turns of ``turn_len`` tokens each; the replies
+  are the model's own, so each turn's request is built while the benchmark
+  runs (:meth:`ChatScript.request`, driven by
+  :func:`services.bench.load.run_chats`).
 
 Prompt lengths (``BenchRequest.prompt_len``) are counted with the same
 tokenizer: the raw text for a prompt, the rendered chat template (with the
@@ -57,6 +63,8 @@ class BenchRequest:
       output_len: completion tokens to ask for (``max_tokens``).
       tag: where it came from, e.g. ``random/3``, ``shared-prefix/1``,
         ``conversations/bread/2``.
+      turn: the user turn of a conversation it asks for, 0-based (0: the
+        conversation's first request); ``None`` outside conversations.
     """
 
     prompt: str | None
@@ -64,6 +72,7 @@ class BenchRequest:
     prompt_len: int
     output_len: int
     tag: str = ""
+    turn: int | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -256,4 +265,70 @@ def _conversation_turn(tokenizer: BenchTokenizer, conv: Conversation, turn: int,
     wanted = output_len if output_len is not None else max(1, len(tokenizer.encode(reference)))
     prompt_len = len(tokenizer.encode(tokenizer.render_chat(messages)))
     return BenchRequest(None, tuple(messages), prompt_len, wanted,
-                        f"conversations/{conv.id}/{turn}")
+                        f"conversations/{conv.id}/{turn}", turn)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatScript:
+    """A synthetic conversation: what its user says; the replies come from the
+    model while the benchmark runs, as with a real chat client.
+
+    Attributes:
+      id: unique in its set, e.g. ``c07``.
+      system: the system prompt (the same text for every script of a set).
+      user_turns: the user's messages, in order.
+      output_len: completion tokens asked for on every turn.
+    """
+
+    id: str
+    system: str
+    user_turns: tuple[str, ...]
+    output_len: int
+
+    def request(self, tokenizer: BenchTokenizer, replies: Sequence[str]) -> BenchRequest:
+        """The request of turn ``len(replies)``: the system prompt, every earlier
+        user turn followed by the reply the model gave to it, then this turn's
+        user message.
+
+        Args:
+          replies: the model's replies to the turns before, oldest first.
+
+        Raises:
+          ValueError: no turn is left (``len(replies) >= len(user_turns)``).
+        """
+        turn = len(replies)
+        if turn >= len(self.user_turns):
+            raise ValueError(f"{self.id} has {len(self.user_turns)} turns; no turn {turn}")
+        messages = [Message("system", self.system)]
+        for user, reply in zip(self.user_turns, replies, strict=False):
+            messages += [Message("user", user), Message("assistant", reply)]
+        messages.append(Message("user", self.user_turns[turn]))
+        prompt_len = len(tokenizer.encode(tokenizer.render_chat(messages)))
+        return BenchRequest(None, tuple(messages), prompt_len, self.output_len,
+                            f"conversations/{self.id}/{turn}", turn)
+
+
+def synthetic_chats(tokenizer: BenchTokenizer, num_chats: int, *, turns: int, system_len: int,
+                    turn_len: int, output_len: int, seed: int = 0,
+                    sampler: TextSampler | None = None) -> list[ChatScript]:
+    """``num_chats`` conversations of ``turns`` user turns sharing one system prompt.
+
+    The system prompt is corpus text of exactly ``system_len`` tokens, each
+    user turn corpus text of exactly ``turn_len`` tokens (both by
+    ``tokenizer``, before the chat template adds its role markers). The same
+    arguments give the same scripts.
+
+    Raises:
+      ValueError: a count or length below 1.
+    """
+    for name, value in (("num_chats", num_chats), ("turns", turns), ("system_len", system_len),
+                        ("turn_len", turn_len), ("output_len", output_len)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    rng = np.random.default_rng(seed)
+    sampler = sampler or TextSampler(tokenizer)
+    system = sampler.sample(rng, system_len)[0]
+    width = len(str(num_chats - 1))
+    return [ChatScript(f"c{i:0{width}d}", system,
+                       tuple(sampler.sample(rng, turn_len)[0] for _ in range(turns)), output_len)
+            for i in range(num_chats)]

@@ -12,6 +12,18 @@ Bounds: the run stops issuing requests after ``len(requests)`` requests or
 ``duration_s`` seconds, whichever comes first; requests already in flight
 run to their end and count. Warm-up requests run before the clock starts
 and are not counted.
+
+Synthetic conversations (:func:`run_chats`) run closed loop instead: a
+request's prompt holds the replies to the turns before it, so a turn is sent
+only when the previous one has ended. ``max_concurrency`` is the number of
+users; the conversations are dealt to them in turn (user ``u`` gets
+conversations ``u``, ``u + users``, ...), and each user keeps all of its
+conversations open, sending turn ``t`` of each of them, then turn ``t + 1``
+of each (a user switching between open chats, or an agent serving several):
+between two turns of one conversation, every other conversation of the run
+takes a turn, so a KV cache smaller than all the conversations together
+does not hold a returning conversation's history. There are no arrivals
+(``request_rate`` must be ``inf``).
 """
 
 from __future__ import annotations
@@ -25,8 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.bench.backends import Backend
-from services.bench.datasets import BenchRequest
+from services.bench.datasets import BenchRequest, ChatScript
 from services.bench.records import RequestOutput
+from services.bench.tokenizer import BenchTokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +147,7 @@ async def run_load(backend: Backend, requests: Sequence[BenchRequest], settings:
                 if time.perf_counter() >= deadline:
                     return None  # waited for a slot past the bound: never sent
                 output = await backend.send(request)
-        output.tag = request.tag
+        output.tag, output.turn = request.tag, request.turn
         if on_done is not None:
             on_done(output)
         return output
@@ -157,3 +170,51 @@ async def run_load(backend: Backend, requests: Sequence[BenchRequest], settings:
     end = time.perf_counter()
     outputs = [r for r in results if r is not None]
     return LoadResult(outputs, end - start, len(requests) - len(outputs), start)
+
+
+async def run_chats(backend: Backend, chats: Sequence[ChatScript], tokenizer: BenchTokenizer,
+                    settings: LoadSettings,
+                    on_done: Callable[[RequestOutput], None] | None = None) -> LoadResult:
+    """Runs ``chats`` closed loop: ``settings.max_concurrency`` users (default:
+    one per conversation), each sending turn by turn across its conversations
+    (see the module's docstring), every prompt carrying the replies received.
+
+    A conversation whose turn failed sends no further turn (it has no reply to
+    carry); those turns, and every turn not begun by ``duration_s``, count in
+    ``not_sent``.
+
+    Raises:
+      ValueError: ``request_rate`` is not ``inf``, or ``chats`` is empty.
+    """
+    if not math.isinf(settings.request_rate):
+        raise ValueError("conversations run closed loop: request_rate must be inf")
+    if not chats:
+        raise ValueError("no conversations to run")
+    users = min(settings.max_concurrency or len(chats), len(chats))
+    start = time.perf_counter()
+    deadline = start + settings.duration_s if settings.duration_s is not None else math.inf
+
+    async def user(mine: Sequence[ChatScript]) -> list[RequestOutput]:
+        replies: dict[str, list[str]] = {chat.id: [] for chat in mine}
+        outputs: list[RequestOutput] = []
+        for turn in range(max(len(chat.user_turns) for chat in mine)):
+            for chat in mine:
+                if len(replies[chat.id]) != turn or turn >= len(chat.user_turns):
+                    continue  # finished, or stopped by a failed turn
+                if time.perf_counter() >= deadline:
+                    return outputs
+                request = chat.request(tokenizer, replies[chat.id])
+                output = await backend.send(request)
+                output.tag, output.turn = request.tag, request.turn
+                outputs.append(output)
+                if output.success:
+                    replies[chat.id].append(output.generated_text)
+                if on_done is not None:
+                    on_done(output)
+        return outputs
+
+    per_user = await asyncio.gather(*(user(chats[u::users]) for u in range(users)))
+    end = time.perf_counter()
+    outputs = sorted((o for mine in per_user for o in mine), key=lambda o: o.start_time)
+    total = sum(len(chat.user_turns) for chat in chats)
+    return LoadResult(outputs, end - start, total - len(outputs), start)

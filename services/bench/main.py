@@ -24,10 +24,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from services.bench.datasets import BenchRequest
+    from services.bench.datasets import BenchRequest, ChatScript
     from services.bench.tokenizer import BenchTokenizer
 
 DEFAULT_PORTS = {"llmesh": 8080, "openai": 8000, "openai-chat": 8000}
+#: Completion tokens per turn of synthetic conversations without --conversations-output-len.
+SYNTHETIC_OUTPUT_LEN = 32
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,7 +79,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="shared-prefix: tokens to generate (default: %(default)s)")
     data.add_argument("--conversations-output-len", type=int, default=None,
                       help="conversations: tokens to generate (default: the reference "
-                           "reply's length)")
+                           "reply's length; synthetic: 32)")
+    data.add_argument("--conversations-num", type=int, default=None,
+                      help="conversations: this many synthetic chats instead of the bundled "
+                           "set, run closed loop (the model's replies become the history; "
+                           "--max-concurrency users; --num-prompts is not used)")
+    data.add_argument("--conversations-turns", type=int, default=8,
+                      help="synthetic conversations: user turns each (default: %(default)s)")
+    data.add_argument("--conversations-system-len", type=int, default=1000,
+                      help="synthetic conversations: tokens of the system prompt they all "
+                           "share (default: %(default)s)")
+    data.add_argument("--conversations-turn-len", type=int, default=300,
+                      help="synthetic conversations: tokens of each user message "
+                           "(default: %(default)s)")
 
     load = parser.add_argument_group("load")
     load.add_argument("--request-rate", default="inf",
@@ -178,8 +192,19 @@ def _check_args(args: argparse.Namespace) -> dict[str, Any]:
                  "shared_prefix_output_len"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1")
-    if args.conversations_output_len is not None and args.conversations_output_len < 1:
-        raise UsageError("--conversations-output-len must be >= 1")
+    for flag in ("conversations_output_len", "conversations_num"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.conversations_num is not None:
+        if args.dataset_name != "conversations":
+            raise UsageError("--conversations-num needs --dataset-name conversations")
+        for flag in ("conversations_turns", "conversations_system_len",
+                     "conversations_turn_len"):
+            if getattr(args, flag) < 1:
+                raise UsageError(f"--{flag.replace('_', '-')} must be >= 1")
+        if any(not math.isinf(rate) for rate in rates):
+            raise UsageError("--conversations-num runs closed loop (each turn waits for the "
+                             "reply before it): leave --request-rate at inf")
     if not 0.0 <= args.random_range_ratio < 1.0:
         raise UsageError("--random-range-ratio must be in [0, 1)")
     if not args.burstiness > 0:
@@ -230,11 +255,31 @@ def base_url(args: argparse.Namespace) -> str:
     return f"{args.host}:{port}" if args.backend == "llmesh" else f"http://{args.host}:{port}"
 
 
-def dataset_builder(args: argparse.Namespace, tokenizer: BenchTokenizer
-                    ) -> Callable[[int, int], list[BenchRequest]]:
-    """``build(count, seed)`` for ``--dataset-name`` (one text sampler shared)."""
+def chats_builder(args: argparse.Namespace, tokenizer: BenchTokenizer
+                  ) -> Callable[[int, int], list[ChatScript]] | None:
+    """``build(count, seed)`` of synthetic conversations (``--conversations-num``),
+    else ``None``."""
     from services.bench import datasets
 
+    if args.conversations_num is None:
+        return None
+    sampler = datasets.TextSampler(tokenizer)
+    output_len = args.conversations_output_len or SYNTHETIC_OUTPUT_LEN
+    return lambda count, seed: datasets.synthetic_chats(
+        tokenizer, count, turns=args.conversations_turns,
+        system_len=args.conversations_system_len, turn_len=args.conversations_turn_len,
+        output_len=output_len, seed=seed, sampler=sampler)
+
+
+def dataset_builder(args: argparse.Namespace, tokenizer: BenchTokenizer
+                    ) -> Callable[[int, int], list[BenchRequest]]:
+    """``build(count, seed)`` for ``--dataset-name`` (one text sampler shared);
+    for synthetic conversations, their first turns (the warm-up requests)."""
+    from services.bench import datasets
+
+    chats = chats_builder(args, tokenizer)
+    if chats is not None:
+        return lambda count, seed: [chat.request(tokenizer, []) for chat in chats(count, seed)]
     if args.dataset_name == "conversations":
         conversations = datasets.load_conversations(args.dataset_path)
         return lambda count, seed: datasets.conversation_requests(
@@ -270,6 +315,10 @@ def _settings(args: argparse.Namespace, checked: dict[str, Any], url: str, model
         "shared_prefix_prefix_len": args.shared_prefix_prefix_len,
         "shared_prefix_output_len": args.shared_prefix_output_len,
         "conversations_output_len": args.conversations_output_len,
+        "conversations_num": args.conversations_num,
+        "conversations_turns": args.conversations_turns,
+        "conversations_system_len": args.conversations_system_len,
+        "conversations_turn_len": args.conversations_turn_len,
         "burstiness": args.burstiness,
         "duration_limit": args.duration,
         "num_warmups": args.num_warmups,
@@ -327,6 +376,7 @@ async def _run(args: argparse.Namespace, checked: dict[str, Any],
         await backend.close()
         return 1
     build = dataset_builder(args, tokenizer)
+    chats = chats_builder(args, tokenizer)
     sweep = [(rate, c) for rate in checked["rates"] for c in checked["concurrencies"]]
     sweep_key = ("request_rate" if len(checked["rates"]) > 1 else
                  "max_concurrency" if len(checked["concurrencies"]) > 1 else None)
@@ -334,11 +384,15 @@ async def _run(args: argparse.Namespace, checked: dict[str, Any],
     runs = []
     try:
         for index, (rate, concurrency) in enumerate(sweep):
-            result = await _one_run(args, checked, backend, build, index, rate, concurrency)
+            result = await _one_run(args, checked, backend, (build, chats, tokenizer), index,
+                                    rate, concurrency)
             runs.append({**settings, "request_rate": rate, "max_concurrency": concurrency,
                          **result})
             print(report.format_result(runs[-1], checked["percentiles"], checked["metrics"]),
                   flush=True)
+            if "per_turn" in result:
+                print(report.format_per_turn(result["per_turn"], checked["percentiles"],
+                                             checked["metrics"]), flush=True)
     finally:
         await backend.close()
     if sweep_key:
@@ -348,21 +402,33 @@ async def _run(args: argparse.Namespace, checked: dict[str, Any],
 
 
 async def _one_run(args: argparse.Namespace, checked: dict[str, Any], backend: Any,
-                   build: Callable[[int, int], list[BenchRequest]], index: int,
-                   rate: float, concurrency: int | None) -> dict[str, Any]:
-    """Warm-up, measured run and figures of one sweep point."""
+                   dataset: tuple[Callable[[int, int], list[BenchRequest]],
+                                  Callable[[int, int], list[ChatScript]] | None,
+                                  BenchTokenizer],
+                   index: int, rate: float, concurrency: int | None) -> dict[str, Any]:
+    """Warm-up, measured run and figures of one sweep point.
+
+    Args:
+      dataset: ``(build, chats, tokenizer)``: the request builder
+        (:func:`dataset_builder`), the synthetic conversations' builder
+        (:func:`chats_builder`; ``None``: send ``build``'s requests), and the
+        tokenizer that renders the conversations' turns.
+    """
     import numpy as np
     from tqdm import tqdm
 
-    from services.bench.load import LoadSettings, run_load, run_warmup
+    from services.bench.load import LoadSettings, run_chats, run_load, run_warmup
     from services.bench.metrics import calculate_metrics
 
+    build, chats, tokenizer = dataset
     load = LoadSettings(request_rate=rate, burstiness=args.burstiness,
                         max_concurrency=concurrency, duration_s=args.duration,
                         num_warmups=args.num_warmups)
     # A fresh prompt set per sweep point (and for warm-up), so that later points
     # do not find earlier points' prompts in a prefix cache.
-    requests = build(args.num_prompts, args.seed + index)
+    scripts = chats(args.conversations_num, args.seed + index) if chats else None
+    requests = build(args.num_prompts, args.seed + index) if scripts is None else []
+    total = len(requests) if scripts is None else sum(len(c.user_turns) for c in scripts)
     if args.num_warmups:
         warm = await run_warmup(backend, build(args.num_warmups, args.seed + 10_000 + index),
                                 load)
@@ -373,10 +439,14 @@ async def _one_run(args: argparse.Namespace, checked: dict[str, Any], backend: A
     label = (f"rate {rate:g}" if not math.isinf(rate) else "rate inf") + \
         (f", concurrency {concurrency}" if concurrency else "")
     loadavg_start = os.getloadavg()
-    with tqdm(total=len(requests), desc=label, unit="req", file=sys.stderr,
+    with tqdm(total=total, desc=label, unit="req", file=sys.stderr,
               disable=args.disable_tqdm, dynamic_ncols=True) as bar:
-        outcome = await run_load(backend, requests, load, np.random.default_rng(args.seed),
-                                 on_done=lambda _: bar.update(1))
+        if scripts is None:
+            outcome = await run_load(backend, requests, load, np.random.default_rng(args.seed),
+                                     on_done=lambda _: bar.update(1))
+        else:
+            outcome = await run_chats(backend, scripts, tokenizer, load,
+                                      on_done=lambda _: bar.update(1))
     result = calculate_metrics(outcome.outputs, outcome.duration_s,
                                percentiles=checked["percentiles"], metrics=checked["metrics"],
                                goodput_slos_ms=checked["slos"] or None,

@@ -140,13 +140,7 @@ def calculate_metrics(outputs: Sequence[RequestOutput], duration_s: float, *,
     good = [o for o in outputs if o.success]
     total_input = sum(o.prompt_len for o in good)
     total_output = sum(o.output_tokens for o in good)
-    tpots = [t for t in (tpot_of(o) for o in good) if t is not None]
-    series = {
-        "ttft": [o.ttft for o in good],
-        "tpot": tpots,
-        "itl": [gap for o in good for gap in o.itl],
-        "e2el": [o.latency for o in good],
-    }
+    series = _series(good)
     result: dict[str, Any] = {
         "duration": duration_s,
         "completed": len(good),
@@ -171,10 +165,45 @@ def calculate_metrics(outputs: Sequence[RequestOutput], duration_s: float, *,
     result.update(summarize(refusals, "refusal", percentiles))
     result["errors_by_status"] = dict(sorted(Counter(o.error for o in outputs
                                                      if not o.success).items()))
+    if any(o.turn is not None for o in outputs):
+        result["per_turn"] = per_turn(outputs, percentiles, metrics)
     origin = start_time if start_time is not None else min(
         (o.start_time for o in outputs), default=0.0)
     result.update(per_request(outputs, origin))
     return result
+
+
+def _series(good: Sequence[RequestOutput]) -> dict[str, list[float]]:
+    """The values (seconds) each metric summarizes, from successful requests."""
+    return {
+        "ttft": [o.ttft for o in good],
+        "tpot": [t for t in (tpot_of(o) for o in good) if t is not None],
+        "itl": [gap for o in good for gap in o.itl],
+        "e2el": [o.latency for o in good],
+    }
+
+
+def per_turn(outputs: Sequence[RequestOutput], percentiles: Sequence[float] = DEFAULT_PERCENTILES,
+             metrics: Sequence[str] = METRICS) -> list[dict[str, Any]]:
+    """The figures of each conversation turn: one dict per turn that any request
+    asked for, in turn order, with ``turn`` (0-based), ``completed``,
+    ``failed``, ``mean_input_tokens`` (successful requests' prompt tokens)
+    and the ``mean_/median_/std_/pNN_<metric>_ms`` of ``metrics``.
+    Requests without a turn are left out.
+    """
+    turns = sorted({o.turn for o in outputs if o.turn is not None})
+    rows = []
+    for turn in turns:
+        mine = [o for o in outputs if o.turn == turn]
+        good = [o for o in mine if o.success]
+        row: dict[str, Any] = {
+            "turn": turn, "completed": len(good), "failed": len(mine) - len(good),
+            "mean_input_tokens": (sum(o.prompt_len for o in good) / len(good)) if good else None}
+        series = _series(good)
+        for name in metrics:
+            row.update(summarize(series[name], name, percentiles))
+        rows.append(row)
+    return rows
 
 
 def per_request(outputs: Sequence[RequestOutput], origin: float) -> dict[str, list[Any]]:
@@ -188,6 +217,7 @@ def per_request(outputs: Sequence[RequestOutput], origin: float) -> dict[str, li
         "e2els": [o.latency if o.success else None for o in outputs],
         "start_offsets": [o.start_time - origin for o in outputs],
         "errors": [o.error for o in outputs],
+        "turns": [o.turn for o in outputs],
         "server_prompt_tokens": [o.server_prompt_tokens for o in outputs],
         "server_completion_tokens": [o.server_completion_tokens for o in outputs],
     }

@@ -26,6 +26,8 @@ class RequestOutput:
       server_completion_tokens: completion tokens the server reported, if any.
       finish_reason: the server's finish reason, lower case, if any.
       tag: the dataset tag of the request (``random/3`` ...).
+      turn: the conversation turn it asked for (0-based), ``None`` outside
+        conversations.
     """
 
     success: bool = False
@@ -42,3 +44,4 @@ class RequestOutput:
     server_completion_tokens: int | None = None
     finish_reason: str = ""
     tag: str = ""
+    turn: int | None = None

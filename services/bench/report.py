@@ -86,6 +86,25 @@ def format_result(result: Mapping[str, Any], percentiles: Sequence[float],
     return "\n".join(lines)
 
 
+def format_per_turn(rows: Sequence[Mapping[str, Any]], percentiles: Sequence[float],
+                    metrics: Sequence[str] = METRICS) -> str:
+    """The per-turn table of a conversations run (``result["per_turn"]``): one
+    row per turn with its successful requests, mean prompt tokens, and the
+    median and the highest of ``percentiles`` of each metric (ms)."""
+    top = f"p{percentile_key(max(percentiles))}"
+    header = ["turn", "ok", "prompt"] + [f"{_NAMES[m]} {c}" for m in metrics
+                                         for c in ("p50", top)]
+    lines = [" Per turn (ms) ".center(_WIDTH, "-"),
+             "".join(f"{h:>{max(7, len(h) + 1)}}" for h in header)]
+    for row in rows:
+        cells = [row["turn"], row["completed"], _fmt(row["mean_input_tokens"], 0)]
+        cells += [_fmt(row.get(f"{key}_{m}_ms"), 1) for m in metrics
+                  for key in ("median", top)]
+        lines.append("".join(f"{_fmt(c):>{max(7, len(h) + 1)}}"
+                             for c, h in zip(cells, header, strict=True)))
+    return "\n".join(lines)
+
+
 def format_summary(runs: Sequence[Mapping[str, Any]], sweep_key: str) -> str:
     """A Markdown table, one row per run: throughput and p50/p99 latencies (ms)."""
     header = [sweep_key, "completed", "failed", "req/s", "output tok/s",

@@ -8,6 +8,7 @@ import pytest
 
 from services.bench.datasets import (
     BenchRequest,
+    ChatScript,
     Conversation,
     TextSampler,
     conversation_requests,
@@ -16,6 +17,7 @@ from services.bench.datasets import (
     load_questions,
     random_requests,
     shared_prefix_requests,
+    synthetic_chats,
 )
 from services.bench.tokenizer import BenchTokenizer, Message
 
@@ -139,6 +141,50 @@ def test_conversations_from_a_file_and_fixed_output_len(bench_tokenizer: BenchTo
     assert [r.tag for r in requests] == ["conversations/x/0", "conversations/x/1",
                                          "conversations/x/0"]
     assert all(r.output_len == 9 for r in requests)
+
+
+def test_synthetic_chats_share_one_system_prompt_and_have_exact_lengths(
+        bench_tokenizer: BenchTokenizer) -> None:
+    chats = synthetic_chats(bench_tokenizer, 12, turns=3, system_len=100, turn_len=40,
+                            output_len=7, seed=2)
+    assert [c.id for c in chats] == [f"c{i:02d}" for i in range(12)]
+    assert len({c.system for c in chats}) == 1
+    assert len(bench_tokenizer.encode(chats[0].system)) == 100
+    turns = [u for c in chats for u in c.user_turns]
+    assert all(len(c.user_turns) == 3 and c.output_len == 7 for c in chats)
+    assert all(len(bench_tokenizer.encode(u)) == 40 for u in turns)
+    assert len(set(turns)) == len(turns)
+    same = synthetic_chats(bench_tokenizer, 12, turns=3, system_len=100, turn_len=40,
+                           output_len=7, seed=2)
+    assert same == chats
+    other = synthetic_chats(bench_tokenizer, 12, turns=3, system_len=100, turn_len=40,
+                            output_len=7, seed=3)
+    assert other[0].system != chats[0].system and other[0].user_turns != chats[0].user_turns
+    with pytest.raises(ValueError, match="turn_len"):
+        synthetic_chats(bench_tokenizer, 1, turns=1, system_len=1, turn_len=0, output_len=1)
+
+
+def test_a_chat_turn_carries_the_replies_given_before_it(bench_tokenizer: BenchTokenizer) -> None:
+    chat = ChatScript("c1", "Be brief.", ("First?", "Second?", "Third?"), 5)
+    first = chat.request(bench_tokenizer, [])
+    assert first.messages == (Message("system", "Be brief."), Message("user", "First?"))
+    assert (first.tag, first.turn, first.output_len) == ("conversations/c1/0", 0, 5)
+    third = chat.request(bench_tokenizer, ["Reply one.", "Reply two."])
+    assert third.messages == (
+        Message("system", "Be brief."), Message("user", "First?"),
+        Message("assistant", "Reply one."), Message("user", "Second?"),
+        Message("assistant", "Reply two."), Message("user", "Third?"))
+    assert (third.tag, third.turn) == ("conversations/c1/2", 2)
+    assert third.prompt_len == len(bench_tokenizer.encode(bench_tokenizer.render_chat(
+        third.messages)))
+    # As with a chat client, the next turn's prompt starts with the previous
+    # prompt and the reply generated for it: what the engine's prefix cache holds.
+    second = chat.request(bench_tokenizer, ["Reply one."])
+    assert second.messages is not None and third.messages is not None
+    assert bench_tokenizer.render_chat(third.messages).startswith(
+        bench_tokenizer.render_chat(second.messages) + "Reply two.")
+    with pytest.raises(ValueError, match="no turn 3"):
+        chat.request(bench_tokenizer, ["a", "b", "c"])
 
 
 def test_bench_request_checks_its_fields() -> None:

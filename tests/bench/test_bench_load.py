@@ -9,9 +9,10 @@ import time
 import numpy as np
 import pytest
 
-from services.bench.datasets import BenchRequest
-from services.bench.load import LoadSettings, arrival_offsets, run_load, run_warmup
+from services.bench.datasets import BenchRequest, ChatScript
+from services.bench.load import LoadSettings, arrival_offsets, run_chats, run_load, run_warmup
 from services.bench.records import RequestOutput
+from services.bench.tokenizer import Message
 
 
 class SleepBackend:
@@ -137,3 +138,78 @@ async def test_warmup_runs_before_and_is_not_counted() -> None:
     assert len(result.outputs) == 4
     assert all(o.tag.startswith("r/") for o in result.outputs)
     assert await run_warmup(backend, requests(3), LoadSettings()) == []
+
+
+class EchoTokenizer:
+    """Counts characters as tokens; renders chat as ``role: content`` lines."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(map(chr, token_ids))
+
+    def render_chat(self, messages: list[Message]) -> str:
+        return "".join(f"{m.role}: {m.content}\n" for m in messages)
+
+
+class ChatBackend(SleepBackend):
+    """Replies ``reply to <tag>``; fails the requests whose tag is in ``fail``;
+    keeps every request it got."""
+
+    def __init__(self, service_s: float = 0.01, fail: frozenset[str] = frozenset()) -> None:
+        super().__init__(service_s)
+        self.fail = fail
+        self.requests: list[BenchRequest] = []
+
+    async def send(self, request: BenchRequest) -> RequestOutput:
+        self.requests.append(request)
+        out = await super().send(request)
+        out.generated_text = f"reply to {request.tag}"
+        if request.tag in self.fail:
+            out.success, out.error = False, "UNAVAILABLE"
+        return out
+
+
+def chats(count: int, turns: int) -> list[ChatScript]:
+    return [ChatScript(f"c{i}", "sys", tuple(f"q{i}.{t}" for t in range(turns)), 2)
+            for i in range(count)]
+
+
+async def test_chats_run_closed_loop_with_the_model_replies_as_history() -> None:
+    backend = ChatBackend()
+    result = await run_chats(backend, chats(6, 3), EchoTokenizer(),
+                             LoadSettings(max_concurrency=2))
+    assert len(result.outputs) == 18 and result.not_sent == 0 and backend.peak == 2
+    assert [o.start_time for o in result.outputs] == sorted(o.start_time for o in result.outputs)
+    for request in backend.requests:
+        chat, turn = request.tag.split("/")[1], int(request.tag.split("/")[2])
+        assert request.turn == turn and request.messages is not None
+        expected = [Message("system", "sys")]
+        for t in range(turn):
+            expected += [Message("user", f"q{chat[1:]}.{t}"),
+                         Message("assistant", f"reply to conversations/{chat}/{t}")]
+        assert list(request.messages) == [*expected, Message("user", f"q{chat[1:]}.{turn}")]
+    # User 0 holds c0, c2, c4 and answers them turn by turn: all of turn 0, then turn 1 ...
+    user0 = [r.tag for r in backend.requests if r.tag.split("/")[1] in ("c0", "c2", "c4")]
+    assert user0 == [f"conversations/c{c}/{t}" for t in range(3) for c in (0, 2, 4)]
+    assert sorted(o.turn for o in result.outputs) == [0] * 6 + [1] * 6 + [2] * 6
+    assert all(o.tag == f"conversations/c{o.tag.split('/')[1][1:]}/{o.turn}"
+               for o in result.outputs)
+
+
+async def test_a_failed_turn_ends_its_conversation() -> None:
+    backend = ChatBackend(fail=frozenset({"conversations/c1/1"}))
+    result = await run_chats(backend, chats(2, 4), EchoTokenizer(), LoadSettings())
+    assert [r.tag for r in backend.requests if "/c1/" in r.tag] == [
+        "conversations/c1/0", "conversations/c1/1"]
+    assert len(result.outputs) == 6 and result.not_sent == 2
+    assert backend.peak == 2  # one user per conversation without a cap
+
+
+async def test_chats_stop_at_the_duration_and_need_an_infinite_rate() -> None:
+    backend = ChatBackend(service_s=0.05)
+    result = await run_chats(backend, chats(2, 50), EchoTokenizer(), LoadSettings(duration_s=0.3))
+    assert 2 <= len(result.outputs) <= 16 and result.not_sent == 100 - len(result.outputs)
+    with pytest.raises(ValueError, match="inf"):
+        await run_chats(backend, chats(1, 1), EchoTokenizer(), LoadSettings(request_rate=2))

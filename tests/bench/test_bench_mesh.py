@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from services.bench.datasets import synthetic_chats
+from services.bench.tokenizer import BenchTokenizer
 from services.cli.main import main as llmesh
 from services.cli.mesh import Mesh
 from tests.bench.bench_checks import check_consistent
@@ -61,4 +63,35 @@ def test_bench_straight_to_the_router_with_chat(mesh: Mesh, tmp_path: Path) -> N
     assert result["completed"] == 6
     assert result["output_lens"] == [8] * 6 == result["server_completion_tokens"]
     # The chat template rendered by the bench counts what the router counted.
+    assert result["input_lens"] == result["server_prompt_tokens"]
+
+
+@pytest.mark.usefixtures("cached_tokenizer")
+def test_bench_synthetic_conversations_feed_the_model_replies_back(
+        mesh: Mesh, tmp_path: Path, bench_tokenizer: BenchTokenizer) -> None:
+    result_file = tmp_path / "chats.json"
+    code = llmesh(["bench", "--base-url", mesh.router.grpc_address,
+                   "--dataset-name", "conversations", "--conversations-num", "2",
+                   "--conversations-turns", "2", "--conversations-system-len", "48",
+                   "--conversations-turn-len", "16", "--conversations-output-len", "6",
+                   "--max-concurrency", "1", "--seed", "4", "--save-detailed",
+                   "--result-file", str(result_file), "--disable-tqdm"])
+    assert code == 0
+    result = json.loads(result_file.read_text())
+    check_consistent(result)
+    assert result["completed"] == 4 and result["not_sent"] == 0
+    # One user: both first turns, then both second turns.
+    assert result["tags"] == ["conversations/c0/0", "conversations/c1/0",
+                              "conversations/c0/1", "conversations/c1/1"]
+    assert result["turns"] == [0, 0, 1, 1]
+    assert [(row["turn"], row["completed"]) for row in result["per_turn"]] == [(0, 2), (1, 2)]
+    assert result["output_lens"] == [6] * 4
+    # Each second turn carries the reply the mesh gave to its first turn.
+    chats = synthetic_chats(bench_tokenizer, 2, turns=2, system_len=48, turn_len=16,
+                            output_len=6, seed=4)
+    texts = result["generated_texts"]
+    expected = [chats[0].request(bench_tokenizer, []), chats[1].request(bench_tokenizer, []),
+                chats[0].request(bench_tokenizer, [texts[0]]),
+                chats[1].request(bench_tokenizer, [texts[1]])]
+    assert result["input_lens"] == [r.prompt_len for r in expected]
     assert result["input_lens"] == result["server_prompt_tokens"]

@@ -9,6 +9,7 @@ from services.bench.metrics import (
     max_concurrent,
     meets_slos,
     parse_goodput,
+    per_turn,
     percentile_key,
     summarize,
     tpot_of,
@@ -143,3 +144,24 @@ def test_admission_refusals_are_counted_with_their_latency() -> None:
     assert result["mean_refusal_ms"] == pytest.approx(3.0)
     assert result["p99_refusal_ms"] == pytest.approx(3.98)
     assert calculate_metrics(RECORDS, 2.0)["refused"] == 0
+
+
+def test_per_turn_figures_split_a_conversations_run_by_turn() -> None:
+    turns = [record(prompt=10, out=2, ttft=0.1, itl=(0.01,), e2e=0.11),
+             record(prompt=30, out=2, ttft=0.3, itl=(0.03,), e2e=0.33),
+             record(prompt=50, out=2, ttft=0.5, itl=(0.05,), e2e=0.55),
+             record(ok=False, error="UNAVAILABLE", prompt=60),
+             record(prompt=99, out=2, ttft=9.0, e2e=9.1)]  # outside conversations
+    for output, turn in zip(turns, [0, 1, 1, 1, None], strict=True):
+        output.turn = turn
+    rows = per_turn(turns, [50, 99], ["ttft", "itl"])
+    assert [(r["turn"], r["completed"], r["failed"]) for r in rows] == [(0, 1, 0), (1, 2, 1)]
+    assert rows[1]["mean_input_tokens"] == 40
+    assert rows[0]["median_ttft_ms"] == pytest.approx(100)
+    assert rows[1]["median_ttft_ms"] == pytest.approx(400)
+    assert rows[1]["p99_itl_ms"] == pytest.approx(49.8)
+    assert "median_tpot_ms" not in rows[0]
+    result = calculate_metrics(turns, 1.0, percentiles=[50, 99])
+    assert result["per_turn"] == per_turn(turns, [50, 99])
+    assert result["turns"] == [0, 1, 1, 1, None]
+    assert "per_turn" not in calculate_metrics(RECORDS, 1.0)

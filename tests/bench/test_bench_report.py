@@ -8,7 +8,13 @@ from pathlib import Path
 
 from services.bench.metrics import calculate_metrics
 from services.bench.records import RequestOutput
-from services.bench.report import format_result, format_summary, plot, write_json
+from services.bench.report import (
+    format_per_turn,
+    format_result,
+    format_summary,
+    plot,
+    write_json,
+)
 
 
 def run_result(rate: float, concurrency: int | None = None) -> dict:
@@ -60,3 +66,16 @@ def test_plots_are_pngs(tmp_path: Path) -> None:
     for path in (single, sweep):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sweep.stat().st_size > single.stat().st_size
+
+
+def test_per_turn_table_has_a_row_per_turn() -> None:
+    rows = [{"turn": t, "completed": 8, "failed": 0, "mean_input_tokens": 1300.0 + 340 * t,
+             "median_ttft_ms": 100.0 * (t + 1), "p99_ttft_ms": 250.0, "median_tpot_ms": None,
+             "p99_tpot_ms": None} for t in range(3)]
+    lines = format_per_turn(rows, [50, 99], ["ttft", "tpot"]).splitlines()
+    assert lines[1].split() == ["turn", "ok", "prompt", "TTFT", "p50", "TTFT", "p99",
+                                "TPOT", "p50", "TPOT", "p99"]
+    assert [line.split() for line in lines[2:]] == [
+        ["0", "8", "1300", "100.0", "250.0", "-", "-"],
+        ["1", "8", "1640", "200.0", "250.0", "-", "-"],
+        ["2", "8", "1980", "300.0", "250.0", "-", "-"]]
