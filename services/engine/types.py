@@ -168,6 +168,12 @@ class StepStats:
         choices not counted; recomputed ones after a preemption counted).
       suffix_cache_tokens, suffix_cache_bytes: after the step, the suffix
         decoding cache's tokens and estimated bytes (0 without one).
+      num_threads: compute threads the next step runs on (the thread
+        governor's count; 0: not governed).
+      cpu_throttled_s: seconds the cgroup's CPU quota held the engine back
+        since the previous step's stats.
+      contention_events: times the engine dropped a thread for CPU contention
+        since the previous step's stats.
     """
 
     duration_s: float
@@ -183,3 +189,6 @@ class StepStats:
     num_prompt_tokens_computed: int = 0
     suffix_cache_tokens: int = 0
     suffix_cache_bytes: int = 0
+    num_threads: int = 0
+    cpu_throttled_s: float = 0.0
+    contention_events: int = 0
