@@ -117,14 +117,37 @@ def test_schedstat_sees_a_real_process_waiting_for_its_core(
 def test_the_governor_drops_a_thread_for_a_real_contended_process(
         busy_pair: list[subprocess.Popen[bytes]]) -> None:
     applied: list[int] = []
-    governor = ThreadGovernor(2, None, applied.append,
-                              proc_self=Path(f"/proc/{busy_pair[0].pid}"))
+    governor = ThreadGovernor(2, applied.append, proc_self=Path(f"/proc/{busy_pair[0].pid}"))
     deadline = time.monotonic() + 5
     while governor.controller.threads == 2 and time.monotonic() < deadline:
         time.sleep(0.05)
         stats = governor.observe(StepStats(0.05, 1, 1))
     assert applied == [2, 1] and governor.controller.reason == "contention"
     assert stats.num_threads == 1 and stats.contention_events == 1
+
+
+def test_the_governor_starts_under_the_quota_and_follows_a_cgroup_move(tmp_path: Path) -> None:
+    stat = "nr_periods {}\nnr_throttled {}\nthrottled_usec {}\n"
+    pod = write(tmp_path / "fs" / "pod", {"cpu.max": "150000 100000",
+                                          "cpu.stat": stat.format(1, 0, 0)})
+    write(tmp_path / "fs" / "big", {"cpu.max": "max 100000",
+                                     "cpu.stat": stat.format(500, 90, 9_000_000)})
+    proc = write(tmp_path / "proc", {
+        "cgroup": "0::/pod\n",
+        "mountinfo": f"30 25 0:26 / {tmp_path}/fs rw - cgroup2 cgroup2 rw\n"})
+    now = [0.0]
+    applied: list[int] = []
+    governor = ThreadGovernor(2, applied.append, clock=lambda: now[0], proc_self=proc)
+    assert applied == [1]  # 1.5 CPUs: one thread from the start, before any step
+    (pod / "cpu.stat").write_text(stat.format(3, 1, 20_000))
+    now[0] = 0.25
+    stats = governor.observe(StepStats(0.01, 1, 1))
+    assert stats.num_threads == 1 and stats.cpu_throttled_s == pytest.approx(0.02)
+    assert governor.observe(StepStats(0.01, 1, 1)).cpu_throttled_s == 0  # reported once
+    (proc / "cgroup").write_text("0::/big\n")  # moved: the new cgroup's counters are a new base
+    now[0] = 0.5
+    assert governor.observe(StepStats(0.01, 1, 1)).cpu_throttled_s == 0
+    assert governor.throttled_s == pytest.approx(0.02)
 
 
 def quiet(wall: float = 0.2, threads: int = 2) -> CPUSample:

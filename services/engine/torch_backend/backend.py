@@ -37,7 +37,6 @@ from services.common.sampling import MAX_SPECULATIVE_TOKENS, SpeculativeMethod
 from services.engine.backend import EngineBackend, EngineUnavailableError
 from services.engine.config import EngineConfig
 from services.engine.torch_backend.block_pool import BlockCounts
-from services.engine.torch_backend.cpu_accounting import find_cgroup_cpu
 from services.engine.torch_backend.cuda_graphs import capture_refusal
 from services.engine.torch_backend.device import check_device, check_kv_budget
 from services.engine.torch_backend.gguf_loader import gguf_architecture
@@ -228,7 +227,7 @@ class TorchBackend(EngineBackend):
             torch.set_num_threads(config.num_threads)
         if not config.adaptive_threads or torch.device(config.device).type != "cpu":
             return None
-        return ThreadGovernor(torch.get_num_threads(), find_cgroup_cpu())
+        return ThreadGovernor(torch.get_num_threads())
 
     def _observer(self) -> StepObserver | None:
         """The step observer: the governor's, then the one given."""

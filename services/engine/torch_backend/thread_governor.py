@@ -46,6 +46,7 @@ import torch
 from services.engine.torch_backend.cpu_accounting import (
     PROC,
     CgroupCPU,
+    find_cgroup_cpu,
     idle_cpu_s,
     thread_times,
 )
@@ -153,24 +154,28 @@ class ThreadController:
 class ThreadGovernor:
     """Applies :class:`ThreadController` on the engine thread (module doc).
 
+    The cgroup is found at start and again whenever the process's membership
+    (``/proc/self/cgroup``) changes.
+
     Args:
       ceiling: the most threads (``--num-threads``, else torch's default).
-      cgroup: this process's cgroup CPU controller (None: none found).
       set_threads: applies a thread count on the engine thread.
       clock: monotonic seconds.
       proc_self: ``/proc/<pid>`` of the process whose threads are watched
         (this one; tests watch a child).
     """
 
-    def __init__(self, ceiling: int, cgroup: CgroupCPU | None,
+    def __init__(self, ceiling: int,
                  set_threads: Callable[[int], None] = torch.set_num_threads,
                  clock: Callable[[], float] = time.monotonic,
                  proc_self: Path = PROC / "self") -> None:
-        self._cgroup = cgroup
-        self._proc_self = proc_self
         self._set_threads = set_threads
         self._clock = clock
-        quota = cgroup.quota_cpus() if cgroup is not None else None
+        self._proc_self = proc_self
+        self._membership = ""
+        self._cgroup: CgroupCPU | None = None
+        self._find_cgroup()
+        quota = self._cgroup.quota_cpus() if self._cgroup is not None else None
         self.controller = ThreadController(ceiling, quota)
         self.throttled_s = 0.0
         self._window_start = clock()
@@ -179,7 +184,21 @@ class ThreadGovernor:
         self._throttled_reported = 0.0
         set_threads(self.controller.threads)
         log.info("engine_threads", threads=self.controller.threads, ceiling=ceiling,
-                 quota_cpus=quota, reason=self.controller.reason)
+                 quota_cpus=quota, reason=self.controller.reason,
+                 cgroup=str(self._cgroup.directory) if self._cgroup is not None else None)
+
+    def _find_cgroup(self) -> bool:
+        """Finds the process's cgroup CPU controller again if its membership
+        changed (moved to another cgroup); True when it did."""
+        try:
+            membership = (self._proc_self / "cgroup").read_text()
+        except OSError:
+            membership = ""
+        if membership == self._membership and self._membership:
+            return False
+        self._membership = membership
+        self._cgroup = find_cgroup_cpu(self._proc_self)
+        return True
 
     def _read(self) -> tuple[float, float, float, float]:
         times = thread_times(self._proc_self)
@@ -201,8 +220,11 @@ class ThreadGovernor:
                                    cpu_throttled_s=throttled, contention_events=events)
 
     def _window(self, now: float) -> None:
+        moved = self._find_cgroup()
         current = self._read()
         run, wait, idle, throttled = (c - p for c, p in zip(current, self._last))
+        if moved:  # another cgroup's counters: no difference to take this time
+            throttled = 0.0
         quota = self._cgroup.quota_cpus() if self._cgroup is not None else None
         sample = CPUSample(now - self._window_start, run, wait, idle, max(throttled, 0.0), quota)
         self._window_start, self._last = now, current
