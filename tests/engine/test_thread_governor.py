@@ -15,8 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.common.sampling import SamplingOptions
+from services.engine.metrics import EngineMetrics
 from services.engine.torch_backend.backend import TorchBackend
 from services.engine.torch_backend.cpu_accounting import (
     CgroupCPU,
@@ -212,7 +214,8 @@ async def decode_rate(backend: TorchBackend, tag: str, tokens: int) -> float:
     return (count - 1) / (last - first)
 
 
-async def test_a_busy_process_beside_the_engine_costs_no_cliff(torch_backend: TorchBackend) -> None:
+async def test_a_busy_process_beside_the_engine_costs_no_cliff(
+        torch_backend: TorchBackend, engine_metrics: EngineMetrics) -> None:
     """One stream with a busy process on a 2-core machine ran at 2-3 % of its
     quiet speed before the governor; it must keep a healthy fraction."""
     await decode_rate(torch_backend, "contention-warm", 8)
@@ -226,3 +229,5 @@ async def test_a_busy_process_beside_the_engine_costs_no_cliff(torch_backend: To
             child.kill()
             child.wait()
     assert beside >= 0.2 * alone, (alone, beside)
+    threads = engine_metrics.registry.get_sample_value("llmesh:engine_num_threads")
+    assert threads is not None and 1 <= threads <= torch.get_num_threads()
