@@ -15,10 +15,11 @@ llmesh, ...; each round its own seed, the same for both targets):
 * ``quiet``: nothing else started;
 * ``busy N`` for each N in ``--busy`` (> 0): N ``python3 -c "while True:
   pass"`` processes run beside both servers (issue 31's noisy neighbour);
-* ``quota Q``: the engine process and llama-server are moved into a new
-  cgroup whose CPU quota is Q CPUs (cgroup v1 ``cpu.cfs_quota_us`` or v2
-  ``cpu.max``, created beside the cgroup they are in; they are moved back
-  and it is removed after). Where no cgroup can be made (no write access) the
+* ``quota Q``: the engine process and llama-server are each moved into a
+  new cgroup of their own whose CPU quota is Q CPUs (cgroup v1
+  ``cpu.cfs_quota_us`` or v2 ``cpu.max``, created under the cgroup they are
+  in; moved back and removed after). The engine finds its new cgroup while
+  running (its thread governor re-reads ``/proc/self/cgroup``). Where no cgroup can be made (no write access) the
   scenario is skipped and the report says so.
 
 Every measurement is one ``llmesh bench`` run through peer_llamacpp.py's
@@ -133,13 +134,22 @@ def busy_processes(count: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def cpu_quota(pids: list[int], cpus: float) -> Iterator[None]:
-    """Moves ``pids`` (whole processes) into a new cgroup of ``cpus`` CPUs and
-    back. Raises OSError where the cgroup cannot be made or joined."""
-    cgroup = find_cgroup_cpu(Path(f"/proc/{pids[0]}"))
+    """Moves each of ``pids`` (whole processes) into a new cgroup of its own
+    with a quota of ``cpus`` CPUs (a pod each), and back after. Raises OSError
+    where a cgroup cannot be made or joined."""
+    with contextlib.ExitStack() as stack:
+        for pid in pids:
+            stack.enter_context(_own_cgroup(pid, cpus))
+        yield
+
+
+@contextlib.contextmanager
+def _own_cgroup(pid: int, cpus: float) -> Iterator[None]:
+    cgroup = find_cgroup_cpu(Path(f"/proc/{pid}"))
     if cgroup is None:
-        raise OSError("no cgroup CPU controller found")
+        raise OSError(f"no cgroup CPU controller found for pid {pid}")
     home = cgroup.directory
-    made = home / f"llmesh-contention-{os.getpid()}"
+    made = home / f"llmesh-contention-{os.getpid()}-{pid}"
     made.mkdir()
     try:
         period = 100_000
@@ -148,14 +158,12 @@ def cpu_quota(pids: list[int], cpus: float) -> Iterator[None]:
         else:
             (made / "cpu.cfs_period_us").write_text(str(period))
             (made / "cpu.cfs_quota_us").write_text(str(int(cpus * period)))
-        for pid in pids:
-            (made / "cgroup.procs").write_text(str(pid))
+        (made / "cgroup.procs").write_text(str(pid))
         try:
             yield
         finally:
-            for pid in pids:
-                with contextlib.suppress(OSError):
-                    (home / "cgroup.procs").write_text(str(pid))
+            with contextlib.suppress(OSError):
+                (home / "cgroup.procs").write_text(str(pid))
     finally:
         time.sleep(0.2)
         made.rmdir()

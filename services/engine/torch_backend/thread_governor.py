@@ -221,11 +221,13 @@ class ThreadGovernor:
 
     def _window(self, now: float) -> None:
         moved = self._find_cgroup()
+        quota = self._cgroup.quota_cpus() if self._cgroup is not None else None
         current = self._read()
         run, wait, idle, throttled = (c - p for c, p in zip(current, self._last))
         if moved:  # another cgroup's counters: no difference to take this time
             throttled = 0.0
-        quota = self._cgroup.quota_cpus() if self._cgroup is not None else None
+            log.info("engine_cgroup", quota_cpus=quota,
+                     cgroup=str(self._cgroup.directory) if self._cgroup is not None else None)
         sample = CPUSample(now - self._window_start, run, wait, idle, max(throttled, 0.0), quota)
         self._window_start, self._last = now, current
         self.throttled_s += sample.throttled_s
@@ -235,6 +237,6 @@ class ThreadGovernor:
             self._set_threads(after)
             log.info("engine_threads", threads=after, previous=before,
                      reason=self.controller.reason,
-                     run_queue_wait=round(sample.wait_s / sample.wall_s, 3),
+                     run_queue_wait_per_thread=round(sample.wait_s / (sample.wall_s * before), 3),
                      available_cpus=round((sample.run_s + sample.idle_s) / sample.wall_s, 2),
                      throttled=round(sample.throttled_s / sample.wall_s, 3), quota_cpus=quota)
