@@ -19,8 +19,9 @@ llmesh, ...; each round its own seed, the same for both targets):
   new cgroup of their own whose CPU quota is Q CPUs (cgroup v1
   ``cpu.cfs_quota_us`` or v2 ``cpu.max``, created under the cgroup they are
   in; moved back and removed after). The engine finds its new cgroup while
-  running (its thread governor re-reads ``/proc/self/cgroup``). Where no cgroup can be made (no write access) the
-  scenario is skipped and the report says so.
+  running (its thread governor re-reads ``/proc/self/cgroup``). Where no
+  cgroup can be made (no write access) the scenario is skipped and the report
+  says so.
 
 Every measurement is one ``llmesh bench`` run through peer_llamacpp.py's
 helpers (``bench_command``, ``run_bench``, ``pooled``): the ``random``

@@ -215,7 +215,8 @@ class ThreadGovernor:
         controller = self.controller
         events = controller.contention_events - self._events_reported
         throttled = self.throttled_s - self._throttled_reported
-        self._events_reported, self._throttled_reported = controller.contention_events, self.throttled_s
+        self._events_reported = controller.contention_events
+        self._throttled_reported = self.throttled_s
         return dataclasses.replace(stats, num_threads=controller.threads,
                                    cpu_throttled_s=throttled, contention_events=events)
 
