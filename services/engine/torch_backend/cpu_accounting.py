@@ -148,15 +148,20 @@ class ThreadTimes:
 def thread_times(proc_self: Path = PROC / "self") -> ThreadTimes:
     """The summed schedstat of every thread of the process (threads that end
     between the listing and the read are skipped; zeros where there is no
-    schedstat)."""
+    schedstat). Plain ``os`` calls: a few microseconds a thread."""
     run_ns = wait_ns = 0
+    task_dir = f"{proc_self}/task"
     try:
-        tasks = list((proc_self / "task").iterdir())
+        tasks = os.listdir(task_dir)
     except OSError:
         return ThreadTimes()
     for task in tasks:
         try:
-            run, wait, _ = (task / "schedstat").read_text().split()
+            fd = os.open(f"{task_dir}/{task}/schedstat", os.O_RDONLY)
+            try:
+                run, wait, _ = os.read(fd, 128).split()
+            finally:
+                os.close(fd)
         except (OSError, ValueError):
             continue
         run_ns += int(run)
