@@ -40,13 +40,14 @@ BUSY = [sys.executable, "-c", "while True: pass"]
 
 
 @pytest.fixture
-def busy_pair() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Two busy processes pinned to one CPU (each waits on the run queue about
-    half the time, whatever else the machine runs); killed at the end."""
+def crowded_cpu() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Three busy processes pinned to one CPU (each waits on the run queue
+    about two thirds of the time, whatever else the machine runs); killed at
+    the end."""
     cpu = min(os.sched_getaffinity(0))
     children = []
     try:
-        for _ in range(2):
+        for _ in range(3):
             child = subprocess.Popen(BUSY)
             children.append(child)
             os.sched_setaffinity(child.pid, {cpu})
@@ -105,8 +106,8 @@ def test_the_cgroup_is_found_from_proc_on_v1_and_v2_hosts(tmp_path: Path) -> Non
 
 
 def test_schedstat_sees_a_real_process_waiting_for_its_core(
-        busy_pair: list[subprocess.Popen[bytes]]) -> None:
-    proc = Path(f"/proc/{busy_pair[0].pid}")
+        crowded_cpu: list[subprocess.Popen[bytes]]) -> None:
+    proc = Path(f"/proc/{crowded_cpu[0].pid}")
     time.sleep(0.1)
     before, idle_before, began = thread_times(proc), idle_cpu_s(), time.monotonic()
     time.sleep(0.6)
@@ -117,9 +118,9 @@ def test_schedstat_sees_a_real_process_waiting_for_its_core(
 
 
 def test_the_governor_drops_a_thread_for_a_real_contended_process(
-        busy_pair: list[subprocess.Popen[bytes]]) -> None:
+        crowded_cpu: list[subprocess.Popen[bytes]]) -> None:
     applied: list[int] = []
-    governor = ThreadGovernor(2, applied.append, proc_self=Path(f"/proc/{busy_pair[0].pid}"))
+    governor = ThreadGovernor(2, applied.append, proc_self=Path(f"/proc/{crowded_cpu[0].pid}"))
     deadline = time.monotonic() + 5
     while governor.controller.threads == 2 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -229,6 +230,7 @@ async def test_a_busy_process_beside_the_engine_costs_no_cliff(
         for child in busy:
             child.kill()
             child.wait()
-    assert beside >= 0.2 * alone, (alone, beside)
+    # measured on a quiet 2-core machine: 0.18-0.23 with a fixed team of two, about 0.5 on one
+    assert beside >= 0.35 * alone, (alone, beside)
     threads = engine_metrics.registry.get_sample_value("llmesh:engine_num_threads")
     assert threads is not None and 1 <= threads <= torch.get_num_threads()
