@@ -22,7 +22,10 @@
 #   LLAMA_CPP_PYTHON_VERSION   the sdist whose vendored llama.cpp is built (default 0.3.36)
 #   PEER_THREADS               llama-server threads (default: nproc)
 #   PYTHON                     the Python with llmesh installed (default python3)
-# Every other flag goes to benchmarks/peer_llamacpp.py (--help lists them).
+#   PEER_DRIVER                the driver run at step 3 (default benchmarks/peer_llamacpp.py;
+#                              benchmarks/contention.py sets itself); it gets PEER_LLAMA_PID
+#                              and PEER_MESH_RUN_DIR in its environment
+# Every other flag goes to the driver (--help lists them).
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,6 +35,7 @@ CACHE_ROOT="${LLMESH_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/llmesh}"
 CACHE_DIR="$CACHE_ROOT/llama.cpp/llama-cpp-python-$LLAMA_CPP_PYTHON_VERSION"
 LLAMA_SERVER="$CACHE_DIR/bin/llama-server"
 THREADS="${PEER_THREADS:-$(nproc)}"
+DRIVER="${PEER_DRIVER:-$REPO_ROOT/benchmarks/peer_llamacpp.py}"
 
 SKIP_BUILD=0
 BUILD_ONLY=0
@@ -42,8 +46,8 @@ while (($#)); do
         --build-only) BUILD_ONLY=1 ;;
         -h|--help)
             sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
-            echo "peer_llamacpp.py flags:"
-            exec "$PYTHON" "$REPO_ROOT/benchmarks/peer_llamacpp.py" --help ;;
+            echo "$(basename "$DRIVER") flags:"
+            exec "$PYTHON" "$DRIVER" --help ;;
         *) PY_ARGS+=("$1") ;;
     esac
     shift
@@ -116,7 +120,7 @@ cd "$REPO_ROOT"
 export PYTHONPATH="$REPO_ROOT:$REPO_ROOT/services/gen${PYTHONPATH:+:$PYTHONPATH}"
 # The run's shape as peer_llamacpp.py resolves the flags (--quick, --concurrency ...).
 read -r MAX_CONCURRENCY PROMPT_LEN OUTPUT_LEN < <(
-    "$PYTHON" benchmarks/peer_llamacpp.py --print-shape "${PY_ARGS[@]}")
+    "$PYTHON" "$DRIVER" --print-shape "${PY_ARGS[@]}")
 GGUF="$("$PYTHON" -c 'from services.common.model_files import default_model_path as p; print(p())')"
 [[ -f "$GGUF" ]] || { log "no model file at $GGUF"; exit 1; }
 RUN_DIR="$(mktemp -d "${TMPDIR:-/tmp}/peer_llamacpp.XXXXXX")"
@@ -190,7 +194,8 @@ log "llmesh ready on $MESH_URL (pid $MESH_PID)"
 
 # In the background and waited for, so that a signal reaches the trap at once; the
 # driver is first in line to be stopped (it stops its running `llmesh bench`).
-"$PYTHON" benchmarks/peer_llamacpp.py --llmesh-url "$MESH_URL" --llama-url "$LLAMA_URL" \
+PEER_LLAMA_PID="$LLAMA_PID" PEER_MESH_RUN_DIR="$RUN_DIR/mesh" \
+    "$PYTHON" "$DRIVER" --llmesh-url "$MESH_URL" --llama-url "$LLAMA_URL" \
     --llama-command "${LLAMA_CMD[*]}" --llmesh-command "${MESH_CMD[*]}" "${PY_ARGS[@]}" &
 DRIVER_PID=$!
 STARTED_PIDS=("$DRIVER_PID" "${STARTED_PIDS[@]}")

@@ -145,7 +145,12 @@ class EngineConfig:
       num_threads: compute threads of the engine's step (torch's intra-op pool
         and the native kernels' OpenMP team); None: torch's default (one per
         CPU, or ``OMP_NUM_THREADS``). ``llmesh up --engines N`` gives each of N
-        engines its share of the machine's CPUs.
+        engines its share of the machine's CPUs. With ``adaptive_threads``
+        it is the ceiling.
+      adaptive_threads: the torch engine on the CPU sizes its step's threads
+        to the cores it really gets (cgroup CPU quota, run-queue delay, idle
+        cores; ``torch_backend/thread_governor.py``), between 1 and
+        ``num_threads``; False: always ``num_threads``.
       replica_id: this replica's id in KV events and the prefix index; None:
         ``<hostname>-<pid>`` (unique per machine and process; a pod name on
         Kubernetes).
@@ -201,6 +206,7 @@ class EngineConfig:
     suffix_cache_tokens: int = 262_144
     suffix_cache_scope: str = "tenant"
     num_threads: int | None = None
+    adaptive_threads: bool = True
     replica_id: str | None = None
     kv_events_target: str | None = None
     structured_output_compile_timeout_s: float = 5.0
@@ -385,7 +391,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
         "their own cache scope, i.e. tenant or cache group and cache_salt), or global "
         "(every request's outputs propose for every other's)", choices=("global", "tenant"))
     add("--num-threads", _positive_int, None,
-        "compute threads of the engine step (default: torch's, one per CPU)")
+        "compute threads of the engine step (default: torch's, one per CPU); the "
+        "ceiling of --adaptive-threads")
+    add("--adaptive-threads", parse_bool, True,
+        "torch on CPU: fewer step threads while other processes or the cgroup's CPU "
+        "quota take cores, back up when they return", action=argparse.BooleanOptionalAction)
     add("--replica-id", str, None,
         "this replica's id in KV events and the prefix index (default: <hostname>-<pid>)")
     add("--kv-events-target", str, None,
@@ -447,6 +457,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         suffix_cache_tokens=args.suffix_cache_tokens,
         suffix_cache_scope=args.suffix_cache_scope,
         num_threads=args.num_threads,
+        adaptive_threads=args.adaptive_threads,
         replica_id=args.replica_id,
         kv_events_target=args.kv_events_target,
         structured_output_compile_timeout_s=args.structured_output_compile_timeout_s,

@@ -59,6 +59,12 @@ class EngineMetrics:
     check, -1 when it fails): ``kv_cache_blocks{state}`` (free, cached,
     used) and ``kv_cache_num_blocks``; after a run, idle, used == 0 and
     free + cached == num_blocks (no leaked block).
+    CPU contention
+    (the torch engine's thread governor, docs/engine.md): ``engine_num_threads``
+    (gauge: the step's compute threads), ``cpu_throttled_seconds_total``
+    (counter: time the cgroup's CPU quota held the engine back) and
+    ``cpu_contention_events_total`` (counter: threads dropped because the
+    engine's threads waited for cores).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -119,6 +125,15 @@ class EngineMetrics:
             "llmesh:spec_decode_suffix_cache_bytes",
             "Estimated bytes held by the suffix decoding cache (ring and index).",
             registry=registry)
+        self.engine_num_threads = Gauge(
+            "llmesh:engine_num_threads", "Compute threads of the engine's step.",
+            registry=registry)
+        self.cpu_throttled_seconds = Counter(
+            "llmesh:cpu_throttled_seconds", "Seconds the cgroup's CPU quota held the engine back.",
+            registry=registry)
+        self.cpu_contention_events = Counter(
+            "llmesh:cpu_contention_events",
+            "Threads dropped because the engine's threads waited for cores.", registry=registry)
         self.kv_events_published = Counter(
             "llmesh:kv_events_published", "KV cache events sent to the prefix index.",
             registry=registry)
@@ -193,6 +208,12 @@ class EngineMetrics:
             self._observe_offload(stats.offload)
         self.spec_decode_suffix_cache_tokens.set(stats.suffix_cache_tokens)
         self.spec_decode_suffix_cache_bytes.set(stats.suffix_cache_bytes)
+        if stats.num_threads:
+            self.engine_num_threads.set(stats.num_threads)
+        if stats.cpu_throttled_s:
+            self.cpu_throttled_seconds.inc(stats.cpu_throttled_s)
+        if stats.contention_events:
+            self.cpu_contention_events.inc(stats.contention_events)
         if stats.spec_num_drafts:
             self.spec_decode_num_drafts.inc(stats.spec_num_drafts)
             self.spec_decode_num_draft_tokens.inc(stats.spec_num_draft_tokens)

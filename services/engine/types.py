@@ -208,6 +208,12 @@ class StepStats:
       suffix_cache_tokens, suffix_cache_bytes: after the step, the suffix
         decoding cache's tokens and estimated bytes (0 without one).
       offload: the KV offload tier's stats since the previous step (None without one).
+      num_threads: compute threads the next step runs on (the thread
+        governor's count; 0: not governed).
+      cpu_throttled_s: seconds the cgroup's CPU quota held the engine back
+        since the previous step's stats.
+      contention_events: times the engine dropped a thread for CPU contention
+        since the previous step's stats.
     """
 
     duration_s: float
@@ -224,3 +230,6 @@ class StepStats:
     suffix_cache_tokens: int = 0
     suffix_cache_bytes: int = 0
     offload: OffloadStats | None = None
+    num_threads: int = 0
+    cpu_throttled_s: float = 0.0
+    contention_events: int = 0

@@ -15,7 +15,7 @@ file or a Hugging Face safetensors checkpoint directory, see
 speculative decoding fields (``speculative_method``, ``num_speculative_tokens``,
 ``ngram_min``, ``ngram_max``, ``ngram_full_len``, ``draft_num_layers``, ``draft_model_path``,
 ``speculative_disable_batch_size``, ``speculative_cost_model``, ``suffix_*``),
-``structured_output_compile_timeout_s``.
+``structured_output_compile_timeout_s``, ``num_threads``, ``adaptive_threads``.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ from services.engine.torch_backend.speculative import (
 )
 from services.engine.torch_backend.structured_output import GrammarCompiler
 from services.engine.torch_backend.suffix_proposer import SuffixOptions, SuffixProposer
+from services.engine.torch_backend.thread_governor import ThreadGovernor
 from services.engine.types import LoadStats, ModelInfo, SequenceRequest, TokenDelta
 from services.engine.validation import (
     refuse_unimplemented,
@@ -147,6 +148,7 @@ class TorchBackend(EngineBackend):
         check_config(self._config)
         self._model = model
         self._step_observer = step_observer
+        self._governor: ThreadGovernor | None = None
         self._start_lock = asyncio.Lock()
         self._core: EngineCore | None = None
         self._grammars: GrammarCompiler | None = None
@@ -210,14 +212,32 @@ class TorchBackend(EngineBackend):
                 self._core = await asyncio.wrap_future(built)
 
     def _engine_thread(self, built: Future[EngineCore]) -> None:
-        if self._config.num_threads is not None:  # on the step's thread: torch's pool
-            torch.set_num_threads(self._config.num_threads)  # and the native kernels follow it
         try:
+            self._governor = self._start_threads()
             core = self._build()
         except BaseException as exc:  # noqa: BLE001 - handed to start()
             built.set_exception(exc)
             return
         core.run_here(on_ready=lambda: built.set_result(core))
+
+    def _start_threads(self) -> ThreadGovernor | None:
+        """Sets the step's threads on the engine thread (torch's intra-op pool,
+        which the native kernels' OpenMP team follows): ``--num-threads``, and
+        on the CPU with ``adaptive_threads`` the governor that sizes them to the
+        cores the engine gets (returned; None without one)."""
+        config = self._config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        if not config.adaptive_threads or torch.device(config.device).type != "cpu":
+            return None
+        return ThreadGovernor(torch.get_num_threads())
+
+    def _observer(self) -> StepObserver | None:
+        """The step observer: the governor's, then the one given."""
+        governor, given = self._governor, self._step_observer
+        if governor is None or given is None:
+            return given if governor is None else governor.observe
+        return lambda stats: given(governor.observe(stats))
 
     def _build(self) -> EngineCore:
         """Load, size, warm up, then the engine core (on the engine thread)."""
@@ -254,7 +274,7 @@ class TorchBackend(EngineBackend):
             max_chunk_tokens=config.prefill_chunk_size,
             eos_token_ids=frozenset(runner.config.eos_token_ids)), kv)
         return EngineCore(runner, scheduler, max_num_waiting=config.max_num_waiting,
-                          step_observer=self._step_observer,
+                          step_observer=self._observer(),
                           speculator=_speculator(config, runner, max_model_len))
 
     def _load(self, path: Path) -> ModelRunner:
