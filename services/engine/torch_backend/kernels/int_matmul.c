@@ -49,6 +49,7 @@
  * their integer dot products, not a weight unpacking per 4 rows as with the
  * 4-row tiles before (a 128-row prefill spent ~20 % of its kernel time, and
  * the 3072-feature gate/up projection ~30 %, re-widening the same weights).
+ * A call of 1 to 4 rows (decode) keeps its accumulators in registers.
  *
  * Batch invariance by construction: a row's activation is quantized from that
  * row alone, its integer sums are exact, and its fp32 result is accumulated
@@ -172,7 +173,8 @@ static inline __attribute__((always_inline)) void tile_rows(
     const uint8_t *records, int64_t blocks, const int16_t *qa, const float *da, const float *sa,
     int64_t in, int64_t row, const int nr, float acc_out[][TILE]) {
     const __m512i low = _mm512_set1_epi8(0x0f);
-    for (int r = 0; r < nr; r++) _mm512_storeu_ps(acc_out[r], _mm512_setzero_ps());
+    __m512 acc[ROW_CHUNK];
+    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *record = records + b * RECORD;
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)record));
@@ -191,19 +193,19 @@ static inline __attribute__((always_inline)) void tile_rows(
             const __m512i sum = dot_groups(w, qa + (row + r) * in + b * Q_BLOCK);
             const int64_t scale_at = (row + r) * (in / Q_BLOCK) + b;
             const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(da[scale_at]));
-            __m512 acc = _mm512_loadu_ps(acc_out[r]);
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc);
-            acc = _mm512_fmadd_ps(m, _mm512_set1_ps(sa[scale_at]), acc);
-            _mm512_storeu_ps(acc_out[r], acc);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sa[scale_at]), acc[r]);
         }
     }
+    for (int r = 0; r < nr; r++) _mm512_storeu_ps(acc_out[r], acc[r]);
 }
 
 /* llmesh_q8_matmul's tile: as tile_rows, for 512-byte int8 records. */
 static inline __attribute__((always_inline)) void tile_rows8(
     const uint8_t *records, int64_t blocks, const int16_t *qa, const float *da, int64_t in,
     int64_t row, const int nr, float acc_out[][TILE]) {
-    for (int r = 0; r < nr; r++) _mm512_storeu_ps(acc_out[r], _mm512_setzero_ps());
+    __m512 acc[ROW_CHUNK];
+    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *record = records + b * RECORD8;
         __m512i w[GROUPS];
@@ -212,11 +214,10 @@ static inline __attribute__((always_inline)) void tile_rows8(
         for (int r = 0; r < nr; r++) {
             const __m512i sum = dot_groups(w, qa + (row + r) * in + b * Q_BLOCK);
             const int64_t scale_at = (row + r) * (in / Q_BLOCK) + b;
-            _mm512_storeu_ps(acc_out[r], _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
-                                                         _mm512_set1_ps(da[scale_at]),
-                                                         _mm512_loadu_ps(acc_out[r])));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(da[scale_at]), acc[r]);
         }
     }
+    for (int r = 0; r < nr; r++) _mm512_storeu_ps(acc_out[r], acc[r]);
 }
 
 #elif defined(LLMESH_INT_AVX2)
@@ -245,8 +246,8 @@ static inline __attribute__((always_inline)) void tile_rows(
     const uint8_t *records, int64_t blocks, const int16_t *qa, const float *da, const float *sa,
     int64_t in, int64_t row, const int nr, float acc_out[][TILE]) {
     const __m256i low = _mm256_set1_epi8(0x0f);
-    for (int r = 0; r < nr; r++)
-        for (int h = 0; h < 2; h++) _mm256_storeu_ps(acc_out[r] + 8 * h, _mm256_setzero_ps());
+    __m256 acc[ROW_CHUNK][2];
+    for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *record = records + b * RECORD;
         __m256 d[2], m[2];
@@ -268,20 +269,20 @@ static inline __attribute__((always_inline)) void tile_rows(
             for (int h = 0; h < 2; h++) {
                 const __m256i sum = dot_groups8(w[h], qa + (row + r) * in + b * Q_BLOCK);
                 const __m256 scale = _mm256_mul_ps(d[h], _mm256_set1_ps(da[scale_at]));
-                __m256 acc = _mm256_loadu_ps(acc_out[r] + 8 * h);
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc);
-                acc = _mm256_fmadd_ps(m[h], _mm256_set1_ps(sa[scale_at]), acc);
-                _mm256_storeu_ps(acc_out[r] + 8 * h, acc);
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(sa[scale_at]), acc[r][h]);
             }
         }
     }
+    for (int r = 0; r < nr; r++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(acc_out[r] + 8 * h, acc[r][h]);
 }
 
 static inline __attribute__((always_inline)) void tile_rows8(
     const uint8_t *records, int64_t blocks, const int16_t *qa, const float *da, int64_t in,
     int64_t row, const int nr, float acc_out[][TILE]) {
-    for (int r = 0; r < nr; r++)
-        for (int h = 0; h < 2; h++) _mm256_storeu_ps(acc_out[r] + 8 * h, _mm256_setzero_ps());
+    __m256 acc[ROW_CHUNK][2];
+    for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *record = records + b * RECORD8;
         __m256i w[2][GROUPS];
@@ -293,13 +294,13 @@ static inline __attribute__((always_inline)) void tile_rows8(
             const int64_t scale_at = (row + r) * (in / Q_BLOCK) + b;
             for (int h = 0; h < 2; h++) {
                 const __m256i sum = dot_groups8(w[h], qa + (row + r) * in + b * Q_BLOCK);
-                _mm256_storeu_ps(acc_out[r] + 8 * h,
-                                 _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
-                                                 _mm256_set1_ps(da[scale_at]),
-                                                 _mm256_loadu_ps(acc_out[r] + 8 * h)));
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
+                                            _mm256_set1_ps(da[scale_at]), acc[r][h]);
             }
         }
     }
+    for (int r = 0; r < nr; r++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(acc_out[r] + 8 * h, acc[r][h]);
 }
 
 #else
@@ -401,9 +402,21 @@ static int int_matmul(const void *x, int32_t x_bf16, int64_t rows, int64_t in_fe
         for (int64_t row = 0; row < rows; row += ROW_CHUNK) {
             const int nr = rows - row < ROW_CHUNK ? (int)(rows - row) : ROW_CHUNK;
             if (!int8) {
-                tile_rows(records, blocks, qa, da, sa, in_features, row, nr, acc);
+                switch (nr) { /* a constant count keeps the accumulators in registers */
+                case 1: tile_rows(records, blocks, qa, da, sa, in_features, row, 1, acc); break;
+                case 2: tile_rows(records, blocks, qa, da, sa, in_features, row, 2, acc); break;
+                case 3: tile_rows(records, blocks, qa, da, sa, in_features, row, 3, acc); break;
+                case 4: tile_rows(records, blocks, qa, da, sa, in_features, row, 4, acc); break;
+                default: tile_rows(records, blocks, qa, da, sa, in_features, row, nr, acc); break;
+                }
             } else {
-                tile_rows8(records, blocks, qa, da, in_features, row, nr, acc);
+                switch (nr) {
+                case 1: tile_rows8(records, blocks, qa, da, in_features, row, 1, acc); break;
+                case 2: tile_rows8(records, blocks, qa, da, in_features, row, 2, acc); break;
+                case 3: tile_rows8(records, blocks, qa, da, in_features, row, 3, acc); break;
+                case 4: tile_rows8(records, blocks, qa, da, in_features, row, 4, acc); break;
+                default: tile_rows8(records, blocks, qa, da, in_features, row, nr, acc); break;
+                }
                 for (int r = 0; r < nr; r++)
                     for (int64_t j = 0; j < count; j++) acc[r][j] *= scales[t * TILE + j];
             }
