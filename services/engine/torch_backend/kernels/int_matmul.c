@@ -112,32 +112,57 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
+/* nearbyintf of each lane (nearest, ties to even, in the default rounding mode). */
+static inline v16f round_even16(v16f p) {
+#if defined(__AVX512F__)
+    return (v16f)_mm512_roundscale_ps((__m512)p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#elif defined(__AVX2__) && defined(__FMA__)
+    v16f r;
+    const __m256 *pp = (const __m256 *)&p;
+    __m256 *pr = (__m256 *)&r;
+    for (int h = 0; h < 2; h++)
+        pr[h] = _mm256_round_ps(pp[h], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return r;
+#else
+    float a[LANES];
+    memcpy(a, &p, sizeof a);
+    for (int i = 0; i < LANES; i++) a[i] = nearbyintf(a[i]);
+    memcpy(&p, a, sizeof a);
+    return p;
+#endif
+}
+
 /* One row's quantization: qa [in] int16, da and sa [in / 32]. A block below
  * MIN_AMAX counts as zeros; a NaN or inf makes the block's da NaN, so every
- * output of the row is NaN. */
+ * output of the row is NaN. In 16-lane vectors (simd.h), rounding as
+ * nearbyintf and an exact integer sum: the bits of the scalar loop this
+ * replaced (which took ~10 % of a prefill's time on one thread). */
 static void quantize_row(const void *x, int32_t x_bf16, int64_t row, int64_t in, int16_t *qa,
                          float *da, float *sa) {
     for (int64_t b = 0; b < in / Q_BLOCK; b++) {
-        float v[Q_BLOCK], amax = 0.0f;
-        int finite = 1;
-        for (int i = 0; i < Q_BLOCK; i++) {
-            const int64_t index = row * in + b * Q_BLOCK + i;
-            v[i] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[index]) : ((const float *)x)[index];
-            const float a = fabsf(v[i]);
-            finite &= a <= FLT_MAX; /* false for inf and NaN */
-            amax = a > amax ? a : amax;
+        const int64_t at = row * in + b * Q_BLOCK;
+        const v16f v[2] = {load16_any(x, x_bf16, at, LANES),
+                           load16_any(x, x_bf16, at + LANES, LANES)};
+        const v16f a[2] = {(v16f)((v16i)v[0] & 0x7fffffff), (v16f)((v16i)v[1] & 0x7fffffff)};
+        const v16i finite = (a[0] <= splat(FLT_MAX)) & (a[1] <= splat(FLT_MAX)); /* no NaN, inf */
+        int all_finite = 1;
+        for (int i = 0; i < LANES; i++) all_finite &= finite[i] != 0;
+        const float amax = all_finite ? hmax16(max16(a[0], a[1])) : 0.0f;
+        const float d = !all_finite ? NAN : amax < MIN_AMAX ? 0.0f : amax / QMAX;
+        const float id = all_finite && d != 0.0f ? 1.0f / d : 0.0f; /* inf * 0 would be NaN */
+        v16i sum = {0};
+        for (int h = 0; h < 2; h++) {
+            v16f q = all_finite ? round_even16(v[h] * splat(id)) : splat(0.0f);
+            q = select16(q > splat(QMAX), splat(QMAX), q);
+            q = select16(q < splat(-QMAX), splat(-QMAX), q);
+            const v16i qi = __builtin_convertvector(q, v16i);
+            for (int i = 0; i < LANES; i++) qa[b * Q_BLOCK + h * LANES + i] = (int16_t)qi[i];
+            sum += qi;
         }
-        const float d = !finite ? NAN : amax < MIN_AMAX ? 0.0f : amax / QMAX;
-        const float id = finite && d != 0.0f ? 1.0f / d : 0.0f;
-        int32_t sum = 0;
-        for (int i = 0; i < Q_BLOCK; i++) {
-            float q = finite ? nearbyintf(v[i] * id) : 0.0f; /* inf * 0 would be NaN */
-            q = q > QMAX ? QMAX : q < -QMAX ? -QMAX : q;
-            qa[b * Q_BLOCK + i] = (int16_t)q;
-            sum += (int32_t)q;
-        }
+        int32_t total = 0;
+        for (int i = 0; i < LANES; i++) total += sum[i];
         da[b] = d;
-        sa[b] = d * (float)sum;
+        sa[b] = d * (float)total;
     }
 }
 
