@@ -174,6 +174,7 @@ _SIGNATURES = {
     "llmesh_q8_matmul": [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64,
                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                          ctypes.c_int32, ctypes.c_int32],
+    "llmesh_int_matmul_row_chunk": [],
 }
 _NARROW = (torch.float32, torch.bfloat16)
 
@@ -334,6 +335,17 @@ class IntMatmul:
         if code != 0:
             raise ValueError(f"integer matmul: the kernel refused the shapes (code {code})")
         return out
+
+
+def int_matmul_row_chunk() -> int:
+    """Rows of one integer matmul call that share each widening of a block's
+    weights (``ROW_CHUNK`` of ``int_matmul.c``): a prompt's rows cost their dot
+    products, not a weight unpacking per few rows.
+
+    Raises:
+      NativeKernelUnavailable: see :func:`load_library`.
+    """
+    return int(load_library().llmesh_int_matmul_row_chunk())
 
 
 def q4_1_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int,

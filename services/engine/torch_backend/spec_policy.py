@@ -3,9 +3,10 @@
 The engine measures its decode steps (no prompt tokens in them) by their row
 count ``R``: :class:`StepCostModel` keeps the recent step time of each ``R``
 it has timed lately, and estimates the others from their neighbours. The time
-is not linear here: the native integer kernels work on rows in groups of
-four, so on 2 Zen 4 cores a step of 1 to 4 rows costs ~4.8 to 7.2 ms, one of
-5 rows ~9 ms (``docs/engine.md``, speculative decoding numbers).
+is not linear here: on 2 Zen 4 cores a step of 1 to 4 rows cost ~4.8 to 7.2
+ms, one of 5 rows ~9 ms, when the native integer kernels took rows in tiles
+of four (``docs/engine.md``, speculative decoding numbers; now rows from 5
+share a 32-row chunk).
 
 A step with ``n`` decoding sequences emits at least ``n`` tokens; a proposed
 token adds a row and, with probability ``q`` (that it and every proposal

@@ -63,4 +63,8 @@ int llmesh_q8_matmul(const void *x, int32_t x_bf16, int64_t rows, int64_t in_fea
                      const uint8_t *packed, const float *scales, int64_t out_features, void *out,
                      int32_t out_bf16, int32_t num_threads);
 
+/* Rows of one call that share each widening of a block's weights in both
+ * integer matmuls (int_matmul.c's ROW_CHUNK). */
+int32_t llmesh_int_matmul_row_chunk(void);
+
 #endif
