@@ -26,7 +26,6 @@ not depend on its group, its chunk or the other sequences.
 from __future__ import annotations
 
 import math
-import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -52,23 +51,6 @@ def num_blocks_for_budget(config: LlamaConfig, block_size: int, dtype: torch.dty
     return max(budget_bytes // kv_block_bytes(config, block_size, dtype), 0)
 
 
-def lazy_zeros(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype
-               ) -> torch.Tensor:
-    """A zero-filled tensor of ``shape``; on the CPU backed by an anonymous memory
-    map, whose pages are zero by definition (POSIX ``MAP_ANONYMOUS``) and
-    committed by the kernel at first touch. ``torch.zeros`` writes every byte at
-    once: ~0.4 s for the default 1 GiB KV pool on an idle 2-core machine, 1-5 s
-    of every engine start under load, and the whole pool resident from the
-    start; mapped, the pool costs neither until blocks are written (a block's
-    first write per layer and head faults in one 4 KiB page). Elsewhere
-    ``torch.zeros``."""
-    count = math.prod(shape)
-    if device.type != "cpu" or count == 0:
-        return torch.zeros(shape, device=device, dtype=dtype)
-    buffer = mmap.mmap(-1, count * dtype.itemsize)  # the tensor keeps it alive
-    return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)
-
-
 class PagedKVCache:
     """Zero-filled key and value storage for ``num_blocks`` blocks on a device.
 
@@ -92,8 +74,8 @@ class PagedKVCache:
         shape = (config.num_layers, config.num_kv_heads, num_blocks + scratch_blocks, block_size,
                  config.head_dim)
         key_shape = shape[:3] + (shape[4], shape[3]) if transposed_keys else shape
-        self.k = lazy_zeros(key_shape, torch.device(device), dtype)
-        self.v = lazy_zeros(shape, torch.device(device), dtype)
+        self.k = torch.zeros(key_shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.transposed_keys = transposed_keys
         self.num_blocks = num_blocks
         self.block_size = block_size
