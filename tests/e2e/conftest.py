@@ -1,0 +1,26 @@
+"""Meshes that several e2e modules share, each module with its own router flags
+(``Mesh.restart_router``: a router restart takes a second or two, two engines
+take a model load each)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from services.cli.mesh import Mesh
+from tests.e2e.shared_mesh import SharedMesh
+
+
+@pytest.fixture(scope="session")
+def two_slot_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedMesh]:
+    """Two engines of 2 sequence slots each behind Envoy (default model and KV
+    pool): test_mesh_admission's and test_mesh_overload's mesh, each with its
+    own router queue limits."""
+    shared = SharedMesh(lambda router_args: Mesh(
+        ingress_port=0, admin_port=0, run_dir=tmp_path_factory.mktemp("two-slot-mesh"),
+        num_engines=2, engine_args=["--max-num-seqs", "2"], router_args=router_args))
+    try:
+        yield shared
+    finally:
+        shared.stop()
