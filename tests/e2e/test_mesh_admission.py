@@ -19,8 +19,8 @@ import pytest
 
 from llmesh.v1 import engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
 from services.cli.mesh import Mesh
-from tests.e2e.shared_mesh import SharedMesh
 from tests.e2e.overload_client import Outcome, long_request, run_one
+from tests.e2e.shared_mesh import SharedMesh
 
 pytestmark = pytest.mark.mesh
 

@@ -21,8 +21,8 @@ import pytest
 
 from llmesh.v1 import common_pb2, generation_pb2_grpc
 from services.cli.mesh import Mesh
-from tests.e2e.shared_mesh import SharedMesh
 from tests.e2e.overload_client import Outcome, long_request, run_one
+from tests.e2e.shared_mesh import SharedMesh
 
 pytestmark = pytest.mark.mesh
 
