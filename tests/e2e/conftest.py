@@ -17,13 +17,11 @@ def two_slot_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Share
     """Two engines of 2 sequence slots each behind Envoy (default model and KV
     pool): test_mesh_admission's and test_mesh_overload's mesh, each with its
     own router queue limits."""
-    shared = SharedMesh(lambda router_args: Mesh(
-        ingress_port=0, admin_port=0, run_dir=tmp_path_factory.mktemp("two-slot-mesh"),
-        num_engines=2, engine_args=["--max-num-seqs", "2"], router_args=router_args))
-    try:
+    with SharedMesh(lambda router_args: Mesh(
+            ingress_port=0, admin_port=0, run_dir=tmp_path_factory.mktemp("two-slot-mesh"),
+            num_engines=2, engine_args=["--max-num-seqs", "2"],
+            router_args=router_args)) as shared:
         yield shared
-    finally:
-        shared.stop()
 
 
 @pytest.fixture(scope="session")
@@ -31,11 +29,8 @@ def small_window_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sh
     """One engine with a 512-token window on one thread, 1 s drains:
     test_mesh_faults's mesh (which kills and restarts the tokenizer, cache and
     router) and then test_mesh_tenants's, its router restarted with API keys."""
-    shared = SharedMesh(lambda router_args: Mesh(
-        ingress_port=0, admin_port=0, run_dir=tmp_path_factory.mktemp("small-window-mesh"),
-        drain_seconds=1.0, engine_args=["--max-model-len", "512", "--num-threads", "1"],
-        router_args=router_args))
-    try:
+    with SharedMesh(lambda router_args: Mesh(
+            ingress_port=0, admin_port=0, run_dir=tmp_path_factory.mktemp("small-window-mesh"),
+            drain_seconds=1.0, engine_args=["--max-model-len", "512", "--num-threads", "1"],
+            router_args=router_args)) as shared:
         yield shared
-    finally:
-        shared.stop()

@@ -33,3 +33,9 @@ class SharedMesh:
         if self._mesh is not None:
             self._mesh.stop()
             self._mesh = None
+
+    def __enter__(self) -> SharedMesh:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

@@ -39,6 +39,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from services.common.cache_dir import cache_dir
 from services.engine.torch_backend import native
 from services.engine.torch_backend.model import LlamaModel
 
@@ -63,13 +64,7 @@ class ProbeVerdict:
 
 def cache_root() -> Path | None:
     """The cache folder, or None when ``$LLMESH_PROBE_CACHE`` is ``off``."""
-    configured = os.environ.get(CACHE_DIR_ENV)
-    if configured == "off":
-        return None
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "llmesh" / "probe"
+    return cache_dir(CACHE_DIR_ENV, "probe")
 
 
 def _describe(projection: object) -> str:
