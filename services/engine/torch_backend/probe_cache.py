@@ -15,9 +15,10 @@ Key (:func:`probe_key`): SHA-256 of the engine's own code (every
 ``torch_backend/*.py`` and ``kernels/*`` file), the native library's name
 (itself keyed by the sources, flags, compiler and CPU flags), the PyTorch
 version, the CPU's model name and flags, ``ONEDNN_MAX_CPU_ISA`` and
-``ONEDNN_DEFAULT_FPMATH_MODE``, the intra-op thread count, the device, the
-dtype, and each probed projection's kernel, shape and input dtype. Any change
-to one of them probes again. Location: ``$LLMESH_PROBE_CACHE``, else
+``ONEDNN_DEFAULT_FPMATH_MODE``, the intra-op thread count, the device (on CUDA
+the GPU's name, compute capability and CUDA version), the dtype, and each
+probed projection's kernel, shape and input dtype. Any change to one of them
+probes again. Location: ``$LLMESH_PROBE_CACHE``, else
 ``$XDG_CACHE_HOME/llmesh/probe`` (``~/.cache`` without it), one JSON file per
 key written to a temporary file and renamed into place. A cache that cannot be
 read or written is skipped (the probe runs as without it);
@@ -107,6 +108,16 @@ def _native_library() -> str:
         return f"unavailable: {error}"
 
 
+def _accelerator(device: torch.device) -> str:
+    """The GPU's name, compute capability and CUDA version on CUDA (cuBLAS picks
+    kernels per GPU); empty on the CPU."""
+    if device.type != "cuda":
+        return ""
+    return (f"{torch.cuda.get_device_name(device)} "
+            f"sm_{''.join(map(str, torch.cuda.get_device_capability(device)))} "
+            f"cuda {torch.version.cuda}")
+
+
 def probe_key(model: LlamaModel, device: torch.device, dtype: torch.dtype) -> str:
     """Hex SHA-256 of what decides the probe's verdict for ``model`` run on
     ``device`` in ``dtype`` with the current thread count (see the module doc)."""
@@ -116,7 +127,7 @@ def probe_key(model: LlamaModel, device: torch.device, dtype: torch.dtype) -> st
     parts = [FORMAT, _code_digest(), _native_library(), torch.__version__,
              _cpu_model(), native._cpu_flags(),
              *(f"{name}={os.environ.get(name, '')}" for name in ONEDNN_ENV),
-             f"threads={torch.get_num_threads()}", str(device), str(dtype),
+             f"threads={torch.get_num_threads()}", str(device), _accelerator(device), str(dtype),
              f"quantization={model.quantization} quant_kernel={model.quant_kernel} "
              f"prompt_kernel={model.prompt_kernel}",
              f"head_dim={config.head_dim} hidden={config.hidden_size} "
