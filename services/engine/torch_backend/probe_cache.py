@@ -3,8 +3,8 @@
 :meth:`~services.engine.torch_backend.model_runner.ModelRunner.probe_batch_invariance`
 runs each of the model's layer-0 projections and its LM head on 1..39 rows
 against a 41-row reference (:func:`~services.engine.torch_backend.batch_invariant.probe`):
-~1,600 rows through a 49,152 x 576 LM head for SmolLM2, 2-4 s of every engine
-start on this 2-core machine (3x that under load), before the first request,
+~1,600 rows through a 49,152 x 576 LM head for SmolLM2: 0.6 s of every engine
+start on this 2-core machine at load 2.8, 9.7 s at load 8, before the first request,
 for a verdict that only the kernels decide. The verdict is a property of the
 arithmetic, not of the weights: which kernel computes each projection, its
 shapes and dtypes, the code that lays the rows out, the CPU, the thread count
