@@ -1,15 +1,40 @@
 """Meshes that several e2e modules share, each module with its own router flags
 (``Mesh.restart_router``: a router restart takes a second or two, two engines
-take a model load each)."""
+take a model load each). The modules that share one run next to each other
+(:func:`pytest_collection_modifyitems`), so that no shared mesh sits idle in
+memory (~1.6 GB an engine) while other modules run theirs."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from services.cli.mesh import Mesh
 from tests.e2e.shared_mesh import SharedMesh
+
+#: Module → the module whose shared mesh it takes over (it runs right after it).
+RUNS_AFTER = {"test_mesh_overload.py": "test_mesh_admission.py",
+              "test_mesh_tenants.py": "test_mesh_faults.py"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Moves each module of :data:`RUNS_AFTER` right behind the module it
+    follows (when both are selected), keeping every other test's order."""
+    def module(item: pytest.Item) -> str:
+        return Path(str(item.fspath)).name
+
+    followers = {name: [i for i in items if module(i) == name] for name in RUNS_AFTER}
+    moved = {id(i) for name, group in followers.items() for i in group
+             if any(module(j) == RUNS_AFTER[name] for j in items)}
+    ordered = [i for i in items if id(i) not in moved]
+    for name, group in followers.items():
+        group = [i for i in group if id(i) in moved]
+        if group:
+            last = max(n for n, i in enumerate(ordered) if module(i) == RUNS_AFTER[name])
+            ordered[last + 1:last + 1] = group
+    items[:] = ordered
 
 
 @pytest.fixture(scope="session")
