@@ -1096,6 +1096,25 @@ class Mesh:
         self._wait_serving([service], deadline, quiet, elapsed)
         return service
 
+    def restart_router(self, router_args: Sequence[str],
+                       timeout_s: float | None = None) -> ServiceProcess:
+        """Restarts the mesh's own router (Envoy's upstream) on its ports with
+        ``router_args`` in place of the mesh's router flags (``router_args``,
+        which routers added later also get): other admission limits, API keys
+        or routing on the same engines, without reloading a model. Calls in
+        flight through it end as in :meth:`restart`; returns when it is SERVING.
+
+        Raises:
+          MeshStartError: it exited or did not turn SERVING within ``timeout_s``
+            (default: the start timeout).
+        """
+        old = self.services["router"]
+        self.router_args = tuple(router_args)
+        new = self._router_process(list(self.services.values()))  # replaces services["router"]
+        new.process, new.grpc_port, new.metrics_port, new.extra_ports = (
+            old.process, old.grpc_port, old.metrics_port, old.extra_ports)
+        return self.restart("router", timeout_s)
+
     # -- run and stop -----------------------------------------------------
 
     def exited(self) -> dict[str, int]:

@@ -33,6 +33,8 @@ from typing import Any
 
 import structlog
 
+from services.common.cache_dir import cache_dir
+
 log = structlog.get_logger(__name__)
 
 CACHE_DIR_ENV = "LLMESH_TOKENIZER_CACHE"
@@ -44,13 +46,7 @@ REQUIRED = ("tokenizer.json", "tokenizer_config.json")
 
 def cache_root() -> Path | None:
     """The cache folder, or None when ``$LLMESH_TOKENIZER_CACHE`` is ``off``."""
-    configured = os.environ.get(CACHE_DIR_ENV)
-    if configured == "off":
-        return None
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "llmesh" / "tokenizers"
+    return cache_dir(CACHE_DIR_ENV, "tokenizers")
 
 
 def cache_key(gguf_path: Path) -> str:

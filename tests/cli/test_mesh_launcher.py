@@ -114,6 +114,26 @@ def test_mesh_starts_in_order_serves_and_stops(tmp_path: Path) -> None:
     assert mesh.exited().keys() == pids.keys()
 
 
+def test_the_router_restarts_with_other_flags_on_its_ports_behind_the_same_envoy(
+        tmp_path: Path) -> None:
+    mesh = Mesh(ingress_port=0, admin_port=0, run_dir=tmp_path,
+                router_args=["--max-tokens-cap", "99"], commands=fake_commands())
+    with mesh.start():
+        old = mesh.router
+        old_pid, ports = old.pid, (old.grpc_port, old.metrics_port, dict(old.extra_ports))
+        engine_pid = mesh.engines[0].pid
+        router = mesh.restart_router(["--max-tokens-cap", "7"])
+        assert router is mesh.router and router.pid != old_pid
+        assert wait_all_dead([old_pid], timeout_s=5.0) == []
+        assert (router.grpc_port, router.metrics_port, router.extra_ports) == ports
+        argv = _argv(mesh, "router")
+        assert _flag_values(argv, "--max-tokens-cap") == ["7"]
+        assert _flag_values(argv, "--engine") == [mesh.engines[0].grpc_address]
+        assert mesh.engines[0].pid == engine_pid  # the engines were not touched
+        responses = _generate(mesh.ingress_address, "through the restarted router")
+        assert "".join(r.text for r in responses) == "through the restarted router "
+
+
 def test_without_envoy_clients_call_the_router_directly(tmp_path: Path) -> None:
     events: list[MeshProgress] = []
     mesh = Mesh(ingress_port=0, admin_port=0, run_dir=tmp_path, with_envoy=False,

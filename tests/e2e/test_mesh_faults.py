@@ -27,8 +27,6 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -37,6 +35,7 @@ from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.cli.mesh import Mesh
 from tests.e2e.hostile_checks import not_serving
 from tests.e2e.overload_client import Outcome, long_request, run_one
+from tests.e2e.shared_mesh import SharedMesh
 
 pytestmark = pytest.mark.mesh
 
@@ -45,11 +44,10 @@ FAIL_FAST_S = 1.0
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    run_dir: Path = tmp_path_factory.mktemp("faults-mesh")
-    with Mesh(ingress_port=0, admin_port=0, run_dir=run_dir, drain_seconds=1.0,
-              engine_args=["--max-model-len", "512", "--num-threads", "1"]) as running:
-        yield running
+def mesh(small_window_engine: SharedMesh) -> Mesh:
+    """One engine (512-token window, one thread), 1 s drains (conftest.py;
+    test_mesh_tenants runs on it later, its router restarted with API keys)."""
+    return small_window_engine.get([])
 
 
 def cacheable(tag: str) -> generation_pb2.GenerateRequest:

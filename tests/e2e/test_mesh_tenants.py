@@ -36,6 +36,7 @@ from services.cli.main import client_examples
 from services.cli.mesh import Mesh
 from services.router.api_keys import hash_key
 from tests.e2e.overload_client import Outcome, long_request, run_one
+from tests.e2e.shared_mesh import SharedMesh
 
 pytestmark = pytest.mark.mesh
 
@@ -73,12 +74,11 @@ def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory, keys_file: Path) -> Iterator[Mesh]:
-    run_dir = tmp_path_factory.mktemp("tenants-mesh")
-    with Mesh(ingress_port=0, admin_port=0, run_dir=run_dir, drain_seconds=1.0,
-              engine_args=["--max-model-len", "512", "--num-threads", "1"],
-              router_args=["--api-keys", str(keys_file)]) as running:
-        yield running
+def mesh(small_window_engine: SharedMesh, keys_file: Path) -> Iterator[Mesh]:
+    """test_mesh_faults's engine (512-token window, one thread; conftest.py), the
+    router restarted with the keys file; stopped after this module."""
+    yield small_window_engine.get(["--api-keys", str(keys_file)])
+    small_window_engine.stop()
 
 
 def auth(tenant: str) -> tuple[tuple[str, str], ...]:

@@ -60,6 +60,7 @@ from services.engine.torch_backend.model_runner import (
     keep_freed_memory,
     resolve_attention_backend,
 )
+from services.engine.torch_backend.probe_cache import cached_probe
 from services.engine.torch_backend.quant import (
     QUANT_KERNELS,
     auto_quantization,
@@ -330,14 +331,18 @@ class TorchBackend(EngineBackend):
         return max_model_len
 
     def _warm_up(self, runner: ModelRunner, max_model_len: int) -> float:
-        """The batch-invariance probe (when on), one warm-up step, then on CUDA
+        """The batch-invariance probe (when on; its verdict read from
+        :mod:`~services.engine.torch_backend.probe_cache` when this machine has
+        one for these kernels), one warm-up step, then on CUDA
         the decode graphs (``graph_batch_sizes()``; none with ``--enforce-eager``
         or for a model they cannot serve, which then runs eagerly); seconds of
         the warm-up and capture."""
         if self._config.batch_invariant:
-            self.batch_invariance_failures = runner.probe_batch_invariance()
-            log.info("batch_invariance_probe", ok=not self.batch_invariance_failures,
-                     failures=self.batch_invariance_failures[:5])
+            verdict = cached_probe(runner.model, runner.device, runner.dtype,
+                                   runner.probe_batch_invariance)
+            self.batch_invariance_failures = verdict.failures
+            log.info("batch_invariance_probe", ok=not verdict.failures, cached=verdict.cached,
+                     failures=verdict.failures[:5])
         seconds = runner.warm_up()
         sizes = self._config.graph_batch_sizes()
         if runner.device.type != "cuda" or not sizes:
