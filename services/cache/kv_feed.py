@@ -44,7 +44,14 @@ import structlog
 from llmesh.v1 import cache_pb2
 from services.cache.metrics import CacheMetrics
 from services.cache.prefix_index import HASH_BYTES, PrefixIndex
-from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from services.common.kv_events import (
+    MEDIUM_FROM_PB,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    Medium,
+)
 
 log = structlog.get_logger()
 
@@ -76,6 +83,12 @@ class Publisher:
     epoch: int
     block_size: int
     capacity_blocks: int
+    offload_capacity_blocks: int = 0
+
+    @property
+    def index_capacity(self) -> int:
+        """Entries the index may hold for it: its pool's and its offload tier's blocks."""
+        return self.capacity_blocks + self.offload_capacity_blocks
 
     @classmethod
     def from_pb(cls, hello: cache_pb2.KvEventsHello) -> Publisher:
@@ -86,7 +99,8 @@ class Publisher:
         for name in ("epoch", "block_size", "capacity_blocks"):
             if getattr(hello, name) <= 0:
                 raise FeedError(grpc.StatusCode.INVALID_ARGUMENT, f"hello.{name}: must be > 0")
-        return cls(hello.replica_id, hello.epoch, hello.block_size, hello.capacity_blocks)
+        return cls(hello.replica_id, hello.epoch, hello.block_size, hello.capacity_blocks,
+                   hello.offload_capacity_blocks)
 
 
 def check_hashes(hashes: Sequence[bytes], field: str) -> None:
@@ -109,15 +123,36 @@ def events_from_pb(events: Sequence[cache_pb2.KvEvent], block_size: int) -> list
         if kind == "stored":
             check_hashes(event.stored.block_hashes, f"events[{i}].stored.block_hashes")
             out.append(BlockStored(tuple(event.stored.block_hashes),
-                                   event.stored.parent_hash or None, (), block_size))
+                                   event.stored.parent_hash or None, (), block_size,
+                                   _medium(event.stored.medium, f"events[{i}].stored.medium")))
         elif kind == "removed":
             check_hashes(event.removed.block_hashes, f"events[{i}].removed.block_hashes")
-            out.append(BlockRemoved(tuple(event.removed.block_hashes)))
+            out.append(BlockRemoved(tuple(event.removed.block_hashes),
+                                    _medium(event.removed.medium, f"events[{i}].removed.medium")))
         elif kind == "cleared":
             out.append(AllBlocksCleared())
         else:
             raise FeedError(grpc.StatusCode.INVALID_ARGUMENT, f"events[{i}]: no event set")
     return out
+
+
+def _medium(value: int, field: str) -> Medium:
+    """Raises FeedError (INVALID_ARGUMENT) for a medium this index does not know."""
+    medium = MEDIUM_FROM_PB.get(value)
+    if medium is None:
+        raise FeedError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: unknown medium {value}")
+    return medium
+
+
+def snapshot_from_pb(snapshot: cache_pb2.KvSnapshot) -> tuple[list[bytes], list[bytes]]:
+    """The pool's and the offload tier's hashes of a snapshot (checked).
+
+    Raises:
+      FeedError: INVALID_ARGUMENT for a bad hash.
+    """
+    check_hashes(snapshot.block_hashes, "snapshot.block_hashes")
+    check_hashes(snapshot.offloaded_block_hashes, "snapshot.offloaded_block_hashes")
+    return list(snapshot.block_hashes), list(snapshot.offloaded_block_hashes)
 
 
 class KvEventFeed:
@@ -149,7 +184,8 @@ class KvEventFeed:
         who = Publisher.from_pb(first.hello)
         state = await self._register(who)
         log.info("kv_publisher_connected", replica=who.replica_id, epoch=who.epoch,
-                 capacity_blocks=who.capacity_blocks, state=state.value)
+                 capacity_blocks=who.capacity_blocks,
+                 offload_capacity_blocks=who.offload_capacity_blocks, state=state.value)
         try:
             message: cache_pb2.PublishKvEventsRequest | None = first
             while message is not None:
@@ -168,7 +204,7 @@ class KvEventFeed:
             log.info("kv_publisher_gone", replica=who.replica_id, epoch=who.epoch)
 
     async def _register(self, who: Publisher) -> _State:
-        if await self._index.register(who.replica_id, who.epoch, who.capacity_blocks):
+        if await self._index.register(who.replica_id, who.epoch, who.index_capacity):
             return _State.EXACT
         held = await self._index.held_epoch(who.replica_id)
         if held is not None and held > who.epoch:
@@ -184,12 +220,11 @@ class KvEventFeed:
         replica = who.replica_id
         events = events_from_pb(message.events, who.block_size)
         self._count(replica, len(events), message.dropped_events)
-        if message.HasField("snapshot"):
-            check_hashes(message.snapshot.block_hashes, "snapshot.block_hashes")
+        snapshot = snapshot_from_pb(message.snapshot) if message.HasField("snapshot") else None
         if state is _State.LOST:
-            return await self._recover(who, message)
-        if message.HasField("snapshot"):
-            if not await self._index.replace(replica, who.epoch, message.snapshot.block_hashes):
+            return await self._recover(who, snapshot)
+        if snapshot is not None:
+            if not await self._index.replace(replica, who.epoch, *snapshot):
                 return await self._lost(who, "snapshot_refused")
             state = _State.EXACT
         elif message.dropped_events:
@@ -218,14 +253,14 @@ class KvEventFeed:
             return _State.WAITING_SNAPSHOT, True
         return _State.LOST, False
 
-    async def _recover(self, who: Publisher,
-                       message: cache_pb2.PublishKvEventsRequest) -> tuple[_State, bool]:
+    async def _recover(self, who: Publisher, snapshot: tuple[list[bytes], list[bytes]] | None
+                       ) -> tuple[_State, bool]:
         """A message while the store was down: register again; a snapshot in the
         same message makes the index exact at once, else ask for one."""
         if await self._register(who) is _State.LOST:
             return _State.LOST, False
-        if message.HasField("snapshot") and await self._index.replace(
-                who.replica_id, who.epoch, message.snapshot.block_hashes):
+        if snapshot is not None and await self._index.replace(who.replica_id, who.epoch,
+                                                              *snapshot):
             return _State.EXACT, False
         return _State.WAITING_SNAPSHOT, True
 

@@ -20,8 +20,17 @@ Publishers, epochs, liveness
   entries are removed (memory: at the next call that sees it; Redis: the keys
   expire). A refused call returns False and changes nothing, except for capacity:
 
+Media
+  A block a replica holds in its KV offload tier (events and snapshots with
+  medium OFFLOAD, :class:`~services.common.kv_events.Medium`) is an entry of
+  its own: the hash followed by :data:`OFFLOAD_TAG` (33 bytes), beside the
+  plain hash of a block in its pool (a block may be in both). :meth:`~PrefixIndex.match`
+  counts a prompt's leading blocks in the pool, then the blocks after those
+  held in either medium (a restore there, not a prefill).
+
 Capacity
-  A replica holds at most ``capacity_blocks`` entries (its KV cache's size).
+  A replica holds at most ``capacity_blocks`` entries (its KV cache's size
+  plus its offload tier's).
   :meth:`~PrefixIndex.replace` with more distinct hashes keeps the first
   ``capacity_blocks`` of them (in the order given) and returns False.
   :meth:`~PrefixIndex.apply` applies events in order up to the first hash that
@@ -72,10 +81,21 @@ from typing import ClassVar
 from services.cache.metrics import CacheMetrics, default_metrics
 from services.cache.store import Clock, RedisGuard, RedisOptions
 from services.common.block_hash import BlockHash
-from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from services.common.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    Medium,
+    PrefixMatch,
+)
+
+__all__ = ["MemoryPrefixIndex", "PrefixIndex", "PrefixMatch", "RedisPrefixIndex"]
 
 #: Bytes of a block hash (SHA-256).
 HASH_BYTES = 32
+#: Appended to a hash for its entry in the offload medium.
+OFFLOAD_TAG = b"o"
 
 #: An engine replica's id (``GetModelInfoResponse.replica_id``).
 ReplicaId = str
@@ -85,6 +105,16 @@ STALE_EPOCH = "stale_epoch"
 NOT_REGISTERED = "not_registered"
 CAPACITY = "capacity"
 BACKEND = "backend"
+
+
+def _entry(block_hash: BlockHash, medium: Medium) -> bytes:
+    """The index entry of ``block_hash`` held in ``medium``."""
+    return block_hash if medium is Medium.POOL else block_hash + OFFLOAD_TAG
+
+
+def _entries(hashes: Sequence[BlockHash], offloaded: Sequence[BlockHash]) -> list[bytes]:
+    """The entries of a snapshot: the pool's hashes, then the offload tier's tagged."""
+    return [*hashes, *(_entry(h, Medium.OFFLOAD) for h in offloaded)]
 
 
 def _check_publisher(replica: ReplicaId, epoch: int) -> None:
@@ -150,12 +180,15 @@ class PrefixIndex(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def replace(self, replica: ReplicaId, epoch: int, hashes: Sequence[BlockHash]) -> bool:
-        """A snapshot: ``replica`` holds exactly ``hashes`` now. Mutates; refreshes liveness.
+    async def replace(self, replica: ReplicaId, epoch: int, hashes: Sequence[BlockHash],
+                      offloaded: Sequence[BlockHash] = ()) -> bool:
+        """A snapshot: ``replica`` holds exactly ``hashes`` in its pool and
+        ``offloaded`` in its offload tier now. Mutates; refreshes liveness.
 
         Returns:
           True when held in full. False when more than ``capacity_blocks``
-          distinct hashes came (the first ``capacity_blocks`` are kept), or,
+          distinct entries came (the first ``capacity_blocks`` are kept, the
+          pool's first), or,
           changing nothing, when ``epoch`` is not the held one, the replica is
           not registered (or expired), or the backend is down.
 
@@ -168,7 +201,8 @@ class PrefixIndex(abc.ABC):
         """Applies ``events`` in order. Mutates; refreshes liveness.
 
         ``BlockStored`` adds its ``block_hashes``, ``BlockRemoved`` removes its
-        ``block_hashes``, ``AllBlocksCleared`` empties the replica's entries.
+        ``block_hashes`` (each in its event's medium), ``AllBlocksCleared``
+        empties the replica's entries (both media).
 
         Returns:
           True when all applied. False when a hash would take the replica past
@@ -206,15 +240,17 @@ class PrefixIndex(abc.ABC):
           ValueError: empty ``replica`` or ``epoch`` < 0.
         """
 
-    async def score(self, hashes: Sequence[BlockHash]) -> dict[ReplicaId, int]:
-        """How many leading ``hashes`` each live replica holds (counting stops at its first miss).
+    async def match(self, hashes: Sequence[BlockHash]) -> dict[ReplicaId, PrefixMatch]:
+        """How many leading ``hashes`` each live replica holds in its pool
+        (counting stops at its first miss), and how many after those in its
+        offload tier or pool (stopping at the first block held in neither).
 
-        Only replicas with at least 1 appear. Removes expired replicas' entries
-        (garbage collection, the only mutation). Observes
-        ``llmesh:kv_index_lookup_seconds``.
+        Only replicas holding the first block (in either medium) appear.
+        Removes expired replicas' entries (garbage collection, the only
+        mutation). Observes ``llmesh:kv_index_lookup_seconds``.
 
         Returns:
-          ``{replica: leading blocks held}``; ``{}`` when the backend is down.
+          ``{replica: match}``; ``{}`` when the backend is down.
 
         Raises:
           ValueError: a hash is not 32 bytes.
@@ -222,9 +258,15 @@ class PrefixIndex(abc.ABC):
         started = time.perf_counter()
         if set(map(len, hashes)) - {HASH_BYTES}:
             raise ValueError(f"block hashes must be {HASH_BYTES} bytes")
-        scores = await self._score(hashes) if hashes else {}
+        matches = await self._match(hashes) if hashes else {}
         self._lookup.observe(time.perf_counter() - started)
-        return scores
+        return matches
+
+    async def score(self, hashes: Sequence[BlockHash]) -> dict[ReplicaId, int]:
+        """Leading ``hashes`` each live replica holds in its pool (:meth:`match`'s
+        ``blocks``; only replicas with at least 1)."""
+        return {replica: found.blocks for replica, found in (await self.match(hashes)).items()
+                if found.blocks}
 
     async def sizes(self) -> dict[ReplicaId, int]:
         """Entries held per live replica (0 included). Sets ``llmesh:kv_index_blocks``.
@@ -254,8 +296,8 @@ class PrefixIndex(abc.ABC):
         """Releases connections and memory; the index is unusable afterwards."""
 
     @abc.abstractmethod
-    async def _score(self, hashes: Sequence[BlockHash]) -> dict[ReplicaId, int]:
-        """:meth:`score` of a non-empty ``hashes``."""
+    async def _match(self, hashes: Sequence[BlockHash]) -> dict[ReplicaId, PrefixMatch]:
+        """:meth:`match` of a non-empty ``hashes``."""
 
     @abc.abstractmethod
     async def _sizes(self) -> dict[ReplicaId, int] | None:
@@ -302,10 +344,11 @@ def _apply_events(held: set[BlockHash], capacity: int, events: Sequence[KVEvent]
     for event in events:
         match event:
             case BlockStored():
-                if not _add_within(held, capacity, event.block_hashes):
+                entries = (_entry(h, event.medium) for h in event.block_hashes)
+                if not _add_within(held, capacity, entries):
                     return False
             case BlockRemoved():
-                held.difference_update(event.block_hashes)
+                held.difference_update(_entry(h, event.medium) for h in event.block_hashes)
             case AllBlocksCleared():
                 held.clear()
             case _:
@@ -313,13 +356,19 @@ def _apply_events(held: set[BlockHash], capacity: int, events: Sequence[KVEvent]
     return True
 
 
-def _leading(held: set[BlockHash], hashes: Sequence[BlockHash]) -> int:
-    count = 0
+def _match(held: set[BlockHash], hashes: Sequence[BlockHash]) -> PrefixMatch:
+    """The leading run of ``hashes`` in the pool, then in either medium."""
+    pool = 0
     for block in hashes:
         if block not in held:
             break
-        count += 1
-    return count
+        pool += 1
+    more = 0
+    for block in hashes[pool:]:
+        if block not in held and block + OFFLOAD_TAG not in held:
+            break
+        more += 1
+    return PrefixMatch(pool, more)
 
 
 class MemoryPrefixIndex(PrefixIndex):
@@ -385,12 +434,13 @@ class MemoryPrefixIndex(PrefixIndex):
         self._held(replica, len(held.hashes))
         return True
 
-    async def replace(self, replica: ReplicaId, epoch: int, hashes: Sequence[BlockHash]) -> bool:
+    async def replace(self, replica: ReplicaId, epoch: int, hashes: Sequence[BlockHash],
+                      offloaded: Sequence[BlockHash] = ()) -> bool:
         held = self._publisher(replica, epoch)
         if held is None:
             return False
         held.hashes = set()
-        fits = _add_within(held.hashes, held.capacity, hashes)
+        fits = _add_within(held.hashes, held.capacity, _entries(hashes, offloaded))
         self._held(replica, len(held.hashes))
         return fits or self._refuse(replica, CAPACITY)
 
@@ -411,14 +461,14 @@ class MemoryPrefixIndex(PrefixIndex):
         if held is not None and held.epoch == epoch:
             self._remove(replica)
 
-    async def _score(self, hashes: Sequence[BlockHash]) -> dict[ReplicaId, int]:
+    async def _match(self, hashes: Sequence[BlockHash]) -> dict[ReplicaId, PrefixMatch]:
         self._expire()
-        scores = {}
+        matches = {}
         for replica, held in self._replicas.items():
-            count = _leading(held.hashes, hashes)
-            if count:
-                scores[replica] = count
-        return scores
+            found = _match(held.hashes, hashes)
+            if found.blocks or found.offloaded:
+                matches[replica] = found
+        return matches
 
     async def held_epoch(self, replica: ReplicaId) -> int | None:
         held = self._live(replica)
@@ -553,19 +603,29 @@ return 1
 """
 
 # ARGV[2]: the prompt's hashes back to back, 32 bytes each (one argument: 126
-# of them cost the client more than the script). Each replica's set is probed
-# with 32 hashes, then 256 at a time, stopping at the first miss. Answers
-# replica, count, replica, count, ...
+# of them cost the client more than the script); ARGV[3]: the offload tag.
+# Each replica's set is probed with 32 hashes, then 256 at a time, stopping at
+# the first miss: plain hashes (the pool), then from there plain or tagged
+# (either medium). Answers replica, pool count, more, replica, ...
 _SCORE = """
-local blob = ARGV[2]
+local blob, tag = ARGV[2], ARGV[3]
 local hashes = {}
 for i = 1, #blob, 32 do hashes[#hashes + 1] = string.sub(blob, i, i + 31) end
-local function leading(key)
-  local count, first, size = 0, 1, 32
+local function probe(key, first, last, suffix)
+  if suffix == '' then return redis.call('SMISMEMBER', key, unpack(hashes, first, last)) end
+  local members = {}
+  for i = first, last do members[#members + 1] = hashes[i] .. suffix end
+  return redis.call('SMISMEMBER', key, unpack(members))
+end
+-- leading hits from hashes[from]: plain ones only, or with either_medium tagged ones too
+local function leading(key, from, either_medium)
+  local count, first, size = 0, from, 32
   while first <= #hashes do
     local last = math.min(first + size - 1, #hashes)
-    for _, hit in ipairs(redis.call('SMISMEMBER', key, unpack(hashes, first, last))) do
-      if hit == 0 then return count end
+    local plain = probe(key, first, last, '')
+    local tagged = either_medium and probe(key, first, last, tag) or nil
+    for j = 1, #plain do
+      if plain[j] == 0 and (tagged == nil or tagged[j] == 0) then return count end
       count = count + 1
     end
     first, size = last + 1, 256
@@ -574,8 +634,12 @@ local function leading(key)
 end
 local scores = {}
 for _, live in ipairs(live_replicas()) do
-  local count = leading(blocks_key(live[1], live[2]))
-  if count > 0 then scores[#scores + 1] = live[1]; scores[#scores + 1] = count end
+  local key = blocks_key(live[1], live[2])
+  local pool = leading(key, 1, false)
+  local more = leading(key, pool + 1, true)
+  if pool + more > 0 then
+    scores[#scores + 1] = live[1]; scores[#scores + 1] = pool; scores[#scores + 1] = more
+  end
 end
 return scores
 """
@@ -600,14 +664,23 @@ def _encode_events(events: Sequence[KVEvent]) -> list[bytes | str | int]:
     for event in events:
         match event:
             case BlockStored():
-                args += ["S", len(event.block_hashes), *event.block_hashes]
+                args += ["S", len(event.block_hashes),
+                         *(_entry(h, event.medium) for h in event.block_hashes)]
             case BlockRemoved():
-                args += ["R", len(event.block_hashes), *event.block_hashes]
+                args += ["R", len(event.block_hashes),
+                         *(_entry(h, event.medium) for h in event.block_hashes)]
             case AllBlocksCleared():
                 args += ["C", 0]
             case _:
                 raise TypeError(f"not a KV event: {type(event).__name__}")
     return args
+
+
+def _matches(reply: list) -> dict[ReplicaId, PrefixMatch]:
+    """``{replica: match}`` from a flat ``[replica, blocks, offloaded, ...]`` script reply."""
+    items = iter(reply)
+    return {replica.decode(): PrefixMatch(int(blocks), int(more))
+            for replica, blocks, more in zip(items, items, items)}
 
 
 def _pairs(reply: list) -> dict[ReplicaId, int]:
@@ -684,8 +757,9 @@ class RedisPrefixIndex(PrefixIndex):
         self._held(replica, reply[1])
         return True
 
-    async def replace(self, replica: ReplicaId, epoch: int, hashes: Sequence[BlockHash]) -> bool:
-        distinct = list(dict.fromkeys(hashes))
+    async def replace(self, replica: ReplicaId, epoch: int, hashes: Sequence[BlockHash],
+                      offloaded: Sequence[BlockHash] = ()) -> bool:
+        distinct = list(dict.fromkeys(_entries(hashes, offloaded)))
         return self._outcome(replica, await self._publish("replace", replica, epoch, distinct))
 
     async def apply(self, replica: ReplicaId, epoch: int, events: Sequence[KVEvent]) -> bool:
@@ -706,9 +780,9 @@ class RedisPrefixIndex(PrefixIndex):
         value = await self._guard.call("kv_held_epoch", lambda: client.hget(key, "epoch"), None)
         return None if value is None else int(value)
 
-    async def _score(self, hashes: Sequence[BlockHash]) -> dict[ReplicaId, int]:
-        reply = await self._run("score", [self.key_prefix, b"".join(hashes)])
-        return {} if reply is None else _pairs(reply)
+    async def _match(self, hashes: Sequence[BlockHash]) -> dict[ReplicaId, PrefixMatch]:
+        reply = await self._run("score", [self.key_prefix, b"".join(hashes), OFFLOAD_TAG])
+        return {} if reply is None else _matches(reply)
 
     async def _sizes(self) -> dict[ReplicaId, int] | None:
         reply = await self._run("sizes", [self.key_prefix])

@@ -200,7 +200,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             check_hashes(hashes, "block_hashes")
         except FeedError as err:
             await context.abort(err.code, str(err))
-        scores = await self.index.score(hashes) if hashes else {}  # observes the latency
+        matches = await self.index.match(hashes) if hashes else {}  # observes the latency
         return cache_pb2.ScorePrefixResponse(scores=[
-            cache_pb2.PrefixScore(replica_id=replica, matched_blocks=blocks)
-            for replica, blocks in sorted(scores.items(), key=lambda item: -item[1])])
+            cache_pb2.PrefixScore(replica_id=replica, matched_blocks=found.blocks,
+                                  offloaded_blocks=found.offloaded)
+            for replica, found in sorted(matches.items(), key=lambda item: -item[1].blocks)])

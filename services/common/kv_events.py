@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from llmesh.v1 import cache_pb2
 from services.common.block_hash import BlockHash
 
 
@@ -33,6 +34,13 @@ class Medium(enum.Enum):
 
     POOL = "pool"
     OFFLOAD = "offload"
+
+
+#: The protobuf ``KvMedium`` of each medium (the pool is the unset value, what
+#: publishers without a medium send), and back.
+MEDIUM_TO_PB = {Medium.POOL: cache_pb2.KV_MEDIUM_UNSPECIFIED,
+                Medium.OFFLOAD: cache_pb2.KV_MEDIUM_OFFLOAD}
+MEDIUM_FROM_PB = {value: medium for medium, value in MEDIUM_TO_PB.items()}
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,21 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """A replica's hold on a prompt's leading KV blocks, as the prefix index
+    answers it (``ScorePrefix``).
+
+    Attributes:
+      blocks: leading blocks in its KV pool.
+      offloaded: blocks right after those held in its offload tier (or pool),
+        up to the first block held in neither.
+    """
+
+    blocks: int
+    offloaded: int = 0
 
 
 @dataclass(frozen=True)

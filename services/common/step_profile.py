@@ -15,6 +15,12 @@ docs/engine.md): a decode step of ``R`` rows ~4.6 ms + 0.8 ms a row; a
 512-token prefill ~280 ms (0.55 ms a token). Where an engine measured one of
 the two but not the other, the unmeasured one is the prior scaled by the
 measured one's ratio to its own prior (a slower machine is slower at both).
+
+A prompt token restored from the engine's KV offload tier
+(``torch_backend/kv_offload.py``) costs a copy of its keys and values back
+into the pool: measured per restored token by the engine
+(``GetLoadResponse.restore_seconds_per_token``), else the prior (SmolLM2 fp32,
+0.7 MiB a 16-token block, ~0.15 ms: ~10 us a token, scaled like the others).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ PRIOR_STEP_S = 4.6e-3
 PRIOR_ROW_S = 0.8e-3
 #: Prior seconds per prompt token computed.
 PRIOR_PREFILL_TOKEN_S = 0.55e-3
+#: Prior seconds per prompt token restored from the KV offload tier.
+PRIOR_RESTORE_TOKEN_S = 10e-6
 
 
 def prior_decode_step_s(rows: int) -> float:
@@ -42,13 +50,16 @@ class StepProfile:
       prefill_token_s: seconds per prompt token computed; 0: not measured.
       decode_step_s: seconds of a decode step by rows: element ``i`` is a
         step of ``i + 1`` rows; empty: not measured.
+      restore_token_s: seconds per prompt token restored from the KV offload
+        tier; 0: not measured (or no tier).
     """
 
     prefill_token_s: float = 0.0
     decode_step_s: tuple[float, ...] = ()
+    restore_token_s: float = 0.0
 
     def __post_init__(self) -> None:
-        values = (self.prefill_token_s, *self.decode_step_s)
+        values = (self.prefill_token_s, *self.decode_step_s, self.restore_token_s)
         if not all(math.isfinite(v) and v >= 0 for v in values):
             raise ValueError(f"step costs must be finite and >= 0, got {values}")
 
@@ -68,6 +79,12 @@ class StepProfile:
     def prefill_s(self, tokens: int) -> float:
         """Seconds to compute ``tokens`` prompt tokens (measured, else the scaled prior)."""
         per_token = self.prefill_token_s or PRIOR_PREFILL_TOKEN_S * self._scale()
+        return max(tokens, 0) * per_token
+
+    def restore_s(self, tokens: int) -> float:
+        """Seconds to restore ``tokens`` prompt tokens from the KV offload tier
+        (measured, else the scaled prior)."""
+        per_token = self.restore_token_s or PRIOR_RESTORE_TOKEN_S * self._scale()
         return max(tokens, 0) * per_token
 
     def decode_step(self, rows: int) -> float:

@@ -42,7 +42,13 @@ import structlog
 
 from llmesh.v1 import cache_pb2, cache_pb2_grpc
 from services.common.grpc_util import make_channel
-from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from services.common.kv_events import (
+    MEDIUM_TO_PB,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
 from services.common.tasks import cancel_and_wait
 from services.engine.backend import EngineBackend
 from services.engine.metrics import EngineMetrics
@@ -67,6 +73,7 @@ class PublisherIdentity:
       model: the served model id.
       block_size: tokens per KV block.
       capacity_blocks: blocks in the KV cache.
+      offload_capacity_blocks: blocks in the KV offload tier (0: none).
     """
 
     replica_id: str
@@ -74,11 +81,13 @@ class PublisherIdentity:
     model: str
     block_size: int
     capacity_blocks: int
+    offload_capacity_blocks: int = 0
 
     def hello(self) -> cache_pb2.KvEventsHello:
         return cache_pb2.KvEventsHello(
             replica_id=self.replica_id, epoch=self.epoch, model=self.model,
-            block_size=self.block_size, capacity_blocks=self.capacity_blocks)
+            block_size=self.block_size, capacity_blocks=self.capacity_blocks,
+            offload_capacity_blocks=self.offload_capacity_blocks)
 
 
 def event_to_pb(event: KVEvent) -> cache_pb2.KvEvent:
@@ -86,10 +95,11 @@ def event_to_pb(event: KVEvent) -> cache_pb2.KvEvent:
     index needs only the hashes)."""
     if isinstance(event, BlockStored):
         return cache_pb2.KvEvent(stored=cache_pb2.KvBlocksStored(
-            block_hashes=list(event.block_hashes), parent_hash=event.parent_hash or b""))
+            block_hashes=list(event.block_hashes), parent_hash=event.parent_hash or b"",
+            medium=MEDIUM_TO_PB[event.medium]))
     if isinstance(event, BlockRemoved):
         return cache_pb2.KvEvent(removed=cache_pb2.KvBlocksRemoved(
-            block_hashes=list(event.block_hashes)))
+            block_hashes=list(event.block_hashes), medium=MEDIUM_TO_PB[event.medium]))
     assert isinstance(event, AllBlocksCleared)
     return cache_pb2.KvEvent(cleared=cache_pb2.KvAllBlocksCleared())
 
@@ -184,6 +194,7 @@ class KvEventPublisher:
             snapshot = self._backend.kv_snapshot()
             if snapshot is not None:
                 message.snapshot.block_hashes.extend(snapshot.block_hashes)
+                message.snapshot.offloaded_block_hashes.extend(snapshot.offloaded_hashes)
                 self._dropped_seen = max(self._dropped_seen, snapshot.events_dropped)
             else:
                 message.snapshot.SetInParent()

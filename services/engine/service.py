@@ -133,7 +133,8 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         if target and info.kv_block_size:
             self._publisher = KvEventPublisher(self._backend, target, PublisherIdentity(
                 self.replica_id, self.epoch, info.model, info.kv_block_size,
-                info.kv_capacity_tokens // info.kv_block_size), self._metrics)
+                info.kv_capacity_tokens // info.kv_block_size, info.kv_offload_blocks),
+                self._metrics)
             self._publisher.start()
 
     async def drain(self) -> None:
@@ -439,7 +440,8 @@ def to_load_response(load: LoadStats) -> engine_pb2.GetLoadResponse:
         kv_cache_usage=load.kv_cache_usage,
         num_pending_prefill_tokens=load.num_pending_prefill_tokens,
         prefill_seconds_per_token=load.step_profile.prefill_token_s,
-        decode_step_seconds=load.step_profile.decode_step_s)
+        decode_step_seconds=load.step_profile.decode_step_s,
+        restore_seconds_per_token=load.step_profile.restore_token_s)
 
 
 def _timings(timings: object) -> dict[str, float]:

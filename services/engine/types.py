@@ -135,6 +135,7 @@ class ModelInfo:
         whose blocks the router can name.
       kv_hash_seed: the block hash seed (:func:`services.common.block_hash.block_hash_seed`)
         of the engine's prefix cache; b"" with no prefix cache.
+      kv_offload_blocks: blocks the KV offload tier holds at most (0: no tier).
     """
 
     model: str
@@ -146,6 +147,7 @@ class ModelInfo:
     kv_capacity_tokens: int = 0
     kv_block_size: int = 0
     kv_hash_seed: bytes = b""
+    kv_offload_blocks: int = 0
 
 
 @dataclass(frozen=True)

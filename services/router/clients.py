@@ -40,6 +40,7 @@ from llmesh.v1 import (
 )
 from services.common.detokenizer import DEFINITION_FORMAT, TokenizersDecoder
 from services.common.grpc_util import make_channel, request_id_metadata, status_code_of
+from services.common.kv_events import PrefixMatch
 from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason, SamplingOptions
 from services.common.step_profile import StepProfile
@@ -564,10 +565,11 @@ class CacheClient:
         return reply.stored
 
     async def score_prefix(self, block_hashes: Sequence[bytes], *,
-                           deadline: float | None) -> dict[str, int] | None:
+                           deadline: float | None) -> dict[str, PrefixMatch] | None:
         """``ScorePrefix``: leading blocks of ``block_hashes`` each live replica
-        holds (replica id → blocks, only those with >= 1); None on any error
-        (logged: the router then routes by load)."""
+        holds, in its pool and then in its offload tier (replica id → match,
+        only those holding the first block); None on any error (logged: the
+        router then routes by load)."""
         try:
             reply = await self._stub.ScorePrefix(
                 cache_pb2.ScorePrefixRequest(block_hashes=block_hashes),
@@ -576,7 +578,8 @@ class CacheClient:
             log.warning("prefix_score_failed", target=self.target, code=err.code().name,
                         details=err.details())
             return None
-        return {score.replica_id: score.matched_blocks for score in reply.scores}
+        return {score.replica_id: PrefixMatch(score.matched_blocks, score.offloaded_blocks)
+                for score in reply.scores}
 
     async def close(self) -> None:
         await self._channel.close()

@@ -113,7 +113,13 @@ from services.router.clients import (
 from services.router.engine_client import EngineClient, EngineStream
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
-from services.router.routing import ReplicaPicker, RouteHint, RoutingPolicy, RoutingSession
+from services.router.routing import (
+    CachedPrefix,
+    ReplicaPicker,
+    RouteHint,
+    RoutingPolicy,
+    RoutingSession,
+)
 from services.router.slow_reader import WriteStalled, paced
 from services.router.single_flight import (
     CoalescingKey,
@@ -416,7 +422,7 @@ class GenerationPipeline:
         outcome = "cancelled"  # unless set otherwise before leaving
         info: dict[str, object] = {}
         ticket: Ticket | None = None
-        matches: asyncio.Task[dict[EngineClient, int]] | None = None
+        matches: asyncio.Task[dict[EngineClient, CachedPrefix]] | None = None
         self.metrics.requests_in_flight.labels(request.model).inc()
         try:
             self._refuse_if_full(request)
@@ -675,7 +681,7 @@ class GenerationPipeline:
         yield Finished(hit.finish_reason, hit.matched_stop, progress.usage(), cached=True)
 
     def _start_prefix_matches(self, request: GenerationRequest, prompt_ids: tuple[int, ...]
-                              ) -> asyncio.Task[dict[EngineClient, int]] | None:
+                              ) -> asyncio.Task[dict[EngineClient, CachedPrefix]] | None:
         """Starts the prefix-index lookup of ``prompt_ids`` in the request's
         cache scope (it runs beside the cache lookup and admission), when the
         policy uses one."""

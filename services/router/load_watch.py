@@ -66,7 +66,8 @@ def load_from_pb(pb: engine_pb2.GetLoadResponse) -> EngineLoad:
     """The typed form of an engine's load message (a step profile with a
     negative or non-finite entry counts as none: the cost falls back to priors)."""
     try:
-        profile = StepProfile(pb.prefill_seconds_per_token, tuple(pb.decode_step_seconds))
+        profile = StepProfile(pb.prefill_seconds_per_token, tuple(pb.decode_step_seconds),
+                              pb.restore_seconds_per_token)
     except ValueError:
         profile = StepProfile()
     return EngineLoad(pb.num_running, pb.num_waiting, pb.kv_cache_usage,

@@ -18,13 +18,14 @@
   router and llm-d's scorers weigh the same two things, cache overlap and
   load; here both are priced in the replica's own measured step times::
 
-      p     = prompt_tokens - matched_tokens     # its prefill after the prefix hit
+      p     = prompt_tokens - matched_tokens - offloaded_tokens  # its prefill after the hits
+      r     = restore(offloaded_tokens)           # copying the offload tier's hit back
       Q     = pending_prefill_tokens + unreported_prefill_tokens
       B     = running + waiting + unreported_requests   # the batch it joins
       k     = choices (n), L = min(max_tokens, decode_horizon_tokens)
       t(r)  = the replica's decode step of r rows, prefill(x) its time for x tokens
-      cost  = k * (prefill(Q + p) + L * t(B + k))     # its own completion
-            + B * (prefill(p) + (L - 1) * (t(B + k) - t(B)))   # what the batch loses
+      cost  = k * (prefill(Q + p) + r + L * t(B + k))     # its own completion
+            + B * (prefill(p) + r + (L - 1) * (t(B + k) - t(B)))   # what the batch loses
             + prefill(slot_wait_tokens) * queued_for_a_slot
 
   So a hot prefix stays with the replicas that hold it while one more
@@ -43,8 +44,11 @@
   (for an interactive request only this router's interactive ones count,
   since the engine preempts batch sequences for it).
 
-  ``matched_tokens`` comes from the cache service's prefix index
-  (``ScorePrefix`` of the prompt's block hashes); the load from the
+  ``matched_tokens`` (leading prompt tokens in the replica's KV pool) and
+  ``offloaded_tokens`` (the tokens after those in its KV offload tier: a hit
+  there costs ``restore``, the replica's measured seconds per restored token,
+  between a pool hit's nothing and a prefill) come from the cache service's
+  prefix index (``ScorePrefix`` of the prompt's block hashes); the load from the
   replica's ``StreamLoad`` (:mod:`services.router.load_watch`). A replica
   whose load report is stale (over 1 s old), or whose KV cache is at least
   ``kv_full_usage`` used (a new sequence there preempts another), costs
@@ -143,13 +147,36 @@ class RoutingSession:
 
 
 @dataclass(frozen=True)
+class CachedPrefix:
+    """Leading prompt tokens a replica holds.
+
+    Attributes:
+      tokens: in its KV pool (a hit costs nothing).
+      offloaded_tokens: right after those, in its KV offload tier (a hit
+        costs a restore).
+    """
+
+    tokens: int
+    offloaded_tokens: int = 0
+
+    @property
+    def total(self) -> int:
+        """Tokens it need not prefill."""
+        return self.tokens + self.offloaded_tokens
+
+
+NO_PREFIX = CachedPrefix(0)
+
+
+@dataclass(frozen=True)
 class RouteHint:
     """What the policy knows of a request when it dispatches it.
 
     Attributes:
       prompt_tokens: the prompt's length in tokens.
       matches: a task resolving to replica → leading prompt tokens cached there
-        (started early, beside the response-cache lookup), or None.
+        (:class:`CachedPrefix`; started early, beside the response-cache
+        lookup), or None.
       session: the conversation's routing memory, or None.
       max_tokens: most tokens each choice may generate (0: unknown, one
         decode step counts).
@@ -157,7 +184,7 @@ class RouteHint:
     """
 
     prompt_tokens: int
-    matches: asyncio.Task[dict[EngineClient, int]] | None = None
+    matches: asyncio.Task[dict[EngineClient, CachedPrefix]] | None = None
     session: RoutingSession | None = None
     max_tokens: int = 0
     num_choices: int = 1
@@ -169,13 +196,13 @@ class Choice:
     hit (tokens) and ``kv_aware`` cost."""
 
     order: list[EngineClient]
-    matches: dict[EngineClient, int] = field(default_factory=dict)
+    matches: dict[EngineClient, CachedPrefix] = field(default_factory=dict)
     costs: dict[EngineClient, float] = field(default_factory=dict)
 
 
 def replica_cost(hint: RouteHint, matched_tokens: int, view: LoadView,
                  weights: CostWeights, slots: SlotUse | None = None,
-                 peer: StepProfile | None = None) -> float:
+                 peer: StepProfile | None = None, offloaded_tokens: int = 0) -> float:
     """The ``kv_aware`` cost of one replica for ``hint``'s request, in seconds
     (module docstring; inf: saturated); ``peer``: the profile to use if the
     replica has measured nothing."""
@@ -186,12 +213,13 @@ def replica_cost(hint: RouteHint, matched_tokens: int, view: LoadView,
     batch = load.num_running + load.num_waiting + view.unreported_requests
     choices = max(hint.num_choices, 1)
     steps = max(min(hint.max_tokens, weights.decode_horizon_tokens), 1)
-    own_prefill = max(hint.prompt_tokens - matched_tokens, 0)
+    own_prefill = max(hint.prompt_tokens - matched_tokens - offloaded_tokens, 0)
+    restore = profile.restore_s(offloaded_tokens)
     queued_prefill = load.num_pending_prefill_tokens + view.unreported_prefill_tokens
     joined = profile.decode_step(batch + choices)
     slowdown = joined - profile.decode_step(batch)
-    own = choices * (profile.prefill_s(queued_prefill + own_prefill) + steps * joined)
-    imposed = batch * (profile.prefill_s(own_prefill) + (steps - 1) * slowdown)
+    own = choices * (profile.prefill_s(queued_prefill + own_prefill) + restore + steps * joined)
+    imposed = batch * (profile.prefill_s(own_prefill) + restore + (steps - 1) * slowdown)
     queued = 0 if slots is None else max(slots.busy + 1 - slots.max_num_seqs, 0)
     return own + imposed + profile.prefill_s(round(weights.slot_wait_tokens)) * queued
 
@@ -254,8 +282,9 @@ class ReplicaPicker:
                 and len(serving) > 1)
 
     async def prefix_matches(self, prompt_ids: Sequence[int], serving: Sequence[EngineClient],
-                             cache_scope: str = "") -> dict[EngineClient, int]:
-        """Leading prompt tokens each replica holds in its prefix cache for a
+                             cache_scope: str = "") -> dict[EngineClient, CachedPrefix]:
+        """Leading prompt tokens each replica holds in its prefix cache (its
+        pool, then its offload tier) for a
         request of ``cache_scope`` (its blocks hash from the scoped seed, as
         the engine hashes them: :func:`~services.common.block_hash.scoped_seed`),
         from the index (one ``ScorePrefix`` per distinct hash seed and block
@@ -269,7 +298,7 @@ class ReplicaPicker:
             if (info is not None and info.kv_block_size and info.kv_hash_seed
                     and info.replica_id not in ambiguous):
                 groups.setdefault((info.kv_hash_seed, info.kv_block_size), []).append(engine)
-        matches: dict[EngineClient, int] = {}
+        matches: dict[EngineClient, CachedPrefix] = {}
         for (seed, block_size), engines in groups.items():
             hashes = prompt_block_hashes(scoped_seed(seed, cache_scope), prompt_ids, block_size)
             if not hashes:
@@ -279,9 +308,10 @@ class ReplicaPicker:
                 hashes, deadline=time.monotonic() + self._score_timeout)
             self.metrics.prefix_score_duration.observe(time.perf_counter() - started)
             for engine in engines:
-                blocks = (scores or {}).get(engine.info.replica_id if engine.info else "", 0)
-                if blocks:
-                    matches[engine] = blocks * block_size
+                found = (scores or {}).get(engine.info.replica_id if engine.info else "")
+                if found is not None and (found.blocks or found.offloaded):
+                    matches[engine] = CachedPrefix(found.blocks * block_size,
+                                                   found.offloaded * block_size)
         return matches
 
     async def choose(self, serving: list[EngineClient], priority: Priority,
@@ -297,8 +327,9 @@ class ReplicaPicker:
         views = {engine: engine.load_watch.current() for engine in serving}
         peer = next((view.load.step_profile for view in views.values()
                      if view.load is not None and view.load.step_profile.measured), None)
-        costs = {engine: replica_cost(hint, matches.get(engine, 0), views[engine], self.weights,
-                                      slot_use(engine, views[engine], priority), peer)
+        costs = {engine: replica_cost(hint, matches.get(engine, NO_PREFIX).tokens, views[engine],
+                                      self.weights, slot_use(engine, views[engine], priority),
+                                      peer, matches.get(engine, NO_PREFIX).offloaded_tokens)
                  for engine in rotated}
         near = min(costs.values()) * (1 + TIE_TOLERANCE)  # inf when all are saturated
         order = sorted(rotated, key=lambda e: (0.0 if costs[e] <= near else costs[e],
@@ -311,7 +342,8 @@ class ReplicaPicker:
 
     def routed(self, engine: EngineClient, choice: Choice, prompt_tokens: int) -> None:
         """Books that ``engine`` took the request (metrics; its unreported load)."""
-        engine.load_watch.dispatched(max(prompt_tokens - choice.matches.get(engine, 0), 0))
+        held = choice.matches.get(engine, NO_PREFIX).total
+        engine.load_watch.dispatched(max(prompt_tokens - held, 0))
         self.metrics.routed_requests.labels(engine.target, self.policy.value).inc()
 
     def _sticky(self, session: RoutingSession | None, order: list[EngineClient],
@@ -351,8 +383,8 @@ def _least_load(rotated: list[EngineClient], priority: Priority) -> list[EngineC
     return sorted(rotated, key=lambda e: e.in_flight)  # stable: keeps the rotation
 
 
-async def _resolved(task: asyncio.Task[dict[EngineClient, int]] | None
-                    ) -> dict[EngineClient, int]:
+async def _resolved(task: asyncio.Task[dict[EngineClient, CachedPrefix]] | None
+                    ) -> dict[EngineClient, CachedPrefix]:
     if task is None:
         return {}
     try:

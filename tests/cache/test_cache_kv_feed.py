@@ -104,6 +104,36 @@ async def test_snapshot_and_events_land_in_the_index(stub: Stub, metrics: CacheM
     await until(stub, (0,), {})
 
 
+async def test_offload_tier_blocks_are_scored_after_the_pool_run(stub: Stub) -> None:
+    """An engine with a KV offload tier: its hello's tier capacity widens the
+    index's room, its snapshot's and events' offloaded hashes answer as
+    ``offloaded_blocks`` after the pool's ``matched_blocks``."""
+    offload = cache_pb2.KV_MEDIUM_OFFLOAD
+    publisher = Publisher(stub)
+    first = hello(capacity=2)  # the pool's 2 blocks
+    first.hello.offload_capacity_blocks = 2
+    first.snapshot.offloaded_block_hashes.extend([h(2)])
+    publisher.send(first)
+
+    async def matched(*ids: int) -> list[tuple[str, int, int]]:
+        reply = await stub.ScorePrefix(
+            cache_pb2.ScorePrefixRequest(block_hashes=[h(i) for i in ids]))
+        return [(s.replica_id, s.matched_blocks, s.offloaded_blocks) for s in reply.scores]
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 3
+    while await matched(0, 1, 2, 3) != [("r0", 2, 1)]:
+        assert loop.time() < deadline
+        await asyncio.sleep(0.02)
+    publisher.send(cache_pb2.PublishKvEventsRequest(events=[
+        cache_pb2.KvEvent(removed=cache_pb2.KvBlocksRemoved(block_hashes=[h(0)])),
+        cache_pb2.KvEvent(stored=cache_pb2.KvBlocksStored(block_hashes=[h(0)], medium=offload)),
+    ]))
+    while await matched(0, 1, 2, 3) != [("r0", 0, 3)]:  # all in 4 entries: none refused
+        assert loop.time() < deadline
+        await asyncio.sleep(0.02)
+
+
 async def test_the_calls_end_drops_the_replica_and_two_replicas_score_apart(stub: Stub) -> None:
     a, b = Publisher(stub), Publisher(stub)
     a.send(hello("a"))

@@ -16,9 +16,14 @@ from dataclasses import dataclass, field
 import pytest
 
 from services.cache.metrics import CacheMetrics
-from services.cache.prefix_index import MemoryPrefixIndex, PrefixIndex, RedisPrefixIndex
+from services.cache.prefix_index import (
+    MemoryPrefixIndex,
+    PrefixIndex,
+    PrefixMatch,
+    RedisPrefixIndex,
+)
 from services.common.block_hash import block_hash_seed, prompt_block_hashes
-from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from services.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Medium
 from tests.cache.helpers import FakeClock, sample
 
 #: Liveness of the expiry tests (seconds); the other tests use a long one.
@@ -104,6 +109,27 @@ async def test_a_snapshot_scores_its_leading_blocks(index: PrefixIndex) -> None:
     assert await index.score(H[:8]) == {"a": 5}
     assert await index.score(H[:3]) == {"a": 3}
     assert await index.sizes() == {"a": 5}
+
+
+async def test_offloaded_blocks_count_after_the_pool_run(index: PrefixIndex) -> None:
+    """A block in the offload tier is an entry of its own: counted after the
+    pool's leading run (up to the first block held in neither medium), never
+    in it; removing it from one medium leaves the other."""
+    await index.register("a", 1, 100)
+    assert await index.replace("a", 1, [H[0], H[1], H[3]], offloaded=[H[2], H[4], H[1]])
+    assert await index.match(H[:8]) == {"a": PrefixMatch(2, 3)}  # H2 tier, H3 pool, H4 tier
+    assert await index.score(H[:8]) == {"a": 2}
+    assert await index.match(H[2:8]) == {"a": PrefixMatch(0, 3)}  # listed: held offloaded
+    assert await index.score(H[2:8]) == {}
+    assert await index.sizes() == {"a": 6}
+    offload = Medium.OFFLOAD
+    assert await index.apply("a", 1, [BlockRemoved((H[1],)), BlockRemoved((H[2],), offload),
+                                      BlockStored((H[5],), None, (), 16, offload)])
+    assert await index.match(H[:8]) == {"a": PrefixMatch(1, 1)}  # H1 now in the tier only
+    assert await index.apply("a", 1, [BlockStored((H[2],), None, (), 16, offload)])
+    assert await index.match(H[:8]) == {"a": PrefixMatch(1, 5)}
+    assert await index.apply("a", 1, [AllBlocksCleared()])
+    assert await index.match(H[:8]) == {}
 
 
 async def test_a_hole_stops_the_count(index: PrefixIndex) -> None:

@@ -316,6 +316,11 @@ async def test_prefix_cache_hits_show_in_usage_and_metrics(engine_stub: Stub,
     assert [m - b for m, b in zip(middle, before, strict=True)] == [40, 0, 40 + 3, 4, 4]
     assert [a - m for a, m in zip(after, middle, strict=True)] == [40, 32, 8 + 3, 4, 4]
     assert sample_value(engine_metrics, "llmesh:kv_cache_usage_perc") == 0.0
+    # the block gauges (read at scrape from the integrity check): nothing leaked
+    free, cached, used = (sample_value(engine_metrics, "llmesh:kv_cache_blocks", state=state)
+                          for state in ("free", "cached", "used"))
+    assert used == 0 and cached >= 2
+    assert free + cached == sample_value(engine_metrics, "llmesh:kv_cache_num_blocks") > 0
 
 
 async def test_drain_refuses_new_streams(torch_backend: TorchBackend,

@@ -11,8 +11,11 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from llmesh.v1 import cache_pb2
 from services.common.kv_events import BlockStored, Medium
+from services.engine.kv_publisher import event_to_pb
 from services.engine.metrics import EngineMetrics
+from services.engine.service import to_load_response
 from services.engine.torch_backend.model import LlamaModel
 from services.engine.torch_backend.paged_kv import kv_block_bytes
 from services.common.sampling import SamplingOptions
@@ -69,8 +72,8 @@ async def test_an_evicted_prompt_comes_back_from_the_tier(smollm2: LlamaModel) -
     settings = dict(max_model_len=256, block_size=BLOCK, kv_cache_bytes=POOL_BLOCKS * block_bytes,
                     max_num_batched_tokens=256)
     off = await start_backend(smollm2, plain, **settings)  # type: ignore[arg-type]
-    on = await start_backend(smollm2, tiered, kv_offload_bytes=64 * block_bytes,  # type: ignore[arg-type]
-                             **settings)
+    on = await start_backend(smollm2, tiered,  # type: ignore[arg-type]
+                             kv_offload_bytes=64 * block_bytes, **settings)
     try:
         outputs = {}
         for name, backend, observer in (("off", off, plain), ("on", on, tiered)):
@@ -85,11 +88,17 @@ async def test_an_evicted_prompt_comes_back_from_the_tier(smollm2: LlamaModel) -
         assert outputs["off"][2] == 100  # recomputed in full without the tier
         assert outputs["on"][2] == 100 - 6 * BLOCK  # 6 full blocks restored
 
-        stored = {h for event in on.drain_kv_events() if isinstance(event, BlockStored)
-                  and event.medium is Medium.OFFLOAD for h in event.block_hashes}
+        offloaded = [event for event in on.drain_kv_events()
+                     if isinstance(event, BlockStored) and event.medium is Medium.OFFLOAD]
+        stored = {h for event in offloaded for h in event.block_hashes}
+        assert event_to_pb(offloaded[0]).stored.medium == cache_pb2.KV_MEDIUM_OFFLOAD
         snapshot = on.kv_snapshot()
         assert snapshot is not None and set(snapshot.offloaded_hashes) <= stored
         assert len(stored) >= 6
+
+        # the router prices a tier hit by the engine's measured restore time
+        restore_token_s = to_load_response(on.load()).restore_seconds_per_token
+        assert 0 < restore_token_s < to_load_response(on.load()).prefill_seconds_per_token
 
         value = tiered.value
         assert value("llmesh:kv_offload_hits_total") == 6

@@ -18,7 +18,9 @@ from services.router.clients import EngineLoad, ReplicaInfo
 from services.router.engine_client import EngineClient
 from services.router.load_watch import LoadView
 from services.router.metrics import RouterMetrics
+from services.common.kv_events import PrefixMatch
 from services.router.routing import (
+    CachedPrefix,
     CostWeights,
     ReplicaPicker,
     RouteHint,
@@ -71,9 +73,12 @@ def picker(policy: RoutingPolicy) -> ReplicaPicker:
     return ReplicaPicker(policy, None, RouterMetrics(CollectorRegistry()), W)
 
 
-def matches(result: dict[EngineClient, int]) -> asyncio.Task[dict[EngineClient, int]]:
-    async def resolved() -> dict[EngineClient, int]:
-        return result
+def matches(result: dict[EngineClient, int | CachedPrefix]
+            ) -> asyncio.Task[dict[EngineClient, CachedPrefix]]:
+    """A resolved lookup; an int is that many tokens in the replica's pool."""
+    async def resolved() -> dict[EngineClient, CachedPrefix]:
+        return {engine: CachedPrefix(held) if isinstance(held, int) else held
+                for engine, held in result.items()}
     return asyncio.ensure_future(resolved())
 
 
@@ -93,6 +98,34 @@ def test_cost_prices_the_request_and_what_the_batch_loses_in_step_times() -> Non
     # n choices add n rows; max_tokens beyond the horizon counts as the horizon
     assert replica_cost(RouteHint(800, max_tokens=10_000, num_choices=2), 768, alone, W) == \
         pytest.approx(2 * (32 * c + 256 * t(2)))
+
+
+async def test_an_offload_tier_hit_costs_a_restore_between_a_pool_hit_and_a_miss(
+        engines: list[EngineClient]) -> None:
+    """A replica holding the prompt's first 768 tokens in its KV offload tier
+    is priced by its measured restore time for them (not a prefill): above
+    the replica holding them in its pool, far below the one holding nothing,
+    and chosen over the latter."""
+    c, t = ONE_CORE.prefill_token_s, ONE_CORE.decode_step
+    tiered = StepProfile(ONE_CORE.prefill_token_s, ONE_CORE.decode_step_s, restore_token_s=2e-4)
+    alone = view(profile=tiered)
+    hint = RouteHint(800, max_tokens=16)
+    pool_hit = replica_cost(hint, 768, alone, W)
+    tier_hit = replica_cost(hint, 0, alone, W, offloaded_tokens=768)
+    miss = replica_cost(hint, 0, alone, W)
+    assert tier_hit == pytest.approx(32 * c + 768 * 2e-4 + 16 * t(1))
+    assert pool_hit < tier_hit < miss
+    offloaded, cold, _ = engines
+    for engine in (offloaded, cold):
+        engine.load_watch.view = view(profile=tiered)  # type: ignore[attr-defined]
+    kv = picker(RoutingPolicy.KV_AWARE)
+    for _ in range(2):  # whatever the rotation
+        choice = await kv.choose([cold, offloaded], Priority.INTERACTIVE,
+                                 RouteHint(800, matches({offloaded: CachedPrefix(0, 768)}),
+                                           max_tokens=16))
+        assert choice.order[0] is offloaded
+    kv.routed(offloaded, choice, 800)
+    assert offloaded.load_watch.dispatched_tokens == 32  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("output_tokens, spread_at", [(64, 2), (16, 5)])
@@ -305,9 +338,10 @@ async def test_prefix_lookups_hash_the_prompt_in_the_requests_cache_scope(
         def __init__(self) -> None:
             self.asked: list[list[bytes]] = []
 
-        async def score_prefix(self, hashes: list[bytes], *, deadline: float) -> dict[str, int]:
+        async def score_prefix(self, hashes: list[bytes], *, deadline: float
+                               ) -> dict[str, PrefixMatch]:
             self.asked.append(list(hashes))
-            return {"a": len(hashes)}
+            return {"a": PrefixMatch(len(hashes)), "b": PrefixMatch(0, 1)}
 
     a, b, _ = engines
     seed = b"s" * 32
@@ -318,8 +352,9 @@ async def test_prefix_lookups_hash_the_prompt_in_the_requests_cache_scope(
     kv = ReplicaPicker(RoutingPolicy.KV_AWARE, index,  # type: ignore[arg-type]
                        RouterMetrics(CollectorRegistry()), W)
     prompt = list(range(40))
-    assert await kv.prefix_matches(prompt, [a, b], "scope-a") == {a: 32}
-    assert await kv.prefix_matches(prompt, [a, b]) == {a: 32}
+    assert await kv.prefix_matches(prompt, [a, b], "scope-a") == \
+        {a: CachedPrefix(32), b: CachedPrefix(0, 16)}
+    assert await kv.prefix_matches(prompt, [a, b]) == {a: CachedPrefix(32), b: CachedPrefix(0, 16)}
     assert index.asked == [prompt_block_hashes(scoped_seed(seed, "scope-a"), prompt, 16),
                            prompt_block_hashes(seed, prompt, 16)]
     assert index.asked[0] != index.asked[1]

@@ -234,7 +234,8 @@ class TorchBackend(EngineBackend):
         cache = runner.kv_cache
         kv = KVCacheManager(cache.num_blocks, cache.block_size, config.enable_prefix_caching,
                             model_id=model, role_aware=runner.model.has_prompt_projections,
-                            kv_layout=_kv_layout(config, runner), offload=_offload_tier(config, cache))
+                            kv_layout=_kv_layout(config, runner),
+                            offload=_offload_tier(config, cache))
         caching = config.enable_prefix_caching
         self._info = ModelInfo(
             model=model, max_model_len=max_model_len,
@@ -242,7 +243,8 @@ class TorchBackend(EngineBackend):
             backend=self.name, max_num_seqs=config.max_num_seqs,
             kv_capacity_tokens=cache.num_blocks * cache.block_size,
             kv_block_size=cache.block_size if caching else 0,
-            kv_hash_seed=kv.hash_seed if caching else b"")
+            kv_hash_seed=kv.hash_seed if caching else b"",
+            kv_offload_blocks=0 if kv.offload is None else kv.offload.capacity_blocks)
         self._grammars = GrammarCompiler(path, runner.config.vocab_size,
                                          runner.config.eos_token_ids,
                                          config.structured_output_compile_timeout_s)

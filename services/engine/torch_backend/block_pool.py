@@ -18,7 +18,8 @@ The pool owns the hash → block map and the KV event queue
 (:mod:`services.common.kv_events`; the KV cache manager adds the offload
 tier's events through :meth:`BlockPool.emit`, so one queue keeps their order).
 An ``on_evict`` callback sees each evicted block while its keys and values are
-still in the storage (the manager copies them to the offload tier there). It knows nothing of sequences: the
+still in the storage (the manager copies them to the offload tier there).
+It knows nothing of sequences: the
 :class:`~services.engine.torch_backend.kv_cache_manager.KVCacheManager` decides
 which blocks a sequence holds and in which order they are freed. Not
 thread-safe; the engine thread owns it (``take_events`` may be called from any

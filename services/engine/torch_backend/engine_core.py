@@ -357,7 +357,11 @@ class EngineCore:
         self._timer.observe(out, seconds)
         now = time.monotonic()
         if now - self._profiled_at >= PROFILE_REFRESH_S or not self._scheduler.has_work():
-            self._profile, self._profiled_at = self._timer.profile(), now
+            profile = self._timer.profile()
+            if self._kv.offload is not None:  # a restored token's cost, beside a computed one's
+                profile = dataclasses.replace(
+                    profile, restore_token_s=self._kv.offload.restore_block_s / self._kv.block_size)
+            self._profile, self._profiled_at = profile, now
 
     def _fail_all(self, exc: Exception) -> None:
         """Finishes every sequence with ERROR after an unexpected failure outside the

@@ -199,10 +199,10 @@ class KVCacheManager:
             self.pool.touch(prefix.blocks)
             table.extend(prefix.blocks)
             self._num_registered[seq.arrival] = len(table)
-        if self.offload is not None and prefix.offload_queries:
-            self.offload.count_lookup(prefix.offload_queries, len(prefix.restore))
-        if prefix.restore:
-            self.offload.pin(prefix.restore)  # the allocation's evictions must not drop them
+        offload = self.offload
+        if offload is not None and prefix.offload_queries:
+            offload.count_lookup(prefix.offload_queries, len(prefix.restore))
+            offload.pin(prefix.restore)  # the allocation's evictions must not drop them
         if new_blocks > 0:
             table.extend(self.pool.allocate(new_blocks))
         if prefix.restore:

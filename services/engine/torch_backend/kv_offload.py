@@ -58,7 +58,8 @@ from services.engine.types import OffloadStats
 
 class KVStorage(Protocol):
     """The pool's KV storage as the tier reads it: ``k`` and ``v`` tensors with
-    the block index in dimension 2 (:class:`~services.engine.torch_backend.paged_kv.PagedKVCache`)."""
+    the block index in dimension 2
+    (:class:`~services.engine.torch_backend.paged_kv.PagedKVCache`)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -98,6 +99,8 @@ class KVOffloadTier:
         self._pinned: set[BlockHash] = set()
         self._counts = dict.fromkeys(("queries", "hits", "stored", "restored", "evicted"), 0)
         self._restore_seconds: list[float] = []
+        self._restored_total = 0  # blocks, since start
+        self._restore_total_s = 0.0
 
     # ---- queries (pure) -------------------------------------------------------------
 
@@ -106,9 +109,9 @@ class KVOffloadTier:
         return self.capacity_blocks * self.block_bytes
 
     @property
-    def num_blocks(self) -> int:
-        """Blocks held."""
-        return len(self._slots)
+    def restore_block_s(self) -> float:
+        """Mean seconds to restore one block, measured since start (0: none yet)."""
+        return self._restore_total_s / self._restored_total if self._restored_total else 0.0
 
     def __contains__(self, block_hash: object) -> bool:
         return block_hash in self._slots
@@ -146,11 +149,8 @@ class KVOffloadTier:
         return True, dropped
 
     def pin(self, hashes: Iterable[BlockHash]) -> None:
-        """Keeps ``hashes`` from the LRU until :meth:`restore` (or :meth:`unpin`)."""
+        """Keeps ``hashes`` from the LRU until :meth:`restore` copies them out."""
         self._pinned.update(hashes)
-
-    def unpin(self, hashes: Iterable[BlockHash]) -> None:
-        self._pinned.difference_update(hashes)
 
     def restore(self, hashes: Iterable[BlockHash], block_ids: Iterable[int]) -> None:
         """Copies the blocks of ``hashes`` (held, e.g. pinned) into pool blocks
@@ -169,8 +169,11 @@ class KVOffloadTier:
             self._pinned.discard(block_hash)
             count += 1
         if count:
+            seconds = time.perf_counter() - began
             self._counts["restored"] += count
-            self._restore_seconds.append(time.perf_counter() - began)
+            self._restore_seconds.append(seconds)
+            self._restored_total += count
+            self._restore_total_s += seconds
 
     def count_lookup(self, queries: int, hits: int) -> None:
         """Counts one prompt's lookup: ``queries`` blocks the pool missed, ``hits`` found here."""

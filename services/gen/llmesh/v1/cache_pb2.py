@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from llmesh.v1 import common_pb2 as llmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15llmesh/v1/cache.proto\x12\tllmesh.v1\x1a\x16llmesh/v1/common.proto\"\xa2\x01\n\x08\x43\x61\x63heKey\x12\x14\n\x05model\x18\x01 \x01(\tR\x05model\x12(\n\x10prompt_token_ids\x18\x02 \x03(\x05R\x0epromptTokenIds\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.llmesh.v1.SamplingParamsR\x08sampling\x12\x1f\n\x0b\x63\x61\x63he_scope\x18\x04 \x01(\tR\ncacheScope\"\xa2\x01\n\x0e\x43\x61\x63hedResponse\x12\x1b\n\ttoken_ids\x18\x01 \x03(\x05R\x08tokenIds\x12\x12\n\x04text\x18\x02 \x01(\tR\x04text\x12<\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.llmesh.v1.FinishReasonR\x0c\x66inishReason\x12!\n\x0cmatched_stop\x18\x04 \x01(\tR\x0bmatchedStop\"A\n\x18GetCachedResponseRequest\x12%\n\x03key\x18\x01 \x01(\x0b\x32\x13.llmesh.v1.CacheKeyR\x03key\"h\n\x19GetCachedResponseResponse\x12\x14\n\x05\x66ound\x18\x01 \x01(\x08R\x05\x66ound\x12\x35\n\x08response\x18\x02 \x01(\x0b\x32\x19.llmesh.v1.CachedResponseR\x08response\"\x99\x01\n\x18PutCachedResponseRequest\x12%\n\x03key\x18\x01 \x01(\x0b\x32\x13.llmesh.v1.CacheKeyR\x03key\x12\x35\n\x08response\x18\x02 \x01(\x0b\x32\x19.llmesh.v1.CachedResponseR\x08response\x12\x1f\n\x0bttl_seconds\x18\x03 \x01(\rR\nttlSeconds\"3\n\x19PutCachedResponseResponse\x12\x16\n\x06stored\x18\x01 \x01(\x08R\x06stored\"\xa2\x01\n\rKvEventsHello\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12\x14\n\x05\x65poch\x18\x02 \x01(\x04R\x05\x65poch\x12\x14\n\x05model\x18\x03 \x01(\tR\x05model\x12\x1d\n\nblock_size\x18\x04 \x01(\rR\tblockSize\x12\'\n\x0f\x63\x61pacity_blocks\x18\x05 \x01(\rR\x0e\x63\x61pacityBlocks\"T\n\x0eKvBlocksStored\x12!\n\x0c\x62lock_hashes\x18\x01 \x03(\x0cR\x0b\x62lockHashes\x12\x1f\n\x0bparent_hash\x18\x02 \x01(\x0cR\nparentHash\"4\n\x0fKvBlocksRemoved\x12!\n\x0c\x62lock_hashes\x18\x01 \x03(\x0cR\x0b\x62lockHashes\"\x14\n\x12KvAllBlocksCleared\"\xba\x01\n\x07KvEvent\x12\x33\n\x06stored\x18\x01 \x01(\x0b\x32\x19.llmesh.v1.KvBlocksStoredH\x00R\x06stored\x12\x36\n\x07removed\x18\x02 \x01(\x0b\x32\x1a.llmesh.v1.KvBlocksRemovedH\x00R\x07removed\x12\x39\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1d.llmesh.v1.KvAllBlocksClearedH\x00R\x07\x63learedB\x07\n\x05\x65vent\"/\n\nKvSnapshot\x12!\n\x0c\x62lock_hashes\x18\x01 \x03(\x0cR\x0b\x62lockHashes\"\xce\x01\n\x16PublishKvEventsRequest\x12.\n\x05hello\x18\x01 \x01(\x0b\x32\x18.llmesh.v1.KvEventsHelloR\x05hello\x12\x31\n\x08snapshot\x18\x02 \x01(\x0b\x32\x15.llmesh.v1.KvSnapshotR\x08snapshot\x12*\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x12.llmesh.v1.KvEventR\x06\x65vents\x12%\n\x0e\x64ropped_events\x18\x04 \x01(\x04R\rdroppedEvents\"1\n\x17PublishKvEventsResponse\x12\x16\n\x06resync\x18\x01 \x01(\x08R\x06resync\"7\n\x12ScorePrefixRequest\x12!\n\x0c\x62lock_hashes\x18\x01 \x03(\x0cR\x0b\x62lockHashes\"S\n\x0bPrefixScore\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12%\n\x0ematched_blocks\x18\x02 \x01(\rR\rmatchedBlocks\"E\n\x13ScorePrefixResponse\x12.\n\x06scores\x18\x01 \x03(\x0b\x32\x16.llmesh.v1.PrefixScoreR\x06scores2\xfa\x02\n\x0c\x43\x61\x63heService\x12^\n\x11GetCachedResponse\x12#.llmesh.v1.GetCachedResponseRequest\x1a$.llmesh.v1.GetCachedResponseResponse\x12^\n\x11PutCachedResponse\x12#.llmesh.v1.PutCachedResponseRequest\x1a$.llmesh.v1.PutCachedResponseResponse\x12\\\n\x0fPublishKvEvents\x12!.llmesh.v1.PublishKvEventsRequest\x1a\".llmesh.v1.PublishKvEventsResponse(\x01\x30\x01\x12L\n\x0bScorePrefix\x12\x1d.llmesh.v1.ScorePrefixRequest\x1a\x1e.llmesh.v1.ScorePrefixResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15llmesh/v1/cache.proto\x12\tllmesh.v1\x1a\x16llmesh/v1/common.proto\"\xa2\x01\n\x08\x43\x61\x63heKey\x12\x14\n\x05model\x18\x01 \x01(\tR\x05model\x12(\n\x10prompt_token_ids\x18\x02 \x03(\x05R\x0epromptTokenIds\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.llmesh.v1.SamplingParamsR\x08sampling\x12\x1f\n\x0b\x63\x61\x63he_scope\x18\x04 \x01(\tR\ncacheScope\"\xa2\x01\n\x0e\x43\x61\x63hedResponse\x12\x1b\n\ttoken_ids\x18\x01 \x03(\x05R\x08tokenIds\x12\x12\n\x04text\x18\x02 \x01(\tR\x04text\x12<\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.llmesh.v1.FinishReasonR\x0c\x66inishReason\x12!\n\x0cmatched_stop\x18\x04 \x01(\tR\x0bmatchedStop\"A\n\x18GetCachedResponseRequest\x12%\n\x03key\x18\x01 \x01(\x0b\x32\x13.llmesh.v1.CacheKeyR\x03key\"h\n\x19GetCachedResponseResponse\x12\x14\n\x05\x66ound\x18\x01 \x01(\x08R\x05\x66ound\x12\x35\n\x08response\x18\x02 \x01(\x0b\x32\x19.llmesh.v1.CachedResponseR\x08response\"\x99\x01\n\x18PutCachedResponseRequest\x12%\n\x03key\x18\x01 \x01(\x0b\x32\x13.llmesh.v1.CacheKeyR\x03key\x12\x35\n\x08response\x18\x02 \x01(\x0b\x32\x19.llmesh.v1.CachedResponseR\x08response\x12\x1f\n\x0bttl_seconds\x18\x03 \x01(\rR\nttlSeconds\"3\n\x19PutCachedResponseResponse\x12\x16\n\x06stored\x18\x01 \x01(\x08R\x06stored\"\xda\x01\n\rKvEventsHello\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12\x14\n\x05\x65poch\x18\x02 \x01(\x04R\x05\x65poch\x12\x14\n\x05model\x18\x03 \x01(\tR\x05model\x12\x1d\n\nblock_size\x18\x04 \x01(\rR\tblockSize\x12\'\n\x0f\x63\x61pacity_blocks\x18\x05 \x01(\rR\x0e\x63\x61pacityBlocks\x12\x36\n\x17offload_capacity_blocks\x18\x06 \x01(\rR\x15offloadCapacityBlocks\"\x81\x01\n\x0eKvBlocksStored\x12!\n\x0c\x62lock_hashes\x18\x01 \x03(\x0cR\x0b\x62lockHashes\x12\x1f\n\x0bparent_hash\x18\x02 \x01(\x0cR\nparentHash\x12+\n\x06medium\x18\x03 \x01(\x0e\x32\x13.llmesh.v1.KvMediumR\x06medium\"a\n\x0fKvBlocksRemoved\x12!\n\x0c\x62lock_hashes\x18\x01 \x03(\x0cR\x0b\x62lockHashes\x12+\n\x06medium\x18\x02 \x01(\x0e\x32\x13.llmesh.v1.KvMediumR\x06medium\"\x14\n\x12KvAllBlocksCleared\"\xba\x01\n\x07KvEvent\x12\x33\n\x06stored\x18\x01 \x01(\x0b\x32\x19.llmesh.v1.KvBlocksStoredH\x00R\x06stored\x12\x36\n\x07removed\x18\x02 \x01(\x0b\x32\x1a.llmesh.v1.KvBlocksRemovedH\x00R\x07removed\x12\x39\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1d.llmesh.v1.KvAllBlocksClearedH\x00R\x07\x63learedB\x07\n\x05\x65vent\"e\n\nKvSnapshot\x12!\n\x0c\x62lock_hashes\x18\x01 \x03(\x0cR\x0b\x62lockHashes\x12\x34\n\x16offloaded_block_hashes\x18\x02 \x03(\x0cR\x14offloadedBlockHashes\"\xce\x01\n\x16PublishKvEventsRequest\x12.\n\x05hello\x18\x01 \x01(\x0b\x32\x18.llmesh.v1.KvEventsHelloR\x05hello\x12\x31\n\x08snapshot\x18\x02 \x01(\x0b\x32\x15.llmesh.v1.KvSnapshotR\x08snapshot\x12*\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x12.llmesh.v1.KvEventR\x06\x65vents\x12%\n\x0e\x64ropped_events\x18\x04 \x01(\x04R\rdroppedEvents\"1\n\x17PublishKvEventsResponse\x12\x16\n\x06resync\x18\x01 \x01(\x08R\x06resync\"7\n\x12ScorePrefixRequest\x12!\n\x0c\x62lock_hashes\x18\x01 \x03(\x0cR\x0b\x62lockHashes\"~\n\x0bPrefixScore\x12\x1d\n\nreplica_id\x18\x01 \x01(\tR\treplicaId\x12%\n\x0ematched_blocks\x18\x02 \x01(\rR\rmatchedBlocks\x12)\n\x10offloaded_blocks\x18\x03 \x01(\rR\x0foffloadedBlocks\"E\n\x13ScorePrefixResponse\x12.\n\x06scores\x18\x01 \x03(\x0b\x32\x16.llmesh.v1.PrefixScoreR\x06scores*<\n\x08KvMedium\x12\x19\n\x15KV_MEDIUM_UNSPECIFIED\x10\x00\x12\x15\n\x11KV_MEDIUM_OFFLOAD\x10\x01\x32\xfa\x02\n\x0c\x43\x61\x63heService\x12^\n\x11GetCachedResponse\x12#.llmesh.v1.GetCachedResponseRequest\x1a$.llmesh.v1.GetCachedResponseResponse\x12^\n\x11PutCachedResponse\x12#.llmesh.v1.PutCachedResponseRequest\x1a$.llmesh.v1.PutCachedResponseResponse\x12\\\n\x0fPublishKvEvents\x12!.llmesh.v1.PublishKvEventsRequest\x1a\".llmesh.v1.PublishKvEventsResponse(\x01\x30\x01\x12L\n\x0bScorePrefix\x12\x1d.llmesh.v1.ScorePrefixRequest\x1a\x1e.llmesh.v1.ScorePrefixResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmesh.v1.cache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_KVMEDIUM']._serialized_start=2054
+  _globals['_KVMEDIUM']._serialized_end=2114
   _globals['_CACHEKEY']._serialized_start=61
   _globals['_CACHEKEY']._serialized_end=223
   _globals['_CACHEDRESPONSE']._serialized_start=226
@@ -45,27 +47,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTCACHEDRESPONSERESPONSE']._serialized_start=719
   _globals['_PUTCACHEDRESPONSERESPONSE']._serialized_end=770
   _globals['_KVEVENTSHELLO']._serialized_start=773
-  _globals['_KVEVENTSHELLO']._serialized_end=935
-  _globals['_KVBLOCKSSTORED']._serialized_start=937
-  _globals['_KVBLOCKSSTORED']._serialized_end=1021
-  _globals['_KVBLOCKSREMOVED']._serialized_start=1023
-  _globals['_KVBLOCKSREMOVED']._serialized_end=1075
-  _globals['_KVALLBLOCKSCLEARED']._serialized_start=1077
-  _globals['_KVALLBLOCKSCLEARED']._serialized_end=1097
-  _globals['_KVEVENT']._serialized_start=1100
-  _globals['_KVEVENT']._serialized_end=1286
-  _globals['_KVSNAPSHOT']._serialized_start=1288
-  _globals['_KVSNAPSHOT']._serialized_end=1335
-  _globals['_PUBLISHKVEVENTSREQUEST']._serialized_start=1338
-  _globals['_PUBLISHKVEVENTSREQUEST']._serialized_end=1544
-  _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_start=1546
-  _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_end=1595
-  _globals['_SCOREPREFIXREQUEST']._serialized_start=1597
-  _globals['_SCOREPREFIXREQUEST']._serialized_end=1652
-  _globals['_PREFIXSCORE']._serialized_start=1654
-  _globals['_PREFIXSCORE']._serialized_end=1737
-  _globals['_SCOREPREFIXRESPONSE']._serialized_start=1739
-  _globals['_SCOREPREFIXRESPONSE']._serialized_end=1808
-  _globals['_CACHESERVICE']._serialized_start=1811
-  _globals['_CACHESERVICE']._serialized_end=2189
+  _globals['_KVEVENTSHELLO']._serialized_end=991
+  _globals['_KVBLOCKSSTORED']._serialized_start=994
+  _globals['_KVBLOCKSSTORED']._serialized_end=1123
+  _globals['_KVBLOCKSREMOVED']._serialized_start=1125
+  _globals['_KVBLOCKSREMOVED']._serialized_end=1222
+  _globals['_KVALLBLOCKSCLEARED']._serialized_start=1224
+  _globals['_KVALLBLOCKSCLEARED']._serialized_end=1244
+  _globals['_KVEVENT']._serialized_start=1247
+  _globals['_KVEVENT']._serialized_end=1433
+  _globals['_KVSNAPSHOT']._serialized_start=1435
+  _globals['_KVSNAPSHOT']._serialized_end=1536
+  _globals['_PUBLISHKVEVENTSREQUEST']._serialized_start=1539
+  _globals['_PUBLISHKVEVENTSREQUEST']._serialized_end=1745
+  _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_start=1747
+  _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_end=1796
+  _globals['_SCOREPREFIXREQUEST']._serialized_start=1798
+  _globals['_SCOREPREFIXREQUEST']._serialized_end=1853
+  _globals['_PREFIXSCORE']._serialized_start=1855
+  _globals['_PREFIXSCORE']._serialized_end=1981
+  _globals['_SCOREPREFIXRESPONSE']._serialized_start=1983
+  _globals['_SCOREPREFIXRESPONSE']._serialized_end=2052
+  _globals['_CACHESERVICE']._serialized_start=2117
+  _globals['_CACHESERVICE']._serialized_end=2495
 # @@protoc_insertion_point(module_scope)

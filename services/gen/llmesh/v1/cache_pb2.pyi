@@ -7,6 +7,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from llmesh.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -18,6 +19,30 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _KvMedium:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _KvMediumEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_KvMedium.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    KV_MEDIUM_UNSPECIFIED: _KvMedium.ValueType  # 0
+    """The working KV pool (what engines without a medium publish)."""
+    KV_MEDIUM_OFFLOAD: _KvMedium.ValueType  # 1
+    """The KV offload tier: a hit is copied back into the pool, cheaper than a
+    prefill but not free.
+    """
+
+class KvMedium(_KvMedium, metaclass=_KvMediumEnumTypeWrapper):
+    """Where a replica holds a block."""
+
+KV_MEDIUM_UNSPECIFIED: KvMedium.ValueType  # 0
+"""The working KV pool (what engines without a medium publish)."""
+KV_MEDIUM_OFFLOAD: KvMedium.ValueType  # 1
+"""The KV offload tier: a hit is copied back into the pool, cheaper than a
+prefill but not free.
+"""
+Global___KvMedium: _TypeAlias = KvMedium  # noqa: Y015
 
 @_typing.final
 class CacheKey(_message.Message):
@@ -188,6 +213,7 @@ class KvEventsHello(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     CAPACITY_BLOCKS_FIELD_NUMBER: _builtins.int
+    OFFLOAD_CAPACITY_BLOCKS_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """The replica's id (as in GetModelInfoResponse.replica_id)."""
     epoch: _builtins.int
@@ -199,8 +225,10 @@ class KvEventsHello(_message.Message):
     """Tokens per block."""
     capacity_blocks: _builtins.int
     """Blocks in the replica's KV cache: the index holds at most this many
-    entries for it.
+    entries for it (plus offload_capacity_blocks).
     """
+    offload_capacity_blocks: _builtins.int
+    """Blocks in the replica's KV offload tier (0: none)."""
     def __init__(
         self,
         *,
@@ -209,10 +237,11 @@ class KvEventsHello(_message.Message):
         model: _builtins.str = ...,
         block_size: _builtins.int = ...,
         capacity_blocks: _builtins.int = ...,
+        offload_capacity_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "capacity_blocks", b"capacity_blocks", "epoch", b"epoch", "model", b"model", "replica_id", b"replica_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "capacity_blocks", b"capacity_blocks", "epoch", b"epoch", "model", b"model", "offload_capacity_blocks", b"offload_capacity_blocks", "replica_id", b"replica_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -226,8 +255,13 @@ class KvBlocksStored(_message.Message):
 
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     PARENT_HASH_FIELD_NUMBER: _builtins.int
+    MEDIUM_FIELD_NUMBER: _builtins.int
     parent_hash: _builtins.bytes
-    """Hash of the block before the first one; empty at position 0."""
+    """Hash of the block before the first one; empty at position 0 (and for
+    the offload medium).
+    """
+    medium: Global___KvMedium.ValueType
+    """Where they are held now."""
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """Chained block hashes (32 bytes each), in sequence order."""
@@ -237,10 +271,11 @@ class KvBlocksStored(_message.Message):
         *,
         block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         parent_hash: _builtins.bytes = ...,
+        medium: Global___KvMedium.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "parent_hash", b"parent_hash"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "medium", b"medium", "parent_hash", b"parent_hash"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -248,21 +283,24 @@ Global___KvBlocksStored: _TypeAlias = KvBlocksStored  # noqa: Y015
 
 @_typing.final
 class KvBlocksRemoved(_message.Message):
-    """Blocks were evicted: their hashes no longer hit on this replica."""
+    """Blocks were evicted from a medium: their hashes no longer hit there."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    MEDIUM_FIELD_NUMBER: _builtins.int
+    medium: Global___KvMedium.ValueType
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
         self,
         *,
         block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        medium: Global___KvMedium.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "medium", b"medium"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -270,7 +308,7 @@ Global___KvBlocksRemoved: _TypeAlias = KvBlocksRemoved  # noqa: Y015
 
 @_typing.final
 class KvAllBlocksCleared(_message.Message):
-    """The replica dropped its whole prefix cache."""
+    """The replica dropped its whole prefix cache (every medium)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -324,16 +362,22 @@ class KvSnapshot(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    OFFLOADED_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    @_builtins.property
+    def offloaded_block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """The hashes in the KV offload tier (a hash may be in both)."""
+
     def __init__(
         self,
         *,
         block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        offloaded_block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "offloaded_block_hashes", b"offloaded_block_hashes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -431,18 +475,24 @@ class PrefixScore(_message.Message):
 
     REPLICA_ID_FIELD_NUMBER: _builtins.int
     MATCHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    OFFLOADED_BLOCKS_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     matched_blocks: _builtins.int
-    """Leading blocks of the prompt the replica holds."""
+    """Leading blocks of the prompt the replica holds in its KV pool."""
+    offloaded_blocks: _builtins.int
+    """Blocks after those that it holds in its KV offload tier (or pool): a hit
+    there costs a restore, not a prefill.
+    """
     def __init__(
         self,
         *,
         replica_id: _builtins.str = ...,
         matched_blocks: _builtins.int = ...,
+        offloaded_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["matched_blocks", b"matched_blocks", "replica_id", b"replica_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["matched_blocks", b"matched_blocks", "offloaded_blocks", b"offloaded_blocks", "replica_id", b"replica_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -455,7 +505,9 @@ class ScorePrefixResponse(_message.Message):
     SCORES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def scores(self) -> _containers.RepeatedCompositeFieldContainer[Global___PrefixScore]:
-        """Live replicas that hold at least the first block; best first."""
+        """Live replicas that hold at least the first block (in either medium);
+        most matched_blocks first.
+        """
 
     def __init__(
         self,

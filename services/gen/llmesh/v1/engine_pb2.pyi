@@ -393,6 +393,7 @@ class GetLoadResponse(_message.Message):
     NUM_PENDING_PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
     PREFILL_SECONDS_PER_TOKEN_FIELD_NUMBER: _builtins.int
     DECODE_STEP_SECONDS_FIELD_NUMBER: _builtins.int
+    RESTORE_SECONDS_PER_TOKEN_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     """Sequences in the running batch."""
     num_waiting: _builtins.int
@@ -407,6 +408,11 @@ class GetLoadResponse(_message.Message):
     prefill_seconds_per_token: _builtins.float
     """Measured seconds per prompt token computed (from the engine's own steps
     that compute prompt tokens); 0: not measured yet.
+    """
+    restore_seconds_per_token: _builtins.float
+    """Measured seconds per prompt token restored from the replica's KV offload
+    tier (a block's copy back into the pool over its tokens); 0: not measured
+    or no tier. A router prices a tier hit with it instead of a prefill.
     """
     @_builtins.property
     def decode_step_seconds(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
@@ -426,10 +432,11 @@ class GetLoadResponse(_message.Message):
         num_pending_prefill_tokens: _builtins.int = ...,
         prefill_seconds_per_token: _builtins.float = ...,
         decode_step_seconds: _abc.Iterable[_builtins.float] | None = ...,
+        restore_seconds_per_token: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_step_seconds", b"decode_step_seconds", "kv_cache_usage", b"kv_cache_usage", "num_pending_prefill_tokens", b"num_pending_prefill_tokens", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefill_seconds_per_token", b"prefill_seconds_per_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_step_seconds", b"decode_step_seconds", "kv_cache_usage", b"kv_cache_usage", "num_pending_prefill_tokens", b"num_pending_prefill_tokens", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefill_seconds_per_token", b"prefill_seconds_per_token", "restore_seconds_per_token", b"restore_seconds_per_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
