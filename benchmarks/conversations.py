@@ -84,7 +84,7 @@ class Shape:
 
 #: The issue's shape: 64 conversations x 8 turns, a 1,000-token system
 #: prompt, 300 tokens a user turn, 32 out, 8 users; a pool of ~11,600 tokens
-#: (SmolLM2-135M fp32: 46,080 bytes a token) against ~175,000 tokens of
+#: (SmolLM2-135M, fp32 KV: 46,080 bytes a token) against ~175,000 tokens of
 #: history, and a tier that holds it all.
 FULL = Shape(64, 8, 1000, 300, 32, 8, "512MiB", "8GiB")
 #: ``--quick``: the same mechanism in about a minute a mode: ~3,100 tokens of

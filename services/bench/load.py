@@ -20,8 +20,8 @@ users; the conversations are dealt to them in turn (user ``u`` gets
 conversations ``u``, ``u + users``, ...), and each user keeps all of its
 conversations open, sending turn ``t`` of each of them, then turn ``t + 1``
 of each (a user switching between open chats, or an agent serving several):
-between two turns of one conversation, every other conversation of the run
-takes a turn, so a KV cache smaller than all the conversations together
+between two turns of one conversation, every other conversation takes about
+one turn, so a KV cache smaller than all the conversations together
 does not hold a returning conversation's history. There are no arrivals
 (``request_rate`` must be ``inf``).
 """
