@@ -437,7 +437,7 @@ def test_prompt_rows_share_each_weight_widening_and_stay_invariant(kernel: str) 
     """A prompt's rows go through the kernel in chunks of
     ``int_matmul_row_chunk()`` rows (at least 32) that share each widening
     of a block's weights (the 4-row tiles before re-widened every block per 4
-    rows: ~20 % of a 128-row prefill's kernel time); rows across two whole
+    rows: ~10 % of a 128-row call); rows across two whole
     chunks and a partial one, on 1 thread or the default, bit-equal each row
     computed alone."""
     chunk = native.int_matmul_row_chunk()
