@@ -4,7 +4,8 @@ An OpenMP team whose threads outnumber the free cores falls off a cliff: a
 thread that reaches a barrier spins there while a teammate waits for the core
 another process holds, and every parallel region of the step (hundreds) waits
 out a scheduler time slice. On 2 cores with one busy process beside it the
-engine decoded 30-55x slower instead of ~2x (issue 31). The governor watches
+mesh decoded 30-55x slower instead of ~2x (issue 31); the engine alone, in
+process, 4-5x slower (measured 2026-12-06, docs/bench.md). The governor watches
 the kernel's accounting (:mod:`~services.engine.torch_backend.cpu_accounting`)
 in windows of :data:`WINDOW_S` of the engine's own steps and sets the thread
 count (``torch.set_num_threads``, which the native kernels' OpenMP team
