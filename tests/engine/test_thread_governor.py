@@ -160,7 +160,7 @@ def quiet(wall: float = 0.2, threads: int = 2) -> CPUSample:
 
 def contended(wall: float = 0.2, threads: int = 2) -> CPUSample:
     """A window with a busy process taking one of two cores."""
-    return CPUSample(wall, run_s=wall, wait_s=0.4 * threads * wall)
+    return CPUSample(wall, run_s=wall, wait_s=0.3 * threads * wall)
 
 
 def test_contention_drops_a_thread_after_consecutive_windows_only() -> None:
@@ -172,6 +172,13 @@ def test_contention_drops_a_thread_after_consecutive_windows_only() -> None:
     for _ in range(10):  # one busy process: one thread gets its core, no room for two
         assert controller.update(CPUSample(0.2, run_s=0.2)) == 1
     assert controller.update(CPUSample(0.2, throttled_s=0.05)) == 1  # never below one
+
+
+
+def test_a_severe_wait_drops_a_thread_after_one_window() -> None:
+    controller = ThreadController(2)
+    assert controller.update(CPUSample(0.2, run_s=0.2, wait_s=0.2)) == 1  # 0.5 a thread
+    assert controller.contention_events == 1
 
 
 def test_cores_coming_back_restore_threads_with_hysteresis() -> None:
