@@ -2,7 +2,7 @@
 Envoy, the router and the engine keeps a healthy fraction of its quiet decode
 speed. With the engine's team of two OpenMP threads fixed
 (``LLMESH_ENGINE_ADAPTIVE_THREADS=false``, main before the thread governor)
-it fell to 1-3 % on this 2-core machine (docs/bench.md, "CPU contention")."""
+it fell to 1-6 % on this 2-core machine (docs/bench.md, "CPU contention")."""
 
 from __future__ import annotations
 
