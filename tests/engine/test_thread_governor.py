@@ -160,7 +160,7 @@ def quiet(wall: float = 0.2, threads: int = 2) -> CPUSample:
 
 def contended(wall: float = 0.2, threads: int = 2) -> CPUSample:
     """A window with a busy process taking one of two cores."""
-    return CPUSample(wall, run_s=wall, wait_s=0.4 * threads * wall)
+    return CPUSample(wall, run_s=wall, wait_s=0.3 * threads * wall)
 
 
 def test_contention_drops_a_thread_after_consecutive_windows_only() -> None:
@@ -172,6 +172,13 @@ def test_contention_drops_a_thread_after_consecutive_windows_only() -> None:
     for _ in range(10):  # one busy process: one thread gets its core, no room for two
         assert controller.update(CPUSample(0.2, run_s=0.2)) == 1
     assert controller.update(CPUSample(0.2, throttled_s=0.05)) == 1  # never below one
+
+
+
+def test_a_severe_wait_drops_a_thread_after_one_window() -> None:
+    controller = ThreadController(2)
+    assert controller.update(CPUSample(0.2, run_s=0.2, wait_s=0.2)) == 1  # 0.5 a thread
+    assert controller.contention_events == 1
 
 
 def test_cores_coming_back_restore_threads_with_hysteresis() -> None:
@@ -217,9 +224,13 @@ async def decode_rate(backend: TorchBackend, tag: str, tokens: int) -> float:
 
 async def test_a_busy_process_beside_the_engine_costs_no_cliff(
         torch_backend: TorchBackend, engine_metrics: EngineMetrics) -> None:
-    """One stream with a busy process on a 2-core machine ran at 2-3 % of its
-    quiet speed before the governor; once the governor has seen the
-    contention (a first short request) it must keep a healthy fraction."""
+    """The engine alone, in process, beside busy processes on every core but
+    one: once the governor has seen the contention (a first short request) a
+    stream keeps a healthy fraction of its quiet speed, and the thread gauge
+    is published. (The 1-3 % cliff is the mesh's, where the router, Envoy and
+    the client share the cores too: tests/e2e/test_mesh_contention.py. In
+    process a fixed team of two kept about a fifth without warm-up, more with
+    one, so here only the gauge fails on the code before the governor.)"""
     await decode_rate(torch_backend, "contention-warm", 8)
     alone = await decode_rate(torch_backend, "contention-quiet", 48)
     busy = [subprocess.Popen(BUSY) for _ in range(max(len(os.sched_getaffinity(0)) - 1, 1))]
@@ -230,7 +241,6 @@ async def test_a_busy_process_beside_the_engine_costs_no_cliff(
         for child in busy:
             child.kill()
             child.wait()
-    # measured on a quiet 2-core machine: 0.18-0.23 with a fixed team of two, about 0.5 on one
     assert beside >= 0.35 * alone, (alone, beside)
     threads = engine_metrics.registry.get_sample_value("llmesh:engine_num_threads")
     assert threads is not None and 1 <= threads <= torch.get_num_threads()

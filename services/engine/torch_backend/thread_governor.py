@@ -4,7 +4,8 @@ An OpenMP team whose threads outnumber the free cores falls off a cliff: a
 thread that reaches a barrier spins there while a teammate waits for the core
 another process holds, and every parallel region of the step (hundreds) waits
 out a scheduler time slice. On 2 cores with one busy process beside it the
-engine decoded 30-55x slower instead of ~2x (issue 31). The governor watches
+mesh decoded 30-55x slower instead of ~2x (issue 31); the engine alone, in
+process, 4-5x slower (measured 2026-12-06, docs/bench.md). The governor watches
 the kernel's accounting (:mod:`~services.engine.torch_backend.cpu_accounting`)
 in windows of :data:`WINDOW_S` of the engine's own steps and sets the thread
 count (``torch.set_num_threads``, which the native kernels' OpenMP team
@@ -16,7 +17,8 @@ follows) between 1 and a ceiling:
 * **down** (a contention event): for :data:`DOWN_WINDOWS` windows in a row the
   process's threads waited on a run queue more than :data:`WAIT_FRACTION` of
   the window per compute thread, or the cgroup throttled it more than
-  :data:`THROTTLE_FRACTION` of the window: one thread fewer.
+  :data:`THROTTLE_FRACTION` of the window, or for one window more than
+  :data:`SEVERE_WAIT_FRACTION`: one thread fewer.
 * **up**: for ``up_windows`` windows in a row the CPUs this process could have
   used (its own CPU time plus the machine's idle time, per second of window)
   reached one more than its threads (less :data:`UP_SLACK`), without
@@ -61,6 +63,9 @@ WINDOW_S = 0.2
 #: about a third each (measured 0.45-0.74 per thread); the mesh's own
 #: processes beside the engine on a quiet 2-core machine measured 0.18.
 WAIT_FRACTION = 0.25
+#: Run-queue wait per compute thread that drops a thread after one window: a
+#: step at the cliff lasts about a window (measured 0.51-0.53 there).
+SEVERE_WAIT_FRACTION = 0.4
 #: cgroup throttled time, as a fraction of the window, that marks contention.
 THROTTLE_FRACTION = 0.05
 #: Contended windows in a row before a thread is dropped.
@@ -125,8 +130,9 @@ class ThreadController:
     def update(self, sample: CPUSample) -> int:
         """Takes one window; returns the thread count from now on."""
         limit = quota_threads(sample.quota_cpus, self.ceiling)
-        contended = (sample.wait_s / (sample.wall_s * self.threads) > WAIT_FRACTION
-                     or sample.throttled_s / sample.wall_s > THROTTLE_FRACTION)
+        wait = sample.wait_s / (sample.wall_s * self.threads)
+        contended = wait > WAIT_FRACTION or sample.throttled_s / sample.wall_s > THROTTLE_FRACTION
+        severe = wait > SEVERE_WAIT_FRACTION
         available = (sample.run_s + sample.idle_s) / sample.wall_s
         self._contended = self._contended + 1 if contended else 0
         roomy = not contended and available >= self.threads + 1 - UP_SLACK
@@ -137,7 +143,7 @@ class ThreadController:
                 self._up_windows, self._since_up = UP_WINDOWS, None
         if self.threads > limit:
             self._set(limit, "quota")
-        elif self._contended >= DOWN_WINDOWS and self.threads > 1:
+        elif (self._contended >= DOWN_WINDOWS or severe) and self.threads > 1:
             self.contention_events += 1
             if self._since_up is not None:  # undoes a recent step up: wait longer next time
                 self._up_windows = min(self._up_windows * 2, MAX_UP_WINDOWS)
