@@ -237,6 +237,9 @@ class Ticket:
     first_token_at: float | None = None
     last_token_at: float | None = None
     completion_tokens: int = 0
+    #: Tokens that left with the first delivery (several with speculative
+    #: decoding or a first chunk): they took no time after ``first_token_at``.
+    first_tokens: int = 0
     _released: bool = field(default=False, repr=False)
 
     def on_tokens(self, count: int, now: float) -> None:
@@ -245,8 +248,20 @@ class Ticket:
             return
         if self.first_token_at is None:
             self.first_token_at = now
+            self.first_tokens = count
         self.last_token_at = now
         self.completion_tokens += count
+
+    def measured_tpot_s(self) -> float | None:
+        """Seconds per output token after the first delivery: the time since it
+        over the tokens that came after it; None before a later delivery. (The
+        first delivery's own tokens are not in the divisor: with several of them
+        in it, e.g. accepted drafts, dividing by ``completion_tokens - 1`` made
+        the rate look up to that many times faster and the retry hint as short.)"""
+        later = self.completion_tokens - self.first_tokens
+        if later <= 0 or self.first_token_at is None or self.last_token_at is None:
+            return None
+        return (self.last_token_at - self.first_token_at) / later
 
     def release(self) -> None:
         """Frees the slot (and dispatches what it makes room for)."""
@@ -264,10 +279,8 @@ class Ticket:
         if self.first_token_at is None:
             prefill = self.job.prompt_tokens * prefill_s_per_token
             return max(self.dispatched_at + prefill - now, 0.0) + left * model_tpot_s
-        tpot = model_tpot_s
-        if self.completion_tokens >= 2 and self.last_token_at is not None:
-            tpot = (self.last_token_at - self.first_token_at) / (self.completion_tokens - 1)
-        return left * tpot
+        tpot = self.measured_tpot_s()
+        return left * (model_tpot_s if tpot is None else tpot)
 
 
 class _Ewma:
@@ -578,9 +591,9 @@ class AdmissionController:
         if ticket.job.prompt_tokens:
             self._prefill.add((ticket.first_token_at - ticket.dispatched_at)
                               / ticket.job.prompt_tokens)
-        if ticket.completion_tokens >= 2 and ticket.last_token_at is not None:
-            self._tpot.add((ticket.last_token_at - ticket.first_token_at)
-                           / (ticket.completion_tokens - 1))
+        tpot = ticket.measured_tpot_s()
+        if tpot is not None:
+            self._tpot.add(tpot)
         if ticket.job.max_tokens:
             self._length_share.add(min(ticket.completion_tokens / ticket.job.max_tokens, 1.0))
 

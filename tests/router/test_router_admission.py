@@ -110,6 +110,22 @@ async def test_a_full_queue_refuses_at_once_with_a_hint_from_the_running_decode_
     assert refused_batch.value.retry_after_s > 5 * refused.value.retry_after_s
 
 
+async def test_tokens_of_the_first_delivery_do_not_speed_up_the_measured_decode_rate() -> None:
+    """Accepted drafts arrive together: a first delivery of 4 tokens, then one
+    token 100 ms later, is 100 ms a token (the old rate divided by 4 tokens)."""
+    clock = Clock()
+    ctl = controller(slots=1, clock=clock, max_queued_requests=1)
+    running = await ctl.admit(job("a", max_tokens=100))
+    running.on_tokens(4, clock.now)
+    running.on_tokens(1, clock.now + 0.1)
+    assert running.measured_tpot_s() == pytest.approx(0.1)
+    clock.now += 0.1
+    await queued(ctl, job("b"))
+    with pytest.raises(AdmissionRefused) as refused:
+        await ctl.admit(job("c"))
+    assert refused.value.retry_after_s == pytest.approx(95 * 0.1, rel=0.05)  # 95 tokens left
+
+
 async def test_the_queued_prompt_token_limit_refuses_but_never_an_empty_queue() -> None:
     ctl = controller(slots=1, max_queued_prompt_tokens=100)
     await ctl.admit(job("run"))
