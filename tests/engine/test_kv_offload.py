@@ -5,6 +5,7 @@ and stats. No model: the pool's storage is a small random tensor pair."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -82,6 +83,25 @@ def test_directory_tier_is_a_mapped_file_left_nowhere(tmp_path: Path) -> None:
     assert torch.equal(pool.k[:, :, 1], expected)
 
 
+def test_a_tier_its_filesystem_or_memory_cannot_hold_is_refused_at_start(tmp_path: Path) -> None:
+    """The file's space is reserved up front (a sparse file killed the engine
+    with SIGBUS at the first write past the free space); each refusal names its flag."""
+    blocks = shutil.disk_usage(tmp_path).free // BLOCK_BYTES + 1024
+    with pytest.raises(ValueError, match=r"--kv-offload-dir .*cannot hold"):
+        KVOffloadTier(storage(4), blocks * BLOCK_BYTES, directory=tmp_path)
+    assert not list(tmp_path.iterdir())  # nothing left behind
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with pytest.raises(ValueError, match=r"--kv-offload-dir .*file"):
+        KVOffloadTier(storage(4), 2 * BLOCK_BYTES, directory=not_a_dir)
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        available = next(int(line.split()[1]) * 1024 for line in meminfo.read_text().splitlines()
+                         if line.startswith("MemAvailable:"))
+        with pytest.raises(ValueError, match=r"--kv-offload-bytes .*exceeds"):
+            KVOffloadTier(storage(4), available + 1024 * BLOCK_BYTES)
+
+
 def manager_with_tier(num_blocks: int = 4, tier_blocks: int = 8) -> KVCacheManager:
     pool = storage(num_blocks)
     return KVCacheManager(num_blocks, BLOCK, model_id="test-model",
@@ -149,3 +169,11 @@ def test_reset_prefix_cache_empties_the_tier() -> None:
     assert manager.reset_prefix_cache()
     assert manager.offloaded_hashes() == ()
     assert manager.find_prefix(make_request("a2", 13)).num_tokens == 0
+
+
+def test_a_tier_directory_without_a_tier_size_is_refused(tmp_path: Path) -> None:
+    """``--kv-offload-dir`` alone was ignored silently (the engine served with no tier)."""
+    from services.engine.config import EngineConfig
+    from services.engine.torch_backend.backend import _offload_tier
+    with pytest.raises(ValueError, match="--kv-offload-dir needs --kv-offload-bytes"):
+        _offload_tier(EngineConfig(kv_offload_dir=tmp_path), storage(4))

@@ -484,6 +484,8 @@ def _offload_tier(config: EngineConfig, cache: PagedKVCache) -> KVOffloadTier | 
       ValueError: it is asked for with prefix caching off, or holds no block.
     """
     if config.kv_offload_bytes is None:
+        if config.kv_offload_dir is not None:
+            raise ValueError("--kv-offload-dir needs --kv-offload-bytes (the tier's size)")
         return None
     if not config.enable_prefix_caching:
         raise ValueError("--kv-offload-bytes needs prefix caching (--enable-prefix-caching)")

@@ -43,6 +43,7 @@ Not thread-safe: the engine thread owns it (through the KV cache manager).
 from __future__ import annotations
 
 import collections
+import os
 import tempfile
 import time
 from collections.abc import Iterable
@@ -210,11 +211,44 @@ class KVOffloadTier:
 
 def _buffer(numel: int, dtype: torch.dtype, directory: Path | None, pin: bool) -> torch.Tensor:
     """A flat ``numel`` tensor of ``dtype``: a shared mapping of a fresh file in
-    ``directory`` (unlinked once mapped), else anonymous memory (pinned with ``pin``)."""
-    if directory is None:
-        return torch.empty(numel, dtype=dtype, pin_memory=pin)
+    ``directory`` (unlinked once mapped; its disk space reserved up front with
+    ``posix_fallocate``, so a tier larger than its filesystem is refused here
+    instead of the engine dying of SIGBUS at the first write past the free
+    space), else anonymous memory (pinned with ``pin``; refused above the
+    host's available memory, ``MemAvailable``, which the tier would exhaust as
+    it fills).
+
+    Raises:
+      ValueError: the memory or the disk space is not there, or ``directory``
+        cannot hold the file; the message names the flag.
+    """
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    with tempfile.NamedTemporaryFile(dir=directory, prefix="llmesh-kv-offload-") as file:
-        file.truncate(nbytes)
-        file.flush()
-        return torch.from_file(file.name, shared=True, size=numel, dtype=dtype)
+    if directory is None:
+        available = _available_memory_bytes()
+        if available is not None and nbytes > available:
+            raise ValueError(f"--kv-offload-bytes {nbytes} exceeds the {available} bytes of "
+                             f"memory available on this host (MemAvailable); use less, or "
+                             f"--kv-offload-dir for a disk-backed tier")
+        try:
+            return torch.empty(numel, dtype=dtype, pin_memory=pin)
+        except RuntimeError as error:
+            raise ValueError(f"--kv-offload-bytes {nbytes}: cannot allocate the tier "
+                             f"({str(error).splitlines()[0][:200]})") from error
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix="llmesh-kv-offload-") as file:
+            os.posix_fallocate(file.fileno(), 0, nbytes)
+            return torch.from_file(file.name, shared=True, size=numel, dtype=dtype)
+    except OSError as error:
+        raise ValueError(f"--kv-offload-dir {directory}: cannot hold a {nbytes}-byte tier "
+                         f"({error.strerror or error})") from error
+
+
+def _available_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where it cannot be read."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
