@@ -153,6 +153,24 @@ def test_the_governor_starts_under_the_quota_and_follows_a_cgroup_move(tmp_path:
     assert governor.throttled_s == pytest.approx(0.02)
 
 
+def test_a_gap_between_steps_is_in_no_window() -> None:
+    """What other processes do while the engine is idle (a client starting
+    between two requests) says nothing about the cores its steps get: the
+    window restarts at the first step after a gap, and only busy time closes one."""
+    now = [0.0]
+    governor = ThreadGovernor(2, lambda threads: None, clock=lambda: now[0])
+    samples: list[CPUSample] = []
+    governor.controller.update = lambda sample: samples.append(sample) or 2  # type: ignore
+    for now[0] in (0.01, 0.02):  # steps back to back, then a gap of ~1 s
+        governor.observe(StepStats(0.01, 1, 1))
+    now[0] = 1.03
+    governor.observe(StepStats(0.01, 1, 1))
+    assert samples == []  # main closed a 1.03 s window here, gap included
+    for now[0], duration in ((1.13, 0.1), (1.24, 0.11), (1.30, 0.06)):
+        governor.observe(StepStats(duration, 1, 1))
+    assert [round(s.wall_s, 2) for s in samples] == [0.21]  # 1.03 -> 1.24: busy time only
+
+
 def quiet(wall: float = 0.2, threads: int = 2) -> CPUSample:
     """A window in which ``threads`` ran and nothing else wanted the cores."""
     return CPUSample(wall, run_s=threads * wall, idle_s=(2 - threads) * wall)

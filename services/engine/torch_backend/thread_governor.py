@@ -19,6 +19,11 @@ follows) between 1 and a ceiling:
   the window per compute thread, or the cgroup throttled it more than
   :data:`THROTTLE_FRACTION` of the window, or for one window more than
   :data:`SEVERE_WAIT_FRACTION`: one thread fewer.
+* **idle**: windows cover the engine's busy time only: after a gap of more
+  than :data:`IDLE_GAP_S` between steps the window restarts at the next step,
+  and the streaks below carry over (a client process started between two
+  requests took the idle cores and kept a loop of short requests at one
+  thread after a busy neighbour left; QA, issue 31).
 * **up**: for ``up_windows`` windows in a row the CPUs this process could have
   used (its own CPU time plus the machine's idle time, per second of window)
   reached one more than its threads (less :data:`UP_SLACK`), without
@@ -78,6 +83,11 @@ MAX_UP_WINDOWS = 80
 REVERT_WINDOWS = 25
 #: CPUs short of a whole one that still count as room for one more thread.
 UP_SLACK = 0.25
+#: Seconds without a step after which the engine counts as having been idle:
+#: the window restarts at the next step, so that what other processes did
+#: while the engine had nothing to run (a client starting between requests)
+#: is neither contention nor a lack of room.
+IDLE_GAP_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -190,6 +200,7 @@ class ThreadGovernor:
         self._last = self._read()
         self._events_reported = 0
         self._throttled_reported = 0.0
+        self._last_step_at: float | None = None
         set_threads(self.controller.threads)
         log.info("engine_threads", threads=self.controller.threads, ceiling=ceiling,
                  quota_cpus=quota, reason=self.controller.reason,
@@ -218,7 +229,11 @@ class ThreadGovernor:
         applies the decision; returns ``stats`` with the thread count and the
         throttling and contention events since the last call."""
         now = self._clock()
-        if now - self._window_start >= WINDOW_S:
+        idle_s = None if self._last_step_at is None else now - stats.duration_s - self._last_step_at
+        self._last_step_at = now
+        if idle_s is not None and idle_s > IDLE_GAP_S:
+            self._window_start, self._last = now, self._read()  # the window starts here
+        elif now - self._window_start >= WINDOW_S:
             self._window(now)
         controller = self.controller
         events = controller.contention_events - self._events_reported
