@@ -15,8 +15,7 @@ from services.cli.mesh import Mesh
 from tests.e2e.shared_mesh import SharedMesh
 
 #: Module → the module whose shared mesh it takes over (it runs right after it).
-RUNS_AFTER = {"test_mesh_overload.py": "test_mesh_admission.py",
-              "test_mesh_tenants.py": "test_mesh_faults.py"}
+RUNS_AFTER = {"test_mesh_tenants.py": "test_mesh_faults.py"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -35,18 +34,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             last = max(n for n, i in enumerate(ordered) if module(i) == RUNS_AFTER[name])
             ordered[last + 1:last + 1] = group
     items[:] = ordered
-
-
-@pytest.fixture(scope="session")
-def two_slot_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedMesh]:
-    """Two engines of 2 sequence slots each behind Envoy (default model and KV
-    pool): test_mesh_admission's and test_mesh_overload's mesh, each with its
-    own router queue limits."""
-    with SharedMesh(lambda router_args: Mesh(
-            ingress_port=0, admin_port=0, run_dir=tmp_path_factory.mktemp("two-slot-mesh"),
-            num_engines=2, engine_args=["--max-num-seqs", "2"],
-            router_args=router_args)) as shared:
-        yield shared
 
 
 @pytest.fixture(scope="session")

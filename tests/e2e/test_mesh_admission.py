@@ -13,6 +13,8 @@ import statistics
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -20,7 +22,6 @@ import pytest
 from llmesh.v1 import engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
 from services.cli.mesh import Mesh
 from tests.e2e.overload_client import Outcome, long_request, run_one
-from tests.e2e.shared_mesh import SharedMesh
 
 pytestmark = pytest.mark.mesh
 
@@ -31,11 +32,13 @@ QUEUE = 4
 
 
 @pytest.fixture(scope="module")
-def small_mesh(two_slot_engines: SharedMesh) -> Mesh:
-    """Two engines of 2 slots (conftest.py, shared with test_mesh_overload, whose
-    router has other limits), a router queue of 4 per class, no response cache."""
-    assert SLOTS_PER_ENGINE == 2 and ENGINES == 2  # what two_slot_engines runs
-    return two_slot_engines.get(["--max-queued-requests", str(QUEUE)])
+def small_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """Two engines of 2 slots, a router queue of 4 per class, no response cache."""
+    run_dir: Path = tmp_path_factory.mktemp("admission-mesh")
+    with Mesh(ingress_port=0, admin_port=0, run_dir=run_dir, num_engines=ENGINES,
+              engine_args=["--max-num-seqs", str(SLOTS_PER_ENGINE)],
+              router_args=["--max-queued-requests", str(QUEUE)]) as running:
+        yield running
 
 
 async def probe_admitted(stub: generation_pb2_grpc.GenerationServiceStub) -> float:

@@ -15,6 +15,7 @@ import signal
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -22,7 +23,6 @@ import pytest
 from llmesh.v1 import common_pb2, generation_pb2_grpc
 from services.cli.mesh import Mesh
 from tests.e2e.overload_client import Outcome, long_request, run_one
-from tests.e2e.shared_mesh import SharedMesh
 
 pytestmark = pytest.mark.mesh
 
@@ -38,14 +38,13 @@ TENANT_A_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def mesh(two_slot_engines: SharedMesh) -> Iterator[Mesh]:
-    """test_mesh_admission's two engines of 2 slots (conftest.py), the router
-    restarted with a queue of 32 and a 10 s queue wait; stopped after this
-    module (its last tests kill and restart services)."""
-    assert SLOTS_PER_ENGINE == 2 and ENGINES == 2  # what two_slot_engines runs
-    yield two_slot_engines.get(["--max-queued-requests", "32",
-                                "--max-queue-wait", f"{MAX_QUEUE_WAIT_S:g}"])
-    two_slot_engines.stop()
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    run_dir: Path = tmp_path_factory.mktemp("overload-mesh")
+    with Mesh(ingress_port=0, admin_port=0, run_dir=run_dir, num_engines=ENGINES,
+              engine_args=["--max-num-seqs", str(SLOTS_PER_ENGINE)],
+              router_args=["--max-queued-requests", "32",
+                           "--max-queue-wait", f"{MAX_QUEUE_WAIT_S:g}"]) as running:
+        yield running
 
 
 def metric(address: str, name: str, **labels: str) -> float:
