@@ -87,3 +87,18 @@ def test_a_damaged_entry_probes_again_and_off_always_probes(
     cached_probe(smollm2, CPU, torch.float32, run_probe)
     cached_probe(smollm2, CPU, torch.float32, run_probe)
     assert len(calls) == 3
+
+
+def test_a_miss_is_not_a_warning_and_a_damaged_entry_is(
+        cache_dir: Path, smollm2: LlamaModel) -> None:
+    """Every new key (new code, machine or shapes) misses once: that is no
+    damage to warn about (QA saw probe_cache_unreadable FileNotFoundError)."""
+    from structlog.testing import capture_logs
+    with capture_logs() as logs:
+        cached_probe(smollm2, CPU, torch.float32, lambda: [])
+    assert not [e for e in logs if e["log_level"] == "warning"], logs
+    entry = cache_dir / f"{probe_key(smollm2, CPU, torch.float32)}.json"
+    entry.write_text("[]", encoding="utf-8")
+    with capture_logs() as logs:
+        cached_probe(smollm2, CPU, torch.float32, lambda: [])
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["probe_cache_unreadable"]

@@ -150,15 +150,16 @@ def cached_probe(model: LlamaModel, device: torch.device, dtype: torch.dtype,
     if root is None:
         return ProbeVerdict(run_probe(), cached=False)
     entry = root / f"{probe_key(model, device, dtype)}.json"
-    with contextlib.suppress(FileNotFoundError):
-        try:
-            failures = json.loads(entry.read_text(encoding="utf-8"))["failures"]
-            if isinstance(failures, list) and all(isinstance(f, str) for f in failures):
-                return ProbeVerdict(failures, cached=True)
-            raise ValueError("failures is not a list of strings")
-        except (OSError, ValueError, KeyError, TypeError) as error:  # a damaged entry
-            log.warning("probe_cache_unreadable", entry=str(entry),
-                        error=f"{type(error).__name__}: {error}")
+    try:
+        failures = json.loads(entry.read_text(encoding="utf-8"))["failures"]
+        if isinstance(failures, list) and all(isinstance(f, str) for f in failures):
+            return ProbeVerdict(failures, cached=True)
+        raise ValueError("failures is not a list of strings")
+    except FileNotFoundError:
+        pass  # a miss: the first start for this key (new code, machine or shapes)
+    except (OSError, ValueError, KeyError, TypeError) as error:  # a damaged entry
+        log.warning("probe_cache_unreadable", entry=str(entry),
+                    error=f"{type(error).__name__}: {error}")
     failures = run_probe()
     _save(entry, failures)
     return ProbeVerdict(failures, cached=False)
