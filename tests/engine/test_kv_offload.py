@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from services.common.kv_events import BlockRemoved, BlockStored, Medium
+from services.engine.config import EngineConfig
+from services.engine.torch_backend.backend import _offload_tier
 from services.engine.torch_backend.kv_cache_manager import KVCacheManager
 from services.engine.torch_backend.kv_offload import KVOffloadTier
 from tests.engine.kv_helpers import compute, make_request
@@ -173,7 +175,5 @@ def test_reset_prefix_cache_empties_the_tier() -> None:
 
 def test_a_tier_directory_without_a_tier_size_is_refused(tmp_path: Path) -> None:
     """``--kv-offload-dir`` alone was ignored silently (the engine served with no tier)."""
-    from services.engine.config import EngineConfig
-    from services.engine.torch_backend.backend import _offload_tier
     with pytest.raises(ValueError, match="--kv-offload-dir needs --kv-offload-bytes"):
         _offload_tier(EngineConfig(kv_offload_dir=tmp_path), storage(4))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from services.engine.config import EngineConfig
 from services.engine.torch_backend import probe_cache
@@ -93,7 +94,6 @@ def test_a_miss_is_not_a_warning_and_a_damaged_entry_is(
         cache_dir: Path, smollm2: LlamaModel) -> None:
     """Every new key (new code, machine or shapes) misses once: that is no
     damage to warn about (QA saw probe_cache_unreadable FileNotFoundError)."""
-    from structlog.testing import capture_logs
     with capture_logs() as logs:
         cached_probe(smollm2, CPU, torch.float32, lambda: [])
     assert not [e for e in logs if e["log_level"] == "warning"], logs
