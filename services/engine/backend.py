@@ -16,7 +16,8 @@ from typing import Any, ClassVar
 import grpc
 
 from services.common.kv_events import KVEvent, KVSnapshot
-from services.engine.types import BlockCounts, LoadStats, ModelInfo, SequenceRequest, TokenDelta
+from services.engine.types import (BlockCounts, EngineResources, LoadStats, ModelInfo,
+                                  SequenceRequest, TokenDelta)
 
 
 class EngineError(Exception):
@@ -94,6 +95,12 @@ class EngineBackend(abc.ABC):
         (e.g. the concrete dtype of ``--dtype auto``, the KV cache's bytes).
         Pure. The default: none."""
         return {}
+
+    def resources(self) -> EngineResources:
+        """What the engine runs on (compute threads, KV tier capacity), for the
+        gauges the service sets once ``start()`` has returned. Thread-safe. The
+        default: nothing known (zeros)."""
+        return EngineResources()
 
     @property
     @abc.abstractmethod

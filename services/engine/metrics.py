@@ -13,7 +13,8 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.sampling import FinishReason
-from services.engine.types import BlockCounts, LoadStats, OffloadStats, StepStats, TokenDelta
+from services.engine.types import (BlockCounts, EngineResources, LoadStats, OffloadStats,
+                                  StepStats, TokenDelta)
 
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
                  0.5, 0.75, 1.0, 2.5, 5.0)
@@ -53,7 +54,8 @@ class EngineMetrics:
     queries), ``kv_offload_stored_blocks_total`` (copied in from the pool),
     ``kv_offload_restored_blocks_total`` (copied back), and
     ``kv_offload_evicted_blocks_total`` (dropped by its LRU); gauges
-    ``kv_offload_bytes`` (held) and ``kv_offload_capacity_bytes``; histogram
+    ``kv_offload_bytes`` (held) and ``kv_offload_capacity_bytes`` (set at
+    start, :meth:`EngineMetrics.observe_resources`); histogram
     ``kv_offload_restore_seconds`` (one sequence's restore). Block
     bookkeeping (gauges read at scrape time from the backend's integrity
     check, -1 when it fails): ``kv_cache_blocks{state}`` (free, cached,
@@ -61,7 +63,8 @@ class EngineMetrics:
     free + cached == num_blocks (no leaked block).
     CPU contention
     (the torch engine's thread governor, docs/engine.md): ``engine_num_threads``
-    (gauge: the step's compute threads), ``cpu_throttled_seconds_total``
+    (gauge: the step's compute threads, from start: the governor's ceiling, or
+    ``--num-threads`` without it), ``cpu_throttled_seconds_total``
     (counter: time the cgroup's CPU quota held the engine back) and
     ``cpu_contention_events_total`` (counter: threads dropped because the
     engine's threads waited for cores).
@@ -192,6 +195,12 @@ class EngineMetrics:
         self.num_requests_waiting.set_function(lambda: load().num_waiting)
         self.kv_cache_usage.set_function(lambda: load().kv_cache_usage)
 
+    def observe_resources(self, resources: EngineResources) -> None:
+        """Sets the gauges of what the engine runs on, once it has started (the
+        thread count then follows each step's ``StepStats.num_threads``)."""
+        self.engine_num_threads.set(resources.num_threads)
+        self.kv_offload_capacity_bytes.set(resources.kv_offload_capacity_bytes)
+
     def observe_step(self, stats: StepStats) -> None:
         """Records one engine step (thread-safe; called on the engine thread)."""
         self.step_duration.observe(stats.duration_s)
@@ -229,7 +238,6 @@ class EngineMetrics:
         self.kv_offload_restored_blocks.inc(stats.restored)
         self.kv_offload_evicted_blocks.inc(stats.evicted)
         self.kv_offload_bytes.set(stats.num_bytes)
-        self.kv_offload_capacity_bytes.set(stats.capacity_bytes)
         for seconds in stats.restore_seconds:
             self.kv_offload_restore_seconds.observe(seconds)
 

@@ -122,6 +122,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             raise EngineLoadError(str(exc)) from exc
         self._metrics.track_load(self._backend.load)
         self._metrics.track_blocks(self._backend.kv_block_counts)
+        self._metrics.observe_resources(self._backend.resources())
         self._ready = True
         info = self._backend.model_info
         fields = {"dtype": self._config.dtype, "quantization": self._config.quantization,

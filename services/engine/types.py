@@ -174,7 +174,6 @@ class OffloadStats:
       evicted: blocks dropped by the tier's LRU.
       restore_seconds: seconds of each restore (one sequence's blocks at once).
       num_bytes: bytes held when taken (not a delta).
-      capacity_bytes: the tier's capacity in bytes.
     """
 
     queries: int = 0
@@ -184,7 +183,22 @@ class OffloadStats:
     evicted: int = 0
     restore_seconds: tuple[float, ...] = ()
     num_bytes: int = 0
-    capacity_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class EngineResources:
+    """What the engine runs on, known once it has started (before any step).
+
+    Attributes:
+      num_threads: compute threads its next step runs on: the thread
+        governor's count (its ceiling, ``--num-threads`` or torch's default,
+        under any cgroup CPU quota), or ``--num-threads`` / torch's default
+        with ``--no-adaptive-threads``; 0 when the backend does not say.
+      kv_offload_capacity_bytes: the KV offload tier's capacity in bytes (0: no tier).
+    """
+
+    num_threads: int = 0
+    kv_offload_capacity_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

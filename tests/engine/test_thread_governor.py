@@ -7,6 +7,7 @@ process; and the real engine keeping its speed with a busy process beside it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 import sys
@@ -16,9 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from services.common.sampling import SamplingOptions
+from services.engine.config import EngineConfig
 from services.engine.metrics import EngineMetrics
+from services.engine.service import EngineService
 from services.engine.torch_backend.backend import TorchBackend
 from services.engine.torch_backend.cpu_accounting import (
     CgroupCPU,
@@ -27,6 +31,7 @@ from services.engine.torch_backend.cpu_accounting import (
     idle_cpu_s,
     thread_times,
 )
+from services.engine.torch_backend.model import LlamaModel
 from services.engine.torch_backend.thread_governor import (
     DOWN_WINDOWS,
     UP_WINDOWS,
@@ -34,7 +39,7 @@ from services.engine.torch_backend.thread_governor import (
     ThreadController,
     ThreadGovernor,
 )
-from services.engine.types import SequenceRequest, StepStats
+from services.engine.types import EngineResources, SequenceRequest, StepStats
 
 BUSY = [sys.executable, "-c", "while True: pass"]
 
@@ -262,3 +267,30 @@ async def test_a_busy_process_beside_the_engine_costs_no_cliff(
     assert beside >= 0.35 * alone, (alone, beside)
     threads = engine_metrics.registry.get_sample_value("llmesh:engine_num_threads")
     assert threads is not None and 1 <= threads <= torch.get_num_threads()
+
+
+@pytest.mark.parametrize("adaptive", [True, False], ids=["governed", "fixed"])
+async def test_the_thread_and_tier_gauges_read_true_from_start(
+        adaptive: bool, engine_config: EngineConfig, smollm2: LlamaModel) -> None:
+    """Before any step: the thread gauge shows the count the engine will use
+    (the governor's ceiling, or the fixed count with ``--no-adaptive-threads``;
+    both read 0 until the first step, and the fixed one always) and the KV
+    tier's capacity is published (it read 0 until the first step)."""
+    threads = torch.get_num_threads()  # --num-threads: a governor elsewhere may have set less
+    config = dataclasses.replace(engine_config, adaptive_threads=adaptive, num_threads=threads,
+                                 kv_offload_bytes=4 << 20)
+    metrics = EngineMetrics(CollectorRegistry())
+    backend = TorchBackend(config, step_observer=metrics.observe_step, model=smollm2)
+    try:
+        await EngineService(backend, config, metrics).start()
+        value = metrics.registry.get_sample_value
+        gauge = value("llmesh:engine_num_threads")
+        assert gauge is not None and 1 <= gauge <= threads  # a cgroup quota caps the governor
+        if not adaptive:
+            assert gauge == threads
+        tier_bytes = value("llmesh:kv_offload_capacity_bytes")
+        assert tier_bytes is not None and 0 < tier_bytes <= 4 << 20
+        assert backend.resources() == EngineResources(int(gauge), int(tier_bytes))
+        assert value("llmesh:engine_step_duration_seconds_count") == 0  # no step yet
+    finally:
+        await backend.shutdown()

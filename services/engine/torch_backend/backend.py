@@ -77,7 +77,8 @@ from services.engine.torch_backend.speculative import (
 from services.engine.torch_backend.structured_output import GrammarCompiler
 from services.engine.torch_backend.suffix_proposer import SuffixOptions, SuffixProposer
 from services.engine.torch_backend.thread_governor import ThreadGovernor
-from services.engine.types import LoadStats, ModelInfo, SequenceRequest, TokenDelta
+from services.engine.types import (EngineResources, LoadStats, ModelInfo, SequenceRequest,
+                                  TokenDelta)
 from services.engine.validation import (
     refuse_unimplemented,
     validate_kv_capacity,
@@ -150,6 +151,7 @@ class TorchBackend(EngineBackend):
         self._model = model
         self._step_observer = step_observer
         self._governor: ThreadGovernor | None = None
+        self._resources = EngineResources()  # set on the engine thread by start()
         self._start_lock = asyncio.Lock()
         self._core: EngineCore | None = None
         self._grammars: GrammarCompiler | None = None
@@ -229,6 +231,7 @@ class TorchBackend(EngineBackend):
         config = self._config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        self._resources = EngineResources(num_threads=torch.get_num_threads())  # this thread's
         if not config.adaptive_threads or torch.device(config.device).type != "cpu":
             return None
         return ThreadGovernor(torch.get_num_threads())
@@ -258,6 +261,9 @@ class TorchBackend(EngineBackend):
                             kv_layout=_kv_layout(config, runner),
                             offload=_offload_tier(config, cache))
         caching = config.enable_prefix_caching
+        if kv.offload is not None:
+            self._resources = replace(self._resources,
+                                      kv_offload_capacity_bytes=kv.offload.capacity_bytes)
         self._info = ModelInfo(
             model=model, max_model_len=max_model_len,
             vocab_size=runner.config.vocab_size, eos_token_ids=runner.config.eos_token_ids,
@@ -417,6 +423,14 @@ class TorchBackend(EngineBackend):
     def grammar_compiler(self) -> GrammarCompiler | None:
         """The structured-output compiler (its cache and bound), None until started."""
         return self._grammars
+
+    def resources(self) -> EngineResources:
+        """See :meth:`EngineBackend.resources`: with the thread governor, its
+        count now (from start: its ceiling under any cgroup quota)."""
+        governor = self._governor
+        if governor is None:
+            return self._resources
+        return replace(self._resources, num_threads=governor.controller.threads)
 
     def load(self) -> LoadStats:
         if self._core is None:

@@ -190,8 +190,7 @@ class KVOffloadTier:
     def take_stats(self) -> OffloadStats:
         """The stats since the last call (counts reset), with the bytes held now."""
         stats = OffloadStats(**self._counts, restore_seconds=tuple(self._restore_seconds),
-                             num_bytes=len(self._slots) * self.block_bytes,
-                             capacity_bytes=self.capacity_bytes)
+                             num_bytes=len(self._slots) * self.block_bytes)
         self._counts = dict.fromkeys(self._counts, 0)
         self._restore_seconds.clear()
         return stats
