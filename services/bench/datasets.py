@@ -222,16 +222,51 @@ def load_conversations(path: str | Path | None = None) -> list[Conversation]:
     """Conversations from ``path`` (default: the bundled ``data/conversations.json``).
 
     The file holds ``{"conversations": [{"id", "system", "turns": [{"user",
-    "assistant"}, ...]}, ...]}``.
+    "assistant"}, ...]}, ...]}`` (``system`` optional; at least one conversation,
+    each with at least one turn; texts are strings).
+
+    Raises:
+      ValueError: the file cannot be read, is not JSON or not in that shape
+        (one line naming the file and what is wrong).
     """
-    raw = Path(path).read_text("utf-8") if path is not None else _data_text("conversations.json")
-    conversations = []
-    for item in json.loads(raw)["conversations"]:
-        turns = tuple((t["user"], t["assistant"]) for t in item["turns"])
-        if not turns:
-            raise ValueError(f"conversation {item.get('id')!r} has no turns")
-        conversations.append(Conversation(str(item["id"]), item.get("system") or "", turns))
+    where = "the bundled conversations" if path is None else str(path)
+    try:
+        raw = (Path(path).read_text("utf-8") if path is not None
+               else _data_text("conversations.json"))
+        data = json.loads(raw)
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+        raise ValueError(f"{where}: cannot read it ({reason})") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not JSON ({error})") from None
+    try:
+        conversations = [_conversation(item) for item in data["conversations"]]
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{where}: expected {{\"conversations\": [{{\"id\", \"system\", "
+                         f"\"turns\": [{{\"user\", \"assistant\"}}, ...]}}, ...]}} "
+                         f"({_shape_error(error)})") from None
+    if not conversations:
+        raise ValueError(f"{where}: holds no conversation")
     return conversations
+
+
+def _conversation(item: dict[str, object]) -> Conversation:
+    """One conversation of the file (KeyError, TypeError, ValueError: not in its shape)."""
+    turns = tuple((_text(t["user"]), _text(t["assistant"]))  # type: ignore[index]
+                  for t in item["turns"])  # type: ignore[union-attr]
+    if not turns:
+        raise ValueError(f"conversation {item.get('id')!r} has no turns")
+    return Conversation(str(item["id"]), _text(item.get("system") or ""), turns)
+
+
+def _text(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"a text is {type(value).__name__}, not a string")
+    return value
+
+
+def _shape_error(error: Exception) -> str:
+    return f"no {error} key" if isinstance(error, KeyError) else str(error)
 
 
 def conversation_requests(tokenizer: BenchTokenizer, num_prompts: int, *, seed: int = 0,

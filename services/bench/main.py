@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from services.bench.datasets import BenchRequest, ChatScript
+    from services.bench.datasets import BenchRequest, ChatScript, Conversation
     from services.bench.tokenizer import BenchTokenizer
 
 DEFAULT_PORTS = {"llmesh": 8080, "openai": 8000, "openai-chat": 8000}
@@ -236,6 +236,9 @@ def _check_args(args: argparse.Namespace) -> dict[str, Any]:
             raise UsageError(f"--extra-body: not JSON ({error})") from None
         if not isinstance(extra_body, dict):
             raise UsageError("--extra-body must be a JSON object")
+    conversations = None
+    if args.dataset_path is not None:
+        conversations = _dataset_file(args)
     metadata = {}
     for item in args.metadata:
         key, sep, value = item.partition("=")
@@ -244,7 +247,21 @@ def _check_args(args: argparse.Namespace) -> dict[str, Any]:
         metadata[key] = value
     return {"rates": rates, "concurrencies": concurrencies, "metrics": metrics,
             "percentiles": percentiles, "slos": slos, "extra_body": extra_body,
-            "metadata": metadata}
+            "metadata": metadata, "conversations": conversations}
+
+
+def _dataset_file(args: argparse.Namespace) -> list[Conversation]:
+    """The conversations of ``--dataset-path`` (:class:`UsageError`: another
+    dataset, or a file that is missing or malformed, named with what is wrong)."""
+    from services.bench.datasets import load_conversations
+
+    if args.dataset_name != "conversations" or args.conversations_num is not None:
+        raise UsageError("--dataset-path needs --dataset-name conversations (without "
+                         "--conversations-num)")
+    try:
+        return load_conversations(args.dataset_path)
+    except ValueError as error:
+        raise UsageError(f"--dataset-path {error}") from None
 
 
 def base_url(args: argparse.Namespace) -> str:
@@ -271,17 +288,19 @@ def chats_builder(args: argparse.Namespace, tokenizer: BenchTokenizer
         output_len=output_len, seed=seed, sampler=sampler)
 
 
-def dataset_builder(args: argparse.Namespace, tokenizer: BenchTokenizer
+def dataset_builder(args: argparse.Namespace, tokenizer: BenchTokenizer,
+                    conversations: Sequence[Conversation] | None = None
                     ) -> Callable[[int, int], list[BenchRequest]]:
     """``build(count, seed)`` for ``--dataset-name`` (one text sampler shared);
-    for synthetic conversations, their first turns (the warm-up requests)."""
+    for synthetic conversations, their first turns (the warm-up requests).
+    ``conversations``: those of ``--dataset-path`` (None: the bundled set)."""
     from services.bench import datasets
 
     chats = chats_builder(args, tokenizer)
     if chats is not None:
         return lambda count, seed: [chat.request(tokenizer, []) for chat in chats(count, seed)]
     if args.dataset_name == "conversations":
-        conversations = datasets.load_conversations(args.dataset_path)
+        conversations = conversations or datasets.load_conversations()
         return lambda count, seed: datasets.conversation_requests(
             tokenizer, count, seed=seed, output_len=args.conversations_output_len,
             conversations=conversations)
@@ -375,7 +394,7 @@ async def _run(args: argparse.Namespace, checked: dict[str, Any],
               f"{type(error).__name__}: {error}", file=sys.stderr)
         await backend.close()
         return 1
-    build = dataset_builder(args, tokenizer)
+    build = dataset_builder(args, tokenizer, checked["conversations"])
     chats = chats_builder(args, tokenizer)
     sweep = [(rate, c) for rate in checked["rates"] for c in checked["concurrencies"]]
     sweep_key = ("request_rate" if len(checked["rates"]) > 1 else

@@ -123,6 +123,24 @@ def test_bad_usage_exits_2(tmp_path: Path, capsys) -> None:
     assert "--goodput" in capsys.readouterr().err
 
 
+def test_a_missing_or_malformed_dataset_file_is_one_line_exit_2(tmp_path: Path, capsys) -> None:
+    """Checked with the flags, before the tokenizer loads or the target is
+    called (it had been a traceback once the run started)."""
+    malformed = tmp_path / "bad.json"
+    for path, what in ((tmp_path / "missing.json", "cannot read it (No such file"),
+                       (malformed, "not JSON"), (malformed, "no 'turns' key")):
+        if what == "no 'turns' key":
+            malformed.write_text('{"conversations": [{"id": "a"}]}')
+        else:
+            malformed.write_text("{")
+        code = llmesh(["bench", "--dataset-name", "conversations", "--dataset-path", str(path)])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"llmesh bench: --dataset-path {path}: ") and what in err, err
+    assert llmesh(["bench", "--dataset-path", str(malformed)]) == 2  # not the conversations
+    assert "needs --dataset-name conversations" in capsys.readouterr().err
+
+
 def test_unreachable_target_exits_1(tmp_path: Path, capsys) -> None:
     stub = StubOpenAIServer()
     stub.start()
