@@ -7,7 +7,8 @@ library at import time, so ``llmesh --help`` stays fast; the heavy parts
 
 Exit codes: 0 done (even if some requests failed; see ``failed`` and
 ``errors_by_status``); 1 the target was unreachable or no request succeeded
-in some run; 2 bad usage; 130 interrupted.
+in some run; 2 bad usage; 130 interrupted; 141 stdout's reader went away
+(``llmesh bench ... | head``: the run stops, nothing more is printed or written).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from services.common.broken_pipe import leave_quietly
 
 if TYPE_CHECKING:
     from services.bench.datasets import BenchRequest, ChatScript, Conversation
@@ -373,6 +376,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("\nllmesh bench: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return leave_quietly()
 
 
 async def _run(args: argparse.Namespace, checked: dict[str, Any],

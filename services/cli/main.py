@@ -16,7 +16,9 @@ and a SIGHUP to ``llmesh up`` reloads the file (it is passed to the router).
 
 Exit codes: 0 ok; 1 the call or the mesh failed (message on stderr, with the
 gRPC status name); 2 bad usage (an invalid ``LLMESH_PORT`` included) or a port
-already in use; 130 interrupted ``generate``.
+already in use; 130 interrupted ``generate``; 141 stdout's reader went away
+(``llmesh generate ... | head -1``: the stream is cancelled, nothing more is
+printed, as a Unix tool that SIGPIPE ends).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
+
+from services.common.broken_pipe import leave_quietly
 
 if TYPE_CHECKING:
     from services.cli.mesh import MeshProgress
@@ -590,6 +594,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write("\n")
             print("llmesh: cancelled", file=sys.stderr)
             return 130
+        except BrokenPipeError:  # stdout's reader left: no one reads the rest
+            call.cancel()
+            raise
         if not ends_newline:
             sys.stdout.write("\n")
         sys.stdout.flush()
@@ -837,7 +844,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Before grpc loads: its C core would print its own INFO lines (a TLS
         # handshake failure) above the one-line error the command gives.
         os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    return int(args.func(args))
+    try:
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, not at exit, where a closed pipe fails outside this try
+    except BrokenPipeError:  # e.g. `llmesh generate ... | head -1`
+        return leave_quietly()
+    return code
 
 
 if __name__ == "__main__":

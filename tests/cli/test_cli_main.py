@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
+import time
 
 import pytest
 
 from llmesh.v1 import common_pb2
 from services.cli import main as cli
-from services.cli.mesh import EnvoyProcess
+from services.cli.mesh import EnvoyProcess, child_env
 from services.engine.tensorrt_llm_backend import availability
 
 
@@ -174,6 +176,20 @@ def test_generate_without_a_mesh_says_so(capsys: pytest.CaptureFixture[str]) -> 
     assert code == 1
     assert err.startswith("llmesh: UNAVAILABLE: ")
     assert f"(is `llmesh up` running on 127.0.0.1:{port}?)" in err
+
+
+def test_generate_piped_to_head_stops_quietly_and_cancels(envoy: EnvoyProcess) -> None:
+    """``llmesh generate ... | head -c 5``: head leaves after the first word;
+    the next write fails (EPIPE), and the CLI cancels the stream and exits
+    141 with nothing on stderr (it had been a BrokenPipeError traceback)."""
+    words = " ".join(f"w{i}" for i in range(40))  # 0.25 s a word: 10 s in all
+    command = (f"set -o pipefail; {sys.executable} -m services.cli generate --raw "
+               f"--url {envoy.ingress_address} 'sleep:0.25 {words}' | head -c 5")
+    began = time.monotonic()
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
+                          env=child_env(), timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (141, "w0 w1", "")
+    assert time.monotonic() - began < 8  # left at head's exit, not at the stream's end
 
 
 def test_models_table_and_json(envoy: EnvoyProcess, capsys: pytest.CaptureFixture[str]) -> None:
