@@ -54,6 +54,7 @@ from typing import Any
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 import peer_llamacpp  # noqa: E402
+from benchmarks.flags import integer, integers, number  # noqa: E402
 from peer_llamacpp import LABELS, REPO_ROOT, fmt, pooled, ratio, run_bench  # noqa: E402
 
 from services.engine.torch_backend.cpu_accounting import find_cgroup_cpu  # noqa: E402
@@ -74,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--llmesh-url", help="host:port of Envoy's ingress (else: start both "
                         "servers through peer_llamacpp.sh)")
     parser.add_argument("--llama-url", help="http://host:port of llama-server")
-    parser.add_argument("--llama-pid", type=int,
+    parser.add_argument("--llama-pid", type=integer(1),
                         default=int(os.environ.get("PEER_LLAMA_PID", "0")) or None,
                         help="llama-server's PID (for the quota scenario)")
     parser.add_argument("--mesh-run-dir", type=Path,
@@ -84,29 +85,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="peer_llamacpp.sh: fail rather than build llama-server")
     parser.add_argument("--print-shape", action="store_true",
                         help="print 'MAX_CONCURRENCY PROMPT_LEN OUTPUT_LEN' and exit")
-    parser.add_argument("--concurrency", default="1,8", help="streams, comma list")
-    parser.add_argument("--busy", default="1,2", help="busy processes per scenario, comma list")
-    parser.add_argument("--quota", type=float, default=1.5,
+    parser.add_argument("--concurrency", type=integers(1), default="1,8",
+                        help="streams, comma list")
+    parser.add_argument("--busy", type=integers(0), default="1,2",
+                        help="busy processes per scenario, comma list (0: none)")
+    parser.add_argument("--quota", type=number(0, inclusive=True), default=1.5,
                         help="CPU quota of the quota scenario in CPUs (0: no such scenario)")
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=48)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--ttft-requests", type=int, default=2,
+    parser.add_argument("--prompt-len", type=integer(1), default=32)
+    parser.add_argument("--output-len", type=integer(2), default=48,
+                        help="tokens out (TPOT needs two)")
+    parser.add_argument("--rounds", type=integer(1), default=2)
+    parser.add_argument("--ttft-requests", type=integer(1), default=2,
                         help="requests per one-stream run")
-    parser.add_argument("--prompts-per-stream", type=float, default=1.0,
+    parser.add_argument("--prompts-per-stream", type=number(0), default=1.0,
                         help="requests per N-stream run = this x N")
-    parser.add_argument("--num-warmups", type=int, default=1)
-    parser.add_argument("--max-run-seconds", type=float, default=60.0,
+    parser.add_argument("--num-warmups", type=integer(0), default=1)
+    parser.add_argument("--max-run-seconds", type=number(0), default=60.0,
                         help="each llmesh bench run stops sending after this")
-    parser.add_argument("--settle-seconds", type=float, default=2.0,
+    parser.add_argument("--settle-seconds", type=number(0, inclusive=True), default=2.0,
                         help="wait after a scenario starts before measuring")
-    parser.add_argument("--seed", type=int, default=31)
+    parser.add_argument("--seed", type=integer(0), default=31)
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--llama-command", default="")
     parser.add_argument("--llmesh-command", default="")
     args = parser.parse_args(argv)
-    args.levels = [int(v) for v in args.concurrency.split(",") if v]
-    args.busy_counts = [int(v) for v in args.busy.split(",") if v and int(v) > 0]
+    args.levels = args.concurrency
+    args.busy_counts = [count for count in args.busy if count > 0]
     return args
 
 

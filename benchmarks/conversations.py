@@ -36,8 +36,10 @@ Not a test: numbers depend on the machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -48,6 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.flags import integer, size
 from services.cli.mesh import Mesh, child_env
 
 MODES = ("off", "on")
@@ -96,19 +99,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="6 conversations x 3 turns, short texts (a fast check)")
-    parser.add_argument("--conversations", type=int, help="default: 64 (quick: 6)")
-    parser.add_argument("--turns", type=int, help="user turns each (default: 8; quick: 3)")
-    parser.add_argument("--system-len", type=int, help="system prompt tokens (default: 1000)")
-    parser.add_argument("--turn-len", type=int, help="tokens a user turn adds (default: 300)")
-    parser.add_argument("--output-len", type=int, help="tokens out a turn (default: 32)")
-    parser.add_argument("--users", type=int, help="concurrent users (default: 8; quick: 2)")
-    parser.add_argument("--kv-cache-bytes", help="the engine's KV pool (default: 512MiB)")
-    parser.add_argument("--kv-offload-bytes", help="the tier with it on (default: 8GiB)")
-    parser.add_argument("--repeats", type=int, default=1,
+    parser.add_argument("--conversations", type=integer(1), help="default: 64 (quick: 6)")
+    parser.add_argument("--turns", type=integer(1),
+                        help="user turns each (default: 8; quick: 3)")
+    parser.add_argument("--system-len", type=integer(1),
+                        help="system prompt tokens (default: 1000)")
+    parser.add_argument("--turn-len", type=integer(1),
+                        help="tokens a user turn adds (default: 300)")
+    parser.add_argument("--output-len", type=integer(1), help="tokens out a turn (default: 32)")
+    parser.add_argument("--users", type=integer(1), help="concurrent users (default: 8; quick: 2)")
+    parser.add_argument("--kv-cache-bytes", type=size,
+                        help="the engine's KV pool (default: 512MiB)")
+    parser.add_argument("--kv-offload-bytes", type=size,
+                        help="the tier with it on (default: 8GiB)")
+    parser.add_argument("--repeats", type=integer(1), default=1,
                         help="runs per mode, interleaved off/on (default: 1)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="tier modes to run (default: off on)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=integer(0), default=0)
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help="keep the runs' JSON and the meshes' logs here (default: a "
+                             "temporary folder, removed at the end)")
     args = parser.parse_args(argv)
     base = QUICK if args.quick else FULL
     args.shape = Shape(*(getattr(args, name) if getattr(args, name) is not None
@@ -152,15 +163,24 @@ def block_check(metrics_address: str, timeout_s: float = 10.0) -> str:
     return f"FAILED (free {free:.0f} cached {cached:.0f} used {used:.0f} total {total:.0f})"
 
 
+class BenchFailed(RuntimeError):
+    """A ``llmesh bench`` run exited non-zero (its stderr went to ours)."""
+
+
 def bench(address: str, args: list[str], result: Path) -> dict:
-    """One ``llmesh bench`` run against the router at ``address``; its JSON result."""
+    """One ``llmesh bench`` run against the router at ``address``; its JSON
+    result. Its stderr is ours, so a failure shows its own message.
+
+    Raises:
+      BenchFailed: it exited non-zero.
+    """
     command = [sys.executable, "-m", "services.bench", "--backend", "llmesh",
                "--base-url", address, *args, "--save-detailed", "--disable-tqdm",
                "--result-file", str(result)]
-    done = subprocess.run(command, env=child_env(), stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
+    done = subprocess.run(command, env=child_env(), stdout=subprocess.DEVNULL)
     if done.returncode != 0:
-        raise RuntimeError(f"llmesh bench failed ({done.returncode}): {done.stderr[-2000:]}")
+        raise BenchFailed(f"llmesh bench exited {done.returncode} (its messages are above): "
+                          f"{' '.join(args)}")
     return json.loads(result.read_text())
 
 
@@ -257,12 +277,31 @@ def print_report(shape: Shape, runs: list[dict]) -> None:
           + ("" if same else f" ({len(differing)} turns differ, first: {differing[:3]})"))
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the benchmark; 0 done, 1 a bench run failed (its stderr shown)."""
     args = parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        if args.out_dir is None:
+            run_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(
+                prefix="conversations-")))
+        else:
+            run_dir = args.out_dir.resolve()
+            run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            run_all(args, run_dir)
+        except BenchFailed as error:
+            kept = (f"the meshes' logs are in {run_dir}" if args.out_dir is not None else
+                    "--out-dir DIR keeps the meshes' logs")
+            print(f"conversations: {error}; {kept}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def run_all(args: argparse.Namespace, run_dir: Path) -> None:
+    """Every run in ``run_dir``, then the report."""
     shape: Shape = args.shape
-    run_dir = Path(tempfile.mkdtemp(prefix="conversations-"))
     print(f"started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load {os.getloadavg()}, "
-          f"{os.cpu_count()} CPUs; results in {run_dir}", flush=True)
+          f"{os.cpu_count()} CPUs; runs in {run_dir}", flush=True)
     runs = []
     for index in range(args.repeats):
         order = args.modes if index % 2 == 0 else args.modes[::-1]
@@ -277,4 +316,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # SIGTERM unwinds as Ctrl-C does: the meshes stop, the temporary folder goes
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    sys.exit(main())

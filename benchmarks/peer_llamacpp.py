@@ -42,6 +42,10 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))  # run as a script (by peer_llamacpp.sh)
+
+from benchmarks.flags import integer, number  # noqa: E402
+
 TARGETS = ("llmesh", "llama")
 LABELS = {"llmesh": "llmesh", "llama": "llama-server"}
 
@@ -65,24 +69,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"smoke check: defaults become {QUICK_DEFAULTS}")
     parser.add_argument("--concurrency", default=None,
                         help=f"concurrent streams, comma list (default {FULL_DEFAULTS['concurrency']})")
-    parser.add_argument("--prompt-len", type=int, default=None,
+    parser.add_argument("--prompt-len", type=integer(1), default=None,
                         help=f"prompt tokens (default {FULL_DEFAULTS['prompt_len']})")
-    parser.add_argument("--output-len", type=int, default=None,
+    parser.add_argument("--output-len", type=integer(2), default=None,
                         help=f"output tokens, EOS ignored (default {FULL_DEFAULTS['output_len']})")
-    parser.add_argument("--rounds", type=int, default=None,
+    parser.add_argument("--rounds", type=integer(1), default=None,
                         help=f"alternations per level (default {FULL_DEFAULTS['rounds']})")
-    parser.add_argument("--ttft-requests", type=int, default=None,
+    parser.add_argument("--ttft-requests", type=integer(1), default=None,
                         help="requests per round at one stream (TTFT, TPOT) "
                              f"(default {FULL_DEFAULTS['ttft_requests']})")
-    parser.add_argument("--prompts-per-stream", type=float, default=None,
+    parser.add_argument("--prompts-per-stream", type=number(0), default=None,
                         help="requests per round at N streams = this x N "
                              f"(default {FULL_DEFAULTS['prompts_per_stream']})")
-    parser.add_argument("--max-run-seconds", type=float, default=None,
+    parser.add_argument("--max-run-seconds", type=number(0), default=None,
                         help="one run stops sending after this (llmesh bench --duration; "
                              f"in-flight requests finish) (default {FULL_DEFAULTS['max_run_seconds']})")
-    parser.add_argument("--num-warmups", type=int, default=1,
+    parser.add_argument("--num-warmups", type=integer(0), default=1,
                         help="warm-up requests before each run (not counted)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=integer(0), default=0)
     parser.add_argument("--out-dir", default=None,
                         help="where the runs' JSON and the summary go "
                              "(default .cache/peer_llamacpp/DATE in the repository)")
@@ -105,11 +109,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--concurrency {args.concurrency!r}: expected integers, comma-separated")
     if not args.levels or min(args.levels) < 1:
         parser.error("--concurrency: every value must be >= 1")
-    for key in ("prompt_len", "output_len", "rounds", "ttft_requests"):
-        if getattr(args, key) < 1:
-            parser.error(f"--{key.replace('_', '-')} must be >= 1")
-    if args.output_len < 2:
-        parser.error("--output-len must be >= 2 (TPOT needs two tokens)")
     if args.resume and not args.out_dir:
         parser.error("--resume needs --out-dir")
     if not args.print_shape and not (args.llmesh_url and args.llama_url):

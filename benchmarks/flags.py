@@ -1,0 +1,58 @@
+"""argparse ``type=`` checks shared by the benchmarks' command lines.
+
+A value that cannot work is an argparse usage error naming the flag (exit 2),
+not a traceback later in the run. Each factory returns the parse function.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from services.engine.config import parse_bytes
+
+
+def integer(low: int) -> Callable[[str], int]:
+    """An integer >= ``low``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def number(low: float, *, inclusive: bool = False) -> Callable[[str], float]:
+    """A finite number above ``low`` (or equal to it with ``inclusive``)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (value >= low if inclusive else value > low) or value == float("inf"):
+            bound = ">=" if inclusive else ">"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound} {low:g}, "
+                                             f"got {text}")
+        return value
+    return parse
+
+
+def integers(low: int) -> Callable[[str], list[int]]:
+    """A comma list of integers >= ``low`` (``"1,8"``); empty items skipped, none at all refused."""
+    item = integer(low)
+
+    def parse(text: str) -> list[int]:
+        values = [item(part) for part in text.split(",") if part.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected integers like 1,8, got {text!r}")
+        return values
+    return parse
+
+
+def size(text: str) -> str:
+    """A byte size as the engine's flags read it (``512MiB``, ``8GiB``), kept as written."""
+    parse_bytes(text)
+    return text

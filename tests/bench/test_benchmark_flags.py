@@ -1,0 +1,58 @@
+"""The benchmarks' own command lines (benchmarks/contention.py,
+peer_llamacpp.py, conversations.py): a bad flag value is an argparse error
+naming the flag, and conversations.py shows a failed bench run's stderr and
+leaves no temporary folder behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from benchmarks import conversations
+from services.cli.mesh import REPO_ROOT, child_env
+
+
+@pytest.mark.parametrize(("script", "argv", "message"), [
+    ("contention.py", ["--busy", "abc"], "argument --busy: expected an integer, got 'abc'"),
+    ("contention.py", ["--concurrency", "0"], "argument --concurrency: must be >= 1, got 0"),
+    ("peer_llamacpp.py", ["--num-warmups", "-1"], "argument --num-warmups: must be >= 0"),
+    ("conversations.py", ["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
+    ("conversations.py", ["--kv-cache-bytes", "lots"], "argument --kv-cache-bytes: expected a "
+                                                       "size like 1GiB"),
+])
+def test_a_bad_flag_is_a_usage_error_naming_it(script: str, argv: list[str],
+                                               message: str) -> None:
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / script), *argv,
+                           "--print-shape" if script != "conversations.py" else "--quick"],
+                          capture_output=True, text=True, env=child_env(), timeout=60)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_failed_bench_run_shows_its_stderr(tmp_path: Path,
+                                             capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(conversations.BenchFailed, match="exited 1"):
+        conversations.bench("127.0.0.1:1", ["--num-prompts", "1", "--request-timeout", "5"],
+                            tmp_path / "result.json")
+    assert "llmesh bench: cannot reach llmesh at 127.0.0.1:1" in capfd.readouterr().err
+
+
+def test_no_temporary_folder_is_left_behind(monkeypatch: pytest.MonkeyPatch,
+                                            tmp_path: Path) -> None:
+    def fail(*_: object) -> dict:
+        raise conversations.BenchFailed("llmesh bench exited 1")
+
+    def interrupt(*_: object) -> dict:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(conversations, "run_mode", fail)
+    assert conversations.main(["--quick"]) == 1
+    monkeypatch.setattr(conversations, "run_mode", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        conversations.main(["--quick"])
+    assert list(tmp_path.iterdir()) == []
