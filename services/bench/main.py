@@ -216,6 +216,12 @@ def _check_args(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--duration must be > 0")
     if args.num_warmups < 0:
         raise UsageError("--num-warmups must be >= 0")
+    if args.seed < 0:
+        raise UsageError("--seed must be >= 0")
+    if not args.request_timeout > 0:
+        raise UsageError("--request-timeout must be > 0")
+    if args.port is not None and not 1 <= args.port <= 65535:
+        raise UsageError("--port must be in [1, 65535]")
     metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
     if not metrics or set(metrics) - set(METRICS):
         raise UsageError(f"--percentile-metrics {args.percentile_metrics!r}: choose from "

@@ -118,7 +118,8 @@ def test_rate_sweep_writes_runs_and_the_plot(openai_stub: StubOpenAIServer,
 def test_bad_usage_exits_2(tmp_path: Path, capsys) -> None:
     for args in (["--request-rate", "0"], ["--goodput", "itl:5"],
                  ["--request-rate", "1,2", "--max-concurrency", "1,2"],
-                 ["--metric-percentiles", "100"], ["--extra-body", "[1]"]):
+                 ["--metric-percentiles", "100"], ["--extra-body", "[1]"], ["--seed", "-1"],
+                 ["--request-timeout", "0"], ["--port", "70000"]):
         assert llmesh(["bench", *args]) == 2
     assert "--goodput" in capsys.readouterr().err
 
