@@ -43,8 +43,10 @@ import datetime
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -229,11 +231,50 @@ def measure(args: argparse.Namespace, out_dir: Path, scenario: str, index: int
                 name = f"{scenario.replace(' ', '_')}-c{level}-r{round_}-{target}"
                 command = peer_llamacpp.bench_command(args, target, level, seed,
                                                       out_dir / f"{name}.json")
+                launched = time.monotonic()
                 result = run_bench(command, out_dir / f"{name}.log")
+                # when its requests began, about: after the client's start-up
+                result["_requests_began"] = launched + result["_wall_s"] - result["duration"]
                 raw[level][target].append(result)
                 log(f"{name}: {result['output_throughput']:.1f} output tok/s, TPOT p50 "
                     f"{fmt(result.get('p50_tpot_ms'))} ms, load {result['loadavg_end'][0]:.2f}")
-    return {level: {t: pooled(raw[level][t]) for t in LABELS} for level in args.levels}
+    figures = {level: {t: pooled(raw[level][t]) for t in LABELS} for level in args.levels}
+    for level in args.levels:  # the first round's, right after the scenario began
+        for target in LABELS:
+            tpots = [t for t in raw[level][target][0]["tpots"] if t is not None]
+            figures[level][target]["first_round_tpot_p50_ms"] = (
+                1000 * statistics.median(tpots) if tpots else None)
+            figures[level][target]["_requests_began"] = raw[level][target][0]["_requests_began"]
+    return figures
+
+
+class ThreadTrace:
+    """Polls the engine's ``llmesh:engine_num_threads`` every ``period_s`` on a
+    thread of its own from :meth:`start` to :meth:`stop`; ``changes`` holds
+    ``(seconds since start, threads)`` at start and at each change."""
+
+    def __init__(self, engine: dict[str, Any], period_s: float = 0.2) -> None:
+        self._engine, self._period_s = engine, period_s
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="thread-trace", daemon=True)
+        self.began = 0.0
+        self.changes: list[tuple[float, float]] = []
+
+    def start(self) -> ThreadTrace:
+        self.began = time.monotonic()
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[tuple[float, float]]:
+        self._stopping.set()
+        self._thread.join()
+        return self.changes
+
+    def _poll(self) -> None:
+        while not self._stopping.wait(self._period_s):
+            threads = governor_metrics(self._engine).get("engine_num_threads")
+            if threads is not None and (not self.changes or self.changes[-1][1] != threads):
+                self.changes.append((round(time.monotonic() - self.began, 2), threads))
 
 
 def speed(figures: dict[str, Any], level: int) -> float | None:
@@ -245,7 +286,8 @@ def speed(figures: dict[str, Any], level: int) -> float | None:
 
 
 def report(args: argparse.Namespace, results: dict[str, Any], skipped: dict[str, str],
-           governor: dict[str, dict[str, float]], loads: list[float]) -> tuple[str, list[str]]:
+           governor: dict[str, dict[str, float]], loads: list[float],
+           threads: dict[str, list[tuple[float, float]]]) -> tuple[str, list[str]]:
     lines = ["", f"## Decode under CPU contention: {args.prompt_len} tokens in, {args.output_len} "
                  f"out (EOS ignored), greedy, {args.rounds} round(s) in alternation, "
                  f"{os.cpu_count()} CPUs", "",
@@ -267,6 +309,17 @@ def report(args: argparse.Namespace, results: dict[str, Any], skipped: dict[str,
     for scenario, metrics in governor.items():
         lines.append(f"- {scenario}: " + (", ".join(f"{k} {v:g}" for k, v in metrics.items())
                                           or "n/a"))
+    lines += ["", f"The engine's threads from each scenario's start (measuring began after "
+                  f"{args.settle_seconds:g} s; seconds: threads), and one stream in the first "
+                  "round (right after the start; decode tok/s):", ""]
+    for scenario, changes in threads.items():
+        first = results.get(scenario, {}).get(1, {})
+        decode = {t: first[t].get("first_round_tpot_p50_ms") for t in first}
+        began = first.get("llmesh", {}).get("requests_began_s")
+        lines.append(f"- {scenario}: " + (", ".join(f"{t:g} s: {n:g}" for t, n in changes)
+                                          or "n/a") + "; first round " + ", ".join(
+            f"{LABELS[t]} {fmt(1000 / ms if ms else None)}" for t, ms in decode.items())
+            + f" (llmesh's requests from {fmt(began, 1)} s)")
     goals = []
     busy = results.get("busy 1", {}).get(1)
     if busy and 1 in quiet:
@@ -302,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     governor: dict[str, dict[str, float]] = {}
+    threads: dict[str, list[tuple[float, float]]] = {}
     for index, (scenario, make) in enumerate(scenarios(args, engine)):
         if isinstance(make, str):
             skipped[scenario] = make
@@ -313,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             skipped[scenario] = f"{type(exc).__name__}: {exc}"
             log(f"{scenario}: skipped ({exc})")
             continue
+        trace = ThreadTrace(engine).start()
         try:
             log(f"{scenario}: started, settling {args.settle_seconds:g} s")
             time.sleep(args.settle_seconds)
@@ -320,14 +375,20 @@ def main(argv: list[str] | None = None) -> int:
             governor[scenario] = governor_metrics(engine)
         finally:
             context.__exit__(None, None, None)
+            threads[scenario] = trace.stop()
+        for level in results[scenario].values():  # as seconds since the scenario began
+            for figures in level.values():
+                figures["requests_began_s"] = round(
+                    figures.pop("_requests_began") - trace.began, 2)
     loads = [v for levels in results.values() for level in levels.values()
              for figures in level.values() for pair in figures["loadavg_1m"] for v in pair]
-    text, goals = report(args, results, skipped, governor, loads or [0.0])
+    text, goals = report(args, results, skipped, governor, loads or [0.0], threads)
     print(text, flush=True)
     (out_dir / "summary.json").write_text(json.dumps(
         {"date": stamp, "settings": {k: str(v) for k, v in vars(args).items()},
          "commands": {"llama_server": args.llama_command, "llmesh": args.llmesh_command},
-         "results": results, "skipped": skipped, "governor": governor, "targets": goals},
+         "results": results, "skipped": skipped, "governor": governor,
+         "thread_changes": threads, "targets": goals},
         indent=2))
     log(f"summary: {out_dir / 'summary.json'}")
     return 0
