@@ -176,6 +176,44 @@ def test_a_gap_between_steps_is_in_no_window() -> None:
     assert [round(s.wall_s, 2) for s in samples] == [0.21]  # 1.03 -> 1.24: busy time only
 
 
+def test_a_slow_step_after_idle_is_measured_and_decided_inside_it() -> None:
+    """At the cliff one step lasts seconds (a 32-token prefill took 2.9 s beside
+    a busy process): the window starts inside a slow step after idle and
+    closes inside it, so the thread goes before the step ends. (Windows that
+    started and closed at step ends only left the first such step out: the
+    thread went after two, ~4 s.) A fast step reads nothing inside."""
+    now = [0.0]
+    applied: list[int] = []
+    governor = ThreadGovernor(2, applied.append, clock=lambda: now[0])
+    samples: list[CPUSample] = []
+    governor.controller.update = lambda sample: samples.append(sample) or 1  # type: ignore
+    reads = [0]
+    read = governor._read
+
+    def counted() -> tuple[float, float, float, float]:
+        reads[0] += 1
+        return read()
+
+    governor._read = counted  # type: ignore[method-assign]
+    for now[0] in (0.01, 0.02):  # steps, then 1 s idle
+        governor.observe(StepStats(0.01, 1, 1))
+    for now[0] in (1.0, 1.01, 1.02):  # a fast step: nothing read inside it
+        governor.observe_layer()
+    assert reads == [0]
+    now[0] = 1.03
+    governor.observe(StepStats(0.03, 1, 1))  # its end starts the window
+    assert reads == [1] and samples == []
+    for now[0] in (2.0, 2.03, 2.06, 2.2):  # a slow step's layers after idle
+        governor.observe_layer()
+    assert reads == [2] and samples == []  # the window began at 2.06, inside the step
+    now[0] = 2.27
+    governor.observe_layer()
+    assert [round(s.wall_s, 2) for s in samples] == [0.21] and applied == [2, 1]
+    now[0] = 2.3
+    governor.observe(StepStats(0.3, 32, 1))  # the step's end: no window of its own
+    assert len(samples) == 1
+
+
 def quiet(wall: float = 0.2, threads: int = 2) -> CPUSample:
     """A window in which ``threads`` ran and nothing else wanted the cores."""
     return CPUSample(wall, run_s=threads * wall, idle_s=(2 - threads) * wall)

@@ -280,9 +280,11 @@ class TorchBackend(EngineBackend):
             max_num_batched_tokens=config.step_token_budget(),
             max_chunk_tokens=config.prefill_chunk_size,
             eos_token_ids=frozenset(runner.config.eos_token_ids)), kv)
+        governor = self._governor
         return EngineCore(runner, scheduler, max_num_waiting=config.max_num_waiting,
                           step_observer=self._observer(),
-                          speculator=_speculator(config, runner, max_model_len))
+                          speculator=_speculator(config, runner, max_model_len),
+                          layer_observer=None if governor is None else governor.observe_layer)
 
     def _load(self, path: Path) -> ModelRunner:
         """The model runner: the GGUF read (or the model given), kernels chosen."""

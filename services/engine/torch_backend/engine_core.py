@@ -118,16 +118,20 @@ class EngineCore:
         ``submit`` raises QueueFullError beyond.
       step_observer: called on the worker thread after each step.
       speculator: proposes speculative tokens (None: no speculation).
+      layer_observer: called on the worker thread before each layer of a
+        step's forward (the thread governor's ``observe_layer``); cheap.
     """
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, *, max_num_waiting: int = 256,
                  step_observer: StepObserver | None = None,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None,
+                 layer_observer: Callable[[], None] | None = None) -> None:
         self._runner = runner
         self._scheduler = scheduler
         self._speculator = speculator
         self._kv = scheduler.kv
         self._step_observer = step_observer
+        self._layer_observer = layer_observer
         self._inbox = Inbox(scheduler.config.max_num_seqs, max_num_waiting)
         self._state_lock = threading.Lock()
         self._arrivals = itertools.count()
@@ -395,7 +399,10 @@ class EngineCore:
     def _between_layers(self, seqs: list[Sequence]) -> bool:
         """Asked by the forward before each layer: takes in commands, then says
         whether every sequence of the step is cancelled (the forward is then
-        abandoned). O(1) in a step without commands or cancels."""
+        abandoned). O(1) in a step without commands or cancels. Tells the
+        layer observer first."""
+        if self._layer_observer is not None:
+            self._layer_observer()
         self._take_in()
         return _all_cancelled(seqs)
 

@@ -20,10 +20,19 @@ follows) between 1 and a ceiling:
   :data:`THROTTLE_FRACTION` of the window, or for one window more than
   :data:`SEVERE_WAIT_FRACTION`: one thread fewer.
 * **idle**: windows cover the engine's busy time only: after a gap of more
-  than :data:`IDLE_GAP_S` between steps the window restarts at the next step,
+  than :data:`IDLE_GAP_S` between steps the window restarts in the next step,
   and the streaks below carry over (a client process started between two
   requests took the idle cores and kept a loop of short requests at one
   thread after a busy neighbour left; QA, issue 31).
+* **inside a step**: the engine core calls :meth:`ThreadGovernor.observe_layer`
+  before each layer of the forward. A step after idle that is still running
+  :data:`STEP_WINDOW_START_S` after its first layer starts the window there,
+  and a window closes at the first layer (or step end) :data:`WINDOW_S` after
+  it began: at the cliff one step lasts seconds (a 32-token prefill took 2.9 s
+  beside a busy process, and was in no window when windows started and
+  closed at step ends only: the thread went after two such steps, ~4 s),
+  so the decision now comes inside the first slow step, whose remaining
+  layers run on the new count. A fast step reads nothing inside.
 * **up**: for ``up_windows`` windows in a row the CPUs this process could have
   used (its own CPU time plus the machine's idle time, per second of window)
   reached one more than its threads (less :data:`UP_SLACK`), without
@@ -88,6 +97,9 @@ UP_SLACK = 0.25
 #: while the engine had nothing to run (a client starting between requests)
 #: is neither contention nor a lack of room.
 IDLE_GAP_S = 0.05
+#: Seconds into a step after idle at which a window starts inside it (a step
+#: that runs this long may be at the cliff; a quiet decode step is ~7 ms).
+STEP_WINDOW_START_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -200,7 +212,9 @@ class ThreadGovernor:
         self._last = self._read()
         self._events_reported = 0
         self._throttled_reported = 0.0
-        self._last_step_at: float | None = None
+        self._last_step_at: float | None = None  # the previous step's end
+        self._step_at: float | None = None  # the current step's first layer
+        self._opened_in_step = False  # the window started inside the current step
         set_threads(self.controller.threads)
         log.info("engine_threads", threads=self.controller.threads, ceiling=ceiling,
                  quota_cpus=quota, reason=self.controller.reason,
@@ -224,17 +238,34 @@ class ThreadGovernor:
         throttled = self._cgroup.throttling().throttled_s if self._cgroup is not None else 0.0
         return times.run_s, times.wait_s, idle_cpu_s(), throttled
 
+    def observe_layer(self) -> None:
+        """Before each layer of a step's forward (module doc, "inside a step"):
+        starts a window in a slow step after idle, closes one that has lasted
+        :data:`WINDOW_S` and applies the decision to the layers that follow."""
+        now = self._clock()
+        if self._step_at is None:  # the step's first layer
+            self._step_at = now
+            self._opened_in_step = False
+        if self._after_idle(self._step_at):
+            if not self._opened_in_step and now - self._step_at >= STEP_WINDOW_START_S:
+                self._window_start, self._last = now, self._read()  # the window starts here
+                self._opened_in_step = True
+            if not self._opened_in_step:
+                return
+        if now - self._window_start >= WINDOW_S:
+            self._window(now)
+
     def observe(self, stats: StepStats) -> StepStats:
         """After each step: closes a window when :data:`WINDOW_S` has passed and
         applies the decision; returns ``stats`` with the thread count and the
         throttling and contention events since the last call."""
         now = self._clock()
-        idle_s = None if self._last_step_at is None else now - stats.duration_s - self._last_step_at
-        self._last_step_at = now
-        if idle_s is not None and idle_s > IDLE_GAP_S:
+        began = self._step_at if self._step_at is not None else now - stats.duration_s
+        if self._after_idle(began) and not (self._step_at is not None and self._opened_in_step):
             self._window_start, self._last = now, self._read()  # the window starts here
         elif now - self._window_start >= WINDOW_S:
             self._window(now)
+        self._last_step_at, self._step_at = now, None
         controller = self.controller
         events = controller.contention_events - self._events_reported
         throttled = self.throttled_s - self._throttled_reported
@@ -242,6 +273,11 @@ class ThreadGovernor:
         self._throttled_reported = self.throttled_s
         return dataclasses.replace(stats, num_threads=controller.threads,
                                    cpu_throttled_s=throttled, contention_events=events)
+
+    def _after_idle(self, step_began: float) -> bool:
+        """Whether the engine idled (over :data:`IDLE_GAP_S`) before the step
+        that began at ``step_began``."""
+        return self._last_step_at is not None and step_began - self._last_step_at > IDLE_GAP_S
 
     def _window(self, now: float) -> None:
         moved = self._find_cgroup()
