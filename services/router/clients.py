@@ -84,22 +84,6 @@ class ChatMessage:
 
 
 @dataclass(frozen=True)
-class Usage:
-    """Token counts of one request (tokens, not characters)."""
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_prompt_tokens: int = 0
-
-    def to_pb(self) -> common_pb2.Usage:
-        return common_pb2.Usage(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            cached_prompt_tokens=self.cached_prompt_tokens,
-        )
-
-
-@dataclass(frozen=True)
 class ReplicaInfo:
     """What an engine replica serves (``GetModelInfo``); lengths in tokens;
     ``max_num_seqs``, ``kv_capacity_tokens`` and ``kv_block_size`` are 0 when
@@ -151,29 +135,6 @@ class ChatPrompt:
 
     token_ids: tuple[int, ...]
     num_dropped_messages: int
-
-
-@dataclass(frozen=True)
-class EngineDelta:
-    """One engine message: ids since the previous one; on the last, why.
-
-    ``finish_reason`` is None on every message but the last. ``usage`` holds
-    the engine's running counts (None from an engine that sends them only on
-    the last message); its ``cached_prompt_tokens`` is known from the first
-    message on. ``logprobs`` has one entry per id (with ``sampling.logprobs``),
-    ``prompt_logprobs`` the prompt's (with ``sampling.prompt_logprobs``, on the
-    first message), token text not filled in.
-    ``index`` is the choice (``sampling.n`` > 1) the message belongs to: each
-    choice has its own last message, and ``usage`` counts that choice's
-    completion tokens.
-    """
-
-    token_ids: tuple[int, ...]
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
-    logprobs: tuple[PositionLogprobs, ...] = ()
-    prompt_logprobs: tuple[PositionLogprobs, ...] = ()
-    index: int = 0
 
 
 @dataclass(frozen=True)
