@@ -67,7 +67,7 @@ class MuxClient(Generic[Item, Update]):
         self._unpack = unpack
         self._make_error = make_error
         self._service = service
-        self._target = target
+        self.target = target
         self._owner = owner
         self._on_failed = on_failed
         self._streams: dict[int, Receiver[Update]] = {}
@@ -140,7 +140,7 @@ class MuxClient(Generic[Item, Update]):
             self.failed = self._make_error(grpc.StatusCode.UNAVAILABLE, f"{what}: {why}")
             if not self._closing:
                 if self._streams:
-                    log.warning("mux_call_failed", service=self._service, target=self._target,
+                    log.warning("mux_call_failed", service=self._service, target=self.target,
                                 why=why, open_streams=len(self._streams))
                 if self._on_failed is not None:
                     self._on_failed(why)
