@@ -12,9 +12,9 @@ choice (:func:`merge_updates`): each request runs in its own task
 (:meth:`EngineService.run_request`, so logs and metrics are the same as on
 ``Generate``) and puts its deltas into the outbox as :class:`EngineUpdate`
 values; the call's writer sends whatever the outbox holds as one
-``MultiplexResponse``. The engine core hands a
-step's deltas to the event loop in one callback, so every sequence of a step
-has put its delta before the writer runs: one message per step. While the
+``MultiplexResponse``. The engine core hands a step's deltas to the event loop
+in one callback, so every sequence of a step has put its delta before the
+writer runs: one message per step. While the
 caller reads slowly (HTTP/2 flow control holds the writer), a request's pending
 updates merge into one, so the outbox holds at most one update per open
 request.
@@ -195,8 +195,8 @@ class MultiplexCall:
         record.finish(FinishReason.CANCELLED, record.cancelled_by)
         if record.cancelled_by == "deadline_exceeded":
             self._status(stream_id, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"timeout_ms ({entry.timeout_ms} ms) passed after "
-                                   f"{record.num_generated_tokens} generated tokens")
+                         f"timeout_ms ({entry.timeout_ms} ms) passed after "
+                         f"{record.num_generated_tokens} generated tokens")
         elif record.cancelled_by == "cancel_message":
             self.outbox.put((stream_id, 0), update_of(stream_id, TokenDelta(
                 entry.request.request_id, (), FinishReason.CANCELLED,

@@ -40,7 +40,7 @@ from llmesh.v1 import (
 from services.common.detokenizer import DEFINITION_FORMAT, TokenizersDecoder
 from services.common.grpc_util import make_channel, request_id_metadata, status_code_of
 from services.common.kv_events import PrefixMatch
-from services.common.mux import MuxClient, StreamInbox
+from services.common.mux import MuxClient, StreamInbox, never_merge
 from services.common.sampling import FinishReason, SamplingOptions
 from services.common.step_profile import StepProfile
 
@@ -378,15 +378,11 @@ class _AnswerInbox(StreamInbox[int, _Answer]):
     """Where one request's one answer lands (a :class:`Receiver`)."""
 
     def __init__(self) -> None:
-        super().__init__(_no_merge)
+        super().__init__(never_merge)
 
     def deliver(self, update: _Answer) -> bool:
         self.put(0, update, last=True)
         return True
-
-
-def _no_merge(pending: _Answer, later: _Answer) -> _Answer:
-    raise AssertionError("a request has one answer")
 
 
 async def ask(mux: _TokenizerMux, call_id: int,

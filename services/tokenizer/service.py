@@ -66,7 +66,7 @@ from llmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.detokenizer import DEFINITION_FORMAT, IncrementalDetokenizer
 from services.common.grpc_util import request_id_from
 from services.common.logging import bind_request_id
-from services.common.mux import MuxServer, ProtocolViolation
+from services.common.mux import MuxServer, ProtocolViolation, never_merge
 from services.tokenizer.metrics import TokenizerMetrics, default_metrics
 from services.tokenizer.tokenizer import (
     DEFAULT_CHAT_ROLES,
@@ -408,7 +408,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         message is read; a long one runs in its own task, so it holds up no other.
         Ends INVALID_ARGUMENT when a ``call_id`` is reused while still open."""
         server: MuxServer[int, tokenizer_pb2.TokenizerServiceMultiplexResponse] = MuxServer(
-            merge=_one_answer, pack=dict.values)
+            merge=never_merge, pack=dict.values)
         answer_order = itertools.count()  # outbox keys: answers are never merged
         long_running: dict[int, asyncio.Task[None]] = {}
 
@@ -515,10 +515,3 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
             # One line per stream (per generation), after its last answer: never text.
             log.info("detokenize_finished", outcome=outcome, messages=num_messages,
                      tokens=num_tokens, stream_ms=round((time.perf_counter() - opened) * 1e3, 3))
-
-
-def _one_answer(pending: tokenizer_pb2.TokenizerServiceMultiplexResponse,
-                later: tokenizer_pb2.TokenizerServiceMultiplexResponse,
-                ) -> tokenizer_pb2.TokenizerServiceMultiplexResponse:
-    """The Multiplex outbox's merge: never called (each answer has its own key)."""
-    raise AssertionError("tokenizer answers are never merged")

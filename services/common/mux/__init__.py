@@ -16,8 +16,8 @@ pack and unpack functions.
 """
 
 from services.common.mux.client import MuxClient, Receiver
-from services.common.mux.mailbox import Mailbox, StreamInbox
+from services.common.mux.mailbox import Mailbox, StreamInbox, never_merge
 from services.common.mux.server import MuxServer, ProtocolViolation
 
 __all__ = ["Mailbox", "MuxClient", "MuxServer", "ProtocolViolation", "Receiver",
-           "StreamInbox"]
+           "StreamInbox", "never_merge"]

@@ -22,6 +22,12 @@ U = TypeVar("U")
 Merge = Callable[[U, U], U]
 
 
+def never_merge(pending: U, later: U) -> U:
+    """The merge of a wire type whose streams carry one update each (a unary
+    answer on a multiplexed call): a second one for a key is a bug."""
+    raise AssertionError("a stream of one update got two")
+
+
 class Mailbox(Generic[K, U]):
     """Updates waiting to be taken, one per key, in the order each key's first
     pending update arrived."""
