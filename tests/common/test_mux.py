@@ -5,7 +5,8 @@ called by the kit's client, both speaking services.common.wire.engine_stream."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
@@ -82,13 +83,19 @@ class _Inbox(StreamInbox[int, EngineUpdate]):
         return last
 
 
-async def _serving(servicer: _Servicer):
+@contextlib.asynccontextmanager
+async def _serving(servicer: _Servicer) -> AsyncIterator[tuple[grpc.aio.Server, grpc.aio.Channel]]:
+    """``servicer`` on a loopback port, and a channel to it (both closed after)."""
     server = grpc.aio.server()
     engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    return server, channel
+    try:
+        yield server, channel
+    finally:
+        await channel.close()
+        await server.stop(None)
 
 
 def _client(channel: grpc.aio.Channel) -> MuxClient[EngineStart | StreamCancel, EngineUpdate]:
@@ -112,52 +119,47 @@ def _ids(server: MuxServer, start: EngineStart, ids: tuple[int, ...], *,
 
 async def test_the_writers_send_what_is_queued_in_one_message_and_updates_merge():
     servicer = _Servicer(lambda server, start: _ids(server, start, (start.stream_id, 7, 8)))
-    server, channel = await _serving(servicer)
-    mux = _client(channel)
-    try:
-        inboxes = {sid: _Inbox() for sid in (1, 2, 3)}
-        for sid, inbox in inboxes.items():  # one loop turn: the writer runs once
-            mux.open(sid, inbox, _start(sid))
-        for sid, inbox in inboxes.items():
-            _, update = await inbox.read()
-            assert (update.token_ids, update.finish_reason) == ((sid, 7, 8), FinishReason.STOP)
-        assert [len(m.starts) for m in servicer.received] == [3]
-        assert mux.open_streams == 0  # each last update forgot its stream
-    finally:
-        await mux.close()
-        await channel.close()
-        await server.stop(None)
+    async with _serving(servicer) as (server, channel):
+        mux = _client(channel)
+        try:
+            inboxes = {sid: _Inbox() for sid in (1, 2, 3)}
+            for sid, inbox in inboxes.items():  # one loop turn: the writer runs once
+                mux.open(sid, inbox, _start(sid))
+            for sid, inbox in inboxes.items():
+                _, update = await inbox.read()
+                assert (update.token_ids, update.finish_reason) == ((sid, 7, 8), FinishReason.STOP)
+            assert [len(m.starts) for m in servicer.received] == [3]
+            assert mux.open_streams == 0  # each last update forgot its stream
+        finally:
+            await mux.close()
 
 
 async def test_a_slow_reader_gets_the_updates_merged_per_choice():
     servicer = _Servicer(lambda server, start: None)
-    server, channel = await _serving(servicer)
-    mux = _client(channel)
-    try:
-        servicer.respond = lambda server, start: [
-            server.outbox.put((start.stream_id, i % 2), EngineUpdate(
-                start.stream_id, (i,), index=i % 2)) for i in range(6)]
-        inbox = _Inbox()
-        mux.open(1, inbox, _start(1))
-        while not inbox.has_unread():
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)
-        assert [await inbox.read() for _ in range(2)] == [
-            (0, EngineUpdate(1, (0, 2, 4), index=0)), (1, EngineUpdate(1, (1, 3, 5), index=1))]
-        mux.send(StreamCancel(1))
-        _, update = await inbox.read()
-        assert update.finish_reason is FinishReason.CANCELLED
-    finally:
-        await mux.close()
-        await channel.close()
-        await server.stop(None)
+    async with _serving(servicer) as (server, channel):
+        mux = _client(channel)
+        try:
+            servicer.respond = lambda server, start: [
+                server.outbox.put((start.stream_id, i % 2), EngineUpdate(
+                    start.stream_id, (i,), index=i % 2)) for i in range(6)]
+            inbox = _Inbox()
+            mux.open(1, inbox, _start(1))
+            while not inbox.has_unread():
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            assert [await inbox.read() for _ in range(2)] == [
+                (0, EngineUpdate(1, (0, 2, 4), index=0)), (1, EngineUpdate(1, (1, 3, 5), index=1))]
+            mux.send(StreamCancel(1))
+            _, update = await inbox.read()
+            assert update.finish_reason is FinishReason.CANCELLED
+        finally:
+            await mux.close()
 
 
 async def test_a_duplicate_stream_id_ends_the_call_invalid_argument_after_what_was_queued():
     servicer = _Servicer(lambda server, start: _ids(server, start, (5,), finish=False))
-    server, channel = await _serving(servicer)
-    call = engine_pb2_grpc.EngineServiceStub(channel).Multiplex()
-    try:
+    async with _serving(servicer) as (server, channel):
+        call = engine_pb2_grpc.EngineServiceStub(channel).Multiplex()
         await call.write(pack_requests([_start(1)])[0])
         await call.write(pack_requests([_start(1)])[0])
         first = await call.read()
@@ -166,72 +168,62 @@ async def test_a_duplicate_stream_id_ends_the_call_invalid_argument_after_what_w
             await call.read()
         assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "stream_id 1 is still open" in ended.value.details()
-    finally:
-        await channel.close()
-        await server.stop(None)
 
 
 async def test_a_bug_in_the_handler_ends_the_call_internal():
     def respond(server: MuxServer, start: EngineStart) -> None:
         raise KeyError("oops")
 
-    server, channel = await _serving(_Servicer(respond))
-    call = engine_pb2_grpc.EngineServiceStub(channel).Multiplex()
-    try:
+    async with _serving(_Servicer(respond)) as (server, channel):
+        call = engine_pb2_grpc.EngineServiceStub(channel).Multiplex()
         await call.write(pack_requests([_start(1)])[0])
         with pytest.raises(grpc.aio.AioRpcError) as ended:
             await call.read()
         assert ended.value.code() == grpc.StatusCode.INTERNAL
         assert "KeyError" in ended.value.details()
-    finally:
-        await channel.close()
-        await server.stop(None)
 
 
 async def test_a_broken_call_fails_every_open_stream_unavailable():
     servicer = _Servicer(lambda server, start: None)
-    server, channel = await _serving(servicer)
-    failures: list[str] = []
-    mux = MuxClient(engine_pb2_grpc.EngineServiceStub(channel).Multiplex(),
-                    pack=pack_requests, unpack=unpack_updates, make_error=_Error,
-                    service="engine", target="loopback", on_failed=failures.append)
-    try:
-        inboxes = [_Inbox(), _Inbox()]
-        for sid, inbox in enumerate(inboxes, 1):
-            mux.open(sid, inbox, _start(sid))
-        while len(servicer.received) < 1:
-            await asyncio.sleep(0.01)
-        await server.stop(None)  # the peer goes away
-        for inbox in inboxes:
-            with pytest.raises(_Error) as failed:
-                await asyncio.wait_for(inbox.read(), 5)
-            assert failed.value.code == grpc.StatusCode.UNAVAILABLE
-            assert failed.value.details.startswith("the Multiplex call failed: ")
-        assert mux.failed is not None and len(failures) == 1
-        late = _Inbox()  # a stream opened on a failed call fails at once
-        mux.open(9, late, _start(9))
-        with pytest.raises(_Error):
-            await late.read()
-    finally:
-        await mux.close()
-        await channel.close()
+    async with _serving(servicer) as (server, channel):
+        failures: list[str] = []
+        mux = MuxClient(engine_pb2_grpc.EngineServiceStub(channel).Multiplex(),
+                        pack=pack_requests, unpack=unpack_updates, make_error=_Error,
+                        service="engine", target="loopback", on_failed=failures.append)
+        try:
+            inboxes = [_Inbox(), _Inbox()]
+            for sid, inbox in enumerate(inboxes, 1):
+                mux.open(sid, inbox, _start(sid))
+            while len(servicer.received) < 1:
+                await asyncio.sleep(0.01)
+            await server.stop(None)  # the peer goes away
+            for inbox in inboxes:
+                with pytest.raises(_Error) as failed:
+                    await asyncio.wait_for(inbox.read(), 5)
+                assert failed.value.code == grpc.StatusCode.UNAVAILABLE
+                assert failed.value.details.startswith("the Multiplex call failed: ")
+            assert mux.failed is not None and len(failures) == 1
+            late = _Inbox()  # a stream opened on a failed call fails at once
+            mux.open(9, late, _start(9))
+            with pytest.raises(_Error):
+                await late.read()
+        finally:
+            await mux.close()
 
 
 async def test_the_owner_failing_the_call_says_so():
-    server, channel = await _serving(_Servicer(lambda server, start: None))
-    mux = _client(channel)
-    try:
-        inbox = _Inbox()
-        mux.open(1, inbox, _start(1))
-        mux.fail("no health probe answered")
-        with pytest.raises(_Error) as failed:
-            await inbox.read()
-        assert failed.value.details == (
-            "the router ended the Multiplex call: no health probe answered")
-    finally:
-        await mux.close()
-        await channel.close()
-        await server.stop(None)
+    async with _serving(_Servicer(lambda server, start: None)) as (server, channel):
+        mux = _client(channel)
+        try:
+            inbox = _Inbox()
+            mux.open(1, inbox, _start(1))
+            mux.fail("no health probe answered")
+            with pytest.raises(_Error) as failed:
+                await inbox.read()
+            assert failed.value.details == (
+                "the router ended the Multiplex call: no health probe answered")
+        finally:
+            await mux.close()
 
 
 def test_merge_updates_keeps_order_the_latest_counts_and_the_status() -> None:
