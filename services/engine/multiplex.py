@@ -1,4 +1,5 @@
-"""One ``Multiplex`` call: many requests on one long-lived engine stream.
+"""The engine's end of one ``Multiplex`` call: an adapter over the stream kit
+(:mod:`services.common.mux`) speaking :mod:`services.common.wire.engine_stream`.
 
 The router keeps one such call per engine replica instead of opening a
 ``Generate`` stream per request, so a request's start costs no new HTTP/2
@@ -6,12 +7,14 @@ stream and an engine step costs one message per router, not one per sequence
 (the shape of Triton's ``ModelStreamInfer``).
 
 :class:`MultiplexCall` owns the call's open requests (by the caller's
-``stream_id``) and its :class:`Outbox`: each request runs in its own task
+``stream_id``) and its kit server, whose outbox merges updates per stream and
+choice (:func:`merge_updates`): each request runs in its own task
 (:meth:`EngineService.run_request`, so logs and metrics are the same as on
-``Generate``) and puts its deltas into the outbox; the call's writer sends
-whatever the outbox holds as one ``MultiplexResponse``. The engine core hands a
-step's deltas to the event loop in one callback, so every sequence of a step
-has put its delta before the writer runs: one message per step. While the
+``Generate``) and puts its deltas into the outbox as :class:`EngineUpdate`
+values; the call's writer sends whatever the outbox holds as one
+``MultiplexResponse``. The engine core hands a step's deltas to the event loop
+in one callback, so every sequence of a step has put its delta before the
+writer runs: one message per step. While the
 caller reads slowly (HTTP/2 flow control holds the writer), a request's pending
 updates merge into one, so the outbox holds at most one update per open
 request.
@@ -28,15 +31,23 @@ import contextlib
 import contextvars
 import functools
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import structlog
 
-from llmesh.v1 import common_pb2, engine_pb2
+from llmesh.v1 import engine_pb2
 from services.common.logging import bind_request_id
-from services.common.logprobs import PositionLogprobs, logprobs_to_pb
+from services.common.mux import MuxServer, ProtocolViolation
 from services.common.sampling import FinishReason, InvalidRequestError
+from services.common.wire.engine_stream import (
+    EngineStart,
+    EngineUpdate,
+    Usage,
+    merge_updates,
+    pack_updates,
+    unpack_requests,
+)
 from services.engine.request_record import RequestFailed, RequestRecord
 from services.engine.types import SequenceRequest, TokenDelta
 
@@ -47,81 +58,16 @@ RunRequest = Callable[[SequenceRequest, RequestRecord, Callable[[], str]],
                       AsyncIterator[TokenDelta]]
 
 
-@dataclass
-class PendingUpdate:
-    """A request's update not yet sent: ids since its last message, its latest
-    running counts, and how it ended (if it did)."""
-
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] = field(default_factory=list)
-    prompt_logprobs: tuple[PositionLogprobs, ...] = ()
-    usage: tuple[int, int, int] | None = None  # prompt, completion, cached
-    finish_reason: FinishReason = FinishReason.NONE
-    status: grpc.StatusCode = grpc.StatusCode.OK
-    message: str = ""
-
-    def to_pb(self, stream_id: int, index: int = 0) -> engine_pb2.SequenceUpdate:
-        update = engine_pb2.SequenceUpdate(
-            stream_id=stream_id, index=index, token_ids=self.token_ids,
-            logprobs=logprobs_to_pb(self.logprobs),
-            prompt_logprobs=logprobs_to_pb(self.prompt_logprobs),
-            finish_reason=int(self.finish_reason), status_code=self.status.value[0],
-            status_message=self.message)
-        if self.usage is not None:
-            prompt, completion, cached = self.usage
-            update.usage.CopyFrom(common_pb2.Usage(
-                prompt_tokens=prompt, completion_tokens=completion,
-                cached_prompt_tokens=cached))
-        return update
-
-
-class Outbox:
-    """Updates waiting to be sent on one call, merged per request and choice
-    (insertion order: a choice's first pending update fixes its place)."""
-
-    def __init__(self) -> None:
-        self._pending: dict[tuple[int, int], PendingUpdate] = {}  # by (stream_id, index)
-        self._ready = asyncio.Event()
-        self._closed = False
-
-    def add_delta(self, stream_id: int, delta: TokenDelta) -> None:
-        """Merges ``delta`` into its choice's pending update. Mutates."""
-        pending = self._pending.setdefault((stream_id, delta.index), PendingUpdate())
-        pending.token_ids.extend(delta.token_ids)
-        pending.logprobs.extend(delta.logprobs)
-        pending.prompt_logprobs = pending.prompt_logprobs or delta.prompt_logprobs
-        pending.usage = (delta.num_prompt_tokens, delta.num_generated_tokens,
-                         delta.num_cached_tokens)
-        if delta.finished:
-            pending.finish_reason = delta.finish_reason
-            if delta.finish_reason is FinishReason.ERROR:
-                pending.status = delta.error_code
-                pending.message = delta.error or "the engine failed the request"
-        self._ready.set()
-
-    def add_status(self, stream_id: int, code: grpc.StatusCode, message: str) -> None:
-        """Ends the request (every choice) with ``code`` (its last update). Mutates."""
-        pending = self._pending.setdefault((stream_id, 0), PendingUpdate())
-        pending.status, pending.message = code, message
-        self._ready.set()
-
-    def close(self) -> None:
-        """No more updates will come: :meth:`take` returns None once empty."""
-        self._closed = True
-        self._ready.set()
-
-    async def take(self) -> engine_pb2.MultiplexResponse | None:
-        """Waits for at least one update, then takes every pending one; None
-        once closed and empty."""
-        while not self._pending:
-            if self._closed:
-                return None
-            self._ready.clear()
-            await self._ready.wait()
-        pending, self._pending = self._pending, {}
-        return engine_pb2.MultiplexResponse(
-            updates=[update.to_pb(stream_id, index)
-                     for (stream_id, index), update in pending.items()])
+def update_of(stream_id: int, delta: TokenDelta) -> EngineUpdate:
+    """``delta`` as the wire's update of stream ``stream_id``."""
+    failed = delta.finish_reason is FinishReason.ERROR
+    return EngineUpdate(
+        stream_id, delta.token_ids,
+        None if delta.finish_reason is FinishReason.NONE else delta.finish_reason,
+        Usage(delta.num_prompt_tokens, delta.num_generated_tokens, delta.num_cached_tokens),
+        delta.logprobs, delta.prompt_logprobs, delta.index,
+        delta.error_code if failed else grpc.StatusCode.OK,
+        (delta.error or "the engine failed the request") if failed else "")
 
 
 class MultiplexCall:
@@ -140,56 +86,58 @@ class MultiplexCall:
                  run_request: RunRequest, refusal: Callable[[], str | None],
                  cancel_choice: Callable[[str, int], bool] = lambda _id, _index: False
                  ) -> None:
-        self.outbox = Outbox()
+        self.server: MuxServer[tuple[int, int], EngineUpdate] = MuxServer(
+            merge=merge_updates, pack=pack_updates)
+        self.outbox = self.server.outbox
         self._cancel_choice = cancel_choice
         self._to_request = to_request
         self._run_request = run_request
         self._refusal = refusal
         self._open: dict[int, _Open] = {}
-        #: Why the caller broke the protocol (the call then ends with
-        #: INVALID_ARGUMENT), or "".
-        self.violation = ""
 
-    def handle(self, message: engine_pb2.MultiplexRequest) -> bool:
+    async def handle(self, message: engine_pb2.MultiplexRequest) -> None:
         """Starts and cancels what ``message`` asks. Mutates.
 
-        Returns:
-          False when the message breaks the protocol (a start reuses a stream_id
-          still open: its updates could not be told apart); :attr:`violation`
-          says how, and the call must end.
+        Raises:
+          ProtocolViolation: a start reuses a stream_id still open (its updates
+            could not be told apart); the call must end INVALID_ARGUMENT.
         """
+        starts, cancels = unpack_requests(message)
+        whole = [c.stream_id for c in cancels if c.index is None]
         # Cancels of open requests go first: a start of this message may reuse
         # their request ids (the engine frees an id with its cancel). Then once
         # more after the starts, for a start cancelled in its own message
         # (cancel is idempotent).
-        for stream_id in message.cancels:
+        for stream_id in whole:
             self.cancel(stream_id, "cancel_message")
-        for start in message.starts:
+        for start in starts:
             if start.stream_id in self._open:
-                self.violation = (f"starts: stream_id {start.stream_id} is still open on this "
-                                  "call; use a new id for each request")
-                return False
+                raise ProtocolViolation(f"starts: stream_id {start.stream_id} is still open "
+                                        "on this call; use a new id for each request")
             self._start(start)
-        for stream_id in message.cancels:
+        for stream_id in whole:
             self.cancel(stream_id, "cancel_message")
-        for choice in message.cancel_choices:
+        for choice in cancels:
             entry = self._open.get(choice.stream_id)
-            if entry is not None:
+            if choice.index is not None and entry is not None:
                 self._cancel_choice(entry.request.request_id, choice.index)
-        return True
 
-    def _start(self, start: engine_pb2.MultiplexStart) -> None:
+    def _status(self, stream_id: int, code: grpc.StatusCode, message: str) -> None:
+        """Ends the request (every choice) with ``code`` (its last update)."""
+        self.outbox.put((stream_id, 0), EngineUpdate(stream_id, status=code, message=message))
+
+    def _start(self, start: EngineStart) -> None:
         stream_id = start.stream_id
         refused = self._refusal()
         if refused is not None:
-            self.outbox.add_status(stream_id, grpc.StatusCode.UNAVAILABLE, refused)
+            self._status(stream_id, grpc.StatusCode.UNAVAILABLE, refused)
             return
         try:
             request = self._to_request(start.request)
         except InvalidRequestError as exc:
             log.info("request_rejected", request_id=start.request.request_id, field=exc.field,
                      code=exc.code.name)
-            self.outbox.add_status(stream_id, exc.code, str(exc))
+            self._status(stream_id, exc.code, str(exc))
             return
         loop = asyncio.get_running_loop()
         entry = _Open(request, RequestRecord(len(request.prompt_token_ids), request.sampling.n))
@@ -230,9 +178,9 @@ class MultiplexCall:
         try:
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
-                    self.outbox.add_delta(stream_id, delta)
+                    self.outbox.put((stream_id, delta.index), update_of(stream_id, delta))
         except RequestFailed as exc:
-            self.outbox.add_status(stream_id, exc.code, exc.message)
+            self._status(stream_id, exc.code, exc.message)
 
     def _ended(self, stream_id: int, entry: _Open, task: asyncio.Task[None]) -> None:
         if entry.timer is not None:
@@ -246,14 +194,14 @@ class MultiplexCall:
         # is written already unless the task never ran).
         record.finish(FinishReason.CANCELLED, record.cancelled_by)
         if record.cancelled_by == "deadline_exceeded":
-            self.outbox.add_status(stream_id, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"timeout_ms ({entry.timeout_ms} ms) passed after "
-                                   f"{record.num_generated_tokens} generated tokens")
+            self._status(stream_id, grpc.StatusCode.DEADLINE_EXCEEDED,
+                         f"timeout_ms ({entry.timeout_ms} ms) passed after "
+                         f"{record.num_generated_tokens} generated tokens")
         elif record.cancelled_by == "cancel_message":
-            self.outbox.add_delta(stream_id, TokenDelta(
+            self.outbox.put((stream_id, 0), update_of(stream_id, TokenDelta(
                 entry.request.request_id, (), FinishReason.CANCELLED,
                 len(entry.request.prompt_token_ids), record.num_generated_tokens,
-                record.num_cached_tokens))
+                record.num_cached_tokens)))
 
     def cancel_all(self) -> None:
         """Cancels every open request (the call ended). Mutates."""

@@ -271,15 +271,12 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         stream_id ends the call with INVALID_ARGUMENT (and cancels its requests)."""
         call = MultiplexCall(to_request=self._request_from_start, run_request=self.run_request,
                              refusal=self._refusal, cancel_choice=self._backend.cancel_choice)
-        reader = asyncio.create_task(_read_multiplex(request_iterator, call))
         drained = asyncio.create_task(_end_when_drained(call, self._stopping))
         try:
-            while (response := await call.outbox.take()) is not None:
+            async for response in call.server.serve(request_iterator, context,
+                                                    handle=call.handle, finish=call.wait_all):
                 yield response
-            if call.violation:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, call.violation)
         finally:
-            reader.cancel()
             drained.cancel()
             call.cancel_all()
 
@@ -373,21 +370,6 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         refused = self._refusal()
         if refused is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, refused)
-
-
-async def _read_multiplex(request_iterator: AsyncIterator[engine_pb2.MultiplexRequest],
-                          call: MultiplexCall) -> None:
-    """Feeds the caller's messages to ``call``; once the caller half-closes,
-    waits for the open requests. Closes the outbox at the end either way."""
-    try:
-        async for message in request_iterator:
-            if not call.handle(message):
-                return
-        await call.wait_all()
-    except (grpc.RpcError, RuntimeError):  # the call ended under us
-        pass
-    finally:
-        call.outbox.close()
 
 
 async def _end_when_drained(call: MultiplexCall, stopping: asyncio.Event) -> None:

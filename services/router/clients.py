@@ -20,7 +20,6 @@ warning and reports a miss (``get``) or "not stored" (``put``).
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import hashlib
 import itertools
 import time
@@ -41,7 +40,7 @@ from llmesh.v1 import (
 from services.common.detokenizer import DEFINITION_FORMAT, TokenizersDecoder
 from services.common.grpc_util import make_channel, request_id_metadata, status_code_of
 from services.common.kv_events import PrefixMatch
-from services.common.logprobs import PositionLogprobs
+from services.common.mux import MuxClient, StreamInbox, never_merge
 from services.common.sampling import FinishReason, SamplingOptions
 from services.common.step_profile import StepProfile
 
@@ -81,22 +80,6 @@ class ChatMessage:
 
     role: str
     content: str
-
-
-@dataclass(frozen=True)
-class Usage:
-    """Token counts of one request (tokens, not characters)."""
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_prompt_tokens: int = 0
-
-    def to_pb(self) -> common_pb2.Usage:
-        return common_pb2.Usage(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            cached_prompt_tokens=self.cached_prompt_tokens,
-        )
 
 
 @dataclass(frozen=True)
@@ -151,29 +134,6 @@ class ChatPrompt:
 
     token_ids: tuple[int, ...]
     num_dropped_messages: int
-
-
-@dataclass(frozen=True)
-class EngineDelta:
-    """One engine message: ids since the previous one; on the last, why.
-
-    ``finish_reason`` is None on every message but the last. ``usage`` holds
-    the engine's running counts (None from an engine that sends them only on
-    the last message); its ``cached_prompt_tokens`` is known from the first
-    message on. ``logprobs`` has one entry per id (with ``sampling.logprobs``),
-    ``prompt_logprobs`` the prompt's (with ``sampling.prompt_logprobs``, on the
-    first message), token text not filled in.
-    ``index`` is the choice (``sampling.n`` > 1) the message belongs to: each
-    choice has its own last message, and ``usage`` counts that choice's
-    completion tokens.
-    """
-
-    token_ids: tuple[int, ...]
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
-    logprobs: tuple[PositionLogprobs, ...] = ()
-    prompt_logprobs: tuple[PositionLogprobs, ...] = ()
-    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -284,7 +244,8 @@ class TokenizerClient:
         self.target = target
         self._channel = make_channel(target)
         self._stub = tokenizer_pb2_grpc.TokenizerServiceStub(self._channel)
-        self._multiplex: _TokenizerMultiplex | None = None
+        self._multiplex: _TokenizerMux | None = None
+        self._call_ids = itertools.count(1)
 
     async def wait_until_serving(self, timeout: float) -> None:
         """See :func:`wait_until_serving`."""
@@ -385,8 +346,8 @@ class TokenizerClient:
         """
         timeout = timeout_until(deadline)
         if self._multiplex is None or self._multiplex.failed is not None:
-            self._multiplex = _TokenizerMultiplex(self._stub, self.target)
-        answer = await self._multiplex.ask(message, timeout)
+            self._multiplex = tokenizer_multiplex(self._stub.Multiplex(), self.target)
+        answer = await ask(self._multiplex, next(self._call_ids), message, timeout)
         if answer.status_code:
             raise UpstreamError(self.service, self.target, status_code_of(answer.status_code),
                                 answer.status_message)
@@ -398,102 +359,56 @@ class TokenizerClient:
         await self._channel.close()
 
 
-class _TokenizerMultiplex:
-    """One ``TokenizerService.Multiplex`` call and the requests waiting on it
-    (owned by :class:`TokenizerClient`): a request is one message each way on
-    an open HTTP/2 stream, which costs the router and the tokenizer about half
-    of what a new unary call does (no stream set-up, headers or call object).
-    A reader task hands each answer to its waiting request by ``call_id``."""
+_Answer = tokenizer_pb2.TokenizerServiceMultiplexResponse
+_TokenizerMux = MuxClient[tokenizer_pb2.TokenizerServiceMultiplexRequest, _Answer]
 
-    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerServiceStub, target: str) -> None:
-        self._target = target
-        self._call = stub.Multiplex()
-        self._waiting: dict[int, asyncio.Future[
-            tokenizer_pb2.TokenizerServiceMultiplexResponse]] = {}
-        self._call_ids = itertools.count(1)
-        self._write_lock = asyncio.Lock()
-        #: Set once the call failed: every later :meth:`ask` raises it.
-        self.failed: UpstreamError | None = None
-        # A context of its own: it serves every request, so its log lines must
-        # not carry the id of the request that happened to open the call.
-        self._reader = asyncio.create_task(self._read(), context=contextvars.Context())
 
-    async def ask(self, message: tokenizer_pb2.TokenizerServiceMultiplexRequest,
-                  timeout: float | None) -> tokenizer_pb2.TokenizerServiceMultiplexResponse:
-        """Sends ``message`` (its ``call_id`` set here) and waits up to
-        ``timeout`` seconds (None: no limit) for its answer.
+def tokenizer_multiplex(call: object, target: str) -> _TokenizerMux:
+    """The stream kit's client over a ``TokenizerService.Multiplex`` call: a
+    request is one message each way on an open HTTP/2 stream, which costs the
+    router and the tokenizer about half of what a new unary call does (no
+    stream set-up, headers or call object)."""
+    return MuxClient(call, pack=list, unpack=lambda answer: ((answer.call_id, answer),),
+                     make_error=lambda code, details: UpstreamError(_TOKENIZER, target, code,
+                                                                     details),
+                     service=_TOKENIZER, target=target)
 
-        Raises:
-          UpstreamError: UNAVAILABLE (the call failed), DEADLINE_EXCEEDED.
-        """
-        if self.failed is not None:
-            raise self.failed
-        call_id = next(self._call_ids)
-        message.call_id = call_id
-        answer = asyncio.get_running_loop().create_future()
-        self._waiting[call_id] = answer
-        try:
-            try:
-                async with self._write_lock:
-                    await self._call.write(message)
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError,
-                    asyncio.InvalidStateError) as err:
-                # This request raises below, not through its future (which the
-                # reader may already have failed, and emptied the table, when
-                # the call broke while this write waited).
-                self._waiting.pop(call_id, None)
-                if answer.done():
-                    answer.exception()  # retrieved: asyncio must not log it
-                self._fail("writing to it failed: " + (
-                    f"{err.code().name}: {err.details()}" if isinstance(err, grpc.aio.AioRpcError)
-                    else f"{type(err).__name__}: {err}"))
-                assert self.failed is not None
-                raise self.failed from err
-            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the
-            # answer when it lands as the caller is cancelled, swallowing the
-            # cancel (a cancelled GenerateStream turn then ran on: issue 18's fuzz)
-            async with asyncio.timeout(timeout):
-                return await answer
-        except TimeoutError:
-            raise UpstreamError(_TOKENIZER, self._target, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                "no answer before the call's deadline") from None
-        finally:
-            self._waiting.pop(call_id, None)
 
-    async def _read(self) -> None:
-        why = "the tokenizer ended the Multiplex call"
-        try:
-            while (answer := await self._call.read()) is not grpc.aio.EOF:
-                waiting = self._waiting.pop(answer.call_id, None)
-                if waiting is not None and not waiting.done():
-                    waiting.set_result(answer)
-        except grpc.aio.AioRpcError as err:
-            why = f"{err.code().name}: {err.details()}"
-        except asyncio.CancelledError:
-            self._fail("the router closed the call")
-            raise
-        self._fail(why)
+class _AnswerInbox(StreamInbox[int, _Answer]):
+    """Where one request's one answer lands (a :class:`Receiver`)."""
 
-    def _fail(self, why: str) -> None:
-        """Fails the call and every request waiting on it with UNAVAILABLE."""
-        if self.failed is None:
-            self.failed = UpstreamError(_TOKENIZER, self._target, grpc.StatusCode.UNAVAILABLE,
-                                        f"the Multiplex call failed: {why}")
-            if self._waiting:
-                log.warning("tokenizer_call_failed", tokenizer=self._target, why=why,
-                            waiting_requests=len(self._waiting))
-        for waiting in self._waiting.values():
-            if not waiting.done():
-                waiting.set_exception(self.failed)
-        self._waiting.clear()
-        self._call.cancel()
-        if self._reader is not asyncio.current_task():
-            self._reader.cancel()
+    def __init__(self) -> None:
+        super().__init__(never_merge)
 
-    async def close(self) -> None:
-        self._reader.cancel()
-        self._call.cancel()
-        await asyncio.gather(self._reader, return_exceptions=True)
+    def deliver(self, update: _Answer) -> bool:
+        self.put(0, update, last=True)
+        return True
+
+
+async def ask(mux: _TokenizerMux, call_id: int,
+              message: tokenizer_pb2.TokenizerServiceMultiplexRequest,
+              timeout: float | None) -> _Answer:
+    """Sends ``message`` as ``call_id`` (set here) and waits up to ``timeout``
+    seconds (None: no limit) for its answer.
+
+    Raises:
+      UpstreamError: UNAVAILABLE (the call failed), DEADLINE_EXCEEDED.
+    """
+    message.call_id = call_id
+    inbox = _AnswerInbox()
+    mux.open(call_id, inbox, message)
+    try:
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the
+        # answer when it lands as the caller is cancelled, swallowing the
+        # cancel (a cancelled GenerateStream turn then ran on: issue 18's fuzz)
+        async with asyncio.timeout(timeout):
+            _, answer = await inbox.read()
+            return answer
+    except TimeoutError:
+        raise UpstreamError(_TOKENIZER, mux.target, grpc.StatusCode.DEADLINE_EXCEEDED,
+                            "no answer before the call's deadline") from None
+    finally:
+        mux.forget(call_id)
 
 
 # --------------------------------------------------------------------------- #

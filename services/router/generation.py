@@ -94,6 +94,7 @@ import structlog
 from services.common.detokenizer import IncrementalDetokenizer, TokenizersDecoder
 from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason, InvalidRequestError, SamplingOptions
+from services.common.wire.engine_stream import EngineUpdate, Usage
 from services.router.admission import (
     AdmissionController,
     AdmissionRefused,
@@ -105,10 +106,8 @@ from services.router.clients import (
     CacheClient,
     CacheKey,
     CachedResponse,
-    EngineDelta,
     TokenizerClient,
     UpstreamError,
-    Usage,
 )
 from services.router.engine_client import EngineClient, EngineStream
 from services.router.metrics import RouterMetrics
@@ -704,7 +703,7 @@ class GenerationPipeline:
     async def _open_engine(
         self, request: GenerationRequest, prompt_ids: tuple[int, ...],
         sampling: SamplingOptions, deadline: float | None, timing: _Timing, hint: RouteHint,
-    ) -> tuple[EngineClient, EngineStream, EngineDelta]:
+    ) -> tuple[EngineClient, EngineStream, EngineUpdate]:
         """Opens a stream on the best replica that answers (the routing policy's
         order); returns its first delta.
 
@@ -842,7 +841,7 @@ class GenerationPipeline:
             engine.closed(request.priority)
             stream.close()
 
-    def _delta(self, text: str, ids: tuple[int, ...], delta: EngineDelta) -> Delta:
+    def _delta(self, text: str, ids: tuple[int, ...], delta: EngineUpdate) -> Delta:
         """The event for ``ids`` (the leading ids of ``delta``: all, or those
         through a stop string) with their log-probabilities, token text filled
         in (the entries past a stop string are dropped, like their ids)."""
@@ -919,7 +918,7 @@ class GenerationPipeline:
         text = detok.add(ids)
         return (text + detok.flush() if last else text), ()
 
-    def _engine_finished(self, delta: EngineDelta, progress: Progress,
+    def _engine_finished(self, delta: EngineUpdate, progress: Progress,
                          choice: _ChoiceOutput) -> Finished:
         reason = delta.finish_reason
         assert reason is not None
@@ -1007,7 +1006,7 @@ class _ChoiceOutput:
                      progress.cached_prompt_tokens)
 
 
-def _choice_of(choices: Sequence[_ChoiceOutput], delta: EngineDelta,
+def _choice_of(choices: Sequence[_ChoiceOutput], delta: EngineUpdate,
                engine: EngineClient) -> _ChoiceOutput:
     """The output state of ``delta``'s choice.
 

@@ -41,7 +41,7 @@ import grpc
 
 from services.common.logprobs import PositionLogprobs, TokenLogprob
 from services.common.sampling import FinishReason
-from services.router.clients import Usage
+from services.common.wire.engine_stream import Usage
 from services.router.generation import Delta, Finished
 from services.router.openai_protocol import Endpoint
 

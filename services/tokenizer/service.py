@@ -51,6 +51,7 @@ import asyncio
 import contextlib
 import functools
 import hashlib
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -65,6 +66,7 @@ from llmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.detokenizer import DEFINITION_FORMAT, IncrementalDetokenizer
 from services.common.grpc_util import request_id_from
 from services.common.logging import bind_request_id
+from services.common.mux import MuxServer, ProtocolViolation, never_merge
 from services.tokenizer.metrics import TokenizerMetrics, default_metrics
 from services.tokenizer.tokenizer import (
     DEFAULT_CHAT_ROLES,
@@ -405,51 +407,38 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         (see the module docstring). A short input is answered before the next
         message is read; a long one runs in its own task, so it holds up no other.
         Ends INVALID_ARGUMENT when a ``call_id`` is reused while still open."""
-        answers: asyncio.Queue[tokenizer_pb2.TokenizerServiceMultiplexResponse | None] = (
-            asyncio.Queue())
+        server: MuxServer[int, tokenizer_pb2.TokenizerServiceMultiplexResponse] = MuxServer(
+            merge=never_merge, pack=dict.values)
+        answer_order = itertools.count()  # outbox keys: answers are never merged
         long_running: dict[int, asyncio.Task[None]] = {}
-        violation = ""
 
         async def answer_later(message: tokenizer_pb2.TokenizerServiceMultiplexRequest) -> None:
             try:
-                answers.put_nowait(await self._answer(message))
+                server.outbox.put(next(answer_order), await self._answer(message))
             finally:
                 long_running.pop(message.call_id, None)
 
-        async def read() -> None:
-            nonlocal violation
-            try:
-                async for message in request_iterator:
-                    if message.call_id in long_running:
-                        violation = (f"call_id {message.call_id} is still open on this call; "
-                                     "use a new id for each request")
-                        return
-                    # For the log line only; a caller's overlong id is cut, not trusted.
-                    bind_request_id(message.request_id[:_MAX_LOGGED_REQUEST_ID] or uuid.uuid4().hex)
-                    request = getattr(message, message.WhichOneof("request") or "tokenize")
-                    if self._is_long(request):
-                        long_running[message.call_id] = asyncio.create_task(
-                            answer_later(message))
-                    else:
-                        answers.put_nowait(await self._answer(message))
-                while long_running:  # the caller half-closed: finish what it asked
-                    await asyncio.wait(list(long_running.values()))
-            finally:
-                answers.put_nowait(None)
+        async def handle(message: tokenizer_pb2.TokenizerServiceMultiplexRequest) -> None:
+            if message.call_id in long_running:
+                raise ProtocolViolation(f"call_id {message.call_id} is still open on this "
+                                        "call; use a new id for each request")
+            # For the log line only; a caller's overlong id is cut, not trusted.
+            bind_request_id(message.request_id[:_MAX_LOGGED_REQUEST_ID] or uuid.uuid4().hex)
+            request = getattr(message, message.WhichOneof("request") or "tokenize")
+            if self._is_long(request):
+                long_running[message.call_id] = asyncio.create_task(answer_later(message))
+            else:
+                server.outbox.put(next(answer_order), await self._answer(message))
 
-        reader = asyncio.create_task(read())
+        async def finish() -> None:  # the caller half-closed: finish what it asked
+            while long_running:
+                await asyncio.wait(list(long_running.values()))
+
         try:
-            while (answer := await answers.get()) is not None:
+            async for answer in server.serve(request_iterator, context, handle=handle,
+                                             finish=finish):
                 yield answer
-            if violation:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, violation)
-            failure = reader.exception() if reader.done() and not reader.cancelled() else None
-            if failure is not None:  # a bug: the call must not end OK with requests unread
-                log.error("tokenizer_multiplex_failed", error=repr(failure))
-                await context.abort(grpc.StatusCode.INTERNAL,
-                                    f"internal error: {type(failure).__name__}: {failure}")
         finally:
-            reader.cancel()
             for task in list(long_running.values()):
                 task.cancel()
 

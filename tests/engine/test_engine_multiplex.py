@@ -14,9 +14,10 @@ import structlog
 from llmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.common.sampling import FinishReason
 from services.engine.metrics import EngineMetrics
-from services.engine.multiplex import Outbox
+from services.engine.multiplex import MultiplexCall, update_of
 from services.engine.torch_backend.backend import TorchBackend
 from services.engine.types import TokenDelta
+from services.common.wire.engine_stream import pack_updates
 
 from .conftest import MAX_TOKENS_CAP, unstarted_service
 from .prompts import CHAT, CHAT_GREEDY, STORY
@@ -308,15 +309,17 @@ async def test_every_request_on_a_call_writes_one_log_line(engine_stub: Stub) ->
 
 
 def test_the_outbox_merges_a_requests_pending_updates() -> None:
-    async def run() -> engine_pb2.MultiplexResponse | None:
-        outbox = Outbox()
-        outbox.add_delta(7, TokenDelta("a", (1, 2), FinishReason.NONE, 5, 2, 3))
-        outbox.add_delta(8, TokenDelta("b", (9,), FinishReason.NONE, 4, 1))
-        outbox.add_delta(7, TokenDelta("a", (3,), FinishReason.STOP, 5, 3, 3))
-        return await outbox.take()
+    async def run() -> list[engine_pb2.MultiplexResponse]:
+        call = MultiplexCall(to_request=None, run_request=None,  # type: ignore[arg-type]
+                             refusal=lambda: None)
+        for stream_id, delta in ((7, TokenDelta("a", (1, 2), FinishReason.NONE, 5, 2, 3)),
+                                 (8, TokenDelta("b", (9,), FinishReason.NONE, 4, 1)),
+                                 (7, TokenDelta("a", (3,), FinishReason.STOP, 5, 3, 3))):
+            call.outbox.put((stream_id, delta.index), update_of(stream_id, delta))
+        assert await call.outbox.wait()
+        return list(pack_updates(call.outbox.take_all()))
 
-    response = asyncio.run(run())
-    assert response is not None
+    (response,) = asyncio.run(run())
     assert [(u.stream_id, list(u.token_ids)) for u in response.updates] == [(7, [1, 2, 3]),
                                                                            (8, [9])]
     first = response.updates[0]

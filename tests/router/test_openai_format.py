@@ -10,7 +10,7 @@ import grpc
 
 from services.common.logprobs import PositionLogprobs, TokenLogprob
 from services.common.sampling import FinishReason
-from services.router.clients import Usage
+from services.common.wire.engine_stream import Usage
 from services.router.generation import Delta, Finished
 from services.router.openai_format import (
     ResponseBuilder,

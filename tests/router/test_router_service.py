@@ -24,8 +24,8 @@ from llmesh.v1 import (
     tokenizer_pb2_grpc,
 )
 from services.common.sampling import Priority
+from services.common.wire.engine_stream import EngineStart, StreamCancel, pack_requests
 from services.router.admission import AdmissionConfig
-from services.router.engine_client import _Multiplex
 from services.router.generation import Delta, Finished
 from services.router.metrics import RouterMetrics
 from services.router import service as router_service
@@ -908,35 +908,15 @@ async def test_the_speculative_switch_reaches_the_engine():
     assert not second.HasField("speculative")  # unset: the engine's defaults
 
 
-async def test_a_burst_of_long_prompts_goes_out_in_messages_of_about_one_mib():
-    class Call:  # the Multiplex call: records writes, never answers
-        def __init__(self) -> None:
-            self.written: list[engine_pb2.MultiplexRequest] = []
-            self._never = asyncio.Event()
-
-        async def write(self, message) -> None:
-            self.written.append(message)
-
-        async def read(self):
-            await self._never.wait()
-
-        def cancel(self) -> None:
-            pass
-
-    class Stub:
-        call = Call()
-
-        def Multiplex(self):  # noqa: N802 (gRPC name)
-            return self.call
-
-    mux = _Multiplex(Stub(), "127.0.0.1:1")
-    for i in range(1, 11):  # 10 prompts of 50,000 ids: at most ~250 kB each on the wire
-        mux.open(i, engine_pb2.MultiplexStart(stream_id=i, request=engine_pb2.EngineRequest(
-            request_id=f"r{i}", prompt_token_ids=[7] * 50_000)), deadline=None)
-    mux.cancel(3)
-    await asyncio.sleep(0.05)
-    written = Stub.call.written
+def test_a_burst_of_long_prompts_goes_out_in_messages_of_about_one_mib():
+    # 10 prompts of 50,000 ids (at most ~250 kB each on the wire) and a cancel,
+    # queued while the call's writer was busy.
+    queued: list[EngineStart | StreamCancel] = [
+        EngineStart(i, engine_pb2.EngineRequest(request_id=f"r{i}",
+                                                prompt_token_ids=[7] * 50_000))
+        for i in range(1, 11)]
+    queued.append(StreamCancel(3))
+    written = pack_requests(queued)
     assert [len(m.starts) for m in written] == [4, 4, 2]
     assert [s.stream_id for m in written for s in m.starts] == list(range(1, 11))
     assert [list(m.cancels) for m in written] == [[3], [], []]
-    await mux.close()

@@ -8,7 +8,7 @@ import contextlib
 import pytest
 
 from services.common.sampling import FinishReason
-from services.router.clients import Usage
+from services.common.wire.engine_stream import Usage
 from services.router.generation import Delta, Finished, merge_deltas
 from services.router.slow_reader import WriteStalled, paced
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from llmesh.v1 import tokenizer_pb2
 
-from services.router.clients import UpstreamError, _TokenizerMultiplex
+from services.router.clients import UpstreamError, ask, tokenizer_multiplex
 
 
 class _BreakingCall:
@@ -49,10 +49,10 @@ def test_a_write_that_fails_after_the_reader_failed_the_call_raises_unavailable(
 
     async def scenario() -> UpstreamError:
         asyncio.get_running_loop().set_exception_handler(lambda _, ctx: unhandled.append(ctx))
-        multiplex = _TokenizerMultiplex(_Stub(), "127.0.0.1:1")
+        multiplex = tokenizer_multiplex(_Stub().Multiplex(), "127.0.0.1:1")
         try:
             with pytest.raises(UpstreamError) as failed:
-                await multiplex.ask(tokenizer_pb2.TokenizerServiceMultiplexRequest(
+                await ask(multiplex, 1, tokenizer_pb2.TokenizerServiceMultiplexRequest(
                     request_id="r"), timeout=5)
             return failed.value
         finally:
@@ -90,14 +90,15 @@ def test_a_cancel_that_lands_with_the_answer_is_not_swallowed() -> None:
     start then ran on, and the stream hung: found by the fuzz soak.)"""
 
     async def scenario() -> asyncio.Task:
-        multiplex = _TokenizerMultiplex(_IdleStub(), "127.0.0.1:1")
+        multiplex = tokenizer_multiplex(_IdleStub().Multiplex(), "127.0.0.1:1")
         try:
-            task = asyncio.create_task(multiplex.ask(
-                tokenizer_pb2.TokenizerServiceMultiplexRequest(request_id="r"), timeout=5))
-            while not multiplex._waiting:  # the write went out; the answer is awaited
+            task = asyncio.create_task(ask(
+                multiplex, 1, tokenizer_pb2.TokenizerServiceMultiplexRequest(request_id="r"),
+                timeout=5))
+            while not multiplex._streams:  # the request is open; its answer is awaited
                 await asyncio.sleep(0)
-            (answer,) = multiplex._waiting.values()
-            answer.set_result(tokenizer_pb2.TokenizerServiceMultiplexResponse())
+            (answer,) = multiplex._streams.values()
+            answer.deliver(tokenizer_pb2.TokenizerServiceMultiplexResponse(call_id=1))
             task.cancel()  # same turn: nothing ran in between
             await asyncio.wait({task})
             return task

@@ -1,0 +1,237 @@
+"""The stream kit (services.common.mux) over a real loopback gRPC call: the
+engine's ``Multiplex`` RPC served by a test servicer on the kit's server, and
+called by the kit's client, both speaking services.common.wire.engine_stream."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import pytest
+
+from llmesh.v1 import engine_pb2, engine_pb2_grpc
+from services.common.mux import MuxClient, MuxServer, ProtocolViolation, StreamInbox
+from services.common.sampling import FinishReason
+from services.common.wire.engine_stream import (
+    EngineStart,
+    EngineUpdate,
+    StreamCancel,
+    Usage,
+    merge_updates,
+    pack_requests,
+    pack_updates,
+    unpack_requests,
+    unpack_updates,
+)
+
+
+class _Error(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _Servicer(engine_pb2_grpc.EngineServiceServicer):
+    """Multiplex on the kit's server: each start is answered by ``respond``
+    (called synchronously in the handler, so its updates are all pending
+    before the writer runs); a start that reuses an open id is a violation."""
+
+    def __init__(self, respond: Callable[[MuxServer, EngineStart], None]) -> None:
+        self.respond = respond
+        self.received: list[engine_pb2.MultiplexRequest] = []
+        self.open: set[int] = set()
+        self.proceed = asyncio.Event()
+        self.proceed.set()
+
+    async def Multiplex(self, request_iterator, context):  # noqa: N802 (gRPC name)
+        server: MuxServer[tuple[int, int], EngineUpdate] = MuxServer(merge=merge_updates,
+                                                                     pack=pack_updates)
+
+        async def handle(message: engine_pb2.MultiplexRequest) -> None:
+            self.received.append(message)
+            starts, cancels = unpack_requests(message)
+            for start in starts:
+                if start.stream_id in self.open:
+                    raise ProtocolViolation(f"stream_id {start.stream_id} is still open")
+                self.open.add(start.stream_id)
+                self.respond(server, start)
+            for cancel in cancels:
+                self.open.discard(cancel.stream_id)
+                server.outbox.put((cancel.stream_id, 0), EngineUpdate(
+                    cancel.stream_id, finish_reason=FinishReason.CANCELLED))
+            await self.proceed.wait()
+
+        async def finish() -> None:
+            return None
+
+        async for response in server.serve(request_iterator, context, handle=handle,
+                                           finish=finish):
+            yield response
+
+
+class _Inbox(StreamInbox[int, EngineUpdate]):
+    """A receiver whose stream ends with its first finished update."""
+
+    def __init__(self) -> None:
+        super().__init__(merge_updates)
+
+    def deliver(self, update: EngineUpdate) -> bool:
+        last = update.finish_reason is not None or update.status is not grpc.StatusCode.OK
+        self.put(update.index, update, last=last)
+        return last
+
+
+@contextlib.asynccontextmanager
+async def _serving(servicer: _Servicer) -> AsyncIterator[tuple[grpc.aio.Server, grpc.aio.Channel]]:
+    """``servicer`` on a loopback port, and a channel to it (both closed after)."""
+    server = grpc.aio.server()
+    engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield server, channel
+    finally:
+        await channel.close()
+        await server.stop(None)
+
+
+def _client(channel: grpc.aio.Channel) -> MuxClient[EngineStart | StreamCancel, EngineUpdate]:
+    return MuxClient(engine_pb2_grpc.EngineServiceStub(channel).Multiplex(),
+                     pack=pack_requests, unpack=unpack_updates, make_error=_Error,
+                     service="engine", target="loopback")
+
+
+def _start(stream_id: int) -> EngineStart:
+    return EngineStart(stream_id, engine_pb2.EngineRequest(request_id=f"r{stream_id}",
+                                                           prompt_token_ids=[1, 2]))
+
+
+def _ids(server: MuxServer, start: EngineStart, ids: tuple[int, ...], *,
+         finish: bool = True) -> None:
+    for i, token in enumerate(ids):
+        last = finish and i == len(ids) - 1
+        server.outbox.put((start.stream_id, 0), EngineUpdate(
+            start.stream_id, (token,), FinishReason.STOP if last else None))
+
+
+async def test_the_writers_send_what_is_queued_in_one_message_and_updates_merge():
+    servicer = _Servicer(lambda server, start: _ids(server, start, (start.stream_id, 7, 8)))
+    async with _serving(servicer) as (server, channel):
+        mux = _client(channel)
+        try:
+            inboxes = {sid: _Inbox() for sid in (1, 2, 3)}
+            for sid, inbox in inboxes.items():  # one loop turn: the writer runs once
+                mux.open(sid, inbox, _start(sid))
+            for sid, inbox in inboxes.items():
+                _, update = await inbox.read()
+                assert (update.token_ids, update.finish_reason) == ((sid, 7, 8), FinishReason.STOP)
+            assert [len(m.starts) for m in servicer.received] == [3]
+            assert mux.open_streams == 0  # each last update forgot its stream
+        finally:
+            await mux.close()
+
+
+async def test_a_slow_reader_gets_the_updates_merged_per_choice():
+    servicer = _Servicer(lambda server, start: None)
+    async with _serving(servicer) as (server, channel):
+        mux = _client(channel)
+        try:
+            servicer.respond = lambda server, start: [
+                server.outbox.put((start.stream_id, i % 2), EngineUpdate(
+                    start.stream_id, (i,), index=i % 2)) for i in range(6)]
+            inbox = _Inbox()
+            mux.open(1, inbox, _start(1))
+            while not inbox.has_unread():
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            assert [await inbox.read() for _ in range(2)] == [
+                (0, EngineUpdate(1, (0, 2, 4), index=0)), (1, EngineUpdate(1, (1, 3, 5), index=1))]
+            mux.send(StreamCancel(1))
+            _, update = await inbox.read()
+            assert update.finish_reason is FinishReason.CANCELLED
+        finally:
+            await mux.close()
+
+
+async def test_a_duplicate_stream_id_ends_the_call_invalid_argument_after_what_was_queued():
+    servicer = _Servicer(lambda server, start: _ids(server, start, (5,), finish=False))
+    async with _serving(servicer) as (server, channel):
+        call = engine_pb2_grpc.EngineServiceStub(channel).Multiplex()
+        await call.write(pack_requests([_start(1)])[0])
+        await call.write(pack_requests([_start(1)])[0])
+        first = await call.read()
+        assert [(u.stream_id, list(u.token_ids)) for u in first.updates] == [(1, [5])]
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await call.read()
+        assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "stream_id 1 is still open" in ended.value.details()
+
+
+async def test_a_bug_in_the_handler_ends_the_call_internal():
+    def respond(server: MuxServer, start: EngineStart) -> None:
+        raise KeyError("oops")
+
+    async with _serving(_Servicer(respond)) as (server, channel):
+        call = engine_pb2_grpc.EngineServiceStub(channel).Multiplex()
+        await call.write(pack_requests([_start(1)])[0])
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await call.read()
+        assert ended.value.code() == grpc.StatusCode.INTERNAL
+        assert "KeyError" in ended.value.details()
+
+
+async def test_a_broken_call_fails_every_open_stream_unavailable():
+    servicer = _Servicer(lambda server, start: None)
+    async with _serving(servicer) as (server, channel):
+        failures: list[str] = []
+        mux = MuxClient(engine_pb2_grpc.EngineServiceStub(channel).Multiplex(),
+                        pack=pack_requests, unpack=unpack_updates, make_error=_Error,
+                        service="engine", target="loopback", on_failed=failures.append)
+        try:
+            inboxes = [_Inbox(), _Inbox()]
+            for sid, inbox in enumerate(inboxes, 1):
+                mux.open(sid, inbox, _start(sid))
+            while len(servicer.received) < 1:
+                await asyncio.sleep(0.01)
+            await server.stop(None)  # the peer goes away
+            for inbox in inboxes:
+                with pytest.raises(_Error) as failed:
+                    await asyncio.wait_for(inbox.read(), 5)
+                assert failed.value.code == grpc.StatusCode.UNAVAILABLE
+                assert failed.value.details.startswith("the Multiplex call failed: ")
+            assert mux.failed is not None and len(failures) == 1
+            late = _Inbox()  # a stream opened on a failed call fails at once
+            mux.open(9, late, _start(9))
+            with pytest.raises(_Error):
+                await late.read()
+        finally:
+            await mux.close()
+
+
+async def test_the_owner_failing_the_call_says_so():
+    async with _serving(_Servicer(lambda server, start: None)) as (server, channel):
+        mux = _client(channel)
+        try:
+            inbox = _Inbox()
+            mux.open(1, inbox, _start(1))
+            mux.fail("no health probe answered")
+            with pytest.raises(_Error) as failed:
+                await inbox.read()
+            assert failed.value.details == (
+                "the router ended the Multiplex call: no health probe answered")
+        finally:
+            await mux.close()
+
+
+def test_merge_updates_keeps_order_the_latest_counts_and_the_status() -> None:
+    first = EngineUpdate(4, (1, 2), usage=Usage(3, 2, 1), index=1)
+    second = EngineUpdate(4, (3,), FinishReason.ERROR, Usage(3, 3, 1), index=1,
+                          status=grpc.StatusCode.INVALID_ARGUMENT, message="bad grammar")
+    merged = merge_updates(first, second)
+    assert merged == EngineUpdate(4, (1, 2, 3), FinishReason.ERROR, Usage(3, 3, 1), index=1,
+                                  status=grpc.StatusCode.INVALID_ARGUMENT, message="bad grammar")
+    assert EngineUpdate.from_pb(merged.to_pb()) == merged
+    assert merge_updates(merged, EngineUpdate(4, index=1)) == merged
