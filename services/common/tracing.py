@@ -187,15 +187,24 @@ def end_span(span: Span | None, *, attributes: Attributes | None = None,
     span.end(end_time=None if end is None else wall_ns(end))
 
 
-@contextlib.contextmanager
+#: What :func:`span` gives when there is nothing to trace (reusable: it holds no state).
+_NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
+
+
 def span(name: str, parent: Span | Context | None, *,
-         attributes: Attributes | None = None) -> Iterator[Span | None]:
-    """A child of ``parent`` around a block (no span when ``parent`` is None or
-    tracing is off); an exception leaving the block marks it ERROR."""
-    child = start_span(name, parent, attributes=attributes, root_if_no_parent=False)
-    if child is None:
-        yield None
-        return
+         attributes: Attributes | None = None
+         ) -> contextlib.AbstractContextManager[Span | None]:
+    """A child of ``parent`` around a block (None and no cost when ``parent``
+    is None or tracing is off); an exception leaving the block marks it ERROR."""
+    if _tracer is None or parent is None:
+        return _NO_SPAN
+    return _live_span(name, parent, attributes)
+
+
+@contextlib.contextmanager
+def _live_span(name: str, parent: Span | Context,
+               attributes: Attributes | None) -> Iterator[Span | None]:
+    child = start_span(name, parent, attributes=attributes)
     try:
         yield child
     except BaseException as err:
@@ -220,20 +229,21 @@ def record_span(name: str, parent: Span | Context | None, start: float | None,
 def traceparent_of(span: Span | None) -> str:
     """``span``'s W3C ``traceparent`` ("" for None): what a child on another
     service is started from."""
-    if span is None:
-        return ""
-    carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
-    return carrier.get(TRACEPARENT, "")
+    return _carrier(span).get(TRACEPARENT, "")
 
 
 def metadata_of(span: Span | None) -> tuple[tuple[str, str], ...]:
     """gRPC metadata carrying ``span``'s trace context (() for None)."""
-    if span is None:
-        return ()
+    return tuple(_carrier(span).items())
+
+
+def _carrier(span: Span | None) -> dict[str, str]:
+    """``span``'s context as W3C headers (``traceparent``, and ``tracestate``
+    when it has one); {} for None."""
     carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
-    return tuple(carrier.items())
+    if span is not None:
+        _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier
 
 
 def wall_ns(monotonic_s: float) -> int:
