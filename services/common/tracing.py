@@ -48,6 +48,10 @@ if TYPE_CHECKING:
 
 #: The standard environment variable for the endpoint (used when no flag is given).
 ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+#: Its standard companion for the export timeout.
+TIMEOUT_ENV = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"
+#: Seconds one export may take, retries included, unless :data:`TIMEOUT_ENV` is set.
+EXPORT_TIMEOUT_S = 2.0
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
 
@@ -114,8 +118,12 @@ def configure(service: str, endpoint: str | None, *,
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         secure = endpoint.startswith("https://")
+        # An export (retries included) gives up after EXPORT_TIMEOUT_S unless
+        # the standard variable says otherwise: a collector that is down must
+        # not hold a service's exit (the last export runs at shutdown).
+        timeout = None if os.environ.get(TIMEOUT_ENV) else EXPORT_TIMEOUT_S
         provider.add_span_processor(BatchSpanProcessor(
-            OTLPSpanExporter(endpoint=endpoint, insecure=not secure)))
+            OTLPSpanExporter(endpoint=endpoint, insecure=not secure, timeout=timeout)))
     _provider = provider
     _tracer = provider.get_tracer("llmesh." + service)
     return True

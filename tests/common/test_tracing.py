@@ -96,3 +96,16 @@ def test_an_exception_in_a_span_marks_it_failed(exported: InMemorySpanExporter) 
         raise ValueError("boom")
     (span,) = exported.get_finished_spans()
     assert span.status.description == "ValueError: boom"
+
+
+def test_a_collector_that_is_down_does_not_hold_the_exit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last export runs at shutdown (the service's exit): against a closed
+    port it gives up after ``EXPORT_TIMEOUT_S`` (2 s), not the exporter's
+    default 10 s of retries (6-7 s measured here)."""
+    monkeypatch.delenv(tracing.TIMEOUT_ENV, raising=False)
+    assert tracing.configure("test", "127.0.0.1:1")
+    tracing.end_span(tracing.start_span("llmesh.generate"))
+    began = time.monotonic()
+    tracing.shutdown()
+    assert time.monotonic() - began < 4.5
