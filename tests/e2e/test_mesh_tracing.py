@@ -21,7 +21,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from llmesh.v1 import generation_pb2_grpc
+from llmesh.v1 import (
+    common_pb2,
+    engine_pb2,
+    engine_pb2_grpc,
+    generation_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
 from services.cli.mesh import Mesh
 from tests.e2e.mesh_client import chat_request, collect
 from tests.e2e.otlp_receiver import OtlpReceiver, ReceivedSpan
@@ -132,3 +139,26 @@ def test_openai_http_traceparent_header_is_the_parent(
     spans = _trace(receiver, trace_id, {"llmesh.generate", "llmesh.engine.generate"})
     assert spans["llmesh.generate"].parent_id == span_id
     assert spans["llmesh.engine.generate"].parent_id == spans["llmesh.generate"].span_id
+
+
+def test_unary_calls_take_the_context_from_their_metadata(
+        traced_mesh: Mesh, receiver: OtlpReceiver) -> None:
+    """Callers other than the router (the bench tool, ``/tokenize``): the
+    tokenizer's ``Tokenize`` and the engine's ``Generate`` take the
+    ``traceparent`` of the call's metadata."""
+    trace_id, span_id = "5c0ffee15c0ffee15c0ffee15c0ffee1", "1234567890abcdef"
+    metadata = (("traceparent", f"00-{trace_id}-{span_id}-01"),)
+    tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(
+        grpc.insecure_channel(traced_mesh.services["tokenizer"].grpc_address))
+    ids = tokenizer.Tokenize(tokenizer_pb2.TokenizeRequest(text="Hello there"),
+                             timeout=30, metadata=metadata).token_ids
+    engine = engine_pb2_grpc.EngineServiceStub(
+        grpc.insecure_channel(traced_mesh.engines[0].grpc_address))
+    start = engine_pb2.EngineServiceGenerateRequest(start=engine_pb2.EngineRequest(
+        request_id="traced-unary", prompt_token_ids=ids,
+        sampling=common_pb2.SamplingParams(max_tokens=3, ignore_eos=True)))
+    list(engine.Generate(iter([start]), timeout=60, metadata=metadata))
+    spans = _trace(receiver, trace_id, {"llmesh.tokenizer.Tokenize", *ENGINE})
+    assert spans["llmesh.tokenizer.Tokenize"].parent_id == span_id
+    assert spans["llmesh.engine.generate"].parent_id == span_id
+    assert spans["llmesh.engine.generate"].attributes["gen_ai.usage.output_tokens"] == 3
