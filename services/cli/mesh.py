@@ -877,7 +877,8 @@ class Mesh:
         flags: list[str] = []
         if self._mesh_ca is not None:
             tls = self._issue_service_cert(name)
-            flags = ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-ca", str(tls.ca)]
+            flags = ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key),
+                     "--tls-ca", str(tls.ca)]
         if self.otlp_traces_endpoint:
             flags += ["--otlp-traces-endpoint", self.otlp_traces_endpoint]
         argv = [
