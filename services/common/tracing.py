@@ -75,6 +75,8 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 #: The SDK provider while tracing is on (None: off, the default).
 _provider: TracerProvider | None = None
 _tracer: trace.Tracer | None = None
+#: Wall-clock minus monotonic nanoseconds (:func:`wall_ns`).
+_offset_ns = time.time_ns() - time.monotonic_ns()
 
 Attributes = Mapping[str, str | int | float | bool | Sequence[str]]
 
@@ -102,7 +104,7 @@ def configure(service: str, endpoint: str | None, *,
     Returns:
       Whether tracing is on.
     """
-    global _provider, _tracer
+    global _provider, _tracer, _offset_ns
     endpoint = endpoint or os.environ.get(ENDPOINT_ENV) or None
     if endpoint is None and exporter is None:
         return False
@@ -126,6 +128,7 @@ def configure(service: str, endpoint: str | None, *,
             OTLPSpanExporter(endpoint=endpoint, insecure=not secure, timeout=timeout)))
     _provider = provider
     _tracer = provider.get_tracer("llmesh." + service)
+    _offset_ns = time.time_ns() - time.monotonic_ns()
     return True
 
 
@@ -255,5 +258,7 @@ def _carrier(span: Span | None) -> dict[str, str]:
 
 
 def wall_ns(monotonic_s: float) -> int:
-    """``time.monotonic()`` seconds as wall-clock nanoseconds since the epoch."""
-    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
+    """``time.monotonic()`` seconds as wall-clock nanoseconds since the epoch,
+    by the clocks' offset read once (at :func:`configure`): one timestamp
+    gives the same time in every span it bounds."""
+    return _offset_ns + int(monotonic_s * 1e9)
