@@ -47,6 +47,7 @@ from services.cache.kv_feed import FeedError, KvEventFeed, check_hashes
 from services.cache.metrics import CacheMetrics, default_metrics
 from services.cache.prefix_index import MemoryPrefixIndex, PrefixIndex
 from services.cache.store import ResponseStore
+from services.common import tracing
 from services.common.grpc_util import request_id_from
 from services.common.logging import bind_request_id
 from services.common.sampling import InvalidRequestError
@@ -132,6 +133,17 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     async def GetCachedResponse(  # noqa: N802 - gRPC method name
         self, request: cache_pb2.GetCachedResponseRequest, context: grpc.aio.ServicerContext,
     ) -> cache_pb2.GetCachedResponseResponse:
+        """The cached response of ``request.key`` (``found`` false on a miss), in
+        the span ``llmesh.cache.get`` when the caller's metadata carries a trace."""
+        parent = tracing.context_from_metadata(context.invocation_metadata())
+        with tracing.span("llmesh.cache.get", parent) as span:
+            reply = await self._get(request, context)
+            if span is not None:
+                span.set_attribute("llmesh.cache.hit", reply.found)
+            return reply
+
+    async def _get(self, request: cache_pb2.GetCachedResponseRequest,
+                   context: grpc.aio.ServicerContext) -> cache_pb2.GetCachedResponseResponse:
         started = time.perf_counter()
         try:
             entry = await self._admit(request.key, request.HasField("key"), context)

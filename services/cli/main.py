@@ -284,7 +284,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         stream_idle_timeout_s=args.stream_idle_timeout, commands=_role_commands(),
         ops_port=args.ops_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_self_signed=args.tls_self_signed, plaintext_port=args.plaintext_port,
-        internal_mtls=args.internal_mtls,
+        internal_mtls=args.internal_mtls, otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
     # Both explicitly: a launcher started in the background of a non-interactive
     # shell (``llmesh up &``) inherits SIGINT ignored, which Python keeps.
@@ -724,6 +724,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="mutual TLS on every gRPC hop inside the mesh (a mesh CA and one "
                          "certificate per service in RUN_DIR/mtls; default: cleartext on "
                          "loopback)")
+    up.add_argument("--otlp-traces-endpoint", default=None, metavar="HOST:PORT|URL",
+                    help="every service exports OpenTelemetry traces over OTLP/gRPC to this "
+                         "collector (docs/observability.md; default: "
+                         "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT if set, else off)")
     up.add_argument("--model-path", default=None,
                     help="GGUF file or Hugging Face checkpoint directory for tokenizer and "
                          "engines (default: the services' default)")

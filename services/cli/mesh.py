@@ -578,6 +578,10 @@ class Mesh:
         probes) in ``RUN_DIR/mtls``, passed as ``--tls-cert --tls-key
         --tls-ca``; Envoy reaches the router with its client certificate.
         The metrics ports and the router's OpenAI HTTP port stay cleartext.
+      otlp_traces_endpoint: every service exports OpenTelemetry traces there
+        over OTLP/gRPC (``--otlp-traces-endpoint``; docs/observability.md);
+        None: the services' default (``$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``
+        if set, else off).
       envoy_binary, envoy_concurrency, envoy_log_level: how Envoy runs.
       with_envoy: False starts no Envoy: clients then call the router
         directly and ``ingress_address`` is the router's gRPC address (the GPU
@@ -625,6 +629,7 @@ class Mesh:
     tls_self_signed: bool = False
     plaintext_port: int | None = None
     internal_mtls: bool = False
+    otlp_traces_endpoint: str | None = None
     with_envoy: bool = True
     commands: Mapping[str, Sequence[str]] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
@@ -869,15 +874,18 @@ class Mesh:
     def _service(self, name: str, role: str, extra: Sequence[str]) -> ServiceProcess:
         assert isinstance(self.run_dir, Path)
         port_file = self.run_dir / f"{name}.json"
-        mtls: list[str] = []
+        flags: list[str] = []
         if self._mesh_ca is not None:
             tls = self._issue_service_cert(name)
-            mtls = ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-ca", str(tls.ca)]
+            flags = ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key),
+                     "--tls-ca", str(tls.ca)]
+        if self.otlp_traces_endpoint:
+            flags += ["--otlp-traces-endpoint", self.otlp_traces_endpoint]
         argv = [
             *self._command(role),
             "--host", self.service_host, "--port", "0", "--metrics-port", "0",
             "--port-file", str(port_file), "--drain-seconds", str(self.drain_seconds),
-            *mtls, *extra,
+            *flags, *extra,
         ]
         service = ServiceProcess(name, argv, self.service_host, self.run_dir / f"{name}.log",
                                  port_file)

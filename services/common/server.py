@@ -53,6 +53,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from services.common import tracing
 from services.common.active_calls import ActiveCalls
 from services.common.gpu_telemetry import register_gpu_telemetry
 from services.common.grpc_util import SERVER_OPTIONS, MeshTls, use_mesh_tls
@@ -133,6 +134,9 @@ class ServerConfig:
         service's own channels (:func:`~services.common.grpc_util.make_channel`)
         present its certificate; None: cleartext (the default; bind loopback).
         The ``/metrics`` port and the router's OpenAI HTTP port stay cleartext.
+      otlp_traces_endpoint: export OpenTelemetry traces there over OTLP/gRPC
+        (:mod:`services.common.tracing`); None: ``$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``
+        if set, else tracing off.
     """
 
     name: str
@@ -144,6 +148,7 @@ class ServerConfig:
     log_level: str = "info"
     gpu_telemetry: bool | None = None
     tls: MeshTls | None = None
+    otlp_traces_endpoint: str | None = None
 
     @property
     def exports_gpu_telemetry(self) -> bool:
@@ -155,7 +160,7 @@ class ServerConfig:
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds ``--host --port --metrics-port --port-file --drain-seconds --log-level
-    --[no-]gpu-telemetry``."""
+    --[no-]gpu-telemetry --tls-{cert,key,ca} --otlp-traces-endpoint``."""
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one)")
     parser.add_argument(
@@ -175,6 +180,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                        ("ca", "the mesh CA that signs every service's certificate")):
         parser.add_argument(f"--tls-{flag}", type=Path, default=None,
                             help=f"mutual TLS inside the mesh: {what}; the three go together")
+    tracing.add_tracing_arguments(parser)
 
 
 def server_config_from_args(name: str, args: argparse.Namespace) -> ServerConfig:
@@ -189,6 +195,7 @@ def server_config_from_args(name: str, args: argparse.Namespace) -> ServerConfig
         drain_seconds=args.drain_seconds,
         log_level=args.log_level,
         gpu_telemetry=getattr(args, "gpu_telemetry", None),
+        otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
     )
 
 
@@ -246,6 +253,9 @@ def make_server(service: Service, calls: ActiveCalls | None = None) -> grpc.aio.
 async def run_service(config: ServerConfig, service: Service) -> None:
     """Runs ``service`` until SIGTERM/SIGINT, then drains and returns."""
     log = configure_logging(config.name, config.log_level)
+    if tracing.configure(config.name, config.otlp_traces_endpoint):
+        log.info("tracing", otlp_traces_endpoint=config.otlp_traces_endpoint
+                 or os.environ.get(tracing.ENDPOINT_ENV))
     calls = ActiveCalls()
     server = make_server(service, calls)
     health = health_aio.HealthServicer()
@@ -319,6 +329,7 @@ async def run_service(config: ServerConfig, service: Service) -> None:
              seconds=round(loop.time() - began, 3), calls=calls.working())
     await server.stop(grace=left)
     await service.close()
+    tracing.shutdown()  # exports what is still buffered
     log.info("stopped")
 
 

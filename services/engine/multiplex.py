@@ -37,6 +37,7 @@ import grpc
 import structlog
 
 from llmesh.v1 import engine_pb2
+from services.common import tracing
 from services.common.logging import bind_request_id
 from services.common.mux import MuxServer, ProtocolViolation
 from services.common.sampling import FinishReason, InvalidRequestError
@@ -140,7 +141,8 @@ class MultiplexCall:
             self._status(stream_id, exc.code, str(exc))
             return
         loop = asyncio.get_running_loop()
-        entry = _Open(request, RequestRecord(len(request.prompt_token_ids), request.sampling.n))
+        entry = _Open(request, RequestRecord(len(request.prompt_token_ids), request.sampling.n,
+                                             tracing.context_of(start.traceparent)))
         # The request's id is bound in the task's own context, so its log line
         # has it even when the task is cancelled before it first runs.
         context = contextvars.copy_context()

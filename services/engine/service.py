@@ -36,6 +36,7 @@ import grpc
 import structlog
 
 from llmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.common import tracing
 from services.common.cache_scope import check_scope
 from services.common.grpc_util import request_id_from
 from services.common.logging import bind_request_id
@@ -175,7 +176,8 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     async def _stream(self, request: SequenceRequest, request_iterator: _Requests,
                       context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[engine_pb2.EngineServiceGenerateResponse]:
-        record = RequestRecord(len(request.prompt_token_ids), request.sampling.n)
+        record = RequestRecord(len(request.prompt_token_ids), request.sampling.n,
+                               tracing.context_from_metadata(context.invocation_metadata()))
         watcher = asyncio.create_task(self._watch_client(request_iterator, request.request_id,
                                                          record))
         deltas = self.run_request(request, record, lambda: _ended_by(context, record))
@@ -210,6 +212,8 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             async for delta in deltas:
                 first = record.num_deltas == 0
                 last = record.seen(delta)
+                if first and record.trace_parent is not None:
+                    record.first_delta(delta)
                 self._metrics.observe_delta(delta, first, last)
                 if last:  # before the yield: a drop there must not count it again
                     record.finish(delta.finish_reason, record.cancelled_by, delta.error)
@@ -226,6 +230,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             await deltas.aclose()
             if record.finish(unseen_end, ended_by()):
                 self._metrics.observe_unseen_end(unseen_end)
+            record.record_spans(request.request_id, self.replica_id)
 
     async def _after_last(self, delta: TokenDelta, watcher: asyncio.Task[str | None],
                           context: grpc.aio.ServicerContext) -> None:

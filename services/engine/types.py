@@ -70,6 +70,9 @@ class TokenDelta:
       index: the choice (0..n-1) of a request with ``sampling.n`` > 1; each
         choice ends with its own last delta, and the token counts are its own
         (``num_generated_tokens`` of that choice).
+      scheduled_at: when the sequence was first scheduled (``time.monotonic()``
+        seconds; 0.0 before, or from a backend that does not say): the end of
+        its engine queue time and the start of its prefill (its trace spans).
     """
 
     request_id: str
@@ -83,6 +86,7 @@ class TokenDelta:
     logprobs: tuple[PositionLogprobs, ...] = ()
     prompt_logprobs: tuple[PositionLogprobs, ...] = ()
     index: int = 0
+    scheduled_at: float = 0.0
 
     @property
     def finished(self) -> bool:

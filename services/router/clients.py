@@ -305,20 +305,23 @@ class TokenizerClient:
         return decoder
 
     async def tokenize(self, text: str, *, add_special_tokens: bool, request_id: str,
-                       deadline: float | None) -> tuple[int, ...]:
-        """``Tokenize``: text to ids. Raises :class:`UpstreamError`."""
+                       deadline: float | None, traceparent: str = "") -> tuple[int, ...]:
+        """``Tokenize``: text to ids; ``traceparent``: the caller's span (W3C,
+        "" when not traced). Raises :class:`UpstreamError`."""
         answer = await self._ask(tokenizer_pb2.TokenizerServiceMultiplexRequest(
             request_id=request_id, tokenize=tokenizer_pb2.TokenizeRequest(
-                text=text, add_special_tokens=add_special_tokens)), deadline)
+                text=text, add_special_tokens=add_special_tokens),
+            traceparent=traceparent), deadline)
         return tuple(answer.tokenize.token_ids)
 
     async def apply_chat_template(
         self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool,
         max_prompt_tokens: int, request_id: str, deadline: float | None,
-        allow_special_tokens: bool = False,
+        allow_special_tokens: bool = False, traceparent: str = "",
     ) -> ChatPrompt:
         """``ApplyChatTemplate``: messages to prompt ids within ``max_prompt_tokens``;
-        special-token text in contents stays text unless ``allow_special_tokens``.
+        special-token text in contents stays text unless ``allow_special_tokens``;
+        ``traceparent``: the caller's span (W3C, "" when not traced).
 
         Raises:
           UpstreamError: FAILED_PRECONDITION (no chat template), OUT_OF_RANGE
@@ -330,7 +333,8 @@ class TokenizerClient:
             allow_special_tokens=allow_special_tokens,
         )
         answer = await self._ask(tokenizer_pb2.TokenizerServiceMultiplexRequest(
-            request_id=request_id, apply_chat_template=request), deadline)
+            request_id=request_id, apply_chat_template=request, traceparent=traceparent),
+            deadline)
         reply = answer.apply_chat_template
         return ChatPrompt(tuple(reply.token_ids), reply.num_dropped_messages)
 
@@ -444,13 +448,16 @@ class CacheClient:
         remaining = timeout_until(deadline)
         return self.timeout if remaining is None else min(self.timeout, remaining)
 
-    async def get(self, key: CacheKey, *, request_id: str,
-                  deadline: float | None) -> CachedResponse | None:
-        """The cached response for ``key``, or None (miss, or any cache error)."""
+    async def get(self, key: CacheKey, *, request_id: str, deadline: float | None,
+                  trace_metadata: Sequence[tuple[str, str]] = ()) -> CachedResponse | None:
+        """The cached response for ``key``, or None (miss, or any cache error);
+        ``trace_metadata``: the caller's span's W3C trace context
+        (:func:`services.common.tracing.metadata_of`), sent as metadata."""
         try:
             reply = await self._stub.GetCachedResponse(
                 cache_pb2.GetCachedResponseRequest(key=key.to_pb()),
-                timeout=self._timeout(deadline), metadata=request_id_metadata(request_id))
+                timeout=self._timeout(deadline),
+                metadata=(*request_id_metadata(request_id), *trace_metadata))
         except grpc.aio.AioRpcError as err:
             log.warning("cache_get_failed", target=self.target, code=err.code().name,
                         details=err.details())

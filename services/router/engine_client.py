@@ -235,14 +235,16 @@ class EngineClient:
         self, prompt_token_ids: Sequence[int], sampling: SamplingOptions, *,
         priority: Priority, request_id: str, deadline: float | None,
         speculative: SpeculativeOptions | None = None, tenant: str = "",
-        cache_scope: str = "",
+        cache_scope: str = "", traceparent: str = "",
     ) -> EngineStream:
         """Starts the request on the replica's ``Multiplex`` call (opened now if
         there is none, or the last one failed); ``speculative``: the request's
         speculative decoding switch, None for the engine's defaults;
         ``tenant``: whose request it is ("" for none); ``cache_scope``: its
         cache scope (:mod:`services.common.cache_scope`; the engine reuses KV
-        blocks and suffix-cache outputs only within it). The start
+        blocks and suffix-cache outputs only within it); ``traceparent``:
+        the router's span the engine's spans are children of (W3C, "" when
+        not traced). The start
         is written by the call's writer task; the engine's refusals arrive on
         the first :meth:`EngineStream.read`.
 
@@ -258,7 +260,8 @@ class EngineClient:
             request.speculative.CopyFrom(speculative.to_pb())
         stream_id = next(self._stream_ids)
         start = EngineStart(stream_id, request,
-                            0 if remaining is None else max(1, int(remaining * 1e3)))
+                            0 if remaining is None else max(1, int(remaining * 1e3)),
+                            traceparent)
         if self._mux is None or self._mux.failed is not None:
             self._mux = MuxClient(self._stub.Multiplex(), pack=pack_requests,
                                   unpack=unpack_updates, make_error=self._error,

@@ -91,6 +91,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from services.common import tracing
 from services.common.detokenizer import IncrementalDetokenizer, TokenizersDecoder
 from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason, InvalidRequestError, SamplingOptions
@@ -112,6 +113,7 @@ from services.router.clients import (
 from services.router.engine_client import EngineClient, EngineStream
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
+from services.router.request_trace import end_request_span, start_request_span
 from services.router.routing import (
     CachedPrefix,
     ReplicaPicker,
@@ -255,6 +257,9 @@ class _Timing:
     #: False for a shared generation's own timing: its subscribers observe TTFT
     #: and ITL, each as its events leave to its client.
     observe_tokens: bool = True
+    #: The request's ``llmesh.generate`` span (None: not traced), the parent
+    #: of its stages' spans and of the other services' spans.
+    span: tracing.Span | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -416,7 +421,7 @@ class GenerationPipeline:
           GenerationError: an upstream failure, with the client's status.
         """
         progress = Progress() if progress is None else progress
-        timing = _Timing(request.model, received_at)
+        timing = _Timing(request.model, received_at, span=start_request_span(request))
         limits = self.models[request.model]
         outcome = "cancelled"  # unless set otherwise before leaving
         info: dict[str, object] = {}
@@ -425,7 +430,9 @@ class GenerationPipeline:
         self.metrics.requests_in_flight.labels(request.model).inc()
         try:
             self._refuse_if_full(request)
-            prompt_ids = await self._prompt_ids(request, limits, deadline, info)
+            with tracing.span("llmesh.tokenize", timing.span) as tokenize:
+                prompt_ids = await self._prompt_ids(request, limits, deadline, info,
+                                                    tracing.traceparent_of(tokenize))
             progress.prompt_tokens = len(prompt_ids)
             max_tokens = fit_to_context(len(prompt_ids), request.sampling.max_tokens,
                                         limits.max_model_len, field=request.input_field)
@@ -440,8 +447,9 @@ class GenerationPipeline:
             else:  # computed fresh, alone: nothing to look up or share
                 matches = self._start_prefix_matches(request, prompt_ids)  # beside admission
                 # n choices hold the engine for n x max_tokens (the prompt once)
-                ticket = await self._admit(request, len(prompt_ids),
-                                           max_tokens * sampling.n, deadline)
+                with tracing.span("llmesh.admission_wait", timing.span):
+                    ticket = await self._admit(request, len(prompt_ids),
+                                               max_tokens * sampling.n, deadline)
                 events = self._from_engine(request, prompt_ids, sampling,
                                            self._cache_key(request, prompt_ids), deadline,
                                            progress, timing, info, ticket,
@@ -483,6 +491,8 @@ class GenerationPipeline:
             if ticket is not None:
                 ticket.release()
             self._record(request, outcome, progress, timing, info)
+            end_request_span(timing.span, request, outcome=outcome, progress=progress,
+                             timing=timing, info=info)
 
     async def close(self) -> None:
         """Cancels the shared generations still running, waits briefly for
@@ -505,13 +515,14 @@ class GenerationPipeline:
                      merge=merge_deltas, on_stall=count)
 
     async def _prompt_ids(self, request: GenerationRequest, limits: ModelLimits,
-                          deadline: float | None, info: dict[str, object]) -> tuple[int, ...]:
+                          deadline: float | None, info: dict[str, object],
+                          traceparent: str = "") -> tuple[int, ...]:
         if request.messages is None:
             assert request.prompt is not None
             try:
                 return await self.tokenizer.tokenize(
                     request.prompt, add_special_tokens=True, request_id=request.request_id,
-                    deadline=deadline)
+                    deadline=deadline, traceparent=traceparent)
             except UpstreamError as err:
                 if err.code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidRequestError("prompt", f"the tokenizer refused it: "
@@ -521,7 +532,8 @@ class GenerationPipeline:
             chat = await self.tokenizer.apply_chat_template(
                 request.messages, add_generation_prompt=True,
                 max_prompt_tokens=limits.max_model_len - 1, request_id=request.request_id,
-                deadline=deadline, allow_special_tokens=request.allow_special_tokens)
+                deadline=deadline, allow_special_tokens=request.allow_special_tokens,
+                traceparent=traceparent)
         except UpstreamError as err:
             if err.code == grpc.StatusCode.OUT_OF_RANGE:
                 raise InvalidRequestError(
@@ -570,7 +582,8 @@ class GenerationPipeline:
         leader = subscription is None
         if subscription is None:
             state = _Shared(request.request_id, Progress(prompt_tokens=len(prompt_ids)),
-                            _Timing(request.model, timing.received_at, observe_tokens=False))
+                            _Timing(request.model, timing.received_at, observe_tokens=False,
+                                    span=timing.span))
             subscription = self._flights.start(
                 key, deadline, state,
                 lambda flight: self._shared_work(flight, request, prompt_ids, sampling,
@@ -622,13 +635,16 @@ class GenerationPipeline:
         ticket: Ticket | None = None
         matches = self._start_prefix_matches(request, prompt_ids)
         try:
-            hit = await self._cache_lookup(key, request, flight.latest_deadline())
+            with tracing.span("llmesh.cache_lookup", timing.span) as lookup:
+                hit = await self._cache_lookup(key, request, flight.latest_deadline(),
+                                               tracing.metadata_of(lookup))
             if hit is not None:
                 info.update(cached=True, output=hit.text)
                 events = self._replay(hit, progress, timing)
             else:
                 deadline = flight.latest_deadline()
-                with flight.bound_by(deadline):
+                with (flight.bound_by(deadline),
+                      tracing.span("llmesh.admission_wait", timing.span)):
                     ticket = await self._admit(request, len(prompt_ids), sampling.max_tokens,
                                                deadline)
                 # No engine deadline: each subscriber ends at its own, and the last
@@ -657,14 +673,17 @@ class GenerationPipeline:
                 ticket.release()
 
     async def _cache_lookup(self, key: CacheKey | None, request: GenerationRequest,
-                            deadline: float | None) -> CachedResponse | None:
+                            deadline: float | None,
+                            trace_metadata: Sequence[tuple[str, str]] = ()
+                            ) -> CachedResponse | None:
         if key is None or self.cache is None:
             return None
         self.metrics.cache_queries.labels(request.model).inc()
         pending = self._pending_stores.get(key)
         if pending is not None:
             await asyncio.wait([pending], timeout=_PENDING_STORE_WAIT_SECONDS)
-        hit = await self.cache.get(key, request_id=request.request_id, deadline=deadline)
+        hit = await self.cache.get(key, request_id=request.request_id, deadline=deadline,
+                                   trace_metadata=trace_metadata)
         if hit is not None:
             self.metrics.cache_hits.labels(request.model).inc()
         return hit
@@ -724,7 +743,8 @@ class GenerationPipeline:
                     prompt_ids, sampling, priority=request.priority,
                     request_id=request.request_id, deadline=deadline,
                     speculative=request.speculative, tenant=request.tenant,
-                    cache_scope=request.cache_scope)
+                    cache_scope=request.cache_scope,
+                    traceparent=tracing.traceparent_of(timing.span))
                 if timing.dispatched_at is None:  # once, even when a replica is retried
                     timing.dispatched_at = time.monotonic()
                     self.metrics.request_queue_time.labels(request.model).observe(

@@ -56,6 +56,7 @@ from aiohttp import web
 from llmesh.v1 import generation_pb2
 
 from services.common.logging import REQUEST_ID_METADATA_KEY, bind_request_id
+from services.common.tracing import TRACEPARENT, TRACESTATE
 from services.common.sampling import InvalidRequestError
 from services.router.generation import (
     RETRY_AFTER_METADATA_KEY,
@@ -206,7 +207,9 @@ class OpenAIServer:
                 request_id = header_id  # checked by validation (x-request-id)
             validated = self.router.validate(
                 parsed.generate, request_id, header_request_id=header_id,
-                header_tenant=request.headers.get(TENANT_METADATA_KEY), tenant=tenant)
+                header_tenant=request.headers.get(TENANT_METADATA_KEY), tenant=tenant,
+                traceparent=request.headers.get(TRACEPARENT),
+                tracestate=request.headers.get(TRACESTATE))
             bind_request_id(request_id)
             self.router.check_accepting()
             events = self.router.run(tenant, validated, received_at=received_at,

@@ -59,6 +59,7 @@ import grpc
 import structlog
 
 from llmesh.v1 import generation_pb2, generation_pb2_grpc
+from services.common import tracing
 from services.common.grpc_util import metadata_value, request_id_from
 from services.common.logging import REQUEST_ID_METADATA_KEY, bind_request_id
 from services.common.logprobs import logprobs_to_pb
@@ -529,10 +530,12 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
 
     def validate(self, pb: generation_pb2.GenerateRequest, request_id: str, *,
                  header_request_id: str | None, header_tenant: str | None,
-                 tenant: Tenant | None = None) -> GenerationRequest:
+                 tenant: Tenant | None = None, traceparent: str | None = None,
+                 tracestate: str | None = None) -> GenerationRequest:
         """:func:`validate_request` against the served models (both edges),
         then whether ``tenant`` (the key's; None: auth off, ``header_tenant``
-        names the tenant) may use the model.
+        names the tenant) may use the model. ``traceparent``/``tracestate``:
+        the call's W3C trace context headers, kept (unchecked) while tracing is on.
 
         Raises:
           InvalidRequestError: the first bad field.
@@ -549,6 +552,9 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             header_tenant=header_tenant if tenant is None else tenant.id,
             cache_group="" if tenant is None else tenant.cache_group)
         self.tenancy.check_model(tenant, validated.model)
+        if traceparent and tracing.enabled():
+            validated = dataclasses.replace(validated, traceparent=traceparent,
+                                            tracestate=tracestate or "")
         return validated
 
     def run(self, tenant: Tenant | None, request: GenerationRequest, *, received_at: float,
@@ -572,7 +578,9 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                   context: grpc.aio.ServicerContext, tenant: Tenant | None) -> GenerationRequest:
         return self.validate(
             pb, request_id, header_request_id=metadata_value(context, REQUEST_ID_METADATA_KEY),
-            header_tenant=metadata_value(context, TENANT_METADATA_KEY), tenant=tenant)
+            header_tenant=metadata_value(context, TENANT_METADATA_KEY), tenant=tenant,
+            traceparent=metadata_value(context, tracing.TRACEPARENT),
+            tracestate=metadata_value(context, tracing.TRACESTATE))
 
     def count_refused(self, pb: generation_pb2.GenerateRequest, code: grpc.StatusCode) -> None:
         """Counts a request refused before the pipeline ran it (it counts the rest)."""

@@ -117,6 +117,9 @@ class GenerationRequest:
     one), for admission fairness. ``cache_scope``: the scope of every cache
     the request reads or fills (:mod:`services.common.cache_scope`: tenant or
     cache group, and the request's ``cache_salt``; "" the shared scope).
+    ``traceparent``/``tracestate``: the client's W3C trace context (gRPC
+    metadata or HTTP headers; "" none), the parent of the request's spans
+    (:mod:`services.router.request_trace`); a malformed one is ignored.
     """
 
     request_id: str
@@ -130,6 +133,8 @@ class GenerationRequest:
     allow_special_tokens: bool = False
     tenant: str = ""
     cache_scope: str = ""
+    traceparent: str = ""
+    tracestate: str = ""
 
     @property
     def is_chat(self) -> bool:

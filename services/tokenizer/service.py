@@ -63,6 +63,7 @@ import grpc
 import structlog
 
 from llmesh.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.common import tracing
 from services.common.detokenizer import DEFINITION_FORMAT, IncrementalDetokenizer
 from services.common.grpc_util import request_id_from
 from services.common.logging import bind_request_id
@@ -262,16 +263,20 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         work: Callable[[Tokenizer], Awaitable[_T]],
     ) -> _T:
         bind_request_id(request_id_from(context))
-        reply, code, message = await self._serve(method, work)
+        reply, code, message = await self._serve(
+            method, work, tracing.context_from_metadata(context.invocation_metadata()))
         if reply is None:
             await context.abort(code, message)
         return reply
 
     async def _serve(
         self, method: str, work: Callable[[Tokenizer], Awaitable[_T]],
+        trace_parent: tracing.Context | None = None,
     ) -> tuple[_T | None, grpc.StatusCode, str]:
         """Runs ``work`` on the tokenizer, counts it under ``method`` and, for a
-        prompt, writes its ``tokenize_finished`` line (request id as bound).
+        prompt, writes its ``tokenize_finished`` line (request id as bound);
+        with ``trace_parent`` (the caller's span), in the span
+        ``llmesh.tokenizer.<method>``.
 
         Returns:
           (reply, OK, "") or (None, the status, its message): UNAVAILABLE while
@@ -280,7 +285,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         """
         started = time.perf_counter()
         try:
-            reply = await work(self._admit())
+            with tracing.span(f"llmesh.tokenizer.{method}", trace_parent):
+                reply = await work(self._admit())
         except asyncio.CancelledError:
             self._record(method, grpc.StatusCode.CANCELLED, started)
             raise
@@ -366,13 +372,15 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         kind = message.WhichOneof("request")
         if kind == "tokenize":
             reply, code, text = await self._serve(
-                "Tokenize", functools.partial(self._tokenize, request=message.tokenize))
+                "Tokenize", functools.partial(self._tokenize, request=message.tokenize),
+                tracing.context_of(message.traceparent))
             if reply is not None:
                 answer.tokenize.CopyFrom(reply)
         elif kind == "apply_chat_template":
             reply, code, text = await self._serve(
                 "ApplyChatTemplate", functools.partial(
-                    self._apply_chat_template, request=message.apply_chat_template))
+                    self._apply_chat_template, request=message.apply_chat_template),
+                tracing.context_of(message.traceparent))
             if reply is not None:
                 answer.apply_chat_template.CopyFrom(reply)
         else:

@@ -52,19 +52,23 @@ class EngineStart:
       request: the engine request (validated by the engine at its edge,
         ``EngineService.to_engine_request``).
       timeout_ms: milliseconds it may take from its arrival; 0: no deadline.
+      traceparent: the caller's span as a W3C ``traceparent``; "" when not
+        traced (:mod:`services.common.tracing`).
     """
 
     stream_id: int
     request: engine_pb2.EngineRequest
     timeout_ms: int = 0
+    traceparent: str = ""
 
     def to_pb(self) -> engine_pb2.MultiplexStart:
         return engine_pb2.MultiplexStart(stream_id=self.stream_id, request=self.request,
-                                         timeout_ms=self.timeout_ms)
+                                         timeout_ms=self.timeout_ms,
+                                         traceparent=self.traceparent)
 
     @classmethod
     def from_pb(cls, pb: engine_pb2.MultiplexStart) -> EngineStart:
-        return cls(pb.stream_id, pb.request, pb.timeout_ms)
+        return cls(pb.stream_id, pb.request, pb.timeout_ms, pb.traceparent)
 
     @property
     def wire_bytes(self) -> int:

@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import time
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
@@ -472,8 +473,9 @@ class Scheduler:
                 return budget
             heapq.heappop(waiting)
             seq.num_computed_tokens = hit.num_tokens
-            if seq.num_cached_tokens < 0:
+            if seq.num_cached_tokens < 0:  # first scheduled
                 seq.num_cached_tokens = min(hit.num_tokens, seq.num_prompt_tokens)
+                seq.scheduled_at = time.monotonic()
             if looks_up:  # the pool's hits (blocks restored from the offload tier apart)
                 out.prefix_queries += seq.num_tokens
                 out.prefix_hits += hit.num_pool_tokens
@@ -516,6 +518,7 @@ class Scheduler:
             token = entry if isinstance(entry, int) else entry[0]
             child.token_ids.append(token)
             child.num_cached_tokens = max(leader.num_cached_tokens, 0)
+            child.scheduled_at = leader.scheduled_at
             reason = self._stop_reason(child, token)
             if reason is not FinishReason.NONE:
                 child.status = SequenceStatus.FINISHED

@@ -99,6 +99,8 @@ class Sequence:
       index: its choice among the request's ``sampling.n`` (0..n-1).
       group: the request's choices when ``sampling.n`` > 1 (shared by all of
         them), None otherwise.
+      scheduled_at: when it was first scheduled (``time.monotonic()`` seconds;
+        0.0 while waiting), delivered on its deltas (``TokenDelta.scheduled_at``).
       refusal: why the request failed for a reason of its own, not the
         engine's (its constraint failed mid-generation), as the field-named
         error its last delta carries (``TokenDelta.error_status``); None
@@ -130,6 +132,7 @@ class Sequence:
     index: int = 0
     group: ChoiceGroup | None = field(default=None, repr=False)
     refusal: InvalidRequestError | None = None
+    scheduled_at: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -205,4 +208,5 @@ class Sequence:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             index=self.index,
+            scheduled_at=self.scheduled_at,
         )

@@ -190,6 +190,7 @@ class MultiplexStart(_message.Message):
     STREAM_ID_FIELD_NUMBER: _builtins.int
     REQUEST_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     stream_id: _builtins.int
     """Chosen by the caller, unique among the call's open requests; every update
     of the request carries it. An id may be used again once its request's last
@@ -201,6 +202,12 @@ class MultiplexStart(_message.Message):
     no deadline. When it passes, the sequence is cancelled and its last update
     has DEADLINE_EXCEEDED.
     """
+    traceparent: _builtins.str
+    """The request's W3C trace context (`traceparent`, e.g.
+    `00-<32 hex trace id>-<16 hex span id>-01`): the router's span the
+    engine's spans are children of. Per request, since one call carries many
+    requests (a call's metadata cannot); empty: not traced.
+    """
     @_builtins.property
     def request(self) -> Global___EngineRequest: ...
     def __init__(
@@ -209,10 +216,11 @@ class MultiplexStart(_message.Message):
         stream_id: _builtins.int = ...,
         request: Global___EngineRequest | None = ...,
         timeout_ms: _builtins.int = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request", "stream_id", b"stream_id", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request", "stream_id", b"stream_id", "timeout_ms", b"timeout_ms", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

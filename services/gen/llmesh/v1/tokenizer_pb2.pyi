@@ -326,6 +326,7 @@ class TokenizerServiceMultiplexRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     TOKENIZE_FIELD_NUMBER: _builtins.int
     APPLY_CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     call_id: _builtins.int
     """The caller's id for this request, echoed on its answer; unique among the
     call's open requests.
@@ -333,6 +334,11 @@ class TokenizerServiceMultiplexRequest(_message.Message):
     request_id: _builtins.str
     """The request id for the tokenizer's log line (as `x-request-id` on a
     unary call).
+    """
+    traceparent: _builtins.str
+    """The request's W3C trace context (`traceparent`): the caller's span the
+    tokenizer's span is a child of (per request: one call carries many, so
+    the call's metadata cannot); empty: not traced.
     """
     @_builtins.property
     def tokenize(self) -> Global___TokenizeRequest: ...
@@ -345,10 +351,11 @@ class TokenizerServiceMultiplexRequest(_message.Message):
         request_id: _builtins.str = ...,
         tokenize: Global___TokenizeRequest | None = ...,
         apply_chat_template: Global___ApplyChatTemplateRequest | None = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["apply_chat_template", b"apply_chat_template", "request", b"request", "tokenize", b"tokenize"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_chat_template", b"apply_chat_template", "call_id", b"call_id", "request", b"request", "request_id", b"request_id", "tokenize", b"tokenize"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_chat_template", b"apply_chat_template", "call_id", b"call_id", "request", b"request", "request_id", b"request_id", "tokenize", b"tokenize", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_request: _TypeAlias = _typing.Literal["tokenize", "apply_chat_template"]  # noqa: Y015
     _WhichOneofArgType_request: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
