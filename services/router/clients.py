@@ -44,6 +44,9 @@ from services.common.kv_events import PrefixMatch
 from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason, SamplingOptions
 from services.common.step_profile import StepProfile
+from services.common.wire.chat import ChatMessage, ChatPrompt
+from services.common.wire.engine_info import LoadStats, ModelInfo
+from services.common.wire.tokenizer_info import TokenizerInfo
 
 log = structlog.get_logger()
 
@@ -76,14 +79,6 @@ class UpstreamError(Exception):
 
 
 @dataclass(frozen=True)
-class ChatMessage:
-    """One chat turn: ``role`` (``system``, ``user``, ...) and its UTF-8 ``content``."""
-
-    role: str
-    content: str
-
-
-@dataclass(frozen=True)
 class Usage:
     """Token counts of one request (tokens, not characters)."""
 
@@ -97,60 +92,6 @@ class Usage:
             completion_tokens=self.completion_tokens,
             cached_prompt_tokens=self.cached_prompt_tokens,
         )
-
-
-@dataclass(frozen=True)
-class ReplicaInfo:
-    """What an engine replica serves (``GetModelInfo``); lengths in tokens;
-    ``max_num_seqs``, ``kv_capacity_tokens`` and ``kv_block_size`` are 0 when
-    the engine does not say.
-    ``replica_id`` names it in the prefix index; ``kv_hash_seed`` and
-    ``kv_block_size`` let the router hash a prompt's blocks as it does
-    (:mod:`services.common.block_hash`; empty / 0: no prefix cache)."""
-
-    model: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    backend: str
-    max_num_seqs: int = 0
-    kv_capacity_tokens: int = 0
-    replica_id: str = ""
-    kv_block_size: int = 0
-    kv_hash_seed: bytes = b""
-
-
-@dataclass(frozen=True)
-class TokenizerInfo:
-    """Facts about the tokenizer (``GetTokenizerInfo``)."""
-
-    model: str
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-    has_chat_template: bool
-    chat_roles: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """An engine replica's load: sequences running / waiting, KV usage in [0, 1],
-    prompt tokens admitted and not yet computed, and its measured step costs
-    (empty: none reported; the routing cost uses priors)."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_pending_prefill_tokens: int = 0
-    step_profile: StepProfile = StepProfile()
-
-
-@dataclass(frozen=True)
-class ChatPrompt:
-    """Prompt ids from the chat template and how many old messages were dropped."""
-
-    token_ids: tuple[int, ...]
-    num_dropped_messages: int
 
 
 @dataclass(frozen=True)
@@ -201,6 +142,12 @@ class CachedResponse:
     text: str
     finish_reason: FinishReason
     matched_stop: str = ""
+
+
+#: The names :mod:`services.router.engine_client` imports (until its rewrite
+#: over the stream kit imports the wire types itself): not types of their own.
+ReplicaInfo = ModelInfo
+EngineLoad = LoadStats
 
 
 # --------------------------------------------------------------------------- #
@@ -298,13 +245,7 @@ class TokenizerClient:
                 tokenizer_pb2.GetTokenizerInfoRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as err:
             raise upstream_error(self.service, self.target, err) from err
-        return TokenizerInfo(
-            model=reply.model, vocab_size=reply.vocab_size,
-            eos_token_ids=tuple(reply.eos_token_ids),
-            bos_token_id=reply.bos_token_id if reply.HasField("bos_token_id") else None,
-            has_chat_template=reply.has_chat_template,
-            chat_roles=tuple(reply.chat_roles),
-        )
+        return TokenizerInfo.from_pb(reply)
 
     async def decoder(self, *, timeout: float | None = 60.0) -> TokenizersDecoder:
         """``GetTokenizer``: the tokenizer's definition, checked (size and SHA-256)
@@ -364,14 +305,13 @@ class TokenizerClient:
             (even the last message alone does not fit), or the transport error.
         """
         request = tokenizer_pb2.ApplyChatTemplateRequest(
-            messages=[common_pb2.ChatMessage(role=m.role, content=m.content) for m in messages],
+            messages=[m.to_pb() for m in messages],
             add_generation_prompt=add_generation_prompt, max_prompt_tokens=max_prompt_tokens,
             allow_special_tokens=allow_special_tokens,
         )
         answer = await self._ask(tokenizer_pb2.TokenizerServiceMultiplexRequest(
             request_id=request_id, apply_chat_template=request), deadline)
-        reply = answer.apply_chat_template
-        return ChatPrompt(tuple(reply.token_ids), reply.num_dropped_messages)
+        return ChatPrompt.from_pb(answer.apply_chat_template)
 
     async def _ask(self, message: tokenizer_pb2.TokenizerServiceMultiplexRequest,
                    deadline: float | None) -> tokenizer_pb2.TokenizerServiceMultiplexResponse:

@@ -34,19 +34,15 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from services.common.wire.engine_info import ModelInfo
+from services.common.wire.tokenizer_info import TokenizerInfo
 from services.router.admission import (
     AdmissionConfig,
     AdmissionController,
     NoReplicaServing,
     ReplicaCapacity,
 )
-from services.router.clients import (
-    CacheClient,
-    ReplicaInfo,
-    TokenizerClient,
-    TokenizerInfo,
-    UpstreamError,
-)
+from services.router.clients import CacheClient, TokenizerClient, UpstreamError
 from services.router.discovery import (
     DEFAULT_RESOLVE_INTERVAL_S,
     Discovery,
@@ -142,7 +138,7 @@ class ModelPool:
     """
 
     def __init__(self, limits: ModelLimits, tokenizer: TokenizerClient,
-                 infos: list[ReplicaInfo], admission: AdmissionController,
+                 infos: list[ModelInfo], admission: AdmissionController,
                  replicas: ReplicaSet, pipeline: GenerationPipeline, policy: RoutingPolicy,
                  discovery: Discovery) -> None:
         self.limits = limits
@@ -317,7 +313,7 @@ async def _first_engines(discovery: Discovery, make_client: Callable[[str], Engi
         await discovery.resolve_all()
 
 
-def admit_replica(limits: ModelLimits, info: ReplicaInfo) -> str | None:
+def admit_replica(limits: ModelLimits, info: ModelInfo) -> str | None:
     """Why a replica that joins later may not serve the pool (None: it may)."""
     if (info.model or limits.model) != limits.model:
         return (f"it serves model {info.model!r}, the pool serves {limits.model!r}; "
@@ -329,7 +325,7 @@ def admit_replica(limits: ModelLimits, info: ReplicaInfo) -> str | None:
     return None
 
 
-def model_limits(infos: list[ReplicaInfo], tok: TokenizerInfo,
+def model_limits(infos: list[ModelInfo], tok: TokenizerInfo,
                  settings: PoolSettings) -> ModelLimits:
     """The model's limits from its replicas' and tokenizer's answers.
 

@@ -50,7 +50,7 @@ from services.common.sampling import (
     SamplingOptions,
     SpeculativeOptions,
 )
-from services.router.clients import ChatMessage
+from services.common.wire.chat import ChatMessage
 
 #: Most characters in a caller-chosen request id (it travels as gRPC metadata).
 MAX_REQUEST_ID_LENGTH = 128

@@ -41,7 +41,8 @@ from services.engine.torch_backend.model_runner import ModelRunner, StepInput
 from services.engine.torch_backend.sequence import Sequence as EngineSequence
 from services.engine.torch_backend.suffix_proposer import SuffixProposer
 from services.engine.types import SequenceRequest, TokenDelta
-from services.tokenizer.tokenizer import ChatMessage, Tokenizer
+from services.common.wire.chat import ChatMessage
+from services.tokenizer.tokenizer import Tokenizer
 
 from .prompts import CHAT, CHAT_GREEDY, EOS, STORY
 

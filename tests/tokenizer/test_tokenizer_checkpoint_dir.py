@@ -15,7 +15,8 @@ from benchmarks.random_checkpoint import save_smollm2_tokenizer, save_tiny_llama
 from llmesh.v1 import tokenizer_pb2
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.service import TokenizerService
-from services.tokenizer.tokenizer import ChatMessage, Tokenizer
+from services.common.wire.chat import ChatMessage
+from services.tokenizer.tokenizer import Tokenizer
 from tests.tokenizer.tokenizer_helpers import Client, ServerThread
 
 TEXTS = ("Hello, world!", "日本語? e\u0301 👋", "<|im_end|> is text here", "  spaced\n\ttabs ")
