@@ -41,6 +41,14 @@ class FinishReason(enum.IntEnum):
     CANCELLED = common_pb2.FINISH_REASON_CANCELLED
     ERROR = common_pb2.FINISH_REASON_ERROR
 
+    @classmethod
+    def from_pb(cls, value: int) -> FinishReason:
+        """``value`` as a :class:`FinishReason`; an unknown value counts as ERROR."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.ERROR
+
 
 class Priority(enum.IntEnum):
     """Traffic class; lower value is scheduled first."""

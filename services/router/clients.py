@@ -42,8 +42,8 @@ from services.common.detokenizer import DEFINITION_FORMAT, TokenizersDecoder
 from services.common.grpc_util import make_channel, request_id_metadata, status_code_of
 from services.common.kv_events import PrefixMatch
 from services.common.logprobs import PositionLogprobs
-from services.common.sampling import FinishReason, SamplingOptions
-from services.common.step_profile import StepProfile
+from services.common.sampling import FinishReason
+from services.common.wire.cache import CachedResponse, CacheKey
 from services.common.wire.chat import ChatMessage, ChatPrompt
 from services.common.wire.engine_info import LoadStats, ModelInfo
 from services.common.wire.tokenizer_info import TokenizerInfo
@@ -117,33 +117,6 @@ class EngineDelta:
     index: int = 0
 
 
-@dataclass(frozen=True)
-class CacheKey:
-    """Everything that decides a deterministic request's output, and the cache
-    scope it may be shared in (:mod:`services.common.cache_scope`; "" shared)."""
-
-    model: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingOptions
-    cache_scope: str = ""
-
-    def to_pb(self) -> cache_pb2.CacheKey:
-        return cache_pb2.CacheKey(
-            model=self.model, prompt_token_ids=list(self.prompt_token_ids),
-            sampling=self.sampling.to_pb(), cache_scope=self.cache_scope,
-        )
-
-
-@dataclass(frozen=True)
-class CachedResponse:
-    """A finished generation as the client saw it."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: FinishReason
-    matched_stop: str = ""
-
-
 #: The names :mod:`services.router.engine_client` imports (until its rewrite
 #: over the stream kit imports the wire types itself): not types of their own.
 ReplicaInfo = ModelInfo
@@ -169,12 +142,8 @@ def timeout_until(deadline: float | None) -> float | None:
     return remaining
 
 
-def finish_reason_of(value: int) -> FinishReason:
-    """``value`` as a :class:`FinishReason`; an unknown value counts as ERROR."""
-    try:
-        return FinishReason(value)
-    except ValueError:
-        return FinishReason.ERROR
+#: The name :mod:`services.router.engine_client` imports.
+finish_reason_of = FinishReason.from_pb
 
 
 def upstream_error(service: str, target: str, err: grpc.aio.AioRpcError) -> UpstreamError:
@@ -482,19 +451,11 @@ class CacheClient:
             return None
         if not reply.found:
             return None
-        r = reply.response
-        return CachedResponse(tuple(r.token_ids), r.text, finish_reason_of(r.finish_reason),
-                              r.matched_stop)
+        return CachedResponse.from_pb(reply.response)
 
     async def put(self, key: CacheKey, response: CachedResponse, *, request_id: str) -> bool:
         """Stores ``response``; True when the cache kept it (False on any error)."""
-        request = cache_pb2.PutCachedResponseRequest(
-            key=key.to_pb(),
-            response=cache_pb2.CachedResponse(
-                token_ids=list(response.token_ids), text=response.text,
-                finish_reason=int(response.finish_reason), matched_stop=response.matched_stop,
-            ),
-        )
+        request = cache_pb2.PutCachedResponseRequest(key=key.to_pb(), response=response.to_pb())
         try:
             reply = await self._stub.PutCachedResponse(
                 request, timeout=self.timeout, metadata=request_id_metadata(request_id))
