@@ -155,7 +155,9 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
 
     async def Generate(self, request_iterator: _Requests, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[engine_pb2.EngineServiceGenerateResponse]:
-        """Bidi stream of one request: ``start``, then optionally ``cancel``."""
+        """Bidi stream of one request: ``start``, then optionally ``cancel``.
+        Deprecated in the proto (the router calls :meth:`Multiplex`); kept for
+        one-request callers (grpcurl, tests, ``benchmarks/mesh_latency.py``)."""
         await self._check_admitting(context)
         first = await anext(request_iterator, None)
         if first is None or first.WhichOneof("action") != "start":

@@ -478,7 +478,10 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         request_iterator: AsyncIterator[tokenizer_pb2.DetokenizeRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[tokenizer_pb2.DetokenizeResponse]:
-        """Ids in, text deltas out: one response per request message."""
+        """Ids in, text deltas out: one response per request message. Deprecated
+        in the proto (no llmesh service calls it: the router decodes in process
+        from ``GetTokenizer``); kept for outside callers and as the tests'
+        reference decoder."""
         started = time.perf_counter()
         tok = await self._admit_call("Detokenize", context, started)
         self._metrics.detokenize_streams.inc()
