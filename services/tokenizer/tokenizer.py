@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -360,20 +360,8 @@ class Tokenizer:
         smallest = render(droppable)
         if len(smallest) > max_prompt_tokens:
             raise PromptTooLongError(len(smallest), max_prompt_tokens)
-        # Invariant: render(lo) does not fit, render(hi) fits.
-        lo, hi, best = 0, droppable, smallest
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            try:
-                candidate = render(mid)
-            except ChatTemplateError:  # e.g. roles must alternate: drop more
-                lo = mid
-                continue
-            if len(candidate) <= max_prompt_tokens:
-                hi, best = mid, candidate
-            else:
-                lo = mid
-        return ChatPrompt(tuple(best), hi)
+        best, dropped = _fewest_drops(render, droppable, smallest, max_prompt_tokens)
+        return ChatPrompt(tuple(best), dropped)
 
     def _encode_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
                      allow_special_tokens: bool) -> list[int]:
@@ -434,6 +422,29 @@ class Tokenizer:
                     "message content, so it cannot be kept as plain text: remove it (or set "
                     "allow_special_tokens if the content is trusted)")
         return self.encode(text)
+
+
+def _fewest_drops(render: Callable[[int], list[int]], droppable: int, smallest: list[int],
+                  budget: int) -> tuple[list[int], int]:
+    """The prompt with the fewest oldest messages dropped that fits ``budget``
+    tokens, and how many were dropped: a binary search over ``render(k)`` (the
+    ids with ``k`` dropped), given that dropping none does not fit and
+    dropping all ``droppable`` (``smallest``) does. A count the template
+    refuses (e.g. roles must alternate) counts as not fitting."""
+    # Invariant: render(lo) does not fit, render(hi) fits.
+    lo, hi, best = 0, droppable, smallest
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            candidate = render(mid)
+        except ChatTemplateError:  # e.g. roles must alternate: drop more
+            lo = mid
+            continue
+        if len(candidate) <= budget:
+            hi, best = mid, candidate
+        else:
+            lo = mid
+    return best, hi
 
 
 def _drop_oldest(messages: Sequence[ChatMessage], count: int) -> list[ChatMessage]:

@@ -53,7 +53,7 @@ def test_directory_serves_what_the_gguf_serves(smollm: Tokenizer, smollm_client:
             ours = dir_client.chat(messages, add_generation_prompt=gen)
             reference = smollm.apply_chat_template(
                 [ChatMessage(r, c) for r, c in messages], add_generation_prompt=gen)
-            assert list(ours.token_ids) == reference.token_ids
+            assert tuple(ours.token_ids) == reference.token_ids
     ids = smollm.encode(TEXTS[1])
     assert "".join(dir_client.detokenize([ids])) == TEXTS[1]
     request = tokenizer_pb2.GetTokenizerInfoRequest()
