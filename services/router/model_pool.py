@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from services.common.detokenizer import TokenizersDecoder
 from services.common.wire.engine_info import ModelInfo
 from services.common.wire.tokenizer_info import TokenizerInfo
 from services.router.admission import (
@@ -202,14 +201,47 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
         return engine
 
     tokenizer = TokenizerClient(config.tokenizer)
+    engines: list[EngineClient] = []
     discovery = Discovery(targets, resolver or SystemResolver(), metrics,
                           interval_s=settings.resolve_interval_s)
-    engines, infos, limits, decoder = await _connect(
-        tokenizer, discovery, make_client, settings, wait_for_engines)
+    try:
+        ready = asyncio.create_task(tokenizer.wait_until_serving(settings.startup_timeout))
+        try:
+            engines = await _first_engines(discovery, make_client, settings,
+                                           wait_unknown=wait_for_engines)
+        except NoEngineYet:
+            await ready  # the router serves once the tokenizer does
+            raise
+        except BaseException:
+            ready.cancel()
+            raise
+        await ready
+        infos = list(await asyncio.gather(*(engine.model_info() for engine in engines)))
+        tok_info, decoder = await asyncio.gather(tokenizer.info(), tokenizer.decoder())
+        limits = model_limits(infos, tok_info, settings)
+    except BaseException:
+        await asyncio.gather(tokenizer.close(), *(e.close() for e in engines),
+                             return_exceptions=True)
+        raise
     capacities = [ReplicaCapacity(i.max_num_seqs, i.kv_capacity_tokens) for i in infos]
     admission = _admission(limits.model, settings.admission, capacities, metrics)
-    replicas = _replica_set(engines, capacities, admission, limits, metrics, make_client,
-                            discovery)
+
+    def replicas_changed(capacities: list[ReplicaCapacity]) -> None:
+        """Admission's concurrency cap follows the replicas in routing; when none
+        is left, the queued requests end UNAVAILABLE (nothing would serve them)."""
+        admission.set_replicas(capacities)
+        if not capacities:
+            failed = admission.fail_queued(NoReplicaServing(
+                f"no engine replica is serving model {limits.model!r} (of "
+                f"{len(replicas.engines)} known, each failed or is draining) while the "
+                "request waited in the router's queue; retry in a few seconds"))
+            if failed:
+                log.warning("queued_requests_failed", model=limits.model, requests=failed,
+                            why="no engine replica is serving")
+
+    replicas = ReplicaSet(engines, capacities, on_change=replicas_changed, metrics=metrics,
+                          make_client=make_client, admit=functools.partial(admit_replica, limits),
+                          on_lost=discovery.resolve_soon)
     replicas.start()
     discovery.attach(replicas)
     discovery.apply()  # the names' other addresses join once they serve
@@ -226,65 +258,6 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
         client_write_timeout_s=settings.client_write_timeout_s,
         picker=ReplicaPicker(policy, cache, metrics, settings.routing_weights))
     return ModelPool(limits, tokenizer, infos, admission, replicas, pipeline, policy, discovery)
-
-
-async def _connect(tokenizer: TokenizerClient, discovery: Discovery,
-                   make_client: Callable[[str], EngineClient], settings: PoolSettings,
-                   wait_for_engines: bool,
-                   ) -> tuple[list[EngineClient], list[ModelInfo], ModelLimits, TokenizersDecoder]:
-    """Waits for the tokenizer and the first engines to serve, reads what they
-    serve and checks that it fits together (see :func:`open_pool`, which
-    raises what this raises); closes the tokenizer and the engines on failure.
-
-    Returns:
-      The engines, their ``GetModelInfo`` answers (same order), the pool's
-      limits and the tokenizer's decoder.
-    """
-    engines: list[EngineClient] = []
-    try:
-        ready = asyncio.create_task(tokenizer.wait_until_serving(settings.startup_timeout))
-        try:
-            engines = await _first_engines(discovery, make_client, settings,
-                                           wait_unknown=wait_for_engines)
-        except NoEngineYet:
-            await ready  # the router serves once the tokenizer does
-            raise
-        except BaseException:
-            ready.cancel()
-            raise
-        await ready
-        infos = list(await asyncio.gather(*(engine.model_info() for engine in engines)))
-        tok_info, decoder = await asyncio.gather(tokenizer.info(), tokenizer.decoder())
-        return engines, infos, model_limits(infos, tok_info, settings), decoder
-    except BaseException:
-        await asyncio.gather(tokenizer.close(), *(e.close() for e in engines),
-                             return_exceptions=True)
-        raise
-
-
-def _replica_set(engines: list[EngineClient], capacities: list[ReplicaCapacity],
-                 admission: AdmissionController, limits: ModelLimits, metrics: RouterMetrics,
-                 make_client: Callable[[str], EngineClient],
-                 discovery: Discovery) -> ReplicaSet:
-    """The pool's replicas (not started), tied to ``admission``: its
-    concurrency cap follows the replicas in routing, and when none is left the
-    queued requests end UNAVAILABLE (nothing would serve them)."""
-
-    def replicas_changed(capacities: list[ReplicaCapacity]) -> None:
-        admission.set_replicas(capacities)
-        if not capacities:
-            failed = admission.fail_queued(NoReplicaServing(
-                f"no engine replica is serving model {limits.model!r} (of "
-                f"{len(replicas.engines)} known, each failed or is draining) while the "
-                "request waited in the router's queue; retry in a few seconds"))
-            if failed:
-                log.warning("queued_requests_failed", model=limits.model, requests=failed,
-                            why="no engine replica is serving")
-
-    replicas = ReplicaSet(engines, capacities, on_change=replicas_changed, metrics=metrics,
-                          make_client=make_client, admit=functools.partial(admit_replica, limits),
-                          on_lost=discovery.resolve_soon)
-    return replicas
 
 
 async def _first_engines(discovery: Discovery, make_client: Callable[[str], EngineClient],
