@@ -1,11 +1,14 @@
 """Typed async clients for the services the router calls.
 
-The engine's client is :mod:`services.router.engine_client`; the values it
-exchanges live here with the others.
+The engine's client is :mod:`services.router.engine_client`. The values the
+clients exchange are the hops' wire types (:mod:`services.common.wire`: chat
+messages and prompts, tokenizer info, cache keys and responses), which the
+services at the other end import too.
 
 Each client owns one long-lived channel (:func:`make_channel`), made when the
 client is constructed and closed by :meth:`close`; no call sets up a
-connection. Dataclasses go in and come out; protobuf stays in this module.
+connection. Dataclasses go in and come out; protobuf stays in the clients and
+the wire types' ``from_pb``/``to_pb``.
 
 Every call takes the request id (sent on as ``x-request-id`` metadata) and the
 absolute deadline of the client's call (``time.monotonic()`` seconds, or None
