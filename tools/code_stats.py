@@ -96,9 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=10, help="longest functions to list")
     args = parser.parse_args(argv)
     found = long_functions(args.root, args.limit)
-    print(f"{len(found)} functions over {args.limit} lines in {args.root}/")
-    for function in found[:args.top]:
-        print(f"{function.lines:5d}  {function.path}:{function.lineno}  {function.name}")
+    lines = [f"{len(found)} functions over {args.limit} lines in {args.root}/"]
+    lines += [f"{f.lines:5d}  {f.path}:{f.lineno}  {f.name}" for f in found[:args.top]]
+    try:
+        print("\n".join(lines), flush=True)
+    except BrokenPipeError:  # e.g. piped into `head -1`: the reader has what it wanted
+        sys.stdout = None  # type: ignore[assignment]  # nothing left to flush at exit
     return 0
 
 
