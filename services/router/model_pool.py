@@ -190,16 +190,8 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
         window below 2 tokens.
     """
     targets = [EngineTarget.parse(t) for t in config.engines]
-    policy = settings.routing_policy or (
-        RoutingPolicy.KV_AWARE if len(targets) > 1 or any(t.dns for t in targets)
-        else RoutingPolicy.LEAST_LOAD)
-
-    def make_client(target: str) -> EngineClient:
-        engine = EngineClient(target)
-        if policy is RoutingPolicy.KV_AWARE:  # the only policy that reads engine load
-            engine.load_watch.start()
-        return engine
-
+    policy = settings.routing_policy or _default_policy(targets)
+    make_client = functools.partial(_engine_client, policy)
     tokenizer = TokenizerClient(config.tokenizer)
     engines: list[EngineClient] = []
     discovery = Discovery(targets, resolver or SystemResolver(), metrics,
@@ -225,10 +217,43 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
         raise
     capacities = [ReplicaCapacity(i.max_num_seqs, i.kv_capacity_tokens) for i in infos]
     admission = _admission(limits.model, settings.admission, capacities, metrics)
+    replicas = _replica_set(engines, capacities, admission, limits, metrics, make_client,
+                            discovery)
+    _start_routing(replicas, discovery, engines, limits)
+    pipeline = GenerationPipeline(
+        tokenizer=tokenizer, decoder=decoder, replicas=replicas, cache=cache,
+        models={limits.model: limits}, metrics=metrics, log_content=settings.log_content,
+        admission={limits.model: admission},
+        client_write_timeout_s=settings.client_write_timeout_s,
+        picker=ReplicaPicker(policy, cache, metrics, settings.routing_weights))
+    return ModelPool(limits, tokenizer, infos, admission, replicas, pipeline, policy, discovery)
+
+
+def _default_policy(targets: list[EngineTarget]) -> RoutingPolicy:
+    """KV-aware routing where there is more than one replica to choose from
+    (several targets, or a DNS name), least load otherwise."""
+    several = len(targets) > 1 or any(t.dns for t in targets)
+    return RoutingPolicy.KV_AWARE if several else RoutingPolicy.LEAST_LOAD
+
+
+def _engine_client(policy: RoutingPolicy, target: str) -> EngineClient:
+    """A client of the engine at ``target``, following its load when ``policy``
+    reads it (KV-aware routing only)."""
+    engine = EngineClient(target)
+    if policy is RoutingPolicy.KV_AWARE:
+        engine.load_watch.start()
+    return engine
+
+
+def _replica_set(engines: list[EngineClient], capacities: list[ReplicaCapacity],
+                 admission: AdmissionController, limits: ModelLimits, metrics: RouterMetrics,
+                 make_client: Callable[[str], EngineClient],
+                 discovery: Discovery) -> ReplicaSet:
+    """The pool's replicas (not started), tied to ``admission``: its
+    concurrency cap follows the replicas in routing, and when none is left the
+    queued requests end UNAVAILABLE (nothing would serve them)."""
 
     def replicas_changed(capacities: list[ReplicaCapacity]) -> None:
-        """Admission's concurrency cap follows the replicas in routing; when none
-        is left, the queued requests end UNAVAILABLE (nothing would serve them)."""
         admission.set_replicas(capacities)
         if not capacities:
             failed = admission.fail_queued(NoReplicaServing(
@@ -242,22 +267,23 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
     replicas = ReplicaSet(engines, capacities, on_change=replicas_changed, metrics=metrics,
                           make_client=make_client, admit=functools.partial(admit_replica, limits),
                           on_lost=discovery.resolve_soon)
+    return replicas
+
+
+def _start_routing(replicas: ReplicaSet, discovery: Discovery, engines: list[EngineClient],
+                   limits: ModelLimits) -> None:
+    """Starts probing the replicas and resolving the pool's DNS names (their
+    other addresses join once they serve); warns when two of the first
+    ``engines`` share a replica id."""
     replicas.start()
     discovery.attach(replicas)
-    discovery.apply()  # the names' other addresses join once they serve
+    discovery.apply()
     discovery.start()
     if shared := duplicate_replica_ids(engines):
         log.warning("engine_replica_ids_not_unique", model=limits.model,
                     replica_ids=sorted(shared),
                     effect="their prefix-index matches are ignored; give each engine "
                            "its own --replica-id")
-    pipeline = GenerationPipeline(
-        tokenizer=tokenizer, decoder=decoder, replicas=replicas, cache=cache,
-        models={limits.model: limits}, metrics=metrics, log_content=settings.log_content,
-        admission={limits.model: admission},
-        client_write_timeout_s=settings.client_write_timeout_s,
-        picker=ReplicaPicker(policy, cache, metrics, settings.routing_weights))
-    return ModelPool(limits, tokenizer, infos, admission, replicas, pipeline, policy, discovery)
 
 
 async def _first_engines(discovery: Discovery, make_client: Callable[[str], EngineClient],
