@@ -168,6 +168,63 @@ class ModelPool:
                              return_exceptions=True)
 
 
+def _default_policy(targets: list[EngineTarget]) -> RoutingPolicy:
+    """KV-aware routing where there is more than one replica to choose from
+    (several targets, or a DNS name), least load otherwise."""
+    several = len(targets) > 1 or any(t.dns for t in targets)
+    return RoutingPolicy.KV_AWARE if several else RoutingPolicy.LEAST_LOAD
+
+
+def _engine_client(policy: RoutingPolicy, target: str) -> EngineClient:
+    """A client of the engine at ``target``, following its load when ``policy``
+    reads it (KV-aware routing only)."""
+    engine = EngineClient(target)
+    if policy is RoutingPolicy.KV_AWARE:
+        engine.load_watch.start()
+    return engine
+
+
+def _replica_set(engines: list[EngineClient], capacities: list[ReplicaCapacity],
+                 admission: AdmissionController, limits: ModelLimits, metrics: RouterMetrics,
+                 make_client: Callable[[str], EngineClient],
+                 discovery: Discovery) -> ReplicaSet:
+    """The pool's replicas (not started), tied to ``admission``: its
+    concurrency cap follows the replicas in routing, and when none is left the
+    queued requests end UNAVAILABLE (nothing would serve them)."""
+
+    def replicas_changed(capacities: list[ReplicaCapacity]) -> None:
+        admission.set_replicas(capacities)
+        if not capacities:
+            failed = admission.fail_queued(NoReplicaServing(
+                f"no engine replica is serving model {limits.model!r} (of "
+                f"{len(replicas.engines)} known, each failed or is draining) while the "
+                "request waited in the router's queue; retry in a few seconds"))
+            if failed:
+                log.warning("queued_requests_failed", model=limits.model, requests=failed,
+                            why="no engine replica is serving")
+
+    replicas = ReplicaSet(engines, capacities, on_change=replicas_changed, metrics=metrics,
+                          make_client=make_client, admit=functools.partial(admit_replica, limits),
+                          on_lost=discovery.resolve_soon)
+    return replicas
+
+
+def _start_routing(replicas: ReplicaSet, discovery: Discovery, engines: list[EngineClient],
+                   limits: ModelLimits) -> None:
+    """Starts probing the replicas and resolving the pool's DNS names (their
+    other addresses join once they serve); warns when two of the first
+    ``engines`` share a replica id."""
+    replicas.start()
+    discovery.attach(replicas)
+    discovery.apply()
+    discovery.start()
+    if shared := duplicate_replica_ids(engines):
+        log.warning("engine_replica_ids_not_unique", model=limits.model,
+                    replica_ids=sorted(shared),
+                    effect="their prefix-index matches are ignored; give each engine "
+                           "its own --replica-id")
+
+
 async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClient | None,
                     metrics: RouterMetrics, resolver: Resolver | None = None, *,
                     wait_for_engines: bool = True) -> ModelPool:
@@ -227,63 +284,6 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
         client_write_timeout_s=settings.client_write_timeout_s,
         picker=ReplicaPicker(policy, cache, metrics, settings.routing_weights))
     return ModelPool(limits, tokenizer, infos, admission, replicas, pipeline, policy, discovery)
-
-
-def _default_policy(targets: list[EngineTarget]) -> RoutingPolicy:
-    """KV-aware routing where there is more than one replica to choose from
-    (several targets, or a DNS name), least load otherwise."""
-    several = len(targets) > 1 or any(t.dns for t in targets)
-    return RoutingPolicy.KV_AWARE if several else RoutingPolicy.LEAST_LOAD
-
-
-def _engine_client(policy: RoutingPolicy, target: str) -> EngineClient:
-    """A client of the engine at ``target``, following its load when ``policy``
-    reads it (KV-aware routing only)."""
-    engine = EngineClient(target)
-    if policy is RoutingPolicy.KV_AWARE:
-        engine.load_watch.start()
-    return engine
-
-
-def _replica_set(engines: list[EngineClient], capacities: list[ReplicaCapacity],
-                 admission: AdmissionController, limits: ModelLimits, metrics: RouterMetrics,
-                 make_client: Callable[[str], EngineClient],
-                 discovery: Discovery) -> ReplicaSet:
-    """The pool's replicas (not started), tied to ``admission``: its
-    concurrency cap follows the replicas in routing, and when none is left the
-    queued requests end UNAVAILABLE (nothing would serve them)."""
-
-    def replicas_changed(capacities: list[ReplicaCapacity]) -> None:
-        admission.set_replicas(capacities)
-        if not capacities:
-            failed = admission.fail_queued(NoReplicaServing(
-                f"no engine replica is serving model {limits.model!r} (of "
-                f"{len(replicas.engines)} known, each failed or is draining) while the "
-                "request waited in the router's queue; retry in a few seconds"))
-            if failed:
-                log.warning("queued_requests_failed", model=limits.model, requests=failed,
-                            why="no engine replica is serving")
-
-    replicas = ReplicaSet(engines, capacities, on_change=replicas_changed, metrics=metrics,
-                          make_client=make_client, admit=functools.partial(admit_replica, limits),
-                          on_lost=discovery.resolve_soon)
-    return replicas
-
-
-def _start_routing(replicas: ReplicaSet, discovery: Discovery, engines: list[EngineClient],
-                   limits: ModelLimits) -> None:
-    """Starts probing the replicas and resolving the pool's DNS names (their
-    other addresses join once they serve); warns when two of the first
-    ``engines`` share a replica id."""
-    replicas.start()
-    discovery.attach(replicas)
-    discovery.apply()
-    discovery.start()
-    if shared := duplicate_replica_ids(engines):
-        log.warning("engine_replica_ids_not_unique", model=limits.model,
-                    replica_ids=sorted(shared),
-                    effect="their prefix-index matches are ignored; give each engine "
-                           "its own --replica-id")
 
 
 async def _first_engines(discovery: Discovery, make_client: Callable[[str], EngineClient],
