@@ -46,8 +46,7 @@ from services.common.sampling import SamplingOptions
 from services.engine.config import EngineConfig
 from services.engine.torch_backend.backend import TorchBackend
 from services.engine.types import SequenceRequest
-from services.common.wire.chat import ChatMessage
-from services.tokenizer.tokenizer import Tokenizer
+from services.tokenizer.tokenizer import ChatMessage, Tokenizer
 
 QUESTION = "Explain in a few sentences why the sky is blue."
 #: Default pause before each run (seconds), so that no path starts on cores

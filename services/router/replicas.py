@@ -54,8 +54,8 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.router.admission import ReplicaCapacity
 from services.common.wire.engine_info import ModelInfo
+from services.router.admission import ReplicaCapacity
 from services.router.clients import UpstreamError
 from services.router.engine_client import EngineClient
 from services.router.metrics import RouterMetrics

@@ -13,9 +13,9 @@ from prometheus_client import CollectorRegistry
 
 from benchmarks.random_checkpoint import save_smollm2_tokenizer, save_tiny_llama
 from llmesh.v1 import tokenizer_pb2
+from services.common.wire.chat import ChatMessage
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.service import TokenizerService
-from services.common.wire.chat import ChatMessage
 from services.tokenizer.tokenizer import Tokenizer
 from tests.tokenizer.tokenizer_helpers import Client, ServerThread
 

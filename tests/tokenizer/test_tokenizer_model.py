@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from services.common.model_files import default_model_path
+from services.common.wire.chat import ChatMessage
 from services.tokenizer import model_parts
 from services.tokenizer.gguf_meta import GGUFFormatError, read_gguf_scalars
-from services.common.wire.chat import ChatMessage
 from services.tokenizer.tokenizer import (
     ChatTemplateError,
     InvalidTokenIdError,
