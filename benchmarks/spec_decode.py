@@ -60,6 +60,7 @@ from services.common.sampling import (  # noqa: E402
     SpeculativeMethod,
     SpeculativeOptions,
 )
+from services.common.wire.chat import ChatMessage  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.torch_backend.backend import TorchBackend  # noqa: E402
 from services.engine.torch_backend.suffix_cache import (  # noqa: E402
@@ -70,7 +71,7 @@ from services.engine.torch_backend.suffix_cache import (  # noqa: E402
 from services.engine.torch_backend.spec_policy import StepCostModel  # noqa: E402
 from services.engine.torch_backend.suffix_proposer import SuffixProposer  # noqa: E402
 from services.engine.types import SequenceRequest, StepStats  # noqa: E402
-from services.tokenizer.tokenizer import ChatMessage, Tokenizer  # noqa: E402
+from services.tokenizer.tokenizer import Tokenizer  # noqa: E402
 
 PASSAGES = ROOT / "benchmarks" / "data" / "spec_passages.json"
 REPEATED = ROOT / "benchmarks" / "data" / "repeated_traffic.json"

@@ -93,3 +93,20 @@ def test_envoy_descriptor_set_is_fresh(tmp_path: Path) -> None:
     result = _buf("build", "--path", "proto/llmesh", "--exclude-source-info", "-o", str(out))
     assert result.returncode == 0, result.stderr
     assert out.read_bytes() == (ROOT / "envoy" / "llmesh_descriptor.binpb").read_bytes()
+
+
+def test_rpcs_no_llmesh_service_calls_are_deprecated_and_name_their_successor() -> None:
+    """Issue 32's dead paths: the engine's one-request ``Generate`` (the router
+    uses ``Multiplex``) and the tokenizer's ``Detokenize`` (the router decodes in
+    process). Deprecated, not deleted, so outside callers keep working."""
+    from llmesh.v1 import engine_pb2, tokenizer_pb2
+
+    for module, service, method, successor in (
+            (engine_pb2, "EngineService", "Generate", "Multiplex"),
+            (tokenizer_pb2, "TokenizerService", "Detokenize", "GetTokenizer")):
+        rpc = module.DESCRIPTOR.services_by_name[service].methods_by_name[method]
+        assert rpc.GetOptions().deprecated, f"{service}.{method}"
+        proto = (ROOT / "proto" / "llmesh" / "v1" / Path(module.__file__).name.replace(
+            "_pb2.py", ".proto")).read_text()
+        comment = proto[:proto.index(f"rpc {method}(")].rsplit("rpc ", 1)[-1]
+        assert f"call {successor} " in comment.replace("Call", "call"), comment

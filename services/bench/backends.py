@@ -130,10 +130,6 @@ class _Timer:
             self._out.itl.append(now - self._last)
         self._last = now
 
-    @property
-    def got_output(self) -> bool:
-        return self._last is not None
-
     def end(self) -> None:
         self._out.latency = time.perf_counter() - self._start
 

@@ -190,24 +190,7 @@ def _check_args(args: argparse.Namespace) -> dict[str, Any]:
     concurrencies = _int_list(args.max_concurrency, "--max-concurrency")
     if len(rates) > 1 and len(concurrencies) > 1:
         raise UsageError("sweep one of --request-rate and --max-concurrency, not both")
-    for flag in ("num_prompts", "random_input_len", "random_output_len",
-                 "shared_prefix_num_prefixes", "shared_prefix_prefix_len",
-                 "shared_prefix_output_len"):
-        if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1")
-    for flag in ("conversations_output_len", "conversations_num"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1")
-    if args.conversations_num is not None:
-        if args.dataset_name != "conversations":
-            raise UsageError("--conversations-num needs --dataset-name conversations")
-        for flag in ("conversations_turns", "conversations_system_len",
-                     "conversations_turn_len"):
-            if getattr(args, flag) < 1:
-                raise UsageError(f"--{flag.replace('_', '-')} must be >= 1")
-        if any(not math.isinf(rate) for rate in rates):
-            raise UsageError("--conversations-num runs closed loop (each turn waits for the "
-                             "reply before it): leave --request-rate at inf")
+    _check_counts(args, rates)
     if not 0.0 <= args.random_range_ratio < 1.0:
         raise UsageError("--random-range-ratio must be in [0, 1)")
     if not args.burstiness > 0:
@@ -237,6 +220,41 @@ def _check_args(args: argparse.Namespace) -> dict[str, Any]:
         slos = parse_goodput(args.goodput or [])
     except ValueError as error:
         raise UsageError(str(error)) from None
+    extra_body, metadata = _request_extras(args)
+    conversations = None
+    if args.dataset_path is not None:
+        conversations = _dataset_file(args)
+    return {"rates": rates, "concurrencies": concurrencies, "metrics": metrics,
+            "percentiles": percentiles, "slos": slos, "extra_body": extra_body,
+            "metadata": metadata, "conversations": conversations}
+
+
+def _check_counts(args: argparse.Namespace, rates: list[float]) -> None:
+    """The dataset's counts and lengths are >= 1; ``--conversations-num`` runs
+    closed loop on the conversations dataset. Raises :class:`UsageError`."""
+    for flag in ("num_prompts", "random_input_len", "random_output_len",
+                 "shared_prefix_num_prefixes", "shared_prefix_prefix_len",
+                 "shared_prefix_output_len"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1")
+    for flag in ("conversations_output_len", "conversations_num"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.conversations_num is not None:
+        if args.dataset_name != "conversations":
+            raise UsageError("--conversations-num needs --dataset-name conversations")
+        for flag in ("conversations_turns", "conversations_system_len",
+                     "conversations_turn_len"):
+            if getattr(args, flag) < 1:
+                raise UsageError(f"--{flag.replace('_', '-')} must be >= 1")
+        if any(not math.isinf(rate) for rate in rates):
+            raise UsageError("--conversations-num runs closed loop (each turn waits for the "
+                             "reply before it): leave --request-rate at inf")
+
+
+def _request_extras(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
+    """``--extra-body`` (a JSON object) and ``--metadata`` (KEY=VALUE items)
+    parsed. Raises :class:`UsageError`."""
     extra_body: dict[str, Any] = {}
     if args.extra_body:
         try:
@@ -245,18 +263,13 @@ def _check_args(args: argparse.Namespace) -> dict[str, Any]:
             raise UsageError(f"--extra-body: not JSON ({error})") from None
         if not isinstance(extra_body, dict):
             raise UsageError("--extra-body must be a JSON object")
-    conversations = None
-    if args.dataset_path is not None:
-        conversations = _dataset_file(args)
     metadata = {}
     for item in args.metadata:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise UsageError(f"--metadata {item!r}: expected KEY=VALUE")
         metadata[key] = value
-    return {"rates": rates, "concurrencies": concurrencies, "metrics": metrics,
-            "percentiles": percentiles, "slos": slos, "extra_body": extra_body,
-            "metadata": metadata, "conversations": conversations}
+    return extra_body, metadata
 
 
 def _dataset_file(args: argparse.Namespace) -> list[Conversation]:

@@ -138,21 +138,8 @@ def calculate_metrics(outputs: Sequence[RequestOutput], duration_s: float, *,
     if unknown:
         raise ValueError(f"unknown metrics {sorted(unknown)}; choose from {', '.join(METRICS)}")
     good = [o for o in outputs if o.success]
-    total_input = sum(o.prompt_len for o in good)
-    total_output = sum(o.output_tokens for o in good)
     series = _series(good)
-    result: dict[str, Any] = {
-        "duration": duration_s,
-        "completed": len(good),
-        "failed": len(outputs) - len(good),
-        "total_input_tokens": total_input,
-        "total_output_tokens": total_output,
-        "request_throughput": len(good) / duration_s,
-        "request_goodput": None,
-        "output_throughput": total_output / duration_s,
-        "total_token_throughput": (total_input + total_output) / duration_s,
-        "max_concurrent_requests": max_concurrent(outputs),
-    }
+    result = _totals(outputs, good, duration_s)
     if goodput_slos_ms:
         result["request_goodput"] = sum(meets_slos(o, goodput_slos_ms) for o in good) / duration_s
     result["goodput"] = result["request_goodput"]
@@ -171,6 +158,26 @@ def calculate_metrics(outputs: Sequence[RequestOutput], duration_s: float, *,
         (o.start_time for o in outputs), default=0.0)
     result.update(per_request(outputs, origin))
     return result
+
+
+def _totals(outputs: Sequence[RequestOutput], good: Sequence[RequestOutput],
+            duration_s: float) -> dict[str, Any]:
+    """The run's counts, token totals and rates per second (vLLM's keys;
+    ``request_goodput`` None until the SLOs are counted)."""
+    total_input = sum(o.prompt_len for o in good)
+    total_output = sum(o.output_tokens for o in good)
+    return {
+        "duration": duration_s,
+        "completed": len(good),
+        "failed": len(outputs) - len(good),
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": len(good) / duration_s,
+        "request_goodput": None,
+        "output_throughput": total_output / duration_s,
+        "total_token_throughput": (total_input + total_output) / duration_s,
+        "max_concurrent_requests": max_concurrent(outputs),
+    }
 
 
 def _series(good: Sequence[RequestOutput]) -> dict[str, list[float]]:

@@ -75,7 +75,7 @@ class _GGUFTokenizer:
         return self._tokenizer.decode(token_ids)
 
     def render_chat(self, messages: Sequence[Message]) -> str:
-        from services.tokenizer.tokenizer import ChatMessage
+        from services.common.wire.chat import ChatMessage
 
         return self._tokenizer.render_chat(
             [ChatMessage(m.role, m.content) for m in messages], add_generation_prompt=True)

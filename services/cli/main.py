@@ -236,44 +236,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     """Runs the mesh until Ctrl-C/SIGTERM (a service that dies is started again,
     see :func:`_supervise`)."""
     from services.cli.mesh import Mesh, MeshStartError, PortInUseError
-    from services.common.checkpoint import is_checkpoint_dir
 
     engine_args = list(args.engine_arg)
     for flag in ("backend", "device", "dtype", "quantization"):
         if getattr(args, flag):
             engine_args += [f"--{flag}", getattr(args, flag)]
-    backend = _engine_backend(engine_args) or os.environ.get("LLMESH_ENGINE_BACKEND")
-    if backend == "tensorrt_llm":
-        from services.engine.tensorrt_llm_backend.availability import (
-            INSTALL_HINT,
-            tensorrt_llm_installed,
-        )
-        if not tensorrt_llm_installed():  # before any service starts
-            print(f"llmesh: {INSTALL_HINT}", file=sys.stderr)
-            return 2
-    if args.models and args.model_path:
-        print("llmesh: give --model NAME=PATH (repeatable) or --model-path, not both",
-              file=sys.stderr)
-        return 2
-    if len({m.name for m in args.models}) != len(args.models):
-        names = [m.name for m in args.models]
-        print(f"llmesh: each --model needs its own NAME, got {names}", file=sys.stderr)
-        return 2
-    missing = [m.path for m in args.models
-               if not (os.path.isfile(m.path) or is_checkpoint_dir(m.path))]
-    if missing:
-        print(f"llmesh: --model: no GGUF file or checkpoint directory (with config.json) "
-              f"at {missing[0]}", file=sys.stderr)
-        return 2
-    problem = tls_flag_problem(args)
+    problem = _up_problem(args, engine_args)
     if problem:
         print(f"llmesh: {problem}", file=sys.stderr)
         return 2
     router_args = list(args.router_arg)
     if args.api_keys is not None:
-        if not os.path.isfile(args.api_keys):
-            print(f"llmesh: --api-keys: no file at {args.api_keys}", file=sys.stderr)
-            return 2
         router_args += ["--api-keys", os.path.abspath(args.api_keys)]
     mesh = Mesh(
         ingress_host=args.host, ingress_port=args.port, admin_port=args.admin_port,
@@ -313,6 +286,36 @@ def cmd_up(args: argparse.Namespace) -> int:
         mesh.stop()
         if mesh.envoy is not None:
             print("llmesh: stopped", file=sys.stderr, flush=True)
+
+
+def _up_problem(args: argparse.Namespace, engine_args: list[str]) -> str | None:
+    """The first problem with ``llmesh up``'s flags (checked before any service
+    starts), None when there is none."""
+    from services.common.checkpoint import is_checkpoint_dir
+
+    backend = _engine_backend(engine_args) or os.environ.get("LLMESH_ENGINE_BACKEND")
+    if backend == "tensorrt_llm":
+        from services.engine.tensorrt_llm_backend.availability import (
+            INSTALL_HINT,
+            tensorrt_llm_installed,
+        )
+        if not tensorrt_llm_installed():
+            return INSTALL_HINT
+    if args.models and args.model_path:
+        return "give --model NAME=PATH (repeatable) or --model-path, not both"
+    if len({m.name for m in args.models}) != len(args.models):
+        return f"each --model needs its own NAME, got {[m.name for m in args.models]}"
+    missing = [m.path for m in args.models
+               if not (os.path.isfile(m.path) or is_checkpoint_dir(m.path))]
+    if missing:
+        return ("--model: no GGUF file or checkpoint directory (with config.json) "
+                f"at {missing[0]}")
+    problem = tls_flag_problem(args)
+    if problem:
+        return problem
+    if args.api_keys is not None and not os.path.isfile(args.api_keys):
+        return f"--api-keys: no file at {args.api_keys}"
+    return None
 
 
 def _engine_backend(engine_args: list[str]) -> str | None:

@@ -41,6 +41,14 @@ class FinishReason(enum.IntEnum):
     CANCELLED = common_pb2.FINISH_REASON_CANCELLED
     ERROR = common_pb2.FINISH_REASON_ERROR
 
+    @classmethod
+    def from_pb(cls, value: int) -> FinishReason:
+        """``value`` as a :class:`FinishReason`; an unknown value counts as ERROR."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.ERROR
+
 
 class Priority(enum.IntEnum):
     """Traffic class; lower value is scheduled first."""
@@ -243,31 +251,9 @@ class SamplingOptions:
                 code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> InvalidRequestError:
             return InvalidRequestError(f"{field_prefix}.{field}", message, code)
 
-        temperature = pb.temperature if pb.HasField("temperature") else 0.0
-        if not temperature >= 0.0 or temperature == float("inf"):
-            raise bad("temperature", f"must be a finite number >= 0, got {temperature}")
-        if temperature < GREEDY_TEMPERATURE_EPSILON:
-            temperature = 0.0  # dividing logits by it would overflow: it means greedy
-        top_p = pb.top_p if pb.HasField("top_p") else 1.0
-        if not 0.0 < top_p <= 1.0:
-            raise bad("top_p", f"must be in (0, 1], got {top_p}")
-        top_k = pb.top_k if pb.HasField("top_k") else 0
-        if top_k < 0:
-            raise bad("top_k", f"must be >= 0 (0 disables it), got {top_k}")
-        max_tokens = pb.max_tokens if pb.HasField("max_tokens") else default_max_tokens
-        if max_tokens <= 0:
-            raise bad("max_tokens", f"must be >= 1, got {max_tokens}")
-        if max_tokens > max_tokens_cap:
-            raise bad("max_tokens", f"must be <= {max_tokens_cap} (server cap), got {max_tokens}",
-                      grpc.StatusCode.OUT_OF_RANGE)
-        if any(s == "" for s in pb.stop):
-            raise bad("stop", "stop strings must be non-empty")
-        for token_id in pb.stop_token_ids:
-            if token_id < 0:
-                raise bad("stop_token_ids", f"token id {token_id} is negative (ids are >= 0)")
-            if vocab_size is not None and token_id >= vocab_size:
-                raise bad("stop_token_ids", f"token id {token_id} is outside the vocabulary "
-                          f"[0, {vocab_size})")
+        temperature, top_p, top_k = _sampler_fields(pb, bad)
+        max_tokens = _max_tokens(pb, default_max_tokens, max_tokens_cap, bad)
+        _check_stops(pb, vocab_size, bad)
         logprobs = _optional_count(pb, "logprobs", 0, MAX_LOGPROBS, bad)
         prompt_logprobs = _optional_count(pb, "prompt_logprobs", 0, MAX_LOGPROBS, bad)
         n = _optional_count(pb, "n", 1, MAX_N, bad)
@@ -280,25 +266,8 @@ class SamplingOptions:
         min_tokens = pb.min_tokens if pb.HasField("min_tokens") else 0
         if not 0 <= min_tokens <= max_tokens:
             raise bad("min_tokens", f"must be in [0, max_tokens = {max_tokens}], got {min_tokens}")
-        if len(pb.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
-                      f"got {len(pb.logit_bias)}")
-        for token_id, bias in pb.logit_bias.items():
-            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
-                raise bad("logit_bias", f"token id {token_id} is outside the vocabulary "
-                          f"[0, {vocab_size if vocab_size is not None else 'vocab_size'})")
-            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise bad("logit_bias", f"the bias of token {token_id} must be in "
-                          f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
-        structured = StructuredOutput.from_pb(pb.structured_output,
-                                              f"{field_prefix}.structured_output")
-        if structured is not None and structured.kind is ConstraintKind.CHOICE \
-                and min_tokens > 1:
-            raise bad("min_tokens", f"cannot be honoured beside a choice constraint "
-                      f"({field_prefix}.structured_output.choice): the output is one of the "
-                      f"given strings, which min_tokens cannot lengthen; leave min_tokens at "
-                      f"0 or 1, or constrain with a regex, JSON schema or grammar, which it "
-                      f"can extend")
+        logit_bias = _logit_bias(pb, vocab_size, bad)
+        structured = _structured_output(pb, min_tokens, field_prefix, bad)
         return cls(
             temperature=float(temperature),
             top_p=float(top_p),
@@ -315,7 +284,7 @@ class SamplingOptions:
             frequency_penalty=frequency,
             repetition_penalty=float(repetition),
             min_tokens=int(min_tokens),
-            logit_bias=tuple(sorted((int(t), float(b)) for t, b in pb.logit_bias.items())),
+            logit_bias=logit_bias,
             include_stop_str_in_output=pb.include_stop_str_in_output,
             structured_output=structured,
         )
@@ -348,6 +317,78 @@ class SamplingOptions:
         if self.structured_output is not None:
             pb.structured_output.CopyFrom(self.structured_output.to_pb())
         return pb
+
+
+def _sampler_fields(pb: common_pb2.SamplingParams, bad) -> tuple[float, float, int]:
+    """``temperature`` (below :data:`GREEDY_TEMPERATURE_EPSILON` folded to 0:
+    greedy), ``top_p`` and ``top_k``, checked, with their defaults when unset."""
+    temperature = pb.temperature if pb.HasField("temperature") else 0.0
+    if not temperature >= 0.0 or temperature == float("inf"):
+        raise bad("temperature", f"must be a finite number >= 0, got {temperature}")
+    if temperature < GREEDY_TEMPERATURE_EPSILON:
+        temperature = 0.0  # dividing logits by it would overflow: it means greedy
+    top_p = pb.top_p if pb.HasField("top_p") else 1.0
+    if not 0.0 < top_p <= 1.0:
+        raise bad("top_p", f"must be in (0, 1], got {top_p}")
+    top_k = pb.top_k if pb.HasField("top_k") else 0
+    if top_k < 0:
+        raise bad("top_k", f"must be >= 0 (0 disables it), got {top_k}")
+    return float(temperature), float(top_p), int(top_k)
+
+
+def _max_tokens(pb: common_pb2.SamplingParams, default: int, cap: int, bad) -> int:
+    """``max_tokens`` (``default`` when unset) in ``[1, cap]``; OUT_OF_RANGE above the cap."""
+    max_tokens = pb.max_tokens if pb.HasField("max_tokens") else default
+    if max_tokens <= 0:
+        raise bad("max_tokens", f"must be >= 1, got {max_tokens}")
+    if max_tokens > cap:
+        raise bad("max_tokens", f"must be <= {cap} (server cap), got {max_tokens}",
+                  grpc.StatusCode.OUT_OF_RANGE)
+    return int(max_tokens)
+
+
+def _check_stops(pb: common_pb2.SamplingParams, vocab_size: int | None, bad) -> None:
+    """Stop strings non-empty; stop token ids >= 0 (and in the vocabulary when known)."""
+    if any(s == "" for s in pb.stop):
+        raise bad("stop", "stop strings must be non-empty")
+    for token_id in pb.stop_token_ids:
+        if token_id < 0:
+            raise bad("stop_token_ids", f"token id {token_id} is negative (ids are >= 0)")
+        if vocab_size is not None and token_id >= vocab_size:
+            raise bad("stop_token_ids", f"token id {token_id} is outside the vocabulary "
+                      f"[0, {vocab_size})")
+
+
+def _logit_bias(pb: common_pb2.SamplingParams, vocab_size: int | None,
+                bad) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` checked (entries, ids, bias range), sorted by token id."""
+    if len(pb.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
+                  f"got {len(pb.logit_bias)}")
+    for token_id, bias in pb.logit_bias.items():
+        if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+            raise bad("logit_bias", f"token id {token_id} is outside the vocabulary "
+                      f"[0, {vocab_size if vocab_size is not None else 'vocab_size'})")
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"the bias of token {token_id} must be in "
+                      f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
+    return tuple(sorted((int(t), float(b)) for t, b in pb.logit_bias.items()))
+
+
+def _structured_output(pb: common_pb2.SamplingParams, min_tokens: int, field_prefix: str,
+                       bad) -> StructuredOutput | None:
+    """The output constraint (None: none), refused beside a ``min_tokens`` > 1
+    that a choice constraint cannot honour."""
+    structured = StructuredOutput.from_pb(pb.structured_output,
+                                          f"{field_prefix}.structured_output")
+    if structured is not None and structured.kind is ConstraintKind.CHOICE \
+            and min_tokens > 1:
+        raise bad("min_tokens", f"cannot be honoured beside a choice constraint "
+                  f"({field_prefix}.structured_output.choice): the output is one of the "
+                  f"given strings, which min_tokens cannot lengthen; leave min_tokens at "
+                  f"0 or 1, or constrain with a regex, JSON schema or grammar, which it "
+                  f"can extend")
+    return structured
 
 
 def _optional_count(pb: common_pb2.SamplingParams, field: str, low: int, high: int,

@@ -49,6 +49,7 @@ from typing import Protocol, TypeVar
 
 import grpc
 import prometheus_client
+import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -259,26 +260,7 @@ async def run_service(config: ServerConfig, service: Service) -> None:
     calls = ActiveCalls()
     server = make_server(service, calls)
     health = health_aio.HealthServicer()
-    await _set_health(health, service.service_names, health_pb2.HealthCheckResponse.NOT_SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        (*service.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME),
-        server,
-    )
-    address = f"{config.host}:{config.port}"
-    use_mesh_tls(config.tls)  # before start(): the service opens its channels there
-    grpc_port = (server.add_insecure_port(address) if config.tls is None
-                 else server.add_secure_port(address, config.tls.server_credentials()))
-    await server.start()
-    metrics_port = _start_metrics(config)
-    listen_extra = getattr(service, EXTRA_PORTS_HOOK, None)
-    extra = await listen_extra(config.host) if listen_extra is not None else {}
-    log.info("listening", grpc_port=grpc_port, metrics_port=metrics_port, pid=os.getpid(),
-             **extra)
-    if config.port_file is not None:
-        config.port_file.write_text(json.dumps(
-            {"grpc_port": grpc_port, "metrics_port": metrics_port, "pid": os.getpid(), **extra}))
+    await _listen(config, service, server, health, log)
 
     stop = asyncio.Event()
     forced = asyncio.Event()
@@ -331,6 +313,34 @@ async def run_service(config: ServerConfig, service: Service) -> None:
     await service.close()
     tracing.shutdown()  # exports what is still buffered
     log.info("stopped")
+
+
+async def _listen(config: ServerConfig, service: Service, server: grpc.aio.Server,
+                  health: health_aio.HealthServicer, log: structlog.stdlib.BoundLogger) -> None:
+    """Starts ``server`` with ``health`` (NOT_SERVING until the service has
+    started) and reflection on ``config``'s port, then the metrics port and
+    the service's extra ports; logs them (``listening``) and writes
+    ``config.port_file``."""
+    await _set_health(health, service.service_names, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (*service.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME),
+        server,
+    )
+    address = f"{config.host}:{config.port}"
+    use_mesh_tls(config.tls)  # before start(): the service opens its channels there
+    grpc_port = (server.add_insecure_port(address) if config.tls is None
+                 else server.add_secure_port(address, config.tls.server_credentials()))
+    await server.start()
+    metrics_port = _start_metrics(config)
+    listen_extra = getattr(service, EXTRA_PORTS_HOOK, None)
+    extra = await listen_extra(config.host) if listen_extra is not None else {}
+    log.info("listening", grpc_port=grpc_port, metrics_port=metrics_port, pid=os.getpid(),
+             **extra)
+    if config.port_file is not None:
+        config.port_file.write_text(json.dumps(
+            {"grpc_port": grpc_port, "metrics_port": metrics_port, "pid": os.getpid(), **extra}))
 
 
 async def _unless_forced(work: Coroutine[object, object, T], forced: asyncio.Event

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import socket
 import time
@@ -54,7 +55,7 @@ from services.engine.metrics import EngineMetrics, default_metrics
 from services.engine.multiplex import MultiplexCall
 from services.engine.request_record import RequestFailed, RequestRecord
 from services.engine.kv_publisher import KvEventPublisher, PublisherIdentity
-from services.engine.types import LoadStats, ModelInfo, SequenceRequest, TokenDelta
+from services.engine.types import LoadStats, SequenceRequest, TokenDelta
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 log = structlog.get_logger()
@@ -156,7 +157,9 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
 
     async def Generate(self, request_iterator: _Requests, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[engine_pb2.EngineServiceGenerateResponse]:
-        """Bidi stream of one request: ``start``, then optionally ``cancel``."""
+        """Bidi stream of one request: ``start``, then optionally ``cancel``.
+        Deprecated in the proto (the router calls :meth:`Multiplex`); kept for
+        one-request callers (grpcurl, tests, ``benchmarks/mesh_latency.py``)."""
         await self._check_admitting(context)
         first = await anext(request_iterator, None)
         if first is None or first.WhichOneof("action") != "start":
@@ -288,7 +291,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     async def GetLoad(self, request: engine_pb2.GetLoadRequest,
                       context: grpc.aio.ServicerContext) -> engine_pb2.GetLoadResponse:
         """Current load (served while loading and draining too)."""
-        return to_load_response(self._backend.load())
+        return self._backend.load().to_pb()
 
     async def StreamLoad(self, request: engine_pb2.StreamLoadRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext
@@ -314,7 +317,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             now = loop.time()
             if load != last or now - sent_at >= heartbeat:
                 last, sent_at = load, now
-                yield engine_pb2.StreamLoadResponse(load=to_load_response(load))
+                yield engine_pb2.StreamLoadResponse(load=load.to_pb())
             with contextlib.suppress(TimeoutError):  # asyncio.timeout: never swallows a cancel
                 async with asyncio.timeout(interval):
                     await self._stopping.wait()
@@ -324,8 +327,9 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         """The served model's limits; UNAVAILABLE while loading."""
         if not self._ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is loading its model")
-        return to_model_info_response(self._backend.model_info, self.replica_id,
-                                      self._config.step_token_budget())
+        return dataclasses.replace(
+            self._backend.model_info, replica_id=self.replica_id,
+            max_num_batched_tokens=self._config.step_token_budget()).to_pb()
 
     # ---- conversions --------------------------------------------------------------
 
@@ -408,28 +412,6 @@ def to_response(delta: TokenDelta) -> engine_pb2.EngineServiceGenerateResponse:
         usage=common_pb2.Usage(
             prompt_tokens=delta.num_prompt_tokens, completion_tokens=delta.num_generated_tokens,
             cached_prompt_tokens=delta.num_cached_tokens))
-
-
-def to_model_info_response(info: ModelInfo, replica_id: str = "",
-                           max_num_batched_tokens: int = 0) -> engine_pb2.GetModelInfoResponse:
-    """The protobuf form of ``info``, with the replica's id and step budget."""
-    return engine_pb2.GetModelInfoResponse(
-        model=info.model, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-        eos_token_ids=list(info.eos_token_ids), backend=info.backend,
-        max_num_seqs=info.max_num_seqs, kv_capacity_tokens=info.kv_capacity_tokens,
-        replica_id=replica_id, kv_block_size=info.kv_block_size,
-        kv_hash_seed=info.kv_hash_seed, max_num_batched_tokens=max_num_batched_tokens)
-
-
-def to_load_response(load: LoadStats) -> engine_pb2.GetLoadResponse:
-    """The protobuf form of ``load``."""
-    return engine_pb2.GetLoadResponse(
-        num_running=load.num_running, num_waiting=load.num_waiting,
-        kv_cache_usage=load.kv_cache_usage,
-        num_pending_prefill_tokens=load.num_pending_prefill_tokens,
-        prefill_seconds_per_token=load.step_profile.prefill_token_s,
-        decode_step_seconds=load.step_profile.decode_step_s,
-        restore_seconds_per_token=load.step_profile.restore_token_s)
 
 
 def _timings(timings: object) -> dict[str, float]:

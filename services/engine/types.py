@@ -2,6 +2,9 @@
 
 Protobuf stays at the gRPC edge (:mod:`services.engine.service`); backends, the
 request loop and the tests speak in these frozen dataclasses only.
+:class:`ModelInfo` and :class:`LoadStats` travel to the router and are defined
+once, for both ends, in :mod:`services.common.wire.engine_info` (imported
+here so the engine's modules keep one place to import its types from).
 """
 
 from __future__ import annotations
@@ -12,7 +15,10 @@ import grpc
 
 from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason, Priority, SamplingOptions, SpeculativeOptions
-from services.common.step_profile import StepProfile
+from services.common.wire.engine_info import LoadStats, ModelInfo
+
+__all__ = ["BlockCounts", "LoadStats", "ModelInfo", "OffloadStats", "SequenceRequest",
+           "StepStats", "TokenDelta"]
 
 
 @dataclass(frozen=True)
@@ -99,59 +105,6 @@ class TokenDelta:
         ``error_status``'s, INTERNAL when that is empty."""
         return grpc.StatusCode[self.error_status] if self.error_status else \
             grpc.StatusCode.INTERNAL
-
-
-@dataclass(frozen=True)
-class LoadStats:
-    """A snapshot of the engine's load, for routing and admission.
-
-    Attributes:
-      num_running: sequences in the running batch.
-      num_waiting: sequences admitted but not yet running.
-      kv_cache_usage: fraction of KV cache memory in use, 0..1.
-      num_pending_prefill_tokens: prompt tokens admitted but not yet computed
-        (waiting sequences, and running ones still in prefill).
-      step_profile: the engine's measured step costs (empty: none measured).
-    """
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_pending_prefill_tokens: int = 0
-    step_profile: StepProfile = StepProfile()
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """The served model's identity and limits.
-
-    Attributes:
-      model: model id as clients name it (e.g. ``SmolLM2-135M-Instruct``).
-      max_model_len: context window in tokens (prompt + completion).
-      vocab_size: number of token ids; valid ids are ``[0, vocab_size)``.
-      eos_token_ids: ids that end a sequence unless ``ignore_eos`` is set.
-      backend: backend name, ``"torch"`` or ``"tensorrt_llm"``.
-      max_num_seqs: most sequences in the running batch; 0 when not known.
-      kv_capacity_tokens: tokens the KV cache holds (blocks x block size); 0
-        when not known. The router sizes its per-replica concurrency cap from
-        these two.
-      kv_block_size: tokens per KV block; 0 when the engine has no prefix cache
-        whose blocks the router can name.
-      kv_hash_seed: the block hash seed (:func:`services.common.block_hash.block_hash_seed`)
-        of the engine's prefix cache; b"" with no prefix cache.
-      kv_offload_blocks: blocks the KV offload tier holds at most (0: no tier).
-    """
-
-    model: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    backend: str
-    max_num_seqs: int = 0
-    kv_capacity_tokens: int = 0
-    kv_block_size: int = 0
-    kv_hash_seed: bytes = b""
-    kv_offload_blocks: int = 0
 
 
 @dataclass(frozen=True)

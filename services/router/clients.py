@@ -1,11 +1,14 @@
 """Typed async clients for the services the router calls.
 
-The engine's client is :mod:`services.router.engine_client`; the values it
-exchanges live here with the others.
+The engine's client is :mod:`services.router.engine_client`. The values the
+clients exchange are the hops' wire types (:mod:`services.common.wire`: chat
+messages and prompts, tokenizer info, cache keys and responses), which the
+services at the other end import too.
 
 Each client owns one long-lived channel (:func:`make_channel`), made when the
 client is constructed and closed by :meth:`close`; no call sets up a
-connection. Dataclasses go in and come out; protobuf stays in this module.
+connection. Dataclasses go in and come out; protobuf stays in the clients and
+the wire types' ``from_pb``/``to_pb``.
 
 Every call takes the request id (sent on as ``x-request-id`` metadata) and the
 absolute deadline of the client's call (``time.monotonic()`` seconds, or None
@@ -24,7 +27,6 @@ import hashlib
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -33,7 +35,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmesh.v1 import (
     cache_pb2,
     cache_pb2_grpc,
-    common_pb2,
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
@@ -41,8 +42,9 @@ from services.common.detokenizer import DEFINITION_FORMAT, TokenizersDecoder
 from services.common.grpc_util import make_channel, request_id_metadata, status_code_of
 from services.common.kv_events import PrefixMatch
 from services.common.mux import MuxClient, StreamInbox, never_merge
-from services.common.sampling import FinishReason, SamplingOptions
-from services.common.step_profile import StepProfile
+from services.common.wire.cache import CachedResponse, CacheKey
+from services.common.wire.chat import ChatMessage, ChatPrompt
+from services.common.wire.tokenizer_info import TokenizerInfo
 
 log = structlog.get_logger()
 
@@ -71,99 +73,6 @@ class UpstreamError(Exception):
 
 
 # --------------------------------------------------------------------------- #
-# Values exchanged with the clients.
-
-
-@dataclass(frozen=True)
-class ChatMessage:
-    """One chat turn: ``role`` (``system``, ``user``, ...) and its UTF-8 ``content``."""
-
-    role: str
-    content: str
-
-
-@dataclass(frozen=True)
-class ReplicaInfo:
-    """What an engine replica serves (``GetModelInfo``); lengths in tokens;
-    ``max_num_seqs``, ``kv_capacity_tokens`` and ``kv_block_size`` are 0 when
-    the engine does not say.
-    ``replica_id`` names it in the prefix index; ``kv_hash_seed`` and
-    ``kv_block_size`` let the router hash a prompt's blocks as it does
-    (:mod:`services.common.block_hash`; empty / 0: no prefix cache)."""
-
-    model: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    backend: str
-    max_num_seqs: int = 0
-    kv_capacity_tokens: int = 0
-    replica_id: str = ""
-    kv_block_size: int = 0
-    kv_hash_seed: bytes = b""
-
-
-@dataclass(frozen=True)
-class TokenizerInfo:
-    """Facts about the tokenizer (``GetTokenizerInfo``)."""
-
-    model: str
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-    has_chat_template: bool
-    chat_roles: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """An engine replica's load: sequences running / waiting, KV usage in [0, 1],
-    prompt tokens admitted and not yet computed, and its measured step costs
-    (empty: none reported; the routing cost uses priors)."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_pending_prefill_tokens: int = 0
-    step_profile: StepProfile = StepProfile()
-
-
-@dataclass(frozen=True)
-class ChatPrompt:
-    """Prompt ids from the chat template and how many old messages were dropped."""
-
-    token_ids: tuple[int, ...]
-    num_dropped_messages: int
-
-
-@dataclass(frozen=True)
-class CacheKey:
-    """Everything that decides a deterministic request's output, and the cache
-    scope it may be shared in (:mod:`services.common.cache_scope`; "" shared)."""
-
-    model: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingOptions
-    cache_scope: str = ""
-
-    def to_pb(self) -> cache_pb2.CacheKey:
-        return cache_pb2.CacheKey(
-            model=self.model, prompt_token_ids=list(self.prompt_token_ids),
-            sampling=self.sampling.to_pb(), cache_scope=self.cache_scope,
-        )
-
-
-@dataclass(frozen=True)
-class CachedResponse:
-    """A finished generation as the client saw it."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: FinishReason
-    matched_stop: str = ""
-
-
-# --------------------------------------------------------------------------- #
 # Helpers.
 
 
@@ -180,14 +89,6 @@ def timeout_until(deadline: float | None) -> float | None:
         raise UpstreamError("router", "-", grpc.StatusCode.DEADLINE_EXCEEDED,
                             "the call's deadline passed")
     return remaining
-
-
-def finish_reason_of(value: int) -> FinishReason:
-    """``value`` as a :class:`FinishReason`; an unknown value counts as ERROR."""
-    try:
-        return FinishReason(value)
-    except ValueError:
-        return FinishReason.ERROR
 
 
 def upstream_error(service: str, target: str, err: grpc.aio.AioRpcError) -> UpstreamError:
@@ -259,13 +160,7 @@ class TokenizerClient:
                 tokenizer_pb2.GetTokenizerInfoRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as err:
             raise upstream_error(self.service, self.target, err) from err
-        return TokenizerInfo(
-            model=reply.model, vocab_size=reply.vocab_size,
-            eos_token_ids=tuple(reply.eos_token_ids),
-            bos_token_id=reply.bos_token_id if reply.HasField("bos_token_id") else None,
-            has_chat_template=reply.has_chat_template,
-            chat_roles=tuple(reply.chat_roles),
-        )
+        return TokenizerInfo.from_pb(reply)
 
     async def decoder(self, *, timeout: float | None = 60.0) -> TokenizersDecoder:
         """``GetTokenizer``: the tokenizer's definition, checked (size and SHA-256)
@@ -328,15 +223,14 @@ class TokenizerClient:
             (even the last message alone does not fit), or the transport error.
         """
         request = tokenizer_pb2.ApplyChatTemplateRequest(
-            messages=[common_pb2.ChatMessage(role=m.role, content=m.content) for m in messages],
+            messages=[m.to_pb() for m in messages],
             add_generation_prompt=add_generation_prompt, max_prompt_tokens=max_prompt_tokens,
             allow_special_tokens=allow_special_tokens,
         )
         answer = await self._ask(tokenizer_pb2.TokenizerServiceMultiplexRequest(
             request_id=request_id, apply_chat_template=request, traceparent=traceparent),
             deadline)
-        reply = answer.apply_chat_template
-        return ChatPrompt(tuple(reply.token_ids), reply.num_dropped_messages)
+        return ChatPrompt.from_pb(answer.apply_chat_template)
 
     async def _ask(self, message: tokenizer_pb2.TokenizerServiceMultiplexRequest,
                    deadline: float | None) -> tokenizer_pb2.TokenizerServiceMultiplexResponse:
@@ -464,19 +358,11 @@ class CacheClient:
             return None
         if not reply.found:
             return None
-        r = reply.response
-        return CachedResponse(tuple(r.token_ids), r.text, finish_reason_of(r.finish_reason),
-                              r.matched_stop)
+        return CachedResponse.from_pb(reply.response)
 
     async def put(self, key: CacheKey, response: CachedResponse, *, request_id: str) -> bool:
         """Stores ``response``; True when the cache kept it (False on any error)."""
-        request = cache_pb2.PutCachedResponseRequest(
-            key=key.to_pb(),
-            response=cache_pb2.CachedResponse(
-                token_ids=list(response.token_ids), text=response.text,
-                finish_reason=int(response.finish_reason), matched_stop=response.matched_stop,
-            ),
-        )
+        request = cache_pb2.PutCachedResponseRequest(key=key.to_pb(), response=response.to_pb())
         try:
             reply = await self._stub.PutCachedResponse(
                 request, timeout=self.timeout, metadata=request_id_metadata(request_id))

@@ -42,15 +42,14 @@ from services.common.wire.engine_stream import (
     pack_requests,
     unpack_updates,
 )
+from services.common.wire.engine_info import LoadStats, ModelInfo
 from services.router.clients import (
-    EngineLoad,
-    ReplicaInfo,
     UpstreamError,
     timeout_until,
     upstream_error,
     wait_until_serving,
 )
-from services.router.load_watch import LoadWatch, load_from_pb
+from services.router.load_watch import LoadWatch
 
 _SERVICE = "engine"
 
@@ -181,7 +180,7 @@ class EngineClient:
         self._mux: MuxClient[EngineStart | StreamCancel, EngineUpdate] | None = None
         self._stream_ids = itertools.count(1)
         self.on_call_failed: Callable[[str], None] | None = None
-        self.info: ReplicaInfo | None = None
+        self.info: ModelInfo | None = None
         self.load_watch = LoadWatch(self._channel, target)
 
     def opened(self, priority: Priority) -> None:
@@ -210,26 +209,23 @@ class EngineClient:
         await wait_until_serving(self._channel, service=self.service, target=self.target,
                                  timeout=timeout)
 
-    async def model_info(self, *, timeout: float | None = 10.0) -> ReplicaInfo:
+    async def model_info(self, *, timeout: float | None = 10.0) -> ModelInfo:
         """``GetModelInfo``, remembered as :attr:`info`. Raises :class:`UpstreamError`."""
         try:
             reply = await self._stub.GetModelInfo(engine_pb2.GetModelInfoRequest(),
                                                   timeout=timeout)
         except grpc.aio.AioRpcError as err:
             raise upstream_error(self.service, self.target, err) from err
-        self.info = ReplicaInfo(
-            reply.model, reply.max_model_len, reply.vocab_size, tuple(reply.eos_token_ids),
-            reply.backend, reply.max_num_seqs, reply.kv_capacity_tokens, reply.replica_id,
-            reply.kv_block_size, reply.kv_hash_seed)
+        self.info = ModelInfo.from_pb(reply)
         return self.info
 
-    async def load(self, *, timeout: float | None = 1.0) -> EngineLoad:
+    async def load(self, *, timeout: float | None = 1.0) -> LoadStats:
         """``GetLoad``. Raises :class:`UpstreamError`."""
         try:
             reply = await self._stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as err:
             raise upstream_error(self.service, self.target, err) from err
-        return load_from_pb(reply)
+        return LoadStats.from_pb(reply)
 
     def start(
         self, prompt_token_ids: Sequence[int], sampling: SamplingOptions, *,

@@ -27,9 +27,8 @@ import grpc
 import structlog
 
 from llmesh.v1 import engine_pb2, engine_pb2_grpc
-from services.common.step_profile import StepProfile
 from services.common.tasks import cancel_and_wait
-from services.router.clients import EngineLoad
+from services.common.wire.engine_info import LoadStats
 
 log = structlog.get_logger()
 
@@ -51,7 +50,7 @@ class LoadView:
       unreported_requests: requests the router sent the replica after that report.
     """
 
-    load: EngineLoad | None
+    load: LoadStats | None
     age_s: float
     unreported_prefill_tokens: int
     unreported_requests: int = 0
@@ -60,18 +59,6 @@ class LoadView:
     def stale(self) -> bool:
         """True when the report is missing or older than :data:`STALE_AFTER_S`."""
         return self.load is None or self.age_s > STALE_AFTER_S
-
-
-def load_from_pb(pb: engine_pb2.GetLoadResponse) -> EngineLoad:
-    """The typed form of an engine's load message (a step profile with a
-    negative or non-finite entry counts as none: the cost falls back to priors)."""
-    try:
-        profile = StepProfile(pb.prefill_seconds_per_token, tuple(pb.decode_step_seconds),
-                              pb.restore_seconds_per_token)
-    except ValueError:
-        profile = StepProfile()
-    return EngineLoad(pb.num_running, pb.num_waiting, pb.kv_cache_usage,
-                      pb.num_pending_prefill_tokens, profile)
 
 
 class LoadWatch:
@@ -85,7 +72,7 @@ class LoadWatch:
     def __init__(self, channel: grpc.aio.Channel, target: str) -> None:
         self._stub = engine_pb2_grpc.EngineServiceStub(channel)
         self.target = target
-        self._load: EngineLoad | None = None
+        self._load: LoadStats | None = None
         self._received_at = 0.0
         self._unreported = 0
         self._unreported_requests = 0
@@ -121,7 +108,7 @@ class LoadWatch:
             call = self._stub.StreamLoad(engine_pb2.StreamLoadRequest())
             try:
                 async for message in call:
-                    self._load = load_from_pb(message.load)
+                    self._load = LoadStats.from_pb(message.load)
                     self._received_at = loop.time()
                     self._unreported = self._unreported_requests = 0
                     retry = _RETRY_S[0]

@@ -34,19 +34,15 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from services.common.wire.engine_info import ModelInfo
+from services.common.wire.tokenizer_info import TokenizerInfo
 from services.router.admission import (
     AdmissionConfig,
     AdmissionController,
     NoReplicaServing,
     ReplicaCapacity,
 )
-from services.router.clients import (
-    CacheClient,
-    ReplicaInfo,
-    TokenizerClient,
-    TokenizerInfo,
-    UpstreamError,
-)
+from services.router.clients import CacheClient, TokenizerClient, UpstreamError
 from services.router.discovery import (
     DEFAULT_RESOLVE_INTERVAL_S,
     Discovery,
@@ -142,7 +138,7 @@ class ModelPool:
     """
 
     def __init__(self, limits: ModelLimits, tokenizer: TokenizerClient,
-                 infos: list[ReplicaInfo], admission: AdmissionController,
+                 infos: list[ModelInfo], admission: AdmissionController,
                  replicas: ReplicaSet, pipeline: GenerationPipeline, policy: RoutingPolicy,
                  discovery: Discovery) -> None:
         self.limits = limits
@@ -172,6 +168,63 @@ class ModelPool:
                              return_exceptions=True)
 
 
+def _default_policy(targets: list[EngineTarget]) -> RoutingPolicy:
+    """KV-aware routing where there is more than one replica to choose from
+    (several targets, or a DNS name), least load otherwise."""
+    several = len(targets) > 1 or any(t.dns for t in targets)
+    return RoutingPolicy.KV_AWARE if several else RoutingPolicy.LEAST_LOAD
+
+
+def _engine_client(policy: RoutingPolicy, target: str) -> EngineClient:
+    """A client of the engine at ``target``, following its load when ``policy``
+    reads it (KV-aware routing only)."""
+    engine = EngineClient(target)
+    if policy is RoutingPolicy.KV_AWARE:
+        engine.load_watch.start()
+    return engine
+
+
+def _replica_set(engines: list[EngineClient], capacities: list[ReplicaCapacity],
+                 admission: AdmissionController, limits: ModelLimits, metrics: RouterMetrics,
+                 make_client: Callable[[str], EngineClient],
+                 discovery: Discovery) -> ReplicaSet:
+    """The pool's replicas (not started), tied to ``admission``: its
+    concurrency cap follows the replicas in routing, and when none is left the
+    queued requests end UNAVAILABLE (nothing would serve them)."""
+
+    def replicas_changed(capacities: list[ReplicaCapacity]) -> None:
+        admission.set_replicas(capacities)
+        if not capacities:
+            failed = admission.fail_queued(NoReplicaServing(
+                f"no engine replica is serving model {limits.model!r} (of "
+                f"{len(replicas.engines)} known, each failed or is draining) while the "
+                "request waited in the router's queue; retry in a few seconds"))
+            if failed:
+                log.warning("queued_requests_failed", model=limits.model, requests=failed,
+                            why="no engine replica is serving")
+
+    replicas = ReplicaSet(engines, capacities, on_change=replicas_changed, metrics=metrics,
+                          make_client=make_client, admit=functools.partial(admit_replica, limits),
+                          on_lost=discovery.resolve_soon)
+    return replicas
+
+
+def _start_routing(replicas: ReplicaSet, discovery: Discovery, engines: list[EngineClient],
+                   limits: ModelLimits) -> None:
+    """Starts probing the replicas and resolving the pool's DNS names (their
+    other addresses join once they serve); warns when two of the first
+    ``engines`` share a replica id."""
+    replicas.start()
+    discovery.attach(replicas)
+    discovery.apply()
+    discovery.start()
+    if shared := duplicate_replica_ids(engines):
+        log.warning("engine_replica_ids_not_unique", model=limits.model,
+                    replica_ids=sorted(shared),
+                    effect="their prefix-index matches are ignored; give each engine "
+                           "its own --replica-id")
+
+
 async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClient | None,
                     metrics: RouterMetrics, resolver: Resolver | None = None, *,
                     wait_for_engines: bool = True) -> ModelPool:
@@ -194,16 +247,8 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
         window below 2 tokens.
     """
     targets = [EngineTarget.parse(t) for t in config.engines]
-    policy = settings.routing_policy or (
-        RoutingPolicy.KV_AWARE if len(targets) > 1 or any(t.dns for t in targets)
-        else RoutingPolicy.LEAST_LOAD)
-
-    def make_client(target: str) -> EngineClient:
-        engine = EngineClient(target)
-        if policy is RoutingPolicy.KV_AWARE:  # the only policy that reads engine load
-            engine.load_watch.start()
-        return engine
-
+    policy = settings.routing_policy or _default_policy(targets)
+    make_client = functools.partial(_engine_client, policy)
     tokenizer = TokenizerClient(config.tokenizer)
     engines: list[EngineClient] = []
     discovery = Discovery(targets, resolver or SystemResolver(), metrics,
@@ -229,32 +274,9 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
         raise
     capacities = [ReplicaCapacity(i.max_num_seqs, i.kv_capacity_tokens) for i in infos]
     admission = _admission(limits.model, settings.admission, capacities, metrics)
-
-    def replicas_changed(capacities: list[ReplicaCapacity]) -> None:
-        """Admission's concurrency cap follows the replicas in routing; when none
-        is left, the queued requests end UNAVAILABLE (nothing would serve them)."""
-        admission.set_replicas(capacities)
-        if not capacities:
-            failed = admission.fail_queued(NoReplicaServing(
-                f"no engine replica is serving model {limits.model!r} (of "
-                f"{len(replicas.engines)} known, each failed or is draining) while the "
-                "request waited in the router's queue; retry in a few seconds"))
-            if failed:
-                log.warning("queued_requests_failed", model=limits.model, requests=failed,
-                            why="no engine replica is serving")
-
-    replicas = ReplicaSet(engines, capacities, on_change=replicas_changed, metrics=metrics,
-                          make_client=make_client, admit=functools.partial(admit_replica, limits),
-                          on_lost=discovery.resolve_soon)
-    replicas.start()
-    discovery.attach(replicas)
-    discovery.apply()  # the names' other addresses join once they serve
-    discovery.start()
-    if shared := duplicate_replica_ids(engines):
-        log.warning("engine_replica_ids_not_unique", model=limits.model,
-                    replica_ids=sorted(shared),
-                    effect="their prefix-index matches are ignored; give each engine "
-                           "its own --replica-id")
+    replicas = _replica_set(engines, capacities, admission, limits, metrics, make_client,
+                            discovery)
+    _start_routing(replicas, discovery, engines, limits)
     pipeline = GenerationPipeline(
         tokenizer=tokenizer, decoder=decoder, replicas=replicas, cache=cache,
         models={limits.model: limits}, metrics=metrics, log_content=settings.log_content,
@@ -317,7 +339,7 @@ async def _first_engines(discovery: Discovery, make_client: Callable[[str], Engi
         await discovery.resolve_all()
 
 
-def admit_replica(limits: ModelLimits, info: ReplicaInfo) -> str | None:
+def admit_replica(limits: ModelLimits, info: ModelInfo) -> str | None:
     """Why a replica that joins later may not serve the pool (None: it may)."""
     if (info.model or limits.model) != limits.model:
         return (f"it serves model {info.model!r}, the pool serves {limits.model!r}; "
@@ -329,7 +351,7 @@ def admit_replica(limits: ModelLimits, info: ReplicaInfo) -> str | None:
     return None
 
 
-def model_limits(infos: list[ReplicaInfo], tok: TokenizerInfo,
+def model_limits(infos: list[ModelInfo], tok: TokenizerInfo,
                  settings: PoolSettings) -> ModelLimits:
     """The model's limits from its replicas' and tokenizer's answers.
 

@@ -54,8 +54,9 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.wire.engine_info import ModelInfo
 from services.router.admission import ReplicaCapacity
-from services.router.clients import ReplicaInfo, UpstreamError
+from services.router.clients import UpstreamError
 from services.router.engine_client import EngineClient
 from services.router.metrics import RouterMetrics
 
@@ -72,7 +73,7 @@ DEFAULT_RETIRE_AFTER_S = 600.0
 
 CapacityListener = Callable[[list[ReplicaCapacity]], None]
 #: Why a new replica may not join the pool (None: it may), from its model info.
-AdmitCheck = Callable[[ReplicaInfo], "str | None"]
+AdmitCheck = Callable[[ModelInfo], "str | None"]
 
 
 class ReplicaSet:

@@ -84,7 +84,8 @@ import structlog
 from services.common.block_hash import prompt_block_hashes, scoped_seed
 from services.common.sampling import Priority
 from services.common.step_profile import StepProfile
-from services.router.clients import CacheClient, EngineLoad
+from services.common.wire.engine_info import LoadStats
+from services.router.clients import CacheClient
 from services.router.engine_client import EngineClient
 from services.router.load_watch import LoadView
 from services.router.metrics import RouterMetrics
@@ -224,7 +225,7 @@ def replica_cost(hint: RouteHint, matched_tokens: int, view: LoadView,
     return own + imposed + profile.prefill_s(round(weights.slot_wait_tokens)) * queued
 
 
-def pricing_profile(load: EngineLoad, peer: StepProfile | None) -> StepProfile:
+def pricing_profile(load: LoadStats, peer: StepProfile | None) -> StepProfile:
     """The step costs a replica is priced by: its own once it measured any,
     else ``peer``'s (a measured replica of the same pool), else the priors."""
     if load.step_profile.measured or peer is None:

@@ -35,7 +35,7 @@ import collections
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -83,11 +83,53 @@ async def paced(events: AsyncIterator[T], *, write_timeout_s: float,
     if write_timeout_s <= 0:
         raise ValueError(f"write_timeout_s must be > 0, got {write_timeout_s}")
     loop = asyncio.get_running_loop()
-    pending: collections.deque[T] = collections.deque()
-    ready = asyncio.Event()
-    failure: list[BaseException] = []
+    ahead = _ReadAhead(events, merge)
+    stalled_at: list[float] = []
 
-    async def produce() -> None:
+    def stall() -> None:
+        if not ahead.task.done():
+            stalled_at.append(time.monotonic())
+            ahead.task.cancel()
+            on_stall()
+
+    try:
+        while (event := await ahead.next()) is not _END:
+            away_from = time.monotonic()
+            timer = loop.call_later(write_timeout_s, stall)
+            try:
+                yield event  # type: ignore[misc]
+            finally:
+                timer.cancel()
+            if stalled_at:
+                raise WriteStalled(write_timeout_s, time.monotonic() - away_from)
+        if ahead.failure is not None:
+            raise ahead.failure
+        if ahead.task.cancelled():  # cancelled from outside (the loop is closing)
+            raise asyncio.CancelledError()
+    finally:
+        if not ahead.task.done():
+            ahead.task.cancel()
+        await asyncio.wait({ahead.task})
+
+
+#: What :meth:`_ReadAhead.next` returns once nothing is left.
+_END = object()
+
+
+class _ReadAhead(Generic[T]):
+    """Reads ``events`` in a task of its own (``task``) into a queue, merging
+    an event into the one before it when ``merge`` says so. Closes ``events``
+    in that task; an exception ``events`` raised is kept in ``failure``."""
+
+    def __init__(self, events: AsyncIterator[T], merge: Callable[[T, T], T | None]) -> None:
+        self._pending: collections.deque[T] = collections.deque()
+        self._ready = asyncio.Event()
+        self.failure: Exception | None = None
+        self.task = asyncio.get_running_loop().create_task(self._produce(events, merge))
+
+    async def _produce(self, events: AsyncIterator[T],
+                       merge: Callable[[T, T], T | None]) -> None:
+        pending = self._pending
         try:
             async with contextlib.aclosing(events):  # type: ignore[type-var]
                 async for event in events:
@@ -96,43 +138,18 @@ async def paced(events: AsyncIterator[T], *, write_timeout_s: float,
                         pending.append(event)
                     else:
                         pending[-1] = merged
-                    ready.set()
+                    self._ready.set()
         except Exception as err:  # noqa: BLE001 - handed to the consumer
-            failure.append(err)
+            self.failure = err
         finally:
-            ready.set()
+            self._ready.set()
 
-    task = loop.create_task(produce())
-    stalled_at: list[float] = []
-
-    def stall() -> None:
-        if not task.done():
-            stalled_at.append(time.monotonic())
-            task.cancel()
-            on_stall()
-
-    try:
-        while True:
-            if not pending:
-                if task.done():
-                    break
-                ready.clear()
-                await ready.wait()
-                continue
-            event = pending.popleft()
-            away_from = time.monotonic()
-            timer = loop.call_later(write_timeout_s, stall)
-            try:
-                yield event
-            finally:
-                timer.cancel()
-            if stalled_at:
-                raise WriteStalled(write_timeout_s, time.monotonic() - away_from)
-        if failure:
-            raise failure[0]
-        if task.cancelled():  # cancelled from outside (the loop is closing)
-            raise asyncio.CancelledError()
-    finally:
-        if not task.done():
-            task.cancel()
-        await asyncio.wait({task})
+    async def next(self) -> T | object:
+        """The oldest waiting event (waits for one), or :data:`_END` once the
+        task ended (done, failed or cancelled) and none is left."""
+        while not self._pending:
+            if self.task.done():
+                return _END
+            self._ready.clear()
+            await self._ready.wait()
+        return self._pending.popleft()

@@ -50,7 +50,7 @@ from services.common.sampling import (
     SamplingOptions,
     SpeculativeOptions,
 )
-from services.router.clients import ChatMessage
+from services.common.wire.chat import ChatMessage
 
 #: Most characters in a caller-chosen request id (it travels as gRPC metadata).
 MAX_REQUEST_ID_LENGTH = 128
@@ -289,6 +289,26 @@ def _validate_stops(sampling: common_pb2.SamplingParams) -> None:
                 f"characters, got one of {len(stop)}")
 
 
+def _validate_input(pb: generation_pb2.GenerateRequest, limits: ModelLimits,
+                    ) -> tuple[str | None, tuple[ChatMessage, ...] | None]:
+    """The request's input: ``(prompt, None)`` or ``(None, messages)``.
+
+    Raises:
+      InvalidRequestError: neither is set, an empty prompt, or a text or
+        message over the limits.
+    """
+    which = pb.WhichOneof("input")
+    if which is None:
+        raise InvalidRequestError(
+            "input", "set exactly one of `prompt` (raw text) or `chat` (messages)")
+    if which == "prompt":
+        if not pb.prompt:
+            raise InvalidRequestError("prompt", "must be non-empty text")
+        _check_text_size("prompt", pb.prompt, limits)
+        return pb.prompt, None
+    return None, _validate_messages(pb.chat, limits)
+
+
 def validate_request(
     pb: generation_pb2.GenerateRequest, *, request_id: str,
     models: Mapping[str, ModelLimits], default_model: str,
@@ -320,21 +340,7 @@ def validate_request(
     if pb.request_id:
         validate_request_id(pb.request_id)
     limits = resolve_model(pb.model, models, default_model)
-    which = pb.WhichOneof("input")
-    prompt: str | None = None
-    messages: tuple[ChatMessage, ...] | None = None
-    allow_special_tokens = False
-    if which is None:
-        raise InvalidRequestError(
-            "input", "set exactly one of `prompt` (raw text) or `chat` (messages)")
-    if which == "prompt":
-        if not pb.prompt:
-            raise InvalidRequestError("prompt", "must be non-empty text")
-        _check_text_size("prompt", pb.prompt, limits)
-        prompt = pb.prompt
-    else:
-        messages = _validate_messages(pb.chat, limits)
-        allow_special_tokens = pb.chat.allow_special_tokens
+    prompt, messages = _validate_input(pb, limits)
     _validate_stops(pb.sampling)
     sampling = SamplingOptions.from_pb(
         pb.sampling, default_max_tokens=limits.default_max_tokens,
@@ -350,7 +356,8 @@ def validate_request(
         request_id=request_id, model=limits.model, prompt=prompt, messages=messages,
         sampling=sampling, priority=Priority.from_pb(pb.priority),
         bypass_cache=pb.bypass_cache, speculative=speculative,
-        allow_special_tokens=allow_special_tokens, tenant=header_tenant or "",
+        allow_special_tokens=messages is not None and pb.chat.allow_special_tokens,
+        tenant=header_tenant or "",
         cache_scope=resolve(owner(header_tenant or "", cache_group), salt),
     )
 

@@ -68,10 +68,10 @@ from services.common.detokenizer import DEFINITION_FORMAT, IncrementalDetokenize
 from services.common.grpc_util import request_id_from
 from services.common.logging import bind_request_id
 from services.common.mux import MuxServer, ProtocolViolation, never_merge
+from services.common.wire.chat import ChatMessage
 from services.tokenizer.metrics import TokenizerMetrics, default_metrics
 from services.tokenizer.tokenizer import (
     DEFAULT_CHAT_ROLES,
-    ChatMessage,
     ChatTemplateError,
     InvalidTokenIdError,
     NoChatTemplateError,
@@ -202,14 +202,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
             for _ in range(self._threads)
         ))
         info = self._tok.info
-        self._info_reply = tokenizer_pb2.GetTokenizerInfoResponse(
-            model=info.model,
-            vocab_size=info.vocab_size,
-            eos_token_ids=info.eos_token_ids,
-            bos_token_id=info.bos_token_id,
-            has_chat_template=info.has_chat_template,
-            chat_roles=info.chat_roles,
-        )
+        self._info_reply = info.to_pb()
         self._ready = True
         log.info("tokenizer_ready", model=info.model, vocab_size=info.vocab_size,
                  eos_token_ids=list(info.eos_token_ids), has_chat_template=info.has_chat_template,
@@ -350,7 +343,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
     async def _apply_chat_template(self, tok: Tokenizer,
                                    request: tokenizer_pb2.ApplyChatTemplateRequest,
                                    ) -> tokenizer_pb2.ApplyChatTemplateResponse:
-        messages = [ChatMessage(m.role, m.content) for m in request.messages]
+        messages = [ChatMessage.from_pb(m) for m in request.messages]
         args = (messages, request.add_generation_prompt, request.max_prompt_tokens,
                 request.allow_special_tokens)
         if self._is_long(request):
@@ -362,8 +355,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
             self._metrics.dropped_messages.inc(prompt.num_dropped_messages)
         log.debug("chat_template_applied", messages=len(messages),
                   tokens=len(prompt.token_ids), dropped=prompt.num_dropped_messages)
-        return tokenizer_pb2.ApplyChatTemplateResponse(
-            token_ids=prompt.token_ids, num_dropped_messages=prompt.num_dropped_messages)
+        return prompt.to_pb()
 
     async def _answer(self, message: tokenizer_pb2.TokenizerServiceMultiplexRequest,
                       ) -> tokenizer_pb2.TokenizerServiceMultiplexResponse:
@@ -483,7 +475,10 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         request_iterator: AsyncIterator[tokenizer_pb2.DetokenizeRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[tokenizer_pb2.DetokenizeResponse]:
-        """Ids in, text deltas out: one response per request message."""
+        """Ids in, text deltas out: one response per request message. Deprecated
+        in the proto (no llmesh service calls it: the router decodes in process
+        from ``GetTokenizer``); kept for outside callers and as the tests'
+        reference decoder."""
         started = time.perf_counter()
         tok = await self._admit_call("Detokenize", context, started)
         self._metrics.detokenize_streams.inc()

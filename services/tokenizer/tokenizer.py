@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,8 @@ from services.common.checkpoint import (
     load_hf_tokenizer,
 )
 from services.common.detokenizer import first_out_of_range
+from services.common.wire.chat import ChatMessage, ChatPrompt
+from services.common.wire.tokenizer_info import TokenizerInfo
 from services.tokenizer.control_tokens import (
     ControlTokens,
     ForgedControlTokenError,
@@ -80,59 +81,6 @@ def check_chat_roles(roles: Sequence[str]) -> tuple[str, ...]:
     if not roles:
         raise ValueError("chat_roles: at least one role is needed")
     return tuple(dict.fromkeys(roles))
-
-
-@dataclass(frozen=True, slots=True)
-class ChatMessage:
-    """One chat turn.
-
-    Attributes:
-      role: one of the tokenizer's :attr:`TokenizerInfo.chat_roles`
-        (``system``, ``user``, ``assistant``, ``tool`` by default).
-      content: UTF-8 text of the turn.
-    """
-
-    role: str
-    content: str
-
-
-@dataclass(frozen=True, slots=True)
-class ChatPrompt:
-    """A rendered and tokenized chat prompt.
-
-    Attributes:
-      token_ids: prompt token ids, ready for the engine.
-      num_dropped_messages: how many of the oldest non-system messages were
-        left out to fit the token budget.
-    """
-
-    token_ids: list[int]
-    num_dropped_messages: int
-
-
-@dataclass(frozen=True, slots=True)
-class TokenizerInfo:
-    """Facts about a loaded tokenizer.
-
-    Attributes:
-      model: model name (GGUF file name up to its first dot unless given).
-      vocab_size: number of token ids, added tokens included; valid ids are
-        ``0 <= id < vocab_size``.
-      eos_token_ids: ids that end a generation, sorted: the tokenizer's EOS,
-        the GGUF's ``eot``/``eom`` ids when present, and the chat template's
-        end-of-turn token (e.g. ``<|im_end|>``) when it is a special token.
-      bos_token_id: the BOS id, ``None`` when the tokenizer has none.
-      has_chat_template: whether :meth:`Tokenizer.apply_chat_template` works.
-      chat_roles: the roles :meth:`Tokenizer.apply_chat_template` accepts;
-        empty without a chat template.
-    """
-
-    model: str
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-    has_chat_template: bool
-    chat_roles: tuple[str, ...] = ()
 
 
 class NoChatTemplateError(ValueError):
@@ -405,27 +353,15 @@ class Tokenizer:
 
         ids = render(0)
         if max_prompt_tokens <= 0 or len(ids) <= max_prompt_tokens:
-            return ChatPrompt(ids, 0)
+            return ChatPrompt(tuple(ids), 0)
         droppable = sum(1 for m in messages[:-1] if m.role != "system")
         if droppable == 0:
             raise PromptTooLongError(len(ids), max_prompt_tokens)
         smallest = render(droppable)
         if len(smallest) > max_prompt_tokens:
             raise PromptTooLongError(len(smallest), max_prompt_tokens)
-        # Invariant: render(lo) does not fit, render(hi) fits.
-        lo, hi, best = 0, droppable, smallest
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            try:
-                candidate = render(mid)
-            except ChatTemplateError:  # e.g. roles must alternate: drop more
-                lo = mid
-                continue
-            if len(candidate) <= max_prompt_tokens:
-                hi, best = mid, candidate
-            else:
-                lo = mid
-        return ChatPrompt(best, hi)
+        best, dropped = _fewest_drops(render, droppable, smallest, max_prompt_tokens)
+        return ChatPrompt(tuple(best), dropped)
 
     def _encode_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
                      allow_special_tokens: bool) -> list[int]:
@@ -486,6 +422,29 @@ class Tokenizer:
                     "message content, so it cannot be kept as plain text: remove it (or set "
                     "allow_special_tokens if the content is trusted)")
         return self.encode(text)
+
+
+def _fewest_drops(render: Callable[[int], list[int]], droppable: int, smallest: list[int],
+                  budget: int) -> tuple[list[int], int]:
+    """The prompt with the fewest oldest messages dropped that fits ``budget``
+    tokens, and how many were dropped: a binary search over ``render(k)`` (the
+    ids with ``k`` dropped), given that dropping none does not fit and
+    dropping all ``droppable`` (``smallest``) does. A count the template
+    refuses (e.g. roles must alternate) counts as not fitting."""
+    # Invariant: render(lo) does not fit, render(hi) fits.
+    lo, hi, best = 0, droppable, smallest
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            candidate = render(mid)
+        except ChatTemplateError:  # e.g. roles must alternate: drop more
+            lo = mid
+            continue
+        if len(candidate) <= budget:
+            hi, best = mid, candidate
+        else:
+            lo = mid
+    return best, hi
 
 
 def _drop_oldest(messages: Sequence[ChatMessage], count: int) -> list[ChatMessage]:

@@ -11,10 +11,11 @@ import torch
 
 from services.cli.mesh import Mesh
 from services.common.model_files import default_model_path
+from services.common.wire.chat import ChatMessage
 from services.engine.config import EngineConfig
 from services.engine.torch_backend.backend import resolve_quantization
 from services.engine.torch_backend.model_runner import ModelRunner, StepInput
-from services.tokenizer.tokenizer import ChatMessage, Tokenizer
+from services.tokenizer.tokenizer import Tokenizer
 from tests.e2e.mesh_client import CAPITAL_QUESTION, chat_request
 from llmesh.v1 import generation_pb2_grpc
 

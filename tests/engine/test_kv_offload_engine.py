@@ -15,7 +15,6 @@ from llmesh.v1 import cache_pb2
 from services.common.kv_events import BlockStored, Medium
 from services.engine.kv_publisher import event_to_pb
 from services.engine.metrics import EngineMetrics
-from services.engine.service import to_load_response
 from services.engine.torch_backend.model import LlamaModel
 from services.engine.torch_backend.paged_kv import kv_block_bytes
 from services.common.sampling import SamplingOptions
@@ -97,8 +96,8 @@ async def test_an_evicted_prompt_comes_back_from_the_tier(smollm2: LlamaModel) -
         assert len(stored) >= 6
 
         # the router prices a tier hit by the engine's measured restore time
-        restore_token_s = to_load_response(on.load()).restore_seconds_per_token
-        assert 0 < restore_token_s < to_load_response(on.load()).prefill_seconds_per_token
+        restore_token_s = on.load().to_pb().restore_seconds_per_token
+        assert 0 < restore_token_s < on.load().to_pb().prefill_seconds_per_token
 
         value = tiered.value
         assert value("llmesh:kv_offload_hits_total") == 6

@@ -28,6 +28,7 @@ from services.common.sampling import (
     SpeculativeMethod,
     SpeculativeOptions,
 )
+from services.common.wire.chat import ChatMessage
 from services.engine.config import EngineConfig
 from services.engine.metrics import EngineMetrics
 from services.engine.torch_backend.backend import TorchBackend
@@ -41,7 +42,7 @@ from services.engine.torch_backend.model_runner import ModelRunner, StepInput
 from services.engine.torch_backend.sequence import Sequence as EngineSequence
 from services.engine.torch_backend.suffix_proposer import SuffixProposer
 from services.engine.types import SequenceRequest, TokenDelta
-from services.tokenizer.tokenizer import ChatMessage, Tokenizer
+from services.tokenizer.tokenizer import Tokenizer
 
 from .prompts import CHAT, CHAT_GREEDY, EOS, STORY
 

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from services.common.sampling import Priority
 from services.common.step_profile import StepProfile
-from services.router.clients import EngineLoad, ReplicaInfo
+from services.common.wire.engine_info import LoadStats, ModelInfo
 from services.router.engine_client import EngineClient
 from services.router.load_watch import LoadView
 from services.router.metrics import RouterMetrics
@@ -38,7 +38,7 @@ ONE_CORE = StepProfile(1.1e-3, tuple(9.2e-3 + 1.6e-3 * rows for rows in range(1,
 def view(running: int = 0, pending: int = 0, usage: float = 0.1, age: float = 0.1,
          unreported: int = 0, profile: StepProfile = StepProfile(),
          unreported_requests: int = 0) -> LoadView:
-    return LoadView(EngineLoad(running, 0, usage, pending, profile), age, unreported,
+    return LoadView(LoadStats(running, 0, usage, pending, profile), age, unreported,
                     unreported_requests)
 
 
@@ -278,7 +278,7 @@ async def test_round_robin_rotates_and_least_load_counts_open_requests(
 async def test_a_replica_with_no_free_slot_costs_a_wait(engines: list[EngineClient]) -> None:
     a, b, _ = engines
     for engine in (a, b):
-        engine.info = ReplicaInfo("m", 1024, 100, (2,), "torch", max_num_seqs=2)
+        engine.info = ModelInfo("m", 1024, 100, (2,), "torch", max_num_seqs=2)
     b.load_watch.view = view(running=2)  # type: ignore[attr-defined]
     kv = picker(RoutingPolicy.KV_AWARE)
     batch = await kv.choose(engines[:2], Priority.BATCH, RouteHint(100, matches({b: 96})))
@@ -322,7 +322,7 @@ async def test_replicas_sharing_an_id_get_no_prefix_matches(
     from services.router.routing import duplicate_replica_ids
     a, b, c = engines
     for engine, replica in ((a, "dup"), (b, "dup"), (c, "c")):
-        engine.info = ReplicaInfo("m", 1024, 100, (2,), "torch", replica_id=replica,
+        engine.info = ModelInfo("m", 1024, 100, (2,), "torch", replica_id=replica,
                                   kv_block_size=16, kv_hash_seed=b"s" * 32)
     assert duplicate_replica_ids(engines) == {"dup"}
 
@@ -346,7 +346,7 @@ async def test_prefix_lookups_hash_the_prompt_in_the_requests_cache_scope(
     a, b, _ = engines
     seed = b"s" * 32
     for engine, replica in ((a, "a"), (b, "b")):
-        engine.info = ReplicaInfo("m", 1024, 100, (2,), "torch", replica_id=replica,
+        engine.info = ModelInfo("m", 1024, 100, (2,), "torch", replica_id=replica,
                                   kv_block_size=16, kv_hash_seed=seed)
     index = RecordingIndex()
     kv = ReplicaPicker(RoutingPolicy.KV_AWARE, index,  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ from services.common.sampling import (
     SpeculativeMethod,
     SpeculativeOptions,
 )
-from services.router.clients import ChatMessage
+from services.common.wire.chat import ChatMessage
 from services.router.validation import (
     MAX_BYTES_PER_TOKEN,
     MAX_HISTORY_WINDOWS,

@@ -13,9 +13,10 @@ from prometheus_client import CollectorRegistry
 
 from benchmarks.random_checkpoint import save_smollm2_tokenizer, save_tiny_llama
 from llmesh.v1 import tokenizer_pb2
+from services.common.wire.chat import ChatMessage
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.service import TokenizerService
-from services.tokenizer.tokenizer import ChatMessage, Tokenizer
+from services.tokenizer.tokenizer import Tokenizer
 from tests.tokenizer.tokenizer_helpers import Client, ServerThread
 
 TEXTS = ("Hello, world!", "日本語? e\u0301 👋", "<|im_end|> is text here", "  spaced\n\ttabs ")
@@ -52,7 +53,7 @@ def test_directory_serves_what_the_gguf_serves(smollm: Tokenizer, smollm_client:
             ours = dir_client.chat(messages, add_generation_prompt=gen)
             reference = smollm.apply_chat_template(
                 [ChatMessage(r, c) for r, c in messages], add_generation_prompt=gen)
-            assert list(ours.token_ids) == reference.token_ids
+            assert tuple(ours.token_ids) == reference.token_ids
     ids = smollm.encode(TEXTS[1])
     assert "".join(dir_client.detokenize([ids])) == TEXTS[1]
     request = tokenizer_pb2.GetTokenizerInfoRequest()

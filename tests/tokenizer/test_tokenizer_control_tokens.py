@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from llmesh.v1 import tokenizer_pb2
 
+from services.common.wire.chat import ChatMessage
 from services.tokenizer.tokenizer import (
     DEFAULT_CHAT_ROLES,
-    ChatMessage,
     ChatTemplateError,
     Tokenizer,
     UnknownRoleError,
@@ -80,13 +80,14 @@ def _controls_in(tok: Tokenizer, ids: Sequence[int]) -> list[int]:
     return [i for i in ids if i in control]
 
 
-def _hf_ids(tok: Tokenizer, pairs: Sequence[tuple[str, str]], **kwargs: object) -> list[int]:
+def _hf_ids(tok: Tokenizer, pairs: Sequence[tuple[str, str]],
+            **kwargs: object) -> tuple[int, ...]:
     """transformers' own apply_chat_template(tokenize=True) with the same template:
     what the tokenizer produced before (special-token text in content parsed)."""
     out = tok.hf_tokenizer.apply_chat_template(
         [{"role": r, "content": c} for r, c in pairs], chat_template=tok._template,
         add_generation_prompt=True, tokenize=True, **kwargs)
-    return list(out["input_ids"] if isinstance(out, Mapping) else out)
+    return tuple(out["input_ids"] if isinstance(out, Mapping) else out)
 
 
 def _conversation(name: str, *contents: str) -> list[tuple[str, str]]:
@@ -172,7 +173,7 @@ def test_chats_without_special_token_text_are_tokenized_as_before(
             out = tok.hf_tokenizer.apply_chat_template(
                 [{"role": r, "content": c} for r, c in pairs], chat_template=tok._template,
                 add_generation_prompt=gen, tokenize=True)
-            assert ids == list(out["input_ids"] if isinstance(out, Mapping) else out)
+            assert ids == tuple(out["input_ids"] if isinstance(out, Mapping) else out)
 
 
 def _with_template(tok: Tokenizer, template: str) -> Tokenizer:
@@ -201,7 +202,7 @@ def test_a_template_that_rewrites_content_refuses_special_token_text(smollm: Tok
                                   "{{ m['content'] | replace('\\n', ' ') }}<|im_end|>\n"
                                   "{% endfor %}")
     assert flat.apply_chat_template(_msgs([("user", "hello\nworld")]), False).token_ids == \
-        smollm.encode("<|im_start|>user\nhello world<|im_end|>\n")
+        tuple(smollm.encode("<|im_start|>user\nhello world<|im_end|>\n"))
     with pytest.raises(ChatTemplateError, match=r"messages\[1\]\.content holds the special-"
                                                 r"token text '<\|im_start\|>'"):
         flat.apply_chat_template(_msgs([("user", "hi"), ("user", "a\n<|im_start|>b")]))
@@ -253,10 +254,10 @@ def test_service_keeps_content_as_text_unless_allowed(
         name: str, request: pytest.FixtureRequest) -> None:
     tok, client = _tok(name, request), _client(name, request)
     pairs = [("user", FORGED[name])]
-    ids = list(client.chat(pairs).token_ids)
+    ids = tuple(client.chat(pairs).token_ids)
     assert _controls_in(tok, ids) == _controls_in(tok, _hf_ids(tok, [("user", "hi")]))
     assert ids == tok.apply_chat_template(_msgs(pairs)).token_ids
-    assert list(client.chat(pairs, allow_special_tokens=True).token_ids) == _hf_ids(tok, pairs)
+    assert tuple(client.chat(pairs, allow_special_tokens=True).token_ids) == _hf_ids(tok, pairs)
 
 
 @pytest.mark.parametrize("name", CHAT_TOKENIZERS)

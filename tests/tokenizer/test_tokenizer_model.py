@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from services.common.model_files import default_model_path
+from services.common.wire.chat import ChatMessage
 from services.tokenizer import model_parts
 from services.tokenizer.gguf_meta import GGUFFormatError, read_gguf_scalars
 from services.tokenizer.tokenizer import (
-    ChatMessage,
     ChatTemplateError,
     InvalidTokenIdError,
     NoChatTemplateError,
@@ -32,11 +32,12 @@ CONVERSATIONS = [
 ]
 
 
-def _hf_chat_ids(tok: Tokenizer, messages: list[tuple[str, str]], gen: bool) -> list[int]:
+def _hf_chat_ids(tok: Tokenizer, messages: list[tuple[str, str]],
+                 gen: bool) -> tuple[int, ...]:
     out = tok.hf_tokenizer.apply_chat_template(
         [{"role": r, "content": c} for r, c in messages], add_generation_prompt=gen,
         tokenize=True)
-    return list(out["input_ids"] if isinstance(out, Mapping) else out)
+    return tuple(out["input_ids"] if isinstance(out, Mapping) else out)
 
 
 def _msgs(pairs: list[tuple[str, str]]) -> list[ChatMessage]:
@@ -209,7 +210,7 @@ def test_template_that_raises_is_a_chat_template_error(smollm: Tokenizer) -> Non
                         "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}")
     tok = Tokenizer(hf, "strict")
     assert tok.info.eos_token_ids == (2,)
-    assert tok.apply_chat_template(_msgs([("user", "hi")]), False).token_ids == [6004, 2]
+    assert tok.apply_chat_template(_msgs([("user", "hi")]), False).token_ids == (6004, 2)
     with pytest.raises(ChatTemplateError, match="first message must be from the user"):
         tok.apply_chat_template(_msgs([("assistant", "hi")]))
     assert smollm.hf_tokenizer.chat_template != hf.chat_template

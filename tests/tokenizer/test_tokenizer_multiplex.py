@@ -12,7 +12,8 @@ import grpc
 import pytest
 from llmesh.v1 import common_pb2, tokenizer_pb2
 
-from services.router.clients import ChatMessage, TokenizerClient, UpstreamError
+from services.common.wire.chat import ChatMessage
+from services.router.clients import TokenizerClient, UpstreamError
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.tokenizer import Tokenizer
 from tests.tokenizer.tokenizer_helpers import HARD_TEXT, Client, ServerThread, sample, start_server

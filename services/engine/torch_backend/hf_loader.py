@@ -52,18 +52,6 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 ARCHITECTURE_HINT = "Gemma 3 is served from its GGUF"
 
 
-def checkpoint_architecture(path: str | Path) -> str:
-    """The loader's architecture name (``llama``) of the checkpoint at ``path``,
-    as :func:`~services.engine.torch_backend.gguf_loader.gguf_architecture` gives it
-    for a GGUF.
-
-    Raises:
-      FileNotFoundError: no directory or no ``config.json``.
-      ValueError: see :func:`read_hf_config`.
-    """
-    return read_hf_config(path).architecture
-
-
 class SafetensorsWeights(Mapping[str, torch.Tensor]):
     """The checkpoint's tensors by name, read on access from memory-mapped
     safetensors files, cast to ``dtype``.
@@ -211,12 +199,6 @@ def tensor_files(path: Path) -> dict[str, Path]:
     single = path / WEIGHTS_FILE
     with _safe_open(single) as handle:
         return {name: single for name in handle.keys()}
-
-
-def required_tensors(config: LlamaConfig) -> list[str]:
-    """The HF tensor names a model of ``config`` loads (``lm_head.weight`` only
-    when the head is not tied)."""
-    return list(expected_shapes(config))
 
 
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:

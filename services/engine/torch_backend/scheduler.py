@@ -346,22 +346,29 @@ class Scheduler:
                     continue
             else:
                 forked = []
-            reason = FinishReason.NONE
-            emitted = 0
-            for token in tokens:
-                seq.append_token(token)
-                emitted += 1
-                reason = self._stop_reason(seq, token)
-                if reason is not FinishReason.NONE:
-                    break
-            # Every emitted token but the last was a speculative input of this step.
-            seq.num_computed_tokens = verified + emitted - 1
-            self.kv.cache_computed_blocks(seq)
-            if reason is not FinishReason.NONE:
-                self._finish(seq, reason)
-            updates.append(SequenceUpdate(seq, tokens[:emitted], reason is not FinishReason.NONE))
+            updates.append(self._book_tokens(seq, tokens, verified))
             updates.extend(forked)
         return updates
+
+    def _book_tokens(self, seq: Sequence, tokens: tuple[int, ...],
+                     verified: int) -> SequenceUpdate:
+        """Appends ``tokens`` to ``seq`` up to the first that stops it, moves
+        its ``num_computed_tokens`` to ``verified`` plus the speculative ones
+        accepted, caches its full blocks and finishes it if it stopped."""
+        reason = FinishReason.NONE
+        emitted = 0
+        for token in tokens:
+            seq.append_token(token)
+            emitted += 1
+            reason = self._stop_reason(seq, token)
+            if reason is not FinishReason.NONE:
+                break
+        # Every emitted token but the last was a speculative input of this step.
+        seq.num_computed_tokens = verified + emitted - 1
+        self.kv.cache_computed_blocks(seq)
+        if reason is not FinishReason.NONE:
+            self._finish(seq, reason)
+        return SequenceUpdate(seq, tokens[:emitted], reason is not FinishReason.NONE)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Finishes ``seq`` now with ``reason`` (e.g. ERROR after a failed step),

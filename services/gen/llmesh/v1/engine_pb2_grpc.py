@@ -71,6 +71,10 @@ class EngineServiceServicer:
         engine step ends; send `cancel` (or drop the call) to finish it at once.
         INVALID_ARGUMENT / OUT_OF_RANGE for bad ids or parameters,
         RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE while draining.
+        Deprecated: the router does not call it; call Multiplex instead (many
+        requests on one long-lived call, the same starts, cancels and updates).
+        Kept as a one-request entry point for the engine's tests and
+        benchmarks/mesh_latency.py's engine-over-gRPC hop.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -7,6 +7,7 @@ from collections import abc as _abc
 from grpc import aio as _aio
 from llmesh.v1 import engine_pb2 as _engine_pb2
 import abc as _abc_1
+import builtins as _builtins
 import grpc as _grpc
 import sys
 import typing as _typing
@@ -15,6 +16,11 @@ if sys.version_info >= (3, 11):
     from typing import Self as _Self
 else:
     from typing_extensions import Self as _Self
+
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
 
 _T = _typing.TypeVar("_T")
 
@@ -33,12 +39,18 @@ class EngineServiceStub:
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> EngineServiceAsyncStub: ...
-    Generate: _grpc.StreamStreamMultiCallable[_engine_pb2.EngineServiceGenerateRequest, _engine_pb2.EngineServiceGenerateResponse]
-    """One stream per request: send `start`, receive token-id deltas as each
-    engine step ends; send `cancel` (or drop the call) to finish it at once.
-    INVALID_ARGUMENT / OUT_OF_RANGE for bad ids or parameters,
-    RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE while draining.
-    """
+    @_builtins.property
+    @_deprecated("""This method has been marked as deprecated using proto method options.""")
+    def Generate(self) -> _grpc.StreamStreamMultiCallable[_engine_pb2.EngineServiceGenerateRequest, _engine_pb2.EngineServiceGenerateResponse]:
+        """One stream per request: send `start`, receive token-id deltas as each
+        engine step ends; send `cancel` (or drop the call) to finish it at once.
+        INVALID_ARGUMENT / OUT_OF_RANGE for bad ids or parameters,
+        RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE while draining.
+        Deprecated: the router does not call it; call Multiplex instead (many
+        requests on one long-lived call, the same starts, cancels and updates).
+        Kept as a one-request entry point for the engine's tests and
+        benchmarks/mesh_latency.py's engine-over-gRPC hop.
+        """
     Multiplex: _grpc.StreamStreamMultiCallable[_engine_pb2.MultiplexRequest, _engine_pb2.MultiplexResponse]
     """Many requests on one long-lived call (the router keeps one per replica):
     the caller sends starts and cancels, batched as it likes; the engine
@@ -66,12 +78,18 @@ class EngineServiceAsyncStub(EngineServiceStub):
     """One model replica: token ids in, token ids out. Never sees text."""
 
     def __init__(self, channel: _aio.Channel) -> None: ...
-    Generate: _aio.StreamStreamMultiCallable[_engine_pb2.EngineServiceGenerateRequest, _engine_pb2.EngineServiceGenerateResponse]  # type: ignore[assignment]
-    """One stream per request: send `start`, receive token-id deltas as each
-    engine step ends; send `cancel` (or drop the call) to finish it at once.
-    INVALID_ARGUMENT / OUT_OF_RANGE for bad ids or parameters,
-    RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE while draining.
-    """
+    @_builtins.property
+    @_deprecated("""This method has been marked as deprecated using proto method options.""")
+    def Generate(self) -> _aio.StreamStreamMultiCallable[_engine_pb2.EngineServiceGenerateRequest, _engine_pb2.EngineServiceGenerateResponse]:  # type: ignore[override]
+        """One stream per request: send `start`, receive token-id deltas as each
+        engine step ends; send `cancel` (or drop the call) to finish it at once.
+        INVALID_ARGUMENT / OUT_OF_RANGE for bad ids or parameters,
+        RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE while draining.
+        Deprecated: the router does not call it; call Multiplex instead (many
+        requests on one long-lived call, the same starts, cancels and updates).
+        Kept as a one-request entry point for the engine's tests and
+        benchmarks/mesh_latency.py's engine-over-gRPC hop.
+        """
     Multiplex: _aio.StreamStreamMultiCallable[_engine_pb2.MultiplexRequest, _engine_pb2.MultiplexResponse]  # type: ignore[assignment]
     """Many requests on one long-lived call (the router keeps one per replica):
     the caller sends starts and cancels, batched as it likes; the engine
@@ -97,6 +115,7 @@ class EngineServiceAsyncStub(EngineServiceStub):
 class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
     """One model replica: token ids in, token ids out. Never sees text."""
 
+    @_deprecated("""One stream per request: send `start`, receive token-id deltas as each\nengine step ends; send `cancel` (or drop the call) to finish it at once.\nINVALID_ARGUMENT / OUT_OF_RANGE for bad ids or parameters,\nRESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE while draining.\nDeprecated: the router does not call it; call Multiplex instead (many\nrequests on one long-lived call, the same starts, cancels and updates).\nKept as a one-request entry point for the engine's tests and\nbenchmarks/mesh_latency.py's engine-over-gRPC hop.""")
     @_abc_1.abstractmethod
     def Generate(
         self,
@@ -107,6 +126,10 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         engine step ends; send `cancel` (or drop the call) to finish it at once.
         INVALID_ARGUMENT / OUT_OF_RANGE for bad ids or parameters,
         RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE while draining.
+        Deprecated: the router does not call it; call Multiplex instead (many
+        requests on one long-lived call, the same starts, cancels and updates).
+        Kept as a one-request entry point for the engine's tests and
+        benchmarks/mesh_latency.py's engine-over-gRPC hop.
         """
 
     @_abc_1.abstractmethod

@@ -92,6 +92,11 @@ class TokenizerServiceServicer:
     def Detokenize(self, request_iterator, context):
         """Incremental detokenization: one response per request message, carrying the
         text that the ids so far make final. Never emits a partial UTF-8 character.
+        Deprecated: no llmesh service calls it (the router decodes in process).
+        Call GetTokenizer once and decode in process instead (Python:
+        services.common.detokenizer.IncrementalDetokenizer over the definition,
+        as the router does). Kept for callers outside the mesh and as the tests'
+        reference decoder.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -7,6 +7,7 @@ from collections import abc as _abc
 from grpc import aio as _aio
 from llmesh.v1 import tokenizer_pb2 as _tokenizer_pb2
 import abc as _abc_1
+import builtins as _builtins
 import grpc as _grpc
 import sys
 import typing as _typing
@@ -15,6 +16,11 @@ if sys.version_info >= (3, 11):
     from typing import Self as _Self
 else:
     from typing_extensions import Self as _Self
+
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
 
 _T = _typing.TypeVar("_T")
 
@@ -42,10 +48,17 @@ class TokenizerServiceStub:
     has no chat template; OUT_OF_RANGE when even the last message alone does
     not fit max_prompt_tokens.
     """
-    Detokenize: _grpc.StreamStreamMultiCallable[_tokenizer_pb2.DetokenizeRequest, _tokenizer_pb2.DetokenizeResponse]
-    """Incremental detokenization: one response per request message, carrying the
-    text that the ids so far make final. Never emits a partial UTF-8 character.
-    """
+    @_builtins.property
+    @_deprecated("""This method has been marked as deprecated using proto method options.""")
+    def Detokenize(self) -> _grpc.StreamStreamMultiCallable[_tokenizer_pb2.DetokenizeRequest, _tokenizer_pb2.DetokenizeResponse]:
+        """Incremental detokenization: one response per request message, carrying the
+        text that the ids so far make final. Never emits a partial UTF-8 character.
+        Deprecated: no llmesh service calls it (the router decodes in process).
+        Call GetTokenizer once and decode in process instead (Python:
+        services.common.detokenizer.IncrementalDetokenizer over the definition,
+        as the router does). Kept for callers outside the mesh and as the tests'
+        reference decoder.
+        """
     GetTokenizerInfo: _grpc.UnaryUnaryMultiCallable[_tokenizer_pb2.GetTokenizerInfoRequest, _tokenizer_pb2.GetTokenizerInfoResponse]
     """Facts about the tokenizer: vocabulary size, special tokens, template."""
     GetTokenizer: _grpc.UnaryStreamMultiCallable[_tokenizer_pb2.GetTokenizerRequest, _tokenizer_pb2.GetTokenizerResponse]
@@ -81,10 +94,17 @@ class TokenizerServiceAsyncStub(TokenizerServiceStub):
     has no chat template; OUT_OF_RANGE when even the last message alone does
     not fit max_prompt_tokens.
     """
-    Detokenize: _aio.StreamStreamMultiCallable[_tokenizer_pb2.DetokenizeRequest, _tokenizer_pb2.DetokenizeResponse]  # type: ignore[assignment]
-    """Incremental detokenization: one response per request message, carrying the
-    text that the ids so far make final. Never emits a partial UTF-8 character.
-    """
+    @_builtins.property
+    @_deprecated("""This method has been marked as deprecated using proto method options.""")
+    def Detokenize(self) -> _aio.StreamStreamMultiCallable[_tokenizer_pb2.DetokenizeRequest, _tokenizer_pb2.DetokenizeResponse]:  # type: ignore[override]
+        """Incremental detokenization: one response per request message, carrying the
+        text that the ids so far make final. Never emits a partial UTF-8 character.
+        Deprecated: no llmesh service calls it (the router decodes in process).
+        Call GetTokenizer once and decode in process instead (Python:
+        services.common.detokenizer.IncrementalDetokenizer over the definition,
+        as the router does). Kept for callers outside the mesh and as the tests'
+        reference decoder.
+        """
     GetTokenizerInfo: _aio.UnaryUnaryMultiCallable[_tokenizer_pb2.GetTokenizerInfoRequest, _tokenizer_pb2.GetTokenizerInfoResponse]  # type: ignore[assignment]
     """Facts about the tokenizer: vocabulary size, special tokens, template."""
     GetTokenizer: _aio.UnaryStreamMultiCallable[_tokenizer_pb2.GetTokenizerRequest, _tokenizer_pb2.GetTokenizerResponse]  # type: ignore[assignment]
@@ -130,6 +150,7 @@ class TokenizerServiceServicer(metaclass=_abc_1.ABCMeta):
         not fit max_prompt_tokens.
         """
 
+    @_deprecated("""Incremental detokenization: one response per request message, carrying the\ntext that the ids so far make final. Never emits a partial UTF-8 character.\nDeprecated: no llmesh service calls it (the router decodes in process).\nCall GetTokenizer once and decode in process instead (Python:\nservices.common.detokenizer.IncrementalDetokenizer over the definition,\nas the router does). Kept for callers outside the mesh and as the tests'\nreference decoder.""")
     @_abc_1.abstractmethod
     def Detokenize(
         self,
@@ -138,6 +159,11 @@ class TokenizerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_tokenizer_pb2.DetokenizeResponse], _abc.AsyncIterator[_tokenizer_pb2.DetokenizeResponse]]:
         """Incremental detokenization: one response per request message, carrying the
         text that the ids so far make final. Never emits a partial UTF-8 character.
+        Deprecated: no llmesh service calls it (the router decodes in process).
+        Call GetTokenizer once and decode in process instead (Python:
+        services.common.detokenizer.IncrementalDetokenizer over the definition,
+        as the router does). Kept for callers outside the mesh and as the tests'
+        reference decoder.
         """
 
     @_abc_1.abstractmethod

@@ -1,0 +1,30 @@
+"""tools/code_stats.py: counts long functions, leaving out parser builders and
+metric declarations."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+from tools.code_stats import long_functions
+
+
+def _body(lines: int) -> str:
+    return "".join(f"    x{i} = {i}\n" for i in range(lines))
+
+
+def test_counts_long_functions_and_methods_but_not_tables(tmp_path: Path) -> None:
+    pkg = tmp_path / "svc"
+    (pkg / "gen").mkdir(parents=True)
+    (pkg / "a.py").write_text(
+        "def short():\n" + _body(3)
+        + "def long_one():\n" + _body(70)
+        + "class K:\n    async def method(self):\n"
+        + textwrap.indent(_body(61), "    ")
+        + "def parser(p: 'argparse.ArgumentParser'):\n" + _body(80)
+        + "def metrics():\n" + "".join(f"    m{i} = Counter('c{i}', '')\n" for i in range(5))
+        + _body(70))
+    (pkg / "gen" / "b_pb2.py").write_text("def generated():\n" + _body(100))
+    found = long_functions(pkg, 60)
+    assert [(f.name, f.lines) for f in found] == [("long_one", 71), ("K.method", 62)]
+    assert found[0].path == pkg / "a.py" and found[0].lineno == 5
