@@ -56,6 +56,8 @@ CARRIED: dict[str, str] = {
     "annotated-types": "not in the image; needed by pydantic",
     "typing-inspection": "not in the image; needed by pydantic",
     "typing-extensions": "the image's version is not known; pydantic needs >= 4.14.1",
+    "opentelemetry-api": "not in the image; every service imports it for W3C trace "
+                         "context (services/common/tracing.py)",
 }
 
 #: pyproject dependencies (``[project] dependencies`` and the ``dev`` extra)
@@ -77,6 +79,10 @@ NOT_NEEDED: dict[str, str] = {
     "h2": "tests of Envoy's HTTP/2 limits only (raw frames)",
     "cryptography": "only the launcher's TLS certificates (--tls-self-signed, "
                     "--internal-mtls) import it, which the check does not ask for",
+    "opentelemetry-sdk": "imported only when --otlp-traces-endpoint is set, which the "
+                         "check does not set",
+    "opentelemetry-exporter-otlp-proto-grpc": "imported only when --otlp-traces-endpoint "
+                                              "is set, which the check does not set",
 }
 
 
@@ -88,8 +94,9 @@ OPTIONAL_IMPORTS: dict[str, str] = {
                     "TLS certificates (--tls-self-signed, --internal-mtls), which the check "
                     "does not ask for",
     "hiredis": "redis tries its faster parser",
-    "opentelemetry-api": "redis.observability tries it",
     "opentelemetry-sdk": "redis.observability tries it",
+    "opentelemetry-semantic-conventions": "opentelemetry-sdk's resources, which "
+                                          "redis.observability tries",
     "rich": "structlog's console renderer tries it",
     "pygments": "rich's syntax highlighting",
     "colorama": "structlog's console renderer tries it",

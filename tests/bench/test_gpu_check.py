@@ -376,13 +376,19 @@ CHECK_MODULES = (
 
 
 def test_what_the_check_imports_is_there_or_carried() -> None:
+    # Each imported module's file is matched to the distribution that installed
+    # it (not its top-level name: a namespace package such as ``opentelemetry``
+    # is shared by distributions of which only some are imported).
     probe = (
-        "import importlib, json, sys\n"
+        "import importlib, json, os, sys\n"
         "import importlib.metadata as md\n"
         f"for name in {CHECK_MODULES!r}: importlib.import_module(name)\n"
-        "owners = md.packages_distributions()\n"
-        "tops = {m.split('.')[0] for m in list(sys.modules)}\n"
-        "print(json.dumps(sorted({d for t in tops for d in owners.get(t, [])})))\n")
+        "owner = {os.path.realpath(d.locate_file(f)): d.metadata['Name']\n"
+        "         for d in md.distributions() for f in (d.files or ())\n"
+        "         if f.suffix in ('.py', '.so')}\n"
+        "files = {os.path.realpath(m.__file__) for m in list(sys.modules.values())\n"
+        "         if getattr(m, '__file__', None)}\n"
+        "print(json.dumps(sorted({owner[f] for f in files if f in owner})))\n")
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
                           text=True, timeout=240,
                           env={**os.environ,
