@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -13,7 +14,11 @@ import torch
 from services.common.sampling import FinishReason, SamplingOptions
 from services.engine.config import EngineConfig
 from services.engine.torch_backend.backend import TorchBackend
-from services.engine.torch_backend.gguf_loader import GGUFModel, unpermute_rope_rows
+from services.engine.torch_backend.gguf_loader import (
+    GGUFModel,
+    PlainArrayReader,
+    unpermute_rope_rows,
+)
 from services.engine.torch_backend.model import LlamaModel, build_model
 from services.engine.torch_backend.model_runner import ModelRunner, StepInput
 from services.engine.torch_backend.native import load_library
@@ -96,6 +101,34 @@ def test_config_is_read_from_gguf_metadata(gguf_model: GGUFModel) -> None:
     assert config.tie_word_embeddings is True
     assert (config.bos_token_id, config.eos_token_ids) == (1, (2,))
     assert "lm_head.weight" not in gguf_model.state_dict
+
+
+def test_the_engine_reader_walks_over_metadata_arrays(model_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every engine start reads the GGUF: the vocabulary and merges (~150,000
+    array items for SmolLM2) are walked over, not read one numpy view each
+    (0.66 s a start), and the tensors are found where ``gguf``'s own reader
+    finds them."""
+    reference = gguf.GGUFReader(str(model_path))
+    views = 0
+    read = PlainArrayReader._get
+
+    def counted(self: PlainArrayReader, *args: object, **kwargs: object) -> np.ndarray:
+        nonlocal views
+        views += 1
+        return read(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PlainArrayReader, "_get", counted)
+    reader = PlainArrayReader(str(model_path))
+    assert views < 5_000  # ~40 metadata values and 272 tensors' headers
+    assert "tokenizer.ggml.tokens" in reference.fields
+    assert not any(field.types[0] == gguf.GGUFValueType.ARRAY for field in reader.fields.values())
+    assert reader.data_offset == reference.data_offset
+    assert [(t.name, t.tensor_type, t.data_offset) for t in reader.tensors] == [
+        (t.name, t.tensor_type, t.data_offset) for t in reference.tensors]
+    assert {name: field.contents() for name, field in reader.fields.items()} == {
+        name: field.contents() for name, field in reference.fields.items()
+        if field.types[0] != gguf.GGUFValueType.ARRAY}
 
 
 def test_unpermute_inverts_llama_cpp_permute() -> None:
