@@ -118,3 +118,19 @@ def test_tensorrt_llm_refuses_a_bad_model_path_before_binding(
     assert done.returncode == 2
     assert one_error_line(done).startswith(message)
     assert done.stdout == ""
+
+
+def test_a_kv_cache_beyond_the_host_s_memory_is_refused_at_start(tmp_path: Path) -> None:
+    """The CPU KV pool is backed by memory only as blocks are written, so a
+    budget beyond the host's would start and later be killed mid-serving: it is
+    refused at start (engine_load_failed naming --kv-cache-bytes), not served."""
+    available = next(int(line.split()[1]) * 1024
+                     for line in Path("/proc/meminfo").read_text().splitlines()
+                     if line.startswith("MemAvailable:"))
+    path = save_tiny_llama(tmp_path / "tiny")
+    done = run_engine("--model-path", str(path), "--kv-cache-bytes", str(available + 2**30))
+    assert done.returncode == 1, (done.stdout + done.stderr)[-2000:]
+    events = [json.loads(line) for line in (done.stdout + done.stderr).splitlines()]
+    assert events[-1]["event"] == "engine_load_failed"
+    assert events[-1]["error"].startswith(f"--kv-cache-bytes {available + 2**30} exceeds")
+    assert "Traceback" not in done.stdout + done.stderr

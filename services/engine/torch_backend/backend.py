@@ -39,7 +39,11 @@ from services.engine.backend import EngineBackend, EngineUnavailableError
 from services.engine.config import EngineConfig
 from services.engine.torch_backend.block_pool import BlockCounts, KVIntegrityError
 from services.engine.torch_backend.cuda_graphs import capture_refusal
-from services.engine.torch_backend.device import check_device, check_kv_budget
+from services.engine.torch_backend.device import (
+    check_device,
+    check_host_kv_budget,
+    check_kv_budget,
+)
 from services.engine.torch_backend.gguf_loader import gguf_architecture
 from services.engine.torch_backend.hf_loader import read_hf_config
 from services.engine.torch_backend.draft_proposer import (
@@ -323,6 +327,7 @@ class TorchBackend(EngineBackend):
         if runner.device.type == "cpu":
             keep_freed_memory()
             budget = config.kv_budget_bytes()
+            check_host_kv_budget(budget)
         else:
             free = torch.cuda.mem_get_info(runner.device)[0]
             budget = config.kv_budget_bytes(free)

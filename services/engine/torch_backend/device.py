@@ -11,6 +11,7 @@ has run). On the CPU it is plain ``torch.tensor``: no change, no cost.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -69,3 +70,30 @@ def check_kv_budget(budget_bytes: int, free_bytes: int, fraction: float) -> None
         raise ValueError(f"--kv-cache-bytes {budget_bytes} exceeds {fraction:g} of the "
                          f"{free_bytes} bytes of GPU memory free after loading the model; "
                          f"use at most {limit} (or raise --gpu-memory-fraction)")
+
+
+def available_host_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where it cannot be read."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_host_kv_budget(budget_bytes: int) -> None:
+    """On the CPU the KV cache is mapped at start and backed by memory only as
+    blocks are written (:func:`~services.engine.torch_backend.paged_kv.zeroed`),
+    so a budget the host cannot hold would start and then be killed for memory
+    mid-serving; this refuses a budget above the host's available memory
+    (``MemAvailable``) at start, with the numbers.
+
+    Raises:
+      ValueError: the budget does not fit (the message says what is available).
+    """
+    available = available_host_memory_bytes()
+    if available is not None and budget_bytes > available:
+        raise ValueError(f"--kv-cache-bytes {budget_bytes} exceeds the {available} bytes of "
+                         f"memory available on this host (MemAvailable); use less")

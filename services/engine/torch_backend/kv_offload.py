@@ -54,6 +54,7 @@ import torch
 
 from services.common.block_hash import BlockHash
 from services.engine.torch_backend.block_pool import KVIntegrityError
+from services.engine.torch_backend.device import available_host_memory_bytes
 from services.engine.types import OffloadStats
 
 
@@ -223,7 +224,7 @@ def _buffer(numel: int, dtype: torch.dtype, directory: Path | None, pin: bool) -
     """
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if directory is None:
-        available = _available_memory_bytes()
+        available = available_host_memory_bytes()
         if available is not None and nbytes > available:
             raise ValueError(f"--kv-offload-bytes {nbytes} exceeds the {available} bytes of "
                              f"memory available on this host (MemAvailable); use less, or "
@@ -240,14 +241,3 @@ def _buffer(numel: int, dtype: torch.dtype, directory: Path | None, pin: bool) -
     except OSError as error:
         raise ValueError(f"--kv-offload-dir {directory}: cannot hold a {nbytes}-byte tier "
                          f"({error.strerror or error})") from error
-
-
-def _available_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where it cannot be read."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
