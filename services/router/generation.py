@@ -106,11 +106,11 @@ from services.router.clients import (
     CacheKey,
     CachedResponse,
     EngineDelta,
-    TokenizerClient,
     UpstreamError,
     Usage,
 )
 from services.router.engine_client import EngineClient, EngineStream
+from services.router.local_tokenizer import PromptTokenizer
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
 from services.router.routing import (
@@ -343,15 +343,16 @@ class GenerationPipeline:
     """
 
     def __init__(
-        self, *, tokenizer: TokenizerClient, decoder: TokenizersDecoder,
+        self, *, tokenizer: PromptTokenizer, decoder: TokenizersDecoder,
         replicas: ReplicaSet, cache: CacheClient | None,
         models: Mapping[str, ModelLimits], metrics: RouterMetrics, log_content: bool = False,
         admission: Mapping[str, AdmissionController] | None = None,
         picker: ReplicaPicker | None = None, client_write_timeout_s: float = 0.0,
     ) -> None:
         """Args:
-          tokenizer: the tokenizer client (prompt ids).
-          decoder: the tokenizer's definition (:meth:`TokenizerClient.decoder`),
+          tokenizer: makes prompt ids (in process when it can, else the
+            tokenizer service: :mod:`services.router.local_tokenizer`).
+          decoder: the tokenizer's definition (:meth:`TokenizerDefinition.decoder`),
             which detokenizes generated ids in process.
           replicas: the engine replicas (all serve the models in ``models``) and
             which of them take new requests.

@@ -56,6 +56,7 @@ from services.router.discovery import (
 )
 from services.router.engine_client import EngineClient
 from services.router.generation import GenerationPipeline
+from services.router.local_tokenizer import PromptTokenizer
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
 from services.router.routing import (
@@ -221,7 +222,9 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
             raise
         await ready
         infos = list(await asyncio.gather(*(engine.model_info() for engine in engines)))
-        tok_info, decoder = await asyncio.gather(tokenizer.info(), tokenizer.decoder())
+        tok_info, definition = await asyncio.gather(tokenizer.info(), tokenizer.definition())
+        decoder, prompts = await asyncio.gather(
+            definition.decoder(), PromptTokenizer.load(tokenizer, definition, tok_info))
         limits = model_limits(infos, tok_info, settings)
     except BaseException:
         await asyncio.gather(tokenizer.close(), *(e.close() for e in engines),
@@ -256,7 +259,7 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
                     effect="their prefix-index matches are ignored; give each engine "
                            "its own --replica-id")
     pipeline = GenerationPipeline(
-        tokenizer=tokenizer, decoder=decoder, replicas=replicas, cache=cache,
+        tokenizer=prompts, decoder=decoder, replicas=replicas, cache=cache,
         models={limits.model: limits}, metrics=metrics, log_content=settings.log_content,
         admission={limits.model: admission},
         client_write_timeout_s=settings.client_write_timeout_s,
