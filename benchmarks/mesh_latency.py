@@ -203,19 +203,26 @@ def _print_overhead(medians: dict[str, dict[str, float]],
 
 
 async def one_stream(backend: TorchBackend, prompt_ids: tuple[int, ...],
-                     paths: dict[str, Callable[[str], Awaitable[Run]]], *,
-                     rounds: int, max_tokens: int, settle: float) -> None:
-    """Interleaved single-stream runs of every path (one uncounted warm-up round)."""
+                     paths: dict[str, Callable[[str], Awaitable[Run]]],
+                     pids: dict[str, int], *, rounds: int, max_tokens: int,
+                     settle: float) -> None:
+    """Interleaved single-stream runs of every path (one uncounted warm-up
+    round), and each mesh process's CPU per request in the Envoy path's runs."""
     jobs: dict[str, Callable[[str], Awaitable[Run]]] = {
         "in-process": lambda rid: run_in_process(backend, prompt_ids, max_tokens, rid), **paths}
     results: dict[str, list[Run]] = {name: [] for name in jobs}
+    cpu: dict[str, list[float]] = {name: [] for name in pids}
     load_before = _load()
     for i in range(rounds + 1):
         for name in _rotated(list(jobs), i):
             time.sleep(settle)
+            before = {n: cpu_seconds(pid) for n, pid in pids.items()}
             run = await jobs[name](f"bench-1-{i}-{name}")
             if i:
                 results[name].append(run)
+                if name == "mesh (Envoy)":
+                    for n, pid in pids.items():
+                        cpu[n].append((cpu_seconds(pid) - before[n]) * 1e3)
     rows = {name: {"ttft_ms": [r.ttft * 1e3 for r in runs],
                    "tpot_ms": [r.tpot * 1e3 for r in runs],
                    "itl_ms": [statistics.fmean(r.gaps) * 1e3 for r in runs],
@@ -225,6 +232,11 @@ async def one_stream(backend: TorchBackend, prompt_ids: tuple[int, ...],
         f"1 stream: {len(prompt_ids)}-token chat prompt, {max_tokens} greedy tokens, "
         f"{rounds} interleaved rounds, median [p25-p75]; load {load_before} -> {_load()}", rows)
     _print_overhead(medians, TARGETS)
+    if pids:
+        print("  CPU-ms per request of the mesh (Envoy) runs (/proc, 10 ms ticks), "
+              "median [p25-p75]: " + ", ".join(
+                  f"{n} {_stat(cpu[n])[0]:.0f} [{_stat(cpu[n])[1]:.0f}-{_stat(cpu[n])[2]:.0f}]"
+                  for n in sorted(cpu)))
 
 
 async def many_streams(backend: TorchBackend, tokenizer: Tokenizer,
@@ -334,7 +346,7 @@ async def main() -> None:
             engine_stub = engine_pb2_grpc.EngineServiceStub(channels[-1])
             paths["engine gRPC"] = lambda rid: run_engine_grpc(
                 engine_stub, prompt_ids, args.max_tokens, rid)
-        await one_stream(backend, prompt_ids, paths, rounds=args.rounds,
+        await one_stream(backend, prompt_ids, paths, pids, rounds=args.rounds,
                          max_tokens=args.max_tokens, settle=args.settle)
         if args.concurrency > 1:
             await many_streams(backend, tokenizer, stub, pids, concurrency=args.concurrency,
