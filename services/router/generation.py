@@ -5,9 +5,17 @@ stream of events: :class:`Delta` values (text safe to send, and the token ids
 generated since the previous one), then exactly one :class:`Finished`. The
 path, step by step (docs: /work/shared/DESIGN.md "The request path"):
 
-1. prompt ids: ``Tokenize`` for prompt text (with the model's special
-   tokens), or ``ApplyChatTemplate`` (generation prompt added, history
-   trimmed to ``max_model_len - 1`` tokens) for chat;
+1. prompt ids: prompt text tokenized (with the model's special tokens), or
+   the chat template applied (generation prompt added, history trimmed to
+   ``max_model_len - 1`` tokens), in process on the tokenizer service's own
+   definition and template (:mod:`services.router.local_tokenizer`; the
+   service's ``Tokenize``/``ApplyChatTemplate`` are the fallback). Nothing
+   else waits for them: the coalescing and cache keys are made from the
+   prompt ids after (tokenizing costs ~0.1 ms in process, less than a
+   second key scheme would save; docs/architecture.md "What the mesh
+   costs"); the request's log line, its latency histograms (TTFT at the
+   first token) and the cache store come after the first token (before it:
+   only an in-flight gauge and counters, ~1 µs each);
 2. context check: ``max_tokens`` is clamped to the room the prompt leaves
    (see :mod:`services.router.validation`);
 3. coalescing and the response cache (deterministic requests only: greedy
