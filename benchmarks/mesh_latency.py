@@ -5,6 +5,11 @@ One run gives every number of the mesh's latency budget (docs/architecture.md
 (in-process, mesh, in-process, mesh …; the order flips every round so that
 neither path always follows the other) for ``--rounds`` rounds each:
 
+Both engines (the mesh's and the in-process one) run ``--num-threads``
+fixed step threads unless ``--adaptive-threads``: the thread governor's
+choices (1 or 2 threads on 2 cores, by the run-queue delay each engine sees)
+would otherwise differ between the two processes and decide the comparison.
+
 * **1 stream**: one greedy chat answer of ``--max-tokens`` tokens (EOS
   ignored, so every run has the same length) per round and path, each after
   ``--settle`` seconds of pause (an idle mesh, as a lone user meets it);
@@ -39,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import os
 import statistics
 import sys
 import tempfile
@@ -312,16 +318,25 @@ async def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16,
                         help="streams at once for the throughput part; 1: skip it")
     parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--adaptive-threads", action="store_true",
+                        help="let both engines size their step's threads to the cores they "
+                             "get (the engines' default); without it both run a fixed "
+                             "--num-threads, so that the two paths differ by the mesh only")
+    parser.add_argument("--num-threads", type=int, default=os.cpu_count() or 1,
+                        help="each engine's step threads (default: one per CPU)")
     parser.add_argument("--settle", type=float, default=SETTLE_SECONDS,
                         help="seconds of pause before each run (default: %(default)s); with 0, "
                              "a path may start while the previous one's threads still spin")
     args = parser.parse_args()
 
+    threads_args = ["--num-threads", str(args.num_threads),
+                    "--adaptive-threads", str(args.adaptive_threads).lower()]
     mesh = None
     url = args.url
     pids: dict[str, int] = {}
     if url is None:
-        mesh = Mesh(ingress_port=0, admin_port=0, run_dir=tempfile.mkdtemp(prefix="llmesh-bench-"))
+        mesh = Mesh(ingress_port=0, admin_port=0, run_dir=tempfile.mkdtemp(prefix="llmesh-bench-"),
+                    engine_args=threads_args)
         mesh.start()
         url = mesh.ingress_address
         pids = mesh.pids()
@@ -331,7 +346,8 @@ async def main() -> None:
         tokenizer = Tokenizer.load(default_model_path())
         prompt_ids = tuple(tokenizer.apply_chat_template(
             [ChatMessage(role="user", content=QUESTION)], add_generation_prompt=True).token_ids)
-        backend = TorchBackend(EngineConfig())
+        backend = TorchBackend(EngineConfig(num_threads=args.num_threads,
+                                            adaptive_threads=args.adaptive_threads))
         await backend.start()
         channels.append(grpc.aio.insecure_channel(url))
         stub = generation_pb2_grpc.GenerationServiceStub(channels[0])
