@@ -330,7 +330,7 @@ async def main() -> None:
     args = parser.parse_args()
 
     threads_args = ["--num-threads", str(args.num_threads),
-                    "--adaptive-threads", str(args.adaptive_threads).lower()]
+                    "--adaptive-threads" if args.adaptive_threads else "--no-adaptive-threads"]
     mesh = None
     url = args.url
     pids: dict[str, int] = {}
