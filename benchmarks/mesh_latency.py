@@ -5,10 +5,10 @@ One run gives every number of the mesh's latency budget (docs/architecture.md
 (in-process, mesh, in-process, mesh …; the order flips every round so that
 neither path always follows the other) for ``--rounds`` rounds each:
 
-Both engines (the mesh's and the in-process one) run ``--num-threads``
-fixed step threads unless ``--adaptive-threads``: the thread governor's
-choices (1 or 2 threads on 2 cores, by the run-queue delay each engine sees)
-would otherwise differ between the two processes and decide the comparison.
+Both engines (the mesh's and the in-process one) get the same thread
+settings: the thread governor (the engines' default) or, with
+``--no-adaptive-threads``, ``--num-threads`` fixed step threads, so that
+neither path runs with a governor the other lacks.
 
 * **1 stream**: one greedy chat answer of ``--max-tokens`` tokens (EOS
   ignored, so every run has the same length) per round and path, each after
@@ -318,10 +318,12 @@ async def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16,
                         help="streams at once for the throughput part; 1: skip it")
     parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--adaptive-threads", action="store_true",
-                        help="let both engines size their step's threads to the cores they "
-                             "get (the engines' default); without it both run a fixed "
-                             "--num-threads, so that the two paths differ by the mesh only")
+    parser.add_argument("--adaptive-threads", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="both engines size their step's threads to the cores they get "
+                             "(the engines' default); --no-adaptive-threads: both run a fixed "
+                             "--num-threads (steadier on an otherwise idle machine, worse "
+                             "under outside load: a fixed OpenMP team spins against it)")
     parser.add_argument("--num-threads", type=int, default=os.cpu_count() or 1,
                         help="each engine's step threads (default: one per CPU)")
     parser.add_argument("--settle", type=float, default=SETTLE_SECONDS,
