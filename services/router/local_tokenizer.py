@@ -82,7 +82,7 @@ class PromptTokenizer:
     async def load(cls, service: TokenizerClient, definition: TokenizerDefinition,
                    info: TokenizerInfo) -> PromptTokenizer:
         """Rebuilds the service's tokenizer from ``definition`` on a worker thread
-        (about 1 s for SmolLM2, 2-3 s for Gemma 3 here); without a template
+        (seconds: :meth:`Tokenizer.from_definition`); without a template
         field in it, or when it does not load (logged), prompts go to the
         service."""
         if definition.chat_template is None:

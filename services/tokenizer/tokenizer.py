@@ -275,8 +275,8 @@ class Tokenizer:
         decode and the template's markup run on the same ``tokenizers``
         definition and the template renders with the same special tokens
         (``tests/tokenizer/test_tokenizer_router_local.py``). Blocking: imports
-        ``transformers`` (~1 s once) and parses the definition (SmolLM2 0.2 s,
-        Gemma 3 1.5 s here).
+        ``transformers`` (once) and parses the definition: 3.4 s for SmolLM2
+        here at a load average of 12, most of it the import.
 
         Raises:
           ValueError: a definition ``tokenizers`` cannot read; a bad chat role.
