@@ -1,29 +1,41 @@
-"""What the mesh adds to latency: Envoy → router → engine vs the engine in-process.
+"""What the mesh adds to latency and CPU: Envoy → router → engine vs the engine in process.
 
-Runs, in one process and alternating, a greedy chat answer of ``--max-tokens``
-tokens (EOS ignored, so every run has the same length):
+One run gives every number of the mesh's latency budget (docs/architecture.md
+"What the mesh costs"), in one process, the two paths **interleaved**
+(in-process, mesh, in-process, mesh …; the order flips every round so that
+neither path always follows the other) for ``--rounds`` rounds each:
 
-* **in-process**: the torch backend called directly (no gRPC, no tokenizer hop);
-* **mesh**: the same prompt through Envoy's ingress (``llmesh up`` started here,
-  or ``--url`` of a running mesh), response cache bypassed.
+Both engines (the mesh's and the in-process one) get the same thread
+settings: the thread governor (the engines' default) or, with
+``--no-adaptive-threads``, ``--num-threads`` fixed step threads, so that
+neither path runs with a governor the other lacks.
 
-The paths take turns in a rotating order, each after ``--settle`` seconds of
-pause (an idle mesh, as a lone user meets it: every process wakes for the
-request). Prints, per path, the median over ``--runs`` runs of TTFT (seconds from sending
-to the first token), TPOT ((e2e − TTFT) / (tokens − 1)), mean ITL (gap between
-streamed messages) and e2e, and the mesh's overhead. Also prints the time
-``llmesh up`` took to reach SERVING when it starts the mesh itself.
+* **1 stream**: one greedy chat answer of ``--max-tokens`` tokens (EOS
+  ignored, so every run has the same length) per round and path, each after
+  ``--settle`` seconds of pause (an idle mesh, as a lone user meets it);
+* **``--concurrency`` streams** (default 16): ``--num-requests`` distinct chat
+  prompts, ``--concurrency`` at a time, per round and path, after an
+  uncounted warm-up of each path at full batch; during each mesh round the
+  router's, tokenizer's and Envoy's CPU seconds (user + system, from
+  ``/proc/PID/stat``, :func:`mesh_cpu.cpu_seconds`) are read before and after.
 
-With ``--concurrency N`` (N > 1) it measures throughput instead: the same
-``--num-requests`` distinct chat prompts (``--max-tokens`` each, EOS ignored),
-N at a time, once in process and once through Envoy (gRPC streams from this
-process), alternating for ``--rounds`` rounds after an uncounted warm-up of
-each path at full batch; it prints each path's aggregate
-output tokens per second (all tokens / wall time from the first send to the
-last token), the mesh's ratio to in-process, and the median TTFT / TPOT.
+Paths: **in-process** is the torch backend called directly (no gRPC, prompt
+ids from the tokenizer in this process); **mesh** is the same chat through
+Envoy's ingress (``llmesh up`` started here on free ports, or ``--url`` of a
+running mesh, then without CPU accounting), response cache bypassed.
 
-Usage: ``python benchmarks/mesh_latency.py [--runs 5] [--max-tokens 64] [--url HOST:PORT]
-[--concurrency 16 --num-requests 64 --rounds 2]``
+Per run: TTFT (seconds from sending to the first token), TPOT ((e2e − TTFT) /
+(tokens − 1)), ITL (mean gap between streamed messages) and output throughput
+(tokens / e2e at 1 stream; all tokens / wall time of the round at N streams,
+whose TTFT / TPOT / ITL are the round's medians). Prints, per path and
+metric, the median over the rounds with the interquartile range (p25-p75)
+beside it, the mesh's overhead (difference of the medians) against the
+targets, CPU-s per 1,000 output tokens per process, and the load average
+before and after.
+
+Usage: ``flock -x /tmp/llmesh-cpu.lock python benchmarks/mesh_latency.py
+[--rounds 5] [--max-tokens 128] [--concurrency 16 --num-requests 32]
+[--url HOST:PORT]`` (``--concurrency 1``: the one-stream part only).
 Not a test: numbers depend on the machine (2 cores here).
 """
 
@@ -32,26 +44,37 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import os
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
-from llmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
-from services.cli.mesh import Mesh
-from services.common.model_files import default_model_path
-from services.common.sampling import SamplingOptions
-from services.engine.config import EngineConfig
-from services.engine.torch_backend.backend import TorchBackend
-from services.engine.types import SequenceRequest
-from services.tokenizer.tokenizer import ChatMessage, Tokenizer
+sys.path[:0] = [str(Path(__file__).resolve().parent)]
+
+from llmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc  # noqa: E402
+from mesh_cpu import MESH_OVERHEAD, cpu_seconds  # noqa: E402
+from services.cli.mesh import Mesh  # noqa: E402
+from services.common.model_files import default_model_path  # noqa: E402
+from services.common.sampling import SamplingOptions  # noqa: E402
+from services.engine.config import EngineConfig  # noqa: E402
+from services.engine.torch_backend.backend import TorchBackend  # noqa: E402
+from services.engine.types import SequenceRequest  # noqa: E402
+from services.tokenizer.tokenizer import ChatMessage, Tokenizer  # noqa: E402
 
 QUESTION = "Explain in a few sentences why the sky is blue."
 #: Default pause before each run (seconds), so that no path starts on cores
 #: still busy with the previous one (``--settle``).
 SETTLE_SECONDS = 0.3
+#: The budget (docs/architecture.md): mesh minus in-process, medians.
+TARGETS = {"ttft_ms": 3.0, "tpot_ms": 0.3}
+THROUGHPUT_TARGET = 0.95
+CPU_TARGET = 0.2  # CPU-s per 1,000 output tokens, router + tokenizer + Envoy
 
 
 @dataclass(frozen=True)
@@ -68,8 +91,14 @@ class Run:
         return (self.e2e - self.ttft) / max(self.tokens - 1, 1)
 
 
-async def run_in_process(backend: TorchBackend, prompt_ids: tuple[int, ...], n: int, i: int) -> Run:
-    request = SequenceRequest(request_id=f"bench-{i}", prompt_token_ids=prompt_ids,
+def _run(start: float, stamps: list[float], tokens: int) -> Run:
+    gaps = tuple(b - a for a, b in zip(stamps, stamps[1:]))
+    return Run(ttft=stamps[0] - start, e2e=stamps[-1] - start, tokens=tokens, gaps=gaps)
+
+
+async def run_in_process(backend: TorchBackend, prompt_ids: tuple[int, ...], n: int,
+                         request_id: str) -> Run:
+    request = SequenceRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                               sampling=SamplingOptions(max_tokens=n, ignore_eos=True))
     start = time.perf_counter()
     stamps: list[float] = []
@@ -81,43 +110,14 @@ async def run_in_process(backend: TorchBackend, prompt_ids: tuple[int, ...], n: 
     return _run(start, stamps, tokens)
 
 
-def run_mesh(stub: generation_pb2_grpc.GenerationServiceStub, n: int) -> Run:
-    request = generation_pb2.GenerateRequest(
-        chat=generation_pb2.Chat(messages=[common_pb2.ChatMessage(role="user", content=QUESTION)]),
-        sampling=common_pb2.SamplingParams(max_tokens=n, ignore_eos=True), bypass_cache=True)
-    start = time.perf_counter()
-    stamps: list[float] = []
-    tokens = 0
-    for response in stub.Generate(request, timeout=300):
-        if response.token_ids:
-            stamps.append(time.perf_counter())
-            tokens += len(response.token_ids)
-    return _run(start, stamps, tokens)
-
-
-def run_engine_grpc(stub: engine_pb2_grpc.EngineServiceStub, prompt_ids: tuple[int, ...],
-                    n: int, i: int) -> Run:
-    start_msg = engine_pb2.EngineServiceGenerateRequest(start=engine_pb2.EngineRequest(
-        request_id=f"bench-grpc-{i}", prompt_token_ids=prompt_ids,
-        sampling=SamplingOptions(max_tokens=n, ignore_eos=True).to_pb()))
-    start = time.perf_counter()
-    stamps: list[float] = []
-    tokens = 0
-    for response in stub.Generate(iter([start_msg]), timeout=300):
-        if response.token_ids:
-            stamps.append(time.perf_counter())
-            tokens += len(response.token_ids)
-    return _run(start, stamps, tokens)
-
-
 def _chat_request(question: str, n: int) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(
         chat=generation_pb2.Chat(messages=[common_pb2.ChatMessage(role="user", content=question)]),
         sampling=common_pb2.SamplingParams(max_tokens=n, ignore_eos=True), bypass_cache=True)
 
 
-async def _mesh_stream(stub: generation_pb2_grpc.GenerationServiceStub,
-                       request: generation_pb2.GenerateRequest) -> Run:
+async def run_mesh(stub: generation_pb2_grpc.GenerationServiceStub,
+                   request: generation_pb2.GenerateRequest) -> Run:
     start = time.perf_counter()
     stamps: list[float] = []
     tokens = 0
@@ -128,12 +128,29 @@ async def _mesh_stream(stub: generation_pb2_grpc.GenerationServiceStub,
     return _run(start, stamps, tokens)
 
 
-async def _bounded(concurrency: int, jobs: list) -> tuple[float, list[Run]]:
+async def run_engine_grpc(stub: engine_pb2_grpc.EngineServiceStub, prompt_ids: tuple[int, ...],
+                          n: int, request_id: str) -> Run:
+    """The engine alone over gRPC (its one-request ``Generate``): the engine hop's share."""
+    start_msg = engine_pb2.EngineServiceGenerateRequest(start=engine_pb2.EngineRequest(
+        request_id=request_id, prompt_token_ids=prompt_ids,
+        sampling=SamplingOptions(max_tokens=n, ignore_eos=True).to_pb()))
+    start = time.perf_counter()
+    stamps: list[float] = []
+    tokens = 0
+    async for response in stub.Generate(iter([start_msg]), timeout=600):
+        if response.token_ids:
+            stamps.append(time.perf_counter())
+            tokens += len(response.token_ids)
+    return _run(start, stamps, tokens)
+
+
+async def _bounded(concurrency: int, jobs: list[Callable[[], Awaitable[Run]]]
+                   ) -> tuple[float, list[Run]]:
     """Runs the coroutine factories ``jobs``, ``concurrency`` at a time; returns
     (wall seconds, runs)."""
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(job) -> Run:
+    async def one(job: Callable[[], Awaitable[Run]]) -> Run:
         async with gate:
             return await job()
 
@@ -142,143 +159,221 @@ async def _bounded(concurrency: int, jobs: list) -> tuple[float, list[Run]]:
     return time.perf_counter() - began, list(runs)
 
 
-async def throughput(backend: TorchBackend, tokenizer: Tokenizer, url: str, *,
-                     concurrency: int, num_requests: int, max_tokens: int, rounds: int) -> None:
-    """Prints in-process vs mesh aggregate output throughput at ``concurrency``."""
+def _rotated(names: list[str], i: int) -> list[str]:
+    return names[i % len(names):] + names[:i % len(names)]
+
+
+def _load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def _stat(values: list[float]) -> tuple[float, float, float]:
+    """(median, p25, p75) of ``values``."""
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return statistics.median(values), q1, q3
+
+
+def _print_table(title: str, rows: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
+    """Prints median [p25-p75] per path and metric; returns the medians."""
+    print(title)
+    medians: dict[str, dict[str, float]] = {}
+    for name, metrics in rows.items():
+        cells = []
+        medians[name] = {}
+        for metric, values in metrics.items():
+            med, q1, q3 = _stat(values)
+            medians[name][metric] = med
+            cells.append(f"{metric}={med:8.2f} [{q1:.2f}-{q3:.2f}]")
+        print(f"  {name:<14} " + "  ".join(cells))
+    return medians
+
+
+def _print_overhead(medians: dict[str, dict[str, float]],
+                    targets: dict[str, float]) -> None:
+    """Prints each path's median minus in-process's, judged against ``targets``."""
+    base = medians["in-process"]
+    for name, row in medians.items():
+        if name == "in-process":
+            continue
+        parts = []
+        for metric in ("ttft_ms", "tpot_ms", "itl_ms"):
+            over = row[metric] - base[metric]
+            target = targets.get(metric)
+            verdict = "" if target is None else (" ok" if over <= target else
+                                                 f" MISSES <= {target}")
+            parts.append(f"{metric}={over:+7.2f}{verdict}")
+        ratio = row["tok_s"] / base["tok_s"]
+        print(f"  overhead of {name:<14} " + "  ".join(parts) + f"  tok_s ratio={ratio:.3f}")
+
+
+async def one_stream(backend: TorchBackend, prompt_ids: tuple[int, ...],
+                     paths: dict[str, Callable[[str], Awaitable[Run]]],
+                     pids: dict[str, int], *, rounds: int, max_tokens: int,
+                     settle: float) -> None:
+    """Interleaved single-stream runs of every path (one uncounted warm-up
+    round), and each mesh process's CPU per request in the Envoy path's runs."""
+    jobs: dict[str, Callable[[str], Awaitable[Run]]] = {
+        "in-process": lambda rid: run_in_process(backend, prompt_ids, max_tokens, rid), **paths}
+    results: dict[str, list[Run]] = {name: [] for name in jobs}
+    cpu: dict[str, list[float]] = {name: [] for name in pids}
+    load_before = _load()
+    for i in range(rounds + 1):
+        for name in _rotated(list(jobs), i):
+            time.sleep(settle)
+            before = {n: cpu_seconds(pid) for n, pid in pids.items()}
+            run = await jobs[name](f"bench-1-{i}-{name}")
+            if i:
+                results[name].append(run)
+                if name == "mesh (Envoy)":
+                    for n, pid in pids.items():
+                        cpu[n].append((cpu_seconds(pid) - before[n]) * 1e3)
+    rows = {name: {"ttft_ms": [r.ttft * 1e3 for r in runs],
+                   "tpot_ms": [r.tpot * 1e3 for r in runs],
+                   "itl_ms": [statistics.fmean(r.gaps) * 1e3 for r in runs],
+                   "tok_s": [r.tokens / r.e2e for r in runs]}
+            for name, runs in results.items()}
+    medians = _print_table(
+        f"1 stream: {len(prompt_ids)}-token chat prompt, {max_tokens} greedy tokens, "
+        f"{rounds} interleaved rounds, median [p25-p75]; load {load_before} -> {_load()}", rows)
+    _print_overhead(medians, TARGETS)
+    if pids:
+        print("  CPU-ms per request of the mesh (Envoy) runs (/proc, 10 ms ticks), "
+              "median [p25-p75]: " + ", ".join(
+                  f"{n} {_stat(cpu[n])[0]:.0f} [{_stat(cpu[n])[1]:.0f}-{_stat(cpu[n])[2]:.0f}]"
+                  for n in sorted(cpu)))
+
+
+async def many_streams(backend: TorchBackend, tokenizer: Tokenizer,
+                       stub: generation_pb2_grpc.GenerationServiceStub,
+                       pids: dict[str, int], *, concurrency: int, num_requests: int,
+                       max_tokens: int, rounds: int, settle: float) -> None:
+    """Interleaved rounds of ``num_requests`` chats, ``concurrency`` at a time,
+    with the mesh processes' CPU per 1,000 output tokens (mesh rounds)."""
     questions = [f"Question {i}: {QUESTION}" for i in range(num_requests)]
     prompts = [tuple(tokenizer.apply_chat_template(
         [ChatMessage(role="user", content=q)], add_generation_prompt=True).token_ids)
         for q in questions]
     requests = [_chat_request(q, max_tokens) for q in questions]
-    async with grpc.aio.insecure_channel(url) as channel:
-        stub = generation_pb2_grpc.GenerationServiceStub(channel)
-        # Warm both paths at full batch first (allocations and kernel plans for a
-        # batch of ``concurrency``), uncounted.
-        await _bounded(concurrency, [functools.partial(
-            _mesh_stream, stub, _chat_request(f"Warm-up {i}: {QUESTION}", 8))
-            for i in range(concurrency)])
-        await _bounded(concurrency, [functools.partial(
-            run_in_process, backend, prompts[i % len(prompts)], 8, -1 - i)
-            for i in range(concurrency)])
-        results: dict[str, list[tuple[float, list[Run]]]] = {"in-process": [], "mesh": []}
-        for r in range(rounds):
-            for name in (("in-process", "mesh") if r % 2 == 0 else ("mesh", "in-process")):
-                time.sleep(SETTLE_SECONDS)
-                if name == "in-process":
-                    jobs = [functools.partial(run_in_process, backend, p, max_tokens, r * 1000 + i)
-                            for i, p in enumerate(prompts)]
-                else:
-                    jobs = [functools.partial(_mesh_stream, stub, q) for q in requests]
-                results[name].append(await _bounded(concurrency, jobs))
-    load = " ".join(open("/proc/loadavg").read().split()[:3])
-    print(f"c{concurrency}: {num_requests} requests x {max_tokens} tokens, {rounds} rounds "
-          f"alternating; load {load}")
-    rates: dict[str, list[float]] = {}
-    for name, outcomes in results.items():
-        rates[name] = [sum(run.tokens for run in runs) / wall for wall, runs in outcomes]
-        every = [run for _, runs in outcomes for run in runs]
-        print(f"{name:<11} output_tok_s=" + ", ".join(f"{x:.1f}" for x in rates[name])
-              + f"  ttft_p50_ms={statistics.median(x.ttft for x in every) * 1e3:.1f}"
-              f"  tpot_p50_ms={statistics.median(x.tpot for x in every) * 1e3:.2f}")
-    ratios = [m / i for m, i in zip(rates["mesh"], rates["in-process"])]
-    print("mesh / in-process throughput: " + ", ".join(f"{x:.3f}" for x in ratios)
-          + f" (median {statistics.median(ratios):.3f}; target >= 0.95)")
-
-
-def _run(start: float, stamps: list[float], tokens: int) -> Run:
-    gaps = tuple(b - a for a, b in zip(stamps, stamps[1:]))
-    return Run(ttft=stamps[0] - start, e2e=stamps[-1] - start, tokens=tokens, gaps=gaps)
-
-
-def summarize(name: str, runs: list[Run]) -> dict[str, float]:
-    row = {
-        "ttft_ms": statistics.median(r.ttft for r in runs) * 1e3,
-        "tpot_ms": statistics.median(r.tpot for r in runs) * 1e3,
-        "itl_ms": statistics.median(statistics.fmean(r.gaps) for r in runs) * 1e3,
-        "e2e_ms": statistics.median(r.e2e for r in runs) * 1e3,
-        "tokens": statistics.median(r.tokens for r in runs),
-    }
-    print(f"{name:<14} " + "  ".join(f"{k}={v:8.2f}" for k, v in row.items()))
-    return row
+    # Warm both paths at full batch first, uncounted.
+    await _bounded(concurrency, [functools.partial(
+        run_mesh, stub, _chat_request(f"Warm-up {i}: {QUESTION}", 8)) for i in range(concurrency)])
+    await _bounded(concurrency, [functools.partial(
+        run_in_process, backend, prompts[i % len(prompts)], 8, f"warm-{i}")
+        for i in range(concurrency)])
+    rows: dict[str, dict[str, list[float]]] = {
+        name: {"ttft_ms": [], "tpot_ms": [], "itl_ms": [], "tok_s": []}
+        for name in ("in-process", "mesh (Envoy)")}
+    cpu: dict[str, list[float]] = {name: [] for name in pids}
+    load_before = _load()
+    for r in range(rounds):
+        for name in _rotated(list(rows), r):
+            time.sleep(settle)
+            if name == "in-process":
+                jobs = [functools.partial(run_in_process, backend, p, max_tokens, f"b-{r}-{i}")
+                        for i, p in enumerate(prompts)]
+                wall, runs = await _bounded(concurrency, jobs)
+            else:
+                before = {n: cpu_seconds(pid) for n, pid in pids.items()}
+                wall, runs = await _bounded(
+                    concurrency, [functools.partial(run_mesh, stub, q) for q in requests])
+                tokens = sum(run.tokens for run in runs)
+                for n, pid in pids.items():
+                    cpu[n].append((cpu_seconds(pid) - before[n]) / tokens * 1e3)
+            row = rows[name]
+            row["ttft_ms"].append(statistics.median(x.ttft for x in runs) * 1e3)
+            row["tpot_ms"].append(statistics.median(x.tpot for x in runs) * 1e3)
+            row["itl_ms"].append(statistics.median(statistics.fmean(x.gaps) for x in runs) * 1e3)
+            row["tok_s"].append(sum(x.tokens for x in runs) / wall)
+    medians = _print_table(
+        f"{concurrency} streams: {num_requests} chats x {max_tokens} tokens per round, "
+        f"{rounds} interleaved rounds (per round: median TTFT/TPOT/ITL, all tokens / wall), "
+        f"median [p25-p75]; load {load_before} -> {_load()}", rows)
+    _print_overhead(medians, {})
+    ratios = [m / i for m, i in zip(rows["mesh (Envoy)"]["tok_s"], rows["in-process"]["tok_s"])]
+    med, q1, q3 = _stat(ratios)
+    print(f"  mesh / in-process throughput per round: median {med:.3f} [{q1:.3f}-{q3:.3f}] "
+          f"(target >= {THROUGHPUT_TARGET})")
+    if not pids:
+        return
+    print("  CPU-s per 1,000 output tokens in the mesh rounds, median [p25-p75]:")
+    overhead = [sum(cpu[n][k] for n in MESH_OVERHEAD if n in cpu) for k in range(rounds)]
+    for n in sorted(cpu):
+        med, q1, q3 = _stat(cpu[n])
+        print(f"    {n:<10} {med:6.3f} [{q1:.3f}-{q3:.3f}]")
+    med, q1, q3 = _stat(overhead)
+    print(f"    {' + '.join(MESH_OVERHEAD)}: {med:.3f} [{q1:.3f}-{q3:.3f}] "
+          f"(target <= {CPU_TARGET})")
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per path (default: 5)")
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--url", default=None, help="a running mesh's ingress (default: start one)")
-    parser.add_argument("--router", default=None, help="the router's address, to time it without Envoy")
-    parser.add_argument("--engine", default=None, help="an engine's address, to time it over gRPC")
-    parser.add_argument("--concurrency", type=int, default=1,
-                        help="streams at once; above 1, measure throughput (see above)")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--hops", action="store_true",
+                        help="1 stream: also time the router without Envoy and the engine "
+                             "over gRPC (each hop's share; only with a mesh started here)")
+    parser.add_argument("--concurrency", type=int, default=16,
+                        help="streams at once for the throughput part; 1: skip it")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--adaptive-threads", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="both engines size their step's threads to the cores they get "
+                             "(the engines' default); --no-adaptive-threads: both run a fixed "
+                             "--num-threads (steadier on an otherwise idle machine, worse "
+                             "under outside load: a fixed OpenMP team spins against it)")
+    parser.add_argument("--num-threads", type=int, default=os.cpu_count() or 1,
+                        help="each engine's step threads (default: one per CPU)")
     parser.add_argument("--settle", type=float, default=SETTLE_SECONDS,
                         help="seconds of pause before each run (default: %(default)s); with 0, "
                              "a path may start while the previous one's threads still spin")
     args = parser.parse_args()
 
+    threads_args = ["--num-threads", str(args.num_threads),
+                    "--adaptive-threads" if args.adaptive_threads else "--no-adaptive-threads"]
     mesh = None
     url = args.url
+    pids: dict[str, int] = {}
     if url is None:
-        mesh = Mesh(ingress_port=0, admin_port=0, run_dir=tempfile.mkdtemp(prefix="llmesh-bench-"))
+        mesh = Mesh(ingress_port=0, admin_port=0, run_dir=tempfile.mkdtemp(prefix="llmesh-bench-"),
+                    engine_args=threads_args)
         mesh.start()
         url = mesh.ingress_address
-        args.router = mesh.router.grpc_address
-        args.engine = mesh.engines[0].grpc_address
+        pids = mesh.pids()
         print(f"llmesh up → SERVING (all services + Envoy ready): {mesh.startup_seconds:.1f} s")
+    channels: list[grpc.aio.Channel] = []
     try:
         tokenizer = Tokenizer.load(default_model_path())
         prompt_ids = tuple(tokenizer.apply_chat_template(
             [ChatMessage(role="user", content=QUESTION)], add_generation_prompt=True).token_ids)
-        backend = TorchBackend(EngineConfig())
+        backend = TorchBackend(EngineConfig(num_threads=args.num_threads,
+                                            adaptive_threads=args.adaptive_threads))
         await backend.start()
-        if args.concurrency > 1:
-            await throughput(backend, tokenizer, url, concurrency=args.concurrency,
-                             num_requests=args.num_requests, max_tokens=args.max_tokens,
-                             rounds=args.rounds)
-            await backend.shutdown()
-            return
-        channels = [grpc.insecure_channel(url)]
-        paths: dict[str, object] = {
-            "mesh (Envoy)": functools.partial(
-                run_mesh, generation_pb2_grpc.GenerationServiceStub(channels[0]), args.max_tokens)}
-        if args.router:
-            channels.append(grpc.insecure_channel(args.router))
-            paths["router direct"] = functools.partial(
-                run_mesh, generation_pb2_grpc.GenerationServiceStub(channels[-1]), args.max_tokens)
-        if args.engine:
-            channels.append(grpc.insecure_channel(args.engine))
+        channels.append(grpc.aio.insecure_channel(url))
+        stub = generation_pb2_grpc.GenerationServiceStub(channels[0])
+        request = _chat_request(QUESTION, args.max_tokens)
+        paths: dict[str, Callable[[str], Awaitable[Run]]] = {
+            "mesh (Envoy)": lambda rid: run_mesh(stub, request)}
+        if args.hops and mesh is not None:
+            channels.append(grpc.aio.insecure_channel(mesh.router.grpc_address))
+            router_stub = generation_pb2_grpc.GenerationServiceStub(channels[-1])
+            paths["router direct"] = lambda rid: run_mesh(router_stub, request)
+            channels.append(grpc.aio.insecure_channel(mesh.engines[0].grpc_address))
             engine_stub = engine_pb2_grpc.EngineServiceStub(channels[-1])
-            paths["engine gRPC"] = lambda i: run_engine_grpc(
-                engine_stub, prompt_ids, args.max_tokens, i)
-        await run_in_process(backend, prompt_ids, 4, -1)  # warm every path once
-        results: dict[str, list[Run]] = {"in-process": [], **{name: [] for name in paths}}
-        order = ["in-process", *paths]
-        for i in range(args.runs + 1):
-            # The paths take turns in a rotating order, each after a pause: the
-            # previous one's threads (OpenMP spins after a step) must not take
-            # the cores from the next one's first token.
-            for name in order[i % len(order):] + order[:i % len(order)]:
-                time.sleep(args.settle)
-                if name == "in-process":
-                    run = await run_in_process(backend, prompt_ids, args.max_tokens, i)
-                else:
-                    run = paths[name](i) if name == "engine gRPC" else paths[name]()
-                if i:
-                    results[name].append(run)
-        print(f"{len(prompt_ids)}-token prompt, {args.max_tokens} greedy tokens, "
-              f"median of {args.runs} runs (after one warm-up run of each path)")
-        rows = {name: summarize(name, runs) for name, runs in results.items()}
-        base = rows["in-process"]
-        for name, row in rows.items():
-            if name != "in-process":
-                print(f"overhead of {name:<14} ttft_ms={row['ttft_ms'] - base['ttft_ms']:8.2f}  "
-                      f"tpot_ms={row['tpot_ms'] - base['tpot_ms']:8.2f}")
+            paths["engine gRPC"] = lambda rid: run_engine_grpc(
+                engine_stub, prompt_ids, args.max_tokens, rid)
+        await one_stream(backend, prompt_ids, paths, pids, rounds=args.rounds,
+                         max_tokens=args.max_tokens, settle=args.settle)
+        if args.concurrency > 1:
+            await many_streams(backend, tokenizer, stub, pids, concurrency=args.concurrency,
+                               num_requests=args.num_requests, max_tokens=args.max_tokens,
+                               rounds=args.rounds, settle=args.settle)
         await backend.shutdown()
-        for channel in channels:
-            channel.close()
     finally:
+        for channel in channels:
+            await channel.close()
         if mesh is not None:
             mesh.stop()
 

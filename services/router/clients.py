@@ -27,6 +27,7 @@ import hashlib
 import itertools
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -70,6 +71,42 @@ class UpstreamError(Exception):
         self.target = target
         self.code = code
         self.details = details
+
+
+# --------------------------------------------------------------------------- #
+# Values exchanged with the clients.
+
+
+@dataclass(frozen=True)
+class TokenizerDefinition:
+    """What ``GetTokenizer`` sends: the ``tokenizers`` JSON definition (UTF-8
+    bytes, checked against its SHA-256), the vocabulary size, and the chat
+    template (``""``: none; None: a service that does not send it) and named
+    special tokens the service renders chats with."""
+
+    target: str
+    data: bytes
+    sha256: str
+    vocab_size: int
+    chat_template: str | None
+    special_tokens: dict[str, str]
+
+    async def decoder(self) -> TokenizersDecoder:
+        """The definition loaded for detokenization (on a worker thread).
+
+        Raises:
+          UpstreamError: DATA_LOSS when it does not load.
+        """
+        try:
+            decoder = await asyncio.to_thread(TokenizersDecoder, self.data.decode(),
+                                              self.vocab_size)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise UpstreamError(_TOKENIZER, self.target, grpc.StatusCode.DATA_LOSS,
+                                f"GetTokenizer: {exc}") from exc
+        log.info("tokenizer_definition_loaded", target=self.target, bytes=len(self.data),
+                 sha256=self.sha256[:16], vocab_size=self.vocab_size)
+        return decoder
+
 
 
 # --------------------------------------------------------------------------- #
@@ -170,6 +207,15 @@ class TokenizerClient:
           UpstreamError: the call failed; DATA_LOSS for a definition whose size
             or digest does not match its header, or that does not load.
         """
+        return await (await self.definition(timeout=timeout)).decoder()
+
+    async def definition(self, *, timeout: float | None = 60.0) -> TokenizerDefinition:
+        """``GetTokenizer``: the tokenizer's definition, checked (size and SHA-256).
+
+        Raises:
+          UpstreamError: the call failed; DATA_LOSS for a definition whose size
+            or digest does not match its header.
+        """
         chunks: list[bytes] = []
         head: tokenizer_pb2.GetTokenizerResponse | None = None
         try:
@@ -191,13 +237,10 @@ class TokenizerClient:
         if len(data) != head.total_bytes or hashlib.sha256(data).hexdigest() != head.sha256:
             raise lost(f"{len(data)} bytes received, {head.total_bytes} announced, or their "
                        "SHA-256 differs")
-        try:
-            decoder = await asyncio.to_thread(TokenizersDecoder, data.decode(), head.vocab_size)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise lost(str(exc)) from exc
-        log.info("tokenizer_definition_loaded", target=self.target, bytes=len(data),
-                 sha256=head.sha256[:16], vocab_size=head.vocab_size)
-        return decoder
+        return TokenizerDefinition(
+            self.target, data, head.sha256, head.vocab_size,
+            head.chat_template if head.HasField("chat_template") else None,
+            dict(head.special_tokens))
 
     async def tokenize(self, text: str, *, add_special_tokens: bool, request_id: str,
                        deadline: float | None, traceparent: str = "") -> tuple[int, ...]:

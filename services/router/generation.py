@@ -5,9 +5,17 @@ stream of events: :class:`Delta` values (text safe to send, and the token ids
 generated since the previous one), then exactly one :class:`Finished`. The
 path, step by step (docs: /work/shared/DESIGN.md "The request path"):
 
-1. prompt ids: ``Tokenize`` for prompt text (with the model's special
-   tokens), or ``ApplyChatTemplate`` (generation prompt added, history
-   trimmed to ``max_model_len - 1`` tokens) for chat;
+1. prompt ids: prompt text tokenized (with the model's special tokens), or
+   the chat template applied (generation prompt added, history trimmed to
+   ``max_model_len - 1`` tokens), in process on the tokenizer service's own
+   definition and template (:mod:`services.router.local_tokenizer`; the
+   service's ``Tokenize``/``ApplyChatTemplate`` are the fallback). Nothing
+   else waits for them: the coalescing and cache keys are made from the
+   prompt ids after (tokenizing costs ~0.1 ms in process, less than a
+   second key scheme would save; docs/architecture.md "What the mesh
+   costs"); the request's log line, its latency histograms (TTFT at the
+   first token) and the cache store come after the first token (before it:
+   only an in-flight gauge and counters, ~1 µs each);
 2. context check: ``max_tokens`` is clamped to the room the prompt leaves
    (see :mod:`services.router.validation`);
 3. coalescing and the response cache (deterministic requests only: greedy
@@ -107,10 +115,10 @@ from services.router.clients import (
     CacheClient,
     CacheKey,
     CachedResponse,
-    TokenizerClient,
     UpstreamError,
 )
 from services.router.engine_client import EngineClient, EngineStream
+from services.router.local_tokenizer import PromptTokenizer
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
 from services.router.request_trace import end_request_span, start_request_span
@@ -347,15 +355,16 @@ class GenerationPipeline:
     """
 
     def __init__(
-        self, *, tokenizer: TokenizerClient, decoder: TokenizersDecoder,
+        self, *, tokenizer: PromptTokenizer, decoder: TokenizersDecoder,
         replicas: ReplicaSet, cache: CacheClient | None,
         models: Mapping[str, ModelLimits], metrics: RouterMetrics, log_content: bool = False,
         admission: Mapping[str, AdmissionController] | None = None,
         picker: ReplicaPicker | None = None, client_write_timeout_s: float = 0.0,
     ) -> None:
         """Args:
-          tokenizer: the tokenizer client (prompt ids).
-          decoder: the tokenizer's definition (:meth:`TokenizerClient.decoder`),
+          tokenizer: makes prompt ids (in process when it can, else the
+            tokenizer service: :mod:`services.router.local_tokenizer`).
+          decoder: the tokenizer's definition (:meth:`TokenizerDefinition.decoder`),
             which detokenizes generated ids in process.
           replicas: the engine replicas (all serve the models in ``models``) and
             which of them take new requests.

@@ -52,6 +52,7 @@ from services.router.discovery import (
 )
 from services.router.engine_client import EngineClient
 from services.router.generation import GenerationPipeline
+from services.router.local_tokenizer import PromptTokenizer
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
 from services.router.routing import (
@@ -266,7 +267,9 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
             raise
         await ready
         infos = list(await asyncio.gather(*(engine.model_info() for engine in engines)))
-        tok_info, decoder = await asyncio.gather(tokenizer.info(), tokenizer.decoder())
+        tok_info, definition = await asyncio.gather(tokenizer.info(), tokenizer.definition())
+        decoder, prompts = await asyncio.gather(
+            definition.decoder(), PromptTokenizer.load(tokenizer, definition, tok_info))
         limits = model_limits(infos, tok_info, settings)
     except BaseException:
         await asyncio.gather(tokenizer.close(), *(e.close() for e in engines),
@@ -278,7 +281,7 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
                             discovery)
     _start_routing(replicas, discovery, engines, limits)
     pipeline = GenerationPipeline(
-        tokenizer=tokenizer, decoder=decoder, replicas=replicas, cache=cache,
+        tokenizer=prompts, decoder=decoder, replicas=replicas, cache=cache,
         models={limits.model: limits}, metrics=metrics, log_content=settings.log_content,
         admission={limits.model: admission},
         client_write_timeout_s=settings.client_write_timeout_s,

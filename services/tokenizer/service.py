@@ -70,23 +70,16 @@ from services.common.logging import bind_request_id
 from services.common.mux import MuxServer, ProtocolViolation, never_merge
 from services.common.wire.chat import ChatMessage
 from services.tokenizer.metrics import TokenizerMetrics, default_metrics
+from services.tokenizer.status import status_of_error
 from services.tokenizer.tokenizer import (
     DEFAULT_CHAT_ROLES,
-    ChatTemplateError,
-    InvalidTokenIdError,
-    NoChatTemplateError,
-    PromptTooLongError,
+    DEFAULT_INLINE_ENCODE_MAX_CHARS,
     Tokenizer,
 )
 
 log = structlog.get_logger()
 
 _T = TypeVar("_T")
-
-#: Texts up to this many characters are encoded on the event loop: 0.15-0.3 µs
-#: per character here, so at most ~0.6 ms; longer ones go to a worker thread
-#: (a hop costs ~0.1 ms).
-DEFAULT_INLINE_ENCODE_MAX_CHARS = 2048
 
 _METHODS = ("Tokenize", "ApplyChatTemplate", "Detokenize", "GetTokenizerInfo", "GetTokenizer")
 #: Calls that make a request's prompt: one ``tokenize_finished`` log line each.
@@ -99,16 +92,6 @@ DEFINITION_CHUNK_BYTES = 1 << 20
 _MAX_LOGGED_REQUEST_ID = 128
 _SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
 
-# Most specific first: all of these are ValueErrors.
-_ERROR_STATUS: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
-    (NoChatTemplateError, grpc.StatusCode.FAILED_PRECONDITION),
-    (PromptTooLongError, grpc.StatusCode.OUT_OF_RANGE),
-    (ChatTemplateError, grpc.StatusCode.INVALID_ARGUMENT),
-    (InvalidTokenIdError, grpc.StatusCode.INVALID_ARGUMENT),
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-)
-
-
 class _Unavailable(Exception):
     """Not serving (loading or draining): gRPC UNAVAILABLE."""
 
@@ -116,10 +99,7 @@ class _Unavailable(Exception):
 def _status_of(err: Exception) -> grpc.StatusCode:
     if isinstance(err, _Unavailable):
         return grpc.StatusCode.UNAVAILABLE
-    for kind, code in _ERROR_STATUS:
-        if isinstance(err, kind):
-            return code
-    return grpc.StatusCode.INTERNAL
+    return status_of_error(err)
 
 
 class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
@@ -274,7 +254,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
         Returns:
           (reply, OK, "") or (None, the status, its message): UNAVAILABLE while
           loading or draining, the status of the tokenizer's error
-          (:data:`_ERROR_STATUS`), INTERNAL (logged) for anything else.
+          (:data:`~services.tokenizer.status.ERROR_STATUS`), INTERNAL (logged) for anything else.
         """
         started = time.perf_counter()
         try:
@@ -456,7 +436,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
     async def GetTokenizer(
         self, request: tokenizer_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[tokenizer_pb2.GetTokenizerResponse]:
-        """The tokenizer's definition in chunks (UNAVAILABLE while loading or draining)."""
+        """The tokenizer's definition in chunks, with the chat template and special
+        tokens on the first (UNAVAILABLE while loading or draining)."""
         started = time.perf_counter()
         tok = await self._admit_call("GetTokenizer", context, started)
         data, step = self._definition, DEFINITION_CHUNK_BYTES
@@ -467,6 +448,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 reply.total_bytes = len(data)
                 reply.sha256 = self._definition_sha256
                 reply.vocab_size = tok.info.vocab_size
+                reply.chat_template = tok.chat_template or ""
+                reply.special_tokens.update(tok.special_tokens)
             yield reply
         self._record("GetTokenizer", grpc.StatusCode.OK, started)
 

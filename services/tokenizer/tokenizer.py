@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,11 @@ _END_OF_TURN_MARKERS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
 DEFAULT_CHAT_ROLES = ("system", "user", "assistant", "tool")
 #: A role is a plain name: it is written into the template's markup.
 _ROLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,31}")
+#: Texts up to this many characters are encoded on the event loop (by the
+#: tokenizer service, and by the router's in-process tokenization): 0.15-0.3 µs
+#: per character here, so at most ~0.6 ms; longer ones go to a worker thread
+#: (a hop costs ~0.1 ms).
+DEFAULT_INLINE_ENCODE_MAX_CHARS = 2048
 #: Skeletons (template markup per role sequence) kept; each is a few hundred bytes.
 _SKELETON_CACHE_SIZE = 1024
 _NOT_CACHED = object()
@@ -207,6 +212,34 @@ class Tokenizer:
             name = model_path.name.split(".")[0]
         return cls(hf, model or name, extra, chat_template=chat_template, chat_roles=chat_roles)
 
+    @classmethod
+    def from_definition(cls, definition: str, model: str, *, eos_token_ids: Sequence[int],
+                        chat_template: str | None, special_tokens: Mapping[str, str],
+                        chat_roles: Sequence[str] = DEFAULT_CHAT_ROLES) -> Tokenizer:
+        """Rebuilds a loaded tokenizer from what :meth:`definition`,
+        :attr:`chat_template`, :attr:`special_tokens` and :attr:`info` give
+        (``GetTokenizer`` and ``GetTokenizerInfo`` carry them): the same ids,
+        chat prompts and errors as the original for every input, since encode,
+        decode and the template's markup run on the same ``tokenizers``
+        definition and the template renders with the same special tokens
+        (``tests/tokenizer/test_tokenizer_router_local.py``). Blocking: imports
+        ``transformers`` (once) and parses the definition: 3.4 s for SmolLM2
+        here at a load average of 12, most of it the import.
+
+        Raises:
+          ValueError: a definition ``tokenizers`` cannot read; a bad chat role.
+        """
+        import tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        try:
+            backend = tokenizers.Tokenizer.from_str(definition)
+        except Exception as err:  # tokenizers raises its own Exception subclass
+            raise ValueError(f"tokenizer definition: {err}") from err
+        hf = PreTrainedTokenizerFast(tokenizer_object=backend, **special_tokens)
+        return cls(hf, model, eos_token_ids, chat_template=chat_template or None,
+                   chat_roles=chat_roles)
+
     def _eos_ids(self, extra: Sequence[int]) -> tuple[int, ...]:
         ids = {int(i) for i in extra if 0 <= int(i) < self._vocab_size}
         if self._hf.eos_token_id is not None:
@@ -224,6 +257,18 @@ class Tokenizer:
     def info(self) -> TokenizerInfo:
         """Vocabulary size, EOS/BOS ids, whether a chat template exists, its roles."""
         return self._info
+
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja chat template in use (the configured one, else the
+        model's), None without one."""
+        return self._template
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """The named special tokens the chat template sees (``bos_token``,
+        ``eos_token``, ...: ``transformers``' ``special_tokens_map``)."""
+        return dict(self._hf.special_tokens_map)
 
     @property
     def hf_tokenizer(self) -> Any:

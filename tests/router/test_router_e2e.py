@@ -308,6 +308,28 @@ async def test_special_token_text_in_chat_content_cannot_forge_a_turn(stub):
         assert responses[-1].usage.prompt_tokens == prompt_tokens
 
 
+async def test_the_router_makes_prompt_ids_without_asking_the_tokenizer(stub, services):
+    """Chat and prompt ids come from the router's own copy of the tokenizer
+    (:mod:`services.router.local_tokenizer`): the tokenizer service logs one
+    ``tokenize_finished`` line per prompt it makes, and it makes none."""
+    tokenizer_log = services.logs / "tokenizer.log"
+
+    def prompts_made() -> int:
+        return tokenizer_log.read_text(errors="replace").count('"tokenize_finished"')
+
+    before = prompts_made()
+    for request in (chat_request("Name a colour.", max_tokens=2),
+                    generation_pb2.GenerateRequest(prompt="Once upon a time",
+                                                   sampling=common_pb2.SamplingParams(
+                                                       max_tokens=2))):
+        request.bypass_cache = True
+        responses = await collect(stub.Generate(request))
+        assert responses[-1].usage.prompt_tokens > 3
+    await asyncio.sleep(0.5)  # the service writes its line after answering
+    assert prompts_made() == before
+    assert '"where": "router"' in (services.logs / "router.log").read_text(errors="replace")
+
+
 async def test_list_models(stub):
     reply = await stub.ListModels(generation_pb2.ListModelsRequest())
     assert len(reply.models) == 1

@@ -280,11 +280,33 @@ Global___GetTokenizerRequest: _TypeAlias = GetTokenizerRequest  # noqa: Y015
 class GetTokenizerResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class SpecialTokensEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     FORMAT_FIELD_NUMBER: _builtins.int
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     SHA256_FIELD_NUMBER: _builtins.int
     DEFINITION_CHUNK_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     format: _builtins.str
     """Set on the first message only: how `definition_chunk` is to be read
     ("huggingface-tokenizers-json": load with tokenizers.Tokenizer.from_str).
@@ -301,6 +323,19 @@ class GetTokenizerResponse(_message.Message):
     """Set on the first message only: the vocabulary size (ids 0..vocab_size-1
     decode; the definition may list fewer when the model pads its vocabulary).
     """
+    chat_template: _builtins.str
+    """Set on the first message only: the Jinja chat template ApplyChatTemplate
+    renders (empty: the model has none). Unset (a service older than this
+    field): the definition alone does not reproduce ApplyChatTemplate, and a
+    caller asks the service for prompt ids.
+    """
+    @_builtins.property
+    def special_tokens(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Set on the first message only: the named special tokens the template
+        sees (`bos_token`, `eos_token`, `unk_token`, `pad_token`, ...: the
+        `transformers` tokenizer's `special_tokens_map`).
+        """
+
     def __init__(
         self,
         *,
@@ -309,12 +344,16 @@ class GetTokenizerResponse(_message.Message):
         sha256: _builtins.str = ...,
         definition_chunk: _builtins.bytes = ...,
         vocab_size: _builtins.int = ...,
+        chat_template: _builtins.str | None = ...,
+        special_tokens: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template", "chat_template", b"chat_template"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["definition_chunk", b"definition_chunk", "format", b"format", "sha256", b"sha256", "total_bytes", b"total_bytes", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template", "chat_template", b"chat_template", "definition_chunk", b"definition_chunk", "format", b"format", "sha256", b"sha256", "special_tokens", b"special_tokens", "total_bytes", b"total_bytes", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__chat_template: _TypeAlias = _typing.Literal["chat_template"]  # noqa: Y015
+    _WhichOneofArgType__chat_template: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__chat_template) -> _WhichOneofReturnType__chat_template | None: ...
 
 Global___GetTokenizerResponse: _TypeAlias = GetTokenizerResponse  # noqa: Y015
 

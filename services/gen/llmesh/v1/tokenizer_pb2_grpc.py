@@ -110,11 +110,13 @@ class TokenizerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetTokenizer(self, request, context):
-        """The tokenizer's definition, for callers that detokenize in process (the
-        router does, so that no token waits for a round trip): the Hugging Face
-        `tokenizers` JSON serialization this service decodes with, in chunks of
-        at most 1 MiB (Gemma 3's is 14 MB, beyond gRPC's default 4 MiB message).
-        Concatenate `definition_chunk` in order and check `sha256`.
+        """The tokenizer's definition, for callers that tokenize and detokenize in
+        process (the router does, so that neither a prompt nor a token waits for
+        a round trip): the Hugging Face `tokenizers` JSON serialization this
+        service encodes and decodes with, in chunks of at most 1 MiB (Gemma 3's
+        is 14 MB, beyond gRPC's default 4 MiB message), with the chat template
+        and the special tokens it renders with. Concatenate `definition_chunk` in
+        order and check `sha256`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

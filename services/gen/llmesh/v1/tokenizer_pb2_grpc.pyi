@@ -62,11 +62,13 @@ class TokenizerServiceStub:
     GetTokenizerInfo: _grpc.UnaryUnaryMultiCallable[_tokenizer_pb2.GetTokenizerInfoRequest, _tokenizer_pb2.GetTokenizerInfoResponse]
     """Facts about the tokenizer: vocabulary size, special tokens, template."""
     GetTokenizer: _grpc.UnaryStreamMultiCallable[_tokenizer_pb2.GetTokenizerRequest, _tokenizer_pb2.GetTokenizerResponse]
-    """The tokenizer's definition, for callers that detokenize in process (the
-    router does, so that no token waits for a round trip): the Hugging Face
-    `tokenizers` JSON serialization this service decodes with, in chunks of
-    at most 1 MiB (Gemma 3's is 14 MB, beyond gRPC's default 4 MiB message).
-    Concatenate `definition_chunk` in order and check `sha256`.
+    """The tokenizer's definition, for callers that tokenize and detokenize in
+    process (the router does, so that neither a prompt nor a token waits for
+    a round trip): the Hugging Face `tokenizers` JSON serialization this
+    service encodes and decodes with, in chunks of at most 1 MiB (Gemma 3's
+    is 14 MB, beyond gRPC's default 4 MiB message), with the chat template
+    and the special tokens it renders with. Concatenate `definition_chunk` in
+    order and check `sha256`.
     """
     Multiplex: _grpc.StreamStreamMultiCallable[_tokenizer_pb2.TokenizerServiceMultiplexRequest, _tokenizer_pb2.TokenizerServiceMultiplexResponse]
     """Tokenize and ApplyChatTemplate for many requests on one long-lived call
@@ -108,11 +110,13 @@ class TokenizerServiceAsyncStub(TokenizerServiceStub):
     GetTokenizerInfo: _aio.UnaryUnaryMultiCallable[_tokenizer_pb2.GetTokenizerInfoRequest, _tokenizer_pb2.GetTokenizerInfoResponse]  # type: ignore[assignment]
     """Facts about the tokenizer: vocabulary size, special tokens, template."""
     GetTokenizer: _aio.UnaryStreamMultiCallable[_tokenizer_pb2.GetTokenizerRequest, _tokenizer_pb2.GetTokenizerResponse]  # type: ignore[assignment]
-    """The tokenizer's definition, for callers that detokenize in process (the
-    router does, so that no token waits for a round trip): the Hugging Face
-    `tokenizers` JSON serialization this service decodes with, in chunks of
-    at most 1 MiB (Gemma 3's is 14 MB, beyond gRPC's default 4 MiB message).
-    Concatenate `definition_chunk` in order and check `sha256`.
+    """The tokenizer's definition, for callers that tokenize and detokenize in
+    process (the router does, so that neither a prompt nor a token waits for
+    a round trip): the Hugging Face `tokenizers` JSON serialization this
+    service encodes and decodes with, in chunks of at most 1 MiB (Gemma 3's
+    is 14 MB, beyond gRPC's default 4 MiB message), with the chat template
+    and the special tokens it renders with. Concatenate `definition_chunk` in
+    order and check `sha256`.
     """
     Multiplex: _aio.StreamStreamMultiCallable[_tokenizer_pb2.TokenizerServiceMultiplexRequest, _tokenizer_pb2.TokenizerServiceMultiplexResponse]  # type: ignore[assignment]
     """Tokenize and ApplyChatTemplate for many requests on one long-lived call
@@ -180,11 +184,13 @@ class TokenizerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _tokenizer_pb2.GetTokenizerRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_tokenizer_pb2.GetTokenizerResponse], _abc.AsyncIterator[_tokenizer_pb2.GetTokenizerResponse]]:
-        """The tokenizer's definition, for callers that detokenize in process (the
-        router does, so that no token waits for a round trip): the Hugging Face
-        `tokenizers` JSON serialization this service decodes with, in chunks of
-        at most 1 MiB (Gemma 3's is 14 MB, beyond gRPC's default 4 MiB message).
-        Concatenate `definition_chunk` in order and check `sha256`.
+        """The tokenizer's definition, for callers that tokenize and detokenize in
+        process (the router does, so that neither a prompt nor a token waits for
+        a round trip): the Hugging Face `tokenizers` JSON serialization this
+        service encodes and decodes with, in chunks of at most 1 MiB (Gemma 3's
+        is 14 MB, beyond gRPC's default 4 MiB message), with the chat template
+        and the special tokens it renders with. Concatenate `definition_chunk` in
+        order and check `sha256`.
         """
 
     @_abc_1.abstractmethod
