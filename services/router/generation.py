@@ -440,6 +440,8 @@ class GenerationPipeline:
         try:
             self._refuse_if_full(request)
             with tracing.span("llmesh.tokenize", timing.span) as tokenize:
+                if tokenize is not None:
+                    tokenize.set_attribute("llmesh.tokenize.in_process", self.tokenizer.in_process)
                 prompt_ids = await self._prompt_ids(request, limits, deadline, info,
                                                     tracing.traceparent_of(tokenize))
             progress.prompt_tokens = len(prompt_ids)

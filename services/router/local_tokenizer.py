@@ -33,12 +33,11 @@ from typing import TypeVar
 import grpc
 import structlog
 
+from services.common.wire.chat import ChatMessage, ChatPrompt
+from services.common.wire.tokenizer_info import TokenizerInfo
 from services.router.clients import (
-    ChatMessage,
-    ChatPrompt,
     TokenizerClient,
     TokenizerDefinition,
-    TokenizerInfo,
     UpstreamError,
     timeout_until,
 )
@@ -48,7 +47,6 @@ from services.tokenizer.tokenizer import (
     DEFAULT_INLINE_ENCODE_MAX_CHARS,
     Tokenizer,
 )
-from services.tokenizer.tokenizer import ChatMessage as TokenizerChatMessage
 
 log = structlog.get_logger()
 
@@ -113,8 +111,10 @@ class PromptTokenizer:
         return self._local is not None
 
     async def tokenize(self, text: str, *, add_special_tokens: bool, request_id: str,
-                       deadline: float | None) -> tuple[int, ...]:
-        """Text to ids (the service's ``Tokenize``). Raises :class:`UpstreamError`."""
+                       deadline: float | None, traceparent: str = "") -> tuple[int, ...]:
+        """Text to ids (the service's ``Tokenize``); ``traceparent``: the
+        caller's span, passed on when the service is asked (W3C, "" when not
+        traced). Raises :class:`UpstreamError`."""
         if self._local is not None:
             timeout_until(deadline)
             ids = await self._local_call(len(text), self._local.encode, text,
@@ -122,15 +122,16 @@ class PromptTokenizer:
             if ids is not None:
                 return tuple(ids)
         return await self._service.tokenize(text, add_special_tokens=add_special_tokens,
-                                            request_id=request_id, deadline=deadline)
+                                            request_id=request_id, deadline=deadline,
+                                            traceparent=traceparent)
 
     async def apply_chat_template(
         self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool,
         max_prompt_tokens: int, request_id: str, deadline: float | None,
-        allow_special_tokens: bool = False,
+        allow_special_tokens: bool = False, traceparent: str = "",
     ) -> ChatPrompt:
         """Messages to prompt ids within ``max_prompt_tokens`` (the service's
-        ``ApplyChatTemplate``).
+        ``ApplyChatTemplate``); ``traceparent`` as for :meth:`tokenize`.
 
         Raises:
           UpstreamError: FAILED_PRECONDITION (no chat template), OUT_OF_RANGE
@@ -142,14 +143,13 @@ class PromptTokenizer:
             timeout_until(deadline)
             prompt = await self._local_call(
                 sum(len(m.content) for m in messages), self._local.apply_chat_template,
-                [TokenizerChatMessage(m.role, m.content) for m in messages],
-                add_generation_prompt, max_prompt_tokens, allow_special_tokens)
+                messages, add_generation_prompt, max_prompt_tokens, allow_special_tokens)
             if prompt is not None:
-                return ChatPrompt(tuple(prompt.token_ids), prompt.num_dropped_messages)
+                return prompt
         return await self._service.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt,
             max_prompt_tokens=max_prompt_tokens, request_id=request_id, deadline=deadline,
-            allow_special_tokens=allow_special_tokens)
+            allow_special_tokens=allow_special_tokens, traceparent=traceparent)
 
     async def _local_call(self, chars: int, fn: Callable[..., _T], *args: object) -> _T | None:
         """``fn(*args)`` here (on a worker thread above ``inline_max_chars``);
