@@ -45,7 +45,7 @@ import sys
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import NoReturn, Protocol, TypeVar
 
 import grpc
 import prometheus_client
@@ -254,9 +254,7 @@ def make_server(service: Service, calls: ActiveCalls | None = None) -> grpc.aio.
 async def run_service(config: ServerConfig, service: Service) -> None:
     """Runs ``service`` until SIGTERM/SIGINT, then drains and returns."""
     log = configure_logging(config.name, config.log_level)
-    if tracing.configure(config.name, config.otlp_traces_endpoint):
-        log.info("tracing", otlp_traces_endpoint=config.otlp_traces_endpoint
-                 or os.environ.get(tracing.ENDPOINT_ENV))
+    _start_tracing(config, log)
     calls = ActiveCalls()
     server = make_server(service, calls)
     health = health_aio.HealthServicer()
@@ -285,12 +283,7 @@ async def run_service(config: ServerConfig, service: Service) -> None:
     if starting.done():
         if (error := starting.exception()) is not None:
             await server.stop(None)
-            if getattr(error, LOGGED_ATTRIBUTE, False):
-                raise error  # the service logged it; its __main__ maps it to a status
-            # One line says why (no traceback wall): the cause is in the message.
-            log.error("start_failed", error=f"{type(error).__name__}: {error}")
-            log.debug("start_failed_traceback", exc_info=error)
-            raise StartFailed(error) from error
+            _raise_start_failure(error, log)
         await _set_health(health, service.service_names, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving")
         await stopping
@@ -313,6 +306,25 @@ async def run_service(config: ServerConfig, service: Service) -> None:
     await service.close()
     tracing.shutdown()  # exports what is still buffered
     log.info("stopped")
+
+
+def _start_tracing(config: ServerConfig, log: structlog.stdlib.BoundLogger) -> None:
+    """Traces exported over OTLP when ``--otlp-traces-endpoint`` (or its
+    environment variable) asks (:mod:`services.common.tracing`); else off."""
+    if tracing.configure(config.name, config.otlp_traces_endpoint):
+        log.info("tracing", otlp_traces_endpoint=config.otlp_traces_endpoint
+                 or os.environ.get(tracing.ENDPOINT_ENV))
+
+
+def _raise_start_failure(error: BaseException, log: structlog.stdlib.BoundLogger) -> NoReturn:
+    """Re-raises a failed ``start()``: as it is when the service logged it (its
+    ``__main__`` maps it to a status), else logged in one line (the cause is in
+    the message, no traceback wall) and raised as :class:`StartFailed`."""
+    if getattr(error, LOGGED_ATTRIBUTE, False):
+        raise error
+    log.error("start_failed", error=f"{type(error).__name__}: {error}")
+    log.debug("start_failed_traceback", exc_info=error)
+    raise StartFailed(error) from error
 
 
 async def _listen(config: ServerConfig, service: Service, server: grpc.aio.Server,

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from services.common.detokenizer import TokenizersDecoder
 from services.common.wire.engine_info import ModelInfo
 from services.common.wire.tokenizer_info import TokenizerInfo
 from services.router.admission import (
@@ -267,9 +268,7 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
             raise
         await ready
         infos = list(await asyncio.gather(*(engine.model_info() for engine in engines)))
-        tok_info, definition = await asyncio.gather(tokenizer.info(), tokenizer.definition())
-        decoder, prompts = await asyncio.gather(
-            definition.decoder(), PromptTokenizer.load(tokenizer, definition, tok_info))
+        tok_info, decoder, prompts = await _tokenizer_parts(tokenizer)
         limits = model_limits(infos, tok_info, settings)
     except BaseException:
         await asyncio.gather(tokenizer.close(), *(e.close() for e in engines),
@@ -287,6 +286,18 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
         client_write_timeout_s=settings.client_write_timeout_s,
         picker=ReplicaPicker(policy, cache, metrics, settings.routing_weights))
     return ModelPool(limits, tokenizer, infos, admission, replicas, pipeline, policy, discovery)
+
+
+async def _tokenizer_parts(tokenizer: TokenizerClient
+                           ) -> tuple[TokenizerInfo, TokenizersDecoder, PromptTokenizer]:
+    """The tokenizer's facts and its definition (``GetTokenizer``) loaded twice
+    on worker threads at once: for detokenization and for prompt ids in this
+    process (:class:`PromptTokenizer`, which falls back to the service).
+    Raises :class:`UpstreamError`."""
+    info, definition = await asyncio.gather(tokenizer.info(), tokenizer.definition())
+    decoder, prompts = await asyncio.gather(
+        definition.decoder(), PromptTokenizer.load(tokenizer, definition, info))
+    return info, decoder, prompts
 
 
 async def _first_engines(discovery: Discovery, make_client: Callable[[str], EngineClient],

@@ -391,16 +391,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
               for pool in configs),
             return_exceptions=True)
         pools = {i: p for i, p in enumerate(opened) if isinstance(p, ModelPool)}
-        failure = next((p for p in opened if isinstance(p, BaseException)
-                        and not isinstance(p, NoEngineYet)), None)
-        if failure is None:
-            seen: dict[str, ModelPool] = {}
-            for pool in pools.values():
-                if pool.model in seen:
-                    failure = _duplicate_model(seen[pool.model], pool)
-                    break
-                seen[pool.model] = pool
-        if failure is not None:
+        if (failure := _start_failure(opened, pools)) is not None:
             if cache_ready is not None:
                 cache_ready.cancel()
             await asyncio.gather(*(p.close() for p in pools.values()), return_exceptions=True)
@@ -901,6 +892,24 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             final = Finished(FinishReason.CANCELLED, "", current.progress.usage(), index=index)
             await context.write(generation_pb2.GenerateStreamResponse(
                 response=_response(current.request_id, final)))
+
+
+def _start_failure(opened: list[ModelPool | BaseException], pools: dict[int, ModelPool]
+                   ) -> BaseException | None:
+    """Why the router cannot start with the pools ``open_pool`` gave: the first
+    pool that failed (a pool still waiting for its DNS engines,
+    :class:`NoEngineYet`, is not a failure), else two pools serving the same
+    model; None when it can."""
+    failure = next((p for p in opened if isinstance(p, BaseException)
+                    and not isinstance(p, NoEngineYet)), None)
+    if failure is not None:
+        return failure
+    seen: dict[str, ModelPool] = {}
+    for pool in pools.values():
+        if pool.model in seen:
+            return _duplicate_model(seen[pool.model], pool)
+        seen[pool.model] = pool
+    return None
 
 
 def _duplicate_model(first: ModelPool, second: ModelPool) -> RuntimeError:
