@@ -143,7 +143,7 @@ def test_dequantizing_the_embedding_takes_a_few_calls_and_gives_gguf_s_numbers(
         model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SmolLM2's Q8_0 embedding ``[49152, 576]``: the same fp32 values as
     ``gguf.quants.dequantize``, from a few large groups of rows (gguf's own
-    groups of 16 rows made 3,072 Python calls: 1.9 s at load ~12)."""
+    groups of 16 rows made 3,072 Python calls, ~1.2 s of every start)."""
     embedding = next(t for t in PlainArrayReader(str(model_path)).tensors
                      if t.name == "token_embd.weight")
     assert embedding.tensor_type == gguf.GGMLQuantizationType.Q8_0

@@ -511,9 +511,8 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str:
 
 #: Bytes of quantized rows dequantized per call. ``gguf.quants.dequantize``
 #: works in groups of 16 rows, one Python call each (3,072 for SmolLM2's
-#: Q8_0 embedding: 1.9 s at load ~12 here, 0.65 s in groups of 4 MiB); groups
-#: of 4 MiB give the same numbers (the same per-block arithmetic) in a few
-#: dozen calls.
+#: embedding: ~1.2 s of every start here); groups of 4 MiB give the same
+#: numbers (the same per-block arithmetic) in a few dozen calls.
 DEQUANTIZE_GROUP_BYTES = 1 << 22
 
 

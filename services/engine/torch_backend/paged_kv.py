@@ -62,8 +62,7 @@ def zeroed(shape: Sequence[int], device: torch.device | str, dtype: torch.dtype
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if torch.device(device).type != "cpu" or nbytes == 0:
         return torch.zeros(tuple(shape), device=device, dtype=dtype)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # anonymous, as malloc's
-    return torch.frombuffer(mapping, dtype=dtype).view(tuple(shape))
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(tuple(shape))
 
 
 class PagedKVCache:
