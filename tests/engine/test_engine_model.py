@@ -164,26 +164,6 @@ def test_dequantizing_the_embedding_takes_a_few_calls_and_gives_gguf_s_numbers(
     assert np.array_equal(weights, expected.reshape(weights.shape))
 
 
-def resident_bytes() -> int:
-    """This process's resident memory (``/proc/self/statm``)."""
-    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
-
-
-def test_a_kv_cache_costs_memory_only_where_it_is_written(gguf_model: GGUFModel) -> None:
-    """Every engine allocates its KV cache at start (1 GiB by default): zeroed
-    by the kernel, not by a memset that makes all of it resident. 256 MiB add
-    (almost) nothing until blocks are written; the storage reads as zeros."""
-    before = resident_bytes()
-    cache = PagedKVCache(gguf_model.config, num_blocks=365, block_size=16,
-                         transposed_keys=True)  # 2 x 128 MiB
-    assert cache.nbytes >= 256 << 20
-    assert resident_bytes() - before < 32 << 20
-    cache.k[0, 0, 7] = 1.0
-    assert cache.k.is_contiguous() and cache.v.is_contiguous()
-    assert float(cache.k.sum()) == cache.k.shape[-1] * cache.k.shape[-2]
-    assert not cache.v.any()
-
-
 def test_unpermute_inverts_llama_cpp_permute() -> None:
     weights = np.arange(4 * 8 * 3, dtype=np.float32).reshape(4 * 8, 3)
     n_head = 4
