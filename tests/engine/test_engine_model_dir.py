@@ -121,9 +121,9 @@ def test_tensorrt_llm_refuses_a_bad_model_path_before_binding(
 
 
 def test_a_kv_cache_beyond_the_host_s_memory_is_refused_at_start(tmp_path: Path) -> None:
-    """The CPU KV pool is backed by memory only as blocks are written, so a
-    budget beyond the host's would start and later be killed mid-serving: it is
-    refused at start (engine_load_failed naming --kv-cache-bytes), not served."""
+    """A KV budget beyond the host's available memory is refused before it is
+    allocated (engine_load_failed naming --kv-cache-bytes), not zero-filled into
+    swap or the OOM killer."""
     available = next(int(line.split()[1]) * 1024
                      for line in Path("/proc/meminfo").read_text().splitlines()
                      if line.startswith("MemAvailable:"))

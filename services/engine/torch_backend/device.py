@@ -84,11 +84,10 @@ def available_host_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | 
 
 
 def check_host_kv_budget(budget_bytes: int) -> None:
-    """On the CPU the KV cache is mapped at start and backed by memory only as
-    blocks are written (:func:`~services.engine.torch_backend.paged_kv.zeroed`),
-    so a budget the host cannot hold would start and then be killed for memory
-    mid-serving; this refuses a budget above the host's available memory
-    (``MemAvailable``) at start, with the numbers.
+    """On the CPU the KV cache is host memory, zero-filled at start: a budget
+    above the host's available memory (``MemAvailable``) would push the host
+    into swap or get the engine killed for memory while it starts; this
+    refuses it first, with the numbers.
 
     Raises:
       ValueError: the budget does not fit (the message says what is available).
