@@ -111,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "need 'authorization: Bearer KEY' or 'x-api-key: KEY', and "
                              "x-tenant-id is ignored; SIGHUP reloads the file. Default: no "
                              "auth")
+    parser.add_argument("--tokenize-in-router", action=argparse.BooleanOptionalAction,
+                        default=False,
+                        help="make chat and prompt ids in the router from the tokenizer "
+                             "service's own definition (GetTokenizer), asking the service only "
+                             "as the fallback; saves about 1 ms of router time per request, "
+                             "costs about 1 s of router start and a second copy of the "
+                             "tokenizer (docs/architecture.md, \"What the mesh costs\"). "
+                             "Default: the tokenizer service makes every prompt")
     parser.add_argument("--client-write-timeout-s", type=float,
                         default=DEFAULT_CLIENT_WRITE_TIMEOUT_S, metavar="SECONDS",
                         help="slow-reader budget: a write to a client blocked this long (it "
@@ -179,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             log_content=args.log_content, startup_timeout=args.startup_timeout,
             cache_timeout=args.cache_timeout, stream_idle_timeout=args.stream_idle_timeout,
             client_write_timeout_s=args.client_write_timeout_s,
+            tokenize_in_router=args.tokenize_in_router,
             admission=AdmissionConfig(
                 enabled=args.admission, max_queued_requests=args.max_queued_requests,
                 max_queued_prompt_tokens=args.max_queued_prompt_tokens,

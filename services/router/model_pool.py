@@ -115,6 +115,8 @@ class PoolSettings:
     resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S
     #: the slow-reader budget (:mod:`services.router.slow_reader`); 0: none
     client_write_timeout_s: float = 0.0
+    #: prompt ids made in the router (:mod:`services.router.local_tokenizer`)
+    tokenize_in_router: bool = False
 
 
 class NoEngineYet(Exception):
@@ -268,7 +270,8 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
             raise
         await ready
         infos = list(await asyncio.gather(*(engine.model_info() for engine in engines)))
-        tok_info, decoder, prompts = await _tokenizer_parts(tokenizer)
+        tok_info, decoder, prompts = await _tokenizer_parts(tokenizer,
+                                                            settings.tokenize_in_router)
         limits = model_limits(infos, tok_info, settings)
     except BaseException:
         await asyncio.gather(tokenizer.close(), *(e.close() for e in engines),
@@ -288,13 +291,16 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
     return ModelPool(limits, tokenizer, infos, admission, replicas, pipeline, policy, discovery)
 
 
-async def _tokenizer_parts(tokenizer: TokenizerClient
+async def _tokenizer_parts(tokenizer: TokenizerClient, in_router: bool
                            ) -> tuple[TokenizerInfo, TokenizersDecoder, PromptTokenizer]:
-    """The tokenizer's facts and its definition (``GetTokenizer``) loaded twice
-    on worker threads at once: for detokenization and for prompt ids in this
-    process (:class:`PromptTokenizer`, which falls back to the service).
+    """The tokenizer's facts and its definition (``GetTokenizer``) loaded for
+    detokenization; with ``in_router`` also for prompt ids in this process
+    (:class:`PromptTokenizer`, which falls back to the service), both on worker
+    threads at once; without, every prompt is the service's.
     Raises :class:`UpstreamError`."""
     info, definition = await asyncio.gather(tokenizer.info(), tokenizer.definition())
+    if not in_router:
+        return info, await definition.decoder(), PromptTokenizer(tokenizer, None)
     decoder, prompts = await asyncio.gather(
         definition.decoder(), PromptTokenizer.load(tokenizer, definition, info))
     return info, decoder, prompts

@@ -136,6 +136,8 @@ class RouterConfig:
         (before the first ``start``, or between turns); then the router ends
         it with DEADLINE_EXCEEDED. 0 disables the limit. A running
         generation never counts as idle, however long it waits in a queue.
+      tokenize_in_router: make prompt ids in the router
+        (:mod:`services.router.local_tokenizer`), the tokenizer service the fallback.
       client_write_timeout_s: the slow-reader budget
         (:mod:`services.router.slow_reader`): seconds a write to a client may
         stay blocked while its generation runs; 0: none.
@@ -163,6 +165,7 @@ class RouterConfig:
     cache_timeout: float = 0.5
     stream_idle_timeout: float = 300.0
     client_write_timeout_s: float = DEFAULT_CLIENT_WRITE_TIMEOUT_S
+    tokenize_in_router: bool = False
     admission: AdmissionConfig = AdmissionConfig()
     routing_policy: RoutingPolicy | None = None
     routing_weights: CostWeights = CostWeights()
@@ -382,7 +385,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             startup_timeout=cfg.startup_timeout, admission=cfg.admission,
             routing_policy=cfg.routing_policy, routing_weights=cfg.routing_weights,
             log_content=cfg.log_content, resolve_interval_s=cfg.resolve_interval_s,
-            client_write_timeout_s=cfg.client_write_timeout_s)
+            client_write_timeout_s=cfg.client_write_timeout_s,
+            tokenize_in_router=cfg.tokenize_in_router)
         self._resolver = make_resolver(cfg.dns_nameserver)
         configs = cfg.all_pools()
         opened = await asyncio.gather(

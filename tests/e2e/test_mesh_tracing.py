@@ -1,7 +1,7 @@
 """Traces across the hops: a mesh started with ``--otlp-traces-endpoint``
-exports one trace per request, with the spans of the services on its path
-(router, cache and engine; the tokenizer service where it is asked: the
-router makes prompt ids itself), each the child of the span that called it,
+exports one trace per request, with the spans of the router, tokenizer,
+cache and engine (the tokenizer's only where it is asked: not with the
+router's --tokenize-in-router), each the child of the span that called it,
 under the client's own span (W3C ``traceparent`` in gRPC metadata or the HTTP header).
 
 The services are separate processes, as users run them, exporting over
@@ -88,13 +88,10 @@ def test_one_trace_holds_every_service_s_spans_parent_to_child(
     out = collect(stub.Generate(request, timeout=120, metadata=(
         ("traceparent", f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"),)))
     assert len(out.token_ids) == 12
-    # the router makes the prompt ids itself (services/router/local_tokenizer.py):
-    # the tokenizer service is not on the request's path, and says so
-    names = ROUTER | ENGINE | {"llmesh.cache.get"}
+    names = ROUTER | ENGINE | {"llmesh.tokenizer.ApplyChatTemplate", "llmesh.cache.get"}
     spans = _trace(receiver, CLIENT_TRACE, names)
-    assert spans["llmesh.tokenize"].attributes["llmesh.tokenize.in_process"] is True
-    assert not [s for s in receiver.spans
-                if s.trace_id == CLIENT_TRACE and s.service == "llmesh-tokenizer"]
+    # the tokenizer service made the prompt (no --tokenize-in-router), and the span says so
+    assert spans["llmesh.tokenize"].attributes["llmesh.tokenize.in_process"] is False
 
     def parent(child: str, of: str) -> None:
         assert spans[child].parent_id == spans[of].span_id, (child, of)
@@ -103,12 +100,13 @@ def test_one_trace_holds_every_service_s_spans_parent_to_child(
     assert root.parent_id == CLIENT_SPAN
     for name in ROUTER - {"llmesh.generate"}:
         parent(name, "llmesh.generate")
+    parent("llmesh.tokenizer.ApplyChatTemplate", "llmesh.tokenize")
     parent("llmesh.cache.get", "llmesh.cache_lookup")
     parent("llmesh.engine.generate", "llmesh.generate")
     for name in ENGINE - {"llmesh.engine.generate"}:
         parent(name, "llmesh.engine.generate")
     assert {s.service for s in spans.values()} == {
-        "llmesh-router", "llmesh-cache", "llmesh-engine"}
+        "llmesh-router", "llmesh-tokenizer", "llmesh-cache", "llmesh-engine"}
     # the stages in order, each inside its parent (one machine, one clock)
     queue, prefill, decode = (spans[f"llmesh.engine.{n}"] for n in ("queue", "prefill", "decode"))
     assert queue.end_ns == prefill.start_ns and prefill.end_ns == decode.start_ns

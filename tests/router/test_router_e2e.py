@@ -107,7 +107,8 @@ def services(tmp_path_factory) -> Iterator[Services]:
             "--tokenizer", f"127.0.0.1:{ports['tokenizer']}",
             "--cache", f"127.0.0.1:{ports['cache']}",
             "--engine", f"127.0.0.1:{ports['engine']}",
-            "--default-max-tokens", "64", "--startup-timeout", str(START_TIMEOUT)], run_dir)
+            "--default-max-tokens", "64", "--startup-timeout", str(START_TIMEOUT),
+            "--tokenize-in-router"], run_dir)
         router = f"127.0.0.1:{_port('router', procs['router'], run_dir, deadline)}"
         _wait_serving("router", router, procs["router"], run_dir, deadline)
         yield Services(router, f"127.0.0.1:{ports['engine']}", run_dir)
