@@ -7,9 +7,10 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
 
 1. prompt ids: prompt text tokenized (with the model's special tokens), or
    the chat template applied (generation prompt added, history trimmed to
-   ``max_model_len - 1`` tokens), in process on the tokenizer service's own
-   definition and template (:mod:`services.router.local_tokenizer`; the
-   service's ``Tokenize``/``ApplyChatTemplate`` are the fallback). Nothing
+   ``max_model_len - 1`` tokens) by the tokenizer service's
+   ``Tokenize``/``ApplyChatTemplate``, or with ``--tokenize-in-router`` in
+   process on the service's own definition and template
+   (:mod:`services.router.local_tokenizer`; the service the fallback). Nothing
    else waits for them: the coalescing and cache keys are made from the
    prompt ids after (tokenizing costs ~0.1 ms in process, less than a
    second key scheme would save; docs/architecture.md "What the mesh
@@ -362,8 +363,9 @@ class GenerationPipeline:
         picker: ReplicaPicker | None = None, client_write_timeout_s: float = 0.0,
     ) -> None:
         """Args:
-          tokenizer: makes prompt ids (in process when it can, else the
-            tokenizer service: :mod:`services.router.local_tokenizer`).
+          tokenizer: makes prompt ids (in process with ``--tokenize-in-router``
+            when it can, else the tokenizer service:
+            :mod:`services.router.local_tokenizer`).
           decoder: the tokenizer's definition (:meth:`TokenizerDefinition.decoder`),
             which detokenizes generated ids in process.
           replicas: the engine replicas (all serve the models in ``models``) and
