@@ -231,12 +231,19 @@ def test_sigkill_of_an_engine_mid_stream_fails_only_its_streams_and_it_rejoins(
         assert time.monotonic() < deadline, "the restarted engine did not rejoin within 5 s"
         time.sleep(0.05)
 
+    # The rejoined replica is routable again: the router picks each request's
+    # replica by cost, and the survivor holds the prompts' shared prefix in its
+    # cache, so one burst may all go there; a few bursts of SLOTS requests (more
+    # than the survivor's slots) must reach the restarted one.
     async def spread(stub) -> list[Outcome]:
         return await asyncio.gather(*(run_one(stub, long_request(4, f"r{i}"))
                                       for i in range(SLOTS)))
 
-    again = asyncio.run(with_stub(mesh, spread))
-    assert all(o.code == grpc.StatusCode.OK for o in again)
+    for _ in range(5):
+        again = asyncio.run(with_stub(mesh, spread))
+        assert all(o.code == grpc.StatusCode.OK for o in again)
+        if metric(victim.metrics_address, "llmesh:request_success_total") >= 1:
+            break
     assert metric(victim.metrics_address, "llmesh:request_success_total") >= 1
 
 
