@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from services.common.broken_pipe import leave_quietly
+from services.common.tracing import otlp_endpoint
 
 if TYPE_CHECKING:
     from services.cli.mesh import MeshProgress
@@ -728,6 +729,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "certificate per service in RUN_DIR/mtls; default: cleartext on "
                          "loopback)")
     up.add_argument("--otlp-traces-endpoint", default=None, metavar="HOST:PORT|URL",
+                    type=otlp_endpoint,
                     help="every service exports OpenTelemetry traces over OTLP/gRPC to this "
                          "collector (docs/observability.md; default: "
                          "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT if set, else off)")

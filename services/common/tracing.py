@@ -31,6 +31,7 @@ else ``llmesh.*``.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import time
@@ -81,10 +82,31 @@ _offset_ns = time.time_ns() - time.monotonic_ns()
 Attributes = Mapping[str, str | int | float | bool | Sequence[str]]
 
 
+def otlp_endpoint(value: str) -> str:
+    """``--otlp-traces-endpoint``'s value checked (an ``argparse`` type):
+    ``host:port``, ``http://host:port`` or ``https://host:port``, port in
+    [1, 65535]; "" is tracing off.
+
+    Raises:
+      argparse.ArgumentTypeError: anything else (argparse reports it naming
+        the flag), so a typo fails the start instead of logging an export
+        error every batch.
+    """
+    if value == "":
+        return value
+    rest = value.split("://", 1)[1] if value.startswith(("http://", "https://")) else value
+    host, sep, port = rest.rstrip("/").rpartition(":")
+    if "://" in rest or not sep or not host or " " in host or not port.isdigit() \
+            or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected host:port, "
+                                         f"http://host:port or https://host:port")
+    return value
+
+
 def add_tracing_arguments(parser: object) -> None:
     """Adds ``--otlp-traces-endpoint`` to an ``argparse`` parser."""
     parser.add_argument(  # type: ignore[attr-defined]
-        "--otlp-traces-endpoint", default=None, metavar="HOST:PORT|URL",
+        "--otlp-traces-endpoint", default=None, metavar="HOST:PORT|URL", type=otlp_endpoint,
         help="export OpenTelemetry traces over OTLP/gRPC to this collector (host:port or "
              "http://host:port: cleartext, https://...: TLS); default: "
              f"${ENDPOINT_ENV} if set, else tracing off")

@@ -3,6 +3,7 @@ spans from timestamps with explicit times (the SDK's in-memory exporter)."""
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Iterator
 
@@ -109,3 +110,23 @@ def test_a_collector_that_is_down_does_not_hold_the_exit(
     began = time.monotonic()
     tracing.shutdown()
     assert time.monotonic() - began < 4.5
+
+
+@pytest.mark.parametrize("value", ["not a url", "http://", ":::", "collector", "host:0",
+                                   "127.0.0.1:99999", "grpc://host:4317", "host:port"])
+def test_a_malformed_endpoint_is_a_usage_error_naming_the_flag(
+        value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser(prog="svc")
+    tracing.add_tracing_arguments(parser)
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["--otlp-traces-endpoint", value])
+    assert exited.value.code == 2
+    assert "argument --otlp-traces-endpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["127.0.0.1:4317", "http://collector:4317",
+                                   "https://collector.example:443/", "[::1]:4317", ""])
+def test_a_well_formed_endpoint_is_taken_as_given(value: str) -> None:
+    parser = argparse.ArgumentParser(prog="svc")
+    tracing.add_tracing_arguments(parser)
+    assert parser.parse_args(["--otlp-traces-endpoint", value]).otlp_traces_endpoint == value
