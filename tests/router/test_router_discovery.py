@@ -8,6 +8,8 @@ keeps the last known set, an empty answer leaves none."""
 from __future__ import annotations
 
 import asyncio
+import signal
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -71,6 +73,19 @@ def test_the_nameserver_is_an_ip_with_an_optional_port() -> None:
 def test_the_router_cli_refuses_a_bad_nameserver_with_its_own_message(
         capsys: pytest.CaptureFixture[str]) -> None:
     from services.router.__main__ import main
+    # main() is a process's entry: it ignores SIGHUP until its reload handler is
+    # installed; put this process's disposition back, or every child started
+    # later by the suite inherits SIG_IGN (test_api_keys' forwarded SIGHUP did
+    # not end its child when this module ran first)
+    previous = signal.getsignal(signal.SIGHUP)
+    try:
+        _refuses_bad_nameservers(main, capsys)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+def _refuses_bad_nameservers(main: Callable[[list[str]], None],
+                             capsys: pytest.CaptureFixture[str]) -> None:
     for bad in ("", "dns.local"):
         with pytest.raises(SystemExit) as exited:
             main(["--tokenizer", "t:1", "--engine", "e:2", "--dns-nameserver", bad])
