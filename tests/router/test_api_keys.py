@@ -127,7 +127,11 @@ def test_llmesh_keys_new_prints_the_key_once_and_its_hash_entry(capsys) -> None:
 
 def test_llmesh_up_checks_the_key_file_and_forwards_sighup_to_the_router(tmp_path) -> None:
     assert llmesh(["up", "--api-keys", str(tmp_path / "none.yaml")]) == 2
-    router = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    # the stand-in router dies of the forwarded SIGHUP whatever disposition the
+    # suite's process passes on (a run under nohup, or one that ignores SIGHUP,
+    # hands children SIG_IGN; the real router installs its own handler)
+    router = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                              preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     mesh = SimpleNamespace(services={"router": SimpleNamespace(process=router, pid=router.pid)})
     _forward_to_router(mesh, signal.SIGHUP)
     assert router.wait(timeout=10) == -signal.SIGHUP
