@@ -14,7 +14,9 @@ read as tables:
 * metric declarations: functions making 5 or more Prometheus metrics
   (``Counter``, ``Gauge``, ``Histogram``, ``Summary``, ``Info``, ``Enum``).
 
-Exit status 0; the count is the first line of the output, for scripts.
+Exit status 0; the count is the first line of the output, for scripts. A
+negative ``--limit``/``--top`` or a ROOT that is not a directory is refused
+with argparse's usage error (exit status 2).
 """
 
 from __future__ import annotations
@@ -89,12 +91,22 @@ def long_functions(root: Path, limit: int) -> list[Function]:
     return sorted(found, key=lambda f: (-f.lines, str(f.path), f.lineno))
 
 
+def _count(text: str) -> int:
+    """argparse type: a whole number >= 0 (``--top -1`` would drop the last line)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", nargs="?", default="services", type=Path)
-    parser.add_argument("--limit", type=int, default=60, help="lines a function may span")
-    parser.add_argument("--top", type=int, default=10, help="longest functions to list")
+    parser.add_argument("--limit", type=_count, default=60, help="lines a function may span")
+    parser.add_argument("--top", type=_count, default=10, help="longest functions to list")
     args = parser.parse_args(argv)
+    if not args.root.is_dir():
+        parser.error(f"root {str(args.root)!r} is not a directory")
     found = long_functions(args.root, args.limit)
     lines = [f"{len(found)} functions over {args.limit} lines in {args.root}/"]
     lines += [f"{f.lines:5d}  {f.path}:{f.lineno}  {f.name}" for f in found[:args.top]]

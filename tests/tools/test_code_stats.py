@@ -6,7 +6,9 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from tools.code_stats import long_functions
+import pytest
+
+from tools.code_stats import long_functions, main
 
 
 def _body(lines: int) -> str:
@@ -28,3 +30,12 @@ def test_counts_long_functions_and_methods_but_not_tables(tmp_path: Path) -> Non
     found = long_functions(pkg, 60)
     assert [(f.name, f.lines) for f in found] == [("long_one", 71), ("K.method", 62)]
     assert found[0].path == pkg / "a.py" and found[0].lineno == 5
+
+
+@pytest.mark.parametrize("argv", [["--top", "-1"], ["--limit", "-5"], ["no/such/root"]])
+def test_refuses_negative_counts_and_missing_root(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert "usage:" in capsys.readouterr().err
