@@ -8,7 +8,7 @@ Every flag can also come from the environment: ``--max-num-seqs`` from
 as underscores, ``LLMESH_ENGINE_`` in front). The environment sets the default;
 a flag on the command line wins. Booleans read ``1/0``, ``true/false``,
 ``yes/no``, ``on/off``; byte sizes read ``1073741824``, ``1GiB``, ``512MiB``,
-``2GB``.
+``2GB``, ``1TiB`` (:func:`parse_bytes`).
 """
 
 from __future__ import annotations
@@ -467,20 +467,28 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 1 << 10, "m": 10**6, "mb": 10**6,
-          "mib": 1 << 20, "g": 10**9, "gb": 10**9, "gib": 1 << 30}
+#: Size suffixes (case-insensitive): binary KiB..TiB, decimal K/KB..T/TB, B.
+_UNITS = {"": 1, "b": 1,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+          "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6,
+          "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12}
 
 
 def parse_bytes(text: str) -> int:
-    """``"1GiB"`` → 1073741824; plain integers are bytes.
+    """``"1GiB"`` → 1073741824; plain integers are bytes. Suffixes (any case):
+    ``KiB``/``MiB``/``GiB``/``TiB`` (powers of 1024), ``K(B)``/``M(B)``/``G(B)``/``T(B)``
+    (powers of 1000), ``B``.
 
     Raises:
-      argparse.ArgumentTypeError: not a positive size.
+      argparse.ArgumentTypeError: not a positive size, or another suffix (argparse
+        names the flag; :func:`add_engine_arguments` the environment variable).
     """
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"expected a size like 1GiB or 536870912, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a size like 1GiB, 2TB or 536870912 (units KiB MiB GiB TiB, "
+            f"KB MB GB TB), got {text!r}")
     value = int(float(match.group(1)) * _UNITS[unit])
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0 bytes, got {text!r}")

@@ -139,9 +139,18 @@ def test_environment_sets_defaults_and_flags_win() -> None:
 
 @pytest.mark.parametrize(("text", "expected"), [
     ("1073741824", 1 << 30), ("1GiB", 1 << 30), ("1.5 GiB", 3 << 29), ("64mib", 64 << 20),
-    ("2G", 2 * 10**9), ("512KB", 512_000)])
+    ("2G", 2 * 10**9), ("512KB", 512_000), ("1TiB", 1 << 40), ("2tb", 2 * 10**12)])
 def test_parse_bytes(text: str, expected: int) -> None:
     assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("size", ["1PiB", "3 bits", "GiB"])
+def test_bad_size_flag_is_named(size: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_config(["--kv-offload-bytes", size], {})
+    assert exited.value.code == 2
+    assert "argument --kv-offload-bytes: expected a size like 1GiB, 2TB" in (
+        capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("environ", [{"LLMESH_ENGINE_KV_CACHE_BYTES": "lots"},
