@@ -57,7 +57,15 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 import peer_llamacpp  # noqa: E402
 from benchmarks.flags import integer, integers, number  # noqa: E402
-from peer_llamacpp import LABELS, REPO_ROOT, fmt, pooled, ratio, run_bench  # noqa: E402
+from peer_llamacpp import (  # noqa: E402
+    LABELS,
+    REPO_ROOT,
+    BenchFailed,
+    fmt,
+    pooled,
+    ratio,
+    run_bench,
+)
 
 from services.engine.torch_backend.cpu_accounting import find_cgroup_cpu  # noqa: E402
 
@@ -337,6 +345,8 @@ def report(args: argparse.Namespace, results: dict[str, Any], skipped: dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark; 0 done, 1 a bench run failed (one line names it), 2 a
+    bad flag."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.print_shape:
@@ -347,6 +357,19 @@ def main(argv: list[str] | None = None) -> int:
     # peer_llamacpp.sh stops the driver with SIGTERM: unwind, so busy processes
     # are killed and the engine leaves the quota cgroup
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return run_scenarios(args)
+    except BenchFailed as error:  # e.g. a server unreachable: every later run fails too
+        log(f"stopped: {error}")
+        return 1
+
+
+def run_scenarios(args: argparse.Namespace) -> int:
+    """Every scenario against the running servers, then the report and summary.json.
+
+    Raises:
+      BenchFailed: a ``llmesh bench`` run failed.
+    """
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.out_dir or REPO_ROOT / ".cache" / "contention" / stamp).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)

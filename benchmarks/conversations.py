@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.flags import integer, size
-from services.cli.mesh import Mesh, child_env
+from services.cli.mesh import Mesh, MeshStartError, child_env
 
 MODES = ("off", "on")
 #: The engine metrics (prefix ``llmesh:``) this benchmark reads; see
@@ -278,7 +278,8 @@ def print_report(shape: Shape, runs: list[dict]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the benchmark; 0 done, 1 a bench run failed (its stderr shown)."""
+    """Runs the benchmark; 0 done, 1 a bench run failed (its stderr shown) or a
+    mesh did not start (one line naming its log)."""
     args = parse_args(argv)
     with contextlib.ExitStack() as stack:
         if args.out_dir is None:
@@ -289,10 +290,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_dir.mkdir(parents=True, exist_ok=True)
         try:
             run_all(args, run_dir)
-        except BenchFailed as error:
+        except (BenchFailed, MeshStartError) as error:
             kept = (f"the meshes' logs are in {run_dir}" if args.out_dir is not None else
                     "--out-dir DIR keeps the meshes' logs")
-            print(f"conversations: {error}; {kept}", file=sys.stderr)
+            print(f"conversations: {str(error).splitlines()[0]}; {kept}", file=sys.stderr)
             return 1
     return 0
 

@@ -60,17 +60,33 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+class ServerFailed(RuntimeError):
+    """llama-server did not start, or stopped answering."""
+
+
 def complete(port: int, tokens: int) -> float:
-    """One greedy request; llama-server's own decode tok/s."""
+    """One greedy request; llama-server's own decode tok/s.
+
+    Raises:
+      ServerFailed: the request failed (refused, reset, timed out).
+    """
     body = json.dumps({"prompt": "Tell me about the history of bread.", "n_predict": tokens,
                        "temperature": 0, "ignore_eos": True, "cache_prompt": False}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
                                      {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=600) as reply:
-        return float(json.loads(reply.read())["timings"]["predicted_per_second"])
+    try:
+        with urllib.request.urlopen(request, timeout=600) as reply:
+            return float(json.loads(reply.read())["timings"]["predicted_per_second"])
+    except OSError as error:  # urllib.error.URLError included
+        raise ServerFailed(f"llama-server on port {port}: {error}") from error
 
 
 def wait_ready(port: int, server: subprocess.Popen[bytes]) -> None:
+    """Returns once llama-server answers ``/health``.
+
+    Raises:
+      ServerFailed: it exited or was not ready within 120 s.
+    """
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and server.poll() is None:
         try:
@@ -78,7 +94,7 @@ def wait_ready(port: int, server: subprocess.Popen[bytes]) -> None:
                 return
         except (urllib.error.URLError, OSError):
             time.sleep(0.2)
-    raise RuntimeError(f"llama-server did not become ready (exit {server.poll()})")
+    raise ServerFailed(f"llama-server did not become ready (exit {server.poll()})")
 
 
 def measure(args: argparse.Namespace, threads: str, poll: int) -> tuple[float, float]:
@@ -88,7 +104,10 @@ def measure(args: argparse.Namespace, threads: str, poll: int) -> tuple[float, f
                "--port", str(port), "--poll", str(poll), "--no-webui"]
     if threads != "default":
         command += ["--threads", threads, "--threads-batch", threads]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except OSError as error:
+        raise ServerFailed(f"cannot start {args.server}: {error.strerror}") from error
     busy: list[subprocess.Popen[bytes]] = []
     try:
         wait_ready(port, server)
@@ -105,7 +124,17 @@ def measure(args: argparse.Namespace, threads: str, poll: int) -> tuple[float, f
 
 
 def main() -> int:
+    """Runs the measurements; 0 done, 1 llama-server failed (one line says how)."""
     args = parse_args()
+    try:
+        return run(args)
+    except ServerFailed as error:
+        print(f"llama_contention: {error}", file=sys.stderr)
+        return 1
+
+
+def run(args: argparse.Namespace) -> int:
+    """Prints the table of quiet and busy speeds for every setting."""
     print(f"llama-server alone, {args.requests} requests of {args.tokens} tokens a "
           f"measurement, {args.busy} busy process(es) started after it, {os.cpu_count()} CPUs; "
           f"load {os.getloadavg()}", flush=True)

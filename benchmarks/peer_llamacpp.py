@@ -163,16 +163,26 @@ def bench_command(args: argparse.Namespace, target: str, level: int, seed: int,
             "--metadata", f"peer_target={target}", f"peer_level={level}"]
 
 
+class BenchFailed(RuntimeError):
+    """One ``llmesh bench`` run failed (e.g. a server unreachable); the message
+    is one line: its exit status, its last message and its log file."""
+
+
 def run_bench(command: list[str], log_file: Path) -> dict[str, Any]:
-    """Runs one ``llmesh bench``; returns its result JSON (raises on failure)."""
+    """Runs one ``llmesh bench``; returns its result JSON.
+
+    Raises:
+      BenchFailed: it exited non-zero or wrote no result.
+    """
     began = time.monotonic()
     with log_file.open("w") as out:
         code = subprocess.call(command, cwd=REPO_ROOT, env=child_env(), stdout=out,
                                stderr=subprocess.STDOUT)
     result_file = Path(command[command.index("--result-file") + 1])
     if code != 0 or not result_file.exists():
-        tail = "".join(log_file.read_text().splitlines(keepends=True)[-20:])
-        raise RuntimeError(f"llmesh bench exited with {code}:\n{tail}")
+        said = [line for line in log_file.read_text().splitlines() if line.startswith("llmesh")]
+        last = said[-1] if said else "no message"
+        raise BenchFailed(f"llmesh bench exited with {code} ({last}); log: {log_file}")
     result = json.loads(result_file.read_text())
     result["_wall_s"] = time.monotonic() - began
     return result
@@ -448,3 +458,6 @@ if __name__ == "__main__":
     except KeyboardInterrupt:
         log("interrupted")
         sys.exit(130)
+    except BenchFailed as error:  # e.g. a server unreachable
+        log(f"stopped: {error}")
+        sys.exit(1)

@@ -399,6 +399,16 @@ def run(args: argparse.Namespace) -> int:
         return leave_quietly()
 
 
+def _one_line(error: BaseException) -> str:
+    """``error`` as one line: a gRPC error's status and details (its ``str`` spans
+    five lines with the debug string), else its type and message, newlines folded."""
+    import grpc
+
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details()}"
+    return " ".join(f"{type(error).__name__}: {error}".split())
+
+
 async def _run(args: argparse.Namespace, checked: dict[str, Any],
                tokenizer: BenchTokenizer) -> int:
     from services.bench import report
@@ -414,8 +424,8 @@ async def _run(args: argparse.Namespace, checked: dict[str, Any],
     try:
         await backend.start()
     except Exception as error:  # unreachable target: grpc, aiohttp, HTTP errors alike
-        print(f"llmesh bench: cannot reach {args.backend} at {url}: "
-              f"{type(error).__name__}: {error}", file=sys.stderr)
+        print(f"llmesh bench: cannot reach {args.backend} at {url}: {_one_line(error)}",
+              file=sys.stderr)
         await backend.close()
         return 1
     build = dataset_builder(args, tokenizer, checked["conversations"])
