@@ -52,13 +52,13 @@ import prometheus_client
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 
 from services.common import tracing
 from services.common.active_calls import ActiveCalls
 from services.common.gpu_telemetry import register_gpu_telemetry
 from services.common.grpc_util import SERVER_OPTIONS, MeshTls, use_mesh_tls
 from services.common.logging import configure_logging
+from services.common.reflection import enable_reflection
 from services.common.request_guard import RequestGuard
 
 T = TypeVar("T")
@@ -335,11 +335,7 @@ async def _listen(config: ServerConfig, service: Service, server: grpc.aio.Serve
     ``config.port_file``."""
     await _set_health(health, service.service_names, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        (*service.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME),
-        server,
-    )
+    enable_reflection(service.service_names, server)
     address = f"{config.host}:{config.port}"
     use_mesh_tls(config.tls)  # before start(): the service opens its channels there
     grpc_port = (server.add_insecure_port(address) if config.tls is None

@@ -307,6 +307,15 @@ def test_grpc_health_and_reflection_still_pass_through_envoy(mesh: Mesh) -> None
     assert json.loads(out.stdout) == {"status": "SERVING"}
 
 
+def test_the_engines_deprecated_generate_is_describable(mesh: Mesh) -> None:
+    engine = next(s for name, s in mesh.services.items() if name.startswith("engine"))
+    out = subprocess.run(["grpcurl", "-plaintext", engine.grpc_address, "describe",
+                          "llmesh.v1.EngineService.Generate"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert "option deprecated = true;" in out.stdout
+
+
 def test_a_temperature_too_small_to_sample_with_is_greedy(ingress_channel: grpc.Channel) -> None:
     tiny = generate(ingress_channel, chat_request(max_tokens=8, temperature=1e-40))
     greedy = generate(ingress_channel, chat_request(max_tokens=8))
