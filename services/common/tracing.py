@@ -15,7 +15,11 @@ https://www.w3.org/TR/trace-context/): in gRPC metadata on unary calls
 (:func:`metadata_of`, :func:`context_from_metadata`), in the per-request
 ``traceparent`` field on the long-lived multiplexed calls (router to engine
 and tokenizer), and as the HTTP header on the OpenAI endpoint. A malformed
-``traceparent`` is ignored (a new trace starts), as the W3C spec asks.
+``traceparent`` is ignored (a new trace starts), as the W3C spec asks, and a
+malformed ``tracestate`` is dropped (the parent kept): both are checked here
+(:func:`context_of`) before OpenTelemetry's propagator sees them, which would
+log a warning per request for an oversized value or a bad tracestate member,
+and counted in ``llmesh:trace_context_invalid_total{header}`` instead of logged.
 
 Spans of a request's stages that are known only by their timestamps (the
 engine's queue, prefill and decode; the router's first token and decode) are
@@ -38,9 +42,12 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import prometheus_client
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span
+from opentelemetry.trace.span import _member_pattern as _TRACESTATE_MEMBER
+from opentelemetry.trace.propagation import tracecontext
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 if TYPE_CHECKING:
@@ -73,6 +80,14 @@ CACHED_TOKENS = "llmesh.usage.cached_prompt_tokens"
 OUTCOME = "llmesh.outcome"
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+#: The propagator's length limits (512 and 8192 characters in 1.45): past them
+#: it logs a warning per request.
+TRACEPARENT_MAX_CHARS = TraceContextTextMapPropagator._TRACEPARENT_MAXIMUM_LENGTH
+TRACESTATE_MAX_CHARS = tracecontext._TRACECONTEXT_MAXIMUM_TRACESTATE_LENGTH
+INVALID_CONTEXT = prometheus_client.Counter(
+    "llmesh:trace_context_invalid",
+    "Incoming W3C trace context headers ignored as malformed or oversized (traceparent: "
+    "a new trace started; tracestate: dropped, the parent kept).", ["header"])
 #: The SDK provider while tracing is on (None: off, the default).
 _provider: TracerProvider | None = None
 _tracer: trace.Tracer | None = None
@@ -169,14 +184,34 @@ def enabled() -> bool:
 
 def context_of(traceparent: str | None, tracestate: str | None = None) -> Context | None:
     """The remote parent a ``traceparent`` (and ``tracestate``) names; None
-    when tracing is off, none is given or it is malformed."""
+    when tracing is off, none is given or it is malformed (over
+    :data:`TRACEPARENT_MAX_CHARS`, not the W3C grammar, an all-zero id).
+    A malformed ``tracestate`` (over :data:`TRACESTATE_MAX_CHARS`, a bad
+    member) is dropped. Each ignored header counts once in
+    :data:`INVALID_CONTEXT`; nothing is logged."""
     if _tracer is None or not traceparent:
         return None
+    if len(traceparent) > TRACEPARENT_MAX_CHARS:
+        INVALID_CONTEXT.labels(TRACEPARENT).inc()
+        return None
     carrier = {TRACEPARENT: traceparent}
-    if tracestate:
+    if tracestate and _valid_tracestate(tracestate):
         carrier[TRACESTATE] = tracestate
+    elif tracestate:
+        INVALID_CONTEXT.labels(TRACESTATE).inc()
     context = _PROPAGATOR.extract(carrier)
-    return context if trace.get_current_span(context).get_span_context().is_valid else None
+    if trace.get_current_span(context).get_span_context().is_valid:
+        return context
+    INVALID_CONTEXT.labels(TRACEPARENT).inc()
+    return None
+
+
+def _valid_tracestate(tracestate: str) -> bool:
+    """Whether OpenTelemetry parses ``tracestate`` without a warning (its
+    length limit and member grammar; empty members are allowed)."""
+    return len(tracestate) <= TRACESTATE_MAX_CHARS and all(
+        not member or _TRACESTATE_MEMBER.fullmatch(member)
+        for member in (m.strip(" \t") for m in tracestate.split(",")))
 
 
 def context_from_metadata(metadata: Sequence[tuple[str, str | bytes]] | None

@@ -130,3 +130,28 @@ def test_a_well_formed_endpoint_is_taken_as_given(value: str) -> None:
     parser = argparse.ArgumentParser(prog="svc")
     tracing.add_tracing_arguments(parser)
     assert parser.parse_args(["--otlp-traces-endpoint", value]).otlp_traces_endpoint == value
+
+
+def _invalid(header: str) -> float:
+    return tracing.INVALID_CONTEXT.labels(header)._value.get()
+
+
+def test_a_malformed_or_oversized_context_is_ignored_counted_and_not_logged(
+        exported: InMemorySpanExporter, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("DEBUG")
+    before = {h: _invalid(h) for h in (tracing.TRACEPARENT, tracing.TRACESTATE)}
+    for _ in range(3):  # a header sent on every request: counted each time, never logged
+        assert tracing.context_of("00-" + "a" * 60_000) is None
+        assert tracing.context_of("not a traceparent") is None
+        kept = tracing.context_of(PARENT, "k=v,bad member!," + "x" * 9000)
+        assert kept is not None  # the parent stays, the tracestate goes
+        span = tracing.start_span("llmesh.generate", kept)
+        assert span is not None
+        assert format(span.get_span_context().trace_id, "032x") == PARENT[3:35]
+        assert not span.get_span_context().trace_state
+        tracing.end_span(span)
+    assert _invalid(tracing.TRACEPARENT) - before[tracing.TRACEPARENT] == 6
+    assert _invalid(tracing.TRACESTATE) - before[tracing.TRACESTATE] == 3
+    assert [r.getMessage() for r in caplog.records if r.levelname != "DEBUG"] == []
+    assert tracing.context_of(PARENT, "k=v") is not None
+    assert _invalid(tracing.TRACESTATE) - before[tracing.TRACESTATE] == 3
