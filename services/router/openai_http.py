@@ -10,7 +10,9 @@ Routes (OpenAI API reference; vLLM's OpenAI-compatible server for the extras):
   are formatted by :mod:`services.router.openai_format`.
 * ``GET /v1/models``: the served models in OpenAI's list shape (with vLLM's
   ``max_model_len``); ``GET /v1/models/{id}`` one of them.
-* Anything else: 404 in OpenAI's error shape.
+* Anything else: 404 in OpenAI's error shape. A request aiohttp cannot parse
+  (a header line over 256 KiB, a malformed request line): 431 or 400 in the
+  same shape, one warning line (:mod:`services.router.openai_http_errors`).
 
 Streaming (``stream: true``): Server-Sent Events, ``data: {chunk}\\n\\n`` per
 router event as it arrives (each written to the socket at once: no buffering
@@ -66,6 +68,7 @@ from services.router.generation import (
     GenerationError,
 )
 from services.router.openai_format import OpenAIError, ResponseBuilder, error_for_status
+from services.router.openai_http_errors import OpenAIAppRunner
 from services.router.openai_protocol import (
     Endpoint,
     OpenAIRequest,
@@ -122,8 +125,8 @@ class OpenAIServer:
 
     async def start(self) -> int:
         """Listens; returns the bound port."""
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=1.0)
+        self._runner = OpenAIAppRunner(self.app(), handler_cancellation=True, access_log=None,
+                                       shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import time
 
 import aiohttp
 import grpc
 import openai
 import pytest
+import structlog.testing
 
 from llmesh.v1 import common_pb2, generation_pb2
 from services.router.admission import AdmissionConfig
@@ -185,3 +188,49 @@ async def test_an_error_after_streaming_began_is_an_sse_error_event():
             body = (await reply.read()).decode()
         events = [line for line in body.split("\n\n") if line]
         assert '"error"' in events[-1] and "[DONE]" not in body
+
+
+async def _raw(base: str, head: bytes) -> tuple[int, bytes]:
+    """Sends ``head`` (request line and headers, CRLF-separated) as is; the
+    status and body of the answer."""
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(head + b"\r\n\r\n")
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 30)  # the server closes after it
+    finally:
+        writer.close()
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
+
+
+@pytest.mark.parametrize(("head", "status", "code"), [
+    # a header line over the 256 KiB limit: 431 (RFC 6585), not aiohttp's text 400
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\ntraceparent: 00-" + b"a" * 300_000, 431,
+     "request_header_fields_too_large"),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nno colon here", 400, "malformed_request"),
+], ids=["header-300KB", "header-no-colon"])
+async def test_an_unparsable_request_is_an_openai_error_and_one_warning(
+        head: bytes, status: int, code: str, caplog: pytest.LogCaptureFixture) -> None:
+    async with served() as (_, _client, base):
+        with structlog.testing.capture_logs() as logs:
+            got, body = await _raw(base, head)
+    assert got == status, body
+    error = json.loads(body)["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", code)
+    assert len(error["message"]) < 300
+    assert [e["event"] for e in logs if e["log_level"] != "debug"] == ["http_request_unparsable"]
+    # aiohttp's own "Error handling request" line (error level, with a traceback) is gone
+    assert [r for r in caplog.records if r.name.startswith("aiohttp")
+            and r.levelno >= logging.WARNING] == []
+
+
+async def test_a_60_kb_traceparent_header_is_served() -> None:
+    """Envoy forwards up to 96 KiB of headers; the OpenAI endpoint takes them
+    (an unusable traceparent is ignored, as on gRPC), aiohttp's 8 KiB did not."""
+    async with served() as (_, _client, base):
+        got, body = await _raw(base, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: "
+                                     b"close\r\ntraceparent: 00-" + b"a" * 60_000)
+    assert got == 200, body
+    assert [m["id"] for m in json.loads(body)["data"]] == ["fake-model"]
