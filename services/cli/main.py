@@ -316,6 +316,31 @@ def _up_problem(args: argparse.Namespace, engine_args: list[str]) -> str | None:
         return problem
     if args.api_keys is not None and not os.path.isfile(args.api_keys):
         return f"--api-keys: no file at {args.api_keys}"
+    return _host_memory_problem(args.engines * max(1, len(args.models)), engine_args)
+
+
+def _host_memory_problem(num_engines: int, engine_args: list[str]) -> str | None:
+    """Whether ``num_engines`` engines started with ``engine_args`` (and the
+    ``LLMESH_ENGINE_*`` environment) would together fill more host memory with
+    KV than ``MemAvailable`` (:mod:`services.engine.host_memory`); each engine
+    checks only itself when it starts. Flags that do not parse are left to the
+    engines, which refuse them with their own message."""
+    from services.engine import host_memory
+    from services.engine.config import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    try:
+        add_engine_arguments(parser)
+        known, _ = parser.parse_known_args(engine_args)
+        config = engine_config_from_args(known)
+    except (argparse.ArgumentError, ValueError):
+        return None
+    try:
+        host_memory.check_engines_host_memory(
+            host_memory.host_kv_bytes(config), num_engines,
+            host_memory.available_host_memory_bytes())
+    except ValueError as error:
+        return str(error)
     return None
 
 

@@ -13,6 +13,7 @@ import pytest
 from llmesh.v1 import common_pb2
 from services.cli import main as cli
 from services.cli.mesh import EnvoyProcess, child_env
+from services.engine import host_memory
 from services.engine.tensorrt_llm_backend import availability
 
 
@@ -256,6 +257,27 @@ def test_up_refuses_an_absent_tensorrt_llm_in_one_line_before_starting(
     monkeypatch.setenv("LLMESH_ENGINE_BACKEND", "tensorrt_llm")
     assert cli.main(["up", "--run-dir", str(run_dir)]) == 2
     assert "needs TensorRT-LLM" in capsys.readouterr().err
+    assert not run_dir.exists()  # nothing started
+
+
+@pytest.mark.parametrize(("argv", "env", "flags"), [
+    # each engine's 1 GiB cache + 1 GiB tier fits in the 3 GiB; two do not
+    (["--engines", "2", "--engine-arg=--kv-offload-bytes=1GiB"], {},
+     f"2 engine(s) x (--kv-cache-bytes {1 << 30} + --kv-offload-bytes {1 << 30})"),
+    (["--engines", "3"], {"LLMESH_ENGINE_KV_CACHE_BYTES": "1.5GiB"},
+     f"3 engine(s) x (--kv-cache-bytes {3 << 29})"),
+])
+def test_up_refuses_engines_whose_kv_memory_together_exceeds_mem_available(
+        argv: list[str], env: dict[str, str], flags: str, tmp_path, capsys,
+        monkeypatch) -> None:
+    monkeypatch.setattr(host_memory, "available_host_memory_bytes", lambda: 3 << 30)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    run_dir = tmp_path / "run"
+    assert cli.main(["up", "--run-dir", str(run_dir), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"llmesh: {flags} = ")
+    assert f"exceed the {3 << 30} bytes (3.00 GiB) available on this host (MemAvailable)" in err
     assert not run_dir.exists()  # nothing started
 
 

@@ -11,9 +11,10 @@ has run). On the CPU it is plain ``torch.tensor``: no change, no cost.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
+
+from services.engine.host_memory import available_host_memory_bytes
 
 
 def to_device(values: Sequence[int] | Sequence[float], device: torch.device,
@@ -70,17 +71,6 @@ def check_kv_budget(budget_bytes: int, free_bytes: int, fraction: float) -> None
         raise ValueError(f"--kv-cache-bytes {budget_bytes} exceeds {fraction:g} of the "
                          f"{free_bytes} bytes of GPU memory free after loading the model; "
                          f"use at most {limit} (or raise --gpu-memory-fraction)")
-
-
-def available_host_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where it cannot be read."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def check_host_kv_budget(budget_bytes: int) -> None:

@@ -54,7 +54,7 @@ import torch
 
 from services.common.block_hash import BlockHash
 from services.engine.torch_backend.block_pool import KVIntegrityError
-from services.engine.torch_backend.device import available_host_memory_bytes
+from services.engine.host_memory import available_host_memory_bytes
 from services.engine.types import OffloadStats
 
 
