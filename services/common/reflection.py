@@ -34,7 +34,7 @@ class MethodAwarePool:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pool, name)
 
-    def FindFileContainingSymbol(self, symbol: str) -> FileDescriptor:  # noqa: N802 (pool API)
+    def FindFileContainingSymbol(self, symbol: str) -> FileDescriptor:
         """The file declaring ``symbol`` (a message, field, enum, service,
         extension or method: full name without a leading dot).
 

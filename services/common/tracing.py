@@ -46,9 +46,9 @@ import prometheus_client
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span
-from opentelemetry.trace.span import _member_pattern as _TRACESTATE_MEMBER
 from opentelemetry.trace.propagation import tracecontext
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace.span import _member_pattern as _TRACESTATE_MEMBER
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider

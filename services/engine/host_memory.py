@@ -16,7 +16,6 @@ Torch-free: ``llmesh up`` imports it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 

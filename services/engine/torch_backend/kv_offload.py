@@ -53,8 +53,8 @@ from typing import Protocol
 import torch
 
 from services.common.block_hash import BlockHash
-from services.engine.torch_backend.block_pool import KVIntegrityError
 from services.engine.host_memory import available_host_memory_bytes
+from services.engine.torch_backend.block_pool import KVIntegrityError
 from services.engine.types import OffloadStats
 
 
