@@ -66,6 +66,7 @@ from services.router.generation import (
     GenerationError,
 )
 from services.router.openai_format import OpenAIError, ResponseBuilder, error_for_status
+from services.router.prompt_echo import echo_request
 from services.router.openai_protocol import (
     Endpoint,
     OpenAIRequest,
@@ -212,15 +213,22 @@ class OpenAIServer:
                 tracestate=request.headers.get(TRACESTATE))
             bind_request_id(request_id)
             self.router.check_accepting()
+            deadline = _deadline(request, received_at)
+            echo = None
+            if parsed.echo:
+                validated, echo = await echo_request(
+                    self.router.pipeline_for(validated), validated, only=parsed.echo_only,
+                    deadline=deadline)
             events = self.router.run(tenant, validated, received_at=received_at,
-                                     deadline=_deadline(request, received_at))
+                                     deadline=deadline)
         except Exception as err:  # noqa: BLE001 - every refusal becomes an OpenAI error
             self.router.count_refused(parsed.generate if parsed else
                                       generation_pb2.GenerateRequest(), _code(err))
             return _json_error(self._error(err, parsed, request_id))
         builder = ResponseBuilder(endpoint, request_id, validated.model,
                                   logprobs=validated.sampling.logprobs is not None,
-                                  include_usage=parsed.include_usage)
+                                  include_usage=parsed.include_usage, echo=echo,
+                                  show_prompt_logprobs=parsed.prompt_logprobs)
         choices = validated.sampling.n
         if parsed.stream:
             return await self._stream(request, events, builder, choices, parsed, request_id)
