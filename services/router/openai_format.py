@@ -23,7 +23,11 @@ does not have, vLLM's OpenAI-compatible server (``prompt_logprobs``,
   prompt logprobs as vLLM returns them: one entry per prompt
   token, ``null`` for the first, else ``{token_id: {logprob, rank,
   decoded_token}}`` (top-level ``prompt_logprobs`` in a chat response, per
-  choice in a completion; on the chunk that carries them when streaming).
+  choice in a completion; on the chunk that carries them when streaming);
+* completions ``echo`` (:mod:`services.router.prompt_echo`): each choice's
+  ``text`` and ``logprobs`` start with the prompt's (its first token's
+  logprob and top logprobs ``null``), or are the prompt alone with
+  ``max_tokens: 0``.
 
 Errors: :func:`error_for_status` maps a gRPC status of the shared pipeline to
 the HTTP status and ``{"error": {"message", "type", "param", "code"}}``.
