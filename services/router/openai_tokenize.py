@@ -113,8 +113,8 @@ def detokenize(router: RouterService, validate: Validate,
     """The ``/detokenize`` answer for a body (its JSON object).
 
     Raises:
-      InvalidRequestError: ``tokens`` missing, not integers, or outside the
-        model's vocabulary (400 naming ``tokens``); an unknown model (404).
+      InvalidRequestError: ``tokens`` missing, empty, not integers, or outside
+        the model's vocabulary (400 naming ``tokens``); an unknown model (404).
       AuthError: the tenant may not use the model (403).
     """
     unknown = sorted(set(data) - {"model", "tokens"})
