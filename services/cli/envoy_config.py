@@ -20,7 +20,8 @@ What the config does (see ``envoy/README.md`` for the why):
   ``GET /v1/llmesh/models`` → ``llmesh.v1.GenerationService``), ``grpc_stats``
   (per-method counters for the public methods), ``router``;
 * the OpenAI-compatible paths (``OPENAI_PATHS``: ``/v1/chat/completions``,
-  ``/v1/completions``, ``/v1/models`` and ``/v1/models/{id}``) → cluster
+  ``/v1/completions``, ``/v1/models``, vLLM's ``/tokenize`` and
+  ``/detokenize``, and ``/v1/models/{id}``) → cluster
   ``router_openai``, the router's HTTP/1.1 port (``--openai-port``), with the
   transcoder disabled on those routes (it would answer 404 for a path it does
   not know) and no idle timeout (a request may wait silently in the router's
@@ -205,7 +206,8 @@ ROUTER_CLUSTER = "router"
 #: Envoy cluster that points at the router's OpenAI-compatible HTTP port.
 OPENAI_CLUSTER = "router_openai"
 #: Paths routed to it (exact), and the prefix of ``GET /v1/models/{id}``.
-OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize",
+                "/detokenize")
 OPENAI_PREFIX = "/v1/models/"
 _TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
 
@@ -624,7 +626,8 @@ def _local_replies() -> LocalReplyConfig:
         name=":path", string_match=StringMatcher(prefix="/v1/"))))
     not_found_body = Struct.from_dict({"error": {  # the router's own (openai_http.py)
         "message": "unknown route %REQ(:METHOD)% %REQ(:PATH)%; this server has POST "
-                   "/v1/chat/completions, POST /v1/completions and GET /v1/models",
+                   "/v1/chat/completions, POST /v1/completions, GET /v1/models, POST "
+                   "/tokenize and POST /detokenize",
         "type": "invalid_request_error", "param": None, "code": "unknown_url"}})
     return LocalReplyConfig(mappers=[
         ResponseMapper(filter=_status_is(413, "too_large"), headers_to_add=[resource_exhausted]),

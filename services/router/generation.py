@@ -10,7 +10,8 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
    ``max_model_len - 1`` tokens) by the tokenizer service's
    ``Tokenize``/``ApplyChatTemplate``, or with ``--tokenize-in-router`` in
    process on the service's own definition and template
-   (:mod:`services.router.local_tokenizer`; the service the fallback). Nothing
+   (:mod:`services.router.local_tokenizer`; the service the fallback); a
+   prompt given as token ids (``prompt_tokens``) is used as it is. Nothing
    else waits for them: the coalescing and cache keys are made from the
    prompt ids after (tokenizing costs ~0.1 ms in process, less than a
    second key scheme would save; docs/architecture.md "What the mesh
@@ -507,6 +508,21 @@ class GenerationPipeline:
             end_request_span(timing.span, request, outcome=outcome, progress=progress,
                              timing=timing, info=info)
 
+    async def prompt_ids(self, request: GenerationRequest, *,
+                         deadline: float | None) -> tuple[int, ...]:
+        """The prompt ids :meth:`run` makes of ``request`` (step 1), for an edge
+        that needs them before it runs the request (OpenAI's ``echo``), which
+        then passes them back as ``prompt_token_ids``: one tokenization.
+
+        Raises:
+          InvalidRequestError: the tokenizer refused the input.
+          GenerationError: the tokenizer failed, with the client's status.
+        """
+        try:
+            return await self._prompt_ids(request, self.models[request.model], deadline, {})
+        except UpstreamError as err:
+            raise upstream_to_generation_error(err) from err
+
     async def close(self) -> None:
         """Cancels the shared generations still running, waits briefly for
         background cache writes, then cancels the rest."""
@@ -530,6 +546,8 @@ class GenerationPipeline:
     async def _prompt_ids(self, request: GenerationRequest, limits: ModelLimits,
                           deadline: float | None, info: dict[str, object],
                           traceparent: str = "") -> tuple[int, ...]:
+        if request.prompt_token_ids is not None:  # the caller's ids, checked at the edge
+            return request.prompt_token_ids
         if request.messages is None:
             assert request.prompt is not None
             try:
@@ -1014,6 +1032,8 @@ class GenerationPipeline:
             tpot_ms=_ms(tpot), priority=request.priority.name.lower(), **info)
         if self.log_content:
             fields.update(prompt=request.prompt if request.prompt is not None
+                          else list(request.prompt_token_ids)
+                          if request.prompt_token_ids is not None
                           else [dataclasses.asdict(m) for m in request.messages or ()],
                           output=output)
         log.info("request_finished", **fields)

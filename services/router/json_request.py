@@ -202,7 +202,8 @@ def _check_oneofs(obj: dict[str, Any], seen: dict[FieldDescriptor, str],
         given = [key for field, key in seen.items()
                  if field.containing_oneof is oneof and obj[key] is not None]
         if len(given) > 1:
-            members = " or ".join(f"`{f.name}`" for f in oneof.fields)
+            names = [f"`{f.name}`" for f in oneof.fields]
+            members = ", ".join(names[:-1]) + " or " + names[-1]
             raise InvalidRequestError(
                 _join(path, oneof.name), f"set only one of {members}, got {' and '.join(given)}")
 

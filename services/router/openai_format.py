@@ -23,7 +23,11 @@ does not have, vLLM's OpenAI-compatible server (``prompt_logprobs``,
   prompt logprobs as vLLM returns them: one entry per prompt
   token, ``null`` for the first, else ``{token_id: {logprob, rank,
   decoded_token}}`` (top-level ``prompt_logprobs`` in a chat response, per
-  choice in a completion; on the chunk that carries them when streaming).
+  choice in a completion; on the chunk that carries them when streaming);
+* completions ``echo`` (:mod:`services.router.prompt_echo`): each choice's
+  ``text`` and ``logprobs`` start with the prompt's (its first token's
+  logprob and top logprobs ``null``), or are the prompt alone with
+  ``max_tokens: 0``.
 
 Errors: :func:`error_for_status` maps a gRPC status of the shared pipeline to
 the HTTP status and ``{"error": {"message", "type", "param", "code"}}``.
@@ -44,6 +48,7 @@ from services.common.sampling import FinishReason
 from services.common.wire.engine_stream import Usage
 from services.router.generation import Delta, Finished
 from services.router.openai_protocol import Endpoint
+from services.router.prompt_echo import EchoedPrompt
 
 _FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
                    FinishReason.CANCELLED: "abort"}
@@ -112,14 +117,19 @@ class TextOffsets:
         return offsets
 
 
-def completion_logprobs(entries: Sequence[PositionLogprobs], text_offsets: Sequence[int]
-                        ) -> dict[str, Any]:
+def completion_logprobs(entries: Sequence[PositionLogprobs], text_offsets: Sequence[int],
+                        *, unscored_first: bool = False) -> dict[str, Any]:
     """OpenAI completions ``logprobs``; ``text_offsets[i]`` is where entry
-    ``i``'s token starts in the choice's text (characters, :class:`TextOffsets`)."""
-    return {"tokens": [e.chosen.token for e in entries],
+    ``i``'s token starts in the choice's text (characters, :class:`TextOffsets`).
+    ``unscored_first``: entry 0 is an echoed prompt's first token, which
+    nothing predicts: ``null`` logprob and top logprobs (OpenAI, vLLM)."""
+    body = {"tokens": [e.chosen.token for e in entries],
             "token_logprobs": [e.chosen.logprob for e in entries],
             "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
             "text_offset": list(text_offsets)}
+    if unscored_first and entries:
+        body["token_logprobs"][0] = body["top_logprobs"][0] = None
+    return body
 
 
 def prompt_logprobs(entries: Sequence[PositionLogprobs]) -> list[dict[str, Any] | None]:
@@ -162,6 +172,10 @@ class ResponseBuilder:
       request_id: the mesh's request id (``chatcmpl-<id>`` / ``cmpl-<id>``).
       model: the served model id.
       logprobs: the client asked for logprobs (``null`` otherwise).
+      echo: the prompt each completion choice starts with (``echo: true``;
+        :mod:`services.router.prompt_echo`), or None.
+      show_prompt_logprobs: the client asked for ``prompt_logprobs`` (not
+        only through ``echo``): the response carries them.
       created: Unix seconds.
     """
 
@@ -170,10 +184,13 @@ class ResponseBuilder:
     model: str
     logprobs: bool = False
     include_usage: bool = False
+    echo: EchoedPrompt | None = None
+    show_prompt_logprobs: bool = True
     created: int = field(default_factory=lambda: int(time.time()))
     _choices: dict[int, _Choice] = field(default_factory=dict)
     _usage: list[Usage] = field(default_factory=list)
     _prompt_logprobs: list[dict[str, Any] | None] | None = None
+    _prompt_entries: tuple[PositionLogprobs, ...] = ()
 
     @property
     def chat(self) -> bool:
@@ -255,10 +272,16 @@ class ResponseBuilder:
                 body["message"] = {"role": "assistant", "content": text}
                 body["logprobs"] = chat_logprobs(choice.logprobs) if self.logprobs else None
             else:
+                entries: Sequence[PositionLogprobs] = choice.logprobs
+                if self.echo is not None:
+                    prompt = self.echo.entries(self._prompt_entries)
+                    entries = prompt if self.echo.only else (*prompt, *entries)
+                    text = self.echo.text + ("" if self.echo.only else text)
                 body["text"] = text
                 # Tokens of a stop string cut from the text start at its end.
-                offsets = [min(o, len(text)) for o in TextOffsets().feed(choice.logprobs)]
-                body["logprobs"] = (completion_logprobs(choice.logprobs, offsets)
+                offsets = [min(o, len(text)) for o in TextOffsets().feed(entries)]
+                body["logprobs"] = (completion_logprobs(entries, offsets,
+                                                        unscored_first=self.echo is not None)
                                     if self.logprobs else None)
                 if self._prompt_logprobs is not None and index == 0:
                     body["prompt_logprobs"] = self._prompt_logprobs
@@ -285,7 +308,9 @@ class ResponseBuilder:
         choice.text.append(delta.text)
         choice.logprobs.extend(delta.logprobs)
         if delta.prompt_logprobs:
-            self._prompt_logprobs = prompt_logprobs(delta.prompt_logprobs)
+            self._prompt_entries = delta.prompt_logprobs
+            if self.show_prompt_logprobs:
+                self._prompt_logprobs = prompt_logprobs(delta.prompt_logprobs)
 
     def _finish(self, choice: _Choice, finished: Finished) -> None:
         choice.finish_reason = _FINISH_REASONS.get(finished.reason, "stop")

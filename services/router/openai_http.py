@@ -10,6 +10,8 @@ Routes (OpenAI API reference; vLLM's OpenAI-compatible server for the extras):
   are formatted by :mod:`services.router.openai_format`.
 * ``GET /v1/models``: the served models in OpenAI's list shape (with vLLM's
   ``max_model_len``); ``GET /v1/models/{id}`` one of them.
+* ``POST /tokenize``, ``POST /detokenize``: vLLM's tokenizer endpoints
+  (:mod:`services.router.openai_tokenize`), same auth and error shapes.
 * Anything else: 404 in OpenAI's error shape. A request aiohttp cannot parse
   (a header line over 256 KiB, a malformed request line): 431 or 400 in the
   same shape, one warning line (:mod:`services.router.openai_http_errors`).
@@ -45,11 +47,12 @@ goes away cancels its handler task wherever it waits; the pipeline's
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -69,11 +72,20 @@ from services.router.generation import (
 )
 from services.router.openai_format import OpenAIError, ResponseBuilder, error_for_status
 from services.router.openai_http_errors import OpenAIAppRunner
+from services.router.prompt_echo import echo_request
 from services.router.openai_protocol import (
     Endpoint,
     OpenAIRequest,
+    load_body,
     openai_param,
     parse_request,
+)
+from services.router.openai_tokenize import (
+    DETOKENIZE_PATH,
+    TOKENIZE_PATH,
+    Validate,
+    detokenize,
+    tokenize,
 )
 from services.router.api_keys import API_KEY_HEADER, AUTHORIZATION_HEADER, Tenant
 from services.router.tenancy import AuthError
@@ -121,6 +133,8 @@ class OpenAIServer:
         app.router.add_post(Endpoint.COMPLETIONS.value, self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model}", self._model)
+        app.router.add_post(TOKENIZE_PATH, self._tokenize)
+        app.router.add_post(DETOKENIZE_PATH, self._detokenize)
         return app
 
     async def start(self) -> int:
@@ -149,7 +163,8 @@ class OpenAIServer:
         except web.HTTPNotFound:
             return _json_error(OpenAIError(
                 404, f"unknown route {request.method} {request.path}; this server has POST "
-                "/v1/chat/completions, POST /v1/completions and GET /v1/models",
+                "/v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize "
+                "and POST /detokenize",
                 "invalid_request_error", None, "unknown_url"))
         except web.HTTPMethodNotAllowed as err:
             return _json_error(OpenAIError(
@@ -189,6 +204,40 @@ class OpenAIServer:
         return error_for_status(UNKNOWN_MODEL_CODE, f"The model {name!r} does not exist; this "
                                 f"mesh serves {known}", unknown_model=True)
 
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        async def answer(validate: Validate, data: dict[str, Any], request_id: str,
+                         deadline: float | None) -> dict[str, Any]:
+            return await tokenize(self.router, validate, data, request_id=request_id,
+                                  deadline=deadline)
+        return await self._tokenizer_call(request, answer)
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        async def answer(validate: Validate, data: dict[str, Any], _: str,
+                         __: float | None) -> dict[str, Any]:
+            return detokenize(self.router, validate, data)
+        return await self._tokenizer_call(request, answer)
+
+    async def _tokenizer_call(self, request: web.Request, answer: Callable[
+            [Validate, dict[str, Any], str, float | None], Awaitable[dict[str, Any]]]
+                              ) -> web.Response:
+        """Authenticates, reads the body, answers with ``answer`` (errors in
+        OpenAI's shape, as for a generation)."""
+        received_at = time.monotonic()
+        request_id = request.headers.get(REQUEST_ID_METADATA_KEY) or uuid.uuid4().hex
+        try:
+            deadline = _deadline(request, received_at)
+            tenant = self._tenant(request)
+            self.router.check_accepting()
+            data = load_body(await request.read())
+            validate = functools.partial(
+                self.router.validate, request_id=request_id,
+                header_request_id=request.headers.get(REQUEST_ID_METADATA_KEY),
+                header_tenant=request.headers.get(TENANT_METADATA_KEY), tenant=tenant)
+            body = await answer(validate, data, request_id, deadline)
+        except Exception as err:  # noqa: BLE001 - every refusal becomes an OpenAI error
+            return _json_error(self._error(err, None, request_id))
+        return web.json_response(body, headers={"x-request-id": request_id})
+
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, Endpoint.CHAT)
 
@@ -215,15 +264,22 @@ class OpenAIServer:
                 tracestate=request.headers.get(TRACESTATE))
             bind_request_id(request_id)
             self.router.check_accepting()
+            deadline = _deadline(request, received_at)
+            echo = None
+            if parsed.echo:
+                validated, echo = await echo_request(
+                    self.router.pipeline_for(validated), validated, only=parsed.echo_only,
+                    deadline=deadline)
             events = self.router.run(tenant, validated, received_at=received_at,
-                                     deadline=_deadline(request, received_at))
+                                     deadline=deadline)
         except Exception as err:  # noqa: BLE001 - every refusal becomes an OpenAI error
             self.router.count_refused(parsed.generate if parsed else
                                       generation_pb2.GenerateRequest(), _code(err))
             return _json_error(self._error(err, parsed, request_id))
         builder = ResponseBuilder(endpoint, request_id, validated.model,
                                   logprobs=validated.sampling.logprobs is not None,
-                                  include_usage=parsed.include_usage)
+                                  include_usage=parsed.include_usage, echo=echo,
+                                  show_prompt_logprobs=parsed.prompt_logprobs)
         choices = validated.sampling.n
         if parsed.stream:
             return await self._stream(request, events, builder, choices, parsed, request_id)
@@ -269,8 +325,9 @@ class OpenAIServer:
         if isinstance(err, AuthError):
             return _auth_error(err)
         if isinstance(err, InvalidRequestError):
-            if err.field == "model" and err.code == UNKNOWN_MODEL_CODE and parsed is not None:
-                return self._unknown_model(parsed.model)
+            if err.field == "model" and err.code == UNKNOWN_MODEL_CODE:
+                return (self._unknown_model(parsed.model) if parsed is not None
+                        else error_for_status(err.code, str(err), unknown_model=True))
             return error_for_status(err.code, _message(err, parsed),
                                     param=openai_param(err.field, parsed))
         if isinstance(err, GenerationError):

@@ -19,8 +19,16 @@ Field mapping (OpenAI / vLLM name → ``GenerateRequest``):
 
 * ``model`` → ``model``; ``messages`` (content: a string, or a list of
   ``{"type": "text"}`` parts, joined) → ``chat.messages``; ``prompt`` (a
-  string, or a list of exactly one string) → ``prompt``. Several prompts, token
-  id prompts and non-text parts (images, audio) are refused naming the field.
+  string, or a list of exactly one string) → ``prompt``; ``prompt`` as token
+  ids (an array of integers, or an array holding one such array, as
+  lm-evaluation-harness sends it) → ``prompt_tokens``. Several prompts and
+  non-text parts (images, audio) are refused naming the field.
+* ``echo: true`` (completions; :mod:`services.router.prompt_echo`): the
+  choice's ``text`` and ``logprobs`` start with the prompt's; with
+  ``logprobs`` the prompt's logprobs are asked of the engine
+  (``sampling.prompt_logprobs``, the same count); ``max_tokens: 0`` then
+  means the prompt alone (the engine computes one token, which is dropped,
+  as vLLM does). Not with ``stream: true`` (refused naming ``echo``).
 * ``max_completion_tokens`` (chat) or ``max_tokens`` → ``sampling.max_tokens``
   (both given and different: refused); ``temperature``, ``top_p``, ``seed``,
   ``n``, ``presence_penalty``, ``frequency_penalty``, ``stop`` → the sampling
@@ -43,7 +51,7 @@ Field mapping (OpenAI / vLLM name → ``GenerateRequest``):
 * ``stream`` and ``stream_options.include_usage`` (its other keys are
   refused; it needs ``stream: true``, as OpenAI and vLLM require).
 * Accepted and ignored: ``user`` (an end-user id for abuse tracking; the mesh's
-  tenant comes from ``x-tenant-id`` / the API key), ``echo: false``,
+  tenant comes from ``x-tenant-id`` / the API key),
   ``suffix: null``, ``best_of`` equal to ``n``, ``tools: []``,
   ``tool_choice: "none"`` / ``"auto"`` without tools, ``parallel_tool_calls``,
   and ``null`` for any known field (unset).
@@ -88,6 +96,11 @@ class OpenAIRequest:
         (``max_tokens`` or ``max_completion_tokens``), for error messages.
       constraint_param: the parameter that set the output constraint
         (``response_format``, ``guided_json``, ``structured_outputs.regex``...).
+      echo: completions ``echo``: the prompt leads each choice's text and logprobs.
+      echo_only: ``echo`` with ``max_tokens: 0``: the prompt alone (the one
+        token the engine computes is dropped).
+      prompt_logprobs: the client asked for ``prompt_logprobs`` itself (not
+        only through ``echo``), so the response carries them.
     """
 
     endpoint: Endpoint
@@ -97,6 +110,9 @@ class OpenAIRequest:
     include_usage: bool
     max_tokens_param: str = "max_tokens"
     constraint_param: str = "response_format"
+    echo: bool = False
+    echo_only: bool = False
+    prompt_logprobs: bool = False
 
 
 _COMMON = frozenset({
@@ -138,7 +154,11 @@ def parse_request(endpoint: Endpoint, body: bytes) -> OpenAIRequest:
       InvalidRequestError: INVALID_ARGUMENT naming the parameter (``body`` for
         the body as a whole), as listed in the module docstring.
     """
-    data = _load(body)
+    return parse_body(endpoint, load_body(body))
+
+
+def parse_body(endpoint: Endpoint, data: Mapping[str, Any]) -> OpenAIRequest:
+    """:func:`parse_request` of a body already read by :func:`load_body`."""
     unknown = sorted(key for key in data if key not in _KNOWN[endpoint])
     if unknown:
         raise _unknown(endpoint, unknown)
@@ -154,8 +174,11 @@ def parse_request(endpoint: Endpoint, body: bytes) -> OpenAIRequest:
     include_usage = _stream_options(data, stream)
     max_param = _sampling(endpoint, data, pb.sampling)
     constraint_param = _structured(data, pb.sampling.structured_output)
+    asked_prompt_logprobs = pb.sampling.HasField("prompt_logprobs")
+    echo = endpoint is Endpoint.COMPLETIONS and _bool(data, "echo")
+    echo_only = echo and _echo(stream, pb.sampling)
     return OpenAIRequest(endpoint, pb, pb.model, stream, include_usage, max_param,
-                         constraint_param)
+                         constraint_param, echo, echo_only, asked_prompt_logprobs)
 
 
 #: Shared-validation field → OpenAI parameter, longest prefix first.
@@ -180,6 +203,8 @@ def openai_param(field: str, request: OpenAIRequest | None = None) -> str:
         return "top_logprobs"
     if field.startswith("sampling.structured_output") and request is not None:
         return request.constraint_param  # the parameter the client set it with
+    if field.startswith("prompt_tokens"):
+        return "prompt"  # token ids are the completions' prompt
     for prefix, replacement in _PARAM_PREFIXES:
         if field.startswith(prefix):
             rest = field[len(prefix):].lstrip(".")
@@ -192,7 +217,13 @@ def openai_param(field: str, request: OpenAIRequest | None = None) -> str:
 # ---------------------------------------------------------------- reading
 
 
-def _load(body: bytes) -> dict[str, Any]:
+def load_body(body: bytes) -> dict[str, Any]:
+    """The JSON object of an HTTP body.
+
+    Raises:
+      InvalidRequestError: naming ``body``: empty, not UTF-8, not JSON, not an
+        object, or holding an unpaired surrogate escape.
+    """
     if not body.strip():
         raise InvalidRequestError("body", "is empty; send the request as a JSON object")
     try:
@@ -333,18 +364,29 @@ def _completion_input(data: Mapping[str, Any], pb: generation_pb2.GenerateReques
         raise InvalidRequestError("messages", "completions take `prompt`; send `messages` to "
                                               "/v1/chat/completions")
     prompt = data.get("prompt")
-    if isinstance(prompt, list):
-        if len(prompt) != 1 or not isinstance(prompt[0], str):
-            raise InvalidRequestError(
-                "prompt", "one prompt string per request: a list of several prompts or of "
-                "token ids is not supported; send one request per prompt")
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise InvalidRequestError("prompt", f"must be a string, got "
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # one prompt in a batch of one
+    if _token_ids(prompt):
+        assert isinstance(prompt, list)
+        pb.prompt_tokens.SetInParent()  # an empty list: refused by the shared validation
+        for token_id in prompt:
+            try:
+                pb.prompt_tokens.token_ids.append(_int(token_id, "prompt"))
+            except ValueError as err:
+                if isinstance(err, InvalidRequestError):
+                    raise
+                raise InvalidRequestError("prompt", f"token id {token_id!r} is out of range") \
+                    from err
+    elif isinstance(prompt, list):
+        raise InvalidRequestError(
+            "prompt", "one prompt per request, a string or an array of token ids: a list "
+            "of several prompts (or of strings and ids mixed) is not supported; send one "
+            "request per prompt")
+    elif isinstance(prompt, str):
+        pb.prompt = prompt
+    else:
+        raise InvalidRequestError("prompt", f"must be a string or an array of token ids, got "
                                             f"{_kind(prompt) if prompt is not None else 'nothing'}")
-    pb.prompt = prompt
-    if _bool(data, "echo"):
-        raise InvalidRequestError("echo", "echoing the prompt is not supported; leave it false")
     if data.get("suffix") not in (None, ""):
         raise InvalidRequestError("suffix", "suffixes (fill-in-the-middle) are not supported")
     if "best_of" in data:
@@ -352,6 +394,31 @@ def _completion_input(data: Mapping[str, Any], pb: generation_pb2.GenerateReques
         if best_of != n:
             raise InvalidRequestError("best_of", f"must equal n ({n}): choosing the best of "
                                                  "several samples is not supported")
+
+
+def _token_ids(prompt: object) -> bool:
+    """Whether ``prompt`` is an array of token ids (integers; JSON has no other
+    way to spell them), as opposed to text or a batch of prompts."""
+    return isinstance(prompt, list) and all(
+        isinstance(i, (int, float)) and not isinstance(i, bool) for i in prompt)
+
+
+def _echo(stream: bool, sampling: common_pb2.SamplingParams) -> bool:
+    """Sets what ``echo: true`` needs on ``sampling``; returns whether it is
+    ``max_tokens: 0`` (the prompt alone, vLLM's ``echo_without_generation``).
+
+    Raises:
+      InvalidRequestError: ``echo`` with ``stream: true``.
+    """
+    if stream:
+        raise InvalidRequestError("echo", "is supported without streaming only; send "
+                                          "stream: false")
+    if sampling.HasField("logprobs") and not sampling.HasField("prompt_logprobs"):
+        sampling.prompt_logprobs = sampling.logprobs  # the prompt's tokens as the choice's
+    only = sampling.HasField("max_tokens") and sampling.max_tokens == 0
+    if only:
+        sampling.max_tokens = 1  # one forward pass computes the prompt's logprobs
+    return only
 
 
 def _stream_options(data: Mapping[str, Any], stream: bool) -> bool:

@@ -35,7 +35,7 @@ room for even one generated token is refused (OUT_OF_RANGE).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -44,6 +44,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from llmesh.v1 import common_pb2, generation_pb2
 from services.common.cache_scope import check_salt, owner, resolve
+from services.common.detokenizer import first_out_of_range
 from services.common.sampling import (
     InvalidRequestError,
     Priority,
@@ -105,7 +106,9 @@ class ModelLimits:
 class GenerationRequest:
     """A validated request.
 
-    Exactly one of ``prompt`` and ``messages`` is set. ``sampling.max_tokens``
+    Exactly one of ``prompt``, ``messages`` and ``prompt_token_ids`` (ids
+    checked against the vocabulary, sent to the engine as they are) is set.
+    ``sampling.max_tokens``
     is the requested (or default) count, before clamping to the context window.
     ``bypass_cache``: skip the response-cache lookup (a fresh answer is still
     stored). ``speculative``: the engine's speculative decoding switch, passed
@@ -135,6 +138,7 @@ class GenerationRequest:
     cache_scope: str = ""
     traceparent: str = ""
     tracestate: str = ""
+    prompt_token_ids: tuple[int, ...] | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -142,7 +146,10 @@ class GenerationRequest:
 
     @property
     def input_field(self) -> str:
-        """Field name to blame for the prompt's length (``prompt`` or ``chat.messages``)."""
+        """Field name to blame for the prompt's length (``prompt``,
+        ``chat.messages`` or ``prompt_tokens.token_ids``)."""
+        if self.prompt_token_ids is not None:
+            return PROMPT_TOKENS_FIELD
         return "chat.messages" if self.is_chat else "prompt"
 
 
@@ -289,18 +296,46 @@ def _validate_stops(sampling: common_pb2.SamplingParams) -> None:
                 f"characters, got one of {len(stop)}")
 
 
-def _validate_input(pb: generation_pb2.GenerateRequest, limits: ModelLimits,
-                    ) -> tuple[str | None, tuple[ChatMessage, ...] | None]:
-    """The request's input: ``(prompt, None)`` or ``(None, messages)``.
+#: The field of a prompt given as token ids (``GenerateRequest.prompt_tokens``).
+PROMPT_TOKENS_FIELD = "prompt_tokens.token_ids"
+
+
+def check_prompt_token_ids(token_ids: Sequence[int], limits: ModelLimits,
+                           field: str = PROMPT_TOKENS_FIELD) -> tuple[int, ...]:
+    """Prompt ids a caller wrote: at least one, each in ``[0, vocab_size)``
+    (when the vocabulary size is known). The context window is checked once
+    the request is fitted (:func:`fit_to_context`), as for a tokenized prompt.
 
     Raises:
-      InvalidRequestError: neither is set, an empty prompt, or a text or
+      InvalidRequestError: INVALID_ARGUMENT naming ``field``.
+    """
+    if not token_ids:
+        raise InvalidRequestError(field, "must hold at least one token id")
+    if limits.vocab_size is not None:
+        bad = first_out_of_range(token_ids, limits.vocab_size)
+        if bad is not None:
+            raise InvalidRequestError(
+                field, f"token id {bad} is not in the vocabulary of {limits.model!r} "
+                f"(ids 0..{limits.vocab_size - 1})")
+    return tuple(token_ids)
+
+
+def _validate_input(pb: generation_pb2.GenerateRequest, limits: ModelLimits,
+                    ) -> tuple[str | None, tuple[ChatMessage, ...] | None]:
+    """The request's text input: ``(prompt, None)``, ``(None, messages)``, or
+    ``(None, None)`` for prompt token ids (:func:`check_prompt_token_ids`).
+
+    Raises:
+      InvalidRequestError: none is set, an empty prompt, or a text or
         message over the limits.
     """
     which = pb.WhichOneof("input")
     if which is None:
         raise InvalidRequestError(
-            "input", "set exactly one of `prompt` (raw text) or `chat` (messages)")
+            "input", "set exactly one of `prompt` (raw text), `chat` (messages) or "
+            "`prompt_tokens` (token ids)")
+    if which == "prompt_tokens":
+        return None, None
     if which == "prompt":
         if not pb.prompt:
             raise InvalidRequestError("prompt", "must be non-empty text")
@@ -341,6 +376,8 @@ def validate_request(
         validate_request_id(pb.request_id)
     limits = resolve_model(pb.model, models, default_model)
     prompt, messages = _validate_input(pb, limits)
+    token_ids = (check_prompt_token_ids(pb.prompt_tokens.token_ids, limits)
+                 if pb.HasField("prompt_tokens") else None)
     _validate_stops(pb.sampling)
     sampling = SamplingOptions.from_pb(
         pb.sampling, default_max_tokens=limits.default_max_tokens,
@@ -359,6 +396,7 @@ def validate_request(
         allow_special_tokens=messages is not None and pb.chat.allow_special_tokens,
         tenant=header_tenant or "",
         cache_scope=resolve(owner(header_tenant or "", cache_group), salt),
+        prompt_token_ids=token_ids,
     )
 
 
@@ -370,7 +408,7 @@ def fit_to_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int, 
       num_prompt_tokens: tokens in the prompt (template applied).
       max_tokens: requested completion tokens.
       max_model_len: context window in tokens.
-      field: the input field to blame (``prompt`` or ``chat.messages``).
+      field: the input field to blame (:attr:`GenerationRequest.input_field`).
 
     Returns:
       ``min(max_tokens, max_model_len - num_prompt_tokens)``: at least 1.

@@ -174,8 +174,8 @@ def test_an_unknown_v1_route_is_an_openai_shaped_404(tls_mesh: TlsMesh) -> None:
         assert error == {"code": "unknown_url", "type": "invalid_request_error", "param": None,
                          "message": f"unknown route {'POST' if body else 'GET'} "
                                     f"{path.replace(chr(34), '%22')}; this server has POST "
-                                    "/v1/chat/completions, POST /v1/completions and GET "
-                                    "/v1/models"}
+                                    "/v1/chat/completions, POST /v1/completions, GET "
+                                    "/v1/models, POST /tokenize and POST /detokenize"}
     # Elsewhere Envoy's own reply stays as it was.
     status, reply = _https(tls_mesh, "/nothing", b"{}")
     assert status == 404 and not reply.startswith(b"{")

@@ -1,11 +1,18 @@
 """logprobs and prompt_logprobs through Envoy and the router with the real
 SmolLM2: greedy tokens are rank 1 and the maximum of their alternatives, every
 value equals an in-process forward of the same tokens within 1e-4, token text
-is filled in, and a stop string cuts the entries with the ids."""
+is filled in, and a stop string cuts the entries with the ids; a loglikelihood
+request shaped as lm-evaluation-harness sends it (``/v1/completions``, prompt
+ids, ``echo``, ``logprobs: 1``, ``max_tokens`` 0 or 1) scores the prompt as the
+in-process forward does."""
 
 from __future__ import annotations
 
+import json
+import urllib.request
+
 import grpc
+import openai
 import pytest
 import torch
 
@@ -83,3 +90,54 @@ def test_a_stop_string_cuts_the_entries_with_the_ids(ingress_channel: grpc.Chann
         assert all(not e.top for e in response.logprobs)
     tokens = [e.chosen.token for r in responses for e in r.logprobs]
     assert "Paris" in "".join(tokens) and "Paris" not in "".join(tokens[:-1])
+
+
+#: A context and continuation of a few dozen tokens (ASCII: offsets index characters).
+SCORED = ("Question: Which planet is known as the red planet, and why does it look red "
+          "from Earth?\nAnswer: Mars, because iron oxide dust covers its surface.")
+
+
+def test_a_loglikelihood_request_as_lm_eval_sends_it_scores_the_prompt_as_the_engine_does(
+        mesh: Mesh, runner: ModelRunner) -> None:
+    request = urllib.request.Request(f"{mesh.http_url}/tokenize",
+                                     data=json.dumps({"prompt": SCORED}).encode())
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        ids = json.loads(reply.read())["tokens"]
+    assert 30 <= len(ids) <= 60
+    forward = forward_logprobs(runner, ids, [])  # row j: what follows token j
+    expected = [float(forward[j, token]) for j, token in enumerate(ids[1:])]
+    with openai.OpenAI(base_url=f"{mesh.http_url}/v1", api_key="unused", max_retries=0,
+                       timeout=120) as client:
+        model = client.models.list().data[0].id
+        asked = {"model": model, "echo": True, "logprobs": 1, "temperature": 0.0}
+        answers = {
+            "ids, max_tokens 0": client.completions.create(prompt=[ids], max_tokens=0, **asked),
+            "ids, max_tokens 1": client.completions.create(
+                prompt=[ids], max_tokens=1, extra_body={"prompt_logprobs": 1}, **asked),
+            "text, max_tokens 1": client.completions.create(prompt=SCORED, max_tokens=1,
+                                                            **asked)}
+    for case, answer in answers.items():
+        choice = answer.choices[0]
+        logprobs = choice.logprobs
+        generated = 0 if case.endswith("0") else 1
+        assert len(logprobs.tokens) == len(ids) + generated, case
+        # The first prompt token: nothing predicts it (null, as OpenAI and vLLM answer).
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        assert logprobs.token_logprobs[1:len(ids)] == pytest.approx(expected, abs=1e-4), case
+        assert all(len(top) >= 1 for top in logprobs.top_logprobs[1:])
+        # SmolLM2 adds no BOS: the text starts with the prompt; offsets index it exactly.
+        assert choice.text.startswith(SCORED)
+        ends = [*logprobs.text_offset[1:], len(choice.text)]
+        assert [choice.text[a:b] for a, b in zip(logprobs.text_offset, ends)] == \
+            logprobs.tokens, case
+        if generated:  # greedy: the most likely next token, after the prompt's
+            assert logprobs.token_logprobs[-1] == pytest.approx(
+                float(forward[-1].max()), abs=1e-4)
+        assert answer.usage.prompt_tokens == len(ids)
+    assert answers["ids, max_tokens 0"].choices[0].text == SCORED
+    # vLLM's prompt_logprobs where the client asks for them, only there.
+    extra = answers["ids, max_tokens 1"].choices[0].model_extra["prompt_logprobs"]
+    assert extra[0] is None and len(extra) == len(ids)
+    assert [entry[str(token)]["logprob"] for entry, token in zip(extra[1:], ids[1:])] == \
+        pytest.approx(expected, abs=1e-4)
+    assert "prompt_logprobs" not in (answers["ids, max_tokens 0"].choices[0].model_extra or {})

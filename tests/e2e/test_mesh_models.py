@@ -2,10 +2,14 @@
 Instruct (chat, the default) and the Gemma 3 270M base model, each with its own
 tokenizer and engine behind one router and Envoy. Requests route by ``model``;
 each model answers in its own vocabulary; ListModels lists both; chat to the
-base model is FAILED_PRECONDITION and an unknown model INVALID_ARGUMENT."""
+base model is FAILED_PRECONDITION and an unknown model INVALID_ARGUMENT;
+``/tokenize`` then ``/detokenize`` round-trips in each model's vocabulary."""
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,14 +28,19 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def stub(tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[generation_pb2_grpc.GenerationServiceStub]:
+def two_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     run_dir: Path = tmp_path_factory.mktemp("two-model-mesh")
     with Mesh(ingress_port=0, admin_port=0, run_dir=run_dir,
               models=[ModelSpec("smollm2", str(default_model_path())),
                       ModelSpec("gemma3", str(gemma3_270m_gguf_path()))],
               engine_args=["--max-model-len", "512", "--kv-cache-bytes", str(64 << 20)]
-              ) as mesh, grpc.insecure_channel(mesh.ingress_address) as channel:
+              ) as mesh:
+        yield mesh
+
+
+@pytest.fixture(scope="module")
+def stub(two_models: Mesh) -> Iterator[generation_pb2_grpc.GenerationServiceStub]:
+    with grpc.insecure_channel(two_models.ingress_address) as channel:
         yield generation_pb2_grpc.GenerationServiceStub(channel)
 
 
@@ -70,3 +79,41 @@ def test_chat_to_the_base_model_and_unknown_models_are_refused(stub) -> None:
         generate(stub, model="llama-3-8b", prompt=PROMPT)
     assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "'gemma3', 'smollm2'" in unknown.value.details()
+
+
+def post(mesh: Mesh, path: str, body: dict) -> dict:
+    """POSTs JSON through Envoy's ingress; the JSON answer."""
+    request = urllib.request.Request(f"{mesh.http_url}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        return json.loads(reply.read())
+
+
+@pytest.mark.parametrize("model, bos", [("smollm2", []), ("gemma3", [2])])
+def test_tokenize_then_detokenize_round_trips_in_each_models_vocabulary(
+        two_models: Mesh, model: str, bos: list[int]) -> None:
+    text = "Gemma and SmolLM2 split «naïve» tokens differently: 12345 🚀."
+    tokens = post(two_models, "/tokenize", {"model": model, "prompt": text,
+                                            "return_token_strs": True})
+    ids = tokens["tokens"]
+    assert tokens["count"] == len(ids) > 10 and tokens["max_model_len"] == 512
+    assert ids[:len(bos)] == bos and len(tokens["token_strs"]) == len(ids)
+    back = post(two_models, "/detokenize", {"model": model, "tokens": ids})["prompt"]
+    # Special tokens come back as their markup (Gemma's BOS), the rest as sent.
+    assert back.endswith(text) and len(back) - len(text) == (5 if bos else 0)
+    again = post(two_models, "/tokenize", {"model": model, "prompt": back,
+                                           "add_special_tokens": False})["tokens"]
+    assert again == ids
+    # Chat through the model's own template: SmolLM2's ChatML; Gemma 3 270M is a
+    # base model without one (400 naming messages).
+    messages = [{"role": "user", "content": text}]
+    if model == "smollm2":
+        chat = post(two_models, "/tokenize", {"model": model, "messages": messages})
+        rendered = post(two_models, "/detokenize", {"model": model, "tokens": chat["tokens"]})
+        assert rendered["prompt"].endswith(f"<|im_start|>user\n{text}<|im_end|>\n"
+                                           "<|im_start|>assistant\n")
+    else:
+        with pytest.raises(urllib.error.HTTPError) as info:
+            post(two_models, "/tokenize", {"model": model, "messages": messages})
+        assert info.value.code == 400
+        assert json.loads(info.value.read())["error"]["param"] == "messages"

@@ -238,3 +238,21 @@ def test_min_tokens_extends_a_grammar_or_is_400_naming_it(
         generate(ingress_channel, request)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.value.details().startswith("sampling.min_tokens: the output constraint")
+
+
+def test_another_cache_salt_shares_no_cached_tokens_where_the_same_salt_hits(
+        client: openai.OpenAI, model: str) -> None:
+    tag = uuid.uuid4().hex[:8]  # a prompt no earlier request shares a block of
+    prompt = (f"[{tag}] The quarterly report lists revenue, costs and the outlook for "
+              "each region; the board reads it before the meeting. Summary:")
+
+    def cached(salt: str) -> tuple[int, int]:
+        usage = client.completions.create(
+            model=model, prompt=prompt, max_tokens=2, temperature=0,
+            extra_body={"cache_salt": salt}).usage
+        return usage.prompt_tokens_details.cached_tokens, usage.prompt_tokens
+
+    first, prompt_tokens = cached(f"a-{tag}")
+    assert first == 0 and prompt_tokens > 32
+    assert cached(f"a-{tag}") == (prompt_tokens, prompt_tokens)  # the same salt: a hit
+    assert cached(f"b-{tag}") == (0, prompt_tokens)  # another salt: nothing shared

@@ -93,7 +93,7 @@ def test_fields_the_api_does_not_have_yet_are_refused_anywhere(name):
     (b'{"prompt": "Hi", "sampling": {"max_tokens": 1, "maxTokens": 2}}',
      "sampling.maxTokens: is given twice (as 'max_tokens' and 'maxTokens')"),
     (b'{"prompt": "Hi", "chat": {"messages": []}}',
-     "input: set only one of `prompt` or `chat`, got prompt and chat"),
+     "input: set only one of `prompt`, `chat` or `prompt_tokens`, got prompt and chat"),
 ])
 def test_malformed_bodies_and_values_are_named(body, message):
     assert refused(body).startswith(message)

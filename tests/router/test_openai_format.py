@@ -6,6 +6,8 @@ choice indexes), so the format is right the moment the engine sends them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 
 from services.common.logprobs import PositionLogprobs, TokenLogprob
@@ -18,6 +20,7 @@ from services.router.openai_format import (
     token_bytes,
 )
 from services.router.openai_protocol import Endpoint
+from services.router.prompt_echo import EchoedPrompt
 
 
 def position(token_id: int, token: str, logprob: float, *alts: tuple[int, str, float]
@@ -143,6 +146,33 @@ def test_tokens_of_a_stop_string_cut_from_the_text_start_at_its_end():
     builder.add(Delta("", (3,), (position(3, "YZ", -0.3),)))
     builder.add(Finished(FinishReason.STOP, "XYZ", Usage(2, 3)))
     assert builder.response()["choices"][0]["logprobs"]["text_offset"] == [0, 2, 2]
+
+
+def test_an_echoed_prompt_leads_text_and_logprobs_with_offsets_into_its_markup():
+    # Gemma-like: a BOS whose text is its markup, then half an emoji per token.
+    echo = EchoedPrompt((2, 5, 30, 31), ("<bos>", "Hel", "bytes:\\xf0\\x9f", "bytes:\\x9a\\x80"),
+                        "<bos>Hel\U0001f680")
+    scored = (position(5, "Hel", -1.5, (5, "Hel", -1.5)), position(30, "bytes:\\xf0\\x9f", -2.0),
+              position(31, "bytes:\\x9a\\x80", -0.01))
+    events = [Delta("lo", (7,), (LO,), scored), Finished(FinishReason.LENGTH, "", Usage(4, 1, 0))]
+    body = ResponseBuilder(Endpoint.COMPLETIONS, "r", "m", logprobs=True, echo=echo,
+                           show_prompt_logprobs=False)
+    for event in events:
+        body.add(event)
+    choice = body.response()["choices"][0]
+    assert choice["text"] == "<bos>Hel\U0001f680lo" and "prompt_logprobs" not in choice
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == ["<bos>", "Hel", "bytes:\\xf0\\x9f", "bytes:\\x9a\\x80", "lo"]
+    assert logprobs["token_logprobs"] == [None, -1.5, -2.0, -0.01, -0.2]
+    assert logprobs["top_logprobs"][0] is None and logprobs["top_logprobs"][1] == {"Hel": -1.5}
+    assert logprobs["text_offset"] == [0, 5, 8, 8, 9]  # both emoji halves at the emoji
+    alone = ResponseBuilder(Endpoint.COMPLETIONS, "r", "m", logprobs=True,
+                            echo=dataclasses.replace(echo, only=True))
+    for event in events:
+        alone.add(event)
+    only = alone.response()["choices"][0]
+    assert only["text"] == "<bos>Hel\U0001f680" and len(only["logprobs"]["tokens"]) == 4
+    assert len(only["prompt_logprobs"]) == 4  # vLLM's field where the client asked
 
 
 def test_token_bytes_decodes_byte_escapes():

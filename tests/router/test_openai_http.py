@@ -234,3 +234,56 @@ async def test_a_60_kb_traceparent_header_is_served() -> None:
                                      b"close\r\ntraceparent: 00-" + b"a" * 60_000)
     assert got == 200, body
     assert [m["id"] for m in json.loads(body)["data"]] == ["fake-model"]
+async def post_json(base: str, path: str, body: dict) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as session, \
+            session.post(f"{base}{path}", json=body) as reply:
+        return reply.status, await reply.json()
+
+
+async def test_tokenize_and_detokenize_answer_in_vllms_shapes():
+    # The fake tokenizer: one id per code point; its template "<role>content\n".
+    async with served() as (_, _client, base):
+        status, body = await post_json(base, "/tokenize", {"prompt": "Paris é"})
+        assert status == 200
+        assert body == {"count": 7, "max_model_len": 256, "tokens": [ord(c) for c in "Paris é"],
+                        "token_strs": None}
+        _, chat = await post_json(base, "/tokenize", {
+            "model": "fake-model", "messages": USER, "return_token_strs": True})
+        assert "".join(chat["token_strs"]) == "<user>hi\n<assistant>"
+        assert chat["tokens"] == [ord(c) for c in "<user>hi\n<assistant>"]
+        status, back = await post_json(base, "/detokenize", {"tokens": chat["tokens"]})
+        assert status == 200 and back == {"prompt": "<user>hi\n<assistant>"}
+
+
+@pytest.mark.parametrize("path, body, status, param, words", [
+    ("/detokenize", {"tokens": [80, 0x110000]}, 400, "tokens", "not in the vocabulary"),
+    ("/detokenize", {"tokens": [80, 2**40]}, 400, "tokens", "out of range"),
+    ("/detokenize", {"tokens": ["P"]}, 400, "tokens", "integer token ids"),
+    ("/detokenize", {"tokens": [80], "model": "gpt-4"}, 404, "model", "fake-model"),
+    ("/tokenize", {"prompt": "x" * 300}, 400, "prompt", "max_model_len of 256"),
+    ("/tokenize", {"prompt": [1, 2]}, 400, "prompt", "text"),
+    ("/tokenize", {"messages": USER, "continue_final_message": True}, 400,
+     "continue_final_message", "not supported"),
+    ("/tokenize", {"messages": [{"role": "user"}], "echo": True}, 400, "echo",
+     "unrecognized"),
+    ("/tokenize", {"messages": [{"role": "nobody", "content": "x"}]}, 400,
+     "messages[0].role", "nobody"),
+])
+async def test_tokenizer_endpoint_refusals_name_the_parameter(path, body, status, param, words):
+    async with served() as (_, _client, base):
+        got, reply = await post_json(base, path, body)
+    assert got == status and reply["error"]["param"] == param
+    assert words in reply["error"]["message"]
+
+
+async def test_echo_puts_the_prompt_before_the_completion_or_alone_with_max_tokens_0():
+    async with served() as (mesh, client, _):
+        both = await client.completions.create(model="fake-model", prompt="Q:", max_tokens=5,
+                                               echo=True)
+        assert both.choices[0].text == "Q:" + REPLY[:5]
+        alone = await client.completions.create(model="fake-model", prompt=[81, 58],
+                                                max_tokens=0, echo=True)
+        assert alone.choices[0].text == "Q:" and alone.usage.prompt_tokens == 2
+        # The engine got the ids as sent, and one token to compute for the prompt alone.
+        start = mesh.engines[0].log.starts[-1]
+        assert list(start.prompt_token_ids) == [81, 58] and start.sampling.max_tokens == 1

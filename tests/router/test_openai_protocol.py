@@ -90,8 +90,11 @@ def test_choice_constraint_and_text_format():
 @pytest.mark.parametrize("endpoint, body, param, words", [
     (CHAT, {"messages": USER, "frobnicate": 1}, "frobnicate", "unrecognized"),
     (CHAT, {"messages": USER, "prompt": "x"}, "prompt", "/v1/completions"),
-    (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt", "one prompt string"),
-    (COMPLETIONS, {"prompt": [1, 2]}, "prompt", "token ids"),
+    (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt", "several prompts"),
+    (COMPLETIONS, {"prompt": [[1], [2]]}, "prompt", "several prompts"),
+    (COMPLETIONS, {"prompt": [1, 2.5]}, "prompt", "integer"),
+    (COMPLETIONS, {"prompt": [1, 2**40]}, "prompt", "out of range"),
+    (COMPLETIONS, {"prompt": "a", "echo": True, "stream": True}, "echo", "without streaming"),
     (COMPLETIONS, {"prompt": "a", "max_completion_tokens": 3}, "max_completion_tokens",
      "/v1/chat/completions"),
     (CHAT, {"messages": USER, "temperature": "hot"}, "temperature", "number"),
@@ -121,6 +124,46 @@ def test_refusals_name_the_parameter(endpoint, body, param, words):
 @pytest.mark.parametrize("raw", [b"", b"[1]", b"{not json", b"\xff"])
 def test_bodies_that_are_not_a_json_object_blame_the_body(raw):
     assert refused(CHAT, raw).field == "body"
+
+
+@pytest.mark.parametrize("prompt", [[5, 7, 9], [[5, 7, 9]]])
+def test_a_token_id_prompt_goes_to_the_engine_as_it_is(prompt):
+    # lm-evaluation-harness sends a batch of one list of ids; a flat list is the same.
+    parsed = parse(COMPLETIONS, model="m", prompt=prompt, max_tokens=1)
+    assert list(parsed.generate.prompt_tokens.token_ids) == [5, 7, 9]
+    validated = validate_request(parsed.generate, request_id="r", models=MODELS,
+                                 default_model="m")
+    assert validated.prompt_token_ids == (5, 7, 9) and validated.prompt is None
+    assert validated.input_field == "prompt_tokens.token_ids"
+
+
+@pytest.mark.parametrize("prompt, words", [([1, 1000], "token id 1000 is not in the "
+                                                       "vocabulary of 'm' (ids 0..999)"),
+                                           ([-1], "token id -1"), ([], "at least one")])
+def test_a_token_id_prompt_outside_the_vocabulary_is_refused_naming_prompt(prompt, words):
+    parsed = parse(COMPLETIONS, model="m", prompt=prompt)
+    with pytest.raises(InvalidRequestError) as info:
+        validate_request(parsed.generate, request_id="r", models=MODELS, default_model="m")
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in str(info.value)
+    assert openai_param(info.value.field, parsed) == "prompt"
+
+
+def test_echo_asks_the_engine_for_the_prompt_logprobs_and_max_tokens_0_for_one_token():
+    # lm-evaluation-harness's loglikelihood request (vLLM's echo_without_generation).
+    parsed = parse(COMPLETIONS, prompt=[1, 2, 3], echo=True, logprobs=1, max_tokens=0)
+    sampling = parsed.generate.sampling
+    assert parsed.echo and parsed.echo_only and not parsed.prompt_logprobs
+    assert (sampling.max_tokens, sampling.logprobs, sampling.prompt_logprobs) == (1, 1, 1)
+    generating = parse(COMPLETIONS, prompt="x", echo=True, logprobs=2, max_tokens=1,
+                       prompt_logprobs=0)
+    assert generating.echo and not generating.echo_only and generating.prompt_logprobs
+    assert generating.generate.sampling.prompt_logprobs == 0  # the client's own count
+    text_only = parse(COMPLETIONS, prompt="x", echo=True).generate.sampling
+    assert not text_only.HasField("prompt_logprobs")  # no logprobs: none asked of the engine
+    with pytest.raises(InvalidRequestError) as info:  # 0 without echo: refused as before
+        validate_request(parse(COMPLETIONS, model="m", prompt="x", max_tokens=0).generate,
+                         request_id="r", models=MODELS, default_model="m")
+    assert info.value.field == "sampling.max_tokens"
 
 
 def test_ranges_are_checked_by_the_shared_validation_and_renamed():

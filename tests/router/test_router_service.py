@@ -153,6 +153,20 @@ async def test_prompt_streams_the_reply_and_a_final_message():
     assert start.sampling.max_tokens == 256  # the default
 
 
+async def test_prompt_token_ids_reach_the_engine_as_sent_or_are_refused_naming_them():
+    async with make_mesh() as mesh:
+        ids = encode("Capital?")
+        responses = await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+            prompt_tokens=generation_pb2.PromptTokens(token_ids=ids))))
+        assert text_of(responses) == REPLY and responses[-1].usage.prompt_tokens == len(ids)
+        assert list(mesh.engines[0].log.starts[-1].prompt_token_ids) == ids
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+                prompt_tokens=generation_pb2.PromptTokens(token_ids=[65, 0x110000]))))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("prompt_tokens.token_ids: token id 1114112 is not")
+
+
 async def test_request_id_comes_from_metadata_and_reaches_every_hop():
     async with make_mesh() as mesh:
         call = mesh.stub.Generate(generation_pb2.GenerateRequest(prompt="hi"),

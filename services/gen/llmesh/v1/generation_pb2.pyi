@@ -57,6 +57,33 @@ class Chat(_message.Message):
 Global___Chat: _TypeAlias = Chat  # noqa: Y015
 
 @_typing.final
+class PromptTokens(_message.Message):
+    """A prompt given as token ids of the model's own vocabulary (what
+    lm-evaluation-harness and other scoring tools send): the engine gets exactly
+    these ids; BOS or other special tokens are the caller's to include.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """At least one id; at most the model's context window."""
+
+    def __init__(
+        self,
+        *,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromptTokens: _TypeAlias = PromptTokens  # noqa: Y015
+
+@_typing.final
 class GenerateRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -64,6 +91,7 @@ class GenerateRequest(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     PROMPT_FIELD_NUMBER: _builtins.int
     CHAT_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     BYPASS_CACHE_FIELD_NUMBER: _builtins.int
@@ -94,6 +122,8 @@ class GenerateRequest(_message.Message):
     @_builtins.property
     def chat(self) -> Global___Chat: ...
     @_builtins.property
+    def prompt_tokens(self) -> Global___PromptTokens: ...
+    @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams:
         """Sampling and stopping. Unset: greedy, server default max_tokens."""
 
@@ -110,19 +140,20 @@ class GenerateRequest(_message.Message):
         model: _builtins.str = ...,
         prompt: _builtins.str = ...,
         chat: Global___Chat | None = ...,
+        prompt_tokens: Global___PromptTokens | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         priority: _common_pb2.Priority.ValueType = ...,
         bypass_cache: _builtins.bool = ...,
         speculative: _common_pb2.SpeculativeParams | None = ...,
         cache_salt: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "cache_salt", b"cache_salt", "chat", b"chat", "input", b"input", "prompt", b"prompt", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "cache_salt", b"cache_salt", "chat", b"chat", "input", b"input", "prompt", b"prompt", "prompt_tokens", b"prompt_tokens", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "bypass_cache", b"bypass_cache", "cache_salt", b"cache_salt", "chat", b"chat", "input", b"input", "model", b"model", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "bypass_cache", b"bypass_cache", "cache_salt", b"cache_salt", "chat", b"chat", "input", b"input", "model", b"model", "priority", b"priority", "prompt", b"prompt", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cache_salt: _TypeAlias = _typing.Literal["cache_salt"]  # noqa: Y015
     _WhichOneofArgType__cache_salt: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt"]  # noqa: Y015
-    _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "chat"]  # noqa: Y015
+    _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "chat", "prompt_tokens"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__cache_salt) -> _WhichOneofReturnType__cache_salt | None: ...
