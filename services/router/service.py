@@ -98,6 +98,7 @@ from services.router.model_pool import (
 from services.router.routing import CostWeights, RoutingPolicy, RoutingSession
 from services.router.tenancy import AuthError, Tenancy
 from services.router.slow_reader import DEFAULT_CLIENT_WRITE_TIMEOUT_S
+from services.router.tools.stream import with_tool_calls
 from services.router.validation import (
     TENANT_METADATA_KEY,
     GenerationRequest,
@@ -255,7 +256,7 @@ def _response(request_id: str, event: Event) -> generation_pb2.GenerateResponse:
             request_id=request_id, text=event.text, token_ids=event.token_ids,
             logprobs=logprobs_to_pb(event.logprobs),
             prompt_logprobs=logprobs_to_pb(event.prompt_logprobs),
-            index=event.index)
+            index=event.index, tool_calls=[c.to_pb() for c in event.tool_calls])
     return generation_pb2.GenerateResponse(
         request_id=request_id, finish_reason=int(event.reason),
         matched_stop=event.matched_stop, usage=event.usage.to_pb(), cached=event.cached,
@@ -556,14 +557,19 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             deadline: float | None, progress: Progress | None = None,
             session: RoutingSession | None = None) -> AsyncIterator[Event]:
         """The model's pipeline, under the tenant's limits when auth is on
-        (both edges; :meth:`Tenancy.run`)."""
+        (both edges; :meth:`Tenancy.run`), with tool calls parsed out of the
+        text when the request may call tools (:mod:`services.router.tools`)."""
         if tenant is None:
-            return self.pipeline_for(request).run(request, received_at=received_at,
-                                                  deadline=deadline, progress=progress,
-                                                  session=session)
-        return self.tenancy.run(tenant, request, self.pipeline_for(request),
-                                received_at=received_at, deadline=deadline,
-                                progress=progress, session=session)
+            events = self.pipeline_for(request).run(request, received_at=received_at,
+                                                    deadline=deadline, progress=progress,
+                                                    session=session)
+        else:
+            events = self.tenancy.run(tenant, request, self.pipeline_for(request),
+                                      received_at=received_at, deadline=deadline,
+                                      progress=progress, session=session)
+        if request.tools is not None and request.tools.may_call:
+            return with_tool_calls(events)
+        return events
 
     def _authenticate(self, context: grpc.aio.ServicerContext) -> Tenant | None:
         return self.authenticate(metadata_value(context, AUTHORIZATION_HEADER),
