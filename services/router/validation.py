@@ -258,8 +258,10 @@ def _validate_messages(chat: generation_pb2.Chat, limits: ModelLimits,
     if not chat.messages:
         raise InvalidRequestError(
             "chat.messages", "must hold at least one message (role and content)")
+    messages = tuple(ChatMessage.from_pb(m) for m in chat.messages)
+    rendered = tools is not None or needs_render(messages)
     for i, message in enumerate(chat.messages):
-        if message.role != "tool":  # rendered as a user turn
+        if not (rendered and message.role == "tool"):  # rendered: a user turn
             _validate_role(i, message.role, limits)
         if message.tool_calls and message.role != "assistant":
             raise InvalidRequestError(f"chat.messages[{i}].tool_calls",
@@ -273,8 +275,7 @@ def _validate_messages(chat: generation_pb2.Chat, limits: ModelLimits,
             "chat.messages", f"the conversation holds {total} characters, more than "
             f"{MAX_HISTORY_WINDOWS} context windows' worth; send only recent turns",
             grpc.StatusCode.OUT_OF_RANGE)
-    messages = tuple(ChatMessage.from_pb(m) for m in chat.messages)
-    if tools is not None or needs_render(messages):
+    if rendered:
         return render(messages, tools.tools if tools is not None else ())
     return messages
 

@@ -93,8 +93,10 @@ def render(messages: Sequence[ChatMessage], tools: Sequence[FunctionTool]
 
 
 def needs_render(messages: Sequence[ChatMessage]) -> bool:
-    """Whether any turn carries tool calls or a tool result."""
-    return any(m.role == "tool" or m.tool_calls for m in messages)
+    """Whether any turn carries tool calls or a tool call's result (a ``tool``
+    turn without ``tool_call_id`` in a request without tools is left to the
+    template, as before tools existed)."""
+    return any(m.tool_calls or m.tool_call_id for m in messages)
 
 
 __all__ = ["ARGUMENTS_PREFIX", "CALL_CLOSE", "CALL_OPEN", "CALL_SEPARATOR", "NAME_PREFIX",
