@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 import urllib.error
 import urllib.request
+import uuid
 
 import grpc
 import openai
@@ -25,18 +25,6 @@ pytestmark = pytest.mark.mesh
 QUESTION = [{"role": "user", "content": CAPITAL_QUESTION}]
 #: Generated tokens each streaming test asks for (ignore_eos: exactly this many).
 STREAM_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def client(mesh: Mesh) -> openai.OpenAI:
-    with openai.OpenAI(base_url=f"{mesh.http_url}/v1", api_key="unused",
-                       max_retries=0, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
 
 
 def test_models_list_has_openai_shape_and_llmesh_cards_moved(mesh: Mesh, model: str) -> None:

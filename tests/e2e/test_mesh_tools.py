@@ -12,7 +12,6 @@ import openai
 import pytest
 from llmesh.v1 import common_pb2, generation_pb2
 
-from services.cli.mesh import Mesh
 from tests.e2e.mesh_client import generate
 
 pytestmark = pytest.mark.mesh
@@ -35,18 +34,6 @@ TIME = {"type": "function", "function": {
 ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
 #: Leaves the arguments open, so that samples differ.
 OPEN_ASK = [{"role": "user", "content": "Pick any city you like and check its weather."}]
-
-
-@pytest.fixture(scope="module")
-def client(mesh: Mesh) -> openai.OpenAI:
-    with openai.OpenAI(base_url=f"{mesh.http_url}/v1", api_key="unused",
-                       max_retries=0, timeout=180) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
 
 
 def _schema(name: str) -> dict:
@@ -80,8 +67,9 @@ def test_required_and_named_calls_validate_for_50_seeded_samples(
 
 def test_streamed_deltas_assemble_into_the_non_streamed_call(
         client: openai.OpenAI, model: str) -> None:
-    kwargs = dict(model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                  parallel_tool_calls=False, temperature=0, max_tokens=64)
+    kwargs = {"model": model, "messages": ASK, "tools": [WEATHER, TIME],
+              "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0,
+              "max_tokens": 64}
     whole = client.chat.completions.create(**kwargs)
     stream = client.chat.completions.create(**kwargs, stream=True,
                                             stream_options={"include_usage": True})

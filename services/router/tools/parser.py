@@ -25,7 +25,12 @@ import string
 from collections.abc import Callable
 
 from services.common.wire.tools import ToolCallDelta
-from services.router.tools.hermes import ARGUMENTS_PREFIX, CALL_CLOSE, CALL_OPEN, NAME_PREFIX
+from services.router.tools.hermes import (
+    ARGUMENTS_PREFIX,
+    CALL_CLOSE,
+    CALL_OPEN,
+    NAME_PREFIX,
+)
 
 _ID_ALPHABET = string.ascii_letters + string.digits
 

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 from services.common.sampling import FinishReason
-from services.router.generation import Delta, Event, Finished
+from services.router.generation import Delta, Event
 from services.router.tools.parser import ToolCallParser
 
 

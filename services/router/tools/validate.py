@@ -24,7 +24,12 @@ from services.common.sampling import (
     SamplingOptions,
     StructuredOutput,
 )
-from services.common.wire.tools import FunctionTool, ToolChoice, ToolChoiceMode, ToolRequest
+from services.common.wire.tools import (
+    FunctionTool,
+    ToolChoice,
+    ToolChoiceMode,
+    ToolRequest,
+)
 from services.router.tools.grammar import arguments_grammar, tool_grammar
 
 #: Most tools per request.
