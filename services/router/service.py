@@ -52,7 +52,7 @@ import math
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -98,6 +98,7 @@ from services.router.model_pool import (
 from services.router.routing import CostWeights, RoutingPolicy, RoutingSession
 from services.router.tenancy import AuthError, Tenancy
 from services.router.slow_reader import DEFAULT_CLIENT_WRITE_TIMEOUT_S
+from services.router.tools.formats import ToolCallFormat
 from services.router.tools.stream import with_tool_calls
 from services.router.validation import (
     TENANT_METADATA_KEY,
@@ -154,6 +155,8 @@ class RouterConfig:
         the system's resolver (``/etc/hosts``, ``resolv.conf``).
       api_keys: the API key file (:mod:`services.router.api_keys`); None:
         auth off (``x-tenant-id`` names the tenant, no per-tenant limits).
+      tool_call_formats: ``--tool-call-format`` by model id ("" every
+        model's default; :mod:`services.router.tools.formats`).
     """
 
     tokenizer: str
@@ -173,6 +176,7 @@ class RouterConfig:
     pools: tuple[PoolConfig, ...] = ()
     openai_port: int | None = None
     resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S
+    tool_call_formats: Mapping[str, ToolCallFormat] = field(default_factory=dict)
     dns_nameserver: str | None = None
     api_keys: str | None = None
 
@@ -387,7 +391,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             routing_policy=cfg.routing_policy, routing_weights=cfg.routing_weights,
             log_content=cfg.log_content, resolve_interval_s=cfg.resolve_interval_s,
             client_write_timeout_s=cfg.client_write_timeout_s,
-            tokenize_in_router=cfg.tokenize_in_router)
+            tokenize_in_router=cfg.tokenize_in_router,
+            tool_call_formats=cfg.tool_call_formats)
         self._resolver = make_resolver(cfg.dns_nameserver)
         configs = cfg.all_pools()
         opened = await asyncio.gather(

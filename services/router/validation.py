@@ -52,6 +52,7 @@ from services.common.sampling import (
 )
 from services.common.wire.chat import ChatMessage
 from services.common.wire.tools import ToolRequest
+from services.router.tools.formats import ToolCallFormat
 from services.router.tools.hermes import needs_render, render
 from services.router.tools.validate import constrain, tool_request
 
@@ -92,6 +93,8 @@ class ModelLimits:
       chat_roles: the message roles the chat template accepts (from the
         tokenizer); empty: not advertised, any plain name passes here and the
         tokenizer decides.
+      tool_call_format: how tools are rendered and called
+        (:mod:`services.router.tools.formats`, resolved: HERMES or NONE).
     """
 
     model: str
@@ -102,6 +105,7 @@ class ModelLimits:
     max_tokens_cap: int
     eos_token_ids: tuple[int, ...] = ()
     chat_roles: tuple[str, ...] = ()
+    tool_call_format: ToolCallFormat = ToolCallFormat.HERMES
 
 
 @dataclass(frozen=True)
@@ -359,6 +363,11 @@ def validate_request(
         validate_request_id(pb.request_id)
     limits = resolve_model(pb.model, models, default_model)
     tools = tool_request(pb.chat) if pb.WhichOneof("input") == "chat" else None
+    if tools is not None and tools.tools and limits.tool_call_format is ToolCallFormat.NONE:
+        raise InvalidRequestError(
+            "chat.tools", f"model {limits.model!r} is served without tool calling "
+            f"(the router's --tool-call-format {limits.model}=none)",
+            grpc.StatusCode.FAILED_PRECONDITION)
     prompt, messages = _validate_input(pb, limits, tools)
     _validate_stops(pb.sampling)
     sampling = constrain(SamplingOptions.from_pb(

@@ -5,9 +5,11 @@ tests/e2e/test_mesh_tools.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
+import grpc
 import llguidance
 import pytest
 from llmesh.v1 import generation_pb2
@@ -25,10 +27,13 @@ from services.common.wire.tools import (
 )
 from services.router.openai_protocol import Endpoint, openai_param, parse_request
 from services.router.tools import hermes
+from services.router.tools.formats import ToolCallFormat, parse_flag, resolve
 from services.router.tools.grammar import tool_grammar
 from services.router.tools.openai import message_body
 from services.router.tools.parser import ToolCallParser
 from services.router.tools.validate import tool_request
+from services.router.validation import validate_request
+from tests.router.test_router_validation import CHAT_LIMITS
 
 WEATHER = FunctionTool("get_weather", "Current weather of a city", json.dumps({
     "type": "object", "properties": {"city": {"type": "string"},
@@ -193,3 +198,25 @@ def test_openai_tools_become_the_typed_request() -> None:
     assert not request.parallel and request.tools[0].name == "get_weather"
     assert ToolChoice.from_pb(request.choice.to_pb(), has_tools=True) == request.choice
     assert tool_request(_chat({})) is None
+
+
+# ------------------------------------------------------------ the format flag
+
+
+def test_tool_call_format_flag_per_model_and_none_refuses_tools() -> None:
+    formats = dict(map(parse_flag, ["none", "smol=auto"]))
+    assert resolve(formats, "smol") is ToolCallFormat.HERMES  # auto: Hermes today
+    assert resolve(formats, "gemma") is ToolCallFormat.NONE
+    assert resolve({}, "any") is ToolCallFormat.HERMES
+    with pytest.raises(ValueError, match="FORMAT one of auto, hermes, none"):
+        parse_flag("smol=qwen")
+    limits = dataclasses.replace(CHAT_LIMITS, tool_call_format=ToolCallFormat.NONE)
+    pb = generation_pb2.GenerateRequest(chat=_chat({"tools": [_tool({"type": "object"})]}))
+    with pytest.raises(InvalidRequestError) as info:
+        validate_request(pb, request_id="r", models={"tiny": limits}, default_model="tiny")
+    assert info.value.field == "chat.tools"
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    served = validate_request(pb, request_id="r", models={"tiny": CHAT_LIMITS},
+                              default_model="tiny")
+    assert served.sampling.structured_output is not None  # auto: the call grammar
+    assert served.messages is not None and "<tools>" in served.messages[0].content
