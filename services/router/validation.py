@@ -312,7 +312,8 @@ def _validate_stops(sampling: common_pb2.SamplingParams) -> None:
 
 
 def _validate_input(pb: generation_pb2.GenerateRequest, limits: ModelLimits,
-                    tools: ToolRequest | None = None) -> tuple[str | None, tuple[ChatMessage, ...] | None]:
+                    tools: ToolRequest | None = None,
+                    ) -> tuple[str | None, tuple[ChatMessage, ...] | None]:
     """The request's input: ``(prompt, None)`` or ``(None, messages)``.
 
     Raises:

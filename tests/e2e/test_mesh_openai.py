@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 import urllib.error
 import urllib.request
-import uuid
 
 import grpc
 import openai
