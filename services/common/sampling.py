@@ -40,6 +40,7 @@ class FinishReason(enum.IntEnum):
     LENGTH = common_pb2.FINISH_REASON_LENGTH
     CANCELLED = common_pb2.FINISH_REASON_CANCELLED
     ERROR = common_pb2.FINISH_REASON_ERROR
+    TOOL_CALLS = common_pb2.FINISH_REASON_TOOL_CALLS
 
     @classmethod
     def from_pb(cls, value: int) -> FinishReason:
@@ -77,6 +78,13 @@ class InvalidRequestError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.code = code
+
+
+#: llguidance's JSON compile options for every JSON constraint (schemas,
+#: ``json_object``, tool-call arguments): one space after ``,`` and ``:``, no
+#: other whitespace, so the output is compact and the same for every sample.
+JSON_COMPILE_OPTIONS = {"item_separator": ", ", "key_separator": ": ",
+                        "whitespace_flexible": False}
 
 
 class ConstraintKind(enum.Enum):

@@ -36,6 +36,7 @@ from services.router.model_pool import PoolConfig
 from services.router.routing import CostWeights, RoutingPolicy
 from services.router.service import RouterConfig, RouterService
 from services.router.slow_reader import DEFAULT_CLIENT_WRITE_TIMEOUT_S
+from services.router.tools.formats import parse_flag as parse_tool_call_format
 
 
 def _token_count(text: str) -> int:
@@ -126,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "the generation (engine KV blocks freed) and ends the call "
                              "RESOURCE_EXHAUSTED; deltas are merged while a write is blocked; "
                              f"0: no budget (default {DEFAULT_CLIENT_WRITE_TIMEOUT_S:g})")
+    parser.add_argument("--tool-call-format", action="append", default=[],
+                        type=parse_tool_call_format, metavar="[MODEL=]FORMAT",
+                        help="how a model's tools are rendered and its calls constrained: "
+                             "auto (default: the Hermes format for every model today), "
+                             "hermes, or none (tool calling off: requests with tools are "
+                             "refused); without MODEL= every model's default; repeatable "
+                             "(docs/architecture.md, \"Tool calling\")")
     parser.add_argument("--openai-port", type=int, default=None, metavar="PORT",
                         help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
                              "/v1/completions, /v1/models) on this port of --host; 0 picks a "
@@ -188,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             cache_timeout=args.cache_timeout, stream_idle_timeout=args.stream_idle_timeout,
             client_write_timeout_s=args.client_write_timeout_s,
             tokenize_in_router=args.tokenize_in_router,
+            tool_call_formats=dict(args.tool_call_format),
             admission=AdmissionConfig(
                 enabled=args.admission, max_queued_requests=args.max_queued_requests,
                 max_queued_prompt_tokens=args.max_queued_prompt_tokens,

@@ -106,6 +106,7 @@ from services.common.detokenizer import IncrementalDetokenizer, TokenizersDecode
 from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason, InvalidRequestError, SamplingOptions
 from services.common.wire.engine_stream import EngineUpdate, Usage
+from services.common.wire.tools import ToolCallDelta
 from services.router.admission import (
     AdmissionController,
     AdmissionRefused,
@@ -161,6 +162,8 @@ class Delta:
       logprobs: with ``sampling.logprobs``: one entry per id, token text filled in.
       prompt_logprobs: with ``sampling.prompt_logprobs``: on choice 0's first delta.
       index: the choice (0..n-1) this delta belongs to.
+      tool_calls: with tools: the call pieces parsed out of the text
+        (:mod:`services.router.tools.stream`; ``text`` then holds content only).
     """
 
     text: str
@@ -168,6 +171,7 @@ class Delta:
     logprobs: tuple[PositionLogprobs, ...] = ()
     prompt_logprobs: tuple[PositionLogprobs, ...] = ()
     index: int = 0
+    tool_calls: tuple[ToolCallDelta, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -176,7 +180,8 @@ class Finished:
 
     Attributes:
       reason: STOP (EOS, stop token or stop string), LENGTH (max_tokens or the
-        context window), CANCELLED (the engine cancelled it).
+        context window), CANCELLED (the engine cancelled it), TOOL_CALLS (set
+        by :mod:`services.router.tools.stream`: the answer holds calls).
       matched_stop: the stop string that ended it, or "".
       usage: prompt and completion token counts; ``completion_tokens`` and the
         ids end at the token that completed a stop string, and

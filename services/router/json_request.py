@@ -41,7 +41,8 @@ from llmesh.v1 import common_pb2, generation_pb2
 from services.common.sampling import InvalidRequestError
 
 #: Names clients send (OpenAI / vLLM request fields) that llmesh does not
-#: implement yet, and what to do instead. Refused wherever they appear.
+#: implement yet, or takes elsewhere, and what to do instead. Refused wherever
+#: the message has no such field.
 NOT_SUPPORTED_YET: dict[str, str] = {
     "best_of": "one completion per request is returned; set `sampling.n` for several "
                "and pick one",
@@ -53,8 +54,10 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "guided_regex": "set `sampling.structured_output.regex`",
     "guided_choice": "set `sampling.structured_output.choice`",
     "guided_grammar": "set `sampling.structured_output.grammar`",
-    "tools": "tool calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet",
+    "tools": 'tools go inside "chat": {"chat": {"messages": [...], "tools": [...]}}',
+    "tool_choice": 'the tool choice goes inside "chat": {"chat": {"toolChoice": '
+                   '{"mode": "TOOL_CHOICE_MODE_REQUIRED"}}}',
+    "parallel_tool_calls": 'it goes inside "chat": {"chat": {"parallelToolCalls": false}}',
     "stream": "the answer always streams: Generate sends deltas (through Envoy's "
               "JSON one array, written as they arrive); drop the field",
     "min_p": "min-p sampling is not supported yet; use `sampling.top_p` or `sampling.top_k`",

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -62,6 +62,8 @@ from services.router.routing import (
     RoutingPolicy,
     duplicate_replica_ids,
 )
+from services.router.tools.formats import ToolCallFormat
+from services.router.tools.formats import resolve as resolve_tool_call_format
 from services.router.validation import ModelLimits
 
 log = structlog.get_logger()
@@ -117,6 +119,8 @@ class PoolSettings:
     client_write_timeout_s: float = 0.0
     #: prompt ids made in the router (:mod:`services.router.local_tokenizer`)
     tokenize_in_router: bool = False
+    #: ``--tool-call-format`` by model id (:mod:`services.router.tools.formats`)
+    tool_call_formats: Mapping[str, ToolCallFormat] = field(default_factory=dict)
 
 
 class NoEngineYet(Exception):
@@ -397,7 +401,8 @@ def model_limits(infos: list[ModelInfo], tok: TokenizerInfo,
         vocab_size=infos[0].vocab_size or tok.vocab_size or None,
         has_chat_template=tok.has_chat_template, chat_roles=tok.chat_roles,
         default_max_tokens=min(settings.default_max_tokens, cap), max_tokens_cap=cap,
-        eos_token_ids=tuple(sorted({*infos[0].eos_token_ids, *tok.eos_token_ids})))
+        eos_token_ids=tuple(sorted({*infos[0].eos_token_ids, *tok.eos_token_ids})),
+        tool_call_format=resolve_tool_call_format(settings.tool_call_formats, model))
 
 
 def _admission(model: str, config: AdmissionConfig, capacities: list[ReplicaCapacity],

@@ -46,12 +46,14 @@ import grpc
 from services.common.logprobs import PositionLogprobs, TokenLogprob
 from services.common.sampling import FinishReason
 from services.common.wire.engine_stream import Usage
+from services.common.wire.tools import ToolCallDelta
 from services.router.generation import Delta, Finished
 from services.router.openai_protocol import Endpoint
 from services.router.prompt_echo import EchoedPrompt
+from services.router.tools import openai as tools
 
 _FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
-                   FinishReason.CANCELLED: "abort"}
+                   FinishReason.CANCELLED: "abort", FinishReason.TOOL_CALLS: "tool_calls"}
 
 
 def token_bytes(token: str) -> list[int]:
@@ -159,6 +161,7 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     offsets: TextOffsets = field(default_factory=TextOffsets)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
     started: bool = False
     finish_reason: str | None = None
 
@@ -216,6 +219,8 @@ class ResponseBuilder:
             self._add(choice, event)
             body = self._choice_chunk(event.index, choice, event.text, event.logprobs, None,
                                       choice.offsets.feed(event.logprobs))
+            if event.tool_calls:
+                body["delta"]["tool_calls"] = tools.delta_body(event.tool_calls)
             if event.prompt_logprobs:
                 extra["prompt_logprobs"] = prompt_logprobs(event.prompt_logprobs)
         chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion",
@@ -270,6 +275,9 @@ class ResponseBuilder:
             body: dict[str, Any] = {"index": index}
             if self.chat:
                 body["message"] = {"role": "assistant", "content": text}
+                if choice.tool_calls:
+                    body["message"]["tool_calls"] = tools.message_body(choice.tool_calls)
+                    body["message"]["content"] = text or None
                 body["logprobs"] = chat_logprobs(choice.logprobs) if self.logprobs else None
             else:
                 entries: Sequence[PositionLogprobs] = choice.logprobs
@@ -306,6 +314,7 @@ class ResponseBuilder:
 
     def _add(self, choice: _Choice, delta: Delta) -> None:
         choice.text.append(delta.text)
+        choice.tool_calls.extend(delta.tool_calls)
         choice.logprobs.extend(delta.logprobs)
         if delta.prompt_logprobs:
             self._prompt_entries = delta.prompt_logprobs

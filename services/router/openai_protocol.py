@@ -52,9 +52,11 @@ Field mapping (OpenAI / vLLM name → ``GenerateRequest``):
   refused; it needs ``stream: true``, as OpenAI and vLLM require).
 * Accepted and ignored: ``user`` (an end-user id for abuse tracking; the mesh's
   tenant comes from ``x-tenant-id`` / the API key),
-  ``suffix: null``, ``best_of`` equal to ``n``, ``tools: []``,
-  ``tool_choice: "none"`` / ``"auto"`` without tools, ``parallel_tool_calls``,
-  and ``null`` for any known field (unset).
+  ``suffix: null``, ``best_of`` equal to ``n``, and ``null`` for any known
+  field (unset).
+* ``tools``, ``tool_choice``, ``parallel_tool_calls`` and messages'
+  ``tool_calls`` / ``tool_call_id`` → the ``chat`` tool fields
+  (:mod:`services.router.tools.openai`).
 * Anything else is refused naming it: the mesh never serves a request without
   what the client asked for.
 """
@@ -72,6 +74,7 @@ from typing import Any
 from llmesh.v1 import common_pb2, generation_pb2
 
 from services.common.sampling import InvalidRequestError
+from services.router.tools import openai as tools
 
 
 class Endpoint(enum.Enum):
@@ -201,6 +204,9 @@ def openai_param(field: str, request: OpenAIRequest | None = None) -> str:
     if field == "sampling.logprobs" and request is not None \
             and request.endpoint is Endpoint.CHAT:
         return "top_logprobs"
+    tool_param = tools.openai_param(field)
+    if tool_param is not None:
+        return tool_param
     if field.startswith("sampling.structured_output") and request is not None:
         return request.constraint_param  # the parameter the client set it with
     if field.startswith("prompt_tokens"):
@@ -336,27 +342,25 @@ def _chat_input(data: Mapping[str, Any], pb: generation_pb2.GenerateRequest) -> 
     if not isinstance(messages, list):
         raise InvalidRequestError("messages", f"must be an array of messages, got "
                                               f"{_kind(messages) if messages is not None else 'nothing'}")
-    if data.get("tools"):
-        raise InvalidRequestError("tools", "tool calling is not supported")
-    if data.get("tool_choice", "none") not in ("none", "auto"):
-        raise InvalidRequestError("tool_choice", "tool calling is not supported; leave it unset")
     pb.chat.SetInParent()
+    tools.parse_tools(data, pb.chat)
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
         if not isinstance(message, dict):
             raise InvalidRequestError(where, f"must be an object, got {_kind(message)}")
-        extra = sorted(set(message) - {"role", "content", "name"})
+        extra = sorted(set(message) - {"role", "content", "name"} - tools.MESSAGE_KEYS)
         if extra:
             raise InvalidRequestError(f"{where}.{extra[0]}", "is not supported (messages take "
-                                      "role and content; tool calls are not supported)")
+                                      "role, content, tool_calls and tool_call_id)")
         if message.get("name") is not None:
             raise InvalidRequestError(f"{where}.name", "participant names are not supported "
                                                        "by the chat template; leave it unset")
         role = _string(message, "role", default="") if "role" in message else ""
         if role == "developer":  # OpenAI's newer name for the system turn
             role = "system"
-        content = _text_content(message.get("content", ""), f"{where}.content")
-        pb.chat.messages.add(role=role, content=content)
+        content = _text_content(message.get("content") or "", f"{where}.content")
+        tools.parse_message_tools(message, where, pb.chat.messages.add(role=role,
+                                                                       content=content))
 
 
 def _completion_input(data: Mapping[str, Any], pb: generation_pb2.GenerateRequest) -> None:

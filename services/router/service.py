@@ -52,7 +52,7 @@ import math
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -98,6 +98,8 @@ from services.router.model_pool import (
 from services.router.routing import CostWeights, RoutingPolicy, RoutingSession
 from services.router.tenancy import AuthError, Tenancy
 from services.router.slow_reader import DEFAULT_CLIENT_WRITE_TIMEOUT_S
+from services.router.tools.formats import ToolCallFormat
+from services.router.tools.stream import with_tool_calls
 from services.router.validation import (
     TENANT_METADATA_KEY,
     GenerationRequest,
@@ -153,6 +155,8 @@ class RouterConfig:
         the system's resolver (``/etc/hosts``, ``resolv.conf``).
       api_keys: the API key file (:mod:`services.router.api_keys`); None:
         auth off (``x-tenant-id`` names the tenant, no per-tenant limits).
+      tool_call_formats: ``--tool-call-format`` by model id ("" every
+        model's default; :mod:`services.router.tools.formats`).
     """
 
     tokenizer: str
@@ -172,6 +176,7 @@ class RouterConfig:
     pools: tuple[PoolConfig, ...] = ()
     openai_port: int | None = None
     resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S
+    tool_call_formats: Mapping[str, ToolCallFormat] = field(default_factory=dict)
     dns_nameserver: str | None = None
     api_keys: str | None = None
 
@@ -255,7 +260,7 @@ def _response(request_id: str, event: Event) -> generation_pb2.GenerateResponse:
             request_id=request_id, text=event.text, token_ids=event.token_ids,
             logprobs=logprobs_to_pb(event.logprobs),
             prompt_logprobs=logprobs_to_pb(event.prompt_logprobs),
-            index=event.index)
+            index=event.index, tool_calls=[c.to_pb() for c in event.tool_calls])
     return generation_pb2.GenerateResponse(
         request_id=request_id, finish_reason=int(event.reason),
         matched_stop=event.matched_stop, usage=event.usage.to_pb(), cached=event.cached,
@@ -386,7 +391,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             routing_policy=cfg.routing_policy, routing_weights=cfg.routing_weights,
             log_content=cfg.log_content, resolve_interval_s=cfg.resolve_interval_s,
             client_write_timeout_s=cfg.client_write_timeout_s,
-            tokenize_in_router=cfg.tokenize_in_router)
+            tokenize_in_router=cfg.tokenize_in_router,
+            tool_call_formats=cfg.tool_call_formats)
         self._resolver = make_resolver(cfg.dns_nameserver)
         configs = cfg.all_pools()
         opened = await asyncio.gather(
@@ -556,14 +562,19 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             deadline: float | None, progress: Progress | None = None,
             session: RoutingSession | None = None) -> AsyncIterator[Event]:
         """The model's pipeline, under the tenant's limits when auth is on
-        (both edges; :meth:`Tenancy.run`)."""
+        (both edges; :meth:`Tenancy.run`), with tool calls parsed out of the
+        text when the request may call tools (:mod:`services.router.tools`)."""
         if tenant is None:
-            return self.pipeline_for(request).run(request, received_at=received_at,
-                                                  deadline=deadline, progress=progress,
-                                                  session=session)
-        return self.tenancy.run(tenant, request, self.pipeline_for(request),
-                                received_at=received_at, deadline=deadline,
-                                progress=progress, session=session)
+            events = self.pipeline_for(request).run(request, received_at=received_at,
+                                                    deadline=deadline, progress=progress,
+                                                    session=session)
+        else:
+            events = self.tenancy.run(tenant, request, self.pipeline_for(request),
+                                      received_at=received_at, deadline=deadline,
+                                      progress=progress, session=session)
+        if request.tools is not None and request.tools.may_call:
+            return with_tool_calls(events)
+        return events
 
     def _authenticate(self, context: grpc.aio.ServicerContext) -> Tenant | None:
         return self.authenticate(metadata_value(context, AUTHORIZATION_HEADER),

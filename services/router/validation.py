@@ -52,6 +52,10 @@ from services.common.sampling import (
     SpeculativeOptions,
 )
 from services.common.wire.chat import ChatMessage
+from services.common.wire.tools import ToolRequest
+from services.router.tools.formats import ToolCallFormat
+from services.router.tools.hermes import needs_render, render
+from services.router.tools.validate import constrain, tool_request
 
 #: Most characters in a caller-chosen request id (it travels as gRPC metadata).
 MAX_REQUEST_ID_LENGTH = 128
@@ -90,6 +94,8 @@ class ModelLimits:
       chat_roles: the message roles the chat template accepts (from the
         tokenizer); empty: not advertised, any plain name passes here and the
         tokenizer decides.
+      tool_call_format: how tools are rendered and called
+        (:mod:`services.router.tools.formats`, resolved: HERMES or NONE).
     """
 
     model: str
@@ -100,6 +106,7 @@ class ModelLimits:
     max_tokens_cap: int
     eos_token_ids: tuple[int, ...] = ()
     chat_roles: tuple[str, ...] = ()
+    tool_call_format: ToolCallFormat = ToolCallFormat.HERMES
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,9 @@ class GenerationRequest:
     ``traceparent``/``tracestate``: the client's W3C trace context (gRPC
     metadata or HTTP headers; "" none), the parent of the request's spans
     (:mod:`services.router.request_trace`); a malformed one is ignored.
+    ``tools``: the chat's validated tools (:mod:`services.router.tools`), None
+    without; they are already rendered into ``messages`` and, when the model
+    may call them, their grammar is ``sampling.structured_output``.
     """
 
     request_id: str
@@ -139,6 +149,7 @@ class GenerationRequest:
     traceparent: str = ""
     tracestate: str = ""
     prompt_token_ids: tuple[int, ...] | None = None
+    tools: ToolRequest | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -247,7 +258,10 @@ def _check_text_size(field: str, text: str, limits: ModelLimits) -> None:
             "shorten it", grpc.StatusCode.OUT_OF_RANGE)
 
 
-def _validate_messages(chat: generation_pb2.Chat, limits: ModelLimits) -> tuple[ChatMessage, ...]:
+def _validate_messages(chat: generation_pb2.Chat, limits: ModelLimits,
+                       tools: ToolRequest | None) -> tuple[ChatMessage, ...]:
+    """The chat's turns, checked; tools and tool turns rendered in the Hermes
+    format (:mod:`services.router.tools.hermes`)."""
     if not limits.has_chat_template:
         raise InvalidRequestError(
             "chat", f"model {limits.model!r} has no chat template; send `prompt` text instead",
@@ -255,8 +269,14 @@ def _validate_messages(chat: generation_pb2.Chat, limits: ModelLimits) -> tuple[
     if not chat.messages:
         raise InvalidRequestError(
             "chat.messages", "must hold at least one message (role and content)")
+    messages = tuple(ChatMessage.from_pb(m) for m in chat.messages)
+    rendered = tools is not None or needs_render(messages)
     for i, message in enumerate(chat.messages):
-        _validate_role(i, message.role, limits)
+        if not (rendered and message.role == "tool"):  # rendered: a user turn
+            _validate_role(i, message.role, limits)
+        if message.tool_calls and message.role != "assistant":
+            raise InvalidRequestError(f"chat.messages[{i}].tool_calls",
+                                      "only an assistant turn holds tool calls")
     # The oldest turns may be dropped to fit, but never the last one.
     _check_text_size(f"chat.messages[{len(chat.messages) - 1}].content",
                      chat.messages[-1].content, limits)
@@ -266,7 +286,9 @@ def _validate_messages(chat: generation_pb2.Chat, limits: ModelLimits) -> tuple[
             "chat.messages", f"the conversation holds {total} characters, more than "
             f"{MAX_HISTORY_WINDOWS} context windows' worth; send only recent turns",
             grpc.StatusCode.OUT_OF_RANGE)
-    return tuple(ChatMessage(m.role, m.content) for m in chat.messages)
+    if rendered:
+        return render(messages, tools.tools if tools is not None else ())
+    return messages
 
 
 def _validate_role(i: int, role: str, limits: ModelLimits) -> None:
@@ -321,6 +343,7 @@ def check_prompt_token_ids(token_ids: Sequence[int], limits: ModelLimits,
 
 
 def _validate_input(pb: generation_pb2.GenerateRequest, limits: ModelLimits,
+                    tools: ToolRequest | None = None,
                     ) -> tuple[str | None, tuple[ChatMessage, ...] | None]:
     """The request's text input: ``(prompt, None)``, ``(None, messages)``, or
     ``(None, None)`` for prompt token ids (:func:`check_prompt_token_ids`).
@@ -341,7 +364,7 @@ def _validate_input(pb: generation_pb2.GenerateRequest, limits: ModelLimits,
             raise InvalidRequestError("prompt", "must be non-empty text")
         _check_text_size("prompt", pb.prompt, limits)
         return pb.prompt, None
-    return None, _validate_messages(pb.chat, limits)
+    return None, _validate_messages(pb.chat, limits, tools)
 
 
 def validate_request(
@@ -375,14 +398,20 @@ def validate_request(
     if pb.request_id:
         validate_request_id(pb.request_id)
     limits = resolve_model(pb.model, models, default_model)
-    prompt, messages = _validate_input(pb, limits)
+    tools = tool_request(pb.chat) if pb.WhichOneof("input") == "chat" else None
+    if tools is not None and tools.tools and limits.tool_call_format is ToolCallFormat.NONE:
+        raise InvalidRequestError(
+            "chat.tools", f"model {limits.model!r} is served without tool calling "
+            f"(the router's --tool-call-format {limits.model}=none)",
+            grpc.StatusCode.FAILED_PRECONDITION)
+    prompt, messages = _validate_input(pb, limits, tools)
     token_ids = (check_prompt_token_ids(pb.prompt_tokens.token_ids, limits)
                  if pb.HasField("prompt_tokens") else None)
     _validate_stops(pb.sampling)
-    sampling = SamplingOptions.from_pb(
+    sampling = constrain(SamplingOptions.from_pb(
         pb.sampling, default_max_tokens=limits.default_max_tokens,
         max_tokens_cap=limits.max_tokens_cap, vocab_size=limits.vocab_size,
-    )
+    ), tools)
     if pb.priority not in _KNOWN_PRIORITIES:
         raise InvalidRequestError(
             "priority", f"unknown value {pb.priority}; use PRIORITY_INTERACTIVE (1) or "
@@ -397,6 +426,7 @@ def validate_request(
         tenant=header_tenant or "",
         cache_scope=resolve(owner(header_tenant or "", cache_group), salt),
         prompt_token_ids=token_ids,
+        tools=tools,
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 from services.cli.mesh import Mesh
@@ -46,3 +47,17 @@ def small_window_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sh
             drain_seconds=1.0, engine_args=["--max-model-len", "512", "--num-threads", "1"],
             router_args=router_args)) as shared:
         yield shared
+
+
+@pytest.fixture(scope="module")
+def client(mesh: Mesh) -> Iterator[openai.OpenAI]:
+    """The official ``openai`` client on the session mesh's Envoy listener."""
+    with openai.OpenAI(base_url=f"{mesh.http_url}/v1", api_key="unused",
+                       max_retries=0, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    """The session mesh's (first) served model."""
+    return client.models.list().data[0].id

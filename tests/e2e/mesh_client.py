@@ -31,6 +31,7 @@ class Collected:
     deltas: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     last: generation_pb2.GenerateResponse | None = None
+    tool_calls: list[generation_pb2.ToolCallDelta] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -43,6 +44,7 @@ def collect(responses: Iterator[generation_pb2.GenerateResponse]) -> Collected:
     for response in responses:
         out.deltas.append(response.text)
         out.token_ids.extend(response.token_ids)
+        out.tool_calls.extend(response.tool_calls)
         out.last = response
     return out
 

@@ -27,18 +27,6 @@ QUESTION = [{"role": "user", "content": CAPITAL_QUESTION}]
 STREAM_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def client(mesh: Mesh) -> openai.OpenAI:
-    with openai.OpenAI(base_url=f"{mesh.http_url}/v1", api_key="unused",
-                       max_retries=0, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
 def test_models_list_has_openai_shape_and_llmesh_cards_moved(mesh: Mesh, model: str) -> None:
     with urllib.request.urlopen(f"{mesh.http_url}/v1/models", timeout=10) as reply:
         body = json.loads(reply.read())

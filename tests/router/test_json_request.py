@@ -52,7 +52,8 @@ def test_null_means_unset():
     ('{"messages": [{"role": "user", "content": "Hi"}]}',
      'messages: unknown field; chat messages go inside "chat"'),
     ('{"chat": {"messages": [{"role": "user", "content": "Hi", "name": "bob"}]}}',
-     "chat.messages[0].name: unknown field (ChatMessage has role, content)"),
+     "chat.messages[0].name: unknown field (ChatMessage has role, content, tool_calls, "
+     "tool_call_id)"),
 ])
 def test_unknown_fields_are_named_with_their_path(body, message):
     assert refused(body).startswith(message)
@@ -125,3 +126,14 @@ def test_penalties_min_tokens_logit_bias_and_include_stop_parse_inside_sampling(
 ])
 def test_a_bad_logit_bias_map_is_named(bias, message):
     assert refused(f'{{"prompt": "Hi", "sampling": {{"logit_bias": {bias}}}}}') == message
+
+
+def test_chat_tools_parse_from_proto3_json():
+    request = parse_generate_json(
+        b'{"chat": {"messages": [{"role": "user", "content": "Hi"}], "tools": [{"name": "f", '
+        b'"parametersJson": "{\\"type\\": \\"object\\"}"}], "toolChoice": {"mode": '
+        b'"TOOL_CHOICE_MODE_REQUIRED"}, "parallelToolCalls": false}}')
+    assert request.chat.tools[0].name == "f" and not request.chat.parallel_tool_calls
+    assert request.chat.tool_choice.mode == generation_pb2.TOOL_CHOICE_MODE_REQUIRED
+    assert refused('{"prompt": "Hi", "tools": []}').startswith('tools: not supported: tools '
+                                                               'go inside "chat"')

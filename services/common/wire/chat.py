@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from llmesh.v1 import common_pb2, tokenizer_pb2
 
+from services.common.wire.tools import ToolCall
+
 
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
@@ -17,17 +19,25 @@ class ChatMessage:
       role: one of the tokenizer's ``chat_roles`` (``system``, ``user``,
         ``assistant``, ``tool`` by default).
       content: UTF-8 text of the turn.
+      tool_calls: an assistant turn's calls (the router renders them into
+        ``content`` before a template sees the turn: :mod:`services.router.tools`).
+      tool_call_id: a ``tool`` turn's call id ("" none).
     """
 
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
 
     @classmethod
     def from_pb(cls, pb: common_pb2.ChatMessage) -> ChatMessage:
-        return cls(pb.role, pb.content)
+        return cls(pb.role, pb.content, tuple(ToolCall.from_pb(c) for c in pb.tool_calls),
+                   pb.tool_call_id)
 
     def to_pb(self) -> common_pb2.ChatMessage:
-        return common_pb2.ChatMessage(role=self.role, content=self.content)
+        return common_pb2.ChatMessage(role=self.role, content=self.content,
+                                      tool_calls=[c.to_pb() for c in self.tool_calls],
+                                      tool_call_id=self.tool_call_id)
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,7 +57,12 @@ import grpc
 import llguidance
 
 from services.common.checkpoint import load_hf_tokenizer
-from services.common.sampling import ConstraintKind, InvalidRequestError, StructuredOutput
+from services.common.sampling import (
+    JSON_COMPILE_OPTIONS,
+    ConstraintKind,
+    InvalidRequestError,
+    StructuredOutput,
+)
 from services.engine.torch_backend.grammar_mask import GrammarMatcher
 
 #: Compiled grammars kept per engine.
@@ -69,7 +74,7 @@ MAX_ERROR_CHARS = 600
 #: JSON layout the model must write: compact separators and no free whitespace
 #: (llguidance's JsonCompileOptions; a small model left free whitespace may
 #: spend its token budget on it).
-JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+JSON_OPTIONS = JSON_COMPILE_OPTIONS
 FIELD = "sampling.structured_output"
 
 _tokenizers: dict[tuple[str, int, tuple[int, ...]], llguidance.LLTokenizer] = {}

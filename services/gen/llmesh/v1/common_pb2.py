@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16llmesh/v1/common.proto\x12\tllmesh.v1\";\n\x0b\x43hatMessage\x12\x12\n\x04role\x18\x01 \x01(\tR\x04role\x12\x18\n\x07\x63ontent\x18\x02 \x01(\tR\x07\x63ontent\"\xde\x07\n\x0eSamplingParams\x12%\n\x0btemperature\x18\x01 \x01(\x02H\x00R\x0btemperature\x88\x01\x01\x12\x18\n\x05top_p\x18\x02 \x01(\x02H\x01R\x04topP\x88\x01\x01\x12\x18\n\x05top_k\x18\x03 \x01(\x05H\x02R\x04topK\x88\x01\x01\x12\x17\n\x04seed\x18\x04 \x01(\x04H\x03R\x04seed\x88\x01\x01\x12\"\n\nmax_tokens\x18\x05 \x01(\x05H\x04R\tmaxTokens\x88\x01\x01\x12\x12\n\x04stop\x18\x06 \x03(\tR\x04stop\x12$\n\x0estop_token_ids\x18\x07 \x03(\x05R\x0cstopTokenIds\x12\x1d\n\nignore_eos\x18\x08 \x01(\x08R\tignoreEos\x12\x1f\n\x08logprobs\x18\t \x01(\x05H\x05R\x08logprobs\x88\x01\x01\x12,\n\x0fprompt_logprobs\x18\n \x01(\x05H\x06R\x0epromptLogprobs\x88\x01\x01\x12\x11\n\x01n\x18\x0b \x01(\x05H\x07R\x01n\x88\x01\x01\x12.\n\x10presence_penalty\x18\x0c \x01(\x02H\x08R\x0fpresencePenalty\x88\x01\x01\x12\x30\n\x11\x66requency_penalty\x18\r \x01(\x02H\tR\x10\x66requencyPenalty\x88\x01\x01\x12\x32\n\x12repetition_penalty\x18\x0e \x01(\x02H\nR\x11repetitionPenalty\x88\x01\x01\x12\"\n\nmin_tokens\x18\x0f \x01(\x05H\x0bR\tminTokens\x88\x01\x01\x12G\n\nlogit_bias\x18\x10 \x03(\x0b\x32(.llmesh.v1.SamplingParams.LogitBiasEntryR\tlogitBias\x12:\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08R\x16includeStopStrInOutput\x12H\n\x11structured_output\x18\x12 \x01(\x0b\x32\x1b.llmesh.v1.StructuredOutputR\x10structuredOutput\x1a<\n\x0eLogitBiasEntry\x12\x10\n\x03key\x18\x01 \x01(\x05R\x03key\x12\x14\n\x05value\x18\x02 \x01(\x02R\x05value:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_nB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"\xd1\x01\n\x10StructuredOutput\x12!\n\x0bjson_schema\x18\x01 \x01(\tH\x00R\njsonSchema\x12!\n\x0bjson_object\x18\x02 \x01(\x08H\x00R\njsonObject\x12\x16\n\x05regex\x18\x03 \x01(\tH\x00R\x05regex\x12\x1a\n\x07grammar\x18\x04 \x01(\tH\x00R\x07grammar\x12\x35\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x1b.llmesh.v1.ChoiceConstraintH\x00R\x06\x63hoiceB\x0c\n\nconstraint\",\n\x10\x43hoiceConstraint\x12\x18\n\x07\x63hoices\x18\x01 \x03(\tR\x07\x63hoices\"m\n\x0cTokenLogprob\x12\x19\n\x08token_id\x18\x01 \x01(\x05R\x07tokenId\x12\x18\n\x07logprob\x18\x02 \x01(\x02R\x07logprob\x12\x12\n\x04rank\x18\x03 \x01(\rR\x04rank\x12\x14\n\x05token\x18\x04 \x01(\tR\x05token\"n\n\x10PositionLogprobs\x12/\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x17.llmesh.v1.TokenLogprobR\x06\x63hosen\x12)\n\x03top\x18\x02 \x03(\x0b\x32\x17.llmesh.v1.TokenLogprobR\x03top\"\x9f\x01\n\x11SpeculativeParams\x12\x34\n\x06method\x18\x01 \x01(\x0e\x32\x1c.llmesh.v1.SpeculativeMethodR\x06method\x12\x39\n\x16num_speculative_tokens\x18\x02 \x01(\x05H\x00R\x14numSpeculativeTokens\x88\x01\x01\x42\x19\n\x17_num_speculative_tokens\"\x8b\x01\n\x05Usage\x12#\n\rprompt_tokens\x18\x01 \x01(\rR\x0cpromptTokens\x12+\n\x11\x63ompletion_tokens\x18\x02 \x01(\rR\x10\x63ompletionTokens\x12\x30\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\rR\x12\x63\x61\x63hedPromptTokens*\xaf\x01\n\x11SpeculativeMethod\x12\"\n\x1eSPECULATIVE_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n\x17SPECULATIVE_METHOD_NONE\x10\x01\x12\x1c\n\x18SPECULATIVE_METHOD_NGRAM\x10\x02\x12\x1c\n\x18SPECULATIVE_METHOD_DRAFT\x10\x03\x12\x1d\n\x19SPECULATIVE_METHOD_SUFFIX\x10\x04*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*R\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x01\x12\x12\n\x0ePRIORITY_BATCH\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16llmesh/v1/common.proto\x12\tllmesh.v1\"\x91\x01\n\x0b\x43hatMessage\x12\x12\n\x04role\x18\x01 \x01(\tR\x04role\x12\x18\n\x07\x63ontent\x18\x02 \x01(\tR\x07\x63ontent\x12\x32\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.llmesh.v1.ToolCallR\ttoolCalls\x12 \n\x0ctool_call_id\x18\x04 \x01(\tR\ntoolCallId\"L\n\x08ToolCall\x12\x0e\n\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n\x04name\x18\x02 \x01(\tR\x04name\x12\x1c\n\targuments\x18\x03 \x01(\tR\targuments\"\xde\x07\n\x0eSamplingParams\x12%\n\x0btemperature\x18\x01 \x01(\x02H\x00R\x0btemperature\x88\x01\x01\x12\x18\n\x05top_p\x18\x02 \x01(\x02H\x01R\x04topP\x88\x01\x01\x12\x18\n\x05top_k\x18\x03 \x01(\x05H\x02R\x04topK\x88\x01\x01\x12\x17\n\x04seed\x18\x04 \x01(\x04H\x03R\x04seed\x88\x01\x01\x12\"\n\nmax_tokens\x18\x05 \x01(\x05H\x04R\tmaxTokens\x88\x01\x01\x12\x12\n\x04stop\x18\x06 \x03(\tR\x04stop\x12$\n\x0estop_token_ids\x18\x07 \x03(\x05R\x0cstopTokenIds\x12\x1d\n\nignore_eos\x18\x08 \x01(\x08R\tignoreEos\x12\x1f\n\x08logprobs\x18\t \x01(\x05H\x05R\x08logprobs\x88\x01\x01\x12,\n\x0fprompt_logprobs\x18\n \x01(\x05H\x06R\x0epromptLogprobs\x88\x01\x01\x12\x11\n\x01n\x18\x0b \x01(\x05H\x07R\x01n\x88\x01\x01\x12.\n\x10presence_penalty\x18\x0c \x01(\x02H\x08R\x0fpresencePenalty\x88\x01\x01\x12\x30\n\x11\x66requency_penalty\x18\r \x01(\x02H\tR\x10\x66requencyPenalty\x88\x01\x01\x12\x32\n\x12repetition_penalty\x18\x0e \x01(\x02H\nR\x11repetitionPenalty\x88\x01\x01\x12\"\n\nmin_tokens\x18\x0f \x01(\x05H\x0bR\tminTokens\x88\x01\x01\x12G\n\nlogit_bias\x18\x10 \x03(\x0b\x32(.llmesh.v1.SamplingParams.LogitBiasEntryR\tlogitBias\x12:\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08R\x16includeStopStrInOutput\x12H\n\x11structured_output\x18\x12 \x01(\x0b\x32\x1b.llmesh.v1.StructuredOutputR\x10structuredOutput\x1a<\n\x0eLogitBiasEntry\x12\x10\n\x03key\x18\x01 \x01(\x05R\x03key\x12\x14\n\x05value\x18\x02 \x01(\x02R\x05value:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_nB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"\xd1\x01\n\x10StructuredOutput\x12!\n\x0bjson_schema\x18\x01 \x01(\tH\x00R\njsonSchema\x12!\n\x0bjson_object\x18\x02 \x01(\x08H\x00R\njsonObject\x12\x16\n\x05regex\x18\x03 \x01(\tH\x00R\x05regex\x12\x1a\n\x07grammar\x18\x04 \x01(\tH\x00R\x07grammar\x12\x35\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x1b.llmesh.v1.ChoiceConstraintH\x00R\x06\x63hoiceB\x0c\n\nconstraint\",\n\x10\x43hoiceConstraint\x12\x18\n\x07\x63hoices\x18\x01 \x03(\tR\x07\x63hoices\"m\n\x0cTokenLogprob\x12\x19\n\x08token_id\x18\x01 \x01(\x05R\x07tokenId\x12\x18\n\x07logprob\x18\x02 \x01(\x02R\x07logprob\x12\x12\n\x04rank\x18\x03 \x01(\rR\x04rank\x12\x14\n\x05token\x18\x04 \x01(\tR\x05token\"n\n\x10PositionLogprobs\x12/\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x17.llmesh.v1.TokenLogprobR\x06\x63hosen\x12)\n\x03top\x18\x02 \x03(\x0b\x32\x17.llmesh.v1.TokenLogprobR\x03top\"\x9f\x01\n\x11SpeculativeParams\x12\x34\n\x06method\x18\x01 \x01(\x0e\x32\x1c.llmesh.v1.SpeculativeMethodR\x06method\x12\x39\n\x16num_speculative_tokens\x18\x02 \x01(\x05H\x00R\x14numSpeculativeTokens\x88\x01\x01\x42\x19\n\x17_num_speculative_tokens\"\x8b\x01\n\x05Usage\x12#\n\rprompt_tokens\x18\x01 \x01(\rR\x0cpromptTokens\x12+\n\x11\x63ompletion_tokens\x18\x02 \x01(\rR\x10\x63ompletionTokens\x12\x30\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\rR\x12\x63\x61\x63hedPromptTokens*\xaf\x01\n\x11SpeculativeMethod\x12\"\n\x1eSPECULATIVE_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n\x17SPECULATIVE_METHOD_NONE\x10\x01\x12\x1c\n\x18SPECULATIVE_METHOD_NGRAM\x10\x02\x12\x1c\n\x18SPECULATIVE_METHOD_DRAFT\x10\x03\x12\x1d\n\x19SPECULATIVE_METHOD_SUFFIX\x10\x04*\xb3\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05*R\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x01\x12\x12\n\x0ePRIORITY_BATCH\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,28 +33,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_SPECULATIVEMETHOD']._serialized_start=1877
-  _globals['_SPECULATIVEMETHOD']._serialized_end=2052
-  _globals['_FINISHREASON']._serialized_start=2055
-  _globals['_FINISHREASON']._serialized_end=2204
-  _globals['_PRIORITY']._serialized_start=2206
-  _globals['_PRIORITY']._serialized_end=2288
-  _globals['_CHATMESSAGE']._serialized_start=37
-  _globals['_CHATMESSAGE']._serialized_end=96
-  _globals['_SAMPLINGPARAMS']._serialized_start=99
-  _globals['_SAMPLINGPARAMS']._serialized_end=1089
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=849
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=909
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=1092
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1301
-  _globals['_CHOICECONSTRAINT']._serialized_start=1303
-  _globals['_CHOICECONSTRAINT']._serialized_end=1347
-  _globals['_TOKENLOGPROB']._serialized_start=1349
-  _globals['_TOKENLOGPROB']._serialized_end=1458
-  _globals['_POSITIONLOGPROBS']._serialized_start=1460
-  _globals['_POSITIONLOGPROBS']._serialized_end=1570
-  _globals['_SPECULATIVEPARAMS']._serialized_start=1573
-  _globals['_SPECULATIVEPARAMS']._serialized_end=1732
-  _globals['_USAGE']._serialized_start=1735
-  _globals['_USAGE']._serialized_end=1874
+  _globals['_SPECULATIVEMETHOD']._serialized_start=2042
+  _globals['_SPECULATIVEMETHOD']._serialized_end=2217
+  _globals['_FINISHREASON']._serialized_start=2220
+  _globals['_FINISHREASON']._serialized_end=2399
+  _globals['_PRIORITY']._serialized_start=2401
+  _globals['_PRIORITY']._serialized_end=2483
+  _globals['_CHATMESSAGE']._serialized_start=38
+  _globals['_CHATMESSAGE']._serialized_end=183
+  _globals['_TOOLCALL']._serialized_start=185
+  _globals['_TOOLCALL']._serialized_end=261
+  _globals['_SAMPLINGPARAMS']._serialized_start=264
+  _globals['_SAMPLINGPARAMS']._serialized_end=1254
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1014
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1074
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1257
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1466
+  _globals['_CHOICECONSTRAINT']._serialized_start=1468
+  _globals['_CHOICECONSTRAINT']._serialized_end=1512
+  _globals['_TOKENLOGPROB']._serialized_start=1514
+  _globals['_TOKENLOGPROB']._serialized_end=1623
+  _globals['_POSITIONLOGPROBS']._serialized_start=1625
+  _globals['_POSITIONLOGPROBS']._serialized_end=1735
+  _globals['_SPECULATIVEPARAMS']._serialized_start=1738
+  _globals['_SPECULATIVEPARAMS']._serialized_end=1897
+  _globals['_USAGE']._serialized_start=1900
+  _globals['_USAGE']._serialized_end=2039
 # @@protoc_insertion_point(module_scope)

@@ -78,6 +78,8 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """The client cancelled, dropped the call or its deadline passed."""
     FINISH_REASON_ERROR: _FinishReason.ValueType  # 4
     """The server failed the request; the status message says why."""
+    FINISH_REASON_TOOL_CALLS: _FinishReason.ValueType  # 5
+    """The model called one or more tools (`GenerateResponse.tool_calls`)."""
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
     """Why a generation ended."""
@@ -91,6 +93,8 @@ FINISH_REASON_CANCELLED: FinishReason.ValueType  # 3
 """The client cancelled, dropped the call or its deadline passed."""
 FINISH_REASON_ERROR: FinishReason.ValueType  # 4
 """The server failed the request; the status message says why."""
+FINISH_REASON_TOOL_CALLS: FinishReason.ValueType  # 5
+"""The model called one or more tools (`GenerateResponse.tool_calls`)."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 class _Priority:
@@ -125,26 +129,75 @@ class ChatMessage(_message.Message):
 
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """One of the roles the model's chat template accepts: "system", "user",
     "assistant" or "tool" unless the tokenizer service is configured otherwise
     (GetTokenizerInfoResponse.chat_roles). Another role is INVALID_ARGUMENT.
     """
     content: _builtins.str
-    """UTF-8 text of the turn."""
+    """UTF-8 text of the turn. May be empty on an assistant turn that holds
+    `tool_calls`.
+    """
+    tool_call_id: _builtins.str
+    """On a "tool" turn: the id of the call whose result `content` holds."""
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """On an assistant turn: the tool calls it made (OpenAI's
+        `message.tool_calls`), rendered back into the prompt in the model's tool
+        format. The router renders them; other services never see them.
+        """
+
     def __init__(
         self,
         *,
         role: _builtins.str = ...,
         content: _builtins.str = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        tool_call_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class ToolCall(_message.Message):
+    """One function call the model made."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The call's id ("call_" + random characters; a client echoes it as a
+    "tool" turn's `tool_call_id`).
+    """
+    name: _builtins.str
+    """The function's name, one of the request's `chat.tools`."""
+    arguments: _builtins.str
+    """The arguments as JSON text (an object valid against the function's
+    `parameters_json`).
+    """
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "id", b"id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCall: _TypeAlias = ToolCall  # noqa: Y015
 
 @_typing.final
 class SamplingParams(_message.Message):

@@ -1,0 +1,127 @@
+"""``Chat.tools``, ``tool_choice`` and ``parallel_tool_calls`` checked once, at
+the router's edge (both edges: OpenAI bodies become the same protobuf).
+
+Every refusal is :class:`~services.common.sampling.InvalidRequestError`
+(INVALID_ARGUMENT) naming the field (``chat.tools[1].parameters_json``,
+``chat.tool_choice.function_name``), which the OpenAI edge turns into the
+parameter the client wrote (``tools[1].function.parameters``, ``tool_choice``).
+A schema is compiled by llguidance here (no tokenizer needed), so a tool that
+the engine could not constrain never reaches it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import llguidance
+from llmesh.v1 import generation_pb2
+
+from services.common.sampling import (
+    ConstraintKind,
+    InvalidRequestError,
+    SamplingOptions,
+    StructuredOutput,
+)
+from services.common.wire.tools import (
+    FunctionTool,
+    ToolChoice,
+    ToolChoiceMode,
+    ToolRequest,
+)
+from services.router.tools.grammar import arguments_grammar, tool_grammar
+
+#: Most tools per request.
+MAX_TOOLS = 64
+#: Longest accepted error text from llguidance.
+_MAX_ERROR_CHARS = 300
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def tool_request(chat: generation_pb2.Chat) -> ToolRequest | None:
+    """The validated tools of ``chat``, or None when it has none and no choice.
+
+    Raises:
+      InvalidRequestError: too many tools, a bad or repeated name, a schema
+        that is not JSON or that llguidance cannot compile, a ``tool_choice``
+        mode that is unknown, or that needs tools the request lacks, or that
+        names an absent function.
+    """
+    if len(chat.tools) > MAX_TOOLS:
+        raise InvalidRequestError("chat.tools", f"at most {MAX_TOOLS} tools, got "
+                                                f"{len(chat.tools)}")
+    tools = tuple(_tool(i, pb) for i, pb in enumerate(chat.tools))
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        if tool.name in seen:
+            raise InvalidRequestError(f"chat.tools[{i}].name",
+                                      f"{tool.name!r} is given twice; names must be unique")
+        seen.add(tool.name)
+    if chat.tool_choice.WhichOneof("choice") == "mode" \
+            and chat.tool_choice.mode not in (generation_pb2.TOOL_CHOICE_MODE_AUTO,
+                                              generation_pb2.TOOL_CHOICE_MODE_NONE,
+                                              generation_pb2.TOOL_CHOICE_MODE_REQUIRED):
+        raise InvalidRequestError("chat.tool_choice.mode", f"unknown value "
+                                  f"{chat.tool_choice.mode}; use AUTO, NONE or REQUIRED")
+    choice = ToolChoice.from_pb(chat.tool_choice, has_tools=bool(tools))
+    if choice.mode is ToolChoiceMode.NAMED and choice.function_name not in seen:
+        raise InvalidRequestError(
+            "chat.tool_choice.function_name",
+            f"names {choice.function_name[:64]!r}, which is not one of the request's tools"
+            + (f" ({', '.join(sorted(seen))})" if seen else " (it has none)"))
+    if choice.mode is ToolChoiceMode.REQUIRED and not tools:
+        raise InvalidRequestError("chat.tool_choice", "required needs at least one tool")
+    if not tools and not chat.HasField("parallel_tool_calls"):
+        return None
+    parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True
+    return ToolRequest(tools, choice, parallel)
+
+
+def constrain(sampling: SamplingOptions, tools: ToolRequest | None) -> SamplingOptions:
+    """``sampling`` with the tool-call grammar as its output constraint.
+
+    Raises:
+      InvalidRequestError: the request also sets ``sampling.structured_output``
+        and may call tools (one constraint at a time).
+    """
+    grammar = tool_grammar(tools) if tools is not None else None
+    if grammar is None:
+        return sampling
+    if sampling.structured_output is not None:
+        raise InvalidRequestError(
+            "sampling.structured_output", "cannot be combined with tools (their calls are "
+            "constrained already); drop it or set tool_choice to none")
+    return dataclasses.replace(
+        sampling, structured_output=StructuredOutput(ConstraintKind.GRAMMAR, grammar))
+
+
+def _tool(index: int, pb: generation_pb2.FunctionTool) -> FunctionTool:
+    where = f"chat.tools[{index}]"
+    if not _NAME.fullmatch(pb.name):
+        raise InvalidRequestError(f"{where}.name", f"must be 1..64 characters of A-Z, a-z, "
+                                                   f"0-9, _ and -, got {pb.name[:64]!r}")
+    tool = FunctionTool.from_pb(pb)
+    field = f"{where}.parameters_json"
+    try:
+        schema = json.loads(tool.parameters_schema)
+    except ValueError as err:
+        raise InvalidRequestError(field, f"is not valid JSON: {err}") from None
+    if not isinstance(schema, dict | bool):
+        raise InvalidRequestError(field, f"a JSON schema is an object or a boolean, got "
+                                         f"{type(schema).__name__}")
+    if isinstance(schema, dict) and schema.get("type", "object") != "object":
+        raise InvalidRequestError(field, 'the arguments must be an object: use '
+                                         '{"type": "object", "properties": ...}')
+    error = llguidance.LLMatcher.validate_grammar(
+        llguidance.grammar_from("lark", arguments_grammar(tool)))
+    if error:
+        message = error.strip()
+        if len(message) > _MAX_ERROR_CHARS:
+            message = message[:_MAX_ERROR_CHARS] + " …"
+        raise InvalidRequestError(field, f"the grammar engine cannot compile this schema: "
+                                         f"{message}")
+    return tool
+
+
+__all__ = ["MAX_TOOLS", "constrain", "tool_request"]

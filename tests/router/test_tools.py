@@ -1,0 +1,222 @@
+"""Tool calling's parts without a mesh: the Hermes renderer, the grammar
+(compiled against SmolLM2's real vocabulary), the incremental parser, the
+edge validation and the OpenAI shapes. Through the mesh:
+tests/e2e/test_mesh_tools.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import grpc
+import llguidance
+import pytest
+from llmesh.v1 import generation_pb2
+
+from services.common.model_files import default_model_path
+from services.common.sampling import InvalidRequestError
+from services.common.wire.chat import ChatMessage
+from services.common.wire.tools import (
+    FunctionTool,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    ToolChoiceMode,
+    ToolRequest,
+)
+from services.router.openai_protocol import Endpoint, openai_param, parse_request
+from services.router.tools import hermes
+from services.router.tools.formats import ToolCallFormat, parse_flag, resolve
+from services.router.tools.grammar import tool_grammar
+from services.router.tools.openai import message_body
+from services.router.tools.parser import ToolCallParser
+from services.router.tools.validate import tool_request
+from services.router.validation import validate_request
+from tests.router.test_router_validation import CHAT_LIMITS
+
+WEATHER = FunctionTool("get_weather", "Current weather of a city", json.dumps({
+    "type": "object", "properties": {"city": {"type": "string"},
+                                     "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"], "additionalProperties": False}))
+TIME = FunctionTool("get_time", "", json.dumps({
+    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}))
+CALL = hermes.call_text("get_weather", '{"city": "Paris \\"}{", "unit": "c"}')
+
+
+# ------------------------------------------------------------------ parser
+
+
+def _parse(pieces: list[str]) -> tuple[str, list[ToolCallDelta]]:
+    ids = iter(f"call_{i}" for i in range(10))
+    parser = ToolCallParser(lambda: next(ids))
+    content, deltas = [], []
+    for piece in pieces:
+        text, calls = parser.feed(piece)
+        content.append(text)
+        deltas += calls
+    content.append(parser.finish())
+    return "".join(content), deltas
+
+
+@pytest.mark.parametrize("split", ["whole", "chars", "random"])
+def test_parser_gives_the_same_calls_for_any_split_of_the_text(split: str) -> None:
+    text = "Let me check.\n" + CALL + "\n" + hermes.call_text("get_time", '{"zone": "CET"}')
+    if split == "whole":
+        pieces = [text]
+    elif split == "chars":
+        pieces = list(text)
+    else:
+        rng, pieces, at = random.Random(7), [], 0
+        while at < len(text):
+            size = rng.randint(1, 9)
+            pieces.append(text[at:at + size])
+            at += size
+    content, deltas = _parse(pieces)
+    assert content == "Let me check.\n"
+    assert message_body(deltas) == [
+        {"id": "call_0", "type": "function",
+         "function": {"name": "get_weather",
+                      "arguments": '{"city": "Paris \\"}{", "unit": "c"}'}},
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}]
+    firsts = [d for d in deltas if d.id]
+    assert [d.index for d in firsts] == [0, 1] and all(d.name for d in firsts)
+
+
+def test_parser_holds_back_a_partial_marker_and_releases_plain_text() -> None:
+    parser = ToolCallParser()
+    assert parser.feed("a <tool_") == ("a ", [])
+    assert parser.feed("box>") == ("<tool_box>", [])
+    assert parser.feed(" <to") == (" ", [])
+    assert parser.finish() == "<to"
+
+
+# ----------------------------------------------------------------- render
+
+
+def test_render_puts_tools_in_the_system_turn_and_results_in_a_user_turn() -> None:
+    messages = (ChatMessage("system", "Be brief."), ChatMessage("user", "Weather?"),
+                ChatMessage("assistant", "", (ToolCall("call_1", "get_weather",
+                                                       '{"city": "Oslo", "unit": "c"}'),)),
+                ChatMessage("tool", "3 C", tool_call_id="call_1"),
+                ChatMessage("tool", "windy", tool_call_id="call_2"))
+    out = hermes.render(messages, (WEATHER,))
+    assert out[0].role == "system" and out[0].content.startswith("Be brief.\n\n# Tools")
+    assert '"name": "get_weather"' in out[0].content and "<tools>" in out[0].content
+    assert out[2] == ChatMessage("assistant", hermes.call_text(
+        "get_weather", '{"city": "Oslo", "unit": "c"}'))
+    assert out[3] == ChatMessage("user", "<tool_response>\n3 C\n</tool_response>\n"
+                                         "<tool_response>\nwindy\n</tool_response>")
+    assert len(out) == 4 and all(not m.tool_calls for m in out)
+
+
+# ---------------------------------------------------------------- grammar
+
+
+@pytest.fixture(scope="module")
+def lltok() -> llguidance.LLTokenizer:
+    from services.engine.torch_backend.structured_output import load_tokenizer
+    return load_tokenizer(default_model_path(), 49152, (0, 2))
+
+
+def _accepts(tok: llguidance.LLTokenizer, grammar: str, text: str) -> bool:
+    matcher = llguidance.LLMatcher(tok, llguidance.grammar_from("lark", grammar), log_level=0)
+    return all(matcher.consume_token(t) for t in tok.tokenize_str(text)) \
+        and matcher.is_accepting()
+
+
+def _grammar(mode: ToolChoiceMode, name: str = "", parallel: bool = True) -> str:
+    grammar = tool_grammar(ToolRequest((WEATHER, TIME), ToolChoice(mode, name), parallel))
+    assert grammar is not None
+    return grammar
+
+
+def test_required_grammar_admits_valid_calls_only(lltok: llguidance.LLTokenizer) -> None:
+    required = _grammar(ToolChoiceMode.REQUIRED)
+    good = hermes.call_text("get_weather", '{"city": "Oslo", "unit": "f"}')
+    assert _accepts(lltok, required, good)
+    assert _accepts(lltok, required, good + "\n" + hermes.call_text("get_time",
+                                                                    '{"zone": "UTC"}'))
+    assert not _accepts(lltok, required, "Sure! " + good)  # no text
+    assert not _accepts(lltok, required, hermes.call_text("get_weather",
+                                                          '{"city": "Oslo", "unit": "k"}'))
+    assert not _accepts(lltok, required, hermes.call_text("nope", "{}"))
+    single = _grammar(ToolChoiceMode.REQUIRED, parallel=False)
+    assert not _accepts(lltok, single, good + "\n" + good)
+    named = _grammar(ToolChoiceMode.NAMED, "get_time")
+    assert not _accepts(lltok, named, good)
+    assert _accepts(lltok, named, hermes.call_text("get_time", '{"zone": "UTC"}'))
+
+
+def test_auto_grammar_is_free_text_until_the_marker_then_a_valid_call(
+        lltok: llguidance.LLTokenizer) -> None:
+    auto = _grammar(ToolChoiceMode.AUTO)
+    assert _accepts(lltok, auto, "Paris is the capital of France.")
+    assert _accepts(lltok, auto, "Checking.\n" + hermes.call_text(
+        "get_time", '{"zone": "UTC"}'))
+    assert not _accepts(lltok, auto, 'Checking. <tool_call>\n{"name": "x"}')
+    assert tool_grammar(ToolRequest((WEATHER,), ToolChoice(ToolChoiceMode.NONE))) is None
+
+
+# ------------------------------------------------------------- validation
+
+
+def _chat(body: dict) -> generation_pb2.Chat:
+    return parse_request(Endpoint.CHAT, json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}], **body}).encode()).generate.chat
+
+
+def _tool(parameters: object, name: str = "f") -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [_tool({"type": "object"}),
+                _tool({"type": "object", "properties": {"a": {"type": "strng"}}}, "g")]},
+     "tools[1].function.parameters"),
+    ({"tools": [_tool({"type": "object"})],
+      "tool_choice": {"type": "function", "function": {"name": "absent"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [_tool({"type": "object"}, "bad name")]}, "tools[0].function.name"),
+    ({"tools": [_tool({"type": "object"}), _tool({"type": "object"})]},
+     "tools[1].function.name"),
+])
+def test_bad_tools_are_refused_naming_the_openai_parameter(body: dict, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        tool_request(_chat(body))
+    assert openai_param(info.value.field) == param
+
+
+def test_openai_tools_become_the_typed_request() -> None:
+    chat = _chat({"tools": [_tool(json.loads(WEATHER.parameters_schema), "get_weather")],
+                  "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                  "parallel_tool_calls": False})
+    request = tool_request(chat)
+    assert request is not None and request.choice == ToolChoice(ToolChoiceMode.NAMED,
+                                                                "get_weather")
+    assert not request.parallel and request.tools[0].name == "get_weather"
+    assert ToolChoice.from_pb(request.choice.to_pb(), has_tools=True) == request.choice
+    assert tool_request(_chat({})) is None
+
+
+# ------------------------------------------------------------ the format flag
+
+
+def test_tool_call_format_flag_per_model_and_none_refuses_tools() -> None:
+    formats = dict(map(parse_flag, ["none", "smol=auto"]))
+    assert resolve(formats, "smol") is ToolCallFormat.HERMES  # auto: Hermes today
+    assert resolve(formats, "gemma") is ToolCallFormat.NONE
+    assert resolve({}, "any") is ToolCallFormat.HERMES
+    with pytest.raises(ValueError, match="FORMAT one of auto, hermes, none"):
+        parse_flag("smol=qwen")
+    limits = dataclasses.replace(CHAT_LIMITS, tool_call_format=ToolCallFormat.NONE)
+    pb = generation_pb2.GenerateRequest(chat=_chat({"tools": [_tool({"type": "object"})]}))
+    with pytest.raises(InvalidRequestError) as info:
+        validate_request(pb, request_id="r", models={"tiny": limits}, default_model="tiny")
+    assert info.value.field == "chat.tools"
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    served = validate_request(pb, request_id="r", models={"tiny": CHAT_LIMITS},
+                              default_model="tiny")
+    assert served.sampling.structured_output is not None  # auto: the call grammar
+    assert served.messages is not None and "<tools>" in served.messages[0].content
