@@ -232,7 +232,8 @@ def test_another_cache_salt_shares_no_cached_tokens_where_the_same_salt_hits(
         client: openai.OpenAI, model: str) -> None:
     tag = uuid.uuid4().hex[:8]  # a prompt no earlier request shares a block of
     prompt = (f"[{tag}] The quarterly report lists revenue, costs and the outlook for "
-              "each region; the board reads it before the meeting. Summary:")
+              "each region; the board reads it before the meeting, and the auditors "
+              "check its figures against the ledger. Summary:")
 
     def cached(salt: str) -> tuple[int, int]:
         usage = client.completions.create(
