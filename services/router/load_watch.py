@@ -12,7 +12,12 @@ replica after the last report, which the engine had not counted yet. Without
 it, requests that arrive together all see the same report and pile onto the
 one replica that looked cheapest.
 
-The call is opened again after it fails (0.1 s, doubling to 2 s).
+The call is opened again 0.1 s after it ends (doubling to 2 s while calls
+keep failing on a live connection) with ``wait_for_ready``: while the engine
+is unreachable the new call waits for the channel to connect instead of
+failing at once, so the backoff does not grow while the engine is down, and a
+restarted engine's load arrives as soon as the channel reconnects, when its
+health probe brings it back into routing (:mod:`services.router.replicas`).
 
 Threading: everything on the router's event loop.
 """
@@ -105,7 +110,7 @@ class LoadWatch:
         retry = _RETRY_S[0]
         loop = asyncio.get_running_loop()
         while True:
-            call = self._stub.StreamLoad(engine_pb2.StreamLoadRequest())
+            call = self._stub.StreamLoad(engine_pb2.StreamLoadRequest(), wait_for_ready=True)
             try:
                 async for message in call:
                     self._load = LoadStats.from_pb(message.load)

@@ -19,6 +19,7 @@ from services.router.clients import UpstreamError
 from services.router.engine_client import EngineClient
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
+from services.router.routing import ReplicaPicker, RouteHint, RoutingPolicy
 
 from tests.router.router_fakes import FakeEngine, serve
 
@@ -93,6 +94,50 @@ async def test_a_stopped_replica_leaves_routing_and_rejoins_when_it_serves_again
         assert changes[-1] == [ReplicaCapacity(0, 0), ReplicaCapacity(2, 0)]
         assert sample("llmesh:router_replica_serving", {"engine": engines[0].target}) == 1
     finally:
+        await replicas.close()
+        for engine in engines:
+            await engine.close()
+        for server, _ in [*servers[1:], *([restarted] if restarted else [])]:
+            await server.stop(None)
+
+
+async def test_a_restarted_replica_gets_its_load_back_when_it_rejoins_and_takes_requests(
+        metrics: RouterMetrics) -> None:
+    """An engine down for seconds (as a SIGKILLed one restarting is) serves
+    again on its port: its load stream is back as soon as the replica is in
+    routing, and kv_aware picks it, idle, over the busy survivor. (A load
+    stream reopened on a blind backoff that grew while the engine was down,
+    0.1 s doubling to 2 s, came back up to 2 s after the replica rejoined; its
+    stale load priced it as saturated, so every request in between went to
+    the survivor.)"""
+    fakes = [FakeEngine(), FakeEngine()]
+    fakes[1].step_delay = 10.0  # the survivor runs a long stream throughout
+    servers = [await serve_engine(f) for f in fakes]
+    engines = [EngineClient(target) for _, target in servers]
+    replicas = ReplicaSet(engines, [ReplicaCapacity(2, 0)] * 2, metrics=metrics,
+                          probe_interval_s=INTERVAL, probe_timeout_s=TIMEOUT)
+    picker = ReplicaPicker(RoutingPolicy.KV_AWARE, None, metrics)
+    for engine in engines:
+        engine.load_watch.start()
+    replicas.start()
+    restarted = None
+    busy = engines[1].start((1, 2, 3), SamplingOptions(max_tokens=50),
+                            priority=Priority.INTERACTIVE, request_id="busy", deadline=None)
+    try:
+        await until(lambda: all(not e.load_watch.current().stale for e in engines)
+                    and engines[1].load_watch.current().load.num_running == 1)
+        port = int(servers[0][1].rsplit(":", 1)[1])
+        await servers[0][0].stop(None)
+        await until(lambda: replicas.serving() == [engines[1]])
+        await asyncio.sleep(3.3)  # down long enough for any backoff to reach its cap
+        restarted = await serve_engine(fakes[0], port=port)
+        await until(lambda: replicas.serving() == engines, timeout=3.0)
+        lag = await until(lambda: not engines[0].load_watch.current().stale, timeout=3.0)
+        assert lag < 0.3, f"the load stream came back {lag:.2f} s after the replica rejoined"
+        choice = await picker.choose(replicas.serving(), Priority.INTERACTIVE, RouteHint(8))
+        assert choice.order[0] is engines[0], choice.costs
+    finally:
+        busy.close()
         await replicas.close()
         for engine in engines:
             await engine.close()
