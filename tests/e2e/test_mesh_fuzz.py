@@ -1,6 +1,6 @@
-"""Fuzzing the mesh's public edges through Envoy (a mesh of this module's own,
-with the fuzz strategies' small context window, so that no case's prefill
-outlasts its deadline on 2 cores):
+"""Fuzzing the mesh's public edges through Envoy (on a mesh with the fuzz
+strategies' small context window, so that no case's prefill outlasts its
+deadline on 2 cores; the one test_mesh_faults and test_mesh_tenants share):
 random ``Generate`` requests and raw bodies, ``/v1/generate`` and
 ``/v1/chat/completions`` JSON (lone surrogates, wrong types, huge repeated
 fields), ``GenerateStream`` scripts with random cancel timings. No call may
@@ -28,11 +28,9 @@ from hypothesis import HealthCheck, given, settings
 from llmesh.v1 import common_pb2, generation_pb2
 from services.cli.mesh import Mesh
 from services.router.validation import MAX_BYTES_PER_TOKEN, MAX_HISTORY_WINDOWS
-from tests.cache.redis_server import start_redis_server
 from tests.e2e.fuzz_strategies import (
     CALL_DEADLINE_S,
     MAX_MODEL_LEN,
-    MESH_ENGINE_ARGS,
     CaseResult,
     Target,
     cases,
@@ -40,6 +38,7 @@ from tests.e2e.fuzz_strategies import (
     run_case,
 )
 from tests.e2e.hostile_checks import pids, problems, watched
+from tests.e2e.shared_mesh import SharedMesh
 
 pytestmark = pytest.mark.mesh
 
@@ -58,13 +57,14 @@ HEALTH_EVERY = 250
 
 
 @pytest.fixture(scope="module")
-def fuzz_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    """The whole mesh behind Envoy, as the suite's shared one (real model,
-    cache on its own Redis), with a :data:`MAX_MODEL_LEN`-token context window."""
-    with start_redis_server() as redis, Mesh(
-            ingress_port=0, admin_port=0, run_dir=tmp_path_factory.mktemp("fuzz-mesh"),
-            redis_url=redis.url, engine_args=MESH_ENGINE_ARGS) as running:
-        yield running
+def fuzz_mesh(small_window_engine: SharedMesh) -> Iterator[Mesh]:
+    """The whole mesh behind Envoy (real model, cache on its own Redis) with a
+    :data:`MAX_MODEL_LEN`-token context window (``MESH_ENGINE_ARGS``), the
+    mesh test_mesh_faults and test_mesh_tenants ran on
+    (conftest.py; a mesh start less), its router restarted without API keys;
+    stopped after this module."""
+    yield small_window_engine.get([])
+    small_window_engine.stop()
 
 
 def test_the_costliest_case_prefills_one_window_within_the_deadline(
