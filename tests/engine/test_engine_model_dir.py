@@ -7,63 +7,23 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from benchmarks.random_checkpoint import save_tiny_llama
+from tests.engine.engine_cli import finish, run_all, start_engine
 
-REPO = Path(__file__).resolve().parents[2]
 PROG = "python -m services.engine: error: "
 LLAMA = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
          "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 256,
          "max_position_embeddings": 128, "eos_token_id": 2}
 
 
-def start_engine(*argv: str, python_path: Path | None = None) -> subprocess.Popen[str]:
-    """``python -m services.engine ARGV`` on free ports, stdout and stderr piped."""
-    paths = [*([python_path] if python_path else []), REPO, REPO / "services" / "gen"]
-    return subprocess.Popen(
-        [sys.executable, "-m", "services.engine", "--port", "0", "--metrics-port", "0", *argv],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(map(str, paths))})
-
-
-def finish(process: subprocess.Popen[str], timeout_s: float = 120.0
-           ) -> subprocess.CompletedProcess[str]:
-    """Waits for an engine of :func:`start_engine` to exit (killed after ``timeout_s``)."""
-    try:
-        stdout, stderr = process.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.communicate()
-        raise
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-
-
-def run_engine(*argv: str, python_path: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return finish(start_engine(*argv, python_path=python_path))
-
-
-def run_all(starts: dict[str, Callable[[], subprocess.Popen[str]]]
-            ) -> dict[str, subprocess.CompletedProcess[str]]:
-    """Starts every engine at once and waits for them all, by key. A refused
-    start is mostly the interpreter importing torch (~2.5 s of one core here),
-    so the module's refusals run side by side rather than one after another."""
-    processes: dict[str, subprocess.Popen[str]] = {}
-    try:
-        for key, start in starts.items():
-            processes[key] = start()
-        return {key: finish(process) for key, process in processes.items()}
-    finally:
-        for process in processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.communicate()
+def run_engine(*argv: str) -> subprocess.CompletedProcess[str]:
+    return finish(start_engine("--metrics-port", "0", *argv))
 
 
 def one_error_line(done: subprocess.CompletedProcess[str]) -> str:
@@ -124,7 +84,8 @@ def broken_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def broken_runs(broken_paths: dict[str, Path]) -> dict[str, subprocess.CompletedProcess[str]]:
     """The engine started on each case's path, all at once (:func:`run_all`)."""
-    return run_all({case: functools.partial(start_engine, "--model-path", str(path))
+    return run_all({case: functools.partial(start_engine, "--metrics-port", "0",
+                                      "--model-path", str(path))
                     for case, path in broken_paths.items()})
 
 
@@ -172,7 +133,8 @@ def tensorrt_runs(tmp_path_factory: pytest.TempPathFactory
     fake.mkdir()
     (fake / "__init__.py").write_text("")
     return run_all({" ".join(argv): functools.partial(
-        start_engine, "--backend", "tensorrt_llm", *argv, python_path=root)
+        start_engine, "--metrics-port", "0", "--backend", "tensorrt_llm", *argv,
+        python_path=root)
         for argv in TENSORRT_CASES})
 
 
