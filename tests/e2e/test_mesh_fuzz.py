@@ -12,8 +12,11 @@ used by benchmarks/fuzz_soak.py for 100,000 cases).
 Cost: FUZZ_CASES cases, derandomized (the same cases every run), measured on
 a 2-core machine: 33.6 s (16.8 ms a case) at load ~1.5, 140.6 s (70 ms a
 case) at load ~3 with other jobs running (see the report in the test's
-output); with this module's own mesh (2026-12-06, five runs in a row): 38.5 s
-at load ~2.5 to 305.6 s at load ~10 for the cases, 6-30 s for the mesh start.
+output); with a mesh of this module's own (2026-12-06, five runs in a row):
+38.5 s at load ~2.5 to 305.6 s at load ~10 for the cases, 6-30 s for the mesh
+start, which the shared mesh replaces by a router restart (2.2 s at load ~8).
+On a one-thread engine the cases took twice as long (220.7 s at load ~13, a
+stream script past its deadline): the shared mesh's engine uses all CPUs.
 """
 
 from __future__ import annotations
