@@ -46,10 +46,10 @@ def small_window_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sh
     """One engine with the fuzz strategies' 512-token window
     (``MESH_ENGINE_ARGS``; all CPUs: on one thread the fuzz's cases took twice
     as long and a stream script outlived its 20 s deadline at load ~13), the
-    cache on a Redis of its own, 1 s
-    drains: test_mesh_faults's mesh (which kills and restarts the tokenizer,
-    cache and router), then test_mesh_tenants's (its router restarted with API
-    keys), then test_mesh_fuzz's (its router restarted without them)."""
+    cache on a Redis of its own, 1 s drains: test_mesh_faults's mesh (which
+    kills and restarts the tokenizer, cache and router), then
+    test_mesh_tenants's (its router restarted with API keys), then
+    test_mesh_fuzz's (its router restarted without them; it stops the mesh)."""
     with start_redis_server() as redis, SharedMesh(lambda router_args: Mesh(
             ingress_port=0, admin_port=0, run_dir=tmp_path_factory.mktemp("small-window-mesh"),
             redis_url=redis.url, drain_seconds=1.0,
