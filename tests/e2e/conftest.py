@@ -1,8 +1,9 @@
 """Meshes that several e2e modules share, each module with its own router flags
-(``Mesh.restart_router``: a router restart takes a second or two, two engines
-take a model load each). The modules that share one run next to each other
-(:func:`pytest_collection_modifyitems`), so that no shared mesh sits idle in
-memory (~1.6 GB an engine) while other modules run theirs."""
+(``Mesh.restart_router``: a router restart takes a second or two, a mesh start
+a model load and a tokenizer, cache and Envoy start). The modules that share
+one run next to each other (:func:`pytest_collection_modifyitems`), so that no
+shared mesh sits idle in memory (~1.6 GB an engine) while other modules run
+theirs."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ import openai
 import pytest
 
 from services.cli.mesh import Mesh
+from tests.cache.redis_server import start_redis_server
+from tests.e2e.fuzz_strategies import MESH_ENGINE_ARGS
 from tests.e2e.shared_mesh import SharedMesh
 
-#: Module → the module whose shared mesh it takes over (it runs right after it).
-RUNS_AFTER = {"test_mesh_tenants.py": "test_mesh_faults.py"}
+#: Module → the module whose shared mesh it takes over (it runs right after
+#: it). A chain is listed in its order: faults, then tenants, then fuzz.
+RUNS_AFTER = {"test_mesh_tenants.py": "test_mesh_faults.py",
+              "test_mesh_fuzz.py": "test_mesh_tenants.py"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -39,12 +44,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def small_window_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedMesh]:
-    """One engine with a 512-token window on one thread, 1 s drains:
-    test_mesh_faults's mesh (which kills and restarts the tokenizer, cache and
-    router) and then test_mesh_tenants's, its router restarted with API keys."""
-    with SharedMesh(lambda router_args: Mesh(
+    """One engine with the fuzz strategies' 512-token window
+    (``MESH_ENGINE_ARGS``; all CPUs: on one thread the fuzz's cases took twice
+    as long and a stream script outlived its 20 s deadline at load ~13), the
+    cache on a Redis of its own, 1 s drains: test_mesh_faults's mesh (which
+    kills and restarts the tokenizer, cache and router), then
+    test_mesh_tenants's (its router restarted with API keys), then
+    test_mesh_fuzz's (its router restarted without them; it stops the mesh)."""
+    with start_redis_server() as redis, SharedMesh(lambda router_args: Mesh(
             ingress_port=0, admin_port=0, run_dir=tmp_path_factory.mktemp("small-window-mesh"),
-            drain_seconds=1.0, engine_args=["--max-model-len", "512", "--num-threads", "1"],
+            redis_url=redis.url, drain_seconds=1.0,
+            engine_args=list(MESH_ENGINE_ARGS),
             router_args=router_args)) as shared:
         yield shared
 

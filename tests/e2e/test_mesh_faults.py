@@ -45,7 +45,7 @@ FAIL_FAST_S = 1.0
 
 @pytest.fixture(scope="module")
 def mesh(small_window_engine: SharedMesh) -> Mesh:
-    """One engine (512-token window, one thread), 1 s drains (conftest.py;
+    """One engine (512-token window), 1 s drains (conftest.py;
     test_mesh_tenants runs on it later, its router restarted with API keys)."""
     return small_window_engine.get([])
 

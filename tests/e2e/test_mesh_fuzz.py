@@ -1,6 +1,6 @@
-"""Fuzzing the mesh's public edges through Envoy (a mesh of this module's own,
-with the fuzz strategies' small context window, so that no case's prefill
-outlasts its deadline on 2 cores):
+"""Fuzzing the mesh's public edges through Envoy (on a mesh with the fuzz
+strategies' small context window, so that no case's prefill outlasts its
+deadline on 2 cores; the one test_mesh_faults and test_mesh_tenants share):
 random ``Generate`` requests and raw bodies, ``/v1/generate`` and
 ``/v1/chat/completions`` JSON (lone surrogates, wrong types, huge repeated
 fields), ``GenerateStream`` scripts with random cancel timings. No call may
@@ -12,8 +12,11 @@ used by benchmarks/fuzz_soak.py for 100,000 cases).
 Cost: FUZZ_CASES cases, derandomized (the same cases every run), measured on
 a 2-core machine: 33.6 s (16.8 ms a case) at load ~1.5, 140.6 s (70 ms a
 case) at load ~3 with other jobs running (see the report in the test's
-output); with this module's own mesh (2026-12-06, five runs in a row): 38.5 s
-at load ~2.5 to 305.6 s at load ~10 for the cases, 6-30 s for the mesh start.
+output); with a mesh of this module's own (2026-12-06, five runs in a row):
+38.5 s at load ~2.5 to 305.6 s at load ~10 for the cases, 6-30 s for the mesh
+start, which the shared mesh replaces by a router restart (2.2 s at load ~8).
+On a one-thread engine the cases took twice as long (220.7 s at load ~13, a
+stream script past its deadline): the shared mesh's engine uses all CPUs.
 """
 
 from __future__ import annotations
@@ -28,11 +31,9 @@ from hypothesis import HealthCheck, given, settings
 from llmesh.v1 import common_pb2, generation_pb2
 from services.cli.mesh import Mesh
 from services.router.validation import MAX_BYTES_PER_TOKEN, MAX_HISTORY_WINDOWS
-from tests.cache.redis_server import start_redis_server
 from tests.e2e.fuzz_strategies import (
     CALL_DEADLINE_S,
     MAX_MODEL_LEN,
-    MESH_ENGINE_ARGS,
     CaseResult,
     Target,
     cases,
@@ -40,6 +41,7 @@ from tests.e2e.fuzz_strategies import (
     run_case,
 )
 from tests.e2e.hostile_checks import pids, problems, watched
+from tests.e2e.shared_mesh import SharedMesh
 
 pytestmark = pytest.mark.mesh
 
@@ -58,13 +60,14 @@ HEALTH_EVERY = 250
 
 
 @pytest.fixture(scope="module")
-def fuzz_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    """The whole mesh behind Envoy, as the suite's shared one (real model,
-    cache on its own Redis), with a :data:`MAX_MODEL_LEN`-token context window."""
-    with start_redis_server() as redis, Mesh(
-            ingress_port=0, admin_port=0, run_dir=tmp_path_factory.mktemp("fuzz-mesh"),
-            redis_url=redis.url, engine_args=MESH_ENGINE_ARGS) as running:
-        yield running
+def fuzz_mesh(small_window_engine: SharedMesh) -> Iterator[Mesh]:
+    """The whole mesh behind Envoy (real model, cache on its own Redis) with a
+    :data:`MAX_MODEL_LEN`-token context window (``MESH_ENGINE_ARGS``), the
+    mesh test_mesh_faults and test_mesh_tenants ran on
+    (conftest.py; a mesh start less), its router restarted without API keys;
+    stopped after this module."""
+    yield small_window_engine.get([])
+    small_window_engine.stop()
 
 
 def test_the_costliest_case_prefills_one_window_within_the_deadline(

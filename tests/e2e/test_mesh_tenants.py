@@ -23,7 +23,6 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -74,11 +73,10 @@ def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def mesh(small_window_engine: SharedMesh, keys_file: Path) -> Iterator[Mesh]:
-    """test_mesh_faults's engine (512-token window, one thread; conftest.py), the
-    router restarted with the keys file; stopped after this module."""
-    yield small_window_engine.get(["--api-keys", str(keys_file)])
-    small_window_engine.stop()
+def mesh(small_window_engine: SharedMesh, keys_file: Path) -> Mesh:
+    """test_mesh_faults's engine (512-token window; conftest.py), the
+    router restarted with the keys file (test_mesh_fuzz takes the mesh over next)."""
+    return small_window_engine.get(["--api-keys", str(keys_file)])
 
 
 def auth(tenant: str) -> tuple[tuple[str, str], ...]:

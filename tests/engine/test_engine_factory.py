@@ -4,6 +4,7 @@ tensorrt_llm backend on a machine without TensorRT-LLM."""
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 import subprocess
@@ -22,6 +23,7 @@ from services.engine.config import (
 from services.engine.factory import create_backend
 from services.engine.tensorrt_llm_backend.backend import TensorRTLLMBackend
 from services.engine.torch_backend.backend import TorchBackend
+from tests.engine.engine_cli import run_all, start_engine
 
 HAS_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
 
@@ -181,7 +183,8 @@ def test_contradictory_flags_are_refused_before_loading(argv: list[str], message
     assert create_backend(parse_config(["--backend", "tensorrt_llm", "--device", "cuda"], {}))
 
 
-@pytest.mark.parametrize(("argv", "environ", "message"), [
+#: Engine CLI arguments and environment → what the one-line error says.
+CLI_ERRORS: list[tuple[list[str], dict[str, str], str]] = [
     (["--num-speculative-tokens", "17"], {}, "must be in [1, 16], got 17"),
     (["--help"], {"LLMESH_ENGINE_QUANTIZATION": "bogus"},
      "LLMESH_ENGINE_QUANTIZATION='bogus': choose one of"),
@@ -190,15 +193,21 @@ def test_contradictory_flags_are_refused_before_loading(argv: list[str], message
     (["--backend", "tensorrt_llm", "--speculative-method", "eagle3"], {},
      "--speculative-method eagle3 needs --draft-model-path"),
     (["--speculative-method", "mtp"], {}, "mtp is implemented by the tensorrt_llm backend only"),
-])
+]
+
+
+@pytest.fixture(scope="module")
+def cli_error_runs() -> dict[str, subprocess.CompletedProcess[str]]:
+    """The engine started with each of :data:`CLI_ERRORS`, all at once."""
+    return run_all({message: functools.partial(start_engine, *argv, environ=environ)
+                    for argv, environ, message in CLI_ERRORS})
+
+
+@pytest.mark.parametrize(("argv", "environ", "message"), CLI_ERRORS)
 def test_engine_cli_errors_are_one_line_not_a_traceback(
-        argv: list[str], environ: dict[str, str], message: str) -> None:
-    repo = Path(__file__).resolve().parents[2]
-    done = subprocess.run(
-        [sys.executable, "-m", "services.engine", "--port", "0", *argv], cwd=repo,
-        capture_output=True, text=True, timeout=60,
-        env={**os.environ, **environ,
-             "PYTHONPATH": f"{repo}{os.pathsep}{repo / 'services' / 'gen'}"})
+        argv: list[str], environ: dict[str, str], message: str,
+        cli_error_runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    done = cli_error_runs[message]
     assert done.returncode != 0
     assert message in done.stderr and "Traceback" not in done.stderr
     assert "listening" not in done.stderr + done.stdout

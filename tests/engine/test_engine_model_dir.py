@@ -5,30 +5,25 @@ weights show is one ``engine_load_failed`` line after binding, exit code 1."""
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from benchmarks.random_checkpoint import save_tiny_llama
+from tests.engine.engine_cli import finish, run_all, start_engine
 
-REPO = Path(__file__).resolve().parents[2]
 PROG = "python -m services.engine: error: "
 LLAMA = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
          "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 256,
          "max_position_embeddings": 128, "eos_token_id": 2}
 
 
-def run_engine(*argv: str, python_path: Path | None = None) -> subprocess.CompletedProcess[str]:
-    paths = [*([python_path] if python_path else []), REPO, REPO / "services" / "gen"]
-    return subprocess.run(
-        [sys.executable, "-m", "services.engine", "--port", "0", "--metrics-port", "0", *argv],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(map(str, paths))})
+def run_engine(*argv: str) -> subprocess.CompletedProcess[str]:
+    return finish(start_engine("--metrics-port", "0", *argv))
 
 
 def one_error_line(done: subprocess.CompletedProcess[str]) -> str:
@@ -79,11 +74,27 @@ CASES: dict[str, tuple[Callable[[Path], Path], str]] = {
 }
 
 
+@pytest.fixture(scope="module")
+def broken_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each case's broken model path (:data:`CASES`), in a folder of its own."""
+    return {case: make(tmp_path_factory.mktemp("broken-model-path") / "model")
+            for case, (make, _) in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def broken_runs(broken_paths: dict[str, Path]) -> dict[str, subprocess.CompletedProcess[str]]:
+    """The engine started on each case's path, all at once (:func:`run_all`)."""
+    return run_all({case: functools.partial(start_engine, "--metrics-port", "0",
+                                      "--model-path", str(path))
+                    for case, path in broken_paths.items()})
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_broken_model_path_is_one_line_and_exit_code_2(case: str, tmp_path: Path) -> None:
-    make, message = CASES[case]
-    path = make(tmp_path / "model")
-    done = run_engine("--model-path", str(path))
+def test_a_broken_model_path_is_one_line_and_exit_code_2(
+        case: str, broken_paths: dict[str, Path],
+        broken_runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    path, message = broken_paths[case], CASES[case][1]
+    done = broken_runs[case]
     assert done.returncode == 2, done.stderr[-2000:]
     assert message.format(d=path) in one_error_line(done)
     assert done.stdout == ""  # refused before any port was bound ("listening" is logged)
@@ -104,17 +115,34 @@ def test_a_truncated_shard_is_one_engine_load_failed_line(tmp_path: Path) -> Non
     assert "Traceback" not in done.stdout + done.stderr
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    ((), "the tensorrt_llm backend needs --model-path"),
-    (("--model-path", "/models/x.Q4_1.gguf"), "/models/x.Q4_1.gguf is a GGUF file"),
-    (("--model-path", "/models/absent"), "no checkpoint directory at /models/absent"),
-])
-def test_tensorrt_llm_refuses_a_bad_model_path_before_binding(
-        argv: tuple[str, ...], message: str, tmp_path: Path) -> None:
-    fake = tmp_path / "tensorrt_llm"  # found by check_available; never imported
+#: ``--backend tensorrt_llm`` arguments → the start of the refusal.
+TENSORRT_CASES = {
+    (): "the tensorrt_llm backend needs --model-path",
+    ("--model-path", "/models/x.Q4_1.gguf"): "/models/x.Q4_1.gguf is a GGUF file",
+    ("--model-path", "/models/absent"): "no checkpoint directory at /models/absent",
+}
+
+
+@pytest.fixture(scope="module")
+def tensorrt_runs(tmp_path_factory: pytest.TempPathFactory
+                  ) -> dict[str, subprocess.CompletedProcess[str]]:
+    """The tensorrt_llm engine started with each of :data:`TENSORRT_CASES`'
+    arguments, all at once, with a stand-in ``tensorrt_llm`` package on the path."""
+    root = tmp_path_factory.mktemp("tensorrt")
+    fake = root / "tensorrt_llm"  # found by check_available; never imported
     fake.mkdir()
     (fake / "__init__.py").write_text("")
-    done = run_engine("--backend", "tensorrt_llm", *argv, python_path=tmp_path)
+    return run_all({" ".join(argv): functools.partial(
+        start_engine, "--metrics-port", "0", "--backend", "tensorrt_llm", *argv,
+        python_path=root)
+        for argv in TENSORRT_CASES})
+
+
+@pytest.mark.parametrize(("argv", "message"), list(TENSORRT_CASES.items()))
+def test_tensorrt_llm_refuses_a_bad_model_path_before_binding(
+        argv: tuple[str, ...], message: str,
+        tensorrt_runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    done = tensorrt_runs[" ".join(argv)]
     assert done.returncode == 2
     assert one_error_line(done).startswith(message)
     assert done.stdout == ""
