@@ -6,7 +6,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from tools.code_stats import long_functions
+from tools.code_stats import long_functions, merges
 
 
 def _body(lines: int) -> str:
@@ -28,3 +28,31 @@ def test_counts_long_functions_and_methods_but_not_tables(tmp_path: Path) -> Non
     found = long_functions(pkg, 60)
     assert [(f.name, f.lines) for f in found] == [("long_one", 71), ("K.method", 62)]
     assert found[0].path == pkg / "a.py" and found[0].lineno == 5
+
+
+def test_lists_merge_functions_and_the_buffers_that_merge_under_a_key(tmp_path: Path) -> None:
+    pkg = tmp_path / "svc"
+    pkg.mkdir()
+    (pkg / "a.py").write_text(textwrap.dedent("""\
+        def merge_updates(a, b):
+            return a + b
+
+        def _merged_per_choice(first, queue):
+            merged = {0: first}
+            while queue:
+                merged[1] = merge_updates(merged[0], queue.pop())
+            return merged
+
+        class Mailbox:
+            def put(self, key, update):
+                self._pending[key] = self._merge(self._pending[key], update)
+
+            def take(self, key):
+                return self._pending.pop(key)
+
+        def reader(x):
+            return merge_updates(x, x)  # merges, stores nothing: no buffer
+        """))
+    found, buffers = merges(pkg)
+    assert [f.name for f in found] == ["merge_updates", "_merged_per_choice"]
+    assert [f.name for f in buffers] == ["_merged_per_choice", "Mailbox.put"]
