@@ -53,7 +53,8 @@ class EnginePath:
     queues_per_stream: float
 
 
-def _tiny_backend() -> Any:
+def tiny_backend(step_observer: Callable[[Any], None] | None = None) -> Any:
+    """A torch backend over a tiny random Llama (no model file) and its config."""
     import torch
 
     from services.engine.config import EngineConfig
@@ -70,10 +71,11 @@ def _tiny_backend() -> Any:
     engine = EngineConfig(backend="torch", dtype="float32", quantization="none",
                           max_model_len=512, kv_cache_bytes=8 << 20,
                           speculative_method="none", adaptive_threads=False)
-    return TorchBackend(engine, model=model), engine
+    return TorchBackend(engine, step_observer=step_observer, model=model), engine
 
 
-def _start(stream_id: int, request_id: str, max_tokens: int) -> Any:
+def multiplex_start(stream_id: int, request_id: str, max_tokens: int) -> Any:
+    """A ``MultiplexStart`` of a 4-token prompt, EOS ignored."""
     from llmesh.v1 import common_pb2, engine_pb2
 
     return engine_pb2.MultiplexStart(stream_id=stream_id, request=engine_pb2.EngineRequest(
@@ -130,7 +132,7 @@ async def _measure(streams: int) -> EnginePath:
     from services.engine.metrics import EngineMetrics
     from services.engine.service import EngineService
 
-    backend, config = _tiny_backend()
+    backend, config = tiny_backend()
     service = EngineService(backend, config, metrics=EngineMetrics(CollectorRegistry()))
     recorder = _FormRecorder()
     threading.setprofile(recorder.hook)  # the engine thread, started next
@@ -147,12 +149,14 @@ async def _measure(streams: int) -> EnginePath:
             stub = engine_pb2_grpc.EngineServiceStub(channel)
             call = stub.Multiplex()
             # Warm the call up (its tasks exist before anything is counted).
-            await call.write(engine_pb2.MultiplexRequest(starts=[_start(1, "warm", 1)]))
+            await call.write(engine_pb2.MultiplexRequest(
+                starts=[multiplex_start(1, "warm", 1)]))
             await _until_finished(call, {1})
             sys.setprofile(recorder.hook)
             recorder.active = True
             try:
-                await call.write(engine_pb2.MultiplexRequest(starts=[_start(2, "form", 1)]))
+                await call.write(engine_pb2.MultiplexRequest(
+                    starts=[multiplex_start(2, "form", 1)]))
                 token_ids = await _until_finished(call, {2})
             finally:
                 recorder.active = False
@@ -160,7 +164,7 @@ async def _measure(streams: int) -> EnginePath:
             idle = _counts()
             ids = set(range(10, 10 + streams))
             await call.write(engine_pb2.MultiplexRequest(
-                starts=[_start(i, f"open-{i}", 400) for i in ids]))
+                starts=[multiplex_start(i, f"open-{i}", 400) for i in ids]))
             await _until_streaming(call, ids)
             busy = _counts()
             await call.write(engine_pb2.MultiplexRequest(cancels=sorted(ids)))
