@@ -32,7 +32,6 @@ import asyncio
 import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from pathlib import Path
 # namespace package, so this one's engine_path is found beside an older one's).
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
-from tools.engine_path import multiplex_start, tiny_backend  # noqa: E402
+from tools.engine_path import multiplex_start, tiny_engine  # noqa: E402
 
 
 async def _run_once(stub: object, streams: int, max_tokens: int, base: int
@@ -69,48 +68,26 @@ async def _run_once(stub: object, streams: int, max_tokens: int, base: int
 
 
 async def _main(args: argparse.Namespace) -> None:
-    import grpc
-    from prometheus_client import CollectorRegistry
-
-    from llmesh.v1 import engine_pb2_grpc
-    from services.engine.metrics import EngineMetrics
-    from services.engine.service import EngineService
-
     steps = [0]
-    metrics = EngineMetrics(CollectorRegistry())
 
-    def count(stats: object) -> None:
+    def count(_stats: object) -> None:
         steps[0] += 1
-        metrics.observe_step(stats)  # type: ignore[arg-type]
 
-    backend, config = tiny_backend(count)
-    service = EngineService(backend, config, metrics=metrics)
-    await service.start()
-    server = grpc.aio.server()
-    service.register(server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
     per_step: list[float] = []
     per_token: list[float] = []
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = engine_pb2_grpc.EngineServiceStub(channel)
-            await _run_once(stub, args.streams, 8, 1000)  # warm-up
-            for run in range(args.runs):
-                before = steps[0]
-                cpu, tokens = await _run_once(stub, args.streams, args.max_tokens, run * 1000)
-                num_steps = steps[0] - before
-                per_step.append(cpu / num_steps * 1e6)
-                per_token.append(cpu / tokens * 1e6)
-                print(f"{args.label} run {run}: {num_steps} steps, {tokens} tokens, loop CPU "
-                      f"{cpu * 1e3:.1f} ms: {per_step[-1]:.1f} us/step, "
-                      f"{per_token[-1]:.2f} us/token", flush=True)
-    finally:
-        await server.stop(None)
-        await service.close()
+    async with tiny_engine(count) as stub:
+        await _run_once(stub, args.streams, 8, 1000)  # warm-up
+        for run in range(args.runs):
+            before = steps[0]
+            cpu, tokens = await _run_once(stub, args.streams, args.max_tokens, run * 1000)
+            num_steps = steps[0] - before
+            per_step.append(cpu / num_steps * 1e6)
+            per_token.append(cpu / tokens * 1e6)
+            print(f"{args.label} run {run}: {num_steps} steps, {tokens} tokens, loop CPU "
+                  f"{cpu * 1e3:.1f} ms: {per_step[-1]:.1f} us/step, "
+                  f"{per_token[-1]:.2f} us/token", flush=True)
     print(f"{args.label} median: {_median_iqr(per_step)} us of loop CPU per step, "
-          f"{_median_iqr(per_token)} us per token ({args.streams} streams, "
-          f"{threading.active_count()} threads)", flush=True)
+          f"{_median_iqr(per_token)} us per token ({args.streams} streams)", flush=True)
 
 
 def _median_iqr(values: list[float]) -> str:

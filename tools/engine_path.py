@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -124,18 +125,24 @@ class _FormRecorder:
         return tuple(ordered)
 
 
-async def _measure(streams: int) -> EnginePath:
+@contextlib.asynccontextmanager
+async def tiny_engine(step_observer: Callable[[Any], None] | None = None,
+                      thread_profile: Callable[..., Any] | None = None) -> AsyncIterator[Any]:
+    """An EngineService over :func:`tiny_backend`, started and served on a
+    loopback port; yields a stub to it. ``thread_profile``: a profile hook for
+    the threads started while the engine starts (its engine thread)."""
     import grpc
     from prometheus_client import CollectorRegistry
 
-    from llmesh.v1 import engine_pb2, engine_pb2_grpc
+    from llmesh.v1 import engine_pb2_grpc
     from services.engine.metrics import EngineMetrics
     from services.engine.service import EngineService
 
-    backend, config = tiny_backend()
-    service = EngineService(backend, config, metrics=EngineMetrics(CollectorRegistry()))
-    recorder = _FormRecorder()
-    threading.setprofile(recorder.hook)  # the engine thread, started next
+    metrics = EngineMetrics(CollectorRegistry())
+    backend, config = tiny_backend(lambda stats: _observe(metrics, step_observer, stats))
+    service = EngineService(backend, config, metrics=metrics)
+    if thread_profile is not None:
+        threading.setprofile(thread_profile)
     try:
         await service.start()
     finally:
@@ -146,35 +153,49 @@ async def _measure(streams: int) -> EnginePath:
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = engine_pb2_grpc.EngineServiceStub(channel)
-            call = stub.Multiplex()
-            # Warm the call up (its tasks exist before anything is counted).
-            await call.write(engine_pb2.MultiplexRequest(
-                starts=[multiplex_start(1, "warm", 1)]))
-            await _until_finished(call, {1})
-            sys.setprofile(recorder.hook)
-            recorder.active = True
-            try:
-                await call.write(engine_pb2.MultiplexRequest(
-                    starts=[multiplex_start(2, "form", 1)]))
-                token_ids = await _until_finished(call, {2})
-            finally:
-                recorder.active = False
-                sys.setprofile(None)
-            idle = _counts()
-            ids = set(range(10, 10 + streams))
-            await call.write(engine_pb2.MultiplexRequest(
-                starts=[multiplex_start(i, f"open-{i}", 400) for i in ids]))
-            await _until_streaming(call, ids)
-            busy = _counts()
-            await call.write(engine_pb2.MultiplexRequest(cancels=sorted(ids)))
-            await _until_finished(call, ids)
-            await call.done_writing()
-            while await call.read() is not grpc.aio.EOF:
-                pass
+            yield engine_pb2_grpc.EngineServiceStub(channel)
     finally:
         await server.stop(None)
         await service.close()
+
+
+def _observe(metrics: Any, step_observer: Callable[[Any], None] | None, stats: Any) -> None:
+    metrics.observe_step(stats)
+    if step_observer is not None:
+        step_observer(stats)
+
+
+async def _measure(streams: int) -> EnginePath:
+    import grpc
+
+    from llmesh.v1 import engine_pb2
+
+    recorder = _FormRecorder()
+    async with tiny_engine(thread_profile=recorder.hook) as stub:
+        call = stub.Multiplex()
+        # Warm the call up (its tasks exist before anything is counted).
+        await call.write(engine_pb2.MultiplexRequest(starts=[multiplex_start(1, "warm", 1)]))
+        await _until_finished(call, {1})
+        sys.setprofile(recorder.hook)
+        recorder.active = True
+        try:
+            await call.write(engine_pb2.MultiplexRequest(
+                starts=[multiplex_start(2, "form", 1)]))
+            token_ids = await _until_finished(call, {2})
+        finally:
+            recorder.active = False
+            sys.setprofile(None)
+        idle = _counts()
+        ids = set(range(10, 10 + streams))
+        await call.write(engine_pb2.MultiplexRequest(
+            starts=[multiplex_start(i, f"open-{i}", 400) for i in ids]))
+        await _until_streaming(call, ids)
+        busy = _counts()
+        await call.write(engine_pb2.MultiplexRequest(cancels=sorted(ids)))
+        await _until_finished(call, ids)
+        await call.done_writing()
+        while await call.read() is not grpc.aio.EOF:
+            pass
     (token_id,) = token_ids
     return EnginePath(recorder.forms(token_id), (busy[0] - idle[0]) / streams,
                       (busy[1] - idle[1]) / streams)
