@@ -113,8 +113,9 @@ class EngineBackend(abc.ABC):
     """One model replica: token ids in, token-id deltas out.
 
     Lifecycle: ``start()`` once (idempotent), then any number of concurrent
-    ``generate()`` calls, then ``shutdown()``. Methods other than ``start`` and
-    ``shutdown`` are called on the event loop thread and never block it.
+    ``submit()`` (or ``generate()``) calls, then ``shutdown()``. Methods other
+    than ``start`` and ``shutdown`` are called on the event loop thread and
+    never block it.
     """
 
     #: Backend name as the CLI and ``GetModelInfo`` spell it.

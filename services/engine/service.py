@@ -315,7 +315,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     def to_engine_request(self, pb: engine_pb2.EngineRequest, request_id: str) -> SequenceRequest:
         """Converts ``pb``, checking each field's own form; the checks against the
         model (vocabulary, context window, KV capacity) run once, in the
-        backend's ``generate`` (:mod:`services.engine.validation`). An unset
+        backend's ``submit`` (:mod:`services.engine.validation`). An unset
         max_tokens becomes the smallest of the server default, the cap and what
         fits in the context window (at least 1: a prompt that leaves no room is
         the backend's OUT_OF_RANGE on the prompt).
