@@ -203,7 +203,7 @@ async def _measure(streams: int) -> EnginePath:
 
 def _counts() -> tuple[int, int]:
     gc.collect()
-    queues = sum(isinstance(o, asyncio.Queue) for o in gc.get_objects())
+    queues = sum(type(o) is asyncio.Queue for o in gc.get_objects())
     return len(asyncio.all_tasks()), queues
 
 

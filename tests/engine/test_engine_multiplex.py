@@ -107,7 +107,7 @@ async def test_many_requests_share_one_call_and_one_message_per_step(engine_stub
 
 def _tasks_and_queues() -> tuple[int, int]:
     gc.collect()
-    return len(asyncio.all_tasks()), sum(isinstance(o, asyncio.Queue) for o in gc.get_objects())
+    return len(asyncio.all_tasks()), sum(type(o) is asyncio.Queue for o in gc.get_objects())
 
 
 async def test_open_requests_cost_the_call_no_task_and_no_queue(engine_stub: Stub) -> None:
