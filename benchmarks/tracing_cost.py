@@ -65,7 +65,7 @@ def one_request(request: GenerationRequest) -> None:
 
 def per_delta(record: RequestRecord, deltas: int, *, check: bool) -> None:
     """``deltas`` deltas of the engine's loop, with (``check``) or without
-    the tracing branch ``run_request`` added."""
+    the tracing branch ``RequestSink.deliver`` has."""
     for n in range(deltas):
         first = n == 0
         if check and first and record.trace_parent is not None:

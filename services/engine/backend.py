@@ -1,21 +1,29 @@
 """The narrow interface every engine backend implements, and its errors.
 
-A backend turns an :class:`SequenceRequest` into an async stream of
-:class:`TokenDelta` and owns everything below that line (scheduling, KV cache,
-model). The gRPC servicer (:mod:`services.engine.service`) and the contract
-tests (``tests/engine/test_backend_contract.py``) speak only this interface, so
+A backend runs a :class:`SequenceRequest` and hands its :class:`TokenDelta`
+values to the :class:`DeltaSink` registered with it (:meth:`EngineBackend.submit`),
+and owns everything below that line (scheduling, KV cache, model). The torch
+engine calls the sinks from its step loop, one event-loop callback per step for
+every request that advanced, with no task or queue per request; the transport's
+sink is its outbox (:mod:`services.engine.multiplex`). :meth:`EngineBackend.generate`
+is the same sink read as an async iterator, for one-request callers (the
+deprecated ``Generate`` RPC, tests, benchmarks). The gRPC servicer
+(:mod:`services.engine.service`) and the contract tests
+(``tests/engine/test_backend_contract.py``) speak only this interface, so
 ``torch`` and ``tensorrt_llm`` stay interchangeable.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import grpc
-
 from services.common.kv_events import KVEvent, KVSnapshot
+from services.engine.delta_stream import DeltaStream
 from services.engine.types import (BlockCounts, EngineResources, LoadStats, ModelInfo,
                                   SequenceRequest, TokenDelta)
 
@@ -48,12 +56,66 @@ class DuplicateRequestError(EngineError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
+class DeltaSink(Protocol):
+    """Where one request's deltas go: the transport's end, registered with
+    :meth:`EngineBackend.submit`. Both methods are called on :attr:`loop` (the
+    event loop that submitted the request), never on an engine thread, and
+    must not block it."""
+
+    #: The event loop the sink lives on.
+    loop: asyncio.AbstractEventLoop
+
+    def deliver(self, delta: TokenDelta) -> None:
+        """Takes the request's next delta (one per choice that advanced in a
+        step; a choice's last one has a finish reason, and nothing follows the
+        last choice's)."""
+
+    def fail(self, error: Exception) -> None:
+        """The request ended without a last delta: refused after ``submit``
+        returned (an :class:`EngineError` or ``InvalidRequestError``, e.g. its
+        output constraint did not compile), or the backend failed it
+        unexpectedly (any other exception: INTERNAL). Nothing follows."""
+
+
+class Submission(Protocol):
+    """A request :meth:`EngineBackend.submit` took."""
+
+    def cancel(self) -> None:
+        """Finishes the request at once if it still runs (its sink may still get
+        a CANCELLED last delta); this request only, never a newer one with its
+        id. Never raises."""
+
+
+class PumpedSubmission:
+    """A submission read by one task from a per-request async iterator of
+    deltas into its sink: the adapter of a backend whose library streams each
+    request on its own (TensorRT-LLM's ``generate_async``). An exception from
+    the iterator (its refusal, or a failure) fails the sink; :meth:`cancel`
+    cancels the task, and closing the iterator cancels the request."""
+
+    def __init__(self, deltas: AsyncIterator[TokenDelta], sink: DeltaSink) -> None:
+        self._task = sink.loop.create_task(self._pump(deltas, sink))
+
+    @staticmethod
+    async def _pump(deltas: AsyncIterator[TokenDelta], sink: DeltaSink) -> None:
+        try:
+            async with contextlib.aclosing(deltas):  # type: ignore[type-var]
+                async for delta in deltas:
+                    sink.deliver(delta)
+        except Exception as exc:  # noqa: BLE001 - the request's end, told to its sink
+            sink.fail(exc)
+
+    def cancel(self) -> None:
+        self._task.cancel()
+
+
 class EngineBackend(abc.ABC):
     """One model replica: token ids in, token-id deltas out.
 
     Lifecycle: ``start()`` once (idempotent), then any number of concurrent
-    ``generate()`` calls, then ``shutdown()``. Methods other than ``start`` and
-    ``shutdown`` are called on the event loop thread and never block it.
+    ``submit()`` (or ``generate()``) calls, then ``shutdown()``. Methods other
+    than ``start`` and ``shutdown`` are called on the event loop thread and
+    never block it.
     """
 
     #: Backend name as the CLI and ``GetModelInfo`` spell it.
@@ -112,21 +174,42 @@ class EngineBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def generate(self, request: SequenceRequest) -> AsyncIterator[TokenDelta]:
-        """Runs ``request`` and streams its deltas as engine steps end.
+    def submit(self, request: SequenceRequest, sink: DeltaSink) -> Submission:
+        """Admits ``request``; its deltas go to ``sink.deliver`` as engine steps
+        end. Each choice's last delta has a finish reason (STOP, LENGTH,
+        CANCELLED or ERROR); nothing follows the last choice's. A refusal found
+        after this returns goes to ``sink.fail`` instead. Call it on
+        ``sink.loop``.
 
-        The sequence is admitted on the first ``__anext__``. The last delta has a
-        finish reason (STOP, LENGTH, CANCELLED or ERROR); the iterator ends after
-        it. Closing the iterator early (``aclose()`` or cancelling the task that
-        iterates it) cancels the sequence at once and frees its KV cache.
-
-        Raises (from the first ``__anext__``):
+        Raises:
           InvalidRequestError: empty prompt, a token id outside the vocabulary, or
             prompt + max_tokens beyond the context window (OUT_OF_RANGE).
           DuplicateRequestError: ``request.request_id`` is already in flight.
           QueueFullError: the waiting queue is full.
           EngineUnavailableError: not started, or shutting down.
         """
+
+    async def generate(self, request: SequenceRequest) -> AsyncIterator[TokenDelta]:
+        """Runs ``request`` and streams its deltas: :meth:`submit` with a
+        :class:`~services.engine.delta_stream.DeltaStream` as the sink (deltas
+        that pile up while the consumer is busy are merged per choice).
+
+        The sequence is admitted on the first ``__anext__``. The last delta has a
+        finish reason; the iterator ends after it. Closing the iterator early
+        (``aclose()`` or cancelling the task that iterates it) cancels the
+        sequence at once and frees its KV cache.
+
+        Raises (from ``__anext__``): what :meth:`submit` raises (from the first),
+        or what its sink was failed with.
+        """
+        stream = DeltaStream(request.sampling.n, asyncio.get_running_loop())
+        submission = self.submit(request, stream)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            if not stream.ended:  # this request's sequences, never a newer one with its id
+                submission.cancel()
 
     @abc.abstractmethod
     def cancel(self, request_id: str) -> bool:

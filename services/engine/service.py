@@ -49,11 +49,13 @@ from services.common.sampling import (
     SamplingOptions,
     SpeculativeOptions,
 )
-from services.engine.backend import EngineBackend, EngineError, EngineUnavailableError
+from services.engine.backend import EngineBackend, EngineUnavailableError
 from services.engine.config import EngineConfig
 from services.engine.metrics import EngineMetrics, default_metrics
 from services.engine.multiplex import MultiplexCall
+from services.engine.delta_stream import DeltaStream
 from services.engine.request_record import RequestFailed, RequestRecord
+from services.engine.request_sink import RequestSink
 from services.engine.kv_publisher import KvEventPublisher, PublisherIdentity
 from services.engine.types import LoadStats, SequenceRequest, TokenDelta
 
@@ -181,59 +183,36 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
                       ) -> AsyncIterator[engine_pb2.EngineServiceGenerateResponse]:
         record = RequestRecord(len(request.prompt_token_ids), request.sampling.n,
                                tracing.context_from_metadata(context.invocation_metadata()))
+        stream = DeltaStream(request.sampling.n, asyncio.get_running_loop())
+        sink = self.request_sink(request, record, deliver=stream.deliver,
+                                 fail=lambda code, message: stream.fail(
+                                     RequestFailed(code, message)))
         watcher = asyncio.create_task(self._watch_client(request_iterator, request.request_id,
                                                          record))
-        deltas = self.run_request(request, record, lambda: _ended_by(context, record))
+        sink.submit()
         try:
-            async with contextlib.aclosing(deltas):
-                async for delta in deltas:
-                    yield to_response(delta)
-                    if record.done:  # the request's last delta (its last choice's)
-                        await self._after_last(delta, watcher, context)
+            async for delta in stream:
+                yield to_response(delta)
+                if stream.ended:  # the request's last delta (its last choice's)
+                    await self._after_last(delta, watcher, context)
         except RequestFailed as exc:
             await context.abort(exc.code, exc.message)
         finally:
             watcher.cancel()
+            sink.close(_ended_by(context, record))  # nothing if it ended
 
-    async def run_request(self, request: SequenceRequest, record: RequestRecord,
-                          ended_by: Callable[[], str]) -> AsyncIterator[TokenDelta]:
-        """Runs ``request`` on the backend and yields its deltas, counting them
-        in the metrics and writing its one log line (``request_finished`` or
-        ``request_rejected``) however it ends. Closing the iterator early
-        cancels the sequence; ``ended_by()`` then says why (for the log line).
-
-        Raises:
-          RequestFailed: the backend refused the request (its status:
-            INVALID_ARGUMENT, OUT_OF_RANGE, RESOURCE_EXHAUSTED, ALREADY_EXISTS,
-            UNAVAILABLE) or failed unexpectedly (INTERNAL).
-        """
-        deltas = self._backend.generate(request)
-        # How the request ended if its last delta never reaches us: the caller
-        # dropped it or its deadline passed, so the engine cancels the sequence.
-        unseen_end = FinishReason.CANCELLED
-        try:
-            async for delta in deltas:
-                first = record.num_deltas == 0
-                last = record.seen(delta)
-                if first and record.trace_parent is not None:
-                    record.first_delta(delta)
-                self._metrics.observe_delta(delta, first, last)
-                if last:  # before the yield: a drop there must not count it again
-                    record.finish(delta.finish_reason, record.cancelled_by, delta.error)
-                yield delta
-        except (InvalidRequestError, EngineError) as exc:
-            record.rejected(exc.code, str(exc))  # refused: never admitted
-            raise RequestFailed(exc.code, str(exc)) from exc
-        except Exception as exc:
-            unseen_end = FinishReason.ERROR
-            log.exception("generate_failed")
-            record.error = f"{type(exc).__name__}: {exc}"
-            raise RequestFailed(grpc.StatusCode.INTERNAL, record.error) from exc
-        finally:
-            await deltas.aclose()
-            if record.finish(unseen_end, ended_by()):
-                self._metrics.observe_unseen_end(unseen_end)
-            record.record_spans(request.request_id, self.replica_id)
+    def request_sink(self, request: SequenceRequest, record: RequestRecord, *,
+                     deliver: Callable[[TokenDelta], None],
+                     fail: Callable[[grpc.StatusCode, str], None],
+                     on_end: Callable[[], None] | None = None) -> RequestSink:
+        """The sink ``request`` is submitted with (``RequestSink.submit``): its
+        deltas counted in the metrics and ``record`` (one log line,
+        ``request_finished`` or ``request_rejected``, however it ends), then
+        handed to ``deliver``; a refusal (INVALID_ARGUMENT, OUT_OF_RANGE,
+        RESOURCE_EXHAUSTED, ALREADY_EXISTS, UNAVAILABLE) or failure (INTERNAL)
+        to ``fail``."""
+        return RequestSink(self._backend, request, record, self._metrics, self.replica_id,
+                           deliver=deliver, fail=fail, on_end=on_end)
 
     async def _after_last(self, delta: TokenDelta, watcher: asyncio.Task[str | None],
                           context: grpc.aio.ServicerContext) -> None:
@@ -277,7 +256,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         router takes the replica out and opens no new call); when the caller
         drops the call, they are cancelled. A start that reuses an open
         stream_id ends the call with INVALID_ARGUMENT (and cancels its requests)."""
-        call = MultiplexCall(to_request=self._request_from_start, run_request=self.run_request,
+        call = MultiplexCall(to_request=self._request_from_start, request_sink=self.request_sink,
                              refusal=self._refusal, cancel_choice=self._backend.cancel_choice)
         drained = asyncio.create_task(_end_when_drained(call, self._stopping))
         try:
@@ -336,7 +315,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     def to_engine_request(self, pb: engine_pb2.EngineRequest, request_id: str) -> SequenceRequest:
         """Converts ``pb``, checking each field's own form; the checks against the
         model (vocabulary, context window, KV capacity) run once, in the
-        backend's ``generate`` (:mod:`services.engine.validation`). An unset
+        backend's ``submit`` (:mod:`services.engine.validation`). An unset
         max_tokens becomes the smallest of the server default, the cap and what
         fits in the context window (at least 1: a prompt that leaves no room is
         the backend's OUT_OF_RANGE on the prompt).

@@ -9,7 +9,7 @@ here so the engine's modules keep one place to import its types from).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -18,7 +18,7 @@ from services.common.sampling import FinishReason, Priority, SamplingOptions, Sp
 from services.common.wire.engine_info import LoadStats, ModelInfo
 
 __all__ = ["BlockCounts", "LoadStats", "ModelInfo", "OffloadStats", "SequenceRequest",
-           "StepStats", "TokenDelta"]
+           "StepStats", "TokenDelta", "merge_deltas"]
 
 
 @dataclass(frozen=True)
@@ -204,3 +204,12 @@ class StepStats:
     num_threads: int = 0
     cpu_throttled_s: float = 0.0
     contention_events: int = 0
+
+
+def merge_deltas(first: TokenDelta, second: TokenDelta) -> TokenDelta:
+    """One delta carrying ``first``'s then ``second``'s tokens (and their
+    log-probabilities, and the prompt's from whichever carries them), with
+    ``second``'s counts and finish reason (same request and choice)."""
+    return replace(second, token_ids=first.token_ids + second.token_ids,
+                   logprobs=first.logprobs + second.logprobs,
+                   prompt_logprobs=first.prompt_logprobs or second.prompt_logprobs)

@@ -1,6 +1,6 @@
 """Checks of a request against the served model's limits.
 
-They run once per request, in the backend's ``generate`` (the owner of the
+They run once per request, in the backend's ``submit`` (the owner of the
 model's limits and of its KV cache), whoever calls it: the engine service only
 converts the protobuf and checks each field's own form
 (:meth:`SamplingOptions.from_pb`), and maps these errors to their status.

@@ -96,6 +96,21 @@ def request(request_id: str, prompt: int = 4, max_tokens: int = 8,
                            SamplingOptions(max_tokens=max_tokens, ignore_eos=True), priority)
 
 
+class QueueSink:
+    """A test's sink: the core's deltas, one by one, unmerged, on an asyncio
+    queue (``deliver`` is called on ``loop``)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
+
+    def deliver(self, delta: TokenDelta) -> None:
+        self.queue.put_nowait(delta)
+
+    def fail(self, error: Exception) -> None:
+        raise AssertionError(f"the engine core fails no sink: {error!r}")
+
+
 async def deltas(submitted: Submitted) -> AsyncIterator[TokenDelta]:
     # asyncio.timeout, not wait_for: wait_for wraps each get in a new task, a
     # trip through the event loop per delta even when the queue holds it, so
@@ -104,7 +119,7 @@ async def deltas(submitted: Submitted) -> AsyncIterator[TokenDelta]:
     # "first" once in a full run).
     while True:
         async with asyncio.timeout(10):
-            delta = await submitted.queue.get()
+            delta = await submitted.sink.queue.get()
         yield delta
         if delta.finished:
             return
@@ -120,7 +135,8 @@ def tokens(out: list[TokenDelta]) -> list[int]:
 
 async def test_steps_run_on_the_worker_thread(make_core, recorder: Recorder) -> None:
     core = make_core()
-    out = await collect(core.submit(request("a", max_tokens=3), asyncio.get_running_loop()))
+    out = await collect(core.submit(request("a", max_tokens=3),
+                                    QueueSink(asyncio.get_running_loop())))
     assert [len(d.token_ids) for d in out] == [1, 1, 1]
     assert recorder.threads == ["engine-step"] * 3
     assert threading.current_thread().name != "engine-step"
@@ -129,7 +145,7 @@ async def test_steps_run_on_the_worker_thread(make_core, recorder: Recorder) -> 
 async def test_prefill_is_chunked_under_the_step_budget(make_core, recorder: Recorder) -> None:
     core = make_core(max_num_batched_tokens=8)
     out = await collect(core.submit(request("a", prompt=20, max_tokens=2),
-                                    asyncio.get_running_loop()))
+                                    QueueSink(asyncio.get_running_loop())))
     assert sum(len(d.token_ids) for d in out) == 2
     # prefill 8 + 8 + 4 (samples token 1), then decode token 2
     assert [s.num_scheduled_tokens for s in recorder.steps] == [8, 8, 4, 1]
@@ -141,10 +157,10 @@ async def test_sequences_share_steps_and_match_their_solo_runs(make_core, record
     core = make_core(max_num_batched_tokens=16, block_size=block_size)
     aio = asyncio.get_running_loop()
     solo = [tokens(await collect(core.submit(request(f"solo-{i}", prompt=3 + 5 * i, first=i),
-                                             aio))) for i in range(3)]
+                                             QueueSink(aio)))) for i in range(3)]
     recorder.steps.clear()
     together = await asyncio.gather(*(collect(core.submit(
-        request(f"both-{i}", prompt=3 + 5 * i, first=i), aio)) for i in range(3)))
+        request(f"both-{i}", prompt=3 + 5 * i, first=i), QueueSink(aio))) for i in range(3)))
     assert [tokens(out) for out in together] == solo
     assert max(s.batch_size for s in recorder.steps) == 3
     assert len(recorder.steps) < 3 * 8  # far fewer steps than one sequence at a time
@@ -154,7 +170,7 @@ async def test_sequences_share_steps_and_match_their_solo_runs(make_core, record
 async def test_full_context_finishes_with_length(make_core) -> None:
     core = make_core(max_model_len=12)
     out = await collect(core.submit(request("a", prompt=4, max_tokens=100),
-                                    asyncio.get_running_loop()))
+                                    QueueSink(asyncio.get_running_loop())))
     assert out[-1].finish_reason is FinishReason.LENGTH
     assert out[-1].num_generated_tokens == 8 == sum(len(d.token_ids) for d in out)
 
@@ -162,13 +178,15 @@ async def test_full_context_finishes_with_length(make_core) -> None:
 async def test_priority_then_arrival_order(make_core) -> None:
     core = make_core(max_num_seqs=1)
     aio = asyncio.get_running_loop()
-    first = core.submit(request("first", max_tokens=LONG), aio)
-    await first.queue.get()  # "first" is running; the rest queue behind it
+    first = core.submit(request("first", max_tokens=LONG), QueueSink(aio))
+    await first.sink.queue.get()  # "first" is running; the rest queue behind it
     queues = {
-        "batch-1": core.submit(request("batch-1", max_tokens=2, priority=Priority.BATCH), aio),
-        "batch-2": core.submit(request("batch-2", max_tokens=2, priority=Priority.BATCH), aio),
-        "inter-1": core.submit(request("inter-1", max_tokens=2), aio),
-        "inter-2": core.submit(request("inter-2", max_tokens=2), aio),
+        "batch-1": core.submit(request("batch-1", max_tokens=2, priority=Priority.BATCH),
+                               QueueSink(aio)),
+        "batch-2": core.submit(request("batch-2", max_tokens=2, priority=Priority.BATCH),
+                               QueueSink(aio)),
+        "inter-1": core.submit(request("inter-1", max_tokens=2), QueueSink(aio)),
+        "inter-2": core.submit(request("inter-2", max_tokens=2), QueueSink(aio)),
     }
     assert core.load().num_waiting == 4
     finished: list[str] = []
@@ -184,9 +202,9 @@ async def test_priority_then_arrival_order(make_core) -> None:
 async def test_cancel_waiting_leaves_the_queue_at_once(make_core) -> None:
     core = make_core(max_num_seqs=1)
     aio = asyncio.get_running_loop()
-    running = core.submit(request("running", max_tokens=LONG), aio)
-    await running.queue.get()
-    waiting = core.submit(request("waiting"), aio)
+    running = core.submit(request("running", max_tokens=LONG), QueueSink(aio))
+    await running.sink.queue.get()
+    waiting = core.submit(request("waiting"), QueueSink(aio))
     assert core.load().num_waiting == 1
     assert core.cancel("waiting") is True
     assert core.load().num_waiting == 0
@@ -225,8 +243,8 @@ async def test_cancel_at_any_point_returns_every_block(make_core, state: str) ->
     core = make_core(max_num_batched_tokens=8, max_num_seqs=1, step_observer=pause)
     aio = asyncio.get_running_loop()
     if state == "waiting":
-        other = core.submit(request("other", prompt=2, max_tokens=LONG), aio)
-    victim = core.submit(request("victim", prompt=40, max_tokens=LONG), aio)
+        other = core.submit(request("other", prompt=2, max_tokens=LONG), QueueSink(aio))
+    victim = core.submit(request("victim", prompt=40, max_tokens=LONG), QueueSink(aio))
     assert await asyncio.to_thread(pause.paused.wait, 10)
     load = core.load()
     assert (load.num_running, load.num_waiting) == ((1, 1) if state == "waiting" else (1, 0))
@@ -315,7 +333,7 @@ async def test_cancel_during_a_long_prefill_computes_no_further_chunk(
     hook = ChunkHook(core, monkeypatch, first_token=20, chunk=1, where=where)
     held = pause if pause is not None else hook
     aio = asyncio.get_running_loop()
-    victim = core.submit(request("victim", prompt=40, max_tokens=4, first=20), aio)
+    victim = core.submit(request("victim", prompt=40, max_tokens=4, first=20), QueueSink(aio))
     assert await asyncio.to_thread(held.paused.wait, 10)
     assert hook.victim_chunks_completed() == 1  # chunk 0 done; chunk 1 next or in progress
     layer_calls = list(hook.layer_calls)
@@ -336,10 +354,10 @@ async def test_cancel_during_a_long_prefill_computes_no_further_chunk(
     # The engine serves on, and the prompt's cached prefix is sound: the same
     # prompt gives the tokens of a fresh engine.
     again = tokens(await collect(core.submit(request("again", prompt=40, max_tokens=4,
-                                                     first=20), aio)))
+                                                     first=20), QueueSink(aio))))
     fresh = make_core(max_num_batched_tokens=8, step_observer=None)
     assert again == tokens(await collect(fresh.submit(request("fresh", prompt=40, max_tokens=4,
-                                                              first=20), aio)))
+                                                              first=20), QueueSink(aio))))
     assert core.check_integrity().used == 0
 
 
@@ -351,9 +369,9 @@ async def test_cancel_in_a_step_shared_with_live_sequences_waits_that_step(
     core = make_core(max_num_batched_tokens=9, max_chunk_tokens=8, step_observer=None)
     hook = ChunkHook(core, monkeypatch, first_token=20, chunk=1, where="inside_chunk")
     aio = asyncio.get_running_loop()
-    other = core.submit(request("other", prompt=2, max_tokens=30), aio)
-    await other.queue.get()  # decoding
-    victim = core.submit(request("victim", prompt=40, max_tokens=4, first=20), aio)
+    other = core.submit(request("other", prompt=2, max_tokens=30), QueueSink(aio))
+    await other.sink.queue.get()  # decoding
+    victim = core.submit(request("victim", prompt=40, max_tokens=4, first=20), QueueSink(aio))
     assert await asyncio.to_thread(hook.paused.wait, 10)
     at_cancel = hook.victim_chunks_completed()
     assert core.cancel("victim") is True
@@ -370,15 +388,15 @@ async def test_cancel_in_a_step_shared_with_live_sequences_waits_that_step(
 async def test_queue_limit_and_duplicate_ids(make_core) -> None:
     core = make_core(max_num_waiting=1, max_num_seqs=1)
     aio = asyncio.get_running_loop()
-    running = core.submit(request("a", max_tokens=LONG), aio)
-    await running.queue.get()
+    running = core.submit(request("a", max_tokens=LONG), QueueSink(aio))
+    await running.sink.queue.get()
     assert core.load().num_running == 1
     assert 0 < core.load().kv_cache_usage <= 1
-    core.submit(request("b"), aio)
+    core.submit(request("b"), QueueSink(aio))
     with pytest.raises(QueueFullError, match="limit 1"):
-        core.submit(request("c"), aio)
+        core.submit(request("c"), QueueSink(aio))
     with pytest.raises(DuplicateRequestError, match="'a'"):
-        core.submit(request("a"), aio)
+        core.submit(request("a"), QueueSink(aio))
     core.cancel("a")
     core.cancel("b")
 
@@ -388,9 +406,9 @@ async def test_a_burst_into_an_idle_engine_fills_the_free_slots_and_the_queue(ma
     # admitted at once, the next one is refused (issue 14).
     core = make_core(max_num_waiting=2, max_num_seqs=4)
     aio = asyncio.get_running_loop()
-    streams = [core.submit(request(f"burst-{i}", max_tokens=3), aio) for i in range(6)]
+    streams = [core.submit(request(f"burst-{i}", max_tokens=3), QueueSink(aio)) for i in range(6)]
     with pytest.raises(QueueFullError, match="limit 2 beyond the free slots"):
-        core.submit(request("burst-6"), aio)
+        core.submit(request("burst-6"), QueueSink(aio))
     ends = [(await collect(stream))[-1] for stream in streams]
     assert [(d.finish_reason, d.num_generated_tokens) for d in ends] == [
         (FinishReason.LENGTH, 3)] * 6
@@ -401,10 +419,10 @@ async def test_failed_step_fails_its_requests_and_the_engine_lives(make_core) ->
     core = make_core()
     aio = asyncio.get_running_loop()
     bad = SequenceRequest("bad", (TINY.vocab_size + 5,), SamplingOptions(max_tokens=2))
-    out = await collect(core.submit(bad, aio))
+    out = await collect(core.submit(bad, QueueSink(aio)))
     assert out[-1].finish_reason is FinishReason.ERROR
     assert "IndexError" in out[-1].error
-    good = await collect(core.submit(request("good", max_tokens=2), aio))
+    good = await collect(core.submit(request("good", max_tokens=2), QueueSink(aio)))
     assert good[-1].finish_reason is FinishReason.LENGTH
     assert core.check_integrity().used == 0
 
@@ -412,15 +430,15 @@ async def test_failed_step_fails_its_requests_and_the_engine_lives(make_core) ->
 async def test_stop_fails_leftovers_and_refuses_new_work(make_core) -> None:
     core = make_core(max_num_seqs=1)
     aio = asyncio.get_running_loop()
-    running = core.submit(request("running", max_tokens=LONG), aio)
-    await running.queue.get()
-    waiting = core.submit(request("waiting"), aio)
+    running = core.submit(request("running", max_tokens=LONG), QueueSink(aio))
+    await running.sink.queue.get()
+    waiting = core.submit(request("waiting"), QueueSink(aio))
     await asyncio.to_thread(core.stop)
     for queue in (running, waiting):
         last = (await collect(queue))[-1]
         assert (last.finish_reason, last.error) == (FinishReason.ERROR, "the engine shut down")
     with pytest.raises(EngineUnavailableError):
-        core.submit(request("late"), aio)
+        core.submit(request("late"), QueueSink(aio))
     assert core.load().num_running == core.load().num_waiting == 0
 
 
@@ -436,7 +454,7 @@ async def test_random_traffic_with_the_model_leaves_no_block_behind(make_core,
             name = f"r{event}"
             streams[name] = asyncio.create_task(collect(core.submit(request(
                 name, prompt=rng.randint(1, 24), max_tokens=rng.randint(1, 16),
-                priority=rng.choice(list(Priority)), first=rng.randint(2, 10)), aio)))
+                priority=rng.choice(list(Priority)), first=rng.randint(2, 10)), QueueSink(aio))))
         elif streams:
             core.cancel(rng.choice(sorted(streams)))
         await asyncio.sleep(rng.choice([0, 0, 0.001, 0.005]))
@@ -466,10 +484,10 @@ async def test_a_scheduler_bug_fails_the_requests_not_the_engine(make_core,
         return real()
 
     monkeypatch.setattr(scheduler, "schedule", broken)
-    out = await collect(core.submit(request("victim", max_tokens=LONG), aio))
+    out = await collect(core.submit(request("victim", max_tokens=LONG), QueueSink(aio)))
     assert (out[-1].finish_reason, out[-1].error) == (FinishReason.ERROR,
                                                       "RuntimeError: scheduler bug")
-    good = await collect(core.submit(request("after", max_tokens=2), aio))
+    good = await collect(core.submit(request("after", max_tokens=2), QueueSink(aio)))
     assert good[-1].finish_reason is FinishReason.LENGTH
     assert core.check_integrity().used == 0
 
@@ -504,10 +522,10 @@ async def test_submit_and_cancel_never_wait_for_the_engine_thread(
     core = make_core()
     aio = asyncio.get_running_loop()
     hold = HoldSchedule(core, monkeypatch, after=2)
-    running = core.submit(request("running", max_tokens=LONG), aio)
+    running = core.submit(request("running", max_tokens=LONG), QueueSink(aio))
     assert await asyncio.to_thread(hold.paused.wait, 10)
     began = time.monotonic()
-    pending = core.submit(request("pending"), aio)
+    pending = core.submit(request("pending"), QueueSink(aio))
     assert core.load().num_waiting == 1
     assert core.cancel("pending") is True
     assert time.monotonic() - began < 1.0  # the hold lasts up to 10 s
@@ -527,19 +545,20 @@ async def test_a_cancelled_id_may_be_submitted_again_at_once(make_core, state: s
     # the engine thread frees the old sequence; the new request runs as if alone.
     core = make_core(max_num_seqs=1)
     aio = asyncio.get_running_loop()
-    solo = tokens(await collect(core.submit(request("solo", max_tokens=6, first=5), aio)))
+    solo = tokens(await collect(core.submit(request("solo", max_tokens=6, first=5),
+                                            QueueSink(aio))))
     blocker = None
     if state != "running":
-        blocker = core.submit(request("blocker", max_tokens=LONG), aio)
-        await blocker.queue.get()
-    old = core.submit(request("same", max_tokens=LONG, first=5), aio)
+        blocker = core.submit(request("blocker", max_tokens=LONG), QueueSink(aio))
+        await blocker.sink.queue.get()
+    old = core.submit(request("same", max_tokens=LONG, first=5), QueueSink(aio))
     if state == "running":
-        await old.queue.get()
+        await old.sink.queue.get()
     elif state == "waiting":
         while core._inbox.has_commands():  # taken in by the engine thread
             await asyncio.sleep(0.001)
     assert core.cancel("same") is True
-    new = core.submit(request("same", max_tokens=6, first=5), aio)
+    new = core.submit(request("same", max_tokens=6, first=5), QueueSink(aio))
     if blocker is not None:
         core.cancel("blocker")
         await collect(blocker)
@@ -562,7 +581,7 @@ def test_racing_submits_of_one_id_admit_exactly_one(make_core) -> None:
             aio = asyncio.new_event_loop()
             barrier.wait()
             try:
-                outcomes.append(core.submit(request(name, max_tokens=LONG), aio))
+                outcomes.append(core.submit(request(name, max_tokens=LONG), QueueSink(aio)))
             except DuplicateRequestError as exc:
                 outcomes.append(exc)
             finally:
@@ -596,7 +615,7 @@ def test_the_queue_limit_is_exact_under_racing_submits(make_core) -> None:
             barrier.wait()
             try:
                 admitted.append(core.submit(request(f"q{round_}-{index}", max_tokens=LONG),
-                                            aio))
+                                            QueueSink(aio)))
             except QueueFullError as exc:
                 refused.append(exc)
 
@@ -629,7 +648,8 @@ async def test_a_submit_that_fails_to_join_fails_alone(make_core,
         real(seq)
 
     monkeypatch.setattr(core._scheduler, "add", add)
-    streams = [core.submit(request(name, max_tokens=2), aio) for name in ("a", "bad", "b")]
+    streams = [core.submit(request(name, max_tokens=2), QueueSink(aio))
+               for name in ("a", "bad", "b")]
     ends = [(await collect(s))[-1] for s in streams]
     assert [(d.finish_reason, d.error) for d in ends] == [
         (FinishReason.LENGTH, ""), (FinishReason.ERROR, "RuntimeError: add bug"),

@@ -5,6 +5,7 @@ cancels, timeouts, a dropped call, half-close, drain, one log line each."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator
 
 import grpc
@@ -100,6 +101,37 @@ async def test_many_requests_share_one_call_and_one_message_per_step(engine_stub
     # The steps of the batch of four arrive as one message each, not four.
     assert max(len(m.updates) for m in call.messages) == 4
     assert len(call.messages) < sum(len(u) for u in call.updates.values())
+    call.drop()
+    await wait_not_running(engine_stub)
+
+
+def _tasks_and_queues() -> tuple[int, int]:
+    gc.collect()
+    return len(asyncio.all_tasks()), sum(type(o) is asyncio.Queue for o in gc.get_objects())
+
+
+async def test_open_requests_cost_the_call_no_task_and_no_queue(engine_stub: Stub) -> None:
+    """Issue 32: the engine core hands each step's deltas to the call's outbox
+    (one callback per step), not through a task and a queue per request. The
+    server runs in this process, so its loop's tasks and queues are counted
+    with the call idle and with eight requests streaming on it."""
+    call = Call(engine_stub)
+    call.send(mux_start(1, "warm", max_tokens=1))
+    await call.until(1)
+    idle = _tasks_and_queues()
+    streams = range(10, 18)
+    call.send(*[mux_start(i, f"open-{i}", max_tokens=MAX_TOKENS_CAP, ignore_eos=True)
+                for i in streams])
+    async with asyncio.timeout(60):
+        while not all(call.ids(i) for i in streams):
+            await call.read_one()
+    busy = _tasks_and_queues()
+    call.send(cancels=tuple(streams))
+    await call.until(*streams)
+    assert all(call.last(i).finish_reason == common_pb2.FINISH_REASON_CANCELLED
+               for i in streams)
+    # The old path held one task and one queue per request (+8 each here).
+    assert busy[0] - idle[0] <= 1 and busy[1] - idle[1] <= 1, (idle, busy)
     call.drop()
     await wait_not_running(engine_stub)
 
@@ -310,7 +342,7 @@ async def test_every_request_on_a_call_writes_one_log_line(engine_stub: Stub) ->
 
 def test_the_outbox_merges_a_requests_pending_updates() -> None:
     async def run() -> list[engine_pb2.MultiplexResponse]:
-        call = MultiplexCall(to_request=None, run_request=None,  # type: ignore[arg-type]
+        call = MultiplexCall(to_request=None, request_sink=None,  # type: ignore[arg-type]
                              refusal=lambda: None)
         for stream_id, delta in ((7, TokenDelta("a", (1, 2), FinishReason.NONE, 5, 2, 3)),
                                  (8, TokenDelta("b", (9,), FinishReason.NONE, 4, 1)),

@@ -24,7 +24,14 @@ from services.engine.types import SequenceRequest, TokenDelta
 from services.engine.validation import kv_tokens_needed, validate_kv_capacity
 
 from .kv_helpers import create_scheduler
-from .test_engine_core import TINY, Recorder, make_core, recorder, tiny_model  # noqa: F401
+from .test_engine_core import (  # noqa: F401
+    TINY,
+    QueueSink,
+    Recorder,
+    make_core,
+    recorder,
+    tiny_model,
+)
 
 SAMPLED = SamplingOptions(temperature=1.0, seed=42, max_tokens=12, ignore_eos=True)
 
@@ -108,7 +115,7 @@ async def by_choice(submitted: Submitted, n: int) -> tuple[dict[int, list[int]],
     tokens: dict[int, list[int]] = {i: [] for i in range(n)}
     last: dict[int, TokenDelta] = {}
     while len(last) < n:
-        delta = await asyncio.wait_for(submitted.queue.get(), timeout=20)
+        delta = await asyncio.wait_for(submitted.sink.queue.get(), timeout=20)
         assert delta.index not in last
         tokens[delta.index].extend(delta.token_ids)
         assert delta.num_generated_tokens == len(tokens[delta.index])
@@ -125,7 +132,7 @@ async def singles(core: EngineCore, prompt: tuple[int, ...], options: SamplingOp
     for i in range(n):
         single = replace(options, n=1, seed=options.choice_seed(i))
         tokens, _ = await by_choice(core.submit(SequenceRequest(f"single-{i}", prompt, single),
-                                                loop), 1)
+                                                QueueSink(loop)), 1)
         out[i] = tokens[0]
     return out
 
@@ -143,14 +150,16 @@ async def test_choices_equal_single_requests_and_the_prompt_is_computed_once(
     prompt = tuple(range(2, 12))  # 10 tokens: two full blocks and a partial one
     options = replace(SAMPLED, n=4)
     loop = asyncio.get_running_loop()
-    tokens, last = await by_choice(core.submit(SequenceRequest("n4", prompt, options), loop), 4)
+    tokens, last = await by_choice(core.submit(SequenceRequest("n4", prompt, options),
+                                               QueueSink(loop)), 4)
     assert sum(s.num_prompt_tokens_computed for s in recorder.steps) == 10
     assert all(d.finish_reason is FinishReason.LENGTH and d.num_prompt_tokens == 10
                for d in last.values())
     assert len({tuple(t) for t in tokens.values()}) >= 2
     await idle(core)
     assert tokens == await singles(core, prompt, options, 4)
-    again, _ = await by_choice(core.submit(SequenceRequest("n4", prompt, options), loop), 4)
+    again, _ = await by_choice(core.submit(SequenceRequest("n4", prompt, options),
+                                           QueueSink(loop)), 4)
     assert again == tokens
     await idle(core)
 
@@ -166,7 +175,8 @@ async def test_preempted_and_unslotted_choices_are_recomputed_to_the_same_tokens
     expected = await singles(roomy, prompt, options, 4)
     core = make_core(block_size=4, num_blocks=12, max_num_seqs=3)
     loop = asyncio.get_running_loop()
-    tokens, _ = await by_choice(core.submit(SequenceRequest("tight", prompt, options), loop), 4)
+    tokens, _ = await by_choice(core.submit(SequenceRequest("tight", prompt, options),
+                                            QueueSink(loop)), 4)
     assert sum(s.num_preemptions for s in recorder.steps) > 0
     assert tokens == expected
     await idle(core)
@@ -176,15 +186,15 @@ async def test_cancelling_the_request_or_one_choice_frees_their_blocks(make_core
     core = make_core(block_size=4)
     loop = asyncio.get_running_loop()
     options = replace(SAMPLED, n=4, max_tokens=400)
-    submitted = core.submit(SequenceRequest("c", tuple(range(2, 12)), options), loop)
+    submitted = core.submit(SequenceRequest("c", tuple(range(2, 12)), options), QueueSink(loop))
     seen: set[int] = set()
     while len(seen) < 4:  # every choice forked and decoding
-        seen.add((await asyncio.wait_for(submitted.queue.get(), timeout=20)).index)
+        seen.add((await asyncio.wait_for(submitted.sink.queue.get(), timeout=20)).index)
     assert core.check_integrity().used == 2 + 4  # shared full blocks + one own block each
     assert core.cancel_choice("c", 2) is True
     ended = None
     while ended is None:
-        delta = await asyncio.wait_for(submitted.queue.get(), timeout=20)
+        delta = await asyncio.wait_for(submitted.sink.queue.get(), timeout=20)
         if delta.finished:
             ended = delta
     assert (ended.index, ended.finish_reason) == (2, FinishReason.CANCELLED)
@@ -192,19 +202,22 @@ async def test_cancelling_the_request_or_one_choice_frees_their_blocks(make_core
     assert core.cancel("c") is True
     finished = {2}
     while len(finished) < 4:
-        delta = await asyncio.wait_for(submitted.queue.get(), timeout=20)
+        delta = await asyncio.wait_for(submitted.sink.queue.get(), timeout=20)
         if delta.finished:
             assert delta.finish_reason is FinishReason.CANCELLED
             finished.add(delta.index)
     await idle(core)
-    assert core.submit(SequenceRequest("c", (2, 3), SAMPLED), loop) is not None  # id free
+    # The id is free.
+    assert core.submit(SequenceRequest("c", (2, 3), SAMPLED), QueueSink(loop)) is not None
 
 
 async def test_a_cancel_before_the_engine_took_it_in_ends_every_choice(make_core) -> None:
     core = make_core(block_size=4)
     loop = asyncio.get_running_loop()
-    hold = core.submit(SequenceRequest("hold", (2, 3), replace(SAMPLED, max_tokens=2)), loop)
-    submitted = core.submit(SequenceRequest("early", (2, 3, 4), replace(SAMPLED, n=3)), loop)
+    hold = core.submit(SequenceRequest("hold", (2, 3), replace(SAMPLED, max_tokens=2)),
+                       QueueSink(loop))
+    submitted = core.submit(SequenceRequest("early", (2, 3, 4), replace(SAMPLED, n=3)),
+                            QueueSink(loop))
     core.cancel("early")
     _, last = await by_choice(submitted, 3)
     assert {d.finish_reason for d in last.values()} == {FinishReason.CANCELLED}
@@ -245,7 +258,7 @@ async def test_each_choice_carries_its_own_logprobs_and_choice_0_the_prompt_logp
         prompt_entries: dict[int, list] = {i: [] for i in range(n)}
         finished: set[int] = set()
         while len(finished) < n:
-            delta = await asyncio.wait_for(submitted.queue.get(), timeout=20)
+            delta = await asyncio.wait_for(submitted.sink.queue.get(), timeout=20)
             assert len(delta.logprobs) == len(delta.token_ids)
             entries[delta.index].extend(delta.logprobs)
             prompt_entries[delta.index].extend(delta.prompt_logprobs)
@@ -254,12 +267,12 @@ async def test_each_choice_carries_its_own_logprobs_and_choice_0_the_prompt_logp
         return entries, prompt_entries
 
     entries, prompt_entries = await logprobs_of(
-        core.submit(SequenceRequest("lp", prompt, options), loop), 3)
+        core.submit(SequenceRequest("lp", prompt, options), QueueSink(loop)), 3)
     assert len(prompt_entries[0]) == 9 and prompt_entries[1] == prompt_entries[2] == []
     for i in range(3):
         single = replace(options, n=1, seed=options.choice_seed(i))
         alone, alone_prompt = await logprobs_of(
-            core.submit(SequenceRequest(f"lp-{i}", prompt, single), loop), 1)
+            core.submit(SequenceRequest(f"lp-{i}", prompt, single), QueueSink(loop)), 1)
         assert entries[i] == alone[0], i
         assert alone_prompt[0] == prompt_entries[0]
     await idle(core)
@@ -274,10 +287,11 @@ async def test_penalised_choices_equal_penalised_single_requests(make_core) -> N
     options = replace(SAMPLED, n=3, max_tokens=12, frequency_penalty=1.5,
                       presence_penalty=0.5, repetition_penalty=1.3, logit_bias=((5, 3.0),))
     loop = asyncio.get_running_loop()
-    tokens, _ = await by_choice(core.submit(SequenceRequest("pen", prompt, options), loop), 3)
+    tokens, _ = await by_choice(core.submit(SequenceRequest("pen", prompt, options),
+                                            QueueSink(loop)), 3)
     await idle(core)
     assert tokens == await singles(core, prompt, options, 3)
     plain, _ = await by_choice(core.submit(SequenceRequest(
-        "plain", prompt, replace(SAMPLED, n=3, max_tokens=12)), loop), 3)
+        "plain", prompt, replace(SAMPLED, n=3, max_tokens=12)), QueueSink(loop)), 3)
     assert plain != tokens  # the penalties changed something
     await idle(core)

@@ -394,6 +394,44 @@ async def test_a_request_ended_early_is_aborted(engine: Engine, how: str) -> Non
     assert engine.backend.load().num_running == 0
 
 
+class RecordingSink:
+    """A DeltaSink that keeps what the backend hands it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.deltas: list[TokenDelta] = []
+        self.errors: list[Exception] = []
+
+    def deliver(self, delta: TokenDelta) -> None:
+        self.deltas.append(delta)
+
+    def fail(self, error: Exception) -> None:
+        self.errors.append(error)
+
+
+async def test_submit_hands_the_stream_to_the_sink_and_its_cancel_aborts(
+        engine: Engine) -> None:
+    # The interface the Multiplex call uses: deltas into a sink, no iterator.
+    engine.llm.scripts.append([Response(0, (5, 6)), Response(0, (EOS,), "stop")])
+    sink = RecordingSink()
+    engine.backend.submit(request(), sink)
+    await until(lambda: len(sink.deltas) == 2)
+    assert sink.deltas == [delta((5, 6), FinishReason.NONE, 2),
+                           delta((EOS,), FinishReason.STOP, 3)]
+    engine.llm.scripts.append([Response(0, (5,))])  # then still generating
+    running = RecordingSink()
+    submission = engine.backend.submit(request(), running)
+    await until(lambda: len(running.deltas) == 1)
+    submission.cancel()
+    await until(lambda: engine.llm.results[-1].abort_calls == 1)
+    assert engine.backend.cancel("r") is False  # no longer in flight
+    refused = RecordingSink()
+    engine.backend.submit(request(prompt_logprobs=1), refused)  # refused by the library's map
+    await until(lambda: bool(refused.errors))
+    assert isinstance(refused.errors[0], InvalidRequestError) and not refused.deltas
+    assert sink.errors == running.errors == []
+
+
 async def test_iteration_stats_feed_load_and_the_step_observer(engine: Engine) -> None:
     backend, llm = engine.backend, engine.llm
     llm.scripts.extend([[Response(0, (5,))], []])  # a runs; b has had no output yet

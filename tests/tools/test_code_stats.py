@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.code_stats import long_functions, main
+from tools.code_stats import long_functions, main, merges
 
 
 def _body(lines: int) -> str:
@@ -39,3 +39,31 @@ def test_refuses_negative_counts_and_missing_root(
         main(argv)
     assert exited.value.code == 2
     assert "usage:" in capsys.readouterr().err
+
+
+def test_lists_merge_functions_and_the_buffers_that_merge_under_a_key(tmp_path: Path) -> None:
+    pkg = tmp_path / "svc"
+    pkg.mkdir()
+    (pkg / "a.py").write_text(textwrap.dedent("""\
+        def merge_updates(a, b):
+            return a + b
+
+        def _merged_per_choice(first, queue):
+            merged = {0: first}
+            while queue:
+                merged[1] = merge_updates(merged[0], queue.pop())
+            return merged
+
+        class Mailbox:
+            def put(self, key, update):
+                self._pending[key] = self._merge(self._pending[key], update)
+
+            def take(self, key):
+                return self._pending.pop(key)
+
+        def reader(x):
+            return merge_updates(x, x)  # merges, stores nothing: no buffer
+        """))
+    found, buffers = merges(pkg)
+    assert [f.name for f in found] == ["merge_updates", "_merged_per_choice"]
+    assert [f.name for f in buffers] == ["_merged_per_choice", "Mailbox.put"]

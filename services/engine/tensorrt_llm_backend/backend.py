@@ -39,7 +39,14 @@ from services.common.checkpoint import check_checkpoint_dir
 from services.common.kv_events import KVEvent, KVSnapshot
 from services.common.sampling import FinishReason, SamplingOptions
 from services.common.tasks import cancel_and_wait
-from services.engine.backend import DuplicateRequestError, EngineBackend, EngineUnavailableError
+from services.engine.backend import (
+    DeltaSink,
+    DuplicateRequestError,
+    EngineBackend,
+    EngineUnavailableError,
+    PumpedSubmission,
+    Submission,
+)
 from services.engine.config import EngineConfig
 from services.engine.tensorrt_llm_backend.availability import INSTALL_HINT, tensorrt_llm_installed
 from services.engine.tensorrt_llm_backend.kv_events import KvEventConverter
@@ -178,9 +185,17 @@ class TensorRTLLMBackend(EngineBackend):
             raise EngineUnavailableError("the tensorrt_llm engine is not started")
         return self._info
 
+    def submit(self, request: SequenceRequest, sink: DeltaSink) -> Submission:
+        """See :meth:`EngineBackend.submit`: TensorRT-LLM streams each request
+        on its own (``generate_async``), so one task per request reads
+        :meth:`generate` into ``sink`` (:class:`PumpedSubmission`); its
+        refusals go to ``sink.fail``."""
+        return PumpedSubmission(self.generate(request), sink)
+
     async def generate(self, request: SequenceRequest) -> AsyncIterator[TokenDelta]:
         """See :meth:`EngineBackend.generate`; one ``generate_async`` stream per
-        request, one delta per choice and chunk.
+        request, read as it comes (one delta per choice and chunk: the
+        library's iterator is the request's one buffer, so no sink here).
 
         Raises (besides the interface's): InvalidRequestError INVALID_ARGUMENT
         for what TensorRT-LLM cannot honour (:func:`.request_map.generate_args`:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,7 +34,7 @@ from services.common.checkpoint import check_model_path
 from services.common.kv_events import KVEvent, KVSnapshot
 from services.common.model_files import default_model_path
 from services.common.sampling import MAX_SPECULATIVE_TOKENS, SpeculativeMethod
-from services.engine.backend import EngineBackend, EngineUnavailableError
+from services.engine.backend import DeltaSink, EngineBackend, EngineUnavailableError, Submission
 from services.engine.config import EngineConfig
 from services.engine.torch_backend.block_pool import BlockCounts, KVIntegrityError
 from services.engine.torch_backend.cuda_graphs import capture_refusal
@@ -51,7 +50,7 @@ from services.engine.torch_backend.draft_proposer import (
     draft_runner,
     truncated_model,
 )
-from services.engine.torch_backend.engine_core import EngineCore, StepObserver
+from services.engine.torch_backend.engine_core import EngineCore, StepObserver, Submitted
 from services.engine.torch_backend.grammar_mask import GrammarMatcher
 from services.engine.torch_backend.kv_cache_manager import KVCacheManager
 from services.engine.torch_backend.kv_offload import KVOffloadTier
@@ -81,8 +80,7 @@ from services.engine.torch_backend.speculative import (
 from services.engine.torch_backend.structured_output import GrammarCompiler
 from services.engine.torch_backend.suffix_proposer import SuffixOptions, SuffixProposer
 from services.engine.torch_backend.thread_governor import ThreadGovernor
-from services.engine.types import (EngineResources, LoadStats, ModelInfo, SequenceRequest,
-                                  TokenDelta)
+from services.engine.types import EngineResources, LoadStats, ModelInfo, SequenceRequest
 from services.engine.validation import (
     refuse_unimplemented,
     validate_kv_capacity,
@@ -376,33 +374,42 @@ class TorchBackend(EngineBackend):
             raise EngineUnavailableError("the torch engine is still loading its model")
         return self._info
 
-    async def generate(self, request: SequenceRequest) -> AsyncIterator[TokenDelta]:
-        """See :meth:`EngineBackend.generate`. Deltas that pile up while the
-        consumer is busy are merged into one. An output constraint is compiled
-        (off the event loop, within the compile bound) before the request
-        reaches the scheduler: see
-        :mod:`~services.engine.torch_backend.structured_output` for its errors."""
+    def submit(self, request: SequenceRequest, sink: DeltaSink) -> Submission:
+        """See :meth:`EngineBackend.submit`: the engine core calls ``sink``
+        from its step loop (one event-loop callback per step for all the
+        requests that advanced). An output constraint is compiled first (off
+        the event loop, within the compile bound; see
+        :mod:`~services.engine.torch_backend.structured_output` for its
+        errors, which go to ``sink.fail``), then the request reaches the
+        scheduler."""
         validate_request(request, self.model_info)
         refuse_unimplemented(request.sampling, IMPLEMENTED_FEATURES, "torch")
         if self.kv_cache_info is not None:
             validate_kv_capacity(len(request.prompt_token_ids), request.sampling.max_tokens,
                                  self.kv_cache_info.num_tokens, request.sampling.n,
                                  self.kv_cache_info.block_size)
+        core = self._running_core()
+        if request.sampling.structured_output is None:
+            return _Submission(core, request.request_id, core.submit(request, sink))
+        submission = _Submission(core, request.request_id)
+        submission.compiling = sink.loop.create_task(
+            self._submit_constrained(request, sink, submission))
+        return submission
+
+    def _running_core(self) -> EngineCore:
         core = self._core
         if core is None:
             raise EngineUnavailableError("the torch engine is not running")
-        grammar = await self._grammar(request)
-        submitted = core.submit(request, asyncio.get_running_loop(), grammar)
-        queue = submitted.queue
-        left = request.sampling.n  # choices not finished; each ends with its own delta
+        return core
+
+    async def _submit_constrained(self, request: SequenceRequest, sink: DeltaSink,
+                                  submission: _Submission) -> None:
+        """Compiles the request's output constraint, then submits it."""
         try:
-            while left:
-                for delta in _merged_per_choice(await queue.get(), queue):
-                    left -= delta.finished
-                    yield delta
-        finally:
-            if left:  # this request's sequences, never a newer one with its id
-                core.cancel(request.request_id, submitted)
+            grammar = await self._grammar(request)
+            submission.submitted = self._running_core().submit(request, sink, grammar)
+        except Exception as exc:  # noqa: BLE001 - the request's end, told to its sink
+            sink.fail(exc)
 
     async def _grammar(self, request: SequenceRequest) -> GrammarMatcher | None:
         constraint = request.sampling.structured_output
@@ -684,23 +691,18 @@ def _runner_for(model: LlamaModel, config: EngineConfig) -> ModelRunner:
                        config.attention_backend)
 
 
-def _merged_per_choice(first: TokenDelta, queue: asyncio.Queue[TokenDelta]
-                       ) -> list[TokenDelta]:
-    """``first`` and the deltas already queued behind it, merged per choice
-    (each choice's deltas into one, up to its last), in order of each
-    choice's first delta. Takes from ``queue`` without waiting."""
-    merged: dict[int, TokenDelta] = {first.index: first}
-    while not queue.empty():
-        delta = queue.get_nowait()
-        before = merged.get(delta.index)
-        merged[delta.index] = delta if before is None else merge_deltas(before, delta)
-    return list(merged.values())
+@dataclass(eq=False)
+class _Submission:
+    """A request the torch engine took: its sequences once submitted to the
+    core (``submitted``), or the task compiling its output constraint first."""
 
+    core: EngineCore
+    request_id: str
+    submitted: Submitted | None = None
+    compiling: asyncio.Task[None] | None = None
 
-def merge_deltas(first: TokenDelta, second: TokenDelta) -> TokenDelta:
-    """One delta carrying ``first``'s then ``second``'s tokens (and their
-    log-probabilities, and the prompt's from whichever carries them), with
-    ``second``'s counts and finish reason."""
-    return replace(second, token_ids=first.token_ids + second.token_ids,
-                   logprobs=first.logprobs + second.logprobs,
-                   prompt_logprobs=first.prompt_logprobs or second.prompt_logprobs)
+    def cancel(self) -> None:
+        if self.compiling is not None:
+            self.compiling.cancel()
+        if self.submitted is not None:  # this request's sequences, never a newer one's
+            self.core.cancel(self.request_id, self.submitted)

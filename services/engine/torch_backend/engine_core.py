@@ -30,9 +30,11 @@ A step is ``intake → schedule → run → sample → update → deliver``:
 5. the :class:`~services.engine.torch_backend.speculative.Speculator` (if
    any) proposes the next step's lookahead tokens of the sequences that just
    produced tokens;
-6. the step's deltas go to their requests' asyncio queues as soon as the
-   step ends, in one ``loop.call_soon_threadsafe`` per event loop (one
-   wake-up of the loop per step, not one per sequence).
+6. the step's deltas go to their requests' sinks
+   (:class:`~services.engine.backend.DeltaSink`, e.g. the ``Multiplex``
+   call's outbox) as soon as the step ends, in one
+   ``loop.call_soon_threadsafe`` per event loop (one wake-up of the loop per
+   step, not one per sequence; no task or queue per request).
 
 A cancelled running sequence leaves, and its blocks return to the pool, at
 the first of:
@@ -78,6 +80,7 @@ from services.common.kv_events import KVEvent, KVSnapshot
 from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason
 from services.common.step_profile import StepProfile
+from services.engine.backend import DeltaSink
 from services.engine.torch_backend.block_pool import BlockCounts
 from services.engine.torch_backend.grammar_mask import GrammarMatcher
 from services.engine.torch_backend.inbox import Inbox
@@ -103,8 +106,8 @@ log = structlog.get_logger()
 StepObserver = Callable[[StepStats], None]
 #: Seconds between two refreshes of the step profile in the load report.
 PROFILE_REFRESH_S = 0.25
-#: A delta and the asyncio queue it goes to.
-_Put = tuple[asyncio.Queue[TokenDelta], TokenDelta]
+#: A delta and the sink it goes to.
+_Put = tuple[DeltaSink, TokenDelta]
 
 
 class EngineCore:
@@ -168,9 +171,10 @@ class EngineCore:
             on_ready()
         self._run()
 
-    def submit(self, request: SequenceRequest, loop: asyncio.AbstractEventLoop,
+    def submit(self, request: SequenceRequest, sink: DeltaSink,
                grammar: GrammarMatcher | None = None) -> Submitted:
-        """Queues ``request``; its deltas arrive on the returned queue (owned by ``loop``).
+        """Queues ``request``; its deltas go to ``sink.deliver``, called on
+        ``sink.loop`` (one callback per step for all the sinks of that loop).
         ``grammar``: its structured-output matcher (the worker thread's from now on;
         choices 1..n-1 get copies of it).
 
@@ -181,8 +185,7 @@ class EngineCore:
             flight (a request that takes a free sequence slot at the next step
             never counts as waiting).
         """
-        queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
-        choices = [self._choice(request, index, queue, loop,
+        choices = [self._choice(request, index, sink,
                                 None if grammar is None or index == 0 else grammar.fork())
                    for index in range(request.sampling.n)]
         choices[0].grammar = grammar
@@ -192,10 +195,10 @@ class EngineCore:
             for choice in choices[1:]:
                 choice.group = seq.group
         self._inbox.submit(seq)
-        return Submitted(queue, seq)
+        return Submitted(sink, seq)
 
-    def _choice(self, request: SequenceRequest, index: int, queue: asyncio.Queue[TokenDelta],
-                loop: asyncio.AbstractEventLoop, grammar: GrammarMatcher | None) -> Sequence:
+    def _choice(self, request: SequenceRequest, index: int, sink: DeltaSink,
+                grammar: GrammarMatcher | None) -> Sequence:
         """The sequence of choice ``index``: its own generator, seeded with
         ``SamplingOptions.choice_seed(index)`` (from the OS when unseeded), and
         its own grammar matcher."""
@@ -203,7 +206,7 @@ class EngineCore:
         if index:
             options = dataclasses.replace(options, seed=options.choice_seed(index))
         row = SamplingRow.from_options(options, self._runner.device)
-        seq = Sequence(request, next(self._arrivals), row, queue, loop, index=index,
+        seq = Sequence(request, next(self._arrivals), row, sink, index=index,
                        prompt_logprobs_sent=index > 0,  # prompt_logprobs: choice 0's only
                        processors=LogitsProcessorState.for_request(  # each choice its own
                            request.sampling, request.prompt_token_ids,
@@ -545,10 +548,10 @@ class EngineCore:
 
 @dataclass(frozen=True)
 class Submitted:
-    """A submitted request: the queue its deltas arrive on, and its sequence
-    (a handle for :meth:`EngineCore.cancel`; owned by the worker thread)."""
+    """A submitted request: the sink its deltas go to, and its sequence (a
+    handle for :meth:`EngineCore.cancel`; owned by the worker thread)."""
 
-    queue: asyncio.Queue[TokenDelta]
+    sink: DeltaSink
     seq: Sequence
 
 
@@ -675,21 +678,28 @@ def _deliver(seq: Sequence, token_ids: tuple[int, ...], error: str = "") -> None
 
 
 def _deliver_all(items: list[tuple[Sequence, tuple[int, ...], str]]) -> None:
-    """Hands each ``(sequence, token ids, error)`` delta to its sequence's event
-    loop, thread-safe: the deltas are built here (on the worker thread, in
-    order) and put on their queues by one callback per loop, so a step of 16
+    """Hands each ``(sequence, token ids, error)`` delta to its sequence's
+    sink, thread-safe: the deltas are built here (on the worker thread, in
+    order) and delivered by one callback per event loop, so a step of 16
     sequences wakes the loop once. A loop that closed drops its deltas."""
     by_loop: dict[asyncio.AbstractEventLoop, list[_Put]] = {}
     for seq, token_ids, error in _with_unforked(items):
-        if seq.loop is not None and seq.queue is not None:
-            by_loop.setdefault(seq.loop, []).append((seq.queue, seq.delta(token_ids, error)))
+        if seq.sink is not None:
+            by_loop.setdefault(seq.sink.loop, []).append((seq.sink, seq.delta(token_ids, error)))
     for loop, deltas in by_loop.items():
         try:
-            loop.call_soon_threadsafe(_put_all, deltas)
+            loop.call_soon_threadsafe(_deliver_step, deltas)
         except RuntimeError:
             pass
 
 
-def _put_all(deltas: list[_Put]) -> None:
-    for queue, delta in deltas:
-        queue.put_nowait(delta)
+def _deliver_step(deltas: list[_Put]) -> None:
+    """On the sinks' event loop: one step's deltas, in order. A sink that
+    raises (a bug) is logged and fails its request alone; the step's other
+    sinks still get theirs."""
+    for sink, delta in deltas:
+        try:
+            sink.deliver(delta)
+        except Exception as exc:  # noqa: BLE001 - one request's bug, not the step's
+            log.exception("delta_sink_failed", request_id=delta.request_id)
+            sink.fail(exc)

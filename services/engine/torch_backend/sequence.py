@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import enum
 from dataclasses import dataclass, field
 
 from services.common.kv_events import BlockHash
 from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason, InvalidRequestError, SpeculativeMethod
+from services.engine.backend import DeltaSink
 from services.engine.torch_backend.grammar_mask import GrammarMatcher
 from services.engine.torch_backend.logits_processors import LogitsProcessorState
 from services.engine.torch_backend.sampler import SamplingRow
@@ -63,8 +63,7 @@ class Sequence:
         priority, and the key of its KV block table and proposer state (its
         request id may come back, as a new sequence, once it is cancelled).
       sampling: the sampler's view of its parameters (holds its generator).
-      queue: the asyncio queue its deltas are delivered to (None in unit tests).
-      loop: the event loop that owns ``queue``.
+      sink: where its deltas are delivered (on ``sink.loop``; None in unit tests).
       token_ids: prompt followed by generated tokens.
       num_computed_tokens: leading tokens whose keys/values are in its KV blocks
         (prefix-cache hits included); the scheduler catches it up to ``num_tokens``.
@@ -110,8 +109,7 @@ class Sequence:
     request: SequenceRequest
     arrival: int
     sampling: SamplingRow = field(default_factory=SamplingRow)
-    queue: asyncio.Queue[TokenDelta] | None = None
-    loop: asyncio.AbstractEventLoop | None = None
+    sink: DeltaSink | None = None
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
