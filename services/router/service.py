@@ -385,14 +385,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         self._cache = CacheClient(cfg.cache, timeout=cfg.cache_timeout) if cfg.cache else None
         cache_ready = (asyncio.create_task(self._cache.wait_until_serving(cfg.startup_timeout))
                        if self._cache is not None else None)
-        self._settings = PoolSettings(
-            default_max_tokens=cfg.default_max_tokens, max_tokens_cap=cfg.max_tokens_cap,
-            startup_timeout=cfg.startup_timeout, admission=cfg.admission,
-            routing_policy=cfg.routing_policy, routing_weights=cfg.routing_weights,
-            log_content=cfg.log_content, resolve_interval_s=cfg.resolve_interval_s,
-            client_write_timeout_s=cfg.client_write_timeout_s,
-            tokenize_in_router=cfg.tokenize_in_router,
-            tool_call_formats=cfg.tool_call_formats)
+        self._settings = self._pool_settings()
         self._resolver = make_resolver(cfg.dns_nameserver)
         configs = cfg.all_pools()
         opened = await asyncio.gather(
@@ -424,6 +417,18 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             self._log_ready(pool)
         if not self._pending:
             self.tenancy.set_served_models(self.pools)
+
+    def _pool_settings(self) -> PoolSettings:
+        """What every model pool takes from the router's configuration."""
+        cfg = self.config
+        return PoolSettings(
+            default_max_tokens=cfg.default_max_tokens, max_tokens_cap=cfg.max_tokens_cap,
+            startup_timeout=cfg.startup_timeout, admission=cfg.admission,
+            routing_policy=cfg.routing_policy, routing_weights=cfg.routing_weights,
+            log_content=cfg.log_content, resolve_interval_s=cfg.resolve_interval_s,
+            client_write_timeout_s=cfg.client_write_timeout_s,
+            tokenize_in_router=cfg.tokenize_in_router,
+            tool_call_formats=cfg.tool_call_formats)
 
     def _install(self) -> None:
         """Serves the pools opened so far, in the order configured."""

@@ -367,6 +367,24 @@ def _validate_input(pb: generation_pb2.GenerateRequest, limits: ModelLimits,
     return None, _validate_messages(pb.chat, limits, tools)
 
 
+def _validate_tools(pb: generation_pb2.GenerateRequest,
+                    limits: ModelLimits) -> ToolRequest | None:
+    """The chat's tools and tool choice (None for a prompt).
+
+    Raises:
+      InvalidRequestError: FAILED_PRECONDITION naming ``chat.tools`` where the
+        model is served with ``--tool-call-format MODEL=none``; INVALID_ARGUMENT
+        for a bad tool (:func:`tool_request`).
+    """
+    tools = tool_request(pb.chat) if pb.WhichOneof("input") == "chat" else None
+    if tools is not None and tools.tools and limits.tool_call_format is ToolCallFormat.NONE:
+        raise InvalidRequestError(
+            "chat.tools", f"model {limits.model!r} is served without tool calling "
+            f"(the router's --tool-call-format {limits.model}=none)",
+            grpc.StatusCode.FAILED_PRECONDITION)
+    return tools
+
+
 def validate_request(
     pb: generation_pb2.GenerateRequest, *, request_id: str,
     models: Mapping[str, ModelLimits], default_model: str,
@@ -398,12 +416,7 @@ def validate_request(
     if pb.request_id:
         validate_request_id(pb.request_id)
     limits = resolve_model(pb.model, models, default_model)
-    tools = tool_request(pb.chat) if pb.WhichOneof("input") == "chat" else None
-    if tools is not None and tools.tools and limits.tool_call_format is ToolCallFormat.NONE:
-        raise InvalidRequestError(
-            "chat.tools", f"model {limits.model!r} is served without tool calling "
-            f"(the router's --tool-call-format {limits.model}=none)",
-            grpc.StatusCode.FAILED_PRECONDITION)
+    tools = _validate_tools(pb, limits)
     prompt, messages = _validate_input(pb, limits, tools)
     token_ids = (check_prompt_token_ids(pb.prompt_tokens.token_ids, limits)
                  if pb.HasField("prompt_tokens") else None)
