@@ -466,7 +466,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
 
     async def drain(self) -> None:
         """Refuses new generations (UNAVAILABLE); running ones may finish. Each
-        ``GenerateStream`` session ends UNAVAILABLE (:data:`~services.router.stream_session.STREAM_DRAIN_MESSAGE`):
+        ``GenerateStream`` session ends UNAVAILABLE
+        (:data:`~services.router.stream_session.STREAM_DRAIN_MESSAGE`):
         at once when no generation runs on it, else once its generation ends; an
         idle session would otherwise hold the drain to its deadline."""
         self._draining = True
