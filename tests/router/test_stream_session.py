@@ -146,11 +146,13 @@ async def test_events_of_a_cancelled_generation_are_dropped_but_released() -> No
     session = StreamSession(host, "s", idle_timeout_s=0)
     await session.handle(start())
     await session.handle(cancel())
+    await session.handle(start())  # generation 2 runs; 1's last events still come
     written = host.written[:]
     stale = Produced(1, Delta("late", (9,)), asyncio.get_running_loop().create_future())
     await session.handle(stale)
     await session.handle(ProducerFailed(1, RuntimeError("late")))
     assert stale.written.done() and host.written == written
+    assert session.current is not None and session.current.number == 2
 
 
 async def test_the_running_generations_error_ends_the_call() -> None:
