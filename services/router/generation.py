@@ -439,76 +439,36 @@ class GenerationPipeline:
         """
         progress = Progress() if progress is None else progress
         timing = _Timing(request.model, received_at, span=start_request_span(request))
-        limits = self.models[request.model]
         outcome = "cancelled"  # unless set otherwise before leaving
         info: dict[str, object] = {}
-        ticket: Ticket | None = None
-        matches: asyncio.Task[dict[EngineClient, CachedPrefix]] | None = None
+        held = _Held()
         self.metrics.requests_in_flight.labels(request.model).inc()
         try:
             self._refuse_if_full(request)
-            with tracing.span("llmesh.tokenize", timing.span) as tokenize:
-                if tokenize is not None:
-                    tokenize.set_attribute("llmesh.tokenize.in_process", self.tokenizer.in_process)
-                prompt_ids = await self._prompt_ids(request, limits, deadline, info,
-                                                    tracing.traceparent_of(tokenize))
+            prompt_ids = await self._tokenized(request, deadline, timing, info)
             progress.prompt_tokens = len(prompt_ids)
-            max_tokens = fit_to_context(len(prompt_ids), request.sampling.max_tokens,
-                                        limits.max_model_len, field=request.input_field)
-            sampling = dataclasses.replace(request.sampling, max_tokens=max_tokens,
-                                           min_tokens=min(request.sampling.min_tokens,
-                                                          max_tokens))
+            sampling = self._fitted(request, prompt_ids)
             if reserve_tokens is not None:
-                reserve_tokens(len(prompt_ids), max_tokens * sampling.n)
-            if _shareable(request.sampling) and not request.bypass_cache:
-                events = self._shared(request, prompt_ids, sampling, deadline, progress,
-                                      timing, info, session)
-            else:  # computed fresh, alone: nothing to look up or share
-                matches = self._start_prefix_matches(request, prompt_ids)  # beside admission
-                # n choices hold the engine for n x max_tokens (the prompt once)
-                with tracing.span("llmesh.admission_wait", timing.span):
-                    ticket = await self._admit(request, len(prompt_ids),
-                                               max_tokens * sampling.n, deadline)
-                events = self._from_engine(request, prompt_ids, sampling,
-                                           self._cache_key(request, prompt_ids), deadline,
-                                           progress, timing, info, ticket,
-                                           RouteHint(len(prompt_ids), matches, session,
-                                                     sampling.max_tokens, sampling.n))
-            if self.client_write_timeout_s > 0:
-                events = self._paced(events, request.model)
+                reserve_tokens(len(prompt_ids), sampling.max_tokens * sampling.n)
+            events = await self._answer(request, prompt_ids, sampling, deadline, progress,
+                                        timing, info, session, held)
             # aclosing: when our consumer stops early, the engine stream closes now.
-            async with contextlib.aclosing(events):
-                async for event in events:
+            async with contextlib.aclosing(self._paced(events, request.model)) as paced_events:
+                async for event in paced_events:
                     if isinstance(event, Finished):
                         outcome = event.reason.name.lower()
                         info.update(matched_stop=event.matched_stop)
                     yield event
-        except InvalidRequestError as err:
-            outcome = err.code.name.lower()
-            raise
-        except GenerationError as err:
-            outcome = err.code.name.lower()
-            info.update(error=err.message)
-            raise
-        except UpstreamError as err:
-            mapped = upstream_to_generation_error(
-                err, completion_tokens=progress.completion_tokens)
-            outcome = mapped.code.name.lower()
-            info.update(error=mapped.message)
-            raise mapped from err
-        except WriteStalled as err:
-            stalled = slow_client_error(err, progress.completion_tokens)
-            outcome = stalled.code.name.lower()
-            info.update(error=stalled.message)
-            raise stalled from None
-        except Exception:
-            outcome = "internal"
-            raise
+        except Exception as err:
+            failure = _client_failure(err, progress.completion_tokens)
+            outcome = "internal" if failure is None else failure.code.name.lower()
+            if isinstance(failure, GenerationError):
+                info.update(error=failure.message)
+            if failure is None or failure is err:
+                raise
+            raise failure from (err if isinstance(err, UpstreamError) else None)
         finally:
-            if matches is not None:
-                matches.cancel()
-            if ticket is not None:
-                ticket.release()
+            held.release()
             self._record(request, outcome, progress, timing, info)
             end_request_span(timing.span, request, outcome=outcome, progress=progress,
                              timing=timing, info=info)
@@ -539,8 +499,55 @@ class GenerationPipeline:
 
     # --------------------------------------------------------------- steps
 
+    async def _tokenized(self, request: GenerationRequest, deadline: float | None,
+                         timing: _Timing, info: dict[str, object]) -> tuple[int, ...]:
+        """Step 1: the prompt ids, under the request's ``llmesh.tokenize`` span."""
+        with tracing.span("llmesh.tokenize", timing.span) as tokenize:
+            if tokenize is not None:
+                tokenize.set_attribute("llmesh.tokenize.in_process", self.tokenizer.in_process)
+            return await self._prompt_ids(request, self.models[request.model], deadline, info,
+                                          tracing.traceparent_of(tokenize))
+
+    def _fitted(self, request: GenerationRequest, prompt_ids: tuple[int, ...]
+                ) -> SamplingOptions:
+        """Step 2: the request's sampling with ``max_tokens`` clamped to the room
+        the context window leaves (OUT_OF_RANGE when there is none)."""
+        sampling = request.sampling
+        max_tokens = fit_to_context(len(prompt_ids), sampling.max_tokens,
+                                    self.models[request.model].max_model_len,
+                                    field=request.input_field)
+        return dataclasses.replace(sampling, max_tokens=max_tokens,
+                                   min_tokens=min(sampling.min_tokens, max_tokens))
+
+    async def _answer(
+        self, request: GenerationRequest, prompt_ids: tuple[int, ...],
+        sampling: SamplingOptions, deadline: float | None, progress: Progress,
+        timing: _Timing, info: dict[str, object], session: RoutingSession | None, held: _Held,
+    ) -> AsyncIterator[Event]:
+        """Step 3: where the answer comes from. A shareable request joins or
+        starts the shared generation (response cache inside it); any other is
+        admitted and computed alone by an engine (nothing to look up or share),
+        the prefix-index lookup running beside admission. ``held`` gets what
+        the caller releases at the end (admission ticket, lookup task)."""
+        if _shareable(request.sampling) and not request.bypass_cache:
+            return self._shared(request, prompt_ids, sampling, deadline, progress, timing,
+                                info, session)
+        held.matches = self._start_prefix_matches(request, prompt_ids)
+        # n choices hold the engine for n x max_tokens (the prompt once)
+        with tracing.span("llmesh.admission_wait", timing.span):
+            held.ticket = await self._admit(request, len(prompt_ids),
+                                            sampling.max_tokens * sampling.n, deadline)
+        return self._from_engine(request, prompt_ids, sampling,
+                                 self._cache_key(request, prompt_ids), deadline, progress,
+                                 timing, info, held.ticket,
+                                 RouteHint(len(prompt_ids), held.matches, session,
+                                           sampling.max_tokens, sampling.n))
+
     def _paced(self, events: AsyncIterator[Event], model: str) -> AsyncIterator[Event]:
-        """``events`` under the slow-reader budget (module doc)."""
+        """Step 4: ``events`` under the slow-reader budget (module doc), when set."""
+        if self.client_write_timeout_s <= 0:
+            return events
+
         def count() -> None:
             self.metrics.slow_client_cancels.labels(model).inc()
             log.info("slow_client_cancelled", budget_s=self.client_write_timeout_s)
@@ -828,46 +835,16 @@ class GenerationPipeline:
                                                    sampling.include_stop_str_in_output),
                                  IncrementalDetokenizer(self.decoder, skip_special_tokens=True))
                    for _ in range(sampling.n)]
-        # A stop token id (or EOS, unless ignored) ends the sequence, so it can only be
-        # the last id; it counts in usage but its text is never returned.
-        eos = () if sampling.ignore_eos else self.models[request.model].eos_token_ids
-        hidden_ids = frozenset(sampling.stop_token_ids) | frozenset(eos)
+        hidden_ids = self._hidden_ids(request, sampling)
         keep_output = key is not None or self.log_content
-        choices_left = sampling.n
         try:
             while True:
                 choice = _choice_of(choices, delta, engine)
                 if choice.finished:  # ended on a stop string; the engine's last words
                     delta = await stream.read()
                     continue
-                ids = delta.token_ids
-                if delta.usage is not None:
-                    progress.cached_prompt_tokens = delta.usage.cached_prompt_tokens
-                shown = ([p for p, i in enumerate(ids) if i not in hidden_ids] if hidden_ids
-                         else range(len(ids)))
-                visible = [ids[p] for p in shown]
-                last = delta.finish_reason is not None
-                matcher = choice.matcher
-                text, text_ends = self._detokenize(choice.detok, visible, engine, last=last,
-                                                   with_ends=bool(matcher.stops))
-                safe, stop = matcher.feed(text)
-                if stop is not None:
-                    # the engine frees the sequence (or this choice's) at once
-                    if sampling.n == 1:
-                        await stream.cancel()
-                    else:
-                        stream.cancel_choice(delta.index)
-                    ids = _ids_through_stop(ids, shown, text_ends, matcher.match_end)
-                    choice.completion_tokens += len(ids)
-                    finished = Finished(FinishReason.STOP, stop,
-                                        choice.usage(progress), index=delta.index)
-                elif last:
-                    choice.completion_tokens += len(ids)
-                    safe += matcher.flush()
-                    finished = self._engine_finished(delta, progress, choice)
-                else:
-                    choice.completion_tokens += len(ids)
-                    finished = None
+                safe, ids, finished = await self._choice_step(
+                    choice, delta, hidden_ids, sampling, progress, engine, stream)
                 progress.completion_tokens = sum(c.completion_tokens for c in choices)
                 if keep_output:
                     choice.text.append(safe)
@@ -879,23 +856,71 @@ class GenerationPipeline:
                             ticket.on_tokens(len(ids), now)
                     yield self._delta(safe, ids, delta)
                 if finished is not None:
-                    choice.finished = True
-                    choices_left -= 1
-                    if keep_output and not choices_left:
-                        texts = ["".join(c.text) for c in choices]
-                        info.update(output=texts[0] if len(texts) == 1 else texts)
-                    if key is not None and finished.reason in (FinishReason.STOP,
-                                                               FinishReason.LENGTH):
-                        self._store(key, CachedResponse(
-                            tuple(choice.ids), "".join(choice.text), finished.reason,
-                            finished.matched_stop), request.request_id)
+                    self._choice_finished(request, choices, choice, finished, key, info)
                     yield finished
-                    if not choices_left:
+                    if all(c.finished for c in choices):
                         return
                 delta = await stream.read()
         finally:
             engine.closed(request.priority)
             stream.close()
+
+    def _hidden_ids(self, request: GenerationRequest, sampling: SamplingOptions
+                    ) -> frozenset[int]:
+        """The ids whose text is never returned: a stop token id (or EOS, unless
+        ignored) ends the sequence, so it can only be the last id; it counts in
+        usage."""
+        eos = () if sampling.ignore_eos else self.models[request.model].eos_token_ids
+        return frozenset(sampling.stop_token_ids) | frozenset(eos)
+
+    async def _choice_step(
+        self, choice: _ChoiceOutput, delta: EngineUpdate, hidden_ids: frozenset[int],
+        sampling: SamplingOptions, progress: Progress, engine: EngineClient,
+        stream: EngineStream,
+    ) -> tuple[str, tuple[int, ...], Finished | None]:
+        """One engine update of one choice: its ids detokenized, the text fed to
+        the choice's stop-string matcher. Returns the text safe to send, the ids
+        it covers (all, or those through a stop string) and the choice's
+        :class:`Finished` when it ended (a stop string tells the engine to end
+        the sequence, or this choice, at once)."""
+        ids = delta.token_ids
+        if delta.usage is not None:
+            progress.cached_prompt_tokens = delta.usage.cached_prompt_tokens
+        shown = ([p for p, i in enumerate(ids) if i not in hidden_ids] if hidden_ids
+                 else range(len(ids)))
+        last = delta.finish_reason is not None
+        matcher = choice.matcher
+        text, text_ends = self._detokenize(choice.detok, [ids[p] for p in shown], engine,
+                                           last=last, with_ends=bool(matcher.stops))
+        safe, stop = matcher.feed(text)
+        if stop is not None:
+            if sampling.n == 1:
+                await stream.cancel()
+            else:
+                stream.cancel_choice(delta.index)
+            ids = _ids_through_stop(ids, shown, text_ends, matcher.match_end)
+            choice.completion_tokens += len(ids)
+            return safe, ids, Finished(FinishReason.STOP, stop, choice.usage(progress),
+                                       index=delta.index)
+        choice.completion_tokens += len(ids)
+        if not last:
+            return safe, ids, None
+        return safe + matcher.flush(), ids, self._engine_finished(delta, progress, choice)
+
+    def _choice_finished(self, request: GenerationRequest, choices: Sequence[_ChoiceOutput],
+                         choice: _ChoiceOutput, finished: Finished, key: CacheKey | None,
+                         info: dict[str, object]) -> None:
+        """Marks ``choice`` finished; with the last one the output goes to the log
+        fields (when kept), and a choice that ended on STOP or LENGTH is stored
+        in the response cache (under ``key``, when set)."""
+        choice.finished = True
+        if (key is not None or self.log_content) and all(c.finished for c in choices):
+            texts = ["".join(c.text) for c in choices]
+            info.update(output=texts[0] if len(texts) == 1 else texts)
+        if key is not None and finished.reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self._store(key, CachedResponse(tuple(choice.ids), "".join(choice.text),
+                                            finished.reason, finished.matched_stop),
+                        request.request_id)
 
     def _delta(self, text: str, ids: tuple[int, ...], delta: EngineUpdate) -> Delta:
         """The event for ``ids`` (the leading ids of ``delta``: all, or those
@@ -1042,6 +1067,35 @@ class GenerationPipeline:
                           else [dataclasses.asdict(m) for m in request.messages or ()],
                           output=output)
         log.info("request_finished", **fields)
+
+
+@dataclass
+class _Held:
+    """What :meth:`GenerationPipeline.run` releases when the request ends: the
+    admission ticket and the prefix-index lookup, when taken."""
+
+    ticket: Ticket | None = None
+    matches: asyncio.Task[dict[EngineClient, CachedPrefix]] | None = None
+
+    def release(self) -> None:
+        if self.matches is not None:
+            self.matches.cancel()
+        if self.ticket is not None:
+            self.ticket.release()
+
+
+def _client_failure(err: Exception, completion_tokens: int
+                    ) -> InvalidRequestError | GenerationError | None:
+    """The client's status for a failure inside :meth:`GenerationPipeline.run`:
+    ``err`` itself when it is one, an upstream failure or a stalled write
+    mapped to one; None for anything else (a bug: INTERNAL)."""
+    if isinstance(err, (InvalidRequestError, GenerationError)):
+        return err
+    if isinstance(err, UpstreamError):
+        return upstream_to_generation_error(err, completion_tokens=completion_tokens)
+    if isinstance(err, WriteStalled):
+        return slow_client_error(err, completion_tokens)
+    return None
 
 
 @dataclass

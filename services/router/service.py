@@ -63,7 +63,7 @@ from services.common import tracing
 from services.common.grpc_util import metadata_value, request_id_from
 from services.common.logging import REQUEST_ID_METADATA_KEY, bind_request_id
 from services.common.logprobs import logprobs_to_pb
-from services.common.sampling import FinishReason, InvalidRequestError, Priority
+from services.common.sampling import InvalidRequestError, Priority
 from services.router.admission import AdmissionConfig, AdmissionController
 from services.router.api_keys import API_KEY_HEADER, AUTHORIZATION_HEADER, Tenant
 from services.router.clients import CacheClient
@@ -78,7 +78,6 @@ from services.router.generation import (
     NONE_KNOWN,
     Delta,
     Event,
-    Finished,
     GenerationError,
     GenerationPipeline,
     Progress,
@@ -96,6 +95,7 @@ from services.router.model_pool import (
     open_pool,
 )
 from services.router.routing import CostWeights, RoutingPolicy, RoutingSession
+from services.router.stream_session import StreamGeneration, StreamSession
 from services.router.tenancy import AuthError, Tenancy
 from services.router.slow_reader import DEFAULT_CLIENT_WRITE_TIMEOUT_S
 from services.router.tools.formats import ToolCallFormat
@@ -218,22 +218,6 @@ class _Abort(Exception):
         self.trailing_metadata = trailing_metadata
 
 
-@dataclass
-class _StreamGeneration:
-    """The generation running on a ``GenerateStream`` call."""
-
-    number: int
-    request_id: str
-    task: asyncio.Task[None]
-    progress: Progress = field(default_factory=Progress)
-    #: choices (``sampling.n``) without their Finished yet; it ends with the last
-    unfinished: set[int] = field(default_factory=lambda: {0})
-
-
-#: How a draining router ends a ``GenerateStream`` session (UNAVAILABLE).
-STREAM_DRAIN_MESSAGE = ("the router is draining (shutting down); reconnect to continue the "
-                        "conversation on another instance")
-
 #: The router ends a call this many seconds before the client's deadline, so its
 #: DEADLINE_EXCEEDED status (and the engine's cancel) lands before the deadline
 #: resets the stream at Envoy or gRPC (a reset reaches the client as INTERNAL).
@@ -312,8 +296,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         self._started = False
         self._settings: PoolSettings | None = None
         self._resolver: Resolver | None = None
-        #: The inbox of each open ``GenerateStream`` call (drain() tells them).
-        self._stream_inboxes: set[asyncio.Queue[tuple[str, object]]] = set()
+        #: Each open ``GenerateStream`` call's session (drain() tells them).
+        self._stream_sessions: set[StreamSession] = set()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -482,12 +466,13 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
 
     async def drain(self) -> None:
         """Refuses new generations (UNAVAILABLE); running ones may finish. Each
-        ``GenerateStream`` session ends UNAVAILABLE (:data:`STREAM_DRAIN_MESSAGE`):
+        ``GenerateStream`` session ends UNAVAILABLE
+        (:data:`~services.router.stream_session.STREAM_DRAIN_MESSAGE`):
         at once when no generation runs on it, else once its generation ends; an
         idle session would otherwise hold the drain to its deadline."""
         self._draining = True
-        for inbox in self._stream_inboxes:
-            inbox.put_nowait(("drain", None))
+        for session in self._stream_sessions:
+            session.drain()
 
     async def close(self) -> None:
         """Closes the HTTP server and the channels (after the gRPC server stopped)."""
@@ -620,7 +605,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
 
     # ------------------------------------------------------------------ RPCs
 
-    async def Generate(  # noqa: N802 (gRPC method name)
+    async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """Server-streaming generation: text deltas, then one final message."""
@@ -648,7 +633,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         if failure is not None:
             await self._abort(context, failure, request_id)
 
-    async def GenerateJson(  # noqa: N802 (gRPC method name)
+    async def GenerateJson(
         self, request: generation_pb2.GenerateJsonRequest, context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """``POST /v1/generate`` (through Envoy): the JSON body parsed strictly
@@ -664,7 +649,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         async for response in self.Generate(parsed, context):
             yield response
 
-    async def GenerateStream(  # noqa: N802 (gRPC method name)
+    async def GenerateStream(
         self, request_iterator: AsyncIterator[generation_pb2.GenerateStreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> None:
@@ -690,93 +675,17 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         except AuthError as err:
             await self._abort(context, _as_abort(err, stream_id), stream_id)
             return
-        # One queue, one consumer: client messages and generation events arrive
-        # here, and only this task writes to the call.
-        inbox: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
-        self._stream_inboxes.add(inbox)
-        reader = asyncio.create_task(self._read_client(request_iterator, inbox))
-        current: _StreamGeneration | None = None
-        session = RoutingSession()  # later turns go where the earlier ones' KV is
-        count = 0
-        client_done = False
-        last_id = stream_id
+        session = StreamSession(_StreamCall(self, context, tenant), stream_id,
+                                idle_timeout_s=self.config.stream_idle_timeout)
+        self._stream_sessions.add(session)
         try:
-            while not (client_done and current is None):
-                if self._draining and current is None:
-                    log.info("stream_ended_by_drain", generations=count)
-                    raise _Abort(grpc.StatusCode.UNAVAILABLE, STREAM_DRAIN_MESSAGE)
-                kind, payload = await self._next_on_stream(inbox, idle=current is None)
-                if kind == "drain":
-                    continue  # checked at the top of the loop
-                if kind == "client_error":
-                    raise payload  # type: ignore[misc]
-                if kind == "client":
-                    if payload is None:
-                        client_done = True
-                        continue
-                    message = payload
-                    assert isinstance(message, generation_pb2.GenerateStreamRequest)
-                    action = message.WhichOneof("action")
-                    try:  # named by their path from the message: `start.sampling`, ...
-                        reject_unknown_fields(message)
-                    except InvalidRequestError:
-                        if action == "start":
-                            self.count_refused(message.start,
-                                                grpc.StatusCode.INVALID_ARGUMENT)
-                        raise
-                    if action == "start":
-                        if current is not None:
-                            self.count_refused(message.start,
-                                                grpc.StatusCode.FAILED_PRECONDITION)
-                            raise _Abort(
-                                grpc.StatusCode.FAILED_PRECONDITION,
-                                f"start: generation {current.request_id!r} is still running on "
-                                "this stream; send cancel or wait for its final message first")
-                        count += 1
-                        current = self._start_on_stream(message.start, context, count,
-                                                        stream_id, inbox, session, tenant)
-                        last_id = current.request_id
-                    elif action == "cancel":
-                        if current is not None and message.cancel.request_id in (
-                                "", current.request_id):
-                            await self._cancel_on_stream(current, context)
-                            current = None
-                        else:
-                            log.info("cancel_ignored", cancel_request_id=message.cancel.request_id)
-                    else:
-                        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                     "action: set `start` or `cancel`")
-                    continue
-                # kind == "event": (generation number, Event or exception, its
-                # write acknowledgement: the producer waits for it)
-                number, item, written = payload  # type: ignore[misc]
-                try:
-                    if current is None or number != current.number:
-                        continue  # left over from a cancelled generation
-                    if isinstance(item, BaseException):
-                        raise item
-                    assert isinstance(item, (Delta, Finished))
-                    await context.write(generation_pb2.GenerateStreamResponse(
-                        response=_response(current.request_id, item)))
-                finally:
-                    if written is not None and not written.done():
-                        written.set_result(None)
-                if isinstance(item, Finished):
-                    current.unfinished.discard(item.index)
-                    if not current.unfinished:
-                        current = None
+            await session.run(request_iterator)
         except Exception as err:  # noqa: BLE001 - every failure becomes a status
-            failure = _as_abort(err, last_id)
-            if current is not None:
-                current.task.cancel()
-            await self._abort(context, failure, last_id)
+            await self._abort(context, _as_abort(err, session.last_id), session.last_id)
         finally:
-            self._stream_inboxes.discard(inbox)
-            reader.cancel()
-            if current is not None:
-                current.task.cancel()
+            self._stream_sessions.discard(session)
 
-    async def ListModels(  # noqa: N802 (gRPC method name)
+    async def ListModels(
         self, request: generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext,
     ) -> generation_pb2.ListModelsResponse:
         """The served models with their context window and max_tokens cap;
@@ -810,108 +719,47 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             batch_window_ms=round(cfg.batch_window_s * 1e3),
             max_queue_wait_ms=round(cfg.max_queue_wait_s * 1e3))
 
-    # ------------------------------------------------------ stream helpers
 
-    async def _next_on_stream(self, inbox: asyncio.Queue[tuple[str, object]], *,
-                              idle: bool) -> tuple[str, object]:
-        """The next item of a ``GenerateStream``'s inbox.
+@dataclass(frozen=True)
+class _StreamCall:
+    """The router's side of one ``GenerateStream`` call
+    (:class:`~services.router.stream_session.StreamHost`)."""
 
-        Raises:
-          _Abort: DEADLINE_EXCEEDED when ``idle`` (no generation running) and
-            nothing arrives within ``stream_idle_timeout`` seconds.
-        """
-        limit = self.config.stream_idle_timeout
-        if not idle or limit <= 0:
-            return await inbox.get()
-        try:
-            async with asyncio.timeout(limit):
-                return await inbox.get()
-        except TimeoutError:
-            log.info("stream_idle_limit", idle_seconds=limit)
-            raise _Abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"session idle limit reached: no generation ran and no message came on this "
-                f"stream for {limit:g} s (the router's --stream-idle-timeout); open a new "
-                "stream for the next turn") from None
+    router: RouterService
+    context: grpc.aio.ServicerContext
+    tenant: Tenant | None
 
-    @staticmethod
-    async def _read_client(request_iterator: AsyncIterator[generation_pb2.GenerateStreamRequest],
-                           inbox: asyncio.Queue[tuple[str, object]]) -> None:
-        try:
-            async for message in request_iterator:
-                inbox.put_nowait(("client", message))
-            inbox.put_nowait(("client", None))
-        except Exception as err:  # noqa: BLE001 - handed to the handler task
-            inbox.put_nowait(("client_error", err))
+    @property
+    def draining(self) -> bool:
+        return self.router._draining
 
-    def _start_on_stream(
-        self, start: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
-        number: int, stream_id: str, inbox: asyncio.Queue[tuple[str, object]],
-        session: RoutingSession, tenant: Tenant | None,
-    ) -> _StreamGeneration:
+    def open(self, start: generation_pb2.GenerateRequest, request_id: str,
+             routing: RoutingSession) -> StreamGeneration:
         received_at = time.monotonic()
-        if start.request_id:
-            request_id = _safe_request_id(start.request_id)  # validation refuses a bad one
-        elif number == 1:
-            request_id = stream_id
-        else:
-            request_id = _safe_request_id(f"{stream_id}.{number}")
+        request_id = _safe_request_id(request_id)  # validation refuses a bad start.request_id
         try:
-            self.check_accepting()
-            validated = self._validate(start, request_id, context, tenant)
-        except Exception as err:  # noqa: BLE001 - counted, then ends the stream
+            self.router.check_accepting()
+            validated = self.router._validate(start, request_id, self.context,
+                                              self.tenant)
+        except Exception as err:
             code = (err.code if isinstance(err, (_Abort, InvalidRequestError, GenerationError,
                                                  AuthError))
                     else grpc.StatusCode.INTERNAL)
-            self.count_refused(start, code)
+            self.router.count_refused(start, code)
             raise
         progress = Progress()
-        task = asyncio.create_task(self._produce(
-            self, tenant, validated, number, received_at, _deadline(context), progress, inbox,
-            session))
-        return _StreamGeneration(number, validated.request_id, task, progress,
-                                 set(range(validated.sampling.n)))
+        events = self.router.run(self.tenant, validated, received_at=received_at,
+                                 deadline=_deadline(self.context), progress=progress,
+                                 session=routing)
+        return StreamGeneration(validated.request_id, events, validated.sampling.n, progress)
 
-    @staticmethod
-    async def _produce(router: RouterService, tenant: Tenant | None,
-                       request: GenerationRequest, number: int,
-                       received_at: float, deadline: float | None, progress: Progress,
-                       inbox: asyncio.Queue[tuple[str, object]],
-                       session: RoutingSession) -> None:
-        """Runs one generation, handing its events (or its error) to the handler.
+    def count_refused(self, start: generation_pb2.GenerateRequest,
+                      code: grpc.StatusCode) -> None:
+        self.router.count_refused(start, code)
 
-        Each event waits until the handler has written it to the client: a
-        client that reads slowly then slows this loop, not a queue that grows,
-        and the pipeline's slow-reader budget (:mod:`services.router.slow_reader`:
-        deltas merged while a write is blocked, the generation cancelled when
-        one stays blocked past ``--client-write-timeout-s``) applies to
-        ``GenerateStream`` exactly as to ``Generate``."""
-        bind_request_id(request.request_id)
-        loop = asyncio.get_running_loop()
-        try:
-            events = router.run(tenant, request, received_at=received_at, deadline=deadline,
-                                progress=progress, session=session)
-            async with contextlib.aclosing(events):
-                async for event in events:
-                    written = loop.create_future()
-                    inbox.put_nowait(("event", (number, event, written)))
-                    await written
-        except Exception as err:  # noqa: BLE001 - handed to the handler task
-            inbox.put_nowait(("event", (number, err, None)))
-
-    @staticmethod
-    async def _cancel_on_stream(current: _StreamGeneration,
-                                context: grpc.aio.ServicerContext) -> None:
-        # Its finally blocks close the engine stream. Cancelled again until it
-        # ends: a cancel swallowed on the way (Python 3.11's wait_for did) must
-        # not leave the producer waiting for a write this handler never makes.
-        while not current.task.done():
-            current.task.cancel()
-            await asyncio.wait({current.task}, timeout=0.5)
-        for index in sorted(current.unfinished):  # each open choice ends CANCELLED
-            final = Finished(FinishReason.CANCELLED, "", current.progress.usage(), index=index)
-            await context.write(generation_pb2.GenerateStreamResponse(
-                response=_response(current.request_id, final)))
+    async def write(self, request_id: str, event: Event) -> None:
+        await self.context.write(generation_pb2.GenerateStreamResponse(
+            response=_response(request_id, event)))
 
 
 def _start_failure(opened: list[ModelPool | BaseException], pools: dict[int, ModelPool]
