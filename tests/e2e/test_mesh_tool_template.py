@@ -64,9 +64,9 @@ def test_required_call_validates_and_the_loop_answers_in_text(
         tool_client: openai.OpenAI) -> None:
     model = tool_client.models.list().data[0].id
     first = tool_client.chat.completions.create(
-        model=model, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0,
-        max_tokens=48)
-    assert first.choices[0].finish_reason == "tool_calls"
+        model=model, messages=ASK, tools=[WEATHER], tool_choice="required",
+        parallel_tool_calls=False, temperature=0, max_tokens=64)
+    assert first.choices[0].finish_reason == "tool_calls", first.choices[0]
     call = first.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_SCHEMA)

@@ -201,9 +201,11 @@ async def test_a_tool_template_renders_tools_calls_and_results_alike_here_and_th
             assert answers[-1] == await _answer(service.apply_chat_template(messages, **kwargs))
     finally:
         await service.close()
-    assert local._local.decode(answers[0].token_ids) == TOOL_LOOP_TEXT  # type: ignore[union-attr]
-    assert answers[0].token_ids == tuple(local._local.encode(TOOL_LOOP_TEXT))  # type: ignore[union-attr]
-    assert "<tools>" not in local._local.decode(answers[2].token_ids)  # type: ignore[union-attr]
+    tok = local._local
+    assert tok is not None
+    assert tok.decode(answers[0].token_ids) == TOOL_LOOP_TEXT  # type: ignore[union-attr]
+    assert answers[0].token_ids == tuple(tok.encode(TOOL_LOOP_TEXT))  # type: ignore[union-attr]
+    assert "<tools>" not in tok.decode(answers[2].token_ids)  # type: ignore[union-attr]
     assert [a[0] for a in answers if isinstance(a, tuple)] == [
         grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT]
     assert "tool_calls[0].arguments is not JSON" in answers[5][1]  # type: ignore[index]
