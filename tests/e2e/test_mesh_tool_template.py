@@ -5,7 +5,7 @@ SmolLM2 with a ChatML template that has a Qwen2.5-style tool section
 template, calls are constrained in the Hermes syntax it teaches.
 
 Cost: a module mesh of its own (one engine, 1,024-token window, no Redis):
-about 30 s to start here plus a few greedy generations.
+about 10 s to start here (load average ~2) plus three short greedy generations.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 
 from services.cli.mesh import Mesh
 from tests.e2e.test_mesh_models import post
-from tests.e2e.test_mesh_tools import ASK, WEATHER, WEATHER_SCHEMA
+from tests.e2e.test_mesh_tools import WEATHER_SCHEMA, run_tool_loop
 from tests.tokenizer.test_tokenizer_router_local import TOOL_LOOP_TEXT
 from tests.tokenizer.tokenizer_helpers import TOOLS_TEMPLATE
 
@@ -28,7 +28,9 @@ pytestmark = pytest.mark.mesh
 
 
 @pytest.fixture(scope="module")
-def tool_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """SmolLM2 served with the tool template (overrides the session mesh here,
+    so that the shared ``client`` and ``model`` fixtures use it)."""
     run_dir: Path = tmp_path_factory.mktemp("tool-template-mesh")
     with Mesh(ingress_port=0, admin_port=0, run_dir=run_dir,
               tokenizer_args=["--chat-template", str(TOOLS_TEMPLATE)],
@@ -37,14 +39,7 @@ def tool_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         yield mesh
 
 
-@pytest.fixture(scope="module")
-def tool_client(tool_mesh: Mesh) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{tool_mesh.http_url}/v1", api_key="unused",
-                       max_retries=0, timeout=120) as client:
-        yield client
-
-
-def test_tokenize_renders_tools_and_a_call_loop_through_the_template(tool_mesh: Mesh) -> None:
+def test_tokenize_renders_tools_and_a_call_loop_through_the_template(mesh: Mesh) -> None:
     """``/tokenize`` with ``tools`` gives a generation's prompt: the template's
     own tool section (its default system line, then ``# Tools``), not the
     Hermes system turn the router would write."""
@@ -56,29 +51,15 @@ def test_tokenize_renders_tools_and_a_call_loop_through_the_template(tool_mesh: 
                     {"id": "call_1", "type": "function",
                      "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 3}'}]
-    tokens = post(tool_mesh, "/tokenize", {"messages": messages, "tools": tools})["tokens"]
-    assert post(tool_mesh, "/detokenize", {"tokens": tokens})["prompt"] == TOOL_LOOP_TEXT
+    tokens = post(mesh, "/tokenize", {"messages": messages, "tools": tools})["tokens"]
+    assert post(mesh, "/detokenize", {"tokens": tokens})["prompt"] == TOOL_LOOP_TEXT
 
 
 def test_required_call_validates_and_the_loop_answers_in_text(
-        tool_client: openai.OpenAI) -> None:
-    model = tool_client.models.list().data[0].id
-    first = tool_client.chat.completions.create(
-        model=model, messages=ASK, tools=[WEATHER], tool_choice="required",
-        parallel_tool_calls=False, temperature=0, max_tokens=64)
+        client: openai.OpenAI, model: str) -> None:
+    """The shared e2e ``client`` and ``model`` fixtures, on this module's mesh."""
+    first, _ = run_tool_loop(client, model, parallel_tool_calls=False, max_tokens=64)
     assert first.choices[0].finish_reason == "tool_calls", first.choices[0]
     call = first.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_SCHEMA)
-    history = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": call.id, "type": "function",
-             "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
-        {"role": "tool", "tool_call_id": call.id,
-         "content": json.dumps({"temperature": 21, "sky": "sunny"})}]
-    final = tool_client.chat.completions.create(
-        model=model, messages=history, tools=[WEATHER], tool_choice="none", temperature=0,
-        max_tokens=40)
-    message = final.choices[0].message
-    assert final.choices[0].finish_reason in ("stop", "length")
-    assert not message.tool_calls and message.content and "<tool_call>" not in message.content
