@@ -433,10 +433,10 @@ class Tokenizer:
                           tools: Sequence[FunctionTool]) -> None:
         """Raises ChatTemplateError when a tool or a tool call holds special-token
         text: the template writes them as markup, where it would become control
-        tokens (fail closed, as for a content the template rewrites)."""
+        tokens (fail closed, as for a content the template rewrites), or a
+        tool's parameters are not JSON."""
         assert self._control is not None
-        texts = [json.dumps(t.as_openai(), ensure_ascii=False)
-                 for t in tools if _is_json(t.parameters_schema)]
+        texts = [json.dumps(t, ensure_ascii=False) for t in template_tools(tools) or ()]
         texts += [f"{c.id}\n{c.name}\n{c.arguments_json}" for m in messages for c in m.tool_calls]
         texts += [m.tool_call_id for m in messages if m.tool_call_id]
         if texts and any(self._control.find(texts)):
@@ -546,14 +546,6 @@ def template_message(index: int, message: ChatMessage) -> dict[str, Any]:
     if message.tool_call_id:
         turn["tool_call_id"] = message.tool_call_id
     return turn
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _fewest_drops(render: Callable[[int], list[int]], droppable: int, smallest: list[int],
