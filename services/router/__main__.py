@@ -130,8 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tool-call-format", action="append", default=[],
                         type=parse_tool_call_format, metavar="[MODEL=]FORMAT",
                         help="how a model's tools are rendered and its calls constrained: "
-                             "auto (default: the Hermes format for every model today), "
-                             "hermes, or none (tool calling off: requests with tools are "
+                             "auto (default: template when the chat template has a tool "
+                             "section, else hermes), template (the chat template renders "
+                             "tools, calls and results; calls in the Hermes syntax), hermes "
+                             "(the router writes them as plain messages, tools in the system "
+                             "turn), or none (tool calling off: requests with tools are "
                              "refused); without MODEL= every model's default; repeatable "
                              "(docs/architecture.md, \"Tool calling\")")
     parser.add_argument("--openai-port", type=int, default=None, metavar="PORT",

@@ -46,6 +46,7 @@ from services.common.mux import MuxClient, StreamInbox, never_merge
 from services.common.wire.cache import CachedResponse, CacheKey
 from services.common.wire.chat import ChatMessage, ChatPrompt
 from services.common.wire.tokenizer_info import TokenizerInfo
+from services.common.wire.tools import FunctionTool
 
 log = structlog.get_logger()
 
@@ -256,10 +257,12 @@ class TokenizerClient:
         self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool,
         max_prompt_tokens: int, request_id: str, deadline: float | None,
         allow_special_tokens: bool = False, traceparent: str = "",
+        tools: Sequence[FunctionTool] = (),
     ) -> ChatPrompt:
         """``ApplyChatTemplate``: messages to prompt ids within ``max_prompt_tokens``;
         special-token text in contents stays text unless ``allow_special_tokens``;
-        ``traceparent``: the caller's span (W3C, "" when not traced).
+        ``traceparent``: the caller's span (W3C, "" when not traced); ``tools``:
+        the template's ``tools`` (the ``template`` tool format).
 
         Raises:
           UpstreamError: FAILED_PRECONDITION (no chat template), OUT_OF_RANGE
@@ -268,7 +271,7 @@ class TokenizerClient:
         request = tokenizer_pb2.ApplyChatTemplateRequest(
             messages=[m.to_pb() for m in messages],
             add_generation_prompt=add_generation_prompt, max_prompt_tokens=max_prompt_tokens,
-            allow_special_tokens=allow_special_tokens,
+            allow_special_tokens=allow_special_tokens, tools=[t.to_pb() for t in tools],
         )
         answer = await self._ask(tokenizer_pb2.TokenizerServiceMultiplexRequest(
             request_id=request_id, apply_chat_template=request, traceparent=traceparent),

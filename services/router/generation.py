@@ -576,7 +576,7 @@ class GenerationPipeline:
                 request.messages, add_generation_prompt=True,
                 max_prompt_tokens=limits.max_model_len - 1, request_id=request.request_id,
                 deadline=deadline, allow_special_tokens=request.allow_special_tokens,
-                traceparent=traceparent)
+                traceparent=traceparent, tools=request.chat_tools)
         except UpstreamError as err:
             if err.code == grpc.StatusCode.OUT_OF_RANGE:
                 raise InvalidRequestError(

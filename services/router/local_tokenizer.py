@@ -35,6 +35,7 @@ import structlog
 
 from services.common.wire.chat import ChatMessage, ChatPrompt
 from services.common.wire.tokenizer_info import TokenizerInfo
+from services.common.wire.tools import FunctionTool
 from services.router.clients import (
     TokenizerClient,
     TokenizerDefinition,
@@ -129,9 +130,11 @@ class PromptTokenizer:
         self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool,
         max_prompt_tokens: int, request_id: str, deadline: float | None,
         allow_special_tokens: bool = False, traceparent: str = "",
+        tools: Sequence[FunctionTool] = (),
     ) -> ChatPrompt:
         """Messages to prompt ids within ``max_prompt_tokens`` (the service's
-        ``ApplyChatTemplate``); ``traceparent`` as for :meth:`tokenize`.
+        ``ApplyChatTemplate``); ``traceparent`` as for :meth:`tokenize`;
+        ``tools``: the template's ``tools`` (the ``template`` tool format).
 
         Raises:
           UpstreamError: FAILED_PRECONDITION (no chat template), OUT_OF_RANGE
@@ -143,13 +146,13 @@ class PromptTokenizer:
             timeout_until(deadline)
             prompt = await self._local_call(
                 sum(len(m.content) for m in messages), self._local.apply_chat_template,
-                messages, add_generation_prompt, max_prompt_tokens, allow_special_tokens)
+                messages, add_generation_prompt, max_prompt_tokens, allow_special_tokens, tools)
             if prompt is not None:
                 return prompt
         return await self._service.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt,
             max_prompt_tokens=max_prompt_tokens, request_id=request_id, deadline=deadline,
-            allow_special_tokens=allow_special_tokens, traceparent=traceparent)
+            allow_special_tokens=allow_special_tokens, traceparent=traceparent, tools=tools)
 
     async def _local_call(self, chars: int, fn: Callable[..., _T], *args: object) -> _T | None:
         """``fn(*args)`` here (on a worker thread above ``inline_max_chars``);

@@ -274,9 +274,9 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
             raise
         await ready
         infos = list(await asyncio.gather(*(engine.model_info() for engine in engines)))
-        tok_info, decoder, prompts = await _tokenizer_parts(tokenizer,
-                                                            settings.tokenize_in_router)
-        limits = model_limits(infos, tok_info, settings)
+        tok_info, decoder, prompts, template = await _tokenizer_parts(
+            tokenizer, settings.tokenize_in_router)
+        limits = model_limits(infos, tok_info, settings, template)
     except BaseException:
         await asyncio.gather(tokenizer.close(), *(e.close() for e in engines),
                              return_exceptions=True)
@@ -296,18 +296,21 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
 
 
 async def _tokenizer_parts(tokenizer: TokenizerClient, in_router: bool
-                           ) -> tuple[TokenizerInfo, TokenizersDecoder, PromptTokenizer]:
+                           ) -> tuple[TokenizerInfo, TokenizersDecoder, PromptTokenizer,
+                                      str | None]:
     """The tokenizer's facts and its definition (``GetTokenizer``) loaded for
     detokenization; with ``in_router`` also for prompt ids in this process
     (:class:`PromptTokenizer`, which falls back to the service), both on worker
-    threads at once; without, every prompt is the service's.
+    threads at once; without, every prompt is the service's. The last item is
+    the chat template the service renders with (None: none, or not sent).
     Raises :class:`UpstreamError`."""
     info, definition = await asyncio.gather(tokenizer.info(), tokenizer.definition())
     if not in_router:
-        return info, await definition.decoder(), PromptTokenizer(tokenizer, None)
+        return (info, await definition.decoder(), PromptTokenizer(tokenizer, None),
+                definition.chat_template)
     decoder, prompts = await asyncio.gather(
         definition.decoder(), PromptTokenizer.load(tokenizer, definition, info))
-    return info, decoder, prompts
+    return info, decoder, prompts, definition.chat_template
 
 
 async def _first_engines(discovery: Discovery, make_client: Callable[[str], EngineClient],
@@ -376,8 +379,9 @@ def admit_replica(limits: ModelLimits, info: ModelInfo) -> str | None:
 
 
 def model_limits(infos: list[ModelInfo], tok: TokenizerInfo,
-                 settings: PoolSettings) -> ModelLimits:
-    """The model's limits from its replicas' and tokenizer's answers.
+                 settings: PoolSettings, chat_template: str | None = None) -> ModelLimits:
+    """The model's limits from its replicas' and tokenizer's answers
+    (``chat_template``: the tokenizer's, which picks the ``auto`` tool format).
 
     Raises:
       RuntimeError: the replicas serve different models, or a context window
@@ -402,7 +406,8 @@ def model_limits(infos: list[ModelInfo], tok: TokenizerInfo,
         has_chat_template=tok.has_chat_template, chat_roles=tok.chat_roles,
         default_max_tokens=min(settings.default_max_tokens, cap), max_tokens_cap=cap,
         eos_token_ids=tuple(sorted({*infos[0].eos_token_ids, *tok.eos_token_ids})),
-        tool_call_format=resolve_tool_call_format(settings.tool_call_formats, model))
+        tool_call_format=resolve_tool_call_format(settings.tool_call_formats, model,
+                                                  chat_template))
 
 
 def _admission(model: str, config: AdmissionConfig, capacities: list[ReplicaCapacity],

@@ -5,8 +5,11 @@
 * ``/tokenize`` with ``prompt`` (text): ``{"model"?, "prompt",
   "add_special_tokens" (default true), "return_token_strs" (default false)}``;
   with ``messages`` (OpenAI chat messages, rendered through the model's own
-  chat template): ``{"model"?, "messages", "add_generation_prompt" (default
-  true), "return_token_strs"}`` (``add_special_tokens: true`` and
+  chat template): ``{"model"?, "messages", "tools"?, "add_generation_prompt"
+  (default true), "return_token_strs"}``, the tools (OpenAI's function tools,
+  validated as a generation's) rendered as a generation renders them (the
+  model's tool format: :mod:`services.router.tools.formats`), so the count is
+  a generation's prompt (``add_special_tokens: true`` and
   ``continue_final_message: true`` are refused naming them: the template
   writes the model's special tokens itself, and the tokenizer service has no
   continuation mode). Answer: ``{"count", "max_model_len", "tokens",
@@ -60,8 +63,8 @@ DETOKENIZE_PATH = "/detokenize"
 Validate = Callable[[generation_pb2.GenerateRequest], GenerationRequest]
 
 _PROMPT_KEYS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
-_CHAT_KEYS = frozenset({"model", "messages", "add_special_tokens", "add_generation_prompt",
-                        "continue_final_message", "return_token_strs"})
+_CHAT_KEYS = frozenset({"model", "messages", "tools", "add_special_tokens",
+                        "add_generation_prompt", "continue_final_message", "return_token_strs"})
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,8 @@ async def tokenize(router: RouterService, validate: Validate, data: Mapping[str,
         raise InvalidRequestError("prompt", "must be text (a string) to tokenize, or send "
                                             "`messages`")
     parsed = parse_body(Endpoint.CHAT if chat else Endpoint.COMPLETIONS,
-                        {k: data[k] for k in ("model", "prompt", "messages") if k in data})
+                        {k: data[k] for k in ("model", "prompt", "messages", "tools")
+                         if k in data})
     request = validate(parsed.generate)
     limits = router.models[request.model]
     pipeline = router.pipeline_for(request)
@@ -174,7 +178,8 @@ async def _token_ids(router: RouterService, request: GenerationRequest,
         if request.messages is not None:
             chat = await tokenizer.apply_chat_template(
                 request.messages, add_generation_prompt=options.add_generation_prompt,
-                max_prompt_tokens=0, request_id=request_id, deadline=deadline)
+                max_prompt_tokens=0, request_id=request_id, deadline=deadline,
+                tools=request.chat_tools)
             return chat.token_ids
         assert request.prompt is not None
         return await tokenizer.tokenize(request.prompt,

@@ -52,7 +52,7 @@ from services.common.sampling import (
     SpeculativeOptions,
 )
 from services.common.wire.chat import ChatMessage
-from services.common.wire.tools import ToolRequest
+from services.common.wire.tools import FunctionTool, ToolRequest
 from services.router.tools.formats import ToolCallFormat
 from services.router.tools.hermes import needs_render, render
 from services.router.tools.validate import constrain, tool_request
@@ -95,7 +95,7 @@ class ModelLimits:
         tokenizer); empty: not advertised, any plain name passes here and the
         tokenizer decides.
       tool_call_format: how tools are rendered and called
-        (:mod:`services.router.tools.formats`, resolved: HERMES or NONE).
+        (:mod:`services.router.tools.formats`, resolved: TEMPLATE, HERMES or NONE).
     """
 
     model: str
@@ -131,8 +131,11 @@ class GenerationRequest:
     metadata or HTTP headers; "" none), the parent of the request's spans
     (:mod:`services.router.request_trace`); a malformed one is ignored.
     ``tools``: the chat's validated tools (:mod:`services.router.tools`), None
-    without; they are already rendered into ``messages`` and, when the model
-    may call them, their grammar is ``sampling.structured_output``.
+    without; when the model may call them, their grammar is
+    ``sampling.structured_output``. In the ``hermes`` tool format they are
+    already rendered into ``messages``; in the ``template`` format they are
+    ``chat_tools``, which the chat template renders (with the messages'
+    ``tool_calls`` and ``tool_call_id``).
     """
 
     request_id: str
@@ -150,6 +153,7 @@ class GenerationRequest:
     tracestate: str = ""
     prompt_token_ids: tuple[int, ...] | None = None
     tools: ToolRequest | None = None
+    chat_tools: tuple[FunctionTool, ...] = ()
 
     @property
     def is_chat(self) -> bool:
@@ -260,8 +264,9 @@ def _check_text_size(field: str, text: str, limits: ModelLimits) -> None:
 
 def _validate_messages(chat: generation_pb2.Chat, limits: ModelLimits,
                        tools: ToolRequest | None) -> tuple[ChatMessage, ...]:
-    """The chat's turns, checked; tools and tool turns rendered in the Hermes
-    format (:mod:`services.router.tools.hermes`)."""
+    """The chat's turns, checked; in the ``hermes`` tool format, tools and tool
+    turns rendered as plain messages (:mod:`services.router.tools.hermes`);
+    in the ``template`` format left to the chat template."""
     if not limits.has_chat_template:
         raise InvalidRequestError(
             "chat", f"model {limits.model!r} has no chat template; send `prompt` text instead",
@@ -270,7 +275,8 @@ def _validate_messages(chat: generation_pb2.Chat, limits: ModelLimits,
         raise InvalidRequestError(
             "chat.messages", "must hold at least one message (role and content)")
     messages = tuple(ChatMessage.from_pb(m) for m in chat.messages)
-    rendered = tools is not None or needs_render(messages)
+    rendered = limits.tool_call_format is not ToolCallFormat.TEMPLATE and (
+        tools is not None or needs_render(messages))
     for i, message in enumerate(chat.messages):
         if not (rendered and message.role == "tool"):  # rendered: a user turn
             _validate_role(i, message.role, limits)
@@ -440,6 +446,8 @@ def validate_request(
         cache_scope=resolve(owner(header_tenant or "", cache_group), salt),
         prompt_token_ids=token_ids,
         tools=tools,
+        chat_tools=(tools.tools if tools is not None and messages is not None
+                    and limits.tool_call_format is ToolCallFormat.TEMPLATE else ()),
     )
 
 

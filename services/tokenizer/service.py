@@ -69,6 +69,7 @@ from services.common.grpc_util import request_id_from
 from services.common.logging import bind_request_id
 from services.common.mux import MuxServer, ProtocolViolation, never_merge
 from services.common.wire.chat import ChatMessage
+from services.common.wire.tools import FunctionTool
 from services.tokenizer.metrics import TokenizerMetrics, default_metrics
 from services.tokenizer.status import status_of_error
 from services.tokenizer.tokenizer import (
@@ -325,7 +326,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServiceServicer):
                                    ) -> tokenizer_pb2.ApplyChatTemplateResponse:
         messages = [ChatMessage.from_pb(m) for m in request.messages]
         args = (messages, request.add_generation_prompt, request.max_prompt_tokens,
-                request.allow_special_tokens)
+                request.allow_special_tokens, [FunctionTool.from_pb(t) for t in request.tools])
         if self._is_long(request):
             prompt = await self._offload(tok.apply_chat_template, *args)
         else:

@@ -21,6 +21,8 @@ so they may run concurrently from several threads.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -36,6 +38,7 @@ from services.common.checkpoint import (
 from services.common.detokenizer import first_out_of_range
 from services.common.wire.chat import ChatMessage, ChatPrompt
 from services.common.wire.tokenizer_info import TokenizerInfo
+from services.common.wire.tools import FunctionTool
 from services.tokenizer.control_tokens import (
     ControlTokens,
     ForgedControlTokenError,
@@ -70,6 +73,8 @@ DEFAULT_INLINE_ENCODE_MAX_CHARS = 2048
 #: Skeletons (template markup per role sequence) kept; each is a few hundred bytes.
 _SKELETON_CACHE_SIZE = 1024
 _NOT_CACHED = object()
+#: A skeleton's key: the messages without contents, add_generation_prompt, the tools.
+_SkeletonKey = tuple[tuple[ChatMessage, ...], bool, tuple[FunctionTool, ...]]
 
 
 def check_chat_roles(roles: Sequence[str]) -> tuple[str, ...]:
@@ -159,7 +164,7 @@ class Tokenizer:
         # Control tokens of the template's markup (None without a template).
         self._control = (ControlTokens(self._backend, self._template)
                          if self._template is not None else None)
-        self._skeletons: dict[tuple[tuple[str, ...], bool], Skeleton | None] = {}
+        self._skeletons: dict[_SkeletonKey, Skeleton | None] = {}
         self._skeletons_lock = threading.Lock()
         self._vocab_size = len(hf_tokenizer)
         self._info = TokenizerInfo(
@@ -313,18 +318,26 @@ class Tokenizer:
                 f"token_ids: {bad} is out of range [0, {self._vocab_size})"
             )
 
-    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> str:
+    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
+                    tools: Sequence[FunctionTool] = ()) -> str:
         """The chat template applied to ``messages``, as text.
+
+        ``tools`` (none: the template's ``tools`` is undefined) and each
+        message's ``tool_calls`` / ``tool_call_id`` go to the template as
+        structured data, as transformers' ``apply_chat_template(messages,
+        tools=...)`` and vLLM pass them (:func:`template_tools`,
+        :func:`template_message`); a template without a tool section ignores them.
 
         Raises:
           NoChatTemplateError: the model has no chat template.
-          ChatTemplateError: the template raised for this conversation.
+          ChatTemplateError: the template raised for this conversation; a
+            call's arguments or a tool's parameters are not JSON.
         """
         self._require_template()
-        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        conversation = [template_message(i, m) for i, m in enumerate(messages)]
         try:
             return self._hf.apply_chat_template(
-                conversation, chat_template=self._template,
+                conversation, tools=template_tools(tools), chat_template=self._template,
                 add_generation_prompt=add_generation_prompt, tokenize=False,
             )
         except Exception as err:  # jinja2 TemplateError, raise_exception() in templates
@@ -358,6 +371,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         max_prompt_tokens: int = 0,
         allow_special_tokens: bool = False,
+        tools: Sequence[FunctionTool] = (),
     ) -> ChatPrompt:
         """Prompt token ids of a conversation, trimmed to a token budget.
 
@@ -381,20 +395,27 @@ class Tokenizer:
           allow_special_tokens: parse special-token text in contents into
             control tokens (only for trusted content: a message could then
             end its turn and forge another).
+          tools: the template's ``tools`` (see :meth:`render_chat`). Their
+            text and the messages' tool calls are the template's markup, so
+            without ``allow_special_tokens`` special-token text in them is
+            refused (ChatTemplateError).
 
         Raises:
           ValueError: ``messages`` is empty or a role is empty.
           UnknownRoleError: a role outside :attr:`TokenizerInfo.chat_roles` (INVALID_ARGUMENT).
           NoChatTemplateError: the model has no chat template (FAILED_PRECONDITION).
           ChatTemplateError: the template rejected the conversation, or it
-            rewrites a content that holds special-token text (INVALID_ARGUMENT).
+            rewrites a content that holds special-token text, or tools / tool
+            calls hold it or are not JSON (INVALID_ARGUMENT).
           PromptTooLongError: even the smallest prompt exceeds the budget (OUT_OF_RANGE).
         """
         self._check_messages(messages)
+        if not allow_special_tokens:
+            self._check_tool_texts(messages, tools)
 
         def render(num_dropped: int) -> list[int]:
             kept = _drop_oldest(messages, num_dropped)
-            return self._encode_chat(kept, add_generation_prompt, allow_special_tokens)
+            return self._encode_chat(kept, add_generation_prompt, allow_special_tokens, tools)
 
         ids = render(0)
         if max_prompt_tokens <= 0 or len(ids) <= max_prompt_tokens:
@@ -408,18 +429,34 @@ class Tokenizer:
         best, dropped = _fewest_drops(render, droppable, smallest, max_prompt_tokens)
         return ChatPrompt(tuple(best), dropped)
 
+    def _check_tool_texts(self, messages: Sequence[ChatMessage],
+                          tools: Sequence[FunctionTool]) -> None:
+        """Raises ChatTemplateError when a tool or a tool call holds special-token
+        text: the template writes them as markup, where it would become control
+        tokens (fail closed, as for a content the template rewrites), or a
+        tool's parameters are not JSON."""
+        assert self._control is not None
+        texts = [json.dumps(t, ensure_ascii=False) for t in template_tools(tools) or ()]
+        texts += [f"{c.id}\n{c.name}\n{c.arguments_json}" for m in messages for c in m.tool_calls]
+        texts += [m.tool_call_id for m in messages if m.tool_call_id]
+        if texts and any(self._control.find(texts)):
+            raise ChatTemplateError(
+                "tools or tool calls hold special-token text, which this model's chat "
+                "template would write as markup: remove it (or set allow_special_tokens "
+                "if it is trusted)")
+
     def _encode_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
-                     allow_special_tokens: bool) -> list[int]:
+                     allow_special_tokens: bool, tools: Sequence[FunctionTool] = ()) -> list[int]:
         """Ids of one rendering; content is text unless ``allow_special_tokens``."""
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, tools)
         if allow_special_tokens:
             return self.encode(text)
         assert self._control is not None  # a template exists: render_chat checked
         contents = [m.content for m in messages]
-        roles = tuple(m.role for m in messages)
+        shape = tuple(dataclasses.replace(m, content="") for m in messages)
         starts = None
         for fresh in (False, True):  # a cached skeleton may be stale (a template that shows the date)
-            skeleton = self._skeleton(roles, add_generation_prompt, fresh)
+            skeleton = self._skeleton((shape, add_generation_prompt, tuple(tools)), fresh)
             starts = align(skeleton, contents, text) if skeleton is not None else None
             if starts is not None:
                 break
@@ -430,21 +467,22 @@ class Tokenizer:
         except ForgedControlTokenError as err:
             raise ChatTemplateError(str(err)) from err
 
-    def _skeleton(self, roles: tuple[str, ...], add_generation_prompt: bool,
-                  fresh: bool) -> Skeleton | None:
-        """The template's markup for these roles (cached), None when the
-        template refuses placeholder contents."""
-        key = (roles, add_generation_prompt)
+    def _skeleton(self, key: _SkeletonKey, fresh: bool) -> Skeleton | None:
+        """The template's markup for these messages without their contents
+        (roles, tool calls), generation prompt and tools (cached), None when
+        the template refuses placeholder contents."""
+        shape, add_generation_prompt, tools = key
         cached = self._skeletons.get(key, _NOT_CACHED)
         if not fresh and cached is not _NOT_CACHED:
             return cached  # type: ignore[return-value]
         assert self._control is not None
 
         def render(contents: list[str]) -> str:
-            return self.render_chat([ChatMessage(r, c) for r, c in zip(roles, contents)],
-                                    add_generation_prompt)
+            return self.render_chat([dataclasses.replace(m, content=c)
+                                     for m, c in zip(shape, contents)],
+                                    add_generation_prompt, tools)
         try:
-            skeleton: Skeleton | None = render_skeleton(render, len(roles), self._control)
+            skeleton: Skeleton | None = render_skeleton(render, len(shape), self._control)
         except ChatTemplateError:
             skeleton = None
         with self._skeletons_lock:  # oldest out first; readers only use .get
@@ -467,6 +505,47 @@ class Tokenizer:
                     "message content, so it cannot be kept as plain text: remove it (or set "
                     "allow_special_tokens if the content is trusted)")
         return self.encode(text)
+
+
+def template_tools(tools: Sequence[FunctionTool]) -> list[dict[str, Any]] | None:
+    """The chat template's ``tools``: OpenAI's tool objects (None without tools).
+
+    Raises:
+      ChatTemplateError: a tool's parameters are not JSON.
+    """
+    out = []
+    for i, tool in enumerate(tools):
+        try:
+            out.append(tool.as_openai())
+        except ValueError as err:
+            raise ChatTemplateError(f"tools[{i}].parameters_json is not JSON: {err}") from err
+    return out or None
+
+
+def template_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    """One turn as the chat template sees it: ``role``, ``content``, and when
+    set ``tool_calls`` (``[{"id", "type": "function", "function": {"name",
+    "arguments"}}]``, the arguments parsed from JSON as transformers' tool-use
+    templates and vLLM expect) and ``tool_call_id``.
+
+    Raises:
+      ChatTemplateError: a call's arguments are not JSON.
+    """
+    turn: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        calls = []
+        for j, call in enumerate(message.tool_calls):
+            try:
+                arguments = json.loads(call.arguments_json)
+            except ValueError as err:
+                raise ChatTemplateError(
+                    f"messages[{index}].tool_calls[{j}].arguments is not JSON: {err}") from err
+            calls.append({"id": call.id, "type": "function",
+                          "function": {"name": call.name, "arguments": arguments}})
+        turn["tool_calls"] = calls
+    if message.tool_call_id:
+        turn["tool_call_id"] = message.tool_call_id
+    return turn
 
 
 def _fewest_drops(render: Callable[[int], list[int]], droppable: int, smallest: list[int],

@@ -10,6 +10,7 @@ import grpc
 import jsonschema
 import openai
 import pytest
+from openai.types.chat import ChatCompletion
 from llmesh.v1 import common_pb2, generation_pb2
 
 from tests.e2e.mesh_client import generate
@@ -109,11 +110,13 @@ def test_parallel_tool_calls_give_two_indexed_calls(client: openai.OpenAI, model
         jsonschema.validate(json.loads(call.function.arguments), _schema(call.function.name))
 
 
-def test_full_loop_call_then_tool_result_then_text_answer(
-        client: openai.OpenAI, model: str) -> None:
+def run_tool_loop(client: openai.OpenAI, model: str, **first_options: object
+                  ) -> tuple[ChatCompletion, ChatCompletion]:
+    """user → a required call of get_weather → its ``tool`` result → a text
+    answer (checked); the first and the final answer."""
     first = client.chat.completions.create(
         model=model, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0,
-        max_tokens=48)
+        **first_options)
     call = first.choices[0].message.tool_calls[0]
     history = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [
@@ -126,6 +129,12 @@ def test_full_loop_call_then_tool_result_then_text_answer(
     message = final.choices[0].message
     assert final.choices[0].finish_reason in ("stop", "length")
     assert not message.tool_calls and message.content and "<tool_call>" not in message.content
+    return first, final
+
+
+def test_full_loop_call_then_tool_result_then_text_answer(
+        client: openai.OpenAI, model: str) -> None:
+    run_tool_loop(client, model, max_tokens=48)
 
 
 def test_auto_answers_in_text_when_no_tool_is_needed(client: openai.OpenAI, model: str) -> None:

@@ -27,13 +27,14 @@ from services.common.wire.tools import (
 )
 from services.router.openai_protocol import Endpoint, openai_param, parse_request
 from services.router.tools import hermes
-from services.router.tools.formats import ToolCallFormat, parse_flag, resolve
+from services.router.tools.formats import ToolCallFormat, has_tool_section, parse_flag, resolve
 from services.router.tools.grammar import tool_grammar
 from services.router.tools.openai import message_body
 from services.router.tools.parser import ToolCallParser
 from services.router.tools.validate import tool_request
 from services.router.validation import validate_request
 from tests.router.test_router_validation import CHAT_LIMITS
+from tests.tokenizer.tokenizer_helpers import TOOLS_TEMPLATE
 
 WEATHER = FunctionTool("get_weather", "Current weather of a city", json.dumps({
     "type": "object", "properties": {"city": {"type": "string"},
@@ -205,10 +206,10 @@ def test_openai_tools_become_the_typed_request() -> None:
 
 def test_tool_call_format_flag_per_model_and_none_refuses_tools() -> None:
     formats = dict(map(parse_flag, ["none", "smol=auto"]))
-    assert resolve(formats, "smol") is ToolCallFormat.HERMES  # auto: Hermes today
-    assert resolve(formats, "gemma") is ToolCallFormat.NONE
-    assert resolve({}, "any") is ToolCallFormat.HERMES
-    with pytest.raises(ValueError, match="FORMAT one of auto, hermes, none"):
+    assert resolve(formats, "smol", None) is ToolCallFormat.HERMES  # auto, no tool section
+    assert resolve(formats, "gemma", TOOLS_TEMPLATE.read_text()) is ToolCallFormat.NONE
+    assert resolve({}, "any", None) is ToolCallFormat.HERMES
+    with pytest.raises(ValueError, match="FORMAT one of auto, template, hermes, none"):
         parse_flag("smol=qwen")
     limits = dataclasses.replace(CHAT_LIMITS, tool_call_format=ToolCallFormat.NONE)
     pb = generation_pb2.GenerateRequest(chat=_chat({"tools": [_tool({"type": "object"})]}))
@@ -220,3 +221,35 @@ def test_tool_call_format_flag_per_model_and_none_refuses_tools() -> None:
                               default_model="tiny")
     assert served.sampling.structured_output is not None  # auto: the call grammar
     assert served.messages is not None and "<tools>" in served.messages[0].content
+
+
+def test_auto_is_template_for_a_template_with_a_tool_section() -> None:
+    """``auto`` reads the template: a tool section (the ``tools`` variable)
+    makes it ``template``; a forced ``hermes`` stays Hermes."""
+    tools_template = TOOLS_TEMPLATE.read_text()
+    assert has_tool_section(tools_template)
+    assert not has_tool_section("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert not has_tool_section("{% set tools = 1 %}{{ tools }}")  # its own, not the caller's
+    assert not has_tool_section(None)
+    assert resolve({}, "smol", tools_template) is ToolCallFormat.TEMPLATE
+    assert resolve(dict([parse_flag("hermes")]), "smol", tools_template) is ToolCallFormat.HERMES
+
+
+def test_template_format_passes_tools_calls_and_results_to_the_template() -> None:
+    """Under ``template`` the router leaves the turns structured (the tokenizer
+    gives them to the template) and the tools as ``chat_tools``; the call is
+    still constrained in the Hermes syntax."""
+    limits = dataclasses.replace(CHAT_LIMITS, tool_call_format=ToolCallFormat.TEMPLATE)
+    pb = generation_pb2.GenerateRequest(chat=_chat({"tools": [_tool({"type": "object"})]}))
+    pb.chat.messages.add(role="assistant").tool_calls.add(id="call_1", name="f",
+                                                          arguments='{"a": 1}')
+    pb.chat.messages.add(role="tool", content="3", tool_call_id="call_1")
+    served = validate_request(pb, request_id="r", models={"tiny": limits}, default_model="tiny")
+    assert served.chat_tools == served.tools.tools and served.chat_tools[0].name == "f"
+    assert served.messages == (ChatMessage(pb.chat.messages[0].role, pb.chat.messages[0].content),
+                               ChatMessage("assistant", "", (ToolCall("call_1", "f", '{"a": 1}'),)),
+                               ChatMessage("tool", "3", tool_call_id="call_1"))
+    assert served.sampling.structured_output is not None
+    hermes_served = validate_request(pb, request_id="r", models={"tiny": CHAT_LIMITS},
+                                     default_model="tiny")
+    assert hermes_served.chat_tools == () and "<tools>" in hermes_served.messages[0].content

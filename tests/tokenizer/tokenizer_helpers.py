@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine, Iterable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -34,6 +35,10 @@ HARD_FRAGMENTS = (
 
 #: A sample that holds one of each kind above.
 HARD_TEXT = "Hi 👨‍👩‍👧‍👦 🏳️‍🌈 🇯🇵🇫🇷 日本語 e\u0301 مرحبا   𝔘𐍈\t한국어\u00a0ไทย!"
+
+#: A ChatML template with a tool section in Qwen2.5's shape (SmolLM2 served
+#: with it exercises the ``template`` tool format).
+TOOLS_TEMPLATE = Path(__file__).resolve().parents[1] / "fixtures" / "chatml_tools.jinja"
 
 
 class ServerThread:

@@ -9,7 +9,9 @@ the same protobuf) end here: the router validates once
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from llmesh.v1 import common_pb2, generation_pb2
 
@@ -77,6 +79,16 @@ class FunctionTool:
     def to_pb(self) -> generation_pb2.FunctionTool:
         return generation_pb2.FunctionTool(name=self.name, description=self.description,
                                            parameters_json=self.parameters_schema)
+
+    def as_openai(self) -> dict[str, Any]:
+        """OpenAI's tool object ``{"type": "function", "function": {"name",
+        "description" (when set), "parameters"}}``, the shape transformers'
+        ``apply_chat_template(tools=...)`` and the Hermes format take."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description:
+            function["description"] = self.description
+        function["parameters"] = json.loads(self.parameters_schema)
+        return {"type": "function", "function": function}
 
 
 @dataclass(frozen=True, slots=True)

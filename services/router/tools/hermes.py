@@ -47,14 +47,7 @@ def call_text(name: str, arguments_json: str) -> str:
 
 def tools_block(tools: Sequence[FunctionTool]) -> str:
     """The system-turn text that presents ``tools``."""
-    lines = []
-    for tool in tools:
-        function = {"name": tool.name}
-        if tool.description:
-            function["description"] = tool.description
-        function["parameters"] = json.loads(tool.parameters_schema)
-        lines.append(json.dumps({"type": "function", "function": function}))
-    return _INSTRUCTIONS + "\n".join(lines) + _CALL_HELP
+    return _INSTRUCTIONS + "\n".join(json.dumps(t.as_openai()) for t in tools) + _CALL_HELP
 
 
 def render(messages: Sequence[ChatMessage], tools: Sequence[FunctionTool]

@@ -146,7 +146,8 @@ class ChatMessage(_message.Message):
     def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
         """On an assistant turn: the tool calls it made (OpenAI's
         `message.tool_calls`), rendered back into the prompt in the model's tool
-        format. The router renders them; other services never see them.
+        format: by the router into `content` (the Hermes format), or by the
+        chat template (ApplyChatTemplate passes them to it as structured data).
         """
 
     def __init__(

@@ -23,9 +23,10 @@ _sym_db = _symbol_database.Default()
 
 
 from llmesh.v1 import common_pb2 as llmesh_dot_v1_dot_common__pb2
+from llmesh.v1 import generation_pb2 as llmesh_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19llmesh/v1/tokenizer.proto\x12\tllmesh.v1\x1a\x16llmesh/v1/common.proto\"S\n\x0fTokenizeRequest\x12\x12\n\x04text\x18\x01 \x01(\tR\x04text\x12,\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08R\x10\x61\x64\x64SpecialTokens\"/\n\x10TokenizeResponse\x12\x1b\n\ttoken_ids\x18\x01 \x03(\x05R\x08tokenIds\"\xe0\x01\n\x18\x41pplyChatTemplateRequest\x12\x32\n\x08messages\x18\x01 \x03(\x0b\x32\x16.llmesh.v1.ChatMessageR\x08messages\x12\x32\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08R\x13\x61\x64\x64GenerationPrompt\x12*\n\x11max_prompt_tokens\x18\x03 \x01(\rR\x0fmaxPromptTokens\x12\x30\n\x14\x61llow_special_tokens\x18\x04 \x01(\x08R\x12\x61llowSpecialTokens\"j\n\x19\x41pplyChatTemplateResponse\x12\x1b\n\ttoken_ids\x18\x01 \x03(\x05R\x08tokenIds\x12\x30\n\x14num_dropped_messages\x18\x02 \x01(\rR\x12numDroppedMessages\"\x9e\x01\n\x11\x44\x65tokenizeRequest\x12\x1b\n\ttoken_ids\x18\x01 \x03(\x05R\x08tokenIds\x12.\n\x13skip_special_tokens\x18\x02 \x01(\x08R\x11skipSpecialTokens\x12\x14\n\x05\x66lush\x18\x03 \x01(\x08R\x05\x66lush\x12&\n\x0ftoken_text_ends\x18\x04 \x01(\x08R\rtokenTextEnds\"P\n\x12\x44\x65tokenizeResponse\x12\x12\n\x04text\x18\x01 \x01(\tR\x04text\x12&\n\x0ftoken_text_ends\x18\x02 \x03(\rR\rtokenTextEnds\"\x19\n\x17GetTokenizerInfoRequest\"\xf6\x01\n\x18GetTokenizerInfoResponse\x12\x14\n\x05model\x18\x01 \x01(\tR\x05model\x12\x1d\n\nvocab_size\x18\x02 \x01(\rR\tvocabSize\x12\"\n\reos_token_ids\x18\x03 \x03(\x05R\x0b\x65osTokenIds\x12%\n\x0c\x62os_token_id\x18\x04 \x01(\x05H\x00R\nbosTokenId\x88\x01\x01\x12*\n\x11has_chat_template\x18\x05 \x01(\x08R\x0fhasChatTemplate\x12\x1d\n\nchat_roles\x18\x06 \x03(\tR\tchatRolesB\x0f\n\r_bos_token_id\"\x15\n\x13GetTokenizerRequest\"\x8a\x03\n\x14GetTokenizerResponse\x12\x16\n\x06\x66ormat\x18\x01 \x01(\tR\x06\x66ormat\x12\x1f\n\x0btotal_bytes\x18\x02 \x01(\x04R\ntotalBytes\x12\x16\n\x06sha256\x18\x03 \x01(\tR\x06sha256\x12)\n\x10\x64\x65\x66inition_chunk\x18\x04 \x01(\x0cR\x0f\x64\x65\x66initionChunk\x12\x1d\n\nvocab_size\x18\x05 \x01(\rR\tvocabSize\x12(\n\rchat_template\x18\x06 \x01(\tH\x00R\x0c\x63hatTemplate\x88\x01\x01\x12Y\n\x0especial_tokens\x18\x07 \x03(\x0b\x32\x32.llmesh.v1.GetTokenizerResponse.SpecialTokensEntryR\rspecialTokens\x1a@\n\x12SpecialTokensEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\tR\x05value:\x02\x38\x01\x42\x10\n\x0e_chat_template\"\x98\x02\n TokenizerServiceMultiplexRequest\x12\x17\n\x07\x63\x61ll_id\x18\x01 \x01(\x04R\x06\x63\x61llId\x12\x1d\n\nrequest_id\x18\x02 \x01(\tR\trequestId\x12\x38\n\x08tokenize\x18\x03 \x01(\x0b\x32\x1a.llmesh.v1.TokenizeRequestH\x00R\x08tokenize\x12U\n\x13\x61pply_chat_template\x18\x04 \x01(\x0b\x32#.llmesh.v1.ApplyChatTemplateRequestH\x00R\x11\x61pplyChatTemplate\x12 \n\x0btraceparent\x18\x05 \x01(\tR\x0btraceparentB\t\n\x07request\"\xa3\x02\n!TokenizerServiceMultiplexResponse\x12\x17\n\x07\x63\x61ll_id\x18\x01 \x01(\x04R\x06\x63\x61llId\x12\x1f\n\x0bstatus_code\x18\x02 \x01(\x05R\nstatusCode\x12%\n\x0estatus_message\x18\x03 \x01(\tR\rstatusMessage\x12\x39\n\x08tokenize\x18\x04 \x01(\x0b\x32\x1b.llmesh.v1.TokenizeResponseH\x00R\x08tokenize\x12V\n\x13\x61pply_chat_template\x18\x05 \x01(\x0b\x32$.llmesh.v1.ApplyChatTemplateResponseH\x00R\x11\x61pplyChatTemplateB\n\n\x08response2\xa7\x04\n\x10TokenizerService\x12\x43\n\x08Tokenize\x12\x1a.llmesh.v1.TokenizeRequest\x1a\x1b.llmesh.v1.TokenizeResponse\x12^\n\x11\x41pplyChatTemplate\x12#.llmesh.v1.ApplyChatTemplateRequest\x1a$.llmesh.v1.ApplyChatTemplateResponse\x12R\n\nDetokenize\x12\x1c.llmesh.v1.DetokenizeRequest\x1a\x1d.llmesh.v1.DetokenizeResponse\"\x03\x88\x02\x01(\x01\x30\x01\x12[\n\x10GetTokenizerInfo\x12\".llmesh.v1.GetTokenizerInfoRequest\x1a#.llmesh.v1.GetTokenizerInfoResponse\x12Q\n\x0cGetTokenizer\x12\x1e.llmesh.v1.GetTokenizerRequest\x1a\x1f.llmesh.v1.GetTokenizerResponse0\x01\x12j\n\tMultiplex\x12+.llmesh.v1.TokenizerServiceMultiplexRequest\x1a,.llmesh.v1.TokenizerServiceMultiplexResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19llmesh/v1/tokenizer.proto\x12\tllmesh.v1\x1a\x16llmesh/v1/common.proto\x1a\x1allmesh/v1/generation.proto\"S\n\x0fTokenizeRequest\x12\x12\n\x04text\x18\x01 \x01(\tR\x04text\x12,\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08R\x10\x61\x64\x64SpecialTokens\"/\n\x10TokenizeResponse\x12\x1b\n\ttoken_ids\x18\x01 \x03(\x05R\x08tokenIds\"\x8f\x02\n\x18\x41pplyChatTemplateRequest\x12\x32\n\x08messages\x18\x01 \x03(\x0b\x32\x16.llmesh.v1.ChatMessageR\x08messages\x12\x32\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08R\x13\x61\x64\x64GenerationPrompt\x12*\n\x11max_prompt_tokens\x18\x03 \x01(\rR\x0fmaxPromptTokens\x12\x30\n\x14\x61llow_special_tokens\x18\x04 \x01(\x08R\x12\x61llowSpecialTokens\x12-\n\x05tools\x18\x05 \x03(\x0b\x32\x17.llmesh.v1.FunctionToolR\x05tools\"j\n\x19\x41pplyChatTemplateResponse\x12\x1b\n\ttoken_ids\x18\x01 \x03(\x05R\x08tokenIds\x12\x30\n\x14num_dropped_messages\x18\x02 \x01(\rR\x12numDroppedMessages\"\x9e\x01\n\x11\x44\x65tokenizeRequest\x12\x1b\n\ttoken_ids\x18\x01 \x03(\x05R\x08tokenIds\x12.\n\x13skip_special_tokens\x18\x02 \x01(\x08R\x11skipSpecialTokens\x12\x14\n\x05\x66lush\x18\x03 \x01(\x08R\x05\x66lush\x12&\n\x0ftoken_text_ends\x18\x04 \x01(\x08R\rtokenTextEnds\"P\n\x12\x44\x65tokenizeResponse\x12\x12\n\x04text\x18\x01 \x01(\tR\x04text\x12&\n\x0ftoken_text_ends\x18\x02 \x03(\rR\rtokenTextEnds\"\x19\n\x17GetTokenizerInfoRequest\"\xf6\x01\n\x18GetTokenizerInfoResponse\x12\x14\n\x05model\x18\x01 \x01(\tR\x05model\x12\x1d\n\nvocab_size\x18\x02 \x01(\rR\tvocabSize\x12\"\n\reos_token_ids\x18\x03 \x03(\x05R\x0b\x65osTokenIds\x12%\n\x0c\x62os_token_id\x18\x04 \x01(\x05H\x00R\nbosTokenId\x88\x01\x01\x12*\n\x11has_chat_template\x18\x05 \x01(\x08R\x0fhasChatTemplate\x12\x1d\n\nchat_roles\x18\x06 \x03(\tR\tchatRolesB\x0f\n\r_bos_token_id\"\x15\n\x13GetTokenizerRequest\"\x8a\x03\n\x14GetTokenizerResponse\x12\x16\n\x06\x66ormat\x18\x01 \x01(\tR\x06\x66ormat\x12\x1f\n\x0btotal_bytes\x18\x02 \x01(\x04R\ntotalBytes\x12\x16\n\x06sha256\x18\x03 \x01(\tR\x06sha256\x12)\n\x10\x64\x65\x66inition_chunk\x18\x04 \x01(\x0cR\x0f\x64\x65\x66initionChunk\x12\x1d\n\nvocab_size\x18\x05 \x01(\rR\tvocabSize\x12(\n\rchat_template\x18\x06 \x01(\tH\x00R\x0c\x63hatTemplate\x88\x01\x01\x12Y\n\x0especial_tokens\x18\x07 \x03(\x0b\x32\x32.llmesh.v1.GetTokenizerResponse.SpecialTokensEntryR\rspecialTokens\x1a@\n\x12SpecialTokensEntry\x12\x10\n\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n\x05value\x18\x02 \x01(\tR\x05value:\x02\x38\x01\x42\x10\n\x0e_chat_template\"\x98\x02\n TokenizerServiceMultiplexRequest\x12\x17\n\x07\x63\x61ll_id\x18\x01 \x01(\x04R\x06\x63\x61llId\x12\x1d\n\nrequest_id\x18\x02 \x01(\tR\trequestId\x12\x38\n\x08tokenize\x18\x03 \x01(\x0b\x32\x1a.llmesh.v1.TokenizeRequestH\x00R\x08tokenize\x12U\n\x13\x61pply_chat_template\x18\x04 \x01(\x0b\x32#.llmesh.v1.ApplyChatTemplateRequestH\x00R\x11\x61pplyChatTemplate\x12 \n\x0btraceparent\x18\x05 \x01(\tR\x0btraceparentB\t\n\x07request\"\xa3\x02\n!TokenizerServiceMultiplexResponse\x12\x17\n\x07\x63\x61ll_id\x18\x01 \x01(\x04R\x06\x63\x61llId\x12\x1f\n\x0bstatus_code\x18\x02 \x01(\x05R\nstatusCode\x12%\n\x0estatus_message\x18\x03 \x01(\tR\rstatusMessage\x12\x39\n\x08tokenize\x18\x04 \x01(\x0b\x32\x1b.llmesh.v1.TokenizeResponseH\x00R\x08tokenize\x12V\n\x13\x61pply_chat_template\x18\x05 \x01(\x0b\x32$.llmesh.v1.ApplyChatTemplateResponseH\x00R\x11\x61pplyChatTemplateB\n\n\x08response2\xa7\x04\n\x10TokenizerService\x12\x43\n\x08Tokenize\x12\x1a.llmesh.v1.TokenizeRequest\x1a\x1b.llmesh.v1.TokenizeResponse\x12^\n\x11\x41pplyChatTemplate\x12#.llmesh.v1.ApplyChatTemplateRequest\x1a$.llmesh.v1.ApplyChatTemplateResponse\x12R\n\nDetokenize\x12\x1c.llmesh.v1.DetokenizeRequest\x1a\x1d.llmesh.v1.DetokenizeResponse\"\x03\x88\x02\x01(\x01\x30\x01\x12[\n\x10GetTokenizerInfo\x12\".llmesh.v1.GetTokenizerInfoRequest\x1a#.llmesh.v1.GetTokenizerInfoResponse\x12Q\n\x0cGetTokenizer\x12\x1e.llmesh.v1.GetTokenizerRequest\x1a\x1f.llmesh.v1.GetTokenizerResponse0\x01\x12j\n\tMultiplex\x12+.llmesh.v1.TokenizerServiceMultiplexRequest\x1a,.llmesh.v1.TokenizerServiceMultiplexResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,32 +37,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETTOKENIZERRESPONSE_SPECIALTOKENSENTRY']._serialized_options = b'8\001'
   _globals['_TOKENIZERSERVICE'].methods_by_name['Detokenize']._loaded_options = None
   _globals['_TOKENIZERSERVICE'].methods_by_name['Detokenize']._serialized_options = b'\210\002\001'
-  _globals['_TOKENIZEREQUEST']._serialized_start=64
-  _globals['_TOKENIZEREQUEST']._serialized_end=147
-  _globals['_TOKENIZERESPONSE']._serialized_start=149
-  _globals['_TOKENIZERESPONSE']._serialized_end=196
-  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_start=199
-  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_end=423
-  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_start=425
-  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_end=531
-  _globals['_DETOKENIZEREQUEST']._serialized_start=534
-  _globals['_DETOKENIZEREQUEST']._serialized_end=692
-  _globals['_DETOKENIZERESPONSE']._serialized_start=694
-  _globals['_DETOKENIZERESPONSE']._serialized_end=774
-  _globals['_GETTOKENIZERINFOREQUEST']._serialized_start=776
-  _globals['_GETTOKENIZERINFOREQUEST']._serialized_end=801
-  _globals['_GETTOKENIZERINFORESPONSE']._serialized_start=804
-  _globals['_GETTOKENIZERINFORESPONSE']._serialized_end=1050
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=1052
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=1073
-  _globals['_GETTOKENIZERRESPONSE']._serialized_start=1076
-  _globals['_GETTOKENIZERRESPONSE']._serialized_end=1470
-  _globals['_GETTOKENIZERRESPONSE_SPECIALTOKENSENTRY']._serialized_start=1388
-  _globals['_GETTOKENIZERRESPONSE_SPECIALTOKENSENTRY']._serialized_end=1452
-  _globals['_TOKENIZERSERVICEMULTIPLEXREQUEST']._serialized_start=1473
-  _globals['_TOKENIZERSERVICEMULTIPLEXREQUEST']._serialized_end=1753
-  _globals['_TOKENIZERSERVICEMULTIPLEXRESPONSE']._serialized_start=1756
-  _globals['_TOKENIZERSERVICEMULTIPLEXRESPONSE']._serialized_end=2047
-  _globals['_TOKENIZERSERVICE']._serialized_start=2050
-  _globals['_TOKENIZERSERVICE']._serialized_end=2601
+  _globals['_TOKENIZEREQUEST']._serialized_start=92
+  _globals['_TOKENIZEREQUEST']._serialized_end=175
+  _globals['_TOKENIZERESPONSE']._serialized_start=177
+  _globals['_TOKENIZERESPONSE']._serialized_end=224
+  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_start=227
+  _globals['_APPLYCHATTEMPLATEREQUEST']._serialized_end=498
+  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_start=500
+  _globals['_APPLYCHATTEMPLATERESPONSE']._serialized_end=606
+  _globals['_DETOKENIZEREQUEST']._serialized_start=609
+  _globals['_DETOKENIZEREQUEST']._serialized_end=767
+  _globals['_DETOKENIZERESPONSE']._serialized_start=769
+  _globals['_DETOKENIZERESPONSE']._serialized_end=849
+  _globals['_GETTOKENIZERINFOREQUEST']._serialized_start=851
+  _globals['_GETTOKENIZERINFOREQUEST']._serialized_end=876
+  _globals['_GETTOKENIZERINFORESPONSE']._serialized_start=879
+  _globals['_GETTOKENIZERINFORESPONSE']._serialized_end=1125
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=1127
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=1148
+  _globals['_GETTOKENIZERRESPONSE']._serialized_start=1151
+  _globals['_GETTOKENIZERRESPONSE']._serialized_end=1545
+  _globals['_GETTOKENIZERRESPONSE_SPECIALTOKENSENTRY']._serialized_start=1463
+  _globals['_GETTOKENIZERRESPONSE_SPECIALTOKENSENTRY']._serialized_end=1527
+  _globals['_TOKENIZERSERVICEMULTIPLEXREQUEST']._serialized_start=1548
+  _globals['_TOKENIZERSERVICEMULTIPLEXREQUEST']._serialized_end=1828
+  _globals['_TOKENIZERSERVICEMULTIPLEXRESPONSE']._serialized_start=1831
+  _globals['_TOKENIZERSERVICEMULTIPLEXRESPONSE']._serialized_end=2122
+  _globals['_TOKENIZERSERVICE']._serialized_start=2125
+  _globals['_TOKENIZERSERVICE']._serialized_end=2676
 # @@protoc_insertion_point(module_scope)

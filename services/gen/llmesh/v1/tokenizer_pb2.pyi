@@ -8,6 +8,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from llmesh.v1 import common_pb2 as _common_pb2
+from llmesh.v1 import generation_pb2 as _generation_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -74,6 +75,7 @@ class ApplyChatTemplateRequest(_message.Message):
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _builtins.int
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     ALLOW_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
     add_generation_prompt: _builtins.bool
     """Append the assistant turn's header so the model answers."""
     max_prompt_tokens: _builtins.int
@@ -91,6 +93,18 @@ class ApplyChatTemplateRequest(_message.Message):
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]:
         """The conversation, oldest first."""
 
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[_generation_pb2.FunctionTool]:
+        """Functions the model may call, passed to the chat template as its `tools`
+        variable (transformers' `apply_chat_template(messages, tools=...)`: each
+        as OpenAI's `{"type": "function", "function": {"name", "description",
+        "parameters"}}`), and each message's `tool_calls` and `tool_call_id` as
+        structured data (`arguments` parsed from JSON), so that a template with
+        a tool section writes them its own way. A template without one ignores
+        them. INVALID_ARGUMENT when a call's `arguments` is not JSON, or (without
+        `allow_special_tokens`) when tools or calls hold special-token text.
+        """
+
     def __init__(
         self,
         *,
@@ -98,10 +112,11 @@ class ApplyChatTemplateRequest(_message.Message):
         add_generation_prompt: _builtins.bool = ...,
         max_prompt_tokens: _builtins.int = ...,
         allow_special_tokens: _builtins.bool = ...,
+        tools: _abc.Iterable[_generation_pb2.FunctionTool] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_generation_prompt", b"add_generation_prompt", "allow_special_tokens", b"allow_special_tokens", "max_prompt_tokens", b"max_prompt_tokens", "messages", b"messages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_generation_prompt", b"add_generation_prompt", "allow_special_tokens", b"allow_special_tokens", "max_prompt_tokens", b"max_prompt_tokens", "messages", b"messages", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
