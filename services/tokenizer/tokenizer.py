@@ -385,8 +385,7 @@ class Tokenizer:
         non-system messages are dropped, keeping every ``system`` message and
         the last message, with as few drops as fit. The smallest fitting drop
         count is found by binary search (the token count falls as messages are
-        dropped), so a long history costs O(log n) renders; a prompt that fits
-        as sent costs one.
+        dropped): O(log n) renders for a long history, one for a prompt that fits.
 
         Args:
           messages: the conversation, oldest first; at least one.
@@ -395,18 +394,16 @@ class Tokenizer:
           allow_special_tokens: parse special-token text in contents into
             control tokens (only for trusted content: a message could then
             end its turn and forge another).
-          tools: the template's ``tools`` (see :meth:`render_chat`). Their
-            text and the messages' tool calls are the template's markup, so
-            without ``allow_special_tokens`` special-token text in them is
-            refused (ChatTemplateError).
+          tools: the template's ``tools`` (:meth:`render_chat`); like the
+            messages' tool calls, the template writes them as markup.
 
         Raises:
           ValueError: ``messages`` is empty or a role is empty.
           UnknownRoleError: a role outside :attr:`TokenizerInfo.chat_roles` (INVALID_ARGUMENT).
           NoChatTemplateError: the model has no chat template (FAILED_PRECONDITION).
-          ChatTemplateError: the template rejected the conversation, or it
-            rewrites a content that holds special-token text, or tools / tool
-            calls hold it or are not JSON (INVALID_ARGUMENT).
+          ChatTemplateError: the template rejected the conversation or rewrites
+            a content with special-token text; tools or tool calls hold such
+            text (without ``allow_special_tokens``) or are not JSON (INVALID_ARGUMENT).
           PromptTooLongError: even the smallest prompt exceeds the budget (OUT_OF_RANGE).
         """
         self._check_messages(messages)
