@@ -36,6 +36,7 @@ the HTTP status and ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -193,6 +194,9 @@ class ResponseBuilder:
     _choices: dict[int, _Choice] = field(default_factory=dict)
     _usage: list[Usage] = field(default_factory=list)
     _prompt_logprobs: list[dict[str, Any] | None] | None = None
+    _held: list[Delta | Finished] = field(default_factory=list)
+    _echo_started: set[int] = field(default_factory=set)
+    _prompt_scored: bool = False
     _prompt_entries: tuple[PositionLogprobs, ...] = ()
 
     @property
@@ -208,8 +212,14 @@ class ResponseBuilder:
 
     # ------------------------------------------------------------- streaming
 
-    def chunk(self, event: Delta | Finished) -> dict[str, Any]:
-        """The stream chunk for one event (and records it for :meth:`usage`)."""
+    def chunks(self, event: Delta | Finished) -> list[dict[str, Any]]:
+        """The stream chunks for one event (and records it for :meth:`usage`):
+        one, or with ``echo`` what :meth:`_echoed` makes of it (none while it
+        waits for the prompt's logprobs, two for a choice that finishes with
+        nothing but its prompt)."""
+        return [self._chunk(e) for e in self._echoed(event)]
+
+    def _chunk(self, event: Delta | Finished) -> dict[str, Any]:
         choice = self._choices.setdefault(event.index, _Choice())
         extra: dict[str, Any] = {}
         if isinstance(event, Finished):
@@ -221,7 +231,7 @@ class ResponseBuilder:
                                       choice.offsets.feed(event.logprobs))
             if event.tool_calls:
                 body["delta"]["tool_calls"] = tools.delta_body(event.tool_calls)
-            if event.prompt_logprobs:
+            if event.prompt_logprobs and self.show_prompt_logprobs:
                 extra["prompt_logprobs"] = prompt_logprobs(event.prompt_logprobs)
         chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion",
                                [body])
@@ -250,8 +260,10 @@ class ResponseBuilder:
             body["logprobs"] = chat_logprobs(logprobs) if self.logprobs and logprobs else None
         else:
             body["text"] = text
-            body["logprobs"] = (completion_logprobs(logprobs, offsets)
-                                if self.logprobs and logprobs else None)
+            # An echoed prompt's first token leads the choice's first chunk.
+            body["logprobs"] = (completion_logprobs(
+                logprobs, offsets, unscored_first=self.echo is not None and not choice.started)
+                if self.logprobs and logprobs else None)
         body["finish_reason"] = finish_reason
         choice.started = True
         return body
@@ -260,11 +272,12 @@ class ResponseBuilder:
 
     def add(self, event: Delta | Finished) -> None:
         """Records one event for :meth:`response`."""
-        choice = self._choices.setdefault(event.index, _Choice())
-        if isinstance(event, Finished):
-            self._finish(choice, event)
-        else:
-            self._add(choice, event)
+        for echoed in self._echoed(event):
+            choice = self._choices.setdefault(echoed.index, _Choice())
+            if isinstance(echoed, Finished):
+                self._finish(choice, echoed)
+            else:
+                self._add(choice, echoed)
 
     def response(self) -> dict[str, Any]:
         """The whole ``chat.completion`` / ``text_completion`` object."""
@@ -280,15 +293,10 @@ class ResponseBuilder:
                     body["message"]["content"] = text or None
                 body["logprobs"] = chat_logprobs(choice.logprobs) if self.logprobs else None
             else:
-                entries: Sequence[PositionLogprobs] = choice.logprobs
-                if self.echo is not None:
-                    prompt = self.echo.entries(self._prompt_entries)
-                    entries = prompt if self.echo.only else (*prompt, *entries)
-                    text = self.echo.text + ("" if self.echo.only else text)
                 body["text"] = text
                 # Tokens of a stop string cut from the text start at its end.
-                offsets = [min(o, len(text)) for o in TextOffsets().feed(entries)]
-                body["logprobs"] = (completion_logprobs(entries, offsets,
+                offsets = [min(o, len(text)) for o in TextOffsets().feed(choice.logprobs)]
+                body["logprobs"] = (completion_logprobs(choice.logprobs, offsets,
                                                         unscored_first=self.echo is not None)
                                     if self.logprobs else None)
                 if self._prompt_logprobs is not None and index == 0:
@@ -316,10 +324,51 @@ class ResponseBuilder:
         choice.text.append(delta.text)
         choice.tool_calls.extend(delta.tool_calls)
         choice.logprobs.extend(delta.logprobs)
-        if delta.prompt_logprobs:
-            self._prompt_entries = delta.prompt_logprobs
-            if self.show_prompt_logprobs:
-                self._prompt_logprobs = prompt_logprobs(delta.prompt_logprobs)
+        if delta.prompt_logprobs and self.show_prompt_logprobs:
+            self._prompt_logprobs = prompt_logprobs(delta.prompt_logprobs)
+
+    def _echoed(self, event: Delta | Finished) -> list[Delta | Finished]:
+        """The events to format for ``event``: itself, or with ``echo`` (vLLM's
+        streamed echo, one rule for both shapes) its choice's first event
+        led by the prompt: one delta of the prompt's text and entries
+        (:meth:`EchoedPrompt.entries`) then the event's, or, with
+        ``max_tokens: 0``, the prompt's alone (the computed token's delta
+        dropped, and every later one); a first event that is a
+        :class:`Finished` follows a prompt delta. While the prompt's logprobs
+        are asked for and not here (choice 0's first delta carries them),
+        other choices' events wait, released in order after it (or after
+        choice 0's finish, if it brings none)."""
+        echo = self.echo
+        if echo is None:
+            return [event]
+        carrier = (isinstance(event, Delta) and bool(event.prompt_logprobs)) or (
+            isinstance(event, Finished) and event.index == 0)
+        if self.logprobs and len(echo.token_ids) > 1 and not self._prompt_scored:
+            if not carrier:
+                self._held.append(event)
+                return []
+            self._prompt_scored = True
+        if isinstance(event, Delta) and event.prompt_logprobs:
+            self._prompt_entries = echo.entries(event.prompt_logprobs)
+        prompt_entries = self._prompt_entries or echo.entries(())
+        released, self._held = [event, *self._held], []
+        out: list[Delta | Finished] = []
+        for later in released:
+            if later.index in self._echo_started:
+                if not (echo.only and isinstance(later, Delta)):
+                    out.append(later)
+                continue
+            self._echo_started.add(later.index)
+            prompt = Delta(echo.text, echo.token_ids, prompt_entries, index=later.index)
+            if isinstance(later, Finished):
+                out.extend((prompt, later))
+            elif echo.only:
+                out.append(dataclasses.replace(prompt, prompt_logprobs=later.prompt_logprobs))
+            else:
+                out.append(Delta(prompt.text + later.text, prompt.token_ids + later.token_ids,
+                                 prompt.logprobs + later.logprobs, later.prompt_logprobs,
+                                 later.index, later.tool_calls))
+        return out
 
     def _finish(self, choice: _Choice, finished: Finished) -> None:
         choice.finish_reason = _FINISH_REASONS.get(finished.reason, "stop")

@@ -301,7 +301,8 @@ class OpenAIServer:
                     response = web.StreamResponse(
                         headers={**_SSE_HEADERS, "x-request-id": request_id})
                     await response.prepare(request)
-                await response.write(_sse(builder.chunk(event)))
+                for chunk in builder.chunks(event):
+                    await response.write(_sse(chunk))
             if response is None:
                 response = web.StreamResponse(headers=_SSE_HEADERS)
                 await response.prepare(request)

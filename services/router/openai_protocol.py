@@ -28,7 +28,8 @@ Field mapping (OpenAI / vLLM name → ``GenerateRequest``):
   ``logprobs`` the prompt's logprobs are asked of the engine
   (``sampling.prompt_logprobs``, the same count); ``max_tokens: 0`` then
   means the prompt alone (the engine computes one token, which is dropped,
-  as vLLM does). Not with ``stream: true`` (refused naming ``echo``).
+  as vLLM does). With ``stream: true`` each choice's first chunk carries
+  the prompt (vLLM's shape; :mod:`services.router.openai_format`).
 * ``max_completion_tokens`` (chat) or ``max_tokens`` → ``sampling.max_tokens``
   (both given and different: refused); ``temperature``, ``top_p``, ``seed``,
   ``n``, ``presence_penalty``, ``frequency_penalty``, ``stop`` → the sampling
@@ -179,7 +180,7 @@ def parse_body(endpoint: Endpoint, data: Mapping[str, Any]) -> OpenAIRequest:
     constraint_param = _structured(data, pb.sampling.structured_output)
     asked_prompt_logprobs = pb.sampling.HasField("prompt_logprobs")
     echo = endpoint is Endpoint.COMPLETIONS and _bool(data, "echo")
-    echo_only = echo and _echo(stream, pb.sampling)
+    echo_only = echo and _echo(pb.sampling)
     return OpenAIRequest(endpoint, pb, pb.model, stream, include_usage, max_param,
                          constraint_param, echo, echo_only, asked_prompt_logprobs)
 
@@ -407,16 +408,9 @@ def _token_ids(prompt: object) -> bool:
         isinstance(i, (int, float)) and not isinstance(i, bool) for i in prompt)
 
 
-def _echo(stream: bool, sampling: common_pb2.SamplingParams) -> bool:
+def _echo(sampling: common_pb2.SamplingParams) -> bool:
     """Sets what ``echo: true`` needs on ``sampling``; returns whether it is
-    ``max_tokens: 0`` (the prompt alone, vLLM's ``echo_without_generation``).
-
-    Raises:
-      InvalidRequestError: ``echo`` with ``stream: true``.
-    """
-    if stream:
-        raise InvalidRequestError("echo", "is supported without streaming only; send "
-                                          "stream: false")
+    ``max_tokens: 0`` (the prompt alone, vLLM's ``echo_without_generation``)."""
     if sampling.HasField("logprobs") and not sampling.HasField("prompt_logprobs"):
         sampling.prompt_logprobs = sampling.logprobs  # the prompt's tokens as the choice's
     only = sampling.HasField("max_tokens") and sampling.max_tokens == 0

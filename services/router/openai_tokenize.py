@@ -19,7 +19,7 @@
 * ``/detokenize``: ``{"model"?, "tokens"}`` → ``{"prompt"}``, the ids' text
   with special tokens as their markup (vLLM's ``tokenizer.decode(tokens)``),
   so that ``/tokenize`` of it with ``add_special_tokens: false`` gives the
-  ids back.
+  ids back; ``tokens: []`` is ``{"prompt": ""}``, as vLLM answers.
 
 The same ids as generation: ``/tokenize`` asks the model's tokenizer the
 pipeline uses (:class:`~services.router.local_tokenizer.PromptTokenizer`: the
@@ -31,10 +31,12 @@ generation's (:func:`~services.router.openai_protocol.parse_body`, the shared
 validation): unknown model 404, a tenant's model 403, bad messages 400.
 
 Refusals (:class:`InvalidRequestError`, 400 with ``param``): ids that are not
-integers in ``[0, vocab_size)`` name ``tokens``; a prompt of more tokens than
-the model's ``max_model_len`` is OUT_OF_RANGE naming ``prompt`` or
-``messages`` and the limit (what a generation of it would answer); the
-tokenizer refusing the input names the field.
+integers in ``[0, vocab_size)`` name ``tokens``; the tokenizer refusing the
+input names the field. A prompt of more tokens than the model's
+``max_model_len`` is counted, not refused (vLLM skips the context check for
+its tokenizer endpoints: a client counts to truncate), but text that cannot
+fit the window at any tokenization (the shared validation's byte bound,
+``max_model_len`` × the longest token's bytes) is refused naming ``prompt``.
 """
 
 from __future__ import annotations
@@ -101,12 +103,9 @@ async def tokenize(router: RouterService, validate: Validate, data: Mapping[str,
     request = validate(parsed.generate)
     limits = router.models[request.model]
     pipeline = router.pipeline_for(request)
+    # No refusal past max_model_len (vLLM's rule): the count is what a client
+    # asks for to truncate its prompt.
     ids = await _token_ids(router, request, options, request_id=request_id, deadline=deadline)
-    if len(ids) > limits.max_model_len:
-        raise InvalidRequestError(
-            "messages" if chat else "prompt", f"is {len(ids)} tokens, more than the "
-            f"max_model_len of {limits.max_model_len} tokens of {request.model!r}",
-            grpc.StatusCode.OUT_OF_RANGE)
     strs = [pipeline.token_texts.text(i) for i in ids] if options.return_token_strs else None
     return {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": list(ids),
             "token_strs": strs}
@@ -117,8 +116,8 @@ def detokenize(router: RouterService, validate: Validate,
     """The ``/detokenize`` answer for a body (its JSON object).
 
     Raises:
-      InvalidRequestError: ``tokens`` missing, empty, not integers, or outside
-        the model's vocabulary (400 naming ``tokens``); an unknown model (404).
+      InvalidRequestError: ``tokens`` missing, not integers, or outside the
+        model's vocabulary (400 naming ``tokens``); an unknown model (404).
       AuthError: the tenant may not use the model (403).
     """
     unknown = sorted(set(data) - {"model", "tokens"})
@@ -134,14 +133,16 @@ def detokenize(router: RouterService, validate: Validate,
         raise InvalidRequestError("model", "must be a string")
     pb = generation_pb2.GenerateRequest(model=model)
     try:
-        pb.prompt_tokens.token_ids.extend(tokens)
-        request = validate(pb)  # the ids against the model's vocabulary
+        # The ids against the model's vocabulary; no ids decode to "" (vLLM's
+        # answer), the model and tenant checked as for one id.
+        pb.prompt_tokens.token_ids.extend(tokens or (0,))
+        request = validate(pb)
     except ValueError as err:  # an id beyond int32, or the shared validation's refusal
         if isinstance(err, InvalidRequestError) and err.field != PROMPT_TOKENS_FIELD:
             raise
         raise InvalidRequestError("tokens", str(err).removeprefix(
             f"{PROMPT_TOKENS_FIELD}: ")) from err
-    text = router.pipeline_for(request).decoder.decode(request.prompt_token_ids or (),
+    text = router.pipeline_for(request).decoder.decode(tuple(tokens),
                                                         skip_special_tokens=False)
     return {"prompt": text}
 

@@ -97,12 +97,17 @@ SCORED = ("Question: Which planet is known as the red planet, and why does it lo
           "from Earth?\nAnswer: Mars, because iron oxide dust covers its surface.")
 
 
+def tokenize(mesh: Mesh, text: str) -> list[int]:
+    """The ids of ``text`` from the mesh's ``/tokenize``."""
+    request = urllib.request.Request(f"{mesh.http_url}/tokenize",
+                                     data=json.dumps({"prompt": text}).encode())
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        return json.loads(reply.read())["tokens"]
+
+
 def test_a_loglikelihood_request_as_lm_eval_sends_it_scores_the_prompt_as_the_engine_does(
         mesh: Mesh, runner: ModelRunner) -> None:
-    request = urllib.request.Request(f"{mesh.http_url}/tokenize",
-                                     data=json.dumps({"prompt": SCORED}).encode())
-    with urllib.request.urlopen(request, timeout=60) as reply:
-        ids = json.loads(reply.read())["tokens"]
+    ids = tokenize(mesh, SCORED)
     assert 30 <= len(ids) <= 60
     forward = forward_logprobs(runner, ids, [])  # row j: what follows token j
     expected = [float(forward[j, token]) for j, token in enumerate(ids[1:])]
@@ -141,3 +146,34 @@ def test_a_loglikelihood_request_as_lm_eval_sends_it_scores_the_prompt_as_the_en
     assert [entry[str(token)]["logprob"] for entry, token in zip(extra[1:], ids[1:])] == \
         pytest.approx(expected, abs=1e-4)
     assert "prompt_logprobs" not in (answers["ids, max_tokens 0"].choices[0].model_extra or {})
+
+
+def test_a_streamed_echo_joins_to_the_non_streamed_answer(mesh: Mesh) -> None:
+    """vLLM streams ``echo``: the prompt (text, and logprobs with the first
+    ``null``) on each choice's first chunk, then the generated tokens, offsets
+    continuing; joined, the chunks are the non-streamed choice (greedy)."""
+    text = SCORED[:60]
+    ids = tokenize(mesh, text)
+    with openai.OpenAI(base_url=f"{mesh.http_url}/v1", api_key="unused", max_retries=0,
+                       timeout=120) as client:
+        model = client.models.list().data[0].id
+        for prompt in (text, [ids]):
+            for max_tokens in (0, 4):
+                case = (type(prompt).__name__, max_tokens)
+                asked = {"model": model, "prompt": prompt, "echo": True, "logprobs": 1,
+                         "temperature": 0.0, "max_tokens": max_tokens}
+                whole = client.completions.create(**asked).choices[0]
+                chunks = [c.choices[0] for c in client.completions.create(stream=True, **asked)]
+                assert chunks[0].text.startswith(text), case  # SmolLM2 adds no BOS
+                assert chunks[0].logprobs.token_logprobs[0] is None, case
+                joined = {"tokens": [], "token_logprobs": [], "text_offset": []}
+                for chunk in chunks:
+                    for key, values in joined.items():
+                        values.extend(getattr(chunk.logprobs, key) if chunk.logprobs else [])
+                assert "".join(c.text for c in chunks) == whole.text, case
+                assert joined["tokens"] == whole.logprobs.tokens, case
+                assert joined["text_offset"] == whole.logprobs.text_offset, case
+                assert joined["token_logprobs"][0] is None, case
+                assert joined["token_logprobs"][1:] == pytest.approx(
+                    whole.logprobs.token_logprobs[1:], abs=1e-4), case
+                assert len(whole.logprobs.tokens) == len(ids) + max_tokens, case

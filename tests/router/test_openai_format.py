@@ -90,7 +90,7 @@ def test_without_logprobs_asked_they_are_null():
 
 def test_stream_chunks_carry_the_choice_index_role_once_and_a_usage_chunk():
     builder = ResponseBuilder(Endpoint.CHAT, "r3", "m", logprobs=True, include_usage=True)
-    chunks = [builder.chunk(e) for e in n_events()]
+    chunks = [c for e in n_events() for c in builder.chunks(e)]
     assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in chunks)
     assert [c["choices"][0]["index"] for c in chunks] == [0, 1, 0, 0, 1]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Hel"}
@@ -108,7 +108,7 @@ def test_stream_chunks_carry_the_choice_index_role_once_and_a_usage_chunk():
 
 def test_completion_stream_chunks_have_text_and_offsets():
     builder = ResponseBuilder(Endpoint.COMPLETIONS, "r4", "m", logprobs=True)
-    first, second = (builder.chunk(e) for e in (n_events()[0], n_events()[2]))
+    first, second = (c for e in (n_events()[0], n_events()[2]) for c in builder.chunks(e))
     assert first["object"] == "text_completion" and "usage" not in first
     assert first["choices"][0]["text"] == "Hel"
     assert second["choices"][0]["logprobs"]["text_offset"] == [3]
@@ -136,7 +136,7 @@ def test_text_offsets_count_characters_not_the_bytes_spelling():
     for token, offset in zip(choice["logprobs"]["tokens"], offsets):
         assert token.startswith("bytes:") or text[offset:].startswith(token)
     streamed = ResponseBuilder(Endpoint.COMPLETIONS, "r5", "m", logprobs=True)
-    chunks = [streamed.chunk(e) for e in SPLIT_EMOJI[:3]]
+    chunks = [c for e in SPLIT_EMOJI[:3] for c in streamed.chunks(e)]
     assert [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]] == offsets
 
 
@@ -173,6 +173,54 @@ def test_an_echoed_prompt_leads_text_and_logprobs_with_offsets_into_its_markup()
     only = alone.response()["choices"][0]
     assert only["text"] == "<bos>Hel\U0001f680" and len(only["logprobs"]["tokens"]) == 4
     assert len(only["prompt_logprobs"]) == 4  # vLLM's field where the client asked
+
+
+def streamed_choices(builder: ResponseBuilder, events: list[Delta | Finished]
+                     ) -> dict[int, dict]:
+    """Each choice's streamed chunks joined: text, logprobs lists, finish."""
+    joined: dict[int, dict] = {}
+    for chunk in (c for e in events for c in builder.chunks(e)):
+        (body,) = chunk["choices"]
+        got = joined.setdefault(body["index"], {"text": "", "finish_reason": None,
+                                                "logprobs": {"tokens": [], "token_logprobs": [],
+                                                             "top_logprobs": [],
+                                                             "text_offset": []}})
+        got["text"] += body["text"]
+        got["finish_reason"] = got["finish_reason"] or body["finish_reason"]
+        for key, values in (body["logprobs"] or {}).items():
+            got["logprobs"][key] += values
+    return joined
+
+
+def test_a_streamed_echo_joins_to_the_response_for_every_choice_and_max_tokens_0():
+    # Choice 1 speaks before choice 0 brings the prompt's logprobs: it waits for them.
+    echo = EchoedPrompt((2, 5, 30), ("<bos>", "Hel", "lo"), "<bos>Hello")
+    scored = (position(5, "Hel", -1.5, (5, "Hel", -1.5)),
+              position(30, "lo", -2.0, (30, "lo", -2.0)))
+    events = [Delta("Yes", (11,), (position(11, "Yes", -0.3, (11, "Yes", -0.3)),), index=1),
+              Delta("Hel", (5,), (HELLO,), scored, index=0),
+              Finished(FinishReason.STOP, "", Usage(3, 1), index=1),
+              Delta("lo", (7,), (LO,), index=0),
+              Finished(FinishReason.LENGTH, "", Usage(3, 2), index=0)]
+    for only in (False, True):
+        shape = {"logprobs": True, "echo": dataclasses.replace(echo, only=only),
+                 "show_prompt_logprobs": False}
+        whole = ResponseBuilder(Endpoint.COMPLETIONS, "r", "m", **shape)
+        for event in events:
+            whole.add(event)
+        expected = {c["index"]: {k: c[k] for k in ("text", "logprobs", "finish_reason")}
+                    for c in whole.response()["choices"]}
+        streamed = ResponseBuilder(Endpoint.COMPLETIONS, "r", "m", **shape)
+        assert streamed_choices(streamed, events) == expected
+        assert expected[0]["text"] == "<bos>Hello" + ("" if only else "Hello")
+        assert expected[1]["text"] == "<bos>Hello" + ("" if only else "Yes")
+        assert expected[1]["logprobs"]["token_logprobs"][:3] == [None, -1.5, -2.0]
+        assert expected[0]["logprobs"]["text_offset"] == [0, 5, 8, 10, 13][:3 if only else 5]
+    # A choice that finishes with nothing streams its prompt, then its finish.
+    alone = ResponseBuilder(Endpoint.COMPLETIONS, "r", "m", echo=echo)
+    chunks = alone.chunks(Finished(FinishReason.STOP, "", Usage(3, 0)))
+    assert [c["choices"][0]["text"] for c in chunks] == ["<bos>Hello", ""]
+    assert "prompt_logprobs" not in chunks[0]
 
 
 def test_token_bytes_decodes_byte_escapes():

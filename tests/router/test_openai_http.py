@@ -253,6 +253,10 @@ async def test_tokenize_and_detokenize_answer_in_vllms_shapes():
         assert chat["tokens"] == [ord(c) for c in "<user>hi\n<assistant>"]
         status, back = await post_json(base, "/detokenize", {"tokens": chat["tokens"]})
         assert status == 200 and back == {"prompt": "<user>hi\n<assistant>"}
+        # vLLM's answers: no ids are no text; a prompt past the window is counted.
+        assert await post_json(base, "/detokenize", {"tokens": []}) == (200, {"prompt": ""})
+        status, long = await post_json(base, "/tokenize", {"prompt": "x" * 300})
+        assert status == 200 and (long["count"], long["max_model_len"]) == (300, 256)
 
 
 @pytest.mark.parametrize("path, body, status, param, words", [
@@ -260,7 +264,8 @@ async def test_tokenize_and_detokenize_answer_in_vllms_shapes():
     ("/detokenize", {"tokens": [80, 2**40]}, 400, "tokens", "out of range"),
     ("/detokenize", {"tokens": ["P"]}, 400, "tokens", "integer token ids"),
     ("/detokenize", {"tokens": [80], "model": "gpt-4"}, 404, "model", "fake-model"),
-    ("/tokenize", {"prompt": "x" * 300}, 400, "prompt", "max_model_len of 256"),
+    ("/detokenize", {"tokens": [], "model": "gpt-4"}, 404, "model", "fake-model"),
+    ("/tokenize", {"prompt": "x" * 256 * 128 + "x"}, 400, "prompt", "context window"),
     ("/tokenize", {"prompt": [1, 2]}, 400, "prompt", "text"),
     ("/tokenize", {"messages": USER, "continue_final_message": True}, 400,
      "continue_final_message", "not supported"),
@@ -287,3 +292,12 @@ async def test_echo_puts_the_prompt_before_the_completion_or_alone_with_max_toke
         # The engine got the ids as sent, and one token to compute for the prompt alone.
         start = mesh.engines[0].log.starts[-1]
         assert list(start.prompt_token_ids) == [81, 58] and start.sampling.max_tokens == 1
+        # Streamed: the first chunk carries the prompt, the chunks join to the same text.
+        for prompt, max_tokens in (("Q:", 5), ([81, 58], 0)):
+            chunks = [c async for c in await client.completions.create(
+                model="fake-model", prompt=prompt, max_tokens=max_tokens, echo=True,
+                stream=True)]
+            assert chunks[0].choices[0].text.startswith("Q:")
+            assert "".join(c.choices[0].text for c in chunks) == \
+                ("Q:" + REPLY[:5] if max_tokens else "Q:")
+            assert chunks[-1].choices[0].finish_reason == "length"

@@ -94,7 +94,6 @@ def test_choice_constraint_and_text_format():
     (COMPLETIONS, {"prompt": [[1], [2]]}, "prompt", "several prompts"),
     (COMPLETIONS, {"prompt": [1, 2.5]}, "prompt", "integer"),
     (COMPLETIONS, {"prompt": [1, 2**40]}, "prompt", "out of range"),
-    (COMPLETIONS, {"prompt": "a", "echo": True, "stream": True}, "echo", "without streaming"),
     (COMPLETIONS, {"prompt": "a", "max_completion_tokens": 3}, "max_completion_tokens",
      "/v1/chat/completions"),
     (CHAT, {"messages": USER, "temperature": "hot"}, "temperature", "number"),
@@ -161,6 +160,10 @@ def test_echo_asks_the_engine_for_the_prompt_logprobs_and_max_tokens_0_for_one_t
     assert generating.generate.sampling.prompt_logprobs == 0  # the client's own count
     text_only = parse(COMPLETIONS, prompt="x", echo=True).generate.sampling
     assert not text_only.HasField("prompt_logprobs")  # no logprobs: none asked of the engine
+    streamed = parse(COMPLETIONS, prompt=[1, 2], echo=True, logprobs=1, max_tokens=0,
+                     stream=True)  # streamed as vLLM streams it (once refused naming echo)
+    assert streamed.stream and streamed.echo_only
+    assert streamed.generate.sampling.prompt_logprobs == 1
     with pytest.raises(InvalidRequestError) as info:  # 0 without echo: refused as before
         validate_request(parse(COMPLETIONS, model="m", prompt="x", max_tokens=0).generate,
                          request_id="r", models=MODELS, default_model="m")
