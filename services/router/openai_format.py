@@ -27,7 +27,9 @@ does not have, vLLM's OpenAI-compatible server (``prompt_logprobs``,
 * completions ``echo`` (:mod:`services.router.prompt_echo`): each choice's
   ``text`` and ``logprobs`` start with the prompt's (its first token's
   logprob and top logprobs ``null``), or are the prompt alone with
-  ``max_tokens: 0``.
+  ``max_tokens: 0``; streamed as vLLM streams it, the prompt on each
+  choice's first chunk (:meth:`ResponseBuilder._echoed`, one rule for both
+  shapes, so the chunks join to the response).
 
 Errors: :func:`error_for_status` maps a gRPC status of the shared pipeline to
 the HTTP status and ``{"error": {"message", "type", "param", "code"}}``.

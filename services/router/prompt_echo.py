@@ -12,9 +12,11 @@ llmesh, with no second scorer:
    ids replace the text, so the engine sees exactly the ids echoed);
 2. the engine computes ``prompt_logprobs`` (set by
    :mod:`services.router.openai_protocol`: as many alternatives as ``logprobs``);
-3. :meth:`EchoedPrompt.logprobs` puts them before the generated tokens' in
-   OpenAI's completions shape: the first prompt token has ``null`` logprob and
-   ``null`` top logprobs (nothing predicts it), as OpenAI and vLLM answer.
+3. :meth:`EchoedPrompt.entries` are the prompt's entries, which the
+   response builder (:meth:`~services.router.openai_format.ResponseBuilder._echoed`)
+   puts before each choice's generated tokens, in the response or on the
+   choice's first stream chunk: the first prompt token has ``null`` logprob
+   and ``null`` top logprobs (nothing predicts it), as OpenAI and vLLM answer.
 
 The echoed text is the text of the prompt ids: every token's bytes, special
 tokens as their markup (Gemma's ``<bos>``), i.e. what ``/detokenize`` returns
