@@ -331,15 +331,11 @@ class ResponseBuilder:
 
     def _echoed(self, event: Delta | Finished) -> list[Delta | Finished]:
         """The events to format for ``event``: itself, or with ``echo`` (vLLM's
-        streamed echo, one rule for both shapes) its choice's first event
-        led by the prompt: one delta of the prompt's text and entries
-        (:meth:`EchoedPrompt.entries`) then the event's, or, with
-        ``max_tokens: 0``, the prompt's alone (the computed token's delta
-        dropped, and every later one); a first event that is a
-        :class:`Finished` follows a prompt delta. While the prompt's logprobs
-        are asked for and not here (choice 0's first delta carries them),
-        other choices' events wait, released in order after it (or after
-        choice 0's finish, if it brings none)."""
+        streamed echo; one rule for both shapes) each choice's events led by
+        the prompt (:meth:`_lead`). While the prompt's logprobs are asked for
+        and not here (choice 0's first delta carries them), other choices'
+        events wait, released in order after it (or after choice 0's finish,
+        if it brings none)."""
         echo = self.echo
         if echo is None:
             return [event]
@@ -352,25 +348,27 @@ class ResponseBuilder:
             self._prompt_scored = True
         if isinstance(event, Delta) and event.prompt_logprobs:
             self._prompt_entries = echo.entries(event.prompt_logprobs)
-        prompt_entries = self._prompt_entries or echo.entries(())
         released, self._held = [event, *self._held], []
-        out: list[Delta | Finished] = []
-        for later in released:
-            if later.index in self._echo_started:
-                if not (echo.only and isinstance(later, Delta)):
-                    out.append(later)
-                continue
-            self._echo_started.add(later.index)
-            prompt = Delta(echo.text, echo.token_ids, prompt_entries, index=later.index)
-            if isinstance(later, Finished):
-                out.extend((prompt, later))
-            elif echo.only:
-                out.append(dataclasses.replace(prompt, prompt_logprobs=later.prompt_logprobs))
-            else:
-                out.append(Delta(prompt.text + later.text, prompt.token_ids + later.token_ids,
-                                 prompt.logprobs + later.logprobs, later.prompt_logprobs,
-                                 later.index, later.tool_calls))
-        return out
+        return [out for later in released for out in self._lead(echo, later)]
+
+    def _lead(self, echo: EchoedPrompt, event: Delta | Finished) -> list[Delta | Finished]:
+        """A choice's first event led by the prompt: one delta of the prompt's
+        text and entries (:meth:`EchoedPrompt.entries`) then the event's, or,
+        with ``max_tokens: 0``, the prompt's alone (the computed token's delta
+        dropped, and every later one); a first :class:`Finished` follows a
+        prompt delta. Later events pass as they are."""
+        if event.index in self._echo_started:
+            return [] if echo.only and isinstance(event, Delta) else [event]
+        self._echo_started.add(event.index)
+        prompt = Delta(echo.text, echo.token_ids, self._prompt_entries or echo.entries(()),
+                       index=event.index)
+        if isinstance(event, Finished):
+            return [prompt, event]
+        if echo.only:
+            return [dataclasses.replace(prompt, prompt_logprobs=event.prompt_logprobs)]
+        return [Delta(prompt.text + event.text, prompt.token_ids + event.token_ids,
+                      prompt.logprobs + event.logprobs, event.prompt_logprobs, event.index,
+                      event.tool_calls)]
 
     def _finish(self, choice: _Choice, finished: Finished) -> None:
         choice.finish_reason = _FINISH_REASONS.get(finished.reason, "stop")
