@@ -31,6 +31,7 @@ import structlog
 import torch
 
 from services.common.kv_events import KVEvent, KVSnapshot
+from services.common.model_files import default_model_path
 from services.common.sampling import MAX_SPECULATIVE_TOKENS, SpeculativeMethod
 from services.engine.backend import DeltaSink, EngineBackend, EngineUnavailableError, Submission
 from services.engine.config import EngineConfig
@@ -66,7 +67,6 @@ from services.engine.torch_backend.start_checks import (
     speculative_config,
     suffix_options,
 )
-from services.common.model_files import default_model_path
 from services.engine.torch_backend.speculative import (
     NgramProposer,
     Proposer,

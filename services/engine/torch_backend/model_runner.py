@@ -33,7 +33,11 @@ from services.engine.torch_backend.device import to_device
 from services.common.checkpoint import gguf_architecture
 from services.engine.torch_backend.gguf_loader import load_gguf
 from services.engine.torch_backend.llama_config import LlamaConfig
-from services.engine.torch_backend.start_checks import ATTENTION_BACKENDS, DTYPE_NAMES, auto_quantization
+from services.engine.torch_backend.start_checks import (
+    ATTENTION_BACKENDS,
+    DTYPE_NAMES,
+    auto_quantization,
+)
 from services.engine.torch_backend.hf_loader import load_hf_checkpoint
 from services.engine.torch_backend.model import LlamaModel, build_model
 from services.engine.torch_backend.native import unavailable_reason
@@ -213,8 +217,8 @@ class ModelRunner:
         ``quantization="none"``; for ``int4`` its Q4_1 blocks go to the int4
         kernel as they are, for ``int8`` they are requantized per row (see
         :mod:`~services.engine.torch_backend.quant`); ``auto`` picks per
-        :func:`~services.engine.torch_backend.start_checks.auto_quantization`; with ``dense_prefill`` a
-        quantized model also gets dense bf16 prompt projections (None: only
+        :func:`~services.engine.torch_backend.start_checks.auto_quantization`; with
+        ``dense_prefill`` a quantized model also gets dense bf16 prompt projections (None: only
         when its quantized kernels are PyTorch's, see ``EngineConfig.dense_prefill``)
         (:meth:`~services.engine.torch_backend.model.LlamaModel.add_prompt_projections`).
 

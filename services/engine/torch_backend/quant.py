@@ -50,7 +50,7 @@ import torch
 from services.engine.torch_backend import native
 from services.engine.torch_backend.batch_invariant import Linear
 from services.engine.torch_backend.gguf_loader import Q4_1_BLOCK, Q4_1Blocks
-from services.engine.torch_backend.start_checks import QUANT_KERNELS, QUANTIZATIONS, check_quantization
+from services.engine.torch_backend.start_checks import QUANT_KERNELS, check_quantization
 
 #: Activation dtype of the quantized kernels.
 ACTIVATION_DTYPE = torch.bfloat16
