@@ -225,6 +225,8 @@ REFUSALS_WITHOUT_TORCH: dict[str, tuple[list[str], str]] = {
     "quantization": (["--quantization", "int4", "--dtype", "bfloat16"],
                      "leave --dtype at float32"),
     "tensorrt_llm only": (["--speculative-method", "mtp"], "tensorrt_llm backend only"),
+    **({} if HAS_TRTLLM else {"tensorrt_llm absent": (
+        ["--backend", "tensorrt_llm"], "the tensorrt_llm backend needs TensorRT-LLM")}),
 }
 
 
