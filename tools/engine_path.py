@@ -60,7 +60,7 @@ def tiny_backend(step_observer: Callable[[Any], None] | None = None) -> Any:
 
     from services.engine.config import EngineConfig
     from services.engine.torch_backend.backend import TorchBackend
-    from services.engine.torch_backend.gguf_loader import LlamaConfig
+    from services.engine.torch_backend.llama_config import LlamaConfig
     from services.engine.torch_backend.model import LlamaModel
 
     config = LlamaConfig(name="tiny", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,

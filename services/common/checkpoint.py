@@ -12,6 +12,7 @@ directory serves the tokenizer, the torch engine and TensorRT-LLM.
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,67 @@ def check_model_path(path: str | Path) -> None:
             if file.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
                 raise ValueError(f"{path}: not a GGUF file (a Hugging Face checkpoint is "
                                  "passed as its directory)")
+
+
+#: Sizes of GGUF's fixed-size metadata value types (the GGUF spec's
+#: ``gguf_metadata_value_type``: uint8 .. float64; 8 is string, 9 array).
+GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+GGUF_STRING, GGUF_ARRAY = 8, 9
+
+
+def gguf_architecture(path: str | Path) -> str:
+    """``general.architecture`` of the GGUF at ``path`` (``llama``, ``gemma3``...),
+    read from the metadata at the head of the file. ``gguf.GGUFReader`` would
+    also index every tensor (2.8 s for SmolLM2, 12 s for Gemma 3 270M on this
+    machine); this reads key-value pairs until it finds the key (the first
+    one in files written by llama.cpp's converter). Layout: the GGUF spec,
+    https://github.com/ggml-org/ggml/blob/master/docs/gguf.md.
+
+    Raises:
+      FileNotFoundError: no file at ``path``.
+      ValueError: not a GGUF file, or no ``general.architecture`` string.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    with path.open("rb") as file:
+        def read(size: int) -> bytes:
+            data = file.read(size)
+            if len(data) != size:
+                raise ValueError(f"{path}: truncated GGUF metadata")
+            return data
+
+        def number(fmt: str) -> int:
+            return struct.unpack(fmt, read(struct.calcsize(fmt)))[0]
+
+        def string() -> bytes:
+            return read(number("<Q"))
+
+        def skip(kind: int) -> None:
+            if kind in GGUF_SCALAR_BYTES:
+                file.seek(GGUF_SCALAR_BYTES[kind], 1)
+            elif kind == GGUF_STRING:
+                file.seek(number("<Q"), 1)
+            elif kind == GGUF_ARRAY:
+                item, count = number("<I"), number("<Q")
+                if item in GGUF_SCALAR_BYTES:
+                    file.seek(GGUF_SCALAR_BYTES[item] * count, 1)
+                else:
+                    for _ in range(count):
+                        skip(item)
+            else:
+                raise ValueError(f"{path}: unknown GGUF metadata type {kind}")
+
+        if read(len(GGUF_MAGIC)) != GGUF_MAGIC:
+            raise ValueError(f"{path} is not a GGUF file")
+        number("<I")  # version
+        number("<Q")  # tensor count
+        for _ in range(number("<Q")):
+            key, kind = string(), number("<I")
+            if key == b"general.architecture" and kind == GGUF_STRING:
+                return string().decode("utf-8")
+            skip(kind)
+    raise ValueError(f"{path} has no general.architecture")
 
 
 def check_checkpoint_dir(path: str | Path, weights: bool = True) -> dict[str, Any]:

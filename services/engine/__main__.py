@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from services.common.server import add_server_arguments, run_service, server_config_from_args
 from services.engine.backend import EngineUnavailableError
 from services.engine.config import add_engine_arguments, engine_config_from_args
-from services.engine.factory import create_backend
+from services.engine.factory import check_backend_options, create_backend
 from services.engine.metrics import default_metrics
 from services.engine.service import EngineLoadError, EngineService
 
@@ -49,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = engine_config_from_args(args)
     metrics = default_metrics()
     try:  # each backend refuses options it cannot start with, before any port is bound
+        check_backend_options(config)  # torch: before torch is imported (a typo answers at once)
         backend = create_backend(config, step_observer=metrics.observe_step)
         backend.check_available()  # e.g. tensorrt_llm chosen but not installed
         backend.check_model_files()  # e.g. a checkpoint directory without config.json

@@ -1,10 +1,35 @@
-"""Builds the backend an :class:`EngineConfig` names (imports it lazily)."""
+"""Builds the backend an :class:`EngineConfig` names (imports it lazily), and
+refuses the options it cannot start with before importing it."""
 
 from __future__ import annotations
 
-from services.engine.backend import EngineBackend
+from typing import TYPE_CHECKING
+
 from services.engine.config import BACKEND_NAMES, EngineConfig
-from services.engine.torch_backend.engine_core import StepObserver
+
+if TYPE_CHECKING:
+    from services.engine.backend import EngineBackend
+    from services.engine.torch_backend.engine_core import StepObserver
+
+
+def check_backend_options(config: EngineConfig) -> None:
+    """The refusals of ``config.backend`` that need no backend instance, run
+    before it is imported: for ``torch``, its
+    :func:`~services.engine.torch_backend.start_checks.check_config` then
+    :func:`~services.engine.torch_backend.start_checks.check_model_files`
+    (torch itself is not imported for a CPU start); ``tensorrt_llm`` checks
+    on its instance (``check_available``, ``check_model_files``), and an
+    unknown name is :func:`create_backend`'s to refuse.
+
+    Raises:
+      ValueError: options or a model path the backend refuses.
+      FileNotFoundError: a model path with nothing (or no weights) there.
+    """
+    if config.backend == "torch":
+        from services.engine.torch_backend.start_checks import check_config, check_model_files
+
+        check_config(config)
+        check_model_files(config)
 
 
 def create_backend(config: EngineConfig,

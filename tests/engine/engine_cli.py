@@ -1,7 +1,8 @@
 """``python -m services.engine`` as a child process, for the tests of its
-refusals: one start, or several side by side (a refused start is mostly the
-interpreter importing torch, ~2.5 s of one core here, so a module's refusals
-run at once rather than one after another)."""
+refusals: one start, or several side by side (a module's refusals run at
+once rather than one after another: a refusal the torch backend's
+``start_checks`` makes costs ~0.5 s of one core, one that needs torch or
+another backend ~2.5 s)."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ from services.engine.torch_backend.model_runner import (
     resolve_attention_backend,
 )
 from services.engine.torch_backend.paged_kv import PagedKVCache
-from services.engine.torch_backend.quant import auto_quantization
+from services.engine.torch_backend.start_checks import auto_quantization
 from services.engine.torch_backend.sampler import SamplingRow, sample
 
 BLOCK = 16
@@ -198,8 +198,8 @@ def test_cuda_picks_the_torch_attention_and_dense_weights() -> None:
     assert resolve_attention_backend("auto", cuda, torch.bfloat16) == "torch"
     with pytest.raises(ValueError, match="fp32 on CPU only"):
         resolve_attention_backend("native", cuda, torch.bfloat16)
-    assert auto_quantization("llama", torch.bfloat16, cuda) == "none"
-    assert auto_quantization("llama", torch.float32, cuda) == "none"
+    assert auto_quantization("llama", "bfloat16", "cuda") == "none"
+    assert auto_quantization("llama", "float32", "cuda") == "none"
 
 
 def test_graphs_are_refused_off_cuda(model: LlamaModel) -> None:

@@ -17,7 +17,7 @@ import torch
 from services.common.sampling import FinishReason, Priority, SamplingOptions
 from services.engine.backend import DuplicateRequestError, EngineUnavailableError, QueueFullError
 from services.engine.torch_backend.engine_core import EngineCore, Submitted
-from services.engine.torch_backend.gguf_loader import LlamaConfig
+from services.engine.torch_backend.llama_config import LlamaConfig
 from services.engine.torch_backend.kv_cache_manager import KVCacheManager
 from services.engine.torch_backend.model import LlamaModel
 from services.engine.torch_backend.model_runner import ModelRunner

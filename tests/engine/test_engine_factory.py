@@ -193,6 +193,7 @@ CLI_ERRORS: list[tuple[list[str], dict[str, str], str]] = [
     (["--backend", "tensorrt_llm", "--speculative-method", "eagle3"], {},
      "--speculative-method eagle3 needs --draft-model-path"),
     (["--speculative-method", "mtp"], {}, "mtp is implemented by the tensorrt_llm backend only"),
+    (["--device", "gpu"], {}, "--device 'gpu': Expected one of cpu, cuda"),
 ]
 
 
@@ -211,3 +212,45 @@ def test_engine_cli_errors_are_one_line_not_a_traceback(
     assert done.returncode != 0
     assert message in done.stderr and "Traceback" not in done.stderr
     assert "listening" not in done.stderr + done.stdout
+
+
+#: Refused engine starts (flags, or a model path in a folder of its own) →
+#: what the one-line error says; none may import torch or transformers.
+REFUSALS_WITHOUT_TORCH: dict[str, tuple[list[str], str]] = {
+    "no such file": (["--model-path", "{d}/absent.gguf"], "no GGUF file or checkpoint directory"),
+    "unsupported architecture": (["--model-path", "{d}/mamba"], "are not supported"),
+    "bad draft path": (["--draft-model-path", "{d}/absent.gguf"], "no GGUF file"),
+    "speculative": (["--num-speculative-tokens", "17"], "must be in [1, 16], got 17"),
+    "suffix": (["--suffix-max-match", "1"], "suffix max_match must be at least 2"),
+    "quantization": (["--quantization", "int4", "--dtype", "bfloat16"],
+                     "leave --dtype at float32"),
+    "tensorrt_llm only": (["--speculative-method", "mtp"], "tensorrt_llm backend only"),
+    **({} if HAS_TRTLLM else {"tensorrt_llm absent": (
+        ["--backend", "tensorrt_llm"], "the tensorrt_llm backend needs TensorRT-LLM")}),
+}
+
+
+@pytest.fixture(scope="module")
+def refusals_without_torch(tmp_path_factory: pytest.TempPathFactory
+                           ) -> dict[str, subprocess.CompletedProcess[str]]:
+    """The engine started on each of :data:`REFUSALS_WITHOUT_TORCH`, all at
+    once, with Python's import timing on stderr (``-X importtime``)."""
+    folder = tmp_path_factory.mktemp("refusals")
+    (folder / "mamba").mkdir()
+    (folder / "mamba" / "config.json").write_text('{"architectures": ["MambaForCausalLM"]}')
+    (folder / "mamba" / "model.safetensors").write_text("")
+    return run_all({case: functools.partial(
+        start_engine, *(arg.format(d=folder) for arg in argv),
+        environ={"PYTHONPROFILEIMPORTTIME": "1"})
+        for case, (argv, _) in REFUSALS_WITHOUT_TORCH.items()})
+
+
+@pytest.mark.parametrize("case", list(REFUSALS_WITHOUT_TORCH))
+def test_a_refused_start_imports_no_torch(
+        case: str, refusals_without_torch: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    done = refusals_without_torch[case]
+    *imports, error = done.stderr.splitlines()
+    assert done.returncode == 2 and REFUSALS_WITHOUT_TORCH[case][1] in error, done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in imports}
+    assert "services.engine.config" in imported  # the timing was on
+    assert not imported & {"torch", "transformers"}

@@ -16,7 +16,8 @@ from benchmarks.random_checkpoint import save_tiny_llama, write_random_llama
 from services.common.sampling import FinishReason, SamplingOptions
 from services.engine.config import EngineConfig
 from services.engine.torch_backend.backend import TorchBackend, resolve_quantization
-from services.engine.torch_backend.hf_loader import load_hf_checkpoint, read_hf_config
+from services.engine.torch_backend.hf_config import read_hf_config
+from services.engine.torch_backend.hf_loader import load_hf_checkpoint
 from services.engine.torch_backend.model import LlamaModel, build_model
 from services.engine.torch_backend.model_runner import ModelRunner, StepInput
 from services.engine.torch_backend.native import load_library

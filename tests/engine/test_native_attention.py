@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from services.engine.torch_backend import native
-from services.engine.torch_backend.gguf_loader import LlamaConfig
+from services.engine.torch_backend.llama_config import LlamaConfig
 from services.engine.torch_backend.model import LlamaModel
 from services.engine.torch_backend.model_runner import ModelRunner, resolve_attention_backend
 from services.engine.torch_backend.native import (

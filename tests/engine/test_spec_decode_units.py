@@ -21,7 +21,8 @@ from services.engine.torch_backend.speculative import (
     propose_ngram,
 )
 from services.engine.torch_backend.step_sampler import StepRow, sample_step
-from services.engine.torch_backend.suffix_proposer import SuffixOptions, SuffixProposer
+from services.engine.torch_backend.spec_options import SuffixOptions
+from services.engine.torch_backend.suffix_proposer import SuffixProposer
 
 from .kv_helpers import create_scheduler, make_request
 

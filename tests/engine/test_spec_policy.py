@@ -13,7 +13,8 @@ from services.engine.torch_backend.spec_policy import (
     StepCostModel,
     choose_lengths,
 )
-from services.engine.torch_backend.speculative import Proposal, SpeculativeConfig, Speculator
+from services.engine.torch_backend.spec_options import SpeculativeConfig
+from services.engine.torch_backend.speculative import Proposal, Speculator
 
 from .kv_helpers import make_request
 

@@ -23,7 +23,8 @@ from services.engine.torch_backend.suffix_cache import (
     longest_match,
     request_continuation,
 )
-from services.engine.torch_backend.suffix_proposer import SuffixOptions, SuffixProposer
+from services.engine.torch_backend.spec_options import SuffixOptions
+from services.engine.torch_backend.suffix_proposer import SuffixProposer
 from services.engine.types import SequenceRequest
 
 from .kv_helpers import make_request

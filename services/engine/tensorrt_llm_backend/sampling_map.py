@@ -42,10 +42,9 @@ from __future__ import annotations
 import enum
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
-import torch
 
 from services.common.sampling import (
     ConstraintKind,
@@ -54,6 +53,9 @@ from services.common.sampling import (
     StructuredOutput,
 )
 from services.engine.validation import OPTIONAL_FEATURES
+
+if TYPE_CHECKING:  # imported where a bias is built: a refused start needs no torch
+    import torch
 
 
 class Handling(enum.Enum):
@@ -237,6 +239,8 @@ def _embedding_bias(logit_bias: tuple[tuple[int, float], ...],
     """A float32 ``[vocab_size]`` tensor, zero but at the biased ids; None for none."""
     if not logit_bias:
         return None
+    import torch  # loaded already by TensorRT-LLM when requests run
+
     bias = torch.zeros(vocab_size, dtype=torch.float32)
     ids, values = zip(*logit_bias)
     bias[list(ids)] = torch.tensor(values, dtype=torch.float32)

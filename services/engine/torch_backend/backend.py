@@ -30,7 +30,6 @@ from pathlib import Path
 import structlog
 import torch
 
-from services.common.checkpoint import check_model_path
 from services.common.kv_events import KVEvent, KVSnapshot
 from services.common.model_files import default_model_path
 from services.common.sampling import MAX_SPECULATIVE_TOKENS, SpeculativeMethod
@@ -39,12 +38,9 @@ from services.engine.config import EngineConfig
 from services.engine.torch_backend.block_pool import BlockCounts, KVIntegrityError
 from services.engine.torch_backend.cuda_graphs import capture_refusal
 from services.engine.torch_backend.device import (
-    check_device,
     check_host_kv_budget,
     check_kv_budget,
 )
-from services.engine.torch_backend.gguf_loader import gguf_architecture
-from services.engine.torch_backend.hf_loader import read_hf_config
 from services.engine.torch_backend.draft_proposer import (
     DraftProposer,
     draft_runner,
@@ -57,28 +53,27 @@ from services.engine.torch_backend.kv_offload import KVOffloadTier
 from services.engine.torch_backend.model import LlamaModel
 from services.engine.torch_backend.paged_kv import PagedKVCache
 from services.engine.torch_backend.model_runner import (
-    ATTENTION_BACKENDS,
     DTYPES,
     ModelRunner,
     keep_freed_memory,
-    resolve_attention_backend,
 )
 from services.engine.torch_backend.probe_cache import cached_probe
-from services.engine.torch_backend.quant import (
-    QUANT_KERNELS,
-    auto_quantization,
-    check_mode,
-    resolve_quant_kernel,
-)
 from services.engine.torch_backend.scheduler import Scheduler, SchedulerConfig
+from services.engine.torch_backend.start_checks import (
+    check_config,
+    check_model_files,
+    resolve_dtype,
+    resolve_quantization,
+    speculative_config,
+    suffix_options,
+)
 from services.engine.torch_backend.speculative import (
     NgramProposer,
     Proposer,
-    SpeculativeConfig,
     Speculator,
 )
 from services.engine.torch_backend.structured_output import GrammarCompiler
-from services.engine.torch_backend.suffix_proposer import SuffixOptions, SuffixProposer
+from services.engine.torch_backend.suffix_proposer import SuffixProposer
 from services.engine.torch_backend.thread_governor import ThreadGovernor
 from services.engine.types import EngineResources, LoadStats, ModelInfo, SequenceRequest
 from services.engine.validation import (
@@ -164,25 +159,10 @@ class TorchBackend(EngineBackend):
         self.batch_invariance_failures: list[str] = []
 
     def check_model_files(self) -> None:
-        """Checks the model (and draft model) path without reading weights: a
-        GGUF file, or a checkpoint directory whose ``config.json`` the loader
-        accepts (:func:`~services.engine.torch_backend.hf_loader.read_hf_config`)
-        and whose safetensors files are there. Nothing with a model given.
-
-        Raises:
-          FileNotFoundError, ValueError: see
-            :func:`~services.common.checkpoint.check_model_path`; the default
-            model's package is not installed.
-        """
-        if self._model is not None:
-            return
-        config = self._config
-        for path in (config.model_path or default_model_path(), config.draft_model_path):
-            if path is None:
-                continue
-            check_model_path(path)  # there; a GGUF, or config.json + safetensors files
-            if path.is_dir():  # the architecture and fields the loader reads: JSON only
-                read_hf_config(path)
+        """:func:`~services.engine.torch_backend.start_checks.check_model_files`;
+        nothing with a model given."""
+        if self._model is None:
+            check_model_files(self._config)
 
     def startup_fields(self) -> dict[str, object]:
         """The resolved dtype and quantization; after ``start()``, the KV cache's
@@ -521,116 +501,6 @@ def _offload_tier(config: EngineConfig, cache: PagedKVCache) -> KVOffloadTier | 
     log.info("kv_offload_allocated", blocks=tier.capacity_blocks, bytes=tier.capacity_bytes,
              directory=None if config.kv_offload_dir is None else str(config.kv_offload_dir))
     return tier
-
-
-def resolve_dtype(config: EngineConfig, model: LlamaModel | None = None) -> EngineConfig:
-    """``--dtype auto`` made concrete: the given model's dtype; else float32 on
-    the CPU (what the quantized kernels' fp32 residual stream needs) and
-    bfloat16 on any other device. Other values pass through."""
-    if config.dtype != "auto":
-        return config
-    if model is not None:
-        dtype = model.embed_tokens.dtype
-        return replace(config, dtype=next(n for n, d in DTYPES.items() if d == dtype))
-    return replace(config, dtype="float32" if torch.device(config.device).type == "cpu"
-                   else "bfloat16")
-
-
-def resolve_quantization(config: EngineConfig, model: LlamaModel | None = None) -> EngineConfig:
-    """``config`` with ``quantization: auto`` made concrete: the given model's
-    mode; ``none`` for a Hugging Face checkpoint directory (dense weights in
-    ``dtype``: requantizing them is not quality-checked; ask for ``int8`` /
-    ``int4`` explicitly on CPU fp32); else
-    :func:`~services.engine.torch_backend.quant.auto_quantization` of the GGUF's
-    architecture (read from its header). A missing or unreadable file resolves
-    as a Llama one and fails when it loads.
-    """
-    if config.quantization != "auto":
-        return config
-    if model is not None:
-        return replace(config, quantization=model.quantization)
-    path = config.model_path or default_model_path()
-    if path.is_dir():  # a Hugging Face checkpoint: dense weights, no Q4_1 blocks to keep
-        return replace(config, quantization="none")
-    try:
-        architecture = gguf_architecture(path)
-    except (FileNotFoundError, ValueError):
-        architecture = "llama"
-    dtype = DTYPES.get(config.dtype, torch.float32)
-    return replace(config, quantization=auto_quantization(architecture, dtype,
-                                                          torch.device(config.device)))
-
-
-def check_config(config: EngineConfig) -> None:
-    """Rejects options this backend cannot start with, before any file is read or
-    port bound (rules that need the model, such as ``draft_num_layers`` against
-    its depth, are checked when it loads).
-
-    Raises:
-      ValueError: an unknown dtype; a device PyTorch cannot use here
-        (:func:`~services.engine.torch_backend.device.check_device`); a quantization that contradicts dtype or
-        device (:func:`~services.engine.torch_backend.quant.check_mode`); an
-        unknown attention backend or quantized kernel, or ``native`` where the
-        kernels cannot serve the device/dtype or cannot be built (the model's
-        head shapes are checked when it loads); bad
-        speculative options (:class:`SpeculativeConfig`); a structured-output
-        compile timeout <= 0.
-    """
-    config = resolve_dtype(config)
-    if config.dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or auto, got {config.dtype!r}")
-    config = resolve_quantization(config)  # auto: what the model's file makes it
-    check_mode(config.quantization, DTYPES[config.dtype], torch.device(config.device))
-    if config.attention_backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, "
-                         f"got {config.attention_backend!r}")
-    if config.attention_backend == "native":  # builds the kernels now if it must
-        resolve_attention_backend("native", torch.device(config.device), DTYPES[config.dtype])
-    if config.quantization != "none":
-        resolve_quant_kernel(config.quant_kernel)
-    elif config.quant_kernel not in QUANT_KERNELS:
-        raise ValueError(f"quant kernel must be one of {QUANT_KERNELS}, "
-                         f"got {config.quant_kernel!r}")
-    speculative_config(config)
-    suffix_options(config)
-    if not config.structured_output_compile_timeout_s > 0:
-        raise ValueError("structured_output_compile_timeout_s must be > 0, got "
-                         f"{config.structured_output_compile_timeout_s}")
-    check_device(config.device)  # last: a contradiction in the flags is named first
-
-
-def speculative_config(config: EngineConfig) -> SpeculativeConfig:
-    """The engine defaults of speculative decoding in ``config``.
-
-    Raises:
-      ValueError: ``eagle3`` or ``mtp`` (the tensorrt_llm backend's only); see
-        :class:`SpeculativeConfig`.
-    """
-    method = config.resolved_speculative_method()
-    if method in ("eagle3", "mtp"):
-        raise ValueError(f"--speculative-method {method} is implemented by "
-                         "the tensorrt_llm backend only; the torch backend offers suffix (its "
-                         "default, auto), ngram, draft and none")
-    return SpeculativeConfig(
-        method=SpeculativeMethod.parse(method),
-        num_speculative_tokens=config.num_speculative_tokens, ngram_min=config.ngram_min,
-        ngram_full_len=config.ngram_full_len,
-        ngram_max=config.ngram_max, disable_batch_size=config.speculative_disable_batch_size,
-        suffix_num_speculative_tokens=config.suffix_num_speculative_tokens,
-        cost_model=config.speculative_cost_model)
-
-
-def suffix_options(config: EngineConfig) -> SuffixOptions:
-    """The suffix decoding settings in ``config``.
-
-    Raises:
-      ValueError: see :class:`SuffixOptions`.
-    """
-    return SuffixOptions(max_match=config.suffix_max_match,
-                         spec_factor=config.suffix_spec_factor,
-                         min_token_prob=config.suffix_min_token_prob,
-                         cache_tokens=config.suffix_cache_tokens,
-                         scope=config.suffix_cache_scope)
 
 
 def _speculator(config: EngineConfig, runner: ModelRunner, max_model_len: int) -> Speculator:

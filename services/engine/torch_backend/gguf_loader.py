@@ -35,71 +35,8 @@ import gguf
 import numpy as np
 import torch
 
-
-@dataclass(frozen=True)
-class Llama3RopeScaling:
-    """Llama 3.1's RoPE frequency scaling (HF ``rope_type: llama3``; Meta's
-    reference ``apply_scaling``; Llama Team, "The Llama 3 Herd of Models", 2024,
-    arXiv:2407.21783): wavelengths longer than
-    ``original_max_position_embeddings / low_freq_factor`` are stretched by
-    ``factor``, those shorter than ``... / high_freq_factor`` kept, and the ones
-    between interpolated (see :func:`~services.engine.torch_backend.rope.llama3_inv_freq`)."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Hyper-parameters of a Llama decoder (Touvron et al., 2023, arXiv:2302.13971).
-
-    Attributes:
-      name: model name from ``general.name`` (or the file stem).
-      hidden_size: width of the residual stream.
-      num_layers: decoder blocks.
-      num_heads: query heads.
-      num_kv_heads: key/value heads (grouped-query attention when < num_heads).
-      head_dim: width of one head.
-      intermediate_size: SwiGLU hidden width.
-      vocab_size: number of token ids.
-      rope_theta: RoPE base frequency (Su et al., 2021, arXiv:2104.09864).
-      rms_norm_eps: epsilon of RMSNorm.
-      context_length: training context window in tokens.
-      tie_word_embeddings: the LM head reuses the token embedding matrix.
-      bos_token_id: beginning-of-sequence id, or None.
-      eos_token_ids: ids that end generation.
-      rope_scaling: Llama 3.1's RoPE scaling, or None (unscaled; every GGUF
-        read here: GGUFs with scaling are refused).
-    """
-
-    name: str
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rope_theta: float
-    rms_norm_eps: float
-    context_length: int
-    tie_word_embeddings: bool
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-    rope_scaling: Llama3RopeScaling | None = field(default=None, kw_only=True)
-
-    @property
-    def architecture(self) -> str:
-        """``general.architecture`` of the file: ``llama``."""
-        return "llama"
-
-    @property
-    def uniform_attention(self) -> bool:
-        """Every layer attends to its whole context with one RoPE table (True for
-        Llama); the native attention kernel serves only such models."""
-        return True
+from services.common.checkpoint import GGUF_ARRAY, GGUF_SCALAR_BYTES, GGUF_STRING
+from services.engine.torch_backend.llama_config import LlamaConfig
 
 
 @dataclass(frozen=True)
@@ -266,67 +203,6 @@ _GLOBAL_NAMES = {
 }
 
 
-#: Sizes of GGUF's fixed-size metadata value types (the GGUF spec's
-#: ``gguf_metadata_value_type``: uint8 .. float64; 8 is string, 9 array).
-_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def gguf_architecture(path: str | Path) -> str:
-    """``general.architecture`` of the GGUF at ``path`` (``llama``, ``gemma3``...),
-    read from the metadata at the head of the file. ``gguf.GGUFReader`` would
-    also index every tensor (2.8 s for SmolLM2, 12 s for Gemma 3 270M on this
-    machine); this reads key-value pairs until it finds the key (the first
-    one in files written by llama.cpp's converter). Layout: the GGUF spec,
-    https://github.com/ggml-org/ggml/blob/master/docs/gguf.md.
-
-    Raises:
-      FileNotFoundError: no file at ``path``.
-      ValueError: not a GGUF file, or no ``general.architecture`` string.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no GGUF file at {path}")
-    with path.open("rb") as file:
-        def read(size: int) -> bytes:
-            data = file.read(size)
-            if len(data) != size:
-                raise ValueError(f"{path}: truncated GGUF metadata")
-            return data
-
-        def number(fmt: str) -> int:
-            return struct.unpack(fmt, read(struct.calcsize(fmt)))[0]
-
-        def string() -> bytes:
-            return read(number("<Q"))
-
-        def skip(kind: int) -> None:
-            if kind in _GGUF_SCALAR_BYTES:
-                file.seek(_GGUF_SCALAR_BYTES[kind], 1)
-            elif kind == _GGUF_STRING:
-                file.seek(number("<Q"), 1)
-            elif kind == _GGUF_ARRAY:
-                item, count = number("<I"), number("<Q")
-                if item in _GGUF_SCALAR_BYTES:
-                    file.seek(_GGUF_SCALAR_BYTES[item] * count, 1)
-                else:
-                    for _ in range(count):
-                        skip(item)
-            else:
-                raise ValueError(f"{path}: unknown GGUF metadata type {kind}")
-
-        if read(4) != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file")
-        number("<I")  # version
-        number("<Q")  # tensor count
-        for _ in range(number("<Q")):
-            key, kind = string(), number("<I")
-            if key == b"general.architecture" and kind == _GGUF_STRING:
-                return string().decode("utf-8")
-            skip(kind)
-    raise ValueError(f"{path} has no general.architecture")
-
-
 class PlainArrayReader(gguf.GGUFReader):
     """``gguf.GGUFReader`` over a plain ``numpy.ndarray`` view of its memory map.
 
@@ -375,14 +251,14 @@ class PlainArrayReader(gguf.GGUFReader):
         Raises:
           ValueError: an item type the GGUF spec does not define.
         """
-        if raw_itype in _GGUF_SCALAR_BYTES:
-            return offs + _GGUF_SCALAR_BYTES[raw_itype] * count
+        if raw_itype in GGUF_SCALAR_BYTES:
+            return offs + GGUF_SCALAR_BYTES[raw_itype] * count
         order = "<" if (sys.byteorder == "little") != (self.byte_order == "S") else ">"
         memory = memoryview(self.data)
         for _ in range(count):
-            if raw_itype == _GGUF_STRING:
+            if raw_itype == GGUF_STRING:
                 offs += 8 + struct.unpack_from(f"{order}Q", memory, offs)[0]
-            elif raw_itype == _GGUF_ARRAY:
+            elif raw_itype == GGUF_ARRAY:
                 itype, length = struct.unpack_from(f"{order}IQ", memory, offs)
                 offs = self._skip_items(offs + 12, itype, length)
             else:

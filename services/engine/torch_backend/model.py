@@ -46,7 +46,8 @@ from services.engine.torch_backend.batch_invariant import (
     select_prompt_kernel,
 )
 from services.engine.torch_backend import native
-from services.engine.torch_backend.gguf_loader import LlamaConfig, Q4_1Blocks
+from services.engine.torch_backend.gguf_loader import Q4_1Blocks
+from services.engine.torch_backend.llama_config import LlamaConfig
 from services.engine.torch_backend.paged_kv import LayerAttentionSpec, StepAttention
 from services.engine.torch_backend.quant import (
     ACTIVATION_DTYPE,

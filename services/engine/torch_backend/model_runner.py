@@ -30,7 +30,14 @@ import torch
 from services.engine.torch_backend.batch_invariant import probe, prompt_rows
 from services.engine.torch_backend.cuda_graphs import CaptureStats, CudaGraphRunner
 from services.engine.torch_backend.device import to_device
-from services.engine.torch_backend.gguf_loader import LlamaConfig, gguf_architecture, load_gguf
+from services.common.checkpoint import gguf_architecture
+from services.engine.torch_backend.gguf_loader import load_gguf
+from services.engine.torch_backend.llama_config import LlamaConfig
+from services.engine.torch_backend.start_checks import (
+    ATTENTION_BACKENDS,
+    DTYPE_NAMES,
+    auto_quantization,
+)
 from services.engine.torch_backend.hf_loader import load_hf_checkpoint
 from services.engine.torch_backend.model import LlamaModel, build_model
 from services.engine.torch_backend.native import unavailable_reason
@@ -44,17 +51,12 @@ from services.engine.torch_backend.paged_kv import (
     num_blocks_for_budget,
 )
 from services.engine.torch_backend.quant import (
-    auto_quantization,
     check_mode,
     resolve_quant_kernel,
 )
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-#: ``--attention-backend`` choices: ``native`` is the C kernel
-#: (:mod:`~services.engine.torch_backend.native_attention`, fp32 on CPU),
-#: ``torch`` the PyTorch ops of :mod:`~services.engine.torch_backend.paged_kv`,
-#: ``auto`` the native kernel where it builds and serves the device/dtype.
-ATTENTION_BACKENDS = ("auto", "native", "torch")
+#: ``--dtype`` names → torch dtypes.
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 # glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -215,8 +217,8 @@ class ModelRunner:
         ``quantization="none"``; for ``int4`` its Q4_1 blocks go to the int4
         kernel as they are, for ``int8`` they are requantized per row (see
         :mod:`~services.engine.torch_backend.quant`); ``auto`` picks per
-        :func:`~services.engine.torch_backend.quant.auto_quantization`; with ``dense_prefill`` a
-        quantized model also gets dense bf16 prompt projections (None: only
+        :func:`~services.engine.torch_backend.start_checks.auto_quantization`; with
+        ``dense_prefill`` a quantized model also gets dense bf16 prompt projections (None: only
         when its quantized kernels are PyTorch's, see ``EngineConfig.dense_prefill``)
         (:meth:`~services.engine.torch_backend.model.LlamaModel.add_prompt_projections`).
 
@@ -231,7 +233,7 @@ class ModelRunner:
         """
         torch_device = _checked_device(dtype, device)
         if quantization == "auto":
-            quantization = auto_quantization(gguf_architecture(path), DTYPES[dtype], torch_device)
+            quantization = auto_quantization(gguf_architecture(path), dtype, torch_device.type)
         _check_options(quantization, dtype, torch_device, attention_backend, quant_kernel)
         loaded = load_gguf(path, keep_q4_1=quantization != "none")
         if loaded.config.architecture != "llama" and quantization != "none":

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from services.engine.torch_backend.batch_invariant import KEY_CHUNK, MIN_FREE_ROWS, padded_rows
 from services.engine.torch_backend.device import to_device
-from services.engine.torch_backend.gguf_loader import LlamaConfig
+from services.engine.torch_backend.llama_config import LlamaConfig
 from services.engine.torch_backend.rope import apply_rope_flipped
 
 

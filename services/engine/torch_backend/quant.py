@@ -50,9 +50,8 @@ import torch
 from services.engine.torch_backend import native
 from services.engine.torch_backend.batch_invariant import Linear
 from services.engine.torch_backend.gguf_loader import Q4_1_BLOCK, Q4_1Blocks
+from services.engine.torch_backend.start_checks import QUANT_KERNELS, check_quantization
 
-#: The ``--quantization`` choices.
-QUANTIZATIONS = ("none", "int8", "int4")
 #: Activation dtype of the quantized kernels.
 ACTIVATION_DTYPE = torch.bfloat16
 #: Values per scale/zero group of the int4 kernel.
@@ -427,12 +426,6 @@ class Int8LMHead:
 REFINED_LOGITS = 64
 
 
-#: ``--quant-kernel`` choices: ``native`` is :class:`NativeInt4Projection` (the
-#: engine's C kernel, built on first use), ``torch`` :class:`Int4Projection`,
-#: ``auto`` the native kernel where it builds.
-QUANT_KERNELS = ("auto", "native", "torch")
-
-
 def resolve_quant_kernel(choice: str) -> str:
     """``native`` or ``torch`` for the ``--quant-kernel`` ``choice``.
 
@@ -475,33 +468,7 @@ def quantize_projection(mode: str, dense: torch.Tensor | None,
     raise ValueError(f"quantization must be int4 or int8 here, got {mode!r}")
 
 
-def auto_quantization(architecture: str, dtype: torch.dtype, device: torch.device) -> str:
-    """What ``--quantization auto`` means for a model: ``int4`` for a Llama GGUF
-    in float32 on the CPU (its Q4_1 blocks as they are: the fastest mode that
-    passes the quality guard), ``none`` otherwise (the quantized kernels are
-    CPU fp32 ones; other architectures' K-quants would be requantized, which
-    is not quality-checked)."""
-    if architecture == "llama" and dtype == torch.float32 and device.type == "cpu":
-        return "int4"
-    return "none"
-
-
 def check_mode(quantization: str, dtype: torch.dtype, device: torch.device) -> None:
-    """Rejects combinations that contradict each other.
-
-    Raises:
-      ValueError: an unknown mode; a quantized mode with a dtype other than
-        float32 (the quantized modes run their projections in bf16 and keep the
-        residual stream, norms and attention in fp32: ``--dtype`` float32, the
-        CPU's ``auto``); or a quantized mode off the CPU (checked first) (the ``*_for_cpu`` kernels).
-    """
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    if quantization == "none":
-        return
-    if device.type != "cpu":
-        raise ValueError(f"--quantization {quantization} uses PyTorch's CPU kernels; "
-                         f"use --quantization none on {device}")
-    if dtype != torch.float32:
-        raise ValueError(f"--quantization {quantization} runs bf16 projections on an fp32 "
-                         f"residual stream; leave --dtype at float32 (got {dtype})")
+    """:func:`~services.engine.torch_backend.start_checks.check_quantization` of
+    a model's torch ``dtype`` and ``device`` (ValueError: they contradict)."""
+    check_quantization(quantization, str(dtype).removeprefix("torch."), str(device))

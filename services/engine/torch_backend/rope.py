@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from services.engine.torch_backend.gguf_loader import Llama3RopeScaling, LlamaConfig
+from services.engine.torch_backend.llama_config import Llama3RopeScaling, LlamaConfig
 
 
 def rope_tables(config: LlamaConfig, max_positions: int, device: torch.device | str,

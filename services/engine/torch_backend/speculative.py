@@ -34,70 +34,22 @@ hard cut-off: no proposals while more sequences run.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence as SequenceOf
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from services.common.sampling import (
-    MAX_SPECULATIVE_TOKENS,
     FinishReason,
     SpeculativeMethod,
     SpeculativeOptions,
 )
 from services.engine.torch_backend.sequence import Sequence
+from services.engine.torch_backend.spec_options import SpeculativeConfig
 from services.engine.torch_backend.spec_policy import (
     AcceptanceModel,
     StepCostModel,
     choose_lengths,
 )
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Engine defaults of speculative decoding.
-
-    Attributes:
-      method: proposer for requests that do not choose one (NONE: off).
-      num_speculative_tokens: most proposals per sequence and step, by default.
-      ngram_min, ngram_max: n-gram lengths tried, longest first (vLLM's
-        ``prompt_lookup_min`` / ``prompt_lookup_max``).
-      ngram_full_len: a match of at least this many tokens proposes up to ``k``
-        tokens, a shorter one 1 (measured on the spec_decode benchmark: 1.45x
-        against 1.38x for n-gram 2..4 with k for every match).
-      ngram_window: the n-gram search looks at this many last tokens.
-      disable_batch_size: no proposals in a step while more sequences run
-        (None: never disabled).
-      suffix_num_speculative_tokens: most proposals per step of a suffix
-        decoding request that does not set its own (its proposals are cut by
-        match length and probability, so it may reach further).
-      cost_model: cut proposals by the cost rule (module doc); False: keep
-        every proposal the proposer makes.
-    """
-
-    method: SpeculativeMethod = SpeculativeMethod.NGRAM
-    num_speculative_tokens: int = 3
-    ngram_min: int = 1
-    ngram_max: int = 4
-    ngram_full_len: int = 3
-    ngram_window: int = 4096
-    disable_batch_size: int | None = None
-    suffix_num_speculative_tokens: int = 16
-    cost_model: bool = True
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
-                             f"got {self.num_speculative_tokens}")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and "
-                             f"{self.ngram_max}")
-        if self.ngram_full_len < 1:
-            raise ValueError(f"ngram_full_len must be at least 1, got {self.ngram_full_len}")
-        if not 1 <= self.suffix_num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"suffix_num_speculative_tokens must be in "
-                             f"[1, {MAX_SPECULATIVE_TOKENS}], got "
-                             f"{self.suffix_num_speculative_tokens}")
 
 
 class Proposal(list[int]):

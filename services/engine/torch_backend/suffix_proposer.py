@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence as SequenceOf
-from dataclasses import dataclass
 
 import numpy as np
 
 from services.engine.torch_backend.sequence import Sequence
+from services.engine.torch_backend.spec_options import SuffixOptions
 from services.engine.torch_backend.speculative import Proposal
 from services.engine.torch_backend.suffix_cache import (
     NO_CONTINUATION,
@@ -41,51 +41,6 @@ from services.engine.torch_backend.suffix_cache import (
     SuffixCache,
     request_continuation,
 )
-
-SCOPES = ("global", "tenant")
-
-
-@dataclass(frozen=True)
-class SuffixOptions:
-    """Suffix decoding settings (engine flags ``--suffix-*``).
-
-    Attributes:
-      max_match: longest suffix of the context matched (the pattern length).
-      spec_factor: ``alpha``: a match of ``p`` tokens proposes at most
-        ``ceil(alpha * p)``.
-      min_token_prob: a proposal stops before its empirical probability falls
-        below this.
-      window: the per-request lookup searches this many last tokens.
-      cache_tokens: size of the cross-request cache in tokens (0: no cache,
-        the sequence's own tokens only).
-      scope: ``tenant`` (outputs only for requests of their own cache scope)
-        or ``global`` (every request matches every output).
-    """
-
-    max_match: int = 32
-    spec_factor: float = 1.0
-    min_token_prob: float = 0.1
-    window: int = 4096
-    cache_tokens: int = 262_144
-    scope: str = "tenant"
-
-    def __post_init__(self) -> None:
-        if self.max_match < 2:
-            raise ValueError(f"suffix max_match must be at least 2, got {self.max_match}")
-        if not self.spec_factor > 0:
-            raise ValueError(f"suffix spec_factor must be > 0, got {self.spec_factor}")
-        if not 0 <= self.min_token_prob < 1:
-            raise ValueError(f"suffix min_token_prob must be in [0, 1), got "
-                             f"{self.min_token_prob}")
-        if self.window < 2:
-            raise ValueError(f"suffix window must be at least 2, got {self.window}")
-        if self.cache_tokens != 0 and self.cache_tokens < 2:
-            raise ValueError(f"suffix cache_tokens must be 0 or at least 2, got "
-                             f"{self.cache_tokens}")
-        if self.scope not in SCOPES:
-            raise ValueError(f"suffix scope must be one of {', '.join(SCOPES)}, got "
-                             f"{self.scope!r}")
-
 
 class _Mirror:
     """A sequence's tokens as a growing int64 array."""
