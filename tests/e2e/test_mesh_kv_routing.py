@@ -174,10 +174,13 @@ def test_a_conversation_stays_on_its_replica(kv_mesh: Mesh) -> None:
     prefix (separate calls alternate between two idle replicas)."""
     turns = [f"Session turn {i}: name a colour." for i in range(4)]
     before = engine_requests(kv_mesh)
-    for turn in turns:  # separate calls: ties rotate
+    for turn in turns:  # separate calls: ties rotate, a booked request tips the next
         ask(kv_mesh.ingress_address, turn, 2)
     middle = engine_requests(kv_mesh)
-    assert sorted(middle[n] - before[n] for n in middle) == [2, 2]
+    # Both replicas take some of them: 2/2 when the two are priced alike, 1/3 when
+    # their measured step profiles differ by more than the tie tolerance (the
+    # earlier tests of this module measure them; it varies with the machine's load).
+    assert sorted(middle[n] - before[n] for n in middle) in ([2, 2], [1, 3])
 
     def starts():  # noqa: ANN202
         for turn in turns:
