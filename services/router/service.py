@@ -563,7 +563,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                                       received_at=received_at, deadline=deadline,
                                       progress=progress, session=session)
         if request.tools is not None and request.tools.may_call:
-            return with_tool_calls(events)
+            return with_tool_calls(events, calls_only=request.tools.calls_only)
         return events
 
     def _authenticate(self, context: grpc.aio.ServicerContext) -> Tenant | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+from collections.abc import AsyncIterator
 
 import grpc
 import llguidance
@@ -15,7 +16,8 @@ import pytest
 from llmesh.v1 import generation_pb2
 
 from services.common.model_files import default_model_path
-from services.common.sampling import InvalidRequestError
+from services.common.sampling import FinishReason, InvalidRequestError
+from services.common.wire.engine_stream import Usage
 from services.common.wire.chat import ChatMessage
 from services.common.wire.tools import (
     FunctionTool,
@@ -25,12 +27,14 @@ from services.common.wire.tools import (
     ToolChoiceMode,
     ToolRequest,
 )
+from services.router.generation import Delta, Finished
 from services.router.openai_protocol import Endpoint, openai_param, parse_request
 from services.router.tools import hermes
 from services.router.tools.formats import ToolCallFormat, has_tool_section, parse_flag, resolve
 from services.router.tools.grammar import tool_grammar
 from services.router.tools.openai import message_body
 from services.router.tools.parser import ToolCallParser
+from services.router.tools.stream import with_tool_calls
 from services.router.tools.validate import tool_request
 from services.router.validation import validate_request
 from tests.router.test_router_validation import CHAT_LIMITS
@@ -253,3 +257,48 @@ def test_template_format_passes_tools_calls_and_results_to_the_template() -> Non
     hermes_served = validate_request(pb, request_id="r", models={"tiny": CHAT_LIMITS},
                                      default_model="tiny")
     assert hermes_served.chat_tools == () and "<tools>" in hermes_served.messages[0].content
+
+
+# ----------------------------------------------- what may not cut a call (QA)
+
+
+def _openai(body: dict) -> generation_pb2.GenerateRequest:
+    return parse_request(Endpoint.CHAT, json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}], **body}).encode()).generate
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"stop": ["}"]}, "stop"), ({"stop_token_ids": [99]}, "stop_token_ids"),
+    ({"min_tokens": 5}, "min_tokens")])
+@pytest.mark.parametrize("choice", ["auto", "required",
+                                    {"type": "function", "function": {"name": "f"}}])
+def test_stops_and_min_tokens_are_refused_where_a_call_may_be_made(
+        extra: dict, param: str, choice: object) -> None:
+    """A stop string cut a call's arguments mid-JSON and the call was reported
+    as finished; min_tokens failed only after the call had streamed."""
+    pb = _openai({"tools": [_tool({"type": "object"})], "tool_choice": choice, **extra})
+    with pytest.raises(InvalidRequestError) as info:
+        validate_request(pb, request_id="r", models={"tiny": CHAT_LIMITS},
+                         default_model="tiny")
+    assert openai_param(info.value.field) == param
+    assert "tool" in str(info.value)
+    none = _openai({"tools": [_tool({"type": "object"})], "tool_choice": "none", **extra})
+    validate_request(none, request_id="r", models={"tiny": CHAT_LIMITS}, default_model="tiny")
+
+
+async def _events(*events: Delta | Finished) -> AsyncIterator[Delta | Finished]:
+    for event in events:
+        yield event
+
+
+@pytest.mark.parametrize(("calls_only", "content"), [(True, ""), (False, "<tool_ca")])
+async def test_a_call_marker_cut_by_max_tokens_is_never_content_when_only_calls_are_allowed(
+        calls_only: bool, content: str) -> None:
+    """tool_choice required, max_tokens 1..4: "<", "<tool", ... came back as content."""
+    usage = Usage(prompt_tokens=5, completion_tokens=4)
+    got = [e async for e in with_tool_calls(_events(
+        Delta("<tool_ca", (1, 2, 3, 4)), Finished(FinishReason.LENGTH, "", usage)),
+        calls_only=calls_only)]
+    text = "".join(e.text for e in got if isinstance(e, Delta))
+    assert text == content
+    assert [e.reason for e in got if isinstance(e, Finished)] == [FinishReason.LENGTH]

@@ -152,6 +152,11 @@ class ToolRequest:
         """Whether the output may hold calls (tools given and choice not NONE)."""
         return bool(self.tools) and self.choice.mode is not ToolChoiceMode.NONE
 
+    @property
+    def calls_only(self) -> bool:
+        """Whether the output is calls and nothing else (REQUIRED or NAMED)."""
+        return self.choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED)
+
 
 __all__ = ["FunctionTool", "ToolCall", "ToolCallDelta", "ToolChoice", "ToolChoiceMode",
            "ToolRequest"]

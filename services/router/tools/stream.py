@@ -5,7 +5,8 @@ own :class:`~.parser.ToolCallParser`: the delta then carries only content
 text, and the call pieces in ``tool_calls``. A choice that made a call and
 ended with STOP (EOS once the grammar accepts) ends with TOOL_CALLS; one cut
 by ``max_tokens`` keeps LENGTH (its last call is incomplete, as OpenAI's and
-vLLM's are). Usage, ids and log-probabilities pass unchanged.
+vLLM's are; with ``tool_choice`` required or named, a call marker cut before
+its end is dropped, never shown as content). Usage, ids and log-probabilities pass unchanged.
 """
 
 from __future__ import annotations
@@ -18,8 +19,15 @@ from services.router.generation import Delta, Event
 from services.router.tools.parser import ToolCallParser
 
 
-async def with_tool_calls(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
-    """``events`` with tool calls parsed out of each choice's text."""
+async def with_tool_calls(events: AsyncIterator[Event], *,
+                          calls_only: bool = False) -> AsyncIterator[Event]:
+    """``events`` with tool calls parsed out of each choice's text.
+
+    Args:
+      calls_only: the output is calls only (``tool_choice`` required or a
+        named function): what a choice holds back at its end (the start of
+        a call marker cut by ``max_tokens``) is never content.
+    """
     parsers: dict[int, ToolCallParser] = {}
     try:
         async for event in events:
@@ -29,7 +37,7 @@ async def with_tool_calls(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
                 yield dataclasses.replace(event, text=text, tool_calls=tuple(pieces))
                 continue
             rest = parser.finish()
-            if rest:
+            if rest and not calls_only:
                 yield Delta(rest, (), index=event.index)
             if parser.calls and event.reason is FinishReason.STOP:
                 event = dataclasses.replace(event, reason=FinishReason.TOOL_CALLS)

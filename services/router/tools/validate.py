@@ -81,9 +81,15 @@ def tool_request(chat: generation_pb2.Chat) -> ToolRequest | None:
 def constrain(sampling: SamplingOptions, tools: ToolRequest | None) -> SamplingOptions:
     """``sampling`` with the tool-call grammar as its output constraint.
 
+    A request that may call tools takes no stop strings, stop token ids or
+    ``min_tokens``: a stop match could cut a call's arguments mid-JSON (and
+    the call would look finished), and a minimum length past the call's end
+    has no valid continuation. Refused here, before any engine work.
+
     Raises:
       InvalidRequestError: the request also sets ``sampling.structured_output``
-        and may call tools (one constraint at a time).
+        (one constraint at a time), ``sampling.stop``, ``sampling.stop_token_ids``
+        or ``sampling.min_tokens``, and may call tools.
     """
     grammar = tool_grammar(tools) if tools is not None else None
     if grammar is None:
@@ -92,6 +98,16 @@ def constrain(sampling: SamplingOptions, tools: ToolRequest | None) -> SamplingO
         raise InvalidRequestError(
             "sampling.structured_output", "cannot be combined with tools (their calls are "
             "constrained already); drop it or set tool_choice to none")
+    for field, value, why in (
+            ("stop", sampling.stop, "a stop match could cut a tool call's arguments"),
+            ("stop_token_ids", sampling.stop_token_ids,
+             "a stop token could cut a tool call's arguments"),
+            ("min_tokens", sampling.min_tokens,
+             "a tool call ends where its grammar does, not at a minimum length")):
+        if value:
+            raise InvalidRequestError(
+                f"sampling.{field}", f"cannot be combined with tools that may be called "
+                f"({why}); drop it or set tool_choice to none")
     return dataclasses.replace(
         sampling, structured_output=StructuredOutput(ConstraintKind.GRAMMAR, grammar))
 
