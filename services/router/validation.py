@@ -34,6 +34,7 @@ room for even one generated token is refused (OUT_OF_RANGE).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -283,6 +284,7 @@ def _validate_messages(chat: generation_pb2.Chat, limits: ModelLimits,
         if message.tool_calls and message.role != "assistant":
             raise InvalidRequestError(f"chat.messages[{i}].tool_calls",
                                       "only an assistant turn holds tool calls")
+    _check_tool_turns(chat.messages)
     # The oldest turns may be dropped to fit, but never the last one.
     _check_text_size(f"chat.messages[{len(chat.messages) - 1}].content",
                      chat.messages[-1].content, limits)
@@ -295,6 +297,36 @@ def _validate_messages(chat: generation_pb2.Chat, limits: ModelLimits,
     if rendered:
         return render(messages, tools.tools if tools is not None else ())
     return messages
+
+
+def _check_tool_turns(messages: Sequence[generation_pb2.ChatMessage]) -> None:
+    """A conversation's calls and results agree (OpenAI refuses the same): each
+    assistant call's ``arguments`` is a JSON object, and a ``tool`` turn that
+    names a ``tool_call_id`` answers a call made earlier in the conversation.
+
+    Raises:
+      InvalidRequestError: INVALID_ARGUMENT naming
+        ``chat.messages[i].tool_calls[j].arguments`` or
+        ``chat.messages[i].tool_call_id``.
+    """
+    called: set[str] = set()
+    for i, message in enumerate(messages):
+        for j, call in enumerate(message.tool_calls):
+            try:
+                arguments = json.loads(call.arguments)
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise InvalidRequestError(
+                    f"chat.messages[{i}].tool_calls[{j}].arguments",
+                    "must be a JSON object (the arguments the call was made with)")
+            called.add(call.id)
+        if message.role == "tool" and message.tool_call_id \
+                and message.tool_call_id not in called:
+            raise InvalidRequestError(
+                f"chat.messages[{i}].tool_call_id",
+                f"{message.tool_call_id[:64]!r} answers no call of an earlier assistant "
+                "turn; a tool result follows the assistant turn whose tool_calls made it")
 
 
 def _validate_role(i: int, role: str, limits: ModelLimits) -> None:

@@ -302,3 +302,36 @@ async def test_a_call_marker_cut_by_max_tokens_is_never_content_when_only_calls_
     text = "".join(e.text for e in got if isinstance(e, Delta))
     assert text == content
     assert [e.reason for e in got if isinstance(e, Finished)] == [FinishReason.LENGTH]
+
+
+_CALLED = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_a", "type": "function",
+     "function": {"name": "f", "arguments": '{"city": "Paris"}'}}]}
+
+
+@pytest.mark.parametrize(("messages", "param"), [
+    ([{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "call_a",
+                                          "content": "21"}], "messages[1].tool_call_id"),
+    ([{"role": "user", "content": "hi"}, _CALLED,
+      {"role": "tool", "tool_call_id": "call_b", "content": "21"}],
+     "messages[2].tool_call_id"),
+    ([{"role": "user", "content": "hi"},
+      {**_CALLED, "tool_calls": [{**_CALLED["tool_calls"][0],
+                                  "function": {"name": "f", "arguments": "{not json"}}]}],
+     "messages[1].tool_calls[0].function.arguments"),
+])
+def test_a_history_whose_calls_and_results_disagree_is_refused(
+        messages: list[dict], param: str) -> None:
+    """QA: an orphan tool result, a tool_call_id answering no call and
+    arguments that are not JSON were accepted (and pasted into the prompt)."""
+    pb = parse_request(Endpoint.CHAT, json.dumps(
+        {"messages": messages, "tools": [_tool({"type": "object"})]}).encode()).generate
+    with pytest.raises(InvalidRequestError) as info:
+        validate_request(pb, request_id="r", models={"tiny": CHAT_LIMITS},
+                         default_model="tiny")
+    assert openai_param(info.value.field) == param
+    good = [{"role": "user", "content": "hi"}, _CALLED,
+            {"role": "tool", "tool_call_id": "call_a", "content": "21"}]
+    validate_request(parse_request(Endpoint.CHAT, json.dumps(
+        {"messages": good, "tools": [_tool({"type": "object"})]}).encode()).generate,
+        request_id="r", models={"tiny": CHAT_LIMITS}, default_model="tiny")

@@ -115,12 +115,16 @@ def parse_message_tools(message: Mapping[str, Any], where: str,
 
 
 _FIELD = re.compile(r"chat\.tools\[(\d+)\]\.(name|parameters_json|description)")
+_CALL_FIELD = re.compile(r"chat\.messages\[(\d+)\]\.tool_calls\[(\d+)\]\.(name|arguments)")
 
 
 def openai_param(field: str) -> str | None:
     """The OpenAI parameter of a tool field of the shared validation, or None
     when ``field`` is not one (``chat.tools[1].parameters_json`` →
     ``tools[1].function.parameters``; ``chat.tool_choice...`` → ``tool_choice``)."""
+    call = _CALL_FIELD.fullmatch(field)
+    if call:  # the OpenAI message nests a call's name and arguments in `function`
+        return f"messages[{call[1]}].tool_calls[{call[2]}].function.{call[3]}"
     match = _FIELD.match(field)
     if match:
         name = "parameters" if match[2] == "parameters_json" else match[2]
