@@ -36,6 +36,7 @@ from services.router.model_pool import PoolConfig
 from services.router.routing import CostWeights, RoutingPolicy
 from services.router.service import RouterConfig, RouterService
 from services.router.slow_reader import DEFAULT_CLIENT_WRITE_TIMEOUT_S
+from services.router.tools.formats import ToolCallFormat
 from services.router.tools.formats import parse_flag as parse_tool_call_format
 
 
@@ -59,6 +60,15 @@ def _token_amount(text: str) -> float:
     if not (value >= 0 and value != float("inf")):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
+
+
+def _tool_call_format(text: str) -> tuple[str, ToolCallFormat]:
+    """``--tool-call-format``'s value; argparse shows the message, not the
+    function's name, for a bad one."""
+    try:
+        return parse_tool_call_format(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "RESOURCE_EXHAUSTED; deltas are merged while a write is blocked; "
                              f"0: no budget (default {DEFAULT_CLIENT_WRITE_TIMEOUT_S:g})")
     parser.add_argument("--tool-call-format", action="append", default=[],
-                        type=parse_tool_call_format, metavar="[MODEL=]FORMAT",
+                        type=_tool_call_format, metavar="[MODEL=]FORMAT",
                         help="how a model's tools are rendered and its calls constrained: "
                              "auto (default: template when the chat template has a tool "
                              "section, else hermes), template (the chat template renders "

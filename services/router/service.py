@@ -400,7 +400,17 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         for pool in pools.values():
             self._log_ready(pool)
         if not self._pending:
-            self.tenancy.set_served_models(self.pools)
+            self._all_pools_open()
+
+    def _all_pools_open(self) -> None:
+        """Once every pool is open: the tenants' model lists, and a warning for
+        each ``--tool-call-format MODEL=`` that names no served model (a typo
+        would otherwise leave that model's format at the default unnoticed)."""
+        self.tenancy.set_served_models(self.pools)
+        for model in sorted(set(self.config.tool_call_formats) - {""} - set(self.pools)):
+            log.warning("tool_call_format_unknown_model", model=model,
+                        served=sorted(self.pools),
+                        effect="the flag applies to no model; check the model id")
 
     def _pool_settings(self) -> PoolSettings:
         """What every model pool takes from the router's configuration."""
@@ -450,7 +460,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             self._pending.pop(index, None)
             self._log_ready(pool)
             if not self._pending:
-                self.tenancy.set_served_models(self.pools)
+                self._all_pools_open()
             return
 
     async def _await_cache(self, ready: asyncio.Task[None]) -> None:

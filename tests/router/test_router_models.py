@@ -10,6 +10,7 @@ import contextlib
 
 import grpc
 import pytest
+import structlog
 from prometheus_client import CollectorRegistry
 
 from llmesh.v1 import (
@@ -20,9 +21,11 @@ from llmesh.v1 import (
     generation_pb2_grpc,
     tokenizer_pb2_grpc,
 )
+from services.router.__main__ import build_parser
 from services.router.metrics import RouterMetrics
 from services.router.model_pool import PoolConfig
 from services.router.service import RouterConfig, RouterService
+from services.router.tools.formats import ToolCallFormat
 from tests.router.router_fakes import FakeCache, FakeEngine, FakeTokenizer, serve
 
 CHAT_REPLY = "Paris is the capital of France."
@@ -30,7 +33,7 @@ BASE_REPLY = "Bonjour tout le monde."
 
 
 @contextlib.asynccontextmanager
-async def two_models(*, second_model: str = "base-model"):
+async def two_models(*, second_model: str = "base-model", tool_call_formats=None):
     """A router serving ``fake-model`` (chat; the default) and ``second_model``
     (no chat template), each with its own tokenizer and one engine."""
     servers: list[grpc.aio.Server] = []
@@ -48,7 +51,7 @@ async def two_models(*, second_model: str = "base-model"):
         engines=(await start(engine_pb2_grpc.add_EngineServiceServicer_to_server,
                              chat_engine),),
         cache=await start(cache_pb2_grpc.add_CacheServiceServicer_to_server, FakeCache()),
-        startup_timeout=10,
+        startup_timeout=10, tool_call_formats=tool_call_formats or {},
         pools=(PoolConfig(
             await start(tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server,
                         FakeTokenizer(model=second_model, has_chat_template=False)),
@@ -112,3 +115,21 @@ async def test_two_pools_of_one_model_id_do_not_start():
     with pytest.raises(RuntimeError, match="two pools serve model 'fake-model'"):
         async with two_models(second_model="fake-model"):
             pass
+
+
+async def test_a_tool_call_format_for_no_served_model_is_a_warning():
+    """QA: --tool-call-format nosuchmodel=none started silently."""
+    formats = {"nosuchmodel": ToolCallFormat.NONE, "base-model": ToolCallFormat.NONE,
+               "": ToolCallFormat.HERMES}
+    with structlog.testing.capture_logs() as logs:
+        async with two_models(tool_call_formats=formats):
+            pass
+    warned = [e for e in logs if e["event"] == "tool_call_format_unknown_model"]
+    assert [(e["model"], e["served"]) for e in warned] == [
+        ("nosuchmodel", ["base-model", "fake-model"])]
+
+
+def test_a_bad_tool_call_format_flag_names_the_formats(capsys) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--tool-call-format", "bogus"])
+    assert "one of auto, template, hermes, none" in capsys.readouterr().err
