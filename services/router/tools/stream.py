@@ -6,7 +6,8 @@ text, and the call pieces in ``tool_calls``. A choice that made a call and
 ended with STOP (EOS once the grammar accepts) ends with TOOL_CALLS; one cut
 by ``max_tokens`` keeps LENGTH (its last call is incomplete, as OpenAI's and
 vLLM's are; with ``tool_choice`` required or named, a call marker cut before
-its end is dropped, never shown as content). Usage, ids and log-probabilities pass unchanged.
+its end is dropped, never shown as content). Usage, ids and log-probabilities
+pass unchanged.
 """
 
 from __future__ import annotations
