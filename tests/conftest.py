@@ -10,7 +10,6 @@ import pytest
 
 from services.cli.mesh import Mesh
 from tests.cache.redis_server import RedisProcess, start_redis_server
-from tests.e2e.mesh_client import wait_prompts_in_router
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +30,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, mesh_redis: RedisProcess) -> 
     run_dir: Path = tmp_path_factory.mktemp("mesh")
     with Mesh(ingress_port=0, admin_port=0, run_dir=run_dir, redis_url=mesh_redis.url) as running:
         # the default path from the first test on: prompt ids made in the router
-        wait_prompts_in_router(running.router.metrics_address)
+        running.wait_prompts_in_router()
         yield running
 
 

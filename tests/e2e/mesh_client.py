@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import queue
-import re
 import threading
-import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -15,24 +12,6 @@ import grpc
 from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 CAPITAL_QUESTION = "What is the capital of France?"
-
-
-def wait_prompts_in_router(router_metrics_address: str, timeout_s: float = 120.0) -> float:
-    """Waits until the router makes prompt ids in its own process
-    (``llmesh:router_tokenizer_in_process`` 1 for every model: its tokenizer
-    loads in the background after it serves); seconds waited. AssertionError
-    after ``timeout_s``."""
-    began = time.monotonic()
-    url = f"http://{router_metrics_address}/metrics"
-    while True:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            body = response.read().decode()
-        values = re.findall(r"^llmesh:router_tokenizer_in_process\{[^}]*\} (\S+)$", body, re.M)
-        if values and all(float(v) == 1 for v in values):
-            return time.monotonic() - began
-        assert time.monotonic() - began < timeout_s, (
-            f"the router's tokenizer not loaded within {timeout_s:g} s: {values}")
-        time.sleep(0.1)
 
 
 def chat_request(content: str = CAPITAL_QUESTION, *, bypass_cache: bool = True,

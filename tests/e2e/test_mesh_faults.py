@@ -38,7 +38,6 @@ import pytest
 from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from services.cli.mesh import Mesh
 from tests.e2e.hostile_checks import not_serving
-from tests.e2e.mesh_client import wait_prompts_in_router
 from tests.e2e.overload_client import Outcome, long_request, run_one
 from tests.e2e.shared_mesh import SharedMesh
 from tests.e2e.test_mesh_overload import metric
@@ -101,7 +100,7 @@ def test_tokenizer_then_cache_then_router_killed_during_traffic(mesh: Mesh) -> N
     router_pid = mesh.router.pid
 
     # -- tokenizer: with prompt ids made in the router, no call notices it
-    wait_prompts_in_router(mesh.router.metrics_address)
+    mesh.wait_prompts_in_router()
     local_before = metric(mesh.router.metrics_address, "llmesh:router_tokenize_total",
                           path="local")
 
