@@ -173,12 +173,13 @@ class ModelPool:
         return self.replicas.engines
 
     async def close(self) -> None:
-        """Stops discovery, the replica set and the pipeline, then closes the channels."""
+        """Stops discovery, the replica set and the pipeline, then the prompt
+        tokenizer's background load, and closes the channels."""
         await self.discovery.close()
         await self.replicas.close()
         await self.pipeline.close()
-        await asyncio.gather(self.pipeline.tokenizer.close(), self.tokenizer.close(), *(e.close() for e in self.engines),
-                             return_exceptions=True)
+        await asyncio.gather(self.pipeline.tokenizer.close(), self.tokenizer.close(),
+                             *(e.close() for e in self.engines), return_exceptions=True)
 
 
 def _default_policy(targets: list[EngineTarget]) -> RoutingPolicy:
