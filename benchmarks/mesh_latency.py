@@ -35,7 +35,9 @@ before and after.
 
 Usage: ``flock -x /tmp/llmesh-cpu.lock python benchmarks/mesh_latency.py
 [--rounds 5] [--max-tokens 128] [--concurrency 16 --num-requests 32]
-[--url HOST:PORT]`` (``--concurrency 1``: the one-stream part only).
+[--url HOST:PORT] [--router-arg=--no-tokenize-in-router]`` (``--concurrency
+1``: the one-stream part only). The mesh's rounds begin once its router makes
+prompt ids in process (its default; ``--router-arg`` passes router flags).
 Not a test: numbers depend on the machine (2 cores here).
 """
 
@@ -326,6 +328,10 @@ async def main() -> None:
                              "under outside load: a fixed OpenMP team spins against it)")
     parser.add_argument("--num-threads", type=int, default=os.cpu_count() or 1,
                         help="each engine's step threads (default: one per CPU)")
+    parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                        help="extra router argument of the mesh started here, repeatable "
+                             "(--router-arg=--no-tokenize-in-router: prompt ids from the "
+                             "tokenizer service, the default before 2026-12-06)")
     parser.add_argument("--settle", type=float, default=SETTLE_SECONDS,
                         help="seconds of pause before each run (default: %(default)s); with 0, "
                              "a path may start while the previous one's threads still spin")
@@ -338,11 +344,13 @@ async def main() -> None:
     pids: dict[str, int] = {}
     if url is None:
         mesh = Mesh(ingress_port=0, admin_port=0, run_dir=tempfile.mkdtemp(prefix="llmesh-bench-"),
-                    engine_args=threads_args)
+                    engine_args=threads_args, router_args=args.router_arg)
         mesh.start()
         url = mesh.ingress_address
         pids = mesh.pids()
         print(f"llmesh up → SERVING (all services + Envoy ready): {mesh.startup_seconds:.1f} s")
+        if "--no-tokenize-in-router" not in args.router_arg:
+            print(f"router's prompt ids in process {mesh.wait_prompts_in_router():.1f} s later")
     channels: list[grpc.aio.Channel] = []
     try:
         tokenizer = Tokenizer.load(default_model_path())

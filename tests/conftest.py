@@ -25,9 +25,12 @@ def mesh_redis() -> Iterator[RedisProcess]:
 @pytest.fixture(scope="session")
 def mesh(tmp_path_factory: pytest.TempPathFactory, mesh_redis: RedisProcess) -> Iterator[Mesh]:
     """The whole mesh (tokenizer, cache on Redis, torch engine, router, Envoy) with
-    the real SmolLM2 model, every port picked free; stopped by PID at the end."""
+    the real SmolLM2 model, every port picked free, handed over once the router
+    makes prompt ids in process (its default); stopped by PID at the end."""
     run_dir: Path = tmp_path_factory.mktemp("mesh")
     with Mesh(ingress_port=0, admin_port=0, run_dir=run_dir, redis_url=mesh_redis.url) as running:
+        # the default path from the first test on: prompt ids made in the router
+        running.wait_prompts_in_router()
         yield running
 
 

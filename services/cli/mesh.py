@@ -725,6 +725,29 @@ class Mesh:
         """``http://host:port`` of Envoy's admin (``/stats/prometheus``, ``/ready``)."""
         return self._envoy().admin_url
 
+    def wait_prompts_in_router(self, timeout_s: float = 120.0) -> float:
+        """Waits until the router makes prompt ids in its own process
+        (``llmesh:router_tokenizer_in_process`` 1 for every model: its
+        tokenizer loads in the background after it serves; never with
+        ``--no-tokenize-in-router``); returns the seconds waited.
+
+        Raises:
+          MeshStartError: not within ``timeout_s``.
+        """
+        began = time.monotonic()
+        url = f"http://{self.router.metrics_address}/metrics"
+        pattern = re.compile(r"^llmesh:router_tokenizer_in_process\{[^}]*\} (\S+)$", re.M)
+        while True:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                values = pattern.findall(response.read().decode())
+            if values and all(float(v) == 1 for v in values):
+                return time.monotonic() - began
+            if time.monotonic() - began > timeout_s:
+                raise MeshStartError(f"the router's tokenizer did not load within "
+                                     f"{timeout_s:g} s (llmesh:router_tokenizer_in_process "
+                                     f"{values})")
+            time.sleep(0.1)
+
     def pids(self) -> dict[str, int]:
         """PID of every child started so far, by name (``envoy`` included)."""
         pids = {name: s.pid for name, s in self.services.items() if s.process is not None}

@@ -75,6 +75,15 @@ a ``GenerateStream``), and observed at the moment they happen:
   ``llmesh:router_discovery_resolutions_total{name, outcome}`` (``ok``,
   ``no_records``, ``nxdomain``, ``timeout``, ``error``) and
   ``llmesh:router_discovery_replicas{name}`` (addresses at the last answer).
+* prompt ids (:mod:`services.router.local_tokenizer`):
+  ``llmesh:router_tokenize_total{model_name, path}``: prompts the router
+  tokenized (``Tokenize`` or a chat template, the pipeline's and
+  ``/tokenize``'s), by the path that answered: ``local`` (in this process,
+  refusals included) or ``service`` (the tokenizer service: before the
+  local tokenizer loaded, with ``--no-tokenize-in-router``, or a fallback);
+  ``llmesh:router_tokenizer_in_process{model_name}``: 1 once the model's
+  local tokenizer has loaded (it loads in the background after the router
+  serves), else 0.
 * routing (:mod:`services.router.routing`): ``llmesh:router_routed_requests_total{engine,
   policy}`` (requests sent to each replica, by policy),
   ``llmesh:router_prefix_hit_tokens{model_name}`` (histogram, per request an
@@ -105,6 +114,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.sampling import Priority
 from services.router.admission import AdmissionObserver
+from services.router.local_tokenizer import TokenizeObserver
 from services.router.tenant_limits import LimitObserver
 
 #: Prefix-hit buckets in tokens (0: a miss).
@@ -269,6 +279,15 @@ class RouterMetrics:
         self.api_keys = Gauge(
             "llmesh:api_keys", "Keys in the API key file now loaded, by `what` (keys, "
             "tenants).", ["what"], registry=reg)
+        self.tokenize_requests = Counter(
+            "llmesh:router_tokenize",
+            "Prompts the router tokenized, by the path that answered (local: in the "
+            "router's process; service: the tokenizer service).",
+            ["model_name", "path"], registry=reg)
+        self.tokenizer_in_process = Gauge(
+            "llmesh:router_tokenizer_in_process",
+            "1 once the model's prompts are tokenized in the router's process, else 0.",
+            ["model_name"], registry=reg)
         self.prefix_score_duration = Histogram(
             "llmesh:router_prefix_score_seconds",
             "ScorePrefix round trips to the cache service's prefix index.",
@@ -281,6 +300,10 @@ class RouterMetrics:
     def admission_observer(self, model: str) -> AdmissionMetrics:
         """The admission controller's observer for ``model``."""
         return AdmissionMetrics(self, model)
+
+    def tokenize_observer(self, model: str) -> TokenizeMetrics:
+        """The prompt tokenizer's observer for ``model``."""
+        return TokenizeMetrics(self, model)
 
     def observe_first_token(self, *, model: str, ttft_seconds: float) -> None:
         """Records the first token of a request leaving the router."""
@@ -306,6 +329,22 @@ class RouterMetrics:
         """Counts a request refused before it reached the pipeline (validation,
         starting, draining, a protocol error on a stream)."""
         self.requests.labels(model, outcome, priority).inc()
+
+
+class TokenizeMetrics(TokenizeObserver):
+    """``llmesh:router_tokenize_total`` and ``llmesh:router_tokenizer_in_process``
+    for one model (see the module doc)."""
+
+    def __init__(self, metrics: RouterMetrics, model: str) -> None:
+        self._paths = {path: metrics.tokenize_requests.labels(model, path)
+                       for path in ("local", "service")}
+        self._in_process = metrics.tokenizer_in_process.labels(model)
+
+    def served(self, path: str) -> None:
+        self._paths[path].inc()
+
+    def loaded(self, in_process: bool) -> None:
+        self._in_process.set(int(in_process))
 
 
 #: Distinct tenant label values per model before the rest report as ``other``.

@@ -43,7 +43,12 @@ from services.router.admission import (
     NoReplicaServing,
     ReplicaCapacity,
 )
-from services.router.clients import CacheClient, TokenizerClient, UpstreamError
+from services.router.clients import (
+    CacheClient,
+    TokenizerClient,
+    TokenizerDefinition,
+    UpstreamError,
+)
 from services.router.discovery import (
     DEFAULT_RESOLVE_INTERVAL_S,
     Discovery,
@@ -118,7 +123,7 @@ class PoolSettings:
     #: the slow-reader budget (:mod:`services.router.slow_reader`); 0: none
     client_write_timeout_s: float = 0.0
     #: prompt ids made in the router (:mod:`services.router.local_tokenizer`)
-    tokenize_in_router: bool = False
+    tokenize_in_router: bool = True
     #: ``--tool-call-format`` by model id (:mod:`services.router.tools.formats`)
     tool_call_formats: Mapping[str, ToolCallFormat] = field(default_factory=dict)
 
@@ -168,12 +173,13 @@ class ModelPool:
         return self.replicas.engines
 
     async def close(self) -> None:
-        """Stops discovery, the replica set and the pipeline, then closes the channels."""
+        """Stops discovery, the replica set and the pipeline, then the prompt
+        tokenizer's background load, and closes the channels."""
         await self.discovery.close()
         await self.replicas.close()
         await self.pipeline.close()
-        await asyncio.gather(self.tokenizer.close(), *(e.close() for e in self.engines),
-                             return_exceptions=True)
+        await asyncio.gather(self.pipeline.tokenizer.close(), self.tokenizer.close(),
+                             *(e.close() for e in self.engines), return_exceptions=True)
 
 
 def _default_policy(targets: list[EngineTarget]) -> RoutingPolicy:
@@ -274,9 +280,8 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
             raise
         await ready
         infos = list(await asyncio.gather(*(engine.model_info() for engine in engines)))
-        tok_info, decoder, prompts, template = await _tokenizer_parts(
-            tokenizer, settings.tokenize_in_router)
-        limits = model_limits(infos, tok_info, settings, template)
+        tok_info, decoder, definition = await _tokenizer_parts(tokenizer)
+        limits = model_limits(infos, tok_info, settings, definition.chat_template)
     except BaseException:
         await asyncio.gather(tokenizer.close(), *(e.close() for e in engines),
                              return_exceptions=True)
@@ -286,6 +291,9 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
     replicas = _replica_set(engines, capacities, admission, limits, metrics, make_client,
                             discovery)
     _start_routing(replicas, discovery, engines, limits)
+    observer = metrics.tokenize_observer(limits.model)
+    prompts = (PromptTokenizer.start(tokenizer, definition, tok_info, observer=observer)
+               if settings.tokenize_in_router else PromptTokenizer(tokenizer, observer=observer))
     pipeline = GenerationPipeline(
         tokenizer=prompts, decoder=decoder, replicas=replicas, cache=cache,
         models={limits.model: limits}, metrics=metrics, log_content=settings.log_content,
@@ -295,22 +303,17 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
     return ModelPool(limits, tokenizer, infos, admission, replicas, pipeline, policy, discovery)
 
 
-async def _tokenizer_parts(tokenizer: TokenizerClient, in_router: bool
-                           ) -> tuple[TokenizerInfo, TokenizersDecoder, PromptTokenizer,
-                                      str | None]:
-    """The tokenizer's facts and its definition (``GetTokenizer``) loaded for
-    detokenization; with ``in_router`` also for prompt ids in this process
-    (:class:`PromptTokenizer`, which falls back to the service), both on worker
-    threads at once; without, every prompt is the service's. The last item is
-    the chat template the service renders with (None: none, or not sent).
-    Raises :class:`UpstreamError`."""
+async def _tokenizer_parts(tokenizer: TokenizerClient
+                           ) -> tuple[TokenizerInfo, TokenizersDecoder, TokenizerDefinition]:
+    """The tokenizer's facts and its definition (``GetTokenizer``), loaded for
+    detokenization (on a worker thread). The definition's chat template
+    (None: none, or not sent) is the one the service renders with; with
+    ``--tokenize-in-router`` the pool's :class:`PromptTokenizer` loads the
+    definition again in the background for prompt ids in this process
+    (:meth:`PromptTokenizer.start`: the service answers until then, and stays
+    the fallback). Raises :class:`UpstreamError`."""
     info, definition = await asyncio.gather(tokenizer.info(), tokenizer.definition())
-    if not in_router:
-        return (info, await definition.decoder(), PromptTokenizer(tokenizer, None),
-                definition.chat_template)
-    decoder, prompts = await asyncio.gather(
-        definition.decoder(), PromptTokenizer.load(tokenizer, definition, info))
-    return info, decoder, prompts, definition.chat_template
+    return info, await definition.decoder(), definition
 
 
 async def _first_engines(discovery: Discovery, make_client: Callable[[str], EngineClient],

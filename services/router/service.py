@@ -139,7 +139,9 @@ class RouterConfig:
         it with DEADLINE_EXCEEDED. 0 disables the limit. A running
         generation never counts as idle, however long it waits in a queue.
       tokenize_in_router: make prompt ids in the router
-        (:mod:`services.router.local_tokenizer`), the tokenizer service the fallback.
+        (:mod:`services.router.local_tokenizer`, loaded in the background after
+        the router serves), the tokenizer service the fallback; False: every
+        prompt from the service.
       client_write_timeout_s: the slow-reader budget
         (:mod:`services.router.slow_reader`): seconds a write to a client may
         stay blocked while its generation runs; 0: none.
@@ -169,7 +171,7 @@ class RouterConfig:
     cache_timeout: float = 0.5
     stream_idle_timeout: float = 300.0
     client_write_timeout_s: float = DEFAULT_CLIENT_WRITE_TIMEOUT_S
-    tokenize_in_router: bool = False
+    tokenize_in_router: bool = True
     admission: AdmissionConfig = AdmissionConfig()
     routing_policy: RoutingPolicy | None = None
     routing_weights: CostWeights = CostWeights()

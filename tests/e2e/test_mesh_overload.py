@@ -2,7 +2,10 @@
 engines with 2 sequence slots each, SmolLM2): interactive requests preempt
 batch ones and keep their output exact, interactive goes before batch in the
 router's queue, tenants share the queue fairly, and the mesh survives an
-engine or the tokenizer being killed (and takes the restarted one back).
+engine or the tokenizer being killed (and takes the restarted one back). The
+router runs with ``--no-tokenize-in-router`` here, so that every prompt is the
+tokenizer service's and its death is on the request path (with the default,
+a dead tokenizer fails nothing: tests/e2e/test_mesh_faults.py).
 
 The failover tests kill and restart services, so they run last."""
 
@@ -42,7 +45,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     run_dir: Path = tmp_path_factory.mktemp("overload-mesh")
     with Mesh(ingress_port=0, admin_port=0, run_dir=run_dir, num_engines=ENGINES,
               engine_args=["--max-num-seqs", str(SLOTS_PER_ENGINE)],
-              router_args=["--max-queued-requests", "32",
+              router_args=["--no-tokenize-in-router", "--max-queued-requests", "32",
                            "--max-queue-wait", f"{MAX_QUEUE_WAIT_S:g}"]) as running:
         yield running
 

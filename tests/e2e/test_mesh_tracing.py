@@ -1,7 +1,8 @@
 """Traces across the hops: a mesh started with ``--otlp-traces-endpoint``
 exports one trace per request, with the spans of the router, tokenizer,
-cache and engine (the tokenizer's only where it is asked: not with the
-router's --tokenize-in-router), each the child of the span that called it,
+cache and engine (the tokenizer's only where it is asked: this mesh's router
+runs with --no-tokenize-in-router, so that the service makes every prompt and
+the tokenizer hop is traced), each the child of the span that called it,
 under the client's own span (W3C ``traceparent`` in gRPC metadata or the HTTP header).
 
 The services are separate processes, as users run them, exporting over
@@ -55,6 +56,7 @@ def traced_mesh(tmp_path_factory: pytest.TempPathFactory,
     run_dir: Path = tmp_path_factory.mktemp("traced-mesh")
     with Mesh(ingress_port=0, admin_port=0, run_dir=run_dir, drain_seconds=1.0,
               engine_args=["--max-model-len", "512"],
+              router_args=["--no-tokenize-in-router"],  # the tokenizer hop traced
               otlp_traces_endpoint=receiver.endpoint,
               env={"OTEL_BSP_SCHEDULE_DELAY": "100"}) as mesh:
         yield mesh
@@ -90,7 +92,7 @@ def test_one_trace_holds_every_service_s_spans_parent_to_child(
     assert len(out.token_ids) == 12
     names = ROUTER | ENGINE | {"llmesh.tokenizer.ApplyChatTemplate", "llmesh.cache.get"}
     spans = _trace(receiver, CLIENT_TRACE, names)
-    # the tokenizer service made the prompt (no --tokenize-in-router), and the span says so
+    # the tokenizer service made the prompt (--no-tokenize-in-router), and the span says so
     assert spans["llmesh.tokenize"].attributes["llmesh.tokenize.in_process"] is False
 
     def parent(child: str, of: str) -> None:

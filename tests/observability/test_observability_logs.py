@@ -1,9 +1,12 @@
 """Logs of the real mesh: JSON lines, the request id at every hop, no text.
 
 A request sent through Envoy with ``x-request-id`` metadata must show that id
-in the log lines of the router, the tokenizer and the engine about it (Envoy's
-access log has it too, as ``rid=``, but flushes every 10 s: not checked);
-without one, Envoy makes one and the same holds. The
+in the log lines of the router and the engine about it (Envoy's access log has
+it too, as ``rid=``, but flushes every 10 s: not checked); without one, Envoy
+makes one and the same holds. The router makes the prompt ids in process (its
+default, loaded before the session mesh is handed over), so the tokenizer
+service logs nothing about the request (the id on the service's own lines,
+when the router asks it, is tests/router's). The
 prompt and the output are never written to any service's log (the router's
 ``--log-content`` is off in the session mesh).
 """
@@ -26,7 +29,7 @@ pytestmark = pytest.mark.mesh
 
 #: The services whose log lines must carry a request's id (the cache logs per
 #: request at debug level only; its hop is checked in test_observability_logging).
-HOPS = ("router", "tokenizer", "engine-0")
+HOPS = ("router", "engine-0")
 
 
 def _service_logs(mesh: Mesh) -> dict[str, Path]:
@@ -86,9 +89,8 @@ def test_request_id_from_the_client_reaches_every_hop(mesh: Mesh,
                 for name, records in found.items()}
     assert len(finished["router"]) == 1 and finished["router"][0]["outcome"] in ("stop", "length")
     assert finished["router"][0]["completion_tokens"] == last.usage.completion_tokens
-    # the prompt's one line (the router detokenizes in process: no Detokenize stream)
-    assert [(r["event"], r["method"]) for r in found["tokenizer"]] == [
-        ("tokenize_finished", "ApplyChatTemplate")]
+    # the router made the prompt ids and detokenizes in process: no tokenizer call
+    assert found["tokenizer"] == []
     assert len(finished["engine-0"]) == 1
     for name, records in found.items():
         assert all(r["service"] == name.split("-")[0] for r in records), name

@@ -56,6 +56,7 @@ class Seen:
 
 @dataclass
 class Workload:
+    start: dict[str, Scrape]  # before the direct ApplyChatTemplate calls
     before: dict[str, Scrape]
     middle: dict[str, Scrape]
     after: dict[str, Scrape]
@@ -143,6 +144,7 @@ def _generate_and_cancel(channel: grpc.Channel) -> Seen:
 
 @pytest.fixture(scope="module")
 def workload(mesh: Mesh, ingress_channel: grpc.Channel) -> Workload:
+    start = _settled(mesh)
     expected = [_prompt_tokens(mesh, p) for p in PROMPTS]
     cancel_expected = _prompt_tokens(mesh, CANCEL_PROMPT)
     before = _settled(mesh)
@@ -156,7 +158,8 @@ def workload(mesh: Mesh, ingress_channel: grpc.Channel) -> Workload:
                                  "llmesh:request_success_total", finished_reason="cancelled") >= 1,
                    5.0, "the engine to count the cancelled request")
     after = _settled(mesh)
-    return Workload(before, middle, after, completed, cancelled, expected, cancel_expected)
+    return Workload(start, before, middle, after, completed, cancelled, expected,
+                    cancel_expected)
 
 
 # --------------------------------------------------------------------------- #
@@ -260,22 +263,28 @@ def test_engine_counts_a_cancelled_request_as_cancelled(workload: Workload) -> N
 
 
 def test_tokenizer_counts_and_times_each_call(workload: Workload) -> None:
-    a, b, c = workload.before, workload.middle, workload.after
-    n = len(PROMPTS)
+    """The tokenizer service counts the calls made to it (the workload's own
+    ``ApplyChatTemplate`` calls that measured the prompts); the router makes
+    the prompt ids in process (its default) and detokenizes in process, so
+    the requests through the mesh call the service not once, and the router
+    counts each prompt on the ``local`` path."""
+    start, a, b, c = workload.start, workload.before, workload.middle, workload.after
+    n = len(PROMPTS) + 1
     ok = dict(method="ApplyChatTemplate", code="OK")
-    assert delta(a, b, TOKENIZER, "llmesh:tokenizer_requests_total", **ok) == n
-    assert delta(a, b, TOKENIZER, "llmesh:tokenizer_request_duration_seconds_count",
+    assert delta(start, a, TOKENIZER, "llmesh:tokenizer_requests_total", **ok) == n
+    assert delta(start, a, TOKENIZER, "llmesh:tokenizer_request_duration_seconds_count",
                  method="ApplyChatTemplate") == n
-    assert delta(a, b, TOKENIZER, "llmesh:tokenizer_tokens_total",
-                 method="ApplyChatTemplate") == sum(workload.expected_prompt_tokens)
-    # The router detokenizes in process (GetTokenizer once at its start): no
-    # Detokenize call per request or per token.
-    for name in ("llmesh:tokenizer_tokens_total",
+    assert delta(start, a, TOKENIZER, "llmesh:tokenizer_tokens_total",
+                 method="ApplyChatTemplate") == (sum(workload.expected_prompt_tokens)
+                                                 + workload.cancel_expected_prompt_tokens)
+    for name in ("llmesh:tokenizer_requests_total", "llmesh:tokenizer_tokens_total",
                  "llmesh:tokenizer_request_duration_seconds_count"):
-        assert delta(a, c, TOKENIZER, name, method="Detokenize") == 0
-    assert delta(a, c, TOKENIZER, "llmesh:tokenizer_requests_total",
-                 method="GetTokenizer", code="OK") == 0
-    assert delta(b, c, TOKENIZER, "llmesh:tokenizer_requests_total", **ok) == 1
+        assert delta(a, c, TOKENIZER, name) == 0, name
+    tokenized = "llmesh:router_tokenize_total"
+    assert delta(a, b, ROUTER, tokenized, path="local") == len(PROMPTS)
+    assert delta(b, c, ROUTER, tokenized, path="local") == 1
+    assert delta(a, c, ROUTER, tokenized, path="service") == 0
+    assert c[ROUTER].sum("llmesh:router_tokenizer_in_process") == 1
 
 
 def test_cache_times_the_writes_of_completed_requests_only(workload: Workload) -> None:

@@ -107,8 +107,7 @@ def services(tmp_path_factory) -> Iterator[Services]:
             "--tokenizer", f"127.0.0.1:{ports['tokenizer']}",
             "--cache", f"127.0.0.1:{ports['cache']}",
             "--engine", f"127.0.0.1:{ports['engine']}",
-            "--default-max-tokens", "64", "--startup-timeout", str(START_TIMEOUT),
-            "--tokenize-in-router"], run_dir)
+            "--default-max-tokens", "64", "--startup-timeout", str(START_TIMEOUT)], run_dir)
         router = f"127.0.0.1:{_port('router', procs['router'], run_dir, deadline)}"
         _wait_serving("router", router, procs["router"], run_dir, deadline)
         yield Services(router, f"127.0.0.1:{ports['engine']}", run_dir)
@@ -311,13 +310,19 @@ async def test_special_token_text_in_chat_content_cannot_forge_a_turn(stub):
 
 async def test_the_router_makes_prompt_ids_without_asking_the_tokenizer(stub, services):
     """Chat and prompt ids come from the router's own copy of the tokenizer
-    (:mod:`services.router.local_tokenizer`): the tokenizer service logs one
-    ``tokenize_finished`` line per prompt it makes, and it makes none."""
+    (:mod:`services.router.local_tokenizer`, the default), once it has loaded
+    in the background (its ``prompt_tokenization`` line says ``where:
+    router``): the tokenizer service logs one ``tokenize_finished`` line per
+    prompt it makes, and it makes none."""
     tokenizer_log = services.logs / "tokenizer.log"
 
     def prompts_made() -> int:
         return tokenizer_log.read_text(errors="replace").count('"tokenize_finished"')
 
+    deadline = time.monotonic() + 60
+    while '"where": "router"' not in (services.logs / "router.log").read_text(errors="replace"):
+        assert time.monotonic() < deadline, "the router's tokenizer did not load"
+        await asyncio.sleep(0.1)
     before = prompts_made()
     for request in (chat_request("Name a colour.", max_tokens=2),
                     generation_pb2.GenerateRequest(prompt="Once upon a time",
@@ -328,7 +333,6 @@ async def test_the_router_makes_prompt_ids_without_asking_the_tokenizer(stub, se
         assert responses[-1].usage.prompt_tokens > 3
     await asyncio.sleep(0.5)  # the service writes its line after answering
     assert prompts_made() == before
-    assert '"where": "router"' in (services.logs / "router.log").read_text(errors="replace")
 
 
 async def test_list_models(stub):

@@ -14,6 +14,7 @@ base model (no template: FAILED_PRECONDITION).
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterator
 
 import grpc
@@ -21,7 +22,7 @@ import pytest
 
 from services.router.clients import ChatMessage, TokenizerClient, UpstreamError
 from services.common.wire.tools import FunctionTool, ToolCall
-from services.router.local_tokenizer import PromptTokenizer
+from services.router.local_tokenizer import PromptTokenizer, TokenizeObserver
 from services.router.tools import hermes
 from services.router.tools.formats import ToolCallFormat, resolve
 from services.tokenizer.tokenizer import Tokenizer
@@ -136,6 +137,53 @@ async def test_the_service_answers_without_a_template_field_or_after_a_local_fai
         local._local.apply_chat_template = broken  # type: ignore[union-attr,method-assign]
         assert await local.apply_chat_template(chat, **kwargs) == expected
     finally:
+        await service.close()
+
+
+class _Paths(TokenizeObserver):
+    """What a :class:`PromptTokenizer` reported, in order."""
+
+    def __init__(self) -> None:
+        self.served_by: list[str] = []
+        self.in_process: list[bool] = []
+
+    def served(self, path: str) -> None:
+        self.served_by.append(path)
+
+    def loaded(self, in_process: bool) -> None:
+        self.in_process.append(in_process)
+
+
+async def test_the_service_answers_until_the_definition_has_loaded_here(
+        smollm_server, monkeypatch) -> None:
+    """:meth:`PromptTokenizer.start` returns at once (the router serves
+    without waiting for ``transformers``); the service makes the prompt ids
+    until the definition has loaded here, then the router does, the same ids,
+    each prompt counted by the path that answered."""
+    gate = threading.Event()
+    real = Tokenizer.from_definition
+
+    def held(*args: object, **kwargs: object) -> Tokenizer:
+        gate.wait(60)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Tokenizer, "from_definition", staticmethod(held))
+    service = TokenizerClient(smollm_server[0].target)
+    paths = _Paths()
+    kwargs = dict(add_special_tokens=True, request_id="t", deadline=None)
+    try:
+        info, definition = await service.info(), await service.definition()
+        prompts = PromptTokenizer.start(service, definition, info, observer=paths)
+        assert not prompts.in_process
+        ids = await prompts.tokenize("Hello there", **kwargs)
+        assert paths.served_by == ["service"] and paths.in_process == [False]
+        gate.set()
+        assert await prompts.ready()
+        assert await prompts.tokenize("Hello there", **kwargs) == ids
+        assert paths.served_by == ["service", "local"] and paths.in_process == [False, True]
+        await prompts.close()
+    finally:
+        gate.set()
         await service.close()
 
 
