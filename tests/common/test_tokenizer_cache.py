@@ -14,7 +14,13 @@ import pytest
 from services.common.checkpoint import load_hf_tokenizer
 from services.common.model_files import default_model_path
 from services.tokenizer.model_parts import gemma3_270m_gguf_path
-from services.common.tokenizer_cache import CACHE_DIR_ENV, REQUIRED, cache_key, load_cached
+from services.common.tokenizer_cache import (
+    CACHE_DIR_ENV,
+    REQUIRED,
+    cache_key,
+    cache_root,
+    load_cached,
+)
 
 pytestmark = pytest.mark.model
 
@@ -59,12 +65,19 @@ def assert_same(cached: Any, reference: Any) -> None:
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
 def test_a_cached_tokenizer_is_the_fresh_conversion(model: str, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The conversion is saved where the machine's own cache would keep it when
+    that has no entry yet (a fresh machine: the entry checked here then serves
+    the rest of the suite, one conversion less, ~22 s for Gemma 3 on a 2-core
+    CI machine), else in a folder of the test's own (a conversion all the same)."""
     path = default_model_path() if model == "smollm2" else gemma3_270m_gguf_path()
-    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    root = cache_root()
+    if root is None or (root / cache_key(path)).exists():
+        root = tmp_path
+        monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     converted = load_hf_tokenizer(path)  # converts and saves
-    entry = tmp_path / cache_key(path)
+    entry = root / cache_key(path)
     assert all((entry / name).is_file() for name in REQUIRED)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [entry.name]  # no staging left
+    assert not list(root.glob(f".{entry.name}.*"))  # no staging left
     cached = load_hf_tokenizer(path)  # reads the entry
     assert cached is not converted
     assert_same(cached, converted)
