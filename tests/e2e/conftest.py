@@ -16,12 +16,15 @@ import pytest
 from services.cli.mesh import Mesh
 from tests.cache.redis_server import start_redis_server
 from tests.e2e.fuzz_strategies import MESH_ENGINE_ARGS
+from tests.e2e.overload_client import SLOTS_PER_ENGINE, SMALL_ENGINES
 from tests.e2e.shared_mesh import SharedMesh
 
 #: Module → the module whose shared mesh it takes over (it runs right after
 #: it). A chain is listed in its order: faults, then tenants, then fuzz.
 RUNS_AFTER = {"test_mesh_tenants.py": "test_mesh_faults.py",
-              "test_mesh_fuzz.py": "test_mesh_tenants.py"}
+              "test_mesh_fuzz.py": "test_mesh_tenants.py",
+              "test_mesh_admission.py": "test_mesh_accounting.py",
+              "test_mesh_overload.py": "test_mesh_admission.py"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -55,6 +58,22 @@ def small_window_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sh
             ingress_port=0, admin_port=0, run_dir=tmp_path_factory.mktemp("small-window-mesh"),
             redis_url=redis.url, drain_seconds=1.0,
             engine_args=list(MESH_ENGINE_ARGS),
+            router_args=router_args)) as shared:
+        yield shared
+
+
+@pytest.fixture(scope="session")
+def two_small_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedMesh]:
+    """Two engines of 2 sequence slots each (``overload_client``) that score
+    every speculative proposal (``--no-speculative-cost-model``), the embedded
+    cache: test_mesh_accounting's mesh (which needs the proposals scored), then
+    test_mesh_admission's and test_mesh_overload's (their requests do not
+    speculate), each with its own router flags; test_mesh_overload kills and
+    restarts services, and stops the mesh."""
+    with SharedMesh(lambda router_args: Mesh(
+            ingress_port=0, admin_port=0, run_dir=tmp_path_factory.mktemp("two-small-engines"),
+            num_engines=SMALL_ENGINES,
+            engine_args=["--max-num-seqs", str(SLOTS_PER_ENGINE), "--no-speculative-cost-model"],
             router_args=router_args)) as shared:
         yield shared
 

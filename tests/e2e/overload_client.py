@@ -12,6 +12,11 @@ import grpc
 
 from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
+#: Engines of the overload tests' mesh (conftest.py's ``two_small_engines``),
+#: and sequence slots of each: a handful of streams fills them.
+SMALL_ENGINES = 2
+SLOTS_PER_ENGINE = 2
+
 
 def long_request(max_tokens: int, tag: str, *,
                  priority: int = common_pb2.PRIORITY_UNSPECIFIED) -> generation_pb2.GenerateRequest:

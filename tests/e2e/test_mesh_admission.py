@@ -13,32 +13,28 @@ import statistics
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
 
 from llmesh.v1 import engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc
 from services.cli.mesh import Mesh
-from tests.e2e.overload_client import Outcome, long_request, run_one
+from tests.e2e.overload_client import (SLOTS_PER_ENGINE, SMALL_ENGINES, Outcome, long_request,
+                                       run_one)
+from tests.e2e.shared_mesh import SharedMesh
 
 pytestmark = pytest.mark.mesh
 
-SLOTS_PER_ENGINE = 2
-ENGINES = 2
-SLOTS = SLOTS_PER_ENGINE * ENGINES
+SLOTS = SLOTS_PER_ENGINE * SMALL_ENGINES
 QUEUE = 4
 
 
 @pytest.fixture(scope="module")
-def small_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    """Two engines of 2 slots, a router queue of 4 per class, no response cache."""
-    run_dir: Path = tmp_path_factory.mktemp("admission-mesh")
-    with Mesh(ingress_port=0, admin_port=0, run_dir=run_dir, num_engines=ENGINES,
-              engine_args=["--max-num-seqs", str(SLOTS_PER_ENGINE)],
-              router_args=["--max-queued-requests", str(QUEUE)]) as running:
-        yield running
+def small_mesh(two_small_engines: SharedMesh) -> Mesh:
+    """Two engines of 2 slots (conftest.py: test_mesh_accounting's, which
+    test_mesh_overload takes over next), a router queue of 4 per class, no
+    response cache."""
+    return two_small_engines.get(["--max-queued-requests", str(QUEUE)])
 
 
 async def probe_admitted(stub: generation_pb2_grpc.GenerationServiceStub) -> float:

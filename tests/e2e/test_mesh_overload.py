@@ -18,20 +18,19 @@ import signal
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
 
 from llmesh.v1 import common_pb2, generation_pb2_grpc
 from services.cli.mesh import Mesh
-from tests.e2e.overload_client import Outcome, long_request, run_one
+from tests.e2e.overload_client import (SLOTS_PER_ENGINE, SMALL_ENGINES, Outcome, long_request,
+                                       run_one)
+from tests.e2e.shared_mesh import SharedMesh
 
 pytestmark = pytest.mark.mesh
 
-SLOTS_PER_ENGINE = 2
-ENGINES = 2
-SLOTS = SLOTS_PER_ENGINE * ENGINES
+SLOTS = SLOTS_PER_ENGINE * SMALL_ENGINES
 MAX_QUEUE_WAIT_S = 10.0
 BATCH = common_pb2.PRIORITY_BATCH
 INTERACTIVE = common_pb2.PRIORITY_INTERACTIVE
@@ -41,13 +40,13 @@ TENANT_A_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    run_dir: Path = tmp_path_factory.mktemp("overload-mesh")
-    with Mesh(ingress_port=0, admin_port=0, run_dir=run_dir, num_engines=ENGINES,
-              engine_args=["--max-num-seqs", str(SLOTS_PER_ENGINE)],
-              router_args=["--no-tokenize-in-router", "--max-queued-requests", "32",
-                           "--max-queue-wait", f"{MAX_QUEUE_WAIT_S:g}"]) as running:
-        yield running
+def mesh(two_small_engines: SharedMesh) -> Iterator[Mesh]:
+    """test_mesh_admission's two engines of 2 slots (conftest.py; a mesh
+    start less), the router restarted with this module's queue flags;
+    stopped after this module (its failover tests kill services)."""
+    yield two_small_engines.get(["--no-tokenize-in-router", "--max-queued-requests", "32",
+                                 "--max-queue-wait", f"{MAX_QUEUE_WAIT_S:g}"])
+    two_small_engines.stop()
 
 
 def metric(address: str, name: str, **labels: str) -> float:
