@@ -20,7 +20,9 @@ from tests.e2e.overload_client import SLOTS_PER_ENGINE, SMALL_ENGINES
 from tests.e2e.shared_mesh import SharedMesh
 
 #: Module → the module whose shared mesh it takes over (it runs right after
-#: it). A chain is listed in its order: faults, then tenants, then fuzz.
+#: it). A chain is listed in its order: faults, then tenants, then fuzz
+#: (small_window_engine); accounting, then admission, then overload
+#: (two_small_engines).
 RUNS_AFTER = {"test_mesh_tenants.py": "test_mesh_faults.py",
               "test_mesh_fuzz.py": "test_mesh_tenants.py",
               "test_mesh_admission.py": "test_mesh_accounting.py",
