@@ -6,10 +6,9 @@ The mesh (conftest.py's ``two_small_engines``, two engines, which
 test_mesh_admission and test_mesh_overload take over next) runs its engines
 with ``--no-speculative-cost-model`` (every proposal is scored): with the
 cost rule on, whether the engine speculates at all follows its measured step
-times and acceptance, and on a
-loaded machine (a full suite run, another mesh beside it) multi-row steps
-time 2-3.5x a one-row step, so the rule cut the proposals and a free run had
-no multi-token step to place a stop in. The tests are about accounting inside
+times and acceptance, and on a loaded machine (a full suite run, another mesh
+beside it) multi-row steps time 2-3.5x a one-row step, so the rule cut the
+proposals and a free run had no multi-token step to place a stop in. The tests are about accounting inside
 an accepted run, not about that decision, so they pin it."""
 
 from __future__ import annotations
