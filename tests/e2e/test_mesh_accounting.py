@@ -2,18 +2,18 @@
 engine) with the real SmolLM2 model: a stop string completed inside a run of
 speculative tokens, cached prompt tokens, and response-cache replays.
 
-The mesh (conftest.py's ``two_small_engines``, two engines, which
-test_mesh_admission and test_mesh_overload take over next) runs its engines
-with ``--no-speculative-cost-model`` (every proposal is scored): with the
-cost rule on, whether the engine speculates at all follows its measured step
-times and acceptance, and on a loaded machine (a full suite run, another mesh
-beside it) multi-row steps time 2-3.5x a one-row step, so the rule cut the
-proposals and a free run had no multi-token step to place a stop in. The tests are about accounting inside
+The module's own mesh runs its engine with ``--no-speculative-cost-model``
+(every proposal is scored): with the cost rule on, whether the engine
+speculates at all follows its measured step times and acceptance, and on a
+loaded machine (a full suite run, another mesh beside it) multi-row steps
+time 2-3.5x a one-row step, so the rule cut the proposals and a free run had
+no multi-token step to place a stop in. The tests are about accounting inside
 an accepted run, not about that decision, so they pin it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -26,7 +26,6 @@ from llmesh.v1 import (
     tokenizer_pb2_grpc,
 )
 from services.cli.mesh import Mesh
-from tests.e2e.shared_mesh import SharedMesh
 
 pytestmark = pytest.mark.mesh
 
@@ -43,10 +42,12 @@ REPEAT_PROMPT = ("Repeat exactly: the quick brown fox jumps over the lazy dog, "
 
 
 @pytest.fixture(scope="module")
-def mesh(two_small_engines: SharedMesh) -> Mesh:
-    """The whole mesh with the default router, its engines scoring every
-    speculative proposal."""
-    return two_small_engines.get([])
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """The whole mesh, its engine scoring every speculative proposal."""
+    run_dir: Path = tmp_path_factory.mktemp("accounting-mesh")
+    with Mesh(ingress_port=0, admin_port=0, run_dir=run_dir,
+              engine_args=["--no-speculative-cost-model"]) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

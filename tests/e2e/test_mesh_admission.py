@@ -31,9 +31,8 @@ QUEUE = 4
 
 @pytest.fixture(scope="module")
 def small_mesh(two_small_engines: SharedMesh) -> Mesh:
-    """Two engines of 2 slots (conftest.py: test_mesh_accounting's, which
-    test_mesh_overload takes over next), a router queue of 4 per class, no
-    response cache."""
+    """Two engines of 2 slots (conftest.py; test_mesh_overload takes them over
+    next), a router queue of 4 per class, no response cache."""
     return two_small_engines.get(["--max-queued-requests", str(QUEUE)])
 
 
