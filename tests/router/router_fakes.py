@@ -156,8 +156,10 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     """Serves ``Multiplex``, what the router uses (each request: :meth:`respond`)."""
 
     def __init__(self, reply: str = "Paris is the capital of France.", *,
-                 max_model_len: int = 256, model: str = "fake-model") -> None:
+                 max_model_len: int = 256, model: str = "fake-model",
+                 replica_id: str = "") -> None:
         self.reply = reply
+        self.replica_id = replica_id
         self.max_model_len = max_model_len
         self.model = model
         self.tokens_per_step = 1
@@ -297,7 +299,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     async def GetModelInfo(self, request, context):
         return engine_pb2.GetModelInfoResponse(
             model=self.model, max_model_len=self.max_model_len, vocab_size=VOCAB,
-            eos_token_ids=[EOS], backend="fake")
+            eos_token_ids=[EOS], backend="fake", replica_id=self.replica_id)
 
 
 class FakeCache(cache_pb2_grpc.CacheServiceServicer):

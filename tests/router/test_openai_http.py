@@ -121,6 +121,20 @@ async def test_a_field_the_engine_cannot_honour_is_400_and_sent_once(code):
         assert len(engine.log.deadlines) == 1  # one request reached the engine
 
 
+async def test_an_engine_failure_names_the_replica_not_its_address():
+    """QA, issue 33: the 503 said ``engine at 127.0.0.1:PORT is unavailable:
+    ... Connection reset by peer``; now the replica's id, the model and what to do."""
+    async with served() as (mesh, client, _):
+        mesh.engines[0].fail_code = grpc.StatusCode.UNAVAILABLE
+        mesh.engines[0].fail_message = "recvmsg: Connection reset by peer"
+        with pytest.raises(openai.InternalServerError) as info:
+            await client.chat.completions.create(model="fake-model", messages=USER)
+    assert info.value.status_code == 503
+    assert info.value.body["message"] == (
+        "no engine replica could take the request for model 'fake-model' (tried replica-0: "
+        "UNAVAILABLE); retry in a few seconds")
+
+
 async def test_min_tokens_beside_a_choice_is_400_naming_both_and_never_reaches_an_engine():
     """Issue 30, bug 4: ``choice`` + ``min_tokens`` was answered with one
     token. A choice cannot be lengthened, so the pair is refused at the edge,
