@@ -872,7 +872,9 @@ class GenerationPipeline:
                 if keep_output:
                     choice.text.append(safe)
                     choice.ids.extend(ids)
-                if safe or ids:
+                # An update with no token may still carry the prompt's logprobs
+                # (choice 0 ended CANCELLED before its first token): they go on.
+                if safe or ids or delta.prompt_logprobs:
                     if ids:
                         now = self._token_time(timing)
                         if ticket is not None:

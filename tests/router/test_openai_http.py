@@ -18,7 +18,7 @@ import openai
 import pytest
 import structlog.testing
 
-from llmesh.v1 import common_pb2, generation_pb2
+from llmesh.v1 import common_pb2, engine_pb2, generation_pb2
 from services.router.admission import AdmissionConfig
 from tests.router.test_router_service import REPLY, collect, make_mesh, wait_for
 
@@ -293,6 +293,33 @@ async def test_tokenizer_endpoint_refusals_name_the_parameter(path, body, status
         got, reply = await post_json(base, path, body)
     assert got == status and reply["error"]["param"] == param
     assert words in reply["error"]["message"]
+
+
+async def test_echo_with_n_gives_every_choice_the_prompt_logprobs_when_choice_0_ends_first():
+    """QA, issue 33: the engine sends the prompt's logprobs on choice 0's first
+    update; when choice 0 ended CANCELLED before any token, that update held
+    no token and the router dropped it, so every choice's prompt entries read
+    0.0."""
+    def entry(token: int, logprob: float) -> common_pb2.PositionLogprobs:
+        return common_pb2.PositionLogprobs(chosen=common_pb2.TokenLogprob(
+            token_id=token, logprob=logprob, rank=1))
+
+    usage = common_pb2.Usage(prompt_tokens=3, completion_tokens=0)
+    async with served() as (mesh, client, _):
+        mesh.engines[0].script = [
+            engine_pb2.SequenceUpdate(  # choice 0 ends before its first token
+                index=0, finish_reason=common_pb2.FINISH_REASON_CANCELLED, usage=usage,
+                prompt_logprobs=[entry(58, -1.5), entry(59, -2.5)]),
+            engine_pb2.SequenceUpdate(
+                index=1, token_ids=[ord("A")], logprobs=[entry(ord("A"), -0.25)],
+                finish_reason=common_pb2.FINISH_REASON_LENGTH, usage=usage)]
+        answer = await client.completions.create(
+            model="fake-model", prompt=[81, 58, 59], max_tokens=1, n=2, echo=True,
+            logprobs=1, temperature=1.0)
+    by_index = {c.index: c for c in answer.choices}
+    assert by_index[1].text == "Q:;A"
+    assert by_index[1].logprobs.token_logprobs == [None, -1.5, -2.5, -0.25]
+    assert by_index[0].logprobs.token_logprobs == [None, -1.5, -2.5]
 
 
 async def test_echo_puts_the_prompt_before_the_completion_or_alone_with_max_tokens_0():
