@@ -56,7 +56,7 @@ from services.common.wire.chat import ChatMessage
 from services.common.wire.tools import FunctionTool, ToolRequest
 from services.router.tools.formats import ToolCallFormat
 from services.router.tools.hermes import needs_render, render
-from services.router.tools.validate import constrain, tool_request
+from services.router.tools.validate import constrain, tool_request, tools_byte_limit
 
 #: Most characters in a caller-chosen request id (it travels as gRPC metadata).
 MAX_REQUEST_ID_LENGTH = 128
@@ -412,9 +412,11 @@ def _validate_tools(pb: generation_pb2.GenerateRequest,
     Raises:
       InvalidRequestError: FAILED_PRECONDITION naming ``chat.tools`` where the
         model is served with ``--tool-call-format MODEL=none``; INVALID_ARGUMENT
-        for a bad tool (:func:`tool_request`).
+        for a bad tool, or tools over the model's byte limit (:func:`tool_request`,
+        :func:`tools_byte_limit`).
     """
-    tools = tool_request(pb.chat) if pb.WhichOneof("input") == "chat" else None
+    tools = (tool_request(pb.chat, max_bytes=tools_byte_limit(limits.max_model_len))
+             if pb.WhichOneof("input") == "chat" else None)
     if tools is not None and tools.tools and limits.tool_call_format is ToolCallFormat.NONE:
         raise InvalidRequestError(
             "chat.tools", f"model {limits.model!r} is served without tool calling "

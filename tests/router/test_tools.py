@@ -205,6 +205,26 @@ def test_openai_tools_become_the_typed_request() -> None:
     assert tool_request(_chat({})) is None
 
 
+def test_tools_over_the_models_byte_limit_are_refused_naming_tools_before_compiling() -> None:
+    """QA, issue 33: a huge tool schema became a huge prompt with no stated
+    limit. Now 4 bytes of definitions per token of the context window."""
+    limit = CHAT_LIMITS.max_model_len * 4
+    described = {"type": "function", "function": {
+        "name": "f", "description": "x" * (limit - len('f{"type": "object"}')),
+        "parameters": {"type": "object"}}}
+    at_limit = _openai({"tools": [described]})
+    validate_request(at_limit, request_id="r", models={"tiny": CHAT_LIMITS},
+                     default_model="tiny")
+    described["function"]["description"] += "x"
+    with pytest.raises(InvalidRequestError) as info:
+        validate_request(_openai({"tools": [described]}), request_id="r",
+                         models={"tiny": CHAT_LIMITS}, default_model="tiny")
+    assert openai_param(info.value.field) == "tools"
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"take {limit + 1} bytes, more than this model's limit of {limit} bytes" \
+        in str(info.value)
+
+
 # ------------------------------------------------------------ the format flag
 
 
