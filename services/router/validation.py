@@ -97,6 +97,10 @@ class ModelLimits:
         tokenizer decides.
       tool_call_format: how tools are rendered and called
         (:mod:`services.router.tools.formats`, resolved: TEMPLATE, HERMES or NONE).
+      tool_turns: the chat template renders a ``tool`` turn after an assistant
+        turn (:func:`~services.router.tools.formats.takes_tool_turns`) and the
+        tokenizer accepts the role: the Hermes format writes tool results there
+        (:func:`~services.router.tools.hermes.render`).
     """
 
     model: str
@@ -108,6 +112,7 @@ class ModelLimits:
     eos_token_ids: tuple[int, ...] = ()
     chat_roles: tuple[str, ...] = ()
     tool_call_format: ToolCallFormat = ToolCallFormat.HERMES
+    tool_turns: bool = False
 
 
 @dataclass(frozen=True)
@@ -295,7 +300,8 @@ def _validate_messages(chat: generation_pb2.Chat, limits: ModelLimits,
             f"{MAX_HISTORY_WINDOWS} context windows' worth; send only recent turns",
             grpc.StatusCode.OUT_OF_RANGE)
     if rendered:
-        return render(messages, tools.tools if tools is not None else ())
+        return render(messages, tools.tools if tools is not None else (),
+                      tool_turns=limits.tool_turns)
     return messages
 
 

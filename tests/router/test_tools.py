@@ -114,6 +114,16 @@ def test_render_puts_tools_in_the_system_turn_and_results_in_a_user_turn() -> No
     assert out[3] == ChatMessage("user", "<tool_response>\n3 C\n</tool_response>\n"
                                          "<tool_response>\nwindy\n</tool_response>")
     assert len(out) == 4 and all(not m.tool_calls for m in out)
+    # A template that renders `tool` turns (ChatML) gets the results there, bare.
+    turns = hermes.render(messages, (WEATHER,), tool_turns=True)
+    assert turns[:3] == out[:3]
+    assert turns[3:] == (ChatMessage("tool", "3 C"), ChatMessage("tool", "windy"))
+    limits = dataclasses.replace(CHAT_LIMITS, tool_turns=True)
+    pb = _openai({"tools": [_tool({"type": "object"})]})
+    pb.chat.messages.add(role="assistant").tool_calls.add(id="c1", name="f", arguments="{}")
+    pb.chat.messages.add(role="tool", content="3 C", tool_call_id="c1")
+    served = validate_request(pb, request_id="r", models={"tiny": limits}, default_model="tiny")
+    assert served.messages is not None and served.messages[-1] == ChatMessage("tool", "3 C")
 
 
 # ---------------------------------------------------------------- grammar
