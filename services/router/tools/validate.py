@@ -53,8 +53,8 @@ def tools_byte_limit(max_model_len: int) -> int:
 def tools_bytes(chat: generation_pb2.Chat) -> int:
     """The UTF-8 bytes of ``chat``'s tool definitions: every function's name,
     description and parameters JSON (what the prompt renders)."""
-    return sum(len(t.name.encode()) + len(t.description.encode())
-               + len(t.parameters_json.encode()) for t in chat.tools)
+    return sum(len(text.encode("utf-8", "surrogatepass")) for t in chat.tools
+               for text in (t.name, t.description, t.parameters_json))
 
 
 def tool_request(chat: generation_pb2.Chat, *, max_bytes: int | None = None
