@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING
 
 from services.common.broken_pipe import leave_quietly
 from services.common.tracing import otlp_endpoint
+from services.router.cascade.flags import add_arguments as add_cascade_arguments
+from services.router.cascade.flags import router_args as cascade_router_args
 
 if TYPE_CHECKING:
     from services.cli.mesh import MeshProgress
@@ -246,7 +248,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if problem:
         print(f"llmesh: {problem}", file=sys.stderr)
         return 2
-    router_args = list(args.router_arg)
+    router_args = [*args.router_arg, *cascade_router_args(args)]
     if args.api_keys is not None:
         router_args += ["--api-keys", os.path.abspath(args.api_keys)]
     mesh = Mesh(
@@ -780,6 +782,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "--device is not the CPU)")
     up.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
                     help="extra engine argument, repeatable: --engine-arg=--flag=value")
+    add_cascade_arguments(up)
     up.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                     help="extra router argument, repeatable: --router-arg=--max-tokens-cap=512")
     up.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True,
