@@ -8,7 +8,7 @@ Gemma 3 270M base Q4_K_M as ``large``, each with one engine) and one router
 per cascade threshold (``--cascade small,large --cascade-min-mean-logprob
 T``; the mesh's router serves the first), then sends every prompt of
 ``benchmarks/data/cascade_prompts.jsonl`` (``Question: Q\\nAnswer:``, greedy,
-stop at a newline, ``bypass_cache``) to each policy in turn: small only,
+``max_tokens`` 8, ``bypass_cache``) to each policy in turn: small only,
 large only, then the cascade at each threshold, prompt by prompt (the
 policies interleaved, so the machine's drift hits all alike), one request at
 a time, straight to the routers' gRPC ports.
@@ -17,9 +17,9 @@ Per policy it prints TTFT p50/p99 and TPOT p50 (client side, streamed),
 compute per answer (engine-seconds: the growth of both engines'
 ``llmesh:engine_step_duration_seconds_sum`` across the request, the small
 model's discarded windows included), the escalation rate, exact match (an
-accepted answer in the output's first line, case-insensitive) and agreement
-with the large model's greedy answer (the same first line), with the load
-averages before and after. ``--json`` writes every answer.
+accepted answer in the output's first non-empty line, case-insensitive) and
+agreement with the large model's greedy answer (the same first line), with
+the load averages before and after. ``--json`` writes every answer.
 """
 
 from __future__ import annotations
@@ -69,8 +69,7 @@ def ask(stub: generation_pb2_grpc.GenerationServiceStub, model: str, question: s
     """One streamed greedy request: text, TTFT, TPOT and the answer's path."""
     request = generation_pb2.GenerateRequest(
         model=model, prompt=f"Question: {question}\nAnswer:", bypass_cache=True,
-        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                           stop=["\n"]))
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens))
     sent = time.perf_counter()
     first = last = None
     text, tokens, final = [], 0, None
@@ -94,14 +93,16 @@ def ask(stub: generation_pb2_grpc.GenerationServiceStub, model: str, question: s
 
 
 def first_line(text: str) -> str:
-    return text.strip().splitlines()[0].strip().lower() if text.strip() else ""
+    """The first non-empty line, lower case."""
+    return next((line.strip().lower() for line in text.splitlines() if line.strip()), "")
 
 
 def summarize(name: str, rows: list[dict[str, object]]) -> str:
     ttfts = [float(r["ttft"]) for r in rows if r["ttft"] is not None]
     tpots = [float(r["tpot"]) for r in rows if r["tpot"] is not None]
     n = len(rows)
-    return (f"| {name} | {percentile(ttfts, 0.5) * 1e3:.0f} | {percentile(ttfts, 0.99) * 1e3:.0f} "
+    return (f"| {name} | {percentile(ttfts, 0.5) * 1e3:.0f} "
+            f"| {percentile(ttfts, 0.99) * 1e3:.0f} "
             f"| {statistics.median(tpots) * 1e3:.1f} "
             f"| {statistics.mean(float(r['engine_s']) for r in rows):.3f} "
             f"| {sum(1 for r in rows if r['escalated']) / n:.0%} "
@@ -111,10 +112,10 @@ def summarize(name: str, rows: list[dict[str, object]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--thresholds", type=float, nargs="+", default=[-0.3, -0.6, -1.0])
+    parser.add_argument("--thresholds", type=float, nargs="+", default=[-0.5, -0.9, -1.3])
     parser.add_argument("--window", type=int, default=8)
     parser.add_argument("--limit", type=int, default=0, help="first N prompts only")
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     prompts = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]

@@ -33,8 +33,9 @@ def validate_alias(pb: generation_pb2.GenerateRequest, header_mode: str | None,
     """
     if policy is None or pb.model != policy.alias:
         if pb.cascade:
-            raise InvalidRequestError("cascade", "is for the cascade's alias model only "
-                                      f"({'none is configured' if policy is None else repr(policy.alias)})")
+            alias = "none is configured" if policy is None else repr(policy.alias)
+            raise InvalidRequestError("cascade", f"is for the cascade's alias model only "
+                                      f"({alias})")
         return None
     mode = CascadeMode.of(pb.cascade, header_mode)
     validated: list[GenerationRequest] = []
