@@ -173,6 +173,7 @@ def test_cancel_in_the_window_ends_both_generations(
     final = session.next()
     session.close()
     assert final.finish_reason == common_pb2.FINISH_REASON_CANCELLED and not final.token_ids
+    assert final.usage.completion_tokens == 0  # nothing was released
     assert_idle(engines)
 
 

@@ -117,7 +117,10 @@ class Cascade:
             request, model=policy.small, cascade=small_leg,
             sampling=dataclasses.replace(request.sampling, logprobs=asked))
         started = time.monotonic()
-        events = run_model(small, progress)
+        # The caller's progress (a cancelled call's usage) counts only what
+        # was released: the small leg's own is copied into it from then on.
+        small_progress = Progress()
+        events = run_model(small, small_progress)
         async with contextlib.aclosing(events):
             window = await hold(events, policy.window_tokens)
             confidence = score(window.logprobs(policy.window_tokens), policy.margin)
@@ -133,6 +136,7 @@ class Cascade:
                         _released(window.released(client_logprobs), events,
                                   client_logprobs), path)) as kept:
                     async for event in kept:
+                        _copy(small_progress, progress)
                         yield event
                 return
             path = AnswerPath(policy.large, True, reason, confidence.mean_logprob,
@@ -142,7 +146,6 @@ class Cascade:
         # The small stream is closed: its engine sequence is cancelled.
         self.metrics.decided(tag.alias, path, held_back_s=held_back_s,
                              discarded_tokens=window.tokens)
-        progress.completion_tokens = progress.cached_prompt_tokens = 0
         large = dataclasses.replace(request, model=policy.large,
                                     cascade=dataclasses.replace(tag, leg="large", path=path))
         async with contextlib.aclosing(_stamped(run_model(large, progress), path)) as answer:
@@ -158,6 +161,12 @@ async def _released(held: list[Event], rest: AsyncIterator[Event],
         yield event
     async for event in rest:
         yield for_client(event, client_logprobs)
+
+
+def _copy(source: Progress, target: Progress) -> None:
+    target.prompt_tokens = source.prompt_tokens
+    target.completion_tokens = source.completion_tokens
+    target.cached_prompt_tokens = source.cached_prompt_tokens
 
 
 async def _stamped(events: AsyncIterator[Event], path: AnswerPath) -> AsyncIterator[Event]:
