@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from services.common.broken_pipe import leave_quietly
 from services.common.tracing import otlp_endpoint
 from services.router.cascade.flags import add_arguments as add_cascade_arguments
+from services.router.cascade.flags import problem as cascade_problem
 from services.router.cascade.flags import router_args as cascade_router_args
 
 if TYPE_CHECKING:
@@ -318,6 +319,9 @@ def _up_problem(args: argparse.Namespace, engine_args: list[str]) -> str | None:
         return problem
     if args.api_keys is not None and not os.path.isfile(args.api_keys):
         return f"--api-keys: no file at {args.api_keys}"
+    problem = cascade_problem(args, [m.name for m in args.models])
+    if problem:
+        return problem
     return _host_memory_problem(args.engines * max(1, len(args.models)), engine_args)
 
 

@@ -225,3 +225,12 @@ async def test_leaving_during_the_window_closes_the_small_leg() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert legs.closed == ["small"]
+
+
+def test_up_refuses_a_cascade_over_models_it_does_not_serve() -> None:
+    parser = argparse.ArgumentParser()
+    flags.add_arguments(parser)
+    args = parser.parse_args(["--cascade", "small,large"])
+    assert flags.problem(args, ["small", "large"]) is None
+    assert "['large']" in (flags.problem(args, ["small"]) or "")
+    assert "SMALL,LARGE" in (flags.problem(parser.parse_args(["--cascade", "a"]), []) or "")

@@ -63,6 +63,22 @@ def policy_from_args(args: argparse.Namespace) -> CascadePolicy | None:
     return CascadePolicy(models[0], models[1], **knobs)
 
 
+def problem(args: argparse.Namespace, models: list[str]) -> str | None:
+    """What is wrong with ``llmesh up``'s cascade flags given its ``--model``
+    names (checked before any service starts), or None."""
+    try:
+        policy = policy_from_args(args)
+    except ValueError as err:
+        return str(err)
+    if policy is None:
+        return None
+    missing = [m for m in (policy.small, policy.large) if m not in models]
+    if missing:
+        return (f"--cascade names {missing}, which no --model NAME=PATH serves "
+                f"(served: {models or ['the default model only']})")
+    return None
+
+
 def router_args(args: argparse.Namespace) -> list[str]:
     """The flags set on ``llmesh up``, for its router."""
     out = [] if args.cascade is None else ["--cascade", args.cascade]
@@ -73,4 +89,4 @@ def router_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
-__all__ = ["add_arguments", "policy_from_args", "router_args"]
+__all__ = ["add_arguments", "policy_from_args", "problem", "router_args"]
