@@ -35,6 +35,9 @@ from typing import TYPE_CHECKING
 
 from services.common.broken_pipe import leave_quietly
 from services.common.tracing import otlp_endpoint
+from services.router.cascade.flags import add_arguments as add_cascade_arguments
+from services.router.cascade.flags import problem as cascade_problem
+from services.router.cascade.flags import router_args as cascade_router_args
 
 if TYPE_CHECKING:
     from services.cli.mesh import MeshProgress
@@ -246,7 +249,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if problem:
         print(f"llmesh: {problem}", file=sys.stderr)
         return 2
-    router_args = list(args.router_arg)
+    router_args = [*args.router_arg, *cascade_router_args(args)]
     if args.api_keys is not None:
         router_args += ["--api-keys", os.path.abspath(args.api_keys)]
     mesh = Mesh(
@@ -316,6 +319,9 @@ def _up_problem(args: argparse.Namespace, engine_args: list[str]) -> str | None:
         return problem
     if args.api_keys is not None and not os.path.isfile(args.api_keys):
         return f"--api-keys: no file at {args.api_keys}"
+    problem = cascade_problem(args, [m.name for m in args.models])
+    if problem:
+        return problem
     return _host_memory_problem(args.engines * max(1, len(args.models)), engine_args)
 
 
@@ -784,6 +790,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "--device is not the CPU)")
     up.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
                     help="extra engine argument, repeatable: --engine-arg=--flag=value")
+    add_cascade_arguments(up)
     up.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                     help="extra router argument, repeatable: --router-arg=--max-tokens-cap=512")
     up.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True,

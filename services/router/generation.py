@@ -107,6 +107,7 @@ from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason, InvalidRequestError, SamplingOptions
 from services.common.wire.engine_stream import EngineUpdate, Usage
 from services.common.wire.tools import ToolCallDelta
+from services.router.cascade.path import AnswerPath
 from services.router.admission import (
     AdmissionController,
     AdmissionRefused,
@@ -164,6 +165,8 @@ class Delta:
       index: the choice (0..n-1) this delta belongs to.
       tool_calls: with tools: the call pieces parsed out of the text
         (:mod:`services.router.tools.stream`; ``text`` then holds content only).
+      path: on the first event of an answer to the cascade alias: the path it
+        took (:mod:`services.router.cascade`); None otherwise.
     """
 
     text: str
@@ -172,6 +175,7 @@ class Delta:
     prompt_logprobs: tuple[PositionLogprobs, ...] = ()
     index: int = 0
     tool_calls: tuple[ToolCallDelta, ...] = ()
+    path: AnswerPath | None = None
 
 
 @dataclass(frozen=True)
@@ -191,6 +195,9 @@ class Finished:
       index: the choice (0..n-1) that ended; with ``sampling.n`` > 1 each
         choice has its own Finished and ``usage.completion_tokens`` is that
         choice's.
+      model: the model that produced the answer (set by
+        :meth:`GenerationPipeline.run`).
+      path: for an answer to the cascade alias, the path it took.
     """
 
     reason: FinishReason
@@ -198,6 +205,8 @@ class Finished:
     usage: Usage
     cached: bool = False
     index: int = 0
+    model: str = ""
+    path: AnswerPath | None = None
 
 
 Event = Delta | Finished
@@ -478,6 +487,7 @@ class GenerationPipeline:
                     if isinstance(event, Finished):
                         outcome = event.reason.name.lower()
                         info.update(matched_stop=event.matched_stop)
+                        event = dataclasses.replace(event, model=request.model)
                     yield event
         except Exception as err:
             failure = _client_failure(err, progress.completion_tokens, request.model)
@@ -1087,6 +1097,8 @@ class GenerationPipeline:
             queue_ms=_ms(None if timing.dispatched_at is None
                          else timing.dispatched_at - timing.received_at),
             tpot_ms=_ms(tpot), priority=request.priority.name.lower(), **info)
+        if request.cascade is not None:
+            fields.update(model=request.model, **request.cascade.log_fields())
         if self.log_content:
             fields.update(prompt=request.prompt if request.prompt is not None
                           else list(request.prompt_token_ids)
@@ -1188,8 +1200,9 @@ def merge_deltas(earlier: Event, later: Event) -> Event | None:
     if not (isinstance(earlier, Delta) and isinstance(later, Delta)
             and earlier.index == later.index and not later.prompt_logprobs):
         return None
-    return Delta(earlier.text + later.text, earlier.token_ids + later.token_ids,
-                 earlier.logprobs + later.logprobs, earlier.prompt_logprobs, earlier.index)
+    return dataclasses.replace(
+        earlier, text=earlier.text + later.text, token_ids=earlier.token_ids + later.token_ids,
+        logprobs=earlier.logprobs + later.logprobs)
 
 
 def slow_client_error(err: WriteStalled, completion_tokens: int) -> GenerationError:

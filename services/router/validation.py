@@ -54,6 +54,7 @@ from services.common.sampling import (
 )
 from services.common.wire.chat import ChatMessage
 from services.common.wire.tools import FunctionTool, ToolRequest
+from services.router.cascade.policy import CascadeLeg
 from services.router.tools.formats import ToolCallFormat
 from services.router.tools.hermes import needs_render, render
 from services.router.tools.validate import constrain, tool_request, tools_byte_limit
@@ -141,7 +142,9 @@ class GenerationRequest:
     ``sampling.structured_output``. In the ``hermes`` tool format they are
     already rendered into ``messages``; in the ``template`` format they are
     ``chat_tools``, which the chat template renders (with the messages'
-    ``tool_calls`` and ``tool_call_id``).
+    ``tool_calls`` and ``tool_call_id``). ``cascade``: set on a request to the
+    cascade alias (:mod:`services.router.cascade`; ``model`` is then the leg's
+    model), None otherwise.
     """
 
     request_id: str
@@ -160,6 +163,7 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     tools: ToolRequest | None = None
     chat_tools: tuple[FunctionTool, ...] = ()
+    cascade: CascadeLeg | None = None
 
     @property
     def is_chat(self) -> bool:
