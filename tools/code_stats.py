@@ -18,7 +18,7 @@ With ``--merges`` it also lists the merge implementations and merge buffers
 (the slow-reader buffers of a token stream), found by reading the code:
 
 * a merge function is one whose name starts with ``merge`` or ``merged``
-  (a leading ``_`` allowed), e.g. ``merge_updates``;
+  (a leading ``_`` allowed), e.g. ``merge_deltas``;
 * a merge buffer is a function or method that calls a merge function (or a
   ``merge`` / ``_merge`` it holds) and stores the result under a key
   (``pending[key] = merge(...)``): the place pending updates wait, merged.

@@ -14,6 +14,12 @@ def test_counts_the_forms_of_a_token_from_the_engine_core_to_the_client() -> Non
     assert path.router_forms[-1] == "llmesh.v1.GenerateResponse"
     # The wire message counted once; a type the router decodes into again counts again.
     assert path.client_forms == path.forms + path.router_forms[1:]
+    # The engine core's delta is the wire's type, sent and read back as itself
+    # (issue 32: 7 forms before; the router's pipeline event is the one left
+    # above the target of 4).
+    assert path.forms == ("services.common.wire.engine_stream.TokenDelta",
+                          "llmesh.v1.SequenceUpdate")
+    assert len(path.client_forms) <= 5
     report = engine_path.report(path)
     assert report[0].startswith(f"{len(path.client_forms)} forms of a token, engine core to "
                                 "client: ")
