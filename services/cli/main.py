@@ -323,8 +323,10 @@ def _host_memory_problem(num_engines: int, engine_args: list[str]) -> str | None
     """Whether ``num_engines`` engines started with ``engine_args`` (and the
     ``LLMESH_ENGINE_*`` environment) would together fill more host memory with
     KV than ``MemAvailable`` (:mod:`services.engine.host_memory`); each engine
-    checks only itself when it starts. Flags that do not parse are left to the
-    engines, which refuse them with their own message."""
+    checks only itself when it starts. An engine flag or variable that does not
+    parse (``--kv-cache-bytes=1PiB``) is refused here with the engines' own
+    parser's one line (the flag and the accepted units), since every engine
+    would refuse it; flags the engines do not know are left to them."""
     from services.engine import host_memory
     from services.engine.config import add_engine_arguments, engine_config_from_args
 
@@ -332,9 +334,11 @@ def _host_memory_problem(num_engines: int, engine_args: list[str]) -> str | None
     try:
         add_engine_arguments(parser)
         known, _ = parser.parse_known_args(engine_args)
-        config = engine_config_from_args(known)
-    except (argparse.ArgumentError, ValueError):
-        return None
+    except argparse.ArgumentError as error:
+        return f"--engine-arg: {error}"
+    except ValueError as error:  # an LLMESH_ENGINE_* variable (it names itself)
+        return str(error)
+    config = engine_config_from_args(known)
     try:
         host_memory.check_engines_host_memory(
             host_memory.host_kv_bytes(config), num_engines,

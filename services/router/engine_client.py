@@ -69,10 +69,11 @@ class EngineStream:
     """
 
     def __init__(self, mux: MuxClient[EngineStart | StreamCancel, TokenDelta],
-                 stream_id: int, target: str, deadline: float | None, n: int = 1) -> None:
+                 stream_id: int, make_error: Callable[[grpc.StatusCode, str], UpstreamError],
+                 deadline: float | None, n: int = 1) -> None:
         self._mux = mux
         self.stream_id = stream_id
-        self.target = target
+        self._make_error = make_error
         self._inbox: StreamInbox[int, TokenDelta] = StreamInbox(merge_deltas)  # by choice
         self._choices_left = n
         # The router's own clock for this hop (the engine also gets timeout_ms):
@@ -82,8 +83,8 @@ class EngineStream:
 
     def _expire(self) -> None:
         if not self._inbox.done:
-            self.fail(UpstreamError(_SERVICE, self.target, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    "the call's deadline passed before the engine finished"))
+            self.fail(self._make_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       "the call's deadline passed before the engine finished"))
             self._mux.send(StreamCancel(self.stream_id))
 
     # ---- fed by the call's reader (Receiver) -----------------------------------------
@@ -96,7 +97,7 @@ class EngineStream:
             if update.token_ids:
                 self._inbox.put(update.index, replace(update, finish_reason=FinishReason.NONE,
                                                       error="", error_status=""))
-            self.fail(UpstreamError(_SERVICE, self.target, status, update.error))
+            self.fail(self._make_error(status, update.error))
             return True
         last = update.finished
         self._choices_left -= last
@@ -267,12 +268,18 @@ class EngineClient:
                                   unpack=unpack_updates, make_error=self._error,
                                   service=_SERVICE, target=self.target,
                                   on_failed=self._call_failed)
-        stream = EngineStream(self._mux, stream_id, self.target, deadline, sampling.n)
+        stream = EngineStream(self._mux, stream_id, self._error, deadline, sampling.n)
         self._mux.open(stream_id, stream, start)
         return stream
 
+    @property
+    def replica_id(self) -> str:
+        """The replica's id from ``GetModelInfo`` (what a client may be told;
+        never the address), "" before the first answer or when it sends none."""
+        return "" if self.info is None else self.info.replica_id
+
     def _error(self, code: grpc.StatusCode, details: str) -> UpstreamError:
-        return UpstreamError(_SERVICE, self.target, code, details)
+        return UpstreamError(_SERVICE, self.target, code, details, replica=self.replica_id)
 
     def _call_failed(self, why: str) -> None:
         if self.on_call_failed is not None:

@@ -307,16 +307,38 @@ def _stopped_error() -> Exception:
                            "the router is stopping; retry on another router")
 
 
-def upstream_to_generation_error(err: UpstreamError, *,
+def upstream_name(service: str, replica: str, model: str) -> str:
+    """How a client is told which upstream failed: an engine by its replica id
+    (``engine replica 'host-12' of model 'smol'``), another service by its
+    role; never its address (that goes to the router's log)."""
+    of = f" of model {model!r}" if model else ""
+    if service == "engine":
+        return f"engine replica {replica!r}{of}" if replica else f"an engine replica{of}"
+    return f"the {service}" + (f" for model {model!r}" if model else "")
+
+
+def upstream_to_generation_error(err: UpstreamError, *, model: str = "",
                                  completion_tokens: int = 0) -> GenerationError:
-    """The client-facing status for an upstream failure.
+    """The client-facing status for an upstream failure, and the router's log
+    line for it (``upstream_failed`` / ``upstream_refused``, with the call's
+    ``request_id``): the log gets the upstream's address and its status
+    details; the client gets the upstream's name (:func:`upstream_name`) and
+    what to do, and the details only of a refusal of the request's own
+    content (INVALID_ARGUMENT, OUT_OF_RANGE, FAILED_PRECONDITION,
+    UNIMPLEMENTED), which are the upstream's words about the request.
 
     Args:
+      model: the request's model, named in the message ("" to leave it out).
       completion_tokens: tokens already streamed to the client; a deadline that
         passes after some says the answer was cut, not that nothing came.
     """
-    where = f"{err.service} at {err.target}"
     code = err.code
+    refused = code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                       grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
+    (log.info if refused else log.warning)(
+        "upstream_refused" if refused else "upstream_failed", upstream=err.service,
+        target=err.target, replica=err.replica, code=code.name, details=err.details)
+    who = upstream_name(err.service, err.replica, model)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         if completion_tokens:
             return GenerationError(code, (
@@ -329,29 +351,27 @@ def upstream_to_generation_error(err: UpstreamError, *,
                                "(before the first token); allow a longer deadline")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return GenerationError(grpc.StatusCode.UNAVAILABLE,
-                               f"{where} is unavailable: {err.details}")
+                               f"{who} is unavailable; retry the request")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return GenerationError(code, f"{where} is at capacity, retry later: {err.details}")
+        return GenerationError(code, f"{who} is at capacity; retry later")
     if code == grpc.StatusCode.ALREADY_EXISTS:
         return GenerationError(code, f"request_id: another request with this id is still "
-                               f"running on {where}; use a unique request_id ({err.details})")
-    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
-                grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
+                               f"running on {who}; use a unique request_id")
+    if refused:
         # An engine names the field first (``sampling.structured_output.regex:
-        # ...``): that message is the client's, without the replica's address
-        # (logged, not returned). A field the engine backend cannot honour is
-        # INVALID_ARGUMENT (older engines said UNIMPLEMENTED, which the OpenAI
-        # endpoint would answer with a 5xx that clients retry): the client's
-        # to drop, not a fault.
+        # ...``): that message is the client's. A field the engine backend
+        # cannot honour is INVALID_ARGUMENT (older engines said UNIMPLEMENTED,
+        # which the OpenAI endpoint would answer with a 5xx that clients
+        # retry): the client's to drop, not a fault.
         named = _FIELD_FIRST.match(err.details) if err.service == "engine" else None
         if named is not None:
-            log.info("upstream_refused", upstream=where, code=code.name, field=named[1])
             if code == grpc.StatusCode.UNIMPLEMENTED:
                 code = grpc.StatusCode.INVALID_ARGUMENT
             return GenerationError(code, err.details, field=named[1])
-        return GenerationError(code, f"{where} refused the request: {err.details}")
+        return GenerationError(code, f"{who} refused the request: {err.details}")
     return GenerationError(grpc.StatusCode.INTERNAL,
-                           f"{where} failed: {code.name}: {err.details}")
+                           f"{who} failed ({code.name}); see the router's log for this "
+                           "request_id")
 
 
 class GenerationPipeline:
@@ -460,7 +480,7 @@ class GenerationPipeline:
                         info.update(matched_stop=event.matched_stop)
                     yield event
         except Exception as err:
-            failure = _client_failure(err, progress.completion_tokens)
+            failure = _client_failure(err, progress.completion_tokens, request.model)
             outcome = "internal" if failure is None else failure.code.name.lower()
             if isinstance(failure, GenerationError):
                 info.update(error=failure.message)
@@ -486,7 +506,7 @@ class GenerationPipeline:
         try:
             return await self._prompt_ids(request, self.models[request.model], deadline, {})
         except UpstreamError as err:
-            raise upstream_to_generation_error(err) from err
+            raise upstream_to_generation_error(err, model=request.model) from err
 
     async def close(self) -> None:
         """Cancels the shared generations still running, waits briefly for
@@ -703,7 +723,7 @@ class GenerationPipeline:
             raise
         except UpstreamError as err:
             raise upstream_to_generation_error(
-                err, completion_tokens=progress.completion_tokens) from err
+                err, model=request.model, completion_tokens=progress.completion_tokens) from err
         except Exception as err:
             log.error("internal_error", exc_info=err)
             raise GenerationError(grpc.StatusCode.INTERNAL, (
@@ -810,11 +830,14 @@ class GenerationPipeline:
                     engine.closed(request.priority)
                     if stream is not None:
                         stream.close()
-        tried = "; ".join(f"{e.target}: {e.code.name}: {e.details}" for e in failures)
+        # Each failure was logged above with its address and details; the
+        # client gets the replicas' ids and codes.
+        tried = "; ".join(f"{e.replica or '?'}: {e.code.name}" for e in failures)
         code = (grpc.StatusCode.RESOURCE_EXHAUSTED
                 if all(e.code == grpc.StatusCode.RESOURCE_EXHAUSTED for e in failures)
                 else grpc.StatusCode.UNAVAILABLE)
-        raise GenerationError(code, f"no engine replica could take the request ({tried})")
+        raise GenerationError(code, f"no engine replica could take the request for model "
+                              f"{request.model!r} (tried {tried}); retry in a few seconds")
 
     async def _from_engine(
         self, request: GenerationRequest, prompt_ids: tuple[int, ...],
@@ -847,7 +870,9 @@ class GenerationPipeline:
                 if keep_output:
                     choice.text.append(safe)
                     choice.ids.extend(ids)
-                if safe or ids:
+                # An update with no token may still carry the prompt's logprobs
+                # (choice 0 ended CANCELLED before its first token): they go on.
+                if safe or ids or delta.prompt_logprobs:
                     if ids:
                         now = self._token_time(timing)
                         if ticket is not None:
@@ -989,8 +1014,10 @@ class GenerationPipeline:
         try:
             self.decoder.check_token_ids(ids)
         except ValueError as err:
-            raise GenerationError(grpc.StatusCode.INTERNAL,
-                                  f"engine at {engine.target} returned a bad token: {err}") from err
+            log.error("engine_bad_token", engine=engine.target, error=str(err))
+            raise GenerationError(grpc.StatusCode.INTERNAL, (
+                f"{upstream_name('engine', engine.replica_id, '')} returned a bad token: "
+                f"{err}")) from err
         if with_ends:
             return detok.add_with_ends(ids, flush=last)
         text = detok.add(ids)
@@ -1079,7 +1106,7 @@ class _Held:
             self.ticket.release()
 
 
-def _client_failure(err: Exception, completion_tokens: int
+def _client_failure(err: Exception, completion_tokens: int, model: str
                     ) -> InvalidRequestError | GenerationError | None:
     """The client's status for a failure inside :meth:`GenerationPipeline.run`:
     ``err`` itself when it is one, an upstream failure or a stalled write
@@ -1087,7 +1114,8 @@ def _client_failure(err: Exception, completion_tokens: int
     if isinstance(err, (InvalidRequestError, GenerationError)):
         return err
     if isinstance(err, UpstreamError):
-        return upstream_to_generation_error(err, completion_tokens=completion_tokens)
+        return upstream_to_generation_error(err, model=model,
+                                            completion_tokens=completion_tokens)
     if isinstance(err, WriteStalled):
         return slow_client_error(err, completion_tokens)
     return None
@@ -1121,9 +1149,10 @@ def _choice_of(choices: Sequence[_ChoiceOutput], delta: TokenDelta,
       GenerationError: INTERNAL for an index beyond ``sampling.n`` (an engine fault).
     """
     if not 0 <= delta.index < len(choices):
+        log.error("engine_bad_choice", engine=engine.target, index=delta.index, n=len(choices))
         raise GenerationError(grpc.StatusCode.INTERNAL,
-                              f"engine at {engine.target} sent choice {delta.index} of a "
-                              f"request with n = {len(choices)}")
+                              f"{upstream_name('engine', engine.replica_id, '')} sent choice "
+                              f"{delta.index} of a request with n = {len(choices)}")
     return choices[delta.index]
 
 
