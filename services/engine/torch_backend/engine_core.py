@@ -681,11 +681,13 @@ def _deliver_all(items: list[tuple[Sequence, str]]) -> None:
     :meth:`Sequence.delta`) to its sequence's sink, thread-safe: the deltas
     are built here (on the worker thread, in order) and delivered by one
     callback per event loop, so a step of 16 sequences wakes the loop once. A
-    loop that closed drops its deltas."""
+    loop that closed drops its deltas; a sequence without a sink (unit tests)
+    has its delta taken all the same, so that the next one starts after it."""
     by_loop: dict[asyncio.AbstractEventLoop, list[_Put]] = {}
     for seq, error in _with_unforked(items):
+        delta = seq.delta(error)
         if seq.sink is not None:
-            by_loop.setdefault(seq.sink.loop, []).append((seq.sink, seq.delta(error)))
+            by_loop.setdefault(seq.sink.loop, []).append((seq.sink, delta))
     for loop, deltas in by_loop.items():
         try:
             loop.call_soon_threadsafe(_deliver_step, deltas)
