@@ -105,7 +105,7 @@ from services.common import tracing
 from services.common.detokenizer import IncrementalDetokenizer, TokenizersDecoder
 from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason, InvalidRequestError, SamplingOptions
-from services.common.wire.engine_stream import EngineUpdate, Usage
+from services.common.wire.engine_stream import TokenDelta, Usage
 from services.common.wire.tools import ToolCallDelta
 from services.router.cascade.path import AnswerPath
 from services.router.admission import (
@@ -795,7 +795,7 @@ class GenerationPipeline:
     async def _open_engine(
         self, request: GenerationRequest, prompt_ids: tuple[int, ...],
         sampling: SamplingOptions, deadline: float | None, timing: _Timing, hint: RouteHint,
-    ) -> tuple[EngineClient, EngineStream, EngineUpdate]:
+    ) -> tuple[EngineClient, EngineStream, TokenDelta]:
         """Opens a stream on the best replica that answers (the routing policy's
         order); returns its first delta.
 
@@ -860,9 +860,7 @@ class GenerationPipeline:
         engine, stream, delta = await self._open_engine(
             request, prompt_ids, sampling, deadline, timing, hint)
         info.update(engine=engine.target)
-        if delta.usage is not None:
-            self.metrics.prefix_hit_tokens.labels(request.model).observe(
-                delta.usage.cached_prompt_tokens)
+        self.metrics.prefix_hit_tokens.labels(request.model).observe(delta.num_cached_tokens)
         # One detokenizer and stop-string matcher per choice (``sampling.n``).
         choices = [_ChoiceOutput(StopStringMatcher(sampling.stop,
                                                    sampling.include_stop_str_in_output),
@@ -909,7 +907,7 @@ class GenerationPipeline:
         return frozenset(sampling.stop_token_ids) | frozenset(eos)
 
     async def _choice_step(
-        self, choice: _ChoiceOutput, delta: EngineUpdate, hidden_ids: frozenset[int],
+        self, choice: _ChoiceOutput, delta: TokenDelta, hidden_ids: frozenset[int],
         sampling: SamplingOptions, progress: Progress, engine: EngineClient,
         stream: EngineStream,
     ) -> tuple[str, tuple[int, ...], Finished | None]:
@@ -919,11 +917,10 @@ class GenerationPipeline:
         :class:`Finished` when it ended (a stop string tells the engine to end
         the sequence, or this choice, at once)."""
         ids = delta.token_ids
-        if delta.usage is not None:
-            progress.cached_prompt_tokens = delta.usage.cached_prompt_tokens
+        progress.cached_prompt_tokens = delta.num_cached_tokens
         shown = ([p for p, i in enumerate(ids) if i not in hidden_ids] if hidden_ids
                  else range(len(ids)))
-        last = delta.finish_reason is not None
+        last = delta.finished
         matcher = choice.matcher
         text, text_ends = self._detokenize(choice.detok, [ids[p] for p in shown], engine,
                                            last=last, with_ends=bool(matcher.stops))
@@ -957,7 +954,7 @@ class GenerationPipeline:
                                             finished.reason, finished.matched_stop),
                         request.request_id)
 
-    def _delta(self, text: str, ids: tuple[int, ...], delta: EngineUpdate) -> Delta:
+    def _delta(self, text: str, ids: tuple[int, ...], delta: TokenDelta) -> Delta:
         """The event for ``ids`` (the leading ids of ``delta``: all, or those
         through a stop string) with their log-probabilities, token text filled
         in (the entries past a stop string are dropped, like their ids)."""
@@ -1036,17 +1033,15 @@ class GenerationPipeline:
         text = detok.add(ids)
         return (text + detok.flush() if last else text), ()
 
-    def _engine_finished(self, delta: EngineUpdate, progress: Progress,
+    def _engine_finished(self, delta: TokenDelta, progress: Progress,
                          choice: _ChoiceOutput) -> Finished:
         reason = delta.finish_reason
-        assert reason is not None
         if reason == FinishReason.ERROR:
             raise GenerationError(grpc.StatusCode.INTERNAL,
                                   "the engine failed the request (FINISH_REASON_ERROR)")
-        usage = delta.usage
-        if usage is not None and usage.completion_tokens:
+        if delta.num_generated_tokens:
             # The engine's count is authoritative (it knows what it generated).
-            choice.completion_tokens = usage.completion_tokens
+            choice.completion_tokens = delta.num_generated_tokens
         return Finished(reason, "", choice.usage(progress), index=delta.index)
 
     # ------------------------------------------------------------ helpers
@@ -1158,7 +1153,7 @@ class _ChoiceOutput:
                      progress.cached_prompt_tokens)
 
 
-def _choice_of(choices: Sequence[_ChoiceOutput], delta: EngineUpdate,
+def _choice_of(choices: Sequence[_ChoiceOutput], delta: TokenDelta,
                engine: EngineClient) -> _ChoiceOutput:
     """The output state of ``delta``'s choice.
 
