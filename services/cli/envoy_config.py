@@ -21,7 +21,7 @@ What the config does (see ``envoy/README.md`` for the why):
   (per-method counters for the public methods), ``router``;
 * the OpenAI-compatible paths (``OPENAI_PATHS``: ``/v1/chat/completions``,
   ``/v1/completions``, ``/v1/models``, vLLM's ``/tokenize`` and
-  ``/detokenize``, and ``/v1/models/{id}``) → cluster
+  ``/detokenize``, ``/v1/embeddings``, and ``/v1/models/{id}``) → cluster
   ``router_openai``, the router's HTTP/1.1 port (``--openai-port``), with the
   transcoder disabled on those routes (it would answer 404 for a path it does
   not know) and no idle timeout (a request may wait silently in the router's
@@ -207,7 +207,7 @@ ROUTER_CLUSTER = "router"
 OPENAI_CLUSTER = "router_openai"
 #: Paths routed to it (exact), and the prefix of ``GET /v1/models/{id}``.
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize",
-                "/detokenize")
+                "/detokenize", "/v1/embeddings")
 OPENAI_PREFIX = "/v1/models/"
 _TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
 
@@ -627,7 +627,7 @@ def _local_replies() -> LocalReplyConfig:
     not_found_body = Struct.from_dict({"error": {  # the router's own (openai_http.py)
         "message": "unknown route %REQ(:METHOD)% %REQ(:PATH)%; this server has POST "
                    "/v1/chat/completions, POST /v1/completions, GET /v1/models, POST "
-                   "/tokenize and POST /detokenize",
+                   "/tokenize, POST /detokenize and POST /v1/embeddings",
         "type": "invalid_request_error", "param": None, "code": "unknown_url"}})
     return LocalReplyConfig(mappers=[
         ResponseMapper(filter=_status_is(413, "too_large"), headers_to_add=[resource_exhausted]),

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from services.common.server import add_server_arguments, run_service, server_config_from_args
 from services.router.admission import AdmissionConfig
+from services.router.retrieval.stage import DEFAULT_RETRIEVAL_TIMEOUT_S
 from services.router.api_keys import KeyFileError
 from services.router.discovery import DEFAULT_RESOLVE_INTERVAL_S, engine_target, make_resolver
 from services.router.model_pool import PoolConfig
@@ -193,6 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="kv_aware: a GenerateStream conversation leaves its replica when "
                             "that costs more than the prefill of this many tokens above the "
                             f"cheapest (default {CostWeights.affinity_slack_tokens:g})")
+    rag = parser.add_argument_group("retrieval (docs/architecture.md \"Retrieval\")")
+    rag.add_argument("--retriever-address", default=None, metavar="HOST:PORT",
+                     help="the retriever service (python -m services.retriever): requests "
+                          "with `retrieval` and POST /v1/embeddings use it (default: none)")
+    rag.add_argument("--retrieval-timeout-ms", type=float,
+                     default=DEFAULT_RETRIEVAL_TIMEOUT_S * 1e3, metavar="MS",
+                     help="cap on one retriever call; a request's own deadline may cut it "
+                          f"shorter (default {DEFAULT_RETRIEVAL_TIMEOUT_S * 1e3:g})")
     add_server_arguments(parser)
     return parser
 
@@ -226,7 +235,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             pools=tuple(args.model_pool), openai_port=args.openai_port,
             resolve_interval_s=args.engine_resolve_interval,
             dns_nameserver=args.dns_nameserver,
-            api_keys=None if args.api_keys is None else str(Path(args.api_keys).resolve()))
+            api_keys=None if args.api_keys is None else str(Path(args.api_keys).resolve()),
+            retriever=args.retriever_address,
+            retrieval_timeout_s=args.retrieval_timeout_ms / 1e3)
         if args.dns_nameserver is not None:
             make_resolver(args.dns_nameserver)  # checks the address
     except ValueError as err:

@@ -124,6 +124,8 @@ from services.router.engine_client import EngineClient, EngineStream
 from services.router.local_tokenizer import PromptTokenizer
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
+from services.router.retrieval.report import RetrievalReport
+from services.router.retrieval.stage import PendingRetrieval, RetrievalStage, no_retriever
 from services.router.request_trace import end_request_span, start_request_span
 from services.router.routing import (
     CachedPrefix,
@@ -191,6 +193,7 @@ class Finished:
       index: the choice (0..n-1) that ended; with ``sampling.n`` > 1 each
         choice has its own Finished and ``usage.completion_tokens`` is that
         choice's.
+      retrieval: with ``request.retrieval``: the chunks used and the latency.
     """
 
     reason: FinishReason
@@ -198,6 +201,7 @@ class Finished:
     usage: Usage
     cached: bool = False
     index: int = 0
+    retrieval: RetrievalReport | None = None
 
 
 Event = Delta | Finished
@@ -367,6 +371,7 @@ class GenerationPipeline:
         models: Mapping[str, ModelLimits], metrics: RouterMetrics, log_content: bool = False,
         admission: Mapping[str, AdmissionController] | None = None,
         picker: ReplicaPicker | None = None, client_write_timeout_s: float = 0.0,
+        retrieval: RetrievalStage | None = None,
     ) -> None:
         """Args:
           tokenizer: makes prompt ids (in process with ``--tokenize-in-router``
@@ -386,6 +391,8 @@ class GenerationPipeline:
           client_write_timeout_s: the slow-reader budget (seconds a write to
             the client may stay blocked while its generation runs; see the
             module doc); 0: none (events go to the client as they come).
+          retrieval: the retrieval stage (:mod:`services.router.retrieval`);
+            None: a request with ``retrieval`` is FAILED_PRECONDITION.
         """
         if client_write_timeout_s < 0:
             raise ValueError(f"client_write_timeout_s must be >= 0 (0: no budget), "
@@ -403,6 +410,7 @@ class GenerationPipeline:
         self.client_write_timeout_s = client_write_timeout_s
         self.admission = dict(admission or {})
         self.picker = picker or ReplicaPicker(RoutingPolicy.LEAST_LOAD, cache, metrics)
+        self.retrieval = retrieval
         self._background: set[asyncio.Task[object]] = set()
         # Stores still in flight, by key: a lookup of the same key waits for its
         # store, so a repeat sent right after the answer ends is a hit (the store
@@ -444,8 +452,10 @@ class GenerationPipeline:
         held = _Held()
         self.metrics.requests_in_flight.labels(request.model).inc()
         try:
+            held.retrieval = self._start_retrieval(request, deadline, timing)
             self._refuse_if_full(request)
-            prompt_ids = await self._tokenized(request, deadline, timing, info)
+            prompt_ids = await self._tokenized(request, deadline, timing, info,
+                                               held.retrieval)
             progress.prompt_tokens = len(prompt_ids)
             sampling = self._fitted(request, prompt_ids)
             if reserve_tokens is not None:
@@ -458,6 +468,7 @@ class GenerationPipeline:
                     if isinstance(event, Finished):
                         outcome = event.reason.name.lower()
                         info.update(matched_stop=event.matched_stop)
+                        event = held.reported(event)
                     yield event
         except Exception as err:
             failure = _client_failure(err, progress.completion_tokens)
@@ -499,9 +510,29 @@ class GenerationPipeline:
 
     # --------------------------------------------------------------- steps
 
+    def _start_retrieval(self, request: GenerationRequest, deadline: float | None,
+                         timing: _Timing) -> PendingRetrieval | None:
+        """Step 0: the retriever's Query started, when the request asks for
+        passages (:mod:`services.router.retrieval.stage`); awaited in step 1."""
+        if request.retrieval is None:
+            return None
+        if self.retrieval is None:
+            raise no_retriever()
+        return self.retrieval.start(request.retrieval, model=request.model,
+                                    request_id=request.request_id, deadline=deadline,
+                                    parent=timing.span)
+
     async def _tokenized(self, request: GenerationRequest, deadline: float | None,
-                         timing: _Timing, info: dict[str, object]) -> tuple[int, ...]:
-        """Step 1: the prompt ids, under the request's ``llmesh.tokenize`` span."""
+                         timing: _Timing, info: dict[str, object],
+                         retrieval: PendingRetrieval | None = None) -> tuple[int, ...]:
+        """Step 1: the prompt ids, under the request's ``llmesh.tokenize`` span;
+        with retrieval, the chat's passages inserted first (the only wait on it)."""
+        if retrieval is not None:
+            assert request.messages is not None  # retrieval needs chat (validation)
+            messages = await retrieval.messages(request.messages)
+            request = dataclasses.replace(request, messages=messages)
+            assert retrieval.report is not None
+            info.update(retrieval.report.log_fields())
         with tracing.span("llmesh.tokenize", timing.span) as tokenize:
             if tokenize is not None:
                 tokenize.set_attribute("llmesh.tokenize.in_process", self.tokenizer.in_process)
@@ -1072,12 +1103,22 @@ class GenerationPipeline:
 @dataclass
 class _Held:
     """What :meth:`GenerationPipeline.run` releases when the request ends: the
-    admission ticket and the prefix-index lookup, when taken."""
+    admission ticket, the prefix-index lookup and the retriever's Query, when
+    taken."""
 
     ticket: Ticket | None = None
     matches: asyncio.Task[dict[EngineClient, CachedPrefix]] | None = None
+    retrieval: PendingRetrieval | None = None
+
+    def reported(self, event: Finished) -> Finished:
+        """``event`` with the request's retrieval report, when it has one."""
+        if self.retrieval is None or self.retrieval.report is None:
+            return event
+        return dataclasses.replace(event, retrieval=self.retrieval.report)
 
     def release(self) -> None:
+        if self.retrieval is not None:
+            self.retrieval.cancel()
         if self.matches is not None:
             self.matches.cancel()
         if self.ticket is not None:

@@ -61,6 +61,7 @@ from services.router.generation import GenerationPipeline
 from services.router.local_tokenizer import PromptTokenizer
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
+from services.router.retrieval.stage import RetrievalStage
 from services.router.routing import (
     CostWeights,
     ReplicaPicker,
@@ -126,6 +127,8 @@ class PoolSettings:
     tokenize_in_router: bool = True
     #: ``--tool-call-format`` by model id (:mod:`services.router.tools.formats`)
     tool_call_formats: Mapping[str, ToolCallFormat] = field(default_factory=dict)
+    #: the router's retrieval stage (:mod:`services.router.retrieval`), shared
+    retrieval: RetrievalStage | None = None
 
 
 class NoEngineYet(Exception):
@@ -299,7 +302,8 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
         models={limits.model: limits}, metrics=metrics, log_content=settings.log_content,
         admission={limits.model: admission},
         client_write_timeout_s=settings.client_write_timeout_s,
-        picker=ReplicaPicker(policy, cache, metrics, settings.routing_weights))
+        picker=ReplicaPicker(policy, cache, metrics, settings.routing_weights),
+        retrieval=settings.retrieval)
     return ModelPool(limits, tokenizer, infos, admission, replicas, pipeline, policy, discovery)
 
 

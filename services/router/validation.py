@@ -54,6 +54,7 @@ from services.common.sampling import (
 )
 from services.common.wire.chat import ChatMessage
 from services.common.wire.tools import FunctionTool, ToolRequest
+from services.router.retrieval.spec import RetrievalSpec, retrieval_spec
 from services.router.tools.formats import ToolCallFormat
 from services.router.tools.hermes import needs_render, render
 from services.router.tools.validate import constrain, tool_request
@@ -136,7 +137,8 @@ class GenerationRequest:
     ``sampling.structured_output``. In the ``hermes`` tool format they are
     already rendered into ``messages``; in the ``template`` format they are
     ``chat_tools``, which the chat template renders (with the messages'
-    ``tool_calls`` and ``tool_call_id``).
+    ``tool_calls`` and ``tool_call_id``). ``retrieval``: the passages to
+    retrieve and insert (:mod:`services.router.retrieval`), None without.
     """
 
     request_id: str
@@ -155,6 +157,7 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     tools: ToolRequest | None = None
     chat_tools: tuple[FunctionTool, ...] = ()
+    retrieval: RetrievalSpec | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -480,6 +483,7 @@ def validate_request(
         tools=tools,
         chat_tools=(tools.tools if tools is not None and messages is not None
                     and limits.tool_call_format is ToolCallFormat.TEMPLATE else ()),
+        retrieval=retrieval_spec(pb, messages),
     )
 
 
