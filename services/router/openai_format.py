@@ -430,6 +430,7 @@ _STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", None),
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", None),
     grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "conflict"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "timeout"),

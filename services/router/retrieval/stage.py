@@ -119,16 +119,21 @@ class PendingRetrieval:
         try:
             answer = await asyncio.shield(self.task)
         except UpstreamError as err:
-            self._degrade(err, waiting_from)
+            self._degrade(err, *self._spans(waiting_from))
             return tuple(messages)
-        now = time.monotonic()
-        call_ms = (self._answered_at or now) - self.started_at
+        call_s, wait_s = self._spans(waiting_from)
         text = passages_text(self.spec.collection, answer.passages)
         self.report = RetrievalReport(
             self.spec.collection, answer.passages, text, answer.version, "", answer.embed_ms,
-            answer.search_ms, answer.cache_hit, call_ms * 1e3, (now - waiting_from) * 1e3)
-        self._observe(now - waiting_from, call_ms, answer)
+            answer.search_ms, answer.cache_hit, call_s * 1e3, wait_s * 1e3)
+        self._observe(wait_s, call_s, answer)
         return with_passages(messages, self.spec.query_index, text)
+
+    def _spans(self, waiting_from: float) -> tuple[float, float]:
+        """(call, wait) seconds: start to answer, and the part of it after
+        ``waiting_from`` (when the request had nothing else to do)."""
+        answered_at = self._answered_at or time.monotonic()
+        return answered_at - self.started_at, max(0.0, answered_at - waiting_from)
 
     def _observe(self, wait_s: float, call_s: float, answer: QueryAnswer) -> None:
         m = self.metrics
@@ -139,7 +144,7 @@ class PendingRetrieval:
             m.search.labels(self.model).observe(answer.search_ms / 1e3)
         m.requests.labels(self.model, "hit" if answer.cache_hit else "miss").inc()
 
-    def _degrade(self, err: UpstreamError, waiting_from: float) -> None:
+    def _degrade(self, err: UpstreamError, call_s: float, wait_s: float) -> None:
         """Sets :attr:`report` to say why the request goes on without passages
         when the policy allows it; raises the client's status otherwise
         (``err`` itself for a failure: the pipeline maps it as any upstream's)."""
@@ -149,13 +154,11 @@ class PendingRetrieval:
         if self.spec.on_failure is not FailurePolicy.DEGRADE:
             self.metrics.requests.labels(self.model, "failed").inc()
             raise err
-        now = time.monotonic()
         reason = f"retriever at {err.target}: {err.code.name}: {err.details}"
         log.warning("retrieval_degraded", reason=reason)
         self.metrics.requests.labels(self.model, "degraded").inc()
         self.report = RetrievalReport(self.spec.collection, (), "", 0, reason, 0.0, 0.0,
-                                      False, (now - self.started_at) * 1e3,
-                                      (now - waiting_from) * 1e3)
+                                      False, call_s * 1e3, wait_s * 1e3)
 
     def mark_answered(self, _: object) -> None:
         self._answered_at = time.monotonic()
