@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cache", default=None, metavar="HOST:PORT",
                         help="address of the cache service (optional; without it nothing "
                              "is cached)")
+    parser.add_argument("--retriever-address", default=None, metavar="HOST:PORT",
+                        help="address of the retriever service (llmesh.v1.RetrieverService) "
+                             "for retrieval-augmented requests (optional; `llmesh up "
+                             "--retrieval` passes it)")
     parser.add_argument("--engine", action="append", required=True, type=engine_target,
                         metavar="HOST:PORT|dns:///NAME:PORT",
                         help="an engine replica's address, or dns:///NAME:PORT: every A/AAAA "
