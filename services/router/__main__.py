@@ -198,14 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="kv_aware: a GenerateStream conversation leaves its replica when "
                             "that costs more than the prefill of this many tokens above the "
                             f"cheapest (default {CostWeights.affinity_slack_tokens:g})")
-    rag = parser.add_argument_group("retrieval (docs/architecture.md \"Retrieval\")")
-    rag.add_argument("--retriever-address", default=None, metavar="HOST:PORT",
-                     help="the retriever service (python -m services.retriever): requests "
-                          "with `retrieval` and POST /v1/embeddings use it (default: none)")
-    rag.add_argument("--retrieval-timeout-ms", type=float,
-                     default=DEFAULT_RETRIEVAL_TIMEOUT_S * 1e3, metavar="MS",
-                     help="cap on one retriever call; a request's own deadline may cut it "
-                          f"shorter (default {DEFAULT_RETRIEVAL_TIMEOUT_S * 1e3:g})")
+    parser.add_argument("--retrieval-timeout-ms", type=float,
+                        default=DEFAULT_RETRIEVAL_TIMEOUT_S * 1e3, metavar="MS",
+                        help="cap on one retriever Query (retrieval-augmented requests, "
+                             "docs/architecture.md \"Retrieval\"); a request's own deadline "
+                             f"may cut it shorter (default {DEFAULT_RETRIEVAL_TIMEOUT_S * 1e3:g})")
     add_server_arguments(parser)
     return parser
 
