@@ -26,7 +26,7 @@ TTFT(pasted) at p50 against the target (≤ 15 ms), and the load average
 before and after.
 
 Usage: ``flock -x /tmp/llmesh-cpu.lock python benchmarks/retrieval_e2e.py
-[--rounds 30] [--top-k 3] [--max-tokens 2] [--corpus FILE]``. Not a test:
+[--rounds 30] [--top-k 3] [--max-tokens 2] [--corpus FILE] [--engine-arg=...]``. Not a test:
 numbers depend on the machine (2 cores here).
 """
 
@@ -198,9 +198,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--top-k", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=2)
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    parser.add_argument("--engine-arg", action="append", default=[],
+                        help="extra engine flag (repeat), e.g. --engine-arg=--kv-cache-bytes "
+                             "--engine-arg=268435456 where memory is short")
     args = parser.parse_args(argv)
     documents = load_corpus(args.corpus)
-    with Mesh(ingress_port=0, admin_port=0, retrieval=True,
+    with Mesh(ingress_port=0, admin_port=0, retrieval=True, engine_args=args.engine_arg,
               run_dir=tempfile.mkdtemp(prefix="llmesh-bench-rag-")) as mesh:
         mesh.wait_prompts_in_router()
         with grpc.insecure_channel(mesh.services["retriever"].grpc_address) as channel:

@@ -15,7 +15,9 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
    else waits for them: the coalescing and cache keys are made from the
    prompt ids after (tokenizing costs ~0.1 ms in process, less than a
    second key scheme would save; docs/architecture.md "What the mesh
-   costs"); the request's log line, its latency histograms (TTFT at the
+   costs"); with ``request.retrieval`` the retriever's Query starts first
+   and its passages go into the chat just before the last user turn
+   (:mod:`services.router.retrieval`); the request's log line, its latency histograms (TTFT at the
    first token) and the cache store come after the first token (before it:
    only an in-flight gauge and counters, ~1 µs each);
 2. context check: ``max_tokens`` is clamped to the room the prompt leaves
@@ -452,10 +454,8 @@ class GenerationPipeline:
         held = _Held()
         self.metrics.requests_in_flight.labels(request.model).inc()
         try:
-            held.retrieval = self._start_retrieval(request, deadline, timing)
             self._refuse_if_full(request)
-            prompt_ids = await self._tokenized(request, deadline, timing, info,
-                                               held.retrieval)
+            prompt_ids = await self._tokenized(request, deadline, timing, info, held)
             progress.prompt_tokens = len(prompt_ids)
             sampling = self._fitted(request, prompt_ids)
             if reserve_tokens is not None:
@@ -511,23 +511,26 @@ class GenerationPipeline:
     # --------------------------------------------------------------- steps
 
     def _start_retrieval(self, request: GenerationRequest, deadline: float | None,
-                         timing: _Timing) -> PendingRetrieval | None:
-        """Step 0: the retriever's Query started, when the request asks for
-        passages (:mod:`services.router.retrieval.stage`); awaited in step 1."""
+                         timing: _Timing, held: _Held) -> PendingRetrieval | None:
+        """The retriever's Query started (``held`` cancels it if the request
+        ends first), when the request asks for passages
+        (:mod:`services.router.retrieval.stage`)."""
         if request.retrieval is None:
             return None
         if self.retrieval is None:
             raise no_retriever()
-        return self.retrieval.start(request.retrieval, model=request.model,
-                                    request_id=request.request_id, deadline=deadline,
-                                    parent=timing.span)
+        held.retrieval = self.retrieval.start(
+            request.retrieval, model=request.model, request_id=request.request_id,
+            deadline=deadline, parent=timing.span)
+        return held.retrieval
 
     async def _tokenized(self, request: GenerationRequest, deadline: float | None,
                          timing: _Timing, info: dict[str, object],
-                         retrieval: PendingRetrieval | None = None) -> tuple[int, ...]:
+                         held: _Held) -> tuple[int, ...]:
         """Step 1: the prompt ids, under the request's ``llmesh.tokenize`` span;
-        with retrieval, the chat's passages inserted first (the only wait on it)."""
-        if retrieval is not None:
+        with retrieval, the retriever's Query started (``held.retrieval``) and
+        its passages inserted into the chat first."""
+        if (retrieval := self._start_retrieval(request, deadline, timing, held)) is not None:
             assert request.messages is not None  # retrieval needs chat (validation)
             messages = await retrieval.messages(request.messages)
             request = dataclasses.replace(request, messages=messages)
