@@ -6,22 +6,17 @@ detail: tests/router/test_router_retrieval.py."""
 
 from __future__ import annotations
 
-import sys
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import openai
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc, retriever_pb2
-from llmesh.v1 import retriever_pb2_grpc
-from services.cli.envoy_config import REPO_ROOT
-from services.cli.mesh import Mesh, ServiceProcess, child_env, stop_processes
+from services.cli.mesh import Mesh
+from tests.retriever.conftest import Retriever
 
 COLLECTION = "e2e-facts"
 DOCUMENTS = {
@@ -32,78 +27,48 @@ DOCUMENTS = {
 }
 #: The start of a model load on a loaded 2-core machine (the retriever imports torch).
 START_TIMEOUT_S = 240.0
+#: The retriever's flags here: a short drain (a stop waits for it).
+FLAGS = ("--drain-seconds", "1")
 
 
-@dataclass
-class Retriever:
-    """The module's retriever process (restartable on its ports)."""
+def ingest(retriever: Retriever) -> None:
+    assert retriever.stub is not None
+    retriever.stub.CreateCollection(retriever_pb2.CreateCollectionRequest(name=COLLECTION))
+    documents = [retriever_pb2.Document(id=key, text=text) for key, text in DOCUMENTS.items()]
+    for document in documents:
+        document.metadata.update({"kind": "city" if document.id != "bees" else "nature"})
+    retriever.stub.Ingest(retriever_pb2.IngestRequest(collection=COLLECTION,
+                                                      documents=documents), timeout=60)
 
-    process: ServiceProcess
 
-    @classmethod
-    def start(cls, run_dir: Path) -> Retriever:
-        retriever = cls(ServiceProcess(
-            "retriever-e2e", [sys.executable, "-m", "services.retriever", "--port", "0",
-                              "--metrics-port", "0", "--port-file",
-                              str(run_dir / "retriever.json"), "--data-dir",
-                              str(run_dir / "data"), "--drain-seconds", "1"],
-            "127.0.0.1", run_dir / "retriever.log", run_dir / "retriever.json"))
-        retriever.spawn()
-        return retriever
-
-    def spawn(self) -> None:
-        self.process.spawn(child_env(), REPO_ROOT)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self.process.read_port_file():
-            self._check(deadline)
-        with grpc.insecure_channel(self.process.grpc_address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            while True:  # SERVING once the model is loaded and the collections are
-                try:
-                    if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
-                            health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                self._check(deadline)
-
-    def _check(self, deadline: float) -> None:
-        if self.process.exit_code() is not None or time.monotonic() > deadline:
-            raise self.process.failure("did not serve")
-        time.sleep(0.2)
-
-    def stop(self) -> None:
-        assert self.process.process is not None
-        stop_processes([self.process.process], 5.0)
-        self.process.pin_ports()
-
-    def ingest(self) -> None:
-        with grpc.insecure_channel(self.process.grpc_address) as channel:
-            stub = retriever_pb2_grpc.RetrieverServiceStub(channel)
-            stub.CreateCollection(retriever_pb2.CreateCollectionRequest(name=COLLECTION))
-            documents = [retriever_pb2.Document(id=key, text=text)
-                         for key, text in DOCUMENTS.items()]
-            for document in documents:
-                document.metadata.update({"kind": "city" if document.id != "bees" else "nature"})
-            stub.Ingest(retriever_pb2.IngestRequest(collection=COLLECTION,
-                                                    documents=documents), timeout=60)
+def restarted(retriever: Retriever) -> Retriever:
+    """``retriever`` stopped and started again on its port and data directory."""
+    assert retriever.process is not None and retriever.process.grpc_port is not None
+    port = retriever.process.grpc_port
+    retriever.stop()
+    again = Retriever(retriever.run_dir, *FLAGS, "--port", str(port))
+    again.start(START_TIMEOUT_S)
+    return again
 
 
 @pytest.fixture(scope="module")
-def retriever(mesh: Mesh, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Retriever]:
-    """The retriever with the module's collection, the mesh's router pointed
-    at it; both put back as they were at the end."""
-    running = Retriever.start(tmp_path_factory.mktemp("retriever"))
+def retriever(mesh: Mesh, tmp_path_factory: pytest.TempPathFactory
+              ) -> Iterator[list[Retriever]]:
+    """The retriever with the module's collection (the last of the list: a
+    test may restart it), the mesh's router pointed at it; the router put
+    back as it was and the retriever stopped at the end."""
+    holder = [Retriever(tmp_path_factory.mktemp("retriever"), *FLAGS)]
     old_args = tuple(mesh.router_args)
     try:
-        running.ingest()
-        mesh.restart_router([*old_args, "--retriever-address", running.process.grpc_address,
-                             "--retrieval-timeout-ms", "3000"])
-        yield running
+        holder[0].start(START_TIMEOUT_S)
+        ingest(holder[0])
+        assert holder[0].process is not None
+        mesh.restart_router([*old_args, "--retriever-address",
+                             holder[0].process.grpc_address, "--retrieval-timeout-ms", "3000"])
+        yield holder
     finally:
         mesh.restart_router(old_args)
-        if running.process.process is not None:
-            stop_processes([running.process.process], 5.0)
+        holder[-1].stop()
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +92,7 @@ def generate(stub, request, timeout: float = 60.0) -> list[generation_pb2.Genera
     return list(stub.Generate(request, timeout=timeout))
 
 
-def test_the_answer_lists_the_chunks_it_was_given(retriever: Retriever, stub,
+def test_the_answer_lists_the_chunks_it_was_given(retriever: list[Retriever], stub,
                                                   client: openai.OpenAI, model: str) -> None:
     final = generate(stub, ask(("user", "Which river flows through Paris?"),
                                collection=COLLECTION, top_k=2, filter={"kind": "city"}))[-1]
@@ -149,7 +114,7 @@ def test_the_answer_lists_the_chunks_it_was_given(retriever: Retriever, stub,
 
 
 def test_a_rag_conversation_keeps_its_earlier_turns_in_the_prefix_cache(
-        retriever: Retriever, client: openai.OpenAI, model: str) -> None:
+        retriever: list[Retriever], client: openai.OpenAI, model: str) -> None:
     tag = uuid.uuid4().hex[:8]  # no earlier request shares a block of this conversation
     messages = [{"role": "system", "content": f"[{tag}] You answer questions about "
                  "geography in one short sentence, using the passages you are given "
@@ -177,7 +142,7 @@ def test_a_rag_conversation_keeps_its_earlier_turns_in_the_prefix_cache(
     (ask(("user", "Capital?"), collection=COLLECTION, filter={"year": 1900}),
      grpc.StatusCode.INVALID_ARGUMENT, "retrieval.filter.year: "),
 ])
-def test_bad_retrieval_input_through_envoy_names_the_field(retriever: Retriever, stub,
+def test_bad_retrieval_input_through_envoy_names_the_field(retriever: list[Retriever], stub,
                                                             request_pb, code, field) -> None:
     with pytest.raises(grpc.RpcError) as err:
         generate(stub, request_pb)
@@ -186,8 +151,9 @@ def test_bad_retrieval_input_through_envoy_names_the_field(retriever: Retriever,
 
 
 def test_a_stopped_retriever_is_unavailable_or_degraded_then_serves_again(
-        retriever: Retriever, stub) -> None:
-    retriever.stop()
+        retriever: list[Retriever], stub) -> None:
+    running = retriever[-1]
+    running.stop()
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
         generate(stub, ask(("user", "Capital of Italy?"), collection=COLLECTION))
@@ -197,7 +163,7 @@ def test_a_stopped_retriever_is_unavailable_or_degraded_then_serves_again(
     degraded = generate(stub, ask(("user", "Capital of Italy?"), collection=COLLECTION,
                                   on_failure=generation_pb2.RETRIEVAL_FAILURE_POLICY_DEGRADE))
     assert degraded[-1].retrieval.degraded and degraded[-1].usage.completion_tokens > 0
-    retriever.spawn()  # on the same port, the collection reloaded from its data dir
+    retriever.append(restarted(running))  # same port; the collection reloaded from disk
     final = generate(stub, ask(("user", "Capital of Italy?"), collection=COLLECTION,
                                top_k=1))[-1]
     assert final.retrieval.chunks[0].document_id == "rome"
