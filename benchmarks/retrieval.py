@@ -124,7 +124,8 @@ def documents(chapters: list[dict], prefix: str = "") -> list[pb.Document]:
 
 def ensure_corpus(bench: Bench) -> None:
     """Creates and fills ``kjv`` unless it holds the whole corpus already."""
-    listed = {c.name: c for c in bench.stub.ListCollections(pb.ListCollectionsRequest()).collections}
+    listed = {c.name: c for c in
+              bench.stub.ListCollections(pb.ListCollectionsRequest()).collections}
     if COLLECTION in listed and listed[COLLECTION].documents >= len(bench.chapters):
         print(f"corpus: {listed[COLLECTION].chunks} chunks in {COLLECTION!r} (persisted)")
         return
@@ -191,7 +192,7 @@ def _other_libraries(labels: np.ndarray, vectors: np.ndarray
     """hnswlib and faiss HNSW on the same vectors, where installed (build time printed)."""
     built: dict[str, Callable[[np.ndarray], list[int]]] = {}
     try:
-        import hnswlib  # noqa: PLC0415 (optional: the bench-ann extra)
+        import hnswlib
         began = time.perf_counter()
         hnsw = hnswlib.Index(space="ip", dim=DIMENSION)
         hnsw.init_index(max_elements=len(labels), M=HNSW_M, ef_construction=HNSW_EF_CONSTRUCTION)
@@ -202,7 +203,7 @@ def _other_libraries(labels: np.ndarray, vectors: np.ndarray
     except ImportError:
         print("  hnswlib: not installed")
     try:
-        import faiss  # noqa: PLC0415 (optional: the bench-ann extra)
+        import faiss
         began = time.perf_counter()
         faiss.omp_set_num_threads(1)
         flat = faiss.IndexHNSWFlat(DIMENSION, HNSW_M, faiss.METRIC_INNER_PRODUCT)
