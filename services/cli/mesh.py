@@ -943,11 +943,11 @@ class Mesh:
             self._service(f"tokenizer{suffix}", "tokenizer",
                           [*self._model_args(spec, "--model-name"), *self.tokenizer_args])
             for suffix, spec in self._pools()]
+        cache = self._service("cache", "cache", [*redis, *self.cache_args])
         retriever = ([self._service("retriever", "retriever", [
             "--data-dir", str(Path(self.run_dir) / "retriever"), *self.retriever_args])]
             if self.retrieval else [])
-        return [*tokenizers, self._service("cache", "cache", [*redis, *self.cache_args]),
-                *retriever]
+        return [*tokenizers, cache, *retriever]
 
     def _engine_processes(self) -> list[ServiceProcess]:
         """The engines, each publishing KV events to the cache under a replica id

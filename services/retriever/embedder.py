@@ -82,8 +82,8 @@ class Embedder:
         Raises:
           FileNotFoundError: no model package (see :func:`model_directory`).
         """
-        import torch  # noqa: PLC0415 (heavy; the service imports this module at start)
-        from sentence_transformers import SentenceTransformer  # noqa: PLC0415
+        import torch
+        from sentence_transformers import SentenceTransformer
 
         torch.set_num_threads(num_threads)
         model = SentenceTransformer(str(directory or model_directory()), device="cpu",

@@ -129,7 +129,7 @@ class UsearchIndex:
 
     def __init__(self, dimension: int, *, connectivity: int = 16, expansion_add: int = 128,
                  expansion_search: int = 64) -> None:
-        from usearch.index import Index  # noqa: PLC0415 (optional backend)
+        from usearch.index import Index
 
         self.dimension = dimension
         self._index = Index(ndim=dimension, metric="cos", dtype="f32",
@@ -211,7 +211,7 @@ def top_k(labels: np.ndarray, matrix: np.ndarray, query: np.ndarray, k: int) -> 
 
 
 #: Backend name (``--index``) → class.
-BACKENDS: dict[str, type[ExactIndex] | type[UsearchIndex]] = {
+BACKENDS: dict[str, type[ExactIndex | UsearchIndex]] = {
     "usearch": UsearchIndex,
     "exact": ExactIndex,
 }

@@ -16,7 +16,7 @@ from google.protobuf import struct_pb2
 from llmesh.v1 import retriever_pb2
 
 from services.retriever.caches import canonical_filter, normalise_query
-from services.retriever.chunker import Chunking
+from services.retriever.chunker import DEFAULT_CHUNKING, Chunking
 from services.retriever.collection import Scalar
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,128}")
@@ -51,7 +51,7 @@ class Limits:
     max_embed_texts: int = 2048
     default_top_k: int = 5
     max_top_k: int = 100
-    default_chunking: Chunking = Chunking(128, 32)
+    default_chunking: Chunking = DEFAULT_CHUNKING
 
 
 @dataclass(frozen=True)

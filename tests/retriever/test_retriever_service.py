@@ -130,8 +130,8 @@ def test_bad_input_is_a_precise_status_naming_the_field_and_harms_nothing(
     assert refused.code().name == code and refused.details().startswith(field)
     if field.endswith(".text"):
         assert "1048576 bytes" in refused.details()  # the limit is in the message
-    info = [c for c in stub.ListCollections(pb.ListCollectionsRequest()).collections
-            if c.name == "bad"][0]
+    info = next(c for c in stub.ListCollections(pb.ListCollectionsRequest()).collections
+                if c.name == "bad")
     assert (info.documents, info.version) == (3, 1)
     assert stub.Query(pb.QueryRequest(collection="bad", query="thou shalt not steal")
                       ).chunks[0].document_id == "ex20"
@@ -163,8 +163,8 @@ def test_restart_brings_collections_back_without_embedding_again(retriever: Retr
     retriever.stop()
     retriever.start()
     stub = retriever.stub
-    info = [c for c in stub.ListCollections(pb.ListCollectionsRequest()).collections
-            if c.name == "persisted"][0]
+    info = next(c for c in stub.ListCollections(pb.ListCollectionsRequest()).collections
+                if c.name == "persisted")
     assert (info.documents, info.version, info.chunking.chunk_tokens) == (3, 1, 16)
     after = stub.Query(pb.QueryRequest(collection="persisted", query="still waters", top_k=3))
     assert [(c.chunk_id, c.text) for c in after.chunks] == [

@@ -8,6 +8,7 @@ import pytest
 from google.protobuf import struct_pb2
 from llmesh.v1 import retriever_pb2
 
+from services.retriever import index as index_module
 from services.retriever.caches import (
     EmbeddingCache,
     LruCache,
@@ -16,7 +17,6 @@ from services.retriever.caches import (
 )
 from services.retriever.chunker import Chunking, chunk_text
 from services.retriever.collection import Collection, PreparedDocument, UnknownFilterField
-from services.retriever import index as index_module
 from services.retriever.index import ExactIndex, UsearchIndex, top_k
 from services.retriever.requests import InvalidField, Limits, parse_documents, parse_query
 
