@@ -22,6 +22,11 @@ order, each a function of :data:`PARTS`):
   queries never asked before (cold: query embedding + search) and the same
   queries again (cached top-k); client wall time and the service's own
   ``timing.total_ms``.
+* ``e2e``: TTFT through Envoy of a RAG chat request (``retrieval`` on
+  ``kjv``, top_k 3) vs the same prompt with the passages pasted by the
+  client, interleaved, ``--e2e-rounds`` rounds, p50/p99, on a mesh started
+  for the part whose router queries this retriever
+  (``benchmarks/retrieval_e2e.py``; ``--engine-arg`` passes engine flags).
 
 Queries are 6-word phrases from random verses (seeded), asked with top_k 10.
 Prints each part's numbers with the load average before and after. Usage::
@@ -75,6 +80,8 @@ class Bench:
     stub: retriever_pb2_grpc.RetrieverServiceStub
     chapters: list[dict]
     queries: list[str] = field(default_factory=list)
+    #: ``host:port`` of the retriever (the e2e part's router calls it).
+    address: str = ""
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -231,11 +238,21 @@ def part_query(bench: Bench) -> None:
               f"cache hits {hits}/{len(bench.queries)}")
 
 
+def part_e2e(bench: Bench) -> None:
+    """TTFT with retrieval vs the passages pasted, through Envoy (retrieval_e2e.py)."""
+    from retrieval_e2e import e2e_part  # beside this file (on sys.path when run as a script)
+
+    e2e_part(bench.address, [f"What does the text say about {q}?" for q in bench.queries],
+             collection=COLLECTION, rounds=bench.args.e2e_rounds,
+             engine_args=bench.args.engine_arg)
+
+
 #: The parts, in the order ``--parts`` runs them by default.
 PARTS: dict[str, Callable[[Bench], None]] = {
     "ingest": part_ingest,
     "ann": part_ann,
     "query": part_query,
+    "e2e": part_e2e,
 }
 
 
@@ -272,6 +289,10 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=200)
     parser.add_argument("--ingest-chapters", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--e2e-rounds", type=int, default=30)
+    parser.add_argument("--engine-arg", action="append", default=[],
+                        help="e2e: an engine flag (repeat), e.g. --engine-arg=--kv-cache-bytes "
+                             "--engine-arg=268435456 where memory is short")
     parser.add_argument("--chapters", type=int, default=None,
                         help="use the first N chapters only (default: all 1,189, ~21k chunks)")
     args = parser.parse_args()
@@ -285,7 +306,8 @@ def main() -> None:
         with grpc.insecure_channel(service.grpc_address) as channel:
             chapters = read_corpus()[:args.chapters]
             bench = Bench(args, retriever_pb2_grpc.RetrieverServiceStub(channel), chapters,
-                          make_queries(chapters, args.queries, args.seed))
+                          make_queries(chapters, args.queries, args.seed),
+                          service.grpc_address)
             ensure_corpus(bench)
             for part in parts:
                 print(f"-- {part} ({load()})", flush=True)

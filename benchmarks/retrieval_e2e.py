@@ -1,13 +1,15 @@
 """What retrieval adds to TTFT: a RAG request through Envoy vs the same prompt
 with the passages pasted by the client.
 
-The end-to-end part of the retrieval benchmark (``benchmarks/retrieval.py``
-calls :func:`run_e2e` on its mesh; this file also runs alone). On a mesh with
-the retriever (``llmesh up --retrieval``, started here on free ports, one
-engine), with a collection ingested from ``--corpus`` (a JSON list of
-``{"prompt": text}`` or a JSONL file of ``{"id", "text"}``; default
-``benchmarks/data/spec_passages.json``), each round asks one question
-(a sentence of the corpus, made unique per round) three ways, greedy,
+The end-to-end part of the retrieval benchmark: ``benchmarks/retrieval.py
+--parts e2e`` calls :func:`e2e_part` with its retriever (the KJV collection,
+~21k chunks) and its queries, on a mesh started here whose router points at
+that retriever. This file also runs alone: a mesh with the retriever
+(``llmesh up --retrieval``, free ports, one engine) and a collection
+ingested from ``--corpus`` (a JSON list of ``{"prompt": text}`` or a JSONL
+file of ``{"id", "text"}``; default ``benchmarks/data/spec_passages.json``).
+Each round asks one question (unique per round, so the retriever has not
+seen it) three ways, greedy,
 ``--max-tokens`` tokens, each with its own ``cache_salt`` (no prefix-cache or
 response-cache hit between them: every prompt is prefilled whole):
 
@@ -105,8 +107,8 @@ def ingest(channel: grpc.Channel, documents: Sequence[retriever_pb2.Document]) -
                 timeout=600)
 
 
-def _request(turns: Sequence[str], *, max_tokens: int, top_k: int | None
-             ) -> generation_pb2.GenerateRequest:
+def _request(turns: Sequence[str], *, max_tokens: int, top_k: int | None,
+             collection: str = COLLECTION) -> generation_pb2.GenerateRequest:
     """A chat of SYSTEM then user ``turns``, with retrieval when ``top_k`` is set."""
     pb = generation_pb2.GenerateRequest(
         chat=generation_pb2.Chat(messages=[
@@ -116,7 +118,7 @@ def _request(turns: Sequence[str], *, max_tokens: int, top_k: int | None
                                            ignore_eos=True),
         cache_salt=uuid.uuid4().hex)
     if top_k is not None:
-        pb.retrieval.CopyFrom(generation_pb2.Retrieval(collection=COLLECTION, top_k=top_k))
+        pb.retrieval.CopyFrom(generation_pb2.Retrieval(collection=collection, top_k=top_k))
     return pb
 
 
@@ -141,24 +143,26 @@ def _record(samples: Samples, ttft: float, last: generation_pb2.GenerateResponse
         samples.wait_ms.append(last.retrieval_latency.wait_ms)
 
 
-def run_e2e(ingress: str, qs: Sequence[str], *, rounds: int, top_k: int,
+def run_e2e(ingress: str, qs: Sequence[str], *, collection: str, rounds: int, top_k: int,
             max_tokens: int) -> dict[str, Samples]:
-    """The interleaved rounds (module doc) through Envoy at ``ingress``; the
-    collection :data:`COLLECTION` must be ingested."""
+    """The interleaved rounds (module doc) through Envoy at ``ingress`` over
+    ``collection`` (ingested)."""
     ways = {name: Samples() for name in ("rag-cold", "rag-cached", "pasted")}
     with grpc.insecure_channel(ingress) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
-        _timed(stub, _request([qs[0]], max_tokens=max_tokens, top_k=top_k))  # warm-up
+        def rag(question: str) -> generation_pb2.GenerateRequest:
+            return _request([question], max_tokens=max_tokens, top_k=top_k,
+                            collection=collection)
+
+        _timed(stub, rag(qs[0]))  # warm-up
         for i in range(rounds):
             question = f"{qs[(i + 1) % len(qs)]} (round {i} {uuid.uuid4().hex[:6]})"
-            ttft, last = _timed(stub, _request([question], max_tokens=max_tokens,
-                                               top_k=top_k))
+            ttft, last = _timed(stub, rag(question))
             _record(ways["rag-cold"], ttft, last)
             pasted = [last.retrieval.passages_message, question]
             order = ["rag-cached", "pasted"] if i % 2 == 0 else ["pasted", "rag-cached"]
             for way in order:
-                request = (_request([question], max_tokens=max_tokens, top_k=top_k)
-                           if way == "rag-cached"
+                request = (rag(question) if way == "rag-cached"
                            else _request(pasted, max_tokens=max_tokens, top_k=None))
                 _record(ways[way], *_timed(stub, request))
     return ways
@@ -192,6 +196,30 @@ def _load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
+def _measure(mesh: Mesh, qs: Sequence[str], *, collection: str, rounds: int, top_k: int,
+             max_tokens: int) -> dict[str, float]:
+    """:func:`run_e2e` on a started ``mesh`` once its router makes prompt ids
+    in process; prints the table and the load average; returns :func:`report`'s."""
+    mesh.wait_prompts_in_router()
+    print(f"e2e: load average before: {_load()}", flush=True)
+    ways = run_e2e(mesh.ingress_address, qs, collection=collection, rounds=rounds,
+                   top_k=top_k, max_tokens=max_tokens)
+    print(f"e2e: load average after:  {_load()}")
+    return report(ways)
+
+
+def e2e_part(retriever_address: str, qs: Sequence[str], *, collection: str, rounds: int = 30,
+             top_k: int = 3, max_tokens: int = 2,
+             engine_args: Sequence[str] = ()) -> dict[str, float]:
+    """The part ``benchmarks/retrieval.py`` runs: a mesh (one engine, free
+    ports) whose router queries the retriever at ``retriever_address``."""
+    with Mesh(ingress_port=0, admin_port=0, engine_args=engine_args,
+              router_args=["--retriever-address", retriever_address],
+              run_dir=tempfile.mkdtemp(prefix="llmesh-bench-rag-")) as mesh:
+        return _measure(mesh, qs, collection=collection, rounds=rounds, top_k=top_k,
+                        max_tokens=max_tokens)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=30)
@@ -205,14 +233,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     documents = load_corpus(args.corpus)
     with Mesh(ingress_port=0, admin_port=0, retrieval=True, engine_args=args.engine_arg,
               run_dir=tempfile.mkdtemp(prefix="llmesh-bench-rag-")) as mesh:
-        mesh.wait_prompts_in_router()
         with grpc.insecure_channel(mesh.services["retriever"].grpc_address) as channel:
             ingest(channel, documents)
-        print(f"load average before: {_load()}")
-        ways = run_e2e(mesh.ingress_address, questions(documents), rounds=args.rounds,
-                       top_k=args.top_k, max_tokens=args.max_tokens)
-        print(f"load average after:  {_load()}")
-    report(ways)
+        _measure(mesh, questions(documents), collection=COLLECTION, rounds=args.rounds,
+                 top_k=args.top_k, max_tokens=args.max_tokens)
 
 
 if __name__ == "__main__":

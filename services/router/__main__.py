@@ -200,8 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
                             f"cheapest (default {CostWeights.affinity_slack_tokens:g})")
     parser.add_argument("--retrieval-timeout-ms", type=float,
                         default=DEFAULT_RETRIEVAL_TIMEOUT_S * 1e3, metavar="MS",
-                        help="cap on one retriever Query (retrieval-augmented requests, "
-                             "docs/architecture.md \"Retrieval\"); a request's own deadline "
+                        help="cap on one retriever Query (docs/architecture.md "
+                             "\"Retrieval-augmented requests\"); a request's own deadline "
                              f"may cut it shorter (default {DEFAULT_RETRIEVAL_TIMEOUT_S * 1e3:g})")
     add_server_arguments(parser)
     return parser

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from google.protobuf import struct_pb2
+from google.protobuf.message import Message
 
 from llmesh.v1 import retriever_pb2, retriever_pb2_grpc
 from services.common.grpc_util import make_channel, request_id_metadata
@@ -89,8 +91,8 @@ class RetrieverClient:
         return Embeddings(tuple(tuple(e.values) for e in answer.embeddings), answer.model,
                           answer.prompt_tokens)
 
-    async def _call(self, method, pb, request_id: str, timeout: float,  # type: ignore[no-untyped-def]
-                    metadata: tuple[tuple[str, str], ...]):
+    async def _call(self, method: Any, pb: Message, request_id: str, timeout: float,
+                    metadata: tuple[tuple[str, str], ...]) -> Any:
         if timeout <= 0:
             raise UpstreamError(RETRIEVER, self.target, grpc.StatusCode.DEADLINE_EXCEEDED,
                                 "the call's deadline passed before retrieval")

@@ -3,7 +3,8 @@
 The passages become ONE user message inserted just before the last user turn
 (the query), after the system prompt and the conversation so far: the prompt
 up to that point is byte-for-byte the previous turn's prompt and answer, so
-the engine's prefix cache serves it (docs/architecture.md "Retrieval").
+the engine's prefix cache serves it (docs/architecture.md
+"Retrieval-augmented requests").
 
 The message's text is stable (the same chunks give the same bytes)::
 

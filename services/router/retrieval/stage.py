@@ -24,8 +24,9 @@ Errors (statuses the client sees):
 * the retriever fails (UNAVAILABLE: stopped or draining; DEADLINE_EXCEEDED;
   anything else): with ``on_failure`` FAIL the status
   :func:`services.router.generation.upstream_to_generation_error` gives
-  (UNAVAILABLE / DEADLINE_EXCEEDED, naming the retriever and its message); with DEGRADE the request goes on without passages, its report
-  says why (``degraded_reason``) and
+  (UNAVAILABLE / DEADLINE_EXCEEDED, naming the retriever and its message);
+  with DEGRADE the request goes on without passages, its report says why
+  (``degraded_reason``) and
   ``llmesh:retrieval_requests_total{outcome="degraded"}`` counts it;
 * a router without ``--retriever-address``: FAILED_PRECONDITION naming
   ``retrieval``.

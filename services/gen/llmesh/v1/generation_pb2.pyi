@@ -328,8 +328,8 @@ class GenerateRequest(_message.Message):
         """Retrieval-augmented generation: once the request is validated the router
         queries the retriever (`llmesh.v1.RetrieverService`) with the last user
         message's text and inserts the passages as one user message just before
-        that turn (docs/architecture.md "Retrieval"). Needs `chat`
-        input (a `prompt` or `prompt_tokens` request with it is INVALID_ARGUMENT
+        that turn (docs/architecture.md "Retrieval-augmented requests"). Needs
+        `chat` input (a `prompt` or `prompt_tokens` request with it is INVALID_ARGUMENT
         naming `retrieval`) and a router started with `--retriever-address`
         (else FAILED_PRECONDITION naming `retrieval`).
         """
