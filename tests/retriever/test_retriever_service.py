@@ -54,7 +54,7 @@ def test_ingest_then_query_finds_the_relevant_chunk_and_caches_the_answer(
     assert ingested.chunks == ingested.chunks_embedded > 3  # 16-token windows: several each
     first = stub.Query(pb.QueryRequest(collection="bible", query="sheep in a green meadow",
                                        top_k=2))
-    assert first.chunks[0].document_id == "ps23" and first.chunks[0].chunk_id == "ps23#0"
+    assert first.chunks[0].document_id == "ps23" and first.chunks[0].chunk_id.startswith("ps23#")
     assert first.chunks[0].metadata == _struct(book="psalms", verse=1.0)
     assert 0.2 < first.chunks[0].score <= 1.0 and first.chunks[0].score >= first.chunks[1].score
     assert not first.timing.cache_hit and first.timing.embed_ms > 0 and first.version == 1
