@@ -17,9 +17,9 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
    second key scheme would save; docs/architecture.md "What the mesh
    costs"); with ``request.retrieval`` the retriever's Query starts first
    and its passages go into the chat just before the last user turn
-   (:mod:`services.router.retrieval`); the request's log line, its latency histograms (TTFT at the
-   first token) and the cache store come after the first token (before it:
-   only an in-flight gauge and counters, ~1 µs each);
+   (:mod:`services.router.retrieval`); the request's log line, its latency
+   histograms (TTFT at the first token) and the cache store come after the
+   first token (before it: only an in-flight gauge and counters, ~1 µs each);
 2. context check: ``max_tokens`` is clamped to the room the prompt leaves
    (see :mod:`services.router.validation`);
 3. coalescing and the response cache (deterministic requests only: greedy
