@@ -101,6 +101,7 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retriever-model")
         self._mutating = asyncio.Lock()  # a save never sees a half-applied change
         self._saver: asyncio.Task[None] | None = None
+        self._started = False
         self._draining = False
 
     # Service protocol -------------------------------------------------------
@@ -127,6 +128,7 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
             self._count_chunks(collection)
         self._metrics.collections.set(len(self.store.collections))
         self._saver = asyncio.create_task(self._save_periodically())
+        self._started = True
         log.info("retriever_ready", model=self.embedder.model_id, backend=self.store.backend,
                  data_dir=str(self.store.data_dir), collections=len(collections),
                  chunks=sum(len(c.chunks) for c in collections))
@@ -188,10 +190,13 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
 
     async def _call(self, method: str, handler: Callable[[Request], Awaitable[Response]],
                     request: Request, context: grpc.aio.ServicerContext) -> Response:
-        """Runs ``handler``; its :class:`InvalidField` becomes the call's status."""
-        if self._draining:
+        """Runs ``handler``; its :class:`InvalidField` becomes the call's status.
+        UNAVAILABLE before :meth:`start` finished (model and collections
+        loading: a collection is not yet known, not absent) and while draining."""
+        if self._draining or not self._started:
             self._metrics.requests.labels(method, grpc.StatusCode.UNAVAILABLE.name).inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "retriever is draining")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "retriever is draining"
+                                if self._draining else "retriever is starting")
         try:
             response = await handler(request)
         except InvalidField as refused:

@@ -155,13 +155,18 @@ def test_health_and_reflection_describe_the_service(retriever: Retriever) -> Non
 
 
 def test_restart_brings_collections_back_without_embedding_again(retriever: Retriever) -> None:
-    """Last in the module: it restarts the shared process (its second model load)."""
+    """Last in the module: it restarts the shared process (its second model load).
+    Between bind and SERVING a query gets UNAVAILABLE (a client retries), never
+    NOT_FOUND for a collection not loaded yet."""
     stub = retriever.stub
     _create(stub, "persisted")
     stub.Ingest(pb.IngestRequest(collection="persisted", documents=_documents()))
     before = stub.Query(pb.QueryRequest(collection="persisted", query="still waters", top_k=3))
     retriever.stop()
-    retriever.start()
+    retriever.spawn()  # bound, the model still loading: a query is UNAVAILABLE, not NOT_FOUND
+    loading = _refused(retriever.stub.Query, pb.QueryRequest(collection="persisted", query="x"))
+    assert loading.code() == grpc.StatusCode.UNAVAILABLE and "starting" in loading.details()
+    retriever.wait_serving()
     stub = retriever.stub
     info = next(c for c in stub.ListCollections(pb.ListCollectionsRequest()).collections
                 if c.name == "persisted")
