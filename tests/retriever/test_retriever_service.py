@@ -4,6 +4,7 @@ filter, replace, persistence across a restart, bad input, health, reflection."""
 from __future__ import annotations
 
 import subprocess
+import time
 
 import grpc
 import pytest
@@ -135,6 +136,32 @@ def test_bad_input_is_a_precise_status_naming_the_field_and_harms_nothing(
     assert (info.documents, info.version) == (3, 1)
     assert stub.Query(pb.QueryRequest(collection="bad", query="thou shalt not steal")
                       ).chunks[0].document_id == "ex20"
+
+
+def test_a_query_does_not_wait_behind_an_ingest(retriever: Retriever) -> None:
+    """Queries embed on their own thread: one asked while an ingest embeds
+    ~160 chunks answers in a fraction of the ingest's time."""
+    stub = retriever.stub
+    _create(stub, "busy")
+    stub.Ingest(pb.IngestRequest(collection="busy", documents=_documents()))
+    long_text = " ".join(f"Line {i} tells of the number {i * 7}." for i in range(220))
+    looked_up = 'cache="chunk_embedding"'
+    before = retriever.metric("llmesh:retriever_cache_queries_total", looked_up)
+    began = time.monotonic()
+    ingest = stub.Ingest.future(pb.IngestRequest(collection="busy", documents=[
+        pb.Document(id="scroll", text=long_text)]))
+    # Chunked and looked up: its batch is going to the model now.
+    deadline = began + 60
+    while retriever.metric("llmesh:retriever_cache_queries_total", looked_up) < before + 100:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    asked = time.monotonic()
+    answer = stub.Query(pb.QueryRequest(collection="busy", query="a question while it embeds"))
+    query_s = time.monotonic() - asked
+    assert ingest.result(timeout=300).chunks_embedded > 100
+    ingest_s = time.monotonic() - began
+    # One thread: the query waited for the whole batch (query_s ≈ ingest_s).
+    assert answer.chunks and query_s * 3 < ingest_s, (query_s, ingest_s)
 
 
 def test_embed_returns_unit_vectors_in_order(retriever: Retriever) -> None:
