@@ -61,8 +61,7 @@ class Embedder:
       dimension: vector length (384).
       max_tokens: word pieces the model reads per text, special tokens included (256).
       tokenizer: the model's tokenizer (the chunker cuts with it).
-      calls, texts_embedded: :meth:`embed` calls and texts so far (tests and
-        metrics read them).
+      batch_size: texts per forward pass.
     """
 
     model_id: str
@@ -71,8 +70,6 @@ class Embedder:
     tokenizer: Tokenizer
     _model: object
     batch_size: int = 64
-    calls: int = 0
-    texts_embedded: int = 0
 
     @classmethod
     def load(cls, directory: Path | None = None, *, num_threads: int = 1,
@@ -92,14 +89,12 @@ class Embedder:
                        max_tokens=int(model.max_seq_length), tokenizer=model.tokenizer,
                        _model=model, batch_size=batch_size)
         embedder.embed(["warm-up"])
-        embedder.calls = embedder.texts_embedded = 0
         return embedder
 
     def embed(self, texts: list[str]) -> np.ndarray:
         """Unit-length embeddings of ``texts``, ``[len(texts), dimension]`` float32,
-        in batches of ``batch_size`` (blocking: call it off the event loop)."""
-        self.calls += 1
-        self.texts_embedded += len(texts)
+        in batches of ``batch_size`` (blocking: call it off the event loop;
+        two threads may call it at once: inference keeps no state)."""
         if not texts:
             return np.empty((0, self.dimension), dtype=np.float32)
         vectors = self._model.encode(  # type: ignore[attr-defined]

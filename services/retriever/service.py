@@ -1,8 +1,10 @@
 """``llmesh.v1.RetrieverService``: collections, ingest, query and embed.
 
 The servicer validates each request once (:mod:`services.retriever.requests`),
-runs the model and the chunker on one worker thread (the event loop keeps
-answering health checks and cached queries meanwhile), and owns the caches:
+runs the model and the chunker off the event loop (which keeps answering
+health checks and cached queries meanwhile): ingest work on one thread, the
+embedding of queries and ``Embed`` texts on another, so a query never waits
+behind an ingest's batch. It owns the caches:
 
 * ingest: chunks (:mod:`~services.retriever.chunker`) whose content hash is in
   the :class:`~services.retriever.caches.EmbeddingCache` are not embedded
@@ -98,9 +100,15 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
         self._load_embedder = load_embedder
         self._save_interval_s = save_interval_s
         self._metrics = metrics or default_metrics()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retriever-model")
+        # Ingest work (chunking, batch embedding, saves) and query work (a query
+        # or Embed call's embedding) on two threads: a query never waits behind
+        # an ingest's batch.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retriever-ingest")
+        self._query_worker = ThreadPoolExecutor(max_workers=1,
+                                                thread_name_prefix="retriever-query")
         self._mutating = asyncio.Lock()  # a save never sees a half-applied change
         self._saver: asyncio.Task[None] | None = None
+        self._started = False
         self._draining = False
 
     # Service protocol -------------------------------------------------------
@@ -127,6 +135,7 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
             self._count_chunks(collection)
         self._metrics.collections.set(len(self.store.collections))
         self._saver = asyncio.create_task(self._save_periodically())
+        self._started = True
         log.info("retriever_ready", model=self.embedder.model_id, backend=self.store.backend,
                  data_dir=str(self.store.data_dir), collections=len(collections),
                  chunks=sum(len(c.chunks) for c in collections))
@@ -142,6 +151,7 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
             self._saver.cancel()
         await self._save()
         self._worker.shutdown(wait=True)
+        self._query_worker.shutdown(wait=True)
 
     async def _save_periodically(self) -> None:
         while True:
@@ -154,8 +164,10 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
         if saved:
             log.debug("collections_saved", collections=saved)
 
-    async def _on_worker(self, work: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._worker, work)
+    async def _on_worker(self, work: Callable[[], T], *, query: bool = False) -> T:
+        """Runs blocking ``work`` on the ingest thread (or the query thread)."""
+        worker = self._query_worker if query else self._worker
+        return await asyncio.get_running_loop().run_in_executor(worker, work)
 
     # RPCs ---------------------------------------------------------------------
 
@@ -188,10 +200,13 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
 
     async def _call(self, method: str, handler: Callable[[Request], Awaitable[Response]],
                     request: Request, context: grpc.aio.ServicerContext) -> Response:
-        """Runs ``handler``; its :class:`InvalidField` becomes the call's status."""
-        if self._draining:
+        """Runs ``handler``; its :class:`InvalidField` becomes the call's status.
+        UNAVAILABLE before :meth:`start` finished (model and collections
+        loading: a collection is not yet known, not absent) and while draining."""
+        if self._draining or not self._started:
             self._metrics.requests.labels(method, grpc.StatusCode.UNAVAILABLE.name).inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "retriever is draining")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "retriever is draining"
+                                if self._draining else "retriever is starting")
         try:
             response = await handler(request)
         except InvalidField as refused:
@@ -334,7 +349,8 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
         texts = parse_texts(request, self.limits)
         embedder = self._ready_embedder()
         vectors = await self._embed(texts, "embed")
-        tokens = await self._on_worker(lambda: sum(embedder.count_tokens(t) for t in texts))
+        tokens = await self._on_worker(lambda: sum(embedder.count_tokens(t) for t in texts),
+                                       query=True)
         return retriever_pb2.EmbedResponse(
             embeddings=[retriever_pb2.Embedding(values=vector.tolist()) for vector in vectors],
             model=embedder.model_id, prompt_tokens=tokens)
@@ -345,7 +361,7 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
         if not texts:
             return np.empty((0, embedder.dimension), dtype=np.float32)
         began = time.perf_counter()
-        vectors = await self._on_worker(lambda: embedder.embed(texts))
+        vectors = await self._on_worker(lambda: embedder.embed(texts), query=caller != "ingest")
         self._metrics.embed_seconds.labels(caller).inc(time.perf_counter() - began)
         self._metrics.embedded_texts.labels(caller).inc(len(texts))
         self._metrics.embed_batch_size.observe(len(texts))

@@ -30,9 +30,16 @@ class Retriever:
         self.process: ServiceProcess | None = None
         self.channel: grpc.Channel | None = None
         self.stub: retriever_pb2_grpc.RetrieverServiceStub | None = None
+        self._deadline = 0.0
 
     def start(self, timeout_s: float = 120.0) -> None:
         """Spawns it and waits until health says SERVING."""
+        self.spawn(timeout_s)
+        self.wait_serving()
+
+    def spawn(self, timeout_s: float = 120.0) -> None:
+        """Spawns it and waits until its port is bound (the model still loading);
+        :attr:`stub` is usable from then on."""
         port_file = self.run_dir / "retriever.json"
         argv = [sys.executable, "-m", "services.retriever", "--port", "0", "--metrics-port", "0",
                 "--port-file", str(port_file), "--data-dir", str(self.data_dir),
@@ -43,12 +50,17 @@ class Retriever:
         deadline = time.monotonic() + timeout_s
         while not self.process.read_port_file():
             self._check(deadline)
+        self._deadline = deadline
         self.channel = grpc.insecure_channel(self.process.grpc_address)
+        self.stub = retriever_pb2_grpc.RetrieverServiceStub(self.channel)
+
+    def wait_serving(self) -> None:
+        """Waits until health says SERVING."""
+        deadline = self._deadline
         health = health_pb2_grpc.HealthStub(self.channel)
         while health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5).status \
                 != health_pb2.HealthCheckResponse.SERVING:
             self._check(deadline)
-        self.stub = retriever_pb2_grpc.RetrieverServiceStub(self.channel)
 
     def _check(self, deadline: float) -> None:
         assert self.process is not None

@@ -4,6 +4,7 @@ filter, replace, persistence across a restart, bad input, health, reflection."""
 from __future__ import annotations
 
 import subprocess
+import time
 
 import grpc
 import pytest
@@ -137,6 +138,32 @@ def test_bad_input_is_a_precise_status_naming_the_field_and_harms_nothing(
                       ).chunks[0].document_id == "ex20"
 
 
+def test_a_query_does_not_wait_behind_an_ingest(retriever: Retriever) -> None:
+    """Queries embed on their own thread: one asked while an ingest embeds
+    ~160 chunks answers in a fraction of the ingest's time."""
+    stub = retriever.stub
+    _create(stub, "busy")
+    stub.Ingest(pb.IngestRequest(collection="busy", documents=_documents()))
+    long_text = " ".join(f"Line {i} tells of the number {i * 7}." for i in range(220))
+    looked_up = 'cache="chunk_embedding"'
+    before = retriever.metric("llmesh:retriever_cache_queries_total", looked_up)
+    began = time.monotonic()
+    ingest = stub.Ingest.future(pb.IngestRequest(collection="busy", documents=[
+        pb.Document(id="scroll", text=long_text)]))
+    # Chunked and looked up: its batch is going to the model now.
+    deadline = began + 60
+    while retriever.metric("llmesh:retriever_cache_queries_total", looked_up) < before + 100:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    asked = time.monotonic()
+    answer = stub.Query(pb.QueryRequest(collection="busy", query="a question while it embeds"))
+    query_s = time.monotonic() - asked
+    assert ingest.result(timeout=300).chunks_embedded > 100
+    ingest_s = time.monotonic() - began
+    # One thread: the query waited for the whole batch (query_s ≈ ingest_s).
+    assert answer.chunks and query_s * 3 < ingest_s, (query_s, ingest_s)
+
+
 def test_embed_returns_unit_vectors_in_order(retriever: Retriever) -> None:
     answer = retriever.stub.Embed(pb.EmbedRequest(texts=["green pastures", "still waters"]))
     assert answer.model == "sentence-transformers/all-MiniLM-L6-v2"
@@ -155,13 +182,18 @@ def test_health_and_reflection_describe_the_service(retriever: Retriever) -> Non
 
 
 def test_restart_brings_collections_back_without_embedding_again(retriever: Retriever) -> None:
-    """Last in the module: it restarts the shared process (its second model load)."""
+    """Last in the module: it restarts the shared process (its second model load).
+    Between bind and SERVING a query gets UNAVAILABLE (a client retries), never
+    NOT_FOUND for a collection not loaded yet."""
     stub = retriever.stub
     _create(stub, "persisted")
     stub.Ingest(pb.IngestRequest(collection="persisted", documents=_documents()))
     before = stub.Query(pb.QueryRequest(collection="persisted", query="still waters", top_k=3))
     retriever.stop()
-    retriever.start()
+    retriever.spawn()  # bound, the model still loading: a query is UNAVAILABLE, not NOT_FOUND
+    loading = _refused(retriever.stub.Query, pb.QueryRequest(collection="persisted", query="x"))
+    assert loading.code() == grpc.StatusCode.UNAVAILABLE and "starting" in loading.details()
+    retriever.wait_serving()
     stub = retriever.stub
     info = next(c for c in stub.ListCollections(pb.ListCollectionsRequest()).collections
                 if c.name == "persisted")
