@@ -35,13 +35,16 @@ from typing import TYPE_CHECKING
 
 from services.common.broken_pipe import leave_quietly
 from services.common.tracing import otlp_endpoint
+from services.router.cascade.flags import add_arguments as add_cascade_arguments
+from services.router.cascade.flags import problem as cascade_problem
+from services.router.cascade.flags import router_args as cascade_router_args
 
 if TYPE_CHECKING:
     from services.cli.mesh import MeshProgress
 
 DEFAULT_URL = "127.0.0.1:8080"
 EXAMPLE_QUESTION = "What is the capital of France?"
-ROLES = ("tokenizer", "cache", "engine", "router")
+ROLES = ("tokenizer", "cache", "retriever", "engine", "router")
 
 
 def _positive_seconds(text: str) -> float:
@@ -246,7 +249,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if problem:
         print(f"llmesh: {problem}", file=sys.stderr)
         return 2
-    router_args = list(args.router_arg)
+    router_args = [*args.router_arg, *cascade_router_args(args)]
     if args.api_keys is not None:
         router_args += ["--api-keys", os.path.abspath(args.api_keys)]
     mesh = Mesh(
@@ -254,6 +257,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         model_path=args.model_path, models=args.models, redis_url=args.redis_url,
         run_dir=args.run_dir,
         num_engines=args.engines, engine_args=engine_args, router_args=router_args,
+        retrieval=args.retrieval, retriever_args=list(args.retriever_arg),
         drain_seconds=args.drain_seconds, start_timeout_s=args.start_timeout,
         stream_idle_timeout_s=args.stream_idle_timeout, commands=_role_commands(),
         ops_port=args.ops_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
@@ -316,6 +320,9 @@ def _up_problem(args: argparse.Namespace, engine_args: list[str]) -> str | None:
         return problem
     if args.api_keys is not None and not os.path.isfile(args.api_keys):
         return f"--api-keys: no file at {args.api_keys}"
+    problem = cascade_problem(args, [m.name for m in args.models])
+    if problem:
+        return problem
     return _host_memory_problem(args.engines * max(1, len(args.models)), engine_args)
 
 
@@ -323,8 +330,10 @@ def _host_memory_problem(num_engines: int, engine_args: list[str]) -> str | None
     """Whether ``num_engines`` engines started with ``engine_args`` (and the
     ``LLMESH_ENGINE_*`` environment) would together fill more host memory with
     KV than ``MemAvailable`` (:mod:`services.engine.host_memory`); each engine
-    checks only itself when it starts. Flags that do not parse are left to the
-    engines, which refuse them with their own message."""
+    checks only itself when it starts. An engine flag or variable that does not
+    parse (``--kv-cache-bytes=1PiB``) is refused here with the engines' own
+    parser's one line (the flag and the accepted units), since every engine
+    would refuse it; flags the engines do not know are left to them."""
     from services.engine import host_memory
     from services.engine.config import add_engine_arguments, engine_config_from_args
 
@@ -332,9 +341,11 @@ def _host_memory_problem(num_engines: int, engine_args: list[str]) -> str | None
     try:
         add_engine_arguments(parser)
         known, _ = parser.parse_known_args(engine_args)
-        config = engine_config_from_args(known)
-    except (argparse.ArgumentError, ValueError):
-        return None
+    except argparse.ArgumentError as error:
+        return f"--engine-arg: {error}"
+    except ValueError as error:  # an LLMESH_ENGINE_* variable (it names itself)
+        return str(error)
+    config = engine_config_from_args(known)
     try:
         host_memory.check_engines_host_memory(
             host_memory.host_kv_bytes(config), num_engines,
@@ -780,6 +791,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "--device is not the CPU)")
     up.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
                     help="extra engine argument, repeatable: --engine-arg=--flag=value")
+    add_cascade_arguments(up)
+    up.add_argument("--retrieval", action="store_true",
+                    help="also start the retriever service (collections kept in "
+                         "RUN_DIR/retriever; give --run-dir to keep them across runs), "
+                         "routed on the ingress as llmesh.v1.RetrieverService")
+    up.add_argument("--retriever-arg", action="append", default=[], metavar="ARG",
+                    help="extra retriever argument, repeatable: --retriever-arg=--index=exact")
     up.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                     help="extra router argument, repeatable: --router-arg=--max-tokens-cap=512")
     up.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True,

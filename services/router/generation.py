@@ -15,9 +15,11 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
    else waits for them: the coalescing and cache keys are made from the
    prompt ids after (tokenizing costs ~0.1 ms in process, less than a
    second key scheme would save; docs/architecture.md "What the mesh
-   costs"); the request's log line, its latency histograms (TTFT at the
-   first token) and the cache store come after the first token (before it:
-   only an in-flight gauge and counters, ~1 µs each);
+   costs"); with ``request.retrieval`` the retriever's Query starts first
+   and its passages go into the chat just before the last user turn
+   (:mod:`services.router.retrieval`); the request's log line, its latency
+   histograms (TTFT at the first token) and the cache store come after the
+   first token (before it: only an in-flight gauge and counters, ~1 µs each);
 2. context check: ``max_tokens`` is clamped to the room the prompt leaves
    (see :mod:`services.router.validation`);
 3. coalescing and the response cache (deterministic requests only: greedy
@@ -105,8 +107,9 @@ from services.common import tracing
 from services.common.detokenizer import IncrementalDetokenizer, TokenizersDecoder
 from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason, InvalidRequestError, SamplingOptions
-from services.common.wire.engine_stream import EngineUpdate, Usage
+from services.common.wire.engine_stream import TokenDelta, Usage
 from services.common.wire.tools import ToolCallDelta
+from services.router.cascade.path import AnswerPath
 from services.router.admission import (
     AdmissionController,
     AdmissionRefused,
@@ -124,6 +127,8 @@ from services.router.engine_client import EngineClient, EngineStream
 from services.router.local_tokenizer import PromptTokenizer
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
+from services.router.retrieval.report import RetrievalReport
+from services.router.retrieval.stage import PendingRetrieval, RetrievalStage, no_retriever
 from services.router.request_trace import end_request_span, start_request_span
 from services.router.routing import (
     CachedPrefix,
@@ -164,6 +169,8 @@ class Delta:
       index: the choice (0..n-1) this delta belongs to.
       tool_calls: with tools: the call pieces parsed out of the text
         (:mod:`services.router.tools.stream`; ``text`` then holds content only).
+      path: on the first event of an answer to the cascade alias: the path it
+        took (:mod:`services.router.cascade`); None otherwise.
     """
 
     text: str
@@ -172,6 +179,7 @@ class Delta:
     prompt_logprobs: tuple[PositionLogprobs, ...] = ()
     index: int = 0
     tool_calls: tuple[ToolCallDelta, ...] = ()
+    path: AnswerPath | None = None
 
 
 @dataclass(frozen=True)
@@ -191,6 +199,10 @@ class Finished:
       index: the choice (0..n-1) that ended; with ``sampling.n`` > 1 each
         choice has its own Finished and ``usage.completion_tokens`` is that
         choice's.
+      model: the model that produced the answer (set by
+        :meth:`GenerationPipeline.run`).
+      path: for an answer to the cascade alias, the path it took.
+      retrieval: with ``request.retrieval``: the chunks used and the latency.
     """
 
     reason: FinishReason
@@ -198,6 +210,9 @@ class Finished:
     usage: Usage
     cached: bool = False
     index: int = 0
+    model: str = ""
+    path: AnswerPath | None = None
+    retrieval: RetrievalReport | None = None
 
 
 Event = Delta | Finished
@@ -307,16 +322,38 @@ def _stopped_error() -> Exception:
                            "the router is stopping; retry on another router")
 
 
-def upstream_to_generation_error(err: UpstreamError, *,
+def upstream_name(service: str, replica: str, model: str) -> str:
+    """How a client is told which upstream failed: an engine by its replica id
+    (``engine replica 'host-12' of model 'smol'``), another service by its
+    role; never its address (that goes to the router's log)."""
+    of = f" of model {model!r}" if model else ""
+    if service == "engine":
+        return f"engine replica {replica!r}{of}" if replica else f"an engine replica{of}"
+    return f"the {service}" + (f" for model {model!r}" if model else "")
+
+
+def upstream_to_generation_error(err: UpstreamError, *, model: str = "",
                                  completion_tokens: int = 0) -> GenerationError:
-    """The client-facing status for an upstream failure.
+    """The client-facing status for an upstream failure, and the router's log
+    line for it (``upstream_failed`` / ``upstream_refused``, with the call's
+    ``request_id``): the log gets the upstream's address and its status
+    details; the client gets the upstream's name (:func:`upstream_name`) and
+    what to do, and the details only of a refusal of the request's own
+    content (INVALID_ARGUMENT, OUT_OF_RANGE, FAILED_PRECONDITION,
+    UNIMPLEMENTED), which are the upstream's words about the request.
 
     Args:
+      model: the request's model, named in the message ("" to leave it out).
       completion_tokens: tokens already streamed to the client; a deadline that
         passes after some says the answer was cut, not that nothing came.
     """
-    where = f"{err.service} at {err.target}"
     code = err.code
+    refused = code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                       grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
+    (log.info if refused else log.warning)(
+        "upstream_refused" if refused else "upstream_failed", upstream=err.service,
+        target=err.target, replica=err.replica, code=code.name, details=err.details)
+    who = upstream_name(err.service, err.replica, model)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         if completion_tokens:
             return GenerationError(code, (
@@ -329,29 +366,27 @@ def upstream_to_generation_error(err: UpstreamError, *,
                                "(before the first token); allow a longer deadline")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return GenerationError(grpc.StatusCode.UNAVAILABLE,
-                               f"{where} is unavailable: {err.details}")
+                               f"{who} is unavailable; retry the request")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return GenerationError(code, f"{where} is at capacity, retry later: {err.details}")
+        return GenerationError(code, f"{who} is at capacity; retry later")
     if code == grpc.StatusCode.ALREADY_EXISTS:
         return GenerationError(code, f"request_id: another request with this id is still "
-                               f"running on {where}; use a unique request_id ({err.details})")
-    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
-                grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
+                               f"running on {who}; use a unique request_id")
+    if refused:
         # An engine names the field first (``sampling.structured_output.regex:
-        # ...``): that message is the client's, without the replica's address
-        # (logged, not returned). A field the engine backend cannot honour is
-        # INVALID_ARGUMENT (older engines said UNIMPLEMENTED, which the OpenAI
-        # endpoint would answer with a 5xx that clients retry): the client's
-        # to drop, not a fault.
+        # ...``): that message is the client's. A field the engine backend
+        # cannot honour is INVALID_ARGUMENT (older engines said UNIMPLEMENTED,
+        # which the OpenAI endpoint would answer with a 5xx that clients
+        # retry): the client's to drop, not a fault.
         named = _FIELD_FIRST.match(err.details) if err.service == "engine" else None
         if named is not None:
-            log.info("upstream_refused", upstream=where, code=code.name, field=named[1])
             if code == grpc.StatusCode.UNIMPLEMENTED:
                 code = grpc.StatusCode.INVALID_ARGUMENT
             return GenerationError(code, err.details, field=named[1])
-        return GenerationError(code, f"{where} refused the request: {err.details}")
+        return GenerationError(code, f"{who} refused the request: {err.details}")
     return GenerationError(grpc.StatusCode.INTERNAL,
-                           f"{where} failed: {code.name}: {err.details}")
+                           f"{who} failed ({code.name}); see the router's log for this "
+                           "request_id")
 
 
 class GenerationPipeline:
@@ -367,6 +402,7 @@ class GenerationPipeline:
         models: Mapping[str, ModelLimits], metrics: RouterMetrics, log_content: bool = False,
         admission: Mapping[str, AdmissionController] | None = None,
         picker: ReplicaPicker | None = None, client_write_timeout_s: float = 0.0,
+        retrieval: RetrievalStage | None = None,
     ) -> None:
         """Args:
           tokenizer: makes prompt ids (in process with ``--tokenize-in-router``
@@ -386,6 +422,8 @@ class GenerationPipeline:
           client_write_timeout_s: the slow-reader budget (seconds a write to
             the client may stay blocked while its generation runs; see the
             module doc); 0: none (events go to the client as they come).
+          retrieval: the retrieval stage (:mod:`services.router.retrieval`);
+            None: a request with ``retrieval`` is FAILED_PRECONDITION.
         """
         if client_write_timeout_s < 0:
             raise ValueError(f"client_write_timeout_s must be >= 0 (0: no budget), "
@@ -403,6 +441,7 @@ class GenerationPipeline:
         self.client_write_timeout_s = client_write_timeout_s
         self.admission = dict(admission or {})
         self.picker = picker or ReplicaPicker(RoutingPolicy.LEAST_LOAD, cache, metrics)
+        self.retrieval = retrieval
         self._background: set[asyncio.Task[object]] = set()
         # Stores still in flight, by key: a lookup of the same key waits for its
         # store, so a repeat sent right after the answer ends is a hit (the store
@@ -445,7 +484,7 @@ class GenerationPipeline:
         self.metrics.requests_in_flight.labels(request.model).inc()
         try:
             self._refuse_if_full(request)
-            prompt_ids = await self._tokenized(request, deadline, timing, info)
+            prompt_ids = await self._tokenized(request, deadline, timing, info, held)
             progress.prompt_tokens = len(prompt_ids)
             sampling = self._fitted(request, prompt_ids)
             if reserve_tokens is not None:
@@ -458,9 +497,11 @@ class GenerationPipeline:
                     if isinstance(event, Finished):
                         outcome = event.reason.name.lower()
                         info.update(matched_stop=event.matched_stop)
+                        event = held.reported(
+                            dataclasses.replace(event, model=request.model))
                     yield event
         except Exception as err:
-            failure = _client_failure(err, progress.completion_tokens)
+            failure = _client_failure(err, progress.completion_tokens, request.model)
             outcome = "internal" if failure is None else failure.code.name.lower()
             if isinstance(failure, GenerationError):
                 info.update(error=failure.message)
@@ -486,7 +527,7 @@ class GenerationPipeline:
         try:
             return await self._prompt_ids(request, self.models[request.model], deadline, {})
         except UpstreamError as err:
-            raise upstream_to_generation_error(err) from err
+            raise upstream_to_generation_error(err, model=request.model) from err
 
     async def close(self) -> None:
         """Cancels the shared generations still running, waits briefly for
@@ -499,9 +540,32 @@ class GenerationPipeline:
 
     # --------------------------------------------------------------- steps
 
+    def _start_retrieval(self, request: GenerationRequest, deadline: float | None,
+                         timing: _Timing, held: _Held) -> PendingRetrieval | None:
+        """The retriever's Query started (``held`` cancels it if the request
+        ends first), when the request asks for passages
+        (:mod:`services.router.retrieval.stage`)."""
+        if request.retrieval is None:
+            return None
+        if self.retrieval is None:
+            raise no_retriever()
+        held.retrieval = self.retrieval.start(
+            request.retrieval, model=request.model, request_id=request.request_id,
+            deadline=deadline, parent=timing.span)
+        return held.retrieval
+
     async def _tokenized(self, request: GenerationRequest, deadline: float | None,
-                         timing: _Timing, info: dict[str, object]) -> tuple[int, ...]:
-        """Step 1: the prompt ids, under the request's ``llmesh.tokenize`` span."""
+                         timing: _Timing, info: dict[str, object],
+                         held: _Held) -> tuple[int, ...]:
+        """Step 1: the prompt ids, under the request's ``llmesh.tokenize`` span;
+        with retrieval, the retriever's Query started (``held.retrieval``) and
+        its passages inserted into the chat first."""
+        if (retrieval := self._start_retrieval(request, deadline, timing, held)) is not None:
+            assert request.messages is not None  # retrieval needs chat (validation)
+            messages = await retrieval.messages(request.messages)
+            request = dataclasses.replace(request, messages=messages)
+            assert retrieval.report is not None
+            info.update(retrieval.report.log_fields())
         with tracing.span("llmesh.tokenize", timing.span) as tokenize:
             if tokenize is not None:
                 tokenize.set_attribute("llmesh.tokenize.in_process", self.tokenizer.in_process)
@@ -703,7 +767,7 @@ class GenerationPipeline:
             raise
         except UpstreamError as err:
             raise upstream_to_generation_error(
-                err, completion_tokens=progress.completion_tokens) from err
+                err, model=request.model, completion_tokens=progress.completion_tokens) from err
         except Exception as err:
             log.error("internal_error", exc_info=err)
             raise GenerationError(grpc.StatusCode.INTERNAL, (
@@ -765,7 +829,7 @@ class GenerationPipeline:
     async def _open_engine(
         self, request: GenerationRequest, prompt_ids: tuple[int, ...],
         sampling: SamplingOptions, deadline: float | None, timing: _Timing, hint: RouteHint,
-    ) -> tuple[EngineClient, EngineStream, EngineUpdate]:
+    ) -> tuple[EngineClient, EngineStream, TokenDelta]:
         """Opens a stream on the best replica that answers (the routing policy's
         order); returns its first delta.
 
@@ -810,11 +874,14 @@ class GenerationPipeline:
                     engine.closed(request.priority)
                     if stream is not None:
                         stream.close()
-        tried = "; ".join(f"{e.target}: {e.code.name}: {e.details}" for e in failures)
+        # Each failure was logged above with its address and details; the
+        # client gets the replicas' ids and codes.
+        tried = "; ".join(f"{e.replica or '?'}: {e.code.name}" for e in failures)
         code = (grpc.StatusCode.RESOURCE_EXHAUSTED
                 if all(e.code == grpc.StatusCode.RESOURCE_EXHAUSTED for e in failures)
                 else grpc.StatusCode.UNAVAILABLE)
-        raise GenerationError(code, f"no engine replica could take the request ({tried})")
+        raise GenerationError(code, f"no engine replica could take the request for model "
+                              f"{request.model!r} (tried {tried}); retry in a few seconds")
 
     async def _from_engine(
         self, request: GenerationRequest, prompt_ids: tuple[int, ...],
@@ -827,9 +894,7 @@ class GenerationPipeline:
         engine, stream, delta = await self._open_engine(
             request, prompt_ids, sampling, deadline, timing, hint)
         info.update(engine=engine.target)
-        if delta.usage is not None:
-            self.metrics.prefix_hit_tokens.labels(request.model).observe(
-                delta.usage.cached_prompt_tokens)
+        self.metrics.prefix_hit_tokens.labels(request.model).observe(delta.num_cached_tokens)
         # One detokenizer and stop-string matcher per choice (``sampling.n``).
         choices = [_ChoiceOutput(StopStringMatcher(sampling.stop,
                                                    sampling.include_stop_str_in_output),
@@ -849,7 +914,9 @@ class GenerationPipeline:
                 if keep_output:
                     choice.text.append(safe)
                     choice.ids.extend(ids)
-                if safe or ids:
+                # An update with no token may still carry the prompt's logprobs
+                # (choice 0 ended CANCELLED before its first token): they go on.
+                if safe or ids or delta.prompt_logprobs:
                     if ids:
                         now = self._token_time(timing)
                         if ticket is not None:
@@ -874,7 +941,7 @@ class GenerationPipeline:
         return frozenset(sampling.stop_token_ids) | frozenset(eos)
 
     async def _choice_step(
-        self, choice: _ChoiceOutput, delta: EngineUpdate, hidden_ids: frozenset[int],
+        self, choice: _ChoiceOutput, delta: TokenDelta, hidden_ids: frozenset[int],
         sampling: SamplingOptions, progress: Progress, engine: EngineClient,
         stream: EngineStream,
     ) -> tuple[str, tuple[int, ...], Finished | None]:
@@ -884,11 +951,10 @@ class GenerationPipeline:
         :class:`Finished` when it ended (a stop string tells the engine to end
         the sequence, or this choice, at once)."""
         ids = delta.token_ids
-        if delta.usage is not None:
-            progress.cached_prompt_tokens = delta.usage.cached_prompt_tokens
+        progress.cached_prompt_tokens = delta.num_cached_tokens
         shown = ([p for p, i in enumerate(ids) if i not in hidden_ids] if hidden_ids
                  else range(len(ids)))
-        last = delta.finish_reason is not None
+        last = delta.finished
         matcher = choice.matcher
         text, text_ends = self._detokenize(choice.detok, [ids[p] for p in shown], engine,
                                            last=last, with_ends=bool(matcher.stops))
@@ -922,7 +988,7 @@ class GenerationPipeline:
                                             finished.reason, finished.matched_stop),
                         request.request_id)
 
-    def _delta(self, text: str, ids: tuple[int, ...], delta: EngineUpdate) -> Delta:
+    def _delta(self, text: str, ids: tuple[int, ...], delta: TokenDelta) -> Delta:
         """The event for ``ids`` (the leading ids of ``delta``: all, or those
         through a stop string) with their log-probabilities, token text filled
         in (the entries past a stop string are dropped, like their ids)."""
@@ -992,24 +1058,24 @@ class GenerationPipeline:
         try:
             self.decoder.check_token_ids(ids)
         except ValueError as err:
-            raise GenerationError(grpc.StatusCode.INTERNAL,
-                                  f"engine at {engine.target} returned a bad token: {err}") from err
+            log.error("engine_bad_token", engine=engine.target, error=str(err))
+            raise GenerationError(grpc.StatusCode.INTERNAL, (
+                f"{upstream_name('engine', engine.replica_id, '')} returned a bad token: "
+                f"{err}")) from err
         if with_ends:
             return detok.add_with_ends(ids, flush=last)
         text = detok.add(ids)
         return (text + detok.flush() if last else text), ()
 
-    def _engine_finished(self, delta: EngineUpdate, progress: Progress,
+    def _engine_finished(self, delta: TokenDelta, progress: Progress,
                          choice: _ChoiceOutput) -> Finished:
         reason = delta.finish_reason
-        assert reason is not None
         if reason == FinishReason.ERROR:
             raise GenerationError(grpc.StatusCode.INTERNAL,
                                   "the engine failed the request (FINISH_REASON_ERROR)")
-        usage = delta.usage
-        if usage is not None and usage.completion_tokens:
+        if delta.num_generated_tokens:
             # The engine's count is authoritative (it knows what it generated).
-            choice.completion_tokens = usage.completion_tokens
+            choice.completion_tokens = delta.num_generated_tokens
         return Finished(reason, "", choice.usage(progress), index=delta.index)
 
     # ------------------------------------------------------------ helpers
@@ -1060,6 +1126,8 @@ class GenerationPipeline:
             queue_ms=_ms(None if timing.dispatched_at is None
                          else timing.dispatched_at - timing.received_at),
             tpot_ms=_ms(tpot), priority=request.priority.name.lower(), **info)
+        if request.cascade is not None:
+            fields.update(model=request.model, **request.cascade.log_fields())
         if self.log_content:
             fields.update(prompt=request.prompt if request.prompt is not None
                           else list(request.prompt_token_ids)
@@ -1072,19 +1140,29 @@ class GenerationPipeline:
 @dataclass
 class _Held:
     """What :meth:`GenerationPipeline.run` releases when the request ends: the
-    admission ticket and the prefix-index lookup, when taken."""
+    admission ticket, the prefix-index lookup and the retriever's Query, when
+    taken."""
 
     ticket: Ticket | None = None
     matches: asyncio.Task[dict[EngineClient, CachedPrefix]] | None = None
+    retrieval: PendingRetrieval | None = None
+
+    def reported(self, event: Finished) -> Finished:
+        """``event`` with the request's retrieval report, when it has one."""
+        if self.retrieval is None or self.retrieval.report is None:
+            return event
+        return dataclasses.replace(event, retrieval=self.retrieval.report)
 
     def release(self) -> None:
+        if self.retrieval is not None:
+            self.retrieval.cancel()
         if self.matches is not None:
             self.matches.cancel()
         if self.ticket is not None:
             self.ticket.release()
 
 
-def _client_failure(err: Exception, completion_tokens: int
+def _client_failure(err: Exception, completion_tokens: int, model: str
                     ) -> InvalidRequestError | GenerationError | None:
     """The client's status for a failure inside :meth:`GenerationPipeline.run`:
     ``err`` itself when it is one, an upstream failure or a stalled write
@@ -1092,7 +1170,8 @@ def _client_failure(err: Exception, completion_tokens: int
     if isinstance(err, (InvalidRequestError, GenerationError)):
         return err
     if isinstance(err, UpstreamError):
-        return upstream_to_generation_error(err, completion_tokens=completion_tokens)
+        return upstream_to_generation_error(err, model=model,
+                                            completion_tokens=completion_tokens)
     if isinstance(err, WriteStalled):
         return slow_client_error(err, completion_tokens)
     return None
@@ -1118,7 +1197,7 @@ class _ChoiceOutput:
                      progress.cached_prompt_tokens)
 
 
-def _choice_of(choices: Sequence[_ChoiceOutput], delta: EngineUpdate,
+def _choice_of(choices: Sequence[_ChoiceOutput], delta: TokenDelta,
                engine: EngineClient) -> _ChoiceOutput:
     """The output state of ``delta``'s choice.
 
@@ -1126,9 +1205,10 @@ def _choice_of(choices: Sequence[_ChoiceOutput], delta: EngineUpdate,
       GenerationError: INTERNAL for an index beyond ``sampling.n`` (an engine fault).
     """
     if not 0 <= delta.index < len(choices):
+        log.error("engine_bad_choice", engine=engine.target, index=delta.index, n=len(choices))
         raise GenerationError(grpc.StatusCode.INTERNAL,
-                              f"engine at {engine.target} sent choice {delta.index} of a "
-                              f"request with n = {len(choices)}")
+                              f"{upstream_name('engine', engine.replica_id, '')} sent choice "
+                              f"{delta.index} of a request with n = {len(choices)}")
     return choices[delta.index]
 
 
@@ -1159,8 +1239,9 @@ def merge_deltas(earlier: Event, later: Event) -> Event | None:
     if not (isinstance(earlier, Delta) and isinstance(later, Delta)
             and earlier.index == later.index and not later.prompt_logprobs):
         return None
-    return Delta(earlier.text + later.text, earlier.token_ids + later.token_ids,
-                 earlier.logprobs + later.logprobs, earlier.prompt_logprobs, earlier.index)
+    return dataclasses.replace(
+        earlier, text=earlier.text + later.text, token_ids=earlier.token_ids + later.token_ids,
+        logprobs=earlier.logprobs + later.logprobs)
 
 
 def slow_client_error(err: WriteStalled, completion_tokens: int) -> GenerationError:

@@ -30,6 +30,8 @@ does not have, vLLM's OpenAI-compatible server (``prompt_logprobs``,
   ``max_tokens: 0``; streamed as vLLM streams it, the prompt on each
   choice's first chunk (:meth:`ResponseBuilder._echoed`, one rule for both
   shapes, so the chunks join to the response).
+* retrieval (:mod:`services.router.retrieval.openai`): ``llmesh_retrieval``
+  at the top level of the response, or on each choice's last chunk.
 
 Errors: :func:`error_for_status` maps a gRPC status of the shared pipeline to
 the HTTP status and ``{"error": {"message", "type", "param", "code"}}``.
@@ -50,9 +52,11 @@ from services.common.logprobs import PositionLogprobs, TokenLogprob
 from services.common.sampling import FinishReason
 from services.common.wire.engine_stream import Usage
 from services.common.wire.tools import ToolCallDelta
+from services.router.cascade.path import AnswerPath
 from services.router.generation import Delta, Finished
 from services.router.openai_protocol import Endpoint
 from services.router.prompt_echo import EchoedPrompt
+from services.router.retrieval.report import RetrievalReport
 from services.router.tools import openai as tools
 
 _FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
@@ -176,13 +180,15 @@ class ResponseBuilder:
     Attributes:
       endpoint: chat or completions.
       request_id: the mesh's request id (``chatcmpl-<id>`` / ``cmpl-<id>``).
-      model: the served model id.
+      model: the served model id; for the cascade alias, the model that
+        produced the answer once its first event names it (``path``).
       logprobs: the client asked for logprobs (``null`` otherwise).
       echo: the prompt each completion choice starts with (``echo: true``;
         :mod:`services.router.prompt_echo`), or None.
       show_prompt_logprobs: the client asked for ``prompt_logprobs`` (not
         only through ``echo``): the response carries them.
       created: Unix seconds.
+      path: for the cascade alias, the answer's path (from its first event).
     """
 
     endpoint: Endpoint
@@ -193,6 +199,7 @@ class ResponseBuilder:
     echo: EchoedPrompt | None = None
     show_prompt_logprobs: bool = True
     created: int = field(default_factory=lambda: int(time.time()))
+    path: AnswerPath | None = None
     _choices: dict[int, _Choice] = field(default_factory=dict)
     _usage: list[Usage] = field(default_factory=list)
     _prompt_logprobs: list[dict[str, Any] | None] | None = None
@@ -200,6 +207,8 @@ class ResponseBuilder:
     _echo_started: set[int] = field(default_factory=set)
     _prompt_scored: bool = False
     _prompt_entries: tuple[PositionLogprobs, ...] = ()
+    #: the request's retrieval (from its first Finished), None without
+    retrieval: RetrievalReport | None = None
 
     @property
     def chat(self) -> bool:
@@ -219,7 +228,13 @@ class ResponseBuilder:
         one, or with ``echo`` what :meth:`_echoed` makes of it (none while it
         waits for the prompt's logprobs, two for a choice that finishes with
         nothing but its prompt)."""
+        self._note_path(event)
         return [self._chunk(e) for e in self._echoed(event)]
+
+    def _note_path(self, event: Delta | Finished) -> None:
+        if event.path is not None and self.path is None:
+            self.path = event.path
+            self.model = event.path.model
 
     def _chunk(self, event: Delta | Finished) -> dict[str, Any]:
         choice = self._choices.setdefault(event.index, _Choice())
@@ -227,6 +242,8 @@ class ResponseBuilder:
         if isinstance(event, Finished):
             self._finish(choice, event)
             body = self._choice_chunk(event.index, choice, "", (), choice.finish_reason)
+            if event.retrieval is not None:
+                extra["llmesh_retrieval"] = event.retrieval.openai_body()
         else:
             self._add(choice, event)
             body = self._choice_chunk(event.index, choice, event.text, event.logprobs, None,
@@ -274,6 +291,7 @@ class ResponseBuilder:
 
     def add(self, event: Delta | Finished) -> None:
         """Records one event for :meth:`response`."""
+        self._note_path(event)
         for echoed in self._echoed(event):
             choice = self._choices.setdefault(echoed.index, _Choice())
             if isinstance(echoed, Finished):
@@ -309,6 +327,8 @@ class ResponseBuilder:
         if self.chat and self._prompt_logprobs is not None:
             out["prompt_logprobs"] = self._prompt_logprobs
         out["usage"] = self.usage()
+        if self.retrieval is not None:
+            out["llmesh_retrieval"] = self.retrieval.openai_body()
         return out
 
     def usage(self) -> dict[str, Any]:
@@ -373,6 +393,7 @@ class ResponseBuilder:
     def _finish(self, choice: _Choice, finished: Finished) -> None:
         choice.finish_reason = _FINISH_REASONS.get(finished.reason, "stop")
         self._usage.append(finished.usage)
+        self.retrieval = self.retrieval or finished.retrieval
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
@@ -420,6 +441,7 @@ _STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", None),
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", None),
     grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "conflict"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "timeout"),

@@ -73,6 +73,7 @@ from services.router.generation import (
 from services.router.openai_format import OpenAIError, ResponseBuilder, error_for_status
 from services.router.openai_http_errors import OpenAIAppRunner
 from services.router.prompt_echo import echo_request
+from services.router.retrieval.openai import EMBEDDINGS_PATH, embeddings, retrieval_headers
 from services.router.openai_protocol import (
     Endpoint,
     OpenAIRequest,
@@ -88,8 +89,9 @@ from services.router.openai_tokenize import (
     tokenize,
 )
 from services.router.api_keys import API_KEY_HEADER, AUTHORIZATION_HEADER, Tenant
+from services.router.cascade.policy import MODE_HEADER
 from services.router.tenancy import AuthError
-from services.router.validation import TENANT_METADATA_KEY, UNKNOWN_MODEL_CODE
+from services.router.validation import TENANT_METADATA_KEY, UNKNOWN_MODEL_CODE, ModelLimits
 
 if TYPE_CHECKING:
     from services.router.service import RouterService
@@ -135,6 +137,7 @@ class OpenAIServer:
         app.router.add_get("/v1/models/{model}", self._model)
         app.router.add_post(TOKENIZE_PATH, self._tokenize)
         app.router.add_post(DETOKENIZE_PATH, self._detokenize)
+        app.router.add_post(EMBEDDINGS_PATH, self._embeddings)
         return app
 
     async def start(self) -> int:
@@ -163,8 +166,8 @@ class OpenAIServer:
         except web.HTTPNotFound:
             return _json_error(OpenAIError(
                 404, f"unknown route {request.method} {request.path}; this server has POST "
-                "/v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize "
-                "and POST /detokenize",
+                "/v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, "
+                "POST /detokenize and POST /v1/embeddings",
                 "invalid_request_error", None, "unknown_url"))
         except web.HTTPMethodNotAllowed as err:
             return _json_error(OpenAIError(
@@ -181,8 +184,8 @@ class OpenAIServer:
             tenant = self._tenant(request)
         except AuthError as err:
             return _json_error(_auth_error(err))
-        visible = self.router.tenancy.visible_models(tenant, self.router.models)
-        return web.json_response({"object": "list", "data": [self._card(m) for m in visible]})
+        return web.json_response({"object": "list", "data": [
+            self._card(m) for m in self.router.model_cards(tenant)]})
 
     async def _model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
@@ -190,14 +193,14 @@ class OpenAIServer:
             tenant = self._tenant(request)
         except AuthError as err:
             return _json_error(_auth_error(err))
-        if name not in self.router.tenancy.visible_models(tenant, self.router.models):
+        card = next((m for m in self.router.model_cards(tenant) if m.model == name), None)
+        if card is None:
             return _json_error(self._unknown_model(name))
-        return web.json_response(self._card(name))
+        return web.json_response(self._card(card))
 
-    def _card(self, model: str) -> dict[str, Any]:
-        limits = self.router.models[model]
-        return {"id": model, "object": "model", "created": self.created, "owned_by": "llmesh",
-                "max_model_len": limits.max_model_len}
+    def _card(self, limits: ModelLimits) -> dict[str, Any]:
+        return {"id": limits.model, "object": "model", "created": self.created,
+                "owned_by": "llmesh", "max_model_len": limits.max_model_len}
 
     def _unknown_model(self, name: str) -> OpenAIError:
         known = ", ".join(repr(m) for m in sorted(self.router.models))
@@ -215,6 +218,13 @@ class OpenAIServer:
         async def answer(validate: Validate, data: dict[str, Any], _: str,
                          __: float | None) -> dict[str, Any]:
             return detokenize(self.router, validate, data)
+        return await self._tokenizer_call(request, answer)
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        async def answer(_: Validate, data: dict[str, Any], request_id: str,
+                         deadline: float | None) -> dict[str, Any]:
+            return await embeddings(self.router.retrieval, data, request_id=request_id,
+                                    deadline=deadline)
         return await self._tokenizer_call(request, answer)
 
     async def _tokenizer_call(self, request: web.Request, answer: Callable[
@@ -261,7 +271,8 @@ class OpenAIServer:
                 parsed.generate, request_id, header_request_id=header_id,
                 header_tenant=request.headers.get(TENANT_METADATA_KEY), tenant=tenant,
                 traceparent=request.headers.get(TRACEPARENT),
-                tracestate=request.headers.get(TRACESTATE))
+                tracestate=request.headers.get(TRACESTATE),
+                header_cascade=request.headers.get(MODE_HEADER))
             bind_request_id(request_id)
             self.router.check_accepting()
             deadline = _deadline(request, received_at)
@@ -288,7 +299,9 @@ class OpenAIServer:
                 builder.add(event)
         except Exception as err:  # noqa: BLE001 - becomes an OpenAI error
             return _json_error(self._error(err, parsed, request_id))
-        return web.json_response(builder.response(), headers={"x-request-id": request_id})
+        return web.json_response(builder.response(), headers={
+            "x-request-id": request_id, **_path_headers(builder),
+            **retrieval_headers(builder.retrieval)})
 
     async def _stream(self, request: web.Request, events: AsyncIterator[Event],
                       builder: ResponseBuilder, choices: int, parsed: OpenAIRequest,
@@ -297,11 +310,12 @@ class OpenAIServer:
         stream = _until_all_finished(events, choices)
         try:
             async for event in stream:
+                chunks = builder.chunks(event)
                 if response is None:  # the first event: errors before it keep their status
-                    response = web.StreamResponse(
-                        headers={**_SSE_HEADERS, "x-request-id": request_id})
+                    response = web.StreamResponse(headers={
+                        **_SSE_HEADERS, "x-request-id": request_id, **_path_headers(builder)})
                     await response.prepare(request)
-                for chunk in builder.chunks(event):
+                for chunk in chunks:
                     await response.write(_sse(chunk))
             if response is None:
                 response = web.StreamResponse(headers=_SSE_HEADERS)
@@ -392,6 +406,12 @@ def _deadline(request: web.Request, received_at: float) -> float | None:
         raise InvalidRequestError(TIMEOUT_HEADER, f"must be a positive number of seconds, "
                                                   f"got {value[:40]!r}")
     return received_at + seconds
+
+
+def _path_headers(builder: ResponseBuilder) -> dict[str, str]:
+    """``x-llmesh-model`` and ``x-llmesh-cascade-path`` for an answer to the
+    cascade alias (:class:`~services.router.cascade.path.AnswerPath`), else none."""
+    return {} if builder.path is None else builder.path.headers()
 
 
 async def _until_all_finished(events: AsyncIterator[Event], choices: int

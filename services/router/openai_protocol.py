@@ -58,6 +58,8 @@ Field mapping (OpenAI / vLLM name → ``GenerateRequest``):
 * ``tools``, ``tool_choice``, ``parallel_tool_calls`` and messages'
   ``tool_calls`` / ``tool_call_id`` → the ``chat`` tool fields
   (:mod:`services.router.tools.openai`).
+* llmesh's ``retrieval`` (chat only) → ``retrieval``
+  (:mod:`services.router.retrieval.openai`).
 * Anything else is refused naming it: the mesh never serves a request without
   what the client asked for.
 """
@@ -76,6 +78,7 @@ from llmesh.v1 import common_pb2, generation_pb2
 
 from services.common.sampling import InvalidRequestError
 from services.router.tools import openai as tools
+from services.router.retrieval.openai import parse_retrieval
 
 
 class Endpoint(enum.Enum):
@@ -131,7 +134,7 @@ _COMMON = frozenset({
     "guided_choice", "guided_grammar", "cache_salt",
 })
 _CHAT_ONLY = frozenset({"messages", "max_completion_tokens", "top_logprobs", "tools",
-                        "tool_choice", "parallel_tool_calls"})
+                        "tool_choice", "parallel_tool_calls", "retrieval"})
 _COMPLETIONS_ONLY = frozenset({"prompt", "echo", "suffix", "best_of"})
 _KNOWN = {Endpoint.CHAT: _COMMON | _CHAT_ONLY, Endpoint.COMPLETIONS: _COMMON | _COMPLETIONS_ONLY}
 #: Parameters whose absence of support deserves a pointer rather than "unknown".
@@ -174,6 +177,8 @@ def parse_body(endpoint: Endpoint, data: Mapping[str, Any]) -> OpenAIRequest:
         _completion_input(data, pb)
     if "cache_salt" in data:  # range checked once, by the shared validation
         pb.cache_salt = _string(data, "cache_salt")
+    if "retrieval" in data:
+        parse_retrieval(data["retrieval"], pb.retrieval)
     stream = _bool(data, "stream")
     include_usage = _stream_options(data, stream)
     max_param = _sampling(endpoint, data, pb.sampling)
@@ -335,6 +340,22 @@ def _text_content(content: object, where: str) -> str:
     return "".join(texts)
 
 
+def _content(message: Mapping[str, Any], role: str, where: str) -> object:
+    """A message's ``content``, ``""`` for the one case OpenAI lets it be null
+    or absent: an assistant message with ``tool_calls``.
+
+    Raises:
+      InvalidRequestError: null or absent anywhere else, naming ``messages[i].content``.
+    """
+    content = message.get("content")
+    if content is not None:
+        return content
+    if role == "assistant" and message.get("tool_calls"):
+        return ""
+    raise InvalidRequestError(f"{where}.content", "is required (null only in an assistant "
+                                                  "message with tool_calls)")
+
+
 def _chat_input(data: Mapping[str, Any], pb: generation_pb2.GenerateRequest) -> None:
     if "prompt" in data:
         raise InvalidRequestError("prompt", "chat completions take `messages`; send `prompt` "
@@ -359,7 +380,7 @@ def _chat_input(data: Mapping[str, Any], pb: generation_pb2.GenerateRequest) -> 
         role = _string(message, "role", default="") if "role" in message else ""
         if role == "developer":  # OpenAI's newer name for the system turn
             role = "system"
-        content = _text_content(message.get("content") or "", f"{where}.content")
+        content = _text_content(_content(message, role, where), f"{where}.content")
         tools.parse_message_tools(message, where, pb.chat.messages.add(role=role,
                                                                        content=content))
 

@@ -7,6 +7,7 @@ from collections import abc as _abc
 from google.api import httpbody_pb2 as _httpbody_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from llmesh.v1 import common_pb2 as _common_pb2
@@ -49,6 +50,72 @@ TOOL_CHOICE_MODE_NONE: ToolChoiceMode.ValueType  # 2
 TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode.ValueType  # 3
 """The model must call one or more tools (no text)."""
 Global___ToolChoiceMode: _TypeAlias = ToolChoiceMode  # noqa: Y015
+
+class _CascadeMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CascadeModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CascadeMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CASCADE_MODE_UNSPECIFIED: _CascadeMode.ValueType  # 0
+    """The `x-llmesh-cascade` header's value, else AUTO."""
+    CASCADE_MODE_AUTO: _CascadeMode.ValueType  # 1
+    """The prompt-only rule, then the small model with its first k tokens held
+    back until the confidence rule releases them or escalates.
+    """
+    CASCADE_MODE_SMALL: _CascadeMode.ValueType  # 2
+    """The small model only (no window, never escalated)."""
+    CASCADE_MODE_LARGE: _CascadeMode.ValueType  # 3
+    """The large model only."""
+
+class CascadeMode(_CascadeMode, metaclass=_CascadeModeEnumTypeWrapper):
+    """How a request to the cascade alias is served."""
+
+CASCADE_MODE_UNSPECIFIED: CascadeMode.ValueType  # 0
+"""The `x-llmesh-cascade` header's value, else AUTO."""
+CASCADE_MODE_AUTO: CascadeMode.ValueType  # 1
+"""The prompt-only rule, then the small model with its first k tokens held
+back until the confidence rule releases them or escalates.
+"""
+CASCADE_MODE_SMALL: CascadeMode.ValueType  # 2
+"""The small model only (no window, never escalated)."""
+CASCADE_MODE_LARGE: CascadeMode.ValueType  # 3
+"""The large model only."""
+Global___CascadeMode: _TypeAlias = CascadeMode  # noqa: Y015
+
+class _RetrievalFailurePolicy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RetrievalFailurePolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RetrievalFailurePolicy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    RETRIEVAL_FAILURE_POLICY_UNSPECIFIED: _RetrievalFailurePolicy.ValueType  # 0
+    """Same as RETRIEVAL_FAILURE_POLICY_FAIL."""
+    RETRIEVAL_FAILURE_POLICY_FAIL: _RetrievalFailurePolicy.ValueType  # 1
+    """The request ends with the retriever's status (UNAVAILABLE,
+    DEADLINE_EXCEEDED) and its message.
+    """
+    RETRIEVAL_FAILURE_POLICY_DEGRADE: _RetrievalFailurePolicy.ValueType  # 2
+    """The request is answered without passages; the response's
+    `retrieval.degraded` says so, with the reason. Bad input (an unknown
+    collection, a bad filter) still fails.
+    """
+
+class RetrievalFailurePolicy(_RetrievalFailurePolicy, metaclass=_RetrievalFailurePolicyEnumTypeWrapper):
+    """What a request does when the retriever cannot answer in time."""
+
+RETRIEVAL_FAILURE_POLICY_UNSPECIFIED: RetrievalFailurePolicy.ValueType  # 0
+"""Same as RETRIEVAL_FAILURE_POLICY_FAIL."""
+RETRIEVAL_FAILURE_POLICY_FAIL: RetrievalFailurePolicy.ValueType  # 1
+"""The request ends with the retriever's status (UNAVAILABLE,
+DEADLINE_EXCEEDED) and its message.
+"""
+RETRIEVAL_FAILURE_POLICY_DEGRADE: RetrievalFailurePolicy.ValueType  # 2
+"""The request is answered without passages; the response's
+`retrieval.degraded` says so, with the reason. Bad input (an unknown
+collection, a bad filter) still fails.
+"""
+Global___RetrievalFailurePolicy: _TypeAlias = RetrievalFailurePolicy  # noqa: Y015
 
 @_typing.final
 class Chat(_message.Message):
@@ -251,6 +318,8 @@ class GenerateRequest(_message.Message):
     BYPASS_CACHE_FIELD_NUMBER: _builtins.int
     SPECULATIVE_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    CASCADE_FIELD_NUMBER: _builtins.int
+    RETRIEVAL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for this request, echoed in every response and in logs.
     Empty: the router makes one (or takes `x-request-id` metadata).
@@ -273,6 +342,12 @@ class GenerateRequest(_message.Message):
     (e.g. 256 bits, base64) to keep a prefix private from other users of
     one tenant.
     """
+    cascade: Global___CascadeMode.ValueType
+    """For a request to the cascade's alias model (`llmesh up --cascade
+    SMALL,LARGE`, alias `auto` by default): which path to take. Unset: the
+    `x-llmesh-cascade` header's value (`auto`, `small`, `large`), else
+    AUTO. Set on a request to any other model: INVALID_ARGUMENT.
+    """
     @_builtins.property
     def chat(self) -> Global___Chat: ...
     @_builtins.property
@@ -285,6 +360,17 @@ class GenerateRequest(_message.Message):
     def speculative(self) -> _common_pb2.SpeculativeParams:
         """Speculative decoding (passed to the engine). Unset: the engine's
         defaults. It changes speed only: greedy and seeded outputs stay the same.
+        """
+
+    @_builtins.property
+    def retrieval(self) -> Global___Retrieval:
+        """Retrieval-augmented generation: once the request is validated the router
+        queries the retriever (`llmesh.v1.RetrieverService`) with the last user
+        message's text and inserts the passages as one user message just before
+        that turn (docs/architecture.md "Retrieval-augmented requests"). Needs
+        `chat` input (a `prompt` or `prompt_tokens` request with it is INVALID_ARGUMENT
+        naming `retrieval`) and a router started with `--retriever-address`
+        (else FAILED_PRECONDITION naming `retrieval`).
         """
 
     def __init__(
@@ -300,10 +386,12 @@ class GenerateRequest(_message.Message):
         bypass_cache: _builtins.bool = ...,
         speculative: _common_pb2.SpeculativeParams | None = ...,
         cache_salt: _builtins.str | None = ...,
+        cascade: Global___CascadeMode.ValueType = ...,
+        retrieval: Global___Retrieval | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "cache_salt", b"cache_salt", "chat", b"chat", "input", b"input", "prompt", b"prompt", "prompt_tokens", b"prompt_tokens", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "cache_salt", b"cache_salt", "chat", b"chat", "input", b"input", "prompt", b"prompt", "prompt_tokens", b"prompt_tokens", "retrieval", b"retrieval", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "bypass_cache", b"bypass_cache", "cache_salt", b"cache_salt", "chat", b"chat", "input", b"input", "model", b"model", "priority", b"priority", "prompt", b"prompt", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "bypass_cache", b"bypass_cache", "cache_salt", b"cache_salt", "cascade", b"cascade", "chat", b"chat", "input", b"input", "model", b"model", "priority", b"priority", "prompt", b"prompt", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "retrieval", b"retrieval", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cache_salt: _TypeAlias = _typing.Literal["cache_salt"]  # noqa: Y015
     _WhichOneofArgType__cache_salt: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt"]  # noqa: Y015
@@ -315,6 +403,211 @@ class GenerateRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class CascadePath(_message.Message):
+    """The path a cascade request took (GenerateResponse.cascade)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ESCALATED_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    MEAN_LOGPROB_FIELD_NUMBER: _builtins.int
+    HELD_BACK_TOKENS_FIELD_NUMBER: _builtins.int
+    escalated: _builtins.bool
+    """True when the small model's generation was cancelled and the large
+    model produced the answer.
+    """
+    reason: _builtins.str
+    """Why this path: `confident` (the rule released the small model's
+    tokens), `low_confidence` (the rule escalated), `prompt_tokens` (the
+    prompt-only rule sent it to the large model), `mode_small` /
+    `mode_large` (the request's mode or header chose).
+    """
+    mean_logprob: _builtins.float
+    """The confidence rule's score over the held-back tokens (the mean token
+    logprob, nats); unset when the rule did not run.
+    """
+    held_back_tokens: _builtins.int
+    """Tokens of the small model's generation held back while the rule decided."""
+    def __init__(
+        self,
+        *,
+        escalated: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        mean_logprob: _builtins.float | None = ...,
+        held_back_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_mean_logprob", b"_mean_logprob", "mean_logprob", b"mean_logprob"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_mean_logprob", b"_mean_logprob", "escalated", b"escalated", "held_back_tokens", b"held_back_tokens", "mean_logprob", b"mean_logprob", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__mean_logprob: _TypeAlias = _typing.Literal["mean_logprob"]  # noqa: Y015
+    _WhichOneofArgType__mean_logprob: _TypeAlias = _typing.Literal["_mean_logprob", b"_mean_logprob"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__mean_logprob) -> _WhichOneofReturnType__mean_logprob | None: ...
+
+Global___CascadePath: _TypeAlias = CascadePath  # noqa: Y015
+
+@_typing.final
+class Retrieval(_message.Message):
+    """Which passages a request asks for, and what to do when retrieval fails."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COLLECTION_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    FILTER_FIELD_NUMBER: _builtins.int
+    ON_FAILURE_FIELD_NUMBER: _builtins.int
+    collection: _builtins.str
+    """The collection to search (RetrieverService collections). Required."""
+    top_k: _builtins.int
+    """Chunks to insert, 1..32. 0: the retriever's default."""
+    on_failure: Global___RetrievalFailurePolicy.ValueType
+    """What a failed retrieval (retriever unavailable, its deadline passed) does."""
+    @_builtins.property
+    def filter(self) -> _struct_pb2.Struct:
+        """Equality filter on the documents' metadata (flat string, number or bool
+        values); a field no document of the collection has is INVALID_ARGUMENT
+        naming `retrieval.filter`.
+        """
+
+    def __init__(
+        self,
+        *,
+        collection: _builtins.str = ...,
+        top_k: _builtins.int = ...,
+        filter: _struct_pb2.Struct | None = ...,
+        on_failure: Global___RetrievalFailurePolicy.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["collection", b"collection", "filter", b"filter", "on_failure", b"on_failure", "top_k", b"top_k"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Retrieval: _TypeAlias = Retrieval  # noqa: Y015
+
+@_typing.final
+class UsedChunk(_message.Message):
+    """One chunk the router inserted into the prompt (its text is in
+    `RetrievalUsed.passages_message`).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNK_ID_FIELD_NUMBER: _builtins.int
+    DOCUMENT_ID_FIELD_NUMBER: _builtins.int
+    SCORE_FIELD_NUMBER: _builtins.int
+    chunk_id: _builtins.str
+    """"<document id>#<chunk index>"."""
+    document_id: _builtins.str
+    score: _builtins.float
+    """Cosine similarity in [-1, 1]."""
+    def __init__(
+        self,
+        *,
+        chunk_id: _builtins.str = ...,
+        document_id: _builtins.str = ...,
+        score: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_id", b"chunk_id", "document_id", b"document_id", "score", b"score"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UsedChunk: _TypeAlias = UsedChunk  # noqa: Y015
+
+@_typing.final
+class RetrievalUsed(_message.Message):
+    """What retrieval put into the prompt."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNKS_FIELD_NUMBER: _builtins.int
+    PASSAGES_MESSAGE_FIELD_NUMBER: _builtins.int
+    DEGRADED_FIELD_NUMBER: _builtins.int
+    DEGRADED_REASON_FIELD_NUMBER: _builtins.int
+    COLLECTION_VERSION_FIELD_NUMBER: _builtins.int
+    passages_message: _builtins.str
+    """The exact user message inserted before the last user turn. A client that
+    keeps the conversation sends it back in its history, at the same place,
+    so that the next turn's prompt starts with this turn's prompt and keeps
+    its prefix-cache hits. Empty when nothing was inserted.
+    """
+    degraded: _builtins.bool
+    """True when retrieval failed and the answer has no passages
+    (RETRIEVAL_FAILURE_POLICY_DEGRADE); `degraded_reason` says why.
+    """
+    degraded_reason: _builtins.str
+    collection_version: _builtins.int
+    """The collection's version the passages came from."""
+    @_builtins.property
+    def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___UsedChunk]:
+        """The chunks inserted, best first (empty when degraded or none matched)."""
+
+    def __init__(
+        self,
+        *,
+        chunks: _abc.Iterable[Global___UsedChunk] | None = ...,
+        passages_message: _builtins.str = ...,
+        degraded: _builtins.bool = ...,
+        degraded_reason: _builtins.str = ...,
+        collection_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "collection_version", b"collection_version", "degraded", b"degraded", "degraded_reason", b"degraded_reason", "passages_message", b"passages_message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetrievalUsed: _TypeAlias = RetrievalUsed  # noqa: Y015
+
+@_typing.final
+class RetrievalLatency(_message.Message):
+    """Where retrieval's time went, in milliseconds, and how much of it the
+    request waited for (the part that adds to TTFT).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EMBED_MS_FIELD_NUMBER: _builtins.int
+    SEARCH_MS_FIELD_NUMBER: _builtins.int
+    CACHE_HIT_FIELD_NUMBER: _builtins.int
+    CALL_MS_FIELD_NUMBER: _builtins.int
+    WAIT_MS_FIELD_NUMBER: _builtins.int
+    OVERLAP_MS_FIELD_NUMBER: _builtins.int
+    embed_ms: _builtins.float
+    """The retriever's own stages (RetrievalTiming): query embedding, index
+    search, and whether the top-k came from its cache.
+    """
+    search_ms: _builtins.float
+    cache_hit: _builtins.bool
+    call_ms: _builtins.float
+    """The Query call as the router measured it (start to answer)."""
+    wait_ms: _builtins.float
+    """Of `call_ms`, the time the request waited for the passages after the
+    rest of its preparation was done: what retrieval added to TTFT.
+    """
+    overlap_ms: _builtins.float
+    """Of `call_ms`, the time that ran beside the rest of the preparation."""
+    def __init__(
+        self,
+        *,
+        embed_ms: _builtins.float = ...,
+        search_ms: _builtins.float = ...,
+        cache_hit: _builtins.bool = ...,
+        call_ms: _builtins.float = ...,
+        wait_ms: _builtins.float = ...,
+        overlap_ms: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_hit", b"cache_hit", "call_ms", b"call_ms", "embed_ms", b"embed_ms", "overlap_ms", b"overlap_ms", "search_ms", b"search_ms", "wait_ms", b"wait_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetrievalLatency: _TypeAlias = RetrievalLatency  # noqa: Y015
 
 @_typing.final
 class GenerateJsonRequest(_message.Message):
@@ -358,6 +651,10 @@ class GenerateResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    CASCADE_FIELD_NUMBER: _builtins.int
+    RETRIEVAL_FIELD_NUMBER: _builtins.int
+    RETRIEVAL_LATENCY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's id."""
     text: _builtins.str
@@ -377,6 +674,11 @@ class GenerateResponse(_message.Message):
     """Which of the request's `sampling.n` choices this message belongs to
     (0-based; always 0 when n is 1). Messages of different choices interleave;
     each choice has its own last message (finish_reason and usage set).
+    """
+    model: _builtins.str
+    """The model that produced the answer, on the last message (and, for a
+    cascade request, on the first): the request's model, or for the
+    cascade alias the small or the large model.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -404,6 +706,20 @@ class GenerateResponse(_message.Message):
         message (`text` then holds only text outside calls).
         """
 
+    @_builtins.property
+    def cascade(self) -> Global___CascadePath:
+        """For a request to the cascade alias, on the same messages as `model`:
+        the path it took.
+        """
+
+    @_builtins.property
+    def retrieval(self) -> Global___RetrievalUsed:
+        """With `retrieval`: on the last message (each choice's), the chunks used."""
+
+    @_builtins.property
+    def retrieval_latency(self) -> Global___RetrievalLatency:
+        """With `retrieval`: on the last message (each choice's), its latency."""
+
     def __init__(
         self,
         *,
@@ -418,10 +734,14 @@ class GenerateResponse(_message.Message):
         prompt_logprobs: _abc.Iterable[_common_pb2.PositionLogprobs] | None = ...,
         index: _builtins.int = ...,
         tool_calls: _abc.Iterable[Global___ToolCallDelta] | None = ...,
+        model: _builtins.str = ...,
+        cascade: Global___CascadePath | None = ...,
+        retrieval: Global___RetrievalUsed | None = ...,
+        retrieval_latency: Global___RetrievalLatency | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cascade", b"cascade", "retrieval", b"retrieval", "retrieval_latency", b"retrieval_latency", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached", b"cached", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached", b"cached", "cascade", b"cascade", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "model", b"model", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "retrieval", b"retrieval", "retrieval_latency", b"retrieval_latency", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
