@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from services.common.broken_pipe import leave_quietly
 from services.common.tracing import otlp_endpoint
+from services.router.history.flags import add_history_arguments
 
 if TYPE_CHECKING:
     from services.cli.mesh import MeshProgress
@@ -246,7 +247,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     if problem:
         print(f"llmesh: {problem}", file=sys.stderr)
         return 2
-    router_args = list(args.router_arg)
+    from services.router.history.flags import router_flags
+
+    router_args = [*router_flags(args), *args.router_arg]
     if args.api_keys is not None:
         router_args += ["--api-keys", os.path.abspath(args.api_keys)]
     mesh = Mesh(
@@ -782,6 +785,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="extra engine argument, repeatable: --engine-arg=--flag=value")
     up.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                     help="extra router argument, repeatable: --router-arg=--max-tokens-cap=512")
+    add_history_arguments(up)
     up.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True,
                     help="start a service that dies again on its ports, as a supervisor "
                          f"would (default); {MAX_RESTARTS} deaths within "

@@ -37,6 +37,7 @@ from services.router.routing import CostWeights, RoutingPolicy
 from services.router.service import RouterConfig, RouterService
 from services.router.slow_reader import DEFAULT_CLIENT_WRITE_TIMEOUT_S
 from services.router.tools.formats import ToolCallFormat
+from services.router.history.flags import add_history_arguments, history_settings
 from services.router.tools.formats import parse_flag as parse_tool_call_format
 
 
@@ -153,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
                              "/v1/completions, /v1/models) on this port of --host; 0 picks a "
                              "free one (written to the port file as openai_port); default off")
+    add_history_arguments(parser)
     adm = parser.add_argument_group(
         "admission control", "the router's queue per model and traffic class (interactive, "
         "batch), the concurrency cap per replica, and fair dispatch between tenants "
@@ -226,7 +228,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             pools=tuple(args.model_pool), openai_port=args.openai_port,
             resolve_interval_s=args.engine_resolve_interval,
             dns_nameserver=args.dns_nameserver,
-            api_keys=None if args.api_keys is None else str(Path(args.api_keys).resolve()))
+            api_keys=None if args.api_keys is None else str(Path(args.api_keys).resolve()),
+            history=history_settings(args))
         if args.dns_nameserver is not None:
             make_resolver(args.dns_nameserver)  # checks the address
     except ValueError as err:

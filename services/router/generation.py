@@ -97,6 +97,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -105,6 +106,7 @@ from services.common import tracing
 from services.common.detokenizer import IncrementalDetokenizer, TokenizersDecoder
 from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason, InvalidRequestError, SamplingOptions
+from services.common.wire.chat import ChatPrompt
 from services.common.wire.engine_stream import EngineUpdate, Usage
 from services.common.wire.tools import ToolCallDelta
 from services.router.admission import (
@@ -143,6 +145,9 @@ from services.router.single_flight import (
 from services.router.logprob_text import TokenTexts
 from services.router.stop_strings import StopStringMatcher
 from services.router.validation import GenerationRequest, ModelLimits, fit_to_context
+
+if TYPE_CHECKING:
+    from services.router.history.compactor import HistoryCompactor
 
 log = structlog.get_logger()
 
@@ -410,6 +415,10 @@ class GenerationPipeline:
         self._pending_stores: dict[CacheKey, asyncio.Task[object]] = {}
         self._flights: SingleFlight[Event, _Shared] = SingleFlight(
             clone=_clone_error, stopped=_stopped_error)
+        #: The model's history compaction (:mod:`services.router.history`),
+        #: set by the service when the model has a budget; None: chats are
+        #: trimmed to the context window.
+        self.history: HistoryCompactor | None = None
 
     # ------------------------------------------------------------------ API
 
@@ -458,6 +467,7 @@ class GenerationPipeline:
                     if isinstance(event, Finished):
                         outcome = event.reason.name.lower()
                         info.update(matched_stop=event.matched_stop)
+                        event = _with_history(event, info)
                     yield event
         except Exception as err:
             failure = _client_failure(err, progress.completion_tokens)
@@ -489,9 +499,11 @@ class GenerationPipeline:
             raise upstream_to_generation_error(err) from err
 
     async def close(self) -> None:
-        """Cancels the shared generations still running, waits briefly for
-        background cache writes, then cancels the rest."""
+        """Cancels the shared generations and history compactions still
+        running, waits briefly for background cache writes, then cancels the rest."""
         await self._flights.close()
+        if self.history is not None:
+            await self.history.close()
         if self._background:
             _, pending = await asyncio.wait(self._background, timeout=1.0)
             for task in pending:
@@ -572,11 +584,7 @@ class GenerationPipeline:
                                               f"{err.details}") from err
                 raise
         try:
-            chat = await self.tokenizer.apply_chat_template(
-                request.messages, add_generation_prompt=True,
-                max_prompt_tokens=limits.max_model_len - 1, request_id=request.request_id,
-                deadline=deadline, allow_special_tokens=request.allow_special_tokens,
-                traceparent=traceparent, tools=request.chat_tools)
+            chat = await self._chat_prompt(request, limits, deadline, info, traceparent)
         except UpstreamError as err:
             if err.code == grpc.StatusCode.OUT_OF_RANGE:
                 raise InvalidRequestError(
@@ -595,6 +603,26 @@ class GenerationPipeline:
         if chat.num_dropped_messages:
             info.update(dropped_messages=chat.num_dropped_messages)
         return chat.token_ids
+
+    async def _chat_prompt(self, request: GenerationRequest, limits: ModelLimits,
+                           deadline: float | None, info: dict[str, object],
+                           traceparent: str) -> ChatPrompt:
+        """The chat template applied, history trimmed to the context window or,
+        with history compaction (:attr:`history`), compacted to its budget
+        (what it did goes into ``info`` for the usage). Raises UpstreamError."""
+        if self.history is not None:
+            chat, report = await self.history.prompt(
+                request, max_prompt_tokens=limits.max_model_len - 1, deadline=deadline,
+                traceparent=traceparent)
+            if report.turns_summarized:
+                info.update(history_turns_summarized=report.turns_summarized,
+                            history_tokens_saved=report.tokens_saved)
+            return chat
+        return await self.tokenizer.apply_chat_template(
+            request.messages or (), add_generation_prompt=True,
+            max_prompt_tokens=limits.max_model_len - 1, request_id=request.request_id,
+            deadline=deadline, allow_special_tokens=request.allow_special_tokens,
+            traceparent=traceparent, tools=request.chat_tools)
 
     def _cache_key(self, request: GenerationRequest,
                    prompt_ids: tuple[int, ...]) -> CacheKey | None:
@@ -1185,6 +1213,17 @@ def _time_per_output_token(outcome: str, progress: Progress, timing: _Timing, *,
             or timing.first_token_at is None or timing.last_token_at is None):
         return None
     return (timing.last_token_at - timing.first_token_at) / (progress.completion_tokens - 1)
+
+
+def _with_history(finished: Finished, info: Mapping[str, object]) -> Finished:
+    """``finished`` with the request's history compaction in its usage (step 1)."""
+    turns = info.get("history_turns_summarized")
+    if not isinstance(turns, int):
+        return finished
+    saved = info.get("history_tokens_saved")
+    usage = dataclasses.replace(finished.usage, history_turns_summarized=turns,
+                                history_tokens_saved=saved if isinstance(saved, int) else 0)
+    return dataclasses.replace(finished, usage=usage)
 
 
 def _shareable(sampling: SamplingOptions) -> bool:

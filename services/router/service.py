@@ -83,6 +83,8 @@ from services.router.generation import (
     Progress,
     no_replica_message,
 )
+from services.router.history.attach import attach_history
+from services.router.history.settings import HistorySettings
 from services.router.json_request import parse_generate_json
 from services.router.metrics import RouterMetrics
 from services.router.openai_http import OpenAIServer
@@ -159,6 +161,8 @@ class RouterConfig:
         auth off (``x-tenant-id`` names the tenant, no per-tenant limits).
       tool_call_formats: ``--tool-call-format`` by model id ("" every
         model's default; :mod:`services.router.tools.formats`).
+      history: chat history compaction (``--history-budget-tokens``,
+        :mod:`services.router.history`); off by default.
     """
 
     tokenizer: str
@@ -181,6 +185,7 @@ class RouterConfig:
     tool_call_formats: Mapping[str, ToolCallFormat] = field(default_factory=dict)
     dns_nameserver: str | None = None
     api_keys: str | None = None
+    history: HistorySettings = HistorySettings()
 
     def all_pools(self) -> list[PoolConfig]:
         """Every model's pool, the default (``tokenizer``, ``engines``) first."""
@@ -430,6 +435,12 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         """Serves the pools opened so far, in the order configured."""
         self.pools = {pool.model: pool for _, pool in sorted(self._opened.items())}
         self.default_model = self._opened[0].model if 0 in self._opened else ""
+        attach_history(self.pools, self.config.history, self._cache, self.metrics.history,
+                       self._summary_generation)
+
+    def _summary_generation(self, request: GenerationRequest) -> AsyncIterator[Event]:
+        """Runs a history summary's request through its model's pipeline."""
+        return self.pools[request.model].pipeline.run(request, received_at=time.monotonic())
 
     def _log_ready(self, pool: ModelPool) -> None:
         log.info("router_ready", model=pool.model, max_model_len=pool.limits.max_model_len,

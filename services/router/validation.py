@@ -137,6 +137,8 @@ class GenerationRequest:
     already rendered into ``messages``; in the ``template`` format they are
     ``chat_tools``, which the chat template renders (with the messages'
     ``tool_calls`` and ``tool_call_id``).
+    ``summarize_history``: ``history.summarize`` (None unset: the router's
+    setting; :mod:`services.router.history`).
     """
 
     request_id: str
@@ -155,6 +157,7 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     tools: ToolRequest | None = None
     chat_tools: tuple[FunctionTool, ...] = ()
+    summarize_history: bool | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -480,6 +483,8 @@ def validate_request(
         tools=tools,
         chat_tools=(tools.tools if tools is not None and messages is not None
                     and limits.tool_call_format is ToolCallFormat.TEMPLATE else ()),
+        summarize_history=(pb.history.summarize if pb.history.HasField("summarize")
+                           else None),
     )
 
 
