@@ -169,6 +169,8 @@ class HistoryCompactor:
         boundary and stores it, once per boundary across routers (the claim)."""
         started = time.monotonic()
         outcome = "failed"
+        running = self._metrics.running.labels(self.model)
+        running.inc()
         try:
             end = await self._compaction_end(request, conversation, candidates, start)
             if end is None:
@@ -182,6 +184,7 @@ class HistoryCompactor:
             if await self._store.put(request.cache_scope, end.prefix_hash, summary,
                                      request_id=request.request_id):
                 outcome = "stored"
+                self._metrics.summarized_turns.labels(self.model).inc(end.end - start)
                 self._metrics.summary_seconds.labels(self.model).observe(
                     time.monotonic() - started)
                 log.info("history_compacted", model=self.model, summarized_turns=end.end,
@@ -193,6 +196,7 @@ class HistoryCompactor:
         except Exception as err:  # noqa: BLE001 - a background task: logged and counted
             log.warning("history_compaction_failed", model=self.model, error=repr(err))
         finally:
+            running.dec()
             self._metrics.compactions.labels(self.model, outcome).inc()
 
     async def _summary(self, request: GenerationRequest, conversation: Conversation,
