@@ -610,7 +610,7 @@ class GenerationPipeline:
         """The chat template applied, history trimmed to the context window or,
         with history compaction (:attr:`history`), compacted to its budget
         (what it did goes into ``info`` for the usage). Raises UpstreamError."""
-        if self.history is not None:
+        if self.history is not None and not request.history_exempt:
             chat, report = await self.history.prompt(
                 request, max_prompt_tokens=limits.max_model_len - 1, deadline=deadline,
                 traceparent=traceparent)

@@ -138,7 +138,9 @@ class GenerationRequest:
     ``chat_tools``, which the chat template renders (with the messages'
     ``tool_calls`` and ``tool_call_id``).
     ``summarize_history``: ``history.summarize`` (None unset: the router's
-    setting; :mod:`services.router.history`).
+    setting; :mod:`services.router.history`). ``history_exempt``: a request
+    the router makes itself (a history summary), bound by the context window
+    only.
     """
 
     request_id: str
@@ -158,6 +160,7 @@ class GenerationRequest:
     tools: ToolRequest | None = None
     chat_tools: tuple[FunctionTool, ...] = ()
     summarize_history: bool | None = None
+    history_exempt: bool = False
 
     @property
     def is_chat(self) -> bool:

@@ -22,18 +22,18 @@ pytestmark = pytest.mark.mesh
 BUDGET = 256
 SUMMARY_TOKENS = 32
 ARGS = [f"--history-budget-tokens={BUDGET}", f"--history-summary-max-tokens={SUMMARY_TOKENS}"]
-FACTS = ["My name is Ada and I live in Lisbon with two cats.",
-         "I work as a bridge engineer and I like long walks.",
-         "My sister Eva is visiting next Tuesday from Berlin.",
-         "We plan to cook fish and rice with lemon for dinner.",
-         "I am learning to play the cello every morning.",
-         "My favourite number is seven and my car is green.",
-         "Next month I travel to Porto by train for work.",
-         "The cats are called Tom and Mia; Mia is older.",
-         "I drink green tea and never coffee after noon.",
-         "My office is on the fifth floor near the river.",
-         "On Sundays I visit the old market with Eva.",
-         "I want to paint the kitchen blue this summer."]
+FACTS = ["My name is Ada and I live in Lisbon with two cats. I moved there four years ago.",
+         "I work as a bridge engineer and I like long walks along the river after work.",
+         "My sister Eva is visiting next Tuesday from Berlin. She stays for ten days.",
+         "We plan to cook fish and rice with lemon for dinner, and a cake for dessert.",
+         "I am learning to play the cello every morning before breakfast, for an hour.",
+         "My favourite number is seven and my car is green. It is an old small car.",
+         "Next month I travel to Porto by train for work. The trip takes three hours.",
+         "The cats are called Tom and Mia; Mia is older and sleeps on the sofa all day.",
+         "I drink green tea and never coffee after noon, because I sleep badly otherwise.",
+         "My office is on the fifth floor near the river, with a view of the old bridge.",
+         "On Sundays I visit the old market with Eva to buy fruit, bread and flowers.",
+         "I want to paint the kitchen blue this summer, and buy a new wooden table."]
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,11 @@ def metric(router: ServiceProcess, name: str, **labels: str) -> float:
                                                  for k, v in labels.items()):
             total += float(value)
     return total
+
+
+def log_tail(router: ServiceProcess) -> str:
+    """The router's last log lines, for a failure's message."""
+    return "\n".join(router.log_path.read_text(errors="replace").splitlines()[-20:])
 
 
 def settle(*routers: ServiceProcess) -> None:
@@ -97,7 +102,8 @@ def test_history_is_summarised_with_a_stable_prefix(
             assert usages[-1]["prompt_tokens"] <= BUDGET
         summarized = [u.get("history", {}).get("turns_summarized", 0) for u in usages]
         # compactions happened, and later ones covered more turns
-        assert summarized[0] == 0 and len({s for s in summarized if s}) >= 2, summarized
+        assert summarized[0] == 0 and len({s for s in summarized if s}) >= 2, (
+            summarized, compactions, log_tail(router))
         assert all(u["history"]["tokens_saved"] > 0 for u in usages if "history" in u)
         # between compactions each prompt starts with the previous one (system
         # turn + summary + the turns since), which the engine reuses; a turn

@@ -100,7 +100,7 @@ def test_summary_request_is_greedy_batch_and_incremental() -> None:
         "small", Priority.BATCH, 0.0)
     assert request.sampling.max_tokens == 64
     assert (request.tenant, request.cache_scope) == ("t", "scope")
-    assert request.summarize_history is False
+    assert request.history_exempt and request.summarize_history is None
     assert request.messages is not None and request.messages[0].role == "system"
     text = request.messages[1].content
     assert text == transcript("Ada likes tea.", turns)

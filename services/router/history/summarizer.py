@@ -2,8 +2,8 @@
 
 :func:`summary_request` builds it (the summariser model, greedy so that the
 same turns always give the same summary, ``summary_max_tokens`` at most,
-batch priority, the caller's tenant and cache scope; its own history switch
-off); :func:`generate_text` runs it through a pipeline and returns the text.
+batch priority, the caller's tenant and cache scope; exempt from the
+history budget); :func:`generate_text` runs it through a pipeline and returns the text.
 The prompt is ours: an instruction in the system turn, then the previous
 summary and the new turns as a transcript in one user turn, so an
 incremental compaction never reads the turns the previous summary covers.
@@ -51,7 +51,7 @@ def summary_request(origin: GenerationRequest, *, model: str, previous: str,
                   ChatMessage("user", transcript(previous, turns))),
         sampling=SamplingOptions(temperature=0.0, max_tokens=max_tokens),
         priority=Priority.BATCH, tenant=origin.tenant, cache_scope=origin.cache_scope,
-        summarize_history=False)
+        history_exempt=True)
 
 
 async def generate_text(generate: Generate, request: GenerationRequest) -> str:
