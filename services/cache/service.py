@@ -125,12 +125,16 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
 
     # RPCs -----------------------------------------------------------------------
 
-    async def _admit(self, key: cache_pb2.CacheKey, has_key: bool,
-                     context: grpc.aio.ServicerContext) -> EntryKey:
-        """The entry key of a valid request; aborts UNAVAILABLE / INVALID_ARGUMENT."""
+    async def _open(self, context: grpc.aio.ServicerContext) -> None:
+        """Binds the call's request id to the logs; aborts UNAVAILABLE while draining."""
         bind_request_id(request_id_from(context))
         if self._draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "cache service is draining")
+
+    async def _admit(self, key: cache_pb2.CacheKey, has_key: bool,
+                     context: grpc.aio.ServicerContext) -> EntryKey:
+        """The entry key of a valid request; aborts UNAVAILABLE / INVALID_ARGUMENT."""
+        await self._open(context)
         if not has_key:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "key: required")
         try:
@@ -230,9 +234,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     async def _history_call(self, call: Callable[[], Awaitable[T]],
                             context: grpc.aio.ServicerContext) -> T:
         """``call()`` unless draining; InvalidRequestError aborts with its code."""
-        bind_request_id(request_id_from(context))
-        if self._draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "cache service is draining")
+        await self._open(context)
         try:
             return await call()
         except InvalidRequestError as exc:

@@ -11,7 +11,10 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
    ``Tokenize``/``ApplyChatTemplate``, or with ``--tokenize-in-router`` in
    process on the service's own definition and template
    (:mod:`services.router.local_tokenizer`; the service the fallback); a
-   prompt given as token ids (``prompt_tokens``) is used as it is. Nothing
+   prompt given as token ids (``prompt_tokens``) is used as it is. A chat of
+   a model with a history budget is compacted to it instead
+   (:mod:`services.router.history`: old turns replaced by a stored summary,
+   summarised in the background when one is due). Nothing
    else waits for them: the coalescing and cache keys are made from the
    prompt ids after (tokenizing costs ~0.1 ms in process, less than a
    second key scheme would save; docs/architecture.md "What the mesh

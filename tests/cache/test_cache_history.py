@@ -4,38 +4,17 @@ PutHistorySummary) over real gRPC, with the memory and the Redis store."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator
-
 import grpc
 import pytest
-from llmesh.v1 import cache_pb2, cache_pb2_grpc
+from llmesh.v1 import cache_pb2
 
-from services.cache.metrics import CacheMetrics
-from services.cache.service import CacheService
-from services.cache.store import MemoryStore, RedisStore, ResponseStore
-from tests.cache.helpers import serve
-from tests.cache.redis_server import RedisProcess
+from tests.cache.test_cache_service import Stub, store, stub
 
-Stub = cache_pb2_grpc.CacheServiceStub
+__all__ = ["store", "stub"]  # the service's fixtures, over both stores
 
 
 def h(name: str) -> bytes:
     return hashlib.sha256(name.encode()).digest()
-
-
-@pytest.fixture(params=["memory", "redis"])
-async def store(request: pytest.FixtureRequest, metrics: CacheMetrics) -> ResponseStore:
-    if request.param == "memory":
-        return MemoryStore()
-    request.getfixturevalue("redis_client")  # empties the database
-    server: RedisProcess = request.getfixturevalue("redis_server")
-    return RedisStore(server.url, metrics=metrics)
-
-
-@pytest.fixture
-async def stub(store: ResponseStore, metrics: CacheMetrics) -> AsyncIterator[Stub]:
-    async with serve(CacheService(store, default_ttl_seconds=600, metrics=metrics)) as s:
-        yield s
 
 
 async def lookup(stub: Stub, *names: str, scope: str = "t1"
