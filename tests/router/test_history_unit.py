@@ -107,3 +107,18 @@ def test_summary_request_is_greedy_batch_and_incremental() -> None:
     assert "Summary so far:\nAda likes tea." in text
     assert "User: My name is Ada.\nAssistant: Hello Ada." in text
     assert "Summary so far" not in transcript("", turns)
+
+
+def test_openai_history_switch() -> None:
+    from services.common.sampling import InvalidRequestError
+    from services.router.openai_protocol import Endpoint, parse_body
+
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    off = parse_body(Endpoint.CHAT, {**body, "history": {"summarize": False}})
+    assert off.generate.history.HasField("summarize") and off.generate.history.summarize is False
+    assert not parse_body(Endpoint.CHAT, body).generate.HasField("history")
+    for bad, where in (("no", "history"), ({"budget": 3}, "history.budget"),
+                       ({"summarize": "no"}, "summarize")):
+        with pytest.raises(InvalidRequestError) as err:
+            parse_body(Endpoint.CHAT, {**body, "history": bad})
+        assert err.value.field == where
