@@ -33,11 +33,11 @@ from services.router.admission import AdmissionConfig
 from services.router.api_keys import KeyFileError
 from services.router.discovery import DEFAULT_RESOLVE_INTERVAL_S, engine_target, make_resolver
 from services.router.model_pool import PoolConfig
+from services.router.history.flags import add_history_arguments, history_settings
 from services.router.routing import CostWeights, RoutingPolicy
 from services.router.service import RouterConfig, RouterService
 from services.router.slow_reader import DEFAULT_CLIENT_WRITE_TIMEOUT_S
 from services.router.tools.formats import ToolCallFormat
-from services.router.history.flags import add_history_arguments, history_settings
 from services.router.tools.formats import parse_flag as parse_tool_call_format
 
 

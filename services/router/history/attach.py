@@ -22,7 +22,7 @@ def attach_history(pools: Mapping[str, ModelPool], settings: HistorySettings,
                    generate: Generate) -> None:
     """Sets ``pipeline.history`` of every pool whose model has a budget and no
     compactor yet. Without a cache service there is nowhere to keep summaries:
-    chats are then only trimmed to the budget's model context (warned once).
+    chats are then trimmed to the context window, as without a budget (warned).
 
     Args:
       generate: runs a request through the pipeline of the model it names
