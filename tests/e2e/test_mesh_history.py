@@ -41,8 +41,12 @@ def routers(mesh: Mesh) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
     first = mesh.add_router("router-history-a", ARGS)
     second = mesh.add_router("router-history-b", ARGS)
     yield first, second
-    mesh.remove_router(first.name)
-    mesh.remove_router(second.name)
+    stops = [threading.Thread(target=mesh.remove_router, args=(r.name,))
+             for r in (first, second)]  # their drains overlap
+    for stop in stops:
+        stop.start()
+    for stop in stops:
+        stop.join()
 
 
 def client_of(router: ServiceProcess) -> openai.OpenAI:
