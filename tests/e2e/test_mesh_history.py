@@ -1,4 +1,4 @@
-"""Summarised history on the session mesh: two extra routers with a 256-token
+"""Summarised history on the session mesh: two extra routers with a 384-token
 history budget (one cache service, so one summary store), driven through their
 OpenAI endpoints with a short chat: the stable summary prefix and its prefix
 cache reuse, incremental compaction, the per-request switch, and one summary
@@ -19,7 +19,7 @@ from services.cli.mesh import Mesh, ServiceProcess
 
 pytestmark = pytest.mark.mesh
 
-BUDGET = 256
+BUDGET = 384
 SUMMARY_TOKENS = 32
 ARGS = [f"--history-budget-tokens={BUDGET}", f"--history-summary-max-tokens={SUMMARY_TOKENS}"]
 FACTS = ["My name is Ada and I live in Lisbon with two cats. I moved there four years ago.",

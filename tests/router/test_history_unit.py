@@ -14,7 +14,7 @@ from services.router.history.conversation import (
     rewrite,
     split,
 )
-from services.router.history.plan import compaction_end, low_water_tokens
+from services.router.history.plan import compaction_due, compaction_end, low_water_tokens
 from services.router.history.settings import HistorySettings, parse_budget
 from services.router.history.summarizer import summary_request, transcript
 from services.router.validation import GenerationRequest
@@ -86,6 +86,8 @@ def test_compaction_end_reaches_the_low_water_mark() -> None:
     assert compaction_end(candidates, 0, 9) == candidates[2]  # never that low: all but the last
     assert compaction_end(candidates, 6, 7) is None
     assert low_water_tokens(1024, 128) == 384
+    assert not compaction_due(768, 0, 1024) and compaction_due(769, 0, 1024)
+    assert compaction_due(100, 2, 1024)  # trimmed
     assert low_water_tokens(200, 150) == 1
 
 

@@ -11,8 +11,9 @@ chat template call:
    (:func:`~.conversation.rewrite`), rendered within the budget: when it does
    not fit, the tokenizer drops the oldest turns, as without a budget (the
    turn that crosses the budget is served trimmed);
-3. when turns were dropped and no compaction is under way, a compaction in
-   the background (:meth:`HistoryCompactor._compact`): the turns from the
+3. when the prompt passes three quarters of the budget or turns were dropped
+   (:func:`~.plan.compaction_due`), and no compaction is under way, a
+   compaction in the background (:meth:`HistoryCompactor._compact`): the turns from the
    stored summary's end to the boundary :func:`~.plan.compaction_end` picks
    are summarised together with the stored summary (incremental: the older
    turns are never read again), under a claim in the cache service so that
@@ -42,7 +43,7 @@ from services.router.history.conversation import (
     split,
 )
 from services.router.history.metrics import HistoryMetrics
-from services.router.history.plan import compaction_end, low_water_tokens
+from services.router.history.plan import compaction_due, compaction_end, low_water_tokens
 from services.router.history.settings import HistorySettings
 from services.router.history.store import Lookup, Summary, SummaryStore
 from services.router.history.summarizer import Generate, generate_text, summary_request
@@ -110,7 +111,8 @@ class HistoryCompactor:
         start = candidates[found.index].end if found.summary is not None else 0
         messages = rewrite(conversation, found.summary.text if found.summary else "", start)
         chat = await self._render(request, messages, budget, deadline, traceparent)
-        if chat.num_dropped_messages and not found.pending:
+        if compaction_due(len(chat.token_ids), chat.num_dropped_messages, budget) \
+                and not found.pending:
             self._spawn(self._compact(request, conversation, candidates, found.summary, start))
         if found.summary is None:
             return chat, HistoryReport()

@@ -11,6 +11,10 @@ DEFAULT_SUMMARY_MAX_TOKENS = 128
 #: takes at most this share of the budget, so that the next turns add to a
 #: stable prefix for a while before the next compaction.
 LOW_WATER = 0.5
+#: A compaction starts once a prompt passes this share of the budget (or had
+#: to be trimmed), so that the summary is usually stored before the chat
+#: reaches the budget and no turn is served trimmed.
+HIGH_WATER = 0.75
 
 
 def parse_budget(text: str) -> tuple[str, int]:
