@@ -1,9 +1,9 @@
 """Chat history that is summarised, not just dropped (``--history-budget-tokens``).
 
-When a chat's prompt passes its model's history budget, the router serves the
-turn trimmed (the oldest turns dropped, as without a budget) and writes a
+When a chat's prompt nears its model's history budget, the router writes a
 summary of the oldest turns in the background, through the mesh's own engines
-at batch priority; the summary is stored in the cache service, keyed by the
+at batch priority (a turn past the budget meanwhile is served trimmed, the
+oldest turns dropped, as without a budget); the summary is stored in the cache service, keyed by the
 tenant's cache scope and a hash of the messages it replaces, so the next turn
 of the same conversation, on any router, starts with the system turn and the
 summary: a prompt prefix that stays the same until the next compaction, which
