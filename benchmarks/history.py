@@ -181,13 +181,13 @@ def svg(rows: list[dict[str, Any]], path: Path, budget: int) -> None:
         y = height - pad - (height - 2 * pad) * row["ttft_ms"] / top
         return f"{x:.1f},{y:.1f}"
 
-    lines = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-             f'font-family="sans-serif" font-size="12">',
+    lines = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+              f'font-family="sans-serif" font-size="12">'),
              f'<rect width="{width}" height="{height}" fill="white"/>',
-             f'<text x="{pad}" y="20">TTFT per turn (ms), history budget {budget} tokens, '
-             f'{turns} turns</text>',
-             f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" '
-             'stroke="black"/>',
+             (f'<text x="{pad}" y="20">TTFT per turn (ms), history budget {budget} tokens, '
+              f'{turns} turns</text>'),
+             (f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" '
+              'stroke="black"/>'),
              f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="black"/>',
              f'<text x="{width // 2}" y="{height - 10}">turn</text>',
              f'<text x="5" y="{pad}">{top:.0f}</text>',
