@@ -138,12 +138,12 @@ def test_two_routers_write_one_summary(routers: tuple[ServiceProcess, ServicePro
     first, second = routers
     messages = [{"role": "system", "content": "You are a careful note taker."}]
     with client_of(first) as a, client_of(second) as b:
-        for fact in FACTS[:6]:  # past the budget, without compaction
+        for fact in FACTS[:9]:  # past the budget, without compaction
             messages.append({"role": "user", "content": fact})
             turn(a, model, messages, history={"summarize": False})
         stored = [metric(r, "llmesh:history_compactions_total", outcome="stored")
                   for r in routers]
-        messages.append({"role": "user", "content": FACTS[6]})
+        messages.append({"role": "user", "content": FACTS[9]})
         threads = [threading.Thread(target=turn, args=(c, model, list(messages)))
                    for c in (a, b)]
         for thread in threads:
@@ -153,10 +153,13 @@ def test_two_routers_write_one_summary(routers: tuple[ServiceProcess, ServicePro
         settle(first, second)
         after = [metric(r, "llmesh:history_compactions_total", outcome="stored")
                  for r in routers]
-        assert sum(after) - sum(stored) == 1  # one summary for the two routers
+        outcomes = {o: [metric(r, "llmesh:history_compactions_total", outcome=o)
+                        for r in routers] for o in ("stored", "claimed_elsewhere", "failed")}
+        assert sum(after) - sum(stored) == 1, (  # one summary for the two routers
+            stored, outcomes, log_tail(first), log_tail(second))
         # either router finds it on the next turn
         messages.append({"role": "assistant", "content": "Noted."})
-        messages.append({"role": "user", "content": FACTS[7]})
+        messages.append({"role": "user", "content": FACTS[10]})
         for client in (a, b):
             usage = turn(client, model, list(messages))
             assert usage["history"]["turns_summarized"] > 0
