@@ -124,3 +124,20 @@ def test_openai_history_switch() -> None:
         with pytest.raises(InvalidRequestError) as err:
             parse_body(Endpoint.CHAT, {**body, "history": bad})
         assert err.value.field == where
+
+
+def test_llmesh_up_passes_the_history_flags_to_the_router() -> None:
+    from services.cli.main import build_parser
+    from services.router.__main__ import build_parser as router_parser
+    from services.router.history.flags import history_settings, router_flags
+
+    args = build_parser().parse_args(["up", "--history-budget-tokens", "smol=512",
+                                      "--history-budget-tokens", "2048",
+                                      "--history-summarizer-model", "small"])
+    flags = router_flags(args)
+    assert flags == ["--history-budget-tokens=smol=512", "--history-budget-tokens=2048",
+                     "--history-summarizer-model=small"]
+    routed = router_parser().parse_args(["--tokenizer", "t:1", "--engine", "e:1", *flags])
+    settings = history_settings(routed)
+    assert (settings.budget("smol"), settings.budget("other")) == (512, 2048)
+    assert settings.summarizer("smol") == "small" and settings.summary_max_tokens == 128
