@@ -18,14 +18,16 @@ With ``--merges`` it also lists the merge implementations and merge buffers
 (the slow-reader buffers of a token stream), found by reading the code:
 
 * a merge function is one whose name starts with ``merge`` or ``merged``
-  (a leading ``_`` allowed), e.g. ``merge_updates``;
+  (a leading ``_`` allowed), e.g. ``merge_deltas``;
 * a merge buffer is a function or method that calls a merge function (or a
   ``merge`` / ``_merge`` it holds) and stores the result under a key
   (``pending[key] = merge(...)``): the place pending updates wait, merged.
 
 With ``--engine-path`` it runs :mod:`tools.engine_path` (an in-process engine
-over a tiny random model, a few seconds): the forms a token takes from the
-engine core to the wire, and the asyncio tasks and queues per open request.
+over a tiny random model and a router over it, a few seconds): the forms a
+token takes from the engine core to the client (the engine's up to the wire,
+then the router's up to ``GenerateResponse``), and the asyncio tasks and
+queues per open request.
 
 Exit status 0; the count is the first line of the output, for scripts. A
 negative ``--limit``/``--top`` or a ROOT that is not a directory is refused
@@ -154,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merges", action="store_true",
                         help="also list merge functions and merge buffers")
     parser.add_argument("--engine-path", action="store_true",
-                        help="also measure a token's forms and the tasks/queues per request "
-                             "in an in-process engine (tools/engine_path.py)")
+                        help="also measure a token's forms, engine core to client, and the "
+                             "tasks/queues per request in an in-process engine and router "
+                             "(tools/engine_path.py)")
     args = parser.parse_args(argv)
     if not args.root.is_dir():
         parser.error(f"root {str(args.root)!r} is not a directory")

@@ -35,7 +35,11 @@ from typing import TYPE_CHECKING
 
 from services.common.broken_pipe import leave_quietly
 from services.common.tracing import otlp_endpoint
+from services.router.cascade.flags import add_arguments as add_cascade_arguments
+from services.router.cascade.flags import problem as cascade_problem
+from services.router.cascade.flags import router_args as cascade_router_args
 from services.router.history.flags import add_history_arguments
+from services.router.history.flags import router_flags as history_router_args
 
 if TYPE_CHECKING:
     from services.cli.mesh import MeshProgress
@@ -247,9 +251,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if problem:
         print(f"llmesh: {problem}", file=sys.stderr)
         return 2
-    from services.router.history.flags import router_flags
-
-    router_args = [*router_flags(args), *args.router_arg]
+    router_args = [*args.router_arg, *cascade_router_args(args), *history_router_args(args)]
     if args.api_keys is not None:
         router_args += ["--api-keys", os.path.abspath(args.api_keys)]
     mesh = Mesh(
@@ -319,6 +321,9 @@ def _up_problem(args: argparse.Namespace, engine_args: list[str]) -> str | None:
         return problem
     if args.api_keys is not None and not os.path.isfile(args.api_keys):
         return f"--api-keys: no file at {args.api_keys}"
+    problem = cascade_problem(args, [m.name for m in args.models])
+    if problem:
+        return problem
     return _host_memory_problem(args.engines * max(1, len(args.models)), engine_args)
 
 
@@ -326,8 +331,10 @@ def _host_memory_problem(num_engines: int, engine_args: list[str]) -> str | None
     """Whether ``num_engines`` engines started with ``engine_args`` (and the
     ``LLMESH_ENGINE_*`` environment) would together fill more host memory with
     KV than ``MemAvailable`` (:mod:`services.engine.host_memory`); each engine
-    checks only itself when it starts. Flags that do not parse are left to the
-    engines, which refuse them with their own message."""
+    checks only itself when it starts. An engine flag or variable that does not
+    parse (``--kv-cache-bytes=1PiB``) is refused here with the engines' own
+    parser's one line (the flag and the accepted units), since every engine
+    would refuse it; flags the engines do not know are left to them."""
     from services.engine import host_memory
     from services.engine.config import add_engine_arguments, engine_config_from_args
 
@@ -335,9 +342,11 @@ def _host_memory_problem(num_engines: int, engine_args: list[str]) -> str | None
     try:
         add_engine_arguments(parser)
         known, _ = parser.parse_known_args(engine_args)
-        config = engine_config_from_args(known)
-    except (argparse.ArgumentError, ValueError):
-        return None
+    except argparse.ArgumentError as error:
+        return f"--engine-arg: {error}"
+    except ValueError as error:  # an LLMESH_ENGINE_* variable (it names itself)
+        return str(error)
+    config = engine_config_from_args(known)
     try:
         host_memory.check_engines_host_memory(
             host_memory.host_kv_bytes(config), num_engines,
@@ -783,6 +792,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "--device is not the CPU)")
     up.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
                     help="extra engine argument, repeatable: --engine-arg=--flag=value")
+    add_cascade_arguments(up)
     up.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                     help="extra router argument, repeatable: --router-arg=--max-tokens-cap=512")
     add_history_arguments(up)

@@ -8,10 +8,11 @@ stream and an engine step costs one message per router, not one per sequence
 
 :class:`MultiplexCall` owns the call's open requests (by the caller's
 ``stream_id``) and its kit server, whose outbox merges updates per stream and
-choice (:func:`merge_updates`). Each request is submitted to the backend with
+choice (:func:`merge_deltas`). Each request is submitted to the backend with
 a :class:`~services.engine.request_sink.RequestSink` (so logs and metrics are
-the same as on ``Generate``) that puts its deltas into the outbox as
-:class:`EngineUpdate` values: no task and no queue per request. The torch
+the same as on ``Generate``) that puts the engine core's deltas into the
+outbox as they are (the wire's :class:`TokenDelta`, turned into protobuf once,
+by the writer): no task, no queue and no copy per request. The torch
 engine core hands a step's deltas to the event loop in one callback, so every
 sequence of a step has put its update before the call's writer runs: one
 ``MultiplexResponse`` per step. While the caller reads slowly (HTTP/2 flow
@@ -39,15 +40,14 @@ from services.common.mux import MuxServer, ProtocolViolation
 from services.common.sampling import FinishReason, InvalidRequestError
 from services.common.wire.engine_stream import (
     EngineStart,
-    EngineUpdate,
-    Usage,
-    merge_updates,
+    TokenDelta,
+    merge_deltas,
     pack_updates,
     unpack_requests,
 )
 from services.engine.request_record import RequestRecord
 from services.engine.request_sink import RequestSink
-from services.engine.types import SequenceRequest, TokenDelta
+from services.engine.types import SequenceRequest
 
 log = structlog.get_logger()
 
@@ -55,18 +55,6 @@ log = structlog.get_logger()
 #: its record, the taker of its deltas, how it ends with a status, and what to
 #: call when it ended.
 MakeSink = Callable[..., RequestSink]
-
-
-def update_of(stream_id: int, delta: TokenDelta) -> EngineUpdate:
-    """``delta`` as the wire's update of stream ``stream_id``."""
-    failed = delta.finish_reason is FinishReason.ERROR
-    return EngineUpdate(
-        stream_id, delta.token_ids,
-        None if delta.finish_reason is FinishReason.NONE else delta.finish_reason,
-        Usage(delta.num_prompt_tokens, delta.num_generated_tokens, delta.num_cached_tokens),
-        delta.logprobs, delta.prompt_logprobs, delta.index,
-        delta.error_code if failed else grpc.StatusCode.OK,
-        (delta.error or "the engine failed the request") if failed else "")
 
 
 class MultiplexCall:
@@ -85,8 +73,8 @@ class MultiplexCall:
                  request_sink: MakeSink, refusal: Callable[[], str | None],
                  cancel_choice: Callable[[str, int], bool] = lambda _id, _index: False
                  ) -> None:
-        self.server: MuxServer[tuple[int, int], EngineUpdate] = MuxServer(
-            merge=merge_updates, pack=pack_updates)
+        self.server: MuxServer[tuple[int, int], TokenDelta] = MuxServer(
+            merge=merge_deltas, pack=pack_updates)
         self.outbox = self.server.outbox
         self._cancel_choice = cancel_choice
         self._to_request = to_request
@@ -124,11 +112,13 @@ class MultiplexCall:
                 self._cancel_choice(entry.sink.request.request_id, choice.index)
 
     def _status(self, stream_id: int, code: grpc.StatusCode, message: str) -> None:
-        """Ends the request (every choice) with ``code`` (its last update)."""
-        self.outbox.put((stream_id, 0), EngineUpdate(stream_id, status=code, message=message))
+        """Ends the request (every choice) with ``code`` (its last update: a
+        status-only delta)."""
+        self.outbox.put((stream_id, 0), TokenDelta("", (), FinishReason.NONE, 0, 0,
+                                                   error=message, error_status=code.name))
 
     def _put(self, stream_id: int, delta: TokenDelta) -> None:
-        self.outbox.put((stream_id, delta.index), update_of(stream_id, delta))
+        self.outbox.put((stream_id, delta.index), delta)
 
     def _start(self, start: EngineStart) -> None:
         stream_id = start.stream_id

@@ -217,7 +217,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     async def _after_last(self, delta: TokenDelta, watcher: asyncio.Task[str | None],
                           context: grpc.aio.ServicerContext) -> None:
         if delta.finish_reason is FinishReason.ERROR:
-            await context.abort(delta.error_code, delta.error or "the engine failed")
+            await context.abort(delta.status, delta.error or "the engine failed")
         finished = watcher.done() and not watcher.cancelled() and watcher.exception() is None
         violation = watcher.result() if finished else None
         if violation:

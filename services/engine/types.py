@@ -2,20 +2,19 @@
 
 Protobuf stays at the gRPC edge (:mod:`services.engine.service`); backends, the
 request loop and the tests speak in these frozen dataclasses only.
-:class:`ModelInfo` and :class:`LoadStats` travel to the router and are defined
-once, for both ends, in :mod:`services.common.wire.engine_info` (imported
-here so the engine's modules keep one place to import its types from).
+:class:`ModelInfo`, :class:`LoadStats` and :class:`TokenDelta` travel to the
+router and are defined once, for both ends, in :mod:`services.common.wire`
+(imported here so the engine's modules keep one place to import its types
+from).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-import grpc
-
-from services.common.logprobs import PositionLogprobs
-from services.common.sampling import FinishReason, Priority, SamplingOptions, SpeculativeOptions
+from services.common.sampling import Priority, SamplingOptions, SpeculativeOptions
 from services.common.wire.engine_info import LoadStats, ModelInfo
+from services.common.wire.engine_stream import TokenDelta, merge_deltas
 
 __all__ = ["BlockCounts", "LoadStats", "ModelInfo", "OffloadStats", "SequenceRequest",
            "StepStats", "TokenDelta", "merge_deltas"]
@@ -47,64 +46,6 @@ class SequenceRequest:
     speculative: SpeculativeOptions = SpeculativeOptions()
     tenant: str = ""
     cache_scope: str = ""
-
-
-@dataclass(frozen=True)
-class TokenDelta:
-    """Token ids a sequence produced since its previous delta.
-
-    The last delta of a sequence has ``finish_reason != FinishReason.NONE``;
-    every delta carries the running token counts.
-
-    Attributes:
-      request_id: the request this delta belongs to.
-      token_ids: new token ids (may be empty on the last delta, e.g. after a cancel).
-        A final stop token (EOS or a stop token id) is included; the router
-        does not render its text.
-      finish_reason: ``FinishReason.NONE`` until the last delta.
-      num_prompt_tokens: tokens in the prompt.
-      num_generated_tokens: tokens generated so far, including a final stop token.
-      num_cached_tokens: prompt tokens whose KV cache was reused.
-      error: why the engine failed the request (only with ``FinishReason.ERROR``).
-      logprobs: with ``sampling.logprobs``: one entry per id in ``token_ids``.
-      prompt_logprobs: with ``sampling.prompt_logprobs``: one entry per prompt
-        token after the first, on the first delta of choice 0 only.
-      error_status: with ``FinishReason.ERROR``: the gRPC status name the
-        request ends with when the failure is the request's own (e.g.
-        ``INVALID_ARGUMENT``: its output constraint failed mid-generation);
-        "" means INTERNAL (the engine failed).
-      index: the choice (0..n-1) of a request with ``sampling.n`` > 1; each
-        choice ends with its own last delta, and the token counts are its own
-        (``num_generated_tokens`` of that choice).
-      scheduled_at: when the sequence was first scheduled (``time.monotonic()``
-        seconds; 0.0 before, or from a backend that does not say): the end of
-        its engine queue time and the start of its prefill (its trace spans).
-    """
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    finish_reason: FinishReason
-    num_prompt_tokens: int
-    num_generated_tokens: int
-    num_cached_tokens: int = 0
-    error: str = ""
-    error_status: str = ""
-    logprobs: tuple[PositionLogprobs, ...] = ()
-    prompt_logprobs: tuple[PositionLogprobs, ...] = ()
-    index: int = 0
-    scheduled_at: float = 0.0
-
-    @property
-    def finished(self) -> bool:
-        """True on the last delta of a sequence."""
-        return self.finish_reason is not FinishReason.NONE
-
-    @property
-    def error_code(self) -> grpc.StatusCode:
-        """The status a failed (``FinishReason.ERROR``) request ends with:
-        ``error_status``'s, INTERNAL when that is empty."""
-        return grpc.StatusCode[self.error_status] if self.error_status else \
-            grpc.StatusCode.INTERNAL
 
 
 @dataclass(frozen=True)
@@ -204,12 +145,3 @@ class StepStats:
     num_threads: int = 0
     cpu_throttled_s: float = 0.0
     contention_events: int = 0
-
-
-def merge_deltas(first: TokenDelta, second: TokenDelta) -> TokenDelta:
-    """One delta carrying ``first``'s then ``second``'s tokens (and their
-    log-probabilities, and the prompt's from whichever carries them), with
-    ``second``'s counts and finish reason (same request and choice)."""
-    return replace(second, token_ids=first.token_ids + second.token_ids,
-                   logprobs=first.logprobs + second.logprobs,
-                   prompt_logprobs=first.prompt_logprobs or second.prompt_logprobs)

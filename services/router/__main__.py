@@ -38,6 +38,8 @@ from services.router.routing import CostWeights, RoutingPolicy
 from services.router.service import RouterConfig, RouterService
 from services.router.slow_reader import DEFAULT_CLIENT_WRITE_TIMEOUT_S
 from services.router.tools.formats import ToolCallFormat
+from services.router.cascade.flags import add_arguments as add_cascade_arguments
+from services.router.cascade.flags import policy_from_args
 from services.router.tools.formats import parse_flag as parse_tool_call_format
 
 
@@ -195,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="kv_aware: a GenerateStream conversation leaves its replica when "
                             "that costs more than the prefill of this many tokens above the "
                             f"cheapest (default {CostWeights.affinity_slack_tokens:g})")
+    add_cascade_arguments(parser)
     add_server_arguments(parser)
     return parser
 
@@ -206,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        cascade = policy_from_args(args)
         config = RouterConfig(
             tokenizer=args.tokenizer, engines=tuple(args.engine), cache=args.cache,
             default_max_tokens=args.default_max_tokens, max_tokens_cap=args.max_tokens_cap,
@@ -229,7 +233,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             resolve_interval_s=args.engine_resolve_interval,
             dns_nameserver=args.dns_nameserver,
             api_keys=None if args.api_keys is None else str(Path(args.api_keys).resolve()),
-            history=history_settings(args))
+            cascade=cascade,
+            history=history_settings(args, cascade_small=cascade.small if cascade else ""))
         if args.dns_nameserver is not None:
             make_resolver(args.dns_nameserver)  # checks the address
     except ValueError as err:

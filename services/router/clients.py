@@ -64,14 +64,19 @@ class UpstreamError(Exception):
       code: the gRPC status the upstream returned (DEADLINE_EXCEEDED also when
         the client's deadline had already passed before the call).
       details: the upstream's status message.
+      replica: the upstream's name a client may see (an engine's replica id),
+        "" when it has none. ``target`` and ``details`` are for the router's
+        log only (:func:`services.router.generation.upstream_to_generation_error`).
     """
 
-    def __init__(self, service: str, target: str, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, service: str, target: str, code: grpc.StatusCode, details: str,
+                 *, replica: str = "") -> None:
         super().__init__(f"{service} at {target}: {code.name}: {details}")
         self.service = service
         self.target = target
         self.code = code
         self.details = details
+        self.replica = replica
 
 
 # --------------------------------------------------------------------------- #

@@ -12,7 +12,7 @@ while it was busy as one message.
 
 Coalescing toward slow clients: an :class:`EngineStream`'s inbox merges the
 updates that arrive while its consumer is busy (writing to a client that reads
-slowly) into one :class:`EngineUpdate` per choice (:func:`merge_updates`), so a
+slowly) into one :class:`TokenDelta` per choice (:func:`merge_deltas`), so a
 slow client gets fewer, larger messages and a stream holds at most its
 generated ids, never a queue of messages.
 
@@ -33,12 +33,12 @@ import grpc
 from llmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.common.grpc_util import make_channel
 from services.common.mux import MuxClient, StreamInbox
-from services.common.sampling import Priority, SamplingOptions, SpeculativeOptions
+from services.common.sampling import FinishReason, Priority, SamplingOptions, SpeculativeOptions
 from services.common.wire.engine_stream import (
     EngineStart,
-    EngineUpdate,
     StreamCancel,
-    merge_updates,
+    TokenDelta,
+    merge_deltas,
     pack_requests,
     unpack_updates,
 )
@@ -58,8 +58,9 @@ class EngineStream:
     """One request on a replica's ``Multiplex`` call (a :class:`Receiver` of
     the call's :class:`MuxClient`).
 
-    Read :class:`EngineUpdate` values with :meth:`read` until each of the
-    request's ``n`` choices (``sampling.n``; one unless set) had one carrying a
+    Read the engine's :class:`TokenDelta` values (as the wire decoded them,
+    handed on without a copy) with :meth:`read` until each of the request's
+    ``n`` choices (``sampling.n``; one unless set) had one carrying a
     ``finish_reason``; a read returns one choice's updates merged (choices in
     the order their updates arrived). :meth:`cancel` asks the engine to finish
     the sequence at once (its KV blocks are freed), :meth:`cancel_choice` one
@@ -67,12 +68,13 @@ class EngineStream:
     request that has not finished).
     """
 
-    def __init__(self, mux: MuxClient[EngineStart | StreamCancel, EngineUpdate],
-                 stream_id: int, target: str, deadline: float | None, n: int = 1) -> None:
+    def __init__(self, mux: MuxClient[EngineStart | StreamCancel, TokenDelta],
+                 stream_id: int, make_error: Callable[[grpc.StatusCode, str], UpstreamError],
+                 deadline: float | None, n: int = 1) -> None:
         self._mux = mux
         self.stream_id = stream_id
-        self.target = target
-        self._inbox: StreamInbox[int, EngineUpdate] = StreamInbox(merge_updates)  # by choice
+        self._make_error = make_error
+        self._inbox: StreamInbox[int, TokenDelta] = StreamInbox(merge_deltas)  # by choice
         self._choices_left = n
         # The router's own clock for this hop (the engine also gets timeout_ms):
         # the request ends DEADLINE_EXCEEDED on time whatever the engine does.
@@ -81,21 +83,23 @@ class EngineStream:
 
     def _expire(self) -> None:
         if not self._inbox.done:
-            self.fail(UpstreamError(_SERVICE, self.target, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    "the call's deadline passed before the engine finished"))
+            self.fail(self._make_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       "the call's deadline passed before the engine finished"))
             self._mux.send(StreamCancel(self.stream_id))
 
     # ---- fed by the call's reader (Receiver) -----------------------------------------
 
-    def deliver(self, update: EngineUpdate) -> bool:
+    def deliver(self, update: TokenDelta) -> bool:
         """Merges ``update``; returns True when it is the request's last (an
         error, or its last choice's finish)."""
-        if update.status is not grpc.StatusCode.OK:
+        status = update.status
+        if status is not grpc.StatusCode.OK:
             if update.token_ids:
-                self._inbox.put(update.index, replace(update, finish_reason=None))
-            self.fail(UpstreamError(_SERVICE, self.target, update.status, update.message))
+                self._inbox.put(update.index, replace(update, finish_reason=FinishReason.NONE,
+                                                      error="", error_status=""))
+            self.fail(self._make_error(status, update.error))
             return True
-        last = update.finish_reason is not None
+        last = update.finished
         self._choices_left -= last
         self._inbox.put(update.index, update, last=self._choices_left <= 0)
         if self._inbox.done and self._timer is not None:
@@ -110,7 +114,7 @@ class EngineStream:
 
     # ---- the request's side ----------------------------------------------------------
 
-    async def read(self) -> EngineUpdate:
+    async def read(self) -> TokenDelta:
         """Everything that arrived since the previous read for the first choice
         that has news, as one update (waits for at least one). Ids that came
         before an error are returned first; the error on the next read.
@@ -122,8 +126,9 @@ class EngineStream:
         """
         while True:
             _, update = await self._inbox.read()
-            if self._inbox.error is not None and update.finish_reason is not None:
-                update = replace(update, finish_reason=None)  # the error says how it ended
+            if self._inbox.error is not None and update.finished:
+                # the error says how it ended
+                update = replace(update, finish_reason=FinishReason.NONE)
             if not update.is_empty:
                 return update
 
@@ -177,7 +182,7 @@ class EngineClient:
         self.in_flight_interactive = 0
         self._channel = make_channel(target)
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
-        self._mux: MuxClient[EngineStart | StreamCancel, EngineUpdate] | None = None
+        self._mux: MuxClient[EngineStart | StreamCancel, TokenDelta] | None = None
         self._stream_ids = itertools.count(1)
         self.on_call_failed: Callable[[str], None] | None = None
         self.info: ModelInfo | None = None
@@ -263,12 +268,18 @@ class EngineClient:
                                   unpack=unpack_updates, make_error=self._error,
                                   service=_SERVICE, target=self.target,
                                   on_failed=self._call_failed)
-        stream = EngineStream(self._mux, stream_id, self.target, deadline, sampling.n)
+        stream = EngineStream(self._mux, stream_id, self._error, deadline, sampling.n)
         self._mux.open(stream_id, stream, start)
         return stream
 
+    @property
+    def replica_id(self) -> str:
+        """The replica's id from ``GetModelInfo`` (what a client may be told;
+        never the address), "" before the first answer or when it sends none."""
+        return "" if self.info is None else self.info.replica_id
+
     def _error(self, code: grpc.StatusCode, details: str) -> UpstreamError:
-        return UpstreamError(_SERVICE, self.target, code, details)
+        return UpstreamError(_SERVICE, self.target, code, details, replica=self.replica_id)
 
     def _call_failed(self, why: str) -> None:
         if self.on_call_failed is not None:

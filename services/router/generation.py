@@ -110,8 +110,9 @@ from services.common.detokenizer import IncrementalDetokenizer, TokenizersDecode
 from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason, InvalidRequestError, SamplingOptions
 from services.common.wire.chat import ChatPrompt
-from services.common.wire.engine_stream import EngineUpdate, Usage
+from services.common.wire.engine_stream import TokenDelta, Usage
 from services.common.wire.tools import ToolCallDelta
+from services.router.cascade.path import AnswerPath
 from services.router.admission import (
     AdmissionController,
     AdmissionRefused,
@@ -172,6 +173,8 @@ class Delta:
       index: the choice (0..n-1) this delta belongs to.
       tool_calls: with tools: the call pieces parsed out of the text
         (:mod:`services.router.tools.stream`; ``text`` then holds content only).
+      path: on the first event of an answer to the cascade alias: the path it
+        took (:mod:`services.router.cascade`); None otherwise.
     """
 
     text: str
@@ -180,6 +183,7 @@ class Delta:
     prompt_logprobs: tuple[PositionLogprobs, ...] = ()
     index: int = 0
     tool_calls: tuple[ToolCallDelta, ...] = ()
+    path: AnswerPath | None = None
 
 
 @dataclass(frozen=True)
@@ -199,6 +203,9 @@ class Finished:
       index: the choice (0..n-1) that ended; with ``sampling.n`` > 1 each
         choice has its own Finished and ``usage.completion_tokens`` is that
         choice's.
+      model: the model that produced the answer (set by
+        :meth:`GenerationPipeline.run`).
+      path: for an answer to the cascade alias, the path it took.
     """
 
     reason: FinishReason
@@ -206,6 +213,8 @@ class Finished:
     usage: Usage
     cached: bool = False
     index: int = 0
+    model: str = ""
+    path: AnswerPath | None = None
 
 
 Event = Delta | Finished
@@ -315,16 +324,38 @@ def _stopped_error() -> Exception:
                            "the router is stopping; retry on another router")
 
 
-def upstream_to_generation_error(err: UpstreamError, *,
+def upstream_name(service: str, replica: str, model: str) -> str:
+    """How a client is told which upstream failed: an engine by its replica id
+    (``engine replica 'host-12' of model 'smol'``), another service by its
+    role; never its address (that goes to the router's log)."""
+    of = f" of model {model!r}" if model else ""
+    if service == "engine":
+        return f"engine replica {replica!r}{of}" if replica else f"an engine replica{of}"
+    return f"the {service}" + (f" for model {model!r}" if model else "")
+
+
+def upstream_to_generation_error(err: UpstreamError, *, model: str = "",
                                  completion_tokens: int = 0) -> GenerationError:
-    """The client-facing status for an upstream failure.
+    """The client-facing status for an upstream failure, and the router's log
+    line for it (``upstream_failed`` / ``upstream_refused``, with the call's
+    ``request_id``): the log gets the upstream's address and its status
+    details; the client gets the upstream's name (:func:`upstream_name`) and
+    what to do, and the details only of a refusal of the request's own
+    content (INVALID_ARGUMENT, OUT_OF_RANGE, FAILED_PRECONDITION,
+    UNIMPLEMENTED), which are the upstream's words about the request.
 
     Args:
+      model: the request's model, named in the message ("" to leave it out).
       completion_tokens: tokens already streamed to the client; a deadline that
         passes after some says the answer was cut, not that nothing came.
     """
-    where = f"{err.service} at {err.target}"
     code = err.code
+    refused = code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                       grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
+    (log.info if refused else log.warning)(
+        "upstream_refused" if refused else "upstream_failed", upstream=err.service,
+        target=err.target, replica=err.replica, code=code.name, details=err.details)
+    who = upstream_name(err.service, err.replica, model)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         if completion_tokens:
             return GenerationError(code, (
@@ -337,29 +368,27 @@ def upstream_to_generation_error(err: UpstreamError, *,
                                "(before the first token); allow a longer deadline")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return GenerationError(grpc.StatusCode.UNAVAILABLE,
-                               f"{where} is unavailable: {err.details}")
+                               f"{who} is unavailable; retry the request")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return GenerationError(code, f"{where} is at capacity, retry later: {err.details}")
+        return GenerationError(code, f"{who} is at capacity; retry later")
     if code == grpc.StatusCode.ALREADY_EXISTS:
         return GenerationError(code, f"request_id: another request with this id is still "
-                               f"running on {where}; use a unique request_id ({err.details})")
-    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
-                grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
+                               f"running on {who}; use a unique request_id")
+    if refused:
         # An engine names the field first (``sampling.structured_output.regex:
-        # ...``): that message is the client's, without the replica's address
-        # (logged, not returned). A field the engine backend cannot honour is
-        # INVALID_ARGUMENT (older engines said UNIMPLEMENTED, which the OpenAI
-        # endpoint would answer with a 5xx that clients retry): the client's
-        # to drop, not a fault.
+        # ...``): that message is the client's. A field the engine backend
+        # cannot honour is INVALID_ARGUMENT (older engines said UNIMPLEMENTED,
+        # which the OpenAI endpoint would answer with a 5xx that clients
+        # retry): the client's to drop, not a fault.
         named = _FIELD_FIRST.match(err.details) if err.service == "engine" else None
         if named is not None:
-            log.info("upstream_refused", upstream=where, code=code.name, field=named[1])
             if code == grpc.StatusCode.UNIMPLEMENTED:
                 code = grpc.StatusCode.INVALID_ARGUMENT
             return GenerationError(code, err.details, field=named[1])
-        return GenerationError(code, f"{where} refused the request: {err.details}")
+        return GenerationError(code, f"{who} refused the request: {err.details}")
     return GenerationError(grpc.StatusCode.INTERNAL,
-                           f"{where} failed: {code.name}: {err.details}")
+                           f"{who} failed ({code.name}); see the router's log for this "
+                           "request_id")
 
 
 class GenerationPipeline:
@@ -470,10 +499,11 @@ class GenerationPipeline:
                     if isinstance(event, Finished):
                         outcome = event.reason.name.lower()
                         info.update(matched_stop=event.matched_stop)
-                        event = _with_history(event, info)
+                        event = _with_history(
+                            dataclasses.replace(event, model=request.model), info)
                     yield event
         except Exception as err:
-            failure = _client_failure(err, progress.completion_tokens)
+            failure = _client_failure(err, progress.completion_tokens, request.model)
             outcome = "internal" if failure is None else failure.code.name.lower()
             if isinstance(failure, GenerationError):
                 info.update(error=failure.message)
@@ -499,7 +529,7 @@ class GenerationPipeline:
         try:
             return await self._prompt_ids(request, self.models[request.model], deadline, {})
         except UpstreamError as err:
-            raise upstream_to_generation_error(err) from err
+            raise upstream_to_generation_error(err, model=request.model) from err
 
     async def close(self) -> None:
         """Cancels the shared generations and history compactions still
@@ -734,7 +764,7 @@ class GenerationPipeline:
             raise
         except UpstreamError as err:
             raise upstream_to_generation_error(
-                err, completion_tokens=progress.completion_tokens) from err
+                err, model=request.model, completion_tokens=progress.completion_tokens) from err
         except Exception as err:
             log.error("internal_error", exc_info=err)
             raise GenerationError(grpc.StatusCode.INTERNAL, (
@@ -796,7 +826,7 @@ class GenerationPipeline:
     async def _open_engine(
         self, request: GenerationRequest, prompt_ids: tuple[int, ...],
         sampling: SamplingOptions, deadline: float | None, timing: _Timing, hint: RouteHint,
-    ) -> tuple[EngineClient, EngineStream, EngineUpdate]:
+    ) -> tuple[EngineClient, EngineStream, TokenDelta]:
         """Opens a stream on the best replica that answers (the routing policy's
         order); returns its first delta.
 
@@ -841,11 +871,14 @@ class GenerationPipeline:
                     engine.closed(request.priority)
                     if stream is not None:
                         stream.close()
-        tried = "; ".join(f"{e.target}: {e.code.name}: {e.details}" for e in failures)
+        # Each failure was logged above with its address and details; the
+        # client gets the replicas' ids and codes.
+        tried = "; ".join(f"{e.replica or '?'}: {e.code.name}" for e in failures)
         code = (grpc.StatusCode.RESOURCE_EXHAUSTED
                 if all(e.code == grpc.StatusCode.RESOURCE_EXHAUSTED for e in failures)
                 else grpc.StatusCode.UNAVAILABLE)
-        raise GenerationError(code, f"no engine replica could take the request ({tried})")
+        raise GenerationError(code, f"no engine replica could take the request for model "
+                              f"{request.model!r} (tried {tried}); retry in a few seconds")
 
     async def _from_engine(
         self, request: GenerationRequest, prompt_ids: tuple[int, ...],
@@ -858,9 +891,7 @@ class GenerationPipeline:
         engine, stream, delta = await self._open_engine(
             request, prompt_ids, sampling, deadline, timing, hint)
         info.update(engine=engine.target)
-        if delta.usage is not None:
-            self.metrics.prefix_hit_tokens.labels(request.model).observe(
-                delta.usage.cached_prompt_tokens)
+        self.metrics.prefix_hit_tokens.labels(request.model).observe(delta.num_cached_tokens)
         # One detokenizer and stop-string matcher per choice (``sampling.n``).
         choices = [_ChoiceOutput(StopStringMatcher(sampling.stop,
                                                    sampling.include_stop_str_in_output),
@@ -880,7 +911,9 @@ class GenerationPipeline:
                 if keep_output:
                     choice.text.append(safe)
                     choice.ids.extend(ids)
-                if safe or ids:
+                # An update with no token may still carry the prompt's logprobs
+                # (choice 0 ended CANCELLED before its first token): they go on.
+                if safe or ids or delta.prompt_logprobs:
                     if ids:
                         now = self._token_time(timing)
                         if ticket is not None:
@@ -905,7 +938,7 @@ class GenerationPipeline:
         return frozenset(sampling.stop_token_ids) | frozenset(eos)
 
     async def _choice_step(
-        self, choice: _ChoiceOutput, delta: EngineUpdate, hidden_ids: frozenset[int],
+        self, choice: _ChoiceOutput, delta: TokenDelta, hidden_ids: frozenset[int],
         sampling: SamplingOptions, progress: Progress, engine: EngineClient,
         stream: EngineStream,
     ) -> tuple[str, tuple[int, ...], Finished | None]:
@@ -915,11 +948,10 @@ class GenerationPipeline:
         :class:`Finished` when it ended (a stop string tells the engine to end
         the sequence, or this choice, at once)."""
         ids = delta.token_ids
-        if delta.usage is not None:
-            progress.cached_prompt_tokens = delta.usage.cached_prompt_tokens
+        progress.cached_prompt_tokens = delta.num_cached_tokens
         shown = ([p for p, i in enumerate(ids) if i not in hidden_ids] if hidden_ids
                  else range(len(ids)))
-        last = delta.finish_reason is not None
+        last = delta.finished
         matcher = choice.matcher
         text, text_ends = self._detokenize(choice.detok, [ids[p] for p in shown], engine,
                                            last=last, with_ends=bool(matcher.stops))
@@ -953,7 +985,7 @@ class GenerationPipeline:
                                             finished.reason, finished.matched_stop),
                         request.request_id)
 
-    def _delta(self, text: str, ids: tuple[int, ...], delta: EngineUpdate) -> Delta:
+    def _delta(self, text: str, ids: tuple[int, ...], delta: TokenDelta) -> Delta:
         """The event for ``ids`` (the leading ids of ``delta``: all, or those
         through a stop string) with their log-probabilities, token text filled
         in (the entries past a stop string are dropped, like their ids)."""
@@ -1023,24 +1055,24 @@ class GenerationPipeline:
         try:
             self.decoder.check_token_ids(ids)
         except ValueError as err:
-            raise GenerationError(grpc.StatusCode.INTERNAL,
-                                  f"engine at {engine.target} returned a bad token: {err}") from err
+            log.error("engine_bad_token", engine=engine.target, error=str(err))
+            raise GenerationError(grpc.StatusCode.INTERNAL, (
+                f"{upstream_name('engine', engine.replica_id, '')} returned a bad token: "
+                f"{err}")) from err
         if with_ends:
             return detok.add_with_ends(ids, flush=last)
         text = detok.add(ids)
         return (text + detok.flush() if last else text), ()
 
-    def _engine_finished(self, delta: EngineUpdate, progress: Progress,
+    def _engine_finished(self, delta: TokenDelta, progress: Progress,
                          choice: _ChoiceOutput) -> Finished:
         reason = delta.finish_reason
-        assert reason is not None
         if reason == FinishReason.ERROR:
             raise GenerationError(grpc.StatusCode.INTERNAL,
                                   "the engine failed the request (FINISH_REASON_ERROR)")
-        usage = delta.usage
-        if usage is not None and usage.completion_tokens:
+        if delta.num_generated_tokens:
             # The engine's count is authoritative (it knows what it generated).
-            choice.completion_tokens = usage.completion_tokens
+            choice.completion_tokens = delta.num_generated_tokens
         return Finished(reason, "", choice.usage(progress), index=delta.index)
 
     # ------------------------------------------------------------ helpers
@@ -1091,6 +1123,8 @@ class GenerationPipeline:
             queue_ms=_ms(None if timing.dispatched_at is None
                          else timing.dispatched_at - timing.received_at),
             tpot_ms=_ms(tpot), priority=request.priority.name.lower(), **info)
+        if request.cascade is not None:
+            fields.update(model=request.model, **request.cascade.log_fields())
         if self.log_content:
             fields.update(prompt=request.prompt if request.prompt is not None
                           else list(request.prompt_token_ids)
@@ -1115,7 +1149,7 @@ class _Held:
             self.ticket.release()
 
 
-def _client_failure(err: Exception, completion_tokens: int
+def _client_failure(err: Exception, completion_tokens: int, model: str
                     ) -> InvalidRequestError | GenerationError | None:
     """The client's status for a failure inside :meth:`GenerationPipeline.run`:
     ``err`` itself when it is one, an upstream failure or a stalled write
@@ -1123,7 +1157,8 @@ def _client_failure(err: Exception, completion_tokens: int
     if isinstance(err, (InvalidRequestError, GenerationError)):
         return err
     if isinstance(err, UpstreamError):
-        return upstream_to_generation_error(err, completion_tokens=completion_tokens)
+        return upstream_to_generation_error(err, model=model,
+                                            completion_tokens=completion_tokens)
     if isinstance(err, WriteStalled):
         return slow_client_error(err, completion_tokens)
     return None
@@ -1149,7 +1184,7 @@ class _ChoiceOutput:
                      progress.cached_prompt_tokens)
 
 
-def _choice_of(choices: Sequence[_ChoiceOutput], delta: EngineUpdate,
+def _choice_of(choices: Sequence[_ChoiceOutput], delta: TokenDelta,
                engine: EngineClient) -> _ChoiceOutput:
     """The output state of ``delta``'s choice.
 
@@ -1157,9 +1192,10 @@ def _choice_of(choices: Sequence[_ChoiceOutput], delta: EngineUpdate,
       GenerationError: INTERNAL for an index beyond ``sampling.n`` (an engine fault).
     """
     if not 0 <= delta.index < len(choices):
+        log.error("engine_bad_choice", engine=engine.target, index=delta.index, n=len(choices))
         raise GenerationError(grpc.StatusCode.INTERNAL,
-                              f"engine at {engine.target} sent choice {delta.index} of a "
-                              f"request with n = {len(choices)}")
+                              f"{upstream_name('engine', engine.replica_id, '')} sent choice "
+                              f"{delta.index} of a request with n = {len(choices)}")
     return choices[delta.index]
 
 
@@ -1190,8 +1226,9 @@ def merge_deltas(earlier: Event, later: Event) -> Event | None:
     if not (isinstance(earlier, Delta) and isinstance(later, Delta)
             and earlier.index == later.index and not later.prompt_logprobs):
         return None
-    return Delta(earlier.text + later.text, earlier.token_ids + later.token_ids,
-                 earlier.logprobs + later.logprobs, earlier.prompt_logprobs, earlier.index)
+    return dataclasses.replace(
+        earlier, text=earlier.text + later.text, token_ids=earlier.token_ids + later.token_ids,
+        logprobs=earlier.logprobs + later.logprobs)
 
 
 def slow_client_error(err: WriteStalled, completion_tokens: int) -> GenerationError:

@@ -69,6 +69,7 @@ from services.router.routing import (
 )
 from services.router.tools.formats import ToolCallFormat
 from services.router.tools.formats import resolve as resolve_tool_call_format
+from services.router.tools.formats import takes_tool_turns
 from services.router.validation import ModelLimits
 
 log = structlog.get_logger()
@@ -410,7 +411,9 @@ def model_limits(infos: list[ModelInfo], tok: TokenizerInfo,
         default_max_tokens=min(settings.default_max_tokens, cap), max_tokens_cap=cap,
         eos_token_ids=tuple(sorted({*infos[0].eos_token_ids, *tok.eos_token_ids})),
         tool_call_format=resolve_tool_call_format(settings.tool_call_formats, model,
-                                                  chat_template))
+                                                  chat_template),
+        tool_turns=takes_tool_turns(chat_template) and (
+            not tok.chat_roles or "tool" in tok.chat_roles))
 
 
 def _admission(model: str, config: AdmissionConfig, capacities: list[ReplicaCapacity],

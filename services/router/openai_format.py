@@ -52,6 +52,7 @@ from services.common.logprobs import PositionLogprobs, TokenLogprob
 from services.common.sampling import FinishReason
 from services.common.wire.engine_stream import Usage
 from services.common.wire.tools import ToolCallDelta
+from services.router.cascade.path import AnswerPath
 from services.router.generation import Delta, Finished
 from services.router.openai_protocol import Endpoint
 from services.router.prompt_echo import EchoedPrompt
@@ -178,13 +179,15 @@ class ResponseBuilder:
     Attributes:
       endpoint: chat or completions.
       request_id: the mesh's request id (``chatcmpl-<id>`` / ``cmpl-<id>``).
-      model: the served model id.
+      model: the served model id; for the cascade alias, the model that
+        produced the answer once its first event names it (``path``).
       logprobs: the client asked for logprobs (``null`` otherwise).
       echo: the prompt each completion choice starts with (``echo: true``;
         :mod:`services.router.prompt_echo`), or None.
       show_prompt_logprobs: the client asked for ``prompt_logprobs`` (not
         only through ``echo``): the response carries them.
       created: Unix seconds.
+      path: for the cascade alias, the answer's path (from its first event).
     """
 
     endpoint: Endpoint
@@ -195,6 +198,7 @@ class ResponseBuilder:
     echo: EchoedPrompt | None = None
     show_prompt_logprobs: bool = True
     created: int = field(default_factory=lambda: int(time.time()))
+    path: AnswerPath | None = None
     _choices: dict[int, _Choice] = field(default_factory=dict)
     _usage: list[Usage] = field(default_factory=list)
     _prompt_logprobs: list[dict[str, Any] | None] | None = None
@@ -221,7 +225,13 @@ class ResponseBuilder:
         one, or with ``echo`` what :meth:`_echoed` makes of it (none while it
         waits for the prompt's logprobs, two for a choice that finishes with
         nothing but its prompt)."""
+        self._note_path(event)
         return [self._chunk(e) for e in self._echoed(event)]
+
+    def _note_path(self, event: Delta | Finished) -> None:
+        if event.path is not None and self.path is None:
+            self.path = event.path
+            self.model = event.path.model
 
     def _chunk(self, event: Delta | Finished) -> dict[str, Any]:
         choice = self._choices.setdefault(event.index, _Choice())
@@ -276,6 +286,7 @@ class ResponseBuilder:
 
     def add(self, event: Delta | Finished) -> None:
         """Records one event for :meth:`response`."""
+        self._note_path(event)
         for echoed in self._echoed(event):
             choice = self._choices.setdefault(echoed.index, _Choice())
             if isinstance(echoed, Finished):

@@ -88,8 +88,9 @@ from services.router.openai_tokenize import (
     tokenize,
 )
 from services.router.api_keys import API_KEY_HEADER, AUTHORIZATION_HEADER, Tenant
+from services.router.cascade.policy import MODE_HEADER
 from services.router.tenancy import AuthError
-from services.router.validation import TENANT_METADATA_KEY, UNKNOWN_MODEL_CODE
+from services.router.validation import TENANT_METADATA_KEY, UNKNOWN_MODEL_CODE, ModelLimits
 
 if TYPE_CHECKING:
     from services.router.service import RouterService
@@ -181,8 +182,8 @@ class OpenAIServer:
             tenant = self._tenant(request)
         except AuthError as err:
             return _json_error(_auth_error(err))
-        visible = self.router.tenancy.visible_models(tenant, self.router.models)
-        return web.json_response({"object": "list", "data": [self._card(m) for m in visible]})
+        return web.json_response({"object": "list", "data": [
+            self._card(m) for m in self.router.model_cards(tenant)]})
 
     async def _model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
@@ -190,14 +191,14 @@ class OpenAIServer:
             tenant = self._tenant(request)
         except AuthError as err:
             return _json_error(_auth_error(err))
-        if name not in self.router.tenancy.visible_models(tenant, self.router.models):
+        card = next((m for m in self.router.model_cards(tenant) if m.model == name), None)
+        if card is None:
             return _json_error(self._unknown_model(name))
-        return web.json_response(self._card(name))
+        return web.json_response(self._card(card))
 
-    def _card(self, model: str) -> dict[str, Any]:
-        limits = self.router.models[model]
-        return {"id": model, "object": "model", "created": self.created, "owned_by": "llmesh",
-                "max_model_len": limits.max_model_len}
+    def _card(self, limits: ModelLimits) -> dict[str, Any]:
+        return {"id": limits.model, "object": "model", "created": self.created,
+                "owned_by": "llmesh", "max_model_len": limits.max_model_len}
 
     def _unknown_model(self, name: str) -> OpenAIError:
         known = ", ".join(repr(m) for m in sorted(self.router.models))
@@ -261,7 +262,8 @@ class OpenAIServer:
                 parsed.generate, request_id, header_request_id=header_id,
                 header_tenant=request.headers.get(TENANT_METADATA_KEY), tenant=tenant,
                 traceparent=request.headers.get(TRACEPARENT),
-                tracestate=request.headers.get(TRACESTATE))
+                tracestate=request.headers.get(TRACESTATE),
+                header_cascade=request.headers.get(MODE_HEADER))
             bind_request_id(request_id)
             self.router.check_accepting()
             deadline = _deadline(request, received_at)
@@ -288,7 +290,8 @@ class OpenAIServer:
                 builder.add(event)
         except Exception as err:  # noqa: BLE001 - becomes an OpenAI error
             return _json_error(self._error(err, parsed, request_id))
-        return web.json_response(builder.response(), headers={"x-request-id": request_id})
+        return web.json_response(builder.response(), headers={
+            "x-request-id": request_id, **_path_headers(builder)})
 
     async def _stream(self, request: web.Request, events: AsyncIterator[Event],
                       builder: ResponseBuilder, choices: int, parsed: OpenAIRequest,
@@ -297,11 +300,12 @@ class OpenAIServer:
         stream = _until_all_finished(events, choices)
         try:
             async for event in stream:
+                chunks = builder.chunks(event)
                 if response is None:  # the first event: errors before it keep their status
-                    response = web.StreamResponse(
-                        headers={**_SSE_HEADERS, "x-request-id": request_id})
+                    response = web.StreamResponse(headers={
+                        **_SSE_HEADERS, "x-request-id": request_id, **_path_headers(builder)})
                     await response.prepare(request)
-                for chunk in builder.chunks(event):
+                for chunk in chunks:
                     await response.write(_sse(chunk))
             if response is None:
                 response = web.StreamResponse(headers=_SSE_HEADERS)
@@ -392,6 +396,12 @@ def _deadline(request: web.Request, received_at: float) -> float | None:
         raise InvalidRequestError(TIMEOUT_HEADER, f"must be a positive number of seconds, "
                                                   f"got {value[:40]!r}")
     return received_at + seconds
+
+
+def _path_headers(builder: ResponseBuilder) -> dict[str, str]:
+    """``x-llmesh-model`` and ``x-llmesh-cascade-path`` for an answer to the
+    cascade alias (:class:`~services.router.cascade.path.AnswerPath`), else none."""
+    return {} if builder.path is None else builder.path.headers()
 
 
 async def _until_all_finished(events: AsyncIterator[Event], choices: int

@@ -340,6 +340,22 @@ def _text_content(content: object, where: str) -> str:
     return "".join(texts)
 
 
+def _content(message: Mapping[str, Any], role: str, where: str) -> object:
+    """A message's ``content``, ``""`` for the one case OpenAI lets it be null
+    or absent: an assistant message with ``tool_calls``.
+
+    Raises:
+      InvalidRequestError: null or absent anywhere else, naming ``messages[i].content``.
+    """
+    content = message.get("content")
+    if content is not None:
+        return content
+    if role == "assistant" and message.get("tool_calls"):
+        return ""
+    raise InvalidRequestError(f"{where}.content", "is required (null only in an assistant "
+                                                  "message with tool_calls)")
+
+
 def _chat_input(data: Mapping[str, Any], pb: generation_pb2.GenerateRequest) -> None:
     if "prompt" in data:
         raise InvalidRequestError("prompt", "chat completions take `messages`; send `prompt` "
@@ -364,7 +380,7 @@ def _chat_input(data: Mapping[str, Any], pb: generation_pb2.GenerateRequest) -> 
         role = _string(message, "role", default="") if "role" in message else ""
         if role == "developer":  # OpenAI's newer name for the system turn
             role = "system"
-        content = _text_content(message.get("content") or "", f"{where}.content")
+        content = _text_content(_content(message, role, where), f"{where}.content")
         tools.parse_message_tools(message, where, pb.chat.messages.add(role=role,
                                                                        content=content))
 

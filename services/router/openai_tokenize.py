@@ -190,7 +190,7 @@ async def _token_ids(router: RouterService, request: GenerationRequest,
         if err.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
             raise InvalidRequestError(field, f"the tokenizer refused it: {err.details}",
                                       err.code) from err
-        raise upstream_to_generation_error(err) from err
+        raise upstream_to_generation_error(err, model=request.model) from err
 
 
 __all__ = ["DETOKENIZE_PATH", "TOKENIZE_PATH", "TokenizeOptions", "detokenize", "tokenize"]

@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import math
 import signal
 import time
@@ -66,6 +67,10 @@ from services.common.logprobs import logprobs_to_pb
 from services.common.sampling import InvalidRequestError, Priority
 from services.router.admission import AdmissionConfig, AdmissionController
 from services.router.api_keys import API_KEY_HEADER, AUTHORIZATION_HEADER, Tenant
+from services.router.cascade.edge import alias_card, validate_alias
+from services.router.cascade.metrics import CascadeMetrics
+from services.router.cascade.policy import MODE_HEADER, CascadePolicy
+from services.router.cascade.runner import Cascade
 from services.router.clients import CacheClient
 from services.router.discovery import (
     DEFAULT_RESOLVE_INTERVAL_S,
@@ -161,6 +166,8 @@ class RouterConfig:
         auth off (``x-tenant-id`` names the tenant, no per-tenant limits).
       tool_call_formats: ``--tool-call-format`` by model id ("" every
         model's default; :mod:`services.router.tools.formats`).
+      cascade: the cascade between two served models
+        (:mod:`services.router.cascade`), or None.
       history: chat history compaction (``--history-budget-tokens``,
         :mod:`services.router.history`); off by default.
     """
@@ -185,6 +192,7 @@ class RouterConfig:
     tool_call_formats: Mapping[str, ToolCallFormat] = field(default_factory=dict)
     dns_nameserver: str | None = None
     api_keys: str | None = None
+    cascade: CascadePolicy | None = None
     history: HistorySettings = HistorySettings()
 
     def all_pools(self) -> list[PoolConfig]:
@@ -246,16 +254,19 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
 
 
 def _response(request_id: str, event: Event) -> generation_pb2.GenerateResponse:
+    path = event.path
+    cascade = None if path is None else path.to_pb()
     if isinstance(event, Delta):
         return generation_pb2.GenerateResponse(
             request_id=request_id, text=event.text, token_ids=event.token_ids,
             logprobs=logprobs_to_pb(event.logprobs),
             prompt_logprobs=logprobs_to_pb(event.prompt_logprobs),
-            index=event.index, tool_calls=[c.to_pb() for c in event.tool_calls])
+            index=event.index, tool_calls=[c.to_pb() for c in event.tool_calls],
+            model=path.model if path is not None else "", cascade=cascade)
     return generation_pb2.GenerateResponse(
         request_id=request_id, finish_reason=int(event.reason),
         matched_stop=event.matched_stop, usage=event.usage.to_pb(), cached=event.cached,
-        index=event.index)
+        index=event.index, model=event.model, cascade=cascade)
 
 
 def _as_abort(err: BaseException, request_id: str) -> _Abort:
@@ -305,6 +316,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         self._resolver: Resolver | None = None
         #: Each open ``GenerateStream`` call's session (drain() tells them).
         self._stream_sessions: set[StreamSession] = set()
+        self.cascade = (None if config.cascade is None else
+                        Cascade(config.cascade, CascadeMetrics(self.metrics.registry)))
 
     # ------------------------------------------------------------ lifecycle
 
@@ -408,6 +421,19 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             self._log_ready(pool)
         if not self._pending:
             self._all_pools_open()
+        self._check_cascade()
+
+    def _check_cascade(self) -> None:
+        """Refuses to start with a cascade whose models are not configured
+        (a pool still opening may serve them later)."""
+        policy = self.config.cascade
+        if policy is None:
+            return
+        missing = {policy.small, policy.large} - set(self.pools)
+        if missing and not self._pending:
+            raise RuntimeError(f"--cascade names {sorted(missing)}, which no pool serves "
+                               f"(served: {sorted(self.pools)})")
+        log.info("cascade_ready", policy=policy.describe())
 
     def _all_pools_open(self) -> None:
         """Once every pool is open: the tenants' model lists, and a warning for
@@ -545,11 +571,15 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
     def validate(self, pb: generation_pb2.GenerateRequest, request_id: str, *,
                  header_request_id: str | None, header_tenant: str | None,
                  tenant: Tenant | None = None, traceparent: str | None = None,
-                 tracestate: str | None = None) -> GenerationRequest:
+                 tracestate: str | None = None,
+                 header_cascade: str | None = None) -> GenerationRequest:
         """:func:`validate_request` against the served models (both edges),
         then whether ``tenant`` (the key's; None: auth off, ``header_tenant``
         names the tenant) may use the model. ``traceparent``/``tracestate``:
         the call's W3C trace context headers, kept (unchecked) while tracing is on.
+        A request to the cascade alias is validated as each of its two models
+        (:func:`validate_alias`; ``header_cascade``: the ``x-llmesh-cascade``
+        header).
 
         Raises:
           InvalidRequestError: the first bad field.
@@ -557,6 +587,12 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
           GenerationError: UNAVAILABLE, the model may be a pool's whose
             engines are not serving yet (only when such a pool exists).
         """
+        cascade = validate_alias(pb, header_cascade, self.config.cascade, functools.partial(
+            self.validate, request_id=request_id, header_request_id=header_request_id,
+            header_tenant=header_tenant, tenant=tenant, traceparent=traceparent,
+            tracestate=tracestate))
+        if cascade is not None:
+            return cascade
         if self._pending and (pb.model or self.default_model) not in self.pools:
             # Perhaps the model of a pool whose engines are not up yet.
             raise GenerationError(grpc.StatusCode.UNAVAILABLE, no_replica_message(NONE_KNOWN))
@@ -576,15 +612,27 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             session: RoutingSession | None = None) -> AsyncIterator[Event]:
         """The model's pipeline, under the tenant's limits when auth is on
         (both edges; :meth:`Tenancy.run`), with tool calls parsed out of the
-        text when the request may call tools (:mod:`services.router.tools`)."""
-        if tenant is None:
-            events = self.pipeline_for(request).run(request, received_at=received_at,
-                                                    deadline=deadline, progress=progress,
-                                                    session=session)
+        text when the request may call tools (:mod:`services.router.tools`).
+        A request to the cascade alias runs its legs so
+        (:meth:`Cascade.run`)."""
+        def run_model(leg: GenerationRequest, leg_progress: Progress | None
+                      ) -> AsyncIterator[Event]:
+            if tenant is None:
+                return self.pipeline_for(leg).run(leg, received_at=received_at,
+                                                  deadline=deadline, progress=leg_progress,
+                                                  session=session)
+            return self.tenancy.run(tenant, leg, self.pipeline_for(leg),
+                                    received_at=received_at, deadline=deadline,
+                                    progress=leg_progress, session=session)
+
+        async def count_prompt(leg: GenerationRequest) -> int:
+            return len(await self.pipeline_for(leg).prompt_ids(leg, deadline=deadline))
+
+        if request.cascade is not None and self.cascade is not None:
+            events = self.cascade.run(request, run_model, count_prompt=count_prompt,
+                                      progress=Progress() if progress is None else progress)
         else:
-            events = self.tenancy.run(tenant, request, self.pipeline_for(request),
-                                      received_at=received_at, deadline=deadline,
-                                      progress=progress, session=session)
+            events = run_model(request, progress)
         if request.tools is not None and request.tools.may_call:
             return with_tool_calls(events, calls_only=request.tools.calls_only)
         return events
@@ -599,7 +647,16 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             pb, request_id, header_request_id=metadata_value(context, REQUEST_ID_METADATA_KEY),
             header_tenant=metadata_value(context, TENANT_METADATA_KEY), tenant=tenant,
             traceparent=metadata_value(context, tracing.TRACEPARENT),
-            tracestate=metadata_value(context, tracing.TRACESTATE))
+            tracestate=metadata_value(context, tracing.TRACESTATE),
+            header_cascade=metadata_value(context, MODE_HEADER))
+
+    def model_cards(self, tenant: Tenant | None) -> list[ModelLimits]:
+        """The models ``tenant`` may use (all, with auth off), in the order
+        configured, then the cascade's alias when it may use both its models."""
+        visible = set(self.tenancy.visible_models(tenant, self.models))
+        cards = {m: limits for m, limits in self.models.items() if m in visible}
+        alias = alias_card(self.config.cascade, cards)
+        return [*cards.values(), *([alias] if alias is not None else [])]
 
     def count_refused(self, pb: generation_pb2.GenerateRequest, code: grpc.StatusCode) -> None:
         """Counts a request refused before the pipeline ran it (it counts the rest)."""
@@ -721,12 +778,11 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             tenant = self._authenticate(context)
         except (InvalidRequestError, AuthError) as err:
             await context.abort(err.code, str(err))
-        visible = set(self.tenancy.visible_models(tenant, self.models))
         return generation_pb2.ListModelsResponse(models=[
             generation_pb2.ModelCard(id=m.model, max_model_len=m.max_model_len,
                                      max_tokens_cap=m.max_tokens_cap, chat=m.has_chat_template,
                                      admission=self._admission_limits(m.model))
-            for m in self.models.values() if m.model in visible
+            for m in self.model_cards(tenant)
         ])
 
     def _admission_limits(self, model: str) -> generation_pb2.AdmissionLimits | None:

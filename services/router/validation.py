@@ -54,9 +54,10 @@ from services.common.sampling import (
 )
 from services.common.wire.chat import ChatMessage
 from services.common.wire.tools import FunctionTool, ToolRequest
+from services.router.cascade.policy import CascadeLeg
 from services.router.tools.formats import ToolCallFormat
 from services.router.tools.hermes import needs_render, render
-from services.router.tools.validate import constrain, tool_request
+from services.router.tools.validate import constrain, tool_request, tools_byte_limit
 
 #: Most characters in a caller-chosen request id (it travels as gRPC metadata).
 MAX_REQUEST_ID_LENGTH = 128
@@ -97,6 +98,10 @@ class ModelLimits:
         tokenizer decides.
       tool_call_format: how tools are rendered and called
         (:mod:`services.router.tools.formats`, resolved: TEMPLATE, HERMES or NONE).
+      tool_turns: the chat template renders a ``tool`` turn after an assistant
+        turn (:func:`~services.router.tools.formats.takes_tool_turns`) and the
+        tokenizer accepts the role: the Hermes format writes tool results there
+        (:func:`~services.router.tools.hermes.render`).
     """
 
     model: str
@@ -108,6 +113,7 @@ class ModelLimits:
     eos_token_ids: tuple[int, ...] = ()
     chat_roles: tuple[str, ...] = ()
     tool_call_format: ToolCallFormat = ToolCallFormat.HERMES
+    tool_turns: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,7 +142,9 @@ class GenerationRequest:
     ``sampling.structured_output``. In the ``hermes`` tool format they are
     already rendered into ``messages``; in the ``template`` format they are
     ``chat_tools``, which the chat template renders (with the messages'
-    ``tool_calls`` and ``tool_call_id``).
+    ``tool_calls`` and ``tool_call_id``). ``cascade``: set on a request to the
+    cascade alias (:mod:`services.router.cascade`; ``model`` is then the leg's
+    model), None otherwise.
     ``summarize_history``: ``history.summarize`` (None unset: the router's
     setting; :mod:`services.router.history`). ``history_exempt``: a request
     the router makes itself (a history summary), bound by the context window
@@ -159,6 +167,7 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     tools: ToolRequest | None = None
     chat_tools: tuple[FunctionTool, ...] = ()
+    cascade: CascadeLeg | None = None
     summarize_history: bool | None = None
     history_exempt: bool = False
 
@@ -301,7 +310,8 @@ def _validate_messages(chat: generation_pb2.Chat, limits: ModelLimits,
             f"{MAX_HISTORY_WINDOWS} context windows' worth; send only recent turns",
             grpc.StatusCode.OUT_OF_RANGE)
     if rendered:
-        return render(messages, tools.tools if tools is not None else ())
+        return render(messages, tools.tools if tools is not None else (),
+                      tool_turns=limits.tool_turns)
     return messages
 
 
@@ -418,9 +428,11 @@ def _validate_tools(pb: generation_pb2.GenerateRequest,
     Raises:
       InvalidRequestError: FAILED_PRECONDITION naming ``chat.tools`` where the
         model is served with ``--tool-call-format MODEL=none``; INVALID_ARGUMENT
-        for a bad tool (:func:`tool_request`).
+        for a bad tool, or tools over the model's byte limit (:func:`tool_request`,
+        :func:`tools_byte_limit`).
     """
-    tools = tool_request(pb.chat) if pb.WhichOneof("input") == "chat" else None
+    tools = (tool_request(pb.chat, max_bytes=tools_byte_limit(limits.max_model_len))
+             if pb.WhichOneof("input") == "chat" else None)
     if tools is not None and tools.tools and limits.tool_call_format is ToolCallFormat.NONE:
         raise InvalidRequestError(
             "chat.tools", f"model {limits.model!r} is served without tool calling "

@@ -271,14 +271,42 @@ def test_up_refuses_engines_whose_kv_memory_together_exceeds_mem_available(
         argv: list[str], env: dict[str, str], flags: str, tmp_path, capsys,
         monkeypatch) -> None:
     monkeypatch.setattr(host_memory, "available_host_memory_bytes", lambda: 3 << 30)
+    err = _up_refused(argv, env, tmp_path, capsys, monkeypatch)
+    assert err.startswith(f"llmesh: {flags} = ")
+    assert f"exceed the {3 << 30} bytes (3.00 GiB) available on this host (MemAvailable)" in err
+
+
+def _up_refused(argv: list[str], env: dict[str, str], tmp_path, capsys,
+                monkeypatch) -> str:
+    """``llmesh up ARGV`` with ``env``: exit 2 with one line (returned), before
+    anything started."""
+    def start(*args, **kwargs):
+        raise AssertionError("the mesh was started")
+
+    monkeypatch.setattr("services.cli.mesh.Mesh", start)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     run_dir = tmp_path / "run"
     assert cli.main(["up", "--run-dir", str(run_dir), *argv]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"llmesh: {flags} = ")
-    assert f"exceed the {3 << 30} bytes (3.00 GiB) available on this host (MemAvailable)" in err
-    assert not run_dir.exists()  # nothing started
+    assert err.count("\n") == 1
+    assert not run_dir.exists()
+    return err
+
+
+@pytest.mark.parametrize(("argv", "env", "named"), [
+    (["--engine-arg=--kv-cache-bytes=1PiB"], {}, "--engine-arg: argument --kv-cache-bytes: "),
+    (["--engine-arg=--kv-offload-bytes=-5GiB"], {}, "--engine-arg: argument --kv-offload-bytes: "),
+    ([], {"LLMESH_ENGINE_KV_CACHE_BYTES": "1PiB"}, "LLMESH_ENGINE_KV_CACHE_BYTES='1PiB': "),
+])
+def test_up_refuses_a_kv_size_that_does_not_parse_before_starting(
+        argv: list[str], env: dict[str, str], named: str, tmp_path, capsys,
+        monkeypatch) -> None:
+    """QA, issue 31: such sizes passed the host-memory check and each engine
+    failed later; now the engines' own parser refuses them up front."""
+    err = _up_refused(argv, env, tmp_path, capsys, monkeypatch)
+    assert err.startswith(f"llmesh: {named}expected a size like ")
+    assert "(units KiB MiB GiB TiB, KB MB GB TB)" in err
 
 
 def test_up_refuses_a_repeated_model_name_or_a_missing_file_before_starting(

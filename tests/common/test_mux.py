@@ -16,10 +16,9 @@ from services.common.mux import MuxClient, MuxServer, ProtocolViolation, StreamI
 from services.common.sampling import FinishReason
 from services.common.wire.engine_stream import (
     EngineStart,
-    EngineUpdate,
     StreamCancel,
-    Usage,
-    merge_updates,
+    TokenDelta,
+    merge_deltas,
     pack_requests,
     pack_updates,
     unpack_requests,
@@ -46,8 +45,8 @@ class _Servicer(engine_pb2_grpc.EngineServiceServicer):
         self.proceed.set()
 
     async def Multiplex(self, request_iterator, context):  # noqa: N802 (gRPC name)
-        server: MuxServer[tuple[int, int], EngineUpdate] = MuxServer(merge=merge_updates,
-                                                                     pack=pack_updates)
+        server: MuxServer[tuple[int, int], TokenDelta] = MuxServer(merge=merge_deltas,
+                                                                   pack=pack_updates)
 
         async def handle(message: engine_pb2.MultiplexRequest) -> None:
             self.received.append(message)
@@ -59,8 +58,7 @@ class _Servicer(engine_pb2_grpc.EngineServiceServicer):
                 self.respond(server, start)
             for cancel in cancels:
                 self.open.discard(cancel.stream_id)
-                server.outbox.put((cancel.stream_id, 0), EngineUpdate(
-                    cancel.stream_id, finish_reason=FinishReason.CANCELLED))
+                server.outbox.put((cancel.stream_id, 0), _delta(finish=FinishReason.CANCELLED))
             await self.proceed.wait()
 
         async def finish() -> None:
@@ -71,14 +69,19 @@ class _Servicer(engine_pb2_grpc.EngineServiceServicer):
             yield response
 
 
-class _Inbox(StreamInbox[int, EngineUpdate]):
+def _delta(ids: tuple[int, ...] = (), finish: FinishReason = FinishReason.NONE, *,
+           index: int = 0) -> TokenDelta:
+    return TokenDelta("", ids, finish, 2, len(ids), index=index)
+
+
+class _Inbox(StreamInbox[int, TokenDelta]):
     """A receiver whose stream ends with its first finished update."""
 
     def __init__(self) -> None:
-        super().__init__(merge_updates)
+        super().__init__(merge_deltas)
 
-    def deliver(self, update: EngineUpdate) -> bool:
-        last = update.finish_reason is not None or update.status is not grpc.StatusCode.OK
+    def deliver(self, update: TokenDelta) -> bool:
+        last = update.finished or update.status is not grpc.StatusCode.OK
         self.put(update.index, update, last=last)
         return last
 
@@ -98,7 +101,7 @@ async def _serving(servicer: _Servicer) -> AsyncIterator[tuple[grpc.aio.Server, 
         await server.stop(None)
 
 
-def _client(channel: grpc.aio.Channel) -> MuxClient[EngineStart | StreamCancel, EngineUpdate]:
+def _client(channel: grpc.aio.Channel) -> MuxClient[EngineStart | StreamCancel, TokenDelta]:
     return MuxClient(engine_pb2_grpc.EngineServiceStub(channel).Multiplex(),
                      pack=pack_requests, unpack=unpack_updates, make_error=_Error,
                      service="engine", target="loopback")
@@ -113,8 +116,8 @@ def _ids(server: MuxServer, start: EngineStart, ids: tuple[int, ...], *,
          finish: bool = True) -> None:
     for i, token in enumerate(ids):
         last = finish and i == len(ids) - 1
-        server.outbox.put((start.stream_id, 0), EngineUpdate(
-            start.stream_id, (token,), FinishReason.STOP if last else None))
+        server.outbox.put((start.stream_id, 0),
+                          _delta((token,), FinishReason.STOP if last else FinishReason.NONE))
 
 
 async def test_the_writers_send_what_is_queued_in_one_message_and_updates_merge():
@@ -140,15 +143,16 @@ async def test_a_slow_reader_gets_the_updates_merged_per_choice():
         mux = _client(channel)
         try:
             servicer.respond = lambda server, start: [
-                server.outbox.put((start.stream_id, i % 2), EngineUpdate(
-                    start.stream_id, (i,), index=i % 2)) for i in range(6)]
+                server.outbox.put((start.stream_id, i % 2), _delta((i,), index=i % 2))
+                for i in range(6)]
             inbox = _Inbox()
             mux.open(1, inbox, _start(1))
             while not inbox.has_unread():
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.05)
-            assert [await inbox.read() for _ in range(2)] == [
-                (0, EngineUpdate(1, (0, 2, 4), index=0)), (1, EngineUpdate(1, (1, 3, 5), index=1))]
+            assert [(key, u.token_ids, u.index) for key, u in
+                    [await inbox.read() for _ in range(2)]] == [(0, (0, 2, 4), 0),
+                                                                (1, (1, 3, 5), 1)]
             mux.send(StreamCancel(1))
             _, update = await inbox.read()
             assert update.finish_reason is FinishReason.CANCELLED
@@ -226,12 +230,32 @@ async def test_the_owner_failing_the_call_says_so():
             await mux.close()
 
 
-def test_merge_updates_keeps_order_the_latest_counts_and_the_status() -> None:
-    first = EngineUpdate(4, (1, 2), usage=Usage(3, 2, 1), index=1)
-    second = EngineUpdate(4, (3,), FinishReason.ERROR, Usage(3, 3, 1), index=1,
-                          status=grpc.StatusCode.INVALID_ARGUMENT, message="bad grammar")
-    merged = merge_updates(first, second)
-    assert merged == EngineUpdate(4, (1, 2, 3), FinishReason.ERROR, Usage(3, 3, 1), index=1,
-                                  status=grpc.StatusCode.INVALID_ARGUMENT, message="bad grammar")
-    assert EngineUpdate.from_pb(merged.to_pb()) == merged
-    assert merge_updates(merged, EngineUpdate(4, index=1)) == merged
+def test_merge_deltas_keeps_order_the_latest_counts_and_the_status() -> None:
+    first = TokenDelta("", (1, 2), FinishReason.NONE, 3, 2, 1, index=1)
+    second = TokenDelta("", (3,), FinishReason.ERROR, 3, 3, 1, error="bad grammar",
+                        error_status="INVALID_ARGUMENT", index=1)
+    merged = merge_deltas(first, second)
+    assert merged == TokenDelta("", (1, 2, 3), FinishReason.ERROR, 3, 3, 1, error="bad grammar",
+                                error_status="INVALID_ARGUMENT", index=1)
+    assert merged.status is grpc.StatusCode.INVALID_ARGUMENT
+    pb = merged.to_pb(4)
+    assert (pb.stream_id, pb.status_code) == (4, grpc.StatusCode.INVALID_ARGUMENT.value[0])
+    assert TokenDelta.from_pb(pb) == merged
+
+
+def test_a_delta_crosses_the_wire_as_itself_with_its_status() -> None:
+    """The engine core's delta is the wire's type: what the router reads back
+    equals what the engine sent (but the request id, named by the stream id,
+    and the engine's own scheduling time)."""
+    sent = TokenDelta("r1", (5, 6), FinishReason.NONE, 4, 2, 3, index=2, scheduled_at=7.5)
+    assert TokenDelta.from_pb(sent.to_pb(9)) == TokenDelta("", (5, 6), FinishReason.NONE, 4, 2, 3,
+                                                           index=2)
+    failed = TokenDelta("r1", (), FinishReason.ERROR, 4, 2)  # the engine failed it
+    read = TokenDelta.from_pb(failed.to_pb(9))
+    assert (read.status, read.error, read.finished) == (
+        grpc.StatusCode.INTERNAL, "the engine failed the request", True)
+    refused = TokenDelta("", (), FinishReason.NONE, 0, 0, error="queue full",
+                         error_status="RESOURCE_EXHAUSTED")  # a status-only delta
+    pb = refused.to_pb(9)
+    assert (pb.finish_reason, pb.status_code) == (0, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
+    assert TokenDelta.from_pb(pb) == refused and not refused.is_empty

@@ -13,7 +13,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from services.cli.mesh import Mesh
+from services.cli.mesh import Mesh, ModelSpec
+from services.common.model_files import default_model_path
+from services.tokenizer.model_parts import gemma3_270m_gguf_path
 from tests.cache.redis_server import start_redis_server
 from tests.e2e.fuzz_strategies import MESH_ENGINE_ARGS
 from tests.e2e.shared_mesh import SharedMesh
@@ -21,7 +23,8 @@ from tests.e2e.shared_mesh import SharedMesh
 #: Module → the module whose shared mesh it takes over (it runs right after
 #: it). A chain is listed in its order: faults, then tenants, then fuzz.
 RUNS_AFTER = {"test_mesh_tenants.py": "test_mesh_faults.py",
-              "test_mesh_fuzz.py": "test_mesh_tenants.py"}
+              "test_mesh_fuzz.py": "test_mesh_tenants.py",
+              "test_mesh_cascade.py": "test_mesh_models.py"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -71,3 +74,20 @@ def client(mesh: Mesh) -> Iterator[openai.OpenAI]:
 def model(client: openai.OpenAI) -> str:
     """The session mesh's (first) served model."""
     return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="session")
+def two_model_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedMesh]:
+    """Two models in one mesh (``llmesh up --model NAME=PATH`` twice):
+    SmolLM2-135M-Instruct (``smollm2``, chat, the default) and the Gemma 3 270M
+    base model (``gemma3``), each with its own tokenizer and one engine
+    (512-token window, 64 MiB of KV): test_mesh_models's mesh, then
+    test_mesh_cascade's (its router restarted with ``--cascade``; it stops
+    the mesh)."""
+    with SharedMesh(lambda router_args: Mesh(
+            ingress_port=0, admin_port=0, run_dir=tmp_path_factory.mktemp("two-model-mesh"),
+            models=[ModelSpec("smollm2", str(default_model_path())),
+                    ModelSpec("gemma3", str(gemma3_270m_gguf_path()))],
+            engine_args=["--max-model-len", "512", "--kv-cache-bytes", str(64 << 20)],
+            router_args=router_args)) as shared:
+        yield shared

@@ -11,15 +11,13 @@ import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
-
 from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from services.cli.mesh import Mesh, ModelSpec
-from services.common.model_files import default_model_path
-from services.tokenizer.model_parts import gemma3_270m_gguf_path
+
+from services.cli.mesh import Mesh
+from tests.e2e.shared_mesh import SharedMesh
 
 pytestmark = pytest.mark.mesh
 
@@ -28,14 +26,10 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def two_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    run_dir: Path = tmp_path_factory.mktemp("two-model-mesh")
-    with Mesh(ingress_port=0, admin_port=0, run_dir=run_dir,
-              models=[ModelSpec("smollm2", str(default_model_path())),
-                      ModelSpec("gemma3", str(gemma3_270m_gguf_path()))],
-              engine_args=["--max-model-len", "512", "--kv-cache-bytes", str(64 << 20)]
-              ) as mesh:
-        yield mesh
+def two_models(two_model_mesh: SharedMesh) -> Mesh:
+    """The shared two-model mesh (tests/e2e/conftest.py), its router plain
+    (test_mesh_cascade.py, which runs next, stops it)."""
+    return two_model_mesh.get([])
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ from collections.abc import Sequence as SequenceOf
 
 from services.common.sampling import Priority, SamplingOptions
 from services.engine.torch_backend.kv_cache_manager import KVCacheManager
-from services.engine.torch_backend.scheduler import Scheduler, SchedulerConfig
+from services.engine.torch_backend.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from services.engine.torch_backend.sequence import Sequence
-from services.engine.types import SequenceRequest
+from services.engine.types import SequenceRequest, TokenDelta
 
 _arrivals = itertools.count()
 EOS = 2
@@ -51,8 +51,15 @@ def compute(manager: KVCacheManager, seq: Sequence, num_tokens: int | None = Non
 
 def step(scheduler: Scheduler, token: int = 7) -> tuple[list[tuple[str, int, int, bool]], list]:
     """One step with every sampled token equal to ``token``: the plan as
-    ``(request_id, start, num_tokens, samples)`` rows, and the updates."""
+    ``(request_id, start, num_tokens, samples)`` rows, and the deltas (:func:`book`)."""
     out = scheduler.schedule()
     plan = [(s.seq.request_id, s.start, s.num_tokens, s.samples) for s in out.scheduled]
     sampled = [token for s in out.scheduled if s.samples]
-    return plan, scheduler.update_from_output(out, sampled)
+    return plan, book(scheduler, out, sampled)
+
+
+def book(scheduler: Scheduler, out: SchedulerOutput,
+         sampled: SequenceOf[int | SequenceOf[int]]) -> list[TokenDelta]:
+    """``scheduler.update_from_output(out, sampled)``, each sequence it returns
+    delivered (its :meth:`Sequence.delta`, as the engine core does at once)."""
+    return [seq.delta() for seq in scheduler.update_from_output(out, sampled)]

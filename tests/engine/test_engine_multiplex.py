@@ -15,7 +15,7 @@ import structlog
 from llmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.common.sampling import FinishReason
 from services.engine.metrics import EngineMetrics
-from services.engine.multiplex import MultiplexCall, update_of
+from services.engine.multiplex import MultiplexCall
 from services.engine.torch_backend.backend import TorchBackend
 from services.engine.types import TokenDelta
 from services.common.wire.engine_stream import pack_updates
@@ -347,7 +347,7 @@ def test_the_outbox_merges_a_requests_pending_updates() -> None:
         for stream_id, delta in ((7, TokenDelta("a", (1, 2), FinishReason.NONE, 5, 2, 3)),
                                  (8, TokenDelta("b", (9,), FinishReason.NONE, 4, 1)),
                                  (7, TokenDelta("a", (3,), FinishReason.STOP, 5, 3, 3))):
-            call.outbox.put((stream_id, delta.index), update_of(stream_id, delta))
+            call.outbox.put((stream_id, delta.index), delta)
         assert await call.outbox.wait()
         return list(pack_updates(call.outbox.take_all()))
 

@@ -23,7 +23,7 @@ from services.engine.torch_backend.sequence import ChoiceGroup, Sequence, Sequen
 from services.engine.types import SequenceRequest, TokenDelta
 from services.engine.validation import kv_tokens_needed, validate_kv_capacity
 
-from .kv_helpers import create_scheduler
+from .kv_helpers import book, create_scheduler
 from .test_engine_core import (  # noqa: F401
     TINY,
     QueueSink,
@@ -55,8 +55,8 @@ def test_the_fork_shares_full_prompt_blocks_and_copies_the_partial_one() -> None
     out = scheduler.schedule()
     assert [(s.seq.index, s.start, s.num_tokens) for s in out.scheduled] == [(0, 0, 10)]
     assert [c.index for c in out.scheduled[0].forks] == [1, 2]
-    updates = scheduler.update_from_output(out, [7, [8], [9]])
-    assert [(u.seq.index, u.token_ids, u.finished) for u in updates] == [
+    updates = book(scheduler, out, [7, [8], [9]])
+    assert [(u.index, u.token_ids, u.finished) for u in updates] == [
         (0, (7,), False), (1, (8,), False), (2, (9,), False)]
     kv = scheduler.kv
     tables = [kv.block_ids(c) for c in leader.choices]
@@ -72,7 +72,7 @@ def test_the_fork_shares_full_prompt_blocks_and_copies_the_partial_one() -> None
     out = scheduler.schedule()
     assert [(s.seq.index, s.start, s.num_tokens) for s in out.scheduled] == [
         (0, 10, 1), (1, 10, 1), (2, 10, 1)]
-    scheduler.update_from_output(out, [1, 1, 1])
+    book(scheduler, out, [1, 1, 1])
     for choice in leader.choices:
         scheduler.abort(choice)
     scheduler.schedule()
@@ -84,7 +84,7 @@ def test_a_block_aligned_prompt_forks_without_a_copy_and_no_slot_means_recompute
     leader = group_of("p", prompt=8, n=3)
     scheduler.add(leader)
     out = scheduler.schedule()
-    scheduler.update_from_output(out, [7, 8, 9])
+    book(scheduler, out, [7, 8, 9])
     assert out.block_copies == []
     one, two = leader.choices[1:]
     assert scheduler.kv.block_ids(one) == [0, 1]  # fully shared; its next token needs a block
@@ -97,10 +97,10 @@ def test_a_choice_cancelled_before_the_fork_ends_at_the_fork() -> None:
     scheduler = create_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=4)
     leader = group_of("p", prompt=6, n=3)
     scheduler.add(leader)
-    scheduler.update_from_output(scheduler.schedule(), [])  # 4 of 6 prompt tokens
+    book(scheduler, scheduler.schedule(), [])  # 4 of 6 prompt tokens
     assert scheduler.abort_choice(leader, 0) == [] and scheduler.abort_choice(leader, 2) == []
-    updates = scheduler.update_from_output(scheduler.schedule(), [7, 8, 9])
-    assert [(u.seq.index, u.token_ids, u.finished) for u in updates] == [
+    updates = book(scheduler, scheduler.schedule(), [7, 8, 9])
+    assert [(u.index, u.token_ids, u.finished) for u in updates] == [
         (0, (), True), (1, (8,), False), (2, (), True)]
     assert [c.finish_reason for c in leader.choices] == [
         FinishReason.CANCELLED, FinishReason.NONE, FinishReason.CANCELLED]

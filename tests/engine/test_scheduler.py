@@ -11,7 +11,7 @@ import pytest
 from services.common.sampling import FinishReason, Priority
 from services.engine.torch_backend.sequence import SequenceStatus
 
-from .kv_helpers import EOS, create_scheduler, make_request, step
+from .kv_helpers import EOS, book, create_scheduler, make_request, step
 
 
 def test_decode_and_chunked_prefill_share_a_step() -> None:
@@ -24,7 +24,7 @@ def test_decode_and_chunked_prefill_share_a_step() -> None:
     assert step(scheduler)[0] == [("a", 4, 1, True), ("b", 12, 7, False)]
     plan, updates = step(scheduler)
     assert plan == [("a", 5, 1, True), ("b", 19, 1, True)]  # b's last prompt token samples
-    assert [(u.seq.request_id, u.token_ids, u.finished) for u in updates] == [
+    assert [(u.request_id, u.token_ids, u.finished) for u in updates] == [
         ("a", (7,), True), ("b", (7,), False)]
     assert a.finish_reason is FinishReason.LENGTH and a.num_generated_tokens == 4
     assert step(scheduler)[0] == [("b", 20, 1, True)]
@@ -103,7 +103,7 @@ def test_an_interactive_arrival_preempts_the_latest_batch_sequence_when_slots_ar
     assert (batch_2.status, batch_2.num_computed_tokens, batch_2.token_ids[6:]) == (
         SequenceStatus.WAITING, 0, [5, 5])
     assert (scheduler.num_preemptions, scheduler.num_priority_preemptions) == (1, 1)
-    scheduler.update_from_output(out, [6, 6])
+    book(scheduler, out, [6, 6])
     # A waiting batch sequence never preempts a running one of its class.
     assert step(scheduler, 6)[0] == [("inter", 3, 1, True), ("batch-1", 8, 1, True)]
     assert inter.finished
@@ -113,7 +113,7 @@ def test_an_interactive_arrival_preempts_the_latest_batch_sequence_when_slots_ar
     assert [(s.seq.request_id, s.start, s.num_tokens) for s in out.scheduled] == [
         ("batch-1", 9, 1), ("batch-2", 4, 4)]
     assert out.prefix_hits == 4
-    scheduler.update_from_output(out, [7, 7])
+    book(scheduler, out, [7, 7])
     assert batch_2.token_ids[6:] == [5, 5, 7]
     while scheduler.has_work():
         step(scheduler)
@@ -164,7 +164,7 @@ def test_out_of_blocks_preempts_the_lowest_priority_running_sequence() -> None:
     assert (batch.status, batch.num_computed_tokens, batch.num_preemptions) == (
         SequenceStatus.WAITING, 0, 1)
     assert batch.token_ids[7:] == [5, 5]  # keeps its generated tokens
-    scheduler.update_from_output(out, [6])
+    book(scheduler, out, [6])
     # inter's last token; batch (9 tokens, 3 blocks) does not fit beside it yet.
     assert step(scheduler, 6)[0] == [("inter", 9, 1, True)]
     assert inter.finish_reason is FinishReason.LENGTH
@@ -188,7 +188,7 @@ def test_the_sequence_needing_a_block_preempts_itself_when_it_is_last() -> None:
     out = scheduler.schedule()  # batch's 5th token needs a block; it is last in order
     assert out.preempted == [batch]
     assert [s.seq.request_id for s in out.scheduled] == ["inter"]
-    scheduler.update_from_output(out, [7])
+    book(scheduler, out, [7])
     assert step(scheduler)[0] == [("inter", 6, 1, True)]  # batch still does not fit
     assert inter.finished
     # batch's first block was computed and cached: it recomputes token 5 only.
@@ -196,7 +196,7 @@ def test_the_sequence_needing_a_block_preempts_itself_when_it_is_last() -> None:
     assert [(s.seq.request_id, s.start, s.num_tokens) for s in out.scheduled] == [
         ("batch", 4, 1)]
     assert (out.prefix_queries, out.prefix_hits) == (5, 4)
-    scheduler.update_from_output(out, [7])
+    book(scheduler, out, [7])
     assert batch.finish_reason is FinishReason.LENGTH and batch.num_cached_tokens == 0
     scheduler.kv.check_integrity(idle=True)
 
@@ -208,14 +208,14 @@ def test_a_prefix_hit_starts_the_sequence_further_along() -> None:
     scheduler.add(a)
     out = scheduler.schedule()
     assert (out.prefix_queries, out.prefix_hits) == (10, 0)
-    scheduler.update_from_output(out, [3])
+    book(scheduler, out, [3])
     b = make_request("b", shared + [9, 9, 9], max_tokens=1)
     scheduler.add(b)
     out = scheduler.schedule()
     assert [(s.seq.request_id, s.start, s.num_tokens) for s in out.scheduled] == [("b", 8, 3)]
     assert (out.prefix_queries, out.prefix_hits) == (11, 8)
     assert a.finished and scheduler.kv.block_ids(b) == [0, 1, 3]  # a's first two blocks
-    scheduler.update_from_output(out, [3])
+    book(scheduler, out, [3])
     assert b.delta(()).num_cached_tokens == 8
 
 
@@ -256,7 +256,7 @@ def test_a_request_id_may_come_back_while_its_cancelled_sequence_still_runs() ->
     # new reuses old's prompt block from the prefix cache, never old's table.
     assert scheduler.kv.block_ids(new)[0] == old_blocks[0]
     assert new.num_cached_tokens == 4
-    scheduler.update_from_output(out, [7])
+    book(scheduler, out, [7])
     assert new.token_ids[6:] == [7]
     scheduler.finish_all(FinishReason.ERROR)
     scheduler.kv.check_integrity(idle=True)
@@ -268,7 +268,7 @@ def test_cancel_during_the_step_finishes_without_its_token() -> None:
     scheduler.add(seq)
     out = scheduler.schedule()
     scheduler.abort(seq)  # arrives while the step computes
-    updates = scheduler.update_from_output(out, [7])
+    updates = book(scheduler, out, [7])
     assert [(u.token_ids, u.finished) for u in updates] == [((), True)]
     assert seq.finish_reason is FinishReason.CANCELLED and seq.num_generated_tokens == 0
     scheduler.kv.check_integrity(idle=True)
@@ -328,15 +328,15 @@ def test_random_submit_cancel_finish_leaves_no_block_behind(enable_caching: bool
         else:
             out = scheduler.schedule()
             sampled = [rng.choice([EOS, 5, 6, 7]) for s in out.scheduled if s.samples]
-            updates = scheduler.update_from_output(out, sampled)
-            for seq in out.finished + [u.seq for u in updates if u.finished]:
+            updates = book(scheduler, out, sampled)
+            for seq in out.finished + [u for u in updates if u.finished]:
                 live.pop(seq.request_id, None)
                 finished += 1
             assert out.num_scheduled_tokens <= 24 and len(scheduler.running) <= 6
         scheduler.kv.check_integrity()
     while scheduler.has_work():
         out = scheduler.schedule()
-        scheduler.update_from_output(out, [5] * sum(s.samples for s in out.scheduled))
+        book(scheduler, out, [5] * sum(s.samples for s in out.scheduled))
     assert (scheduler.num_running, scheduler.num_waiting) == (0, 0)
     counts = scheduler.kv.check_integrity(idle=True)
     assert counts.free + counts.cached == 24 and counts.used == 0

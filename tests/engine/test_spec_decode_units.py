@@ -24,7 +24,7 @@ from services.engine.torch_backend.step_sampler import StepRow, sample_step
 from services.engine.torch_backend.spec_options import SuffixOptions
 from services.engine.torch_backend.suffix_proposer import SuffixProposer
 
-from .kv_helpers import create_scheduler, make_request
+from .kv_helpers import book, create_scheduler, make_request
 
 #: chi-square critical values at p = 0.01 by degrees of freedom (scipy.stats.chi2.ppf(0.99, df)).
 CHI2_CRITICAL_P01 = {4: 13.277, 5: 15.086}
@@ -237,7 +237,7 @@ def test_lookahead_slots_then_rollback_of_rejected_tokens() -> None:
     seq = make_request("a", [10, 11, 12, 13, 14, 15], max_tokens=20)
     scheduler.add(seq)
     out = scheduler.schedule()
-    scheduler.update_from_output(out, [7])
+    book(scheduler, out, [7])
     assert (seq.num_tokens, seq.num_computed_tokens, kv.block_ids(seq)) == (7, 6, [0, 1])
 
     # 3 proposals: 4 tokens computed (positions 6..9), a third block reserved
@@ -247,7 +247,7 @@ def test_lookahead_slots_then_rollback_of_rejected_tokens() -> None:
     assert out.num_scheduled_tokens == 4
     assert kv.block_ids(seq) == [0, 1, 2]
     # 50 and 51 accepted, the target's own token 9 instead of 52
-    (update,) = scheduler.update_from_output(out, [[50, 51, 9]])
+    (update,) = book(scheduler, out, [[50, 51, 9]])
     assert update.token_ids == (50, 51, 9) and not update.finished
     assert seq.token_ids[6:] == [7, 50, 51, 9]
     assert seq.num_computed_tokens == 9  # 52's slot (position 9) is not computed
@@ -262,7 +262,7 @@ def test_lookahead_slots_then_rollback_of_rejected_tokens() -> None:
     out = scheduler.schedule()
     assert plan_of(out) == [("a", 9, 4, True, (60, 61, 62))]
     assert kv.block_ids(seq) == [0, 1, 2, 3]
-    scheduler.update_from_output(out, [[70]])
+    book(scheduler, out, [[70]])
     assert seq.token_ids[9:] == [9, 70] and seq.num_computed_tokens == 10
     assert kv.block_ids(seq) == [0, 1, 2, 3]
     assert pool.block(2).block_hash is None  # holds 60's keys at position 10: not hashed
@@ -272,7 +272,7 @@ def test_lookahead_slots_then_rollback_of_rejected_tokens() -> None:
     for token in (8, 6):
         out = scheduler.schedule()
         assert plan_of(out) == [("a", seq.num_tokens - 1, 1, True, ())]
-        scheduler.update_from_output(out, [token])
+        book(scheduler, out, [token])
     assert seq.num_computed_tokens == 12
     assert pool.block(2).block_hash == hash_block(pool.block(1).block_hash, [51, 9, 70, 8])
     assert kv.block_ids(seq) == [0, 1, 2, 3]  # the reserved block is now in use
@@ -285,25 +285,25 @@ def test_proposals_share_the_token_budget() -> None:
     scheduler = create_scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=8)
     a = make_request("a", 3, max_tokens=20)
     scheduler.add(a)
-    scheduler.update_from_output(scheduler.schedule(), [7])
+    book(scheduler, scheduler.schedule(), [7])
     b = make_request("b", 10, max_tokens=2)
     scheduler.add(b)
     a.spec_token_ids[:] = [1, 2, 3, 4, 5]
     out = scheduler.schedule()
     # a takes 1 + 5 = 6 of the 8 tokens, b's prompt chunk the remaining 2
     assert plan_of(out) == [("a", 3, 6, True, (1, 2, 3, 4, 5)), ("b", 0, 2, False, ())]
-    scheduler.update_from_output(out, [[1, 2, 3]])
+    book(scheduler, out, [[1, 2, 3]])
     assert a.num_computed_tokens == 6 and a.num_tokens == 7
     scheduler.kv.check_integrity()
     # a budget smaller than 1 + k cuts the proposals
     tight = create_scheduler(max_num_batched_tokens=3)
     c = make_request("c", 2, max_tokens=20)
     tight.add(c)
-    tight.update_from_output(tight.schedule(), [7])
+    book(tight, tight.schedule(), [7])
     c.spec_token_ids[:] = [1, 2, 3, 4]
     out = tight.schedule()
     assert plan_of(out) == [("c", 2, 3, True, (1, 2))]
-    tight.update_from_output(out, [[1, 2, 5]])
+    book(tight, out, [[1, 2, 5]])
     assert c.token_ids[2:] == [7, 1, 2, 5] and c.num_computed_tokens == 5
 
 
@@ -312,14 +312,14 @@ def test_short_of_blocks_proposals_are_dropped_not_others_preempted() -> None:
     a, b = make_request("a", 4, max_tokens=10), make_request("b", 3, max_tokens=10)
     scheduler.add(a)
     scheduler.add(b)
-    scheduler.update_from_output(scheduler.schedule(), [7, 8])
+    book(scheduler, scheduler.schedule(), [7, 8])
     assert (scheduler.kv.block_ids(a), scheduler.kv.block_ids(b)) == ([0], [1])
     a.spec_token_ids[:] = [1, 2, 3, 4, 5]  # positions 4..9 need 2 more blocks; 1 is free
     out = scheduler.schedule()
     assert plan_of(out) == [("a", 4, 1, True, ()), ("b", 3, 1, True, ())]
     assert not out.preempted
     assert (scheduler.kv.block_ids(a), scheduler.kv.block_ids(b)) == ([0, 2], [1])
-    scheduler.update_from_output(out, [1, 2])
+    book(scheduler, out, [1, 2])
     scheduler.kv.check_integrity()
 
 
@@ -329,11 +329,11 @@ def test_a_stop_inside_an_accepted_run_ends_the_sequence_there(stop: str) -> Non
     seq = make_request("a", [10, 11, 12], max_tokens=4 if stop == "max_tokens" else 20,
                        ignore_eos=stop != "eos", stop_token_ids=(51,) if stop == "stop_id" else ())
     scheduler.add(seq)
-    scheduler.update_from_output(scheduler.schedule(), [7])
+    book(scheduler, scheduler.schedule(), [7])
     seq.spec_token_ids[:] = [50, 2 if stop == "eos" else 51, 52, 53]
     out = scheduler.schedule()
     verified = [50, 2 if stop == "eos" else 51, 52, 53, 54]
-    (update,) = scheduler.update_from_output(out, [verified])
+    (update,) = book(scheduler, out, [verified])
     expected = {"stop_id": (50, 51), "eos": (50, 2), "max_tokens": (50, 51, 52)}[stop]
     assert update.token_ids == expected and update.finished
     assert seq.token_ids[3:] == [7, *expected]
@@ -347,12 +347,12 @@ def test_cancel_mid_speculation_frees_every_reserved_block() -> None:
     scheduler = create_scheduler(num_blocks=8, block_size=4)
     seq = make_request("a", [10, 11, 12], max_tokens=20)
     scheduler.add(seq)
-    scheduler.update_from_output(scheduler.schedule(), [7])
+    book(scheduler, scheduler.schedule(), [7])
     seq.spec_token_ids[:] = [1, 2, 3, 4, 5, 6, 7, 8]
     out = scheduler.schedule()
     assert len(scheduler.kv.block_ids(seq)) == 3  # positions 3..11 reserved
     scheduler.abort(seq)  # cancelled while its step runs
-    (update,) = scheduler.update_from_output(out, [[1, 2, 3]])
+    (update,) = book(scheduler, out, [[1, 2, 3]])
     assert update.finished and update.token_ids == ()
     assert seq.finish_reason is FinishReason.CANCELLED
     assert scheduler.kv.check_integrity(idle=True).used == 0
@@ -376,7 +376,7 @@ def test_random_speculative_runs_leave_no_block_behind() -> None:
                 k = len(item.spec_token_ids)
                 accepted = rng.randint(0, k)
                 sampled.append(list(item.spec_token_ids[:accepted]) + [rng.randint(0, 9)])
-        scheduler.update_from_output(out, sampled)
+        book(scheduler, out, sampled)
         for seq in scheduler.running:
             if seq.num_tokens - seq.num_computed_tokens == 1:
                 seq.spec_token_ids[:] = [rng.randint(0, 9) for _ in range(rng.randint(0, 5))]
@@ -385,5 +385,5 @@ def test_random_speculative_runs_leave_no_block_behind() -> None:
             assert seq.num_computed_tokens <= seq.num_tokens
     while scheduler.has_work():
         out = scheduler.schedule()
-        scheduler.update_from_output(out, [[1] for s in out.scheduled if s.samples])
+        book(scheduler, out, [[1] for s in out.scheduled if s.samples])
     scheduler.kv.check_integrity(idle=True)

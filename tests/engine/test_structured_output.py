@@ -236,7 +236,7 @@ async def test_a_constraint_that_fails_mid_generation_ends_invalid_argument_with
     deltas = [delta async for delta in torch_backend.generate(request)]
     last = deltas[-1]
     assert last.finish_reason is FinishReason.ERROR
-    assert last.error_code is grpc.StatusCode.INVALID_ARGUMENT
+    assert last.status is grpc.StatusCode.INVALID_ARGUMENT
     assert last.error.startswith("sampling.structured_output: the constraint failed after ")
     assert "simplify it" in last.error and len(last.error) > 120  # llguidance's reason
     assert await run(torch_backend, STORY, SamplingOptions(max_tokens=2))
@@ -263,6 +263,6 @@ async def test_min_tokens_extends_a_grammar_and_a_grammar_that_cannot_be_extende
                                                                       STORY, one))]
     last = deltas[-1]
     assert last.finish_reason is FinishReason.ERROR
-    assert last.error_code is grpc.StatusCode.INVALID_ARGUMENT
+    assert last.status is grpc.StatusCode.INVALID_ARGUMENT
     assert last.error.startswith("sampling.min_tokens: the output constraint "
                                  "(sampling.structured_output) admits no token after 1 ")

@@ -156,8 +156,10 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     """Serves ``Multiplex``, what the router uses (each request: :meth:`respond`)."""
 
     def __init__(self, reply: str = "Paris is the capital of France.", *,
-                 max_model_len: int = 256, model: str = "fake-model") -> None:
+                 max_model_len: int = 256, model: str = "fake-model",
+                 replica_id: str = "") -> None:
         self.reply = reply
+        self.replica_id = replica_id
         self.max_model_len = max_model_len
         self.model = model
         self.tokens_per_step = 1
@@ -167,6 +169,9 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         self.fail_message = "fake engine refuses"
         self.log = EngineLog()
         self.finish_with_error = False
+        # When set, each request is answered with these updates (stream ids
+        # filled in) instead of :meth:`respond`: an engine's exact messages.
+        self.script: list[engine_pb2.SequenceUpdate] | None = None
         self._call_ends: list[asyncio.Event] = []
 
     async def drop_calls(self) -> None:
@@ -207,6 +212,14 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
                             engine_pb2.SequenceUpdate(
                                 stream_id=item.stream_id, status_code=self.fail_code.value[0],
                                 status_message=self.fail_message)]))
+                        continue
+                    if self.script is not None:
+                        self.log.starts.append(item.request)
+                        for update in self.script:
+                            scripted = engine_pb2.SequenceUpdate()
+                            scripted.CopyFrom(update)
+                            scripted.stream_id = item.stream_id
+                            out.put_nowait(engine_pb2.MultiplexResponse(updates=[scripted]))
                         continue
                     cancels[item.stream_id] = asyncio.Event()
                     tasks[item.stream_id] = asyncio.create_task(run(item.stream_id, item.request))
@@ -297,7 +310,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     async def GetModelInfo(self, request, context):
         return engine_pb2.GetModelInfoResponse(
             model=self.model, max_model_len=self.max_model_len, vocab_size=VOCAB,
-            eos_token_ids=[EOS], backend="fake")
+            eos_token_ids=[EOS], backend="fake", replica_id=self.replica_id)
 
 
 class FakeCache(cache_pb2_grpc.CacheServiceServicer):

@@ -18,7 +18,7 @@ import openai
 import pytest
 import structlog.testing
 
-from llmesh.v1 import common_pb2, generation_pb2
+from llmesh.v1 import common_pb2, engine_pb2, generation_pb2
 from services.router.admission import AdmissionConfig
 from tests.router.test_router_service import REPLY, collect, make_mesh, wait_for
 
@@ -119,6 +119,20 @@ async def test_a_field_the_engine_cannot_honour_is_400_and_sent_once(code):
         assert (error["type"], error["param"]) == ("invalid_request_error", "min_tokens")
         assert error["message"].startswith("min_tokens: is not implemented")
         assert len(engine.log.deadlines) == 1  # one request reached the engine
+
+
+async def test_an_engine_failure_names_the_replica_not_its_address():
+    """QA, issue 33: the 503 said ``engine at 127.0.0.1:PORT is unavailable:
+    ... Connection reset by peer``; now the replica's id, the model and what to do."""
+    async with served() as (mesh, client, _):
+        mesh.engines[0].fail_code = grpc.StatusCode.UNAVAILABLE
+        mesh.engines[0].fail_message = "recvmsg: Connection reset by peer"
+        with pytest.raises(openai.InternalServerError) as info:
+            await client.chat.completions.create(model="fake-model", messages=USER)
+    assert info.value.status_code == 503
+    assert info.value.body["message"] == (
+        "no engine replica could take the request for model 'fake-model' (tried replica-0: "
+        "UNAVAILABLE); retry in a few seconds")
 
 
 async def test_min_tokens_beside_a_choice_is_400_naming_both_and_never_reaches_an_engine():
@@ -279,6 +293,33 @@ async def test_tokenizer_endpoint_refusals_name_the_parameter(path, body, status
         got, reply = await post_json(base, path, body)
     assert got == status and reply["error"]["param"] == param
     assert words in reply["error"]["message"]
+
+
+async def test_echo_with_n_gives_every_choice_the_prompt_logprobs_when_choice_0_ends_first():
+    """QA, issue 33: the engine sends the prompt's logprobs on choice 0's first
+    update; when choice 0 ended CANCELLED before any token, that update held
+    no token and the router dropped it, so every choice's prompt entries read
+    0.0."""
+    def entry(token: int, logprob: float) -> common_pb2.PositionLogprobs:
+        return common_pb2.PositionLogprobs(chosen=common_pb2.TokenLogprob(
+            token_id=token, logprob=logprob, rank=1))
+
+    usage = common_pb2.Usage(prompt_tokens=3, completion_tokens=0)
+    async with served() as (mesh, client, _):
+        mesh.engines[0].script = [
+            engine_pb2.SequenceUpdate(  # choice 0 ends before its first token
+                index=0, finish_reason=common_pb2.FINISH_REASON_CANCELLED, usage=usage,
+                prompt_logprobs=[entry(58, -1.5), entry(59, -2.5)]),
+            engine_pb2.SequenceUpdate(
+                index=1, token_ids=[ord("A")], logprobs=[entry(ord("A"), -0.25)],
+                finish_reason=common_pb2.FINISH_REASON_LENGTH, usage=usage)]
+        answer = await client.completions.create(
+            model="fake-model", prompt=[81, 58, 59], max_tokens=1, n=2, echo=True,
+            logprobs=1, temperature=1.0)
+    by_index = {c.index: c for c in answer.choices}
+    assert by_index[1].text == "Q:;A"
+    assert by_index[1].logprobs.token_logprobs == [None, -1.5, -2.5, -0.25]
+    assert by_index[0].logprobs.token_logprobs == [None, -1.5, -2.5]
 
 
 async def test_echo_puts_the_prompt_before_the_completion_or_alone_with_max_tokens_0():

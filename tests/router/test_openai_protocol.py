@@ -121,6 +121,24 @@ def test_refusals_name_the_parameter(endpoint, body, param, words):
     assert words in str(err)
 
 
+@pytest.mark.parametrize("message", [
+    {"role": "user", "content": None}, {"role": "user"}, {"role": "system", "content": None},
+    {"role": "tool", "content": None, "tool_call_id": "c1"},
+    {"role": "assistant", "content": None}, {"role": "assistant", "content": None,
+                                              "tool_calls": []},
+])
+def test_null_content_is_refused_but_for_an_assistant_message_with_tool_calls(message):
+    """QA, issue 33: null content was read as "" for every role; OpenAI allows
+    it only on an assistant message that carries tool_calls."""
+    err = refused(CHAT, {"messages": [*USER, message]})
+    assert err.field == "messages[1].content" and err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "null only in an assistant message with tool_calls" in str(err)
+    called = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    chat = parse(CHAT, messages=[*USER, called]).generate.chat
+    assert chat.messages[1].content == "" and chat.messages[1].tool_calls[0].name == "f"
+
+
 @pytest.mark.parametrize("raw", [b"", b"[1]", b"{not json", b"\xff"])
 def test_bodies_that_are_not_a_json_object_blame_the_body(raw):
     assert refused(CHAT, raw).field == "body"

@@ -176,7 +176,7 @@ async def test_a_pool_follows_its_dns_name_without_a_restart() -> None:
         while True:
             delta = await stream.read()
             ids.extend(delta.token_ids)
-            if delta.finish_reason is not None:
+            if delta.finished:
                 break
         assert len(ids) == 8
         stream.close()

@@ -73,8 +73,8 @@ async def make_mesh(*, engines: int = 1, cache: bool = True, reply: str = REPLY,
                                      tokenizer)
     servers.append(server)
     fakes, targets, engine_servers = [], [], []
-    for _ in range(engines):
-        fake = FakeEngine(reply, max_model_len=max_model_len)
+    for i in range(engines):
+        fake = FakeEngine(reply, max_model_len=max_model_len, replica_id=f"replica-{i}")
         server, target = await serve(engine_pb2_grpc.add_EngineServiceServicer_to_server, fake)
         fakes.append(fake)
         targets.append(target)
@@ -559,7 +559,8 @@ async def test_a_replica_that_drops_its_call_fails_only_its_open_requests_and_is
                 pass
         # Tokens had streamed, so no other replica may take over: UNAVAILABLE.
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "Multiplex call failed" in info.value.details()
+        assert info.value.details() == ("engine replica 'replica-0' of model 'fake-model' is "
+                                        "unavailable; retry the request")
         engine.step_delay = 0.0
         # The failed call took the replica out of routing until a health probe
         # (sent at once) found it SERVING: back within a few milliseconds.
@@ -569,6 +570,41 @@ async def test_a_replica_that_drops_its_call_fails_only_its_open_requests_and_is
             prompt="q2", sampling=greedy())))
         assert text_of(again) == REPLY
         assert len(engine.log.metadata) == 2  # a new call
+
+
+async def test_upstream_failures_name_the_replica_to_clients_and_the_address_only_in_the_log():
+    """QA, issue 33: a client saw ``engine at 127.0.0.1:42719 is unavailable:
+    ... Connection reset by peer``. The client gets the replica's id, the
+    model and what to do; the address and the cause go to the router's log
+    line with the request id."""
+    async with make_mesh(tokenize_in_router=False) as mesh:
+        engine = mesh.engines[0]
+        engine.fail_code = grpc.StatusCode.UNAVAILABLE
+        engine.fail_message = "recvmsg: Connection reset by peer"
+        with structlog.testing.capture_logs(
+                processors=[structlog.contextvars.merge_contextvars]) as logs:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+                    prompt="q", request_id="rid-1")))
+            engine.fail_code = None
+            await mesh.servers[0].stop(None)  # the tokenizer
+            with pytest.raises(grpc.aio.AioRpcError) as no_tokenizer:
+                await collect(mesh.stub.Generate(
+                    generation_pb2.GenerateRequest(prompt="q", request_id="rid-2"), timeout=5))
+    engine_target = mesh.router._engines[0].target
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert refused.value.details() == (
+        "no engine replica could take the request for model 'fake-model' (tried replica-0: "
+        "UNAVAILABLE); retry in a few seconds")
+    assert no_tokenizer.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert no_tokenizer.value.details() == (
+        "the tokenizer for model 'fake-model' is unavailable; retry the request")
+    logged = [e for e in logs if e.get("engine") == engine_target
+              and "Connection reset by peer" in e.get("details", "")]
+    assert logged and logged[0]["request_id"] == "rid-1"
+    logged = [e for e in logs if e.get("upstream") == "tokenizer"]
+    assert logged and logged[0]["request_id"] == "rid-2"
+    assert logged[0]["target"].startswith("127.0.0.1:") and logged[0]["details"]
 
 
 async def test_queued_requests_end_unavailable_when_the_last_replica_dies():

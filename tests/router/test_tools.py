@@ -114,6 +114,16 @@ def test_render_puts_tools_in_the_system_turn_and_results_in_a_user_turn() -> No
     assert out[3] == ChatMessage("user", "<tool_response>\n3 C\n</tool_response>\n"
                                          "<tool_response>\nwindy\n</tool_response>")
     assert len(out) == 4 and all(not m.tool_calls for m in out)
+    # A template that renders `tool` turns (ChatML) gets the results there, bare.
+    turns = hermes.render(messages, (WEATHER,), tool_turns=True)
+    assert turns[:3] == out[:3]
+    assert turns[3:] == (ChatMessage("tool", "3 C"), ChatMessage("tool", "windy"))
+    limits = dataclasses.replace(CHAT_LIMITS, tool_turns=True)
+    pb = _openai({"tools": [_tool({"type": "object"})]})
+    pb.chat.messages.add(role="assistant").tool_calls.add(id="c1", name="f", arguments="{}")
+    pb.chat.messages.add(role="tool", content="3 C", tool_call_id="c1")
+    served = validate_request(pb, request_id="r", models={"tiny": limits}, default_model="tiny")
+    assert served.messages is not None and served.messages[-1] == ChatMessage("tool", "3 C")
 
 
 # ---------------------------------------------------------------- grammar
@@ -203,6 +213,26 @@ def test_openai_tools_become_the_typed_request() -> None:
     assert not request.parallel and request.tools[0].name == "get_weather"
     assert ToolChoice.from_pb(request.choice.to_pb(), has_tools=True) == request.choice
     assert tool_request(_chat({})) is None
+
+
+def test_tools_over_the_models_byte_limit_are_refused_naming_tools_before_compiling() -> None:
+    """QA, issue 33: a huge tool schema became a huge prompt with no stated
+    limit. Now 4 bytes of definitions per token of the context window."""
+    limit = CHAT_LIMITS.max_model_len * 4
+    described = {"type": "function", "function": {
+        "name": "f", "description": "x" * (limit - len('f{"type": "object"}')),
+        "parameters": {"type": "object"}}}
+    at_limit = _openai({"tools": [described]})
+    validate_request(at_limit, request_id="r", models={"tiny": CHAT_LIMITS},
+                     default_model="tiny")
+    described["function"]["description"] += "x"
+    with pytest.raises(InvalidRequestError) as info:
+        validate_request(_openai({"tools": [described]}), request_id="r",
+                         models={"tiny": CHAT_LIMITS}, default_model="tiny")
+    assert openai_param(info.value.field) == "tools"
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"take {limit + 1} bytes, more than this model's limit of {limit} bytes" \
+        in str(info.value)
 
 
 # ------------------------------------------------------------ the format flag

@@ -24,7 +24,7 @@ from services.router.clients import ChatMessage, TokenizerClient, UpstreamError
 from services.common.wire.tools import FunctionTool, ToolCall
 from services.router.local_tokenizer import PromptTokenizer, TokenizeObserver
 from services.router.tools import hermes
-from services.router.tools.formats import ToolCallFormat, resolve
+from services.router.tools.formats import ToolCallFormat, resolve, takes_tool_turns
 from services.tokenizer.tokenizer import Tokenizer
 from tests.tokenizer.tokenizer_helpers import HARD_TEXT, TOOLS_TEMPLATE, ServerThread, start_server
 
@@ -226,6 +226,26 @@ def test_auto_tool_format_reads_the_served_template(smollm, gemma_chat) -> None:
     assert resolve({}, "smol", smollm.chat_template) is ToolCallFormat.HERMES
     assert resolve({}, "gemma", gemma_chat.chat_template) is ToolCallFormat.HERMES
     assert resolve({}, "smol", TOOLS_TEMPLATE.read_text()) is ToolCallFormat.TEMPLATE
+
+
+def test_hermes_results_go_in_a_tool_turn_where_the_template_renders_one(
+        smollm, gemma_chat) -> None:
+    """QA, issue 33: the README's tool loop printed the tool result back
+    (``<tool_response>\\n{"celsius": 21}\\n</tool_response>``): SmolLM2,
+    never trained on Hermes, copies that block from a user turn but answers a
+    ChatML ``tool`` turn in words. Gemma 3's template refuses a ``tool`` turn
+    (turns alternate), so it keeps the user turn."""
+    assert takes_tool_turns(smollm.chat_template)
+    assert not takes_tool_turns(gemma_chat.chat_template)
+    assert not takes_tool_turns(None) and not takes_tool_turns("{{ raise_exception('no') }}")
+    loop = (ChatMessage("user", "Weather in Oslo?"),
+            ChatMessage("assistant", "", (ToolCall("call_1", "get_weather", '{"city": "Oslo"}'),)),
+            ChatMessage("tool", '{"celsius": 3}', tool_call_id="call_1"))
+    text = smollm.render_chat(hermes.render(loop, (), tool_turns=True), True)
+    assert text.endswith('</tool_call><|im_end|>\n<|im_start|>tool\n{"celsius": 3}<|im_end|>\n'
+                         "<|im_start|>assistant\n")
+    gemma_text = gemma_chat.render_chat(hermes.render(loop, (), tool_turns=False), True)
+    assert "<tool_response>" in gemma_text
 
 
 async def test_a_tool_template_renders_tools_calls_and_results_alike_here_and_there(

@@ -2,9 +2,11 @@
 
 The router (:mod:`services.router.engine_client`) sends :class:`EngineStart`
 and :class:`StreamCancel`; the engine (:mod:`services.engine.multiplex`)
-answers with :class:`EngineUpdate` values, merged per stream and choice with
-:func:`merge_updates` while the other end reads slowly (in the engine's outbox
-and in the router's per-request inbox, both :class:`services.common.mux.Mailbox`).
+answers with :class:`TokenDelta` values, the engine core's own per-step
+result (no copy per token on the way), merged per stream and choice with
+:func:`merge_deltas` while the other end reads slowly (in the engine's outbox
+and in the router's per-request inbox, both :class:`services.common.mux.Mailbox`),
+and read by the router as the same type.
 The ``pack_*``/``unpack_*`` functions are the two edges where protobuf is made
 and read.
 """
@@ -12,7 +14,7 @@ and read.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -90,73 +92,118 @@ class StreamCancel:
     index: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class EngineUpdate:
-    """What one choice of a stream did since its previous update.
+@dataclass(frozen=True)
+class TokenDelta:
+    """What one choice of a request did since its previous delta: the engine
+    core's per-step result, delivered as it is to the transport (the
+    ``Multiplex`` outbox, or the deprecated ``Generate`` call), sent as one
+    ``SequenceUpdate`` and read back as the same type by the router.
+
+    The last delta of a choice has ``finish_reason != FinishReason.NONE``;
+    every delta carries the running token counts.
 
     Attributes:
-      stream_id: the stream's id.
-      token_ids: ids produced since the previous update.
-      finish_reason: set on the choice's last update (None before).
-      usage: running token counts (None on a status-only update).
-      logprobs: with ``sampling.logprobs``: one entry per id.
-      prompt_logprobs: with ``sampling.prompt_logprobs``: on choice 0's first.
-      index: the choice (0..n-1).
-      status: OK unless the request ended with an error (then its last update:
-        the status the request ends with, and ``message``).
+      request_id: the request this delta belongs to ("" as read from the
+        wire: there the stream id names the request).
+      token_ids: new token ids (may be empty on the last delta, e.g. after a cancel).
+        A final stop token (EOS or a stop token id) is included; the router
+        does not render its text.
+      finish_reason: ``FinishReason.NONE`` until the last delta.
+      num_prompt_tokens: tokens in the prompt.
+      num_generated_tokens: tokens generated so far, including a final stop token.
+      num_cached_tokens: prompt tokens whose KV cache was reused.
+      error: why the request failed (with ``FinishReason.ERROR``, or on a
+        status-only delta: see ``error_status``).
+      error_status: the gRPC status name the request ends with when the
+        failure is the request's own (e.g. ``INVALID_ARGUMENT``: its output
+        constraint failed mid-generation), "" otherwise (INTERNAL with
+        ``FinishReason.ERROR``: the engine failed). Set with
+        ``FinishReason.NONE`` it is a status-only delta: the request ended
+        before it ran (refused, or its deadline passed), nothing follows.
+      logprobs: with ``sampling.logprobs``: one entry per id in ``token_ids``.
+      prompt_logprobs: with ``sampling.prompt_logprobs``: one entry per prompt
+        token after the first, on the first delta of choice 0 only.
+      index: the choice (0..n-1) of a request with ``sampling.n`` > 1; each
+        choice ends with its own last delta, and the token counts are its own
+        (``num_generated_tokens`` of that choice).
+      scheduled_at: when the sequence was first scheduled (``time.monotonic()``
+        seconds; 0.0 before, from a backend that does not say, or as read
+        from the wire): the end of its engine queue time and the start of
+        its prefill (the engine's trace spans). Not sent.
     """
 
-    stream_id: int
-    token_ids: tuple[int, ...] = ()
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
+    request_id: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_cached_tokens: int = 0
+    error: str = ""
+    error_status: str = ""
     logprobs: tuple[PositionLogprobs, ...] = ()
     prompt_logprobs: tuple[PositionLogprobs, ...] = ()
     index: int = 0
-    status: grpc.StatusCode = grpc.StatusCode.OK
-    message: str = ""
+    scheduled_at: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        """True on the last delta of a choice."""
+        return self.finish_reason is not FinishReason.NONE
+
+    @property
+    def status(self) -> grpc.StatusCode:
+        """The status the request ends with: ``error_status``'s; INTERNAL for a
+        ``FinishReason.ERROR`` without one; OK otherwise."""
+        if self.error_status:
+            return grpc.StatusCode[self.error_status]
+        return (grpc.StatusCode.INTERNAL if self.finish_reason is FinishReason.ERROR
+                else grpc.StatusCode.OK)
+
+    @property
+    def usage(self) -> Usage:
+        """The running token counts."""
+        return Usage(self.num_prompt_tokens, self.num_generated_tokens, self.num_cached_tokens)
 
     @property
     def is_empty(self) -> bool:
         """Carries no ids, logprobs, finish or status (running counts only)."""
-        return not (self.token_ids or self.finish_reason is not None or self.logprobs
-                    or self.prompt_logprobs or self.status is not grpc.StatusCode.OK)
+        return not (self.token_ids or self.finished or self.logprobs or self.prompt_logprobs
+                    or self.error_status)
 
-    def to_pb(self) -> engine_pb2.SequenceUpdate:
-        update = engine_pb2.SequenceUpdate(
-            stream_id=self.stream_id, index=self.index, token_ids=self.token_ids,
+    def to_pb(self, stream_id: int) -> engine_pb2.SequenceUpdate:
+        """The wire's ``SequenceUpdate`` of stream ``stream_id``."""
+        status = self.status
+        return engine_pb2.SequenceUpdate(
+            stream_id=stream_id, index=self.index, token_ids=self.token_ids,
             logprobs=logprobs_to_pb(self.logprobs),
             prompt_logprobs=logprobs_to_pb(self.prompt_logprobs),
-            finish_reason=int(self.finish_reason or FinishReason.NONE),
-            status_code=self.status.value[0], status_message=self.message)
-        if self.usage is not None:
-            update.usage.CopyFrom(self.usage.to_pb())
-        return update
+            finish_reason=int(self.finish_reason), usage=self.usage.to_pb(),
+            status_code=status.value[0],
+            status_message=(self.error or "the engine failed the request")
+            if status is not grpc.StatusCode.OK else "")
 
     @classmethod
-    def from_pb(cls, pb: engine_pb2.SequenceUpdate) -> EngineUpdate:
+    def from_pb(cls, pb: engine_pb2.SequenceUpdate) -> TokenDelta:
         try:
-            finish: FinishReason | None = FinishReason(pb.finish_reason) or None
+            finish = FinishReason(pb.finish_reason)
         except ValueError:  # a newer engine's reason: it ended, we cannot say why
             finish = FinishReason.ERROR
-        return cls(pb.stream_id, tuple(pb.token_ids), finish,
-                   Usage.from_pb(pb.usage) if pb.HasField("usage") else None,
+        status = status_code_of(pb.status_code)
+        return cls("", tuple(pb.token_ids), finish, pb.usage.prompt_tokens,
+                   pb.usage.completion_tokens, pb.usage.cached_prompt_tokens,
+                   pb.status_message, "" if status is grpc.StatusCode.OK else status.name,
                    logprobs_from_pb(pb.logprobs), logprobs_from_pb(pb.prompt_logprobs),
-                   pb.index, status_code_of(pb.status_code), pb.status_message)
+                   pb.index)
 
 
-def merge_updates(pending: EngineUpdate, later: EngineUpdate) -> EngineUpdate:
-    """One update saying what ``pending`` then ``later`` (same stream and
-    choice) say: ids and logprobs in order, the latest counts, the finish and
-    status once set."""
-    return EngineUpdate(
-        pending.stream_id, pending.token_ids + later.token_ids,
-        later.finish_reason if later.finish_reason is not None else pending.finish_reason,
-        later.usage if later.usage is not None else pending.usage,
-        pending.logprobs + later.logprobs, pending.prompt_logprobs + later.prompt_logprobs,
-        pending.index,
-        later.status if later.status is not grpc.StatusCode.OK else pending.status,
-        later.message or pending.message)
+def merge_deltas(first: TokenDelta, second: TokenDelta) -> TokenDelta:
+    """One delta carrying ``first``'s then ``second``'s tokens (and their
+    log-probabilities, and the prompt's from whichever carries them), with
+    ``second``'s counts, finish reason and error (same request and choice):
+    what an outbox or inbox holds while its reader is slow."""
+    return replace(second, token_ids=first.token_ids + second.token_ids,
+                   logprobs=first.logprobs + second.logprobs,
+                   prompt_logprobs=first.prompt_logprobs or second.prompt_logprobs)
 
 
 def pack_requests(items: list[EngineStart | StreamCancel]) -> list[engine_pb2.MultiplexRequest]:
@@ -190,12 +237,13 @@ def unpack_requests(message: engine_pb2.MultiplexRequest
     return [EngineStart.from_pb(start) for start in message.starts], cancels
 
 
-def pack_updates(pending: dict[tuple[int, int], EngineUpdate]
+def pack_updates(pending: dict[tuple[int, int], TokenDelta]
                  ) -> tuple[engine_pb2.MultiplexResponse]:
-    """An outbox's pending updates (by stream id and choice) as one message."""
-    return (engine_pb2.MultiplexResponse(updates=[u.to_pb() for u in pending.values()]),)
+    """An outbox's pending deltas (by stream id and choice) as one message."""
+    return (engine_pb2.MultiplexResponse(
+        updates=[delta.to_pb(stream_id) for (stream_id, _), delta in pending.items()]),)
 
 
-def unpack_updates(message: engine_pb2.MultiplexResponse) -> Iterable[tuple[int, EngineUpdate]]:
-    """A ``MultiplexResponse``'s updates with their stream ids."""
-    return [(u.stream_id, EngineUpdate.from_pb(u)) for u in message.updates]
+def unpack_updates(message: engine_pb2.MultiplexResponse) -> Iterable[tuple[int, TokenDelta]]:
+    """A ``MultiplexResponse``'s deltas with their stream ids."""
+    return [(u.stream_id, TokenDelta.from_pb(u)) for u in message.updates]

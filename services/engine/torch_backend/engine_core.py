@@ -225,7 +225,7 @@ class EngineCore:
         found, resolved = self._inbox.cancel(
             request_id, None if submitted is None else submitted.seq)
         if resolved is not None:
-            _deliver(resolved, ())
+            _deliver(resolved)
         return found
 
     def cancel_choice(self, request_id: str, index: int,
@@ -305,7 +305,7 @@ class EngineCore:
                 seq.finish_reason = FinishReason.ERROR
                 left.append(seq)
             self._publish()
-        _deliver_all([(seq, (), "the engine shut down") for seq in left])
+        _deliver_all([(seq, "the engine shut down") for seq in left])
 
     # ---- worker thread --------------------------------------------------------------
 
@@ -319,7 +319,7 @@ class EngineCore:
                     began, out = planned
                     if self._speculator is not None and (out.finished or out.preempted):
                         self._speculator.retain(self._running_keys())
-                    self._deliver_finished([(seq, (), "") for seq in out.finished])
+                    self._deliver_finished([(seq, "") for seq in out.finished])
                     if out.scheduled:
                         self._step(began, out)
                 except Exception as exc:  # noqa: BLE001 - a bug must not hang every request
@@ -333,22 +333,22 @@ class EngineCore:
         if not self._inbox.has_commands():
             return
         intake = self._inbox.take()
-        ended: list[tuple[Sequence, tuple[int, ...], str]] = []
+        ended: list[tuple[Sequence, str]] = []
         with self._state_lock:
             for seq in intake.submits:
                 try:
                     self._scheduler.add(seq)
                 except Exception as exc:  # noqa: BLE001 - its request fails, no other
                     seq.finish_reason = FinishReason.ERROR
-                    ended.append((seq, (), f"{type(exc).__name__}: {exc}"))
+                    ended.append((seq, f"{type(exc).__name__}: {exc}"))
             for seq in intake.cancels:
                 try:
-                    ended.extend((s, (), "") for s in self._scheduler.abort_request(seq))
+                    ended.extend((s, "") for s in self._scheduler.abort_request(seq))
                 except Exception as exc:  # noqa: BLE001 - its request fails, no other
                     self._scheduler.finish(seq, FinishReason.ERROR)
-                    ended.append((seq, (), f"{type(exc).__name__}: {exc}"))
+                    ended.append((seq, f"{type(exc).__name__}: {exc}"))
             for seq, index in intake.choice_cancels:
-                ended.extend((s, (), "") for s in self._scheduler.abort_choice(seq, index))
+                ended.extend((s, "") for s in self._scheduler.abort_choice(seq, index))
             self._publish()
         self._deliver_finished(ended)
 
@@ -380,7 +380,7 @@ class EngineCore:
             self._publish()
         if self._speculator is not None:
             self._speculator.retain(())
-        self._deliver_finished([(seq, (), error) for seq in left])
+        self._deliver_finished([(seq, error) for seq in left])
 
     def _schedule(self) -> tuple[float, SchedulerOutput] | None:
         """Takes in commands, then plans the next step (blocks while idle); None
@@ -437,13 +437,13 @@ class EngineCore:
             self._fail_step(out, exc)
             return
         with self._state_lock:
-            updates = self._scheduler.update_from_output(out, sampled)
+            updated = self._scheduler.update_from_output(out, sampled)
             self._time_step(out, time.perf_counter() - began)
             self._publish()
-        for update in updates:
-            entries = logprobs.get(update.seq)
+        for seq in updated:
+            entries = logprobs.get(seq)
             if entries is not None:
-                update.seq.pending_logprobs.extend(entries[:len(update.token_ids)])
+                seq.pending_logprobs.extend(entries[:seq.num_undelivered])
         if out.block_copies:  # forked choices' partial blocks, before their next forward
             cache = self._runner.kv_cache
             assert cache is not None
@@ -453,9 +453,9 @@ class EngineCore:
             self._speculator.observe_step(_verified(out, [sampled[i] for i in own]),
                                           time.perf_counter() - began,
                                           out.num_scheduled_tokens, _decode_only(out))
-            self._speculator.propose([u.seq for u in updates if not u.finished],
+            self._speculator.propose([seq for seq in updated if not seq.finished],
                                      self._scheduler.num_running)
-            if any(u.finished for u in updates) or out.preempted:
+            if any(seq.finished for seq in updated) or out.preempted:
                 self._speculator.retain(self._running_keys())
         if self._step_observer is not None:
             stats = _step_stats(time.perf_counter() - began, out, [sampled[i] for i in own])
@@ -466,7 +466,7 @@ class EngineCore:
                 stats = dataclasses.replace(stats, suffix_cache_tokens=tokens,
                                             suffix_cache_bytes=nbytes)
             self._step_observer(stats)
-        self._deliver_finished([(update.seq, update.token_ids, "") for update in updates])
+        self._deliver_finished([(seq, "") for seq in updated])
 
     @staticmethod
     def _take_prompt_rows(out: SchedulerOutput, extra: list[int],
@@ -530,15 +530,15 @@ class EngineCore:
             self._publish()
         if self._speculator is not None:
             self._speculator.retain(self._running_keys())
-        self._deliver_finished([(seq, (), error) for seq in ended])
+        self._deliver_finished([(seq, error) for seq in ended])
 
-    def _deliver_finished(self, items: list[tuple[Sequence, tuple[int, ...], str]]) -> None:
+    def _deliver_finished(self, items: list[tuple[Sequence, str]]) -> None:
         """Delivers ``items`` (see :func:`_deliver_all`) after taking the
         finished sequences' ids out of the request table."""
         if not items:
             return
         items = _with_unforked(items)
-        done = [seq for seq, _, _ in items if seq.finished]
+        done = [seq for seq, _ in items if seq.finished]
         if done:
             self._inbox.finished_all(done)
             if self._speculator is not None:  # the suffix cache learns their outputs
@@ -651,41 +651,43 @@ def _with_forks(logits: torch.Tensor, out: SchedulerOutput
     return logits[torch.tensor(index, device=logits.device)], rows, own
 
 
-def _with_unforked(items: list[tuple[Sequence, tuple[int, ...], str]]
-                   ) -> list[tuple[Sequence, tuple[int, ...], str]]:
+def _with_unforked(items: list[tuple[Sequence, str]]) -> list[tuple[Sequence, str]]:
     """``items`` plus, after a finished choice 0 whose request's other choices
     were never forked (cancelled, failed or stopped before its first token),
     those choices, finished with its reason. Marks them finished. Idempotent."""
-    if not any(seq.group is not None and seq.group.pending for seq, _, _ in items):
+    if not any(seq.group is not None and seq.group.pending for seq, _ in items):
         return items
-    expanded: list[tuple[Sequence, tuple[int, ...], str]] = []
-    for seq, token_ids, error in items:
-        expanded.append((seq, token_ids, error))
+    expanded: list[tuple[Sequence, str]] = []
+    for seq, error in items:
+        expanded.append((seq, error))
         group = seq.group
         if group is None or not group.pending or not seq.finished:
             continue
         for child in group.pending:
             child.status = SequenceStatus.FINISHED
             child.finish_reason = seq.finish_reason
-            expanded.append((child, (), error))
+            expanded.append((child, error))
         group.pending = []
     return expanded
 
 
-def _deliver(seq: Sequence, token_ids: tuple[int, ...], error: str = "") -> None:
+def _deliver(seq: Sequence, error: str = "") -> None:
     """Hands one delta to ``seq``'s event loop (see :func:`_deliver_all`)."""
-    _deliver_all([(seq, token_ids, error)])
+    _deliver_all([(seq, error)])
 
 
-def _deliver_all(items: list[tuple[Sequence, tuple[int, ...], str]]) -> None:
-    """Hands each ``(sequence, token ids, error)`` delta to its sequence's
-    sink, thread-safe: the deltas are built here (on the worker thread, in
-    order) and delivered by one callback per event loop, so a step of 16
-    sequences wakes the loop once. A loop that closed drops its deltas."""
+def _deliver_all(items: list[tuple[Sequence, str]]) -> None:
+    """Hands each ``(sequence, error)``'s delta (its tokens not delivered yet,
+    :meth:`Sequence.delta`) to its sequence's sink, thread-safe: the deltas
+    are built here (on the worker thread, in order) and delivered by one
+    callback per event loop, so a step of 16 sequences wakes the loop once. A
+    loop that closed drops its deltas; a sequence without a sink (unit tests)
+    has its delta taken all the same, so that the next one starts after it."""
     by_loop: dict[asyncio.AbstractEventLoop, list[_Put]] = {}
-    for seq, token_ids, error in _with_unforked(items):
+    for seq, error in _with_unforked(items):
+        delta = seq.delta(error)
         if seq.sink is not None:
-            by_loop.setdefault(seq.sink.loop, []).append((seq.sink, seq.delta(token_ids, error)))
+            by_loop.setdefault(seq.sink.loop, []).append((seq.sink, delta))
     for loop, deltas in by_loop.items():
         try:
             loop.call_soon_threadsafe(_deliver_step, deltas)

@@ -169,16 +169,6 @@ class SchedulerOutput:
     block_copies: list[BlockCopy] = field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
-class SequenceUpdate:
-    """What a step produced for one sequence: its new token ids (up to a stop,
-    all of them verified) and whether it finished."""
-
-    seq: Sequence
-    token_ids: tuple[int, ...]
-    finished: bool
-
-
 class Scheduler:
     """Owns the waiting queue and the running batch of the sequences the engine
     core hands it (from :meth:`add` until they finish). Sequences are told
@@ -295,7 +285,7 @@ class Scheduler:
         return out
 
     def update_from_output(self, out: SchedulerOutput,
-                           sampled: SequenceOf[int | SequenceOf[int]]) -> list[SequenceUpdate]:
+                           sampled: SequenceOf[int | SequenceOf[int]]) -> list[Sequence]:
         """Books a computed step: appends each sampling sequence's new tokens (up
         to the first stop among them), moves ``num_computed_tokens`` to its
         verified tokens (back over rejected speculative ones), registers its
@@ -310,9 +300,11 @@ class Scheduler:
             first ``len - 1`` equal to its leading ``spec_token_ids``).
 
         Returns:
-          one update per sequence that produced a token or finished.
+          the sequences that produced a token or finished, in order: each
+          holds its new tokens (up to a stop, all verified) as its newest
+          ``num_undelivered`` ids, which its next :meth:`Sequence.delta` takes.
         """
-        updates: list[SequenceUpdate] = []
+        updates: list[Sequence] = []
         next_sample = 0
         for item in out.scheduled:
             seq = item.seq
@@ -322,7 +314,7 @@ class Scheduler:
                 self.kv.cache_computed_blocks(seq)
                 if seq.cancelled:
                     self._finish(seq, FinishReason.CANCELLED)
-                    updates.append(SequenceUpdate(seq, (), True))
+                    updates.append(seq)
                 continue
             entry = sampled[next_sample]
             next_sample += 1
@@ -334,24 +326,25 @@ class Scheduler:
                 seq.num_computed_tokens = verified
                 self.kv.cache_computed_blocks(seq)
                 self._finish(seq, FinishReason.CANCELLED)
-                updates.append(SequenceUpdate(seq, (), True))
+                updates.append(seq)
                 continue
             tokens = (entry,) if isinstance(entry, int) else tuple(entry)
             if forks:
                 forked = self._fork(seq, verified, fork_entries, out)
                 if seq.group is not None and 0 in seq.group.cancelled_choices:
                     self._finish(seq, FinishReason.CANCELLED)
-                    updates.append(SequenceUpdate(seq, (), True))
+                    updates.append(seq)
                     updates.extend(forked)
                     continue
             else:
                 forked = []
-            updates.append(self._book_tokens(seq, tokens, verified))
+            self._book_tokens(seq, tokens, verified)
+            updates.append(seq)
             updates.extend(forked)
         return updates
 
     def _book_tokens(self, seq: Sequence, tokens: tuple[int, ...],
-                     verified: int) -> SequenceUpdate:
+                     verified: int) -> None:
         """Appends ``tokens`` to ``seq`` up to the first that stops it, moves
         its ``num_computed_tokens`` to ``verified`` plus the speculative ones
         accepted, caches its full blocks and finishes it if it stopped."""
@@ -368,7 +361,6 @@ class Scheduler:
         self.kv.cache_computed_blocks(seq)
         if reason is not FinishReason.NONE:
             self._finish(seq, reason)
-        return SequenceUpdate(seq, tokens[:emitted], reason is not FinishReason.NONE)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Finishes ``seq`` now with ``reason`` (e.g. ERROR after a failed step),
@@ -506,24 +498,26 @@ class Scheduler:
 
     def _fork(self, leader: Sequence, num_tokens: int,
               entries: SequenceOf[int | SequenceOf[int]],
-              out: SchedulerOutput) -> list[SequenceUpdate]:
+              out: SchedulerOutput) -> list[Sequence]:
         """Forks the leader's unforked choices after the step that computed its
         ``num_tokens`` prompt tokens, each with its first token (``entries``, in
-        their order); see the module docstring. Returns their updates."""
+        their order); see the module docstring. Returns them (updated, as
+        :meth:`update_from_output` returns its sequences)."""
         assert leader.group is not None
         group = leader.group
         leader.num_computed_tokens = num_tokens
         self.kv.cache_computed_blocks(leader)  # its prompt blocks, before they are shared
         children, group.pending = group.pending, []
-        updates: list[SequenceUpdate] = []
+        updates: list[Sequence] = []
         for child, entry in zip(children, entries, strict=True):
             if child.index in group.cancelled_choices:
                 child.status = SequenceStatus.FINISHED
                 child.finish_reason = FinishReason.CANCELLED
-                updates.append(SequenceUpdate(child, (), True))
+                updates.append(child)
                 continue
             token = entry if isinstance(entry, int) else entry[0]
             child.token_ids.append(token)
+            child.num_undelivered = 1
             child.num_cached_tokens = max(leader.num_cached_tokens, 0)
             child.scheduled_at = leader.scheduled_at
             reason = self._stop_reason(child, token)
@@ -532,7 +526,7 @@ class Scheduler:
                 child.finish_reason = reason
             else:
                 self._join_forked(leader, child, num_tokens, out)
-            updates.append(SequenceUpdate(child, (token,), reason is not FinishReason.NONE))
+            updates.append(child)
         return updates
 
     def _join_forked(self, leader: Sequence, child: Sequence, num_tokens: int,

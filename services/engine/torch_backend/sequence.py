@@ -87,6 +87,9 @@ class Sequence:
         when it uses no penalty, logit bias or min_tokens); fed by
         :meth:`append_token`.
       priority_key: (priority, arrival), the scheduling order.
+      num_undelivered: generated tokens not delivered yet (the newest of
+        ``token_ids``): counted by :meth:`append_token` (and a fork's first
+        token), taken by the next :meth:`delta`.
       pending_logprobs: with ``sampling.logprobs``: the entries of the
         generated tokens not yet delivered (one per token, in order); the
         next :meth:`delta` takes them.
@@ -124,6 +127,7 @@ class Sequence:
     grammar: GrammarMatcher | None = None
     processors: LogitsProcessorState | None = None
     priority_key: tuple[int, int] = field(init=False, repr=False)
+    num_undelivered: int = 0
     pending_logprobs: list[PositionLogprobs] = field(default_factory=list, repr=False)
     prompt_logprobs: list[PositionLogprobs] = field(default_factory=list, repr=False)
     prompt_logprobs_sent: bool = False
@@ -165,6 +169,7 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         """Appends a generated (verified) token; its processors count it."""
         self.token_ids.append(token_id)
+        self.num_undelivered += 1
         if self.processors is not None:
             self.processors.append(token_id)
 
@@ -182,11 +187,14 @@ class Sequence:
         """Scheduling order: priority (INTERACTIVE first), then arrival."""
         return self.priority_key < other.priority_key
 
-    def delta(self, token_ids: tuple[int, ...], error: str = "") -> TokenDelta:
-        """The delta announcing ``token_ids`` (and the finish reason, if finished),
-        with the pending log-probabilities and, once complete and not yet sent,
-        the prompt's. Mutates (takes those); only the thread that owns the
-        sequence builds its deltas."""
+    def delta(self, error: str = "") -> TokenDelta:
+        """The delta announcing its tokens not delivered yet (the newest
+        ``num_undelivered``; none after a cancel) and the finish reason, if
+        finished, with the pending log-probabilities and, once complete and
+        not yet sent, the prompt's. Mutates (takes those); only the thread that
+        owns the sequence builds its deltas."""
+        new, self.num_undelivered = self.num_undelivered, 0
+        token_ids = tuple(self.token_ids[len(self.token_ids) - new:]) if new else ()
         logprobs, self.pending_logprobs = tuple(self.pending_logprobs), []
         prompt_logprobs: tuple[PositionLogprobs, ...] = ()
         if (self.request.sampling.prompt_logprobs is not None and not self.prompt_logprobs_sent

@@ -30,21 +30,23 @@ def add_history_arguments(parser: argparse.ArgumentParser) -> None:
                             "in the cache service); the next turns start with the summary. "
                             "Without MODEL= every model's; repeatable. Default: off")
     group.add_argument("--history-summarizer-model", default="", metavar="MODEL",
-                       help="the served model that writes summaries (default: the chat's "
-                            "own model)")
+                       help="the served model that writes summaries (default: the "
+                            "cascade's small model with --cascade, else the chat's own model)")
     group.add_argument("--history-summary-max-tokens", type=int,
                        default=DEFAULT_SUMMARY_MAX_TOKENS, metavar="N",
                        help=f"most tokens of one summary (default {DEFAULT_SUMMARY_MAX_TOKENS})")
 
 
-def history_settings(args: argparse.Namespace) -> HistorySettings:
-    """The settings the flags ask for.
+def history_settings(args: argparse.Namespace, *, cascade_small: str = "") -> HistorySettings:
+    """The settings the flags ask for; the summariser is
+    ``--history-summarizer-model``, else the cascade's small model
+    (``cascade_small``, "" without ``--cascade``), else each chat's own model.
 
     Raises:
       ValueError: a budget not above ``--history-summary-max-tokens``.
     """
     return HistorySettings(budgets=dict(args.history_budget_tokens),
-                           summarizer_model=args.history_summarizer_model,
+                           summarizer_model=args.history_summarizer_model or cascade_small,
                            summary_max_tokens=args.history_summary_max_tokens)
 
 

@@ -13,8 +13,9 @@ every model's default):
   what Qwen2.5's, Hermes-2-Pro's and SmolLM3's templates teach. A template
   that teaches another call syntax needs ``hermes`` (or a new format).
 * ``hermes``: the router writes tools, calls and results as plain messages in
-  the Hermes format (:func:`.hermes.render`: ``<tools>`` in the system turn)
-  before any template sees them, whatever the template.
+  the Hermes format (:func:`.hermes.render`: ``<tools>`` in the system turn;
+  results in a ``tool`` turn where the template takes one,
+  :func:`takes_tool_turns`) before any template sees them, whatever the template.
 * ``none``: tool calling off for the model (a request with ``tools`` is
   FAILED_PRECONDITION naming ``chat.tools``).
 * ``auto`` (the default): ``template`` when the chat template has a tool
@@ -30,6 +31,7 @@ from collections.abc import Mapping
 
 import jinja2
 import jinja2.meta
+import jinja2.sandbox
 
 
 class ToolCallFormat(enum.Enum):
@@ -68,6 +70,37 @@ def has_tool_section(chat_template: str | None) -> bool:
         return re.search(r"\btools\b", chat_template) is not None
 
 
+#: What :func:`takes_tool_turns` renders: a ``tool`` turn after a call.
+_PROBE_RESULT = "\x00tool result\x00"
+_PROBE = ({"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+          {"role": "tool", "content": _PROBE_RESULT})
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def takes_tool_turns(chat_template: str | None) -> bool:
+    """Whether a Jinja chat template renders a ``tool`` turn after an
+    assistant turn (ChatML's ``<|im_start|>tool``), found by rendering one as
+    transformers would (sandboxed; ``raise_exception`` raises). Gemma 3's
+    refuses it (its turns must alternate user/model); a template that fails
+    here for any reason counts as refusing it. The Hermes format writes tool
+    results in such a turn where the template takes one
+    (:func:`.hermes.render`)."""
+    if not chat_template:
+        return False
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = _raise_exception
+    try:
+        text = env.from_string(chat_template).render(messages=list(_PROBE),
+                                                     add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a TemplateError, or whatever the template does
+        return False
+    return _PROBE_RESULT in text
+
+
 def resolve(formats: Mapping[str, ToolCallFormat], model: str,
             chat_template: str | None) -> ToolCallFormat:
     """The format ``model`` uses: its own flag, else the default flag, else
@@ -79,4 +112,4 @@ def resolve(formats: Mapping[str, ToolCallFormat], model: str,
     return ToolCallFormat.TEMPLATE if has_tool_section(chat_template) else ToolCallFormat.HERMES
 
 
-__all__ = ["ToolCallFormat", "has_tool_section", "parse_flag", "resolve"]
+__all__ = ["ToolCallFormat", "has_tool_section", "parse_flag", "resolve", "takes_tool_turns"]

@@ -4,10 +4,11 @@ and the exact text of a generated call.
 Hermes-2-Pro / Qwen2.5 (NousResearch "Hermes-Function-Calling"; Qwen2.5's
 chat template): the tools' JSON signatures inside ``<tools></tools>`` in the
 system turn, each call as ``<tool_call>\\n{"name": …, "arguments": {…}}\\n</tool_call>``
-(several separated by ``\\n``), each result as
+(several separated by ``\\n``), each result in a ``tool`` turn of its own
+where the model's template renders one (ChatML), else as
 ``<tool_response>\\n…\\n</tool_response>`` inside a ``user`` turn (consecutive
 results share one turn, as Qwen2.5 renders them; a ``user`` turn keeps
-templates that accept only system/user/assistant working). It is rendered as
+templates that accept only alternating user/assistant turns working). It is rendered as
 plain chat messages before the model's own chat template is applied, so the
 tokenizer service and the router's in-process tokenizer see the same messages
 and give the same ids.
@@ -50,14 +51,19 @@ def tools_block(tools: Sequence[FunctionTool]) -> str:
     return _INSTRUCTIONS + "\n".join(json.dumps(t.as_openai()) for t in tools) + _CALL_HELP
 
 
-def render(messages: Sequence[ChatMessage], tools: Sequence[FunctionTool]
-           ) -> tuple[ChatMessage, ...]:
+def render(messages: Sequence[ChatMessage], tools: Sequence[FunctionTool], *,
+           tool_turns: bool = False) -> tuple[ChatMessage, ...]:
     """Plain chat messages (role and content only) for the model's template.
 
     ``tools`` (none: no tools block) go into the first system turn (one is
     added when there is none); an assistant turn's ``tool_calls`` are appended
-    to its content; ``tool`` turns become ``<tool_response>`` blocks in a
-    ``user`` turn.
+    to its content. ``tool`` turns stay ``tool`` turns of the result alone
+    where the template renders them (``tool_turns``,
+    :func:`~services.router.tools.formats.takes_tool_turns`: ChatML's
+    ``<|im_start|>tool``); else they become ``<tool_response>`` blocks in a
+    ``user`` turn (Gemma 3's turns must alternate). A model never trained on
+    the Hermes format (SmolLM2) answers a ``tool`` turn in words, but copies
+    a ``<tool_response>`` block back as its answer.
     """
     out: list[ChatMessage] = []
     if tools:
@@ -69,7 +75,9 @@ def render(messages: Sequence[ChatMessage], tools: Sequence[FunctionTool]
         else:
             out.append(ChatMessage("system", block))
     for message in messages:
-        if message.role == "tool":
+        if message.role == "tool" and tool_turns:
+            out.append(ChatMessage("tool", message.content))
+        elif message.role == "tool":
             response = f"<tool_response>\n{message.content}\n</tool_response>"
             if out and out[-1].role == "user" and out[-1].content.startswith("<tool_response>"):
                 out[-1] = ChatMessage("user", f"{out[-1].content}\n{response}")

@@ -34,23 +34,53 @@ from services.router.tools.grammar import arguments_grammar, tool_grammar
 
 #: Most tools per request.
 MAX_TOOLS = 64
+#: Bytes of tool definitions a request may send per token of the model's
+#: context window (:func:`tools_byte_limit`). JSON schemas and descriptions
+#: take ~3-4 UTF-8 bytes a token in BPE vocabularies, so tools at the limit
+#: already fill about the whole window once rendered into the prompt.
+TOOLS_BYTES_PER_CONTEXT_TOKEN = 4
 #: Longest accepted error text from llguidance.
 _MAX_ERROR_CHARS = 300
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
-def tool_request(chat: generation_pb2.Chat) -> ToolRequest | None:
+def tools_byte_limit(max_model_len: int) -> int:
+    """The most bytes of tool definitions (:func:`tools_bytes`) a request to a
+    model with a context window of ``max_model_len`` tokens may send."""
+    return max_model_len * TOOLS_BYTES_PER_CONTEXT_TOKEN
+
+
+def tools_bytes(chat: generation_pb2.Chat) -> int:
+    """The UTF-8 bytes of ``chat``'s tool definitions: every function's name,
+    description and parameters JSON (what the prompt renders)."""
+    return sum(len(text.encode("utf-8", "surrogatepass")) for t in chat.tools
+               for text in (t.name, t.description, t.parameters_json))
+
+
+def tool_request(chat: generation_pb2.Chat, *, max_bytes: int | None = None
+                 ) -> ToolRequest | None:
     """The validated tools of ``chat``, or None when it has none and no choice.
 
+    Args:
+      max_bytes: the most bytes of tool definitions (:func:`tools_bytes`;
+        :func:`tools_byte_limit` of the model), checked before any schema is
+        parsed or compiled; None: no limit.
+
     Raises:
-      InvalidRequestError: too many tools, a bad or repeated name, a schema
-        that is not JSON or that llguidance cannot compile, a ``tool_choice``
-        mode that is unknown, or that needs tools the request lacks, or that
-        names an absent function.
+      InvalidRequestError: too many tools or bytes of them, a bad or repeated
+        name, a schema that is not JSON or that llguidance cannot compile, a
+        ``tool_choice`` mode that is unknown, or that needs tools the request
+        lacks, or that names an absent function.
     """
     if len(chat.tools) > MAX_TOOLS:
         raise InvalidRequestError("chat.tools", f"at most {MAX_TOOLS} tools, got "
                                                 f"{len(chat.tools)}")
+    if max_bytes is not None and (size := tools_bytes(chat)) > max_bytes:
+        raise InvalidRequestError("chat.tools", (
+            f"the tool definitions (names, descriptions and parameter schemas) take {size} "
+            f"bytes, more than this model's limit of {max_bytes} bytes "
+            f"({TOOLS_BYTES_PER_CONTEXT_TOKEN} per token of its context window): they "
+            "would fill the prompt; send fewer or shorter tools"))
     tools = tuple(_tool(i, pb) for i, pb in enumerate(chat.tools))
     seen: set[str] = set()
     for i, tool in enumerate(tools):

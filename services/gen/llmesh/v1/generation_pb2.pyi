@@ -50,6 +50,38 @@ TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode.ValueType  # 3
 """The model must call one or more tools (no text)."""
 Global___ToolChoiceMode: _TypeAlias = ToolChoiceMode  # noqa: Y015
 
+class _CascadeMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CascadeModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CascadeMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CASCADE_MODE_UNSPECIFIED: _CascadeMode.ValueType  # 0
+    """The `x-llmesh-cascade` header's value, else AUTO."""
+    CASCADE_MODE_AUTO: _CascadeMode.ValueType  # 1
+    """The prompt-only rule, then the small model with its first k tokens held
+    back until the confidence rule releases them or escalates.
+    """
+    CASCADE_MODE_SMALL: _CascadeMode.ValueType  # 2
+    """The small model only (no window, never escalated)."""
+    CASCADE_MODE_LARGE: _CascadeMode.ValueType  # 3
+    """The large model only."""
+
+class CascadeMode(_CascadeMode, metaclass=_CascadeModeEnumTypeWrapper):
+    """How a request to the cascade alias is served."""
+
+CASCADE_MODE_UNSPECIFIED: CascadeMode.ValueType  # 0
+"""The `x-llmesh-cascade` header's value, else AUTO."""
+CASCADE_MODE_AUTO: CascadeMode.ValueType  # 1
+"""The prompt-only rule, then the small model with its first k tokens held
+back until the confidence rule releases them or escalates.
+"""
+CASCADE_MODE_SMALL: CascadeMode.ValueType  # 2
+"""The small model only (no window, never escalated)."""
+CASCADE_MODE_LARGE: CascadeMode.ValueType  # 3
+"""The large model only."""
+Global___CascadeMode: _TypeAlias = CascadeMode  # noqa: Y015
+
 @_typing.final
 class Chat(_message.Message):
     """Chat input: the model's chat template is applied with a generation prompt."""
@@ -251,6 +283,7 @@ class GenerateRequest(_message.Message):
     BYPASS_CACHE_FIELD_NUMBER: _builtins.int
     SPECULATIVE_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    CASCADE_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for this request, echoed in every response and in logs.
@@ -273,6 +306,12 @@ class GenerateRequest(_message.Message):
     most 256 bytes; set but empty is INVALID_ARGUMENT. Use a random secret
     (e.g. 256 bits, base64) to keep a prefix private from other users of
     one tenant.
+    """
+    cascade: Global___CascadeMode.ValueType
+    """For a request to the cascade's alias model (`llmesh up --cascade
+    SMALL,LARGE`, alias `auto` by default): which path to take. Unset: the
+    `x-llmesh-cascade` header's value (`auto`, `small`, `large`), else
+    AUTO. Set on a request to any other model: INVALID_ARGUMENT.
     """
     @_builtins.property
     def chat(self) -> Global___Chat: ...
@@ -308,11 +347,12 @@ class GenerateRequest(_message.Message):
         bypass_cache: _builtins.bool = ...,
         speculative: _common_pb2.SpeculativeParams | None = ...,
         cache_salt: _builtins.str | None = ...,
+        cascade: Global___CascadeMode.ValueType = ...,
         history: Global___HistoryOptions | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "cache_salt", b"cache_salt", "chat", b"chat", "history", b"history", "input", b"input", "prompt", b"prompt", "prompt_tokens", b"prompt_tokens", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "bypass_cache", b"bypass_cache", "cache_salt", b"cache_salt", "chat", b"chat", "history", b"history", "input", b"input", "model", b"model", "priority", b"priority", "prompt", b"prompt", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "bypass_cache", b"bypass_cache", "cache_salt", b"cache_salt", "cascade", b"cascade", "chat", b"chat", "history", b"history", "input", b"input", "model", b"model", "priority", b"priority", "prompt", b"prompt", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cache_salt: _TypeAlias = _typing.Literal["cache_salt"]  # noqa: Y015
     _WhichOneofArgType__cache_salt: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt"]  # noqa: Y015
@@ -324,6 +364,50 @@ class GenerateRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class CascadePath(_message.Message):
+    """The path a cascade request took (GenerateResponse.cascade)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ESCALATED_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    MEAN_LOGPROB_FIELD_NUMBER: _builtins.int
+    HELD_BACK_TOKENS_FIELD_NUMBER: _builtins.int
+    escalated: _builtins.bool
+    """True when the small model's generation was cancelled and the large
+    model produced the answer.
+    """
+    reason: _builtins.str
+    """Why this path: `confident` (the rule released the small model's
+    tokens), `low_confidence` (the rule escalated), `prompt_tokens` (the
+    prompt-only rule sent it to the large model), `mode_small` /
+    `mode_large` (the request's mode or header chose).
+    """
+    mean_logprob: _builtins.float
+    """The confidence rule's score over the held-back tokens (the mean token
+    logprob, nats); unset when the rule did not run.
+    """
+    held_back_tokens: _builtins.int
+    """Tokens of the small model's generation held back while the rule decided."""
+    def __init__(
+        self,
+        *,
+        escalated: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        mean_logprob: _builtins.float | None = ...,
+        held_back_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_mean_logprob", b"_mean_logprob", "mean_logprob", b"mean_logprob"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_mean_logprob", b"_mean_logprob", "escalated", b"escalated", "held_back_tokens", b"held_back_tokens", "mean_logprob", b"mean_logprob", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__mean_logprob: _TypeAlias = _typing.Literal["mean_logprob"]  # noqa: Y015
+    _WhichOneofArgType__mean_logprob: _TypeAlias = _typing.Literal["_mean_logprob", b"_mean_logprob"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__mean_logprob) -> _WhichOneofReturnType__mean_logprob | None: ...
+
+Global___CascadePath: _TypeAlias = CascadePath  # noqa: Y015
 
 @_typing.final
 class HistoryOptions(_message.Message):
@@ -394,6 +478,8 @@ class GenerateResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    CASCADE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's id."""
     text: _builtins.str
@@ -413,6 +499,11 @@ class GenerateResponse(_message.Message):
     """Which of the request's `sampling.n` choices this message belongs to
     (0-based; always 0 when n is 1). Messages of different choices interleave;
     each choice has its own last message (finish_reason and usage set).
+    """
+    model: _builtins.str
+    """The model that produced the answer, on the last message (and, for a
+    cascade request, on the first): the request's model, or for the
+    cascade alias the small or the large model.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -440,6 +531,12 @@ class GenerateResponse(_message.Message):
         message (`text` then holds only text outside calls).
         """
 
+    @_builtins.property
+    def cascade(self) -> Global___CascadePath:
+        """For a request to the cascade alias, on the same messages as `model`:
+        the path it took.
+        """
+
     def __init__(
         self,
         *,
@@ -454,10 +551,12 @@ class GenerateResponse(_message.Message):
         prompt_logprobs: _abc.Iterable[_common_pb2.PositionLogprobs] | None = ...,
         index: _builtins.int = ...,
         tool_calls: _abc.Iterable[Global___ToolCallDelta] | None = ...,
+        model: _builtins.str = ...,
+        cascade: Global___CascadePath | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cascade", b"cascade", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached", b"cached", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached", b"cached", "cascade", b"cascade", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "model", b"model", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,64 @@
+"""The cascade at the router's edges: a request to the alias validated once
+(against both models), and the alias's model card (ListModels, ``/v1/models``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+from llmesh.v1 import generation_pb2
+from services.common.sampling import InvalidRequestError
+from services.router.cascade.policy import CascadeLeg, CascadeMode, CascadePolicy
+from services.router.validation import GenerationRequest, ModelLimits
+
+#: Validates a request as one served model (the router's own validation).
+ValidateAs = Callable[[generation_pb2.GenerateRequest], GenerationRequest]
+
+
+def validate_alias(pb: generation_pb2.GenerateRequest, header_mode: str | None,
+                   policy: CascadePolicy | None,
+                   validate_as: ValidateAs) -> GenerationRequest | None:
+    """The validated request when ``pb`` names the cascade alias (``model`` the
+    small one, ``cascade`` its mode), else None (a request to a model; its
+    ``cascade`` field must be unset).
+
+    Both models validate the request (each its limits, chat template and the
+    tenant's permission), so a request one of them would refuse is refused
+    before any generation, whatever path it would take.
+
+    Raises:
+      InvalidRequestError: INVALID_ARGUMENT naming ``cascade`` (set on a
+        request to another model, or unknown) or ``x-llmesh-cascade``; and
+        whatever ``validate_as`` raises.
+    """
+    if policy is None or pb.model != policy.alias:
+        if pb.cascade:
+            alias = "none is configured" if policy is None else repr(policy.alias)
+            raise InvalidRequestError("cascade", f"is for the cascade's alias model only "
+                                      f"({alias})")
+        return None
+    mode = CascadeMode.of(pb.cascade, header_mode)
+    validated: list[GenerationRequest] = []
+    for model in (policy.small, policy.large):
+        leg = generation_pb2.GenerateRequest()
+        leg.CopyFrom(pb)
+        leg.model = model
+        leg.ClearField("cascade")
+        validated.append(validate_as(leg))
+    return dataclasses.replace(validated[0], cascade=CascadeLeg(policy.alias, mode))
+
+
+def alias_card(policy: CascadePolicy | None,
+               visible: Mapping[str, ModelLimits]) -> ModelLimits | None:
+    """The alias's limits (the tighter of the two models'), or None when no
+    cascade is configured or the caller cannot see both models."""
+    if policy is None or policy.small not in visible or policy.large not in visible:
+        return None
+    small, large = visible[policy.small], visible[policy.large]
+    return dataclasses.replace(
+        small, model=policy.alias, max_model_len=min(small.max_model_len, large.max_model_len),
+        max_tokens_cap=min(small.max_tokens_cap, large.max_tokens_cap),
+        has_chat_template=small.has_chat_template and large.has_chat_template)
+
+
+__all__ = ["alias_card", "validate_alias"]

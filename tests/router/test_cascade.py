@@ -1,0 +1,236 @@
+"""The cascade's parts alone (services/router/cascade): the confidence rule,
+the policy and mode, the held-back window and the path decision with fake
+legs (the mesh test, tests/e2e/test_mesh_cascade.py, runs real ones)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+from collections.abc import AsyncIterator
+
+import pytest
+from llmesh.v1 import generation_pb2
+from prometheus_client import CollectorRegistry
+
+from services.common.logprobs import PositionLogprobs, TokenLogprob
+from services.common.sampling import (
+    FinishReason,
+    InvalidRequestError,
+    Priority,
+    SamplingOptions,
+)
+from services.common.wire.engine_stream import Usage
+from services.router.cascade import flags
+from services.router.cascade.metrics import CascadeMetrics
+from services.router.cascade.policy import CascadeLeg, CascadeMode, CascadePolicy
+from services.router.cascade.rule import Confidence, escalation_reason, score
+from services.router.cascade.runner import Cascade
+from services.router.cascade.window import for_client, hold
+from services.router.generation import Delta, Event, Finished, Progress
+from services.router.validation import GenerationRequest
+
+POLICY = CascadePolicy("small", "large", window_tokens=3, min_mean_logprob=-1.0)
+
+
+def position(logprob: float, second: float | None = None) -> PositionLogprobs:
+    top = (TokenLogprob(1, logprob, 1),) + (() if second is None
+                                              else (TokenLogprob(2, second, 2),))
+    return PositionLogprobs(TokenLogprob(1, logprob, 1), top)
+
+
+def test_score_is_the_mean_logprob_and_the_low_margin_share() -> None:
+    window = [position(-0.1, -3.0), position(-0.7, -0.9), position(-1.0, -1.2)]
+    got = score(window, margin=0.5)
+    assert got.tokens == 3 and math.isclose(got.mean_logprob, -0.6)
+    assert math.isclose(got.low_margin_share, 2 / 3)
+    assert score(window, margin=0.0).low_margin_share == 0.0
+    assert score([], margin=0.5) == Confidence(0, 0.0, 0.0)
+
+
+def test_escalation_reason_by_threshold_and_margin() -> None:
+    assert escalation_reason(POLICY, Confidence(3, -0.99, 1.0)) is None  # margin rule off
+    assert escalation_reason(POLICY, Confidence(3, -1.01, 0.0)) == "low_confidence"
+    assert escalation_reason(POLICY, Confidence(0, -5.0, 1.0)) is None  # nothing to judge
+    margin = CascadePolicy("small", "large", margin=0.5, max_low_margin_share=0.5)
+    assert escalation_reason(margin, Confidence(3, -0.2, 0.6)) == "low_margin"
+    assert escalation_reason(margin, Confidence(3, -0.2, 0.5)) is None
+    assert margin.internal_logprobs == 2 and POLICY.internal_logprobs == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"small": "a", "large": "a"}, "must differ"),
+    ({"small": "a", "large": "b", "window_tokens": 0}, "--cascade-window"),
+    ({"small": "a", "large": "b", "min_mean_logprob": 0.5}, "log-probability"),
+    ({"small": "a", "large": "b", "max_low_margin_share": 2.0}, "share"),
+    ({"small": "a b", "large": "b"}, "not a model id"),
+])
+def test_policy_refuses_bad_settings(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        CascadePolicy(**kwargs)
+
+
+def test_mode_from_the_field_then_the_header() -> None:
+    assert CascadeMode.of(generation_pb2.CASCADE_MODE_LARGE, "small") is CascadeMode.LARGE
+    assert CascadeMode.of(0, " Small ") is CascadeMode.SMALL
+    assert CascadeMode.of(0, None) is CascadeMode.AUTO
+    with pytest.raises(InvalidRequestError, match="x-llmesh-cascade"):
+        CascadeMode.of(0, "medium")
+    with pytest.raises(InvalidRequestError, match="cascade"):
+        CascadeMode.of(7, None)
+
+
+def test_flags_build_the_policy_and_pass_on_to_the_router() -> None:
+    parser = argparse.ArgumentParser()
+    flags.add_arguments(parser)
+    args = parser.parse_args(["--cascade", "s,l", "--cascade-window", "4",
+                              "--cascade-min-mean-logprob=-0.5"])
+    assert flags.policy_from_args(args) == CascadePolicy("s", "l", window_tokens=4,
+                                                         min_mean_logprob=-0.5)
+    assert flags.router_args(args) == ["--cascade", "s,l", "--cascade-window", "4",
+                                       "--cascade-min-mean-logprob", "-0.5"]
+    assert flags.policy_from_args(parser.parse_args([])) is None
+    with pytest.raises(ValueError, match="need --cascade"):
+        flags.policy_from_args(parser.parse_args(["--cascade-window", "4"]))
+
+
+def delta(*logprobs: float) -> Delta:
+    return Delta("x" * len(logprobs), tuple(range(len(logprobs))),
+                 logprobs=tuple(position(lp, lp - 1.0) for lp in logprobs))
+
+
+FINISHED = Finished(FinishReason.LENGTH, "", Usage(3, 4, 0))
+
+
+async def events_of(*events: Event) -> AsyncIterator[Event]:
+    for event in events:
+        yield event
+
+
+async def test_hold_stops_at_k_tokens_and_leaves_the_rest_unread() -> None:
+    events = events_of(delta(-0.1, -0.2), delta(-0.3, -0.4), delta(-0.5), FINISHED)
+    window = await hold(events, 3)
+    assert window.tokens == 4 and not window.finished
+    assert [p.chosen.logprob for p in window.logprobs(3)] == [-0.1, -0.2, -0.3]
+    assert [e async for e in events] == [delta(-0.5), FINISHED]
+    short = await hold(events_of(delta(-0.1), FINISHED), 3)
+    assert short.finished and short.tokens == 1
+
+
+def test_for_client_strips_or_cuts_the_internal_logprobs() -> None:
+    assert for_client(delta(-0.1), None).logprobs == ()
+    assert for_client(delta(-0.1), 1).logprobs[0].top == (TokenLogprob(1, -0.1, 1),)
+    assert for_client(FINISHED, None) is FINISHED
+
+
+class Legs:
+    """Fake legs: the small model's scripted events; the large model's one
+    delta. Records each leg's request and whether its stream was closed."""
+
+    def __init__(self, small: list[Event]) -> None:
+        self.small = small
+        self.requests: list[GenerationRequest] = []
+        self.closed: list[str] = []
+
+    async def run(self, request: GenerationRequest, progress: Progress) -> AsyncIterator[Event]:
+        self.requests.append(request)
+        try:
+            if request.model == "small":
+                for event in self.small:
+                    yield event
+            else:
+                yield Delta("large", (9,))
+                yield FINISHED
+        finally:
+            self.closed.append(request.model)
+
+
+def cascade_request(mode: CascadeMode = CascadeMode.AUTO, n: int = 1,
+                    logprobs: int | None = None) -> GenerationRequest:
+    return GenerationRequest("r", "small", "prompt", None,
+                             SamplingOptions(max_tokens=8, n=n, logprobs=logprobs),
+                             Priority.INTERACTIVE, cascade=CascadeLeg("auto", mode))
+
+
+async def serve(legs: Legs, request: GenerationRequest, policy: CascadePolicy = POLICY,
+                prompt_tokens: int = 5) -> list[Event]:
+    async def count(_: GenerationRequest) -> int:
+        return prompt_tokens
+
+    cascade = Cascade(policy, CascadeMetrics(CollectorRegistry()))
+    return [e async for e in cascade.run(request, legs.run, progress=Progress(),
+                                         count_prompt=count)]
+
+
+async def test_a_confident_window_is_released_without_the_internal_logprobs() -> None:
+    legs = Legs([delta(-0.1, -0.2), delta(-0.3), delta(-0.2), FINISHED])
+    out = await serve(legs, cascade_request())
+    assert legs.requests[0].sampling.logprobs == 0  # asked internally
+    assert [type(e) for e in out] == [Delta, Delta, Delta, Finished]
+    assert all(e.logprobs == () for e in out if isinstance(e, Delta))
+    first, last = out[0].path, out[-1].path
+    assert first is not None and first == last
+    assert (first.model, first.escalated, first.reason, first.held_back_tokens) == (
+        "small", False, "confident", 3)
+    assert out[1].path is None
+
+
+async def test_a_doubtful_window_is_dropped_and_the_large_model_answers() -> None:
+    legs = Legs([delta(-2.0, -3.0), delta(-0.1), delta(-0.1), FINISHED])
+    out = await serve(legs, cascade_request())
+    # Nothing of the small model: only the large model's events, the first named.
+    assert [e.text for e in out if isinstance(e, Delta)] == ["large"]
+    assert out[0].path is not None and out[0].path.escalated
+    assert out[0].path.reason == "low_confidence" and out[0].path.held_back_tokens == 3
+    assert legs.closed[0] == "small"  # closed before the large leg started
+    assert [r.model for r in legs.requests] == ["small", "large"]
+    small_leg = legs.requests[0].cascade
+    assert small_leg is not None and small_leg.discarded
+    assert legs.requests[1].sampling.logprobs is None  # the client's own sampling
+
+
+@pytest.mark.parametrize("request_, prompt_tokens, reason", [
+    (cascade_request(CascadeMode.LARGE), 5, "mode_large"),
+    (cascade_request(n=2), 5, "n_choices"),
+    (cascade_request(), 50, "prompt_tokens"),
+])
+async def test_the_prompt_rule_and_the_mode_skip_the_window(
+        request_: GenerationRequest, prompt_tokens: int, reason: str) -> None:
+    legs = Legs([delta(-0.1), FINISHED])
+    policy = CascadePolicy("small", "large", max_prompt_tokens=10)
+    out = await serve(legs, request_, policy, prompt_tokens)
+    assert [r.model for r in legs.requests] == ["large"]
+    assert out[0].path is not None and out[0].path.reason == reason
+    assert out[0].path.held_back_tokens == 0 and not out[0].path.escalated
+
+
+async def test_leaving_during_the_window_closes_the_small_leg() -> None:
+    started = asyncio.Event()
+
+    class Stalled(Legs):
+        async def run(self, request: GenerationRequest,
+                      progress: Progress) -> AsyncIterator[Event]:
+            try:
+                yield delta(-0.1)
+                started.set()
+                await asyncio.Event().wait()  # decoding the rest of the window
+                yield FINISHED
+            finally:
+                self.closed.append(request.model)
+
+    legs = Stalled([])
+    task = asyncio.create_task(serve(legs, cascade_request()))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert legs.closed == ["small"]
+
+
+def test_up_refuses_a_cascade_over_models_it_does_not_serve() -> None:
+    parser = argparse.ArgumentParser()
+    flags.add_arguments(parser)
+    args = parser.parse_args(["--cascade", "small,large"])
+    assert flags.problem(args, ["small", "large"]) is None
+    assert "['large']" in (flags.problem(args, ["small"]) or "")
+    assert "SMALL,LARGE" in (flags.problem(parser.parse_args(["--cascade", "a"]), []) or "")
