@@ -21,7 +21,7 @@ What the config does (see ``envoy/README.md`` for the why):
   (per-method counters for the public methods), ``router``;
 * the OpenAI-compatible paths (``OPENAI_PATHS``: ``/v1/chat/completions``,
   ``/v1/completions``, ``/v1/models``, vLLM's ``/tokenize`` and
-  ``/detokenize``, and ``/v1/models/{id}``) → cluster
+  ``/detokenize``, ``/v1/embeddings``, and ``/v1/models/{id}``) → cluster
   ``router_openai``, the router's HTTP/1.1 port (``--openai-port``), with the
   transcoder disabled on those routes (it would answer 404 for a path it does
   not know) and no idle timeout (a request may wait silently in the router's
@@ -66,7 +66,7 @@ import datetime
 import ipaddress
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any as AnyType
 
@@ -203,11 +203,15 @@ GENERATION_METHODS = ("Generate", "GenerateJson", "GenerateStream")
 
 #: Envoy cluster that points at the router.
 ROUTER_CLUSTER = "router"
+#: Envoy cluster of the retriever service (``llmesh up --retrieval``), and the
+#: gRPC path prefix routed to it.
+RETRIEVER_CLUSTER = "retriever"
+RETRIEVER_PREFIX = "/llmesh.v1.RetrieverService/"
 #: Envoy cluster that points at the router's OpenAI-compatible HTTP port.
 OPENAI_CLUSTER = "router_openai"
 #: Paths routed to it (exact), and the prefix of ``GET /v1/models/{id}``.
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize",
-                "/detokenize")
+                "/detokenize", "/v1/embeddings")
 OPENAI_PREFIX = "/v1/models/"
 _TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
 
@@ -300,6 +304,10 @@ class EnvoySettings:
       health_check_unhealthy_threshold: failed checks that take a router out.
       openai_port: the router's OpenAI-compatible HTTP port; None: no OpenAI
         routes (those paths then reach the transcoder, which answers 404).
+      retriever_host, retriever_port: the retriever's gRPC address: its
+        methods (``/llmesh.v1.RetrieverService/*``, gRPC only, no JSON
+        transcoding) are routed there; None: no retriever route (those paths
+        reach the router, which answers UNIMPLEMENTED).
       descriptor_path: descriptor set for the transcoder; a relative path is
         resolved by Envoy against its working directory.
       stream_idle_timeout_s: seconds a stream of a non-generation call
@@ -392,6 +400,8 @@ class EnvoySettings:
     health_check_interval_s: float = 1.0
     health_check_unhealthy_threshold: int = 1
     openai_port: int | None = DEFAULT_OPENAI_PORT
+    retriever_host: str = "127.0.0.1"
+    retriever_port: int | None = None
     descriptor_path: str = DESCRIPTOR_RELATIVE
     stream_idle_timeout_s: float = 300.0
     connect_timeout_s: float = 1.0
@@ -548,9 +558,26 @@ def _routes(settings: EnvoySettings) -> list[Route]:
               typed_per_filter_config=unbuffered if method == "GenerateStream" else {})
         for method in GENERATION_METHODS
     ]
-    return [*generation, *_openai_routes(settings),
+    return [*generation, *_openai_routes(settings), *_retriever_routes(settings),
             Route(name="llmesh", match=RouteMatch(prefix="/"), route=_route_action(settings),
                   typed_per_filter_config=unbuffered)]
+
+
+def _retriever_routes(settings: EnvoySettings) -> list[Route]:
+    """``/llmesh.v1.RetrieverService/*`` → the retriever (when there is one)."""
+    if settings.retriever_port is None:
+        return []
+    return [Route(name="retriever", match=RouteMatch(prefix=RETRIEVER_PREFIX),
+                  route=_route_action(settings, cluster=RETRIEVER_CLUSTER))]
+
+
+def _retriever_cluster(settings: EnvoySettings) -> list[Cluster]:
+    """The retriever's gRPC cluster (the router cluster's settings at its address)."""
+    if settings.retriever_port is None:
+        return []
+    at_retriever = replace(settings, router_host=settings.retriever_host, more_routers=())
+    return [_router_cluster(at_retriever, name=RETRIEVER_CLUSTER,
+                            port=settings.retriever_port, grpc=True)]
 
 
 def _unbuffered() -> dict[str, Any]:
@@ -627,7 +654,7 @@ def _local_replies() -> LocalReplyConfig:
     not_found_body = Struct.from_dict({"error": {  # the router's own (openai_http.py)
         "message": "unknown route %REQ(:METHOD)% %REQ(:PATH)%; this server has POST "
                    "/v1/chat/completions, POST /v1/completions, GET /v1/models, POST "
-                   "/tokenize and POST /detokenize",
+                   "/tokenize, POST /detokenize and POST /v1/embeddings",
         "type": "invalid_request_error", "param": None, "code": "unknown_url"}})
     return LocalReplyConfig(mappers=[
         ResponseMapper(filter=_status_is(413, "too_large"), headers_to_add=[resource_exhausted]),
@@ -727,10 +754,11 @@ def _ingress_listeners(settings: EnvoySettings) -> list[Listener]:
 
 
 def _router_cluster(settings: EnvoySettings, *, name: str = ROUTER_CLUSTER,
-                    port: int | None = None) -> Cluster:
+                    port: int | None = None, grpc: bool | None = None) -> Cluster:
     """A cluster of the router: gRPC over HTTP/2 (``router``), or its OpenAI
-    port over HTTP/1.1 (``router_openai``: aiohttp speaks no cleartext HTTP/2)."""
-    grpc_cluster = name == ROUTER_CLUSTER
+    port over HTTP/1.1 (``router_openai``: aiohttp speaks no cleartext HTTP/2);
+    ``grpc`` True makes another name a gRPC cluster (default: ``router`` only)."""
+    grpc_cluster = name == ROUTER_CLUSTER if grpc is None else grpc
     protocol = HttpProtocolOptions(
         explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
             http2_protocol_options=Http2ProtocolOptions(
@@ -929,7 +957,8 @@ def build_bootstrap(settings: EnvoySettings | None = None) -> Bootstrap:
                 [] if settings.ops_port is None else [_ops_listener(settings, settings.ops_port)])],
             clusters=[_router_cluster(settings), *(
                 [] if settings.openai_port is None else
-                [_router_cluster(settings, name=OPENAI_CLUSTER, port=settings.openai_port)]), *(
+                [_router_cluster(settings, name=OPENAI_CLUSTER, port=settings.openai_port)]),
+                *_retriever_cluster(settings), *(
                 [] if settings.ops_port is None else [_admin_cluster(settings)])],
         ),
     )

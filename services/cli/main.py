@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 DEFAULT_URL = "127.0.0.1:8080"
 EXAMPLE_QUESTION = "What is the capital of France?"
-ROLES = ("tokenizer", "cache", "engine", "router")
+ROLES = ("tokenizer", "cache", "retriever", "engine", "router")
 
 
 def _positive_seconds(text: str) -> float:
@@ -259,6 +259,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         model_path=args.model_path, models=args.models, redis_url=args.redis_url,
         run_dir=args.run_dir,
         num_engines=args.engines, engine_args=engine_args, router_args=router_args,
+        retrieval=args.retrieval, retriever_args=list(args.retriever_arg),
         drain_seconds=args.drain_seconds, start_timeout_s=args.start_timeout,
         stream_idle_timeout_s=args.stream_idle_timeout, commands=_role_commands(),
         ops_port=args.ops_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
@@ -793,6 +794,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
                     help="extra engine argument, repeatable: --engine-arg=--flag=value")
     add_cascade_arguments(up)
+    up.add_argument("--retrieval", action="store_true",
+                    help="also start the retriever service (collections kept in "
+                         "RUN_DIR/retriever; give --run-dir to keep them across runs), "
+                         "routed on the ingress as llmesh.v1.RetrieverService")
+    up.add_argument("--retriever-arg", action="append", default=[], metavar="ARG",
+                    help="extra retriever argument, repeatable: --retriever-arg=--index=exact")
     up.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                     help="extra router argument, repeatable: --router-arg=--max-tokens-cap=512")
     add_history_arguments(up)

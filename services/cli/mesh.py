@@ -542,10 +542,14 @@ class Mesh:
         ``tokenizer-NAME``/``engine-NAME-N`` for the others); the router
         serves them all and routes by the request's ``model``.
       redis_url: passed to the cache as ``--redis-url``; None: its embedded store.
+      retrieval: also start the retriever (``python -m services.retriever``,
+        collections under ``RUN_DIR/retriever``), tell the router its address
+        (``--retriever-address``) and route ``llmesh.v1.RetrieverService`` on
+        the ingress listener to it.
       run_dir: where logs, port files and ``envoy.yaml`` go; None makes a
         fresh ``/tmp/llmesh-*`` directory (kept after stop, for the logs).
       num_engines: engine replicas (``engine-0``...).
-      engine_args, router_args, tokenizer_args, cache_args: extra flags for
+      engine_args, router_args, tokenizer_args, cache_args, retriever_args: extra flags for
         each role, appended after the ones the launcher sets.
       admin_host: address of Envoy's admin interface (keep it on loopback).
       service_host: address every service binds.
@@ -614,6 +618,8 @@ class Mesh:
     router_args: Sequence[str] = ()
     tokenizer_args: Sequence[str] = ()
     cache_args: Sequence[str] = ()
+    retrieval: bool = False
+    retriever_args: Sequence[str] = ()
     admin_host: str = "127.0.0.1"
     service_host: str = "127.0.0.1"
     drain_seconds: float = 5.0
@@ -937,7 +943,11 @@ class Mesh:
             self._service(f"tokenizer{suffix}", "tokenizer",
                           [*self._model_args(spec, "--model-name"), *self.tokenizer_args])
             for suffix, spec in self._pools()]
-        return [*tokenizers, self._service("cache", "cache", [*redis, *self.cache_args])]
+        cache = self._service("cache", "cache", [*redis, *self.cache_args])
+        retriever = ([self._service("retriever", "retriever", [
+            "--data-dir", str(Path(self.run_dir) / "retriever"), *self.retriever_args])]
+            if self.retrieval else [])
+        return [*tokenizers, cache, *retriever]
 
     def _engine_processes(self) -> list[ServiceProcess]:
         """The engines, each publishing KV events to the cache under a replica id
@@ -1001,6 +1011,8 @@ class Mesh:
             "--tokenizer", by_name["tokenizer"].grpc_address,
             "--cache", by_name["cache"].grpc_address,
         ]
+        if "retriever" in by_name:
+            upstreams += ["--retriever-address", by_name["retriever"].grpc_address]
         for suffix, _ in self._pools():
             engines = [by_name[f"engine{suffix}-{i}"].grpc_address
                        for i in range(self.num_engines)]
@@ -1027,6 +1039,9 @@ class Mesh:
             router_host=router_host,
             router_port=router.grpc_port,
             openai_port=router.extra_ports.get("openai_port"),
+            retriever_host=router_host,
+            retriever_port=(self.services["retriever"].grpc_port
+                            if "retriever" in self.services else None),
             descriptor_path=str(REPO_ROOT / DESCRIPTOR_RELATIVE),
             stream_idle_timeout_s=self.stream_idle_timeout_s,
             ops_port=self.ops_port,

@@ -28,6 +28,7 @@ JOBS = {
     "tokenizer": "llmesh-tokenizer",
     "cache": "llmesh-cache",
     "engine": "llmesh-engine",
+    "retriever": "llmesh-retriever",
     "envoy": "llmesh-envoy",
 }
 
@@ -41,7 +42,8 @@ LOCAL_CONFIG = """\
 # targets.json beside this file, by services.common.scrape_targets
 # (write_prometheus_config(RUN_DIR / "prometheus", ...)), one group per
 # service with the job the dashboard selects on:
-#   llmesh-router, llmesh-tokenizer, llmesh-cache, llmesh-engine  (/metrics)
+#   llmesh-router, llmesh-tokenizer, llmesh-cache, llmesh-engine,
+#   llmesh-retriever                                              (/metrics)
 #   llmesh-envoy                                                  (/stats/prometheus)
 # Run: prometheus --config.file RUN_DIR/prometheus/prometheus.yml
 global:

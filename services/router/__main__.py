@@ -30,6 +30,7 @@ from pathlib import Path
 
 from services.common.server import add_server_arguments, run_service, server_config_from_args
 from services.router.admission import AdmissionConfig
+from services.router.retrieval.stage import DEFAULT_RETRIEVAL_TIMEOUT_S
 from services.router.api_keys import KeyFileError
 from services.router.discovery import DEFAULT_RESOLVE_INTERVAL_S, engine_target, make_resolver
 from services.router.model_pool import PoolConfig
@@ -84,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cache", default=None, metavar="HOST:PORT",
                         help="address of the cache service (optional; without it nothing "
                              "is cached)")
+    parser.add_argument("--retriever-address", default=None, metavar="HOST:PORT",
+                        help="address of the retriever service (llmesh.v1.RetrieverService) "
+                             "for retrieval-augmented requests (optional; `llmesh up "
+                             "--retrieval` passes it)")
     parser.add_argument("--engine", action="append", required=True, type=engine_target,
                         metavar="HOST:PORT|dns:///NAME:PORT",
                         help="an engine replica's address, or dns:///NAME:PORT: every A/AAAA "
@@ -198,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "that costs more than the prefill of this many tokens above the "
                             f"cheapest (default {CostWeights.affinity_slack_tokens:g})")
     add_cascade_arguments(parser)
+    parser.add_argument("--retrieval-timeout-ms", type=float,
+                        default=DEFAULT_RETRIEVAL_TIMEOUT_S * 1e3, metavar="MS",
+                        help="cap on one retriever Query (docs/architecture.md "
+                             "\"Retrieval-augmented requests\"); a request's own deadline "
+                             f"may cut it shorter (default {DEFAULT_RETRIEVAL_TIMEOUT_S * 1e3:g})")
     add_server_arguments(parser)
     return parser
 
@@ -234,7 +244,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             dns_nameserver=args.dns_nameserver,
             api_keys=None if args.api_keys is None else str(Path(args.api_keys).resolve()),
             cascade=cascade,
-            history=history_settings(args, cascade_small=cascade.small if cascade else ""))
+            history=history_settings(args, cascade_small=cascade.small if cascade else ""),
+            retriever=args.retriever_address,
+            retrieval_timeout_s=args.retrieval_timeout_ms / 1e3)
         if args.dns_nameserver is not None:
             make_resolver(args.dns_nameserver)  # checks the address
     except ValueError as err:

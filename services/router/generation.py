@@ -18,9 +18,11 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
    else waits for them: the coalescing and cache keys are made from the
    prompt ids after (tokenizing costs ~0.1 ms in process, less than a
    second key scheme would save; docs/architecture.md "What the mesh
-   costs"); the request's log line, its latency histograms (TTFT at the
-   first token) and the cache store come after the first token (before it:
-   only an in-flight gauge and counters, ~1 µs each);
+   costs"); with ``request.retrieval`` the retriever's Query starts first
+   and its passages go into the chat just before the last user turn
+   (:mod:`services.router.retrieval`); the request's log line, its latency
+   histograms (TTFT at the first token) and the cache store come after the
+   first token (before it: only an in-flight gauge and counters, ~1 µs each);
 2. context check: ``max_tokens`` is clamped to the room the prompt leaves
    (see :mod:`services.router.validation`);
 3. coalescing and the response cache (deterministic requests only: greedy
@@ -130,6 +132,8 @@ from services.router.engine_client import EngineClient, EngineStream
 from services.router.local_tokenizer import PromptTokenizer
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
+from services.router.retrieval.report import RetrievalReport
+from services.router.retrieval.stage import PendingRetrieval, RetrievalStage, no_retriever
 from services.router.request_trace import end_request_span, start_request_span
 from services.router.routing import (
     CachedPrefix,
@@ -206,6 +210,7 @@ class Finished:
       model: the model that produced the answer (set by
         :meth:`GenerationPipeline.run`).
       path: for an answer to the cascade alias, the path it took.
+      retrieval: with ``request.retrieval``: the chunks used and the latency.
     """
 
     reason: FinishReason
@@ -215,6 +220,7 @@ class Finished:
     index: int = 0
     model: str = ""
     path: AnswerPath | None = None
+    retrieval: RetrievalReport | None = None
 
 
 Event = Delta | Finished
@@ -404,6 +410,7 @@ class GenerationPipeline:
         models: Mapping[str, ModelLimits], metrics: RouterMetrics, log_content: bool = False,
         admission: Mapping[str, AdmissionController] | None = None,
         picker: ReplicaPicker | None = None, client_write_timeout_s: float = 0.0,
+        retrieval: RetrievalStage | None = None,
     ) -> None:
         """Args:
           tokenizer: makes prompt ids (in process with ``--tokenize-in-router``
@@ -423,6 +430,8 @@ class GenerationPipeline:
           client_write_timeout_s: the slow-reader budget (seconds a write to
             the client may stay blocked while its generation runs; see the
             module doc); 0: none (events go to the client as they come).
+          retrieval: the retrieval stage (:mod:`services.router.retrieval`);
+            None: a request with ``retrieval`` is FAILED_PRECONDITION.
         """
         if client_write_timeout_s < 0:
             raise ValueError(f"client_write_timeout_s must be >= 0 (0: no budget), "
@@ -440,6 +449,7 @@ class GenerationPipeline:
         self.client_write_timeout_s = client_write_timeout_s
         self.admission = dict(admission or {})
         self.picker = picker or ReplicaPicker(RoutingPolicy.LEAST_LOAD, cache, metrics)
+        self.retrieval = retrieval
         self._background: set[asyncio.Task[object]] = set()
         # Stores still in flight, by key: a lookup of the same key waits for its
         # store, so a repeat sent right after the answer ends is a hit (the store
@@ -486,7 +496,7 @@ class GenerationPipeline:
         self.metrics.requests_in_flight.labels(request.model).inc()
         try:
             self._refuse_if_full(request)
-            prompt_ids = await self._tokenized(request, deadline, timing, info)
+            prompt_ids = await self._tokenized(request, deadline, timing, info, held)
             progress.prompt_tokens = len(prompt_ids)
             sampling = self._fitted(request, prompt_ids)
             if reserve_tokens is not None:
@@ -499,8 +509,8 @@ class GenerationPipeline:
                     if isinstance(event, Finished):
                         outcome = event.reason.name.lower()
                         info.update(matched_stop=event.matched_stop)
-                        event = _with_history(
-                            dataclasses.replace(event, model=request.model), info)
+                        event = _with_history(held.reported(
+                            dataclasses.replace(event, model=request.model)), info)
                     yield event
         except Exception as err:
             failure = _client_failure(err, progress.completion_tokens, request.model)
@@ -544,9 +554,32 @@ class GenerationPipeline:
 
     # --------------------------------------------------------------- steps
 
+    def _start_retrieval(self, request: GenerationRequest, deadline: float | None,
+                         timing: _Timing, held: _Held) -> PendingRetrieval | None:
+        """The retriever's Query started (``held`` cancels it if the request
+        ends first), when the request asks for passages
+        (:mod:`services.router.retrieval.stage`)."""
+        if request.retrieval is None:
+            return None
+        if self.retrieval is None:
+            raise no_retriever()
+        held.retrieval = self.retrieval.start(
+            request.retrieval, model=request.model, request_id=request.request_id,
+            deadline=deadline, parent=timing.span)
+        return held.retrieval
+
     async def _tokenized(self, request: GenerationRequest, deadline: float | None,
-                         timing: _Timing, info: dict[str, object]) -> tuple[int, ...]:
-        """Step 1: the prompt ids, under the request's ``llmesh.tokenize`` span."""
+                         timing: _Timing, info: dict[str, object],
+                         held: _Held) -> tuple[int, ...]:
+        """Step 1: the prompt ids, under the request's ``llmesh.tokenize`` span;
+        with retrieval, the retriever's Query started (``held.retrieval``) and
+        its passages inserted into the chat first."""
+        if (retrieval := self._start_retrieval(request, deadline, timing, held)) is not None:
+            assert request.messages is not None  # retrieval needs chat (validation)
+            messages = await retrieval.messages(request.messages)
+            request = dataclasses.replace(request, messages=messages)
+            assert retrieval.report is not None
+            info.update(retrieval.report.log_fields())
         with tracing.span("llmesh.tokenize", timing.span) as tokenize:
             if tokenize is not None:
                 tokenize.set_attribute("llmesh.tokenize.in_process", self.tokenizer.in_process)
@@ -1137,12 +1170,22 @@ class GenerationPipeline:
 @dataclass
 class _Held:
     """What :meth:`GenerationPipeline.run` releases when the request ends: the
-    admission ticket and the prefix-index lookup, when taken."""
+    admission ticket, the prefix-index lookup and the retriever's Query, when
+    taken."""
 
     ticket: Ticket | None = None
     matches: asyncio.Task[dict[EngineClient, CachedPrefix]] | None = None
+    retrieval: PendingRetrieval | None = None
+
+    def reported(self, event: Finished) -> Finished:
+        """``event`` with the request's retrieval report, when it has one."""
+        if self.retrieval is None or self.retrieval.report is None:
+            return event
+        return dataclasses.replace(event, retrieval=self.retrieval.report)
 
     def release(self) -> None:
+        if self.retrieval is not None:
+            self.retrieval.cancel()
         if self.matches is not None:
             self.matches.cancel()
         if self.ticket is not None:

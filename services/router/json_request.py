@@ -234,7 +234,15 @@ def _check_map(value: object, field: FieldDescriptor, where: str) -> None:
         _check_single(item, entry["value"], f"{where}[{key!r}]")
 
 
+#: Well-known messages whose JSON form is any JSON object (not their fields).
+_FREE_OBJECTS = frozenset({"google.protobuf.Struct"})
+
+
 def _check_single(value: object, field: FieldDescriptor, where: str) -> None:
+    if field.message_type is not None and field.message_type.full_name in _FREE_OBJECTS:
+        if not isinstance(value, dict):  # its contents are any JSON (retrieval.filter)
+            raise InvalidRequestError(where, f"must be a JSON object, got {_kind(value)}")
+        return
     if field.message_type is not None:
         _check_message(value, field.message_type, where)
         return

@@ -117,6 +117,7 @@ from services.common.sampling import Priority
 from services.router.admission import AdmissionObserver
 from services.router.history.metrics import HistoryMetrics
 from services.router.local_tokenizer import TokenizeObserver
+from services.router.retrieval.stage import RetrievalMetrics
 from services.router.tenant_limits import LimitObserver
 
 #: Prefix-hit buckets in tokens (0: a miss).
@@ -155,6 +156,8 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         reg = prometheus_client.REGISTRY if registry is None else registry
         self.registry = reg
+        #: ``llmesh:retrieval_*`` (:class:`RetrievalMetrics`).
+        self.retrieval = RetrievalMetrics(reg)
         self.time_to_first_token = Histogram(
             "llmesh:time_to_first_token_seconds",
             "Time from the router receiving a request to its first token (seconds).",

@@ -61,6 +61,7 @@ from services.router.generation import GenerationPipeline
 from services.router.local_tokenizer import PromptTokenizer
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
+from services.router.retrieval.stage import RetrievalStage
 from services.router.routing import (
     CostWeights,
     ReplicaPicker,
@@ -127,6 +128,8 @@ class PoolSettings:
     tokenize_in_router: bool = True
     #: ``--tool-call-format`` by model id (:mod:`services.router.tools.formats`)
     tool_call_formats: Mapping[str, ToolCallFormat] = field(default_factory=dict)
+    #: the router's retrieval stage (:mod:`services.router.retrieval`), shared
+    retrieval: RetrievalStage | None = None
 
 
 class NoEngineYet(Exception):
@@ -292,16 +295,28 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
     replicas = _replica_set(engines, capacities, admission, limits, metrics, make_client,
                             discovery)
     _start_routing(replicas, discovery, engines, limits)
+    pipeline = _pipeline(settings, limits, tokenizer, (tok_info, decoder, definition), replicas,
+                         admission, cache, metrics, policy)
+    return ModelPool(limits, tokenizer, infos, admission, replicas, pipeline, policy, discovery)
+
+
+def _pipeline(settings: PoolSettings, limits: ModelLimits, tokenizer: TokenizerClient,
+              parts: tuple[TokenizerInfo, TokenizersDecoder, TokenizerDefinition],
+              replicas: ReplicaSet, admission: AdmissionController, cache: CacheClient | None,
+              metrics: RouterMetrics, policy: RoutingPolicy) -> GenerationPipeline:
+    """The pool's request pipeline: prompt ids made in process (or by the
+    tokenizer service), detokenizing with ``parts``' decoder."""
+    tok_info, decoder, definition = parts
     observer = metrics.tokenize_observer(limits.model)
     prompts = (PromptTokenizer.start(tokenizer, definition, tok_info, observer=observer)
                if settings.tokenize_in_router else PromptTokenizer(tokenizer, observer=observer))
-    pipeline = GenerationPipeline(
+    return GenerationPipeline(
         tokenizer=prompts, decoder=decoder, replicas=replicas, cache=cache,
         models={limits.model: limits}, metrics=metrics, log_content=settings.log_content,
         admission={limits.model: admission},
         client_write_timeout_s=settings.client_write_timeout_s,
-        picker=ReplicaPicker(policy, cache, metrics, settings.routing_weights))
-    return ModelPool(limits, tokenizer, infos, admission, replicas, pipeline, policy, discovery)
+        picker=ReplicaPicker(policy, cache, metrics, settings.routing_weights),
+        retrieval=settings.retrieval)
 
 
 async def _tokenizer_parts(tokenizer: TokenizerClient

@@ -32,6 +32,8 @@ does not have, vLLM's OpenAI-compatible server (``prompt_logprobs``,
   ``max_tokens: 0``; streamed as vLLM streams it, the prompt on each
   choice's first chunk (:meth:`ResponseBuilder._echoed`, one rule for both
   shapes, so the chunks join to the response).
+* retrieval (:mod:`services.router.retrieval.openai`): ``llmesh_retrieval``
+  at the top level of the response, or on each choice's last chunk.
 
 Errors: :func:`error_for_status` maps a gRPC status of the shared pipeline to
 the HTTP status and ``{"error": {"message", "type", "param", "code"}}``.
@@ -56,6 +58,7 @@ from services.router.cascade.path import AnswerPath
 from services.router.generation import Delta, Finished
 from services.router.openai_protocol import Endpoint
 from services.router.prompt_echo import EchoedPrompt
+from services.router.retrieval.report import RetrievalReport
 from services.router.tools import openai as tools
 
 _FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
@@ -206,6 +209,8 @@ class ResponseBuilder:
     _echo_started: set[int] = field(default_factory=set)
     _prompt_scored: bool = False
     _prompt_entries: tuple[PositionLogprobs, ...] = ()
+    #: the request's retrieval (from its first Finished), None without
+    retrieval: RetrievalReport | None = None
 
     @property
     def chat(self) -> bool:
@@ -239,6 +244,8 @@ class ResponseBuilder:
         if isinstance(event, Finished):
             self._finish(choice, event)
             body = self._choice_chunk(event.index, choice, "", (), choice.finish_reason)
+            if event.retrieval is not None:
+                extra["llmesh_retrieval"] = event.retrieval.openai_body()
         else:
             self._add(choice, event)
             body = self._choice_chunk(event.index, choice, event.text, event.logprobs, None,
@@ -322,6 +329,8 @@ class ResponseBuilder:
         if self.chat and self._prompt_logprobs is not None:
             out["prompt_logprobs"] = self._prompt_logprobs
         out["usage"] = self.usage()
+        if self.retrieval is not None:
+            out["llmesh_retrieval"] = self.retrieval.openai_body()
         return out
 
     def usage(self) -> dict[str, Any]:
@@ -391,6 +400,7 @@ class ResponseBuilder:
     def _finish(self, choice: _Choice, finished: Finished) -> None:
         choice.finish_reason = _FINISH_REASONS.get(finished.reason, "stop")
         self._usage.append(finished.usage)
+        self.retrieval = self.retrieval or finished.retrieval
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
@@ -438,6 +448,7 @@ _STATUS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", None),
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", None),
     grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "conflict"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "timeout"),

@@ -73,6 +73,7 @@ from services.router.generation import (
 from services.router.openai_format import OpenAIError, ResponseBuilder, error_for_status
 from services.router.openai_http_errors import OpenAIAppRunner
 from services.router.prompt_echo import echo_request
+from services.router.retrieval.openai import EMBEDDINGS_PATH, embeddings, retrieval_headers
 from services.router.openai_protocol import (
     Endpoint,
     OpenAIRequest,
@@ -136,6 +137,7 @@ class OpenAIServer:
         app.router.add_get("/v1/models/{model}", self._model)
         app.router.add_post(TOKENIZE_PATH, self._tokenize)
         app.router.add_post(DETOKENIZE_PATH, self._detokenize)
+        app.router.add_post(EMBEDDINGS_PATH, self._embeddings)
         return app
 
     async def start(self) -> int:
@@ -164,8 +166,8 @@ class OpenAIServer:
         except web.HTTPNotFound:
             return _json_error(OpenAIError(
                 404, f"unknown route {request.method} {request.path}; this server has POST "
-                "/v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize "
-                "and POST /detokenize",
+                "/v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, "
+                "POST /detokenize and POST /v1/embeddings",
                 "invalid_request_error", None, "unknown_url"))
         except web.HTTPMethodNotAllowed as err:
             return _json_error(OpenAIError(
@@ -216,6 +218,13 @@ class OpenAIServer:
         async def answer(validate: Validate, data: dict[str, Any], _: str,
                          __: float | None) -> dict[str, Any]:
             return detokenize(self.router, validate, data)
+        return await self._tokenizer_call(request, answer)
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        async def answer(_: Validate, data: dict[str, Any], request_id: str,
+                         deadline: float | None) -> dict[str, Any]:
+            return await embeddings(self.router.retrieval, data, request_id=request_id,
+                                    deadline=deadline)
         return await self._tokenizer_call(request, answer)
 
     async def _tokenizer_call(self, request: web.Request, answer: Callable[
@@ -291,7 +300,8 @@ class OpenAIServer:
         except Exception as err:  # noqa: BLE001 - becomes an OpenAI error
             return _json_error(self._error(err, parsed, request_id))
         return web.json_response(builder.response(), headers={
-            "x-request-id": request_id, **_path_headers(builder)})
+            "x-request-id": request_id, **_path_headers(builder),
+            **retrieval_headers(builder.retrieval)})
 
     async def _stream(self, request: web.Request, events: AsyncIterator[Event],
                       builder: ResponseBuilder, choices: int, parsed: OpenAIRequest,

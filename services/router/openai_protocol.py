@@ -61,6 +61,8 @@ Field mapping (OpenAI / vLLM name → ``GenerateRequest``):
 * ``tools``, ``tool_choice``, ``parallel_tool_calls`` and messages'
   ``tool_calls`` / ``tool_call_id`` → the ``chat`` tool fields
   (:mod:`services.router.tools.openai`).
+* llmesh's ``retrieval`` (chat only) → ``retrieval``
+  (:mod:`services.router.retrieval.openai`).
 * Anything else is refused naming it: the mesh never serves a request without
   what the client asked for.
 """
@@ -79,6 +81,7 @@ from llmesh.v1 import common_pb2, generation_pb2
 
 from services.common.sampling import InvalidRequestError
 from services.router.tools import openai as tools
+from services.router.retrieval.openai import parse_retrieval
 
 
 class Endpoint(enum.Enum):
@@ -134,7 +137,7 @@ _COMMON = frozenset({
     "guided_choice", "guided_grammar", "cache_salt",
 })
 _CHAT_ONLY = frozenset({"messages", "max_completion_tokens", "top_logprobs", "tools",
-                        "tool_choice", "parallel_tool_calls", "history"})
+                        "tool_choice", "parallel_tool_calls", "history", "retrieval"})
 _COMPLETIONS_ONLY = frozenset({"prompt", "echo", "suffix", "best_of"})
 _KNOWN = {Endpoint.CHAT: _COMMON | _CHAT_ONLY, Endpoint.COMPLETIONS: _COMMON | _COMPLETIONS_ONLY}
 #: Parameters whose absence of support deserves a pointer rather than "unknown".
@@ -177,6 +180,8 @@ def parse_body(endpoint: Endpoint, data: Mapping[str, Any]) -> OpenAIRequest:
         _completion_input(data, pb)
     if "cache_salt" in data:  # range checked once, by the shared validation
         pb.cache_salt = _string(data, "cache_salt")
+    if "retrieval" in data:
+        parse_retrieval(data["retrieval"], pb.retrieval)
     if "history" in data:
         _history(data["history"], pb.history)
     stream = _bool(data, "stream")

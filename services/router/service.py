@@ -101,6 +101,8 @@ from services.router.model_pool import (
     PoolSettings,
     open_pool,
 )
+from services.router.retrieval.client import RetrieverClient
+from services.router.retrieval.stage import DEFAULT_RETRIEVAL_TIMEOUT_S, RetrievalStage
 from services.router.routing import CostWeights, RoutingPolicy, RoutingSession
 from services.router.stream_session import StreamGeneration, StreamSession
 from services.router.tenancy import AuthError, Tenancy
@@ -168,6 +170,10 @@ class RouterConfig:
         model's default; :mod:`services.router.tools.formats`).
       cascade: the cascade between two served models
         (:mod:`services.router.cascade`), or None.
+      retriever: ``host:port`` of the retriever (``--retriever-address``);
+        None: requests with ``retrieval`` are FAILED_PRECONDITION and
+        ``/v1/embeddings`` answers 400.
+      retrieval_timeout_s: cap on one retriever call (``--retrieval-timeout-ms``).
       history: chat history compaction (``--history-budget-tokens``,
         :mod:`services.router.history`); off by default.
     """
@@ -193,6 +199,8 @@ class RouterConfig:
     dns_nameserver: str | None = None
     api_keys: str | None = None
     cascade: CascadePolicy | None = None
+    retriever: str | None = None
+    retrieval_timeout_s: float = DEFAULT_RETRIEVAL_TIMEOUT_S
     history: HistorySettings = HistorySettings()
 
     def all_pools(self) -> list[PoolConfig]:
@@ -213,6 +221,9 @@ class RouterConfig:
         if self.resolve_interval_s <= 0:
             raise ValueError(f"the engine resolve interval must be > 0 seconds, got "
                              f"{self.resolve_interval_s:g}")
+        if self.retrieval_timeout_s <= 0:
+            raise ValueError(f"the retrieval timeout must be > 0, got "
+                             f"{self.retrieval_timeout_s * 1e3:g} ms")
         if self.max_tokens_cap < 1:
             raise ValueError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
         if not 1 <= self.default_max_tokens <= self.max_tokens_cap:
@@ -263,10 +274,14 @@ def _response(request_id: str, event: Event) -> generation_pb2.GenerateResponse:
             prompt_logprobs=logprobs_to_pb(event.prompt_logprobs),
             index=event.index, tool_calls=[c.to_pb() for c in event.tool_calls],
             model=path.model if path is not None else "", cascade=cascade)
-    return generation_pb2.GenerateResponse(
+    response = generation_pb2.GenerateResponse(
         request_id=request_id, finish_reason=int(event.reason),
         matched_stop=event.matched_stop, usage=event.usage.to_pb(), cached=event.cached,
         index=event.index, model=event.model, cascade=cascade)
+    if event.retrieval is not None:
+        response.retrieval.CopyFrom(event.retrieval.used_pb())
+        response.retrieval_latency.CopyFrom(event.retrieval.latency_pb())
+    return response
 
 
 def _as_abort(err: BaseException, request_id: str) -> _Abort:
@@ -305,6 +320,9 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         #: Served models by id, in the order configured (the first is the default).
         self.pools: dict[str, ModelPool] = {}
         self._cache: CacheClient | None = None
+        #: The retrieval stage every pool's pipeline shares (its client: None
+        #: without ``retriever``); made in :meth:`start`.
+        self.retrieval: RetrievalStage | None = None
         self._draining = False
         self._openai: OpenAIServer | None = None
         #: Pools opened, by their index in ``config.all_pools()``.
@@ -389,6 +407,9 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         self._cache = CacheClient(cfg.cache, timeout=cfg.cache_timeout) if cfg.cache else None
         cache_ready = (asyncio.create_task(self._cache.wait_until_serving(cfg.startup_timeout))
                        if self._cache is not None else None)
+        self.retrieval = RetrievalStage(
+            RetrieverClient(cfg.retriever) if cfg.retriever else None,
+            self.metrics.retrieval, cfg.retrieval_timeout_s)
         self._settings = self._pool_settings()
         self._resolver = make_resolver(cfg.dns_nameserver)
         configs = cfg.all_pools()
@@ -455,7 +476,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             log_content=cfg.log_content, resolve_interval_s=cfg.resolve_interval_s,
             client_write_timeout_s=cfg.client_write_timeout_s,
             tokenize_in_router=cfg.tokenize_in_router,
-            tool_call_formats=cfg.tool_call_formats)
+            tool_call_formats=cfg.tool_call_formats, retrieval=self.retrieval)
 
     def _install(self) -> None:
         """Serves the pools opened so far, in the order configured."""
@@ -537,6 +558,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                              return_exceptions=True)
         if self._cache is not None:
             await self._cache.close()
+        if self.retrieval is not None and self.retrieval.client is not None:
+            await self.retrieval.client.close()
 
     # -------------------------------------------------------------- helpers
 

@@ -55,6 +55,7 @@ from services.common.sampling import (
 from services.common.wire.chat import ChatMessage
 from services.common.wire.tools import FunctionTool, ToolRequest
 from services.router.cascade.policy import CascadeLeg
+from services.router.retrieval.spec import RetrievalSpec, retrieval_spec
 from services.router.tools.formats import ToolCallFormat
 from services.router.tools.hermes import needs_render, render
 from services.router.tools.validate import constrain, tool_request, tools_byte_limit
@@ -144,7 +145,8 @@ class GenerationRequest:
     ``chat_tools``, which the chat template renders (with the messages'
     ``tool_calls`` and ``tool_call_id``). ``cascade``: set on a request to the
     cascade alias (:mod:`services.router.cascade`; ``model`` is then the leg's
-    model), None otherwise.
+    model), None otherwise. ``retrieval``: the passages to retrieve and insert
+    (:mod:`services.router.retrieval`), None without.
     ``summarize_history``: ``history.summarize`` (None unset: the router's
     setting; :mod:`services.router.history`). ``history_exempt``: a request
     the router makes itself (a history summary), bound by the context window
@@ -168,6 +170,7 @@ class GenerationRequest:
     tools: ToolRequest | None = None
     chat_tools: tuple[FunctionTool, ...] = ()
     cascade: CascadeLeg | None = None
+    retrieval: RetrievalSpec | None = None
     summarize_history: bool | None = None
     history_exempt: bool = False
 
@@ -498,6 +501,7 @@ def validate_request(
         tools=tools,
         chat_tools=(tools.tools if tools is not None and messages is not None
                     and limits.tool_call_format is ToolCallFormat.TEMPLATE else ()),
+        retrieval=retrieval_spec(pb, messages),
         summarize_history=(pb.history.summarize if pb.history.HasField("summarize")
                            else None),
     )

@@ -14,7 +14,7 @@ from services.cli.envoy_config import DESCRIPTOR_RELATIVE, REPO_ROOT, EnvoySetti
 from services.cli.mesh import ServiceProcess, child_env
 
 FAKE_SERVICE = Path(__file__).with_name("fake_service.py")
-ROLES = ("tokenizer", "cache", "engine", "router")
+ROLES = ("tokenizer", "cache", "retriever", "engine", "router")
 
 
 def fake_command(role: str, *extra: str) -> list[str]:

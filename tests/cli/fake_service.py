@@ -18,6 +18,8 @@ SIGTERM exactly like a real service. With ``--role router`` it also serves
   the router's own strict parser (``services.router.json_request``), then
   answers like ``Generate``; a refused body ends with its INVALID_ARGUMENT.
 * ``ListModels`` returns one model, ``fake-model``.
+* With ``--role retriever``, ``llmesh.v1.RetrieverService.ListCollections``
+  lists one collection, ``fake-collection`` (the other methods: UNIMPLEMENTED).
 * With ``--openai-port`` (the launcher passes ``0``), a stand-in of the
   router's OpenAI HTTP server on that port (aiohttp, port file key
   ``openai_port``): ``GET /v1/models`` lists ``fake-model``;
@@ -42,7 +44,13 @@ from pathlib import Path
 
 import grpc
 
-from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from llmesh.v1 import (
+    common_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    retriever_pb2,
+    retriever_pb2_grpc,
+)
 from services.common.grpc_util import request_id_from
 from services.common.sampling import InvalidRequestError
 from services.common.server import add_server_arguments, run_service, server_config_from_args
@@ -52,6 +60,7 @@ _SERVICE_NAMES = {
     "router": ("llmesh.v1.GenerationService",),
     "tokenizer": ("llmesh.v1.TokenizerService",),
     "cache": ("llmesh.v1.CacheService",),
+    "retriever": ("llmesh.v1.RetrieverService",),
     "engine": ("llmesh.v1.EngineService",),
 }
 
@@ -141,6 +150,16 @@ async def _chat(request):
     return response
 
 
+class FakeRetriever(retriever_pb2_grpc.RetrieverServiceServicer):
+    """The test double of the retriever: one collection, listed."""
+
+    async def ListCollections(self, request: retriever_pb2.ListCollectionsRequest,
+                              context: grpc.aio.ServicerContext
+                              ) -> retriever_pb2.ListCollectionsResponse:
+        return retriever_pb2.ListCollectionsResponse(
+            collections=[retriever_pb2.CollectionInfo(name="fake-collection")])
+
+
 class FakeService:
     """A :class:`services.common.server.Service` that only pretends to load."""
 
@@ -155,6 +174,8 @@ class FakeService:
         self._delay = delay
 
     def register(self, server: grpc.aio.Server) -> None:
+        if self._role == "retriever":
+            retriever_pb2_grpc.add_RetrieverServiceServicer_to_server(FakeRetriever(), server)
         if self._role == "router":
             generation_pb2_grpc.add_GenerationServiceServicer_to_server(
                 FakeGeneration(self._delay), server

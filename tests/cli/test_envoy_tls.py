@@ -175,7 +175,8 @@ def test_an_unknown_v1_route_is_an_openai_shaped_404(tls_mesh: TlsMesh) -> None:
                          "message": f"unknown route {'POST' if body else 'GET'} "
                                     f"{path.replace(chr(34), '%22')}; this server has POST "
                                     "/v1/chat/completions, POST /v1/completions, GET "
-                                    "/v1/models, POST /tokenize and POST /detokenize"}
+                                    "/v1/models, POST /tokenize, POST /detokenize and POST "
+                                    "/v1/embeddings"}
     # Elsewhere Envoy's own reply stays as it was.
     status, reply = _https(tls_mesh, "/nothing", b"{}")
     assert status == 404 and not reply.startswith(b"{")

@@ -26,7 +26,13 @@ import pytest
 import yaml
 from cli_helpers import FAKE_SERVICE, alive, fake_commands, wait_all_dead
 
-from llmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from llmesh.v1 import (
+    common_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    retriever_pb2,
+    retriever_pb2_grpc,
+)
 from services.cli.envoy_config import REPO_ROOT
 from services.cli.mesh import (
     Mesh,
@@ -113,6 +119,24 @@ def test_mesh_starts_in_order_serves_and_stops(tmp_path: Path) -> None:
         assert mesh.exited() == {}
     assert wait_all_dead(pids.values(), timeout_s=1.0) == []
     assert mesh.exited().keys() == pids.keys()
+
+
+def test_retrieval_starts_the_retriever_tells_the_router_and_routes_it_on_the_ingress(
+        tmp_path: Path) -> None:
+    mesh = Mesh(ingress_port=0, admin_port=0, run_dir=tmp_path, retrieval=True,
+                retriever_args=["--index", "exact"], commands=fake_commands())
+    with mesh.start():
+        assert list(mesh.services) == ["tokenizer", "cache", "retriever", "engine-0", "router"]
+        retriever = mesh.services["retriever"]
+        assert _flag_values(_argv(mesh, "router"), "--retriever-address") == [
+            retriever.grpc_address]
+        assert _flag_values(_argv(mesh, "retriever"), "--data-dir") == [
+            str(tmp_path.resolve() / "retriever")]
+        assert _flag_values(_argv(mesh, "retriever"), "--index") == ["exact"]
+        with grpc.insecure_channel(mesh.ingress_address) as channel:
+            listed = retriever_pb2_grpc.RetrieverServiceStub(channel).ListCollections(
+                retriever_pb2.ListCollectionsRequest(), timeout=10)
+        assert [c.name for c in listed.collections] == ["fake-collection"]
 
 
 def test_the_router_restarts_with_other_flags_on_its_ports_behind_the_same_envoy(

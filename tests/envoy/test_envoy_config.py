@@ -149,7 +149,8 @@ def test_openai_paths_go_to_the_router_http_port_with_the_transcoder_off() -> No
     routes = [r for r in _routes(config) if r["route"]["cluster"] == "router_openai"]
     assert [r["match"] for r in routes] == [
         {"path": "/v1/chat/completions"}, {"path": "/v1/completions"}, {"path": "/v1/models"},
-        {"path": "/tokenize"}, {"path": "/detokenize"}, {"prefix": "/v1/models/"}]
+        {"path": "/tokenize"}, {"path": "/detokenize"}, {"path": "/v1/embeddings"},
+        {"prefix": "/v1/models/"}]
     names = [r["name"] for r in _routes(config)]
     assert names.index("openai-v1-models") < names.index("llmesh")  # before the catch-all
     for route in routes:

@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry, generate_latest
 
 from services.cli.mesh import Mesh
 from services.common.gpu_telemetry import GPU_METRIC_NAMES, open_gpus
@@ -32,8 +33,15 @@ from services.common.scrape_targets import (
     file_sd_groups,
     write_prometheus_config,
 )
+from services.retriever.metrics import RetrieverMetrics
 from tests.e2e.mesh_client import chat_request, generate
-from tests.observability.observability_scrape import all_names, fetch, scrape_all, wait_until
+from tests.observability.observability_scrape import (
+    Scrape,
+    all_names,
+    fetch,
+    scrape_all,
+    wait_until,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "llmesh-dashboard.json"
@@ -214,10 +222,30 @@ def live_names(mesh: Mesh, ingress_channel: grpc.Channel) -> set[str]:
     return all_names(scrape_all(mesh).values())
 
 
+def retriever_names() -> set[str]:
+    """What the retriever exports (the shared mesh runs without ``--retrieval``):
+    its metrics in a fresh registry, every labelled one touched once."""
+    metrics = RetrieverMetrics.create(CollectorRegistry())
+    metrics.query_stage.labels("total").observe(0.001)
+    metrics.cache_lookup("result", hit=True)
+    metrics.embed_batch_size.observe(1)
+    metrics.embedded_texts.labels("query").inc()
+    metrics.embed_seconds.labels("query").inc(0.01)
+    metrics.chunks.labels("c").set(1)
+    metrics.requests.labels("Query", "OK").inc()
+    return Scrape.parse(generate_latest(metrics.registry).decode()).names
+
+
+def test_the_retriever_exports_what_the_dashboard_reads_of_it() -> None:
+    read = {name for name in used_names() if name.startswith("llmesh:retriever_")}
+    assert read and not read - retriever_names()
+
+
 @pytest.mark.mesh
 def test_every_metric_the_dashboard_reads_is_exported(live_names: set[str]) -> None:
     optional = set() if open_gpus() is not None else {
         f"{n}{s}" for n in GPU_METRIC_NAMES for s in ("", "_bucket")}
+    optional |= retriever_names()
     missing = sorted(used_names() - live_names - optional)
     assert not missing, f"the dashboard reads metrics no endpoint exports: {missing}"
 

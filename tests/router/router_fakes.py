@@ -36,6 +36,8 @@ from llmesh.v1 import (
     common_pb2,
     engine_pb2,
     engine_pb2_grpc,
+    retriever_pb2,
+    retriever_pb2_grpc,
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
@@ -347,3 +349,80 @@ async def serve(add, servicer) -> tuple[grpc.aio.Server, str]:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
+
+
+@dataclass
+class FakeChunk:
+    chunk_id: str
+    text: str
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def document_id(self) -> str:
+        return self.chunk_id.split("#", 1)[0]
+
+
+class FakeRetriever(retriever_pb2_grpc.RetrieverServiceServicer):
+    """Serves Query and Embed over ``collections`` (name → chunks, best first).
+
+    Query refuses as the real retriever's contract says (NOT_FOUND naming the
+    collection, INVALID_ARGUMENT naming ``filter`` / ``query``); ``delay``
+    seconds before each answer; a repeated query is a cache hit. Embed gives
+    4-dimensional unit vectors and one token per word.
+    """
+
+    MODEL = "sentence-transformers/fake-minilm"
+
+    def __init__(self, collections: dict[str, list[FakeChunk]]) -> None:
+        self.collections = collections
+        self.delay = 0.0
+        self.queries: list[retriever_pb2.QueryRequest] = []
+        self.query_times: list[float] = []
+        self._seen: set[bytes] = set()
+
+    async def Query(self, request, context):
+        self.queries.append(request)
+        self.query_times.append(asyncio.get_running_loop().time())
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        chunks = self.collections.get(request.collection)
+        if chunks is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"collection {request.collection!r} does not exist")
+        if not request.query.strip():
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "query: must hold text")
+        wanted = dict(request.filter)
+        fields = {key for c in chunks for key in c.metadata}
+        for key in wanted:
+            if key not in fields:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"filter: no document of {request.collection!r} has "
+                                    f"field {key!r}")
+        found = [c for c in chunks if all(c.metadata.get(k) == v for k, v in wanted.items())]
+        found = found[:request.top_k or 2]
+        key = request.SerializeToString(deterministic=True)
+        hit = key in self._seen
+        self._seen.add(key)
+        return retriever_pb2.QueryResponse(
+            chunks=[retriever_pb2.RetrievedChunk(
+                chunk_id=c.chunk_id, document_id=c.document_id, text=c.text,
+                score=0.9 - 0.1 * i) for i, c in enumerate(found)],
+            timing=retriever_pb2.RetrievalTiming(
+                embed_ms=0.0 if hit else 1.5, search_ms=0.0 if hit else 0.5, cache_hit=hit,
+                total_ms=0.1 if hit else 2.0),
+            version=7)
+
+    async def Embed(self, request, context):
+        if not request.texts:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "texts: must not be empty")
+        vectors = []
+        for i, text in enumerate(request.texts):
+            if not text:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"texts[{i}]: must not be empty")
+            raw = [float(b) + 1.0 for b in hashlib.sha256(text.encode()).digest()[:4]]
+            norm = sum(v * v for v in raw) ** 0.5
+            vectors.append(retriever_pb2.Embedding(values=[v / norm for v in raw]))
+        return retriever_pb2.EmbedResponse(
+            embeddings=vectors, model=self.MODEL,
+            prompt_tokens=sum(len(t.split()) for t in request.texts))

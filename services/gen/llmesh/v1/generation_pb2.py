@@ -24,10 +24,11 @@ _sym_db = _symbol_database.Default()
 
 from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 from google.api import httpbody_pb2 as google_dot_api_dot_httpbody__pb2
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from llmesh.v1 import common_pb2 as llmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1allmesh/v1/generation.proto\x12\tllmesh.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x19google/api/httpbody.proto\x1a\x16llmesh/v1/common.proto\"\xa0\x02\n\x04\x43hat\x12\x32\n\x08messages\x18\x01 \x03(\x0b\x32\x16.llmesh.v1.ChatMessageR\x08messages\x12\x30\n\x14\x61llow_special_tokens\x18\x02 \x01(\x08R\x12\x61llowSpecialTokens\x12-\n\x05tools\x18\x03 \x03(\x0b\x32\x17.llmesh.v1.FunctionToolR\x05tools\x12\x36\n\x0btool_choice\x18\x04 \x01(\x0b\x32\x15.llmesh.v1.ToolChoiceR\ntoolChoice\x12\x33\n\x13parallel_tool_calls\x18\x05 \x01(\x08H\x00R\x11parallelToolCalls\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"m\n\x0c\x46unctionTool\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12 \n\x0b\x64\x65scription\x18\x02 \x01(\tR\x0b\x64\x65scription\x12\'\n\x0fparameters_json\x18\x03 \x01(\tR\x0eparametersJson\"n\n\nToolChoice\x12/\n\x04mode\x18\x01 \x01(\x0e\x32\x19.llmesh.v1.ToolChoiceModeH\x00R\x04mode\x12%\n\rfunction_name\x18\x02 \x01(\tH\x00R\x0c\x66unctionNameB\x08\n\x06\x63hoice\"g\n\rToolCallDelta\x12\x14\n\x05index\x18\x01 \x01(\rR\x05index\x12\x0e\n\x02id\x18\x02 \x01(\tR\x02id\x12\x12\n\x04name\x18\x03 \x01(\tR\x04name\x12\x1c\n\targuments\x18\x04 \x01(\tR\targuments\"+\n\x0cPromptTokens\x12\x1b\n\ttoken_ids\x18\x01 \x03(\x05R\x08tokenIds\"\xb5\x04\n\x0fGenerateRequest\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12\x14\n\x05model\x18\x02 \x01(\tR\x05model\x12\x18\n\x06prompt\x18\x03 \x01(\tH\x00R\x06prompt\x12%\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x0f.llmesh.v1.ChatH\x00R\x04\x63hat\x12>\n\rprompt_tokens\x18\n \x01(\x0b\x32\x17.llmesh.v1.PromptTokensH\x00R\x0cpromptTokens\x12\x35\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.llmesh.v1.SamplingParamsR\x08sampling\x12/\n\x08priority\x18\x06 \x01(\x0e\x32\x13.llmesh.v1.PriorityR\x08priority\x12!\n\x0c\x62ypass_cache\x18\x07 \x01(\x08R\x0b\x62ypassCache\x12>\n\x0bspeculative\x18\x08 \x01(\x0b\x32\x1c.llmesh.v1.SpeculativeParamsR\x0bspeculative\x12\"\n\ncache_salt\x18\t \x01(\tH\x01R\tcacheSalt\x88\x01\x01\x12\x30\n\x07\x63\x61scade\x18\x0b \x01(\x0e\x32\x16.llmesh.v1.CascadeModeR\x07\x63\x61scade\x12\x33\n\x07history\x18\x0c \x01(\x0b\x32\x19.llmesh.v1.HistoryOptionsR\x07historyB\x07\n\x05inputB\r\n\x0b_cache_salt\"\xa6\x01\n\x0b\x43\x61scadePath\x12\x1c\n\tescalated\x18\x01 \x01(\x08R\tescalated\x12\x16\n\x06reason\x18\x02 \x01(\tR\x06reason\x12&\n\x0cmean_logprob\x18\x03 \x01(\x01H\x00R\x0bmeanLogprob\x88\x01\x01\x12(\n\x10held_back_tokens\x18\x04 \x01(\rR\x0eheldBackTokensB\x0f\n\r_mean_logprob\"A\n\x0eHistoryOptions\x12!\n\tsummarize\x18\x01 \x01(\x08H\x00R\tsummarize\x88\x01\x01\x42\x0c\n\n_summarize\"?\n\x13GenerateJsonRequest\x12(\n\x04\x62ody\x18\x01 \x01(\x0b\x32\x14.google.api.HttpBodyR\x04\x62ody\"\x99\x04\n\x10GenerateResponse\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12\x12\n\x04text\x18\x02 \x01(\tR\x04text\x12\x1b\n\ttoken_ids\x18\x03 \x03(\x05R\x08tokenIds\x12<\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.llmesh.v1.FinishReasonR\x0c\x66inishReason\x12!\n\x0cmatched_stop\x18\x05 \x01(\tR\x0bmatchedStop\x12&\n\x05usage\x18\x06 \x01(\x0b\x32\x10.llmesh.v1.UsageR\x05usage\x12\x16\n\x06\x63\x61\x63hed\x18\x07 \x01(\x08R\x06\x63\x61\x63hed\x12\x37\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1b.llmesh.v1.PositionLogprobsR\x08logprobs\x12\x44\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1b.llmesh.v1.PositionLogprobsR\x0epromptLogprobs\x12\x14\n\x05index\x18\n \x01(\rR\x05index\x12\x37\n\ntool_calls\x18\x0b \x03(\x0b\x32\x18.llmesh.v1.ToolCallDeltaR\ttoolCalls\x12\x14\n\x05model\x18\x0c \x01(\tR\x05model\x12\x30\n\x07\x63\x61scade\x18\r \x01(\x0b\x32\x16.llmesh.v1.CascadePathR\x07\x63\x61scade\"1\n\x10\x43\x61ncelGeneration\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\"\x8c\x01\n\x15GenerateStreamRequest\x12\x32\n\x05start\x18\x01 \x01(\x0b\x32\x1a.llmesh.v1.GenerateRequestH\x00R\x05start\x12\x35\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1b.llmesh.v1.CancelGenerationH\x00R\x06\x63\x61ncelB\x08\n\x06\x61\x63tion\"Q\n\x16GenerateStreamResponse\x12\x37\n\x08response\x18\x01 \x01(\x0b\x32\x1b.llmesh.v1.GenerateResponseR\x08response\"\x13\n\x11ListModelsRequest\"\xb3\x01\n\tModelCard\x12\x0e\n\x02id\x18\x01 \x01(\tR\x02id\x12\"\n\rmax_model_len\x18\x02 \x01(\rR\x0bmaxModelLen\x12$\n\x0emax_tokens_cap\x18\x03 \x01(\rR\x0cmaxTokensCap\x12\x12\n\x04\x63hat\x18\x04 \x01(\x08R\x04\x63hat\x12\x38\n\tadmission\x18\x05 \x01(\x0b\x32\x1a.llmesh.v1.AdmissionLimitsR\tadmission\"\x99\x02\n\x0f\x41\x64missionLimits\x12\x18\n\x07\x65nabled\x18\x01 \x01(\x08R\x07\x65nabled\x12.\n\x13max_queued_requests\x18\x02 \x01(\rR\x11maxQueuedRequests\x12\x37\n\x18max_queued_prompt_tokens\x18\x03 \x01(\x04R\x15maxQueuedPromptTokens\x12\x30\n\x14max_running_requests\x18\x04 \x01(\rR\x12maxRunningRequests\x12&\n\x0f\x62\x61tch_window_ms\x18\x05 \x01(\rR\rbatchWindowMs\x12)\n\x11max_queue_wait_ms\x18\x06 \x01(\rR\x0emaxQueueWaitMs\"B\n\x12ListModelsResponse\x12,\n\x06models\x18\x01 \x03(\x0b\x32\x14.llmesh.v1.ModelCardR\x06models*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03*r\n\x0b\x43\x61scadeMode\x12\x1c\n\x18\x43\x41SCADE_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x43\x41SCADE_MODE_AUTO\x10\x01\x12\x16\n\x12\x43\x41SCADE_MODE_SMALL\x10\x02\x12\x16\n\x12\x43\x41SCADE_MODE_LARGE\x10\x03\x32\x86\x03\n\x11GenerationService\x12\x45\n\x08Generate\x12\x1a.llmesh.v1.GenerateRequest\x1a\x1b.llmesh.v1.GenerateResponse0\x01\x12i\n\x0cGenerateJson\x12\x1e.llmesh.v1.GenerateJsonRequest\x1a\x1b.llmesh.v1.GenerateResponse\"\x1a\x82\xd3\xe4\x93\x02\x14\"\x0c/v1/generate:\x04\x62ody0\x01\x12Y\n\x0eGenerateStream\x12 .llmesh.v1.GenerateStreamRequest\x1a!.llmesh.v1.GenerateStreamResponse(\x01\x30\x01\x12\x64\n\nListModels\x12\x1c.llmesh.v1.ListModelsRequest\x1a\x1d.llmesh.v1.ListModelsResponse\"\x19\x82\xd3\xe4\x93\x02\x13\x12\x11/v1/llmesh/modelsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1allmesh/v1/generation.proto\x12\tllmesh.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x19google/api/httpbody.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x16llmesh/v1/common.proto\"\xa0\x02\n\x04\x43hat\x12\x32\n\x08messages\x18\x01 \x03(\x0b\x32\x16.llmesh.v1.ChatMessageR\x08messages\x12\x30\n\x14\x61llow_special_tokens\x18\x02 \x01(\x08R\x12\x61llowSpecialTokens\x12-\n\x05tools\x18\x03 \x03(\x0b\x32\x17.llmesh.v1.FunctionToolR\x05tools\x12\x36\n\x0btool_choice\x18\x04 \x01(\x0b\x32\x15.llmesh.v1.ToolChoiceR\ntoolChoice\x12\x33\n\x13parallel_tool_calls\x18\x05 \x01(\x08H\x00R\x11parallelToolCalls\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"m\n\x0c\x46unctionTool\x12\x12\n\x04name\x18\x01 \x01(\tR\x04name\x12 \n\x0b\x64\x65scription\x18\x02 \x01(\tR\x0b\x64\x65scription\x12\'\n\x0fparameters_json\x18\x03 \x01(\tR\x0eparametersJson\"n\n\nToolChoice\x12/\n\x04mode\x18\x01 \x01(\x0e\x32\x19.llmesh.v1.ToolChoiceModeH\x00R\x04mode\x12%\n\rfunction_name\x18\x02 \x01(\tH\x00R\x0c\x66unctionNameB\x08\n\x06\x63hoice\"g\n\rToolCallDelta\x12\x14\n\x05index\x18\x01 \x01(\rR\x05index\x12\x0e\n\x02id\x18\x02 \x01(\tR\x02id\x12\x12\n\x04name\x18\x03 \x01(\tR\x04name\x12\x1c\n\targuments\x18\x04 \x01(\tR\targuments\"+\n\x0cPromptTokens\x12\x1b\n\ttoken_ids\x18\x01 \x03(\x05R\x08tokenIds\"\xe9\x04\n\x0fGenerateRequest\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12\x14\n\x05model\x18\x02 \x01(\tR\x05model\x12\x18\n\x06prompt\x18\x03 \x01(\tH\x00R\x06prompt\x12%\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x0f.llmesh.v1.ChatH\x00R\x04\x63hat\x12>\n\rprompt_tokens\x18\n \x01(\x0b\x32\x17.llmesh.v1.PromptTokensH\x00R\x0cpromptTokens\x12\x35\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.llmesh.v1.SamplingParamsR\x08sampling\x12/\n\x08priority\x18\x06 \x01(\x0e\x32\x13.llmesh.v1.PriorityR\x08priority\x12!\n\x0c\x62ypass_cache\x18\x07 \x01(\x08R\x0b\x62ypassCache\x12>\n\x0bspeculative\x18\x08 \x01(\x0b\x32\x1c.llmesh.v1.SpeculativeParamsR\x0bspeculative\x12\"\n\ncache_salt\x18\t \x01(\tH\x01R\tcacheSalt\x88\x01\x01\x12\x30\n\x07\x63\x61scade\x18\x0b \x01(\x0e\x32\x16.llmesh.v1.CascadeModeR\x07\x63\x61scade\x12\x33\n\x07history\x18\x0c \x01(\x0b\x32\x19.llmesh.v1.HistoryOptionsR\x07history\x12\x32\n\tretrieval\x18\r \x01(\x0b\x32\x14.llmesh.v1.RetrievalR\tretrievalB\x07\n\x05inputB\r\n\x0b_cache_salt\"\xa6\x01\n\x0b\x43\x61scadePath\x12\x1c\n\tescalated\x18\x01 \x01(\x08R\tescalated\x12\x16\n\x06reason\x18\x02 \x01(\tR\x06reason\x12&\n\x0cmean_logprob\x18\x03 \x01(\x01H\x00R\x0bmeanLogprob\x88\x01\x01\x12(\n\x10held_back_tokens\x18\x04 \x01(\rR\x0eheldBackTokensB\x0f\n\r_mean_logprob\"A\n\x0eHistoryOptions\x12!\n\tsummarize\x18\x01 \x01(\x08H\x00R\tsummarize\x88\x01\x01\x42\x0c\n\n_summarize\"\xb3\x01\n\tRetrieval\x12\x1e\n\ncollection\x18\x01 \x01(\tR\ncollection\x12\x13\n\x05top_k\x18\x02 \x01(\rR\x04topK\x12/\n\x06\x66ilter\x18\x03 \x01(\x0b\x32\x17.google.protobuf.StructR\x06\x66ilter\x12@\n\non_failure\x18\x04 \x01(\x0e\x32!.llmesh.v1.RetrievalFailurePolicyR\tonFailure\"]\n\tUsedChunk\x12\x19\n\x08\x63hunk_id\x18\x01 \x01(\tR\x07\x63hunkId\x12\x1f\n\x0b\x64ocument_id\x18\x02 \x01(\tR\ndocumentId\x12\x14\n\x05score\x18\x03 \x01(\x02R\x05score\"\xdc\x01\n\rRetrievalUsed\x12,\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x14.llmesh.v1.UsedChunkR\x06\x63hunks\x12)\n\x10passages_message\x18\x02 \x01(\tR\x0fpassagesMessage\x12\x1a\n\x08\x64\x65graded\x18\x03 \x01(\x08R\x08\x64\x65graded\x12\'\n\x0f\x64\x65graded_reason\x18\x04 \x01(\tR\x0e\x64\x65gradedReason\x12-\n\x12\x63ollection_version\x18\x05 \x01(\x04R\x11\x63ollectionVersion\"\xb8\x01\n\x10RetrievalLatency\x12\x19\n\x08\x65mbed_ms\x18\x01 \x01(\x01R\x07\x65mbedMs\x12\x1b\n\tsearch_ms\x18\x02 \x01(\x01R\x08searchMs\x12\x1b\n\tcache_hit\x18\x03 \x01(\x08R\x08\x63\x61\x63heHit\x12\x17\n\x07\x63\x61ll_ms\x18\x04 \x01(\x01R\x06\x63\x61llMs\x12\x17\n\x07wait_ms\x18\x05 \x01(\x01R\x06waitMs\x12\x1d\n\noverlap_ms\x18\x06 \x01(\x01R\toverlapMs\"?\n\x13GenerateJsonRequest\x12(\n\x04\x62ody\x18\x01 \x01(\x0b\x32\x14.google.api.HttpBodyR\x04\x62ody\"\x9b\x05\n\x10GenerateResponse\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\x12\x12\n\x04text\x18\x02 \x01(\tR\x04text\x12\x1b\n\ttoken_ids\x18\x03 \x03(\x05R\x08tokenIds\x12<\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.llmesh.v1.FinishReasonR\x0c\x66inishReason\x12!\n\x0cmatched_stop\x18\x05 \x01(\tR\x0bmatchedStop\x12&\n\x05usage\x18\x06 \x01(\x0b\x32\x10.llmesh.v1.UsageR\x05usage\x12\x16\n\x06\x63\x61\x63hed\x18\x07 \x01(\x08R\x06\x63\x61\x63hed\x12\x37\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1b.llmesh.v1.PositionLogprobsR\x08logprobs\x12\x44\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1b.llmesh.v1.PositionLogprobsR\x0epromptLogprobs\x12\x14\n\x05index\x18\n \x01(\rR\x05index\x12\x37\n\ntool_calls\x18\x0b \x03(\x0b\x32\x18.llmesh.v1.ToolCallDeltaR\ttoolCalls\x12\x14\n\x05model\x18\x0c \x01(\tR\x05model\x12\x30\n\x07\x63\x61scade\x18\r \x01(\x0b\x32\x16.llmesh.v1.CascadePathR\x07\x63\x61scade\x12\x36\n\tretrieval\x18\x0e \x01(\x0b\x32\x18.llmesh.v1.RetrievalUsedR\tretrieval\x12H\n\x11retrieval_latency\x18\x0f \x01(\x0b\x32\x1b.llmesh.v1.RetrievalLatencyR\x10retrievalLatency\"1\n\x10\x43\x61ncelGeneration\x12\x1d\n\nrequest_id\x18\x01 \x01(\tR\trequestId\"\x8c\x01\n\x15GenerateStreamRequest\x12\x32\n\x05start\x18\x01 \x01(\x0b\x32\x1a.llmesh.v1.GenerateRequestH\x00R\x05start\x12\x35\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1b.llmesh.v1.CancelGenerationH\x00R\x06\x63\x61ncelB\x08\n\x06\x61\x63tion\"Q\n\x16GenerateStreamResponse\x12\x37\n\x08response\x18\x01 \x01(\x0b\x32\x1b.llmesh.v1.GenerateResponseR\x08response\"\x13\n\x11ListModelsRequest\"\xb3\x01\n\tModelCard\x12\x0e\n\x02id\x18\x01 \x01(\tR\x02id\x12\"\n\rmax_model_len\x18\x02 \x01(\rR\x0bmaxModelLen\x12$\n\x0emax_tokens_cap\x18\x03 \x01(\rR\x0cmaxTokensCap\x12\x12\n\x04\x63hat\x18\x04 \x01(\x08R\x04\x63hat\x12\x38\n\tadmission\x18\x05 \x01(\x0b\x32\x1a.llmesh.v1.AdmissionLimitsR\tadmission\"\x99\x02\n\x0f\x41\x64missionLimits\x12\x18\n\x07\x65nabled\x18\x01 \x01(\x08R\x07\x65nabled\x12.\n\x13max_queued_requests\x18\x02 \x01(\rR\x11maxQueuedRequests\x12\x37\n\x18max_queued_prompt_tokens\x18\x03 \x01(\x04R\x15maxQueuedPromptTokens\x12\x30\n\x14max_running_requests\x18\x04 \x01(\rR\x12maxRunningRequests\x12&\n\x0f\x62\x61tch_window_ms\x18\x05 \x01(\rR\rbatchWindowMs\x12)\n\x11max_queue_wait_ms\x18\x06 \x01(\rR\x0emaxQueueWaitMs\"B\n\x12ListModelsResponse\x12,\n\x06models\x18\x01 \x03(\x0b\x32\x14.llmesh.v1.ModelCardR\x06models*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03*r\n\x0b\x43\x61scadeMode\x12\x1c\n\x18\x43\x41SCADE_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x43\x41SCADE_MODE_AUTO\x10\x01\x12\x16\n\x12\x43\x41SCADE_MODE_SMALL\x10\x02\x12\x16\n\x12\x43\x41SCADE_MODE_LARGE\x10\x03*\x8b\x01\n\x16RetrievalFailurePolicy\x12(\n$RETRIEVAL_FAILURE_POLICY_UNSPECIFIED\x10\x00\x12!\n\x1dRETRIEVAL_FAILURE_POLICY_FAIL\x10\x01\x12$\n RETRIEVAL_FAILURE_POLICY_DEGRADE\x10\x02\x32\x86\x03\n\x11GenerationService\x12\x45\n\x08Generate\x12\x1a.llmesh.v1.GenerateRequest\x1a\x1b.llmesh.v1.GenerateResponse0\x01\x12i\n\x0cGenerateJson\x12\x1e.llmesh.v1.GenerateJsonRequest\x1a\x1b.llmesh.v1.GenerateResponse\"\x1a\x82\xd3\xe4\x93\x02\x14\"\x0c/v1/generate:\x04\x62ody0\x01\x12Y\n\x0eGenerateStream\x12 .llmesh.v1.GenerateStreamRequest\x1a!.llmesh.v1.GenerateStreamResponse(\x01\x30\x01\x12\x64\n\nListModels\x12\x1c.llmesh.v1.ListModelsRequest\x1a\x1d.llmesh.v1.ListModelsResponse\"\x19\x82\xd3\xe4\x93\x02\x13\x12\x11/v1/llmesh/modelsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,44 +39,54 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATIONSERVICE'].methods_by_name['GenerateJson']._serialized_options = b'\202\323\344\223\002\024\"\014/v1/generate:\004body'
   _globals['_GENERATIONSERVICE'].methods_by_name['ListModels']._loaded_options = None
   _globals['_GENERATIONSERVICE'].methods_by_name['ListModels']._serialized_options = b'\202\323\344\223\002\023\022\021/v1/llmesh/models'
-  _globals['_TOOLCHOICEMODE']._serialized_start=3028
-  _globals['_TOOLCHOICEMODE']._serialized_end=3163
-  _globals['_CASCADEMODE']._serialized_start=3165
-  _globals['_CASCADEMODE']._serialized_end=3279
-  _globals['_CHAT']._serialized_start=123
-  _globals['_CHAT']._serialized_end=411
-  _globals['_FUNCTIONTOOL']._serialized_start=413
-  _globals['_FUNCTIONTOOL']._serialized_end=522
-  _globals['_TOOLCHOICE']._serialized_start=524
-  _globals['_TOOLCHOICE']._serialized_end=634
-  _globals['_TOOLCALLDELTA']._serialized_start=636
-  _globals['_TOOLCALLDELTA']._serialized_end=739
-  _globals['_PROMPTTOKENS']._serialized_start=741
-  _globals['_PROMPTTOKENS']._serialized_end=784
-  _globals['_GENERATEREQUEST']._serialized_start=787
-  _globals['_GENERATEREQUEST']._serialized_end=1352
-  _globals['_CASCADEPATH']._serialized_start=1355
-  _globals['_CASCADEPATH']._serialized_end=1521
-  _globals['_HISTORYOPTIONS']._serialized_start=1523
-  _globals['_HISTORYOPTIONS']._serialized_end=1588
-  _globals['_GENERATEJSONREQUEST']._serialized_start=1590
-  _globals['_GENERATEJSONREQUEST']._serialized_end=1653
-  _globals['_GENERATERESPONSE']._serialized_start=1656
-  _globals['_GENERATERESPONSE']._serialized_end=2193
-  _globals['_CANCELGENERATION']._serialized_start=2195
-  _globals['_CANCELGENERATION']._serialized_end=2244
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=2247
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=2387
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2389
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2470
-  _globals['_LISTMODELSREQUEST']._serialized_start=2472
-  _globals['_LISTMODELSREQUEST']._serialized_end=2491
-  _globals['_MODELCARD']._serialized_start=2494
-  _globals['_MODELCARD']._serialized_end=2673
-  _globals['_ADMISSIONLIMITS']._serialized_start=2676
-  _globals['_ADMISSIONLIMITS']._serialized_end=2957
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2959
-  _globals['_LISTMODELSRESPONSE']._serialized_end=3025
-  _globals['_GENERATIONSERVICE']._serialized_start=3282
-  _globals['_GENERATIONSERVICE']._serialized_end=3672
+  _globals['_TOOLCHOICEMODE']._serialized_start=3927
+  _globals['_TOOLCHOICEMODE']._serialized_end=4062
+  _globals['_CASCADEMODE']._serialized_start=4064
+  _globals['_CASCADEMODE']._serialized_end=4178
+  _globals['_RETRIEVALFAILUREPOLICY']._serialized_start=4181
+  _globals['_RETRIEVALFAILUREPOLICY']._serialized_end=4320
+  _globals['_CHAT']._serialized_start=153
+  _globals['_CHAT']._serialized_end=441
+  _globals['_FUNCTIONTOOL']._serialized_start=443
+  _globals['_FUNCTIONTOOL']._serialized_end=552
+  _globals['_TOOLCHOICE']._serialized_start=554
+  _globals['_TOOLCHOICE']._serialized_end=664
+  _globals['_TOOLCALLDELTA']._serialized_start=666
+  _globals['_TOOLCALLDELTA']._serialized_end=769
+  _globals['_PROMPTTOKENS']._serialized_start=771
+  _globals['_PROMPTTOKENS']._serialized_end=814
+  _globals['_GENERATEREQUEST']._serialized_start=817
+  _globals['_GENERATEREQUEST']._serialized_end=1434
+  _globals['_CASCADEPATH']._serialized_start=1437
+  _globals['_CASCADEPATH']._serialized_end=1603
+  _globals['_HISTORYOPTIONS']._serialized_start=1605
+  _globals['_HISTORYOPTIONS']._serialized_end=1670
+  _globals['_RETRIEVAL']._serialized_start=1673
+  _globals['_RETRIEVAL']._serialized_end=1852
+  _globals['_USEDCHUNK']._serialized_start=1854
+  _globals['_USEDCHUNK']._serialized_end=1947
+  _globals['_RETRIEVALUSED']._serialized_start=1950
+  _globals['_RETRIEVALUSED']._serialized_end=2170
+  _globals['_RETRIEVALLATENCY']._serialized_start=2173
+  _globals['_RETRIEVALLATENCY']._serialized_end=2357
+  _globals['_GENERATEJSONREQUEST']._serialized_start=2359
+  _globals['_GENERATEJSONREQUEST']._serialized_end=2422
+  _globals['_GENERATERESPONSE']._serialized_start=2425
+  _globals['_GENERATERESPONSE']._serialized_end=3092
+  _globals['_CANCELGENERATION']._serialized_start=3094
+  _globals['_CANCELGENERATION']._serialized_end=3143
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=3146
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=3286
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=3288
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=3369
+  _globals['_LISTMODELSREQUEST']._serialized_start=3371
+  _globals['_LISTMODELSREQUEST']._serialized_end=3390
+  _globals['_MODELCARD']._serialized_start=3393
+  _globals['_MODELCARD']._serialized_end=3572
+  _globals['_ADMISSIONLIMITS']._serialized_start=3575
+  _globals['_ADMISSIONLIMITS']._serialized_end=3856
+  _globals['_LISTMODELSRESPONSE']._serialized_start=3858
+  _globals['_LISTMODELSRESPONSE']._serialized_end=3924
+  _globals['_GENERATIONSERVICE']._serialized_start=4323
+  _globals['_GENERATIONSERVICE']._serialized_end=4713
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,7 @@ from collections import abc as _abc
 from google.api import httpbody_pb2 as _httpbody_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from llmesh.v1 import common_pb2 as _common_pb2
@@ -81,6 +82,40 @@ CASCADE_MODE_SMALL: CascadeMode.ValueType  # 2
 CASCADE_MODE_LARGE: CascadeMode.ValueType  # 3
 """The large model only."""
 Global___CascadeMode: _TypeAlias = CascadeMode  # noqa: Y015
+
+class _RetrievalFailurePolicy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RetrievalFailurePolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RetrievalFailurePolicy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    RETRIEVAL_FAILURE_POLICY_UNSPECIFIED: _RetrievalFailurePolicy.ValueType  # 0
+    """Same as RETRIEVAL_FAILURE_POLICY_FAIL."""
+    RETRIEVAL_FAILURE_POLICY_FAIL: _RetrievalFailurePolicy.ValueType  # 1
+    """The request ends with the retriever's status (UNAVAILABLE,
+    DEADLINE_EXCEEDED) and its message.
+    """
+    RETRIEVAL_FAILURE_POLICY_DEGRADE: _RetrievalFailurePolicy.ValueType  # 2
+    """The request is answered without passages; the response's
+    `retrieval.degraded` says so, with the reason. Bad input (an unknown
+    collection, a bad filter) still fails.
+    """
+
+class RetrievalFailurePolicy(_RetrievalFailurePolicy, metaclass=_RetrievalFailurePolicyEnumTypeWrapper):
+    """What a request does when the retriever cannot answer in time."""
+
+RETRIEVAL_FAILURE_POLICY_UNSPECIFIED: RetrievalFailurePolicy.ValueType  # 0
+"""Same as RETRIEVAL_FAILURE_POLICY_FAIL."""
+RETRIEVAL_FAILURE_POLICY_FAIL: RetrievalFailurePolicy.ValueType  # 1
+"""The request ends with the retriever's status (UNAVAILABLE,
+DEADLINE_EXCEEDED) and its message.
+"""
+RETRIEVAL_FAILURE_POLICY_DEGRADE: RetrievalFailurePolicy.ValueType  # 2
+"""The request is answered without passages; the response's
+`retrieval.degraded` says so, with the reason. Bad input (an unknown
+collection, a bad filter) still fails.
+"""
+Global___RetrievalFailurePolicy: _TypeAlias = RetrievalFailurePolicy  # noqa: Y015
 
 @_typing.final
 class Chat(_message.Message):
@@ -285,6 +320,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     CASCADE_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
+    RETRIEVAL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for this request, echoed in every response and in logs.
     Empty: the router makes one (or takes `x-request-id` metadata).
@@ -334,6 +370,17 @@ class GenerateRequest(_message.Message):
         setting.
         """
 
+    @_builtins.property
+    def retrieval(self) -> Global___Retrieval:
+        """Retrieval-augmented generation: once the request is validated the router
+        queries the retriever (`llmesh.v1.RetrieverService`) with the last user
+        message's text and inserts the passages as one user message just before
+        that turn (docs/architecture.md "Retrieval-augmented requests"). Needs
+        `chat` input (a `prompt` or `prompt_tokens` request with it is INVALID_ARGUMENT
+        naming `retrieval`) and a router started with `--retriever-address`
+        (else FAILED_PRECONDITION naming `retrieval`).
+        """
+
     def __init__(
         self,
         *,
@@ -349,10 +396,11 @@ class GenerateRequest(_message.Message):
         cache_salt: _builtins.str | None = ...,
         cascade: Global___CascadeMode.ValueType = ...,
         history: Global___HistoryOptions | None = ...,
+        retrieval: Global___Retrieval | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "cache_salt", b"cache_salt", "chat", b"chat", "history", b"history", "input", b"input", "prompt", b"prompt", "prompt_tokens", b"prompt_tokens", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "cache_salt", b"cache_salt", "chat", b"chat", "history", b"history", "input", b"input", "prompt", b"prompt", "prompt_tokens", b"prompt_tokens", "retrieval", b"retrieval", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "bypass_cache", b"bypass_cache", "cache_salt", b"cache_salt", "cascade", b"cascade", "chat", b"chat", "history", b"history", "input", b"input", "model", b"model", "priority", b"priority", "prompt", b"prompt", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "bypass_cache", b"bypass_cache", "cache_salt", b"cache_salt", "cascade", b"cascade", "chat", b"chat", "history", b"history", "input", b"input", "model", b"model", "priority", b"priority", "prompt", b"prompt", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "retrieval", b"retrieval", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cache_salt: _TypeAlias = _typing.Literal["cache_salt"]  # noqa: Y015
     _WhichOneofArgType__cache_salt: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt"]  # noqa: Y015
@@ -437,6 +485,167 @@ class HistoryOptions(_message.Message):
 Global___HistoryOptions: _TypeAlias = HistoryOptions  # noqa: Y015
 
 @_typing.final
+class Retrieval(_message.Message):
+    """Which passages a request asks for, and what to do when retrieval fails."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COLLECTION_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    FILTER_FIELD_NUMBER: _builtins.int
+    ON_FAILURE_FIELD_NUMBER: _builtins.int
+    collection: _builtins.str
+    """The collection to search (RetrieverService collections). Required."""
+    top_k: _builtins.int
+    """Chunks to insert, 1..32. 0: the retriever's default."""
+    on_failure: Global___RetrievalFailurePolicy.ValueType
+    """What a failed retrieval (retriever unavailable, its deadline passed) does."""
+    @_builtins.property
+    def filter(self) -> _struct_pb2.Struct:
+        """Equality filter on the documents' metadata (flat string, number or bool
+        values); a field no document of the collection has is INVALID_ARGUMENT
+        naming `retrieval.filter`.
+        """
+
+    def __init__(
+        self,
+        *,
+        collection: _builtins.str = ...,
+        top_k: _builtins.int = ...,
+        filter: _struct_pb2.Struct | None = ...,
+        on_failure: Global___RetrievalFailurePolicy.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["collection", b"collection", "filter", b"filter", "on_failure", b"on_failure", "top_k", b"top_k"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Retrieval: _TypeAlias = Retrieval  # noqa: Y015
+
+@_typing.final
+class UsedChunk(_message.Message):
+    """One chunk the router inserted into the prompt (its text is in
+    `RetrievalUsed.passages_message`).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNK_ID_FIELD_NUMBER: _builtins.int
+    DOCUMENT_ID_FIELD_NUMBER: _builtins.int
+    SCORE_FIELD_NUMBER: _builtins.int
+    chunk_id: _builtins.str
+    """"<document id>#<chunk index>"."""
+    document_id: _builtins.str
+    score: _builtins.float
+    """Cosine similarity in [-1, 1]."""
+    def __init__(
+        self,
+        *,
+        chunk_id: _builtins.str = ...,
+        document_id: _builtins.str = ...,
+        score: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_id", b"chunk_id", "document_id", b"document_id", "score", b"score"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UsedChunk: _TypeAlias = UsedChunk  # noqa: Y015
+
+@_typing.final
+class RetrievalUsed(_message.Message):
+    """What retrieval put into the prompt."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNKS_FIELD_NUMBER: _builtins.int
+    PASSAGES_MESSAGE_FIELD_NUMBER: _builtins.int
+    DEGRADED_FIELD_NUMBER: _builtins.int
+    DEGRADED_REASON_FIELD_NUMBER: _builtins.int
+    COLLECTION_VERSION_FIELD_NUMBER: _builtins.int
+    passages_message: _builtins.str
+    """The exact user message inserted before the last user turn. A client that
+    keeps the conversation sends it back in its history, at the same place,
+    so that the next turn's prompt starts with this turn's prompt and keeps
+    its prefix-cache hits. Empty when nothing was inserted.
+    """
+    degraded: _builtins.bool
+    """True when retrieval failed and the answer has no passages
+    (RETRIEVAL_FAILURE_POLICY_DEGRADE); `degraded_reason` says why.
+    """
+    degraded_reason: _builtins.str
+    collection_version: _builtins.int
+    """The collection's version the passages came from."""
+    @_builtins.property
+    def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___UsedChunk]:
+        """The chunks inserted, best first (empty when degraded or none matched)."""
+
+    def __init__(
+        self,
+        *,
+        chunks: _abc.Iterable[Global___UsedChunk] | None = ...,
+        passages_message: _builtins.str = ...,
+        degraded: _builtins.bool = ...,
+        degraded_reason: _builtins.str = ...,
+        collection_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "collection_version", b"collection_version", "degraded", b"degraded", "degraded_reason", b"degraded_reason", "passages_message", b"passages_message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetrievalUsed: _TypeAlias = RetrievalUsed  # noqa: Y015
+
+@_typing.final
+class RetrievalLatency(_message.Message):
+    """Where retrieval's time went, in milliseconds, and how much of it the
+    request waited for (the part that adds to TTFT).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EMBED_MS_FIELD_NUMBER: _builtins.int
+    SEARCH_MS_FIELD_NUMBER: _builtins.int
+    CACHE_HIT_FIELD_NUMBER: _builtins.int
+    CALL_MS_FIELD_NUMBER: _builtins.int
+    WAIT_MS_FIELD_NUMBER: _builtins.int
+    OVERLAP_MS_FIELD_NUMBER: _builtins.int
+    embed_ms: _builtins.float
+    """The retriever's own stages (RetrievalTiming): query embedding, index
+    search, and whether the top-k came from its cache.
+    """
+    search_ms: _builtins.float
+    cache_hit: _builtins.bool
+    call_ms: _builtins.float
+    """The Query call as the router measured it (start to answer)."""
+    wait_ms: _builtins.float
+    """Of `call_ms`, the time the request waited for the passages after the
+    rest of its preparation was done: what retrieval added to TTFT.
+    """
+    overlap_ms: _builtins.float
+    """Of `call_ms`, the time that ran beside the rest of the preparation."""
+    def __init__(
+        self,
+        *,
+        embed_ms: _builtins.float = ...,
+        search_ms: _builtins.float = ...,
+        cache_hit: _builtins.bool = ...,
+        call_ms: _builtins.float = ...,
+        wait_ms: _builtins.float = ...,
+        overlap_ms: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_hit", b"cache_hit", "call_ms", b"call_ms", "embed_ms", b"embed_ms", "overlap_ms", b"overlap_ms", "search_ms", b"search_ms", "wait_ms", b"wait_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetrievalLatency: _TypeAlias = RetrievalLatency  # noqa: Y015
+
+@_typing.final
 class GenerateJsonRequest(_message.Message):
     """The HTTP request behind `POST /v1/generate`, as Envoy's transcoder passes it."""
 
@@ -480,6 +689,8 @@ class GenerateResponse(_message.Message):
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     CASCADE_FIELD_NUMBER: _builtins.int
+    RETRIEVAL_FIELD_NUMBER: _builtins.int
+    RETRIEVAL_LATENCY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's id."""
     text: _builtins.str
@@ -537,6 +748,14 @@ class GenerateResponse(_message.Message):
         the path it took.
         """
 
+    @_builtins.property
+    def retrieval(self) -> Global___RetrievalUsed:
+        """With `retrieval`: on the last message (each choice's), the chunks used."""
+
+    @_builtins.property
+    def retrieval_latency(self) -> Global___RetrievalLatency:
+        """With `retrieval`: on the last message (each choice's), its latency."""
+
     def __init__(
         self,
         *,
@@ -553,10 +772,12 @@ class GenerateResponse(_message.Message):
         tool_calls: _abc.Iterable[Global___ToolCallDelta] | None = ...,
         model: _builtins.str = ...,
         cascade: Global___CascadePath | None = ...,
+        retrieval: Global___RetrievalUsed | None = ...,
+        retrieval_latency: Global___RetrievalLatency | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cascade", b"cascade", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cascade", b"cascade", "retrieval", b"retrieval", "retrieval_latency", b"retrieval_latency", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached", b"cached", "cascade", b"cascade", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "model", b"model", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached", b"cached", "cascade", b"cascade", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "model", b"model", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "retrieval", b"retrieval", "retrieval_latency", b"retrieval_latency", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

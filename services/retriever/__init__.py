@@ -1,0 +1,2 @@
+"""The retriever service: collections of documents, chunked, embedded and
+searched with an ANN index, for retrieval-augmented generation."""

