@@ -502,9 +502,13 @@ def validate_request(
         chat_tools=(tools.tools if tools is not None and messages is not None
                     and limits.tool_call_format is ToolCallFormat.TEMPLATE else ()),
         retrieval=retrieval_spec(pb, messages),
-        summarize_history=(pb.history.summarize if pb.history.HasField("summarize")
-                           else None),
+        summarize_history=_summarize_history(pb),
     )
+
+
+def _summarize_history(pb: generation_pb2.GenerateRequest) -> bool | None:
+    """``history.summarize``; None when unset (the router's setting)."""
+    return pb.history.summarize if pb.history.HasField("summarize") else None
 
 
 def fit_to_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int, *,
