@@ -21,6 +21,11 @@ RPCs (the unary ones answered in well under a millisecond on loopback):
   The replica's KV events into the prefix index (:mod:`services.cache.kv_feed`
   says how it stays exact and what ends the call). UNAVAILABLE while draining.
 
+``GetHistorySummary`` / ``ClaimHistorySummary`` / ``PutHistorySummary``
+  Summaries of chat history for the router's history compaction, and the
+  claim that makes one router write each (:mod:`services.cache.history`).
+  INVALID_ARGUMENT for a bad hash or scope; UNAVAILABLE while draining.
+
 ``ScorePrefix(block_hashes)``
   For each live replica, how many leading blocks of the prompt it holds
   (replicas with none left out), best first. INVALID_ARGUMENT for a hash that
@@ -35,13 +40,15 @@ protobuf bytes, as the router receives them back.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 import structlog
 from google.protobuf.message import DecodeError
 from llmesh.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 
+from services.cache.history import HistorySummaries
 from services.cache.keys import EntryKey, entry_key
 from services.cache.kv_feed import FeedError, KvEventFeed, check_hashes
 from services.cache.metrics import CacheMetrics, default_metrics
@@ -53,6 +60,7 @@ from services.common.logging import bind_request_id
 from services.common.sampling import InvalidRequestError
 
 log = structlog.get_logger()
+T = TypeVar("T")
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
 
@@ -86,6 +94,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self._get_duration = self._metrics.request_duration.labels("GetCachedResponse")
         self._put_duration = self._metrics.request_duration.labels("PutCachedResponse")
         self._feed = KvEventFeed(self.index, self._metrics)
+        self.history = HistorySummaries(store, default_ttl_seconds)
         self._draining = False
 
     # Service protocol ---------------------------------------------------------
@@ -116,12 +125,16 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
 
     # RPCs -----------------------------------------------------------------------
 
-    async def _admit(self, key: cache_pb2.CacheKey, has_key: bool,
-                     context: grpc.aio.ServicerContext) -> EntryKey:
-        """The entry key of a valid request; aborts UNAVAILABLE / INVALID_ARGUMENT."""
+    async def _open(self, context: grpc.aio.ServicerContext) -> None:
+        """Binds the call's request id to the logs; aborts UNAVAILABLE while draining."""
         bind_request_id(request_id_from(context))
         if self._draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "cache service is draining")
+
+    async def _admit(self, key: cache_pb2.CacheKey, has_key: bool,
+                     context: grpc.aio.ServicerContext) -> EntryKey:
+        """The entry key of a valid request; aborts UNAVAILABLE / INVALID_ARGUMENT."""
+        await self._open(context)
         if not has_key:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "key: required")
         try:
@@ -217,3 +230,30 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             cache_pb2.PrefixScore(replica_id=replica, matched_blocks=found.blocks,
                                   offloaded_blocks=found.offloaded)
             for replica, found in sorted(matches.items(), key=lambda item: -item[1].blocks)])
+
+    async def _history_call(self, call: Callable[[], Awaitable[T]],
+                            context: grpc.aio.ServicerContext) -> T:
+        """``call()`` unless draining; InvalidRequestError aborts with its code."""
+        await self._open(context)
+        try:
+            return await call()
+        except InvalidRequestError as exc:
+            await context.abort(exc.code, str(exc))
+            raise  # unreachable: abort raises
+
+    async def GetHistorySummary(  # noqa: N802 - gRPC method name
+        self, request: cache_pb2.GetHistorySummaryRequest, context: grpc.aio.ServicerContext,
+    ) -> cache_pb2.GetHistorySummaryResponse:
+        return await self._history_call(lambda: self.history.get(request), context)
+
+    async def ClaimHistorySummary(  # noqa: N802 - gRPC method name
+        self, request: cache_pb2.ClaimHistorySummaryRequest, context: grpc.aio.ServicerContext,
+    ) -> cache_pb2.ClaimHistorySummaryResponse:
+        claimed = await self._history_call(lambda: self.history.claim(request), context)
+        return cache_pb2.ClaimHistorySummaryResponse(claimed=claimed)
+
+    async def PutHistorySummary(  # noqa: N802 - gRPC method name
+        self, request: cache_pb2.PutHistorySummaryRequest, context: grpc.aio.ServicerContext,
+    ) -> cache_pb2.PutHistorySummaryResponse:
+        stored = await self._history_call(lambda: self.history.put(request), context)
+        return cache_pb2.PutHistorySummaryResponse(stored=stored)

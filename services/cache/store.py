@@ -21,7 +21,7 @@ import abc
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -78,6 +78,20 @@ class ResponseStore(abc.ABC):
 
         Raises:
           ValueError: ``ttl_seconds`` is not > 0 (a caller bug, not a backend state).
+        """
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """:meth:`get` of each key, in order (Redis: one ``MGET``)."""
+        return [await self.get(key) for key in keys]
+
+    @abc.abstractmethod
+    async def claim(self, key: str, value: bytes, ttl_seconds: float) -> bool:
+        """Stores ``value`` under ``key`` for ``ttl_seconds`` only when no live
+        value is there (Redis ``SET NX PX``): True when this call stored it;
+        False when the key is held, or the backend is down.
+
+        Raises:
+          ValueError: ``ttl_seconds`` is not > 0.
         """
 
     @abc.abstractmethod
@@ -165,6 +179,12 @@ class MemoryStore(ResponseStore):
             _, evicted = self._entries.popitem(last=False)
             self._bytes -= evicted.size
         return True
+
+    async def claim(self, key: str, value: bytes, ttl_seconds: float) -> bool:
+        _check_ttl(ttl_seconds)
+        if await self.get(key) is not None:
+            return False
+        return await self.put(key, value, ttl_seconds)
 
     async def close(self) -> None:
         self._entries.clear()
@@ -362,6 +382,19 @@ class RedisStore(ResponseStore):
         ttl_ms = max(1, round(ttl_seconds * 1000))
         stored = await self._guard.call(
             "put", lambda: self._client.set(key, value, px=ttl_ms), False)
+        return bool(stored)
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        values = await self._guard.call("get", lambda: self._client.mget(list(keys)), None)
+        return [None] * len(keys) if values is None else list(values)
+
+    async def claim(self, key: str, value: bytes, ttl_seconds: float) -> bool:
+        _check_ttl(ttl_seconds)
+        ttl_ms = max(1, round(ttl_seconds * 1000))
+        stored = await self._guard.call(
+            "claim", lambda: self._client.set(key, value, px=ttl_ms, nx=True), False)
         return bool(stored)
 
     async def close(self) -> None:

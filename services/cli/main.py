@@ -38,6 +38,8 @@ from services.common.tracing import otlp_endpoint
 from services.router.cascade.flags import add_arguments as add_cascade_arguments
 from services.router.cascade.flags import problem as cascade_problem
 from services.router.cascade.flags import router_args as cascade_router_args
+from services.router.history.flags import add_history_arguments
+from services.router.history.flags import router_flags as history_router_args
 
 if TYPE_CHECKING:
     from services.cli.mesh import MeshProgress
@@ -249,7 +251,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if problem:
         print(f"llmesh: {problem}", file=sys.stderr)
         return 2
-    router_args = [*args.router_arg, *cascade_router_args(args)]
+    router_args = [*args.router_arg, *cascade_router_args(args), *history_router_args(args)]
     if args.api_keys is not None:
         router_args += ["--api-keys", os.path.abspath(args.api_keys)]
     mesh = Mesh(
@@ -800,6 +802,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="extra retriever argument, repeatable: --retriever-arg=--index=exact")
     up.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                     help="extra router argument, repeatable: --router-arg=--max-tokens-cap=512")
+    add_history_arguments(up)
     up.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True,
                     help="start a service that dies again on its ports, as a supervisor "
                          f"would (default); {MAX_RESTARTS} deaths within "

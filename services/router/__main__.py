@@ -34,6 +34,7 @@ from services.router.retrieval.stage import DEFAULT_RETRIEVAL_TIMEOUT_S
 from services.router.api_keys import KeyFileError
 from services.router.discovery import DEFAULT_RESOLVE_INTERVAL_S, engine_target, make_resolver
 from services.router.model_pool import PoolConfig
+from services.router.history.flags import add_history_arguments, history_settings
 from services.router.routing import CostWeights, RoutingPolicy
 from services.router.service import RouterConfig, RouterService
 from services.router.slow_reader import DEFAULT_CLIENT_WRITE_TIMEOUT_S
@@ -160,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
                              "/v1/completions, /v1/models) on this port of --host; 0 picks a "
                              "free one (written to the port file as openai_port); default off")
+    add_history_arguments(parser)
     adm = parser.add_argument_group(
         "admission control", "the router's queue per model and traffic class (interactive, "
         "batch), the concurrency cap per replica, and fair dispatch between tenants "
@@ -217,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        cascade = policy_from_args(args)
         config = RouterConfig(
             tokenizer=args.tokenizer, engines=tuple(args.engine), cache=args.cache,
             default_max_tokens=args.default_max_tokens, max_tokens_cap=args.max_tokens_cap,
@@ -240,7 +243,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             resolve_interval_s=args.engine_resolve_interval,
             dns_nameserver=args.dns_nameserver,
             api_keys=None if args.api_keys is None else str(Path(args.api_keys).resolve()),
-            cascade=policy_from_args(args),
+            cascade=cascade,
+            history=history_settings(args, cascade_small=cascade.small if cascade else ""),
             retriever=args.retriever_address,
             retrieval_timeout_s=args.retrieval_timeout_ms / 1e3)
         if args.dns_nameserver is not None:

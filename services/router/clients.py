@@ -389,6 +389,12 @@ class CacheClient:
         await wait_until_serving(self._channel, service=self.service, target=self.target,
                                  timeout=timeout)
 
+    @property
+    def stub(self) -> cache_pb2_grpc.CacheServiceStub:
+        """The service's stub on this client's channel, for the router's other
+        users of the cache service (:mod:`services.router.history.store`)."""
+        return self._stub
+
     def _timeout(self, deadline: float | None) -> float:
         remaining = timeout_until(deadline)
         return self.timeout if remaining is None else min(self.timeout, remaining)

@@ -11,7 +11,10 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
    ``Tokenize``/``ApplyChatTemplate``, or with ``--tokenize-in-router`` in
    process on the service's own definition and template
    (:mod:`services.router.local_tokenizer`; the service the fallback); a
-   prompt given as token ids (``prompt_tokens``) is used as it is. Nothing
+   prompt given as token ids (``prompt_tokens``) is used as it is. A chat of
+   a model with a history budget is compacted to it instead
+   (:mod:`services.router.history`: old turns replaced by a stored summary,
+   summarised in the background when one is due). Nothing
    else waits for them: the coalescing and cache keys are made from the
    prompt ids after (tokenizing costs ~0.1 ms in process, less than a
    second key scheme would save; docs/architecture.md "What the mesh
@@ -99,6 +102,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -107,6 +111,7 @@ from services.common import tracing
 from services.common.detokenizer import IncrementalDetokenizer, TokenizersDecoder
 from services.common.logprobs import PositionLogprobs
 from services.common.sampling import FinishReason, InvalidRequestError, SamplingOptions
+from services.common.wire.chat import ChatPrompt
 from services.common.wire.engine_stream import TokenDelta, Usage
 from services.common.wire.tools import ToolCallDelta
 from services.router.cascade.path import AnswerPath
@@ -148,6 +153,9 @@ from services.router.single_flight import (
 from services.router.logprob_text import TokenTexts
 from services.router.stop_strings import StopStringMatcher
 from services.router.validation import GenerationRequest, ModelLimits, fit_to_context
+
+if TYPE_CHECKING:
+    from services.router.history.compactor import HistoryCompactor
 
 log = structlog.get_logger()
 
@@ -449,6 +457,10 @@ class GenerationPipeline:
         self._pending_stores: dict[CacheKey, asyncio.Task[object]] = {}
         self._flights: SingleFlight[Event, _Shared] = SingleFlight(
             clone=_clone_error, stopped=_stopped_error)
+        #: The model's history compaction (:mod:`services.router.history`),
+        #: set by the service when the model has a budget; None: chats are
+        #: trimmed to the context window.
+        self.history: HistoryCompactor | None = None
 
     # ------------------------------------------------------------------ API
 
@@ -497,8 +509,8 @@ class GenerationPipeline:
                     if isinstance(event, Finished):
                         outcome = event.reason.name.lower()
                         info.update(matched_stop=event.matched_stop)
-                        event = held.reported(
-                            dataclasses.replace(event, model=request.model))
+                        event = _with_history(held.reported(
+                            dataclasses.replace(event, model=request.model)), info)
                     yield event
         except Exception as err:
             failure = _client_failure(err, progress.completion_tokens, request.model)
@@ -530,9 +542,11 @@ class GenerationPipeline:
             raise upstream_to_generation_error(err, model=request.model) from err
 
     async def close(self) -> None:
-        """Cancels the shared generations still running, waits briefly for
-        background cache writes, then cancels the rest."""
+        """Cancels the shared generations and history compactions still
+        running, waits briefly for background cache writes, then cancels the rest."""
         await self._flights.close()
+        if self.history is not None:
+            await self.history.close()
         if self._background:
             _, pending = await asyncio.wait(self._background, timeout=1.0)
             for task in pending:
@@ -636,11 +650,7 @@ class GenerationPipeline:
                                               f"{err.details}") from err
                 raise
         try:
-            chat = await self.tokenizer.apply_chat_template(
-                request.messages, add_generation_prompt=True,
-                max_prompt_tokens=limits.max_model_len - 1, request_id=request.request_id,
-                deadline=deadline, allow_special_tokens=request.allow_special_tokens,
-                traceparent=traceparent, tools=request.chat_tools)
+            chat = await self._chat_prompt(request, limits, deadline, info, traceparent)
         except UpstreamError as err:
             if err.code == grpc.StatusCode.OUT_OF_RANGE:
                 raise InvalidRequestError(
@@ -659,6 +669,26 @@ class GenerationPipeline:
         if chat.num_dropped_messages:
             info.update(dropped_messages=chat.num_dropped_messages)
         return chat.token_ids
+
+    async def _chat_prompt(self, request: GenerationRequest, limits: ModelLimits,
+                           deadline: float | None, info: dict[str, object],
+                           traceparent: str) -> ChatPrompt:
+        """The chat template applied, history trimmed to the context window or,
+        with history compaction (:attr:`history`), compacted to its budget
+        (what it did goes into ``info`` for the usage). Raises UpstreamError."""
+        if self.history is not None and not request.history_exempt:
+            chat, report = await self.history.prompt(
+                request, max_prompt_tokens=limits.max_model_len - 1, deadline=deadline,
+                traceparent=traceparent)
+            if report.turns_summarized:
+                info.update(history_turns_summarized=report.turns_summarized,
+                            history_tokens_saved=report.tokens_saved)
+            return chat
+        return await self.tokenizer.apply_chat_template(
+            request.messages or (), add_generation_prompt=True,
+            max_prompt_tokens=limits.max_model_len - 1, request_id=request.request_id,
+            deadline=deadline, allow_special_tokens=request.allow_special_tokens,
+            traceparent=traceparent, tools=request.chat_tools)
 
     def _cache_key(self, request: GenerationRequest,
                    prompt_ids: tuple[int, ...]) -> CacheKey | None:
@@ -1266,6 +1296,17 @@ def _time_per_output_token(outcome: str, progress: Progress, timing: _Timing, *,
             or timing.first_token_at is None or timing.last_token_at is None):
         return None
     return (timing.last_token_at - timing.first_token_at) / (progress.completion_tokens - 1)
+
+
+def _with_history(finished: Finished, info: Mapping[str, object]) -> Finished:
+    """``finished`` with the request's history compaction in its usage (step 1)."""
+    turns = info.get("history_turns_summarized")
+    if not isinstance(turns, int):
+        return finished
+    saved = info.get("history_tokens_saved")
+    usage = dataclasses.replace(finished.usage, history_turns_summarized=turns,
+                                history_tokens_saved=saved if isinstance(saved, int) else 0)
+    return dataclasses.replace(finished, usage=usage)
 
 
 def _shareable(sampling: SamplingOptions) -> bool:

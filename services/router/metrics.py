@@ -90,6 +90,7 @@ a ``GenerateStream``), and observed at the moment they happen:
   engine answered: prompt tokens it found in its prefix cache, as the
   engine reports them) and ``llmesh:router_prefix_score_seconds``
   (``ScorePrefix`` round trips).
+* history compaction: :mod:`services.router.history.metrics`.
 * tenants (:mod:`services.router.tenancy`, with ``--api-keys``; ``tenant`` is
   the key file's tenant id, never a key, ``other`` past 64 ids):
   ``llmesh:tenant_requests_total{tenant, outcome}`` (ended requests, outcome
@@ -114,6 +115,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.sampling import Priority
 from services.router.admission import AdmissionObserver
+from services.router.history.metrics import HistoryMetrics
 from services.router.local_tokenizer import TokenizeObserver
 from services.router.retrieval.stage import RetrievalMetrics
 from services.router.tenant_limits import LimitObserver
@@ -295,6 +297,7 @@ class RouterMetrics:
             "llmesh:router_prefix_score_seconds",
             "ScorePrefix round trips to the cache service's prefix index.",
             buckets=SCORE_BUCKETS, registry=reg)
+        self.history = HistoryMetrics.create(reg)
 
     def tenant_observer(self) -> TenantMetrics:
         """The tenant limiter's observer."""

@@ -11,7 +11,9 @@ does not have, vLLM's OpenAI-compatible server (``prompt_logprobs``,
   ``finish_reason`` (STOP → ``stop``, LENGTH → ``length``, CANCELLED →
   ``abort``); with ``n`` > 1 every choice ends on its own;
 * usage (``prompt_tokens``, ``completion_tokens`` summed over the choices,
-  ``total_tokens``, ``prompt_tokens_details.cached_tokens``) goes in the
+  ``total_tokens``, ``prompt_tokens_details.cached_tokens``, and llmesh's
+  ``history: {turns_summarized, tokens_saved}`` when a summary replaced old
+  turns: :mod:`services.router.history`) goes in the
   response, or in a last chunk with ``choices: []`` when the client asked for
   ``stream_options.include_usage`` (then every other chunk has ``usage: null``);
 * logprobs: chat ``{"content": [{token, logprob, bytes, top_logprobs}]}``;
@@ -338,7 +340,12 @@ class ResponseBuilder:
             return usage_body(0, 0, 0)
         prompt = max(u.prompt_tokens for u in self._usage)
         cached = max(u.cached_prompt_tokens for u in self._usage)
-        return usage_body(prompt, sum(u.completion_tokens for u in self._usage), cached)
+        body = usage_body(prompt, sum(u.completion_tokens for u in self._usage), cached)
+        last = self._usage[-1]
+        if last.history_turns_summarized:  # llmesh's extension (history compaction)
+            body["history"] = {"turns_summarized": last.history_turns_summarized,
+                               "tokens_saved": last.history_tokens_saved}
+        return body
 
     # -------------------------------------------------------------- helpers
 

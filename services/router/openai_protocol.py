@@ -49,6 +49,9 @@ Field mapping (OpenAI / vLLM name → ``GenerateRequest``):
 * vLLM's ``cache_salt`` (a string) → ``cache_salt``: scopes every cache of
   the request further within its tenant's scope
   (:mod:`services.common.cache_scope`).
+* llmesh's ``history`` (chat): ``{"summarize": false}`` →
+  ``history.summarize``: history past the model's budget is only trimmed
+  (:mod:`services.router.history`).
 * ``stream`` and ``stream_options.include_usage`` (its other keys are
   refused; it needs ``stream: true``, as OpenAI and vLLM require).
 * Accepted and ignored: ``user`` (an end-user id for abuse tracking; the mesh's
@@ -134,7 +137,7 @@ _COMMON = frozenset({
     "guided_choice", "guided_grammar", "cache_salt",
 })
 _CHAT_ONLY = frozenset({"messages", "max_completion_tokens", "top_logprobs", "tools",
-                        "tool_choice", "parallel_tool_calls", "retrieval"})
+                        "tool_choice", "parallel_tool_calls", "history", "retrieval"})
 _COMPLETIONS_ONLY = frozenset({"prompt", "echo", "suffix", "best_of"})
 _KNOWN = {Endpoint.CHAT: _COMMON | _CHAT_ONLY, Endpoint.COMPLETIONS: _COMMON | _COMPLETIONS_ONLY}
 #: Parameters whose absence of support deserves a pointer rather than "unknown".
@@ -179,6 +182,8 @@ def parse_body(endpoint: Endpoint, data: Mapping[str, Any]) -> OpenAIRequest:
         pb.cache_salt = _string(data, "cache_salt")
     if "retrieval" in data:
         parse_retrieval(data["retrieval"], pb.retrieval)
+    if "history" in data:
+        _history(data["history"], pb.history)
     stream = _bool(data, "stream")
     include_usage = _stream_options(data, stream)
     max_param = _sampling(endpoint, data, pb.sampling)
@@ -438,6 +443,17 @@ def _echo(sampling: common_pb2.SamplingParams) -> bool:
     if only:
         sampling.max_tokens = 1  # one forward pass computes the prompt's logprobs
     return only
+
+
+def _history(options: Any, history: generation_pb2.HistoryOptions) -> None:
+    """llmesh's ``history`` object (``summarize`` only)."""
+    if not isinstance(options, dict):
+        raise InvalidRequestError("history", f"must be an object, got {_kind(options)}")
+    extra = sorted(set(options) - {"summarize"})
+    if extra:
+        raise InvalidRequestError(f"history.{extra[0]}", "is not supported (only summarize is)")
+    if options.get("summarize") is not None:
+        history.summarize = _bool(options, "summarize")
 
 
 def _stream_options(data: Mapping[str, Any], stream: bool) -> bool:

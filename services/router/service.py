@@ -88,6 +88,8 @@ from services.router.generation import (
     Progress,
     no_replica_message,
 )
+from services.router.history.attach import attach_history
+from services.router.history.settings import HistorySettings
 from services.router.json_request import parse_generate_json
 from services.router.metrics import RouterMetrics
 from services.router.openai_http import OpenAIServer
@@ -172,6 +174,8 @@ class RouterConfig:
         None: requests with ``retrieval`` are FAILED_PRECONDITION and
         ``/v1/embeddings`` answers 400.
       retrieval_timeout_s: cap on one retriever call (``--retrieval-timeout-ms``).
+      history: chat history compaction (``--history-budget-tokens``,
+        :mod:`services.router.history`); off by default.
     """
 
     tokenizer: str
@@ -197,6 +201,7 @@ class RouterConfig:
     cascade: CascadePolicy | None = None
     retriever: str | None = None
     retrieval_timeout_s: float = DEFAULT_RETRIEVAL_TIMEOUT_S
+    history: HistorySettings = HistorySettings()
 
     def all_pools(self) -> list[PoolConfig]:
         """Every model's pool, the default (``tokenizer``, ``engines``) first."""
@@ -477,6 +482,12 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         """Serves the pools opened so far, in the order configured."""
         self.pools = {pool.model: pool for _, pool in sorted(self._opened.items())}
         self.default_model = self._opened[0].model if 0 in self._opened else ""
+        attach_history(self.pools, self.config.history, self._cache, self.metrics.history,
+                       self._summary_generation)
+
+    def _summary_generation(self, request: GenerationRequest) -> AsyncIterator[Event]:
+        """Runs a history summary's request through its model's pipeline."""
+        return self.pools[request.model].pipeline.run(request, received_at=time.monotonic())
 
     def _log_ready(self, pool: ModelPool) -> None:
         log.info("router_ready", model=pool.model, max_model_len=pool.limits.max_model_len,

@@ -147,6 +147,10 @@ class GenerationRequest:
     cascade alias (:mod:`services.router.cascade`; ``model`` is then the leg's
     model), None otherwise. ``retrieval``: the passages to retrieve and insert
     (:mod:`services.router.retrieval`), None without.
+    ``summarize_history``: ``history.summarize`` (None unset: the router's
+    setting; :mod:`services.router.history`). ``history_exempt``: a request
+    the router makes itself (a history summary), bound by the context window
+    only.
     """
 
     request_id: str
@@ -167,6 +171,8 @@ class GenerationRequest:
     chat_tools: tuple[FunctionTool, ...] = ()
     cascade: CascadeLeg | None = None
     retrieval: RetrievalSpec | None = None
+    summarize_history: bool | None = None
+    history_exempt: bool = False
 
     @property
     def is_chat(self) -> bool:
@@ -496,7 +502,13 @@ def validate_request(
         chat_tools=(tools.tools if tools is not None and messages is not None
                     and limits.tool_call_format is ToolCallFormat.TEMPLATE else ()),
         retrieval=retrieval_spec(pb, messages),
+        summarize_history=_summarize_history(pb),
     )
+
+
+def _summarize_history(pb: generation_pb2.GenerateRequest) -> bool | None:
+    """``history.summarize``; None when unset (the router's setting)."""
+    return pb.history.summarize if pb.history.HasField("summarize") else None
 
 
 def fit_to_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int, *,

@@ -34,15 +34,21 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    #: Chat history compaction (set by the router: :mod:`services.router.history`).
+    history_turns_summarized: int = 0
+    history_tokens_saved: int = 0
 
     def to_pb(self) -> common_pb2.Usage:
         return common_pb2.Usage(prompt_tokens=self.prompt_tokens,
                                 completion_tokens=self.completion_tokens,
-                                cached_prompt_tokens=self.cached_prompt_tokens)
+                                cached_prompt_tokens=self.cached_prompt_tokens,
+                                history_turns_summarized=self.history_turns_summarized,
+                                history_tokens_saved=self.history_tokens_saved)
 
     @classmethod
     def from_pb(cls, pb: common_pb2.Usage) -> Usage:
-        return cls(pb.prompt_tokens, pb.completion_tokens, pb.cached_prompt_tokens)
+        return cls(pb.prompt_tokens, pb.completion_tokens, pb.cached_prompt_tokens,
+                   pb.history_turns_summarized, pb.history_tokens_saved)
 
 
 @dataclass(frozen=True, slots=True)

@@ -521,3 +521,201 @@ class ScorePrefixResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ScorePrefixResponse: _TypeAlias = ScorePrefixResponse  # noqa: Y015
+
+@_typing.final
+class HistorySummary(_message.Message):
+    """The summary that replaces a conversation's oldest messages (the router's
+    history compaction).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    SUMMARIZED_MESSAGES_FIELD_NUMBER: _builtins.int
+    SUMMARIZED_TOKENS_FIELD_NUMBER: _builtins.int
+    SUMMARY_TOKENS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """The summary text, as the summariser model wrote it."""
+    summarized_messages: _builtins.int
+    """Messages after the leading system messages that it replaces."""
+    summarized_tokens: _builtins.int
+    """Prompt tokens those messages took (rendered with the chat template)."""
+    summary_tokens: _builtins.int
+    """Tokens of `text`."""
+    model: _builtins.str
+    """The model that wrote it."""
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        summarized_messages: _builtins.int = ...,
+        summarized_tokens: _builtins.int = ...,
+        summary_tokens: _builtins.int = ...,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "summarized_messages", b"summarized_messages", "summarized_tokens", b"summarized_tokens", "summary_tokens", b"summary_tokens", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HistorySummary: _TypeAlias = HistorySummary  # noqa: Y015
+
+@_typing.final
+class GetHistorySummaryRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CACHE_SCOPE_FIELD_NUMBER: _builtins.int
+    PREFIX_HASHES_FIELD_NUMBER: _builtins.int
+    cache_scope: _builtins.str
+    """The request's cache scope (as in CacheKey.cache_scope): only summaries
+    stored in the same scope are found.
+    """
+    @_builtins.property
+    def prefix_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Chained hashes (32 bytes each) of the conversation's prefixes that may
+        have a summary, shortest first.
+        """
+
+    def __init__(
+        self,
+        *,
+        cache_scope: _builtins.str = ...,
+        prefix_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_scope", b"cache_scope", "prefix_hashes", b"prefix_hashes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetHistorySummaryRequest: _TypeAlias = GetHistorySummaryRequest  # noqa: Y015
+
+@_typing.final
+class GetHistorySummaryResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOUND_FIELD_NUMBER: _builtins.int
+    PREFIX_INDEX_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
+    PENDING_FIELD_NUMBER: _builtins.int
+    found: _builtins.bool
+    prefix_index: _builtins.int
+    """Which of `prefix_hashes` the summary covers (the longest one stored)."""
+    pending: _builtins.bool
+    """A prefix longer than the one found (or any prefix, when none is found)
+    is claimed: its summary is being written.
+    """
+    @_builtins.property
+    def summary(self) -> Global___HistorySummary: ...
+    def __init__(
+        self,
+        *,
+        found: _builtins.bool = ...,
+        prefix_index: _builtins.int = ...,
+        summary: Global___HistorySummary | None = ...,
+        pending: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["summary", b"summary"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found", "pending", b"pending", "prefix_index", b"prefix_index", "summary", b"summary"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetHistorySummaryResponse: _TypeAlias = GetHistorySummaryResponse  # noqa: Y015
+
+@_typing.final
+class ClaimHistorySummaryRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CACHE_SCOPE_FIELD_NUMBER: _builtins.int
+    PREFIX_HASH_FIELD_NUMBER: _builtins.int
+    LEASE_SECONDS_FIELD_NUMBER: _builtins.int
+    cache_scope: _builtins.str
+    prefix_hash: _builtins.bytes
+    """The chained hash (32 bytes) of the prefix to summarise."""
+    lease_seconds: _builtins.int
+    """How long the claim holds if no summary is stored; 0: 60 seconds."""
+    def __init__(
+        self,
+        *,
+        cache_scope: _builtins.str = ...,
+        prefix_hash: _builtins.bytes = ...,
+        lease_seconds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_scope", b"cache_scope", "lease_seconds", b"lease_seconds", "prefix_hash", b"prefix_hash"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimHistorySummaryRequest: _TypeAlias = ClaimHistorySummaryRequest  # noqa: Y015
+
+@_typing.final
+class ClaimHistorySummaryResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLAIMED_FIELD_NUMBER: _builtins.int
+    claimed: _builtins.bool
+    def __init__(
+        self,
+        *,
+        claimed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claimed", b"claimed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimHistorySummaryResponse: _TypeAlias = ClaimHistorySummaryResponse  # noqa: Y015
+
+@_typing.final
+class PutHistorySummaryRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CACHE_SCOPE_FIELD_NUMBER: _builtins.int
+    PREFIX_HASH_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    cache_scope: _builtins.str
+    prefix_hash: _builtins.bytes
+    ttl_seconds: _builtins.int
+    """Lifetime in seconds; 0 means the service's default."""
+    @_builtins.property
+    def summary(self) -> Global___HistorySummary: ...
+    def __init__(
+        self,
+        *,
+        cache_scope: _builtins.str = ...,
+        prefix_hash: _builtins.bytes = ...,
+        summary: Global___HistorySummary | None = ...,
+        ttl_seconds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["summary", b"summary"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_scope", b"cache_scope", "prefix_hash", b"prefix_hash", "summary", b"summary", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutHistorySummaryRequest: _TypeAlias = PutHistorySummaryRequest  # noqa: Y015
+
+@_typing.final
+class PutHistorySummaryResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORED_FIELD_NUMBER: _builtins.int
+    stored: _builtins.bool
+    def __init__(
+        self,
+        *,
+        stored: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stored", b"stored"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutHistorySummaryResponse: _TypeAlias = PutHistorySummaryResponse  # noqa: Y015

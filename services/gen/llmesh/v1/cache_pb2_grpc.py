@@ -58,6 +58,21 @@ class CacheServiceStub:
                 request_serializer=llmesh_dot_v1_dot_cache__pb2.ScorePrefixRequest.SerializeToString,
                 response_deserializer=llmesh_dot_v1_dot_cache__pb2.ScorePrefixResponse.FromString,
                 _registered_method=True)
+        self.GetHistorySummary = channel.unary_unary(
+                '/llmesh.v1.CacheService/GetHistorySummary',
+                request_serializer=llmesh_dot_v1_dot_cache__pb2.GetHistorySummaryRequest.SerializeToString,
+                response_deserializer=llmesh_dot_v1_dot_cache__pb2.GetHistorySummaryResponse.FromString,
+                _registered_method=True)
+        self.ClaimHistorySummary = channel.unary_unary(
+                '/llmesh.v1.CacheService/ClaimHistorySummary',
+                request_serializer=llmesh_dot_v1_dot_cache__pb2.ClaimHistorySummaryRequest.SerializeToString,
+                response_deserializer=llmesh_dot_v1_dot_cache__pb2.ClaimHistorySummaryResponse.FromString,
+                _registered_method=True)
+        self.PutHistorySummary = channel.unary_unary(
+                '/llmesh.v1.CacheService/PutHistorySummary',
+                request_serializer=llmesh_dot_v1_dot_cache__pb2.PutHistorySummaryRequest.SerializeToString,
+                response_deserializer=llmesh_dot_v1_dot_cache__pb2.PutHistorySummaryResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -108,6 +123,35 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetHistorySummary(self, request, context):
+        """The stored summary of the longest conversation prefix among
+        `prefix_hashes`, and whether a longer one is being summarised now (a live
+        claim). A miss is `found: false`. INVALID_ARGUMENT: a hash that is not 32
+        bytes, more than 4,096 hashes, or a scope over 128 bytes; UNAVAILABLE
+        while draining.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClaimHistorySummary(self, request, context):
+        """Claims the right to summarise one conversation prefix for
+        `lease_seconds` (SET NX with expiry): `claimed: false` when another
+        caller holds it, or a summary of it is stored. INVALID_ARGUMENT and
+        UNAVAILABLE as for GetHistorySummary.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutHistorySummary(self, request, context):
+        """Stores the summary of one conversation prefix (and ends its claim).
+        INVALID_ARGUMENT and UNAVAILABLE as for GetHistorySummary.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +174,21 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.ScorePrefix,
                     request_deserializer=llmesh_dot_v1_dot_cache__pb2.ScorePrefixRequest.FromString,
                     response_serializer=llmesh_dot_v1_dot_cache__pb2.ScorePrefixResponse.SerializeToString,
+            ),
+            'GetHistorySummary': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetHistorySummary,
+                    request_deserializer=llmesh_dot_v1_dot_cache__pb2.GetHistorySummaryRequest.FromString,
+                    response_serializer=llmesh_dot_v1_dot_cache__pb2.GetHistorySummaryResponse.SerializeToString,
+            ),
+            'ClaimHistorySummary': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimHistorySummary,
+                    request_deserializer=llmesh_dot_v1_dot_cache__pb2.ClaimHistorySummaryRequest.FromString,
+                    response_serializer=llmesh_dot_v1_dot_cache__pb2.ClaimHistorySummaryResponse.SerializeToString,
+            ),
+            'PutHistorySummary': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutHistorySummary,
+                    request_deserializer=llmesh_dot_v1_dot_cache__pb2.PutHistorySummaryRequest.FromString,
+                    response_serializer=llmesh_dot_v1_dot_cache__pb2.PutHistorySummaryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -244,6 +303,87 @@ class CacheService:
             '/llmesh.v1.CacheService/ScorePrefix',
             llmesh_dot_v1_dot_cache__pb2.ScorePrefixRequest.SerializeToString,
             llmesh_dot_v1_dot_cache__pb2.ScorePrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetHistorySummary(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmesh.v1.CacheService/GetHistorySummary',
+            llmesh_dot_v1_dot_cache__pb2.GetHistorySummaryRequest.SerializeToString,
+            llmesh_dot_v1_dot_cache__pb2.GetHistorySummaryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimHistorySummary(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmesh.v1.CacheService/ClaimHistorySummary',
+            llmesh_dot_v1_dot_cache__pb2.ClaimHistorySummaryRequest.SerializeToString,
+            llmesh_dot_v1_dot_cache__pb2.ClaimHistorySummaryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutHistorySummary(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmesh.v1.CacheService/PutHistorySummary',
+            llmesh_dot_v1_dot_cache__pb2.PutHistorySummaryRequest.SerializeToString,
+            llmesh_dot_v1_dot_cache__pb2.PutHistorySummaryResponse.FromString,
             options,
             channel_credentials,
             insecure,

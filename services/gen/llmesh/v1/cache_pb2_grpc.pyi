@@ -61,6 +61,23 @@ class CacheServiceStub:
     INVALID_ARGUMENT for a hash that is not 32 bytes or more than 65,536
     hashes; UNAVAILABLE while draining.
     """
+    GetHistorySummary: _grpc.UnaryUnaryMultiCallable[_cache_pb2.GetHistorySummaryRequest, _cache_pb2.GetHistorySummaryResponse]
+    """The stored summary of the longest conversation prefix among
+    `prefix_hashes`, and whether a longer one is being summarised now (a live
+    claim). A miss is `found: false`. INVALID_ARGUMENT: a hash that is not 32
+    bytes, more than 4,096 hashes, or a scope over 128 bytes; UNAVAILABLE
+    while draining.
+    """
+    ClaimHistorySummary: _grpc.UnaryUnaryMultiCallable[_cache_pb2.ClaimHistorySummaryRequest, _cache_pb2.ClaimHistorySummaryResponse]
+    """Claims the right to summarise one conversation prefix for
+    `lease_seconds` (SET NX with expiry): `claimed: false` when another
+    caller holds it, or a summary of it is stored. INVALID_ARGUMENT and
+    UNAVAILABLE as for GetHistorySummary.
+    """
+    PutHistorySummary: _grpc.UnaryUnaryMultiCallable[_cache_pb2.PutHistorySummaryRequest, _cache_pb2.PutHistorySummaryResponse]
+    """Stores the summary of one conversation prefix (and ends its claim).
+    INVALID_ARGUMENT and UNAVAILABLE as for GetHistorySummary.
+    """
 
 @_typing.type_check_only
 class CacheServiceAsyncStub(CacheServiceStub):
@@ -94,6 +111,23 @@ class CacheServiceAsyncStub(CacheServiceStub):
     """How many leading blocks of a prompt each live replica holds.
     INVALID_ARGUMENT for a hash that is not 32 bytes or more than 65,536
     hashes; UNAVAILABLE while draining.
+    """
+    GetHistorySummary: _aio.UnaryUnaryMultiCallable[_cache_pb2.GetHistorySummaryRequest, _cache_pb2.GetHistorySummaryResponse]  # type: ignore[assignment]
+    """The stored summary of the longest conversation prefix among
+    `prefix_hashes`, and whether a longer one is being summarised now (a live
+    claim). A miss is `found: false`. INVALID_ARGUMENT: a hash that is not 32
+    bytes, more than 4,096 hashes, or a scope over 128 bytes; UNAVAILABLE
+    while draining.
+    """
+    ClaimHistorySummary: _aio.UnaryUnaryMultiCallable[_cache_pb2.ClaimHistorySummaryRequest, _cache_pb2.ClaimHistorySummaryResponse]  # type: ignore[assignment]
+    """Claims the right to summarise one conversation prefix for
+    `lease_seconds` (SET NX with expiry): `claimed: false` when another
+    caller holds it, or a summary of it is stored. INVALID_ARGUMENT and
+    UNAVAILABLE as for GetHistorySummary.
+    """
+    PutHistorySummary: _aio.UnaryUnaryMultiCallable[_cache_pb2.PutHistorySummaryRequest, _cache_pb2.PutHistorySummaryResponse]  # type: ignore[assignment]
+    """Stores the summary of one conversation prefix (and ends its claim).
+    INVALID_ARGUMENT and UNAVAILABLE as for GetHistorySummary.
     """
 
 class CacheServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -149,6 +183,41 @@ class CacheServiceServicer(metaclass=_abc_1.ABCMeta):
         """How many leading blocks of a prompt each live replica holds.
         INVALID_ARGUMENT for a hash that is not 32 bytes or more than 65,536
         hashes; UNAVAILABLE while draining.
+        """
+
+    @_abc_1.abstractmethod
+    def GetHistorySummary(
+        self,
+        request: _cache_pb2.GetHistorySummaryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cache_pb2.GetHistorySummaryResponse, _abc.Awaitable[_cache_pb2.GetHistorySummaryResponse]]:
+        """The stored summary of the longest conversation prefix among
+        `prefix_hashes`, and whether a longer one is being summarised now (a live
+        claim). A miss is `found: false`. INVALID_ARGUMENT: a hash that is not 32
+        bytes, more than 4,096 hashes, or a scope over 128 bytes; UNAVAILABLE
+        while draining.
+        """
+
+    @_abc_1.abstractmethod
+    def ClaimHistorySummary(
+        self,
+        request: _cache_pb2.ClaimHistorySummaryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cache_pb2.ClaimHistorySummaryResponse, _abc.Awaitable[_cache_pb2.ClaimHistorySummaryResponse]]:
+        """Claims the right to summarise one conversation prefix for
+        `lease_seconds` (SET NX with expiry): `claimed: false` when another
+        caller holds it, or a summary of it is stored. INVALID_ARGUMENT and
+        UNAVAILABLE as for GetHistorySummary.
+        """
+
+    @_abc_1.abstractmethod
+    def PutHistorySummary(
+        self,
+        request: _cache_pb2.PutHistorySummaryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cache_pb2.PutHistorySummaryResponse, _abc.Awaitable[_cache_pb2.PutHistorySummaryResponse]]:
+        """Stores the summary of one conversation prefix (and ends its claim).
+        INVALID_ARGUMENT and UNAVAILABLE as for GetHistorySummary.
         """
 
 def add_CacheServiceServicer_to_server(servicer: CacheServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -577,6 +577,8 @@ class Usage(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    HISTORY_TURNS_SUMMARIZED_FIELD_NUMBER: _builtins.int
+    HISTORY_TOKENS_SAVED_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """Tokens in the prompt after the chat template was applied."""
     completion_tokens: _builtins.int
@@ -589,16 +591,27 @@ class Usage(_message.Message):
     engine's prefix cache). An answer replayed from the response cache
     (`GenerateResponse.cached`) prefilled nothing: all its prompt tokens.
     """
+    history_turns_summarized: _builtins.int
+    """Chat history compaction (the router's `--history-budget-tokens`): the
+    oldest messages of the conversation that a stored summary replaced in
+    this prompt (0: none).
+    """
+    history_tokens_saved: _builtins.int
+    """Prompt tokens those messages would have taken, less the summary's own
+    tokens (0 when nothing was summarised).
+    """
     def __init__(
         self,
         *,
         prompt_tokens: _builtins.int = ...,
         completion_tokens: _builtins.int = ...,
         cached_prompt_tokens: _builtins.int = ...,
+        history_turns_summarized: _builtins.int = ...,
+        history_tokens_saved: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "history_tokens_saved", b"history_tokens_saved", "history_turns_summarized", b"history_turns_summarized", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

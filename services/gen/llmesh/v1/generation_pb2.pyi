@@ -319,6 +319,7 @@ class GenerateRequest(_message.Message):
     SPECULATIVE_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     CASCADE_FIELD_NUMBER: _builtins.int
+    HISTORY_FIELD_NUMBER: _builtins.int
     RETRIEVAL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for this request, echoed in every response and in logs.
@@ -363,6 +364,13 @@ class GenerateRequest(_message.Message):
         """
 
     @_builtins.property
+    def history(self) -> Global___HistoryOptions:
+        """Chat history compaction for this request (only where the router runs
+        with `--history-budget-tokens` for the model). Unset: the router's
+        setting.
+        """
+
+    @_builtins.property
     def retrieval(self) -> Global___Retrieval:
         """Retrieval-augmented generation: once the request is validated the router
         queries the retriever (`llmesh.v1.RetrieverService`) with the last user
@@ -387,11 +395,12 @@ class GenerateRequest(_message.Message):
         speculative: _common_pb2.SpeculativeParams | None = ...,
         cache_salt: _builtins.str | None = ...,
         cascade: Global___CascadeMode.ValueType = ...,
+        history: Global___HistoryOptions | None = ...,
         retrieval: Global___Retrieval | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "cache_salt", b"cache_salt", "chat", b"chat", "input", b"input", "prompt", b"prompt", "prompt_tokens", b"prompt_tokens", "retrieval", b"retrieval", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "cache_salt", b"cache_salt", "chat", b"chat", "history", b"history", "input", b"input", "prompt", b"prompt", "prompt_tokens", b"prompt_tokens", "retrieval", b"retrieval", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "bypass_cache", b"bypass_cache", "cache_salt", b"cache_salt", "cascade", b"cascade", "chat", b"chat", "input", b"input", "model", b"model", "priority", b"priority", "prompt", b"prompt", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "retrieval", b"retrieval", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt", "bypass_cache", b"bypass_cache", "cache_salt", b"cache_salt", "cascade", b"cascade", "chat", b"chat", "history", b"history", "input", b"input", "model", b"model", "priority", b"priority", "prompt", b"prompt", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "retrieval", b"retrieval", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cache_salt: _TypeAlias = _typing.Literal["cache_salt"]  # noqa: Y015
     _WhichOneofArgType__cache_salt: _TypeAlias = _typing.Literal["_cache_salt", b"_cache_salt"]  # noqa: Y015
@@ -447,6 +456,33 @@ class CascadePath(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__mean_logprob) -> _WhichOneofReturnType__mean_logprob | None: ...
 
 Global___CascadePath: _TypeAlias = CascadePath  # noqa: Y015
+
+@_typing.final
+class HistoryOptions(_message.Message):
+    """How a chat's history that passes the model's history budget is shortened."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUMMARIZE_FIELD_NUMBER: _builtins.int
+    summarize: _builtins.bool
+    """False: the oldest turns are only dropped to fit the budget (no summary
+    is used or made). Unset or true: they are replaced by a stored summary
+    where one exists, and summarised in the background where none does.
+    """
+    def __init__(
+        self,
+        *,
+        summarize: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_summarize", b"_summarize", "summarize", b"summarize"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_summarize", b"_summarize", "summarize", b"summarize"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__summarize: _TypeAlias = _typing.Literal["summarize"]  # noqa: Y015
+    _WhichOneofArgType__summarize: _TypeAlias = _typing.Literal["_summarize", b"_summarize"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__summarize) -> _WhichOneofReturnType__summarize | None: ...
+
+Global___HistoryOptions: _TypeAlias = HistoryOptions  # noqa: Y015
 
 @_typing.final
 class Retrieval(_message.Message):
