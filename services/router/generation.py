@@ -508,9 +508,7 @@ class GenerationPipeline:
                 async for event in paced_events:
                     if isinstance(event, Finished):
                         outcome = event.reason.name.lower()
-                        info.update(matched_stop=event.matched_stop)
-                        event = _with_history(held.reported(
-                            dataclasses.replace(event, model=request.model)), info)
+                        event = _finished(event, request.model, held, info)
                     yield event
         except Exception as err:
             failure = _client_failure(err, progress.completion_tokens, request.model)
@@ -1296,6 +1294,14 @@ def _time_per_output_token(outcome: str, progress: Progress, timing: _Timing, *,
             or timing.first_token_at is None or timing.last_token_at is None):
         return None
     return (timing.last_token_at - timing.first_token_at) / (progress.completion_tokens - 1)
+
+
+def _finished(event: Finished, model: str, held: "_Held", info: dict[str, object]) -> Finished:
+    """A request's last event as the client sees it: the model that answered,
+    the retrieval report and the history summary's counts; its stop string
+    goes to the ``request_finished`` log line (``info``)."""
+    info.update(matched_stop=event.matched_stop)
+    return _with_history(held.reported(dataclasses.replace(event, model=model)), info)
 
 
 def _with_history(finished: Finished, info: Mapping[str, object]) -> Finished:
