@@ -16,7 +16,7 @@ order, each a function of :data:`PARTS`):
   same vectors) for ``--queries`` query embeddings, and its search latency
   p50/p99 in process: usearch (the service's index, loaded from the data
   directory), hnswlib and faiss-cpu ``IndexHNSWFlat`` built with the same M=16,
-  efConstruction=128, ef=64 (those two skipped when not installed:
+  efConstruction=128, ef=128 (those two skipped when not installed:
   ``pip install '.[bench-ann]'``).
 * ``query``: ``Query`` latency over gRPC, p50/p99, for ``--queries`` distinct
   queries never asked before (cold: query embedding + search) and the same
@@ -69,7 +69,7 @@ K = 10
 #: Longer than the service's --save-interval-seconds (2).
 SAVE_WAIT_S = 4.0
 #: HNSW parameters given to every library (usearch's are the service's defaults).
-HNSW_M, HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH = 16, 128, 64
+HNSW_M, HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH = 16, 128, 128
 
 
 @dataclass
@@ -184,14 +184,19 @@ def part_ann(bench: Bench) -> None:
         "usearch": lambda q: [label for label, _ in collection.index.search(q, K)],
     }
     searchers.update(_other_libraries(labels, vectors))
-    for name, search in searchers.items():
-        recalls, times = [], []
-        for query, truth in zip(queries, exact, strict=True):
+    recalls: dict[str, list[float]] = {name: [] for name in searchers}
+    times: dict[str, list[float]] = {name: [] for name in searchers}
+    names = list(searchers)
+    for turn, (query, truth) in enumerate(zip(queries, exact, strict=True)):
+        # Interleaved: every library answers each query, the order rotating.
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
             began = time.perf_counter()
-            found = search(query)
-            times.append((time.perf_counter() - began) * 1e3)
-            recalls.append(len(truth & set(found)) / K)
-        print(f"  {name:14s} recall@10 {statistics.mean(recalls):.4f}, search {summary(times)}")
+            found = searchers[name](query)
+            times[name].append((time.perf_counter() - began) * 1e3)
+            recalls[name].append(len(truth & set(found)) / K)
+    for name in names:
+        print(f"  {name:14s} recall@10 {statistics.mean(recalls[name]):.4f}, "
+              f"search {summary(times[name])}")
 
 
 def _other_libraries(labels: np.ndarray, vectors: np.ndarray

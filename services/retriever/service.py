@@ -281,17 +281,25 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
         texts = await self._on_worker(lambda: [
             chunk_text(d.text, embedder.tokenizer, collection.chunking) for d in documents])
         digests = [[content_hash(embedder.model_id, text) for text in chunks] for chunks in texts]
-        missing = {digest: text for chunks, hashes in zip(texts, digests, strict=True)
-                   for text, digest in zip(chunks, hashes, strict=True)
-                   if self.chunk_embeddings.get(digest) is None}
-        for hashes in digests:
-            for digest in hashes:
-                self._metrics.cache_lookup("chunk_embedding", digest not in missing)
-        fresh = dict(zip(missing, await self._embed(list(missing.values()), "ingest"),
+        # Cached vectors are taken now: a delete during the embedding below
+        # may unpin (and the LRU evict) them.
+        found: dict[str, np.ndarray] = {}
+        missing: dict[str, str] = {}
+        for chunks, hashes in zip(texts, digests, strict=True):
+            for text, digest in zip(chunks, hashes, strict=True):
+                vector = found.get(digest)
+                if vector is None and digest not in missing:
+                    vector = self.chunk_embeddings.get(digest)
+                self._metrics.cache_lookup("chunk_embedding", vector is not None)
+                if vector is None:
+                    missing[digest] = text
+                else:
+                    found[digest] = vector
+        found.update(zip(missing, await self._embed(list(missing.values()), "ingest"),
                          strict=True))
         prepared = []
         for document, chunks, hashes in zip(documents, texts, digests, strict=True):
-            vectors = [fresh[h] if h in fresh else self.chunk_embeddings.get(h) for h in hashes]
+            vectors = [found[h] for h in hashes]
             prepared.append(PreparedDocument(
                 document.id, document.metadata, chunks, hashes,
                 np.stack(vectors) if vectors else np.empty((0, embedder.dimension), np.float32)))
