@@ -337,7 +337,13 @@ def upstream_name(service: str, replica: str, model: str) -> str:
     of = f" of model {model!r}" if model else ""
     if service == "engine":
         return f"engine replica {replica!r}{of}" if replica else f"an engine replica{of}"
+    if service in _MESH_WIDE_SERVICES:
+        return f"the {service}"
     return f"the {service}" + (f" for model {model!r}" if model else "")
+
+
+#: Upstreams that serve every model of the mesh: a failure names no model.
+_MESH_WIDE_SERVICES = frozenset({"cache", "retriever"})
 
 
 def upstream_to_generation_error(err: UpstreamError, *, model: str = "",
