@@ -133,6 +133,7 @@ async def test_a_stopped_retriever_fails_fast_or_degrades_as_the_request_allows(
         assert "".join(r.text for r in degraded) == REPLY
         assert degraded[-1].retrieval.degraded and not degraded[-1].retrieval.chunks
         assert "UNAVAILABLE" in degraded[-1].retrieval.degraded_reason
+        assert "127.0.0.1" not in degraded[-1].retrieval.degraded_reason
         assert "Passages" not in prompt_of(mesh)
         assert mesh.metric("llmesh:retrieval_requests_total", model_name="fake-model",
                            outcome="degraded") == 1

@@ -159,8 +159,9 @@ class PendingRetrieval:
         if self.spec.on_failure is not FailurePolicy.DEGRADE:
             self.metrics.requests.labels(self.model, "failed").inc()
             raise err
-        reason = f"retriever at {err.target}: {err.code.name}: {err.details}"
-        log.warning("retrieval_degraded", reason=reason)
+        # The client learns the status; the address and the details go to the log.
+        reason = f"the retriever failed: {err.code.name}"
+        log.warning("retrieval_degraded", reason=reason, target=err.target, details=err.details)
         self.metrics.requests.labels(self.model, "degraded").inc()
         self.report = RetrievalReport(self.spec.collection, (), "", 0, reason, 0.0, 0.0,
                                       False, call_s * 1e3, wait_s * 1e3)
