@@ -9,6 +9,7 @@ from google.protobuf import struct_pb2
 from llmesh.v1 import retriever_pb2
 
 from services.retriever import index as index_module
+from services.retriever.__main__ import build_parser, make_backend
 from services.retriever.caches import (
     EmbeddingCache,
     LruCache,
@@ -213,6 +214,13 @@ def test_qdrant_store_reconciles_the_server_with_the_saved_documents(tmp_path) -
     assert len(store.create("c", Chunking(4, 1)).index) == 0
     store.delete("c")
     assert not backend.client.collection_exists(backend.collection_name("c"))
+
+
+@pytest.mark.parametrize("flags", [["--index", "qdrant"],
+                                   ["--qdrant-url", ":memory:"]])
+def test_qdrant_flags_come_together(flags: list[str]) -> None:
+    with pytest.raises(ValueError, match="--qdrant-url"):
+        make_backend(build_parser().parse_args(flags))
 
 
 # requests -----------------------------------------------------------------------------
