@@ -76,7 +76,8 @@ def make_backend(args: argparse.Namespace) -> IndexBackend:
     """The index backend the flags name.
 
     Raises:
-      ValueError: ``--qdrant-url`` missing for, or given without, ``--index qdrant``.
+      ValueError: ``--qdrant-url`` missing for, or given without, ``--index qdrant``;
+        ``:memory:`` with ``--data-dir``.
       ImportError: ``qdrant-client`` is not installed.
     """
     if args.index != "qdrant":
@@ -85,6 +86,9 @@ def make_backend(args: argparse.Namespace) -> IndexBackend:
         return FILE_BACKENDS[args.index]
     if not args.qdrant_url:
         raise ValueError("--index qdrant needs --qdrant-url")
+    if args.qdrant_url == ":memory:" and args.data_dir is not None:
+        raise ValueError("--qdrant-url :memory: forgets the vectors at exit, --data-dir keeps "
+                         "the documents: give a directory (local mode) or a server URL")
     try:
         from services.retriever.qdrant_index import QdrantBackend
         return QdrantBackend(args.qdrant_url, prefix=args.qdrant_collection_prefix)

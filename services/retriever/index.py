@@ -230,7 +230,7 @@ class UsearchIndex:
         return np.asarray(self._index.get(label), dtype=np.float32)
 
     def labels(self) -> set[int]:
-        return {int(key) for key in self._index.keys}
+        return set(np.asarray(self._index.keys).tolist())
 
     def save(self, path: Path) -> None:
         self._index.save(str(path))

@@ -216,8 +216,9 @@ def test_qdrant_store_reconciles_the_server_with_the_saved_documents(tmp_path) -
     assert not backend.client.collection_exists(backend.collection_name("c"))
 
 
-@pytest.mark.parametrize("flags", [["--index", "qdrant"],
-                                   ["--qdrant-url", ":memory:"]])
+@pytest.mark.parametrize("flags", [
+    ["--index", "qdrant"], ["--qdrant-url", ":memory:"],
+    ["--index", "qdrant", "--qdrant-url", ":memory:", "--data-dir", "d"]])
 def test_qdrant_flags_come_together(flags: list[str]) -> None:
     with pytest.raises(ValueError, match="--qdrant-url"):
         make_backend(build_parser().parse_args(flags))
