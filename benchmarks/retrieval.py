@@ -245,9 +245,7 @@ def part_query(bench: Bench) -> None:
 
 def part_e2e(bench: Bench) -> None:
     """TTFT with retrieval vs the passages pasted, through Envoy (retrieval_e2e.py)."""
-    from retrieval_e2e import (
-        e2e_part,  # beside this file (on sys.path when run as a script)
-    )
+    from retrieval_e2e import e2e_part  # beside this file (on sys.path when run as a script)
 
     e2e_part(bench.address, [f"What does the text say about {q}?" for q in bench.queries],
              collection=COLLECTION, rounds=bench.args.e2e_rounds,

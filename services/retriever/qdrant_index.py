@@ -28,9 +28,15 @@ Mapping onto :class:`~services.retriever.index.VectorIndex`:
   :meth:`CollectionStore._load <services.retriever.store.CollectionStore>`
   reconciles the two through :meth:`QdrantIndex.labels`.
 
-Calls are blocking (qdrant-client's synchronous client); the retriever makes
-them on its worker threads. Errors of the server or the network propagate as
-``qdrant_client`` / ``httpx`` exceptions (the RPC answers INTERNAL).
+Calls are blocking (qdrant-client's synchronous client). The retriever makes
+them where it calls every index: collection create, delete and the load at
+start on its ingest thread, but ``search`` and an ingest's ``add``/``remove``
+on the event loop (the collection's state is only changed and read there), so
+against a server each of those blocks the loop for one round trip. Errors of
+the server or the network propagate as ``qdrant_client`` / ``httpx``
+exceptions: the RPC fails with UNKNOWN (gRPC's status for an unhandled
+exception) and the retriever's state is unchanged only where the failing call
+came first.
 
 Tested here only against qdrant-client's embedded local mode
 (``--qdrant-url :memory:`` or a directory), which runs the same client API in

@@ -192,6 +192,25 @@ def test_collection_replaces_a_document_and_filters_by_metadata(backend: IndexBa
     assert unknown.value.field == "year"
 
 
+def test_a_failing_index_leaves_the_collection_consistent_with_it(backend: IndexBackend,
+                                                                 monkeypatch) -> None:
+    """A remote index can fail mid-ingest: the collection changes its state only
+    after the index did, and bumps the version when anything changed."""
+    collection = Collection("c", Chunking(4, 1), backend.create("c", 2))
+    collection.replace([_document("a", np.array([[1.0, 0.0]]), lang="en")])
+
+    def unreachable(labels: np.ndarray, vectors: np.ndarray) -> None:
+        raise ConnectionError("index down")
+
+    monkeypatch.setattr(collection.index, "add", unreachable)
+    with pytest.raises(ConnectionError):
+        collection.replace([_document("a", np.array([[0.0, 1.0]]), lang="de")])
+    assert collection.version == 2 and collection.documents == {}
+    assert collection.index.labels() == set() and collection.chunks == {}
+    with pytest.raises(UnknownFilterField):
+        collection.search(np.array([1.0, 0.0], dtype=np.float32), 3, {"lang": "en"})
+
+
 def test_qdrant_store_reconciles_the_server_with_the_saved_documents(tmp_path) -> None:
     """Qdrant is written as changes happen, the JSON every save interval: after a
     crash the load drops what the JSON does not list and the documents whose
