@@ -65,9 +65,10 @@ class CollectionStore:
     def delete(self, name: str) -> Collection:
         """Forgets a collection and deletes its files and its server-side
         index (blocking I/O). KeyError when unknown."""
-        collection = self.collections.pop(name)
+        collection = self.collections[name]
+        self.backend.drop(name)  # first: a server that fails leaves the collection whole
+        del self.collections[name]
         self._dirty.discard(name)
-        self.backend.drop(name)
         if self.data_dir is not None:
             shutil.rmtree(self._directory(name), ignore_errors=True)
         return collection
@@ -152,6 +153,7 @@ class CollectionStore:
             if not held.issuperset(labels):
                 log.warning("document_vectors_missing", collection=collection.name,
                             document=document["id"])
+                self.mark_dirty(collection.name)  # the next save forgets it
                 continue
             listed.update(labels)
             collection.restore(DocumentRecord(document["id"], document["metadata"], labels),

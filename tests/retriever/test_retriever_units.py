@@ -226,7 +226,9 @@ def test_qdrant_store_reconciles_the_server_with_the_saved_documents(tmp_path) -
     # after the save, unsaved: "a" replaced (its saved vector deleted), "c" added
     collection.replace([_document("a", np.array([[0.6, 0.8]])),
                         _document("c", np.array([[0.8, 0.6]]))])
-    reloaded = CollectionStore(tmp_path, backend, 2).load_all()[0]  # the crash's restart
+    restarted = CollectionStore(tmp_path, backend, 2)  # the crash's restart
+    reloaded = restarted.load_all()[0]
+    assert restarted.save_dirty() == ["c"]  # the JSON forgets "a" too
     assert sorted(reloaded.documents) == ["b"] and reloaded.index.labels() == {1}
     query = np.array([1.0, 0.0], dtype=np.float32)
     assert [hit.chunk.chunk_id for hit in reloaded.search(query, 5)] == ["b#0"]
