@@ -58,7 +58,7 @@ from llmesh.v1 import retriever_pb2 as pb
 from llmesh.v1 import retriever_pb2_grpc
 
 from services.cli.mesh import REPO_ROOT, ServiceProcess, child_env, stop_processes
-from services.retriever.index import top_k
+from services.retriever.index import FILE_BACKENDS, top_k
 from services.retriever.store import CollectionStore
 
 CORPUS = REPO_ROOT / "benchmarks" / "data" / "kjv_chapters.jsonl.gz"
@@ -170,7 +170,7 @@ def part_ingest(bench: Bench) -> None:
 
 def part_ann(bench: Bench) -> None:
     """Recall@10 against exact search and search latency, per ANN library."""
-    store = CollectionStore(bench.args.data_dir, "usearch", DIMENSION)
+    store = CollectionStore(bench.args.data_dir, FILE_BACKENDS["usearch"], DIMENSION)
     collection = {c.name: c for c in store.load_all()}[COLLECTION]
     labels = np.array(sorted(collection.chunks), dtype=np.int64)
     vectors = np.stack([collection.index.vector(int(label)) for label in labels])
