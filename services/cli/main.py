@@ -260,6 +260,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         run_dir=args.run_dir,
         num_engines=args.engines, engine_args=engine_args, router_args=router_args,
         retrieval=args.retrieval, retriever_args=list(args.retriever_arg),
+        # The retriever checks no keys: with them on, its API is not on the ingress.
+        retriever_on_ingress=args.api_keys is None,
         drain_seconds=args.drain_seconds, start_timeout_s=args.start_timeout,
         stream_idle_timeout_s=args.stream_idle_timeout, commands=_role_commands(),
         ops_port=args.ops_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
@@ -797,7 +799,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--retrieval", action="store_true",
                     help="also start the retriever service (collections kept in "
                          "RUN_DIR/retriever; give --run-dir to keep them across runs), "
-                         "routed on the ingress as llmesh.v1.RetrieverService")
+                         "routed on the ingress as llmesh.v1.RetrieverService, except "
+                         "with --api-keys (the retriever checks no keys: manage "
+                         "collections at its own address, RUN_DIR/retriever.json)")
     up.add_argument("--retriever-arg", action="append", default=[], metavar="ARG",
                     help="extra retriever argument, repeatable: --retriever-arg=--index=exact")
     up.add_argument("--router-arg", action="append", default=[], metavar="ARG",

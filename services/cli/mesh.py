@@ -545,7 +545,11 @@ class Mesh:
       retrieval: also start the retriever (``python -m services.retriever``,
         collections under ``RUN_DIR/retriever``), tell the router its address
         (``--retriever-address``) and route ``llmesh.v1.RetrieverService`` on
-        the ingress listener to it.
+        the ingress listener to it (unless ``retriever_on_ingress`` is False).
+      retriever_on_ingress: route the retriever's API (collections, ingest,
+        query, embed) on the ingress. False where the ingress checks API keys:
+        the retriever checks none, so its API stays on its own address, for
+        operators (``llmesh up --api-keys``).
       run_dir: where logs, port files and ``envoy.yaml`` go; None makes a
         fresh ``/tmp/llmesh-*`` directory (kept after stop, for the logs).
       num_engines: engine replicas (``engine-0``...).
@@ -619,6 +623,7 @@ class Mesh:
     tokenizer_args: Sequence[str] = ()
     cache_args: Sequence[str] = ()
     retrieval: bool = False
+    retriever_on_ingress: bool = True
     retriever_args: Sequence[str] = ()
     admin_host: str = "127.0.0.1"
     service_host: str = "127.0.0.1"
@@ -1041,7 +1046,8 @@ class Mesh:
             openai_port=router.extra_ports.get("openai_port"),
             retriever_host=router_host,
             retriever_port=(self.services["retriever"].grpc_port
-                            if "retriever" in self.services else None),
+                            if "retriever" in self.services and self.retriever_on_ingress
+                            else None),
             descriptor_path=str(REPO_ROOT / DESCRIPTOR_RELATIVE),
             stream_idle_timeout_s=self.stream_idle_timeout_s,
             ops_port=self.ops_port,

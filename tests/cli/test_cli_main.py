@@ -321,3 +321,26 @@ def test_up_refuses_a_repeated_model_name_or_a_missing_file_before_starting(
     assert f"checkpoint directory (with config.json) at {tmp_path}" in capsys.readouterr().err
     assert cli.main(["up", "--model", f"a={gguf}", "--model-path", str(gguf)]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("with_keys", [False, True])
+def test_up_routes_the_retriever_on_the_ingress_only_without_api_keys(
+        with_keys: bool, tmp_path, monkeypatch) -> None:
+    """QA, issue 35: with --api-keys anyone reached the retriever's API (create,
+    ingest, delete) through Envoy without a key; the retriever checks none, so
+    with keys on its API stays at its own address."""
+    made: list[dict] = []
+
+    def record(*args, **kwargs):
+        made.append(kwargs)
+        raise SystemExit(3)
+
+    monkeypatch.setattr("services.cli.mesh.Mesh", record)
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("tenants: {}\n")
+    argv = ["up", "--run-dir", str(tmp_path / "run"), "--retrieval",
+            *(["--api-keys", str(keys)] if with_keys else [])]
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    assert made and made[0]["retrieval"] is True
+    assert made[0]["retriever_on_ingress"] is (not with_keys)
