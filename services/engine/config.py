@@ -14,6 +14,7 @@ a flag on the command line wins. Booleans read ``1/0``, ``true/false``,
 from __future__ import annotations
 
 import argparse
+import fractions
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -480,7 +481,7 @@ def parse_bytes(text: str) -> int:
     (powers of 1000), ``B``.
 
     Raises:
-      argparse.ArgumentTypeError: not a positive size, or another suffix (argparse
+      argparse.ArgumentTypeError: not a positive size under 8 EiB, or another suffix (argparse
         names the flag; :func:`add_engine_arguments` the environment variable).
     """
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
@@ -489,9 +490,12 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"expected a size like 1GiB, 2TB or 536870912 (units KiB MiB GiB TiB, "
             f"KB MB GB TB), got {text!r}")
-    value = int(float(match.group(1)) * _UNITS[unit])
+    # Exact (a float overflowed to infinity on 400 digits: QA saw a traceback).
+    value = int(fractions.Fraction(match.group(1)) * _UNITS[unit])
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0 bytes, got {text!r}")
+    if value >= 1 << 63:
+        raise argparse.ArgumentTypeError(f"must be under 8 EiB, got {text!r}")
     return value
 
 

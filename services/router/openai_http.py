@@ -277,6 +277,9 @@ class OpenAIServer:
             self.router.check_accepting()
             deadline = _deadline(request, received_at)
             echo = None
+            if parsed.echo and validated.cascade is not None:
+                raise InvalidRequestError("echo", "is for a named model: the cascade's "
+                                          "models tokenize the prompt apart")
             if parsed.echo:
                 validated, echo = await echo_request(
                     self.router.pipeline_for(validated), validated, only=parsed.echo_only,

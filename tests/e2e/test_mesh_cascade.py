@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -145,6 +146,13 @@ def test_openai_edge_names_the_model_and_path(cascade_mesh: Mesh) -> None:
     with urllib.request.urlopen(f"{cascade_mesh.http_url}/v1/models", timeout=10) as reply:
         assert [m["id"] for m in json.loads(reply.read())["data"]] == [
             "smollm2", "gemma3", "auto"]
+    # QA: echo and token ids took the small model's ids to the large one (noise).
+    for body, param in (({"prompt": HARD, "echo": True}, "echo"),
+                        ({"prompt": [1, 2, 3]}, "prompt_tokens")):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            post({"model": "auto", "max_tokens": 3, **body})
+        assert refused.value.code == 400
+        assert param in json.loads(refused.value.read())["error"]["param"]
 
 
 def test_prompt_rule_and_mode_skip_the_window(channel: grpc.Channel) -> None:

@@ -146,6 +146,14 @@ def test_parse_bytes(text: str, expected: int) -> None:
     assert parse_bytes(text) == expected
 
 
+def test_a_size_too_large_is_refused_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    """QA: 400 digits overflowed a float to infinity (OverflowError traceback)."""
+    with pytest.raises(SystemExit) as exited:
+        parse_config(["--kv-offload-bytes", "9" * 400 + "GiB"], {})
+    assert exited.value.code == 2
+    assert "argument --kv-offload-bytes: must be under 8 EiB" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("size", ["1PiB", "3 bits", "GiB"])
 def test_bad_size_flag_is_named(size: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:

@@ -62,6 +62,8 @@ def test_escalation_reason_by_threshold_and_margin() -> None:
     ({"small": "a", "large": "a"}, "must differ"),
     ({"small": "a", "large": "b", "window_tokens": 0}, "--cascade-window"),
     ({"small": "a", "large": "b", "min_mean_logprob": 0.5}, "log-probability"),
+    # QA: NaN passed (every comparison false: nothing was ever escalated)
+    ({"small": "a", "large": "b", "min_mean_logprob": float("nan")}, "log-probability"),
     ({"small": "a", "large": "b", "max_low_margin_share": 2.0}, "share"),
     ({"small": "a b", "large": "b"}, "not a model id"),
 ])
@@ -234,3 +236,24 @@ def test_up_refuses_a_cascade_over_models_it_does_not_serve() -> None:
     assert flags.problem(args, ["small", "large"]) is None
     assert "['large']" in (flags.problem(args, ["small"]) or "")
     assert "SMALL,LARGE" in (flags.problem(parser.parse_args(["--cascade", "a"]), []) or "")
+
+
+def test_token_ids_to_the_alias_are_refused_naming_prompt_tokens() -> None:
+    """QA: SmolLM2's ids reached Gemma on the large leg and it answered noise;
+    ids belong to one vocabulary, so the alias takes text only."""
+    from llmesh.v1 import generation_pb2
+    from services.common.sampling import InvalidRequestError
+    from services.router.cascade.edge import validate_alias
+
+    pb = generation_pb2.GenerateRequest(model="auto")
+    pb.prompt_tokens.token_ids.extend([1, 2, 3])
+
+    def validate_as(leg):
+        raise AssertionError("validated a leg")
+
+    with pytest.raises(InvalidRequestError) as err:
+        validate_alias(pb, None, POLICY_WITH_ALIAS, validate_as)
+    assert err.value.field == "prompt_tokens"
+
+
+POLICY_WITH_ALIAS = CascadePolicy("small", "large", alias="auto")

@@ -28,8 +28,9 @@ def validate_alias(pb: generation_pb2.GenerateRequest, header_mode: str | None,
 
     Raises:
       InvalidRequestError: INVALID_ARGUMENT naming ``cascade`` (set on a
-        request to another model, or unknown) or ``x-llmesh-cascade``; and
-        whatever ``validate_as`` raises.
+        request to another model, or unknown), ``x-llmesh-cascade``, or
+        ``prompt_tokens`` (token ids are one model's: the legs tokenize
+        apart); and whatever ``validate_as`` raises.
     """
     if policy is None or pb.model != policy.alias:
         if pb.cascade:
@@ -37,6 +38,10 @@ def validate_alias(pb: generation_pb2.GenerateRequest, header_mode: str | None,
             raise InvalidRequestError("cascade", f"is for the cascade's alias model only "
                                       f"({alias})")
         return None
+    if pb.WhichOneof("input") == "prompt_tokens":
+        raise InvalidRequestError("prompt_tokens", "token ids belong to one model's "
+                                  "vocabulary and the cascade's models tokenize apart: send "
+                                  "`prompt` text, or name a model")
     mode = CascadeMode.of(pb.cascade, header_mode)
     validated: list[GenerationRequest] = []
     for model in (policy.small, policy.large):

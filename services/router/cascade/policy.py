@@ -91,7 +91,7 @@ class CascadePolicy:
                              f"({self.large}) and the alias ({self.alias}) must differ")
         if self.window_tokens < 1:
             raise ValueError(f"--cascade-window must be >= 1, got {self.window_tokens}")
-        if self.min_mean_logprob > 0:
+        if not self.min_mean_logprob <= 0:  # NaN too: it would never escalate
             raise ValueError("--cascade-min-mean-logprob is a log-probability: <= 0, got "
                              f"{self.min_mean_logprob:g}")
         if self.margin < 0 or not 0 <= self.max_low_margin_share <= 1:
