@@ -364,12 +364,18 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
             model=embedder.model_id, prompt_tokens=tokens)
 
     async def _embed(self, texts: list[str], caller: str) -> np.ndarray:
-        """Embeds ``texts`` on the worker thread, counting the batch."""
+        """Embeds ``texts`` on the worker thread, counting the batch; ``caller`` "query"
+        (one text) takes the query encoder (:meth:`Embedder.embed_query`)."""
         embedder = self._ready_embedder()
         if not texts:
             return np.empty((0, embedder.dimension), dtype=np.float32)
         began = time.perf_counter()
-        vectors = await self._on_worker(lambda: embedder.embed(texts), query=caller != "ingest")
+        if caller == "query":
+            vectors = (await self._on_worker(lambda: embedder.embed_query(texts[0]),
+                                             query=True))[np.newaxis]
+        else:
+            vectors = await self._on_worker(lambda: embedder.embed(texts),
+                                            query=caller != "ingest")
         self._metrics.embed_seconds.labels(caller).inc(time.perf_counter() - began)
         self._metrics.embedded_texts.labels(caller).inc(len(texts))
         self._metrics.embed_batch_size.observe(len(texts))
