@@ -114,7 +114,7 @@ class Embedder:
         _check_pipeline(model)
         encoder = model[0].auto_model.eval()
         encoder.pooler = None  # BERT's [CLS] pooler: unused by mean pooling
-        query_encoder = _query_encoder(encoder, query_precision)
+        query_encoder = query_encoder_of(encoder, query_precision)
         embedder = cls(model_id=MODEL_ID, dimension=int(model.get_embedding_dimension()),
                        max_tokens=int(model.max_seq_length), tokenizer=model.tokenizer,
                        _encoder=encoder, _query_encoder=query_encoder, batch_size=batch_size)
@@ -183,7 +183,7 @@ def bf16_supported() -> bool:
     return bool(check is not None and check())
 
 
-def _query_encoder(encoder: Any, precision: str) -> Any:
+def query_encoder_of(encoder: Any, precision: str) -> Any:
     """``encoder`` itself (fp32) or a copy in ``precision`` (see the module docstring)."""
     import copy
     import warnings

@@ -8,7 +8,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from services.retriever.embedder import Embedder, _query_encoder, bf16_supported, model_directory
+from services.retriever.embedder import (
+    Embedder,
+    bf16_supported,
+    model_directory,
+    query_encoder_of,
+)
 
 TEXTS = [
     "who was the father of David",
@@ -46,7 +51,7 @@ def test_query_encoder_stays_close_to_encode(embedder: Embedder, reference: np.n
     if precision == "bf16" and not bf16_supported():
         pytest.skip("no native bf16 on this CPU: the query encoder is fp32")
     query = dataclasses.replace(embedder,
-                                _query_encoder=_query_encoder(embedder._encoder, precision))
+                                _query_encoder=query_encoder_of(embedder._encoder, precision))
     vectors = np.stack([query.embed_query(text) for text in TEXTS])
     assert vectors.shape == (len(TEXTS), 384) and vectors.dtype == np.float32
     assert np.all((vectors * reference).sum(axis=1) >= 1.0 - tolerance)
@@ -56,4 +61,4 @@ def test_query_encoder_stays_close_to_encode(embedder: Embedder, reference: np.n
 
 def test_unknown_query_precision_is_refused(embedder: Embedder) -> None:
     with pytest.raises(ValueError, match="fp16"):
-        _query_encoder(embedder._encoder, "fp16")
+        query_encoder_of(embedder._encoder, "fp16")
