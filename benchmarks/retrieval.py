@@ -61,7 +61,8 @@ from llmesh.v1 import retriever_pb2 as pb
 from llmesh.v1 import retriever_pb2_grpc
 
 from services.cli.mesh import REPO_ROOT, ServiceProcess, child_env, stop_processes
-from services.retriever.index import top_k
+from services.retriever.collection import Collection
+from services.retriever.index import FILE_BACKENDS, top_k
 from services.retriever.store import CollectionStore
 
 CORPUS = REPO_ROOT / "benchmarks" / "data" / "kjv_chapters.jsonl.gz"
@@ -171,14 +172,21 @@ def part_ingest(bench: Bench) -> None:
           f"(≤ {tokens / seconds:.0f} tokens/s)")
 
 
-def part_ann(bench: Bench) -> None:
-    """Recall@10 against exact search and search latency, per ANN library."""
-    store = CollectionStore(bench.args.data_dir, "usearch", DIMENSION)
+def _fp32_setting(bench: Bench) -> tuple[Collection, np.ndarray, np.ndarray, np.ndarray]:
+    """The collection as persisted (its usearch index), its labels ``[n]`` and vectors
+    ``[n, 384]``, and the queries' fp32 embeddings (``Embed``) ``[queries, 384]``."""
+    store = CollectionStore(bench.args.data_dir, FILE_BACKENDS["usearch"], DIMENSION)
     collection = {c.name: c for c in store.load_all()}[COLLECTION]
     labels = np.array(sorted(collection.chunks), dtype=np.int64)
     vectors = np.stack([collection.index.vector(int(label)) for label in labels])
     answer = bench.stub.Embed(pb.EmbedRequest(texts=bench.queries))
     queries = np.array([list(e.values) for e in answer.embeddings], dtype=np.float32)
+    return collection, labels, vectors, queries
+
+
+def part_ann(bench: Bench) -> None:
+    """Recall@10 against exact search and search latency, per ANN library."""
+    collection, labels, vectors, queries = _fp32_setting(bench)
     exact = [{label for label, _ in top_k(labels, vectors, q, K)} for q in queries]
     print(f"ann: {len(labels)} vectors of {DIMENSION}, {len(queries)} queries, k={K}, "
           f"M={HNSW_M} efConstruction={HNSW_EF_CONSTRUCTION} ef={HNSW_EF_SEARCH}")
@@ -255,14 +263,9 @@ def part_query(bench: Bench) -> None:
 
 
 def _query_agreement(bench: Bench, found: list[list[str]]) -> None:
-    store = CollectionStore(bench.args.data_dir, "usearch", DIMENSION)
-    collection = {c.name: c for c in store.load_all()}[COLLECTION]
-    labels = np.array(sorted(collection.chunks), dtype=np.int64)
-    vectors = np.stack([collection.index.vector(int(label)) for label in labels])
-    answer = bench.stub.Embed(pb.EmbedRequest(texts=bench.queries))
+    collection, labels, vectors, queries = _fp32_setting(bench)
     agree, recall, recall_fp32 = [], [], []
-    for ids, embedding in zip(found, answer.embeddings, strict=True):
-        query = np.array(embedding.values, dtype=np.float32)
+    for ids, query in zip(found, queries, strict=True):
         fp32 = {hit.chunk.chunk_id for hit in collection.search(query, K, {})}
         exact = {collection.chunks[int(label)].chunk_id
                  for label, _ in top_k(labels, vectors, query, K)}

@@ -6,6 +6,12 @@ collections under ``--data-dir`` are loaded. Without ``--data-dir``
 collections live in memory only (``llmesh up --retrieval`` passes
 ``RUN_DIR/retriever``).
 
+Index: ``--index usearch`` (default) or ``exact`` keep the vectors in the
+process and in ``--data-dir``; ``--index qdrant --qdrant-url URL`` keeps them in
+a Qdrant server (``pip install -e '.[retriever-qdrant]'``; API key from
+``QDRANT_API_KEY``), or in qdrant-client's local mode with ``--qdrant-url
+:memory:`` or a directory.
+
 Request size: gRPC messages up to 64 MiB (the server kit's limit; a larger
 one is RESOURCE_EXHAUSTED); one document's text up to ``--max-document-bytes``
 (1 MiB; a larger one is INVALID_ARGUMENT naming ``documents[i].text``).
@@ -21,7 +27,7 @@ from pathlib import Path
 from services.common.server import add_server_arguments, run_service, server_config_from_args
 from services.retriever.chunker import MAX_CHUNK_TOKENS, Chunking
 from services.retriever.embedder import QUERY_PRECISIONS, Embedder
-from services.retriever.index import BACKENDS
+from services.retriever.index import FILE_BACKENDS, IndexBackend
 from services.retriever.requests import Limits
 from services.retriever.service import CacheSizes, RetrieverService
 from services.retriever.store import CollectionStore
@@ -36,8 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="where collections persist (default: memory only)")
-    parser.add_argument("--index", choices=sorted(BACKENDS), default="usearch",
-                        help="vector index: usearch (HNSW, default) or exact (numpy scan)")
+    parser.add_argument("--index", choices=[*sorted(FILE_BACKENDS), "qdrant"], default="usearch",
+                        help="vector index: usearch (HNSW, default), exact (numpy scan) or "
+                             "qdrant (a Qdrant server, --qdrant-url)")
+    parser.add_argument("--qdrant-url", default=None,
+                        help="with --index qdrant: http(s)://host:6333, or qdrant-client's "
+                             "local mode: :memory: or a directory")
+    parser.add_argument("--qdrant-collection-prefix", default="llmesh-",
+                        help="prepended to each collection's name in Qdrant")
     parser.add_argument("--chunk-tokens", type=int, default=128,
                         help=f"default tokens per chunk (1..{MAX_CHUNK_TOKENS})")
     parser.add_argument("--overlap-tokens", type=int, default=32,
@@ -63,6 +75,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def make_backend(args: argparse.Namespace) -> IndexBackend:
+    """The index backend the flags name.
+
+    Raises:
+      ValueError: ``--qdrant-url`` missing for, or given without, ``--index qdrant``;
+        ``:memory:`` with ``--data-dir``.
+      ImportError: ``qdrant-client`` is not installed.
+    """
+    if args.index != "qdrant":
+        if args.qdrant_url is not None:
+            raise ValueError("--qdrant-url needs --index qdrant")
+        return FILE_BACKENDS[args.index]
+    if not args.qdrant_url:
+        raise ValueError("--index qdrant needs --qdrant-url")
+    if args.qdrant_url == ":memory:" and args.data_dir is not None:
+        raise ValueError("--qdrant-url :memory: forgets the vectors at exit, --data-dir keeps "
+                         "the documents: give a directory (local mode) or a server URL")
+    try:
+        from services.retriever.qdrant_index import QdrantBackend
+        return QdrantBackend(args.qdrant_url, prefix=args.qdrant_collection_prefix)
+    except ModuleNotFoundError as error:
+        raise ImportError("--index qdrant needs qdrant-client: "
+                          "pip install -e '.[retriever-qdrant]'") from error
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the service until SIGTERM/SIGINT; returns the exit status."""
     parser = build_parser()
@@ -76,10 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     limits = Limits(max_document_bytes=args.max_document_bytes,
                     max_text_bytes=args.max_text_bytes, default_top_k=args.default_top_k,
                     max_top_k=args.max_top_k, default_chunking=chunking)
+    try:
+        backend = make_backend(args)
+    except (ValueError, ImportError) as error:
+        parser.error(str(error))
     service = RetrieverService(
         lambda: Embedder.load(num_threads=args.num_threads, batch_size=args.batch_size,
                               query_precision=args.query_precision),
-        CollectionStore(args.data_dir, args.index, DIMENSION), limits=limits,
+        CollectionStore(args.data_dir, backend, DIMENSION), limits=limits,
         cache_sizes=CacheSizes(args.query_cache_entries, args.query_cache_entries),
         save_interval_s=args.save_interval_seconds)
     asyncio.run(run_service(server_config_from_args("retriever", args), service))

@@ -111,22 +111,37 @@ class Collection:
     def replace(self, documents: Iterable[PreparedDocument]) -> tuple[list[Chunk], list[Chunk]]:
         """Adds the documents, replacing those with the same id; bumps the
         version. Returns (chunks added, chunks removed), for the embedding
-        cache's pins."""
+        cache's pins.
+
+        Each document changes the index first, then this collection's state,
+        so an index that fails (a Qdrant server: any exception of its client)
+        leaves the collection consistent with it: the documents before the
+        failing one are in, the failing one's old version may be out, and the
+        version is bumped when anything changed (cached answers of the old
+        version are never served)."""
         added: list[Chunk] = []
         removed: list[Chunk] = []
-        for document in documents:
-            removed += self._remove_document(document.id)
-            chunks = [Chunk(self.next_label + i, i, document.id, text, digest)
-                      for i, (text, digest) in enumerate(
-                          zip(document.texts, document.digests, strict=True))]
-            self.next_label += len(chunks)
-            self._add_document(DocumentRecord(document.id, dict(document.metadata),
-                                              tuple(c.label for c in chunks)), chunks)
-            if chunks:
-                self.index.add(np.array([c.label for c in chunks], dtype=np.int64),
-                               document.vectors)
-            added += chunks
-        self.version += 1
+        completed = False
+        try:
+            for document in documents:
+                chunks = [Chunk(self.next_label + i, i, document.id, text, digest)
+                          for i, (text, digest) in enumerate(
+                              zip(document.texts, document.digests, strict=True))]
+                old = self.documents.get(document.id)
+                if old is not None:
+                    self.index.remove(old.labels)
+                    removed += self._forget_document(document.id)
+                if chunks:
+                    self.index.add(np.array([c.label for c in chunks], dtype=np.int64),
+                                   document.vectors)
+                self.next_label += len(chunks)
+                self._add_document(DocumentRecord(document.id, dict(document.metadata),
+                                                  tuple(c.label for c in chunks)), chunks)
+                added += chunks
+            completed = True
+        finally:
+            if completed or added or removed:
+                self.version += 1
         return added, removed
 
     def restore(self, record: DocumentRecord, chunks: Sequence[Chunk]) -> None:
@@ -140,10 +155,9 @@ class Collection:
         for name, value in record.metadata.items():
             self._postings.setdefault(name, {}).setdefault(value_key(value), set()).add(record.id)
 
-    def _remove_document(self, document_id: str) -> list[Chunk]:
-        record = self.documents.pop(document_id, None)
-        if record is None:
-            return []
+    def _forget_document(self, document_id: str) -> list[Chunk]:
+        """Drops a document from the state (its vectors are already removed)."""
+        record = self.documents.pop(document_id)
         for name, value in record.metadata.items():
             values = self._postings[name]
             holders = values[value_key(value)]
@@ -152,7 +166,6 @@ class Collection:
                 del values[value_key(value)]
             if not values:
                 del self._postings[name]
-        self.index.remove(record.labels)
         return [self.chunks.pop(label) for label in record.labels]
 
     def search(self, query: np.ndarray, k: int,

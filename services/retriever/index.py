@@ -1,5 +1,11 @@
 """Vector indexes of the retriever: one interface, an ANN backend and exact search.
 
+:class:`VectorIndex` is what a collection needs of its index;
+:class:`IndexBackend` makes one per collection (``--index``): the in-process
+ones here keep the index in a file under the data directory
+(:class:`FileBackend`), ``qdrant`` (:mod:`services.retriever.qdrant_index`)
+keeps it in a Qdrant server.
+
 Vectors are float32 rows of the embedding model's dimension, unit length
 (the embedder normalises them), so cosine similarity is their dot product.
 Each vector has an integer label (``int``, ≥ 0) the collection store owns.
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -65,8 +72,36 @@ class VectorIndex(Protocol):
     def vector(self, label: int) -> np.ndarray:
         """The vector stored under ``label``. KeyError when absent."""
 
+    def labels(self) -> set[int]:
+        """Every label the index holds."""
+
     def save(self, path: Path) -> None:
         """Writes the index to ``path`` (a file the backend owns)."""
+
+
+class IndexBackend(Protocol):
+    """Makes, reloads and drops the index of each collection (``--index``).
+
+    ``name`` is recorded in a saved collection, which reloads only under the
+    same backend.
+    """
+
+    name: str
+
+    def create(self, collection: str, dimension: int) -> VectorIndex:
+        """A new empty index for ``collection`` (one left by an earlier
+        collection of that name is emptied)."""
+
+    def load(self, path: Path, collection: str, dimension: int) -> VectorIndex:
+        """The index that ``save(path)`` of ``collection``'s index wrote.
+
+        Raises:
+          ValueError: the saved index cannot be found or read.
+        """
+
+    def drop(self, collection: str) -> None:
+        """Deletes what the backend holds for ``collection`` outside the data
+        directory (nothing for a file backend)."""
 
 
 class ExactIndex:
@@ -106,6 +141,9 @@ class ExactIndex:
 
     def vector(self, label: int) -> np.ndarray:
         return self._matrix[self._rows[label]]
+
+    def labels(self) -> set[int]:
+        return set(self._rows)
 
     def save(self, path: Path) -> None:
         with path.open("wb") as file:
@@ -191,6 +229,9 @@ class UsearchIndex:
             raise KeyError(label)
         return np.asarray(self._index.get(label), dtype=np.float32)
 
+    def labels(self) -> set[int]:
+        return set(np.asarray(self._index.keys).tolist())
+
     def save(self, path: Path) -> None:
         self._index.save(str(path))
 
@@ -216,18 +257,27 @@ def top_k(labels: np.ndarray, matrix: np.ndarray, query: np.ndarray, k: int) -> 
     return [(int(labels[row]), float(scores[row])) for row in best]
 
 
-#: Backend name (``--index``) → class.
-BACKENDS: dict[str, type[ExactIndex | UsearchIndex]] = {
-    "usearch": UsearchIndex,
-    "exact": ExactIndex,
+@dataclass(frozen=True)
+class FileBackend:
+    """An in-process index class saved whole to one file under the data
+    directory (the collection's name is not needed)."""
+
+    name: str
+    index_class: type[ExactIndex | UsearchIndex]
+
+    def create(self, collection: str, dimension: int) -> VectorIndex:
+        return self.index_class(dimension)
+
+    def load(self, path: Path, collection: str, dimension: int) -> VectorIndex:
+        return self.index_class.load(path, dimension)
+
+    def drop(self, collection: str) -> None:
+        """Nothing: the index is a file the store deletes with the collection."""
+
+
+#: The in-process backends by name (``--index``); ``qdrant`` is made by
+#: :class:`services.retriever.qdrant_index.QdrantBackend` from its flags.
+FILE_BACKENDS: dict[str, FileBackend] = {
+    "usearch": FileBackend("usearch", UsearchIndex),
+    "exact": FileBackend("exact", ExactIndex),
 }
-
-
-def make_index(backend: str, dimension: int) -> VectorIndex:
-    """A new empty index of ``backend`` (a :data:`BACKENDS` key)."""
-    return BACKENDS[backend](dimension)
-
-
-def load_index(backend: str, path: Path, dimension: int) -> VectorIndex:
-    """The ``backend`` index saved at ``path``."""
-    return BACKENDS[backend].load(path, dimension)

@@ -139,7 +139,7 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
         self._metrics.collections.set(len(self.store.collections))
         self._saver = asyncio.create_task(self._save_periodically())
         self._started = True
-        log.info("retriever_ready", model=self.embedder.model_id, backend=self.store.backend,
+        log.info("retriever_ready", model=self.embedder.model_id, backend=self.store.backend.name,
                  data_dir=str(self.store.data_dir), collections=len(collections),
                  chunks=sum(len(c.chunks) for c in collections))
 
@@ -232,7 +232,7 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
             raise InvalidField("name", f"collection {name!r} exists",
                                grpc.StatusCode.ALREADY_EXISTS)
         async with self._mutating:
-            collection = self.store.create(name, chunking)
+            collection = await self._on_worker(lambda: self.store.create(name, chunking))
         self._metrics.collections.set(len(self.store.collections))
         self._count_chunks(collection)
         return retriever_pb2.CreateCollectionResponse(collection=self._info(collection))
@@ -241,7 +241,7 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
                       ) -> retriever_pb2.DeleteCollectionResponse:
         collection = self._collection(request.name, "name")
         async with self._mutating:
-            self.store.delete(collection.name)
+            await self._on_worker(lambda: self.store.delete(collection.name))
         for chunk in collection.chunks.values():
             self.chunk_embeddings.unpin(chunk.digest)
         self.results.drop(lambda key: key.collection == collection.name)

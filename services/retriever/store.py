@@ -3,9 +3,14 @@
 Layout: ``DATA_DIR/c-<hex of the name>/`` per collection (hex: a name may be
 ``..``), holding ``collection.json`` (name, chunking, version, documents with
 metadata, chunks with text and content hash) and ``index-<version>.<backend>``
-(the vector index, vectors included). A save writes the index file, then the
+(the vector index, vectors included; for ``qdrant`` only the name of the
+Qdrant collection holding them). A save writes the index file, then the
 JSON to a temporary name renamed over the old one (atomic), then deletes
 older index files: a crash mid-save leaves the previous complete state.
+An index kept outside the data directory (Qdrant) is written as changes
+happen, so after a crash it can be ahead of the JSON: a load deletes the
+vectors of chunks the JSON does not list and leaves out (with a warning) the
+documents whose vectors are missing; ingest those again.
 
 Saves are deferred: :meth:`CollectionStore.mark_dirty` records a change and
 :meth:`CollectionStore.save_dirty` (every ``--save-interval-seconds``, and at
@@ -26,7 +31,7 @@ import structlog
 
 from services.retriever.chunker import Chunking
 from services.retriever.collection import Chunk, Collection, DocumentRecord
-from services.retriever.index import load_index, make_index
+from services.retriever.index import IndexBackend
 
 log = structlog.get_logger()
 
@@ -38,11 +43,11 @@ class CollectionStore:
 
     Args:
       data_dir: where collections live; created if missing.
-      backend: index backend name (:data:`~services.retriever.index.BACKENDS`).
+      backend: makes each collection's index (``--index``).
       dimension: the embedding model's dimension.
     """
 
-    def __init__(self, data_dir: Path | None, backend: str, dimension: int) -> None:
+    def __init__(self, data_dir: Path | None, backend: IndexBackend, dimension: int) -> None:
         self.data_dir = data_dir
         self.backend = backend
         self.dimension = dimension
@@ -50,15 +55,19 @@ class CollectionStore:
         self._dirty: set[str] = set()
 
     def create(self, name: str, chunking: Chunking) -> Collection:
-        """A new empty collection (the caller checked the name is free)."""
-        collection = Collection(name, chunking, make_index(self.backend, self.dimension))
+        """A new empty collection (the caller checked the name is free);
+        blocking I/O for a server-side index."""
+        collection = Collection(name, chunking, self.backend.create(name, self.dimension))
         self.collections[name] = collection
         self.mark_dirty(name)
         return collection
 
     def delete(self, name: str) -> Collection:
-        """Forgets a collection and deletes its files. KeyError when unknown."""
-        collection = self.collections.pop(name)
+        """Forgets a collection and deletes its files and its server-side
+        index (blocking I/O). KeyError when unknown."""
+        collection = self.collections[name]
+        self.backend.drop(name)  # first: a server that fails leaves the collection whole
+        del self.collections[name]
         self._dirty.discard(name)
         if self.data_dir is not None:
             shutil.rmtree(self._directory(name), ignore_errors=True)
@@ -85,14 +94,14 @@ class CollectionStore:
     def _save(self, collection: Collection) -> None:
         directory = self._directory(collection.name)
         directory.mkdir(parents=True, exist_ok=True)
-        index_file = f"index-{collection.version}.{self.backend}"
+        index_file = f"index-{collection.version}.{self.backend.name}"
         collection.index.save(directory / index_file)
         state = {
             "name": collection.name,
             "chunking": asdict(collection.chunking),
             "version": collection.version,
             "next_label": collection.next_label,
-            "backend": self.backend,
+            "backend": self.backend.name,
             "index_file": index_file,
             "documents": [
                 {"id": record.id, "metadata": dict(record.metadata),
@@ -125,18 +134,32 @@ class CollectionStore:
 
     def _load(self, state_path: Path) -> Collection:
         state = json.loads(state_path.read_text())
-        if state["backend"] != self.backend:
+        if state["backend"] != self.backend.name:
             raise ValueError(f"collection {state['name']!r} in {state_path.parent} was saved "
-                             f"with index {state['backend']!r}, not {self.backend!r}")
-        index = load_index(self.backend, state_path.parent / state["index_file"], self.dimension)
+                             f"with index {state['backend']!r}, not {self.backend.name!r}")
+        index = self.backend.load(state_path.parent / state["index_file"], state["name"],
+                                  self.dimension)
         if index.dimension != self.dimension:
             raise ValueError(f"collection {state['name']!r}: dimension {index.dimension}, "
                              f"the model's is {self.dimension}")
         collection = Collection(state["name"], Chunking(**state["chunking"]), index,
                                 version=state["version"], next_label=state["next_label"])
+        held = index.labels()
+        listed: set[int] = set()
         for document in state["documents"]:
             chunks = [Chunk(label, position, document["id"], text, digest)
                       for label, position, text, digest in document["chunks"]]
-            collection.restore(DocumentRecord(document["id"], document["metadata"],
-                                              tuple(c.label for c in chunks)), chunks)
+            labels = tuple(c.label for c in chunks)
+            if not held.issuperset(labels):
+                log.warning("document_vectors_missing", collection=collection.name,
+                            document=document["id"])
+                self.mark_dirty(collection.name)  # the next save forgets it
+                continue
+            listed.update(labels)
+            collection.restore(DocumentRecord(document["id"], document["metadata"], labels),
+                               chunks)
+        if held - listed:
+            log.warning("unlisted_vectors_removed", collection=collection.name,
+                        vectors=len(held - listed))
+            index.remove(held - listed)
         return collection

@@ -85,8 +85,8 @@ def test_mesh_starts_in_order_serves_and_stops(tmp_path: Path) -> None:
         assert hcm["stream_idle_timeout"] == "42s"
         routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
         # gRPC generation methods, then the OpenAI paths (the router's HTTP port,
-        # /tokenize and /detokenize included), then "/".
-        assert [r["route"].get("idle_timeout") for r in routes] == ["0s"] * 9 + [None]
+        # /tokenize, /detokenize and /v1/embeddings included), then "/".
+        assert [r["route"].get("idle_timeout") for r in routes] == ["0s"] * 10 + [None]
         assert _flag_values(router_argv, "--openai-port") == ["0"]
         assert mesh.router.extra_ports["openai_port"] > 0
         assert _flag_values(_argv(mesh, "tokenizer"), "--model-path") == ["/models/tiny.gguf"]

@@ -119,6 +119,36 @@ def test_replacing_a_document_bumps_the_version_and_reingesting_embeds_nothing(
     assert gone.code() == grpc.StatusCode.NOT_FOUND and "collection" in gone.details()
 
 
+def test_qdrant_index_serves_ingest_filter_replace_and_delete(tmp_path) -> None:
+    """``--index qdrant`` in qdrant-client's local mode (a directory): the same
+    answers through the service. One process start (a model load): the reload
+    from Qdrant is checked on the store (test_retriever_units.py)."""
+    pytest.importorskip("qdrant_client", reason="qdrant-client not installed "
+                        "(pip install -e '.[retriever-qdrant]')")
+    service = Retriever(tmp_path, "--index", "qdrant", "--qdrant-url", str(tmp_path / "qdrant"),
+                        "--save-interval-seconds", "0.2")
+    service.start()
+    try:
+        _create(service.stub, "q", tokens=8, overlap=0)
+        service.stub.Ingest(pb.IngestRequest(collection="q", documents=_documents()))
+        service.stub.Ingest(pb.IngestRequest(collection="q", documents=[pb.Document(
+            id="gen1", text=GENESIS + " Shepherds watched their flocks by night.",
+            metadata=_struct(book="genesis"))]))
+        sheep = service.stub.Query(pb.QueryRequest(collection="q", query="sheep in a green "
+                                                   "meadow", top_k=3))
+        assert sheep.chunks[0].document_id == "ps23" and sheep.version == 2
+        night = service.stub.Query(pb.QueryRequest(collection="q", query="flocks at night",
+                                                   top_k=1)).chunks[0]
+        assert night.document_id == "gen1" and "night" in night.text  # the replaced text
+        filtered = service.stub.Query(pb.QueryRequest(collection="q", query="sheep", top_k=3,
+                                                      filter=_struct(book="genesis")))
+        assert len(filtered.chunks) == 3 and {c.document_id for c in filtered.chunks} == {"gen1"}
+        service.stub.DeleteCollection(pb.DeleteCollectionRequest(name="q"))
+        assert list(service.stub.ListCollections(pb.ListCollectionsRequest()).collections) == []
+    finally:
+        service.stop()
+
+
 @pytest.mark.parametrize(("method", "request_", "code", "field"), [
     ("Query", pb.QueryRequest(collection="nope", query="x"), "NOT_FOUND", "collection"),
     ("Query", pb.QueryRequest(collection="bad", query=" \t"), "INVALID_ARGUMENT", "query"),

@@ -9,6 +9,7 @@ from google.protobuf import struct_pb2
 from llmesh.v1 import retriever_pb2
 
 from services.retriever import index as index_module
+from services.retriever.__main__ import build_parser, make_backend
 from services.retriever.caches import (
     EmbeddingCache,
     LruCache,
@@ -17,8 +18,9 @@ from services.retriever.caches import (
 )
 from services.retriever.chunker import Chunking, chunk_text
 from services.retriever.collection import Collection, PreparedDocument, UnknownFilterField
-from services.retriever.index import ExactIndex, UsearchIndex, top_k
+from services.retriever.index import FILE_BACKENDS, IndexBackend, UsearchIndex, top_k
 from services.retriever.requests import InvalidField, Limits, parse_documents, parse_query
+from services.retriever.store import CollectionStore
 
 
 class WordTokenizer:
@@ -104,17 +106,27 @@ def test_embedding_cache_keeps_pinned_vectors_and_moves_the_last_unpin_to_the_lr
 
 # indexes --------------------------------------------------------------------------
 
-@pytest.fixture(params=["exact", "usearch"])
-def index_class(request: pytest.FixtureRequest) -> type:
-    return {"exact": ExactIndex, "usearch": UsearchIndex}[request.param]
+def _qdrant_backend() -> IndexBackend:
+    """qdrant-client's embedded local mode (the same client API as a server's,
+    exact search); skipped without the ``retriever-qdrant`` extra."""
+    pytest.importorskip("qdrant_client", reason="qdrant-client not installed "
+                        "(pip install -e '.[retriever-qdrant]')")
+    from services.retriever.qdrant_index import QdrantBackend
+    return QdrantBackend(":memory:")
 
 
-def test_index_finds_the_exact_neighbours_and_forgets_removed_ones(index_class: type,
+@pytest.fixture(params=["exact", "usearch", "qdrant"])
+def backend(request: pytest.FixtureRequest) -> IndexBackend:
+    """Every index backend, behind the one interface the store uses."""
+    return _qdrant_backend() if request.param == "qdrant" else FILE_BACKENDS[request.param]
+
+
+def test_index_finds_the_exact_neighbours_and_forgets_removed_ones(backend: IndexBackend,
                                                                    tmp_path) -> None:
     rng = np.random.default_rng(0)
     vectors = _unit(rng.standard_normal((300, 16)))
     labels = np.arange(300, dtype=np.int64) * 7
-    index = index_class(16)
+    index = backend.create("c", 16)
     index.add(labels, vectors)
     query = vectors[5]
     exact = top_k(labels, vectors, query, 10)
@@ -126,10 +138,17 @@ def test_index_finds_the_exact_neighbours_and_forgets_removed_ones(index_class: 
     allowed = {int(label) for label in labels[100:140]}
     filtered = index.search(query, 10, allowed)
     assert len(filtered) == 10 and {label for label, _ in filtered} <= allowed
+    index.add(labels[:1], vectors[1:2])  # a label added again replaces its vector
+    assert index.search(vectors[1], 2)[0][1] == pytest.approx(1.0, abs=1e-5)
+    assert len(index) == 299 and index.labels() == {int(label) for label in labels} - {35}
+    assert index.search(query, 10, set()) == [] and index.search(query, 0) == []
     index.save(tmp_path / "index")
-    loaded = index_class.load(tmp_path / "index", 16)
+    loaded = backend.load(tmp_path / "index", "c", 16)
+    assert loaded.dimension == 16
     assert loaded.search(query, 10) == index.search(query, 10)
-    np.testing.assert_allclose(loaded.vector(0), vectors[0], atol=1e-6)
+    np.testing.assert_allclose(loaded.vector(0), vectors[1], atol=1e-6)
+    with pytest.raises(KeyError):
+        loaded.vector(35)
 
 
 def test_usearch_filtered_search_returns_k_when_the_filter_keeps_few_of_many(
@@ -155,8 +174,8 @@ def _document(doc_id: str, rows: np.ndarray, **metadata: object) -> PreparedDocu
                             _unit(rows))
 
 
-def test_collection_replaces_a_document_and_filters_by_metadata() -> None:
-    collection = Collection("c", Chunking(4, 1), ExactIndex(2))
+def test_collection_replaces_a_document_and_filters_by_metadata(backend: IndexBackend) -> None:
+    collection = Collection("c", Chunking(4, 1), backend.create("c", 2))
     added, removed = collection.replace([
         _document("a", np.array([[1.0, 0.0], [0.9, 0.1]]), lang="en", year=1611.0),
         _document("b", np.array([[0.0, 1.0]]), lang="de", flag=True)])
@@ -171,6 +190,59 @@ def test_collection_replaces_a_document_and_filters_by_metadata() -> None:
     with pytest.raises(UnknownFilterField) as unknown:
         collection.search(query, 3, {"year": 1611.0})  # only the replaced "a" had it
     assert unknown.value.field == "year"
+
+
+def test_a_failing_index_leaves_the_collection_consistent_with_it(backend: IndexBackend,
+                                                                 monkeypatch) -> None:
+    """A remote index can fail mid-ingest: the collection changes its state only
+    after the index did, and bumps the version when anything changed."""
+    collection = Collection("c", Chunking(4, 1), backend.create("c", 2))
+    collection.replace([_document("a", np.array([[1.0, 0.0]]), lang="en")])
+
+    def unreachable(labels: np.ndarray, vectors: np.ndarray) -> None:
+        raise ConnectionError("index down")
+
+    monkeypatch.setattr(collection.index, "add", unreachable)
+    with pytest.raises(ConnectionError):
+        collection.replace([_document("a", np.array([[0.0, 1.0]]), lang="de")])
+    assert collection.version == 2 and collection.documents == {}
+    assert collection.index.labels() == set() and collection.chunks == {}
+    with pytest.raises(UnknownFilterField):
+        collection.search(np.array([1.0, 0.0], dtype=np.float32), 3, {"lang": "en"})
+
+
+def test_qdrant_store_reconciles_the_server_with_the_saved_documents(tmp_path) -> None:
+    """Qdrant is written as changes happen, the JSON every save interval: after a
+    crash the load drops what the JSON does not list and the documents whose
+    vectors the server no longer has. Creating a collection again empties it;
+    deleting one deletes the Qdrant collection."""
+    backend = _qdrant_backend()
+    store = CollectionStore(tmp_path, backend, 2)
+    collection = store.create("c", Chunking(4, 1))
+    collection.replace([_document("a", np.array([[1.0, 0.0]])),
+                        _document("b", np.array([[0.0, 1.0]]))])
+    store.mark_dirty("c")
+    store.save_dirty()
+    # after the save, unsaved: "a" replaced (its saved vector deleted), "c" added
+    collection.replace([_document("a", np.array([[0.6, 0.8]])),
+                        _document("c", np.array([[0.8, 0.6]]))])
+    restarted = CollectionStore(tmp_path, backend, 2)  # the crash's restart
+    reloaded = restarted.load_all()[0]
+    assert restarted.save_dirty() == ["c"]  # the JSON forgets "a" too
+    assert sorted(reloaded.documents) == ["b"] and reloaded.index.labels() == {1}
+    query = np.array([1.0, 0.0], dtype=np.float32)
+    assert [hit.chunk.chunk_id for hit in reloaded.search(query, 5)] == ["b#0"]
+    assert len(store.create("c", Chunking(4, 1)).index) == 0
+    store.delete("c")
+    assert not backend.client.collection_exists(backend.collection_name("c"))
+
+
+@pytest.mark.parametrize("flags", [
+    ["--index", "qdrant"], ["--qdrant-url", ":memory:"],
+    ["--index", "qdrant", "--qdrant-url", ":memory:", "--data-dir", "d"]])
+def test_qdrant_flags_come_together(flags: list[str]) -> None:
+    with pytest.raises(ValueError, match="--qdrant-url"):
+        make_backend(build_parser().parse_args(flags))
 
 
 # requests -----------------------------------------------------------------------------
