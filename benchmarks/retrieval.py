@@ -21,7 +21,10 @@ order, each a function of :data:`PARTS`):
 * ``query``: ``Query`` latency over gRPC, p50/p99, for ``--queries`` distinct
   queries never asked before (cold: query embedding + search) and the same
   queries again (cached top-k); client wall time and the service's own
-  ``timing.total_ms``.
+  ``timing.total_ms`` and ``embed_ms``; then the cold answers' top-10
+  agreement with the same index searched with fp32 query vectors (``Embed``)
+  and their recall@10 against exact fp32 search (what ``--query-precision``,
+  passed to the service, costs in quality).
 * ``e2e``: TTFT through Envoy of a RAG chat request (``retrieval`` on
   ``kjv``, top_k 3) vs the same prompt with the passages pasted by the
   client, interleaved, ``--e2e-rounds`` rounds, p50/p99, on a mesh started
@@ -58,6 +61,7 @@ from llmesh.v1 import retriever_pb2 as pb
 from llmesh.v1 import retriever_pb2_grpc
 
 from services.cli.mesh import REPO_ROOT, ServiceProcess, child_env, stop_processes
+from services.retriever.collection import Collection
 from services.retriever.index import FILE_BACKENDS, top_k
 from services.retriever.store import CollectionStore
 
@@ -168,14 +172,21 @@ def part_ingest(bench: Bench) -> None:
           f"(≤ {tokens / seconds:.0f} tokens/s)")
 
 
-def part_ann(bench: Bench) -> None:
-    """Recall@10 against exact search and search latency, per ANN library."""
+def _fp32_setting(bench: Bench) -> tuple[Collection, np.ndarray, np.ndarray, np.ndarray]:
+    """The collection as persisted (its usearch index), its labels ``[n]`` and vectors
+    ``[n, 384]``, and the queries' fp32 embeddings (``Embed``) ``[queries, 384]``."""
     store = CollectionStore(bench.args.data_dir, FILE_BACKENDS["usearch"], DIMENSION)
     collection = {c.name: c for c in store.load_all()}[COLLECTION]
     labels = np.array(sorted(collection.chunks), dtype=np.int64)
     vectors = np.stack([collection.index.vector(int(label)) for label in labels])
     answer = bench.stub.Embed(pb.EmbedRequest(texts=bench.queries))
     queries = np.array([list(e.values) for e in answer.embeddings], dtype=np.float32)
+    return collection, labels, vectors, queries
+
+
+def part_ann(bench: Bench) -> None:
+    """Recall@10 against exact search and search latency, per ANN library."""
+    collection, labels, vectors, queries = _fp32_setting(bench)
     exact = [{label for label, _ in top_k(labels, vectors, q, K)} for q in queries]
     print(f"ann: {len(labels)} vectors of {DIMENSION}, {len(queries)} queries, k={K}, "
           f"M={HNSW_M} efConstruction={HNSW_EF_CONSTRUCTION} ef={HNSW_EF_SEARCH}")
@@ -230,17 +241,41 @@ def _other_libraries(labels: np.ndarray, vectors: np.ndarray
 
 
 def part_query(bench: Bench) -> None:
-    """Query latency over gRPC: cold (embedding + search), then cached."""
+    """Query latency over gRPC: cold (embedding + search), then cached; then how the
+    cold answers (the service's query encoder, ``--query-precision``) agree with
+    the same index searched with fp32 query vectors (``Embed``), and their
+    recall@10 against exact search with fp32 vectors."""
+    found: list[list[str]] = []
     for label in ("cold", "cached"):
-        wall, served, hits = [], [], 0
+        wall, served, embed, hits = [], [], [], 0
         for query in bench.queries:
             began = time.perf_counter()
             answer = bench.stub.Query(pb.QueryRequest(collection=COLLECTION, query=query, top_k=K))
             wall.append((time.perf_counter() - began) * 1e3)
             served.append(answer.timing.total_ms)
+            embed.append(answer.timing.embed_ms)
             hits += answer.timing.cache_hit
+            if label == "cold":
+                found.append([chunk.chunk_id for chunk in answer.chunks])
         print(f"query {label}: client {summary(wall)}; service {summary(served)}; "
-              f"cache hits {hits}/{len(bench.queries)}")
+              f"embed {summary(embed)}; cache hits {hits}/{len(bench.queries)}")
+    _query_agreement(bench, found)
+
+
+def _query_agreement(bench: Bench, found: list[list[str]]) -> None:
+    collection, labels, vectors, queries = _fp32_setting(bench)
+    agree, recall, recall_fp32 = [], [], []
+    for ids, query in zip(found, queries, strict=True):
+        fp32 = {hit.chunk.chunk_id for hit in collection.search(query, K, {})}
+        exact = {collection.chunks[int(label)].chunk_id
+                 for label, _ in top_k(labels, vectors, query, K)}
+        agree.append(len(fp32 & set(ids)) / K)
+        recall.append(len(exact & set(ids)) / K)
+        recall_fp32.append(len(exact & fp32) / K)
+    print(f"query encoder vs fp32 query vectors: top-{K} agreement "
+          f"{statistics.mean(agree):.4f} (same index); recall@{K} against exact fp32 search "
+          f"{statistics.mean(recall):.4f} (fp32 queries through the index: "
+          f"{statistics.mean(recall_fp32):.4f})")
 
 
 def part_e2e(bench: Bench) -> None:
@@ -261,13 +296,14 @@ PARTS: dict[str, Callable[[Bench], None]] = {
 }
 
 
-def start_retriever(data_dir: Path, run_dir: Path) -> ServiceProcess:
-    """The retriever on ``data_dir``, SERVING (waits for the model and the load)."""
+def start_retriever(data_dir: Path, run_dir: Path, *flags: str) -> ServiceProcess:
+    """The retriever on ``data_dir`` with ``flags``, SERVING (waits for the model and
+    the load)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     port_file = run_dir / "retriever.json"
     service = ServiceProcess("retriever", [
         sys.executable, "-m", "services.retriever", "--port", "0", "--metrics-port", "0",
-        "--port-file", str(port_file), "--data-dir", str(data_dir)],
+        "--port-file", str(port_file), "--data-dir", str(data_dir), *flags],
         "127.0.0.1", run_dir / "retriever.log", port_file)
     service.spawn(child_env(), REPO_ROOT)
     deadline = time.monotonic() + 600
@@ -298,6 +334,8 @@ def main() -> None:
     parser.add_argument("--engine-arg", action="append", default=[],
                         help="e2e: an engine flag (repeat), e.g. --engine-arg=--kv-cache-bytes "
                              "--engine-arg=268435456 where memory is short")
+    parser.add_argument("--query-precision", default="bf16",
+                        help="the retriever's --query-precision (fp32, bf16, int8)")
     parser.add_argument("--chapters", type=int, default=None,
                         help="use the first N chapters only (default: all 1,189, ~21k chunks)")
     args = parser.parse_args()
@@ -306,7 +344,9 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown parts {unknown}; choose from {list(PARTS)}")
     print(f"started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, {load()}", flush=True)
-    service = start_retriever(args.data_dir, args.data_dir.parent / "retrieval-bench-run")
+    service = start_retriever(args.data_dir, args.data_dir.parent / "retrieval-bench-run",
+                              "--query-precision", args.query_precision)
+    print(f"retriever --query-precision {args.query_precision}", flush=True)
     try:
         with grpc.insecure_channel(service.grpc_address) as channel:
             chapters = read_corpus()[:args.chapters]

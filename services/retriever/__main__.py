@@ -26,7 +26,7 @@ from pathlib import Path
 
 from services.common.server import add_server_arguments, run_service, server_config_from_args
 from services.retriever.chunker import MAX_CHUNK_TOKENS, Chunking
-from services.retriever.embedder import Embedder
+from services.retriever.embedder import QUERY_PRECISIONS, Embedder
 from services.retriever.index import FILE_BACKENDS, IndexBackend
 from services.retriever.requests import Limits
 from services.retriever.service import CacheSizes, RetrieverService
@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="query embeddings and top-k results cached (each; 0: off)")
     parser.add_argument("--num-threads", type=int, default=1,
                         help="torch threads of the embedding model (default 1)")
+    parser.add_argument("--query-precision", choices=QUERY_PRECISIONS, default="bf16",
+                        help="weights of the query encoder: bf16 (default; fp32 where the "
+                             "CPU has no native bf16), fp32, or int8 (fastest, least exact)")
     parser.add_argument("--batch-size", type=int, default=64,
                         help="texts per forward pass of the embedding model")
     parser.add_argument("--save-interval-seconds", type=float, default=2.0,
@@ -115,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ImportError) as error:
         parser.error(str(error))
     service = RetrieverService(
-        lambda: Embedder.load(num_threads=args.num_threads, batch_size=args.batch_size),
+        lambda: Embedder.load(num_threads=args.num_threads, batch_size=args.batch_size,
+                              query_precision=args.query_precision),
         CollectionStore(args.data_dir, backend, DIMENSION), limits=limits,
         cache_sizes=CacheSizes(args.query_cache_entries, args.query_cache_entries),
         save_interval_s=args.save_interval_seconds)

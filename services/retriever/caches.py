@@ -6,9 +6,14 @@
   stay while a collection holds a chunk with that hash (the collection store
   is the owner of those vectors) and up to ``capacity`` more, least recently
   used first out.
-* :class:`LruCache` keyed by the normalised query text (:func:`normalise_query`)
-  for query embeddings, and by :class:`ResultKey` (collection, version,
-  normalised query, top_k, filter) for top-k results. A collection's
+* :class:`LruCache` keyed by the cache scope and the normalised query text
+  (:func:`normalise_query`) for query embeddings, and by :class:`ResultKey`
+  (cache scope, collection, version, normalised query, top_k, filter) for
+  top-k results. The scope (``QueryRequest.cache_scope``: the tenant's, as the
+  router resolves it, :mod:`services.common.cache_scope`) is in both keys: a
+  hit's timing would otherwise tell one tenant that another asked the same
+  question (a query embedding is reused across collections, so it tells that
+  too). A collection's
   version changes with every ingest, replace or delete, so a stale result is
   never looked up again; :meth:`LruCache.drop` removes a changed collection's
   entries at once instead of waiting for them to age out.
@@ -46,8 +51,9 @@ def canonical_filter(fields: dict[str, object]) -> str:
 
 @dataclass(frozen=True)
 class ResultKey:
-    """What a cached top-k result depends on."""
+    """What a cached top-k result depends on (``scope``: the query's cache scope)."""
 
+    scope: str
     collection: str
     version: int
     query: str

@@ -15,6 +15,7 @@ import grpc
 from google.protobuf import struct_pb2
 from llmesh.v1 import retriever_pb2
 
+from services.common.cache_scope import MAX_CACHE_SCOPE_BYTES
 from services.retriever.caches import canonical_filter, normalise_query
 from services.retriever.chunker import DEFAULT_CHUNKING, Chunking
 from services.retriever.collection import Scalar
@@ -66,13 +67,15 @@ class DocumentInput:
 @dataclass(frozen=True)
 class QuerySpec:
     """A query, validated: ``query`` normalised, ``top_k`` resolved, the filter
-    as a dict and as its canonical string (cache key)."""
+    as a dict and as its canonical string (cache key), the caller's opaque
+    ``cache_scope`` ("" shared; part of both query caches' keys)."""
 
     collection: str
     query: str
     top_k: int
     where: Mapping[str, Scalar]
     where_key: str
+    cache_scope: str
 
 
 def parse_name(name: str, field: str = "name") -> str:
@@ -143,7 +146,8 @@ def parse_documents(request: retriever_pb2.IngestRequest, limits: Limits) -> lis
 
 
 def parse_query(request: retriever_pb2.QueryRequest, limits: Limits) -> QuerySpec:
-    """A query: collection name, non-blank text within the limit, top_k in range, flat filter."""
+    """A query: collection name, non-blank text within the limit, top_k in range, flat
+    filter, cache scope of at most :data:`MAX_CACHE_SCOPE_BYTES` bytes."""
     name = parse_name(request.collection, "collection")
     query = normalise_query(request.query)
     if not query:
@@ -154,7 +158,11 @@ def parse_query(request: retriever_pb2.QueryRequest, limits: Limits) -> QuerySpe
     if top_k > limits.max_top_k:
         raise InvalidField("top_k", f"{top_k} is over the limit of {limits.max_top_k}")
     where = flat_metadata(request.filter, "filter")
-    return QuerySpec(name, query, top_k, where, canonical_filter(where))
+    scope_bytes = len(request.cache_scope.encode())
+    if scope_bytes > MAX_CACHE_SCOPE_BYTES:
+        raise InvalidField("cache_scope", f"{scope_bytes} bytes, over the limit of "
+                                          f"{MAX_CACHE_SCOPE_BYTES}")
+    return QuerySpec(name, query, top_k, where, canonical_filter(where), request.cache_scope)
 
 
 def parse_texts(request: retriever_pb2.EmbedRequest, limits: Limits) -> list[str]:

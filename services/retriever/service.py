@@ -9,9 +9,10 @@ behind an ingest's batch. It owns the caches:
 * ingest: chunks (:mod:`~services.retriever.chunker`) whose content hash is in
   the :class:`~services.retriever.caches.EmbeddingCache` are not embedded
   again; the rest are embedded in one batched call;
-* query: the top-k result cache (key: collection, version, normalised query,
-  top_k, filter) answers first; else the query-embedding cache, else the
-  model; then the collection's index.
+* query: the top-k result cache (key: cache scope, collection, version,
+  normalised query, top_k, filter) answers first; else the query-embedding
+  cache (key: cache scope, normalised query), else the model's query encoder;
+  then the collection's index.
 
 Statuses are the proto's (``proto/llmesh/v1/retriever.proto``); every RPC
 answers UNAVAILABLE while the service drains.
@@ -95,7 +96,9 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
         self.limits = limits or Limits()
         self.embedder: Embedder | None = None
         self.chunk_embeddings = EmbeddingCache(sizes.loose_chunk_embeddings)
-        self.query_embeddings: LruCache[str, np.ndarray] = LruCache(sizes.query_embeddings)
+        # Keys: (cache scope, normalised query); see services.retriever.caches.
+        self.query_embeddings: LruCache[tuple[str, str], np.ndarray] = LruCache(
+            sizes.query_embeddings)
         self.results: LruCache[ResultKey, list[SearchHit]] = LruCache(sizes.results)
         self._load_embedder = load_embedder
         self._save_interval_s = save_interval_s
@@ -309,8 +312,8 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
         began = time.perf_counter()
         spec = parse_query(request, self.limits)
         collection = self._collection(spec.collection, "collection")
-        key = ResultKey(collection.name, collection.version, spec.query, spec.top_k,
-                        spec.where_key)
+        key = ResultKey(spec.cache_scope, collection.name, collection.version, spec.query,
+                        spec.top_k, spec.where_key)
         hits = self.results.get(key)
         self._metrics.cache_lookup("result", hits is not None)
         embed_s = search_s = 0.0
@@ -321,8 +324,8 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
             hits = self._search(collection, vector, spec)
             search_s = time.perf_counter() - searched
             self._metrics.query_stage.labels("search").observe(search_s)
-            self.results.put(ResultKey(collection.name, collection.version, spec.query,
-                                       spec.top_k, spec.where_key), hits)
+            self.results.put(ResultKey(spec.cache_scope, collection.name, collection.version,
+                                       spec.query, spec.top_k, spec.where_key), hits)
         total_s = time.perf_counter() - began
         self._metrics.query_stage.labels("total").observe(total_s)
         return retriever_pb2.QueryResponse(
@@ -333,7 +336,7 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
 
     async def _query_vector(self, spec: QuerySpec) -> tuple[np.ndarray, float]:
         """The query's embedding and the seconds spent embedding it (0 on a cache hit)."""
-        vector = self.query_embeddings.get(spec.query)
+        vector = self.query_embeddings.get((spec.cache_scope, spec.query))
         self._metrics.cache_lookup("query_embedding", vector is not None)
         if vector is not None:
             return vector, 0.0
@@ -341,7 +344,7 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
         vector = (await self._embed([spec.query], "query"))[0]
         embed_s = time.perf_counter() - began
         self._metrics.query_stage.labels("embed").observe(embed_s)
-        self.query_embeddings.put(spec.query, vector)
+        self.query_embeddings.put((spec.cache_scope, spec.query), vector)
         return vector, embed_s
 
     @staticmethod
@@ -364,12 +367,18 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
             model=embedder.model_id, prompt_tokens=tokens)
 
     async def _embed(self, texts: list[str], caller: str) -> np.ndarray:
-        """Embeds ``texts`` on the worker thread, counting the batch."""
+        """Embeds ``texts`` on the worker thread, counting the batch; ``caller`` "query"
+        (one text) takes the query encoder (:meth:`Embedder.embed_query`)."""
         embedder = self._ready_embedder()
         if not texts:
             return np.empty((0, embedder.dimension), dtype=np.float32)
         began = time.perf_counter()
-        vectors = await self._on_worker(lambda: embedder.embed(texts), query=caller != "ingest")
+        if caller == "query":
+            vectors = (await self._on_worker(lambda: embedder.embed_query(texts[0]),
+                                             query=True))[np.newaxis]
+        else:
+            vectors = await self._on_worker(lambda: embedder.embed(texts),
+                                            query=caller != "ingest")
         self._metrics.embed_seconds.labels(caller).inc(time.perf_counter() - began)
         self._metrics.embedded_texts.labels(caller).inc(len(texts))
         self._metrics.embed_batch_size.observe(len(texts))

@@ -569,7 +569,7 @@ class GenerationPipeline:
             raise no_retriever()
         held.retrieval = self.retrieval.start(
             request.retrieval, model=request.model, request_id=request.request_id,
-            deadline=deadline, parent=timing.span)
+            cache_scope=request.cache_scope, deadline=deadline, parent=timing.span)
         return held.retrieval
 
     async def _tokenized(self, request: GenerationRequest, deadline: float | None,

@@ -68,6 +68,24 @@ def test_ingest_then_query_finds_the_relevant_chunk_and_caches_the_answer(
         ("bible", 3, ingested.chunks)]
 
 
+def test_query_caches_are_scoped_so_one_tenant_never_hits_anothers_work(
+        retriever: Retriever) -> None:
+    stub = retriever.stub
+    _create(stub, "scoped")
+    stub.Ingest(pb.IngestRequest(collection="scoped", documents=_documents()))
+
+    def ask(scope: str) -> pb.RetrievalTiming:
+        return stub.Query(pb.QueryRequest(collection="scoped", query="who made the earth",
+                                          cache_scope=scope)).timing
+
+    assert not ask("tenant-a").cache_hit
+    other = ask("tenant-b")  # the same query in another scope: top-k and embedding miss
+    assert not other.cache_hit and other.embed_ms > 0
+    assert ask("tenant-a").cache_hit
+    assert not ask("").cache_hit  # the shared scope is a scope of its own
+    assert ask("tenant-b").cache_hit
+
+
 def test_filter_keeps_k_results_of_the_matching_documents(retriever: Retriever) -> None:
     stub = retriever.stub
     _create(stub, "filtered", tokens=8, overlap=0)

@@ -256,13 +256,15 @@ def test_query_validation_names_the_field() -> None:
         (retriever_pb2.QueryRequest(collection="c", query="q", filter=struct_pb2.Struct(
             fields={"tags": struct_pb2.Value(list_value=struct_pb2.ListValue())})),
          "filter.tags"),
+        (retriever_pb2.QueryRequest(collection="c", query="q", cache_scope="s" * 129),
+         "cache_scope"),
     ]:
         with pytest.raises(InvalidField) as refused:
             parse_query(request, limits)
         assert refused.value.field == field
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
     spec = parse_query(retriever_pb2.QueryRequest(collection="c", query=" a  b "), limits)
-    assert (spec.query, spec.top_k) == ("a b", limits.default_top_k)
+    assert (spec.query, spec.top_k, spec.cache_scope) == ("a b", limits.default_top_k, "")
 
 
 def test_ingest_validation_names_the_document() -> None:

@@ -96,6 +96,21 @@ async def test_passages_go_just_before_the_last_user_turn_and_the_last_message_l
         assert mesh.metric("llmesh:retrieval_wait_seconds_count", model_name="fake-model") == 2
 
 
+async def test_the_retrievers_caches_are_asked_in_the_requests_tenant_scope():
+    async with rag_mesh() as (mesh, retriever, _):
+        async def hit(tenant: str) -> bool:
+            responses = await collect(mesh.stub.Generate(
+                chat(("user", "Capital of France?"), collection="docs", top_k=2),
+                metadata=(("x-tenant-id", tenant),)))
+            return responses[-1].retrieval_latency.cache_hit
+
+        assert not await hit("acme")
+        assert not await hit("globex")  # another tenant's identical query: a miss
+        assert await hit("acme")  # the same tenant's: a hit
+        scopes = [query.cache_scope for query in retriever.queries]
+        assert scopes[0] == scopes[2] != scopes[1] and all(scopes)
+
+
 async def test_a_conversation_that_sends_its_passages_back_keeps_each_prompt_as_a_prefix():
     async with rag_mesh() as (mesh, _, _server):
         first = await collect(mesh.stub.Generate(chat(("user", "Where is Paris?"),

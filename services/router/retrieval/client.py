@@ -62,14 +62,17 @@ class RetrieverClient:
 
     async def query(self, collection: str, query: str, *, top_k: int,
                     filter: Mapping[str, object], request_id: str, timeout: float,
+                    cache_scope: str = "",
                     metadata: tuple[tuple[str, str], ...] = ()) -> QueryAnswer:
-        """Top-k chunks of ``collection`` for ``query``.
+        """Top-k chunks of ``collection`` for ``query``; the retriever's caches reuse only
+        work of the same ``cache_scope`` (:mod:`services.common.cache_scope`).
 
         Raises:
           UpstreamError: the retriever's status (NOT_FOUND, INVALID_ARGUMENT
             naming its field, UNAVAILABLE, DEADLINE_EXCEEDED after ``timeout``).
         """
-        pb = retriever_pb2.QueryRequest(collection=collection, query=query, top_k=top_k)
+        pb = retriever_pb2.QueryRequest(collection=collection, query=query, top_k=top_k,
+                                        cache_scope=cache_scope)
         if filter:
             pb.filter.CopyFrom(to_struct(filter))
         answer = await self._call(self._stub.Query, pb, request_id, timeout, metadata)

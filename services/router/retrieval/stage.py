@@ -190,9 +190,10 @@ class RetrievalStage:
         self.metrics = metrics
         self.timeout_s = timeout_s
 
-    def start(self, spec: RetrievalSpec, *, model: str, request_id: str,
+    def start(self, spec: RetrievalSpec, *, model: str, request_id: str, cache_scope: str,
               deadline: float | None, parent: tracing.Span | None) -> PendingRetrieval:
-        """Begins ``spec``'s Query now (under an ``llmesh.retrieve`` span).
+        """Begins ``spec``'s Query now (under an ``llmesh.retrieve`` span), in the
+        request's ``cache_scope`` (the retriever's top-k and query-embedding caches).
 
         Raises:
           InvalidRequestError: FAILED_PRECONDITION naming ``retrieval``: no retriever.
@@ -201,21 +202,24 @@ class RetrievalStage:
             raise no_retriever()
         now = time.monotonic()
         timeout = self.timeout_s if deadline is None else min(self.timeout_s, deadline - now)
-        task = asyncio.create_task(self._query(self.client, spec, request_id, timeout, parent),
-                                   name=f"retrieve {request_id}")
+        task = asyncio.create_task(
+            self._query(self.client, spec, request_id, cache_scope, timeout, parent),
+            name=f"retrieve {request_id}")
         pending = PendingRetrieval(spec, task, now, model, self.metrics, self.client.target)
         task.add_done_callback(pending.mark_answered)
         return pending
 
     @staticmethod
     async def _query(client: RetrieverClient, spec: RetrievalSpec, request_id: str,
-                     timeout: float, parent: tracing.Span | None) -> QueryAnswer:
+                     cache_scope: str, timeout: float,
+                     parent: tracing.Span | None) -> QueryAnswer:
         with tracing.span("llmesh.retrieve", parent, attributes={
                 "llmesh.retrieval.collection": spec.collection,
                 "llmesh.retrieval.top_k": spec.top_k}) as span:
             answer = await client.query(
                 spec.collection, spec.query, top_k=spec.top_k, filter=spec.filter,
-                request_id=request_id, timeout=timeout, metadata=tracing.metadata_of(span))
+                request_id=request_id, timeout=timeout, cache_scope=cache_scope,
+                metadata=tracing.metadata_of(span))
             if span is not None:
                 span.set_attributes({"llmesh.retrieval.cache_hit": answer.cache_hit,
                                      "llmesh.retrieval.embed_ms": answer.embed_ms,

@@ -294,11 +294,18 @@ class QueryRequest(_message.Message):
     QUERY_FIELD_NUMBER: _builtins.int
     TOP_K_FIELD_NUMBER: _builtins.int
     FILTER_FIELD_NUMBER: _builtins.int
+    CACHE_SCOPE_FIELD_NUMBER: _builtins.int
     collection: _builtins.str
     query: _builtins.str
     """The query text (normalised for the cache: trimmed, whitespace collapsed)."""
     top_k: _builtins.int
     """Chunks to return. 0: the service default."""
+    cache_scope: _builtins.str
+    """The request's cache scope (as in CacheKey.cache_scope: opaque, at most
+    128 bytes; the router sends the tenant's or cache group's scope and the
+    caller's `cache_salt`): a cached top-k or query embedding is reused only
+    by a query of the same scope. Empty: the shared scope.
+    """
     @_builtins.property
     def filter(self) -> _struct_pb2.Struct:
         """Equality filter on metadata: every field must equal the document's value."""
@@ -310,10 +317,11 @@ class QueryRequest(_message.Message):
         query: _builtins.str = ...,
         top_k: _builtins.int = ...,
         filter: _struct_pb2.Struct | None = ...,
+        cache_scope: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["collection", b"collection", "filter", b"filter", "query", b"query", "top_k", b"top_k"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_scope", b"cache_scope", "collection", b"collection", "filter", b"filter", "query", b"query", "top_k", b"top_k"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
