@@ -148,7 +148,7 @@ def test_openai_edge_names_the_model_and_path(cascade_mesh: Mesh) -> None:
             "smollm2", "gemma3", "auto"]
     # QA: echo and token ids took the small model's ids to the large one (noise).
     for body, param in (({"prompt": HARD, "echo": True}, "echo"),
-                        ({"prompt": [1, 2, 3]}, "prompt_tokens")):
+                        ({"prompt": [1, 2, 3]}, "prompt")):
         with pytest.raises(urllib.error.HTTPError) as refused:
             post({"model": "auto", "max_tokens": 3, **body})
         assert refused.value.code == 400

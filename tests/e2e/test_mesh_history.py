@@ -163,3 +163,20 @@ def test_two_routers_write_one_summary(routers: tuple[ServiceProcess, ServicePro
         for client in (a, b):
             usage = turn(client, model, list(messages))
             assert usage["history"]["turns_summarized"] > 0
+
+
+def test_the_current_exchange_is_kept_whole_past_the_budget(
+        routers: tuple[ServiceProcess, ServiceProcess], model: str) -> None:
+    """QA: a message longer than the budget was refused ("does not fit the
+    context window ... more than max_prompt_tokens=384"), and a turn with
+    retrieval passages (a user message before the last one) lost them. The
+    budget drops earlier turns only; the current exchange fits the context."""
+    long = "Please read this: " + "the quick brown fox jumps over the lazy dog. " * 50
+    with client_of(routers[0]) as client:
+        for extra in ({}, {"history": {"summarize": False}}):
+            usage = turn(client, model, [{"role": "user", "content": long}], **extra)
+            assert usage["prompt_tokens"] > BUDGET, usage
+        passages = [{"role": "user", "content": long},
+                    {"role": "user", "content": "What animal jumps?"}]
+        assert turn(client, model, passages)["prompt_tokens"] > BUDGET
+    settle(routers[0])

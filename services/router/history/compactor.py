@@ -39,6 +39,7 @@ from services.router.history.conversation import (
     Boundary,
     Conversation,
     boundaries,
+    earlier_turns,
     rewrite,
     split,
 )
@@ -103,14 +104,16 @@ class HistoryCompactor:
         assert request.messages is not None
         budget = min(self.budget, max_prompt_tokens)
         if request.summarize_history is False:
-            return await self._render(request, request.messages, budget, deadline,
-                                      traceparent), HistoryReport()
+            return await self._render_fitting(request, request.messages, budget,
+                                              max_prompt_tokens, deadline,
+                                              traceparent), HistoryReport()
         conversation = split(request.messages)
         candidates = boundaries(conversation, model=self.model, summarizer=self.summarizer)
         found = await self._lookup(request, candidates)
         start = candidates[found.index].end if found.summary is not None else 0
         messages = rewrite(conversation, found.summary.text if found.summary else "", start)
-        chat = await self._render(request, messages, budget, deadline, traceparent)
+        chat = await self._render_fitting(request, messages, budget, max_prompt_tokens,
+                                          deadline, traceparent)
         if compaction_due(len(chat.token_ids), chat.num_dropped_messages, budget) \
                 and not found.pending:
             self._spawn(self._compact(request, conversation, candidates, found.summary, start))
@@ -144,6 +147,32 @@ class HistoryCompactor:
             request_id=request.request_id, deadline=deadline,
             allow_special_tokens=request.allow_special_tokens, traceparent=traceparent,
             tools=request.chat_tools)
+
+    async def _render_fitting(self, request: GenerationRequest,
+                              messages: Sequence[ChatMessage], budget: int,
+                              context_limit: int, deadline: float | None,
+                              traceparent: str) -> ChatPrompt:
+        """``messages`` rendered within the budget, which may drop only earlier
+        turns: when the current exchange (the messages after the last assistant
+        reply: the user's turn, retrieval passages, tool results) does not fit
+        the budget by itself, it is rendered within the context window
+        (``context_limit``) instead. The budget is a target for the history,
+        never a limit on the request itself (QA: a long message was refused
+        and a RAG request's passages were dropped while reported as used).
+
+        Raises:
+          UpstreamError: as ``apply_chat_template`` (OUT_OF_RANGE only when the
+            context window itself is too small).
+        """
+        try:
+            chat = await self._render(request, messages, budget, deadline, traceparent)
+        except UpstreamError as err:
+            if err.code != grpc.StatusCode.OUT_OF_RANGE or budget >= context_limit:
+                raise
+        else:
+            if chat.num_dropped_messages <= earlier_turns(messages) or budget >= context_limit:
+                return chat
+        return await self._render(request, messages, context_limit, deadline, traceparent)
 
     def _spawn(self, work: object) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(work)  # type: ignore[arg-type]

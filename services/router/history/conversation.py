@@ -58,6 +58,15 @@ def split(messages: Sequence[ChatMessage]) -> Conversation:
     return Conversation(tuple(messages[:count]), tuple(messages[count:]))
 
 
+def earlier_turns(messages: Sequence[ChatMessage]) -> int:
+    """How many of ``messages`` after the leading system ones come before the
+    current exchange (the messages after the last ``assistant`` one): the
+    ones a history budget may drop (or a summary replace)."""
+    turns = split(messages).turns
+    last_reply = max((i for i, m in enumerate(turns) if m.role == "assistant"), default=-1)
+    return last_reply + 1
+
+
 def _field(text: str) -> bytes:
     data = text.encode()
     return _LEN.pack(len(data)) + data
