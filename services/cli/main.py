@@ -39,6 +39,7 @@ from services.router.cascade.flags import add_arguments as add_cascade_arguments
 from services.router.cascade.flags import problem as cascade_problem
 from services.router.cascade.flags import router_args as cascade_router_args
 from services.router.history.flags import add_history_arguments
+from services.router.history.flags import problem as history_problem
 from services.router.history.flags import router_flags as history_router_args
 
 if TYPE_CHECKING:
@@ -324,7 +325,8 @@ def _up_problem(args: argparse.Namespace, engine_args: list[str]) -> str | None:
         return problem
     if args.api_keys is not None and not os.path.isfile(args.api_keys):
         return f"--api-keys: no file at {args.api_keys}"
-    problem = cascade_problem(args, [m.name for m in args.models])
+    problem = (cascade_problem(args, [m.name for m in args.models])
+               or history_problem(args, [m.name for m in args.models]))
     if problem:
         return problem
     return _host_memory_problem(args.engines * max(1, len(args.models)), engine_args)

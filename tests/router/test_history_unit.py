@@ -3,6 +3,7 @@ hashes, the prompt rewrite, the compaction plan and the summariser's prompt."""
 
 from __future__ import annotations
 
+import argparse
 import pytest
 
 from services.common.sampling import Priority, SamplingOptions
@@ -141,3 +142,21 @@ def test_llmesh_up_passes_the_history_flags_to_the_router() -> None:
     settings = history_settings(routed)
     assert (settings.budget("smol"), settings.budget("other")) == (512, 2048)
     assert settings.summarizer("smol") == "small" and settings.summary_max_tokens == 128
+
+
+def test_llmesh_up_refuses_bad_history_flags_before_starting() -> None:
+    """QA: a summary size of -5 failed only once the engines had started, and a
+    budget or summariser naming no served model started silently."""
+    from services.router.history.flags import add_history_arguments, problem
+
+    parser = argparse.ArgumentParser()
+    add_history_arguments(parser)
+
+    def check(*argv: str) -> str | None:
+        return problem(parser.parse_args(list(argv)), ["small", "large"])
+
+    assert check("--history-budget-tokens", "small=512") is None
+    assert ">= 1" in (check("--history-summary-max-tokens", "-5") or "")
+    assert "['nope']" in (check("--history-budget-tokens", "nope=512") or "")
+    assert "['nope']" in (check("--history-summarizer-model", "nope") or "")
+    assert problem(parser.parse_args(["--history-budget-tokens", "nope=512"]), []) is None

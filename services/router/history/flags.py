@@ -50,6 +50,27 @@ def history_settings(args: argparse.Namespace, *, cascade_small: str = "") -> Hi
                            summary_max_tokens=args.history_summary_max_tokens)
 
 
+def problem(args: argparse.Namespace, models: list[str]) -> str | None:
+    """What is wrong with ``llmesh up``'s history flags given its ``--model``
+    names (checked before any service starts; with no ``--model`` the default
+    model's name is not known here, so model names are not checked), or None.
+    QA: a bad summary size failed only once the engines had started, and a
+    budget or summariser naming no served model started silently."""
+    try:
+        settings = history_settings(args)
+    except ValueError as err:
+        return str(err)
+    if not models:
+        return None
+    named = [m for m in settings.budgets if m] + (
+        [settings.summarizer_model] if settings.summarizer_model else [])
+    missing = [m for m in named if m not in models]
+    if missing:
+        return (f"--history-budget-tokens/--history-summarizer-model name {missing}, which no "
+                f"--model NAME=PATH serves (served: {models})")
+    return None
+
+
 def router_flags(args: argparse.Namespace) -> list[str]:
     """The router flags for the history flags ``llmesh up`` was given."""
     flags = [f"--history-budget-tokens={model + '=' if model else ''}{tokens}"
