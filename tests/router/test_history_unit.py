@@ -4,6 +4,7 @@ hashes, the prompt rewrite, the compaction plan and the summariser's prompt."""
 from __future__ import annotations
 
 import argparse
+
 import pytest
 
 from services.common.sampling import Priority, SamplingOptions
