@@ -208,7 +208,8 @@ ROUTER_CLUSTER = "router"
 #: Envoy cluster of the retriever service (``llmesh up --retrieval``), and the
 #: gRPC path prefix routed to it.
 RETRIEVER_CLUSTER = "retriever"
-RETRIEVER_PREFIX = "/llmesh.v1.RetrieverService/"
+RETRIEVER_SERVICE = "llmesh.v1.RetrieverService"
+RETRIEVER_PREFIX = f"/{RETRIEVER_SERVICE}/"
 #: Envoy cluster that points at the router's OpenAI-compatible HTTP port.
 OPENAI_CLUSTER = "router_openai"
 #: Paths routed to it (exact), and the prefix of ``GET /v1/models/{id}``.
