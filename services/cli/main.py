@@ -248,14 +248,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     for flag in ("backend", "device", "dtype", "quantization"):
         if getattr(args, flag):
             engine_args += [f"--{flag}", getattr(args, flag)]
-    problem = _up_problem(args, engine_args)
-    if problem:
-        print(f"llmesh: {problem}", file=sys.stderr)
-        return 2
-    router_args = [*args.router_arg, *cascade_router_args(args), *history_router_args(args)]
-    if args.api_keys is not None:
-        router_args += ["--api-keys", os.path.abspath(args.api_keys)]
-    problem = _pass_through_problem(router_args, list(args.retriever_arg))
+    router_args = _router_args(args)
+    problem = (_up_problem(args, engine_args)
+               or _pass_through_problem(router_args, list(args.retriever_arg)))
     if problem:
         print(f"llmesh: {problem}", file=sys.stderr)
         return 2
@@ -334,6 +329,15 @@ def _up_problem(args: argparse.Namespace, engine_args: list[str]) -> str | None:
     if problem:
         return problem
     return _host_memory_problem(args.engines * max(1, len(args.models)), engine_args)
+
+
+def _router_args(args: argparse.Namespace) -> list[str]:
+    """The router's flags ``llmesh up`` adds to the ones the mesh sets:
+    ``--router-arg``, then the cascade, history and API key flags."""
+    router_args = [*args.router_arg, *cascade_router_args(args), *history_router_args(args)]
+    if args.api_keys is not None:
+        router_args += ["--api-keys", os.path.abspath(args.api_keys)]
+    return router_args
 
 
 def _pass_through_problem(router_args: list[str], retriever_args: list[str]) -> str | None:
