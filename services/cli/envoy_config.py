@@ -656,11 +656,13 @@ def _path_under(*paths: str) -> AccessLogFilter:
 
 
 def _path_starts_v1() -> AccessLogFilter:
+    """The request's ``:path`` starts with ``/v1/``."""
     return AccessLogFilter(header_filter=HeaderFilter(header=HeaderMatcher(
         name=":path", string_match=StringMatcher(prefix="/v1/"))))
 
 
 def _both(*filters: AccessLogFilter) -> AccessLogFilter:
+    """Every one of ``filters`` matches."""
     return AccessLogFilter(and_filter=AndFilter(filters=list(filters)))
 
 
