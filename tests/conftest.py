@@ -11,6 +11,25 @@ import pytest
 from services.cli.mesh import Mesh
 from tests.cache.redis_server import RedisProcess, start_redis_server
 
+#: The session's meshes (this file's and tests/e2e/conftest.py's): a test that
+#: asks for one runs on the pytest-xdist worker that holds them all.
+MESH_FIXTURES = frozenset({"mesh", "ingress_channel", "small_window_engine",
+                           "two_small_engines", "two_model_mesh"})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On a pytest-xdist worker (``-n N --dist loadgroup``): one work unit per
+    test module (its module fixtures start once), and one for every test of
+    tests/e2e or on a session mesh (each mesh starts once, and the modules
+    that share one run in tests/e2e/conftest.py's order)."""
+    if not hasattr(config, "workerinput"):
+        return
+    for item in items:
+        on_mesh = "e2e" in item.path.parts or not MESH_FIXTURES.isdisjoint(item.fixturenames)
+        group = "meshes" if on_mesh else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
 
 @pytest.fixture(scope="session")
 def mesh_redis() -> Iterator[RedisProcess]:
