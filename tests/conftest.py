@@ -18,17 +18,24 @@ MESH_FIXTURES = frozenset({"mesh", "ingress_channel", "small_window_engine",
                            "two_small_engines", "two_model_mesh"})
 
 
+def on_a_session_mesh(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a session-scoped mesh fixture (a module's own
+    ``mesh``, which overrides the session's, does not count)."""
+    definitions = getattr(item, "_fixtureinfo").name2fixturedefs
+    return any(definitions[name][-1].scope == "session"
+               for name in MESH_FIXTURES.intersection(item.fixturenames) if name in definitions)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """On a pytest-xdist worker (``-n N --dist loadgroup``): one work unit per
-    test module (its module fixtures start once), and one for every test of
-    tests/e2e or on a session mesh (each mesh starts once, and the modules
-    that share one run in tests/e2e/conftest.py's order)."""
+    test module (its module fixtures start once), and one for every test on a
+    session mesh (each mesh starts once, on one worker, and the modules that
+    share one run in tests/e2e/conftest.py's order)."""
     if not hasattr(config, "workerinput"):
         return
     for item in items:
-        on_mesh = "e2e" in item.path.parts or not MESH_FIXTURES.isdisjoint(item.fixturenames)
-        group = "meshes" if on_mesh else item.nodeid.split("::")[0]
+        group = "session-meshes" if on_a_session_mesh(item) else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
 
 
