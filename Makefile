@@ -51,7 +51,7 @@ check-generated: generate
 
 ## The whole test suite (what CI runs).
 test: install
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n 2 --dist loadgroup
 
 ## The whole mesh on localhost: Envoy on 127.0.0.1:8080, admin on 127.0.0.1:9901.
 up: install
