@@ -67,7 +67,7 @@ from services.common.logprobs import logprobs_to_pb
 from services.common.sampling import InvalidRequestError, Priority
 from services.router.admission import AdmissionConfig, AdmissionController
 from services.router.api_keys import API_KEY_HEADER, AUTHORIZATION_HEADER, Tenant
-from services.router.cascade.edge import alias_card, validate_alias
+from services.router.cascade.edge import alias_card, served_problem, validate_alias
 from services.router.cascade.metrics import CascadeMetrics
 from services.router.cascade.policy import MODE_HEADER, CascadePolicy
 from services.router.cascade.runner import Cascade
@@ -446,14 +446,14 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
 
     def _check_cascade(self) -> None:
         """Refuses to start with a cascade whose models are not configured
-        (a pool still opening may serve them later)."""
+        (a pool still opening may serve them later) or whose window passes
+        the small model's context (:func:`served_problem`)."""
         policy = self.config.cascade
         if policy is None:
             return
-        missing = {policy.small, policy.large} - set(self.pools)
-        if missing and not self._pending:
-            raise RuntimeError(f"--cascade names {sorted(missing)}, which no pool serves "
-                               f"(served: {sorted(self.pools)})")
+        problem = served_problem(policy, self.models, complete=not self._pending)
+        if problem is not None:
+            raise RuntimeError(problem)
         log.info("cascade_ready", policy=policy.describe())
 
     def _all_pools_open(self) -> None:

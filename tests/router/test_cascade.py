@@ -9,6 +9,7 @@ import asyncio
 import math
 from collections.abc import AsyncIterator
 
+import grpc
 import pytest
 from llmesh.v1 import generation_pb2
 from prometheus_client import CollectorRegistry
@@ -257,3 +258,23 @@ def test_token_ids_to_the_alias_are_refused_naming_prompt_tokens() -> None:
 
 
 POLICY_WITH_ALIAS = CascadePolicy("small", "large", alias="auto")
+
+
+async def test_a_deadline_in_the_window_says_the_client_received_no_token() -> None:
+    """QA: the small leg's own message ("after 1 generated tokens") reached a
+    client that had received none (the window held them back)."""
+    from services.router.clients import UpstreamError
+    from services.router.generation import GenerationError, upstream_to_generation_error
+
+    class Late(Legs):
+        async def run(self, request: GenerationRequest,
+                      progress: Progress) -> AsyncIterator[Event]:
+            yield delta(-0.1)
+            raise upstream_to_generation_error(UpstreamError(
+                "engine", "t", grpc.StatusCode.DEADLINE_EXCEEDED, "late"), completion_tokens=1)
+
+    with pytest.raises(GenerationError) as late:
+        await serve(Late([]), cascade_request())
+    assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "generated tokens" not in late.value.message
+    assert "received none" in late.value.message

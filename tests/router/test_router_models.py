@@ -33,9 +33,11 @@ BASE_REPLY = "Bonjour tout le monde."
 
 
 @contextlib.asynccontextmanager
-async def two_models(*, second_model: str = "base-model", tool_call_formats=None):
+async def two_models(*, second_model: str = "base-model", tool_call_formats=None,
+                     second_chat: bool = False, **config):
     """A router serving ``fake-model`` (chat; the default) and ``second_model``
-    (no chat template), each with its own tokenizer and one engine."""
+    (a chat template only with ``second_chat``), each with its own tokenizer
+    and one engine; ``config``: more RouterConfig fields."""
     servers: list[grpc.aio.Server] = []
 
     async def start(add, servicer) -> str:
@@ -54,9 +56,9 @@ async def two_models(*, second_model: str = "base-model", tool_call_formats=None
         startup_timeout=10, tool_call_formats=tool_call_formats or {},
         pools=(PoolConfig(
             await start(tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server,
-                        FakeTokenizer(model=second_model, has_chat_template=False)),
+                        FakeTokenizer(model=second_model, has_chat_template=second_chat)),
             (await start(engine_pb2_grpc.add_EngineServiceServicer_to_server,
-                         base_engine),)),))
+                         base_engine),)),), **config)
     router = RouterService(config, metrics=RouterMetrics(CollectorRegistry()))
     try:
         await router.start()
@@ -133,3 +135,17 @@ def test_a_bad_tool_call_format_flag_names_the_formats(capsys) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--tool-call-format", "bogus"])
     assert "one of auto, template, hermes, none" in capsys.readouterr().err
+
+
+async def test_a_cascade_window_past_the_small_models_context_is_refused_at_start():
+    """QA: ``--cascade-window 1000000000`` was accepted (every answer would be
+    held back whole); the router refuses to start, naming the flag."""
+    from services.router.cascade.policy import CascadePolicy
+
+    with pytest.raises(RuntimeError, match=r"--cascade-window 1000000000: .*\(256 tokens\)"):
+        async with two_models(cascade=CascadePolicy("fake-model", "base-model",
+                                                    window_tokens=10**9)):
+            pass
+    async with two_models(cascade=CascadePolicy("fake-model", "base-model",
+                                                window_tokens=256)):
+        pass

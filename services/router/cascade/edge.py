@@ -66,4 +66,30 @@ def alias_card(policy: CascadePolicy | None,
         has_chat_template=small.has_chat_template and large.has_chat_template)
 
 
-__all__ = ["alias_card", "validate_alias"]
+def served_problem(policy: CascadePolicy | None, served: Mapping[str, ModelLimits], *,
+                   complete: bool) -> str | None:
+    """What keeps the router from serving ``policy`` over the ``served``
+    models (checked at start, naming the flag), or None.
+
+    Args:
+      complete: every pool is open (a model missing now is missing for good).
+
+    A window longer than the small model's context window could never fill:
+    the whole answer would be held back (QA: ``--cascade-window 1000000000``
+    was accepted).
+    """
+    if policy is None:
+        return None
+    missing = {policy.small, policy.large} - set(served)
+    if missing and complete:
+        return (f"--cascade names {sorted(missing)}, which no pool serves "
+                f"(served: {sorted(served)})")
+    small = served.get(policy.small)
+    if small is not None and policy.window_tokens > small.max_model_len:
+        return (f"--cascade-window {policy.window_tokens}: more than the small model "
+                f"{policy.small!r}'s context window ({small.max_model_len} tokens); the "
+                "window could never fill and every answer would be held back whole")
+    return None
+
+
+__all__ = ["alias_card", "served_problem", "validate_alias"]

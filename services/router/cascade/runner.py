@@ -40,12 +40,14 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import grpc
+
 from services.router.cascade.metrics import CascadeMetrics
 from services.router.cascade.path import AnswerPath
 from services.router.cascade.policy import CascadeLeg, CascadeMode, CascadePolicy
 from services.router.cascade.rule import escalation_reason, score
-from services.router.cascade.window import for_client, hold
-from services.router.generation import Event, Finished, Progress
+from services.router.cascade.window import Window, for_client, hold
+from services.router.generation import Event, Finished, GenerationError, Progress
 from services.router.validation import GenerationRequest
 
 #: Runs one leg: the request (``model`` the small or large one) → its events.
@@ -122,7 +124,7 @@ class Cascade:
         small_progress = Progress()
         events = run_model(small, small_progress)
         async with contextlib.aclosing(events):
-            window = await hold(events, policy.window_tokens)
+            window = await _held(events, policy.window_tokens)
             confidence = score(window.logprobs(policy.window_tokens), policy.margin)
             reason = escalation_reason(policy, confidence)
             held_back_s = time.monotonic() - started
@@ -151,6 +153,26 @@ class Cascade:
         async with contextlib.aclosing(_stamped(run_model(large, progress), path)) as answer:
             async for event in answer:
                 yield event
+
+
+async def _held(events: AsyncIterator[Event], k: int) -> Window:
+    """The window (:func:`~.window.hold`). A deadline that passes while it is
+    held says what the client got, none of the held-back tokens, not what
+    the small model generated (QA: "after 1 generated tokens" for a client
+    that received none).
+
+    Raises:
+      GenerationError: DEADLINE_EXCEEDED so reworded; any other the leg's own.
+    """
+    try:
+        return await hold(events, k)
+    except GenerationError as err:
+        if err.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise
+        raise GenerationError(err.code, (
+            "the call's deadline passed while the cascade held back the small model's first "
+            "tokens for its decision: the client received none of them; allow a longer "
+            "deadline")) from err
 
 
 async def _released(held: list[Event], rest: AsyncIterator[Event],
