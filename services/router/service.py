@@ -648,11 +648,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                                     received_at=received_at, deadline=deadline,
                                     progress=leg_progress, session=session)
 
-        async def count_prompt(leg: GenerationRequest) -> int:
-            return len(await self.pipeline_for(leg).prompt_ids(leg, deadline=deadline))
-
         if request.cascade is not None and self.cascade is not None:
-            events = self.cascade.run(request, run_model, count_prompt=count_prompt,
+            events = self.cascade.run(request, run_model,
                                       progress=Progress() if progress is None else progress)
         else:
             events = run_model(request, progress)

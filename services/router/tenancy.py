@@ -47,6 +47,7 @@ from services.router.api_keys import (
     key_from_headers,
     load_key_table,
 )
+from services.router.cascade.policy import PromptRerouted
 from services.router.generation import (
     Event,
     Finished,
@@ -259,6 +260,11 @@ class Tenancy:
                     if isinstance(event, Finished):
                         outcome = event.reason.name.lower()
                     yield event
+        except PromptRerouted:
+            # The cascade's large leg serves the request: it counts there.
+            outcome, failed = "rerouted", True
+            lease.refund_request()
+            raise
         except (GenerationError, InvalidRequestError) as err:
             outcome, failed = err.code.name.lower(), True
             raise

@@ -40,6 +40,7 @@ tokens it received, so that refusals do not burn a tenant's quota.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -112,11 +113,12 @@ class Lease:
     when the request ends (later calls do nothing)."""
 
     def __init__(self, limiter: TenantLimiter, tenant: str, limits: TenantLimits,
-                 lease_id: int) -> None:
+                 lease_id: int, request: _Charge) -> None:
         self._limiter = limiter
         self.tenant = tenant
         self.limits = limits
         self._id = lease_id
+        self._request = request
         self._charge: _Charge | None = None
         self.reserved = 0
         self.ended = False
@@ -131,6 +133,13 @@ class Lease:
             reservation alone is larger than the limit.
         """
         self._limiter._reserve(self, prompt_tokens + max_tokens)
+
+    def refund_request(self) -> None:
+        """Takes the request back out of ``requests_per_minute``: another
+        lease counts it (a cascade leg that handed the request on before
+        admission)."""
+        with contextlib.suppress(ValueError):  # already left the window
+            self._limiter._tenants[self.tenant].requests.remove(self._request)
 
     def end(self, *, prompt_tokens: int, completion_tokens: int, failed: bool) -> None:
         """Ends the request: frees its in-flight slot and settles its
@@ -172,10 +181,11 @@ class TenantLimiter:
                 f"tenant {tenant!r} made {len(state.requests)} requests in the last "
                 f"{WINDOW_S:g} s, its requests_per_minute limit is "
                 f"{limits.requests_per_minute}"), wait)
-        state.requests.append(_Charge(now, 1))
+        request = _Charge(now, 1)
+        state.requests.append(request)
         self._next_id += 1
         state.in_flight[self._next_id] = now
-        return Lease(self, tenant, limits, self._next_id)
+        return Lease(self, tenant, limits, self._next_id, request)
 
     def usage(self, tenant: str) -> TenantUsage:
         state = self._tenants.get(tenant, _TenantState())

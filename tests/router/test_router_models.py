@@ -34,10 +34,12 @@ BASE_REPLY = "Bonjour tout le monde."
 
 @contextlib.asynccontextmanager
 async def two_models(*, second_model: str = "base-model", tool_call_formats=None,
-                     second_chat: bool = False, **config):
+                     second_chat: bool = False, registry: CollectorRegistry | None = None,
+                     **config):
     """A router serving ``fake-model`` (chat; the default) and ``second_model``
     (a chat template only with ``second_chat``), each with its own tokenizer
-    and one engine; ``config``: more RouterConfig fields."""
+    and one engine; ``registry``: the router's metrics; ``config``: more
+    RouterConfig fields."""
     servers: list[grpc.aio.Server] = []
 
     async def start(add, servicer) -> str:
@@ -59,7 +61,7 @@ async def two_models(*, second_model: str = "base-model", tool_call_formats=None
                         FakeTokenizer(model=second_model, has_chat_template=second_chat)),
             (await start(engine_pb2_grpc.add_EngineServiceServicer_to_server,
                          base_engine),)),), **config)
-    router = RouterService(config, metrics=RouterMetrics(CollectorRegistry()))
+    router = RouterService(config, metrics=RouterMetrics(registry or CollectorRegistry()))
     try:
         await router.start()
         router_server = grpc.aio.server()
@@ -149,3 +151,24 @@ async def test_a_cascade_window_past_the_small_models_context_is_refused_at_star
     async with two_models(cascade=CascadePolicy("fake-model", "base-model",
                                                 window_tokens=256)):
         pass
+
+
+async def test_the_cascade_prompt_rule_tokenizes_the_prompt_once():
+    """Issue 34: the prompt-only rule tokenized the prompt, then the small leg
+    did again; now the rule reads the small leg's own prompt ids."""
+    from services.router.cascade.policy import CascadePolicy
+
+    registry = CollectorRegistry()
+
+    def tokenized(model: str) -> float:
+        return sum(registry.get_sample_value("llmesh:router_tokenize_total",
+                                             {"model_name": model, "path": path}) or 0.0
+                   for path in ("local", "service"))
+
+    policy = CascadePolicy("fake-model", "base-model", max_prompt_tokens=40)
+    async with two_models(cascade=policy, registry=registry) as (stub, chat_engine, base_engine):
+        assert await text(stub, model="auto", prompt="short") == CHAT_REPLY
+        assert (tokenized("fake-model"), tokenized("base-model")) == (1, 0)
+        assert await text(stub, model="auto", prompt="long " * 12) == BASE_REPLY
+        assert (tokenized("fake-model"), tokenized("base-model")) == (2, 1)
+    assert len(chat_engine.log.starts) == 1 and len(base_engine.log.starts) == 1

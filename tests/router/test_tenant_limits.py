@@ -175,3 +175,17 @@ def end(lease: Lease, prompt: int, max_tokens: int, share: float, ending: str) -
     failed = ending == "error"
     lease.end(prompt_tokens=prompt, completion_tokens=completion, failed=failed)
     return completion + (0 if failed else prompt)
+
+
+def test_a_refunded_request_leaves_requests_per_minute() -> None:
+    """A cascade leg that hands its request on before admission (the prompt
+    rule) is not counted: the leg that serves it is."""
+    limiter = TenantLimiter(clock=Clock())
+    limits = TenantLimits(requests_per_minute=1)
+    lease = limiter.begin("t", limits)
+    lease.refund_request()
+    lease.end(prompt_tokens=5, completion_tokens=0, failed=True)
+    limiter.begin("t", limits).end(prompt_tokens=5, completion_tokens=3, failed=False)
+    assert limiter.usage("t").requests_in_window == 1
+    with pytest.raises(TenantLimited):
+        limiter.begin("t", limits)
