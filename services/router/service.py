@@ -65,7 +65,7 @@ from services.common.grpc_util import metadata_value, request_id_from
 from services.common.logging import REQUEST_ID_METADATA_KEY, bind_request_id
 from services.common.logprobs import logprobs_to_pb
 from services.common.sampling import InvalidRequestError, Priority
-from services.router.admission import AdmissionConfig, AdmissionController
+from services.router.admission import AdmissionConfig, AdmissionController, AdmissionRefused
 from services.router.api_keys import API_KEY_HEADER, AUTHORIZATION_HEADER, Tenant
 from services.router.cascade.edge import alias_card, served_problem, validate_alias
 from services.router.cascade.metrics import CascadeMetrics
@@ -483,11 +483,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         self.pools = {pool.model: pool for _, pool in sorted(self._opened.items())}
         self.default_model = self._opened[0].model if 0 in self._opened else ""
         attach_history(self.pools, self.config.history, self._cache, self.metrics.history,
-                       self._summary_generation)
-
-    def _summary_generation(self, request: GenerationRequest) -> AsyncIterator[Event]:
-        """Runs a history summary's request through its model's pipeline."""
-        return self.pools[request.model].pipeline.run(request, received_at=time.monotonic())
+                       _Summaries(self))
 
     def _log_ready(self, pool: ModelPool) -> None:
         log.info("router_ready", model=pool.model, max_model_len=pool.limits.max_model_len,
@@ -877,6 +873,19 @@ def _start_failure(opened: list[ModelPool | BaseException], pools: dict[int, Mod
             return _duplicate_model(seen[pool.model], pool)
         seen[pool.model] = pool
     return None
+
+
+class _Summaries:
+    """History summaries run as the chat's tenant (:class:`SummaryRunner`)."""
+
+    def __init__(self, router: RouterService) -> None:
+        self._router = router
+
+    def refusal(self, request: GenerationRequest) -> AdmissionRefused | None:
+        return self._router.tenancy.background_refusal(request)
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
+        return self._router.tenancy.run_background(request, self._router.pipeline_for(request))
 
 
 def _duplicate_model(first: ModelPool, second: ModelPool) -> RuntimeError:
