@@ -598,7 +598,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         the call's W3C trace context headers, kept (unchecked) while tracing is on.
         A request to the cascade alias is validated as each of its two models
         (:func:`validate_alias`; ``header_cascade``: the ``x-llmesh-cascade``
-        header).
+        header; the tenant's ``cascade`` setting is the mode when neither
+        the request nor the header names one).
 
         Raises:
           InvalidRequestError: the first bad field.
@@ -609,7 +610,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         cascade = validate_alias(pb, header_cascade, self.config.cascade, functools.partial(
             self.validate, request_id=request_id, header_request_id=header_request_id,
             header_tenant=header_tenant, tenant=tenant, traceparent=traceparent,
-            tracestate=tracestate))
+            tracestate=tracestate), tenant_mode=None if tenant is None else tenant.cascade)
         if cascade is not None:
             return cascade
         if self._pending and (pb.model or self.default_model) not in self.pools:

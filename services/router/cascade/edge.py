@@ -16,11 +16,12 @@ ValidateAs = Callable[[generation_pb2.GenerateRequest], GenerationRequest]
 
 
 def validate_alias(pb: generation_pb2.GenerateRequest, header_mode: str | None,
-                   policy: CascadePolicy | None,
-                   validate_as: ValidateAs) -> GenerationRequest | None:
+                   policy: CascadePolicy | None, validate_as: ValidateAs, *,
+                   tenant_mode: CascadeMode | None = None) -> GenerationRequest | None:
     """The validated request when ``pb`` names the cascade alias (``model`` the
-    small one, ``cascade`` its mode), else None (a request to a model; its
-    ``cascade`` field must be unset).
+    small one, ``cascade`` its mode: :meth:`CascadeMode.of`, ``tenant_mode``
+    the tenant's default), else None (a request to a model; its ``cascade``
+    field must be unset).
 
     Both models validate the request (each its limits, chat template and the
     tenant's permission), so a request one of them would refuse is refused
@@ -42,7 +43,7 @@ def validate_alias(pb: generation_pb2.GenerateRequest, header_mode: str | None,
         raise InvalidRequestError("prompt_tokens", "token ids belong to one model's "
                                   "vocabulary and the cascade's models tokenize apart: send "
                                   "`prompt` text, or name a model")
-    mode = CascadeMode.of(pb.cascade, header_mode)
+    mode = CascadeMode.of(pb.cascade, header_mode, tenant_mode)
     validated: list[GenerationRequest] = []
     for model in (policy.small, policy.large):
         leg = generation_pb2.GenerateRequest()

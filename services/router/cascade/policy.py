@@ -2,7 +2,8 @@
 
 A request names the cascade by its alias model id; its mode comes from the
 request's ``cascade`` field, else the ``x-llmesh-cascade`` header (gRPC
-metadata or HTTP header), else ``auto``.
+metadata or HTTP header), else its tenant's ``cascade`` setting (the API key
+file), else ``auto``.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ class CascadeMode(enum.Enum):
     LARGE = "large"
 
     @classmethod
-    def of(cls, pb: int, header: str | None) -> CascadeMode:
-        """The mode of a request: the field when set, else the header, else AUTO.
+    def of(cls, pb: int, header: str | None,
+           tenant_default: CascadeMode | None = None) -> CascadeMode:
+        """The mode of a request: the field when set, else the header, else
+        the tenant's setting (its key file entry's ``cascade``), else AUTO.
 
         Raises:
           InvalidRequestError: INVALID_ARGUMENT naming ``cascade`` (an enum
@@ -45,7 +48,7 @@ class CascadeMode(enum.Enum):
                 raise InvalidRequestError("cascade", f"unknown CascadeMode value {pb}")
             return by_pb[pb]
         if header is None or not header.strip():
-            return cls.AUTO
+            return cls.AUTO if tenant_default is None else tenant_default
         try:
             return cls(header.strip().lower())
         except ValueError:
