@@ -209,10 +209,17 @@ def test_a_summary_does_not_delay_another_tenants_requests(
             messages.append({"role": "user", "content": fact})
             turn(client, model, messages, history={"summarize": False})
         messages.append({"role": "user", "content": FACTS[9]})
-        turn(client, model, messages)  # starts a compaction in the background
-    during = []
-    while metric(router, "llmesh:history_compactions_running") and len(during) < 3:
-        during.append(foreground())
+        # this turn starts a compaction in the background
+        crossing = threading.Thread(target=turn, args=(client, model, messages))
+        crossing.start()
+        deadline = time.monotonic() + 30
+        while (not metric(router, "llmesh:history_compactions_running")
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        during = []
+        while metric(router, "llmesh:history_compactions_running") and len(during) < 3:
+            during.append(foreground())
+        crossing.join()
     settle(router)
     assert during, "the summary was written before a request could overlap it"
     assert sorted(during)[len(during) // 2] < 3 * baseline + 0.5, (baseline, during)
