@@ -25,10 +25,10 @@ tenant over a limit gets none: before it claims anything the compaction
 waits out the limit's retry hint when that is short (at most
 :data:`~.settings.DEFER_WAIT_S` in all), else it is deferred (outcome
 ``deferred``) and a later turn past the high-water mark tries again; its
-turns are trimmed meanwhile. (Should the limit be reached
-between that check and the generation, the generation is refused, the
-outcome is ``deferred`` too, and the claim's lease, ``lease_seconds``,
-holds the retry off.)
+turns are trimmed meanwhile. (Should the limit be reached between that
+check and the generation, the generation is refused, the outcome is
+``deferred`` too, and the claim's lease, ``lease_seconds``, holds the retry
+off.)
 
 A request with ``history.summarize: false`` is only trimmed to the budget.
 The request learns what happened in a :class:`HistoryReport` (``usage``).
@@ -45,6 +45,7 @@ import grpc
 import structlog
 
 from services.common.wire.chat import ChatMessage, ChatPrompt
+from services.router.admission import AdmissionRefused
 from services.router.clients import UpstreamError
 from services.router.generation import GenerationError
 from services.router.history.conversation import (
@@ -57,7 +58,6 @@ from services.router.history.conversation import (
 )
 from services.router.history.metrics import HistoryMetrics
 from services.router.history.plan import compaction_due, compaction_end, low_water_tokens
-from services.router.admission import AdmissionRefused
 from services.router.history.settings import DEFER_WAIT_S, HistorySettings
 from services.router.history.store import Lookup, Summary, SummaryStore
 from services.router.history.summarizer import SummaryRunner, generate_text, summary_request

@@ -3,7 +3,8 @@
 * :func:`split`: the leading ``system`` messages (kept whole, never
   summarised) and the turns after them.
 * :func:`boundaries`: where a summary may end (before a ``user`` turn of
-  the earlier turns, never in the current exchange), each with the chained hash of the prefix it covers:
+  the earlier turns, never in the current exchange), each with the chained
+  hash of the prefix it covers:
   ``h_0 = SHA-256(domain, model, summariser, system turns)`` and ``h_k =
   SHA-256(h_{k-1}, turn k)``, each message encoded length-prefixed (role,
   content, tool call id, tool calls), so equal conversations give equal
