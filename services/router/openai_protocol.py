@@ -475,7 +475,9 @@ def _stream_options(data: Mapping[str, Any], stream: bool) -> bool:
     if extra:
         raise InvalidRequestError(f"stream_options.{extra[0]}", "is not supported "
                                                                 "(only include_usage is)")
-    return _bool(options, "include_usage", "stream_options") if "include_usage" in options else False
+    if "include_usage" not in options:
+        return False
+    return _bool(options, "include_usage", "stream_options")
 
 
 # ---------------------------------------------------------------- sampling
