@@ -222,4 +222,8 @@ def test_a_summary_does_not_delay_another_tenants_requests(
         crossing.join()
     settle(router)
     assert during, "the summary was written before a request could overlap it"
-    assert sorted(during)[len(during) // 2] < 3 * baseline + 0.5, (baseline, during)
+    # A foreground request may share one engine step with the summary's
+    # prefill (a step is never preempted): a second or so at most here. A
+    # summary that held foreground requests back would cost its whole
+    # generation (several seconds).
+    assert sorted(during)[len(during) // 2] < 4 * baseline + 1.0, (baseline, during)
