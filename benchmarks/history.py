@@ -130,7 +130,7 @@ def drive(mesh: Mesh, args: argparse.Namespace) -> dict[str, Any]:
     time.sleep(0.5)
     outcomes = {outcome: sum(metric(r.metrics_address, "llmesh:history_compactions_total",
                                     outcome=outcome) for r in routers)
-                for outcome in ("stored", "claimed_elsewhere", "failed")}
+                for outcome in ("stored", "claimed_elsewhere", "failed", "deferred")}
     seconds = [metric(r.metrics_address, "llmesh:history_summary_seconds_sum") for r in routers]
     for client in clients:
         client.close()

@@ -8,6 +8,7 @@ the SHA-256 of its keys, the models it may use and its limits::
         keys: ["sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"]
         models: ["*"]                  # every served model (the default)
         cache_group: acme-org          # optional: share caches with the group
+        cascade: large                 # optional: the cascade alias's default mode
         limits:                        # absent or 0: no limit
           requests_per_minute: 600
           tokens_per_minute: 200000    # prompt + completion
@@ -17,6 +18,9 @@ Caches are scoped by tenant (:mod:`services.common.cache_scope`): a tenant
 never reuses another's cached work. Tenants whose entries name the same
 ``cache_group`` share one scope (an explicit opt-in, e.g. the tenants of one
 organisation); a group's name is its own namespace, never a tenant id.
+``cascade`` (``auto``, ``small`` or ``large``) is the mode of the tenant's
+requests to the cascade's alias that name none (e.g. a tenant that always
+wants the large model).
 
 The file holds hashes only, never a key: an entry that is not
 ``sha256:<64 hex digits>`` is refused (without echoing it: it may be a key
@@ -56,6 +60,8 @@ from typing import Any
 
 import yaml
 
+from services.router.cascade.policy import CascadeMode
+
 #: The one hash form the file accepts.
 HASH_PREFIX = "sha256:"
 _HASH_RE = re.compile(r"sha256:[0-9a-f]{64}")
@@ -69,6 +75,7 @@ AUTHORIZATION_HEADER = "authorization"
 API_KEY_HEADER = "x-api-key"
 _TENANT_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")
 _LIMIT_NAMES = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
+_TENANT_FIELDS = ("id", "keys", "models", "limits", "cache_group", "cascade")
 
 
 class KeyFileError(ValueError):
@@ -94,13 +101,16 @@ class TenantLimits:
 @dataclass(frozen=True)
 class Tenant:
     """One tenant: its id (in logs and metric labels), the models it may use
-    (``"*"``: all), its limits and the cache group it shares caches with (""
-    none: its caches are its own)."""
+    (``"*"``: all), its limits, the cache group it shares caches with (""
+    none: its caches are its own) and the cascade mode its requests to the
+    cascade's alias take when they name none (None: ``auto``;
+    :mod:`services.router.cascade.policy`)."""
 
     id: str
     models: frozenset[str] = frozenset({ALL_MODELS})
     limits: TenantLimits = TenantLimits()
     cache_group: str = ""
+    cascade: CascadeMode | None = None
 
     def may_use(self, model: str) -> bool:
         return ALL_MODELS in self.models or model in self.models
@@ -204,12 +214,11 @@ def parse_key_table(text: str, *, source: str = "<keys>") -> KeyTable:
 
 def _tenant(raw: Any, where: str) -> tuple[Tenant, list[str]]:
     if not isinstance(raw, dict):
-        raise KeyFileError(f"{where}: must be a mapping with id, keys, models, limits, "
-                           "cache_group")
-    unknown = set(raw) - {"id", "keys", "models", "limits", "cache_group"}
+        raise KeyFileError(f"{where}: must be a mapping with {', '.join(_TENANT_FIELDS)}")
+    unknown = set(raw) - set(_TENANT_FIELDS)
     if unknown:
         raise KeyFileError(f"{where}: unknown field(s) {sorted(map(str, unknown))}; "
-                           "allowed: id, keys, models, limits, cache_group")
+                           f"allowed: {', '.join(_TENANT_FIELDS)}")
     tenant_id = raw.get("id")
     if not isinstance(tenant_id, str) or not _TENANT_ID_RE.fullmatch(tenant_id):
         raise KeyFileError(f"{where}.id: must be 1..128 printable ASCII characters "
@@ -237,8 +246,19 @@ def _tenant(raw: Any, where: str) -> tuple[Tenant, list[str]]:
         raise KeyFileError(f"{where}.cache_group: must be 1..128 printable ASCII characters "
                            "without spaces (tenants naming the same group share caches)")
     tenant = Tenant(tenant_id, frozenset(models), _limits(raw.get("limits", {}), where),
-                    cache_group)
+                    cache_group, _cascade(raw.get("cascade"), where))
     return tenant, digests
+
+
+def _cascade(raw: Any, where: str) -> CascadeMode | None:
+    if raw is None:
+        return None
+    try:
+        return CascadeMode(raw)
+    except ValueError:
+        modes = ", ".join(m.value for m in CascadeMode)
+        raise KeyFileError(f"{where}.cascade: must be one of {modes} (the default mode of "
+                           "this tenant's requests to the cascade's alias)") from None
 
 
 def _limits(raw: Any, where: str) -> TenantLimits:

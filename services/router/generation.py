@@ -115,6 +115,7 @@ from services.common.wire.chat import ChatPrompt
 from services.common.wire.engine_stream import TokenDelta, Usage
 from services.common.wire.tools import ToolCallDelta
 from services.router.cascade.path import AnswerPath
+from services.router.cascade.policy import PromptRerouted
 from services.router.admission import (
     AdmissionController,
     AdmissionRefused,
@@ -493,6 +494,9 @@ class GenerationPipeline:
           InvalidRequestError: the prompt does not fit the context window
             (OUT_OF_RANGE) or the tokenizer refused the input.
           GenerationError: an upstream failure, with the client's status.
+          PromptRerouted: a cascade leg's prompt is over the prompt-only rule
+            (:meth:`CascadeLeg.check_prompt`, after tokenization, before
+            admission; outcome ``rerouted``).
         """
         progress = Progress() if progress is None else progress
         timing = _Timing(request.model, received_at, span=start_request_span(request))
@@ -504,6 +508,8 @@ class GenerationPipeline:
             self._refuse_if_full(request)
             prompt_ids = await self._tokenized(request, deadline, timing, info, held)
             progress.prompt_tokens = len(prompt_ids)
+            if request.cascade is not None:
+                request.cascade.check_prompt(len(prompt_ids))
             sampling = self._fitted(request, prompt_ids)
             if reserve_tokens is not None:
                 reserve_tokens(len(prompt_ids), sampling.max_tokens * sampling.n)
@@ -516,6 +522,9 @@ class GenerationPipeline:
                         outcome = event.reason.name.lower()
                         event = _finished(event, request.model, held, info)
                     yield event
+        except PromptRerouted:
+            outcome = "rerouted"
+            raise
         except Exception as err:
             failure = _client_failure(err, progress.completion_tokens, request.model)
             outcome = "internal" if failure is None else failure.code.name.lower()

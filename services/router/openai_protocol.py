@@ -294,10 +294,17 @@ def _string(data: Mapping[str, Any], key: str, default: str | None = None) -> st
     return value
 
 
-def _bool(data: Mapping[str, Any], key: str) -> bool:
+def _bool(data: Mapping[str, Any], key: str, parent: str = "") -> bool:
+    """``data[key]`` (False when absent); ``parent``: the object ``data`` is
+    inside, named with the field (``history.summarize``).
+
+    Raises:
+      InvalidRequestError: naming the field, when not a JSON boolean.
+    """
     value = data.get(key, False)
     if not isinstance(value, bool):
-        raise InvalidRequestError(key, f"must be true or false, got {_kind(value)}")
+        raise InvalidRequestError(f"{parent}.{key}" if parent else key,
+                                  f"must be true or false, got {_kind(value)}")
     return value
 
 
@@ -453,7 +460,7 @@ def _history(options: Any, history: generation_pb2.HistoryOptions) -> None:
     if extra:
         raise InvalidRequestError(f"history.{extra[0]}", "is not supported (only summarize is)")
     if options.get("summarize") is not None:
-        history.summarize = _bool(options, "summarize")
+        history.summarize = _bool(options, "summarize", "history")
 
 
 def _stream_options(data: Mapping[str, Any], stream: bool) -> bool:
@@ -468,7 +475,9 @@ def _stream_options(data: Mapping[str, Any], stream: bool) -> bool:
     if extra:
         raise InvalidRequestError(f"stream_options.{extra[0]}", "is not supported "
                                                                 "(only include_usage is)")
-    return _bool(options, "include_usage") if "include_usage" in options else False
+    if "include_usage" not in options:
+        return False
+    return _bool(options, "include_usage", "stream_options")
 
 
 # ---------------------------------------------------------------- sampling

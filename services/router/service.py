@@ -65,9 +65,9 @@ from services.common.grpc_util import metadata_value, request_id_from
 from services.common.logging import REQUEST_ID_METADATA_KEY, bind_request_id
 from services.common.logprobs import logprobs_to_pb
 from services.common.sampling import InvalidRequestError, Priority
-from services.router.admission import AdmissionConfig, AdmissionController
+from services.router.admission import AdmissionConfig, AdmissionController, AdmissionRefused
 from services.router.api_keys import API_KEY_HEADER, AUTHORIZATION_HEADER, Tenant
-from services.router.cascade.edge import alias_card, validate_alias
+from services.router.cascade.edge import alias_card, served_problem, validate_alias
 from services.router.cascade.metrics import CascadeMetrics
 from services.router.cascade.policy import MODE_HEADER, CascadePolicy
 from services.router.cascade.runner import Cascade
@@ -446,14 +446,14 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
 
     def _check_cascade(self) -> None:
         """Refuses to start with a cascade whose models are not configured
-        (a pool still opening may serve them later)."""
+        (a pool still opening may serve them later) or whose window passes
+        the small model's context (:func:`served_problem`)."""
         policy = self.config.cascade
         if policy is None:
             return
-        missing = {policy.small, policy.large} - set(self.pools)
-        if missing and not self._pending:
-            raise RuntimeError(f"--cascade names {sorted(missing)}, which no pool serves "
-                               f"(served: {sorted(self.pools)})")
+        problem = served_problem(policy, self.models, complete=not self._pending)
+        if problem is not None:
+            raise RuntimeError(problem)
         log.info("cascade_ready", policy=policy.describe())
 
     def _all_pools_open(self) -> None:
@@ -483,11 +483,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         self.pools = {pool.model: pool for _, pool in sorted(self._opened.items())}
         self.default_model = self._opened[0].model if 0 in self._opened else ""
         attach_history(self.pools, self.config.history, self._cache, self.metrics.history,
-                       self._summary_generation)
-
-    def _summary_generation(self, request: GenerationRequest) -> AsyncIterator[Event]:
-        """Runs a history summary's request through its model's pipeline."""
-        return self.pools[request.model].pipeline.run(request, received_at=time.monotonic())
+                       _Summaries(self))
 
     def _log_ready(self, pool: ModelPool) -> None:
         log.info("router_ready", model=pool.model, max_model_len=pool.limits.max_model_len,
@@ -602,7 +598,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         the call's W3C trace context headers, kept (unchecked) while tracing is on.
         A request to the cascade alias is validated as each of its two models
         (:func:`validate_alias`; ``header_cascade``: the ``x-llmesh-cascade``
-        header).
+        header; the tenant's ``cascade`` setting is the mode when neither
+        the request nor the header names one).
 
         Raises:
           InvalidRequestError: the first bad field.
@@ -613,7 +610,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         cascade = validate_alias(pb, header_cascade, self.config.cascade, functools.partial(
             self.validate, request_id=request_id, header_request_id=header_request_id,
             header_tenant=header_tenant, tenant=tenant, traceparent=traceparent,
-            tracestate=tracestate))
+            tracestate=tracestate), tenant_mode=None if tenant is None else tenant.cascade)
         if cascade is not None:
             return cascade
         if self._pending and (pb.model or self.default_model) not in self.pools:
@@ -648,11 +645,8 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
                                     received_at=received_at, deadline=deadline,
                                     progress=leg_progress, session=session)
 
-        async def count_prompt(leg: GenerationRequest) -> int:
-            return len(await self.pipeline_for(leg).prompt_ids(leg, deadline=deadline))
-
         if request.cascade is not None and self.cascade is not None:
-            events = self.cascade.run(request, run_model, count_prompt=count_prompt,
+            events = self.cascade.run(request, run_model,
                                       progress=Progress() if progress is None else progress)
         else:
             events = run_model(request, progress)
@@ -880,6 +874,19 @@ def _start_failure(opened: list[ModelPool | BaseException], pools: dict[int, Mod
             return _duplicate_model(seen[pool.model], pool)
         seen[pool.model] = pool
     return None
+
+
+class _Summaries:
+    """History summaries run as the chat's tenant (:class:`SummaryRunner`)."""
+
+    def __init__(self, router: RouterService) -> None:
+        self._router = router
+
+    def refusal(self, request: GenerationRequest) -> AdmissionRefused | None:
+        return self._router.tenancy.background_refusal(request)
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
+        return self._router.tenancy.run_background(request, self._router.pipeline_for(request))
 
 
 def _duplicate_model(first: ModelPool, second: ModelPool) -> RuntimeError:

@@ -32,6 +32,7 @@ Logs carry the tenant id, never a key (nor its hash).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
@@ -47,6 +48,7 @@ from services.router.api_keys import (
     key_from_headers,
     load_key_table,
 )
+from services.router.cascade.policy import PromptRerouted
 from services.router.generation import (
     Event,
     Finished,
@@ -222,6 +224,36 @@ class Tenancy:
 
     # --------------------------------------------------------------- limits
 
+    def background_refusal(self, request: GenerationRequest) -> TenantLimited | None:
+        """Why background work on ``request.tenant``'s behalf (a history
+        summary: ``request`` is its generation) may not start now: the
+        refusal :meth:`run` would meet, its token reservation counted as
+        ``max_tokens`` alone (the prompt is not made yet); None when it may,
+        or when auth is off. Counts nothing."""
+        tenant = self._tenant_of(request)
+        if tenant is None:
+            return None
+        return self.limiter.check(tenant.id, tenant.limits,
+                                  tokens=request.sampling.max_tokens * request.sampling.n)
+
+    def run_background(self, request: GenerationRequest, pipeline: GenerationPipeline
+                       ) -> AsyncIterator[Event]:
+        """``request`` (background work on ``request.tenant``'s behalf) run as
+        that tenant (:meth:`run`: its limits, usage and metrics), or as is
+        with auth off. A tenant the key file no longer has is refused
+        PERMISSION_DENIED."""
+        received_at = time.monotonic()
+        if self.table is None:
+            return pipeline.run(request, received_at=received_at)
+        tenant = self._tenant_of(request)
+        if tenant is None:
+            raise GenerationError(grpc.StatusCode.PERMISSION_DENIED,
+                                  f"tenant {request.tenant!r} is no longer in the key file")
+        return self.run(tenant, request, pipeline, received_at=received_at, deadline=None)
+
+    def _tenant_of(self, request: GenerationRequest) -> Tenant | None:
+        return None if self.table is None else self.table.tenants.get(request.tenant)
+
     async def run(self, tenant: Tenant, request: GenerationRequest,
                   pipeline: GenerationPipeline, *, received_at: float,
                   deadline: float | None, progress: Progress | None = None,
@@ -259,6 +291,11 @@ class Tenancy:
                     if isinstance(event, Finished):
                         outcome = event.reason.name.lower()
                     yield event
+        except PromptRerouted:
+            # The cascade's large leg serves the request: it counts there.
+            outcome, failed = "rerouted", True
+            lease.refund_request()
+            raise
         except (GenerationError, InvalidRequestError) as err:
             outcome, failed = err.code.name.lower(), True
             raise

@@ -40,6 +40,7 @@ tokens it received, so that refusals do not burn a tenant's quota.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -112,11 +113,12 @@ class Lease:
     when the request ends (later calls do nothing)."""
 
     def __init__(self, limiter: TenantLimiter, tenant: str, limits: TenantLimits,
-                 lease_id: int) -> None:
+                 lease_id: int, request: _Charge) -> None:
         self._limiter = limiter
         self.tenant = tenant
         self.limits = limits
         self._id = lease_id
+        self._request = request
         self._charge: _Charge | None = None
         self.reserved = 0
         self.ended = False
@@ -131,6 +133,13 @@ class Lease:
             reservation alone is larger than the limit.
         """
         self._limiter._reserve(self, prompt_tokens + max_tokens)
+
+    def refund_request(self) -> None:
+        """Takes the request back out of ``requests_per_minute``: another
+        lease counts it (a cascade leg that handed the request on before
+        admission)."""
+        with contextlib.suppress(ValueError):  # already left the window
+            self._limiter._tenants[self.tenant].requests.remove(self._request)
 
     def end(self, *, prompt_tokens: int, completion_tokens: int, failed: bool) -> None:
         """Ends the request: frees its in-flight slot and settles its
@@ -159,23 +168,26 @@ class TenantLimiter:
         """
         now = self._clock()
         state = self._tenants.setdefault(tenant, _TenantState())
-        _expire(state.requests, now)
-        if limits.max_concurrent and len(state.in_flight) >= limits.max_concurrent:
-            oldest = min(state.in_flight.values())
-            mean = state.mean_duration_s or INITIAL_DURATION_S
-            self._refuse(tenant, "max_concurrent", (
-                f"tenant {tenant!r} has {len(state.in_flight)} requests in flight, its "
-                f"max_concurrent limit is {limits.max_concurrent}"), max(mean - (now - oldest), 0))
-        if limits.requests_per_minute and len(state.requests) >= limits.requests_per_minute:
-            wait = _time_to_free(state.requests, 1, limits.requests_per_minute, now)
-            self._refuse(tenant, "requests_per_minute", (
-                f"tenant {tenant!r} made {len(state.requests)} requests in the last "
-                f"{WINDOW_S:g} s, its requests_per_minute limit is "
-                f"{limits.requests_per_minute}"), wait)
-        state.requests.append(_Charge(now, 1))
+        refused = _start_refusal(state, tenant, limits, now)
+        if refused is not None:
+            self._refuse(refused)
+        request = _Charge(now, 1)
+        state.requests.append(request)
         self._next_id += 1
         state.in_flight[self._next_id] = now
-        return Lease(self, tenant, limits, self._next_id)
+        return Lease(self, tenant, limits, self._next_id, request)
+
+    def check(self, tenant: str, limits: TenantLimits, *, tokens: int) -> TenantLimited | None:
+        """The refusal a request of ``tenant`` reserving ``tokens`` would meet
+        now (:meth:`begin`, then :meth:`Lease.reserve`), or None; charges and
+        counts nothing. Background work asks before it commits to anything
+        (a history summary, :mod:`services.router.history.compactor`)."""
+        state = self._tenants.get(tenant)
+        if state is None:
+            return None
+        now = self._clock()
+        return (_start_refusal(state, tenant, limits, now)
+                or _token_refusal(state, tenant, limits.tokens_per_minute, tokens, now))
 
     def usage(self, tenant: str) -> TenantUsage:
         state = self._tenants.get(tenant, _TenantState())
@@ -199,13 +211,9 @@ class TenantLimiter:
                 f"the request needs {tokens} tokens (prompt + max_tokens), more than the "
                 f"tokens_per_minute limit of tenant {lease.tenant!r} ({limit}); lower max_tokens"),
                 grpc.StatusCode.OUT_OF_RANGE)
-        used = sum(c.amount for c in state.tokens)
-        if limit and used + tokens > limit:
-            wait = _time_to_free(state.tokens, tokens, limit, now)
-            self._refuse(lease.tenant, "tokens_per_minute", (
-                f"tenant {lease.tenant!r} used or reserved {used} tokens in the last "
-                f"{WINDOW_S:g} s; {tokens} more (prompt + max_tokens) would pass its "
-                f"tokens_per_minute limit of {limit}"), wait)
+        refused = _token_refusal(state, lease.tenant, limit, tokens, now)
+        if refused is not None:
+            self._refuse(refused)
         lease._charge = _Charge(now, tokens)
         lease.reserved = tokens
         state.tokens.append(lease._charge)
@@ -231,12 +239,49 @@ class TenantLimiter:
         if not state.in_flight and not state.requests and not state.tokens:
             del self._tenants[lease.tenant]  # idle: forget it
 
-    def _refuse(self, tenant: str, limit: LimitName, message: str, wait_s: float) -> None:
-        self._observer.limited(tenant, limit)
-        refused = TenantLimited(limit, tenant, message, wait_s)
-        refused.message = f"{message}; retry after {refused.retry_after_ms} ms"
-        refused.args = (refused.message,)
+    def _refuse(self, refused: TenantLimited) -> None:
+        self._observer.limited(refused.tenant, refused.limit)
         raise refused
+
+
+def _limited(tenant: str, limit: LimitName, message: str, wait_s: float) -> TenantLimited:
+    refused = TenantLimited(limit, tenant, message, wait_s)
+    refused.message = f"{message}; retry after {refused.retry_after_ms} ms"
+    refused.args = (refused.message,)
+    return refused
+
+
+def _start_refusal(state: _TenantState, tenant: str, limits: TenantLimits,
+                   now: float) -> TenantLimited | None:
+    """Why a new request of ``tenant`` may not start now (``max_concurrent``,
+    ``requests_per_minute``), or None."""
+    _expire(state.requests, now)
+    if limits.max_concurrent and len(state.in_flight) >= limits.max_concurrent:
+        oldest = min(state.in_flight.values())
+        mean = state.mean_duration_s or INITIAL_DURATION_S
+        return _limited(tenant, "max_concurrent", (
+            f"tenant {tenant!r} has {len(state.in_flight)} requests in flight, its "
+            f"max_concurrent limit is {limits.max_concurrent}"), max(mean - (now - oldest), 0))
+    if limits.requests_per_minute and len(state.requests) >= limits.requests_per_minute:
+        wait = _time_to_free(state.requests, 1, limits.requests_per_minute, now)
+        return _limited(tenant, "requests_per_minute", (
+            f"tenant {tenant!r} made {len(state.requests)} requests in the last "
+            f"{WINDOW_S:g} s, its requests_per_minute limit is "
+            f"{limits.requests_per_minute}"), wait)
+    return None
+
+
+def _token_refusal(state: _TenantState, tenant: str, limit: int, tokens: int,
+                   now: float) -> TenantLimited | None:
+    """Why ``tokens`` more would pass ``tokens_per_minute`` (0: none) now, or None."""
+    _expire(state.tokens, now)
+    used = sum(c.amount for c in state.tokens)
+    if not limit or used + tokens <= limit:
+        return None
+    return _limited(tenant, "tokens_per_minute", (
+        f"tenant {tenant!r} used or reserved {used} tokens in the last "
+        f"{WINDOW_S:g} s; {tokens} more (prompt + max_tokens) would pass its "
+        f"tokens_per_minute limit of {limit}"), _time_to_free(state.tokens, tokens, limit, now))
 
 
 def _expire(charges: collections.deque[_Charge], now: float) -> None:

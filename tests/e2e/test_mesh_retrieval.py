@@ -167,3 +167,42 @@ def test_a_stopped_retriever_is_unavailable_or_degraded_then_serves_again(
     final = generate(stub, ask(("user", "Capital of Italy?"), collection=COLLECTION,
                                top_k=1))[-1]
     assert final.retrieval.chunks[0].document_id == "rome"
+
+
+def test_a_compacted_rag_chat_never_summarises_its_passages(
+        retriever: list[Retriever], mesh: Mesh, model: str) -> None:
+    """Issue 34: with a history budget and retrieval on every turn, the
+    passages the router inserts before the last user turn are not the
+    client's history. A summary folded them in (keyed by messages the next
+    turn does not send, so never found: every turn trimmed); now each
+    summary covers the client's earlier turns only, later turns find it and
+    start with it, and their passages still come in (router-level detail:
+    tests/router/test_router_history.py)."""
+    from tests.e2e.test_mesh_history import client_of, settle
+
+    router = mesh.add_router("router-rag-history", [
+        "--history-budget-tokens=256", "--history-summary-max-tokens=32"])
+    try:
+        messages = [{"role": "system", "content": f"[{uuid.uuid4().hex[:8]}] Answer in one "
+                     "short sentence."}]
+        summarized, chunks = [], []
+        with client_of(router) as client:
+            for question in ("Which river flows through Rome?", "And through Paris?",
+                             "What is the capital of Portugal?", "Where do bees live?",
+                             "Which city is on the Tagus?"):
+                messages.append({"role": "user", "content": question})
+                answer = client.chat.completions.create(
+                    model=model, messages=messages, max_tokens=8, temperature=0,
+                    extra_body={"retrieval": {"collection": COLLECTION, "top_k": 4}})
+                messages.append({"role": "assistant",
+                                 "content": answer.choices[0].message.content or ""})
+                history = (answer.usage.model_extra or {}).get("history") or {}
+                summarized.append(history.get("turns_summarized", 0))
+                chunks.append(len(answer.model_extra["llmesh_retrieval"]["chunks"]))
+                settle(router)
+        assert all(c == 4 for c in chunks), chunks
+        # a summary was found, covering whole exchanges of the client's own turns
+        used = [s for s in summarized if s]
+        assert used and all(s % 2 == 0 for s in used), summarized
+    finally:
+        mesh.remove_router(router.name)

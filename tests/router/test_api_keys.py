@@ -136,3 +136,13 @@ def test_llmesh_up_checks_the_key_file_and_forwards_sighup_to_the_router(tmp_pat
     _forward_to_router(mesh, signal.SIGHUP)
     assert router.wait(timeout=10) == -signal.SIGHUP
     _forward_to_router(SimpleNamespace(services={}), signal.SIGHUP)  # not started yet: nothing
+
+
+def test_a_tenants_cascade_mode_is_parsed_and_checked() -> None:
+    from services.router.cascade.policy import CascadeMode
+
+    entry = '{"tenants": [{"id": "t", "keys": [], "cascade": "%s"}]}'
+    assert parse_key_table(entry % "large").tenants["t"].cascade is CascadeMode.LARGE
+    assert parse_key_table('{"tenants": [{"id": "t"}]}').tenants["t"].cascade is None
+    with pytest.raises(KeyFileError, match=r"tenants\[0\]\.cascade: must be one of auto"):
+        parse_key_table(entry % "huge")

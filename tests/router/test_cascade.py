@@ -9,6 +9,7 @@ import asyncio
 import math
 from collections.abc import AsyncIterator
 
+import grpc
 import pytest
 from llmesh.v1 import generation_pb2
 from prometheus_client import CollectorRegistry
@@ -129,14 +130,17 @@ class Legs:
     """Fake legs: the small model's scripted events; the large model's one
     delta. Records each leg's request and whether its stream was closed."""
 
-    def __init__(self, small: list[Event]) -> None:
+    def __init__(self, small: list[Event], prompt_tokens: int = 5) -> None:
         self.small = small
+        self.prompt_tokens = prompt_tokens
         self.requests: list[GenerationRequest] = []
         self.closed: list[str] = []
 
     async def run(self, request: GenerationRequest, progress: Progress) -> AsyncIterator[Event]:
         self.requests.append(request)
         try:
+            if request.cascade is not None:  # as the pipeline does, once tokenized
+                request.cascade.check_prompt(self.prompt_tokens)
             if request.model == "small":
                 for event in self.small:
                     yield event
@@ -154,14 +158,10 @@ def cascade_request(mode: CascadeMode = CascadeMode.AUTO, n: int = 1,
                              Priority.INTERACTIVE, cascade=CascadeLeg("auto", mode))
 
 
-async def serve(legs: Legs, request: GenerationRequest, policy: CascadePolicy = POLICY,
-                prompt_tokens: int = 5) -> list[Event]:
-    async def count(_: GenerationRequest) -> int:
-        return prompt_tokens
-
+async def serve(legs: Legs, request: GenerationRequest,
+                policy: CascadePolicy = POLICY) -> list[Event]:
     cascade = Cascade(policy, CascadeMetrics(CollectorRegistry()))
-    return [e async for e in cascade.run(request, legs.run, progress=Progress(),
-                                         count_prompt=count)]
+    return [e async for e in cascade.run(request, legs.run, progress=Progress())]
 
 
 async def test_a_confident_window_is_released_without_the_internal_logprobs() -> None:
@@ -198,10 +198,14 @@ async def test_a_doubtful_window_is_dropped_and_the_large_model_answers() -> Non
 ])
 async def test_the_prompt_rule_and_the_mode_skip_the_window(
         request_: GenerationRequest, prompt_tokens: int, reason: str) -> None:
-    legs = Legs([delta(-0.1), FINISHED])
+    legs = Legs([delta(-0.1), FINISHED], prompt_tokens)
     policy = CascadePolicy("small", "large", max_prompt_tokens=10)
-    out = await serve(legs, request_, policy, prompt_tokens)
-    assert [r.model for r in legs.requests] == ["large"]
+    out = await serve(legs, request_, policy)
+    # The prompt rule runs on the small leg's own prompt (tokenized once):
+    # that leg ends before it generates.
+    legs_run = ["small", "large"] if reason == "prompt_tokens" else ["large"]
+    assert [r.model for r in legs.requests] == legs_run
+    assert [e.text for e in out if isinstance(e, Delta)] == ["large"]
     assert out[0].path is not None and out[0].path.reason == reason
     assert out[0].path.held_back_tokens == 0 and not out[0].path.escalated
 
@@ -257,3 +261,23 @@ def test_token_ids_to_the_alias_are_refused_naming_prompt_tokens() -> None:
 
 
 POLICY_WITH_ALIAS = CascadePolicy("small", "large", alias="auto")
+
+
+async def test_a_deadline_in_the_window_says_the_client_received_no_token() -> None:
+    """QA: the small leg's own message ("after 1 generated tokens") reached a
+    client that had received none (the window held them back)."""
+    from services.router.clients import UpstreamError
+    from services.router.generation import GenerationError, upstream_to_generation_error
+
+    class Late(Legs):
+        async def run(self, request: GenerationRequest,
+                      progress: Progress) -> AsyncIterator[Event]:
+            yield delta(-0.1)
+            raise upstream_to_generation_error(UpstreamError(
+                "engine", "t", grpc.StatusCode.DEADLINE_EXCEEDED, "late"), completion_tokens=1)
+
+    with pytest.raises(GenerationError) as late:
+        await serve(Late([]), cascade_request())
+    assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "generated tokens" not in late.value.message
+    assert "received none" in late.value.message

@@ -122,7 +122,7 @@ def test_openai_history_switch() -> None:
     assert off.generate.history.HasField("summarize") and off.generate.history.summarize is False
     assert not parse_body(Endpoint.CHAT, body).generate.HasField("history")
     for bad, where in (("no", "history"), ({"budget": 3}, "history.budget"),
-                       ({"summarize": "no"}, "summarize")):
+                       ({"summarize": "no"}, "history.summarize")):
         with pytest.raises(InvalidRequestError) as err:
             parse_body(Endpoint.CHAT, {**body, "history": bad})
         assert err.value.field == where

@@ -114,6 +114,11 @@ def test_choice_constraint_and_text_format():
      "max_completion_tokens", "differs"),
     (COMPLETIONS, {"prompt": "a", "best_of": 3}, "best_of", "not supported"),
     (CHAT, {"messages": USER, "cache_salt": 7}, "cache_salt", "string"),
+    # QA: a nested boolean of the wrong type was named without its object.
+    (CHAT, {"messages": USER, "history": {"summarize": "no"}}, "history.summarize",
+     "true or false"),
+    (CHAT, {"messages": USER, "stream": True, "stream_options": {"include_usage": 1}},
+     "stream_options.include_usage", "true or false"),
 ])
 def test_refusals_name_the_parameter(endpoint, body, param, words):
     err = refused(endpoint, body)

@@ -33,9 +33,13 @@ BASE_REPLY = "Bonjour tout le monde."
 
 
 @contextlib.asynccontextmanager
-async def two_models(*, second_model: str = "base-model", tool_call_formats=None):
+async def two_models(*, second_model: str = "base-model", tool_call_formats=None,
+                     second_chat: bool = False, registry: CollectorRegistry | None = None,
+                     started: list[RouterService] | None = None, **config):
     """A router serving ``fake-model`` (chat; the default) and ``second_model``
-    (no chat template), each with its own tokenizer and one engine."""
+    (a chat template only with ``second_chat``), each with its own tokenizer
+    and one engine; ``registry``: the router's metrics; ``started`` gets the
+    router; ``config``: more RouterConfig fields."""
     servers: list[grpc.aio.Server] = []
 
     async def start(add, servicer) -> str:
@@ -54,10 +58,12 @@ async def two_models(*, second_model: str = "base-model", tool_call_formats=None
         startup_timeout=10, tool_call_formats=tool_call_formats or {},
         pools=(PoolConfig(
             await start(tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server,
-                        FakeTokenizer(model=second_model, has_chat_template=False)),
+                        FakeTokenizer(model=second_model, has_chat_template=second_chat)),
             (await start(engine_pb2_grpc.add_EngineServiceServicer_to_server,
-                         base_engine),)),))
-    router = RouterService(config, metrics=RouterMetrics(CollectorRegistry()))
+                         base_engine),)),), **config)
+    router = RouterService(config, metrics=RouterMetrics(registry or CollectorRegistry()))
+    if started is not None:
+        started.append(router)
     try:
         await router.start()
         router_server = grpc.aio.server()
@@ -133,3 +139,88 @@ def test_a_bad_tool_call_format_flag_names_the_formats(capsys) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--tool-call-format", "bogus"])
     assert "one of auto, template, hermes, none" in capsys.readouterr().err
+
+
+async def test_a_cascade_window_past_the_small_models_context_is_refused_at_start():
+    """QA: ``--cascade-window 1000000000`` was accepted (every answer would be
+    held back whole); the router refuses to start, naming the flag."""
+    from services.router.cascade.policy import CascadePolicy
+
+    with pytest.raises(RuntimeError, match=r"--cascade-window 1000000000: .*\(256 tokens\)"):
+        async with two_models(cascade=CascadePolicy("fake-model", "base-model",
+                                                    window_tokens=10**9)):
+            pass
+    async with two_models(cascade=CascadePolicy("fake-model", "base-model",
+                                                window_tokens=256)):
+        pass
+
+
+async def test_the_cascade_prompt_rule_tokenizes_the_prompt_once():
+    """Issue 34: the prompt-only rule tokenized the prompt, then the small leg
+    did again; now the rule reads the small leg's own prompt ids."""
+    from services.router.cascade.policy import CascadePolicy
+
+    registry = CollectorRegistry()
+
+    def tokenized(model: str) -> float:
+        return sum(registry.get_sample_value("llmesh:router_tokenize_total",
+                                             {"model_name": model, "path": path}) or 0.0
+                   for path in ("local", "service"))
+
+    policy = CascadePolicy("fake-model", "base-model", max_prompt_tokens=40)
+    async with two_models(cascade=policy, registry=registry) as (stub, chat_engine, base_engine):
+        assert await text(stub, model="auto", prompt="short") == CHAT_REPLY
+        assert (tokenized("fake-model"), tokenized("base-model")) == (1, 0)
+        assert await text(stub, model="auto", prompt="long " * 12) == BASE_REPLY
+        assert (tokenized("fake-model"), tokenized("base-model")) == (2, 1)
+    assert len(chat_engine.log.starts) == 1 and len(base_engine.log.starts) == 1
+
+
+async def test_a_tenants_cascade_setting_is_its_requests_default_mode(tmp_path):
+    """Issue 34: the prompt-only rule's "tenant setting": a key file entry's
+    ``cascade`` is the mode of the tenant's requests to the alias that name
+    none (field or header), on gRPC and the OpenAI edge alike."""
+    import json
+
+    import openai
+
+    from services.router.api_keys import hash_key
+    from services.router.cascade.policy import CascadePolicy
+
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"tenants": [
+        {"id": "big", "keys": [hash_key("lmk_big")], "cascade": "large"},
+        {"id": "plain", "keys": [hash_key("lmk_plain")]}]}))
+    started: list[RouterService] = []
+    async with two_models(cascade=CascadePolicy("fake-model", "base-model"),
+                          api_keys=str(keys), openai_port=0,
+                          started=started) as (stub, chat_engine, base_engine):
+
+        async def answer(key: str, **extra) -> tuple[str, str]:
+            responses = [r async for r in stub.Generate(generation_pb2.GenerateRequest(
+                model="auto", prompt="q", sampling=common_pb2.SamplingParams(
+                    temperature=0.0, max_tokens=64), **extra),
+                metadata=(("authorization", f"Bearer {key}"),), timeout=10)]
+            return responses[-1].model, responses[-1].cascade.reason
+
+        assert await answer("lmk_big") == ("base-model", "mode_large")
+        assert await answer("lmk_plain") == ("fake-model", "confident")
+        # the request's own mode wins
+        assert await answer("lmk_big", cascade=generation_pb2.CASCADE_MODE_SMALL) == (
+            "fake-model", "mode_small")
+        ports = await started[0].listen_extra("127.0.0.1")
+        base = f"http://127.0.0.1:{ports['openai_port']}/v1"
+        for key, model, path in (("lmk_big", "base-model", "large; reason=mode_large"),
+                                 ("lmk_plain", "fake-model", "small; reason=confident")):
+            async with openai.AsyncOpenAI(base_url=base, api_key=key,
+                                          max_retries=0) as client:
+                reply = await client.completions.with_raw_response.create(
+                    model="auto", prompt="q", max_tokens=8, temperature=0)
+            assert reply.headers["x-llmesh-cascade-path"] == path
+            assert reply.parse().model == model
+        async with openai.AsyncOpenAI(base_url=base, api_key="lmk_big",
+                                      max_retries=0) as client:
+            reply = await client.completions.with_raw_response.create(
+                model="auto", prompt="q", max_tokens=8, temperature=0,
+                extra_headers={"x-llmesh-cascade": "small"})
+        assert reply.headers["x-llmesh-cascade-path"] == "small; reason=mode_small"

@@ -66,7 +66,10 @@ class Mesh:
 
 @contextlib.asynccontextmanager
 async def make_mesh(*, engines: int = 1, cache: bool = True, reply: str = REPLY,
-                    max_model_len: int = 256, **config):
+                    max_model_len: int = 256, cache_servicer=None, **config):
+    """The fake tokenizer, engines and cache (``cache_servicer``: another
+    servicer in the fake cache's place, e.g. the real CacheService) behind a
+    real router; ``config``: more RouterConfig fields."""
     servers = []
     tokenizer = FakeTokenizer()
     server, tok_target = await serve(tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server,
@@ -81,7 +84,7 @@ async def make_mesh(*, engines: int = 1, cache: bool = True, reply: str = REPLY,
         engine_servers.append(server)
     fake_cache, cache_target = None, None
     if cache:
-        fake_cache = FakeCache()
+        fake_cache = FakeCache() if cache_servicer is None else cache_servicer
         server, cache_target = await serve(cache_pb2_grpc.add_CacheServiceServicer_to_server,
                                            fake_cache)
         servers.append(server)

@@ -18,7 +18,7 @@ import pytest
 import structlog.testing
 from prometheus_client import CollectorRegistry
 
-from llmesh.v1 import cache_pb2, generation_pb2
+from llmesh.v1 import cache_pb2, common_pb2, generation_pb2
 from services.router.api_keys import hash_key
 from services.router.metrics import RouterMetrics
 from services.router.tenancy import Tenancy
@@ -29,6 +29,7 @@ from tests.router.test_router_service import (
     make_mesh,
     read_generation,
     start,
+    text_of,
     wait_for,
 )
 
@@ -47,11 +48,12 @@ def write_keys(path: Path, alpha_limits: dict[str, int]) -> None:
 
 
 @contextlib.asynccontextmanager
-async def served(tmp_path: Path, **alpha_limits: int):
-    """The fake mesh with keys on and the HTTP server; yields (mesh, base url)."""
+async def served(tmp_path: Path, mesh_config: dict | None = None, **alpha_limits: int):
+    """The fake mesh with keys on and the HTTP server; yields (mesh, base url).
+    ``mesh_config``: more :func:`make_mesh` arguments."""
     keys = tmp_path / "keys.json"
     write_keys(keys, alpha_limits)
-    async with make_mesh(openai_port=0, api_keys=str(keys)) as mesh:
+    async with make_mesh(openai_port=0, api_keys=str(keys), **(mesh_config or {})) as mesh:
         ports = await mesh.router.listen_extra("127.0.0.1")
         yield mesh, f"http://127.0.0.1:{ports['openai_port']}"
 
@@ -295,3 +297,46 @@ async def test_the_start_warns_of_tenants_no_key_reaches_once_logging_is_set_up(
             unknown = [e for e in logs if e["event"] == "api_keys_unknown_models"]
             assert [(e["tenants"], e["served"]) for e in unknown] == [
                 ({"beta": ["gpt-9"], "narrow": ["other"]}, ["fake-model"])]
+
+
+async def test_a_history_summary_runs_as_its_tenant_once_it_is_under_its_limit(
+        tmp_path: Path) -> None:
+    """Issue 34: the summary the router writes for a tenant's chat is that
+    tenant's work: it waits while the tenant is at ``max_concurrent`` (here
+    held by the very turn that called for it), then runs under its limits and
+    is counted in its metrics. Before, it started at once, uncounted."""
+    from services.cache.metrics import CacheMetrics
+    from services.cache.service import CacheService
+    from services.cache.store import MemoryStore
+    from services.router.history.settings import HistorySettings
+
+    cache = CacheService(MemoryStore(), metrics=CacheMetrics.create(CollectorRegistry()))
+    config = dict(cache_servicer=cache, max_model_len=4096,
+                  history=HistorySettings(budgets={"": 160}, summary_max_tokens=16))
+    async with served(tmp_path, config, max_concurrent=1) as (mesh, _):
+        engine = mesh.engines[0]
+        engine.step_delay = 0.02
+
+        def summaries() -> int:
+            return sum(s.request_id.endswith(".history") for s in engine.log.starts)
+
+        messages = [common_pb2.ChatMessage(role="system", content="Be brief.")]
+        for number in range(2):  # the second turn passes the budget's high-water mark
+            messages.append(common_pb2.ChatMessage(role="user", content=f"{number}" * 40))
+            call = mesh.stub.Generate(generation_pb2.GenerateRequest(
+                chat=generation_pb2.Chat(messages=messages),
+                sampling=greedy(max_tokens=30, ignore_eos=True)), metadata=auth("alpha"))
+            responses = []
+            async for response in call:
+                if not response.finish_reason and len(responses) == 20:
+                    assert summaries() == 0  # the turn holds alpha's only slot
+                responses.append(response)
+            messages.append(common_pb2.ChatMessage(role="assistant",
+                                                   content=text_of(responses)))
+        await wait_for(lambda: summaries() == 1, timeout=5)
+        await wait_for(lambda: mesh.metric("llmesh:history_compactions_total",
+                                           model_name="fake-model", outcome="stored") == 1,
+                       timeout=5)
+        assert sum(mesh.metric("llmesh:tenant_requests_total", tenant="alpha", outcome=o)
+                   for o in ("stop", "length")) == 3  # two turns and the summary
+        assert mesh.router.tenancy.limiter.usage("alpha").in_flight == 0

@@ -175,3 +175,33 @@ def end(lease: Lease, prompt: int, max_tokens: int, share: float, ending: str) -
     failed = ending == "error"
     lease.end(prompt_tokens=prompt, completion_tokens=completion, failed=failed)
     return completion + (0 if failed else prompt)
+
+
+def test_a_refunded_request_leaves_requests_per_minute() -> None:
+    """A cascade leg that hands its request on before admission (the prompt
+    rule) is not counted: the leg that serves it is."""
+    limiter = TenantLimiter(clock=Clock())
+    limits = TenantLimits(requests_per_minute=1)
+    lease = limiter.begin("t", limits)
+    lease.refund_request()
+    lease.end(prompt_tokens=5, completion_tokens=0, failed=True)
+    limiter.begin("t", limits).end(prompt_tokens=5, completion_tokens=3, failed=False)
+    assert limiter.usage("t").requests_in_window == 1
+    with pytest.raises(TenantLimited):
+        limiter.begin("t", limits)
+
+
+def test_check_says_what_begin_and_reserve_would_refuse_and_charges_nothing() -> None:
+    limiter = TenantLimiter(clock=Clock())
+    limits = TenantLimits(max_concurrent=1, tokens_per_minute=100)
+    assert limiter.check("t", limits, tokens=50) is None  # a tenant never seen
+    lease = limiter.begin("t", limits)
+    lease.reserve(10, 40)
+    refused = limiter.check("t", limits, tokens=10)
+    assert refused is not None and refused.limit == "max_concurrent"
+    lease.end(prompt_tokens=10, completion_tokens=40, failed=False)
+    assert limiter.check("t", limits, tokens=50) is None
+    refused = limiter.check("t", limits, tokens=51)
+    assert refused is not None and refused.limit == "tokens_per_minute"
+    # the checks charged nothing: one request, the one that ran
+    assert (limiter.usage("t").requests_in_window, limiter.usage("t").in_flight) == (1, 0)

@@ -16,11 +16,12 @@ ValidateAs = Callable[[generation_pb2.GenerateRequest], GenerationRequest]
 
 
 def validate_alias(pb: generation_pb2.GenerateRequest, header_mode: str | None,
-                   policy: CascadePolicy | None,
-                   validate_as: ValidateAs) -> GenerationRequest | None:
+                   policy: CascadePolicy | None, validate_as: ValidateAs, *,
+                   tenant_mode: CascadeMode | None = None) -> GenerationRequest | None:
     """The validated request when ``pb`` names the cascade alias (``model`` the
-    small one, ``cascade`` its mode), else None (a request to a model; its
-    ``cascade`` field must be unset).
+    small one, ``cascade`` its mode: :meth:`CascadeMode.of`, ``tenant_mode``
+    the tenant's default), else None (a request to a model; its ``cascade``
+    field must be unset).
 
     Both models validate the request (each its limits, chat template and the
     tenant's permission), so a request one of them would refuse is refused
@@ -42,7 +43,7 @@ def validate_alias(pb: generation_pb2.GenerateRequest, header_mode: str | None,
         raise InvalidRequestError("prompt_tokens", "token ids belong to one model's "
                                   "vocabulary and the cascade's models tokenize apart: send "
                                   "`prompt` text, or name a model")
-    mode = CascadeMode.of(pb.cascade, header_mode)
+    mode = CascadeMode.of(pb.cascade, header_mode, tenant_mode)
     validated: list[GenerationRequest] = []
     for model in (policy.small, policy.large):
         leg = generation_pb2.GenerateRequest()
@@ -66,4 +67,30 @@ def alias_card(policy: CascadePolicy | None,
         has_chat_template=small.has_chat_template and large.has_chat_template)
 
 
-__all__ = ["alias_card", "validate_alias"]
+def served_problem(policy: CascadePolicy | None, served: Mapping[str, ModelLimits], *,
+                   complete: bool) -> str | None:
+    """What keeps the router from serving ``policy`` over the ``served``
+    models (checked at start, naming the flag), or None.
+
+    Args:
+      complete: every pool is open (a model missing now is missing for good).
+
+    A window longer than the small model's context window could never fill:
+    the whole answer would be held back (QA: ``--cascade-window 1000000000``
+    was accepted).
+    """
+    if policy is None:
+        return None
+    missing = {policy.small, policy.large} - set(served)
+    if missing and complete:
+        return (f"--cascade names {sorted(missing)}, which no pool serves "
+                f"(served: {sorted(served)})")
+    small = served.get(policy.small)
+    if small is not None and policy.window_tokens > small.max_model_len:
+        return (f"--cascade-window {policy.window_tokens}: more than the small model "
+                f"{policy.small!r}'s context window ({small.max_model_len} tokens); the "
+                "window could never fill and every answer would be held back whole")
+    return None
+
+
+__all__ = ["alias_card", "served_problem", "validate_alias"]

@@ -2,7 +2,8 @@
 
 A request names the cascade by its alias model id; its mode comes from the
 request's ``cascade`` field, else the ``x-llmesh-cascade`` header (gRPC
-metadata or HTTP header), else ``auto``.
+metadata or HTTP header), else its tenant's ``cascade`` setting (the API key
+file), else ``auto``.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ class CascadeMode(enum.Enum):
     LARGE = "large"
 
     @classmethod
-    def of(cls, pb: int, header: str | None) -> CascadeMode:
-        """The mode of a request: the field when set, else the header, else AUTO.
+    def of(cls, pb: int, header: str | None,
+           tenant_default: CascadeMode | None = None) -> CascadeMode:
+        """The mode of a request: the field when set, else the header, else
+        the tenant's setting (its key file entry's ``cascade``), else AUTO.
 
         Raises:
           InvalidRequestError: INVALID_ARGUMENT naming ``cascade`` (an enum
@@ -45,7 +48,7 @@ class CascadeMode(enum.Enum):
                 raise InvalidRequestError("cascade", f"unknown CascadeMode value {pb}")
             return by_pb[pb]
         if header is None or not header.strip():
-            return cls.AUTO
+            return cls.AUTO if tenant_default is None else tenant_default
         try:
             return cls(header.strip().lower())
         except ValueError:
@@ -114,6 +117,24 @@ class CascadePolicy:
                 f"max_prompt_tokens={self.max_prompt_tokens}")
 
 
+class PromptRerouted(Exception):
+    """A leg's prompt is too long for the small model (:meth:`CascadeLeg.check_prompt`):
+    the leg ends before admission (its ``request_finished`` outcome
+    ``rerouted``, nothing billed) and the cascade serves the request from
+    the large model.
+
+    Attributes:
+      prompt_tokens: the prompt's length in the small model's tokens.
+      limit: ``--cascade-max-prompt-tokens``.
+    """
+
+    def __init__(self, prompt_tokens: int, limit: int) -> None:
+        super().__init__(f"the prompt's {prompt_tokens} tokens pass "
+                         f"--cascade-max-prompt-tokens ({limit})")
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+
+
 @dataclass
 class CascadeLeg:
     """What a cascade request carries through the pipeline
@@ -127,6 +148,8 @@ class CascadeLeg:
       leg: ``small`` or ``large`` once a leg runs; "" on the validated request.
       path: the path, once decided.
       discarded: this leg's generation was cancelled by an escalation.
+      max_prompt_tokens: the prompt-only rule on this leg (:meth:`check_prompt`;
+        0: off).
     """
 
     alias: str
@@ -134,6 +157,19 @@ class CascadeLeg:
     leg: str = ""
     path: AnswerPath | None = None
     discarded: bool = False
+    max_prompt_tokens: int = 0
+
+    def check_prompt(self, prompt_tokens: int) -> None:
+        """The prompt-only rule, on the leg's own prompt: the pipeline calls
+        it once the prompt is made (after its retrieval and history steps,
+        the ids it tokenized once), before admission.
+
+        Raises:
+          PromptRerouted: the prompt is longer than ``max_prompt_tokens``
+            (> 0): the large model serves the request instead.
+        """
+        if self.max_prompt_tokens and prompt_tokens > self.max_prompt_tokens:
+            raise PromptRerouted(prompt_tokens, self.max_prompt_tokens)
 
     def log_fields(self) -> dict[str, object]:
         fields: dict[str, object] = dict(cascade=self.alias, cascade_leg=self.leg,
@@ -145,4 +181,4 @@ class CascadeLeg:
         return fields
 
 
-__all__ = ["MODE_HEADER", "CascadeLeg", "CascadeMode", "CascadePolicy"]
+__all__ = ["MODE_HEADER", "CascadeLeg", "CascadeMode", "CascadePolicy", "PromptRerouted"]

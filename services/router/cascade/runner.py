@@ -8,7 +8,10 @@
 2. the prompt-only rule, for ``auto``: ``n`` > 1 (the window judges one
    choice) or a prompt longer than ``max_prompt_tokens`` small-model tokens
    goes straight to the large model, so that only requests that need a
-   decision pay the window;
+   decision pay the window. The length is the small leg's own prompt, after
+   its retrieval and history steps and tokenized once: the leg checks it
+   (:meth:`~.policy.CascadeLeg.check_prompt`) before admission and ends
+   (:class:`~.policy.PromptRerouted`) without generating when it is too long;
 3. the window: the small model runs with its engine's logprobs requested
    internally; its first ``k`` tokens are held back (:mod:`.window`) while
    the confidence rule (:mod:`.rule`) scores them; confident: they are
@@ -38,20 +41,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
+
+import grpc
 
 from services.router.cascade.metrics import CascadeMetrics
 from services.router.cascade.path import AnswerPath
-from services.router.cascade.policy import CascadeLeg, CascadeMode, CascadePolicy
+from services.router.cascade.policy import (
+    CascadeLeg,
+    CascadeMode,
+    CascadePolicy,
+    PromptRerouted,
+)
 from services.router.cascade.rule import escalation_reason, score
-from services.router.cascade.window import for_client, hold
-from services.router.generation import Event, Finished, Progress
+from services.router.cascade.window import Window, for_client, hold
+from services.router.generation import Event, Finished, GenerationError, Progress
 from services.router.validation import GenerationRequest
 
 #: Runs one leg: the request (``model`` the small or large one) → its events.
 RunModel = Callable[[GenerationRequest, Progress], AsyncIterator[Event]]
-#: The prompt's length in the small model's tokens.
-CountPrompt = Callable[[GenerationRequest], Awaitable[int]]
 
 
 class Cascade:
@@ -62,7 +70,7 @@ class Cascade:
         self.metrics = metrics
 
     async def run(self, request: GenerationRequest, run_model: RunModel, *,
-                  progress: Progress, count_prompt: CountPrompt) -> AsyncIterator[Event]:
+                  progress: Progress) -> AsyncIterator[Event]:
         """Serves ``request`` (module doc); yields what the chosen leg yields.
 
         Raises:
@@ -75,8 +83,10 @@ class Cascade:
             direct: tuple[str, str] | None = (policy.large, "mode_large")
         elif tag.mode is CascadeMode.SMALL:
             direct = (policy.small, "mode_small")
+        elif request.sampling.n > 1:
+            direct = (policy.large, "n_choices")
         else:
-            direct = await self._prompt_rule(request, count_prompt)
+            direct = None
         if direct is not None:
             events = self._direct(request, tag, *direct, run_model, progress)
         else:
@@ -84,16 +94,6 @@ class Cascade:
         async with contextlib.aclosing(events):
             async for event in events:
                 yield event
-
-    async def _prompt_rule(self, request: GenerationRequest,
-                           count_prompt: CountPrompt) -> tuple[str, str] | None:
-        """``(large model, reason)`` when the prompt-only rule skips the window."""
-        if request.sampling.n > 1:
-            return self.policy.large, "n_choices"
-        limit = self.policy.max_prompt_tokens
-        if limit and await count_prompt(request) > limit:
-            return self.policy.large, "prompt_tokens"
-        return None
 
     async def _direct(self, request: GenerationRequest, tag: CascadeLeg, model: str,
                       reason: str, run_model: RunModel,
@@ -112,7 +112,8 @@ class Cascade:
         policy = self.policy
         client_logprobs = request.sampling.logprobs
         asked = max(client_logprobs or 0, policy.internal_logprobs)
-        small_leg = dataclasses.replace(tag, leg="small")
+        small_leg = dataclasses.replace(tag, leg="small",
+                                        max_prompt_tokens=policy.max_prompt_tokens)
         small = dataclasses.replace(
             request, model=policy.small, cascade=small_leg,
             sampling=dataclasses.replace(request.sampling, logprobs=asked))
@@ -122,7 +123,17 @@ class Cascade:
         small_progress = Progress()
         events = run_model(small, small_progress)
         async with contextlib.aclosing(events):
-            window = await hold(events, policy.window_tokens)
+            try:
+                window = await _held(events, policy.window_tokens)
+            except PromptRerouted:
+                window = None
+            if window is None:
+                rerouted = self._direct(request, tag, policy.large, "prompt_tokens",
+                                        run_model, progress)
+                async with contextlib.aclosing(rerouted):
+                    async for event in rerouted:
+                        yield event
+                return
             confidence = score(window.logprobs(policy.window_tokens), policy.margin)
             reason = escalation_reason(policy, confidence)
             held_back_s = time.monotonic() - started
@@ -153,6 +164,26 @@ class Cascade:
                 yield event
 
 
+async def _held(events: AsyncIterator[Event], k: int) -> Window:
+    """The window (:func:`~.window.hold`). A deadline that passes while it is
+    held says what the client got, none of the held-back tokens, not what
+    the small model generated (QA: "after 1 generated tokens" for a client
+    that received none).
+
+    Raises:
+      GenerationError: DEADLINE_EXCEEDED so reworded; any other the leg's own.
+    """
+    try:
+        return await hold(events, k)
+    except GenerationError as err:
+        if err.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise
+        raise GenerationError(err.code, (
+            "the call's deadline passed while the cascade held back the small model's first "
+            "tokens for its decision: the client received none of them; allow a longer "
+            "deadline")) from err
+
+
 async def _released(held: list[Event], rest: AsyncIterator[Event],
                     client_logprobs: int | None) -> AsyncIterator[Event]:
     """The released window, then the rest of its generation (both as the
@@ -180,4 +211,4 @@ async def _stamped(events: AsyncIterator[Event], path: AnswerPath) -> AsyncItera
             yield event
 
 
-__all__ = ["Cascade", "CountPrompt", "RunModel"]
+__all__ = ["Cascade", "RunModel"]

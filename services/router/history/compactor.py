@@ -19,6 +19,17 @@ chat template call:
    turns are never read again), under a claim in the cache service so that
    one router writes it, then stored under that boundary's hash.
 
+The summary is the tenant's work, run as the tenant (:class:`~.summarizer.SummaryRunner`):
+at batch priority, under its limits, counted in its usage and metrics. A
+tenant over a limit gets none: before it claims anything the compaction
+waits out the limit's retry hint when that is short (at most
+:data:`~.settings.DEFER_WAIT_S` in all), else it is deferred (outcome
+``deferred``) and a later turn past the high-water mark tries again; its
+turns are trimmed meanwhile. (Should the limit be reached between that
+check and the generation, the generation is refused, the outcome is
+``deferred`` too, and the claim's lease, ``lease_seconds``, holds the retry
+off.)
+
 A request with ``history.summarize: false`` is only trimmed to the budget.
 The request learns what happened in a :class:`HistoryReport` (``usage``).
 """
@@ -34,7 +45,9 @@ import grpc
 import structlog
 
 from services.common.wire.chat import ChatMessage, ChatPrompt
+from services.router.admission import AdmissionRefused
 from services.router.clients import UpstreamError
+from services.router.generation import GenerationError
 from services.router.history.conversation import (
     Boundary,
     Conversation,
@@ -45,13 +58,15 @@ from services.router.history.conversation import (
 )
 from services.router.history.metrics import HistoryMetrics
 from services.router.history.plan import compaction_due, compaction_end, low_water_tokens
-from services.router.history.settings import HistorySettings
+from services.router.history.settings import DEFER_WAIT_S, HistorySettings
 from services.router.history.store import Lookup, Summary, SummaryStore
-from services.router.history.summarizer import Generate, generate_text, summary_request
+from services.router.history.summarizer import SummaryRunner, generate_text, summary_request
 from services.router.local_tokenizer import PromptTokenizer
 from services.router.validation import GenerationRequest
 
 log = structlog.get_logger()
+#: Seconds between two checks of a tenant's limits when its hint is shorter.
+_MIN_RECHECK_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -76,12 +91,12 @@ class HistoryCompactor:
       settings: the router's history settings.
       tokenizer: the model's prompt tokenizer.
       store: the cache service's summaries.
-      generate: runs a request through the summariser model's pipeline.
+      runner: runs a summary request as the chat's tenant.
       metrics: where to count.
     """
 
     def __init__(self, *, model: str, budget: int, settings: HistorySettings,
-                 tokenizer: PromptTokenizer, store: SummaryStore, generate: Generate,
+                 tokenizer: PromptTokenizer, store: SummaryStore, runner: SummaryRunner,
                  metrics: HistoryMetrics) -> None:
         self.model = model
         self.budget = budget
@@ -89,7 +104,7 @@ class HistoryCompactor:
         self.summarizer = settings.summarizer(model)
         self._tokenizer = tokenizer
         self._store = store
-        self._generate = generate
+        self._runner = runner
         self._metrics = metrics
         self._background: set[asyncio.Task[None]] = set()
 
@@ -206,12 +221,23 @@ class HistoryCompactor:
             end = await self._compaction_end(request, conversation, candidates, start)
             if end is None:
                 return
+            summarize = summary_request(
+                request, model=self.summarizer, previous=previous.text if previous else "",
+                turns=conversation.turns[start:end.end],
+                max_tokens=self.settings.summary_max_tokens)
+            if (refused := await self._tenant_room(summarize)) is not None:
+                outcome = "deferred"
+                log.info("history_compaction_deferred", model=self.model,
+                         tenant=request.tenant, limit=refused.reason,
+                         retry_after_ms=refused.retry_after_ms)
+                return
             if not await self._store.claim(request.cache_scope, end.prefix_hash,
                                            lease_seconds=self.settings.lease_seconds,
                                            request_id=request.request_id):
                 outcome = "claimed_elsewhere"
                 return
-            summary = await self._summary(request, conversation, previous, start, end.end)
+            summary = await self._summary(request, conversation, summarize, previous,
+                                          start, end.end)
             if await self._store.put(request.cache_scope, end.prefix_hash, summary,
                                      request_id=request.request_id):
                 outcome = "stored"
@@ -224,24 +250,45 @@ class HistoryCompactor:
                          seconds=round(time.monotonic() - started, 3))
         except asyncio.CancelledError:
             raise
+        except GenerationError as err:
+            if err.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                log.warning("history_compaction_failed", model=self.model, error=repr(err))
+            else:  # the tenant reached a limit since the check: its claim's lease ends it
+                outcome = "deferred"
+                log.info("history_compaction_deferred", model=self.model,
+                         tenant=request.tenant, error=err.message)
         except Exception as err:  # noqa: BLE001 - a background task: logged and counted
             log.warning("history_compaction_failed", model=self.model, error=repr(err))
         finally:
             running.dec()
             self._metrics.compactions.labels(self.model, outcome).inc()
 
+    async def _tenant_room(self, summarize: GenerationRequest) -> AdmissionRefused | None:
+        """None once the tenant may start ``summarize``, waiting out its
+        refusals' retry hints while the wait stays within
+        :data:`~.settings.DEFER_WAIT_S` (a turn of a ``max_concurrent: 1``
+        tenant holds its only slot while its compaction starts); else the
+        refusal. Holds nothing while it waits."""
+        waited = 0.0
+        while (refused := self._runner.refusal(summarize)) is not None:
+            wait = max(refused.retry_after_s, _MIN_RECHECK_S)
+            if waited + wait > DEFER_WAIT_S:
+                return refused
+            await asyncio.sleep(wait)
+            waited += wait
+        return None
+
     async def _summary(self, request: GenerationRequest, conversation: Conversation,
-                       previous: Summary | None, start: int, end: int) -> Summary:
-        """Writes the summary of ``previous`` and ``turns[start:end]`` (through the
-        summariser's pipeline) and counts its tokens.
+                       summarize: GenerationRequest, previous: Summary | None, start: int,
+                       end: int) -> Summary:
+        """Writes the summary of ``previous`` and ``turns[start:end]`` (``summarize``,
+        run as the tenant) and counts its tokens.
 
         Raises:
           ValueError: the summariser wrote nothing.
           GenerationError, InvalidRequestError, UpstreamError: as the pipeline does.
         """
-        text = await generate_text(self._generate, summary_request(
-            request, model=self.summarizer, previous=previous.text if previous else "",
-            turns=conversation.turns[start:end], max_tokens=self.settings.summary_max_tokens))
+        text = await generate_text(self._runner.generate, summarize)
         if not text:
             raise ValueError("the summariser wrote no text")
         with_turns = await self._render(request, conversation.system

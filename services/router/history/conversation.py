@@ -2,8 +2,9 @@
 
 * :func:`split`: the leading ``system`` messages (kept whole, never
   summarised) and the turns after them.
-* :func:`boundaries`: where a summary may end (before a ``user`` turn, never
-  the last message), each with the chained hash of the prefix it covers:
+* :func:`boundaries`: where a summary may end (before a ``user`` turn of
+  the earlier turns, never in the current exchange), each with the chained
+  hash of the prefix it covers:
   ``h_0 = SHA-256(domain, model, summariser, system turns)`` and ``h_k =
   SHA-256(h_{k-1}, turn k)``, each message encoded length-prefixed (role,
   content, tool call id, tool calls), so equal conversations give equal
@@ -62,9 +63,12 @@ def earlier_turns(messages: Sequence[ChatMessage]) -> int:
     """How many of ``messages`` after the leading system ones come before the
     current exchange (the messages after the last ``assistant`` one): the
     ones a history budget may drop (or a summary replace)."""
-    turns = split(messages).turns
-    last_reply = max((i for i, m in enumerate(turns) if m.role == "assistant"), default=-1)
-    return last_reply + 1
+    return _last_reply(split(messages).turns) + 1
+
+
+def _last_reply(turns: Sequence[ChatMessage]) -> int:
+    """The index of the last ``assistant`` message of ``turns`` (-1: none)."""
+    return max((i for i, m in enumerate(turns) if m.role == "assistant"), default=-1)
 
 
 def _field(text: str) -> bytes:
@@ -83,16 +87,21 @@ def _message_bytes(message: ChatMessage) -> bytes:
 def boundaries(conversation: Conversation, *, model: str, summarizer: str
                ) -> list[Boundary]:
     """The places a summary may end, shortest prefix first: before each ``user``
-    turn but the first one, the last message never covered."""
+    turn but the first one, within the earlier turns (:func:`earlier_turns`):
+    the current exchange is never covered. It may hold what the router put
+    there for this request only, the retrieval passages inserted before the
+    last user turn, which are not the client's history: a summary of them
+    would be keyed by messages the next turn does not send, and never found."""
     digest = hashlib.sha256(_DOMAIN + _field(model) + _field(summarizer)
                             + _LEN.pack(len(conversation.system)))
     for message in conversation.system:
         digest.update(_message_bytes(message))
     chain = digest.digest()
     found: list[Boundary] = []
-    for end, message in enumerate(conversation.turns[:-1], start=1):
+    turns = conversation.turns
+    for end, message in enumerate(turns[:_last_reply(turns) + 1], start=1):
         chain = hashlib.sha256(chain + _message_bytes(message)).digest()
-        if conversation.turns[end].role == "user":
+        if end < len(turns) and turns[end].role == "user":
             found.append(Boundary(end, chain))
     return found
 

@@ -5,7 +5,9 @@
 * ``llmesh:history_compactions_total{model_name, outcome}``: compactions a
   router started: ``stored`` (it wrote the summary), ``claimed_elsewhere``
   (another router holds the claim, or the summary exists: skipped),
-  ``failed`` (the generation or the store failed; the claim's lease ends it);
+  ``failed`` (the generation or the store failed; the claim's lease ends it),
+  ``deferred`` (the chat's tenant was over one of its limits: a later turn
+  tries again);
 * ``llmesh:history_compactions_running{model_name}``: compactions under way
   in this router (gauge);
 * ``llmesh:history_summarized_turns_total{model_name}``: turns the stored

@@ -15,6 +15,9 @@ LOW_WATER = 0.5
 #: to be trimmed), so that the summary is usually stored before the chat
 #: reaches the budget and no turn is served trimmed.
 HIGH_WATER = 0.75
+#: Most seconds a compaction waits for its tenant to be back under its limits
+#: (the limits' retry hints) before it is deferred to a later turn.
+DEFER_WAIT_S = 10.0
 
 
 def parse_budget(text: str) -> tuple[str, int]:

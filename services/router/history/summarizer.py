@@ -3,7 +3,8 @@
 :func:`summary_request` builds it (the summariser model, greedy so that the
 same turns always give the same summary, ``summary_max_tokens`` at most,
 batch priority, the caller's tenant and cache scope; exempt from the
-history budget); :func:`generate_text` runs it through a pipeline and returns the text.
+history budget); :func:`generate_text` runs it through a pipeline and returns
+the text; a :class:`SummaryRunner` runs it as the tenant whose chat it is.
 The prompt is ours: an instruction in the system turn, then the previous
 summary and the new turns as a transcript in one user turn, so an
 incremental compaction never reads the turns the previous summary covers.
@@ -13,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Protocol
 
 from services.common.sampling import Priority, SamplingOptions
 from services.common.wire.chat import ChatMessage
+from services.router.admission import AdmissionRefused
 from services.router.generation import Delta, Event
 from services.router.validation import GenerationRequest
 
@@ -28,6 +31,25 @@ INSTRUCTION = (
 
 #: Runs a request through the summariser model's pipeline (``GenerationPipeline.run``).
 Generate = Callable[[GenerationRequest], AsyncIterator[Event]]
+
+
+class SummaryRunner(Protocol):
+    """Runs summary requests as the tenant whose chat they summarise (the
+    router service: :meth:`Tenancy.background_refusal` and
+    :meth:`Tenancy.run_background`)."""
+
+    def refusal(self, request: GenerationRequest) -> AdmissionRefused | None:
+        """Why the tenant may not start ``request`` now (over one of its
+        limits), or None. Counts nothing."""
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
+        """``request`` through the summariser model's pipeline, under the
+        tenant's limits and counted in its usage and metrics.
+
+        Raises:
+          GenerationError: RESOURCE_EXHAUSTED when the tenant is over a
+            limit; as the pipeline does otherwise.
+        """
 
 
 def transcript(previous: str, turns: Sequence[ChatMessage]) -> str:
