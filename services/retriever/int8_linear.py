@@ -7,7 +7,7 @@ by arithmetic (docs/bench.md "Retrieval" has the profile). This halves them
 again after bf16: the weight is stored int8, symmetric per output channel
 (``scale[o] = max |W[o, :]| / 127``, ``W ≈ q * scale``), while the
 activations stay bf16 (unlike dynamic int8 quantization, which also rounds
-each activation row to int8 and moved query vectors ~40 times further from
+each activation row to int8 and moved query vectors ~50 times further from
 fp32). The product is ``torch.ops.aten._weight_int8pack_mm`` (PyTorch's CPU
 kernel for weight-only int8, as used by gpt-fast and torchao's
 ``int8_weight_only``): ``x @ (q * scale)ᵀ`` computed from the int8 weight.
