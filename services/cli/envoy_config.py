@@ -43,7 +43,8 @@ What the config does (see ``envoy/README.md`` for the why):
   for one (``ingress-plaintext``); with ``router_tls``, mutual TLS to the
   router (docs/security.md);
 * backstops: a request body over ``max_request_bytes`` gets 413 (gRPC:
-  RESOURCE_EXHAUSTED) on the one-message routes, at most
+  RESOURCE_EXHAUSTED; both name the limit; OpenAI paths: OpenAI's error
+  JSON) on the one-message routes, at most
   ``max_concurrent_streams`` HTTP/2 streams per client connection, a
   ``downstream_stream_window_bytes`` window (and buffer) per client stream,
   ``max_downstream_connections`` connections, and the overload manager's
@@ -64,6 +65,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import ipaddress
+import re
 import sys
 import warnings
 from dataclasses import dataclass, replace
@@ -189,7 +191,7 @@ with warnings.catch_warnings():
         HttpProtocolOptions,
         HttpProtocolOptionsExplicitHttpConfig,
     )
-    from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
+    from envoy_data_plane.envoy.type.matcher.v3 import RegexMatcher, StringMatcher
     from envoy_data_plane.google.protobuf import Any, Struct
 
 #: The public gRPC service Envoy transcodes and counts.
@@ -206,7 +208,8 @@ ROUTER_CLUSTER = "router"
 #: Envoy cluster of the retriever service (``llmesh up --retrieval``), and the
 #: gRPC path prefix routed to it.
 RETRIEVER_CLUSTER = "retriever"
-RETRIEVER_PREFIX = "/llmesh.v1.RetrieverService/"
+RETRIEVER_SERVICE = "llmesh.v1.RetrieverService"
+RETRIEVER_PREFIX = f"/{RETRIEVER_SERVICE}/"
 #: Envoy cluster that points at the router's OpenAI-compatible HTTP port.
 OPENAI_CLUSTER = "router_openai"
 #: Paths routed to it (exact), and the prefix of ``GET /v1/models/{id}``.
@@ -351,10 +354,11 @@ class EnvoySettings:
         router's (the router's SAN must name ``router_host``); None: cleartext.
       max_request_bytes: most bytes of a request body Envoy buffers and
         forwards (buffer filter); a larger body gets 413 (HTTP) or a gRPC
-        error before it reaches the router. Only on the one-message routes
-        (``Generate``, ``GenerateJson``, OpenAI); off on ``GenerateStream``
-        and ``/`` (bidirectional streams whose body ends late or never: the
-        router's 64 MiB gRPC message limit applies there). 4 MiB holds a
+        error naming the limit before it reaches the router. Only on the
+        one-message routes (``Generate``, ``GenerateJson``, OpenAI); off on
+        ``GenerateStream`` and ``/`` (bidirectional streams whose body ends
+        late or never: the router's 64 MiB gRPC message limit applies there)
+        and on the retriever's route (its own per-field limits answer). 4 MiB holds a
         128k-token prompt as JSON.
       max_concurrent_streams: most HTTP/2 streams one client connection may
         have open (SETTINGS_MAX_CONCURRENT_STREAMS); the router's admission
@@ -480,11 +484,12 @@ _BUFFER = "envoy.filters.http.buffer"
 
 def _buffer(settings: EnvoySettings) -> HttpFilter:
     """Envoy's buffer filter as the request-size backstop: a body over
-    ``max_request_bytes`` gets 413 Payload Too Large (a gRPC caller sees the
-    error Envoy maps 413 to) and never reaches the router. On the routes whose
-    request is one message (``Generate``, ``GenerateJson``, the OpenAI paths);
-    off on streams that send as they go (``GenerateStream``, reflection, the
-    catch-all ``/``), where the router's 64 MiB message limit is the bound."""
+    ``max_request_bytes`` gets 413 (reshaped by :func:`_local_replies`) and
+    never reaches the router. On the routes whose request is one message
+    (``Generate``, ``GenerateJson``, the OpenAI paths); off on streams that
+    send as they go (``GenerateStream``, reflection, the catch-all ``/``),
+    where the router's 64 MiB message limit is the bound, and on the
+    retriever's route (:func:`_retriever_routes`)."""
     return HttpFilter(name=_BUFFER, typed_config=Any.pack(
         Buffer(max_request_bytes=settings.max_request_bytes)))
 
@@ -564,11 +569,18 @@ def _routes(settings: EnvoySettings) -> list[Route]:
 
 
 def _retriever_routes(settings: EnvoySettings) -> list[Route]:
-    """``/llmesh.v1.RetrieverService/*`` → the retriever (when there is one)."""
+    """``/llmesh.v1.RetrieverService/*`` → the retriever (when there is one),
+    without the buffer filter's ``max_request_bytes``: an ingest may carry
+    many documents, and the retriever's own limits (a document's text, a
+    query; its 64 MiB gRPC message limit) answer with the field at fault
+    (``documents[0].text: is 10485760 bytes, over the service's document size
+    limit...``), where Envoy could only say "Payload Too Large". Envoy streams
+    the body under its flow-control window, as on ``/``."""
     if settings.retriever_port is None:
         return []
     return [Route(name="retriever", match=RouteMatch(prefix=RETRIEVER_PREFIX),
-                  route=_route_action(settings, cluster=RETRIEVER_CLUSTER))]
+                  route=_route_action(settings, cluster=RETRIEVER_CLUSTER),
+                  typed_per_filter_config=_unbuffered())]
 
 
 def _retriever_cluster(settings: EnvoySettings) -> list[Cluster]:
@@ -624,45 +636,105 @@ def _http_connection_manager(settings: EnvoySettings) -> HttpConnectionManager:
             HttpFilter(name="envoy.filters.http.router", typed_config=Any.pack(Router())),
         ],
         access_log=_access_log(settings),
-        local_reply_config=_local_replies(),
+        local_reply_config=_local_replies(settings),
     )
 
 
-def _status_is(code: int, name: str) -> AccessLogFilter:
+def _status_is(code: int, name: str,
+               op: ComparisonFilterOp = ComparisonFilterOp.EQ) -> AccessLogFilter:
     return AccessLogFilter(status_code_filter=StatusCodeFilter(comparison=ComparisonFilter(
-        op=ComparisonFilterOp.EQ,
+        op=op,
         value=RuntimeUInt32(default_value=code, runtime_key=f"llmesh.local_reply.{name}"))))
 
 
-def _local_replies() -> LocalReplyConfig:
-    """Envoy's own replies, reshaped for their callers. Source: Envoy docs,
-    "Local reply modification" (http_conn_man).
+def _path_under(*paths: str) -> AccessLogFilter:
+    """The request's ``:path`` is one of ``paths``, below one (``/``), or one
+    with a query (``?``): one RE2 full match (Envoy's ``safe_regex``)."""
+    pattern = "(?:" + "|".join(re.escape(path) for path in paths) + ")(?:[/?].*)?"
+    return AccessLogFilter(header_filter=HeaderFilter(header=HeaderMatcher(
+        name=":path", string_match=StringMatcher(safe_regex=RegexMatcher(regex=pattern)))))
 
-    * 413 (a body over ``max_request_bytes``) carries ``grpc-status: 8``
-      (RESOURCE_EXHAUSTED), so a gRPC caller sees a size refusal, not UNKNOWN
-      (Envoy maps HTTP 413 to UNKNOWN); HTTP callers keep the 413.
+
+def _path_starts_v1() -> AccessLogFilter:
+    """The request's ``:path`` starts with ``/v1/``."""
+    return AccessLogFilter(header_filter=HeaderFilter(header=HeaderMatcher(
+        name=":path", string_match=StringMatcher(prefix="/v1/"))))
+
+
+def _both(*filters: AccessLogFilter) -> AccessLogFilter:
+    """Every one of ``filters`` matches."""
+    return AccessLogFilter(and_filter=AndFilter(filters=list(filters)))
+
+
+def _openai_error(status_filter: AccessLogFilter, message: str, kind: str,
+                  code: str | None) -> ResponseMapper:
+    """Envoy's local reply on an OpenAI path (:data:`OPENAI_PATHS`, and
+    ``/v1/models/{id}`` below one) with ``status_filter``'s status, as
+    the router's OpenAI errors are: ``{"error": {"message", "type", "param",
+    "code"}}`` (``services/router/openai_format.py``, ``OpenAIError``)."""
+    body = Struct.from_dict({"error": {"message": message, "type": kind, "param": None,
+                                       "code": code}})
+    return ResponseMapper(
+        filter=_both(status_filter, _path_under(*OPENAI_PATHS)),
+        body_format_override=SubstitutionFormatString(json_format=body,
+                                                      content_type="application/json"))
+
+
+def _local_replies(settings: EnvoySettings) -> LocalReplyConfig:
+    """Envoy's own replies, reshaped for their callers (the first mapper that
+    matches applies). Source: Envoy docs, "Local reply modification"
+    (http_conn_man); a gRPC caller gets the body as ``grpc-message``.
+
+    * 413 (a body over ``max_request_bytes``): on the OpenAI paths, the
+      router's own 413 (``request_too_large``, naming Envoy's limit); else
+      ``grpc-status: 8`` (RESOURCE_EXHAUSTED: Envoy maps HTTP 413 to UNKNOWN)
+      and a message naming the limit and what to do, instead of "Payload Too
+      Large". The retriever's route has no such limit (its own per-field
+      limits answer, :func:`_retriever_routes`).
     * 404 under ``/v1/`` (no route, or a path the transcoder cannot resolve)
       is the router's own 404 (``services/router/openai_http.py``): an
       OpenAI error body, ``{"error": {"message", "type", "param", "code":
       "unknown_url"}}``, as OpenAI answers an unknown URL.
+    * Any other error Envoy answers on an OpenAI path (503 no healthy router
+      or overload, 5xx, 4xx) keeps its status and Envoy's text as the message
+      of an OpenAI error body (503 as the router's ``service_unavailable``).
+
+    Not reshaped: Envoy's 431 (headers over ``max_request_headers_kb``,
+    HTTP/1 only) stays its plain text: the HTTP/1 codec answers it before the
+    connection manager has a stream or a path (measured: a local-reply mapper
+    for 431 never applies).
     """
+    limit = settings.max_request_bytes
     resource_exhausted = HeaderValueOption(
         header=HeaderValue(key="grpc-status", value="8"),
         append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD)
-    under_v1 = AccessLogFilter(header_filter=HeaderFilter(header=HeaderMatcher(
-        name=":path", string_match=StringMatcher(prefix="/v1/"))))
     not_found_body = Struct.from_dict({"error": {  # the router's own (openai_http.py)
         "message": "unknown route %REQ(:METHOD)% %REQ(:PATH)%; this server has POST "
                    "/v1/chat/completions, POST /v1/completions, GET /v1/models, POST "
                    "/tokenize, POST /detokenize and POST /v1/embeddings",
         "type": "invalid_request_error", "param": None, "code": "unknown_url"}})
+    too_large = _status_is(413, "too_large")
     return LocalReplyConfig(mappers=[
-        ResponseMapper(filter=_status_is(413, "too_large"), headers_to_add=[resource_exhausted]),
+        _openai_error(too_large, f"request body too large: the mesh's ingress takes at most "
+                      f"{limit} bytes (Envoy's max_request_bytes); send a shorter prompt or "
+                      "fewer, smaller tools", "invalid_request_error", "request_too_large"),
+        ResponseMapper(filter=too_large, headers_to_add=[resource_exhausted],
+                       body_format_override=SubstitutionFormatString(
+                           text_format_source=DataSource(inline_string=(
+                               f"request too large: over {limit} bytes, the most the mesh's "
+                               "ingress takes on this route (Envoy's max_request_bytes); "
+                               "send a shorter prompt, or raise max_request_bytes in the "
+                               "Envoy config")))),
         ResponseMapper(
-            filter=AccessLogFilter(and_filter=AndFilter(
-                filters=[_status_is(404, "not_found"), under_v1])),
+            filter=_both(_status_is(404, "not_found"), _path_starts_v1()),
             body_format_override=SubstitutionFormatString(
                 json_format=not_found_body, content_type="application/json")),
+        _openai_error(_status_is(503, "unavailable"), "%LOCAL_REPLY_BODY%",
+                      "service_unavailable_error", "service_unavailable"),
+        _openai_error(_status_is(500, "server_error", ComparisonFilterOp.GE),
+                      "%LOCAL_REPLY_BODY%", "internal_error", None),
+        _openai_error(_status_is(400, "client_error", ComparisonFilterOp.GE),
+                      "%LOCAL_REPLY_BODY%", "invalid_request_error", None),
     ])
 
 

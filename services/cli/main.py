@@ -248,13 +248,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     for flag in ("backend", "device", "dtype", "quantization"):
         if getattr(args, flag):
             engine_args += [f"--{flag}", getattr(args, flag)]
-    problem = _up_problem(args, engine_args)
+    router_args = _router_args(args)
+    problem = (_up_problem(args, engine_args)
+               or _pass_through_problem(router_args, list(args.retriever_arg)))
     if problem:
         print(f"llmesh: {problem}", file=sys.stderr)
         return 2
-    router_args = [*args.router_arg, *cascade_router_args(args), *history_router_args(args)]
-    if args.api_keys is not None:
-        router_args += ["--api-keys", os.path.abspath(args.api_keys)]
     mesh = Mesh(
         ingress_host=args.host, ingress_port=args.port, admin_port=args.admin_port,
         model_path=args.model_path, models=args.models, redis_url=args.redis_url,
@@ -332,6 +331,31 @@ def _up_problem(args: argparse.Namespace, engine_args: list[str]) -> str | None:
     return _host_memory_problem(args.engines * max(1, len(args.models)), engine_args)
 
 
+def _router_args(args: argparse.Namespace) -> list[str]:
+    """The router's flags ``llmesh up`` adds to the ones the mesh sets:
+    ``--router-arg``, then the cascade, history and API key flags."""
+    router_args = [*args.router_arg, *cascade_router_args(args), *history_router_args(args)]
+    if args.api_keys is not None:
+        router_args += ["--api-keys", os.path.abspath(args.api_keys)]
+    return router_args
+
+
+def _pass_through_problem(router_args: list[str], retriever_args: list[str]) -> str | None:
+    """What the router or the retriever would refuse in the flags ``llmesh
+    up`` passes on to it (``--router-arg``, with the cascade, history and key
+    flags; ``--retriever-arg``), checked with that service's own parser and
+    configuration before anything starts: one line naming the flag, None
+    when there is none. (The engines' flags: :func:`_host_memory_problem`.)"""
+    from services.retriever.__main__ import pass_through_problem as retriever_problem
+    from services.router.__main__ import pass_through_problem as router_problem
+
+    problem = router_problem(router_args)
+    if problem:
+        return f"--router-arg: {problem}"
+    problem = retriever_problem(retriever_args) if retriever_args else None
+    return f"--retriever-arg: {problem}" if problem else None
+
+
 def _host_memory_problem(num_engines: int, engine_args: list[str]) -> str | None:
     """Whether ``num_engines`` engines started with ``engine_args`` (and the
     ``LLMESH_ENGINE_*`` environment) would together fill more host memory with
@@ -339,15 +363,18 @@ def _host_memory_problem(num_engines: int, engine_args: list[str]) -> str | None
     checks only itself when it starts. An engine flag or variable that does not
     parse (``--kv-cache-bytes=1PiB``) is refused here with the engines' own
     parser's one line (the flag and the accepted units), since every engine
-    would refuse it; flags the engines do not know are left to them."""
+    would refuse it, and so is a flag the engines do not know."""
+    from services.common.cli_args import ArgsRefused, CheckingParser
+    from services.common.server import add_server_arguments
     from services.engine import host_memory
     from services.engine.config import add_engine_arguments, engine_config_from_args
 
-    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    parser = CheckingParser(add_help=False)
     try:
         add_engine_arguments(parser)
-        known, _ = parser.parse_known_args(engine_args)
-    except argparse.ArgumentError as error:
+        add_server_arguments(parser)
+        known = parser.parse_args(engine_args)
+    except ArgsRefused as error:
         return f"--engine-arg: {error}"
     except ValueError as error:  # an LLMESH_ENGINE_* variable (it names itself)
         return str(error)

@@ -53,6 +53,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.cli.envoy_config import (
     DESCRIPTOR_RELATIVE,
     REPO_ROOT,
+    RETRIEVER_SERVICE,
     EnvoySettings,
     TlsFiles,
     write_config,
@@ -545,7 +546,9 @@ class Mesh:
       retrieval: also start the retriever (``python -m services.retriever``,
         collections under ``RUN_DIR/retriever``), tell the router its address
         (``--retriever-address``) and route ``llmesh.v1.RetrieverService`` on
-        the ingress listener to it (unless ``retriever_on_ingress`` is False).
+        the ingress listener to it (unless ``retriever_on_ingress`` is False;
+        the router then lists it in its reflection, ``--reflect-service``,
+        which answers ``grpcurl list`` through the ingress).
       retriever_on_ingress: route the retriever's API (collections, ingest,
         query, embed) on the ingress. False where the ingress checks API keys:
         the retriever checks none, so its API stays on its own address, for
@@ -1018,6 +1021,10 @@ class Mesh:
         ]
         if "retriever" in by_name:
             upstreams += ["--retriever-address", by_name["retriever"].grpc_address]
+            if name == "router" and self.with_envoy and self.retriever_on_ingress:
+                # Reflection through the ingress reaches the router: it lists
+                # the retriever's API that Envoy routes beside its own.
+                upstreams += ["--reflect-service", RETRIEVER_SERVICE]
         for suffix, _ in self._pools():
             engines = [by_name[f"engine{suffix}-{i}"].grpc_address
                        for i in range(self.num_engines)]

@@ -50,9 +50,25 @@ class MethodAwarePool:
                 raise KeyError(f"Couldn't find symbol {symbol}") from None
 
 
-def enable_reflection(service_names: Iterable[str], server: grpc.aio.Server) -> None:
+def enable_reflection(service_names: Iterable[str], server: grpc.aio.Server,
+                      also: Iterable[str] = ()) -> None:
     """Serves reflection on ``server`` for ``service_names``, gRPC health and
-    reflection itself (all from the default descriptor pool)."""
+    reflection itself (all from the default descriptor pool), and lists the
+    services ``also`` names (another process serves them behind the same
+    ingress: ``--reflect-service``).
+
+    Raises:
+      ValueError: a name in ``also`` the default pool does not hold
+        (reflection would list it and fail to describe it).
+    """
+    pool = descriptor_pool.Default()
+    also = tuple(also)
+    for name in also:
+        try:
+            pool.FindServiceByName(name)
+        except KeyError:
+            raise ValueError(f"--reflect-service: no service {name!r} in this process's "
+                             "descriptors") from None
     reflection.enable_server_reflection(
-        (*service_names, HEALTH_SERVICE, reflection.SERVICE_NAME), server,
+        (*service_names, *also, HEALTH_SERVICE, reflection.SERVICE_NAME), server,
         pool=MethodAwarePool())

@@ -138,6 +138,12 @@ class ServerConfig:
       otlp_traces_endpoint: export OpenTelemetry traces there over OTLP/gRPC
         (:mod:`services.common.tracing`); None: ``$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``
         if set, else tracing off.
+      reflected_services: more services server reflection lists beside the
+        service's own (``--reflect-service``): those an ingress in front of
+        this service routes to another one (``llmesh up --retrieval`` gives
+        the router ``llmesh.v1.RetrieverService``), so ``grpcurl list``
+        through the ingress names every service it can call. Each must be in
+        this process's descriptor pool (describe then works too).
     """
 
     name: str
@@ -150,6 +156,7 @@ class ServerConfig:
     gpu_telemetry: bool | None = None
     tls: MeshTls | None = None
     otlp_traces_endpoint: str | None = None
+    reflected_services: tuple[str, ...] = ()
 
     @property
     def exports_gpu_telemetry(self) -> bool:
@@ -161,7 +168,8 @@ class ServerConfig:
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds ``--host --port --metrics-port --port-file --drain-seconds --log-level
-    --[no-]gpu-telemetry --tls-{cert,key,ca} --otlp-traces-endpoint``."""
+    --[no-]gpu-telemetry --tls-{cert,key,ca} --otlp-traces-endpoint
+    --reflect-service``."""
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one)")
     parser.add_argument(
@@ -181,6 +189,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                        ("ca", "the mesh CA that signs every service's certificate")):
         parser.add_argument(f"--tls-{flag}", type=Path, default=None,
                             help=f"mutual TLS inside the mesh: {what}; the three go together")
+    parser.add_argument("--reflect-service", action="append", default=[], metavar="NAME",
+                        help="also list this service (full name) in server reflection: one "
+                             "the ingress in front routes elsewhere; repeatable")
     tracing.add_tracing_arguments(parser)
 
 
@@ -197,6 +208,7 @@ def server_config_from_args(name: str, args: argparse.Namespace) -> ServerConfig
         log_level=args.log_level,
         gpu_telemetry=getattr(args, "gpu_telemetry", None),
         otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
+        reflected_services=tuple(getattr(args, "reflect_service", ())),
     )
 
 
@@ -335,7 +347,7 @@ async def _listen(config: ServerConfig, service: Service, server: grpc.aio.Serve
     ``config.port_file``."""
     await _set_health(health, service.service_names, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    enable_reflection(service.service_names, server)
+    enable_reflection(service.service_names, server, also=config.reflected_services)
     address = f"{config.host}:{config.port}"
     use_mesh_tls(config.tls)  # before start(): the service opens its channels there
     grpc_port = (server.add_insecure_port(address) if config.tls is None

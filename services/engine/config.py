@@ -22,6 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.common.cli_args import non_negative_int as _non_negative_int
+from services.common.cli_args import positive_float as _positive_float
+from services.common.cli_args import positive_int as _positive_int
+
 BACKEND_NAMES = ("torch", "tensorrt_llm")
 SPECULATIVE_METHODS = ("auto", "none", "ngram", "draft", "suffix", "eagle3", "mtp")
 ENV_PREFIX = "LLMESH_ENGINE_"
@@ -522,13 +526,6 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def _probability(text: str) -> float:
     value = float(text)
     if not 0 <= value < 1:
@@ -536,24 +533,10 @@ def _probability(text: str) -> float:
     return value
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 

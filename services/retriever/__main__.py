@@ -24,6 +24,7 @@ import asyncio
 import sys
 from pathlib import Path
 
+from services.common.cli_args import CheckingParser, non_negative_int, positive_int
 from services.common.server import add_server_arguments, run_service, server_config_from_args
 from services.retriever.chunker import MAX_CHUNK_TOKENS, Chunking
 from services.retriever.embedder import QUERY_PRECISIONS, Embedder
@@ -36,10 +37,12 @@ from services.retriever.store import CollectionStore
 DIMENSION = 384
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line: retriever flags plus the common server flags."""
-    parser = argparse.ArgumentParser(prog="python -m services.retriever", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(cls: type[argparse.ArgumentParser] = argparse.ArgumentParser
+                 ) -> argparse.ArgumentParser:
+    """The command line: retriever flags plus the common server flags (``cls``:
+    :class:`CheckingParser` to refuse without exiting)."""
+    parser = cls(prog="python -m services.retriever", description=__doc__,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="where collections persist (default: memory only)")
     parser.add_argument("--index", choices=[*sorted(FILE_BACKENDS), "qdrant"], default="usearch",
@@ -56,20 +59,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help="default tokens shared by consecutive chunks")
     parser.add_argument("--default-top-k", type=int, default=5)
     parser.add_argument("--max-top-k", type=int, default=100)
-    parser.add_argument("--max-document-bytes", type=int, default=1 << 20,
+    parser.add_argument("--max-document-bytes", type=positive_int, default=1 << 20,
                         help="largest document text in UTF-8 bytes (default 1 MiB)")
-    parser.add_argument("--max-text-bytes", type=int, default=16 << 10,
+    parser.add_argument("--max-text-bytes", type=positive_int, default=16 << 10,
                         help="largest query or Embed text in UTF-8 bytes (default 16 KiB)")
-    parser.add_argument("--query-cache-entries", type=int, default=10_000,
+    parser.add_argument("--query-cache-entries", type=non_negative_int, default=10_000,
                         help="query embeddings and top-k results cached (each; 0: off)")
-    parser.add_argument("--num-threads", type=int, default=1,
+    parser.add_argument("--num-threads", type=positive_int, default=1,
                         help="torch threads of the embedding model (default 1)")
     parser.add_argument("--query-precision", choices=QUERY_PRECISIONS, default="bf16",
                         help="weights of the query encoder: bf16 (default; fp32 where the "
                              "CPU has no native bf16), fp32, int8-weights (int8 weights, bf16 "
                              "activations: faster, ~5e-4 cosine from fp32) or int8 (dynamic "
                              "quantization: fastest, least exact)")
-    parser.add_argument("--batch-size", type=int, default=64,
+    parser.add_argument("--batch-size", type=positive_int, default=64,
                         help="texts per forward pass of the embedding model")
     parser.add_argument("--save-interval-seconds", type=float, default=2.0,
                         help="seconds between saves of changed collections")
@@ -102,19 +105,38 @@ def make_backend(args: argparse.Namespace) -> IndexBackend:
                           "pip install -e '.[retriever-qdrant]'") from error
 
 
+def limits_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Limits:
+    """The request limits and default chunking the flags give
+    (``parser.error`` on a bad combination)."""
+    try:
+        chunking = Chunking(args.chunk_tokens, args.overlap_tokens)
+    except ValueError as error:
+        parser.error(f"--chunk-tokens/--overlap-tokens: {error}")
+    if not 1 <= args.default_top_k <= args.max_top_k:
+        parser.error("need 1 <= --default-top-k <= --max-top-k")
+    return Limits(max_document_bytes=args.max_document_bytes,
+                  max_text_bytes=args.max_text_bytes, default_top_k=args.default_top_k,
+                  max_top_k=args.max_top_k, default_chunking=chunking)
+
+
+def pass_through_problem(argv: list[str]) -> str | None:
+    """What the retriever would refuse in ``argv`` (``llmesh up
+    --retriever-arg``): its parser and limits as :func:`main` takes them,
+    nothing started or loaded (the index backend is checked at start); one
+    line, None when there is none."""
+    parser = build_parser(CheckingParser)
+    try:
+        limits_from_args(parser, parser.parse_args(argv))
+    except ValueError as error:  # ArgsRefused is one
+        return str(error)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the service until SIGTERM/SIGINT; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        chunking = Chunking(args.chunk_tokens, args.overlap_tokens)
-    except ValueError as error:
-        parser.error(str(error))
-    if not 1 <= args.default_top_k <= args.max_top_k:
-        parser.error("need 1 <= --default-top-k <= --max-top-k")
-    limits = Limits(max_document_bytes=args.max_document_bytes,
-                    max_text_bytes=args.max_text_bytes, default_top_k=args.default_top_k,
-                    max_top_k=args.max_top_k, default_chunking=chunking)
+    limits = limits_from_args(parser, args)
     try:
         backend = make_backend(args)
     except (ValueError, ImportError) as error:

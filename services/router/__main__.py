@@ -28,6 +28,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.common.cli_args import (
+    CheckingParser,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from services.common.server import add_server_arguments, run_service, server_config_from_args
 from services.router.admission import AdmissionConfig
 from services.router.retrieval.stage import DEFAULT_RETRIEVAL_TIMEOUT_S
@@ -75,8 +82,10 @@ def _tool_call_format(text: str) -> tuple[str, ToolCallFormat]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser(cls: type[argparse.ArgumentParser] = argparse.ArgumentParser
+                 ) -> argparse.ArgumentParser:
+    """The command line (``cls``: :class:`CheckingParser` to refuse without exiting)."""
+    parser = cls(
         prog="python -m services.router",
         description="llmesh router: the public GenerationService (validation, routing, "
                     "stop strings) in front of tokenizer, cache and engine services.")
@@ -100,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="one more served model: its tokenizer's host:port and its "
                              "engines (host:port or dns:///NAME:PORT each); repeat for several models (the --tokenizer/--engine "
                              "model is the default)")
-    parser.add_argument("--engine-resolve-interval", type=float,
+    parser.add_argument("--engine-resolve-interval", type=positive_float,
                         default=DEFAULT_RESOLVE_INTERVAL_S, metavar="SECONDS",
                         help="seconds between resolutions of dns:/// engines (also resolved "
                              "soon after a replica fails; default "
@@ -110,17 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
                              "when none is given; A and AAAA, "
                              "no search domains); default: the system resolver (/etc/hosts, "
                              "resolv.conf)")
-    parser.add_argument("--default-max-tokens", type=int, default=256,
+    parser.add_argument("--default-max-tokens", type=positive_int, default=256,
                         help="completion tokens when a request sets none (default 256)")
-    parser.add_argument("--max-tokens-cap", type=int, default=4096,
+    parser.add_argument("--max-tokens-cap", type=positive_int, default=4096,
                         help="most completion tokens a request may ask for (default 4096)")
     parser.add_argument("--log-content", action="store_true",
                         help="log prompt and output text (off by default: may be private)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="seconds to wait for tokenizer and engines to serve (default 600)")
-    parser.add_argument("--cache-timeout", type=float, default=0.5,
+    parser.add_argument("--cache-timeout", type=positive_float, default=0.5,
                         help="most seconds one cache call may take (default 0.5)")
-    parser.add_argument("--stream-idle-timeout", type=float, default=300.0,
+    parser.add_argument("--stream-idle-timeout", type=non_negative_float, default=300.0,
                         help="GenerateStream session idle limit: seconds with no generation "
                              "running and no client message before the router ends the stream "
                              "with DEADLINE_EXCEEDED; 0: no limit (default 300)")
@@ -140,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "tokenizer (docs/architecture.md, \"What the mesh costs\"). "
                              "Default: on; --no-tokenize-in-router: the tokenizer service "
                              "makes every prompt")
-    parser.add_argument("--client-write-timeout-s", type=float,
+    parser.add_argument("--client-write-timeout-s", type=non_negative_float,
                         default=DEFAULT_CLIENT_WRITE_TIMEOUT_S, metavar="SECONDS",
                         help="slow-reader budget: a write to a client blocked this long (it "
                              "does not read its stream) while its generation runs cancels "
@@ -169,20 +178,20 @@ def build_parser() -> argparse.ArgumentParser:
     adm.add_argument("--no-admission", dest="admission", action="store_false",
                      help="no router queue and no refusals: every request goes to an engine "
                           "at once (its own waiting limit applies)")
-    adm.add_argument("--max-queued-requests", type=int, default=256, metavar="N",
+    adm.add_argument("--max-queued-requests", type=non_negative_int, default=256, metavar="N",
                      help="most requests queued per model and class (default 256)")
-    adm.add_argument("--max-queued-prompt-tokens", type=int, default=1_048_576, metavar="N",
+    adm.add_argument("--max-queued-prompt-tokens", type=non_negative_int, default=1_048_576, metavar="N",
                      help="most prompt tokens queued per model and class (default 1048576)")
-    adm.add_argument("--max-running-per-replica", type=int, default=0, metavar="N",
+    adm.add_argument("--max-running-per-replica", type=non_negative_int, default=0, metavar="N",
                      help="requests kept running on one replica; 0: the replica's "
                           "max_num_seqs (default 0)")
-    adm.add_argument("--kv-overcommit", type=float, default=1.0, metavar="X",
+    adm.add_argument("--kv-overcommit", type=non_negative_float, default=1.0, metavar="X",
                      help="running requests may reserve X times the replicas' KV capacity "
                           "(prompt + max_tokens each); 0: no KV check (default 1.0)")
-    adm.add_argument("--batch-window-ms", type=float, default=10.0, metavar="MS",
+    adm.add_argument("--batch-window-ms", type=non_negative_float, default=10.0, metavar="MS",
                      help="a batch-class request waits up to this long to be dispatched with "
                           "others (default 10)")
-    adm.add_argument("--max-queue-wait", type=float, default=30.0, metavar="SECONDS",
+    adm.add_argument("--max-queue-wait", type=positive_float, default=30.0, metavar="SECONDS",
                      help="aging bound: a request queued this long goes next, ahead of class "
                           "and tenant order (default 30)")
     route = parser.add_argument_group(
@@ -203,13 +212,69 @@ def build_parser() -> argparse.ArgumentParser:
                             "that costs more than the prefill of this many tokens above the "
                             f"cheapest (default {CostWeights.affinity_slack_tokens:g})")
     add_cascade_arguments(parser)
-    parser.add_argument("--retrieval-timeout-ms", type=float,
+    parser.add_argument("--retrieval-timeout-ms", type=positive_float,
                         default=DEFAULT_RETRIEVAL_TIMEOUT_S * 1e3, metavar="MS",
                         help="cap on one retriever Query (docs/architecture.md "
                              "\"Retrieval-augmented requests\"); a request's own deadline "
                              f"may cut it shorter (default {DEFAULT_RETRIEVAL_TIMEOUT_S * 1e3:g})")
     add_server_arguments(parser)
     return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """The router's configuration from its parsed flags (nothing started).
+
+    Raises:
+      ValueError: a combination the flags' types cannot see (one line).
+    """
+    cascade = policy_from_args(args)
+    config = RouterConfig(
+        tokenizer=args.tokenizer, engines=tuple(args.engine), cache=args.cache,
+        default_max_tokens=args.default_max_tokens, max_tokens_cap=args.max_tokens_cap,
+        log_content=args.log_content, startup_timeout=args.startup_timeout,
+        cache_timeout=args.cache_timeout, stream_idle_timeout=args.stream_idle_timeout,
+        client_write_timeout_s=args.client_write_timeout_s,
+        tokenize_in_router=args.tokenize_in_router,
+        tool_call_formats=dict(args.tool_call_format),
+        admission=AdmissionConfig(
+            enabled=args.admission, max_queued_requests=args.max_queued_requests,
+            max_queued_prompt_tokens=args.max_queued_prompt_tokens,
+            max_running_per_replica=args.max_running_per_replica,
+            kv_overcommit=args.kv_overcommit, batch_window_s=args.batch_window_ms / 1e3,
+            max_queue_wait_s=args.max_queue_wait),
+        routing_policy=(None if args.routing_policy is None
+                        else RoutingPolicy(args.routing_policy)),
+        routing_weights=CostWeights(
+            decode_horizon_tokens=args.kv_aware_decode_horizon,
+            affinity_slack_tokens=args.kv_aware_affinity_slack),
+        pools=tuple(args.model_pool), openai_port=args.openai_port,
+        resolve_interval_s=args.engine_resolve_interval,
+        dns_nameserver=args.dns_nameserver,
+        api_keys=None if args.api_keys is None else str(Path(args.api_keys).resolve()),
+        cascade=cascade,
+        history=history_settings(args, cascade_small=cascade.small if cascade else ""),
+        retriever=args.retriever_address,
+        retrieval_timeout_s=args.retrieval_timeout_ms / 1e3)
+    if args.dns_nameserver is not None:
+        make_resolver(args.dns_nameserver)  # checks the address
+    return config
+
+
+#: The addresses a launcher gives the router itself (placeholders for a check).
+_LAUNCHER_UPSTREAMS = ("--tokenizer", "127.0.0.1:1", "--engine", "127.0.0.1:1")
+
+
+def pass_through_problem(argv: Sequence[str]) -> str | None:
+    """What the router would refuse in ``argv``, the flags a launcher passes on
+    beside the upstream addresses it sets itself (``llmesh up --router-arg``),
+    parsed and configured exactly as :func:`main` does, nothing started: one
+    line (argparse's names the flag), None when it would start with them."""
+    try:
+        config_from_args(build_parser(CheckingParser).parse_args(
+            [*_LAUNCHER_UPSTREAMS, *argv]))
+    except ValueError as err:  # ArgsRefused is one
+        return str(err)
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -219,36 +284,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        cascade = policy_from_args(args)
-        config = RouterConfig(
-            tokenizer=args.tokenizer, engines=tuple(args.engine), cache=args.cache,
-            default_max_tokens=args.default_max_tokens, max_tokens_cap=args.max_tokens_cap,
-            log_content=args.log_content, startup_timeout=args.startup_timeout,
-            cache_timeout=args.cache_timeout, stream_idle_timeout=args.stream_idle_timeout,
-            client_write_timeout_s=args.client_write_timeout_s,
-            tokenize_in_router=args.tokenize_in_router,
-            tool_call_formats=dict(args.tool_call_format),
-            admission=AdmissionConfig(
-                enabled=args.admission, max_queued_requests=args.max_queued_requests,
-                max_queued_prompt_tokens=args.max_queued_prompt_tokens,
-                max_running_per_replica=args.max_running_per_replica,
-                kv_overcommit=args.kv_overcommit, batch_window_s=args.batch_window_ms / 1e3,
-                max_queue_wait_s=args.max_queue_wait),
-            routing_policy=(None if args.routing_policy is None
-                            else RoutingPolicy(args.routing_policy)),
-            routing_weights=CostWeights(
-                decode_horizon_tokens=args.kv_aware_decode_horizon,
-                affinity_slack_tokens=args.kv_aware_affinity_slack),
-            pools=tuple(args.model_pool), openai_port=args.openai_port,
-            resolve_interval_s=args.engine_resolve_interval,
-            dns_nameserver=args.dns_nameserver,
-            api_keys=None if args.api_keys is None else str(Path(args.api_keys).resolve()),
-            cascade=cascade,
-            history=history_settings(args, cascade_small=cascade.small if cascade else ""),
-            retriever=args.retriever_address,
-            retrieval_timeout_s=args.retrieval_timeout_ms / 1e3)
-        if args.dns_nameserver is not None:
-            make_resolver(args.dns_nameserver)  # checks the address
+        config = config_from_args(args)
     except ValueError as err:
         parser.error(str(err))
     try:

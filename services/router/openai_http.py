@@ -12,9 +12,13 @@ Routes (OpenAI API reference; vLLM's OpenAI-compatible server for the extras):
   ``max_model_len``); ``GET /v1/models/{id}`` one of them.
 * ``POST /tokenize``, ``POST /detokenize``: vLLM's tokenizer endpoints
   (:mod:`services.router.openai_tokenize`), same auth and error shapes.
-* Anything else: 404 in OpenAI's error shape. A request aiohttp cannot parse
-  (a header line over 256 KiB, a malformed request line): 431 or 400 in the
-  same shape, one warning line (:mod:`services.router.openai_http_errors`).
+* Anything else: 404 in OpenAI's error shape (a known path with the wrong
+  method: 405). A body over :data:`MAX_BODY_BYTES`: 413
+  ``request_too_large``. A request aiohttp cannot parse (a header line over
+  256 KiB, a malformed request line): 431 or 400 in the same shape, one
+  warning line (:mod:`services.router.openai_http_errors`). Every error this
+  server answers has OpenAI's shape, ``{"error": {"message", "type",
+  "param", "code"}}``.
 
 Streaming (``stream: true``): Server-Sent Events, ``data: {chunk}\\n\\n`` per
 router event as it arrives (each written to the socket at once: no buffering
@@ -71,7 +75,7 @@ from services.router.generation import (
     GenerationError,
 )
 from services.router.openai_format import OpenAIError, ResponseBuilder, error_for_status
-from services.router.openai_http_errors import OpenAIAppRunner
+from services.router.openai_http_errors import OpenAIAppRunner, request_too_large
 from services.router.prompt_echo import echo_request
 from services.router.retrieval.openai import EMBEDDINGS_PATH, embeddings, retrieval_headers
 from services.router.openai_protocol import (
@@ -130,7 +134,7 @@ class OpenAIServer:
         self._runner: web.AppRunner | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._not_found])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._http_errors])
         app.router.add_post(Endpoint.CHAT.value, self._chat)
         app.router.add_post(Endpoint.COMPLETIONS.value, self._completions)
         app.router.add_get("/v1/models", self._models)
@@ -160,7 +164,10 @@ class OpenAIServer:
     # ---------------------------------------------------------------- routes
 
     @web.middleware
-    async def _not_found(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def _http_errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """aiohttp's routing errors (no route, wrong method) in OpenAI's error
+        shape instead of its plain text; the handlers answer every other error
+        themselves (:meth:`_error`)."""
         try:
             return await handler(request)
         except web.HTTPNotFound:
@@ -342,6 +349,8 @@ class OpenAIServer:
                request_id: str) -> OpenAIError:
         if isinstance(err, AuthError):
             return _auth_error(err)
+        if isinstance(err, web.HTTPRequestEntityTooLarge):  # from request.read()
+            return request_too_large(MAX_BODY_BYTES)
         if isinstance(err, InvalidRequestError):
             if err.field == "model" and err.code == UNKNOWN_MODEL_CODE:
                 return (self._unknown_model(parsed.model) if parsed is not None

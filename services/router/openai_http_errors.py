@@ -1,4 +1,4 @@
-"""Requests the OpenAI endpoint cannot parse: OpenAI's error shape, one warning.
+"""Requests the OpenAI endpoint cannot parse or take: OpenAI's error shape.
 
 aiohttp refuses a request it cannot parse (a header line over
 ``max_field_size``, too many headers, a malformed request line) before any
@@ -19,6 +19,13 @@ The limits (:data:`MAX_HEADER_LINE_BYTES`) are the gRPC servers' metadata
 limit, above the 96 KiB Envoy forwards: a header Envoy let through reaches the
 router on HTTP as on gRPC (where an unusable ``traceparent`` is ignored and
 counted by :mod:`services.common.tracing`).
+
+A body over the app's ``client_max_size`` (aiohttp raises
+``HTTPRequestEntityTooLarge`` from ``request.read()``, which the handlers
+caught as a bug: 500) is :func:`request_too_large`: 413
+``request_too_large``, naming the limit. Envoy's own 413 on the OpenAI
+routes (its ``max_request_bytes``, lower) has the same shape
+(``services.cli.envoy_config``).
 
 aiohttp (3.14) builds its ``RequestHandler`` in ``Server.__call__``, which
 :class:`OpenAIAppRunner` replaces through ``AppRunner._make_server`` (no
@@ -55,6 +62,13 @@ def unparsable_error(exc: HttpProcessingError) -> OpenAIError:
     return OpenAIError(exc.code if 400 <= exc.code < 500 else 400,
                        f"malformed HTTP request: {reason}", "invalid_request_error", None,
                        "malformed_request")
+
+
+def request_too_large(limit_bytes: int) -> OpenAIError:
+    """The OpenAI error for a request body over ``limit_bytes`` (HTTP 413)."""
+    return OpenAIError(413, f"request body too large: this endpoint takes at most {limit_bytes} "
+                       "bytes; send a shorter prompt or fewer, smaller tools",
+                       "invalid_request_error", None, "request_too_large")
 
 
 class JsonErrorRequestHandler(web_protocol.RequestHandler):

@@ -309,6 +309,27 @@ def test_up_refuses_a_kv_size_that_does_not_parse_before_starting(
     assert "(units KiB MiB GiB TiB, KB MB GB TB)" in err
 
 
+@pytest.mark.parametrize(("argv", "line"), [
+    (["--router-arg=--max-queued-requests=-1"],
+     "--router-arg: argument --max-queued-requests: must be >= 0, got -1"),
+    (["--router-arg=--max-queued-requests", "--router-arg=many"],
+     "--router-arg: argument --max-queued-requests: expected a whole number, got 'many'"),
+    (["--router-arg=--no-such-flag"], "--router-arg: unrecognized arguments: --no-such-flag"),
+    (["--retriever-arg=--default-top-k=0"],
+     "--retriever-arg: need 1 <= --default-top-k <= --max-top-k"),
+    (["--retriever-arg=--batch-size=0"],
+     "--retriever-arg: argument --batch-size: must be >= 1, got 0"),
+    (["--engine-arg=--no-such-flag"], "--engine-arg: unrecognized arguments: --no-such-flag"),
+], ids=["router-negative", "router-not-a-number", "router-unknown", "retriever-top-k",
+        "retriever-batch", "engine-unknown"])
+def test_up_refuses_a_pass_through_flag_the_service_would_refuse_before_starting(
+        argv: list[str], line: str, tmp_path, capsys, monkeypatch) -> None:
+    """QA, issue 35: ``--router-arg=--max-queued-requests=-1`` failed only when
+    the router started, after the other services; now the service's own
+    parser and configuration refuse it up front, in one line naming the flag."""
+    assert _up_refused(argv, {}, tmp_path, capsys, monkeypatch) == f"llmesh: {line}\n"
+
+
 def test_up_refuses_a_repeated_model_name_or_a_missing_file_before_starting(
         tmp_path, capsys) -> None:
     gguf = tmp_path / "m.gguf"

@@ -15,12 +15,15 @@ in ``test_envoy_tls.py``.
 * Connections: past the limit Envoy closes a new connection as soon as it is
   accepted; the ``ops`` listener (probes, scraping) is exempt, so a connection
   flood cannot fail Envoy's readiness probe and get it restarted.
+* Envoy's own error answers on the OpenAI paths (a 503 when the router's
+  HTTP port does not answer) come in OpenAI's error shape.
 * Heap: past ``stop_accepting_requests_threshold`` of ``max_heap_bytes`` every
   new request is answered 503 at once (gRPC: UNAVAILABLE) and Envoy lives on.
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 import urllib.error
@@ -232,5 +235,29 @@ def test_over_the_heap_limit_new_requests_get_503_and_envoy_lives(
         assert envoy.process is not None and envoy.process.poll() is None
         # Probes say so: readiness through the ops listener fails while it lasts.
         assert _ready(envoy) == 503
+    finally:
+        envoy.stop()
+
+
+def test_envoys_own_errors_on_openai_paths_have_openai_shape(
+        tmp_path: Path, router: ServiceProcess) -> None:
+    """Envoy's 503 (here: nothing listens at the router's OpenAI port) was its
+    plain text "upstream connect error..."; the OpenAI client wants JSON."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead_port = probe.getsockname()[1]  # closed again before Envoy starts
+    assert router.grpc_port is not None
+    envoy = EnvoyProcess(tmp_path / "envoy-openai", envoy_settings(
+        router.grpc_port, openai_port=dead_port, ops_port=0))
+    envoy.start()
+    try:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://{envoy.ingress_address}/v1/models", timeout=10)
+        assert refused.value.code == 503
+        assert refused.value.headers["content-type"] == "application/json"
+        error = json.loads(refused.value.read())["error"]
+        assert (error["type"], error["param"], error["code"]) == (
+            "service_unavailable_error", None, "service_unavailable")
+        assert error["message"].startswith("upstream connect error")
     finally:
         envoy.stop()

@@ -231,14 +231,22 @@ def test_admin_is_loopback_only_and_ops_serves_only_ready_and_stats(tls_mesh: Tl
 def test_an_oversize_body_is_refused_and_the_mesh_keeps_serving(tls_mesh: TlsMesh) -> None:
     big = "word " * (MAX_BODY // 4)
     chat = json.dumps({"messages": [{"role": "user", "content": big}]}).encode()
-    status, _ = _https(tls_mesh, "/v1/chat/completions", chat)
-    assert status == 413
+    for path in ("/v1/chat/completions", "/tokenize"):
+        status, reply = _https(tls_mesh, path, chat)
+        assert status == 413
+        # The router's own 413 (openai_http_errors.request_too_large), Envoy's limit named.
+        error = json.loads(reply)["error"]
+        assert (error["type"], error["param"], error["code"]) == (
+            "invalid_request_error", None, "request_too_large")
+        assert f"at most {MAX_BODY} bytes" in error["message"]
     with _tls_channel(tls_mesh) as channel:
         with pytest.raises(grpc.RpcError) as refused:
             _generate(channel, big)
-        # gRPC's own answer to an oversize message (Envoy alone would say UNKNOWN).
+        # A size refusal (Envoy alone would say UNKNOWN) naming the limit and the
+        # remedy (Envoy alone: "Payload Too Large").
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "too large" in (refused.value.details() or "").lower()
+        details = refused.value.details() or ""
+        assert f"over {MAX_BODY} bytes" in details and "max_request_bytes" in details
         assert _generate(channel) == "one two three "
 
 

@@ -137,6 +137,18 @@ def test_retrieval_starts_the_retriever_tells_the_router_and_routes_it_on_the_in
             listed = retriever_pb2_grpc.RetrieverServiceStub(channel).ListCollections(
                 retriever_pb2.ListCollectionsRequest(), timeout=10)
         assert [c.name for c in listed.collections] == ["fake-collection"]
+        # Reflection through the ingress (answered by the router) lists the
+        # retriever's API too, and describes it.
+        listed_services = subprocess.run(
+            ["grpcurl", "-plaintext", mesh.ingress_address, "list"], capture_output=True,
+            text=True, timeout=30, check=True).stdout.split()
+        assert {"llmesh.v1.GenerationService", "llmesh.v1.RetrieverService"} <= set(
+            listed_services)
+        methods = subprocess.run(
+            ["grpcurl", "-plaintext", mesh.ingress_address, "list",
+             "llmesh.v1.RetrieverService"], capture_output=True, text=True, timeout=30,
+            check=True).stdout.split()
+        assert "llmesh.v1.RetrieverService.Query" in methods
 
 
 def test_the_router_restarts_with_other_flags_on_its_ports_behind_the_same_envoy(

@@ -7,9 +7,12 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import grpc
+import pytest
 from cli_helpers import start_fake_router
 
 from services.cli.mesh import stop_processes
+from services.common.reflection import enable_reflection
 
 
 def grpcurl(address: str, *argv: str) -> subprocess.CompletedProcess[str]:
@@ -35,3 +38,9 @@ def test_every_method_is_describable_and_an_unknown_one_is_not(tmp_path: Path) -
     finally:
         assert router.process is not None
         stop_processes([router.process], 5.0)
+
+
+def test_a_reflected_service_this_process_cannot_describe_is_refused() -> None:
+    server = grpc.aio.server()
+    with pytest.raises(ValueError, match="--reflect-service: no service 'llmesh.v1.Nope'"):
+        enable_reflection(["llmesh.v1.GenerationService"], server, also=["llmesh.v1.Nope"])

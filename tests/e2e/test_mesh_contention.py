@@ -17,7 +17,7 @@ import pytest
 from llmesh.v1 import generation_pb2_grpc
 from tests.e2e.mesh_client import chat_request
 
-pytestmark = pytest.mark.mesh
+pytestmark = [pytest.mark.mesh, pytest.mark.whole_machine]
 
 BUSY = [sys.executable, "-c", "while True: pass"]
 

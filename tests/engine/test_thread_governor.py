@@ -110,6 +110,7 @@ def test_the_cgroup_is_found_from_proc_on_v1_and_v2_hosts(tmp_path: Path) -> Non
     assert here is None or here.directory.is_dir()
 
 
+@pytest.mark.whole_machine
 def test_schedstat_sees_a_real_process_waiting_for_its_core(
         crowded_cpu: list[subprocess.Popen[bytes]]) -> None:
     proc = Path(f"/proc/{crowded_cpu[0].pid}")
@@ -122,6 +123,7 @@ def test_schedstat_sees_a_real_process_waiting_for_its_core(
     assert idle_after >= idle_before > 0
 
 
+@pytest.mark.whole_machine
 def test_the_governor_drops_a_thread_for_a_real_contended_process(
         crowded_cpu: list[subprocess.Popen[bytes]]) -> None:
     applied: list[int] = []
@@ -283,6 +285,7 @@ async def decode_rate(backend: TorchBackend, tag: str, tokens: int) -> float:
     return (count - 1) / (last - first)
 
 
+@pytest.mark.whole_machine
 async def test_a_busy_process_beside_the_engine_costs_no_cliff(
         torch_backend: TorchBackend, engine_metrics: EngineMetrics) -> None:
     """The engine alone, in process, beside busy processes on every core but

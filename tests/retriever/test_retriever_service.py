@@ -10,7 +10,10 @@ import grpc
 import pytest
 from google.protobuf import struct_pb2
 from llmesh.v1 import retriever_pb2 as pb
+from llmesh.v1 import retriever_pb2_grpc
 
+from services.cli.envoy_config import DESCRIPTOR_RELATIVE, REPO_ROOT, EnvoySettings
+from services.cli.mesh import EnvoyProcess
 from tests.retriever.conftest import Retriever
 
 PSALM = ("The LORD is my shepherd; I shall not want. He maketh me to lie down in green "
@@ -219,6 +222,36 @@ def test_bad_input_is_a_precise_status_naming_the_field_and_harms_nothing(
     assert (info.documents, info.version) == (3, 1)
     assert stub.Query(pb.QueryRequest(collection="bad", query="thou shalt not steal")
                       ).chunks[0].document_id == "ex20"
+
+
+def test_through_envoy_a_10_mb_document_gets_the_services_own_message(
+        retriever: Retriever, tmp_path) -> None:
+    """Envoy's 4 MiB buffer limit answered "Payload Too Large" (RESOURCE_EXHAUSTED)
+    before the retriever could say which field is too large and what its limit is."""
+    assert retriever.process is not None and retriever.process.grpc_port is not None
+    envoy = EnvoyProcess(tmp_path / "envoy", EnvoySettings(
+        ingress_port=0, admin_port=0, openai_port=None,
+        router_port=retriever.process.grpc_port,  # unused: only the retriever is called
+        retriever_port=retriever.process.grpc_port,
+        descriptor_path=str(REPO_ROOT / DESCRIPTOR_RELATIVE)))
+    envoy.start()
+    try:
+        with grpc.insecure_channel(envoy.ingress_address,
+                                   options=[("grpc.max_send_message_length", 64 << 20)]
+                                   ) as channel:
+            stub = retriever_pb2_grpc.RetrieverServiceStub(channel)
+            _create(stub, "via-envoy")
+            big = pb.Document(id="big", text="word " * (2 << 20))  # 10 MiB
+            refused = _refused(lambda r: stub.Ingest(r, timeout=60),
+                               pb.IngestRequest(collection="via-envoy", documents=[big]))
+            assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.details()
+            assert refused.details() == (
+                "documents[0].text: is 10485760 bytes, over the service's document size "
+                "limit of 1048576 bytes")
+            stub.Ingest(pb.IngestRequest(collection="via-envoy", documents=_documents()[:1]),
+                        timeout=60)
+    finally:
+        envoy.stop()
 
 
 def test_a_query_does_not_wait_behind_an_ingest(retriever: Retriever) -> None:

@@ -187,6 +187,10 @@ async def test_unknown_route_and_model_are_404_in_openai_shape():
                 session.get(f"{base}/v1/nothing") as reply:
             assert reply.status == 404
             assert (await reply.json())["error"]["code"] == "unknown_url"
+        async with aiohttp.ClientSession() as session, \
+                session.get(f"{base}/v1/chat/completions") as reply:
+            assert reply.status == 405
+            assert (await reply.json())["error"]["code"] == "method_not_allowed"
         with pytest.raises(openai.NotFoundError) as info:
             await client.chat.completions.create(model="gpt-4", messages=USER)
         assert "fake-model" in info.value.message and info.value.body["param"] == "model"
@@ -342,3 +346,24 @@ async def test_echo_puts_the_prompt_before_the_completion_or_alone_with_max_toke
             assert "".join(c.choices[0].text for c in chunks) == \
                 ("Q:" + REPLY[:5] if max_tokens else "Q:")
             assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/tokenize",
+                                  "/v1/embeddings"])
+async def test_a_body_over_the_limit_is_413_in_openai_shape(
+        path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """aiohttp's own answer was a text 413 (or, caught as any error, a 500)."""
+    monkeypatch.setattr("services.router.openai_http.MAX_BODY_BYTES", 64 * 1024)
+    async with served() as (_, client, base):
+        big = {"model": "fake-model", "messages": [{"role": "user", "content": "x" * 70_000}]}
+        async with aiohttp.ClientSession() as session, \
+                session.post(f"{base}{path}", json=big) as reply:
+            assert reply.status == 413
+            assert reply.content_type == "application/json"
+            error = (await reply.json())["error"]
+        assert (error["type"], error["param"], error["code"]) == (
+            "invalid_request_error", None, "request_too_large")
+        assert "65536 bytes" in error["message"]
+        # the server goes on serving
+        chat = await client.chat.completions.create(model="fake-model", messages=USER)
+        assert chat.choices[0].message.content == REPLY
