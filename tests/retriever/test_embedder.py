@@ -12,9 +12,11 @@ import torch
 from services.retriever.embedder import (
     Embedder,
     bf16_supported,
+    frozen_query_encoder,
     model_directory,
-    query_encoder_of,
+    query_module,
 )
+from services.retriever.int8_linear import Int8WeightLinear
 
 TEXTS = [
     "who was the father of David",
@@ -46,18 +48,23 @@ def test_embed_equals_sentence_transformers_encode(embedder: Embedder,
 
 
 @pytest.mark.parametrize(("precision", "tolerance"), [("fp32", 1e-5), ("bf16", 2e-4),
-                                                      ("int8", 0.05)])
+                                                      ("int8-weights", 2e-3), ("int8", 0.05)])
 def test_query_encoder_stays_close_to_encode(embedder: Embedder, reference: np.ndarray,
                                              precision: str, tolerance: float) -> None:
-    encoder = query_encoder_of(embedder._encoder, precision)
+    module = query_module(embedder._encoder, precision)
+    if precision == "int8-weights" and bf16_supported():
+        linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
+        packed = [m for m in module.modules() if isinstance(m, Int8WeightLinear)]
+        assert not linears and len(packed) == 36  # 6 layers x (q, k, v, out, up, down)
+        assert packed[0].weight.dtype == torch.int8
     if precision == "bf16":
         # Native bf16 gives a bf16 copy; without it (a Xeon without
         # avx512_bf16) the fp32 encoder itself, which must still pass below.
         native = bf16_supported()
-        assert (encoder is embedder._encoder) is (not native)
-        assert next(encoder.parameters()).dtype == (
+        assert (module is embedder._encoder) is (not native)
+        assert next(module.parameters()).dtype == (
             torch.bfloat16 if native else torch.float32)
-    query = dataclasses.replace(embedder, _query_encoder=encoder)
+    query = dataclasses.replace(embedder, _query_encoder=frozen_query_encoder(module))
     vectors = np.stack([query.embed_query(text) for text in TEXTS])
     assert vectors.shape == (len(TEXTS), 384) and vectors.dtype == np.float32
     assert np.all((vectors * reference).sum(axis=1) >= 1.0 - tolerance)
@@ -65,6 +72,38 @@ def test_query_encoder_stays_close_to_encode(embedder: Embedder, reference: np.n
     assert list(np.argmax(vectors @ reference.T, axis=1)) == list(range(len(TEXTS)))
 
 
+def test_frozen_query_encoder_is_the_eager_module_at_every_length(embedder: Embedder) -> None:
+    """The graph is traced on 4 tokens; it must follow any length (1 to 256
+    word pieces) and give the eager module's hidden states."""
+    frozen = frozen_query_encoder(embedder._encoder)
+    assert isinstance(frozen, torch.jit.ScriptModule)
+    for length in (1, 4, 17, 256):
+        ids = torch.randint(1000, 20000, (1, length))
+        with torch.inference_mode():
+            eager = embedder._encoder(input_ids=ids).last_hidden_state
+            traced = frozen(ids)
+        assert traced.shape == eager.shape == (1, length, 384)
+        torch.testing.assert_close(traced, eager, atol=1e-4, rtol=1e-4)
+
+
 def test_unknown_query_precision_is_refused(embedder: Embedder) -> None:
     with pytest.raises(ValueError, match="fp16"):
-        query_encoder_of(embedder._encoder, "fp16")
+        query_module(embedder._encoder, "fp16")
+
+
+def test_int8_weight_linear_is_the_layer_within_its_rounding() -> None:
+    """Per output channel the weight is off by at most one step (``scale``: half
+    from rounding to int8, the rest from the bf16 scale); the product stays
+    within bf16 activations' error of the fp32 layer."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(384, 1536)
+    packed = Int8WeightLinear(linear)
+    dequantized = packed.weight.float() * packed.scale.float()[:, None]
+    assert torch.all((dequantized - linear.weight.detach()).abs()
+                     <= packed.scale.float()[:, None])
+    x = torch.randn(2, 11, 384)
+    with torch.inference_mode():
+        expected, got = linear(x), packed(x.bfloat16()).float()
+    assert got.shape == (2, 11, 1536)
+    cosine = torch.nn.functional.cosine_similarity(got.flatten(), expected.flatten(), dim=0)
+    assert cosine > 0.9995

@@ -122,6 +122,30 @@ def test_replacing_a_document_bumps_the_version_and_reingesting_embeds_nothing(
     assert gone.code() == grpc.StatusCode.NOT_FOUND and "collection" in gone.details()
 
 
+def test_deleting_a_document_drops_its_chunks_and_the_cached_answers_that_held_them(
+        retriever: Retriever) -> None:
+    stub = retriever.stub
+    _create(stub, "prune")
+    ingested = stub.Ingest(pb.IngestRequest(collection="prune", documents=_documents()))
+    ask = pb.QueryRequest(collection="prune", query="darkness upon the deep", top_k=3)
+    assert stub.Query(ask).chunks[0].document_id == "gen1"
+    assert stub.Query(ask).timing.cache_hit
+    deleted = stub.DeleteDocuments(pb.DeleteDocumentsRequest(collection="prune",
+                                                             document_ids=["nope", "gen1"]))
+    assert (deleted.documents, list(deleted.not_found), deleted.version) == (1, ["nope"], 2)
+    after = stub.Query(ask)
+    assert not after.timing.cache_hit and after.version == 2 and len(after.chunks) == 3
+    assert "gen1" not in {c.document_id for c in after.chunks}
+    assert not stub.Query(pb.QueryRequest(collection="prune", query="darkness",
+                                          filter=_struct(book="genesis"))).chunks
+    info = next(c for c in stub.ListCollections(pb.ListCollectionsRequest()).collections
+                if c.name == "prune")
+    assert (info.documents, info.chunks) == (2, ingested.chunks - deleted.chunks)
+    again = stub.DeleteDocuments(pb.DeleteDocumentsRequest(collection="prune",
+                                                           document_ids=["gen1"]))
+    assert (again.documents, list(again.not_found), again.version) == (0, ["gen1"], 2)
+
+
 def test_qdrant_index_serves_ingest_filter_replace_and_delete(tmp_path) -> None:
     """``--index qdrant`` in qdrant-client's local mode (a directory): the same
     answers through the service. One process start (a model load): the reload
@@ -146,6 +170,11 @@ def test_qdrant_index_serves_ingest_filter_replace_and_delete(tmp_path) -> None:
         filtered = service.stub.Query(pb.QueryRequest(collection="q", query="sheep", top_k=3,
                                                       filter=_struct(book="genesis")))
         assert len(filtered.chunks) == 3 and {c.document_id for c in filtered.chunks} == {"gen1"}
+        deleted = service.stub.DeleteDocuments(pb.DeleteDocumentsRequest(
+            collection="q", document_ids=["gen1"]))
+        assert (deleted.documents, deleted.version) == (1, 3)
+        pruned = service.stub.Query(pb.QueryRequest(collection="q", query="flocks at night"))
+        assert pruned.chunks and "gen1" not in {c.document_id for c in pruned.chunks}
         service.stub.DeleteCollection(pb.DeleteCollectionRequest(name="q"))
         assert list(service.stub.ListCollections(pb.ListCollectionsRequest()).collections) == []
     finally:
@@ -170,6 +199,12 @@ def test_qdrant_index_serves_ingest_filter_replace_and_delete(tmp_path) -> None:
         name="c2", chunking=pb.ChunkingOptions(chunk_tokens=300)), "INVALID_ARGUMENT",
      "chunking"),
     ("DeleteCollection", pb.DeleteCollectionRequest(name="nope"), "NOT_FOUND", "name"),
+    ("DeleteDocuments", pb.DeleteDocumentsRequest(collection="nope", document_ids=["ps23"]),
+     "NOT_FOUND", "collection"),
+    ("DeleteDocuments", pb.DeleteDocumentsRequest(collection="bad"), "INVALID_ARGUMENT",
+     "document_ids"),
+    ("DeleteDocuments", pb.DeleteDocumentsRequest(collection="bad", document_ids=["ps23", ""]),
+     "INVALID_ARGUMENT", "document_ids[1]"),
     ("Embed", pb.EmbedRequest(texts=["ok", ""]), "INVALID_ARGUMENT", "texts[1]"),
 ])
 def test_bad_input_is_a_precise_status_naming_the_field_and_harms_nothing(
@@ -270,6 +305,11 @@ def test_restart_brings_collections_back_without_embedding_again(retriever: Retr
     _create(stub, "persisted")
     stub.Ingest(pb.IngestRequest(collection="persisted", documents=_documents()))
     before = stub.Query(pb.QueryRequest(collection="persisted", query="still waters", top_k=3))
+    _create(stub, "pruned")  # a deleted document stays deleted across the restart
+    stub.Ingest(pb.IngestRequest(collection="pruned", documents=_documents()))
+    stub.DeleteDocuments(pb.DeleteDocumentsRequest(collection="pruned", document_ids=["gen1"]))
+    deep = pb.QueryRequest(collection="pruned", query="darkness upon the deep", top_k=3)
+    pruned = stub.Query(deep)
     retriever.stop()
     retriever.spawn()  # bound, the model still loading: a query is UNAVAILABLE, not NOT_FOUND
     loading = _refused(retriever.stub.Query, pb.QueryRequest(collection="persisted", query="x"))
@@ -282,6 +322,11 @@ def test_restart_brings_collections_back_without_embedding_again(retriever: Retr
     after = stub.Query(pb.QueryRequest(collection="persisted", query="still waters", top_k=3))
     assert [(c.chunk_id, c.text) for c in after.chunks] == [
         (c.chunk_id, c.text) for c in before.chunks]
+    info = next(c for c in stub.ListCollections(pb.ListCollectionsRequest()).collections
+                if c.name == "pruned")
+    assert (info.documents, info.version) == (2, 2)
+    assert [c.chunk_id for c in stub.Query(deep).chunks] == [c.chunk_id for c in pruned.chunks]
+    assert "gen1" not in {c.document_id for c in pruned.chunks}
     again = stub.Ingest(pb.IngestRequest(collection="persisted", documents=_documents()))
     assert again.chunks_embedded == 0 and again.version == 2
     assert retriever.metric("llmesh:retriever_embedded_texts_total", 'caller="ingest"') == 0

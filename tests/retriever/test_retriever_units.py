@@ -19,7 +19,13 @@ from services.retriever.caches import (
 from services.retriever.chunker import Chunking, chunk_text
 from services.retriever.collection import Collection, PreparedDocument, UnknownFilterField
 from services.retriever.index import FILE_BACKENDS, IndexBackend, UsearchIndex, top_k
-from services.retriever.requests import InvalidField, Limits, parse_documents, parse_query
+from services.retriever.requests import (
+    InvalidField,
+    Limits,
+    parse_document_ids,
+    parse_documents,
+    parse_query,
+)
 from services.retriever.store import CollectionStore
 
 
@@ -192,6 +198,30 @@ def test_collection_replaces_a_document_and_filters_by_metadata(backend: IndexBa
     assert unknown.value.field == "year"
 
 
+def test_deleting_documents_removes_their_vectors_postings_and_saved_state(
+        backend: IndexBackend, tmp_path) -> None:
+    """A delete takes the documents out of the index, the chunks and the
+    metadata postings, bumps the version once, reports unknown ids; the saved
+    collection reloads without them."""
+    store = CollectionStore(tmp_path, backend, 2)
+    collection = store.create("c", Chunking(4, 1))
+    collection.replace([_document("a", np.array([[1.0, 0.0], [0.9, 0.1]]), lang="en"),
+                        _document("b", np.array([[0.0, 1.0]]), lang="de")])
+    deleted, removed, absent = collection.delete(["zz", "a"])
+    assert (deleted, [c.chunk_id for c in removed], absent) == (["a"], ["a#0", "a#1"], ["zz"])
+    assert collection.version == 2 and sorted(collection.documents) == ["b"]
+    assert collection.index.labels() == {2} and sorted(collection.chunks) == [2]
+    query = np.array([1.0, 0.0], dtype=np.float32)
+    assert [hit.chunk.chunk_id for hit in collection.search(query, 5)] == ["b#0"]
+    assert collection.search(query, 5, {"lang": "en"}) == []  # the posting went with "a"
+    assert collection.delete(["a"]) == ([], [], ["a"]) and collection.version == 2
+    store.mark_dirty("c")
+    store.save_dirty()
+    reloaded = CollectionStore(tmp_path, backend, 2).load_all()[0]
+    assert sorted(reloaded.documents) == ["b"] and reloaded.index.labels() == {2}
+    assert [hit.chunk.chunk_id for hit in reloaded.search(query, 5)] == ["b#0"]
+
+
 def test_a_failing_index_leaves_the_collection_consistent_with_it(backend: IndexBackend,
                                                                  monkeypatch) -> None:
     """A remote index can fail mid-ingest: the collection changes its state only
@@ -281,3 +311,15 @@ def test_ingest_validation_names_the_document() -> None:
             parse_documents(retriever_pb2.IngestRequest(collection="c", documents=documents),
                             limits)
         assert refused.value.field == field
+
+
+def test_delete_documents_validation_names_the_id() -> None:
+    for ids, field in [([], "document_ids"), (["a", ""], "document_ids[1]"),
+                       (["a", "b", "a"], "document_ids[2]"), (["x" * 513], "document_ids[0]")]:
+        with pytest.raises(InvalidField) as refused:
+            parse_document_ids(retriever_pb2.DeleteDocumentsRequest(collection="c",
+                                                                    document_ids=ids))
+        assert refused.value.field == field
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert parse_document_ids(retriever_pb2.DeleteDocumentsRequest(
+        collection="c", document_ids=["b", "a"])) == ["b", "a"]

@@ -287,6 +287,62 @@ class IngestResponse(_message.Message):
 Global___IngestResponse: _TypeAlias = IngestResponse  # noqa: Y015
 
 @_typing.final
+class DeleteDocumentsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COLLECTION_FIELD_NUMBER: _builtins.int
+    DOCUMENT_IDS_FIELD_NUMBER: _builtins.int
+    collection: _builtins.str
+    @_builtins.property
+    def document_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        collection: _builtins.str = ...,
+        document_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["collection", b"collection", "document_ids", b"document_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteDocumentsRequest: _TypeAlias = DeleteDocumentsRequest  # noqa: Y015
+
+@_typing.final
+class DeleteDocumentsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DOCUMENTS_FIELD_NUMBER: _builtins.int
+    CHUNKS_FIELD_NUMBER: _builtins.int
+    NOT_FOUND_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    documents: _builtins.int
+    """Documents removed, and their chunks."""
+    chunks: _builtins.int
+    version: _builtins.int
+    """The collection's version after the call (unchanged when nothing was removed)."""
+    @_builtins.property
+    def not_found(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The requested ids the collection did not hold, in request order."""
+
+    def __init__(
+        self,
+        *,
+        documents: _builtins.int = ...,
+        chunks: _builtins.int = ...,
+        not_found: _abc.Iterable[_builtins.str] | None = ...,
+        version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "documents", b"documents", "not_found", b"not_found", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteDocumentsResponse: _TypeAlias = DeleteDocumentsResponse  # noqa: Y015
+
+@_typing.final
 class QueryRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -58,6 +58,11 @@ class RetrieverServiceStub:
                 request_serializer=llmesh_dot_v1_dot_retriever__pb2.IngestRequest.SerializeToString,
                 response_deserializer=llmesh_dot_v1_dot_retriever__pb2.IngestResponse.FromString,
                 _registered_method=True)
+        self.DeleteDocuments = channel.unary_unary(
+                '/llmesh.v1.RetrieverService/DeleteDocuments',
+                request_serializer=llmesh_dot_v1_dot_retriever__pb2.DeleteDocumentsRequest.SerializeToString,
+                response_deserializer=llmesh_dot_v1_dot_retriever__pb2.DeleteDocumentsResponse.FromString,
+                _registered_method=True)
         self.Query = channel.unary_unary(
                 '/llmesh.v1.RetrieverService/Query',
                 request_serializer=llmesh_dot_v1_dot_retriever__pb2.QueryRequest.SerializeToString,
@@ -113,6 +118,19 @@ class RetrieverServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteDocuments(self, request, context):
+        """Removes documents by id: their chunks leave the index, their metadata
+        and persisted state go, and the collection's version increases (cached
+        top-k results of the old version are never served again). Ids the
+        collection does not hold are listed in the response's `not_found`, not an
+        error. NOT_FOUND for an unknown collection; INVALID_ARGUMENT naming
+        `document_ids` when empty or `document_ids[i]` when empty, over 512
+        characters or repeated.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Query(self, request, context):
         """Top-k chunks for a query text. NOT_FOUND for an unknown collection;
         INVALID_ARGUMENT naming `query` (empty or blank), `top_k` (0 or over the
@@ -153,6 +171,11 @@ def add_RetrieverServiceServicer_to_server(servicer, server):
                     servicer.Ingest,
                     request_deserializer=llmesh_dot_v1_dot_retriever__pb2.IngestRequest.FromString,
                     response_serializer=llmesh_dot_v1_dot_retriever__pb2.IngestResponse.SerializeToString,
+            ),
+            'DeleteDocuments': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteDocuments,
+                    request_deserializer=llmesh_dot_v1_dot_retriever__pb2.DeleteDocumentsRequest.FromString,
+                    response_serializer=llmesh_dot_v1_dot_retriever__pb2.DeleteDocumentsResponse.SerializeToString,
             ),
             'Query': grpc.unary_unary_rpc_method_handler(
                     servicer.Query,
@@ -277,6 +300,33 @@ class RetrieverService:
             '/llmesh.v1.RetrieverService/Ingest',
             llmesh_dot_v1_dot_retriever__pb2.IngestRequest.SerializeToString,
             llmesh_dot_v1_dot_retriever__pb2.IngestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteDocuments(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmesh.v1.RetrieverService/DeleteDocuments',
+            llmesh_dot_v1_dot_retriever__pb2.DeleteDocumentsRequest.SerializeToString,
+            llmesh_dot_v1_dot_retriever__pb2.DeleteDocumentsResponse.FromString,
             options,
             channel_credentials,
             insecure,

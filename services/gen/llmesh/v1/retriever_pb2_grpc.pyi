@@ -56,6 +56,15 @@ class RetrieverServiceStub:
     service's document size limit); RESOURCE_EXHAUSTED when the request is
     over the message size limit.
     """
+    DeleteDocuments: _grpc.UnaryUnaryMultiCallable[_retriever_pb2.DeleteDocumentsRequest, _retriever_pb2.DeleteDocumentsResponse]
+    """Removes documents by id: their chunks leave the index, their metadata
+    and persisted state go, and the collection's version increases (cached
+    top-k results of the old version are never served again). Ids the
+    collection does not hold are listed in the response's `not_found`, not an
+    error. NOT_FOUND for an unknown collection; INVALID_ARGUMENT naming
+    `document_ids` when empty or `document_ids[i]` when empty, over 512
+    characters or repeated.
+    """
     Query: _grpc.UnaryUnaryMultiCallable[_retriever_pb2.QueryRequest, _retriever_pb2.QueryResponse]
     """Top-k chunks for a query text. NOT_FOUND for an unknown collection;
     INVALID_ARGUMENT naming `query` (empty or blank), `top_k` (0 or over the
@@ -94,6 +103,15 @@ class RetrieverServiceAsyncStub(RetrieverServiceStub):
     naming `documents[i].id` / `documents[i].text` (empty, or over the
     service's document size limit); RESOURCE_EXHAUSTED when the request is
     over the message size limit.
+    """
+    DeleteDocuments: _aio.UnaryUnaryMultiCallable[_retriever_pb2.DeleteDocumentsRequest, _retriever_pb2.DeleteDocumentsResponse]  # type: ignore[assignment]
+    """Removes documents by id: their chunks leave the index, their metadata
+    and persisted state go, and the collection's version increases (cached
+    top-k results of the old version are never served again). Ids the
+    collection does not hold are listed in the response's `not_found`, not an
+    error. NOT_FOUND for an unknown collection; INVALID_ARGUMENT naming
+    `document_ids` when empty or `document_ids[i]` when empty, over 512
+    characters or repeated.
     """
     Query: _aio.UnaryUnaryMultiCallable[_retriever_pb2.QueryRequest, _retriever_pb2.QueryResponse]  # type: ignore[assignment]
     """Top-k chunks for a query text. NOT_FOUND for an unknown collection;
@@ -154,6 +172,21 @@ class RetrieverServiceServicer(metaclass=_abc_1.ABCMeta):
         naming `documents[i].id` / `documents[i].text` (empty, or over the
         service's document size limit); RESOURCE_EXHAUSTED when the request is
         over the message size limit.
+        """
+
+    @_abc_1.abstractmethod
+    def DeleteDocuments(
+        self,
+        request: _retriever_pb2.DeleteDocumentsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_retriever_pb2.DeleteDocumentsResponse, _abc.Awaitable[_retriever_pb2.DeleteDocumentsResponse]]:
+        """Removes documents by id: their chunks leave the index, their metadata
+        and persisted state go, and the collection's version increases (cached
+        top-k results of the old version are never served again). Ids the
+        collection does not hold are listed in the response's `not_found`, not an
+        error. NOT_FOUND for an unknown collection; INVALID_ARGUMENT naming
+        `document_ids` when empty or `document_ids[i]` when empty, over 512
+        characters or repeated.
         """
 
     @_abc_1.abstractmethod
