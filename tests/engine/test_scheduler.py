@@ -54,18 +54,19 @@ def test_waiting_join_by_priority_then_arrival() -> None:
 def test_an_interactive_arrival_joins_ahead_of_a_running_batch_prefill() -> None:
     # batch's 40-token prompt would take the whole 8-token budget for 5 steps; the
     # interactive request that arrives after its first chunk joins the next step,
-    # and batch's chunk gets what budget is left.
+    # alone: batch's chunk gets none of the budget left in the step of a prompt
+    # that outranks it (that step's time is inter's TTFT).
     scheduler = create_scheduler(max_num_batched_tokens=8)
     scheduler.add(make_request("batch", 40, max_tokens=2, priority=Priority.BATCH))
     assert step(scheduler)[0] == [("batch", 0, 8, False)]
     scheduler.add(make_request("inter", 3, max_tokens=2))
-    assert step(scheduler)[0] == [("inter", 0, 3, True), ("batch", 8, 5, False)]
+    assert step(scheduler)[0] == [("inter", 0, 3, True)]
     # inter decodes (1 token, never deferred) while batch keeps prefilling.
-    assert step(scheduler)[0] == [("inter", 3, 1, True), ("batch", 13, 7, False)]
+    assert step(scheduler)[0] == [("inter", 3, 1, True), ("batch", 8, 7, False)]
     scheduler.add(make_request("batch-2", 3, max_tokens=1, priority=Priority.BATCH))
     # inter has finished. A later batch arrival is of batch's class: it joins first
     # too, and batch's prompt chunk takes the rest of the budget.
-    assert step(scheduler)[0] == [("batch-2", 0, 3, True), ("batch", 20, 5, False)]
+    assert step(scheduler)[0] == [("batch-2", 0, 3, True), ("batch", 15, 5, False)]
 
 
 def test_a_short_arrival_joins_during_a_long_prompt_of_its_class() -> None:

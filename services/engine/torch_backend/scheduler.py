@@ -14,7 +14,9 @@ Policy:
   proposals); the prompt chunks of running sequences that outrank the first
   waiting sequence by priority; waiting sequences joining in order while the
   budget, ``max_num_seqs`` and free blocks allow; the other running prompt
-  chunks with what budget is left. The head of the waiting queue is never
+  chunks with what budget is left, except chunks of a lower priority than a
+  prompt chunk already in the step (an INTERACTIVE prompt's step carries no
+  BATCH prefill, so its TTFT does not pay for it). The head of the waiting queue is never
   overtaken (no starvation of long prompts). So a long prompt's chunked
   prefill never holds up a decode, nor an arrival of its class or a higher
   one: a short request arriving during an 8,000-token prefill joins at the
@@ -281,8 +283,23 @@ class Scheduler:
         budget = self._schedule_running(out, budget, early_chunks, planned)
         if len(out.preempted) == num_preempted_for_priority:  # none for blocks
             budget = self._schedule_waiting(out, budget, planned)
+        late_chunks = self._not_outranked(late_chunks, planned, decodes)
         self._schedule_running(out, budget, late_chunks, planned)
         return out
+
+    @staticmethod
+    def _not_outranked(chunks: list[Sequence], planned: set[Sequence],
+                       decodes: list[Sequence]) -> list[Sequence]:
+        """The late prompt chunks that may take the budget left: none of a lower
+        priority than a prompt chunk already planned in this step, so that an
+        INTERACTIVE prompt's step is not lengthened by BATCH prefill (its TTFT
+        would pay for those tokens; on CPU a step's time grows with its tokens).
+        The BATCH chunks go on in the next step."""
+        prompt_priorities = [seq.priority for seq in planned if seq not in decodes]
+        if not prompt_priorities:
+            return chunks
+        top = min(prompt_priorities)
+        return [seq for seq in chunks if seq.priority <= top]
 
     def update_from_output(self, out: SchedulerOutput,
                            sampled: SequenceOf[int | SequenceOf[int]]) -> list[Sequence]:
