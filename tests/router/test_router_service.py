@@ -156,8 +156,8 @@ async def test_prompt_streams_the_reply_and_a_final_message():
 async def test_the_response_headers_leave_once_the_engine_has_the_request_not_with_the_first_token():
     """The client gets the call's headers while the engine prefills (a 3 s
     first token here), so the first token travels alone behind them (a
-    request computed alone: ``bypass_cache``); a request refused before any
-    engine has it ends with its status alone, as before."""
+    request computed alone: ``bypass_cache``); a request refused before
+    dispatch (here OUT_OF_RANGE) still reaches no engine."""
     async with make_mesh() as mesh:
         mesh.engines[0].first_delay = 3.0
         call = mesh.stub.Generate(generation_pb2.GenerateRequest(
