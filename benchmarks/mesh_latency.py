@@ -38,6 +38,9 @@ Usage: ``flock -x /tmp/llmesh-cpu.lock python benchmarks/mesh_latency.py
 [--url HOST:PORT] [--router-arg=--no-tokenize-in-router]`` (``--concurrency
 1``: the one-stream part only). The mesh's rounds begin once its router makes
 prompt ids in process (its default; ``--router-arg`` passes router flags).
+``--compare-router-from DIR`` / ``--compare-router-arg ARG`` start a second
+mesh whose router runs another checkout's code / gets more flags, measured as
+one more path in the same interleaved rounds (a router's before/after).
 Not a test: numbers depend on the machine (2 cores here).
 """
 
@@ -130,6 +133,11 @@ async def run_mesh(stub: generation_pb2_grpc.GenerationServiceStub,
     return _run(start, stamps, tokens)
 
 
+async def _run_mesh_path(stub: generation_pb2_grpc.GenerationServiceStub,
+                         request: generation_pb2.GenerateRequest, request_id: str) -> Run:
+    return await run_mesh(stub, request)
+
+
 async def run_engine_grpc(stub: engine_pb2_grpc.EngineServiceStub, prompt_ids: tuple[int, ...],
                           n: int, request_id: str) -> Run:
     """The engine alone over gRPC (its one-request ``Generate``): the engine hop's share."""
@@ -212,25 +220,26 @@ def _print_overhead(medians: dict[str, dict[str, float]],
 
 async def one_stream(backend: TorchBackend, prompt_ids: tuple[int, ...],
                      paths: dict[str, Callable[[str], Awaitable[Run]]],
-                     pids: dict[str, int], *, rounds: int, max_tokens: int,
+                     pids: dict[str, dict[str, int]], *, rounds: int, max_tokens: int,
                      settle: float) -> None:
     """Interleaved single-stream runs of every path (one uncounted warm-up
-    round), and each mesh process's CPU per request in the Envoy path's runs."""
+    round), and each mesh process's CPU per request in the runs of the mesh
+    paths through Envoy (``pids``: path → process name → PID)."""
     jobs: dict[str, Callable[[str], Awaitable[Run]]] = {
         "in-process": lambda rid: run_in_process(backend, prompt_ids, max_tokens, rid), **paths}
     results: dict[str, list[Run]] = {name: [] for name in jobs}
-    cpu: dict[str, list[float]] = {name: [] for name in pids}
+    cpu = {path: {name: [] for name in procs} for path, procs in pids.items()}
     load_before = _load()
     for i in range(rounds + 1):
         for name in _rotated(list(jobs), i):
             time.sleep(settle)
-            before = {n: cpu_seconds(pid) for n, pid in pids.items()}
+            procs = pids.get(name, {})
+            before = {n: cpu_seconds(pid) for n, pid in procs.items()}
             run = await jobs[name](f"bench-1-{i}-{name}")
             if i:
                 results[name].append(run)
-                if name == "mesh (Envoy)":
-                    for n, pid in pids.items():
-                        cpu[n].append((cpu_seconds(pid) - before[n]) * 1e3)
+                for n, pid in procs.items():
+                    cpu[name][n].append((cpu_seconds(pid) - before[n]) * 1e3)
     rows = {name: {"ttft_ms": [r.ttft * 1e3 for r in runs],
                    "tpot_ms": [r.tpot * 1e3 for r in runs],
                    "itl_ms": [statistics.fmean(r.gaps) * 1e3 for r in runs],
@@ -240,34 +249,38 @@ async def one_stream(backend: TorchBackend, prompt_ids: tuple[int, ...],
         f"1 stream: {len(prompt_ids)}-token chat prompt, {max_tokens} greedy tokens, "
         f"{rounds} interleaved rounds, median [p25-p75]; load {load_before} -> {_load()}", rows)
     _print_overhead(medians, TARGETS)
-    if pids:
-        print("  CPU-ms per request of the mesh (Envoy) runs (/proc, 10 ms ticks), "
+    for path, per_process in cpu.items():
+        print(f"  CPU-ms per request of the {path} runs (/proc, 10 ms ticks), "
               "median [p25-p75]: " + ", ".join(
-                  f"{n} {_stat(cpu[n])[0]:.0f} [{_stat(cpu[n])[1]:.0f}-{_stat(cpu[n])[2]:.0f}]"
-                  for n in sorted(cpu)))
+                  f"{n} {_stat(v)[0]:.0f} [{_stat(v)[1]:.0f}-{_stat(v)[2]:.0f}]"
+                  for n, v in sorted(per_process.items())))
 
 
 async def many_streams(backend: TorchBackend, tokenizer: Tokenizer,
-                       stub: generation_pb2_grpc.GenerationServiceStub,
-                       pids: dict[str, int], *, concurrency: int, num_requests: int,
+                       stubs: dict[str, generation_pb2_grpc.GenerationServiceStub],
+                       pids: dict[str, dict[str, int]], *, concurrency: int, num_requests: int,
                        max_tokens: int, rounds: int, settle: float) -> None:
     """Interleaved rounds of ``num_requests`` chats, ``concurrency`` at a time,
-    with the mesh processes' CPU per 1,000 output tokens (mesh rounds)."""
+    in process and through each mesh of ``stubs`` (path → its ingress), with
+    the mesh processes' CPU per 1,000 output tokens (``pids``: path → process
+    name → PID)."""
     questions = [f"Question {i}: {QUESTION}" for i in range(num_requests)]
     prompts = [tuple(tokenizer.apply_chat_template(
         [ChatMessage(role="user", content=q)], add_generation_prompt=True).token_ids)
         for q in questions]
     requests = [_chat_request(q, max_tokens) for q in questions]
-    # Warm both paths at full batch first, uncounted.
-    await _bounded(concurrency, [functools.partial(
-        run_mesh, stub, _chat_request(f"Warm-up {i}: {QUESTION}", 8)) for i in range(concurrency)])
+    # Warm every path at full batch first, uncounted.
+    for stub in stubs.values():
+        await _bounded(concurrency, [functools.partial(
+            run_mesh, stub, _chat_request(f"Warm-up {i}: {QUESTION}", 8))
+            for i in range(concurrency)])
     await _bounded(concurrency, [functools.partial(
         run_in_process, backend, prompts[i % len(prompts)], 8, f"warm-{i}")
         for i in range(concurrency)])
     rows: dict[str, dict[str, list[float]]] = {
         name: {"ttft_ms": [], "tpot_ms": [], "itl_ms": [], "tok_s": []}
-        for name in ("in-process", "mesh (Envoy)")}
-    cpu: dict[str, list[float]] = {name: [] for name in pids}
+        for name in ("in-process", *stubs)}
+    cpu = {path: {name: [] for name in procs} for path, procs in pids.items()}
     load_before = _load()
     for r in range(rounds):
         for name in _rotated(list(rows), r):
@@ -277,12 +290,13 @@ async def many_streams(backend: TorchBackend, tokenizer: Tokenizer,
                         for i, p in enumerate(prompts)]
                 wall, runs = await _bounded(concurrency, jobs)
             else:
-                before = {n: cpu_seconds(pid) for n, pid in pids.items()}
+                procs = pids.get(name, {})
+                before = {n: cpu_seconds(pid) for n, pid in procs.items()}
                 wall, runs = await _bounded(
-                    concurrency, [functools.partial(run_mesh, stub, q) for q in requests])
+                    concurrency, [functools.partial(run_mesh, stubs[name], q) for q in requests])
                 tokens = sum(run.tokens for run in runs)
-                for n, pid in pids.items():
-                    cpu[n].append((cpu_seconds(pid) - before[n]) / tokens * 1e3)
+                for n, pid in procs.items():
+                    cpu[name][n].append((cpu_seconds(pid) - before[n]) / tokens * 1e3)
             row = rows[name]
             row["ttft_ms"].append(statistics.median(x.ttft for x in runs) * 1e3)
             row["tpot_ms"].append(statistics.median(x.tpot for x in runs) * 1e3)
@@ -293,20 +307,21 @@ async def many_streams(backend: TorchBackend, tokenizer: Tokenizer,
         f"{rounds} interleaved rounds (per round: median TTFT/TPOT/ITL, all tokens / wall), "
         f"median [p25-p75]; load {load_before} -> {_load()}", rows)
     _print_overhead(medians, {})
-    ratios = [m / i for m, i in zip(rows["mesh (Envoy)"]["tok_s"], rows["in-process"]["tok_s"])]
-    med, q1, q3 = _stat(ratios)
-    print(f"  mesh / in-process throughput per round: median {med:.3f} [{q1:.3f}-{q3:.3f}] "
-          f"(target >= {THROUGHPUT_TARGET})")
-    if not pids:
-        return
-    print("  CPU-s per 1,000 output tokens in the mesh rounds, median [p25-p75]:")
-    overhead = [sum(cpu[n][k] for n in MESH_OVERHEAD if n in cpu) for k in range(rounds)]
-    for n in sorted(cpu):
-        med, q1, q3 = _stat(cpu[n])
-        print(f"    {n:<10} {med:6.3f} [{q1:.3f}-{q3:.3f}]")
-    med, q1, q3 = _stat(overhead)
-    print(f"    {' + '.join(MESH_OVERHEAD)}: {med:.3f} [{q1:.3f}-{q3:.3f}] "
-          f"(target <= {CPU_TARGET})")
+    for path in stubs:
+        ratios = [m / i for m, i in zip(rows[path]["tok_s"], rows["in-process"]["tok_s"])]
+        med, q1, q3 = _stat(ratios)
+        print(f"  {path} / in-process throughput per round: median {med:.3f} "
+              f"[{q1:.3f}-{q3:.3f}] (target >= {THROUGHPUT_TARGET})")
+    for path, per_process in cpu.items():
+        print(f"  CPU-s per 1,000 output tokens in the {path} rounds, median [p25-p75]:")
+        overhead = [sum(per_process[n][k] for n in MESH_OVERHEAD if n in per_process)
+                    for k in range(rounds)]
+        for n in sorted(per_process):
+            med, q1, q3 = _stat(per_process[n])
+            print(f"    {n:<10} {med:6.3f} [{q1:.3f}-{q3:.3f}]")
+        med, q1, q3 = _stat(overhead)
+        print(f"    {' + '.join(MESH_OVERHEAD)}: {med:.3f} [{q1:.3f}-{q3:.3f}] "
+              f"(target <= {CPU_TARGET})")
 
 
 async def main() -> None:
@@ -332,6 +347,15 @@ async def main() -> None:
                         help="extra router argument of the mesh started here, repeatable "
                              "(--router-arg=--no-tokenize-in-router: prompt ids from the "
                              "tokenizer service, the default before 2026-12-06)")
+    parser.add_argument("--compare-router-arg", action="append", default=[], metavar="ARG",
+                        help="also start a second mesh whose router gets these arguments "
+                             "too (repeatable), measured as one more path interleaved with "
+                             "the others: a before/after in one run")
+    parser.add_argument("--compare-router-from", type=Path, default=None, metavar="DIR",
+                        help="also start a second mesh whose router runs the code of the "
+                             "checkout DIR (e.g. `git worktree add DIR main`; its "
+                             "services/gen generated), with --compare-router-arg if given: "
+                             "the router's before/after in one run")
     parser.add_argument("--settle", type=float, default=SETTLE_SECONDS,
                         help="seconds of pause before each run (default: %(default)s); with 0, "
                              "a path may start while the previous one's threads still spin")
@@ -339,31 +363,47 @@ async def main() -> None:
 
     threads_args = ["--num-threads", str(args.num_threads),
                     "--adaptive-threads" if args.adaptive_threads else "--no-adaptive-threads"]
-    mesh = None
-    url = args.url
-    pids: dict[str, int] = {}
-    if url is None:
-        mesh = Mesh(ingress_port=0, admin_port=0, run_dir=tempfile.mkdtemp(prefix="llmesh-bench-"),
-                    engine_args=threads_args, router_args=args.router_arg)
-        mesh.start()
-        url = mesh.ingress_address
-        pids = mesh.pids()
-        print(f"llmesh up → SERVING (all services + Envoy ready): {mesh.startup_seconds:.1f} s")
-        if "--no-tokenize-in-router" not in args.router_arg:
-            print(f"router's prompt ids in process {mesh.wait_prompts_in_router():.1f} s later")
+    variants: dict[str, tuple[list[str], dict[str, list[str]]]] = {
+        "mesh (Envoy)": (list(args.router_arg), {})}
+    if args.compare_router_arg or args.compare_router_from is not None:
+        where = args.compare_router_from
+        commands = {} if where is None else {"router": [
+            "env", f"PYTHONPATH={where.resolve()}:{where.resolve() / 'services' / 'gen'}",
+            sys.executable, "-m", "services.router"]}
+        label = " ".join([*([] if where is None else [f"from {where}"]),
+                          *args.compare_router_arg])
+        variants[f"mesh, router {label}"] = ([*args.router_arg, *args.compare_router_arg],
+                                             commands)
+    meshes: dict[str, Mesh] = {}
+    urls = {"mesh (Envoy)": args.url} if args.url is not None else {}
+    pids: dict[str, dict[str, int]] = {}
     channels: list[grpc.aio.Channel] = []
     try:
+        for path, (router_args, commands) in (variants.items() if args.url is None else ()):
+            started = Mesh(
+                ingress_port=0, admin_port=0, run_dir=tempfile.mkdtemp(prefix="llmesh-bench-"),
+                engine_args=threads_args, router_args=router_args, commands=commands)
+            meshes[path] = started.start()
+            urls[path], pids[path] = started.ingress_address, started.pids()
+            print(f"{path}: llmesh up → SERVING (all services + Envoy ready): "
+                  f"{started.startup_seconds:.1f} s")
+            if "--no-tokenize-in-router" not in router_args:
+                print(f"router's prompt ids in process {started.wait_prompts_in_router():.1f} "
+                      "s later")
         tokenizer = Tokenizer.load(default_model_path())
         prompt_ids = tuple(tokenizer.apply_chat_template(
             [ChatMessage(role="user", content=QUESTION)], add_generation_prompt=True).token_ids)
         backend = TorchBackend(EngineConfig(num_threads=args.num_threads,
                                             adaptive_threads=args.adaptive_threads))
         await backend.start()
-        channels.append(grpc.aio.insecure_channel(url))
-        stub = generation_pb2_grpc.GenerationServiceStub(channels[0])
+        stubs = {}
+        for path, url in urls.items():
+            channels.append(grpc.aio.insecure_channel(url))
+            stubs[path] = generation_pb2_grpc.GenerationServiceStub(channels[-1])
         request = _chat_request(QUESTION, args.max_tokens)
         paths: dict[str, Callable[[str], Awaitable[Run]]] = {
-            "mesh (Envoy)": lambda rid: run_mesh(stub, request)}
+            path: functools.partial(_run_mesh_path, stub, request) for path, stub in stubs.items()}
+        mesh = meshes.get("mesh (Envoy)")
         if args.hops and mesh is not None:
             channels.append(grpc.aio.insecure_channel(mesh.router.grpc_address))
             router_stub = generation_pb2_grpc.GenerationServiceStub(channels[-1])
@@ -375,15 +415,15 @@ async def main() -> None:
         await one_stream(backend, prompt_ids, paths, pids, rounds=args.rounds,
                          max_tokens=args.max_tokens, settle=args.settle)
         if args.concurrency > 1:
-            await many_streams(backend, tokenizer, stub, pids, concurrency=args.concurrency,
+            await many_streams(backend, tokenizer, stubs, pids, concurrency=args.concurrency,
                                num_requests=args.num_requests, max_tokens=args.max_tokens,
                                rounds=args.rounds, settle=args.settle)
         await backend.shutdown()
     finally:
         for channel in channels:
             await channel.close()
-        if mesh is not None:
-            mesh.stop()
+        for running in meshes.values():
+            running.stop()
 
 
 if __name__ == "__main__":

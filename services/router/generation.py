@@ -100,7 +100,7 @@ import contextlib
 import dataclasses
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -274,11 +274,18 @@ class GenerationError(Exception):
 @dataclass
 class Progress:
     """Live token counts of a running generation, readable by the caller at any
-    time (e.g. for the usage of a cancelled generation)."""
+    time (e.g. for the usage of a cancelled generation).
+
+    ``on_dispatch``, when set, is awaited once, as soon as the request was
+    sent to an engine replica (not for an answer from the response cache or a
+    shared generation): the edge commits its response there (the gRPC edge
+    sends the call's response headers, so that they do not ride with the
+    first token). Whatever it raises ends the request."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    on_dispatch: Callable[[], Awaitable[None]] | None = None
 
     def usage(self) -> Usage:
         return Usage(self.prompt_tokens, self.completion_tokens, self.cached_prompt_tokens)
@@ -872,9 +879,11 @@ class GenerationPipeline:
     async def _open_engine(
         self, request: GenerationRequest, prompt_ids: tuple[int, ...],
         sampling: SamplingOptions, deadline: float | None, timing: _Timing, hint: RouteHint,
+        on_dispatch: Callable[[], Awaitable[None]] | None = None,
     ) -> tuple[EngineClient, EngineStream, TokenDelta]:
         """Opens a stream on the best replica that answers (the routing policy's
-        order); returns its first delta.
+        order); returns its first delta. ``on_dispatch`` (:class:`Progress`) is
+        awaited once the first replica tried has the start.
 
         The chosen replica counts the request (:meth:`EngineClient.opened`); the
         caller uncounts it.
@@ -899,6 +908,8 @@ class GenerationPipeline:
                     timing.dispatched_at = time.monotonic()
                     self.metrics.request_queue_time.labels(request.model).observe(
                         timing.dispatched_at - timing.received_at)
+                    if on_dispatch is not None:  # while the engine prefills
+                        await on_dispatch()
                 self.picker.routed(engine, choice, hint.prompt_tokens)
                 first = await stream.read()
                 ok = True
@@ -935,7 +946,7 @@ class GenerationPipeline:
         """The engine's answer as events; ``ticket`` (the admission slot, released
         by the caller) hears of every token that leaves."""
         engine, stream, delta = await self._open_engine(
-            request, prompt_ids, sampling, deadline, timing, hint)
+            request, prompt_ids, sampling, deadline, timing, hint, progress.on_dispatch)
         info.update(engine=engine.target)
         self.metrics.prefix_hit_tokens.labels(request.model).observe(delta.num_cached_tokens)
         # One detokenizer and stop-string matcher per choice (``sampling.n``).

@@ -264,6 +264,13 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     return time.monotonic() + remaining - margin
 
 
+async def _send_headers(context: grpc.aio.ServicerContext) -> None:
+    """Sends the call's response headers now, unless a message already took
+    them (a cascade's second leg is dispatched after the first leg's text)."""
+    with contextlib.suppress(grpc.aio.UsageError):
+        await context.send_initial_metadata(())
+
+
 def _response(request_id: str, event: Event) -> generation_pb2.GenerateResponse:
     path = event.path
     cascade = None if path is None else path.to_pb()
@@ -705,7 +712,27 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """Server-streaming generation: text deltas, then one final message."""
+        """Server-streaming generation: text deltas, then one final message.
+
+        The response headers (initial metadata) leave as soon as an engine
+        replica has the request, while it prefills, so the first token is a
+        bare message behind them (on this VM the headers riding with the
+        first token cost it 0.3-1.2 ms through the router and Envoy,
+        docs/architecture.md "What the mesh costs"). A request refused before
+        that (validation, admission, no replica, the tokenizer) still ends
+        with a status alone, which Envoy may retry on another router."""
+        async with contextlib.aclosing(self._generate(request, context,
+                                                      commit_early=True)) as responses:
+            async for response in responses:
+                yield response
+
+    async def _generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext, *,
+        commit_early: bool,
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """:meth:`Generate`; ``commit_early`` False: the headers leave with the
+        first message (or the status), for the JSON transcoder, which maps a
+        status sent alone to the HTTP status."""
         received_at = time.monotonic()
         # An invalid request.request_id is refused by validation below; until then
         # a safe id stands in (it goes into metadata and logs).
@@ -718,8 +745,10 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             tenant = self._authenticate(context)
             self.check_accepting()
             validated = self._validate(request, request_id, context, tenant)
+            progress = Progress(on_dispatch=functools.partial(_send_headers, context)
+                                if commit_early else None)
             events = self.run(tenant, validated, received_at=received_at,
-                              deadline=_deadline(context))
+                              deadline=_deadline(context), progress=progress)
             async with contextlib.aclosing(events):
                 async for event in events:
                     yield _response(request_id, event)
@@ -743,7 +772,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             self.count_refused(generation_pb2.GenerateRequest(), err.code)
             await self._abort(context, _Abort(err.code, str(err)), request_id)
             return
-        async for response in self.Generate(parsed, context):
+        async for response in self._generate(parsed, context, commit_early=False):
             yield response
 
     async def GenerateStream(

@@ -156,6 +156,26 @@ async def test_prompt_streams_the_reply_and_a_final_message():
     assert start.sampling.max_tokens == 256  # the default
 
 
+async def test_the_response_headers_leave_once_the_engine_has_the_request_not_with_the_first_token():
+    """The client gets the call's headers while the engine prefills (a 3 s
+    first token here), so the first token travels alone behind them (a
+    request computed alone: ``bypass_cache``); a request refused before
+    dispatch (here OUT_OF_RANGE) still reaches no engine."""
+    async with make_mesh() as mesh:
+        mesh.engines[0].first_delay = 3.0
+        call = mesh.stub.Generate(generation_pb2.GenerateRequest(
+            prompt="Capital of France?", sampling=greedy(max_tokens=2), bypass_cache=True))
+        await asyncio.wait_for(call.initial_metadata(), timeout=1.5)
+        await wait_for(lambda: len(mesh.engines[0].log.starts) == 1)
+        call.cancel()
+        refused = mesh.stub.Generate(generation_pb2.GenerateRequest(
+            prompt="Capital of France?", sampling=greedy(max_tokens=10**9)))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(refused)
+        assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        assert len(mesh.engines[0].log.starts) == 1
+
+
 async def test_prompt_token_ids_reach_the_engine_as_sent_or_are_refused_naming_them():
     async with make_mesh() as mesh:
         ids = encode("Capital?")
