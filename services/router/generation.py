@@ -114,8 +114,6 @@ from services.common.sampling import FinishReason, InvalidRequestError, Sampling
 from services.common.wire.chat import ChatPrompt
 from services.common.wire.engine_stream import TokenDelta, Usage
 from services.common.wire.tools import ToolCallDelta
-from services.router.cascade.path import AnswerPath
-from services.router.cascade.policy import PromptRerouted
 from services.router.admission import (
     AdmissionController,
     AdmissionRefused,
@@ -123,19 +121,26 @@ from services.router.admission import (
     NoReplicaServing,
     Ticket,
 )
+from services.router.cascade.path import AnswerPath
+from services.router.cascade.policy import PromptRerouted
 from services.router.clients import (
     CacheClient,
-    CacheKey,
     CachedResponse,
+    CacheKey,
     UpstreamError,
 )
 from services.router.engine_client import EngineClient, EngineStream
 from services.router.local_tokenizer import PromptTokenizer
+from services.router.logprob_text import TokenTexts
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
-from services.router.retrieval.report import RetrievalReport
-from services.router.retrieval.stage import PendingRetrieval, RetrievalStage, no_retriever
 from services.router.request_trace import end_request_span, start_request_span
+from services.router.retrieval.report import RetrievalReport
+from services.router.retrieval.stage import (
+    PendingRetrieval,
+    RetrievalStage,
+    no_retriever,
+)
 from services.router.routing import (
     CachedPrefix,
     ReplicaPicker,
@@ -143,7 +148,6 @@ from services.router.routing import (
     RoutingPolicy,
     RoutingSession,
 )
-from services.router.slow_reader import WriteStalled, paced
 from services.router.single_flight import (
     CoalescingKey,
     DeadlinePassed,
@@ -151,7 +155,7 @@ from services.router.single_flight import (
     SingleFlight,
     Subscription,
 )
-from services.router.logprob_text import TokenTexts
+from services.router.slow_reader import WriteStalled, paced
 from services.router.stop_strings import StopStringMatcher
 from services.router.validation import GenerationRequest, ModelLimits, fit_to_context
 
@@ -487,8 +491,7 @@ class GenerationPipeline:
         """Generates ``request``: yields :class:`Delta` events, then one :class:`Finished`.
 
         Args:
-          received_at: when the router received the request (``time.monotonic()``
-            seconds): the origin of TTFT, queue time and e2e latency.
+          received_at: its arrival (``time.monotonic()`` s), the origin of TTFT.
           deadline: absolute ``time.monotonic()`` deadline of the client's call, or None.
           progress: updated with live token counts, if given.
           session: the conversation's routing memory (``GenerateStream``), if any.
@@ -512,14 +515,8 @@ class GenerationPipeline:
         held = _Held()
         self.metrics.requests_in_flight.labels(request.model).inc()
         try:
-            self._refuse_if_full(request)
-            prompt_ids = await self._tokenized(request, deadline, timing, info, held)
-            progress.prompt_tokens = len(prompt_ids)
-            if request.cascade is not None:
-                request.cascade.check_prompt(len(prompt_ids))
-            sampling = self._fitted(request, prompt_ids)
-            if reserve_tokens is not None:
-                reserve_tokens(len(prompt_ids), sampling.max_tokens * sampling.n)
+            prompt_ids, sampling = await self._prepared(
+                request, deadline, timing, info, held, progress, reserve_tokens)
             events = await self._answer(request, prompt_ids, sampling, deadline, progress,
                                         timing, info, session, held)
             # aclosing: when our consumer stops early, the engine stream closes now.
@@ -545,6 +542,25 @@ class GenerationPipeline:
             self._record(request, outcome, progress, timing, info)
             end_request_span(timing.span, request, outcome=outcome, progress=progress,
                              timing=timing, info=info)
+
+    async def _prepared(
+        self, request: GenerationRequest, deadline: float | None, timing: _Timing,
+        info: dict[str, object], held: _Held, progress: Progress,
+        reserve_tokens: Callable[[int, int], None] | None,
+    ) -> tuple[tuple[int, ...], SamplingOptions]:
+        """:meth:`run`'s steps before the cache and the engine: refuse when full,
+        tokenize, the cascade's prompt-only rule, fit ``max_tokens`` to the
+        context window, reserve the tenant's tokens. Returns (prompt ids, the
+        fitted sampling options); raises what :meth:`run` documents."""
+        self._refuse_if_full(request)
+        prompt_ids = await self._tokenized(request, deadline, timing, info, held)
+        progress.prompt_tokens = len(prompt_ids)
+        if request.cascade is not None:
+            request.cascade.check_prompt(len(prompt_ids))
+        sampling = self._fitted(request, prompt_ids)
+        if reserve_tokens is not None:
+            reserve_tokens(len(prompt_ids), sampling.max_tokens * sampling.n)
+        return prompt_ids, sampling
 
     async def prompt_ids(self, request: GenerationRequest, *,
                          deadline: float | None) -> tuple[int, ...]:
@@ -1322,7 +1338,7 @@ def _time_per_output_token(outcome: str, progress: Progress, timing: _Timing, *,
     return (timing.last_token_at - timing.first_token_at) / (progress.completion_tokens - 1)
 
 
-def _finished(event: Finished, model: str, held: "_Held", info: dict[str, object]) -> Finished:
+def _finished(event: Finished, model: str, held: _Held, info: dict[str, object]) -> Finished:
     """A request's last event as the client sees it: the model that answered,
     the retrieval report and the history summary's counts; its stop string
     goes to the ``request_finished`` log line (``info``)."""
