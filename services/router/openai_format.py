@@ -335,12 +335,15 @@ class ResponseBuilder:
 
     def usage(self) -> dict[str, Any]:
         """Usage over every choice that finished: the prompt once, completion
-        tokens summed."""
+        tokens summed (none for ``echo`` with ``max_tokens: 0``: the one token
+        the engine computes for the prompt is dropped, so it is not billed)."""
         if not self._usage:
             return usage_body(0, 0, 0)
         prompt = max(u.prompt_tokens for u in self._usage)
         cached = max(u.cached_prompt_tokens for u in self._usage)
-        body = usage_body(prompt, sum(u.completion_tokens for u in self._usage), cached)
+        scored_only = self.echo is not None and self.echo.only
+        completion = 0 if scored_only else sum(u.completion_tokens for u in self._usage)
+        body = usage_body(prompt, completion, cached)
         last = self._usage[-1]
         if last.history_turns_summarized:  # llmesh's extension (history compaction)
             body["history"] = {"turns_summarized": last.history_turns_summarized,

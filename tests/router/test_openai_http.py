@@ -334,6 +334,8 @@ async def test_echo_puts_the_prompt_before_the_completion_or_alone_with_max_toke
         alone = await client.completions.create(model="fake-model", prompt=[81, 58],
                                                 max_tokens=0, echo=True)
         assert alone.choices[0].text == "Q:" and alone.usage.prompt_tokens == 2
+        # The dropped token is not billed (it was: completion_tokens 1).
+        assert (alone.usage.completion_tokens, alone.usage.total_tokens) == (0, 2)
         # The engine got the ids as sent, and one token to compute for the prompt alone.
         start = mesh.engines[0].log.starts[-1]
         assert list(start.prompt_token_ids) == [81, 58] and start.sampling.max_tokens == 1
