@@ -40,7 +40,9 @@ def test_every_method_is_describable_and_an_unknown_one_is_not(tmp_path: Path) -
         stop_processes([router.process], 5.0)
 
 
-def test_a_reflected_service_this_process_cannot_describe_is_refused() -> None:
+async def test_a_reflected_service_this_process_cannot_describe_is_refused() -> None:
+    # In a running loop: grpc.aio.server() needs the thread's event loop, which an
+    # earlier test on the same xdist worker may have closed.
     server = grpc.aio.server()
     with pytest.raises(ValueError, match="--reflect-service: no service 'llmesh.v1.Nope'"):
         enable_reflection(["llmesh.v1.GenerationService"], server, also=["llmesh.v1.Nope"])
