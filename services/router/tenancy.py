@@ -249,7 +249,8 @@ class Tenancy:
         if tenant is None:
             raise GenerationError(grpc.StatusCode.PERMISSION_DENIED,
                                   f"tenant {request.tenant!r} is no longer in the key file")
-        return self.run(tenant, request, pipeline, received_at=received_at, deadline=None)
+        return self.run(tenant, request, pipeline, received_at=received_at, deadline=None,
+                        background=True)
 
     def _tenant_of(self, request: GenerationRequest) -> Tenant | None:
         return None if self.table is None else self.table.tenants.get(request.tenant)
@@ -257,9 +258,12 @@ class Tenancy:
     async def run(self, tenant: Tenant, request: GenerationRequest,
                   pipeline: GenerationPipeline, *, received_at: float,
                   deadline: float | None, progress: Progress | None = None,
-                  session: RoutingSession | None = None) -> AsyncIterator[Event]:
+                  session: RoutingSession | None = None,
+                  background: bool = False) -> AsyncIterator[Event]:
         """``pipeline.run(request, ...)`` under ``tenant``'s limits (with auth
-        off the router calls the pipeline directly: no layer per event).
+        off the router calls the pipeline directly: no layer per event);
+        ``background``: work on the tenant's behalf, holding no concurrency
+        slot (:meth:`TenantLimiter.begin`).
 
         Raises:
           GenerationError: RESOURCE_EXHAUSTED (``retry-after-ms``) when the
@@ -268,7 +272,7 @@ class Tenancy:
             ``tokens_per_minute``.
         """
         try:
-            lease = self.limiter.begin(tenant.id, tenant.limits)
+            lease = self.limiter.begin(tenant.id, tenant.limits, background=background)
         except TenantLimited as err:
             self._observer.ended(tenant.id, "resource_exhausted")
             self._metrics.observe_refused(model=request.model, outcome="resource_exhausted",

@@ -160,8 +160,15 @@ class TenantLimiter:
         self._tenants: dict[str, _TenantState] = {}
         self._next_id = 0
 
-    def begin(self, tenant: str, limits: TenantLimits) -> Lease:
+    def begin(self, tenant: str, limits: TenantLimits, *, background: bool = False) -> Lease:
         """A lease for a new request of ``tenant`` under ``limits``.
+
+        ``background``: work the router does on the tenant's behalf (a
+        history summary), which must never cost the tenant's own requests a
+        refusal: it holds no ``max_concurrent`` slot and is not counted in
+        ``requests_per_minute`` (nor in the mean duration behind the hints);
+        its tokens are reserved and billed as any request's. It still starts
+        only when a foreground request could (the same refusals).
 
         Raises:
           TenantLimited: ``max_concurrent`` or ``requests_per_minute`` reached.
@@ -171,10 +178,11 @@ class TenantLimiter:
         refused = _start_refusal(state, tenant, limits, now)
         if refused is not None:
             self._refuse(refused)
-        request = _Charge(now, 1)
-        state.requests.append(request)
+        request = _Charge(now, 0 if background else 1)
         self._next_id += 1
-        state.in_flight[self._next_id] = now
+        if not background:
+            state.requests.append(request)
+            state.in_flight[self._next_id] = now
         return Lease(self, tenant, limits, self._next_id, request)
 
     def check(self, tenant: str, limits: TenantLimits, *, tokens: int) -> TenantLimited | None:
@@ -222,9 +230,9 @@ class TenantLimiter:
     def _end(self, lease: Lease, prompt_tokens: int, completion_tokens: int,
              failed: bool) -> None:
         state = self._tenants[lease.tenant]
-        started = state.in_flight.pop(lease._id)
+        started = state.in_flight.pop(lease._id, None)  # None: a background lease
         now = self._clock()
-        if not failed:
+        if not failed and started is not None:
             duration = now - started
             state.mean_duration_s = duration if state.mean_duration_s is None else (
                 DURATION_ALPHA * duration + (1 - DURATION_ALPHA) * state.mean_duration_s)

@@ -333,10 +333,18 @@ async def test_a_history_summary_runs_as_its_tenant_once_it_is_under_its_limit(
                 responses.append(response)
             messages.append(common_pb2.ChatMessage(role="assistant",
                                                    content=text_of(responses)))
+        engine.step_delay = 0.05  # the summary's 16 steps take ~0.8 s
         await wait_for(lambda: summaries() == 1, timeout=5)
+        # The running summary holds no slot: the tenant's next turn is served
+        # (it was refused: "1 requests in flight, its max_concurrent limit is 1").
+        messages.append(common_pb2.ChatMessage(role="user", content="next"))
+        turn = [r async for r in mesh.stub.Generate(generation_pb2.GenerateRequest(
+            chat=generation_pb2.Chat(messages=messages),
+            sampling=greedy(max_tokens=2, ignore_eos=True)), metadata=auth("alpha"))]
+        assert turn[-1].finish_reason
         await wait_for(lambda: mesh.metric("llmesh:history_compactions_total",
                                            model_name="fake-model", outcome="stored") == 1,
                        timeout=5)
         assert sum(mesh.metric("llmesh:tenant_requests_total", tenant="alpha", outcome=o)
-                   for o in ("stop", "length")) == 3  # two turns and the summary
+                   for o in ("stop", "length")) == 4  # three turns and the summary
         assert mesh.router.tenancy.limiter.usage("alpha").in_flight == 0

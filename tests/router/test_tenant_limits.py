@@ -18,6 +18,7 @@ from services.router.tenant_limits import (
     LimitObserver,
     TenantLimited,
     TenantLimiter,
+    TenantUsage,
 )
 
 
@@ -97,6 +98,21 @@ def test_max_concurrent_counts_requests_in_flight(clock: Clock) -> None:
     lease.end(prompt_tokens=0, completion_tokens=0, failed=False)
     lease.end(prompt_tokens=0, completion_tokens=0, failed=False)  # idempotent
     limiter.begin("a", limits)
+
+
+def test_background_work_holds_no_slot_and_no_request_but_its_tokens(clock: Clock) -> None:
+    limiter = TenantLimiter(clock=clock)
+    limits = TenantLimits(max_concurrent=1, requests_per_minute=1, tokens_per_minute=100)
+    summary = limiter.begin("a", limits, background=True)
+    summary.reserve(10, 20)
+    turn = limiter.begin("a", limits)  # the tenant's own request still starts
+    assert limiter.usage("a") == TenantUsage(in_flight=1, requests_in_window=1,
+                                             tokens_in_window=30, reserved_tokens=30)
+    summary.end(prompt_tokens=10, completion_tokens=5, failed=False)
+    turn.end(prompt_tokens=0, completion_tokens=0, failed=False)
+    assert limiter.usage("a").tokens_in_window == 15  # billed as any request
+    with pytest.raises(TenantLimited):  # but it starts only when a request could
+        limiter.begin("a", limits, background=True)
 
 
 def test_a_tenant_over_its_limit_does_not_touch_another(clock: Clock) -> None:
