@@ -312,7 +312,7 @@ def _start_up(tmp_path: Path, *extra: str,
               ) -> tuple[subprocess.Popen[str], list[str]]:
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--port", "0", "--admin-port", "0",
-         "--run-dir", str(tmp_path), *extra],
+         "--ops-port", "0", "--run-dir", str(tmp_path), *extra],
         cwd=REPO_ROOT, env=_up_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=preexec_fn,
     )
@@ -405,7 +405,7 @@ def test_llmesh_up_reports_taken_port_with_the_flag_to_change(tmp_path: Path) ->
         port = taken.getsockname()[1]
         result = subprocess.run(
             [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--admin-port", "0",
-             "--run-dir", str(tmp_path)],
+             "--ops-port", "0", "--run-dir", str(tmp_path)],
             cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
         )
     assert result.returncode == 2
@@ -424,7 +424,7 @@ def _up_env(**extra: list[str]) -> dict[str, str]:
 def test_llmesh_up_sigterm_while_models_load_stops_everything(tmp_path: Path) -> None:
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--port", "0", "--admin-port", "0",
-         "--run-dir", str(tmp_path)],
+         "--ops-port", "0", "--run-dir", str(tmp_path)],
         cwd=REPO_ROOT, env=_up_env(engine=["--load-seconds", "30"]),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
