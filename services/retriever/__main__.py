@@ -70,8 +70,8 @@ def build_parser(cls: type[argparse.ArgumentParser] = argparse.ArgumentParser
     parser.add_argument("--query-precision", choices=QUERY_PRECISIONS, default="bf16",
                         help="weights of the query encoder: bf16 (default; fp32 where the "
                              "CPU has no native bf16), fp32, int8-weights (int8 weights, bf16 "
-                             "activations: faster, ~5e-4 cosine from fp32) or int8 (dynamic "
-                             "quantization: fastest, least exact)")
+                             "activations: faster for short queries only, slower than bf16 "
+                             "from ~60 tokens) or int8 (dynamic quantization: least exact)")
     parser.add_argument("--batch-size", type=positive_int, default=64,
                         help="texts per forward pass of the embedding model")
     parser.add_argument("--save-interval-seconds", type=float, default=2.0,
