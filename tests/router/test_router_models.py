@@ -176,6 +176,25 @@ async def test_the_cascade_prompt_rule_tokenizes_the_prompt_once():
     assert len(chat_engine.log.starts) == 1 and len(base_engine.log.starts) == 1
 
 
+async def test_a_chat_to_the_alias_in_mode_small_needs_only_the_small_models_template():
+    """QA: a chat to ``auto`` was refused ("'base-model' has no chat template")
+    although mode ``small`` never asks the large model; in mode ``auto`` it
+    still is (it may escalate)."""
+    from services.router.cascade.policy import CascadePolicy
+
+    chat = generation_pb2.Chat(messages=[common_pb2.ChatMessage(role="user", content="q")])
+    async with two_models(cascade=CascadePolicy("fake-model", "base-model")) as (stub, _, _):
+        responses = [r async for r in stub.Generate(generation_pb2.GenerateRequest(
+            model="auto", chat=chat, cascade=generation_pb2.CASCADE_MODE_SMALL,
+            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=8)), timeout=10)]
+        assert responses[-1].model == "fake-model"
+        assert responses[-1].cascade.reason == "mode_small"
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await text(stub, model="auto", chat=chat)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "'base-model' has no chat template" in refused.value.details()
+
+
 async def test_a_tenants_cascade_setting_is_its_requests_default_mode(tmp_path):
     """Issue 34: the prompt-only rule's "tenant setting": a key file entry's
     ``cascade`` is the mode of the tenant's requests to the alias that name

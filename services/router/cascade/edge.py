@@ -25,7 +25,8 @@ def validate_alias(pb: generation_pb2.GenerateRequest, header_mode: str | None,
 
     Both models validate the request (each its limits, chat template and the
     tenant's permission), so a request one of them would refuse is refused
-    before any generation, whatever path it would take.
+    before any generation, whatever path it would take; in mode ``small``
+    (the large model is never asked) the small model alone validates it.
 
     Raises:
       InvalidRequestError: INVALID_ARGUMENT naming ``cascade`` (set on a
@@ -45,7 +46,8 @@ def validate_alias(pb: generation_pb2.GenerateRequest, header_mode: str | None,
                                   "`prompt` text, or name a model")
     mode = CascadeMode.of(pb.cascade, header_mode, tenant_mode)
     validated: list[GenerationRequest] = []
-    for model in (policy.small, policy.large):
+    reachable = (policy.small,) if mode is CascadeMode.SMALL else (policy.small, policy.large)
+    for model in reachable:
         leg = generation_pb2.GenerateRequest()
         leg.CopyFrom(pb)
         leg.model = model
