@@ -159,6 +159,25 @@ def log_tail(path: Path, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def start_failure_reason(path: Path) -> str | None:
+    """The ``error`` of the last ``start_failed`` JSON line a service logged
+    (services/common/server.py), or None."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(lines):
+        if '"start_failed"' not in line:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("event") == "start_failed" and record.get("error"):
+            return str(record["error"])
+    return None
+
+
 def stop_processes(processes: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> None:
     """SIGTERM each running process, wait up to ``timeout_s`` seconds, then
     SIGKILL the process group of each one still running. Returns when all are
@@ -337,10 +356,14 @@ class ServiceProcess:
         return None if self.process is None else self.process.poll()
 
     def failure(self, what: str) -> MeshStartError:
-        """A start error that quotes this child's log tail."""
+        """A start error that quotes this child's log tail, led by the reason
+        its ``start_failed`` line gives (:func:`start_failure_reason`), which
+        shutdown lines may have pushed out of the tail."""
         tail = log_tail(self.log_path)
+        reason = start_failure_reason(self.log_path)
         return MeshStartError(
-            f"{self.name} {what}; full log: {self.log_path}\n--- last lines ---\n{tail}"
+            f"{self.name} {what}{f': {reason}' if reason else ''}; full log: "
+            f"{self.log_path}\n--- last lines ---\n{tail}"
         )
 
 

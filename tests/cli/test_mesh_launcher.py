@@ -235,7 +235,10 @@ def test_failed_start_names_the_service_quotes_its_log_and_stops_the_rest(tmp_pa
     with pytest.raises(MeshStartError) as caught:
         mesh.start()
     message = str(caught.value)
-    assert message.startswith("engine-0 exited with code 1 while starting")
+    # The reason leads, from the service's start_failed line, whatever its
+    # shutdown logged after it (QA: a CancelledError traceback hid it).
+    assert message.startswith("engine-0 exited with code 1 while starting: "
+                              "RuntimeError: fake start failure; full log:")
     assert str(tmp_path / "engine-0.log") in message
     assert "fake start failure: the model file is unreadable" in message
     assert mesh.envoy is None
