@@ -9,35 +9,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from services.common.cli_args import integer, number
 from services.engine.config import parse_bytes
 
-
-def integer(low: int) -> Callable[[str], int]:
-    """An integer >= ``low``."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    return parse
-
-
-def number(low: float, *, inclusive: bool = False) -> Callable[[str], float]:
-    """A finite number above ``low`` (or equal to it with ``inclusive``)."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not (value >= low if inclusive else value > low) or value == float("inf"):
-            bound = ">=" if inclusive else ">"
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound} {low:g}, "
-                                             f"got {text}")
-        return value
-    return parse
+__all__ = ["integer", "integers", "number", "size"]
 
 
 def integers(low: int) -> Callable[[str], list[int]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from typing import NoReturn
 
 
@@ -27,41 +28,42 @@ class CheckingParser(argparse.ArgumentParser):
         raise ArgsRefused(message)
 
 
-def _number(text: str, kind: type[int] | type[float]) -> int | float:
-    try:
-        return kind(text)
-    except ValueError:
-        what = "a whole number" if kind is int else "a number"
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+def integer(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``low``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """An argparse type: a whole number >= 0."""
-    value = int(_number(text, int))
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+def number(low: float, *, inclusive: bool = False,
+           finite: bool = True) -> Callable[[str], float]:
+    """An argparse type: a number above ``low`` (or equal to it with
+    ``inclusive``), finite unless ``finite`` is False (NaN never passes)."""
+    bound = ">=" if inclusive else ">"
+    what = "a finite number " if finite else ""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (value >= low if inclusive else value > low) or (finite and math.isinf(value)):
+            raise argparse.ArgumentTypeError(f"must be {what}{bound} {low:g}, got {text}")
+        return value
+    return parse
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: a whole number >= 1."""
-    value = int(_number(text, int))
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """An argparse type: a finite number >= 0."""
-    value = _number(text, float)
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """An argparse type: a number > 0."""
-    value = _number(text, float)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+#: A whole number >= 0.
+non_negative_int = integer(0)
+#: A whole number >= 1.
+positive_int = integer(1)
+#: A finite number >= 0.
+non_negative_float = number(0, inclusive=True)
+#: A number > 0 (``inf`` allowed, as the engine's flags always took it).
+positive_float = number(0, finite=False)

@@ -32,7 +32,9 @@ per-operator cost over ~400 operators, and Hugging Face's Python around them
 
 * fewer weight bytes: bf16 weights (vectors within 5e-5 cosine of fp32);
   ``int8-weights`` (:mod:`services.retriever.int8_linear`: int8 weights per
-  output channel, bf16 activations) halves them again, at ~5e-4 cosine;
+  output channel, bf16 activations) halves them again, at ~5e-4 cosine (faster
+  for short queries only: from ~60 word pieces on its matmul is slower than
+  bf16's, QA's measurement in services/retriever/README.md);
   ``int8`` (dynamic quantization, activations rounded to int8 too,
   ``torch.ao.quantization.quantize_dynamic``) moves a vector by ~0.03 cosine.
   Both int8 choices change more of the top-10 (docs/bench.md), so they are

@@ -283,23 +283,22 @@ class Scheduler:
         budget = self._schedule_running(out, budget, early_chunks, planned)
         if len(out.preempted) == num_preempted_for_priority:  # none for blocks
             budget = self._schedule_waiting(out, budget, planned)
-        late_chunks = self._not_outranked(late_chunks, planned, decodes)
+        late_chunks = self._not_outranked(late_chunks, planned)
         self._schedule_running(out, budget, late_chunks, planned)
         return out
 
     @staticmethod
-    def _not_outranked(chunks: list[Sequence], planned: set[Sequence],
-                       decodes: list[Sequence]) -> list[Sequence]:
+    def _not_outranked(chunks: list[Sequence], planned: set[Sequence]) -> list[Sequence]:
         """The late prompt chunks that may take the budget left: none of a lower
         priority than a prompt chunk already planned in this step, so that an
         INTERACTIVE prompt's step is not lengthened by BATCH prefill (its TTFT
         would pay for those tokens; on CPU a step's time grows with its tokens).
         The BATCH chunks go on in the next step."""
-        prompt_priorities = [seq.priority for seq in planned if seq not in decodes]
-        if not prompt_priorities:
+        if not chunks:  # the common step: nothing deferred
             return chunks
-        top = min(prompt_priorities)
-        return [seq for seq in chunks if seq.priority <= top]
+        top = min((seq.priority for seq in planned
+                   if seq.num_tokens - seq.num_computed_tokens > 1), default=None)
+        return chunks if top is None else [seq for seq in chunks if seq.priority <= top]
 
     def update_from_output(self, out: SchedulerOutput,
                            sampled: SequenceOf[int | SequenceOf[int]]) -> list[Sequence]:
