@@ -324,6 +324,8 @@ def _up_problem(args: argparse.Namespace, engine_args: list[str]) -> str | None:
         return problem
     if args.api_keys is not None and not os.path.isfile(args.api_keys):
         return f"--api-keys: no file at {args.api_keys}"
+    if args.retriever_arg and not args.retrieval:
+        return "--retriever-arg needs --retrieval (no retriever is started without it)"
     problem = (cascade_problem(args, [m.name for m in args.models])
                or history_problem(args, [m.name for m in args.models]))
     if problem:

@@ -315,13 +315,15 @@ def test_up_refuses_a_kv_size_that_does_not_parse_before_starting(
     (["--router-arg=--max-queued-requests", "--router-arg=many"],
      "--router-arg: argument --max-queued-requests: expected a whole number, got 'many'"),
     (["--router-arg=--no-such-flag"], "--router-arg: unrecognized arguments: --no-such-flag"),
-    (["--retriever-arg=--default-top-k=0"],
+    (["--retrieval", "--retriever-arg=--default-top-k=0"],
      "--retriever-arg: need 1 <= --default-top-k <= --max-top-k"),
-    (["--retriever-arg=--batch-size=0"],
+    (["--retrieval", "--retriever-arg=--batch-size=0"],
      "--retriever-arg: argument --batch-size: must be >= 1, got 0"),
+    (["--retriever-arg=--batch-size=8"],  # QA: checked, then silently ignored
+     "--retriever-arg needs --retrieval (no retriever is started without it)"),
     (["--engine-arg=--no-such-flag"], "--engine-arg: unrecognized arguments: --no-such-flag"),
 ], ids=["router-negative", "router-not-a-number", "router-unknown", "retriever-top-k",
-        "retriever-batch", "engine-unknown"])
+        "retriever-batch", "retriever-without-retrieval", "engine-unknown"])
 def test_up_refuses_a_pass_through_flag_the_service_would_refuse_before_starting(
         argv: list[str], line: str, tmp_path, capsys, monkeypatch) -> None:
     """QA, issue 35: ``--router-arg=--max-queued-requests=-1`` failed only when
