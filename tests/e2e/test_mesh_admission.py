@@ -85,6 +85,10 @@ def test_a_burst_into_an_idle_mesh_refuses_exactly_the_excess_at_once(small_mesh
         assert "queue" in o.details and "full" in o.details
 
 
+# Under pytest-xdist it runs alone: its refusal latencies (median < 50 ms) are
+# the mesh's, not the other worker's test on the same 2 cores (a fresh-clone CI
+# on two workers measured all 8 refusals at 104.6 ms, one stall shared alike).
+@pytest.mark.whole_machine
 def test_a_saturated_mesh_refuses_with_a_hint_within_2x_of_the_real_wait(
         small_mesh: Mesh) -> None:
     async def scenario() -> tuple[list[Outcome], list[Outcome], float, list[float]]:
