@@ -920,13 +920,15 @@ class GenerationPipeline:
                     speculative=request.speculative, tenant=request.tenant,
                     cache_scope=request.cache_scope,
                     traceparent=tracing.traceparent_of(timing.span))
+                # Booked before anything awaits: a request routed meanwhile
+                # must see this one's slot and prefill.
+                self.picker.routed(engine, choice, hint.prompt_tokens)
                 if timing.dispatched_at is None:  # once, even when a replica is retried
                     timing.dispatched_at = time.monotonic()
                     self.metrics.request_queue_time.labels(request.model).observe(
                         timing.dispatched_at - timing.received_at)
                     if on_dispatch is not None:  # while the engine prefills
                         await on_dispatch()
-                self.picker.routed(engine, choice, hint.prompt_tokens)
                 first = await stream.read()
                 ok = True
                 if hint.session is not None:

@@ -252,8 +252,11 @@ def slot_use(engine: EngineClient, view: LoadView, priority: Priority) -> SlotUs
         return None
     if priority is Priority.INTERACTIVE:  # the engine preempts batch sequences for it
         return SlotUse(engine.in_flight_interactive, engine.info.max_num_seqs)
-    busy = view.load.num_running + view.load.num_waiting + view.unreported_requests
-    return SlotUse(busy, engine.info.max_num_seqs)
+    # The report lags (a request sent just before it may be missing from it
+    # and from the unreported count it resets); this router's own open
+    # streams on the replica are exact.
+    reported = view.load.num_running + view.load.num_waiting + view.unreported_requests
+    return SlotUse(max(reported, engine.in_flight), engine.info.max_num_seqs)
 
 
 class ReplicaPicker:

@@ -290,6 +290,25 @@ async def test_a_replica_with_no_free_slot_costs_a_wait(engines: list[EngineClie
     assert interactive.order == [b, a]
 
 
+async def test_streams_this_router_opened_hold_slots_the_report_does_not_show_yet(
+        engines: list[EngineClient]) -> None:
+    """Requests arriving together: the replica's report (idle) predates them
+    and may reset the unreported count before it shows them; the router's
+    own open streams still fill the slots (CI: all four batch streams of
+    test_mesh_overload went to one 2-slot engine, two waited 0.85 s)."""
+    a, b, _ = engines
+    for engine in (a, b):
+        engine.info = ModelInfo("m", 1024, 100, (2,), "torch", max_num_seqs=2)
+    kv = picker(RoutingPolicy.KV_AWARE)
+    b.opened(Priority.BATCH)
+    b.opened(Priority.BATCH)
+    batch = await kv.choose(engines[:2], Priority.BATCH, RouteHint(100, matches({b: 96})))
+    assert batch.order == [a, b]
+    b.closed(Priority.BATCH)
+    batch = await kv.choose(engines[:2], Priority.BATCH, RouteHint(100, matches({b: 96})))
+    assert batch.order == [b, a]
+
+
 async def test_routed_books_the_unreported_prefill(engines: list[EngineClient]) -> None:
     a, b, _ = engines
     kv = picker(RoutingPolicy.KV_AWARE)
