@@ -250,7 +250,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             engine_args += [f"--{flag}", getattr(args, flag)]
     router_args = _router_args(args)
     problem = (_up_problem(args, engine_args)
-               or _pass_through_problem(router_args, list(args.retriever_arg)))
+               or _pass_through_problem(router_args, list(args.retriever_arg))
+               or _launcher_owned_problem(args))
     if problem:
         print(f"llmesh: {problem}", file=sys.stderr)
         return 2
@@ -322,8 +323,14 @@ def _up_problem(args: argparse.Namespace, engine_args: list[str]) -> str | None:
     problem = tls_flag_problem(args)
     if problem:
         return problem
-    if args.api_keys is not None and not os.path.isfile(args.api_keys):
-        return f"--api-keys: no file at {args.api_keys}"
+    if args.api_keys is not None:
+        from services.router.api_keys import KeyFileError, load_key_table
+        if not os.path.isfile(args.api_keys):
+            return f"--api-keys: no file at {args.api_keys}"
+        try:  # as the router reads it, before anything starts (no key in the message)
+            load_key_table(args.api_keys)
+        except KeyFileError as err:
+            return f"--api-keys: {err}"
     if args.retriever_arg and not args.retrieval:
         return "--retriever-arg needs --retrieval (no retriever is started without it)"
     problem = (cascade_problem(args, [m.name for m in args.models])
@@ -356,6 +363,63 @@ def _pass_through_problem(router_args: list[str], retriever_args: list[str]) -> 
         return f"--router-arg: {problem}"
     problem = retriever_problem(retriever_args) if retriever_args else None
     return f"--retriever-arg: {problem}" if problem else None
+
+
+#: Flags ``llmesh up`` sets on the services itself, each with where the user
+#: sets it instead: passing one through (``--router-arg=--port=5``) would
+#: break the wiring (a port file the launcher waits on, the upstream
+#: addresses, the mesh's certificates, one replica id per engine).
+_OWNED_EVERYWHERE = {
+    "host": "the services listen where Envoy reaches them; the ingress: up's --host",
+    "port": "each service gets a free port; the ingress: up's --port",
+    "metrics_port": "each service gets a free one; `llmesh status` lists them",
+    "port_file": "the launcher reads it to find the service",
+    "drain_seconds": "up's --drain-seconds",
+    "tls_cert": "up's --internal-mtls issues each service's certificate",
+    "tls_key": "up's --internal-mtls issues each service's certificate",
+    "tls_ca": "up's --internal-mtls issues each service's certificate",
+    "otlp_traces_endpoint": "up's --otlp-traces-endpoint",
+}
+_OWNED_BY_ROLE = {
+    "router": {name: "the launcher wires the services itself; more engines: up's --engines"
+               for name in ("tokenizer", "cache", "engine", "model_pool",
+                            "retriever_address")}
+    | {"openai_port": "the OpenAI API is on the ingress (up's --port)"},
+    "engine": {"model_path": "up's --model-path or --model NAME=PATH",
+               "served_model_name": "up's --model NAME=PATH",
+               "replica_id": "each engine gets its own, by which KV-aware routing tells them apart",
+               "kv_events_target": "the engines publish to the mesh's cache service"},
+    "retriever": {"data_dir": "it is RUN_DIR/retriever, see up's --run-dir"},
+}
+
+
+def _launcher_owned_problem(args: argparse.Namespace) -> str | None:
+    """A flag in ``--engine-arg``, ``--router-arg`` or ``--retriever-arg``
+    that ``llmesh up`` sets itself (resolved as the service's parser
+    resolves it: ``--metrics-p=1`` is ``--metrics-port``): one line naming
+    it and where to set it instead, None when there is none. Runs after the
+    flags were checked with each service's parser."""
+    from services.common.cli_args import CheckingParser, given_flags
+    from services.common.server import add_server_arguments
+    from services.engine.config import add_engine_arguments
+    from services.retriever.__main__ import build_parser as retriever_parser
+    from services.router.__main__ import build_parser as router_parser
+
+    def engine_parser(cls: type[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+        parser = cls(add_help=False)
+        add_engine_arguments(parser)
+        add_server_arguments(parser)
+        return parser
+
+    for role, flag, argv, build in (("engine", "--engine-arg", args.engine_arg, engine_parser),
+                                    ("router", "--router-arg", args.router_arg, router_parser),
+                                    ("retriever", "--retriever-arg", args.retriever_arg,
+                                     retriever_parser)):
+        owned = _OWNED_EVERYWHERE | _OWNED_BY_ROLE[role]
+        for dest, option in given_flags(build(CheckingParser), argv).items():
+            if dest in owned:
+                return f"{flag}: {option} is set by llmesh up itself; {owned[dest]}"
+    return None
 
 
 def _host_memory_problem(num_engines: int, engine_args: list[str]) -> str | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 
@@ -26,6 +26,21 @@ class CheckingParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise ArgsRefused(message)
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict[str, str]:
+    """The options ``argv`` sets, resolved as ``parser`` resolves them
+    (abbreviations, ``--flag=value``): destination -> the option's first
+    name. ``argv`` must already parse (required options are not required
+    here). Mutates ``parser``'s defaults: pass a fresh one."""
+    actions = [a for a in parser._actions if a.option_strings]  # noqa: SLF001 - no public list
+    for action in actions:
+        action.default = None  # every action (append, count, store_true) starts from None
+        action.required = False
+    parser.set_defaults(**{action.dest: None for action in actions})
+    namespace = parser.parse_args(argv)
+    return {action.dest: action.option_strings[0] for action in actions
+            if getattr(namespace, action.dest, None) is not None}
 
 
 def integer(low: int) -> Callable[[str], int]:

@@ -38,7 +38,7 @@ from services.common.cli_args import (
 from services.common.server import add_server_arguments, run_service, server_config_from_args
 from services.router.admission import AdmissionConfig
 from services.router.retrieval.stage import DEFAULT_RETRIEVAL_TIMEOUT_S
-from services.router.api_keys import KeyFileError
+from services.router.api_keys import KeyFileError, load_key_table
 from services.router.discovery import DEFAULT_RESOLVE_INTERVAL_S, engine_target, make_resolver
 from services.router.model_pool import PoolConfig
 from services.router.history.flags import add_history_arguments, history_settings
@@ -270,10 +270,15 @@ def pass_through_problem(argv: Sequence[str]) -> str | None:
     parsed and configured exactly as :func:`main` does, nothing started: one
     line (argparse's names the flag), None when it would start with them."""
     try:
-        config_from_args(build_parser(CheckingParser).parse_args(
+        config = config_from_args(build_parser(CheckingParser).parse_args(
             [*_LAUNCHER_UPSTREAMS, *argv]))
     except ValueError as err:  # ArgsRefused is one
         return str(err)
+    if config.api_keys is not None:
+        try:  # as RouterService reads it (the message holds no key)
+            load_key_table(config.api_keys)
+        except KeyFileError as err:
+            return f"--api-keys: {err}"
     return None
 
 

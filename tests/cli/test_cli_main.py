@@ -332,6 +332,33 @@ def test_up_refuses_a_pass_through_flag_the_service_would_refuse_before_starting
     assert _up_refused(argv, {}, tmp_path, capsys, monkeypatch) == f"llmesh: {line}\n"
 
 
+@pytest.mark.parametrize(("argv", "line"), [
+    (["--router-arg=--port=5"], "--router-arg: --port is set by llmesh up itself; "),
+    (["--router-arg=--metrics-p", "--router-arg=7"],  # an abbreviation, as argparse takes it
+     "--router-arg: --metrics-port is set by llmesh up itself; "),
+    (["--router-arg=--engine=127.0.0.1:9"], "--router-arg: --engine is set by llmesh up itself; "),
+    (["--engine-arg=--replica-id=x"], "--engine-arg: --replica-id is set by llmesh up itself; "),
+    (["--retrieval", "--retriever-arg=--data-dir=/tmp"],
+     "--retriever-arg: --data-dir is set by llmesh up itself; "),
+], ids=["router-port", "router-abbreviated", "router-engine", "engine-replica-id",
+        "retriever-data-dir"])
+def test_up_refuses_a_pass_through_flag_that_it_sets_itself(
+        argv: list[str], line: str, tmp_path, capsys, monkeypatch) -> None:
+    """QA: ``--router-arg=--port=5`` was accepted and overrode the port the
+    launcher had chosen; such a flag is refused before anything starts, naming
+    where it is set instead. Flags the launcher leaves to the user pass."""
+    assert _up_refused(argv, {}, tmp_path, capsys, monkeypatch).startswith(f"llmesh: {line}")
+
+
+def test_up_reads_the_api_key_file_before_starting(tmp_path, capsys, monkeypatch) -> None:
+    """QA: a key file that does not parse stopped the router only after the
+    tokenizer and the engines had started; now ``up`` refuses it first."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("tenants: [\n")
+    assert (_up_refused(["--api-keys", str(keys)], {}, tmp_path, capsys, monkeypatch)
+            == f"llmesh: --api-keys: {keys}: not valid YAML or JSON (line 2)\n")
+
+
 def test_up_refuses_a_repeated_model_name_or_a_missing_file_before_starting(
         tmp_path, capsys) -> None:
     gguf = tmp_path / "m.gguf"
@@ -360,7 +387,7 @@ def test_up_routes_the_retriever_on_the_ingress_only_without_api_keys(
 
     monkeypatch.setattr("services.cli.mesh.Mesh", record)
     keys = tmp_path / "keys.yaml"
-    keys.write_text("tenants: {}\n")
+    keys.write_text("tenants: []\n")
     argv = ["up", "--run-dir", str(tmp_path / "run"), "--retrieval",
             *(["--api-keys", str(keys)] if with_keys else [])]
     with pytest.raises(SystemExit):
