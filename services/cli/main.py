@@ -400,16 +400,9 @@ def _launcher_owned_problem(args: argparse.Namespace) -> str | None:
     it and where to set it instead, None when there is none. Runs after the
     flags were checked with each service's parser."""
     from services.common.cli_args import CheckingParser, given_flags
-    from services.common.server import add_server_arguments
-    from services.engine.config import add_engine_arguments
+    from services.engine.__main__ import build_parser as engine_parser
     from services.retriever.__main__ import build_parser as retriever_parser
     from services.router.__main__ import build_parser as router_parser
-
-    def engine_parser(cls: type[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-        parser = cls(add_help=False)
-        add_engine_arguments(parser)
-        add_server_arguments(parser)
-        return parser
 
     for role, flag, argv, build in (("engine", "--engine-arg", args.engine_arg, engine_parser),
                                     ("router", "--router-arg", args.router_arg, router_parser),
@@ -431,15 +424,12 @@ def _host_memory_problem(num_engines: int, engine_args: list[str]) -> str | None
     parser's one line (the flag and the accepted units), since every engine
     would refuse it, and so is a flag the engines do not know."""
     from services.common.cli_args import ArgsRefused, CheckingParser
-    from services.common.server import add_server_arguments
     from services.engine import host_memory
-    from services.engine.config import add_engine_arguments, engine_config_from_args
+    from services.engine.__main__ import build_parser as engine_parser
+    from services.engine.config import engine_config_from_args
 
-    parser = CheckingParser(add_help=False)
-    try:
-        add_engine_arguments(parser)
-        add_server_arguments(parser)
-        known = parser.parse_args(engine_args)
+    try:  # --engine-arg=--help prints the engine's help, as the router's does
+        known = engine_parser(CheckingParser).parse_args(engine_args)
     except ArgsRefused as error:
         return f"--engine-arg: {error}"
     except ValueError as error:  # an LLMESH_ENGINE_* variable (it names itself)

@@ -29,9 +29,11 @@ from services.engine.metrics import default_metrics
 from services.engine.service import EngineLoadError, EngineService
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command-line parser of the engine service."""
-    parser = argparse.ArgumentParser(
+def build_parser(cls: type[argparse.ArgumentParser] = argparse.ArgumentParser
+                 ) -> argparse.ArgumentParser:
+    """The command-line parser of the engine service (``cls``:
+    :class:`~services.common.cli_args.CheckingParser` to refuse without exiting)."""
+    parser = cls(
         prog="python -m services.engine",
         description="llmesh engine: token ids in, token ids out, over gRPC.")
     add_engine_arguments(parser)

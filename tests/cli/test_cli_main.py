@@ -350,6 +350,19 @@ def test_up_refuses_a_pass_through_flag_that_it_sets_itself(
     assert _up_refused(argv, {}, tmp_path, capsys, monkeypatch).startswith(f"llmesh: {line}")
 
 
+@pytest.mark.parametrize(("flag", "prog"), [("--engine-arg", "services.engine"),
+                                          ("--router-arg", "services.router")])
+def test_up_pass_through_help_prints_that_services_help(flag: str, prog: str, capsys,
+                                                         monkeypatch) -> None:
+    """QA: ``--engine-arg=--help`` was refused as an unknown flag where
+    ``--router-arg=--help`` printed the router's help; both print their own."""
+    monkeypatch.setattr("services.cli.mesh.Mesh", None)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["up", f"{flag}=--help"])
+    assert exit_.value.code == 0
+    assert f"usage: python -m {prog}" in capsys.readouterr().out
+
+
 def test_up_reads_the_api_key_file_before_starting(tmp_path, capsys, monkeypatch) -> None:
     """QA: a key file that does not parse stopped the router only after the
     tokenizer and the engines had started; now ``up`` refuses it first."""
