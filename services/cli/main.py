@@ -490,38 +490,71 @@ def _supervise(mesh: object, *, restart: bool) -> int:
     """Waits on the mesh's children. A service (not Envoy) that exits is started
     again on its ports (``Mesh.restart``): the router takes a restarted engine
     back once it serves, and in-flight requests of a dead engine have already
-    ended UNAVAILABLE. Envoy's exit, ``restart=False``, a service failing to
-    start again, or dying ``MAX_RESTARTS`` times within ``RESTART_WINDOW_S``
-    stops the mesh. Returns the exit code (1)."""
-    from services.cli.mesh import Mesh, MeshStartError
+    ended UNAVAILABLE. A service that fails to start again (killed while it
+    starts, say) counts as one more death and is tried again. Envoy's exit,
+    ``restart=False``, or a service dying ``MAX_RESTARTS`` times within
+    ``RESTART_WINDOW_S`` stops the mesh. Returns the exit code (1)."""
+    from services.cli.mesh import Mesh
 
     assert isinstance(mesh, Mesh)
-    deaths: dict[str, list[float]] = {}
+    deaths = _Deaths()
     while True:
         dead = mesh.wait()
         what = ", ".join(f"{name} exited with code {code}" for name, code in dead.items())
-        now = time.monotonic()
-        for name in dead:
-            deaths[name] = [t for t in deaths.get(name, []) if now - t < RESTART_WINDOW_S]
-            deaths[name].append(now)
-        looping = [n for n, times in deaths.items() if len(times) >= MAX_RESTARTS]
+        looping = [name for name in dead if deaths.add(name)]
         if not restart or "envoy" in dead or looping:
             if restart and looping and "envoy" not in dead:
-                what += f"; {looping[0]} died {MAX_RESTARTS} times in {RESTART_WINDOW_S:.0f} s"
+                what += f"; {deaths.why(looping[0])}"
             print(f"llmesh: {what}; stopping (logs in {mesh.run_dir})",
                   file=sys.stderr, flush=True)
             return 1
         for name in dead:
             print(f"llmesh: {what}; restarting {name} (logs in {mesh.run_dir})",
                   file=sys.stderr, flush=True)
-            try:
-                service = mesh.restart(name)
-            except MeshStartError as error:
-                print(f"llmesh: {name} did not start again: {error}; stopping",
-                      file=sys.stderr, flush=True)
+            if not _restart(mesh, name, deaths):
                 return 1
-            print(f"llmesh: {name} is SERVING again (pid {service.pid}, "
-                  f"{service.grpc_address})", file=sys.stderr, flush=True)
+
+
+class _Deaths:
+    """Each service's exits within the last ``RESTART_WINDOW_S`` (monotonic s)."""
+
+    def __init__(self) -> None:
+        self._times: dict[str, list[float]] = {}
+
+    def add(self, name: str) -> bool:
+        """Counts one exit of ``name``; True when it is its ``MAX_RESTARTS``-th
+        within the window (a crash loop: stop)."""
+        now = time.monotonic()
+        times = [t for t in self._times.get(name, []) if now - t < RESTART_WINDOW_S]
+        self._times[name] = [*times, now]
+        return len(self._times[name]) >= MAX_RESTARTS
+
+    @staticmethod
+    def why(name: str) -> str:
+        return f"{name} died {MAX_RESTARTS} times in {RESTART_WINDOW_S:.0f} s"
+
+
+def _restart(mesh: object, name: str, deaths: _Deaths) -> bool:
+    """Starts ``name`` again until it serves (True) or has failed
+    ``MAX_RESTARTS`` times within the window, start failures included (False,
+    after saying why)."""
+    from services.cli.mesh import Mesh, MeshStartError
+
+    assert isinstance(mesh, Mesh)
+    while True:
+        try:
+            service = mesh.restart(name)
+        except MeshStartError as error:
+            if deaths.add(name):
+                print(f"llmesh: {name} did not start again: {error}; {deaths.why(name)}; "
+                      "stopping", file=sys.stderr, flush=True)
+                return False
+            print(f"llmesh: {name} did not start again: {error}; trying once more",
+                  file=sys.stderr, flush=True)
+            continue
+        print(f"llmesh: {name} is SERVING again (pid {service.pid}, "
+              f"{service.grpc_address})", file=sys.stderr, flush=True)
+        return True
 
 
 def _print_ready(mesh: object, *, api_keys: bool = False) -> None:

@@ -920,8 +920,7 @@ class GenerationPipeline:
                     speculative=request.speculative, tenant=request.tenant,
                     cache_scope=request.cache_scope,
                     traceparent=tracing.traceparent_of(timing.span))
-                # Booked before anything awaits: a request routed meanwhile
-                # must see this one's slot and prefill.
+                # Booked before any await: a request routed meanwhile sees it.
                 self.picker.routed(engine, choice, hint.prompt_tokens)
                 if timing.dispatched_at is None:  # once, even when a replica is retried
                     timing.dispatched_at = time.monotonic()

@@ -312,11 +312,13 @@ def test_killed_parent_takes_its_children_along(tmp_path: Path) -> None:
 
 def _start_up(tmp_path: Path, *extra: str,
               preexec_fn: Callable[[], object] | None = None,
+              env: dict[str, str] | None = None,
               ) -> tuple[subprocess.Popen[str], list[str]]:
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--port", "0", "--admin-port", "0",
          "--ops-port", "0", "--run-dir", str(tmp_path), *extra],
-        cwd=REPO_ROOT, env=_up_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO_ROOT, env=env or _up_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
         preexec_fn=preexec_fn,
     )
     lines: list[str] = []
@@ -474,6 +476,47 @@ def test_llmesh_up_restarts_a_service_that_dies_and_stops_on_a_crash_loop(
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_llmesh_up_tries_again_a_service_killed_while_it_restarts(tmp_path: Path) -> None:
+    """QA: an engine killed while it restarted (loading its model) stopped the
+    whole mesh ("did not start again") after two deaths; a failed start now
+    counts as one more death and the launcher tries again."""
+    process, _ = _start_up(tmp_path, env=_up_env(engine=["--load-seconds", "1.5"]))
+    deadline = time.monotonic() + 60
+    try:
+        assert process.stderr is not None
+        port_file = tmp_path / "engine-0.json"
+        first = json.loads(port_file.read_text())["pid"]
+        os.kill(first, signal.SIGKILL)
+        for line in process.stderr:
+            if "restarting engine-0" in line:
+                break
+        loading = first
+        while loading == first:  # the restarted engine, still loading its model
+            assert time.monotonic() < deadline and process.poll() is None
+            try:
+                loading = json.loads(port_file.read_text()).get("pid", first)
+            except (OSError, ValueError):  # being rewritten
+                pass
+            time.sleep(0.02)
+        os.kill(loading, signal.SIGKILL)
+        said = []
+        for line in process.stderr:
+            said.append(line)
+            if "engine-0 is SERVING again" in line or "stopping" in line:
+                break
+        assert "did not start again" in "".join(said) and "trying once more" in "".join(said)
+        assert "engine-0 is SERVING again" in said[-1]
+        again = json.loads(port_file.read_text())["pid"]
+        assert again not in (first, loading) and alive(again) and process.poll() is None
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        finally:
+            if process.poll() is None:
+                process.kill()
 
 
 def test_llmesh_up_exits_when_a_service_dies(tmp_path: Path) -> None:
