@@ -96,7 +96,7 @@ class EngineConfig:
       outranked_prefill_slowdown: in a step that carries a higher-priority
         (INTERACTIVE) decode, lower-priority (BATCH) prompt chunks get the
         tokens that keep the step within this many times its decode-only time
-        by the engine's measured step profile, at least 16 (torch backend;
+        by the engine's measured step profile, at least 4 (torch backend;
         ``torch_backend/step_budget.py``); None: they take the budget left.
       block_size: tokens per KV block (torch backend).
       kv_cache_bytes: memory for the paged KV cache, keys and values of all
@@ -346,7 +346,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
         "most prompt tokens one sequence computes per step (default: the step budget)")
     add("--outranked-prefill-slowdown", _slowdown_or_off, 2.0,
         "beside an interactive decode, batch prompt chunks get the tokens that keep the "
-        "step within this many times its decode-only time (measured; at least 16 tokens); "
+        "step within this many times its decode-only time (measured; at least 4 tokens); "
         "off: the step budget left (torch backend)")
     add("--block-size", _positive_int, 16, "tokens per KV block")
     add("--kv-cache-bytes", parse_bytes, None, "KV cache memory of the torch backend, e.g. 1GiB "

@@ -369,6 +369,29 @@ async def test_preempted_requests_recompute_to_the_same_tokens(
         await backend.shutdown()
 
 
+async def test_a_batch_prompt_in_small_chunks_beside_an_interactive_decode_keeps_its_tokens(
+        smollm2: LlamaModel, reference: TorchBackend) -> None:
+    """A 600-token batch prompt arriving while an interactive request decodes is
+    computed in the few tokens a step the outranked-prefill bound allows
+    (docs/engine.md's scheduler; the rest deferred, counted): both outputs
+    equal their solo runs."""
+    inter = SequenceRequest("inter", PROMPTS[1], dataclasses.replace(options(1), max_tokens=24))
+    batch = SequenceRequest("batch", PROMPTS[15], options(15), Priority.BATCH)
+    expected = [await run(reference, dataclasses.replace(r, request_id=f"solo-{r.request_id}"))
+                for r in (inter, batch)]
+    steps = Steps()
+    backend = await start_backend(smollm2, steps)
+    try:
+        first = asyncio.create_task(run(backend, inter))
+        while not steps.stats:  # inter's prompt step is done: it decodes from now on
+            await asyncio.sleep(0.005)
+        assert await asyncio.gather(first, run(backend, batch)) == expected
+        assert sum(s.num_prompt_tokens_deferred for s in steps.stats) > 0
+        await idle(backend)
+    finally:
+        await backend.shutdown()
+
+
 async def test_batch_sequences_preempted_for_an_interactive_arrival_keep_their_tokens(
         smollm2: LlamaModel, reference: TorchBackend) -> None:
     """Both sequence slots held by batch requests (one greedy, one seeded): an
