@@ -67,9 +67,9 @@ class Engine:
 def engine(name: str, args: argparse.Namespace) -> Engine:
     """The engine of one ``--slowdown`` setting (``off`` or a factor; ignored
     where the checkout's engine has no bound)."""
-    options: dict = dict(max_model_len=args.batch_prompt_tokens + 512,
-                         enable_prefix_caching=False, speculative_method="none",
-                         kv_cache_bytes=parse_bytes(args.kv_cache_bytes))
+    options: dict = {"max_model_len": args.batch_prompt_tokens + 512,
+                     "enable_prefix_caching": False, "speculative_method": "none",
+                     "kv_cache_bytes": parse_bytes(args.kv_cache_bytes)}
     if "outranked_prefill_slowdown" in _FIELDS:
         options["outranked_prefill_slowdown"] = None if name == "off" else float(name)
     metrics = EngineMetrics(CollectorRegistry())
@@ -132,7 +132,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def load() -> str:
-    return "load average %.2f, %.2f, %.2f" % os.getloadavg()
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f}"
 
 
 def profile_line(eng: Engine) -> str:
@@ -204,7 +205,11 @@ if __name__ == "__main__":
     parser.add_argument("--kv-cache-bytes", default="384MiB")
     parsed = parser.parse_args()
     if parsed.summary:
-        summary([json.loads(line) for path in parsed.summary for line in open(path)])
+        rows = []
+        for path in parsed.summary:
+            with open(path) as source:
+                rows += [json.loads(line) for line in source]
+        summary(rows)
     else:
         parsed.label = parsed.label or parsed.slowdown
         result = asyncio.run(main(parsed))
