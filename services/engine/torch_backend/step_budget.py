@@ -20,9 +20,9 @@ runs at full speed once the INTERACTIVE sequences are gone, and at least
 
 This is vLLM's ``long_prefill_token_threshold`` (a cap on one step's chunk of a
 long prefill) made priority-aware and sized from the engine's measured step
-profile instead of a fixed count; SGLang's mixed chunk
-(``--enable-mixed-chunk`` with ``--chunked-prefill-size``) bounds a decode
-batch's prefill by a fixed size the same way.
+profile instead of a fixed count; SGLang's ``--enable-mixed-chunk`` mixes a
+prefill chunk of at most ``--chunked-prefill-size`` tokens into a decode batch
+(a fixed size for every priority).
 
 Not thread-safe: one step's planning on the engine thread.
 """
@@ -36,9 +36,10 @@ from services.common.sampling import Priority
 from services.common.step_profile import StepProfile
 
 #: Fewest prompt tokens outranked prompts get in a step beside a higher-priority
-#: decode (their progress). Measured (benchmarks/priority_itl.py, 2 loaded
-#: cores, where the profile's bound came to ~4 tokens): a floor of 16 held an
-#: INTERACTIVE stream's ITL p50 at 3.1x its ITL alone, a floor of 4 at 1.7x.
+#: decode (their progress). Measured (benchmarks/priority_itl.py, one round
+#: each on 2 cores at load 6-8, where the profile's bound came to ~4 tokens): a
+#: floor of 16 held an INTERACTIVE stream's ITL p50 at 3.1x its ITL alone, a
+#: floor of 4 at 1.7x.
 MIN_OUTRANKED_PREFILL_TOKENS = 4
 
 
