@@ -139,6 +139,19 @@ def test_a_batch_prompt_beside_an_interactive_decode_progresses_by_the_floor() -
                                   ("long", 0, MIN_OUTRANKED_PREFILL_TOKENS, False)]
 
 
+def test_an_interactive_prompt_in_the_step_leaves_the_outranked_prompt_none() -> None:
+    # The tighter of the two limits holds: beside inter's decode the batch prompt
+    # could take 40 tokens, but an interactive arrival's prompt is in the step too.
+    profile = StepProfile(prefill_token_s=0.5e-3, decode_step_s=(20e-3,))
+    scheduler, _, _ = _long_prompt_beside_a_decode(Priority.BATCH, profile)
+    assert step(scheduler)[0] == [("inter", 8, 1, True), ("long", 0, 40, False)]
+    scheduler.add(make_request("inter-2", 5, max_tokens=2))
+    out = scheduler.schedule()
+    assert [(s.seq.request_id, s.num_tokens) for s in out.scheduled] == [
+        ("inter", 1), ("inter-2", 5)]
+    assert out.deferred_prompt_tokens == 250  # all it would have taken of the budget left
+
+
 def test_a_prompt_beside_a_decode_of_its_priority_takes_the_budget_left() -> None:
     profile = StepProfile(prefill_token_s=0.5e-3, decode_step_s=(20e-3,))
     scheduler, _, _ = _long_prompt_beside_a_decode(Priority.INTERACTIVE, profile)
