@@ -7,8 +7,8 @@ Example::
 
 Flags: the engine's (``--backend --model-path --served-model-name --device
 --dtype --max-model-len --max-num-waiting --max-num-seqs
---max-num-batched-tokens --prefill-chunk-size --block-size --kv-cache-bytes
---[no-]enable-prefix-caching --[no-]batch-invariant --default-max-tokens
+--max-num-batched-tokens --prefill-chunk-size --outranked-prefill-slowdown
+--block-size --kv-cache-bytes --[no-]enable-prefix-caching --[no-]batch-invariant --default-max-tokens
 --max-tokens-cap --gpu-memory-fraction``; each also read from
 ``LLMESH_ENGINE_<FLAG>``, the flag winning) and the server kit's (``--host
 --port --metrics-port --port-file --drain-seconds --log-level``).

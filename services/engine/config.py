@@ -93,6 +93,11 @@ class EngineConfig:
         (a step of 256 fp32 tokens takes ~0.3-0.5 s on 2 cores), 8192 on CUDA.
       prefill_chunk_size: most prompt tokens one sequence computes in one step
         (torch backend); None: up to the whole step budget.
+      outranked_prefill_slowdown: in a step that carries a higher-priority
+        (INTERACTIVE) decode, lower-priority (BATCH) prompt chunks get the
+        tokens that keep the step within this many times its decode-only time
+        by the engine's measured step profile, at least 4 (torch backend;
+        ``torch_backend/step_budget.py``); None: they take the budget left.
       block_size: tokens per KV block (torch backend).
       kv_cache_bytes: memory for the paged KV cache, keys and values of all
         layers (torch backend); the block count follows from it and is logged at
@@ -186,6 +191,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     prefill_chunk_size: int | None = None
+    outranked_prefill_slowdown: float | None = 2.0
     block_size: int = 16
     kv_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
@@ -338,6 +344,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
         "most tokens computed per engine step (default: 256 on CPU, 8192 on CUDA)")
     add("--prefill-chunk-size", _positive_int, None,
         "most prompt tokens one sequence computes per step (default: the step budget)")
+    add("--outranked-prefill-slowdown", _slowdown_or_off, 2.0,
+        "beside an interactive decode, batch prompt chunks get the tokens that keep the "
+        "step within this many times its decode-only time (measured; at least 4 tokens); "
+        "off: the step budget left (torch backend)")
     add("--block-size", _positive_int, 16, "tokens per KV block")
     add("--kv-cache-bytes", parse_bytes, None, "KV cache memory of the torch backend, e.g. 1GiB "
         "or 512MiB (default: 1GiB on the CPU; on CUDA --gpu-memory-fraction of the memory free "
@@ -437,6 +447,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_size=args.prefill_chunk_size,
+        outranked_prefill_slowdown=args.outranked_prefill_slowdown,
         block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_bytes,
         enable_prefix_caching=args.enable_prefix_caching,
@@ -530,6 +541,16 @@ def _probability(text: str) -> float:
     value = float(text)
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def _slowdown_or_off(text: str) -> float | None:
+    """``off`` → None; else a factor >= 1."""
+    if text.strip().lower() == "off":
+        return None
+    value = float(text)
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 or off, got {text}")
     return value
 
 

@@ -38,6 +38,9 @@ class EngineMetrics:
     ``prompt_tokens_computed_total`` (counter: prompt tokens the forwards
     computed, once per request whatever its ``sampling.n``, prefix-cache hits
     left out, recomputations after a preemption counted);
+    ``prompt_tokens_deferred_by_priority_total`` (counter: prompt tokens of
+    lower priorities a step held back beside a higher-priority decode or
+    prompt, computed in later steps; docs/engine.md's scheduler);
     ``num_preemptions_total`` (counter); and histograms of each engine step:
     ``engine_step_duration_seconds``, ``iteration_tokens_total`` (tokens
     computed, vLLM's name) and ``batch_size`` (sequences in the step).
@@ -85,6 +88,10 @@ class EngineMetrics:
         self.prompt_tokens_computed = Counter(
             "llmesh:prompt_tokens_computed",
             "Prompt tokens whose keys/values the engine computed.", registry=registry)
+        self.prompt_tokens_deferred = Counter(
+            "llmesh:prompt_tokens_deferred_by_priority",
+            "Prompt tokens of lower priorities held back from a step beside a "
+            "higher-priority decode or prompt (computed in later steps).", registry=registry)
         self.generation_tokens = Counter(
             "llmesh:generation_tokens", "Tokens generated.", registry=registry)
         self.request_success = Counter(
@@ -208,6 +215,8 @@ class EngineMetrics:
         self.batch_size.observe(stats.batch_size)
         if stats.num_prompt_tokens_computed:
             self.prompt_tokens_computed.inc(stats.num_prompt_tokens_computed)
+        if stats.num_prompt_tokens_deferred:
+            self.prompt_tokens_deferred.inc(stats.num_prompt_tokens_deferred)
         if stats.prefix_queries:
             self.prefix_cache_queries.inc(stats.prefix_queries)
             self.prefix_cache_hits.inc(stats.prefix_hits)

@@ -117,6 +117,9 @@ class StepStats:
       num_prompt_tokens_computed: prompt tokens whose keys/values the step
         computed (prefix-cache hits and prompts shared by ``sampling.n``
         choices not counted; recomputed ones after a preemption counted).
+      num_prompt_tokens_deferred: prompt tokens of lower priorities the step
+        held back for a higher-priority decode or prompt beside them
+        (``SchedulerOutput.deferred_prompt_tokens``).
       suffix_cache_tokens, suffix_cache_bytes: after the step, the suffix
         decoding cache's tokens and estimated bytes (0 without one).
       offload: the KV offload tier's stats since the previous step (None without one).
@@ -139,6 +142,7 @@ class StepStats:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
     num_prompt_tokens_computed: int = 0
+    num_prompt_tokens_deferred: int = 0
     suffix_cache_tokens: int = 0
     suffix_cache_bytes: int = 0
     offload: OffloadStats | None = None

@@ -24,9 +24,11 @@ import grpc
 import pytest
 import pytest_asyncio
 import torch
+from prometheus_client import CollectorRegistry
 
 from services.common.sampling import FinishReason, InvalidRequestError, Priority, SamplingOptions
 from services.engine.config import EngineConfig
+from services.engine.metrics import EngineMetrics
 from services.common.kv_events import BlockStored
 from services.engine.torch_backend.backend import TorchBackend, resolve_quantization
 from services.common.block_hash import hash_block
@@ -364,6 +366,39 @@ async def test_preempted_requests_recompute_to_the_same_tokens(
         together = await asyncio.gather(*(run(backend, request(f"p-{i}", i)) for i in chosen))
         assert together == [solo[i] for i in chosen]
         assert steps.preemptions > 0
+        await idle(backend)
+    finally:
+        await backend.shutdown()
+
+
+async def test_a_batch_prompt_in_small_chunks_beside_an_interactive_decode_keeps_its_tokens(
+        smollm2: LlamaModel, reference: TorchBackend) -> None:
+    """A 600-token batch prompt arriving while an interactive request decodes is
+    computed in the few tokens a step the outranked-prefill bound allows
+    (docs/engine.md's scheduler; the rest deferred, counted): both outputs
+    equal their solo runs."""
+    inter = SequenceRequest("inter", PROMPTS[1], dataclasses.replace(options(1), max_tokens=24))
+    batch = SequenceRequest("batch", PROMPTS[15], options(15), Priority.BATCH)
+    expected = [await run(reference, dataclasses.replace(r, request_id=f"solo-{r.request_id}"))
+                for r in (inter, batch)]
+    steps, metrics = Steps(), EngineMetrics(CollectorRegistry())
+
+    def observe(stats: StepStats) -> None:
+        steps(stats)
+        metrics.observe_step(stats)
+
+    backend = TorchBackend(EngineConfig(max_model_len=1024, kv_cache_bytes=256 << 20),
+                           step_observer=observe, model=smollm2)
+    await backend.start()
+    try:
+        first = asyncio.create_task(run(backend, inter))
+        while not steps.stats:  # inter's prompt step is done: it decodes from now on
+            await asyncio.sleep(0.005)
+        assert await asyncio.gather(first, run(backend, batch)) == expected
+        deferred = sum(s.num_prompt_tokens_deferred for s in steps.stats)
+        assert deferred > 0
+        assert metrics.registry.get_sample_value(
+            "llmesh:prompt_tokens_deferred_by_priority_total") == deferred
         await idle(backend)
     finally:
         await backend.shutdown()

@@ -137,6 +137,11 @@ def test_environment_sets_defaults_and_flags_win() -> None:
     assert (config.enable_prefix_caching, config.batch_invariant) == (True, True)
     config = parse_config(["--no-batch-invariant", "--prefill-chunk-size", "64"], {})
     assert (config.batch_invariant, config.prefill_chunk_size) == (False, 64)
+    assert config.outranked_prefill_slowdown == 2.0
+    assert parse_config(["--outranked-prefill-slowdown", "off"], {}).outranked_prefill_slowdown \
+        is None
+    assert parse_config(["--outranked-prefill-slowdown", "1.5"], {}).outranked_prefill_slowdown \
+        == 1.5
 
 
 @pytest.mark.parametrize(("text", "expected"), [

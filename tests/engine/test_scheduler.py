@@ -9,7 +9,9 @@ import random
 import pytest
 
 from services.common.sampling import FinishReason, Priority
+from services.common.step_profile import StepProfile
 from services.engine.torch_backend.sequence import SequenceStatus
+from services.engine.torch_backend.step_budget import MIN_OUTRANKED_PREFILL_TOKENS
 
 from .kv_helpers import EOS, book, create_scheduler, make_request, step
 
@@ -83,6 +85,80 @@ def test_a_short_arrival_joins_during_a_long_prompt_of_its_class() -> None:
     scheduler.add(make_request("batch", [800, 801], max_tokens=1, priority=Priority.BATCH))
     assert step(scheduler)[0] == [("short", 6, 1, True), ("long", 186, 63, False)]
     scheduler.kv.check_integrity()
+
+
+def _long_prompt_beside_a_decode(priority: Priority, profile: StepProfile):
+    """A 4,000-token prompt of ``priority`` arriving while an INTERACTIVE request
+    decodes 64 tokens (budget 256, blocks for both): the scheduler after the
+    decoding one's first token and the long one's arrival, and both sequences."""
+    scheduler = create_scheduler(num_blocks=300, block_size=16, max_num_batched_tokens=256,
+                                 max_model_len=8192)
+    scheduler.step_profile = profile
+    inter = make_request("inter", 8, max_tokens=64)
+    long = make_request("long", 4000, max_tokens=4, priority=priority)
+    scheduler.add(inter)
+    assert step(scheduler)[0] == [("inter", 0, 8, True)]
+    scheduler.add(long)
+    return scheduler, inter, long
+
+
+def test_a_batch_prompt_beside_an_interactive_decode_gets_the_profiles_small_chunk() -> None:
+    # A decode step of 1 row takes 20 ms and a prompt token 0.5 ms: a step at most
+    # 2x the decode-only one carries (2 - 1) * 20 / 0.5 = 40 BATCH prompt tokens
+    # (the QA finding: it carried 255, so each INTERACTIVE token waited a chunk).
+    profile = StepProfile(prefill_token_s=0.5e-3, decode_step_s=(20e-3,))
+    scheduler, inter, long = _long_prompt_beside_a_decode(Priority.BATCH, profile)
+    steps = 0
+    while not inter.finished:
+        out = scheduler.schedule()
+        plan = [(s.seq.request_id, s.start, s.num_tokens) for s in out.scheduled]
+        assert plan == [("inter", inter.num_computed_tokens, 1),
+                        ("long", long.num_computed_tokens, 40)]
+        assert out.deferred_prompt_tokens == 255 - 40  # what it took before
+        book(scheduler, out, [7] * sum(s.samples for s in out.scheduled))
+        steps += 1
+    assert steps == 63 and long.num_computed_tokens == 63 * 40
+    # No starvation: alone, the rest of the prompt takes the whole budget.
+    out = scheduler.schedule()
+    assert [(s.seq.request_id, s.num_tokens) for s in out.scheduled] == [("long", 256)]
+    assert out.deferred_prompt_tokens == 0
+    book(scheduler, out, [])
+    steps += 1
+    while not long.finished:
+        step(scheduler)
+        steps += 1
+    assert steps == 63 + 1 + 5 + 3  # the other 1,224 prompt tokens in 5 steps, 3 decodes
+    scheduler.kv.check_integrity(idle=True)
+
+
+def test_a_batch_prompt_beside_an_interactive_decode_progresses_by_the_floor() -> None:
+    # A profile whose bound leaves no prompt token still lets the prompt progress.
+    profile = StepProfile(prefill_token_s=10e-3, decode_step_s=(5e-3,))
+    scheduler, _, _ = _long_prompt_beside_a_decode(Priority.BATCH, profile)
+    assert step(scheduler)[0] == [("inter", 8, 1, True),
+                                  ("long", 0, MIN_OUTRANKED_PREFILL_TOKENS, False)]
+
+
+def test_an_interactive_prompt_in_the_step_leaves_the_outranked_prompt_none() -> None:
+    # The tighter of the two limits holds: beside inter's decode the batch prompt
+    # could take 40 tokens, but an interactive arrival's prompt is in the step too.
+    profile = StepProfile(prefill_token_s=0.5e-3, decode_step_s=(20e-3,))
+    scheduler, _, _ = _long_prompt_beside_a_decode(Priority.BATCH, profile)
+    assert step(scheduler)[0] == [("inter", 8, 1, True), ("long", 0, 40, False)]
+    scheduler.add(make_request("inter-2", 5, max_tokens=2))
+    out = scheduler.schedule()
+    assert [(s.seq.request_id, s.num_tokens) for s in out.scheduled] == [
+        ("inter", 1), ("inter-2", 5)]
+    assert out.deferred_prompt_tokens == 250  # all it would have taken of the budget left
+
+
+def test_a_prompt_beside_a_decode_of_its_priority_takes_the_budget_left() -> None:
+    profile = StepProfile(prefill_token_s=0.5e-3, decode_step_s=(20e-3,))
+    scheduler, _, _ = _long_prompt_beside_a_decode(Priority.INTERACTIVE, profile)
+    out = scheduler.schedule()
+    assert [(s.seq.request_id, s.num_tokens) for s in out.scheduled] == [
+        ("inter", 1), ("long", 255)]
+    assert out.deferred_prompt_tokens == 0
 
 
 def test_an_interactive_arrival_preempts_the_latest_batch_sequence_when_slots_are_full() -> None:

@@ -261,6 +261,7 @@ class TorchBackend(EngineBackend):
             max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.step_token_budget(),
             max_chunk_tokens=config.prefill_chunk_size,
+            outranked_prefill_slowdown=config.outranked_prefill_slowdown,
             eos_token_ids=frozenset(runner.config.eos_token_ids)), kv)
         governor = self._governor
         return EngineCore(runner, scheduler, max_num_waiting=config.max_num_waiting,

@@ -358,9 +358,10 @@ class EngineCore:
                                    self._scheduler.pending_prefill_tokens(), self._profile)
 
     def _time_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """Times the step (:class:`StepTimer`); refreshes the reported profile at
-        most every :data:`PROFILE_REFRESH_S`, and when the engine goes idle (so
-        an idle engine reports all it measured)."""
+        """Times the step (:class:`StepTimer`); refreshes the reported profile
+        (and the scheduler's, :attr:`Scheduler.step_profile`) at most every
+        :data:`PROFILE_REFRESH_S`, and when the engine goes idle (so an idle
+        engine reports all it measured)."""
         self._timer.observe(out, seconds)
         now = time.monotonic()
         if now - self._profiled_at >= PROFILE_REFRESH_S or not self._scheduler.has_work():
@@ -369,6 +370,7 @@ class EngineCore:
                 profile = dataclasses.replace(
                     profile, restore_token_s=self._kv.offload.restore_block_s / self._kv.block_size)
             self._profile, self._profiled_at = profile, now
+            self._scheduler.step_profile = profile  # sizes outranked prompt chunks
 
     def _fail_all(self, exc: Exception) -> None:
         """Finishes every sequence with ERROR after an unexpected failure outside the
@@ -601,7 +603,8 @@ def _step_stats(duration_s: float, out: SchedulerOutput,
                               - item.start, 0) for item in out.scheduled)
     return StepStats(duration_s, out.num_scheduled_tokens, len(out.scheduled),
                      len(out.preempted), out.prefix_queries, out.prefix_hits,
-                     drafts, draft_tokens, accepted, tuple(per_pos), prompt_computed)
+                     drafts, draft_tokens, accepted, tuple(per_pos), prompt_computed,
+                     out.deferred_prompt_tokens)
 
 
 def _verified(out: SchedulerOutput, sampled: list[list[int]]

@@ -14,13 +14,23 @@ Policy:
   proposals); the prompt chunks of running sequences that outrank the first
   waiting sequence by priority; waiting sequences joining in order while the
   budget, ``max_num_seqs`` and free blocks allow; the other running prompt
-  chunks with what budget is left, except chunks of a lower priority than a
-  prompt chunk already in the step (an INTERACTIVE prompt's step carries no
-  BATCH prefill, so its TTFT does not pay for it). The head of the waiting queue is never
+  chunks with what budget is left. The head of the waiting queue is never
   overtaken (no starvation of long prompts). So a long prompt's chunked
   prefill never holds up a decode, nor an arrival of its class or a higher
   one: a short request arriving during an 8,000-token prefill joins at the
   next step and decodes beside the remaining chunks.
+* Prompt chunks of a lower priority are bounded by what outranks them in the
+  step (:class:`~services.engine.torch_backend.step_budget.StepBudget`):
+  beside a higher-priority decode they share the few tokens that keep the
+  step within ``outranked_prefill_slowdown`` (2) times its decode-only time
+  by the engine's measured step profile (``step_profile``), at least
+  ``MIN_OUTRANKED_PREFILL_TOKENS`` a step, so a BATCH prefill does not
+  stretch an INTERACTIVE stream's inter-token latency yet always progresses;
+  the running prompt chunks planned after the waiting joins get nothing when
+  a prompt chunk of a higher priority is in the step (an INTERACTIVE prompt's
+  step carries no BATCH prefill: its TTFT). Equal priorities share the
+  budget as above; a step without a higher priority gives the whole budget.
+  The tokens held back are ``SchedulerOutput.deferred_prompt_tokens``.
 * Preemption for priority: when every sequence slot is taken and a waiting
   sequence outranks the last running one by priority (an INTERACTIVE arrival
   while BATCH sequences fill ``max_num_seqs``), that running sequence (lowest
@@ -82,10 +92,12 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
 from services.common.sampling import FinishReason, InvalidRequestError
+from services.common.step_profile import StepProfile
 from services.engine.torch_backend.block_pool import OutOfBlocksError
 from services.engine.torch_backend.kv_cache_manager import NO_HIT, BlockCopy, KVCacheManager
 from services.engine.torch_backend.logprobs import collects_prompt_logprobs
 from services.engine.torch_backend.sequence import Sequence, SequenceStatus
+from services.engine.torch_backend.step_budget import StepBudget, outranked_prefill_tokens
 
 
 @dataclass(frozen=True)
@@ -99,6 +111,12 @@ class SchedulerConfig:
       max_chunk_tokens: most tokens one sequence computes in one step (None: the
         whole budget).
       eos_token_ids: ids that finish a sequence with STOP unless it ignores EOS.
+      outranked_prefill_slowdown: in a step that carries a higher-priority
+        decode, lower-priority prompt chunks share the tokens that keep the
+        step within this many times its decode-only time by the engine's step
+        profile (:func:`~services.engine.torch_backend.step_budget.outranked_prefill_tokens`,
+        at least ``MIN_OUTRANKED_PREFILL_TOKENS``); None: no such limit (they
+        take what budget is left).
     """
 
     max_model_len: int
@@ -106,6 +124,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 256
     max_chunk_tokens: int | None = None
     eos_token_ids: frozenset[int] = frozenset()
+    outranked_prefill_slowdown: float | None = 2.0
+
+    def __post_init__(self) -> None:
+        slowdown = self.outranked_prefill_slowdown
+        if slowdown is not None and not slowdown >= 1.0:
+            raise ValueError(f"outranked_prefill_slowdown must be >= 1, got {slowdown}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +184,8 @@ class SchedulerOutput:
         from the offload tier are counted by the tier).
       block_copies: KV blocks to copy before the next forward (forked choices'
         partial blocks), written by :meth:`Scheduler.update_from_output`.
+      deferred_prompt_tokens: prompt tokens held back by priority in this step
+        (:class:`~services.engine.torch_backend.step_budget.StepBudget`).
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
@@ -169,6 +195,7 @@ class SchedulerOutput:
     prefix_queries: int = 0
     prefix_hits: int = 0
     block_copies: list[BlockCopy] = field(default_factory=list)
+    deferred_prompt_tokens: int = 0
 
 
 class Scheduler:
@@ -181,6 +208,11 @@ class Scheduler:
       config: limits.
       kv: the KV cache manager (block tables); the scheduler allocates and frees
         through it.
+
+    Attributes:
+      step_profile: the engine's measured step costs, which size the prompt
+        chunks of lower priorities beside a higher-priority decode; the
+        engine core refreshes it (priors until then).
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
@@ -190,6 +222,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by (priority, arrival)
         self.num_preemptions = 0  # for blocks and for priority
         self.num_priority_preemptions = 0
+        self.step_profile = StepProfile()
 
     # ---- queries (pure) -------------------------------------------------------------
 
@@ -278,27 +311,40 @@ class Scheduler:
         num_preempted_for_priority = len(out.preempted)
         decodes, early_chunks, late_chunks = self._split_running()
         planned: set[Sequence] = set()
-        budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget, decodes, planned)
-        budget = self._schedule_running(out, budget, early_chunks, planned)
+        budget = StepBudget(self.config.max_num_batched_tokens)
+        self._schedule_running(out, budget, decodes, planned)
+        self._limit_outranked_prefill(out, budget)
+        self._schedule_running(out, budget, early_chunks, planned)
         if len(out.preempted) == num_preempted_for_priority:  # none for blocks
-            budget = self._schedule_waiting(out, budget, planned)
-        late_chunks = self._not_outranked(late_chunks, planned)
+            self._schedule_waiting(out, budget, planned)
+        self._limit_below_prompts(budget, planned)
         self._schedule_running(out, budget, late_chunks, planned)
+        out.deferred_prompt_tokens = budget.deferred_tokens
         return out
 
+    def _limit_outranked_prefill(self, out: SchedulerOutput, budget: StepBudget) -> None:
+        """After the decodes are planned (``out.scheduled`` holds them alone):
+        prompt chunks ranked below the best of them share the tokens that keep
+        the step within ``outranked_prefill_slowdown`` times its decode-only
+        time (:mod:`~services.engine.torch_backend.step_budget`), so a BATCH
+        prefill does not stretch an INTERACTIVE sequence's inter-token latency."""
+        slowdown = self.config.outranked_prefill_slowdown
+        if slowdown is None or not out.scheduled:
+            return
+        top = min(item.seq.priority for item in out.scheduled)
+        budget.limit(top, outranked_prefill_tokens(self.step_profile,
+                                                   out.num_scheduled_tokens, slowdown))
+
     @staticmethod
-    def _not_outranked(chunks: list[Sequence], planned: set[Sequence]) -> list[Sequence]:
-        """The late prompt chunks that may take the budget left: none of a lower
-        priority than a prompt chunk already planned in this step, so that an
-        INTERACTIVE prompt's step is not lengthened by BATCH prefill (its TTFT
-        would pay for those tokens; on CPU a step's time grows with its tokens).
-        The BATCH chunks go on in the next step."""
-        if not chunks:  # the common step: nothing deferred
-            return chunks
+    def _limit_below_prompts(budget: StepBudget, planned: set[Sequence]) -> None:
+        """Before the late prompt chunks: none of a lower priority than a prompt
+        chunk already planned, so that an INTERACTIVE prompt's step is not
+        lengthened by BATCH prefill (its TTFT would pay for those tokens; on
+        CPU a step's time grows with its tokens). They go on in the next step."""
         top = min((seq.priority for seq in planned
                    if seq.num_tokens - seq.num_computed_tokens > 1), default=None)
-        return chunks if top is None else [seq for seq in chunks if seq.priority <= top]
+        if top is not None:
+            budget.limit(top, 0)
 
     def update_from_output(self, out: SchedulerOutput,
                            sampled: SequenceOf[int | SequenceOf[int]]) -> list[Sequence]:
@@ -425,17 +471,22 @@ class Scheduler:
                 late.append(seq)
         return decodes, early, late
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, seqs: list[Sequence],
-                          planned: set[Sequence]) -> int:
-        """Plans ``seqs`` (running, in order) while budget is left. One that needs a
-        block when none is free preempts the last running sequence not planned in
-        this step (possibly itself). Returns the budget left."""
+    def _schedule_running(self, out: SchedulerOutput, budget: StepBudget, seqs: list[Sequence],
+                          planned: set[Sequence]) -> None:
+        """Plans ``seqs`` (running, in order) while budget is left, each within
+        its priority's allowance. One that needs a block when none is free
+        preempts the last running sequence not planned in this step (possibly
+        itself)."""
         for seq in seqs:
-            if budget <= 0:
+            if budget.tokens <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted in this step
                 continue
-            num_new = self._chunk(seq, budget)
+            wanted = self._chunk(seq, budget.tokens)
+            num_new = self._chunk(seq, budget.allowance(seq.priority))
+            if num_new <= 0:  # outranked in this step: next step
+                budget.take(seq.priority, 0, wanted)
+                continue
             decoding = seq.num_tokens - seq.num_computed_tokens == 1
             while not self.kv.allocate_slots(seq, num_new):
                 if decoding and num_new > 1:  # drop proposals before preempting anyone
@@ -449,8 +500,7 @@ class Scheduler:
             else:
                 self._add_scheduled(out, seq, num_new)
                 planned.add(seq)
-                budget -= num_new
-        return budget
+                budget.take(seq.priority, num_new, wanted)
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """Preempts the last running sequences while every slot is taken and a
@@ -471,21 +521,26 @@ class Scheduler:
             out.preempted.append(victim)
             self.num_priority_preemptions += 1
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int,
-                          planned: set[Sequence]) -> int:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: StepBudget,
+                          planned: set[Sequence]) -> None:
+        """Lets waiting sequences join in order while the budget (each within
+        its priority's allowance), ``max_num_seqs`` and free blocks allow; the
+        head is never overtaken."""
         waiting = self._waiting
-        while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs:
             seq = waiting[0]
             # Cached positions have no logits: a sequence still collecting its
             # prompt log-probabilities computes its prompt in full (vLLM v1 too).
             looks_up = self.kv.enable_caching and not collects_prompt_logprobs(seq)
             hit = self.kv.find_prefix(seq) if looks_up else NO_HIT
-            num_new = min(seq.num_tokens - hit.num_tokens, budget)
-            cap = self.config.max_chunk_tokens
-            if cap is not None:
-                num_new = min(num_new, cap)
+            wanted = min(seq.num_tokens - hit.num_tokens, budget.tokens,
+                         self.config.max_chunk_tokens or budget.tokens)
+            num_new = min(wanted, budget.allowance(seq.priority))
+            if num_new <= 0:  # outranked in this step: it joins at the next
+                budget.take(seq.priority, 0, wanted)
+                return
             if not self.kv.allocate_slots(seq, num_new, hit):
-                return budget
+                return
             heapq.heappop(waiting)
             seq.num_computed_tokens = hit.num_tokens
             if seq.num_cached_tokens < 0:  # first scheduled
@@ -498,8 +553,7 @@ class Scheduler:
             bisect.insort(self.running, seq)
             self._add_scheduled(out, seq, num_new)
             planned.add(seq)
-            budget -= num_new
-        return budget
+            budget.take(seq.priority, num_new, wanted)
 
     @staticmethod
     def _add_scheduled(out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
