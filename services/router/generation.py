@@ -71,7 +71,7 @@ engine stream at once (a shared generation: when its last subscriber leaves);
 Slow readers (:mod:`services.router.slow_reader`): with a budget
 (``client_write_timeout_s`` > 0, the router's ``--client-write-timeout-s``,
 default 30 s) the events run one step ahead of the client's writes from the
-first write that stays blocked 2 ms (before that, in the consumer's own
+first write that stays blocked 50 ms (before that, in the consumer's own
 task); while a write is blocked (the client reads slowly, or not at all) the
 deltas that arrive are merged into one pending message per choice, and a write blocked
 longer than the budget while the generation still runs cancels it at once

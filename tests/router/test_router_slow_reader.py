@@ -21,8 +21,8 @@ def test_deltas_that_wait_for_a_blocked_write_are_merged_into_one() -> None:
             yield Finished(FinishReason.LENGTH, "", Usage(3, 5, 0))
 
         got = []
-        async with contextlib.aclosing(paced(events(), write_timeout_s=5,
-                                             merge=merge_deltas)) as stream:
+        async with contextlib.aclosing(paced(events(), write_timeout_s=5, merge=merge_deltas,
+                                             read_ahead_after_s=0.005)) as stream:
             async for event in stream:
                 got.append(event)
                 await asyncio.sleep(0.01)  # a slow write: the producer runs ahead
@@ -124,7 +124,7 @@ def test_a_client_whose_writes_return_at_once_costs_no_read_ahead_task() -> None
                                              merge=merge_deltas)) as stream:
             async for event in stream:
                 if event.token_ids == (3,):
-                    await asyncio.sleep(0.1)  # one blocked write
+                    await asyncio.sleep(0.2)  # one blocked write
         return asyncio.current_task(), tasks
 
     consumer, tasks = asyncio.run(scenario())
