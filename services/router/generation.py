@@ -73,7 +73,8 @@ Slow readers (:mod:`services.router.slow_reader`): with a budget
 default 30 s) the events run one step ahead of the client's writes from the
 first write that stays blocked 50 ms (before that, in the consumer's own
 task); while a write is blocked (the client reads slowly, or not at all) the
-deltas that arrive are merged into one pending message per choice, and a write blocked
+deltas that arrive are merged into one pending message per choice (before
+the read-ahead starts, in the engine stream's inbox), and a write blocked
 longer than the budget while the generation still runs cancels it at once
 (the engine frees its KV blocks; a shared generation loses only this
 subscriber) and ends the call RESOURCE_EXHAUSTED once that write returns:

@@ -18,11 +18,11 @@ The budget: a write still blocked ``write_timeout_s`` seconds after it began,
 while the generation is still running, cancels the generation at once (its
 read-ahead task, running by then, is cancelled, whose ``finally`` blocks
 close the engine stream: the engine frees the sequence's KV blocks, or a
-shared generation loses this subscriber), and the consumer gets :class:`WriteStalled` as soon as the
-blocked write returns, in place of the rest of the output. A client that
-never reads again keeps only what was already written to its transport
-(its flow-control window) until its call ends (deadline, disconnect, Envoy's
-stream idle timeout). A generation already complete is never cancelled: the
+shared generation loses this subscriber), and the consumer gets
+:class:`WriteStalled` as soon as the blocked write returns, in place of the
+rest of the output. A client that never reads again keeps only what was
+already written to its transport (its flow-control window) until its call
+ends (deadline, disconnect, Envoy's stream idle timeout). A generation already complete is never cancelled: the
 engine holds nothing for it any more.
 
 Threading: asyncio only, one event loop; ``merge`` runs on the loop.
