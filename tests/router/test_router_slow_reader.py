@@ -21,8 +21,8 @@ def test_deltas_that_wait_for_a_blocked_write_are_merged_into_one() -> None:
             yield Finished(FinishReason.LENGTH, "", Usage(3, 5, 0))
 
         got = []
-        async with contextlib.aclosing(paced(events(), write_timeout_s=5,
-                                             merge=merge_deltas)) as stream:
+        async with contextlib.aclosing(paced(events(), write_timeout_s=5, merge=merge_deltas,
+                                             read_ahead_after_s=0.005)) as stream:
             async for event in stream:
                 got.append(event)
                 await asyncio.sleep(0.01)  # a slow write: the producer runs ahead
@@ -105,3 +105,28 @@ def test_choices_and_finals_are_never_merged() -> None:
     usage = Usage(1, 1, 0)
     assert merge_deltas(Delta("a", (1,), index=0), Delta("b", (2,), index=1)) is None
     assert merge_deltas(Delta("a", (1,)), Finished(FinishReason.STOP, "", usage)) is None
+
+
+def test_a_client_whose_writes_return_at_once_costs_no_read_ahead_task() -> None:
+    """The events of a client that reads run in the consumer's own task (one
+    wake-up per event, not two); a blocked write moves them to a task of their
+    own, from then on."""
+    async def scenario() -> tuple[asyncio.Task[object] | None, list[object]]:
+        tasks: list[object] = []
+
+        async def events():
+            for i in range(6):
+                tasks.append(asyncio.current_task())
+                yield Delta(f"t{i}", (i,))
+            tasks.append(asyncio.current_task())
+
+        async with contextlib.aclosing(paced(events(), write_timeout_s=5,
+                                             merge=merge_deltas)) as stream:
+            async for event in stream:
+                if event.token_ids == (3,):
+                    await asyncio.sleep(0.2)  # one blocked write
+        return asyncio.current_task(), tasks
+
+    consumer, tasks = asyncio.run(scenario())
+    assert tasks[:4] == [consumer] * 4
+    assert consumer not in tasks[4:]
