@@ -117,6 +117,7 @@ from services.common.wire.tools import ToolCallDelta
 from services.router.admission import (
     AdmissionController,
     AdmissionRefused,
+    Claim,
     Job,
     NoReplicaServing,
     Ticket,
@@ -594,11 +595,16 @@ class GenerationPipeline:
                          timing: _Timing, held: _Held) -> PendingRetrieval | None:
         """The retriever's Query started (``held`` cancels it if the request
         ends first), when the request asks for passages
-        (:mod:`services.router.retrieval.stage`)."""
+        (:mod:`services.router.retrieval.stage`), and the request's admission
+        place taken first (``held.claim``: it queues for its running slot
+        while the Query runs; sized when the prompt is known, in
+        :meth:`_admit`). A refusal comes before the Query starts."""
         if request.retrieval is None:
             return None
         if self.retrieval is None:
             raise no_retriever()
+        sampling = request.sampling
+        held.claim = self._claim(request, 0, sampling.max_tokens * sampling.n, deadline)
         held.retrieval = self.retrieval.start(
             request.retrieval, model=request.model, request_id=request.request_id,
             cache_scope=request.cache_scope, deadline=deadline, parent=timing.span)
@@ -642,15 +648,18 @@ class GenerationPipeline:
         starts the shared generation (response cache inside it); any other is
         admitted and computed alone by an engine (nothing to look up or share),
         the prefix-index lookup running beside admission. ``held`` gets what
-        the caller releases at the end (admission ticket, lookup task)."""
+        the caller releases at the end (admission ticket, lookup task); its
+        ``claim`` (a place taken while the passages were retrieved) is
+        settled to the prompt's size, or handed to the shared generation."""
         if _shareable(request.sampling) and not request.bypass_cache:
             return self._shared(request, prompt_ids, sampling, deadline, progress, timing,
-                                info, session)
+                                info, session, held)
         held.matches = self._start_prefix_matches(request, prompt_ids)
         # n choices hold the engine for n x max_tokens (the prompt once)
         with tracing.span("llmesh.admission_wait", timing.span):
             held.ticket = await self._admit(request, len(prompt_ids),
-                                            sampling.max_tokens * sampling.n, deadline)
+                                            sampling.max_tokens * sampling.n, deadline,
+                                            held.claim)
         return self._from_engine(request, prompt_ids, sampling,
                                  self._cache_key(request, prompt_ids), deadline, progress,
                                  timing, info, held.ticket,
@@ -737,10 +746,13 @@ class GenerationPipeline:
         self, request: GenerationRequest, prompt_ids: tuple[int, ...],
         sampling: SamplingOptions, deadline: float | None, progress: Progress,
         timing: _Timing, info: dict[str, object], session: RoutingSession | None,
+        held: _Held,
     ) -> AsyncIterator[Event]:
         """Joins the identical generation in flight, or starts it
         (:mod:`services.router.single_flight`), and passes its events on; this
         request's progress, TTFT and ITL follow the events it is sent.
+        ``held.claim`` (an admission place taken early) is given up on joining,
+        and owned by the flight it starts (given up when its task ends).
 
         Raises:
           GenerationError: the shared generation's failure (the same status for
@@ -753,6 +765,7 @@ class GenerationPipeline:
         # that arrive together find the same flight.
         subscription: Subscription[Event, _Shared] | None = self._flights.join(key, deadline)
         leader = subscription is None
+        claim, held.claim = held.claim, None
         if subscription is None:
             state = _Shared(request.request_id, Progress(prompt_tokens=len(prompt_ids)),
                             _Timing(request.model, timing.received_at, observe_tokens=False,
@@ -760,7 +773,12 @@ class GenerationPipeline:
             subscription = self._flights.start(
                 key, deadline, state,
                 lambda flight: self._shared_work(flight, request, prompt_ids, sampling,
-                                                 session))
+                                                 session, claim))
+            task = subscription.flight.task
+            if claim is not None and task is not None:
+                task.add_done_callback(lambda _: claim.cancel())
+        elif claim is not None:
+            claim.cancel()
         shared = subscription.flight.state
         texts: list[str] = []
         try:
@@ -796,12 +814,14 @@ class GenerationPipeline:
     async def _shared_work(
         self, flight: Flight[Event, _Shared], request: GenerationRequest,
         prompt_ids: tuple[int, ...], sampling: SamplingOptions,
-        session: RoutingSession | None,
+        session: RoutingSession | None, claim: Claim | None,
     ) -> AsyncIterator[Event]:
         """A shared generation (steps 3-7 of the module doc for the leader's
         ``request``), run by its flight's task: every failure leaves as a
         :class:`GenerationError`, the status each subscriber gets. The
-        prefix-index lookup runs beside the cache lookup and admission."""
+        prefix-index lookup runs beside the cache lookup and admission;
+        ``claim``: the leader's admission place taken early (given up on a
+        cache hit)."""
         shared = flight.state
         progress, timing, info = shared.progress, shared.timing, shared.info
         key = self._cache_key(request, prompt_ids)
@@ -812,6 +832,8 @@ class GenerationPipeline:
                 hit = await self._cache_lookup(key, request, flight.latest_deadline(),
                                                tracing.metadata_of(lookup))
             if hit is not None:
+                if claim is not None:
+                    claim.cancel()
                 info.update(cached=True, output=hit.text)
                 events = self._replay(hit, progress, timing)
             else:
@@ -819,7 +841,7 @@ class GenerationPipeline:
                 with (flight.bound_by(deadline),
                       tracing.span("llmesh.admission_wait", timing.span)):
                     ticket = await self._admit(request, len(prompt_ids), sampling.max_tokens,
-                                               deadline)
+                                               deadline, claim)
                 # No engine deadline: each subscriber ends at its own, and the last
                 # one leaving cancels the stream.
                 events = self._from_engine(request, prompt_ids, sampling, key, None,
@@ -842,6 +864,8 @@ class GenerationPipeline:
         finally:
             if matches is not None:
                 matches.cancel()
+            if claim is not None:
+                claim.cancel()
             if ticket is not None:
                 ticket.release()
 
@@ -1086,9 +1110,33 @@ class GenerationPipeline:
             except AdmissionRefused as err:
                 raise GenerationError.refused(err) from None
 
+    def _claim(self, request: GenerationRequest, prompt_tokens: int, max_tokens: int,
+               deadline: float | None) -> Claim | None:
+        """The request's place in its model's admission (a running slot or a
+        queue position: :meth:`AdmissionController.claim`), taken now; None
+        when the model has no admission controller.
+
+        Raises:
+          GenerationError: UNAVAILABLE at once when no engine replica is in
+            routing; RESOURCE_EXHAUSTED refused at once (retry hint in the
+            trailing metadata).
+        """
+        self._serving_replicas()
+        controller = self.admission.get(request.model)
+        if controller is None:
+            return None
+        job = Job(request.request_id, request.priority, request.tenant, prompt_tokens,
+                  max_tokens)
+        try:
+            return controller.claim(job, deadline=deadline)
+        except AdmissionRefused as err:
+            raise GenerationError.refused(err) from None
+
     async def _admit(self, request: GenerationRequest, prompt_tokens: int, max_tokens: int,
-                     deadline: float | None) -> Ticket | None:
-        """A running slot from the model's admission controller (None: it has none).
+                     deadline: float | None, claim: Claim | None = None) -> Ticket | None:
+        """A running slot from the model's admission controller (None: it has
+        none): ``claim`` (taken before the prompt was known, :meth:`_claim`)
+        settled to this size, else a place claimed now; then its grant awaited.
 
         Raises:
           GenerationError: UNAVAILABLE at once when no engine replica is in
@@ -1097,15 +1145,15 @@ class GenerationPipeline:
             retry hint in its trailing metadata) or DEADLINE_EXCEEDED (the
             deadline passed in the queue).
         """
-        self._serving_replicas()
-        controller = self.admission.get(request.model)
-        if controller is None:
-            return None
-        job = Job(request.request_id, request.priority, request.tenant, prompt_tokens,
-                  max_tokens)
         waited_from = time.monotonic()
         try:
-            return await controller.admit(job, deadline=deadline)
+            if claim is None:
+                claim = self._claim(request, prompt_tokens, max_tokens, deadline)
+                if claim is None:
+                    return None
+            else:
+                claim.settle(prompt_tokens, max_tokens, deadline=deadline)
+            return await claim.wait(deadline)
         except AdmissionRefused as err:
             raise GenerationError.refused(err) from None
         except NoReplicaServing as err:
@@ -1212,10 +1260,11 @@ class GenerationPipeline:
 @dataclass
 class _Held:
     """What :meth:`GenerationPipeline.run` releases when the request ends: the
-    admission ticket, the prefix-index lookup and the retriever's Query, when
-    taken."""
+    admission place (taken beside retrieval) and ticket, the prefix-index
+    lookup and the retriever's Query, when taken."""
 
     ticket: Ticket | None = None
+    claim: Claim | None = None
     matches: asyncio.Task[dict[EngineClient, CachedPrefix]] | None = None
     retrieval: PendingRetrieval | None = None
 
@@ -1230,6 +1279,8 @@ class _Held:
             self.retrieval.cancel()
         if self.matches is not None:
             self.matches.cancel()
+        if self.claim is not None:
+            self.claim.cancel()
         if self.ticket is not None:
             self.ticket.release()
 
