@@ -20,6 +20,18 @@ room), queues the request, or refuses it at once with
   retry after the hint can succeed, and standard retry policies (gRPC's,
   Envoy's ``retry_on: resource-exhausted``) treat it so.
 
+**Claiming before the size is known.** :meth:`AdmissionController.claim`
+takes the place :meth:`~AdmissionController.admit` would (a slot, or a queue
+position, or a refusal) without waiting; :meth:`Claim.wait` then awaits the
+slot. A retrieval-augmented request claims at arrival, before its prompt
+exists (0 prompt tokens, its ``max_tokens``), so it queues while its passages
+are retrieved, and :meth:`Claim.settle` gives the exact size once it is
+tokenized: a queued place is then checked for ``queued_tokens`` and
+``deadline`` as a sized one is at ``admit``; a granted one's KV reservation
+and tenant counter move to the size, and its prefill is timed from then.
+While unsized, a queued place counts no prompt tokens and a granted one
+reserves only its ``max_tokens``.
+
 **Capacity.** The router keeps at most ``max_running`` requests running over
 all replicas (the sum of each replica's cap: ``--max-running-per-replica``,
 else the replica's ``max_num_seqs``) and reserves each running request's

@@ -18,9 +18,13 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
    else waits for them: the coalescing and cache keys are made from the
    prompt ids after (tokenizing costs ~0.1 ms in process, less than a
    second key scheme would save; docs/architecture.md "What the mesh
-   costs"); with ``request.retrieval`` the retriever's Query starts first
-   and its passages go into the chat just before the last user turn
-   (:mod:`services.router.retrieval`); the request's log line, its latency
+   costs"); with ``request.retrieval`` the request's admission place is
+   taken first (step 4's queue: :meth:`AdmissionController.claim`, sized
+   when the prompt is tokenized), then the retriever's Query starts, and its
+   passages go into the chat just before the last user turn
+   (:mod:`services.router.retrieval`): the request queues for its running
+   slot while the Query runs (TTFT ~ max(queue wait, retrieval), not the
+   sum); the request's log line, its latency
    histograms (TTFT at the first token) and the cache store come after the
    first token (before it: only an in-flight gauge and counters, ~1 µs each);
 2. context check: ``max_tokens`` is clamped to the room the prompt leaves
@@ -35,7 +39,10 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
 4. admission (:mod:`services.router.admission`): a running slot at once, a
    wait in the model's queue (class, tenant-fair order), or RESOURCE_EXHAUSTED
    at once with ``retry-after-ms`` (a request whose class queue is full is
-   refused before step 1, with no tokenizer or cache round trip);
+   refused before step 1, with no tokenizer or cache round trip); a
+   retrieval-augmented request's place, taken in step 1, is settled to the
+   prompt's size here (a coalesced or cached one gives it up; a shared
+   generation's leader hands it to the generation);
 5. the admitted request goes to the engine replica in routing
    (:mod:`services.router.replicas`: serving, answering its health probes)
    that the routing policy puts first (:mod:`services.router.routing`:

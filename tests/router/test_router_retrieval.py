@@ -254,7 +254,7 @@ async def test_a_rag_request_gives_its_slot_or_place_up_at_once_when_it_fails_or
     client cancels."""
     async with one_slot_rag_mesh() as (mesh, retriever, _):
         admission = mesh.router.admission["fake-model"]
-        queued = lambda: admission.queue_depth(Priority.INTERACTIVE)  # noqa: E731
+        queued = lambda: admission.queue_depth(Priority.INTERACTIVE)
         retriever.delay = 0.4
         refused = asyncio.ensure_future(collect(mesh.stub.Generate(
             chat(("user", "Capital?"), collection="nope"))))
