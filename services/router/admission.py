@@ -529,11 +529,10 @@ class AdmissionController:
         limit, or its deadline before the predicted wait (``ahead`` requests
         dispatched first) plus its prefill. Raises AdmissionRefused."""
         cfg = self.config
-        tokens = queued_tokens
-        if tokens + job.prompt_tokens > cfg.max_queued_prompt_tokens and queued:
+        if queued_tokens + job.prompt_tokens > cfg.max_queued_prompt_tokens and queued:
             self._refuse(job.priority, "queued_tokens", (
                 f"the router's {job.priority.name.lower()} queue for model {self.model!r} "
-                f"holds {tokens} prompt tokens; {job.prompt_tokens} more would pass "
+                f"holds {queued_tokens} prompt tokens; {job.prompt_tokens} more would pass "
                 f"the limit of {cfg.max_queued_prompt_tokens}"))
         if deadline is not None:
             wait = self.predicted_wait_s(job.priority, extra_ahead=ahead)
