@@ -30,8 +30,18 @@ router's ``retrieval_latency`` (``call_ms``, ``wait_ms``), TTFT(rag) −
 TTFT(pasted) at p50 against the target (≤ 15 ms), and the load average
 before and after.
 
+**Under load** (``--load K``): the router runs ``--slots`` requests at a
+time (``--max-running-per-replica``) and K client threads keep its queue
+full with plain requests (a short prompt, ``--load-tokens`` tokens each,
+``bypass_cache``); each round then sends ``--concurrent`` rag-cold requests
+at once. Prints their TTFT p50/p99, the router's retrieval call and wait
+medians, and the load average. This is where the router's overlap shows: a
+RAG request queues for its slot while its Query runs (TTFT about
+max(queue wait, retrieval), not the sum).
+
 Usage: ``flock -x /tmp/llmesh-cpu.lock python benchmarks/retrieval_e2e.py
-[--rounds 30] [--top-k 3] [--max-tokens 2] [--corpus FILE] [--engine-arg=...]``. Not a test:
+[--rounds 30] [--top-k 3] [--max-tokens 2] [--corpus FILE] [--engine-arg=...]
+[--load K [--slots 2] [--concurrent 4] [--load-tokens 16]]``. Not a test:
 numbers depend on the machine (2 cores here).
 """
 
@@ -43,9 +53,11 @@ import re
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -175,6 +187,66 @@ def run_e2e(ingress: str, qs: Sequence[str], *, collection: str, rounds: int, to
     return ways
 
 
+@dataclass(frozen=True)
+class Load:
+    """The ``--load`` mode's shape (module doc)."""
+
+    clients: int
+    slots: int = 2
+    concurrent: int = 4
+    tokens: int = 16
+
+
+def run_loaded(ingress: str, qs: Sequence[str], *, collection: str, rounds: int, top_k: int,
+               max_tokens: int, load: Load) -> Samples:
+    """``rounds`` of ``load.concurrent`` rag-cold requests at once, while
+    ``load.clients`` threads keep the router's slots and queue busy (module doc)."""
+    stop = threading.Event()
+    samples = Samples()
+    with grpc.insecure_channel(ingress) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+
+        def hog(worker: int) -> None:
+            while not stop.is_set():
+                request = _request([f"Count to ten, worker {worker}."],
+                                   max_tokens=load.tokens, top_k=None)
+                request.bypass_cache = True
+                for _ in stub.Generate(request, timeout=120):
+                    pass
+
+        def rag(question: str) -> tuple[float, generation_pb2.GenerateResponse]:
+            return _timed(stub, _request([question], max_tokens=max_tokens, top_k=top_k,
+                                         collection=collection))
+
+        _timed(stub, _request([qs[0]], max_tokens=max_tokens, top_k=top_k,
+                              collection=collection))  # warm-up
+        hogs = [threading.Thread(target=hog, args=(w,), daemon=True)
+                for w in range(load.clients)]
+        for thread in hogs:
+            thread.start()
+        time.sleep(2.0)  # the slots fill and the queue forms
+        try:
+            with ThreadPoolExecutor(load.concurrent) as pool:
+                for i in range(rounds):
+                    batch = [f"{qs[(i * load.concurrent + j + 1) % len(qs)]} (round {i}.{j} "
+                             f"{uuid.uuid4().hex[:6]})" for j in range(load.concurrent)]
+                    for ttft, last in pool.map(rag, batch):
+                        _record(samples, ttft, last)
+        finally:
+            stop.set()
+            for thread in hogs:
+                thread.join(timeout=120)
+    return samples
+
+
+def report_loaded(samples: Samples, load: Load) -> None:
+    print(f"loaded ({load.clients} clients, {load.slots} slots, {load.concurrent} RAG at once):"
+          f" n={len(samples.ttft_ms)} TTFT p50 {_pct(samples.ttft_ms, 0.5):.1f} ms, "
+          f"p99 {_pct(samples.ttft_ms, 0.99):.1f} ms; retrieval call p50 "
+          f"{statistics.median(samples.call_ms):.2f} ms, wait p50 "
+          f"{statistics.median(samples.wait_ms):.2f} ms")
+
+
 def _pct(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -215,11 +287,18 @@ def _load() -> str:
 
 
 def _measure(mesh: Mesh, qs: Sequence[str], *, collection: str, rounds: int, top_k: int,
-             max_tokens: int) -> dict[str, float]:
-    """:func:`run_e2e` on a started ``mesh`` once its router makes prompt ids
-    in process; prints the table and the load average; returns :func:`report`'s."""
+             max_tokens: int, load: Load | None = None) -> dict[str, float]:
+    """:func:`run_e2e` (or :func:`run_loaded` with ``load``) on a started
+    ``mesh`` once its router makes prompt ids in process; prints the table
+    and the load average; returns :func:`report`'s (nothing for ``load``)."""
     mesh.wait_prompts_in_router()
     print(f"e2e: load average before: {_load()}", flush=True)
+    if load is not None:
+        samples = run_loaded(mesh.ingress_address, qs, collection=collection, rounds=rounds,
+                             top_k=top_k, max_tokens=max_tokens, load=load)
+        print(f"e2e: load average after:  {_load()}")
+        report_loaded(samples, load)
+        return {}
     ways = run_e2e(mesh.ingress_address, qs, collection=collection, rounds=rounds,
                    top_k=top_k, max_tokens=max_tokens)
     print(f"e2e: load average after:  {_load()}")
@@ -247,14 +326,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--engine-arg", action="append", default=[],
                         help="extra engine flag (repeat), e.g. --engine-arg=--kv-cache-bytes "
                              "--engine-arg=268435456 where memory is short")
+    parser.add_argument("--load", type=int, default=0, metavar="K",
+                        help="under load: K clients keep the router's queue full (module doc)")
+    parser.add_argument("--slots", type=int, default=2,
+                        help="with --load: the router's --max-running-per-replica")
+    parser.add_argument("--concurrent", type=int, default=4,
+                        help="with --load: RAG requests sent at once per round")
+    parser.add_argument("--load-tokens", type=int, default=16,
+                        help="with --load: tokens each background request generates")
     args = parser.parse_args(argv)
     documents = load_corpus(args.corpus)
+    load = (Load(args.load, args.slots, args.concurrent, args.load_tokens) if args.load
+            else None)
+    router_args = ["--max-running-per-replica", str(args.slots)] if load else []
     with Mesh(ingress_port=0, admin_port=0, retrieval=True, engine_args=args.engine_arg,
+              router_args=router_args,
               run_dir=tempfile.mkdtemp(prefix="llmesh-bench-rag-")) as mesh:
         with grpc.insecure_channel(mesh.services["retriever"].grpc_address) as channel:
             ingest(channel, documents)
         _measure(mesh, questions(documents), collection=COLLECTION, rounds=args.rounds,
-                 top_k=args.top_k, max_tokens=args.max_tokens)
+                 top_k=args.top_k, max_tokens=args.max_tokens, load=load)
 
 
 if __name__ == "__main__":

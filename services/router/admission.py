@@ -20,6 +20,18 @@ room), queues the request, or refuses it at once with
   retry after the hint can succeed, and standard retry policies (gRPC's,
   Envoy's ``retry_on: resource-exhausted``) treat it so.
 
+**Claiming before the size is known.** :meth:`AdmissionController.claim`
+takes the place :meth:`~AdmissionController.admit` would (a slot, or a queue
+position, or a refusal) without waiting; :meth:`Claim.wait` then awaits the
+slot. A retrieval-augmented request claims at arrival, before its prompt
+exists (0 prompt tokens, its ``max_tokens``), so it queues while its passages
+are retrieved, and :meth:`Claim.settle` gives the exact size once it is
+tokenized: a queued place is then checked for ``queued_tokens`` and
+``deadline`` as a sized one is at ``admit``; a granted one's KV reservation
+and tenant counter move to the size, and its prefill is timed from then.
+While unsized, a queued place counts no prompt tokens and a granted one
+reserves only its ``max_tokens``.
+
 **Capacity.** The router keeps at most ``max_running`` requests running over
 all replicas (the sum of each replica's cap: ``--max-running-per-replica``,
 else the replica's ``max_num_seqs``) and reserves each running request's
@@ -73,6 +85,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import itertools
 import math
 import time
@@ -283,6 +296,64 @@ class Ticket:
         return left * (model_tpot_s if tpot is None else tpot)
 
 
+@dataclass(eq=False)
+class Claim:
+    """A request's place in admission (:meth:`AdmissionController.claim`):
+    a running slot granted, or a place in its class's queue."""
+
+    _controller: AdmissionController
+    _entry: _Entry
+
+    @property
+    def granted(self) -> bool:
+        """Whether the slot is granted (:meth:`wait` returns at once)."""
+        future = self._entry.granted
+        return future.done() and not future.cancelled() and future.exception() is None
+
+    async def wait(self, deadline: float | None = None) -> Ticket:
+        """The running slot, once granted.
+
+        Raises:
+          TimeoutError: ``deadline`` (``time.monotonic()``) passed while queued
+            (the place is given up).
+          NoReplicaServing: the controller ended the queue
+            (:meth:`AdmissionController.fail_queued`).
+          asyncio.CancelledError: cancelled while queued (the place is given up).
+        """
+        clock = self._controller._clock
+        try:
+            async with asyncio.timeout_at(None if deadline is None
+                                          else _loop_time(deadline, clock)):
+                return await asyncio.shield(self._entry.granted)
+        except BaseException:
+            self.cancel()
+            raise
+
+    def settle(self, prompt_tokens: int, max_tokens: int, *,
+               deadline: float | None = None) -> None:
+        """The job's exact size, once its prompt is tokenized: a queued job is
+        checked as :meth:`AdmissionController.claim` checks a sized one
+        (queued tokens, deadline; a refusal gives the place up), a running
+        one's KV reservation and tenant counter are moved to it.
+
+        Raises:
+          AdmissionRefused: ``queued_tokens`` or ``deadline``, with the hint.
+        """
+        job = dataclasses.replace(self._entry.job, prompt_tokens=prompt_tokens,
+                                  max_tokens=max_tokens)
+        self._controller._settle(self._entry, job, deadline)
+
+    def cancel(self) -> None:
+        """Gives the place up (idempotent): leaves the queue, or releases the slot."""
+        self._controller._leave(self._entry)
+
+
+def _granted(loop: asyncio.AbstractEventLoop, ticket: Ticket) -> asyncio.Future[Ticket]:
+    future: asyncio.Future[Ticket] = loop.create_future()
+    future.set_result(ticket)
+    return future
+
+
 class _Ewma:
     def __init__(self, initial: float) -> None:
         self.value = initial
@@ -407,7 +478,8 @@ class AdmissionController:
     # --------------------------------------------------------------- admit
 
     async def admit(self, job: Job, *, deadline: float | None = None) -> Ticket:
-        """A running slot for ``job``: at once, or after queueing.
+        """A running slot for ``job``: at once, or after queueing
+        (:meth:`claim`, then :meth:`Claim.wait`).
 
         Args:
           deadline: the call's ``time.monotonic()`` deadline, or None.
@@ -418,48 +490,111 @@ class AdmissionController:
           TimeoutError: the deadline passed while queued (the entry is gone).
           asyncio.CancelledError: cancelled while queued (the entry is gone).
         """
+        return await self.claim(job, deadline=deadline).wait(deadline)
+
+    def claim(self, job: Job, *, deadline: float | None = None) -> Claim:
+        """Takes ``job``'s place now, without waiting: a running slot when one
+        is free (the module doc's rule), else a place in its class's queue.
+        :meth:`Claim.wait` awaits the slot; :meth:`Claim.settle` gives the
+        job's exact size when it was claimed before it was known (a request
+        whose prompt waits for its retrieved passages queues meanwhile:
+        ``job.prompt_tokens`` 0 until settled); :meth:`Claim.cancel` leaves.
+
+        Raises:
+          AdmissionRefused: refused at once (queue full, queued tokens, deadline
+            not meetable with what ``job`` says), with the retry hint.
+        """
         now = self._clock()
+        loop = asyncio.get_running_loop()
         if not self.config.enabled:
-            return self._grant(job, now)
-        cfg = self.config
+            return Claim(self, _Entry(job, now, -1, _granted(loop, self._grant(job, now))))
         queue = self._queues[job.priority]
-        window = cfg.batch_window_s if job.priority is Priority.BATCH else 0.0
+        window = self.config.batch_window_s if job.priority is Priority.BATCH else 0.0
         if self._ahead_of_new(job) == 0 and window == 0 and self._fits(job):
-            return self._grant(job, now)
-        if queue.depth >= cfg.max_queued_requests:
+            return Claim(self, _Entry(job, now, -1, _granted(loop, self._grant(job, now))))
+        if queue.depth >= self.config.max_queued_requests:
             self._refuse_full(job.priority)
-        if queue.tokens + job.prompt_tokens > cfg.max_queued_prompt_tokens and queue.depth:
+        self._check_queueable(job, now, deadline, ahead=self._ahead_of_new(job),
+                              queued=queue.depth, queued_tokens=queue.tokens)
+        entry = _Entry(job, now, next(self._seq), loop.create_future())
+        queue.push(entry)
+        self._queue_changed(job.priority)
+        self._pump()
+        return Claim(self, entry)
+
+    def _check_queueable(self, job: Job, now: float, deadline: float | None, *, ahead: int,
+                         queued: int, queued_tokens: int) -> None:
+        """Refuses ``job`` for its class's queue, which holds ``queued`` other
+        requests of ``queued_tokens`` prompt tokens: its prompt tokens over the
+        limit, or its deadline before the predicted wait (``ahead`` requests
+        dispatched first) plus its prefill. Raises AdmissionRefused."""
+        cfg = self.config
+        if queued_tokens + job.prompt_tokens > cfg.max_queued_prompt_tokens and queued:
             self._refuse(job.priority, "queued_tokens", (
                 f"the router's {job.priority.name.lower()} queue for model {self.model!r} "
-                f"holds {queue.tokens} prompt tokens; {job.prompt_tokens} more would pass "
+                f"holds {queued_tokens} prompt tokens; {job.prompt_tokens} more would pass "
                 f"the limit of {cfg.max_queued_prompt_tokens}"))
         if deadline is not None:
-            wait = self.predicted_wait_s(job.priority, extra_ahead=self._ahead_of_new(job))
+            wait = self.predicted_wait_s(job.priority, extra_ahead=ahead)
             prefill = job.prompt_tokens * self._prefill.value
             if now + wait + prefill > deadline:
                 self._refuse(job.priority, "deadline", (
                     f"the call's deadline ({max(deadline - now, 0) * 1e3:.0f} ms left) cannot "
                     f"be met: predicted queue wait {wait * 1e3:.0f} ms + prefill "
                     f"{prefill * 1e3:.0f} ms on model {self.model!r}"), wait)
-        entry = _Entry(job, now, next(self._seq), asyncio.get_running_loop().create_future())
-        queue.push(entry)
+
+    def _settle(self, entry: _Entry, job: Job, deadline: float | None) -> None:
+        """:meth:`Claim.settle`: ``entry``'s job becomes ``job`` (its exact size)."""
+        granted = entry.granted
+        if granted.done():
+            if not granted.cancelled() and granted.exception() is None:
+                self._resize(granted.result(), job)
+            return
+        queue = self._queues[job.priority]
+        ahead = sum(self._queues[p].depth for p in Priority if p < job.priority) + sum(
+            1 for q in queue.by_tenant.values() for e in q if e.seq < entry.seq)
+        try:
+            self._check_queueable(job, self._clock(), deadline, ahead=ahead,
+                                  queued=queue.depth - 1,
+                                  queued_tokens=queue.tokens - entry.job.prompt_tokens)
+        except AdmissionRefused:
+            self._leave(entry)
+            raise
+        queue.tokens += job.prompt_tokens - entry.job.prompt_tokens
+        entry.job = job
         self._queue_changed(job.priority)
         self._pump()
-        try:
-            async with asyncio.timeout_at(
-                    None if deadline is None else _loop_time(deadline, self._clock)):
-                return await asyncio.shield(entry.granted)
-        except BaseException:
-            if entry.granted.done() and not entry.granted.cancelled():
-                if entry.granted.exception() is None:
-                    entry.granted.result().release()  # granted as we were cancelled
-                # else: ended by fail_queued, which removed the entry
-            else:
-                entry.granted.cancel()
-                queue.remove(entry)
-                self._queue_changed(job.priority)
-                self._pump()
-            raise
+
+    def _resize(self, ticket: Ticket, job: Job) -> None:
+        """A running ``ticket``'s reservation and its tenant's counter moved to
+        ``job``'s size; its engine work starts now (the prefill rate is learnt
+        from here)."""
+        old = ticket.job
+        if ticket not in self._running:
+            ticket.job = job
+            return
+        self._reserved_kv += job.kv_tokens - old.kv_tokens
+        if job.priority is Priority.INTERACTIVE:
+            self._interactive_kv += job.kv_tokens - old.kv_tokens
+        self._queues[job.priority].charge(job.tenant,
+                                          W_PROMPT * (job.prompt_tokens - old.prompt_tokens))
+        ticket.job = job
+        ticket.dispatched_at = max(ticket.dispatched_at, self._clock())
+        self._pump()
+
+    def _leave(self, entry: _Entry) -> None:
+        """:meth:`Claim.cancel`: ``entry`` leaves the queue, or its slot is released."""
+        granted = entry.granted
+        if granted.done():
+            if not granted.cancelled() and granted.exception() is None:
+                granted.result().release()
+            # else: ended by fail_queued, which removed the entry
+            return
+        granted.cancel()
+        queue = self._queues[entry.job.priority]
+        queue.remove(entry)
+        self._queue_changed(entry.job.priority)
+        self._pump()
 
     def fail_queued(self, error: Exception) -> int:
         """Ends every queued request's :meth:`admit` with ``error`` (the router
@@ -652,5 +787,5 @@ def _loop_time(deadline: float, clock: Callable[[], float]) -> float:
 
 __all__ = [
     "AdmissionConfig", "AdmissionController", "AdmissionObserver", "AdmissionRefused",
-    "Job", "ReplicaCapacity", "Ticket", "retry_after_ms",
+    "Claim", "Job", "ReplicaCapacity", "Ticket", "retry_after_ms",
 ]

@@ -18,9 +18,13 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
    else waits for them: the coalescing and cache keys are made from the
    prompt ids after (tokenizing costs ~0.1 ms in process, less than a
    second key scheme would save; docs/architecture.md "What the mesh
-   costs"); with ``request.retrieval`` the retriever's Query starts first
-   and its passages go into the chat just before the last user turn
-   (:mod:`services.router.retrieval`); the request's log line, its latency
+   costs"); with ``request.retrieval`` the request's admission place is
+   taken first (step 4's queue: :meth:`AdmissionController.claim`, sized
+   when the prompt is tokenized), then the retriever's Query starts, and its
+   passages go into the chat just before the last user turn
+   (:mod:`services.router.retrieval`): the request queues for its running
+   slot while the Query runs (TTFT ~ max(queue wait, retrieval), not the
+   sum); the request's log line, its latency
    histograms (TTFT at the first token) and the cache store come after the
    first token (before it: only an in-flight gauge and counters, ~1 µs each);
 2. context check: ``max_tokens`` is clamped to the room the prompt leaves
@@ -35,7 +39,10 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
 4. admission (:mod:`services.router.admission`): a running slot at once, a
    wait in the model's queue (class, tenant-fair order), or RESOURCE_EXHAUSTED
    at once with ``retry-after-ms`` (a request whose class queue is full is
-   refused before step 1, with no tokenizer or cache round trip);
+   refused before step 1, with no tokenizer or cache round trip); a
+   retrieval-augmented request's place, taken in step 1, is settled to the
+   prompt's size here (a coalesced or cached one gives it up; a shared
+   generation's leader hands it to the generation);
 5. the admitted request goes to the engine replica in routing
    (:mod:`services.router.replicas`: serving, answering its health probes)
    that the routing policy puts first (:mod:`services.router.routing`:
@@ -120,6 +127,7 @@ from services.common.wire.tools import ToolCallDelta
 from services.router.admission import (
     AdmissionController,
     AdmissionRefused,
+    Claim,
     Job,
     NoReplicaServing,
     Ticket,
@@ -599,11 +607,16 @@ class GenerationPipeline:
                          timing: _Timing, held: _Held) -> PendingRetrieval | None:
         """The retriever's Query started (``held`` cancels it if the request
         ends first), when the request asks for passages
-        (:mod:`services.router.retrieval.stage`)."""
+        (:mod:`services.router.retrieval.stage`), and the request's admission
+        place taken first (``held.claim``: it queues for its running slot
+        while the Query runs; sized when the prompt is known, in
+        :meth:`_admit`). A refusal comes before the Query starts."""
         if request.retrieval is None:
             return None
         if self.retrieval is None:
             raise no_retriever()
+        sampling = request.sampling
+        held.claim = self._claim(request, 0, sampling.max_tokens * sampling.n, deadline)
         held.retrieval = self.retrieval.start(
             request.retrieval, model=request.model, request_id=request.request_id,
             cache_scope=request.cache_scope, deadline=deadline, parent=timing.span)
@@ -647,15 +660,18 @@ class GenerationPipeline:
         starts the shared generation (response cache inside it); any other is
         admitted and computed alone by an engine (nothing to look up or share),
         the prefix-index lookup running beside admission. ``held`` gets what
-        the caller releases at the end (admission ticket, lookup task)."""
+        the caller releases at the end (admission ticket, lookup task); its
+        ``claim`` (a place taken while the passages were retrieved) is
+        settled to the prompt's size, or handed to the shared generation."""
         if _shareable(request.sampling) and not request.bypass_cache:
             return self._shared(request, prompt_ids, sampling, deadline, progress, timing,
-                                info, session)
+                                info, session, held)
         held.matches = self._start_prefix_matches(request, prompt_ids)
         # n choices hold the engine for n x max_tokens (the prompt once)
         with tracing.span("llmesh.admission_wait", timing.span):
             held.ticket = await self._admit(request, len(prompt_ids),
-                                            sampling.max_tokens * sampling.n, deadline)
+                                            sampling.max_tokens * sampling.n, deadline,
+                                            held.claim)
         return self._from_engine(request, prompt_ids, sampling,
                                  self._cache_key(request, prompt_ids), deadline, progress,
                                  timing, info, held.ticket,
@@ -742,10 +758,13 @@ class GenerationPipeline:
         self, request: GenerationRequest, prompt_ids: tuple[int, ...],
         sampling: SamplingOptions, deadline: float | None, progress: Progress,
         timing: _Timing, info: dict[str, object], session: RoutingSession | None,
+        held: _Held,
     ) -> AsyncIterator[Event]:
         """Joins the identical generation in flight, or starts it
         (:mod:`services.router.single_flight`), and passes its events on; this
         request's progress, TTFT and ITL follow the events it is sent.
+        ``held.claim`` (an admission place taken early) is given up on joining,
+        and owned by the flight it starts (given up when its task ends).
 
         Raises:
           GenerationError: the shared generation's failure (the same status for
@@ -758,6 +777,7 @@ class GenerationPipeline:
         # that arrive together find the same flight.
         subscription: Subscription[Event, _Shared] | None = self._flights.join(key, deadline)
         leader = subscription is None
+        claim, held.claim = held.claim, None
         if subscription is None:
             state = _Shared(request.request_id, Progress(prompt_tokens=len(prompt_ids)),
                             _Timing(request.model, timing.received_at, observe_tokens=False,
@@ -765,7 +785,12 @@ class GenerationPipeline:
             subscription = self._flights.start(
                 key, deadline, state,
                 lambda flight: self._shared_work(flight, request, prompt_ids, sampling,
-                                                 session))
+                                                 session, claim))
+            task = subscription.flight.task
+            if claim is not None and task is not None:
+                task.add_done_callback(lambda _: claim.cancel())
+        elif claim is not None:
+            claim.cancel()
         shared = subscription.flight.state
         texts: list[str] = []
         try:
@@ -801,12 +826,14 @@ class GenerationPipeline:
     async def _shared_work(
         self, flight: Flight[Event, _Shared], request: GenerationRequest,
         prompt_ids: tuple[int, ...], sampling: SamplingOptions,
-        session: RoutingSession | None,
+        session: RoutingSession | None, claim: Claim | None,
     ) -> AsyncIterator[Event]:
         """A shared generation (steps 3-7 of the module doc for the leader's
         ``request``), run by its flight's task: every failure leaves as a
         :class:`GenerationError`, the status each subscriber gets. The
-        prefix-index lookup runs beside the cache lookup and admission."""
+        prefix-index lookup runs beside the cache lookup and admission;
+        ``claim``: the leader's admission place taken early (given up on a
+        cache hit)."""
         shared = flight.state
         progress, timing, info = shared.progress, shared.timing, shared.info
         key = self._cache_key(request, prompt_ids)
@@ -817,6 +844,8 @@ class GenerationPipeline:
                 hit = await self._cache_lookup(key, request, flight.latest_deadline(),
                                                tracing.metadata_of(lookup))
             if hit is not None:
+                if claim is not None:
+                    claim.cancel()
                 info.update(cached=True, output=hit.text)
                 events = self._replay(hit, progress, timing)
             else:
@@ -824,7 +853,7 @@ class GenerationPipeline:
                 with (flight.bound_by(deadline),
                       tracing.span("llmesh.admission_wait", timing.span)):
                     ticket = await self._admit(request, len(prompt_ids), sampling.max_tokens,
-                                               deadline)
+                                               deadline, claim)
                 # No engine deadline: each subscriber ends at its own, and the last
                 # one leaving cancels the stream.
                 events = self._from_engine(request, prompt_ids, sampling, key, None,
@@ -847,6 +876,8 @@ class GenerationPipeline:
         finally:
             if matches is not None:
                 matches.cancel()
+            if claim is not None:
+                claim.cancel()
             if ticket is not None:
                 ticket.release()
 
@@ -1090,9 +1121,33 @@ class GenerationPipeline:
             except AdmissionRefused as err:
                 raise GenerationError.refused(err) from None
 
+    def _claim(self, request: GenerationRequest, prompt_tokens: int, max_tokens: int,
+               deadline: float | None) -> Claim | None:
+        """The request's place in its model's admission (a running slot or a
+        queue position: :meth:`AdmissionController.claim`), taken now; None
+        when the model has no admission controller.
+
+        Raises:
+          GenerationError: UNAVAILABLE at once when no engine replica is in
+            routing; RESOURCE_EXHAUSTED refused at once (retry hint in the
+            trailing metadata).
+        """
+        self._serving_replicas()
+        controller = self.admission.get(request.model)
+        if controller is None:
+            return None
+        job = Job(request.request_id, request.priority, request.tenant, prompt_tokens,
+                  max_tokens)
+        try:
+            return controller.claim(job, deadline=deadline)
+        except AdmissionRefused as err:
+            raise GenerationError.refused(err) from None
+
     async def _admit(self, request: GenerationRequest, prompt_tokens: int, max_tokens: int,
-                     deadline: float | None) -> Ticket | None:
-        """A running slot from the model's admission controller (None: it has none).
+                     deadline: float | None, claim: Claim | None = None) -> Ticket | None:
+        """A running slot from the model's admission controller (None: it has
+        none): ``claim`` (taken before the prompt was known, :meth:`_claim`)
+        settled to this size, else a place claimed now; then its grant awaited.
 
         Raises:
           GenerationError: UNAVAILABLE at once when no engine replica is in
@@ -1101,15 +1156,15 @@ class GenerationPipeline:
             retry hint in its trailing metadata) or DEADLINE_EXCEEDED (the
             deadline passed in the queue).
         """
-        self._serving_replicas()
-        controller = self.admission.get(request.model)
-        if controller is None:
-            return None
-        job = Job(request.request_id, request.priority, request.tenant, prompt_tokens,
-                  max_tokens)
         waited_from = time.monotonic()
         try:
-            return await controller.admit(job, deadline=deadline)
+            if claim is None:
+                claim = self._claim(request, prompt_tokens, max_tokens, deadline)
+                if claim is None:
+                    return None
+            else:
+                claim.settle(prompt_tokens, max_tokens, deadline=deadline)
+            return await claim.wait(deadline)
         except AdmissionRefused as err:
             raise GenerationError.refused(err) from None
         except NoReplicaServing as err:
@@ -1217,10 +1272,11 @@ class GenerationPipeline:
 @dataclass
 class _Held:
     """What :meth:`GenerationPipeline.run` releases when the request ends: the
-    admission ticket, the prefix-index lookup and the retriever's Query, when
-    taken."""
+    admission place (taken beside retrieval) and ticket, the prefix-index
+    lookup and the retriever's Query, when taken."""
 
     ticket: Ticket | None = None
+    claim: Claim | None = None
     matches: asyncio.Task[dict[EngineClient, CachedPrefix]] | None = None
     retrieval: PendingRetrieval | None = None
 
@@ -1235,6 +1291,8 @@ class _Held:
             self.retrieval.cancel()
         if self.matches is not None:
             self.matches.cancel()
+        if self.claim is not None:
+            self.claim.cancel()
         if self.ticket is not None:
             self.ticket.release()
 

@@ -309,3 +309,32 @@ async def test_fail_queued_ends_every_queued_admit_and_keeps_the_running_ones() 
     running.release()
     assert ctl.num_running == 0
     assert (await ctl.admit(job("next"))) is not None  # the controller works on
+
+
+async def test_a_claim_taken_before_its_size_is_known_is_settled_exactly() -> None:
+    """A claim (a RAG request's place while its passages are retrieved) queues
+    with 0 prompt tokens; settled while queued, the queue counts its tokens and
+    refuses it for the queued-token limit (its place given up); settled once
+    granted, its KV reservation moves to the real size."""
+    ctl = controller(slots=1, kv=1000, max_queued_prompt_tokens=100)
+    running = await ctl.admit(job("running", prompt=10, max_tokens=10))
+    waiting = ctl.claim(job("rag", prompt=0, max_tokens=100))
+    fits = ctl.claim(job("fits", prompt=0, max_tokens=100))
+    assert ctl.queue_depth(INTERACTIVE) == 2 and ctl.queued_tokens(INTERACTIVE) == 0
+    waiting.settle(60, 100)
+    assert ctl.queued_tokens(INTERACTIVE) == 60
+    with pytest.raises(AdmissionRefused) as refused:
+        fits.settle(50, 100)
+    assert refused.value.reason == "queued_tokens" and "60 prompt tokens" in str(refused.value)
+    assert ctl.queue_depth(INTERACTIVE) == 1 and ctl.queued_tokens(INTERACTIVE) == 60
+    running.release()
+    ticket = await waiting.wait()
+    assert ticket.job.prompt_tokens == 60 and ctl._reserved_kv == 160
+    early = controller(slots=2, kv=1000)
+    granted = early.claim(job("early", prompt=0, max_tokens=100))
+    assert granted.granted and early._reserved_kv == 100
+    granted.settle(300, 50)
+    assert early._reserved_kv == 350
+    granted.cancel()
+    granted.cancel()
+    assert early.num_running == 0 and early._reserved_kv == 0

@@ -5,6 +5,7 @@ retriever through Envoy: tests/e2e/test_mesh_retrieval.py."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import struct
@@ -16,8 +17,17 @@ import pytest
 from google.protobuf import struct_pb2
 
 from llmesh.v1 import common_pb2, generation_pb2, retriever_pb2_grpc
+from services.common.sampling import Priority
+from services.router.admission import AdmissionConfig
 from tests.router.router_fakes import FakeChunk, FakeRetriever, decode, serve, template
-from tests.router.test_router_service import REPLY, collect, greedy, make_mesh
+from tests.router.test_router_service import (
+    REPLY,
+    collect,
+    greedy,
+    make_mesh,
+    text_of,
+    wait_for,
+)
 
 DOCS = [FakeChunk("paris#0", "Paris is the capital of France.", {"lang": "en"}),
         FakeChunk("paris#1", "Paris lies on the Seine.", {"lang": "en"}),
@@ -168,6 +178,126 @@ async def test_a_slow_retriever_is_cut_by_the_timeout_cap_and_by_the_call_deadli
             assert "retriever" in err.value.details()
             assert time.monotonic() - started < 2.5
         assert mesh.engines[0].log.starts == []
+
+
+# --------------------------------------------------------------------------- #
+# Retrieval beside the admission wait
+
+#: The retriever's delay and how long other requests hold the engine's one slot (s).
+D = Q = 1.2
+#: The fake engine's time per token: a request of ``HOLD_TOKENS`` holds its slot Q.
+STEP_S = 0.05
+HOLD_TOKENS = round(Q / STEP_S)
+
+
+def one_slot_rag_mesh():
+    """:func:`rag_mesh` whose engine runs one request at a time (admission
+    queues the others) and whose Query may take 5 s."""
+    return rag_mesh(admission=AdmissionConfig(max_running_per_replica=1),
+                    retrieval_timeout_s=5.0)
+
+
+def held_slot(mesh, prompt: str) -> asyncio.Future:
+    """A plain request that holds a running slot about Q once dispatched."""
+    return asyncio.ensure_future(collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+        prompt=prompt, sampling=greedy(max_tokens=HOLD_TOKENS, ignore_eos=True),
+        bypass_cache=True))))
+
+
+async def timed(call) -> tuple[float, list[generation_pb2.GenerateResponse]]:
+    """(when the first response came, ``time.monotonic()``; all responses)."""
+    responses, first_at = [], 0.0
+    async for response in call:
+        first_at = first_at or time.monotonic()
+        responses.append(response)
+    return first_at, responses
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "alone"])
+async def test_a_rag_request_queues_for_its_slot_while_its_passages_are_retrieved(shared):
+    """One engine slot, held for Q by a running request; a RAG request whose
+    Query takes D; a plain request that arrives during the Query. The RAG
+    request queued at arrival, ahead of the later one: its TTFT is about
+    max(D, Q), not D + Q (before: it queued only after its passages came, behind
+    the later request, and waited for it too). ``shared``: greedy, so a shared
+    generation (single flight) takes its place over; else ``bypass_cache``."""
+    async with one_slot_rag_mesh() as (mesh, retriever, _):
+        admission = mesh.router.admission["fake-model"]
+        mesh.engines[0].step_delay = STEP_S
+        retriever.delay = D
+        running = held_slot(mesh, "first")
+        await wait_for(lambda: admission.num_running == 1 and mesh.engines[0].log.starts)
+        sent = time.monotonic()
+        request = chat(("user", "Capital of France?"), collection="docs")
+        request.bypass_cache = not shared
+        rag = asyncio.ensure_future(timed(mesh.stub.Generate(request)))
+        await wait_for(lambda: retriever.queries)
+        later = held_slot(mesh, "later")  # arrives while the Query runs
+        first_at, rest = await rag
+        ttft = first_at - sent
+        assert ttft < 0.8 * (D + Q), f"TTFT {ttft:.2f} s: retrieval and queue in series"
+        assert ttft >= D * 0.9  # it did wait for its passages
+        assert "".join(r.text for r in rest) == REPLY
+        assert [c.chunk_id for c in rest[-1].retrieval.chunks] == ["paris#0", "paris#1"]
+        assert "Passages retrieved" in decode(mesh.engines[0].log.starts[1].prompt_token_ids)
+        await running
+        later.cancel()
+        await wait_for(lambda: admission.num_running == 0)
+        assert admission.queue_depth(Priority.INTERACTIVE) == 0
+
+
+async def test_a_rag_request_gives_its_slot_or_place_up_at_once_when_it_fails_or_leaves():
+    """The place taken beside the Query: a slot granted at once is released
+    when the retriever refuses or the deadline passes during the Query (the
+    retriever's DEADLINE_EXCEEDED); a deadline the queue cannot meet is
+    refused before the Query; a queued place leaves the queue when the
+    client cancels."""
+    async with one_slot_rag_mesh() as (mesh, retriever, _):
+        admission = mesh.router.admission["fake-model"]
+        queued = lambda: admission.queue_depth(Priority.INTERACTIVE)
+        retriever.delay = 0.4
+        refused = asyncio.ensure_future(collect(mesh.stub.Generate(
+            chat(("user", "Capital?"), collection="nope"))))
+        await wait_for(lambda: retriever.queries)
+        assert admission.num_running == 1  # its slot, held while the Query runs
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await refused
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert admission.num_running == 0
+        retriever.delay = 3.0
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(mesh.stub.Generate(chat(("user", "Capital?"), collection="docs"),
+                                             timeout=0.4))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "retriever" in err.value.details()
+        assert admission.num_running == 0
+        mesh.engines[0].step_delay = STEP_S
+        running = held_slot(mesh, "first")
+        await wait_for(lambda: admission.num_running == 1 and mesh.engines[0].log.starts)
+        asked = len(retriever.queries)
+        # a deadline the queue cannot meet: refused at once, before its Query
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(mesh.stub.Generate(chat(("user", "Capital?"), collection="docs"),
+                                             timeout=0.3))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "deadline" in err.value.details() and len(retriever.queries) == asked
+        call = mesh.stub.Generate(chat(("user", "Capital?"), collection="docs"))
+        waiting = asyncio.ensure_future(collect(call))
+        await wait_for(lambda: queued() == 1)
+        call.cancel()
+        await wait_for(lambda: queued() == 0, timeout=1.0)
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await running
+        assert admission.num_running == 0 and len(mesh.engines[0].log.starts) == 1
+        # a place given up by a request that joins an identical one, or is a cache hit
+        mesh.engines[0].step_delay, retriever.delay = 0.0, 0.2
+        same = chat(("user", "Capital?"), collection="docs")
+        together = await asyncio.gather(*(collect(mesh.stub.Generate(same)) for _ in "ab"))
+        again = await collect(mesh.stub.Generate(same))
+        assert [text_of(r) for r in (*together, again)] == [REPLY] * 3
+        assert again[-1].cached and len(mesh.engines[0].log.starts) == 2
+        assert admission.num_running == 0 and queued() == 0
 
 
 @pytest.mark.parametrize("request_pb, code, field", [

@@ -1,16 +1,15 @@
 """The retrieval stage of a request: a Query started, awaited where needed.
 
 :meth:`RetrievalStage.start` begins the retriever's Query as soon as the
-request has passed validation and the router's queue-full check (a request
-refused at once costs the retriever nothing), and
+request has passed validation, the router's queue-full check and taken its
+admission place (a request refused at once costs the retriever nothing), and
 :meth:`PendingRetrieval.messages` awaits the passages where they are needed,
 just before the chat template is applied. The time the request waits there
-is what retrieval adds to TTFT (``wait_ms``); the rest of the call
-(``overlap_ms``) ran beside other work. Today nothing else of the
-preparation can run before the template (the response cache, the prefix
-index and admission all need the prompt's ids, which need the passages), so
-``overlap_ms`` is about 0: it is reported so that work moved ahead of the
-await shows up.
+is ``wait_ms``; the rest of the call (``overlap_ms``) ran beside other work.
+The admission wait runs beside the Query (the request queues for its slot
+meanwhile: :meth:`services.router.admission.AdmissionController.claim`); the
+response cache, coalescing and the prefix index need the prompt's ids, which
+need the passages, so on a quiet mesh ``overlap_ms`` is about 0.
 
 The Query's timeout is the request's remaining time (its deadline) capped by
 the router's ``--retrieval-timeout-ms``.
