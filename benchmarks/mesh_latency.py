@@ -40,7 +40,9 @@ Usage: ``flock -x /tmp/llmesh-cpu.lock python benchmarks/mesh_latency.py
 prompt ids in process (its default; ``--router-arg`` passes router flags).
 ``--compare-router-from DIR`` / ``--compare-router-arg ARG`` start a second
 mesh whose router runs another checkout's code / gets more flags, measured as
-one more path in the same interleaved rounds (a router's before/after).
+one more path in the same interleaved rounds (a router's before/after);
+``--compare-engine-from DIR`` does the same for the engine (with the router's
+option too, one second mesh runs both from their checkouts).
 Not a test: numbers depend on the machine (2 cores here).
 """
 
@@ -324,6 +326,13 @@ async def many_streams(backend: TorchBackend, tokenizer: Tokenizer,
               f"(target <= {CPU_TARGET})")
 
 
+def _command_from(where: Path, role: str) -> list[str]:
+    """The command that runs service ``role`` from the checkout ``where``."""
+    root = where.resolve()
+    return ["env", f"PYTHONPATH={root}:{root / 'services' / 'gen'}", sys.executable, "-m",
+            f"services.{role}"]
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="rounds per path (default: 5)")
@@ -356,6 +365,11 @@ async def main() -> None:
                              "checkout DIR (e.g. `git worktree add DIR main`; its "
                              "services/gen generated), with --compare-router-arg if given: "
                              "the router's before/after in one run")
+    parser.add_argument("--compare-engine-from", type=Path, default=None, metavar="DIR",
+                        help="also start a second mesh whose engine runs the code of the "
+                             "checkout DIR (its services/gen generated; with "
+                             "--compare-router-from, the same second mesh): the engine's "
+                             "before/after in one run")
     parser.add_argument("--settle", type=float, default=SETTLE_SECONDS,
                         help="seconds of pause before each run (default: %(default)s); with 0, "
                              "a path may start while the previous one's threads still spin")
@@ -365,15 +379,14 @@ async def main() -> None:
                     "--adaptive-threads" if args.adaptive_threads else "--no-adaptive-threads"]
     variants: dict[str, tuple[list[str], dict[str, list[str]]]] = {
         "mesh (Envoy)": (list(args.router_arg), {})}
-    if args.compare_router_arg or args.compare_router_from is not None:
-        where = args.compare_router_from
-        commands = {} if where is None else {"router": [
-            "env", f"PYTHONPATH={where.resolve()}:{where.resolve() / 'services' / 'gen'}",
-            sys.executable, "-m", "services.router"]}
-        label = " ".join([*([] if where is None else [f"from {where}"]),
-                          *args.compare_router_arg])
-        variants[f"mesh, router {label}"] = ([*args.router_arg, *args.compare_router_arg],
-                                             commands)
+    compare_from = {"router": args.compare_router_from, "engine": args.compare_engine_from}
+    if args.compare_router_arg or any(where is not None for where in compare_from.values()):
+        commands = {role: _command_from(where, role) for role, where in compare_from.items()
+                    if where is not None}
+        label = " ".join([*(f"{role} from {where}" for role, where in compare_from.items()
+                            if where is not None),
+                          *(f"router {arg}" for arg in args.compare_router_arg)])
+        variants[f"mesh, {label}"] = ([*args.router_arg, *args.compare_router_arg], commands)
     meshes: dict[str, Mesh] = {}
     urls = {"mesh (Envoy)": args.url} if args.url is not None else {}
     pids: dict[str, dict[str, int]] = {}
@@ -403,11 +416,13 @@ async def main() -> None:
         request = _chat_request(QUESTION, args.max_tokens)
         paths: dict[str, Callable[[str], Awaitable[Run]]] = {
             path: functools.partial(_run_mesh_path, stub, request) for path, stub in stubs.items()}
+        for path, started_mesh in meshes.items() if args.hops else ():
+            channels.append(grpc.aio.insecure_channel(started_mesh.router.grpc_address))
+            router_stub = generation_pb2_grpc.GenerationServiceStub(channels[-1])
+            paths["router direct" + path.removeprefix("mesh (Envoy)").removeprefix("mesh")] = (
+                functools.partial(_run_mesh_path, router_stub, request))
         mesh = meshes.get("mesh (Envoy)")
         if args.hops and mesh is not None:
-            channels.append(grpc.aio.insecure_channel(mesh.router.grpc_address))
-            router_stub = generation_pb2_grpc.GenerationServiceStub(channels[-1])
-            paths["router direct"] = lambda rid: run_mesh(router_stub, request)
             channels.append(grpc.aio.insecure_channel(mesh.engines[0].grpc_address))
             engine_stub = engine_pb2_grpc.EngineServiceStub(channels[-1])
             paths["engine gRPC"] = lambda rid: run_engine_grpc(

@@ -16,12 +16,21 @@ Flags: the engine's (``--backend --model-path --served-model-name --device
 
 from __future__ import annotations
 
+from services.common.grpc_polling import read_on_poller  # imports no grpc
+
+if __name__ == "__main__":  # the engine's process (not a program importing build_parser)
+    read_on_poller()  # before grpc is imported: gRPC core reads it once
+
 import argparse
 import asyncio
 import sys
 from collections.abc import Sequence
 
-from services.common.server import add_server_arguments, run_service, server_config_from_args
+from services.common.server import (
+    add_server_arguments,
+    run_service,
+    server_config_from_args,
+)
 from services.engine.backend import EngineUnavailableError
 from services.engine.config import add_engine_arguments, engine_config_from_args
 from services.engine.factory import check_backend_options, create_backend
