@@ -763,34 +763,14 @@ class GenerationPipeline:
         """Joins the identical generation in flight, or starts it
         (:mod:`services.router.single_flight`), and passes its events on; this
         request's progress, TTFT and ITL follow the events it is sent.
-        ``held.claim`` (an admission place taken early) is given up on joining,
-        and owned by the flight it starts (given up when its task ends).
 
         Raises:
           GenerationError: the shared generation's failure (the same status for
             every subscriber).
           UpstreamError: DEADLINE_EXCEEDED (service ``router``) at ``deadline``.
         """
-        key = CoalescingKey(request.model, prompt_ids, sampling, request.speculative,
-                            request.priority, request.cache_scope)
-        # Join or start with nothing awaited since the table was read: requests
-        # that arrive together find the same flight.
-        subscription: Subscription[Event, _Shared] | None = self._flights.join(key, deadline)
-        leader = subscription is None
-        claim, held.claim = held.claim, None
-        if subscription is None:
-            state = _Shared(request.request_id, Progress(prompt_tokens=len(prompt_ids)),
-                            _Timing(request.model, timing.received_at, observe_tokens=False,
-                                    span=timing.span))
-            subscription = self._flights.start(
-                key, deadline, state,
-                lambda flight: self._shared_work(flight, request, prompt_ids, sampling,
-                                                 session, claim))
-            task = subscription.flight.task
-            if claim is not None and task is not None:
-                task.add_done_callback(lambda _: claim.cancel())
-        elif claim is not None:
-            claim.cancel()
+        subscription, leader = self._join_or_start(request, prompt_ids, sampling, deadline,
+                                                   timing, session, held)
         shared = subscription.flight.state
         texts: list[str] = []
         try:
@@ -822,6 +802,36 @@ class GenerationPipeline:
                 info.setdefault("engine", shared.info["engine"])
             if leader:
                 timing.dispatched_at = shared.timing.dispatched_at
+
+    def _join_or_start(
+        self, request: GenerationRequest, prompt_ids: tuple[int, ...],
+        sampling: SamplingOptions, deadline: float | None, timing: _Timing,
+        session: RoutingSession | None, held: _Held,
+    ) -> tuple[Subscription[Event, _Shared], bool]:
+        """The identical generation's flight joined, or started (True).
+        ``held.claim`` (an admission place taken early) is given up on joining,
+        and owned by the flight it starts (given up when its task ends). Awaits
+        nothing since the table is read: requests that arrive together find
+        the same flight."""
+        key = CoalescingKey(request.model, prompt_ids, sampling, request.speculative,
+                            request.priority, request.cache_scope)
+        joined = self._flights.join(key, deadline)
+        claim, held.claim = held.claim, None
+        if joined is not None:
+            if claim is not None:
+                claim.cancel()
+            return joined, False
+        state = _Shared(request.request_id, Progress(prompt_tokens=len(prompt_ids)),
+                        _Timing(request.model, timing.received_at, observe_tokens=False,
+                                span=timing.span))
+        started = self._flights.start(
+            key, deadline, state,
+            lambda flight: self._shared_work(flight, request, prompt_ids, sampling,
+                                             session, claim))
+        task = started.flight.task
+        if claim is not None and task is not None:
+            task.add_done_callback(lambda _: claim.cancel())
+        return started, True
 
     async def _shared_work(
         self, flight: Flight[Event, _Shared], request: GenerationRequest,
@@ -935,10 +945,8 @@ class GenerationPipeline:
     ) -> tuple[EngineClient, EngineStream, TokenDelta]:
         """Opens a stream on the best replica that answers (the routing policy's
         order); returns its first delta. ``on_dispatch`` (:class:`Progress`) is
-        awaited once the first replica tried has the start.
-
-        The chosen replica counts the request (:meth:`EngineClient.opened`); the
-        caller uncounts it.
+        awaited once the first replica tried has the start. The chosen replica
+        counts the request (:meth:`EngineClient.opened`); the caller uncounts it.
         """
         failures: list[UpstreamError] = []
         choice = await self.picker.choose(self._serving_replicas(), request.priority, hint)
