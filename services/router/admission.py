@@ -492,6 +492,14 @@ class AdmissionController:
         """
         return await self.claim(job, deadline=deadline).wait(deadline)
 
+    def would_queue(self, job: Job) -> bool:
+        """Whether :meth:`claim` would queue ``job`` now (or refuse it) rather
+        than grant it a running slot at once. Pure."""
+        if not self.config.enabled:
+            return False
+        window = self.config.batch_window_s if job.priority is Priority.BATCH else 0.0
+        return not (self._ahead_of_new(job) == 0 and window == 0 and self._fits(job))
+
     def claim(self, job: Job, *, deadline: float | None = None) -> Claim:
         """Takes ``job``'s place now, without waiting: a running slot when one
         is free (the module doc's rule), else a place in its class's queue.
@@ -506,12 +514,9 @@ class AdmissionController:
         """
         now = self._clock()
         loop = asyncio.get_running_loop()
-        if not self.config.enabled:
+        if not self.would_queue(job):
             return Claim(self, _Entry(job, now, -1, _granted(loop, self._grant(job, now))))
         queue = self._queues[job.priority]
-        window = self.config.batch_window_s if job.priority is Priority.BATCH else 0.0
-        if self._ahead_of_new(job) == 0 and window == 0 and self._fits(job):
-            return Claim(self, _Entry(job, now, -1, _granted(loop, self._grant(job, now))))
         if queue.depth >= self.config.max_queued_requests:
             self._refuse_full(job.priority)
         self._check_queueable(job, now, deadline, ahead=self._ahead_of_new(job),

@@ -19,8 +19,8 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
    prompt ids after (tokenizing costs ~0.1 ms in process, less than a
    second key scheme would save; docs/architecture.md "What the mesh
    costs"); with ``request.retrieval`` the request's admission place is
-   taken first (step 4's queue: :meth:`AdmissionController.claim`, sized
-   when the prompt is tokenized), then the retriever's Query starts, and its
+   taken first when it would queue (step 4's queue:
+   :meth:`AdmissionController.claim`, sized when the prompt is tokenized), then the retriever's Query starts, and its
    passages go into the chat just before the last user turn
    (:mod:`services.router.retrieval`): the request queues for its running
    slot while the Query runs (TTFT ~ max(queue wait, retrieval), not the
@@ -608,15 +608,16 @@ class GenerationPipeline:
         """The retriever's Query started (``held`` cancels it if the request
         ends first), when the request asks for passages
         (:mod:`services.router.retrieval.stage`), and the request's admission
-        place taken first (``held.claim``: it queues for its running slot
-        while the Query runs; sized when the prompt is known, in
-        :meth:`_admit`). A refusal comes before the Query starts."""
+        place taken first when it would queue (``held.claim``: it queues for
+        its running slot while the Query runs; sized when the prompt is
+        known, in :meth:`_admit`). A refusal comes before the Query starts."""
         if request.retrieval is None:
             return None
         if self.retrieval is None:
             raise no_retriever()
         sampling = request.sampling
-        held.claim = self._claim(request, 0, sampling.max_tokens * sampling.n, deadline)
+        held.claim = self._claim(request, 0, sampling.max_tokens * sampling.n, deadline,
+                                 only_to_queue=True)
         held.retrieval = self.retrieval.start(
             request.retrieval, model=request.model, request_id=request.request_id,
             cache_scope=request.cache_scope, deadline=deadline, parent=timing.span)
@@ -1130,10 +1131,13 @@ class GenerationPipeline:
                 raise GenerationError.refused(err) from None
 
     def _claim(self, request: GenerationRequest, prompt_tokens: int, max_tokens: int,
-               deadline: float | None) -> Claim | None:
+               deadline: float | None, *, only_to_queue: bool = False) -> Claim | None:
         """The request's place in its model's admission (a running slot or a
         queue position: :meth:`AdmissionController.claim`), taken now; None
-        when the model has no admission controller.
+        when the model has no admission controller, or with ``only_to_queue``
+        when a slot is free now (a request whose prompt is not ready yet
+        takes no slot it would hold idle: it queues early only when it must
+        queue anyway).
 
         Raises:
           GenerationError: UNAVAILABLE at once when no engine replica is in
@@ -1146,6 +1150,8 @@ class GenerationPipeline:
             return None
         job = Job(request.request_id, request.priority, request.tenant, prompt_tokens,
                   max_tokens)
+        if only_to_queue and not controller.would_queue(job):
+            return None
         try:
             return controller.claim(job, deadline=deadline)
         except AdmissionRefused as err:

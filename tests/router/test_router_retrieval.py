@@ -247,11 +247,11 @@ async def test_a_rag_request_queues_for_its_slot_while_its_passages_are_retrieve
 
 
 async def test_a_rag_request_gives_its_slot_or_place_up_at_once_when_it_fails_or_leaves():
-    """The place taken beside the Query: a slot granted at once is released
-    when the retriever refuses or the deadline passes during the Query (the
-    retriever's DEADLINE_EXCEEDED); a deadline the queue cannot meet is
-    refused before the Query; a queued place leaves the queue when the
-    client cancels."""
+    """The place taken beside the Query: a free slot is not held idle while
+    the Query runs, and nothing is left held when the retriever refuses or
+    the deadline passes during the Query (the retriever's
+    DEADLINE_EXCEEDED); a deadline the queue cannot meet is refused before
+    the Query; a queued place leaves the queue when the client cancels."""
     async with one_slot_rag_mesh() as (mesh, retriever, _):
         admission = mesh.router.admission["fake-model"]
         queued = lambda: admission.queue_depth(Priority.INTERACTIVE)
@@ -259,7 +259,7 @@ async def test_a_rag_request_gives_its_slot_or_place_up_at_once_when_it_fails_or
         refused = asyncio.ensure_future(collect(mesh.stub.Generate(
             chat(("user", "Capital?"), collection="nope"))))
         await wait_for(lambda: retriever.queries)
-        assert admission.num_running == 1  # its slot, held while the Query runs
+        assert admission.num_running == 0  # a free slot: taken once the prompt is ready
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await refused
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
