@@ -32,7 +32,7 @@ from llmesh.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
-from services.cli.mesh import Mesh
+from services.cli.mesh import Mesh, log_tail
 from services.common.block_hash import prompt_block_hashes
 from tests.cache.redis_server import RedisProcess, start_redis_server
 
@@ -216,7 +216,11 @@ def test_redis_outage_costs_no_request_and_hits_resume(kv_mesh: Mesh,
         kv_redis.restart()
     # The engines resend snapshots once the index asks: the prompt hits again.
     scores, waited = wait_for(lambda: score(kv_mesh, hashes), timeout=10.0, poll=0.2)
-    assert scores, "no index entries 10 s after Redis came back"
+    # 0.6-1.4 s here; CI once saw none after 10 s: the logs say where it stuck.
+    assert scores, ("no index entries 10 s after Redis came back\n"
+                    + "\n".join(f"--- {name}\n{log_tail(kv_mesh.services[name].log_path, 15)}"
+                                for name in ("cache", "engine-0", "engine-1"))
+                    + f"\n--- redis\n{kv_redis.log_tail()}")
     print(f"index entries back {waited:.2f} s after Redis restarted")
 
 
