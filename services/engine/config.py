@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import fractions
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -545,12 +546,13 @@ def _probability(text: str) -> float:
 
 
 def _slowdown_or_off(text: str) -> float | None:
-    """``off`` → None; else a factor >= 1."""
+    """``off`` → None; else a finite factor >= 1 (``inf`` is ``off`` spelled
+    otherwise: refused, so that the one spelling is said)."""
     if text.strip().lower() == "off":
         return None
     value = float(text)
-    if not value >= 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 or off, got {text}")
+    if not (value >= 1 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 1, or off; got {text}")
     return value
 
 

@@ -11,7 +11,8 @@ import pytest
 from services.common.sampling import FinishReason, Priority
 from services.common.step_profile import StepProfile
 from services.engine.torch_backend.sequence import SequenceStatus
-from services.engine.torch_backend.step_budget import MIN_OUTRANKED_PREFILL_TOKENS
+from services.engine.torch_backend.step_budget import (MIN_OUTRANKED_PREFILL_TOKENS,
+                                                        outranked_prefill_tokens)
 
 from .kv_helpers import EOS, book, create_scheduler, make_request, step
 
@@ -431,3 +432,12 @@ def test_pending_prefill_tokens_count_waiting_and_prefilling_sequences() -> None
     step(scheduler)
     step(scheduler)  # both decode now
     assert scheduler.pending_prefill_tokens() == 0
+
+
+def test_a_huge_slowdown_does_not_limit_and_does_not_overflow() -> None:
+    """QA: a slowdown of ``inf`` reached ``math.floor`` (OverflowError) and
+    failed every request; a finite but huge one does not limit either."""
+    profile = StepProfile(1.1e-3, (9.2e-3,))
+    assert outranked_prefill_tokens(profile, 1, 1e300) >= 1 << 31
+    assert outranked_prefill_tokens(profile, 1, float("inf")) >= 1 << 31
+    assert outranked_prefill_tokens(profile, 1, 2.0) == 8  # 9.2 ms / 1.1 ms

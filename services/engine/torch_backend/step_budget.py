@@ -41,6 +41,8 @@ from services.common.step_profile import StepProfile
 #: floor of 16 held an INTERACTIVE stream's ITL p50 at 3.1x its ITL alone, a
 #: floor of 4 at 1.7x.
 MIN_OUTRANKED_PREFILL_TOKENS = 4
+#: More tokens than any step's budget: the bound does not limit.
+_NO_LIMIT_TOKENS = 1 << 31
 
 
 def outranked_prefill_tokens(profile: StepProfile, decode_rows: int, slowdown: float) -> int:
@@ -59,7 +61,10 @@ def outranked_prefill_tokens(profile: StepProfile, decode_rows: int, slowdown: f
     extra_s = (slowdown - 1.0) * profile.decode_step(decode_rows)
     if per_token_s <= 0:
         return MIN_OUTRANKED_PREFILL_TOKENS
-    return max(MIN_OUTRANKED_PREFILL_TOKENS, math.floor(extra_s / per_token_s))
+    tokens = extra_s / per_token_s
+    if not tokens < _NO_LIMIT_TOKENS:  # a huge slowdown (or a zero-cost profile row)
+        return _NO_LIMIT_TOKENS
+    return max(MIN_OUTRANKED_PREFILL_TOKENS, math.floor(tokens))
 
 
 @dataclass
