@@ -372,7 +372,7 @@ def _pass_through_problem(router_args: list[str], retriever_args: list[str]) -> 
 _OWNED_EVERYWHERE = {
     "host": "the services listen where Envoy reaches them; the ingress: up's --host",
     "port": "each service gets a free port; the ingress: up's --port",
-    "metrics_port": "each service gets a free one; `llmesh status` lists them",
+    "metrics_port": "each service gets a free one; `llmesh up` prints them when ready",
     "port_file": "the launcher reads it to find the service",
     "drain_seconds": "up's --drain-seconds",
     "tls_cert": "up's --internal-mtls issues each service's certificate",
@@ -384,7 +384,9 @@ _OWNED_BY_ROLE = {
     "router": {name: "the launcher wires the services itself; more engines: up's --engines"
                for name in ("tokenizer", "cache", "engine", "model_pool",
                             "retriever_address")}
-    | {"openai_port": "the OpenAI API is on the ingress (up's --port)"},
+    | {"openai_port": "the OpenAI API is on the ingress (up's --port)",
+       "api_keys": "use up's --api-keys (it also keeps the retriever, which checks no "
+                   "keys, off the ingress)"},
     "engine": {"model_path": "up's --model-path or --model NAME=PATH",
                "served_model_name": "up's --model NAME=PATH",
                "replica_id": "each engine gets its own, by which KV-aware routing tells them apart",

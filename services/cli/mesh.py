@@ -150,22 +150,30 @@ def spawn(argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = N
         )
 
 
-def log_tail(path: Path, lines: int = 30) -> str:
-    """The last ``lines`` lines of a log file ('' when it does not exist)."""
+def _log_text(path: Path, start: int) -> str | None:
     try:
-        text = path.read_text(errors="replace")
+        with path.open("rb") as log:
+            log.seek(start)
+            return log.read().decode(errors="replace")
     except FileNotFoundError:
-        return ""
+        return None
+
+
+def log_tail(path: Path, lines: int = 30, start: int = 0) -> str:
+    """The last ``lines`` lines of a log file from byte ``start`` on (a
+    restarted service's own part of the file it appends to; '' when the
+    file does not exist)."""
+    text = _log_text(path, start) or ""
     return "\n".join(text.splitlines()[-lines:])
 
 
-def start_failure_reason(path: Path) -> str | None:
+def start_failure_reason(path: Path, start: int = 0) -> str | None:
     """The ``error`` of the last ``start_failed`` JSON line a service logged
-    (services/common/server.py), or None."""
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except FileNotFoundError:
+    (services/common/server.py) from byte ``start`` on, or None."""
+    text = _log_text(path, start)
+    if text is None:
         return None
+    lines = text.splitlines()
     for line in reversed(lines):
         if '"start_failed"' not in line:
             continue
@@ -295,6 +303,7 @@ class ServiceProcess:
     grpc_port: int | None = None
     metrics_port: int | None = None
     extra_ports: dict[str, int] = field(default_factory=dict)
+    log_offset: int = 0  # where the current process's part of log_path starts
 
     @property
     def pid(self) -> int:
@@ -320,6 +329,7 @@ class ServiceProcess:
     def spawn(self, env: Mapping[str, str], cwd: Path) -> None:
         """Starts the child (removing a stale port file first)."""
         self.port_file.unlink(missing_ok=True)
+        self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         self.process = spawn(self.argv, self.log_path, env=env, cwd=cwd)
 
     def pin_ports(self) -> None:
@@ -359,8 +369,8 @@ class ServiceProcess:
         """A start error that quotes this child's log tail, led by the reason
         its ``start_failed`` line gives (:func:`start_failure_reason`), which
         shutdown lines may have pushed out of the tail."""
-        tail = log_tail(self.log_path)
-        reason = start_failure_reason(self.log_path)
+        tail = log_tail(self.log_path, start=self.log_offset)  # this process's lines only
+        reason = start_failure_reason(self.log_path, self.log_offset)
         return MeshStartError(
             f"{self.name} {what}{f': {reason}' if reason else ''}; full log: "
             f"{self.log_path}\n--- last lines ---\n{tail}"

@@ -340,13 +340,18 @@ def test_up_refuses_a_pass_through_flag_the_service_would_refuse_before_starting
     (["--engine-arg=--replica-id=x"], "--engine-arg: --replica-id is set by llmesh up itself; "),
     (["--retrieval", "--retriever-arg=--data-dir=/tmp"],
      "--retriever-arg: --data-dir is set by llmesh up itself; "),
+    (["--retrieval", "--router-arg=--api-keys=KEYS"],  # QA: the retriever stayed on the ingress
+     "--router-arg: --api-keys is set by llmesh up itself; use up's --api-keys"),
 ], ids=["router-port", "router-abbreviated", "router-engine", "engine-replica-id",
-        "retriever-data-dir"])
+        "retriever-data-dir", "router-api-keys"])
 def test_up_refuses_a_pass_through_flag_that_it_sets_itself(
         argv: list[str], line: str, tmp_path, capsys, monkeypatch) -> None:
     """QA: ``--router-arg=--port=5`` was accepted and overrode the port the
     launcher had chosen; such a flag is refused before anything starts, naming
     where it is set instead. Flags the launcher leaves to the user pass."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("tenants: []\n")
+    argv = [arg.replace("KEYS", str(keys)) for arg in argv]
     assert _up_refused(argv, {}, tmp_path, capsys, monkeypatch).startswith(f"llmesh: {line}")
 
 

@@ -507,6 +507,11 @@ def test_llmesh_up_tries_again_a_service_killed_while_it_restarts(tmp_path: Path
             if "engine-0 is SERVING again" in line or "stopping" in line:
                 break
         assert "did not start again" in "".join(said) and "trying once more" in "".join(said)
+        # The failure quotes the killed replacement's log lines, not the first
+        # process's, which the same (appended) file holds first (QA).
+        text = "".join(said)
+        failure = text[text.index("did not start again"):text.index("trying once more")]
+        assert "--- last lines ---" in failure and f'"pid": {first}' not in failure, failure
         assert "engine-0 is SERVING again" in said[-1]
         again = json.loads(port_file.read_text())["pid"]
         assert again not in (first, loading) and alive(again) and process.poll() is None
