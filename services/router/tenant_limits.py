@@ -129,10 +129,11 @@ class Lease:
         Raises:
           TenantLimited: ``tokens_per_minute`` would be passed (hint: when the
             window frees enough).
-          InvalidRequestError: OUT_OF_RANGE on ``max_tokens``: the
-            reservation alone is larger than the limit.
+          InvalidRequestError: OUT_OF_RANGE: the reservation alone is larger
+            than the limit, on ``sampling.max_tokens``, or on ``prompt`` when
+            the prompt alone is (a smaller ``max_tokens`` cannot help).
         """
-        self._limiter._reserve(self, prompt_tokens + max_tokens)
+        self._limiter._reserve(self, prompt_tokens, max_tokens)
 
     def refund_request(self) -> None:
         """Takes the request back out of ``requests_per_minute``: another
@@ -207,18 +208,23 @@ class TenantLimiter:
 
     # ------------------------------------------------------------ internals
 
-    def _reserve(self, lease: Lease, tokens: int) -> None:
+    def _reserve(self, lease: Lease, prompt_tokens: int, max_tokens: int) -> None:
         if lease.ended or lease._charge is not None:
             raise RuntimeError("a lease reserves once, before it ends")
         limit = lease.limits.tokens_per_minute
         state = self._tenants[lease.tenant]
         now = self._clock()
         _expire(state.tokens, now)
+        tokens = prompt_tokens + max_tokens
         if limit and tokens > limit:
-            raise InvalidRequestError("sampling.max_tokens", (
-                f"the request needs {tokens} tokens (prompt + max_tokens), more than the "
-                f"tokens_per_minute limit of tenant {lease.tenant!r} ({limit}); lower max_tokens"),
-                grpc.StatusCode.OUT_OF_RANGE)
+            # QA: a RAG prompt of 1,421 tokens (its passages) was told to lower max_tokens (8).
+            field, fix = (("prompt", "shorten the prompt (or retrieve fewer passages: "
+                           "retrieval.top_k)") if prompt_tokens >= limit
+                          else ("sampling.max_tokens", "lower max_tokens"))
+            raise InvalidRequestError(field, (
+                f"the request needs {tokens} tokens ({prompt_tokens} prompt + {max_tokens} "
+                f"max_tokens), more than the tokens_per_minute limit of tenant "
+                f"{lease.tenant!r} ({limit}); {fix}"), grpc.StatusCode.OUT_OF_RANGE)
         refused = _token_refusal(state, lease.tenant, limit, tokens, now)
         if refused is not None:
             self._refuse(refused)
