@@ -310,6 +310,12 @@ class Claim:
         future = self._entry.granted
         return future.done() and not future.cancelled() and future.exception() is None
 
+    @property
+    def granted_at(self) -> float | None:
+        """When the slot was granted (the controller's clock: ``time.monotonic()``
+        in the router), or None while it is not."""
+        return self._entry.granted.result().dispatched_at if self.granted else None
+
     async def wait(self, deadline: float | None = None) -> Ticket:
         """The running slot, once granted.
 

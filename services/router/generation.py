@@ -631,7 +631,7 @@ class GenerationPipeline:
         its passages inserted into the chat first."""
         if (retrieval := self._start_retrieval(request, deadline, timing, held)) is not None:
             assert request.messages is not None  # retrieval needs chat (validation)
-            messages = await retrieval.messages(request.messages)
+            messages = await retrieval.messages(request.messages, held.claim)
             request = dataclasses.replace(request, messages=messages)
             assert retrieval.report is not None
             info.update(retrieval.report.log_fields())

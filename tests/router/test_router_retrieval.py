@@ -240,6 +240,10 @@ async def test_a_rag_request_queues_for_its_slot_while_its_passages_are_retrieve
         assert "".join(r.text for r in rest) == REPLY
         assert [c.chunk_id for c in rest[-1].retrieval.chunks] == ["paris#0", "paris#1"]
         assert "Passages retrieved" in decode(mesh.engines[0].log.starts[1].prompt_token_ids)
+        # Queued for its slot meanwhile: most of the Query added nothing to TTFT
+        # (QA: wait_ms was the whole call, overlap_ms 0).
+        latency = rest[-1].retrieval_latency
+        assert latency.overlap_ms > 0.5 * D * 1e3 and latency.wait_ms < 0.5 * D * 1e3, latency
         await running
         later.cancel()
         await wait_for(lambda: admission.num_running == 0)

@@ -29,7 +29,8 @@ class RetrievalReport:
       embed_ms, search_ms, cache_hit: the retriever's own stages.
       call_ms: the Query call as the router measured it, start to answer.
       wait_ms: of ``call_ms``, the time the request waited for it after the
-        rest of its preparation (what retrieval added to TTFT).
+        rest of its preparation and after its admission slot was granted
+        (what retrieval added to TTFT).
     """
 
     collection: str

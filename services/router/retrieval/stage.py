@@ -4,8 +4,10 @@
 request has passed validation, the router's queue-full check and taken its
 admission place (a request refused at once costs the retriever nothing), and
 :meth:`PendingRetrieval.messages` awaits the passages where they are needed,
-just before the chat template is applied. The time the request waits there
-is ``wait_ms``; the rest of the call (``overlap_ms``) ran beside other work.
+just before the chat template is applied. The time the request waits there,
+after its admission slot was granted when it queued for one (a request
+still queued when the passages come waited for its slot, not for them), is
+``wait_ms``; the rest of the call (``overlap_ms``) ran beside other work.
 The admission wait runs beside the Query (the request queues for its slot
 meanwhile: :meth:`services.router.admission.AdmissionController.claim`); the
 response cache, coalescing and the prefix index need the prompt's ids, which
@@ -46,6 +48,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from services.common import tracing
 from services.common.sampling import InvalidRequestError
 from services.common.wire.chat import ChatMessage
+from services.router.admission import Claim
 from services.router.clients import UpstreamError
 from services.router.retrieval.client import QueryAnswer, RetrieverClient
 from services.router.retrieval.placement import passages_text, with_passages
@@ -72,7 +75,8 @@ class RetrievalMetrics:
     * ``llmesh:retrieval_duration_seconds{model_name}``: the Query call as the
       router measured it;
     * ``llmesh:retrieval_wait_seconds{model_name}``: what the request waited
-      for it after the rest of its preparation (its share of TTFT);
+      for it after the rest of its preparation and its admission wait (its
+      share of TTFT);
     * ``llmesh:retrieval_embed_seconds`` / ``llmesh:retrieval_search_seconds``:
       the retriever's stages of a cache miss;
     * ``llmesh:retrieval_requests_total{model_name,outcome}``: ``hit`` (the
@@ -88,7 +92,8 @@ class RetrievalMetrics:
         self.duration = histogram("duration", "Retriever Query call, as the router measured "
                                   "it (seconds).")
         self.wait = histogram("wait", "Time a request waited for its passages after the rest "
-                              "of its preparation: what retrieval added to TTFT (seconds).")
+                              "of its preparation and its admission wait: what retrieval "
+                              "added to TTFT (seconds).")
         self.embed = histogram("embed", "The retriever's query embedding, cache misses "
                                "(seconds).")
         self.search = histogram("search", "The retriever's index search, cache misses "
@@ -111,9 +116,12 @@ class PendingRetrieval:
     report: RetrievalReport | None = None
     _answered_at: float | None = None
 
-    async def messages(self, messages: Sequence[ChatMessage]) -> tuple[ChatMessage, ...]:
+    async def messages(self, messages: Sequence[ChatMessage],
+                       claim: Claim | None = None) -> tuple[ChatMessage, ...]:
         """``messages`` with the passages inserted before the query turn, once
-        the Query answers; sets :attr:`report`.
+        the Query answers; sets :attr:`report`. ``claim``: the request's
+        admission place taken before the Query (it queued meanwhile): the
+        Query's time before its slot was granted added nothing to TTFT.
 
         Raises:
           InvalidRequestError: the retriever refused the input (module doc).
@@ -123,9 +131,9 @@ class PendingRetrieval:
         try:
             answer = await asyncio.shield(self.task)
         except UpstreamError as err:
-            self._degrade(err, *self._spans(waiting_from))
+            self._degrade(err, *self._spans(waiting_from, claim))
             return tuple(messages)
-        call_s, wait_s = self._spans(waiting_from)
+        call_s, wait_s = self._spans(waiting_from, claim)
         text = passages_text(self.spec.collection, answer.passages)
         self.report = RetrievalReport(
             self.spec.collection, answer.passages, text, answer.version, "", answer.embed_ms,
@@ -133,11 +141,17 @@ class PendingRetrieval:
         self._observe(wait_s, call_s, answer)
         return with_passages(messages, self.spec.query_index, text)
 
-    def _spans(self, waiting_from: float) -> tuple[float, float]:
+    def _spans(self, waiting_from: float, claim: Claim | None) -> tuple[float, float]:
         """(call, wait) seconds: start to answer, and the part of it after
-        ``waiting_from`` (when the request had nothing else to do)."""
+        ``waiting_from`` and after ``claim``'s slot was granted (when the
+        request had nothing else to wait for: a request still queued when
+        the passages came waited for nothing but its slot)."""
         answered_at = self._answered_at or time.monotonic()
-        return answered_at - self.started_at, max(0.0, answered_at - waiting_from)
+        idle_from = waiting_from
+        if claim is not None:
+            granted_at = claim.granted_at
+            idle_from = max(idle_from, answered_at if granted_at is None else granted_at)
+        return answered_at - self.started_at, max(0.0, answered_at - idle_from)
 
     def _observe(self, wait_s: float, call_s: float, answer: QueryAnswer) -> None:
         m = self.metrics
