@@ -22,8 +22,9 @@ shared generation loses this subscriber), and the consumer gets
 :class:`WriteStalled` as soon as the blocked write returns, in place of the
 rest of the output. A client that never reads again keeps only what was
 already written to its transport (its flow-control window) until its call
-ends (deadline, disconnect, Envoy's stream idle timeout). A generation already complete is never cancelled: the
-engine holds nothing for it any more.
+ends (deadline, disconnect, Envoy's stream idle timeout). A generation
+already complete is never cancelled: the engine holds nothing for it any
+more.
 
 Threading: asyncio only, one event loop; ``merge`` runs on the loop.
 
@@ -113,7 +114,6 @@ async def paced(events: AsyncIterator[T], *, write_timeout_s: float,
                 raise WriteStalled(write_timeout_s, pacer.stalled_for)
     finally:
         await pacer.close()
-
 
 
 #: What :meth:`_Pacer.next` returns once nothing is left.
