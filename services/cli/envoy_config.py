@@ -517,9 +517,14 @@ def _access_log(settings: EnvoySettings) -> list[AccessLog]:
 
 
 def _route_action(settings: EnvoySettings, *, idle_timeout_s: float | None = None,
-                  cluster: str = ROUTER_CLUSTER) -> RouteAction:
+                  cluster: str = ROUTER_CLUSTER, deadline_at_envoy: bool = True) -> RouteAction:
     """The action every route shares; ``idle_timeout_s`` 0 turns Envoy's stream
     idle timeout off for the route (None: the connection manager's applies).
+    ``deadline_at_envoy`` False: Envoy does not end the stream at the
+    client's ``grpc-timeout`` (the upstream does, with a status): a
+    generation's response headers leave at dispatch, and Envoy can only
+    reset a stream whose headers went out (the client read INTERNAL, not
+    DEADLINE_EXCEEDED, when that reset beat its own timer; CI's soak test).
 
     Source: ``RouteAction.idle_timeout``, "a value of 0 will completely disable
     the route's idle timeout, even if a connection manager stream idle timeout
@@ -531,7 +536,8 @@ def _route_action(settings: EnvoySettings, *, idle_timeout_s: float | None = Non
         timeout=_seconds(0),
         idle_timeout=None if idle_timeout_s is None else _seconds(idle_timeout_s),
         # A client's grpc-timeout header becomes the stream's deadline, uncapped.
-        max_stream_duration=RouteActionMaxStreamDuration(grpc_timeout_header_max=_seconds(0)),
+        max_stream_duration=(RouteActionMaxStreamDuration(grpc_timeout_header_max=_seconds(0))
+                             if deadline_at_envoy else None),
         retry_policy=RetryPolicy(
             # Envoy retries only before response headers went downstream, so a
             # started generation is never replayed.
@@ -559,7 +565,7 @@ def _routes(settings: EnvoySettings) -> list[Route]:
     unbuffered = _unbuffered()
     generation = [
         Route(name=f"llmesh-{method}", match=RouteMatch(path=f"/{PUBLIC_SERVICE}/{method}"),
-              route=_route_action(settings, idle_timeout_s=0),
+              route=_route_action(settings, idle_timeout_s=0, deadline_at_envoy=False),
               typed_per_filter_config=unbuffered if method == "GenerateStream" else {})
         for method in GENERATION_METHODS
     ]
