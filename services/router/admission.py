@@ -499,12 +499,13 @@ class AdmissionController:
         return await self.claim(job, deadline=deadline).wait(deadline)
 
     def would_queue(self, job: Job) -> bool:
-        """Whether :meth:`claim` would queue ``job`` now (or refuse it) rather
-        than grant it a running slot at once. Pure."""
+        """Whether ``job`` would wait for a running slot now: requests ahead of
+        it, or no room for it (:meth:`claim` would queue it until one frees,
+        or refuse it). The batch window is not such a wait: a BATCH job that
+        would be granted once its window passed answers False. Pure."""
         if not self.config.enabled:
             return False
-        window = self.config.batch_window_s if job.priority is Priority.BATCH else 0.0
-        return not (self._ahead_of_new(job) == 0 and window == 0 and self._fits(job))
+        return not (self._ahead_of_new(job) == 0 and self._fits(job))
 
     def claim(self, job: Job, *, deadline: float | None = None) -> Claim:
         """Takes ``job``'s place now, without waiting: a running slot when one
@@ -520,7 +521,8 @@ class AdmissionController:
         """
         now = self._clock()
         loop = asyncio.get_running_loop()
-        if not self.would_queue(job):
+        window = self.config.batch_window_s if job.priority is Priority.BATCH else 0.0
+        if not self.config.enabled or (window == 0 and not self.would_queue(job)):
             return Claim(self, _Entry(job, now, -1, _granted(loop, self._grant(job, now))))
         queue = self._queues[job.priority]
         if queue.depth >= self.config.max_queued_requests:

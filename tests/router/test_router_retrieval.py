@@ -304,6 +304,31 @@ async def test_a_rag_request_gives_its_slot_or_place_up_at_once_when_it_fails_or
         assert admission.num_running == 0 and queued() == 0
 
 
+async def test_a_batch_rag_request_holds_no_free_slot_through_its_query():
+    """QA: a BATCH request always waits its batch window, so a BATCH RAG
+    request claimed its place early, was granted the free slot 10 ms later
+    and held it idle through its Query (plain batch requests waited for the
+    Query's timeout on an idle engine). A free slot is taken once the prompt
+    is ready, at any priority."""
+    async with one_slot_rag_mesh() as (mesh, retriever, _):
+        admission = mesh.router.admission["fake-model"]
+        retriever.delay = 1.0
+        rag_request = chat(("user", "Capital?"), collection="docs")
+        rag_request.priority = common_pb2.PRIORITY_BATCH
+        rag = asyncio.ensure_future(collect(mesh.stub.Generate(rag_request)))
+        await wait_for(lambda: retriever.queries)
+        await asyncio.sleep(0.1)  # well past the batch window
+        assert admission.num_running == 0
+        plain = generation_pb2.GenerateRequest(
+            prompt="plain", sampling=greedy(max_tokens=4), bypass_cache=True,
+            priority=common_pb2.PRIORITY_BATCH)
+        started = time.monotonic()
+        await collect(mesh.stub.Generate(plain))
+        assert time.monotonic() - started < 0.8  # not after the RAG request's Query
+        assert "".join(r.text for r in await rag) == REPLY
+        await wait_for(lambda: admission.num_running == 0)
+
+
 @pytest.mark.parametrize("request_pb, code, field", [
     (chat(("user", "Capital?"), collection="nope"), grpc.StatusCode.NOT_FOUND,
      "retrieval.collection: collection 'nope' does not exist"),
