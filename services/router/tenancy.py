@@ -282,7 +282,8 @@ class Tenancy:
 
         def reserve(prompt_tokens: int, max_tokens: int) -> None:
             try:
-                lease.reserve(prompt_tokens, max_tokens)
+                lease.reserve(prompt_tokens, max_tokens, prompt_field=request.input_field,
+                              retrieval=request.retrieval is not None)
             except TenantLimited as err:
                 raise GenerationError.refused(err) from None
 

@@ -123,8 +123,12 @@ class Lease:
         self.reserved = 0
         self.ended = False
 
-    def reserve(self, prompt_tokens: int, max_tokens: int) -> None:
-        """Reserves ``prompt_tokens + max_tokens`` against ``tokens_per_minute``.
+    def reserve(self, prompt_tokens: int, max_tokens: int, *, prompt_field: str = "prompt",
+                retrieval: bool = False) -> None:
+        """Reserves ``prompt_tokens + max_tokens`` (the completion budget:
+        ``max_tokens`` x ``n``) against ``tokens_per_minute``. A refusal for
+        the prompt alone names ``prompt_field`` (the request's input field)
+        and, with ``retrieval``, the passages.
 
         Raises:
           TenantLimited: ``tokens_per_minute`` would be passed (hint: when the
@@ -133,7 +137,7 @@ class Lease:
             than the limit, on ``sampling.max_tokens``, or on ``prompt`` when
             the prompt alone is (a smaller ``max_tokens`` cannot help).
         """
-        self._limiter._reserve(self, prompt_tokens, max_tokens)
+        self._limiter._reserve(self, prompt_tokens, max_tokens, prompt_field, retrieval)
 
     def refund_request(self) -> None:
         """Takes the request back out of ``requests_per_minute``: another
@@ -208,7 +212,8 @@ class TenantLimiter:
 
     # ------------------------------------------------------------ internals
 
-    def _reserve(self, lease: Lease, prompt_tokens: int, max_tokens: int) -> None:
+    def _reserve(self, lease: Lease, prompt_tokens: int, max_tokens: int,
+                 prompt_field: str = "prompt", retrieval: bool = False) -> None:
         if lease.ended or lease._charge is not None:
             raise RuntimeError("a lease reserves once, before it ends")
         limit = lease.limits.tokens_per_minute
@@ -218,13 +223,14 @@ class TenantLimiter:
         tokens = prompt_tokens + max_tokens
         if limit and tokens > limit:
             # QA: a RAG prompt of 1,421 tokens (its passages) was told to lower max_tokens (8).
-            field, fix = (("prompt", "shorten the prompt (or retrieve fewer passages: "
-                           "retrieval.top_k)") if prompt_tokens >= limit
-                          else ("sampling.max_tokens", "lower max_tokens"))
+            passages = " or retrieve fewer passages (retrieval.top_k)" if retrieval else ""
+            field, fix = ((prompt_field, f"shorten the prompt{passages}")
+                          if prompt_tokens >= limit
+                          else ("sampling.max_tokens", "lower max_tokens (or n)"))
             raise InvalidRequestError(field, (
                 f"the request needs {tokens} tokens ({prompt_tokens} prompt + {max_tokens} "
-                f"max_tokens), more than the tokens_per_minute limit of tenant "
-                f"{lease.tenant!r} ({limit}); {fix}"), grpc.StatusCode.OUT_OF_RANGE)
+                f"completion: max_tokens x n), more than the tokens_per_minute limit of "
+                f"tenant {lease.tenant!r} ({limit}); {fix}"), grpc.StatusCode.OUT_OF_RANGE)
         refused = _token_refusal(state, lease.tenant, limit, tokens, now)
         if refused is not None:
             self._refuse(refused)

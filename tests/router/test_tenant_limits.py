@@ -137,9 +137,15 @@ def test_a_reservation_larger_than_the_limit_is_out_of_range(clock: Clock) -> No
     # QA: a prompt over the limit on its own (a RAG prompt's passages) names the
     # prompt; lowering max_tokens could not help.
     with pytest.raises(InvalidRequestError) as info:
-        limiter.begin("b", TenantLimits(tokens_per_minute=10)).reserve(12, 2)
-    assert info.value.code == grpc.StatusCode.OUT_OF_RANGE and info.value.field == "prompt"
-    assert "(12 prompt + 2 max_tokens)" in str(info.value) and "retrieval.top_k" in str(info.value)
+        limiter.begin("b", TenantLimits(tokens_per_minute=10)).reserve(
+            12, 2, prompt_field="chat.messages", retrieval=True)
+    assert info.value.code == grpc.StatusCode.OUT_OF_RANGE
+    assert info.value.field == "chat.messages"
+    assert "(12 prompt + 2 completion: max_tokens x n)" in str(info.value)
+    assert "retrieval.top_k" in str(info.value)
+    with pytest.raises(InvalidRequestError) as info:  # no retrieval: no passages to cut
+        limiter.begin("c", TenantLimits(tokens_per_minute=10)).reserve(12, 2)
+    assert info.value.field == "prompt" and "retrieval" not in str(info.value)
 
 
 def test_a_failed_request_is_billed_only_its_completion_tokens(clock: Clock) -> None:
