@@ -550,7 +550,11 @@ def _slowdown_or_off(text: str) -> float | None:
     otherwise: refused, so that the one spelling is said)."""
     if text.strip().lower() == "off":
         return None
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a finite number >= 1, or off; got {text!r}") from None
     if not (value >= 1 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 1, or off; got {text}")
     return value

@@ -67,16 +67,19 @@ class UpstreamError(Exception):
       replica: the upstream's name a client may see (an engine's replica id),
         "" when it has none. ``target`` and ``details`` are for the router's
         log only (:func:`services.router.generation.upstream_to_generation_error`).
+      client_message: what the client is told of a DEADLINE_EXCEEDED, when
+        not its own deadline ran out ("" the usual advice).
     """
 
     def __init__(self, service: str, target: str, code: grpc.StatusCode, details: str,
-                 *, replica: str = "") -> None:
+                 *, replica: str = "", client_message: str = "") -> None:
         super().__init__(f"{service} at {target}: {code.name}: {details}")
         self.service = service
         self.target = target
         self.code = code
         self.details = details
         self.replica = replica
+        self.client_message = client_message
 
 
 # --------------------------------------------------------------------------- #

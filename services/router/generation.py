@@ -398,6 +398,8 @@ def upstream_to_generation_error(err: UpstreamError, *, model: str = "",
             return GenerationError(code, (
                 f"the call's deadline passed after {completion_tokens} generated tokens: the "
                 "answer is incomplete; allow a longer deadline or ask for fewer max_tokens"))
+        if err.client_message:  # a limit of the router's own, not the call's deadline
+            return GenerationError(code, err.client_message)
         if err.service == "router":  # the router's own clock ran out between hops
             return GenerationError(code, "the call's deadline passed before the first token; "
                                    "allow a longer deadline")

@@ -167,7 +167,7 @@ async def test_a_stopped_retriever_fails_fast_or_degrades_as_the_request_allows(
 
 
 async def test_a_slow_retriever_is_cut_by_the_timeout_cap_and_by_the_call_deadline():
-    async with rag_mesh(retrieval_timeout_s=0.2) as (mesh, retriever, _):
+    async with rag_mesh(retrieval_timeout_s=1.0) as (mesh, retriever, _):
         retriever.delay = 3.0
         for timeout in (20.0, 0.5):  # the router's cap, then the client's deadline
             started = time.monotonic()
@@ -175,7 +175,10 @@ async def test_a_slow_retriever_is_cut_by_the_timeout_cap_and_by_the_call_deadli
                 await collect(mesh.stub.Generate(chat(("user", "Capital?"),
                                                       collection="docs"), timeout=timeout))
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert "retriever" in err.value.details()
+            if timeout == 20.0:  # QA: the router's cap told the client to allow a longer deadline
+                assert "retriever" in err.value.details()
+                assert "--retrieval-timeout-ms" in err.value.details()
+                assert "longer deadline" not in err.value.details()
             assert time.monotonic() - started < 2.5
         assert mesh.engines[0].log.starts == []
 

@@ -214,9 +214,11 @@ class RetrievalStage:
         if self.client is None:
             raise no_retriever()
         now = time.monotonic()
-        timeout = self.timeout_s if deadline is None else min(self.timeout_s, deadline - now)
+        capped = deadline is None or self.timeout_s < deadline - now
+        timeout = self.timeout_s if capped else deadline - now  # type: ignore[operator]
         task = asyncio.create_task(
-            self._query(self.client, spec, request_id, cache_scope, timeout, parent),
+            self._query(self.client, spec, request_id, cache_scope, timeout, parent,
+                        capped=capped),
             name=f"retrieve {request_id}")
         pending = PendingRetrieval(spec, task, now, model, self.metrics, self.client.target)
         task.add_done_callback(pending.mark_answered)
@@ -224,15 +226,30 @@ class RetrievalStage:
 
     @staticmethod
     async def _query(client: RetrieverClient, spec: RetrievalSpec, request_id: str,
-                     cache_scope: str, timeout: float,
-                     parent: tracing.Span | None) -> QueryAnswer:
+                     cache_scope: str, timeout: float, parent: tracing.Span | None, *,
+                     capped: bool) -> QueryAnswer:
+        """The Query's answer. ``capped``: ``timeout`` is the router's
+        ``--retrieval-timeout-ms``, not the client's deadline: running out of
+        it is still DEADLINE_EXCEEDED, told as the router's cap, which a
+        longer client deadline would not lift (QA: "allow a longer deadline")."""
         with tracing.span("llmesh.retrieve", parent, attributes={
                 "llmesh.retrieval.collection": spec.collection,
                 "llmesh.retrieval.top_k": spec.top_k}) as span:
-            answer = await client.query(
-                spec.collection, spec.query, top_k=spec.top_k, filter=spec.filter,
-                request_id=request_id, timeout=timeout, cache_scope=cache_scope,
-                metadata=tracing.metadata_of(span))
+            try:
+                answer = await client.query(
+                    spec.collection, spec.query, top_k=spec.top_k, filter=spec.filter,
+                    request_id=request_id, timeout=timeout, cache_scope=cache_scope,
+                    metadata=tracing.metadata_of(span))
+            except UpstreamError as err:
+                if not (capped and err.code == grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                cap = f"{timeout * 1e3:.0f} ms"
+                raise UpstreamError(
+                    err.service, err.target, err.code, err.details,
+                    client_message=f"the retriever did not answer within the router's "
+                    f"retrieval timeout ({cap}, --retrieval-timeout-ms) before the first "
+                    "token; retry, or ask with retrieval.on_failure degrade to be answered "
+                    "without passages") from None
             if span is not None:
                 span.set_attributes({"llmesh.retrieval.cache_hit": answer.cache_hit,
                                      "llmesh.retrieval.embed_ms": answer.embed_ms,

@@ -623,10 +623,13 @@ class RetrievalLatency(_message.Message):
     """The Query call as the router measured it (start to answer)."""
     wait_ms: _builtins.float
     """Of `call_ms`, the time the request waited for the passages after the
-    rest of its preparation was done: what retrieval added to TTFT.
+    rest of its preparation was done and, when it queued for a running slot
+    meanwhile, after that slot was granted: what retrieval added to TTFT.
     """
     overlap_ms: _builtins.float
-    """Of `call_ms`, the time that ran beside the rest of the preparation."""
+    """Of `call_ms`, the time that ran beside the rest of the preparation and
+    the admission wait.
+    """
     def __init__(
         self,
         *,
