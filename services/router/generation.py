@@ -20,8 +20,9 @@ path, step by step (docs: /work/shared/DESIGN.md "The request path"):
    second key scheme would save; docs/architecture.md "What the mesh
    costs"); with ``request.retrieval`` the request's admission place is
    taken first when it would queue (step 4's queue:
-   :meth:`AdmissionController.claim`, sized when the prompt is tokenized), then the retriever's Query starts, and its
-   passages go into the chat just before the last user turn
+   :meth:`AdmissionController.claim`, sized when the prompt is tokenized),
+   then the retriever's Query starts, and its passages go into the chat
+   just before the last user turn
    (:mod:`services.router.retrieval`): the request queues for its running
    slot while the Query runs (TTFT ~ max(queue wait, retrieval), not the
    sum); the request's log line, its latency
@@ -886,11 +887,9 @@ class GenerationPipeline:
             raise GenerationError(grpc.StatusCode.INTERNAL, (
                 f"internal error in the router (request_id={request.request_id}); "
                 "see its logs")) from err
-        finally:
+        finally:  # the claim, if any: given up when the flight's task ends (_join_or_start)
             if matches is not None:
                 matches.cancel()
-            if claim is not None:
-                claim.cancel()
             if ticket is not None:
                 ticket.release()
 

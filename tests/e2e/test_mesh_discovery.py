@@ -161,7 +161,7 @@ def routed(cluster: Cluster) -> dict[str, float]:
     for line in text.splitlines():
         if line.startswith("llmesh:router_routed_requests_total{"):
             engine = line.split('engine="', 1)[1].split('"', 1)[0]
-            counts[engine] = counts.get(engine, 0.0) + float(line.rsplit(" ", 1)[1])
+            counts[engine] += float(line.rsplit(" ", 1)[1])
     return counts
 
 

@@ -36,6 +36,7 @@ Errors (statuses the client sees):
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
 from collections.abc import Sequence
@@ -214,8 +215,9 @@ class RetrievalStage:
         if self.client is None:
             raise no_retriever()
         now = time.monotonic()
-        capped = deadline is None or self.timeout_s < deadline - now
-        timeout = self.timeout_s if capped else deadline - now  # type: ignore[operator]
+        left = math.inf if deadline is None else deadline - now
+        capped = self.timeout_s < left  # the router's cap, not the call's deadline, ends it
+        timeout = min(self.timeout_s, left)
         task = asyncio.create_task(
             self._query(self.client, spec, request_id, cache_scope, timeout, parent,
                         capped=capped),
