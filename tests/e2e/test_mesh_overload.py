@@ -197,13 +197,20 @@ def test_sigkill_of_an_engine_mid_stream_fails_only_its_streams_and_it_rejoins(
     run on engine-1 and succeed, new ones too; after a restart on the same
     port the router sends engine-0 traffic again."""
     victim = mesh.engines[0]
+    router = mesh.router.metrics_address
+    routed = "llmesh:router_routed_requests_total"
+    on_victim: list[float] = []
 
     async def scenario(stub) -> tuple[list[Outcome], list[Outcome], list[Outcome], float]:
+        before = metric(router, routed, engine=victim.grpc_address)
         started = [asyncio.Event() for _ in range(SLOTS)]
         streams = [asyncio.create_task(run_one(stub, long_request(96, f"k{i}"),
                                                first_token=e, first_token_count=4))
                    for i, e in enumerate(started)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        # The routing's cost model places them (2/2 as a rule; CI once saw
+        # 3/1): the streams to fail are the ones the victim holds.
+        on_victim.append(metric(router, routed, engine=victim.grpc_address) - before)
         queued = [asyncio.create_task(run_one(stub, long_request(8, f"q{i}")))
                   for i in range(4)]
         await asyncio.sleep(0.2)
@@ -217,7 +224,7 @@ def test_sigkill_of_an_engine_mid_stream_fails_only_its_streams_and_it_rejoins(
     finished = [o for o in streams if o.code == grpc.StatusCode.OK]
     print(f"killed engine-0: its streams ended "
           f"{[round((o.ended_at - killed_at) * 1e3) for o in failed]} ms after SIGKILL")
-    assert len(failed) == SLOTS_PER_ENGINE and len(finished) == SLOTS - SLOTS_PER_ENGINE
+    assert 1 <= len(failed) == on_victim[0] and len(finished) == SLOTS - on_victim[0]
     for o in failed:
         assert o.code == grpc.StatusCode.UNAVAILABLE, o.details
         assert o.ended_at - killed_at < 1.0
@@ -225,7 +232,6 @@ def test_sigkill_of_an_engine_mid_stream_fails_only_its_streams_and_it_rejoins(
     assert all(o.code == grpc.StatusCode.OK and o.tokens == 8 for o in queued), [
         (o.code, o.details) for o in queued]
     assert all(o.code == grpc.StatusCode.OK and o.tokens == 4 for o in after)
-    router = mesh.router.metrics_address
     assert metric(router, "llmesh:router_replica_serving", engine=victim.grpc_address) == 0
     assert metric(router, "llmesh:router_replica_failovers_total",
                   engine=victim.grpc_address) >= 1
