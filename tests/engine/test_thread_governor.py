@@ -261,6 +261,62 @@ def test_cores_coming_back_restore_threads_with_hysteresis() -> None:
     assert controller.contention_events == 2
 
 
+def test_a_span_across_idle_counts_toward_a_step_up_only_when_it_had_room() -> None:
+    """Sparse traffic closes no window (each step follows a gap): the span
+    across a gap is one roomy window when the machine had room for one more
+    thread, and nothing otherwise, neither contention nor a break in the streak."""
+    controller = ThreadController(2)
+    assert controller.update(CPUSample(0.2, run_s=0.2, wait_s=0.2)) == 1  # severe: one thread
+    neighbour = CPUSample(0.5, run_s=0.02, idle_s=0.5)  # ~1 CPU free: no room for two
+    waited = CPUSample(0.5, run_s=0.02, wait_s=0.2, idle_s=0.98)
+    for _ in range(UP_WINDOWS - 1):
+        assert controller.idle_room(CPUSample(0.5, run_s=0.02, idle_s=0.98)) == 1
+        assert controller.idle_room(neighbour) == 1 and controller.idle_room(waited) == 1
+    assert controller.idle_room(CPUSample(0.5, run_s=0.02, idle_s=0.98)) == 2
+    assert controller.reason == "cores_free" and controller.contention_events == 1
+    assert controller.idle_room(CPUSample(0.5, run_s=0.04, idle_s=0.96)) == 2  # at the ceiling
+
+
+def test_an_engine_on_sparse_traffic_gets_its_threads_back_after_a_transient_neighbour() -> None:
+    """One contended window (the mesh's first requests after start) took a
+    thread; one short request at a time then never closed a window, and the
+    engine stayed at one thread for good (TTFT ~20 ms instead of ~14 on the
+    2-vCPU VM, 2026-12-07). Now quiet gaps bring the thread back, and gaps
+    beside a busy neighbour do not."""
+    now = [0.0]
+    counters = [0.0, 0.0, 0.0, 0.0]  # run, wait, idle, throttled: cumulative seconds
+    applied: list[int] = []
+    governor = ThreadGovernor(2, applied.append, clock=lambda: now[0])
+    governor._read = lambda: (counters[0], counters[1], counters[2], counters[3])  # type: ignore
+
+    def advance(to: float, *, run: float, wait: float, idle: float) -> None:
+        """Moves the clock to ``to`` with these CPU rates (CPUs)."""
+        elapsed = to - now[0]
+        counters[0] += run * elapsed
+        counters[1] += wait * elapsed
+        counters[2] += idle * elapsed
+        now[0] = to
+
+    for step in range(1, 22):  # steps back to back while a neighbour takes a core
+        advance(step * 0.01, run=1.0, wait=1.0, idle=0.0)
+        governor.observe(StepStats(0.01, 1, 1))
+    assert applied == [2, 1]
+
+    def request(gap_idle_cpus: float) -> None:
+        """An idle gap of 0.5 s, then a one-step request of 20 ms."""
+        advance(now[0] + 0.5, run=0.0, wait=0.0, idle=gap_idle_cpus)
+        advance(now[0] + 0.02, run=1.0, wait=0.0, idle=gap_idle_cpus - 1.0)
+        governor.observe(StepStats(0.02, 8, 1))
+
+    for _ in range(2 * UP_WINDOWS):  # the neighbour stays: no room while idle
+        request(gap_idle_cpus=1.0)
+    for _ in range(UP_WINDOWS - 1):  # it left: quiet gaps count ...
+        request(gap_idle_cpus=2.0)
+    assert applied == [2, 1]
+    request(gap_idle_cpus=2.0)  # ... and the last of UP_WINDOWS brings the thread back
+    assert applied == [2, 1, 2] and governor.controller.reason == "cores_free"
+
+
 def test_a_cgroup_quota_caps_the_threads_from_the_start() -> None:
     controller = ThreadController(2, quota_cpus=1.5)
     assert controller.threads == 1 and controller.reason == "quota"

@@ -41,6 +41,18 @@ follows) between 1 and a ceiling:
   :data:`REVERT_WINDOWS` windows, and returns to :data:`UP_WINDOWS` once a
   step up has held that long (hysteresis: no flapping around a noisy
   neighbour).
+* **up across idle** (:meth:`ThreadController.idle_room`): a window never
+  closes under sparse traffic (one short request at a time: each step
+  follows a gap, and the window restarts there), so after one transient
+  contention event (the mesh's own first requests after start: a 0.49
+  run-queue wait in one window, 2026-12-07) an engine serving such traffic
+  stayed at one thread for good: TTFT ~20 ms instead of ~14 on this VM. So
+  the span from the last window's start to the end of the first step after a
+  gap (at least :data:`WINDOW_S` long) counts as one roomy window when the
+  CPUs this process could have used reached one more than its threads and
+  its own threads did not wait; a span without room changes nothing (a
+  client starting in the gap neither counts nor breaks the streak), and a
+  span never counts as contention.
 
 :class:`ThreadController` is the decision (pure, fed :class:`CPUSample`);
 :class:`ThreadGovernor` reads the sources, applies the decision on the engine
@@ -176,6 +188,21 @@ class ThreadController:
             self._since_up = 0
         return self.threads
 
+    def idle_room(self, sample: CPUSample) -> int:
+        """Takes a span that covers an idle gap (module doc, "up across idle"):
+        one roomy window toward a step up when it had room for one more
+        thread, nothing otherwise; returns the thread count from now on."""
+        limit = quota_threads(sample.quota_cpus, self.ceiling)
+        available = (sample.run_s + sample.idle_s) / sample.wall_s
+        waited = sample.wait_s / (sample.wall_s * self.threads) > WAIT_FRACTION
+        if self.threads >= limit or waited or available < self.threads + 1 - UP_SLACK:
+            return self.threads
+        self._roomy += 1
+        if self._roomy >= self._up_windows:
+            self._set(self.threads + 1, "cores_free")
+            self._since_up = 0
+        return self.threads
+
     def _set(self, threads: int, reason: str) -> None:
         self.threads, self.reason = threads, reason
         self._contended = self._roomy = 0
@@ -215,6 +242,7 @@ class ThreadGovernor:
         self._last_step_at: float | None = None  # the previous step's end
         self._step_at: float | None = None  # the current step's first layer
         self._opened_in_step = False  # the window started inside the current step
+        self._applied = self.controller.threads  # what set_threads was last given
         set_threads(self.controller.threads)
         log.info("engine_threads", threads=self.controller.threads, ceiling=ceiling,
                  quota_cpus=quota, reason=self.controller.reason,
@@ -262,7 +290,7 @@ class ThreadGovernor:
         now = self._clock()
         began = self._step_at if self._step_at is not None else now - stats.duration_s
         if self._after_idle(began) and not (self._step_at is not None and self._opened_in_step):
-            self._window_start, self._last = now, self._read()  # the window starts here
+            self._restart_after_idle(now)
         elif now - self._window_start >= WINDOW_S:
             self._window(now)
         self._last_step_at, self._step_at = now, None
@@ -279,6 +307,19 @@ class ThreadGovernor:
         that began at ``step_began``."""
         return self._last_step_at is not None and step_began - self._last_step_at > IDLE_GAP_S
 
+    def _restart_after_idle(self, now: float) -> None:
+        """At the end of the first step after a gap: the span since the last
+        window's start goes to :meth:`ThreadController.idle_room` (when it
+        lasted :data:`WINDOW_S`), and the next window starts here."""
+        current = self._read()
+        wall = now - self._window_start
+        if wall >= WINDOW_S:
+            run, wait, idle, _ = (c - p for c, p in zip(current, self._last))
+            quota = self._cgroup.quota_cpus() if self._cgroup is not None else None
+            sample = CPUSample(wall, run, wait, idle, 0.0, quota)
+            self._apply(self.controller.idle_room(sample), sample, quota)
+        self._window_start, self._last = now, current
+
     def _window(self, now: float) -> None:
         moved = self._find_cgroup()
         quota = self._cgroup.quota_cpus() if self._cgroup is not None else None
@@ -291,8 +332,13 @@ class ThreadGovernor:
         sample = CPUSample(now - self._window_start, run, wait, idle, max(throttled, 0.0), quota)
         self._window_start, self._last = now, current
         self.throttled_s += sample.throttled_s
-        before = self.controller.threads
-        after = self.controller.update(sample)
+        self._apply(self.controller.update(sample), sample, quota)
+
+    def _apply(self, after: int, sample: CPUSample, quota: float | None) -> None:
+        """Sets the thread count the controller decided from ``sample`` and logs
+        a change once."""
+        before = self._applied
+        self._applied = after
         if after != before:
             self._set_threads(after)
             log.info("engine_threads", threads=after, previous=before,
