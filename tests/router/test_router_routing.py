@@ -341,10 +341,10 @@ async def test_a_replica_with_a_free_slot_goes_before_one_where_the_request_woul
     hint = RouteHint(96, max_tokens=96)
     if case == "full_holds_the_prompt":
         hint = RouteHint(4000, matches({full: 3984}), max_tokens=96)
-    elif case == "free_report_stale":
-        free.load_watch.view = view(running=1, age=1.5, profile=ONE_CORE)  # type: ignore[attr-defined]
     else:
-        free.load_watch.view = view(running=1, profile=SLOW)  # type: ignore[attr-defined]
+        stale = case == "free_report_stale"
+        free.load_watch.view = view(  # type: ignore[attr-defined]
+            running=1, age=1.5 if stale else 0.1, profile=ONE_CORE if stale else SLOW)
     choice = await picker(RoutingPolicy.KV_AWARE).choose([full, free], Priority.INTERACTIVE, hint)
     assert choice.order == [free, full], choice.costs
     session = RoutingSession(replica=full)  # the previous turn's replica is full
