@@ -167,6 +167,16 @@ def log_tail(path: Path, lines: int = 30, start: int = 0) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def log_excerpt(path: Path, start: int = 0) -> str:
+    """Where a failed child's log is and its last lines from byte ``start`` on
+    (:func:`log_tail`), or, when it wrote nothing there (it died before its
+    first line), that it wrote nothing to ``path``."""
+    tail = log_tail(path, start=start)
+    if not tail.strip():
+        return f"it wrote nothing to its log {path}"
+    return f"full log: {path}\n--- last lines ---\n{tail}"
+
+
 def start_failure_reason(path: Path, start: int = 0) -> str | None:
     """The ``error`` of the last ``start_failed`` JSON line a service logged
     (services/common/server.py) from byte ``start`` on, or None."""
@@ -366,15 +376,14 @@ class ServiceProcess:
         return None if self.process is None else self.process.poll()
 
     def failure(self, what: str) -> MeshStartError:
-        """A start error that quotes this child's log tail, led by the reason
+        """A start error that quotes this child's log tail (or says it wrote
+        nothing: :func:`log_excerpt`), led by the reason
         its ``start_failed`` line gives (:func:`start_failure_reason`), which
         shutdown lines may have pushed out of the tail."""
-        tail = log_tail(self.log_path, start=self.log_offset)  # this process's lines only
         reason = start_failure_reason(self.log_path, self.log_offset)
-        return MeshStartError(
-            f"{self.name} {what}{f': {reason}' if reason else ''}; full log: "
-            f"{self.log_path}\n--- last lines ---\n{tail}"
-        )
+        return MeshStartError(  # this process's lines only
+            f"{self.name} {what}{f': {reason}' if reason else ''}; "
+            f"{log_excerpt(self.log_path, self.log_offset)}")
 
 
 def _http_get(url: str, timeout_s: float = 1.0) -> tuple[int, str]:
@@ -514,9 +523,7 @@ class EnvoyProcess:
 
     def _failure(self, what: str) -> MeshStartError:
         return MeshStartError(
-            f"envoy {what}; config: {self.config_path}; full log: {self.log_path}\n"
-            f"--- last lines ---\n{log_tail(self.log_path)}"
-        )
+            f"envoy {what}; config: {self.config_path}; {log_excerpt(self.log_path)}")
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout_s`` seconds; no-op if not running."""

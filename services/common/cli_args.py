@@ -44,32 +44,42 @@ def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict[st
 
 
 def integer(low: int) -> Callable[[str], int]:
-    """An argparse type: a whole number >= ``low``."""
+    """An argparse type: a whole number >= ``low`` (text that is no whole
+    number is refused saying so, and the bound)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number >= {low}, got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
         return value
     return parse
 
 
-def number(low: float, *, inclusive: bool = False,
-           finite: bool = True) -> Callable[[str], float]:
+def number(low: float, *, inclusive: bool = False, finite: bool = True,
+           high: float | None = None, high_inclusive: bool = True) -> Callable[[str], float]:
     """An argparse type: a number above ``low`` (or equal to it with
-    ``inclusive``), finite unless ``finite`` is False (NaN never passes)."""
-    bound = ">=" if inclusive else ">"
-    what = "a finite number " if finite else ""
+    ``inclusive``), finite unless ``finite`` is False (NaN never passes), and
+    with ``high`` at most ``high`` (below it without ``high_inclusive``). Text
+    that is no number is refused with the same words for what is accepted
+    (``expected a number in (0, 1], got 'abc'``)."""
+    if high is not None:
+        what = (f"a number in {'[' if inclusive else '('}{low:g}, {high:g}"
+                f"{']' if high_inclusive else ')'}")
+    else:
+        what = f"{'a finite number' if finite else 'a number'} {'>=' if inclusive else '>'} {low:g}"
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not (value >= low if inclusive else value > low) or (finite and math.isinf(value)):
-            raise argparse.ArgumentTypeError(f"must be {what}{bound} {low:g}, got {text}")
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        above = value >= low if inclusive else value > low
+        below = high is None or (value <= high if high_inclusive else value < high)
+        if not (above and below) or (finite and math.isinf(value)):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
         return value
     return parse
 

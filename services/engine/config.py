@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.cli_args import non_negative_int as _non_negative_int
+from services.common.cli_args import number
 from services.common.cli_args import positive_float as _positive_float
 from services.common.cli_args import positive_int as _positive_int
 
@@ -31,6 +32,10 @@ BACKEND_NAMES = ("torch", "tensorrt_llm")
 SPECULATIVE_METHODS = ("auto", "none", "ngram", "draft", "suffix", "eagle3", "mtp")
 ENV_PREFIX = "LLMESH_ENGINE_"
 GIB = 1 << 30
+#: ``--gpu-memory-fraction``: a number in (0, 1].
+_fraction = number(0, high=1)
+#: ``--suffix-min-token-prob``: a number in [0, 1).
+_probability = number(0, inclusive=True, high=1, high_inclusive=False)
 
 
 @dataclass(frozen=True)
@@ -538,13 +543,6 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def _probability(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
-
-
 def _slowdown_or_off(text: str) -> float | None:
     """``off`` → None; else a finite factor >= 1 (``inf`` is ``off`` spelled
     otherwise: refused, so that the one spelling is said)."""
@@ -557,13 +555,6 @@ def _slowdown_or_off(text: str) -> float | None:
             f"expected a finite number >= 1, or off; got {text!r}") from None
     if not (value >= 1 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 1, or off; got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
 
 

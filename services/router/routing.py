@@ -52,15 +52,26 @@
   replica's ``StreamLoad`` (:mod:`services.router.load_watch`). A replica
   whose load report is stale (over 1 s old), or whose KV cache is at least
   ``kv_full_usage`` used (a new sequence there preempts another), costs
-  infinity: it is chosen only when every replica does. Costs within
-  :data:`TIE_TOLERANCE` (10 %) of the cheapest tie; ties go to the least
-  loaded (open requests), then in turn. Without a cache service, or
-  when the index does not answer in time, matched tokens are 0 and the
-  policy routes by load alone.
+  infinity: it goes after every finite cost of its group (below).
+
+  The replicas known to start the request at once (a free sequence slot,
+  ``queued_for_a_slot`` = 0, and room in the KV cache: :func:`starts_at_once`)
+  go before the others whatever the costs: the slot wait's fixed price
+  could be outweighed by a long prompt's prefix hit, by a faster measured
+  profile, or by a stale report (infinity) on the free replica, and the
+  request then waited for a sequence to finish beside a free slot (CI: 4
+  interactive streams split 3/1 over two 2-slot engines). A stale report
+  does not demote a free replica: this router's open streams are exact, and
+  a replica that stops answering leaves routing by its health probe. In each
+  group costs within :data:`TIE_TOLERANCE` (10 %) of the group's cheapest
+  tie; ties go to the least loaded (open requests), then in turn. Without a
+  cache service, or when the index does not answer in time, matched tokens
+  are 0 and the policy routes by load alone.
 
 Session affinity (``GenerateStream``): the replica that served a
 conversation's previous turn takes the next one unless it is gone, its
-cost is infinite, or it costs more than the prefill of
+cost is infinite, the request would wait there and start at once on the
+first in the order, or it costs more than the prefill of
 ``affinity_slack_tokens`` (on that replica) above the cheapest (then the
 conversation moves, paying its prefill once).
 
@@ -221,7 +232,7 @@ def replica_cost(hint: RouteHint, matched_tokens: int, view: LoadView,
     slowdown = joined - profile.decode_step(batch)
     own = choices * (profile.prefill_s(queued_prefill + own_prefill) + restore + steps * joined)
     imposed = batch * (profile.prefill_s(own_prefill) + restore + (steps - 1) * slowdown)
-    queued = 0 if slots is None else max(slots.busy + 1 - slots.max_num_seqs, 0)
+    queued = 0 if slots is None else slots.queued
     return own + imposed + profile.prefill_s(round(weights.slot_wait_tokens)) * queued
 
 
@@ -244,6 +255,22 @@ class SlotUse:
 
     busy: int
     max_num_seqs: int
+
+    @property
+    def queued(self) -> int:
+        """Sequences that must finish before the request gets a slot (0: one is free)."""
+        return max(self.busy + 1 - self.max_num_seqs, 0)
+
+
+def starts_at_once(view: LoadView, slots: SlotUse | None, weights: CostWeights) -> bool:
+    """True when the replica has a free sequence slot for the request by a
+    count the router knows (``slots``) and room in its KV cache: the request
+    joins its batch at the next step instead of waiting for a sequence to
+    finish or preempting one. A stale report does not change this: this
+    router's own open streams are exact, and a replica that stopped answering
+    leaves routing by its health probe (:mod:`services.router.replicas`)."""
+    return (slots is not None and slots.queued == 0 and view.load is not None
+            and view.load.kv_cache_usage < weights.kv_full_usage)
 
 
 def slot_use(engine: EngineClient, view: LoadView, priority: Priority) -> SlotUse | None:
@@ -331,14 +358,15 @@ class ReplicaPicker:
         views = {engine: engine.load_watch.current() for engine in serving}
         peer = next((view.load.step_profile for view in views.values()
                      if view.load is not None and view.load.step_profile.measured), None)
+        slots = {engine: slot_use(engine, views[engine], priority) for engine in rotated}
         costs = {engine: replica_cost(hint, matches.get(engine, NO_PREFIX).tokens, views[engine],
-                                      self.weights, slot_use(engine, views[engine], priority),
-                                      peer, matches.get(engine, NO_PREFIX).offloaded_tokens)
+                                      self.weights, slots[engine], peer,
+                                      matches.get(engine, NO_PREFIX).offloaded_tokens)
                  for engine in rotated}
-        near = min(costs.values()) * (1 + TIE_TOLERANCE)  # inf when all are saturated
-        order = sorted(rotated, key=lambda e: (0.0 if costs[e] <= near else costs[e],
-                                               e.in_flight))  # stable: rotation
-        sticky = self._sticky(hint.session, order, costs, views, peer)
+        ready = {engine: starts_at_once(views[engine], slots[engine], self.weights)
+                 for engine in rotated}
+        order = _by_cost(rotated, costs, ready)
+        sticky = self._sticky(hint.session, order, costs, views, peer, ready)
         if sticky is not None:
             order.remove(sticky)
             order.insert(0, sticky)
@@ -352,9 +380,12 @@ class ReplicaPicker:
 
     def _sticky(self, session: RoutingSession | None, order: list[EngineClient],
                 costs: dict[EngineClient, float], views: dict[EngineClient, LoadView],
-                peer: StepProfile | None) -> EngineClient | None:
-        """The session's replica if it should keep the conversation, else None."""
+                peer: StepProfile | None, ready: dict[EngineClient, bool]) -> EngineClient | None:
+        """The session's replica if it should keep the conversation, else None
+        (never when ``order[0]`` starts the request at once and it does not)."""
         if session is None or session.replica is None or session.replica not in costs:
+            return None
+        if ready[order[0]] and not ready[session.replica]:
             return None
         cost = costs[session.replica]
         load = views[session.replica].load
@@ -379,6 +410,20 @@ def duplicate_replica_ids(engines: Sequence[EngineClient]) -> set[str]:
         replica = engine.info.replica_id if engine.info is not None else ""
         (duplicates if replica in seen else seen).add(replica)
     return duplicates - {""}
+
+
+def _by_cost(rotated: list[EngineClient], costs: dict[EngineClient, float],
+             ready: dict[EngineClient, bool]) -> list[EngineClient]:
+    """``rotated`` ordered for ``kv_aware``: the replicas known to start the
+    request at once (``ready``: :func:`starts_at_once`) before the others,
+    whatever their costs (a prefix hit or a faster profile never outweighs
+    waiting for a sequence to finish); in each group, costs within
+    :data:`TIE_TOLERANCE` of the group's cheapest tie, the rest go by cost;
+    ties to the fewest open requests, then in turn."""
+    near = {group: min((c for e, c in costs.items() if ready[e] is group), default=math.inf)
+            * (1 + TIE_TOLERANCE) for group in (True, False)}  # inf: all saturated
+    return sorted(rotated, key=lambda e: (not ready[e], 0.0 if costs[e] <= near[ready[e]]
+                                          else costs[e], e.in_flight))  # stable: rotation
 
 
 def _least_load(rotated: list[EngineClient], priority: Priority) -> list[EngineClient]:

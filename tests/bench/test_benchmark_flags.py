@@ -19,7 +19,8 @@ from services.cli.mesh import REPO_ROOT, MeshStartError, child_env, free_port
 
 
 @pytest.mark.parametrize(("script", "argv", "message"), [
-    ("contention.py", ["--busy", "abc"], "argument --busy: expected a whole number, got 'abc'"),
+    ("contention.py", ["--busy", "abc"],
+     "argument --busy: expected a whole number >= 0, got 'abc'"),
     ("contention.py", ["--concurrency", "0"], "argument --concurrency: must be >= 1, got 0"),
     ("peer_llamacpp.py", ["--num-warmups", "-1"], "argument --num-warmups: must be >= 0"),
     ("conversations.py", ["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),

@@ -313,7 +313,7 @@ def test_up_refuses_a_kv_size_that_does_not_parse_before_starting(
     (["--router-arg=--max-queued-requests=-1"],
      "--router-arg: argument --max-queued-requests: must be >= 0, got -1"),
     (["--router-arg=--max-queued-requests", "--router-arg=many"],
-     "--router-arg: argument --max-queued-requests: expected a whole number, got 'many'"),
+     "--router-arg: argument --max-queued-requests: expected a whole number >= 0, got 'many'"),
     (["--router-arg=--no-such-flag"], "--router-arg: unrecognized arguments: --no-such-flag"),
     (["--retrieval", "--retriever-arg=--default-top-k=0"],
      "--retriever-arg: need 1 <= --default-top-k <= --max-top-k"),

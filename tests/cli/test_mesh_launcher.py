@@ -247,6 +247,22 @@ def test_failed_start_names_the_service_quotes_its_log_and_stops_the_rest(tmp_pa
     assert wait_all_dead(pids.values(), timeout_s=1.0) == []
 
 
+def test_a_service_that_dies_before_writing_a_line_is_said_to_have_written_nothing(
+        tmp_path: Path) -> None:
+    """QA: an engine that died before its first log line (here: exits at
+    once) got an empty ``--- last lines ---`` section; the failure now says
+    that it wrote nothing to its log, naming the file."""
+    commands = fake_commands()
+    commands["engine"] = [sys.executable, "-c", "raise SystemExit(3)"]
+    mesh = Mesh(ingress_port=0, admin_port=0, run_dir=tmp_path, commands=commands)
+    with pytest.raises(MeshStartError) as caught:
+        mesh.start()
+    log = tmp_path / "engine-0.log"
+    assert str(caught.value) == (f"engine-0 exited with code 3 while starting; "
+                                 f"it wrote nothing to its log {log}")
+    assert wait_all_dead(mesh.pids().values(), timeout_s=1.0) == []
+
+
 def test_taken_ingress_port_fails_fast_before_anything_starts(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

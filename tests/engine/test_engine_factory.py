@@ -170,6 +170,38 @@ def test_a_slowdown_that_is_not_a_finite_factor_is_refused(
     assert "a finite number >= 1, or off" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("name", "value", "accepted"), [
+    ("OUTRANKED_PREFILL_SLOWDOWN", "abc", "expected a finite number >= 1, or off; got 'abc'"),
+    ("OUTRANKED_PREFILL_SLOWDOWN", "inf", "must be a finite number >= 1, or off; got inf"),
+    ("GPU_MEMORY_FRACTION", "abc", "expected a number in (0, 1], got 'abc'"),
+    ("GPU_MEMORY_FRACTION", "1.5", "must be a number in (0, 1], got 1.5"),
+    ("SUFFIX_MIN_TOKEN_PROB", "abc", "expected a number in [0, 1), got 'abc'"),
+    ("SUFFIX_SPEC_FACTOR", "abc", "expected a number > 0, got 'abc'"),
+    ("MAX_NUM_SEQS", "abc", "expected a whole number >= 1, got 'abc'"),
+    ("SUFFIX_CACHE_TOKENS", "many", "expected a whole number >= 0, got 'many'"),
+])
+def test_a_bad_environment_value_is_refused_naming_the_variable_the_value_and_what_is_accepted(
+        name: str, value: str, accepted: str) -> None:
+    """QA: ``LLMESH_ENGINE_GPU_MEMORY_FRACTION=abc`` said only ``could not
+    convert string to float: 'abc'``; every engine variable's refusal now says
+    the variable, the value given and what it accepts (one shared number type)."""
+    variable = f"LLMESH_ENGINE_{name}"
+    with pytest.raises(ValueError) as refused:
+        parse_config([], {variable: value})
+    assert str(refused.value) == f"{variable}={value!r}: {accepted}"
+
+
+@pytest.mark.parametrize(("flag", "value", "accepted"), [
+    ("--gpu-memory-fraction", "abc", "expected a number in (0, 1], got 'abc'"),
+    ("--suffix-min-token-prob", "1", "must be a number in [0, 1), got 1"),
+])
+def test_a_bad_fraction_flag_says_what_is_accepted(
+        flag: str, value: str, accepted: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_config([flag, value], {})
+    assert f"argument {flag}: {accepted}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("size", ["1PiB", "3 bits", "GiB"])
 def test_bad_size_flag_is_named(size: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:

@@ -309,6 +309,61 @@ async def test_streams_this_router_opened_hold_slots_the_report_does_not_show_ye
     assert batch.order == [b, a]
 
 
+def two_slot_pair(engines: list[EngineClient]) -> tuple[EngineClient, EngineClient]:
+    """Two replicas of 2 sequence slots: ``free`` holds one interactive stream of
+    this router, ``full`` two (the third and fourth of 4 streams sent together)."""
+    free, full, _ = engines
+    for engine in (free, full):
+        engine.info = ModelInfo("m", 1024, 100, (2,), "torch", max_num_seqs=2)
+    free.opened(Priority.INTERACTIVE)
+    full.opened(Priority.INTERACTIVE)
+    full.opened(Priority.INTERACTIVE)
+    full.load_watch.view = view(running=2, profile=ONE_CORE)  # type: ignore[attr-defined]
+    free.load_watch.view = view(running=1, profile=ONE_CORE)  # type: ignore[attr-defined]
+    return free, full
+
+
+SLOW = StepProfile(ONE_CORE.prefill_token_s, tuple(4 * s for s in ONE_CORE.decode_step_s))
+
+
+@pytest.mark.parametrize("case", ["full_holds_the_prompt", "free_report_stale",
+                                  "free_measured_slower"])
+async def test_a_replica_with_a_free_slot_goes_before_one_where_the_request_would_wait(
+        engines: list[EngineClient], case: str) -> None:
+    """CI (test_mesh_overload's SIGKILL test) once split 4 interactive streams
+    3/1 over two 2-slot engines: the fourth waited on the full one for a
+    sequence to finish. Each input here made the full replica the cheaper in
+    a cost where waiting counted as a 2,048-token prefill: a prefix hit
+    there (a prompt it holds), a stale report from the free one (its last
+    step took over 1 s: it costs infinity), the free one's profile measured
+    slower (under contention). A free slot now comes first, whatever the cost."""
+    free, full = two_slot_pair(engines)
+    hint = RouteHint(96, max_tokens=96)
+    if case == "full_holds_the_prompt":
+        hint = RouteHint(4000, matches({full: 3984}), max_tokens=96)
+    else:
+        stale = case == "free_report_stale"
+        free.load_watch.view = view(  # type: ignore[attr-defined]
+            running=1, age=1.5 if stale else 0.1, profile=ONE_CORE if stale else SLOW)
+    choice = await picker(RoutingPolicy.KV_AWARE).choose([full, free], Priority.INTERACTIVE, hint)
+    assert choice.order == [free, full], choice.costs
+    session = RoutingSession(replica=full)  # the previous turn's replica is full
+    choice = await picker(RoutingPolicy.KV_AWARE).choose(
+        [full, free], Priority.INTERACTIVE, RouteHint(4000, matches({full: 3984}), session))
+    assert choice.order[0] is free
+
+
+async def test_the_prefix_holder_wins_while_both_have_a_free_slot(
+        engines: list[EngineClient]) -> None:
+    """The cache-aware preference stays when both replicas would start the request
+    at once: the one holding the prompt goes first though it runs more."""
+    free, full = two_slot_pair(engines)
+    full.closed(Priority.INTERACTIVE)
+    choice = await picker(RoutingPolicy.KV_AWARE).choose(
+        [free, full], Priority.INTERACTIVE, RouteHint(4000, matches({full: 3984}), max_tokens=96))
+    assert choice.order == [full, free]
+
+
 async def test_routed_books_the_unreported_prefill(engines: list[EngineClient]) -> None:
     a, b, _ = engines
     kv = picker(RoutingPolicy.KV_AWARE)
