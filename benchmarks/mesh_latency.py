@@ -25,8 +25,8 @@ neither path runs with a governor the other lacks.
   gRPC), each alone after ``--settle`` seconds. Per request: the client's
   TTFT; the engine's step time for it (the delta of the mesh engine's
   ``llmesh:engine_step_duration_seconds`` sum around the request, the
-  in-process engine's from its step observer; a request that took more than
-  one step is named); the router's own TTFT (the delta of its
+  in-process engine's from its step observer; requests that did not take
+  exactly one step are counted in a note); the router's own TTFT (the delta of its
   ``llmesh:time_to_first_token_seconds``). Prints per path, median [p25-p75]
   in ms: client TTFT, step, step − in-process step of the same round (the
   step slowed by the other processes' CPU), client TTFT − step, router TTFT
@@ -34,8 +34,8 @@ neither path runs with a governor the other lacks.
   router TTFT (the client↔router edges, through Envoy or not); then each
   process's CPU ms per request of each path (``/proc/PID/task/*/schedstat``,
   ns, with its idle rate over a few seconds first subtracted; ``client`` is
-  this process, the in-process engine's threads included). Helpers:
-  ``latency_attribution.py``.
+  this process's ``time.process_time``, the in-process engine's threads
+  included). Helpers: ``latency_attribution.py``.
 
 Paths: **in-process** is the torch backend called directly (no gRPC, prompt
 ids from the tokenizer in this process); **mesh** is the same chat through
@@ -344,6 +344,8 @@ async def many_streams(backend: TorchBackend, tokenizer: Tokenizer,
 #: (seconds): the router's and engine's histograms are observed, and the
 #: work after the answer (the response-cache write) done, by then.
 AFTER_SECONDS = 0.1
+#: The attribution's name for this process's own CPU (``time.process_time_ns``).
+CLIENT = "client"
 #: Seconds the mesh sits idle while its processes' idle CPU rate is measured.
 IDLE_SECONDS = 3.0
 
@@ -409,15 +411,28 @@ def _probes(backend: TorchBackend, step_times: StepTimes, prompt_ids: tuple[int,
     return probes
 
 
+def _cpu_window_start(pids: dict[str, int]) -> dict[str, int]:
+    """CPU ns so far of each process of ``pids`` (name → PID), and of this
+    one as ``client`` (``time.process_time_ns``), read last: the reads of
+    /proc are this process's work, kept out of its own window."""
+    return {**{n: cpu_ns(pid) for n, pid in pids.items()}, CLIENT: time.process_time_ns()}
+
+
+def _cpu_window_end(pids: dict[str, int], start: dict[str, int]) -> dict[str, int]:
+    """CPU ns since :func:`_cpu_window_start`, this process's read first."""
+    client = time.process_time_ns() - start[CLIENT]
+    return {**{n: cpu_ns(pid) - start[n] for n, pid in pids.items()}, CLIENT: client}
+
+
 async def _idle_rates(pids: dict[str, int], seconds: float) -> dict[str, float]:
-    """CPU ns per wall second of each process (``pids``: name → PID; the
-    client as ``client``) while nothing is sent (this process's event loop
+    """CPU ns per wall second of each process (``pids``: name → PID; this
+    one as ``client``) while nothing is sent (this process's event loop
     running, as in a request's window)."""
-    before = {n: cpu_ns(pid) for n, pid in pids.items()}
+    start = _cpu_window_start(pids)
     began = time.perf_counter()
     await asyncio.sleep(seconds)
     elapsed = time.perf_counter() - began
-    return {n: (cpu_ns(pid) - before[n]) / elapsed for n, pid in pids.items()}
+    return {n: ns / elapsed for n, ns in _cpu_window_end(pids, start).items()}
 
 
 async def _probe_once(probe: Probe, request_id: str, settle: float,
@@ -429,12 +444,12 @@ async def _probe_once(probe: Probe, request_id: str, settle: float,
     steps0 = probe.read_steps() if probe.read_steps else (0.0, 0)
     router0 = probe.read_router_ttft() if probe.read_router_ttft else (0.0, 0)
     time.sleep(settle)
-    cpu0 = {n: cpu_ns(pid) for n, pid in pids.items()}
+    cpu0 = _cpu_window_start(pids)
     began = time.perf_counter()
     run = await probe.run(request_id)
     await asyncio.sleep(AFTER_SECONDS)
-    cpu = {n: cpu_ns(pid) - cpu0[n] for n, pid in pids.items()}
     window = time.perf_counter() - began
+    cpu = _cpu_window_end(pids, cpu0)
     step = histogram_delta(steps0, probe.read_steps()) if probe.read_steps else None
     router = (histogram_delta(router0, probe.read_router_ttft())
               if probe.read_router_ttft else None)
@@ -449,12 +464,11 @@ async def attribute(probes: dict[str, Probe], pids: dict[str, int], *, rounds: i
     rounds of one max_tokens=1 request per path of ``probes`` (one uncounted
     warm-up round), each alone after ``settle`` seconds; prints the per-hop
     table (:data:`latency_attribution.COLUMNS`, ms, median [p25-p75]) and CPU
-    ms per request of each process in ``pids`` (name → PID, idle rate
-    subtracted; ``client``: this process, the in-process engine included)."""
-    pids = {**pids, "client": os.getpid()}
+    ms per request of each process in ``pids`` (name → PID) and of this one
+    (``client``, the in-process engine included), idle rates subtracted."""
     idle = await _idle_rates(pids, IDLE_SECONDS)
     samples: dict[str, list[Sample]] = {name: [] for name in probes}
-    used = {name: dict.fromkeys(pids, 0) for name in probes}
+    used = {name: dict.fromkeys(idle, 0) for name in probes}
     elapsed = dict.fromkeys(probes, 0.0)
     load_before = _load()
     for i in range(rounds + 1):
@@ -475,11 +489,11 @@ async def attribute(probes: dict[str, Probe], pids: dict[str, int], *, rounds: i
     print(f"  CPU-ms per request, mean over the rounds (schedstat; each process's idle rate "
           f"over {IDLE_SECONDS:.0f} s subtracted; client: this process, the in-process engine "
           "included):")
-    print(f"    {'':<14}" + "".join(f"{n:>10}" for n in sorted(pids)))
+    print(f"    {'':<14}" + "".join(f"{n:>10}" for n in sorted(idle)))
     for path in probes:
         print(f"    {path:<14}" + "".join(
             f"{cpu_ms_per_request(used[path][n], idle[n], elapsed[path], rounds):10.2f}"
-            for n in sorted(pids)))
+            for n in sorted(idle)))
 
 
 def _command_from(where: Path, role: str) -> list[str]:
