@@ -11,7 +11,7 @@
 * :func:`cpu_ms_per_request` subtracts a process's idle CPU rate from its
   CPU over the attribution requests.
 
-No I/O here but :func:`cpu_ns` and :func:`scrape_histogram`; the arithmetic is
+No I/O here but :func:`cpu_ns` and :func:`scrape`; the arithmetic is
 tested in tests/bench/test_latency_attribution.py.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import statistics
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 ROUTER_TTFT = "llmesh:time_to_first_token_seconds"
 #: The engine's step time (schedule, forward, sample, update).
 ENGINE_STEP = "llmesh:engine_step_duration_seconds"
+#: The compute threads of the engine's next step (the thread governor's).
+ENGINE_THREADS = "llmesh:engine_num_threads"
 #: The path the others are measured against.
 BASE = "in-process"
 
@@ -85,10 +88,41 @@ def histogram_sum_count(metrics_text: str, name: str) -> tuple[float, int]:
     return total, count
 
 
-def scrape_histogram(address: str, name: str, timeout_s: float = 5.0) -> tuple[float, int]:
-    """(sum, count) of histogram ``name`` at ``http://ADDRESS/metrics``."""
+def gauge_value(metrics_text: str, name: str) -> float | None:
+    """The value of the unlabelled gauge ``name`` in a Prometheus text page;
+    None when the page lacks it."""
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name == name and family.samples:
+            return float(family.samples[0].value)
+    return None
+
+
+def scrape(address: str, timeout_s: float = 5.0) -> str:
+    """The Prometheus text page at ``http://ADDRESS/metrics``."""
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout_s) as page:
-        return histogram_sum_count(page.read().decode(), name)
+        return str(page.read().decode())
+
+
+@dataclass(frozen=True)
+class EngineReading:
+    """An engine's step counters at one moment.
+
+    Attributes:
+      step_s: seconds of all its steps so far.
+      steps: steps so far.
+      threads: compute threads its next step runs on (the thread governor's
+        ``llmesh:engine_num_threads``; 0: unknown).
+    """
+
+    step_s: float
+    steps: int
+    threads: int
+
+
+def engine_reading(metrics_text: str) -> EngineReading:
+    """The engine's :class:`EngineReading` from its ``/metrics`` page."""
+    step_s, steps = histogram_sum_count(metrics_text, ENGINE_STEP)
+    return EngineReading(step_s, steps, int(gauge_value(metrics_text, ENGINE_THREADS) or 0))
 
 
 def histogram_delta(before: tuple[float, int], after: tuple[float, int]) -> tuple[float, int]:
@@ -108,12 +142,15 @@ class Sample:
         prefilled in one step; more: chunked prefill, or other work).
       router_ttft_s: the router's own TTFT for the request; None on paths
         without a router.
+      threads: the compute threads the engine's step ran on (0: unknown;
+        None: no engine to read).
     """
 
     client_ttft_s: float
     step_s: float | None = None
     steps: int = 1
     router_ttft_s: float | None = None
+    threads: int | None = None
 
 
 #: The table's columns, in order, with what each includes.
@@ -209,6 +246,18 @@ def multi_step(samples: dict[str, list[Sample]]) -> dict[str, int]:
     0: no step was observed in the request's window)."""
     return {path: n for path, runs in samples.items()
             if (n := sum(1 for s in runs if s.step_s is not None and s.steps != 1))}
+
+
+def thread_mix(samples: dict[str, list[Sample]]) -> dict[str, dict[int, int]]:
+    """Per path with an engine, how many of its requests' steps ran on each
+    thread count (a step on fewer threads is slower for that alone, not for
+    the mesh)."""
+    mix: dict[str, dict[int, int]] = {}
+    for path, runs in samples.items():
+        counts = Counter(s.threads for s in runs if s.threads is not None)
+        if counts:
+            mix[path] = dict(sorted(counts.items(), reverse=True))
+    return mix
 
 
 def cpu_ms_per_request(used_ns: int, idle_ns_per_s: float, elapsed_s: float,

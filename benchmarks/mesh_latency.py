@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import os
 import statistics
@@ -85,8 +86,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parent)]
 
 from llmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc  # noqa: E402
 from latency_attribution import (  # noqa: E402
-    BASE, ENGINE_STEP, ROUTER_TTFT, Sample, cpu_ms_per_request, cpu_ns, format_hops,
-    histogram_delta, hop_rows, multi_step, quartiles, scrape_histogram)
+    BASE, ROUTER_TTFT, EngineReading, Sample, cpu_ms_per_request, cpu_ns, engine_reading,
+    format_hops, histogram_delta, histogram_sum_count, hop_rows, multi_step, quartiles, scrape,
+    thread_mix)
 from mesh_cpu import MESH_OVERHEAD, cpu_seconds  # noqa: E402
 from services.cli.mesh import Mesh  # noqa: E402
 from services.common.model_files import default_model_path  # noqa: E402
@@ -351,19 +353,20 @@ IDLE_SECONDS = 3.0
 
 
 class StepTimes:
-    """The in-process engine's steps as the mesh engine's histogram counts
+    """The in-process engine's steps as the mesh engine's /metrics show
     them: a step observer (called on the engine thread) and its running
-    (sum of durations in seconds, count)."""
+    :class:`EngineReading`."""
 
     def __init__(self) -> None:
-        self._durations: list[float] = []
+        self._reading = EngineReading(0.0, 0, 0)
 
     def observe(self, stats: StepStats) -> None:
-        self._durations.append(stats.duration_s)
+        last = self._reading
+        self._reading = EngineReading(last.step_s + stats.duration_s, last.steps + 1,
+                                      stats.num_threads)
 
-    def read(self) -> tuple[float, int]:
-        durations = list(self._durations)
-        return sum(durations), len(durations)
+    def read(self) -> EngineReading:
+        return self._reading
 
 
 @dataclass(frozen=True)
@@ -372,13 +375,21 @@ class Probe:
 
     Attributes:
       run: sends one max_tokens=1 request (argument: its request id).
-      read_steps: the engine's cumulative step (seconds, count); None: none.
-      read_router_ttft: the router's cumulative TTFT (seconds, count); None: none.
+      read_engine: the engine's step counters now; None: no engine to read.
+      read_router_ttft: the router's cumulative TTFT (seconds, count); None: no router.
     """
 
     run: Callable[[str], Awaitable[Run]]
-    read_steps: Callable[[], tuple[float, int]] | None = None
+    read_engine: Callable[[], EngineReading] | None = None
     read_router_ttft: Callable[[], tuple[float, int]] | None = None
+
+
+def _read_engine(address: str) -> EngineReading:
+    return engine_reading(scrape(address))
+
+
+def _read_router_ttft(address: str) -> tuple[float, int]:
+    return histogram_sum_count(scrape(address), ROUTER_TTFT)
 
 
 def _router_path(path: str) -> str:
@@ -398,14 +409,13 @@ def _probes(backend: TorchBackend, step_times: StepTimes, prompt_ids: tuple[int,
     probes = {BASE: Probe(functools.partial(run_in_process, backend, prompt_ids, 1),
                           step_times.read)}
     for path, mesh in meshes.items():
-        steps = functools.partial(scrape_histogram, mesh.engines[0].metrics_address, ENGINE_STEP)
-        ttft = functools.partial(scrape_histogram, mesh.router.metrics_address, ROUTER_TTFT)
+        steps = functools.partial(_read_engine, mesh.engines[0].metrics_address)
+        ttft = functools.partial(_read_router_ttft, mesh.router.metrics_address)
         probes[path] = Probe(functools.partial(_run_mesh_path, stubs[path], request), steps, ttft)
         probes[_router_path(path)] = Probe(
             functools.partial(_run_mesh_path, router_stubs[path], request), steps, ttft)
     if engine_stub is not None:
-        steps = functools.partial(scrape_histogram,
-                                  meshes["mesh (Envoy)"].engines[0].metrics_address, ENGINE_STEP)
+        steps = functools.partial(_read_engine, meshes["mesh (Envoy)"].engines[0].metrics_address)
         probes["engine gRPC"] = Probe(
             functools.partial(run_engine_grpc, engine_stub, prompt_ids, 1), steps)
     return probes
@@ -441,7 +451,7 @@ async def _probe_once(probe: Probe, request_id: str, settle: float,
     the window's seconds). The window runs from just before sending to
     :data:`AFTER_SECONDS` after the last message; the metric reads and the
     settle pause are outside it."""
-    steps0 = probe.read_steps() if probe.read_steps else (0.0, 0)
+    engine0 = probe.read_engine() if probe.read_engine else None
     router0 = probe.read_router_ttft() if probe.read_router_ttft else (0.0, 0)
     time.sleep(settle)
     cpu0 = _cpu_window_start(pids)
@@ -450,12 +460,16 @@ async def _probe_once(probe: Probe, request_id: str, settle: float,
     await asyncio.sleep(AFTER_SECONDS)
     window = time.perf_counter() - began
     cpu = _cpu_window_end(pids, cpu0)
-    step = histogram_delta(steps0, probe.read_steps()) if probe.read_steps else None
     router = (histogram_delta(router0, probe.read_router_ttft())
               if probe.read_router_ttft else None)
-    return Sample(client_ttft_s=run.ttft, step_s=None if step is None else step[0],
-                  steps=1 if step is None else step[1],
-                  router_ttft_s=None if router is None else router[0]), cpu, window
+    sample = Sample(client_ttft_s=run.ttft,
+                    router_ttft_s=None if router is None else router[0])
+    if probe.read_engine is not None and engine0 is not None:
+        engine1 = probe.read_engine()
+        sample = dataclasses.replace(sample, step_s=engine1.step_s - engine0.step_s,
+                                     steps=engine1.steps - engine0.steps,
+                                     threads=engine0.threads)
+    return sample, cpu, window
 
 
 async def attribute(probes: dict[str, Probe], pids: dict[str, int], *, rounds: int,
@@ -483,6 +497,9 @@ async def attribute(probes: dict[str, Probe], pids: dict[str, int], *, rounds: i
     print(f"Where the first token's time goes: 1 greedy token, {rounds} interleaved rounds, "
           f"ms, median [p25-p75]; load {load_before} -> {_load()}")
     print("\n".join(format_hops(hop_rows(samples))))
+    print("  the request's step ran on N threads (N x requests): " + "; ".join(
+        f"{path} " + ", ".join(f"{threads} x {n}" for threads, n in counts.items())
+        for path, counts in thread_mix(samples).items()))
     for path, n in multi_step(samples).items():
         print(f"  note: {n} of {path}'s requests did not take exactly one engine step "
               "(step = the sum of the steps seen)")

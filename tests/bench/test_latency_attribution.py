@@ -8,11 +8,12 @@ import os
 import time
 
 import pytest
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
 from benchmarks.latency_attribution import (
-    BASE, ENGINE_STEP, ROUTER_TTFT, Sample, cpu_ms_per_request, cpu_ns, format_hops,
-    histogram_delta, histogram_sum_count, hop_rows, multi_step, quartiles, schedstat_ns)
+    BASE, ENGINE_STEP, ENGINE_THREADS, ROUTER_TTFT, EngineReading, Sample, cpu_ms_per_request,
+    cpu_ns, engine_reading, format_hops, histogram_delta, histogram_sum_count, hop_rows,
+    multi_step, quartiles, schedstat_ns, thread_mix)
 
 
 def test_schedstat_is_its_first_field_in_ns() -> None:
@@ -48,6 +49,16 @@ def test_a_histogram_is_summed_over_its_labels_and_absent_is_zero() -> None:
     assert after == (0.875, 3)
     assert histogram_delta(before, after) == (0.125, 1)
     assert histogram_sum_count(text, ENGINE_STEP) == (0.0, 0)
+
+
+def test_an_engine_reading_is_its_step_histogram_and_thread_gauge() -> None:
+    registry = CollectorRegistry()
+    step = Histogram(ENGINE_STEP, "Step.", registry=registry)
+    assert engine_reading(generate_latest(registry).decode()) == EngineReading(0.0, 0, 0)
+    Gauge(ENGINE_THREADS, "Threads.", registry=registry).set(2)
+    step.observe(0.5)
+    step.observe(0.25)
+    assert engine_reading(generate_latest(registry).decode()) == EngineReading(0.75, 2, 2)
 
 
 def _rows() -> dict[str, dict[str, list[float]]]:
@@ -118,3 +129,10 @@ def test_the_printed_table_has_a_line_per_column_and_a_dash_where_a_path_lacks_i
 def test_quartiles_are_inclusive_and_a_lone_value_is_its_own_range() -> None:
     assert quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (3.0, 2.0, 4.0)
     assert quartiles([7.0]) == (7.0, 7.0, 7.0)
+
+
+def test_the_thread_mix_counts_requests_per_thread_count_of_paths_with_an_engine() -> None:
+    assert thread_mix({BASE: [Sample(0.01, step_s=0.01, threads=2),
+                              Sample(0.01, step_s=0.02, threads=1),
+                              Sample(0.01, step_s=0.01, threads=2)],
+                       "no engine": [Sample(0.02)]}) == {BASE: {2: 2, 1: 1}}
