@@ -156,9 +156,14 @@ class Sample:
 #: The table's columns, in order, with what each includes.
 COLUMNS = {
     "client_ttft": "client TTFT",
+    "ttft_overhead": "client TTFT - in-process client TTFT, same round "
+                     "(= step_inflation + outside_overhead)",
     "step": "engine step(s) for the request",
-    "step_inflation": "step - in-process step, same round (the step slowed by the mesh's CPU)",
+    "step_inflation": "step - in-process step, same round (the step slowed by the mesh's CPU, "
+                      "and the steps' own spread)",
     "client_minus_step": "client TTFT - step (everything outside the step)",
+    "outside_overhead": "client_minus_step - in-process's, same round (what the hops add "
+                        "outside the step; free of the steps' spread)",
     "router_minus_step": "router TTFT - step (router + engine hop, outside the step)",
     "client_minus_router": "client TTFT - router TTFT (client <-> router edges, Envoy or not)",
 }
@@ -183,14 +188,21 @@ def hop_rows(samples: dict[str, list[Sample]]) -> dict[str, dict[str, list[float
         raise ValueError(f"paths have different round counts: {sorted(rounds)}")
     base = samples[BASE]
     rows: dict[str, dict[str, list[float]]] = {}
+    base_has_steps = all(b.step_s is not None for b in base)
     for path, runs in samples.items():
         row: dict[str, list[float]] = {"client_ttft": [s.client_ttft_s * 1e3 for s in runs]}
+        if path != BASE:
+            row["ttft_overhead"] = [(s.client_ttft_s - b.client_ttft_s) * 1e3
+                                    for s, b in zip(runs, base)]
         if all(s.step_s is not None for s in runs):
             steps = [_ms(s.step_s) for s in runs]
             row["step"] = steps
-            if path != BASE and all(b.step_s is not None for b in base):
-                row["step_inflation"] = [s - _ms(b.step_s) for s, b in zip(steps, base)]
             row["client_minus_step"] = [s.client_ttft_s * 1e3 - t for s, t in zip(runs, steps)]
+            if path != BASE and base_has_steps:
+                row["step_inflation"] = [s - _ms(b.step_s) for s, b in zip(steps, base)]
+                row["outside_overhead"] = [
+                    (s.client_ttft_s - b.client_ttft_s) * 1e3 - inflation
+                    for s, b, inflation in zip(runs, base, row["step_inflation"])]
             if all(s.router_ttft_s is not None for s in runs):
                 row["router_minus_step"] = [_ms(s.router_ttft_s) - t
                                             for s, t in zip(runs, steps)]

@@ -77,11 +77,14 @@ def test_the_table_is_per_round_differences_in_ms() -> None:
     assert mesh["step"] == pytest.approx([12, 20])
     assert mesh["step_inflation"] == pytest.approx([4, 11])  # paired with in-process's round
     assert mesh["client_minus_step"] == pytest.approx([8, 10])
+    assert mesh["ttft_overhead"] == pytest.approx([10, 19])
+    assert mesh["outside_overhead"] == pytest.approx([6, 8])  # 8 - 2, 10 - 2
     assert mesh["router_minus_step"] == pytest.approx([5, 6])
     assert mesh["client_minus_router"] == pytest.approx([3, 4])
     assert set(rows[BASE]) == {"client_ttft", "step", "client_minus_step"}
-    assert set(rows["engine gRPC"]) == {"client_ttft", "step", "step_inflation",
-                                        "client_minus_step"}
+    assert set(rows["engine gRPC"]) == {"client_ttft", "ttft_overhead", "step",
+                                        "step_inflation", "client_minus_step",
+                                        "outside_overhead"}
     assert rows["engine gRPC"]["client_minus_step"] == pytest.approx([3, 3])
 
 
@@ -93,6 +96,9 @@ def test_the_columns_add_up_to_the_mesh_overhead_per_round() -> None:
         parts = (mesh["step_inflation"][i] + mesh["router_minus_step"][i]
                  + mesh["client_minus_router"][i] - base["client_minus_step"][i])
         assert parts == pytest.approx(overhead)
+        assert mesh["ttft_overhead"][i] == pytest.approx(overhead)
+        assert (mesh["step_inflation"][i] + mesh["outside_overhead"][i]
+                == pytest.approx(overhead))
 
 
 def test_the_table_refuses_uneven_rounds_or_no_baseline() -> None:
@@ -119,7 +125,7 @@ def test_cpu_per_request_subtracts_the_idle_rate() -> None:
 def test_the_printed_table_has_a_line_per_column_and_a_dash_where_a_path_lacks_it() -> None:
     lines = format_hops(_rows())
     assert lines[0].split() == ["in-process", "mesh", "(Envoy)", "engine", "gRPC"]
-    by_key = {line.split()[0]: line for line in lines[1:7]}
+    by_key = {line.split()[0]: line for line in lines[1:9]}
     assert by_key["router_minus_step"].split()[1:] == ["-", "5.50", "[5.25-5.75]", "-"]
     assert by_key["step_inflation"].split()[1] == "-"  # in process: the baseline itself
     assert any(line.strip().startswith("client_minus_router: client TTFT - router TTFT")
