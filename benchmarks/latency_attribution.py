@@ -5,9 +5,11 @@
 * :func:`histogram_sum_count` reads a Prometheus histogram's sum and count
   from a ``/metrics`` page (the router's ``llmesh:time_to_first_token_seconds``,
   the engine's ``llmesh:engine_step_duration_seconds``), so that the delta
-  around one request alone is that request's router TTFT or engine step;
+  around one request alone is that request's router TTFT or engine step
+  (:func:`engine_reading`: the step histogram and the governor's thread count);
 * :func:`hop_rows` turns each path's per-request :class:`Sample` into the
-  per-hop table (milliseconds, one value per round);
+  per-hop table (milliseconds, one value per round), :func:`format_hops`
+  prints it;
 * :func:`cpu_ms_per_request` subtracts a process's idle CPU rate from its
   CPU over the attribution requests.
 

@@ -24,18 +24,20 @@ neither path runs with a governor the other lacks.
   path (in process, through Envoy, straight to the router, the engine over
   gRPC), each alone after ``--settle`` seconds. Per request: the client's
   TTFT; the engine's step time for it (the delta of the mesh engine's
-  ``llmesh:engine_step_duration_seconds`` sum around the request, the
-  in-process engine's from its step observer; requests that did not take
-  exactly one step are counted in a note); the router's own TTFT (the delta of its
-  ``llmesh:time_to_first_token_seconds``). Prints per path, median [p25-p75]
-  in ms: client TTFT, step, step − in-process step of the same round (the
-  step slowed by the other processes' CPU), client TTFT − step, router TTFT
-  − step (the router and the engine hop outside the step), client TTFT −
-  router TTFT (the client↔router edges, through Envoy or not); then each
-  process's CPU ms per request of each path (``/proc/PID/task/*/schedstat``,
-  ns, with its idle rate over a few seconds first subtracted; ``client`` is
-  this process's ``time.process_time``, the in-process engine's threads
-  included). Helpers: ``latency_attribution.py``.
+  ``llmesh:engine_step_duration_seconds`` around the request, the in-process
+  engine's from its step observer; requests that did not take exactly one
+  step are counted in a note) and the threads it ran on; the router's own
+  TTFT (the delta of its ``llmesh:time_to_first_token_seconds``). Prints per
+  path, median [p25-p75] in ms, the columns of
+  ``latency_attribution.COLUMNS``: client TTFT and its excess over in
+  process in the same round, the step and its excess over in process's
+  (``step_inflation``), client TTFT − step and its excess over in process's
+  (``outside_overhead``: what the hops add, free of the step's spread),
+  router TTFT − step, client TTFT − router TTFT; then CPU ms per request of
+  the first mesh's processes (``/proc/PID/task/*/schedstat``, ns) and of
+  this one (``client``: ``time.process_time_ns``, the in-process engine's
+  threads included), each less its idle rate measured over a few seconds
+  first. Helpers: ``latency_attribution.py``.
 
 Paths: **in-process** is the torch backend called directly (no gRPC, prompt
 ids from the tokenizer in this process); **mesh** is the same chat through
@@ -53,9 +55,10 @@ before and after.
 
 Usage: ``flock -x /tmp/llmesh-cpu.lock python benchmarks/mesh_latency.py
 [--rounds 5] [--max-tokens 128] [--concurrency 16 --num-requests 32]
-[--hops] [--attribute 25] [--url HOST:PORT] [--router-arg=--no-tokenize-in-router]``
-(``--concurrency
-1``: the one-stream part only). The mesh's rounds begin once its router makes
+[--hops] [--attribute 25] [--url HOST:PORT]
+[--router-arg=--no-tokenize-in-router]`` (``--concurrency 1``: the
+one-stream part only; the one-stream part's CPU per request is read from
+schedstat too). The mesh's rounds begin once its router makes
 prompt ids in process (its default; ``--router-arg`` passes router flags).
 ``--compare-router-from DIR`` / ``--compare-router-arg ARG`` start a second
 mesh whose router runs another checkout's code / gets more flags, measured as
