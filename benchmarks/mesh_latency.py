@@ -19,6 +19,26 @@ neither path runs with a governor the other lacks.
   router's, tokenizer's and Envoy's CPU seconds (user + system, from
   ``/proc/PID/stat``, :func:`mesh_cpu.cpu_seconds`) are read before and after.
 
+* **``--attribute N``** (after the one-stream part): where a first token's
+  time goes, per hop. N interleaved rounds of one max_tokens=1 request per
+  path (in process, through Envoy, straight to the router, the engine over
+  gRPC), each alone after ``--settle`` seconds. Per request: the client's
+  TTFT; the engine's step time for it (the delta of the mesh engine's
+  ``llmesh:engine_step_duration_seconds`` around the request, the in-process
+  engine's from its step observer; requests that did not take exactly one
+  step are counted in a note) and the threads it ran on; the router's own
+  TTFT (the delta of its ``llmesh:time_to_first_token_seconds``). Prints per
+  path, median [p25-p75] in ms, the columns of
+  ``latency_attribution.COLUMNS``: client TTFT and its excess over in
+  process in the same round, the step and its excess over in process's
+  (``step_inflation``), client TTFT − step and its excess over in process's
+  (``outside_overhead``: what the hops add, free of the step's spread),
+  router TTFT − step, client TTFT − router TTFT; then CPU ms per request of
+  the first mesh's processes (``/proc/PID/task/*/schedstat``, ns) and of
+  this one (``client``: ``time.process_time_ns``, the in-process engine's
+  threads included), each less its idle rate measured over a few seconds
+  first. Helpers: ``latency_attribution.py``.
+
 Paths: **in-process** is the torch backend called directly (no gRPC, prompt
 ids from the tokenizer in this process); **mesh** is the same chat through
 Envoy's ingress (``llmesh up`` started here on free ports, or ``--url`` of a
@@ -35,8 +55,10 @@ before and after.
 
 Usage: ``flock -x /tmp/llmesh-cpu.lock python benchmarks/mesh_latency.py
 [--rounds 5] [--max-tokens 128] [--concurrency 16 --num-requests 32]
-[--url HOST:PORT] [--router-arg=--no-tokenize-in-router]`` (``--concurrency
-1``: the one-stream part only). The mesh's rounds begin once its router makes
+[--hops] [--attribute 25] [--url HOST:PORT]
+[--router-arg=--no-tokenize-in-router]`` (``--concurrency 1``: the
+one-stream part only; the one-stream part's CPU per request is read from
+schedstat too). The mesh's rounds begin once its router makes
 prompt ids in process (its default; ``--router-arg`` passes router flags).
 ``--compare-router-from DIR`` / ``--compare-router-arg ARG`` start a second
 mesh whose router runs another checkout's code / gets more flags, measured as
@@ -50,6 +72,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import os
 import statistics
@@ -65,13 +88,17 @@ import grpc
 sys.path[:0] = [str(Path(__file__).resolve().parent)]
 
 from llmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc  # noqa: E402
+from latency_attribution import (  # noqa: E402
+    BASE, ROUTER_TTFT, EngineReading, Sample, cpu_ms_per_request, cpu_ns, engine_reading,
+    format_hops, histogram_delta, histogram_sum_count, hop_rows, multi_step, quartiles, scrape,
+    thread_mix)
 from mesh_cpu import MESH_OVERHEAD, cpu_seconds  # noqa: E402
 from services.cli.mesh import Mesh  # noqa: E402
 from services.common.model_files import default_model_path  # noqa: E402
 from services.common.sampling import SamplingOptions  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.torch_backend.backend import TorchBackend  # noqa: E402
-from services.engine.types import SequenceRequest  # noqa: E402
+from services.engine.types import SequenceRequest, StepStats  # noqa: E402
 from services.tokenizer.tokenizer import ChatMessage, Tokenizer  # noqa: E402
 
 QUESTION = "Explain in a few sentences why the sky is blue."
@@ -179,14 +206,6 @@ def _load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def _stat(values: list[float]) -> tuple[float, float, float]:
-    """(median, p25, p75) of ``values``."""
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return statistics.median(values), q1, q3
-
-
 def _print_table(title: str, rows: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
     """Prints median [p25-p75] per path and metric; returns the medians."""
     print(title)
@@ -195,7 +214,7 @@ def _print_table(title: str, rows: dict[str, dict[str, list[float]]]) -> dict[st
         cells = []
         medians[name] = {}
         for metric, values in metrics.items():
-            med, q1, q3 = _stat(values)
+            med, q1, q3 = quartiles(values)
             medians[name][metric] = med
             cells.append(f"{metric}={med:8.2f} [{q1:.2f}-{q3:.2f}]")
         print(f"  {name:<14} " + "  ".join(cells))
@@ -236,12 +255,12 @@ async def one_stream(backend: TorchBackend, prompt_ids: tuple[int, ...],
         for name in _rotated(list(jobs), i):
             time.sleep(settle)
             procs = pids.get(name, {})
-            before = {n: cpu_seconds(pid) for n, pid in procs.items()}
+            before = {n: cpu_ns(pid) for n, pid in procs.items()}
             run = await jobs[name](f"bench-1-{i}-{name}")
             if i:
                 results[name].append(run)
                 for n, pid in procs.items():
-                    cpu[name][n].append((cpu_seconds(pid) - before[n]) * 1e3)
+                    cpu[name][n].append((cpu_ns(pid) - before[n]) / 1e6)
     rows = {name: {"ttft_ms": [r.ttft * 1e3 for r in runs],
                    "tpot_ms": [r.tpot * 1e3 for r in runs],
                    "itl_ms": [statistics.fmean(r.gaps) * 1e3 for r in runs],
@@ -252,9 +271,9 @@ async def one_stream(backend: TorchBackend, prompt_ids: tuple[int, ...],
         f"{rounds} interleaved rounds, median [p25-p75]; load {load_before} -> {_load()}", rows)
     _print_overhead(medians, TARGETS)
     for path, per_process in cpu.items():
-        print(f"  CPU-ms per request of the {path} runs (/proc, 10 ms ticks), "
+        print(f"  CPU-ms per request of the {path} runs (schedstat, idle included), "
               "median [p25-p75]: " + ", ".join(
-                  f"{n} {_stat(v)[0]:.0f} [{_stat(v)[1]:.0f}-{_stat(v)[2]:.0f}]"
+                  f"{n} {quartiles(v)[0]:.1f} [{quartiles(v)[1]:.1f}-{quartiles(v)[2]:.1f}]"
                   for n, v in sorted(per_process.items())))
 
 
@@ -311,7 +330,7 @@ async def many_streams(backend: TorchBackend, tokenizer: Tokenizer,
     _print_overhead(medians, {})
     for path in stubs:
         ratios = [m / i for m, i in zip(rows[path]["tok_s"], rows["in-process"]["tok_s"])]
-        med, q1, q3 = _stat(ratios)
+        med, q1, q3 = quartiles(ratios)
         print(f"  {path} / in-process throughput per round: median {med:.3f} "
               f"[{q1:.3f}-{q3:.3f}] (target >= {THROUGHPUT_TARGET})")
     for path, per_process in cpu.items():
@@ -319,11 +338,182 @@ async def many_streams(backend: TorchBackend, tokenizer: Tokenizer,
         overhead = [sum(per_process[n][k] for n in MESH_OVERHEAD if n in per_process)
                     for k in range(rounds)]
         for n in sorted(per_process):
-            med, q1, q3 = _stat(per_process[n])
+            med, q1, q3 = quartiles(per_process[n])
             print(f"    {n:<10} {med:6.3f} [{q1:.3f}-{q3:.3f}]")
-        med, q1, q3 = _stat(overhead)
+        med, q1, q3 = quartiles(overhead)
         print(f"    {' + '.join(MESH_OVERHEAD)}: {med:.3f} [{q1:.3f}-{q3:.3f}] "
               f"(target <= {CPU_TARGET})")
+
+
+#: Pause after each attribution request before its metrics and CPU are read
+#: (seconds): the router's and engine's histograms are observed, and the
+#: work after the answer (the response-cache write) done, by then.
+AFTER_SECONDS = 0.1
+#: The attribution's name for this process's own CPU (``time.process_time_ns``).
+CLIENT = "client"
+#: Seconds the mesh sits idle while its processes' idle CPU rate is measured.
+IDLE_SECONDS = 3.0
+
+
+class StepTimes:
+    """The in-process engine's steps as the mesh engine's /metrics show
+    them: a step observer (called on the engine thread) and its running
+    :class:`EngineReading`."""
+
+    def __init__(self) -> None:
+        self._reading = EngineReading(0.0, 0, 0)
+
+    def observe(self, stats: StepStats) -> None:
+        last = self._reading
+        self._reading = EngineReading(last.step_s + stats.duration_s, last.steps + 1,
+                                      stats.num_threads)
+
+    def read(self) -> EngineReading:
+        return self._reading
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One path of the attribution rounds: its request and what it reads.
+
+    Attributes:
+      run: sends one max_tokens=1 request (argument: its request id).
+      read_engine: the engine's step counters now; None: no engine to read.
+      read_router_ttft: the router's cumulative TTFT (seconds, count); None: no router.
+    """
+
+    run: Callable[[str], Awaitable[Run]]
+    read_engine: Callable[[], EngineReading] | None = None
+    read_router_ttft: Callable[[], tuple[float, int]] | None = None
+
+
+def _read_engine(address: str) -> EngineReading:
+    return engine_reading(scrape(address))
+
+
+def _read_router_ttft(address: str) -> tuple[float, int]:
+    return histogram_sum_count(scrape(address), ROUTER_TTFT)
+
+
+def _router_path(path: str) -> str:
+    """The name of the path straight to the router of the mesh ``path``."""
+    return "router direct" + path.removeprefix("mesh (Envoy)").removeprefix("mesh")
+
+
+def _probes(backend: TorchBackend, step_times: StepTimes, prompt_ids: tuple[int, ...],
+            meshes: dict[str, Mesh],
+            stubs: dict[str, generation_pb2_grpc.GenerationServiceStub],
+            router_stubs: dict[str, generation_pb2_grpc.GenerationServiceStub],
+            engine_stub: engine_pb2_grpc.EngineServiceStub | None) -> dict[str, Probe]:
+    """The attribution's paths: in process, each mesh started here through
+    Envoy and straight to its router (its first engine's steps, its router's
+    TTFT), and the first mesh's engine over gRPC."""
+    request = _chat_request(QUESTION, 1)
+    probes = {BASE: Probe(functools.partial(run_in_process, backend, prompt_ids, 1),
+                          step_times.read)}
+    for path, mesh in meshes.items():
+        steps = functools.partial(_read_engine, mesh.engines[0].metrics_address)
+        ttft = functools.partial(_read_router_ttft, mesh.router.metrics_address)
+        probes[path] = Probe(functools.partial(_run_mesh_path, stubs[path], request), steps, ttft)
+        probes[_router_path(path)] = Probe(
+            functools.partial(_run_mesh_path, router_stubs[path], request), steps, ttft)
+    if engine_stub is not None:
+        steps = functools.partial(_read_engine, meshes["mesh (Envoy)"].engines[0].metrics_address)
+        probes["engine gRPC"] = Probe(
+            functools.partial(run_engine_grpc, engine_stub, prompt_ids, 1), steps)
+    return probes
+
+
+def _cpu_window_start(pids: dict[str, int]) -> dict[str, int]:
+    """CPU ns so far of each process of ``pids`` (name → PID), and of this
+    one as ``client`` (``time.process_time_ns``), read last: the reads of
+    /proc are this process's work, kept out of its own window."""
+    return {**{n: cpu_ns(pid) for n, pid in pids.items()}, CLIENT: time.process_time_ns()}
+
+
+def _cpu_window_end(pids: dict[str, int], start: dict[str, int]) -> dict[str, int]:
+    """CPU ns since :func:`_cpu_window_start`, this process's read first."""
+    client = time.process_time_ns() - start[CLIENT]
+    return {**{n: cpu_ns(pid) - start[n] for n, pid in pids.items()}, CLIENT: client}
+
+
+async def _idle_rates(pids: dict[str, int], seconds: float) -> dict[str, float]:
+    """CPU ns per wall second of each process (``pids``: name → PID; this
+    one as ``client``) while nothing is sent (this process's event loop
+    running, as in a request's window)."""
+    start = _cpu_window_start(pids)
+    began = time.perf_counter()
+    await asyncio.sleep(seconds)
+    elapsed = time.perf_counter() - began
+    return {n: ns / elapsed for n, ns in _cpu_window_end(pids, start).items()}
+
+
+async def _probe_once(probe: Probe, request_id: str, settle: float,
+                      pids: dict[str, int]) -> tuple[Sample, dict[str, int], float]:
+    """One request alone: (its sample, CPU ns per process in its window,
+    the window's seconds). The window runs from just before sending to
+    :data:`AFTER_SECONDS` after the last message; the metric reads and the
+    settle pause are outside it."""
+    engine0 = probe.read_engine() if probe.read_engine else None
+    router0 = probe.read_router_ttft() if probe.read_router_ttft else (0.0, 0)
+    time.sleep(settle)
+    cpu0 = _cpu_window_start(pids)
+    began = time.perf_counter()
+    run = await probe.run(request_id)
+    await asyncio.sleep(AFTER_SECONDS)
+    window = time.perf_counter() - began
+    cpu = _cpu_window_end(pids, cpu0)
+    router = (histogram_delta(router0, probe.read_router_ttft())
+              if probe.read_router_ttft else None)
+    sample = Sample(client_ttft_s=run.ttft,
+                    router_ttft_s=None if router is None else router[0])
+    if probe.read_engine is not None and engine0 is not None:
+        engine1 = probe.read_engine()
+        sample = dataclasses.replace(sample, step_s=engine1.step_s - engine0.step_s,
+                                     steps=engine1.steps - engine0.steps,
+                                     threads=engine0.threads)
+    return sample, cpu, window
+
+
+async def attribute(probes: dict[str, Probe], pids: dict[str, int], *, rounds: int,
+                    settle: float) -> None:
+    """Where a first token's time goes, per hop: ``rounds`` interleaved
+    rounds of one max_tokens=1 request per path of ``probes`` (one uncounted
+    warm-up round), each alone after ``settle`` seconds; prints the per-hop
+    table (:data:`latency_attribution.COLUMNS`, ms, median [p25-p75]) and CPU
+    ms per request of each process in ``pids`` (name → PID) and of this one
+    (``client``, the in-process engine included), idle rates subtracted."""
+    idle = await _idle_rates(pids, IDLE_SECONDS)
+    samples: dict[str, list[Sample]] = {name: [] for name in probes}
+    used = {name: dict.fromkeys(idle, 0) for name in probes}
+    elapsed = dict.fromkeys(probes, 0.0)
+    load_before = _load()
+    for i in range(rounds + 1):
+        for name in _rotated(list(probes), i):
+            sample, cpu, window = await _probe_once(probes[name], f"attr-{i}-{name}", settle,
+                                                    pids)
+            if i:
+                samples[name].append(sample)
+                elapsed[name] += window
+                for n, ns in cpu.items():
+                    used[name][n] += ns
+    print(f"Where the first token's time goes: 1 greedy token, {rounds} interleaved rounds, "
+          f"ms, median [p25-p75]; load {load_before} -> {_load()}")
+    print("\n".join(format_hops(hop_rows(samples))))
+    print("  the request's step ran on N threads (N x requests): " + "; ".join(
+        f"{path} " + ", ".join(f"{threads} x {n}" for threads, n in counts.items())
+        for path, counts in thread_mix(samples).items()))
+    for path, n in multi_step(samples).items():
+        print(f"  note: {n} of {path}'s requests did not take exactly one engine step "
+              "(step = the sum of the steps seen)")
+    print(f"  CPU-ms per request, mean over the rounds (schedstat; each process's idle rate "
+          f"over {IDLE_SECONDS:.0f} s subtracted; client: this process, the in-process engine "
+          "included):")
+    print(f"    {'':<14}" + "".join(f"{n:>10}" for n in sorted(idle)))
+    for path in probes:
+        print(f"    {path:<14}" + "".join(
+            f"{cpu_ms_per_request(used[path][n], idle[n], elapsed[path], rounds):10.2f}"
+            for n in sorted(idle)))
 
 
 def _command_from(where: Path, role: str) -> list[str]:
@@ -370,10 +560,22 @@ async def main() -> None:
                              "checkout DIR (its services/gen generated; with "
                              "--compare-router-from, the same second mesh): the engine's "
                              "before/after in one run")
+    parser.add_argument("--attribute", type=int, default=0, metavar="N",
+                        help="after the 1-stream part, N interleaved rounds of 1-token requests "
+                             "in process, through Envoy, straight to the router and to the "
+                             "engine over gRPC: where a first token's time goes per hop (engine "
+                             "step and router TTFT from their /metrics) and each process's "
+                             "CPU per request (schedstat); only with a mesh started here "
+                             "(default: 0, off)")
     parser.add_argument("--settle", type=float, default=SETTLE_SECONDS,
                         help="seconds of pause before each run (default: %(default)s); with 0, "
                              "a path may start while the previous one's threads still spin")
     args = parser.parse_args()
+    if args.attribute < 0:
+        parser.error(f"argument --attribute: must be >= 0, got {args.attribute}")
+    if args.attribute and args.url is not None:
+        parser.error("argument --attribute: reads the mesh's /metrics and /proc, so it needs "
+                     "the mesh started here (no --url)")
 
     threads_args = ["--num-threads", str(args.num_threads),
                     "--adaptive-threads" if args.adaptive_threads else "--no-adaptive-threads"]
@@ -406,29 +608,39 @@ async def main() -> None:
         tokenizer = Tokenizer.load(default_model_path())
         prompt_ids = tuple(tokenizer.apply_chat_template(
             [ChatMessage(role="user", content=QUESTION)], add_generation_prompt=True).token_ids)
+        step_times = StepTimes()
         backend = TorchBackend(EngineConfig(num_threads=args.num_threads,
-                                            adaptive_threads=args.adaptive_threads))
+                                            adaptive_threads=args.adaptive_threads),
+                               step_observer=step_times.observe)
         await backend.start()
         stubs = {}
         for path, url in urls.items():
             channels.append(grpc.aio.insecure_channel(url))
             stubs[path] = generation_pb2_grpc.GenerationServiceStub(channels[-1])
+        router_stubs = {}
+        for path, started_mesh in meshes.items():
+            channels.append(grpc.aio.insecure_channel(started_mesh.router.grpc_address))
+            router_stubs[path] = generation_pb2_grpc.GenerationServiceStub(channels[-1])
+        mesh = meshes.get("mesh (Envoy)")
+        engine_stub = None
+        if mesh is not None:
+            channels.append(grpc.aio.insecure_channel(mesh.engines[0].grpc_address))
+            engine_stub = engine_pb2_grpc.EngineServiceStub(channels[-1])
         request = _chat_request(QUESTION, args.max_tokens)
         paths: dict[str, Callable[[str], Awaitable[Run]]] = {
             path: functools.partial(_run_mesh_path, stub, request) for path, stub in stubs.items()}
-        for path, started_mesh in meshes.items() if args.hops else ():
-            channels.append(grpc.aio.insecure_channel(started_mesh.router.grpc_address))
-            router_stub = generation_pb2_grpc.GenerationServiceStub(channels[-1])
-            paths["router direct" + path.removeprefix("mesh (Envoy)").removeprefix("mesh")] = (
-                functools.partial(_run_mesh_path, router_stub, request))
-        mesh = meshes.get("mesh (Envoy)")
-        if args.hops and mesh is not None:
-            channels.append(grpc.aio.insecure_channel(mesh.engines[0].grpc_address))
-            engine_stub = engine_pb2_grpc.EngineServiceStub(channels[-1])
-            paths["engine gRPC"] = lambda rid: run_engine_grpc(
-                engine_stub, prompt_ids, args.max_tokens, rid)
+        for path, router_stub in router_stubs.items() if args.hops else ():
+            paths[_router_path(path)] = functools.partial(_run_mesh_path, router_stub, request)
+        if args.hops and engine_stub is not None:
+            paths["engine gRPC"] = functools.partial(
+                run_engine_grpc, engine_stub, prompt_ids, args.max_tokens)
         await one_stream(backend, prompt_ids, paths, pids, rounds=args.rounds,
                          max_tokens=args.max_tokens, settle=args.settle)
+        if args.attribute:
+            await attribute(
+                _probes(backend, step_times, prompt_ids, meshes, stubs, router_stubs,
+                        engine_stub),
+                pids.get("mesh (Envoy)", {}), rounds=args.attribute, settle=args.settle)
         if args.concurrency > 1:
             await many_streams(backend, tokenizer, stubs, pids, concurrency=args.concurrency,
                                num_requests=args.num_requests, max_tokens=args.max_tokens,
