@@ -288,6 +288,7 @@ def test_an_engine_on_sparse_traffic_gets_its_threads_back_after_a_transient_nei
     applied: list[int] = []
     governor = ThreadGovernor(2, applied.append, clock=lambda: now[0])
     governor._read = lambda: (counters[0], counters[1], counters[2], counters[3])  # type: ignore
+    governor._last = governor._read()  # the first window's baseline: these counters, not /proc's
 
     def advance(to: float, *, run: float, wait: float, idle: float) -> None:
         """Moves the clock to ``to`` with these CPU rates (CPUs)."""
