@@ -20,6 +20,7 @@ tested in tests/bench/test_latency_attribution.py.
 from __future__ import annotations
 
 import statistics
+import time
 import urllib.request
 from collections import Counter
 from dataclasses import dataclass
@@ -99,10 +100,29 @@ def gauge_value(metrics_text: str, name: str) -> float | None:
     return None
 
 
+#: Tries of one scrape: a service's metrics server may drop a connection
+#: under load (seen once: ``RemoteDisconnected`` from the router's, which
+#: ended a 2.5-minute run).
+SCRAPE_TRIES = 3
+
+
 def scrape(address: str, timeout_s: float = 5.0) -> str:
-    """The Prometheus text page at ``http://ADDRESS/metrics``."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout_s) as page:
-        return str(page.read().decode())
+    """The Prometheus text page at ``http://ADDRESS/metrics``, tried up to
+    :data:`SCRAPE_TRIES` times 50 ms apart.
+
+    Raises:
+      OSError: the last try's error (``urllib.error.URLError``,
+        ``http.client.RemoteDisconnected``, a timeout).
+    """
+    for attempt in range(SCRAPE_TRIES):
+        try:
+            with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout_s) as page:
+                return str(page.read().decode())
+        except OSError:
+            if attempt + 1 == SCRAPE_TRIES:
+                raise
+            time.sleep(0.05)
+    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)

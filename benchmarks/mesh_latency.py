@@ -84,6 +84,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent)]
 
@@ -365,8 +366,10 @@ class StepTimes:
 
     def observe(self, stats: StepStats) -> None:
         last = self._reading
+        # Without the thread governor (--no-adaptive-threads) StepStats carries
+        # no count (0): the step ran on torch's fixed intra-op threads.
         self._reading = EngineReading(last.step_s + stats.duration_s, last.steps + 1,
-                                      stats.num_threads)
+                                      stats.num_threads or torch.get_num_threads())
 
     def read(self) -> EngineReading:
         return self._reading

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from benchmarks.latency_attribution import (
     BASE, ENGINE_STEP, ENGINE_THREADS, ROUTER_TTFT, EngineReading, Sample, cpu_ms_per_request,
     cpu_ns, engine_reading, format_hops, histogram_delta, histogram_sum_count, hop_rows,
-    multi_step, quartiles, schedstat_ns, thread_mix)
+    multi_step, quartiles, schedstat_ns, scrape, thread_mix)
 
 
 def test_schedstat_is_its_first_field_in_ns() -> None:
@@ -142,3 +142,41 @@ def test_the_thread_mix_counts_requests_per_thread_count_of_paths_with_an_engine
                               Sample(0.01, step_s=0.02, threads=1),
                               Sample(0.01, step_s=0.01, threads=2)],
                        "no engine": [Sample(0.02)]}) == {BASE: {2: 2, 1: 1}}
+
+
+def test_a_scrape_the_server_drops_once_is_tried_again() -> None:
+    """A metrics server that closes the first connection without an answer
+    (``RemoteDisconnected``, seen once from the router's under load, which
+    ended a whole run) is asked again; one that never answers raises."""
+    import http.server
+    import threading
+
+    calls = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            calls.append(self.path)
+            if len(calls) == 1 or self.server.always_drop:  # type: ignore[attr-defined]
+                self.close_connection = True
+                return  # no status line: the client sees RemoteDisconnected
+            body = b"up 1\n"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.always_drop = False  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        address = f"127.0.0.1:{server.server_address[1]}"
+        assert scrape(address) == "up 1\n" and len(calls) == 2
+        server.always_drop = True  # type: ignore[attr-defined]
+        with pytest.raises(OSError):
+            scrape(address)
+    finally:
+        server.shutdown()
+        server.server_close()
