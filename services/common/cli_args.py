@@ -43,17 +43,20 @@ def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> dict[st
             if getattr(namespace, action.dest, None) is not None}
 
 
-def integer(low: int) -> Callable[[str], int]:
-    """An argparse type: a whole number >= ``low`` (text that is no whole
-    number is refused saying so, and the bound)."""
+def integer(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``low`` and, with ``high``, <=
+    ``high`` (text that is no whole number is refused saying so, with the
+    bounds)."""
+    what = f">= {low}" if high is None else f"in [{low}, {high}]"
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"expected a whole number >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+                f"expected a whole number {what}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
         return value
     return parse
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.common.cli_args import integer, number
 from services.common.cli_args import non_negative_int as _non_negative_int
-from services.common.cli_args import number
 from services.common.cli_args import positive_float as _positive_float
 from services.common.cli_args import positive_int as _positive_int
 
@@ -32,6 +32,13 @@ BACKEND_NAMES = ("torch", "tensorrt_llm")
 SPECULATIVE_METHODS = ("auto", "none", "ngram", "draft", "suffix", "eagle3", "mtp")
 ENV_PREFIX = "LLMESH_ENGINE_"
 GIB = 1 << 30
+#: Sizes whose memory the engine allocates at start, bounded so that a typo
+#: is refused before anything starts instead of exhausting the host (QA: a
+#: 20-digit --max-num-seqs grew the engine to 24 GB until the OOM killer
+#: took it): tokens of a context window or step, sequences, threads.
+_tokens = integer(1, 1 << 20)
+_sequences = integer(1, 1 << 14)
+_threads = integer(1, 1024)
 #: ``--gpu-memory-fraction``: a number in (0, 1].
 _fraction = number(0, high=1)
 #: ``--suffix-min-token-prob``: a number in [0, 1).
@@ -342,13 +349,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
         "int4/int8 projections and the int8 LM head: native = the engine's C kernels "
         "(int16 activations, integer dot products), torch = PyTorch's kernels (bf16 "
         "activations), auto = native where they build", choices=("auto", "native", "torch"))
-    add("--max-model-len", _positive_int, None, "context window in tokens (default: the model's)")
-    add("--max-num-waiting", _positive_int, 256)
-    add("--max-num-seqs", _positive_int, 64, "most sequences in the running batch",
+    add("--max-model-len", _tokens, None, "context window in tokens (default: the model's)")
+    add("--max-num-waiting", _sequences, 256)
+    add("--max-num-seqs", _sequences, 64, "most sequences in the running batch",
         aliases=("--max-batch-size",))
-    add("--max-num-batched-tokens", _positive_int, None,
+    add("--max-num-batched-tokens", _tokens, None,
         "most tokens computed per engine step (default: 256 on CPU, 8192 on CUDA)")
-    add("--prefill-chunk-size", _positive_int, None,
+    add("--prefill-chunk-size", _tokens, None,
         "most prompt tokens one sequence computes per step (default: the step budget)")
     add("--outranked-prefill-slowdown", _slowdown_or_off, 2.0,
         "beside an interactive decode, batch prompt chunks get the tokens that keep the "
@@ -411,7 +418,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
         "suffix decoding: tenant (the default: outputs propose only for requests of "
         "their own cache scope, i.e. tenant or cache group and cache_salt), or global "
         "(every request's outputs propose for every other's)", choices=("global", "tenant"))
-    add("--num-threads", _positive_int, None,
+    add("--num-threads", _threads, None,
         "compute threads of the engine step (default: torch's, one per CPU); the "
         "ceiling of --adaptive-threads")
     add("--adaptive-threads", parse_bool, True,

@@ -163,6 +163,9 @@ class EngineClient:
         load signal used to pick the least loaded replica).
       in_flight_interactive: of those, the interactive ones (an interactive
         request goes where the fewest are: batch ones are preempted for it).
+      sequences: engine sequence slots those requests hold (one per choice:
+        a request with ``n`` choices runs ``n`` sequences).
+      sequences_interactive: of those, the interactive requests' ones.
       on_call_failed: called with the reason when a ``Multiplex`` call fails
         (not when the router closes it): the replica set takes the replica
         out of routing (:mod:`services.router.replicas`).
@@ -180,6 +183,8 @@ class EngineClient:
         self.target = target
         self.in_flight = 0
         self.in_flight_interactive = 0
+        self.sequences = 0
+        self.sequences_interactive = 0
         self._channel = make_channel(target)
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         self._mux: MuxClient[EngineStart | StreamCancel, TokenDelta] | None = None
@@ -188,15 +193,22 @@ class EngineClient:
         self.info: ModelInfo | None = None
         self.load_watch = LoadWatch(self._channel, target)
 
-    def opened(self, priority: Priority) -> None:
-        """Counts a request this router opens on the replica (see ``in_flight``)."""
+    def opened(self, priority: Priority, choices: int = 1) -> None:
+        """Counts a request of ``choices`` sequences this router opens on the
+        replica (see ``in_flight`` and ``sequences``)."""
+        interactive = priority is Priority.INTERACTIVE
         self.in_flight += 1
-        self.in_flight_interactive += priority is Priority.INTERACTIVE
+        self.in_flight_interactive += interactive
+        self.sequences += choices
+        self.sequences_interactive += choices * interactive
 
-    def closed(self, priority: Priority) -> None:
-        """Uncounts a request counted by :meth:`opened`."""
+    def closed(self, priority: Priority, choices: int = 1) -> None:
+        """Uncounts a request counted by :meth:`opened` with the same arguments."""
+        interactive = priority is Priority.INTERACTIVE
         self.in_flight -= 1
-        self.in_flight_interactive -= priority is Priority.INTERACTIVE
+        self.in_flight_interactive -= interactive
+        self.sequences -= choices
+        self.sequences_interactive -= choices * interactive
 
     @property
     def channel(self) -> grpc.aio.Channel:

@@ -956,7 +956,7 @@ class GenerationPipeline:
             if ((failures and not self.replicas.is_serving(engine))
                     or not self.replicas.is_member(engine)):
                 continue  # left routing while an earlier one was tried, or left DNS
-            engine.opened(request.priority)
+            engine.opened(request.priority, sampling.n)
             stream: EngineStream | None = None
             ok = False
             try:
@@ -988,7 +988,7 @@ class GenerationPipeline:
                 failures.append(err)
             finally:
                 if not ok:
-                    engine.closed(request.priority)
+                    engine.closed(request.priority, sampling.n)
                     if stream is not None:
                         stream.close()
         # Each failure was logged above with its address and details; the
@@ -1046,7 +1046,7 @@ class GenerationPipeline:
                         return
                 delta = await stream.read()
         finally:
-            engine.closed(request.priority)
+            engine.closed(request.priority, sampling.n)
             stream.close()
 
     def _hidden_ids(self, request: GenerationRequest, sampling: SamplingOptions

@@ -54,9 +54,10 @@
   ``kv_full_usage`` used (a new sequence there preempts another), costs
   infinity: it goes after every finite cost of its group (below).
 
-  The replicas known to start the request at once (a free sequence slot,
-  ``queued_for_a_slot`` = 0, and room in the KV cache: :func:`starts_at_once`)
-  go before the others whatever the costs: the slot wait's fixed price
+  The replicas known to start the request at once (a free sequence slot for
+  each of its ``n`` choices among every priority's sequences, so neither a
+  wait nor a batch sequence preempted, and room in the KV cache:
+  :func:`starts_at_once`) go before the others whatever the costs: the slot wait's fixed price
   could be outweighed by a long prompt's prefix hit, by a faster measured
   profile, or by a stale report (infinity) on the free replica, and the
   request then waited for a sequence to finish beside a free slot (CI: 4
@@ -84,6 +85,7 @@ Threading: everything on the router's event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import math
 import time
@@ -251,39 +253,54 @@ class SlotUse:
     Attributes:
       busy: sequences ahead of it for a slot.
       max_num_seqs: the replica's slots.
+      need: slots the request takes (one per choice, ``n``).
     """
 
     busy: int
     max_num_seqs: int
+    need: int = 1
 
     @property
     def queued(self) -> int:
-        """Sequences that must finish before the request gets a slot (0: one is free)."""
-        return max(self.busy + 1 - self.max_num_seqs, 0)
+        """Sequences that must finish before the request has all its slots (0: they are free)."""
+        return max(self.busy + self.need - self.max_num_seqs, 0)
 
 
 def starts_at_once(view: LoadView, slots: SlotUse | None, weights: CostWeights) -> bool:
-    """True when the replica has a free sequence slot for the request by a
-    count the router knows (``slots``) and room in its KV cache: the request
+    """True when the replica has free sequence slots for all the request's
+    choices by a count the router knows (``slots``: every priority's
+    sequences, :func:`all_sequences`) and room in its KV cache: the request
     joins its batch at the next step instead of waiting for a sequence to
-    finish or preempting one. A stale report does not change this: this
+    finish or preempting one (an interactive request preempts batch ones:
+    that is no free slot either). A stale report does not change this: this
     router's own open streams are exact, and a replica that stopped answering
     leaves routing by its health probe (:mod:`services.router.replicas`)."""
     return (slots is not None and slots.queued == 0 and view.load is not None
             and view.load.kv_cache_usage < weights.kv_full_usage)
 
 
-def slot_use(engine: EngineClient, view: LoadView, priority: Priority) -> SlotUse | None:
-    """``engine``'s slots for a request of ``priority`` (None: slots unknown)."""
+def slot_use(engine: EngineClient, view: LoadView, priority: Priority,
+             need: int = 1) -> SlotUse | None:
+    """``engine``'s slots for a request of ``priority`` and ``need`` choices
+    (None: slots unknown): an interactive request counts only the interactive
+    sequences (the engine preempts batch ones for it), any other every
+    sequence (:func:`all_sequences`)."""
+    if priority is Priority.INTERACTIVE:
+        everything = all_sequences(engine, view, need)
+        return None if everything is None else dataclasses.replace(
+            everything, busy=engine.sequences_interactive)
+    return all_sequences(engine, view, need)
+
+
+def all_sequences(engine: EngineClient, view: LoadView, need: int = 1) -> SlotUse | None:
+    """``engine``'s slots against every sequence on it, whatever its priority
+    (None: slots unknown). The report lags (a request sent just before it may
+    be missing from it and from the unreported count it resets); this
+    router's own open sequences on the replica are exact."""
     if engine.info is None or not engine.info.max_num_seqs or view.load is None:
         return None
-    if priority is Priority.INTERACTIVE:  # the engine preempts batch sequences for it
-        return SlotUse(engine.in_flight_interactive, engine.info.max_num_seqs)
-    # The report lags (a request sent just before it may be missing from it
-    # and from the unreported count it resets); this router's own open
-    # streams on the replica are exact.
     reported = view.load.num_running + view.load.num_waiting + view.unreported_requests
-    return SlotUse(max(reported, engine.in_flight), engine.info.max_num_seqs)
+    return SlotUse(max(reported, engine.sequences), engine.info.max_num_seqs, need)
 
 
 class ReplicaPicker:
@@ -358,12 +375,14 @@ class ReplicaPicker:
         views = {engine: engine.load_watch.current() for engine in serving}
         peer = next((view.load.step_profile for view in views.values()
                      if view.load is not None and view.load.step_profile.measured), None)
-        slots = {engine: slot_use(engine, views[engine], priority) for engine in rotated}
+        need = max(hint.num_choices, 1)
+        slots = {engine: slot_use(engine, views[engine], priority, need) for engine in rotated}
         costs = {engine: replica_cost(hint, matches.get(engine, NO_PREFIX).tokens, views[engine],
                                       self.weights, slots[engine], peer,
                                       matches.get(engine, NO_PREFIX).offloaded_tokens)
                  for engine in rotated}
-        ready = {engine: starts_at_once(views[engine], slots[engine], self.weights)
+        ready = {engine: starts_at_once(views[engine], all_sequences(engine, views[engine], need),
+                                        self.weights)
                  for engine in rotated}
         order = _by_cost(rotated, costs, ready)
         sticky = self._sticky(hint.session, order, costs, views, peer, ready)

@@ -177,7 +177,13 @@ def test_a_slowdown_that_is_not_a_finite_factor_is_refused(
     ("GPU_MEMORY_FRACTION", "1.5", "must be a number in (0, 1], got 1.5"),
     ("SUFFIX_MIN_TOKEN_PROB", "abc", "expected a number in [0, 1), got 'abc'"),
     ("SUFFIX_SPEC_FACTOR", "abc", "expected a number > 0, got 'abc'"),
-    ("MAX_NUM_SEQS", "abc", "expected a whole number >= 1, got 'abc'"),
+    ("MAX_NUM_SEQS", "abc", "expected a whole number in [1, 16384], got 'abc'"),
+    # Sizes the engine allocates at start are bounded (QA: a 20-digit
+    # --max-num-seqs grew the engine to 24 GB until the OOM killer took it;
+    # a huge --num-threads failed in torch with "Overflow when unpacking long").
+    ("MAX_NUM_SEQS", "99999999999999999999", "must be in [1, 16384], got 99999999999999999999"),
+    ("NUM_THREADS", "99999999999999", "must be in [1, 1024], got 99999999999999"),
+    ("MAX_MODEL_LEN", "99999999", "must be in [1, 1048576], got 99999999"),
     ("SUFFIX_CACHE_TOKENS", "many", "expected a whole number >= 0, got 'many'"),
 ])
 def test_a_bad_environment_value_is_refused_naming_the_variable_the_value_and_what_is_accepted(

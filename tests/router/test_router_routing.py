@@ -283,8 +283,16 @@ async def test_a_replica_with_no_free_slot_costs_a_wait(engines: list[EngineClie
     kv = picker(RoutingPolicy.KV_AWARE)
     batch = await kv.choose(engines[:2], Priority.BATCH, RouteHint(100, matches({b: 96})))
     assert batch.order == [a, b]  # 100 prompt tokens < 4 + a slot wait of 2048
-    # The engine preempts batch sequences for an interactive request: only this
-    # router's interactive ones hold slots against it.
+    # An interactive request would preempt one of b's batch sequences (QA:
+    # num_preemptions 0 -> 1 on the prefix holder while the other replica was
+    # idle): the idle replica starts it at once and goes first.
+    interactive = await kv.choose(engines[:2], Priority.INTERACTIVE,
+                                  RouteHint(100, matches({b: 96})))
+    assert interactive.order == [a, b]
+    # Both full of batch sequences: the engine preempts batch ones for an
+    # interactive request, so only interactive ones hold slots against it and
+    # the prefix decides.
+    a.load_watch.view = view(running=2)  # type: ignore[attr-defined]
     interactive = await kv.choose(engines[:2], Priority.INTERACTIVE,
                                   RouteHint(100, matches({b: 96})))
     assert interactive.order == [b, a]
@@ -359,9 +367,32 @@ async def test_the_prefix_holder_wins_while_both_have_a_free_slot(
     at once: the one holding the prompt goes first though it runs more."""
     free, full = two_slot_pair(engines)
     full.closed(Priority.INTERACTIVE)
+    full.load_watch.view = view(running=1, profile=ONE_CORE)  # type: ignore[attr-defined]
     choice = await picker(RoutingPolicy.KV_AWARE).choose(
         [free, full], Priority.INTERACTIVE, RouteHint(4000, matches({full: 3984}), max_tokens=96))
     assert choice.order == [full, free]
+
+
+async def test_a_request_of_n_choices_needs_n_free_slots_to_start_at_once(
+        engines: list[EngineClient]) -> None:
+    """Each choice of ``n`` runs as its own engine sequence (QA: an n=2 request
+    on the prefix holder's 2 slots, and a request sent 1 s later went there
+    too and waited 5 s while the other replica was idle): this router counts
+    a request's sequences, and a request starts at once only where all its
+    choices find a slot."""
+    holder, other, _ = engines
+    for engine in (holder, other):
+        engine.info = ModelInfo("m", 1024, 100, (2,), "torch", max_num_seqs=2)
+        engine.load_watch.view = view(profile=ONE_CORE)  # type: ignore[attr-defined]
+    holder.opened(Priority.INTERACTIVE, 2)  # the report does not show it yet
+    kv = picker(RoutingPolicy.KV_AWARE)
+    hint = RouteHint(4000, matches({holder: 3984}), max_tokens=96)
+    assert (await kv.choose([holder, other], Priority.INTERACTIVE, hint)).order == [other, holder]
+    holder.closed(Priority.INTERACTIVE, 2)
+    other.opened(Priority.BATCH)  # one slot of two taken: room for n=1, not for n=2
+    two = RouteHint(4000, matches({holder: 3984}), max_tokens=96, num_choices=2)
+    assert (await kv.choose([other, holder], Priority.BATCH, two)).order[0] is holder
+    assert (other.sequences, other.in_flight, holder.sequences) == (1, 1, 0)
 
 
 async def test_routed_books_the_unreported_prefill(engines: list[EngineClient]) -> None:
