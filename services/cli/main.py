@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from services.common.broken_pipe import leave_quietly
+from services.common.cli_args import non_negative_float, positive_float
 from services.common.tracing import otlp_endpoint
 from services.router.cascade.flags import add_arguments as add_cascade_arguments
 from services.router.cascade.flags import problem as cascade_problem
@@ -931,11 +932,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="start a service that dies again on its ports, as a supervisor "
                          f"would (default); {MAX_RESTARTS} deaths within "
                          f"{RESTART_WINDOW_S:.0f} s, or Envoy's, stop the mesh")
-    up.add_argument("--drain-seconds", type=float, default=5.0,
+    up.add_argument("--drain-seconds", type=non_negative_float, default=5.0,
                     help="seconds in-flight requests get on stop (default: %(default)s)")
-    up.add_argument("--start-timeout", type=float, default=600.0,
+    up.add_argument("--start-timeout", type=positive_float, default=600.0,
                     help="seconds the services get to load (default: %(default)s)")
-    up.add_argument("--stream-idle-timeout", type=float, default=300.0,
+    up.add_argument("--stream-idle-timeout", type=non_negative_float, default=300.0,
                     help="seconds a GenerateStream may idle between generations before the "
                          "router ends it (DEADLINE_EXCEEDED); Envoy's idle timeout for the "
                          "other calls (default: %(default)s)")

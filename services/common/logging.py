@@ -46,6 +46,10 @@ class _AddService:
         return event_dict
 
 
+#: The level names ``configure_logging`` (and every service's ``--log-level``) takes.
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
 def configure_logging(service: str, level: str = "info") -> structlog.stdlib.BoundLogger:
     """Configures structlog (and the standard library's root logger) for this
     process and returns the service's logger.

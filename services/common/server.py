@@ -57,7 +57,8 @@ from services.common import tracing
 from services.common.active_calls import ActiveCalls
 from services.common.gpu_telemetry import register_gpu_telemetry
 from services.common.grpc_util import SERVER_OPTIONS, MeshTls, use_mesh_tls
-from services.common.logging import configure_logging
+from services.common.cli_args import non_negative_float
+from services.common.logging import LOG_LEVELS, configure_logging
 from services.common.reflection import enable_reflection
 from services.common.request_guard import RequestGuard
 
@@ -176,10 +177,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--metrics-port", type=int, default=0, help="Prometheus port (0: a free one, -1: off)"
     )
     parser.add_argument("--port-file", type=Path, default=None)
-    parser.add_argument("--drain-seconds", type=float, default=10.0)
+    parser.add_argument("--drain-seconds", type=non_negative_float, default=10.0)
     parser.add_argument(
-        "--log-level", default=os.environ.get("LLMESH_LOG_LEVEL", "info")
-    )
+        "--log-level", type=str.lower, default=os.environ.get("LLMESH_LOG_LEVEL", "info"),
+        choices=LOG_LEVELS)
     parser.add_argument(
         "--gpu-telemetry", action=argparse.BooleanOptionalAction, default=None,
         help="export GPU utilisation and memory on /metrics when a GPU is visible "

@@ -125,7 +125,7 @@ def build_parser(cls: type[argparse.ArgumentParser] = argparse.ArgumentParser
                         help="most completion tokens a request may ask for (default 4096)")
     parser.add_argument("--log-content", action="store_true",
                         help="log prompt and output text (off by default: may be private)")
-    parser.add_argument("--startup-timeout", type=float, default=600.0,
+    parser.add_argument("--startup-timeout", type=positive_float, default=600.0,
                         help="seconds to wait for tokenizer and engines to serve (default 600)")
     parser.add_argument("--cache-timeout", type=positive_float, default=0.5,
                         help="most seconds one cache call may take (default 0.5)")

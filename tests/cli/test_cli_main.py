@@ -322,8 +322,18 @@ def test_up_refuses_a_kv_size_that_does_not_parse_before_starting(
     (["--retriever-arg=--batch-size=8"],  # QA: checked, then silently ignored
      "--retriever-arg needs --retrieval (no retriever is started without it)"),
     (["--engine-arg=--no-such-flag"], "--engine-arg: unrecognized arguments: --no-such-flag"),
+    # QA (stop 43): each started the mesh and failed later, or never.
+    (["--engine-arg=--max-num-seqs=99999999999999999999"],  # the engine grew to 24 GB
+     "--engine-arg: argument --max-num-seqs/--max-batch-size: must be in [1, 16384], "
+     "got 99999999999999999999"),
+    (["--router-arg=--startup-timeout=-1"],
+     "--router-arg: argument --startup-timeout: must be a number > 0, got -1"),
+    (["--router-arg=--log-level=FOO"],  # a KeyError traceback in the router
+     "--router-arg: argument --log-level: invalid choice: 'foo' (choose from 'debug', "
+     "'info', 'warning', 'error', 'critical')"),
 ], ids=["router-negative", "router-not-a-number", "router-unknown", "retriever-top-k",
-        "retriever-batch", "retriever-without-retrieval", "engine-unknown"])
+        "retriever-batch", "retriever-without-retrieval", "engine-unknown",
+        "engine-huge-size", "router-timeout", "router-log-level"])
 def test_up_refuses_a_pass_through_flag_the_service_would_refuse_before_starting(
         argv: list[str], line: str, tmp_path, capsys, monkeypatch) -> None:
     """QA, issue 35: ``--router-arg=--max-queued-requests=-1`` failed only when
@@ -412,3 +422,24 @@ def test_up_routes_the_retriever_on_the_ingress_only_without_api_keys(
         cli.main(argv)
     assert made and made[0]["retrieval"] is True
     assert made[0]["retriever_on_ingress"] is (not with_keys)
+
+
+@pytest.mark.parametrize(("flag", "line"), [
+    ("--start-timeout=-5", "argument --start-timeout: must be a number > 0, got -5"),
+    ("--drain-seconds=nan", "argument --drain-seconds: must be a finite number >= 0, got nan"),
+    ("--stream-idle-timeout=-1",
+     "argument --stream-idle-timeout: must be a finite number >= 0, got -1"),
+])
+def test_up_refuses_its_own_bad_times_before_starting(
+        flag: str, line: str, tmp_path, capsys, monkeypatch) -> None:
+    """QA (stop 43): ``--start-timeout=-5`` started the mesh and failed with
+    "did not bind a port within -5 s"; ``--stream-idle-timeout=-1`` failed in
+    the router with its whole usage; ``--drain-seconds=nan`` was taken."""
+    def start(*args, **kwargs):
+        raise AssertionError("the mesh was started")
+
+    monkeypatch.setattr("services.cli.mesh.Mesh", start)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["up", "--run-dir", str(tmp_path / "run"), flag])
+    assert exited.value.code == 2
+    assert line in capsys.readouterr().err
