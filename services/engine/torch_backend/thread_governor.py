@@ -242,7 +242,6 @@ class ThreadGovernor:
         self._last_step_at: float | None = None  # the previous step's end
         self._step_at: float | None = None  # the current step's first layer
         self._opened_in_step = False  # the window started inside the current step
-        self._applied = self.controller.threads  # what set_threads was last given
         set_threads(self.controller.threads)
         log.info("engine_threads", threads=self.controller.threads, ceiling=ceiling,
                  quota_cpus=quota, reason=self.controller.reason,
@@ -317,7 +316,8 @@ class ThreadGovernor:
             run, wait, idle, _ = (c - p for c, p in zip(current, self._last))
             quota = self._cgroup.quota_cpus() if self._cgroup is not None else None
             sample = CPUSample(wall, run, wait, idle, 0.0, quota)
-            self._apply(self.controller.idle_room(sample), sample, quota)
+            before = self.controller.threads
+            self._apply(before, self.controller.idle_room(sample), sample, quota)
         self._window_start, self._last = now, current
 
     def _window(self, now: float) -> None:
@@ -332,13 +332,12 @@ class ThreadGovernor:
         sample = CPUSample(now - self._window_start, run, wait, idle, max(throttled, 0.0), quota)
         self._window_start, self._last = now, current
         self.throttled_s += sample.throttled_s
-        self._apply(self.controller.update(sample), sample, quota)
+        before = self.controller.threads
+        self._apply(before, self.controller.update(sample), sample, quota)
 
-    def _apply(self, after: int, sample: CPUSample, quota: float | None) -> None:
-        """Sets the thread count the controller decided from ``sample`` and logs
-        a change once."""
-        before = self._applied
-        self._applied = after
+    def _apply(self, before: int, after: int, sample: CPUSample, quota: float | None) -> None:
+        """Applies ``after``, the count the controller decided from ``sample``
+        (``before``: its count until then), and logs a change once."""
         if after != before:
             self._set_threads(after)
             log.info("engine_threads", threads=after, previous=before,
