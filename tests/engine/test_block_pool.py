@@ -55,8 +55,8 @@ def test_free_returns_the_last_block_first() -> None:
     manager = create_manager(num_blocks=6, block_size=4)
     a = make_request("a", 12)
     manager.allocate_slots(a, 12)
-    manager.free(a)
-    assert manager.pool.free_queue_ids() == [3, 4, 5, 2, 1, 0]
+    manager.free(a)  # nothing computed, so no hash: back to the head, last block first
+    assert manager.pool.free_queue_ids() == [2, 1, 0, 3, 4, 5]
     assert refs(manager, range(6)) == [0] * 6
     assert manager.check_integrity(idle=True) == BlockCounts(free=6, cached=0, used=0, total=6)
 
@@ -95,8 +95,9 @@ def test_prefix_hit_shares_blocks_and_counts_references() -> None:
     assert refs(manager, [0, 1, 2, 3]) == [1, 1, 0, 1]
     assert manager.pool.free_queue_ids() == [4, 5, 6, 7, 8, 9, 2]
     manager.free(b)
-    # b's tail (3) first, then the shared blocks once their last holder left.
-    assert manager.pool.free_queue_ids() == [4, 5, 6, 7, 8, 9, 2, 3, 1, 0]
+    # b's tail (3, never computed: no hash) goes to the head; the shared blocks
+    # to the tail once their last holder left.
+    assert manager.pool.free_queue_ids() == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
     assert manager.check_integrity(idle=True) == BlockCounts(free=7, cached=3, used=0, total=10)
 
 
@@ -154,6 +155,27 @@ def test_cached_blocks_are_evicted_least_recently_freed_first() -> None:
     again = make_request("a2", 9)
     assert manager.find_prefix(again).blocks == (manager.pool.block(0),)
     assert manager.check_integrity() == BlockCounts(free=0, cached=3, used=3, total=6)
+
+
+def test_requests_that_cache_nothing_reuse_free_blocks_and_evict_no_prefix() -> None:
+    """A stream of short requests (under one block: nothing to cache) takes
+    free blocks back, not cached ones: a cached prefix survives any number of
+    them while a free block is left (with freed blocks appended at the tail,
+    like vLLM's queue, 20 such requests through 8 blocks evicted all of a)."""
+    manager = create_manager(num_blocks=8, block_size=4)
+    a = make_request("a", 12)
+    manager.allocate_slots(a, 12)
+    compute(manager, a)
+    manager.free(a)
+    manager.take_events()
+    for i in range(20):
+        short = make_request(f"s{i}", list(range(500 + 3 * i, 503 + 3 * i)))
+        assert manager.allocate_slots(short, 3)
+        compute(manager, short)
+        manager.free(short)
+    assert manager.take_events() == []  # no BlockRemoved
+    assert manager.find_prefix(make_request("a2", 13)).num_tokens == 12
+    assert manager.check_integrity(idle=True) == BlockCounts(free=5, cached=3, used=0, total=8)
 
 
 def test_a_hit_takes_a_cached_block_out_of_the_middle_of_the_free_queue() -> None:

@@ -9,10 +9,15 @@ Every KV block is in one of three states:
 * **free**: ``ref_count == 0`` and no hash.
 
 Cached and free blocks wait together in the *free queue*, ordered for eviction:
-:meth:`BlockPool.allocate` takes blocks from its head (the least recently
-freed), and a cached block taken that way loses its hash (evicted, LRU);
-:meth:`BlockPool.free` appends at the tail. Taking a cached block back
-(:meth:`BlockPool.touch`) removes it from the queue wherever it sits.
+free blocks first, then cached ones least recently freed first.
+:meth:`BlockPool.allocate` takes blocks from its head, so it evicts a cached
+block (drops its hash, LRU) only when no free block is left;
+:meth:`BlockPool.free` puts a block without a hash at the head and a cached
+one at the tail. (vLLM's free queue appends both at the tail, so a stream of
+short requests that cache nothing cycles through the whole pool and evicts
+every cached prefix; SGLang's radix cache, like this pool, evicts only when
+it must.) Taking a cached block back (:meth:`BlockPool.touch`) removes it
+from the queue wherever it sits.
 
 The pool owns the hash → block map and the KV event queue
 (:mod:`services.common.kv_events`; the KV cache manager adds the offload
@@ -172,13 +177,16 @@ class BlockPool:
             block.ref_count += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
-        """Drops one reference from each of ``blocks``; those left without any go
-        to the tail of the free queue in the given order (so the first of them is
-        evicted first). Cached blocks keep their hash until evicted.
+        """Drops one reference from each of ``blocks``. Those left without any
+        join the free queue in the given order (the first of them is taken
+        first): cached ones at the tail, keeping their hash until evicted;
+        blocks without a hash at the head, to be reused before any cached
+        block is evicted.
 
         Raises:
           KVIntegrityError: a block had no reference left (double free).
         """
+        plain: list[KVBlock] = []
         for block in blocks:
             if block.ref_count <= 0:
                 raise KVIntegrityError(f"block {block.block_id} freed with ref_count "
@@ -186,6 +194,10 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block.block_id] = block
+                if block.block_hash is None:
+                    plain.append(block)
+        for block in reversed(plain):
+            self._free.move_to_end(block.block_id, last=False)
 
     def cache_full_blocks(self, blocks: Sequence[KVBlock], hashes: Sequence[BlockHash],
                           parent_hash: BlockHash | None, token_ids: Sequence[int]) -> None:
