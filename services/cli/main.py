@@ -31,6 +31,8 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.common.broken_pipe import leave_quietly
@@ -45,6 +47,7 @@ from services.router.history.flags import router_flags as history_router_args
 
 if TYPE_CHECKING:
     from services.cli.mesh import MeshProgress
+    from services.engine.config import EngineConfig
 
 DEFAULT_URL = "127.0.0.1:8080"
 EXAMPLE_QUESTION = "What is the capital of France?"
@@ -338,7 +341,7 @@ def _up_problem(args: argparse.Namespace, engine_args: list[str]) -> str | None:
                or history_problem(args, [m.name for m in args.models]))
     if problem:
         return problem
-    return _host_memory_problem(args.engines * max(1, len(args.models)), engine_args)
+    return _engine_problem(args, engine_args)
 
 
 def _router_args(args: argparse.Namespace) -> list[str]:
@@ -355,7 +358,7 @@ def _pass_through_problem(router_args: list[str], retriever_args: list[str]) -> 
     up`` passes on to it (``--router-arg``, with the cascade, history and key
     flags; ``--retriever-arg``), checked with that service's own parser and
     configuration before anything starts: one line naming the flag, None
-    when there is none. (The engines' flags: :func:`_host_memory_problem`.)"""
+    when there is none. (The engines' flags: :func:`_engine_problem`.)"""
     from services.retriever.__main__ import pass_through_problem as retriever_problem
     from services.router.__main__ import pass_through_problem as router_problem
 
@@ -418,26 +421,54 @@ def _launcher_owned_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _host_memory_problem(num_engines: int, engine_args: list[str]) -> str | None:
-    """Whether ``num_engines`` engines started with ``engine_args`` (and the
-    ``LLMESH_ENGINE_*`` environment) would together fill more host memory with
-    KV than ``MemAvailable`` (:mod:`services.engine.host_memory`); each engine
-    checks only itself when it starts. An engine flag or variable that does not
-    parse (``--kv-cache-bytes=1PiB``) is refused here with the engines' own
-    parser's one line (the flag and the accepted units), since every engine
-    would refuse it, and so is a flag the engines do not know."""
+def _engine_problem(args: argparse.Namespace, engine_args: list[str]) -> str | None:
+    """What every engine of ``llmesh up`` would refuse at its start, checked
+    before anything starts, in one line (None: nothing): a flag or
+    ``LLMESH_ENGINE_*`` variable its own parser refuses (``--kv-cache-bytes=1PiB``,
+    an unknown flag; ``--engine-arg=--help`` prints the engine's help, as the
+    router's does); an option or combination its backend refuses, with the
+    engine's own message (:func:`services.engine.factory.check_backend_options`,
+    for each model: ``--ngram-min`` above ``--ngram-max``, a speculative token
+    count out of bounds, a ``--model-path`` that is no model); KV memory of
+    all engines together beyond ``MemAvailable`` (:func:`_host_memory_problem`)."""
     from services.common.cli_args import ArgsRefused, CheckingParser
-    from services.engine import host_memory
     from services.engine.__main__ import build_parser as engine_parser
     from services.engine.config import engine_config_from_args
 
-    try:  # --engine-arg=--help prints the engine's help, as the router's does
+    try:
         known = engine_parser(CheckingParser).parse_args(engine_args)
     except ArgsRefused as error:
         return f"--engine-arg: {error}"
     except ValueError as error:  # an LLMESH_ENGINE_* variable (it names itself)
         return str(error)
     config = engine_config_from_args(known)
+    return (_backend_options_problem(config, [m.path for m in args.models] or [args.model_path])
+            or _host_memory_problem(config, args.engines * max(1, len(args.models))))
+
+
+def _backend_options_problem(config: EngineConfig, model_paths: Sequence[str | None]
+                             ) -> str | None:
+    """The engine's start-up refusal of ``config`` served with each of
+    ``model_paths`` (None: the engine's default model), as
+    ``python -m services.engine`` words it; None when it would start."""
+    from services.engine.factory import check_backend_options
+
+    for path in model_paths:
+        try:
+            check_backend_options(replace(config, model_path=None if path is None
+                                          else Path(path)))
+        except (ValueError, FileNotFoundError) as error:
+            return f"the engines would refuse to start: {error}"
+    return None
+
+
+def _host_memory_problem(config: EngineConfig, num_engines: int) -> str | None:
+    """Whether ``num_engines`` engines started with ``config`` would together
+    fill more host memory with KV than ``MemAvailable``
+    (:mod:`services.engine.host_memory`); each engine checks only itself
+    when it starts."""
+    from services.engine import host_memory
+
     try:
         host_memory.check_engines_host_memory(
             host_memory.host_kv_bytes(config), num_engines,

@@ -309,6 +309,57 @@ def test_up_refuses_a_kv_size_that_does_not_parse_before_starting(
     assert "(units KiB MiB GiB TiB, KB MB GB TB)" in err
 
 
+#: How ``llmesh up`` leads an engine's start-up refusal.
+ENGINES_REFUSE = "llmesh: the engines would refuse to start: "
+
+
+@pytest.mark.parametrize(("argv", "env", "reason"), [
+    (["--engine-arg=--ngram-min=5", "--engine-arg=--ngram-max=2"], {},
+     "need 1 <= ngram_min <= ngram_max, got 5 and 2"),
+    ([], {"LLMESH_ENGINE_NGRAM_MIN": "5", "LLMESH_ENGINE_NGRAM_MAX": "2"},
+     "need 1 <= ngram_min <= ngram_max, got 5 and 2"),
+    (["--engine-arg=--num-speculative-tokens=999"], {},
+     "num_speculative_tokens must be in [1, "),
+    (["--engine-arg=--suffix-max-match=1"], {}, "suffix max_match must be at least 2, got 1"),
+    (["--engine-arg=--kv-offload-dir=/tmp"], {},
+     "--kv-offload-dir needs --kv-offload-bytes (the tier's size)"),
+    (["--engine-arg=--kv-offload-bytes=1MiB", "--engine-arg=--no-enable-prefix-caching"], {},
+     "--kv-offload-bytes needs prefix caching (--enable-prefix-caching)"),
+    (["--dtype", "bfloat16", "--quantization", "int4"], {},
+     "--quantization int4 runs bf16 projections on an fp32 residual stream"),
+    (["--engine-arg=--speculative-method=eagle3"], {},
+     "--speculative-method eagle3 is implemented by the tensorrt_llm backend only"),
+    (["--model-path", "NOWHERE/m.gguf"], {}, "no GGUF file or checkpoint directory at NOWHERE"),
+], ids=["ngram-flags", "ngram-env", "spec-tokens", "suffix", "offload-dir",
+        "offload-no-prefix-cache", "quantization-dtype", "eagle3-on-torch", "model-path"])
+def test_up_refuses_what_the_engine_would_refuse_at_start_before_starting(
+        argv: list[str], env: dict[str, str], reason: str, tmp_path, capsys,
+        monkeypatch) -> None:
+    """QA: cross-field engine checks (``--ngram-min`` above ``--ngram-max``, a
+    speculative token count out of bounds, a second KV tier without its size)
+    failed only in the engine's log, after the other services had started;
+    ``llmesh up`` now runs the engine's own start checks first (exit 2)."""
+    argv = [arg.replace("NOWHERE", str(tmp_path / "none")) for arg in argv]
+    reason = reason.replace("NOWHERE", str(tmp_path / "none"))
+    err = _up_refused(argv, env, tmp_path, capsys, monkeypatch)
+    assert err.startswith(ENGINES_REFUSE + reason), err
+
+
+def test_up_refuses_an_engine_option_in_the_engines_own_words(tmp_path, capsys,
+                                                               monkeypatch) -> None:
+    """One definition of each rule: ``llmesh up`` prints the line that
+    ``python -m services.engine`` prints for the same flags."""
+    flags = ["--ngram-min", "5", "--ngram-max", "2"]
+    engine = subprocess.run([sys.executable, "-m", "services.engine", *flags],
+                            capture_output=True, text=True, env=child_env(), timeout=120)
+    assert engine.returncode == 2
+    prefix = "python -m services.engine: error: "
+    assert engine.stderr.startswith(prefix) and engine.stderr.count("\n") == 1, engine.stderr
+    err = _up_refused([f"--engine-arg={flag}" for flag in flags], {}, tmp_path, capsys,
+                      monkeypatch)
+    assert err == ENGINES_REFUSE + engine.stderr.removeprefix(prefix)
+
+
 @pytest.mark.parametrize(("argv", "line"), [
     (["--router-arg=--max-queued-requests=-1"],
      "--router-arg: argument --max-queued-requests: must be >= 0, got -1"),

@@ -147,8 +147,9 @@ def check_config(config: EngineConfig) -> None:
         attention backend or quantized kernel, or ``native`` where the
         kernels cannot serve the device/dtype or cannot be built (the model's
         head shapes are checked when it loads); bad speculative options
-        (:class:`SpeculativeConfig`, :class:`SuffixOptions`); a
-        structured-output compile timeout <= 0.
+        (:class:`SpeculativeConfig`, :class:`SuffixOptions`); a second KV
+        tier without its size or without prefix caching
+        (:func:`check_kv_offload`); a structured-output compile timeout <= 0.
     """
     config = resolve_dtype(config)
     if config.dtype not in DTYPE_NAMES:
@@ -170,6 +171,7 @@ def check_config(config: EngineConfig) -> None:
         resolve_quant_kernel("native")  # builds the kernels now if it must
     speculative_config(config)
     suffix_options(config)
+    check_kv_offload(config)
     if not config.structured_output_compile_timeout_s > 0:
         raise ValueError("structured_output_compile_timeout_s must be > 0, got "
                          f"{config.structured_output_compile_timeout_s}")
@@ -177,6 +179,23 @@ def check_config(config: EngineConfig) -> None:
         from services.engine.torch_backend.device import check_device
 
         check_device(config.device)
+
+
+def check_kv_offload(config: EngineConfig) -> None:
+    """Rejects second-KV-tier flags that do not go together (the tier's
+    memory itself is checked when it is allocated).
+
+    Raises:
+      ValueError: ``--kv-offload-dir`` without ``--kv-offload-bytes`` (the
+        tier's size); ``--kv-offload-bytes`` with prefix caching off (the
+        tier keeps evicted prefix-cache blocks).
+    """
+    if config.kv_offload_bytes is None:
+        if config.kv_offload_dir is not None:
+            raise ValueError("--kv-offload-dir needs --kv-offload-bytes (the tier's size)")
+        return
+    if not config.enable_prefix_caching:
+        raise ValueError("--kv-offload-bytes needs prefix caching (--enable-prefix-caching)")
 
 
 def _check_native_attention(config: EngineConfig) -> None:
