@@ -233,7 +233,75 @@ def test_a_bad_port_in_the_environment_breaks_only_up(
     with pytest.raises(SystemExit) as exited:
         cli.main(["up"])
     assert exited.value.code == 2
-    assert "--port: port must be an integer, got 'abc'" in capsys.readouterr().err
+    # QA: the refusal named only --port, which the user had not typed.
+    assert ("argument --port: LLMESH_PORT='abc': port must be an integer, got 'abc'"
+            in capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(("name", "value", "line"), [
+    ("LLMESH_PORT", "abc", "argument --port: LLMESH_PORT='abc': port must be an integer, "
+     "got 'abc'"),
+    ("LLMESH_ADMIN_PORT", "70000", "argument --admin-port: LLMESH_ADMIN_PORT='70000': port "
+     "must be in [0, 65535], got 70000"),
+])
+def test_up_names_a_bad_port_variable_and_its_value(
+        name: str, value: str, line: str, tmp_path, capsys, monkeypatch) -> None:
+    """QA: ``LLMESH_PORT=abc llmesh up`` was refused naming ``--port`` only."""
+    monkeypatch.setattr("services.cli.mesh.Mesh", None)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["up", "--run-dir", str(tmp_path / "run")])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"llmesh up: error: {line}\n") and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv(name, "0")  # a good value is still read
+    assert getattr(cli.build_parser().parse_args(["up"]), name[7:].lower()) == 0
+
+
+@pytest.mark.parametrize(("name", "value", "line"), [
+    ("LLMESH_LOG_LEVEL", "FOO",  # every service died with a KeyError traceback
+     "LLMESH_LOG_LEVEL='FOO': choose one of debug, info, warning, error, critical"),
+    ("LLMESH_ENGINE_COMMAND", 'python -m "services.engine',  # a traceback in llmesh up
+     "LLMESH_ENGINE_COMMAND='python -m \"services.engine': No closing quotation "
+     "(shell quoting)"),
+    ("LLMESH_ROUTER_COMMAND", "  ", "LLMESH_ROUTER_COMMAND='  ': names no command"),
+    ("LLMESH_MODEL_PATH", "NOWHERE", "the engines would refuse to start: "
+     "LLMESH_MODEL_PATH='NOWHERE': no GGUF file or checkpoint directory at NOWHERE"),
+    ("LLMESH_ENGINE_MAX_NUM_SEQS", "0", "LLMESH_ENGINE_MAX_NUM_SEQS='0': must be in "
+     "[1, 16384], got 0"),
+], ids=["log-level", "command-quote", "command-empty", "model-path", "engine-variable"])
+def test_up_refuses_a_bad_variable_naming_it_and_its_value_before_starting(
+        name: str, value: str, line: str, tmp_path, capsys, monkeypatch) -> None:
+    """QA: the services ``llmesh up`` starts read these variables; a bad one
+    was a traceback (in llmesh up, or in every service's log after the mesh
+    had started) or a refusal that did not name it. Exit 2, one line."""
+    nowhere = str(tmp_path / "none.gguf")
+    value, line = value.replace("NOWHERE", nowhere), line.replace("NOWHERE", nowhere)
+    assert _up_refused([], {name: value}, tmp_path, capsys, monkeypatch) == f"llmesh: {line}\n"
+
+
+@pytest.mark.parametrize(("env", "line"), [
+    ({"LLMESH_CACERT": "NOWHERE"},  # named --cacert, which was not given
+     "LLMESH_CACERT='NOWHERE': cannot read it (No such file or directory)"),
+    ({"LLMESH_URL": "http://"},  # UNKNOWN: Failed to create channel to ''
+     "LLMESH_URL='http://': expected host:port, http://host:port or https://host:port"),
+    ({"LLMESH_URL": "mesh host:8080"},
+     "LLMESH_URL='mesh host:8080': expected host:port, http://host:port or https://host:port"),
+    ({"LLMESH_API_KEY": "secret\nkey"},  # INTERNAL: Invalid metadata, a C-core log line
+     "LLMESH_API_KEY: a key is printable ASCII without spaces (as `llmesh keys new` mints "
+     "them); this one is not (not shown)"),
+], ids=["cacert", "url-empty", "url-space", "api-key"])
+def test_generate_and_models_refuse_a_bad_variable_naming_it(
+        env: dict[str, str], line: str, tmp_path, capsys, monkeypatch) -> None:
+    """QA: each was refused naming a flag the user had not given, or failed the
+    call with a gRPC status that did not say where the value came from."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value.replace("NOWHERE", str(tmp_path / "ca.pem")))
+    line = line.replace("NOWHERE", str(tmp_path / "ca.pem"))
+    for argv in (["generate", "x"], ["models"]):
+        assert cli.main(argv) == 2
+        assert capsys.readouterr() == ("", f"llmesh: {line}\n")
 
 
 @pytest.mark.parametrize("timeout", ["0", "-1", "soon"])
