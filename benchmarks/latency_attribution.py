@@ -10,8 +10,10 @@
 * :func:`hop_rows` turns each path's per-request :class:`Sample` into the
   per-hop table (milliseconds, one value per round), :func:`format_hops`
   prints it;
-* :func:`cpu_ms_per_request` subtracts a process's idle CPU rate from its
-  CPU over the attribution requests.
+* :func:`cpu_ms_per_request` subtracts a process's idle CPU rate
+  (:func:`idle_rate`, with its standard error) from its CPU over the
+  attribution requests; an estimate below 0 within the idle rate's error is
+  read as 0, one further below is kept (and shows the measurement is off).
 
 No I/O here but :func:`cpu_ns` and :func:`scrape`; the arithmetic is
 tested in tests/bench/test_latency_attribution.py.
@@ -19,10 +21,12 @@ tested in tests/bench/test_latency_attribution.py.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -294,15 +298,79 @@ def thread_mix(samples: dict[str, list[Sample]]) -> dict[str, dict[int, int]]:
     return mix
 
 
-def cpu_ms_per_request(used_ns: int, idle_ns_per_s: float, elapsed_s: float,
-                       requests: int) -> float:
+@dataclass(frozen=True)
+class IdleRate:
+    """A process's CPU while nothing is sent, in ns of CPU per wall second.
+
+    Attributes:
+      ns_per_s: the rate over all the idle windows (their CPU over their seconds).
+      stderr_ns_per_s: its standard error: the spread (sample standard
+        deviation) of the windows' own rates over the square root of their
+        number; 0 with one window (no spread to see).
+    """
+
+    ns_per_s: float
+    stderr_ns_per_s: float = 0.0
+
+
+def idle_rate(windows: Sequence[tuple[int, float]]) -> IdleRate:
+    """The :class:`IdleRate` of ``windows``: (CPU ns, wall seconds) of each
+    idle window, measured one after the other.
+
+    Raises:
+      ValueError: no window, or one of no time.
+    """
+    if not windows or any(seconds <= 0 for _, seconds in windows):
+        raise ValueError(f"need idle windows of > 0 s, got {list(windows)}")
+    rate = sum(ns for ns, _ in windows) / sum(seconds for _, seconds in windows)
+    if len(windows) == 1:
+        return IdleRate(rate)
+    spread = statistics.stdev(ns / seconds for ns, seconds in windows)
+    return IdleRate(rate, spread / math.sqrt(len(windows)))
+
+
+#: A per-request CPU below 0 by no more than this many idle standard errors
+#: is read as 0: the process used nothing beyond its idle rate.
+CLAMP_STDERRS = 2.0
+
+
+@dataclass(frozen=True)
+class CpuPerRequest:
+    """CPU milliseconds per request, a process's idle rate subtracted.
+
+    Attributes:
+      ms: the estimate; 0.0 where it came out below 0 within
+        :data:`CLAMP_STDERRS` of ``stderr_ms`` (``clamped``). Further below
+        0 it is kept as it is: the idle rate was not the process's rate
+        during the requests (a periodic task in the idle windows, say),
+        which a clamp would hide.
+      stderr_ms: what the idle rate's standard error amounts to per request.
+      clamped: ``ms`` was read as 0.
+    """
+
+    ms: float
+    stderr_ms: float
+    clamped: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.ms:.2f}±{self.stderr_ms:.2f}"
+
+
+def cpu_ms_per_request(used_ns: int, idle: IdleRate, elapsed_s: float,
+                       requests: int) -> CpuPerRequest:
     """CPU milliseconds per request: ``used_ns`` over ``elapsed_s`` seconds
-    of ``requests`` requests, less what the process spends idle at
-    ``idle_ns_per_s`` (ns of CPU per wall second, measured alone).
+    of ``requests`` requests, less what the process spends idle in that time
+    at ``idle``'s rate (measured alone), with the uncertainty that rate
+    carries (:class:`CpuPerRequest`: never below 0 unless the measurement
+    says the process used less than idle).
 
     Raises:
       ValueError: ``requests`` < 1.
     """
     if requests < 1:
         raise ValueError(f"requests must be >= 1, got {requests}")
-    return (used_ns - idle_ns_per_s * elapsed_s) / requests / 1e6
+    ms = (used_ns - idle.ns_per_s * elapsed_s) / requests / 1e6
+    stderr_ms = idle.stderr_ns_per_s * elapsed_s / requests / 1e6
+    if 0 > ms >= -CLAMP_STDERRS * stderr_ms:
+        return CpuPerRequest(0.0, stderr_ms, clamped=True)
+    return CpuPerRequest(ms, stderr_ms)

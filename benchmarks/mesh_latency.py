@@ -37,7 +37,9 @@ neither path runs with a governor the other lacks.
   the first mesh's processes (``/proc/PID/task/*/schedstat``, ns) and of
   this one (``client``: ``time.process_time_ns``, the in-process engine's
   threads included), each less its idle rate measured over a few seconds
-  first. Helpers: ``latency_attribution.py``.
+  first (in 6 windows: each cell is printed ± what the idle rate's
+  standard error amounts to per request, and reads 0.00 where it came out
+  below 0 within 2 standard errors). Helpers: ``latency_attribution.py``.
 
 Paths: **in-process** is the torch backend called directly (no gRPC, prompt
 ids from the tokenizer in this process); **mesh** is the same chat through
@@ -90,9 +92,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parent)]
 
 from llmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, generation_pb2_grpc  # noqa: E402
 from latency_attribution import (  # noqa: E402
-    BASE, ROUTER_TTFT, EngineReading, Sample, cpu_ms_per_request, cpu_ns, engine_reading,
-    format_hops, histogram_delta, histogram_sum_count, hop_rows, multi_step, quartiles, scrape,
-    thread_mix)
+    BASE, CLAMP_STDERRS, ROUTER_TTFT, EngineReading, IdleRate, Sample, cpu_ms_per_request,
+    cpu_ns, engine_reading, format_hops, histogram_delta, histogram_sum_count, hop_rows,
+    idle_rate, multi_step, quartiles, scrape, thread_mix)
 from mesh_cpu import MESH_OVERHEAD, cpu_seconds  # noqa: E402
 from services.cli.mesh import Mesh  # noqa: E402
 from services.common.model_files import default_model_path  # noqa: E402
@@ -352,8 +354,11 @@ async def many_streams(backend: TorchBackend, tokenizer: Tokenizer,
 AFTER_SECONDS = 0.1
 #: The attribution's name for this process's own CPU (``time.process_time_ns``).
 CLIENT = "client"
-#: Seconds the mesh sits idle while its processes' idle CPU rate is measured.
+#: Seconds the mesh sits idle while its processes' idle CPU rate is measured,
+#: in IDLE_WINDOWS windows one after the other (their spread gives the
+#: rate's standard error).
 IDLE_SECONDS = 3.0
+IDLE_WINDOWS = 6
 
 
 class StepTimes:
@@ -440,15 +445,21 @@ def _cpu_window_end(pids: dict[str, int], start: dict[str, int]) -> dict[str, in
     return {**{n: cpu_ns(pid) - start[n] for n, pid in pids.items()}, CLIENT: client}
 
 
-async def _idle_rates(pids: dict[str, int], seconds: float) -> dict[str, float]:
-    """CPU ns per wall second of each process (``pids``: name → PID; this
-    one as ``client``) while nothing is sent (this process's event loop
-    running, as in a request's window)."""
-    start = _cpu_window_start(pids)
-    began = time.perf_counter()
-    await asyncio.sleep(seconds)
-    elapsed = time.perf_counter() - began
-    return {n: ns / elapsed for n, ns in _cpu_window_end(pids, start).items()}
+async def _idle_rates(pids: dict[str, int], seconds: float,
+                      windows: int) -> dict[str, IdleRate]:
+    """The idle CPU rate of each process (``pids``: name → PID; this one as
+    ``client``) while nothing is sent (this process's event loop running,
+    as in a request's window), over ``windows`` windows of ``seconds /
+    windows`` each (:func:`latency_attribution.idle_rate`)."""
+    measured: dict[str, list[tuple[int, float]]] = {}
+    for _ in range(windows):
+        start = _cpu_window_start(pids)
+        began = time.perf_counter()
+        await asyncio.sleep(seconds / windows)
+        elapsed = time.perf_counter() - began
+        for n, ns in _cpu_window_end(pids, start).items():
+            measured.setdefault(n, []).append((ns, elapsed))
+    return {n: idle_rate(each) for n, each in measured.items()}
 
 
 async def _probe_once(probe: Probe, request_id: str, settle: float,
@@ -486,7 +497,7 @@ async def attribute(probes: dict[str, Probe], pids: dict[str, int], *, rounds: i
     table (:data:`latency_attribution.COLUMNS`, ms, median [p25-p75]) and CPU
     ms per request of each process in ``pids`` (name → PID) and of this one
     (``client``, the in-process engine included), idle rates subtracted."""
-    idle = await _idle_rates(pids, IDLE_SECONDS)
+    idle = await _idle_rates(pids, IDLE_SECONDS, IDLE_WINDOWS)
     samples: dict[str, list[Sample]] = {name: [] for name in probes}
     used = {name: dict.fromkeys(idle, 0) for name in probes}
     elapsed = dict.fromkeys(probes, 0.0)
@@ -509,14 +520,28 @@ async def attribute(probes: dict[str, Probe], pids: dict[str, int], *, rounds: i
     for path, n in multi_step(samples).items():
         print(f"  note: {n} of {path}'s requests did not take exactly one engine step "
               "(step = the sum of the steps seen)")
-    print(f"  CPU-ms per request, mean over the rounds (schedstat; each process's idle rate "
-          f"over {IDLE_SECONDS:.0f} s subtracted; client: this process, the in-process engine "
+    _print_cpu(used, idle, elapsed, rounds)
+
+
+def _print_cpu(used: dict[str, dict[str, int]], idle: dict[str, IdleRate],
+               elapsed: dict[str, float], rounds: int) -> None:
+    """The attribution's CPU table: per path and process, CPU ms per
+    request ± what the idle rate's standard error amounts to
+    (:func:`latency_attribution.cpu_ms_per_request`), then each idle rate."""
+    print(f"  CPU-ms per request ± the idle rate's standard error, mean over the rounds "
+          f"(schedstat; each process's idle rate over {IDLE_SECONDS:.0f} s in "
+          f"{IDLE_WINDOWS} windows subtracted; 0.00 where it came out below 0 within "
+          f"{CLAMP_STDERRS:g} standard errors; client: this process, the in-process engine "
           "included):")
-    print(f"    {'':<14}" + "".join(f"{n:>10}" for n in sorted(idle)))
-    for path in probes:
+    names = sorted(idle)
+    print(f"    {'':<14}" + "".join(f"{n:>14}" for n in names))
+    for path in used:
         print(f"    {path:<14}" + "".join(
-            f"{cpu_ms_per_request(used[path][n], idle[n], elapsed[path], rounds):10.2f}"
-            for n in sorted(idle)))
+            f"{str(cpu_ms_per_request(used[path][n], idle[n], elapsed[path], rounds)):>14}"
+            for n in names))
+    print(f"    {'idle CPU-ms/s':<14}" + "".join(
+        f"{f'{idle[n].ns_per_s / 1e6:.2f}±{idle[n].stderr_ns_per_s / 1e6:.2f}':>14}"
+        for n in names))
 
 
 def _command_from(where: Path, role: str) -> list[str]:

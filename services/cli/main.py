@@ -15,8 +15,9 @@
 and a SIGHUP to ``llmesh up`` reloads the file (it is passed to the router).
 
 Exit codes: 0 ok; 1 the call or the mesh failed (message on stderr, with the
-gRPC status name); 2 bad usage (an invalid ``LLMESH_PORT`` included) or a port
-already in use; 130 interrupted ``generate``; 141 stdout's reader went away
+gRPC status name); 2 bad usage or a port already in use (a bad value in an
+``LLMESH_*`` variable is bad usage: the refusal names the variable and the
+value); 130 interrupted ``generate``; 141 stdout's reader went away
 (``llmesh generate ... | head -1``: the stream is cancelled, nothing more is
 printed, as a Unix tool that SIGPIPE ends).
 """
@@ -31,10 +32,18 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.common.broken_pipe import leave_quietly
-from services.common.cli_args import non_negative_float, positive_float
+from services.common.cli_args import (
+    env_checked,
+    env_default,
+    env_refusal,
+    non_negative_float,
+    positive_float,
+)
 from services.common.tracing import otlp_endpoint
 from services.router.cascade.flags import add_arguments as add_cascade_arguments
 from services.router.cascade.flags import problem as cascade_problem
@@ -45,6 +54,7 @@ from services.router.history.flags import router_flags as history_router_args
 
 if TYPE_CHECKING:
     from services.cli.mesh import MeshProgress
+    from services.engine.config import EngineConfig
 
 DEFAULT_URL = "127.0.0.1:8080"
 EXAMPLE_QUESTION = "What is the capital of France?"
@@ -109,12 +119,14 @@ def client_credentials(url: str | None, cacert: str | None,
     server is verified against that CA, else the system roots.
 
     Raises:
-      ValueError: the CA file cannot be read (one line naming it).
+      ValueError: the CA file cannot be read (one line naming it, and
+        ``LLMESH_CACERT`` with its value when the file came from there).
     """
     import grpc
 
     env = os.environ if environ is None else environ
     address = url or env.get("LLMESH_URL") or ""
+    from_env = not cacert and bool(env.get("LLMESH_CACERT"))
     cacert = cacert or env.get("LLMESH_CACERT") or None
     if not (address.startswith("https://") or cacert):
         return None
@@ -124,7 +136,9 @@ def client_credentials(url: str | None, cacert: str | None,
             with open(cacert, "rb") as file:
                 roots = file.read()
         except OSError as error:
-            raise ValueError(f"--cacert {cacert}: cannot read it ({error.strerror})") from None
+            why = f"cannot read it ({error.strerror})"
+            raise ValueError(env_refusal("LLMESH_CACERT", cacert, why) if from_env
+                             else f"--cacert {cacert}: {why}") from None
     return grpc.ssl_channel_credentials(root_certificates=roots)
 
 
@@ -137,13 +151,14 @@ def mesh_address(url: str | None, environ: Mapping[str, str] | None = None) -> s
     ``llmesh up`` binds its ingress to), else :data:`DEFAULT_URL`.
 
     Raises:
-      ValueError: ``LLMESH_PORT`` is used and is not a port in [1, 65535].
+      ValueError: ``LLMESH_PORT`` is used and is not a port in [1, 65535];
+        ``--url`` or ``LLMESH_URL`` holds no address (``http://``, a space).
     """
     env = os.environ if environ is None else environ
     if url:
-        return grpc_target(url)
+        return _checked_target(url, "--url")
     if env.get("LLMESH_URL"):
-        return grpc_target(env["LLMESH_URL"])
+        return _checked_target(env["LLMESH_URL"], "LLMESH_URL")
     port = env.get("LLMESH_PORT")
     if not port:
         return DEFAULT_URL
@@ -152,6 +167,22 @@ def mesh_address(url: str | None, environ: Mapping[str, str] | None = None) -> s
     except argparse.ArgumentTypeError as error:
         raise ValueError(f"LLMESH_PORT: {error} (or give the mesh address with --url / "
                          "LLMESH_URL)") from None
+
+
+def _checked_target(url: str, source: str) -> str:
+    """:func:`grpc_target` of ``url``, which came from ``source`` (``--url``
+    or ``LLMESH_URL``).
+
+    Raises:
+      ValueError: no host in it, or a space (gRPC would fail the call with
+        an INTERNAL or UNAVAILABLE that does not say where the address came from).
+    """
+    target = grpc_target(url)
+    if target and not any(char.isspace() for char in target):
+        return target
+    why = "expected host:port, http://host:port or https://host:port"
+    raise ValueError(f"--url {url!r}: {why}" if source == "--url"
+                     else env_refusal(source, url, why))
 
 
 def client_examples(address: str, question: str = EXAMPLE_QUESTION, *, tls: bool = False,
@@ -220,13 +251,43 @@ class _ProgressPrinter:
 
 
 def _role_commands() -> dict[str, list[str]]:
-    """``LLMESH_<ROLE>_COMMAND`` overrides (shell-split), e.g. to profile one service."""
+    """``LLMESH_<ROLE>_COMMAND`` overrides (shell-split), e.g. to profile one service.
+
+    Raises:
+      ValueError: a value the shell could not split either (an unclosed
+        quote), or one that splits into nothing; the message names the
+        variable and its value.
+    """
     commands = {}
     for role in ROLES:
-        value = os.environ.get(f"LLMESH_{role.upper()}_COMMAND")
-        if value:
+        variable = f"LLMESH_{role.upper()}_COMMAND"
+        value = os.environ.get(variable)
+        if not value:
+            continue
+        try:
             commands[role] = shlex.split(value)
+        except ValueError as error:  # shlex's "No closing quotation"
+            raise ValueError(env_refusal(variable, value, f"{error} (shell quoting)")) from None
+        if not commands[role]:
+            raise ValueError(env_refusal(variable, value, "names no command"))
     return commands
+
+
+def _environment_problem() -> str | None:
+    """What the mesh's services would refuse in the environment they inherit
+    from ``llmesh up``, in one line naming the variable and its value (None:
+    nothing): ``LLMESH_LOG_LEVEL`` (every service's ``--log-level``
+    default) and ``LLMESH_<ROLE>_COMMAND``. (``LLMESH_PORT`` and
+    ``LLMESH_ADMIN_PORT`` are up's own flags' defaults; ``LLMESH_ENGINE_*``
+    and ``LLMESH_MODEL_PATH``: :func:`_engine_problem`.)"""
+    from services.common.logging import LOG_LEVEL_ENV, log_level
+
+    try:
+        log_level(env_default(LOG_LEVEL_ENV, "info"))
+        _role_commands()
+    except (argparse.ArgumentTypeError, ValueError) as error:
+        return str(error)
+    return None
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -250,7 +311,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         if getattr(args, flag):
             engine_args += [f"--{flag}", getattr(args, flag)]
     router_args = _router_args(args)
-    problem = (_up_problem(args, engine_args)
+    problem = (_environment_problem() or _up_problem(args, engine_args)
                or _pass_through_problem(router_args, list(args.retriever_arg))
                or _launcher_owned_problem(args))
     if problem:
@@ -338,7 +399,7 @@ def _up_problem(args: argparse.Namespace, engine_args: list[str]) -> str | None:
                or history_problem(args, [m.name for m in args.models]))
     if problem:
         return problem
-    return _host_memory_problem(args.engines * max(1, len(args.models)), engine_args)
+    return _engine_problem(args, engine_args)
 
 
 def _router_args(args: argparse.Namespace) -> list[str]:
@@ -355,7 +416,7 @@ def _pass_through_problem(router_args: list[str], retriever_args: list[str]) -> 
     up`` passes on to it (``--router-arg``, with the cascade, history and key
     flags; ``--retriever-arg``), checked with that service's own parser and
     configuration before anything starts: one line naming the flag, None
-    when there is none. (The engines' flags: :func:`_host_memory_problem`.)"""
+    when there is none. (The engines' flags: :func:`_engine_problem`.)"""
     from services.retriever.__main__ import pass_through_problem as retriever_problem
     from services.router.__main__ import pass_through_problem as router_problem
 
@@ -418,26 +479,54 @@ def _launcher_owned_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _host_memory_problem(num_engines: int, engine_args: list[str]) -> str | None:
-    """Whether ``num_engines`` engines started with ``engine_args`` (and the
-    ``LLMESH_ENGINE_*`` environment) would together fill more host memory with
-    KV than ``MemAvailable`` (:mod:`services.engine.host_memory`); each engine
-    checks only itself when it starts. An engine flag or variable that does not
-    parse (``--kv-cache-bytes=1PiB``) is refused here with the engines' own
-    parser's one line (the flag and the accepted units), since every engine
-    would refuse it, and so is a flag the engines do not know."""
+def _engine_problem(args: argparse.Namespace, engine_args: list[str]) -> str | None:
+    """What every engine of ``llmesh up`` would refuse at its start, checked
+    before anything starts, in one line (None: nothing): a flag or
+    ``LLMESH_ENGINE_*`` variable its own parser refuses (``--kv-cache-bytes=1PiB``,
+    an unknown flag; ``--engine-arg=--help`` prints the engine's help, as the
+    router's does); an option or combination its backend refuses, with the
+    engine's own message (:func:`services.engine.factory.check_backend_options`,
+    for each model: ``--ngram-min`` above ``--ngram-max``, a speculative token
+    count out of bounds, a ``--model-path`` that is no model); KV memory of
+    all engines together beyond ``MemAvailable`` (:func:`_host_memory_problem`)."""
     from services.common.cli_args import ArgsRefused, CheckingParser
-    from services.engine import host_memory
     from services.engine.__main__ import build_parser as engine_parser
     from services.engine.config import engine_config_from_args
 
-    try:  # --engine-arg=--help prints the engine's help, as the router's does
+    try:
         known = engine_parser(CheckingParser).parse_args(engine_args)
     except ArgsRefused as error:
         return f"--engine-arg: {error}"
     except ValueError as error:  # an LLMESH_ENGINE_* variable (it names itself)
         return str(error)
     config = engine_config_from_args(known)
+    return (_backend_options_problem(config, [m.path for m in args.models] or [args.model_path])
+            or _host_memory_problem(config, args.engines * max(1, len(args.models))))
+
+
+def _backend_options_problem(config: EngineConfig, model_paths: Sequence[str | None]
+                             ) -> str | None:
+    """The engine's start-up refusal of ``config`` served with each of
+    ``model_paths`` (None: the engine's default model), as
+    ``python -m services.engine`` words it; None when it would start."""
+    from services.engine.factory import check_backend_options
+
+    for path in model_paths:
+        try:
+            check_backend_options(replace(config, model_path=None if path is None
+                                          else Path(path)))
+        except (ValueError, FileNotFoundError) as error:
+            return f"the engines would refuse to start: {error}"
+    return None
+
+
+def _host_memory_problem(config: EngineConfig, num_engines: int) -> str | None:
+    """Whether ``num_engines`` engines started with ``config`` would together
+    fill more host memory with KV than ``MemAvailable``
+    (:mod:`services.engine.host_memory`); each engine checks only itself
+    when it starts."""
+    from services.engine import host_memory
+
     try:
         host_memory.check_engines_host_memory(
             host_memory.host_kv_bytes(config), num_engines,
@@ -696,29 +785,24 @@ def _summary(last, elapsed_s: float, ttft_s: float | None, chunks: int) -> str:
     return f"{line}\n{REPLAY_NOTE}" if last.cached else line
 
 
-def _target(args: argparse.Namespace) -> str | None:
-    """The mesh address for ``args`` (see :func:`mesh_address`); None after
-    printing why ``LLMESH_PORT`` cannot be used."""
-    try:
-        return mesh_address(args.url)
-    except ValueError as error:
-        print(f"llmesh: {error}", file=sys.stderr)
-        return None
-
-
-def _client_channel(args: argparse.Namespace, target: str):  # -> grpc.Channel | None
-    """A channel to ``target``: TLS per :func:`client_credentials`; None after
-    printing why the CA file cannot be used."""
+def _connect(args: argparse.Namespace):  # -> tuple[str, grpc.Channel, metadata] | None
+    """What ``llmesh generate`` / ``models`` call with: the mesh address
+    (:func:`mesh_address`), a channel to it (TLS per
+    :func:`client_credentials`) and the call metadata
+    (:func:`api_key_metadata`); None after printing in one line why the
+    flags or the environment cannot be used (the command exits 2)."""
     import grpc
 
     try:
+        target = mesh_address(args.url)
+        metadata = api_key_metadata()
         credentials = client_credentials(args.url, args.cacert)
     except ValueError as error:
         print(f"llmesh: {error}", file=sys.stderr)
         return None
     if credentials is None:
-        return grpc.insecure_channel(target)
-    return grpc.secure_channel(target, credentials)
+        return target, grpc.insecure_channel(target), metadata
+    return target, grpc.secure_channel(target, credentials), metadata
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -727,17 +811,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from llmesh.v1 import generation_pb2_grpc
 
-    target = _target(args)
-    if target is None:
+    connection = _connect(args)
+    if connection is None:
         return 2
-    channel = _client_channel(args, target)
-    if channel is None:
-        return 2
+    target, channel, metadata = connection
     request = _request(args)
     with channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         started = time.monotonic()
-        call = stub.Generate(request, timeout=args.timeout, metadata=_api_key_metadata())
+        call = stub.Generate(request, timeout=args.timeout, metadata=metadata)
         ttft_s, last, chunks, ends_newline = None, None, 0, True
         try:
             for response in call:
@@ -777,17 +859,15 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     from llmesh.v1 import generation_pb2, generation_pb2_grpc
 
-    target = _target(args)
-    if target is None:
+    connection = _connect(args)
+    if connection is None:
         return 2
-    channel = _client_channel(args, target)
-    if channel is None:
-        return 2
+    target, channel, metadata = connection
     with channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         try:
             reply = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=args.timeout,
-                                    metadata=_api_key_metadata())
+                                    metadata=metadata)
         except grpc.RpcError as error:
             return _rpc_error(error, target, args)
     if args.json:
@@ -830,10 +910,23 @@ def cmd_keys_hash(args: argparse.Namespace) -> int:
     return 0
 
 
-def _api_key_metadata() -> tuple[tuple[str, str], ...] | None:
-    """``authorization: Bearer $LLMESH_API_KEY`` when the variable is set."""
-    key = os.environ.get("LLMESH_API_KEY")
-    return (("authorization", f"Bearer {key}"),) if key else None
+def api_key_metadata(environ: Mapping[str, str] | None = None
+                     ) -> tuple[tuple[str, str], ...] | None:
+    """``authorization: Bearer $LLMESH_API_KEY`` when the variable is set
+    (in ``environ``, default: the process environment).
+
+    Raises:
+      ValueError: the key holds a character a gRPC header value cannot
+        carry (printable ASCII only; gRPC failed the call INTERNAL "Invalid
+        metadata"); the message names the variable, never the key.
+    """
+    key = (os.environ if environ is None else environ).get("LLMESH_API_KEY")
+    if not key:
+        return None
+    if not all(" " < char <= "~" for char in key):
+        raise ValueError("LLMESH_API_KEY: a key is printable ASCII without spaces (as "
+                         "`llmesh keys new` mints them); this one is not (not shown)")
+    return (("authorization", f"Bearer {key}"),)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -863,11 +956,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--host", default="127.0.0.1",
                     help="ingress bind address (default: %(default)s)")
-    up.add_argument("--port", type=_port, default=os.environ.get("LLMESH_PORT") or "8080",
+    up.add_argument("--port", type=env_checked(_port), default=env_default("LLMESH_PORT", "8080"),
                     help="ingress port, gRPC + JSON; 0 = a free one (env LLMESH_PORT, "
                          "default: %(default)s)")
-    up.add_argument("--admin-port", type=_port,
-                    default=os.environ.get("LLMESH_ADMIN_PORT") or "9901",
+    up.add_argument("--admin-port", type=env_checked(_port),
+                    default=env_default("LLMESH_ADMIN_PORT", "9901"),
                     help="Envoy admin port, always on 127.0.0.1 (env LLMESH_ADMIN_PORT, "
                          "default: %(default)s)")
     up.add_argument("--ops-port", type=_port, default=9902,

@@ -169,12 +169,32 @@ def log_tail(path: Path, lines: int = 30, start: int = 0) -> str:
 
 def log_excerpt(path: Path, start: int = 0) -> str:
     """Where a failed child's log is and its last lines from byte ``start`` on
-    (:func:`log_tail`), or, when it wrote nothing there (it died before its
-    first line), that it wrote nothing to ``path``."""
+    (:func:`log_tail`: its own part of a file that earlier processes of the
+    same service appended to), or, when it wrote nothing there (it died
+    before its first line), that it wrote nothing to ``path``. Where the
+    file holds earlier processes' lines, it says how many, and from which
+    line on the lines are this process's, so that both sentences stay true
+    for a reader who opens the file."""
     tail = log_tail(path, start=start)
+    earlier = _lines_before(path, start)
     if not tail.strip():
-        return f"it wrote nothing to its log {path}"
-    return f"full log: {path}\n--- last lines ---\n{tail}"
+        return f"it wrote nothing to its log {path}" + (
+            f" (the {earlier} line(s) there are an earlier process's)" if earlier else "")
+    mine = f" (its lines start at line {earlier + 1}; those above are an earlier process's)"
+    return f"full log: {path}{mine if earlier else ''}\n--- last lines ---\n{tail}"
+
+
+def _lines_before(path: Path, offset: int) -> int:
+    """Lines in ``path`` before byte ``offset`` (0 when there is no file);
+    a last line without its newline counts."""
+    if offset <= 0:
+        return 0
+    try:
+        with path.open("rb") as log:
+            head = log.read(offset)
+    except FileNotFoundError:
+        return 0
+    return head.count(b"\n") + (0 if head.endswith(b"\n") else 1)
 
 
 def start_failure_reason(path: Path, start: int = 0) -> str | None:
@@ -405,6 +425,8 @@ class EnvoyProcess:
       ops_port, plaintext_port: the bound ports of the ``ops`` and
         ``ingress-plaintext`` listeners (None when the settings have none).
       ready_seconds: seconds from spawn to admin ``/ready`` answering 200.
+      log_offset: the size of ``log_path`` when it was spawned (a run
+        directory used again appends to it): its own lines come after.
     """
 
     def __init__(self, run_dir: Path, settings: EnvoySettings, *, binary: str = "envoy",
@@ -423,6 +445,7 @@ class EnvoyProcess:
         self.ops_port: int | None = None
         self.plaintext_port: int | None = None
         self.ready_seconds: float | None = None
+        self.log_offset = 0  # where this Envoy's part of log_path starts
 
     @property
     def pid(self) -> int:
@@ -484,6 +507,8 @@ class EnvoyProcess:
         write_config(self.config_path, self.settings)
         self.admin_address_path.unlink(missing_ok=True)
         started = time.monotonic()
+        # Its own part of envoy.log: a run directory used again appends to it.
+        self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         self.process = spawn(self.argv(), self.log_path, cwd=REPO_ROOT)
         deadline = started + timeout_s
         while not self._ready():
@@ -523,7 +548,8 @@ class EnvoyProcess:
 
     def _failure(self, what: str) -> MeshStartError:
         return MeshStartError(
-            f"envoy {what}; config: {self.config_path}; {log_excerpt(self.log_path)}")
+            f"envoy {what}; config: {self.config_path}; "
+            f"{log_excerpt(self.log_path, self.log_offset)}")
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout_s`` seconds; no-op if not running."""

@@ -6,14 +6,23 @@ The types raise ``argparse.ArgumentTypeError``, which argparse turns into
 raises :class:`ArgsRefused` with that same line instead of printing usage and
 exiting: a launcher (``llmesh up --router-arg/--retriever-arg``) checks the
 flags it passes on with the service's own parser before it starts anything.
+
+A flag whose default comes from an environment variable (``--port`` from
+``LLMESH_PORT``) takes :func:`env_default` as its default and
+:func:`env_checked` around its type: a bad value is refused when the
+arguments are parsed, exit 2 as for the flag, naming the variable and its
+value (:func:`env_refusal`), not only the flag the user did not type.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable, Sequence
-from typing import NoReturn
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn, TypeVar
+
+T = TypeVar("T")
 
 
 class ArgsRefused(ValueError):
@@ -95,3 +104,49 @@ positive_int = integer(1)
 non_negative_float = number(0, inclusive=True)
 #: A number > 0 (``inf`` allowed, as the engine's flags always took it).
 positive_float = number(0, finite=False)
+
+
+def env_refusal(variable: str, value: str, why: object) -> str:
+    """The one-line refusal of an environment variable's value:
+    ``LLMESH_PORT='abc': port must be an integer, got 'abc'``."""
+    return f"{variable}={value!r}: {why}"
+
+
+class EnvText(str):
+    """An environment variable's value standing as a flag's default;
+    ``variable`` is its name, so that the flag's type (:func:`env_checked`)
+    names the variable when it refuses the value."""
+
+    variable: str
+
+    def __new__(cls, value: str, variable: str) -> EnvText:
+        text = super().__new__(cls, value)
+        text.variable = variable
+        return text
+
+
+def env_default(variable: str, fallback: Any, environ: Mapping[str, str] | None = None) -> Any:
+    """A flag's default: the value of ``variable`` in ``environ`` (default:
+    the process environment, read now) as :class:`EnvText`, else
+    ``fallback`` (also for an empty value). argparse passes a text default
+    through the flag's type when the flag is not given, so a bad value is
+    refused only by a command that has the flag (``llmesh up``, not
+    ``llmesh --help``)."""
+    value = (os.environ if environ is None else environ).get(variable)
+    return EnvText(value, variable) if value else fallback
+
+
+def env_checked(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """``parse`` (an argparse type) that words its refusal of an
+    :class:`EnvText` default as :func:`env_refusal` (the variable, the
+    value, then why), and of anything else as ``parse`` does."""
+    def checked(text: str) -> T:
+        try:
+            return parse(text)
+        except (argparse.ArgumentTypeError, ValueError) as error:
+            if isinstance(text, EnvText):
+                raise argparse.ArgumentTypeError(
+                    env_refusal(text.variable, str(text), error)) from None
+            raise
+    checked.__name__ = getattr(parse, "__name__", "value")  # argparse's "invalid NAME value"
+    return checked

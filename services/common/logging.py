@@ -19,6 +19,7 @@ Privacy: no service logs prompt or output text unless asked to (the router's
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 import threading
@@ -26,6 +27,8 @@ from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
+
+from services.common.cli_args import EnvText, env_refusal
 
 REQUEST_ID_METADATA_KEY = "x-request-id"
 
@@ -48,6 +51,26 @@ class _AddService:
 
 #: The level names ``configure_logging`` (and every service's ``--log-level``) takes.
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+#: The environment variable every service's ``--log-level`` defaults to.
+LOG_LEVEL_ENV = "LLMESH_LOG_LEVEL"
+
+
+def log_level(text: str) -> str:
+    """``--log-level``'s argparse type: the name in lower case. A
+    :data:`LOG_LEVEL_ENV` default outside :data:`LOG_LEVELS` is refused here,
+    naming the variable and its value (argparse checks no default against
+    the choices: ``FOO`` was a KeyError traceback at start); a flag's value
+    is refused by the choices.
+
+    Raises:
+      argparse.ArgumentTypeError: an :class:`~services.common.cli_args.EnvText`
+        that names no level.
+    """
+    level = text.lower()
+    if isinstance(text, EnvText) and level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            env_refusal(text.variable, str(text), f"choose one of {', '.join(LOG_LEVELS)}"))
+    return level
 
 
 def configure_logging(service: str, level: str = "info") -> structlog.stdlib.BoundLogger:

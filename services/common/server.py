@@ -57,8 +57,8 @@ from services.common import tracing
 from services.common.active_calls import ActiveCalls
 from services.common.gpu_telemetry import register_gpu_telemetry
 from services.common.grpc_util import SERVER_OPTIONS, MeshTls, use_mesh_tls
-from services.common.cli_args import non_negative_float
-from services.common.logging import LOG_LEVELS, configure_logging
+from services.common.cli_args import env_default, non_negative_float
+from services.common.logging import LOG_LEVEL_ENV, LOG_LEVELS, configure_logging, log_level
 from services.common.reflection import enable_reflection
 from services.common.request_guard import RequestGuard
 
@@ -179,8 +179,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port-file", type=Path, default=None)
     parser.add_argument("--drain-seconds", type=non_negative_float, default=10.0)
     parser.add_argument(
-        "--log-level", type=str.lower, default=os.environ.get("LLMESH_LOG_LEVEL", "info"),
-        choices=LOG_LEVELS)
+        "--log-level", type=log_level, default=env_default(LOG_LEVEL_ENV, "info"),
+        choices=LOG_LEVELS, help=f"(env {LOG_LEVEL_ENV}; default: info)")
     parser.add_argument(
         "--gpu-telemetry", action=argparse.BooleanOptionalAction, default=None,
         help="export GPU utilisation and memory on /metrics when a GPU is visible "

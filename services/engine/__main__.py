@@ -54,8 +54,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Parses flags and serves until SIGTERM/SIGINT (then drains)."""
     try:
         parser = build_parser()
-    except ValueError as exc:  # a LLMESH_ENGINE_* variable that does not parse
-        sys.exit(f"python -m services.engine: error: {exc}")
+    except ValueError as exc:  # a LLMESH_ENGINE_* variable that does not parse: as a flag,
+        print(f"python -m services.engine: error: {exc}", file=sys.stderr)  # exit 2
+        sys.exit(2)
     args = parser.parse_args(argv)
     config = engine_config_from_args(args)
     metrics = default_metrics()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.common.cli_args import integer, number
+from services.common.cli_args import env_refusal, integer, number
 from services.common.cli_args import non_negative_int as _non_negative_int
 from services.common.cli_args import positive_float as _positive_float
 from services.common.cli_args import positive_int as _positive_int
@@ -314,9 +314,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser,
             try:
                 default = parse(env[name])
             except (ValueError, argparse.ArgumentTypeError) as exc:
-                raise ValueError(f"{name}={env[name]!r}: {exc}") from exc
+                raise ValueError(env_refusal(name, env[name], exc)) from exc
             if default not in kwargs.get("choices", (default,)):
-                raise ValueError(f"{name}={env[name]!r}: choose one of {kwargs['choices']}")
+                raise ValueError(env_refusal(name, env[name],
+                                             f"choose one of {kwargs['choices']}"))
         if "action" not in kwargs:
             kwargs["type"] = parse
         note = f"(env {name})"

@@ -11,9 +11,10 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
 from benchmarks.latency_attribution import (
-    BASE, ENGINE_STEP, ENGINE_THREADS, ROUTER_TTFT, EngineReading, Sample, cpu_ms_per_request,
-    cpu_ns, engine_reading, format_hops, histogram_delta, histogram_sum_count, hop_rows,
-    multi_step, quartiles, schedstat_ns, scrape, thread_mix)
+    BASE, ENGINE_STEP, ENGINE_THREADS, ROUTER_TTFT, EngineReading, IdleRate, Sample,
+    cpu_ms_per_request, cpu_ns, engine_reading, format_hops, histogram_delta,
+    histogram_sum_count, hop_rows, idle_rate, multi_step, quartiles, schedstat_ns, scrape,
+    thread_mix)
 
 
 def test_schedstat_is_its_first_field_in_ns() -> None:
@@ -117,9 +118,41 @@ def test_requests_of_more_than_one_step_are_named() -> None:
 
 def test_cpu_per_request_subtracts_the_idle_rate() -> None:
     # 10 ms used over 2 s of 4 requests, idling at 1 ms per second: 2 ms each
-    assert cpu_ms_per_request(10_000_000, 1e6, 2.0, 4) == pytest.approx(2.0)
+    cpu = cpu_ms_per_request(10_000_000, IdleRate(1e6), 2.0, 4)
+    assert (cpu.ms, cpu.stderr_ms, cpu.clamped) == (pytest.approx(2.0), 0.0, False)
+    # ± the idle rate's standard error over those 2 s, per request: 0.1 ms/s x 2 s / 4
+    cpu = cpu_ms_per_request(10_000_000, IdleRate(1e6, 1e5), 2.0, 4)
+    assert (cpu.ms, cpu.stderr_ms) == (pytest.approx(2.0), pytest.approx(0.05))
+    assert str(cpu) == "2.00±0.05"
     with pytest.raises(ValueError):
-        cpu_ms_per_request(1, 0.0, 1.0, 0)
+        cpu_ms_per_request(1, IdleRate(0.0), 1.0, 0)
+
+
+def test_the_idle_rate_is_over_all_windows_with_the_standard_error_of_their_rates() -> None:
+    rate = idle_rate([(1_000_000, 1.0), (3_000_000, 1.0)])  # 1 and 3 ms/s
+    assert rate.ns_per_s == pytest.approx(2e6)
+    assert rate.stderr_ns_per_s == pytest.approx(1e6)  # sd sqrt(2) ms/s over sqrt(2)
+    assert idle_rate([(3_000_000, 2.0)]) == IdleRate(1.5e6, 0.0)  # one window: no spread
+    for windows in ([], [(5, 0.0)]):
+        with pytest.raises(ValueError):
+            idle_rate(windows)
+
+
+def test_a_process_that_used_no_more_than_idle_reads_zero_not_a_small_negative() -> None:
+    """QA: ``--attribute`` printed -0.03 CPU-ms per request for a process that
+    did nothing for the requests: its idle rate, measured apart, came out a
+    little above its rate during them. Below 0 within 2 standard errors of
+    the idle rate reads 0; further below is kept, since the measurement is then
+    off (an idle rate that was not the process's rate during the requests)."""
+    # 0.9 ms used over 2 s of 2 requests; idle 0.5 ± 0.05 ms/s: 1.0 ± 0.1 ms expected
+    cpu = cpu_ms_per_request(900_000, IdleRate(5e5, 5e4), 2.0, 2)
+    assert (cpu.ms, cpu.stderr_ms, cpu.clamped) == (0.0, pytest.approx(0.05), True)
+    assert str(cpu) == "0.00±0.05"
+    # 0.5 ms used where 1.0 ± 0.1 was expected: 5 standard errors below, kept
+    cpu = cpu_ms_per_request(500_000, IdleRate(5e5, 5e4), 2.0, 2)
+    assert (cpu.ms, cpu.clamped) == (pytest.approx(-0.25), False)
+    # without an error estimate nothing is read as 0
+    assert cpu_ms_per_request(900_000, IdleRate(5e5), 2.0, 2).ms == pytest.approx(-0.05)
 
 
 def test_the_printed_table_has_a_line_per_column_and_a_dash_where_a_path_lacks_it() -> None:

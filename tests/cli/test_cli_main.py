@@ -233,7 +233,75 @@ def test_a_bad_port_in_the_environment_breaks_only_up(
     with pytest.raises(SystemExit) as exited:
         cli.main(["up"])
     assert exited.value.code == 2
-    assert "--port: port must be an integer, got 'abc'" in capsys.readouterr().err
+    # QA: the refusal named only --port, which the user had not typed.
+    assert ("argument --port: LLMESH_PORT='abc': port must be an integer, got 'abc'"
+            in capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(("name", "value", "line"), [
+    ("LLMESH_PORT", "abc", "argument --port: LLMESH_PORT='abc': port must be an integer, "
+     "got 'abc'"),
+    ("LLMESH_ADMIN_PORT", "70000", "argument --admin-port: LLMESH_ADMIN_PORT='70000': port "
+     "must be in [0, 65535], got 70000"),
+])
+def test_up_names_a_bad_port_variable_and_its_value(
+        name: str, value: str, line: str, tmp_path, capsys, monkeypatch) -> None:
+    """QA: ``LLMESH_PORT=abc llmesh up`` was refused naming ``--port`` only."""
+    monkeypatch.setattr("services.cli.mesh.Mesh", None)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["up", "--run-dir", str(tmp_path / "run")])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"llmesh up: error: {line}\n") and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv(name, "0")  # a good value is still read
+    assert getattr(cli.build_parser().parse_args(["up"]), name[7:].lower()) == 0
+
+
+@pytest.mark.parametrize(("name", "value", "line"), [
+    ("LLMESH_LOG_LEVEL", "FOO",  # every service died with a KeyError traceback
+     "LLMESH_LOG_LEVEL='FOO': choose one of debug, info, warning, error, critical"),
+    ("LLMESH_ENGINE_COMMAND", 'python -m "services.engine',  # a traceback in llmesh up
+     "LLMESH_ENGINE_COMMAND='python -m \"services.engine': No closing quotation "
+     "(shell quoting)"),
+    ("LLMESH_ROUTER_COMMAND", "  ", "LLMESH_ROUTER_COMMAND='  ': names no command"),
+    ("LLMESH_MODEL_PATH", "NOWHERE", "the engines would refuse to start: "
+     "LLMESH_MODEL_PATH='NOWHERE': no GGUF file or checkpoint directory at NOWHERE"),
+    ("LLMESH_ENGINE_MAX_NUM_SEQS", "0", "LLMESH_ENGINE_MAX_NUM_SEQS='0': must be in "
+     "[1, 16384], got 0"),
+], ids=["log-level", "command-quote", "command-empty", "model-path", "engine-variable"])
+def test_up_refuses_a_bad_variable_naming_it_and_its_value_before_starting(
+        name: str, value: str, line: str, tmp_path, capsys, monkeypatch) -> None:
+    """QA: the services ``llmesh up`` starts read these variables; a bad one
+    was a traceback (in llmesh up, or in every service's log after the mesh
+    had started) or a refusal that did not name it. Exit 2, one line."""
+    nowhere = str(tmp_path / "none.gguf")
+    value, line = value.replace("NOWHERE", nowhere), line.replace("NOWHERE", nowhere)
+    assert _up_refused([], {name: value}, tmp_path, capsys, monkeypatch) == f"llmesh: {line}\n"
+
+
+@pytest.mark.parametrize(("env", "line"), [
+    ({"LLMESH_CACERT": "NOWHERE"},  # named --cacert, which was not given
+     "LLMESH_CACERT='NOWHERE': cannot read it (No such file or directory)"),
+    ({"LLMESH_URL": "http://"},  # UNKNOWN: Failed to create channel to ''
+     "LLMESH_URL='http://': expected host:port, http://host:port or https://host:port"),
+    ({"LLMESH_URL": "mesh host:8080"},
+     "LLMESH_URL='mesh host:8080': expected host:port, http://host:port or https://host:port"),
+    ({"LLMESH_API_KEY": "secret\nkey"},  # INTERNAL: Invalid metadata, a C-core log line
+     "LLMESH_API_KEY: a key is printable ASCII without spaces (as `llmesh keys new` mints "
+     "them); this one is not (not shown)"),
+], ids=["cacert", "url-empty", "url-space", "api-key"])
+def test_generate_and_models_refuse_a_bad_variable_naming_it(
+        env: dict[str, str], line: str, tmp_path, capsys, monkeypatch) -> None:
+    """QA: each was refused naming a flag the user had not given, or failed the
+    call with a gRPC status that did not say where the value came from."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value.replace("NOWHERE", str(tmp_path / "ca.pem")))
+    line = line.replace("NOWHERE", str(tmp_path / "ca.pem"))
+    for argv in (["generate", "x"], ["models"]):
+        assert cli.main(argv) == 2
+        assert capsys.readouterr() == ("", f"llmesh: {line}\n")
 
 
 @pytest.mark.parametrize("timeout", ["0", "-1", "soon"])
@@ -307,6 +375,57 @@ def test_up_refuses_a_kv_size_that_does_not_parse_before_starting(
     err = _up_refused(argv, env, tmp_path, capsys, monkeypatch)
     assert err.startswith(f"llmesh: {named}expected a size like ")
     assert "(units KiB MiB GiB TiB, KB MB GB TB)" in err
+
+
+#: How ``llmesh up`` leads an engine's start-up refusal.
+ENGINES_REFUSE = "llmesh: the engines would refuse to start: "
+
+
+@pytest.mark.parametrize(("argv", "env", "reason"), [
+    (["--engine-arg=--ngram-min=5", "--engine-arg=--ngram-max=2"], {},
+     "need 1 <= ngram_min <= ngram_max, got 5 and 2"),
+    ([], {"LLMESH_ENGINE_NGRAM_MIN": "5", "LLMESH_ENGINE_NGRAM_MAX": "2"},
+     "need 1 <= ngram_min <= ngram_max, got 5 and 2"),
+    (["--engine-arg=--num-speculative-tokens=999"], {},
+     "num_speculative_tokens must be in [1, "),
+    (["--engine-arg=--suffix-max-match=1"], {}, "suffix max_match must be at least 2, got 1"),
+    (["--engine-arg=--kv-offload-dir=/tmp"], {},
+     "--kv-offload-dir needs --kv-offload-bytes (the tier's size)"),
+    (["--engine-arg=--kv-offload-bytes=1MiB", "--engine-arg=--no-enable-prefix-caching"], {},
+     "--kv-offload-bytes needs prefix caching (--enable-prefix-caching)"),
+    (["--dtype", "bfloat16", "--quantization", "int4"], {},
+     "--quantization int4 runs bf16 projections on an fp32 residual stream"),
+    (["--engine-arg=--speculative-method=eagle3"], {},
+     "--speculative-method eagle3 is implemented by the tensorrt_llm backend only"),
+    (["--model-path", "NOWHERE/m.gguf"], {}, "no GGUF file or checkpoint directory at NOWHERE"),
+], ids=["ngram-flags", "ngram-env", "spec-tokens", "suffix", "offload-dir",
+        "offload-no-prefix-cache", "quantization-dtype", "eagle3-on-torch", "model-path"])
+def test_up_refuses_what_the_engine_would_refuse_at_start_before_starting(
+        argv: list[str], env: dict[str, str], reason: str, tmp_path, capsys,
+        monkeypatch) -> None:
+    """QA: cross-field engine checks (``--ngram-min`` above ``--ngram-max``, a
+    speculative token count out of bounds, a second KV tier without its size)
+    failed only in the engine's log, after the other services had started;
+    ``llmesh up`` now runs the engine's own start checks first (exit 2)."""
+    argv = [arg.replace("NOWHERE", str(tmp_path / "none")) for arg in argv]
+    reason = reason.replace("NOWHERE", str(tmp_path / "none"))
+    err = _up_refused(argv, env, tmp_path, capsys, monkeypatch)
+    assert err.startswith(ENGINES_REFUSE + reason), err
+
+
+def test_up_refuses_an_engine_option_in_the_engines_own_words(tmp_path, capsys,
+                                                               monkeypatch) -> None:
+    """One definition of each rule: ``llmesh up`` prints the line that
+    ``python -m services.engine`` prints for the same flags."""
+    flags = ["--ngram-min", "5", "--ngram-max", "2"]
+    engine = subprocess.run([sys.executable, "-m", "services.engine", *flags],
+                            capture_output=True, text=True, env=child_env(), timeout=120)
+    assert engine.returncode == 2
+    prefix = "python -m services.engine: error: "
+    assert engine.stderr.startswith(prefix) and engine.stderr.count("\n") == 1, engine.stderr
+    err = _up_refused([f"--engine-arg={flag}" for flag in flags], {}, tmp_path, capsys,
+                      monkeypatch)
+    assert err == ENGINES_REFUSE + engine.stderr.removeprefix(prefix)
 
 
 @pytest.mark.parametrize(("argv", "line"), [

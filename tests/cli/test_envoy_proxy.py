@@ -286,6 +286,22 @@ def test_envoy_start_failure_quotes_its_log(tmp_path) -> None:
     assert broken.process is not None and broken.process.poll() is not None
 
 
+def test_envoy_start_failure_quotes_only_its_own_lines_of_a_log_used_again(tmp_path) -> None:
+    """A run directory used again appends to envoy.log: the failure quotes
+    this Envoy's lines, not the earlier run's above them, and says where they
+    start."""
+    (tmp_path / "envoy.log").write_text("an earlier run's line\n" * 3)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        broken = EnvoyProcess(tmp_path, envoy_settings(50051, ingress_port=taken.getsockname()[1]))
+        with pytest.raises(MeshStartError) as caught:
+            broken.start(timeout_s=20)
+    message = str(caught.value)
+    assert f"full log: {broken.log_path} (its lines start at line 4; " in message
+    assert "ddress already in use" in message and "an earlier run's line" not in message
+
+
 # Last in the module: its stream has run in the background since the first test.
 def test_long_stream_outlives_envoy_default_route_timeout(long_stream: LongStream | None) -> None:
     assert long_stream is not None

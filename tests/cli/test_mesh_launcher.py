@@ -263,6 +263,35 @@ def test_a_service_that_dies_before_writing_a_line_is_said_to_have_written_nothi
     assert wait_all_dead(mesh.pids().values(), timeout_s=1.0) == []
 
 
+def test_a_restarted_service_that_writes_nothing_is_told_apart_from_the_earlier_lines(
+        tmp_path: Path) -> None:
+    """QA: an engine restarted by the launcher that died before its first
+    line was said to have "written nothing to its log", while that (appended)
+    file held the earlier process's lines. The excerpt covers this process's
+    part only and says what the lines above it are."""
+    with Mesh(ingress_port=0, admin_port=0, run_dir=tmp_path,
+              commands=fake_commands()).start() as mesh:
+        engine = mesh.services["engine-0"]
+        engine.argv = [sys.executable, "-c", "raise SystemExit(3)"]
+        with pytest.raises(MeshStartError) as caught:
+            mesh.restart("engine-0")
+        earlier = engine.log_path.read_bytes()  # the first process's, to its last line
+        lines = earlier.count(b"\n")
+        assert lines > 0 and earlier.endswith(b"\n")
+        assert str(caught.value) == (
+            f"engine-0 exited with code 3 while starting; it wrote nothing to its log "
+            f"{engine.log_path} (the {lines} line(s) there are an earlier "
+            "process's)")
+        engine.argv = [sys.executable, "-c", "print('the second one says this'); "
+                                               "raise SystemExit(4)"]
+        with pytest.raises(MeshStartError) as caught:
+            mesh.restart("engine-0")
+        assert str(caught.value) == (
+            f"engine-0 exited with code 4 while starting; full log: {engine.log_path} (its "
+            f"lines start at line {lines + 1}; those above are an earlier "
+            "process's)\n--- last lines ---\nthe second one says this")
+
+
 def test_taken_ingress_port_fails_fast_before_anything_starts(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -14,9 +14,9 @@ import torch
 
 from services.common.kv_events import BlockRemoved, BlockStored, Medium
 from services.engine.config import EngineConfig
-from services.engine.torch_backend.backend import _offload_tier
 from services.engine.torch_backend.kv_cache_manager import KVCacheManager
 from services.engine.torch_backend.kv_offload import KVOffloadTier
+from services.engine.torch_backend.start_checks import check_config
 from tests.engine.kv_helpers import compute, make_request
 
 LAYERS, HEADS, BLOCK, DIM = 2, 2, 4, 8
@@ -174,6 +174,9 @@ def test_reset_prefix_cache_empties_the_tier() -> None:
 
 
 def test_a_tier_directory_without_a_tier_size_is_refused(tmp_path: Path) -> None:
-    """``--kv-offload-dir`` alone was ignored silently (the engine served with no tier)."""
+    """``--kv-offload-dir`` alone was ignored silently (the engine served with no tier);
+    both refusals are start checks (``llmesh up`` runs them before anything starts)."""
     with pytest.raises(ValueError, match="--kv-offload-dir needs --kv-offload-bytes"):
-        _offload_tier(EngineConfig(kv_offload_dir=tmp_path), storage(4))
+        check_config(EngineConfig(kv_offload_dir=tmp_path))
+    with pytest.raises(ValueError, match="--kv-offload-bytes needs prefix caching"):
+        check_config(EngineConfig(kv_offload_bytes=1 << 20, enable_prefix_caching=False))

@@ -487,17 +487,14 @@ class TorchBackend(EngineBackend):
 
 
 def _offload_tier(config: EngineConfig, cache: PagedKVCache) -> KVOffloadTier | None:
-    """The second KV tier (``--kv-offload-bytes``), None without one.
+    """The second KV tier (``--kv-offload-bytes``), None without one (its
+    flags were checked together by :func:`check_config`).
 
     Raises:
-      ValueError: it is asked for with prefix caching off, or holds no block.
+      ValueError: it holds no block, or its memory cannot be had.
     """
     if config.kv_offload_bytes is None:
-        if config.kv_offload_dir is not None:
-            raise ValueError("--kv-offload-dir needs --kv-offload-bytes (the tier's size)")
         return None
-    if not config.enable_prefix_caching:
-        raise ValueError("--kv-offload-bytes needs prefix caching (--enable-prefix-caching)")
     tier = KVOffloadTier(cache, config.kv_offload_bytes, config.kv_offload_dir)
     log.info("kv_offload_allocated", blocks=tier.capacity_blocks, bytes=tier.capacity_bytes,
              directory=None if config.kv_offload_dir is None else str(config.kv_offload_dir))

@@ -14,12 +14,14 @@ kernels build?), a model given in process.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from services.common.checkpoint import check_model_path, gguf_architecture
-from services.common.model_files import default_model_path
+from services.common.cli_args import env_refusal
+from services.common.model_files import MODEL_PATH_ENV, default_model_path
 from services.common.sampling import SpeculativeMethod
 from services.engine.config import EngineConfig
 from services.engine.torch_backend.hf_config import read_hf_config
@@ -147,8 +149,9 @@ def check_config(config: EngineConfig) -> None:
         attention backend or quantized kernel, or ``native`` where the
         kernels cannot serve the device/dtype or cannot be built (the model's
         head shapes are checked when it loads); bad speculative options
-        (:class:`SpeculativeConfig`, :class:`SuffixOptions`); a
-        structured-output compile timeout <= 0.
+        (:class:`SpeculativeConfig`, :class:`SuffixOptions`); a second KV
+        tier without its size or without prefix caching
+        (:func:`check_kv_offload`); a structured-output compile timeout <= 0.
     """
     config = resolve_dtype(config)
     if config.dtype not in DTYPE_NAMES:
@@ -170,6 +173,7 @@ def check_config(config: EngineConfig) -> None:
         resolve_quant_kernel("native")  # builds the kernels now if it must
     speculative_config(config)
     suffix_options(config)
+    check_kv_offload(config)
     if not config.structured_output_compile_timeout_s > 0:
         raise ValueError("structured_output_compile_timeout_s must be > 0, got "
                          f"{config.structured_output_compile_timeout_s}")
@@ -177,6 +181,23 @@ def check_config(config: EngineConfig) -> None:
         from services.engine.torch_backend.device import check_device
 
         check_device(config.device)
+
+
+def check_kv_offload(config: EngineConfig) -> None:
+    """Rejects second-KV-tier flags that do not go together (the tier's
+    memory itself is checked when it is allocated).
+
+    Raises:
+      ValueError: ``--kv-offload-dir`` without ``--kv-offload-bytes`` (the
+        tier's size); ``--kv-offload-bytes`` with prefix caching off (the
+        tier keeps evicted prefix-cache blocks).
+    """
+    if config.kv_offload_bytes is None:
+        if config.kv_offload_dir is not None:
+            raise ValueError("--kv-offload-dir needs --kv-offload-bytes (the tier's size)")
+        return
+    if not config.enable_prefix_caching:
+        raise ValueError("--kv-offload-bytes needs prefix caching (--enable-prefix-caching)")
 
 
 def _check_native_attention(config: EngineConfig) -> None:
@@ -197,15 +218,28 @@ def check_model_files(config: EngineConfig) -> None:
 
     Raises:
       FileNotFoundError, ValueError: see
-        :func:`~services.common.checkpoint.check_model_path`; the default
-        model's package is not installed.
+        :func:`~services.common.checkpoint.check_model_path`, led by
+        ``LLMESH_MODEL_PATH='...'`` when the model path came from there; the
+        default model's package is not installed.
     """
-    for path in (config.model_path or default_model_path(), config.draft_model_path):
-        if path is None:
-            continue
-        check_model_path(path)  # there; a GGUF, or config.json + safetensors files
-        if path.is_dir():  # the architecture and fields the loader reads: JSON only
-            read_hf_config(path)
+    override = os.environ.get(MODEL_PATH_ENV)
+    if config.model_path is None and override:
+        try:
+            _check_model_file(default_model_path())
+        except (FileNotFoundError, ValueError) as error:
+            raise type(error)(env_refusal(MODEL_PATH_ENV, override, error)) from None
+    else:
+        _check_model_file(config.model_path or default_model_path())
+    if config.draft_model_path is not None:
+        _check_model_file(config.draft_model_path)
+
+
+def _check_model_file(path: Path) -> None:
+    """One model path: there; a GGUF, or config.json + safetensors files
+    whose architecture and fields the loader reads (JSON only)."""
+    check_model_path(path)
+    if path.is_dir():
+        read_hf_config(path)
 
 
 def speculative_config(config: EngineConfig) -> SpeculativeConfig:
