@@ -275,3 +275,57 @@ def test_a_killed_tokenizer_fails_requests_fast_and_the_router_recovers(mesh: Me
         assert time.monotonic() < deadline, up.details
         time.sleep(0.1)
     assert up.tokens == 4
+
+
+def wait_metric(address: str, name: str, value: float, timeout_s: float, what: str,
+                **labels: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while metric(address, name, **labels) != value:
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
+        time.sleep(0.05)
+
+
+def test_a_draining_engines_streams_hold_no_slot_of_the_other_engine(mesh: Mesh) -> None:
+    """QA: two engines, one draining with every slot running: the router's cap
+    fell to the other's slots while the draining one's streams still counted,
+    so a new request waited for them to end beside the idle engine. Engine-0
+    runs 2 streams (engine-1 held out of routing meanwhile by SIGSTOP, so both
+    go to engine-0), engine-1 comes back idle, engine-0 gets SIGTERM: a new
+    request starts on engine-1 before either draining stream ends (on the old
+    code it waited for one to end)."""
+    draining, idle = mesh.engines
+    router = mesh.router.metrics_address
+    serving = "llmesh:router_replica_serving"
+
+    async def scenario(stub) -> tuple[list[Outcome], Outcome]:
+        os.kill(idle.pid, signal.SIGSTOP)  # silent: out of routing
+        try:
+            await asyncio.to_thread(wait_metric, router, serving, 0, 5, "engine-1 out",
+                                     engine=idle.grpc_address)
+            started = [asyncio.Event() for _ in range(SLOTS_PER_ENGINE)]
+            streams = [asyncio.create_task(run_one(stub, long_request(160, f"d{i}"),
+                                                   first_token=e, first_token_count=2))
+                       for i, e in enumerate(started)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        finally:
+            os.kill(idle.pid, signal.SIGCONT)
+        await asyncio.to_thread(wait_metric, router, serving, 1, 5, "engine-1 back",
+                                engine=idle.grpc_address)
+        os.kill(draining.pid, signal.SIGTERM)
+        await asyncio.to_thread(wait_metric, router, serving, 0, 5, "engine-0 out",
+                                engine=draining.grpc_address)
+        fresh = await run_one(stub, long_request(4, "fresh"))
+        return await asyncio.gather(*streams), fresh
+
+    try:
+        streams, fresh = asyncio.run(with_stub(mesh, scenario))
+        first_end = min(o.ended_at for o in streams)
+        print(f"the new request's first token {fresh.first_token_at - fresh.sent_at:.3f} s "
+              f"after sending; the draining streams ended "
+              f"{[round(o.ended_at - fresh.sent_at, 3) for o in streams]} s after it")
+        assert fresh.code == grpc.StatusCode.OK and fresh.tokens == 4, fresh.details
+        assert fresh.first_token_at is not None and fresh.first_token_at < first_end
+        assert metric(router, "llmesh:router_routed_requests_total",
+                      engine=idle.grpc_address) >= 1
+    finally:
+        mesh.restart(draining.name, timeout_s=120)
