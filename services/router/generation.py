@@ -141,7 +141,7 @@ from services.router.clients import (
     CacheKey,
     UpstreamError,
 )
-from services.router.engine_client import EngineClient, EngineStream
+from services.router.engine_client import EngineClient, EngineStream, OpenRequest
 from services.router.local_tokenizer import PromptTokenizer
 from services.router.logprob_text import TokenTexts
 from services.router.metrics import RouterMetrics
@@ -944,11 +944,12 @@ class GenerationPipeline:
         self, request: GenerationRequest, prompt_ids: tuple[int, ...],
         sampling: SamplingOptions, deadline: float | None, timing: _Timing, hint: RouteHint,
         on_dispatch: Callable[[], Awaitable[None]] | None = None, ticket: Ticket | None = None,
-    ) -> tuple[EngineClient, EngineStream, TokenDelta]:
+    ) -> tuple[EngineClient, OpenRequest, EngineStream, TokenDelta]:
         """Opens a stream on the best replica that answers (the routing policy's
-        order); returns its first delta. ``on_dispatch`` (:class:`Progress`) is
+        order); returns it with its first delta. ``on_dispatch`` (:class:`Progress`) is
         awaited once the first replica tried has the start. The chosen replica
-        counts the request (:meth:`EngineClient.opened`); the caller uncounts it.
+        counts the request (:meth:`EngineClient.opened`: the returned record);
+        the caller uncounts it.
         ``ticket`` (the admission slot) is placed on each replica tried, so it
         counts against that replica's capacity alone.
         """
@@ -958,7 +959,7 @@ class GenerationPipeline:
             if ((failures and not self.replicas.is_serving(engine))
                     or not self.replicas.is_member(engine)):
                 continue  # left routing while an earlier one was tried, or left DNS
-            engine.opened(request.priority, sampling.n)
+            opened = engine.opened(request.priority, sampling.n, sampling.max_tokens)
             if ticket is not None:
                 ticket.place(engine)
             stream: EngineStream | None = None
@@ -982,7 +983,7 @@ class GenerationPipeline:
                 ok = True
                 if hint.session is not None:
                     hint.session.replica = engine
-                return engine, stream, first
+                return engine, opened, stream, first
             except UpstreamError as err:
                 if err.code not in _RETRYABLE_ENGINE_CODES:
                     raise
@@ -992,7 +993,7 @@ class GenerationPipeline:
                 failures.append(err)
             finally:
                 if not ok:
-                    engine.closed(request.priority, sampling.n)
+                    engine.closed(opened)
                     if stream is not None:
                         stream.close()
         raise _no_replica_took(request.model, failures)
@@ -1005,7 +1006,7 @@ class GenerationPipeline:
     ) -> AsyncIterator[Event]:
         """The engine's answer as events; ``ticket`` (the admission slot, released
         by the caller) hears of every token that leaves."""
-        engine, stream, delta = await self._open_engine(
+        engine, opened, stream, delta = await self._open_engine(
             request, prompt_ids, sampling, deadline, timing, hint, progress.on_dispatch, ticket)
         info.update(engine=engine.target)
         self.metrics.prefix_hit_tokens.labels(request.model).observe(delta.num_cached_tokens)
@@ -1018,6 +1019,7 @@ class GenerationPipeline:
         keep_output = key is not None or self.log_content
         try:
             while True:
+                opened.advance(delta.index, len(delta.token_ids), delta.finished)
                 choice = _choice_of(choices, delta, engine)
                 if choice.finished:  # ended on a stop string; the engine's last words
                     delta = await stream.read()
@@ -1043,7 +1045,7 @@ class GenerationPipeline:
                         return
                 delta = await stream.read()
         finally:
-            engine.closed(request.priority, sampling.n)
+            engine.closed(opened)
             stream.close()
 
     def _hidden_ids(self, request: GenerationRequest, sampling: SamplingOptions
