@@ -33,20 +33,21 @@ While unsized, a queued place counts no prompt tokens and a granted one
 reserves only its ``max_tokens``.
 
 **Capacity.** The router keeps at most ``max_running`` requests running over
-the replicas in service (the sum of each replica's cap: ``--max-running-per-replica``,
-else the replica's ``max_num_seqs``) and reserves each running request's
-prompt + ``max_tokens`` against those replicas' KV capacity times
-``kv_overcommit`` (TensorRT-LLM's ``GUARANTEED_NO_EVICT`` is 1.0; more lets
-the engine preempt and recompute when blocks run short). A request alone
-always fits. Running requests are counted per replica, as Dynamo's and
-llm-d's routers count a worker's in-flight requests: the pipeline tells a
-granted slot where it runs (:meth:`Ticket.place`), and a request running on a
-replica that left the set (draining, removed, failed) holds none of the slots
-or KV of the replicas that remain; it only runs out on its own replica (QA:
-with two 8-slot engines, one draining with 8 running, nothing was admitted
-until those 8 ended while the other engine sat idle). A granted request not
-placed yet counts against the replicas in service. The router, not the engine, then holds the queue, so the order
-below decides who runs next; the engine's own waiting limit stays a backstop.
+the replicas in service (the sum of each replica's cap:
+``--max-running-per-replica``, else the replica's ``max_num_seqs``) and
+reserves each running request's prompt + ``max_tokens`` against those
+replicas' KV capacity times ``kv_overcommit`` (TensorRT-LLM's
+``GUARANTEED_NO_EVICT`` is 1.0; more lets the engine preempt and recompute
+when blocks run short). A request alone always fits. Running requests are
+counted per replica, as Dynamo's and llm-d's routers count a worker's
+in-flight requests: the pipeline tells a granted slot where it runs
+(:meth:`Ticket.place`), and a request running on a replica that left the set
+(draining, removed, failed) holds none of the slots or KV of the replicas
+that remain; it only runs out on its own replica (QA: with two 8-slot
+engines, one draining with 8 running, nothing was admitted until those 8
+ended while the other engine sat idle). A granted request not placed yet
+counts against the replicas in service. The router, not the engine, then
+holds the queue, so the order below decides who runs next; the engine's own waiting limit stays a backstop.
 An interactive request counts only the interactive requests against the cap
 and the KV limit: when batch requests fill them, it is dispatched at once
 and the engine preempts a batch sequence for it (the engine's preemption for
@@ -78,8 +79,8 @@ refused request's class has a free queue position: the k-th running request
 to finish, where k is the number of requests that must be dispatched before
 one of this class is (only the requests counted against the replicas in
 service: one ending on a replica that left frees nothing here; free slots
-there count as dispatches that need no wait). Each running request's finish is predicted from its own
-measured decode rate (time per output token since its first token; the
+there count as dispatches that need no wait). Each running request's finish
+is predicted from its own measured decode rate (time per output token since its first token; the
 model's running mean before it has one) and its expected remaining length
 (``max_tokens`` times the measured share of ``max_tokens`` that finished
 requests used), plus its prefill time while it has no token yet (prompt
