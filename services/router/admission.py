@@ -33,13 +33,21 @@ While unsized, a queued place counts no prompt tokens and a granted one
 reserves only its ``max_tokens``.
 
 **Capacity.** The router keeps at most ``max_running`` requests running over
-all replicas (the sum of each replica's cap: ``--max-running-per-replica``,
-else the replica's ``max_num_seqs``) and reserves each running request's
-prompt + ``max_tokens`` against the replicas' KV capacity times
-``kv_overcommit`` (TensorRT-LLM's ``GUARANTEED_NO_EVICT`` is 1.0; more lets
-the engine preempt and recompute when blocks run short). A request alone
-always fits. The router, not the engine, then holds the queue, so the order
-below decides who runs next; the engine's own waiting limit stays a backstop.
+the replicas in service (the sum of each replica's cap:
+``--max-running-per-replica``, else the replica's ``max_num_seqs``) and
+reserves each running request's prompt + ``max_tokens`` against those
+replicas' KV capacity times ``kv_overcommit`` (TensorRT-LLM's
+``GUARANTEED_NO_EVICT`` is 1.0; more lets the engine preempt and recompute
+when blocks run short). A request alone always fits. Running requests are
+counted per replica, as Dynamo's and llm-d's routers count a worker's
+in-flight requests: the pipeline tells a granted slot where it runs
+(:meth:`Ticket.place`), and a request running on a replica that left the set
+(draining, removed, failed) holds none of the slots or KV of the replicas
+that remain; it only runs out on its own replica (QA: with two 8-slot
+engines, one draining with 8 running, nothing was admitted until those 8
+ended while the other engine sat idle). A granted request not placed yet
+counts against the replicas in service. The router, not the engine, then
+holds the queue, so the order below decides who runs next; the engine's own waiting limit stays a backstop.
 An interactive request counts only the interactive requests against the cap
 and the KV limit: when batch requests fill them, it is dispatched at once
 and the engine preempts a batch sequence for it (the engine's preemption for
@@ -69,8 +77,10 @@ prefill step) instead of one by one.
 **The retry hint** (``retry-after-ms``) is the predicted time until the
 refused request's class has a free queue position: the k-th running request
 to finish, where k is the number of requests that must be dispatched before
-one of this class is. Each running request's finish is predicted from its own
-measured decode rate (time per output token since its first token; the
+one of this class is (only the requests counted against the replicas in
+service: one ending on a replica that left frees nothing here; free slots
+there count as dispatches that need no wait). Each running request's finish
+is predicted from its own measured decode rate (time per output token since its first token; the
 model's running mean before it has one) and its expected remaining length
 (``max_tokens`` times the measured share of ``max_tokens`` that finished
 requests used), plus its prefill time while it has no token yet (prompt
@@ -89,7 +99,7 @@ import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -247,6 +257,9 @@ class Ticket:
     job: Job
     dispatched_at: float
     _controller: AdmissionController | None
+    #: The replica it runs on (the key :meth:`AdmissionController.set_replicas`
+    #: knows it by), None until :meth:`place`.
+    replica: Hashable | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
     completion_tokens: int = 0
@@ -275,6 +288,13 @@ class Ticket:
         if later <= 0 or self.first_token_at is None or self.last_token_at is None:
             return None
         return (self.last_token_at - self.first_token_at) / later
+
+    def place(self, replica: Hashable) -> None:
+        """The request now runs on ``replica`` (a key of the controller's
+        :meth:`~AdmissionController.set_replicas`; again on each replica
+        tried). From then it counts against that replica's capacity only."""
+        if not self._released and self._controller is not None:
+            self._controller._place(self, replica)
 
     def release(self) -> None:
         """Frees the slot (and dispatches what it makes room for)."""
@@ -425,17 +445,43 @@ class _ClassQueue:
         self.tokens -= entry.job.prompt_tokens
 
 
+@dataclass
+class _Tally:
+    """Running requests of one replica (or of none yet): how many, and the
+    KV tokens they reserve; of those, the interactive ones."""
+
+    running: int = 0
+    kv: int = 0
+    interactive_running: int = 0
+    interactive_kv: int = 0
+
+    def add(self, job: Job, sign: int = 1) -> None:
+        """Counts ``job`` in (``sign`` 1) or out (-1)."""
+        self.running += sign
+        self.kv += sign * job.kv_tokens
+        if job.priority is Priority.INTERACTIVE:
+            self.interactive_running += sign
+            self.interactive_kv += sign * job.kv_tokens
+
+    def merge(self, other: _Tally) -> None:
+        self.running += other.running
+        self.kv += other.kv
+        self.interactive_running += other.interactive_running
+        self.interactive_kv += other.interactive_kv
+
+
 class AdmissionController:
     """Admission for one model (see the module doc). Single event loop only."""
 
     def __init__(self, config: AdmissionConfig, model: str,
-                 replicas: Iterable[ReplicaCapacity], *,
+                 replicas: Mapping[Hashable, ReplicaCapacity] | Iterable[ReplicaCapacity], *,
                  observer: AdmissionObserver | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """Args:
           config: the limits.
           model: the model id (for messages).
-          replicas: each replica's capacity (one per engine replica).
+          replicas: each replica's capacity by the key its tickets are placed
+            with (:meth:`Ticket.place`); a plain iterable keys them 0, 1, ...
           observer: metrics sink.
           clock: ``time.monotonic`` (tests may pass another).
         """
@@ -445,10 +491,9 @@ class AdmissionController:
         self._clock = clock
         self._queues = {p: _ClassQueue() for p in Priority}
         self._running: set[Ticket] = set()
-        self._reserved_kv = 0
-        # Of those, the interactive ones (the batch ones are preemptible).
-        self._interactive_running = 0
-        self._interactive_kv = 0
+        # The running requests by the replica they run on (None: not placed yet).
+        self._tallies: dict[Hashable | None, _Tally] = {None: _Tally()}
+        self._capacity: dict[Hashable, ReplicaCapacity] = {}
         self._seq = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
         self._tpot = _Ewma(INITIAL_TPOT_S)
@@ -459,10 +504,18 @@ class AdmissionController:
 
     # ------------------------------------------------------------- limits
 
-    def set_replicas(self, replicas: Iterable[ReplicaCapacity]) -> None:
-        """Sets the capacity (e.g. when a replica leaves or rejoins); dispatches
-        what the new capacity makes room for."""
-        caps = list(replicas)
+    def set_replicas(self, replicas: Mapping[Hashable, ReplicaCapacity]
+                     | Iterable[ReplicaCapacity]) -> None:
+        """Sets the replicas in service and their capacity, by the key tickets
+        are placed with (a plain iterable: keys 0, 1, ...), e.g. when one
+        leaves or rejoins; the requests running on a replica not in it stop
+        counting. Dispatches what the new capacity makes room for."""
+        self._capacity = dict(replicas if isinstance(replicas, Mapping)
+                              else enumerate(replicas))
+        for key in [k for k, t in self._tallies.items()
+                    if k is not None and not t.running and k not in self._capacity]:
+            del self._tallies[key]
+        caps = list(self._capacity.values())
         per = self.config.max_running_per_replica
         self.max_running = sum(per or r.max_num_seqs or DEFAULT_REPLICA_CAP for r in caps)
         kv = sum(r.kv_capacity_tokens for r in caps)
@@ -473,7 +526,20 @@ class AdmissionController:
 
     @property
     def num_running(self) -> int:
+        """Requests running, on any replica (those in service or not)."""
         return len(self._running)
+
+    @property
+    def reserved_kv_tokens(self) -> int:
+        """KV tokens (prompt + ``max_tokens``) the requests counted against the
+        replicas in service reserve."""
+        return self._held().kv
+
+    @property
+    def num_running_in_service(self) -> int:
+        """Requests counted against the replicas in service (placed on one of
+        them, or not placed yet)."""
+        return self._held().running
 
     def queue_depth(self, priority: Priority) -> int:
         return self._queues[priority].depth
@@ -586,9 +652,9 @@ class AdmissionController:
         if ticket not in self._running:
             ticket.job = job
             return
-        self._reserved_kv += job.kv_tokens - old.kv_tokens
-        if job.priority is Priority.INTERACTIVE:
-            self._interactive_kv += job.kv_tokens - old.kv_tokens
+        tally = self._tallies[ticket.replica]
+        tally.add(old, -1)
+        tally.add(job)
         self._queues[job.priority].charge(job.tenant,
                                           W_PROMPT * (job.prompt_tokens - old.prompt_tokens))
         ticket.job = job
@@ -632,11 +698,14 @@ class AdmissionController:
         now = self._clock()
         floor = self._window_left(now) if priority is Priority.BATCH else 0.0
         needed = 1 + extra_ahead  # our dispatch is the needed-th from now
-        free = 0 if self._blocked_by_kv() else max(self.max_running - len(self._running), 0)
+        held = self._held()
+        blocked = bool(self.kv_limit) and held.kv >= self.kv_limit
+        free = 0 if blocked else max(self.max_running - held.running, 0)
         if needed <= free:
             return floor
         ends = sorted(t.remaining_s(now, self._tpot.value, self._prefill.value,
-                                    self._length_share.value) for t in self._running)
+                                    self._length_share.value)
+                      for t in self._running if self._in_service(t.replica))
         if not ends:
             return floor
         rounds, index = divmod(needed - free - 1, len(ends))
@@ -686,18 +755,46 @@ class AdmissionController:
         """Whether ``job`` may run now. An interactive job counts only the
         interactive requests running: the engines preempt batch sequences for
         it (see the module doc)."""
+        held = self._held()
         if job.priority is Priority.INTERACTIVE:
-            running, reserved = self._interactive_running, self._interactive_kv
+            running, reserved = held.interactive_running, held.interactive_kv
         else:
-            running, reserved = len(self._running), self._reserved_kv
+            running, reserved = held.running, held.kv
         if running >= self.max_running:
             return False
         if not self.kv_limit or not running:
             return True
         return reserved + job.kv_tokens <= self.kv_limit
 
-    def _blocked_by_kv(self) -> bool:
-        return bool(self.kv_limit) and self._reserved_kv >= self.kv_limit
+    def _in_service(self, replica: Hashable | None) -> bool:
+        """Whether requests on ``replica`` count against the capacity (it is in
+        service, or None: not placed yet)."""
+        return replica is None or replica in self._capacity
+
+    def _held(self) -> _Tally:
+        """The running requests counted against the replicas in service."""
+        total = _Tally()
+        for replica, tally in self._tallies.items():
+            if self._in_service(replica):
+                total.merge(tally)
+        return total
+
+    def _place(self, ticket: Ticket, replica: Hashable) -> None:
+        """:meth:`Ticket.place`: ``ticket`` counts against ``replica`` from now."""
+        if ticket not in self._running or ticket.replica == replica:
+            return
+        self._tallies[ticket.replica].add(ticket.job, -1)
+        self._forget_tally(ticket.replica)
+        self._tallies.setdefault(replica, _Tally()).add(ticket.job)
+        ticket.replica = replica
+        self._pump()  # placed on a replica that left: its slot is free here
+
+    def _forget_tally(self, replica: Hashable | None) -> None:
+        """Drops an empty tally of a replica not in service (bounded memory
+        while replicas come and go)."""
+        tally = self._tallies.get(replica)
+        if tally is not None and not tally.running and not self._in_service(replica):
+            del self._tallies[replica]
 
     def _window_left(self, now: float) -> float:
         oldest = self._queues[Priority.BATCH].oldest()
@@ -708,10 +805,7 @@ class AdmissionController:
     def _grant(self, job: Job, now: float) -> Ticket:
         ticket = Ticket(job, now, self)
         self._running.add(ticket)
-        self._reserved_kv += job.kv_tokens
-        if job.priority is Priority.INTERACTIVE:
-            self._interactive_running += 1
-            self._interactive_kv += job.kv_tokens
+        self._tallies[None].add(job)
         self._queues[job.priority].charge(job.tenant, W_PROMPT * job.prompt_tokens)
         self._observer.running_changed(len(self._running))
         return ticket
@@ -720,10 +814,8 @@ class AdmissionController:
         if ticket not in self._running:
             return
         self._running.discard(ticket)
-        self._reserved_kv -= ticket.job.kv_tokens
-        if ticket.job.priority is Priority.INTERACTIVE:
-            self._interactive_running -= 1
-            self._interactive_kv -= ticket.job.kv_tokens
+        self._tallies[ticket.replica].add(ticket.job, -1)
+        self._forget_tally(ticket.replica)
         now = self._clock()
         self._queues[ticket.job.priority].charge(
             ticket.job.tenant, W_OUTPUT * ticket.completion_tokens)

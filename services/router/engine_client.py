@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -155,6 +155,46 @@ class EngineStream:
         self._mux.forget(self.stream_id)
 
 
+@dataclass(eq=False)
+class OpenRequest:
+    """One request this router has open on a replica (:meth:`EngineClient.opened`):
+    its sequences (one per choice) and how far each got, so the router can
+    bound when one of them frees its slot (:mod:`services.router.routing`).
+
+    Attributes:
+      priority: its traffic class.
+      max_tokens: most tokens each choice may generate (0: not known).
+      generated: tokens each choice generated so far (by choice index).
+      finished: the choices whose sequence ended (their slot is free in the
+        engine, though the request is open until its last choice ends).
+    """
+
+    priority: Priority
+    max_tokens: int
+    generated: list[int]
+    finished: set[int] = field(default_factory=set)
+
+    @property
+    def choices(self) -> int:
+        return len(self.generated)
+
+    def advance(self, index: int, tokens: int, finished: bool = False) -> None:
+        """Choice ``index`` generated ``tokens`` more (and ended, when ``finished``)."""
+        if 0 <= index < len(self.generated):
+            self.generated[index] += tokens
+            if finished:
+                self.finished.add(index)
+
+    def tokens_left(self) -> list[int]:
+        """Per choice, the most tokens it may still generate before its slot
+        frees: ``max_tokens`` less what it generated (0 once it ended); empty
+        when ``max_tokens`` is not known. A bound: EOS or a stop may end it sooner."""
+        if self.max_tokens <= 0:
+            return []
+        return [0 if i in self.finished else max(self.max_tokens - done, 0)
+                for i, done in enumerate(self.generated)]
+
+
 class EngineClient:
     """Client of one ``llmesh.v1.EngineService`` replica on one long-lived channel.
 
@@ -166,6 +206,7 @@ class EngineClient:
       sequences: engine sequence slots those requests hold (one per choice:
         a request with ``n`` choices runs ``n`` sequences).
       sequences_interactive: of those, the interactive requests' ones.
+      open_requests: those requests (:class:`OpenRequest`: how far each got).
       on_call_failed: called with the reason when a ``Multiplex`` call fails
         (not when the router closes it): the replica set takes the replica
         out of routing (:mod:`services.router.replicas`).
@@ -185,6 +226,7 @@ class EngineClient:
         self.in_flight_interactive = 0
         self.sequences = 0
         self.sequences_interactive = 0
+        self.open_requests: set[OpenRequest] = set()
         self._channel = make_channel(target)
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         self._mux: MuxClient[EngineStart | StreamCancel, TokenDelta] | None = None
@@ -193,22 +235,41 @@ class EngineClient:
         self.info: ModelInfo | None = None
         self.load_watch = LoadWatch(self._channel, target)
 
-    def opened(self, priority: Priority, choices: int = 1) -> None:
-        """Counts a request of ``choices`` sequences this router opens on the
-        replica (see ``in_flight`` and ``sequences``)."""
+    def opened(self, priority: Priority, choices: int = 1, max_tokens: int = 0) -> OpenRequest:
+        """Counts a request of ``choices`` sequences of at most ``max_tokens``
+        tokens each (0: not known) this router opens on the replica (see
+        ``in_flight``, ``sequences`` and ``open_requests``); returns its record,
+        for :meth:`OpenRequest.advance` and :meth:`closed`."""
         interactive = priority is Priority.INTERACTIVE
         self.in_flight += 1
         self.in_flight_interactive += interactive
         self.sequences += choices
         self.sequences_interactive += choices * interactive
+        request = OpenRequest(priority, max_tokens, [0] * choices)
+        self.open_requests.add(request)
+        return request
 
-    def closed(self, priority: Priority, choices: int = 1) -> None:
-        """Uncounts a request counted by :meth:`opened` with the same arguments."""
-        interactive = priority is Priority.INTERACTIVE
+    def closed(self, request: OpenRequest) -> None:
+        """Uncounts a request :meth:`opened` counted (once)."""
+        if request not in self.open_requests:
+            return
+        self.open_requests.discard(request)
+        interactive = request.priority is Priority.INTERACTIVE
         self.in_flight -= 1
         self.in_flight_interactive -= interactive
-        self.sequences -= choices
-        self.sequences_interactive -= choices * interactive
+        self.sequences -= request.choices
+        self.sequences_interactive -= request.choices * interactive
+
+    def tokens_left(self, priority: Priority) -> list[int]:
+        """The sequences this router runs on the replica that hold a slot
+        against a request of ``priority`` (an interactive one: only the
+        interactive ones, the engine preempts batch sequences for it), each as
+        the most tokens it may still generate (:meth:`OpenRequest.tokens_left`;
+        those of unknown length are left out), in ascending order."""
+        interactive = priority is Priority.INTERACTIVE
+        return sorted(left for request in self.open_requests
+                      if not interactive or request.priority is Priority.INTERACTIVE
+                      for left in request.tokens_left())
 
     @property
     def channel(self) -> grpc.aio.Channel:

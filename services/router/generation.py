@@ -141,7 +141,7 @@ from services.router.clients import (
     CacheKey,
     UpstreamError,
 )
-from services.router.engine_client import EngineClient, EngineStream
+from services.router.engine_client import EngineClient, EngineStream, OpenRequest
 from services.router.local_tokenizer import PromptTokenizer
 from services.router.logprob_text import TokenTexts
 from services.router.metrics import RouterMetrics
@@ -943,12 +943,15 @@ class GenerationPipeline:
     async def _open_engine(
         self, request: GenerationRequest, prompt_ids: tuple[int, ...],
         sampling: SamplingOptions, deadline: float | None, timing: _Timing, hint: RouteHint,
-        on_dispatch: Callable[[], Awaitable[None]] | None = None,
-    ) -> tuple[EngineClient, EngineStream, TokenDelta]:
+        on_dispatch: Callable[[], Awaitable[None]] | None = None, ticket: Ticket | None = None,
+    ) -> tuple[EngineClient, OpenRequest, EngineStream, TokenDelta]:
         """Opens a stream on the best replica that answers (the routing policy's
-        order); returns its first delta. ``on_dispatch`` (:class:`Progress`) is
+        order); returns it with its first delta. ``on_dispatch`` (:class:`Progress`) is
         awaited once the first replica tried has the start. The chosen replica
-        counts the request (:meth:`EngineClient.opened`); the caller uncounts it.
+        counts the request (:meth:`EngineClient.opened`: the returned record);
+        the caller uncounts it.
+        ``ticket`` (the admission slot) is placed on each replica tried, so it
+        counts against that replica's capacity alone.
         """
         failures: list[UpstreamError] = []
         choice = await self.picker.choose(self._serving_replicas(), request.priority, hint)
@@ -956,7 +959,9 @@ class GenerationPipeline:
             if ((failures and not self.replicas.is_serving(engine))
                     or not self.replicas.is_member(engine)):
                 continue  # left routing while an earlier one was tried, or left DNS
-            engine.opened(request.priority, sampling.n)
+            opened = engine.opened(request.priority, sampling.n, sampling.max_tokens)
+            if ticket is not None:
+                ticket.place(engine)
             stream: EngineStream | None = None
             ok = False
             try:
@@ -978,7 +983,7 @@ class GenerationPipeline:
                 ok = True
                 if hint.session is not None:
                     hint.session.replica = engine
-                return engine, stream, first
+                return engine, opened, stream, first
             except UpstreamError as err:
                 if err.code not in _RETRYABLE_ENGINE_CODES:
                     raise
@@ -988,17 +993,10 @@ class GenerationPipeline:
                 failures.append(err)
             finally:
                 if not ok:
-                    engine.closed(request.priority, sampling.n)
+                    engine.closed(opened)
                     if stream is not None:
                         stream.close()
-        # Each failure was logged above with its address and details; the
-        # client gets the replicas' ids and codes.
-        tried = "; ".join(f"{e.replica or '?'}: {e.code.name}" for e in failures)
-        code = (grpc.StatusCode.RESOURCE_EXHAUSTED
-                if all(e.code == grpc.StatusCode.RESOURCE_EXHAUSTED for e in failures)
-                else grpc.StatusCode.UNAVAILABLE)
-        raise GenerationError(code, f"no engine replica could take the request for model "
-                              f"{request.model!r} (tried {tried}); retry in a few seconds")
+        raise _no_replica_took(request.model, failures)
 
     async def _from_engine(
         self, request: GenerationRequest, prompt_ids: tuple[int, ...],
@@ -1008,8 +1006,8 @@ class GenerationPipeline:
     ) -> AsyncIterator[Event]:
         """The engine's answer as events; ``ticket`` (the admission slot, released
         by the caller) hears of every token that leaves."""
-        engine, stream, delta = await self._open_engine(
-            request, prompt_ids, sampling, deadline, timing, hint, progress.on_dispatch)
+        engine, opened, stream, delta = await self._open_engine(
+            request, prompt_ids, sampling, deadline, timing, hint, progress.on_dispatch, ticket)
         info.update(engine=engine.target)
         self.metrics.prefix_hit_tokens.labels(request.model).observe(delta.num_cached_tokens)
         # One detokenizer and stop-string matcher per choice (``sampling.n``).
@@ -1021,6 +1019,7 @@ class GenerationPipeline:
         keep_output = key is not None or self.log_content
         try:
             while True:
+                opened.advance(delta.index, len(delta.token_ids), delta.finished)
                 choice = _choice_of(choices, delta, engine)
                 if choice.finished:  # ended on a stop string; the engine's last words
                     delta = await stream.read()
@@ -1046,7 +1045,7 @@ class GenerationPipeline:
                         return
                 delta = await stream.read()
         finally:
-            engine.closed(request.priority, sampling.n)
+            engine.closed(opened)
             stream.close()
 
     def _hidden_ids(self, request: GenerationRequest, sampling: SamplingOptions
@@ -1310,6 +1309,19 @@ class _Held:
             self.claim.cancel()
         if self.ticket is not None:
             self.ticket.release()
+
+
+def _no_replica_took(model: str, failures: Sequence[UpstreamError]) -> GenerationError:
+    """The error when every replica tried refused or failed the request
+    (RESOURCE_EXHAUSTED when each was full, else UNAVAILABLE). Each failure
+    was logged with its address and details; the client gets the replicas'
+    ids and codes."""
+    tried = "; ".join(f"{e.replica or '?'}: {e.code.name}" for e in failures)
+    code = (grpc.StatusCode.RESOURCE_EXHAUSTED
+            if all(e.code == grpc.StatusCode.RESOURCE_EXHAUSTED for e in failures)
+            else grpc.StatusCode.UNAVAILABLE)
+    return GenerationError(code, f"no engine replica could take the request for model "
+                           f"{model!r} (tried {tried}); retry in a few seconds")
 
 
 def _client_failure(err: Exception, completion_tokens: int, model: str

@@ -210,7 +210,7 @@ def _replica_set(engines: list[EngineClient], capacities: list[ReplicaCapacity],
     concurrency cap follows the replicas in routing, and when none is left the
     queued requests end UNAVAILABLE (nothing would serve them)."""
 
-    def replicas_changed(capacities: list[ReplicaCapacity]) -> None:
+    def replicas_changed(capacities: dict[EngineClient, ReplicaCapacity]) -> None:
         admission.set_replicas(capacities)
         if not capacities:
             failed = admission.fail_queued(NoReplicaServing(
@@ -291,7 +291,8 @@ async def open_pool(config: PoolConfig, settings: PoolSettings, cache: CacheClie
                              return_exceptions=True)
         raise
     capacities = [ReplicaCapacity(i.max_num_seqs, i.kv_capacity_tokens) for i in infos]
-    admission = _admission(limits.model, settings.admission, capacities, metrics)
+    admission = _admission(limits.model, settings.admission,
+                           dict(zip(engines, capacities, strict=True)), metrics)
     replicas = _replica_set(engines, capacities, admission, limits, metrics, make_client,
                             discovery)
     _start_routing(replicas, discovery, engines, limits)
@@ -431,9 +432,11 @@ def model_limits(infos: list[ModelInfo], tok: TokenizerInfo,
             not tok.chat_roles or "tool" in tok.chat_roles))
 
 
-def _admission(model: str, config: AdmissionConfig, capacities: list[ReplicaCapacity],
+def _admission(model: str, config: AdmissionConfig,
+               capacities: dict[EngineClient, ReplicaCapacity],
                metrics: RouterMetrics) -> AdmissionController:
-    """The model's admission controller, sized from its replicas' capacity."""
+    """The model's admission controller, sized from its replicas' capacity
+    (keyed by client: the pipeline places each ticket on its replica)."""
     observer = metrics.admission_observer(model)
     controller = AdmissionController(config, model, capacities, observer=observer)
     observer.limits({

@@ -28,8 +28,9 @@ it: its in-flight requests may finish, and its client is closed when the last
 one ends, or after ``retire_after_s`` (then they end UNAVAILABLE).
 
 Every change calls ``on_change`` with the capacities of the replicas now in,
-which the router passes to admission control (its concurrency cap follows
-the replicas that serve). Metrics: ``llmesh:router_replica_serving{engine}``
+by client, which the router passes to admission control (its concurrency cap
+follows the replicas that serve, and a request running on a replica that
+left holds none of the others' slots: :mod:`services.router.admission`). Metrics: ``llmesh:router_replica_serving{engine}``
 (1 in, 0 out) and ``llmesh:router_replica_failovers_total{engine, reason}``
 (a replica leaving the routing set: ``call_failed``, ``not_serving``,
 ``silent``, ``removed``); a removed replica's ``serving`` series is dropped.
@@ -71,7 +72,7 @@ DEFAULT_FAIL_SILENT_AFTER_S = 3.0
 #: Most seconds a removed replica's in-flight requests may still run.
 DEFAULT_RETIRE_AFTER_S = 600.0
 
-CapacityListener = Callable[[list[ReplicaCapacity]], None]
+CapacityListener = Callable[[dict[EngineClient, ReplicaCapacity]], None]
 #: Why a new replica may not join the pool (None: it may), from its model info.
 AdmitCheck = Callable[[ModelInfo], "str | None"]
 
@@ -153,10 +154,12 @@ class ReplicaSet:
         """The ``host:port`` of every member replica, in routing or not."""
         return {engine.target for engine in self.engines}
 
-    def capacities(self) -> list[ReplicaCapacity]:
-        """The capacities of the replicas in or silent (a silent replica may be
-        only slow: its running requests still count)."""
-        return [self._capacity[e] for e in self.engines if e in self._in or e in self._silent]
+    def capacities(self) -> dict[EngineClient, ReplicaCapacity]:
+        """The capacities of the replicas in or silent, by client, in
+        configuration order (a silent replica may be only slow: its running
+        requests still count)."""
+        return {e: self._capacity[e] for e in self.engines
+                if e in self._in or e in self._silent}
 
     # ---- verbs -------------------------------------------------------------
 

@@ -26,7 +26,7 @@
       t(r)  = the replica's decode step of r rows, prefill(x) its time for x tokens
       cost  = k * (prefill(Q + p) + r + L * t(B + k))     # its own completion
             + B * (prefill(p) + r + (L - 1) * (t(B + k) - t(B)))   # what the batch loses
-            + prefill(slot_wait_tokens) * queued_for_a_slot
+            + k * slot_wait                               # 0 with a free slot
 
   So a hot prefix stays with the replicas that hold it while one more
   sequence there slows the batch by less than a prefill elsewhere costs, and
@@ -38,11 +38,21 @@
   replica look faster or slower than it is); else the priors of
   :mod:`services.common.step_profile`).
 
-  ``queued_for_a_slot`` = sequences on the replica (running + waiting +
-  sent since the report) + 1 - ``max_num_seqs``, when positive: the request
-  would wait for a sequence to finish, which costs far more than a prefill
-  (for an interactive request only this router's interactive ones count,
-  since the engine preempts batch sequences for it).
+  ``slot_wait``: the request waits for ``q`` = sequences on the replica
+  (running + waiting + sent since the report) + k - ``max_num_seqs``
+  sequences to finish, when positive (for an interactive request only this
+  router's interactive ones count, since the engine preempts batch sequences
+  for it). The router knows each stream it opened there (its ``max_tokens``
+  and the tokens it generated so far: :class:`~services.router.engine_client.OpenRequest`),
+  so ``slot_wait`` = the q-th smallest of their tokens left times the
+  replica's decode step of ``max_num_seqs`` rows. It assumes every sequence
+  runs to its ``max_tokens`` (exact with ``ignore_eos``; an EOS or a stop
+  string only frees the slot sooner, and so does a speculative step that
+  yields several tokens): the estimate is an upper bound, so a wait chosen
+  on it is repaid at worst. When fewer than ``q`` of the sequences there
+  are this router's with a known length (the others are another router's,
+  or the report counts more than this router sent), the wait is not
+  bounded: it is priced as ``prefill(slot_wait_tokens) * q``.
 
   ``matched_tokens`` (leading prompt tokens in the replica's KV pool) and
   ``offloaded_tokens`` (the tokens after those in its KV offload tier: a hit
@@ -57,22 +67,31 @@
   The replicas known to start the request at once (a free sequence slot for
   each of its ``n`` choices among every priority's sequences, so neither a
   wait nor a batch sequence preempted, and room in the KV cache:
-  :func:`starts_at_once`) go before the others whatever the costs: the slot wait's fixed price
-  could be outweighed by a long prompt's prefix hit, by a faster measured
-  profile, or by a stale report (infinity) on the free replica, and the
-  request then waited for a sequence to finish beside a free slot (CI: 4
-  interactive streams split 3/1 over two 2-slot engines). A stale report
-  does not demote a free replica: this router's open streams are exact, and
-  a replica that stops answering leaves routing by its health probe. In each
-  group costs within :data:`TIE_TOLERANCE` (10 %) of the group's cheapest
-  tie; ties go to the least loaded (open requests), then in turn. Without a
-  cache service, or when the index does not answer in time, matched tokens
-  are 0 and the policy routes by load alone.
+  :func:`starts_at_once`) go before those where it would wait, unless
+  waiting is repaid in time to the first token: a replica where the wait is
+  bounded (above) and its first token, ``slot_wait + prefill(Q + p) + r``,
+  comes sooner by more than :data:`TIE_TOLERANCE` than ``prefill(Q + p) + r``
+  on every replica that starts the request at once, goes first (QA: a long
+  prompt whose prefix the full replica held prefilled whole on the free one,
+  TTFT 3.3-4.3 s against ~1 s had it waited). The comparison is on the first
+  token alone: decode after it runs at each replica's batch rate, and a
+  measured decode profile is the noisiest input (under contention a free
+  replica measured 4x slower); a wait the router cannot bound never beats a
+  free slot. So a stale report (infinity) or a faster measured profile on the
+  full replica never makes a request wait beside a free slot (CI: 4
+  interactive streams split 3/1 over two 2-slot engines), nor does a prefix
+  hit smaller than the prefill it saves. A stale report does not demote a
+  free replica: this router's open streams are exact, and a replica that
+  stops answering leaves routing by its health probe. In each group (waiting
+  repaid, free, the others) costs within :data:`TIE_TOLERANCE` (10 %) of the
+  group's cheapest tie; ties go to the least loaded (open requests), then in
+  turn. Without a cache service, or when the index does not answer in time,
+  matched tokens are 0 and the policy routes by load alone.
 
 Session affinity (``GenerateStream``): the replica that served a
 conversation's previous turn takes the next one unless it is gone, its
 cost is infinite, the request would wait there and start at once on the
-first in the order, or it costs more than the prefill of
+first in the order (a free slot, or a wait that is repaid), or it costs more than the prefill of
 ``affinity_slack_tokens`` (on that replica) above the cheapest (then the
 conversation moves, paying its prefill once).
 
@@ -129,7 +148,8 @@ class CostWeights:
         request's ``max_tokens`` beyond it counts as this many: most requests
         end before a large limit).
       slot_wait_tokens: prefill-token equivalents of waiting for a sequence slot
-        (a running sequence to finish).
+        (a running sequence to finish) when the wait cannot be bounded (the
+        sequences ahead are not all this router's streams of known length).
       kv_full_usage: KV usage (0..1) from which a replica counts as saturated.
       affinity_slack_tokens: how much more a session's replica may cost than
         the cheapest, in prefill tokens, before the session moves.
@@ -234,8 +254,48 @@ def replica_cost(hint: RouteHint, matched_tokens: int, view: LoadView,
     slowdown = joined - profile.decode_step(batch)
     own = choices * (profile.prefill_s(queued_prefill + own_prefill) + restore + steps * joined)
     imposed = batch * (profile.prefill_s(own_prefill) + restore + (steps - 1) * slowdown)
-    queued = 0 if slots is None else slots.queued
-    return own + imposed + profile.prefill_s(round(weights.slot_wait_tokens)) * queued
+    return own + imposed + _wait_price(slots, profile, weights, choices)
+
+
+def _wait_price(slots: SlotUse | None, profile: StepProfile, weights: CostWeights,
+                choices: int) -> float:
+    """Seconds the ``kv_aware`` cost adds for waiting for sequence slots: each
+    choice's bounded wait (:func:`slot_wait_s`), else ``slot_wait_tokens`` of
+    prefill per sequence that must finish first."""
+    if slots is None or slots.queued == 0:
+        return 0.0
+    wait = slot_wait_s(slots, profile)
+    if wait is None:
+        return profile.prefill_s(round(weights.slot_wait_tokens)) * slots.queued
+    return choices * wait
+
+
+def slot_wait_s(slots: SlotUse | None, profile: StepProfile) -> float | None:
+    """Seconds until the request has its slots on the replica (module doc:
+    the ``queued``-th soonest end among this router's sequences there, each
+    run to its ``max_tokens`` at the decode step of a full batch); 0 with
+    free slots; None when it cannot be bounded (slots unknown, or fewer
+    sequences of known length than must end)."""
+    if slots is None:
+        return None
+    queued = slots.queued
+    if queued == 0:
+        return 0.0
+    if queued > len(slots.tokens_left):
+        return None
+    return slots.tokens_left[queued - 1] * profile.decode_step(slots.max_num_seqs)
+
+
+def first_token_s(hint: RouteHint, prefix: CachedPrefix, view: LoadView,
+                  profile: StepProfile, wait_s: float) -> float:
+    """Predicted seconds to the request's first token on a replica: ``wait_s``
+    for its slots, then the prefill queued there and its own after the
+    prefix hit (the restore of an offload-tier hit included)."""
+    load = view.load
+    queued = view.unreported_prefill_tokens + (0 if load is None
+                                               else load.num_pending_prefill_tokens)
+    own = max(hint.prompt_tokens - prefix.total, 0)
+    return wait_s + profile.prefill_s(queued + own) + profile.restore_s(prefix.offloaded_tokens)
 
 
 def pricing_profile(load: LoadStats, peer: StepProfile | None) -> StepProfile:
@@ -254,11 +314,15 @@ class SlotUse:
       busy: sequences ahead of it for a slot.
       max_num_seqs: the replica's slots.
       need: slots the request takes (one per choice, ``n``).
+      tokens_left: of the ``busy`` sequences, this router's of known length,
+        each as the most tokens it may still generate, ascending
+        (:meth:`EngineClient.tokens_left`).
     """
 
     busy: int
     max_num_seqs: int
     need: int = 1
+    tokens_left: tuple[int, ...] = ()
 
     @property
     def queued(self) -> int:
@@ -288,7 +352,8 @@ def slot_use(engine: EngineClient, view: LoadView, priority: Priority,
     if priority is Priority.INTERACTIVE:
         everything = all_sequences(engine, view, need)
         return None if everything is None else dataclasses.replace(
-            everything, busy=engine.sequences_interactive)
+            everything, busy=engine.sequences_interactive,
+            tokens_left=tuple(engine.tokens_left(priority)))
     return all_sequences(engine, view, need)
 
 
@@ -300,7 +365,8 @@ def all_sequences(engine: EngineClient, view: LoadView, need: int = 1) -> SlotUs
     if engine.info is None or not engine.info.max_num_seqs or view.load is None:
         return None
     reported = view.load.num_running + view.load.num_waiting + view.unreported_requests
-    return SlotUse(max(reported, engine.sequences), engine.info.max_num_seqs, need)
+    return SlotUse(max(reported, engine.sequences), engine.info.max_num_seqs, need,
+                   tuple(engine.tokens_left(Priority.BATCH)))
 
 
 class ReplicaPicker:
@@ -375,21 +441,38 @@ class ReplicaPicker:
         views = {engine: engine.load_watch.current() for engine in serving}
         peer = next((view.load.step_profile for view in views.values()
                      if view.load is not None and view.load.step_profile.measured), None)
-        need = max(hint.num_choices, 1)
-        slots = {engine: slot_use(engine, views[engine], priority, need) for engine in rotated}
-        costs = {engine: replica_cost(hint, matches.get(engine, NO_PREFIX).tokens, views[engine],
-                                      self.weights, slots[engine], peer,
-                                      matches.get(engine, NO_PREFIX).offloaded_tokens)
-                 for engine in rotated}
-        ready = {engine: starts_at_once(views[engine], all_sequences(engine, views[engine], need),
-                                        self.weights)
-                 for engine in rotated}
-        order = _by_cost(rotated, costs, ready)
-        sticky = self._sticky(hint.session, order, costs, views, peer, ready)
+        prices = {engine: self._price(engine, views[engine], priority, hint,
+                                      matches.get(engine, NO_PREFIX), peer)
+                  for engine in rotated}
+        costs = {engine: price.cost for engine, price in prices.items()}
+        groups = _groups(prices)
+        order = _by_cost(rotated, costs, groups)
+        sticky = self._sticky(hint.session, order, costs, views, peer, groups)
         if sticky is not None:
             order.remove(sticky)
             order.insert(0, sticky)
         return Choice(order, matches, costs)
+
+    def _price(self, engine: EngineClient, view: LoadView, priority: Priority, hint: RouteHint,
+               prefix: CachedPrefix, peer: StepProfile | None) -> _Price:
+        """``engine``'s ``kv_aware`` cost for the request, whether it starts
+        the request at once, and when its first token would come there: after
+        a slot frees among every priority's sequences (an interactive request
+        that preempts a batch sequence waits for none, but costs that sequence
+        its progress: no free slot either)."""
+        need = max(hint.num_choices, 1)
+        slots = slot_use(engine, view, priority, need)
+        cost = replica_cost(hint, prefix.tokens, view, self.weights, slots, peer,
+                            prefix.offloaded_tokens)
+        everything = all_sequences(engine, view, need)
+        ready = starts_at_once(view, everything, self.weights)
+        if view.load is None:
+            return _Price(cost, ready, math.inf)
+        profile = pricing_profile(view.load, peer)
+        wait = 0.0 if ready else slot_wait_s(everything, profile)
+        first = (math.inf if wait is None or math.isinf(cost)
+                 else first_token_s(hint, prefix, view, profile, wait))
+        return _Price(cost, ready, first)
 
     def routed(self, engine: EngineClient, choice: Choice, prompt_tokens: int) -> None:
         """Books that ``engine`` took the request (metrics; its unreported load)."""
@@ -399,12 +482,13 @@ class ReplicaPicker:
 
     def _sticky(self, session: RoutingSession | None, order: list[EngineClient],
                 costs: dict[EngineClient, float], views: dict[EngineClient, LoadView],
-                peer: StepProfile | None, ready: dict[EngineClient, bool]) -> EngineClient | None:
+                peer: StepProfile | None, groups: dict[EngineClient, int]) -> EngineClient | None:
         """The session's replica if it should keep the conversation, else None
-        (never when ``order[0]`` starts the request at once and it does not)."""
+        (never when ``order[0]`` starts the request at once or its wait there
+        is repaid, :func:`_groups`, and neither holds on the session's)."""
         if session is None or session.replica is None or session.replica not in costs:
             return None
-        if ready[order[0]] and not ready[session.replica]:
+        if groups[order[0]] < WAIT_UNREPAID <= groups[session.replica]:
             return None
         cost = costs[session.replica]
         load = views[session.replica].load
@@ -431,17 +515,49 @@ def duplicate_replica_ids(engines: Sequence[EngineClient]) -> set[str]:
     return duplicates - {""}
 
 
+@dataclass(frozen=True)
+class _Price:
+    """A replica for one request: its ``kv_aware`` cost (seconds), whether it
+    starts the request at once (:func:`starts_at_once`), and the predicted
+    seconds to its first token there (its bounded slot wait included; inf:
+    not bounded, or the cost is infinite)."""
+
+    cost: float
+    ready: bool
+    first_token_s: float
+
+
+#: The ``kv_aware`` groups, in order (:func:`_groups`).
+WAIT_REPAID, STARTS_AT_ONCE, WAIT_UNREPAID = 0, 1, 2
+
+
+def _groups(prices: dict[EngineClient, _Price]) -> dict[EngineClient, int]:
+    """Each replica's group: :data:`WAIT_REPAID` where the request waits for
+    a slot and its first token still comes sooner, by more than
+    :data:`TIE_TOLERANCE`, than on every replica that starts it at once
+    (module doc); :data:`STARTS_AT_ONCE`; else :data:`WAIT_UNREPAID` (and all
+    of them when none starts it at once: costs alone order them)."""
+    free_first = min((p.first_token_s for p in prices.values() if p.ready), default=math.inf)
+
+    def group(price: _Price) -> int:
+        if price.ready:
+            return STARTS_AT_ONCE
+        repaid = price.first_token_s * (1 + TIE_TOLERANCE) < free_first < math.inf
+        return WAIT_REPAID if repaid else WAIT_UNREPAID
+
+    return {engine: group(price) for engine, price in prices.items()}
+
+
 def _by_cost(rotated: list[EngineClient], costs: dict[EngineClient, float],
-             ready: dict[EngineClient, bool]) -> list[EngineClient]:
-    """``rotated`` ordered for ``kv_aware``: the replicas known to start the
-    request at once (``ready``: :func:`starts_at_once`) before the others,
-    whatever their costs (a prefix hit or a faster profile never outweighs
-    waiting for a sequence to finish); in each group, costs within
-    :data:`TIE_TOLERANCE` of the group's cheapest tie, the rest go by cost;
-    ties to the fewest open requests, then in turn."""
-    near = {group: min((c for e, c in costs.items() if ready[e] is group), default=math.inf)
-            * (1 + TIE_TOLERANCE) for group in (True, False)}  # inf: all saturated
-    return sorted(rotated, key=lambda e: (not ready[e], 0.0 if costs[e] <= near[ready[e]]
+             groups: dict[EngineClient, int]) -> list[EngineClient]:
+    """``rotated`` ordered for ``kv_aware``: by group (:func:`_groups`: a wait
+    repaid before the first token, then a free slot, then the rest), whatever
+    the costs; in each group, costs within :data:`TIE_TOLERANCE` of the
+    group's cheapest tie, the rest go by cost; ties to the fewest open
+    requests, then in turn."""
+    near = {group: min((c for e, c in costs.items() if groups[e] == group), default=math.inf)
+            * (1 + TIE_TOLERANCE) for group in set(groups.values())}  # inf: all saturated
+    return sorted(rotated, key=lambda e: (groups[e], 0.0 if costs[e] <= near[groups[e]]
                                           else costs[e], e.in_flight))  # stable: rotation
 
 

@@ -269,6 +269,63 @@ async def test_kv_reservations_hold_a_request_that_does_not_fit_until_room_frees
     assert (await alone.admit(job("huge", prompt=5000))).job.request_id == "huge"
 
 
+def two_replicas(clock: Clock, slots: int = 2, kv: int = 0,
+                 **config: object) -> AdmissionController:
+    """A controller over replicas "a" and "b" of ``slots`` sequences each."""
+    config.setdefault("batch_window_s", 0.0)
+    return AdmissionController(
+        AdmissionConfig(**config), "m",  # type: ignore[arg-type]
+        {"a": ReplicaCapacity(slots, kv), "b": ReplicaCapacity(slots, kv)}, clock=clock)
+
+
+async def test_requests_on_a_replica_that_left_hold_no_slot_of_those_that_remain() -> None:
+    """QA: two 8-slot engines, one draining with 8 running: the cap fell to 8
+    while those 8 still counted, so nothing was admitted until they ended and
+    the other engine sat idle (a 376 s retry hint). Running requests count per
+    replica: those on a replica that left hold none of the others' slots."""
+    clock = Clock()
+    ctl = two_replicas(clock, max_queued_requests=1)
+    draining = [await ctl.admit(job(f"a{i}", max_tokens=5)) for i in range(2)]
+    for ticket in draining:
+        ticket.place("a")
+    ctl.set_replicas({"b": ReplicaCapacity(2)})  # "a" drains: out of routing
+    assert (ctl.max_running, ctl.num_running, ctl.num_running_in_service) == (2, 2, 0)
+    on_b = [await asyncio.wait_for(ctl.admit(job(f"b{i}", max_tokens=10)), 0.5)
+            for i in range(2)]
+    for ticket in on_b:
+        ticket.place("b")
+    waiting = await queued(ctl, job("c"))
+    draining[0].release()  # ends on "a": frees nothing on "b"
+    await asyncio.sleep(0)
+    assert not waiting.done() and ctl.num_running_in_service == 2
+    # The hint is b's requests' end (10 tokens at the initial 50 ms + their
+    # prefill), not the sooner end of a's (5 tokens), which frees no slot here.
+    with pytest.raises(AdmissionRefused) as refused:
+        await ctl.admit(job("d"))
+    assert refused.value.retry_after_s == pytest.approx(10 * 0.05 + 10 * 0.0005)
+    on_b[0].release()
+    assert (await asyncio.wait_for(waiting, 0.5)).job.request_id == "c"
+    # "a" serves again (its drain was undone): its running request counts again.
+    ctl.set_replicas({"a": ReplicaCapacity(2), "b": ReplicaCapacity(2)})
+    assert ctl.num_running_in_service == 3
+
+
+async def test_a_slot_placed_on_a_replica_that_left_meanwhile_frees_its_place() -> None:
+    """A request granted while both replicas served, placed on one that left
+    before its stream opened (or retried elsewhere), stops counting at once,
+    and so does its KV reservation."""
+    clock = Clock()
+    ctl = two_replicas(clock, slots=1, kv=1000)
+    first = await ctl.admit(job("first", prompt=500, max_tokens=400))
+    ctl.set_replicas({"b": ReplicaCapacity(1, 1000)})
+    waiting = await queued(ctl, job("next", prompt=500, max_tokens=400))
+    assert not waiting.done()  # first is not placed: it may still go to "b"
+    first.place("a")
+    assert (await asyncio.wait_for(waiting, 0.5)).job.request_id == "next"
+    first.release()
+    assert ctl.num_running == 1 and ctl._tallies.keys() == {None}  # "a"'s tally forgotten
+
+
 async def test_disabled_admission_never_queues_or_refuses() -> None:
     ctl = controller(slots=1, enabled=False, max_queued_requests=0)
     tickets = [await ctl.admit(job(f"r{i}")) for i in range(5)]
@@ -329,12 +386,12 @@ async def test_a_claim_taken_before_its_size_is_known_is_settled_exactly() -> No
     assert ctl.queue_depth(INTERACTIVE) == 1 and ctl.queued_tokens(INTERACTIVE) == 60
     running.release()
     ticket = await waiting.wait()
-    assert ticket.job.prompt_tokens == 60 and ctl._reserved_kv == 160
+    assert ticket.job.prompt_tokens == 60 and ctl.reserved_kv_tokens == 160
     early = controller(slots=2, kv=1000)
     granted = early.claim(job("early", prompt=0, max_tokens=100))
-    assert granted.granted and early._reserved_kv == 100
+    assert granted.granted and early.reserved_kv_tokens == 100
     granted.settle(300, 50)
-    assert early._reserved_kv == 350
+    assert early.reserved_kv_tokens == 350
     granted.cancel()
     granted.cancel()
-    assert early.num_running == 0 and early._reserved_kv == 0
+    assert early.num_running == 0 and early.reserved_kv_tokens == 0

@@ -165,7 +165,7 @@ async def test_a_pool_follows_its_dns_name_without_a_restart() -> None:
         # A request running on A when A leaves DNS finishes; A's client closes after.
         fakes["127.0.0.1"].step_delay = 0.05
         engine_a = next(e for e in pool.engines if e.target == a)
-        engine_a.opened(Priority.INTERACTIVE)
+        opened = engine_a.opened(Priority.INTERACTIVE)
         stream = engine_a.start(encode("hi"), SamplingOptions(max_tokens=8),
                                 priority=Priority.INTERACTIVE, request_id="r", deadline=None)
         stub.records[NAME] = ["127.0.0.2"]
@@ -180,7 +180,7 @@ async def test_a_pool_follows_its_dns_name_without_a_restart() -> None:
                 break
         assert len(ids) == 8
         stream.close()
-        engine_a.closed(Priority.INTERACTIVE)
+        engine_a.closed(opened)
         await until(lambda: pool.replicas.retiring() == [], timeout=5)
         # A resolution that fails keeps what was known; an empty answer leaves none.
         del stub.records[NAME]

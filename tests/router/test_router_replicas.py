@@ -70,7 +70,7 @@ async def test_a_stopped_replica_leaves_routing_and_rejoins_when_it_serves_again
     fakes = [FakeEngine(), FakeEngine()]
     servers = [await serve_engine(f) for f in fakes]
     engines = [EngineClient(target) for _, target in servers]
-    changes: list[list[ReplicaCapacity]] = []
+    changes: list[dict[EngineClient, ReplicaCapacity]] = []
     replicas = ReplicaSet(engines, [ReplicaCapacity(2, 0)] * 2, on_change=changes.append,
                           metrics=metrics, probe_interval_s=INTERVAL, probe_timeout_s=TIMEOUT)
     replicas.start()
@@ -81,7 +81,7 @@ async def test_a_stopped_replica_leaves_routing_and_rejoins_when_it_serves_again
         await servers[0][0].stop(None)
         took = await until(lambda: replicas.serving() == [engines[1]])
         assert took < INTERVAL + TIMEOUT + 0.1
-        assert changes[-1] == [ReplicaCapacity(2, 0)]
+        assert changes[-1] == {engines[1]: ReplicaCapacity(2, 0)}
         sample = metrics.registry.get_sample_value
         assert sample("llmesh:router_replica_serving", {"engine": engines[0].target}) == 0
         assert sample("llmesh:router_replica_failovers_total",
@@ -91,7 +91,8 @@ async def test_a_stopped_replica_leaves_routing_and_rejoins_when_it_serves_again
         restarted = await serve_engine(fakes[0], port=port)
         await until(lambda: replicas.serving() == engines, timeout=3.0)
         # Its capacity is read again (GetModelInfo: the fake reports none).
-        assert changes[-1] == [ReplicaCapacity(0, 0), ReplicaCapacity(2, 0)]
+        assert changes[-1] == {engines[0]: ReplicaCapacity(0, 0),
+                               engines[1]: ReplicaCapacity(2, 0)}
         assert sample("llmesh:router_replica_serving", {"engine": engines[0].target}) == 1
     finally:
         await replicas.close()
@@ -193,7 +194,7 @@ async def test_a_silent_replica_leaves_routing_and_its_streams_end_unavailable(
         assert time.monotonic() - stalled_at < 2 * TIMEOUT + INTERVAL + 0.1
         # The only replica: still used for new requests (it may only be slow), and
         # its capacity still counts.
-        assert replicas.serving() == [engine] and replicas.capacities() == [ReplicaCapacity()]
+        assert replicas.serving() == [engine] and replicas.capacities() == {engine: ReplicaCapacity()}
         with pytest.raises(UpstreamError) as failed:
             while True:
                 await asyncio.wait_for(stream.read(), 3.0)
@@ -226,7 +227,7 @@ async def test_new_requests_avoid_a_silent_replica_while_another_serves(
         health.stalled = True
         await until(lambda: replicas.serving() == [engines[1]])
         assert not replicas.is_serving(engines[0])
-        assert replicas.capacities() == [ReplicaCapacity(2, 0)] * 2  # still counted
+        assert list(replicas.capacities().values()) == [ReplicaCapacity(2, 0)] * 2  # still counted
         health.stalled = False
         await until(lambda: replicas.serving() == engines)
     finally:

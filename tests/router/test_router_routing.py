@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from services.common.sampling import Priority
 from services.common.step_profile import StepProfile
 from services.common.wire.engine_info import LoadStats, ModelInfo
-from services.router.engine_client import EngineClient
+from services.router.engine_client import EngineClient, OpenRequest
 from services.router.load_watch import LoadView
 from services.router.metrics import RouterMetrics
 from services.common.kv_events import PrefixMatch
@@ -26,7 +26,9 @@ from services.router.routing import (
     RouteHint,
     RoutingPolicy,
     RoutingSession,
+    SlotUse,
     replica_cost,
+    slot_wait_s,
 )
 
 W = CostWeights(decode_horizon_tokens=256.0, kv_full_usage=0.95, affinity_slack_tokens=2048.0)
@@ -308,11 +310,11 @@ async def test_streams_this_router_opened_hold_slots_the_report_does_not_show_ye
     for engine in (a, b):
         engine.info = ModelInfo("m", 1024, 100, (2,), "torch", max_num_seqs=2)
     kv = picker(RoutingPolicy.KV_AWARE)
-    b.opened(Priority.BATCH)
+    first = b.opened(Priority.BATCH)
     b.opened(Priority.BATCH)
     batch = await kv.choose(engines[:2], Priority.BATCH, RouteHint(100, matches({b: 96})))
     assert batch.order == [a, b]
-    b.closed(Priority.BATCH)
+    b.closed(first)
     batch = await kv.choose(engines[:2], Priority.BATCH, RouteHint(100, matches({b: 96})))
     assert batch.order == [b, a]
 
@@ -366,11 +368,83 @@ async def test_the_prefix_holder_wins_while_both_have_a_free_slot(
     """The cache-aware preference stays when both replicas would start the request
     at once: the one holding the prompt goes first though it runs more."""
     free, full = two_slot_pair(engines)
-    full.closed(Priority.INTERACTIVE)
+    full.closed(next(iter(full.open_requests)))
     full.load_watch.view = view(running=1, profile=ONE_CORE)  # type: ignore[attr-defined]
     choice = await picker(RoutingPolicy.KV_AWARE).choose(
         [free, full], Priority.INTERACTIVE, RouteHint(4000, matches({full: 3984}), max_tokens=96))
     assert choice.order == [full, free]
+
+
+def holder_and_free(engines: list[EngineClient], generated: int, max_tokens: int,
+                    *, waiting: int = 0) -> tuple[EngineClient, EngineClient]:
+    """Two replicas of 2 slots: ``holder`` runs 2 interactive streams of this
+    router, each ``generated`` of ``max_tokens`` tokens in (and ``waiting``
+    requests the engine reports queued: another router's); ``free`` idle."""
+    holder, free, _ = engines
+    for engine in (holder, free):
+        engine.info = ModelInfo("m", 1024, 100, (2,), "torch", max_num_seqs=2)
+    for _ in range(2):
+        holder.opened(Priority.INTERACTIVE, 1, max_tokens).advance(0, generated)
+    holder.load_watch.view = LoadView(  # type: ignore[attr-defined]
+        LoadStats(2, waiting, 0.1, 0, ONE_CORE), 0.1, 0, 0)
+    free.load_watch.view = view(profile=ONE_CORE)  # type: ignore[attr-defined]
+    return holder, free
+
+
+async def test_a_long_cached_prefix_waits_for_its_holder_about_to_free_a_slot(
+        engines: list[EngineClient]) -> None:
+    """QA: a 4,000-token prompt whose prefix the full replica held went to the
+    free one and prefilled whole (TTFT 3.3-4.3 s against ~1 s had it waited).
+    The holder's streams have 6 tokens left: a slot frees within 6 steps of
+    12.4 ms, then 16 tokens to prefill (~0.09 s), against 4.4 s of prefill on
+    the free replica: waiting wins, and a session there stays."""
+    holder, free = holder_and_free(engines, generated=90, max_tokens=96)
+    hint = RouteHint(4000, matches({holder: 3984}), max_tokens=96)
+    kv = picker(RoutingPolicy.KV_AWARE)
+    assert (await kv.choose([free, holder], Priority.INTERACTIVE, hint)).order == [holder, free]
+    assert (await kv.choose([free, holder], Priority.BATCH, hint)).order == [holder, free]
+    session = RoutingSession(replica=holder)
+    choice = await kv.choose([free, holder], Priority.INTERACTIVE,
+                             RouteHint(4000, matches({holder: 3984}), session, 96))
+    assert choice.order[0] is holder
+
+
+@pytest.mark.parametrize("case", ["streams_just_started", "prefix_saves_little",
+                                  "other_routers_requests_wait_there"])
+async def test_a_wait_not_repaid_before_the_first_token_goes_to_the_free_replica(
+        engines: list[EngineClient], case: str) -> None:
+    """The holder's streams just started (512 tokens left each: a slot frees
+    in ~6.3 s, the free replica prefills the whole 4,000 tokens in 4.4 s); or
+    the prefix saves less than the wait (one 16-token block of a 100-token
+    prompt: 74 ms of wait + 92 ms of prefill against 110 ms); or the engine
+    reports 2 requests waiting there that this router did not send (3 of the
+    holder's sequences must end, only 2 are of known length: the wait has no
+    bound, whatever the prefix). The free slot goes first."""
+    generated, max_tokens, prompt, cached, waiting = {
+        "streams_just_started": (0, 512, 4000, 3984, 0),
+        "prefix_saves_little": (90, 96, 100, 16, 0),
+        "other_routers_requests_wait_there": (90, 96, 4000, 3984, 2)}[case]
+    holder, free = holder_and_free(engines, generated, max_tokens, waiting=waiting)
+    hint = RouteHint(prompt, matches({holder: cached}), max_tokens=96)
+    choice = await picker(RoutingPolicy.KV_AWARE).choose([holder, free], Priority.BATCH, hint)
+    assert choice.order == [free, holder], choice.costs
+
+
+def test_the_wait_for_a_slot_is_the_soonest_ends_of_this_routers_streams() -> None:
+    """A slot frees when the soonest of the sequences ahead ends: each runs
+    at most its max_tokens (EOS may end it sooner: a bound), one token a step
+    of a full batch; a request of n choices waits for the n-th soonest."""
+    full = StepProfile(1e-3, (0.010, 0.012))
+    slots = SlotUse(busy=2, max_num_seqs=2, need=1, tokens_left=(5, 40))
+    assert slot_wait_s(slots, full) == pytest.approx(5 * 0.012)
+    assert slot_wait_s(SlotUse(2, 2, 2, (5, 40)), full) == pytest.approx(40 * 0.012)
+    assert slot_wait_s(SlotUse(2, 2, 1, ()), full) is None  # lengths unknown
+    assert slot_wait_s(SlotUse(1, 2, 1, ()), full) == 0.0  # a free slot
+    record = OpenRequest(Priority.BATCH, 96, [0, 0])
+    record.advance(0, 90)
+    record.advance(1, 3, finished=True)
+    assert record.tokens_left() == [6, 0]  # a finished choice frees its slot
+    assert OpenRequest(Priority.BATCH, 0, [0]).tokens_left() == []  # no max_tokens: unknown
 
 
 async def test_a_request_of_n_choices_needs_n_free_slots_to_start_at_once(
@@ -384,11 +458,11 @@ async def test_a_request_of_n_choices_needs_n_free_slots_to_start_at_once(
     for engine in (holder, other):
         engine.info = ModelInfo("m", 1024, 100, (2,), "torch", max_num_seqs=2)
         engine.load_watch.view = view(profile=ONE_CORE)  # type: ignore[attr-defined]
-    holder.opened(Priority.INTERACTIVE, 2)  # the report does not show it yet
+    pair = holder.opened(Priority.INTERACTIVE, 2)  # the report does not show it yet
     kv = picker(RoutingPolicy.KV_AWARE)
     hint = RouteHint(4000, matches({holder: 3984}), max_tokens=96)
     assert (await kv.choose([holder, other], Priority.INTERACTIVE, hint)).order == [other, holder]
-    holder.closed(Priority.INTERACTIVE, 2)
+    holder.closed(pair)
     other.opened(Priority.BATCH)  # one slot of two taken: room for n=1, not for n=2
     two = RouteHint(4000, matches({holder: 3984}), max_tokens=96, num_choices=2)
     assert (await kv.choose([other, holder], Priority.BATCH, two)).order[0] is holder

@@ -541,6 +541,27 @@ async def test_concurrent_requests_go_to_the_least_loaded_replica():
     assert all(text_of(r) == REPLY for r in results)
 
 
+async def test_the_router_follows_each_open_streams_progress_on_its_replica():
+    """Routing bounds the wait for a slot from this router's open streams
+    (their max_tokens less the tokens they generated): the record follows
+    every token the engine sends, and goes when the stream ends."""
+    async with make_mesh() as mesh:
+        mesh.engines[0].step_delay = 0.02
+        engine = mesh.router._engines[0]
+        call = mesh.stub.Generate(generation_pb2.GenerateRequest(
+            prompt="q", sampling=greedy(max_tokens=40, ignore_eos=True), bypass_cache=True))
+        received = 0
+        while received < 5:
+            received += len((await call.read()).token_ids)
+        (opened,) = engine.open_requests
+        assert opened.max_tokens == 40 and opened.generated[0] >= received
+        assert engine.tokens_left(Priority.BATCH) == [40 - opened.generated[0]]
+        assert engine.tokens_left(Priority.INTERACTIVE) == [40 - opened.generated[0]]
+        while await call.read() is not grpc.aio.EOF:
+            pass
+        assert engine.open_requests == set() and engine.sequences == 0
+
+
 async def test_client_cancel_drops_the_engine_stream_at_once():
     async with make_mesh() as mesh:
         engine = mesh.engines[0]
