@@ -17,6 +17,18 @@ RPCs (the unary ones answered in well under a millisecond on loopback):
   FAILED_PRECONDITION for a non-deterministic request (temperature > 0 without
   a seed). UNAVAILABLE while draining.
 
+``PutCachedResponses(stream)`` (bidirectional, the router's one call per channel)
+  Stores as ``PutCachedResponse`` does, batched: each message carries the
+  stores the router queued since its previous write (at most
+  :data:`MAX_STORES_PER_MESSAGE`), and one answer message carries their
+  results in order, each echoing its ``store_id``. A store's fault
+  (INVALID_ARGUMENT, FAILED_PRECONDITION) is that store's result status,
+  not the call's: the stores batched with it come from other requests. The
+  call ends INVALID_ARGUMENT for an oversized message, UNAVAILABLE when
+  opened while draining, and OK once a drain begins (after answering what
+  it read). One message on an open call costs both sides a fraction of a
+  unary call (no call set-up, headers or call object).
+
 ``PublishKvEvents(stream)`` (bidirectional, one call per engine replica)
   The replica's KV events into the prefix index (:mod:`services.cache.kv_feed`
   says how it stays exact and what ends the call). UNAVAILABLE while draining.
@@ -39,7 +51,9 @@ protobuf bytes, as the router receives them back.
 
 from __future__ import annotations
 
+import itertools
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -55,8 +69,9 @@ from services.cache.metrics import CacheMetrics, default_metrics
 from services.cache.prefix_index import MemoryPrefixIndex, PrefixIndex
 from services.cache.store import ResponseStore
 from services.common import tracing
-from services.common.grpc_util import request_id_from
+from services.common.grpc_util import request_id_from, status_code_of
 from services.common.logging import bind_request_id
+from services.common.mux import MuxServer, ProtocolViolation, never_merge
 from services.common.sampling import InvalidRequestError
 
 log = structlog.get_logger()
@@ -68,6 +83,10 @@ SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
 CACHEABLE_FINISH_REASONS = frozenset({common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH})
 #: Most hashes one ScorePrefix may carry (a 1M-token prompt at block size 16).
 MAX_SCORED_BLOCKS = 65_536
+#: Most stores one PutCachedResponses message may carry.
+MAX_STORES_PER_MESSAGE = 4096
+#: Characters of a store's request_id kept for the log (a caller's overlong id is cut).
+_MAX_LOGGED_REQUEST_ID = 128
 
 
 class CacheService(cache_pb2_grpc.CacheServiceServicer):
@@ -93,6 +112,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self.index = index if index is not None else MemoryPrefixIndex(metrics=self._metrics)
         self._get_duration = self._metrics.request_duration.labels("GetCachedResponse")
         self._put_duration = self._metrics.request_duration.labels("PutCachedResponse")
+        self._puts_duration = self._metrics.request_duration.labels("PutCachedResponses")
+        #: Open PutCachedResponses calls (ended by the drain).
+        self._store_calls: set[MuxServer[int, cache_pb2.PutCachedResponsesResponse]] = set()
         self._feed = KvEventFeed(self.index, self._metrics)
         self.history = HistorySummaries(store, default_ttl_seconds)
         self._draining = False
@@ -115,8 +137,12 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                  default_ttl_seconds=self.default_ttl_seconds)
 
     async def drain(self) -> None:
-        """New calls get UNAVAILABLE from now on."""
+        """New calls get UNAVAILABLE from now on; open PutCachedResponses calls
+        end once what they read is answered (the drain does not wait for the
+        router to hang up)."""
         self._draining = True
+        for call in self._store_calls:
+            call.outbox.close()
 
     async def close(self) -> None:
         """Closes the store and the index."""
@@ -182,23 +208,86 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     ) -> cache_pb2.PutCachedResponseResponse:
         started = time.perf_counter()
         try:
-            entry = await self._admit(request.key, request.HasField("key"), context)
-            if not entry.deterministic:
-                await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    "key.sampling: only deterministic requests are cached "
-                    "(temperature 0 or an explicit seed)")
-            if request.response.finish_reason not in CACHEABLE_FINISH_REASONS:
-                return cache_pb2.PutCachedResponseResponse(stored=False)
-            ttl_seconds = request.ttl_seconds or self.default_ttl_seconds
-            stored = await self.store.put(entry.store_key, request.response.SerializeToString(),
-                                          ttl_seconds)
-            if stored:
-                self._metrics.stores.inc()
-            log.debug("cache_put", stored=stored, tokens=len(request.response.token_ids))
-            return cache_pb2.PutCachedResponseResponse(stored=stored)
+            await self._open(context)
+            result = await self._put(request)
+            if result.status_code:
+                await context.abort(status_code_of(result.status_code), result.status_message)
+            return cache_pb2.PutCachedResponseResponse(stored=result.stored)
         finally:
             self._put_duration.observe(time.perf_counter() - started)
+
+    async def _put(self, request: cache_pb2.PutCachedResponseRequest,
+                   store_id: int = 0) -> cache_pb2.CachedResponseStoreResult:
+        """Checks and stores one response: its result (``stored``, or the status
+        the unary call answers: INVALID_ARGUMENT for a bad key,
+        FAILED_PRECONDITION for a non-deterministic one). Never raises for a
+        caller's input."""
+        result = cache_pb2.CachedResponseStoreResult(store_id=store_id)
+        try:
+            if not request.HasField("key"):
+                raise InvalidRequestError("key", "required")
+            entry = entry_key(request.key)
+        except InvalidRequestError as exc:
+            result.status_code, result.status_message = exc.code.value[0], str(exc)
+            return result
+        if not entry.deterministic:
+            result.status_code = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+            result.status_message = ("key.sampling: only deterministic requests are cached "
+                                     "(temperature 0 or an explicit seed)")
+            return result
+        if request.response.finish_reason not in CACHEABLE_FINISH_REASONS:
+            return result
+        ttl_seconds = request.ttl_seconds or self.default_ttl_seconds
+        result.stored = await self.store.put(
+            entry.store_key, request.response.SerializeToString(), ttl_seconds)
+        if result.stored:
+            self._metrics.stores.inc()
+        log.debug("cache_put", stored=result.stored, tokens=len(request.response.token_ids))
+        return result
+
+    async def PutCachedResponses(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[cache_pb2.PutCachedResponsesRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[cache_pb2.PutCachedResponsesResponse]:
+        """Stores on one long-lived call (the stream kit's server end): each
+        message's stores checked and stored as the unary call does, their
+        results answered in one message. An entry's fault is its result's
+        status; the call ends INVALID_ARGUMENT for a message over
+        :data:`MAX_STORES_PER_MESSAGE` entries, UNAVAILABLE when it opens
+        while draining, and OK when a drain begins after it opened (once what
+        it read is answered)."""
+        await self._open(context)
+        server: MuxServer[int, cache_pb2.PutCachedResponsesResponse] = MuxServer(
+            merge=never_merge, pack=dict.values)
+        batches = itertools.count()  # outbox keys: one answer per request message
+
+        async def handle(message: cache_pb2.PutCachedResponsesRequest) -> None:
+            started = time.perf_counter()
+            if len(message.stores) > MAX_STORES_PER_MESSAGE:
+                raise ProtocolViolation(f"stores: at most {MAX_STORES_PER_MESSAGE} a message, "
+                                        f"got {len(message.stores)}")
+            results = [await self._put_logged(store) for store in message.stores]
+            server.outbox.put(next(batches),
+                              cache_pb2.PutCachedResponsesResponse(results=results))
+            self._puts_duration.observe(time.perf_counter() - started)
+
+        async def finish() -> None:  # the caller half-closed: everything is answered
+            return
+
+        self._store_calls.add(server)
+        try:
+            async for answer in server.serve(request_iterator, context, handle=handle,
+                                             finish=finish):
+                yield answer
+        finally:
+            self._store_calls.discard(server)
+
+    async def _put_logged(self, store: cache_pb2.CachedResponseStore
+                          ) -> cache_pb2.CachedResponseStoreResult:
+        """:meth:`_put` of one entry of a PutCachedResponses message, its log
+        lines bound to the entry's request id (cut to 128 characters)."""
+        bind_request_id(store.request_id[:_MAX_LOGGED_REQUEST_ID] or uuid.uuid4().hex)
+        return await self._put(store.put, store.store_id)
 
     async def PublishKvEvents(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[cache_pb2.PublishKvEventsRequest],

@@ -212,3 +212,64 @@ async def test_redis_killed_mid_run_then_restarted(metrics: CacheMetrics) -> Non
             assert sample(metrics, "llmesh:cache_backend_up", backend="redis") == 1
     finally:
         server.stop()
+
+
+# --------------------------------------------------------------------------- #
+# PutCachedResponses: the router's stores, batched on one long-lived call
+
+
+def store_entry(store_id: int, key: cache_pb2.CacheKey,
+                response: cache_pb2.CachedResponse | None = None) -> cache_pb2.CachedResponseStore:
+    return cache_pb2.CachedResponseStore(
+        store_id=store_id, request_id=f"rid-{store_id}",
+        put=cache_pb2.PutCachedResponseRequest(key=key, response=response or make_response()))
+
+
+async def test_a_batch_of_stores_is_answered_in_one_message_each_by_its_own_status(
+        stub: Stub, metrics: CacheMetrics) -> None:
+    good, bad, sampled, cancelled = (
+        make_key((1,)), make_key((2,), top_p=1.5), make_key((3,), temperature=0.8),
+        make_key((4,)))
+    call = stub.PutCachedResponses()
+    await call.write(cache_pb2.PutCachedResponsesRequest(stores=[
+        store_entry(7, good), store_entry(8, bad), store_entry(9, sampled),
+        store_entry(10, cancelled, make_response(finish_reason=common_pb2.FINISH_REASON_CANCELLED)),
+    ]))
+    answer = await call.read()
+    results = [(r.store_id, r.stored, grpc.StatusCode.OK.value[0] == r.status_code)
+               for r in answer.results]
+    assert results == [(7, True, True), (8, False, False), (9, False, False), (10, False, True)]
+    assert answer.results[1].status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "key.sampling.top_p" in answer.results[1].status_message
+    assert answer.results[2].status_code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert (await get(stub, good)).found is True
+    # The call stays open for the next batch.
+    await call.write(cache_pb2.PutCachedResponsesRequest(stores=[store_entry(11, make_key((5,)))]))
+    assert [r.store_id for r in (await call.read()).results] == [11]
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+    assert await call.code() == grpc.StatusCode.OK
+    assert sample(metrics, "llmesh:response_cache_stores_total") == 2
+    assert sample(metrics, "llmesh:cache_request_duration_seconds_count",
+                  method="PutCachedResponses") == 2
+
+
+async def test_a_store_message_over_the_limit_ends_the_call_invalid_argument(stub: Stub) -> None:
+    call = stub.PutCachedResponses()
+    await call.write(cache_pb2.PutCachedResponsesRequest(
+        stores=[store_entry(i, make_key((i + 1,))) for i in range(4097)]))
+    assert await call.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "stores: at most 4096" in await call.details()
+
+
+async def test_a_drain_ends_open_store_calls_and_refuses_new_ones(metrics: CacheMetrics) -> None:
+    service = CacheService(MemoryStore(), metrics=metrics)
+    async with serve(service) as stub:
+        call = stub.PutCachedResponses()
+        await call.write(cache_pb2.PutCachedResponsesRequest(stores=[store_entry(1, make_key())]))
+        assert (await call.read()).results[0].stored is True
+        await service.drain()
+        assert await call.read() is grpc.aio.EOF  # ended at once, not at the drain deadline
+        assert await call.code() == grpc.StatusCode.OK
+        refused = stub.PutCachedResponses()
+        assert await refused.code() == grpc.StatusCode.UNAVAILABLE

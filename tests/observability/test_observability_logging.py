@@ -114,3 +114,20 @@ async def test_cache_binds_the_request_id_of_the_metadata() -> None:
                            ("cache_hit", "other-rid")]
     assert all("hi there" not in json.dumps(e, default=str) for e in logs)  # no text
 
+
+async def test_cache_binds_each_batched_stores_request_id() -> None:
+    service = CacheService(MemoryStore(), metrics=CacheMetrics.create(CollectorRegistry()))
+    with structlog.testing.capture_logs(
+            processors=[structlog.contextvars.merge_contextvars]) as logs:
+        async with serve(service) as stub:
+            call = stub.PutCachedResponses()
+            await call.write(cache_pb2.PutCachedResponsesRequest(stores=[
+                cache_pb2.CachedResponseStore(store_id=i, request_id=rid, put=(
+                    cache_pb2.PutCachedResponseRequest(key=make_key((i,)),
+                                                       response=make_response())))
+                for i, rid in ((1, "first-rid"), (2, "second-rid"), (3, "x" * 500))]))
+            await call.read()
+            call.cancel()
+    assert [e.get("request_id") for e in logs if e["event"] == "cache_put"] == [
+        "first-rid", "second-rid", "x" * 128]  # a caller's overlong id is cut
+

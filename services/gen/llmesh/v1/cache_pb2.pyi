@@ -203,6 +203,121 @@ class PutCachedResponseResponse(_message.Message):
 Global___PutCachedResponseResponse: _TypeAlias = PutCachedResponseResponse  # noqa: Y015
 
 @_typing.final
+class CachedResponseStore(_message.Message):
+    """One store on a PutCachedResponses call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORE_ID_FIELD_NUMBER: _builtins.int
+    PUT_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    store_id: _builtins.int
+    """The caller's id for this store, echoed on its result; unique among the
+    call's stores not yet answered.
+    """
+    request_id: _builtins.str
+    """The request id for the cache's log line (as `x-request-id` on a unary
+    call; at most 128 characters are logged).
+    """
+    @_builtins.property
+    def put(self) -> Global___PutCachedResponseRequest:
+        """What the unary call would carry."""
+
+    def __init__(
+        self,
+        *,
+        store_id: _builtins.int = ...,
+        put: Global___PutCachedResponseRequest | None = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["put", b"put"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["put", b"put", "request_id", b"request_id", "store_id", b"store_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CachedResponseStore: _TypeAlias = CachedResponseStore  # noqa: Y015
+
+@_typing.final
+class PutCachedResponsesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def stores(self) -> _containers.RepeatedCompositeFieldContainer[Global___CachedResponseStore]:
+        """At most 4,096."""
+
+    def __init__(
+        self,
+        *,
+        stores: _abc.Iterable[Global___CachedResponseStore] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stores", b"stores"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutCachedResponsesRequest: _TypeAlias = PutCachedResponsesRequest  # noqa: Y015
+
+@_typing.final
+class CachedResponseStoreResult(_message.Message):
+    """One store's outcome."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORE_ID_FIELD_NUMBER: _builtins.int
+    STORED_FIELD_NUMBER: _builtins.int
+    STATUS_CODE_FIELD_NUMBER: _builtins.int
+    STATUS_MESSAGE_FIELD_NUMBER: _builtins.int
+    store_id: _builtins.int
+    """The `store_id` of the store this answers."""
+    stored: _builtins.bool
+    """As PutCachedResponseResponse.stored (false also when status_code is set)."""
+    status_code: _builtins.int
+    """The store's gRPC status code (0 = OK; else what the unary call would have
+    returned: INVALID_ARGUMENT, FAILED_PRECONDITION), and its message.
+    """
+    status_message: _builtins.str
+    def __init__(
+        self,
+        *,
+        store_id: _builtins.int = ...,
+        stored: _builtins.bool = ...,
+        status_code: _builtins.int = ...,
+        status_message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["status_code", b"status_code", "status_message", b"status_message", "store_id", b"store_id", "stored", b"stored"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CachedResponseStoreResult: _TypeAlias = CachedResponseStoreResult  # noqa: Y015
+
+@_typing.final
+class PutCachedResponsesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___CachedResponseStoreResult]:
+        """The results of one request message's stores, in its order."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___CachedResponseStoreResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutCachedResponsesResponse: _TypeAlias = PutCachedResponsesResponse  # noqa: Y015
+
+@_typing.final
 class KvEventsHello(_message.Message):
     """Who publishes: sent once, first."""
 

@@ -48,6 +48,11 @@ class CacheServiceStub:
                 request_serializer=llmesh_dot_v1_dot_cache__pb2.PutCachedResponseRequest.SerializeToString,
                 response_deserializer=llmesh_dot_v1_dot_cache__pb2.PutCachedResponseResponse.FromString,
                 _registered_method=True)
+        self.PutCachedResponses = channel.stream_stream(
+                '/llmesh.v1.CacheService/PutCachedResponses',
+                request_serializer=llmesh_dot_v1_dot_cache__pb2.PutCachedResponsesRequest.SerializeToString,
+                response_deserializer=llmesh_dot_v1_dot_cache__pb2.PutCachedResponsesResponse.FromString,
+                _registered_method=True)
         self.PublishKvEvents = channel.stream_stream(
                 '/llmesh.v1.CacheService/PublishKvEvents',
                 request_serializer=llmesh_dot_v1_dot_cache__pb2.PublishKvEventsRequest.SerializeToString,
@@ -92,6 +97,21 @@ class CacheServiceServicer:
     def PutCachedResponse(self, request, context):
         """Stores a finished response. FAILED_PRECONDITION for a non-deterministic
         request (temperature > 0 without a seed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutCachedResponses(self, request_iterator, context):
+        """Stores finished responses on one long-lived call (the router's: one per
+        channel), each message carrying every store queued since the caller's
+        previous write. Each entry gets one result, echoing its `store_id`; the
+        results of one message come in one answer message, in order. An entry's
+        own fault is its result's status, as PutCachedResponse would return it
+        (INVALID_ARGUMENT, FAILED_PRECONDITION), so one bad entry fails neither
+        the call nor the stores batched with it. The call: INVALID_ARGUMENT for
+        a message of more than 4,096 entries; UNAVAILABLE while draining (a call
+        open when the drain begins ends OK after answering what it read).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -164,6 +184,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.PutCachedResponse,
                     request_deserializer=llmesh_dot_v1_dot_cache__pb2.PutCachedResponseRequest.FromString,
                     response_serializer=llmesh_dot_v1_dot_cache__pb2.PutCachedResponseResponse.SerializeToString,
+            ),
+            'PutCachedResponses': grpc.stream_stream_rpc_method_handler(
+                    servicer.PutCachedResponses,
+                    request_deserializer=llmesh_dot_v1_dot_cache__pb2.PutCachedResponsesRequest.FromString,
+                    response_serializer=llmesh_dot_v1_dot_cache__pb2.PutCachedResponsesResponse.SerializeToString,
             ),
             'PublishKvEvents': grpc.stream_stream_rpc_method_handler(
                     servicer.PublishKvEvents,
@@ -249,6 +274,33 @@ class CacheService:
             '/llmesh.v1.CacheService/PutCachedResponse',
             llmesh_dot_v1_dot_cache__pb2.PutCachedResponseRequest.SerializeToString,
             llmesh_dot_v1_dot_cache__pb2.PutCachedResponseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutCachedResponses(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/llmesh.v1.CacheService/PutCachedResponses',
+            llmesh_dot_v1_dot_cache__pb2.PutCachedResponsesRequest.SerializeToString,
+            llmesh_dot_v1_dot_cache__pb2.PutCachedResponsesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,6 +43,17 @@ class CacheServiceStub:
     """Stores a finished response. FAILED_PRECONDITION for a non-deterministic
     request (temperature > 0 without a seed).
     """
+    PutCachedResponses: _grpc.StreamStreamMultiCallable[_cache_pb2.PutCachedResponsesRequest, _cache_pb2.PutCachedResponsesResponse]
+    """Stores finished responses on one long-lived call (the router's: one per
+    channel), each message carrying every store queued since the caller's
+    previous write. Each entry gets one result, echoing its `store_id`; the
+    results of one message come in one answer message, in order. An entry's
+    own fault is its result's status, as PutCachedResponse would return it
+    (INVALID_ARGUMENT, FAILED_PRECONDITION), so one bad entry fails neither
+    the call nor the stores batched with it. The call: INVALID_ARGUMENT for
+    a message of more than 4,096 entries; UNAVAILABLE while draining (a call
+    open when the drain begins ends OK after answering what it read).
+    """
     PublishKvEvents: _grpc.StreamStreamMultiCallable[_cache_pb2.PublishKvEventsRequest, _cache_pb2.PublishKvEventsResponse]
     """One engine replica's KV events, for as long as it runs. The first message
     carries `hello` and a `snapshot`; then events in the order the engine
@@ -93,6 +104,17 @@ class CacheServiceAsyncStub(CacheServiceStub):
     PutCachedResponse: _aio.UnaryUnaryMultiCallable[_cache_pb2.PutCachedResponseRequest, _cache_pb2.PutCachedResponseResponse]  # type: ignore[assignment]
     """Stores a finished response. FAILED_PRECONDITION for a non-deterministic
     request (temperature > 0 without a seed).
+    """
+    PutCachedResponses: _aio.StreamStreamMultiCallable[_cache_pb2.PutCachedResponsesRequest, _cache_pb2.PutCachedResponsesResponse]  # type: ignore[assignment]
+    """Stores finished responses on one long-lived call (the router's: one per
+    channel), each message carrying every store queued since the caller's
+    previous write. Each entry gets one result, echoing its `store_id`; the
+    results of one message come in one answer message, in order. An entry's
+    own fault is its result's status, as PutCachedResponse would return it
+    (INVALID_ARGUMENT, FAILED_PRECONDITION), so one bad entry fails neither
+    the call nor the stores batched with it. The call: INVALID_ARGUMENT for
+    a message of more than 4,096 entries; UNAVAILABLE while draining (a call
+    open when the drain begins ends OK after answering what it read).
     """
     PublishKvEvents: _aio.StreamStreamMultiCallable[_cache_pb2.PublishKvEventsRequest, _cache_pb2.PublishKvEventsResponse]  # type: ignore[assignment]
     """One engine replica's KV events, for as long as it runs. The first message
@@ -153,6 +175,23 @@ class CacheServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_cache_pb2.PutCachedResponseResponse, _abc.Awaitable[_cache_pb2.PutCachedResponseResponse]]:
         """Stores a finished response. FAILED_PRECONDITION for a non-deterministic
         request (temperature > 0 without a seed).
+        """
+
+    @_abc_1.abstractmethod
+    def PutCachedResponses(
+        self,
+        request_iterator: _MaybeAsyncIterator[_cache_pb2.PutCachedResponsesRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_cache_pb2.PutCachedResponsesResponse], _abc.AsyncIterator[_cache_pb2.PutCachedResponsesResponse]]:
+        """Stores finished responses on one long-lived call (the router's: one per
+        channel), each message carrying every store queued since the caller's
+        previous write. Each entry gets one result, echoing its `store_id`; the
+        results of one message come in one answer message, in order. An entry's
+        own fault is its result's status, as PutCachedResponse would return it
+        (INVALID_ARGUMENT, FAILED_PRECONDITION), so one bad entry fails neither
+        the call nor the stores batched with it. The call: INVALID_ARGUMENT for
+        a message of more than 4,096 entries; UNAVAILABLE while draining (a call
+        open when the drain begins ends OK after answering what it read).
         """
 
     @_abc_1.abstractmethod
