@@ -17,7 +17,8 @@ for none): each hop gets the time the client has left, not more.
 Errors: a failed tokenizer or engine call raises :class:`UpstreamError` with
 the upstream's status code and the service's name and address. The cache is
 optional: :class:`CacheClient` never raises for an RPC failure; it logs a
-warning and reports a miss (``get``) or "not stored" (``put``).
+warning and reports a miss (``get``) or "not stored" (``put``, whose stores
+travel batched on one long-lived call: :mod:`services.router.cache_stores`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from services.common.wire.cache import CachedResponse, CacheKey
 from services.common.wire.chat import ChatMessage, ChatPrompt
 from services.common.wire.tokenizer_info import TokenizerInfo
 from services.common.wire.tools import FunctionTool
+from services.router.cache_stores import OutcomeHook, StoreStream
 
 log = structlog.get_logger()
 
@@ -376,16 +378,23 @@ class CacheClient:
 
     service = "cache"
 
-    def __init__(self, target: str, *, timeout: float = 0.5) -> None:
+    def __init__(self, target: str, *, timeout: float = 0.5,
+                 on_store: OutcomeHook | None = None, max_pending_stores: int = 1024) -> None:
         """Args:
           target: ``host:port`` of the cache service.
-          timeout: the most seconds one cache call may take (also bounded by
+          timeout: the most seconds one cache lookup may take (also bounded by
             the client's deadline): a slow cache must not slow requests.
+          on_store: called with (model, outcome) as each store ends.
+          max_pending_stores: the most stores waiting for their result; more
+            are dropped.
         """
         self.target = target
         self.timeout = timeout
         self._channel = make_channel(target)
         self._stub = cache_pb2_grpc.CacheServiceStub(self._channel)
+        #: The response stores' long-lived call.
+        self.stores = StoreStream(self._stub, target, max_pending=max_pending_stores,
+                                  on_outcome=on_store)
 
     async def wait_until_serving(self, timeout: float) -> None:
         """See :func:`wait_until_serving`."""
@@ -420,17 +429,18 @@ class CacheClient:
             return None
         return CachedResponse.from_pb(reply.response)
 
-    async def put(self, key: CacheKey, response: CachedResponse, *, request_id: str) -> bool:
-        """Stores ``response``; True when the cache kept it (False on any error)."""
-        request = cache_pb2.PutCachedResponseRequest(key=key.to_pb(), response=response.to_pb())
-        try:
-            reply = await self._stub.PutCachedResponse(
-                request, timeout=self.timeout, metadata=request_id_metadata(request_id))
-        except grpc.aio.AioRpcError as err:
-            log.warning("cache_put_failed", target=self.target, code=err.code().name,
-                        details=err.details())
-            return False
-        return reply.stored
+    def put(self, key: CacheKey, response: CachedResponse, *,
+            request_id: str) -> asyncio.Future[bool]:
+        """Queues the store of ``response`` on the channel's one
+        ``PutCachedResponses`` call (:mod:`services.router.cache_stores`); the
+        future resolves True once the cache kept it, False on anything else
+        (never raises). Does not wait."""
+        return self.stores.put(key, response, request_id=request_id)
+
+    def connected(self) -> bool:
+        """Whether the channel is connected now (READY): a store in flight may
+        land soon; while not, a lookup would miss anyway."""
+        return self._channel.get_state() == grpc.ChannelConnectivity.READY
 
     async def score_prefix(self, block_hashes: Sequence[bytes], *,
                            deadline: float | None) -> dict[str, PrefixMatch] | None:
@@ -450,4 +460,5 @@ class CacheClient:
                 for score in reply.scores}
 
     async def close(self) -> None:
+        await self.stores.close()
         await self._channel.close()

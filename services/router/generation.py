@@ -484,11 +484,10 @@ class GenerationPipeline:
         self.admission = dict(admission or {})
         self.picker = picker or ReplicaPicker(RoutingPolicy.LEAST_LOAD, cache, metrics)
         self.retrieval = retrieval
-        self._background: set[asyncio.Task[object]] = set()
         # Stores still in flight, by key: a lookup of the same key waits for its
         # store, so a repeat sent right after the answer ends is a hit (the store
         # itself runs after the final message, off the response's path).
-        self._pending_stores: dict[CacheKey, asyncio.Task[object]] = {}
+        self._pending_stores: dict[CacheKey, asyncio.Future[bool]] = {}
         self._flights: SingleFlight[Event, _Shared] = SingleFlight(
             clone=_clone_error, stopped=_stopped_error)
         #: The model's history compaction (:mod:`services.router.history`),
@@ -595,14 +594,13 @@ class GenerationPipeline:
 
     async def close(self) -> None:
         """Cancels the shared generations and history compactions still
-        running, waits briefly for background cache writes, then cancels the rest."""
+        running, and waits up to a second for the cache stores in flight (the
+        cache client's close fails the rest)."""
         await self._flights.close()
         if self.history is not None:
             await self.history.close()
-        if self._background:
-            _, pending = await asyncio.wait(self._background, timeout=1.0)
-            for task in pending:
-                task.cancel()
+        if self._pending_stores:
+            await asyncio.wait(list(self._pending_stores.values()), timeout=1.0)
 
     # --------------------------------------------------------------- steps
 
@@ -901,7 +899,7 @@ class GenerationPipeline:
             return None
         self.metrics.cache_queries.labels(request.model).inc()
         pending = self._pending_stores.get(key)
-        if pending is not None:
+        if pending is not None and self.cache.connected():  # else the lookup misses anyway
             await asyncio.wait([pending], timeout=_PENDING_STORE_WAIT_SECONDS)
         hit = await self.cache.get(key, request_id=request.request_id, deadline=deadline,
                                    trace_metadata=trace_metadata)
@@ -1242,18 +1240,18 @@ class GenerationPipeline:
         return now
 
     def _store(self, key: CacheKey, response: CachedResponse, request_id: str) -> None:
+        """Queues the store (no task, no call of its own: the cache client's
+        one stream carries it) and keeps its result's future under ``key``
+        until it resolves, for :meth:`_cache_lookup`."""
         assert self.cache is not None
-        task = asyncio.get_running_loop().create_task(
-            self.cache.put(key, response, request_id=request_id))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        self._pending_stores[key] = task
+        stored = self.cache.put(key, response, request_id=request_id)
+        self._pending_stores[key] = stored
 
-        def forget(done: asyncio.Task[object]) -> None:
+        def forget(done: asyncio.Future[bool]) -> None:
             if self._pending_stores.get(key) is done:
                 del self._pending_stores[key]
 
-        task.add_done_callback(forget)
+        stored.add_done_callback(forget)
 
     def _record(self, request: GenerationRequest, outcome: str, progress: Progress,
                 timing: _Timing, info: dict[str, object]) -> None:

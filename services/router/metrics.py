@@ -36,6 +36,12 @@ a ``GenerateStream``), and observed at the moment they happen:
 * ``llmesh:response_cache_queries_total`` / ``llmesh:response_cache_hits_total``:
   the router's lookups (the cache service counts its own under the same
   names, without ``model_name``).
+* ``llmesh:router_response_cache_stores_total{outcome}``: the router's
+  response-cache stores as each ended (:mod:`services.router.cache_stores`):
+  ``stored``, ``not_stored`` (the cache did not keep it: store full or down),
+  ``refused`` (the cache answered a status for it), ``failed`` (in flight
+  when the store call broke, or at shutdown) and ``dropped`` (the bounded
+  queue of stores waiting for their result was full).
 * ``llmesh:router_requests_in_flight``: requests between receipt and their
   final message.
 * ``llmesh:router_coalesced_requests_total``: requests that joined an
@@ -194,6 +200,10 @@ class RouterMetrics:
         self.cache_hits = Counter(
             "llmesh:response_cache_hits", "Response cache lookups that found an answer.",
             ["model_name"], registry=reg)
+        self.cache_stores = Counter(
+            "llmesh:router_response_cache_stores",
+            "The router's response-cache stores by outcome (stored, not_stored, refused, "
+            "failed, dropped).", ["model_name", "outcome"], registry=reg)
         self.requests_in_flight = Gauge(
             "llmesh:router_requests_in_flight",
             "Requests received and not yet ended.", ["model_name"], registry=reg)
@@ -310,6 +320,10 @@ class RouterMetrics:
     def tokenize_observer(self, model: str) -> TokenizeMetrics:
         """The prompt tokenizer's observer for ``model``."""
         return TokenizeMetrics(self, model)
+
+    def observe_cache_store(self, model: str, outcome: str) -> None:
+        """Counts one response-cache store as it ends (``outcome`` as in the module doc)."""
+        self.cache_stores.labels(model, outcome).inc()
 
     def observe_first_token(self, *, model: str, ttft_seconds: float) -> None:
         """Records the first token of a request leaving the router."""

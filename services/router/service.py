@@ -420,7 +420,9 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         """
         cfg = self.config
         self.tenancy.warn_if_locked_out()  # logging is set up by now (not in __init__)
-        self._cache = CacheClient(cfg.cache, timeout=cfg.cache_timeout) if cfg.cache else None
+        self._cache = (CacheClient(cfg.cache, timeout=cfg.cache_timeout,
+                                   on_store=self.metrics.observe_cache_store)
+                       if cfg.cache else None)
         cache_ready = (asyncio.create_task(self._cache.wait_until_serving(cfg.startup_timeout))
                        if self._cache is not None else None)
         self.retrieval = RetrievalStage(

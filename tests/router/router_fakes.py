@@ -321,6 +321,8 @@ class FakeCache(cache_pb2_grpc.CacheServiceServicer):
         self.fail = False
         self.gets = 0
         self.puts = 0
+        #: PutCachedResponses messages read (each carries one batch of stores).
+        self.put_messages = 0
 
     async def GetCachedResponse(self, request, context):
         self.gets += 1
@@ -337,6 +339,20 @@ class FakeCache(cache_pb2_grpc.CacheServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "cache down")
         self.store[request.key.SerializeToString(deterministic=True)] = request.response
         return cache_pb2.PutCachedResponseResponse(stored=True)
+
+    async def PutCachedResponses(self, request_iterator, context):
+        """Each message's stores answered in one message; ``fail`` ends the call."""
+        async for message in request_iterator:
+            self.put_messages += 1
+            self.puts += len(message.stores)
+            if self.fail:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "cache down")
+            for store in message.stores:
+                self.store[store.put.key.SerializeToString(deterministic=True)] = (
+                    store.put.response)
+            yield cache_pb2.PutCachedResponsesResponse(results=[
+                cache_pb2.CachedResponseStoreResult(store_id=store.store_id, stored=True)
+                for store in message.stores])
 
 
 async def serve(add, servicer) -> tuple[grpc.aio.Server, str]:

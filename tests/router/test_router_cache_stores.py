@@ -1,0 +1,161 @@
+"""The router's response-cache stores on one long-lived PutCachedResponses call
+(:mod:`services.router.cache_stores`), against the real CacheService on
+loopback: batched, acknowledged, and through a cache restart."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from prometheus_client import CollectorRegistry
+
+from llmesh.v1 import cache_pb2_grpc, generation_pb2
+from services.cache.metrics import CacheMetrics
+from services.cache.service import CacheService
+from services.cache.store import MemoryStore
+from services.common.sampling import FinishReason, SamplingOptions
+from services.common.wire.cache import CachedResponse, CacheKey
+from services.router.clients import CacheClient
+from tests.router.test_router_service import collect, greedy, make_mesh, text_of, wait_for
+
+MODEL = "fake-model"
+
+
+def key_of(i: int) -> CacheKey:
+    return CacheKey(MODEL, (i, i + 1), SamplingOptions())
+
+
+ANSWER = CachedResponse((5, 6), "ok", FinishReason.STOP)
+
+
+def cache_metric(cache: CacheService, name: str, **labels: str) -> float:
+    return cache._metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def put_messages(cache: CacheService) -> float:
+    """PutCachedResponses messages the cache answered."""
+    return cache_metric(cache, "llmesh:cache_request_duration_seconds_count",
+                        method="PutCachedResponses")
+
+
+def unary_puts(cache: CacheService) -> float:
+    return cache_metric(cache, "llmesh:cache_request_duration_seconds_count",
+                        method="PutCachedResponse")
+
+
+def real_cache(store: MemoryStore | None = None) -> CacheService:
+    return CacheService(store if store is not None else MemoryStore(), metrics=CacheMetrics.create(CollectorRegistry()))
+
+
+class GatedStore(MemoryStore):
+    """A memory store whose puts wait until ``gate`` is set (a slow backend)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.waiting = 0  # puts waiting at the gate
+
+    async def put(self, key: str, value: bytes, ttl_seconds: float) -> bool:
+        self.waiting += 1
+        await self.gate.wait()
+        return await super().put(key, value, ttl_seconds)
+
+
+@contextlib.asynccontextmanager
+async def cache_on(port: int, cache: CacheService) -> AsyncIterator[str]:
+    """Serves ``cache`` on ``port`` (0: any free one); yields its target."""
+    server = grpc.aio.server()
+    cache_pb2_grpc.add_CacheServiceServicer_to_server(cache, server)
+    health = health_aio.HealthServicer()
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await cache.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+        await cache.close()
+
+
+def stores(mesh, outcome: str) -> float:
+    return mesh.metric("llmesh:router_response_cache_stores_total", model_name=MODEL,
+                       outcome=outcome)
+
+
+async def test_a_store_travels_on_the_stream_and_an_identical_request_right_after_hits():
+    cache = real_cache()
+    request = generation_pb2.GenerateRequest(prompt="q", sampling=greedy())
+    async with make_mesh(cache_servicer=cache) as mesh:
+        first = await collect(mesh.stub.Generate(request))
+        second = await collect(mesh.stub.Generate(request))  # no wait: the store may be in flight
+        assert len(mesh.engines[0].log.starts) == 1
+        assert second[-1].cached is True and text_of(second) == text_of(first)
+        assert put_messages(cache) == 1 and unary_puts(cache) == 0
+        assert stores(mesh, "stored") == 1
+
+
+async def test_a_burst_of_100_stores_goes_in_few_messages_each_acknowledged():
+    cache = real_cache()
+    async with make_mesh(cache_servicer=cache) as mesh:
+        client = mesh.router._cache
+        results = await asyncio.gather(*(
+            asyncio.ensure_future(client.put(key_of(i), ANSWER, request_id=f"r{i}"))
+            for i in range(100)))
+        assert results == [True] * 100
+        hits = [await client.get(key_of(i), request_id="g", deadline=None) for i in (0, 99)]
+        assert hits == [ANSWER, ANSWER]
+        assert cache_metric(cache, "llmesh:response_cache_stores_total") == 100
+        assert 1 <= put_messages(cache) <= 3 and unary_puts(cache) == 0
+        assert stores(mesh, "stored") == 100
+
+
+async def test_a_cache_restart_loses_only_the_stores_in_flight_and_recovers():
+    gated = GatedStore()
+    async with make_mesh(cache_servicer=real_cache(gated)) as mesh:
+        client = mesh.router._cache
+        port = int(client.target.rsplit(":", 1)[1])
+        lost = asyncio.ensure_future(client.put(key_of(1), ANSWER, request_id="lost"))
+        await wait_for(lambda: gated.waiting == 1)  # at the cache, not answered
+        await mesh.servers[1].stop(None)  # the cache goes away with the store in flight
+        assert await asyncio.wait_for(lost, 3) is False
+        # While it is down a request is served as usual; its store waits for the cache.
+        request = generation_pb2.GenerateRequest(prompt="q", sampling=greedy())
+        started = time.monotonic()
+        first = await collect(mesh.stub.Generate(request))
+        assert time.monotonic() - started < 2.0 and first[-1].cached is False
+        kept = asyncio.ensure_future(client.put(key_of(2), ANSWER, request_id="kept"))
+        await asyncio.sleep(0.2)
+        assert not kept.done()
+        restarted = real_cache()
+        async with cache_on(port, restarted):
+            assert await asyncio.wait_for(kept, 5) is True
+            await wait_for(lambda: stores(mesh, "stored") == 2, timeout=5)
+            again = await collect(mesh.stub.Generate(request))
+            assert again[-1].cached is True and text_of(again) == text_of(first)
+            assert await client.get(key_of(1), request_id="g", deadline=None) is None
+        assert stores(mesh, "failed") == 1 and stores(mesh, "dropped") == 0
+
+
+async def test_stores_beyond_the_bound_are_dropped_and_counted_never_queued():
+    gated = GatedStore()
+    outcomes: list[tuple[str, str]] = []
+    async with cache_on(0, real_cache(gated)) as target:
+        client = CacheClient(target, max_pending_stores=2,
+                             on_store=lambda model, outcome: outcomes.append((model, outcome)))
+        try:
+            held = [client.put(key_of(i), ANSWER, request_id=f"r{i}") for i in range(2)]
+            dropped = client.put(key_of(9), ANSWER, request_id="r9")
+            assert dropped.done() and dropped.result() is False
+            assert outcomes == [(MODEL, "dropped")] and client.stores.pending == 2
+            gated.gate.set()
+            assert await asyncio.gather(*held) == [True, True]
+            assert outcomes[1:] == [(MODEL, "stored")] * 2 and client.stores.pending == 0
+        finally:
+            await client.close()
