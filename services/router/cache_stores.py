@@ -24,7 +24,11 @@ Failures never reach a request:
   so a cache that is down or stalled costs bounded memory;
 * a store the cache refuses (its result carries INVALID_ARGUMENT or
   FAILED_PRECONDITION: a router bug) resolves False, logged
-  ``cache_put_refused`` and counted ``refused``.
+  ``cache_put_refused`` and counted ``refused``;
+* a cache older than ``PutCachedResponses`` (the call ends UNIMPLEMENTED,
+  e.g. mid-way through a rolling upgrade): the stores in flight on it fail,
+  and from then on each store is a unary ``PutCachedResponse`` (logged once,
+  ``cache_put_unary``), as before the stream.
 
 Threading: one event loop (the router's).
 """
@@ -39,7 +43,7 @@ import grpc
 import structlog
 
 from llmesh.v1 import cache_pb2, cache_pb2_grpc
-from services.common.grpc_util import status_code_of
+from services.common.grpc_util import request_id_metadata, status_code_of
 from services.common.mux import MuxClient
 from services.common.wire.cache import CachedResponse, CacheKey
 
@@ -50,6 +54,8 @@ MAX_STORES_PER_MESSAGE = 4096
 #: Backoff before reopening a broken call: first, and most (seconds).
 FIRST_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 2.0
+#: Most seconds a unary store may take (a cache without the stream).
+UNARY_TIMEOUT_S = 0.5
 
 #: ``on_outcome(model, outcome)``: one store ended (``stored``, ``not_stored``,
 #: ``refused``, ``failed``, ``dropped``).
@@ -116,6 +122,9 @@ class StoreStream:
         self._reopen: asyncio.TimerHandle | None = None
         self._backoff_s = 0.0
         self._closed = False
+        #: The cache has no PutCachedResponses: stores are unary calls.
+        self._unary = False
+        self._unary_tasks: set[asyncio.Task[None]] = set()
 
     @property
     def pending(self) -> int:
@@ -136,12 +145,35 @@ class StoreStream:
         store = _Store(store_id=next(self._ids), request_id=request_id,
                        put=cache_pb2.PutCachedResponseRequest(key=key.to_pb(),
                                                               response=response.to_pb()))
+        if self._unary:
+            self._put_unary(store, receipt)
+            return future
         mux = self._call()
         if mux is None:
             self._backlog.append((store, receipt))
         else:
             mux.open(store.store_id, receipt, store)
         return future
+
+    def _put_unary(self, store: _Store, receipt: _Receipt) -> None:
+        """``store`` as a unary ``PutCachedResponse`` (a cache without the
+        stream), in a task of its own."""
+
+        async def put() -> None:
+            try:
+                reply = await self._stub.PutCachedResponse(
+                    store.put, timeout=UNARY_TIMEOUT_S,
+                    metadata=request_id_metadata(store.request_id))
+            except grpc.aio.AioRpcError as err:
+                log.warning("cache_put_failed", target=self.target, code=err.code().name,
+                            details=err.details())
+                self.settle(receipt, False, "failed")
+                return
+            self.answered(receipt, _Result(store_id=store.store_id, stored=reply.stored))
+
+        task = asyncio.get_running_loop().create_task(put())
+        self._unary_tasks.add(task)
+        task.add_done_callback(self._unary_tasks.discard)
 
     def _call(self) -> _StoreMux | None:
         """The open call; a new one when there is none and no backoff runs;
@@ -163,6 +195,10 @@ class StoreStream:
         """The call broke: its stores fail (by the kit, after this); the next
         call opens after the backoff."""
         if self._closed:
+            return
+        if why.startswith(grpc.StatusCode.UNIMPLEMENTED.name):  # MuxClient: "CODE: details"
+            log.warning("cache_put_unary", target=self.target, why=why)
+            self._unary = True
             return
         lost = self._mux.open_streams if self._mux is not None else 0
         if lost:
@@ -211,6 +247,8 @@ class StoreStream:
         backlog, self._backlog = self._backlog, []
         for _, receipt in backlog:
             self.settle(receipt, False, "failed")
+        for task in list(self._unary_tasks):
+            task.cancel()
         if self._mux is not None:
             self._mux.fail("the router closed the call")  # its stores resolve False
             await self._mux.close()

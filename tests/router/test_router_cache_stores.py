@@ -159,3 +159,20 @@ async def test_stores_beyond_the_bound_are_dropped_and_counted_never_queued():
             assert outcomes[1:] == [(MODEL, "stored")] * 2 and client.stores.pending == 0
         finally:
             await client.close()
+
+
+class CacheWithoutTheStream(CacheService):
+    """A cache service from before PutCachedResponses (a rolling upgrade)."""
+
+    PutCachedResponses = cache_pb2_grpc.CacheServiceServicer.PutCachedResponses
+
+
+async def test_a_cache_without_the_stream_gets_unary_stores():
+    old = CacheWithoutTheStream(MemoryStore(), metrics=CacheMetrics.create(CollectorRegistry()))
+    async with make_mesh(cache_servicer=old) as mesh:
+        client = mesh.router._cache
+        assert await client.put(key_of(1), ANSWER, request_id="r1") is False  # on the call
+        assert await client.put(key_of(2), ANSWER, request_id="r2") is True  # unary from now
+        assert await client.get(key_of(2), request_id="g", deadline=None) == ANSWER
+        assert unary_puts(old) == 1
+        assert stores(mesh, "failed") == 1 and stores(mesh, "stored") == 1
