@@ -546,10 +546,14 @@ def _print_cpu(used: dict[str, dict[str, int]], idle: dict[str, IdleRate],
 
 
 def _command_from(where: Path, role: str) -> list[str]:
-    """The command that runs service ``role`` from the checkout ``where``."""
+    """The command that runs service ``role`` from the checkout ``where``.
+    ``-P``: the mesh starts its children in this checkout (their cwd), which
+    ``python -m`` would put first on ``sys.path``, ahead of ``PYTHONPATH``:
+    without it the "other" service ran this checkout's code with the other
+    checkout's generated stubs."""
     root = where.resolve()
-    return ["env", f"PYTHONPATH={root}:{root / 'services' / 'gen'}", sys.executable, "-m",
-            f"services.{role}"]
+    return ["env", f"PYTHONPATH={root}:{root / 'services' / 'gen'}", sys.executable, "-P",
+            "-m", f"services.{role}"]
 
 
 async def main() -> None:
