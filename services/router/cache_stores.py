@@ -128,9 +128,9 @@ class StoreStream:
 
     @property
     def pending(self) -> int:
-        """Stores waiting for their result (backlog and call)."""
+        """Stores waiting for their result (backlog, call, unary calls)."""
         on_call = self._mux.open_streams if self._mux is not None else 0
-        return len(self._backlog) + on_call
+        return len(self._backlog) + on_call + len(self._unary_tasks)
 
     def put(self, key: CacheKey, response: CachedResponse, *,
             request_id: str) -> asyncio.Future[bool]:
