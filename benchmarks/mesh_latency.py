@@ -34,7 +34,8 @@ neither path runs with a governor the other lacks.
   (``step_inflation``), client TTFT − step and its excess over in process's
   (``outside_overhead``: what the hops add, free of the step's spread),
   router TTFT − step, client TTFT − router TTFT; then CPU ms per request of
-  the first mesh's processes (``/proc/PID/task/*/schedstat``, ns) and of
+  the meshes' processes (the second mesh's as ``NAME[B]``;
+  ``/proc/PID/task/*/schedstat``, ns) and of
   this one (``client``: ``time.process_time_ns``, the in-process engine's
   threads included), each less its idle rate measured over a few seconds
   first (in 6 windows: each cell is printed ± what the idle rate's
@@ -556,6 +557,17 @@ def _command_from(where: Path, role: str) -> list[str]:
             "-m", f"services.{role}"]
 
 
+def _attributed_pids(pids: dict[str, dict[str, int]]) -> dict[str, int]:
+    """The processes whose CPU the attribution reads (name → PID): the first
+    mesh's, and the second mesh's (``--compare-*``) as ``NAME[B]``."""
+    first = "mesh (Envoy)"
+    named = dict(pids.get(first, {}))
+    for path, procs in pids.items():
+        if path != first:
+            named.update({f"{n}[B]": pid for n, pid in procs.items()})
+    return named
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="rounds per path (default: 5)")
@@ -679,7 +691,7 @@ async def main() -> None:
             await attribute(
                 _probes(backend, step_times, prompt_ids, meshes, stubs, router_stubs,
                         engine_stub),
-                pids.get("mesh (Envoy)", {}), rounds=args.attribute, settle=args.settle)
+                _attributed_pids(pids), rounds=args.attribute, settle=args.settle)
         if args.concurrency > 1:
             await many_streams(backend, tokenizer, stubs, pids, concurrency=args.concurrency,
                                num_requests=args.num_requests, max_tokens=args.max_tokens,
