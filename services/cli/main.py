@@ -255,8 +255,9 @@ def _role_commands() -> dict[str, list[str]]:
 
     Raises:
       ValueError: a value the shell could not split either (an unclosed
-        quote), or one that splits into nothing; the message names the
-        variable and its value.
+        quote), one that splits into nothing, or one whose program does not
+        exist (a name looked up in PATH, a path relative to the checkout);
+        the message names the variable and its value.
     """
     commands = {}
     for role in ROLES:
@@ -270,6 +271,10 @@ def _role_commands() -> dict[str, list[str]]:
             raise ValueError(env_refusal(variable, value, f"{error} (shell quoting)")) from None
         if not commands[role]:
             raise ValueError(env_refusal(variable, value, "names no command"))
+        from services.cli.mesh import REPO_ROOT, program_found
+        if not program_found(commands[role][0], REPO_ROOT, os.environ.get("PATH")):
+            raise ValueError(env_refusal(variable, value,
+                                         f"no such program: {commands[role][0]}"))
     return commands
 
 
