@@ -66,9 +66,10 @@ prompt ids in process (its default; ``--router-arg`` passes router flags).
 ``--compare-router-from DIR`` / ``--compare-router-arg ARG`` start a second
 mesh whose router runs another checkout's code / gets more flags, measured as
 one more path in the same interleaved rounds (a router's before/after);
-``--compare-engine-from DIR`` and ``--compare-cache-from DIR`` do the same
-for the engine and the cache service (with the router's option too, one
-second mesh runs each from its checkout).
+``--compare-engine-from DIR``, ``--compare-tokenizer-from DIR`` and
+``--compare-cache-from DIR`` do the same for the engine, the tokenizer and
+the cache service (given together, one second mesh runs each from its
+checkout).
 Not a test: numbers depend on the machine (2 cores here).
 """
 
@@ -605,11 +606,11 @@ async def main() -> None:
                              "checkout DIR (its services/gen generated; with "
                              "--compare-router-from, the same second mesh): the engine's "
                              "before/after in one run")
-    parser.add_argument("--compare-cache-from", type=Path, default=None, metavar="DIR",
-                        help="also start a second mesh whose cache service runs the code of "
-                             "the checkout DIR (as --compare-engine-from; with the others, "
-                             "the same second mesh): e.g. a router's and cache's wire "
-                             "change measured together")
+    for role in ("tokenizer", "cache"):
+        parser.add_argument(f"--compare-{role}-from", type=Path, default=None, metavar="DIR",
+                            help=f"also start a second mesh whose {role} runs the code of the "
+                                 "checkout DIR (with the other --compare-*-from options, the "
+                                 f"same second mesh): the {role}'s before/after in one run")
     parser.add_argument("--attribute", type=int, default=0, metavar="N",
                         help="after the 1-stream part, N interleaved rounds of 1-token requests "
                              "in process, through Envoy, straight to the router and to the "
@@ -631,8 +632,8 @@ async def main() -> None:
                     "--adaptive-threads" if args.adaptive_threads else "--no-adaptive-threads"]
     variants: dict[str, tuple[list[str], dict[str, list[str]]]] = {
         "mesh (Envoy)": (list(args.router_arg), {})}
-    compare_from = {"router": args.compare_router_from, "engine": args.compare_engine_from,
-                    "cache": args.compare_cache_from}
+    compare_from = {role: getattr(args, f"compare_{role}_from")
+                    for role in ("router", "engine", "tokenizer", "cache")}
     if args.compare_router_arg or any(where is not None for where in compare_from.values()):
         commands = {role: _command_from(where, role) for role, where in compare_from.items()
                     if where is not None}

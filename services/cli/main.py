@@ -31,6 +31,7 @@ import shlex
 import signal
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -174,13 +175,21 @@ def _checked_target(url: str, source: str) -> str:
     or ``LLMESH_URL``).
 
     Raises:
-      ValueError: no host in it, or a space (gRPC would fail the call with
-        an INTERNAL or UNAVAILABLE that does not say where the address came from).
+      ValueError: no host in it, a space, another scheme, or a port that is
+        not an integer in [1, 65535] (gRPC would fail the call with an
+        INTERNAL or UNAVAILABLE that does not say where the address came
+        from, or dial the port modulo 65,536).
     """
     target = grpc_target(url)
-    if target and not any(char.isspace() for char in target):
-        return target
-    why = "expected host:port, http://host:port or https://host:port"
+    if target and not any(char.isspace() for char in target) and "://" not in target:
+        try:
+            parts = urllib.parse.urlsplit(f"//{target}")
+            port = parts.port
+        except ValueError:
+            port = 0
+        if parts.hostname and (port is None or 1 <= port <= 65535):
+            return target
+    why = "expected host:port, http://host:port or https://host:port (port 1-65535)"
     raise ValueError(f"--url {url!r}: {why}" if source == "--url"
                      else env_refusal(source, url, why))
 
@@ -255,8 +264,9 @@ def _role_commands() -> dict[str, list[str]]:
 
     Raises:
       ValueError: a value the shell could not split either (an unclosed
-        quote), or one that splits into nothing; the message names the
-        variable and its value.
+        quote), one that splits into nothing, or one whose program does not
+        exist (a name looked up in PATH, a path relative to the checkout);
+        the message names the variable and its value.
     """
     commands = {}
     for role in ROLES:
@@ -270,6 +280,10 @@ def _role_commands() -> dict[str, list[str]]:
             raise ValueError(env_refusal(variable, value, f"{error} (shell quoting)")) from None
         if not commands[role]:
             raise ValueError(env_refusal(variable, value, "names no command"))
+        from services.cli.mesh import REPO_ROOT, program_found
+        if not program_found(commands[role][0], REPO_ROOT, os.environ.get("PATH")):
+            raise ValueError(env_refusal(variable, value,
+                                         f"no such program: {commands[role][0]}"))
     return commands
 
 

@@ -119,6 +119,14 @@ class MeshProgress:
 ProgressCallback = Callable[[MeshProgress], None]
 
 
+def program_found(program: str, cwd: Path | None = None, path: str | None = None) -> bool:
+    """Whether ``program`` can be executed: a name with a slash relative to
+    ``cwd`` (or absolute), any other looked up in ``path`` (a PATH value)."""
+    if os.sep in program:
+        return os.access(Path(cwd or ".") / program, os.X_OK)
+    return shutil.which(program, path=path) is not None
+
+
 def spawn(argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None,
           cwd: Path | None = None) -> subprocess.Popen[bytes]:
     """Starts ``argv`` in its own process group, stdout+stderr appended to ``log_path``.
@@ -132,9 +140,7 @@ def spawn(argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = N
       FileNotFoundError: the program does not exist.
     """
     program = argv[0]
-    found = (os.access(Path(cwd or ".") / program, os.X_OK) if os.sep in program
-             else shutil.which(program, path=(env or os.environ).get("PATH")) is not None)
-    if not found:
+    if not program_found(program, cwd, (env or os.environ).get("PATH")):
         raise FileNotFoundError(f"no such program: {program}")
     on_main_thread = threading.current_thread() is threading.main_thread()
     prefix = [_SETPRIV, "--pdeathsig", "TERM", "--"] if on_main_thread and _SETPRIV else []

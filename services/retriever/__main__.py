@@ -19,6 +19,11 @@ one is RESOURCE_EXHAUSTED); one document's text up to ``--max-document-bytes``
 
 from __future__ import annotations
 
+from services.common.grpc_polling import read_on_poller  # imports no grpc
+
+if __name__ == "__main__":  # the retriever's process (not a program importing build_parser)
+    read_on_poller()  # before grpc is imported: gRPC core reads it once
+
 import argparse
 import asyncio
 import sys

@@ -21,6 +21,11 @@ without a restart (:mod:`services.router.discovery`).
 
 from __future__ import annotations
 
+from services.common.grpc_polling import read_on_poller  # imports no grpc
+
+if __name__ == "__main__":  # the router's process (not a program importing build_parser)
+    read_on_poller()  # before grpc is imported: gRPC core reads it once
+
 import argparse
 import asyncio
 import signal

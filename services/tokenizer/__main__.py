@@ -9,6 +9,11 @@ flags (``--host --port --metrics-port --port-file --drain-seconds --log-level``)
 
 from __future__ import annotations
 
+from services.common.grpc_polling import read_on_poller  # imports no grpc
+
+if __name__ == "__main__":  # the tokenizer service's process (not a program importing build_parser)
+    read_on_poller()  # before grpc is imported: gRPC core reads it once
+
 import argparse
 import asyncio
 from pathlib import Path

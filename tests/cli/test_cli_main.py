@@ -266,11 +266,14 @@ def test_up_names_a_bad_port_variable_and_its_value(
      "LLMESH_ENGINE_COMMAND='python -m \"services.engine': No closing quotation "
      "(shell quoting)"),
     ("LLMESH_ROUTER_COMMAND", "  ", "LLMESH_ROUTER_COMMAND='  ': names no command"),
+    ("LLMESH_ENGINE_COMMAND", "/nonexistent/bin --x",  # QA: a traceback after 2 services
+     "LLMESH_ENGINE_COMMAND='/nonexistent/bin --x': no such program: /nonexistent/bin"),
     ("LLMESH_MODEL_PATH", "NOWHERE", "the engines would refuse to start: "
      "LLMESH_MODEL_PATH='NOWHERE': no GGUF file or checkpoint directory at NOWHERE"),
     ("LLMESH_ENGINE_MAX_NUM_SEQS", "0", "LLMESH_ENGINE_MAX_NUM_SEQS='0': must be in "
      "[1, 16384], got 0"),
-], ids=["log-level", "command-quote", "command-empty", "model-path", "engine-variable"])
+], ids=["log-level", "command-quote", "command-empty", "command-missing", "model-path",
+        "engine-variable"])
 def test_up_refuses_a_bad_variable_naming_it_and_its_value_before_starting(
         name: str, value: str, line: str, tmp_path, capsys, monkeypatch) -> None:
     """QA: the services ``llmesh up`` starts read these variables; a bad one
@@ -285,13 +288,20 @@ def test_up_refuses_a_bad_variable_naming_it_and_its_value_before_starting(
     ({"LLMESH_CACERT": "NOWHERE"},  # named --cacert, which was not given
      "LLMESH_CACERT='NOWHERE': cannot read it (No such file or directory)"),
     ({"LLMESH_URL": "http://"},  # UNKNOWN: Failed to create channel to ''
-     "LLMESH_URL='http://': expected host:port, http://host:port or https://host:port"),
+     "LLMESH_URL='http://': expected host:port, http://host:port or https://host:port (port 1-65535)"),
     ({"LLMESH_URL": "mesh host:8080"},
-     "LLMESH_URL='mesh host:8080': expected host:port, http://host:port or https://host:port"),
+     "LLMESH_URL='mesh host:8080': expected host:port, http://host:port or https://host:port (port 1-65535)"),
+    ({"LLMESH_URL": "127.0.0.1:73616"},  # QA: dialled port 8080 (73616 - 65536)
+     "LLMESH_URL='127.0.0.1:73616': expected host:port, http://host:port or https://host:port (port 1-65535)"),
+    ({"LLMESH_URL": "127.0.0.1:notaport"},  # UNAVAILABLE: errors resolving
+     "LLMESH_URL='127.0.0.1:notaport': expected host:port, http://host:port or https://host:port (port 1-65535)"),
+    ({"LLMESH_URL": "ftp://127.0.0.1:8080"},  # UNAVAILABLE: errors resolving
+     "LLMESH_URL='ftp://127.0.0.1:8080': expected host:port, http://host:port or https://host:port (port 1-65535)"),
     ({"LLMESH_API_KEY": "secret\nkey"},  # INTERNAL: Invalid metadata, a C-core log line
      "LLMESH_API_KEY: a key is printable ASCII without spaces (as `llmesh keys new` mints "
      "them); this one is not (not shown)"),
-], ids=["cacert", "url-empty", "url-space", "api-key"])
+], ids=["cacert", "url-empty", "url-space", "url-port-range", "url-port-text", "url-scheme",
+        "api-key"])
 def test_generate_and_models_refuse_a_bad_variable_naming_it(
         env: dict[str, str], line: str, tmp_path, capsys, monkeypatch) -> None:
     """QA: each was refused naming a flag the user had not given, or failed the

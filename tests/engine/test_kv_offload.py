@@ -180,3 +180,19 @@ def test_a_tier_directory_without_a_tier_size_is_refused(tmp_path: Path) -> None
         check_config(EngineConfig(kv_offload_dir=tmp_path))
     with pytest.raises(ValueError, match="--kv-offload-bytes needs prefix caching"):
         check_config(EngineConfig(kv_offload_bytes=1 << 20, enable_prefix_caching=False))
+
+
+def test_a_tier_directory_that_cannot_take_the_file_is_refused_by_the_start_check(
+        tmp_path: Path) -> None:
+    """QA: a missing directory, a file, or too little free space failed only at
+    model load (exit 1, after ``llmesh up`` had started the other services)."""
+    missing, a_file = tmp_path / "none", tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(ValueError, match="--kv-offload-dir .*none: no such directory"):
+        check_config(EngineConfig(kv_offload_bytes=1 << 20, kv_offload_dir=missing))
+    with pytest.raises(ValueError, match="--kv-offload-dir .*file: not a directory"):
+        check_config(EngineConfig(kv_offload_bytes=1 << 20, kv_offload_dir=a_file))
+    too_big = shutil.disk_usage(tmp_path).free + (1 << 30)
+    with pytest.raises(ValueError, match=r"bytes free, the tier \(--kv-offload-bytes\) needs"):
+        check_config(EngineConfig(kv_offload_bytes=too_big, kv_offload_dir=tmp_path))
+    check_config(EngineConfig(kv_offload_bytes=1 << 20, kv_offload_dir=tmp_path))

@@ -14,6 +14,7 @@ from llmesh.v1 import retriever_pb2_grpc
 
 from services.cli.envoy_config import DESCRIPTOR_RELATIVE, REPO_ROOT, EnvoySettings
 from services.cli.mesh import EnvoyProcess
+from tests.poller_reads import MAX_POLLER_WAKEUPS_PER_CALL, wakeups_per_call
 from tests.retriever.conftest import Retriever
 
 PSALM = ("The LORD is my shepherd; I shall not want. He maketh me to lie down in green "
@@ -295,6 +296,13 @@ def test_health_and_reflection_describe_the_service(retriever: Retriever) -> Non
                             text=True, timeout=30, check=True).stdout.split()
     assert "llmesh.v1.RetrieverService" in listed and "grpc.health.v1.Health" in listed
     assert retriever.metric("llmesh:retriever_collections") >= 1
+
+
+def test_the_retriever_reads_its_sockets_on_the_poller_thread(retriever: Retriever) -> None:
+    # read_on_poller() in its __main__: a call wakes no EventEngine pool thread
+    # (gRPC's default: one or more a call; tests/poller_reads.py)
+    process = retriever.process
+    assert wakeups_per_call(process.pid, process.grpc_address) < MAX_POLLER_WAKEUPS_PER_CALL
 
 
 def test_restart_brings_collections_back_without_embedding_again(retriever: Retriever) -> None:

@@ -190,7 +190,9 @@ def check_kv_offload(config: EngineConfig) -> None:
     Raises:
       ValueError: ``--kv-offload-dir`` without ``--kv-offload-bytes`` (the
         tier's size); ``--kv-offload-bytes`` with prefix caching off (the
-        tier keeps evicted prefix-cache blocks).
+        tier keeps evicted prefix-cache blocks); a ``--kv-offload-dir`` that
+        is not a writable directory, or whose file system has less free space
+        than ``--kv-offload-bytes`` (the tier's file is allocated in full).
     """
     if config.kv_offload_bytes is None:
         if config.kv_offload_dir is not None:
@@ -198,6 +200,22 @@ def check_kv_offload(config: EngineConfig) -> None:
         return
     if not config.enable_prefix_caching:
         raise ValueError("--kv-offload-bytes needs prefix caching (--enable-prefix-caching)")
+    if config.kv_offload_dir is not None:
+        _check_offload_dir(str(config.kv_offload_dir), config.kv_offload_bytes)
+
+
+def _check_offload_dir(directory: str, nbytes: int) -> None:
+    """The disk-backed tier's directory can take its ``nbytes`` file (ValueError saying why not)."""
+    if not os.path.isdir(directory):
+        why = "not a directory" if os.path.exists(directory) else "no such directory"
+        raise ValueError(f"--kv-offload-dir {directory}: {why}")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"--kv-offload-dir {directory}: not writable by this user")
+    stats = os.statvfs(directory)
+    free = stats.f_bavail * stats.f_frsize
+    if free < nbytes:
+        raise ValueError(f"--kv-offload-dir {directory}: {free} bytes free, the tier "
+                         f"(--kv-offload-bytes) needs {nbytes}")
 
 
 def _check_native_attention(config: EngineConfig) -> None:
