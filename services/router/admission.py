@@ -46,7 +46,15 @@ in-flight requests: the pipeline tells a granted slot where it runs
 that remain; it only runs out on its own replica (QA: with two 8-slot
 engines, one draining with 8 running, nothing was admitted until those 8
 ended while the other engine sat idle). A granted request not placed yet
-counts against the replicas in service. The router, not the engine, then
+counts against the replicas in service. The free capacity is counted per
+replica: the sum over the replicas in service of their cap less the requests
+placed there (never below 0 on one replica), less the granted requests not
+placed yet; the KV limit likewise, with each replica's KV capacity times
+``kv_overcommit``. So a request the routing placed on a replica beyond its
+slots, to wait there for the replica that holds its prefix, takes no slot or
+KV of another replica (QA: two 2-slot engines, "a" full, "b" running one; a
+question waiting on "a" made an unrelated request queue in the router for
+0.3-0.9 s beside "b"'s free slot). The router, not the engine, then
 holds the queue, so the order below decides who runs next; the engine's own waiting limit stays a backstop.
 An interactive request counts only the interactive requests against the cap
 and the KV limit: when batch requests fill them, it is dispatched at once
@@ -75,11 +83,13 @@ batch request arrived, so that a burst enters the engine together (one
 prefill step) instead of one by one.
 
 **The retry hint** (``retry-after-ms``) is the predicted time until the
-refused request's class has a free queue position: the k-th running request
-to finish, where k is the number of requests that must be dispatched before
-one of this class is (only the requests counted against the replicas in
-service: one ending on a replica that left frees nothing here; free slots
-there count as dispatches that need no wait). Each running request's finish
+refused request's class has a free queue position: the k-th slot to free,
+where k is the number of requests that must be dispatched before one of this
+class is (only the requests counted against the replicas in service: one
+ending on a replica that left frees nothing here; free slots there count as
+dispatches that need no wait; on a replica holding more requests than its
+slots, its soonest ends go to the requests waiting there and free nothing
+for the queue). Each running request's finish
 is predicted from its own measured decode rate (time per output token since its first token; the
 model's running mean before it has one) and its expected remaining length
 (``max_tokens`` times the measured share of ``max_tokens`` that finished
@@ -463,6 +473,12 @@ class _Tally:
             self.interactive_running += sign
             self.interactive_kv += sign * job.kv_tokens
 
+    def counted(self, interactive: bool) -> tuple[int, int]:
+        """(running, KV tokens reserved): the interactive ones' only, or all."""
+        if interactive:
+            return self.interactive_running, self.interactive_kv
+        return self.running, self.kv
+
     def merge(self, other: _Tally) -> None:
         self.running += other.running
         self.kv += other.kv
@@ -517,11 +533,14 @@ class AdmissionController:
             del self._tallies[key]
         caps = list(self._capacity.values())
         per = self.config.max_running_per_replica
-        self.max_running = sum(per or r.max_num_seqs or DEFAULT_REPLICA_CAP for r in caps)
-        kv = sum(r.kv_capacity_tokens for r in caps)
-        self.kv_limit = (int(kv * self.config.kv_overcommit)
-                         if kv and all(r.kv_capacity_tokens for r in caps)
-                         and self.config.kv_overcommit > 0 else 0)
+        self._slots = {k: per or r.max_num_seqs or DEFAULT_REPLICA_CAP
+                       for k, r in self._capacity.items()}
+        self.max_running = sum(self._slots.values())
+        kv_known = (bool(caps) and all(r.kv_capacity_tokens for r in caps)
+                    and self.config.kv_overcommit > 0)
+        self._kv_limits = {k: int(r.kv_capacity_tokens * self.config.kv_overcommit)
+                           if kv_known else 0 for k, r in self._capacity.items()}
+        self.kv_limit = sum(self._kv_limits.values())
         self._pump()
 
     @property
@@ -698,19 +717,34 @@ class AdmissionController:
         now = self._clock()
         floor = self._window_left(now) if priority is Priority.BATCH else 0.0
         needed = 1 + extra_ahead  # our dispatch is the needed-th from now
-        held = self._held()
-        blocked = bool(self.kv_limit) and held.kv >= self.kv_limit
-        free = 0 if blocked else max(self.max_running - held.running, 0)
+        slots, kv = self._free()
+        free = 0 if self.kv_limit and kv <= 0 else slots
         if needed <= free:
             return floor
-        ends = sorted(t.remaining_s(now, self._tpot.value, self._prefill.value,
-                                    self._length_share.value)
-                      for t in self._running if self._in_service(t.replica))
+        ends = self._slot_frees(now)
         if not ends:
             return floor
         rounds, index = divmod(needed - free - 1, len(ends))
         service = self._service.value or ends[-1]
         return max(ends[index] + rounds * service, floor)
+
+    def _slot_frees(self, now: float) -> list[float]:
+        """Predicted seconds until each slot of the replicas in service frees
+        for a new request, soonest first: every counted request's predicted end
+        (:meth:`Ticket.remaining_s`), less, on a replica holding more requests
+        than its slots, as many of its soonest ends as it holds beyond them
+        (those slots go to the requests placed there to wait)."""
+        by_replica: dict[Hashable | None, list[float]] = collections.defaultdict(list)
+        for ticket in self._running:
+            if self._in_service(ticket.replica):
+                by_replica[ticket.replica].append(ticket.remaining_s(
+                    now, self._tpot.value, self._prefill.value, self._length_share.value))
+        frees: list[float] = []
+        for replica, ends in by_replica.items():
+            ends.sort()
+            excess = 0 if replica is None else max(len(ends) - self._slots[replica], 0)
+            frees.extend(ends[excess:])
+        return sorted(frees)
 
     def retry_after_s(self, priority: Priority) -> float:
         """The hint for a request of ``priority`` refused now: until its class's
@@ -752,19 +786,36 @@ class AdmissionController:
                                retry)
 
     def _fits(self, job: Job) -> bool:
-        """Whether ``job`` may run now. An interactive job counts only the
-        interactive requests running: the engines preempt batch sequences for
-        it (see the module doc)."""
-        held = self._held()
-        if job.priority is Priority.INTERACTIVE:
-            running, reserved = held.interactive_running, held.interactive_kv
-        else:
-            running, reserved = held.running, held.kv
-        if running >= self.max_running:
+        """Whether ``job`` may run now: a free slot and room in the KV limit
+        (:meth:`_free`; a request alone always fits the KV limit). An
+        interactive job counts only the interactive requests running: the
+        engines preempt batch sequences for it (see the module doc)."""
+        interactive = job.priority is Priority.INTERACTIVE
+        slots, kv = self._free(interactive=interactive)
+        if slots < 1:
             return False
-        if not self.kv_limit or not running:
+        if not self.kv_limit:
             return True
-        return reserved + job.kv_tokens <= self.kv_limit
+        alone = not self._held().counted(interactive)[0]
+        return alone or kv >= job.kv_tokens
+
+    def _free(self, *, interactive: bool = False) -> tuple[int, int]:
+        """Free sequence slots and free KV tokens (prompt + ``max_tokens``
+        reservations) over the replicas in service, counted per replica: the
+        sum over them of their cap (KV limit) less what is placed on them,
+        never below 0 on one replica, less what the granted requests not
+        placed yet hold. A request placed on a replica beyond its slots
+        (waiting there by the routing's choice) uses no other replica's slot
+        or KV. May be negative (more granted, not placed, than free).
+        ``interactive``: count only the interactive requests."""
+        slots = kv = 0
+        for replica, cap in self._slots.items():
+            tally = self._tallies.get(replica) or _Tally()
+            running, reserved = tally.counted(interactive)
+            slots += max(cap - running, 0)
+            kv += max(self._kv_limits[replica] - reserved, 0)
+        running, reserved = self._tallies[None].counted(interactive)
+        return slots - running, kv - reserved
 
     def _in_service(self, replica: Hashable | None) -> bool:
         """Whether requests on ``replica`` count against the capacity (it is in

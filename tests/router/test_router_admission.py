@@ -326,6 +326,68 @@ async def test_a_slot_placed_on_a_replica_that_left_meanwhile_frees_its_place() 
     assert ctl.num_running == 1 and ctl._tallies.keys() == {None}  # "a"'s tally forgotten
 
 
+async def test_a_request_waiting_on_its_prefixs_full_replica_takes_no_slot_of_another() -> None:
+    """QA: two 2-slot engines; "a" runs 2 streams (its 2 slots), "b" 1 (1
+    free); a question about a document cached on "a" is admitted and routed
+    to wait on "a". An unrelated request then queued in the router (0.3-0.9 s)
+    although "b" had a free slot: the question counted against the global cap
+    (2 + 2 = 4). Free slots are counted per replica, so it is admitted at once."""
+    clock = Clock()
+    ctl = two_replicas(clock, max_queued_requests=4)
+    on_a = [await ctl.admit(job(f"a{i}")) for i in range(2)]
+    for ticket in on_a:
+        ticket.place("a")
+    (on_b := await ctl.admit(job("b0"))).place("b")
+    question = await asyncio.wait_for(ctl.admit(job("question", prompt=1500)), 0.5)
+    assert ctl.would_queue(job("short"))  # granted, not placed: it may take b's slot
+    question.place("a")  # the routing's choice: wait for "a", which holds its prefix
+    assert not ctl.would_queue(job("short"))
+    short = ctl.claim(job("short"))
+    assert short.granted
+    (await short.wait()).place("b")
+    # Now every slot is taken: the next request queues, and a slot of "a"
+    # freeing goes to the question waiting there, not to it.
+    later = await queued(ctl, job("later"))
+    on_a[0].release()
+    await asyncio.sleep(0)
+    assert not later.done()
+    on_b.release()
+    assert (await asyncio.wait_for(later, 0.5)).job.request_id == "later"
+
+
+async def test_the_hint_skips_a_slot_end_that_goes_to_a_request_waiting_on_that_replica(
+        ) -> None:
+    """A slot freeing on a replica where a request waits (placed beyond its
+    slots) goes to that request: the hint is the next slot to free elsewhere."""
+    clock = Clock()
+    ctl = two_replicas(clock, slots=1, max_queued_requests=1)
+    first_a = await ctl.admit(job("a0"))
+    first_a.place("a")
+    (await ctl.admit(job("waits_on_a"))).place("a")
+    first_b = await asyncio.wait_for(ctl.admit(job("b0")), 0.5)
+    first_b.place("b")
+    for ticket, tokens in ((first_a, 90), (first_b, 50)):  # 10 and 50 tokens left
+        for step in range(tokens):
+            ticket.on_tokens(1, clock.now + step * 0.01)
+    await queued(ctl, job("queued"))
+    with pytest.raises(AdmissionRefused) as refused:
+        await ctl.admit(job("refused"))
+    assert refused.value.retry_after_s == pytest.approx(50 * 0.01)  # b0's end, not a0's
+
+
+async def test_kv_reserved_beyond_one_replicas_limit_takes_no_kv_of_another() -> None:
+    """The KV limit is counted per replica as the slots are: a request placed
+    to wait on a replica whose KV limit its reservations already pass does not
+    eat into the other replica's (the old global sum refused 900 more tokens
+    with 1000 free on "b")."""
+    clock = Clock()
+    ctl = two_replicas(clock, slots=8, kv=1000)
+    (await ctl.admit(job("big", prompt=900, max_tokens=100))).place("a")
+    (await ctl.admit(job("waits", prompt=400, max_tokens=100))).place("a")  # a: 1500 of 1000
+    assert not ctl.would_queue(job("fits_b", prompt=800, max_tokens=100))
+    assert ctl.would_queue(job("too_big", prompt=950, max_tokens=100))
+
+
 async def test_disabled_admission_never_queues_or_refuses() -> None:
     ctl = controller(slots=1, enabled=False, max_queued_requests=0)
     tickets = [await ctl.admit(job(f"r{i}")) for i in range(5)]
