@@ -89,15 +89,29 @@ class is (only the requests counted against the replicas in service: one
 ending on a replica that left frees nothing here; free slots there count as
 dispatches that need no wait; on a replica holding more requests than its
 slots, its soonest ends go to the requests waiting there and free nothing
-for the queue). Each running request's finish
-is predicted from its own measured decode rate (time per output token since its first token; the
-model's running mean before it has one) and its expected remaining length
-(``max_tokens`` times the measured share of ``max_tokens`` that finished
-requests used), plus its prefill time while it has no token yet (prompt
-tokens times the measured prefill time per token). When k exceeds the
-running requests, each further round adds the mean measured service time.
-Nothing here is a fixed constant: a mesh that drains faster gives a shorter
-hint.
+for the queue). Each running request's end is its expected tokens left at
+its own measured decode rate (time per output token since its first token;
+the model's running mean before it has one), plus its prefill time while it
+has no token yet (prompt tokens times the measured prefill time per token).
+
+Its tokens left follow its own progress, per sequence (choice): the pipeline
+places the ticket with its stream's record (:meth:`Ticket.place`,
+:class:`~services.router.engine_client.OpenRequest`: tokens each choice
+generated). A sequence that generated ``g`` of its ``max_tokens`` ``m`` and
+runs on is expected to end as the finished sequences that ran longer than
+it has did: ``m`` times their mean share of ``max_tokens`` (the last
+:data:`LENGTH_SAMPLES` finished sequences), less ``g``; when none ran that
+long (or none finished yet), at ``m``, the bound (exact with ``ignore_eos``).
+A request of ``n`` choices ends with its longest: its tokens left times
+``n`` at its measured rate (which counts every choice's tokens). A residual life, not a mean length: the mean share of all finished requests
+(the earlier estimator) made every stream past it look one token from its
+end (QA: 10 short requests ended at EOS after a few of their 256 tokens,
+then 4 streams of 800 tokens filled the slots: a 10 ms hint, the slot freed
+3.96 s later). When k exceeds the slots that free, each further round adds
+the mean measured service time. The hint is never under
+:data:`MIN_QUEUE_RETRY_S` (100 ms): a slot frees at an engine step's end and
+a retry pays a refusal's round trip and tokenization again. No other
+constant: a mesh that drains faster gives a shorter hint.
 """
 
 from __future__ import annotations
@@ -111,11 +125,14 @@ import math
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import grpc
 
 from services.common.sampling import Priority
+
+if TYPE_CHECKING:
+    from services.router.engine_client import OpenRequest
 
 #: VTC weights (Sheng et al. 2024, section 5): a completion token costs twice a prompt token.
 W_PROMPT = 1.0
@@ -126,8 +143,18 @@ EWMA_ALPHA = 0.2
 #: token assumed (seconds); replaced by measurements after the first one.
 INITIAL_TPOT_S = 0.05
 INITIAL_PREFILL_S_PER_TOKEN = 0.0005
-#: The hint is never below this (ms): a retry sooner would only be refused again.
+#: Finished sequences whose length (share of ``max_tokens``) the hint learns from.
+LENGTH_SAMPLES = 64
+#: The retry-after-ms value is never below this (ms).
 MIN_RETRY_AFTER_MS = 1
+#: The queue's retry hint is never below this (seconds): a slot frees at an
+#: engine step's end and a retry pays a refusal's round trip (27-30 ms through
+#: Envoy measured here) and its tokenization again; a hint of a few ms (QA: 7
+#: and 10 ms, a slot really freed 3.96 s later) only brings a burst of retries
+#: that are refused again. gRPC retry policies' initial backoff and Envoy's
+#: retry back-off (25 ms base, 250 ms max) are of this order; the HTTP
+#: ``Retry-After`` (whole seconds) rounds it up to 1 s.
+MIN_QUEUE_RETRY_S = 0.1
 #: ... nor above this (ms).
 MAX_RETRY_AFTER_MS = 600_000
 #: Refusal reasons (the ``reason`` label of the rejected-requests metric).
@@ -276,6 +303,8 @@ class Ticket:
     #: Tokens that left with the first delivery (several with speculative
     #: decoding or a first chunk): they took no time after ``first_token_at``.
     first_tokens: int = 0
+    #: Its stream's record on its replica (:meth:`place`), None before.
+    progress: OpenRequest | None = None
     _released: bool = field(default=False, repr=False)
 
     def on_tokens(self, count: int, now: float) -> None:
@@ -299,10 +328,13 @@ class Ticket:
             return None
         return (self.last_token_at - self.first_token_at) / later
 
-    def place(self, replica: Hashable) -> None:
+    def place(self, replica: Hashable, progress: OpenRequest | None = None) -> None:
         """The request now runs on ``replica`` (a key of the controller's
         :meth:`~AdmissionController.set_replicas`; again on each replica
-        tried). From then it counts against that replica's capacity only."""
+        tried). From then it counts against that replica's capacity only.
+        ``progress``: its stream's record there (tokens each choice generated,
+        kept by the pipeline), from which the retry hint predicts its end."""
+        self.progress = progress
         if not self._released and self._controller is not None:
             self._controller._place(self, replica)
 
@@ -314,11 +346,30 @@ class Ticket:
         if self._controller is not None:
             self._controller._release(self)
 
+    def generated_per_sequence(self) -> list[int]:
+        """Tokens each of its sequences (choices) generated: the stream's own
+        record (:meth:`place`), else one sequence of ``completion_tokens``."""
+        if self.progress is not None and self.progress.generated:
+            return list(self.progress.generated)
+        return [self.completion_tokens]
+
+    def _tokens_left(self, lengths: _LengthShares) -> int:
+        """Expected tokens left, each sequence's from its own progress
+        (:meth:`_LengthShares.tokens_left`), in the unit of the measured rate:
+        that counts every sequence's tokens (one step yields one token of each
+        of its ``n`` sequences), so the request ends after its longest
+        sequence's tokens left times ``n`` of them."""
+        progress = self.progress
+        if progress is None or not progress.generated:
+            return lengths.tokens_left(self.completion_tokens, self.job.max_tokens)
+        left = [lengths.tokens_left(done, self.job.max_tokens)
+                for i, done in enumerate(progress.generated) if i not in progress.finished]
+        return max(left, default=1) * progress.choices
+
     def remaining_s(self, now: float, model_tpot_s: float, prefill_s_per_token: float,
-                    length_share: float) -> float:
+                    lengths: _LengthShares) -> float:
         """Predicted seconds until this request ends (see the module doc)."""
-        expected = max(1, round(self.job.max_tokens * length_share))
-        left = max(expected - self.completion_tokens, 1)
+        left = self._tokens_left(lengths)
         if self.first_token_at is None:
             prefill = self.job.prompt_tokens * prefill_s_per_token
             return max(self.dispatched_at + prefill - now, 0.0) + left * model_tpot_s
@@ -399,6 +450,33 @@ class _Ewma:
         self.value = sample if self.samples == 0 else (
             EWMA_ALPHA * sample + (1 - EWMA_ALPHA) * self.value)
         self.samples += 1
+
+
+class _LengthShares:
+    """How long sequences run: the share of their ``max_tokens`` that each of
+    the last :data:`LENGTH_SAMPLES` finished sequences generated, and from it
+    the expected tokens left of one still running (module doc, "retry hint")."""
+
+    def __init__(self) -> None:
+        self._shares: collections.deque[float] = collections.deque(maxlen=LENGTH_SAMPLES)
+
+    def add(self, generated: int, max_tokens: int) -> None:
+        """A sequence ended after ``generated`` of its ``max_tokens`` tokens."""
+        if max_tokens > 0:
+            self._shares.append(min(generated / max_tokens, 1.0))
+
+    def tokens_left(self, generated: int, max_tokens: int) -> int:
+        """Tokens a sequence that generated ``generated`` of ``max_tokens``
+        and runs on is expected to generate still: ``max_tokens`` times the
+        mean share of the finished sequences that ran longer than it has, less
+        ``generated``; with none (none finished yet, or none ran this long),
+        all of ``max_tokens`` less ``generated``, the bound. At least 1."""
+        if max_tokens <= 0:
+            return 1
+        done = generated / max_tokens
+        longer = [share for share in self._shares if share > done]
+        share = sum(longer) / len(longer) if longer else 1.0
+        return max(math.ceil(share * max_tokens) - generated, 1)
 
 
 class _ClassQueue:
@@ -514,7 +592,7 @@ class AdmissionController:
         self._timer: asyncio.TimerHandle | None = None
         self._tpot = _Ewma(INITIAL_TPOT_S)
         self._prefill = _Ewma(INITIAL_PREFILL_S_PER_TOKEN)
-        self._length_share = _Ewma(1.0)
+        self._lengths = _LengthShares()
         self._service = _Ewma(0.0)
         self.set_replicas(replicas)
 
@@ -738,7 +816,7 @@ class AdmissionController:
         for ticket in self._running:
             if self._in_service(ticket.replica):
                 by_replica[ticket.replica].append(ticket.remaining_s(
-                    now, self._tpot.value, self._prefill.value, self._length_share.value))
+                    now, self._tpot.value, self._prefill.value, self._lengths))
         frees: list[float] = []
         for replica, ends in by_replica.items():
             ends.sort()
@@ -750,7 +828,7 @@ class AdmissionController:
         """The hint for a request of ``priority`` refused now: until its class's
         queue has a free position (one of its class dispatched)."""
         ahead = sum(self._queues[p].depth for p in Priority if p < priority)
-        return self.predicted_wait_s(priority, extra_ahead=ahead)
+        return max(self.predicted_wait_s(priority, extra_ahead=ahead), MIN_QUEUE_RETRY_S)
 
     # ------------------------------------------------------------ internals
 
@@ -780,7 +858,8 @@ class AdmissionController:
 
     def _refuse(self, priority: Priority, reason: RefusalReason, message: str,
                 wait_s: float | None = None) -> None:
-        retry = self.retry_after_s(priority) if wait_s is None else wait_s
+        retry = (self.retry_after_s(priority) if wait_s is None
+                 else max(wait_s, MIN_QUEUE_RETRY_S))
         self._observer.refused(priority, reason, retry)
         raise AdmissionRefused(reason, f"{message}; retry after {retry_after_ms(retry)} ms",
                                retry)
@@ -885,8 +964,8 @@ class AdmissionController:
         tpot = ticket.measured_tpot_s()
         if tpot is not None:
             self._tpot.add(tpot)
-        if ticket.job.max_tokens:
-            self._length_share.add(min(ticket.completion_tokens / ticket.job.max_tokens, 1.0))
+        for generated in ticket.generated_per_sequence():
+            self._lengths.add(generated, ticket.job.max_tokens)
 
     def _next_entry(self, now: float) -> _Entry | None:
         """The entry to dispatch next (module doc order), or None (none eligible)."""

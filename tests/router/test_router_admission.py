@@ -19,6 +19,7 @@ from services.router.admission import (
     ReplicaCapacity,
     Ticket,
 )
+from services.router.engine_client import OpenRequest
 
 INTERACTIVE, BATCH = Priority.INTERACTIVE, Priority.BATCH
 
@@ -386,6 +387,91 @@ async def test_kv_reserved_beyond_one_replicas_limit_takes_no_kv_of_another() ->
     (await ctl.admit(job("waits", prompt=400, max_tokens=100))).place("a")  # a: 1500 of 1000
     assert not ctl.would_queue(job("fits_b", prompt=800, max_tokens=100))
     assert ctl.would_queue(job("too_big", prompt=950, max_tokens=100))
+
+
+@pytest.mark.parametrize("with_record", [False, True])
+async def test_the_hint_follows_each_streams_own_progress_not_the_finished_ones_lengths(
+        with_record: bool) -> None:
+    """QA: 10 short requests ended at EOS after 5 of their 256 tokens, then 4
+    streams of 800 tokens (ignore_eos) filled the slots: the hint was 10 ms
+    (every stream looked one token from its end: 800 x the 2 % share the short
+    ones used) and the first queued request started 3.96 s later. A running
+    stream is expected to run as long as the finished ones that ran longer
+    than it has, or to its max_tokens when none did. ``with_record``: placed
+    with its stream's own record (:class:`OpenRequest`), else counted by the
+    ticket's tokens alone."""
+    clock = Clock()
+    ctl = two_replicas(clock, max_queued_requests=1)
+    for i in range(10):
+        short = await ctl.admit(job(f"short{i}", max_tokens=256))
+        short.place("a" if i % 2 else "b")
+        for step in range(5):
+            short.on_tokens(1, clock.now + step * 0.01)
+        short.release()
+    streams = [await ctl.admit(job(f"long{i}", max_tokens=800)) for i in range(4)]
+    for i, ticket in enumerate(streams):
+        opened = OpenRequest(INTERACTIVE, 800, [0])
+        if with_record:
+            ticket.place("ab"[i % 2], opened)
+        else:
+            ticket.place("ab"[i % 2])
+        for step in range(100 + 50 * i):  # at 10 ms a token
+            ticket.on_tokens(1, clock.now + step * 0.01)
+            opened.advance(0, 1)
+    clock.now += 1.0
+    await queued(ctl, job("queued"))
+    with pytest.raises(AdmissionRefused) as refused:
+        await ctl.admit(job("refused"))
+    # The most advanced stream (250 of 800) ends first: 550 tokens at 10 ms.
+    assert refused.value.retry_after_s == pytest.approx(550 * 0.01, rel=0.02)
+
+
+async def test_the_hint_keeps_finished_lengths_a_stream_has_not_reached_and_has_a_floor() -> None:
+    """A stream short of the lengths finished requests reached is expected to
+    end as they did (their mean share of max_tokens); a hint is never under
+    100 ms, however close to its end the prediction puts a stream."""
+    clock = Clock()
+    ctl = controller(slots=1, clock=clock, max_queued_requests=1)
+    for length in (40, 60):  # of 100: the mean share of the longer ones is 0.5
+        done = await ctl.admit(job(f"done{length}"))
+        for step in range(length):
+            done.on_tokens(1, clock.now + step * 0.01)
+        done.release()
+    running, start = await ctl.admit(job("running")), clock.now
+    for step in range(11):
+        running.on_tokens(1, start + step * 0.01)
+    clock.now = start + 0.1
+    await queued(ctl, job("queued"))
+    with pytest.raises(AdmissionRefused) as refused:
+        await ctl.admit(job("refused"))
+    assert refused.value.retry_after_s == pytest.approx((50 - 11) * 0.01, rel=0.02)
+    for step in range(11, 59):  # 59 of 100: past 40, short of 60: 1 token (10 ms) left
+        running.on_tokens(1, start + step * 0.01)
+    clock.now = start + 0.58
+    with pytest.raises(AdmissionRefused) as refused:
+        await ctl.admit(job("refused"))
+    assert refused.value.retry_after_s == pytest.approx(0.1)
+
+
+async def test_the_hint_of_a_request_with_several_choices_waits_for_its_longest() -> None:
+    """n = 2: the measured rate counts both choices' tokens (2 a step); once
+    one choice ended, the request ends after the other's tokens left at one
+    step each, i.e. twice its tokens left at the measured rate."""
+    clock = Clock()
+    ctl = controller(slots=1, clock=clock, max_queued_requests=1)
+    ticket = await ctl.admit(job("two", max_tokens=100))
+    opened = OpenRequest(INTERACTIVE, 100, [0, 0])
+    ticket.place(0, opened)
+    for step in range(21):  # a step of 20 ms yields a token of each choice
+        ticket.on_tokens(2, clock.now + step * 0.02)
+        opened.advance(0, 1)
+        opened.advance(1, 1, finished=step == 20)
+    clock.now += 0.4
+    await queued(ctl, job("queued"))
+    with pytest.raises(AdmissionRefused) as refused:
+        await ctl.admit(job("refused"))
+    # Choice 0: 79 of 100 left, at 20 ms a step (10 ms a token of the two).
+    assert refused.value.retry_after_s == pytest.approx(79 * 0.02, rel=0.02)
 
 
 async def test_disabled_admission_never_queues_or_refuses() -> None:
