@@ -72,6 +72,17 @@ async def release_one_at_a_time(running: list[Ticket], tasks: dict[str, asyncio.
     return order
 
 
+async def refused_hint(ctl: AdmissionController, *, fill: bool = True) -> float:
+    """The retry hint (s) of a request refused by ``ctl``'s full one-place
+    queue; ``fill``: queue a request first to fill it."""
+    if fill:
+        await queued(ctl, job("queued"))
+    with pytest.raises(AdmissionRefused) as refused:
+        await ctl.admit(job("refused"))
+    assert refused.value.reason == "queue_full"
+    return refused.value.retry_after_s
+
+
 async def test_room_grants_at_once_and_a_release_dispatches_the_queue_in_fifo_order() -> None:
     ctl = controller(slots=2, max_queued_requests=4)
     a, b = await ctl.admit(job("a")), await ctl.admit(job("b"))
@@ -370,10 +381,8 @@ async def test_the_hint_skips_a_slot_end_that_goes_to_a_request_waiting_on_that_
     for ticket, tokens in ((first_a, 90), (first_b, 50)):  # 10 and 50 tokens left
         for step in range(tokens):
             ticket.on_tokens(1, clock.now + step * 0.01)
-    await queued(ctl, job("queued"))
-    with pytest.raises(AdmissionRefused) as refused:
-        await ctl.admit(job("refused"))
-    assert refused.value.retry_after_s == pytest.approx(50 * 0.01)  # b0's end, not a0's
+    hint = await refused_hint(ctl)
+    assert hint == pytest.approx(50 * 0.01)  # b0's end, not a0's
 
 
 async def test_kv_reserved_beyond_one_replicas_limit_takes_no_kv_of_another() -> None:
@@ -419,11 +428,9 @@ async def test_the_hint_follows_each_streams_own_progress_not_the_finished_ones_
             ticket.on_tokens(1, clock.now + step * 0.01)
             opened.advance(0, 1)
     clock.now += 1.0
-    await queued(ctl, job("queued"))
-    with pytest.raises(AdmissionRefused) as refused:
-        await ctl.admit(job("refused"))
+    hint = await refused_hint(ctl)
     # The most advanced stream (250 of 800) ends first: 550 tokens at 10 ms.
-    assert refused.value.retry_after_s == pytest.approx(550 * 0.01, rel=0.02)
+    assert hint == pytest.approx(550 * 0.01, rel=0.02)
 
 
 async def test_the_hint_keeps_finished_lengths_a_stream_has_not_reached_and_has_a_floor() -> None:
@@ -441,16 +448,12 @@ async def test_the_hint_keeps_finished_lengths_a_stream_has_not_reached_and_has_
     for step in range(11):
         running.on_tokens(1, start + step * 0.01)
     clock.now = start + 0.1
-    await queued(ctl, job("queued"))
-    with pytest.raises(AdmissionRefused) as refused:
-        await ctl.admit(job("refused"))
-    assert refused.value.retry_after_s == pytest.approx((50 - 11) * 0.01, rel=0.02)
+    hint = await refused_hint(ctl)
+    assert hint == pytest.approx((50 - 11) * 0.01, rel=0.02)
     for step in range(11, 59):  # 59 of 100: past 40, short of 60: 1 token (10 ms) left
         running.on_tokens(1, start + step * 0.01)
     clock.now = start + 0.58
-    with pytest.raises(AdmissionRefused) as refused:
-        await ctl.admit(job("refused"))
-    assert refused.value.retry_after_s == pytest.approx(0.1)
+    assert await refused_hint(ctl, fill=False) == pytest.approx(0.1)
 
 
 async def test_the_hint_of_a_request_with_several_choices_waits_for_its_longest() -> None:
@@ -467,11 +470,9 @@ async def test_the_hint_of_a_request_with_several_choices_waits_for_its_longest(
         opened.advance(0, 1)
         opened.advance(1, 1, finished=step == 20)
     clock.now += 0.4
-    await queued(ctl, job("queued"))
-    with pytest.raises(AdmissionRefused) as refused:
-        await ctl.admit(job("refused"))
+    hint = await refused_hint(ctl)
     # Choice 0: 79 of 100 left, at 20 ms a step (10 ms a token of the two).
-    assert refused.value.retry_after_s == pytest.approx(79 * 0.02, rel=0.02)
+    assert hint == pytest.approx(79 * 0.02, rel=0.02)
 
 
 async def test_disabled_admission_never_queues_or_refuses() -> None:
