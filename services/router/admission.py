@@ -46,7 +46,15 @@ in-flight requests: the pipeline tells a granted slot where it runs
 that remain; it only runs out on its own replica (QA: with two 8-slot
 engines, one draining with 8 running, nothing was admitted until those 8
 ended while the other engine sat idle). A granted request not placed yet
-counts against the replicas in service. The router, not the engine, then
+counts against the replicas in service. The free capacity is counted per
+replica: the sum over the replicas in service of their cap less the requests
+placed there (never below 0 on one replica), less the granted requests not
+placed yet; the KV limit likewise, with each replica's KV capacity times
+``kv_overcommit``. So a request the routing placed on a replica beyond its
+slots, to wait there for the replica that holds its prefix, takes no slot or
+KV of another replica (QA: two 2-slot engines, "a" full, "b" running one; a
+question waiting on "a" made an unrelated request queue in the router for
+0.3-0.9 s beside "b"'s free slot). The router, not the engine, then
 holds the queue, so the order below decides who runs next; the engine's own waiting limit stays a backstop.
 An interactive request counts only the interactive requests against the cap
 and the KV limit: when batch requests fill them, it is dispatched at once
@@ -75,19 +83,35 @@ batch request arrived, so that a burst enters the engine together (one
 prefill step) instead of one by one.
 
 **The retry hint** (``retry-after-ms``) is the predicted time until the
-refused request's class has a free queue position: the k-th running request
-to finish, where k is the number of requests that must be dispatched before
-one of this class is (only the requests counted against the replicas in
-service: one ending on a replica that left frees nothing here; free slots
-there count as dispatches that need no wait). Each running request's finish
-is predicted from its own measured decode rate (time per output token since its first token; the
-model's running mean before it has one) and its expected remaining length
-(``max_tokens`` times the measured share of ``max_tokens`` that finished
-requests used), plus its prefill time while it has no token yet (prompt
-tokens times the measured prefill time per token). When k exceeds the
-running requests, each further round adds the mean measured service time.
-Nothing here is a fixed constant: a mesh that drains faster gives a shorter
-hint.
+refused request's class has a free queue position: the k-th slot to free,
+where k is the number of requests that must be dispatched before one of this
+class is (only the requests counted against the replicas in service: one
+ending on a replica that left frees nothing here; free slots there count as
+dispatches that need no wait; on a replica holding more requests than its
+slots, its soonest ends go to the requests waiting there and free nothing
+for the queue). Each running request's end is its expected tokens left at
+its own measured decode rate (time per output token since its first token;
+the model's running mean before it has one), plus its prefill time while it
+has no token yet (prompt tokens times the measured prefill time per token).
+
+Its tokens left follow its own progress, per sequence (choice): the pipeline
+places the ticket with its stream's record (:meth:`Ticket.place`,
+:class:`~services.router.engine_client.OpenRequest`: tokens each choice
+generated). A sequence that generated ``g`` of its ``max_tokens`` ``m`` and
+runs on is expected to end as the finished sequences that ran longer than
+it has did: ``m`` times their mean share of ``max_tokens`` (the last
+:data:`LENGTH_SAMPLES` finished sequences), less ``g``; when none ran that
+long (or none finished yet), at ``m``, the bound (exact with ``ignore_eos``).
+A request of ``n`` choices ends with its longest: its tokens left times
+``n`` at its measured rate (which counts every choice's tokens). A residual life, not a mean length: the mean share of all finished requests
+(the earlier estimator) made every stream past it look one token from its
+end (QA: 10 short requests ended at EOS after a few of their 256 tokens,
+then 4 streams of 800 tokens filled the slots: a 10 ms hint, the slot freed
+3.96 s later). When k exceeds the slots that free, each further round adds
+the mean measured service time. The hint is never under
+:data:`MIN_QUEUE_RETRY_S` (100 ms): a slot frees at an engine step's end and
+a retry pays a refusal's round trip and tokenization again. No other
+constant: a mesh that drains faster gives a shorter hint.
 """
 
 from __future__ import annotations
@@ -101,11 +125,14 @@ import math
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import grpc
 
 from services.common.sampling import Priority
+
+if TYPE_CHECKING:
+    from services.router.engine_client import OpenRequest
 
 #: VTC weights (Sheng et al. 2024, section 5): a completion token costs twice a prompt token.
 W_PROMPT = 1.0
@@ -116,8 +143,18 @@ EWMA_ALPHA = 0.2
 #: token assumed (seconds); replaced by measurements after the first one.
 INITIAL_TPOT_S = 0.05
 INITIAL_PREFILL_S_PER_TOKEN = 0.0005
-#: The hint is never below this (ms): a retry sooner would only be refused again.
+#: Finished sequences whose length (share of ``max_tokens``) the hint learns from.
+LENGTH_SAMPLES = 64
+#: The retry-after-ms value is never below this (ms).
 MIN_RETRY_AFTER_MS = 1
+#: The queue's retry hint is never below this (seconds): a slot frees at an
+#: engine step's end and a retry pays a refusal's round trip (27-30 ms through
+#: Envoy measured here) and its tokenization again; a hint of a few ms (QA: 7
+#: and 10 ms, a slot really freed 3.96 s later) only brings a burst of retries
+#: that are refused again. gRPC retry policies' initial backoff and Envoy's
+#: retry back-off (25 ms base, 250 ms max) are of this order; the HTTP
+#: ``Retry-After`` (whole seconds) rounds it up to 1 s.
+MIN_QUEUE_RETRY_S = 0.1
 #: ... nor above this (ms).
 MAX_RETRY_AFTER_MS = 600_000
 #: Refusal reasons (the ``reason`` label of the rejected-requests metric).
@@ -266,6 +303,8 @@ class Ticket:
     #: Tokens that left with the first delivery (several with speculative
     #: decoding or a first chunk): they took no time after ``first_token_at``.
     first_tokens: int = 0
+    #: Its stream's record on its replica (:meth:`place`), None before.
+    progress: OpenRequest | None = None
     _released: bool = field(default=False, repr=False)
 
     def on_tokens(self, count: int, now: float) -> None:
@@ -289,10 +328,13 @@ class Ticket:
             return None
         return (self.last_token_at - self.first_token_at) / later
 
-    def place(self, replica: Hashable) -> None:
+    def place(self, replica: Hashable, progress: OpenRequest | None = None) -> None:
         """The request now runs on ``replica`` (a key of the controller's
         :meth:`~AdmissionController.set_replicas`; again on each replica
-        tried). From then it counts against that replica's capacity only."""
+        tried). From then it counts against that replica's capacity only.
+        ``progress``: its stream's record there (tokens each choice generated,
+        kept by the pipeline), from which the retry hint predicts its end."""
+        self.progress = progress
         if not self._released and self._controller is not None:
             self._controller._place(self, replica)
 
@@ -304,11 +346,30 @@ class Ticket:
         if self._controller is not None:
             self._controller._release(self)
 
+    def generated_per_sequence(self) -> list[int]:
+        """Tokens each of its sequences (choices) generated: the stream's own
+        record (:meth:`place`), else one sequence of ``completion_tokens``."""
+        if self.progress is not None and self.progress.generated:
+            return list(self.progress.generated)
+        return [self.completion_tokens]
+
+    def _tokens_left(self, lengths: _LengthShares) -> int:
+        """Expected tokens left, each sequence's from its own progress
+        (:meth:`_LengthShares.tokens_left`), in the unit of the measured rate:
+        that counts every sequence's tokens (one step yields one token of each
+        of its ``n`` sequences), so the request ends after its longest
+        sequence's tokens left times ``n`` of them."""
+        progress = self.progress
+        if progress is None or not progress.generated:
+            return lengths.tokens_left(self.completion_tokens, self.job.max_tokens)
+        left = [lengths.tokens_left(done, self.job.max_tokens)
+                for i, done in enumerate(progress.generated) if i not in progress.finished]
+        return max(left, default=1) * progress.choices
+
     def remaining_s(self, now: float, model_tpot_s: float, prefill_s_per_token: float,
-                    length_share: float) -> float:
+                    lengths: _LengthShares) -> float:
         """Predicted seconds until this request ends (see the module doc)."""
-        expected = max(1, round(self.job.max_tokens * length_share))
-        left = max(expected - self.completion_tokens, 1)
+        left = self._tokens_left(lengths)
         if self.first_token_at is None:
             prefill = self.job.prompt_tokens * prefill_s_per_token
             return max(self.dispatched_at + prefill - now, 0.0) + left * model_tpot_s
@@ -391,6 +452,33 @@ class _Ewma:
         self.samples += 1
 
 
+class _LengthShares:
+    """How long sequences run: the share of their ``max_tokens`` that each of
+    the last :data:`LENGTH_SAMPLES` finished sequences generated, and from it
+    the expected tokens left of one still running (module doc, "retry hint")."""
+
+    def __init__(self) -> None:
+        self._shares: collections.deque[float] = collections.deque(maxlen=LENGTH_SAMPLES)
+
+    def add(self, generated: int, max_tokens: int) -> None:
+        """A sequence ended after ``generated`` of its ``max_tokens`` tokens."""
+        if max_tokens > 0:
+            self._shares.append(min(generated / max_tokens, 1.0))
+
+    def tokens_left(self, generated: int, max_tokens: int) -> int:
+        """Tokens a sequence that generated ``generated`` of ``max_tokens``
+        and runs on is expected to generate still: ``max_tokens`` times the
+        mean share of the finished sequences that ran longer than it has, less
+        ``generated``; with none (none finished yet, or none ran this long),
+        all of ``max_tokens`` less ``generated``, the bound. At least 1."""
+        if max_tokens <= 0:
+            return 1
+        done = generated / max_tokens
+        longer = [share for share in self._shares if share > done]
+        share = sum(longer) / len(longer) if longer else 1.0
+        return max(math.ceil(share * max_tokens) - generated, 1)
+
+
 class _ClassQueue:
     """One traffic class's queue: FIFO per tenant, tenants by virtual counter."""
 
@@ -463,6 +551,12 @@ class _Tally:
             self.interactive_running += sign
             self.interactive_kv += sign * job.kv_tokens
 
+    def counted(self, interactive: bool) -> tuple[int, int]:
+        """(running, KV tokens reserved): the interactive ones' only, or all."""
+        if interactive:
+            return self.interactive_running, self.interactive_kv
+        return self.running, self.kv
+
     def merge(self, other: _Tally) -> None:
         self.running += other.running
         self.kv += other.kv
@@ -498,7 +592,7 @@ class AdmissionController:
         self._timer: asyncio.TimerHandle | None = None
         self._tpot = _Ewma(INITIAL_TPOT_S)
         self._prefill = _Ewma(INITIAL_PREFILL_S_PER_TOKEN)
-        self._length_share = _Ewma(1.0)
+        self._lengths = _LengthShares()
         self._service = _Ewma(0.0)
         self.set_replicas(replicas)
 
@@ -517,11 +611,14 @@ class AdmissionController:
             del self._tallies[key]
         caps = list(self._capacity.values())
         per = self.config.max_running_per_replica
-        self.max_running = sum(per or r.max_num_seqs or DEFAULT_REPLICA_CAP for r in caps)
-        kv = sum(r.kv_capacity_tokens for r in caps)
-        self.kv_limit = (int(kv * self.config.kv_overcommit)
-                         if kv and all(r.kv_capacity_tokens for r in caps)
-                         and self.config.kv_overcommit > 0 else 0)
+        self._slots = {k: per or r.max_num_seqs or DEFAULT_REPLICA_CAP
+                       for k, r in self._capacity.items()}
+        self.max_running = sum(self._slots.values())
+        kv_known = (bool(caps) and all(r.kv_capacity_tokens for r in caps)
+                    and self.config.kv_overcommit > 0)
+        self._kv_limits = {k: int(r.kv_capacity_tokens * self.config.kv_overcommit)
+                           if kv_known else 0 for k, r in self._capacity.items()}
+        self.kv_limit = sum(self._kv_limits.values())
         self._pump()
 
     @property
@@ -698,25 +795,40 @@ class AdmissionController:
         now = self._clock()
         floor = self._window_left(now) if priority is Priority.BATCH else 0.0
         needed = 1 + extra_ahead  # our dispatch is the needed-th from now
-        held = self._held()
-        blocked = bool(self.kv_limit) and held.kv >= self.kv_limit
-        free = 0 if blocked else max(self.max_running - held.running, 0)
+        slots, kv = self._free()
+        free = 0 if self.kv_limit and kv <= 0 else slots
         if needed <= free:
             return floor
-        ends = sorted(t.remaining_s(now, self._tpot.value, self._prefill.value,
-                                    self._length_share.value)
-                      for t in self._running if self._in_service(t.replica))
+        ends = self._slot_frees(now)
         if not ends:
             return floor
         rounds, index = divmod(needed - free - 1, len(ends))
         service = self._service.value or ends[-1]
         return max(ends[index] + rounds * service, floor)
 
+    def _slot_frees(self, now: float) -> list[float]:
+        """Predicted seconds until each slot of the replicas in service frees
+        for a new request, soonest first: every counted request's predicted end
+        (:meth:`Ticket.remaining_s`), less, on a replica holding more requests
+        than its slots, as many of its soonest ends as it holds beyond them
+        (those slots go to the requests placed there to wait)."""
+        by_replica: dict[Hashable | None, list[float]] = collections.defaultdict(list)
+        for ticket in self._running:
+            if self._in_service(ticket.replica):
+                by_replica[ticket.replica].append(ticket.remaining_s(
+                    now, self._tpot.value, self._prefill.value, self._lengths))
+        frees: list[float] = []
+        for replica, ends in by_replica.items():
+            ends.sort()
+            excess = 0 if replica is None else max(len(ends) - self._slots[replica], 0)
+            frees.extend(ends[excess:])
+        return sorted(frees)
+
     def retry_after_s(self, priority: Priority) -> float:
         """The hint for a request of ``priority`` refused now: until its class's
         queue has a free position (one of its class dispatched)."""
         ahead = sum(self._queues[p].depth for p in Priority if p < priority)
-        return self.predicted_wait_s(priority, extra_ahead=ahead)
+        return max(self.predicted_wait_s(priority, extra_ahead=ahead), MIN_QUEUE_RETRY_S)
 
     # ------------------------------------------------------------ internals
 
@@ -746,25 +858,43 @@ class AdmissionController:
 
     def _refuse(self, priority: Priority, reason: RefusalReason, message: str,
                 wait_s: float | None = None) -> None:
-        retry = self.retry_after_s(priority) if wait_s is None else wait_s
+        retry = (self.retry_after_s(priority) if wait_s is None
+                 else max(wait_s, MIN_QUEUE_RETRY_S))
         self._observer.refused(priority, reason, retry)
         raise AdmissionRefused(reason, f"{message}; retry after {retry_after_ms(retry)} ms",
                                retry)
 
     def _fits(self, job: Job) -> bool:
-        """Whether ``job`` may run now. An interactive job counts only the
-        interactive requests running: the engines preempt batch sequences for
-        it (see the module doc)."""
-        held = self._held()
-        if job.priority is Priority.INTERACTIVE:
-            running, reserved = held.interactive_running, held.interactive_kv
-        else:
-            running, reserved = held.running, held.kv
-        if running >= self.max_running:
+        """Whether ``job`` may run now: a free slot and room in the KV limit
+        (:meth:`_free`; a request alone always fits the KV limit). An
+        interactive job counts only the interactive requests running: the
+        engines preempt batch sequences for it (see the module doc)."""
+        interactive = job.priority is Priority.INTERACTIVE
+        slots, kv = self._free(interactive=interactive)
+        if slots < 1:
             return False
-        if not self.kv_limit or not running:
+        if not self.kv_limit:
             return True
-        return reserved + job.kv_tokens <= self.kv_limit
+        alone = not self._held().counted(interactive)[0]
+        return alone or kv >= job.kv_tokens
+
+    def _free(self, *, interactive: bool = False) -> tuple[int, int]:
+        """Free sequence slots and free KV tokens (prompt + ``max_tokens``
+        reservations) over the replicas in service, counted per replica: the
+        sum over them of their cap (KV limit) less what is placed on them,
+        never below 0 on one replica, less what the granted requests not
+        placed yet hold. A request placed on a replica beyond its slots
+        (waiting there by the routing's choice) uses no other replica's slot
+        or KV. May be negative (more granted, not placed, than free).
+        ``interactive``: count only the interactive requests."""
+        slots = kv = 0
+        for replica, cap in self._slots.items():
+            tally = self._tallies.get(replica) or _Tally()
+            running, reserved = tally.counted(interactive)
+            slots += max(cap - running, 0)
+            kv += max(self._kv_limits[replica] - reserved, 0)
+        running, reserved = self._tallies[None].counted(interactive)
+        return slots - running, kv - reserved
 
     def _in_service(self, replica: Hashable | None) -> bool:
         """Whether requests on ``replica`` count against the capacity (it is in
@@ -834,8 +964,8 @@ class AdmissionController:
         tpot = ticket.measured_tpot_s()
         if tpot is not None:
             self._tpot.add(tpot)
-        if ticket.job.max_tokens:
-            self._length_share.add(min(ticket.completion_tokens / ticket.job.max_tokens, 1.0))
+        for generated in ticket.generated_per_sequence():
+            self._lengths.add(generated, ticket.job.max_tokens)
 
     def _next_entry(self, now: float) -> _Entry | None:
         """The entry to dispatch next (module doc order), or None (none eligible)."""

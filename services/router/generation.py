@@ -959,7 +959,7 @@ class GenerationPipeline:
                 continue  # left routing while an earlier one was tried, or left DNS
             opened = engine.opened(request.priority, sampling.n, sampling.max_tokens)
             if ticket is not None:
-                ticket.place(engine)
+                ticket.place(engine, opened)
             stream: EngineStream | None = None
             ok = False
             try:

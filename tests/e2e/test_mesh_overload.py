@@ -342,6 +342,64 @@ def test_a_long_cached_prefix_waits_for_its_full_holder_about_to_free_a_slot(
     assert counts[holder] == 1, counts  # it waited for the holder's slot
 
 
+def test_a_question_waiting_for_its_prefixs_full_holder_holds_no_slot_of_the_other(
+        mesh: Mesh) -> None:
+    """QA: the document cached on one engine running 2 streams (both slots),
+    the other engine running 1 (1 free slot); a question about the document
+    waits for the holder (above). An unrelated request sent then waited in
+    the router's queue (0.3-0.9 s) beside the free slot: the question counted
+    against the global cap (2 + 2). It is now admitted at once: the router's
+    admission-wait histogram, observed only for a request that queued, does
+    not move (on the old code it counts the request, which waited for a
+    holder's stream to end)."""
+    router = mesh.router.metrics_address
+    engines = {e.grpc_address: e.name for e in mesh.engines}
+    queued = "llmesh:router_admission_wait_seconds_count"
+
+    def routed() -> dict[str, float]:
+        return {name: metric(router, "llmesh:router_routed_requests_total", engine=address)
+                for address, name in engines.items()}
+
+    async def until_routed(holder: str, count: float) -> None:
+        for _ in range(200):
+            if routed()[holder] >= count:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the question was not routed to the holder")
+
+    async def scenario(stub) -> tuple[str, dict[str, float], float, Outcome, list[Outcome]]:
+        before = routed()
+        warm = await run_one(stub, on_document(2, "warm2"))
+        assert warm.code == grpc.StatusCode.OK, warm.details
+        holder = next(n for n, c in routed().items() if c > before[n])
+        await asyncio.sleep(0.3)  # the KV events reach the prefix index
+        started = [asyncio.Event() for _ in range(SLOTS_PER_ENGINE + 1)]
+        streams = [asyncio.create_task(run_one(stub, on_document(40, f"h{i}"),
+                                               first_token=e, first_token_count=12))
+                   for i, e in enumerate(started[:-1])]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started[:-1])), 60)
+        streams.append(asyncio.create_task(run_one(  # the holder is full: the other engine
+            stub, long_request(128, "other"), first_token=started[-1], first_token_count=1)))
+        await asyncio.wait_for(started[-1].wait(), 60)
+        filled = routed()
+        question = asyncio.create_task(run_one(stub, on_document(4, "question2")))
+        await until_routed(holder, filled[holder] + 1)
+        waits_before = metric(router, queued)
+        short = await run_one(stub, long_request(2, "short"))
+        waits = metric(router, queued) - waits_before
+        outcomes = await asyncio.gather(question, *streams)
+        return holder, {n: c - filled[n] for n, c in routed().items()}, waits, short, outcomes
+
+    holder, counts, waits, short, outcomes = asyncio.run(with_stub(mesh, scenario))
+    question = outcomes[0]
+    print(f"holder {holder}; routed after the streams {counts}; the short request's TTFT "
+          f"{short.first_token_at - short.sent_at:.3f} s, queued in admission {waits:g} "
+          f"times; the question's TTFT {question.first_token_at - question.sent_at:.3f} s")
+    assert all(o.code == grpc.StatusCode.OK for o in outcomes), [o.details for o in outcomes]
+    assert short.code == grpc.StatusCode.OK and short.tokens == 2, short.details
+    assert waits == 0, "the short request queued in the router beside a free slot"
+
+
 def test_a_draining_engines_streams_hold_no_slot_of_the_other_engine(mesh: Mesh) -> None:
     """QA: two engines, one draining with every slot running: the router's cap
     fell to the other's slots while the draining one's streams still counted,

@@ -19,6 +19,7 @@ from services.router.admission import (
     ReplicaCapacity,
     Ticket,
 )
+from services.router.engine_client import OpenRequest
 
 INTERACTIVE, BATCH = Priority.INTERACTIVE, Priority.BATCH
 
@@ -69,6 +70,17 @@ async def release_one_at_a_time(running: list[Ticket], tasks: dict[str, asyncio.
                 running.append(task.result())
                 del pending[name]
     return order
+
+
+async def refused_hint(ctl: AdmissionController, *, fill: bool = True) -> float:
+    """The retry hint (s) of a request refused by ``ctl``'s full one-place
+    queue; ``fill``: queue a request first to fill it."""
+    if fill:
+        await queued(ctl, job("queued"))
+    with pytest.raises(AdmissionRefused) as refused:
+        await ctl.admit(job("refused"))
+    assert refused.value.reason == "queue_full"
+    return refused.value.retry_after_s
 
 
 async def test_room_grants_at_once_and_a_release_dispatches_the_queue_in_fifo_order() -> None:
@@ -324,6 +336,143 @@ async def test_a_slot_placed_on_a_replica_that_left_meanwhile_frees_its_place() 
     assert (await asyncio.wait_for(waiting, 0.5)).job.request_id == "next"
     first.release()
     assert ctl.num_running == 1 and ctl._tallies.keys() == {None}  # "a"'s tally forgotten
+
+
+async def test_a_request_waiting_on_its_prefixs_full_replica_takes_no_slot_of_another() -> None:
+    """QA: two 2-slot engines; "a" runs 2 streams (its 2 slots), "b" 1 (1
+    free); a question about a document cached on "a" is admitted and routed
+    to wait on "a". An unrelated request then queued in the router (0.3-0.9 s)
+    although "b" had a free slot: the question counted against the global cap
+    (2 + 2 = 4). Free slots are counted per replica, so it is admitted at once."""
+    clock = Clock()
+    ctl = two_replicas(clock, max_queued_requests=4)
+    on_a = [await ctl.admit(job(f"a{i}")) for i in range(2)]
+    for ticket in on_a:
+        ticket.place("a")
+    (on_b := await ctl.admit(job("b0"))).place("b")
+    question = await asyncio.wait_for(ctl.admit(job("question", prompt=1500)), 0.5)
+    assert ctl.would_queue(job("short"))  # granted, not placed: it may take b's slot
+    question.place("a")  # the routing's choice: wait for "a", which holds its prefix
+    assert not ctl.would_queue(job("short"))
+    short = ctl.claim(job("short"))
+    assert short.granted
+    (await short.wait()).place("b")
+    # Now every slot is taken: the next request queues, and a slot of "a"
+    # freeing goes to the question waiting there, not to it.
+    later = await queued(ctl, job("later"))
+    on_a[0].release()
+    await asyncio.sleep(0)
+    assert not later.done()
+    on_b.release()
+    assert (await asyncio.wait_for(later, 0.5)).job.request_id == "later"
+
+
+async def test_the_hint_skips_a_slot_end_that_goes_to_a_request_waiting_on_that_replica(
+        ) -> None:
+    """A slot freeing on a replica where a request waits (placed beyond its
+    slots) goes to that request: the hint is the next slot to free elsewhere."""
+    clock = Clock()
+    ctl = two_replicas(clock, slots=1, max_queued_requests=1)
+    first_a = await ctl.admit(job("a0"))
+    first_a.place("a")
+    (await ctl.admit(job("waits_on_a"))).place("a")
+    first_b = await asyncio.wait_for(ctl.admit(job("b0")), 0.5)
+    first_b.place("b")
+    for ticket, tokens in ((first_a, 90), (first_b, 50)):  # 10 and 50 tokens left
+        for step in range(tokens):
+            ticket.on_tokens(1, clock.now + step * 0.01)
+    hint = await refused_hint(ctl)
+    assert hint == pytest.approx(50 * 0.01)  # b0's end, not a0's
+
+
+async def test_kv_reserved_beyond_one_replicas_limit_takes_no_kv_of_another() -> None:
+    """The KV limit is counted per replica as the slots are: a request placed
+    to wait on a replica whose KV limit its reservations already pass does not
+    eat into the other replica's (the old global sum refused 900 more tokens
+    with 1000 free on "b")."""
+    clock = Clock()
+    ctl = two_replicas(clock, slots=8, kv=1000)
+    (await ctl.admit(job("big", prompt=900, max_tokens=100))).place("a")
+    (await ctl.admit(job("waits", prompt=400, max_tokens=100))).place("a")  # a: 1500 of 1000
+    assert not ctl.would_queue(job("fits_b", prompt=800, max_tokens=100))
+    assert ctl.would_queue(job("too_big", prompt=950, max_tokens=100))
+
+
+@pytest.mark.parametrize("with_record", [False, True])
+async def test_the_hint_follows_each_streams_own_progress_not_the_finished_ones_lengths(
+        with_record: bool) -> None:
+    """QA: 10 short requests ended at EOS after 5 of their 256 tokens, then 4
+    streams of 800 tokens (ignore_eos) filled the slots: the hint was 10 ms
+    (every stream looked one token from its end: 800 x the 2 % share the short
+    ones used) and the first queued request started 3.96 s later. A running
+    stream is expected to run as long as the finished ones that ran longer
+    than it has, or to its max_tokens when none did. ``with_record``: placed
+    with its stream's own record (:class:`OpenRequest`), else counted by the
+    ticket's tokens alone."""
+    clock = Clock()
+    ctl = two_replicas(clock, max_queued_requests=1)
+    for i in range(10):
+        short = await ctl.admit(job(f"short{i}", max_tokens=256))
+        short.place("a" if i % 2 else "b")
+        for step in range(5):
+            short.on_tokens(1, clock.now + step * 0.01)
+        short.release()
+    streams = [await ctl.admit(job(f"long{i}", max_tokens=800)) for i in range(4)]
+    for i, ticket in enumerate(streams):
+        opened = OpenRequest(INTERACTIVE, 800, [0])
+        if with_record:
+            ticket.place("ab"[i % 2], opened)
+        else:
+            ticket.place("ab"[i % 2])
+        for step in range(100 + 50 * i):  # at 10 ms a token
+            ticket.on_tokens(1, clock.now + step * 0.01)
+            opened.advance(0, 1)
+    clock.now += 1.0
+    hint = await refused_hint(ctl)
+    # The most advanced stream (250 of 800) ends first: 550 tokens at 10 ms.
+    assert hint == pytest.approx(550 * 0.01, rel=0.02)
+
+
+async def test_the_hint_keeps_finished_lengths_a_stream_has_not_reached_and_has_a_floor() -> None:
+    """A stream short of the lengths finished requests reached is expected to
+    end as they did (their mean share of max_tokens); a hint is never under
+    100 ms, however close to its end the prediction puts a stream."""
+    clock = Clock()
+    ctl = controller(slots=1, clock=clock, max_queued_requests=1)
+    for length in (40, 60):  # of 100: the mean share of the longer ones is 0.5
+        done = await ctl.admit(job(f"done{length}"))
+        for step in range(length):
+            done.on_tokens(1, clock.now + step * 0.01)
+        done.release()
+    running, start = await ctl.admit(job("running")), clock.now
+    for step in range(11):
+        running.on_tokens(1, start + step * 0.01)
+    clock.now = start + 0.1
+    hint = await refused_hint(ctl)
+    assert hint == pytest.approx((50 - 11) * 0.01, rel=0.02)
+    for step in range(11, 59):  # 59 of 100: past 40, short of 60: 1 token (10 ms) left
+        running.on_tokens(1, start + step * 0.01)
+    clock.now = start + 0.58
+    assert await refused_hint(ctl, fill=False) == pytest.approx(0.1)
+
+
+async def test_the_hint_of_a_request_with_several_choices_waits_for_its_longest() -> None:
+    """n = 2: the measured rate counts both choices' tokens (2 a step); once
+    one choice ended, the request ends after the other's tokens left at one
+    step each, i.e. twice its tokens left at the measured rate."""
+    clock = Clock()
+    ctl = controller(slots=1, clock=clock, max_queued_requests=1)
+    ticket = await ctl.admit(job("two", max_tokens=100))
+    opened = OpenRequest(INTERACTIVE, 100, [0, 0])
+    ticket.place(0, opened)
+    for step in range(21):  # a step of 20 ms yields a token of each choice
+        ticket.on_tokens(2, clock.now + step * 0.02)
+        opened.advance(0, 1)
+        opened.advance(1, 1, finished=step == 20)
+    clock.now += 0.4
+    hint = await refused_hint(ctl)
+    # Choice 0: 79 of 100 left, at 20 ms a step (10 ms a token of the two).
+    assert hint == pytest.approx(79 * 0.02, rel=0.02)
 
 
 async def test_disabled_admission_never_queues_or_refuses() -> None:
