@@ -256,6 +256,21 @@ def format_hops(rows: dict[str, dict[str, list[float]]]) -> list[str]:
     return lines
 
 
+def path_order(names: list[str], i: int) -> list[str]:
+    """Round ``i``'s order of the paths, from a Williams design (Williams
+    1949, balanced for first-order carry-over): row ``i mod k`` of the square
+    whose first row is 0, 1, k-1, 2, k-2, ... (each next row adds 1 mod k),
+    the row reversed in every other cycle of ``k`` rounds (which an odd ``k``
+    needs). Over ``2 * k`` rounds each path directly follows each other one
+    equally often. (Rotations alone put the same path after the in-process
+    run every round, and the second mesh after the first: a position bias
+    the comparison could not tell from a difference of code.)"""
+    k = len(names)
+    first = [0] + [(j + 1) // 2 if j % 2 else k - j // 2 for j in range(1, k)]
+    row = [names[(j + i) % k] for j in first]
+    return row[::-1] if (i // k) % 2 else row
+
+
 def quartiles(values: list[float]) -> tuple[float, float, float]:
     """(median, p25, p75) of ``values`` (inclusive quartiles; one value: itself thrice).
 

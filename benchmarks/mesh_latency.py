@@ -97,7 +97,7 @@ from llmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, generation_pb2, g
 from latency_attribution import (  # noqa: E402
     BASE, CLAMP_STDERRS, ROUTER_TTFT, EngineReading, IdleRate, Sample, cpu_ms_per_request,
     cpu_ns, engine_reading, format_hops, histogram_delta, histogram_sum_count, hop_rows,
-    idle_rate, multi_step, quartiles, scrape, thread_mix)
+    idle_rate, multi_step, path_order, quartiles, scrape, thread_mix)
 from mesh_cpu import MESH_OVERHEAD, cpu_seconds  # noqa: E402
 from services.cli.mesh import Mesh  # noqa: E402
 from services.common.model_files import default_model_path  # noqa: E402
@@ -204,10 +204,6 @@ async def _bounded(concurrency: int, jobs: list[Callable[[], Awaitable[Run]]]
     return time.perf_counter() - began, list(runs)
 
 
-def _rotated(names: list[str], i: int) -> list[str]:
-    return names[i % len(names):] + names[:i % len(names)]
-
-
 def _load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
@@ -258,7 +254,7 @@ async def one_stream(backend: TorchBackend, prompt_ids: tuple[int, ...],
     cpu = {path: {name: [] for name in procs} for path, procs in pids.items()}
     load_before = _load()
     for i in range(rounds + 1):
-        for name in _rotated(list(jobs), i):
+        for name in path_order(list(jobs), i):
             time.sleep(settle)
             procs = pids.get(name, {})
             before = {n: cpu_ns(pid) for n, pid in procs.items()}
@@ -310,7 +306,7 @@ async def many_streams(backend: TorchBackend, tokenizer: Tokenizer,
     cpu = {path: {name: [] for name in procs} for path, procs in pids.items()}
     load_before = _load()
     for r in range(rounds):
-        for name in _rotated(list(rows), r):
+        for name in path_order(list(rows), r):
             time.sleep(settle)
             if name == "in-process":
                 jobs = [functools.partial(run_in_process, backend, p, max_tokens, f"b-{r}-{i}")
@@ -506,7 +502,7 @@ async def attribute(probes: dict[str, Probe], pids: dict[str, int], *, rounds: i
     elapsed = dict.fromkeys(probes, 0.0)
     load_before = _load()
     for i in range(rounds + 1):
-        for name in _rotated(list(probes), i):
+        for name in path_order(list(probes), i):
             sample, cpu, window = await _probe_once(probes[name], f"attr-{i}-{name}", settle,
                                                     pids)
             if i:

@@ -11,6 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
 from benchmarks.latency_attribution import (
+    path_order,
     BASE, ENGINE_STEP, ENGINE_THREADS, ROUTER_TTFT, EngineReading, IdleRate, Sample,
     cpu_ms_per_request, cpu_ns, engine_reading, format_hops, histogram_delta,
     histogram_sum_count, hop_rows, idle_rate, multi_step, quartiles, schedstat_ns, scrape,
@@ -213,3 +214,17 @@ def test_a_scrape_the_server_drops_once_is_tried_again() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5, 6])
+def test_over_two_cycles_each_path_follows_each_other_equally_often(k: int) -> None:
+    """Rotations alone put path B after path A in every round where both run
+    (the first mesh always after the in-process run): a position bias."""
+    names = [f"p{j}" for j in range(k)]
+    follows: dict[tuple[str, str], int] = {}
+    for i in range(2 * k):
+        order = path_order(names, i)
+        assert sorted(order) == names
+        for pair in zip(order, order[1:]):
+            follows[pair] = follows.get(pair, 0) + 1
+    assert len(follows) == k * (k - 1) and len(set(follows.values())) == 1, follows
