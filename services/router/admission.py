@@ -46,7 +46,11 @@ in-flight requests: the pipeline tells a granted slot where it runs
 that remain; it only runs out on its own replica (QA: with two 8-slot
 engines, one draining with 8 running, nothing was admitted until those 8
 ended while the other engine sat idle). A granted request not placed yet
-counts against the replicas in service. The free capacity is counted per
+counts against the replicas in service. Slots count engine sequences, as
+the replicas' ``max_num_seqs`` does: a request with ``n`` choices takes
+``n`` (at most a whole replica's; QA: four n=2 requests on two 2-slot
+engines were all admitted, and two of them waited ~10 s inside the engines,
+out of the queue and its hint). The free capacity is counted per
 replica: the sum over the replicas in service of their cap less the requests
 placed there (never below 0 on one replica), less the granted requests not
 placed yet; the KV limit likewise, with each replica's KV capacity times
@@ -219,7 +223,9 @@ class Job:
     """What admission needs to know of a request (token counts after tokenization).
 
     ``max_tokens`` is the clamped completion budget; ``tenant`` the
-    ``x-tenant-id`` ("" when none).
+    ``x-tenant-id`` ("" when none); ``sequences`` the engine sequence slots it
+    holds while it runs (one per choice: a request with ``n`` choices runs
+    ``n`` sequences, and replicas' caps count sequences).
     """
 
     request_id: str
@@ -227,6 +233,7 @@ class Job:
     tenant: str
     prompt_tokens: int
     max_tokens: int
+    sequences: int = 1
 
     @property
     def kv_tokens(self) -> int:
@@ -535,7 +542,7 @@ class _ClassQueue:
 
 @dataclass
 class _Tally:
-    """Running requests of one replica (or of none yet): how many, and the
+    """Running requests of one replica (or of none yet): how many sequences, and the
     KV tokens they reserve; of those, the interactive ones."""
 
     running: int = 0
@@ -544,11 +551,11 @@ class _Tally:
     interactive_kv: int = 0
 
     def add(self, job: Job, sign: int = 1) -> None:
-        """Counts ``job`` in (``sign`` 1) or out (-1)."""
-        self.running += sign
+        """Counts ``job``'s sequences in (``sign`` 1) or out (-1)."""
+        self.running += sign * job.sequences
         self.kv += sign * job.kv_tokens
         if job.priority is Priority.INTERACTIVE:
-            self.interactive_running += sign
+            self.interactive_running += sign * job.sequences
             self.interactive_kv += sign * job.kv_tokens
 
     def counted(self, interactive: bool) -> tuple[int, int]:
@@ -815,8 +822,9 @@ class AdmissionController:
         by_replica: dict[Hashable | None, list[float]] = collections.defaultdict(list)
         for ticket in self._running:
             if self._in_service(ticket.replica):
-                by_replica[ticket.replica].append(ticket.remaining_s(
-                    now, self._tpot.value, self._prefill.value, self._lengths))
+                end = ticket.remaining_s(now, self._tpot.value, self._prefill.value,
+                                         self._lengths)
+                by_replica[ticket.replica].extend([end] * ticket.job.sequences)
         frees: list[float] = []
         for replica, ends in by_replica.items():
             ends.sort()
@@ -871,7 +879,8 @@ class AdmissionController:
         engines preempt batch sequences for it (see the module doc)."""
         interactive = job.priority is Priority.INTERACTIVE
         slots, kv = self._free(interactive=interactive)
-        if slots < 1:
+        # n choices need n slots (at most a whole replica's: more run there in turns)
+        if slots < min(job.sequences, max(self._slots.values(), default=1)):
             return False
         if not self.kv_limit:
             return True

@@ -1147,7 +1147,7 @@ class GenerationPipeline:
         if controller is None:
             return None
         job = Job(request.request_id, request.priority, request.tenant, prompt_tokens,
-                  max_tokens)
+                  max_tokens, sequences=max(request.sampling.n, 1))
         if only_to_queue and not controller.would_queue(job):
             return None
         try:

@@ -322,6 +322,32 @@ async def test_requests_on_a_replica_that_left_hold_no_slot_of_those_that_remain
     assert ctl.num_running_in_service == 3
 
 
+async def test_a_request_with_n_choices_takes_n_sequence_slots() -> None:
+    """QA: two 2-slot engines, four requests of n=2 at once: all four were
+    admitted (one slot each), two of them waited ~10 s inside the engines for
+    their first token, out of the router's queue and its hint. Replicas' caps
+    count sequences, so an n-choice request takes n of them."""
+    clock = Clock()
+    ctl = two_replicas(clock, max_queued_requests=4)
+    first = [await asyncio.wait_for(ctl.admit(Job(f"n{i}", INTERACTIVE, "", 10, 100, 2)), 0.5)
+             for i in range(2)]
+    for ticket, replica in zip(first, "ab", strict=True):
+        ticket.place(replica)
+    assert ctl.num_running_in_service == 4  # sequences
+    third = await queued(ctl, Job("n2", INTERACTIVE, "", 10, 100, 2))
+    one = await queued(ctl, job("one"))
+    assert not third.done() and not one.done()
+    first[0].release()  # two slots free on "a": the n=2 request first (FIFO), then nothing
+    ticket = await asyncio.wait_for(third, 0.5)
+    ticket.place("a")
+    await asyncio.sleep(0)
+    assert not one.done()
+    # n larger than a replica's slots still runs once a whole replica is free
+    ctl2 = two_replicas(clock)
+    wide = await asyncio.wait_for(ctl2.admit(Job("wide", INTERACTIVE, "", 10, 100, 5)), 0.5)
+    assert wide.job.sequences == 5
+
+
 async def test_a_slot_placed_on_a_replica_that_left_meanwhile_frees_its_place() -> None:
     """A request granted while both replicas served, placed on one that left
     before its stream opened (or retried elsewhere), stops counting at once,

@@ -116,6 +116,23 @@ async def test_a_burst_of_100_stores_goes_in_few_messages_each_acknowledged():
         assert stores(mesh, "stored") == 100
 
 
+async def test_a_backlog_of_long_responses_is_split_under_the_message_limit():
+    """QA: 1,000 stores of 70 KB in one write made one ~70 MB message, over
+    gRPC's 64 MiB limit: the write failed and all 1,000 were lost. Messages
+    are bounded by bytes too, so each store lands."""
+    cache = real_cache()
+    long_answer = CachedResponse(tuple(range(10)), "x" * 70_000, FinishReason.LENGTH)
+    async with make_mesh(cache_servicer=cache) as mesh:
+        client = mesh.router._cache
+        results = await asyncio.gather(*(
+            asyncio.ensure_future(client.put(key_of(i), long_answer, request_id=f"r{i}"))
+            for i in range(1000)))
+        assert results == [True] * 1000
+        assert await client.get(key_of(999), request_id="g", deadline=None) == long_answer
+        assert put_messages(cache) >= 70_000_000 // (4 << 20)
+        assert stores(mesh, "stored") == 1000 and stores(mesh, "failed") == 0
+
+
 async def test_a_cache_restart_loses_only_the_stores_in_flight_and_recovers():
     gated = GatedStore()
     async with make_mesh(cache_servicer=real_cache(gated)) as mesh:
