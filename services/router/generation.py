@@ -898,11 +898,21 @@ class GenerationPipeline:
         if key is None or self.cache is None:
             return None
         self.metrics.cache_queries.labels(request.model).inc()
+        # One cache budget for the lookup, the wait for a pending store included
+        # (QA: with the cache stalled, 0.5 s of waiting then the lookup's own 0.5 s).
+        budget = time.monotonic() + self.cache.timeout
+        budget = budget if deadline is None else min(budget, deadline)
         pending = self._pending_stores.get(key)
         if pending is not None and self.cache.connected():  # else the lookup misses anyway
-            await asyncio.wait([pending], timeout=_PENDING_STORE_WAIT_SECONDS)
-        hit = await self.cache.get(key, request_id=request.request_id, deadline=deadline,
-                                   trace_metadata=trace_metadata)
+            await asyncio.wait([pending], timeout=min(_PENDING_STORE_WAIT_SECONDS,
+                                                      max(budget - time.monotonic(), 0.0)))
+        try:
+            hit = await self.cache.get(key, request_id=request.request_id, deadline=budget,
+                                       trace_metadata=trace_metadata)
+        except UpstreamError:  # DEADLINE_EXCEEDED: the budget passed before the call
+            if budget == deadline:
+                raise  # the client's own deadline
+            return None  # the cache's budget, spent waiting: a miss, not an error
         if hit is not None:
             self.metrics.cache_hits.labels(request.model).inc()
         return hit

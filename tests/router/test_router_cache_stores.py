@@ -133,6 +133,33 @@ async def test_a_backlog_of_long_responses_is_split_under_the_message_limit():
         assert stores(mesh, "stored") == 1000 and stores(mesh, "failed") == 0
 
 
+class StalledStore(GatedStore):
+    """A memory store whose puts and gets both wait for ``gate`` (a stalled cache)."""
+
+    async def get(self, key: str) -> bytes | None:
+        await self.gate.wait()
+        return await super().get(key)
+
+
+async def test_a_lookup_waiting_for_its_pending_store_spends_one_cache_budget():
+    """QA: with the cache stalled (SIGSTOP), a repeated request waited 0.5 s for
+    the pending store of its key, then 0.5 s more for its own lookup. The wait
+    and the lookup now share one budget (the router's cache timeout) and the
+    request is answered by the engine after it."""
+    stalled = StalledStore()
+    request = generation_pb2.GenerateRequest(prompt="q", sampling=greedy())
+    async with make_mesh(cache_servicer=real_cache(stalled), cache_timeout=0.4) as mesh:
+        first = await collect(mesh.stub.Generate(request))  # its lookup times out: 0.4 s
+        await wait_for(lambda: stalled.waiting == 1)  # its store is stuck at the cache
+        started = time.monotonic()
+        second = await collect(mesh.stub.Generate(request))
+        took = time.monotonic() - started
+        assert second[-1].cached is False and text_of(second) == text_of(first)
+        # one budget of 0.4 s, not 0.5 s of waiting and then 0.4 s (0.9 s before)
+        assert took < 0.7, took
+        stalled.gate.set()
+
+
 async def test_a_cache_restart_loses_only_the_stores_in_flight_and_recovers():
     gated = GatedStore()
     async with make_mesh(cache_servicer=real_cache(gated)) as mesh:
