@@ -182,12 +182,12 @@ def _checked_target(url: str, source: str) -> str:
     """
     target = grpc_target(url)
     if target and not any(char.isspace() for char in target) and "://" not in target:
-        try:
+        try:  # urlsplit: an unclosed IPv6 bracket; .port: text or a port over 65535
             parts = urllib.parse.urlsplit(f"//{target}")
-            port = parts.port
+            host, port = parts.hostname, parts.port
         except ValueError:
-            port = 0
-        if parts.hostname and (port is None or 1 <= port <= 65535):
+            host, port = None, None
+        if host and (port is None or 1 <= port <= 65535):
             return target
     why = "expected host:port, http://host:port or https://host:port (port 1-65535)"
     raise ValueError(f"--url {url!r}: {why}" if source == "--url"

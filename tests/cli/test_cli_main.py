@@ -297,10 +297,12 @@ def test_up_refuses_a_bad_variable_naming_it_and_its_value_before_starting(
      "LLMESH_URL='127.0.0.1:notaport': expected host:port, http://host:port or https://host:port (port 1-65535)"),
     ({"LLMESH_URL": "ftp://127.0.0.1:8080"},  # UNAVAILABLE: errors resolving
      "LLMESH_URL='ftp://127.0.0.1:8080': expected host:port, http://host:port or https://host:port (port 1-65535)"),
+    ({"LLMESH_URL": "[::1"},  # an UnboundLocalError traceback
+     "LLMESH_URL='[::1': expected host:port, http://host:port or https://host:port (port 1-65535)"),
     ({"LLMESH_API_KEY": "secret\nkey"},  # INTERNAL: Invalid metadata, a C-core log line
      "LLMESH_API_KEY: a key is printable ASCII without spaces (as `llmesh keys new` mints "
      "them); this one is not (not shown)"),
-], ids=["cacert", "url-empty", "url-space", "url-port-range", "url-port-text", "url-scheme",
+], ids=["cacert", "url-empty", "url-space", "url-port-range", "url-port-text", "url-scheme", "url-bracket",
         "api-key"])
 def test_generate_and_models_refuse_a_bad_variable_naming_it(
         env: dict[str, str], line: str, tmp_path, capsys, monkeypatch) -> None:
