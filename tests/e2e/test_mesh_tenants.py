@@ -323,7 +323,9 @@ def test_the_response_and_prefix_caches_are_scoped_by_tenant_over_grpc(mesh: Mes
         follow_up = last_message(stub, "beta", greedy_prompt(
             memo_prompt(tag, "Who is the new chief financial officer?")))
         assert not follow_up.cached
-        assert 100 <= follow_up.usage.cached_prompt_tokens < follow_up.usage.prompt_tokens
+        # the memo's full blocks: 112 tokens, or 96 when the random tag tokenizes so
+        # that the shared part ends before the 7th block (7 of 300 tags; CI saw one)
+        assert 96 <= follow_up.usage.cached_prompt_tokens < follow_up.usage.prompt_tokens
         # a cache_salt scopes further within the tenant (beta's entries stay beta's own)
         salted = last_message(stub, "beta", greedy_prompt(asked, cache_salt=f"salt-{tag}"))
         assert not salted.cached and salted.usage.cached_prompt_tokens == 0
@@ -336,7 +338,7 @@ def test_the_response_and_prefix_caches_are_scoped_by_tenant_over_grpc(mesh: Mes
         assert hit.cached and hit.usage.cached_prompt_tokens == hit.usage.prompt_tokens
         prefix = last_message(stub, "acme2", greedy_prompt(
             memo_prompt(f"{tag}-acme", "How large is the signing bonus?")))
-        assert not prefix.cached and prefix.usage.cached_prompt_tokens >= 100
+        assert not prefix.cached and prefix.usage.cached_prompt_tokens >= 96  # as above
         # the salt is checked at the edge, naming the field
         with pytest.raises(grpc.RpcError) as info:
             last_message(stub, "beta", greedy_prompt(asked, cache_salt=""))
