@@ -44,7 +44,8 @@ neither path runs with a governor the other lacks.
 
 Paths: **in-process** is the torch backend called directly (no gRPC, prompt
 ids from the tokenizer in this process); **mesh** is the same chat through
-Envoy's ingress (``llmesh up`` started here on free ports, or ``--url`` of a
+Envoy's ingress (with ``--session``, also **mesh session**: each request a
+``start`` on one long-lived ``GenerateStream`` call through Envoy) (``llmesh up`` started here on free ports, or ``--url`` of a
 running mesh, then without CPU accounting), response cache bypassed.
 
 Per run: TTFT (seconds from sending to the first token), TPOT ((e2e − TTFT) /
@@ -171,6 +172,38 @@ async def run_mesh(stub: generation_pb2_grpc.GenerationServiceStub,
 async def _run_mesh_path(stub: generation_pb2_grpc.GenerationServiceStub,
                          request: generation_pb2.GenerateRequest, request_id: str) -> Run:
     return await run_mesh(stub, request)
+
+
+class StreamSession:
+    """One long-lived ``GenerateStream`` call through Envoy, opened at its first
+    run: each run is a ``start`` on it, read up to the message with a finish
+    reason (a backend that holds one stream per worker pays no new call per
+    request: no HTTP/2 stream set-up, headers or server call object)."""
+
+    def __init__(self, stub: generation_pb2_grpc.GenerationServiceStub) -> None:
+        self._stub = stub
+        self._call: grpc.aio.StreamStreamCall | None = None
+
+    async def run(self, request: generation_pb2.GenerateRequest, request_id: str) -> Run:
+        if self._call is None:
+            self._call = self._stub.GenerateStream(timeout=3600)
+        start = time.perf_counter()
+        stamps: list[float] = []
+        tokens = 0
+        await self._call.write(generation_pb2.GenerateStreamRequest(start=request))
+        while True:
+            message = await self._call.read()
+            if message is grpc.aio.EOF:
+                raise RuntimeError("the GenerateStream session ended under a run")
+            if message.response.token_ids:
+                stamps.append(time.perf_counter())
+                tokens += len(message.response.token_ids)
+            if message.response.finish_reason:
+                return _run(start, stamps, tokens)
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
 
 
 async def run_engine_grpc(stub: engine_pb2_grpc.EngineServiceStub, prompt_ids: tuple[int, ...],
@@ -573,6 +606,10 @@ async def main() -> None:
     parser.add_argument("--hops", action="store_true",
                         help="1 stream: also time the router without Envoy and the engine "
                              "over gRPC (each hop's share; only with a mesh started here)")
+    parser.add_argument("--session", action="store_true",
+                        help="1 stream: also time one long-lived GenerateStream call through "
+                             "Envoy, each request a start on it (\"mesh session\": no new call "
+                             "per request)")
     parser.add_argument("--concurrency", type=int, default=16,
                         help="streams at once for the throughput part; 1: skip it")
     parser.add_argument("--num-requests", type=int, default=32)
@@ -641,6 +678,7 @@ async def main() -> None:
     urls = {"mesh (Envoy)": args.url} if args.url is not None else {}
     pids: dict[str, dict[str, int]] = {}
     channels: list[grpc.aio.Channel] = []
+    session: StreamSession | None = None
     try:
         for path, (router_args, commands) in (variants.items() if args.url is None else ()):
             started = Mesh(
@@ -679,6 +717,9 @@ async def main() -> None:
             path: functools.partial(_run_mesh_path, stub, request) for path, stub in stubs.items()}
         for path, router_stub in router_stubs.items() if args.hops else ():
             paths[_router_path(path)] = functools.partial(_run_mesh_path, router_stub, request)
+        session = StreamSession(stubs["mesh (Envoy)"]) if args.session else None
+        if session is not None:
+            paths["mesh session"] = functools.partial(session.run, request)
         if args.hops and engine_stub is not None:
             paths["engine gRPC"] = functools.partial(
                 run_engine_grpc, engine_stub, prompt_ids, args.max_tokens)
@@ -695,6 +736,8 @@ async def main() -> None:
                                rounds=args.rounds, settle=args.settle)
         await backend.shutdown()
     finally:
+        if session is not None:
+            session.close()
         for channel in channels:
             await channel.close()
         for running in meshes.values():
