@@ -981,12 +981,14 @@ class GenerationPipeline:
                     traceparent=tracing.traceparent_of(timing.span))
                 # Booked before any await: a request routed meanwhile sees it.
                 self.picker.routed(engine, choice, hint.prompt_tokens)
-                if timing.dispatched_at is None:  # once, even when a replica is retried
+                dispatched = timing.dispatched_at is None  # once, even when retried
+                if dispatched:
                     timing.dispatched_at = time.monotonic()
-                    self.metrics.request_queue_time.labels(request.model).observe(
-                        timing.dispatched_at - timing.received_at)
-                    if on_dispatch is not None:  # while the engine prefills
-                        await on_dispatch()
+                # The start leaves now: the bookkeeping and the response headers
+                # follow it instead of holding it (~0.3 ms at one stream).
+                await stream.flush()
+                if dispatched:
+                    await self._dispatched(request.model, timing, on_dispatch)
                 first = await stream.read()
                 ok = True
                 if hint.session is not None:
@@ -1005,6 +1007,17 @@ class GenerationPipeline:
                     if stream is not None:
                         stream.close()
         raise _no_replica_took(request.model, failures)
+
+    async def _dispatched(self, model: str, timing: _Timing,
+                          on_dispatch: Callable[[], Awaitable[None]] | None) -> None:
+        """After the request's start left for its first replica: its queue time
+        (received to dispatched) observed, and ``on_dispatch`` awaited (the
+        response headers, while the engine prefills)."""
+        assert timing.dispatched_at is not None
+        self.metrics.request_queue_time.labels(model).observe(
+            timing.dispatched_at - timing.received_at)
+        if on_dispatch is not None:
+            await on_dispatch()
 
     async def _from_engine(
         self, request: GenerationRequest, prompt_ids: tuple[int, ...],

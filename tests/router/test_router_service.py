@@ -176,6 +176,26 @@ async def test_the_response_headers_leave_once_the_engine_has_the_request_not_wi
         assert len(mesh.engines[0].log.starts) == 1
 
 
+async def test_the_engine_start_is_written_before_the_response_headers_are_sent(monkeypatch):
+    """The start leaves for the engine first: the response headers (and the
+    queue-time bookkeeping) follow it instead of holding it in the call's
+    queue until the router next waits."""
+    unsent_at_headers: list[int] = []
+    send_headers = router_service._send_headers
+
+    async def recording(context) -> None:
+        unsent_at_headers.append(sum(engine.unsent for pool in mesh.router.pools.values()
+                                     for engine in pool.engines))
+        await send_headers(context)
+
+    monkeypatch.setattr(router_service, "_send_headers", recording)
+    async with make_mesh() as mesh:
+        responses = await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+            prompt="Capital of France?", sampling=greedy(max_tokens=2), bypass_cache=True)))
+    assert text_of(responses) == REPLY[:2]
+    assert unsent_at_headers == [0]
+
+
 async def test_prompt_token_ids_reach_the_engine_as_sent_or_are_refused_naming_them():
     async with make_mesh() as mesh:
         ids = encode("Capital?")
