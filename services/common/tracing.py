@@ -282,15 +282,17 @@ def _live_span(name: str, parent: Span | Context,
 
 
 def record_span(name: str, parent: Span | Context | None, start: float | None,
-                end: float | None, attributes: Attributes | None = None) -> Span | None:
+                end: float | None, attributes: Attributes | None = None, *,
+                error: str = "") -> Span | None:
     """A finished span from ``start`` to ``end`` (monotonic seconds) under
-    ``parent``: a stage known by its timestamps. Nothing when either time is
-    None, ``parent`` is None or tracing is off."""
+    ``parent``: a stage known by its timestamps (status ERROR with ``error``
+    when given). Nothing when either time is None, ``parent`` is None or
+    tracing is off."""
     if start is None or end is None:
         return None
     child = start_span(name, parent, attributes=attributes, start=start,
                        root_if_no_parent=False)
-    end_span(child, end=end)
+    end_span(child, end=end, error=error)
     return child
 
 

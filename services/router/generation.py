@@ -146,7 +146,11 @@ from services.router.local_tokenizer import PromptTokenizer
 from services.router.logprob_text import TokenTexts
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
-from services.router.request_trace import end_request_span, start_request_span
+from services.router.request_trace import (
+    end_request_span,
+    start_request_span,
+    timed_admission_wait,
+)
 from services.router.retrieval.report import RetrievalReport
 from services.router.retrieval.stage import (
     PendingRetrieval,
@@ -322,6 +326,9 @@ class _Timing:
     #: The request's ``llmesh.generate`` span (None: not traced), the parent
     #: of its stages' spans and of the other services' spans.
     span: tracing.Span | None = None
+    #: (start, end) of an admission wait that ended granted, recorded as its
+    #: span when the request ends (:func:`timed_admission_wait`).
+    admission_wait: tuple[float, float] | None = None
     #: ``llmesh:inter_token_latency_seconds`` of ``model``, once looked up.
     itl: Histogram | None = None
 
@@ -670,7 +677,7 @@ class GenerationPipeline:
                                 info, session, held)
         held.matches = self._start_prefix_matches(request, prompt_ids)
         # n choices hold the engine for n x max_tokens (the prompt once)
-        with tracing.span("llmesh.admission_wait", timing.span):
+        with timed_admission_wait(timing):
             held.ticket = await self._admit(request, len(prompt_ids),
                                             sampling.max_tokens * sampling.n, deadline,
                                             held.claim)
