@@ -298,8 +298,14 @@ def record_span(name: str, parent: Span | Context | None, start: float | None,
 
 def traceparent_of(span: Span | None) -> str:
     """``span``'s W3C ``traceparent`` ("" for None): what a child on another
-    service is started from."""
-    return _carrier(span).get(TRACEPARENT, "")
+    service is started from. Written here as the SDK's propagator writes it
+    (a fifth of its cost: it is on the first token's path)."""
+    if span is None:
+        return ""
+    context = span.get_span_context()
+    if context == trace.INVALID_SPAN_CONTEXT:
+        return ""
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
 
 
 def metadata_of(span: Span | None) -> tuple[tuple[str, str], ...]:
