@@ -657,6 +657,8 @@ class GenerationPipeline:
         max_tokens = fit_to_context(len(prompt_ids), sampling.max_tokens,
                                     self.models[request.model].max_model_len,
                                     field=request.input_field)
+        if max_tokens == sampling.max_tokens and sampling.min_tokens <= max_tokens:
+            return sampling  # it fits (the usual case): no copy
         return dataclasses.replace(sampling, max_tokens=max_tokens,
                                    min_tokens=min(sampling.min_tokens, max_tokens))
 

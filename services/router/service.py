@@ -634,15 +634,15 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         if self._pending and (pb.model or self.default_model) not in self.pools:
             # Perhaps the model of a pool whose engines are not up yet.
             raise GenerationError(grpc.StatusCode.UNAVAILABLE, no_replica_message(NONE_KNOWN))
+        if not (traceparent and tracing.enabled()):
+            traceparent = tracestate = None
         validated = validate_request(
             pb, request_id=request_id, models=self.models, default_model=self.default_model,
             header_request_id=header_request_id,
             header_tenant=header_tenant if tenant is None else tenant.id,
-            cache_group="" if tenant is None else tenant.cache_group)
+            cache_group="" if tenant is None else tenant.cache_group,
+            traceparent=traceparent or "", tracestate=tracestate or "")
         self.tenancy.check_model(tenant, validated.model)
-        if traceparent and tracing.enabled():
-            validated = dataclasses.replace(validated, traceparent=traceparent,
-                                            tracestate=tracestate or "")
         return validated
 
     def run(self, tenant: Tenant | None, request: GenerationRequest, *, received_at: float,

@@ -449,7 +449,7 @@ def validate_request(
     pb: generation_pb2.GenerateRequest, *, request_id: str,
     models: Mapping[str, ModelLimits], default_model: str,
     header_request_id: str | None = None, header_tenant: str | None = None,
-    cache_group: str = "",
+    cache_group: str = "", traceparent: str = "", tracestate: str = "",
 ) -> GenerationRequest:
     """Validates every field of ``pb`` that needs no tokenizer.
 
@@ -464,6 +464,7 @@ def validate_request(
         whose fair share the request draws on; 1..128 printable ASCII.
       cache_group: the cache group the tenant's key-file entry opts into (""
         none): it owns the request's cache scope instead of the tenant.
+      traceparent, tracestate: the call's W3C trace context, kept as given.
 
     Raises:
       InvalidRequestError: the first bad field, with its gRPC code.
@@ -501,6 +502,7 @@ def validate_request(
                     and limits.tool_call_format is ToolCallFormat.TEMPLATE else ()),
         retrieval=retrieval_spec(pb, messages),
         summarize_history=_summarize_history(pb),
+        traceparent=traceparent, tracestate=tracestate,
     )
 
 
