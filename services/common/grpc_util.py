@@ -129,12 +129,12 @@ def request_id_from(context: grpc.aio.ServicerContext, given: str = "") -> str:
     return uuid.uuid4().hex
 
 
-def metadata_value(context: grpc.aio.ServicerContext, key: str) -> str | None:
-    """The first value of metadata ``key`` (lower case) the call carries, or None."""
-    for name, value in context.invocation_metadata() or ():
-        if name == key:
-            return str(value)
-    return None
+def call_headers(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    """The call's invocation metadata as ``{key: first value}`` (keys lower
+    case; a binary ``-bin`` value as ``str(bytes)``), to read once per call:
+    every ``invocation_metadata()`` converts all of it anew (~6 us here; the
+    router's handler asked for eight keys, one call each)."""
+    return {name: str(value) for name, value in reversed(context.invocation_metadata() or ())}
 
 
 def request_id_metadata(request_id: str) -> tuple[tuple[str, str], ...]:

@@ -282,22 +282,30 @@ def _live_span(name: str, parent: Span | Context,
 
 
 def record_span(name: str, parent: Span | Context | None, start: float | None,
-                end: float | None, attributes: Attributes | None = None) -> Span | None:
+                end: float | None, attributes: Attributes | None = None, *,
+                error: str = "") -> Span | None:
     """A finished span from ``start`` to ``end`` (monotonic seconds) under
-    ``parent``: a stage known by its timestamps. Nothing when either time is
-    None, ``parent`` is None or tracing is off."""
+    ``parent``: a stage known by its timestamps (status ERROR with ``error``
+    when given). Nothing when either time is None, ``parent`` is None or
+    tracing is off."""
     if start is None or end is None:
         return None
     child = start_span(name, parent, attributes=attributes, start=start,
                        root_if_no_parent=False)
-    end_span(child, end=end)
+    end_span(child, end=end, error=error)
     return child
 
 
 def traceparent_of(span: Span | None) -> str:
     """``span``'s W3C ``traceparent`` ("" for None): what a child on another
-    service is started from."""
-    return _carrier(span).get(TRACEPARENT, "")
+    service is started from. Written here as the SDK's propagator writes it
+    (a fifth of its cost: it is on the first token's path)."""
+    if span is None:
+        return ""
+    context = span.get_span_context()
+    if context == trace.INVALID_SPAN_CONTEXT:
+        return ""
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
 
 
 def metadata_of(span: Span | None) -> tuple[tuple[str, str], ...]:

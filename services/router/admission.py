@@ -414,6 +414,8 @@ class Claim:
             (:meth:`AdmissionController.fail_queued`).
           asyncio.CancelledError: cancelled while queued (the place is given up).
         """
+        if self.granted:  # at once (the usual case): no timer, no shield
+            return self._entry.granted.result()
         clock = self._controller._clock
         try:
             async with asyncio.timeout_at(None if deadline is None

@@ -132,6 +132,11 @@ class EngineStream:
             if not update.is_empty:
                 return update
 
+    async def flush(self) -> None:
+        """Lets the start (and anything else queued on the call) leave now,
+        before the caller's next step (:meth:`MuxClient.flush`)."""
+        await self._mux.flush()
+
     async def cancel(self) -> None:
         """Tells the engine to finish the sequence now."""
         self.close()
@@ -319,7 +324,8 @@ class EngineClient:
         blocks and suffix-cache outputs only within it); ``traceparent``:
         the router's span the engine's spans are children of (W3C, "" when
         not traced). The start
-        is written by the call's writer task; the engine's refusals arrive on
+        is written by the call's writer task (await :meth:`EngineStream.flush`
+        to have it written before going on); the engine's refusals arrive on
         the first :meth:`EngineStream.read`.
 
         Raises:
@@ -344,6 +350,12 @@ class EngineClient:
         stream = EngineStream(self._mux, stream_id, self._error, deadline, sampling.n)
         self._mux.open(stream_id, stream, start)
         return stream
+
+    @property
+    def unsent(self) -> int:
+        """Starts and cancels queued on the replica's call and not yet written
+        (0 without a call)."""
+        return 0 if self._mux is None else self._mux.queued
 
     @property
     def replica_id(self) -> str:

@@ -61,7 +61,7 @@ import structlog
 
 from llmesh.v1 import generation_pb2, generation_pb2_grpc
 from services.common import tracing
-from services.common.grpc_util import metadata_value, request_id_from
+from services.common.grpc_util import call_headers, request_id_from
 from services.common.logging import REQUEST_ID_METADATA_KEY, bind_request_id
 from services.common.logprobs import logprobs_to_pb
 from services.common.sampling import InvalidRequestError, Priority
@@ -634,15 +634,15 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         if self._pending and (pb.model or self.default_model) not in self.pools:
             # Perhaps the model of a pool whose engines are not up yet.
             raise GenerationError(grpc.StatusCode.UNAVAILABLE, no_replica_message(NONE_KNOWN))
+        if not (traceparent and tracing.enabled()):
+            traceparent = tracestate = None
         validated = validate_request(
             pb, request_id=request_id, models=self.models, default_model=self.default_model,
             header_request_id=header_request_id,
             header_tenant=header_tenant if tenant is None else tenant.id,
-            cache_group="" if tenant is None else tenant.cache_group)
+            cache_group="" if tenant is None else tenant.cache_group,
+            traceparent=traceparent or "", tracestate=tracestate or "")
         self.tenancy.check_model(tenant, validated.model)
-        if traceparent and tracing.enabled():
-            validated = dataclasses.replace(validated, traceparent=traceparent,
-                                            tracestate=tracestate or "")
         return validated
 
     def run(self, tenant: Tenant | None, request: GenerationRequest, *, received_at: float,
@@ -672,18 +672,19 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
             return with_tool_calls(events, calls_only=request.tools.calls_only)
         return events
 
-    def _authenticate(self, context: grpc.aio.ServicerContext) -> Tenant | None:
-        return self.authenticate(metadata_value(context, AUTHORIZATION_HEADER),
-                                 metadata_value(context, API_KEY_HEADER))
+    def _authenticate(self, headers: Mapping[str, str]) -> Tenant | None:
+        """The tenant of a call with ``headers`` (:func:`call_headers`)."""
+        return self.authenticate(headers.get(AUTHORIZATION_HEADER), headers.get(API_KEY_HEADER))
 
     def _validate(self, pb: generation_pb2.GenerateRequest, request_id: str,
-                  context: grpc.aio.ServicerContext, tenant: Tenant | None) -> GenerationRequest:
+                  headers: Mapping[str, str], tenant: Tenant | None) -> GenerationRequest:
+        """:meth:`validate` with the call's ``headers`` (:func:`call_headers`)."""
         return self.validate(
-            pb, request_id, header_request_id=metadata_value(context, REQUEST_ID_METADATA_KEY),
-            header_tenant=metadata_value(context, TENANT_METADATA_KEY), tenant=tenant,
-            traceparent=metadata_value(context, tracing.TRACEPARENT),
-            tracestate=metadata_value(context, tracing.TRACESTATE),
-            header_cascade=metadata_value(context, MODE_HEADER))
+            pb, request_id, header_request_id=headers.get(REQUEST_ID_METADATA_KEY),
+            header_tenant=headers.get(TENANT_METADATA_KEY), tenant=tenant,
+            traceparent=headers.get(tracing.TRACEPARENT),
+            tracestate=headers.get(tracing.TRACESTATE),
+            header_cascade=headers.get(MODE_HEADER))
 
     def model_cards(self, tenant: Tenant | None) -> list[ModelLimits]:
         """The models ``tenant`` may use (all, with auth off), in the order
@@ -747,15 +748,17 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         received_at = time.monotonic()
         # An invalid request.request_id is refused by validation below; until then
         # a safe id stands in (it goes into metadata and logs).
-        request_id = _safe_request_id(request_id_from(context, request.request_id))
+        headers = call_headers(context)
+        request_id = _safe_request_id(request.request_id
+                                      or headers.get(REQUEST_ID_METADATA_KEY, ""))
         bind_request_id(request_id)
         context.set_trailing_metadata(((REQUEST_ID_METADATA_KEY, request_id),))
         failure: _Abort | None = None
         validated: GenerationRequest | None = None
         try:
-            tenant = self._authenticate(context)
+            tenant = self._authenticate(headers)
             self.check_accepting()
-            validated = self._validate(request, request_id, context, tenant)
+            validated = self._validate(request, request_id, headers, tenant)
             progress = Progress(on_dispatch=functools.partial(_send_headers, context)
                                 if commit_early else None)
             events = self.run(tenant, validated, received_at=received_at,
@@ -805,14 +808,15 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         once if nothing does; a ``start`` during the drain is refused
         UNAVAILABLE too).
         """
-        stream_id = _safe_request_id(request_id_from(context))
+        headers = call_headers(context)
+        stream_id = _safe_request_id(headers.get(REQUEST_ID_METADATA_KEY, ""))
         bind_request_id(stream_id)
         try:  # once per call: every turn of the stream is this tenant's
-            tenant = self._authenticate(context)
+            tenant = self._authenticate(headers)
         except AuthError as err:
             await self._abort(context, _as_abort(err, stream_id), stream_id)
             return
-        session = StreamSession(_StreamCall(self, context, tenant), stream_id,
+        session = StreamSession(_StreamCall(self, context, tenant, headers), stream_id,
                                 idle_timeout_s=self.config.stream_idle_timeout)
         self._stream_sessions.add(session)
         try:
@@ -832,7 +836,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         a key's models: a tenant learns nothing of the others' models."""
         try:
             reject_unknown_fields(request)
-            tenant = self._authenticate(context)
+            tenant = self._authenticate(call_headers(context))
         except (InvalidRequestError, AuthError) as err:
             await context.abort(err.code, str(err))
         return generation_pb2.ListModelsResponse(models=[
@@ -864,6 +868,7 @@ class _StreamCall:
     router: RouterService
     context: grpc.aio.ServicerContext
     tenant: Tenant | None
+    headers: Mapping[str, str]  # the call's (:func:`call_headers`)
 
     @property
     def draining(self) -> bool:
@@ -875,7 +880,7 @@ class _StreamCall:
         request_id = _safe_request_id(request_id)  # validation refuses a bad start.request_id
         try:
             self.router.check_accepting()
-            validated = self.router._validate(start, request_id, self.context,
+            validated = self.router._validate(start, request_id, self.headers,
                                               self.tenant)
         except Exception as err:
             code = (err.code if isinstance(err, (_Abort, InvalidRequestError, GenerationError,

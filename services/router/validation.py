@@ -34,6 +34,7 @@ room for even one generated token is refused (OUT_OF_RANGE).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -206,7 +207,7 @@ def validate_request_id(request_id: str, field: str = "request_id") -> None:
         raise InvalidRequestError(
             field, f"must be at most {MAX_REQUEST_ID_LENGTH} characters, "
             f"got {len(request_id)}")
-    if not all(" " <= ch <= "~" for ch in request_id):
+    if not (request_id.isascii() and request_id.isprintable()):  # 0x20..0x7e
         raise InvalidRequestError(
             field, "must be printable ASCII (characters 0x20..0x7e)")
 
@@ -448,7 +449,7 @@ def validate_request(
     pb: generation_pb2.GenerateRequest, *, request_id: str,
     models: Mapping[str, ModelLimits], default_model: str,
     header_request_id: str | None = None, header_tenant: str | None = None,
-    cache_group: str = "",
+    cache_group: str = "", traceparent: str = "", tracestate: str = "",
 ) -> GenerationRequest:
     """Validates every field of ``pb`` that needs no tokenizer.
 
@@ -463,6 +464,7 @@ def validate_request(
         whose fair share the request draws on; 1..128 printable ASCII.
       cache_group: the cache group the tenant's key-file entry opts into (""
         none): it owns the request's cache scope instead of the tenant.
+      traceparent, tracestate: the call's W3C trace context, kept as given.
 
     Raises:
       InvalidRequestError: the first bad field, with its gRPC code.
@@ -480,10 +482,7 @@ def validate_request(
     token_ids = (check_prompt_token_ids(pb.prompt_tokens.token_ids, limits)
                  if pb.HasField("prompt_tokens") else None)
     _validate_stops(pb.sampling)
-    sampling = constrain(SamplingOptions.from_pb(
-        pb.sampling, default_max_tokens=limits.default_max_tokens,
-        max_tokens_cap=limits.max_tokens_cap, vocab_size=limits.vocab_size,
-    ), tools)
+    sampling = constrain(_sampling_of(pb.sampling, limits), tools)
     if pb.priority not in _KNOWN_PRIORITIES:
         raise InvalidRequestError(
             "priority", f"unknown value {pb.priority}; use PRIORITY_INTERACTIVE (1) or "
@@ -503,7 +502,41 @@ def validate_request(
                     and limits.tool_call_format is ToolCallFormat.TEMPLATE else ()),
         retrieval=retrieval_spec(pb, messages),
         summarize_history=_summarize_history(pb),
+        traceparent=traceparent, tracestate=tracestate,
     )
+
+
+#: Serialized ``SamplingParams`` up to this size are remembered (:func:`_sampling_of`);
+#: larger ones (long stop lists, JSON schemas) are converted each time.
+_REMEMBERED_SAMPLING_BYTES = 512
+
+
+def _sampling_of(pb: common_pb2.SamplingParams, limits: ModelLimits) -> SamplingOptions:
+    """:meth:`SamplingOptions.from_pb` of ``pb`` (no unknown fields: checked
+    before) with the model's limits, remembered when small: clients send the
+    same few settings again and again, and the conversion with its checks
+    cost ~10 us warm (several times that in a cold request) on the first
+    token's path. The options are immutable, so requests share them; a
+    refusal is not remembered (it raises again).
+
+    Raises:
+      InvalidRequestError: as :meth:`SamplingOptions.from_pb`.
+    """
+    data = pb.SerializeToString(deterministic=True)
+    if len(data) > _REMEMBERED_SAMPLING_BYTES:
+        return SamplingOptions.from_pb(pb, default_max_tokens=limits.default_max_tokens,
+                                       max_tokens_cap=limits.max_tokens_cap,
+                                       vocab_size=limits.vocab_size)
+    return _remembered_sampling(data, limits.default_max_tokens, limits.max_tokens_cap,
+                                limits.vocab_size)
+
+
+@functools.lru_cache(maxsize=512)
+def _remembered_sampling(data: bytes, default_max_tokens: int, max_tokens_cap: int,
+                         vocab_size: int | None) -> SamplingOptions:
+    return SamplingOptions.from_pb(
+        common_pb2.SamplingParams.FromString(data), default_max_tokens=default_max_tokens,
+        max_tokens_cap=max_tokens_cap, vocab_size=vocab_size)
 
 
 def _summarize_history(pb: generation_pb2.GenerateRequest) -> bool | None:

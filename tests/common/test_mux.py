@@ -137,6 +137,31 @@ async def test_the_writers_send_what_is_queued_in_one_message_and_updates_merge(
             await mux.close()
 
 
+async def test_a_flushed_start_is_on_the_call_before_the_caller_goes_on_and_order_holds():
+    """``flush`` hands what is queued to the call before the caller's next step
+    (not at its next wait); what is queued meanwhile goes in the next batch,
+    in the order it was queued."""
+    servicer = _Servicer(lambda server, start: _ids(server, start, (start.stream_id,)))
+    async with _serving(servicer) as (server, channel):
+        mux = _client(channel)
+        try:
+            inboxes = {sid: _Inbox() for sid in (1, 2, 3)}
+            await mux.flush()  # nothing queued: nothing to do
+            mux.open(1, inboxes[1], _start(1))
+            assert mux.queued == 1
+            await mux.flush()
+            assert mux.queued == 0
+            mux.open(2, inboxes[2], _start(2))
+            mux.open(3, inboxes[3], _start(3))
+            await mux.flush()
+            for sid, inbox in inboxes.items():
+                _, update = await inbox.read()
+                assert update.token_ids == (sid,)
+            assert [[s.stream_id for s in m.starts] for m in servicer.received] == [[1], [2, 3]]
+        finally:
+            await mux.close()
+
+
 async def test_a_slow_reader_gets_the_updates_merged_per_choice():
     servicer = _Servicer(lambda server, start: None)
     async with _serving(servicer) as (server, channel):

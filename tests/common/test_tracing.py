@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.common import tracing
@@ -155,3 +156,15 @@ def test_a_malformed_or_oversized_context_is_ignored_counted_and_not_logged(
     assert [r.getMessage() for r in caplog.records if r.levelname != "DEBUG"] == []
     assert tracing.context_of(PARENT, "k=v") is not None
     assert _invalid(tracing.TRACESTATE) - before[tracing.TRACESTATE] == 3
+
+
+def test_traceparent_of_writes_what_the_propagator_writes(
+        exported: InMemorySpanExporter) -> None:
+    unsampled = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"
+    for parent in (None, tracing.context_of(PARENT), tracing.context_of(unsampled)):
+        span = tracing.start_span("llmesh.generate", parent)
+        carrier: dict[str, str] = {}
+        tracing._PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+        assert tracing.traceparent_of(span) == carrier["traceparent"]
+        tracing.end_span(span)
+    assert tracing.traceparent_of(trace.INVALID_SPAN) == ""

@@ -19,7 +19,7 @@ from llmesh.v1 import cache_pb2
 from services.cache.metrics import CacheMetrics
 from services.cache.service import CacheService
 from services.cache.store import MemoryStore
-from services.common.grpc_util import request_id_from, request_id_metadata
+from services.common.grpc_util import call_headers, request_id_from, request_id_metadata
 from services.common.logging import REQUEST_ID_METADATA_KEY
 from tests.cache.helpers import make_key, make_response, serve
 
@@ -93,6 +93,14 @@ def test_request_id_from_metadata_or_new() -> None:
     assert given == "given"
     made = request_id_from(_Context(()))  # type: ignore[arg-type]
     assert len(made) == 32 and made != request_id_from(_Context(()))  # type: ignore[arg-type]
+
+
+def test_call_headers_keep_each_keys_first_value() -> None:
+    context = _Context((("x-tenant-id", "a"), ("traceparent", "t"), ("x-tenant-id", "b"),
+                        ("x-trace-bin", b"\x01")))  # type: ignore[arg-type]
+    assert call_headers(context) == {  # type: ignore[arg-type]
+        "x-tenant-id": "a", "traceparent": "t", "x-trace-bin": "b'\\x01'"}
+    assert call_headers(_Context(())) == {}  # type: ignore[arg-type]
 
 
 async def test_cache_binds_the_request_id_of_the_metadata() -> None:

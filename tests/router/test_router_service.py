@@ -12,6 +12,7 @@ import grpc
 import pytest
 import structlog
 import structlog.testing
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
 from llmesh.v1 import (
@@ -23,6 +24,7 @@ from llmesh.v1 import (
     generation_pb2_grpc,
     tokenizer_pb2_grpc,
 )
+from services.common import tracing
 from services.common.sampling import Priority
 from services.common.wire.engine_stream import EngineStart, StreamCancel, pack_requests
 from services.router.admission import AdmissionConfig
@@ -174,6 +176,26 @@ async def test_the_response_headers_leave_once_the_engine_has_the_request_not_wi
             await collect(refused)
         assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
         assert len(mesh.engines[0].log.starts) == 1
+
+
+async def test_the_engine_start_is_written_before_the_response_headers_are_sent(monkeypatch):
+    """The start leaves for the engine first: the response headers (and the
+    queue-time bookkeeping) follow it instead of holding it in the call's
+    queue until the router next waits."""
+    unsent_at_headers: list[int] = []
+    send_headers = router_service._send_headers
+
+    async def recording(context) -> None:
+        unsent_at_headers.append(sum(engine.unsent for pool in mesh.router.pools.values()
+                                     for engine in pool.engines))
+        await send_headers(context)
+
+    monkeypatch.setattr(router_service, "_send_headers", recording)
+    async with make_mesh() as mesh:
+        responses = await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+            prompt="Capital of France?", sampling=greedy(max_tokens=2), bypass_cache=True)))
+    assert text_of(responses) == REPLY[:2]
+    assert unsent_at_headers == [0]
 
 
 async def test_prompt_token_ids_reach_the_engine_as_sent_or_are_refused_naming_them():
@@ -675,6 +697,46 @@ async def test_queued_requests_end_unavailable_when_the_last_replica_dies():
             while await running.read() is not grpc.aio.EOF:
                 pass
         assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_traced_request_s_admission_wait_and_attributes_are_recorded(monkeypatch):
+    """A request computed alone: its ``llmesh.admission_wait`` (timed on the
+    way, recorded when it ends) is a child of ``llmesh.generate`` inside its
+    time, and the request's parameters are on ``llmesh.generate``; a wait that
+    fails (a deadline the queue cannot meet) is an ERROR span at once."""
+    monkeypatch.delenv(tracing.ENDPOINT_ENV, raising=False)
+    exporter = InMemorySpanExporter()
+    tracing.configure("router", None, exporter=exporter)
+    try:
+        async with make_mesh(admission=AdmissionConfig(max_running_per_replica=1)) as mesh:
+            mesh.engines[0].step_delay = 0.05
+            running = mesh.stub.Generate(generation_pb2.GenerateRequest(
+                request_id="traced", prompt="q", bypass_cache=True,
+                sampling=greedy(max_tokens=200, ignore_eos=True)))
+            assert (await running.read()).token_ids
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await collect(mesh.stub.Generate(generation_pb2.GenerateRequest(
+                    prompt="q2", bypass_cache=True, sampling=greedy(max_tokens=200)),
+                    timeout=0.3))
+            assert late.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED,
+                                         grpc.StatusCode.RESOURCE_EXHAUSTED)
+            running.cancel()
+            await wait_for(lambda: len([s for s in exporter.get_finished_spans()
+                                        if s.name == "llmesh.generate"]) == 2)
+    finally:
+        tracing.shutdown()
+    spans = exporter.get_finished_spans()
+    generate = next(s for s in spans if s.name == "llmesh.generate"
+                    and s.attributes[tracing.REQUEST_ID] == "traced")
+    assert generate.attributes[tracing.REQUEST_MAX_TOKENS] == 200
+    assert generate.attributes["llmesh.priority"] == "interactive"
+    waits = {s.context.trace_id: s for s in spans if s.name == "llmesh.admission_wait"}
+    admitted = waits.pop(generate.context.trace_id)
+    assert admitted.parent.span_id == generate.context.span_id
+    assert generate.start_time <= admitted.start_time <= admitted.end_time <= generate.end_time
+    assert admitted.status.is_ok
+    (refused,) = waits.values()
+    assert not refused.status.is_ok and refused.status.description
 
 
 async def test_a_slow_reader_gets_the_tokens_that_piled_up_in_one_delta():

@@ -316,3 +316,22 @@ def test_a_logit_bias_map_passes_the_unknown_field_check():
         include_stop_str_in_output=True))
     assert request.sampling.logit_bias == ((5, -100.0), (7, 2.5))
     assert request.sampling.include_stop_str_in_output
+
+
+def test_the_same_sampling_settings_share_one_conversion_and_a_refusal_repeats():
+    """Sampling options are converted once per distinct setting and model limits
+    (they are immutable: requests share them); a refused setting raises each time."""
+    sampling = common_pb2.SamplingParams(temperature=0.5, max_tokens=7, stop=["x"])
+    first = validate(prompt="hi", sampling=sampling).sampling
+    again = validate(prompt="hi", sampling=common_pb2.SamplingParams(
+        stop=["x"], max_tokens=7, temperature=0.5)).sampling
+    assert again is first and (first.temperature, first.max_tokens) == (0.5, 7)
+    other = dataclasses.replace(LIMITS, default_max_tokens=3)
+    unset = common_pb2.SamplingParams(temperature=0.5)
+    assert validate(prompt="hi", sampling=unset).sampling.max_tokens == LIMITS.default_max_tokens
+    assert validate_request(generation_pb2.GenerateRequest(prompt="hi", sampling=unset),
+                            request_id="r", models={"tiny": other},
+                            default_model="tiny").sampling.max_tokens == 3
+    for _ in range(2):
+        with pytest.raises(InvalidRequestError, match="top_p"):
+            validate(prompt="hi", sampling=common_pb2.SamplingParams(top_p=2.0))

@@ -4,9 +4,11 @@ One call carries many streams, each named by a caller-chosen stream id that
 every update of the stream carries. What the caller sends (starts, cancels)
 is queued and written by one writer task: each wakeup writes everything
 queued since the last, packed into as few messages as the adapter's ``pack``
-makes. One reader task hands each incoming update to its stream's
-:class:`Receiver`; updates for ids no longer open (a stream closed early) are
-dropped.
+makes. A caller whose item must leave now (a request's start, on the first
+token's path) awaits :meth:`MuxClient.flush` after queueing it: the writer
+runs before the caller goes on, instead of at the caller's next wait. One
+reader task hands each incoming update to its stream's :class:`Receiver`;
+updates for ids no longer open (a stream closed early) are dropped.
 
 Errors: when the call breaks (the peer ends it, a read or write fails, or the
 owner calls :meth:`MuxClient.fail`), every open stream fails with the error
@@ -95,6 +97,24 @@ class MuxClient(Generic[Item, Update]):
         if self.failed is None:
             self._queued.append(item)
             self._wake.set()
+
+    async def flush(self) -> None:
+        """Lets the writer hand what is queued to the call before the caller
+        goes on (at one stream a start then leaves ~0.3 ms sooner than at the
+        caller's next wait, e.g. the response headers it sends next).
+
+        Yields to the event loop once when something is queued: the writer,
+        woken when the first of it was queued, runs first and writes all of it
+        in one batch. While an earlier write is still under way the items stay
+        queued for the writer's next batch, in order. Never raises; a failed
+        call dropped the items."""
+        if self._queued and self.failed is None:
+            await asyncio.sleep(0)
+
+    @property
+    def queued(self) -> int:
+        """Items queued and not yet handed to the call."""
+        return len(self._queued)
 
     def forget(self, stream_id: int) -> None:
         """Drops ``stream_id``'s receiver: its later updates are ignored."""
