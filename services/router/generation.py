@@ -331,6 +331,9 @@ class _Timing:
     admission_wait: tuple[float, float] | None = None
     #: ``llmesh:inter_token_latency_seconds`` of ``model``, once looked up.
     itl: Histogram | None = None
+    #: The TTFT (True) or ITL (False) seconds of the tokens that just left,
+    #: observed once they are written (:meth:`GenerationPipeline._observe_token`).
+    unobserved: tuple[bool, float] | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -1039,7 +1042,7 @@ class GenerationPipeline:
         engine, opened, stream, delta = await self._open_engine(
             request, prompt_ids, sampling, deadline, timing, hint, progress.on_dispatch, ticket)
         info.update(engine=engine.target)
-        self.metrics.prefix_hit_tokens.labels(request.model).observe(delta.num_cached_tokens)
+        cached_tokens = delta.num_cached_tokens
         # One detokenizer and stop-string matcher per choice (``sampling.n``).
         choices = [_ChoiceOutput(StopStringMatcher(sampling.stop,
                                                    sampling.include_stop_str_in_output),
@@ -1064,10 +1067,11 @@ class GenerationPipeline:
                 # (choice 0 ended CANCELLED before its first token): they go on.
                 if safe or ids or delta.prompt_logprobs:
                     if ids:
-                        now = self._token_time(timing)
+                        now = self._token_time(timing, observe=False)
                         if ticket is not None:
                             ticket.on_tokens(len(ids), now)
                     yield self._delta(safe, ids, delta)
+                    self._observe_token(timing)  # once written: off the token's path
                 if finished is not None:
                     self._choice_finished(request, choices, choice, finished, key, info)
                     yield finished
@@ -1077,6 +1081,8 @@ class GenerationPipeline:
         finally:
             engine.closed(opened)
             stream.close()
+            self._observe_token(timing)  # the consumer stopped at the token's write
+            self.metrics.prefix_hit_tokens.labels(request.model).observe(cached_tokens)
 
     def _hidden_ids(self, request: GenerationRequest, sampling: SamplingOptions
                     ) -> frozenset[int]:
@@ -1255,21 +1261,38 @@ class GenerationPipeline:
 
     # ------------------------------------------------------------ helpers
 
-    def _token_time(self, timing: _Timing) -> float:
-        """Notes that tokens leave now: the first observes TTFT, the others ITL
-        (unless ``timing.observe_tokens`` is off); returns now (``time.monotonic()``)."""
+    def _token_time(self, timing: _Timing, *, observe: bool = True) -> float:
+        """Notes that tokens leave now: the first's TTFT, the others' ITL
+        (unless ``timing.observe_tokens`` is off), observed now, or with
+        ``observe`` False by :meth:`_observe_token` once they are written;
+        returns now (``time.monotonic()``). Mutates ``timing``."""
         now = time.monotonic()
-        if timing.last_token_at is None:
+        first = timing.last_token_at is None
+        if first:
             timing.first_token_at = now
-            if timing.observe_tokens:
-                self.metrics.observe_first_token(model=timing.model,
-                                                 ttft_seconds=now - timing.received_at)
-        elif timing.observe_tokens:
-            if timing.itl is None:  # labels() is a locked lookup: 2 µs a token
-                timing.itl = self.metrics.inter_token_latency.labels(timing.model)
-            timing.itl.observe(now - timing.last_token_at)
+        if timing.observe_tokens:
+            since = timing.received_at if first else timing.last_token_at
+            assert since is not None
+            timing.unobserved = (first, now - since)
         timing.last_token_at = now
+        if observe:
+            self._observe_token(timing)
         return now
+
+    def _observe_token(self, timing: _Timing) -> None:
+        """Observes the TTFT or ITL :meth:`_token_time` noted, if one waits
+        (the histograms' lookups and locks, tens of µs with cold caches, come
+        after the token's write, not before it). Mutates ``timing``."""
+        if timing.unobserved is None:
+            return
+        first, seconds = timing.unobserved
+        timing.unobserved = None
+        if first:
+            self.metrics.observe_first_token(model=timing.model, ttft_seconds=seconds)
+            return
+        if timing.itl is None:  # labels() is a locked lookup: 2 µs a token
+            timing.itl = self.metrics.inter_token_latency.labels(timing.model)
+        timing.itl.observe(seconds)
 
     def _store(self, key: CacheKey, response: CachedResponse, request_id: str) -> None:
         """Queues the store (no task, no call of its own: the cache client's

@@ -185,6 +185,47 @@ async def test_a_slow_reader_gets_the_updates_merged_per_choice():
             await mux.close()
 
 
+class _ReadsLogged:
+    """A real call whose ``read`` notes in ``events`` when the reader posts it."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall, events: list[str]) -> None:
+        self._call, self._events = call, events
+
+    def read(self):  # noqa: ANN201 - the call's own awaitable
+        self._events.append("read posted")
+        return self._call.read()
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - write, cancel: the call's
+        return getattr(self._call, name)
+
+
+async def test_a_stream_woken_by_an_update_runs_before_the_next_read_is_posted():
+    # A token's way to its client (the router's pipeline, then the write) must
+    # not wait behind the reader posting its next read on the call.
+    servicer = _Servicer(lambda server, start: _ids(server, start, (5,), finish=False))
+    async with _serving(servicer) as (server, channel):
+        events: list[str] = []
+        mux = MuxClient(_ReadsLogged(engine_pb2_grpc.EngineServiceStub(channel).Multiplex(),
+                                     events),
+                        pack=pack_requests, unpack=unpack_updates, make_error=_Error,
+                        service="engine", target="loopback")
+        try:
+            inbox = _Inbox()
+            mux.open(1, inbox, _start(1))
+
+            async def consume() -> tuple[int, ...]:
+                _, update = await inbox.read()
+                events.append("stream ran")
+                return update.token_ids
+
+            assert await asyncio.wait_for(consume(), 5) == (5,)
+            while len(events) < 3:
+                await asyncio.sleep(0.01)
+            assert events[:3] == ["read posted", "stream ran", "read posted"]
+        finally:
+            await mux.close()
+
+
 async def test_a_duplicate_stream_id_ends_the_call_invalid_argument_after_what_was_queued():
     servicer = _Servicer(lambda server, start: _ids(server, start, (5,), finish=False))
     async with _serving(servicer) as (server, channel):

@@ -897,6 +897,38 @@ async def test_metrics_are_observed():
         assert mesh.metric("llmesh:generation_tokens_total", **labels) == len(REPLY) + 1
 
 
+async def test_token_metrics_are_observed_after_the_token_is_handed_on():
+    # The first token's way to its client carries no histogram work: its TTFT
+    # (and each later token's ITL, and the request's prefix hits) is observed
+    # once the consumer (the write to the client) comes back for more.
+    async with make_mesh() as mesh:
+        request = validate_request(
+            generation_pb2.GenerateRequest(prompt="q", bypass_cache=True), request_id="ttft",
+            models=mesh.router.models, default_model=mesh.router.default_model)
+        labels = dict(model_name="fake-model")
+        seen = []
+        async for event in mesh.router._pipeline.run(request, received_at=time.monotonic()):
+            seen.append((mesh.metric("llmesh:time_to_first_token_seconds_count", **labels),
+                         mesh.metric("llmesh:inter_token_latency_seconds_count", **labels)))
+        assert seen[:3] == [(0, 0), (1, 0), (1, 1)]
+        assert mesh.metric("llmesh:time_to_first_token_seconds_count", **labels) == 1
+        assert mesh.metric("llmesh:inter_token_latency_seconds_count", **labels) == len(REPLY)
+        assert mesh.metric("llmesh:router_prefix_hit_tokens_count", **labels) == 1
+
+
+async def test_a_consumer_that_stops_at_the_first_token_still_counts_its_ttft():
+    async with make_mesh() as mesh:
+        request = validate_request(
+            generation_pb2.GenerateRequest(prompt="q", bypass_cache=True), request_id="gone",
+            models=mesh.router.models, default_model=mesh.router.default_model)
+        events = mesh.router._pipeline.run(request, received_at=time.monotonic())
+        assert isinstance(await anext(events), Delta)
+        await events.aclose()  # the client went away during the first write
+        labels = dict(model_name="fake-model")
+        assert mesh.metric("llmesh:time_to_first_token_seconds_count", **labels) == 1
+        assert mesh.metric("llmesh:router_prefix_hit_tokens_count", **labels) == 1
+
+
 # --------------------------------------------------------------------------- #
 # GenerateStream
 

@@ -146,6 +146,9 @@ class MuxClient(Generic[Item, Update]):
                     receiver = self._streams.get(stream_id)
                     if receiver is not None and receiver.deliver(update):
                         del self._streams[stream_id]
+                # The streams this message woke run first (a token goes on to
+                # its client), then the next read is posted.
+                await asyncio.sleep(0)
         except grpc.aio.AioRpcError as err:
             why = f"{err.code().name}: {err.details()}"
         except asyncio.CancelledError:
