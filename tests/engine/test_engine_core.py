@@ -70,7 +70,9 @@ def make_core(tiny_model: LlamaModel, recorder: Recorder) -> Iterator:
              max_num_batched_tokens: int = 64, max_num_seqs: int = 16,
              max_num_waiting: int = 256, enable_caching: bool = True,
              step_observer: object = recorder,
-             max_chunk_tokens: int | None = None) -> EngineCore:
+             max_chunk_tokens: int | None = None,
+             layer_observer: object = None,
+             first_token_handoff_s: float | None = None) -> EngineCore:
         runner = ModelRunner(tiny_model, torch.device("cpu"), torch.float32)
         runner.allocate_kv_cache(num_blocks * kv_block_bytes(TINY, block_size, torch.float32),
                                  block_size)
@@ -79,8 +81,11 @@ def make_core(tiny_model: LlamaModel, recorder: Recorder) -> Iterator:
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_chunk_tokens=max_chunk_tokens,
             eos_token_ids=frozenset(TINY.eos_token_ids)), kv)
+        handoff = {} if first_token_handoff_s is None else {
+            "first_token_handoff_s": first_token_handoff_s}
         core = EngineCore(runner, scheduler, max_num_waiting=max_num_waiting,
-                          step_observer=step_observer)  # type: ignore[arg-type]
+                          step_observer=step_observer,  # type: ignore[arg-type]
+                          layer_observer=layer_observer, **handoff)  # type: ignore[arg-type]
         core.start()
         cores.append(core)
         return core
@@ -140,6 +145,30 @@ async def test_steps_run_on_the_worker_thread(make_core, recorder: Recorder) -> 
     assert [len(d.token_ids) for d in out] == [1, 1, 1]
     assert recorder.threads == ["engine-step"] * 3
     assert threading.current_thread().name != "engine-step"
+
+
+async def test_a_first_token_is_taken_by_the_loop_before_the_next_step(make_core) -> None:
+    """After a step that produced a request's first token, the worker starts
+    the next step only once the event loop has run the step's deliveries and
+    the task they woke (the transport's write of the first token): the next
+    step's Python parts and OpenMP team no longer hold the GIL and the cores
+    while the loop waits to write (the engine's gRPC edge, issue 32). Later
+    tokens do not wait. On the old code the worker ran on into the next
+    step's layers before the reader ran."""
+    events: list[str] = []  # appended by both threads, in order (list.append is atomic)
+    core = make_core(layer_observer=lambda: events.append("layer"),
+                     step_observer=lambda stats: events.append("step"),
+                     first_token_handoff_s=5.0)  # the bound, never reached here
+    aio = asyncio.get_running_loop()
+    for i in range(5):
+        events.clear()
+        submitted = core.submit(request(f"r{i}", max_tokens=3), QueueSink(aio))
+        async for delta in deltas(submitted):
+            events.append(f"read {delta.num_generated_tokens}")
+        first_step_end = events.index("step")
+        assert events[first_step_end + 1] == "read 1", events  # before any layer of step 2
+        assert events.count("read 1") == 1 and events[-1] == "read 3"
+    assert core.check_integrity().used == 0
 
 
 async def test_prefill_is_chunked_under_the_step_budget(make_core, recorder: Recorder) -> None:
