@@ -12,6 +12,7 @@ dialled).
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,12 +122,13 @@ def make_channel(target: str) -> grpc.aio.Channel:
 
 def request_id_from(context: grpc.aio.ServicerContext, given: str = "") -> str:
     """The request id: ``given`` if set, else ``x-request-id`` metadata, else a new one."""
-    if given:
-        return given
-    for key, value in context.invocation_metadata() or ():
-        if key == REQUEST_ID_METADATA_KEY and value:
-            return str(value)
-    return uuid.uuid4().hex
+    return given or request_id_of(call_headers(context))
+
+
+def request_id_of(headers: Mapping[str, str], given: str = "") -> str:
+    """:func:`request_id_from` of a call whose metadata is read already
+    (:func:`call_headers`): ``given``, else ``x-request-id``, else a new one."""
+    return given or headers.get(REQUEST_ID_METADATA_KEY) or uuid.uuid4().hex
 
 
 def call_headers(context: grpc.aio.ServicerContext) -> dict[str, str]:

@@ -61,7 +61,7 @@ import structlog
 
 from llmesh.v1 import generation_pb2, generation_pb2_grpc
 from services.common import tracing
-from services.common.grpc_util import call_headers, request_id_from
+from services.common.grpc_util import call_headers, request_id_from, request_id_of
 from services.common.logging import REQUEST_ID_METADATA_KEY, bind_request_id
 from services.common.logprobs import logprobs_to_pb
 from services.common.sampling import InvalidRequestError, Priority
@@ -749,8 +749,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         # An invalid request.request_id is refused by validation below; until then
         # a safe id stands in (it goes into metadata and logs).
         headers = call_headers(context)
-        request_id = _safe_request_id(request.request_id
-                                      or headers.get(REQUEST_ID_METADATA_KEY, ""))
+        request_id = _safe_request_id(request_id_of(headers, request.request_id))
         bind_request_id(request_id)
         context.set_trailing_metadata(((REQUEST_ID_METADATA_KEY, request_id),))
         failure: _Abort | None = None
@@ -809,7 +808,7 @@ class RouterService(generation_pb2_grpc.GenerationServiceServicer):
         UNAVAILABLE too).
         """
         headers = call_headers(context)
-        stream_id = _safe_request_id(headers.get(REQUEST_ID_METADATA_KEY, ""))
+        stream_id = _safe_request_id(request_id_of(headers))
         bind_request_id(stream_id)
         try:  # once per call: every turn of the stream is this tenant's
             tenant = self._authenticate(headers)

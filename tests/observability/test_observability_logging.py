@@ -19,7 +19,12 @@ from llmesh.v1 import cache_pb2
 from services.cache.metrics import CacheMetrics
 from services.cache.service import CacheService
 from services.cache.store import MemoryStore
-from services.common.grpc_util import call_headers, request_id_from, request_id_metadata
+from services.common.grpc_util import (
+    call_headers,
+    request_id_from,
+    request_id_metadata,
+    request_id_of,
+)
 from services.common.logging import REQUEST_ID_METADATA_KEY
 from tests.cache.helpers import make_key, make_response, serve
 
@@ -93,6 +98,10 @@ def test_request_id_from_metadata_or_new() -> None:
     assert given == "given"
     made = request_id_from(_Context(()))  # type: ignore[arg-type]
     assert len(made) == 32 and made != request_id_from(_Context(()))  # type: ignore[arg-type]
+    # the same rules over metadata read once (call_headers), as the router reads it
+    assert request_id_of({"x-request-id": "abc"}) == "abc"
+    assert request_id_of({"x-request-id": "abc"}, "given") == "given"
+    assert len(request_id_of({"x-request-id": ""})) == 32
 
 
 def test_call_headers_keep_each_keys_first_value() -> None:
