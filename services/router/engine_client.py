@@ -255,10 +255,13 @@ class EngineClient:
         return request
 
     def closed(self, request: OpenRequest) -> None:
-        """Uncounts a request :meth:`opened` counted (once)."""
+        """Uncounts a request :meth:`opened` counted (once); its sequences'
+        slots count as free in the replica's load view until its next report
+        (:meth:`LoadWatch.ended`)."""
         if request not in self.open_requests:
             return
         self.open_requests.discard(request)
+        self.load_watch.ended(request.choices)
         interactive = request.priority is Priority.INTERACTIVE
         self.in_flight -= 1
         self.in_flight_interactive -= interactive

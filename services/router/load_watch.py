@@ -10,7 +10,13 @@ Between two reports the router adds what it dispatched itself
 (:meth:`LoadWatch.dispatched`): the prompt tokens of requests it sent to the
 replica after the last report, which the engine had not counted yet. Without
 it, requests that arrive together all see the same report and pile onto the
-one replica that looked cheapest.
+one replica that looked cheapest. It likewise takes off the sequences of its
+own streams that ended there after the last report (:meth:`LoadWatch.ended`),
+which the report still counts: without it a slot that one of them freed
+looked taken until the next report (CI: a holder's slot freed on one 2-slot
+engine, the report 20-200 ms old still showed it full, the request went to
+the other, full engine and waited there behind two streams, while admission,
+which counts that free slot, gave it to batch requests that came later).
 
 The call is opened again 0.1 s after it ends (doubling to 2 s while calls
 keep failing on a live connection) with ``wait_for_ready``: while the engine
@@ -53,12 +59,29 @@ class LoadView:
       unreported_prefill_tokens: prompt tokens the router sent the replica
         after that report.
       unreported_requests: requests the router sent the replica after that report.
+      ended_unreported: sequences of this router's streams that ended on the
+        replica after that report (the report still counts them).
     """
 
     load: LoadStats | None
     age_s: float
     unreported_prefill_tokens: int
     unreported_requests: int = 0
+    ended_unreported: int = 0
+
+    @property
+    def sequences(self) -> int:
+        """Sequences on the replica by the report brought up to date: its
+        running + waiting, plus the requests sent since, less this router's
+        sequences that ended since; never below 0, and 0 before a report.
+        Still a lagging count (a report sent just before a request reached
+        the engine, or just after a stream ended there but before its end
+        reached this router, misses it): the router's own open streams
+        (:class:`~services.router.engine_client.EngineClient`) are exact."""
+        if self.load is None:
+            return 0
+        return max(self.load.num_running + self.load.num_waiting + self.unreported_requests
+                   - self.ended_unreported, 0)
 
     @property
     def stale(self) -> bool:
@@ -81,6 +104,7 @@ class LoadWatch:
         self._received_at = 0.0
         self._unreported = 0
         self._unreported_requests = 0
+        self._ended = 0
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -99,23 +123,32 @@ class LoadWatch:
         self._unreported += prompt_tokens
         self._unreported_requests += 1
 
+    def ended(self, sequences: int) -> None:
+        """Counts ``sequences`` of this router's streams that ended on the
+        replica (their slots are free) until its next report."""
+        self._ended += sequences
+
+    def observe(self, load: LoadStats) -> None:
+        """Takes a report (as the stream delivers it): what was sent and what
+        ended before it is in it."""
+        self._load = load
+        self._received_at = asyncio.get_running_loop().time()
+        self._unreported = self._unreported_requests = self._ended = 0
+
     def current(self) -> LoadView:
-        """The latest report, its age and what was sent since. Pure."""
-        if self._load is None:
-            return LoadView(None, float("inf"), self._unreported, self._unreported_requests)
-        age = asyncio.get_running_loop().time() - self._received_at
-        return LoadView(self._load, age, self._unreported, self._unreported_requests)
+        """The latest report, its age and what was sent and ended since. Pure."""
+        age = (float("inf") if self._load is None
+               else asyncio.get_running_loop().time() - self._received_at)
+        return LoadView(self._load, age, self._unreported, self._unreported_requests,
+                        self._ended)
 
     async def _run(self) -> None:
         retry = _RETRY_S[0]
-        loop = asyncio.get_running_loop()
         while True:
             call = self._stub.StreamLoad(engine_pb2.StreamLoadRequest(), wait_for_ready=True)
             try:
                 async for message in call:
-                    self._load = LoadStats.from_pb(message.load)
-                    self._received_at = loop.time()
-                    self._unreported = self._unreported_requests = 0
+                    self.observe(LoadStats.from_pb(message.load))
                     retry = _RETRY_S[0]
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # an engine without it

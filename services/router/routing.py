@@ -21,7 +21,7 @@
       p     = prompt_tokens - matched_tokens - offloaded_tokens  # its prefill after the hits
       r     = restore(offloaded_tokens)           # copying the offload tier's hit back
       Q     = pending_prefill_tokens + unreported_prefill_tokens
-      B     = running + waiting + unreported_requests   # the batch it joins
+      B     = running + waiting + unreported_requests - ended_unreported  # the batch it joins
       k     = choices (n), L = min(max_tokens, decode_horizon_tokens)
       t(r)  = the replica's decode step of r rows, prefill(x) its time for x tokens
       cost  = k * (prefill(Q + p) + r + L * t(B + k))     # its own completion
@@ -244,7 +244,7 @@ def replica_cost(hint: RouteHint, matched_tokens: int, view: LoadView,
         return math.inf
     load = view.load
     profile = pricing_profile(load, peer)
-    batch = load.num_running + load.num_waiting + view.unreported_requests
+    batch = view.sequences
     choices = max(hint.num_choices, 1)
     steps = max(min(hint.max_tokens, weights.decode_horizon_tokens), 1)
     own_prefill = max(hint.prompt_tokens - matched_tokens - offloaded_tokens, 0)
@@ -359,13 +359,14 @@ def slot_use(engine: EngineClient, view: LoadView, priority: Priority,
 
 def all_sequences(engine: EngineClient, view: LoadView, need: int = 1) -> SlotUse | None:
     """``engine``'s slots against every sequence on it, whatever its priority
-    (None: slots unknown). The report lags (a request sent just before it may
-    be missing from it and from the unreported count it resets); this
-    router's own open sequences on the replica are exact."""
+    (None: slots unknown): the report brought up to date with what this
+    router sent and saw end since (:attr:`LoadView.sequences`). The report
+    lags (a request sent just before it may be missing from it and from the
+    unreported count it resets); this router's own open sequences on the
+    replica are exact, so they count when the report shows fewer."""
     if engine.info is None or not engine.info.max_num_seqs or view.load is None:
         return None
-    reported = view.load.num_running + view.load.num_waiting + view.unreported_requests
-    return SlotUse(max(reported, engine.sequences), engine.info.max_num_seqs, need,
+    return SlotUse(max(view.sequences, engine.sequences), engine.info.max_num_seqs, need,
                    tuple(engine.tokens_left(Priority.BATCH)))
 
 

@@ -57,6 +57,9 @@ class FixedLoad:
     def dispatched(self, tokens: int) -> None:
         self.dispatched_tokens += tokens
 
+    def ended(self, sequences: int) -> None:
+        return None
+
     async def close(self) -> None:
         return None
 
@@ -467,6 +470,59 @@ async def test_a_request_of_n_choices_needs_n_free_slots_to_start_at_once(
     two = RouteHint(4000, matches({holder: 3984}), max_tokens=96, num_choices=2)
     assert (await kv.choose([other, holder], Priority.BATCH, two)).order[0] is holder
     assert (other.sequences, other.in_flight, holder.sequences) == (1, 1, 0)
+
+
+async def test_the_load_view_adds_what_was_sent_and_takes_off_what_ended_since_the_report(
+        ) -> None:
+    engine = EngineClient("127.0.0.1:9")  # never called: its LoadWatch is not started
+    try:
+        watch = engine.load_watch
+        assert watch.current().sequences == 0  # no report yet
+        watch.observe(LoadStats(2, 1, 0.1))
+        watch.dispatched(15)
+        ended = engine.opened(Priority.BATCH, choices=2)
+        engine.closed(ended)
+        engine.closed(ended)  # once
+        now = watch.current()
+        assert (now.unreported_requests, now.ended_unreported, now.sequences) == (1, 2, 2)
+        for _ in range(5):
+            watch.ended(1)
+        assert watch.current().sequences == 0  # never below 0
+        watch.observe(LoadStats(1, 0, 0.1))  # it counts what was sent and ended before it
+        now = watch.current()
+        assert (now.unreported_requests, now.ended_unreported, now.sequences) == (0, 0, 1)
+    finally:
+        await engine.close()
+
+
+async def test_a_slot_this_routers_stream_freed_is_free_before_the_report_shows_it() -> None:
+    """CI (test_mesh_overload, interactive before batch): two 2-slot engines
+    each ran two of this router's streams; one on ``free`` ended and
+    admission, counting that free slot, granted a queued interactive
+    request. ``free``'s last report (20-200 ms old) still showed 2 running, so
+    neither replica started it at once and the cost chose ``full`` (``free``
+    measured slower under contention): it waited there for a stream to end
+    while the free slot went to batch requests that came later. The ended
+    stream's slot is free in ``free``'s load view until its next report."""
+    free, full = EngineClient("127.0.0.1:9"), EngineClient("127.0.0.1:10")  # never called
+    try:
+        for engine, profile in ((free, SLOW), (full, ONE_CORE)):
+            engine.info = ModelInfo("m", 1024, 100, (2,), "torch", max_num_seqs=2)
+            streams = [engine.opened(Priority.INTERACTIVE, max_tokens=24) for _ in range(2)]
+            for stream in streams:
+                stream.advance(0, 20)  # 4 tokens left each
+            engine.load_watch.observe(LoadStats(2, 0, 0.1, 0, profile))
+        ended = next(iter(free.open_requests))
+        free.closed(ended)
+        kv = picker(RoutingPolicy.KV_AWARE)
+        for priority in (Priority.INTERACTIVE, Priority.BATCH):
+            choice = await kv.choose([full, free], priority, RouteHint(15, max_tokens=4))
+            assert choice.order == [free, full], (priority, choice.costs)
+        free.load_watch.observe(LoadStats(1, 0, 0.1, 0, SLOW))  # the report catches up
+        choice = await kv.choose([full, free], Priority.BATCH, RouteHint(15, max_tokens=4))
+        assert choice.order == [free, full], choice.costs
+    finally:
+        await asyncio.gather(free.close(), full.close())
 
 
 async def test_routed_books_the_unreported_prefill(engines: list[EngineClient]) -> None:
