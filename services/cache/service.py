@@ -68,7 +68,7 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -147,10 +147,8 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self._put_duration = self._metrics.request_duration.labels("PutCachedResponse")
         self._gets_duration = self._metrics.request_duration.labels("GetCachedResponses")
         self._puts_duration = self._metrics.request_duration.labels("PutCachedResponses")
-        #: Open PutCachedResponses calls (ended by the drain).
-        self._store_calls: set[MuxServer[int, cache_pb2.PutCachedResponsesResponse]] = set()
-        #: Open GetCachedResponses calls (ended by the drain).
-        self._lookup_calls: set[MuxServer[int, cache_pb2.CachedResponseLookupResult]] = set()
+        #: Open PutCachedResponses and GetCachedResponses calls (ended by the drain).
+        self._mux_calls: set[MuxServer[int, Any]] = set()
         self._feed = KvEventFeed(self.index, self._metrics)
         self.history = HistorySummaries(store, default_ttl_seconds)
         self._draining = False
@@ -178,7 +176,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         the results ready are written (the drain does not wait for the router
         to hang up)."""
         self._draining = True
-        for call in (*self._store_calls, *self._lookup_calls):
+        for call in self._mux_calls:
             call.outbox.close()
 
     async def close(self) -> None:
@@ -291,15 +289,26 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             while tasks:
                 await asyncio.wait(list(tasks))
 
-        self._lookup_calls.add(server)
         try:
-            async for reply in server.serve(request_iterator, context, handle=handle,
-                                            finish=finish):
+            async for reply in self._serve_mux(server, request_iterator, context,
+                                               handle=handle, finish=finish):
                 yield reply
         finally:
-            self._lookup_calls.discard(server)
             for task in list(tasks):
                 task.cancel()
+
+    async def _serve_mux(self, server: MuxServer[int, Any], requests: AsyncIterator[Any],
+                         context: grpc.aio.ServicerContext, *,
+                         handle: Callable[[Any], Awaitable[None]],
+                         finish: Callable[[], Awaitable[None]]) -> AsyncIterator[Any]:
+        """``server.serve``'s messages, the call registered meanwhile for the
+        drain (which closes its outbox)."""
+        self._mux_calls.add(server)
+        try:
+            async for message in server.serve(requests, context, handle=handle, finish=finish):
+                yield message
+        finally:
+            self._mux_calls.discard(server)
 
     async def _lookup_logged(self, lookup: cache_pb2.CachedResponseLookup
                              ) -> cache_pb2.CachedResponseLookupResult:
@@ -384,13 +393,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         async def finish() -> None:  # the caller half-closed: everything is answered
             return
 
-        self._store_calls.add(server)
-        try:
-            async for answer in server.serve(request_iterator, context, handle=handle,
-                                             finish=finish):
-                yield answer
-        finally:
-            self._store_calls.discard(server)
+        async for answer in self._serve_mux(server, request_iterator, context, handle=handle,
+                                            finish=finish):
+            yield answer
 
     async def _put_logged(self, store: cache_pb2.CachedResponseStore
                           ) -> cache_pb2.CachedResponseStoreResult:

@@ -42,7 +42,7 @@ from services.common.grpc_util import request_id_metadata, status_code_of
 from services.common.mux import MuxClient
 from services.common.tracing import TRACEPARENT
 from services.common.wire.cache import CachedResponse, CacheKey
-from services.router.cache_stores import FIRST_BACKOFF_S, MAX_BACKOFF_S
+from services.router.cache_stores import call_error, next_backoff, unimplemented
 
 log = structlog.get_logger()
 
@@ -173,24 +173,21 @@ class LookupStream:
             return None
         self._mux = MuxClient(
             self._stub.GetCachedResponses(), pack=_pack, unpack=_unpack,
-            make_error=self._error, service="cache", target=self.target,
+            make_error=call_error(self.target), service="cache", target=self.target,
             on_failed=self._failed)
         return self._mux
-
-    def _error(self, code: grpc.StatusCode, details: str) -> BaseException:
-        return ConnectionError(f"cache at {self.target}: {code.name}: {details}")
 
     def _failed(self, why: str) -> None:
         """The call broke: its lookups miss (by the kit, after this); lookups
         are unary for the backoff."""
         if self._closed:
             return
-        if why.startswith(grpc.StatusCode.UNIMPLEMENTED.name):  # MuxClient: "CODE: details"
+        if unimplemented(why):
             log.warning("cache_get_unary", target=self.target, why=why)
             self._unary = True
             return
         log.info("cache_lookup_call_ended", target=self.target, why=why)
-        self._backoff_s = min(max(self._backoff_s * 2, FIRST_BACKOFF_S), MAX_BACKOFF_S)
+        self._backoff_s = next_backoff(self._backoff_s)
         self._unary_until = asyncio.get_running_loop().time() + self._backoff_s
 
     @property
