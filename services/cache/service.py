@@ -64,6 +64,7 @@ protobuf bytes, as the router receives them back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 import uuid
@@ -102,6 +103,27 @@ MAX_STORES_PER_MESSAGE = 4096
 MAX_LOOKUPS_PER_MESSAGE = 4096
 #: Characters of a store's request_id kept for the log (a caller's overlong id is cut).
 _MAX_LOGGED_REQUEST_ID = 128
+
+
+def _checked(key: cache_pb2.CacheKey, has_key: bool,
+             result: cache_pb2.CachedResponseLookupResult) -> EntryKey | None:
+    """The entry to look up for ``key``; None when there is none: a missing
+    or bad key (its INVALID_ARGUMENT status set on ``result``), or a
+    non-deterministic one (never cached: a miss). Mutates ``result``."""
+    try:
+        if not has_key:
+            raise InvalidRequestError("key", "required")
+        entry = entry_key(key)
+    except InvalidRequestError as exc:
+        result.status_code, result.status_message = exc.code.value[0], str(exc)
+        return None
+    return entry if entry.deterministic else None
+
+
+def _bind_logged_id(request_id: str) -> None:
+    """Binds a batched entry's request id to the log lines that follow (cut
+    to 128 characters; a new one when empty)."""
+    bind_request_id(request_id[:_MAX_LOGGED_REQUEST_ID] or uuid.uuid4().hex)
 
 
 def _check_lookups(message: cache_pb2.GetCachedResponsesRequest, open_ids: set[int]) -> None:
@@ -225,17 +247,43 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         store outage), or the status the unary call answers (INVALID_ARGUMENT
         for a missing or bad key). Never raises for a caller's input."""
         result = cache_pb2.CachedResponseLookupResult(lookup_id=lookup_id)
-        try:
-            if not has_key:
-                raise InvalidRequestError("key", "required")
-            entry = entry_key(key)
-        except InvalidRequestError as exc:
-            result.status_code, result.status_message = exc.code.value[0], str(exc)
-            return result
-        if not entry.deterministic:
+        entry = _checked(key, has_key, result)
+        if entry is None:
             return result
         self._metrics.queries.inc()
-        value = await self.store.get(entry.store_key)
+        return self._answered(result, entry, await self.store.get(entry.store_key))
+
+    async def _lookups(self, lookups: Sequence[cache_pb2.CachedResponseLookup]
+                       ) -> list[cache_pb2.CachedResponseLookupResult]:
+        """The lookups of one GetCachedResponses message, as :meth:`_lookup`
+        answers each, with one store round trip for all (Redis: one
+        ``MGET``); each in its span ``llmesh.cache.get`` when it carries a
+        trace, its log lines bound to its request id."""
+        results = [cache_pb2.CachedResponseLookupResult(lookup_id=lookup.lookup_id)
+                   for lookup in lookups]
+        with contextlib.ExitStack() as stack:
+            spans = [stack.enter_context(tracing.span(
+                "llmesh.cache.get", tracing.context_of(lookup.traceparent)))
+                for lookup in lookups]
+            entries = [_checked(lookup.key, lookup.HasField("key"), result)
+                       for lookup, result in zip(lookups, results)]
+            wanted = [i for i, entry in enumerate(entries) if entry is not None]
+            if wanted:
+                self._metrics.queries.inc(len(wanted))
+                values = await self.store.get_many(
+                    [entries[i].store_key for i in wanted])  # type: ignore[union-attr]
+                for i, value in zip(wanted, values):
+                    _bind_logged_id(lookups[i].request_id)
+                    self._answered(results[i], entries[i], value)  # type: ignore[arg-type]
+            for span, result in zip(spans, results):
+                if span is not None:
+                    span.set_attribute("llmesh.cache.hit", result.found)
+        return results
+
+    def _answered(self, result: cache_pb2.CachedResponseLookupResult, entry: EntryKey,
+                  value: bytes | None) -> cache_pb2.CachedResponseLookupResult:
+        """``result`` filled from the store's ``value`` of ``entry`` (None: a
+        miss; an unreadable value: a miss, logged). Mutates ``result``."""
         if value is None:
             return result
         try:
@@ -254,8 +302,9 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[cache_pb2.GetCachedResponsesResponse]:
         """Lookups on one long-lived call (the stream kit's server end): each
-        message's lookups answered as the unary call answers them, in a task
-        of the message's own (a slow store holds up no later message), the
+        message's lookups answered as the unary call answers them, with one
+        store round trip for all (Redis ``MGET``), in a task of the message's
+        own (a slow store holds up no later message), the
         results ready at one wakeup written as one message. A lookup's fault
         is its result's status; the call ends INVALID_ARGUMENT for a message
         over :data:`MAX_LOOKUPS_PER_MESSAGE` lookups or a ``lookup_id`` still
@@ -272,7 +321,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             if len(lookups) == 1:
                 results = [await self._lookup_logged(lookups[0])]
             else:
-                results = await asyncio.gather(*map(self._lookup_logged, lookups))
+                results = await self._lookups(lookups)
             for result in results:
                 open_ids.discard(result.lookup_id)
                 server.outbox.put(result.lookup_id, result)
@@ -315,7 +364,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         """:meth:`_lookup` of one lookup of a GetCachedResponses message, its
         log lines bound to its request id (cut to 128 characters), in the span
         ``llmesh.cache.get`` when it carries a trace."""
-        bind_request_id(lookup.request_id[:_MAX_LOGGED_REQUEST_ID] or uuid.uuid4().hex)
+        _bind_logged_id(lookup.request_id)
         with tracing.span("llmesh.cache.get", tracing.context_of(lookup.traceparent)) as span:
             result = await self._lookup(lookup.key, lookup.HasField("key"), lookup.lookup_id)
             if span is not None:
@@ -401,7 +450,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                           ) -> cache_pb2.CachedResponseStoreResult:
         """:meth:`_put` of one entry of a PutCachedResponses message, its log
         lines bound to the entry's request id (cut to 128 characters)."""
-        bind_request_id(store.request_id[:_MAX_LOGGED_REQUEST_ID] or uuid.uuid4().hex)
+        _bind_logged_id(store.request_id)
         return await self._put(store.put, store.store_id)
 
     async def PublishKvEvents(  # noqa: N802 - gRPC method name

@@ -379,3 +379,20 @@ async def test_a_drain_ends_open_lookup_calls_and_refuses_new_ones(
         assert await call.code() == grpc.StatusCode.OK
         refused = stub.GetCachedResponses()
         assert await refused.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_batch_of_lookups_is_one_redis_round_trip(
+        redis_client: redis.Redis, redis_server: RedisProcess, metrics: CacheMetrics) -> None:
+    store = RedisStore(redis_server.url, metrics=metrics)
+    async with serve(CacheService(store, metrics=metrics)) as stub:
+        assert (await put(stub, make_key((3,)), make_response(text="three"))).stored is True
+        redis_client.config_resetstat()
+        call = stub.GetCachedResponses()
+        await call.write(cache_pb2.GetCachedResponsesRequest(
+            lookups=[lookup(i, make_key((i,))) for i in range(1, 9)]))
+        results = await results_of(call, 8)
+        call.cancel()
+    assert [i for i, r in sorted(results.items()) if r.found] == [3]
+    assert results[3].response.text == "three"
+    stats = redis_client.info("commandstats")
+    assert stats["cmdstat_mget"]["calls"] == 1 and "cmdstat_get" not in stats
