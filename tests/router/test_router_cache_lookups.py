@@ -73,21 +73,23 @@ async def test_a_stalled_lookup_misses_within_its_budget_and_the_call_goes_on():
     stalled = StalledStore()
     async with cache_on(0, real_cache(stalled)) as target:
         client = CacheClient(target, timeout=0.3)
+        patient = CacheClient(target, timeout=30.0)
         try:
             started = time.monotonic()
             assert await client.get(key_of(1), request_id="g", deadline=None) is None
-            assert 0.25 <= time.monotonic() - started < 2.0
-            # The client's deadline, when nearer, bounds it instead.
+            assert 0.25 <= time.monotonic() - started < 5.0
+            # The client's deadline, when nearer than the cache's budget, bounds it.
             started = time.monotonic()
-            deadline = started + 0.1
-            assert await client.get(key_of(1), request_id="g", deadline=deadline) is None
-            assert time.monotonic() - started < 0.28
+            assert await patient.get(key_of(1), request_id="g",
+                                     deadline=started + 0.2) is None
+            assert 0.15 <= time.monotonic() - started < 5.0
             stalled.gate.set()  # the late results are dropped; the call serves on
             assert await client.put(key_of(2), ANSWER, request_id="p") is True
             assert await client.get(key_of(2), request_id="g", deadline=None) == ANSWER
-            assert client.lookups.open_lookups == 0
+            assert client.lookups.open_lookups == 0 and patient.lookups.open_lookups == 0
         finally:
             await client.close()
+            await patient.close()
 
 
 async def test_a_cache_restart_makes_lookups_miss_then_the_call_is_reopened():
