@@ -1,7 +1,8 @@
 """CPU per response-cache store, unary ``PutCachedResponse`` against the
-router's stream (``PutCachedResponses`` through :class:`CacheClient`), on
-both sides: the cache service's process (schedstat, ns) and this process
-(the router's side: ``time.process_time_ns``).
+router's stream (``PutCachedResponses`` through :class:`CacheClient`), or
+with ``--lookups`` per lookup (misses: unary ``GetCachedResponse`` against
+``GetCachedResponses``), on both sides: the cache service's process
+(schedstat, ns) and this process (the router's side: ``time.process_time_ns``).
 
 Starts ``python -m services.cache`` (embedded store) on a free port, then
 interleaves rounds of ``--stores`` stores over each path, one after another
@@ -11,7 +12,7 @@ median CPU microseconds per store over the rounds with [p25-p75], and the
 load average. Not a test: numbers depend on the machine.
 
 Usage: ``flock -x /tmp/llmesh-cpu.lock python benchmarks/cache_store_cpu.py
-[--rounds 5] [--stores 300]``
+[--rounds 5] [--stores 300] [--lookups]``
 """
 
 from __future__ import annotations
@@ -55,6 +56,18 @@ async def _stream(client: CacheClient, i: int) -> bool:
     return await client.put(_key(i), ANSWER, request_id=f"s{i}")
 
 
+async def _unary_get(client: CacheClient, i: int) -> bool:
+    await client.stub.GetCachedResponse(
+        cache_pb2.GetCachedResponseRequest(key=_key(i).to_pb()), timeout=5,
+        metadata=request_id_metadata(f"u{i}"))
+    return True
+
+
+async def _stream_get(client: CacheClient, i: int) -> bool:
+    await client.get(_key(i), request_id=f"s{i}", deadline=None)
+    return True
+
+
 async def _round(client: CacheClient, pid: int, path, base: int, n: int,
                  burst: bool) -> tuple[float, float]:
     """(cache µs, router µs) per store of ``n`` stores, one after another or
@@ -76,8 +89,11 @@ def _quartiles(values: list[float]) -> str:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--stores", type=int, default=300)
+    parser.add_argument("--stores", type=int, default=300, help="operations a round")
+    parser.add_argument("--lookups", action="store_true",
+                        help="time lookups (misses) instead of stores")
     args = parser.parse_args()
+    unary, stream = (_unary_get, _stream_get) if args.lookups else (_unary, _stream)
     port_file = Path(tempfile.mkdtemp(prefix="llmesh-store-bench-")) / "port"
     cache = subprocess.Popen(
         [sys.executable, "-m", "services.cache", "--port", "0", "--metrics-port", "0",
@@ -88,8 +104,8 @@ async def main() -> None:
         port = json.loads(port_file.read_text())["grpc_port"]
         client = CacheClient(f"127.0.0.1:{port}")
         await client.wait_until_serving(30)
-        paths = {"unary, one at a time": (_unary, False), "stream, one at a time": (_stream, False),
-                 "unary, all at once": (_unary, True), "stream, all at once": (_stream, True)}
+        paths = {"unary, one at a time": (unary, False), "stream, one at a time": (stream, False),
+                 "unary, all at once": (unary, True), "stream, all at once": (stream, True)}
         for path, burst in paths.values():  # warm each (the stream's call opens here)
             await _round(client, cache.pid, path, 10_000_000, 50, burst)
         load = os.getloadavg()
@@ -99,7 +115,8 @@ async def main() -> None:
                 base = (r * len(paths) + j) * args.stores
                 results[name].append(await _round(client, cache.pid, path, base, args.stores,
                                                   burst))
-        print(f"CPU µs per store, rounds of {args.stores} stores x {args.rounds} interleaved, "
+        what = "lookup" if args.lookups else "store"
+        print(f"CPU µs per {what}, rounds of {args.stores} x {args.rounds} interleaved, "
               f"median [p25-p75]; load {load} -> {os.getloadavg()}")
         for name, rows in results.items():
             print(f"  {name:<22} cache {_quartiles([c for c, _ in rows])}  "

@@ -9,6 +9,18 @@ RPCs (the unary ones answered in well under a millisecond on loopback):
   looked up) or a store outage. INVALID_ARGUMENT: missing key, empty
   ``prompt_token_ids`` or an invalid sampling field. UNAVAILABLE while draining.
 
+``GetCachedResponses(stream)`` (bidirectional, the router's one call per channel)
+  Looks up as ``GetCachedResponse`` does, batched: each message carries the
+  lookups the router queued since its previous write (at most
+  :data:`MAX_LOOKUPS_PER_MESSAGE`), and the results ready at one wakeup go
+  back in one message, each echoing its ``lookup_id`` (any order). A
+  lookup's fault (INVALID_ARGUMENT) is its result's status. The call ends
+  INVALID_ARGUMENT for an oversized message or a ``lookup_id`` still open,
+  UNAVAILABLE when opened while draining, and OK once a drain begins (the
+  lookups still open unanswered: the router counts them as misses). A lookup
+  on an open call skips the unary call's set-up on both sides (~1 ms of the
+  1.6 ms a unary miss took the router at one stream).
+
 ``PutCachedResponse(key, response, ttl_seconds)``
   ``stored: true`` once written. ``stored: false`` when the response did not
   finish normally (finish reason other than STOP or LENGTH: CANCELLED, ERROR,
@@ -51,11 +63,13 @@ protobuf bytes, as the router receives them back.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -85,8 +99,49 @@ CACHEABLE_FINISH_REASONS = frozenset({common_pb2.FINISH_REASON_STOP, common_pb2.
 MAX_SCORED_BLOCKS = 65_536
 #: Most stores one PutCachedResponses message may carry.
 MAX_STORES_PER_MESSAGE = 4096
+#: Most lookups one GetCachedResponses message may carry.
+MAX_LOOKUPS_PER_MESSAGE = 4096
 #: Characters of a store's request_id kept for the log (a caller's overlong id is cut).
 _MAX_LOGGED_REQUEST_ID = 128
+
+
+def _checked(key: cache_pb2.CacheKey, has_key: bool,
+             result: cache_pb2.CachedResponseLookupResult) -> EntryKey | None:
+    """The entry to look up for ``key``; None when there is none: a missing
+    or bad key (its INVALID_ARGUMENT status set on ``result``), or a
+    non-deterministic one (never cached: a miss). Mutates ``result``."""
+    try:
+        if not has_key:
+            raise InvalidRequestError("key", "required")
+        entry = entry_key(key)
+    except InvalidRequestError as exc:
+        result.status_code, result.status_message = exc.code.value[0], str(exc)
+        return None
+    return entry if entry.deterministic else None
+
+
+def _bind_logged_id(request_id: str) -> None:
+    """Binds a batched entry's request id to the log lines that follow (cut
+    to 128 characters; a new one when empty)."""
+    bind_request_id(request_id[:_MAX_LOGGED_REQUEST_ID] or uuid.uuid4().hex)
+
+
+def _check_lookups(message: cache_pb2.GetCachedResponsesRequest, open_ids: set[int]) -> None:
+    """Raises ProtocolViolation for a GetCachedResponses message over
+    :data:`MAX_LOOKUPS_PER_MESSAGE` lookups, or one reusing an open id."""
+    if len(message.lookups) > MAX_LOOKUPS_PER_MESSAGE:
+        raise ProtocolViolation(f"lookups: at most {MAX_LOOKUPS_PER_MESSAGE} a message, "
+                                f"got {len(message.lookups)}")
+    ids = [lookup.lookup_id for lookup in message.lookups]
+    if len(set(ids)) != len(ids) or not open_ids.isdisjoint(ids):
+        raise ProtocolViolation("lookup_id: each open lookup needs an id of its own; "
+                                "use a new id for each lookup")
+
+
+def _lookup_results(pending: dict[int, cache_pb2.CachedResponseLookupResult]
+                    ) -> tuple[cache_pb2.GetCachedResponsesResponse]:
+    """The results ready at one wakeup, as one message."""
+    return (cache_pb2.GetCachedResponsesResponse(results=pending.values()),)
 
 
 class CacheService(cache_pb2_grpc.CacheServiceServicer):
@@ -112,9 +167,10 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self.index = index if index is not None else MemoryPrefixIndex(metrics=self._metrics)
         self._get_duration = self._metrics.request_duration.labels("GetCachedResponse")
         self._put_duration = self._metrics.request_duration.labels("PutCachedResponse")
+        self._gets_duration = self._metrics.request_duration.labels("GetCachedResponses")
         self._puts_duration = self._metrics.request_duration.labels("PutCachedResponses")
-        #: Open PutCachedResponses calls (ended by the drain).
-        self._store_calls: set[MuxServer[int, cache_pb2.PutCachedResponsesResponse]] = set()
+        #: Open PutCachedResponses and GetCachedResponses calls (ended by the drain).
+        self._mux_calls: set[MuxServer[int, Any]] = set()
         self._feed = KvEventFeed(self.index, self._metrics)
         self.history = HistorySummaries(store, default_ttl_seconds)
         self._draining = False
@@ -138,10 +194,11 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
 
     async def drain(self) -> None:
         """New calls get UNAVAILABLE from now on; open PutCachedResponses calls
-        end once what they read is answered (the drain does not wait for the
-        router to hang up)."""
+        end once what they read is answered, open GetCachedResponses calls once
+        the results ready are written (the drain does not wait for the router
+        to hang up)."""
         self._draining = True
-        for call in self._store_calls:
+        for call in self._mux_calls:
             call.outbox.close()
 
     async def close(self) -> None:
@@ -156,18 +213,6 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         bind_request_id(request_id_from(context))
         if self._draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "cache service is draining")
-
-    async def _admit(self, key: cache_pb2.CacheKey, has_key: bool,
-                     context: grpc.aio.ServicerContext) -> EntryKey:
-        """The entry key of a valid request; aborts UNAVAILABLE / INVALID_ARGUMENT."""
-        await self._open(context)
-        if not has_key:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "key: required")
-        try:
-            return entry_key(key)
-        except InvalidRequestError as exc:
-            await context.abort(exc.code, str(exc))
-            raise  # unreachable: abort raises
 
     async def GetCachedResponse(  # noqa: N802 - gRPC method name
         self, request: cache_pb2.GetCachedResponseRequest, context: grpc.aio.ServicerContext,
@@ -185,23 +230,146 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                    context: grpc.aio.ServicerContext) -> cache_pb2.GetCachedResponseResponse:
         started = time.perf_counter()
         try:
-            entry = await self._admit(request.key, request.HasField("key"), context)
-            if not entry.deterministic:
+            await self._open(context)
+            result = await self._lookup(request.key, request.HasField("key"))
+            if result.status_code:
+                await context.abort(status_code_of(result.status_code), result.status_message)
+            if not result.found:
                 return cache_pb2.GetCachedResponseResponse(found=False)
-            self._metrics.queries.inc()
-            value = await self.store.get(entry.store_key)
-            if value is None:
-                return cache_pb2.GetCachedResponseResponse(found=False)
-            try:
-                response = cache_pb2.CachedResponse.FromString(value)
-            except DecodeError:
-                log.warning("cache_entry_unreadable", key=entry.store_key, action="answered miss")
-                return cache_pb2.GetCachedResponseResponse(found=False)
-            self._metrics.hits.inc()
-            log.debug("cache_hit", tokens=len(response.token_ids))
-            return cache_pb2.GetCachedResponseResponse(found=True, response=response)
+            return cache_pb2.GetCachedResponseResponse(found=True, response=result.response)
         finally:
             self._get_duration.observe(time.perf_counter() - started)
+
+    async def _lookup(self, key: cache_pb2.CacheKey, has_key: bool,
+                      lookup_id: int = 0) -> cache_pb2.CachedResponseLookupResult:
+        """One lookup's result: ``found`` with the stored response, a miss
+        (also for a non-deterministic key, an expired or unreadable entry, a
+        store outage), or the status the unary call answers (INVALID_ARGUMENT
+        for a missing or bad key). Never raises for a caller's input."""
+        result = cache_pb2.CachedResponseLookupResult(lookup_id=lookup_id)
+        entry = _checked(key, has_key, result)
+        if entry is None:
+            return result
+        self._metrics.queries.inc()
+        return self._answered(result, entry, await self.store.get(entry.store_key))
+
+    async def _lookups(self, lookups: Sequence[cache_pb2.CachedResponseLookup]
+                       ) -> list[cache_pb2.CachedResponseLookupResult]:
+        """The lookups of one GetCachedResponses message, as :meth:`_lookup`
+        answers each, with one store round trip for all (Redis: one
+        ``MGET``); each in its span ``llmesh.cache.get`` when it carries a
+        trace, its log lines bound to its request id."""
+        results = [cache_pb2.CachedResponseLookupResult(lookup_id=lookup.lookup_id)
+                   for lookup in lookups]
+        with contextlib.ExitStack() as stack:
+            spans = [stack.enter_context(tracing.span(
+                "llmesh.cache.get", tracing.context_of(lookup.traceparent)))
+                for lookup in lookups]
+            entries = [_checked(lookup.key, lookup.HasField("key"), result)
+                       for lookup, result in zip(lookups, results)]
+            wanted = [i for i, entry in enumerate(entries) if entry is not None]
+            if wanted:
+                self._metrics.queries.inc(len(wanted))
+                values = await self.store.get_many(
+                    [entries[i].store_key for i in wanted])  # type: ignore[union-attr]
+                for i, value in zip(wanted, values):
+                    _bind_logged_id(lookups[i].request_id)
+                    self._answered(results[i], entries[i], value)  # type: ignore[arg-type]
+            for span, result in zip(spans, results):
+                if span is not None:
+                    span.set_attribute("llmesh.cache.hit", result.found)
+        return results
+
+    def _answered(self, result: cache_pb2.CachedResponseLookupResult, entry: EntryKey,
+                  value: bytes | None) -> cache_pb2.CachedResponseLookupResult:
+        """``result`` filled from the store's ``value`` of ``entry`` (None: a
+        miss; an unreadable value: a miss, logged). Mutates ``result``."""
+        if value is None:
+            return result
+        try:
+            result.response.ParseFromString(value)
+        except DecodeError:
+            log.warning("cache_entry_unreadable", key=entry.store_key, action="answered miss")
+            result.ClearField("response")
+            return result
+        result.found = True
+        self._metrics.hits.inc()
+        log.debug("cache_hit", tokens=len(result.response.token_ids))
+        return result
+
+    async def GetCachedResponses(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[cache_pb2.GetCachedResponsesRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[cache_pb2.GetCachedResponsesResponse]:
+        """Lookups on one long-lived call (the stream kit's server end): each
+        message's lookups answered as the unary call answers them, with one
+        store round trip for all (Redis ``MGET``), in a task of the message's
+        own (a slow store holds up no later message), the
+        results ready at one wakeup written as one message. A lookup's fault
+        is its result's status; the call ends INVALID_ARGUMENT for a message
+        over :data:`MAX_LOOKUPS_PER_MESSAGE` lookups or a ``lookup_id`` still
+        open, UNAVAILABLE when it opens while draining, and OK when a drain
+        begins after it opened (lookups still open are not answered)."""
+        await self._open(context)
+        server: MuxServer[int, cache_pb2.CachedResponseLookupResult] = MuxServer(
+            merge=never_merge, pack=_lookup_results)
+        open_ids: set[int] = set()
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def answer(lookups: Sequence[cache_pb2.CachedResponseLookup]) -> None:
+            started = time.perf_counter()
+            if len(lookups) == 1:
+                results = [await self._lookup_logged(lookups[0])]
+            else:
+                results = await self._lookups(lookups)
+            for result in results:
+                open_ids.discard(result.lookup_id)
+                server.outbox.put(result.lookup_id, result)
+            self._gets_duration.observe(time.perf_counter() - started)
+
+        async def handle(message: cache_pb2.GetCachedResponsesRequest) -> None:
+            _check_lookups(message, open_ids)
+            open_ids.update(lookup.lookup_id for lookup in message.lookups)
+            task = asyncio.create_task(answer(message.lookups))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+        async def finish() -> None:  # the caller half-closed: answer what it asked
+            while tasks:
+                await asyncio.wait(list(tasks))
+
+        try:
+            async for reply in self._serve_mux(server, request_iterator, context,
+                                               handle=handle, finish=finish):
+                yield reply
+        finally:
+            for task in list(tasks):
+                task.cancel()
+
+    async def _serve_mux(self, server: MuxServer[int, Any], requests: AsyncIterator[Any],
+                         context: grpc.aio.ServicerContext, *,
+                         handle: Callable[[Any], Awaitable[None]],
+                         finish: Callable[[], Awaitable[None]]) -> AsyncIterator[Any]:
+        """``server.serve``'s messages, the call registered meanwhile for the
+        drain (which closes its outbox)."""
+        self._mux_calls.add(server)
+        try:
+            async for message in server.serve(requests, context, handle=handle, finish=finish):
+                yield message
+        finally:
+            self._mux_calls.discard(server)
+
+    async def _lookup_logged(self, lookup: cache_pb2.CachedResponseLookup
+                             ) -> cache_pb2.CachedResponseLookupResult:
+        """:meth:`_lookup` of one lookup of a GetCachedResponses message, its
+        log lines bound to its request id (cut to 128 characters), in the span
+        ``llmesh.cache.get`` when it carries a trace."""
+        _bind_logged_id(lookup.request_id)
+        with tracing.span("llmesh.cache.get", tracing.context_of(lookup.traceparent)) as span:
+            result = await self._lookup(lookup.key, lookup.HasField("key"), lookup.lookup_id)
+            if span is not None:
+                span.set_attribute("llmesh.cache.hit", result.found)
+            return result
 
     async def PutCachedResponse(  # noqa: N802 - gRPC method name
         self, request: cache_pb2.PutCachedResponseRequest, context: grpc.aio.ServicerContext,
@@ -274,19 +442,15 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         async def finish() -> None:  # the caller half-closed: everything is answered
             return
 
-        self._store_calls.add(server)
-        try:
-            async for answer in server.serve(request_iterator, context, handle=handle,
-                                             finish=finish):
-                yield answer
-        finally:
-            self._store_calls.discard(server)
+        async for answer in self._serve_mux(server, request_iterator, context, handle=handle,
+                                            finish=finish):
+            yield answer
 
     async def _put_logged(self, store: cache_pb2.CachedResponseStore
                           ) -> cache_pb2.CachedResponseStoreResult:
         """:meth:`_put` of one entry of a PutCachedResponses message, its log
         lines bound to the entry's request id (cut to 128 characters)."""
-        bind_request_id(store.request_id[:_MAX_LOGGED_REQUEST_ID] or uuid.uuid4().hex)
+        _bind_logged_id(store.request_id)
         return await self._put(store.put, store.store_id)
 
     async def PublishKvEvents(  # noqa: N802 - gRPC method name

@@ -69,6 +69,25 @@ _Result = cache_pb2.CachedResponseStoreResult
 _StoreMux = MuxClient[_Store, _Result]
 
 
+def next_backoff(previous_s: float) -> float:
+    """Seconds to wait before reopening a call that broke after a wait of
+    ``previous_s`` (0: none): :data:`FIRST_BACKOFF_S`, doubling to
+    :data:`MAX_BACKOFF_S`."""
+    return min(max(previous_s * 2, FIRST_BACKOFF_S), MAX_BACKOFF_S)
+
+
+def unimplemented(why: str) -> bool:
+    """Whether a call broke with UNIMPLEMENTED (``why`` as the kit's
+    ``on_failed`` says it: ``"CODE: details"``): a cache older than the RPC."""
+    return why.startswith(grpc.StatusCode.UNIMPLEMENTED.name)
+
+
+def call_error(target: str) -> Callable[[grpc.StatusCode, str], BaseException]:
+    """The kit's ``make_error`` for a cache call: a ConnectionError naming
+    the cache, the code and its details."""
+    return lambda code, details: ConnectionError(f"cache at {target}: {code.name}: {details}")
+
+
 class _Receipt:
     """One store's receiving end on the call (a mux :class:`Receiver`)."""
 
@@ -200,19 +219,16 @@ class StoreStream:
             return None
         self._mux = MuxClient(
             self._stub.PutCachedResponses(wait_for_ready=True), pack=_pack, unpack=_unpack,
-            make_error=self._error, service="cache", target=self.target,
+            make_error=call_error(self.target), service="cache", target=self.target,
             on_failed=self._failed)
         return self._mux
-
-    def _error(self, code: grpc.StatusCode, details: str) -> BaseException:
-        return ConnectionError(f"cache at {self.target}: {code.name}: {details}")
 
     def _failed(self, why: str) -> None:
         """The call broke: its stores fail (by the kit, after this); the next
         call opens after the backoff."""
         if self._closed:
             return
-        if why.startswith(grpc.StatusCode.UNIMPLEMENTED.name):  # MuxClient: "CODE: details"
+        if unimplemented(why):
             log.warning("cache_put_unary", target=self.target, why=why)
             self._unary = True
             return
@@ -221,7 +237,7 @@ class StoreStream:
             log.warning("cache_put_failed", target=self.target, why=why, stores=lost)
         else:
             log.info("cache_store_call_ended", target=self.target, why=why)
-        self._backoff_s = min(max(self._backoff_s * 2, FIRST_BACKOFF_S), MAX_BACKOFF_S)
+        self._backoff_s = next_backoff(self._backoff_s)
         self._reopen = asyncio.get_running_loop().call_later(self._backoff_s, self._flush)
 
     def _flush(self) -> None:

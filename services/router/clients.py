@@ -17,8 +17,9 @@ for none): each hop gets the time the client has left, not more.
 Errors: a failed tokenizer or engine call raises :class:`UpstreamError` with
 the upstream's status code and the service's name and address. The cache is
 optional: :class:`CacheClient` never raises for an RPC failure; it logs a
-warning and reports a miss (``get``) or "not stored" (``put``, whose stores
-travel batched on one long-lived call: :mod:`services.router.cache_stores`).
+warning and reports a miss (``get``) or "not stored" (``put``); lookups and
+stores each travel batched on one long-lived call
+(:mod:`services.router.cache_lookups`, :mod:`services.router.cache_stores`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from services.common.wire.cache import CachedResponse, CacheKey
 from services.common.wire.chat import ChatMessage, ChatPrompt
 from services.common.wire.tokenizer_info import TokenizerInfo
 from services.common.wire.tools import FunctionTool
+from services.router.cache_lookups import LookupStream
 from services.router.cache_stores import OutcomeHook, StoreStream
 
 log = structlog.get_logger()
@@ -392,6 +394,8 @@ class CacheClient:
         self.timeout = timeout
         self._channel = make_channel(target)
         self._stub = cache_pb2_grpc.CacheServiceStub(self._channel)
+        #: The response lookups' long-lived call.
+        self.lookups = LookupStream(self._stub, target)
         #: The response stores' long-lived call.
         self.stores = StoreStream(self._stub, target, max_pending=max_pending_stores,
                                   on_outcome=on_store)
@@ -413,21 +417,18 @@ class CacheClient:
 
     async def get(self, key: CacheKey, *, request_id: str, deadline: float | None,
                   trace_metadata: Sequence[tuple[str, str]] = ()) -> CachedResponse | None:
-        """The cached response for ``key``, or None (miss, or any cache error);
-        ``trace_metadata``: the caller's span's W3C trace context
-        (:func:`services.common.tracing.metadata_of`), sent as metadata."""
-        try:
-            reply = await self._stub.GetCachedResponse(
-                cache_pb2.GetCachedResponseRequest(key=key.to_pb()),
-                timeout=self._timeout(deadline),
-                metadata=(*request_id_metadata(request_id), *trace_metadata))
-        except grpc.aio.AioRpcError as err:
-            log.warning("cache_get_failed", target=self.target, code=err.code().name,
-                        details=err.details())
-            return None
-        if not reply.found:
-            return None
-        return CachedResponse.from_pb(reply.response)
+        """The cached response for ``key``, or None (miss, or any cache error),
+        on the channel's one ``GetCachedResponses`` call
+        (:mod:`services.router.cache_lookups`); ``trace_metadata``: the
+        caller's span's W3C trace context
+        (:func:`services.common.tracing.metadata_of`).
+
+        Raises:
+          UpstreamError: DEADLINE_EXCEEDED when ``deadline`` passed before the lookup.
+        """
+        return await self.lookups.get(key, request_id=request_id,
+                                      timeout=self._timeout(deadline),
+                                      trace_metadata=trace_metadata)
 
     def put(self, key: CacheKey, response: CachedResponse, *,
             request_id: str) -> asyncio.Future[bool]:
@@ -460,5 +461,6 @@ class CacheClient:
                 for score in reply.scores}
 
     async def close(self) -> None:
+        await self.lookups.close()
         await self.stores.close()
         await self._channel.close()

@@ -273,3 +273,126 @@ async def test_a_drain_ends_open_store_calls_and_refuses_new_ones(metrics: Cache
         assert await call.code() == grpc.StatusCode.OK
         refused = stub.PutCachedResponses()
         assert await refused.code() == grpc.StatusCode.UNAVAILABLE
+
+
+# --------------------------------------------------------------------------- #
+# GetCachedResponses: the router's lookups on one long-lived call
+
+
+def lookup(lookup_id: int, key: cache_pb2.CacheKey | None) -> cache_pb2.CachedResponseLookup:
+    found = cache_pb2.CachedResponseLookup(lookup_id=lookup_id, request_id=f"rid-{lookup_id}")
+    if key is not None:
+        found.key.CopyFrom(key)
+    return found
+
+
+async def results_of(call: object, count: int) -> dict[int, cache_pb2.CachedResponseLookupResult]:
+    """The next ``count`` results read from ``call``, by lookup id."""
+    results: dict[int, cache_pb2.CachedResponseLookupResult] = {}
+    while len(results) < count:
+        answer = await call.read()  # type: ignore[attr-defined]
+        assert answer is not grpc.aio.EOF
+        results.update((r.lookup_id, r) for r in answer.results)
+    return results
+
+
+async def test_a_batch_of_lookups_is_answered_each_by_its_own_status(
+        stub: Stub, metrics: CacheMetrics) -> None:
+    stored, missing, sampled = make_key((1,)), make_key((2,)), make_key((3,), temperature=0.8)
+    response = make_response((5, 6), "ok.", common_pb2.FINISH_REASON_STOP)
+    assert (await put(stub, stored, response)).stored is True
+    call = stub.GetCachedResponses()
+    await call.write(cache_pb2.GetCachedResponsesRequest(lookups=[
+        lookup(7, stored), lookup(8, make_key((4,), top_p=1.5)), lookup(9, missing),
+        lookup(10, sampled), lookup(11, None)]))
+    results = await results_of(call, 5)
+    assert results[7].found is True and results[7].response == response
+    assert results[7].status_code == 0
+    assert results[8].status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "key.sampling.top_p" in results[8].status_message and not results[8].found
+    assert results[11].status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert results[11].status_message == "key: required"
+    for miss in (9, 10):  # a sampled key without a seed is a miss, as on the unary call
+        assert results[miss].found is False and results[miss].status_code == 0
+        assert not results[miss].HasField("response")
+    # The call stays open; a lookup id may be used again once answered.
+    await call.write(cache_pb2.GetCachedResponsesRequest(lookups=[lookup(7, stored)]))
+    assert (await results_of(call, 1))[7].found is True
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+    assert await call.code() == grpc.StatusCode.OK
+    assert sample(metrics, "llmesh:response_cache_queries_total") == 3  # 7, 9 and 7 again
+    assert sample(metrics, "llmesh:response_cache_hits_total") == 2
+    assert sample(metrics, "llmesh:cache_request_duration_seconds_count",
+                  method="GetCachedResponses") == 2
+    assert sample(metrics, "llmesh:cache_request_duration_seconds_count",
+                  method="GetCachedResponse") == 0
+
+
+class StalledStore(MemoryStore):
+    """A memory store whose gets of ``slow`` wait until ``gate`` is set."""
+
+    def __init__(self, slow: str) -> None:
+        super().__init__()
+        self.slow = slow
+        self.gate = asyncio.Event()
+
+    async def get(self, key: str) -> bytes | None:
+        if key == self.slow:
+            await self.gate.wait()
+        return await super().get(key)
+
+
+async def test_a_slow_lookup_holds_up_no_later_one(metrics: CacheMetrics) -> None:
+    slow, fast = make_key((1,)), make_key((2,))
+    store = StalledStore(response_key(slow))
+    async with serve(CacheService(store, metrics=metrics)) as stub:
+        call = stub.GetCachedResponses()
+        await call.write(cache_pb2.GetCachedResponsesRequest(lookups=[lookup(1, slow)]))
+        await call.write(cache_pb2.GetCachedResponsesRequest(lookups=[lookup(2, fast)]))
+        assert list(await results_of(call, 1)) == [2]
+        # An id still open is the caller's bug: the call ends INVALID_ARGUMENT.
+        await call.write(cache_pb2.GetCachedResponsesRequest(lookups=[lookup(1, fast)]))
+        assert await call.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "lookup_id" in await call.details()
+        store.gate.set()
+
+
+async def test_a_lookup_message_over_the_limit_ends_the_call_invalid_argument(
+        stub: Stub) -> None:
+    call = stub.GetCachedResponses()
+    await call.write(cache_pb2.GetCachedResponsesRequest(
+        lookups=[lookup(i, make_key((i + 1,))) for i in range(4097)]))
+    assert await call.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "lookups: at most 4096" in await call.details()
+
+
+async def test_a_drain_ends_open_lookup_calls_and_refuses_new_ones(
+        metrics: CacheMetrics) -> None:
+    service = CacheService(MemoryStore(), metrics=metrics)
+    async with serve(service) as stub:
+        call = stub.GetCachedResponses()
+        await call.write(cache_pb2.GetCachedResponsesRequest(lookups=[lookup(1, make_key())]))
+        assert (await results_of(call, 1))[1].found is False
+        await service.drain()
+        assert await call.read() is grpc.aio.EOF  # ended at once, not at the drain deadline
+        assert await call.code() == grpc.StatusCode.OK
+        refused = stub.GetCachedResponses()
+        assert await refused.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_batch_of_lookups_is_one_redis_round_trip(
+        redis_client: redis.Redis, redis_server: RedisProcess, metrics: CacheMetrics) -> None:
+    store = RedisStore(redis_server.url, metrics=metrics)
+    async with serve(CacheService(store, metrics=metrics)) as stub:
+        assert (await put(stub, make_key((3,)), make_response(text="three"))).stored is True
+        redis_client.config_resetstat()
+        call = stub.GetCachedResponses()
+        await call.write(cache_pb2.GetCachedResponsesRequest(
+            lookups=[lookup(i, make_key((i,))) for i in range(1, 9)]))
+        results = await results_of(call, 8)
+        call.cancel()
+    assert [i for i, r in sorted(results.items()) if r.found] == [3]
+    assert results[3].response.text == "three"
+    stats = redis_client.info("commandstats")
+    assert stats["cmdstat_mget"]["calls"] == 1 and "cmdstat_get" not in stats

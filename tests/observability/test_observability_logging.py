@@ -148,3 +148,22 @@ async def test_cache_binds_each_batched_stores_request_id() -> None:
     assert [e.get("request_id") for e in logs if e["event"] == "cache_put"] == [
         "first-rid", "second-rid", "x" * 128]  # a caller's overlong id is cut
 
+
+
+async def test_cache_binds_each_batched_lookups_request_id() -> None:
+    service = CacheService(MemoryStore(), metrics=CacheMetrics.create(CollectorRegistry()))
+    async with serve(service) as stub:
+        await stub.PutCachedResponse(cache_pb2.PutCachedResponseRequest(
+            key=make_key(), response=make_response()))
+        with structlog.testing.capture_logs(
+                processors=[structlog.contextvars.merge_contextvars]) as logs:
+            call = stub.GetCachedResponses()
+            await call.write(cache_pb2.GetCachedResponsesRequest(lookups=[
+                cache_pb2.CachedResponseLookup(lookup_id=i, request_id=rid, key=make_key())
+                for i, rid in ((1, "first-rid"), (2, "x" * 500))]))
+            answered = 0
+            while answered < 2:
+                answered += len((await call.read()).results)
+            call.cancel()
+    assert sorted(e.get("request_id") for e in logs if e["event"] == "cache_hit") == [
+        "first-rid", "x" * 128]  # a caller's overlong id is cut

@@ -333,6 +333,19 @@ class FakeCache(cache_pb2_grpc.CacheServiceServicer):
             return cache_pb2.GetCachedResponseResponse(found=False)
         return cache_pb2.GetCachedResponseResponse(found=True, response=found)
 
+    async def GetCachedResponses(self, request_iterator, context):
+        """Each message's lookups answered in one message; ``fail`` ends the call."""
+        async for message in request_iterator:
+            self.gets += len(message.lookups)
+            if self.fail:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "cache down")
+            results = []
+            for lookup in message.lookups:
+                found = self.store.get(lookup.key.SerializeToString(deterministic=True))
+                results.append(cache_pb2.CachedResponseLookupResult(
+                    lookup_id=lookup.lookup_id, found=found is not None, response=found))
+            yield cache_pb2.GetCachedResponsesResponse(results=results)
+
     async def PutCachedResponse(self, request, context):
         self.puts += 1
         if self.fail:

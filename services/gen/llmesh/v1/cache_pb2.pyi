@@ -155,6 +155,131 @@ class GetCachedResponseResponse(_message.Message):
 Global___GetCachedResponseResponse: _TypeAlias = GetCachedResponseResponse  # noqa: Y015
 
 @_typing.final
+class CachedResponseLookup(_message.Message):
+    """One lookup on a GetCachedResponses call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOOKUP_ID_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
+    lookup_id: _builtins.int
+    """The caller's id for this lookup, echoed on its result; unique among the
+    call's lookups not yet answered.
+    """
+    request_id: _builtins.str
+    """The request id for the cache's log line (as `x-request-id` on a unary
+    call; at most 128 characters are logged).
+    """
+    traceparent: _builtins.str
+    """The request's W3C trace context (`traceparent`): the caller's span the
+    cache's span is a child of; empty: not traced.
+    """
+    @_builtins.property
+    def key(self) -> Global___CacheKey:
+        """What the unary call would carry."""
+
+    def __init__(
+        self,
+        *,
+        lookup_id: _builtins.int = ...,
+        key: Global___CacheKey | None = ...,
+        request_id: _builtins.str = ...,
+        traceparent: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "lookup_id", b"lookup_id", "request_id", b"request_id", "traceparent", b"traceparent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CachedResponseLookup: _TypeAlias = CachedResponseLookup  # noqa: Y015
+
+@_typing.final
+class GetCachedResponsesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOOKUPS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def lookups(self) -> _containers.RepeatedCompositeFieldContainer[Global___CachedResponseLookup]:
+        """At most 4,096."""
+
+    def __init__(
+        self,
+        *,
+        lookups: _abc.Iterable[Global___CachedResponseLookup] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lookups", b"lookups"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCachedResponsesRequest: _TypeAlias = GetCachedResponsesRequest  # noqa: Y015
+
+@_typing.final
+class CachedResponseLookupResult(_message.Message):
+    """One lookup's outcome."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOOKUP_ID_FIELD_NUMBER: _builtins.int
+    FOUND_FIELD_NUMBER: _builtins.int
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    STATUS_CODE_FIELD_NUMBER: _builtins.int
+    STATUS_MESSAGE_FIELD_NUMBER: _builtins.int
+    lookup_id: _builtins.int
+    """The `lookup_id` of the lookup this answers."""
+    found: _builtins.bool
+    """As GetCachedResponseResponse (found is false when status_code is set)."""
+    status_code: _builtins.int
+    """The lookup's gRPC status code (0 = OK; else what the unary call would
+    have returned: INVALID_ARGUMENT), and its message.
+    """
+    status_message: _builtins.str
+    @_builtins.property
+    def response(self) -> Global___CachedResponse: ...
+    def __init__(
+        self,
+        *,
+        lookup_id: _builtins.int = ...,
+        found: _builtins.bool = ...,
+        response: Global___CachedResponse | None = ...,
+        status_code: _builtins.int = ...,
+        status_message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found", "lookup_id", b"lookup_id", "response", b"response", "status_code", b"status_code", "status_message", b"status_message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CachedResponseLookupResult: _TypeAlias = CachedResponseLookupResult  # noqa: Y015
+
+@_typing.final
+class GetCachedResponsesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___CachedResponseLookupResult]:
+        """Results of lookups of this call (one each), as they are ready."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___CachedResponseLookupResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCachedResponsesResponse: _TypeAlias = GetCachedResponsesResponse  # noqa: Y015
+
+@_typing.final
 class PutCachedResponseRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

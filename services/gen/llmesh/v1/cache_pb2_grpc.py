@@ -43,6 +43,11 @@ class CacheServiceStub:
                 request_serializer=llmesh_dot_v1_dot_cache__pb2.GetCachedResponseRequest.SerializeToString,
                 response_deserializer=llmesh_dot_v1_dot_cache__pb2.GetCachedResponseResponse.FromString,
                 _registered_method=True)
+        self.GetCachedResponses = channel.stream_stream(
+                '/llmesh.v1.CacheService/GetCachedResponses',
+                request_serializer=llmesh_dot_v1_dot_cache__pb2.GetCachedResponsesRequest.SerializeToString,
+                response_deserializer=llmesh_dot_v1_dot_cache__pb2.GetCachedResponsesResponse.FromString,
+                _registered_method=True)
         self.PutCachedResponse = channel.unary_unary(
                 '/llmesh.v1.CacheService/PutCachedResponse',
                 request_serializer=llmesh_dot_v1_dot_cache__pb2.PutCachedResponseRequest.SerializeToString,
@@ -89,6 +94,22 @@ class CacheServiceServicer:
 
     def GetCachedResponse(self, request, context):
         """Looks up a finished response. A miss is `found: false`, not an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetCachedResponses(self, request_iterator, context):
+        """Looks up finished responses on one long-lived call (the router's: one per
+        channel), each message carrying every lookup queued since the caller's
+        previous write. Each lookup gets one result, echoing its `lookup_id`, as
+        GetCachedResponse would answer it; results come as they are ready, in
+        any order. A lookup's own fault (INVALID_ARGUMENT) is its result's status,
+        so it fails neither the call nor the lookups batched with it. The call:
+        INVALID_ARGUMENT for a message of more than 4,096 lookups or a
+        `lookup_id` still open; UNAVAILABLE while draining (a call open when the
+        drain begins ends OK, its lookups still open unanswered: the caller
+        counts them as misses).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -180,6 +201,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     request_deserializer=llmesh_dot_v1_dot_cache__pb2.GetCachedResponseRequest.FromString,
                     response_serializer=llmesh_dot_v1_dot_cache__pb2.GetCachedResponseResponse.SerializeToString,
             ),
+            'GetCachedResponses': grpc.stream_stream_rpc_method_handler(
+                    servicer.GetCachedResponses,
+                    request_deserializer=llmesh_dot_v1_dot_cache__pb2.GetCachedResponsesRequest.FromString,
+                    response_serializer=llmesh_dot_v1_dot_cache__pb2.GetCachedResponsesResponse.SerializeToString,
+            ),
             'PutCachedResponse': grpc.unary_unary_rpc_method_handler(
                     servicer.PutCachedResponse,
                     request_deserializer=llmesh_dot_v1_dot_cache__pb2.PutCachedResponseRequest.FromString,
@@ -247,6 +273,33 @@ class CacheService:
             '/llmesh.v1.CacheService/GetCachedResponse',
             llmesh_dot_v1_dot_cache__pb2.GetCachedResponseRequest.SerializeToString,
             llmesh_dot_v1_dot_cache__pb2.GetCachedResponseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCachedResponses(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/llmesh.v1.CacheService/GetCachedResponses',
+            llmesh_dot_v1_dot_cache__pb2.GetCachedResponsesRequest.SerializeToString,
+            llmesh_dot_v1_dot_cache__pb2.GetCachedResponsesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,6 +39,18 @@ class CacheServiceStub:
     def __new__(cls, channel: _aio.Channel) -> CacheServiceAsyncStub: ...
     GetCachedResponse: _grpc.UnaryUnaryMultiCallable[_cache_pb2.GetCachedResponseRequest, _cache_pb2.GetCachedResponseResponse]
     """Looks up a finished response. A miss is `found: false`, not an error."""
+    GetCachedResponses: _grpc.StreamStreamMultiCallable[_cache_pb2.GetCachedResponsesRequest, _cache_pb2.GetCachedResponsesResponse]
+    """Looks up finished responses on one long-lived call (the router's: one per
+    channel), each message carrying every lookup queued since the caller's
+    previous write. Each lookup gets one result, echoing its `lookup_id`, as
+    GetCachedResponse would answer it; results come as they are ready, in
+    any order. A lookup's own fault (INVALID_ARGUMENT) is its result's status,
+    so it fails neither the call nor the lookups batched with it. The call:
+    INVALID_ARGUMENT for a message of more than 4,096 lookups or a
+    `lookup_id` still open; UNAVAILABLE while draining (a call open when the
+    drain begins ends OK, its lookups still open unanswered: the caller
+    counts them as misses).
+    """
     PutCachedResponse: _grpc.UnaryUnaryMultiCallable[_cache_pb2.PutCachedResponseRequest, _cache_pb2.PutCachedResponseResponse]
     """Stores a finished response. FAILED_PRECONDITION for a non-deterministic
     request (temperature > 0 without a seed).
@@ -101,6 +113,18 @@ class CacheServiceAsyncStub(CacheServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetCachedResponse: _aio.UnaryUnaryMultiCallable[_cache_pb2.GetCachedResponseRequest, _cache_pb2.GetCachedResponseResponse]  # type: ignore[assignment]
     """Looks up a finished response. A miss is `found: false`, not an error."""
+    GetCachedResponses: _aio.StreamStreamMultiCallable[_cache_pb2.GetCachedResponsesRequest, _cache_pb2.GetCachedResponsesResponse]  # type: ignore[assignment]
+    """Looks up finished responses on one long-lived call (the router's: one per
+    channel), each message carrying every lookup queued since the caller's
+    previous write. Each lookup gets one result, echoing its `lookup_id`, as
+    GetCachedResponse would answer it; results come as they are ready, in
+    any order. A lookup's own fault (INVALID_ARGUMENT) is its result's status,
+    so it fails neither the call nor the lookups batched with it. The call:
+    INVALID_ARGUMENT for a message of more than 4,096 lookups or a
+    `lookup_id` still open; UNAVAILABLE while draining (a call open when the
+    drain begins ends OK, its lookups still open unanswered: the caller
+    counts them as misses).
+    """
     PutCachedResponse: _aio.UnaryUnaryMultiCallable[_cache_pb2.PutCachedResponseRequest, _cache_pb2.PutCachedResponseResponse]  # type: ignore[assignment]
     """Stores a finished response. FAILED_PRECONDITION for a non-deterministic
     request (temperature > 0 without a seed).
@@ -166,6 +190,24 @@ class CacheServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_cache_pb2.GetCachedResponseResponse, _abc.Awaitable[_cache_pb2.GetCachedResponseResponse]]:
         """Looks up a finished response. A miss is `found: false`, not an error."""
+
+    @_abc_1.abstractmethod
+    def GetCachedResponses(
+        self,
+        request_iterator: _MaybeAsyncIterator[_cache_pb2.GetCachedResponsesRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_cache_pb2.GetCachedResponsesResponse], _abc.AsyncIterator[_cache_pb2.GetCachedResponsesResponse]]:
+        """Looks up finished responses on one long-lived call (the router's: one per
+        channel), each message carrying every lookup queued since the caller's
+        previous write. Each lookup gets one result, echoing its `lookup_id`, as
+        GetCachedResponse would answer it; results come as they are ready, in
+        any order. A lookup's own fault (INVALID_ARGUMENT) is its result's status,
+        so it fails neither the call nor the lookups batched with it. The call:
+        INVALID_ARGUMENT for a message of more than 4,096 lookups or a
+        `lookup_id` still open; UNAVAILABLE while draining (a call open when the
+        drain begins ends OK, its lookups still open unanswered: the caller
+        counts them as misses).
+        """
 
     @_abc_1.abstractmethod
     def PutCachedResponse(
