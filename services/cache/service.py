@@ -6,8 +6,10 @@ RPCs (the unary ones answered in well under a millisecond on loopback):
 ``GetCachedResponse(key)``
   ``found: true`` with the stored ``CachedResponse``, or ``found: false`` for a
   miss, an expired entry, a non-deterministic request (never cached, so never
-  looked up) or a store outage. INVALID_ARGUMENT: missing key, empty
-  ``prompt_token_ids`` or an invalid sampling field. UNAVAILABLE while draining.
+  looked up) or a store outage. INVALID_ARGUMENT, naming the field: missing
+  key, empty ``model``, empty ``prompt_token_ids`` or an id outside
+  ``[0, MAX_TOKEN_ID]``, a bad ``cache_scope`` or an invalid sampling field
+  (:func:`services.cache.keys.validate_key`). UNAVAILABLE while draining.
 
 ``GetCachedResponses(stream)`` (bidirectional, the router's one call per channel)
   Looks up as ``GetCachedResponse`` does, batched: each message carries the
@@ -25,7 +27,8 @@ RPCs (the unary ones answered in well under a millisecond on loopback):
   ``stored: true`` once written. ``stored: false`` when the response did not
   finish normally (finish reason other than STOP or LENGTH: CANCELLED, ERROR,
   UNSPECIFIED), when it is larger than the store, or when the store is down.
-  ``ttl_seconds`` 0 means the service default. INVALID_ARGUMENT as for Get;
+  ``ttl_seconds`` 0 means the service default. INVALID_ARGUMENT as for Get,
+  and for a response token id outside ``[0, MAX_TOKEN_ID]``;
   FAILED_PRECONDITION for a non-deterministic request (temperature > 0 without
   a seed). UNAVAILABLE while draining.
 
@@ -77,7 +80,7 @@ from google.protobuf.message import DecodeError
 from llmesh.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 
 from services.cache.history import HistorySummaries
-from services.cache.keys import EntryKey, entry_key
+from services.cache.keys import EntryKey, check_token_ids, entry_key
 from services.cache.kv_feed import FeedError, KvEventFeed, check_hashes
 from services.cache.metrics import CacheMetrics, default_metrics
 from services.cache.prefix_index import MemoryPrefixIndex, PrefixIndex
@@ -387,14 +390,15 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
     async def _put(self, request: cache_pb2.PutCachedResponseRequest,
                    store_id: int = 0) -> cache_pb2.CachedResponseStoreResult:
         """Checks and stores one response: its result (``stored``, or the status
-        the unary call answers: INVALID_ARGUMENT for a bad key,
-        FAILED_PRECONDITION for a non-deterministic one). Never raises for a
-        caller's input."""
+        the unary call answers: INVALID_ARGUMENT for a bad key or a response
+        token id outside ``[0, MAX_TOKEN_ID]``, FAILED_PRECONDITION for a
+        non-deterministic one). Never raises for a caller's input."""
         result = cache_pb2.CachedResponseStoreResult(store_id=store_id)
         try:
             if not request.HasField("key"):
                 raise InvalidRequestError("key", "required")
             entry = entry_key(request.key)
+            check_token_ids(request.response.token_ids, "response.token_ids", allow_empty=True)
         except InvalidRequestError as exc:
             result.status_code, result.status_message = exc.code.value[0], str(exc)
             return result

@@ -83,15 +83,23 @@ def check_salt(salt: str, field: str = "cache_salt") -> str:
 
 
 def check_scope(scope: str, field: str = "cache_scope") -> str:
-    """A resolved scope received by the engine or the cache service.
+    """A resolved scope received by the engine or the cache service: "" or up
+    to :data:`MAX_CACHE_SCOPE_BYTES` visible ASCII characters (``!`` to ``~``;
+    the router sends 64 hex characters).
 
     Raises:
-      InvalidRequestError: INVALID_ARGUMENT naming ``field``, longer than
-        :data:`MAX_CACHE_SCOPE_BYTES` bytes.
+      InvalidRequestError: INVALID_ARGUMENT naming ``field``: longer than
+        :data:`MAX_CACHE_SCOPE_BYTES` bytes, or a character outside that set
+        (a space, a control character, non-ASCII), with its index.
     """
     size = len(scope.encode())
     if size > MAX_CACHE_SCOPE_BYTES:
         raise InvalidRequestError(field, f"at most {MAX_CACHE_SCOPE_BYTES} bytes, got {size}")
+    if scope and not (scope.isascii() and scope.isprintable() and " " not in scope):
+        index, char = next((i, c) for i, c in enumerate(scope)
+                           if not ("!" <= c <= "~"))
+        raise InvalidRequestError(field, f"character {char!r} at index {index} is not visible "
+                                  f"ASCII ('!' to '~'; the router sends hex)")
     return scope
 
 

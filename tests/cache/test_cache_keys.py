@@ -13,7 +13,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from llmesh.v1 import cache_pb2, common_pb2
 
-from services.cache.keys import NAMESPACE, canonical_bytes, entry_key, response_key
+from services.cache.keys import (
+    MAX_TOKEN_ID, NAMESPACE, canonical_bytes, entry_key, response_key,
+)
 from services.common.sampling import GREEDY_TEMPERATURE_EPSILON, InvalidRequestError
 from tests.cache.helpers import make_key
 
@@ -31,8 +33,8 @@ IGNORED_WHEN_GREEDY = {"top_p", "top_k", "seed"}
 
 STRATEGIES = {
     "cache_scope": st.sampled_from(["", "a" * 64, "b" * 64, "scope"]),
-    "model": st.sampled_from(["smollm2", "smollm2-360m", "", "qwen"]),
-    "prompt": st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=8),
+    "model": st.sampled_from(["smollm2", "smollm2-360m", "m", "qwen"]),
+    "prompt": st.lists(st.integers(0, MAX_TOKEN_ID), min_size=1, max_size=8),
     "temperature": st.none() | st.just(0.0) | st.floats(0.0, 2.0, width=32),
     "top_p": st.none() | st.floats(0.0, 1.0, width=32, exclude_min=True),
     "top_k": st.none() | st.integers(0, 100),
@@ -190,12 +192,36 @@ def test_same_key_in_another_process(hash_seed: str) -> None:
     (make_key(max_tokens=0), "key.sampling.max_tokens"),
     (make_key(stop=[""]), "key.sampling.stop"),
     (cache_pb2.CacheKey(prompt_token_ids=[1], cache_scope="s" * 129), "key.cache_scope"),
+    (make_key(n=0), "key.sampling.n"),
+    (make_key(stop_token_ids=[-1]), "key.sampling.stop_token_ids"),
+    # QA: these were accepted (hashed, stored and looked up) before.
+    (make_key(model=""), "key.model"),
+    (make_key(model="m" * 257), "key.model"),
+    (make_key(prompt=(1, -5, 2)), "key.prompt_token_ids"),
+    (make_key(prompt=(1, MAX_TOKEN_ID + 1)), "key.prompt_token_ids"),
+    (cache_pb2.CacheKey(model="m", prompt_token_ids=[1], cache_scope="a b"), "key.cache_scope"),
+    (cache_pb2.CacheKey(model="m", prompt_token_ids=[1], cache_scope="\x00"), "key.cache_scope"),
 ])
 def test_invalid_keys_name_the_field(key: cache_pb2.CacheKey, field: str) -> None:
     with pytest.raises(InvalidRequestError) as raised:
         response_key(key)
     assert raised.value.field == field
     assert raised.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_bad_token_id_is_named_with_its_index() -> None:
+    with pytest.raises(InvalidRequestError, match=r"token id -5 at index 1 is outside"):
+        response_key(make_key(prompt=(1, -5, -6)))
+
+
+@pytest.mark.parametrize("key", [
+    make_key(prompt=(0, MAX_TOKEN_ID)),
+    make_key(model="m" * 256),
+    cache_pb2.CacheKey(model="m", prompt_token_ids=[1], cache_scope="0123456789abcdef" * 4),
+    cache_pb2.CacheKey(model="m", prompt_token_ids=[1], cache_scope="~!" * 64),
+])
+def test_keys_at_the_bounds_and_the_routers_scopes_are_valid(key: cache_pb2.CacheKey) -> None:
+    assert response_key(key).startswith(NAMESPACE)
 
 
 @pytest.mark.parametrize(("sampling", "cacheable"), [

@@ -124,6 +124,13 @@ async def test_unfinished_responses_are_not_stored(stub: Stub, reason: int,
      "key.prompt_token_ids"),
     (cache_pb2.PutCachedResponseRequest(key=make_key(top_p=1.5), response=make_response()),
      "key.sampling.top_p"),
+    # QA: an empty model and a negative token id were stored and looked up before.
+    (cache_pb2.PutCachedResponseRequest(key=make_key(model=""), response=make_response()),
+     "key.model"),
+    (cache_pb2.PutCachedResponseRequest(key=make_key(prompt=(1, -1)), response=make_response()),
+     "key.prompt_token_ids: token id -1 at index 1"),
+    (cache_pb2.PutCachedResponseRequest(key=make_key(prompt=(1, 2**30)), response=make_response()),
+     "key.prompt_token_ids: token id 1073741824 at index 1"),
 ])
 async def test_invalid_keys_are_invalid_argument(stub: Stub, request_: object,
                                                  details: str) -> None:
@@ -137,6 +144,14 @@ async def test_invalid_keys_are_invalid_argument(stub: Stub, request_: object,
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await stub.GetCachedResponse(get_request)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_response_with_a_negative_token_id_is_invalid_argument(stub: Stub) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await put(stub, make_key(), make_response(token_ids=(7, -2)))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "response.token_ids: token id -2 at index 1" in raised.value.details()
+    assert (await get(stub, make_key())).found is False
 
 
 async def test_ttl_of_the_request_or_the_default_reaches_redis(
@@ -252,6 +267,28 @@ async def test_a_batch_of_stores_is_answered_in_one_message_each_by_its_own_stat
     assert sample(metrics, "llmesh:response_cache_stores_total") == 2
     assert sample(metrics, "llmesh:cache_request_duration_seconds_count",
                   method="PutCachedResponses") == 2
+
+
+async def test_a_store_with_an_empty_model_or_a_negative_id_is_refused_alone(
+        stub: Stub, metrics: CacheMetrics) -> None:
+    """QA: both were stored (stored: true) before."""
+    call = stub.PutCachedResponses()
+    await call.write(cache_pb2.PutCachedResponsesRequest(stores=[
+        store_entry(1, make_key(model="")), store_entry(2, make_key((5, -3))),
+        store_entry(3, make_key((6,)), make_response(token_ids=(-1,))),
+        store_entry(4, make_key((7,))),
+    ]))
+    answer = await call.read()
+    assert [(r.store_id, r.stored) for r in answer.results] == [
+        (1, False), (2, False), (3, False), (4, True)]
+    invalid = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert [r.status_code for r in answer.results[:3]] == [invalid] * 3
+    assert "key.model" in answer.results[0].status_message
+    assert "key.prompt_token_ids: token id -3" in answer.results[1].status_message
+    assert "response.token_ids: token id -1" in answer.results[2].status_message
+    await call.done_writing()
+    assert await call.code() == grpc.StatusCode.OK
+    assert sample(metrics, "llmesh:response_cache_stores_total") == 1
 
 
 async def test_a_store_message_over_the_limit_ends_the_call_invalid_argument(stub: Stub) -> None:

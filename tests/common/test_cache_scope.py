@@ -49,3 +49,22 @@ def test_a_scope_over_the_bound_is_refused_at_the_engine_and_cache_edges() -> No
     with pytest.raises(InvalidRequestError) as info:
         check_scope("f" * (MAX_CACHE_SCOPE_BYTES + 1), "key.cache_scope")
     assert info.value.field == "key.cache_scope"
+
+
+@pytest.mark.parametrize("scope, shown", [
+    ("ab cd", "' ' at index 2"), ("ab\ncd", "'\\n' at index 2"), ("\x00", "'\\x00' at index 0"),
+    ("caf\u00e9", "'\u00e9' at index 3"),
+])
+def test_a_scope_with_a_space_control_or_non_ascii_character_is_refused(
+        scope: str, shown: str) -> None:
+    """QA: such scopes were accepted, though the router only ever sends hex."""
+    with pytest.raises(InvalidRequestError) as info:
+        check_scope(scope, "key.cache_scope")
+    assert info.value.field == "key.cache_scope" and shown in str(info.value)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_every_scope_the_router_resolves_is_accepted() -> None:
+    for scope in (resolve(owner("acme")), resolve(owner("a b", "g\u00e9"), "s\x00"), SHARED,
+                  "scope-a", "tenant:acme"):
+        assert check_scope(scope) == scope
