@@ -90,6 +90,7 @@ from services.common.grpc_util import request_id_from, status_code_of
 from services.common.logging import bind_request_id
 from services.common.mux import MuxServer, ProtocolViolation, never_merge
 from services.common.sampling import InvalidRequestError
+from services.common.wire.cache import DRAINING
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -215,7 +216,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         """Binds the call's request id to the logs; aborts UNAVAILABLE while draining."""
         bind_request_id(request_id_from(context))
         if self._draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "cache service is draining")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
 
     async def GetCachedResponse(  # noqa: N802 - gRPC method name
         self, request: cache_pb2.GetCachedResponseRequest, context: grpc.aio.ServicerContext,
@@ -462,7 +463,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[cache_pb2.PublishKvEventsResponse]:
         if self._draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "cache service is draining")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
         try:
             async for response in self._feed.run(request_iterator):
                 yield response
@@ -473,7 +474,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         self, request: cache_pb2.ScorePrefixRequest, context: grpc.aio.ServicerContext,
     ) -> cache_pb2.ScorePrefixResponse:
         if self._draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "cache service is draining")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
         hashes = request.block_hashes
         if len(hashes) > MAX_SCORED_BLOCKS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,

@@ -19,6 +19,23 @@ Failures never reach a request:
   in a backlog for it. A new call waits for the channel to connect
   (``wait_for_ready``), so the stores made while the cache is down land
   when it is back;
+* a draining cache refuses a new call (UNAVAILABLE with the details
+  :data:`~services.common.wire.cache.DRAINING`) before reading anything: its
+  stores go back to the backlog for the next call (logged
+  ``cache_store_call_refused``), which lands on another replica or on the
+  restarted cache, instead of being lost for as long as the drain lasts
+  (for :data:`RESEND_WINDOW_S` after their ``put`` at most);
+* a store left unanswered for ``timeout_s`` (the cache client's timeout)
+  after its message went to the call, on a connected channel, while the
+  cache answered no store at all for as long (a cache that accepted the
+  call and stalled, or stopped reading it), resolves False,
+  counted ``timed_out``; the call is given up (its other stores fail, one
+  ``cache_put_failed`` warning naming the timeout) and the next store opens
+  a new one after the backoff. A store queued behind others on a call that
+  answers (a long backlog after a restart) waits its turn. While the
+  channel is not connected the clock restarts: a store waits for a cache
+  that is down and gets a full ``timeout_s`` once it is back (so a store
+  sent as the channel connects may take up to twice ``timeout_s``);
 * at most ``max_pending`` stores wait (in the backlog or unanswered on the
   call): more are dropped at once (their future False, counted ``dropped``),
   so a cache that is down or stalled costs bounded memory;
@@ -37,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 from collections.abc import Callable, Iterable
 
 import grpc
@@ -45,7 +63,7 @@ import structlog
 from llmesh.v1 import cache_pb2, cache_pb2_grpc
 from services.common.grpc_util import request_id_metadata, status_code_of
 from services.common.mux import MuxClient
-from services.common.wire.cache import CachedResponse, CacheKey
+from services.common.wire.cache import DRAINING, CachedResponse, CacheKey
 
 log = structlog.get_logger()
 
@@ -57,16 +75,20 @@ MAX_BYTES_PER_MESSAGE = 4 * 1024 * 1024
 #: Backoff before reopening a broken call: first, and most (seconds).
 FIRST_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 2.0
-#: Most seconds a unary store may take (a cache without the stream).
-UNARY_TIMEOUT_S = 0.5
+#: Most seconds after its ``put`` a store refused by a draining cache is sent
+#: again (longer than a cache's default drain, ``--drain-seconds`` 10); an
+#: older one resolves False (``failed``), so a cache stuck draining cannot
+#: hold stores for ever.
+RESEND_WINDOW_S = 30.0
+#: How a draining cache's refusal of a new call reads (MuxClient: "CODE: details").
+_REFUSED_DRAINING = f"{grpc.StatusCode.UNAVAILABLE.name}: {DRAINING}"
 
 #: ``on_outcome(model, outcome)``: one store ended (``stored``, ``not_stored``,
-#: ``refused``, ``failed``, ``dropped``).
+#: ``refused``, ``failed``, ``timed_out``, ``dropped``).
 OutcomeHook = Callable[[str, str], None]
 
 _Store = cache_pb2.CachedResponseStore
 _Result = cache_pb2.CachedResponseStoreResult
-_StoreMux = MuxClient[_Store, _Result]
 
 
 def next_backoff(previous_s: float) -> float:
@@ -89,42 +111,66 @@ def call_error(target: str) -> Callable[[grpc.StatusCode, str], BaseException]:
 
 
 class _Receipt:
-    """One store's receiving end on the call (a mux :class:`Receiver`)."""
+    """One store's receiving end on the call (a mux :class:`Receiver`).
 
-    __slots__ = ("future", "model", "stream")
+    Attributes:
+      future: True once the cache kept the store, False otherwise.
+      model: the key's model (metrics).
+      store: the store message (sent again after a draining cache's refusal).
+      born: the loop's time at ``put`` (seconds).
+      timer: the store's answer timeout while it is on a call, else None.
+      was_connected: the channel was connected when ``timer`` was armed.
+    """
+
+    __slots__ = ("born", "future", "model", "store", "stream", "timer", "was_connected")
 
     def __init__(self, future: asyncio.Future[bool], model: str, stream: StoreStream) -> None:
         self.future = future
         self.model = model
         self.stream = stream
+        self.store: _Store | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.was_connected = False
+        self.born = future.get_loop().time()
 
     def deliver(self, update: _Result) -> bool:
         self.stream.answered(self, update)
         return True
 
     def fail(self, error: BaseException) -> None:
-        self.stream.settle(self, False, "failed")
+        self.stream.lost(self)
+
+    def disarm(self) -> None:
+        """Cancels the answer timeout (answered, settled or off the call)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
-def _pack(stores: list[_Store]) -> Iterable[cache_pb2.PutCachedResponsesRequest]:
+#: The call's items are the receipts (each holds its store).
+_StoreMux = MuxClient[_Receipt, _Result]
+
+
+def _batches(receipts: list[_Receipt]) -> Iterable[list[_Receipt]]:
     """Everything queued since the previous write, in as few messages as the
     cache takes: at most :data:`MAX_STORES_PER_MESSAGE` stores and
     :data:`MAX_BYTES_PER_MESSAGE` bytes each (a larger store goes alone), so
     that a backlog of long responses is not one message over gRPC's 64 MiB
     limit, which fails every store in it (QA: 1,000 stores of 70 KB after a
     stall, all lost as "INTERNAL: Internal error from Core")."""
-    batch: list[_Store] = []
+    batch: list[_Receipt] = []
     size = 0
-    for store in stores:
-        store_size = store.ByteSize()
+    for receipt in receipts:
+        assert receipt.store is not None
+        store_size = receipt.store.ByteSize()
         if batch and (len(batch) == MAX_STORES_PER_MESSAGE
                       or size + store_size > MAX_BYTES_PER_MESSAGE):
-            yield cache_pb2.PutCachedResponsesRequest(stores=batch)
+            yield batch
             batch, size = [], 0
-        batch.append(store)
+        batch.append(receipt)
         size += store_size
     if batch:
-        yield cache_pb2.PutCachedResponsesRequest(stores=batch)
+        yield batch
 
 
 def _unpack(answer: cache_pb2.PutCachedResponsesResponse) -> Iterable[tuple[int, _Result]]:
@@ -138,24 +184,37 @@ class StoreStream:
     Args:
       stub: the cache service's stub on the channel.
       target: the cache's ``host:port`` (log lines).
+      timeout_s: the most seconds a store on the call may go unanswered while
+        the channel is connected (> 0); also a unary store's timeout.
+      connected: whether the channel is connected now (READY).
       max_pending: the most stores waiting for their result (> 0).
       on_outcome: called once per store as it ends (metrics).
     """
 
     def __init__(self, stub: cache_pb2_grpc.CacheServiceStub, target: str, *,
+                 timeout_s: float = 0.5, connected: Callable[[], bool] = lambda: True,
                  max_pending: int = 1024, on_outcome: OutcomeHook | None = None) -> None:
         if max_pending <= 0:
             raise ValueError(f"max_pending must be > 0, got {max_pending}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self._stub = stub
         self.target = target
+        self.timeout_s = timeout_s
+        self._connected = connected
         self.max_pending = max_pending
         self._on_outcome = on_outcome
         self._ids = itertools.count(1)
         self._mux: _StoreMux | None = None
         #: Stores made while the call is down, for the next one.
-        self._backlog: list[tuple[_Store, _Receipt]] = []
+        self._backlog: list[_Receipt] = []
+        #: The last call to fail was refused by a draining cache: its stores
+        #: go back to the backlog.
+        self._resend = False
         self._reopen: asyncio.TimerHandle | None = None
         self._backoff_s = 0.0
+        #: The loop's time of the latest answer (seconds).
+        self._answered_at = -math.inf
         self._closed = False
         #: The cache has no PutCachedResponses: stores are unary calls.
         self._unary = False
@@ -177,18 +236,63 @@ class StoreStream:
         if self._closed or self.pending >= self.max_pending:
             self.settle(receipt, False, "dropped")
             return future
-        store = _Store(store_id=next(self._ids), request_id=request_id,
-                       put=cache_pb2.PutCachedResponseRequest(key=key.to_pb(),
-                                                              response=response.to_pb()))
+        receipt.store = _Store(
+            store_id=next(self._ids), request_id=request_id,
+            put=cache_pb2.PutCachedResponseRequest(key=key.to_pb(), response=response.to_pb()))
         if self._unary:
-            self._put_unary(store, receipt)
-            return future
+            self._put_unary(receipt.store, receipt)
+        else:
+            self._send([receipt])
+        return future
+
+    def _send(self, receipts: list[_Receipt]) -> None:
+        """Opens each receipt's store on the call (its answer timeout is armed
+        as it is written: :meth:`_pack`); into the backlog while a backoff runs."""
         mux = self._call()
         if mux is None:
-            self._backlog.append((store, receipt))
-        else:
-            mux.open(store.store_id, receipt, store)
-        return future
+            self._backlog.extend(receipts)
+            return
+        for receipt in receipts:
+            assert receipt.store is not None
+            mux.open(receipt.store.store_id, receipt, receipt)
+
+    def _pack(self, receipts: list[_Receipt]) -> Iterable[cache_pb2.PutCachedResponsesRequest]:
+        """The call's messages (:func:`_batches`), each store's answer timeout
+        armed as its message goes to the call: the writer takes one message
+        at a time, so the time the router spends building and writing a
+        backlog does not count against the stores behind it."""
+        for batch in _batches(receipts):
+            for receipt in batch:
+                self._arm(receipt)
+            yield cache_pb2.PutCachedResponsesRequest(stores=[r.store for r in batch])
+
+    def _arm(self, receipt: _Receipt, delay_s: float | None = None) -> None:
+        """Starts (again) ``receipt``'s answer timeout: :attr:`timeout_s`, or
+        ``delay_s`` seconds."""
+        receipt.was_connected = self._connected()
+        receipt.timer = asyncio.get_running_loop().call_later(
+            self.timeout_s if delay_s is None else delay_s, self._expired, receipt)
+
+    def _expired(self, receipt: _Receipt) -> None:
+        """``receipt``'s timeout ran out. While the channel was connected
+        throughout (as far as its two ends show) and the cache answered
+        nothing for :attr:`timeout_s`, the store resolves False
+        (``timed_out``) and the call is given up. Else the clock runs on: from
+        the latest answer (the store waits its turn behind others), or afresh
+        (the call waits for the cache to be reachable)."""
+        receipt.timer = None
+        if receipt.future.done():
+            return
+        if not (receipt.was_connected and self._connected()):
+            self._arm(receipt)
+            return
+        quiet_s = asyncio.get_running_loop().time() - self._answered_at
+        if quiet_s < self.timeout_s:
+            self._arm(receipt, self.timeout_s - quiet_s)
+            return
+        self.settle(receipt, False, "timed_out")
+        if self._mux is not None and self._mux.failed is None:
+            self._mux.fail(f"no answer to a store within {self.timeout_s:g} s")
 
     def _put_unary(self, store: _Store, receipt: _Receipt) -> None:
         """``store`` as a unary ``PutCachedResponse`` (a cache without the
@@ -197,7 +301,7 @@ class StoreStream:
         async def put() -> None:
             try:
                 reply = await self._stub.PutCachedResponse(
-                    store.put, timeout=UNARY_TIMEOUT_S,
+                    store.put, timeout=self.timeout_s,
                     metadata=request_id_metadata(store.request_id))
             except grpc.aio.AioRpcError as err:
                 log.warning("cache_put_failed", target=self.target, code=err.code().name,
@@ -218,7 +322,7 @@ class StoreStream:
         if self._reopen is not None:
             return None
         self._mux = MuxClient(
-            self._stub.PutCachedResponses(wait_for_ready=True), pack=_pack, unpack=_unpack,
+            self._stub.PutCachedResponses(wait_for_ready=True), pack=self._pack, unpack=_unpack,
             make_error=call_error(self.target), service="cache", target=self.target,
             on_failed=self._failed)
         return self._mux
@@ -228,12 +332,15 @@ class StoreStream:
         call opens after the backoff."""
         if self._closed:
             return
+        self._resend = why == _REFUSED_DRAINING
         if unimplemented(why):
             log.warning("cache_put_unary", target=self.target, why=why)
             self._unary = True
             return
         lost = self._mux.open_streams if self._mux is not None else 0
-        if lost:
+        if self._resend:
+            log.info("cache_store_call_refused", target=self.target, why=why, stores=lost)
+        elif lost:
             log.warning("cache_put_failed", target=self.target, why=why, stores=lost)
         else:
             log.info("cache_store_call_ended", target=self.target, why=why)
@@ -246,14 +353,23 @@ class StoreStream:
         backlog, self._backlog = self._backlog, []
         if self._closed or not backlog:
             return  # opened by the next store
-        mux = self._call()
-        assert mux is not None
-        for store, receipt in backlog:
-            mux.open(store.store_id, receipt, store)
+        self._send(backlog)
+
+    def lost(self, receipt: _Receipt) -> None:
+        """The call ended without answering ``receipt``'s store: False
+        (``failed``), or back to the backlog when a draining cache refused
+        the call (it read nothing) within :data:`RESEND_WINDOW_S` of its put."""
+        age_s = receipt.future.get_loop().time() - receipt.born
+        if self._resend and not self._closed and age_s < RESEND_WINDOW_S:
+            receipt.disarm()
+            self._backlog.append(receipt)
+        else:
+            self.settle(receipt, False, "failed")
 
     def answered(self, receipt: _Receipt, result: _Result) -> None:
         """The cache's result for ``receipt``'s store."""
         self._backoff_s = 0.0
+        self._answered_at = receipt.future.get_loop().time()
         if result.status_code:
             code = status_code_of(result.status_code)
             log.warning("cache_put_refused", target=self.target, code=code.name,
@@ -266,6 +382,7 @@ class StoreStream:
         """Resolves ``receipt``'s future (once) and counts ``outcome``."""
         if receipt.future.done():
             return
+        receipt.disarm()
         receipt.future.set_result(stored)
         if self._on_outcome is not None:
             self._on_outcome(receipt.model, outcome)
@@ -277,7 +394,7 @@ class StoreStream:
             self._reopen.cancel()
             self._reopen = None
         backlog, self._backlog = self._backlog, []
-        for _, receipt in backlog:
+        for receipt in backlog:
             self.settle(receipt, False, "failed")
         for task in list(self._unary_tasks):
             task.cancel()

@@ -385,7 +385,8 @@ class CacheClient:
         """Args:
           target: ``host:port`` of the cache service.
           timeout: the most seconds one cache lookup may take (also bounded by
-            the client's deadline): a slow cache must not slow requests.
+            the client's deadline): a slow cache must not slow requests; and
+            the most a store may go unanswered on a connected channel.
           on_store: called with (model, outcome) as each store ends.
           max_pending_stores: the most stores waiting for their result; more
             are dropped.
@@ -397,8 +398,9 @@ class CacheClient:
         #: The response lookups' long-lived call.
         self.lookups = LookupStream(self._stub, target)
         #: The response stores' long-lived call.
-        self.stores = StoreStream(self._stub, target, max_pending=max_pending_stores,
-                                  on_outcome=on_store)
+        self.stores = StoreStream(self._stub, target, timeout_s=timeout,
+                                  connected=self.connected,
+                                  max_pending=max_pending_stores, on_outcome=on_store)
 
     async def wait_until_serving(self, timeout: float) -> None:
         """See :func:`wait_until_serving`."""

@@ -40,8 +40,9 @@ a ``GenerateStream``), and observed at the moment they happen:
   response-cache stores as each ended (:mod:`services.router.cache_stores`):
   ``stored``, ``not_stored`` (the cache did not keep it: store full or down),
   ``refused`` (the cache answered a status for it), ``failed`` (in flight
-  when the store call broke, or at shutdown) and ``dropped`` (the bounded
-  queue of stores waiting for their result was full).
+  when the store call broke, or at shutdown), ``timed_out`` (unanswered for
+  the cache timeout on a connected channel: a stalled cache) and ``dropped``
+  (the bounded queue of stores waiting for their result was full).
 * ``llmesh:router_requests_in_flight``: requests between receipt and their
   final message.
 * ``llmesh:router_coalesced_requests_total``: requests that joined an
@@ -203,7 +204,7 @@ class RouterMetrics:
         self.cache_stores = Counter(
             "llmesh:router_response_cache_stores",
             "The router's response-cache stores by outcome (stored, not_stored, refused, "
-            "failed, dropped).", ["model_name", "outcome"], registry=reg)
+            "failed, timed_out, dropped).", ["model_name", "outcome"], registry=reg)
         self.requests_in_flight = Gauge(
             "llmesh:router_requests_in_flight",
             "Requests received and not yet ended.", ["model_name"], registry=reg)

@@ -141,7 +141,8 @@ class RouterConfig:
       max_tokens_cap: most completion tokens a request may ask for.
       log_content: log prompt and output text (off: they may be private).
       startup_timeout: seconds start() waits for tokenizer and engines to serve.
-      cache_timeout: the most seconds one cache call may take.
+      cache_timeout: the most seconds one cache call may take, and a response
+        store may go unanswered on a connected channel.
       stream_idle_timeout: the session idle limit of ``GenerateStream``: seconds
         a stream may go with no generation running and no client message
         (before the first ``start``, or between turns); then the router ends

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry
 
-from llmesh.v1 import cache_pb2_grpc, generation_pb2
+from llmesh.v1 import cache_pb2, cache_pb2_grpc, generation_pb2
 from services.cache.metrics import CacheMetrics
 from services.cache.service import CacheService
 from services.cache.store import MemoryStore
@@ -122,7 +122,10 @@ async def test_a_backlog_of_long_responses_is_split_under_the_message_limit():
     are bounded by bytes too, so each store lands."""
     cache = real_cache()
     long_answer = CachedResponse(tuple(range(10)), "x" * 70_000, FinishReason.LENGTH)
-    async with make_mesh(cache_servicer=cache) as mesh:
+    # The router and the cache share this process's loop: 70 MB through both
+    # leaves gaps of 0.1-0.2 s between answers on a loaded 2-core machine, so
+    # the stores' answer timeout (the cache timeout) is set well above that.
+    async with make_mesh(cache_servicer=cache, cache_timeout=5.0) as mesh:
         client = mesh.router._cache
         results = await asyncio.gather(*(
             asyncio.ensure_future(client.put(key_of(i), long_answer, request_id=f"r{i}"))
@@ -175,7 +178,9 @@ async def test_a_cache_restart_loses_only_the_stores_in_flight_and_recovers():
         first = await collect(mesh.stub.Generate(request))
         assert time.monotonic() - started < 2.0 and first[-1].cached is False
         kept = asyncio.ensure_future(client.put(key_of(2), ANSWER, request_id="kept"))
-        await asyncio.sleep(0.2)
+        # Over twice the cache timeout (0.5 s): a store's answer timeout runs
+        # only while the channel is connected, so it waits for the cache.
+        await asyncio.sleep(1.2)
         assert not kept.done()
         restarted = real_cache()
         async with cache_on(port, restarted):
@@ -220,3 +225,115 @@ async def test_a_cache_without_the_stream_gets_unary_stores():
         assert await client.get(key_of(2), request_id="g", deadline=None) == ANSWER
         assert unary_puts(old) == 1
         assert stores(mesh, "failed") == 1 and stores(mesh, "stored") == 1
+
+
+class StallsItsFirstStoreCall(CacheService):
+    """Accepts its first PutCachedResponses call and never answers on it (a
+    wedged cache: the call stays open, nothing comes back); serves the next
+    calls as the real service does."""
+
+    def __init__(self) -> None:
+        super().__init__(MemoryStore(), metrics=CacheMetrics.create(CollectorRegistry()))
+        self.calls = 0
+        self.stalled_call_ended = asyncio.Event()
+
+    async def PutCachedResponses(self, request_iterator, context):  # noqa: N802
+        self.calls += 1
+        if self.calls > 1:
+            async for answer in super().PutCachedResponses(request_iterator, context):
+                yield answer
+            return
+        try:
+            await asyncio.Event().wait()  # until the router gives the call up
+        finally:
+            self.stalled_call_ended.set()
+        yield cache_pb2.PutCachedResponsesResponse()  # never reached
+
+
+async def test_stores_on_a_stalled_call_time_out_counted_and_the_next_store_opens_a_new_call():
+    """QA: a cache that accepted PutCachedResponses and never answered left its
+    stores pending for ever (never resolved, never counted). Each store now
+    resolves False once unanswered for the client's timeout on a connected
+    channel (``timed_out``; the others on the given-up call ``failed``), and
+    the next store goes to a new call."""
+    stalled = StallsItsFirstStoreCall()
+    outcomes: list[str] = []
+    async with cache_on(0, stalled) as target:
+        client = CacheClient(target, timeout=1.0,
+                             on_store=lambda model, outcome: outcomes.append(outcome))
+        try:
+            await client.wait_until_serving(10)
+            first = client.put(key_of(1), ANSWER, request_id="r1")
+            second = client.put(key_of(2), ANSWER, request_id="r2")
+            assert await asyncio.wait_for(asyncio.gather(first, second), 10) == [False, False]
+            assert sorted(outcomes) == ["failed", "timed_out"]
+            await asyncio.wait_for(stalled.stalled_call_ended.wait(), 10)  # given up
+            assert await asyncio.wait_for(client.put(key_of(3), ANSWER, request_id="r3"),
+                                          10) is True
+            assert stalled.calls == 2 and outcomes[2:] == ["stored"]
+            assert await client.get(key_of(3), request_id="g", deadline=None) == ANSWER
+            assert client.stores.pending == 0
+        finally:
+            await client.close()
+
+
+class Replicas(cache_pb2_grpc.CacheServiceServicer):
+    """One address whose calls go to ``current``: a cache that drains and the
+    one that takes its place (a restart, or another replica behind a
+    Kubernetes Service), without a transport in between to time."""
+
+    def __init__(self, *caches: CacheService) -> None:
+        self.caches = caches
+        self.current = caches[0]
+        self.store_calls = {id(cache): 0 for cache in caches}
+
+    async def start(self) -> None:
+        for cache in self.caches:
+            await cache.start()
+
+    async def close(self) -> None:
+        for cache in self.caches:
+            await cache.close()
+
+    async def PutCachedResponses(self, request_iterator, context):  # noqa: N802
+        cache = self.current
+        self.store_calls[id(cache)] += 1
+        async for answer in cache.PutCachedResponses(request_iterator, context):
+            yield answer
+
+    async def GetCachedResponse(self, request, context):  # noqa: N802
+        return await self.current.GetCachedResponse(request, context)
+
+
+async def test_stores_made_while_the_cache_drains_go_to_the_next_cache():
+    """QA: a draining cache refuses each new PutCachedResponses call
+    (UNAVAILABLE), so every store made during its drain (up to
+    ``--drain-seconds``) was lost. The store in flight when the drain ends the
+    call still resolves False at once (``failed``, not at its timeout); a store
+    made after waits through the refusals (it was never read) and lands on the
+    cache that takes over."""
+    gated = GatedStore()
+    draining, successor = real_cache(gated), real_cache()
+    replicas = Replicas(draining, successor)
+    outcomes: list[str] = []
+    async with cache_on(0, replicas) as target:
+        client = CacheClient(target, timeout=5.0,
+                             on_store=lambda model, outcome: outcomes.append(outcome))
+        try:
+            await client.wait_until_serving(10)
+            in_flight = client.put(key_of(1), ANSWER, request_id="in-flight")
+            await wait_for(lambda: gated.waiting == 1, timeout=10)  # at the cache's store
+            await draining.drain()
+            assert await asyncio.wait_for(in_flight, 10) is False
+            assert outcomes == ["failed"]  # at the drain, not at the 5 s timeout
+            later = client.put(key_of(2), ANSWER, request_id="later")
+            await wait_for(lambda: later.done() or replicas.store_calls[id(draining)] >= 3,
+                           timeout=10)  # refused twice
+            assert not later.done()
+            replicas.current = successor
+            assert await asyncio.wait_for(later, 10) is True
+            assert outcomes == ["failed", "stored"]
+            assert await client.get(key_of(2), request_id="g", deadline=None) == ANSWER
+            assert replicas.store_calls[id(successor)] == 1
+        finally:
+            await client.close()

@@ -15,6 +15,11 @@ from dataclasses import dataclass
 from llmesh.v1 import cache_pb2
 from services.common.sampling import FinishReason, SamplingOptions
 
+#: The details of the UNAVAILABLE a draining cache answers a new call with:
+#: the call read nothing, so the router sends its stores again on its next
+#: call (:mod:`services.router.cache_stores`) instead of losing them.
+DRAINING = "cache service is draining"
+
 
 @dataclass(frozen=True)
 class CacheKey:
