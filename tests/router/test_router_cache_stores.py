@@ -227,6 +227,21 @@ async def test_a_cache_without_the_stream_gets_unary_stores():
         assert stores(mesh, "failed") == 1 and stores(mesh, "stored") == 1
 
 
+@contextlib.asynccontextmanager
+async def client_of(cache, *, timeout: float) -> AsyncIterator[tuple[CacheClient, list[str]]]:
+    """``cache`` served on a free port and a connected router cache client of
+    it with the ``timeout``; yields the client and its stores' outcomes."""
+    outcomes: list[str] = []
+    async with cache_on(0, cache) as target:
+        client = CacheClient(target, timeout=timeout,
+                             on_store=lambda model, outcome: outcomes.append(outcome))
+        try:
+            await client.wait_until_serving(10)
+            yield client, outcomes
+        finally:
+            await client.close()
+
+
 class StallsItsFirstStoreCall(CacheService):
     """Accepts its first PutCachedResponses call and never answers on it (a
     wedged cache: the call stays open, nothing comes back); serves the next
@@ -257,24 +272,17 @@ async def test_stores_on_a_stalled_call_time_out_counted_and_the_next_store_open
     channel (``timed_out``; the others on the given-up call ``failed``), and
     the next store goes to a new call."""
     stalled = StallsItsFirstStoreCall()
-    outcomes: list[str] = []
-    async with cache_on(0, stalled) as target:
-        client = CacheClient(target, timeout=1.0,
-                             on_store=lambda model, outcome: outcomes.append(outcome))
-        try:
-            await client.wait_until_serving(10)
-            first = client.put(key_of(1), ANSWER, request_id="r1")
-            second = client.put(key_of(2), ANSWER, request_id="r2")
-            assert await asyncio.wait_for(asyncio.gather(first, second), 10) == [False, False]
-            assert sorted(outcomes) == ["failed", "timed_out"]
-            await asyncio.wait_for(stalled.stalled_call_ended.wait(), 10)  # given up
-            assert await asyncio.wait_for(client.put(key_of(3), ANSWER, request_id="r3"),
-                                          10) is True
-            assert stalled.calls == 2 and outcomes[2:] == ["stored"]
-            assert await client.get(key_of(3), request_id="g", deadline=None) == ANSWER
-            assert client.stores.pending == 0
-        finally:
-            await client.close()
+    async with client_of(stalled, timeout=1.0) as (client, outcomes):
+        first = client.put(key_of(1), ANSWER, request_id="r1")
+        second = client.put(key_of(2), ANSWER, request_id="r2")
+        assert await asyncio.wait_for(asyncio.gather(first, second), 10) == [False, False]
+        assert sorted(outcomes) == ["failed", "timed_out"]
+        await asyncio.wait_for(stalled.stalled_call_ended.wait(), 10)  # given up
+        assert await asyncio.wait_for(client.put(key_of(3), ANSWER, request_id="r3"),
+                                      10) is True
+        assert stalled.calls == 2 and outcomes[2:] == ["stored"]
+        assert await client.get(key_of(3), request_id="g", deadline=None) == ANSWER
+        assert client.stores.pending == 0
 
 
 class Replicas(cache_pb2_grpc.CacheServiceServicer):
@@ -315,25 +323,18 @@ async def test_stores_made_while_the_cache_drains_go_to_the_next_cache():
     gated = GatedStore()
     draining, successor = real_cache(gated), real_cache()
     replicas = Replicas(draining, successor)
-    outcomes: list[str] = []
-    async with cache_on(0, replicas) as target:
-        client = CacheClient(target, timeout=5.0,
-                             on_store=lambda model, outcome: outcomes.append(outcome))
-        try:
-            await client.wait_until_serving(10)
-            in_flight = client.put(key_of(1), ANSWER, request_id="in-flight")
-            await wait_for(lambda: gated.waiting == 1, timeout=10)  # at the cache's store
-            await draining.drain()
-            assert await asyncio.wait_for(in_flight, 10) is False
-            assert outcomes == ["failed"]  # at the drain, not at the 5 s timeout
-            later = client.put(key_of(2), ANSWER, request_id="later")
-            await wait_for(lambda: later.done() or replicas.store_calls[id(draining)] >= 3,
-                           timeout=10)  # refused twice
-            assert not later.done()
-            replicas.current = successor
-            assert await asyncio.wait_for(later, 10) is True
-            assert outcomes == ["failed", "stored"]
-            assert await client.get(key_of(2), request_id="g", deadline=None) == ANSWER
-            assert replicas.store_calls[id(successor)] == 1
-        finally:
-            await client.close()
+    async with client_of(replicas, timeout=5.0) as (client, outcomes):
+        in_flight = client.put(key_of(1), ANSWER, request_id="in-flight")
+        await wait_for(lambda: gated.waiting == 1, timeout=10)  # at the cache's store
+        await draining.drain()
+        assert await asyncio.wait_for(in_flight, 10) is False
+        assert outcomes == ["failed"]  # at the drain, not at the 5 s timeout
+        later = client.put(key_of(2), ANSWER, request_id="later")
+        await wait_for(lambda: later.done() or replicas.store_calls[id(draining)] >= 3,
+                       timeout=10)  # refused twice
+        assert not later.done()
+        replicas.current = successor
+        assert await asyncio.wait_for(later, 10) is True
+        assert outcomes == ["failed", "stored"]
+        assert await client.get(key_of(2), request_id="g", deadline=None) == ANSWER
+        assert replicas.store_calls[id(successor)] == 1
