@@ -35,7 +35,8 @@ RPCs (the unary ones answered in well under a millisecond on loopback):
 ``PutCachedResponses(stream)`` (bidirectional, the router's one call per channel)
   Stores as ``PutCachedResponse`` does, batched: each message carries the
   stores the router queued since its previous write (at most
-  :data:`MAX_STORES_PER_MESSAGE`), and one answer message carries their
+  :data:`MAX_STORES_PER_MESSAGE`; written together, with Redis in one
+  pipeline), and one answer message carries their
   results in order, each echoing its ``store_id``. A store's fault
   (INVALID_ARGUMENT, FAILED_PRECONDITION) is that store's result status,
   not the call's: the stores batched with it come from other requests. The
@@ -84,7 +85,7 @@ from services.cache.keys import EntryKey, check_token_ids, entry_key
 from services.cache.kv_feed import FeedError, KvEventFeed, check_hashes
 from services.cache.metrics import CacheMetrics, default_metrics
 from services.cache.prefix_index import MemoryPrefixIndex, PrefixIndex
-from services.cache.store import ResponseStore
+from services.cache.store import ResponseStore, StoreWrite
 from services.common import tracing
 from services.common.grpc_util import request_id_from, status_code_of
 from services.common.logging import bind_request_id
@@ -388,12 +389,23 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
         finally:
             self._put_duration.observe(time.perf_counter() - started)
 
-    async def _put(self, request: cache_pb2.PutCachedResponseRequest,
-                   store_id: int = 0) -> cache_pb2.CachedResponseStoreResult:
+    async def _put(self, request: cache_pb2.PutCachedResponseRequest
+                   ) -> cache_pb2.CachedResponseStoreResult:
         """Checks and stores one response: its result (``stored``, or the status
-        the unary call answers: INVALID_ARGUMENT for a bad key or a response
-        token id outside ``[0, MAX_TOKEN_ID]``, FAILED_PRECONDITION for a
-        non-deterministic one). Never raises for a caller's input."""
+        the unary call answers: see :meth:`_checked_store`). Never raises for a
+        caller's input."""
+        result, write = self._checked_store(request)
+        if write is not None:
+            self._stored(result, request, await self.store.put(*write))
+        return result
+
+    def _checked_store(self, request: cache_pb2.PutCachedResponseRequest, store_id: int = 0,
+                       ) -> tuple[cache_pb2.CachedResponseStoreResult, StoreWrite | None]:
+        """One store checked: its result so far, and the write to make (None:
+        nothing to write). The result carries the status the unary call
+        answers: INVALID_ARGUMENT for a bad key or a response token id outside
+        ``[0, MAX_TOKEN_ID]``, FAILED_PRECONDITION for a non-deterministic key;
+        no write either for a response that did not finish normally."""
         result = cache_pb2.CachedResponseStoreResult(store_id=store_id)
         try:
             if not request.HasField("key"):
@@ -402,21 +414,25 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             check_token_ids(request.response.token_ids, "response.token_ids", allow_empty=True)
         except InvalidRequestError as exc:
             result.status_code, result.status_message = exc.code.value[0], str(exc)
-            return result
+            return result, None
         if not entry.deterministic:
             result.status_code = grpc.StatusCode.FAILED_PRECONDITION.value[0]
             result.status_message = ("key.sampling: only deterministic requests are cached "
                                      "(temperature 0 or an explicit seed)")
-            return result
+            return result, None
         if request.response.finish_reason not in CACHEABLE_FINISH_REASONS:
-            return result
+            return result, None
         ttl_seconds = request.ttl_seconds or self.default_ttl_seconds
-        result.stored = await self.store.put(
-            entry.store_key, request.response.SerializeToString(), ttl_seconds)
-        if result.stored:
+        return result, StoreWrite(entry.store_key, request.response.SerializeToString(),
+                                  ttl_seconds)
+
+    def _stored(self, result: cache_pb2.CachedResponseStoreResult,
+                request: cache_pb2.PutCachedResponseRequest, stored: bool) -> None:
+        """Records a write's outcome in ``result``, the metric and the log."""
+        result.stored = stored
+        if stored:
             self._metrics.stores.inc()
-        log.debug("cache_put", stored=result.stored, tokens=len(request.response.token_ids))
-        return result
+        log.debug("cache_put", stored=stored, tokens=len(request.response.token_ids))
 
     async def PutCachedResponses(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[cache_pb2.PutCachedResponsesRequest],
@@ -439,7 +455,7 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
             if len(message.stores) > MAX_STORES_PER_MESSAGE:
                 raise ProtocolViolation(f"stores: at most {MAX_STORES_PER_MESSAGE} a message, "
                                         f"got {len(message.stores)}")
-            results = [await self._put_logged(store) for store in message.stores]
+            results = await self._put_batch(message.stores)
             server.outbox.put(next(batches),
                               cache_pb2.PutCachedResponsesResponse(results=results))
             self._puts_duration.observe(time.perf_counter() - started)
@@ -451,12 +467,21 @@ class CacheService(cache_pb2_grpc.CacheServiceServicer):
                                             finish=finish):
             yield answer
 
-    async def _put_logged(self, store: cache_pb2.CachedResponseStore
-                          ) -> cache_pb2.CachedResponseStoreResult:
-        """:meth:`_put` of one entry of a PutCachedResponses message, its log
-        lines bound to the entry's request id (cut to 128 characters)."""
-        _bind_logged_id(store.request_id)
-        return await self._put(store.put, store.store_id)
+    async def _put_batch(self, stores: Sequence[cache_pb2.CachedResponseStore]
+                         ) -> list[cache_pb2.CachedResponseStoreResult]:
+        """The stores of one PutCachedResponses message, checked one by one as
+        the unary call checks them and written together
+        (:meth:`~services.cache.store.ResponseStore.put_many`: one Redis
+        pipeline), their results in order; each store's log line is bound to
+        its request id (cut to 128 characters)."""
+        checked = [self._checked_store(store.put, store.store_id) for store in stores]
+        writes = [write for _, write in checked if write is not None]
+        outcomes = iter(await self.store.put_many(writes) if writes else ())
+        for store, (result, write) in zip(stores, checked, strict=True):
+            if write is not None:
+                _bind_logged_id(store.request_id)
+                self._stored(result, store.put, next(outcomes))
+        return [result for result, _ in checked]
 
     async def PublishKvEvents(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[cache_pb2.PublishKvEventsRequest],

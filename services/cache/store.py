@@ -23,7 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, TypeVar
+from typing import ClassVar, NamedTuple, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
@@ -39,6 +39,14 @@ log = structlog.get_logger()
 Clock = Callable[[], float]
 T = TypeVar("T")
 F = TypeVar("F")
+
+
+class StoreWrite(NamedTuple):
+    """One :meth:`ResponseStore.put`'s arguments, for :meth:`ResponseStore.put_many`."""
+
+    key: str
+    value: bytes
+    ttl_seconds: float
 
 
 class StoreUnavailableError(RuntimeError):
@@ -83,6 +91,17 @@ class ResponseStore(abc.ABC):
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """:meth:`get` of each key, in order (Redis: one ``MGET``)."""
         return [await self.get(key) for key in keys]
+
+    async def put_many(self, writes: Sequence[StoreWrite]) -> list[bool]:
+        """:meth:`put` of each write, in order (a later write of a key wins),
+        each write's result as :meth:`put` gives it (Redis: one pipeline).
+
+        Raises:
+          ValueError: a ``ttl_seconds`` is not > 0 (nothing is written).
+        """
+        for write in writes:
+            _check_ttl(write.ttl_seconds)
+        return [await self.put(*write) for write in writes]
 
     @abc.abstractmethod
     async def claim(self, key: str, value: bytes, ttl_seconds: float) -> bool:
@@ -339,7 +358,8 @@ class RedisGuard:
 
 
 class RedisStore(ResponseStore):
-    """Redis (or Valkey) through ``redis.asyncio``: ``SET key value PX ttl`` and ``GET``.
+    """Redis (or Valkey) through ``redis.asyncio``: ``SET key value PX ttl`` and
+    ``GET`` (a batch of puts in one pipeline, of gets in one ``MGET``).
 
     Every call goes through a :class:`RedisGuard`: one bounded pool reused by
     every call, each call bounded by ``timeout_seconds`` in all, and a failure
@@ -389,6 +409,27 @@ class RedisStore(ResponseStore):
             return []
         values = await self._guard.call("get", lambda: self._client.mget(list(keys)), None)
         return [None] * len(keys) if values is None else list(values)
+
+    async def put_many(self, writes: Sequence[StoreWrite]) -> list[bool]:
+        """Every write's ``SET key value PX ttl`` in one pipeline (one round
+        trip, not a transaction), within one guarded call: an outage makes
+        every write False; a write Redis refuses alone (an error reply) is
+        False and the others keep their results."""
+        for write in writes:
+            _check_ttl(write.ttl_seconds)
+        if not writes:
+            return []
+
+        async def pipelined() -> list[object]:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for key, value, ttl_seconds in writes:
+                    pipe.set(key, value, px=max(1, round(ttl_seconds * 1000)))
+                return await pipe.execute(raise_on_error=False)
+
+        replies = await self._guard.call("put", pipelined, None)
+        if replies is None:
+            return [False] * len(writes)
+        return [reply is True for reply in replies]
 
     async def claim(self, key: str, value: bytes, ttl_seconds: float) -> bool:
         _check_ttl(ttl_seconds)

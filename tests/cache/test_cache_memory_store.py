@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.cache.store import MemoryStore
+from services.cache.store import MemoryStore, StoreWrite
 from tests.cache.helpers import FakeClock
 
 
@@ -102,3 +102,11 @@ async def test_close_empties_the_store() -> None:
     await store.put("k", b"v", 60)
     await store.close()
     assert len(store) == 0 and store.nbytes == 0
+
+
+async def test_put_many_is_put_of_each_in_order() -> None:
+    store = MemoryStore(max_bytes=20)
+    results = await store.put_many([StoreWrite("a", b"1", 60), StoreWrite("big", b"x" * 30, 60),
+                                    StoreWrite("a", b"2", 60)])
+    assert results == [True, False, True]
+    assert await store.get("a") == b"2" and await store.get("big") is None

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from services.cache.metrics import CacheMetrics
-from services.cache.store import RedisStore, StoreUnavailableError, redact_url
+from services.cache.store import RedisStore, StoreUnavailableError, StoreWrite, redact_url
 from tests.cache.helpers import FakeClock, sample
 from tests.cache.redis_server import RedisProcess, start_redis_server
 
@@ -118,4 +118,44 @@ async def test_a_hung_redis_costs_at_most_the_timeout(metrics: CacheMetrics,
     assert sample(metrics, "llmesh:cache_backend_errors_total", backend="redis",
                   operation="get") == 1
     client.close()
+    await store.close()
+
+
+def reads_processed(client: redis.Redis) -> int:
+    """The server's socket reads so far (each ``INFO`` call costs one)."""
+    return int(client.info("stats")["total_reads_processed"])
+
+
+async def test_put_many_is_one_pipeline_with_each_writes_ttl_and_result(
+        redis_store: RedisStore, redis_client: redis.Redis) -> None:
+    writes = [StoreWrite(f"llmesh:test:many:{i}", b"v%d" % i, 60 + i) for i in range(64)]
+    writes.append(StoreWrite("llmesh:test:many:0", b"last", 7))  # a later write of a key wins
+    before = reads_processed(redis_client)
+    assert await redis_store.put_many(writes) == [True] * 65
+    # 65 SETs in one round trip (a few socket reads), not one read each
+    assert reads_processed(redis_client) - before <= 6
+    assert redis_client.get("llmesh:test:many:63") == b"v63"
+    assert 122_000 < redis_client.pttl("llmesh:test:many:63") <= 123_000
+    assert redis_client.get("llmesh:test:many:0") == b"last"
+    assert 6_000 < redis_client.pttl("llmesh:test:many:0") <= 7_000
+    assert await redis_store.put_many([]) == []
+
+
+async def test_put_many_refuses_a_bad_ttl_before_writing_anything(
+        redis_store: RedisStore, redis_client: redis.Redis) -> None:
+    with pytest.raises(ValueError, match="ttl_seconds"):
+        await redis_store.put_many([StoreWrite("llmesh:test:ok", b"v", 60),
+                                    StoreWrite("llmesh:test:bad", b"v", 0)])
+    assert redis_client.get("llmesh:test:ok") is None
+
+
+async def test_put_many_during_an_outage_is_all_false_and_one_error(
+        own_server: RedisProcess, metrics: CacheMetrics) -> None:
+    store = RedisStore(own_server.url, metrics=metrics)
+    await store.start()
+    own_server.kill()
+    assert await store.put_many([StoreWrite("a", b"1", 60), StoreWrite("b", b"2", 60)]) == [
+        False, False]
+    assert sample(metrics, "llmesh:cache_backend_errors_total", backend="redis",
+                  operation="put") == 1
     await store.close()

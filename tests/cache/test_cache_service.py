@@ -291,6 +291,30 @@ async def test_a_store_with_an_empty_model_or_a_negative_id_is_refused_alone(
     assert sample(metrics, "llmesh:response_cache_stores_total") == 1
 
 
+async def test_a_message_of_stores_reaches_redis_in_one_round_trip(
+        redis_server: RedisProcess, redis_client: redis.Redis, metrics: CacheMetrics) -> None:
+    """The stores of one PutCachedResponses message were written one SET and
+    one round trip each (64 socket reads by Redis for 64 stores): now one
+    pipeline, each store's result as before (a refused one among them)."""
+    service = CacheService(RedisStore(redis_server.url, metrics=metrics), metrics=metrics)
+    async with serve(service) as stub:
+        entries = [store_entry(i, make_key((i + 1,))) for i in range(64)]
+        entries[5] = store_entry(5, make_key((6,), top_p=2.0))
+        call = stub.PutCachedResponses()
+        before = int(redis_client.info("stats")["total_reads_processed"])
+        await call.write(cache_pb2.PutCachedResponsesRequest(stores=entries))
+        answer = await call.read()
+        reads = int(redis_client.info("stats")["total_reads_processed"]) - before
+        assert reads <= 8, reads
+        assert [(r.store_id, r.stored) for r in answer.results] == [
+            (i, i != 5) for i in range(64)]
+        assert answer.results[5].status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert redis_client.get(response_key(make_key((64,)))) is not None
+        assert sample(metrics, "llmesh:response_cache_stores_total") == 63
+        await call.done_writing()
+        assert await call.code() == grpc.StatusCode.OK
+
+
 async def test_a_store_message_over_the_limit_ends_the_call_invalid_argument(stub: Stub) -> None:
     call = stub.PutCachedResponses()
     await call.write(cache_pb2.PutCachedResponsesRequest(
