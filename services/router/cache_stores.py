@@ -19,12 +19,16 @@ Failures never reach a request:
   in a backlog for it. A new call waits for the channel to connect
   (``wait_for_ready``), so the stores made while the cache is down land
   when it is back;
-* a draining cache refuses a new call (UNAVAILABLE with the details
-  :data:`~services.common.wire.cache.DRAINING`) before reading anything: its
-  stores go back to the backlog for the next call (logged
-  ``cache_store_call_refused``), which lands on another replica or on the
-  restarted cache, instead of being lost for as long as the drain lasts
-  (for :data:`RESEND_WINDOW_S` after their ``put`` at most);
+* a draining cache refuses each new call (UNAVAILABLE with the details
+  :data:`~services.common.wire.cache.DRAINING`) before reading anything. So
+  once the cache has signalled a drain (it ended a call OK, or refused one
+  so) and until it answers a store again, a call that fails unanswered
+  was never read: its stores go back to the backlog for the next call
+  (logged ``cache_store_call_refused``), which lands on another replica or
+  on the restarted cache, instead of being lost for as long as the drain
+  lasts (for :data:`RESEND_WINDOW_S` after their ``put`` at most). The
+  status is not enough by itself: a write racing the refusal can end the
+  call INTERNAL "Internal error from Core" instead;
 * a store left unanswered for ``timeout_s`` (the cache client's timeout)
   after its message went to the call, on a connected channel, while the
   cache answered no store at all for as long (a cache that accepted the
@@ -82,6 +86,11 @@ MAX_BACKOFF_S = 2.0
 RESEND_WINDOW_S = 30.0
 #: How a draining cache's refusal of a new call reads (MuxClient: "CODE: details").
 _REFUSED_DRAINING = f"{grpc.StatusCode.UNAVAILABLE.name}: {DRAINING}"
+#: How the kit reports a call the cache ended OK, which it does only when a
+#: drain begins (:meth:`services.cache.service.CacheService.drain`).
+_ENDED_BY_CACHE = "the cache ended the Multiplex call"
+#: The start of the reason the router gives up a stalled call with.
+_NO_ANSWER = "no answer to a store within"
 
 #: ``on_outcome(model, outcome)``: one store ended (``stored``, ``not_stored``,
 #: ``refused``, ``failed``, ``timed_out``, ``dropped``).
@@ -98,10 +107,18 @@ def next_backoff(previous_s: float) -> float:
     return min(max(previous_s * 2, FIRST_BACKOFF_S), MAX_BACKOFF_S)
 
 
+def call_status(why: str) -> str:
+    """The status a call broke with, ``"CODE: details"``, from ``why`` as the
+    kit's ``on_failed`` says it (the reader's ``"CODE: details"``, or the
+    writer's ``"writing to it failed: CODE: details"`` when it met the status
+    first)."""
+    return why.removeprefix("writing to it failed: ")
+
+
 def unimplemented(why: str) -> bool:
-    """Whether a call broke with UNIMPLEMENTED (``why`` as the kit's
-    ``on_failed`` says it: ``"CODE: details"``): a cache older than the RPC."""
-    return why.startswith(grpc.StatusCode.UNIMPLEMENTED.name)
+    """Whether a call broke with UNIMPLEMENTED (``why`` as :func:`call_status`
+    reads it): a cache older than the RPC."""
+    return call_status(why).startswith(grpc.StatusCode.UNIMPLEMENTED.name)
 
 
 def call_error(target: str) -> Callable[[grpc.StatusCode, str], BaseException]:
@@ -208,8 +225,10 @@ class StoreStream:
         self._mux: _StoreMux | None = None
         #: Stores made while the call is down, for the next one.
         self._backlog: list[_Receipt] = []
-        #: The last call to fail was refused by a draining cache: its stores
-        #: go back to the backlog.
+        #: The cache signalled a drain and has answered no store since.
+        self._draining = False
+        #: The last call to fail was never read (the cache drains): its
+        #: stores go back to the backlog.
         self._resend = False
         self._reopen: asyncio.TimerHandle | None = None
         self._backoff_s = 0.0
@@ -292,7 +311,7 @@ class StoreStream:
             return
         self.settle(receipt, False, "timed_out")
         if self._mux is not None and self._mux.failed is None:
-            self._mux.fail(f"no answer to a store within {self.timeout_s:g} s")
+            self._mux.fail(f"{_NO_ANSWER} {self.timeout_s:g} s")
 
     def _put_unary(self, store: _Store, receipt: _Receipt) -> None:
         """``store`` as a unary ``PutCachedResponse`` (a cache without the
@@ -332,7 +351,7 @@ class StoreStream:
         call opens after the backoff."""
         if self._closed:
             return
-        self._resend = why == _REFUSED_DRAINING
+        self._note_drain(why)
         if unimplemented(why):
             log.warning("cache_put_unary", target=self.target, why=why)
             self._unary = True
@@ -346,6 +365,15 @@ class StoreStream:
             log.info("cache_store_call_ended", target=self.target, why=why)
         self._backoff_s = next_backoff(self._backoff_s)
         self._reopen = asyncio.get_running_loop().call_later(self._backoff_s, self._flush)
+
+    def _note_drain(self, why: str) -> None:
+        """Reads a drain into a failed call's ``why``: sets whether its stores
+        go back to the backlog (:attr:`_resend`: the call failed while the
+        cache drains, unread) and whether the cache drains."""
+        refused = call_status(why) == _REFUSED_DRAINING
+        unread = why != _ENDED_BY_CACHE and not why.startswith(_NO_ANSWER)
+        self._resend = refused or (self._draining and unread)
+        self._draining = self._draining or refused or why == _ENDED_BY_CACHE
 
     def _flush(self) -> None:
         """Opens the next call with the backlog's stores."""
@@ -369,6 +397,7 @@ class StoreStream:
     def answered(self, receipt: _Receipt, result: _Result) -> None:
         """The cache's result for ``receipt``'s store."""
         self._backoff_s = 0.0
+        self._draining = False
         self._answered_at = receipt.future.get_loop().time()
         if result.status_code:
             code = status_code_of(result.status_code)

@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry
@@ -291,7 +292,7 @@ class Replicas(cache_pb2_grpc.CacheServiceServicer):
     Kubernetes Service), without a transport in between to time."""
 
     def __init__(self, *caches: CacheService) -> None:
-        self.caches = caches
+        self.caches = tuple(dict.fromkeys(caches))
         self.current = caches[0]
         self.store_calls = {id(cache): 0 for cache in caches}
 
@@ -313,24 +314,39 @@ class Replicas(cache_pb2_grpc.CacheServiceServicer):
         return await self.current.GetCachedResponse(request, context)
 
 
-async def test_stores_made_while_the_cache_drains_go_to_the_next_cache():
+class RefusesWithInternal(CacheService):
+    """Ends each PutCachedResponses call INTERNAL "Internal error from Core"
+    before reading it: how the router sees a draining cache's refusal when its
+    first write races it (seen with real processes)."""
+
+    async def PutCachedResponses(self, request_iterator, context):  # noqa: N802
+        await context.abort(grpc.StatusCode.INTERNAL, "Internal error from Core")
+        yield cache_pb2.PutCachedResponsesResponse()  # never reached
+
+
+@pytest.mark.parametrize("refusal", ["draining", "internal"])
+async def test_stores_made_while_the_cache_drains_go_to_the_next_cache(refusal: str):
     """QA: a draining cache refuses each new PutCachedResponses call
     (UNAVAILABLE), so every store made during its drain (up to
     ``--drain-seconds``) was lost. The store in flight when the drain ends the
     call still resolves False at once (``failed``, not at its timeout); a store
-    made after waits through the refusals (it was never read) and lands on the
-    cache that takes over."""
+    made after waits through the refusals (it was never read), whatever
+    status they end with, and lands on the cache that takes over."""
     gated = GatedStore()
     draining, successor = real_cache(gated), real_cache()
-    replicas = Replicas(draining, successor)
+    refuser = draining if refusal == "draining" else RefusesWithInternal(
+        MemoryStore(), metrics=CacheMetrics.create(CollectorRegistry()))
+    replicas = Replicas(draining, refuser, successor)
     async with client_of(replicas, timeout=5.0) as (client, outcomes):
         in_flight = client.put(key_of(1), ANSWER, request_id="in-flight")
         await wait_for(lambda: gated.waiting == 1, timeout=10)  # at the cache's store
         await draining.drain()
         assert await asyncio.wait_for(in_flight, 10) is False
         assert outcomes == ["failed"]  # at the drain, not at the 5 s timeout
+        replicas.current = refuser
+        refused = replicas.store_calls[id(refuser)]
         later = client.put(key_of(2), ANSWER, request_id="later")
-        await wait_for(lambda: later.done() or replicas.store_calls[id(draining)] >= 3,
+        await wait_for(lambda: later.done() or replicas.store_calls[id(refuser)] >= refused + 2,
                        timeout=10)  # refused twice
         assert not later.done()
         replicas.current = successor
