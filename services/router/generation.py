@@ -992,7 +992,7 @@ class GenerationPipeline:
                     cache_scope=request.cache_scope,
                     traceparent=tracing.traceparent_of(timing.span))
                 # Booked before any await: a request routed meanwhile sees it.
-                self.picker.routed(engine, choice, hint.prompt_tokens)
+                self.picker.routed(engine, choice, hint)
                 dispatched = timing.dispatched_at is None  # once, even when retried
                 if dispatched:
                     timing.dispatched_at = time.monotonic()

@@ -58,7 +58,8 @@ class LoadView:
       age_s: seconds since it arrived (inf before the first).
       unreported_prefill_tokens: prompt tokens the router sent the replica
         after that report.
-      unreported_requests: requests the router sent the replica after that report.
+      unreported_sequences: sequences (a request's ``n`` choices each) the
+        router sent the replica after that report: the report's unit.
       ended_unreported: sequences of this router's streams that ended on the
         replica after that report (the report still counts them).
     """
@@ -66,7 +67,7 @@ class LoadView:
     load: LoadStats | None
     age_s: float
     unreported_prefill_tokens: int
-    unreported_requests: int = 0
+    unreported_sequences: int = 0
     ended_unreported: int = 0
 
     @property
@@ -80,7 +81,7 @@ class LoadView:
         (:class:`~services.router.engine_client.EngineClient`) are exact."""
         if self.load is None:
             return 0
-        return max(self.load.num_running + self.load.num_waiting + self.unreported_requests
+        return max(self.load.num_running + self.load.num_waiting + self.unreported_sequences
                    - self.ended_unreported, 0)
 
     @property
@@ -103,7 +104,7 @@ class LoadWatch:
         self._load: LoadStats | None = None
         self._received_at = 0.0
         self._unreported = 0
-        self._unreported_requests = 0
+        self._unreported_sequences = 0
         self._ended = 0
         self._task: asyncio.Task[None] | None = None
 
@@ -117,11 +118,12 @@ class LoadWatch:
         await cancel_and_wait(self._task)
         self._task = None
 
-    def dispatched(self, prompt_tokens: int) -> None:
-        """Counts a request (and its prefill tokens) sent to the replica until
-        its next report."""
+    def dispatched(self, prompt_tokens: int, sequences: int = 1) -> None:
+        """Counts a request sent to the replica, its prefill tokens and its
+        ``sequences`` (its ``n`` choices: the engine reports each as running),
+        until the replica's next report."""
         self._unreported += prompt_tokens
-        self._unreported_requests += 1
+        self._unreported_sequences += sequences
 
     def ended(self, sequences: int) -> None:
         """Counts ``sequences`` of this router's streams that ended on the
@@ -133,13 +135,13 @@ class LoadWatch:
         ended before it is in it."""
         self._load = load
         self._received_at = asyncio.get_running_loop().time()
-        self._unreported = self._unreported_requests = self._ended = 0
+        self._unreported = self._unreported_sequences = self._ended = 0
 
     def current(self) -> LoadView:
         """The latest report, its age and what was sent and ended since. Pure."""
         age = (float("inf") if self._load is None
                else asyncio.get_running_loop().time() - self._received_at)
-        return LoadView(self._load, age, self._unreported, self._unreported_requests,
+        return LoadView(self._load, age, self._unreported, self._unreported_sequences,
                         self._ended)
 
     async def _run(self) -> None:

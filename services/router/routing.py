@@ -21,7 +21,7 @@
       p     = prompt_tokens - matched_tokens - offloaded_tokens  # its prefill after the hits
       r     = restore(offloaded_tokens)           # copying the offload tier's hit back
       Q     = pending_prefill_tokens + unreported_prefill_tokens
-      B     = running + waiting + unreported_requests - ended_unreported  # the batch it joins
+      B     = running + waiting + unreported_sequences - ended_unreported  # the batch it joins
       k     = choices (n), L = min(max_tokens, decode_horizon_tokens)
       t(r)  = the replica's decode step of r rows, prefill(x) its time for x tokens
       cost  = k * (prefill(Q + p) + r + L * t(B + k))     # its own completion
@@ -475,10 +475,12 @@ class ReplicaPicker:
                  else first_token_s(hint, prefix, view, profile, wait))
         return _Price(cost, ready, first)
 
-    def routed(self, engine: EngineClient, choice: Choice, prompt_tokens: int) -> None:
-        """Books that ``engine`` took the request (metrics; its unreported load)."""
+    def routed(self, engine: EngineClient, choice: Choice, hint: RouteHint) -> None:
+        """Books that ``engine`` took the request (metrics; its unreported
+        load: prefill tokens and sequences)."""
         held = choice.matches.get(engine, NO_PREFIX).total
-        engine.load_watch.dispatched(max(prompt_tokens - held, 0))
+        engine.load_watch.dispatched(max(hint.prompt_tokens - held, 0),
+                                     max(hint.num_choices, 1))
         self.metrics.routed_requests.labels(engine.target, self.policy.value).inc()
 
     def _sticky(self, session: RoutingSession | None, order: list[EngineClient],

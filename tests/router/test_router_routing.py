@@ -39,9 +39,9 @@ ONE_CORE = StepProfile(1.1e-3, tuple(9.2e-3 + 1.6e-3 * rows for rows in range(1,
 
 def view(running: int = 0, pending: int = 0, usage: float = 0.1, age: float = 0.1,
          unreported: int = 0, profile: StepProfile = StepProfile(),
-         unreported_requests: int = 0) -> LoadView:
+         unreported_sequences: int = 0) -> LoadView:
     return LoadView(LoadStats(running, 0, usage, pending, profile), age, unreported,
-                    unreported_requests)
+                    unreported_sequences)
 
 
 class FixedLoad:
@@ -49,13 +49,14 @@ class FixedLoad:
 
     def __init__(self, current: LoadView) -> None:
         self.view = current
-        self.dispatched_tokens = 0
+        self.dispatched_tokens = self.dispatched_sequences = 0
 
     def current(self) -> LoadView:
         return self.view
 
-    def dispatched(self, tokens: int) -> None:
+    def dispatched(self, tokens: int, sequences: int = 1) -> None:
         self.dispatched_tokens += tokens
+        self.dispatched_sequences += sequences
 
     def ended(self, sequences: int) -> None:
         return None
@@ -97,7 +98,7 @@ def test_cost_prices_the_request_and_what_the_batch_loses_in_step_times() -> Non
     # 4 running + 2 sent since the report: the request waits for 150 queued
     # prompt tokens, then decodes in a batch of 7; the 6 lose its 32-token
     # prefill and 15 slower steps each.
-    busy = view(running=4, pending=100, unreported=50, unreported_requests=2, profile=ONE_CORE)
+    busy = view(running=4, pending=100, unreported=50, unreported_sequences=2, profile=ONE_CORE)
     assert replica_cost(RouteHint(800, max_tokens=16), 768, busy, W) == pytest.approx(
         (150 + 32) * c + 16 * t(7) + 6 * (32 * c + 15 * (t(7) - t(6))))
     # n choices add n rows; max_tokens beyond the horizon counts as the horizon
@@ -129,7 +130,7 @@ async def test_an_offload_tier_hit_costs_a_restore_between_a_pool_hit_and_a_miss
                                  RouteHint(800, matches({offloaded: CachedPrefix(0, 768)}),
                                            max_tokens=16))
         assert choice.order[0] is offloaded
-    kv.routed(offloaded, choice, 800)
+    kv.routed(offloaded, choice, RouteHint(800, max_tokens=16))
     assert offloaded.load_watch.dispatched_tokens == 32  # type: ignore[attr-defined]
 
 
@@ -484,13 +485,13 @@ async def test_the_load_view_adds_what_was_sent_and_takes_off_what_ended_since_t
         engine.closed(ended)
         engine.closed(ended)  # once
         now = watch.current()
-        assert (now.unreported_requests, now.ended_unreported, now.sequences) == (1, 2, 2)
+        assert (now.unreported_sequences, now.ended_unreported, now.sequences) == (1, 2, 2)
         for _ in range(5):
             watch.ended(1)
         assert watch.current().sequences == 0  # never below 0
         watch.observe(LoadStats(1, 0, 0.1))  # it counts what was sent and ended before it
         now = watch.current()
-        assert (now.unreported_requests, now.ended_unreported, now.sequences) == (0, 0, 1)
+        assert (now.unreported_sequences, now.ended_unreported, now.sequences) == (0, 0, 1)
     finally:
         await engine.close()
 
@@ -528,9 +529,28 @@ async def test_a_slot_this_routers_stream_freed_is_free_before_the_report_shows_
 async def test_routed_books_the_unreported_prefill(engines: list[EngineClient]) -> None:
     a, b, _ = engines
     kv = picker(RoutingPolicy.KV_AWARE)
-    choice = await kv.choose(engines[:2], Priority.INTERACTIVE, RouteHint(800, matches({b: 512})))
-    kv.routed(b, choice, 800)
+    hint = RouteHint(800, matches({b: 512}), num_choices=3)
+    choice = await kv.choose(engines[:2], Priority.INTERACTIVE, hint)
+    kv.routed(b, choice, hint)
+    # the prefill after the hit, and n=3 sequences (the engine reports each running)
     assert b.load_watch.dispatched_tokens == 288  # type: ignore[attr-defined]
+    assert b.load_watch.dispatched_sequences == 3  # type: ignore[attr-defined]
+
+
+async def test_a_request_of_n_choices_is_counted_and_taken_off_as_n_sequences() -> None:
+    """QA: dispatched counted a request of n=4 as 1 and its end took off 4, so
+    an engine still running 2 looked empty until its next report."""
+    engine = EngineClient("127.0.0.1:9")  # never called: its LoadWatch is not started
+    try:
+        watch = engine.load_watch
+        watch.observe(LoadStats(2, 0, 0.1))  # A and B running
+        watch.dispatched(10, 4)  # C, n=4
+        assert watch.current().sequences == 6
+        c = engine.opened(Priority.BATCH, choices=4)
+        engine.closed(c)
+        assert watch.current().sequences == 2  # A and B still run
+    finally:
+        await engine.close()
 
 
 async def test_a_failed_prefix_lookup_routes_by_load(engines: list[EngineClient]) -> None:
