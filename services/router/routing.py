@@ -21,7 +21,7 @@
       p     = prompt_tokens - matched_tokens - offloaded_tokens  # its prefill after the hits
       r     = restore(offloaded_tokens)           # copying the offload tier's hit back
       Q     = pending_prefill_tokens + unreported_prefill_tokens
-      B     = running + waiting + unreported_sequences - ended_unreported  # the batch it joins
+      B     = running + waiting + unreported_sequences  # the batch it joins
       k     = choices (n), L = min(max_tokens, decode_horizon_tokens)
       t(r)  = the replica's decode step of r rows, prefill(x) its time for x tokens
       cost  = k * (prefill(Q + p) + r + L * t(B + k))     # its own completion
@@ -244,7 +244,11 @@ def replica_cost(hint: RouteHint, matched_tokens: int, view: LoadView,
         return math.inf
     load = view.load
     profile = pricing_profile(load, peer)
-    batch = view.sequences
+    # What ended since the report still counts here (it frees slots only,
+    # all_sequences): a replica that just served a request stays priced as
+    # busier until its report shows it idle, so separate calls spread over
+    # idle replicas instead of all going to the one measured faster.
+    batch = load.num_running + load.num_waiting + view.unreported_sequences
     choices = max(hint.num_choices, 1)
     steps = max(min(hint.max_tokens, weights.decode_horizon_tokens), 1)
     own_prefill = max(hint.prompt_tokens - matched_tokens - offloaded_tokens, 0)
