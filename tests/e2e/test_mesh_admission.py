@@ -53,6 +53,15 @@ async def probe_admitted(stub: generation_pb2_grpc.GenerationServiceStub) -> flo
         await asyncio.sleep(0.02)
 
 
+async def refusals_back(tasks: list[asyncio.Task[Outcome]], expected: int) -> None:
+    """Returns once ``expected`` of ``tasks`` ended RESOURCE_EXHAUSTED, or all
+    ended (the test's count assertion then says what came back)."""
+    pending = set(tasks)
+    while pending and sum(t.done() and t.result().code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                          for t in tasks) < expected:
+        _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+
+
 def router_gauge(mesh: Mesh, name: str) -> float:
     body = urllib.request.urlopen(f"http://{mesh.router.metrics_address}/metrics",
                                   timeout=5).read().decode()
@@ -123,11 +132,16 @@ def test_a_saturated_mesh_refuses_with_a_hint_within_2x_of_the_real_wait(
                                                    first_token=started[i]))
                        for i in range(SLOTS)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-            burst = await asyncio.gather(*(run_one(stub, long_request(8, f"x{i}"))
-                                           for i in range(12)))
-            refused_at = min(o.ended_at for o in burst
-                             if o.code == grpc.StatusCode.RESOURCE_EXHAUSTED)
+            burst_tasks = [asyncio.create_task(run_one(stub, long_request(8, f"x{i}")))
+                           for i in range(12)]
+            # The probe starts once the refusals are back, not after the queued
+            # requests' 8 tokens too (QA: waiting for the whole burst added
+            # their run to the "real wait", up to 2.8x the hint under load).
+            await refusals_back(burst_tasks, 12 - QUEUE)
+            refused_at = min(t.result().ended_at for t in burst_tasks if t.done()
+                             and t.result().code == grpc.StatusCode.RESOURCE_EXHAUSTED)
             admitted_at = await probe_admitted(stub)
+            burst = await asyncio.gather(*burst_tasks)
             saturating = await asyncio.gather(*running)
             stop.set()
             await sampler
