@@ -48,8 +48,9 @@ Failures never reach a request:
   ``cache_put_refused`` and counted ``refused``;
 * a cache older than ``PutCachedResponses`` (the call ends UNIMPLEMENTED,
   e.g. mid-way through a rolling upgrade): the stores in flight on it fail,
-  and from then on each store is a unary ``PutCachedResponse`` (logged once,
-  ``cache_put_unary``), as before the stream.
+  and for :data:`UNARY_FOR_S` each store is a unary ``PutCachedResponse``
+  (logged ``cache_put_unary``), as before the stream; then the next store
+  tries a call again (the cache may have been upgraded meanwhile).
 
 Threading: one event loop (the router's).
 """
@@ -84,6 +85,11 @@ MAX_BACKOFF_S = 2.0
 #: older one resolves False (``failed``), so a cache stuck draining cannot
 #: hold stores for ever.
 RESEND_WINDOW_S = 30.0
+#: Seconds a cache that has no stream RPC (the call ended UNIMPLEMENTED: an
+#: older cache) gets unary calls before the next lookup or store tries the
+#: stream again: a rolling upgrade gives the router the stream back without
+#: a restart (read at each break, so tests may patch it).
+UNARY_FOR_S = 30.0
 #: How a draining cache's refusal of a new call reads (MuxClient: "CODE: details").
 _REFUSED_DRAINING = f"{grpc.StatusCode.UNAVAILABLE.name}: {DRAINING}"
 #: How the kit reports a call the cache ended OK, which it does only when a
@@ -235,8 +241,9 @@ class StoreStream:
         #: The loop's time of the latest answer (seconds).
         self._answered_at = -math.inf
         self._closed = False
-        #: The cache has no PutCachedResponses: stores are unary calls.
-        self._unary = False
+        #: The loop's time until which stores are unary calls (the cache has
+        #: no PutCachedResponses).
+        self._unary_until = -math.inf
         self._unary_tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -258,7 +265,7 @@ class StoreStream:
         receipt.store = _Store(
             store_id=next(self._ids), request_id=request_id,
             put=cache_pb2.PutCachedResponseRequest(key=key.to_pb(), response=response.to_pb()))
-        if self._unary:
+        if future.get_loop().time() < self._unary_until:
             self._put_unary(receipt.store, receipt)
         else:
             self._send([receipt])
@@ -353,8 +360,8 @@ class StoreStream:
             return
         self._note_drain(why)
         if unimplemented(why):
-            log.warning("cache_put_unary", target=self.target, why=why)
-            self._unary = True
+            log.warning("cache_put_unary", target=self.target, why=why, retry_in_s=UNARY_FOR_S)
+            self._unary_until = asyncio.get_running_loop().time() + UNARY_FOR_S
             return
         lost = self._mux.open_streams if self._mux is not None else 0
         if self._resend:

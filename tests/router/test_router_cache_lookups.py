@@ -22,10 +22,13 @@ from services.cache.metrics import CacheMetrics
 from services.cache.service import CacheService
 from services.cache.store import MemoryStore
 from services.common.wire.cache import CacheKey
+from services.router import cache_stores
 from services.router.clients import CacheClient
 from tests.router.test_router_cache_stores import (
     ANSWER,
+    SHORT_UNARY_FOR_S,
     StalledStore,
+    UpgradedLater,
     cache_metric,
     cache_on,
     client_of,
@@ -213,3 +216,19 @@ async def test_a_lookup_whose_call_breaks_is_asked_unary_within_its_budget():
         assert await client.get(key_of(2), request_id="g2", deadline=None) is None
         assert unary_gets(cache) >= 1
 
+
+async def test_unary_lookups_expire_so_an_upgraded_cache_gets_the_call_back(monkeypatch):
+    """QA: once a cache answered UNIMPLEMENTED, every lookup of the router's
+    life was unary. Unary mode lasts ``UNARY_FOR_S``; then the next lookup
+    tries the call again."""
+    monkeypatch.setattr(cache_stores, "UNARY_FOR_S", SHORT_UNARY_FOR_S)
+    cache = UpgradedLater()
+    async with client_of(cache, timeout=5.0) as (client, _):
+        await put_unary(client, key_of(1))
+        assert await client.get(key_of(1), request_id="g1", deadline=None) == ANSWER
+        cache.upgraded = True
+        assert await client.get(key_of(1), request_id="g2", deadline=None) == ANSWER
+        assert unary_gets(cache) == 2 and lookup_messages(cache) == 0  # unary for now
+        await asyncio.sleep(SHORT_UNARY_FOR_S + 0.2)
+        assert await client.get(key_of(1), request_id="g3", deadline=None) == ANSWER
+        assert lookup_messages(cache) == 1 and unary_gets(cache) == 2

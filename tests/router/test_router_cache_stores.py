@@ -21,6 +21,7 @@ from services.cache.service import CacheService
 from services.cache.store import MemoryStore
 from services.common.sampling import FinishReason, SamplingOptions
 from services.common.wire.cache import CachedResponse, CacheKey
+from services.router import cache_stores
 from services.router.clients import CacheClient
 from tests.router.test_router_service import collect, greedy, make_mesh, text_of, wait_for
 
@@ -354,3 +355,46 @@ async def test_stores_made_while_the_cache_drains_go_to_the_next_cache(refusal: 
         assert outcomes == ["failed", "stored"]
         assert await client.get(key_of(2), request_id="g", deadline=None) == ANSWER
         assert replicas.store_calls[id(successor)] == 1
+
+
+class UpgradedLater(CacheService):
+    """A cache from before the stream RPCs (both answer UNIMPLEMENTED, as an
+    older server does) until ``upgraded`` is set: a rolling upgrade that
+    puts a new cache behind the router's channel."""
+
+    def __init__(self) -> None:
+        super().__init__(MemoryStore(), metrics=CacheMetrics.create(CollectorRegistry()))
+        self.upgraded = False
+
+    async def PutCachedResponses(self, request_iterator, context):  # noqa: N802
+        if not self.upgraded:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        async for answer in super().PutCachedResponses(request_iterator, context):
+            yield answer
+
+    async def GetCachedResponses(self, request_iterator, context):  # noqa: N802
+        if not self.upgraded:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        async for answer in super().GetCachedResponses(request_iterator, context):
+            yield answer
+
+
+#: A short unary period for the tests (the router's is 30 s).
+SHORT_UNARY_FOR_S = 1.0
+
+
+async def test_unary_stores_expire_so_an_upgraded_cache_gets_the_stream_back(monkeypatch):
+    """QA: once a cache answered UNIMPLEMENTED, every store of the router's
+    life was unary, the upgraded cache's stream never used again. Unary mode
+    lasts ``UNARY_FOR_S``; then the next store tries the stream."""
+    monkeypatch.setattr(cache_stores, "UNARY_FOR_S", SHORT_UNARY_FOR_S)
+    cache = UpgradedLater()
+    async with client_of(cache, timeout=5.0) as (client, outcomes):
+        assert await client.put(key_of(1), ANSWER, request_id="r1") is False  # on the call
+        cache.upgraded = True
+        assert await client.put(key_of(2), ANSWER, request_id="r2") is True  # unary for now
+        assert unary_puts(cache) == 1 and put_messages(cache) == 0
+        await asyncio.sleep(SHORT_UNARY_FOR_S + 0.2)
+        assert await client.put(key_of(3), ANSWER, request_id="r3") is True
+        assert put_messages(cache) == 1 and unary_puts(cache) == 1
+        assert outcomes == ["failed", "stored", "stored"]
