@@ -29,11 +29,14 @@ Failures never reach a request:
   lasts (for :data:`RESEND_WINDOW_S` after their ``put`` at most). The
   status is not enough by itself: a write racing the refusal can end the
   call INTERNAL "Internal error from Core" instead;
-* a store left unanswered for ``timeout_s`` (the cache client's timeout)
-  after its message went to the call, on a connected channel, while the
-  cache answered no store at all for as long (a cache that accepted the
-  call and stalled, or stopped reading it), resolves False,
-  counted ``timed_out``; the call is given up (its other stores fail, one
+* a store left unanswered for ``timeout_s`` after its message went to the
+  call (stall detection, not latency: by default 4 times the router's
+  ``--cache-timeout``, at least 5 s, :func:`store_timeout_for`, so that a
+  store the cache answers late because Redis was slow for the cache's own
+  timeout, 0.5 s, counts as the cache answered it, e.g. ``not_stored``), on
+  a connected channel, while the cache answered no store at all for as long
+  (a cache that accepted the call and stalled, or stopped reading it),
+  resolves False, counted ``timed_out``; the call is given up (its other stores fail, one
   ``cache_put_failed`` warning naming the timeout) and the next store opens
   a new one after the backoff. A store queued behind others on a call that
   answers (a long backlog after a restart) waits its turn. While the
@@ -77,6 +80,9 @@ MAX_STORES_PER_MESSAGE = 4096
 #: Bytes of stores one message carries at most (a single larger store goes
 #: alone; the channels' limit is 64 MiB a message).
 MAX_BYTES_PER_MESSAGE = 4 * 1024 * 1024
+#: The least seconds a store may go unanswered on a connected channel
+#: before the call is given up (:func:`store_timeout_for`).
+MIN_STORE_TIMEOUT_S = 5.0
 #: Backoff before reopening a broken call: first, and most (seconds).
 FIRST_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 2.0
@@ -111,6 +117,15 @@ def next_backoff(previous_s: float) -> float:
     ``previous_s`` (0: none): :data:`FIRST_BACKOFF_S`, doubling to
     :data:`MAX_BACKOFF_S`."""
     return min(max(previous_s * 2, FIRST_BACKOFF_S), MAX_BACKOFF_S)
+
+
+def store_timeout_for(cache_timeout_s: float) -> float:
+    """The stores' answer timeout (seconds) of a router whose cache calls
+    take at most ``cache_timeout_s`` (``--cache-timeout``): 4 times it, at
+    least :data:`MIN_STORE_TIMEOUT_S`. Stall detection, not a latency bound:
+    the cache's own Redis timeout (``--redis-timeout-seconds``, 0.5 s) must
+    end a slow store first, so the router counts the cache's answer."""
+    return max(MIN_STORE_TIMEOUT_S, 4 * cache_timeout_s)
 
 
 def call_status(why: str) -> str:
@@ -208,15 +223,17 @@ class StoreStream:
       stub: the cache service's stub on the channel.
       target: the cache's ``host:port`` (log lines).
       timeout_s: the most seconds a store on the call may go unanswered while
-        the channel is connected (> 0); also a unary store's timeout.
+        the channel is connected (> 0; :func:`store_timeout_for`); also a
+        unary store's timeout.
       connected: whether the channel is connected now (READY).
       max_pending: the most stores waiting for their result (> 0).
       on_outcome: called once per store as it ends (metrics).
     """
 
     def __init__(self, stub: cache_pb2_grpc.CacheServiceStub, target: str, *,
-                 timeout_s: float = 0.5, connected: Callable[[], bool] = lambda: True,
-                 max_pending: int = 1024, on_outcome: OutcomeHook | None = None) -> None:
+                 timeout_s: float = MIN_STORE_TIMEOUT_S,
+                 connected: Callable[[], bool] = lambda: True, max_pending: int = 1024,
+                 on_outcome: OutcomeHook | None = None) -> None:
         if max_pending <= 0:
             raise ValueError(f"max_pending must be > 0, got {max_pending}")
         if not timeout_s > 0:

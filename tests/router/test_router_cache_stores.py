@@ -230,12 +230,14 @@ async def test_a_cache_without_the_stream_gets_unary_stores():
 
 
 @contextlib.asynccontextmanager
-async def client_of(cache, *, timeout: float) -> AsyncIterator[tuple[CacheClient, list[str]]]:
+async def client_of(cache, *, timeout: float, store_timeout: float | None = None
+                    ) -> AsyncIterator[tuple[CacheClient, list[str]]]:
     """``cache`` served on a free port and a connected router cache client of
-    it with the ``timeout``; yields the client and its stores' outcomes."""
+    it with the ``timeout`` (and ``store_timeout``: None, the client's
+    default); yields the client and its stores' outcomes."""
     outcomes: list[str] = []
     async with cache_on(0, cache) as target:
-        client = CacheClient(target, timeout=timeout,
+        client = CacheClient(target, timeout=timeout, store_timeout=store_timeout,
                              on_store=lambda model, outcome: outcomes.append(outcome))
         try:
             await client.wait_until_serving(10)
@@ -274,7 +276,7 @@ async def test_stores_on_a_stalled_call_time_out_counted_and_the_next_store_open
     channel (``timed_out``; the others on the given-up call ``failed``), and
     the next store goes to a new call."""
     stalled = StallsItsFirstStoreCall()
-    async with client_of(stalled, timeout=1.0) as (client, outcomes):
+    async with client_of(stalled, timeout=1.0, store_timeout=1.0) as (client, outcomes):
         first = client.put(key_of(1), ANSWER, request_id="r1")
         second = client.put(key_of(2), ANSWER, request_id="r2")
         assert await asyncio.wait_for(asyncio.gather(first, second), 10) == [False, False]
@@ -355,6 +357,33 @@ async def test_stores_made_while_the_cache_drains_go_to_the_next_cache(refusal: 
         assert outcomes == ["failed", "stored"]
         assert await client.get(key_of(2), request_id="g", deadline=None) == ANSWER
         assert replicas.store_calls[id(successor)] == 1
+
+
+class SlowStore(MemoryStore):
+    """A memory store whose puts take ``delay_s`` (Redis slow for about the
+    cache's own timeout)."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    async def put(self, key: str, value: bytes, ttl_seconds: float) -> bool:
+        await asyncio.sleep(self.delay_s)
+        return await super().put(key, value, ttl_seconds)
+
+
+async def test_a_store_the_cache_answers_after_a_second_is_stored_with_the_default_timeouts():
+    """QA: the router's store answer timeout was its cache timeout (0.5 s),
+    the cache's Redis timeout too: a Redis slow for 0.5 s made the router give
+    up a healthy call (``timed_out``, its other stores ``failed``). The store
+    timeout is stall detection, at least 5 s: a store answered after ~1 s is
+    ``stored``."""
+    async with client_of(real_cache(SlowStore(1.0)), timeout=0.5) as (client, outcomes):
+        assert client.stores.timeout_s >= 5.0
+        slow = [client.put(key_of(i), ANSWER, request_id=f"r{i}") for i in range(2)]
+        assert await asyncio.wait_for(asyncio.gather(*slow), 30) == [True, True]
+        assert outcomes == ["stored", "stored"]
+        assert await client.get(key_of(1), request_id="g", deadline=None) == ANSWER
 
 
 class UpgradedLater(CacheService):
