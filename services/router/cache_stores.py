@@ -367,7 +367,7 @@ class StoreStream:
         self._mux = MuxClient(
             self._stub.PutCachedResponses(wait_for_ready=True), pack=self._pack, unpack=_unpack,
             make_error=call_error(self.target), service="cache", target=self.target,
-            on_failed=self._failed)
+            on_failed=self._failed, expected=self._resends)
         return self._mux
 
     def _failed(self, why: str) -> None:
@@ -390,13 +390,20 @@ class StoreStream:
         self._backoff_s = next_backoff(self._backoff_s)
         self._reopen = asyncio.get_running_loop().call_later(self._backoff_s, self._flush)
 
-    def _note_drain(self, why: str) -> None:
-        """Reads a drain into a failed call's ``why``: sets whether its stores
-        go back to the backlog (:attr:`_resend`: the call failed while the
-        cache drains, unread) and whether the cache drains."""
+    def _resends(self, why: str) -> bool:
+        """Whether the stores of a call that failed with ``why`` go back to
+        the backlog: the call failed while the cache drains, unread (no
+        state changes: the kit asks this to leave out its warning)."""
         refused = call_status(why) == _REFUSED_DRAINING
         unread = why != _ENDED_BY_CACHE and not why.startswith(_NO_ANSWER)
-        self._resend = refused or (self._draining and unread)
+        return not self._closed and (refused or (self._draining and unread))
+
+    def _note_drain(self, why: str) -> None:
+        """Reads a drain into a failed call's ``why``: sets whether its stores
+        go back to the backlog (:attr:`_resend`, :meth:`_resends`) and whether
+        the cache drains."""
+        self._resend = self._resends(why)
+        refused = call_status(why) == _REFUSED_DRAINING
         self._draining = self._draining or refused or why == _ENDED_BY_CACHE
 
     def _flush(self) -> None:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry
@@ -334,7 +335,8 @@ async def test_stores_made_while_the_cache_drains_go_to_the_next_cache(refusal: 
     ``--drain-seconds``) was lost. The store in flight when the drain ends the
     call still resolves False at once (``failed``, not at its timeout); a store
     made after waits through the refusals (it was never read), whatever
-    status they end with, and lands on the cache that takes over."""
+    status they end with, and lands on the cache that takes over, logged
+    without a warning that claims it failed."""
     gated = GatedStore()
     draining, successor = real_cache(gated), real_cache()
     refuser = draining if refusal == "draining" else RefusesWithInternal(
@@ -343,20 +345,27 @@ async def test_stores_made_while_the_cache_drains_go_to_the_next_cache(refusal: 
     async with client_of(replicas, timeout=5.0) as (client, outcomes):
         in_flight = client.put(key_of(1), ANSWER, request_id="in-flight")
         await wait_for(lambda: gated.waiting == 1, timeout=10)  # at the cache's store
-        await draining.drain()
-        assert await asyncio.wait_for(in_flight, 10) is False
-        assert outcomes == ["failed"]  # at the drain, not at the 5 s timeout
-        replicas.current = refuser
-        refused = replicas.store_calls[id(refuser)]
-        later = client.put(key_of(2), ANSWER, request_id="later")
-        await wait_for(lambda: later.done() or replicas.store_calls[id(refuser)] >= refused + 2,
-                       timeout=10)  # refused twice
-        assert not later.done()
-        replicas.current = successor
-        assert await asyncio.wait_for(later, 10) is True
+        with structlog.testing.capture_logs() as logs:
+            await draining.drain()
+            assert await asyncio.wait_for(in_flight, 10) is False
+            assert outcomes == ["failed"]  # at the drain, not at the 5 s timeout
+            replicas.current = refuser
+            refused = replicas.store_calls[id(refuser)]
+            later = client.put(key_of(2), ANSWER, request_id="later")
+            await wait_for(lambda: later.done()
+                           or replicas.store_calls[id(refuser)] >= refused + 2,
+                           timeout=10)  # refused twice
+            assert not later.done()
+            replicas.current = successor
+            assert await asyncio.wait_for(later, 10) is True
         assert outcomes == ["failed", "stored"]
         assert await client.get(key_of(2), request_id="g", deadline=None) == ANSWER
         assert replicas.store_calls[id(successor)] == 1
+    # Only the store in flight at the drain failed: the refused calls' stores,
+    # sent again, are no mux_call_failed warning (cache_store_call_refused).
+    failed = [line for line in logs if line["event"] == "mux_call_failed"]
+    assert [line["open_streams"] for line in failed] == [1]
+    assert sum(line["event"] == "cache_store_call_refused" for line in logs) >= 2
 
 
 class SlowStore(MemoryStore):
