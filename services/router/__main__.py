@@ -133,7 +133,9 @@ def build_parser(cls: type[argparse.ArgumentParser] = argparse.ArgumentParser
     parser.add_argument("--startup-timeout", type=positive_float, default=600.0,
                         help="seconds to wait for tokenizer and engines to serve (default 600)")
     parser.add_argument("--cache-timeout", type=positive_float, default=0.5,
-                        help="most seconds one cache call may take (default 0.5)")
+                        help="most seconds one cache lookup may take (default 0.5); a "
+                             "response store may go unanswered for 4 times it, at least 5 s, "
+                             "before the router gives its call up as stalled")
     parser.add_argument("--stream-idle-timeout", type=non_negative_float, default=300.0,
                         help="GenerateStream session idle limit: seconds with no generation "
                              "running and no client message before the router ends the stream "

@@ -11,19 +11,26 @@ timeline). Each lookup is matched to its result by ``lookup_id``.
 
 Failures are misses, never a request's error:
 
-* the call breaks (the cache restarted, died, or drains): the lookups open on
-  it miss (one ``mux_call_failed`` warning); for a backoff after it (50 ms,
-  doubling to 2 s, back to none after a lookup is answered) lookups are unary
-  ``GetCachedResponse`` calls, as before the stream, then the next lookup
-  opens a new call;
+* the call breaks (the cache restarted, died, drains, or is older than the
+  call): each lookup open on it is asked again as a unary
+  ``GetCachedResponse`` within what is left of its budget (a miss only when
+  that fails too, logged ``cache_get_failed``); for a backoff after it
+  (50 ms, doubling to 2 s, back to none after a lookup is answered on a
+  call) lookups are unary calls, as before the stream, then the next lookup
+  opens a new call. The status a break reads with is not enough to tell an
+  older cache: a first write racing its UNIMPLEMENTED ends the call
+  "INTERNAL: Internal error from Core" (QA: 10 of 30 fresh clients' first
+  lookups missed so);
 * no result before the lookup's budget (the cache's budget, bounded by the
   client's deadline): a miss (``cache_get_failed``), the result dropped when
   it comes;
 * a result with a status (INVALID_ARGUMENT: a router bug): a miss, logged
   ``cache_get_failed``;
 * a cache older than ``GetCachedResponses`` (the call ends UNIMPLEMENTED, e.g.
-  mid-way through a rolling upgrade): from then on each lookup is unary
-  (logged once, ``cache_get_unary``).
+  mid-way through a rolling upgrade): each lookup is unary for
+  :data:`~services.router.cache_stores.UNARY_FOR_S` (logged
+  ``cache_get_unary``), then the next lookup tries a call again (the cache
+  may have been upgraded).
 
 Threading: one event loop (the router's).
 """
@@ -42,6 +49,7 @@ from services.common.grpc_util import request_id_metadata, status_code_of
 from services.common.mux import MuxClient
 from services.common.tracing import TRACEPARENT
 from services.common.wire.cache import CachedResponse, CacheKey
+from services.router import cache_stores
 from services.router.cache_stores import call_error, next_backoff, unimplemented
 
 log = structlog.get_logger()
@@ -99,11 +107,10 @@ class LookupStream:
         self.target = target
         self._ids = itertools.count(1)
         self._mux: _LookupMux | None = None
-        #: ``loop.time()`` until which lookups are unary (the call broke).
+        #: ``loop.time()`` until which lookups are unary (the call broke, or
+        #: the cache has no GetCachedResponses).
         self._unary_until = 0.0
         self._backoff_s = 0.0
-        #: The cache has no GetCachedResponses: every lookup is unary.
-        self._unary = False
         self._closed = False
 
     async def get(self, key: CacheKey, *, request_id: str, timeout: float,
@@ -130,8 +137,8 @@ class LookupStream:
             log.warning("cache_get_failed", target=self.target, code="DEADLINE_EXCEEDED",
                         details=f"no result within {timeout * 1e3:.0f} ms")
             return None
-        except ConnectionError:  # the call broke (logged by the kit): a miss
-            if self._unary and (left := until - loop.time()) > 0:  # an older cache
+        except ConnectionError:  # the call broke (logged by the kit): asked unary
+            if not self._closed and (left := until - loop.time()) > 0:
                 return await self._get_unary(key, request_id, left, trace_metadata)
             return None
         finally:
@@ -164,10 +171,10 @@ class LookupStream:
 
     def _call(self) -> _LookupMux | None:
         """The open call; a new one when there is none and no backoff runs;
-        None while one does, or when lookups are unary."""
+        None while one does, or while lookups are unary (an older cache)."""
         if self._mux is not None and self._mux.failed is None:
             return self._mux
-        if self._unary or self._closed:
+        if self._closed:
             return None
         if asyncio.get_running_loop().time() < self._unary_until:
             return None
@@ -178,17 +185,21 @@ class LookupStream:
         return self._mux
 
     def _failed(self, why: str) -> None:
-        """The call broke: its lookups miss (by the kit, after this); lookups
-        are unary for the backoff."""
+        """The call broke: its lookups are asked unary (:meth:`get`, after
+        this); lookups are unary for the backoff, or for
+        :data:`~services.router.cache_stores.UNARY_FOR_S` when the cache has
+        no GetCachedResponses."""
         if self._closed:
             return
+        now = asyncio.get_running_loop().time()
         if unimplemented(why):
-            log.warning("cache_get_unary", target=self.target, why=why)
-            self._unary = True
+            log.warning("cache_get_unary", target=self.target, why=why,
+                        retry_in_s=cache_stores.UNARY_FOR_S)
+            self._unary_until = now + cache_stores.UNARY_FOR_S
             return
         log.info("cache_lookup_call_ended", target=self.target, why=why)
         self._backoff_s = next_backoff(self._backoff_s)
-        self._unary_until = asyncio.get_running_loop().time() + self._backoff_s
+        self._unary_until = now + self._backoff_s
 
     @property
     def open_lookups(self) -> int:

@@ -29,11 +29,14 @@ Failures never reach a request:
   lasts (for :data:`RESEND_WINDOW_S` after their ``put`` at most). The
   status is not enough by itself: a write racing the refusal can end the
   call INTERNAL "Internal error from Core" instead;
-* a store left unanswered for ``timeout_s`` (the cache client's timeout)
-  after its message went to the call, on a connected channel, while the
-  cache answered no store at all for as long (a cache that accepted the
-  call and stalled, or stopped reading it), resolves False,
-  counted ``timed_out``; the call is given up (its other stores fail, one
+* a store left unanswered for ``timeout_s`` after its message went to the
+  call (stall detection, not latency: by default 4 times the router's
+  ``--cache-timeout``, at least 5 s, :func:`store_timeout_for`, so that a
+  store the cache answers late because Redis was slow for the cache's own
+  timeout, 0.5 s, counts as the cache answered it, e.g. ``not_stored``), on
+  a connected channel, while the cache answered no store at all for as long
+  (a cache that accepted the call and stalled, or stopped reading it),
+  resolves False, counted ``timed_out``; the call is given up (its other stores fail, one
   ``cache_put_failed`` warning naming the timeout) and the next store opens
   a new one after the backoff. A store queued behind others on a call that
   answers (a long backlog after a restart) waits its turn. While the
@@ -48,8 +51,9 @@ Failures never reach a request:
   ``cache_put_refused`` and counted ``refused``;
 * a cache older than ``PutCachedResponses`` (the call ends UNIMPLEMENTED,
   e.g. mid-way through a rolling upgrade): the stores in flight on it fail,
-  and from then on each store is a unary ``PutCachedResponse`` (logged once,
-  ``cache_put_unary``), as before the stream.
+  and for :data:`UNARY_FOR_S` each store is a unary ``PutCachedResponse``
+  (logged ``cache_put_unary``), as before the stream; then the next store
+  tries a call again (the cache may have been upgraded meanwhile).
 
 Threading: one event loop (the router's).
 """
@@ -76,6 +80,9 @@ MAX_STORES_PER_MESSAGE = 4096
 #: Bytes of stores one message carries at most (a single larger store goes
 #: alone; the channels' limit is 64 MiB a message).
 MAX_BYTES_PER_MESSAGE = 4 * 1024 * 1024
+#: The least seconds a store may go unanswered on a connected channel
+#: before the call is given up (:func:`store_timeout_for`).
+MIN_STORE_TIMEOUT_S = 5.0
 #: Backoff before reopening a broken call: first, and most (seconds).
 FIRST_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 2.0
@@ -84,6 +91,11 @@ MAX_BACKOFF_S = 2.0
 #: older one resolves False (``failed``), so a cache stuck draining cannot
 #: hold stores for ever.
 RESEND_WINDOW_S = 30.0
+#: Seconds a cache that has no stream RPC (the call ended UNIMPLEMENTED: an
+#: older cache) gets unary calls before the next lookup or store tries the
+#: stream again: a rolling upgrade gives the router the stream back without
+#: a restart (read at each break, so tests may patch it).
+UNARY_FOR_S = 30.0
 #: How a draining cache's refusal of a new call reads (MuxClient: "CODE: details").
 _REFUSED_DRAINING = f"{grpc.StatusCode.UNAVAILABLE.name}: {DRAINING}"
 #: How the kit reports a call the cache ended OK, which it does only when a
@@ -105,6 +117,15 @@ def next_backoff(previous_s: float) -> float:
     ``previous_s`` (0: none): :data:`FIRST_BACKOFF_S`, doubling to
     :data:`MAX_BACKOFF_S`."""
     return min(max(previous_s * 2, FIRST_BACKOFF_S), MAX_BACKOFF_S)
+
+
+def store_timeout_for(cache_timeout_s: float) -> float:
+    """The stores' answer timeout (seconds) of a router whose cache calls
+    take at most ``cache_timeout_s`` (``--cache-timeout``): 4 times it, at
+    least :data:`MIN_STORE_TIMEOUT_S`. Stall detection, not a latency bound:
+    the cache's own Redis timeout (``--redis-timeout-seconds``, 0.5 s) must
+    end a slow store first, so the router counts the cache's answer."""
+    return max(MIN_STORE_TIMEOUT_S, 4 * cache_timeout_s)
 
 
 def call_status(why: str) -> str:
@@ -202,15 +223,17 @@ class StoreStream:
       stub: the cache service's stub on the channel.
       target: the cache's ``host:port`` (log lines).
       timeout_s: the most seconds a store on the call may go unanswered while
-        the channel is connected (> 0); also a unary store's timeout.
+        the channel is connected (> 0; :func:`store_timeout_for`); also a
+        unary store's timeout.
       connected: whether the channel is connected now (READY).
       max_pending: the most stores waiting for their result (> 0).
       on_outcome: called once per store as it ends (metrics).
     """
 
     def __init__(self, stub: cache_pb2_grpc.CacheServiceStub, target: str, *,
-                 timeout_s: float = 0.5, connected: Callable[[], bool] = lambda: True,
-                 max_pending: int = 1024, on_outcome: OutcomeHook | None = None) -> None:
+                 timeout_s: float = MIN_STORE_TIMEOUT_S,
+                 connected: Callable[[], bool] = lambda: True, max_pending: int = 1024,
+                 on_outcome: OutcomeHook | None = None) -> None:
         if max_pending <= 0:
             raise ValueError(f"max_pending must be > 0, got {max_pending}")
         if not timeout_s > 0:
@@ -235,8 +258,9 @@ class StoreStream:
         #: The loop's time of the latest answer (seconds).
         self._answered_at = -math.inf
         self._closed = False
-        #: The cache has no PutCachedResponses: stores are unary calls.
-        self._unary = False
+        #: The loop's time until which stores are unary calls (the cache has
+        #: no PutCachedResponses).
+        self._unary_until = -math.inf
         self._unary_tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -258,7 +282,7 @@ class StoreStream:
         receipt.store = _Store(
             store_id=next(self._ids), request_id=request_id,
             put=cache_pb2.PutCachedResponseRequest(key=key.to_pb(), response=response.to_pb()))
-        if self._unary:
+        if future.get_loop().time() < self._unary_until:
             self._put_unary(receipt.store, receipt)
         else:
             self._send([receipt])
@@ -343,7 +367,7 @@ class StoreStream:
         self._mux = MuxClient(
             self._stub.PutCachedResponses(wait_for_ready=True), pack=self._pack, unpack=_unpack,
             make_error=call_error(self.target), service="cache", target=self.target,
-            on_failed=self._failed)
+            on_failed=self._failed, expected=self._resends)
         return self._mux
 
     def _failed(self, why: str) -> None:
@@ -353,8 +377,8 @@ class StoreStream:
             return
         self._note_drain(why)
         if unimplemented(why):
-            log.warning("cache_put_unary", target=self.target, why=why)
-            self._unary = True
+            log.warning("cache_put_unary", target=self.target, why=why, retry_in_s=UNARY_FOR_S)
+            self._unary_until = asyncio.get_running_loop().time() + UNARY_FOR_S
             return
         lost = self._mux.open_streams if self._mux is not None else 0
         if self._resend:
@@ -366,13 +390,20 @@ class StoreStream:
         self._backoff_s = next_backoff(self._backoff_s)
         self._reopen = asyncio.get_running_loop().call_later(self._backoff_s, self._flush)
 
-    def _note_drain(self, why: str) -> None:
-        """Reads a drain into a failed call's ``why``: sets whether its stores
-        go back to the backlog (:attr:`_resend`: the call failed while the
-        cache drains, unread) and whether the cache drains."""
+    def _resends(self, why: str) -> bool:
+        """Whether the stores of a call that failed with ``why`` go back to
+        the backlog: the call failed while the cache drains, unread (no
+        state changes: the kit asks this to leave out its warning)."""
         refused = call_status(why) == _REFUSED_DRAINING
         unread = why != _ENDED_BY_CACHE and not why.startswith(_NO_ANSWER)
-        self._resend = refused or (self._draining and unread)
+        return not self._closed and (refused or (self._draining and unread))
+
+    def _note_drain(self, why: str) -> None:
+        """Reads a drain into a failed call's ``why``: sets whether its stores
+        go back to the backlog (:attr:`_resend`, :meth:`_resends`) and whether
+        the cache drains."""
+        self._resend = self._resends(why)
+        refused = call_status(why) == _REFUSED_DRAINING
         self._draining = self._draining or refused or why == _ENDED_BY_CACHE
 
     def _flush(self) -> None:

@@ -50,7 +50,7 @@ from services.common.wire.chat import ChatMessage, ChatPrompt
 from services.common.wire.tokenizer_info import TokenizerInfo
 from services.common.wire.tools import FunctionTool
 from services.router.cache_lookups import LookupStream
-from services.router.cache_stores import OutcomeHook, StoreStream
+from services.router.cache_stores import OutcomeHook, StoreStream, store_timeout_for
 
 log = structlog.get_logger()
 
@@ -381,12 +381,15 @@ class CacheClient:
     service = "cache"
 
     def __init__(self, target: str, *, timeout: float = 0.5,
-                 on_store: OutcomeHook | None = None, max_pending_stores: int = 1024) -> None:
+                 on_store: OutcomeHook | None = None, max_pending_stores: int = 1024,
+                 store_timeout: float | None = None) -> None:
         """Args:
           target: ``host:port`` of the cache service.
           timeout: the most seconds one cache lookup may take (also bounded by
-            the client's deadline): a slow cache must not slow requests; and
-            the most a store may go unanswered on a connected channel.
+            the client's deadline): a slow cache must not slow requests.
+          store_timeout: the most seconds a store may go unanswered on a
+            connected channel (stall detection); None:
+            :func:`~services.router.cache_stores.store_timeout_for` ``timeout``.
           on_store: called with (model, outcome) as each store ends.
           max_pending_stores: the most stores waiting for their result; more
             are dropped.
@@ -398,7 +401,9 @@ class CacheClient:
         #: The response lookups' long-lived call.
         self.lookups = LookupStream(self._stub, target)
         #: The response stores' long-lived call.
-        self.stores = StoreStream(self._stub, target, timeout_s=timeout,
+        if store_timeout is None:
+            store_timeout = store_timeout_for(timeout)
+        self.stores = StoreStream(self._stub, target, timeout_s=store_timeout,
                                   connected=self.connected,
                                   max_pending=max_pending_stores, on_outcome=on_store)
 

@@ -141,8 +141,9 @@ class RouterConfig:
       max_tokens_cap: most completion tokens a request may ask for.
       log_content: log prompt and output text (off: they may be private).
       startup_timeout: seconds start() waits for tokenizer and engines to serve.
-      cache_timeout: the most seconds one cache call may take, and a response
-        store may go unanswered on a connected channel.
+      cache_timeout: the most seconds one cache call may take; a response
+        store may go unanswered on a connected channel for 4 times it, at
+        least 5 s (:func:`services.router.cache_stores.store_timeout_for`).
       stream_idle_timeout: the session idle limit of ``GenerateStream``: seconds
         a stream may go with no generation running and no client message
         (before the first ``start``, or between turns); then the router ends

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry
@@ -21,6 +22,7 @@ from services.cache.service import CacheService
 from services.cache.store import MemoryStore
 from services.common.sampling import FinishReason, SamplingOptions
 from services.common.wire.cache import CachedResponse, CacheKey
+from services.router import cache_stores
 from services.router.clients import CacheClient
 from tests.router.test_router_service import collect, greedy, make_mesh, text_of, wait_for
 
@@ -229,12 +231,14 @@ async def test_a_cache_without_the_stream_gets_unary_stores():
 
 
 @contextlib.asynccontextmanager
-async def client_of(cache, *, timeout: float) -> AsyncIterator[tuple[CacheClient, list[str]]]:
+async def client_of(cache, *, timeout: float, store_timeout: float | None = None
+                    ) -> AsyncIterator[tuple[CacheClient, list[str]]]:
     """``cache`` served on a free port and a connected router cache client of
-    it with the ``timeout``; yields the client and its stores' outcomes."""
+    it with the ``timeout`` (and ``store_timeout``: None, the client's
+    default); yields the client and its stores' outcomes."""
     outcomes: list[str] = []
     async with cache_on(0, cache) as target:
-        client = CacheClient(target, timeout=timeout,
+        client = CacheClient(target, timeout=timeout, store_timeout=store_timeout,
                              on_store=lambda model, outcome: outcomes.append(outcome))
         try:
             await client.wait_until_serving(10)
@@ -273,7 +277,7 @@ async def test_stores_on_a_stalled_call_time_out_counted_and_the_next_store_open
     channel (``timed_out``; the others on the given-up call ``failed``), and
     the next store goes to a new call."""
     stalled = StallsItsFirstStoreCall()
-    async with client_of(stalled, timeout=1.0) as (client, outcomes):
+    async with client_of(stalled, timeout=1.0, store_timeout=1.0) as (client, outcomes):
         first = client.put(key_of(1), ANSWER, request_id="r1")
         second = client.put(key_of(2), ANSWER, request_id="r2")
         assert await asyncio.wait_for(asyncio.gather(first, second), 10) == [False, False]
@@ -331,7 +335,8 @@ async def test_stores_made_while_the_cache_drains_go_to_the_next_cache(refusal: 
     ``--drain-seconds``) was lost. The store in flight when the drain ends the
     call still resolves False at once (``failed``, not at its timeout); a store
     made after waits through the refusals (it was never read), whatever
-    status they end with, and lands on the cache that takes over."""
+    status they end with, and lands on the cache that takes over, logged
+    without a warning that claims it failed."""
     gated = GatedStore()
     draining, successor = real_cache(gated), real_cache()
     refuser = draining if refusal == "draining" else RefusesWithInternal(
@@ -340,17 +345,94 @@ async def test_stores_made_while_the_cache_drains_go_to_the_next_cache(refusal: 
     async with client_of(replicas, timeout=5.0) as (client, outcomes):
         in_flight = client.put(key_of(1), ANSWER, request_id="in-flight")
         await wait_for(lambda: gated.waiting == 1, timeout=10)  # at the cache's store
-        await draining.drain()
-        assert await asyncio.wait_for(in_flight, 10) is False
-        assert outcomes == ["failed"]  # at the drain, not at the 5 s timeout
-        replicas.current = refuser
-        refused = replicas.store_calls[id(refuser)]
-        later = client.put(key_of(2), ANSWER, request_id="later")
-        await wait_for(lambda: later.done() or replicas.store_calls[id(refuser)] >= refused + 2,
-                       timeout=10)  # refused twice
-        assert not later.done()
-        replicas.current = successor
-        assert await asyncio.wait_for(later, 10) is True
+        with structlog.testing.capture_logs() as logs:
+            await draining.drain()
+            assert await asyncio.wait_for(in_flight, 10) is False
+            assert outcomes == ["failed"]  # at the drain, not at the 5 s timeout
+            replicas.current = refuser
+            refused = replicas.store_calls[id(refuser)]
+            later = client.put(key_of(2), ANSWER, request_id="later")
+            await wait_for(lambda: later.done()
+                           or replicas.store_calls[id(refuser)] >= refused + 2,
+                           timeout=10)  # refused twice
+            assert not later.done()
+            replicas.current = successor
+            assert await asyncio.wait_for(later, 10) is True
         assert outcomes == ["failed", "stored"]
         assert await client.get(key_of(2), request_id="g", deadline=None) == ANSWER
         assert replicas.store_calls[id(successor)] == 1
+    # Only the store in flight at the drain failed: the refused calls' stores,
+    # sent again, are no mux_call_failed warning (cache_store_call_refused).
+    failed = [line for line in logs if line["event"] == "mux_call_failed"]
+    assert [line["open_streams"] for line in failed] == [1]
+    assert sum(line["event"] == "cache_store_call_refused" for line in logs) >= 2
+
+
+class SlowStore(MemoryStore):
+    """A memory store whose puts take ``delay_s`` (Redis slow for about the
+    cache's own timeout)."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    async def put(self, key: str, value: bytes, ttl_seconds: float) -> bool:
+        await asyncio.sleep(self.delay_s)
+        return await super().put(key, value, ttl_seconds)
+
+
+async def test_a_store_the_cache_answers_after_a_second_is_stored_with_the_default_timeouts():
+    """QA: the router's store answer timeout was its cache timeout (0.5 s),
+    the cache's Redis timeout too: a Redis slow for 0.5 s made the router give
+    up a healthy call (``timed_out``, its other stores ``failed``). The store
+    timeout is stall detection, at least 5 s: a store answered after ~1 s is
+    ``stored``."""
+    async with client_of(real_cache(SlowStore(1.0)), timeout=0.5) as (client, outcomes):
+        assert client.stores.timeout_s >= 5.0
+        slow = [client.put(key_of(i), ANSWER, request_id=f"r{i}") for i in range(2)]
+        assert await asyncio.wait_for(asyncio.gather(*slow), 30) == [True, True]
+        assert outcomes == ["stored", "stored"]
+        assert await client.get(key_of(1), request_id="g", deadline=None) == ANSWER
+
+
+class UpgradedLater(CacheService):
+    """A cache from before the stream RPCs (both answer UNIMPLEMENTED, as an
+    older server does) until ``upgraded`` is set: a rolling upgrade that
+    puts a new cache behind the router's channel."""
+
+    def __init__(self) -> None:
+        super().__init__(MemoryStore(), metrics=CacheMetrics.create(CollectorRegistry()))
+        self.upgraded = False
+
+    async def PutCachedResponses(self, request_iterator, context):  # noqa: N802
+        if not self.upgraded:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        async for answer in super().PutCachedResponses(request_iterator, context):
+            yield answer
+
+    async def GetCachedResponses(self, request_iterator, context):  # noqa: N802
+        if not self.upgraded:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        async for answer in super().GetCachedResponses(request_iterator, context):
+            yield answer
+
+
+#: A short unary period for the tests (the router's is 30 s).
+SHORT_UNARY_FOR_S = 1.0
+
+
+async def test_unary_stores_expire_so_an_upgraded_cache_gets_the_stream_back(monkeypatch):
+    """QA: once a cache answered UNIMPLEMENTED, every store of the router's
+    life was unary, the upgraded cache's stream never used again. Unary mode
+    lasts ``UNARY_FOR_S``; then the next store tries the stream."""
+    monkeypatch.setattr(cache_stores, "UNARY_FOR_S", SHORT_UNARY_FOR_S)
+    cache = UpgradedLater()
+    async with client_of(cache, timeout=5.0) as (client, outcomes):
+        assert await client.put(key_of(1), ANSWER, request_id="r1") is False  # on the call
+        cache.upgraded = True
+        assert await client.put(key_of(2), ANSWER, request_id="r2") is True  # unary for now
+        assert unary_puts(cache) == 1 and put_messages(cache) == 0
+        await asyncio.sleep(SHORT_UNARY_FOR_S + 0.2)
+        assert await client.put(key_of(3), ANSWER, request_id="r3") is True
+        assert put_messages(cache) == 1 and unary_puts(cache) == 1
+        assert outcomes == ["failed", "stored", "stored"]

@@ -57,13 +57,18 @@ class MuxClient(Generic[Item, Update]):
       owner: who holds this end, for the messages (``"router"``).
       on_failed: called with the reason when the call breaks (not when the
         owner closes it).
+      expected: whether a break for this reason is one the owner expects and
+        logs itself (e.g. a draining peer's refusal whose streams the owner
+        sends again): then the kit logs no ``mux_call_failed`` warning for it.
+        Called once, before ``on_failed``; must not change the owner's state.
     """
 
     def __init__(self, call: Any, *, pack: Callable[[list[Item]], Iterable[Any]],
                  unpack: Callable[[Any], Iterable[tuple[int, Update]]],
                  make_error: Callable[[grpc.StatusCode, str], BaseException],
                  service: str, target: str, owner: str = "router",
-                 on_failed: Callable[[str], None] | None = None) -> None:
+                 on_failed: Callable[[str], None] | None = None,
+                 expected: Callable[[str], bool] | None = None) -> None:
         self._call = call
         self._pack = pack
         self._unpack = unpack
@@ -72,6 +77,7 @@ class MuxClient(Generic[Item, Update]):
         self.target = target
         self._owner = owner
         self._on_failed = on_failed
+        self._expected = expected
         self._streams: dict[int, Receiver[Update]] = {}
         self._queued: list[Item] = []
         self._wake = asyncio.Event()
@@ -162,7 +168,7 @@ class MuxClient(Generic[Item, Update]):
                     else "the Multiplex call failed")
             self.failed = self._make_error(grpc.StatusCode.UNAVAILABLE, f"{what}: {why}")
             if not self._closing:
-                if self._streams:
+                if self._streams and not (self._expected is not None and self._expected(why)):
                     log.warning("mux_call_failed", service=self._service, target=self.target,
                                 why=why, open_streams=len(self._streams))
                 if self._on_failed is not None:
