@@ -403,8 +403,8 @@ class StoreStream:
         go back to the backlog (:attr:`_resend`, :meth:`_resends`) and whether
         the cache drains."""
         self._resend = self._resends(why)
-        refused = call_status(why) == _REFUSED_DRAINING
-        self._draining = self._draining or refused or why == _ENDED_BY_CACHE
+        self._draining = (self._draining or call_status(why) == _REFUSED_DRAINING
+                          or why == _ENDED_BY_CACHE)
 
     def _flush(self) -> None:
         """Opens the next call with the backlog's stores."""

@@ -12,11 +12,13 @@ replica after the last report, which the engine had not counted yet. Without
 it, requests that arrive together all see the same report and pile onto the
 one replica that looked cheapest. It likewise takes off the sequences of its
 own streams that ended there after the last report (:meth:`LoadWatch.ended`),
-which the report still counts: without it a slot that one of them freed
+which the report still counts, for the free-slot check
+(:attr:`LoadView.sequences`): without it a slot that one of them freed
 looked taken until the next report (CI: a holder's slot freed on one 2-slot
 engine, the report 20-200 ms old still showed it full, the request went to
 the other, full engine and waited there behind two streams, while admission,
 which counts that free slot, gave it to batch requests that came later).
+The kv_aware cost keeps them until the report (:mod:`services.router.routing`).
 
 The call is opened again 0.1 s after it ends (doubling to 2 s while calls
 keep failing on a live connection) with ``wait_for_ready``: while the engine
@@ -72,10 +74,10 @@ class LoadView:
 
     @property
     def sequences(self) -> int:
-        """Sequences on the replica by the report brought up to date: its
-        running + waiting, plus the requests sent since, less this router's
-        sequences that ended since; never below 0, and 0 before a report.
-        Still a lagging count (a report sent just before a request reached
+        """Sequences on the replica by the report brought up to date (the
+        free-slot check's count): its running + waiting, plus the sequences
+        sent since, less this router's sequences that ended since; never
+        below 0, and 0 before a report. Still a lagging count (a report sent just before a request reached
         the engine, or just after a stream ended there but before its end
         reached this router, misses it): the router's own open streams
         (:class:`~services.router.engine_client.EngineClient`) are exact."""

@@ -41,7 +41,8 @@ a ``GenerateStream``), and observed at the moment they happen:
   ``stored``, ``not_stored`` (the cache did not keep it: store full or down),
   ``refused`` (the cache answered a status for it), ``failed`` (in flight
   when the store call broke, or at shutdown), ``timed_out`` (unanswered for
-  the cache timeout on a connected channel: a stalled cache) and ``dropped``
+  the store timeout on a connected channel, :func:`~services.router.cache_stores.store_timeout_for`:
+  a stalled cache) and ``dropped``
   (the bounded queue of stores waiting for their result was full).
 * ``llmesh:router_requests_in_flight``: requests between receipt and their
   final message.
